@@ -1,0 +1,60 @@
+# Helpers so every target of ours gets the same warnings and layout.
+
+set(KVDEPOT_WARNINGS -Wall -Wextra -Wpedantic -Wshadow -Wnon-virtual-dtor
+    -Wno-unused-parameter -Wno-missing-field-initializers)
+if(CMAKE_CXX_COMPILER_ID MATCHES "Clang")
+  list(APPEND KVDEPOT_WARNINGS -Wthread-safety)
+endif()
+if(KVDEPOT_WERROR)
+  list(APPEND KVDEPOT_WARNINGS -Werror)
+endif()
+
+# kvdepot_cc_library(NAME name SRCS ... DEPS ...)
+function(kvdepot_cc_library)
+  cmake_parse_arguments(K "" "NAME" "SRCS;DEPS" ${ARGN})
+  add_library(${K_NAME} ${K_SRCS})
+  target_include_directories(${K_NAME} PUBLIC ${PROJECT_SOURCE_DIR})
+  target_compile_options(${K_NAME} PRIVATE ${KVDEPOT_WARNINGS})
+  target_link_libraries(${K_NAME} PUBLIC ${K_DEPS})
+endfunction()
+
+# kvdepot_cc_binary(NAME name SRCS ... DEPS ...)
+function(kvdepot_cc_binary)
+  cmake_parse_arguments(K "" "NAME" "SRCS;DEPS" ${ARGN})
+  add_executable(${K_NAME} ${K_SRCS})
+  target_compile_options(${K_NAME} PRIVATE ${KVDEPOT_WARNINGS})
+  target_link_libraries(${K_NAME} PRIVATE ${K_DEPS})
+endfunction()
+
+# kvdepot_cc_test(NAME name SRCS ... DEPS ... [LABELS ...])
+# Registers a GoogleTest binary with ctest; labels let CI pick "unit" or
+# "integration" subsets.
+function(kvdepot_cc_test)
+  if(NOT KVDEPOT_BUILD_TESTS)
+    return()
+  endif()
+  cmake_parse_arguments(K "" "NAME;TIMEOUT" "SRCS;DEPS;LABELS" ${ARGN})
+  add_executable(${K_NAME} ${K_SRCS})
+  target_compile_options(${K_NAME} PRIVATE ${KVDEPOT_WARNINGS})
+  target_link_libraries(${K_NAME} PRIVATE ${K_DEPS} GTest::gmock GTest::gtest_main)
+  add_test(NAME ${K_NAME} COMMAND ${K_NAME})
+  if(NOT K_LABELS)
+    set(K_LABELS unit)
+  endif()
+  if(NOT K_TIMEOUT)
+    set(K_TIMEOUT 300)
+  endif()
+  set_tests_properties(${K_NAME} PROPERTIES LABELS "${K_LABELS}" TIMEOUT ${K_TIMEOUT})
+endfunction()
+
+# kvdepot_cc_benchmark(NAME name SRCS ... DEPS ...): a Google Benchmark binary,
+# built with the tests; run by hand or by the CI smoke (never a timed test).
+function(kvdepot_cc_benchmark)
+  if(NOT KVDEPOT_BUILD_TESTS)
+    return()
+  endif()
+  cmake_parse_arguments(K "" "NAME" "SRCS;DEPS" ${ARGN})
+  add_executable(${K_NAME} ${K_SRCS})
+  target_compile_options(${K_NAME} PRIVATE ${KVDEPOT_WARNINGS})
+  target_link_libraries(${K_NAME} PRIVATE ${K_DEPS} benchmark::benchmark)
+endfunction()

@@ -1,0 +1,228 @@
+#include "storage/block_index.h"
+
+#include <xxhash.h>
+
+#include <algorithm>
+#include <cstring>
+#include <functional>
+#include <utility>
+
+namespace kvdepot {
+
+static_assert(sizeof(BlockEntry) <= 72,
+              "BlockEntry must stay small: metadata <= 128 B per block");
+
+BlockIndex::BlockIndex(const char* arena_base) : base_(arena_base) {
+  for (auto& s : shards_) s = std::make_unique<Shard>(arena_base);
+}
+
+BlockIndex::~BlockIndex() {
+  for (auto& s : shards_) {
+    absl::MutexLock lock(&s->mu);
+    for (BlockEntry* e : s->set) delete e;
+    s->set.clear();
+  }
+}
+
+uint64_t BlockIndex::Hash(uint32_t ns_id, absl::string_view key) {
+  uint64_t h = XXH3_64bits_withSeed(key.data(), key.size(), ns_id);
+  return h == 0 ? 1 : h;
+}
+
+bool BlockIndex::EntryEq::operator()(const BlockEntry* a,
+                                     const KeyRef& k) const {
+  return a->hash == k.hash && a->ns_id == k.ns_id &&
+         a->key_len == k.key.size() &&
+         std::memcmp(base + a->key_offset(), k.key.data(), k.key.size()) == 0;
+}
+
+void BlockIndex::LruPushFront(Shard& s, BlockEntry* e) {
+  e->lru_prev = nullptr;
+  e->lru_next = s.head;
+  if (s.head) s.head->lru_prev = e;
+  s.head = e;
+  if (!s.tail) s.tail = e;
+  e->flags |= BlockEntry::kInLru;
+  ++s.lru_size;
+}
+
+void BlockIndex::LruPushBack(Shard& s, BlockEntry* e) {
+  e->lru_next = nullptr;
+  e->lru_prev = s.tail;
+  if (s.tail) s.tail->lru_next = e;
+  s.tail = e;
+  if (!s.head) s.head = e;
+  e->flags |= BlockEntry::kInLru;
+  ++s.lru_size;
+}
+
+void BlockIndex::LruRemove(Shard& s, BlockEntry* e) {
+  if (!(e->flags & BlockEntry::kInLru)) return;
+  if (e->lru_prev) e->lru_prev->lru_next = e->lru_next; else s.head = e->lru_next;
+  if (e->lru_next) e->lru_next->lru_prev = e->lru_prev; else s.tail = e->lru_prev;
+  e->lru_prev = e->lru_next = nullptr;
+  e->flags &= ~BlockEntry::kInLru;
+  --s.lru_size;
+}
+
+void BlockIndex::Detach(Shard& s, BlockEntry* e) {
+  LruRemove(s, e);
+  s.set.erase(e);
+}
+
+BlockEntry* BlockIndex::FindByHash(Shard& s, uint32_t ns_id, uint64_t hash) {
+  auto it = s.set.find(HashProbe{ns_id, hash});
+  return it == s.set.end() ? nullptr : *it;
+}
+
+std::optional<BlockIndex::Hit> BlockIndex::Find(const KeyRef& key, bool pin) {
+  Shard& s = ShardFor(key.hash);
+  absl::MutexLock lock(&s.mu);
+  auto it = s.set.find(key);
+  if (it == s.set.end()) return std::nullopt;
+  BlockEntry* e = *it;
+  if (pin) {
+    LruRemove(s, e);
+    ++e->pins;
+  } else if (e->flags & BlockEntry::kInLru) {
+    if (s.head != e) {
+      LruRemove(s, e);
+      LruPushFront(s, e);
+    }
+  }
+  return Hit{e, e->data_offset(), e->size, e->checksum};
+}
+
+void BlockIndex::AddPin(BlockEntry* e) {
+  Shard& s = ShardFor(e->hash);
+  absl::MutexLock lock(&s.mu);
+  LruRemove(s, e);
+  ++e->pins;
+}
+
+void BlockIndex::Unpin(BlockEntry* e) {
+  Shard& s = ShardFor(e->hash);
+  absl::MutexLock lock(&s.mu);
+  if (e->pins > 0 && --e->pins == 0 && e->children == 0) LruPushFront(s, e);
+}
+
+std::unique_ptr<BlockEntry> BlockIndex::Insert(std::unique_ptr<BlockEntry> entry,
+                                               absl::string_view parent) {
+  KeyRef key{entry->ns_id,
+             absl::string_view(base_ + entry->key_offset(), entry->key_len),
+             entry->hash};
+  entry->parent_hash = parent.empty() ? 0 : Hash(entry->ns_id, parent);
+  entry->flags = 0;
+  entry->pins = 0;
+  entry->children = 0;
+  Shard& s = ShardFor(entry->hash);
+  // Link to the parent while holding both shards, so a concurrent removal of
+  // this entry cannot release a link that was never made. Two shards are
+  // always locked in address order.
+  Shard* ps = entry->parent_hash != 0 ? &ShardFor(entry->parent_hash) : &s;
+  Shard* first = std::less<Shard*>()(&s, ps) ? &s : ps;
+  Shard* second = first == &s ? ps : &s;
+  absl::MutexLock lock1(&first->mu);
+  std::optional<absl::MutexLock> lock2;
+  if (second != first) lock2.emplace(&second->mu);
+  bool inserted = [&]() ABSL_NO_THREAD_SAFETY_ANALYSIS {
+    if (s.set.contains(key)) return false;
+    LruPushFront(s, entry.get());
+    s.set.insert(entry.get());
+    if (entry->parent_hash == 0) return true;
+    BlockEntry* p = FindByHash(*ps, entry->ns_id, entry->parent_hash);
+    if (p == nullptr || p == entry.get()) return true;
+    if (p->children++ == 0) LruRemove(*ps, p);
+    entry->flags |= BlockEntry::kLinked;
+    return true;
+  }();
+  if (!inserted) return entry;
+  entry.release();
+  return nullptr;
+}
+
+void BlockIndex::ReleaseParent(const BlockEntry& removed) {
+  if (!(removed.flags & BlockEntry::kLinked)) return;
+  Shard& ps = ShardFor(removed.parent_hash);
+  absl::MutexLock lock(&ps.mu);
+  BlockEntry* p = FindByHash(ps, removed.ns_id, removed.parent_hash);
+  if (p == nullptr || p->children == 0) return;
+  if (--p->children == 0 && p->pins == 0) LruPushBack(ps, p);
+}
+
+BlockIndex::RemoveOutcome BlockIndex::Remove(const KeyRef& key,
+                                             std::unique_ptr<BlockEntry>* out) {
+  Shard& s = ShardFor(key.hash);
+  {
+    absl::MutexLock lock(&s.mu);
+    auto it = s.set.find(key);
+    if (it == s.set.end()) return RemoveOutcome::kMissing;
+    BlockEntry* e = *it;
+    if (e->pins > 0) return RemoveOutcome::kPinned;
+    Detach(s, e);
+    out->reset(e);
+  }
+  ReleaseParent(**out);
+  return RemoveOutcome::kRemoved;
+}
+
+std::vector<std::unique_ptr<BlockEntry>> BlockIndex::RemoveNamespace(
+    uint32_t ns_id, uint64_t* pinned) {
+  std::vector<std::unique_ptr<BlockEntry>> removed;
+  *pinned = 0;
+  for (auto& sp : shards_) {
+    Shard& s = *sp;
+    absl::MutexLock lock(&s.mu);
+    std::vector<BlockEntry*> victims;
+    for (BlockEntry* e : s.set) {
+      if (e->ns_id != ns_id) continue;
+      if (e->pins > 0) {
+        ++*pinned;
+      } else {
+        victims.push_back(e);
+      }
+    }
+    for (BlockEntry* e : victims) {
+      Detach(s, e);
+      removed.emplace_back(e);
+    }
+  }
+  // Parents of removed entries are either removed too (same namespace) or
+  // pinned survivors; release the links of the latter.
+  for (const auto& e : removed) ReleaseParent(*e);
+  return removed;
+}
+
+std::unique_ptr<BlockEntry> BlockIndex::PopEvictable(int shard) {
+  Shard& s = *shards_[shard];
+  std::unique_ptr<BlockEntry> out;
+  {
+    absl::MutexLock lock(&s.mu);
+    BlockEntry* e = s.tail;
+    if (e == nullptr) return nullptr;
+    Detach(s, e);
+    out.reset(e);
+  }
+  ReleaseParent(*out);
+  return out;
+}
+
+uint64_t BlockIndex::blocks() const {
+  uint64_t n = 0;
+  for (const auto& s : shards_) {
+    absl::MutexLock lock(&s->mu);
+    n += s->set.size();
+  }
+  return n;
+}
+
+uint64_t BlockIndex::evictable() const {
+  uint64_t n = 0;
+  for (const auto& s : shards_) {
+    absl::MutexLock lock(&s->mu);
+    n += s->lru_size;
+  }
+  return n;
+}
+
+}  // namespace kvdepot

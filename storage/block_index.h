@@ -1,0 +1,184 @@
+// BlockIndex: the DRAM tier's index from (namespace, key) to block metadata,
+// sharded 64 ways (an absl::flat_hash_set and an absl::Mutex per shard, as
+// leveldb's ShardedLRUCache). Each shard also keeps its eviction order.
+//
+// Eviction order is prefix-aware. Every committed block names its parent (the
+// previous block of its chain); a block counts its cached children. Only
+// blocks with no cached child and no pin are evictable, kept per shard in a
+// recency list: a block enters at the most-recent end when it is stored or
+// unpinned and moves there when looked up; a parent whose last cached child
+// leaves enters at the least-recent end (its chain has just aged out, so the
+// prefix is at least as old as anything still listed). Leaves therefore go
+// before their parents and, within that rule, least recently used first.
+//
+// Key bytes live in the DRAM arena (a small allocation per block), so the
+// metadata of a block is one 72-byte heap entry plus its hash-table slot.
+//
+// Thread-safe. A BlockEntry is owned by the index while it is inserted; the
+// caller owns it again after a Remove/Pop. A pinned entry is never removed,
+// so BlockEntry pointers held by pins stay valid until Unpin.
+#ifndef KVDEPOT_STORAGE_BLOCK_INDEX_H_
+#define KVDEPOT_STORAGE_BLOCK_INDEX_H_
+
+#include <array>
+#include <cstdint>
+#include <memory>
+#include <optional>
+#include <vector>
+
+#include "absl/base/thread_annotations.h"
+#include "absl/container/flat_hash_set.h"
+#include "absl/strings/string_view.h"
+#include "absl/synchronization/mutex.h"
+
+namespace kvdepot {
+
+struct BlockEntry {
+  static constexpr uint8_t kInLru = 1;   // in its shard's evictable list
+  static constexpr uint8_t kLinked = 2;  // counted in its parent's children
+
+  BlockEntry* lru_prev = nullptr;
+  BlockEntry* lru_next = nullptr;
+  uint64_t hash = 0;         // BlockIndex::Hash(ns_id, key)
+  uint64_t parent_hash = 0;  // hash of the parent key; 0 for a chain's root
+  uint64_t checksum = 0;     // XXH3-64 of the block's bytes
+  uint32_t data_unit = 0;    // arena offset of the bytes / 64
+  uint32_t key_unit = 0;     // arena offset of the key bytes / 64
+  uint32_t size = 0;         // block bytes
+  uint32_t ns_id = 0;
+  uint32_t pins = 0;
+  uint32_t children = 0;  // cached blocks naming this one as parent
+  uint16_t key_len = 0;
+  uint8_t flags = 0;
+
+  uint64_t data_offset() const { return uint64_t{data_unit} * 64; }
+  uint64_t key_offset() const { return uint64_t{key_unit} * 64; }
+};
+
+class BlockIndex {
+ public:
+  static constexpr int kShardBits = 6;
+  static constexpr int kShards = 1 << kShardBits;
+
+  struct KeyRef {
+    uint32_t ns_id;
+    absl::string_view key;
+    uint64_t hash;  // Hash(ns_id, key)
+  };
+  // What a lookup returns: a copy of the fields a reader needs.
+  struct Hit {
+    BlockEntry* entry;  // valid while pinned
+    uint64_t data_offset;
+    uint32_t size;
+    uint64_t checksum;
+  };
+  enum class RemoveOutcome { kRemoved, kPinned, kMissing };
+
+  // `arena_base` is where key_unit offsets point; it must outlive the index.
+  explicit BlockIndex(const char* arena_base);
+  ~BlockIndex();
+  BlockIndex(const BlockIndex&) = delete;
+  BlockIndex& operator=(const BlockIndex&) = delete;
+
+  // Never 0 (0 means "no parent").
+  static uint64_t Hash(uint32_t ns_id, absl::string_view key);
+  static KeyRef MakeKey(uint32_t ns_id, absl::string_view key) {
+    return KeyRef{ns_id, key, Hash(ns_id, key)};
+  }
+
+  // Finds `key`. With `pin`, the entry's pin count is raised atomically with
+  // the find (it leaves the evictable list); otherwise it becomes the most
+  // recently used.
+  std::optional<Hit> Find(const KeyRef& key, bool pin);
+  // Adds one pin to an entry already pinned by the caller.
+  void AddPin(BlockEntry* entry);
+  // REQUIRES: `entry` is pinned by the caller.
+  void Unpin(BlockEntry* entry);
+
+  // Publishes `entry` unless the key is already present (put-if-absent).
+  // REQUIRES: entry->hash, ns_id, key_unit, key_len are set and the key bytes
+  // are in the arena. `parent` is the parent key (empty for a root). Returns
+  // the entry back when the key already exists.
+  std::unique_ptr<BlockEntry> Insert(std::unique_ptr<BlockEntry> entry,
+                                     absl::string_view parent);
+
+  // Removes an unpinned entry (explicit eviction). On kRemoved, *out holds it
+  // and its parent link is already released.
+  RemoveOutcome Remove(const KeyRef& key, std::unique_ptr<BlockEntry>* out);
+  // Removes every unpinned entry of namespace `ns_id`; counts pinned ones.
+  std::vector<std::unique_ptr<BlockEntry>> RemoveNamespace(uint32_t ns_id,
+                                                          uint64_t* pinned);
+  // Removes the least recently used evictable entry of `shard`, if any.
+  std::unique_ptr<BlockEntry> PopEvictable(int shard);
+
+  uint64_t blocks() const;
+  // Number of entries in the evictable lists (for tests and stats).
+  uint64_t evictable() const;
+
+ private:
+  // A probe that matches by namespace and hash alone (parent links).
+  struct HashProbe {
+    uint32_t ns_id;
+    uint64_t hash;
+  };
+  struct EntryHash {
+    using is_transparent = void;
+    size_t operator()(const BlockEntry* e) const { return e->hash; }
+    size_t operator()(const KeyRef& k) const { return k.hash; }
+    size_t operator()(const HashProbe& p) const { return p.hash; }
+  };
+  struct EntryEq {
+    using is_transparent = void;
+    const char* base;
+    bool operator()(const BlockEntry* a, const BlockEntry* b) const {
+      return a == b;
+    }
+    bool operator()(const BlockEntry* a, const KeyRef& k) const;
+    bool operator()(const KeyRef& k, const BlockEntry* a) const {
+      return (*this)(a, k);
+    }
+    bool operator()(const BlockEntry* a, const HashProbe& p) const {
+      return a->hash == p.hash && a->ns_id == p.ns_id;
+    }
+    bool operator()(const HashProbe& p, const BlockEntry* a) const {
+      return (*this)(a, p);
+    }
+  };
+  using Set = absl::flat_hash_set<BlockEntry*, EntryHash, EntryEq>;
+
+  struct Shard {
+    explicit Shard(const char* base) : set(0, EntryHash(), EntryEq{base}) {}
+    mutable absl::Mutex mu;
+    Set set ABSL_GUARDED_BY(mu);
+    // Evictable list: head = most recent, tail = least recent.
+    BlockEntry* head ABSL_GUARDED_BY(mu) = nullptr;
+    BlockEntry* tail ABSL_GUARDED_BY(mu) = nullptr;
+    uint64_t lru_size ABSL_GUARDED_BY(mu) = 0;
+  };
+
+  Shard& ShardFor(uint64_t hash) { return *shards_[hash >> (64 - kShardBits)]; }
+  // Finds an entry by hash only (for parent links; the key is not stored).
+  BlockEntry* FindByHash(Shard& s, uint32_t ns_id, uint64_t hash)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(s.mu);
+  static void LruPushFront(Shard& s, BlockEntry* e)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(s.mu);
+  static void LruPushBack(Shard& s, BlockEntry* e)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(s.mu);
+  static void LruRemove(Shard& s, BlockEntry* e)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(s.mu);
+  static bool Evictable(const BlockEntry* e) {
+    return e->pins == 0 && e->children == 0;
+  }
+  // Takes `e` out of the set and the list. REQUIRES: e is in s.set.
+  static void Detach(Shard& s, BlockEntry* e)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(s.mu);
+  // Drops one child count from the parent of a removed entry, if linked.
+  void ReleaseParent(const BlockEntry& removed);
+
+  const char* const base_;
+  std::array<std::unique_ptr<Shard>, kShards> shards_;
+};
+
+}  // namespace kvdepot
+
+#endif  // KVDEPOT_STORAGE_BLOCK_INDEX_H_

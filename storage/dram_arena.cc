@@ -1,0 +1,256 @@
+#include "storage/dram_arena.h"
+
+#include <sys/mman.h>
+
+#include <algorithm>
+#include <array>
+#include <bitset>
+#include <cerrno>
+#include <cstring>
+#include <set>
+#include <utility>
+#include <vector>
+
+#include "absl/base/thread_annotations.h"
+#include "absl/status/status.h"
+#include "absl/strings/str_cat.h"
+#include "absl/synchronization/mutex.h"
+
+namespace kvdepot {
+namespace {
+
+constexpr size_t kPage = DramArena::kPageSize;
+constexpr size_t kSlotsPerPageMax = kPage / DramArena::kMinAlloc;  // 1024
+
+// Size classes for small allocations: 64 B .. 32 KiB in steps of 1x and 1.5x
+// powers of two, so the waste of a small block stays under a third.
+constexpr std::array<uint32_t, 19> kClasses = {
+    64,   96,   128,  192,  256,   384,   512,   768,   1024, 1536,
+    2048, 3072, 4096, 6144, 8192, 12288, 16384, 24576, 32768};
+
+int ClassFor(size_t bytes) {
+  auto it = std::lower_bound(kClasses.begin(), kClasses.end(), bytes);
+  return it == kClasses.end() ? -1 : static_cast<int>(it - kClasses.begin());
+}
+
+size_t PagesFor(size_t bytes) { return (bytes + kPage - 1) / kPage; }
+
+// Invariants (all under mu_):
+//  * Every page is in exactly one state: kFree (inside a free run), kRunHead /
+//    kRunBody (part of a large allocation), or kSlab (one size class).
+//  * A free run of n pages starting at p has pages_[p].run = n and
+//    pages_[p + n - 1].run = n (boundary tags), and {n, p} is in free_runs_.
+//  * A slab page with free slots is in partial_[class]; a fully used one is
+//    not; a fully free one is returned to the free runs at once.
+class ArenaImpl final : public DramArena {
+ public:
+  ArenaImpl(char* base, size_t capacity, std::string kind)
+      : base_(base), capacity_(capacity), kind_(std::move(kind)),
+        pages_(capacity / kPage) {
+    absl::MutexLock lock(&mu_);
+    AddFreeRun(0, pages_.size());
+  }
+  ~ArenaImpl() override { munmap(base_, capacity_); }
+
+  absl::StatusOr<uint64_t> Allocate(size_t bytes) override {
+    if (bytes == 0) return absl::InvalidArgumentError("zero-byte allocation");
+    absl::MutexLock lock(&mu_);
+    int cls = ClassFor(bytes);
+    absl::StatusOr<uint64_t> result =
+        cls >= 0 ? AllocateSmall(cls) : AllocateRun(PagesFor(bytes));
+    if (result.ok()) {
+      allocated_ += AllocationSize(bytes);
+      ++live_;
+    }
+    return result;
+  }
+
+  void Free(uint64_t offset) override {
+    absl::MutexLock lock(&mu_);
+    size_t page = offset / kPage;
+    Page& p = pages_[page];
+    if (p.state == kSlab) {
+      size_t slot_size = kClasses[p.cls];
+      size_t slot = (offset % kPage) / slot_size;
+      p.used->reset(slot);
+      bool was_full = p.used_count == SlotsPerPage(p.cls);
+      --p.used_count;
+      allocated_ -= slot_size;
+      if (p.used_count == 0) {
+        partial_[p.cls].erase(page);
+        p.used.reset();
+        p.state = kFree;
+        AddFreeRun(page, 1);
+      } else if (was_full) {
+        partial_[p.cls].insert(page);
+      }
+    } else {
+      // kRunHead: the run length is in p.run.
+      size_t n = p.run;
+      allocated_ -= n * kPage;
+      AddFreeRun(page, n);
+    }
+    --live_;
+  }
+
+  char* base() const override { return base_; }
+  size_t capacity() const override { return capacity_; }
+  size_t allocated_bytes() const override {
+    absl::MutexLock lock(&mu_);
+    return allocated_;
+  }
+  size_t live_allocations() const override {
+    absl::MutexLock lock(&mu_);
+    return live_;
+  }
+  std::string page_kind() const override { return kind_; }
+
+ private:
+  enum State : uint8_t { kFree, kRunHead, kRunBody, kSlab };
+  struct Page {
+    State state = kFree;
+    int8_t cls = -1;
+    uint16_t used_count = 0;
+    uint32_t run = 0;  // free run or allocated run length (at its head)
+    std::unique_ptr<std::bitset<kSlotsPerPageMax>> used;
+  };
+
+  static size_t SlotsPerPage(int cls) { return kPage / kClasses[cls]; }
+
+  absl::StatusOr<uint64_t> AllocateSmall(int cls)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    auto& partial = partial_[cls];
+    size_t page;
+    if (partial.empty()) {
+      absl::StatusOr<uint64_t> run = AllocateRun(1);
+      if (!run.ok()) return run.status();
+      page = *run / kPage;
+      Page& p = pages_[page];
+      p.state = kSlab;
+      p.cls = static_cast<int8_t>(cls);
+      p.used_count = 0;
+      p.used = std::make_unique<std::bitset<kSlotsPerPageMax>>();
+      partial.insert(page);
+    } else {
+      page = *partial.begin();
+    }
+    Page& p = pages_[page];
+    size_t slots = SlotsPerPage(cls);
+    // A page in partial_ has a free slot below `slots` by invariant.
+    size_t slot = (~*p.used)._Find_first();
+    p.used->set(slot);
+    if (++p.used_count == slots) partial.erase(page);
+    return page * kPage + slot * kClasses[cls];
+  }
+
+  absl::StatusOr<uint64_t> AllocateRun(size_t n)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    auto it = free_runs_.lower_bound({n, 0});
+    if (it == free_runs_.end()) {
+      return absl::ResourceExhaustedError(
+          absl::StrCat("DRAM arena has no free run of ", n, " pages"));
+    }
+    auto [len, start] = *it;
+    free_runs_.erase(it);
+    if (len > n) SetFreeRun(start + n, len - n);
+    pages_[start].state = kRunHead;
+    pages_[start].run = static_cast<uint32_t>(n);
+    for (size_t i = 1; i < n; ++i) pages_[start + i].state = kRunBody;
+    return start * kPage;
+  }
+
+  // Frees pages [start, start+n) and merges them with free neighbours.
+  void AddFreeRun(size_t start, size_t n) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    for (size_t i = 0; i < n; ++i) pages_[start + i].state = kFree;
+    if (start > 0 && pages_[start - 1].state == kFree) {
+      size_t prev_len = pages_[start - 1].run;
+      size_t prev_start = start - prev_len;
+      free_runs_.erase({prev_len, prev_start});
+      start = prev_start;
+      n += prev_len;
+    }
+    size_t end = start + n;
+    if (end < pages_.size() && pages_[end].state == kFree) {
+      size_t next_len = pages_[end].run;
+      free_runs_.erase({next_len, end});
+      n += next_len;
+    }
+    SetFreeRun(start, n);
+  }
+
+  void SetFreeRun(size_t start, size_t n) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    pages_[start].state = kFree;
+    pages_[start].run = static_cast<uint32_t>(n);
+    pages_[start + n - 1].state = kFree;
+    pages_[start + n - 1].run = static_cast<uint32_t>(n);
+    free_runs_.insert({n, start});
+  }
+
+  char* const base_;
+  const size_t capacity_;
+  const std::string kind_;
+
+  mutable absl::Mutex mu_;
+  std::vector<Page> pages_ ABSL_GUARDED_BY(mu_);
+  std::set<std::pair<size_t, size_t>> free_runs_ ABSL_GUARDED_BY(mu_);
+  std::array<std::set<size_t>, kClasses.size()> partial_ ABSL_GUARDED_BY(mu_);
+  size_t allocated_ ABSL_GUARDED_BY(mu_) = 0;
+  size_t live_ ABSL_GUARDED_BY(mu_) = 0;
+};
+
+constexpr size_t kHugePage = 2 * 1024 * 1024;
+
+}  // namespace
+
+size_t DramArena::AllocationSize(size_t bytes) {
+  int cls = ClassFor(bytes);
+  return cls >= 0 ? kClasses[cls] : PagesFor(bytes) * kPage;
+}
+
+absl::StatusOr<std::unique_ptr<DramArena>> DramArena::Create(
+    size_t capacity, HugePageMode mode) {
+  if (capacity < kPageSize) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("DRAM capacity ", capacity, " is below one page (",
+                     kPageSize, " bytes)"));
+  }
+  if (capacity > kMaxCapacity) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("DRAM capacity ", capacity, " exceeds the limit of ",
+                     kMaxCapacity, " bytes"));
+  }
+  size_t rounded = PagesFor(capacity) * kPage;
+  void* mem = MAP_FAILED;
+  std::string kind;
+  if (mode != HugePageMode::kOff) {
+    size_t huge = (rounded + kHugePage - 1) / kHugePage * kHugePage;
+    mem = mmap(nullptr, huge, PROT_READ | PROT_WRITE,
+               MAP_PRIVATE | MAP_ANONYMOUS | MAP_HUGETLB | MAP_NORESERVE, -1,
+               0);
+    if (mem != MAP_FAILED) {
+      rounded = huge;
+      kind = "hugetlb";
+    } else if (mode == HugePageMode::kOn) {
+      return absl::ResourceExhaustedError(absl::StrCat(
+          "cannot map ", huge, " bytes of hugepages: ", std::strerror(errno),
+          " (see /proc/sys/vm/nr_hugepages)"));
+    }
+  }
+  if (mem == MAP_FAILED) {
+    mem = mmap(nullptr, rounded, PROT_READ | PROT_WRITE,
+               MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
+    if (mem == MAP_FAILED) {
+      return absl::ResourceExhaustedError(absl::StrCat(
+          "cannot map ", rounded, " bytes for the DRAM tier: ",
+          std::strerror(errno)));
+    }
+    kind = "plain";
+    if (mode == HugePageMode::kAuto && madvise(mem, rounded, MADV_HUGEPAGE) == 0) {
+      kind = "thp";
+    }
+  }
+  return std::unique_ptr<DramArena>(
+      new ArenaImpl(static_cast<char*>(mem), rounded, kind));
+}
+
+}  // namespace kvdepot

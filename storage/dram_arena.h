@@ -1,0 +1,69 @@
+// DramArena: the DRAM tier's memory. One region mapped once at start
+// (hugepages when the system offers them), carved into 64 KiB pages. Small
+// allocations (up to 32 KiB) come from size-class slabs, one page each; larger
+// ones take a run of contiguous pages (best fit, coalesced on free). Blocks
+// never live in per-block heap allocations, and all bookkeeping is kept
+// outside the region, so nothing a data-plane client writes into the region
+// can corrupt the allocator.
+//
+// Thread-safe.
+#ifndef KVDEPOT_STORAGE_DRAM_ARENA_H_
+#define KVDEPOT_STORAGE_DRAM_ARENA_H_
+
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <string>
+
+#include "absl/status/statusor.h"
+
+namespace kvdepot {
+
+enum class HugePageMode {
+  kAuto,  // explicit hugepages (MAP_HUGETLB) if enough are free, else THP
+  kOn,    // explicit hugepages or fail
+  kOff,   // plain pages
+};
+
+class DramArena {
+ public:
+  static constexpr size_t kPageSize = 64 * 1024;
+  static constexpr size_t kMinAlloc = 64;
+  static constexpr size_t kMaxSmallAlloc = 32 * 1024;
+  // Offsets are stored in 64-byte units in 32 bits elsewhere.
+  static constexpr uint64_t kMaxCapacity = (uint64_t{1} << 32) * kMinAlloc;
+
+  // Maps `capacity` bytes (rounded up to whole pages). InvalidArgument for a
+  // capacity below one page or above kMaxCapacity; ResourceExhausted when the
+  // mapping fails.
+  static absl::StatusOr<std::unique_ptr<DramArena>> Create(size_t capacity,
+                                                          HugePageMode mode);
+
+  DramArena(const DramArena&) = delete;
+  DramArena& operator=(const DramArena&) = delete;
+  virtual ~DramArena() = default;
+
+  // Allocates `bytes` (> 0) and returns the allocation's offset from base(),
+  // a multiple of kMinAlloc. ResourceExhausted when no free space fits.
+  virtual absl::StatusOr<uint64_t> Allocate(size_t bytes) = 0;
+  // REQUIRES: `offset` came from Allocate and was not freed since.
+  virtual void Free(uint64_t offset) = 0;
+
+  // The space Allocate(bytes) takes (its size class or page run).
+  static size_t AllocationSize(size_t bytes);
+
+  virtual char* base() const = 0;
+  virtual size_t capacity() const = 0;
+  // Sum of AllocationSize over live allocations.
+  virtual size_t allocated_bytes() const = 0;
+  virtual size_t live_allocations() const = 0;
+  // How the region was mapped: "hugetlb", "thp" or "plain".
+  virtual std::string page_kind() const = 0;
+
+ protected:
+  DramArena() = default;
+};
+
+}  // namespace kvdepot
+
+#endif  // KVDEPOT_STORAGE_DRAM_ARENA_H_

@@ -1,0 +1,124 @@
+#include "storage/dram_arena.h"
+
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <map>
+#include <random>
+#include <vector>
+
+#include "tests/status_matchers.h"
+
+namespace kvdepot {
+namespace {
+
+using ::kvdepot::testing::StatusIs;
+
+constexpr size_t kPage = DramArena::kPageSize;
+
+std::unique_ptr<DramArena> MakeArena(size_t capacity) {
+  auto arena = DramArena::Create(capacity, HugePageMode::kOff);
+  EXPECT_OK(arena);
+  return std::move(arena).value();
+}
+
+TEST(DramArenaTest, RejectsCapacityBelowOnePage) {
+  EXPECT_THAT(DramArena::Create(1000, HugePageMode::kOff),
+              StatusIs(absl::StatusCode::kInvalidArgument));
+}
+
+TEST(DramArenaTest, AutoModeFallsBackWhenNoHugepages) {
+  auto arena = DramArena::Create(4 * kPage, HugePageMode::kAuto);
+  ASSERT_OK(arena);
+  EXPECT_GE((*arena)->capacity(), 4 * kPage);
+  EXPECT_FALSE((*arena)->page_kind().empty());
+}
+
+TEST(DramArenaTest, SizeClassesBoundSmallWaste) {
+  EXPECT_EQ(DramArena::AllocationSize(1), 64u);
+  EXPECT_EQ(DramArena::AllocationSize(64), 64u);
+  EXPECT_EQ(DramArena::AllocationSize(65), 96u);
+  EXPECT_EQ(DramArena::AllocationSize(32768), 32768u);
+  EXPECT_EQ(DramArena::AllocationSize(32769), kPage);
+  EXPECT_EQ(DramArena::AllocationSize(2 << 20), size_t{2} << 20);
+  for (size_t n = 1; n <= 32768; n += 97) {
+    size_t a = DramArena::AllocationSize(n);
+    EXPECT_GE(a, n);
+    if (n > 64) {
+      EXPECT_LE(a, n * 3 / 2 + 1) << n;
+    }
+  }
+}
+
+TEST(DramArenaTest, AllocationsDoNotOverlapAndAreAligned) {
+  auto arena = MakeArena(64 * kPage);
+  std::mt19937 rng(7);
+  std::map<uint64_t, size_t> live;  // offset -> AllocationSize
+  std::uniform_int_distribution<size_t> size(1, 200 * 1024);
+  for (int i = 0; i < 2000; ++i) {
+    if (!live.empty() && rng() % 3 == 0) {
+      auto it = live.begin();
+      std::advance(it, rng() % live.size());
+      arena->Free(it->first);
+      live.erase(it);
+      continue;
+    }
+    size_t n = size(rng);
+    auto off = arena->Allocate(n);
+    if (!off.ok()) {
+      EXPECT_THAT(off, StatusIs(absl::StatusCode::kResourceExhausted));
+      continue;
+    }
+    EXPECT_EQ(*off % DramArena::kMinAlloc, 0u);
+    EXPECT_LE(*off + n, arena->capacity());
+    live[*off] = DramArena::AllocationSize(n);
+    // Memory is usable: write the whole allocation.
+    std::fill_n(arena->base() + *off, n, static_cast<char>(i));
+  }
+  uint64_t end = 0;
+  size_t total = 0;
+  for (const auto& [off, len] : live) {
+    EXPECT_GE(off, end) << "overlap at " << off;
+    end = off + len;
+    total += len;
+  }
+  EXPECT_EQ(arena->allocated_bytes(), total);
+  EXPECT_EQ(arena->live_allocations(), live.size());
+  for (const auto& [off, len] : live) arena->Free(off);
+  EXPECT_EQ(arena->allocated_bytes(), 0u);
+}
+
+TEST(DramArenaTest, FreedRunsCoalesceIntoOneLargeRun) {
+  auto arena = MakeArena(16 * kPage);
+  std::vector<uint64_t> offs;
+  for (int i = 0; i < 16; ++i) {
+    auto off = arena->Allocate(kPage);
+    ASSERT_OK(off);
+    offs.push_back(*off);
+  }
+  EXPECT_THAT(arena->Allocate(1), StatusIs(absl::StatusCode::kResourceExhausted));
+  // Free in an interleaved order; the whole arena must be one run again.
+  for (int i = 0; i < 16; i += 2) arena->Free(offs[i]);
+  for (int i = 1; i < 16; i += 2) arena->Free(offs[i]);
+  auto all = arena->Allocate(16 * kPage);
+  ASSERT_OK(all);
+  EXPECT_EQ(*all, 0u);
+}
+
+TEST(DramArenaTest, EmptySlabPagesReturnToThePageHeap) {
+  auto arena = MakeArena(2 * kPage);
+  std::vector<uint64_t> smalls;
+  for (size_t i = 0; i < kPage / 64; ++i) {
+    auto off = arena->Allocate(64);
+    ASSERT_OK(off);
+    smalls.push_back(*off);
+  }
+  // One page is full of 64-byte slots; a run of 2 pages cannot fit.
+  EXPECT_THAT(arena->Allocate(2 * kPage),
+              StatusIs(absl::StatusCode::kResourceExhausted));
+  for (uint64_t off : smalls) arena->Free(off);
+  EXPECT_OK(arena->Allocate(2 * kPage));
+}
+
+}  // namespace
+}  // namespace kvdepot

@@ -1,0 +1,85 @@
+// Microbenchmarks of the engine: index lookups and arena allocation.
+// Run: build/storage/storage_benchmark [--benchmark_filter=...]
+#include <benchmark/benchmark.h>
+
+#include <string>
+#include <vector>
+
+#include "storage/checksum.h"
+#include "storage/dram_arena.h"
+#include "storage/tiered_store.h"
+
+namespace kvdepot {
+namespace {
+
+std::string KeyOf(uint64_t i) {
+  std::string k(32, '\0');  // vLLM-sized keys: 32 bytes
+  for (int b = 0; b < 8; ++b) k[b] = static_cast<char>(i >> (8 * b));
+  return k;
+}
+
+std::unique_ptr<TieredStore> FilledStore(int n, uint64_t block) {
+  StoreOptions o;
+  o.dram_capacity = uint64_t{n} * 256 + (64 << 20);
+  o.background_eviction = false;
+  o.hugepages = HugePageMode::kOff;
+  auto store = std::move(NewTieredStore(o, SystemClock())).value();
+  auto session = store->OpenSession(absl::ZeroDuration(), "bench").value();
+  std::vector<std::string> keys;
+  std::vector<PutSpec> specs;
+  std::string bytes(block, 'b');
+  uint64_t sum = BlockChecksum(bytes);
+  for (int i = 0; i < n; i += 1024) {
+    keys.clear();
+    specs.clear();
+    for (int j = i; j < std::min(n, i + 1024); ++j) keys.push_back(KeyOf(j));
+    for (const auto& k : keys) specs.push_back(PutSpec{k, "", block});
+    auto r = store->BeginPut(session.id, "bench", specs).value();
+    for (size_t s = 0; s < specs.size(); ++s) {
+      std::memcpy(store->dram_region().base + r.slots[s].offset, bytes.data(),
+                  block);
+    }
+    std::vector<uint64_t> sums(specs.size(), sum);
+    (void)store->CommitPut(session.id, r.id, sums).value();
+  }
+  return store;
+}
+
+// Engine lookups per second on one thread, batches of 64 keys (all hits).
+void BM_Lookup(benchmark::State& state) {
+  const int n = 1 << 18;
+  auto store = FilledStore(n, 64);
+  std::vector<std::string> keys;
+  for (int i = 0; i < n; ++i) keys.push_back(KeyOf((i * 7919) % n));
+  std::vector<absl::string_view> batch(64);
+  size_t pos = 0;
+  for (auto _ : state) {
+    for (auto& v : batch) v = keys[pos++ % n];
+    auto r = store->Lookup(0, "bench", batch, false, false);
+    benchmark::DoNotOptimize(r);
+  }
+  state.SetItemsProcessed(state.iterations() * batch.size());
+}
+BENCHMARK(BM_Lookup);
+
+void BM_ArenaAllocFree(benchmark::State& state) {
+  auto arena =
+      std::move(DramArena::Create(1 << 30, HugePageMode::kOff)).value();
+  const size_t size = state.range(0);
+  std::vector<uint64_t> live;
+  for (auto _ : state) {
+    live.push_back(arena->Allocate(size).value());
+    if (live.size() == 64) {
+      for (uint64_t off : live) arena->Free(off);
+      live.clear();
+    }
+  }
+  for (uint64_t off : live) arena->Free(off);
+  state.SetItemsProcessed(state.iterations());
+}
+BENCHMARK(BM_ArenaAllocFree)->Arg(64)->Arg(4096)->Arg(256 << 10)->Arg(2 << 20);
+
+}  // namespace
+}  // namespace kvdepot
+
+BENCHMARK_MAIN();

@@ -1,0 +1,806 @@
+// The DRAM-tier TieredStore. Layout of the state:
+//  * constant after construction: options_, clock_, arena_, index_;
+//  * ns_mu_: the namespace table (name -> id, per-namespace counters);
+//  * mu_: sessions, pins and reservations. Lock order: mu_, then index shard
+//    locks, then the arena's lock; the index and arena never call back.
+// Block bytes and keys live in the arena; a committed block is one BlockEntry
+// in the index. A reservation owns its slots' arena space until it commits
+// (ownership moves to the index) or ends (space freed).
+#include "storage/tiered_store.h"
+
+#include <algorithm>
+#include <atomic>
+#include <cstring>
+#include <limits>
+#include <thread>
+#include <utility>
+
+#include "absl/base/thread_annotations.h"
+#include "absl/container/flat_hash_map.h"
+#include "absl/container/flat_hash_set.h"
+#include "absl/random/random.h"
+#include "absl/strings/str_cat.h"
+#include "absl/synchronization/mutex.h"
+#include "storage/block_index.h"
+#include "storage/block_key.h"
+#include "storage/checksum.h"
+#include "storage/status_macros.h"
+
+namespace kvdepot {
+
+const char* TierName(Tier tier) {
+  switch (tier) {
+    case Tier::kDram:
+      return "dram";
+    case Tier::kNvme:
+      return "nvme";
+    case Tier::kNone:
+      break;
+  }
+  return "none";
+}
+
+namespace {
+
+struct NamespaceInfo {
+  uint32_t id = 0;
+  std::string name;
+  std::atomic<uint64_t> blocks{0};
+  std::atomic<uint64_t> bytes{0};
+  std::atomic<uint64_t> lookups{0};
+  std::atomic<uint64_t> hits{0};
+};
+
+struct Session {
+  absl::Time deadline;
+  absl::Duration lease;
+  std::string client_name;
+  absl::flat_hash_set<PinId> pins;
+  absl::flat_hash_set<ReservationId> reservations;
+};
+
+struct Pin {
+  SessionId session;
+  std::vector<BlockEntry*> entries;
+};
+
+struct Slot {
+  std::string key;
+  std::string parent;
+  uint64_t size = 0;
+  bool exists = false;
+  uint64_t data_offset = 0;
+  uint64_t key_offset = 0;
+};
+
+struct ReservationState {
+  SessionId session;
+  uint32_t ns_id;
+  std::vector<Slot> slots;
+  uint64_t bytes = 0;   // arena space held
+  int busy = 0;         // live SlotHandles
+  bool doomed = false;  // ended while busy: free when the last handle goes
+};
+
+class TieredStoreImpl;
+
+class SlotHandleImpl final : public SlotHandle {
+ public:
+  SlotHandleImpl(TieredStoreImpl* store, ReservationId id,
+                 absl::Span<char> bytes)
+      : store_(store), id_(id), bytes_(bytes) {}
+  ~SlotHandleImpl() override;
+  absl::Span<char> bytes() const override { return bytes_; }
+
+ private:
+  TieredStoreImpl* const store_;  // outlives the handle
+  const ReservationId id_;
+  const absl::Span<char> bytes_;
+};
+
+class TieredStoreImpl final : public TieredStore {
+ public:
+  TieredStoreImpl(const StoreOptions& options, Clock* clock,
+                  std::unique_ptr<DramArena> arena)
+      : options_(options), clock_(clock), arena_(std::move(arena)),
+        index_(arena_->base()) {
+    if (options_.background_eviction) {
+      evictor_ = std::thread([this] { EvictorLoop(); });
+    }
+  }
+
+  ~TieredStoreImpl() override {
+    if (evictor_.joinable()) {
+      {
+        absl::MutexLock lock(&evict_mu_);
+        stop_ = true;
+      }
+      evictor_.join();
+    }
+    // Pins hold no memory of their own; reservations hold arena space that
+    // the arena's unmapping returns. Nothing else to release.
+  }
+
+  // ---- sessions ----------------------------------------------------------
+
+  absl::StatusOr<SessionGrant> OpenSession(
+      absl::Duration lease, absl::string_view client_name) override {
+    if (lease <= absl::ZeroDuration()) lease = options_.default_lease;
+    lease = std::clamp(lease, options_.min_lease, options_.max_lease);
+    absl::MutexLock lock(&mu_);
+    if (sessions_.size() >= options_.max_sessions) {
+      return absl::ResourceExhaustedError(absl::StrCat(
+          "too many sessions (", options_.max_sessions, ")"));
+    }
+    SessionId id;
+    do {
+      id = absl::Uniform<uint64_t>(rng_);
+    } while (id == kInternalSession || sessions_.contains(id));
+    Session& s = sessions_[id];
+    s.lease = lease;
+    s.deadline = clock_->Now() + lease;
+    s.client_name = std::string(client_name);
+    return SessionGrant{id, lease};
+  }
+
+  absl::StatusOr<absl::Duration> KeepAlive(SessionId session) override {
+    absl::MutexLock lock(&mu_);
+    ASSIGN_OR_RETURN(Session * s, LiveSession(session));
+    s->deadline = clock_->Now() + s->lease;
+    return s->lease;
+  }
+
+  absl::StatusOr<SessionRelease> CloseSession(SessionId session) override {
+    absl::MutexLock lock(&mu_);
+    RETURN_IF_ERROR(LiveSession(session).status());
+    return EndSession(session);
+  }
+
+  int ExpireSessions() override {
+    absl::MutexLock lock(&mu_);
+    absl::Time now = clock_->Now();
+    std::vector<SessionId> expired;
+    for (const auto& [id, s] : sessions_) {
+      if (s.deadline <= now) expired.push_back(id);
+    }
+    for (SessionId id : expired) EndSession(id);
+    return static_cast<int>(expired.size());
+  }
+
+  // ---- lookup and pins ---------------------------------------------------
+
+  absl::StatusOr<LookupResult> Lookup(SessionId session, absl::string_view ns,
+                                      absl::Span<const absl::string_view> keys,
+                                      bool prefix, bool pin) override {
+    RETURN_IF_ERROR(ValidateNamespace(ns));
+    RETURN_IF_ERROR(CheckBatch(keys.size()));
+    for (absl::string_view k : keys) RETURN_IF_ERROR(ValidateKey(k));
+    if (pin && session != kInternalSession) {
+      absl::MutexLock lock(&mu_);
+      RETURN_IF_ERROR(LiveSession(session).status());
+    }
+    LookupResult result;
+    result.entries.resize(keys.size());
+    NamespaceInfo* info = FindNamespace(ns);
+    lookup_keys_.fetch_add(keys.size(), std::memory_order_relaxed);
+    if (info == nullptr) return result;
+    info->lookups.fetch_add(keys.size(), std::memory_order_relaxed);
+    uint32_t ns_id = info->id;
+
+    std::vector<BlockEntry*> pinned;
+    bool prefix_open = true;
+    uint64_t hits = 0;
+    for (size_t i = 0; i < keys.size(); ++i) {
+      std::optional<BlockIndex::Hit> hit =
+          index_.Find(BlockIndex::MakeKey(ns_id, keys[i]), pin);
+      if (!hit) {
+        prefix_open = false;
+        if (prefix) break;
+        continue;
+      }
+      ++hits;
+      if (prefix_open) ++result.prefix_hits;
+      LookupEntry& e = result.entries[i];
+      e.found = true;
+      e.tier = Tier::kDram;
+      e.size = hit->size;
+      e.checksum = hit->checksum;
+      e.offset = hit->data_offset;
+      if (pin) pinned.push_back(hit->entry);
+    }
+    lookup_hits_.fetch_add(hits, std::memory_order_relaxed);
+    dram_hits_.fetch_add(hits, std::memory_order_relaxed);
+    info->hits.fetch_add(hits, std::memory_order_relaxed);
+    if (!pinned.empty()) {
+      absl::MutexLock lock(&mu_);
+      Session* s = nullptr;
+      if (session != kInternalSession) {
+        auto it = sessions_.find(session);
+        if (it == sessions_.end()) {
+          // The session ended while we looked: give the pins back.
+          for (BlockEntry* e : pinned) index_.Unpin(e);
+          return SessionNotFound(session);
+        }
+        s = &it->second;
+      }
+      PinId id = NewId();
+      pins_active_ += pinned.size();
+      pins_.emplace(id, Pin{session, std::move(pinned)});
+      if (s) s->pins.insert(id);
+      result.pin_id = id;
+    }
+    return result;
+  }
+
+  absl::StatusOr<uint32_t> Unpin(SessionId session, PinId pin) override {
+    absl::MutexLock lock(&mu_);
+    auto it = pins_.find(pin);
+    if (it == pins_.end() || it->second.session != session) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("unknown pin ", pin, " for session ", session));
+    }
+    if (session != kInternalSession) {
+      auto s = sessions_.find(session);
+      if (s != sessions_.end()) s->second.pins.erase(pin);
+    }
+    return ReleasePin(it);
+  }
+
+  // ---- two-phase put -----------------------------------------------------
+
+  absl::StatusOr<Reservation> BeginPut(SessionId session, absl::string_view ns,
+                                       absl::Span<const PutSpec> blocks) override {
+    RETURN_IF_ERROR(ValidateNamespace(ns));
+    RETURN_IF_ERROR(CheckBatch(blocks.size()));
+    if (blocks.empty()) return absl::InvalidArgumentError("no blocks to put");
+    uint64_t max_block = std::min<uint64_t>(options_.max_block_bytes,
+                                            arena_->capacity());
+    uint64_t total = 0;
+    for (const PutSpec& b : blocks) {
+      RETURN_IF_ERROR(ValidateKey(b.key));
+      if (!b.parent.empty()) RETURN_IF_ERROR(ValidateKey(b.parent, "parent key"));
+      if (b.size == 0) return absl::InvalidArgumentError("block size is 0");
+      if (b.size > options_.max_block_bytes) {
+        return absl::InvalidArgumentError(absl::StrCat(
+            "block of ", b.size, " bytes exceeds the limit of ",
+            options_.max_block_bytes, " bytes"));
+      }
+      if (b.size > max_block) {
+        return absl::ResourceExhaustedError(absl::StrCat(
+            "block of ", b.size, " bytes exceeds the DRAM tier's capacity of ",
+            arena_->capacity(), " bytes"));
+      }
+      total += b.size;
+    }
+    if (total > arena_->capacity()) {
+      return absl::ResourceExhaustedError(absl::StrCat(
+          "batch of ", total, " bytes exceeds the DRAM tier's capacity of ",
+          arena_->capacity(), " bytes"));
+    }
+    if (draining_.load()) {
+      return absl::FailedPreconditionError("draining: no new puts accepted");
+    }
+    if (session != kInternalSession) {
+      absl::MutexLock lock(&mu_);
+      RETURN_IF_ERROR(LiveSession(session).status());
+    }
+    ASSIGN_OR_RETURN(uint32_t ns_id, NamespaceIdFor(ns));
+
+    ReservationState state{session, ns_id, {}, 0, 0, false};
+    state.slots.resize(blocks.size());
+    Reservation out;
+    out.slots.resize(blocks.size());
+    bool any = false;
+    for (size_t i = 0; i < blocks.size(); ++i) {
+      const PutSpec& b = blocks[i];
+      Slot& slot = state.slots[i];
+      slot.key = std::string(b.key);
+      slot.parent = std::string(b.parent);
+      slot.size = b.size;
+      if (index_.Find(BlockIndex::MakeKey(ns_id, b.key), false)) {
+        slot.exists = true;
+        out.slots[i].exists = true;
+        continue;
+      }
+      absl::Status st = AllocateSlot(slot);
+      if (!st.ok()) {
+        FreeSlots(state);
+        return st;
+      }
+      state.bytes += DramArena::AllocationSize(slot.size) +
+                     DramArena::AllocationSize(slot.key.size());
+      out.slots[i].offset = slot.data_offset;
+      out.slots[i].size = slot.size;
+      any = true;
+    }
+    if (!any) return out;  // every key exists: no reservation
+
+    absl::MutexLock lock(&mu_);
+    Session* s = nullptr;
+    if (session != kInternalSession) {
+      auto it = sessions_.find(session);
+      if (it == sessions_.end()) {
+        FreeSlots(state);
+        return SessionNotFound(session);
+      }
+      s = &it->second;
+    }
+    ReservationId id = NewId();
+    reserved_bytes_ += state.bytes;
+    reservations_.emplace(id, std::move(state));
+    if (s) s->reservations.insert(id);
+    out.id = id;
+    return out;
+  }
+
+  absl::StatusOr<std::unique_ptr<SlotHandle>> AcquireSlot(
+      SessionId session, ReservationId id, uint32_t slot) override {
+    absl::MutexLock lock(&mu_);
+    ASSIGN_OR_RETURN(ReservationState * r, FindReservation(session, id));
+    if (slot >= r->slots.size()) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "slot ", slot, " out of range: reservation ", id, " has ",
+          r->slots.size()));
+    }
+    const Slot& s = r->slots[slot];
+    if (s.exists) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "slot ", slot, " of reservation ", id, " is EXISTS: nothing to write"));
+    }
+    ++r->busy;
+    return std::unique_ptr<SlotHandle>(new SlotHandleImpl(
+        this, id, absl::Span<char>(arena_->base() + s.data_offset, s.size)));
+  }
+
+  void ReleaseSlot(ReservationId id) {
+    absl::MutexLock lock(&mu_);
+    auto it = reservations_.find(id);
+    if (it == reservations_.end()) return;  // cannot happen: busy pins it
+    ReservationState& r = it->second;
+    if (--r.busy == 0 && r.doomed) {
+      FreeSlots(r);
+      reservations_.erase(it);
+    }
+  }
+
+  absl::StatusOr<std::vector<CommitOutcome>> CommitPut(
+      SessionId session, ReservationId id,
+      absl::Span<const uint64_t> checksums) override {
+    ReservationState r;
+    {
+      absl::MutexLock lock(&mu_);
+      ASSIGN_OR_RETURN(ReservationState * found, FindReservation(session, id));
+      if (checksums.size() != found->slots.size()) {
+        return absl::InvalidArgumentError(absl::StrCat(
+            "commit has ", checksums.size(), " checksums for ",
+            found->slots.size(), " blocks"));
+      }
+      if (found->busy > 0) {
+        return absl::FailedPreconditionError(absl::StrCat(
+            "reservation ", id, " still has a slot being written"));
+      }
+      r = std::move(*found);
+      reservations_.erase(id);
+      reserved_bytes_ -= r.bytes;
+      if (session != kInternalSession) {
+        auto s = sessions_.find(session);
+        if (s != sessions_.end()) s->second.reservations.erase(id);
+      }
+    }
+    NamespaceInfo* info = NamespaceById(r.ns_id);
+    std::vector<CommitOutcome> outcomes(r.slots.size());
+    for (size_t i = 0; i < r.slots.size(); ++i) {
+      Slot& slot = r.slots[i];
+      if (slot.exists) {
+        outcomes[i] = CommitOutcome::kAlreadyExists;
+        continue;
+      }
+      const char* data = arena_->base() + slot.data_offset;
+      if (BlockChecksum(data, slot.size) != checksums[i]) {
+        outcomes[i] = CommitOutcome::kChecksumMismatch;
+        FreeSlot(slot);
+        continue;
+      }
+      auto entry = std::make_unique<BlockEntry>();
+      entry->hash = BlockIndex::Hash(r.ns_id, slot.key);
+      entry->checksum = checksums[i];
+      entry->data_unit = static_cast<uint32_t>(slot.data_offset / 64);
+      entry->key_unit = static_cast<uint32_t>(slot.key_offset / 64);
+      entry->size = static_cast<uint32_t>(slot.size);
+      entry->ns_id = r.ns_id;
+      entry->key_len = static_cast<uint16_t>(slot.key.size());
+      if (index_.Insert(std::move(entry), slot.parent) != nullptr) {
+        outcomes[i] = CommitOutcome::kAlreadyExists;  // a racing writer won
+        FreeSlot(slot);
+        continue;
+      }
+      outcomes[i] = CommitOutcome::kStored;
+      info->blocks.fetch_add(1, std::memory_order_relaxed);
+      info->bytes.fetch_add(slot.size, std::memory_order_relaxed);
+      puts_.fetch_add(1, std::memory_order_relaxed);
+      put_bytes_.fetch_add(slot.size, std::memory_order_relaxed);
+    }
+    MaybeWakeEvictor();
+    return outcomes;
+  }
+
+  absl::Status AbortPut(SessionId session, ReservationId id) override {
+    absl::MutexLock lock(&mu_);
+    RETURN_IF_ERROR(FindReservation(session, id).status());
+    if (session != kInternalSession) {
+      auto s = sessions_.find(session);
+      if (s != sessions_.end()) s->second.reservations.erase(id);
+    }
+    EndReservation(id);
+    return absl::OkStatus();
+  }
+
+  // ---- eviction ----------------------------------------------------------
+
+  absl::StatusOr<EvictResult> Evict(absl::string_view ns,
+                                    absl::Span<const absl::string_view> keys,
+                                    bool all) override {
+    RETURN_IF_ERROR(ValidateNamespace(ns));
+    RETURN_IF_ERROR(CheckBatch(keys.size()));
+    for (absl::string_view k : keys) RETURN_IF_ERROR(ValidateKey(k));
+    if (!all && keys.empty()) {
+      return absl::InvalidArgumentError("evict needs keys or all");
+    }
+    EvictResult result;
+    NamespaceInfo* info = FindNamespace(ns);
+    if (info == nullptr) {
+      result.missing_keys = keys.size();
+      return result;
+    }
+    uint32_t ns_id = info->id;
+    auto drop = [&](std::unique_ptr<BlockEntry> e) {
+      ++result.evicted_blocks;
+      result.evicted_bytes += e->size;
+      FreeEntry(std::move(e), /*lru=*/false);
+    };
+    if (all) {
+      auto removed = index_.RemoveNamespace(ns_id, &result.pinned_blocks);
+      for (auto& e : removed) drop(std::move(e));
+      return result;
+    }
+    for (absl::string_view k : keys) {
+      std::unique_ptr<BlockEntry> e;
+      switch (index_.Remove(BlockIndex::MakeKey(ns_id, k), &e)) {
+        case BlockIndex::RemoveOutcome::kRemoved:
+          drop(std::move(e));
+          break;
+        case BlockIndex::RemoveOutcome::kPinned:
+          result.pinned_keys.emplace_back(k);
+          ++result.pinned_blocks;
+          break;
+        case BlockIndex::RemoveOutcome::kMissing:
+          ++result.missing_keys;
+          break;
+      }
+    }
+    return result;
+  }
+
+  uint64_t RunEviction() override {
+    uint64_t cap = arena_->capacity();
+    uint64_t high = static_cast<uint64_t>(options_.high_watermark * cap);
+    uint64_t low = static_cast<uint64_t>(options_.low_watermark * cap);
+    if (arena_->allocated_bytes() <= high) return 0;
+    uint64_t n = 0;
+    while (arena_->allocated_bytes() > low && EvictOne()) ++n;
+    return n;
+  }
+
+  void SetDraining(bool draining) override { draining_.store(draining); }
+
+  // ---- stats -------------------------------------------------------------
+
+  StoreStats Stats() override {
+    StoreStats st;
+    st.dram.used_bytes = arena_->allocated_bytes();
+    st.dram.capacity_bytes = arena_->capacity();
+    st.dram.blocks = index_.blocks();
+    st.dram.hits = dram_hits_.load();
+    st.dram.evictions = evictions_.load();
+    {
+      absl::MutexLock lock(&mu_);
+      st.sessions = sessions_.size();
+      st.pins = pins_.size();
+      st.pinned_blocks = pins_active_;
+      st.reservations = reservations_.size();
+      st.reserved_bytes = reserved_bytes_;
+    }
+    st.lookup_keys = lookup_keys_.load();
+    st.lookup_hits = lookup_hits_.load();
+    st.puts = puts_.load();
+    st.put_bytes = put_bytes_.load();
+    st.integrity_errors = 0;  // DRAM blocks are verified on commit
+    st.namespaces = ListNamespaces();
+    return st;
+  }
+
+  std::vector<NamespaceStats> ListNamespaces() override {
+    absl::MutexLock lock(&ns_mu_);
+    std::vector<NamespaceStats> out;
+    out.reserve(namespaces_.size());
+    for (const auto& info : namespaces_) {
+      out.push_back(NamespaceStats{info->name, info->blocks.load(),
+                                   info->bytes.load(), info->lookups.load(),
+                                   info->hits.load()});
+    }
+    return out;
+  }
+
+  DramRegion dram_region() const override {
+    return DramRegion{arena_->base(), arena_->capacity()};
+  }
+  const StoreOptions& options() const override { return options_; }
+
+ private:
+  absl::Status CheckBatch(size_t n) const {
+    if (n > options_.max_batch_keys) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "batch of ", n, " keys exceeds the limit of ",
+          options_.max_batch_keys));
+    }
+    return absl::OkStatus();
+  }
+
+  static absl::Status SessionNotFound(SessionId session) {
+    return absl::NotFoundError(
+        absl::StrCat("session ", session, " is unknown or expired"));
+  }
+
+  PinId NewId() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return ++next_id_; }
+
+  absl::StatusOr<Session*> LiveSession(SessionId session)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    auto it = sessions_.find(session);
+    if (it == sessions_.end() || it->second.deadline <= clock_->Now()) {
+      return SessionNotFound(session);
+    }
+    return &it->second;
+  }
+
+  absl::StatusOr<ReservationState*> FindReservation(SessionId session,
+                                                    ReservationId id)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    auto it = reservations_.find(id);
+    if (it == reservations_.end() || it->second.doomed ||
+        it->second.session != session) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "unknown reservation ", id, " for session ", session));
+    }
+    return &it->second;
+  }
+
+  SessionRelease EndSession(SessionId session)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    auto it = sessions_.find(session);
+    SessionRelease rel;
+    for (PinId p : it->second.pins) {
+      auto pit = pins_.find(p);
+      if (pit != pins_.end()) {
+        ReleasePin(pit);
+        ++rel.pins_released;
+      }
+    }
+    for (ReservationId r : it->second.reservations) {
+      if (EndReservation(r)) ++rel.reservations_aborted;
+    }
+    sessions_.erase(it);
+    return rel;
+  }
+
+  uint32_t ReleasePin(absl::flat_hash_map<PinId, Pin>::iterator it)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    uint32_t n = static_cast<uint32_t>(it->second.entries.size());
+    for (BlockEntry* e : it->second.entries) index_.Unpin(e);
+    pins_active_ -= n;
+    pins_.erase(it);
+    return n;
+  }
+
+  // Aborts a reservation: frees its slots now, or when its last SlotHandle
+  // goes. Returns false if it did not exist.
+  bool EndReservation(ReservationId id) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    auto it = reservations_.find(id);
+    if (it == reservations_.end() || it->second.doomed) return false;
+    reserved_bytes_ -= it->second.bytes;
+    if (it->second.busy > 0) {
+      it->second.doomed = true;
+    } else {
+      FreeSlots(it->second);
+      reservations_.erase(it);
+    }
+    return true;
+  }
+
+  // ---- arena space -------------------------------------------------------
+
+  // Allocates the key and data space of a slot, evicting as needed.
+  absl::Status AllocateSlot(Slot& slot) {
+    ASSIGN_OR_RETURN(slot.data_offset, AllocateEvicting(slot.size));
+    absl::StatusOr<uint64_t> key = AllocateEvicting(slot.key.size());
+    if (!key.ok()) {
+      arena_->Free(slot.data_offset);
+      return key.status();
+    }
+    slot.key_offset = *key;
+    std::memcpy(arena_->base() + slot.key_offset, slot.key.data(),
+                slot.key.size());
+    return absl::OkStatus();
+  }
+
+  absl::StatusOr<uint64_t> AllocateEvicting(uint64_t bytes) {
+    while (true) {
+      absl::StatusOr<uint64_t> off = arena_->Allocate(bytes);
+      if (off.ok()) {
+        MaybeWakeEvictor();
+        return off;
+      }
+      if (!EvictOne()) {
+        return absl::ResourceExhaustedError(absl::StrCat(
+            "DRAM tier full: no room for ", bytes, " bytes and nothing "
+            "evictable (", arena_->allocated_bytes(), " of ",
+            arena_->capacity(), " bytes pinned, reserved or fragmented)"));
+      }
+    }
+  }
+
+  void FreeSlot(Slot& slot) {
+    arena_->Free(slot.data_offset);
+    arena_->Free(slot.key_offset);
+  }
+
+  void FreeSlots(ReservationState& r) {
+    for (Slot& s : r.slots) {
+      if (!s.exists) FreeSlot(s);
+    }
+  }
+
+  // Frees a block removed from the index; `lru` counts it as an eviction.
+  void FreeEntry(std::unique_ptr<BlockEntry> e, bool lru) {
+    NamespaceInfo* info = NamespaceById(e->ns_id);
+    info->blocks.fetch_sub(1, std::memory_order_relaxed);
+    info->bytes.fetch_sub(e->size, std::memory_order_relaxed);
+    arena_->Free(e->data_offset());
+    arena_->Free(e->key_offset());
+    if (lru) evictions_.fetch_add(1, std::memory_order_relaxed);
+  }
+
+  // Evicts the least recently used evictable block of the next shard that
+  // has one. Returns false when no shard has one.
+  bool EvictOne() {
+    for (int i = 0; i < BlockIndex::kShards; ++i) {
+      int shard = static_cast<int>(
+          evict_cursor_.fetch_add(1, std::memory_order_relaxed) %
+          BlockIndex::kShards);
+      std::unique_ptr<BlockEntry> e = index_.PopEvictable(shard);
+      if (e) {
+        FreeEntry(std::move(e), /*lru=*/true);
+        return true;
+      }
+    }
+    return false;
+  }
+
+  void MaybeWakeEvictor() {
+    if (!evictor_.joinable()) return;
+    uint64_t high = static_cast<uint64_t>(options_.high_watermark *
+                                          arena_->capacity());
+    if (arena_->allocated_bytes() > high) {
+      absl::MutexLock lock(&evict_mu_);
+      evict_wanted_ = true;
+    }
+  }
+
+  void EvictorLoop() {
+    while (true) {
+      {
+        absl::MutexLock lock(&evict_mu_);
+        auto ready = [this]() ABSL_SHARED_LOCKS_REQUIRED(evict_mu_) {
+          return stop_ || evict_wanted_;
+        };
+        evict_mu_.AwaitWithTimeout(absl::Condition(&ready),
+                                   absl::Milliseconds(200));
+        if (stop_) return;
+        evict_wanted_ = false;
+      }
+      RunEviction();
+    }
+  }
+
+  // ---- namespaces --------------------------------------------------------
+
+  NamespaceInfo* FindNamespace(absl::string_view ns) {
+    absl::MutexLock lock(&ns_mu_);
+    auto it = ns_ids_.find(ns);
+    return it == ns_ids_.end() ? nullptr : namespaces_[it->second - 1].get();
+  }
+
+  NamespaceInfo* NamespaceById(uint32_t id) {
+    absl::MutexLock lock(&ns_mu_);
+    return namespaces_[id - 1].get();
+  }
+
+  absl::StatusOr<uint32_t> NamespaceIdFor(absl::string_view ns) {
+    absl::MutexLock lock(&ns_mu_);
+    auto it = ns_ids_.find(ns);
+    if (it != ns_ids_.end()) return it->second;
+    if (!options_.create_namespaces) {
+      return absl::NotFoundError(absl::StrCat("unknown namespace ", ns));
+    }
+    if (namespaces_.size() >= options_.max_namespaces) {
+      return absl::ResourceExhaustedError(absl::StrCat(
+          "too many namespaces (", options_.max_namespaces, ")"));
+    }
+    auto info = std::make_unique<NamespaceInfo>();
+    uint32_t id = static_cast<uint32_t>(namespaces_.size() + 1);
+    info->id = id;
+    info->name = std::string(ns);
+    namespaces_.push_back(std::move(info));
+    ns_ids_.emplace(std::string(ns), id);
+    return id;
+  }
+
+  // Constant after construction.
+  const StoreOptions options_;
+  Clock* const clock_;
+  const std::unique_ptr<DramArena> arena_;
+  BlockIndex index_;
+
+  std::atomic<bool> draining_{false};
+  std::atomic<uint64_t> evict_cursor_{0};
+  std::atomic<uint64_t> lookup_keys_{0}, lookup_hits_{0}, dram_hits_{0};
+  std::atomic<uint64_t> puts_{0}, put_bytes_{0}, evictions_{0};
+
+  absl::Mutex ns_mu_;
+  // Ids are 1-based indexes into namespaces_; entries are never removed, so
+  // NamespaceInfo pointers stay valid for the store's life.
+  absl::flat_hash_map<std::string, uint32_t> ns_ids_ ABSL_GUARDED_BY(ns_mu_);
+  std::vector<std::unique_ptr<NamespaceInfo>> namespaces_
+      ABSL_GUARDED_BY(ns_mu_);
+
+  mutable absl::Mutex mu_;
+  absl::flat_hash_map<SessionId, Session> sessions_ ABSL_GUARDED_BY(mu_);
+  absl::flat_hash_map<PinId, Pin> pins_ ABSL_GUARDED_BY(mu_);
+  absl::flat_hash_map<ReservationId, ReservationState> reservations_
+      ABSL_GUARDED_BY(mu_);
+  uint64_t next_id_ ABSL_GUARDED_BY(mu_) = 0;
+  uint64_t pins_active_ ABSL_GUARDED_BY(mu_) = 0;
+  uint64_t reserved_bytes_ ABSL_GUARDED_BY(mu_) = 0;
+  absl::BitGen rng_ ABSL_GUARDED_BY(mu_);
+
+  absl::Mutex evict_mu_;
+  bool stop_ ABSL_GUARDED_BY(evict_mu_) = false;
+  bool evict_wanted_ ABSL_GUARDED_BY(evict_mu_) = false;
+  std::thread evictor_;
+};
+
+SlotHandleImpl::~SlotHandleImpl() { store_->ReleaseSlot(id_); }
+
+}  // namespace
+
+absl::StatusOr<std::unique_ptr<TieredStore>> NewTieredStore(
+    const StoreOptions& options, Clock* clock) {
+  if (!(options.low_watermark > 0 && options.low_watermark <= options.high_watermark &&
+        options.high_watermark <= 1.0)) {
+    return absl::InvalidArgumentError(
+        "watermarks must satisfy 0 < low <= high <= 1");
+  }
+  if (options.max_batch_keys == 0) {
+    return absl::InvalidArgumentError("max_batch_keys must be positive");
+  }
+  if (options.max_block_bytes == 0 ||
+      options.max_block_bytes > std::numeric_limits<uint32_t>::max()) {
+    return absl::InvalidArgumentError(
+        "max_block_bytes must be between 1 byte and 4 GiB");
+  }
+  ASSIGN_OR_RETURN(std::unique_ptr<DramArena> arena,
+                   DramArena::Create(options.dram_capacity, options.hugepages));
+  return std::unique_ptr<TieredStore>(
+      new TieredStoreImpl(options, clock, std::move(arena)));
+}
+
+}  // namespace kvdepot

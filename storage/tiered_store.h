@@ -1,0 +1,235 @@
+// TieredStore: the storage engine behind every kvdepot operation. It decides
+// admission, placement, pinning and eviction; the gRPC service is a thin
+// adapter over it and never sees tiers. Today the store has a DRAM tier; the
+// NVMe tier plugs in behind this same interface.
+//
+// Semantics (see DESIGN.md):
+//  * A block is an immutable byte string under (namespace, key). A put of an
+//    existing key is an idempotent no-op (put-if-absent).
+//  * Sessions hold leases; pins and reservations belong to a session and are
+//    released when it closes or expires. kInternalSession owns pins and
+//    reservations of in-process callers (a gRPC stream handler), which must
+//    release them themselves; it never expires.
+//  * Readers never see a partial block: bytes are written into a reserved
+//    slot and published by CommitPut after their checksum is verified.
+//
+// Thread-safe: every method may be called from any thread.
+#ifndef KVDEPOT_STORAGE_TIERED_STORE_H_
+#define KVDEPOT_STORAGE_TIERED_STORE_H_
+
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
+#include "absl/time/time.h"
+#include "absl/types/span.h"
+#include "storage/clock.h"
+#include "storage/dram_arena.h"
+
+namespace kvdepot {
+
+using SessionId = uint64_t;
+using PinId = uint64_t;
+using ReservationId = uint64_t;
+
+inline constexpr SessionId kInternalSession = 0;
+
+enum class Tier : uint8_t { kNone = 0, kDram = 1, kNvme = 2 };
+const char* TierName(Tier tier);  // "dram", "nvme", or "none"
+
+struct StoreOptions {
+  uint64_t dram_capacity = uint64_t{1} << 30;
+  HugePageMode hugepages = HugePageMode::kAuto;
+  // Largest block accepted (also bounded by the DRAM capacity).
+  uint64_t max_block_bytes = uint64_t{256} << 20;
+  // Most keys in one Lookup, BeginPut, Read or Evict.
+  uint32_t max_batch_keys = 1024;
+  // Background eviction starts above high and stops below low (fractions of
+  // the DRAM capacity). A put that does not fit evicts synchronously.
+  double high_watermark = 0.95;
+  double low_watermark = 0.90;
+  absl::Duration default_lease = absl::Seconds(30);
+  absl::Duration min_lease = absl::Seconds(1);
+  absl::Duration max_lease = absl::Hours(1);
+  // Unknown namespaces are created by their first put when true.
+  bool create_namespaces = true;
+  uint32_t max_namespaces = 4096;
+  uint32_t max_sessions = 65536;
+  // Run a background thread that evicts down to the low watermark.
+  bool background_eviction = true;
+};
+
+struct SessionGrant {
+  SessionId id;
+  absl::Duration lease;
+};
+struct SessionRelease {
+  uint32_t pins_released = 0;
+  uint32_t reservations_aborted = 0;
+};
+
+struct LookupEntry {
+  bool found = false;
+  Tier tier = Tier::kNone;
+  uint64_t size = 0;
+  uint64_t checksum = 0;
+  uint64_t offset = 0;  // DRAM arena offset of the bytes (valid while pinned)
+};
+struct LookupResult {
+  std::vector<LookupEntry> entries;  // one per key asked
+  uint32_t prefix_hits = 0;          // leading keys found
+  PinId pin_id = 0;                  // 0 when nothing was pinned
+};
+
+struct PutSpec {
+  absl::string_view key;
+  absl::string_view parent;  // empty for a chain's first block
+  uint64_t size = 0;
+};
+struct PutSlot {
+  bool exists = false;  // already stored: nothing to write
+  uint64_t offset = 0;  // arena offset of the slot's bytes
+  uint64_t size = 0;
+};
+struct Reservation {
+  ReservationId id = 0;  // 0 when every key already exists
+  std::vector<PutSlot> slots;
+};
+enum class CommitOutcome { kStored, kAlreadyExists, kChecksumMismatch };
+
+struct EvictResult {
+  uint64_t evicted_blocks = 0;
+  uint64_t evicted_bytes = 0;
+  std::vector<std::string> pinned_keys;
+  uint64_t pinned_blocks = 0;
+  uint64_t missing_keys = 0;
+};
+
+struct TierStats {
+  uint64_t used_bytes = 0;  // space taken by blocks, keys and reservations
+  uint64_t capacity_bytes = 0;
+  uint64_t blocks = 0;
+  uint64_t hits = 0;
+  uint64_t evictions = 0;
+};
+struct NamespaceStats {
+  std::string name;
+  uint64_t blocks = 0;
+  uint64_t bytes = 0;
+  uint64_t lookups = 0;  // keys asked
+  uint64_t hits = 0;
+};
+struct StoreStats {
+  TierStats dram;
+  uint64_t sessions = 0;
+  uint64_t pins = 0;           // live pins
+  uint64_t pinned_blocks = 0;  // block references held by live pins
+  uint64_t reservations = 0;
+  uint64_t reserved_bytes = 0;
+  uint64_t lookup_keys = 0;
+  uint64_t lookup_hits = 0;
+  uint64_t puts = 0;
+  uint64_t put_bytes = 0;
+  uint64_t integrity_errors = 0;
+  std::vector<NamespaceStats> namespaces;
+};
+
+// Where the DRAM tier's bytes live (for the data plane and byte path).
+struct DramRegion {
+  char* base = nullptr;
+  uint64_t size = 0;
+};
+
+// Write access to one reserved slot; see TieredStore::AcquireSlot.
+class SlotHandle {
+ public:
+  virtual ~SlotHandle() = default;
+  virtual absl::Span<char> bytes() const = 0;
+};
+
+class TieredStore {
+ public:
+  TieredStore() = default;
+  TieredStore(const TieredStore&) = delete;
+  TieredStore& operator=(const TieredStore&) = delete;
+  virtual ~TieredStore() = default;
+
+  // Opens a session; `lease` 0 means the default, others are clamped to
+  // [min_lease, max_lease]. ResourceExhausted at max_sessions.
+  virtual absl::StatusOr<SessionGrant> OpenSession(
+      absl::Duration lease, absl::string_view client_name) = 0;
+  // Renews the lease. NotFound if the session is unknown or expired.
+  virtual absl::StatusOr<absl::Duration> KeepAlive(SessionId session) = 0;
+  // NotFound if unknown; otherwise releases its pins and reservations.
+  virtual absl::StatusOr<SessionRelease> CloseSession(SessionId session) = 0;
+  // Ends every session whose lease has run out (called periodically).
+  // Returns how many ended.
+  virtual int ExpireSessions() = 0;
+
+  // Looks up `keys` of namespace `ns`. With `prefix`, stops at the first miss.
+  // With `pin`, pins the hits atomically with the lookup (REQUIRES a live
+  // session or kInternalSession). InvalidArgument for a bad namespace or key
+  // or a batch over max_batch_keys; NotFound for an unknown session.
+  virtual absl::StatusOr<LookupResult> Lookup(
+      SessionId session, absl::string_view ns,
+      absl::Span<const absl::string_view> keys, bool prefix, bool pin) = 0;
+  // InvalidArgument for an unknown pin or one of another session. Returns the
+  // number of blocks released.
+  virtual absl::StatusOr<uint32_t> Unpin(SessionId session, PinId pin) = 0;
+
+  // Reserves DRAM space for `blocks` (EXISTS for stored keys). Evicts as
+  // needed; ResourceExhausted when nothing evictable makes room (nothing is
+  // reserved then). InvalidArgument for bad keys, sizes (0 or above
+  // max_block_bytes) or batch size; FailedPrecondition while draining.
+  virtual absl::StatusOr<Reservation> BeginPut(
+      SessionId session, absl::string_view ns,
+      absl::Span<const PutSpec> blocks) = 0;
+  // Writable bytes of one slot (the gRPC byte path fills slots through it).
+  // While the returned handle lives, the slot's memory stays allocated even
+  // if the reservation is aborted or its session expires (it is freed when
+  // the handle goes), and CommitPut of the reservation fails with
+  // FailedPrecondition. InvalidArgument for an unknown reservation or slot,
+  // or an EXISTS slot.
+  virtual absl::StatusOr<std::unique_ptr<SlotHandle>> AcquireSlot(
+      SessionId session, ReservationId id, uint32_t slot) = 0;
+  // Verifies and publishes every non-EXISTS slot; `checksums` has one entry
+  // per block of the BeginPut. The reservation ends either way (slots that
+  // fail are freed). InvalidArgument for an unknown reservation or a wrong
+  // number of checksums (the reservation then stays open).
+  virtual absl::StatusOr<std::vector<CommitOutcome>> CommitPut(
+      SessionId session, ReservationId id,
+      absl::Span<const uint64_t> checksums) = 0;
+  // Frees the reservation's slots. InvalidArgument for an unknown one.
+  virtual absl::Status AbortPut(SessionId session, ReservationId id) = 0;
+
+  // Removes unpinned blocks: `keys`, or the whole namespace with `all`.
+  virtual absl::StatusOr<EvictResult> Evict(
+      absl::string_view ns, absl::Span<const absl::string_view> keys,
+      bool all) = 0;
+
+  virtual StoreStats Stats() = 0;
+  virtual std::vector<NamespaceStats> ListNamespaces() = 0;
+
+  // Evicts down to the low watermark if above the high one. Returns the
+  // number of blocks evicted. (The background thread calls this too.)
+  virtual uint64_t RunEviction() = 0;
+  // Refuses new reservations with FailedPrecondition from now on; existing
+  // ones may still commit.
+  virtual void SetDraining(bool draining) = 0;
+
+  virtual DramRegion dram_region() const = 0;
+  virtual const StoreOptions& options() const = 0;
+};
+
+// Creates the store. `clock` must outlive it. InvalidArgument for
+// inconsistent options; ResourceExhausted when the DRAM tier cannot be mapped.
+absl::StatusOr<std::unique_ptr<TieredStore>> NewTieredStore(
+    const StoreOptions& options, Clock* clock);
+
+}  // namespace kvdepot
+
+#endif  // KVDEPOT_STORAGE_TIERED_STORE_H_

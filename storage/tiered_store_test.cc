@@ -1,0 +1,347 @@
+#include "storage/tiered_store.h"
+
+#include <gtest/gtest.h>
+
+#include <cstring>
+#include <string>
+#include <vector>
+
+#include "storage/checksum.h"
+#include "storage/fake_clock.h"
+#include "tests/status_matchers.h"
+
+namespace kvdepot {
+namespace {
+
+using ::kvdepot::testing::StatusIs;
+using Code = absl::StatusCode;
+
+constexpr uint64_t kCap = 4 << 20;  // 4 MiB DRAM tier
+
+class TieredStoreTest : public ::testing::Test {
+ protected:
+  void SetUp() override { Reopen(StoreOptions{}); }
+
+  void Reopen(StoreOptions opts) {
+    opts.dram_capacity = kCap;
+    opts.hugepages = HugePageMode::kOff;
+    opts.background_eviction = false;
+    store_.reset();
+    auto s = NewTieredStore(opts, &clock_);
+    ASSERT_OK(s);
+    store_ = std::move(s).value();
+    auto session = store_->OpenSession(absl::ZeroDuration(), "test");
+    ASSERT_OK(session);
+    sid_ = session->id;
+  }
+
+  // Two-phase put of one block with the given bytes.
+  absl::StatusOr<CommitOutcome> Put(const std::string& key,
+                                    const std::string& bytes,
+                                    const std::string& parent = "",
+                                    const std::string& ns = "ns") {
+    PutSpec spec{key, parent, bytes.size()};
+    auto r = store_->BeginPut(sid_, ns, {&spec, 1});
+    if (!r.ok()) return r.status();
+    if (r->slots[0].exists) return CommitOutcome::kAlreadyExists;
+    {
+      auto slot = store_->AcquireSlot(sid_, r->id, 0);
+      if (!slot.ok()) return slot.status();
+      std::memcpy((*slot)->bytes().data(), bytes.data(), bytes.size());
+    }
+    uint64_t sum = BlockChecksum(bytes);
+    auto c = store_->CommitPut(sid_, r->id, {&sum, 1});
+    if (!c.ok()) return c.status();
+    return (*c)[0];
+  }
+
+  std::string Read(const std::string& key, const std::string& ns = "ns") {
+    absl::string_view k = key;
+    auto r = store_->Lookup(sid_, ns, {&k, 1}, false, true);
+    EXPECT_OK(r);
+    if (!r.ok() || !r->entries[0].found) return "<miss>";
+    std::string out(store_->dram_region().base + r->entries[0].offset,
+                    r->entries[0].size);
+    EXPECT_EQ(BlockChecksum(out), r->entries[0].checksum);
+    EXPECT_OK(store_->Unpin(sid_, r->pin_id));
+    return out;
+  }
+
+  bool Has(const std::string& key, const std::string& ns = "ns") {
+    absl::string_view k = key;
+    auto r = store_->Lookup(sid_, ns, {&k, 1}, false, false);
+    return r.ok() && r->entries[0].found;
+  }
+
+  FakeClock clock_;
+  std::unique_ptr<TieredStore> store_;
+  SessionId sid_ = 0;
+};
+
+TEST_F(TieredStoreTest, PutThenReadReturnsTheSameBytes) {
+  std::string bytes(5000, 'x');
+  bytes[17] = 'y';
+  ASSERT_OK(Put("key1", bytes));
+  EXPECT_EQ(Read("key1"), bytes);
+  StoreStats st = store_->Stats();
+  EXPECT_EQ(st.dram.blocks, 1u);
+  EXPECT_EQ(st.puts, 1u);
+  EXPECT_GE(st.dram.used_bytes, 5000u);
+}
+
+TEST_F(TieredStoreTest, BlocksAreInvisibleUntilCommitted) {
+  std::string bytes(1000, 'a');
+  PutSpec spec{"k", "", bytes.size()};
+  auto r = store_->BeginPut(sid_, "ns", {&spec, 1});
+  ASSERT_OK(r);
+  {
+    auto slot = store_->AcquireSlot(sid_, r->id, 0);
+    ASSERT_OK(slot);
+    std::memcpy((*slot)->bytes().data(), bytes.data(), bytes.size());
+  }
+  EXPECT_FALSE(Has("k"));
+  uint64_t sum = BlockChecksum(bytes);
+  auto c = store_->CommitPut(sid_, r->id, {&sum, 1});
+  ASSERT_OK(c);
+  EXPECT_EQ((*c)[0], CommitOutcome::kStored);
+  EXPECT_TRUE(Has("k"));
+}
+
+TEST_F(TieredStoreTest, SecondPutIsANoOpAndKeepsTheFirstBytes) {
+  ASSERT_OK(Put("k", std::string(100, '1')));
+  auto second = Put("k", std::string(100, '2'));
+  ASSERT_OK(second);
+  EXPECT_EQ(*second, CommitOutcome::kAlreadyExists);
+  EXPECT_EQ(Read("k"), std::string(100, '1'));
+  EXPECT_EQ(store_->Stats().dram.blocks, 1u);
+}
+
+TEST_F(TieredStoreTest, RacingWritersPublishOnlyOnce) {
+  // Both reserve before either commits; the loser's slot is freed.
+  PutSpec spec{"k", "", 64};
+  auto r1 = store_->BeginPut(sid_, "ns", {&spec, 1});
+  auto r2 = store_->BeginPut(sid_, "ns", {&spec, 1});
+  ASSERT_OK(r1);
+  ASSERT_OK(r2);
+  std::string a(64, 'a'), b(64, 'b');
+  for (auto [r, bytes] : {std::pair{&*r1, &a}, std::pair{&*r2, &b}}) {
+    auto slot = store_->AcquireSlot(sid_, r->id, 0);
+    ASSERT_OK(slot);
+    std::memcpy((*slot)->bytes().data(), bytes->data(), 64);
+  }
+  uint64_t sa = BlockChecksum(a), sb = BlockChecksum(b);
+  EXPECT_EQ((*store_->CommitPut(sid_, r1->id, {&sa, 1}))[0], CommitOutcome::kStored);
+  EXPECT_EQ((*store_->CommitPut(sid_, r2->id, {&sb, 1}))[0],
+            CommitOutcome::kAlreadyExists);
+  EXPECT_EQ(Read("k"), a);
+  EXPECT_EQ(store_->Stats().reservations, 0u);
+}
+
+TEST_F(TieredStoreTest, ChecksumMismatchIsNotPublishedAndFreesTheSlot) {
+  uint64_t before = store_->Stats().dram.used_bytes;
+  PutSpec spec{"k", "", 128};
+  auto r = store_->BeginPut(sid_, "ns", {&spec, 1});
+  ASSERT_OK(r);
+  uint64_t wrong = 12345;
+  auto c = store_->CommitPut(sid_, r->id, {&wrong, 1});
+  ASSERT_OK(c);
+  EXPECT_EQ((*c)[0], CommitOutcome::kChecksumMismatch);
+  EXPECT_FALSE(Has("k"));
+  EXPECT_EQ(store_->Stats().dram.used_bytes, before);
+}
+
+TEST_F(TieredStoreTest, RejectsBadKeysSizesAndBatches) {
+  std::string big_key(257, 'k');
+  EXPECT_THAT(Put("", "x"), StatusIs(Code::kInvalidArgument));
+  EXPECT_THAT(Put(big_key, "x"), StatusIs(Code::kInvalidArgument));
+  EXPECT_OK(Put(std::string(256, 'k'), "x"));
+  EXPECT_THAT(Put("k", "x", std::string(300, 'p')), StatusIs(Code::kInvalidArgument));
+  EXPECT_THAT(Put("k", "x", "", "bad namespace!"), StatusIs(Code::kInvalidArgument));
+  PutSpec zero{"z", "", 0};
+  EXPECT_THAT(store_->BeginPut(sid_, "ns", {&zero, 1}),
+              StatusIs(Code::kInvalidArgument));
+  PutSpec huge{"h", "", kCap + 1};
+  EXPECT_THAT(store_->BeginPut(sid_, "ns", {&huge, 1}),
+              StatusIs(Code::kResourceExhausted));
+  std::vector<absl::string_view> keys(1025, "k");
+  EXPECT_THAT(store_->Lookup(sid_, "ns", keys, false, false),
+              StatusIs(Code::kInvalidArgument));
+  EXPECT_EQ(store_->Stats().reservations, 0u);
+}
+
+TEST_F(TieredStoreTest, PrefixLookupStopsAtFirstMiss) {
+  ASSERT_OK(Put("b0", "x"));
+  ASSERT_OK(Put("b1", "x", "b0"));
+  ASSERT_OK(Put("b3", "x", "b2"));
+  std::vector<absl::string_view> keys = {"b0", "b1", "b2", "b3"};
+  auto r = store_->Lookup(sid_, "ns", keys, /*prefix=*/true, false);
+  ASSERT_OK(r);
+  EXPECT_EQ(r->prefix_hits, 2u);
+  EXPECT_TRUE(r->entries[1].found);
+  EXPECT_FALSE(r->entries[3].found);  // not examined after the miss
+  auto all = store_->Lookup(sid_, "ns", keys, /*prefix=*/false, false);
+  ASSERT_OK(all);
+  EXPECT_EQ(all->prefix_hits, 2u);
+  EXPECT_TRUE(all->entries[3].found);
+}
+
+TEST_F(TieredStoreTest, PinnedLookupRequiresALiveSession) {
+  ASSERT_OK(Put("k", "x"));
+  absl::string_view k = "k";
+  EXPECT_THAT(store_->Lookup(999, "ns", {&k, 1}, false, true),
+              StatusIs(Code::kNotFound));
+  EXPECT_THAT(store_->Unpin(sid_, 424242), StatusIs(Code::kInvalidArgument));
+}
+
+TEST_F(TieredStoreTest, PinsSurviveEvictionPressureAndFullTierFailsPut) {
+  std::string block(512 << 10, 'p');  // 512 KiB
+  ASSERT_OK(Put("pinned", block));
+  absl::string_view k = "pinned";
+  auto pin = store_->Lookup(sid_, "ns", {&k, 1}, false, true);
+  ASSERT_OK(pin);
+  ASSERT_NE(pin->pin_id, 0u);
+  // Write far more than the tier holds: old blocks are evicted, not the pin.
+  for (int i = 0; i < 40; ++i) {
+    ASSERT_OK(Put("fill" + std::to_string(i), block));
+  }
+  EXPECT_TRUE(Has("pinned"));
+  EXPECT_FALSE(Has("fill0"));
+  EXPECT_TRUE(Has("fill39"));
+  EXPECT_GT(store_->Stats().dram.evictions, 0u);
+  // Pin everything: a new put cannot make room.
+  std::vector<std::string> names;
+  for (int i = 0; i < 40; ++i) names.push_back("fill" + std::to_string(i));
+  std::vector<absl::string_view> views(names.begin(), names.end());
+  auto all = store_->Lookup(sid_, "ns", views, false, true);
+  ASSERT_OK(all);
+  EXPECT_THAT(Put("one-more", block), StatusIs(Code::kResourceExhausted));
+  EXPECT_EQ(store_->Stats().reservations, 0u);
+  // Unpinning makes room again.
+  ASSERT_OK(store_->Unpin(sid_, all->pin_id));
+  EXPECT_OK(Put("one-more", block));
+}
+
+TEST_F(TieredStoreTest, EvictionKeepsPrefixesOfCachedChains) {
+  // Two chains of 4 x 256 KiB; chain A is older. Then fill until evictions
+  // begin: chain A's blocks must go leaf first, so at every point the
+  // cached part of chain A is a prefix.
+  std::string block(256 << 10, 'c');
+  for (const char* c : {"A", "B"}) {
+    for (int i = 0; i < 4; ++i) {
+      std::string key = std::string(c) + std::to_string(i);
+      std::string parent = i ? std::string(c) + std::to_string(i - 1) : "";
+      ASSERT_OK(Put(key, block, parent));
+    }
+  }
+  for (int i = 0; i < 20; ++i) {
+    ASSERT_OK(Put("f" + std::to_string(i), block));
+    bool gap = false;
+    for (int j = 0; j < 4; ++j) {
+      bool has = Has("A" + std::to_string(j));
+      if (!has) gap = true;
+      EXPECT_FALSE(gap && has) << "A" << j << " cached after a missing parent";
+    }
+  }
+  EXPECT_FALSE(Has("A3"));
+}
+
+TEST_F(TieredStoreTest, ExpiredSessionReleasesPinsAndReservations) {
+  ASSERT_OK(Put("k", std::string(1000, 'k')));
+  absl::string_view k = "k";
+  ASSERT_OK(store_->Lookup(sid_, "ns", {&k, 1}, false, true));
+  PutSpec spec{"pending", "", 100000};
+  ASSERT_OK(store_->BeginPut(sid_, "ns", {&spec, 1}));
+  StoreStats st = store_->Stats();
+  EXPECT_EQ(st.pins, 1u);
+  EXPECT_EQ(st.reservations, 1u);
+  uint64_t used_with_resv = st.dram.used_bytes;
+
+  clock_.Advance(absl::Seconds(29));
+  EXPECT_EQ(store_->ExpireSessions(), 0);
+  ASSERT_OK(store_->KeepAlive(sid_));  // renews to now + 30 s
+  clock_.Advance(absl::Seconds(29));
+  EXPECT_EQ(store_->ExpireSessions(), 0);
+  clock_.Advance(absl::Seconds(2));
+  EXPECT_EQ(store_->ExpireSessions(), 1);
+
+  st = store_->Stats();
+  EXPECT_EQ(st.sessions, 0u);
+  EXPECT_EQ(st.pins, 0u);
+  EXPECT_EQ(st.reservations, 0u);
+  EXPECT_LT(st.dram.used_bytes, used_with_resv);
+  EXPECT_THAT(store_->KeepAlive(sid_), StatusIs(Code::kNotFound));
+  // The pin is gone: the block is evictable now.
+  auto ev = store_->Evict("ns", {&k, 1}, false);
+  ASSERT_OK(ev);
+  EXPECT_EQ(ev->evicted_blocks, 1u);
+}
+
+TEST_F(TieredStoreTest, SlotHandleOutlivesAnAbortedReservation) {
+  PutSpec spec{"k", "", 4096};
+  auto r = store_->BeginPut(sid_, "ns", {&spec, 1});
+  ASSERT_OK(r);
+  auto slot = store_->AcquireSlot(sid_, r->id, 0);
+  ASSERT_OK(slot);
+  uint64_t sum = 0;
+  EXPECT_THAT(store_->CommitPut(sid_, r->id, {&sum, 1}),
+              StatusIs(Code::kFailedPrecondition));
+  uint64_t used = store_->Stats().dram.used_bytes;
+  ASSERT_OK(store_->CloseSession(sid_));
+  // Still writable and still allocated while the handle lives.
+  std::memset((*slot)->bytes().data(), 7, 4096);
+  EXPECT_EQ(store_->Stats().dram.used_bytes, used);
+  slot->reset();
+  EXPECT_LT(store_->Stats().dram.used_bytes, used);
+}
+
+TEST_F(TieredStoreTest, EvictReportsPinnedAndMissingKeys) {
+  ASSERT_OK(Put("a", "1"));
+  ASSERT_OK(Put("b", "2"));
+  absl::string_view a = "a";
+  ASSERT_OK(store_->Lookup(sid_, "ns", {&a, 1}, false, true));
+  std::vector<absl::string_view> keys = {"a", "b", "c"};
+  auto ev = store_->Evict("ns", keys, false);
+  ASSERT_OK(ev);
+  EXPECT_EQ(ev->evicted_blocks, 1u);
+  EXPECT_EQ(ev->pinned_keys, std::vector<std::string>{"a"});
+  EXPECT_EQ(ev->missing_keys, 1u);
+  auto all = store_->Evict("ns", {}, true);
+  ASSERT_OK(all);
+  EXPECT_EQ(all->pinned_blocks, 1u);
+  EXPECT_TRUE(Has("a"));
+}
+
+TEST_F(TieredStoreTest, DrainingRefusesNewPuts) {
+  store_->SetDraining(true);
+  EXPECT_THAT(Put("k", "x"), StatusIs(Code::kFailedPrecondition));
+  store_->SetDraining(false);
+  EXPECT_OK(Put("k", "x"));
+}
+
+TEST_F(TieredStoreTest, NamespacesAreIsolatedAndListed) {
+  ASSERT_OK(Put("k", "one", "", "model-a/tp0"));
+  ASSERT_OK(Put("k", "two", "", "model-b/tp0"));
+  EXPECT_EQ(Read("k", "model-a/tp0"), "one");
+  EXPECT_EQ(Read("k", "model-b/tp0"), "two");
+  auto list = store_->ListNamespaces();
+  ASSERT_EQ(list.size(), 2u);
+  EXPECT_EQ(list[0].blocks, 1u);
+  EXPECT_EQ(list[0].bytes, 3u);
+}
+
+TEST_F(TieredStoreTest, BackgroundEvictionHonoursWatermarks) {
+  StoreOptions opts;
+  opts.high_watermark = 0.5;
+  opts.low_watermark = 0.25;
+  Reopen(opts);
+  std::string block(256 << 10, 'w');
+  for (int i = 0; i < 12; ++i) ASSERT_OK(Put("w" + std::to_string(i), block));
+  EXPECT_GT(store_->Stats().dram.used_bytes, kCap / 2);
+  EXPECT_GT(store_->RunEviction(), 0u);
+  EXPECT_LE(store_->Stats().dram.used_bytes, kCap / 4);
+  EXPECT_TRUE(Has("w11"));
+  EXPECT_FALSE(Has("w0"));
+}
+
+}  // namespace
+}  // namespace kvdepot
