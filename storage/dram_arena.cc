@@ -224,9 +224,10 @@ absl::StatusOr<std::unique_ptr<DramArena>> DramArena::Create(
   std::string kind;
   if (mode != HugePageMode::kOff) {
     size_t huge = (rounded + kHugePage - 1) / kHugePage * kHugePage;
+    // No MAP_NORESERVE here: the kernel must reserve the hugepages now, so a
+    // shortage fails this call instead of raising SIGBUS on first touch.
     mem = mmap(nullptr, huge, PROT_READ | PROT_WRITE,
-               MAP_PRIVATE | MAP_ANONYMOUS | MAP_HUGETLB | MAP_NORESERVE, -1,
-               0);
+               MAP_PRIVATE | MAP_ANONYMOUS | MAP_HUGETLB, -1, 0);
     if (mem != MAP_FAILED) {
       rounded = huge;
       kind = "hugetlb";

@@ -1,0 +1,300 @@
+#include "client/client.h"
+
+#include <grpcpp/create_channel.h>
+#include <grpcpp/security/credentials.h>
+
+#include <algorithm>
+#include <chrono>
+#include <utility>
+
+#include "absl/strings/str_cat.h"
+#include "grpc/health/v1/health.grpc.pb.h"
+#include "storage/block_key.h"
+#include "storage/checksum.h"
+#include "storage/status_macros.h"
+
+namespace kvdepot {
+
+namespace {
+constexpr size_t kChunk = 1 << 20;
+}  // namespace
+
+absl::Status FromGrpcStatus(const grpc::Status& status) {
+  if (status.ok()) return absl::OkStatus();
+  return absl::Status(static_cast<absl::StatusCode>(status.error_code()),
+                      status.error_message());
+}
+
+Client::Client(const ClientOptions& options) : options_(options) {
+  grpc::ChannelArguments args;
+  args.SetMaxReceiveMessageSize(32 << 20);
+  args.SetMaxSendMessageSize(32 << 20);
+  channel_ = grpc::CreateCustomChannel(options_.server,
+                                       grpc::InsecureChannelCredentials(), args);
+  stub_ = v1::KvDepot::NewStub(channel_);
+}
+
+absl::StatusOr<std::unique_ptr<Client>> Client::Connect(
+    const ClientOptions& options) {
+  if (options.server.empty()) {
+    return absl::InvalidArgumentError("server address is empty");
+  }
+  return std::unique_ptr<Client>(new Client(options));
+}
+
+Client::~Client() {
+  CloseSession().IgnoreError();
+  {
+    absl::MutexLock lock(&mu_);
+    stop_ = true;
+  }
+  if (keepalive_.joinable()) keepalive_.join();
+}
+
+void Client::PrepareContext(grpc::ClientContext* ctx) const {
+  ctx->set_deadline(std::chrono::system_clock::now() +
+                    absl::ToChronoMilliseconds(options_.rpc_timeout));
+}
+
+absl::Status Client::Health() {
+  auto stub = grpc::health::v1::Health::NewStub(channel_);
+  grpc::ClientContext ctx;
+  PrepareContext(&ctx);
+  grpc::health::v1::HealthCheckRequest req;
+  grpc::health::v1::HealthCheckResponse resp;
+  RETURN_IF_ERROR(FromGrpcStatus(stub->Check(&ctx, req, &resp)));
+  if (resp.status() != grpc::health::v1::HealthCheckResponse::SERVING) {
+    return absl::UnavailableError(absl::StrCat(
+        "kvdepotd at ", options_.server, " is not serving (",
+        grpc::health::v1::HealthCheckResponse::ServingStatus_Name(resp.status()),
+        ")"));
+  }
+  return absl::OkStatus();
+}
+
+absl::StatusOr<uint64_t> Client::OpenSessionLocked() {
+  grpc::ClientContext ctx;
+  PrepareContext(&ctx);
+  v1::OpenSessionRequest req;
+  req.set_lease_ms(static_cast<uint32_t>(absl::ToInt64Milliseconds(options_.lease)));
+  req.set_client_name(options_.client_name);
+  v1::OpenSessionResponse resp;
+  RETURN_IF_ERROR(FromGrpcStatus(stub_->OpenSession(&ctx, req, &resp)));
+  session_id_ = resp.session_id();
+  lease_ = absl::Milliseconds(resp.lease_ms());
+  if (!keepalive_.joinable()) {
+    keepalive_ = std::thread([this] { KeepAliveLoop(); });
+  }
+  return session_id_;
+}
+
+absl::StatusOr<uint64_t> Client::EnsureSession() {
+  absl::MutexLock lock(&mu_);
+  if (session_id_ != 0) return session_id_;
+  return OpenSessionLocked();
+}
+
+absl::Status Client::CloseSession() {
+  uint64_t id;
+  {
+    absl::MutexLock lock(&mu_);
+    id = std::exchange(session_id_, 0);
+  }
+  if (id == 0) return absl::OkStatus();
+  grpc::ClientContext ctx;
+  ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(2));
+  v1::CloseSessionRequest req;
+  req.set_session_id(id);
+  v1::CloseSessionResponse resp;
+  return FromGrpcStatus(stub_->CloseSession(&ctx, req, &resp));
+}
+
+void Client::KeepAliveLoop() {
+  absl::MutexLock lock(&mu_);
+  while (!stop_) {
+    absl::Duration period = std::max(lease_ / 3, absl::Milliseconds(100));
+    mu_.AwaitWithTimeout(absl::Condition(&stop_), period);
+    if (stop_ || session_id_ == 0) continue;
+    uint64_t id = session_id_;
+    mu_.Unlock();
+    grpc::ClientContext ctx;
+    ctx.set_deadline(std::chrono::system_clock::now() +
+                     absl::ToChronoMilliseconds(std::max(period, absl::Seconds(1))));
+    v1::KeepAliveRequest req;
+    req.set_session_id(id);
+    v1::KeepAliveResponse resp;
+    grpc::Status st = stub_->KeepAlive(&ctx, req, &resp);
+    mu_.Lock();
+    // The daemon forgot the session (restart or expiry): drop it; the next
+    // call that needs one opens a new one.
+    if (st.error_code() == grpc::StatusCode::NOT_FOUND && session_id_ == id) {
+      session_id_ = 0;
+    }
+  }
+}
+
+absl::StatusOr<LookupReply> Client::Lookup(absl::string_view ns,
+                                           absl::Span<const absl::string_view> keys,
+                                           bool prefix, bool pin) {
+  v1::LookupRequest req;
+  if (pin) {
+    ASSIGN_OR_RETURN(uint64_t sid, EnsureSession());
+    req.set_session_id(sid);
+  }
+  req.set_namespace_(std::string(ns));
+  for (absl::string_view k : keys) req.add_keys(std::string(k));
+  req.set_prefix(prefix);
+  req.set_pin(pin);
+  grpc::ClientContext ctx;
+  PrepareContext(&ctx);
+  v1::LookupResponse resp;
+  RETURN_IF_ERROR(FromGrpcStatus(stub_->Lookup(&ctx, req, &resp)));
+  LookupReply out;
+  out.prefix_hits = resp.prefix_hits();
+  out.pin_id = resp.pin_id();
+  out.entries.reserve(resp.entries_size());
+  for (const v1::LookupEntry& e : resp.entries()) {
+    out.entries.push_back(BlockInfo{e.found(), e.tier(), e.size(), e.checksum()});
+  }
+  return out;
+}
+
+absl::Status Client::Unpin(uint64_t pin_id) {
+  v1::UnpinRequest req;
+  {
+    absl::MutexLock lock(&mu_);
+    req.set_session_id(session_id_);
+  }
+  req.set_pin_id(pin_id);
+  grpc::ClientContext ctx;
+  PrepareContext(&ctx);
+  v1::UnpinResponse resp;
+  return FromGrpcStatus(stub_->Unpin(&ctx, req, &resp));
+}
+
+absl::StatusOr<std::vector<PutResult>> Client::Put(
+    absl::string_view ns, absl::Span<const BlockToPut> blocks) {
+  RETURN_IF_ERROR(ValidateNamespace(ns));
+  for (const BlockToPut& b : blocks) RETURN_IF_ERROR(ValidateKey(b.key));
+  grpc::ClientContext ctx;
+  PrepareContext(&ctx);
+  v1::WriteResponse resp;
+  std::unique_ptr<grpc::ClientWriter<v1::WriteRequest>> writer =
+      stub_->Write(&ctx, &resp);
+  v1::WriteRequest msg;
+  bool open = true;
+  for (const BlockToPut& b : blocks) {
+    if (!open) break;
+    msg.Clear();
+    v1::WriteHeader* h = msg.mutable_header();
+    h->set_namespace_(std::string(ns));
+    h->set_key(std::string(b.key));
+    h->set_parent_key(std::string(b.parent));
+    h->set_size(b.bytes.size());
+    h->set_checksum(BlockChecksum(b.bytes));
+    open = writer->Write(msg);
+    for (size_t off = 0; open && off < b.bytes.size(); off += kChunk) {
+      msg.Clear();
+      msg.set_data(std::string(b.bytes.substr(off, kChunk)));
+      open = writer->Write(msg);
+    }
+  }
+  if (open) writer->WritesDone();
+  RETURN_IF_ERROR(FromGrpcStatus(writer->Finish()));
+  if (static_cast<size_t>(resp.results_size()) != blocks.size()) {
+    return absl::InternalError(absl::StrCat("daemon answered ", resp.results_size(),
+                                            " results for ", blocks.size(), " blocks"));
+  }
+  std::vector<PutResult> out;
+  out.reserve(blocks.size());
+  for (int r : resp.results()) {
+    out.push_back(r == v1::WRITE_ALREADY_EXISTS ? PutResult::kAlreadyExists
+                                                : PutResult::kStored);
+  }
+  return out;
+}
+
+absl::StatusOr<std::vector<Block>> Client::Get(
+    absl::string_view ns, absl::Span<const absl::string_view> keys) {
+  v1::ReadRequest req;
+  req.set_namespace_(std::string(ns));
+  for (absl::string_view k : keys) req.add_keys(std::string(k));
+  grpc::ClientContext ctx;
+  PrepareContext(&ctx);
+  std::unique_ptr<grpc::ClientReader<v1::ReadResponse>> reader =
+      stub_->Read(&ctx, req);
+  std::vector<Block> out;
+  out.reserve(keys.size());
+  uint64_t want = 0;
+  v1::ReadResponse msg;
+  auto finish_block = [&]() -> absl::Status {
+    Block& b = out.back();
+    if (b.bytes.size() != want) {
+      return absl::DataLossError(absl::StrCat("block ", KeyToHex(b.key), " has ",
+                                              b.bytes.size(), " of ", want, " bytes"));
+    }
+    if (BlockChecksum(b.bytes) != b.checksum) {
+      return absl::DataLossError(
+          absl::StrCat("block ", KeyToHex(b.key), " fails its checksum"));
+    }
+    return absl::OkStatus();
+  };
+  while (reader->Read(&msg)) {
+    if (msg.has_header()) {
+      if (!out.empty()) {
+        absl::Status st = finish_block();
+        if (!st.ok()) {
+          ctx.TryCancel();
+          (void)reader->Finish();
+          return st;
+        }
+      }
+      Block& b = out.emplace_back();
+      b.key = msg.header().key();
+      b.checksum = msg.header().checksum();
+      want = msg.header().size();
+      b.bytes.reserve(want);
+    } else if (!out.empty()) {
+      out.back().bytes.append(msg.data());
+    }
+  }
+  RETURN_IF_ERROR(FromGrpcStatus(reader->Finish()));
+  if (!out.empty()) RETURN_IF_ERROR(finish_block());
+  if (out.size() != keys.size()) {
+    return absl::DataLossError(absl::StrCat("stream carried ", out.size(),
+                                            " of ", keys.size(), " blocks"));
+  }
+  return out;
+}
+
+absl::StatusOr<v1::EvictResponse> Client::Evict(
+    absl::string_view ns, absl::Span<const absl::string_view> keys, bool all) {
+  v1::EvictRequest req;
+  req.set_namespace_(std::string(ns));
+  for (absl::string_view k : keys) req.add_keys(std::string(k));
+  req.set_all(all);
+  grpc::ClientContext ctx;
+  PrepareContext(&ctx);
+  v1::EvictResponse resp;
+  RETURN_IF_ERROR(FromGrpcStatus(stub_->Evict(&ctx, req, &resp)));
+  return resp;
+}
+
+absl::StatusOr<v1::StatsResponse> Client::Stats() {
+  grpc::ClientContext ctx;
+  PrepareContext(&ctx);
+  v1::StatsResponse resp;
+  RETURN_IF_ERROR(FromGrpcStatus(stub_->Stats(&ctx, v1::StatsRequest(), &resp)));
+  return resp;
+}
+
+absl::StatusOr<v1::ListNamespacesResponse> Client::ListNamespaces() {
+  grpc::ClientContext ctx;
+  PrepareContext(&ctx);
+  v1::ListNamespacesResponse resp;
+  RETURN_IF_ERROR(FromGrpcStatus(
+      stub_->ListNamespaces(&ctx, v1::ListNamespacesRequest(), &resp)));
+  return resp;
+}
+
+}  // namespace kvdepot

@@ -1,0 +1,145 @@
+// libkvdepot: the C++ client of kvdepotd.
+//
+//   auto client = kvdepot::Client::Connect({.server = "127.0.0.1:50551"});
+//   (*client)->Put("llama3-8b/bf16/tp0", {{key, parent, bytes}});
+//   auto hits = (*client)->Lookup("llama3-8b/bf16/tp0", keys, /*prefix=*/true,
+//                                 /*pin=*/true);
+//   auto blocks = (*client)->Get("llama3-8b/bf16/tp0", keys);
+//
+// Blocks move over the gRPC byte path (Write/Read streams in 1 MiB chunks);
+// the UCX data plane comes in a later release behind the same calls. Every
+// block read is checked against its XXH3-64 before it is returned. A session
+// is opened on first need (pinning) and kept alive by a background thread
+// (KeepAlive at a third of the lease); if the daemon forgets it (restart,
+// expiry), the next call that needs one opens a new one.
+//
+// Errors are absl::Status with the daemon's gRPC code (see the .proto), or
+// UNAVAILABLE / DEADLINE_EXCEEDED when the daemon cannot be reached in time.
+// Thread-safe: one Client may be shared by many threads.
+#ifndef KVDEPOT_CLIENT_CLIENT_H_
+#define KVDEPOT_CLIENT_CLIENT_H_
+
+#include <grpcpp/channel.h>
+
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "absl/base/thread_annotations.h"
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
+#include "absl/synchronization/mutex.h"
+#include "absl/time/time.h"
+#include "absl/types/span.h"
+#include "kvdepot/v1/kvdepot.grpc.pb.h"
+
+namespace kvdepot {
+
+struct ClientOptions {
+  std::string server = "127.0.0.1:50551";
+  // Deadline of each RPC (a stream's deadline covers the whole stream).
+  absl::Duration rpc_timeout = absl::Seconds(30);
+  // Session lease to ask for; zero means the daemon's default.
+  absl::Duration lease = absl::ZeroDuration();
+  std::string client_name = "libkvdepot";
+};
+
+struct BlockInfo {
+  bool found = false;
+  v1::Tier tier = v1::TIER_UNSPECIFIED;
+  uint64_t size = 0;
+  uint64_t checksum = 0;
+};
+
+struct LookupReply {
+  std::vector<BlockInfo> entries;  // one per key asked
+  uint32_t prefix_hits = 0;
+  uint64_t pin_id = 0;  // 0 when nothing was pinned
+};
+
+struct BlockToPut {
+  absl::string_view key;
+  absl::string_view parent;  // empty for a chain's first block
+  absl::string_view bytes;
+};
+
+enum class PutResult { kStored, kAlreadyExists };
+
+struct Block {
+  std::string key;
+  std::string bytes;
+  uint64_t checksum = 0;
+};
+
+// Converts a gRPC status to an absl::Status with the same code and message.
+absl::Status FromGrpcStatus(const grpc::Status& status);
+
+class Client {
+ public:
+  // Creates the channel; no RPC is made (use Health to check the daemon).
+  static absl::StatusOr<std::unique_ptr<Client>> Connect(
+      const ClientOptions& options);
+  // Closes the session, if any, and stops the keep-alive thread.
+  ~Client();
+  Client(const Client&) = delete;
+  Client& operator=(const Client&) = delete;
+
+  // OK when the daemon's grpc.health.v1 service reports SERVING;
+  // UNAVAILABLE when it reports NOT_SERVING or cannot be reached.
+  absl::Status Health();
+
+  // Opens a session if none is open and starts keeping it alive.
+  absl::StatusOr<uint64_t> EnsureSession();
+  // Closes the session (releasing its pins and open reservations).
+  absl::Status CloseSession();
+
+  // Looks up `keys`; see LookupRequest in the .proto. With `pin`, a session
+  // is opened if needed; release the pin with Unpin.
+  absl::StatusOr<LookupReply> Lookup(absl::string_view ns,
+                                     absl::Span<const absl::string_view> keys,
+                                     bool prefix, bool pin);
+  absl::Status Unpin(uint64_t pin_id);
+
+  // Stores blocks over one Write stream (put-if-absent). Each block's
+  // checksum is computed here. Returns one result per block.
+  absl::StatusOr<std::vector<PutResult>> Put(absl::string_view ns,
+                                             absl::Span<const BlockToPut> blocks);
+  // Reads blocks over one Read stream, verifying each checksum (DATA_LOSS on a
+  // mismatch). NOT_FOUND at the first key that is not stored.
+  absl::StatusOr<std::vector<Block>> Get(absl::string_view ns,
+                                         absl::Span<const absl::string_view> keys);
+
+  absl::StatusOr<v1::EvictResponse> Evict(absl::string_view ns,
+                                          absl::Span<const absl::string_view> keys,
+                                          bool all);
+  absl::StatusOr<v1::StatsResponse> Stats();
+  absl::StatusOr<v1::ListNamespacesResponse> ListNamespaces();
+
+  // The raw stub, for tools and tests that need an RPC this class does not
+  // wrap. Calls made through it get no deadline unless the caller sets one.
+  v1::KvDepot::Stub& stub() { return *stub_; }
+  const ClientOptions& options() const { return options_; }
+
+ private:
+  explicit Client(const ClientOptions& options);
+  void PrepareContext(grpc::ClientContext* ctx) const;
+  absl::StatusOr<uint64_t> OpenSessionLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void KeepAliveLoop();
+
+  const ClientOptions options_;
+  std::shared_ptr<grpc::Channel> channel_;
+  std::unique_ptr<v1::KvDepot::Stub> stub_;
+
+  absl::Mutex mu_;
+  uint64_t session_id_ ABSL_GUARDED_BY(mu_) = 0;
+  absl::Duration lease_ ABSL_GUARDED_BY(mu_) = absl::Seconds(30);
+  bool stop_ ABSL_GUARDED_BY(mu_) = false;
+  std::thread keepalive_;
+};
+
+}  // namespace kvdepot
+
+#endif  // KVDEPOT_CLIENT_CLIENT_H_

@@ -1,0 +1,202 @@
+#include "server/config.h"
+
+#include <yaml-cpp/yaml.h>
+
+#include <cctype>
+#include <cmath>
+#include <functional>
+#include <map>
+
+#include "absl/strings/ascii.h"
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/strip.h"
+
+namespace kvdepot {
+
+absl::StatusOr<uint64_t> ParseSize(absl::string_view text) {
+  absl::string_view s = absl::StripAsciiWhitespace(text);
+  size_t i = 0;
+  while (i < s.size() && (std::isdigit(static_cast<unsigned char>(s[i])) || s[i] == '.')) {
+    ++i;
+  }
+  double number;
+  if (i == 0 || !absl::SimpleAtod(s.substr(0, i), &number)) {
+    return absl::InvalidArgumentError(absl::StrCat("bad size '", text, "'"));
+  }
+  std::string unit = absl::AsciiStrToLower(absl::StripAsciiWhitespace(s.substr(i)));
+  static const std::map<std::string, double> kUnits = {
+      {"", 1},          {"b", 1},
+      {"k", 1024.0},    {"kib", 1024.0},           {"kb", 1e3},
+      {"m", 1048576.0}, {"mib", 1048576.0},        {"mb", 1e6},
+      {"g", 1073741824.0}, {"gib", 1073741824.0},  {"gb", 1e9},
+      {"t", 1099511627776.0}, {"tib", 1099511627776.0}, {"tb", 1e12}};
+  auto it = kUnits.find(unit);
+  if (it == kUnits.end()) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "bad size unit in '", text, "' (use B, KiB, MiB, GiB, TiB)"));
+  }
+  double bytes = number * it->second;
+  if (bytes >= 1.8e19) {
+    return absl::InvalidArgumentError(absl::StrCat("size '", text, "' is too large"));
+  }
+  return static_cast<uint64_t>(std::llround(bytes));
+}
+
+absl::StatusOr<absl::Duration> ParseDurationFlag(absl::string_view text) {
+  absl::Duration d;
+  if (!absl::ParseDuration(absl::StripAsciiWhitespace(text), &d) ||
+      d < absl::ZeroDuration()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("bad duration '", text, "' (e.g. 30s, 500ms)"));
+  }
+  return d;
+}
+
+namespace {
+
+absl::StatusOr<HugePageMode> ParseHugePages(const std::string& s) {
+  if (s == "auto") return HugePageMode::kAuto;
+  if (s == "on" || s == "true") return HugePageMode::kOn;
+  if (s == "off" || s == "false") return HugePageMode::kOff;
+  return absl::InvalidArgumentError(
+      absl::StrCat("hugepages must be auto, on or off, not '", s, "'"));
+}
+
+}  // namespace
+
+absl::Status LoadConfigFile(const std::string& path, DaemonConfig* c) {
+  YAML::Node root;
+  try {
+    root = YAML::LoadFile(path);
+  } catch (const YAML::Exception& e) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("cannot read config ", path, ": ", e.what()));
+  }
+  if (root.IsNull()) return absl::OkStatus();  // empty file
+  if (!root.IsMap()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("config ", path, " must be a YAML mapping"));
+  }
+  using Setter = std::function<absl::Status(const std::string&)>;
+  auto size_into = [](uint64_t* out) -> Setter {
+    return [out](const std::string& v) -> absl::Status {
+      absl::StatusOr<uint64_t> n = ParseSize(v);
+      if (!n.ok()) return n.status();
+      *out = *n;
+      return absl::OkStatus();
+    };
+  };
+  auto string_into = [](std::string* out) -> Setter {
+    return [out](const std::string& v) {
+      *out = v;
+      return absl::OkStatus();
+    };
+  };
+  auto double_into = [](double* out) -> Setter {
+    return [out](const std::string& v) {
+      return absl::SimpleAtod(v, out)
+                 ? absl::OkStatus()
+                 : absl::InvalidArgumentError(absl::StrCat("bad number '", v, "'"));
+    };
+  };
+  auto duration_into = [](absl::Duration* out) -> Setter {
+    return [out](const std::string& v) -> absl::Status {
+      absl::StatusOr<absl::Duration> d = ParseDurationFlag(v);
+      if (!d.ok()) return d.status();
+      *out = *d;
+      return absl::OkStatus();
+    };
+  };
+  uint64_t max_batch = c->store.max_batch_keys;
+  uint64_t grpc_threads = static_cast<uint64_t>(c->grpc_max_threads);
+  auto uint_into = [](uint64_t* out) -> Setter {
+    return [out](const std::string& v) {
+      return absl::SimpleAtoi(v, out)
+                 ? absl::OkStatus()
+                 : absl::InvalidArgumentError(absl::StrCat("bad integer '", v, "'"));
+    };
+  };
+  const std::map<std::string, Setter> setters = {
+      {"listen", string_into(&c->listen)},
+      {"metrics_listen", string_into(&c->metrics_listen)},
+      {"data_dir", string_into(&c->data_dir)},
+      {"log_level", string_into(&c->log_level)},
+      {"dram_capacity", size_into(&c->store.dram_capacity)},
+      {"max_block_size", size_into(&c->store.max_block_bytes)},
+      {"max_batch_keys", uint_into(&max_batch)},
+      {"grpc_max_threads", uint_into(&grpc_threads)},
+      {"high_watermark", double_into(&c->store.high_watermark)},
+      {"low_watermark", double_into(&c->store.low_watermark)},
+      {"session_lease", duration_into(&c->store.default_lease)},
+      {"drain_timeout", duration_into(&c->drain_timeout)},
+      {"hugepages",
+       [c](const std::string& v) -> absl::Status {
+         absl::StatusOr<HugePageMode> m = ParseHugePages(v);
+         if (!m.ok()) return m.status();
+         c->store.hugepages = *m;
+         return absl::OkStatus();
+       }},
+      {"create_namespaces",
+       [c](const std::string& v) -> absl::Status {
+         if (v != "true" && v != "false") {
+           return absl::InvalidArgumentError("create_namespaces must be true or false");
+         }
+         c->store.create_namespaces = v == "true";
+         return absl::OkStatus();
+       }},
+  };
+  for (const auto& kv : root) {
+    std::string key = kv.first.as<std::string>();
+    auto it = setters.find(key);
+    if (it == setters.end()) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("config ", path, ": unknown key '", key, "'"));
+    }
+    if (!kv.second.IsScalar()) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("config ", path, ": '", key, "' must be a scalar"));
+    }
+    absl::Status st = it->second(kv.second.as<std::string>());
+    if (!st.ok()) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("config ", path, ": ", key, ": ", st.message()));
+    }
+  }
+  c->store.max_batch_keys = static_cast<uint32_t>(max_batch);
+  c->grpc_max_threads = static_cast<int>(grpc_threads);
+  return absl::OkStatus();
+}
+
+absl::Status ValidateConfig(const DaemonConfig& c) {
+  const StoreOptions& s = c.store;
+  if (!(s.low_watermark > 0 && s.low_watermark <= s.high_watermark &&
+        s.high_watermark <= 1.0)) {
+    return absl::InvalidArgumentError(
+        "watermarks must satisfy 0 < low_watermark <= high_watermark <= 1");
+  }
+  if (s.dram_capacity < (1 << 20)) {
+    return absl::InvalidArgumentError("dram_capacity must be at least 1MiB");
+  }
+  if (s.max_batch_keys == 0 || s.max_batch_keys > 65536) {
+    return absl::InvalidArgumentError("max_batch_keys must be 1..65536");
+  }
+  if (s.max_block_bytes == 0 || s.max_block_bytes > (uint64_t{1} << 31)) {
+    return absl::InvalidArgumentError("max_block_size must be 1B..2GiB");
+  }
+  if (c.listen.empty() || c.listen.find(':') == std::string::npos) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("listen must be HOST:PORT, not '", c.listen, "'"));
+  }
+  if (!c.metrics_listen.empty() && c.metrics_listen.find(':') == std::string::npos) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "metrics_listen must be HOST:PORT, not '", c.metrics_listen, "'"));
+  }
+  if (c.grpc_max_threads < 2 || c.grpc_max_threads > 4096) {
+    return absl::InvalidArgumentError("grpc_max_threads must be 2..4096");
+  }
+  if (c.data_dir.empty()) return absl::InvalidArgumentError("data_dir is empty");
+  return absl::OkStatus();
+}
+
+}  // namespace kvdepot

@@ -1,0 +1,45 @@
+// DaemonConfig: everything kvdepotd can be told, from its YAML file and its
+// command line (flags override the file). Defaults are the embedded,
+// loopback-only setup a new user gets with no configuration at all.
+#ifndef KVDEPOT_SERVER_CONFIG_H_
+#define KVDEPOT_SERVER_CONFIG_H_
+
+#include <cstdint>
+#include <string>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
+#include "absl/time/time.h"
+#include "storage/tiered_store.h"
+
+namespace kvdepot {
+
+struct DaemonConfig {
+  std::string listen = "127.0.0.1:50551";
+  std::string metrics_listen = "127.0.0.1:9551";  // empty: no metrics endpoint
+  std::string data_dir = "./kvdepot-data";
+  std::string log_level = "info";  // trace, debug, info, warn, error
+  // Most gRPC server threads (bounds memory under load).
+  int grpc_max_threads = 64;
+  // How long SIGTERM waits for in-flight RPCs before cancelling them.
+  absl::Duration drain_timeout = absl::Seconds(8);
+  StoreOptions store;
+};
+
+// Parses "1GiB", "512MiB", "64KiB", "1.5GiB", "4096" (bytes; also KB/MB/GB
+// as powers of 1000 and K/M/G as powers of 1024). InvalidArgument otherwise.
+absl::StatusOr<uint64_t> ParseSize(absl::string_view text);
+// "30s", "500ms", "2m" (absl duration syntax).
+absl::StatusOr<absl::Duration> ParseDurationFlag(absl::string_view text);
+
+// Applies the keys of a YAML file to `config`. Unknown keys are an error (a
+// typo must not silently fall back to a default).
+absl::Status LoadConfigFile(const std::string& path, DaemonConfig* config);
+
+// Cross-field checks (watermarks, sizes, addresses).
+absl::Status ValidateConfig(const DaemonConfig& config);
+
+}  // namespace kvdepot
+
+#endif  // KVDEPOT_SERVER_CONFIG_H_

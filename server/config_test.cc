@@ -1,0 +1,88 @@
+#include "server/config.h"
+
+#include <gtest/gtest.h>
+
+#include <cstdio>
+#include <fstream>
+
+#include "tests/status_matchers.h"
+
+namespace kvdepot {
+namespace {
+
+using ::kvdepot::testing::StatusIs;
+
+TEST(ParseSizeTest, AcceptsBinaryAndDecimalUnits) {
+  EXPECT_EQ(*ParseSize("1GiB"), uint64_t{1} << 30);
+  EXPECT_EQ(*ParseSize("512MiB"), uint64_t{512} << 20);
+  EXPECT_EQ(*ParseSize("64KiB"), uint64_t{64} << 10);
+  EXPECT_EQ(*ParseSize("1.5GiB"), uint64_t{3} << 29);
+  EXPECT_EQ(*ParseSize("4096"), 4096u);
+  EXPECT_EQ(*ParseSize("2G"), uint64_t{2} << 30);
+  EXPECT_EQ(*ParseSize("1GB"), 1000000000u);
+  EXPECT_EQ(*ParseSize(" 8 mib "), uint64_t{8} << 20);
+}
+
+TEST(ParseSizeTest, RejectsGarbage) {
+  for (const char* bad : {"", "GiB", "1XB", "-1GiB", "1e999GiB", "abc"}) {
+    EXPECT_THAT(ParseSize(bad), StatusIs(absl::StatusCode::kInvalidArgument)) << bad;
+  }
+}
+
+class ConfigFileTest : public ::testing::Test {
+ protected:
+  std::string Write(const std::string& text) {
+    path_ = ::testing::TempDir() + "/kvdepot_config_test.yaml";
+    std::ofstream(path_) << text;
+    return path_;
+  }
+  std::string path_;
+};
+
+TEST_F(ConfigFileTest, AppliesKnownKeys) {
+  DaemonConfig c;
+  ASSERT_OK(LoadConfigFile(Write("listen: 0.0.0.0:6000\n"
+                                 "dram_capacity: 2GiB\n"
+                                 "max_batch_keys: 77\n"
+                                 "session_lease: 10s\n"
+                                 "hugepages: off\n"
+                                 "low_watermark: 0.5\n"),
+                           &c));
+  EXPECT_EQ(c.listen, "0.0.0.0:6000");
+  EXPECT_EQ(c.store.dram_capacity, uint64_t{2} << 30);
+  EXPECT_EQ(c.store.max_batch_keys, 77u);
+  EXPECT_EQ(c.store.default_lease, absl::Seconds(10));
+  EXPECT_EQ(c.store.hugepages, HugePageMode::kOff);
+  EXPECT_EQ(c.store.low_watermark, 0.5);
+  EXPECT_EQ(c.data_dir, "./kvdepot-data");  // untouched default
+  EXPECT_OK(ValidateConfig(c));
+}
+
+TEST_F(ConfigFileTest, RejectsUnknownKeysAndBadValues) {
+  DaemonConfig c;
+  EXPECT_THAT(LoadConfigFile(Write("dram_capacty: 1GiB\n"), &c),
+              StatusIs(absl::StatusCode::kInvalidArgument));
+  EXPECT_THAT(LoadConfigFile(Write("dram_capacity: lots\n"), &c),
+              StatusIs(absl::StatusCode::kInvalidArgument));
+  EXPECT_THAT(LoadConfigFile(Write("listen: [a, b]\n"), &c),
+              StatusIs(absl::StatusCode::kInvalidArgument));
+  EXPECT_THAT(LoadConfigFile("/nonexistent/kvdepot.yaml", &c),
+              StatusIs(absl::StatusCode::kInvalidArgument));
+}
+
+TEST(ValidateConfigTest, ChecksCrossFieldRules) {
+  DaemonConfig c;
+  EXPECT_OK(ValidateConfig(c));
+  c.store.low_watermark = 0.99;
+  c.store.high_watermark = 0.9;
+  EXPECT_THAT(ValidateConfig(c), StatusIs(absl::StatusCode::kInvalidArgument));
+  c = DaemonConfig{};
+  c.listen = "nowhere";
+  EXPECT_THAT(ValidateConfig(c), StatusIs(absl::StatusCode::kInvalidArgument));
+  c = DaemonConfig{};
+  c.store.dram_capacity = 1000;
+  EXPECT_THAT(ValidateConfig(c), StatusIs(absl::StatusCode::kInvalidArgument));
+}
+
+}  // namespace
+}  // namespace kvdepot

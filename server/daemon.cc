@@ -1,0 +1,127 @@
+#include "server/daemon.h"
+
+#include <grpcpp/health_check_service_interface.h>
+#include <grpcpp/resource_quota.h>
+#include <grpcpp/security/server_credentials.h>
+#include <grpcpp/server_builder.h>
+#include <spdlog/spdlog.h>
+
+#include <exception>
+#include <utility>
+
+#include "absl/strings/str_cat.h"
+#include "server/version.h"
+#include "storage/status_macros.h"
+
+namespace kvdepot {
+namespace {
+
+// "HOST:PORT" -> HOST (IPv6 literals keep their brackets).
+std::string HostOf(const std::string& addr) {
+  size_t colon = addr.rfind(':');
+  return colon == std::string::npos ? addr : addr.substr(0, colon);
+}
+
+}  // namespace
+
+Daemon::Daemon(const DaemonConfig& config, std::shared_ptr<spdlog::logger> logger)
+    : config_(config), log_(std::move(logger)) {}
+
+absl::StatusOr<std::unique_ptr<Daemon>> Daemon::Start(
+    const DaemonConfig& config, std::shared_ptr<spdlog::logger> logger) {
+  RETURN_IF_ERROR(ValidateConfig(config));
+  std::unique_ptr<Daemon> d(new Daemon(config, std::move(logger)));
+  RETURN_IF_ERROR(d->Init());
+  return d;
+}
+
+absl::Status Daemon::Init() {
+  ASSIGN_OR_RETURN(data_dir_, DataDir::Open(config_.data_dir));
+
+  registry_ = std::make_shared<prometheus::Registry>();
+  metrics_ = std::make_unique<ServerMetrics>(*registry_);
+  ASSIGN_OR_RETURN(store_, NewTieredStore(config_.store, SystemClock()));
+
+  if (!config_.metrics_listen.empty()) {
+    try {
+      exposer_ = std::make_unique<prometheus::Exposer>(config_.metrics_listen);
+    } catch (const std::exception& e) {
+      return absl::UnavailableError(absl::StrCat(
+          "cannot serve metrics on ", config_.metrics_listen, ": ", e.what()));
+    }
+    exposer_->RegisterCollectable(registry_);
+    std::vector<int> ports = exposer_->GetListeningPorts();
+    metrics_address_ = absl::StrCat(HostOf(config_.metrics_listen), ":",
+                                    ports.empty() ? 0 : ports[0]);
+  }
+
+  service_ = std::make_unique<KvDepotService>(*store_, *metrics_, *SystemClock(), log_);
+  grpc::EnableDefaultHealthCheckService(true);
+  grpc::ServerBuilder builder;
+  int port = 0;
+  builder.AddListeningPort(config_.listen, grpc::InsecureServerCredentials(), &port);
+  builder.RegisterService(service_.get());
+  grpc::ResourceQuota quota("kvdepotd");
+  quota.SetMaxThreads(config_.grpc_max_threads);
+  builder.SetResourceQuota(quota);
+  // Chunks are <= 1 MiB; Lookup/BeginPut batches of 64k 256-byte keys fit.
+  builder.SetMaxReceiveMessageSize(32 << 20);
+  builder.SetMaxSendMessageSize(32 << 20);
+  server_ = builder.BuildAndStart();
+  if (!server_ || port == 0) {
+    return absl::UnavailableError(absl::StrCat(
+        "cannot listen on ", config_.listen, " (address in use or invalid?)"));
+  }
+  grpc_address_ = absl::StrCat(HostOf(config_.listen), ":", port);
+  server_->GetHealthCheckService()->SetServingStatus(true);
+
+  maintenance_ = std::thread([this] { MaintenanceLoop(); });
+  DramRegion dram = store_->dram_region();
+  log_->info(
+      "kvdepotd {} ({}) listening on {}; metrics on {}; DRAM tier {} bytes; "
+      "data dir {}",
+      kVersion, kGitCommit, grpc_address_,
+      metrics_address_.empty() ? "off" : metrics_address_, dram.size,
+      data_dir_->path());
+  return absl::OkStatus();
+}
+
+void Daemon::MaintenanceLoop() {
+  absl::MutexLock lock(&mu_);
+  while (!stopping_) {
+    mu_.AwaitWithTimeout(absl::Condition(&stopping_), absl::Seconds(1));
+    if (stopping_) break;
+    mu_.Unlock();
+    int expired = store_->ExpireSessions();
+    if (expired > 0) log_->info("{} session(s) expired", expired);
+    metrics_->UpdateFromStats(store_->Stats());
+    mu_.Lock();
+  }
+}
+
+void Daemon::Shutdown() {
+  {
+    absl::MutexLock lock(&mu_);
+    if (shut_down_) return;
+    shut_down_ = true;
+  }
+  if (server_) {
+    log_->info("draining: refusing new puts, waiting up to {} for in-flight RPCs",
+               absl::FormatDuration(config_.drain_timeout));
+    server_->GetHealthCheckService()->SetServingStatus(false);
+    store_->SetDraining(true);
+    server_->Shutdown(std::chrono::system_clock::now() +
+                      absl::ToChronoMilliseconds(config_.drain_timeout));
+    server_->Wait();
+  }
+  {
+    absl::MutexLock lock(&mu_);
+    stopping_ = true;
+  }
+  if (maintenance_.joinable()) maintenance_.join();
+  if (server_) log_->info("kvdepotd stopped");
+}
+
+Daemon::~Daemon() { Shutdown(); }
+
+}  // namespace kvdepot

@@ -1,0 +1,75 @@
+// Daemon: one running kvdepotd. Owns the data dir lock, the TieredStore, the
+// gRPC server (KvDepot + grpc.health.v1), the metrics endpoint and a
+// maintenance thread (session expiry, metric gauges). main() builds one from
+// a DaemonConfig; tests may embed one.
+//
+// Start() and Shutdown() are called from one thread; everything else is
+// internal.
+#ifndef KVDEPOT_SERVER_DAEMON_H_
+#define KVDEPOT_SERVER_DAEMON_H_
+
+#include <grpcpp/server.h>
+#include <prometheus/exposer.h>
+#include <prometheus/registry.h>
+#include <spdlog/logger.h>
+
+#include <memory>
+#include <string>
+#include <thread>
+
+#include "absl/status/statusor.h"
+#include "absl/synchronization/mutex.h"
+#include "server/config.h"
+#include "server/data_dir.h"
+#include "server/kvdepot_service.h"
+#include "server/metrics.h"
+#include "storage/clock.h"
+#include "storage/tiered_store.h"
+
+namespace kvdepot {
+
+class Daemon {
+ public:
+  // Opens the data dir, maps the DRAM tier and starts serving. Errors name
+  // what failed (address in use, data dir locked, ...).
+  static absl::StatusOr<std::unique_ptr<Daemon>> Start(
+      const DaemonConfig& config, std::shared_ptr<spdlog::logger> logger);
+  ~Daemon();
+  Daemon(const Daemon&) = delete;
+  Daemon& operator=(const Daemon&) = delete;
+
+  // Drains: reports NOT_SERVING, refuses new puts, waits up to
+  // drain_timeout for in-flight RPCs, then stops. Idempotent.
+  void Shutdown();
+
+  // The bound addresses (the real port when 0 was asked).
+  const std::string& grpc_address() const { return grpc_address_; }
+  const std::string& metrics_address() const { return metrics_address_; }
+  TieredStore& store() { return *store_; }
+
+ private:
+  Daemon(const DaemonConfig& config, std::shared_ptr<spdlog::logger> logger);
+  absl::Status Init();
+  void MaintenanceLoop();
+
+  const DaemonConfig config_;
+  const std::shared_ptr<spdlog::logger> log_;
+  std::unique_ptr<DataDir> data_dir_;
+  std::shared_ptr<prometheus::Registry> registry_;
+  std::unique_ptr<ServerMetrics> metrics_;
+  std::unique_ptr<prometheus::Exposer> exposer_;
+  std::unique_ptr<TieredStore> store_;
+  std::unique_ptr<KvDepotService> service_;
+  std::unique_ptr<grpc::Server> server_;
+  std::string grpc_address_;
+  std::string metrics_address_;
+
+  absl::Mutex mu_;
+  bool stopping_ ABSL_GUARDED_BY(mu_) = false;
+  bool shut_down_ ABSL_GUARDED_BY(mu_) = false;
+  std::thread maintenance_;
+};
+
+}  // namespace kvdepot
+
+#endif  // KVDEPOT_SERVER_DAEMON_H_

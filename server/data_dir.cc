@@ -1,0 +1,66 @@
+#include "server/data_dir.h"
+
+#include <fcntl.h>
+#include <sys/file.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <cstring>
+#include <filesystem>
+#include <string>
+
+#include "absl/status/status.h"
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/strip.h"
+
+namespace kvdepot {
+namespace {
+
+absl::Status ErrnoStatus(int err, const std::string& what) {
+  std::string msg = absl::StrCat(what, ": ", std::strerror(err));
+  if (err == EACCES || err == EPERM || err == EROFS) {
+    return absl::PermissionDeniedError(msg);
+  }
+  return absl::InternalError(msg);
+}
+
+}  // namespace
+
+absl::StatusOr<std::unique_ptr<DataDir>> DataDir::Open(const std::string& path) {
+  std::error_code ec;
+  std::filesystem::create_directories(path, ec);
+  if (ec) {
+    return ErrnoStatus(ec.value(), absl::StrCat("cannot create data dir ", path));
+  }
+  std::string lock_path = path + "/LOCK";
+  int fd = ::open(lock_path.c_str(), O_RDWR | O_CREAT | O_CLOEXEC, 0644);
+  if (fd < 0) {
+    return ErrnoStatus(errno, absl::StrCat("cannot open ", lock_path));
+  }
+  if (::flock(fd, LOCK_EX | LOCK_NB) != 0) {
+    int err = errno;
+    char buf[32] = {0};
+    ssize_t n = ::pread(fd, buf, sizeof(buf) - 1, 0);
+    ::close(fd);
+    if (err == EWOULDBLOCK) {
+      std::string owner = n > 0 ? std::string(absl::StripAsciiWhitespace(buf)) : "?";
+      return absl::FailedPreconditionError(absl::StrCat(
+          "data dir ", path, " is in use by another kvdepotd (pid ", owner, ")"));
+    }
+    return ErrnoStatus(err, absl::StrCat("cannot lock ", lock_path));
+  }
+  std::string pid = absl::StrCat(::getpid(), "\n");
+  if (::ftruncate(fd, 0) != 0 ||
+      ::pwrite(fd, pid.data(), pid.size(), 0) != static_cast<ssize_t>(pid.size())) {
+    int err = errno;
+    ::close(fd);
+    return ErrnoStatus(err, absl::StrCat("cannot write ", lock_path));
+  }
+  return std::unique_ptr<DataDir>(new DataDir(path, fd));
+}
+
+DataDir::~DataDir() { ::close(lock_fd_); }  // releases the flock
+
+}  // namespace kvdepot

@@ -1,0 +1,126 @@
+// kvdepotd: the kvdepot daemon.
+//
+//   kvdepotd [--config FILE.yaml] [--listen HOST:PORT] [--metrics-listen
+//            HOST:PORT] [--data-dir DIR] [--dram-capacity SIZE] ...
+//
+// Flags override the YAML file; see README.md for every key. Exit codes: 0
+// after a clean shutdown (SIGTERM/SIGINT), 1 when the daemon cannot start or
+// fails, 2 for a usage or configuration error.
+#include <signal.h>
+#include <spdlog/sinks/stdout_color_sinks.h>
+#include <spdlog/spdlog.h>
+
+#include <CLI/CLI.hpp>
+#include <cstdio>
+#include <optional>
+
+#include "server/config.h"
+#include "server/daemon.h"
+#include "server/version.h"
+
+namespace {
+
+int Fail(int code, const std::string& msg) {
+  std::fprintf(stderr, "kvdepotd: %s\n", msg.c_str());
+  return code;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  using kvdepot::DaemonConfig;
+  CLI::App app{"kvdepotd: KV-cache block store daemon for LLM inference"};
+  std::string config_file;
+  std::optional<std::string> listen, metrics_listen, data_dir, dram_capacity,
+      log_level, hugepages, max_block_size, session_lease;
+  app.add_option("--config", config_file, "YAML configuration file")
+      ->check(CLI::ExistingFile);
+  app.add_option("--listen", listen, "gRPC address HOST:PORT (default 127.0.0.1:50551; port 0 picks one)");
+  app.add_option("--metrics-listen", metrics_listen,
+                 "Prometheus address HOST:PORT (default 127.0.0.1:9551; empty disables)");
+  app.add_option("--data-dir", data_dir, "data directory (default ./kvdepot-data)");
+  app.add_option("--dram-capacity", dram_capacity, "DRAM tier size, e.g. 1GiB (default 1GiB)");
+  app.add_option("--max-block-size", max_block_size, "largest block accepted (default 256MiB)");
+  app.add_option("--session-lease", session_lease, "default session lease (default 30s)");
+  app.add_option("--hugepages", hugepages, "auto|on|off (default auto)");
+  app.add_option("--log-level", log_level, "trace|debug|info|warn|error (default info)");
+  bool version = false;
+  app.add_flag("--version", version, "print the version and exit");
+  try {
+    app.parse(argc, argv);
+  } catch (const CLI::ParseError& e) {
+    int rc = app.exit(e);
+    return rc == 0 ? 0 : 2;
+  }
+  if (version) {
+    std::printf("kvdepotd %s (%s)\n", kvdepot::kVersion, kvdepot::kGitCommit);
+    return 0;
+  }
+
+  DaemonConfig config;
+  if (!config_file.empty()) {
+    absl::Status st = kvdepot::LoadConfigFile(config_file, &config);
+    if (!st.ok()) return Fail(2, std::string(st.message()));
+  }
+  auto size_flag = [](const std::optional<std::string>& flag, const char* name,
+                      uint64_t* out) -> absl::Status {
+    if (!flag) return absl::OkStatus();
+    absl::StatusOr<uint64_t> n = kvdepot::ParseSize(*flag);
+    if (!n.ok()) return absl::InvalidArgumentError(std::string(name) + ": " + std::string(n.status().message()));
+    *out = *n;
+    return absl::OkStatus();
+  };
+  if (listen) config.listen = *listen;
+  if (metrics_listen) config.metrics_listen = *metrics_listen;
+  if (data_dir) config.data_dir = *data_dir;
+  if (log_level) config.log_level = *log_level;
+  for (absl::Status st :
+       {size_flag(dram_capacity, "--dram-capacity", &config.store.dram_capacity),
+        size_flag(max_block_size, "--max-block-size", &config.store.max_block_bytes)}) {
+    if (!st.ok()) return Fail(2, std::string(st.message()));
+  }
+  if (session_lease) {
+    absl::StatusOr<absl::Duration> d = kvdepot::ParseDurationFlag(*session_lease);
+    if (!d.ok()) return Fail(2, "--session-lease: " + std::string(d.status().message()));
+    config.store.default_lease = *d;
+  }
+  if (hugepages) {
+    if (*hugepages == "auto") config.store.hugepages = kvdepot::HugePageMode::kAuto;
+    else if (*hugepages == "on") config.store.hugepages = kvdepot::HugePageMode::kOn;
+    else if (*hugepages == "off") config.store.hugepages = kvdepot::HugePageMode::kOff;
+    else return Fail(2, "--hugepages must be auto, on or off");
+  }
+  if (absl::Status st = kvdepot::ValidateConfig(config); !st.ok()) {
+    return Fail(2, std::string(st.message()));
+  }
+
+  auto logger = spdlog::stderr_color_mt("kvdepotd");
+  logger->set_pattern("%Y-%m-%dT%H:%M:%S.%e%z %^%l%$ %v");
+  spdlog::level::level_enum level = spdlog::level::from_str(config.log_level);
+  if (level == spdlog::level::off && config.log_level != "off") {
+    return Fail(2, "unknown log level '" + config.log_level + "'");
+  }
+  logger->set_level(level);
+  logger->flush_on(spdlog::level::info);
+
+  // Signals are taken synchronously by this thread; block them before any
+  // other thread starts so none of those receives them.
+  sigset_t signals;
+  sigemptyset(&signals);
+  sigaddset(&signals, SIGTERM);
+  sigaddset(&signals, SIGINT);
+  pthread_sigmask(SIG_BLOCK, &signals, nullptr);
+  signal(SIGPIPE, SIG_IGN);
+
+  auto daemon = kvdepot::Daemon::Start(config, logger);
+  if (!daemon.ok()) {
+    logger->error("cannot start: {}", daemon.status().ToString());
+    return 1;
+  }
+  int sig = 0;
+  sigwait(&signals, &sig);
+  logger->info("received {}, shutting down", sig == SIGTERM ? "SIGTERM" : "SIGINT");
+  (*daemon)->Shutdown();
+  daemon->reset();
+  return 0;
+}
