@@ -23,10 +23,18 @@ constexpr size_t kPage = DramArena::kPageSize;
 constexpr size_t kSlotsPerPageMax = kPage / DramArena::kMinAlloc;  // 1024
 
 // Size classes for small allocations: 64 B .. 32 KiB in steps of 1x and 1.5x
-// powers of two, so the waste of a small block stays under a third.
-constexpr std::array<uint32_t, 19> kClasses = {
-    64,   96,   128,  192,  256,   384,   512,   768,   1024, 1536,
+// powers of two (above 128 B), so the waste of a block over 128 B stays under
+// a third. Every class is a multiple of 64 B, so every offset is too (the
+// index stores offsets in 64-byte units).
+constexpr std::array<uint32_t, 18> kClasses = {
+    64,   128,  192,  256,  384,   512,   768,   1024,  1536,
     2048, 3072, 4096, 6144, 8192, 12288, 16384, 24576, 32768};
+static_assert([] {
+  for (uint32_t c : kClasses) {
+    if (c % DramArena::kMinAlloc != 0) return false;
+  }
+  return true;
+}(), "size classes must be multiples of kMinAlloc");
 
 int ClassFor(size_t bytes) {
   auto it = std::lower_bound(kClasses.begin(), kClasses.end(), bytes);

@@ -40,17 +40,35 @@ TEST(DramArenaTest, AutoModeFallsBackWhenNoHugepages) {
 TEST(DramArenaTest, SizeClassesBoundSmallWaste) {
   EXPECT_EQ(DramArena::AllocationSize(1), 64u);
   EXPECT_EQ(DramArena::AllocationSize(64), 64u);
-  EXPECT_EQ(DramArena::AllocationSize(65), 96u);
+  EXPECT_EQ(DramArena::AllocationSize(65), 128u);
+  EXPECT_EQ(DramArena::AllocationSize(129), 192u);
   EXPECT_EQ(DramArena::AllocationSize(32768), 32768u);
   EXPECT_EQ(DramArena::AllocationSize(32769), kPage);
   EXPECT_EQ(DramArena::AllocationSize(2 << 20), size_t{2} << 20);
   for (size_t n = 1; n <= 32768; n += 97) {
     size_t a = DramArena::AllocationSize(n);
     EXPECT_GE(a, n);
-    if (n > 64) {
+    if (n > 128) {
       EXPECT_LE(a, n * 3 / 2 + 1) << n;
     }
   }
+}
+
+TEST(DramArenaTest, EverySizeGivesAlignedOffsets) {
+  // Several allocations of every small size, so each size class hands out
+  // more than its first slot.
+  auto arena = MakeArena(1024 * kPage);
+  for (size_t n = 1; n <= DramArena::kMaxSmallAlloc; n += 31) {
+    std::vector<uint64_t> offs;
+    for (int i = 0; i < 3; ++i) {
+      auto off = arena->Allocate(n);
+      ASSERT_OK(off);
+      ASSERT_EQ(*off % DramArena::kMinAlloc, 0u) << "size " << n;
+      offs.push_back(*off);
+    }
+    for (uint64_t off : offs) arena->Free(off);
+  }
+  EXPECT_EQ(arena->allocated_bytes(), 0u);
 }
 
 TEST(DramArenaTest, AllocationsDoNotOverlapAndAreAligned) {

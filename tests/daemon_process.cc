@@ -1,0 +1,171 @@
+#include "tests/daemon_process.h"
+
+#include <fcntl.h>
+#include <signal.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <atomic>
+#include <cstdio>
+#include <cstdlib>
+#include <filesystem>
+#include <fstream>
+#include <regex>
+#include <sstream>
+
+#include "absl/strings/str_cat.h"
+#include "absl/time/clock.h"
+#include "gtest/gtest.h"
+
+namespace kvdepot::testing {
+namespace {
+
+std::string ReadFile(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  std::stringstream ss;
+  ss << in.rdbuf();
+  return ss.str();
+}
+
+// Waits for `pid` up to `timeout`; returns the exit code or -1 on timeout.
+int WaitFor(pid_t pid, absl::Duration timeout) {
+  absl::Time deadline = absl::Now() + timeout;
+  while (true) {
+    int status = 0;
+    pid_t r = waitpid(pid, &status, WNOHANG);
+    if (r == pid) {
+      if (WIFEXITED(status)) return WEXITSTATUS(status);
+      if (WIFSIGNALED(status)) return 128 + WTERMSIG(status);
+      return -1;
+    }
+    if (absl::Now() > deadline) return -1;
+    absl::SleepFor(absl::Milliseconds(10));
+  }
+}
+
+pid_t Spawn(const std::vector<std::string>& argv, const std::string& stderr_path) {
+  pid_t pid = fork();
+  if (pid == 0) {
+    int fd = open(stderr_path.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
+    if (fd >= 0) {
+      dup2(fd, 2);
+      dup2(fd, 1);
+    }
+    std::vector<char*> args;
+    for (const auto& a : argv) args.push_back(const_cast<char*>(a.c_str()));
+    args.push_back(nullptr);
+    execv(args[0], args.data());
+    _exit(127);
+  }
+  return pid;
+}
+
+}  // namespace
+
+std::string DaemonBinary() { return KVDEPOT_DAEMON_BIN; }
+std::string CtlBinary() { return KVDEPOT_CTL_BIN; }
+
+std::string MakeTempDir(const std::string& prefix) {
+  static std::atomic<int> counter{0};
+  std::string dir = absl::StrCat(::testing::TempDir(), "/", prefix, "-", getpid(),
+                                 "-", counter++);
+  std::filesystem::remove_all(dir);
+  std::filesystem::create_directories(dir);
+  return dir;
+}
+
+absl::StatusOr<std::unique_ptr<DaemonProcess>> DaemonProcess::Start(
+    std::vector<std::string> extra_args, std::string data_dir) {
+  std::unique_ptr<DaemonProcess> d(new DaemonProcess());
+  std::string work = MakeTempDir("kvdepotd");
+  d->data_dir_ = data_dir.empty() ? work + "/data" : data_dir;
+  d->log_path_ = work + "/kvdepotd.log";
+  std::vector<std::string> argv = {DaemonBinary(),     "--listen",
+                                   "127.0.0.1:0",      "--metrics-listen",
+                                   "127.0.0.1:0",      "--data-dir",
+                                   d->data_dir_,       "--hugepages",
+                                   "off"};
+  argv.insert(argv.end(), extra_args.begin(), extra_args.end());
+  d->pid_ = Spawn(argv, d->log_path_);
+  if (d->pid_ < 0) return absl::InternalError("fork failed");
+  static const std::regex kListening(
+      R"(listening on (\S+); metrics on (\S+);)");
+  absl::Time deadline = absl::Now() + absl::Seconds(30);
+  while (absl::Now() < deadline) {
+    std::string log = ReadFile(d->log_path_);
+    std::smatch m;
+    if (std::regex_search(log, m, kListening)) {
+      d->address_ = m[1];
+      d->metrics_address_ = m[2];
+      return d;
+    }
+    if (!d->Running()) {
+      return absl::InternalError(absl::StrCat("kvdepotd exited with ", d->exit_code_,
+                                              " before listening:\n", log));
+    }
+    absl::SleepFor(absl::Milliseconds(20));
+  }
+  return absl::DeadlineExceededError(
+      absl::StrCat("kvdepotd did not start:\n", ReadFile(d->log_path_)));
+}
+
+DaemonProcess::~DaemonProcess() {
+  if (pid_ > 0 && !exited_) {
+    kill(pid_, SIGKILL);
+    WaitFor(pid_, absl::Seconds(10));
+  }
+}
+
+std::string DaemonProcess::Log() const { return ReadFile(log_path_); }
+
+bool DaemonProcess::Running() {
+  if (exited_) return false;
+  int status = 0;
+  if (waitpid(pid_, &status, WNOHANG) == pid_) {
+    exited_ = true;
+    exit_code_ = WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
+    return false;
+  }
+  return true;
+}
+
+absl::StatusOr<int> DaemonProcess::Stop(int sig, absl::Duration timeout) {
+  if (!Running()) return exit_code_;
+  kill(pid_, sig);
+  int code = WaitFor(pid_, timeout);
+  if (code < 0) return absl::DeadlineExceededError("kvdepotd did not exit in time");
+  exited_ = true;
+  exit_code_ = code;
+  return code;
+}
+
+CommandResult RunCommand(const std::string& command_line) {
+  std::string dir = MakeTempDir("cmd");
+  std::string out = dir + "/out", err = dir + "/err";
+  std::string full = absl::StrCat(command_line, " >", out, " 2>", err);
+  int status = std::system(full.c_str());
+  CommandResult r;
+  r.exit_code = WIFEXITED(status) ? WEXITSTATUS(status) : -1;
+  r.out = ReadFile(out);
+  r.err = ReadFile(err);
+  return r;
+}
+
+CommandResult RunCtl(const std::string& address, const std::string& args) {
+  return RunCommand(absl::StrCat(CtlBinary(), " --server ", address, " ", args));
+}
+
+int RunAndWait(const std::vector<std::string>& argv, std::string* err,
+               absl::Duration timeout) {
+  std::string path = MakeTempDir("run") + "/stderr";
+  pid_t pid = Spawn(argv, path);
+  int code = WaitFor(pid, timeout);
+  if (code < 0) {
+    kill(pid, SIGKILL);
+    WaitFor(pid, absl::Seconds(5));
+  }
+  if (err) *err += ReadFile(path);
+  return code;
+}
+
+}  // namespace kvdepot::testing

@@ -1,0 +1,169 @@
+// Lifecycle of a real kvdepotd: startup errors, graceful shutdown, session
+// leases enforced by the daemon itself.
+#include <signal.h>
+
+#include <gtest/gtest.h>
+
+#include <fstream>
+#include <string>
+
+#include "absl/strings/str_cat.h"
+#include "absl/time/clock.h"
+#include "client/client.h"
+#include "tests/daemon_process.h"
+#include "tests/status_matchers.h"
+
+namespace kvdepot {
+namespace {
+
+using testing::DaemonProcess;
+using testing::MakeTempDir;
+using testing::RunAndWait;
+
+std::unique_ptr<Client> Connect(const std::string& addr) {
+  ClientOptions o;
+  o.server = addr;
+  o.rpc_timeout = absl::Seconds(10);
+  return std::move(Client::Connect(o)).value();
+}
+
+TEST(LifecycleTest, SigtermDrainsAndExitsZeroWithinTenSeconds) {
+  auto d = DaemonProcess::Start();
+  ASSERT_OK(d);
+  auto client = Connect((*d)->address());
+  ASSERT_OK(client->Health());
+  std::string bytes(1 << 20, 'd');
+  BlockToPut b{"k", "", bytes};
+  ASSERT_OK(client->Put("ns", {&b, 1}));
+  absl::Time start = absl::Now();
+  auto rc = (*d)->Stop(SIGTERM, absl::Seconds(10));
+  ASSERT_OK(rc);
+  EXPECT_EQ(*rc, 0);
+  EXPECT_LT(absl::Now() - start, absl::Seconds(10));
+  std::string log = (*d)->Log();
+  EXPECT_NE(log.find("received SIGTERM"), std::string::npos) << log;
+  EXPECT_NE(log.find("kvdepotd stopped"), std::string::npos) << log;
+  EXPECT_FALSE(client->Health().ok());
+}
+
+TEST(LifecycleTest, SecondDaemonOnTheSameDataDirFailsClearly) {
+  auto first = DaemonProcess::Start();
+  ASSERT_OK(first);
+  std::string err;
+  int rc = RunAndWait({testing::DaemonBinary(), "--listen", "127.0.0.1:0",
+                       "--metrics-listen", "", "--data-dir", (*first)->data_dir()},
+                      &err);
+  EXPECT_EQ(rc, 1) << err;
+  EXPECT_NE(err.find("in use by another kvdepotd"), std::string::npos) << err;
+  EXPECT_TRUE((*first)->Running());
+}
+
+TEST(LifecycleTest, DataDirThatCannotBeCreatedFailsClearly) {
+  std::string dir = MakeTempDir("notadir");
+  std::ofstream(dir + "/file") << "x";
+  std::string err;
+  int rc = RunAndWait({testing::DaemonBinary(), "--listen", "127.0.0.1:0",
+                       "--metrics-listen", "", "--data-dir", dir + "/file/data"},
+                      &err);
+  EXPECT_EQ(rc, 1) << err;
+  EXPECT_NE(err.find("cannot create data dir"), std::string::npos) << err;
+}
+
+TEST(LifecycleTest, BadFlagsAndConfigAreUsageErrors) {
+  std::string err;
+  EXPECT_EQ(RunAndWait({testing::DaemonBinary(), "--dram-capacity", "lots"}, &err), 2);
+  EXPECT_NE(err.find("--dram-capacity"), std::string::npos) << err;
+  std::string dir = MakeTempDir("cfg");
+  std::ofstream(dir + "/bad.yaml") << "dram_capacty: 1GiB\n";
+  err.clear();
+  EXPECT_EQ(RunAndWait({testing::DaemonBinary(), "--config", dir + "/bad.yaml"}, &err), 2);
+  EXPECT_NE(err.find("unknown key 'dram_capacty'"), std::string::npos) << err;
+}
+
+TEST(LifecycleTest, ConfigFileIsReadAndFlagsOverrideIt) {
+  std::string dir = MakeTempDir("cfg");
+  std::ofstream(dir + "/kvdepot.yaml") << "dram_capacity: 16MiB\n"
+                                          "listen: 127.0.0.1:1\n";
+  auto d = DaemonProcess::Start({"--config", dir + "/kvdepot.yaml"});
+  ASSERT_OK(d);  // --listen 127.0.0.1:0 from the harness overrides the file
+  auto stats = Connect((*d)->address())->Stats();
+  ASSERT_OK(stats);
+  EXPECT_EQ(stats->dram().capacity_bytes(), 16u << 20);
+}
+
+TEST(LifecycleTest, DaemonExpiresSessionsThatStopKeepingAlive) {
+  auto d = DaemonProcess::Start();
+  ASSERT_OK(d);
+  auto client = Connect((*d)->address());
+  BlockToPut b{"k", "", "bytes"};
+  ASSERT_OK(client->Put("ns", {&b, 1}));
+  // A raw session with the shortest lease, never kept alive.
+  grpc::ClientContext ctx;
+  v1::OpenSessionRequest req;
+  req.set_lease_ms(1000);
+  v1::OpenSessionResponse resp;
+  ASSERT_TRUE(client->stub().OpenSession(&ctx, req, &resp).ok());
+  grpc::ClientContext ctx2;
+  v1::LookupRequest lr;
+  lr.set_session_id(resp.session_id());
+  lr.set_namespace_("ns");
+  lr.add_keys("k");
+  lr.set_pin(true);
+  v1::LookupResponse lresp;
+  ASSERT_TRUE(client->stub().Lookup(&ctx2, lr, &lresp).ok());
+  ASSERT_NE(lresp.pin_id(), 0u);
+  auto st = client->Stats();
+  ASSERT_OK(st);
+  EXPECT_EQ(st->pins(), 1u);
+  // The daemon's maintenance thread ends the session within about a second
+  // of its lease; poll rather than assume a time.
+  bool released = false;
+  for (int i = 0; i < 100 && !released; ++i) {
+    absl::SleepFor(absl::Milliseconds(100));
+    st = client->Stats();
+    ASSERT_OK(st);
+    released = st->pins() == 0 && st->sessions() == 0;
+  }
+  EXPECT_TRUE(released);
+  EXPECT_NE((*d)->Log().find("session(s) expired"), std::string::npos);
+  // The block itself is untouched and now evictable.
+  absl::string_view k = "k";
+  auto ev = client->Evict("ns", {&k, 1}, false);
+  ASSERT_OK(ev);
+  EXPECT_EQ(ev->evicted_blocks(), 1u);
+}
+
+TEST(LifecycleTest, ClientKeepsItsSessionAliveAcrossLeases) {
+  auto d = DaemonProcess::Start({"--session-lease", "1s"});
+  ASSERT_OK(d);
+  auto client = Connect((*d)->address());
+  auto sid = client->EnsureSession();
+  ASSERT_OK(sid);
+  absl::SleepFor(absl::Milliseconds(2500));  // 2.5 leases
+  auto again = client->EnsureSession();
+  ASSERT_OK(again);
+  EXPECT_EQ(*again, *sid);
+  auto st = client->Stats();
+  ASSERT_OK(st);
+  EXPECT_EQ(st->sessions(), 1u);
+}
+
+TEST(LifecycleTest, MetricsEndpointServesPrometheusText) {
+  auto d = DaemonProcess::Start();
+  ASSERT_OK(d);
+  auto client = Connect((*d)->address());
+  absl::string_view k = "k";
+  ASSERT_OK(client->Lookup("ns", {&k, 1}, false, false));
+  auto r = testing::RunCommand(
+      absl::StrCat("curl -sf http://", (*d)->metrics_address(), "/metrics"));
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+  EXPECT_NE(r.out.find("kvdepot_requests_total{code=\"OK\",op=\"Lookup\"} 1"),
+            std::string::npos)
+      << r.out;
+  EXPECT_NE(r.out.find("kvdepot_lookup_keys_total{result=\"miss\"} 1"),
+            std::string::npos);
+  EXPECT_NE(r.out.find("kvdepot_build_info{"), std::string::npos);
+}
+
+}  // namespace
+}  // namespace kvdepot

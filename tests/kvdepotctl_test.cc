@@ -1,0 +1,140 @@
+// The kvdepotctl contract (output and exit codes) against a real kvdepotd.
+#include <gtest/gtest.h>
+
+#include <fstream>
+#include <sstream>
+#include <string>
+
+#include "absl/strings/str_cat.h"
+#include "tests/daemon_process.h"
+#include "tests/status_matchers.h"
+
+namespace kvdepot {
+namespace {
+
+using testing::CommandResult;
+using testing::DaemonProcess;
+using testing::MakeTempDir;
+using testing::RunCtl;
+
+class KvdepotctlTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    auto d = DaemonProcess::Start({"--dram-capacity", "32MiB"});
+    ASSERT_OK(d);
+    daemon_ = std::move(d).value();
+    dir_ = MakeTempDir("ctl");
+  }
+  CommandResult Ctl(const std::string& args) {
+    return RunCtl(daemon_->address(), args);
+  }
+  std::string File(const std::string& name, const std::string& contents) {
+    std::string path = dir_ + "/" + name;
+    std::ofstream(path, std::ios::binary) << contents;
+    return path;
+  }
+  static std::string Slurp(const std::string& path) {
+    std::ifstream in(path, std::ios::binary);
+    std::stringstream ss;
+    ss << in.rdbuf();
+    return ss.str();
+  }
+  std::unique_ptr<DaemonProcess> daemon_;
+  std::string dir_;
+};
+
+TEST_F(KvdepotctlTest, HealthExitsZeroWhenServing) {
+  CommandResult r = Ctl("health");
+  EXPECT_EQ(r.exit_code, 0) << r.err;
+  ASSERT_OK(daemon_->Stop(SIGKILL));
+  r = Ctl("--timeout 2 health");
+  EXPECT_EQ(r.exit_code, 1);
+  EXPECT_FALSE(r.err.empty());
+}
+
+TEST_F(KvdepotctlTest, PutGetRoundTripAndPutIfAbsent) {
+  std::string first = File("a", std::string(300000, 'a') + "tail");
+  std::string second = File("b", "different bytes");
+  CommandResult r = Ctl(absl::StrCat("put --ns demo --key 0a0b --file ", first));
+  EXPECT_EQ(r.exit_code, 0) << r.err;
+  EXPECT_NE(r.out.find("stored"), std::string::npos);
+  // Same key again with other bytes: exit 0, stored bytes unchanged.
+  r = Ctl(absl::StrCat("put --ns demo --key 0a0b --file ", second));
+  EXPECT_EQ(r.exit_code, 0) << r.err;
+  EXPECT_NE(r.out.find("exists"), std::string::npos);
+  std::string out = dir_ + "/out";
+  r = Ctl(absl::StrCat("get --ns demo --key 0A0B --out ", out));
+  EXPECT_EQ(r.exit_code, 0) << r.err;
+  EXPECT_EQ(Slurp(out), Slurp(first));
+}
+
+TEST_F(KvdepotctlTest, GetOfAMissExitsThreeWithNotFound) {
+  CommandResult r = Ctl(absl::StrCat("get --ns demo --key ffff --out ", dir_, "/x"));
+  EXPECT_EQ(r.exit_code, 3);
+  EXPECT_NE(r.err.find("not found"), std::string::npos) << r.err;
+}
+
+TEST_F(KvdepotctlTest, LookupJsonHasTheDocumentedShape) {
+  ASSERT_EQ(Ctl(absl::StrCat("put --ns demo --key 01 --file ", File("x", "12345"))).exit_code, 0);
+  ASSERT_EQ(Ctl(absl::StrCat("put --ns demo --key 02 --parent 01 --file ",
+                             File("y", "123")))
+                .exit_code,
+            0);
+  CommandResult r = Ctl("--json lookup --ns demo --prefix 01 02 03");
+  EXPECT_EQ(r.exit_code, 0) << r.err;
+  EXPECT_EQ(r.out,
+            "{\"prefix_hits\": 2, \"entries\": ["
+            "{\"key\": \"01\", \"found\": true, \"tier\": \"dram\", \"size\": 5}, "
+            "{\"key\": \"02\", \"found\": true, \"tier\": \"dram\", \"size\": 3}, "
+            "{\"key\": \"03\", \"found\": false, \"tier\": null, \"size\": 0}]}\n");
+  r = Ctl("--json lookup --ns demo 03 01");
+  EXPECT_EQ(r.exit_code, 0);
+  EXPECT_NE(r.out.find("\"prefix_hits\": 0"), std::string::npos) << r.out;
+}
+
+TEST_F(KvdepotctlTest, StatsJsonReportsTheDramTier) {
+  ASSERT_EQ(Ctl(absl::StrCat("put --ns demo --key 01 --file ", File("x", "12345"))).exit_code, 0);
+  CommandResult r = Ctl("--json stats");
+  EXPECT_EQ(r.exit_code, 0) << r.err;
+  EXPECT_NE(r.out.find("{\"tiers\": {\"dram\": {\"used_bytes\": 128, "
+                       "\"capacity_bytes\": 33554432, \"blocks\": 1"),
+            std::string::npos)
+      << r.out;
+  r = Ctl("--json namespaces");
+  EXPECT_EQ(r.exit_code, 0);
+  EXPECT_NE(r.out.find("{\"name\": \"demo\", \"blocks\": 1, \"bytes\": 5"),
+            std::string::npos)
+      << r.out;
+}
+
+TEST_F(KvdepotctlTest, EvictRemovesBlocks) {
+  ASSERT_EQ(Ctl(absl::StrCat("put --ns demo --key 01 --file ", File("x", "1"))).exit_code, 0);
+  ASSERT_EQ(Ctl(absl::StrCat("put --ns demo --key 02 --file ", File("y", "2"))).exit_code, 0);
+  CommandResult r = Ctl("--json evict --ns demo 01 09");
+  EXPECT_EQ(r.exit_code, 0) << r.err;
+  EXPECT_NE(r.out.find("\"evicted_blocks\": 1"), std::string::npos) << r.out;
+  EXPECT_NE(r.out.find("\"missing_keys\": 1"), std::string::npos) << r.out;
+  r = Ctl("evict --ns demo --all");
+  EXPECT_EQ(r.exit_code, 0) << r.err;
+  EXPECT_EQ(Ctl(absl::StrCat("get --ns demo --key 02 --out ", dir_, "/z")).exit_code, 3);
+}
+
+TEST_F(KvdepotctlTest, UsageErrorsExitTwo) {
+  EXPECT_EQ(Ctl("").exit_code, 2);
+  EXPECT_EQ(Ctl("frobnicate").exit_code, 2);
+  EXPECT_EQ(Ctl("get --ns demo --out /dev/null").exit_code, 2);  // no --key
+  EXPECT_EQ(Ctl("lookup --ns demo xyz").exit_code, 2);           // not hex
+  EXPECT_EQ(Ctl("lookup --ns demo abc").exit_code, 2);           // odd length
+  EXPECT_EQ(Ctl("evict --ns demo").exit_code, 2);                // neither
+}
+
+TEST_F(KvdepotctlTest, ServerSideErrorsExitOne) {
+  CommandResult r = Ctl("lookup --ns 'bad ns' 01");
+  EXPECT_EQ(r.exit_code, 1);
+  EXPECT_NE(r.err.find("INVALID_ARGUMENT"), std::string::npos) << r.err;
+  r = Ctl(absl::StrCat("put --ns demo --key 01 --file ", dir_, "/does-not-exist"));
+  EXPECT_NE(r.exit_code, 0);
+}
+
+}  // namespace
+}  // namespace kvdepot
