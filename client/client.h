@@ -1,6 +1,8 @@
 // libkvdepot: the C++ client of kvdepotd.
 //
-//   auto client = kvdepot::Client::Connect({.server = "127.0.0.1:50551"});
+//   kvdepot::ClientOptions options;
+//   options.server = "127.0.0.1:50551";
+//   auto client = kvdepot::Client::Connect(options);
 //   (*client)->Put("llama3-8b/bf16/tp0", {{key, parent, bytes}});
 //   auto hits = (*client)->Lookup("llama3-8b/bf16/tp0", keys, /*prefix=*/true,
 //                                 /*pin=*/true);

@@ -70,6 +70,27 @@ TEST_F(ConfigFileTest, RejectsUnknownKeysAndBadValues) {
               StatusIs(absl::StatusCode::kInvalidArgument));
 }
 
+TEST(ConfigFileTest2, ShippedExampleMatchesTheDefaults) {
+  // deploy/kvdepot.yaml documents every key at its default; keep it true.
+  DaemonConfig from_file;
+  ASSERT_OK(LoadConfigFile(KVDEPOT_EXAMPLE_CONFIG, &from_file));
+  DaemonConfig defaults;
+  EXPECT_EQ(from_file.listen, defaults.listen);
+  EXPECT_EQ(from_file.metrics_listen, defaults.metrics_listen);
+  EXPECT_EQ(from_file.data_dir, defaults.data_dir);
+  EXPECT_EQ(from_file.store.dram_capacity, defaults.store.dram_capacity);
+  EXPECT_EQ(from_file.store.hugepages, defaults.store.hugepages);
+  EXPECT_EQ(from_file.store.high_watermark, defaults.store.high_watermark);
+  EXPECT_EQ(from_file.store.low_watermark, defaults.store.low_watermark);
+  EXPECT_EQ(from_file.store.max_block_bytes, defaults.store.max_block_bytes);
+  EXPECT_EQ(from_file.store.max_batch_keys, defaults.store.max_batch_keys);
+  EXPECT_EQ(from_file.store.default_lease, defaults.store.default_lease);
+  EXPECT_EQ(from_file.store.create_namespaces, defaults.store.create_namespaces);
+  EXPECT_EQ(from_file.grpc_max_threads, defaults.grpc_max_threads);
+  EXPECT_EQ(from_file.drain_timeout, defaults.drain_timeout);
+  EXPECT_EQ(from_file.log_level, defaults.log_level);
+}
+
 TEST(ValidateConfigTest, ChecksCrossFieldRules) {
   DaemonConfig c;
   EXPECT_OK(ValidateConfig(c));
