@@ -172,6 +172,27 @@ absl::Status Client::Unpin(uint64_t pin_id) {
   return FromGrpcStatus(stub_->Unpin(&ctx, req, &resp));
 }
 
+namespace {
+
+absl::StatusOr<std::vector<PutResult>> FinishPut(
+    grpc::ClientWriter<v1::WriteRequest>* writer, const v1::WriteResponse& resp,
+    size_t blocks) {
+  RETURN_IF_ERROR(FromGrpcStatus(writer->Finish()));
+  if (static_cast<size_t>(resp.results_size()) != blocks) {
+    return absl::InternalError(absl::StrCat("daemon answered ", resp.results_size(),
+                                            " results for ", blocks, " blocks"));
+  }
+  std::vector<PutResult> out;
+  out.reserve(blocks);
+  for (int r : resp.results()) {
+    out.push_back(r == v1::WRITE_ALREADY_EXISTS ? PutResult::kAlreadyExists
+                                                : PutResult::kStored);
+  }
+  return out;
+}
+
+}  // namespace
+
 absl::StatusOr<std::vector<PutResult>> Client::Put(
     absl::string_view ns, absl::Span<const BlockToPut> blocks) {
   RETURN_IF_ERROR(ValidateNamespace(ns));
@@ -183,35 +204,33 @@ absl::StatusOr<std::vector<PutResult>> Client::Put(
       stub_->Write(&ctx, &resp);
   v1::WriteRequest msg;
   bool open = true;
-  for (const BlockToPut& b : blocks) {
-    if (!open) break;
-    msg.Clear();
-    v1::WriteHeader* h = msg.mutable_header();
-    h->set_namespace_(std::string(ns));
-    h->set_key(std::string(b.key));
-    h->set_parent_key(std::string(b.parent));
-    h->set_size(b.bytes.size());
-    h->set_checksum(BlockChecksum(b.bytes));
-    open = writer->Write(msg);
-    for (size_t off = 0; open && off < b.bytes.size(); off += kChunk) {
+  // The header rides with the first chunk; the last message is coalesced
+  // with the half-close.
+  for (size_t i = 0; open && i < blocks.size(); ++i) {
+    const BlockToPut& b = blocks[i];
+    size_t off = 0;
+    do {
       msg.Clear();
-      msg.set_data(std::string(b.bytes.substr(off, kChunk)));
-      open = writer->Write(msg);
-    }
+      if (off == 0) {
+        v1::WriteHeader* h = msg.mutable_header();
+        h->set_namespace_(std::string(ns));
+        h->set_key(std::string(b.key));
+        h->set_parent_key(std::string(b.parent));
+        h->set_size(b.bytes.size());
+        h->set_checksum(BlockChecksum(b.bytes));
+      }
+      absl::string_view chunk = b.bytes.substr(off, kChunk);
+      msg.set_data(chunk.data(), chunk.size());
+      off += chunk.size();
+      bool last = i + 1 == blocks.size() && off >= b.bytes.size();
+      grpc::WriteOptions options;
+      if (last) options.set_last_message();
+      open = writer->Write(msg, options);
+      if (last && open) return FinishPut(writer.get(), resp, blocks.size());
+    } while (open && off < b.bytes.size());
   }
   if (open) writer->WritesDone();
-  RETURN_IF_ERROR(FromGrpcStatus(writer->Finish()));
-  if (static_cast<size_t>(resp.results_size()) != blocks.size()) {
-    return absl::InternalError(absl::StrCat("daemon answered ", resp.results_size(),
-                                            " results for ", blocks.size(), " blocks"));
-  }
-  std::vector<PutResult> out;
-  out.reserve(blocks.size());
-  for (int r : resp.results()) {
-    out.push_back(r == v1::WRITE_ALREADY_EXISTS ? PutResult::kAlreadyExists
-                                                : PutResult::kStored);
-  }
-  return out;
+  return FinishPut(writer.get(), resp, blocks.size());
 }
 
 absl::StatusOr<std::vector<Block>> Client::Get(
@@ -253,10 +272,13 @@ absl::StatusOr<std::vector<Block>> Client::Get(
       b.key = msg.header().key();
       b.checksum = msg.header().checksum();
       want = msg.header().size();
+      if (msg.data().size() == want) {
+        b.bytes.swap(*msg.mutable_data());  // the common one-chunk block
+        continue;
+      }
       b.bytes.reserve(want);
-    } else if (!out.empty()) {
-      out.back().bytes.append(msg.data());
     }
+    if (!out.empty()) out.back().bytes.append(msg.data());
   }
   RETURN_IF_ERROR(FromGrpcStatus(reader->Finish()));
   if (!out.empty()) RETURN_IF_ERROR(finish_block());

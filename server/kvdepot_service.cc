@@ -256,6 +256,9 @@ absl::Status KvDepotService::DoWrite(
   std::optional<BlockInFlight> cur;
   v1::WriteRequest msg;
   while (reader->Read(&msg)) {
+    if (!msg.has_header() && msg.data().empty()) {
+      return absl::InvalidArgumentError("empty WriteRequest");
+    }
     if (msg.has_header()) {
       const v1::WriteHeader& h = msg.header();
       if (cur) {
@@ -290,11 +293,8 @@ absl::Status KvDepotService::DoWrite(
           ASSIGN_OR_RETURN(cur->slot, store_.AcquireSlot(kInternalSession, r.id, 0));
         }
       }
-      continue;
     }
-    if (!msg.has_data()) {
-      return absl::InvalidArgumentError("empty WriteRequest");
-    }
+    if (msg.data().empty()) continue;
     const std::string& data = msg.data();
     if (!cur) return absl::InvalidArgumentError("data before any header");
     if (data.size() > kMaxChunkBytes) {
@@ -376,19 +376,27 @@ absl::Status KvDepotService::DoRead(grpc::ServerContext* ctx,
     absl::Cleanup unpin = [&] {
       store_.Unpin(kInternalSession, r.pin_id).IgnoreError();
     };
-    msg.Clear();
-    v1::ReadHeader* h = msg.mutable_header();
-    h->set_key(key);
-    h->set_size(e.size);
-    h->set_checksum(e.checksum);
-    if (!writer->Write(msg)) return absl::CancelledError("client went away");
-    for (uint64_t off = 0; off < e.size; off += kMaxChunkBytes) {
+    // The header rides with the first chunk, and the stream's last message
+    // with the trailers: one write per chunk, no extra round trips.
+    const bool last_key = &key == &req.keys(req.keys_size() - 1);
+    uint64_t off = 0;
+    do {
       size_t n = std::min<uint64_t>(kMaxChunkBytes, e.size - off);
       msg.Clear();
+      if (off == 0) {
+        v1::ReadHeader* h = msg.mutable_header();
+        h->set_key(key);
+        h->set_size(e.size);
+        h->set_checksum(e.checksum);
+      }
       msg.mutable_data()->assign(base + e.offset + off, n);
-      if (!writer->Write(msg)) return absl::CancelledError("client went away");
+      off += n;
+      grpc::WriteOptions options;
+      if (last_key && off == e.size) options.set_last_message();
+      bool ok = writer->Write(msg, options);
+      if (!ok) return absl::CancelledError("client went away");
       metrics_.AddBytesOut(n);
-    }
+    } while (off < e.size);
     if (ctx->IsCancelled()) return absl::CancelledError("client cancelled the read");
   }
   return absl::OkStatus();

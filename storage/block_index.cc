@@ -47,6 +47,7 @@ void BlockIndex::LruPushFront(Shard& s, BlockEntry* e) {
 }
 
 void BlockIndex::LruPushBack(Shard& s, BlockEntry* e) {
+  e->flags &= ~BlockEntry::kReferenced;
   e->lru_next = nullptr;
   e->lru_prev = s.tail;
   if (s.tail) s.tail->lru_next = e;
@@ -84,11 +85,8 @@ std::optional<BlockIndex::Hit> BlockIndex::Find(const KeyRef& key, bool pin) {
   if (pin) {
     LruRemove(s, e);
     ++e->pins;
-  } else if (e->flags & BlockEntry::kInLru) {
-    if (s.head != e) {
-      LruRemove(s, e);
-      LruPushFront(s, e);
-    }
+  } else {
+    e->flags |= BlockEntry::kReferenced;
   }
   return Hit{e, e->data_offset(), e->size, e->checksum};
 }
@@ -198,7 +196,17 @@ std::unique_ptr<BlockEntry> BlockIndex::PopEvictable(int shard) {
   std::unique_ptr<BlockEntry> out;
   {
     absl::MutexLock lock(&s.mu);
+    // Second chance: referenced entries go back to the front, unmarked. One
+    // pass over the list unmarks everything, so this ends.
     BlockEntry* e = s.tail;
+    for (uint64_t n = s.lru_size; e != nullptr && n > 0 &&
+                                  (e->flags & BlockEntry::kReferenced);
+         --n) {
+      e->flags &= ~BlockEntry::kReferenced;
+      LruRemove(s, e);
+      LruPushFront(s, e);
+      e = s.tail;
+    }
     if (e == nullptr) return nullptr;
     Detach(s, e);
     out.reset(e);

@@ -6,10 +6,14 @@
 // previous block of its chain); a block counts its cached children. Only
 // blocks with no cached child and no pin are evictable, kept per shard in a
 // recency list: a block enters at the most-recent end when it is stored or
-// unpinned and moves there when looked up; a parent whose last cached child
-// leaves enters at the least-recent end (its chain has just aged out, so the
-// prefix is at least as old as anything still listed). Leaves therefore go
-// before their parents and, within that rule, least recently used first.
+// unpinned; a lookup only marks it referenced (CLOCK-style second chance: a
+// referenced block reaching the least-recent end is moved back to the
+// most-recent end instead of being evicted), which keeps lookups from
+// touching their neighbours' memory. A parent whose last cached child leaves
+// enters at the least-recent end, unreferenced (its chain has just aged out,
+// so the prefix is at least as old as anything still listed). Leaves
+// therefore go before their parents and, within that rule, approximately
+// least recently used first.
 //
 // Key bytes live in the DRAM arena (a small allocation per block), so the
 // metadata of a block is one 72-byte heap entry plus its hash-table slot.
@@ -36,6 +40,7 @@ namespace kvdepot {
 struct BlockEntry {
   static constexpr uint8_t kInLru = 1;   // in its shard's evictable list
   static constexpr uint8_t kLinked = 2;  // counted in its parent's children
+  static constexpr uint8_t kReferenced = 4;  // looked up since last considered
 
   BlockEntry* lru_prev = nullptr;
   BlockEntry* lru_next = nullptr;

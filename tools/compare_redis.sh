@@ -1,0 +1,367 @@
+#!/usr/bin/env bash
+# compare_redis.sh: kvdepot vs Redis, block GET and PUT side by side on
+# loopback (see ../shared/BENCHMARKS.md, "How a benchmark reports").
+#
+# Starts its own kvdepotd (port 0, temporary data dir) and redis-server
+# (a free loopback port, no persistence), then for every block size and
+# client count runs PUT/SET and then GET on both sides in alternation:
+# warm-up of each, then A B A B (kvdepot, Redis) for --rounds rounds. Each
+# side's figure is its BEST round (highest GB/s); every round is kept in the
+# JSON. kvdepot is driven by kvdepot-bench (one thread and one gRPC channel
+# per client), Redis by redis-benchmark (-c connections, -r keyspace); both
+# read from a working set of the same keys x block size, stored before the
+# GET runs. GB/s is decimal (1e9 bytes/s); ratio = kvdepot GB/s / Redis GB/s.
+#
+#   tools/compare_redis.sh [--build DIR] [--sizes "65536 262144 2097152"]
+#       [--clients "1 4"] [--duration S] [--rounds N] [--out FILE] [--smoke]
+#
+# Prints a table and writes JSON (default tools/results/compare_redis.json).
+# Stops everything it started on exit. Exit 0 when every run succeeded, 1 when
+# a run failed (the table still shows what was measured), 2 for usage errors.
+# Needs: the kvdepotd and kvdepot-bench builds, redis-server, redis-benchmark,
+# redis-cli (Debian redis-server, redis-tools) and python3 (standard library).
+set -euo pipefail
+
+REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+BUILD="$REPO/build"
+SIZES="65536 262144 2097152"
+CLIENTS="1 4"
+DURATION=5
+ROUNDS=2
+WARMUP=1                          # seconds of warm-up per side and workload
+WORKING_SET=$((256 * 1024 * 1024))  # bytes read by GET (keys = this / size)
+DRAM_CAPACITY=2GiB
+OUT="$REPO/tools/results/compare_redis.json"
+
+usage() {
+  sed -n '2,/^set -euo/p' "${BASH_SOURCE[0]}" | sed '$d; s/^# \{0,1\}//'
+  cat <<'EOF'
+Options:
+  --build DIR          build directory with server/kvdepotd, tools/kvdepot-bench
+                       (default: <repo>/build)
+  --sizes "B ..."      block sizes in bytes (default "65536 262144 2097152")
+  --clients "N ..."    client counts (default "1 4")
+  --duration S         seconds per measured run (default 5)
+  --rounds N           A B rounds per workload (default 2)
+  --working-set BYTES  GET working set per block size (default 268435456)
+  --dram-capacity SIZE kvdepotd DRAM tier (default 2GiB)
+  --out FILE           JSON output (default tools/results/compare_redis.json)
+  --smoke              tiny run for CI: 65536 bytes, 1 client, 1 s rounds
+EOF
+}
+
+die_usage() { echo "compare_redis.sh: $*" >&2; echo "Run with --help for more information." >&2; exit 2; }
+need_value() { [[ $# -ge 2 ]] || die_usage "$1 needs a value"; }
+
+while [[ $# -gt 0 ]]; do
+  case "$1" in
+    --build) need_value "$@"; BUILD="$2"; shift 2 ;;
+    --sizes) need_value "$@"; SIZES="$2"; shift 2 ;;
+    --clients) need_value "$@"; CLIENTS="$2"; shift 2 ;;
+    --duration) need_value "$@"; DURATION="$2"; shift 2 ;;
+    --rounds) need_value "$@"; ROUNDS="$2"; shift 2 ;;
+    --working-set) need_value "$@"; WORKING_SET="$2"; shift 2 ;;
+    --dram-capacity) need_value "$@"; DRAM_CAPACITY="$2"; shift 2 ;;
+    --out) need_value "$@"; OUT="$2"; shift 2 ;;
+    --smoke)
+      SIZES=65536; CLIENTS=1; DURATION=1; ROUNDS=2; WARMUP=0.3
+      WORKING_SET=$((64 * 1024 * 1024)); shift ;;
+    -h|--help) usage; exit 0 ;;
+    *) die_usage "unknown argument: $1" ;;
+  esac
+done
+
+is_uint() { [[ $1 =~ ^[0-9]+$ ]] && [[ $1 -gt 0 ]]; }
+for s in $SIZES; do is_uint "$s" || die_usage "--sizes: \"$s\" is not a byte count"; done
+for c in $CLIENTS; do is_uint "$c" || die_usage "--clients: \"$c\" is not a positive integer"; done
+[[ -n $SIZES && -n $CLIENTS ]] || die_usage "--sizes and --clients must not be empty"
+if ! [[ $DURATION =~ ^[0-9]+([.][0-9]+)?$ ]] ||
+  ! awk -v d="$DURATION" 'BEGIN{exit !(d > 0)}'; then
+  die_usage "--duration: \"$DURATION\" is not a positive number of seconds"
+fi
+is_uint "$ROUNDS" || die_usage "--rounds: \"$ROUNDS\" is not a positive integer"
+is_uint "$WORKING_SET" || die_usage "--working-set: \"$WORKING_SET\" is not a byte count"
+
+KVDEPOTD="$BUILD/server/kvdepotd"
+BENCH="$BUILD/tools/kvdepot-bench"
+PYTHON=/usr/bin/python3
+[[ -x $PYTHON ]] || PYTHON="$(command -v python3 || true)"
+for tool in "$KVDEPOTD" "$BENCH"; do
+  [[ -x $tool ]] || { echo "compare_redis.sh: $tool not found; build it: cd build && ninja kvdepotd kvdepot-bench" >&2; exit 1; }
+done
+for tool in redis-server redis-benchmark redis-cli; do
+  command -v "$tool" >/dev/null || { echo "compare_redis.sh: $tool not found (apt-get install redis-server redis-tools)" >&2; exit 1; }
+done
+[[ -n $PYTHON ]] || { echo "compare_redis.sh: python3 not found" >&2; exit 1; }
+
+log() { echo "compare_redis.sh: $*" >&2; }
+
+# --- Everything started here is stopped here --------------------------------
+
+TMP="$(mktemp -d "${TMPDIR:-/tmp}/compare_redis.XXXXXX")"
+KVD_PID=""
+REDIS_PID=""
+
+stop_pid() {  # stop_pid PID NAME: SIGTERM, then SIGKILL after 10 s
+  local pid=$1 name=$2 i
+  kill -0 "$pid" 2>/dev/null || return 0
+  kill -TERM "$pid" 2>/dev/null || true
+  for ((i = 0; i < 100; i++)); do
+    kill -0 "$pid" 2>/dev/null || break
+    sleep 0.1
+  done
+  if kill -0 "$pid" 2>/dev/null; then
+    log "$name ($pid) ignored SIGTERM; killing it"
+    kill -KILL "$pid" 2>/dev/null || true
+  fi
+  wait "$pid" 2>/dev/null || true
+}
+
+cleanup() {
+  local rc=$?
+  trap - EXIT INT TERM
+  [[ -n $KVD_PID ]] && stop_pid "$KVD_PID" kvdepotd
+  [[ -n $REDIS_PID ]] && stop_pid "$REDIS_PID" redis-server
+  rm -rf "$TMP"
+  exit "$rc"
+}
+trap cleanup EXIT
+trap 'exit 130' INT
+trap 'exit 143' TERM
+
+# --- Start both servers ------------------------------------------------------
+
+"$KVDEPOTD" --listen 127.0.0.1:0 --metrics-listen "" --data-dir "$TMP/kvdepot-data" \
+  --dram-capacity "$DRAM_CAPACITY" 2>"$TMP/kvdepotd.log" &
+KVD_PID=$!
+KVD_PORT=""
+for ((i = 0; i < 150; i++)); do
+  KVD_PORT="$(sed -n 's/.*listening on 127\.0\.0\.1:\([0-9][0-9]*\).*/\1/p' "$TMP/kvdepotd.log" | head -n1)"
+  [[ -n $KVD_PORT ]] && break
+  kill -0 "$KVD_PID" 2>/dev/null || break
+  sleep 0.1
+done
+if [[ -z $KVD_PORT ]]; then
+  log "kvdepotd did not start; its log:"; cat "$TMP/kvdepotd.log" >&2; exit 1
+fi
+KVD="127.0.0.1:$KVD_PORT"
+
+free_port() {
+  "$PYTHON" -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])'
+}
+REDIS_PORT=""
+for ((attempt = 0; attempt < 5; attempt++)); do
+  port="$(free_port)"
+  redis-server --port "$port" --bind 127.0.0.1 --save '' --appendonly no \
+    --daemonize no --dir "$TMP" --logfile "$TMP/redis.log" &
+  REDIS_PID=$!
+  for ((i = 0; i < 100; i++)); do
+    if [[ "$(redis-cli -h 127.0.0.1 -p "$port" ping 2>/dev/null)" == PONG ]]; then
+      REDIS_PORT=$port; break
+    fi
+    kill -0 "$REDIS_PID" 2>/dev/null || break
+    sleep 0.1
+  done
+  # The port may have been taken between the probe and the bind: try another.
+  [[ -z $REDIS_PORT ]] || break
+  stop_pid "$REDIS_PID" redis-server
+  REDIS_PID=""
+done
+if [[ -z $REDIS_PORT ]]; then
+  log "redis-server did not start; its log:"; cat "$TMP/redis.log" >&2 || true; exit 1
+fi
+rcli() { redis-cli -h 127.0.0.1 -p "$REDIS_PORT" "$@"; }
+log "kvdepotd on $KVD, redis-server on 127.0.0.1:$REDIS_PORT"
+
+# --- One run of each side ----------------------------------------------------
+
+RECORDS="$TMP/records.jsonl"  # one JSON object per measured run
+: >"$RECORDS"
+FAILED=0
+
+# kvdepot_run OP SIZE CLIENTS KEYS SECONDS ROUND: one kvdepot-bench run; a
+# measured round (ROUND > 0) is appended to $RECORDS.
+kvdepot_run() {
+  local op=$1 size=$2 clients=$3 keys=$4 seconds=$5 round=$6 out rc=0
+  out="$("$BENCH" --server "$KVD" --op "$op" --block-size "$size" --clients "$clients" \
+    --duration "$seconds" --keys "$keys" --ns compare --json 2>"$TMP/bench.err")" || rc=$?
+  if [[ $rc -ne 0 || $out != '{'* ]]; then
+    log "kvdepot-bench $op $size x$clients failed (exit $rc):"; sed 's/^/  /' "$TMP/bench.err" >&2
+    FAILED=1
+  fi
+  [[ $out == '{'* ]] || return 0
+  if [[ $round -gt 0 ]]; then
+    echo "{\"side\":\"kvdepot\",\"workload\":\"$op\",\"round\":$round,\"working_set_keys\":$keys,${out#\{}" >>"$RECORDS"
+    log "  kvdepot round $round: $(tail -n1 "$TMP/bench.err")"
+  fi
+}
+
+# redis_run TEST SIZE CLIENTS KEYS REQUESTS ROUND: one redis-benchmark run
+# (TEST is set or get). Sets REDIS_RPS; a measured round goes to $RECORDS.
+REDIS_RPS=0
+redis_run() {
+  local test=$1 size=$2 clients=$3 keys=$4 requests=$5 round=$6 out rc=0 line
+  # Bounded in time as well as count, in case the request estimate is off.
+  out="$(timeout "$(awk -v d="$DURATION" 'BEGIN{printf "%d", d * 6 + 30}')" \
+    redis-benchmark -h 127.0.0.1 -p "$REDIS_PORT" -t "$test" -d "$size" -c "$clients" \
+    -n "$requests" -r "$keys" -q --csv 2>"$TMP/redis-benchmark.err")" || rc=$?
+  # "SET","2061.86","1.517","0.112","0.911","4.959","9.343","14.215"
+  line="$(printf '%s\n' "$out" | grep -i "^\"$test\"," | head -n1 || true)"
+  if [[ $rc -ne 0 || -z $line ]]; then
+    log "redis-benchmark $test $size x$clients failed (exit $rc):"
+    sed 's/^/  /' "$TMP/redis-benchmark.err" >&2; printf '%s\n' "$out" | sed 's/^/  /' >&2
+    FAILED=1; REDIS_RPS=0; return 0
+  fi
+  REDIS_RPS="$(printf '%s\n' "$line" | awk -F'"' '{print $4}')"
+  if [[ $round -gt 0 ]]; then
+    local record
+    record="$(printf '%s\n' "$line" | awk -F'"' -v w="$( [[ $test == set ]] && echo put || echo get )" \
+      -v r="$round" -v s="$size" -v c="$clients" -v k="$keys" -v n="$requests" '{
+        rps = $4; printf "{\"side\":\"redis\",\"workload\":\"%s\",\"round\":%d,", w, r
+        printf "\"working_set_keys\":%d,\"tool\":\"redis-benchmark\",\"op\":\"%s\",", k, tolower($2)
+        printf "\"block_size\":%d,\"clients\":%d,\"ops\":%d,\"seconds\":%.6f,", s, c, n, n / rps
+        printf "\"ops_per_sec\":%.3f,\"gb_per_sec\":%.6f,", rps, rps * s / 1e9
+        printf "\"p50_us\":%.3f,\"p99_us\":%.3f,\"p999_us\":null,\"errors\":0}\n", $10 * 1000, $14 * 1000
+      }')"
+    echo "$record" >>"$RECORDS"
+    log "  redis   round $round: $test $size x$clients: $REDIS_RPS ops/s, $(awk -v r="$REDIS_RPS" -v s="$size" 'BEGIN{printf "%.3f", r * s / 1e9}') GB/s, p99 $(printf '%s\n' "$line" | awk -F'"' '{print $14}') ms"
+  fi
+}
+
+# Requests for a Redis run of about SECONDS at RATE ops/s (at least 10 per
+# connection).
+requests_for() {
+  awk -v r="$1" -v d="$2" -v c="$3" 'BEGIN{n = int(r * d); if (n < 10 * c) n = 10 * c; print n}'
+}
+
+# Stores all KEYS keys in Redis (SET with -r hits keys at random: repeat until
+# every one exists, so no GET misses).
+redis_fill() {
+  local size=$1 keys=$2 i
+  for ((i = 0; i < 20; i++)); do
+    [[ "$(rcli dbsize)" -ge $keys ]] && return 0
+    redis-benchmark -h 127.0.0.1 -p "$REDIS_PORT" -t set -d "$size" -c 4 -n $((keys * 2)) \
+      -r "$keys" -q --csv >/dev/null 2>&1 || true
+  done
+  log "Redis holds $(rcli dbsize) of $keys keys after filling"; FAILED=1
+}
+
+# --- The comparison ------------------------------------------------------------
+
+for size in $SIZES; do
+  keys=$((WORKING_SET / size))
+  ((keys < 8)) && keys=8
+  ((keys > 1024)) && keys=1024
+  for clients in $CLIENTS; do
+    rcli flushall >/dev/null
+    for workload in put get; do
+      test=$([[ $workload == put ]] && echo set || echo get)
+      log "$workload $size bytes x$clients clients (working set $keys keys)"
+      [[ $workload == get ]] && redis_fill "$size" "$keys"
+      # Warm-up (also stores kvdepot's working set, and measures Redis's rate
+      # to size its runs).
+      kvdepot_run "$workload" "$size" "$clients" "$keys" "$WARMUP" 0
+      redis_run "$test" "$size" "$clients" "$keys" \
+        "$(requests_for "$(awk -v s="$size" 'BEGIN{print 1e9 / s}')" "$WARMUP" "$clients")" 0
+      for ((round = 1; round <= ROUNDS; round++)); do
+        kvdepot_run "$workload" "$size" "$clients" "$keys" "$DURATION" "$round"
+        [[ $REDIS_RPS == 0 ]] && REDIS_RPS=100
+        redis_run "$test" "$size" "$clients" "$keys" \
+          "$(requests_for "$REDIS_RPS" "$DURATION" "$clients")" "$round"
+      done
+    done
+  done
+done
+
+# --- Report ------------------------------------------------------------------
+
+mkdir -p "$(dirname "$OUT")"
+"$PYTHON" - "$RECORDS" "$OUT" "$DURATION" "$ROUNDS" "$WORKING_SET" "$DRAM_CAPACITY" \
+  "$("$KVDEPOTD" --version 2>/dev/null || echo unknown)" "$(redis-server --version)" <<'EOF'
+import json, sys, time, platform
+
+records_path, out_path, duration, rounds, working_set, dram, kvd_ver, redis_ver = sys.argv[1:9]
+runs = [json.loads(line) for line in open(records_path) if line.strip()]
+
+cases = []  # (workload, block_size, clients) in the order they ran
+for r in runs:
+    case = (r["workload"], r["block_size"], r["clients"])
+    if case not in cases:
+        cases.append(case)
+
+def side_summary(rs):
+    if not rs:
+        return None
+    best = max(rs, key=lambda r: r["gb_per_sec"] if r["workload"] != "lookup" else r["ops_per_sec"])
+    keep = ("ops_per_sec", "gb_per_sec", "p50_us", "p99_us", "p999_us", "errors")
+    summary = {k: best[k] for k in keep}
+    summary["rounds"] = [{k: r[k] for k in ("round", "ops", "seconds") + keep} for r in rs]
+    return summary
+
+results = []
+for workload, size, clients in cases:
+    rs = [r for r in runs if (r["workload"], r["block_size"], r["clients"]) == (workload, size, clients)]
+    kvd = side_summary([r for r in rs if r["side"] == "kvdepot"])
+    red = side_summary([r for r in rs if r["side"] == "redis"])
+    ratio = None
+    if kvd and red and red["gb_per_sec"] > 0:
+        ratio = kvd["gb_per_sec"] / red["gb_per_sec"]
+    results.append({
+        "workload": workload, "block_size": size, "clients": clients,
+        "working_set_keys": rs[0]["working_set_keys"],
+        "kvdepot": kvd, "redis": red,
+        "ratio_gb_per_sec": None if ratio is None else round(ratio, 4),
+    })
+
+report = {
+    "tool": "compare_redis",
+    "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+    "host": platform.node(),
+    "kvdepotd": kvd_ver.strip(),
+    "redis": redis_ver.strip(),
+    "method": "warm-up, then A B A B (kvdepot, redis) per workload; each side's "
+              "figures are its best round (highest GB/s); all rounds listed",
+    "duration_s": float(duration),
+    "rounds": int(rounds),
+    "working_set_bytes": int(working_set),
+    "kvdepot_dram_capacity": dram,
+    "gb": "1e9 bytes",
+    "ratio": "kvdepot GB/s / redis GB/s",
+    "results": results,
+}
+with open(out_path, "w") as f:
+    json.dump(report, f, indent=2)
+    f.write("\n")
+
+def size_name(b):
+    for unit, n in (("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if b >= n and b % n == 0:
+            return f"{b // n}{unit}"
+    return f"{b}B"
+
+def fmt(v, spec):
+    return "-" if v is None else format(v, spec)
+
+header = ("workload", "block", "clients", "kvdepot GB/s", "redis GB/s", "ratio",
+          "kvdepot p99 us", "redis p99 us")
+rows = []
+for r in results:
+    k, d = r["kvdepot"] or {}, r["redis"] or {}
+    rows.append((r["workload"], size_name(r["block_size"]), str(r["clients"]),
+                 fmt(k.get("gb_per_sec"), ".3f"), fmt(d.get("gb_per_sec"), ".3f"),
+                 fmt(r["ratio_gb_per_sec"], ".2f"), fmt(k.get("p99_us"), ".0f"),
+                 fmt(d.get("p99_us"), ".0f")))
+widths = [max(len(h), *(len(row[i]) for row in rows)) if rows else len(h)
+          for i, h in enumerate(header)]
+print(f"kvdepot vs Redis, best of {rounds} rounds of {duration} s "
+      f"(GB = 1e9 bytes; ratio = kvdepot / redis)")
+print("  ".join(h.ljust(w) for h, w in zip(header, widths)))
+for row in rows:
+    print("  ".join(c.ljust(w) for c, w in zip(row, widths)))
+print(f"JSON: {out_path}")
+EOF
+
+if [[ $FAILED -ne 0 ]]; then
+  log "some runs failed; see the messages above"
+  exit 1
+fi

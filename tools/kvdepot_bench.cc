@@ -1,0 +1,538 @@
+// kvdepot-bench: a load generator for kvdepotd's block API (gRPC byte path).
+//
+//   kvdepot-bench --server 127.0.0.1:50551 --op get|put|lookup
+//                 [--block-size 256KiB] [--clients 4]
+//                 [--duration 5 | --count 10000] [--keys N] [--batch 64]
+//                 [--ns bench] [--json]
+//
+// Each client is a thread with its own kvdepot::Client (its own channel, so
+// its own TCP connection). The ops:
+//   get     reads one random key of the working set per Get call and checks
+//           the block's size (the client library already verifies its
+//           checksum). The working set (--keys blocks) is stored first,
+//           untimed; keys already stored by an earlier run are not sent again.
+//   put     writes unique keys (run nonce + client id + counter) of
+//           --block-size random bytes, prepared once; one block per Put call.
+//   lookup  looks up --batch random keys of the working set per call (no
+//           prefix, no pin); every key must be found.
+// A failed op (an error status, a wrong size, a lookup miss, a put answered
+// "already exists") counts as an error and is left out of the latencies.
+//
+// Every op's latency is recorded (a vector per thread, merged at the end) and
+// reported as p50/p99/p999 (nearest rank). Throughput is ops over the wall
+// time from the common start to the last client's end; GB/s is block size x
+// ops / 1e9 for get and put (decimal GB) and 0 for lookup, where no block
+// bytes move (it reports keys/s instead).
+//
+// Output: one human-readable line on stdout; with --json, one JSON object on
+// stdout and the human line on stderr. Exit codes: 0 when every op succeeded,
+// 1 when any failed or the daemon cannot be reached, 2 for a usage error.
+#include <malloc.h>
+#include <CLI/CLI.hpp>
+#include <algorithm>
+#include <atomic>
+#include <chrono>
+#include <cmath>
+#include <cstdint>
+#include <cstdio>
+#include <memory>
+#include <random>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/strings/ascii.h"
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "absl/strings/string_view.h"
+#include "absl/synchronization/blocking_counter.h"
+#include "absl/synchronization/mutex.h"
+#include "absl/synchronization/notification.h"
+#include "absl/time/time.h"
+#include "client/client.h"
+
+namespace kvdepot {
+namespace {
+
+// Latencies are taken from a monotonic clock (absl::Now follows the wall
+// clock, which may be stepped while a run is in progress).
+using SteadyClock = std::chrono::steady_clock;
+
+// The working set's default size: about this many bytes, 1..1024 keys.
+constexpr uint64_t kDefaultWorkingSetBytes = uint64_t{256} << 20;
+// Most bytes stored by one Put call while pre-populating.
+constexpr uint64_t kPopulateBatchBytes = uint64_t{64} << 20;
+// Largest batch a Lookup or Put may carry (the daemon's default
+// max_batch_keys).
+constexpr int kMaxLookupBatch = 1024;
+// Error messages printed per client before going quiet.
+constexpr int kMaxReportedErrors = 3;
+
+enum class Op { kGet, kPut, kLookup };
+
+struct BenchConfig {
+  std::string server;
+  std::string op_name;
+  Op op = Op::kGet;
+  uint64_t block_size = 0;
+  int clients = 1;
+  double duration_s = 0;  // > 0: bounded by time
+  uint64_t count = 0;     // > 0: bounded by the total number of ops
+  uint64_t keys = 0;      // working set (get, lookup)
+  int batch = 64;         // keys per lookup
+  std::string ns;
+  bool json = false;
+};
+
+// What one client thread measured.
+struct ClientResult {
+  std::vector<double> latencies_us;  // successful ops only
+  uint64_t ops = 0;
+  uint64_t errors = 0;
+};
+
+// Parses "262144", "256KiB", "2MiB", "16MiB", "1GiB", "64K", "1.5MiB" and
+// the decimal "64KB"/"1MB"/"1GB" (case-insensitive; a trailing "B" alone
+// means bytes). InvalidArgument otherwise, for zero, or above 4 GiB.
+absl::StatusOr<uint64_t> ParseBlockSize(absl::string_view text) {
+  std::string t = absl::AsciiStrToLower(absl::StripAsciiWhitespace(text));
+  size_t digits = 0;
+  while (digits < t.size() &&
+         (absl::ascii_isdigit(static_cast<unsigned char>(t[digits])) ||
+          t[digits] == '.')) {
+    ++digits;
+  }
+  const std::string number = t.substr(0, digits);
+  const std::string unit = t.substr(digits);
+  struct Unit {
+    const char* name;
+    double factor;
+  };
+  static constexpr Unit kUnits[] = {{"", 1},
+                                    {"b", 1},
+                                    {"k", 1024.0},
+                                    {"kib", 1024.0},
+                                    {"kb", 1e3},
+                                    {"m", 1048576.0},
+                                    {"mib", 1048576.0},
+                                    {"mb", 1e6},
+                                    {"g", 1073741824.0},
+                                    {"gib", 1073741824.0},
+                                    {"gb", 1e9}};
+  const Unit* found = nullptr;
+  for (const Unit& u : kUnits) {
+    if (unit == u.name) found = &u;
+  }
+  double value = 0;
+  if (number.empty() || found == nullptr || !absl::SimpleAtod(number, &value)) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "bad size \"", text, "\" (examples: 65536, 64KiB, 2MiB, 16MiB)"));
+  }
+  const double bytes = std::round(value * found->factor);
+  if (bytes < 1 || bytes > 4294967296.0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("size \"", text, "\" is out of range (1 byte..4GiB)"));
+  }
+  return static_cast<uint64_t>(bytes);
+}
+
+// "256KiB" for 262144, "65536B" for sizes that are not a whole KiB.
+std::string FormatSize(uint64_t bytes) {
+  if (bytes >= (uint64_t{1} << 30) && bytes % (uint64_t{1} << 30) == 0) {
+    return absl::StrCat(bytes >> 30, "GiB");
+  }
+  if (bytes >= (uint64_t{1} << 20) && bytes % (uint64_t{1} << 20) == 0) {
+    return absl::StrCat(bytes >> 20, "MiB");
+  }
+  if (bytes >= 1024 && bytes % 1024 == 0)
+    return absl::StrCat(bytes >> 10, "KiB");
+  return absl::StrCat(bytes, "B");
+}
+
+// Key i of the working set. The block size is part of the key, so working
+// sets of several sizes can share one namespace.
+std::string WorkingSetKey(uint64_t block_size, uint64_t i) {
+  return absl::StrCat("ws/", block_size, "/", i);
+}
+
+std::string RandomBytes(uint64_t size, uint64_t seed) {
+  std::mt19937_64 rng(seed);
+  std::string bytes(size, '\0');
+  for (uint64_t off = 0; off < size; off += sizeof(uint64_t)) {
+    const uint64_t word = rng();
+    const size_t n = std::min<uint64_t>(sizeof(word), size - off);
+    std::copy_n(reinterpret_cast<const char*>(&word), n, &bytes[off]);
+  }
+  return bytes;
+}
+
+absl::StatusOr<std::unique_ptr<Client>> ConnectChecked(
+    const std::string& server, int id) {
+  ClientOptions options;
+  options.server = server;
+  options.client_name = absl::StrCat("kvdepot-bench/", id);
+  absl::StatusOr<std::unique_ptr<Client>> client = Client::Connect(options);
+  if (!client.ok()) return client.status();
+  // Also opens the connection, so the first timed op does not pay for it.
+  absl::Status health = (*client)->Health();
+  if (!health.ok()) return health;
+  return client;
+}
+
+// Stores every key of the working set that the daemon does not hold yet.
+absl::Status PopulateWorkingSet(Client& client, const BenchConfig& config,
+                                const std::string& bytes) {
+  const uint64_t per_put = std::clamp<uint64_t>(
+      kPopulateBatchBytes / config.block_size, 1, kMaxLookupBatch);
+  uint64_t stored = 0;
+  for (uint64_t first = 0; first < config.keys; first += kMaxLookupBatch) {
+    const uint64_t end =
+        std::min<uint64_t>(config.keys, first + kMaxLookupBatch);
+    std::vector<std::string> keys;
+    for (uint64_t i = first; i < end; ++i) {
+      keys.push_back(WorkingSetKey(config.block_size, i));
+    }
+    std::vector<absl::string_view> views(keys.begin(), keys.end());
+    absl::StatusOr<LookupReply> found =
+        client.Lookup(config.ns, views, /*prefix=*/false, /*pin=*/false);
+    if (!found.ok()) return found.status();
+    std::vector<BlockToPut> missing;
+    for (size_t i = 0; i < keys.size(); ++i) {
+      const BlockInfo& e = found->entries[i];
+      if (e.found && e.size == config.block_size) continue;
+      if (e.found) {
+        return absl::FailedPreconditionError(
+            absl::StrCat("key ", keys[i], " is stored with ", e.size,
+                         " bytes, not ", config.block_size));
+      }
+      missing.push_back(BlockToPut{keys[i], "", bytes});
+    }
+    for (size_t off = 0; off < missing.size(); off += per_put) {
+      const size_t n = std::min<size_t>(per_put, missing.size() - off);
+      absl::StatusOr<std::vector<PutResult>> put =
+          client.Put(config.ns, absl::MakeConstSpan(missing).subspan(off, n));
+      if (!put.ok()) return put.status();
+    }
+    stored += missing.size();
+  }
+  if (stored > 0) {
+    std::fprintf(stderr,
+                 "kvdepot-bench: stored %llu of %llu working-set blocks\n",
+                 static_cast<unsigned long long>(stored),
+                 static_cast<unsigned long long>(config.keys));
+  }
+  return absl::OkStatus();
+}
+
+// Runs one client's loop until the deadline or the shared op budget runs out.
+// `claimed` counts ops taken from the budget by all clients (count mode).
+class ClientLoop {
+ public:
+  // `client`, `config`, `put_bytes` and `claimed` must outlive Run.
+  ClientLoop(int id, Client& client, const BenchConfig& config,
+             const std::string& run_nonce, const std::string& put_bytes,
+             std::atomic<uint64_t>& claimed)
+      : id_(id),
+        client_(client),
+        config_(config),
+        run_nonce_(run_nonce),
+        put_bytes_(put_bytes),
+        claimed_(claimed),
+        rng_(0x6b766465706f74ULL ^
+             (static_cast<uint64_t>(id) * 0x9e3779b97f4a7c15ULL)) {}
+
+  ClientResult Run(SteadyClock::time_point deadline) {
+    ClientResult result;
+    if (config_.count > 0) {
+      result.latencies_us.reserve(config_.count / config_.clients + 1);
+    } else {
+      result.latencies_us.reserve(1 << 16);
+    }
+    std::uniform_int_distribution<uint64_t> pick(
+        0, config_.keys > 0 ? config_.keys - 1 : 0);
+    std::vector<std::string> batch_keys(config_.batch);
+    std::vector<absl::string_view> batch_views(config_.batch);
+    uint64_t counter = 0;
+    for (;;) {
+      if (config_.count > 0) {
+        if (claimed_.fetch_add(1, std::memory_order_relaxed) >= config_.count)
+          break;
+      } else if (SteadyClock::now() >= deadline) {
+        break;
+      }
+      // Keys are formatted before the clock starts: only the RPC is timed.
+      absl::Status st;
+      SteadyClock::time_point t0;
+      switch (config_.op) {
+        case Op::kGet: {
+          const std::string key = WorkingSetKey(config_.block_size, pick(rng_));
+          const absl::string_view view = key;
+          t0 = SteadyClock::now();
+          absl::StatusOr<std::vector<Block>> got =
+              client_.Get(config_.ns, {&view, 1});
+          if (!got.ok()) {
+            st = got.status();
+          } else if (got->size() != 1 ||
+                     (*got)[0].bytes.size() != config_.block_size) {
+            st = absl::DataLossError(
+                absl::StrCat("get ", key, " returned ",
+                             got->empty() ? 0 : (*got)[0].bytes.size(),
+                             " bytes, expected ", config_.block_size));
+          }
+          break;
+        }
+        case Op::kPut: {
+          const std::string key =
+              absl::StrCat("put/", run_nonce_, "/", id_, "/", counter++);
+          const BlockToPut block{key, "", put_bytes_};
+          t0 = SteadyClock::now();
+          absl::StatusOr<std::vector<PutResult>> put =
+              client_.Put(config_.ns, {&block, 1});
+          if (!put.ok()) {
+            st = put.status();
+          } else if (put->size() != 1 || (*put)[0] != PutResult::kStored) {
+            st = absl::AlreadyExistsError(
+                absl::StrCat("put ", key, " was not stored"));
+          }
+          break;
+        }
+        case Op::kLookup: {
+          for (int i = 0; i < config_.batch; ++i) {
+            batch_keys[i] = WorkingSetKey(config_.block_size, pick(rng_));
+            batch_views[i] = batch_keys[i];
+          }
+          t0 = SteadyClock::now();
+          absl::StatusOr<LookupReply> found = client_.Lookup(
+              config_.ns, batch_views, /*prefix=*/false, /*pin=*/false);
+          if (!found.ok()) {
+            st = found.status();
+          } else {
+            size_t hits = 0;
+            for (const BlockInfo& e : found->entries) hits += e.found ? 1 : 0;
+            if (hits != batch_views.size()) {
+              st = absl::NotFoundError(absl::StrCat(
+                  "lookup found ", hits, " of ", batch_views.size(), " keys"));
+            }
+          }
+          break;
+        }
+      }
+      const SteadyClock::time_point t1 = SteadyClock::now();
+      if (st.ok()) {
+        ++result.ops;
+        result.latencies_us.push_back(
+            std::chrono::duration<double, std::micro>(t1 - t0).count());
+      } else {
+        if (result.errors < kMaxReportedErrors) {
+          std::fprintf(stderr, "kvdepot-bench: client %d: %s\n", id_,
+                       st.ToString().c_str());
+        }
+        ++result.errors;
+      }
+    }
+    return result;
+  }
+
+ private:
+  const int id_;
+  Client& client_;
+  const BenchConfig& config_;
+  const std::string& run_nonce_;
+  const std::string& put_bytes_;
+  std::atomic<uint64_t>& claimed_;
+  std::mt19937_64 rng_;
+};
+
+// Nearest-rank percentile of sorted values; 0 when there are none.
+double Percentile(const std::vector<double>& sorted, double p) {
+  if (sorted.empty()) return 0;
+  const double rank = std::ceil(p * static_cast<double>(sorted.size()));
+  const size_t index = static_cast<size_t>(std::max(1.0, rank)) - 1;
+  return sorted[std::min(index, sorted.size() - 1)];
+}
+
+int Run(const BenchConfig& config) {
+  // Unique per run, so two put runs against one daemon never collide
+  // (a put of an existing key is a no-op and would look fast).
+  std::random_device entropy;
+  const std::string run_nonce = absl::StrFormat(
+      "%x%08x", static_cast<uint64_t>(absl::ToUnixMicros(absl::Now())),
+      entropy());
+  const std::string bytes = RandomBytes(config.block_size, entropy());
+
+  // Connect every client (and check the daemon) before the clock starts.
+  std::vector<std::unique_ptr<Client>> clients;
+  for (int i = 0; i < config.clients; ++i) {
+    absl::StatusOr<std::unique_ptr<Client>> c =
+        ConnectChecked(config.server, i);
+    if (!c.ok()) {
+      std::fprintf(stderr, "kvdepot-bench: cannot reach %s: %s\n",
+                   config.server.c_str(), c.status().ToString().c_str());
+      return 1;
+    }
+    clients.push_back(*std::move(c));
+  }
+  if (config.op != Op::kPut) {
+    absl::Status st = PopulateWorkingSet(*clients[0], config, bytes);
+    if (!st.ok()) {
+      std::fprintf(stderr,
+                   "kvdepot-bench: storing the working set failed: %s\n",
+                   st.ToString().c_str());
+      return 1;
+    }
+  }
+
+  std::atomic<uint64_t> claimed{0};
+  std::vector<ClientResult> results(config.clients);
+  std::vector<SteadyClock::time_point> ends(config.clients);
+  std::vector<std::thread> threads;
+  absl::BlockingCounter ready(config.clients);
+  absl::Notification go;
+  SteadyClock::time_point start;
+  SteadyClock::time_point deadline;
+  for (int i = 0; i < config.clients; ++i) {
+    threads.emplace_back([&, i] {
+      ClientLoop loop(i, *clients[i], config, run_nonce, bytes, claimed);
+      ready.DecrementCount();
+      go.WaitForNotification();  // publishes `start` and `deadline`
+      results[i] = loop.Run(deadline);
+      ends[i] = SteadyClock::now();
+    });
+  }
+  ready.Wait();
+  start = SteadyClock::now();
+  deadline = start + std::chrono::duration_cast<SteadyClock::duration>(
+                         std::chrono::duration<double>(config.duration_s));
+  go.Notify();
+  for (std::thread& t : threads) t.join();
+  const SteadyClock::time_point end =
+      *std::max_element(ends.begin(), ends.end());
+  const double seconds = std::chrono::duration<double>(end - start).count();
+
+  uint64_t ops = 0;
+  uint64_t errors = 0;
+  std::vector<double> latencies;
+  for (ClientResult& r : results) {
+    ops += r.ops;
+    errors += r.errors;
+    latencies.insert(latencies.end(), r.latencies_us.begin(),
+                     r.latencies_us.end());
+    r.latencies_us = {};
+  }
+  std::sort(latencies.begin(), latencies.end());
+  const double p50 = Percentile(latencies, 0.50);
+  const double p99 = Percentile(latencies, 0.99);
+  const double p999 = Percentile(latencies, 0.999);
+  const double ops_per_sec =
+      seconds > 0 ? static_cast<double>(ops) / seconds : 0;
+  const bool moves_blocks = config.op != Op::kLookup;
+  const double gb_per_sec =
+      moves_blocks ? ops_per_sec * static_cast<double>(config.block_size) / 1e9
+                   : 0;
+  const double keys_per_sec = ops_per_sec * config.batch;
+
+  std::string human = absl::StrFormat(
+      "%s %s x%d clients: %u ops in %.2f s, %.1f ops/s", config.op_name,
+      FormatSize(config.block_size), config.clients, ops, seconds, ops_per_sec);
+  if (moves_blocks) {
+    absl::StrAppendFormat(&human, ", %.3f GB/s", gb_per_sec);
+  } else {
+    absl::StrAppendFormat(&human, ", %.0f keys/s (batch %d)", keys_per_sec,
+                          config.batch);
+  }
+  absl::StrAppendFormat(&human,
+                        ", p50 %.1f us, p99 %.1f us, p999 %.1f us, %u errors",
+                        p50, p99, p999, errors);
+  if (config.json) {
+    std::fprintf(stderr, "%s\n", human.c_str());
+    std::string json = absl::StrFormat(
+        "{\"tool\":\"kvdepot-bench\",\"op\":\"%s\",\"block_size\":%u,"
+        "\"clients\":%d,\"ops\":%u,\"seconds\":%.6f,\"ops_per_sec\":%.3f,"
+        "\"gb_per_sec\":%.6f,\"p50_us\":%.3f,\"p99_us\":%.3f,\"p999_us\":%.3f,"
+        "\"errors\":%u",
+        config.op_name, config.block_size, config.clients, ops, seconds,
+        ops_per_sec, gb_per_sec, p50, p99, p999, errors);
+    if (config.op != Op::kPut)
+      absl::StrAppendFormat(&json, ",\"keys\":%u", config.keys);
+    if (config.op == Op::kLookup) {
+      absl::StrAppendFormat(&json, ",\"batch\":%d,\"keys_per_sec\":%.3f",
+                            config.batch, keys_per_sec);
+    }
+    std::printf("%s}\n", json.c_str());
+  } else {
+    std::printf("%s\n", human.c_str());
+  }
+  return errors > 0 ? 1 : 0;
+}
+
+}  // namespace
+}  // namespace kvdepot
+
+int main(int argc, char** argv) {
+  using kvdepot::BenchConfig;
+  // As in kvdepotd: keep block-sized buffers in the heap rather than a fresh
+  // mmap per message (an engine would reuse its buffers the same way).
+  mallopt(M_MMAP_THRESHOLD, 64 << 20);
+  mallopt(M_TRIM_THRESHOLD, 256 << 20);
+  // Debian's Abseil is built with Mutex deadlock detection on, which takes a
+  // global lock on every Mutex operation. Tests keep it on (it finds lock
+  // order inversions); production binaries turn it off.
+  absl::SetMutexDeadlockDetectionMode(absl::OnDeadlockCycle::kIgnore);
+  CLI::App app{"kvdepot-bench: load generator for kvdepotd (get, put, lookup)"};
+  BenchConfig config;
+  std::string block_size = "256KiB";
+  config.ns = "bench";
+  app.add_option("--server", config.server, "kvdepotd address HOST:PORT")
+      ->required();
+  app.add_option("--op", config.op_name, "get|put|lookup")
+      ->required()
+      ->check(CLI::IsMember({"get", "put", "lookup"}));
+  app.add_option(
+      "--block-size", block_size,
+      "block size: 65536, 64KiB, 256KiB, 2MiB, 16MiB... (default 256KiB)");
+  app.add_option("--clients", config.clients,
+                 "client threads, one channel each (default 1)")
+      ->check(CLI::Range(1, 1024));
+  CLI::Option* duration = app.add_option("--duration", config.duration_s,
+                                         "seconds to run (default 5)")
+                              ->check(CLI::PositiveNumber);
+  CLI::Option* count =
+      app.add_option("--count", config.count, "total ops over all clients")
+          ->check(CLI::PositiveNumber);
+  duration->excludes(count);
+  app.add_option(
+         "--keys", config.keys,
+         "working set of get/lookup (default: 256 MiB worth, 1..1024 keys)")
+      ->check(CLI::PositiveNumber);
+  app.add_option("--batch", config.batch, "keys per lookup (default 64)")
+      ->check(CLI::Range(1, kvdepot::kMaxLookupBatch));
+  app.add_option("--ns", config.ns, "namespace (default bench)");
+  app.add_flag("--json", config.json, "print one JSON object on stdout");
+  try {
+    app.parse(argc, argv);
+  } catch (const CLI::ParseError& e) {
+    const int rc = app.exit(e);
+    return rc == 0 ? 0 : 2;
+  }
+
+  absl::StatusOr<uint64_t> size = kvdepot::ParseBlockSize(block_size);
+  if (!size.ok()) {
+    std::fprintf(stderr, "kvdepot-bench: --block-size: %s\n",
+                 std::string(size.status().message()).c_str());
+    return 2;
+  }
+  config.block_size = *size;
+  config.op = config.op_name == "get"   ? kvdepot::Op::kGet
+              : config.op_name == "put" ? kvdepot::Op::kPut
+                                        : kvdepot::Op::kLookup;
+  if (config.count == 0 && config.duration_s <= 0) config.duration_s = 5;
+  if (config.keys == 0) {
+    config.keys = std::clamp<uint64_t>(
+        kvdepot::kDefaultWorkingSetBytes / config.block_size, 1, 1024);
+  }
+  if (config.op != kvdepot::Op::kLookup) config.batch = 1;
+  return kvdepot::Run(config);
+}
