@@ -8,7 +8,6 @@
 #include <utility>
 #include <vector>
 
-#include "absl/cleanup/cleanup.h"
 #include "absl/strings/str_cat.h"
 #include "server/version.h"
 #include "storage/block_key.h"
@@ -65,10 +64,8 @@ KvDepotService::KvDepotService(TieredStore& store, ServerMetrics& metrics,
     : store_(store), metrics_(metrics), clock_(clock), log_(std::move(logger)),
       started_(clock.Now()) {}
 
-template <typename Fn>
-grpc::Status KvDepotService::Call(const char* op, Fn&& fn) {
-  absl::Time start = clock_.Now();
-  absl::Status st = fn();
+void KvDepotService::Finished(const char* op, const absl::Status& st,
+                              absl::Time start) {
   metrics_.RecordRequest(op, st.code(), clock_.Now() - start);
   switch (st.code()) {
     case absl::StatusCode::kOk:
@@ -83,13 +80,23 @@ grpc::Status KvDepotService::Call(const char* op, Fn&& fn) {
     default:
       log_->warn("{} failed: {}", op, st.ToString());
   }
-  return ToGrpcStatus(st);
 }
 
-grpc::Status KvDepotService::OpenSession(grpc::ServerContext* ctx,
-                                         const v1::OpenSessionRequest* req,
-                                         v1::OpenSessionResponse* resp) {
-  return Call("OpenSession", [&]() -> absl::Status {
+template <typename Fn>
+grpc::ServerUnaryReactor* KvDepotService::Unary(grpc::CallbackServerContext* ctx,
+                                                const char* op, Fn&& fn) {
+  absl::Time start = clock_.Now();
+  absl::Status st = fn();
+  Finished(op, st, start);
+  grpc::ServerUnaryReactor* reactor = ctx->DefaultReactor();
+  reactor->Finish(ToGrpcStatus(st));
+  return reactor;
+}
+
+grpc::ServerUnaryReactor* KvDepotService::OpenSession(
+    grpc::CallbackServerContext* ctx, const v1::OpenSessionRequest* req,
+    v1::OpenSessionResponse* resp) {
+  return Unary(ctx, "OpenSession", [&]() -> absl::Status {
     ASSIGN_OR_RETURN(SessionGrant g,
                      store_.OpenSession(absl::Milliseconds(req->lease_ms()),
                                         req->client_name()));
@@ -106,20 +113,20 @@ grpc::Status KvDepotService::OpenSession(grpc::ServerContext* ctx,
   });
 }
 
-grpc::Status KvDepotService::KeepAlive(grpc::ServerContext*,
-                                       const v1::KeepAliveRequest* req,
-                                       v1::KeepAliveResponse* resp) {
-  return Call("KeepAlive", [&]() -> absl::Status {
+grpc::ServerUnaryReactor* KvDepotService::KeepAlive(
+    grpc::CallbackServerContext* ctx, const v1::KeepAliveRequest* req,
+    v1::KeepAliveResponse* resp) {
+  return Unary(ctx, "KeepAlive", [&]() -> absl::Status {
     ASSIGN_OR_RETURN(absl::Duration lease, store_.KeepAlive(req->session_id()));
     resp->set_lease_ms(static_cast<uint32_t>(absl::ToInt64Milliseconds(lease)));
     return absl::OkStatus();
   });
 }
 
-grpc::Status KvDepotService::CloseSession(grpc::ServerContext*,
-                                          const v1::CloseSessionRequest* req,
-                                          v1::CloseSessionResponse* resp) {
-  return Call("CloseSession", [&]() -> absl::Status {
+grpc::ServerUnaryReactor* KvDepotService::CloseSession(
+    grpc::CallbackServerContext* ctx, const v1::CloseSessionRequest* req,
+    v1::CloseSessionResponse* resp) {
+  return Unary(ctx, "CloseSession", [&]() -> absl::Status {
     ASSIGN_OR_RETURN(SessionRelease rel, store_.CloseSession(req->session_id()));
     resp->set_pins_released(rel.pins_released);
     resp->set_reservations_aborted(rel.reservations_aborted);
@@ -129,10 +136,10 @@ grpc::Status KvDepotService::CloseSession(grpc::ServerContext*,
   });
 }
 
-grpc::Status KvDepotService::Lookup(grpc::ServerContext*,
-                                    const v1::LookupRequest* req,
-                                    v1::LookupResponse* resp) {
-  return Call("Lookup", [&]() -> absl::Status {
+grpc::ServerUnaryReactor* KvDepotService::Lookup(grpc::CallbackServerContext* ctx,
+                                                 const v1::LookupRequest* req,
+                                                 v1::LookupResponse* resp) {
+  return Unary(ctx, "Lookup", [&]() -> absl::Status {
     if (req->pin()) RETURN_IF_ERROR(RequireSession(req->session_id()));
     std::vector<absl::string_view> keys = Views(req->keys());
     ASSIGN_OR_RETURN(LookupResult r,
@@ -156,10 +163,10 @@ grpc::Status KvDepotService::Lookup(grpc::ServerContext*,
   });
 }
 
-grpc::Status KvDepotService::Unpin(grpc::ServerContext*,
-                                   const v1::UnpinRequest* req,
-                                   v1::UnpinResponse* resp) {
-  return Call("Unpin", [&]() -> absl::Status {
+grpc::ServerUnaryReactor* KvDepotService::Unpin(grpc::CallbackServerContext* ctx,
+                                                const v1::UnpinRequest* req,
+                                                v1::UnpinResponse* resp) {
+  return Unary(ctx, "Unpin", [&]() -> absl::Status {
     RETURN_IF_ERROR(RequireSession(req->session_id()));
     ASSIGN_OR_RETURN(uint32_t n, store_.Unpin(req->session_id(), req->pin_id()));
     resp->set_blocks_released(n);
@@ -167,10 +174,10 @@ grpc::Status KvDepotService::Unpin(grpc::ServerContext*,
   });
 }
 
-grpc::Status KvDepotService::BeginPut(grpc::ServerContext*,
-                                      const v1::BeginPutRequest* req,
-                                      v1::BeginPutResponse* resp) {
-  return Call("BeginPut", [&]() -> absl::Status {
+grpc::ServerUnaryReactor* KvDepotService::BeginPut(
+    grpc::CallbackServerContext* ctx, const v1::BeginPutRequest* req,
+    v1::BeginPutResponse* resp) {
+  return Unary(ctx, "BeginPut", [&]() -> absl::Status {
     RETURN_IF_ERROR(RequireSession(req->session_id()));
     std::vector<PutSpec> specs;
     specs.reserve(req->blocks_size());
@@ -189,10 +196,10 @@ grpc::Status KvDepotService::BeginPut(grpc::ServerContext*,
   });
 }
 
-grpc::Status KvDepotService::CommitPut(grpc::ServerContext*,
-                                       const v1::CommitPutRequest* req,
-                                       v1::CommitPutResponse* resp) {
-  return Call("CommitPut", [&]() -> absl::Status {
+grpc::ServerUnaryReactor* KvDepotService::CommitPut(
+    grpc::CallbackServerContext* ctx, const v1::CommitPutRequest* req,
+    v1::CommitPutResponse* resp) {
+  return Unary(ctx, "CommitPut", [&]() -> absl::Status {
     RETURN_IF_ERROR(RequireSession(req->session_id()));
     std::vector<uint64_t> sums(req->checksums().begin(), req->checksums().end());
     ASSIGN_OR_RETURN(std::vector<CommitOutcome> out,
@@ -214,198 +221,138 @@ grpc::Status KvDepotService::CommitPut(grpc::ServerContext*,
   });
 }
 
-grpc::Status KvDepotService::AbortPut(grpc::ServerContext*,
-                                      const v1::AbortPutRequest* req,
-                                      v1::AbortPutResponse*) {
-  return Call("AbortPut", [&]() -> absl::Status {
+grpc::ServerUnaryReactor* KvDepotService::AbortPut(
+    grpc::CallbackServerContext* ctx, const v1::AbortPutRequest* req,
+    v1::AbortPutResponse*) {
+  return Unary(ctx, "AbortPut", [&]() -> absl::Status {
     RETURN_IF_ERROR(RequireSession(req->session_id()));
     return store_.AbortPut(req->session_id(), req->reservation_id());
   });
 }
 
-grpc::Status KvDepotService::Write(grpc::ServerContext* ctx,
-                                   grpc::ServerReader<v1::WriteRequest>* reader,
-                                   v1::WriteResponse* resp) {
-  return Call("Write", [&] { return DoWrite(ctx, reader, resp); });
-}
-
-// One block in flight on a Write stream. A standalone block owns an internal
-// reservation (aborted if the stream ends before the block is complete); a
-// reservation-target block holds a SlotHandle of the client's reservation.
 namespace {
-struct BlockInFlight {
-  TieredStore* store = nullptr;
-  std::string key;
-  uint64_t size = 0;
-  uint64_t checksum = 0;
-  uint64_t filled = 0;
-  bool standalone = false;
-  bool discard = false;  // key already stored: consume and drop the bytes
-  ReservationId internal_id = 0;
-  std::unique_ptr<SlotHandle> slot;  // where the bytes go (unless discard)
 
-  ~BlockInFlight() {
-    if (internal_id != 0) store->AbortPut(kInternalSession, internal_id).IgnoreError();
+// Reads a Write stream one message per event into a WriteStream. Deletes
+// itself when gRPC is done with the call (releasing any unfinished block).
+class WriteReactor final : public grpc::ServerReadReactor<v1::WriteRequest> {
+ public:
+  WriteReactor(KvDepotService& service, grpc::CallbackServerContext* ctx,
+               v1::WriteResponse* resp)
+      : service_(service), ctx_(ctx), stream_(service.store(), resp),
+        start_(service.clock().Now()) {
+    StartRead(&msg_);
   }
+
+  void OnReadDone(bool ok) override {
+    if (!ok) {  // half-close, or the client went away
+      Finish(ctx_->IsCancelled() ? absl::CancelledError("client cancelled the write")
+                                 : stream_.End());
+      return;
+    }
+    uint64_t before = stream_.bytes_in();
+    absl::Status st = stream_.Consume(msg_);
+    service_.metrics().AddBytesIn(stream_.bytes_in() - before);
+    if (!st.ok()) {
+      Finish(st);
+      return;
+    }
+    StartRead(&msg_);
+  }
+
+  void OnDone() override {
+    service_.Finished("Write", status_, start_);
+    delete this;
+  }
+
+ private:
+  void Finish(const absl::Status& st) {
+    // Release an unfinished block before the client can see the status, so
+    // whatever it does next finds the space free.
+    if (!st.ok()) stream_.Abort();
+    status_ = st;
+    grpc::ServerReadReactor<v1::WriteRequest>::Finish(ToGrpcStatus(st));
+  }
+
+  KvDepotService& service_;
+  grpc::CallbackServerContext* const ctx_;
+  WriteStream stream_;
+  v1::WriteRequest msg_;
+  absl::Status status_;
+  const absl::Time start_;
 };
+
+// Streams a Read one chunk per event from a ReadStream; the last chunk is
+// sent together with the final status. Deletes itself when done (releasing
+// any pin).
+class ReadReactor final : public grpc::ServerWriteReactor<v1::ReadResponse> {
+ public:
+  ReadReactor(KvDepotService& service, const v1::ReadRequest* req)
+      : service_(service), stream_(service.store(), *req),
+        start_(service.clock().Now()) {
+    absl::Status st = stream_.Validate();
+    if (!st.ok()) {
+      Finish(st);
+      return;
+    }
+    WriteNext();
+  }
+
+  void OnWriteDone(bool ok) override {
+    if (!ok) {
+      Finish(absl::CancelledError("client went away"));
+      return;
+    }
+    WriteNext();
+  }
+
+  void OnDone() override {
+    service_.metrics().AddBytesOut(stream_.bytes_out());
+    service_.Finished("Read", status_, start_);
+    delete this;
+  }
+
+ private:
+  void WriteNext() {
+    bool last = false;
+    absl::Status st = stream_.Next(&msg_, &last);
+    if (!st.ok()) {
+      Finish(st);
+    } else if (last) {
+      StartWriteAndFinish(&msg_, grpc::WriteOptions(), grpc::Status::OK);
+    } else {
+      StartWrite(&msg_);
+    }
+  }
+
+  void Finish(const absl::Status& st) {
+    stream_.ReleasePin();
+    status_ = st;
+    grpc::ServerWriteReactor<v1::ReadResponse>::Finish(ToGrpcStatus(st));
+  }
+
+  KvDepotService& service_;
+  ReadStream stream_;
+  v1::ReadResponse msg_;
+  absl::Status status_;
+  const absl::Time start_;
+};
+
 }  // namespace
 
-absl::Status KvDepotService::DoWrite(
-    grpc::ServerContext* ctx, grpc::ServerReader<v1::WriteRequest>* reader,
-    v1::WriteResponse* resp) {
-  std::optional<BlockInFlight> cur;
-  v1::WriteRequest msg;
-  while (reader->Read(&msg)) {
-    if (!msg.has_header() && msg.data().empty()) {
-      return absl::InvalidArgumentError("empty WriteRequest");
-    }
-    if (msg.has_header()) {
-      const v1::WriteHeader& h = msg.header();
-      if (cur) {
-        return absl::InvalidArgumentError(absl::StrCat(
-            "header for a new block while block ", KeyToHex(cur->key),
-            " has ", cur->filled, " of ", cur->size, " bytes"));
-      }
-      cur.emplace();
-      cur->store = &store_;
-      cur->key = h.key();
-      cur->checksum = h.checksum();
-      if (h.reservation_id() != 0) {
-        RETURN_IF_ERROR(RequireSession(h.session_id()));
-        ASSIGN_OR_RETURN(cur->slot, store_.AcquireSlot(h.session_id(),
-                                                       h.reservation_id(), h.slot()));
-        cur->size = cur->slot->bytes().size();
-        if (h.size() != cur->size) {
-          return absl::InvalidArgumentError(absl::StrCat(
-              "header declares ", h.size(), " bytes but slot ", h.slot(),
-              " of reservation ", h.reservation_id(), " holds ", cur->size));
-        }
-      } else {
-        cur->standalone = true;
-        cur->size = h.size();
-        PutSpec spec{h.key(), h.parent_key(), h.size()};
-        ASSIGN_OR_RETURN(Reservation r,
-                         store_.BeginPut(kInternalSession, h.namespace_(), {&spec, 1}));
-        if (r.slots[0].exists) {
-          cur->discard = true;
-        } else {
-          cur->internal_id = r.id;
-          ASSIGN_OR_RETURN(cur->slot, store_.AcquireSlot(kInternalSession, r.id, 0));
-        }
-      }
-    }
-    if (msg.data().empty()) continue;
-    const std::string& data = msg.data();
-    if (!cur) return absl::InvalidArgumentError("data before any header");
-    if (data.size() > kMaxChunkBytes) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          "chunk of ", data.size(), " bytes exceeds the ", kMaxChunkBytes,
-          "-byte limit"));
-    }
-    if (cur->filled + data.size() > cur->size) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          "block ", KeyToHex(cur->key), " has more bytes than its declared size ",
-          cur->size));
-    }
-    if (!cur->discard) {
-      std::memcpy(cur->slot->bytes().data() + cur->filled, data.data(), data.size());
-    }
-    cur->filled += data.size();
-    metrics_.AddBytesIn(data.size());
-    if (cur->filled < cur->size) continue;
-
-    // The block is complete.
-    cur->slot.reset();
-    if (!cur->standalone) {
-      resp->add_results(v1::WRITE_SLOT_FILLED);
-    } else if (cur->discard) {
-      resp->add_results(v1::WRITE_ALREADY_EXISTS);
-    } else {
-      ReservationId id = std::exchange(cur->internal_id, 0);
-      ASSIGN_OR_RETURN(std::vector<CommitOutcome> out,
-                       store_.CommitPut(kInternalSession, id, {&cur->checksum, 1}));
-      if (out[0] == CommitOutcome::kChecksumMismatch) {
-        return absl::InvalidArgumentError(absl::StrCat(
-            "checksum mismatch for block ", KeyToHex(cur->key),
-            ": the bytes do not match the declared XXH3-64"));
-      }
-      resp->add_results(out[0] == CommitOutcome::kStored ? v1::WRITE_STORED
-                                                         : v1::WRITE_ALREADY_EXISTS);
-    }
-    cur.reset();
-  }
-  if (ctx->IsCancelled()) return absl::CancelledError("client cancelled the write");
-  if (cur) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "stream ended inside block ", KeyToHex(cur->key), ": got ", cur->filled,
-        " of ", cur->size, " bytes"));
-  }
-  return absl::OkStatus();
+grpc::ServerReadReactor<v1::WriteRequest>* KvDepotService::Write(
+    grpc::CallbackServerContext* ctx, v1::WriteResponse* resp) {
+  return new WriteReactor(*this, ctx, resp);
 }
 
-grpc::Status KvDepotService::Read(grpc::ServerContext* ctx,
-                                  const v1::ReadRequest* req,
-                                  grpc::ServerWriter<v1::ReadResponse>* writer) {
-  return Call("Read", [&] { return DoRead(ctx, *req, writer); });
+grpc::ServerWriteReactor<v1::ReadResponse>* KvDepotService::Read(
+    grpc::CallbackServerContext*, const v1::ReadRequest* req) {
+  return new ReadReactor(*this, req);
 }
 
-absl::Status KvDepotService::DoRead(grpc::ServerContext* ctx,
-                                    const v1::ReadRequest& req,
-                                    grpc::ServerWriter<v1::ReadResponse>* writer) {
-  RETURN_IF_ERROR(ValidateNamespace(req.namespace_()));
-  if (static_cast<uint64_t>(req.keys_size()) > store_.options().max_batch_keys) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "batch of ", req.keys_size(), " keys exceeds the limit of ",
-        store_.options().max_batch_keys));
-  }
-  if (req.keys_size() == 0) return absl::InvalidArgumentError("no keys to read");
-  const char* base = store_.dram_region().base;
-  v1::ReadResponse msg;
-  for (const std::string& key : req.keys()) {
-    absl::string_view k = key;
-    // Pin one block at a time: it cannot be evicted while it streams, and a
-    // large batch never pins more than one block.
-    ASSIGN_OR_RETURN(LookupResult r,
-                     store_.Lookup(kInternalSession, req.namespace_(), {&k, 1},
-                                   false, /*pin=*/true));
-    const LookupEntry& e = r.entries[0];
-    if (!e.found) {
-      return absl::NotFoundError(absl::StrCat(
-          "block ", KeyToHex(key), " not found in namespace ", req.namespace_()));
-    }
-    absl::Cleanup unpin = [&] {
-      store_.Unpin(kInternalSession, r.pin_id).IgnoreError();
-    };
-    // The header rides with the first chunk, and the stream's last message
-    // with the trailers: one write per chunk, no extra round trips.
-    const bool last_key = &key == &req.keys(req.keys_size() - 1);
-    uint64_t off = 0;
-    do {
-      size_t n = std::min<uint64_t>(kMaxChunkBytes, e.size - off);
-      msg.Clear();
-      if (off == 0) {
-        v1::ReadHeader* h = msg.mutable_header();
-        h->set_key(key);
-        h->set_size(e.size);
-        h->set_checksum(e.checksum);
-      }
-      msg.mutable_data()->assign(base + e.offset + off, n);
-      off += n;
-      grpc::WriteOptions options;
-      if (last_key && off == e.size) options.set_last_message();
-      bool ok = writer->Write(msg, options);
-      if (!ok) return absl::CancelledError("client went away");
-      metrics_.AddBytesOut(n);
-    } while (off < e.size);
-    if (ctx->IsCancelled()) return absl::CancelledError("client cancelled the read");
-  }
-  return absl::OkStatus();
-}
-
-grpc::Status KvDepotService::Evict(grpc::ServerContext*,
-                                   const v1::EvictRequest* req,
-                                   v1::EvictResponse* resp) {
-  return Call("Evict", [&]() -> absl::Status {
+grpc::ServerUnaryReactor* KvDepotService::Evict(grpc::CallbackServerContext* ctx,
+                                                const v1::EvictRequest* req,
+                                                v1::EvictResponse* resp) {
+  return Unary(ctx, "Evict", [&]() -> absl::Status {
     std::vector<absl::string_view> keys = Views(req->keys());
     ASSIGN_OR_RETURN(EvictResult r, store_.Evict(req->namespace_(), keys, req->all()));
     resp->set_evicted_blocks(r.evicted_blocks);
@@ -420,9 +367,10 @@ grpc::Status KvDepotService::Evict(grpc::ServerContext*,
   });
 }
 
-grpc::Status KvDepotService::Stats(grpc::ServerContext*, const v1::StatsRequest*,
-                                   v1::StatsResponse* resp) {
-  return Call("Stats", [&]() -> absl::Status {
+grpc::ServerUnaryReactor* KvDepotService::Stats(grpc::CallbackServerContext* ctx,
+                                                const v1::StatsRequest*,
+                                                v1::StatsResponse* resp) {
+  return Unary(ctx, "Stats", [&]() -> absl::Status {
     StoreStats st = store_.Stats();
     v1::TierStats* d = resp->mutable_dram();
     d->set_used_bytes(st.dram.used_bytes);
@@ -449,10 +397,10 @@ grpc::Status KvDepotService::Stats(grpc::ServerContext*, const v1::StatsRequest*
   });
 }
 
-grpc::Status KvDepotService::ListNamespaces(grpc::ServerContext*,
-                                            const v1::ListNamespacesRequest*,
-                                            v1::ListNamespacesResponse* resp) {
-  return Call("ListNamespaces", [&]() -> absl::Status {
+grpc::ServerUnaryReactor* KvDepotService::ListNamespaces(
+    grpc::CallbackServerContext* ctx, const v1::ListNamespacesRequest*,
+    v1::ListNamespacesResponse* resp) {
+  return Unary(ctx, "ListNamespaces", [&]() -> absl::Status {
     for (const NamespaceStats& ns : store_.ListNamespaces()) {
       FillNamespace(ns, resp->add_namespaces());
     }

@@ -1,7 +1,7 @@
 // KvDepotService: the gRPC adapter of kvdepot.v1.KvDepot. Each method
 // validates what only the wire can get wrong, calls the TieredStore, converts
-// the absl::Status (absl codes are the gRPC codes) and finishes; Call() times,
-// counts and logs every RPC in one place. Block bytes on this path are copied
+// the absl::Status (absl codes are the gRPC codes) and finishes; Finished()
+// times, counts and logs every RPC in one place. Block bytes on this path are copied
 // between protobuf chunks of at most 1 MiB and the store's DRAM arena.
 //
 // Thread-safe (gRPC calls methods from its thread pool).
@@ -16,69 +16,76 @@
 #include "absl/status/status.h"
 #include "absl/time/time.h"
 #include "kvdepot/v1/kvdepot.grpc.pb.h"
+#include "server/byte_streams.h"
 #include "server/metrics.h"
 #include "storage/clock.h"
 #include "storage/tiered_store.h"
 
 namespace kvdepot {
 
-inline constexpr size_t kMaxChunkBytes = 1 << 20;
-
 // Converts an absl::Status to a grpc::Status with the same code and message.
 grpc::Status ToGrpcStatus(const absl::Status& status);
 
-class KvDepotService final : public v1::KvDepot::Service {
+// Built on gRPC's callback API: unary handlers run inline on gRPC's threads
+// (every store operation is a short in-memory step), and the byte streams are
+// reactors that move one chunk per event with no thread hand-offs.
+class KvDepotService final : public v1::KvDepot::CallbackService {
  public:
   // `store`, `metrics` and `clock` must outlive the service.
   KvDepotService(TieredStore& store, ServerMetrics& metrics, Clock& clock,
                  std::shared_ptr<spdlog::logger> logger);
 
-  grpc::Status OpenSession(grpc::ServerContext* ctx,
-                           const v1::OpenSessionRequest* req,
-                           v1::OpenSessionResponse* resp) override;
-  grpc::Status KeepAlive(grpc::ServerContext* ctx,
-                         const v1::KeepAliveRequest* req,
-                         v1::KeepAliveResponse* resp) override;
-  grpc::Status CloseSession(grpc::ServerContext* ctx,
-                            const v1::CloseSessionRequest* req,
-                            v1::CloseSessionResponse* resp) override;
-  grpc::Status Lookup(grpc::ServerContext* ctx, const v1::LookupRequest* req,
-                      v1::LookupResponse* resp) override;
-  grpc::Status Unpin(grpc::ServerContext* ctx, const v1::UnpinRequest* req,
-                     v1::UnpinResponse* resp) override;
-  grpc::Status BeginPut(grpc::ServerContext* ctx,
-                        const v1::BeginPutRequest* req,
-                        v1::BeginPutResponse* resp) override;
-  grpc::Status CommitPut(grpc::ServerContext* ctx,
-                         const v1::CommitPutRequest* req,
-                         v1::CommitPutResponse* resp) override;
-  grpc::Status AbortPut(grpc::ServerContext* ctx,
-                        const v1::AbortPutRequest* req,
-                        v1::AbortPutResponse* resp) override;
-  grpc::Status Write(grpc::ServerContext* ctx,
-                     grpc::ServerReader<v1::WriteRequest>* reader,
-                     v1::WriteResponse* resp) override;
-  grpc::Status Read(grpc::ServerContext* ctx, const v1::ReadRequest* req,
-                    grpc::ServerWriter<v1::ReadResponse>* writer) override;
-  grpc::Status Evict(grpc::ServerContext* ctx, const v1::EvictRequest* req,
-                     v1::EvictResponse* resp) override;
-  grpc::Status Stats(grpc::ServerContext* ctx, const v1::StatsRequest* req,
-                     v1::StatsResponse* resp) override;
-  grpc::Status ListNamespaces(grpc::ServerContext* ctx,
-                              const v1::ListNamespacesRequest* req,
-                              v1::ListNamespacesResponse* resp) override;
+  grpc::ServerUnaryReactor* OpenSession(grpc::CallbackServerContext* ctx,
+                                        const v1::OpenSessionRequest* req,
+                                        v1::OpenSessionResponse* resp) override;
+  grpc::ServerUnaryReactor* KeepAlive(grpc::CallbackServerContext* ctx,
+                                      const v1::KeepAliveRequest* req,
+                                      v1::KeepAliveResponse* resp) override;
+  grpc::ServerUnaryReactor* CloseSession(grpc::CallbackServerContext* ctx,
+                                         const v1::CloseSessionRequest* req,
+                                         v1::CloseSessionResponse* resp) override;
+  grpc::ServerUnaryReactor* Lookup(grpc::CallbackServerContext* ctx,
+                                   const v1::LookupRequest* req,
+                                   v1::LookupResponse* resp) override;
+  grpc::ServerUnaryReactor* Unpin(grpc::CallbackServerContext* ctx,
+                                  const v1::UnpinRequest* req,
+                                  v1::UnpinResponse* resp) override;
+  grpc::ServerUnaryReactor* BeginPut(grpc::CallbackServerContext* ctx,
+                                     const v1::BeginPutRequest* req,
+                                     v1::BeginPutResponse* resp) override;
+  grpc::ServerUnaryReactor* CommitPut(grpc::CallbackServerContext* ctx,
+                                      const v1::CommitPutRequest* req,
+                                      v1::CommitPutResponse* resp) override;
+  grpc::ServerUnaryReactor* AbortPut(grpc::CallbackServerContext* ctx,
+                                     const v1::AbortPutRequest* req,
+                                     v1::AbortPutResponse* resp) override;
+  grpc::ServerReadReactor<v1::WriteRequest>* Write(
+      grpc::CallbackServerContext* ctx, v1::WriteResponse* resp) override;
+  grpc::ServerWriteReactor<v1::ReadResponse>* Read(
+      grpc::CallbackServerContext* ctx, const v1::ReadRequest* req) override;
+  grpc::ServerUnaryReactor* Evict(grpc::CallbackServerContext* ctx,
+                                  const v1::EvictRequest* req,
+                                  v1::EvictResponse* resp) override;
+  grpc::ServerUnaryReactor* Stats(grpc::CallbackServerContext* ctx,
+                                  const v1::StatsRequest* req,
+                                  v1::StatsResponse* resp) override;
+  grpc::ServerUnaryReactor* ListNamespaces(
+      grpc::CallbackServerContext* ctx, const v1::ListNamespacesRequest* req,
+      v1::ListNamespacesResponse* resp) override;
+
+  // Records one finished RPC (metrics, and a log line for failures that are
+  // the daemon's fault). Used by the unary helper and the stream reactors.
+  void Finished(const char* op, const absl::Status& status, absl::Time start);
+
+  TieredStore& store() { return store_; }
+  ServerMetrics& metrics() { return metrics_; }
+  Clock& clock() { return clock_; }
 
  private:
-  // Runs `fn`, records metrics under `op`, logs failures that are the
-  // daemon's fault, and converts the status.
+  // Runs `fn` inline and finishes the call with its status.
   template <typename Fn>
-  grpc::Status Call(const char* op, Fn&& fn);
-
-  absl::Status DoWrite(grpc::ServerContext* ctx,
-                       grpc::ServerReader<v1::WriteRequest>* reader,
-                       v1::WriteResponse* resp);
-  absl::Status DoRead(grpc::ServerContext* ctx, const v1::ReadRequest& req,
-                      grpc::ServerWriter<v1::ReadResponse>* writer);
+  grpc::ServerUnaryReactor* Unary(grpc::CallbackServerContext* ctx,
+                                  const char* op, Fn&& fn);
 
   TieredStore& store_;
   ServerMetrics& metrics_;

@@ -1,0 +1,189 @@
+#include "server/byte_streams.h"
+
+#include <algorithm>
+#include <cstring>
+#include <utility>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "storage/block_key.h"
+#include "storage/status_macros.h"
+
+namespace kvdepot {
+
+// One block in flight on a Write stream. A standalone block owns an internal
+// reservation (aborted if the stream ends before the block is complete); a
+// reservation-target block holds a SlotHandle of the client's reservation.
+struct WriteStream::Block {
+  std::string key;
+  uint64_t size = 0;
+  uint64_t checksum = 0;
+  uint64_t filled = 0;
+  bool standalone = false;
+  bool discard = false;  // key already stored: consume and drop the bytes
+  ReservationId internal_id = 0;
+  std::unique_ptr<SlotHandle> slot;  // where the bytes go (unless discard)
+};
+
+WriteStream::WriteStream(TieredStore& store, v1::WriteResponse* resp)
+    : store_(store), resp_(resp) {}
+
+WriteStream::~WriteStream() { Abort(); }
+
+void WriteStream::Abort() {
+  std::unique_ptr<Block> b = std::move(cur_);
+  if (b == nullptr) return;
+  b->slot.reset();
+  if (b->internal_id != 0) {
+    store_.AbortPut(kInternalSession, b->internal_id).IgnoreError();
+  }
+}
+
+absl::Status WriteStream::Start(const v1::WriteHeader& h) {
+  if (cur_) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "header for a new block while block ", KeyToHex(cur_->key), " has ",
+        cur_->filled, " of ", cur_->size, " bytes"));
+  }
+  cur_ = std::make_unique<Block>();
+  cur_->key = h.key();
+  cur_->checksum = h.checksum();
+  if (h.reservation_id() != 0) {
+    if (h.session_id() == kInternalSession) {
+      return absl::NotFoundError("session_id is required (call OpenSession)");
+    }
+    ASSIGN_OR_RETURN(cur_->slot, store_.AcquireSlot(h.session_id(),
+                                                    h.reservation_id(), h.slot()));
+    cur_->size = cur_->slot->bytes().size();
+    if (h.size() != cur_->size) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "header declares ", h.size(), " bytes but slot ", h.slot(),
+          " of reservation ", h.reservation_id(), " holds ", cur_->size));
+    }
+    return absl::OkStatus();
+  }
+  cur_->standalone = true;
+  cur_->size = h.size();
+  PutSpec spec{h.key(), h.parent_key(), h.size()};
+  ASSIGN_OR_RETURN(Reservation r,
+                   store_.BeginPut(kInternalSession, h.namespace_(), {&spec, 1}));
+  if (r.slots[0].exists) {
+    cur_->discard = true;
+    return absl::OkStatus();
+  }
+  cur_->internal_id = r.id;
+  ASSIGN_OR_RETURN(cur_->slot, store_.AcquireSlot(kInternalSession, r.id, 0));
+  return absl::OkStatus();
+}
+
+absl::Status WriteStream::Complete() {
+  std::unique_ptr<Block> b = std::move(cur_);
+  b->slot.reset();
+  if (!b->standalone) {
+    resp_->add_results(v1::WRITE_SLOT_FILLED);
+    return absl::OkStatus();
+  }
+  if (b->discard) {
+    resp_->add_results(v1::WRITE_ALREADY_EXISTS);
+    return absl::OkStatus();
+  }
+  ReservationId id = std::exchange(b->internal_id, 0);
+  ASSIGN_OR_RETURN(std::vector<CommitOutcome> out,
+                   store_.CommitPut(kInternalSession, id, {&b->checksum, 1}));
+  if (out[0] == CommitOutcome::kChecksumMismatch) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "checksum mismatch for block ", KeyToHex(b->key),
+        ": the bytes do not match the declared XXH3-64"));
+  }
+  resp_->add_results(out[0] == CommitOutcome::kStored ? v1::WRITE_STORED
+                                                      : v1::WRITE_ALREADY_EXISTS);
+  return absl::OkStatus();
+}
+
+absl::Status WriteStream::Consume(const v1::WriteRequest& msg) {
+  if (!msg.has_header() && msg.data().empty()) {
+    return absl::InvalidArgumentError("empty WriteRequest");
+  }
+  if (msg.has_header()) RETURN_IF_ERROR(Start(msg.header()));
+  const std::string& data = msg.data();
+  if (data.empty()) return absl::OkStatus();
+  if (!cur_) return absl::InvalidArgumentError("data before any header");
+  if (data.size() > kMaxChunkBytes) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "chunk of ", data.size(), " bytes exceeds the ", kMaxChunkBytes,
+        "-byte limit"));
+  }
+  if (cur_->filled + data.size() > cur_->size) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "block ", KeyToHex(cur_->key), " has more bytes than its declared size ",
+        cur_->size));
+  }
+  if (!cur_->discard) {
+    std::memcpy(cur_->slot->bytes().data() + cur_->filled, data.data(), data.size());
+  }
+  cur_->filled += data.size();
+  bytes_in_ += data.size();
+  return cur_->filled == cur_->size ? Complete() : absl::OkStatus();
+}
+
+absl::Status WriteStream::End() {
+  if (cur_) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "stream ended inside block ", KeyToHex(cur_->key), ": got ", cur_->filled,
+        " of ", cur_->size, " bytes"));
+  }
+  return absl::OkStatus();
+}
+
+ReadStream::~ReadStream() { ReleasePin(); }
+
+void ReadStream::ReleasePin() {
+  if (pin_ != 0) store_.Unpin(kInternalSession, std::exchange(pin_, 0)).IgnoreError();
+}
+
+absl::Status ReadStream::Validate() const {
+  RETURN_IF_ERROR(ValidateNamespace(req_.namespace_()));
+  if (req_.keys_size() == 0) return absl::InvalidArgumentError("no keys to read");
+  if (static_cast<uint64_t>(req_.keys_size()) > store_.options().max_batch_keys) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "batch of ", req_.keys_size(), " keys exceeds the limit of ",
+        store_.options().max_batch_keys));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status ReadStream::Next(v1::ReadResponse* msg, bool* last) {
+  msg->Clear();
+  const std::string& key = req_.keys(key_);
+  if (pin_ == 0) {
+    // Pin one block at a time: it cannot be evicted while it streams, and a
+    // large batch never pins more than one block.
+    absl::string_view k = key;
+    ASSIGN_OR_RETURN(LookupResult r,
+                     store_.Lookup(kInternalSession, req_.namespace_(), {&k, 1},
+                                   false, /*pin=*/true));
+    if (!r.entries[0].found) {
+      return absl::NotFoundError(absl::StrCat(
+          "block ", KeyToHex(key), " not found in namespace ", req_.namespace_()));
+    }
+    entry_ = r.entries[0];
+    pin_ = r.pin_id;
+    offset_ = 0;
+    v1::ReadHeader* h = msg->mutable_header();
+    h->set_key(key);
+    h->set_size(entry_.size);
+    h->set_checksum(entry_.checksum);
+  }
+  size_t n = std::min<uint64_t>(kMaxChunkBytes, entry_.size - offset_);
+  msg->mutable_data()->assign(store_.dram_region().base + entry_.offset + offset_, n);
+  offset_ += n;
+  bytes_out_ += n;
+  if (offset_ == entry_.size) {
+    ReleasePin();
+    ++key_;
+  }
+  *last = key_ == req_.keys_size();
+  return absl::OkStatus();
+}
+
+}  // namespace kvdepot
