@@ -137,6 +137,14 @@ absl::Status LoadConfigFile(const std::string& path, DaemonConfig* c) {
          c->store.hugepages = *m;
          return absl::OkStatus();
        }},
+      {"dram_prefault",
+       [c](const std::string& v) -> absl::Status {
+         if (v != "true" && v != "false") {
+           return absl::InvalidArgumentError("dram_prefault must be true or false");
+         }
+         c->store.prefault_dram = v == "true";
+         return absl::OkStatus();
+       }},
       {"create_namespaces",
        [c](const std::string& v) -> absl::Status {
          if (v != "true" && v != "false") {

@@ -24,7 +24,15 @@ struct DaemonConfig {
   int grpc_max_threads = 64;
   // How long SIGTERM waits for in-flight RPCs before cancelling them.
   absl::Duration drain_timeout = absl::Seconds(8);
-  StoreOptions store;
+  StoreOptions store = DaemonStoreDefaults();
+
+  // The daemon's store defaults differ from the library's in one respect:
+  // it prefaults its DRAM tier at start.
+  static StoreOptions DaemonStoreDefaults() {
+    StoreOptions o;
+    o.prefault_dram = true;
+    return o;
+  }
 };
 
 // Parses "1GiB", "512MiB", "64KiB", "1.5GiB", "4096" (bytes; also KB/MB/GB

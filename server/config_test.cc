@@ -80,6 +80,7 @@ TEST(ConfigFileTest2, ShippedExampleMatchesTheDefaults) {
   EXPECT_EQ(from_file.data_dir, defaults.data_dir);
   EXPECT_EQ(from_file.store.dram_capacity, defaults.store.dram_capacity);
   EXPECT_EQ(from_file.store.hugepages, defaults.store.hugepages);
+  EXPECT_EQ(from_file.store.prefault_dram, defaults.store.prefault_dram);
   EXPECT_EQ(from_file.store.high_watermark, defaults.store.high_watermark);
   EXPECT_EQ(from_file.store.low_watermark, defaults.store.low_watermark);
   EXPECT_EQ(from_file.store.max_block_bytes, defaults.store.max_block_bytes);

@@ -216,7 +216,7 @@ size_t DramArena::AllocationSize(size_t bytes) {
 }
 
 absl::StatusOr<std::unique_ptr<DramArena>> DramArena::Create(
-    size_t capacity, HugePageMode mode) {
+    size_t capacity, HugePageMode mode, bool prefault) {
   if (capacity < kPageSize) {
     return absl::InvalidArgumentError(
         absl::StrCat("DRAM capacity ", capacity, " is below one page (",
@@ -257,6 +257,11 @@ absl::StatusOr<std::unique_ptr<DramArena>> DramArena::Create(
     if (mode == HugePageMode::kAuto && madvise(mem, rounded, MADV_HUGEPAGE) == 0) {
       kind = "thp";
     }
+  }
+  if (prefault) {
+    // One write per 4 KiB page (after MADV_HUGEPAGE, so THP can back it).
+    volatile char* p = static_cast<char*>(mem);
+    for (size_t off = 0; off < rounded; off += 4096) p[off] = 0;
   }
   return std::unique_ptr<DramArena>(
       new ArenaImpl(static_cast<char*>(mem), rounded, kind));

@@ -36,8 +36,11 @@ class DramArena {
   // Maps `capacity` bytes (rounded up to whole pages). InvalidArgument for a
   // capacity below one page or above kMaxCapacity; ResourceExhausted when the
   // mapping fails.
-  static absl::StatusOr<std::unique_ptr<DramArena>> Create(size_t capacity,
-                                                          HugePageMode mode);
+  // With `prefault`, every page is touched now, so the kernel's page zeroing
+  // happens at start rather than inside the first puts (and the memory is
+  // really there: a shortage shows at start, not as a later OOM kill).
+  static absl::StatusOr<std::unique_ptr<DramArena>> Create(
+      size_t capacity, HugePageMode mode, bool prefault = false);
 
   DramArena(const DramArena&) = delete;
   DramArena& operator=(const DramArena&) = delete;

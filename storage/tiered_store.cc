@@ -798,7 +798,8 @@ absl::StatusOr<std::unique_ptr<TieredStore>> NewTieredStore(
         "max_block_bytes must be between 1 byte and 4 GiB");
   }
   ASSIGN_OR_RETURN(std::unique_ptr<DramArena> arena,
-                   DramArena::Create(options.dram_capacity, options.hugepages));
+                   DramArena::Create(options.dram_capacity, options.hugepages,
+                                     options.prefault_dram));
   return std::unique_ptr<TieredStore>(
       new TieredStoreImpl(options, clock, std::move(arena)));
 }

@@ -44,6 +44,8 @@ const char* TierName(Tier tier);  // "dram", "nvme", or "none"
 struct StoreOptions {
   uint64_t dram_capacity = uint64_t{1} << 30;
   HugePageMode hugepages = HugePageMode::kAuto;
+  // Touch all DRAM at start (see DramArena::Create).
+  bool prefault_dram = false;
   // Largest block accepted (also bounded by the DRAM capacity).
   uint64_t max_block_bytes = uint64_t{256} << 20;
   // Most keys in one Lookup, BeginPut, Read or Evict.
