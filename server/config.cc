@@ -53,17 +53,13 @@ absl::StatusOr<absl::Duration> ParseDurationFlag(absl::string_view text) {
   return d;
 }
 
-namespace {
-
-absl::StatusOr<HugePageMode> ParseHugePages(const std::string& s) {
+absl::StatusOr<HugePageMode> ParseHugePages(absl::string_view s) {
   if (s == "auto") return HugePageMode::kAuto;
   if (s == "on" || s == "true") return HugePageMode::kOn;
   if (s == "off" || s == "false") return HugePageMode::kOff;
   return absl::InvalidArgumentError(
       absl::StrCat("hugepages must be auto, on or off, not '", s, "'"));
 }
-
-}  // namespace
 
 absl::Status LoadConfigFile(const std::string& path, DaemonConfig* c) {
   YAML::Node root;
@@ -110,6 +106,16 @@ absl::Status LoadConfigFile(const std::string& path, DaemonConfig* c) {
   };
   uint64_t max_batch = c->store.max_batch_keys;
   uint64_t grpc_threads = static_cast<uint64_t>(c->grpc_max_threads);
+  auto bool_into = [](bool* out) -> Setter {
+    return [out](const std::string& v) {
+      if (v != "true" && v != "false") {
+        return absl::InvalidArgumentError(
+            absl::StrCat("must be true or false, not '", v, "'"));
+      }
+      *out = v == "true";
+      return absl::OkStatus();
+    };
+  };
   auto uint_into = [](uint64_t* out) -> Setter {
     return [out](const std::string& v) {
       return absl::SimpleAtoi(v, out)
@@ -137,22 +143,8 @@ absl::Status LoadConfigFile(const std::string& path, DaemonConfig* c) {
          c->store.hugepages = *m;
          return absl::OkStatus();
        }},
-      {"dram_prefault",
-       [c](const std::string& v) -> absl::Status {
-         if (v != "true" && v != "false") {
-           return absl::InvalidArgumentError("dram_prefault must be true or false");
-         }
-         c->store.prefault_dram = v == "true";
-         return absl::OkStatus();
-       }},
-      {"create_namespaces",
-       [c](const std::string& v) -> absl::Status {
-         if (v != "true" && v != "false") {
-           return absl::InvalidArgumentError("create_namespaces must be true or false");
-         }
-         c->store.create_namespaces = v == "true";
-         return absl::OkStatus();
-       }},
+      {"dram_prefault", bool_into(&c->store.prefault_dram)},
+      {"create_namespaces", bool_into(&c->store.create_namespaces)},
   };
   for (const auto& kv : root) {
     std::string key = kv.first.as<std::string>();

@@ -98,10 +98,9 @@ int main(int argc, char** argv) {
     config.store.default_lease = *d;
   }
   if (hugepages) {
-    if (*hugepages == "auto") config.store.hugepages = kvdepot::HugePageMode::kAuto;
-    else if (*hugepages == "on") config.store.hugepages = kvdepot::HugePageMode::kOn;
-    else if (*hugepages == "off") config.store.hugepages = kvdepot::HugePageMode::kOff;
-    else return Fail(2, "--hugepages must be auto, on or off");
+    absl::StatusOr<kvdepot::HugePageMode> mode = kvdepot::ParseHugePages(*hugepages);
+    if (!mode.ok()) return Fail(2, "--hugepages: " + std::string(mode.status().message()));
+    config.store.hugepages = *mode;
   }
   if (absl::Status st = kvdepot::ValidateConfig(config); !st.ok()) {
     return Fail(2, std::string(st.message()));

@@ -1,0 +1,196 @@
+#include "server/byte_streams.h"
+
+#include <gtest/gtest.h>
+
+#include <string>
+
+#include "storage/checksum.h"
+#include "storage/fake_clock.h"
+#include "tests/status_matchers.h"
+
+namespace kvdepot {
+namespace {
+
+using ::kvdepot::testing::StatusIs;
+using Code = absl::StatusCode;
+
+class ByteStreamsTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    StoreOptions o;
+    o.dram_capacity = 64 << 20;
+    o.hugepages = HugePageMode::kOff;
+    o.background_eviction = false;
+    auto s = NewTieredStore(o, &clock_);
+    ASSERT_OK(s);
+    store_ = std::move(s).value();
+  }
+
+  static v1::WriteRequest Header(const std::string& key, const std::string& bytes,
+                                 const std::string& first_chunk) {
+    v1::WriteRequest m;
+    m.mutable_header()->set_namespace_("ns");
+    m.mutable_header()->set_key(key);
+    m.mutable_header()->set_size(bytes.size());
+    m.mutable_header()->set_checksum(BlockChecksum(bytes));
+    m.set_data(first_chunk);
+    return m;
+  }
+  static v1::WriteRequest Data(const std::string& bytes) {
+    v1::WriteRequest m;
+    m.set_data(bytes);
+    return m;
+  }
+
+  // Reads `keys` through a ReadStream; returns the messages.
+  absl::Status ReadAll(std::vector<std::string> keys,
+                       std::vector<v1::ReadResponse>* out) {
+    v1::ReadRequest req;
+    req.set_namespace_("ns");
+    for (auto& k : keys) req.add_keys(k);
+    ReadStream rs(*store_, req);
+    if (absl::Status st = rs.Validate(); !st.ok()) return st;
+    bool last = false;
+    while (!last) {
+      v1::ReadResponse msg;
+      if (absl::Status st = rs.Next(&msg, &last); !st.ok()) return st;
+      out->push_back(msg);
+    }
+    return absl::OkStatus();
+  }
+
+  FakeClock clock_;
+  std::unique_ptr<TieredStore> store_;
+};
+
+TEST_F(ByteStreamsTest, HeaderWithWholeBlockPublishesIt) {
+  v1::WriteResponse resp;
+  WriteStream ws(*store_, &resp);
+  std::string bytes(1000, 'a');
+  ASSERT_OK(ws.Consume(Header("k", bytes, bytes)));
+  ASSERT_OK(ws.End());
+  ASSERT_EQ(resp.results_size(), 1);
+  EXPECT_EQ(resp.results(0), v1::WRITE_STORED);
+  EXPECT_EQ(ws.bytes_in(), 1000u);
+  // Again: already stored, bytes consumed and dropped.
+  ASSERT_OK(ws.Consume(Header("k", bytes, bytes)));
+  EXPECT_EQ(resp.results(1), v1::WRITE_ALREADY_EXISTS);
+}
+
+TEST_F(ByteStreamsTest, ChunkedBlockIsInvisibleUntilComplete) {
+  v1::WriteResponse resp;
+  WriteStream ws(*store_, &resp);
+  std::string bytes(3000, 'b');
+  ASSERT_OK(ws.Consume(Header("k", bytes, bytes.substr(0, 1000))));
+  ASSERT_OK(ws.Consume(Data(bytes.substr(1000, 1000))));
+  absl::string_view k = "k";
+  EXPECT_FALSE(store_->Lookup(0, "ns", {&k, 1}, false, false)->entries[0].found);
+  EXPECT_EQ(store_->Stats().reservations, 1u);
+  ASSERT_OK(ws.Consume(Data(bytes.substr(2000))));
+  EXPECT_TRUE(store_->Lookup(0, "ns", {&k, 1}, false, false)->entries[0].found);
+  EXPECT_EQ(store_->Stats().reservations, 0u);
+}
+
+TEST_F(ByteStreamsTest, EndingInsideABlockIsAnErrorAndFreesIt) {
+  uint64_t used = store_->Stats().dram.used_bytes;
+  {
+    v1::WriteResponse resp;
+    WriteStream ws(*store_, &resp);
+    std::string bytes(3000, 'c');
+    ASSERT_OK(ws.Consume(Header("k", bytes, bytes.substr(0, 10))));
+    EXPECT_THAT(ws.End(), StatusIs(Code::kInvalidArgument));
+  }
+  EXPECT_EQ(store_->Stats().dram.used_bytes, used);
+  EXPECT_EQ(store_->Stats().reservations, 0u);
+}
+
+TEST_F(ByteStreamsTest, RejectsMalformedStreams) {
+  v1::WriteResponse resp;
+  WriteStream ws(*store_, &resp);
+  EXPECT_THAT(ws.Consume(v1::WriteRequest()), StatusIs(Code::kInvalidArgument));
+  EXPECT_THAT(ws.Consume(Data("x")), StatusIs(Code::kInvalidArgument));
+  std::string bytes(10, 'd');
+  ASSERT_OK(ws.Consume(Header("k", bytes, "12345")));
+  EXPECT_THAT(ws.Consume(Header("k2", bytes, "")), StatusIs(Code::kInvalidArgument));
+  EXPECT_THAT(ws.Consume(Data("1234567")), StatusIs(Code::kInvalidArgument));
+  EXPECT_THAT(ws.Consume(Data(std::string(kMaxChunkBytes + 1, 'x'))),
+              StatusIs(Code::kInvalidArgument));
+}
+
+TEST_F(ByteStreamsTest, FillsAReservationSlotWithoutPublishing) {
+  auto session = store_->OpenSession(absl::ZeroDuration(), "t");
+  ASSERT_OK(session);
+  PutSpec spec{"slot-key", "", 500};
+  auto r = store_->BeginPut(session->id, "ns", {&spec, 1});
+  ASSERT_OK(r);
+  v1::WriteRequest m;
+  m.mutable_header()->set_session_id(session->id);
+  m.mutable_header()->set_reservation_id(r->id);
+  m.mutable_header()->set_slot(0);
+  std::string bytes(500, 'e');
+  m.set_data(bytes);
+  v1::WriteResponse resp;
+  {
+    // A size that is not the slot's, and session 0, are refused.
+    m.mutable_header()->set_size(499);
+    WriteStream bad_size(*store_, &resp);
+    absl::Status st = bad_size.Consume(m);
+    EXPECT_THAT(st, StatusIs(Code::kInvalidArgument));
+    EXPECT_NE(st.message().find("holds 500"), std::string::npos) << st;
+    m.mutable_header()->set_size(500);
+    m.mutable_header()->set_session_id(0);
+    WriteStream no_session(*store_, &resp);
+    EXPECT_THAT(no_session.Consume(m), StatusIs(Code::kNotFound));
+    m.mutable_header()->set_session_id(session->id);
+  }
+  WriteStream ws(*store_, &resp);
+  ASSERT_OK(ws.Consume(m));
+  ASSERT_EQ(resp.results_size(), 1);
+  EXPECT_EQ(resp.results(0), v1::WRITE_SLOT_FILLED);
+  absl::string_view k = "slot-key";
+  EXPECT_FALSE(store_->Lookup(0, "ns", {&k, 1}, false, false)->entries[0].found);
+  uint64_t sum = BlockChecksum(bytes);
+  auto c = store_->CommitPut(session->id, r->id, {&sum, 1});
+  ASSERT_OK(c);
+  EXPECT_EQ((*c)[0], CommitOutcome::kStored);
+  EXPECT_TRUE(store_->Lookup(0, "ns", {&k, 1}, false, false)->entries[0].found);
+}
+
+TEST_F(ByteStreamsTest, ReadSplitsBlocksIntoChunksWithTheHeaderFirst) {
+  std::string big(kMaxChunkBytes * 2 + 123, 'f');
+  std::string small(10, 'g');
+  v1::WriteResponse resp;
+  WriteStream ws(*store_, &resp);
+  ASSERT_OK(ws.Consume(Header("big", big, big.substr(0, kMaxChunkBytes))));
+  ASSERT_OK(ws.Consume(Data(big.substr(kMaxChunkBytes, kMaxChunkBytes))));
+  ASSERT_OK(ws.Consume(Data(big.substr(2 * kMaxChunkBytes))));
+  ASSERT_OK(ws.Consume(Header("small", small, small)));
+
+  std::vector<v1::ReadResponse> msgs;
+  ASSERT_OK(ReadAll({"big", "small"}, &msgs));
+  ASSERT_EQ(msgs.size(), 4u);
+  EXPECT_TRUE(msgs[0].has_header());
+  EXPECT_EQ(msgs[0].header().size(), big.size());
+  EXPECT_EQ(msgs[0].header().checksum(), BlockChecksum(big));
+  EXPECT_FALSE(msgs[1].has_header());
+  EXPECT_EQ(msgs[0].data() + msgs[1].data() + msgs[2].data(), big);
+  EXPECT_TRUE(msgs[3].has_header());
+  EXPECT_EQ(msgs[3].data(), small);
+  EXPECT_EQ(store_->Stats().pins, 0u);
+}
+
+TEST_F(ByteStreamsTest, ReadStopsWithNotFoundAtTheFirstMissAndUnpins) {
+  std::string bytes(100, 'h');
+  v1::WriteResponse resp;
+  WriteStream ws(*store_, &resp);
+  ASSERT_OK(ws.Consume(Header("a", bytes, bytes)));
+  std::vector<v1::ReadResponse> msgs;
+  EXPECT_THAT(ReadAll({"a", "missing", "a"}, &msgs), StatusIs(Code::kNotFound));
+  EXPECT_EQ(msgs.size(), 1u);
+  EXPECT_EQ(store_->Stats().pins, 0u);
+  msgs.clear();
+  EXPECT_THAT(ReadAll({}, &msgs), StatusIs(Code::kInvalidArgument));
+}
+
+}  // namespace
+}  // namespace kvdepot
