@@ -141,18 +141,31 @@ absl::StatusOr<LookupReply> Client::Lookup(absl::string_view ns,
                                            absl::Span<const absl::string_view> keys,
                                            bool prefix, bool pin) {
   v1::LookupRequest req;
-  if (pin) {
-    ASSIGN_OR_RETURN(uint64_t sid, EnsureSession());
-    req.set_session_id(sid);
-  }
   req.set_namespace_(std::string(ns));
   for (absl::string_view k : keys) req.add_keys(std::string(k));
   req.set_prefix(prefix);
   req.set_pin(pin);
-  grpc::ClientContext ctx;
-  PrepareContext(&ctx);
   v1::LookupResponse resp;
-  RETURN_IF_ERROR(FromGrpcStatus(stub_->Lookup(&ctx, req, &resp)));
+  // With pin, a daemon that forgot our session (restart, expiry) answers
+  // NOT_FOUND: open a new session and try once more.
+  for (int attempt = 0;; ++attempt) {
+    uint64_t sid = 0;
+    if (pin) {
+      ASSIGN_OR_RETURN(sid, EnsureSession());
+      req.set_session_id(sid);
+    }
+    grpc::ClientContext ctx;
+    PrepareContext(&ctx);
+    resp.Clear();
+    grpc::Status st = stub_->Lookup(&ctx, req, &resp);
+    if (pin && attempt == 0 && st.error_code() == grpc::StatusCode::NOT_FOUND) {
+      absl::MutexLock lock(&mu_);
+      if (session_id_ == sid) session_id_ = 0;
+      continue;
+    }
+    RETURN_IF_ERROR(FromGrpcStatus(st));
+    break;
+  }
   LookupReply out;
   out.prefix_hits = resp.prefix_hits();
   out.pin_id = resp.pin_id();

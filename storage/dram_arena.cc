@@ -8,6 +8,7 @@
 #include <cerrno>
 #include <cstring>
 #include <set>
+#include <thread>
 #include <utility>
 #include <vector>
 
@@ -208,6 +209,27 @@ class ArenaImpl final : public DramArena {
 
 constexpr size_t kHugePage = 2 * 1024 * 1024;
 
+// Faults in [base, base+size) before the arena is used, in parallel (the
+// kernel's page zeroing is the cost: about a second per GiB per core on
+// small VMs). MADV_POPULATE_WRITE (Linux 5.14) where available, else one
+// write per 4 KiB page; either runs after MADV_HUGEPAGE so THP can back it.
+void Prefault(char* base, size_t size) {
+  const size_t threads = std::clamp<size_t>(std::thread::hardware_concurrency(), 1, 16);
+  const size_t chunk = (size / threads + kHugePage - 1) / kHugePage * kHugePage;
+  std::vector<std::thread> workers;
+  for (size_t start = 0; start < size; start += chunk) {
+    size_t len = std::min(chunk, size - start);
+    workers.emplace_back([base, start, len] {
+#ifdef MADV_POPULATE_WRITE
+      if (madvise(base + start, len, MADV_POPULATE_WRITE) == 0) return;
+#endif
+      volatile char* p = base + start;
+      for (size_t off = 0; off < len; off += 4096) p[off] = 0;
+    });
+  }
+  for (std::thread& t : workers) t.join();
+}
+
 }  // namespace
 
 size_t DramArena::AllocationSize(size_t bytes) {
@@ -258,11 +280,7 @@ absl::StatusOr<std::unique_ptr<DramArena>> DramArena::Create(
       kind = "thp";
     }
   }
-  if (prefault) {
-    // One write per 4 KiB page (after MADV_HUGEPAGE, so THP can back it).
-    volatile char* p = static_cast<char*>(mem);
-    for (size_t off = 0; off < rounded; off += 4096) p[off] = 0;
-  }
+  if (prefault) Prefault(static_cast<char*>(mem), rounded);
   return std::unique_ptr<DramArena>(
       new ArenaImpl(static_cast<char*>(mem), rounded, kind));
 }

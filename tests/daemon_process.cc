@@ -75,15 +75,14 @@ std::string MakeTempDir(const std::string& prefix) {
 }
 
 absl::StatusOr<std::unique_ptr<DaemonProcess>> DaemonProcess::Start(
-    std::vector<std::string> extra_args, std::string data_dir) {
+    std::vector<std::string> extra_args, std::string data_dir, std::string listen) {
   std::unique_ptr<DaemonProcess> d(new DaemonProcess());
   std::string work = MakeTempDir("kvdepotd");
   d->data_dir_ = data_dir.empty() ? work + "/data" : data_dir;
   d->log_path_ = work + "/kvdepotd.log";
-  std::vector<std::string> argv = {DaemonBinary(),     "--listen",
-                                   "127.0.0.1:0",      "--metrics-listen",
-                                   "127.0.0.1:0",      "--data-dir",
-                                   d->data_dir_,       "--hugepages",
+  std::vector<std::string> argv = {DaemonBinary(), "--listen",   listen,
+                                   "--metrics-listen", "127.0.0.1:0",
+                                   "--data-dir",     d->data_dir_, "--hugepages",
                                    "off"};
   argv.insert(argv.end(), extra_args.begin(), extra_args.end());
   d->pid_ = Spawn(argv, d->log_path_);

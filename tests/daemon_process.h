@@ -27,9 +27,11 @@ class DaemonProcess {
  public:
   // Starts kvdepotd with `--listen 127.0.0.1:0 --metrics-listen 127.0.0.1:0
   // --data-dir DIR` plus `extra_args`, and waits until it is listening.
-  // `data_dir` empty: a new temp dir.
+  // `data_dir` empty: a new temp dir. `listen` replaces 127.0.0.1:0 (to
+  // restart a daemon on the port it had).
   static absl::StatusOr<std::unique_ptr<DaemonProcess>> Start(
-      std::vector<std::string> extra_args = {}, std::string data_dir = "");
+      std::vector<std::string> extra_args = {}, std::string data_dir = "",
+      std::string listen = "127.0.0.1:0");
   // Kills the daemon (SIGKILL) if still running.
   ~DaemonProcess();
 

@@ -148,6 +148,39 @@ TEST(LifecycleTest, ClientKeepsItsSessionAliveAcrossLeases) {
   EXPECT_EQ(st->sessions(), 1u);
 }
 
+TEST(LifecycleTest, ClientReopensItsSessionAfterADaemonRestart) {
+  auto d = DaemonProcess::Start({"--dram-capacity", "64MiB"});
+  ASSERT_OK(d);
+  const std::string addr = (*d)->address();
+  auto client = Connect(addr);
+  BlockToPut b{"k", "", "bytes"};
+  ASSERT_OK(client->Put("ns", {&b, 1}));
+  absl::string_view k = "k";
+  auto first = client->Lookup("ns", {&k, 1}, false, /*pin=*/true);
+  ASSERT_OK(first);
+  auto sid = client->EnsureSession();
+  ASSERT_OK(sid);
+  const std::string data_dir = (*d)->data_dir();
+  ASSERT_OK((*d)->Stop(SIGKILL));
+  // While it is down: an error, not a hang (the RPC deadline bounds it).
+  EXPECT_FALSE(client->Lookup("ns", {&k, 1}, false, true).ok());
+  // Restarted on the same port: DRAM contents are gone (a miss, not an
+  // error), and the pinned lookup opens a new session by itself.
+  auto again = DaemonProcess::Start({"--dram-capacity", "64MiB"}, data_dir, addr);
+  ASSERT_OK(again);
+  auto r = client->Lookup("ns", {&k, 1}, false, /*pin=*/true);
+  ASSERT_OK(r);
+  EXPECT_FALSE(r->entries[0].found);
+  auto sid2 = client->EnsureSession();
+  ASSERT_OK(sid2);
+  EXPECT_NE(*sid2, *sid);
+  ASSERT_OK(client->Put("ns", {&b, 1}));
+  r = client->Lookup("ns", {&k, 1}, false, true);
+  ASSERT_OK(r);
+  EXPECT_TRUE(r->entries[0].found);
+  EXPECT_NE(r->pin_id, 0u);
+}
+
 TEST(LifecycleTest, MetricsEndpointServesPrometheusText) {
   auto d = DaemonProcess::Start();
   ASSERT_OK(d);
