@@ -76,12 +76,14 @@ BlockEntry* BlockIndex::FindByHash(Shard& s, uint32_t ns_id, uint64_t hash) {
   return it == s.set.end() ? nullptr : *it;
 }
 
-std::optional<BlockIndex::Hit> BlockIndex::Find(const KeyRef& key, bool pin) {
+std::optional<BlockIndex::Hit> BlockIndex::Find(const KeyRef& key, bool pin,
+                                                uint32_t seq) {
   Shard& s = ShardFor(key.hash);
   absl::MutexLock lock(&s.mu);
   auto it = s.set.find(key);
   if (it == s.set.end()) return std::nullopt;
   BlockEntry* e = *it;
+  if (seq != 0) e->seq = seq;
   if (pin) {
     LruRemove(s, e);
     ++e->pins;
@@ -191,28 +193,52 @@ std::vector<std::unique_ptr<BlockEntry>> BlockIndex::RemoveNamespace(
   return removed;
 }
 
+BlockEntry* BlockIndex::SettleTail(Shard& s) {
+  // Second chance: referenced entries go back to the front, unmarked. One
+  // pass over the list unmarks everything, so this ends.
+  BlockEntry* e = s.tail;
+  for (uint64_t n = s.lru_size;
+       e != nullptr && n > 0 && (e->flags & BlockEntry::kReferenced); --n) {
+    e->flags &= ~BlockEntry::kReferenced;
+    LruRemove(s, e);
+    LruPushFront(s, e);
+    e = s.tail;
+  }
+  return e;
+}
+
 std::unique_ptr<BlockEntry> BlockIndex::PopEvictable(int shard) {
   Shard& s = *shards_[shard];
   std::unique_ptr<BlockEntry> out;
   {
     absl::MutexLock lock(&s.mu);
-    // Second chance: referenced entries go back to the front, unmarked. One
-    // pass over the list unmarks everything, so this ends.
-    BlockEntry* e = s.tail;
-    for (uint64_t n = s.lru_size; e != nullptr && n > 0 &&
-                                  (e->flags & BlockEntry::kReferenced);
-         --n) {
-      e->flags &= ~BlockEntry::kReferenced;
-      LruRemove(s, e);
-      LruPushFront(s, e);
-      e = s.tail;
-    }
+    BlockEntry* e = SettleTail(s);
     if (e == nullptr) return nullptr;
     Detach(s, e);
     out.reset(e);
   }
   ReleaseParent(*out);
   return out;
+}
+
+std::unique_ptr<BlockEntry> BlockIndex::PopOldestEvictable() {
+  // Two passes: find the shard whose tail was used longest ago, then pop
+  // that shard's tail (which may have changed in between; any evictable
+  // entry there is an acceptable answer then).
+  int best = -1;
+  uint32_t best_seq = 0;
+  for (int i = 0; i < kShards; ++i) {
+    Shard& s = *shards_[i];
+    absl::MutexLock lock(&s.mu);
+    BlockEntry* e = SettleTail(s);
+    if (e == nullptr) continue;
+    // Wrap-aware: a is older than b when (a - b) is negative as int32.
+    if (best < 0 || static_cast<int32_t>(e->seq - best_seq) < 0) {
+      best = i;
+      best_seq = e->seq;
+    }
+  }
+  return best < 0 ? nullptr : PopEvictable(best);
 }
 
 uint64_t BlockIndex::blocks() const {

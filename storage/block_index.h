@@ -13,7 +13,9 @@
 // enters at the least-recent end, unreferenced (its chain has just aged out,
 // so the prefix is at least as old as anything still listed). Leaves
 // therefore go before their parents and, within that rule, approximately
-// least recently used first.
+// least recently used first. Across shards, PopOldestEvictable compares the
+// shards' least-recent ends by the sequence number of their last use, so a
+// shard holding only fresh blocks is not drained before older ones.
 //
 // Key bytes live in the DRAM arena (a small allocation per block), so the
 // metadata of a block is one 72-byte heap entry plus its hash-table slot.
@@ -25,6 +27,7 @@
 #define KVDEPOT_STORAGE_BLOCK_INDEX_H_
 
 #include <array>
+#include <atomic>
 #include <cstdint>
 #include <memory>
 #include <optional>
@@ -55,6 +58,9 @@ struct BlockEntry {
   uint32_t children = 0;  // cached blocks naming this one as parent
   uint16_t key_len = 0;
   uint8_t flags = 0;
+  // When it was last stored or looked up, in BlockIndex::NextSeq() units
+  // (compared wrap-aware; sits in what would otherwise be padding).
+  uint32_t seq = 0;
 
   uint64_t data_offset() const { return uint64_t{data_unit} * 64; }
   uint64_t key_offset() const { return uint64_t{key_unit} * 64; }
@@ -91,18 +97,22 @@ class BlockIndex {
     return KeyRef{ns_id, key, Hash(ns_id, key)};
   }
 
+  // A recency stamp for Find and Insert. Callers take one per batch, not per
+  // key, so the shared counter is not a point of contention.
+  uint32_t NextSeq() { return seq_.fetch_add(1, std::memory_order_relaxed) + 1; }
+
   // Finds `key`. With `pin`, the entry's pin count is raised atomically with
-  // the find (it leaves the evictable list); otherwise it becomes the most
-  // recently used.
-  std::optional<Hit> Find(const KeyRef& key, bool pin);
+  // the find (it leaves the evictable list); otherwise it is marked
+  // referenced. Either way its last use becomes `seq`.
+  std::optional<Hit> Find(const KeyRef& key, bool pin, uint32_t seq = 0);
   // Adds one pin to an entry already pinned by the caller.
   void AddPin(BlockEntry* entry);
   // REQUIRES: `entry` is pinned by the caller.
   void Unpin(BlockEntry* entry);
 
   // Publishes `entry` unless the key is already present (put-if-absent).
-  // REQUIRES: entry->hash, ns_id, key_unit, key_len are set and the key bytes
-  // are in the arena. `parent` is the parent key (empty for a root). Returns
+  // REQUIRES: entry->hash, ns_id, key_unit, key_len (and seq) are set and the
+  // key bytes are in the arena. `parent` is the parent key (empty for a root). Returns
   // the entry back when the key already exists.
   std::unique_ptr<BlockEntry> Insert(std::unique_ptr<BlockEntry> entry,
                                      absl::string_view parent);
@@ -115,6 +125,9 @@ class BlockIndex {
                                                           uint64_t* pinned);
   // Removes the least recently used evictable entry of `shard`, if any.
   std::unique_ptr<BlockEntry> PopEvictable(int shard);
+  // Removes the evictable entry whose last use is oldest among the shards'
+  // least-recent ends (every shard is looked at). nullptr if none.
+  std::unique_ptr<BlockEntry> PopOldestEvictable();
 
   uint64_t blocks() const;
   // Number of entries in the evictable lists (for tests and stats).
@@ -177,11 +190,15 @@ class BlockIndex {
   // Takes `e` out of the set and the list. REQUIRES: e is in s.set.
   static void Detach(Shard& s, BlockEntry* e)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(s.mu);
+  // Gives referenced entries at the tail their second chance; returns the
+  // tail afterwards (nullptr if the list is empty).
+  static BlockEntry* SettleTail(Shard& s) ABSL_EXCLUSIVE_LOCKS_REQUIRED(s.mu);
   // Drops one child count from the parent of a removed entry, if linked.
   void ReleaseParent(const BlockEntry& removed);
 
   const char* const base_;
   std::array<std::unique_ptr<Shard>, kShards> shards_;
+  std::atomic<uint32_t> seq_{0};
 };
 
 }  // namespace kvdepot

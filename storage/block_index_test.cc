@@ -15,7 +15,7 @@ class BlockIndexTest : public ::testing::Test {
   BlockIndexTest() : buf_(1 << 20), index_(buf_.data()) {}
 
   BlockEntry* Put(const std::string& key, const std::string& parent = "",
-                  uint32_t ns = 1) {
+                  uint32_t ns = 1, uint32_t seq = 0) {
     auto e = std::make_unique<BlockEntry>();
     uint32_t unit = next_unit_++;
     std::copy(key.begin(), key.end(), buf_.begin() + unit * 64);
@@ -25,6 +25,7 @@ class BlockIndexTest : public ::testing::Test {
     e->hash = BlockIndex::Hash(ns, key);
     e->size = 100;
     e->data_unit = 1000 + unit;
+    e->seq = seq ? seq : index_.NextSeq();
     BlockEntry* raw = e.get();
     if (index_.Insert(std::move(e), parent) != nullptr) return nullptr;
     return raw;
@@ -133,6 +134,27 @@ TEST_F(BlockIndexTest, LruOrderWithinAShard) {
   EXPECT_EQ(key_of(index_.PopEvictable(shard)), same[2]);
   EXPECT_EQ(key_of(index_.PopEvictable(shard)), same[0]);
   EXPECT_EQ(index_.PopEvictable(shard), nullptr);
+}
+
+TEST_F(BlockIndexTest, PopOldestEvictableFollowsLastUseAcrossShards) {
+  // 200 keys spread over the shards, stored in order; then the first ten
+  // are looked up again. Eviction must take keys 10..199 in store order,
+  // then the looked-up ten.
+  for (int i = 0; i < 200; ++i) Put("k" + std::to_string(i));
+  const uint32_t later = index_.NextSeq();
+  for (int i = 0; i < 10; ++i) {
+    ASSERT_TRUE(index_.Find(BlockIndex::MakeKey(1, "k" + std::to_string(i)), false, later));
+  }
+  std::vector<std::string> order;
+  while (auto e = index_.PopOldestEvictable()) {
+    order.emplace_back(buf_.data() + e->key_offset(), e->key_len);
+  }
+  ASSERT_EQ(order.size(), 200u);
+  for (int i = 0; i < 190; ++i) EXPECT_EQ(order[i], "k" + std::to_string(i + 10));
+  for (int i = 190; i < 200; ++i) {
+    int k = std::stoi(order[i].substr(1));
+    EXPECT_LT(k, 10) << order[i];
+  }
 }
 
 TEST_F(BlockIndexTest, RemoveNamespaceKeepsPinnedAndOtherNamespaces) {

@@ -177,7 +177,12 @@ class TieredStoreImpl final : public TieredStore {
     for (absl::string_view k : keys) RETURN_IF_ERROR(ValidateKey(k));
     if (pin && session != kInternalSession) {
       absl::MutexLock lock(&mu_);
-      RETURN_IF_ERROR(LiveSession(session).status());
+      ASSIGN_OR_RETURN(Session * s, LiveSession(session));
+      if (s->pins.size() >= options_.max_pins_per_session) {
+        return absl::ResourceExhaustedError(absl::StrCat(
+            "session ", session, " holds ", s->pins.size(),
+            " pins, the limit; unpin some first"));
+      }
     }
     LookupResult result;
     result.entries.resize(keys.size());
@@ -190,9 +195,10 @@ class TieredStoreImpl final : public TieredStore {
     std::vector<BlockEntry*> pinned;
     bool prefix_open = true;
     uint64_t hits = 0;
+    const uint32_t seq = index_.NextSeq();
     for (size_t i = 0; i < keys.size(); ++i) {
       std::optional<BlockIndex::Hit> hit =
-          index_.Find(BlockIndex::MakeKey(ns_id, keys[i]), pin);
+          index_.Find(BlockIndex::MakeKey(ns_id, keys[i]), pin, seq);
       if (!hit) {
         prefix_open = false;
         if (prefix) break;
@@ -389,6 +395,7 @@ class TieredStoreImpl final : public TieredStore {
     }
     NamespaceInfo* info = NamespaceById(r.ns_id);
     std::vector<CommitOutcome> outcomes(r.slots.size());
+    const uint32_t seq = index_.NextSeq();
     for (size_t i = 0; i < r.slots.size(); ++i) {
       Slot& slot = r.slots[i];
       if (slot.exists) {
@@ -409,6 +416,7 @@ class TieredStoreImpl final : public TieredStore {
       entry->size = static_cast<uint32_t>(slot.size);
       entry->ns_id = r.ns_id;
       entry->key_len = static_cast<uint16_t>(slot.key.size());
+      entry->seq = seq;
       if (index_.Insert(std::move(entry), slot.parent) != nullptr) {
         outcomes[i] = CommitOutcome::kAlreadyExists;  // a racing writer won
         FreeSlot(slot);
@@ -669,20 +677,13 @@ class TieredStoreImpl final : public TieredStore {
     if (lru) evictions_.fetch_add(1, std::memory_order_relaxed);
   }
 
-  // Evicts the least recently used evictable block of the next shard that
-  // has one. Returns false when no shard has one.
+  // Evicts the evictable block used longest ago (approximately: the oldest
+  // of the shards' least-recent ends). Returns false when there is none.
   bool EvictOne() {
-    for (int i = 0; i < BlockIndex::kShards; ++i) {
-      int shard = static_cast<int>(
-          evict_cursor_.fetch_add(1, std::memory_order_relaxed) %
-          BlockIndex::kShards);
-      std::unique_ptr<BlockEntry> e = index_.PopEvictable(shard);
-      if (e) {
-        FreeEntry(std::move(e), /*lru=*/true);
-        return true;
-      }
-    }
-    return false;
+    std::unique_ptr<BlockEntry> e = index_.PopOldestEvictable();
+    if (!e) return false;
+    FreeEntry(std::move(e), /*lru=*/true);
+    return true;
   }
 
   void MaybeWakeEvictor() {
@@ -751,7 +752,6 @@ class TieredStoreImpl final : public TieredStore {
   BlockIndex index_;
 
   std::atomic<bool> draining_{false};
-  std::atomic<uint64_t> evict_cursor_{0};
   std::atomic<uint64_t> lookup_keys_{0}, lookup_hits_{0}, dram_hits_{0};
   std::atomic<uint64_t> puts_{0}, put_bytes_{0}, evictions_{0};
 
