@@ -135,10 +135,36 @@ absl::Status WriteStream::End() {
   return absl::OkStatus();
 }
 
+void SharedPin::Unref() {
+  if (refs_.fetch_sub(1, std::memory_order_acq_rel) == 1) {
+    store_.Unpin(kInternalSession, pin_).IgnoreError();
+    delete this;
+  }
+}
+
+namespace {
+
+void AppendVarint(uint64_t v, std::string* out) {
+  while (v >= 0x80) {
+    out->push_back(static_cast<char>(v | 0x80));
+    v >>= 7;
+  }
+  out->push_back(static_cast<char>(v));
+}
+
+// Wire tag of ReadResponse.data: field 2, length-delimited.
+constexpr char kDataTag = (2 << 3) | 2;
+
+}  // namespace
+
+std::string ReadChunk::Serialize() const {
+  return prefix + std::string(data, size);
+}
+
 ReadStream::~ReadStream() { ReleasePin(); }
 
 void ReadStream::ReleasePin() {
-  if (pin_ != 0) store_.Unpin(kInternalSession, std::exchange(pin_, 0)).IgnoreError();
+  if (pin_ != nullptr) std::exchange(pin_, nullptr)->Unref();
 }
 
 absl::Status ReadStream::Validate() const {
@@ -152,12 +178,12 @@ absl::Status ReadStream::Validate() const {
   return absl::OkStatus();
 }
 
-absl::Status ReadStream::Next(v1::ReadResponse* msg, bool* last) {
-  msg->Clear();
+absl::Status ReadStream::Next(ReadChunk* chunk, bool* last) {
+  chunk->prefix.clear();
   const std::string& key = req_.keys(key_);
-  if (pin_ == 0) {
-    // Pin one block at a time: it cannot be evicted while it streams, and a
-    // large batch never pins more than one block.
+  if (pin_ == nullptr) {
+    // Pin one block at a time: it cannot be evicted while its bytes are on
+    // their way, and a large batch never pins more than the blocks in flight.
     absl::string_view k = key;
     ASSIGN_OR_RETURN(LookupResult r,
                      store_.Lookup(kInternalSession, req_.namespace_(), {&k, 1},
@@ -167,15 +193,22 @@ absl::Status ReadStream::Next(v1::ReadResponse* msg, bool* last) {
           "block ", KeyToHex(key), " not found in namespace ", req_.namespace_()));
     }
     entry_ = r.entries[0];
-    pin_ = r.pin_id;
+    pin_ = new SharedPin(store_, r.pin_id);
     offset_ = 0;
-    v1::ReadHeader* h = msg->mutable_header();
+    v1::ReadResponse header_only;
+    v1::ReadHeader* h = header_only.mutable_header();
     h->set_key(key);
     h->set_size(entry_.size);
     h->set_checksum(entry_.checksum);
+    header_only.AppendToString(&chunk->prefix);
   }
   size_t n = std::min<uint64_t>(kMaxChunkBytes, entry_.size - offset_);
-  msg->mutable_data()->assign(store_.dram_region().base + entry_.offset + offset_, n);
+  chunk->prefix.push_back(kDataTag);
+  AppendVarint(n, &chunk->prefix);
+  chunk->data = store_.dram_region().base + entry_.offset + offset_;
+  chunk->size = n;
+  pin_->Ref();
+  chunk->pin = pin_;
   offset_ += n;
   bytes_out_ += n;
   if (offset_ == entry_.size) {

@@ -1,6 +1,7 @@
 // The protocol state of the gRPC byte path, apart from gRPC's threading:
 // WriteStream consumes WriteRequest messages into the store, ReadStream
-// produces ReadResponse messages from it. The service's reactors drive them
+// produces ReadResponse messages from it (in wire form, pointing at the
+// block's DRAM bytes instead of copying them). The service's reactors drive them
 // one message per event.
 //
 // Neither is thread-safe; each belongs to one call. Both release what they
@@ -9,6 +10,7 @@
 #ifndef KVDEPOT_SERVER_BYTE_STREAMS_H_
 #define KVDEPOT_SERVER_BYTE_STREAMS_H_
 
+#include <atomic>
 #include <cstdint>
 #include <memory>
 #include <optional>
@@ -53,6 +55,42 @@ class WriteStream {
   uint64_t bytes_in_ = 0;
 };
 
+// A pin on one block shared by everything that still points into its DRAM
+// bytes (the stream, and each chunk gRPC has not finished sending); the last
+// Unref releases the pin. Thread-safe.
+class SharedPin {
+ public:
+  // Takes over `pin` (of kInternalSession) with one reference.
+  SharedPin(TieredStore& store, PinId pin) : store_(store), pin_(pin) {}
+  SharedPin(const SharedPin&) = delete;
+  SharedPin& operator=(const SharedPin&) = delete;
+  void Ref() { refs_.fetch_add(1, std::memory_order_relaxed); }
+  void Unref();
+  // For a gRPC slice's destroy callback: `arg` is a SharedPin*.
+  static void UnrefCallback(void* arg) { static_cast<SharedPin*>(arg)->Unref(); }
+
+ private:
+  ~SharedPin() = default;
+  TieredStore& store_;
+  const PinId pin_;
+  std::atomic<int> refs_{1};
+};
+
+// One message of a Read stream, in wire form without copying the block:
+// `prefix` holds the serialized ReadResponse fields before the bytes (the
+// header, on a block's first chunk, then the data field's tag and length)
+// and `data` points into the store's DRAM, kept valid by one reference on
+// `pin` that the consumer owns and must Unref when done with `data`.
+struct ReadChunk {
+  std::string prefix;
+  const char* data = nullptr;
+  size_t size = 0;
+  SharedPin* pin = nullptr;
+
+  // The whole message, copied (for tests and non-zero-copy callers).
+  std::string Serialize() const;
+};
+
 class ReadStream {
  public:
   // `store` and `req` must outlive the stream.
@@ -64,12 +102,13 @@ class ReadStream {
 
   // Checks the request (namespace, batch size).
   absl::Status Validate() const;
-  // Fills `msg` with the next chunk (the first chunk of a block carries its
-  // header) and sets `*last` when it is the stream's final message. NotFound
-  // at the first key that is not stored.
-  absl::Status Next(v1::ReadResponse* msg, bool* last);
+  // Produces the next chunk (a block's first chunk carries its header) and
+  // sets `*last` when it is the stream's final message. NotFound at the
+  // first key that is not stored.
+  absl::Status Next(ReadChunk* chunk, bool* last);
   uint64_t bytes_out() const { return bytes_out_; }
-  // Releases the pin on the block being sent (also done on destruction).
+  // Drops the stream's own reference on the block being sent (chunks still
+  // in flight keep theirs). Also done on destruction.
   void ReleasePin();
 
  private:
@@ -78,7 +117,7 @@ class ReadStream {
   int key_ = 0;         // index of the block being sent
   uint64_t offset_ = 0;  // next byte of it to send
   LookupEntry entry_;
-  PinId pin_ = 0;  // pin on the block being sent (0: none)
+  SharedPin* pin_ = nullptr;  // the stream's reference on the current block
   uint64_t bytes_out_ = 0;
 };
 

@@ -52,8 +52,12 @@ class ByteStreamsTest : public ::testing::Test {
     if (absl::Status st = rs.Validate(); !st.ok()) return st;
     bool last = false;
     while (!last) {
+      ReadChunk chunk;
+      if (absl::Status st = rs.Next(&chunk, &last); !st.ok()) return st;
+      // The chunk is a valid ReadResponse on the wire.
       v1::ReadResponse msg;
-      if (absl::Status st = rs.Next(&msg, &last); !st.ok()) return st;
+      EXPECT_TRUE(msg.ParseFromString(chunk.Serialize()));
+      chunk.pin->Unref();
       out->push_back(msg);
     }
     return absl::OkStatus();
@@ -176,6 +180,32 @@ TEST_F(ByteStreamsTest, ReadSplitsBlocksIntoChunksWithTheHeaderFirst) {
   EXPECT_EQ(msgs[0].data() + msgs[1].data() + msgs[2].data(), big);
   EXPECT_TRUE(msgs[3].has_header());
   EXPECT_EQ(msgs[3].data(), small);
+  EXPECT_EQ(store_->Stats().pins, 0u);
+}
+
+TEST_F(ByteStreamsTest, ChunksKeepTheirBlockPinnedUntilReleased) {
+  std::string bytes(5000, 'p');
+  v1::WriteResponse resp;
+  WriteStream ws(*store_, &resp);
+  ASSERT_OK(ws.Consume(Header("p", bytes, bytes)));
+  v1::ReadRequest req;
+  req.set_namespace_("ns");
+  req.add_keys("p");
+  ReadChunk chunk;
+  {
+    ReadStream rs(*store_, req);
+    bool last = false;
+    ASSERT_OK(rs.Next(&chunk, &last));
+    EXPECT_TRUE(last);
+  }
+  // The stream is gone but gRPC would still be sending: pinned, unevictable.
+  EXPECT_EQ(store_->Stats().pins, 1u);
+  absl::string_view k = "p";
+  auto ev = store_->Evict("ns", {&k, 1}, false);
+  ASSERT_OK(ev);
+  EXPECT_EQ(ev->pinned_blocks, 1u);
+  EXPECT_EQ(std::string(chunk.data, chunk.size), bytes);
+  chunk.pin->Unref();
   EXPECT_EQ(store_->Stats().pins, 0u);
 }
 

@@ -1,5 +1,6 @@
 #include "server/kvdepot_service.h"
 
+#include <grpcpp/support/byte_buffer.h>
 #include <spdlog/spdlog.h>
 
 #include <algorithm>
@@ -282,13 +283,26 @@ class WriteReactor final : public grpc::ServerReadReactor<v1::WriteRequest> {
 };
 
 // Streams a Read one chunk per event from a ReadStream; the last chunk is
-// sent together with the final status. Deletes itself when done (releasing
-// any pin).
-class ReadReactor final : public grpc::ServerWriteReactor<v1::ReadResponse> {
+// sent together with the final status. Each message is two slices: the small
+// serialized prefix, and the block's bytes in DRAM, whose slice holds a
+// reference on the block's pin until gRPC has sent it. Deletes itself when
+// done.
+class ReadReactor final : public grpc::ServerWriteReactor<grpc::ByteBuffer> {
  public:
-  ReadReactor(KvDepotService& service, const v1::ReadRequest* req)
-      : service_(service), stream_(service.store(), *req),
+  ReadReactor(KvDepotService& service, const grpc::ByteBuffer* raw_request)
+      : service_(service), stream_(service.store(), req_),
         start_(service.clock().Now()) {
+    std::vector<grpc::Slice> slices;
+    std::string bytes;
+    if (raw_request->Dump(&slices).ok()) {
+      for (const grpc::Slice& s : slices) {
+        bytes.append(reinterpret_cast<const char*>(s.begin()), s.size());
+      }
+    }
+    if (!req_.ParseFromString(bytes)) {
+      Finish(absl::InvalidArgumentError("malformed ReadRequest"));
+      return;
+    }
     absl::Status st = stream_.Validate();
     if (!st.ok()) {
       Finish(st);
@@ -314,10 +328,18 @@ class ReadReactor final : public grpc::ServerWriteReactor<v1::ReadResponse> {
  private:
   void WriteNext() {
     bool last = false;
-    absl::Status st = stream_.Next(&msg_, &last);
+    ReadChunk chunk;
+    absl::Status st = stream_.Next(&chunk, &last);
     if (!st.ok()) {
       Finish(st);
-    } else if (last) {
+      return;
+    }
+    grpc::Slice parts[2] = {
+        grpc::Slice(chunk.prefix),
+        grpc::Slice(const_cast<char*>(chunk.data), chunk.size,
+                    &SharedPin::UnrefCallback, chunk.pin)};
+    msg_ = grpc::ByteBuffer(parts, 2);
+    if (last) {
       StartWriteAndFinish(&msg_, grpc::WriteOptions(), grpc::Status::OK);
     } else {
       StartWrite(&msg_);
@@ -327,12 +349,13 @@ class ReadReactor final : public grpc::ServerWriteReactor<v1::ReadResponse> {
   void Finish(const absl::Status& st) {
     stream_.ReleasePin();
     status_ = st;
-    grpc::ServerWriteReactor<v1::ReadResponse>::Finish(ToGrpcStatus(st));
+    grpc::ServerWriteReactor<grpc::ByteBuffer>::Finish(ToGrpcStatus(st));
   }
 
   KvDepotService& service_;
+  v1::ReadRequest req_;  // before stream_, which refers to it
   ReadStream stream_;
-  v1::ReadResponse msg_;
+  grpc::ByteBuffer msg_;
   absl::Status status_;
   const absl::Time start_;
 };
@@ -344,8 +367,8 @@ grpc::ServerReadReactor<v1::WriteRequest>* KvDepotService::Write(
   return new WriteReactor(*this, ctx, resp);
 }
 
-grpc::ServerWriteReactor<v1::ReadResponse>* KvDepotService::Read(
-    grpc::CallbackServerContext*, const v1::ReadRequest* req) {
+grpc::ServerWriteReactor<grpc::ByteBuffer>* KvDepotService::Read(
+    grpc::CallbackServerContext*, const grpc::ByteBuffer* req) {
   return new ReadReactor(*this, req);
 }
 

@@ -28,8 +28,11 @@ grpc::Status ToGrpcStatus(const absl::Status& status);
 
 // Built on gRPC's callback API: unary handlers run inline on gRPC's threads
 // (every store operation is a short in-memory step), and the byte streams are
-// reactors that move one chunk per event with no thread hand-offs.
-class KvDepotService final : public v1::KvDepot::CallbackService {
+// reactors that move one chunk per event with no thread hand-offs. Read is
+// registered raw: its messages are assembled from slices that point into the
+// DRAM tier, so block bytes are never copied in user space on the way out.
+class KvDepotService final
+    : public v1::KvDepot::WithRawCallbackMethod_Read<v1::KvDepot::CallbackService> {
  public:
   // `store`, `metrics` and `clock` must outlive the service.
   KvDepotService(TieredStore& store, ServerMetrics& metrics, Clock& clock,
@@ -61,8 +64,8 @@ class KvDepotService final : public v1::KvDepot::CallbackService {
                                      v1::AbortPutResponse* resp) override;
   grpc::ServerReadReactor<v1::WriteRequest>* Write(
       grpc::CallbackServerContext* ctx, v1::WriteResponse* resp) override;
-  grpc::ServerWriteReactor<v1::ReadResponse>* Read(
-      grpc::CallbackServerContext* ctx, const v1::ReadRequest* req) override;
+  grpc::ServerWriteReactor<grpc::ByteBuffer>* Read(
+      grpc::CallbackServerContext* ctx, const grpc::ByteBuffer* req) override;
   grpc::ServerUnaryReactor* Evict(grpc::CallbackServerContext* ctx,
                                   const v1::EvictRequest* req,
                                   v1::EvictResponse* resp) override;
