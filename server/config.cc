@@ -2,6 +2,7 @@
 
 #include <yaml-cpp/yaml.h>
 
+#include <algorithm>
 #include <cctype>
 #include <cmath>
 #include <functional>
@@ -106,6 +107,7 @@ absl::Status LoadConfigFile(const std::string& path, DaemonConfig* c) {
   };
   uint64_t max_batch = c->store.max_batch_keys;
   uint64_t grpc_threads = static_cast<uint64_t>(c->grpc_max_threads);
+  uint64_t grpc_streams = static_cast<uint64_t>(c->grpc_max_streams_per_connection);
   auto bool_into = [](bool* out) -> Setter {
     return [out](const std::string& v) {
       if (v != "true" && v != "false") {
@@ -129,9 +131,11 @@ absl::Status LoadConfigFile(const std::string& path, DaemonConfig* c) {
       {"data_dir", string_into(&c->data_dir)},
       {"log_level", string_into(&c->log_level)},
       {"dram_capacity", size_into(&c->store.dram_capacity)},
+      {"grpc_memory_limit", size_into(&c->grpc_memory_limit)},
       {"max_block_size", size_into(&c->store.max_block_bytes)},
       {"max_batch_keys", uint_into(&max_batch)},
       {"grpc_max_threads", uint_into(&grpc_threads)},
+      {"grpc_max_streams_per_connection", uint_into(&grpc_streams)},
       {"high_watermark", double_into(&c->store.high_watermark)},
       {"low_watermark", double_into(&c->store.low_watermark)},
       {"session_lease", duration_into(&c->store.default_lease)},
@@ -164,7 +168,9 @@ absl::Status LoadConfigFile(const std::string& path, DaemonConfig* c) {
     }
   }
   c->store.max_batch_keys = static_cast<uint32_t>(max_batch);
-  c->grpc_max_threads = static_cast<int>(grpc_threads);
+  c->grpc_max_threads = static_cast<int>(std::min<uint64_t>(grpc_threads, 1 << 20));
+  c->grpc_max_streams_per_connection =
+      static_cast<int>(std::min<uint64_t>(grpc_streams, 1 << 20));
   return absl::OkStatus();
 }
 
@@ -194,6 +200,12 @@ absl::Status ValidateConfig(const DaemonConfig& c) {
   }
   if (c.grpc_max_threads < 2 || c.grpc_max_threads > 4096) {
     return absl::InvalidArgumentError("grpc_max_threads must be 2..4096");
+  }
+  if (c.grpc_memory_limit < (16 << 20)) {
+    return absl::InvalidArgumentError("grpc_memory_limit must be at least 16MiB");
+  }
+  if (c.grpc_max_streams_per_connection < 1 || c.grpc_max_streams_per_connection > 65536) {
+    return absl::InvalidArgumentError("grpc_max_streams_per_connection must be 1..65536");
   }
   if (c.data_dir.empty()) return absl::InvalidArgumentError("data_dir is empty");
   return absl::OkStatus();

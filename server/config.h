@@ -20,8 +20,14 @@ struct DaemonConfig {
   std::string metrics_listen = "127.0.0.1:9551";  // empty: no metrics endpoint
   std::string data_dir = "./kvdepot-data";
   std::string log_level = "info";  // trace, debug, info, warn, error
-  // Most gRPC server threads (bounds memory under load).
+  // Most threads of gRPC's synchronous server (health checks); the API runs
+  // on gRPC's callback threads.
   int grpc_max_threads = 64;
+  // gRPC's buffer memory for all connections (ResourceQuota): under load
+  // gRPC slows reads instead of growing past it.
+  uint64_t grpc_memory_limit = uint64_t{1} << 30;
+  // Concurrent calls one client connection may have open.
+  int grpc_max_streams_per_connection = 1024;
   // How long SIGTERM waits for in-flight RPCs before cancelling them.
   absl::Duration drain_timeout = absl::Seconds(8);
   StoreOptions store = DaemonStoreDefaults();

@@ -88,6 +88,9 @@ TEST(ConfigFileTest2, ShippedExampleMatchesTheDefaults) {
   EXPECT_EQ(from_file.store.default_lease, defaults.store.default_lease);
   EXPECT_EQ(from_file.store.create_namespaces, defaults.store.create_namespaces);
   EXPECT_EQ(from_file.grpc_max_threads, defaults.grpc_max_threads);
+  EXPECT_EQ(from_file.grpc_memory_limit, defaults.grpc_memory_limit);
+  EXPECT_EQ(from_file.grpc_max_streams_per_connection,
+            defaults.grpc_max_streams_per_connection);
   EXPECT_EQ(from_file.drain_timeout, defaults.drain_timeout);
   EXPECT_EQ(from_file.log_level, defaults.log_level);
 }

@@ -63,7 +63,10 @@ absl::Status Daemon::Init() {
   builder.RegisterService(service_.get());
   grpc::ResourceQuota quota("kvdepotd");
   quota.SetMaxThreads(config_.grpc_max_threads);
+  quota.Resize(config_.grpc_memory_limit);
   builder.SetResourceQuota(quota);
+  builder.AddChannelArgument(GRPC_ARG_MAX_CONCURRENT_STREAMS,
+                             config_.grpc_max_streams_per_connection);
   // Chunks are <= 1 MiB; Lookup/BeginPut batches of 64k 256-byte keys fit.
   builder.SetMaxReceiveMessageSize(32 << 20);
   builder.SetMaxSendMessageSize(32 << 20);
