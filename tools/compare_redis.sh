@@ -3,8 +3,8 @@
 # loopback (see ../shared/BENCHMARKS.md, "How a benchmark reports").
 #
 # Starts its own kvdepotd (port 0, temporary data dir) and redis-server
-# (a free loopback port, no persistence), then for every block size and
-# client count runs PUT/SET and then GET on both sides in alternation:
+# (a free loopback port, no persistence), then for every block size, client
+# count and batch runs PUT/SET and then GET on both sides in alternation:
 # warm-up of each, then A B A B (kvdepot, Redis) for --rounds rounds. Each
 # side's figure is its BEST round (highest GB/s); every round is kept in the
 # JSON. kvdepot is driven by kvdepot-bench (one thread and one gRPC channel
@@ -12,8 +12,14 @@
 # read from a working set of the same keys x block size, stored before the
 # GET runs. GB/s is decimal (1e9 bytes/s); ratio = kvdepot GB/s / Redis GB/s.
 #
+# Batch B is the number of blocks each client moves per round trip: kvdepot-
+# bench --batch B (B blocks in one Get or Put call) against redis-benchmark
+# -P B (B GETs or SETs pipelined per round trip). Ops and GB/s count blocks;
+# latencies are per call (kvdepot) or per round trip (Redis).
+#
 #   tools/compare_redis.sh [--build DIR] [--sizes "65536 262144 2097152"]
-#       [--clients "1 4"] [--duration S] [--rounds N] [--out FILE] [--smoke]
+#       [--clients "1 4"] [--batches "1 16"] [--duration S] [--rounds N]
+#       [--out FILE] [--smoke]
 #
 # Prints a table and writes JSON (default tools/results/compare_redis.json).
 # Stops everything it started on exit. Exit 0 when every run succeeded, 1 when
@@ -26,6 +32,7 @@ REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 BUILD="$REPO/build"
 SIZES="65536 262144 2097152"
 CLIENTS="1 4"
+BATCHES="1"
 DURATION=5
 ROUNDS=2
 WARMUP=1                          # seconds of warm-up per side and workload
@@ -41,12 +48,15 @@ Options:
                        (default: <repo>/build)
   --sizes "B ..."      block sizes in bytes (default "65536 262144 2097152")
   --clients "N ..."    client counts (default "1 4")
+  --batches "B ..."    blocks per round trip: kvdepot-bench --batch B, Redis
+                       pipelining -P B (default "1")
   --duration S         seconds per measured run (default 5)
   --rounds N           A B rounds per workload (default 2)
   --working-set BYTES  GET working set per block size (default 268435456)
   --dram-capacity SIZE kvdepotd DRAM tier (default 2GiB)
   --out FILE           JSON output (default tools/results/compare_redis.json)
-  --smoke              tiny run for CI: 65536 bytes, 1 client, 1 s rounds
+  --smoke              tiny run for CI: 65536 bytes, 1 client, batch 1,
+                       1 s rounds
 EOF
 }
 
@@ -58,13 +68,14 @@ while [[ $# -gt 0 ]]; do
     --build) need_value "$@"; BUILD="$2"; shift 2 ;;
     --sizes) need_value "$@"; SIZES="$2"; shift 2 ;;
     --clients) need_value "$@"; CLIENTS="$2"; shift 2 ;;
+    --batches) need_value "$@"; BATCHES="$2"; shift 2 ;;
     --duration) need_value "$@"; DURATION="$2"; shift 2 ;;
     --rounds) need_value "$@"; ROUNDS="$2"; shift 2 ;;
     --working-set) need_value "$@"; WORKING_SET="$2"; shift 2 ;;
     --dram-capacity) need_value "$@"; DRAM_CAPACITY="$2"; shift 2 ;;
     --out) need_value "$@"; OUT="$2"; shift 2 ;;
     --smoke)
-      SIZES=65536; CLIENTS=1; DURATION=1; ROUNDS=2; WARMUP=0.3
+      SIZES=65536; CLIENTS=1; BATCHES=1; DURATION=1; ROUNDS=2; WARMUP=0.3
       WORKING_SET=$((64 * 1024 * 1024)); shift ;;
     -h|--help) usage; exit 0 ;;
     *) die_usage "unknown argument: $1" ;;
@@ -74,7 +85,11 @@ done
 is_uint() { [[ $1 =~ ^[0-9]+$ ]] && [[ $1 -gt 0 ]]; }
 for s in $SIZES; do is_uint "$s" || die_usage "--sizes: \"$s\" is not a byte count"; done
 for c in $CLIENTS; do is_uint "$c" || die_usage "--clients: \"$c\" is not a positive integer"; done
-[[ -n $SIZES && -n $CLIENTS ]] || die_usage "--sizes and --clients must not be empty"
+for b in $BATCHES; do
+  is_uint "$b" && [[ $b -le 1024 ]] || die_usage "--batches: \"$b\" is not an integer in 1..1024"
+done
+[[ -n $SIZES && -n $CLIENTS && -n $BATCHES ]] ||
+  die_usage "--sizes, --clients and --batches must not be empty"
 if ! [[ $DURATION =~ ^[0-9]+([.][0-9]+)?$ ]] ||
   ! awk -v d="$DURATION" 'BEGIN{exit !(d > 0)}'; then
   die_usage "--duration: \"$DURATION\" is not a positive number of seconds"
@@ -179,14 +194,21 @@ RECORDS="$TMP/records.jsonl"  # one JSON object per measured run
 : >"$RECORDS"
 FAILED=0
 
-# kvdepot_run OP SIZE CLIENTS KEYS SECONDS ROUND: one kvdepot-bench run; a
-# measured round (ROUND > 0) is appended to $RECORDS.
+# kvdepot_run OP SIZE CLIENTS BATCH KEYS SECONDS ROUND: one kvdepot-bench
+# run; a measured round (ROUND > 0) is appended to $RECORDS. The warm-up
+# (ROUND 0) first empties the namespace (--clear-ns), as Redis is flushed:
+# the blocks of earlier put runs would otherwise fill the DRAM tier, and the
+# eviction they cause could take GET's working set away during the run.
 kvdepot_run() {
-  local op=$1 size=$2 clients=$3 keys=$4 seconds=$5 round=$6 out rc=0
+  local op=$1 size=$2 clients=$3 batch=$4 keys=$5 seconds=$6 round=$7 out rc=0
+  local clear=()
+  [[ $round -eq 0 ]] && clear=(--clear-ns)
   out="$("$BENCH" --server "$KVD" --op "$op" --block-size "$size" --clients "$clients" \
-    --duration "$seconds" --keys "$keys" --ns compare --json 2>"$TMP/bench.err")" || rc=$?
+    --batch "$batch" --duration "$seconds" --keys "$keys" --ns compare "${clear[@]}" \
+    --json 2>"$TMP/bench.err")" || rc=$?
   if [[ $rc -ne 0 || $out != '{'* ]]; then
-    log "kvdepot-bench $op $size x$clients failed (exit $rc):"; sed 's/^/  /' "$TMP/bench.err" >&2
+    log "kvdepot-bench $op $size x$clients batch $batch failed (exit $rc):"
+    sed 's/^/  /' "$TMP/bench.err" >&2
     FAILED=1
   fi
   [[ $out == '{'* ]] || return 0
@@ -196,42 +218,71 @@ kvdepot_run() {
   fi
 }
 
-# redis_run TEST SIZE CLIENTS KEYS REQUESTS ROUND: one redis-benchmark run
-# (TEST is set or get). Sets REDIS_RPS; a measured round goes to $RECORDS.
+# redis_run TEST SIZE CLIENTS BATCH KEYS REQUESTS ROUND: one redis-benchmark
+# run (TEST is set or get; BATCH requests pipelined per round trip, -P).
+# Sets REDIS_RPS (requests/s) and, for a measured round (ROUND > 0),
+# REDIS_RECORD (its JSON line, for $RECORDS).
 REDIS_RPS=0
+REDIS_RECORD=""
 redis_run() {
-  local test=$1 size=$2 clients=$3 keys=$4 requests=$5 round=$6 out rc=0 line
+  local test=$1 size=$2 clients=$3 batch=$4 keys=$5 requests=$6 round=$7 out rc=0 line
   # Bounded in time as well as count, in case the request estimate is off.
   out="$(timeout "$(awk -v d="$DURATION" 'BEGIN{printf "%d", d * 6 + 30}')" \
     redis-benchmark -h 127.0.0.1 -p "$REDIS_PORT" -t "$test" -d "$size" -c "$clients" \
-    -n "$requests" -r "$keys" -q --csv 2>"$TMP/redis-benchmark.err")" || rc=$?
+    -P "$batch" -n "$requests" -r "$keys" -q --csv 2>"$TMP/redis-benchmark.err")" || rc=$?
   # "SET","2061.86","1.517","0.112","0.911","4.959","9.343","14.215"
   line="$(printf '%s\n' "$out" | grep -i "^\"$test\"," | head -n1 || true)"
   if [[ $rc -ne 0 || -z $line ]]; then
-    log "redis-benchmark $test $size x$clients failed (exit $rc):"
+    log "redis-benchmark $test $size x$clients -P $batch failed (exit $rc):"
     sed 's/^/  /' "$TMP/redis-benchmark.err" >&2; printf '%s\n' "$out" | sed 's/^/  /' >&2
-    FAILED=1; REDIS_RPS=0; return 0
+    FAILED=1; REDIS_RPS=0; REDIS_RECORD=""; return 0
   fi
   REDIS_RPS="$(printf '%s\n' "$line" | awk -F'"' '{print $4}')"
   if [[ $round -gt 0 ]]; then
-    local record
-    record="$(printf '%s\n' "$line" | awk -F'"' -v w="$( [[ $test == set ]] && echo put || echo get )" \
-      -v r="$round" -v s="$size" -v c="$clients" -v k="$keys" -v n="$requests" '{
+    # ops are requests (blocks); calls are pipelined round trips of BATCH
+    # requests. redis-benchmark's latency of a request is its round trip's
+    # time to the first reply byte.
+    REDIS_RECORD="$(printf '%s\n' "$line" | awk -F'"' -v w="$( [[ $test == set ]] && echo put || echo get )" \
+      -v r="$round" -v s="$size" -v c="$clients" -v b="$batch" -v k="$keys" -v n="$requests" '{
         rps = $4; printf "{\"side\":\"redis\",\"workload\":\"%s\",\"round\":%d,", w, r
         printf "\"working_set_keys\":%d,\"tool\":\"redis-benchmark\",\"op\":\"%s\",", k, tolower($2)
-        printf "\"block_size\":%d,\"clients\":%d,\"ops\":%d,\"seconds\":%.6f,", s, c, n, n / rps
-        printf "\"ops_per_sec\":%.3f,\"gb_per_sec\":%.6f,", rps, rps * s / 1e9
+        printf "\"block_size\":%d,\"clients\":%d,\"batch\":%d,\"ops\":%d,", s, c, b, n
+        printf "\"ops_unit\":\"block\",\"seconds\":%.6f,\"ops_per_sec\":%.3f,", n / rps, rps
+        printf "\"calls_per_sec\":%.3f,\"gb_per_sec\":%.6f,", rps / b, rps * s / 1e9
+        printf "\"latency_unit\":\"round trip, to the first reply byte\","
         printf "\"p50_us\":%.3f,\"p99_us\":%.3f,\"p999_us\":null,\"errors\":0}\n", $10 * 1000, $14 * 1000
       }')"
-    echo "$record" >>"$RECORDS"
-    log "  redis   round $round: $test $size x$clients: $REDIS_RPS ops/s, $(awk -v r="$REDIS_RPS" -v s="$size" 'BEGIN{printf "%.3f", r * s / 1e9}') GB/s, p99 $(printf '%s\n' "$line" | awk -F'"' '{print $14}') ms"
+    log "  redis   round $round: $test $size x$clients -P $batch: $REDIS_RPS ops/s, $(awk -v r="$REDIS_RPS" -v s="$size" 'BEGIN{printf "%.3f", r * s / 1e9}') GB/s, p99 $(printf '%s\n' "$line" | awk -F'"' '{print $14}') ms"
   fi
 }
 
-# Requests for a Redis run of about SECONDS at RATE ops/s (at least 10 per
-# connection).
+# redis_round TEST SIZE CLIENTS BATCH KEYS ROUND: a measured Redis round of
+# about $DURATION seconds. redis-benchmark stops after -n requests, sized from
+# the last measured rate; a run that lasted under half of $DURATION (the rate
+# rose since) is run again, sized from its own rate (at most twice), so Redis
+# is not measured over shorter runs than kvdepot.
+redis_round() {
+  local test=$1 size=$2 clients=$3 batch=$4 keys=$5 round=$6 n attempt
+  for ((attempt = 0; attempt < 3; attempt++)); do
+    [[ $REDIS_RPS == 0 ]] && REDIS_RPS=100
+    n="$(requests_for "$REDIS_RPS" "$DURATION" "$clients" "$batch")"
+    REDIS_RECORD=""
+    redis_run "$test" "$size" "$clients" "$batch" "$keys" "$n" "$round"
+    [[ -n $REDIS_RECORD ]] || return 0
+    awk -v n="$n" -v r="$REDIS_RPS" -v d="$DURATION" -v c="$clients" -v b="$batch" \
+      'BEGIN{exit !(n / r >= d / 2 || n <= 10 * c * b)}' && break
+    [[ $attempt -lt 2 ]] && log "  (that Redis run lasted under $DURATION / 2 s; running it again)"
+  done
+  echo "$REDIS_RECORD" >>"$RECORDS"
+}
+
+# requests_for RATE SECONDS CLIENTS BATCH: requests (-n counts requests, not
+# round trips) for a Redis run of about SECONDS at RATE requests/s: at least
+# 10 round trips per connection, rounded up to whole round trips.
 requests_for() {
-  awk -v r="$1" -v d="$2" -v c="$3" 'BEGIN{n = int(r * d); if (n < 10 * c) n = 10 * c; print n}'
+  awk -v r="$1" -v d="$2" -v c="$3" -v b="$4" 'BEGIN{
+    n = int(r * d); if (n < 10 * c * b) n = 10 * c * b
+    print int((n + b - 1) / b) * b }'
 }
 
 # Stores all KEYS keys in Redis (SET with -r hits keys at random: repeat until
@@ -253,21 +304,26 @@ for size in $SIZES; do
   ((keys < 8)) && keys=8
   ((keys > 1024)) && keys=1024
   for clients in $CLIENTS; do
-    rcli flushall >/dev/null
-    for workload in put get; do
-      test=$([[ $workload == put ]] && echo set || echo get)
-      log "$workload $size bytes x$clients clients (working set $keys keys)"
-      [[ $workload == get ]] && redis_fill "$size" "$keys"
-      # Warm-up (also stores kvdepot's working set, and measures Redis's rate
-      # to size its runs).
-      kvdepot_run "$workload" "$size" "$clients" "$keys" "$WARMUP" 0
-      redis_run "$test" "$size" "$clients" "$keys" \
-        "$(requests_for "$(awk -v s="$size" 'BEGIN{print 1e9 / s}')" "$WARMUP" "$clients")" 0
-      for ((round = 1; round <= ROUNDS; round++)); do
-        kvdepot_run "$workload" "$size" "$clients" "$keys" "$DURATION" "$round"
-        [[ $REDIS_RPS == 0 ]] && REDIS_RPS=100
-        redis_run "$test" "$size" "$clients" "$keys" \
-          "$(requests_for "$REDIS_RPS" "$DURATION" "$clients")" "$round"
+    for batch in $BATCHES; do
+      rcli flushall >/dev/null
+      for workload in put get; do
+        test=$([[ $workload == put ]] && echo set || echo get)
+        if [[ $workload == get && $batch -gt $keys ]]; then
+          # A kvdepot get batch reads distinct keys of the working set.
+          log "get $size bytes batch $batch: skipped, the working set has only $keys keys"
+          continue
+        fi
+        log "$workload $size bytes x$clients clients batch $batch (working set $keys keys)"
+        [[ $workload == get ]] && redis_fill "$size" "$keys"
+        # Warm-up (also stores kvdepot's working set, and measures Redis's
+        # rate to size its runs).
+        kvdepot_run "$workload" "$size" "$clients" "$batch" "$keys" "$WARMUP" 0
+        redis_run "$test" "$size" "$clients" "$batch" "$keys" \
+          "$(requests_for "$(awk -v s="$size" 'BEGIN{print 1e9 / s}')" "$WARMUP" "$clients" "$batch")" 0
+        for ((round = 1; round <= ROUNDS; round++)); do
+          kvdepot_run "$workload" "$size" "$clients" "$batch" "$keys" "$DURATION" "$round"
+          redis_round "$test" "$size" "$clients" "$batch" "$keys" "$round"
+        done
       done
     done
   done
@@ -283,9 +339,12 @@ import json, sys, time, platform
 records_path, out_path, duration, rounds, working_set, dram, kvd_ver, redis_ver = sys.argv[1:9]
 runs = [json.loads(line) for line in open(records_path) if line.strip()]
 
-cases = []  # (workload, block_size, clients) in the order they ran
+def case_of(r):
+    return (r["workload"], r["block_size"], r["clients"], r["batch"])
+
+cases = []  # (workload, block_size, clients, batch) in the order they ran
 for r in runs:
-    case = (r["workload"], r["block_size"], r["clients"])
+    case = case_of(r)
     if case not in cases:
         cases.append(case)
 
@@ -293,14 +352,16 @@ def side_summary(rs):
     if not rs:
         return None
     best = max(rs, key=lambda r: r["gb_per_sec"] if r["workload"] != "lookup" else r["ops_per_sec"])
-    keep = ("ops_per_sec", "gb_per_sec", "p50_us", "p99_us", "p999_us", "errors")
+    keep = ("ops_per_sec", "calls_per_sec", "gb_per_sec", "p50_us", "p99_us",
+            "p999_us", "errors")
     summary = {k: best[k] for k in keep}
+    summary["latency_unit"] = best["latency_unit"]
     summary["rounds"] = [{k: r[k] for k in ("round", "ops", "seconds") + keep} for r in rs]
     return summary
 
 results = []
-for workload, size, clients in cases:
-    rs = [r for r in runs if (r["workload"], r["block_size"], r["clients"]) == (workload, size, clients)]
+for workload, size, clients, batch in cases:
+    rs = [r for r in runs if case_of(r) == (workload, size, clients, batch)]
     kvd = side_summary([r for r in rs if r["side"] == "kvdepot"])
     red = side_summary([r for r in rs if r["side"] == "redis"])
     ratio = None
@@ -308,7 +369,7 @@ for workload, size, clients in cases:
         ratio = kvd["gb_per_sec"] / red["gb_per_sec"]
     results.append({
         "workload": workload, "block_size": size, "clients": clients,
-        "working_set_keys": rs[0]["working_set_keys"],
+        "batch": batch, "working_set_keys": rs[0]["working_set_keys"],
         "kvdepot": kvd, "redis": red,
         "ratio_gb_per_sec": None if ratio is None else round(ratio, 4),
     })
@@ -321,6 +382,11 @@ report = {
     "redis": redis_ver.strip(),
     "method": "warm-up, then A B A B (kvdepot, redis) per workload; each side's "
               "figures are its best round (highest GB/s); all rounds listed",
+    "batch": "blocks per round trip: kvdepot-bench --batch B (B blocks in one "
+             "Get/Put call), redis-benchmark -P B (B requests pipelined)",
+    "ops": "blocks (ops_per_sec, gb_per_sec); calls_per_sec = round trips/s",
+    "latency": "kvdepot: per call, whole batch; redis: per round trip, to the "
+               "first reply byte (redis-benchmark)",
     "duration_s": float(duration),
     "rounds": int(rounds),
     "working_set_bytes": int(working_set),
@@ -342,13 +408,13 @@ def size_name(b):
 def fmt(v, spec):
     return "-" if v is None else format(v, spec)
 
-header = ("workload", "block", "clients", "kvdepot GB/s", "redis GB/s", "ratio",
-          "kvdepot p99 us", "redis p99 us")
+header = ("workload", "block", "clients", "batch", "kvdepot GB/s", "redis GB/s",
+          "ratio", "kvdepot p99 us", "redis p99 us")
 rows = []
 for r in results:
     k, d = r["kvdepot"] or {}, r["redis"] or {}
     rows.append((r["workload"], size_name(r["block_size"]), str(r["clients"]),
-                 fmt(k.get("gb_per_sec"), ".3f"), fmt(d.get("gb_per_sec"), ".3f"),
+                 str(r["batch"]), fmt(k.get("gb_per_sec"), ".3f"), fmt(d.get("gb_per_sec"), ".3f"),
                  fmt(r["ratio_gb_per_sec"], ".2f"), fmt(k.get("p99_us"), ".0f"),
                  fmt(d.get("p99_us"), ".0f")))
 widths = [max(len(h), *(len(row[i]) for row in rows)) if rows else len(h)
@@ -358,6 +424,8 @@ print(f"kvdepot vs Redis, best of {rounds} rounds of {duration} s "
 print("  ".join(h.ljust(w) for h, w in zip(header, widths)))
 for row in rows:
     print("  ".join(c.ljust(w) for c, w in zip(row, widths)))
+print("batch: blocks per round trip (kvdepot --batch, redis -P); p99: kvdepot "
+      "per call, redis per round trip to the first reply byte")
 print(f"JSON: {out_path}")
 EOF
 

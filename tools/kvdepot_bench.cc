@@ -2,27 +2,35 @@
 //
 //   kvdepot-bench --server 127.0.0.1:50551 --op get|put|lookup
 //                 [--block-size 256KiB] [--clients 4]
-//                 [--duration 5 | --count 10000] [--keys N] [--batch 64]
-//                 [--ns bench] [--json]
+//                 [--duration 5 | --count 10000] [--keys N] [--batch N]
+//                 [--ns bench] [--clear-ns] [--json]
 //
 // Each client is a thread with its own kvdepot::Client (its own channel, so
 // its own TCP connection). The ops:
-//   get     reads one random key of the working set per Get call and checks
-//           the block's size (the client library already verifies its
-//           checksum). The working set (--keys blocks) is stored first,
-//           untimed; keys already stored by an earlier run are not sent again.
-//   put     writes unique keys (run nonce + client id + counter) of
-//           --block-size random bytes, prepared once; one block per Put call.
-//   lookup  looks up --batch random keys of the working set per call (no
-//           prefix, no pin); every key must be found.
-// A failed op (an error status, a wrong size, a lookup miss, a put answered
-// "already exists") counts as an error and is left out of the latencies.
+//   get     reads --batch (default 1) distinct random keys of the working set
+//           per Get call and checks every block's size (the client library
+//           already verifies its checksum). The working set (--keys blocks)
+//           is stored first, untimed; keys already stored by an earlier run
+//           are not sent again.
+//   put     writes --batch (default 1) new blocks per Put call: unique keys
+//           (run nonce + client id + counter) of --block-size random bytes,
+//           prepared once.
+//   lookup  looks up --batch (default 64) random keys of the working set per
+//           call (no prefix, no pin); every key must be found.
+// With --clear-ns, every unpinned block of the namespace is evicted first
+// (untimed, before the working set is stored): a run then starts from an
+// empty namespace, not from a DRAM tier filled by earlier put runs.
+// An op is a block for get and put (a call moves --batch of them) and a call
+// for lookup. A failed call (an error status, a wrong count or size, a lookup
+// miss, a put answered "already exists") counts all its ops as errors and is
+// left out of the latencies.
 //
-// Every op's latency is recorded (a vector per thread, merged at the end) and
-// reported as p50/p99/p999 (nearest rank). Throughput is ops over the wall
-// time from the common start to the last client's end; GB/s is block size x
-// ops / 1e9 for get and put (decimal GB) and 0 for lookup, where no block
-// bytes move (it reports keys/s instead).
+// Every call's latency is recorded (a vector per thread, merged at the end)
+// and reported as p50/p99/p999 (nearest rank): latencies are per call, not
+// per block. Throughput is ops over the wall time from the common start to
+// the last client's end; GB/s is block size x ops / 1e9 for get and put
+// (decimal GB) and 0 for lookup, where no block bytes move (it reports keys/s
+// instead). calls/s is reported for every op.
 //
 // Output: one human-readable line on stdout; with --json, one JSON object on
 // stdout and the human line on stderr. Exit codes: 0 when every op succeeded,
@@ -52,6 +60,7 @@
 #include "absl/synchronization/mutex.h"
 #include "absl/synchronization/notification.h"
 #include "absl/time/time.h"
+#include "absl/types/span.h"
 #include "client/client.h"
 
 namespace kvdepot {
@@ -65,9 +74,12 @@ using SteadyClock = std::chrono::steady_clock;
 constexpr uint64_t kDefaultWorkingSetBytes = uint64_t{256} << 20;
 // Most bytes stored by one Put call while pre-populating.
 constexpr uint64_t kPopulateBatchBytes = uint64_t{64} << 20;
-// Largest batch a Lookup or Put may carry (the daemon's default
+// Largest batch a Lookup, Get or Put may carry (the daemon's default
 // max_batch_keys).
 constexpr int kMaxLookupBatch = 1024;
+// --batch defaults: keys per lookup call, blocks per get or put call.
+constexpr int kDefaultLookupBatch = 64;
+constexpr int kDefaultBlockBatch = 1;
 // Error messages printed per client before going quiet.
 constexpr int kMaxReportedErrors = 3;
 
@@ -82,16 +94,19 @@ struct BenchConfig {
   double duration_s = 0;  // > 0: bounded by time
   uint64_t count = 0;     // > 0: bounded by the total number of ops
   uint64_t keys = 0;      // working set (get, lookup)
-  int batch = 64;         // keys per lookup
+  int batch = 0;          // keys (lookup) or blocks (get, put) per call
   std::string ns;
+  bool clear_ns = false;  // evict the namespace before the run
   bool json = false;
 };
 
-// What one client thread measured.
+// What one client thread measured. Ops are blocks for get and put, calls for
+// lookup; latencies are per call.
 struct ClientResult {
-  std::vector<double> latencies_us;  // successful ops only
-  uint64_t ops = 0;
-  uint64_t errors = 0;
+  std::vector<double> latencies_us;  // successful calls only
+  uint64_t ops = 0;                  // in successful calls
+  uint64_t calls = 0;                // successful calls
+  uint64_t errors = 0;               // ops in failed calls
 };
 
 // Parses "262144", "256KiB", "2MiB", "16MiB", "1GiB", "64K", "1.5MiB" and
@@ -246,8 +261,13 @@ class ClientLoop {
 
   ClientResult Run(SteadyClock::time_point deadline) {
     ClientResult result;
+    // What one call takes from the --count budget: its blocks (get, put) or
+    // itself (lookup).
+    const bool per_block = config_.op != Op::kLookup;
+    const uint64_t ops_per_call = per_block ? config_.batch : 1;
     if (config_.count > 0) {
-      result.latencies_us.reserve(config_.count / config_.clients + 1);
+      result.latencies_us.reserve(config_.count / ops_per_call /
+                                      config_.clients + 1);
     } else {
       result.latencies_us.reserve(1 << 16);
     }
@@ -255,11 +275,24 @@ class ClientLoop {
         0, config_.keys > 0 ? config_.keys - 1 : 0);
     std::vector<std::string> batch_keys(config_.batch);
     std::vector<absl::string_view> batch_views(config_.batch);
+    std::vector<BlockToPut> put_blocks(config_.batch);
+    // A get batch draws distinct keys: a partial Fisher-Yates shuffle of
+    // this permutation of the working set's indexes.
+    std::vector<uint64_t> perm;
+    if (config_.op == Op::kGet && config_.batch > 1) {
+      perm.resize(config_.keys);
+      for (uint64_t i = 0; i < config_.keys; ++i) perm[i] = i;
+    }
     uint64_t counter = 0;
     for (;;) {
+      // Blocks in this call (get, put); the last call of a --count run may
+      // carry fewer than --batch, so that exactly --count blocks move.
+      size_t n = config_.batch;
       if (config_.count > 0) {
-        if (claimed_.fetch_add(1, std::memory_order_relaxed) >= config_.count)
-          break;
+        const uint64_t before =
+            claimed_.fetch_add(ops_per_call, std::memory_order_relaxed);
+        if (before >= config_.count) break;
+        if (per_block) n = std::min<uint64_t>(n, config_.count - before);
       } else if (SteadyClock::now() >= deadline) {
         break;
       }
@@ -268,34 +301,61 @@ class ClientLoop {
       SteadyClock::time_point t0;
       switch (config_.op) {
         case Op::kGet: {
-          const std::string key = WorkingSetKey(config_.block_size, pick(rng_));
-          const absl::string_view view = key;
+          for (size_t i = 0; i < n; ++i) {
+            uint64_t index;
+            if (perm.empty()) {
+              index = pick(rng_);
+            } else {
+              std::uniform_int_distribution<uint64_t> rest(i, perm.size() - 1);
+              std::swap(perm[i], perm[rest(rng_)]);
+              index = perm[i];
+            }
+            batch_keys[i] = WorkingSetKey(config_.block_size, index);
+            batch_views[i] = batch_keys[i];
+          }
           t0 = SteadyClock::now();
-          absl::StatusOr<std::vector<Block>> got =
-              client_.Get(config_.ns, {&view, 1});
+          absl::StatusOr<std::vector<Block>> got = client_.Get(
+              config_.ns, absl::MakeConstSpan(batch_views.data(), n));
           if (!got.ok()) {
             st = got.status();
-          } else if (got->size() != 1 ||
-                     (*got)[0].bytes.size() != config_.block_size) {
-            st = absl::DataLossError(
-                absl::StrCat("get ", key, " returned ",
-                             got->empty() ? 0 : (*got)[0].bytes.size(),
-                             " bytes, expected ", config_.block_size));
+          } else if (got->size() != n) {
+            st = absl::DataLossError(absl::StrCat("get of ", n, " keys returned ",
+                                                  got->size(), " blocks"));
+          } else {
+            for (size_t i = 0; i < n; ++i) {
+              if ((*got)[i].bytes.size() != config_.block_size) {
+                st = absl::DataLossError(absl::StrCat(
+                    "get ", batch_keys[i], " returned ",
+                    (*got)[i].bytes.size(), " bytes, expected ",
+                    config_.block_size));
+                break;
+              }
+            }
           }
           break;
         }
         case Op::kPut: {
-          const std::string key =
-              absl::StrCat("put/", run_nonce_, "/", id_, "/", counter++);
-          const BlockToPut block{key, "", put_bytes_};
+          for (size_t i = 0; i < n; ++i) {
+            batch_keys[i] =
+                absl::StrCat("put/", run_nonce_, "/", id_, "/", counter++);
+            put_blocks[i] = BlockToPut{batch_keys[i], "", put_bytes_};
+          }
           t0 = SteadyClock::now();
-          absl::StatusOr<std::vector<PutResult>> put =
-              client_.Put(config_.ns, {&block, 1});
+          absl::StatusOr<std::vector<PutResult>> put = client_.Put(
+              config_.ns, absl::MakeConstSpan(put_blocks.data(), n));
           if (!put.ok()) {
             st = put.status();
-          } else if (put->size() != 1 || (*put)[0] != PutResult::kStored) {
-            st = absl::AlreadyExistsError(
-                absl::StrCat("put ", key, " was not stored"));
+          } else if (put->size() != n) {
+            st = absl::DataLossError(absl::StrCat("put of ", n, " blocks returned ",
+                                                  put->size(), " results"));
+          } else {
+            for (size_t i = 0; i < n; ++i) {
+              if ((*put)[i] != PutResult::kStored) {
+                st = absl::AlreadyExistsError(
+                    absl::StrCat("put ", batch_keys[i], " was not stored"));
+                break;
+              }
+            }
           }
           break;
         }
@@ -321,8 +381,10 @@ class ClientLoop {
         }
       }
       const SteadyClock::time_point t1 = SteadyClock::now();
+      const uint64_t ops = per_block ? n : 1;
       if (st.ok()) {
-        ++result.ops;
+        result.ops += ops;
+        ++result.calls;
         result.latencies_us.push_back(
             std::chrono::duration<double, std::micro>(t1 - t0).count());
       } else {
@@ -330,7 +392,7 @@ class ClientLoop {
           std::fprintf(stderr, "kvdepot-bench: client %d: %s\n", id_,
                        st.ToString().c_str());
         }
-        ++result.errors;
+        result.errors += ops;
       }
     }
     return result;
@@ -375,6 +437,22 @@ int Run(const BenchConfig& config) {
     }
     clients.push_back(*std::move(c));
   }
+  if (config.clear_ns) {
+    absl::StatusOr<v1::EvictResponse> evicted =
+        clients[0]->Evict(config.ns, {}, /*all=*/true);
+    if (!evicted.ok()) {
+      std::fprintf(stderr, "kvdepot-bench: --clear-ns failed: %s\n",
+                   evicted.status().ToString().c_str());
+      return 1;
+    }
+    std::fprintf(stderr,
+                 "kvdepot-bench: --clear-ns: evicted %llu blocks (%llu bytes) "
+                 "of namespace %s, %llu pinned blocks kept\n",
+                 static_cast<unsigned long long>(evicted->evicted_blocks()),
+                 static_cast<unsigned long long>(evicted->evicted_bytes()),
+                 config.ns.c_str(),
+                 static_cast<unsigned long long>(evicted->pinned_blocks()));
+  }
   if (config.op != Op::kPut) {
     absl::Status st = PopulateWorkingSet(*clients[0], config, bytes);
     if (!st.ok()) {
@@ -413,10 +491,12 @@ int Run(const BenchConfig& config) {
   const double seconds = std::chrono::duration<double>(end - start).count();
 
   uint64_t ops = 0;
+  uint64_t calls = 0;
   uint64_t errors = 0;
   std::vector<double> latencies;
   for (ClientResult& r : results) {
     ops += r.ops;
+    calls += r.calls;
     errors += r.errors;
     latencies.insert(latencies.end(), r.latencies_us.begin(),
                      r.latencies_us.end());
@@ -428,6 +508,8 @@ int Run(const BenchConfig& config) {
   const double p999 = Percentile(latencies, 0.999);
   const double ops_per_sec =
       seconds > 0 ? static_cast<double>(ops) / seconds : 0;
+  const double calls_per_sec =
+      seconds > 0 ? static_cast<double>(calls) / seconds : 0;
   const bool moves_blocks = config.op != Op::kLookup;
   const double gb_per_sec =
       moves_blocks ? ops_per_sec * static_cast<double>(config.block_size) / 1e9
@@ -435,31 +517,34 @@ int Run(const BenchConfig& config) {
   const double keys_per_sec = ops_per_sec * config.batch;
 
   std::string human = absl::StrFormat(
-      "%s %s x%d clients: %u ops in %.2f s, %.1f ops/s", config.op_name,
-      FormatSize(config.block_size), config.clients, ops, seconds, ops_per_sec);
+      "%s %s x%d clients batch %d: %u %s in %u calls in %.2f s, %.1f ops/s, "
+      "%.1f calls/s",
+      config.op_name, FormatSize(config.block_size), config.clients,
+      config.batch, ops, moves_blocks ? "ops (blocks)" : "ops", calls, seconds,
+      ops_per_sec, calls_per_sec);
   if (moves_blocks) {
     absl::StrAppendFormat(&human, ", %.3f GB/s", gb_per_sec);
   } else {
-    absl::StrAppendFormat(&human, ", %.0f keys/s (batch %d)", keys_per_sec,
-                          config.batch);
+    absl::StrAppendFormat(&human, ", %.0f keys/s", keys_per_sec);
   }
-  absl::StrAppendFormat(&human,
-                        ", p50 %.1f us, p99 %.1f us, p999 %.1f us, %u errors",
-                        p50, p99, p999, errors);
+  absl::StrAppendFormat(
+      &human, ", per call p50 %.1f us, p99 %.1f us, p999 %.1f us, %u errors",
+      p50, p99, p999, errors);
   if (config.json) {
     std::fprintf(stderr, "%s\n", human.c_str());
     std::string json = absl::StrFormat(
         "{\"tool\":\"kvdepot-bench\",\"op\":\"%s\",\"block_size\":%u,"
-        "\"clients\":%d,\"ops\":%u,\"seconds\":%.6f,\"ops_per_sec\":%.3f,"
-        "\"gb_per_sec\":%.6f,\"p50_us\":%.3f,\"p99_us\":%.3f,\"p999_us\":%.3f,"
-        "\"errors\":%u",
-        config.op_name, config.block_size, config.clients, ops, seconds,
-        ops_per_sec, gb_per_sec, p50, p99, p999, errors);
+        "\"clients\":%d,\"batch\":%d,\"ops\":%u,\"ops_unit\":\"%s\","
+        "\"calls\":%u,\"seconds\":%.6f,\"ops_per_sec\":%.3f,"
+        "\"calls_per_sec\":%.3f,\"gb_per_sec\":%.6f,\"latency_unit\":\"call\","
+        "\"p50_us\":%.3f,\"p99_us\":%.3f,\"p999_us\":%.3f,\"errors\":%u",
+        config.op_name, config.block_size, config.clients, config.batch, ops,
+        moves_blocks ? "block" : "call", calls, seconds, ops_per_sec,
+        calls_per_sec, gb_per_sec, p50, p99, p999, errors);
     if (config.op != Op::kPut)
       absl::StrAppendFormat(&json, ",\"keys\":%u", config.keys);
     if (config.op == Op::kLookup) {
-      absl::StrAppendFormat(&json, ",\"batch\":%d,\"keys_per_sec\":%.3f",
-                            config.batch, keys_per_sec);
+      absl::StrAppendFormat(&json, ",\"keys_per_sec\":%.3f", keys_per_sec);
     }
     std::printf("%s}\n", json.c_str());
   } else {
@@ -500,16 +585,22 @@ int main(int argc, char** argv) {
                                          "seconds to run (default 5)")
                               ->check(CLI::PositiveNumber);
   CLI::Option* count =
-      app.add_option("--count", config.count, "total ops over all clients")
+      app.add_option("--count", config.count,
+                     "total ops over all clients (blocks for get/put, calls "
+                     "for lookup)")
           ->check(CLI::PositiveNumber);
   duration->excludes(count);
   app.add_option(
          "--keys", config.keys,
          "working set of get/lookup (default: 256 MiB worth, 1..1024 keys)")
       ->check(CLI::PositiveNumber);
-  app.add_option("--batch", config.batch, "keys per lookup (default 64)")
+  app.add_option("--batch", config.batch,
+                 "blocks per get/put call (default 1), keys per lookup call "
+                 "(default 64); a get batch reads distinct keys")
       ->check(CLI::Range(1, kvdepot::kMaxLookupBatch));
   app.add_option("--ns", config.ns, "namespace (default bench)");
+  app.add_flag("--clear-ns", config.clear_ns,
+               "evict every unpinned block of --ns before the run (untimed)");
   app.add_flag("--json", config.json, "print one JSON object on stdout");
   try {
     app.parse(argc, argv);
@@ -533,6 +624,18 @@ int main(int argc, char** argv) {
     config.keys = std::clamp<uint64_t>(
         kvdepot::kDefaultWorkingSetBytes / config.block_size, 1, 1024);
   }
-  if (config.op != kvdepot::Op::kLookup) config.batch = 1;
+  if (config.batch == 0) {
+    config.batch = config.op == kvdepot::Op::kLookup
+                       ? kvdepot::kDefaultLookupBatch
+                       : kvdepot::kDefaultBlockBatch;
+  }
+  if (config.op == kvdepot::Op::kGet && config.batch > 1 &&
+      static_cast<uint64_t>(config.batch) > config.keys) {
+    std::fprintf(stderr,
+                 "kvdepot-bench: --batch %d is larger than the working set "
+                 "(--keys %llu); a get batch reads distinct keys\n",
+                 config.batch, static_cast<unsigned long long>(config.keys));
+    return 2;
+  }
   return kvdepot::Run(config);
 }
