@@ -222,23 +222,26 @@ std::unique_ptr<BlockEntry> BlockIndex::PopEvictable(int shard) {
 }
 
 std::unique_ptr<BlockEntry> BlockIndex::PopOldestEvictable() {
-  // Two passes: find the shard whose tail was used longest ago, then pop
-  // that shard's tail (which may have changed in between; any evictable
-  // entry there is an acceptable answer then).
-  int best = -1;
-  uint32_t best_seq = 0;
-  for (int i = 0; i < kShards; ++i) {
-    Shard& s = *shards_[i];
-    absl::MutexLock lock(&s.mu);
-    BlockEntry* e = SettleTail(s);
-    if (e == nullptr) continue;
-    // Wrap-aware: a is older than b when (a - b) is negative as int32.
-    if (best < 0 || static_cast<int32_t>(e->seq - best_seq) < 0) {
-      best = i;
-      best_seq = e->seq;
+  // Find the shard whose tail was used longest ago, then pop that shard's
+  // tail. Another thread may empty that shard in between: then look again,
+  // so nullptr means no shard had an evictable entry.
+  while (true) {
+    int best = -1;
+    uint32_t best_seq = 0;
+    for (int i = 0; i < kShards; ++i) {
+      Shard& s = *shards_[i];
+      absl::MutexLock lock(&s.mu);
+      BlockEntry* e = SettleTail(s);
+      if (e == nullptr) continue;
+      // Wrap-aware: a is older than b when (a - b) is negative as int32.
+      if (best < 0 || static_cast<int32_t>(e->seq - best_seq) < 0) {
+        best = i;
+        best_seq = e->seq;
+      }
     }
+    if (best < 0) return nullptr;
+    if (std::unique_ptr<BlockEntry> e = PopEvictable(best)) return e;
   }
-  return best < 0 ? nullptr : PopEvictable(best);
 }
 
 uint64_t BlockIndex::blocks() const {

@@ -63,6 +63,10 @@ class ArenaImpl final : public DramArena {
 
   absl::StatusOr<uint64_t> Allocate(size_t bytes) override {
     if (bytes == 0) return absl::InvalidArgumentError("zero-byte allocation");
+    if (bytes > capacity_) {
+      return absl::ResourceExhaustedError(absl::StrCat(
+          "allocation of ", bytes, " bytes exceeds the arena's ", capacity_));
+    }
     absl::MutexLock lock(&mu_);
     int cls = ClassFor(bytes);
     absl::StatusOr<uint64_t> result =

@@ -56,6 +56,7 @@ struct Session {
   absl::Duration lease;
   std::string client_name;
   absl::flat_hash_set<PinId> pins;
+  uint64_t pinned_blocks = 0;  // block references held by `pins`
   absl::flat_hash_set<ReservationId> reservations;
 };
 
@@ -178,10 +179,11 @@ class TieredStoreImpl final : public TieredStore {
     if (pin && session != kInternalSession) {
       absl::MutexLock lock(&mu_);
       ASSIGN_OR_RETURN(Session * s, LiveSession(session));
-      if (s->pins.size() >= options_.max_pins_per_session) {
+      if (s->pinned_blocks + keys.size() > options_.max_pinned_blocks_per_session) {
         return absl::ResourceExhaustedError(absl::StrCat(
-            "session ", session, " holds ", s->pins.size(),
-            " pins, the limit; unpin some first"));
+            "session ", session, " holds ", s->pinned_blocks,
+            " pinned blocks; pinning ", keys.size(), " more would pass the limit of ",
+            options_.max_pinned_blocks_per_session, "; unpin some first"));
       }
     }
     LookupResult result;
@@ -231,8 +233,11 @@ class TieredStoreImpl final : public TieredStore {
       }
       PinId id = NewId();
       pins_active_ += pinned.size();
+      if (s) {
+        s->pins.insert(id);
+        s->pinned_blocks += pinned.size();
+      }
       pins_.emplace(id, Pin{session, std::move(pinned)});
-      if (s) s->pins.insert(id);
       result.pin_id = id;
     }
     return result;
@@ -247,7 +252,10 @@ class TieredStoreImpl final : public TieredStore {
     }
     if (session != kInternalSession) {
       auto s = sessions_.find(session);
-      if (s != sessions_.end()) s->second.pins.erase(pin);
+      if (s != sessions_.end()) {
+        s->second.pins.erase(pin);
+        s->second.pinned_blocks -= it->second.entries.size();
+      }
     }
     return ReleasePin(it);
   }
@@ -310,6 +318,7 @@ class TieredStoreImpl final : public TieredStore {
       }
       absl::Status st = AllocateSlot(slot);
       if (!st.ok()) {
+        state.slots.resize(i);  // only slots before i hold space
         FreeSlots(state);
         return st;
       }
@@ -627,13 +636,15 @@ class TieredStoreImpl final : public TieredStore {
   // ---- arena space -------------------------------------------------------
 
   // Allocates the key and data space of a slot, evicting as needed.
+  // On failure nothing stays allocated and `slot` is unchanged.
   absl::Status AllocateSlot(Slot& slot) {
-    ASSIGN_OR_RETURN(slot.data_offset, AllocateEvicting(slot.size));
+    ASSIGN_OR_RETURN(uint64_t data, AllocateEvicting(slot.size));
     absl::StatusOr<uint64_t> key = AllocateEvicting(slot.key.size());
     if (!key.ok()) {
-      arena_->Free(slot.data_offset);
+      arena_->Free(data);
       return key.status();
     }
+    slot.data_offset = data;
     slot.key_offset = *key;
     std::memcpy(arena_->base() + slot.key_offset, slot.key.data(),
                 slot.key.size());

@@ -61,9 +61,10 @@ struct StoreOptions {
   bool create_namespaces = true;
   uint32_t max_namespaces = 4096;
   uint32_t max_sessions = 65536;
-  // Live pins one session may hold (each Lookup with pin makes one); beyond
-  // it a pinned lookup fails with ResourceExhausted until the client unpins.
-  uint32_t max_pins_per_session = 65536;
+  // Block references one session's live pins may hold (a pinned Lookup of n
+  // keys adds up to n); a pinned lookup that could pass it fails with
+  // ResourceExhausted until the client unpins.
+  uint32_t max_pinned_blocks_per_session = 65536;
   // Run a background thread that evicts down to the low watermark.
   bool background_eviction = true;
 };
@@ -179,7 +180,8 @@ class TieredStore {
   // With `pin`, pins the hits atomically with the lookup (REQUIRES a live
   // session or kInternalSession). InvalidArgument for a bad namespace or key
   // or a batch over max_batch_keys; NotFound for an unknown session;
-  // ResourceExhausted when the session holds max_pins_per_session pins.
+  // ResourceExhausted when the session's pins could pass
+  // max_pinned_blocks_per_session.
   virtual absl::StatusOr<LookupResult> Lookup(
       SessionId session, absl::string_view ns,
       absl::Span<const absl::string_view> keys, bool prefix, bool pin) = 0;

@@ -6,6 +6,7 @@
 #include <string>
 #include <vector>
 
+#include "absl/time/clock.h"
 #include "storage/checksum.h"
 #include "storage/fake_clock.h"
 #include "tests/status_matchers.h"
@@ -193,9 +194,9 @@ TEST_F(TieredStoreTest, PinnedLookupRequiresALiveSession) {
   EXPECT_THAT(store_->Unpin(sid_, 424242), StatusIs(Code::kInvalidArgument));
 }
 
-TEST_F(TieredStoreTest, PinsPerSessionAreBounded) {
+TEST_F(TieredStoreTest, PinnedBlocksPerSessionAreBounded) {
   StoreOptions opts;
-  opts.max_pins_per_session = 3;
+  opts.max_pinned_blocks_per_session = 3;
   Reopen(opts);
   ASSERT_OK(Put("k", "x"));
   absl::string_view k = "k";
@@ -210,6 +211,35 @@ TEST_F(TieredStoreTest, PinsPerSessionAreBounded) {
   EXPECT_OK(store_->Lookup(sid_, "ns", {&k, 1}, false, false));  // no pin: fine
   ASSERT_OK(store_->Unpin(sid_, pins[0]));
   EXPECT_OK(store_->Lookup(sid_, "ns", {&k, 1}, false, true));
+  // A batch counts each key: two keys do not fit in one free reference.
+  ASSERT_OK(store_->Unpin(sid_, pins[1]));
+  std::vector<absl::string_view> two = {"k", "k"};
+  EXPECT_OK(store_->Lookup(sid_, "ns", {&k, 1}, false, true));
+  EXPECT_THAT(store_->Lookup(sid_, "ns", two, false, true),
+              StatusIs(Code::kResourceExhausted));
+}
+
+TEST_F(TieredStoreTest, FailedBatchPutFreesOnlyWhatItAllocated) {
+  // A block that stays pinned at the start of the arena, then a two-block
+  // put whose second block cannot fit: nothing may be freed twice, and the
+  // pinned block's bytes must survive later puts of other contents.
+  std::string first(1 << 20, '1');
+  ASSERT_OK(Put("first", first));
+  absl::string_view k = "first";
+  auto pin = store_->Lookup(sid_, "ns", {&k, 1}, false, true);
+  ASSERT_OK(pin);
+  const StoreStats before = store_->Stats();
+  PutSpec specs[2] = {{"a", "", 1 << 20}, {"b", "", 3 << 20}};
+  EXPECT_THAT(store_->BeginPut(sid_, "ns", specs),
+              StatusIs(Code::kResourceExhausted));
+  StoreStats after = store_->Stats();
+  EXPECT_EQ(after.dram.used_bytes, before.dram.used_bytes);
+  EXPECT_EQ(after.reservations, 0u);
+  for (int i = 0; i < 8; ++i) {
+    ASSERT_OK(Put("other" + std::to_string(i), std::string(1 << 20, 'x')));
+  }
+  EXPECT_EQ(Read("first"), first);
+  ASSERT_OK(store_->Unpin(sid_, pin->pin_id));
 }
 
 TEST_F(TieredStoreTest, PinsSurviveEvictionPressureAndFullTierFailsPut) {
@@ -227,17 +257,23 @@ TEST_F(TieredStoreTest, PinsSurviveEvictionPressureAndFullTierFailsPut) {
   EXPECT_FALSE(Has("fill0"));
   EXPECT_TRUE(Has("fill39"));
   EXPECT_GT(store_->Stats().dram.evictions, 0u);
-  // Pin everything: a new put cannot make room.
+  // Pin everything: a new put cannot make room, and its failure frees
+  // nothing it did not allocate.
   std::vector<std::string> names;
   for (int i = 0; i < 40; ++i) names.push_back("fill" + std::to_string(i));
   std::vector<absl::string_view> views(names.begin(), names.end());
   auto all = store_->Lookup(sid_, "ns", views, false, true);
   ASSERT_OK(all);
+  uint64_t used = store_->Stats().dram.used_bytes;
   EXPECT_THAT(Put("one-more", block), StatusIs(Code::kResourceExhausted));
   EXPECT_EQ(store_->Stats().reservations, 0u);
-  // Unpinning makes room again.
+  EXPECT_EQ(store_->Stats().dram.used_bytes, used);
+  // Unpinning makes room again; the new block does not land on a pinned one.
   ASSERT_OK(store_->Unpin(sid_, all->pin_id));
-  EXPECT_OK(Put("one-more", block));
+  std::string other(512 << 10, 'n');
+  EXPECT_OK(Put("one-more", other));
+  EXPECT_EQ(Read("pinned"), block);
+  EXPECT_EQ(Read("one-more"), other);
 }
 
 TEST_F(TieredStoreTest, EvictionKeepsPrefixesOfCachedChains) {
@@ -269,6 +305,7 @@ TEST_F(TieredStoreTest, ExpiredSessionReleasesPinsAndReservations) {
   ASSERT_OK(Put("k", std::string(1000, 'k')));
   absl::string_view k = "k";
   ASSERT_OK(store_->Lookup(sid_, "ns", {&k, 1}, false, true));
+  const uint64_t used_before = store_->Stats().dram.used_bytes;
   PutSpec spec{"pending", "", 100000};
   ASSERT_OK(store_->BeginPut(sid_, "ns", {&spec, 1}));
   StoreStats st = store_->Stats();
@@ -289,6 +326,7 @@ TEST_F(TieredStoreTest, ExpiredSessionReleasesPinsAndReservations) {
   EXPECT_EQ(st.pins, 0u);
   EXPECT_EQ(st.reservations, 0u);
   EXPECT_LT(st.dram.used_bytes, used_with_resv);
+  EXPECT_EQ(st.dram.used_bytes, used_before);
   EXPECT_THAT(store_->KeepAlive(sid_), StatusIs(Code::kNotFound));
   // The pin is gone: the block is evictable now.
   auto ev = store_->Evict("ns", {&k, 1}, false);
@@ -361,6 +399,31 @@ TEST_F(TieredStoreTest, EvictionTakesOldBlocksBeforeFreshOnes) {
   for (int i = 0; i < 16; ++i) {
     EXPECT_TRUE(Has("fresh" + std::to_string(i), "other")) << i;
   }
+}
+
+TEST_F(TieredStoreTest, BackgroundEvictorRunsByItself) {
+  StoreOptions opts;
+  opts.dram_capacity = kCap;
+  opts.hugepages = HugePageMode::kOff;
+  opts.background_eviction = true;  // the real thread, unlike Reopen()
+  opts.high_watermark = 0.5;
+  opts.low_watermark = 0.25;
+  store_.reset();
+  store_ = std::move(NewTieredStore(opts, &clock_)).value();
+  sid_ = store_->OpenSession(absl::ZeroDuration(), "t")->id;
+  std::string block(256 << 10, 'w');
+  // 12 x 256 KiB = 3 MiB fits in the 4 MiB tier, so no put has to evict;
+  // only the thread, woken above the high mark (2 MiB), does.
+  for (int i = 0; i < 12; ++i) ASSERT_OK(Put("w" + std::to_string(i), block));
+  bool done = false;
+  for (int i = 0; i < 500 && !done; ++i) {
+    StoreStats st = store_->Stats();
+    done = st.dram.used_bytes <= kCap / 2 && st.dram.evictions > 0;
+    if (!done) absl::SleepFor(absl::Milliseconds(10));
+  }
+  EXPECT_TRUE(done) << store_->Stats().dram.used_bytes;
+  EXPECT_TRUE(Has("w11"));
+  EXPECT_FALSE(Has("w0"));
 }
 
 TEST_F(TieredStoreTest, BackgroundEvictionHonoursWatermarks) {
