@@ -47,12 +47,13 @@ absl::StatusOr<std::unique_ptr<Client>> Client::Connect(
 }
 
 Client::~Client() {
-  CloseSession().IgnoreError();
   {
     absl::MutexLock lock(&mu_);
     stop_ = true;
+    if (keepalive_ctx_ != nullptr) keepalive_ctx_->TryCancel();
   }
   if (keepalive_.joinable()) keepalive_.join();
+  CloseSession().IgnoreError();
 }
 
 void Client::PrepareContext(grpc::ClientContext* ctx) const {
@@ -76,7 +77,12 @@ absl::Status Client::Health() {
   return absl::OkStatus();
 }
 
-absl::StatusOr<uint64_t> Client::OpenSessionLocked() {
+absl::StatusOr<uint64_t> Client::EnsureSession() {
+  absl::MutexLock open_lock(&open_mu_);
+  {
+    absl::MutexLock lock(&mu_);
+    if (session_id_ != 0) return session_id_;
+  }
   grpc::ClientContext ctx;
   PrepareContext(&ctx);
   v1::OpenSessionRequest req;
@@ -84,18 +90,13 @@ absl::StatusOr<uint64_t> Client::OpenSessionLocked() {
   req.set_client_name(options_.client_name);
   v1::OpenSessionResponse resp;
   RETURN_IF_ERROR(FromGrpcStatus(stub_->OpenSession(&ctx, req, &resp)));
+  absl::MutexLock lock(&mu_);
   session_id_ = resp.session_id();
   lease_ = absl::Milliseconds(resp.lease_ms());
   if (!keepalive_.joinable()) {
     keepalive_ = std::thread([this] { KeepAliveLoop(); });
   }
   return session_id_;
-}
-
-absl::StatusOr<uint64_t> Client::EnsureSession() {
-  absl::MutexLock lock(&mu_);
-  if (session_id_ != 0) return session_id_;
-  return OpenSessionLocked();
 }
 
 absl::Status Client::CloseSession() {
@@ -120,15 +121,20 @@ void Client::KeepAliveLoop() {
     mu_.AwaitWithTimeout(absl::Condition(&stop_), period);
     if (stop_ || session_id_ == 0) continue;
     uint64_t id = session_id_;
-    mu_.Unlock();
     grpc::ClientContext ctx;
+    // Never longer than a keep-alive period (a late renewal is useless) nor
+    // than an ordinary RPC; the destructor cancels it.
     ctx.set_deadline(std::chrono::system_clock::now() +
-                     absl::ToChronoMilliseconds(std::max(period, absl::Seconds(1))));
+                     absl::ToChronoMilliseconds(std::min(
+                         std::max(period, absl::Seconds(1)), options_.rpc_timeout)));
+    keepalive_ctx_ = &ctx;
+    mu_.Unlock();
     v1::KeepAliveRequest req;
     req.set_session_id(id);
     v1::KeepAliveResponse resp;
     grpc::Status st = stub_->KeepAlive(&ctx, req, &resp);
     mu_.Lock();
+    keepalive_ctx_ = nullptr;
     // The daemon forgot the session (restart or expiry): drop it; the next
     // call that needs one opens a new one.
     if (st.error_code() == grpc::StatusCode::NOT_FOUND && session_id_ == id) {
@@ -289,6 +295,12 @@ absl::StatusOr<std::vector<Block>> Client::Get(
       b.key = msg.header().key();
       b.checksum = msg.header().checksum();
       want = msg.header().size();
+      if (want > (uint64_t{1} << 32)) {
+        ctx.TryCancel();
+        (void)reader->Finish();
+        return absl::DataLossError(absl::StrCat(
+            "daemon declared a block of ", want, " bytes for ", KeyToHex(b.key)));
+      }
       if (msg.data().size() == want) {
         b.bytes.swap(*msg.mutable_data());  // the common one-chunk block
         continue;

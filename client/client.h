@@ -128,17 +128,20 @@ class Client {
  private:
   explicit Client(const ClientOptions& options);
   void PrepareContext(grpc::ClientContext* ctx) const;
-  absl::StatusOr<uint64_t> OpenSessionLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void KeepAliveLoop();
 
   const ClientOptions options_;
   std::shared_ptr<grpc::Channel> channel_;
   std::unique_ptr<v1::KvDepot::Stub> stub_;
 
+  // Serializes session opening (the RPC runs outside mu_).
+  absl::Mutex open_mu_ ABSL_ACQUIRED_BEFORE(mu_);
   absl::Mutex mu_;
   uint64_t session_id_ ABSL_GUARDED_BY(mu_) = 0;
   absl::Duration lease_ ABSL_GUARDED_BY(mu_) = absl::Seconds(30);
   bool stop_ ABSL_GUARDED_BY(mu_) = false;
+  // The keep-alive RPC in flight, cancelled by the destructor.
+  grpc::ClientContext* keepalive_ctx_ ABSL_GUARDED_BY(mu_) = nullptr;
   std::thread keepalive_;
 };
 

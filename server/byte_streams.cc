@@ -101,6 +101,13 @@ absl::Status WriteStream::Complete() {
 }
 
 absl::Status WriteStream::Consume(const v1::WriteRequest& msg) {
+  // Any error ends the stream: release the unfinished block at once.
+  absl::Status st = ConsumeOne(msg);
+  if (!st.ok()) Abort();
+  return st;
+}
+
+absl::Status WriteStream::ConsumeOne(const v1::WriteRequest& msg) {
   if (!msg.has_header() && msg.data().empty()) {
     return absl::InvalidArgumentError("empty WriteRequest");
   }

@@ -46,6 +46,7 @@ class WriteStream {
 
  private:
   struct Block;
+  absl::Status ConsumeOne(const v1::WriteRequest& msg);
   absl::Status Start(const v1::WriteHeader& h);
   absl::Status Complete();
 

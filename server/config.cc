@@ -140,6 +140,7 @@ absl::Status LoadConfigFile(const std::string& path, DaemonConfig* c) {
       {"low_watermark", double_into(&c->store.low_watermark)},
       {"session_lease", duration_into(&c->store.default_lease)},
       {"drain_timeout", duration_into(&c->drain_timeout)},
+      {"stream_idle_timeout", duration_into(&c->stream_idle_timeout)},
       {"hugepages",
        [c](const std::string& v) -> absl::Status {
          absl::StatusOr<HugePageMode> m = ParseHugePages(v);
@@ -206,6 +207,9 @@ absl::Status ValidateConfig(const DaemonConfig& c) {
   }
   if (c.grpc_max_streams_per_connection < 1 || c.grpc_max_streams_per_connection > 65536) {
     return absl::InvalidArgumentError("grpc_max_streams_per_connection must be 1..65536");
+  }
+  if (c.stream_idle_timeout < absl::Seconds(1)) {
+    return absl::InvalidArgumentError("stream_idle_timeout must be at least 1s");
   }
   if (c.data_dir.empty()) return absl::InvalidArgumentError("data_dir is empty");
   return absl::OkStatus();

@@ -30,6 +30,9 @@ struct DaemonConfig {
   int grpc_max_streams_per_connection = 1024;
   // How long SIGTERM waits for in-flight RPCs before cancelling them.
   absl::Duration drain_timeout = absl::Seconds(8);
+  // A Read or Write stream that moves no message for this long is cancelled
+  // (it holds DRAM outside any session lease).
+  absl::Duration stream_idle_timeout = absl::Seconds(60);
   StoreOptions store = DaemonStoreDefaults();
 
   // The daemon's store defaults differ from the library's in one respect:

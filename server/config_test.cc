@@ -92,6 +92,7 @@ TEST(ConfigFileTest2, ShippedExampleMatchesTheDefaults) {
   EXPECT_EQ(from_file.grpc_max_streams_per_connection,
             defaults.grpc_max_streams_per_connection);
   EXPECT_EQ(from_file.drain_timeout, defaults.drain_timeout);
+  EXPECT_EQ(from_file.stream_idle_timeout, defaults.stream_idle_timeout);
   EXPECT_EQ(from_file.log_level, defaults.log_level);
 }
 

@@ -97,6 +97,7 @@ void Daemon::MaintenanceLoop() {
     mu_.Unlock();
     int expired = store_->ExpireSessions();
     if (expired > 0) log_->info("{} session(s) expired", expired);
+    service_->CancelIdleStreams(config_.stream_idle_timeout);
     metrics_->UpdateFromStats(store_->Stats());
     mu_.Lock();
   }

@@ -83,6 +83,34 @@ void KvDepotService::Finished(const char* op, const absl::Status& st,
   }
 }
 
+void KvDepotService::Register(Stream* stream) {
+  stream->Progressed(clock_.Now());
+  absl::MutexLock lock(&streams_mu_);
+  streams_.insert(stream);
+}
+
+void KvDepotService::Unregister(Stream* stream) {
+  absl::MutexLock lock(&streams_mu_);
+  streams_.erase(stream);
+}
+
+int KvDepotService::CancelIdleStreams(absl::Duration idle) {
+  absl::Time cutoff = clock_.Now() - idle;
+  int n = 0;
+  // Under streams_mu_: a stream unregisters (in OnDone, before it is
+  // deleted) under the same lock, so every pointer here is alive.
+  absl::MutexLock lock(&streams_mu_);
+  for (Stream* s : streams_) {
+    if (s->last_progress() < cutoff) {
+      s->Cancel();
+      ++n;
+    }
+  }
+  if (n > 0) log_->info("cancelled {} stream(s) idle for more than {}", n,
+                        absl::FormatDuration(idle));
+  return n;
+}
+
 template <typename Fn>
 grpc::ServerUnaryReactor* KvDepotService::Unary(grpc::CallbackServerContext* ctx,
                                                 const char* op, Fn&& fn) {
@@ -146,6 +174,12 @@ grpc::ServerUnaryReactor* KvDepotService::Lookup(grpc::CallbackServerContext* ct
     ASSIGN_OR_RETURN(LookupResult r,
                      store_.Lookup(req->session_id(), req->namespace_(), keys,
                                    req->prefix(), req->pin()));
+    if (r.pin_id != 0 && ctx->IsCancelled()) {
+      // The client gave up (deadline or cancel) and will never learn the
+      // pin id: release it rather than hold the blocks until the session ends.
+      store_.Unpin(req->session_id(), r.pin_id).IgnoreError();
+      return absl::CancelledError("client cancelled the lookup");
+    }
     uint64_t hits = 0;
     for (const LookupEntry& e : r.entries) {
       v1::LookupEntry* out = resp->add_entries();
@@ -235,16 +269,21 @@ namespace {
 
 // Reads a Write stream one message per event into a WriteStream. Deletes
 // itself when gRPC is done with the call (releasing any unfinished block).
-class WriteReactor final : public grpc::ServerReadReactor<v1::WriteRequest> {
+class WriteReactor final : public grpc::ServerReadReactor<v1::WriteRequest>,
+                           public KvDepotService::Stream {
  public:
   WriteReactor(KvDepotService& service, grpc::CallbackServerContext* ctx,
                v1::WriteResponse* resp)
       : service_(service), ctx_(ctx), stream_(service.store(), resp),
         start_(service.clock().Now()) {
+    service_.Register(this);
     StartRead(&msg_);
   }
 
+  void Cancel() override { ctx_->TryCancel(); }
+
   void OnReadDone(bool ok) override {
+    Progressed(service_.clock().Now());
     if (!ok) {  // half-close, or the client went away
       Finish(ctx_->IsCancelled() ? absl::CancelledError("client cancelled the write")
                                  : stream_.End());
@@ -261,6 +300,7 @@ class WriteReactor final : public grpc::ServerReadReactor<v1::WriteRequest> {
   }
 
   void OnDone() override {
+    service_.Unregister(this);
     service_.Finished("Write", status_, start_);
     delete this;
   }
@@ -287,11 +327,14 @@ class WriteReactor final : public grpc::ServerReadReactor<v1::WriteRequest> {
 // serialized prefix, and the block's bytes in DRAM, whose slice holds a
 // reference on the block's pin until gRPC has sent it. Deletes itself when
 // done.
-class ReadReactor final : public grpc::ServerWriteReactor<grpc::ByteBuffer> {
+class ReadReactor final : public grpc::ServerWriteReactor<grpc::ByteBuffer>,
+                          public KvDepotService::Stream {
  public:
-  ReadReactor(KvDepotService& service, const grpc::ByteBuffer* raw_request)
-      : service_(service), stream_(service.store(), req_),
+  ReadReactor(KvDepotService& service, grpc::CallbackServerContext* ctx,
+              const grpc::ByteBuffer* raw_request)
+      : service_(service), ctx_(ctx), stream_(service.store(), req_),
         start_(service.clock().Now()) {
+    service_.Register(this);
     std::vector<grpc::Slice> slices;
     std::string bytes;
     if (raw_request->Dump(&slices).ok()) {
@@ -311,7 +354,10 @@ class ReadReactor final : public grpc::ServerWriteReactor<grpc::ByteBuffer> {
     WriteNext();
   }
 
+  void Cancel() override { ctx_->TryCancel(); }
+
   void OnWriteDone(bool ok) override {
+    Progressed(service_.clock().Now());
     if (!ok) {
       Finish(absl::CancelledError("client went away"));
       return;
@@ -320,6 +366,7 @@ class ReadReactor final : public grpc::ServerWriteReactor<grpc::ByteBuffer> {
   }
 
   void OnDone() override {
+    service_.Unregister(this);
     service_.metrics().AddBytesOut(stream_.bytes_out());
     service_.Finished("Read", status_, start_);
     delete this;
@@ -353,6 +400,7 @@ class ReadReactor final : public grpc::ServerWriteReactor<grpc::ByteBuffer> {
   }
 
   KvDepotService& service_;
+  grpc::CallbackServerContext* const ctx_;
   v1::ReadRequest req_;  // before stream_, which refers to it
   ReadStream stream_;
   grpc::ByteBuffer msg_;
@@ -368,8 +416,8 @@ grpc::ServerReadReactor<v1::WriteRequest>* KvDepotService::Write(
 }
 
 grpc::ServerWriteReactor<grpc::ByteBuffer>* KvDepotService::Read(
-    grpc::CallbackServerContext*, const grpc::ByteBuffer* req) {
-  return new ReadReactor(*this, req);
+    grpc::CallbackServerContext* ctx, const grpc::ByteBuffer* req) {
+  return new ReadReactor(*this, ctx, req);
 }
 
 grpc::ServerUnaryReactor* KvDepotService::Evict(grpc::CallbackServerContext* ctx,

@@ -10,10 +10,13 @@
 
 #include <spdlog/logger.h>
 
+#include <atomic>
 #include <memory>
 #include <string>
 
+#include "absl/container/flat_hash_set.h"
 #include "absl/status/status.h"
+#include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
 #include "kvdepot/v1/kvdepot.grpc.pb.h"
 #include "server/byte_streams.h"
@@ -80,6 +83,30 @@ class KvDepotService final
   // the daemon's fault). Used by the unary helper and the stream reactors.
   void Finished(const char* op, const absl::Status& status, absl::Time start);
 
+  // A Read or Write stream in progress. Streams hold DRAM (a reservation or
+  // a pin) outside any session lease, so the daemon cancels those that make
+  // no progress for a while; see CancelIdleStreams.
+  class Stream {
+   public:
+    virtual ~Stream() = default;
+    // When the stream last moved a message.
+    absl::Time last_progress() const {
+      return absl::FromUnixNanos(last_progress_ns_.load(std::memory_order_relaxed));
+    }
+    void Progressed(absl::Time now) {
+      last_progress_ns_.store(absl::ToUnixNanos(now), std::memory_order_relaxed);
+    }
+    virtual void Cancel() = 0;
+
+   private:
+    std::atomic<int64_t> last_progress_ns_{0};
+  };
+  void Register(Stream* stream);
+  void Unregister(Stream* stream);
+  // Cancels every stream idle for longer than `idle` (the reactor then
+  // releases what it holds). Returns how many. Called periodically.
+  int CancelIdleStreams(absl::Duration idle);
+
   TieredStore& store() { return store_; }
   ServerMetrics& metrics() { return metrics_; }
   Clock& clock() { return clock_; }
@@ -95,6 +122,9 @@ class KvDepotService final
   Clock& clock_;
   const std::shared_ptr<spdlog::logger> log_;
   const absl::Time started_;
+
+  absl::Mutex streams_mu_;
+  absl::flat_hash_set<Stream*> streams_ ABSL_GUARDED_BY(streams_mu_);
 };
 
 }  // namespace kvdepot

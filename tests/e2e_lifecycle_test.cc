@@ -181,6 +181,38 @@ TEST(LifecycleTest, ClientReopensItsSessionAfterADaemonRestart) {
   EXPECT_NE(r->pin_id, 0u);
 }
 
+TEST(LifecycleTest, StalledStreamIsCancelledAndReleasesItsSpace) {
+  std::string dir = MakeTempDir("cfg");
+  std::ofstream(dir + "/kvdepot.yaml") << "stream_idle_timeout: 1s\n";
+  auto d = DaemonProcess::Start({"--config", dir + "/kvdepot.yaml",
+                                 "--dram-capacity", "64MiB"});
+  ASSERT_OK(d);
+  auto client = Connect((*d)->address());
+  grpc::ClientContext ctx;
+  v1::WriteResponse resp;
+  auto writer = client->stub().Write(&ctx, &resp);
+  v1::WriteRequest msg;
+  msg.mutable_header()->set_namespace_("ns");
+  msg.mutable_header()->set_key("stalled");
+  msg.mutable_header()->set_size(8 << 20);
+  msg.set_data(std::string(1 << 20, 's'));
+  ASSERT_TRUE(writer->Write(msg));
+  // The client stalls mid-block, holding an 8 MiB reservation.
+  bool held = false, released = false;
+  for (int i = 0; i < 100 && !released; ++i) {
+    auto st = client->Stats();
+    ASSERT_OK(st);
+    if (st->reservations() == 1) held = true;
+    released = held && st->reservations() == 0 && st->reserved_bytes() == 0;
+    if (!released) absl::SleepFor(absl::Milliseconds(100));
+  }
+  EXPECT_TRUE(held);
+  EXPECT_TRUE(released);
+  EXPECT_EQ(writer->Finish().error_code(), grpc::StatusCode::CANCELLED);
+  EXPECT_NE((*d)->Log().find("idle for more than"), std::string::npos) << (*d)->Log();
+  EXPECT_OK(client->Health());
+}
+
 TEST(LifecycleTest, MetricsEndpointServesPrometheusText) {
   auto d = DaemonProcess::Start();
   ASSERT_OK(d);
