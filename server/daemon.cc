@@ -10,6 +10,7 @@
 #include <utility>
 
 #include "absl/strings/str_cat.h"
+#include "absl/time/clock.h"
 #include "server/version.h"
 #include "storage/status_macros.h"
 
@@ -114,8 +115,17 @@ void Daemon::Shutdown() {
                absl::FormatDuration(config_.drain_timeout));
     server_->GetHealthCheckService()->SetServingStatus(false);
     store_->SetDraining(true);
-    server_->Shutdown(std::chrono::system_clock::now() +
-                      absl::ToChronoMilliseconds(config_.drain_timeout));
+    // gRPC's own Shutdown does not wait for callback-API streams, so wait
+    // for ours here: in-flight Read/Write streams may finish (a Write may
+    // complete its block; new blocks are refused by the store) until the
+    // drain timeout, then whatever is left is cancelled.
+    absl::Time deadline = absl::Now() + config_.drain_timeout;
+    while (service_->active_streams() > 0 && absl::Now() < deadline) {
+      absl::SleepFor(absl::Milliseconds(10));
+    }
+    size_t left = service_->active_streams();
+    if (left > 0) log_->warn("drain timeout: cancelling {} stream(s)", left);
+    server_->Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(1));
     server_->Wait();
   }
   {

@@ -94,6 +94,11 @@ void KvDepotService::Unregister(Stream* stream) {
   streams_.erase(stream);
 }
 
+size_t KvDepotService::active_streams() {
+  absl::MutexLock lock(&streams_mu_);
+  return streams_.size();
+}
+
 int KvDepotService::CancelIdleStreams(absl::Duration idle) {
   absl::Time cutoff = clock_.Now() - idle;
   int n = 0;

@@ -106,6 +106,8 @@ class KvDepotService final
   // Cancels every stream idle for longer than `idle` (the reactor then
   // releases what it holds). Returns how many. Called periodically.
   int CancelIdleStreams(absl::Duration idle);
+  // Read and Write streams in progress.
+  size_t active_streams();
 
   TieredStore& store() { return store_; }
   ServerMetrics& metrics() { return metrics_; }

@@ -10,6 +10,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
 #include "client/client.h"
+#include "storage/checksum.h"
 #include "tests/daemon_process.h"
 #include "tests/status_matchers.h"
 
@@ -44,6 +45,52 @@ TEST(LifecycleTest, SigtermDrainsAndExitsZeroWithinTenSeconds) {
   EXPECT_NE(log.find("received SIGTERM"), std::string::npos) << log;
   EXPECT_NE(log.find("kvdepotd stopped"), std::string::npos) << log;
   EXPECT_FALSE(client->Health().ok());
+}
+
+TEST(LifecycleTest, SigtermLetsAnInFlightWriteFinishAndRefusesNewCalls) {
+  auto d = DaemonProcess::Start({"--dram-capacity", "64MiB"});
+  ASSERT_OK(d);
+  auto client = Connect((*d)->address());
+  std::string bytes(2 << 20, 'i');
+  grpc::ClientContext ctx;
+  v1::WriteResponse resp;
+  auto writer = client->stub().Write(&ctx, &resp);
+  v1::WriteRequest msg;
+  msg.mutable_header()->set_namespace_("ns");
+  msg.mutable_header()->set_key("in-flight");
+  msg.mutable_header()->set_size(bytes.size());
+  msg.mutable_header()->set_checksum(BlockChecksum(bytes));
+  msg.set_data(bytes.substr(0, 1 << 20));
+  ASSERT_TRUE(writer->Write(msg));
+  // Make sure the daemon holds the half-written block before the signal.
+  bool reserved = false;
+  for (int i = 0; i < 200 && !reserved; ++i) {
+    auto st = client->Stats();
+    ASSERT_OK(st);
+    reserved = st->reservations() == 1;
+    if (!reserved) absl::SleepFor(absl::Milliseconds(10));
+  }
+  ASSERT_TRUE(reserved);
+  ::kill((*d)->pid(), SIGTERM);
+  // Wait until the daemon is draining (it says so), then finish the block.
+  for (int i = 0; i < 100 && (*d)->Log().find("draining") == std::string::npos; ++i) {
+    absl::SleepFor(absl::Milliseconds(20));
+  }
+  ASSERT_NE((*d)->Log().find("draining"), std::string::npos);
+  // A new call is refused while draining.
+  BlockToPut b{"late", "", "bytes"};
+  EXPECT_FALSE(Connect((*d)->address())->Put("ns", {&b, 1}).ok());
+  v1::WriteRequest rest;
+  rest.set_data(bytes.substr(1 << 20));
+  ASSERT_TRUE(writer->Write(rest));
+  writer->WritesDone();
+  grpc::Status st = writer->Finish();
+  EXPECT_TRUE(st.ok()) << st.error_message();
+  ASSERT_EQ(resp.results_size(), 1);
+  EXPECT_EQ(resp.results(0), v1::WRITE_STORED);
+  auto rc = (*d)->Stop(SIGTERM, absl::Seconds(10));
+  ASSERT_OK(rc);
+  EXPECT_EQ(*rc, 0);
 }
 
 TEST(LifecycleTest, SecondDaemonOnTheSameDataDirFailsClearly) {
