@@ -7,7 +7,7 @@ set -euo pipefail
 PACKAGES=(
   build-essential cmake ninja-build pkg-config git curl ccache
   protobuf-compiler protobuf-compiler-grpc libprotobuf-dev libgrpc++-dev
-  libabsl-dev libspdlog-dev libfmt-dev prometheus-cpp-dev libyaml-cpp-dev
+  libabsl-dev librocksdb-dev libspdlog-dev libfmt-dev prometheus-cpp-dev libyaml-cpp-dev
   libcli11-dev libxxhash-dev
   libgtest-dev libgmock-dev libbenchmark-dev
 )

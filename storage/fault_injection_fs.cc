@@ -1,0 +1,161 @@
+#include "storage/fault_injection_fs.h"
+
+#include <utility>
+
+namespace kvdepot {
+namespace {
+
+// Forwards to the wrapped file, failing appends while the disk is "full".
+class FaultInjectionWritableFile final
+    : public rocksdb::FSWritableFileOwnerWrapper {
+ public:
+  FaultInjectionWritableFile(std::unique_ptr<rocksdb::FSWritableFile> file,
+                             FaultInjectionFileSystem* fs, std::string name)
+      : FSWritableFileOwnerWrapper(std::move(file)),
+        fs_(fs),
+        name_(std::move(name)) {}
+
+  rocksdb::IOStatus Append(const rocksdb::Slice& data,
+                           const rocksdb::IOOptions& options,
+                           rocksdb::IODebugContext* dbg) override {
+    rocksdb::IOStatus s = fs_->MaybeFail(name_);
+    return s.ok() ? target()->Append(data, options, dbg) : s;
+  }
+  rocksdb::IOStatus Append(const rocksdb::Slice& data,
+                           const rocksdb::IOOptions& options,
+                           const rocksdb::DataVerificationInfo& info,
+                           rocksdb::IODebugContext* dbg) override {
+    rocksdb::IOStatus s = fs_->MaybeFail(name_);
+    return s.ok() ? target()->Append(data, options, info, dbg) : s;
+  }
+  rocksdb::IOStatus PositionedAppend(const rocksdb::Slice& data,
+                                     uint64_t offset,
+                                     const rocksdb::IOOptions& options,
+                                     rocksdb::IODebugContext* dbg) override {
+    rocksdb::IOStatus s = fs_->MaybeFail(name_);
+    return s.ok() ? target()->PositionedAppend(data, offset, options, dbg) : s;
+  }
+  rocksdb::IOStatus PositionedAppend(const rocksdb::Slice& data,
+                                     uint64_t offset,
+                                     const rocksdb::IOOptions& options,
+                                     const rocksdb::DataVerificationInfo& info,
+                                     rocksdb::IODebugContext* dbg) override {
+    rocksdb::IOStatus s = fs_->MaybeFail(name_);
+    return s.ok() ? target()->PositionedAppend(data, offset, options, info,
+                                               dbg)
+                  : s;
+  }
+
+ private:
+  FaultInjectionFileSystem* const fs_;  // outlives its files
+  const std::string name_;
+};
+
+// Counts the reads of a blob file.
+class BlobReadCountingFile final
+    : public rocksdb::FSRandomAccessFileOwnerWrapper {
+ public:
+  BlobReadCountingFile(std::unique_ptr<rocksdb::FSRandomAccessFile> file,
+                       FaultInjectionFileSystem* fs)
+      : FSRandomAccessFileOwnerWrapper(std::move(file)), fs_(fs) {}
+
+  rocksdb::IOStatus Read(uint64_t offset, size_t n,
+                         const rocksdb::IOOptions& options,
+                         rocksdb::Slice* result, char* scratch,
+                         rocksdb::IODebugContext* dbg) const override {
+    fs_->CountBlobRead();
+    return target()->Read(offset, n, options, result, scratch, dbg);
+  }
+  rocksdb::IOStatus MultiRead(rocksdb::FSReadRequest* reqs, size_t num_reqs,
+                              const rocksdb::IOOptions& options,
+                              rocksdb::IODebugContext* dbg) override {
+    fs_->CountBlobRead();
+    return target()->MultiRead(reqs, num_reqs, options, dbg);
+  }
+
+ private:
+  FaultInjectionFileSystem* const fs_;  // outlives its files
+};
+
+bool IsBlobFile(const std::string& name) {
+  static constexpr char kSuffix[] = ".blob";
+  constexpr size_t kLen = sizeof(kSuffix) - 1;
+  return name.size() >= kLen &&
+         name.compare(name.size() - kLen, kLen, kSuffix) == 0;
+}
+
+}  // namespace
+
+FaultInjectionFileSystem::FaultInjectionFileSystem(
+    const std::shared_ptr<rocksdb::FileSystem>& base)
+    : FileSystemWrapper(base) {}
+
+rocksdb::IOStatus FaultInjectionFileSystem::MaybeFail(const std::string& what) {
+  if (!disk_full_.load()) return rocksdb::IOStatus::OK();
+  injected_errors_.fetch_add(1);
+  return rocksdb::IOStatus::NoSpace(what, "injected: no space left on device");
+}
+
+rocksdb::IOStatus FaultInjectionFileSystem::NewRandomAccessFile(
+    const std::string& fname, const rocksdb::FileOptions& options,
+    std::unique_ptr<rocksdb::FSRandomAccessFile>* result,
+    rocksdb::IODebugContext* dbg) {
+  std::unique_ptr<rocksdb::FSRandomAccessFile> file;
+  rocksdb::IOStatus s = target()->NewRandomAccessFile(fname, options, &file,
+                                                      dbg);
+  if (!s.ok()) return s;
+  if (IsBlobFile(fname)) {
+    *result = std::make_unique<BlobReadCountingFile>(std::move(file), this);
+  } else {
+    *result = std::move(file);
+  }
+  return s;
+}
+
+rocksdb::IOStatus FaultInjectionFileSystem::NewWritableFile(
+    const std::string& fname, const rocksdb::FileOptions& options,
+    std::unique_ptr<rocksdb::FSWritableFile>* result,
+    rocksdb::IODebugContext* dbg) {
+  rocksdb::IOStatus s = MaybeFail(fname);
+  if (!s.ok()) return s;
+  std::unique_ptr<rocksdb::FSWritableFile> file;
+  s = target()->NewWritableFile(fname, options, &file, dbg);
+  if (s.ok()) {
+    *result = std::make_unique<FaultInjectionWritableFile>(std::move(file),
+                                                           this, fname);
+  }
+  return s;
+}
+
+rocksdb::IOStatus FaultInjectionFileSystem::ReopenWritableFile(
+    const std::string& fname, const rocksdb::FileOptions& options,
+    std::unique_ptr<rocksdb::FSWritableFile>* result,
+    rocksdb::IODebugContext* dbg) {
+  rocksdb::IOStatus s = MaybeFail(fname);
+  if (!s.ok()) return s;
+  std::unique_ptr<rocksdb::FSWritableFile> file;
+  s = target()->ReopenWritableFile(fname, options, &file, dbg);
+  if (s.ok()) {
+    *result = std::make_unique<FaultInjectionWritableFile>(std::move(file),
+                                                           this, fname);
+  }
+  return s;
+}
+
+rocksdb::IOStatus FaultInjectionFileSystem::ReuseWritableFile(
+    const std::string& fname, const std::string& old_fname,
+    const rocksdb::FileOptions& options,
+    std::unique_ptr<rocksdb::FSWritableFile>* result,
+    rocksdb::IODebugContext* dbg) {
+  rocksdb::IOStatus s = MaybeFail(fname);
+  if (!s.ok()) return s;
+  std::unique_ptr<rocksdb::FSWritableFile> file;
+  s = target()->ReuseWritableFile(fname, old_fname, options, &file, dbg);
+  if (s.ok()) {
+    *result = std::make_unique<FaultInjectionWritableFile>(std::move(file),
+                                                           this, fname);
+  }
+  return s;
+}
+
+}  // namespace kvdepot

@@ -1,0 +1,75 @@
+// FaultInjectionFileSystem: a rocksdb::FileSystem for tests that behaves like
+// a full disk while a switch is on: creating a file and appending to one fail
+// with IOStatus::NoSpace (what RocksDB's POSIX file system returns for
+// ENOSPC). Reads, and everything while the switch is off, go to the wrapped
+// file system. It also counts reads of blob files (*.blob), so a test can
+// prove that an operation never touched block bytes. No test hook in
+// production code is needed: the tier takes the Env built from it through
+// NvmeTierOptions::env.
+//
+//   auto fs = std::make_shared<FaultInjectionFileSystem>();
+//   std::unique_ptr<rocksdb::Env> env = rocksdb::NewCompositeEnv(fs);
+//   options.env = env.get();
+//   ...
+//   fs->SetDiskFull(true);
+//
+// Thread-safe.
+#ifndef KVDEPOT_STORAGE_FAULT_INJECTION_FS_H_
+#define KVDEPOT_STORAGE_FAULT_INJECTION_FS_H_
+
+#include <atomic>
+#include <cstdint>
+#include <memory>
+#include <string>
+
+#include "rocksdb/file_system.h"
+
+namespace kvdepot {
+
+class FaultInjectionFileSystem : public rocksdb::FileSystemWrapper {
+ public:
+  explicit FaultInjectionFileSystem(
+      const std::shared_ptr<rocksdb::FileSystem>& base =
+          rocksdb::FileSystem::Default());
+
+  const char* Name() const override { return "FaultInjectionFileSystem"; }
+
+  // While true, file creation and writes fail with NoSpace.
+  void SetDiskFull(bool full) { disk_full_.store(full); }
+  bool disk_full() const { return disk_full_.load(); }
+  // How many operations have failed because of the switch.
+  uint64_t injected_errors() const { return injected_errors_.load(); }
+  // Read calls on blob files since construction.
+  uint64_t blob_reads() const { return blob_reads_.load(); }
+  void CountBlobRead() { blob_reads_.fetch_add(1); }
+
+  // Returns NoSpace (and counts it) while the disk is "full", else OK.
+  rocksdb::IOStatus MaybeFail(const std::string& what);
+
+  rocksdb::IOStatus NewRandomAccessFile(
+      const std::string& fname, const rocksdb::FileOptions& options,
+      std::unique_ptr<rocksdb::FSRandomAccessFile>* result,
+      rocksdb::IODebugContext* dbg) override;
+  rocksdb::IOStatus NewWritableFile(
+      const std::string& fname, const rocksdb::FileOptions& options,
+      std::unique_ptr<rocksdb::FSWritableFile>* result,
+      rocksdb::IODebugContext* dbg) override;
+  rocksdb::IOStatus ReopenWritableFile(
+      const std::string& fname, const rocksdb::FileOptions& options,
+      std::unique_ptr<rocksdb::FSWritableFile>* result,
+      rocksdb::IODebugContext* dbg) override;
+  rocksdb::IOStatus ReuseWritableFile(
+      const std::string& fname, const std::string& old_fname,
+      const rocksdb::FileOptions& options,
+      std::unique_ptr<rocksdb::FSWritableFile>* result,
+      rocksdb::IODebugContext* dbg) override;
+
+ private:
+  std::atomic<bool> disk_full_{false};
+  std::atomic<uint64_t> injected_errors_{0};
+  std::atomic<uint64_t> blob_reads_{0};
+};
+
+}  // namespace kvdepot
+
+#endif  // KVDEPOT_STORAGE_FAULT_INJECTION_FS_H_

@@ -1,0 +1,1175 @@
+#include "storage/nvme_tier.h"
+
+#include <algorithm>
+#include <atomic>
+#include <cstring>
+#include <limits>
+#include <utility>
+
+#include "absl/base/thread_annotations.h"
+#include "absl/container/flat_hash_set.h"
+#include "absl/container/node_hash_map.h"
+#include "absl/strings/str_cat.h"
+#include "absl/synchronization/mutex.h"
+#include "absl/time/clock.h"
+#include "rocksdb/db.h"
+#include "rocksdb/env.h"
+#include "rocksdb/listener.h"
+#include "rocksdb/options.h"
+#include "rocksdb/write_batch.h"
+#include "storage/block_key.h"
+#include "storage/checksum.h"
+#include "storage/rocksdb_status.h"
+#include "storage/status_macros.h"
+
+// On-disk layout (format 1).
+//
+// Three column families:
+//   default  "kvdepot.nvme_tier.format" -> "1"; nothing else.
+//   meta     block id -> metadata record (small; always inline in the LSM)
+//   data     block id -> the block's bytes (blob files from min_blob_size)
+// A block id is one byte holding the namespace length, the namespace, then the
+// key (the rest). Namespaces are at most kMaxNamespaceBytes (< 256) bytes, so
+// the encoding is unambiguous and a (namespace, key) pair has exactly one id.
+// The metadata record is fixed-width little endian:
+//   u8 version (1) | u64 size | u64 checksum | u64 last_touch |
+//   u32 read_count | u16 parent length | parent key bytes
+//
+// A block's two records are always written, and deleted, in one WriteBatch.
+// With the WAL off, RocksDB could still persist the column families'
+// memtables at different moments; atomic_flush makes every flush cover all
+// of them at once, so a crash leaves either both records or neither. Blocks
+// with only one record are nevertheless handled (dropped when met) in case
+// the files were damaged or edited.
+//
+// Index invariants (all under mu_):
+//  * Every entry of index_ is in one state. kStored: both records are in
+//    RocksDB; the entry is in the LRU list and counted in used_ and blocks_.
+//    kWriting: a Put is writing the records; counted in used_ (a
+//    reservation), not listed, not visible. kDeleting: a delete of the records
+//    is in flight; not counted, not listed, not visible.
+//  * At most one writer per id: Put and Delete wait (Mutex::Await) until the
+//    id is absent or kStored before they change it, so the RocksDB writes of
+//    one id never race each other.
+//  * A generation number, unique per entry, tells a reader whose RocksDB read
+//    raced with a delete and a re-put of the same id that the entry it looked
+//    up is gone, so it never drops the newer one.
+
+namespace kvdepot {
+namespace {
+
+constexpr char kMetaColumnFamily[] = "meta";
+constexpr char kDataColumnFamily[] = "data";
+constexpr char kFormatKey[] = "kvdepot.nvme_tier.format";
+constexpr char kFormatVersion[] = "1";
+constexpr uint8_t kMetaRecordVersion = 1;
+constexpr size_t kMetaFixedBytes = 1 + 8 + 8 + 8 + 4 + 2;
+// Verify deletes what it finds in batches of this many blocks.
+constexpr size_t kScrubDeleteBatch = 256;
+
+static_assert(kMaxNamespaceBytes <= 255, "namespace length must fit a byte");
+static_assert(kMaxKeyBytes <= 65535, "parent length must fit 16 bits");
+
+void PutFixed(std::string* out, uint64_t value, int bytes) {
+  for (int i = 0; i < bytes; ++i) {
+    out->push_back(static_cast<char>((value >> (8 * i)) & 0xff));
+  }
+}
+
+uint64_t GetFixed(const char* p, int bytes) {
+  uint64_t value = 0;
+  for (int i = 0; i < bytes; ++i) {
+    value |= uint64_t{static_cast<unsigned char>(p[i])} << (8 * i);
+  }
+  return value;
+}
+
+std::string EncodeId(absl::string_view ns, absl::string_view key) {
+  std::string id;
+  id.reserve(1 + ns.size() + key.size());
+  id.push_back(static_cast<char>(ns.size()));
+  id.append(ns.data(), ns.size());
+  id.append(key.data(), key.size());
+  return id;
+}
+
+// Splits an id; false if it is not one EncodeId could have made.
+bool DecodeId(absl::string_view id, absl::string_view* ns,
+              absl::string_view* key) {
+  if (id.empty()) return false;
+  size_t ns_len = static_cast<unsigned char>(id[0]);
+  if (id.size() < 1 + ns_len + 1) return false;
+  *ns = id.substr(1, ns_len);
+  *key = id.substr(1 + ns_len);
+  return ValidateNamespace(*ns).ok() && ValidateKey(*key).ok();
+}
+
+struct MetaRecord {
+  uint64_t size = 0;
+  uint64_t checksum = 0;
+  uint64_t last_touch = 0;
+  uint32_t read_count = 0;
+  std::string parent;
+};
+
+std::string EncodeMeta(uint64_t size, uint64_t checksum, uint64_t last_touch,
+                       uint32_t read_count, absl::string_view parent) {
+  std::string out;
+  out.reserve(kMetaFixedBytes + parent.size());
+  out.push_back(static_cast<char>(kMetaRecordVersion));
+  PutFixed(&out, size, 8);
+  PutFixed(&out, checksum, 8);
+  PutFixed(&out, last_touch, 8);
+  PutFixed(&out, read_count, 4);
+  PutFixed(&out, parent.size(), 2);
+  out.append(parent.data(), parent.size());
+  return out;
+}
+
+bool DecodeMeta(absl::string_view in, MetaRecord* out) {
+  if (in.size() < kMetaFixedBytes) return false;
+  if (static_cast<uint8_t>(in[0]) != kMetaRecordVersion) return false;
+  const char* p = in.data() + 1;
+  out->size = GetFixed(p, 8);
+  out->checksum = GetFixed(p + 8, 8);
+  out->last_touch = GetFixed(p + 16, 8);
+  out->read_count = static_cast<uint32_t>(GetFixed(p + 24, 4));
+  size_t parent_len = GetFixed(p + 28, 2);
+  if (in.size() != kMetaFixedBytes + parent_len) return false;
+  out->parent.assign(in.data() + kMetaFixedBytes, parent_len);
+  if (out->size == 0) return false;
+  return out->parent.empty() || ValidateKey(out->parent).ok();
+}
+
+// What a block costs against the capacity: its bytes, its id under both
+// column families, and its metadata record.
+uint64_t Charge(size_t id_bytes, size_t parent_bytes, uint64_t size) {
+  return size + 2 * id_bytes + kMetaFixedBytes + parent_bytes;
+}
+
+std::string IdToHex(absl::string_view id) {
+  absl::string_view ns, key;
+  if (!DecodeId(id, &ns, &key)) return KeyToHex(id);
+  return absl::StrCat(ns, "/", KeyToHex(key));
+}
+
+// Learns when RocksDB stops writes after a background error (a flush that
+// hit a full disk), and keeps RocksDB from resuming on its own (by default
+// its SstFileManager polls the disk from its own thread every 5 s): the tier
+// resumes on its own schedule, see NvmeTierImpl::EnsureWritable.
+// Thread-safe (RocksDB calls it from its background threads).
+class ErrorListener final : public rocksdb::EventListener {
+ public:
+  void OnBackgroundError(rocksdb::BackgroundErrorReason /*reason*/,
+                         rocksdb::Status* bg_error) override {
+    if (bg_error->ok()) return;
+    Stop(bg_error->ToString());
+  }
+  void OnErrorRecoveryBegin(rocksdb::BackgroundErrorReason /*reason*/,
+                            rocksdb::Status bg_error,
+                            bool* auto_recovery) override {
+    bg_error.PermitUncheckedError();
+    *auto_recovery = false;
+  }
+
+  void Stop(std::string reason) {
+    absl::MutexLock lock(&mu_);
+    reason_ = std::move(reason);
+    stopped_.store(true, std::memory_order_release);
+  }
+  void Clear() { stopped_.store(false, std::memory_order_release); }
+  bool stopped() const { return stopped_.load(std::memory_order_acquire); }
+  std::string reason() const {
+    absl::MutexLock lock(&mu_);
+    return reason_;
+  }
+
+ private:
+  std::atomic<bool> stopped_{false};
+  mutable absl::Mutex mu_;
+  std::string reason_ ABSL_GUARDED_BY(mu_);
+};
+
+class NvmeTierImpl final : public NvmeTier {
+ public:
+  NvmeTierImpl(const NvmeTierOptions& options, Clock* clock)
+      : options_(options),
+        clock_(clock),
+        listener_(std::make_shared<ErrorListener>()) {
+    write_options_.disableWAL = !options_.use_wal;
+  }
+  ~NvmeTierImpl() override;
+
+  // Opens the database and rebuilds the index. Called once, before any other
+  // method.
+  absl::Status Init();
+
+  absl::StatusOr<NvmePutOutcome> Put(absl::string_view ns,
+                                     absl::string_view key,
+                                     absl::string_view parent,
+                                     absl::string_view bytes,
+                                     uint64_t checksum) override;
+  bool Contains(absl::string_view ns, absl::string_view key) override;
+  absl::StatusOr<NvmeBlockMeta> Meta(absl::string_view ns,
+                                     absl::string_view key) override;
+  absl::Status Read(absl::string_view ns, absl::string_view key,
+                    absl::Span<char> dest) override;
+  std::vector<absl::Status> MultiRead(
+      absl::string_view ns,
+      absl::Span<const NvmeReadRequest> requests) override;
+  absl::Status Delete(absl::string_view ns, absl::string_view key) override;
+  void ForEachBlock(
+      absl::FunctionRef<void(const NvmeBlockView&)> fn) override;
+  NvmeTierStats Stats() override;
+  absl::StatusOr<NvmeVerifyReport> Verify() override;
+  absl::Status Compact() override;
+  absl::Status Flush() override;
+  const NvmeTierOptions& options() const override { return options_; }
+
+ private:
+  enum class State : uint8_t { kWriting, kStored, kDeleting };
+  struct Entry {
+    const std::string* id = nullptr;  // the index_ key holding this entry
+    Entry* more_recent = nullptr;     // LRU neighbours (kStored only)
+    Entry* less_recent = nullptr;
+    std::string parent;
+    uint64_t size = 0;
+    uint64_t checksum = 0;
+    uint64_t charge = 0;
+    uint64_t generation = 0;
+    uint64_t last_touch = 0;  // tick_ of the last read or write
+    uint32_t read_count = 0;
+    State state = State::kWriting;
+    bool dirty = false;  // read_count/last_touch newer than the record
+  };
+  // node_hash_map: entries and their keys never move, so Entry pointers (the
+  // LRU list) and Entry::id stay valid until the entry is erased.
+  using Index = absl::node_hash_map<std::string, Entry>;
+  // An entry taken out of service whose records are being deleted.
+  struct Retired {
+    std::string id;
+    uint64_t generation = 0;
+  };
+  // A read planned under the lock and done outside it.
+  struct PlannedRead {
+    size_t request;
+    std::string id;
+    uint64_t generation;
+    uint64_t size;
+    uint64_t checksum;
+  };
+  enum class DropReason { kCorrupt, kMissing };
+  struct SettledArg {
+    const Index* index;
+    const std::string* id;
+  };
+
+  static bool IdSettled(SettledArg* arg);
+  // Blocks until `id` is absent or stored (no put or delete in flight).
+  void WaitSettled(const std::string& id) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+
+  void LruPushFront(Entry* e) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void LruPushBack(Entry* e) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void LruRemove(Entry* e) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Makes a stored entry the most recently used.
+  void TouchLocked(Entry* e) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // kStored -> kDeleting: unlisted, uncounted, invisible.
+  Retired RetireLocked(Entry* e) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Undoes RetireLocked for entries whose delete failed. `retired` is in the
+  // order they were taken from the LRU tail; they go back there.
+  void RestoreLocked(absl::Span<const Retired> retired)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Erases retired entries once their delete has been attempted.
+  void EraseRetiredLocked(absl::Span<const Retired> retired)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Writes read counts and recency of stored entries to their records.
+  absl::Status PersistDirtyLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+
+  // Deletes the records of `retired` in one batch.
+  absl::Status DeleteRecords(absl::Span<const Retired> retired);
+  // Deletes the records, then erases the entries (whatever the outcome: a
+  // dropped block is never served again by this process).
+  void DeleteAndErase(absl::Span<const Retired> retired);
+  // Takes a block whose read failed out of service, if `generation` is still
+  // the stored one. Returns true if it did.
+  bool DropBlock(const std::string& id, uint64_t generation,
+                 DropReason reason);
+  // Verifies what a RocksDB read of `read` returned and copies it to `dest`.
+  absl::Status FinishRead(const PlannedRead& read, const rocksdb::Status& s,
+                          const rocksdb::Slice& value, absl::Span<char> dest);
+  // OK when RocksDB accepts writes; otherwise tries DB::Resume at most once
+  // per resume_interval and returns Unavailable while that fails.
+  absl::Status EnsureWritable();
+  // Notes a failed write (stats, and resumption if RocksDB stopped).
+  void NoteWriteFailure(const rocksdb::Status& s);
+  absl::Status EvictOverCapacity();
+
+  // Constant after Init.
+  const NvmeTierOptions options_;
+  Clock* const clock_;
+  const std::shared_ptr<ErrorListener> listener_;
+  rocksdb::WriteOptions write_options_;
+  std::unique_ptr<rocksdb::DB> db_;
+  rocksdb::ColumnFamilyHandle* default_cf_ = nullptr;
+  rocksdb::ColumnFamilyHandle* meta_cf_ = nullptr;
+  rocksdb::ColumnFamilyHandle* data_cf_ = nullptr;
+
+  absl::Mutex resume_mu_;
+  absl::Time next_resume_ ABSL_GUARDED_BY(resume_mu_) = absl::InfinitePast();
+
+  mutable absl::Mutex mu_;
+  Index index_ ABSL_GUARDED_BY(mu_);
+  Entry* lru_head_ ABSL_GUARDED_BY(mu_) = nullptr;  // most recent
+  Entry* lru_tail_ ABSL_GUARDED_BY(mu_) = nullptr;  // least recent
+  uint64_t used_ ABSL_GUARDED_BY(mu_) = 0;
+  uint64_t blocks_ ABSL_GUARDED_BY(mu_) = 0;
+  uint64_t next_generation_ ABSL_GUARDED_BY(mu_) = 1;
+  uint64_t tick_ ABSL_GUARDED_BY(mu_) = 0;
+  uint64_t puts_ ABSL_GUARDED_BY(mu_) = 0;
+  uint64_t write_bytes_ ABSL_GUARDED_BY(mu_) = 0;
+  uint64_t write_errors_ ABSL_GUARDED_BY(mu_) = 0;
+  uint64_t reads_ ABSL_GUARDED_BY(mu_) = 0;
+  uint64_t read_bytes_ ABSL_GUARDED_BY(mu_) = 0;
+  uint64_t integrity_errors_ ABSL_GUARDED_BY(mu_) = 0;
+  uint64_t orphans_dropped_ ABSL_GUARDED_BY(mu_) = 0;
+  uint64_t evictions_ ABSL_GUARDED_BY(mu_) = 0;
+  uint64_t evicted_bytes_ ABSL_GUARDED_BY(mu_) = 0;
+};
+
+// ---------------------------------------------------------------------------
+// Open, close.
+
+absl::Status NvmeTierImpl::Init() {
+  rocksdb::Env* env =
+      options_.env != nullptr ? options_.env : rocksdb::Env::Default();
+
+  // RocksDB creates only the last directory of the path.
+  for (size_t pos = options_.path.find('/', 1); pos != std::string::npos;
+       pos = options_.path.find('/', pos + 1)) {
+    std::string dir = options_.path.substr(0, pos);
+    RETURN_IF_ERROR(FromRocksStatus(
+        env->CreateDirIfMissing(dir),
+        absl::StrCat("NVMe tier: cannot create directory ", dir)));
+  }
+
+  rocksdb::DBOptions db_options;
+  db_options.env = env;
+  db_options.create_if_missing = true;
+  db_options.create_missing_column_families = true;
+  db_options.atomic_flush = true;  // see the layout comment above
+  db_options.max_background_jobs = options_.max_background_jobs;
+  db_options.listeners.push_back(listener_);
+  db_options.keep_log_file_num = 4;
+  db_options.max_log_file_size = 16 << 20;
+
+  rocksdb::ColumnFamilyOptions base;
+  base.write_buffer_size = options_.write_buffer_size;
+  base.compression = options_.compression ? rocksdb::kLZ4Compression
+                                          : rocksdb::kNoCompression;
+  rocksdb::ColumnFamilyOptions data = base;
+  data.enable_blob_files = true;
+  data.min_blob_size = options_.min_blob_size;
+  data.blob_file_size = options_.blob_file_size;
+  data.blob_compression_type = base.compression;
+  // Evicted blocks are the oldest, so the oldest blob files fill with
+  // garbage first: collect them during compaction, and force compactions
+  // that reclaim them once half of them is garbage.
+  data.enable_blob_garbage_collection = true;
+  data.blob_garbage_collection_age_cutoff = 0.25;
+  data.blob_garbage_collection_force_threshold = 0.5;
+
+  std::vector<rocksdb::ColumnFamilyDescriptor> families = {
+      {rocksdb::kDefaultColumnFamilyName, base},
+      {kMetaColumnFamily, base},
+      {kDataColumnFamily, data}};
+  std::vector<rocksdb::ColumnFamilyHandle*> handles;
+  rocksdb::DB* raw = nullptr;
+  rocksdb::Status s =
+      rocksdb::DB::Open(db_options, options_.path, families, &handles, &raw);
+  RETURN_IF_ERROR(FromRocksStatus(
+      s, absl::StrCat("NVMe tier: cannot open RocksDB at ", options_.path)));
+  db_.reset(raw);
+  default_cf_ = handles[0];
+  meta_cf_ = handles[1];
+  data_cf_ = handles[2];
+
+  std::string format;
+  s = db_->Get(rocksdb::ReadOptions(), default_cf_, kFormatKey, &format);
+  if (s.IsNotFound()) {
+    s = db_->Put(write_options_, default_cf_, kFormatKey, kFormatVersion);
+  } else if (s.ok() && format != kFormatVersion) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("NVMe tier at ", options_.path, " has format '", format,
+                     "'; this build reads format ", kFormatVersion));
+  }
+  RETURN_IF_ERROR(FromRocksStatus(
+      s, absl::StrCat("NVMe tier: format record at ", options_.path)));
+
+  // Rebuild the index from the metadata records alone: no blob is read.
+  std::vector<Retired> malformed;
+  std::vector<Entry*> entries;
+  {
+    absl::MutexLock lock(&mu_);
+    rocksdb::ReadOptions ro;
+    ro.fill_cache = false;
+    std::unique_ptr<rocksdb::Iterator> it(db_->NewIterator(ro, meta_cf_));
+    for (it->SeekToFirst(); it->Valid(); it->Next()) {
+      absl::string_view id(it->key().data(), it->key().size());
+      absl::string_view ns, key;
+      MetaRecord record;
+      if (!DecodeId(id, &ns, &key) ||
+          !DecodeMeta(absl::string_view(it->value().data(),
+                                        it->value().size()),
+                      &record)) {
+        // Cannot be served; delete it below with its bytes, if any.
+        auto [pos, inserted] = index_.try_emplace(std::string(id));
+        pos->second.id = &pos->first;
+        pos->second.state = State::kDeleting;
+        pos->second.generation = next_generation_++;
+        malformed.push_back({pos->first, pos->second.generation});
+        ++integrity_errors_;
+        continue;
+      }
+      auto [pos, inserted] = index_.try_emplace(std::string(id));
+      Entry& e = pos->second;
+      e.id = &pos->first;
+      e.size = record.size;
+      e.checksum = record.checksum;
+      e.read_count = record.read_count;
+      e.last_touch = record.last_touch;
+      e.charge = Charge(id.size(), record.parent.size(), record.size);
+      e.parent = std::move(record.parent);
+      e.generation = next_generation_++;
+      e.state = State::kStored;
+      used_ += e.charge;
+      ++blocks_;
+      tick_ = std::max(tick_, e.last_touch);
+      entries.push_back(&e);
+    }
+    RETURN_IF_ERROR(FromRocksStatus(
+        it->status(),
+        absl::StrCat("NVMe tier: reading metadata at ", options_.path)));
+    // Oldest first, each pushed to the front: the newest ends at the head.
+    std::sort(entries.begin(), entries.end(),
+              [](const Entry* a, const Entry* b) {
+                return a->last_touch < b->last_touch;
+              });
+    for (Entry* e : entries) LruPushFront(e);
+  }
+  DeleteAndErase(malformed);
+  return EvictOverCapacity();
+}
+
+absl::Status NvmeTierImpl::EvictOverCapacity() {
+  std::vector<Retired> victims;
+  uint64_t bytes = 0;
+  {
+    absl::MutexLock lock(&mu_);
+    while (used_ > options_.capacity_bytes && lru_tail_ != nullptr) {
+      bytes += lru_tail_->size;
+      victims.push_back(RetireLocked(lru_tail_));
+    }
+  }
+  if (victims.empty()) return absl::OkStatus();
+  absl::Status s = DeleteRecords(victims);
+  absl::MutexLock lock(&mu_);
+  if (!s.ok()) {
+    RestoreLocked(victims);
+    return s;
+  }
+  EraseRetiredLocked(victims);
+  evictions_ += victims.size();
+  evicted_bytes_ += bytes;
+  return absl::OkStatus();
+}
+
+NvmeTierImpl::~NvmeTierImpl() {
+  if (db_ == nullptr) return;
+  // A stopped database cannot flush; give it one chance to resume.
+  if (listener_->stopped() && db_->Resume().ok()) listener_->Clear();
+  {
+    absl::MutexLock lock(&mu_);
+    PersistDirtyLocked().IgnoreError();  // best effort: only counts/recency
+  }
+  rocksdb::FlushOptions flush;
+  flush.allow_write_stall = true;
+  db_->Flush(flush, {default_cf_, meta_cf_, data_cf_}).PermitUncheckedError();
+  for (rocksdb::ColumnFamilyHandle* cf : {default_cf_, meta_cf_, data_cf_}) {
+    if (cf != nullptr) db_->DestroyColumnFamilyHandle(cf).PermitUncheckedError();
+  }
+  db_->Close().PermitUncheckedError();
+}
+
+// ---------------------------------------------------------------------------
+// Index helpers.
+
+bool NvmeTierImpl::IdSettled(SettledArg* arg)
+    ABSL_NO_THREAD_SAFETY_ANALYSIS {  // absl::Mutex calls it with mu_ held
+  auto it = arg->index->find(*arg->id);
+  return it == arg->index->end() || it->second.state == State::kStored;
+}
+
+void NvmeTierImpl::WaitSettled(const std::string& id) {
+  SettledArg arg{&index_, &id};
+  mu_.Await(absl::Condition(&IdSettled, &arg));
+}
+
+void NvmeTierImpl::LruPushFront(Entry* e) {
+  e->more_recent = nullptr;
+  e->less_recent = lru_head_;
+  if (lru_head_ != nullptr) {
+    lru_head_->more_recent = e;
+  } else {
+    lru_tail_ = e;
+  }
+  lru_head_ = e;
+}
+
+void NvmeTierImpl::LruPushBack(Entry* e) {
+  e->less_recent = nullptr;
+  e->more_recent = lru_tail_;
+  if (lru_tail_ != nullptr) {
+    lru_tail_->less_recent = e;
+  } else {
+    lru_head_ = e;
+  }
+  lru_tail_ = e;
+}
+
+void NvmeTierImpl::LruRemove(Entry* e) {
+  if (e->more_recent != nullptr) {
+    e->more_recent->less_recent = e->less_recent;
+  } else {
+    lru_head_ = e->less_recent;
+  }
+  if (e->less_recent != nullptr) {
+    e->less_recent->more_recent = e->more_recent;
+  } else {
+    lru_tail_ = e->more_recent;
+  }
+  e->more_recent = e->less_recent = nullptr;
+}
+
+void NvmeTierImpl::TouchLocked(Entry* e) {
+  e->last_touch = ++tick_;
+  e->dirty = true;
+  if (lru_head_ == e) return;
+  LruRemove(e);
+  LruPushFront(e);
+}
+
+NvmeTierImpl::Retired NvmeTierImpl::RetireLocked(Entry* e) {
+  LruRemove(e);
+  e->state = State::kDeleting;
+  used_ -= e->charge;
+  --blocks_;
+  return Retired{*e->id, e->generation};
+}
+
+void NvmeTierImpl::RestoreLocked(absl::Span<const Retired> retired) {
+  for (auto r = retired.rbegin(); r != retired.rend(); ++r) {
+    auto it = index_.find(r->id);
+    if (it == index_.end() || it->second.generation != r->generation ||
+        it->second.state != State::kDeleting) {
+      continue;
+    }
+    Entry& e = it->second;
+    e.state = State::kStored;
+    used_ += e.charge;
+    ++blocks_;
+    LruPushBack(&e);
+  }
+}
+
+void NvmeTierImpl::EraseRetiredLocked(absl::Span<const Retired> retired) {
+  for (const Retired& r : retired) {
+    auto it = index_.find(r.id);
+    if (it != index_.end() && it->second.generation == r.generation &&
+        it->second.state == State::kDeleting) {
+      index_.erase(it);
+    }
+  }
+}
+
+absl::Status NvmeTierImpl::PersistDirtyLocked() {
+  rocksdb::WriteBatch batch;
+  std::vector<Entry*> written;
+  for (auto& [id, e] : index_) {
+    if (e.state != State::kStored || !e.dirty) continue;
+    rocksdb::Status s = batch.Put(
+        meta_cf_, id,
+        EncodeMeta(e.size, e.checksum, e.last_touch, e.read_count, e.parent));
+    RETURN_IF_ERROR(FromRocksStatus(s, "NVMe tier: batching metadata"));
+    written.push_back(&e);
+  }
+  if (written.empty()) return absl::OkStatus();
+  // Written under mu_: no stored entry can be retired, so no delete of these
+  // records can slip in between and be undone by this write.
+  RETURN_IF_ERROR(FromRocksStatus(db_->Write(write_options_, &batch),
+                                  "NVMe tier: persisting read counts"));
+  for (Entry* e : written) e->dirty = false;
+  return absl::OkStatus();
+}
+
+// ---------------------------------------------------------------------------
+// RocksDB writes.
+
+absl::Status NvmeTierImpl::DeleteRecords(absl::Span<const Retired> retired) {
+  rocksdb::WriteBatch batch;
+  for (const Retired& r : retired) {
+    rocksdb::Status s = batch.Delete(meta_cf_, r.id);
+    if (s.ok()) s = batch.Delete(data_cf_, r.id);
+    RETURN_IF_ERROR(FromRocksStatus(s, "NVMe tier: batching deletes"));
+  }
+  rocksdb::Status s = db_->Write(write_options_, &batch);
+  if (!s.ok()) NoteWriteFailure(s);
+  return FromRocksStatus(s, "NVMe tier: deleting blocks");
+}
+
+void NvmeTierImpl::DeleteAndErase(absl::Span<const Retired> retired) {
+  if (retired.empty()) return;
+  // On failure the records stay on disk until a later delete or restart,
+  // where they are indexed and checked again; nothing serves them meanwhile.
+  DeleteRecords(retired).IgnoreError();
+  absl::MutexLock lock(&mu_);
+  EraseRetiredLocked(retired);
+}
+
+void NvmeTierImpl::NoteWriteFailure(const rocksdb::Status& s) {
+  {
+    absl::MutexLock lock(&mu_);
+    ++write_errors_;
+  }
+  // A failed write usually means RocksDB stopped (the listener knows); an
+  // I/O error seen first here gets the same treatment.
+  if (s.IsIOError() && !listener_->stopped()) listener_->Stop(s.ToString());
+}
+
+absl::Status NvmeTierImpl::EnsureWritable() {
+  if (!listener_->stopped()) return absl::OkStatus();
+  absl::MutexLock lock(&resume_mu_);
+  if (!listener_->stopped()) return absl::OkStatus();
+  absl::Time now = clock_->Now();
+  if (now < next_resume_) {
+    return absl::UnavailableError(absl::StrCat(
+        "NVMe tier is not accepting writes after a RocksDB error (",
+        listener_->reason(), "); next retry in ",
+        absl::FormatDuration(next_resume_ - now)));
+  }
+  next_resume_ = now + options_.resume_interval;
+  rocksdb::Status s = db_->Resume();
+  if (!s.ok()) {
+    return FromRocksStatus(
+        s, absl::StrCat("NVMe tier is not accepting writes after a RocksDB "
+                        "error (",
+                        listener_->reason(), "); resuming failed"));
+  }
+  listener_->Clear();
+  return absl::OkStatus();
+}
+
+absl::StatusOr<NvmePutOutcome> NvmeTierImpl::Put(absl::string_view ns,
+                                                 absl::string_view key,
+                                                 absl::string_view parent,
+                                                 absl::string_view bytes,
+                                                 uint64_t checksum) {
+  RETURN_IF_ERROR(ValidateNamespace(ns));
+  RETURN_IF_ERROR(ValidateKey(key));
+  if (!parent.empty()) RETURN_IF_ERROR(ValidateKey(parent, "parent key"));
+  if (bytes.empty()) return absl::InvalidArgumentError("block is empty");
+  if (bytes.size() > options_.max_block_bytes) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("block is ", bytes.size(), " bytes; the NVMe tier limit "
+                     "is ", options_.max_block_bytes));
+  }
+  std::string id = EncodeId(ns, key);
+  const uint64_t charge = Charge(id.size(), parent.size(), bytes.size());
+  if (charge > options_.capacity_bytes) {
+    return absl::ResourceExhaustedError(
+        absl::StrCat("block of ", bytes.size(), " bytes can never fit the "
+                     "NVMe tier's capacity of ", options_.capacity_bytes,
+                     " bytes"));
+  }
+  if (BlockChecksum(bytes) != checksum) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("checksum mismatch for block ", IdToHex(id),
+                     ": the bytes do not hash to the given XXH3-64"));
+  }
+  if (absl::Status writable = EnsureWritable(); !writable.ok()) {
+    absl::MutexLock lock(&mu_);
+    ++write_errors_;
+    return writable;
+  }
+
+  std::vector<Retired> victims;
+  uint64_t victim_bytes = 0;
+  // The index key of our kWriting entry. Only this call changes or erases
+  // that entry, and node_hash_map keys never move, so the pointer stays valid
+  // without the lock.
+  const std::string* block_id = nullptr;
+  std::string meta;
+  {
+    absl::MutexLock lock(&mu_);
+    WaitSettled(id);
+    auto it = index_.find(id);
+    if (it != index_.end()) {
+      TouchLocked(&it->second);
+      return NvmePutOutcome::kAlreadyPresent;
+    }
+    while (used_ + charge > options_.capacity_bytes && lru_tail_ != nullptr) {
+      victim_bytes += lru_tail_->size;
+      victims.push_back(RetireLocked(lru_tail_));
+    }
+    if (used_ + charge > options_.capacity_bytes) {
+      RestoreLocked(victims);
+      return absl::ResourceExhaustedError(
+          absl::StrCat("NVMe tier: puts in flight hold the space a block of ",
+                       bytes.size(), " bytes needs"));
+    }
+    auto [pos, inserted] = index_.try_emplace(std::move(id));
+    Entry& e = pos->second;
+    e.id = block_id = &pos->first;
+    e.parent = std::string(parent);
+    e.size = bytes.size();
+    e.checksum = checksum;
+    e.charge = charge;
+    e.generation = next_generation_++;
+    e.last_touch = ++tick_;
+    e.state = State::kWriting;
+    used_ += charge;
+    meta = EncodeMeta(e.size, e.checksum, e.last_touch, 0, parent);
+  }
+
+  // One batch: the victims disappear and the block appears together.
+  rocksdb::WriteBatch batch;
+  rocksdb::Status s;
+  for (const Retired& v : victims) {
+    if (s.ok()) s = batch.Delete(meta_cf_, v.id);
+    if (s.ok()) s = batch.Delete(data_cf_, v.id);
+  }
+  if (s.ok()) s = batch.Put(meta_cf_, *block_id, meta);
+  if (s.ok()) {
+    s = batch.Put(data_cf_, *block_id,
+                  rocksdb::Slice(bytes.data(), bytes.size()));
+  }
+  if (s.ok()) s = db_->Write(write_options_, &batch);
+  if (!s.ok()) NoteWriteFailure(s);
+
+  absl::MutexLock lock(&mu_);
+  auto it = index_.find(*block_id);
+  Entry& e = it->second;
+  if (!s.ok()) {
+    absl::Status error = FromRocksStatus(
+        s, absl::StrCat("NVMe tier: writing block ", IdToHex(*block_id)));
+    used_ -= e.charge;
+    index_.erase(it);
+    RestoreLocked(victims);
+    return error;
+  }
+  EraseRetiredLocked(victims);
+  evictions_ += victims.size();
+  evicted_bytes_ += victim_bytes;
+  e.state = State::kStored;
+  LruPushFront(&e);
+  ++blocks_;
+  ++puts_;
+  write_bytes_ += e.size;
+  return NvmePutOutcome::kStored;
+}
+
+absl::Status NvmeTierImpl::Delete(absl::string_view ns,
+                                  absl::string_view key) {
+  RETURN_IF_ERROR(ValidateNamespace(ns));
+  RETURN_IF_ERROR(ValidateKey(key));
+  std::string id = EncodeId(ns, key);
+  Retired victim;
+  {
+    absl::MutexLock lock(&mu_);
+    WaitSettled(id);
+    auto it = index_.find(id);
+    if (it == index_.end()) {
+      return absl::NotFoundError(
+          absl::StrCat("block ", IdToHex(id), " is not in the NVMe tier"));
+    }
+    victim = RetireLocked(&it->second);
+  }
+  absl::Status s = DeleteRecords({&victim, 1});
+  absl::MutexLock lock(&mu_);
+  EraseRetiredLocked({&victim, 1});
+  return s;
+}
+
+// ---------------------------------------------------------------------------
+// Lookups and reads.
+
+bool NvmeTierImpl::Contains(absl::string_view ns, absl::string_view key) {
+  if (!ValidateNamespace(ns).ok() || !ValidateKey(key).ok()) return false;
+  std::string id = EncodeId(ns, key);
+  absl::MutexLock lock(&mu_);
+  auto it = index_.find(id);
+  return it != index_.end() && it->second.state == State::kStored;
+}
+
+absl::StatusOr<NvmeBlockMeta> NvmeTierImpl::Meta(absl::string_view ns,
+                                                 absl::string_view key) {
+  RETURN_IF_ERROR(ValidateNamespace(ns));
+  RETURN_IF_ERROR(ValidateKey(key));
+  std::string id = EncodeId(ns, key);
+  absl::MutexLock lock(&mu_);
+  auto it = index_.find(id);
+  if (it == index_.end() || it->second.state != State::kStored) {
+    return absl::NotFoundError(
+        absl::StrCat("block ", IdToHex(id), " is not in the NVMe tier"));
+  }
+  const Entry& e = it->second;
+  NvmeBlockMeta meta;
+  meta.size = e.size;
+  meta.checksum = e.checksum;
+  meta.parent = e.parent;
+  meta.read_count = e.read_count;
+  return meta;
+}
+
+void NvmeTierImpl::ForEachBlock(
+    absl::FunctionRef<void(const NvmeBlockView&)> fn) {
+  absl::MutexLock lock(&mu_);
+  for (const auto& [id, e] : index_) {
+    if (e.state != State::kStored) continue;
+    NvmeBlockView view;
+    if (!DecodeId(id, &view.ns, &view.key)) continue;  // Init checked them
+    view.parent = e.parent;
+    view.size = e.size;
+    view.checksum = e.checksum;
+    view.read_count = e.read_count;
+    fn(view);
+  }
+}
+
+absl::Status NvmeTierImpl::Read(absl::string_view ns, absl::string_view key,
+                                absl::Span<char> dest) {
+  NvmeReadRequest request{key, dest};
+  return std::move(MultiRead(ns, {&request, 1})[0]);
+}
+
+std::vector<absl::Status> NvmeTierImpl::MultiRead(
+    absl::string_view ns, absl::Span<const NvmeReadRequest> requests) {
+  std::vector<absl::Status> results(requests.size());
+  if (absl::Status s = ValidateNamespace(ns); !s.ok()) {
+    for (absl::Status& r : results) r = s;
+    return results;
+  }
+  std::vector<PlannedRead> planned;
+  planned.reserve(requests.size());
+  {
+    absl::MutexLock lock(&mu_);
+    for (size_t i = 0; i < requests.size(); ++i) {
+      const NvmeReadRequest& request = requests[i];
+      if (absl::Status s = ValidateKey(request.key); !s.ok()) {
+        results[i] = s;
+        continue;
+      }
+      std::string id = EncodeId(ns, request.key);
+      auto it = index_.find(id);
+      if (it == index_.end() || it->second.state != State::kStored) {
+        results[i] = absl::NotFoundError(
+            absl::StrCat("block ", IdToHex(id), " is not in the NVMe tier"));
+        continue;
+      }
+      Entry& e = it->second;
+      if (request.dest.size() != e.size) {
+        results[i] = absl::InvalidArgumentError(
+            absl::StrCat("block ", IdToHex(id), " is ", e.size,
+                         " bytes; the destination holds ",
+                         request.dest.size()));
+        continue;
+      }
+      TouchLocked(&e);
+      planned.push_back({i, std::move(id), e.generation, e.size, e.checksum});
+    }
+  }
+  if (planned.empty()) return results;
+
+  std::vector<rocksdb::Slice> keys;
+  keys.reserve(planned.size());
+  for (const PlannedRead& p : planned) keys.emplace_back(p.id);
+  std::vector<rocksdb::PinnableSlice> values(planned.size());
+  std::vector<rocksdb::Status> statuses(planned.size());
+  rocksdb::ReadOptions ro;  // verify_checksums: RocksDB's CRCs as well
+  db_->MultiGet(ro, data_cf_, planned.size(), keys.data(), values.data(),
+                statuses.data());
+  for (size_t j = 0; j < planned.size(); ++j) {
+    const PlannedRead& p = planned[j];
+    results[p.request] =
+        FinishRead(p, statuses[j], values[j], requests[p.request].dest);
+  }
+  return results;
+}
+
+absl::Status NvmeTierImpl::FinishRead(const PlannedRead& read,
+                                      const rocksdb::Status& s,
+                                      const rocksdb::Slice& value,
+                                      absl::Span<char> dest) {
+  if (s.IsNotFound()) {
+    // Either a delete won the race (the entry is gone already), or the
+    // metadata outlived the bytes: drop it.
+    DropBlock(read.id, read.generation, DropReason::kMissing);
+    return absl::NotFoundError(
+        absl::StrCat("block ", IdToHex(read.id), " is not in the NVMe tier"));
+  }
+  if (s.IsCorruption()) {
+    DropBlock(read.id, read.generation, DropReason::kCorrupt);
+    return absl::DataLossError(
+        absl::StrCat("NVMe tier: block ", IdToHex(read.id),
+                     " is corrupt on disk (", s.ToString(), "); dropped"));
+  }
+  if (!s.ok()) {
+    return FromRocksStatus(
+        s, absl::StrCat("NVMe tier: reading block ", IdToHex(read.id)));
+  }
+  if (value.size() != read.size ||
+      BlockChecksum(value.data(), value.size()) != read.checksum) {
+    DropBlock(read.id, read.generation, DropReason::kCorrupt);
+    return absl::DataLossError(absl::StrCat(
+        "NVMe tier: block ", IdToHex(read.id),
+        " does not match its XXH3-64 checksum (", value.size(), " bytes read, ",
+        read.size, " expected); dropped"));
+  }
+  std::memcpy(dest.data(), value.data(), read.size);
+  absl::MutexLock lock(&mu_);
+  ++reads_;
+  read_bytes_ += read.size;
+  auto it = index_.find(read.id);
+  if (it != index_.end() && it->second.generation == read.generation &&
+      it->second.read_count < std::numeric_limits<uint32_t>::max()) {
+    ++it->second.read_count;
+    it->second.dirty = true;
+  }
+  return absl::OkStatus();
+}
+
+bool NvmeTierImpl::DropBlock(const std::string& id, uint64_t generation,
+                             DropReason reason) {
+  Retired victim;
+  {
+    absl::MutexLock lock(&mu_);
+    // Bad bytes count even if the block has gone meanwhile: they were read.
+    if (reason == DropReason::kCorrupt) ++integrity_errors_;
+    auto it = index_.find(id);
+    if (it == index_.end() || it->second.generation != generation ||
+        it->second.state != State::kStored) {
+      return false;
+    }
+    if (reason == DropReason::kMissing) ++orphans_dropped_;
+    victim = RetireLocked(&it->second);
+  }
+  DeleteAndErase({&victim, 1});
+  return true;
+}
+
+// ---------------------------------------------------------------------------
+// Maintenance.
+
+NvmeTierStats NvmeTierImpl::Stats() {
+  NvmeTierStats stats;
+  {
+    absl::MutexLock lock(&mu_);
+    stats.used_bytes = used_;
+    stats.blocks = blocks_;
+    stats.puts = puts_;
+    stats.write_bytes = write_bytes_;
+    stats.write_errors = write_errors_;
+    stats.reads = reads_;
+    stats.read_bytes = read_bytes_;
+    stats.integrity_errors = integrity_errors_;
+    stats.orphans_dropped = orphans_dropped_;
+    stats.evictions = evictions_;
+    stats.evicted_bytes = evicted_bytes_;
+  }
+  stats.capacity_bytes = options_.capacity_bytes;
+  stats.writable = !listener_->stopped();
+  for (rocksdb::ColumnFamilyHandle* cf : {default_cf_, meta_cf_, data_cf_}) {
+    uint64_t value = 0;
+    if (db_->GetIntProperty(cf, rocksdb::DB::Properties::kLiveSstFilesSize,
+                            &value)) {
+      stats.disk_bytes += value;
+    }
+    if (db_->GetIntProperty(cf, rocksdb::DB::Properties::kLiveBlobFileSize,
+                            &value)) {
+      stats.disk_bytes += value;
+    }
+  }
+  return stats;
+}
+
+absl::StatusOr<NvmeVerifyReport> NvmeTierImpl::Verify() {
+  NvmeVerifyReport report;
+  // Entries of a generation below this existed before the scan's snapshot;
+  // each is either met by the scan or checked afterwards.
+  uint64_t generation_limit;
+  {
+    absl::MutexLock lock(&mu_);
+    generation_limit = next_generation_;
+  }
+  absl::flat_hash_set<uint64_t> seen;
+  std::vector<Retired> doomed;
+
+  // One pass over the bytes. RocksDB's own blob CRCs are off here so that a
+  // bad blob does not end the scan; the XXH3-64 check below catches it.
+  rocksdb::ReadOptions scan;
+  scan.verify_checksums = false;
+  scan.fill_cache = false;
+  std::unique_ptr<rocksdb::Iterator> it(db_->NewIterator(scan, data_cf_));
+  for (it->SeekToFirst(); it->Valid(); it->Next()) {
+    std::string id = it->key().ToString();
+    rocksdb::Slice value = it->value();
+    const uint64_t sum = BlockChecksum(value.data(), value.size());
+    {
+      absl::MutexLock lock(&mu_);
+      auto found = index_.find(id);
+      if (found == index_.end()) {
+        // Bytes without metadata. The placeholder makes a Put of this id
+        // wait until the delete has landed.
+        auto [pos, inserted] = index_.try_emplace(std::move(id));
+        pos->second.id = &pos->first;
+        pos->second.state = State::kDeleting;
+        pos->second.generation = next_generation_++;
+        doomed.push_back({pos->first, pos->second.generation});
+        ++orphans_dropped_;
+        ++report.orphans_dropped;
+      } else if (found->second.state == State::kStored &&
+                 found->second.generation < generation_limit) {
+        Entry& e = found->second;
+        if (value.size() == e.size && sum == e.checksum) {
+          seen.insert(e.generation);
+          ++report.blocks_checked;
+          report.bytes_checked += e.size;
+        } else {
+          doomed.push_back(RetireLocked(&e));
+          ++integrity_errors_;
+          ++report.corrupt_dropped;
+        }
+      }
+      // Otherwise a put or delete of this id is in flight, or the block is
+      // newer than the scan: leave it.
+    }
+    if (doomed.size() >= kScrubDeleteBatch) {
+      DeleteAndErase(doomed);
+      doomed.clear();
+    }
+  }
+  rocksdb::Status scan_status = it->status();
+  it.reset();
+  DeleteAndErase(doomed);
+  RETURN_IF_ERROR(FromRocksStatus(scan_status, "NVMe tier: scrub stopped"));
+
+  // Stored blocks the scan did not meet: their bytes are missing, or they
+  // were written after the scan's snapshot. Look again.
+  std::vector<PlannedRead> unseen;
+  {
+    absl::MutexLock lock(&mu_);
+    for (const auto& [id, e] : index_) {
+      if (e.state == State::kStored && e.generation < generation_limit &&
+          !seen.contains(e.generation)) {
+        unseen.push_back({0, id, e.generation, e.size, e.checksum});
+      }
+    }
+  }
+  rocksdb::ReadOptions ro;
+  ro.fill_cache = false;
+  for (const PlannedRead& p : unseen) {
+    rocksdb::PinnableSlice value;
+    rocksdb::Status s = db_->Get(ro, data_cf_, p.id, &value);
+    if (s.IsNotFound()) {
+      if (DropBlock(p.id, p.generation, DropReason::kMissing)) {
+        ++report.missing_dropped;
+      }
+    } else if (s.IsCorruption() ||
+               (s.ok() && (value.size() != p.size ||
+                           BlockChecksum(value.data(), value.size()) !=
+                               p.checksum))) {
+      if (DropBlock(p.id, p.generation, DropReason::kCorrupt)) {
+        ++report.corrupt_dropped;
+      }
+    } else if (s.ok()) {
+      ++report.blocks_checked;
+      report.bytes_checked += p.size;
+    } else {
+      return FromRocksStatus(s, "NVMe tier: scrub stopped");
+    }
+  }
+  return report;
+}
+
+absl::Status NvmeTierImpl::Compact() {
+  RETURN_IF_ERROR(EnsureWritable());
+  // CompactRange plans its levels when called; a flush's automatic
+  // compaction still moving files down would hide them from it. So flush,
+  // let background compactions settle, then compact everything.
+  rocksdb::FlushOptions flush;
+  flush.allow_write_stall = true;
+  RETURN_IF_ERROR(FromRocksStatus(
+      db_->Flush(flush, {default_cf_, meta_cf_, data_cf_}),
+      "NVMe tier: flush before compaction"));
+  const absl::Time deadline = absl::Now() + absl::Minutes(1);
+  for (;;) {
+    uint64_t pending = 0, running = 0;
+    db_->GetIntProperty(rocksdb::DB::Properties::kNumRunningCompactions,
+                        &running);
+    for (rocksdb::ColumnFamilyHandle* cf : {meta_cf_, data_cf_}) {
+      uint64_t value = 0;
+      if (db_->GetIntProperty(cf, rocksdb::DB::Properties::kCompactionPending,
+                              &value)) {
+        pending += value;
+      }
+    }
+    if ((pending == 0 && running == 0) || absl::Now() > deadline) break;
+    absl::SleepFor(absl::Milliseconds(5));
+  }
+  rocksdb::CompactRangeOptions cro;
+  cro.bottommost_level_compaction = rocksdb::BottommostLevelCompaction::kForce;
+  cro.blob_garbage_collection_policy =
+      rocksdb::BlobGarbageCollectionPolicy::kForce;
+  cro.blob_garbage_collection_age_cutoff = 1.0;
+  for (rocksdb::ColumnFamilyHandle* cf : {meta_cf_, data_cf_}) {
+    RETURN_IF_ERROR(
+        FromRocksStatus(db_->CompactRange(cro, cf, nullptr, nullptr),
+                        "NVMe tier: compaction"));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status NvmeTierImpl::Flush() {
+  RETURN_IF_ERROR(EnsureWritable());
+  {
+    absl::MutexLock lock(&mu_);
+    RETURN_IF_ERROR(PersistDirtyLocked());
+  }
+  rocksdb::FlushOptions flush;
+  flush.allow_write_stall = true;
+  return FromRocksStatus(
+      db_->Flush(flush, {default_cf_, meta_cf_, data_cf_}),
+      "NVMe tier: flush");
+}
+
+}  // namespace
+
+absl::StatusOr<std::unique_ptr<NvmeTier>> OpenNvmeTier(
+    const NvmeTierOptions& options, Clock* clock) {
+  if (options.capacity_bytes == 0) {
+    return absl::FailedPreconditionError(
+        "NVMe tier is disabled (capacity 0); do not open it");
+  }
+  if (options.path.empty()) {
+    return absl::InvalidArgumentError("NVMe tier path is empty");
+  }
+  if (options.max_background_jobs < 1) {
+    return absl::InvalidArgumentError(
+        "NVMe tier needs at least one background job");
+  }
+  auto tier = std::make_unique<NvmeTierImpl>(
+      options, clock != nullptr ? clock : SystemClock());
+  RETURN_IF_ERROR(tier->Init());
+  return std::unique_ptr<NvmeTier>(std::move(tier));
+}
+
+}  // namespace kvdepot

@@ -1,0 +1,270 @@
+// NvmeTier: the NVMe tier of the storage engine. Blocks live in a RocksDB
+// database on local flash: each block is a small metadata record in the LSM
+// (size, XXH3-64 checksum, parent key, read count, recency) and its bytes
+// under a second key whose value goes to a blob file (integrated BlobDB) when
+// it is min_blob_size bytes or more. Both records are written in one
+// WriteBatch, so a block appears and disappears atomically, and existence and
+// metadata checks never read the bytes.
+//
+// An in-memory index of every stored block answers Contains/Meta without
+// touching RocksDB and orders blocks for eviction. It is rebuilt from the
+// metadata records when the tier opens (warm restart: a reopened tier serves
+// every block whose records were persisted, without reading any blob).
+//
+// Durability: block records are written without the WAL by default, so a
+// crash may lose the blocks of the last unflushed memtable (the last seconds
+// of writes); a clean shutdown (the destructor, or Flush) persists them.
+// Integrity is never traded: every read verifies the block's XXH3-64, and a
+// block whose bytes do not match is deleted, counted as an integrity error
+// and reported as DataLoss. No path returns bytes that fail their checksum.
+//
+// Capacity: the tier holds at most capacity_bytes of *charged* bytes (see
+// NvmeTierStats::used_bytes) and evicts least recently read or written blocks
+// to make room for a new one. Eviction is plain LRU; admission policy and
+// prefix awareness are the engine's business.
+//
+// Thread-safe: every method may be called from any thread. Reads, puts and
+// deletes do their RocksDB I/O outside the index lock, so they overlap; puts
+// and deletes of the same key are serialized. Put blocks while RocksDB stalls
+// writes (flushes behind): call it from background threads, as MultiRead.
+//
+// Memory: the index keeps, per block, its id (namespace + key), parent key
+// and about 100 bytes of bookkeeping in a hash-map node.
+#ifndef KVDEPOT_STORAGE_NVME_TIER_H_
+#define KVDEPOT_STORAGE_NVME_TIER_H_
+
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/functional/function_ref.h"
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
+#include "absl/time/time.h"
+#include "absl/types/span.h"
+#include "storage/clock.h"
+
+namespace rocksdb {
+class Env;
+}  // namespace rocksdb
+
+namespace kvdepot {
+
+struct NvmeTierOptions {
+  // Directory of the tier's RocksDB database. Created (with its parents) if
+  // missing. One tier per directory: RocksDB's LOCK file refuses a second
+  // opener, in this process or another.
+  std::string path;
+  // Bound on NvmeTierStats::used_bytes. 0 means the tier is disabled:
+  // OpenNvmeTier refuses with FailedPrecondition and touches no file, so the
+  // caller decides not to open it.
+  uint64_t capacity_bytes = uint64_t{8} << 30;
+  // Largest block accepted by Put (InvalidArgument above it).
+  uint64_t max_block_bytes = uint64_t{256} << 20;
+  // Write block records through RocksDB's write-ahead log. Off by default: a
+  // cache may lose its last seconds of writes on a crash.
+  bool use_wal = false;
+  // Block values of at least this many bytes go to blob files; smaller ones
+  // stay inline in the LSM.
+  uint64_t min_blob_size = 4096;
+  // Size at which RocksDB starts a new blob file.
+  uint64_t blob_file_size = uint64_t{256} << 20;
+  // Memtable size (per column family); the most unflushed data a crash with
+  // use_wal == false can lose is about twice this.
+  uint64_t write_buffer_size = uint64_t{64} << 20;
+  // LZ4 for blob files and SSTs. Off by default: KV-cache tensors barely
+  // compress and the CPU is better spent elsewhere.
+  bool compression = false;
+  // RocksDB flush and compaction threads.
+  int max_background_jobs = 4;
+  // After RocksDB stops accepting writes (a full disk, an I/O error), writes
+  // fail fast with Unavailable, and at most once per this interval a write
+  // asks RocksDB to resume; the first one that succeeds reopens the tier for
+  // writing.
+  absl::Duration resume_interval = absl::Seconds(1);
+  // RocksDB environment (file system, threads). nullptr means
+  // rocksdb::Env::Default(). Borrowed: must outlive the tier. Tests pass a
+  // fault-injecting one.
+  rocksdb::Env* env = nullptr;
+};
+
+// What the tier knows about one stored block (a copy).
+struct NvmeBlockMeta {
+  uint64_t size = 0;      // bytes of the block
+  uint64_t checksum = 0;  // XXH3-64 of the bytes
+  std::string parent;     // parent key in the same namespace; empty for a root
+  uint32_t read_count = 0;  // successful verified reads since it was stored
+};
+
+// One block as seen by NvmeTier::ForEachBlock. The views are valid only
+// during the callback.
+struct NvmeBlockView {
+  absl::string_view ns;
+  absl::string_view key;
+  absl::string_view parent;
+  uint64_t size = 0;
+  uint64_t checksum = 0;
+  uint32_t read_count = 0;
+};
+
+struct NvmeTierStats {
+  // Charged bytes of stored blocks plus puts in flight. A block is charged
+  // its size plus the bytes of its two RocksDB keys and its metadata record:
+  // what the tier asked RocksDB to store. It is not the space on disk, which
+  // also holds deleted blobs until blob garbage collection reclaims them
+  // (see disk_bytes and Compact).
+  uint64_t used_bytes = 0;
+  uint64_t capacity_bytes = 0;
+  uint64_t blocks = 0;
+  // Live SST and blob files of the tier's database, as RocksDB reports them.
+  uint64_t disk_bytes = 0;
+  uint64_t puts = 0;         // blocks stored
+  uint64_t write_bytes = 0;  // block bytes of those puts
+  // Writes (puts, deletes) that failed because RocksDB could not or would
+  // not write (disk full, I/O error, stopped after one).
+  uint64_t write_errors = 0;
+  uint64_t reads = 0;         // verified reads served
+  uint64_t read_bytes = 0;
+  // Reads (or scrubs) whose bytes failed their checksum or that RocksDB
+  // reported corrupt, and metadata records found unreadable at open. Each
+  // such block is dropped.
+  uint64_t integrity_errors = 0;
+  // Blocks dropped because one of their two records was missing.
+  uint64_t orphans_dropped = 0;
+  uint64_t evictions = 0;  // blocks evicted to make room
+  uint64_t evicted_bytes = 0;
+  // False while RocksDB refuses writes after a background error (a full
+  // disk); see NvmeTierOptions::resume_interval.
+  bool writable = true;
+};
+
+// What NvmeTier::Verify found.
+struct NvmeVerifyReport {
+  uint64_t blocks_checked = 0;  // blocks whose bytes were read and verified
+  uint64_t bytes_checked = 0;
+  uint64_t corrupt_dropped = 0;  // failed their checksum (or size): dropped
+  uint64_t missing_dropped = 0;  // metadata without bytes: dropped
+  uint64_t orphans_dropped = 0;  // bytes without metadata: deleted
+};
+
+// One block of a MultiRead.
+struct NvmeReadRequest {
+  absl::string_view key;
+  absl::Span<char> dest;  // exactly the block's size
+};
+
+enum class NvmePutOutcome {
+  kStored,          // the block was written
+  kAlreadyPresent,  // the key was already stored; nothing was written
+};
+
+class NvmeTier {
+ public:
+  NvmeTier() = default;
+  NvmeTier(const NvmeTier&) = delete;
+  NvmeTier& operator=(const NvmeTier&) = delete;
+  // Persists read counts and recency, flushes the memtables (so every block
+  // put so far survives a restart) and closes the database. Errors are
+  // dropped; call Flush first to see them.
+  // REQUIRES: no call to this tier is in flight.
+  virtual ~NvmeTier() = default;
+
+  // Stores `bytes` as block `key` of namespace `ns`, unless the key is already
+  // stored (put-if-absent: an existing block is never overwritten; it just
+  // becomes the most recently used). `parent` is the previous block of the
+  // key's chain, empty for a root. Evicts least recently used blocks until the
+  // block fits. `checksum` is verified against `bytes` before anything is
+  // written.
+  // Returns InvalidArgument for a bad namespace, key or parent (see
+  // block_key.h), empty bytes, more than max_block_bytes, or a checksum that
+  // does not match; ResourceExhausted when the block can never fit (its
+  // charge exceeds capacity_bytes) or puts in flight hold the space it needs;
+  // Unavailable when RocksDB fails the write (disk full, I/O error) or is not
+  // accepting writes after such a failure. On any error nothing was stored
+  // and no block was evicted.
+  virtual absl::StatusOr<NvmePutOutcome> Put(absl::string_view ns,
+                                             absl::string_view key,
+                                             absl::string_view parent,
+                                             absl::string_view bytes,
+                                             uint64_t checksum) = 0;
+
+  // True if the block is stored (a put in flight is not yet). Reads no bytes
+  // and does not change recency. False for a bad namespace or key.
+  virtual bool Contains(absl::string_view ns, absl::string_view key) = 0;
+
+  // The block's metadata, from memory. Does not change recency. NotFound if
+  // absent; InvalidArgument for a bad namespace or key.
+  virtual absl::StatusOr<NvmeBlockMeta> Meta(absl::string_view ns,
+                                             absl::string_view key) = 0;
+
+  // Reads the block into `dest` and verifies its checksum; on success the
+  // block becomes the most recently used and its read count goes up.
+  // REQUIRES: dest.size() is the block's size (see Meta).
+  // Returns NotFound if absent (also when its bytes turn out to be missing:
+  // the block is then dropped); InvalidArgument for a bad namespace or key or
+  // a wrong dest size; DataLoss when the bytes fail their checksum or RocksDB
+  // reports them corrupt: the block is dropped and counted in
+  // integrity_errors; Unavailable for an I/O error. On any error the contents
+  // of `dest` are unspecified and must not be used.
+  virtual absl::Status Read(absl::string_view ns, absl::string_view key,
+                            absl::Span<char> dest) = 0;
+
+  // Read() for several blocks of one namespace, fetched with one RocksDB
+  // MultiGet. Returns one status per request, in order, with Read's meaning.
+  // Meant for the engine's background threads (it blocks on the disk).
+  virtual std::vector<absl::Status> MultiRead(
+      absl::string_view ns, absl::Span<const NvmeReadRequest> requests) = 0;
+
+  // Deletes the block. NotFound if absent; InvalidArgument for a bad
+  // namespace or key. Once this returns, the block is not served, even when
+  // RocksDB failed to delete its records (the error is returned; such
+  // records come back after a restart and are checked like any other).
+  virtual absl::Status Delete(absl::string_view ns, absl::string_view key) = 0;
+
+  // Calls `fn` for every stored block (for the engine to rebuild its
+  // accounting after a restart), in no particular order.
+  // REQUIRES: `fn` does not call into this tier (the index lock is held).
+  virtual void ForEachBlock(
+      absl::FunctionRef<void(const NvmeBlockView&)> fn) = 0;
+
+  virtual NvmeTierStats Stats() = 0;
+
+  // Scrubs the tier: reads every stored block's bytes, verifies them against
+  // their checksums, and drops blocks that fail (counted in integrity_errors),
+  // blocks whose bytes are missing and bytes that have no metadata. Other
+  // calls may run meanwhile. Returns what it found; Unavailable or DataLoss
+  // when RocksDB cannot iterate the database (what was found until then has
+  // been dropped already).
+  virtual absl::StatusOr<NvmeVerifyReport> Verify() = 0;
+
+  // Compacts the database and garbage-collects every blob file, so that the
+  // space of deleted and evicted blocks returns to the file system. Heavy:
+  // rewrites live data. Unavailable on an I/O error.
+  virtual absl::Status Compact() = 0;
+
+  // Persists read counts and recency and flushes the memtables: every block
+  // stored before this call survives a crash after it returns.
+  // Unavailable on an I/O error.
+  virtual absl::Status Flush() = 0;
+
+  virtual const NvmeTierOptions& options() const = 0;
+};
+
+// Opens (or creates) the tier at options.path and rebuilds its index from the
+// metadata records; blocks over capacity_bytes (the capacity shrank since the
+// last run) are evicted, least recently used first. `clock` paces write
+// resumption after errors; it must outlive the tier (nullptr means
+// SystemClock()).
+// Returns FailedPrecondition when capacity_bytes is 0 (the tier is disabled)
+// or the directory holds a database of another format; InvalidArgument for
+// an empty path; Unavailable when the directory cannot be created, opened or
+// locked (e.g. read-only, or in use by another tier); DataLoss when RocksDB
+// finds the database corrupt.
+absl::StatusOr<std::unique_ptr<NvmeTier>> OpenNvmeTier(
+    const NvmeTierOptions& options, Clock* clock);
+
+}  // namespace kvdepot
+
+#endif  // KVDEPOT_STORAGE_NVME_TIER_H_

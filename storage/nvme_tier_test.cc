@@ -1,0 +1,829 @@
+#include "storage/nvme_tier.h"
+
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <iterator>
+#include <map>
+#include <random>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "rocksdb/db.h"
+#include "rocksdb/env.h"
+#include "storage/checksum.h"
+#include "storage/fake_clock.h"
+#include "storage/fault_injection_fs.h"
+#include "tests/status_matchers.h"
+
+namespace kvdepot {
+namespace {
+
+namespace fs = std::filesystem;
+using ::kvdepot::testing::StatusIs;
+using ::testing::HasSubstr;
+using Code = absl::StatusCode;
+
+MATCHER_P(IsOkAndHolds, value, "is OK and holds a matching value") {
+  if (!arg.ok()) {
+    *result_listener << "whose status is " << arg.status();
+    return false;
+  }
+  return ::testing::ExplainMatchResult(value, *arg, result_listener);
+}
+
+constexpr uint64_t kKiB = 1024;
+constexpr uint64_t kMiB = 1024 * kKiB;
+
+// Deterministic, incompressible bytes: block `seed` always has the same ones,
+// so any read can be checked against the key alone.
+std::string Bytes(uint64_t seed, size_t size) {
+  std::mt19937_64 rng(seed * 0x9e3779b97f4a7c15ull + size);
+  std::string out(size, '\0');
+  for (size_t i = 0; i < size; i += 8) {
+    uint64_t v = rng();
+    std::memcpy(&out[i], &v, std::min<size_t>(8, size - i));
+  }
+  return out;
+}
+
+// Fixed width, so every key has the same charge.
+std::string Key(int i) { return absl::StrFormat("key-%04d", i); }
+
+// What the tier charges for a block (see NvmeTierStats::used_bytes): the
+// bytes, the id "<len><ns><key>" under two column families, and the
+// 31-byte metadata record plus the parent key.
+uint64_t Charge(absl::string_view ns, absl::string_view key, uint64_t size,
+                size_t parent_bytes = 0) {
+  return size + 2 * (1 + ns.size() + key.size()) + 31 + parent_bytes;
+}
+
+class NvmeTierTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    const auto* info = ::testing::UnitTest::GetInstance()->current_test_info();
+    dir_ = absl::StrCat(::testing::TempDir(), "/nvme_tier_test/",
+                        info->name());
+    fs::remove_all(dir_);
+    fault_fs_ = std::make_shared<FaultInjectionFileSystem>();
+    env_ = rocksdb::NewCompositeEnv(fault_fs_);
+    options_.path = dir_ + "/nvme";
+    options_.capacity_bytes = 64 * kMiB;
+    options_.write_buffer_size = 1 * kMiB;
+    options_.blob_file_size = 4 * kMiB;
+    options_.max_background_jobs = 2;
+    options_.env = env_.get();
+  }
+  void TearDown() override {
+    tier_.reset();
+    fs::remove_all(dir_);
+  }
+
+  void Open() {
+    tier_.reset();
+    auto tier = OpenNvmeTier(options_, &clock_);
+    ASSERT_OK(tier);
+    tier_ = std::move(tier).value();
+  }
+  void Close() { tier_.reset(); }
+
+  absl::StatusOr<NvmePutOutcome> Put(const std::string& key,
+                                     const std::string& bytes,
+                                     const std::string& parent = "",
+                                     const std::string& ns = "ns") {
+    return tier_->Put(ns, key, parent, bytes, BlockChecksum(bytes));
+  }
+
+  absl::StatusOr<std::string> Read(const std::string& key,
+                                   const std::string& ns = "ns") {
+    auto meta = tier_->Meta(ns, key);
+    if (!meta.ok()) return meta.status();
+    std::string out(meta->size, '\0');
+    absl::Status s = tier_->Read(ns, key, absl::MakeSpan(out));
+    if (!s.ok()) return s;
+    return out;
+  }
+
+  // Reads the block and compares it with `expected` (without printing
+  // kilobytes of bytes on a mismatch).
+  ::testing::AssertionResult ReadsBack(const std::string& key,
+                                       const std::string& expected,
+                                       const std::string& ns = "ns") {
+    auto got = Read(key, ns);
+    if (!got.ok()) {
+      return ::testing::AssertionFailure()
+             << "reading " << ns << "/" << key << ": " << got.status();
+    }
+    if (*got != expected) {
+      return ::testing::AssertionFailure()
+             << ns << "/" << key << " read back " << got->size()
+             << " bytes that differ from the " << expected.size()
+             << " expected";
+    }
+    return ::testing::AssertionSuccess();
+  }
+
+  std::vector<std::string> BlobFiles() const {
+    std::vector<std::string> out;
+    for (const auto& f : fs::directory_iterator(options_.path)) {
+      if (f.path().extension() == ".blob") out.push_back(f.path().string());
+    }
+    return out;
+  }
+
+  // Flips one byte in the middle of `block`'s bytes in whichever blob file
+  // holds them. REQUIRES: the tier is closed.
+  void CorruptBlobBytes(const std::string& block) {
+    const std::string probe = block.substr(block.size() / 2 - 16, 32);
+    for (const std::string& path : BlobFiles()) {
+      std::fstream f(path, std::ios::in | std::ios::out | std::ios::binary);
+      std::string content((std::istreambuf_iterator<char>(f)),
+                          std::istreambuf_iterator<char>());
+      size_t pos = content.find(probe);
+      if (pos == std::string::npos) continue;
+      f.seekp(static_cast<std::streamoff>(pos + 16));
+      char flipped = static_cast<char>(content[pos + 16] ^ 0x5a);
+      f.write(&flipped, 1);
+      ASSERT_TRUE(f.good());
+      return;
+    }
+    FAIL() << "block bytes not found in any blob file";
+  }
+
+  std::string dir_;
+  FakeClock clock_;
+  std::shared_ptr<FaultInjectionFileSystem> fault_fs_;
+  std::unique_ptr<rocksdb::Env> env_;
+  NvmeTierOptions options_;
+  std::unique_ptr<NvmeTier> tier_;
+};
+
+TEST_F(NvmeTierTest, RoundTripsSmallAndBlobBlocksAndIsPutIfAbsent) {
+  Open();
+  const std::string small = Bytes(1, 100);        // stays in the LSM
+  const std::string large = Bytes(2, 64 * kKiB);  // goes to a blob file
+  EXPECT_THAT(Put("small", small), IsOkAndHolds(NvmePutOutcome::kStored));
+  EXPECT_THAT(Put("large", large), IsOkAndHolds(NvmePutOutcome::kStored));
+  EXPECT_TRUE(ReadsBack("small", small));
+  EXPECT_TRUE(ReadsBack("large", large));
+
+  // A second put of a stored key writes nothing, even with other bytes.
+  const std::string other = Bytes(3, 64 * kKiB);
+  EXPECT_THAT(Put("large", other),
+              IsOkAndHolds(NvmePutOutcome::kAlreadyPresent));
+  EXPECT_TRUE(ReadsBack("large", large));
+
+  ASSERT_OK(tier_->Flush());  // the blob is on disk, not in the memtable
+  EXPECT_TRUE(ReadsBack("large", large));
+  EXPECT_FALSE(BlobFiles().empty());
+
+  NvmeTierStats stats = tier_->Stats();
+  EXPECT_EQ(stats.blocks, 2u);
+  EXPECT_EQ(stats.puts, 2u);
+  EXPECT_EQ(stats.write_bytes, small.size() + large.size());
+  EXPECT_EQ(stats.used_bytes,
+            Charge("ns", "small", small.size()) +
+                Charge("ns", "large", large.size()));
+  EXPECT_EQ(stats.reads, 4u);
+  EXPECT_EQ(stats.integrity_errors, 0u);
+  EXPECT_GT(stats.disk_bytes, large.size());
+  EXPECT_TRUE(stats.writable);
+
+  // Below min_blob_size the bytes live in the LSM, above it in a blob file.
+  Close();
+  Open();
+  const uint64_t blob_reads = fault_fs_->blob_reads();
+  EXPECT_TRUE(ReadsBack("small", small));
+  EXPECT_EQ(fault_fs_->blob_reads(), blob_reads);
+  EXPECT_TRUE(ReadsBack("large", large));
+  EXPECT_GT(fault_fs_->blob_reads(), blob_reads);
+}
+
+TEST_F(NvmeTierTest, KeysAreEncodedUnambiguouslyPerNamespace) {
+  Open();
+  // Same concatenation "abc", different (namespace, key) pairs.
+  const std::string a = Bytes(1, 5000), b = Bytes(2, 5000);
+  ASSERT_OK(Put("bc", a, "", "a"));
+  ASSERT_OK(Put("c", b, "", "ab"));
+  EXPECT_TRUE(ReadsBack("bc", a, "a"));
+  EXPECT_TRUE(ReadsBack("c", b, "ab"));
+  EXPECT_FALSE(tier_->Contains("a", "c"));
+  EXPECT_FALSE(tier_->Contains("ab", "bc"));
+  // Keys are opaque bytes, NULs included.
+  const std::string binary_key("\0\x01\xff\0", 4);
+  ASSERT_OK(Put(binary_key, a));
+  EXPECT_TRUE(ReadsBack(binary_key, a));
+  EXPECT_FALSE(tier_->Contains("ns", std::string("\0\x01\xff", 3)));
+}
+
+TEST_F(NvmeTierTest, MetadataAndExistenceNeverReadBlobs) {
+  Open();
+  for (int i = 0; i < 10; ++i) {
+    ASSERT_OK(Put(Key(i), Bytes(i, 32 * kKiB), i == 0 ? "" : Key(i - 1)));
+  }
+  Close();
+  Open();  // nothing cached: any blob access would show as a read
+  const uint64_t before = fault_fs_->blob_reads();
+  for (int i = 0; i < 10; ++i) {
+    EXPECT_TRUE(tier_->Contains("ns", Key(i)));
+    auto meta = tier_->Meta("ns", Key(i));
+    ASSERT_OK(meta);
+    EXPECT_EQ(meta->size, 32 * kKiB);
+    EXPECT_EQ(meta->checksum, BlockChecksum(Bytes(i, 32 * kKiB)));
+    EXPECT_EQ(meta->parent, i == 0 ? "" : Key(i - 1));
+    EXPECT_EQ(meta->read_count, 0u);
+  }
+  EXPECT_FALSE(tier_->Contains("ns", Key(10)));
+  EXPECT_THAT(tier_->Meta("ns", Key(10)), StatusIs(Code::kNotFound));
+  int listed = 0;
+  tier_->ForEachBlock([&](const NvmeBlockView&) { ++listed; });
+  EXPECT_EQ(listed, 10);
+  EXPECT_EQ(tier_->Stats().blocks, 10u);
+  EXPECT_EQ(fault_fs_->blob_reads(), before);
+
+  // A real read does touch the blob file (the counter works).
+  EXPECT_TRUE(ReadsBack(Key(3), Bytes(3, 32 * kKiB)));
+  EXPECT_GT(fault_fs_->blob_reads(), before);
+}
+
+TEST_F(NvmeTierTest, WarmRestartServesEveryBlockWithoutReadingBlobs) {
+  Open();
+  std::map<std::string, std::string> blocks;
+  for (int i = 0; i < 60; ++i) {
+    // Sizes on both sides of min_blob_size, two namespaces, chains.
+    size_t size = (i % 3 == 0) ? 1000 + i : 16 * kKiB + i;
+    std::string ns = i % 2 ? "model-a/tp0" : "model-b/tp1";
+    ASSERT_OK(Put(Key(i), Bytes(i, size), i >= 2 ? Key(i - 2) : "", ns));
+    blocks[ns + "|" + Key(i)] = Bytes(i, size);
+  }
+  EXPECT_TRUE(ReadsBack(Key(7), Bytes(7, 16 * kKiB + 7), "model-a/tp0"));
+  EXPECT_TRUE(ReadsBack(Key(7), Bytes(7, 16 * kKiB + 7), "model-a/tp0"));
+  const NvmeTierStats before = tier_->Stats();
+  Close();
+
+  const uint64_t blob_reads = fault_fs_->blob_reads();
+  Open();
+  EXPECT_EQ(fault_fs_->blob_reads(), blob_reads) << "Open read a blob";
+  const NvmeTierStats after = tier_->Stats();
+  EXPECT_EQ(after.blocks, 60u);
+  EXPECT_EQ(after.used_bytes, before.used_bytes);
+
+  std::map<std::string, std::string> listed;
+  tier_->ForEachBlock([&](const NvmeBlockView& b) {
+    listed[absl::StrCat(b.ns, "|", b.key)] = std::string(b.parent);
+    EXPECT_EQ(b.checksum, BlockChecksum(blocks[absl::StrCat(b.ns, "|", b.key)]));
+  });
+  EXPECT_EQ(listed.size(), 60u);
+  EXPECT_EQ(listed["model-b/tp1|" + Key(4)], Key(2));
+  EXPECT_EQ(listed["model-a/tp0|" + Key(1)], "");
+
+  for (int i = 0; i < 60; ++i) {
+    std::string ns = i % 2 ? "model-a/tp0" : "model-b/tp1";
+    EXPECT_TRUE(ReadsBack(Key(i), blocks[ns + "|" + Key(i)], ns))
+        << i;
+  }
+  // Read counts survived the restart (2 reads before, 1 since).
+  EXPECT_EQ(tier_->Meta("model-a/tp0", Key(7))->read_count, 3u);
+}
+
+TEST_F(NvmeTierTest, DeleteIsImmediateAndDurable) {
+  Open();
+  ASSERT_OK(Put("a", Bytes(1, 8 * kKiB)));
+  ASSERT_OK(Put("b", Bytes(2, 8 * kKiB)));
+  EXPECT_OK(tier_->Delete("ns", "a"));
+  EXPECT_FALSE(tier_->Contains("ns", "a"));
+  EXPECT_THAT(Read("a"), StatusIs(Code::kNotFound));
+  EXPECT_THAT(tier_->Delete("ns", "a"), StatusIs(Code::kNotFound));
+  EXPECT_EQ(tier_->Stats().used_bytes, Charge("ns", "b", 8 * kKiB));
+  Close();
+  Open();
+  EXPECT_FALSE(tier_->Contains("ns", "a"));
+  EXPECT_TRUE(ReadsBack("b", Bytes(2, 8 * kKiB)));
+  // A deleted key can be stored again.
+  EXPECT_THAT(Put("a", Bytes(1, 8 * kKiB)),
+              IsOkAndHolds(NvmePutOutcome::kStored));
+}
+
+TEST_F(NvmeTierTest, EvictsLeastRecentlyUsedFirst) {
+  constexpr size_t kSize = 16 * kKiB;
+  options_.capacity_bytes = 10 * Charge("ns", Key(0), kSize);
+  Open();
+  for (int i = 0; i < 10; ++i) ASSERT_OK(Put(Key(i), Bytes(i, kSize)));
+  EXPECT_EQ(tier_->Stats().evictions, 0u);
+
+  ASSERT_TRUE(ReadsBack(Key(0), Bytes(0, kSize)));                  // read: 0 becomes most recent
+  ASSERT_OK(Put(Key(1), Bytes(1, kSize)));  // existing put: 1 as well
+  ASSERT_OK(Put(Key(10), Bytes(10, kSize)));
+  EXPECT_FALSE(tier_->Contains("ns", Key(2)));  // the least recent went
+  for (int i : {0, 1, 3, 9, 10}) EXPECT_TRUE(tier_->Contains("ns", Key(i)));
+  ASSERT_OK(Put(Key(11), Bytes(11, kSize)));
+  EXPECT_FALSE(tier_->Contains("ns", Key(3)));
+  EXPECT_TRUE(tier_->Contains("ns", Key(4)));
+
+  NvmeTierStats stats = tier_->Stats();
+  EXPECT_EQ(stats.evictions, 2u);
+  EXPECT_EQ(stats.evicted_bytes, 2 * kSize);
+  EXPECT_EQ(stats.blocks, 10u);
+  EXPECT_LE(stats.used_bytes, stats.capacity_bytes);
+
+  // Recency survives a restart: 4 is now the least recent, then 5.
+  Close();
+  Open();
+  ASSERT_OK(Put(Key(12), Bytes(12, kSize)));
+  EXPECT_FALSE(tier_->Contains("ns", Key(4)));
+  EXPECT_TRUE(tier_->Contains("ns", Key(5)));
+  EXPECT_TRUE(tier_->Contains("ns", Key(0)));
+}
+
+TEST_F(NvmeTierTest, FourTimesCapacityStaysBoundedAndLosesNothingReported) {
+  constexpr size_t kSize = 16 * kKiB;
+  options_.capacity_bytes = 1 * kMiB;
+  Open();
+  const uint64_t per_block = Charge("ns", Key(100), kSize);
+  const int total = static_cast<int>(4 * options_.capacity_bytes / kSize);
+  for (int i = 0; i < total; ++i) {
+    ASSERT_OK(Put(Key(i), Bytes(i, kSize)));
+    ASSERT_LE(tier_->Stats().used_bytes, options_.capacity_bytes);
+    if (i % 7 == 0 && i >= 20) {
+      // Keep an older block hot; it must survive the churn.
+      ASSERT_TRUE(ReadsBack(Key(20), Bytes(20, kSize)));
+    }
+  }
+  NvmeTierStats stats = tier_->Stats();
+  EXPECT_EQ(stats.blocks + stats.evictions, static_cast<uint64_t>(total));
+  EXPECT_GE(stats.used_bytes + per_block, options_.capacity_bytes)
+      << "eviction freed more than needed";
+  EXPECT_TRUE(tier_->Contains("ns", Key(20)));
+
+  // Every block the tier reports is served, intact, before and after a
+  // restart.
+  auto check_all = [&] {
+    uint64_t present = 0;
+    for (int i = 0; i < total; ++i) {
+      if (!tier_->Contains("ns", Key(i))) continue;
+      ++present;
+      EXPECT_TRUE(ReadsBack(Key(i), Bytes(i, kSize))) << i;
+    }
+    EXPECT_EQ(present, tier_->Stats().blocks);
+    return present;
+  };
+  uint64_t present = check_all();
+  Close();
+  Open();
+  EXPECT_EQ(check_all(), present);
+}
+
+TEST_F(NvmeTierTest, ShrunkCapacityEvictsOldestAtOpen) {
+  constexpr size_t kSize = 8 * kKiB;
+  Open();
+  for (int i = 0; i < 20; ++i) ASSERT_OK(Put(Key(i), Bytes(i, kSize)));
+  Close();
+  options_.capacity_bytes = 5 * Charge("ns", Key(10), kSize);
+  Open();
+  NvmeTierStats stats = tier_->Stats();
+  EXPECT_EQ(stats.blocks, 5u);
+  EXPECT_LE(stats.used_bytes, options_.capacity_bytes);
+  for (int i = 0; i < 15; ++i) EXPECT_FALSE(tier_->Contains("ns", Key(i))) << i;
+  for (int i = 15; i < 20; ++i) {
+    EXPECT_TRUE(ReadsBack(Key(i), Bytes(i, kSize))) << i;
+  }
+}
+
+TEST_F(NvmeTierTest, ByteFlippedInBlobFileIsDataLossAndDropped) {
+  constexpr size_t kSize = 64 * kKiB;
+  Open();
+  for (int i = 0; i < 8; ++i) ASSERT_OK(Put(Key(i), Bytes(i, kSize)));
+  Close();
+  CorruptBlobBytes(Bytes(3, kSize));
+  Open();
+
+  std::string buf(kSize, '\0');
+  absl::Status s = tier_->Read("ns", Key(3), absl::MakeSpan(buf));
+  EXPECT_THAT(s, StatusIs(Code::kDataLoss));
+  EXPECT_THAT(std::string(s.message()), HasSubstr("dropped"));
+  EXPECT_EQ(tier_->Stats().integrity_errors, 1u);
+  EXPECT_FALSE(tier_->Contains("ns", Key(3)));
+  EXPECT_THAT(Read(Key(3)), StatusIs(Code::kNotFound));
+  for (int i : {0, 1, 2, 4, 5, 6, 7}) {
+    EXPECT_TRUE(ReadsBack(Key(i), Bytes(i, kSize))) << i;
+  }
+  EXPECT_EQ(tier_->Stats().blocks, 7u);
+  EXPECT_EQ(tier_->Stats().integrity_errors, 1u);
+
+  // The drop was durable: the block does not come back after a restart.
+  Close();
+  Open();
+  EXPECT_FALSE(tier_->Contains("ns", Key(3)));
+  EXPECT_EQ(tier_->Stats().blocks, 7u);
+}
+
+TEST_F(NvmeTierTest, MultiReadMixesHitsMissesAndCorruptBlocks) {
+  constexpr size_t kSize = 32 * kKiB;
+  Open();
+  for (int i = 0; i < 4; ++i) ASSERT_OK(Put(Key(i), Bytes(i, kSize)));
+  Close();
+  CorruptBlobBytes(Bytes(2, kSize));
+  Open();
+
+  const std::vector<std::string> keys = {
+      Key(0),  // hit
+      Key(9),  // miss
+      Key(2),  // corrupt
+      "",      // bad key
+      Key(3),  // hit
+      Key(1),  // wrong destination size
+      Key(1),  // hit
+  };
+  std::vector<std::string> bufs(keys.size(), std::string(kSize, '\0'));
+  bufs[5].resize(kSize - 1);
+  std::vector<NvmeReadRequest> requests;
+  for (size_t i = 0; i < keys.size(); ++i) {
+    requests.push_back({keys[i], absl::MakeSpan(bufs[i])});
+  }
+  std::vector<absl::Status> results = tier_->MultiRead("ns", requests);
+  ASSERT_EQ(results.size(), requests.size());
+  EXPECT_OK(results[0]);
+  EXPECT_THAT(results[1], StatusIs(Code::kNotFound));
+  EXPECT_THAT(results[2], StatusIs(Code::kDataLoss));
+  EXPECT_THAT(results[3], StatusIs(Code::kInvalidArgument));
+  EXPECT_OK(results[4]);
+  EXPECT_THAT(results[5], StatusIs(Code::kInvalidArgument));
+  EXPECT_OK(results[6]);
+  EXPECT_EQ(bufs[0], Bytes(0, kSize));
+  EXPECT_EQ(bufs[4], Bytes(3, kSize));
+  EXPECT_EQ(bufs[6], Bytes(1, kSize));
+  EXPECT_FALSE(tier_->Contains("ns", Key(2)));
+  EXPECT_EQ(tier_->Stats().integrity_errors, 1u);
+  EXPECT_EQ(tier_->Meta("ns", Key(1))->read_count, 1u);
+
+  // A bad namespace fails every request.
+  for (const absl::Status& r : tier_->MultiRead("bad ns", requests)) {
+    EXPECT_THAT(r, StatusIs(Code::kInvalidArgument));
+  }
+}
+
+TEST_F(NvmeTierTest, VerifyDropsCorruptBlocks) {
+  constexpr size_t kSize = 16 * kKiB;
+  Open();
+  for (int i = 0; i < 12; ++i) ASSERT_OK(Put(Key(i), Bytes(i, kSize)));
+  Close();
+  CorruptBlobBytes(Bytes(4, kSize));
+  CorruptBlobBytes(Bytes(9, kSize));
+  Open();
+
+  auto report = tier_->Verify();
+  ASSERT_OK(report);
+  EXPECT_EQ(report->blocks_checked, 10u);
+  EXPECT_EQ(report->bytes_checked, 10 * kSize);
+  EXPECT_EQ(report->corrupt_dropped, 2u);
+  EXPECT_EQ(report->missing_dropped, 0u);
+  EXPECT_EQ(report->orphans_dropped, 0u);
+  EXPECT_EQ(tier_->Stats().integrity_errors, 2u);
+  EXPECT_FALSE(tier_->Contains("ns", Key(4)));
+  EXPECT_FALSE(tier_->Contains("ns", Key(9)));
+  for (int i : {0, 3, 5, 8, 11}) {
+    EXPECT_TRUE(ReadsBack(Key(i), Bytes(i, kSize))) << i;
+  }
+
+  report = tier_->Verify();  // clean now
+  ASSERT_OK(report);
+  EXPECT_EQ(report->blocks_checked, 10u);
+  EXPECT_EQ(report->corrupt_dropped, 0u);
+}
+
+// Blocks with only one of their two records cannot be made through the tier
+// (both go in one WriteBatch); make them with RocksDB directly, as damaged or
+// hand-edited files would.
+TEST_F(NvmeTierTest, HalfWrittenBlocksAreDroppedNotServed) {
+  constexpr size_t kSize = 8 * kKiB;
+  Open();
+  for (int i = 0; i < 5; ++i) ASSERT_OK(Put(Key(i), Bytes(i, kSize)));
+  Close();
+  {
+    std::vector<rocksdb::ColumnFamilyDescriptor> families = {
+        {rocksdb::kDefaultColumnFamilyName, {}}, {"meta", {}}, {"data", {}}};
+    std::vector<rocksdb::ColumnFamilyHandle*> handles;
+    rocksdb::DB* raw = nullptr;
+    ASSERT_TRUE(rocksdb::DB::Open(rocksdb::DBOptions(), options_.path,
+                                  families, &handles, &raw)
+                    .ok());
+    std::unique_ptr<rocksdb::DB> db(raw);
+    auto id = [](const std::string& key) {
+      return absl::StrCat(std::string(1, '\x02'), "ns", key);
+    };
+    EXPECT_TRUE(db->Delete({}, handles[2], id(Key(1))).ok());  // meta only
+    EXPECT_TRUE(db->Delete({}, handles[2], id(Key(2))).ok());  // meta only
+    EXPECT_TRUE(db->Delete({}, handles[1], id(Key(3))).ok());  // data only
+    for (auto* h : handles) ASSERT_TRUE(db->DestroyColumnFamilyHandle(h).ok());
+    ASSERT_TRUE(db->Close().ok());
+  }
+  Open();
+  // The index comes from metadata: 1 and 2 look present, 3 does not.
+  EXPECT_TRUE(tier_->Contains("ns", Key(1)));
+  EXPECT_FALSE(tier_->Contains("ns", Key(3)));
+  EXPECT_THAT(Read(Key(1)), StatusIs(Code::kNotFound));
+  EXPECT_FALSE(tier_->Contains("ns", Key(1)));
+  EXPECT_EQ(tier_->Stats().orphans_dropped, 1u);
+
+  auto report = tier_->Verify();
+  ASSERT_OK(report);
+  EXPECT_EQ(report->missing_dropped, 1u);  // Key(2): metadata, no bytes
+  EXPECT_EQ(report->orphans_dropped, 1u);  // Key(3): bytes, no metadata
+  EXPECT_EQ(report->blocks_checked, 2u);   // Key(0), Key(4)
+  EXPECT_FALSE(tier_->Contains("ns", Key(2)));
+  EXPECT_EQ(tier_->Stats().blocks, 2u);
+  EXPECT_EQ(tier_->Stats().used_bytes, 2 * Charge("ns", Key(0), kSize));
+
+  // All three keys can be stored again, and a second scrub is clean.
+  for (int i : {1, 2, 3}) {
+    EXPECT_THAT(Put(Key(i), Bytes(i, kSize)),
+                IsOkAndHolds(NvmePutOutcome::kStored));
+    EXPECT_TRUE(ReadsBack(Key(i), Bytes(i, kSize)));
+  }
+  report = tier_->Verify();
+  ASSERT_OK(report);
+  EXPECT_EQ(report->blocks_checked, 5u);
+  EXPECT_EQ(report->orphans_dropped + report->missing_dropped +
+                report->corrupt_dropped,
+            0u);
+}
+
+TEST_F(NvmeTierTest, DiskFullFailsPutsCleanlyAndRecovers) {
+  constexpr size_t kSize = 64 * kKiB;
+  Open();
+  for (int i = 0; i < 10; ++i) ASSERT_OK(Put(Key(i), Bytes(i, kSize)));
+  ASSERT_OK(tier_->Flush());
+
+  fault_fs_->SetDiskFull(true);
+  // Writes go to the memtable first; the failure surfaces when RocksDB
+  // flushes, and from then on every put fails.
+  absl::Status failure;
+  std::vector<int> stored;
+  for (int i = 10; i < 200 && failure.ok(); ++i) {
+    auto put = Put(Key(i), Bytes(i, kSize));
+    if (put.ok()) {
+      stored.push_back(i);
+    } else {
+      failure = put.status();
+    }
+  }
+  ASSERT_FALSE(failure.ok()) << "no put failed on a full disk";
+  EXPECT_THAT(failure, StatusIs(Code::kUnavailable));
+  EXPECT_THAT(std::string(failure.message()), HasSubstr("disk full"));
+  EXPECT_GT(fault_fs_->injected_errors(), 0u);
+
+  // Fails fast while RocksDB is stopped, with a clear message.
+  auto again = Put(Key(500), Bytes(500, kSize));
+  EXPECT_THAT(again, StatusIs(Code::kUnavailable));
+  EXPECT_THAT(std::string(again.status().message()),
+              HasSubstr("not accepting writes"));
+  NvmeTierStats stats = tier_->Stats();
+  EXPECT_FALSE(stats.writable);
+  EXPECT_GE(stats.write_errors, 1u);
+  EXPECT_EQ(stats.blocks, 10 + stored.size());
+  EXPECT_FALSE(tier_->Contains("ns", Key(500)));
+
+  // Everything stored before still reads.
+  for (int i = 0; i < 10; ++i) {
+    EXPECT_TRUE(ReadsBack(Key(i), Bytes(i, kSize))) << i;
+  }
+  for (int i : stored) {
+    EXPECT_TRUE(ReadsBack(Key(i), Bytes(i, kSize))) << i;
+  }
+
+  // Space comes back: after resume_interval, puts work again.
+  fault_fs_->SetDiskFull(false);
+  clock_.Advance(options_.resume_interval);
+  EXPECT_THAT(Put(Key(500), Bytes(500, kSize)),
+              IsOkAndHolds(NvmePutOutcome::kStored));
+  EXPECT_TRUE(tier_->Stats().writable);
+  ASSERT_OK(tier_->Flush());
+
+  // And everything the tier reported survives a restart.
+  Close();
+  Open();
+  EXPECT_EQ(tier_->Stats().blocks, 11 + stored.size());
+  for (int i = 0; i < 10; ++i) {
+    EXPECT_TRUE(ReadsBack(Key(i), Bytes(i, kSize))) << i;
+  }
+  for (int i : stored) {
+    EXPECT_TRUE(ReadsBack(Key(i), Bytes(i, kSize))) << i;
+  }
+  EXPECT_TRUE(ReadsBack(Key(500), Bytes(500, kSize)));
+}
+
+// A crash image: the files as they are on disk while the tier is open, as
+// kill -9 would leave them (the page cache survives a process crash).
+TEST_F(NvmeTierTest, CrashLosesOnlyUnflushedWritesWithoutWal) {
+  constexpr size_t kSize = 16 * kKiB;
+  for (bool wal : {false, true}) {
+    SCOPED_TRACE(wal ? "with WAL" : "without WAL");
+    options_.use_wal = wal;
+    options_.path = absl::StrCat(dir_, "/nvme-", wal);
+    Open();
+    for (int i = 0; i < 10; ++i) ASSERT_OK(Put(Key(i), Bytes(i, kSize)));
+    ASSERT_OK(tier_->Flush());
+    for (int i = 10; i < 15; ++i) ASSERT_OK(Put(Key(i), Bytes(i, kSize)));
+    const std::string image = options_.path + "-crash";
+    fs::copy(options_.path, image);
+    Close();
+
+    options_.path = image;
+    Open();
+    const uint64_t expected = wal ? 15 : 10;
+    EXPECT_EQ(tier_->Stats().blocks, expected);
+    for (int i = 0; i < 15; ++i) {
+      if (static_cast<uint64_t>(i) < expected) {
+        EXPECT_TRUE(ReadsBack(Key(i), Bytes(i, kSize))) << i;
+      } else {
+        EXPECT_FALSE(tier_->Contains("ns", Key(i))) << i;
+      }
+    }
+    auto report = tier_->Verify();
+    ASSERT_OK(report);
+    EXPECT_EQ(report->blocks_checked, expected);
+    EXPECT_EQ(report->orphans_dropped + report->missing_dropped +
+                  report->corrupt_dropped,
+              0u);
+    Close();
+  }
+}
+
+TEST_F(NvmeTierTest, CompactReclaimsSpaceOfDeletedBlocks) {
+  constexpr size_t kSize = 64 * kKiB;
+  Open();
+  for (int i = 0; i < 40; ++i) ASSERT_OK(Put(Key(i), Bytes(i, kSize)));
+  ASSERT_OK(tier_->Flush());
+  EXPECT_GE(tier_->Stats().disk_bytes, 40 * kSize);
+  for (int i = 1; i < 40; ++i) ASSERT_OK(tier_->Delete("ns", Key(i)));
+  ASSERT_OK(tier_->Compact());
+  EXPECT_LT(tier_->Stats().disk_bytes, 4 * kSize);
+  EXPECT_TRUE(ReadsBack(Key(0), Bytes(0, kSize)));
+  Close();
+  Open();
+  EXPECT_EQ(tier_->Stats().blocks, 1u);
+  EXPECT_TRUE(ReadsBack(Key(0), Bytes(0, kSize)));
+}
+
+TEST_F(NvmeTierTest, ConcurrentPutsReadsAndDeletes) {
+  // Content-addressed as in real use: a key always has the same bytes, so
+  // every successful read can be checked. The capacity holds about half the
+  // key space, so eviction races with everything else.
+  constexpr size_t kSize = 8 * kKiB;
+  constexpr int kKeys = 64;
+  constexpr int kThreads = 4;
+  constexpr int kOps = 400;
+  options_.capacity_bytes = 32 * Charge("ns", Key(10), kSize);
+  Open();
+  std::atomic<int> bad{0}, reads_ok{0};
+  std::vector<std::thread> threads;
+  for (int t = 0; t < kThreads; ++t) {
+    threads.emplace_back([&, t] {
+      std::mt19937 rng(t);
+      std::string buf(kSize, '\0');
+      for (int op = 0; op < kOps; ++op) {
+        int k = static_cast<int>(rng() % kKeys);
+        switch (rng() % 8) {
+          case 0:
+          case 1:
+          case 2: {
+            auto put = Put(Key(k), Bytes(k, kSize));
+            if (!put.ok()) bad++;
+            break;
+          }
+          case 3:
+            if (absl::Status s = tier_->Delete("ns", Key(k));
+                !s.ok() && !absl::IsNotFound(s)) {
+              bad++;
+            }
+            break;
+          case 4:
+            tier_->Contains("ns", Key(k));
+            break;
+          default: {
+            absl::Status s = tier_->Read("ns", Key(k), absl::MakeSpan(buf));
+            if (s.ok()) {
+              reads_ok++;
+              if (buf != Bytes(k, kSize)) bad++;
+            } else if (!absl::IsNotFound(s)) {
+              bad++;
+            }
+          }
+        }
+      }
+    });
+  }
+  for (auto& t : threads) t.join();
+  EXPECT_EQ(bad.load(), 0);
+  EXPECT_GT(reads_ok.load(), 0);
+
+  NvmeTierStats stats = tier_->Stats();
+  EXPECT_LE(stats.used_bytes, options_.capacity_bytes);
+  EXPECT_EQ(stats.integrity_errors, 0u);
+  uint64_t present = 0;
+  for (int k = 0; k < kKeys; ++k) {
+    if (!tier_->Contains("ns", Key(k))) continue;
+    ++present;
+    EXPECT_TRUE(ReadsBack(Key(k), Bytes(k, kSize))) << k;
+  }
+  EXPECT_EQ(present, stats.blocks);
+  EXPECT_EQ(stats.used_bytes, present * Charge("ns", Key(10), kSize));
+}
+
+TEST_F(NvmeTierTest, RejectsBadInputAndStoresNothing) {
+  options_.capacity_bytes = 1 * kMiB;
+  options_.max_block_bytes = 512 * kKiB;
+  Open();
+  const std::string bytes = Bytes(1, 4 * kKiB);
+  const uint64_t sum = BlockChecksum(bytes);
+  const std::string long_key(257, 'k');
+  EXPECT_THAT(tier_->Put("ns", "", "", bytes, sum),
+              StatusIs(Code::kInvalidArgument));
+  EXPECT_THAT(tier_->Put("ns", long_key, "", bytes, sum),
+              StatusIs(Code::kInvalidArgument));
+  EXPECT_THAT(tier_->Put("", "k", "", bytes, sum),
+              StatusIs(Code::kInvalidArgument));
+  EXPECT_THAT(tier_->Put("bad ns!", "k", "", bytes, sum),
+              StatusIs(Code::kInvalidArgument));
+  EXPECT_THAT(tier_->Put("ns", "k", long_key, bytes, sum),
+              StatusIs(Code::kInvalidArgument));
+  EXPECT_THAT(tier_->Put("ns", "k", "", "", BlockChecksum("")),
+              StatusIs(Code::kInvalidArgument));
+  auto mismatch = tier_->Put("ns", "k", "", bytes, sum ^ 1);
+  EXPECT_THAT(mismatch, StatusIs(Code::kInvalidArgument));
+  EXPECT_THAT(std::string(mismatch.status().message()), HasSubstr("checksum"));
+  const std::string too_big = Bytes(2, 600 * kKiB);
+  EXPECT_THAT(tier_->Put("ns", "k", "", too_big, BlockChecksum(too_big)),
+              StatusIs(Code::kInvalidArgument));
+  options_.max_block_bytes = 4 * kMiB;
+  Open();
+  const std::string never_fits = Bytes(3, 1 * kMiB);
+  EXPECT_THAT(tier_->Put("ns", "k", "", never_fits, BlockChecksum(never_fits)),
+              StatusIs(Code::kResourceExhausted));
+
+  std::string buf(16, '\0');
+  EXPECT_THAT(tier_->Read("ns", "", absl::MakeSpan(buf)),
+              StatusIs(Code::kInvalidArgument));
+  EXPECT_THAT(tier_->Read("ns", long_key, absl::MakeSpan(buf)),
+              StatusIs(Code::kInvalidArgument));
+  EXPECT_THAT(tier_->Read("ns", "k", absl::MakeSpan(buf)),
+              StatusIs(Code::kNotFound));
+  EXPECT_THAT(tier_->Meta("ns", ""), StatusIs(Code::kInvalidArgument));
+  EXPECT_THAT(tier_->Delete("ns", ""), StatusIs(Code::kInvalidArgument));
+  EXPECT_FALSE(tier_->Contains("ns", ""));
+  EXPECT_FALSE(tier_->Contains("ns", "k"));
+
+  NvmeTierStats stats = tier_->Stats();
+  EXPECT_EQ(stats.blocks, 0u);
+  EXPECT_EQ(stats.used_bytes, 0u);
+  EXPECT_EQ(stats.puts, 0u);
+  EXPECT_EQ(stats.write_errors, 0u);
+
+  // A good put still works, and reading it into a wrong-size buffer fails
+  // without touching the block.
+  ASSERT_OK(tier_->Put("ns", "k", "", bytes, sum));
+  EXPECT_THAT(tier_->Read("ns", "k", absl::MakeSpan(buf)),
+              StatusIs(Code::kInvalidArgument));
+  EXPECT_TRUE(ReadsBack("k", bytes));
+}
+
+TEST_F(NvmeTierTest, OpenRefusesDisabledBadAndLockedTiers) {
+  NvmeTierOptions disabled = options_;
+  disabled.capacity_bytes = 0;
+  EXPECT_THAT(OpenNvmeTier(disabled, &clock_),
+              StatusIs(Code::kFailedPrecondition));
+  EXPECT_FALSE(fs::exists(options_.path)) << "a disabled tier touched disk";
+
+  NvmeTierOptions no_path = options_;
+  no_path.path = "";
+  EXPECT_THAT(OpenNvmeTier(no_path, &clock_),
+              StatusIs(Code::kInvalidArgument));
+
+  // Parents are created; a second opener of the same directory is refused
+  // with a message naming it.
+  options_.path = dir_ + "/a/b/nvme";
+  Open();
+  auto second = OpenNvmeTier(options_, &clock_);
+  EXPECT_THAT(second, StatusIs(Code::kUnavailable));
+  EXPECT_THAT(std::string(second.status().message()),
+              HasSubstr(options_.path));
+  Close();
+  Open();  // the lock is released on close
+
+  // A path under a regular file cannot be opened.
+  std::ofstream(dir_ + "/file") << "x";
+  NvmeTierOptions under_file = options_;
+  under_file.path = dir_ + "/file/nvme";
+  EXPECT_FALSE(OpenNvmeTier(under_file, &clock_).ok());
+}
+
+}  // namespace
+}  // namespace kvdepot
