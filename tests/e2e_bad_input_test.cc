@@ -3,6 +3,7 @@
 #include <gtest/gtest.h>
 
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
@@ -67,6 +68,22 @@ class BadInputTest : public ::testing::Test {
     grpc::Status st = w->Finish();
     if (out) *out = resp;
     return st;
+  }
+
+  // A raw BeginPut of (key, size) pairs; returns the call's status.
+  grpc::Status BeginPutRaw(uint64_t session,
+                           std::vector<std::pair<std::string, uint64_t>> blocks,
+                           v1::BeginPutResponse* out) {
+    grpc::ClientContext ctx;
+    v1::BeginPutRequest bp;
+    bp.set_session_id(session);
+    bp.set_namespace_(kNs);
+    for (const auto& [key, size] : blocks) {
+      v1::PutSpec* spec = bp.add_blocks();
+      spec->set_key(key);
+      spec->set_size(size);
+    }
+    return client_->stub().BeginPut(&ctx, bp, out);
   }
 
   static v1::WriteRequest Header(const std::string& key, uint64_t size,
@@ -222,20 +239,11 @@ TEST_F(BadInputTest, UnknownSessionIsNotFound) {
   v1::KeepAliveResponse resp;
   EXPECT_EQ(client_->stub().KeepAlive(&ctx, req, &resp).error_code(),
             grpc::StatusCode::NOT_FOUND);
-  grpc::ClientContext ctx2;
-  v1::BeginPutRequest bp;
-  bp.set_session_id(987654321);
-  bp.set_namespace_(kNs);
-  auto* spec = bp.add_blocks();
-  spec->set_key("k6");
-  spec->set_size(100);
   v1::BeginPutResponse bpr;
-  EXPECT_EQ(client_->stub().BeginPut(&ctx2, bp, &bpr).error_code(),
+  EXPECT_EQ(BeginPutRaw(987654321, {{"k6", 100}}, &bpr).error_code(),
             grpc::StatusCode::NOT_FOUND);
   // Session 0 is never a client's session.
-  grpc::ClientContext ctx3;
-  bp.set_session_id(0);
-  EXPECT_EQ(client_->stub().BeginPut(&ctx3, bp, &bpr).error_code(),
+  EXPECT_EQ(BeginPutRaw(0, {{"k6", 100}}, &bpr).error_code(),
             grpc::StatusCode::NOT_FOUND);
 }
 
@@ -282,15 +290,8 @@ TEST_F(BadInputTest, PutLargerThanTheWholeDramTierIsResourceExhausted) {
   // And through BeginPut.
   auto sid = client_->EnsureSession();
   ASSERT_OK(sid);
-  grpc::ClientContext ctx;
-  v1::BeginPutRequest bp;
-  bp.set_session_id(*sid);
-  bp.set_namespace_(kNs);
-  auto* spec = bp.add_blocks();
-  spec->set_key("huge");
-  spec->set_size(kDram * 2);
   v1::BeginPutResponse bpr;
-  EXPECT_EQ(client_->stub().BeginPut(&ctx, bp, &bpr).error_code(),
+  EXPECT_EQ(BeginPutRaw(*sid, {{"huge", kDram * 2}}, &bpr).error_code(),
             grpc::StatusCode::RESOURCE_EXHAUSTED);
   ASSERT_OK(client_->CloseSession());
 }
@@ -298,18 +299,9 @@ TEST_F(BadInputTest, PutLargerThanTheWholeDramTierIsResourceExhausted) {
 TEST_F(BadInputTest, CommitWithWrongChecksumsIsRejectedPerBlock) {
   auto sid = client_->EnsureSession();
   ASSERT_OK(sid);
-  grpc::ClientContext ctx;
-  v1::BeginPutRequest bp;
-  bp.set_session_id(*sid);
-  bp.set_namespace_(kNs);
   std::string bytes(5000, 'q');
-  for (const char* key : {"tp1", "tp2"}) {
-    auto* spec = bp.add_blocks();
-    spec->set_key(key);
-    spec->set_size(bytes.size());
-  }
   v1::BeginPutResponse bpr;
-  ASSERT_TRUE(client_->stub().BeginPut(&ctx, bp, &bpr).ok());
+  ASSERT_TRUE(BeginPutRaw(*sid, {{"tp1", bytes.size()}, {"tp2", bytes.size()}}, &bpr).ok());
   ASSERT_EQ(bpr.slots_size(), 2);
   // Fill both slots through the Write stream's reservation target.
   std::vector<v1::WriteRequest> msgs;
