@@ -524,7 +524,9 @@ class TieredStoreImpl final : public TieredStore {
       st.sessions = sessions_.size();
       st.pins = pins_.size();
       st.pinned_blocks = pins_active_;
-      st.reservations = reservations_.size();
+      // Aborted reservations whose slot is still being written linger until
+      // their SlotHandle goes; they are not open reservations any more.
+      for (const auto& [id, r] : reservations_) st.reservations += r.doomed ? 0 : 1;
       st.reserved_bytes = reserved_bytes_;
     }
     st.lookup_keys = lookup_keys_.load();
