@@ -24,6 +24,7 @@
 #include "storage/block_index.h"
 #include "storage/block_key.h"
 #include "storage/checksum.h"
+#include "storage/nvme_tier.h"
 #include "storage/status_macros.h"
 
 namespace kvdepot {
@@ -102,9 +103,9 @@ class SlotHandleImpl final : public SlotHandle {
 class TieredStoreImpl final : public TieredStore {
  public:
   TieredStoreImpl(const StoreOptions& options, Clock* clock,
-                  std::unique_ptr<DramArena> arena)
+                  std::unique_ptr<DramArena> arena, std::unique_ptr<NvmeTier> nvme)
       : options_(options), clock_(clock), arena_(std::move(arena)),
-        index_(arena_->base()) {
+        index_(arena_->base()), nvme_(std::move(nvme)) {
     if (options_.background_eviction) {
       evictor_ = std::thread([this] { EvictorLoop(); });
     }
@@ -190,17 +191,42 @@ class TieredStoreImpl final : public TieredStore {
     result.entries.resize(keys.size());
     NamespaceInfo* info = FindNamespace(ns);
     lookup_keys_.fetch_add(keys.size(), std::memory_order_relaxed);
-    if (info == nullptr) return result;
-    info->lookups.fetch_add(keys.size(), std::memory_order_relaxed);
-    uint32_t ns_id = info->id;
+    if (info == nullptr && nvme_ == nullptr) return result;
+    if (info) info->lookups.fetch_add(keys.size(), std::memory_order_relaxed);
 
     std::vector<BlockEntry*> pinned;
     bool prefix_open = true;
-    uint64_t hits = 0;
+    uint64_t hits = 0, dram_hits = 0;
     const uint32_t seq = index_.NextSeq();
     for (size_t i = 0; i < keys.size(); ++i) {
-      std::optional<BlockIndex::Hit> hit =
-          index_.Find(BlockIndex::MakeKey(ns_id, keys[i]), pin, seq);
+      std::optional<BlockIndex::Hit> hit;
+      if (info) hit = index_.Find(BlockIndex::MakeKey(info->id, keys[i]), pin, seq);
+      if (hit) {
+        ++dram_hits;
+      } else if (nvme_ != nullptr) {
+        // Not in DRAM: the NVMe tier. A plain lookup reports it there; a
+        // pinned one reads it into DRAM first, so the pin covers DRAM bytes.
+        if (pin) {
+          if (info == nullptr) {
+            absl::StatusOr<uint32_t> id = NamespaceIdFor(ns);
+            if (id.ok()) info = NamespaceById(*id);
+          }
+          if (info && Promote(*info, keys[i], seq)) {
+            hit = index_.Find(BlockIndex::MakeKey(info->id, keys[i]), pin, seq);
+          }
+        } else if (absl::StatusOr<NvmeBlockMeta> meta = nvme_->Meta(ns, keys[i]);
+                   meta.ok()) {
+          ++hits;
+          nvme_hits_.fetch_add(1, std::memory_order_relaxed);
+          if (prefix_open) ++result.prefix_hits;
+          LookupEntry& e = result.entries[i];
+          e.found = true;
+          e.tier = Tier::kNvme;
+          e.size = meta->size;
+          e.checksum = meta->checksum;
+          continue;
+        }
+      }
       if (!hit) {
         prefix_open = false;
         if (prefix) break;
@@ -217,8 +243,8 @@ class TieredStoreImpl final : public TieredStore {
       if (pin) pinned.push_back(hit->entry);
     }
     lookup_hits_.fetch_add(hits, std::memory_order_relaxed);
-    dram_hits_.fetch_add(hits, std::memory_order_relaxed);
-    info->hits.fetch_add(hits, std::memory_order_relaxed);
+    dram_hits_.fetch_add(dram_hits, std::memory_order_relaxed);
+    if (info) info->hits.fetch_add(hits, std::memory_order_relaxed);
     if (!pinned.empty()) {
       absl::MutexLock lock(&mu_);
       Session* s = nullptr;
@@ -417,23 +443,12 @@ class TieredStoreImpl final : public TieredStore {
         FreeSlot(slot);
         continue;
       }
-      auto entry = std::make_unique<BlockEntry>();
-      entry->hash = BlockIndex::Hash(r.ns_id, slot.key);
-      entry->checksum = checksums[i];
-      entry->data_unit = static_cast<uint32_t>(slot.data_offset / 64);
-      entry->key_unit = static_cast<uint32_t>(slot.key_offset / 64);
-      entry->size = static_cast<uint32_t>(slot.size);
-      entry->ns_id = r.ns_id;
-      entry->key_len = static_cast<uint16_t>(slot.key.size());
-      entry->seq = seq;
-      if (index_.Insert(std::move(entry), slot.parent) != nullptr) {
+      if (!Publish(*info, slot, checksums[i], seq)) {
         outcomes[i] = CommitOutcome::kAlreadyExists;  // a racing writer won
         FreeSlot(slot);
         continue;
       }
       outcomes[i] = CommitOutcome::kStored;
-      info->blocks.fetch_add(1, std::memory_order_relaxed);
-      info->bytes.fetch_add(slot.size, std::memory_order_relaxed);
       puts_.fetch_add(1, std::memory_order_relaxed);
       put_bytes_.fetch_add(slot.size, std::memory_order_relaxed);
     }
@@ -465,33 +480,51 @@ class TieredStoreImpl final : public TieredStore {
     }
     EvictResult result;
     NamespaceInfo* info = FindNamespace(ns);
-    if (info == nullptr) {
-      result.missing_keys = keys.size();
-      return result;
-    }
-    uint32_t ns_id = info->id;
     auto drop = [&](std::unique_ptr<BlockEntry> e) {
       ++result.evicted_blocks;
       result.evicted_bytes += e->size;
       FreeEntry(std::move(e), /*lru=*/false);
     };
+    // A copy on NVMe goes too (blocks are never pinned there). Returns
+    // whether there was one.
+    auto drop_nvme = [&](absl::string_view k) {
+      if (nvme_ == nullptr) return false;
+      absl::StatusOr<NvmeBlockMeta> meta = nvme_->Meta(ns, k);
+      if (!meta.ok() || !nvme_->Delete(ns, k).ok()) return false;
+      ++result.evicted_blocks;
+      result.evicted_bytes += meta->size;
+      return true;
+    };
     if (all) {
-      auto removed = index_.RemoveNamespace(ns_id, &result.pinned_blocks);
-      for (auto& e : removed) drop(std::move(e));
+      if (info) {
+        auto removed = index_.RemoveNamespace(info->id, &result.pinned_blocks);
+        for (auto& e : removed) drop(std::move(e));
+      }
+      if (nvme_ != nullptr) {
+        std::vector<std::string> on_nvme;
+        nvme_->ForEachBlock([&](const NvmeBlockView& b) {
+          if (b.ns == ns) on_nvme.emplace_back(b.key);
+        });
+        for (const std::string& k : on_nvme) drop_nvme(k);
+      }
       return result;
     }
     for (absl::string_view k : keys) {
       std::unique_ptr<BlockEntry> e;
-      switch (index_.Remove(BlockIndex::MakeKey(ns_id, k), &e)) {
+      BlockIndex::RemoveOutcome outcome =
+          info ? index_.Remove(BlockIndex::MakeKey(info->id, k), &e)
+               : BlockIndex::RemoveOutcome::kMissing;
+      switch (outcome) {
         case BlockIndex::RemoveOutcome::kRemoved:
           drop(std::move(e));
+          drop_nvme(k);
           break;
         case BlockIndex::RemoveOutcome::kPinned:
           result.pinned_keys.emplace_back(k);
           ++result.pinned_blocks;
           break;
         case BlockIndex::RemoveOutcome::kMissing:
-          ++result.missing_keys;
+          if (!drop_nvme(k)) ++result.missing_keys;
           break;
       }
     }
@@ -504,11 +537,20 @@ class TieredStoreImpl final : public TieredStore {
     uint64_t low = static_cast<uint64_t>(options_.low_watermark * cap);
     if (arena_->allocated_bytes() <= high) return 0;
     uint64_t n = 0;
-    while (arena_->allocated_bytes() > low && EvictOne()) ++n;
+    while (arena_->allocated_bytes() > low && EvictOne(/*demote=*/true)) ++n;
     return n;
   }
 
   void SetDraining(bool draining) override { draining_.store(draining); }
+
+  absl::StatusOr<uint64_t> PersistDram() override {
+    if (nvme_ == nullptr) return absl::FailedPreconditionError("no NVMe tier");
+    uint64_t before = demotions_.load();
+    while (EvictOne(/*demote=*/true)) {
+    }
+    RETURN_IF_ERROR(nvme_->Flush());
+    return demotions_.load() - before;
+  }
 
   // ---- stats -------------------------------------------------------------
 
@@ -533,7 +575,19 @@ class TieredStoreImpl final : public TieredStore {
     st.lookup_hits = lookup_hits_.load();
     st.puts = puts_.load();
     st.put_bytes = put_bytes_.load();
-    st.integrity_errors = 0;  // DRAM blocks are verified on commit
+    // DRAM blocks are verified on commit; NVMe blocks on every read.
+    if (nvme_ != nullptr) {
+      NvmeTierStats ns = nvme_->Stats();
+      st.nvme.used_bytes = ns.used_bytes;
+      st.nvme.capacity_bytes = ns.capacity_bytes;
+      st.nvme.blocks = ns.blocks;
+      st.nvme.hits = nvme_hits_.load() + promotions_.load();
+      st.nvme.evictions = ns.evictions;
+      st.integrity_errors = ns.integrity_errors;
+    }
+    st.demotions = demotions_.load();
+    st.demotion_failures = demotion_failures_.load();
+    st.promotions = promotions_.load();
     st.namespaces = ListNamespaces();
     return st;
   }
@@ -692,10 +746,68 @@ class TieredStoreImpl final : public TieredStore {
 
   // Evicts the evictable block used longest ago (approximately: the oldest
   // of the shards' least-recent ends). Returns false when there is none.
-  bool EvictOne() {
+  // With `demote` (the background evictor, PersistDram) the block is first
+  // written to the NVMe tier; a put waiting for room drops it instead.
+  bool EvictOne(bool demote = false) {
     std::unique_ptr<BlockEntry> e = index_.PopOldestEvictable();
     if (!e) return false;
+    if (demote && nvme_ != nullptr) Demote(*e);
     FreeEntry(std::move(e), /*lru=*/true);
+    return true;
+  }
+
+  // Writes a block leaving DRAM to the NVMe tier. Its parent key is not
+  // kept (the index holds only the parent's hash).
+  void Demote(const BlockEntry& e) {
+    const char* base = arena_->base();
+    NamespaceInfo* info = NamespaceById(e.ns_id);
+    absl::StatusOr<NvmePutOutcome> r = nvme_->Put(
+        info->name, absl::string_view(base + e.key_offset(), e.key_len), "",
+        absl::string_view(base + e.data_offset(), e.size), e.checksum);
+    (r.ok() ? demotions_ : demotion_failures_).fetch_add(1, std::memory_order_relaxed);
+  }
+
+  // Reads an NVMe block into a new DRAM slot and publishes it there.
+  // Returns whether the block is in DRAM afterwards. A block that fails its
+  // checksum is dropped by the tier (and counted there): a miss here.
+  bool Promote(NamespaceInfo& info, absl::string_view key, uint32_t seq) {
+    absl::StatusOr<NvmeBlockMeta> meta = nvme_->Meta(info.name, key);
+    if (!meta.ok()) return false;
+    Slot slot;
+    slot.key = std::string(key);
+    slot.parent = meta->parent;
+    slot.size = meta->size;
+    if (!AllocateSlot(slot).ok()) return false;
+    absl::Status st = nvme_->Read(
+        info.name, key, absl::Span<char>(arena_->base() + slot.data_offset, slot.size));
+    if (!st.ok()) {
+      FreeSlot(slot);
+      return false;
+    }
+    if (Publish(info, slot, meta->checksum, seq)) {
+      promotions_.fetch_add(1, std::memory_order_relaxed);
+    } else {
+      FreeSlot(slot);  // promoted meanwhile by another caller
+    }
+    return true;
+  }
+
+  // Inserts a slot's block into the index (put-if-absent); on success the
+  // index owns its space. Returns false when the key was already there.
+  bool Publish(NamespaceInfo& info, const Slot& slot, uint64_t checksum,
+               uint32_t seq) {
+    auto entry = std::make_unique<BlockEntry>();
+    entry->hash = BlockIndex::Hash(info.id, slot.key);
+    entry->checksum = checksum;
+    entry->data_unit = static_cast<uint32_t>(slot.data_offset / 64);
+    entry->key_unit = static_cast<uint32_t>(slot.key_offset / 64);
+    entry->size = static_cast<uint32_t>(slot.size);
+    entry->ns_id = info.id;
+    entry->key_len = static_cast<uint16_t>(slot.key.size());
+    entry->seq = seq;
+    if (index_.Insert(std::move(entry), slot.parent) != nullptr) return false;
+    info.blocks.fetch_add(1, std::memory_order_relaxed);
+    info.bytes.fetch_add(slot.size, std::memory_order_relaxed);
     return true;
   }
 
@@ -763,8 +875,11 @@ class TieredStoreImpl final : public TieredStore {
   Clock* const clock_;
   const std::unique_ptr<DramArena> arena_;
   BlockIndex index_;
+  const std::unique_ptr<NvmeTier> nvme_;  // nullptr: no NVMe tier
 
   std::atomic<bool> draining_{false};
+  std::atomic<uint64_t> demotions_{0}, demotion_failures_{0}, promotions_{0};
+  std::atomic<uint64_t> nvme_hits_{0};
   std::atomic<uint64_t> lookup_keys_{0}, lookup_hits_{0}, dram_hits_{0};
   std::atomic<uint64_t> puts_{0}, put_bytes_{0}, evictions_{0};
 
@@ -810,11 +925,21 @@ absl::StatusOr<std::unique_ptr<TieredStore>> NewTieredStore(
     return absl::InvalidArgumentError(
         "max_block_bytes must be between 1 byte and 4 GiB");
   }
+  std::unique_ptr<NvmeTier> nvme;
+  if (options.nvme_capacity > 0) {
+    NvmeTierOptions o;
+    o.path = options.nvme_path;
+    o.capacity_bytes = options.nvme_capacity;
+    o.max_block_bytes = std::min<uint64_t>(options.max_block_bytes, o.capacity_bytes);
+    o.use_wal = options.nvme_use_wal;
+    o.write_buffer_size = options.nvme_write_buffer_size;
+    ASSIGN_OR_RETURN(nvme, OpenNvmeTier(o, clock));
+  }
   ASSIGN_OR_RETURN(std::unique_ptr<DramArena> arena,
                    DramArena::Create(options.dram_capacity, options.hugepages,
                                      options.prefault_dram));
   return std::unique_ptr<TieredStore>(
-      new TieredStoreImpl(options, clock, std::move(arena)));
+      new TieredStoreImpl(options, clock, std::move(arena), std::move(nvme)));
 }
 
 }  // namespace kvdepot

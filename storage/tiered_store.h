@@ -67,6 +67,15 @@ struct StoreOptions {
   uint32_t max_pinned_blocks_per_session = 65536;
   // Run a background thread that evicts down to the low watermark.
   bool background_eviction = true;
+
+  // NVMe tier (storage/nvme_tier.h): RocksDB in nvme_path, bounded by
+  // nvme_capacity bytes; 0 turns it off. Blocks the background evictor
+  // takes out of DRAM are written there (demotion); a pinned lookup of a
+  // block only there reads it back into DRAM first (promotion).
+  std::string nvme_path;
+  uint64_t nvme_capacity = 0;
+  bool nvme_use_wal = false;
+  uint64_t nvme_write_buffer_size = uint64_t{16} << 20;
 };
 
 struct SessionGrant {
@@ -131,6 +140,10 @@ struct NamespaceStats {
 };
 struct StoreStats {
   TierStats dram;
+  TierStats nvme;  // all zero when the tier is off
+  uint64_t demotions = 0;          // DRAM blocks written to NVMe
+  uint64_t demotion_failures = 0;  // could not be written (disk full, ...)
+  uint64_t promotions = 0;         // NVMe blocks read back into DRAM
   uint64_t sessions = 0;
   uint64_t pins = 0;           // live pins
   uint64_t pinned_blocks = 0;  // block references held by live pins
@@ -228,13 +241,18 @@ class TieredStore {
   // Refuses new reservations with FailedPrecondition from now on; existing
   // ones may still commit.
   virtual void SetDraining(bool draining) = 0;
+  // Writes every unpinned DRAM block to the NVMe tier and flushes it (for a
+  // clean shutdown: a restarted store serves them). Returns how many were
+  // written; FailedPrecondition when there is no NVMe tier.
+  virtual absl::StatusOr<uint64_t> PersistDram() = 0;
 
   virtual DramRegion dram_region() const = 0;
   virtual const StoreOptions& options() const = 0;
 };
 
 // Creates the store. `clock` must outlive it. InvalidArgument for
-// inconsistent options; ResourceExhausted when the DRAM tier cannot be mapped.
+// inconsistent options; ResourceExhausted when the DRAM tier cannot be mapped;
+// the NVMe tier's errors when it cannot be opened (in use, not writable).
 absl::StatusOr<std::unique_ptr<TieredStore>> NewTieredStore(
     const StoreOptions& options, Clock* clock);
 

@@ -3,6 +3,7 @@
 #include <gtest/gtest.h>
 
 #include <cstring>
+#include <filesystem>
 #include <string>
 #include <vector>
 
@@ -438,6 +439,138 @@ TEST_F(TieredStoreTest, BackgroundEvictionHonoursWatermarks) {
   EXPECT_LE(store_->Stats().dram.used_bytes, kCap / 4);
   EXPECT_TRUE(Has("w11"));
   EXPECT_FALSE(Has("w0"));
+}
+
+}  // namespace
+}  // namespace kvdepot
+
+namespace kvdepot {
+namespace {
+
+using ::kvdepot::testing::StatusIs;
+
+// The store with an NVMe tier under a temporary directory.
+class TieredStoreNvmeTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    dir_ = ::testing::TempDir() + "/tiered_store_nvme_" +
+           std::to_string(reinterpret_cast<uintptr_t>(this));
+    std::filesystem::remove_all(dir_);
+    Open();
+  }
+  void TearDown() override {
+    store_.reset();
+    std::filesystem::remove_all(dir_);
+  }
+  void Open() {
+    store_.reset();
+    StoreOptions o;
+    o.dram_capacity = 4 << 20;
+    o.hugepages = HugePageMode::kOff;
+    o.background_eviction = false;
+    o.high_watermark = 0.5;
+    o.low_watermark = 0.25;
+    o.nvme_path = dir_ + "/nvme";
+    o.nvme_capacity = 64 << 20;
+    auto s = NewTieredStore(o, &clock_);
+    ASSERT_OK(s);
+    store_ = std::move(s).value();
+    sid_ = store_->OpenSession(absl::ZeroDuration(), "t")->id;
+  }
+  void Put(const std::string& key, const std::string& bytes) {
+    PutSpec spec{key, "", bytes.size()};
+    auto r = store_->BeginPut(sid_, "ns", {&spec, 1});
+    ASSERT_OK(r);
+    {
+      auto slot = store_->AcquireSlot(sid_, r->id, 0);
+      ASSERT_OK(slot);
+      std::memcpy((*slot)->bytes().data(), bytes.data(), bytes.size());
+    }
+    uint64_t sum = BlockChecksum(bytes);
+    ASSERT_OK(store_->CommitPut(sid_, r->id, {&sum, 1}));
+  }
+  LookupEntry Look(const std::string& key, bool pin, PinId* pin_id = nullptr) {
+    absl::string_view k = key;
+    auto r = store_->Lookup(sid_, "ns", {&k, 1}, false, pin);
+    EXPECT_OK(r);
+    if (pin_id) *pin_id = r->pin_id;
+    return r->entries[0];
+  }
+  std::string Bytes(const LookupEntry& e) {
+    return std::string(store_->dram_region().base + e.offset, e.size);
+  }
+  static std::string Block(int i) { return std::string(256 << 10, static_cast<char>('a' + i % 26)); }
+
+  FakeClock clock_;
+  std::string dir_;
+  std::unique_ptr<TieredStore> store_;
+  SessionId sid_ = 0;
+};
+
+TEST_F(TieredStoreNvmeTest, DemotedBlocksAreFoundOnNvmeAndPromotedWhenPinned) {
+  for (int i = 0; i < 12; ++i) Put("b" + std::to_string(i), Block(i));
+  EXPECT_GT(store_->RunEviction(), 0u);  // the background evictor's work
+  StoreStats st = store_->Stats();
+  EXPECT_GT(st.demotions, 0u);
+  EXPECT_EQ(st.nvme.blocks, st.demotions);
+  // The oldest block left DRAM: a plain lookup reports it on NVMe.
+  LookupEntry e = Look("b0", false);
+  EXPECT_TRUE(e.found);
+  EXPECT_EQ(e.tier, Tier::kNvme);
+  EXPECT_EQ(e.size, 256u << 10);
+  EXPECT_EQ(e.checksum, BlockChecksum(Block(0)));
+  // A pinned lookup brings it back into DRAM with the right bytes.
+  PinId pin = 0;
+  e = Look("b0", true, &pin);
+  ASSERT_TRUE(e.found);
+  EXPECT_EQ(e.tier, Tier::kDram);
+  EXPECT_EQ(Bytes(e), Block(0));
+  EXPECT_EQ(store_->Stats().promotions, 1u);
+  ASSERT_OK(store_->Unpin(sid_, pin));
+}
+
+TEST_F(TieredStoreNvmeTest, PersistedBlocksSurviveARestart) {
+  for (int i = 0; i < 6; ++i) Put("p" + std::to_string(i), Block(i));
+  auto n = store_->PersistDram();
+  ASSERT_OK(n);
+  EXPECT_EQ(*n, 6u);
+  EXPECT_EQ(store_->Stats().dram.blocks, 0u);
+  Open();  // a new store over the same NVMe directory
+  EXPECT_EQ(store_->Stats().nvme.blocks, 6u);
+  for (int i = 0; i < 6; ++i) {
+    PinId pin = 0;
+    LookupEntry e = Look("p" + std::to_string(i), true, &pin);
+    ASSERT_TRUE(e.found) << i;
+    EXPECT_EQ(Bytes(e), Block(i));
+    ASSERT_OK(store_->Unpin(sid_, pin));
+  }
+}
+
+TEST_F(TieredStoreNvmeTest, EvictRemovesBlocksFromBothTiers) {
+  for (int i = 0; i < 4; ++i) Put("e" + std::to_string(i), Block(i));
+  ASSERT_OK(store_->PersistDram());
+  Put("e0", Block(0));  // back in DRAM too
+  std::vector<absl::string_view> keys = {"e0", "e1", "missing"};
+  auto ev = store_->Evict("ns", keys, false);
+  ASSERT_OK(ev);
+  EXPECT_EQ(ev->missing_keys, 1u);
+  EXPECT_FALSE(Look("e0", false).found);
+  EXPECT_FALSE(Look("e1", false).found);
+  EXPECT_TRUE(Look("e2", false).found);
+  auto all = store_->Evict("ns", {}, true);
+  ASSERT_OK(all);
+  EXPECT_EQ(all->evicted_blocks, 2u);
+  EXPECT_EQ(store_->Stats().nvme.blocks, 0u);
+}
+
+TEST_F(TieredStoreNvmeTest, NoNvmeTierMeansPersistFails) {
+  StoreOptions o;
+  o.dram_capacity = 1 << 20;
+  o.hugepages = HugePageMode::kOff;
+  o.background_eviction = false;
+  auto s = NewTieredStore(o, &clock_);
+  ASSERT_OK(s);
+  EXPECT_THAT((*s)->PersistDram(), StatusIs(absl::StatusCode::kFailedPrecondition));
 }
 
 }  // namespace
