@@ -222,13 +222,19 @@ struct Ctl {
     auto r = Connect()->Stats();
     if (!r.ok()) return Fail(r.status());
     const v1::TierStats& d = r->dram();
+    auto tier_json = [](const v1::TierStats& t) {
+      return absl::StrCat("{\"used_bytes\": ", t.used_bytes(), ", \"capacity_bytes\": ",
+                          t.capacity_bytes(), ", \"blocks\": ", t.blocks(),
+                          ", \"hits\": ", t.hits(), ", \"evictions\": ", t.evictions(), "}");
+    };
     if (json) {
       std::vector<std::string> nss;
       for (const auto& ns_stats : r->namespaces()) nss.push_back(NamespaceJson(ns_stats));
-      std::cout << "{\"tiers\": {\"dram\": {\"used_bytes\": " << d.used_bytes()
-                << ", \"capacity_bytes\": " << d.capacity_bytes()
-                << ", \"blocks\": " << d.blocks() << ", \"hits\": " << d.hits()
-                << ", \"evictions\": " << d.evictions() << "}}"
+      std::cout << "{\"tiers\": {\"dram\": " << tier_json(d)
+                << ", \"nvme\": " << tier_json(r->nvme()) << "}"
+                << ", \"demotions\": " << r->demotions()
+                << ", \"demotion_failures\": " << r->demotion_failures()
+                << ", \"promotions\": " << r->promotions()
                 << ", \"sessions\": " << r->sessions() << ", \"pins\": " << r->pins()
                 << ", \"reservations\": " << r->reservations()
                 << ", \"reserved_bytes\": " << r->reserved_bytes()
@@ -247,6 +253,15 @@ struct Ctl {
                   static_cast<unsigned long long>(d.used_bytes()),
                   static_cast<unsigned long long>(d.capacity_bytes()), pct,
                   static_cast<unsigned long long>(d.evictions()));
+      const v1::TierStats& n = r->nvme();
+      std::printf("nvme: %llu blocks, %llu / %llu bytes; %llu demotions (%llu failed), "
+                  "%llu promotions\n",
+                  static_cast<unsigned long long>(n.blocks()),
+                  static_cast<unsigned long long>(n.used_bytes()),
+                  static_cast<unsigned long long>(n.capacity_bytes()),
+                  static_cast<unsigned long long>(r->demotions()),
+                  static_cast<unsigned long long>(r->demotion_failures()),
+                  static_cast<unsigned long long>(r->promotions()));
       std::printf("lookups: %llu keys, %llu hits; puts: %llu (%llu bytes)\n",
                   static_cast<unsigned long long>(r->lookup_keys()),
                   static_cast<unsigned long long>(r->lookup_hits()),

@@ -149,6 +149,9 @@ absl::Status LoadConfigFile(const std::string& path, DaemonConfig* c) {
          return absl::OkStatus();
        }},
       {"dram_prefault", bool_into(&c->store.prefault_dram)},
+      {"nvme_capacity", size_into(&c->store.nvme_capacity)},
+      {"nvme_wal", bool_into(&c->store.nvme_use_wal)},
+      {"persist_on_shutdown", bool_into(&c->persist_on_shutdown)},
       {"create_namespaces", bool_into(&c->store.create_namespaces)},
   };
   for (const auto& kv : root) {

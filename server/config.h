@@ -19,6 +19,8 @@ struct DaemonConfig {
   std::string listen = "127.0.0.1:50551";
   std::string metrics_listen = "127.0.0.1:9551";  // empty: no metrics endpoint
   std::string data_dir = "./kvdepot-data";
+  // On SIGTERM, write DRAM-only blocks to the NVMe tier before exiting.
+  bool persist_on_shutdown = true;
   std::string log_level = "info";  // trace, debug, info, warn, error
   // Most threads of gRPC's synchronous server (health checks); the API runs
   // on gRPC's callback threads.
@@ -40,6 +42,7 @@ struct DaemonConfig {
   static StoreOptions DaemonStoreDefaults() {
     StoreOptions o;
     o.prefault_dram = true;
+    o.nvme_capacity = uint64_t{8} << 30;  // in <data_dir>/nvme
     return o;
   }
 };

@@ -81,6 +81,9 @@ TEST(ConfigFileTest2, ShippedExampleMatchesTheDefaults) {
   EXPECT_EQ(from_file.store.dram_capacity, defaults.store.dram_capacity);
   EXPECT_EQ(from_file.store.hugepages, defaults.store.hugepages);
   EXPECT_EQ(from_file.store.prefault_dram, defaults.store.prefault_dram);
+  EXPECT_EQ(from_file.store.nvme_capacity, defaults.store.nvme_capacity);
+  EXPECT_EQ(from_file.store.nvme_use_wal, defaults.store.nvme_use_wal);
+  EXPECT_EQ(from_file.persist_on_shutdown, defaults.persist_on_shutdown);
   EXPECT_EQ(from_file.store.high_watermark, defaults.store.high_watermark);
   EXPECT_EQ(from_file.store.low_watermark, defaults.store.low_watermark);
   EXPECT_EQ(from_file.store.max_block_bytes, defaults.store.max_block_bytes);

@@ -41,7 +41,9 @@ absl::Status Daemon::Init() {
 
   registry_ = std::make_shared<prometheus::Registry>();
   metrics_ = std::make_unique<ServerMetrics>(*registry_);
-  ASSIGN_OR_RETURN(store_, NewTieredStore(config_.store, SystemClock()));
+  StoreOptions store_options = config_.store;
+  store_options.nvme_path = data_dir_->path() + "/nvme";
+  ASSIGN_OR_RETURN(store_, NewTieredStore(store_options, SystemClock()));
 
   if (!config_.metrics_listen.empty()) {
     try {
@@ -81,12 +83,13 @@ absl::Status Daemon::Init() {
 
   maintenance_ = std::thread([this] { MaintenanceLoop(); });
   DramRegion dram = store_->dram_region();
+  StoreStats st = store_->Stats();
   log_->info(
       "kvdepotd {} ({}) listening on {}; metrics on {}; DRAM tier {} bytes; "
-      "data dir {}",
+      "NVMe tier {} bytes holding {} blocks; data dir {}",
       kVersion, kGitCommit, grpc_address_,
       metrics_address_.empty() ? "off" : metrics_address_, dram.size,
-      data_dir_->path());
+      st.nvme.capacity_bytes, st.nvme.blocks, data_dir_->path());
   return absl::OkStatus();
 }
 
@@ -127,6 +130,14 @@ void Daemon::Shutdown() {
     if (left > 0) log_->warn("drain timeout: cancelling {} stream(s)", left);
     server_->Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(1));
     server_->Wait();
+    if (config_.persist_on_shutdown && config_.store.nvme_capacity > 0) {
+      absl::StatusOr<uint64_t> n = store_->PersistDram();
+      if (n.ok()) {
+        log_->info("persisted {} DRAM block(s) to NVMe", *n);
+      } else {
+        log_->warn("persisting DRAM to NVMe failed: {}", n.status().ToString());
+      }
+    }
   }
   {
     absl::MutexLock lock(&mu_);

@@ -448,12 +448,18 @@ grpc::ServerUnaryReactor* KvDepotService::Stats(grpc::CallbackServerContext* ctx
                                                 v1::StatsResponse* resp) {
   return Unary(ctx, "Stats", [&]() -> absl::Status {
     StoreStats st = store_.Stats();
-    v1::TierStats* d = resp->mutable_dram();
-    d->set_used_bytes(st.dram.used_bytes);
-    d->set_capacity_bytes(st.dram.capacity_bytes);
-    d->set_blocks(st.dram.blocks);
-    d->set_hits(st.dram.hits);
-    d->set_evictions(st.dram.evictions);
+    auto fill = [](const TierStats& t, v1::TierStats* out) {
+      out->set_used_bytes(t.used_bytes);
+      out->set_capacity_bytes(t.capacity_bytes);
+      out->set_blocks(t.blocks);
+      out->set_hits(t.hits);
+      out->set_evictions(t.evictions);
+    };
+    fill(st.dram, resp->mutable_dram());
+    fill(st.nvme, resp->mutable_nvme());
+    resp->set_demotions(st.demotions);
+    resp->set_demotion_failures(st.demotion_failures);
+    resp->set_promotions(st.promotions);
     resp->set_sessions(st.sessions);
     resp->set_pins(st.pins);
     resp->set_reservations(st.reservations);

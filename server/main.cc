@@ -37,7 +37,10 @@ int main(int argc, char** argv) {
   // Keep them in the heap instead (memory stays bounded by the gRPC thread
   // and message limits).
   mallopt(M_MMAP_THRESHOLD, 64 << 20);
-  mallopt(M_TRIM_THRESHOLD, 256 << 20);
+  mallopt(M_TRIM_THRESHOLD, 32 << 20);
+  // Few malloc arenas: each one would otherwise keep its own freed
+  // block-sized buffers, and RSS would grow with the thread count.
+  mallopt(M_ARENA_MAX, 4);
   // Debian's Abseil is built with Mutex deadlock detection on, which takes a
   // global lock on every Mutex operation. Tests keep it on (it finds lock
   // order inversions); production binaries turn it off.
@@ -45,7 +48,8 @@ int main(int argc, char** argv) {
   CLI::App app{"kvdepotd: KV-cache block store daemon for LLM inference"};
   std::string config_file;
   std::optional<std::string> listen, metrics_listen, data_dir, dram_capacity,
-      log_level, hugepages, max_block_size, session_lease;
+      log_level, hugepages, max_block_size, session_lease, nvme_capacity;
+  std::optional<bool> persist_on_shutdown;
   app.add_option("--config", config_file, "YAML configuration file")
       ->check(CLI::ExistingFile);
   app.add_option("--listen", listen, "gRPC address HOST:PORT (default 127.0.0.1:50551; port 0 picks one)");
@@ -54,6 +58,10 @@ int main(int argc, char** argv) {
   app.add_option("--data-dir", data_dir, "data directory (default ./kvdepot-data)");
   app.add_option("--dram-capacity", dram_capacity, "DRAM tier size, e.g. 1GiB (default 1GiB)");
   app.add_option("--max-block-size", max_block_size, "largest block accepted (default 256MiB)");
+  app.add_option("--nvme-capacity", nvme_capacity,
+                 "NVMe tier size in <data-dir>/nvme, e.g. 100GiB; 0 turns it off (default 8GiB)");
+  app.add_option("--persist-on-shutdown", persist_on_shutdown,
+                 "write DRAM-only blocks to NVMe on SIGTERM (default true)");
   app.add_option("--session-lease", session_lease, "default session lease (default 30s)");
   app.add_option("--hugepages", hugepages, "auto|on|off (default auto)");
   app.add_option("--log-level", log_level, "trace|debug|info|warn|error (default info)");
@@ -89,9 +97,11 @@ int main(int argc, char** argv) {
   if (log_level) config.log_level = *log_level;
   for (absl::Status st :
        {size_flag(dram_capacity, "--dram-capacity", &config.store.dram_capacity),
-        size_flag(max_block_size, "--max-block-size", &config.store.max_block_bytes)}) {
+        size_flag(max_block_size, "--max-block-size", &config.store.max_block_bytes),
+        size_flag(nvme_capacity, "--nvme-capacity", &config.store.nvme_capacity)}) {
     if (!st.ok()) return Fail(2, std::string(st.message()));
   }
+  if (persist_on_shutdown) config.persist_on_shutdown = *persist_on_shutdown;
   if (session_lease) {
     absl::StatusOr<absl::Duration> d = kvdepot::ParseDurationFlag(*session_lease);
     if (!d.ok()) return Fail(2, "--session-lease: " + std::string(d.status().message()));

@@ -96,10 +96,12 @@ void ServerMetrics::RecordLookup(uint64_t hits, uint64_t misses) {
 }
 
 void ServerMetrics::UpdateFromStats(const StoreStats& st) {
-  const prometheus::Labels dram = {{"tier", "dram"}};
-  tier_used_.Add(dram).Set(static_cast<double>(st.dram.used_bytes));
-  tier_capacity_.Add(dram).Set(static_cast<double>(st.dram.capacity_bytes));
-  tier_blocks_.Add(dram).Set(static_cast<double>(st.dram.blocks));
+  for (const auto& [name, tier] : {std::pair{"dram", &st.dram}, std::pair{"nvme", &st.nvme}}) {
+    const prometheus::Labels labels = {{"tier", name}};
+    tier_used_.Add(labels).Set(static_cast<double>(tier->used_bytes));
+    tier_capacity_.Add(labels).Set(static_cast<double>(tier->capacity_bytes));
+    tier_blocks_.Add(labels).Set(static_cast<double>(tier->blocks));
+  }
   sessions_.Set(static_cast<double>(st.sessions));
   pins_.Set(static_cast<double>(st.pins));
   reservations_.Set(static_cast<double>(st.reservations));

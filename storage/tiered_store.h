@@ -75,7 +75,7 @@ struct StoreOptions {
   std::string nvme_path;
   uint64_t nvme_capacity = 0;
   bool nvme_use_wal = false;
-  uint64_t nvme_write_buffer_size = uint64_t{16} << 20;
+  uint64_t nvme_write_buffer_size = uint64_t{8} << 20;
 };
 
 struct SessionGrant {

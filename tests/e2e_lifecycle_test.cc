@@ -6,6 +6,7 @@
 
 #include <fstream>
 #include <string>
+#include <vector>
 
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
@@ -258,6 +259,46 @@ TEST(LifecycleTest, StalledStreamIsCancelledAndReleasesItsSpace) {
   EXPECT_EQ(writer->Finish().error_code(), grpc::StatusCode::CANCELLED);
   EXPECT_NE((*d)->Log().find("idle for more than"), std::string::npos) << (*d)->Log();
   EXPECT_OK(client->Health());
+}
+
+TEST(LifecycleTest, RestartServesWhatWasPersistedToNvme) {
+  auto d = DaemonProcess::Start({"--dram-capacity", "64MiB", "--nvme-capacity", "256MiB"});
+  ASSERT_OK(d);
+  const std::string data_dir = (*d)->data_dir();
+  std::vector<std::string> keys, blocks;
+  {
+    auto client = Connect((*d)->address());
+    for (int i = 0; i < 20; ++i) {
+      keys.push_back("warm-" + std::to_string(i));
+      blocks.push_back(std::string(100000 + i, static_cast<char>('A' + i)));
+      BlockToPut b{keys.back(), i ? keys[i - 1] : "", blocks.back()};
+      ASSERT_OK(client->Put("ns", {&b, 1}));
+    }
+  }
+  auto rc = (*d)->Stop(SIGTERM);
+  ASSERT_OK(rc);
+  ASSERT_EQ(*rc, 0);
+  EXPECT_NE((*d)->Log().find("persisted 20 DRAM block(s) to NVMe"), std::string::npos)
+      << (*d)->Log();
+
+  auto again = DaemonProcess::Start({"--dram-capacity", "64MiB", "--nvme-capacity", "256MiB"},
+                                    data_dir);
+  ASSERT_OK(again);
+  EXPECT_NE((*again)->Log().find("holding 20 blocks"), std::string::npos) << (*again)->Log();
+  auto client = Connect((*again)->address());
+  std::vector<absl::string_view> views(keys.begin(), keys.end());
+  auto look = client->Lookup("ns", views, /*prefix=*/true, /*pin=*/false);
+  ASSERT_OK(look);
+  EXPECT_EQ(look->prefix_hits, 20u);
+  EXPECT_EQ(look->entries[0].tier, v1::TIER_NVME);
+  auto got = client->Get("ns", views);  // promotes into DRAM, checksums verified
+  ASSERT_OK(got);
+  for (int i = 0; i < 20; ++i) EXPECT_EQ((*got)[i].bytes, blocks[i]) << i;
+  auto st = client->Stats();
+  ASSERT_OK(st);
+  EXPECT_EQ(st->promotions(), 20u);
+  EXPECT_EQ(st->nvme().blocks(), 20u);
+  EXPECT_EQ(st->integrity_errors(), 0u);
 }
 
 TEST(LifecycleTest, MetricsEndpointServesPrometheusText) {

@@ -1,5 +1,6 @@
 // Memory bound of a real kvdepotd: with its 1 GiB DRAM tier full (and
-// evicting), the whole process stays under 1.1 GiB resident.
+// evicting, which demotes to its NVMe tier), the whole process stays under
+// 1.1 GiB resident.
 #include <gtest/gtest.h>
 
 #include <fstream>
@@ -57,7 +58,9 @@ TEST(MemoryTest, FullOneGibDramTierStaysUnderOnePointOneGibRss) {
   uint64_t rss = RssBytes((*d)->pid());
   std::printf("kvdepotd RSS with a full 1 GiB DRAM tier: %.3f GiB (%.1f MiB over the tier)\n",
               rss / 1073741824.0, (rss - static_cast<double>(st->dram().used_bytes())) / 1048576.0);
-  EXPECT_LT(rss, uint64_t{1100} << 20);
+  // 1.1 GiB: the DRAM tier plus gRPC buffers, RocksDB memtables of the NVMe
+  // tier that demotions fill, and the indexes.
+  EXPECT_LT(rss, static_cast<uint64_t>(1.1 * (uint64_t{1} << 30)));
 }
 
 }  // namespace
