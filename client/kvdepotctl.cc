@@ -7,6 +7,7 @@
 // contract scripts rely on:
 //   0 ok, 1 error (message on stderr), 2 usage error, 3 not found.
 #include <CLI/CLI.hpp>
+#include <chrono>
 #include <cstdio>
 #include <fstream>
 #include <iostream>
@@ -275,6 +276,37 @@ struct Ctl {
     return kOk;
   }
 
+  int Verify() {
+    grpc::ClientContext ctx;
+    ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::hours(24));
+    v1::VerifyResponse r;
+    absl::Status st = FromGrpcStatus(Connect()->stub().Verify(&ctx, v1::VerifyRequest(), &r));
+    if (!st.ok()) return Fail(st);
+    if (json) {
+      std::cout << "{\"blocks_checked\": " << r.blocks_checked()
+                << ", \"bytes_checked\": " << r.bytes_checked()
+                << ", \"corrupt_dropped\": " << r.corrupt_dropped()
+                << ", \"missing_dropped\": " << r.missing_dropped()
+                << ", \"orphans_dropped\": " << r.orphans_dropped() << "}\n";
+    } else {
+      std::cout << "checked " << r.blocks_checked() << " blocks (" << r.bytes_checked()
+                << " bytes); dropped " << r.corrupt_dropped() << " corrupt, "
+                << r.missing_dropped() << " missing, " << r.orphans_dropped()
+                << " orphaned\n";
+    }
+    return kOk;
+  }
+
+  int Compact() {
+    grpc::ClientContext ctx;
+    ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::hours(24));
+    v1::CompactResponse r;
+    absl::Status st = FromGrpcStatus(Connect()->stub().Compact(&ctx, v1::CompactRequest(), &r));
+    if (!st.ok()) return Fail(st);
+    std::cout << (json ? "{\"compacted\": true}" : "compacted") << "\n";
+    return kOk;
+  }
+
   int Namespaces() {
     auto r = Connect()->ListNamespaces();
     if (!r.ok()) return Fail(r.status());
@@ -321,6 +353,8 @@ int Main(int argc, char** argv) {
   evict->add_option("keys", ctl.keys, "keys (hex)");
   auto* stats = app.add_subcommand("stats", "tier and namespace counters");
   auto* namespaces = app.add_subcommand("namespaces", "list namespaces");
+  auto* verify = app.add_subcommand("verify", "scrub NVMe blocks against their checksums");
+  auto* compact = app.add_subcommand("compact", "compact the NVMe tier");
 
   try {
     app.parse(argc, argv);
@@ -336,6 +370,8 @@ int Main(int argc, char** argv) {
     if (evict->parsed()) return ctl.Evict();
     if (stats->parsed()) return ctl.Stats();
     if (namespaces->parsed()) return ctl.Namespaces();
+    if (verify->parsed()) return ctl.Verify();
+    if (compact->parsed()) return ctl.Compact();
   } catch (const UsageError& e) {
     std::cerr << "kvdepotctl: " << e.message << "\n";
     return kUsage;

@@ -490,4 +490,32 @@ grpc::ServerUnaryReactor* KvDepotService::ListNamespaces(
   });
 }
 
+// Verify and Compact are long (they read or rewrite the whole NVMe tier) and
+// rare; they run inline on a gRPC thread, which only that call waits on.
+grpc::ServerUnaryReactor* KvDepotService::Verify(grpc::CallbackServerContext* ctx,
+                                                 const v1::VerifyRequest*,
+                                                 v1::VerifyResponse* resp) {
+  return Unary(ctx, "Verify", [&]() -> absl::Status {
+    ASSIGN_OR_RETURN(TieredStore::VerifyReport r, store_.VerifyNvme());
+    resp->set_blocks_checked(r.blocks_checked);
+    resp->set_bytes_checked(r.bytes_checked);
+    resp->set_corrupt_dropped(r.corrupt_dropped);
+    resp->set_missing_dropped(r.missing_dropped);
+    resp->set_orphans_dropped(r.orphans_dropped);
+    log_->info("verify: {} blocks checked, {} corrupt, {} missing, {} orphans dropped",
+               r.blocks_checked, r.corrupt_dropped, r.missing_dropped, r.orphans_dropped);
+    return absl::OkStatus();
+  });
+}
+
+grpc::ServerUnaryReactor* KvDepotService::Compact(grpc::CallbackServerContext* ctx,
+                                                  const v1::CompactRequest*,
+                                                  v1::CompactResponse*) {
+  return Unary(ctx, "Compact", [&]() -> absl::Status {
+    RETURN_IF_ERROR(store_.CompactNvme());
+    log_->info("compacted the NVMe tier");
+    return absl::OkStatus();
+  });
+}
+
 }  // namespace kvdepot

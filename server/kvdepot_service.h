@@ -78,6 +78,12 @@ class KvDepotService final
   grpc::ServerUnaryReactor* ListNamespaces(
       grpc::CallbackServerContext* ctx, const v1::ListNamespacesRequest* req,
       v1::ListNamespacesResponse* resp) override;
+  grpc::ServerUnaryReactor* Verify(grpc::CallbackServerContext* ctx,
+                                   const v1::VerifyRequest* req,
+                                   v1::VerifyResponse* resp) override;
+  grpc::ServerUnaryReactor* Compact(grpc::CallbackServerContext* ctx,
+                                    const v1::CompactRequest* req,
+                                    v1::CompactResponse* resp) override;
 
   // Records one finished RPC (metrics, and a log line for failures that are
   // the daemon's fault). Used by the unary helper and the stream reactors.

@@ -543,6 +543,18 @@ class TieredStoreImpl final : public TieredStore {
 
   void SetDraining(bool draining) override { draining_.store(draining); }
 
+  absl::StatusOr<VerifyReport> VerifyNvme() override {
+    if (nvme_ == nullptr) return absl::FailedPreconditionError("no NVMe tier");
+    ASSIGN_OR_RETURN(NvmeVerifyReport r, nvme_->Verify());
+    return VerifyReport{r.blocks_checked, r.bytes_checked, r.corrupt_dropped,
+                        r.missing_dropped, r.orphans_dropped};
+  }
+
+  absl::Status CompactNvme() override {
+    if (nvme_ == nullptr) return absl::FailedPreconditionError("no NVMe tier");
+    return nvme_->Compact();
+  }
+
   absl::StatusOr<uint64_t> PersistDram() override {
     if (nvme_ == nullptr) return absl::FailedPreconditionError("no NVMe tier");
     uint64_t before = demotions_.load();

@@ -246,6 +246,15 @@ class TieredStore {
   // written; FailedPrecondition when there is no NVMe tier.
   virtual absl::StatusOr<uint64_t> PersistDram() = 0;
 
+  // Scrubs the NVMe tier (see NvmeTier::Verify) / compacts it.
+  // FailedPrecondition when there is no NVMe tier.
+  struct VerifyReport {
+    uint64_t blocks_checked = 0, bytes_checked = 0, corrupt_dropped = 0,
+             missing_dropped = 0, orphans_dropped = 0;
+  };
+  virtual absl::StatusOr<VerifyReport> VerifyNvme() = 0;
+  virtual absl::Status CompactNvme() = 0;
+
   virtual DramRegion dram_region() const = 0;
   virtual const StoreOptions& options() const = 0;
 };
