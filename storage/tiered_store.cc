@@ -531,11 +531,15 @@ class TieredStoreImpl final : public TieredStore {
     return result;
   }
 
-  uint64_t RunEviction() override {
+  uint64_t RunEviction() override { return EvictToLowWatermark(/*force=*/false); }
+
+  // Evicts (demoting) down to the low watermark; unless `force`, only when
+  // above the high one.
+  uint64_t EvictToLowWatermark(bool force) {
     uint64_t cap = arena_->capacity();
     uint64_t high = static_cast<uint64_t>(options_.high_watermark * cap);
     uint64_t low = static_cast<uint64_t>(options_.low_watermark * cap);
-    if (arena_->allocated_bytes() <= high) return 0;
+    if (!force && arena_->allocated_bytes() <= high) return 0;
     uint64_t n = 0;
     while (arena_->allocated_bytes() > low && EvictOne(/*demote=*/true)) ++n;
     return n;
@@ -719,12 +723,22 @@ class TieredStoreImpl final : public TieredStore {
     return absl::OkStatus();
   }
 
+  // With an NVMe tier and the background evictor, a put that finds DRAM
+  // full waits (bounded) for the evictor to demote room instead of dropping
+  // blocks that NVMe would have kept; demotion never runs on the caller's
+  // thread. Without them, or when waiting did not help, it evicts (drops)
+  // synchronously.
   absl::StatusOr<uint64_t> AllocateEvicting(uint64_t bytes) {
+    bool waited = false;
     while (true) {
       absl::StatusOr<uint64_t> off = arena_->Allocate(bytes);
       if (off.ok()) {
         MaybeWakeEvictor();
         return off;
+      }
+      if (!waited && nvme_ != nullptr && evictor_.joinable()) {
+        waited = true;
+        if (WaitForEvictor()) continue;
       }
       if (!EvictOne()) {
         return absl::ResourceExhaustedError(absl::StrCat(
@@ -833,19 +847,39 @@ class TieredStoreImpl final : public TieredStore {
     }
   }
 
+  // Asks the evictor for a forced round and waits for it (at most 5 s).
+  // Returns whether a round finished.
+  bool WaitForEvictor() {
+    absl::MutexLock lock(&evict_mu_);
+    const uint64_t target = rounds_started_ + 1;
+    pressure_ = true;
+    // Round `target` is the first to start after pressure_ was set, so it
+    // is the one that sees it.
+    auto done = [this, target]() ABSL_SHARED_LOCKS_REQUIRED(evict_mu_) {
+      return stop_ || rounds_done_ >= target;
+    };
+    return evict_mu_.AwaitWithTimeout(absl::Condition(&done), absl::Seconds(5)) &&
+           !stop_;
+  }
+
   void EvictorLoop() {
     while (true) {
+      bool force;
       {
         absl::MutexLock lock(&evict_mu_);
         auto ready = [this]() ABSL_SHARED_LOCKS_REQUIRED(evict_mu_) {
-          return stop_ || evict_wanted_;
+          return stop_ || evict_wanted_ || pressure_;
         };
         evict_mu_.AwaitWithTimeout(absl::Condition(&ready),
                                    absl::Milliseconds(200));
         if (stop_) return;
         evict_wanted_ = false;
+        force = std::exchange(pressure_, false);
+        ++rounds_started_;
       }
-      RunEviction();
+      EvictToLowWatermark(force);
+      absl::MutexLock lock(&evict_mu_);
+      ++rounds_done_;
     }
   }
 
@@ -915,6 +949,9 @@ class TieredStoreImpl final : public TieredStore {
   absl::Mutex evict_mu_;
   bool stop_ ABSL_GUARDED_BY(evict_mu_) = false;
   bool evict_wanted_ ABSL_GUARDED_BY(evict_mu_) = false;
+  bool pressure_ ABSL_GUARDED_BY(evict_mu_) = false;  // a put waits for room
+  uint64_t rounds_started_ ABSL_GUARDED_BY(evict_mu_) = 0;
+  uint64_t rounds_done_ ABSL_GUARDED_BY(evict_mu_) = 0;
   std::thread evictor_;
 };
 

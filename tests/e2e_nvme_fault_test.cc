@@ -5,7 +5,9 @@
 
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <atomic>
+#include <cmath>
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
@@ -163,6 +165,96 @@ TEST(NvmeFaultTest, KillNineDuringHeavyPutsLeavesNoPartialOrCorruptBlock) {
   auto st = client->Stats();
   ASSERT_OK(st);
   EXPECT_EQ(st->integrity_errors(), 0u);
+}
+
+TEST(NvmeFaultTest, ZipfWorkingSetFourTimesDramHitsBothTiersAndLosesNothing) {
+  // 32 MiB of 256 KiB blocks against an 8 MiB DRAM tier.
+  auto d = DaemonProcess::Start(kArgs);
+  ASSERT_OK(d);
+  auto client = Connect((*d)->address());
+  constexpr int kN = 128;
+  constexpr size_t kSize = 256 << 10;
+  for (int i = 0; i < kN; ++i) {
+    std::string key = "zipf-" + std::to_string(i);
+    std::string bytes = BytesOf(i, kSize);
+    BlockToPut b{key, "", bytes};
+    ASSERT_OK(client->Put("ns", {&b, 1}));
+  }
+  // Zipf(1.1)-distributed reads over the working set.
+  std::vector<double> cdf(kN);
+  double sum = 0;
+  for (int i = 0; i < kN; ++i) cdf[i] = (sum += 1.0 / std::pow(i + 1, 1.1));
+  std::mt19937 rng(42);
+  std::uniform_real_distribution<double> u(0, sum);
+  for (int r = 0; r < 400; ++r) {
+    int i = static_cast<int>(std::lower_bound(cdf.begin(), cdf.end(), u(rng)) - cdf.begin());
+    std::string key = "zipf-" + std::to_string(i);
+    absl::string_view k = key;
+    auto got = client->Get("ns", {&k, 1});
+    ASSERT_OK(got) << key;  // NVMe holds everything DRAM let go
+    ASSERT_EQ((*got)[0].bytes, BytesOf(i, kSize)) << key;
+  }
+  auto st = client->Stats();
+  ASSERT_OK(st);
+  EXPECT_GT(st->dram().hits(), 0u);     // hot blocks stay in DRAM
+  EXPECT_GT(st->promotions(), 0u);      // colder ones come back from NVMe
+  EXPECT_GT(st->demotions(), 0u);
+  EXPECT_EQ(st->demotion_failures(), 0u);
+  EXPECT_LE(st->dram().used_bytes(), st->dram().capacity_bytes());
+  EXPECT_LE(st->nvme().used_bytes(), st->nvme().capacity_bytes());
+  EXPECT_EQ(st->integrity_errors(), 0u);
+  // No block was lost: every key is found in one tier or the other.
+  for (int i = 0; i < kN; ++i) {
+    std::string key = "zipf-" + std::to_string(i);
+    absl::string_view k = key;
+    auto look = client->Lookup("ns", {&k, 1}, false, false);
+    ASSERT_OK(look);
+    EXPECT_TRUE(look->entries[0].found) << key;
+  }
+}
+
+TEST(NvmeFaultTest, FullDiskSkipsDemotionAndKeepsServingDram) {
+  // A 24 MiB filesystem for the data dir (tmpfs; needs root, as in CI).
+  std::string mnt = testing::MakeTempDir("smallfs");
+  if (testing::RunCommand(absl::StrCat("mount -t tmpfs -o size=24m tmpfs ", mnt)).exit_code != 0) {
+    GTEST_SKIP() << "cannot mount a small tmpfs here (not root?)";
+  }
+  struct Unmount {
+    std::string dir;
+    ~Unmount() { testing::RunCommand("umount -l " + dir); }
+  } unmount{mnt};
+  int acked = 0;
+  {
+    auto d = DaemonProcess::Start({"--dram-capacity", "8MiB", "--nvme-capacity", "1GiB"},
+                                  mnt + "/data");
+    ASSERT_OK(d);
+    auto client = Connect((*d)->address());
+    // 96 MiB of puts: the disk fills with demoted blocks long before.
+    for (int i = 0; i < 384; ++i) {
+      std::string key = "full-" + std::to_string(i);
+      std::string bytes = BytesOf(i, 256 << 10);
+      BlockToPut b{key, "", bytes};
+      ASSERT_OK(client->Put("ns", {&b, 1})) << key;  // DRAM keeps taking puts
+      ++acked;
+    }
+    auto st = client->Stats();
+    ASSERT_OK(st);
+    EXPECT_GT(st->demotion_failures(), 0u);
+    EXPECT_OK(client->Health());
+    // The newest blocks are in DRAM and served.
+    for (int i = 370; i < 384; ++i) {
+      std::string key = "full-" + std::to_string(i);
+      absl::string_view k = key;
+      auto got = client->Get("ns", {&k, 1});
+      ASSERT_OK(got) << key;
+      EXPECT_EQ((*got)[0].bytes, BytesOf(i, 256 << 10));
+    }
+    EXPECT_TRUE((*d)->Running());
+    auto rc = (*d)->Stop(SIGTERM);  // persisting on a full disk must not crash
+    ASSERT_OK(rc);
+    EXPECT_EQ(*rc, 0) << (*d)->Log();
+  }
+  EXPECT_EQ(acked, 384);
 }
 
 }  // namespace
