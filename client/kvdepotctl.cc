@@ -236,6 +236,7 @@ struct Ctl {
                 << ", \"demotions\": " << r->demotions()
                 << ", \"demotion_failures\": " << r->demotion_failures()
                 << ", \"promotions\": " << r->promotions()
+                << ", \"demotions_skipped\": " << r->demotions_skipped()
                 << ", \"sessions\": " << r->sessions() << ", \"pins\": " << r->pins()
                 << ", \"reservations\": " << r->reservations()
                 << ", \"reserved_bytes\": " << r->reserved_bytes()

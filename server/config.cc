@@ -54,6 +54,17 @@ absl::StatusOr<absl::Duration> ParseDurationFlag(absl::string_view text) {
   return d;
 }
 
+absl::StatusOr<uint32_t> ParseAdmission(absl::string_view s) {
+  if (s == "always") return 0;
+  uint32_t n = 0;
+  if (absl::ConsumePrefix(&s, "reads>=") && absl::SimpleAtoi(s, &n) && n >= 1 &&
+      n <= 255) {
+    return n;
+  }
+  return absl::InvalidArgumentError(
+      "nvme admission must be 'always' or 'reads>=N' (N in 1..255)");
+}
+
 absl::StatusOr<HugePageMode> ParseHugePages(absl::string_view s) {
   if (s == "auto") return HugePageMode::kAuto;
   if (s == "on" || s == "true") return HugePageMode::kOn;
@@ -151,6 +162,13 @@ absl::Status LoadConfigFile(const std::string& path, DaemonConfig* c) {
       {"dram_prefault", bool_into(&c->store.prefault_dram)},
       {"nvme_capacity", size_into(&c->store.nvme_capacity)},
       {"nvme_wal", bool_into(&c->store.nvme_use_wal)},
+      {"nvme_admission",
+       [c](const std::string& v) -> absl::Status {
+         absl::StatusOr<uint32_t> n = ParseAdmission(v);
+         if (!n.ok()) return n.status();
+         c->store.nvme_admit_min_reads = *n;
+         return absl::OkStatus();
+       }},
       {"persist_on_shutdown", bool_into(&c->persist_on_shutdown)},
       {"create_namespaces", bool_into(&c->store.create_namespaces)},
   };

@@ -50,6 +50,8 @@ struct DaemonConfig {
 // Parses "1GiB", "512MiB", "64KiB", "1.5GiB", "4096" (bytes; also KB/MB/GB
 // as powers of 1000 and K/M/G as powers of 1024). InvalidArgument otherwise.
 absl::StatusOr<uint64_t> ParseSize(absl::string_view text);
+// "always" (0) or "reads>=N" (N): which blocks leaving DRAM go to NVMe.
+absl::StatusOr<uint32_t> ParseAdmission(absl::string_view text);
 // "auto", "on"/"true", "off"/"false".
 absl::StatusOr<HugePageMode> ParseHugePages(absl::string_view text);
 // "30s", "500ms", "2m" (absl duration syntax).

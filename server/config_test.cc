@@ -23,6 +23,14 @@ TEST(ParseSizeTest, AcceptsBinaryAndDecimalUnits) {
   EXPECT_EQ(*ParseSize(" 8 mib "), uint64_t{8} << 20);
 }
 
+TEST(ParseAdmissionTest, AcceptsAlwaysAndReadCounts) {
+  EXPECT_EQ(*ParseAdmission("always"), 0u);
+  EXPECT_EQ(*ParseAdmission("reads>=2"), 2u);
+  for (const char* bad : {"", "sometimes", "reads>=0", "reads>=300", "reads>2"}) {
+    EXPECT_THAT(ParseAdmission(bad), StatusIs(absl::StatusCode::kInvalidArgument)) << bad;
+  }
+}
+
 TEST(ParseSizeTest, RejectsGarbage) {
   for (const char* bad : {"", "GiB", "1XB", "-1GiB", "1e999GiB", "abc"}) {
     EXPECT_THAT(ParseSize(bad), StatusIs(absl::StatusCode::kInvalidArgument)) << bad;
@@ -83,6 +91,7 @@ TEST(ConfigFileTest2, ShippedExampleMatchesTheDefaults) {
   EXPECT_EQ(from_file.store.prefault_dram, defaults.store.prefault_dram);
   EXPECT_EQ(from_file.store.nvme_capacity, defaults.store.nvme_capacity);
   EXPECT_EQ(from_file.store.nvme_use_wal, defaults.store.nvme_use_wal);
+  EXPECT_EQ(from_file.store.nvme_admit_min_reads, defaults.store.nvme_admit_min_reads);
   EXPECT_EQ(from_file.persist_on_shutdown, defaults.persist_on_shutdown);
   EXPECT_EQ(from_file.store.high_watermark, defaults.store.high_watermark);
   EXPECT_EQ(from_file.store.low_watermark, defaults.store.low_watermark);

@@ -460,6 +460,7 @@ grpc::ServerUnaryReactor* KvDepotService::Stats(grpc::CallbackServerContext* ctx
     resp->set_demotions(st.demotions);
     resp->set_demotion_failures(st.demotion_failures);
     resp->set_promotions(st.promotions);
+    resp->set_demotions_skipped(st.demotions_skipped);
     resp->set_sessions(st.sessions);
     resp->set_pins(st.pins);
     resp->set_reservations(st.reservations);

@@ -48,7 +48,8 @@ int main(int argc, char** argv) {
   CLI::App app{"kvdepotd: KV-cache block store daemon for LLM inference"};
   std::string config_file;
   std::optional<std::string> listen, metrics_listen, data_dir, dram_capacity,
-      log_level, hugepages, max_block_size, session_lease, nvme_capacity;
+      log_level, hugepages, max_block_size, session_lease, nvme_capacity,
+      nvme_admission;
   std::optional<bool> persist_on_shutdown;
   app.add_option("--config", config_file, "YAML configuration file")
       ->check(CLI::ExistingFile);
@@ -60,6 +61,8 @@ int main(int argc, char** argv) {
   app.add_option("--max-block-size", max_block_size, "largest block accepted (default 256MiB)");
   app.add_option("--nvme-capacity", nvme_capacity,
                  "NVMe tier size in <data-dir>/nvme, e.g. 100GiB; 0 turns it off (default 8GiB)");
+  app.add_option("--nvme-admission", nvme_admission,
+                 "which blocks leaving DRAM go to NVMe: always | reads>=N (default always)");
   app.add_option("--persist-on-shutdown", persist_on_shutdown,
                  "write DRAM-only blocks to NVMe on SIGTERM (default true)");
   app.add_option("--session-lease", session_lease, "default session lease (default 30s)");
@@ -102,6 +105,11 @@ int main(int argc, char** argv) {
     if (!st.ok()) return Fail(2, std::string(st.message()));
   }
   if (persist_on_shutdown) config.persist_on_shutdown = *persist_on_shutdown;
+  if (nvme_admission) {
+    absl::StatusOr<uint32_t> n = kvdepot::ParseAdmission(*nvme_admission);
+    if (!n.ok()) return Fail(2, "--nvme-admission: " + std::string(n.status().message()));
+    config.store.nvme_admit_min_reads = *n;
+  }
   if (session_lease) {
     absl::StatusOr<absl::Duration> d = kvdepot::ParseDurationFlag(*session_lease);
     if (!d.ok()) return Fail(2, "--session-lease: " + std::string(d.status().message()));

@@ -84,6 +84,7 @@ std::optional<BlockIndex::Hit> BlockIndex::Find(const KeyRef& key, bool pin,
   if (it == s.set.end()) return std::nullopt;
   BlockEntry* e = *it;
   if (seq != 0) e->seq = seq;
+  if (e->reads < UINT8_MAX) ++e->reads;
   if (pin) {
     LruRemove(s, e);
     ++e->pins;

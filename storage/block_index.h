@@ -58,8 +58,10 @@ struct BlockEntry {
   uint32_t children = 0;  // cached blocks naming this one as parent
   uint16_t key_len = 0;
   uint8_t flags = 0;
+  // Lookups that found it (saturating), for the NVMe admission policy.
+  uint8_t reads = 0;
   // When it was last stored or looked up, in BlockIndex::NextSeq() units
-  // (compared wrap-aware; sits in what would otherwise be padding).
+  // (compared wrap-aware). With `reads`, fills what would be padding.
   uint32_t seq = 0;
 
   uint64_t data_offset() const { return uint64_t{data_unit} * 64; }

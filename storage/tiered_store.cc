@@ -603,6 +603,7 @@ class TieredStoreImpl final : public TieredStore {
     }
     st.demotions = demotions_.load();
     st.demotion_failures = demotion_failures_.load();
+    st.demotions_skipped = demotions_skipped_.load();
     st.promotions = promotions_.load();
     st.namespaces = ListNamespaces();
     return st;
@@ -785,6 +786,10 @@ class TieredStoreImpl final : public TieredStore {
   // Writes a block leaving DRAM to the NVMe tier. Its parent key is not
   // kept (the index holds only the parent's hash).
   void Demote(const BlockEntry& e) {
+    if (e.reads < options_.nvme_admit_min_reads) {
+      demotions_skipped_.fetch_add(1, std::memory_order_relaxed);
+      return;
+    }
     const char* base = arena_->base();
     NamespaceInfo* info = NamespaceById(e.ns_id);
     absl::StatusOr<NvmePutOutcome> r = nvme_->Put(
@@ -925,6 +930,7 @@ class TieredStoreImpl final : public TieredStore {
 
   std::atomic<bool> draining_{false};
   std::atomic<uint64_t> demotions_{0}, demotion_failures_{0}, promotions_{0};
+  std::atomic<uint64_t> demotions_skipped_{0};
   std::atomic<uint64_t> nvme_hits_{0};
   std::atomic<uint64_t> lookup_keys_{0}, lookup_hits_{0}, dram_hits_{0};
   std::atomic<uint64_t> puts_{0}, put_bytes_{0}, evictions_{0};
@@ -961,6 +967,9 @@ SlotHandleImpl::~SlotHandleImpl() { store_->ReleaseSlot(id_); }
 
 absl::StatusOr<std::unique_ptr<TieredStore>> NewTieredStore(
     const StoreOptions& options, Clock* clock) {
+  if (options.nvme_admit_min_reads > 255) {
+    return absl::InvalidArgumentError("nvme admission: at most 255 reads");
+  }
   if (!(options.low_watermark > 0 && options.low_watermark <= options.high_watermark &&
         options.high_watermark <= 1.0)) {
     return absl::InvalidArgumentError(

@@ -75,6 +75,9 @@ struct StoreOptions {
   std::string nvme_path;
   uint64_t nvme_capacity = 0;
   bool nvme_use_wal = false;
+  // Admission: 0 writes every block leaving DRAM to NVMe; N > 0 only those
+  // looked up at least N times while in DRAM (spares flash endurance).
+  uint32_t nvme_admit_min_reads = 0;
   uint64_t nvme_write_buffer_size = uint64_t{8} << 20;
 };
 
@@ -143,6 +146,7 @@ struct StoreStats {
   TierStats nvme;  // all zero when the tier is off
   uint64_t demotions = 0;          // DRAM blocks written to NVMe
   uint64_t demotion_failures = 0;  // could not be written (disk full, ...)
+  uint64_t demotions_skipped = 0;  // not admitted (read too rarely)
   uint64_t promotions = 0;         // NVMe blocks read back into DRAM
   uint64_t sessions = 0;
   uint64_t pins = 0;           // live pins

@@ -563,6 +563,31 @@ TEST_F(TieredStoreNvmeTest, EvictRemovesBlocksFromBothTiers) {
   EXPECT_EQ(store_->Stats().nvme.blocks, 0u);
 }
 
+TEST_F(TieredStoreNvmeTest, AdmissionByReadsSparesColdBlocks) {
+  store_.reset();
+  StoreOptions o;
+  o.dram_capacity = 4 << 20;
+  o.hugepages = HugePageMode::kOff;
+  o.background_eviction = false;
+  o.nvme_path = dir_ + "/nvme";
+  o.nvme_capacity = 64 << 20;
+  o.nvme_admit_min_reads = 2;
+  store_ = std::move(NewTieredStore(o, &clock_)).value();
+  sid_ = store_->OpenSession(absl::ZeroDuration(), "t")->id;
+  Put("hot", Block(0));
+  Put("cold", Block(1));
+  Look("hot", false);
+  Look("hot", false);  // read twice: admitted
+  Look("cold", false);  // once: not admitted
+  auto n = store_->PersistDram();
+  ASSERT_OK(n);
+  EXPECT_EQ(*n, 1u);
+  StoreStats st = store_->Stats();
+  EXPECT_EQ(st.demotions_skipped, 1u);
+  EXPECT_TRUE(Look("hot", false).found);
+  EXPECT_FALSE(Look("cold", false).found);
+}
+
 TEST_F(TieredStoreNvmeTest, NoNvmeTierMeansPersistFails) {
   StoreOptions o;
   o.dram_capacity = 1 << 20;
