@@ -1,0 +1,505 @@
+#!/usr/bin/env bash
+# compare_fio.sh: the NVMe tier module against the disk's limit (fio) and
+# RocksDB's db_bench, side by side on one file system (see
+# ../shared/BENCHMARKS.md, "How a benchmark reports", and issue 3).
+#
+# Every side works in one temporary directory under --dir (default /tmp):
+#   write  fio sequential write, 1 MiB, direct, iodepth 16, of --size bytes
+#          vs nvme-tier-bench --op fill: --size / 256 KiB blocks of 256 KiB
+#             put into a fresh tier, then Flush (included in its time)
+#          vs db_bench fillrandom,flush, value 262144, default options
+#   read   fio randread, 256 KiB, direct, iodepth 16, over that file
+#          vs nvme-tier-bench --op randread, --threads (default 16) threads
+#             of NvmeTier::Read over the filled tier
+#          vs db_bench readrandom, value 262144, --threads threads
+# Rounds alternate the sides (fio, kvdepot, db_bench, fio, kvdepot, ...):
+# round r writes all sides, then reads them, then deletes its files, so the
+# disk holds at most about 2 x --size at a time. The page cache is dropped
+# (sync; echo 3 > /proc/sys/vm/drop_caches) before every measured run; both
+# fio and nvme-tier-bench read each block at most once per run (fio's random
+# map; the bench's random permutation), and a read run ends after --duration
+# seconds or one pass over the data, whichever comes first. Each side's
+# figure is its BEST round (highest GB/s); every round is kept in the JSON,
+# with the bytes the block device read and wrote during it.
+#
+#   tools/compare_fio.sh [--dir /tmp] [--size 8GiB] [--duration 10]
+#       [--rounds 2] [--threads 16] [--ioengine libaio] [--db-bench "default blob"]
+#       [--build DIR] [--out FILE] [--smoke]
+#
+# Prints a table and writes JSON (default tools/results/compare_fio.json).
+# Removes everything it created on exit. Exit 0 when every run succeeded, 1
+# when a run failed (the table still shows what was measured), 2 for usage
+# errors, 77 when fio is not installed (ctest reports the smoke as skipped).
+# Needs: the nvme-tier-bench build, fio (apt-get install fio), python3
+# (standard library); db_bench (Debian rocksdb-tools) for the third column,
+# skipped with a note when missing; root for drop_caches (without it the
+# reads may come from the page cache: the JSON says so).
+set -euo pipefail
+
+REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+BUILD="$REPO/build"
+DIR=/tmp
+SIZE=8GiB
+DURATION=10
+ROUNDS=2
+THREADS=16
+IOENGINE=libaio
+DB_BENCH_VARIANTS="default blob"
+OUT=""
+SMOKE=0
+BLOCK=262144
+
+usage() {
+  sed -n '2,/^set -euo/p' "${BASH_SOURCE[0]}" | sed '$d; s/^# \{0,1\}//'
+  cat <<'EOF'
+Options:
+  --dir DIR            file system to measure: a temporary directory is made
+                       under DIR and removed at the end (default /tmp)
+  --size SIZE          bytes per side: fio file, tier data, db_bench values
+                       (default 8GiB; K/M/G/KiB/MiB/GiB)
+  --duration S         most seconds per read run (default 10)
+  --rounds N           rounds of A B (C) (default 2)
+  --threads N          kvdepot and db_bench read threads (default 16, as fio's
+                       iodepth)
+  --ioengine E         fio engine: libaio or io_uring (default libaio)
+  --db-bench "V ..."   db_bench variants: default (RocksDB defaults), blob
+                       (--enable_blob_files=1); "" for none
+                       (default "default blob")
+  --build DIR          build directory with tools/nvme-tier-bench
+                       (default <repo>/build)
+  --out FILE           JSON output (default tools/results/compare_fio.json;
+                       with --smoke, <build>/tools/compare_fio_smoke.json)
+  --smoke              tiny run for CI: 64 MiB, 1 s, 2 rounds, 4 threads
+EOF
+}
+
+die_usage() { echo "compare_fio.sh: $*" >&2; echo "Run with --help for more information." >&2; exit 2; }
+need_value() { [[ $# -ge 2 ]] || die_usage "$1 needs a value"; }
+
+while [[ $# -gt 0 ]]; do
+  case "$1" in
+    --dir) need_value "$@"; DIR="$2"; shift 2 ;;
+    --size) need_value "$@"; SIZE="$2"; shift 2 ;;
+    --duration) need_value "$@"; DURATION="$2"; shift 2 ;;
+    --rounds) need_value "$@"; ROUNDS="$2"; shift 2 ;;
+    --threads) need_value "$@"; THREADS="$2"; shift 2 ;;
+    --ioengine) need_value "$@"; IOENGINE="$2"; shift 2 ;;
+    --db-bench) need_value "$@"; DB_BENCH_VARIANTS="$2"; shift 2 ;;
+    --build) need_value "$@"; BUILD="$2"; shift 2 ;;
+    --out) need_value "$@"; OUT="$2"; shift 2 ;;
+    --smoke) SMOKE=1; shift ;;
+    -h|--help) usage; exit 0 ;;
+    *) die_usage "unknown argument: $1" ;;
+  esac
+done
+if [[ $SMOKE -eq 1 ]]; then
+  SIZE=64MiB; DURATION=1; ROUNDS=2; THREADS=4
+  [[ -n $OUT ]] || OUT="$BUILD/tools/compare_fio_smoke.json"
+fi
+[[ -n $OUT ]] || OUT="$REPO/tools/results/compare_fio.json"
+
+# --size in bytes, a whole number of 1 MiB (fio's write block) and so of
+# 256 KiB blocks.
+size_bytes() {
+  awk -v s="$1" 'BEGIN{
+    s = tolower(s); n = s; sub(/[a-z]+$/, "", n); u = substr(s, length(n) + 1)
+    f["" ] = 1; f["b"] = 1; f["k"] = 1024; f["kib"] = 1024; f["kb"] = 1e3
+    f["m"] = 1048576; f["mib"] = 1048576; f["mb"] = 1e6
+    f["g"] = 1073741824; f["gib"] = 1073741824; f["gb"] = 1e9
+    if (n !~ /^[0-9]+([.][0-9]+)?$/ || !(u in f)) exit 1
+    printf "%.0f", n * f[u] }'
+}
+SIZE_BYTES="$(size_bytes "$SIZE")" || die_usage "--size: \"$SIZE\" is not a size"
+SIZE_BYTES=$((SIZE_BYTES / 1048576 * 1048576))
+((SIZE_BYTES >= 4 * 1048576)) || die_usage "--size: at least 4MiB"
+BLOCKS=$((SIZE_BYTES / BLOCK))
+is_uint() { [[ $1 =~ ^[0-9]+$ ]] && [[ $1 -gt 0 ]]; }
+[[ $DURATION =~ ^[0-9]+$ && $DURATION -gt 0 ]] ||
+  die_usage "--duration: \"$DURATION\" is not a positive whole number of seconds"
+is_uint "$ROUNDS" || die_usage "--rounds: \"$ROUNDS\" is not a positive integer"
+is_uint "$THREADS" && [[ $THREADS -le 256 ]] || die_usage "--threads: \"$THREADS\" is not in 1..256"
+[[ $IOENGINE == libaio || $IOENGINE == io_uring ]] || die_usage "--ioengine: libaio or io_uring"
+for v in $DB_BENCH_VARIANTS; do
+  [[ $v == default || $v == blob ]] || die_usage "--db-bench: \"$v\" is not default or blob"
+done
+[[ -d $DIR ]] || die_usage "--dir: $DIR is not a directory"
+
+BENCH="$BUILD/tools/nvme-tier-bench"
+PYTHON=/usr/bin/python3
+[[ -x $PYTHON ]] || PYTHON="$(command -v python3 || true)"
+[[ -n $PYTHON ]] || { echo "compare_fio.sh: python3 not found" >&2; exit 1; }
+[[ -x $BENCH ]] || { echo "compare_fio.sh: $BENCH not found; build it: cd build && ninja nvme-tier-bench" >&2; exit 1; }
+if ! command -v fio >/dev/null; then
+  echo "compare_fio.sh: fio not found (apt-get install fio): skipped" >&2
+  exit 77
+fi
+DB_BENCH="$(command -v db_bench || true)"
+if [[ -z $DB_BENCH && -n $DB_BENCH_VARIANTS ]]; then
+  echo "compare_fio.sh: db_bench not found (Debian rocksdb-tools): its column is left out" >&2
+  DB_BENCH_VARIANTS=""
+fi
+
+log() { echo "compare_fio.sh: $*" >&2; }
+
+# Room for the fio file and the tier (and compaction's temporary files in
+# db_bench's round), plus 2 GiB for everyone else.
+avail=$(($(df -Pk "$DIR" | awk 'NR == 2 {print $4}') * 1024))
+need=$((SIZE_BYTES * 5 / 2 + (2 << 30)))
+if ((avail < need)); then
+  log "$DIR has $((avail >> 20)) MiB free, this run needs about $((need >> 20)) MiB: use a smaller --size or another --dir"
+  exit 1
+fi
+
+# --- Everything created here is removed here ----------------------------------
+
+TMP="$(mktemp -d "$DIR/compare_fio.XXXXXX")"
+cleanup() {
+  local rc=$?
+  trap - EXIT INT TERM
+  rm -rf "$TMP"
+  exit "$rc"
+}
+trap cleanup EXIT
+trap 'exit 130' INT
+trap 'exit 143' TERM
+
+# A private copy of the bench: the build directory may be shared, and a
+# rebuild during the run would swap the binary under it.
+cp "$BENCH" "$TMP/nvme-tier-bench"
+BENCH="$TMP/nvme-tier-bench"
+
+DROP_OK=1
+drop_caches() {
+  sync
+  if [[ $DROP_OK -eq 1 ]] && ! { echo 3 >/proc/sys/vm/drop_caches; } 2>/dev/null; then
+    DROP_OK=0
+    log "WARNING: cannot drop the page cache (needs root): reads may come from memory"
+  fi
+}
+drop_caches
+
+# The block device under $TMP: /sys/dev/block/MAJ:MIN/stat (sectors read and
+# written are fields 3 and 7). Empty when there is none (overlayfs, tmpfs).
+DEV_STAT="/sys/dev/block/$(stat -c '%Hd:%Ld' "$TMP")/stat"
+[[ -r $DEV_STAT ]] || DEV_STAT=""
+DEV_NAME="$( [[ -n $DEV_STAT ]] && sed -n 's/^DEVNAME=//p' "${DEV_STAT%/stat}/uevent" || echo unknown)"
+dev_sample() {  # prints "read_bytes write_bytes"
+  if [[ -n $DEV_STAT ]]; then awk '{printf "%.0f %.0f\n", $3 * 512, $7 * 512}' "$DEV_STAT"; else echo "0 0"; fi
+}
+
+RECORDS="$TMP/records.jsonl"  # one JSON object per measured run
+: >"$RECORDS"
+FAILED=0
+
+# The parser of fio's JSON and db_bench's text: turns one run's output into
+# a record line (side, workload, round, ops/s, GB/s, p50/p99/p999 us, ...).
+cat >"$TMP/parse.py" <<'EOF'
+import json, re, sys
+
+kind, path, side, workload, rnd, block, dev_r, dev_w, wall, load = sys.argv[1:11]
+rnd, block, dev_r, dev_w, wall = int(rnd), int(block), int(dev_r), int(dev_w), float(wall)
+rec = {"side": side, "workload": workload, "round": int(rnd), "load": load}
+text = open(path).read()
+if kind == "fio":
+    d = json.loads(text[text.index("{"):])
+    j = d["jobs"][0]
+    io = j["write" if workload == "write" else "read"]
+    pct = io["clat_ns"].get("percentile", {})
+    p = lambda k: pct[k] / 1e3 if k in pct else None
+    rec.update(tool=d["fio version"],
+               ops=io["total_ios"], seconds=io["runtime"] / 1e3,
+               ops_per_sec=io["iops"], gb_per_sec=io["bw_bytes"] / 1e9,
+               bytes=io["io_bytes"], latency_unit="io (clat)",
+               p50_us=p("50.000000"), p99_us=p("99.000000"),
+               p999_us=p("99.900000"), errors=j.get("error", 0))
+elif kind == "kvdepot":
+    d = json.loads(text[text.index("{"):])
+    rec.update(tool="nvme-tier-bench", ops=d["ops"], seconds=d["seconds"],
+               ops_per_sec=d["ops_per_sec"], gb_per_sec=d["gb_per_sec"],
+               bytes=d["ops"] * d["block_size"], latency_unit="call",
+               p50_us=d["p50_us"], p99_us=d["p99_us"], p999_us=d["p999_us"],
+               errors=d["errors"], detail=d)
+    if d.get("device"):
+        dev_r, dev_w = d["device"]["read_bytes"], d["device"]["write_bytes"]
+else:  # db_bench
+    bench = "fillrandom" if workload == "write" else "readrandom"
+    m = re.search(bench + r"\s*:\s*([\d.]+) micros/op (\d+) ops/sec ([\d.]+) seconds (\d+) operations;\s*([\d.]+) MB/s(?: \((\d+) of (\d+) found\))?", text)
+    if not m:
+        sys.exit("no " + bench + " line in db_bench's output")
+    ops_s, secs, nops, mbs = float(m.group(2)), float(m.group(3)), int(m.group(4)), float(m.group(5))
+    found = (int(m.group(6)), int(m.group(7))) if m.group(6) else None
+    pm = re.search(r"Percentiles: P50: ([\d.]+) P75: [\d.]+ P99: ([\d.]+) P99.9: ([\d.]+)", text)
+    frac = found[0] / found[1] if found and found[1] else 1.0
+    if workload == "write":
+        # End to end, as the tier's fill: the values written over the
+        # process's whole time (fillrandom, then flush of the memtable).
+        seconds = wall
+        ops = nops
+    else:
+        # Only reads that found a value move a block (fillrandom draws keys
+        # with repetition, so about 1 - 1/e of them exist).
+        seconds = secs
+        ops = nops * frac
+    rec.update(tool="db_bench", ops=ops, seconds=seconds,
+               ops_per_sec=ops / seconds if seconds else 0,
+               gb_per_sec=ops * block / seconds / 1e9 if seconds else 0,
+               bytes=ops * block, latency_unit="op",
+               p50_us=float(pm.group(1)) if pm else None,
+               p99_us=float(pm.group(2)) if pm else None,
+               p999_us=float(pm.group(3)) if pm else None, errors=0,
+               detail={"line": m.group(0), "db_bench_ops_per_sec": ops_s,
+                       "db_bench_seconds": secs, "db_bench_mb_per_sec": mbs,
+                       "found": list(found) if found else None,
+                       "process_wall_s": wall})
+rec["device_read_bytes"] = dev_r
+rec["device_write_bytes"] = dev_w
+moved = rec["bytes"]
+dev_moved = dev_w if workload == "write" else dev_r
+rec["device_bytes_per_byte"] = round(dev_moved / moved, 4) if moved else None
+# What the device itself moved per second of the run (whole device): for
+# reads, the disk's share, page-cache hits left out.
+rec["device_gb_per_sec"] = round(dev_moved / rec["seconds"] / 1e9, 4) if rec["seconds"] else None
+print(json.dumps(rec))
+EOF
+
+# measure KIND SIDE WORKLOAD ROUND -- COMMAND...: drops the page cache, runs
+# COMMAND (its stdout to a file), samples the block device around it, and
+# appends its record.
+measure() {
+  local kind=$1 side=$2 workload=$3 round=$4 out="$TMP/out.txt" rc=0 before after t0 t1 load
+  shift 5
+  drop_caches
+  load="$(cut -d' ' -f1-3 /proc/loadavg)"
+  before="$(dev_sample)"
+  t0="$(date +%s.%N)"
+  "$@" >"$out" 2>"$TMP/err.txt" || rc=$?
+  t1="$(date +%s.%N)"
+  after="$(dev_sample)"
+  if [[ $rc -ne 0 ]]; then
+    log "$side $workload round $round failed (exit $rc):"
+    tail -n 20 "$TMP/err.txt" | sed 's/^/  /' >&2
+    FAILED=1
+    return 0
+  fi
+  local rec
+  if ! rec="$("$PYTHON" "$TMP/parse.py" "$kind" "$out" "$side" "$workload" "$round" "$BLOCK" \
+      "$(awk -v a="$before" -v b="$after" 'BEGIN{split(a, x); split(b, y); printf "%.0f", y[1] - x[1]}')" \
+      "$(awk -v a="$before" -v b="$after" 'BEGIN{split(a, x); split(b, y); printf "%.0f", y[2] - x[2]}')" \
+      "$(awk -v a="$t0" -v b="$t1" 'BEGIN{printf "%.6f", b - a}')" "$load" 2>"$TMP/parse.err")"; then
+    log "$side $workload round $round: cannot read its output:"; sed 's/^/  /' "$TMP/parse.err" >&2
+    tail -n 20 "$out" | sed 's/^/  /' >&2
+    FAILED=1
+    return 0
+  fi
+  echo "$rec" >>"$RECORDS"
+  log "  $(printf '%-14s %-5s round %d' "$side" "$workload" "$round"): $(printf '%s\n' "$rec" | "$PYTHON" -c '
+import json, sys; r = json.loads(sys.stdin.read())
+f = lambda v: "-" if v is None else "%.0f" % v
+print("%.3f GB/s, %.1f ops/s, p50 %s us, p99 %s us, device %.2f GB read %.2f GB written" % (
+    r["gb_per_sec"], r["ops_per_sec"], f(r["p50_us"]), f(r["p99_us"]),
+    r["device_read_bytes"] / 1e9, r["device_write_bytes"] / 1e9))')"
+}
+
+FIO_COMMON=(--name=compare --ioengine="$IOENGINE" --direct=1 --iodepth=16 --numjobs=1
+  --size="$SIZE_BYTES" --output-format=json)
+DB_COMMON=(--value_size="$BLOCK" --num="$BLOCKS" --compression_ratio=1 --histogram=1)
+
+db_args() {  # db_args VARIANT: the variant's options
+  case "$1" in
+    default) ;;
+    blob) echo "--enable_blob_files=1" ;;
+  esac
+}
+
+# Sizes on disk after a fill: total bytes and the files by kind.
+du_record() {  # du_record SIDE ROUND DIR
+  "$PYTHON" - "$1" "$2" "$3" >>"$TMP/sizes.jsonl" <<'EOF'
+import json, os, sys
+side, rnd, d = sys.argv[1], int(sys.argv[2]), sys.argv[3]
+kinds = {}
+for root, _, files in os.walk(d):
+    for f in files:
+        st = os.stat(os.path.join(root, f))
+        ext = f.rsplit(".", 1)[-1] if "." in f else f.split("-")[0]
+        k = kinds.setdefault(ext, {"files": 0, "bytes": 0, "largest": 0})
+        k["files"] += 1; k["bytes"] += st.st_blocks * 512; k["largest"] = max(k["largest"], st.st_size)
+print(json.dumps({"side": side, "round": rnd, "disk_bytes": sum(k["bytes"] for k in kinds.values()), "by_kind": kinds}))
+EOF
+}
+: >"$TMP/sizes.jsonl"
+
+LOAD_START="$(cat /proc/loadavg)"
+log "dir $TMP on $DEV_NAME, $((SIZE_BYTES >> 20)) MiB per side ($BLOCKS blocks of 256 KiB), $ROUNDS rounds, load $LOAD_START"
+
+for ((round = 1; round <= ROUNDS; round++)); do
+  log "round $round: write"
+  measure fio fio write "$round" -- fio "${FIO_COMMON[@]}" --rw=write --bs=1M --end_fsync=1 \
+    --filename="$TMP/fio.dat"
+  measure kvdepot kvdepot write "$round" -- "$BENCH" --path "$TMP/tier" --op fill \
+    --block-size "$BLOCK" --blocks "$BLOCKS" --threads 1 --json
+  [[ -d $TMP/tier ]] && du_record kvdepot "$round" "$TMP/tier"
+
+  log "round $round: read"
+  measure fio fio read "$round" -- fio "${FIO_COMMON[@]}" --rw=randread --bs=256k \
+    --runtime="$DURATION" --filename="$TMP/fio.dat"
+  drop=()
+  [[ $DROP_OK -eq 1 ]] && drop=(--drop-caches)
+  measure kvdepot kvdepot read "$round" -- "$BENCH" --path "$TMP/tier" --op randread \
+    --block-size "$BLOCK" --threads "$THREADS" --duration "$DURATION" "${drop[@]}" --json
+  rm -rf "$TMP/fio.dat" "$TMP/tier"
+
+  for v in $DB_BENCH_VARIANTS; do
+    side="db_bench_$v"
+    log "round $round: $side"
+    # shellcheck disable=SC2046
+    measure db_bench "$side" write "$round" -- "$DB_BENCH" --db="$TMP/db" \
+      --benchmarks=fillrandom,flush "${DB_COMMON[@]}" $(db_args "$v")
+    [[ -d $TMP/db ]] && du_record "$side" "$round" "$TMP/db"
+    # shellcheck disable=SC2046
+    measure db_bench "$side" read "$round" -- "$DB_BENCH" --db="$TMP/db" --use_existing_db=1 \
+      --benchmarks=readrandom --threads="$THREADS" --duration="$DURATION" \
+      --ops_between_duration_checks=1 "${DB_COMMON[@]}" $(db_args "$v")
+    rm -rf "$TMP/db"
+  done
+done
+LOAD_END="$(cat /proc/loadavg)"
+
+# --- Report --------------------------------------------------------------------
+
+mkdir -p "$(dirname "$OUT")"
+"$PYTHON" - "$RECORDS" "$TMP/sizes.jsonl" "$OUT" "$SIZE_BYTES" "$DURATION" "$ROUNDS" "$THREADS" \
+  "$IOENGINE" "$DROP_OK" "$DEV_NAME" "$DIR" "$LOAD_START" "$LOAD_END" \
+  "$(fio --version)" "$( [[ -n $DB_BENCH ]] && echo "$DB_BENCH (Debian $(dpkg-query -W -f='${Package} ${Version}' rocksdb-tools 2>/dev/null || echo '?'))" || echo "not installed")" \
+  "$SMOKE" <<'EOF'
+import json, platform, sys, time
+
+(records_path, sizes_path, out_path, size, duration, rounds, threads, engine, drop_ok,
+ dev, base_dir, load_start, load_end, fio_ver, db_ver, smoke) = sys.argv[1:17]
+runs = [json.loads(l) for l in open(records_path) if l.strip()]
+sizes = [json.loads(l) for l in open(sizes_path) if l.strip()]
+sides = []
+for r in runs:
+    if r["side"] not in sides:
+        sides.append(r["side"])
+
+def summary(rs):
+    if not rs:
+        return None
+    best = max(rs, key=lambda r: r["gb_per_sec"])
+    keep = ("ops_per_sec", "gb_per_sec", "p50_us", "p99_us", "p999_us")
+    s = {k: best[k] for k in keep}
+    s["latency_unit"] = best["latency_unit"]
+    s["mean_gb_per_sec"] = sum(r["gb_per_sec"] for r in rs) / len(rs)
+    s["rounds"] = rs
+    return s
+
+results = {}
+for w in ("write", "read"):
+    results[w] = {side: summary([r for r in runs if r["side"] == side and r["workload"] == w])
+                  for side in sides}
+
+def ratio(w, a, b, key="gb_per_sec"):
+    x, y = results[w].get(a), results[w].get(b)
+    if not x or not y or not y[key]:
+        return None
+    return round(x[key] / y[key], 4)
+
+ratios = {}
+for w in ("write", "read"):
+    for base in sides:
+        if base == "kvdepot":
+            continue
+        ratios[f"{w}_kvdepot_over_{base}"] = ratio(w, "kvdepot", base)
+        ratios[f"{w}_kvdepot_over_{base}_mean"] = ratio(w, "kvdepot", base, "mean_gb_per_sec")
+
+# Issue 3's targets (best rounds).
+targets = []
+def target(name, value, goal):
+    targets.append({"target": name, "ratio": value, "goal": goal,
+                    "met": None if value is None else value >= goal})
+target("read: kvdepot tier randread / fio randread 256KiB qd16", ratios.get("read_kvdepot_over_fio"), 0.70)
+target("write: kvdepot tier fill / fio seq write 1MiB", ratios.get("write_kvdepot_over_fio"), 0.60)
+if "db_bench_default" in sides:
+    target("read: kvdepot / db_bench default", ratios.get("read_kvdepot_over_db_bench_default"), 2.0)
+    target("write: kvdepot / db_bench default", ratios.get("write_kvdepot_over_db_bench_default"), 2.0)
+
+report = {
+    "tool": "compare_fio",
+    "smoke": smoke == "1",
+    "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+    "host": platform.node(),
+    "dir": base_dir, "device": dev,
+    "size_bytes": int(size), "block_size": 262144, "duration_s": int(duration),
+    "rounds": int(rounds), "read_threads": int(threads),
+    "fio": fio_ver.strip(), "fio_ioengine": engine, "db_bench": db_ver,
+    "drop_caches": drop_ok == "1",
+    "load_start": load_start.strip(), "load_end": load_end.strip(),
+    "sides": {
+        "fio write": "fio --rw=write --bs=1M --direct=1 --iodepth=16 --end_fsync=1 --size=SIZE",
+        "fio read": "fio --rw=randread --bs=256k --direct=1 --iodepth=16 --size=SIZE --runtime=DURATION (random map: each block once)",
+        "kvdepot write": "nvme-tier-bench --op fill --threads 1: SIZE/256KiB puts into a fresh tier + Flush, no WAL",
+        "kvdepot read": "nvme-tier-bench --op randread --threads T --drop-caches: NvmeTier::Read of each block at most once, random order, XXH3 verified",
+        "db_bench_default write": "db_bench --benchmarks=fillrandom,flush --value_size=262144 --num=SIZE/256KiB --compression_ratio=1 (defaults: WAL on, snappy, no BlobDB); GB/s over the process's wall time",
+        "db_bench_default read": "db_bench --benchmarks=readrandom --use_existing_db --threads=T --duration=DURATION --ops_between_duration_checks=1; GB/s counts found keys only",
+        "db_bench_blob": "the same with --enable_blob_files=1",
+    },
+    "method": "page cache dropped before every run; rounds alternate the sides; "
+              "each side's figure is its best round (highest GB/s), mean_gb_per_sec "
+              "is the mean over rounds; device_* bytes: the whole block device during "
+              "the run (every process)",
+    "gb": "1e9 bytes",
+    "results": results,
+    "ratios": ratios,
+    "issue3_targets": targets,
+    "disk_usage_after_fill": sizes,
+}
+with open(out_path, "w") as f:
+    json.dump(report, f, indent=2)
+    f.write("\n")
+
+def fmt(v, spec):
+    return "-" if v is None else format(v, spec)
+
+header = ["workload", "side", "GB/s best", "GB/s mean", "ops/s", "p50 us", "p99 us",
+          "dev bytes/byte", "dev GB/s", "kvdepot/side"]
+rows = []
+for w in ("write", "read"):
+    for side in sides:
+        s = results[w].get(side)
+        if not s:
+            continue
+        best = max(s["rounds"], key=lambda r: r["gb_per_sec"])
+        rows.append([w, side, fmt(s["gb_per_sec"], ".3f"), fmt(s["mean_gb_per_sec"], ".3f"),
+                     fmt(s["ops_per_sec"], ".0f"), fmt(s["p50_us"], ".0f"), fmt(s["p99_us"], ".0f"),
+                     fmt(best.get("device_bytes_per_byte"), ".2f"),
+                     fmt(best.get("device_gb_per_sec"), ".3f"),
+                     "1" if side == "kvdepot" else fmt(ratios.get(f"{w}_kvdepot_over_{side}"), ".2f")])
+widths = [max(len(h), *(len(r[i]) for r in rows)) if rows else len(h) for i, h in enumerate(header)]
+print(f"NVMe tier (in-process) vs fio{' and db_bench' if any(s.startswith('db_bench') for s in sides) else ''}: "
+      f"{int(size) >> 20} MiB per side on {dev} ({base_dir}), 256 KiB blocks, best of {rounds} rounds "
+      f"(GB = 1e9 bytes)")
+if drop_ok != "1":
+    print("WARNING: the page cache could not be dropped: reads may have come from memory")
+print("  ".join(h.ljust(wd) for h, wd in zip(header, widths)))
+for r in rows:
+    print("  ".join(c.ljust(wd) for c, wd in zip(r, widths)))
+print("write: fio 1 MiB seq direct qd16 | tier fill, 1 thread, incl. flush | db_bench fillrandom,flush")
+print(f"read:  fio 256 KiB randread direct qd16 | tier Read x{threads} threads | db_bench readrandom x{threads} threads")
+print("p50/p99: fio per I/O (clat), tier per call, db_bench per op; dev bytes/byte: device "
+      "bytes moved per block byte (read: <1 means page-cache hits, >1 extra reads such as "
+      "compaction); dev GB/s: device bytes / run time (best round; whole device)")
+for t in targets:
+    state = "-" if t["met"] is None else ("met" if t["met"] else "NOT met")
+    print(f"issue 3 target: {t['target']} >= {t['goal']}: {fmt(t['ratio'], '.2f')} ({state})")
+for s in sizes:
+    if s["round"] == 1:
+        kinds = ", ".join(f"{k}: {v['files']} files {v['bytes'] / 1e9:.2f} GB (largest {v['largest'] / 1e6:.0f} MB)"
+                          for k, v in sorted(s["by_kind"].items(), key=lambda kv: -kv[1]["bytes"])[:3])
+        print(f"on disk after fill, {s['side']}: {s['disk_bytes'] / 1e9:.2f} GB ({kinds})")
+print(f"JSON: {out_path}")
+EOF
+
+if [[ $FAILED -ne 0 ]]; then
+  log "some runs failed; see the messages above"
+  exit 1
+fi
