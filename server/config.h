@@ -11,6 +11,7 @@
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
 #include "absl/time/time.h"
+#include "storage/sizes.h"  // ParseSize, for flags and the config file
 #include "storage/tiered_store.h"
 
 namespace kvdepot {
@@ -47,9 +48,6 @@ struct DaemonConfig {
   }
 };
 
-// Parses "1GiB", "512MiB", "64KiB", "1.5GiB", "4096" (bytes; also KB/MB/GB
-// as powers of 1000 and K/M/G as powers of 1024). InvalidArgument otherwise.
-absl::StatusOr<uint64_t> ParseSize(absl::string_view text);
 // "always" (0) or "reads>=N" (N): which blocks leaving DRAM go to NVMe.
 absl::StatusOr<uint32_t> ParseAdmission(absl::string_view text);
 // "auto", "on"/"true", "off"/"false".

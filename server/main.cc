@@ -6,7 +6,6 @@
 // Flags override the YAML file; see README.md for every key. Exit codes: 0
 // after a clean shutdown (SIGTERM/SIGINT), 1 when the daemon cannot start or
 // fails, 2 for a usage or configuration error.
-#include <malloc.h>
 #include <signal.h>
 #include <spdlog/sinks/stdout_color_sinks.h>
 #include <spdlog/spdlog.h>
@@ -15,10 +14,10 @@
 #include <cstdio>
 #include <optional>
 
-#include "absl/synchronization/mutex.h"
 #include "server/config.h"
 #include "server/daemon.h"
 #include "server/version.h"
+#include "storage/process_tuning.h"
 
 namespace {
 
@@ -31,20 +30,7 @@ int Fail(int code, const std::string& msg) {
 
 int main(int argc, char** argv) {
   using kvdepot::DaemonConfig;
-  // Blocks of 128 KiB and more cross the gRPC byte path as buffers of their
-  // size; by default glibc serves those with a fresh mmap and returns them
-  // with munmap, paying page faults and TLB shootdowns on every request.
-  // Keep them in the heap instead (memory stays bounded by the gRPC thread
-  // and message limits).
-  mallopt(M_MMAP_THRESHOLD, 64 << 20);
-  mallopt(M_TRIM_THRESHOLD, 32 << 20);
-  // Few malloc arenas: each one would otherwise keep its own freed
-  // block-sized buffers, and RSS would grow with the thread count.
-  mallopt(M_ARENA_MAX, 4);
-  // Debian's Abseil is built with Mutex deadlock detection on, which takes a
-  // global lock on every Mutex operation. Tests keep it on (it finds lock
-  // order inversions); production binaries turn it off.
-  absl::SetMutexDeadlockDetectionMode(absl::OnDeadlockCycle::kIgnore);
+  kvdepot::TuneProcessForBlockIo();
   CLI::App app{"kvdepotd: KV-cache block store daemon for LLM inference"};
   std::string config_file;
   std::optional<std::string> listen, metrics_listen, data_dir, dram_capacity,

@@ -62,6 +62,8 @@
 #include "absl/time/time.h"
 #include "absl/types/span.h"
 #include "client/client.h"
+#include "storage/process_tuning.h"
+#include "storage/sizes.h"
 
 namespace kvdepot {
 namespace {
@@ -109,62 +111,19 @@ struct ClientResult {
   uint64_t errors = 0;               // ops in failed calls
 };
 
-// Parses "262144", "256KiB", "2MiB", "16MiB", "1GiB", "64K", "1.5MiB" and
-// the decimal "64KB"/"1MB"/"1GB" (case-insensitive; a trailing "B" alone
-// means bytes). InvalidArgument otherwise, for zero, or above 4 GiB.
+// A block size (kvdepot::ParseSize syntax: 262144, 256KiB, 2MiB, 1.5MiB,
+// 64KB...) of 1 byte..4 GiB.
 absl::StatusOr<uint64_t> ParseBlockSize(absl::string_view text) {
-  std::string t = absl::AsciiStrToLower(absl::StripAsciiWhitespace(text));
-  size_t digits = 0;
-  while (digits < t.size() &&
-         (absl::ascii_isdigit(static_cast<unsigned char>(t[digits])) ||
-          t[digits] == '.')) {
-    ++digits;
-  }
-  const std::string number = t.substr(0, digits);
-  const std::string unit = t.substr(digits);
-  struct Unit {
-    const char* name;
-    double factor;
-  };
-  static constexpr Unit kUnits[] = {{"", 1},
-                                    {"b", 1},
-                                    {"k", 1024.0},
-                                    {"kib", 1024.0},
-                                    {"kb", 1e3},
-                                    {"m", 1048576.0},
-                                    {"mib", 1048576.0},
-                                    {"mb", 1e6},
-                                    {"g", 1073741824.0},
-                                    {"gib", 1073741824.0},
-                                    {"gb", 1e9}};
-  const Unit* found = nullptr;
-  for (const Unit& u : kUnits) {
-    if (unit == u.name) found = &u;
-  }
-  double value = 0;
-  if (number.empty() || found == nullptr || !absl::SimpleAtod(number, &value)) {
+  absl::StatusOr<uint64_t> n = ParseSize(text);
+  if (!n.ok()) {
     return absl::InvalidArgumentError(absl::StrCat(
         "bad size \"", text, "\" (examples: 65536, 64KiB, 2MiB, 16MiB)"));
   }
-  const double bytes = std::round(value * found->factor);
-  if (bytes < 1 || bytes > 4294967296.0) {
+  if (*n < 1 || *n > (uint64_t{1} << 32)) {
     return absl::InvalidArgumentError(
         absl::StrCat("size \"", text, "\" is out of range (1 byte..4GiB)"));
   }
-  return static_cast<uint64_t>(bytes);
-}
-
-// "256KiB" for 262144, "65536B" for sizes that are not a whole KiB.
-std::string FormatSize(uint64_t bytes) {
-  if (bytes >= (uint64_t{1} << 30) && bytes % (uint64_t{1} << 30) == 0) {
-    return absl::StrCat(bytes >> 30, "GiB");
-  }
-  if (bytes >= (uint64_t{1} << 20) && bytes % (uint64_t{1} << 20) == 0) {
-    return absl::StrCat(bytes >> 20, "MiB");
-  }
-  if (bytes >= 1024 && bytes % 1024 == 0)
-    return absl::StrCat(bytes >> 10, "KiB");
-  return absl::StrCat(bytes, "B");
+  return n;
 }
 
 // Key i of the working set. The block size is part of the key, so working
@@ -558,14 +517,8 @@ int Run(const BenchConfig& config) {
 
 int main(int argc, char** argv) {
   using kvdepot::BenchConfig;
-  // As in kvdepotd: keep block-sized buffers in the heap rather than a fresh
-  // mmap per message (an engine would reuse its buffers the same way).
-  mallopt(M_MMAP_THRESHOLD, 64 << 20);
-  mallopt(M_TRIM_THRESHOLD, 256 << 20);
-  // Debian's Abseil is built with Mutex deadlock detection on, which takes a
-  // global lock on every Mutex operation. Tests keep it on (it finds lock
-  // order inversions); production binaries turn it off.
-  absl::SetMutexDeadlockDetectionMode(absl::OnDeadlockCycle::kIgnore);
+  // As kvdepotd does (an engine would reuse its buffers the same way).
+  kvdepot::TuneProcessForBlockIo();
   CLI::App app{"kvdepot-bench: load generator for kvdepotd (get, put, lookup)"};
   BenchConfig config;
   std::string block_size = "256KiB";

@@ -73,6 +73,8 @@
 #include "absl/types/span.h"
 #include "storage/checksum.h"
 #include "storage/nvme_tier.h"
+#include "storage/process_tuning.h"
+#include "storage/sizes.h"
 
 namespace kvdepot {
 namespace {
@@ -105,57 +107,19 @@ struct BenchConfig {
   bool json = false;
 };
 
-// Parses "262144", "256KiB", "2MiB", "8GiB", "64K", "1.5MiB" and the decimal
-// "64KB"/"1MB"/"1GB" (case-insensitive; a trailing "B" alone means bytes).
-// InvalidArgument otherwise, for zero, or above `max`.
-absl::StatusOr<uint64_t> ParseSize(absl::string_view text, double max) {
-  std::string t = absl::AsciiStrToLower(absl::StripAsciiWhitespace(text));
-  size_t digits = 0;
-  while (digits < t.size() &&
-         (absl::ascii_isdigit(static_cast<unsigned char>(t[digits])) ||
-          t[digits] == '.')) {
-    ++digits;
-  }
-  const std::string number = t.substr(0, digits);
-  const std::string unit = t.substr(digits);
-  struct Unit {
-    const char* name;
-    double factor;
-  };
-  static constexpr Unit kUnits[] = {
-      {"", 1},          {"b", 1},           {"k", 1024.0},
-      {"kib", 1024.0},  {"kb", 1e3},        {"m", 1048576.0},
-      {"mib", 1048576.0}, {"mb", 1e6},      {"g", 1073741824.0},
-      {"gib", 1073741824.0}, {"gb", 1e9},   {"t", 1099511627776.0},
-      {"tib", 1099511627776.0}, {"tb", 1e12}};
-  const Unit* found = nullptr;
-  for (const Unit& u : kUnits) {
-    if (unit == u.name) found = &u;
-  }
-  double value = 0;
-  if (number.empty() || found == nullptr || !absl::SimpleAtod(number, &value)) {
+// A size (kvdepot::ParseSize syntax: 262144, 256KiB, 8GiB, 1.5MiB, 64KB...)
+// of 1 byte..`max`.
+absl::StatusOr<uint64_t> ParseSizeUpTo(absl::string_view text, double max) {
+  absl::StatusOr<uint64_t> n = ParseSize(text);
+  if (!n.ok()) {
     return absl::InvalidArgumentError(absl::StrCat(
         "bad size \"", text, "\" (examples: 65536, 256KiB, 2MiB, 8GiB)"));
   }
-  const double bytes = std::round(value * found->factor);
-  if (bytes < 1 || bytes > max) {
+  if (*n < 1 || static_cast<double>(*n) > max) {
     return absl::InvalidArgumentError(
         absl::StrCat("size \"", text, "\" is out of range"));
   }
-  return static_cast<uint64_t>(bytes);
-}
-
-std::string FormatSize(uint64_t bytes) {
-  if (bytes >= (uint64_t{1} << 30) && bytes % (uint64_t{1} << 30) == 0) {
-    return absl::StrCat(bytes >> 30, "GiB");
-  }
-  if (bytes >= (uint64_t{1} << 20) && bytes % (uint64_t{1} << 20) == 0) {
-    return absl::StrCat(bytes >> 20, "MiB");
-  }
-  if (bytes >= 1024 && bytes % 1024 == 0) {
-    return absl::StrCat(bytes >> 10, "KiB");
-  }
-  return absl::StrCat(bytes, "B");
+  return n;
 }
 
 std::string BlockKey(uint64_t i) { return absl::StrCat(kKeyPrefix, i); }
@@ -681,12 +645,8 @@ int Run(const BenchConfig& config) {
 
 int main(int argc, char** argv) {
   using kvdepot::BenchConfig;
-  // Keep block-sized buffers in the heap rather than a fresh mmap each.
-  mallopt(M_MMAP_THRESHOLD, 64 << 20);
-  mallopt(M_TRIM_THRESHOLD, 256 << 20);
-  // Debian's Abseil is built with Mutex deadlock detection on (a global lock
-  // on every Mutex operation); production binaries turn it off.
-  absl::SetMutexDeadlockDetectionMode(absl::OnDeadlockCycle::kIgnore);
+  // As kvdepotd does (an engine would reuse its buffers the same way).
+  kvdepot::TuneProcessForBlockIo();
   CLI::App app{
       "nvme-tier-bench: the NVMe tier module (storage/nvme_tier.h) measured "
       "in-process: fill, randread, multiread"};
@@ -735,7 +695,7 @@ int main(int argc, char** argv) {
   }
 
   absl::StatusOr<uint64_t> size =
-      kvdepot::ParseSize(block_size, 256.0 * 1048576.0);
+      kvdepot::ParseSizeUpTo(block_size, 256.0 * 1048576.0);
   if (!size.ok()) {
     std::fprintf(stderr, "nvme-tier-bench: --block-size: %s (most 256MiB)\n",
                  std::string(size.status().message()).c_str());
@@ -761,7 +721,7 @@ int main(int argc, char** argv) {
             ? config.blocks * config.block_size / 16 * 17 + (uint64_t{64} << 20)
             : uint64_t{1} << 40;
   } else {
-    absl::StatusOr<uint64_t> cap = kvdepot::ParseSize(capacity, 1e18);
+    absl::StatusOr<uint64_t> cap = kvdepot::ParseSizeUpTo(capacity, 1e18);
     if (!cap.ok()) {
       std::fprintf(stderr, "nvme-tier-bench: --capacity: %s\n",
                    std::string(cap.status().message()).c_str());

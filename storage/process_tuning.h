@@ -1,0 +1,20 @@
+// Process-wide settings for programs that move block-sized buffers (kvdepotd
+// and the benchmark tools). Call once at the top of main, before threads.
+#ifndef KVDEPOT_STORAGE_PROCESS_TUNING_H_
+#define KVDEPOT_STORAGE_PROCESS_TUNING_H_
+
+namespace kvdepot {
+
+// - Buffers of 128 KiB and more (blocks crossing gRPC, RocksDB values) stay
+//   in the heap: by default glibc maps and unmaps each one, paying page
+//   faults and TLB shootdowns on every request.
+// - Few malloc arenas, so freed block-sized buffers are not kept once per
+//   thread (RSS would grow with the thread count).
+// - Debian's Abseil is built with Mutex deadlock detection on, which takes a
+//   global lock on every Mutex operation; production binaries turn it off
+//   (tests keep it: it finds lock-order inversions).
+void TuneProcessForBlockIo();
+
+}  // namespace kvdepot
+
+#endif  // KVDEPOT_STORAGE_PROCESS_TUNING_H_
