@@ -64,6 +64,7 @@
 #include "client/client.h"
 #include "storage/process_tuning.h"
 #include "storage/sizes.h"
+#include "tools/bench_tally.h"
 
 namespace kvdepot {
 namespace {
@@ -104,12 +105,7 @@ struct BenchConfig {
 
 // What one client thread measured. Ops are blocks for get and put, calls for
 // lookup; latencies are per call.
-struct ClientResult {
-  std::vector<double> latencies_us;  // successful calls only
-  uint64_t ops = 0;                  // in successful calls
-  uint64_t calls = 0;                // successful calls
-  uint64_t errors = 0;               // ops in failed calls
-};
+using ClientResult = CallTally;
 
 // A block size (kvdepot::ParseSize syntax: 262144, 256KiB, 2MiB, 1.5MiB,
 // 64KB...) of 1 byte..4 GiB.
@@ -367,13 +363,6 @@ class ClientLoop {
   std::mt19937_64 rng_;
 };
 
-// Nearest-rank percentile of sorted values; 0 when there are none.
-double Percentile(const std::vector<double>& sorted, double p) {
-  if (sorted.empty()) return 0;
-  const double rank = std::ceil(p * static_cast<double>(sorted.size()));
-  const size_t index = static_cast<size_t>(std::max(1.0, rank)) - 1;
-  return sorted[std::min(index, sorted.size() - 1)];
-}
 
 int Run(const BenchConfig& config) {
   // Unique per run, so two put runs against one daemon never collide
@@ -449,22 +438,13 @@ int Run(const BenchConfig& config) {
       *std::max_element(ends.begin(), ends.end());
   const double seconds = std::chrono::duration<double>(end - start).count();
 
-  uint64_t ops = 0;
-  uint64_t calls = 0;
-  uint64_t errors = 0;
-  std::vector<double> latencies;
-  for (ClientResult& r : results) {
-    ops += r.ops;
-    calls += r.calls;
-    errors += r.errors;
-    latencies.insert(latencies.end(), r.latencies_us.begin(),
-                     r.latencies_us.end());
-    r.latencies_us = {};
-  }
-  std::sort(latencies.begin(), latencies.end());
-  const double p50 = Percentile(latencies, 0.50);
-  const double p99 = Percentile(latencies, 0.99);
-  const double p999 = Percentile(latencies, 0.999);
+  const TallySummary tally = Summarize(results);
+  const uint64_t ops = tally.ops;
+  const uint64_t calls = tally.calls;
+  uint64_t errors = tally.errors;
+  const double p50 = tally.p50_us;
+  const double p99 = tally.p99_us;
+  const double p999 = tally.p999_us;
   const double ops_per_sec =
       seconds > 0 ? static_cast<double>(ops) / seconds : 0;
   const double calls_per_sec =

@@ -75,6 +75,7 @@
 #include "storage/nvme_tier.h"
 #include "storage/process_tuning.h"
 #include "storage/sizes.h"
+#include "tools/bench_tally.h"
 
 namespace kvdepot {
 namespace {
@@ -124,13 +125,6 @@ absl::StatusOr<uint64_t> ParseSizeUpTo(absl::string_view text, double max) {
 
 std::string BlockKey(uint64_t i) { return absl::StrCat(kKeyPrefix, i); }
 
-// Nearest-rank percentile of sorted values; 0 when there are none.
-double Percentile(const std::vector<double>& sorted, double p) {
-  if (sorted.empty()) return 0;
-  const double rank = std::ceil(p * static_cast<double>(sorted.size()));
-  const size_t index = static_cast<size_t>(std::max(1.0, rank)) - 1;
-  return sorted[std::min(index, sorted.size() - 1)];
-}
 
 // --- The block device under --path ------------------------------------------
 
@@ -212,12 +206,8 @@ absl::Status DropCaches() {
 // --- The runs -----------------------------------------------------------------
 
 // What one thread measured. Ops are blocks; latencies are per call.
-struct ThreadResult {
-  std::vector<double> latencies_us;  // successful calls only
-  uint64_t ops = 0;                  // blocks in successful calls
-  uint64_t calls = 0;
-  uint64_t errors = 0;               // blocks in failed calls
-  uint64_t already_present = 0;      // fill: puts that wrote nothing
+struct ThreadResult : CallTally {
+  uint64_t already_present = 0;  // fill: puts that wrote nothing
 };
 
 void ReportError(ThreadResult& r, int thread, absl::string_view what,
@@ -520,18 +510,10 @@ int Run(const BenchConfig& config) {
   const std::optional<DiskCounters> disk_after = device.Sample();
   const NvmeTierStats stats = tier.Stats();
 
-  uint64_t ops = 0;
-  uint64_t calls = 0;
-  uint64_t errors = 0;
-  std::vector<double> latencies;
-  for (ThreadResult& r : results) {
-    ops += r.ops;
-    calls += r.calls;
-    errors += r.errors;
-    latencies.insert(latencies.end(), r.latencies_us.begin(),
-                     r.latencies_us.end());
-    r.latencies_us = {};
-  }
+  const TallySummary tally = Summarize(results);
+  const uint64_t ops = tally.ops;
+  const uint64_t calls = tally.calls;
+  uint64_t errors = tally.errors;
   if (!run_status.ok()) {
     std::fprintf(stderr, "nvme-tier-bench: flush failed: %s\n",
                  run_status.ToString().c_str());
@@ -543,10 +525,9 @@ int Run(const BenchConfig& config) {
                  "empty --path): nothing was written for them\n",
                  static_cast<unsigned long long>(extras.already_present));
   }
-  std::sort(latencies.begin(), latencies.end());
-  const double p50 = Percentile(latencies, 0.50);
-  const double p99 = Percentile(latencies, 0.99);
-  const double p999 = Percentile(latencies, 0.999);
+  const double p50 = tally.p50_us;
+  const double p99 = tally.p99_us;
+  const double p999 = tally.p999_us;
   const double seconds = extras.seconds;
   const double ops_per_sec =
       seconds > 0 ? static_cast<double>(ops) / seconds : 0;
