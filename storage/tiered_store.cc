@@ -199,6 +199,11 @@ class TieredStoreImpl final : public TieredStore {
     uint64_t hits = 0, dram_hits = 0;
     const uint32_t seq = index_.NextSeq();
     for (size_t i = 0; i < keys.size(); ++i) {
+      auto record = [&](Tier tier, uint64_t size, uint64_t checksum, uint64_t offset) {
+        ++hits;
+        if (prefix_open) ++result.prefix_hits;
+        result.entries[i] = LookupEntry{true, tier, size, checksum, offset};
+      };
       std::optional<BlockIndex::Hit> hit;
       if (info) hit = index_.Find(BlockIndex::MakeKey(info->id, keys[i]), pin, seq);
       if (hit) {
@@ -216,14 +221,8 @@ class TieredStoreImpl final : public TieredStore {
           }
         } else if (absl::StatusOr<NvmeBlockMeta> meta = nvme_->Meta(ns, keys[i]);
                    meta.ok()) {
-          ++hits;
           nvme_hits_.fetch_add(1, std::memory_order_relaxed);
-          if (prefix_open) ++result.prefix_hits;
-          LookupEntry& e = result.entries[i];
-          e.found = true;
-          e.tier = Tier::kNvme;
-          e.size = meta->size;
-          e.checksum = meta->checksum;
+          record(Tier::kNvme, meta->size, meta->checksum, 0);
           continue;
         }
       }
@@ -232,14 +231,7 @@ class TieredStoreImpl final : public TieredStore {
         if (prefix) break;
         continue;
       }
-      ++hits;
-      if (prefix_open) ++result.prefix_hits;
-      LookupEntry& e = result.entries[i];
-      e.found = true;
-      e.tier = Tier::kDram;
-      e.size = hit->size;
-      e.checksum = hit->checksum;
-      e.offset = hit->data_offset;
+      record(Tier::kDram, hit->size, hit->checksum, hit->data_offset);
       if (pin) pinned.push_back(hit->entry);
     }
     lookup_hits_.fetch_add(hits, std::memory_order_relaxed);

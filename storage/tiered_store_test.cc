@@ -462,9 +462,10 @@ class TieredStoreNvmeTest : public ::testing::Test {
     store_.reset();
     std::filesystem::remove_all(dir_);
   }
-  void Open() {
+  void Open(uint32_t admit_min_reads = 0) {
     store_.reset();
     StoreOptions o;
+    o.nvme_admit_min_reads = admit_min_reads;
     o.dram_capacity = 4 << 20;
     o.hugepages = HugePageMode::kOff;
     o.background_eviction = false;
@@ -564,16 +565,7 @@ TEST_F(TieredStoreNvmeTest, EvictRemovesBlocksFromBothTiers) {
 }
 
 TEST_F(TieredStoreNvmeTest, AdmissionByReadsSparesColdBlocks) {
-  store_.reset();
-  StoreOptions o;
-  o.dram_capacity = 4 << 20;
-  o.hugepages = HugePageMode::kOff;
-  o.background_eviction = false;
-  o.nvme_path = dir_ + "/nvme";
-  o.nvme_capacity = 64 << 20;
-  o.nvme_admit_min_reads = 2;
-  store_ = std::move(NewTieredStore(o, &clock_)).value();
-  sid_ = store_->OpenSession(absl::ZeroDuration(), "t")->id;
+  Open(/*admit_min_reads=*/2);
   Put("hot", Block(0));
   Put("cold", Block(1));
   Look("hot", false);
