@@ -142,12 +142,17 @@ std::unique_ptr<BlockEntry> BlockIndex::Insert(std::unique_ptr<BlockEntry> entry
   return nullptr;
 }
 
-void BlockIndex::ReleaseParent(const BlockEntry& removed) {
+void BlockIndex::ReleaseParent(const BlockEntry& removed,
+                               std::string* parent_key) {
+  if (parent_key != nullptr) parent_key->clear();
   if (!(removed.flags & BlockEntry::kLinked)) return;
   Shard& ps = ShardFor(removed.parent_hash);
   absl::MutexLock lock(&ps.mu);
   BlockEntry* p = FindByHash(ps, removed.ns_id, removed.parent_hash);
   if (p == nullptr || p->children == 0) return;
+  if (parent_key != nullptr) {
+    parent_key->assign(base_ + p->key_offset(), p->key_len);
+  }
   if (--p->children == 0 && p->pins == 0) LruPushBack(ps, p);
 }
 
@@ -208,7 +213,8 @@ BlockEntry* BlockIndex::SettleTail(Shard& s) {
   return e;
 }
 
-std::unique_ptr<BlockEntry> BlockIndex::PopEvictable(int shard) {
+std::unique_ptr<BlockEntry> BlockIndex::PopEvictable(int shard,
+                                                     std::string* parent_key) {
   Shard& s = *shards_[shard];
   std::unique_ptr<BlockEntry> out;
   {
@@ -218,11 +224,12 @@ std::unique_ptr<BlockEntry> BlockIndex::PopEvictable(int shard) {
     Detach(s, e);
     out.reset(e);
   }
-  ReleaseParent(*out);
+  ReleaseParent(*out, parent_key);
   return out;
 }
 
-std::unique_ptr<BlockEntry> BlockIndex::PopOldestEvictable() {
+std::unique_ptr<BlockEntry> BlockIndex::PopOldestEvictable(
+    std::string* parent_key) {
   // Find the shard whose tail was used longest ago, then pop that shard's
   // tail. Another thread may empty that shard in between: then look again,
   // so nullptr means no shard had an evictable entry.
@@ -241,7 +248,9 @@ std::unique_ptr<BlockEntry> BlockIndex::PopOldestEvictable() {
       }
     }
     if (best < 0) return nullptr;
-    if (std::unique_ptr<BlockEntry> e = PopEvictable(best)) return e;
+    if (std::unique_ptr<BlockEntry> e = PopEvictable(best, parent_key)) {
+      return e;
+    }
   }
 }
 

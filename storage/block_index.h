@@ -31,6 +31,7 @@
 #include <cstdint>
 #include <memory>
 #include <optional>
+#include <string>
 #include <vector>
 
 #include "absl/base/thread_annotations.h"
@@ -126,10 +127,16 @@ class BlockIndex {
   std::vector<std::unique_ptr<BlockEntry>> RemoveNamespace(uint32_t ns_id,
                                                           uint64_t* pinned);
   // Removes the least recently used evictable entry of `shard`, if any.
-  std::unique_ptr<BlockEntry> PopEvictable(int shard);
+  // With `parent_key`, sets it to the key of the entry's parent when the
+  // entry was linked to a cached parent (the index keeps only the parent's
+  // hash; this is the last moment the parent is sure to be there), else
+  // clears it.
+  std::unique_ptr<BlockEntry> PopEvictable(int shard,
+                                           std::string* parent_key = nullptr);
   // Removes the evictable entry whose last use is oldest among the shards'
   // least-recent ends (every shard is looked at). nullptr if none.
-  std::unique_ptr<BlockEntry> PopOldestEvictable();
+  std::unique_ptr<BlockEntry> PopOldestEvictable(
+      std::string* parent_key = nullptr);
 
   uint64_t blocks() const;
   // Number of entries in the evictable lists (for tests and stats).
@@ -195,8 +202,10 @@ class BlockIndex {
   // Gives referenced entries at the tail their second chance; returns the
   // tail afterwards (nullptr if the list is empty).
   static BlockEntry* SettleTail(Shard& s) ABSL_EXCLUSIVE_LOCKS_REQUIRED(s.mu);
-  // Drops one child count from the parent of a removed entry, if linked.
-  void ReleaseParent(const BlockEntry& removed);
+  // Drops one child count from the parent of a removed entry, if linked,
+  // and copies the parent's key to `parent_key` (when given).
+  void ReleaseParent(const BlockEntry& removed,
+                     std::string* parent_key = nullptr);
 
   const char* const base_;
   std::array<std::unique_ptr<Shard>, kShards> shards_;

@@ -8,6 +8,7 @@
 
 #include "absl/base/thread_annotations.h"
 #include "absl/container/flat_hash_set.h"
+#include "absl/container/flat_hash_map.h"
 #include "absl/container/node_hash_map.h"
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/mutex.h"
@@ -44,10 +45,21 @@
 //
 // Index invariants (all under mu_):
 //  * Every entry of index_ is in one state. kStored: both records are in
-//    RocksDB; the entry is in the LRU list and counted in used_ and blocks_.
-//    kWriting: a Put is writing the records; counted in used_ (a
-//    reservation), not listed, not visible. kDeleting: a delete of the records
-//    is in flight; not counted, not listed, not visible.
+//    RocksDB; the entry is in one recency list (leaves_ or inner_) and
+//    counted in used_ and blocks_. kWriting: a Put is writing the records;
+//    counted in used_ (a reservation), not listed, not visible. kDeleting: a
+//    delete of the records is in flight; not counted, not listed, not visible.
+//  * Prefix links. A stored entry with a parent is "linked": counted once
+//    under its parent's id, in the parent's `children` when the parent is
+//    stored, else in orphan_children_ (children often reach the tier before
+//    their parent: DRAM evicts leaves first). A stored entry takes over its
+//    orphan count when it becomes stored and hands its children back when it
+//    stops being stored. Entries with no stored child are in leaves_, the
+//    others in inner_; eviction takes the least recent leaf, so a chain goes
+//    from its end toward its root and a cached prefix stays usable. A parent
+//    whose last child goes enters leaves_ at the least recent end (its chain
+//    has just aged out). inner_ is used only when there is no leaf (parent
+//    cycles that a client made up), so eviction always makes progress.
 //  * At most one writer per id: Put and Delete wait (Mutex::Await) until the
 //    id is absent or kStored before they change it, so the RocksDB writes of
 //    one id never race each other.
@@ -66,6 +78,8 @@ constexpr uint8_t kMetaRecordVersion = 1;
 constexpr size_t kMetaFixedBytes = 1 + 8 + 8 + 8 + 4 + 2;
 // Verify deletes what it finds in batches of this many blocks.
 constexpr size_t kScrubDeleteBatch = 256;
+// Longest chain of stored ancestors walked when a block could close a cycle.
+constexpr int kMaxChainWalk = 1 << 16;
 
 static_assert(kMaxNamespaceBytes <= 255, "namespace length must fit a byte");
 static_assert(kMaxKeyBytes <= 65535, "parent length must fit 16 bits");
@@ -228,11 +242,20 @@ class NvmeTierImpl final : public NvmeTier {
 
  private:
   enum class State : uint8_t { kWriting, kStored, kDeleting };
+  struct Entry;
+  // A recency list: head is the most recent.
+  struct List {
+    Entry* head = nullptr;
+    Entry* tail = nullptr;
+  };
   struct Entry {
     const std::string* id = nullptr;  // the index_ key holding this entry
-    Entry* more_recent = nullptr;     // LRU neighbours (kStored only)
+    Entry* more_recent = nullptr;     // list neighbours (kStored only)
     Entry* less_recent = nullptr;
+    List* list = nullptr;             // leaves_ or inner_ while kStored
     std::string parent;
+    uint32_t children = 0;  // stored entries linked under this one's id
+    bool linked = false;    // counted under the parent's id (see invariants)
     uint64_t size = 0;
     uint64_t checksum = 0;
     uint64_t charge = 0;
@@ -268,9 +291,27 @@ class NvmeTierImpl final : public NvmeTier {
   // Blocks until `id` is absent or stored (no put or delete in flight).
   void WaitSettled(const std::string& id) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
-  void LruPushFront(Entry* e) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  void LruPushBack(Entry* e) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  void LruRemove(Entry* e) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  static void PushFront(List& list, Entry* e);
+  static void PushBack(List& list, Entry* e);
+  static void Unlist(Entry* e);
+  // The stored entry named `id`, or nullptr.
+  Entry* StoredLocked(const std::string& id) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // The id of e's parent; empty for a root (or a block naming itself).
+  std::string ParentIdLocked(const Entry& e) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Makes `e` (state already kStored) part of the prefix links and lists it,
+  // at the most recent end or, without `recent`, the least recent end.
+  void LinkLocked(Entry* e, bool recent) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Whether linking `e` (which may have adopted children) under parent_id
+  // would close a cycle of parent links (a client can name any parent).
+  bool ClosesCycleLocked(const Entry* e, const std::string& parent_id)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Undoes LinkLocked (the entry is leaving the kStored state).
+  void UnlinkLocked(Entry* e) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // The next block to evict: the least recent leaf, else the least recent
+  // inner block; nullptr when nothing is stored.
+  Entry* VictimLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    return leaves_.tail != nullptr ? leaves_.tail : inner_.tail;
+  }
   // Makes a stored entry the most recently used.
   void TouchLocked(Entry* e) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // kStored -> kDeleting: unlisted, uncounted, invisible.
@@ -319,8 +360,11 @@ class NvmeTierImpl final : public NvmeTier {
 
   mutable absl::Mutex mu_;
   Index index_ ABSL_GUARDED_BY(mu_);
-  Entry* lru_head_ ABSL_GUARDED_BY(mu_) = nullptr;  // most recent
-  Entry* lru_tail_ ABSL_GUARDED_BY(mu_) = nullptr;  // least recent
+  List leaves_ ABSL_GUARDED_BY(mu_);  // stored, no stored child
+  List inner_ ABSL_GUARDED_BY(mu_);   // stored, with stored children
+  // Parent id -> linked stored children while that parent is not stored.
+  absl::flat_hash_map<std::string, uint32_t> orphan_children_
+      ABSL_GUARDED_BY(mu_);
   uint64_t used_ ABSL_GUARDED_BY(mu_) = 0;
   uint64_t blocks_ ABSL_GUARDED_BY(mu_) = 0;
   uint64_t next_generation_ ABSL_GUARDED_BY(mu_) = 1;
@@ -440,7 +484,9 @@ absl::Status NvmeTierImpl::Init() {
       e.charge = Charge(id.size(), record.parent.size(), record.size);
       e.parent = std::move(record.parent);
       e.generation = next_generation_++;
-      e.state = State::kStored;
+      // Stored (and linked) below, oldest first; until then not visible to
+      // the linking of others.
+      e.state = State::kWriting;
       used_ += e.charge;
       ++blocks_;
       tick_ = std::max(tick_, e.last_touch);
@@ -454,7 +500,10 @@ absl::Status NvmeTierImpl::Init() {
               [](const Entry* a, const Entry* b) {
                 return a->last_touch < b->last_touch;
               });
-    for (Entry* e : entries) LruPushFront(e);
+    for (Entry* e : entries) {
+      e->state = State::kStored;
+      LinkLocked(e, /*recent=*/true);
+    }
   }
   DeleteAndErase(malformed);
   return EvictOverCapacity();
@@ -465,9 +514,11 @@ absl::Status NvmeTierImpl::EvictOverCapacity() {
   uint64_t bytes = 0;
   {
     absl::MutexLock lock(&mu_);
-    while (used_ > options_.capacity_bytes && lru_tail_ != nullptr) {
-      bytes += lru_tail_->size;
-      victims.push_back(RetireLocked(lru_tail_));
+    while (used_ > options_.capacity_bytes) {
+      Entry* victim = VictimLocked();
+      if (victim == nullptr) break;
+      bytes += victim->size;
+      victims.push_back(RetireLocked(victim));
     }
   }
   if (victims.empty()) return absl::OkStatus();
@@ -514,52 +565,131 @@ void NvmeTierImpl::WaitSettled(const std::string& id) {
   mu_.Await(absl::Condition(&IdSettled, &arg));
 }
 
-void NvmeTierImpl::LruPushFront(Entry* e) {
+void NvmeTierImpl::PushFront(List& list, Entry* e) {
+  e->list = &list;
   e->more_recent = nullptr;
-  e->less_recent = lru_head_;
-  if (lru_head_ != nullptr) {
-    lru_head_->more_recent = e;
+  e->less_recent = list.head;
+  if (list.head != nullptr) {
+    list.head->more_recent = e;
   } else {
-    lru_tail_ = e;
+    list.tail = e;
   }
-  lru_head_ = e;
+  list.head = e;
 }
 
-void NvmeTierImpl::LruPushBack(Entry* e) {
+void NvmeTierImpl::PushBack(List& list, Entry* e) {
+  e->list = &list;
   e->less_recent = nullptr;
-  e->more_recent = lru_tail_;
-  if (lru_tail_ != nullptr) {
-    lru_tail_->less_recent = e;
+  e->more_recent = list.tail;
+  if (list.tail != nullptr) {
+    list.tail->less_recent = e;
   } else {
-    lru_head_ = e;
+    list.head = e;
   }
-  lru_tail_ = e;
+  list.tail = e;
 }
 
-void NvmeTierImpl::LruRemove(Entry* e) {
+void NvmeTierImpl::Unlist(Entry* e) {
+  List* list = e->list;
+  if (list == nullptr) return;
   if (e->more_recent != nullptr) {
     e->more_recent->less_recent = e->less_recent;
   } else {
-    lru_head_ = e->less_recent;
+    list->head = e->less_recent;
   }
   if (e->less_recent != nullptr) {
     e->less_recent->more_recent = e->more_recent;
   } else {
-    lru_tail_ = e->more_recent;
+    list->tail = e->more_recent;
   }
   e->more_recent = e->less_recent = nullptr;
+  e->list = nullptr;
+}
+
+NvmeTierImpl::Entry* NvmeTierImpl::StoredLocked(const std::string& id) {
+  auto it = index_.find(id);
+  if (it == index_.end() || it->second.state != State::kStored) return nullptr;
+  return &it->second;
+}
+
+std::string NvmeTierImpl::ParentIdLocked(const Entry& e) {
+  absl::string_view ns, key;
+  if (e.parent.empty() || !DecodeId(*e.id, &ns, &key) || key == e.parent) {
+    return std::string();
+  }
+  return EncodeId(ns, e.parent);
+}
+
+void NvmeTierImpl::LinkLocked(Entry* e, bool recent) {
+  if (auto orphans = orphan_children_.find(*e->id);
+      orphans != orphan_children_.end()) {
+    e->children = orphans->second;
+    orphan_children_.erase(orphans);
+  }
+  if (std::string parent_id = ParentIdLocked(*e);
+      !parent_id.empty() && !ClosesCycleLocked(e, parent_id)) {
+    e->linked = true;
+    if (Entry* p = StoredLocked(parent_id)) {
+      if (p->children++ == 0) {
+        Unlist(p);
+        PushFront(inner_, p);
+      }
+    } else {
+      ++orphan_children_[parent_id];
+    }
+  }
+  List& list = e->children == 0 ? leaves_ : inner_;
+  recent ? PushFront(list, e) : PushBack(list, e);
+}
+
+bool NvmeTierImpl::ClosesCycleLocked(const Entry* e,
+                                     const std::string& parent_id) {
+  // Only an entry that has children can close a cycle, through its stored
+  // ancestors. Chains are walked to a bound; a longer one is left unlinked.
+  if (e->children == 0) return false;
+  std::string id = parent_id;
+  for (int steps = 0; steps < kMaxChainWalk; ++steps) {
+    const Entry* a = StoredLocked(id);
+    if (a == nullptr) return false;
+    if (a == e) return true;
+    if (!a->linked) return false;
+    id = ParentIdLocked(*a);
+  }
+  return true;
+}
+
+void NvmeTierImpl::UnlinkLocked(Entry* e) {
+  Unlist(e);
+  if (e->linked) {
+    e->linked = false;
+    std::string parent_id = ParentIdLocked(*e);
+    if (Entry* p = StoredLocked(parent_id); p != nullptr && p->children > 0) {
+      if (--p->children == 0) {
+        Unlist(p);
+        PushBack(leaves_, p);
+      }
+    } else if (auto it = orphan_children_.find(parent_id);
+               it != orphan_children_.end() && --it->second == 0) {
+      orphan_children_.erase(it);
+    }
+  }
+  if (e->children > 0) {
+    orphan_children_[*e->id] += e->children;
+    e->children = 0;
+  }
 }
 
 void NvmeTierImpl::TouchLocked(Entry* e) {
   e->last_touch = ++tick_;
   e->dirty = true;
-  if (lru_head_ == e) return;
-  LruRemove(e);
-  LruPushFront(e);
+  if (e->list == nullptr || e->list->head == e) return;
+  List& list = *e->list;
+  Unlist(e);
+  PushFront(list, e);
 }
 
 NvmeTierImpl::Retired NvmeTierImpl::RetireLocked(Entry* e) {
-  LruRemove(e);
+  UnlinkLocked(e);
   e->state = State::kDeleting;
   used_ -= e->charge;
   --blocks_;
@@ -577,7 +707,7 @@ void NvmeTierImpl::RestoreLocked(absl::Span<const Retired> retired) {
     e.state = State::kStored;
     used_ += e.charge;
     ++blocks_;
-    LruPushBack(&e);
+    LinkLocked(&e, /*recent=*/false);
   }
 }
 
@@ -716,9 +846,11 @@ absl::StatusOr<NvmePutOutcome> NvmeTierImpl::Put(absl::string_view ns,
       TouchLocked(&it->second);
       return NvmePutOutcome::kAlreadyPresent;
     }
-    while (used_ + charge > options_.capacity_bytes && lru_tail_ != nullptr) {
-      victim_bytes += lru_tail_->size;
-      victims.push_back(RetireLocked(lru_tail_));
+    while (used_ + charge > options_.capacity_bytes) {
+      Entry* victim = VictimLocked();
+      if (victim == nullptr) break;
+      victim_bytes += victim->size;
+      victims.push_back(RetireLocked(victim));
     }
     if (used_ + charge > options_.capacity_bytes) {
       RestoreLocked(victims);
@@ -770,7 +902,7 @@ absl::StatusOr<NvmePutOutcome> NvmeTierImpl::Put(absl::string_view ns,
   evictions_ += victims.size();
   evicted_bytes_ += victim_bytes;
   e.state = State::kStored;
-  LruPushFront(&e);
+  LinkLocked(&e, /*recent=*/true);
   ++blocks_;
   ++puts_;
   write_bytes_ += e.size;

@@ -19,9 +19,13 @@
 // and reported as DataLoss. No path returns bytes that fail their checksum.
 //
 // Capacity: the tier holds at most capacity_bytes of *charged* bytes (see
-// NvmeTierStats::used_bytes) and evicts least recently read or written blocks
-// to make room for a new one. Eviction is plain LRU; admission policy and
-// prefix awareness are the engine's business.
+// NvmeTierStats::used_bytes) and evicts to make room for a new one. Eviction
+// is prefix-aware: a block with a stored child (a block naming it as parent)
+// goes only after its children, so chains are cut from their ends and cached
+// prefixes stay usable; among the other blocks, the least recently read or
+// written goes first. (A parent whose last child goes counts as least
+// recently used: its chain has just aged out.) Admission is the engine's
+// business.
 //
 // Thread-safe: every method may be called from any thread. Reads, puts and
 // deletes do their RocksDB I/O outside the index lock, so they overlap; puts
@@ -29,7 +33,8 @@
 // writes (flushes behind): call it from background threads, as MultiRead.
 //
 // Memory: the index keeps, per block, its id (namespace + key), parent key
-// and about 100 bytes of bookkeeping in a hash-map node.
+// and about 110 bytes of bookkeeping in a hash-map node, plus one small map
+// entry per parent that is not stored but has stored children.
 #ifndef KVDEPOT_STORAGE_NVME_TIER_H_
 #define KVDEPOT_STORAGE_NVME_TIER_H_
 
@@ -174,8 +179,8 @@ class NvmeTier {
   // Stores `bytes` as block `key` of namespace `ns`, unless the key is already
   // stored (put-if-absent: an existing block is never overwritten; it just
   // becomes the most recently used). `parent` is the previous block of the
-  // key's chain, empty for a root. Evicts least recently used blocks until the
-  // block fits. `checksum` is verified against `bytes` before anything is
+  // key's chain, empty for a root; it need not be stored (yet). Evicts blocks
+  // (see above) until the block fits. `checksum` is verified against `bytes` before anything is
   // written.
   // Returns InvalidArgument for a bad namespace, key or parent (see
   // block_key.h), empty bytes, more than max_block_bytes, or a checksum that

@@ -343,6 +343,99 @@ TEST_F(NvmeTierTest, EvictsLeastRecentlyUsedFirst) {
   EXPECT_TRUE(tier_->Contains("ns", Key(0)));
 }
 
+// Chains are cut from their ends: a block whose child is stored goes only
+// after that child, whatever their recency, and whichever of the two reached
+// the tier first (DRAM demotes children before parents).
+TEST_F(NvmeTierTest, EvictionTakesLeavesBeforeTheirParents) {
+  constexpr size_t kSize = 16 * kKiB;
+  // Keys c0..c2 (chain c0 <- c1 <- c2) and x, y are all 8 bytes long.
+  const std::string c0 = "chain-00", c1 = "chain-01", c2 = "chain-02";
+  const uint64_t charge = Charge("ns", c0, kSize, c0.size());
+  options_.capacity_bytes = 5 * charge;
+  for (bool child_first : {false, true}) {
+    SCOPED_TRACE(child_first ? "children stored first" : "parents first");
+    Open();
+    if (child_first) {
+      ASSERT_OK(Put(c2, Bytes(2, kSize), c1));
+      ASSERT_OK(Put(c1, Bytes(1, kSize), c0));
+      ASSERT_OK(Put(c0, Bytes(0, kSize)));
+    } else {
+      ASSERT_OK(Put(c0, Bytes(0, kSize)));
+      ASSERT_OK(Put(c1, Bytes(1, kSize), c0));
+      ASSERT_OK(Put(c2, Bytes(2, kSize), c1));
+    }
+    ASSERT_OK(Put(Key(1), Bytes(11, kSize)));
+    ASSERT_OK(Put(Key(2), Bytes(12, kSize)));
+    // The chain's root and middle are now the least recently used blocks;
+    // plain LRU would evict them first.
+    ASSERT_TRUE(ReadsBack(c2, Bytes(2, kSize)));
+    ASSERT_TRUE(ReadsBack(Key(1), Bytes(11, kSize)));
+    ASSERT_TRUE(ReadsBack(Key(2), Bytes(12, kSize)));
+
+    std::vector<std::string> order;
+    std::vector<std::string> all = {c0, c1, c2, Key(1), Key(2)};
+    for (int i = 0; i < 5; ++i) {
+      ASSERT_OK(Put(Key(100 + i), Bytes(100 + i, kSize)));
+      for (const std::string& k : all) {
+        if (!tier_->Contains("ns", k) &&
+            std::find(order.begin(), order.end(), k) == order.end()) {
+          order.push_back(k);
+        }
+      }
+    }
+    // The leaves by recency (c2, Key(1), Key(2)), each parent right after
+    // its last child goes.
+    EXPECT_THAT(order, ::testing::ElementsAre(c2, c1, c0, Key(1), Key(2)));
+    EXPECT_LE(tier_->Stats().used_bytes, options_.capacity_bytes);
+    Close();
+    fs::remove_all(dir_);
+  }
+}
+
+// The links are rebuilt from the records at open: after a restart the root
+// of a chain still outlives its own child and an unrelated leaf used after
+// it.
+TEST_F(NvmeTierTest, PrefixOrderSurvivesRestart) {
+  constexpr size_t kSize = 16 * kKiB;
+  const std::string c0 = "chain-00", c1 = "chain-01";
+  options_.capacity_bytes = 3 * Charge("ns", c0, kSize, c0.size());
+  Open();
+  ASSERT_OK(Put(c1, Bytes(1, kSize), c0));
+  ASSERT_OK(Put(c0, Bytes(0, kSize)));  // older than Key(1) below, a parent
+  ASSERT_OK(Put(Key(1), Bytes(11, kSize)));
+  ASSERT_TRUE(ReadsBack(c1, Bytes(1, kSize)));
+  Close();
+  Open();
+  ASSERT_OK(Put(Key(2), Bytes(12, kSize)));
+  EXPECT_FALSE(tier_->Contains("ns", Key(1)));  // least recent leaf
+  EXPECT_TRUE(tier_->Contains("ns", c0));
+  ASSERT_OK(Put(Key(3), Bytes(13, kSize)));
+  EXPECT_FALSE(tier_->Contains("ns", c1));
+  EXPECT_TRUE(tier_->Contains("ns", c0));
+  ASSERT_OK(Put(Key(4), Bytes(14, kSize)));
+  EXPECT_FALSE(tier_->Contains("ns", c0));  // a leaf now, at the old end
+  EXPECT_TRUE(tier_->Contains("ns", Key(2)));
+  EXPECT_TRUE(tier_->Contains("ns", Key(3)));
+}
+
+// Parent links a client made up (a block naming itself, two blocks naming
+// each other) never make blocks unevictable: puts keep succeeding and the
+// tier stays within its capacity.
+TEST_F(NvmeTierTest, ParentCyclesDoNotBlockEviction) {
+  constexpr size_t kSize = 16 * kKiB;
+  options_.capacity_bytes = 4 * Charge("ns", Key(0), kSize, Key(0).size());
+  Open();
+  ASSERT_OK(Put(Key(0), Bytes(0, kSize), Key(0)));
+  ASSERT_OK(Put(Key(1), Bytes(1, kSize), Key(2)));
+  ASSERT_OK(Put(Key(2), Bytes(2, kSize), Key(1)));
+  for (int i = 3; i < 20; ++i) {
+    ASSERT_OK(Put(Key(i), Bytes(i, kSize), Key(i - 1)));
+    ASSERT_LE(tier_->Stats().used_bytes, options_.capacity_bytes);
+  }
+  for (int i = 0; i < 3; ++i) EXPECT_FALSE(tier_->Contains("ns", Key(i))) << i;
+  EXPECT_EQ(tier_->Stats().blocks, 4u);
+}
+
 TEST_F(NvmeTierTest, FourTimesCapacityStaysBoundedAndLosesNothingReported) {
   constexpr size_t kSize = 16 * kKiB;
   options_.capacity_bytes = 1 * kMiB;

@@ -768,16 +768,20 @@ class TieredStoreImpl final : public TieredStore {
   // With `demote` (the background evictor, PersistDram) the block is first
   // written to the NVMe tier; a put waiting for room drops it instead.
   bool EvictOne(bool demote = false) {
-    std::unique_ptr<BlockEntry> e = index_.PopOldestEvictable();
+    const bool demoting = demote && nvme_ != nullptr;
+    std::string parent;
+    std::unique_ptr<BlockEntry> e =
+        index_.PopOldestEvictable(demoting ? &parent : nullptr);
     if (!e) return false;
-    if (demote && nvme_ != nullptr) Demote(*e);
+    if (demoting) Demote(*e, parent);
     FreeEntry(std::move(e), /*lru=*/true);
     return true;
   }
 
-  // Writes a block leaving DRAM to the NVMe tier. Its parent key is not
-  // kept (the index holds only the parent's hash).
-  void Demote(const BlockEntry& e) {
+  // Writes a block leaving DRAM to the NVMe tier with its parent key (empty
+  // when its parent was not cached in DRAM when it was linked), so that the
+  // tier's eviction keeps prefixes and a promotion relinks the chain.
+  void Demote(const BlockEntry& e, absl::string_view parent) {
     if (e.reads < options_.nvme_admit_min_reads) {
       demotions_skipped_.fetch_add(1, std::memory_order_relaxed);
       return;
@@ -785,7 +789,7 @@ class TieredStoreImpl final : public TieredStore {
     const char* base = arena_->base();
     NamespaceInfo* info = NamespaceById(e.ns_id);
     absl::StatusOr<NvmePutOutcome> r = nvme_->Put(
-        info->name, absl::string_view(base + e.key_offset(), e.key_len), "",
+        info->name, absl::string_view(base + e.key_offset(), e.key_len), parent,
         absl::string_view(base + e.data_offset(), e.size), e.checksum);
     (r.ok() ? demotions_ : demotion_failures_).fetch_add(1, std::memory_order_relaxed);
   }

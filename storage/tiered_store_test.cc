@@ -1,15 +1,18 @@
 #include "storage/tiered_store.h"
 
+#include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
 #include <cstring>
 #include <filesystem>
+#include <map>
 #include <string>
 #include <vector>
 
 #include "absl/time/clock.h"
 #include "storage/checksum.h"
 #include "storage/fake_clock.h"
+#include "storage/nvme_tier.h"
 #include "tests/status_matchers.h"
 
 namespace kvdepot {
@@ -478,8 +481,9 @@ class TieredStoreNvmeTest : public ::testing::Test {
     store_ = std::move(s).value();
     sid_ = store_->OpenSession(absl::ZeroDuration(), "t")->id;
   }
-  void Put(const std::string& key, const std::string& bytes) {
-    PutSpec spec{key, "", bytes.size()};
+  void Put(const std::string& key, const std::string& bytes,
+           const std::string& parent = "") {
+    PutSpec spec{key, parent, bytes.size()};
     auto r = store_->BeginPut(sid_, "ns", {&spec, 1});
     ASSERT_OK(r);
     {
@@ -545,6 +549,31 @@ TEST_F(TieredStoreNvmeTest, PersistedBlocksSurviveARestart) {
     EXPECT_EQ(Bytes(e), Block(i));
     ASSERT_OK(store_->Unpin(sid_, pin));
   }
+}
+
+// Demotion keeps a block's parent key, which the NVMe tier's prefix-aware
+// eviction and later promotions rely on.
+TEST_F(TieredStoreNvmeTest, DemotedBlocksKeepTheirParentKeys) {
+  Put("root", Block(0));
+  Put("mid", Block(1), "root");
+  Put("end", Block(2), "mid");
+  Put("lone", Block(3), "not-cached");  // its parent was never stored
+  ASSERT_OK(store_->PersistDram());
+  store_.reset();
+  NvmeTierOptions o;
+  o.path = dir_ + "/nvme";
+  o.capacity_bytes = 64 << 20;
+  auto tier = OpenNvmeTier(o, &clock_);
+  ASSERT_OK(tier);
+  std::map<std::string, std::string> parents;
+  (*tier)->ForEachBlock([&](const NvmeBlockView& b) {
+    parents[std::string(b.key)] = std::string(b.parent);
+  });
+  EXPECT_THAT(parents, ::testing::UnorderedElementsAre(
+                           ::testing::Pair("root", ""),
+                           ::testing::Pair("mid", "root"),
+                           ::testing::Pair("end", "mid"),
+                           ::testing::Pair("lone", "")));
 }
 
 TEST_F(TieredStoreNvmeTest, EvictRemovesBlocksFromBothTiers) {
