@@ -185,26 +185,41 @@ absl::Status ReadStream::Validate() const {
   return absl::OkStatus();
 }
 
+void ReadStream::PinNext(absl::AnyInvocable<void(absl::Status) &&> done) {
+  absl::string_view k = req_.keys(key_);
+  store_.LookupAsync(
+      kInternalSession, req_.namespace_(), {&k, 1}, false, /*pin=*/true,
+      [this, done = std::move(done)](absl::StatusOr<LookupResult> r) mutable {
+        std::move(done)(Adopt(std::move(r)));
+      });
+}
+
+absl::Status ReadStream::Adopt(absl::StatusOr<LookupResult> r) {
+  RETURN_IF_ERROR(r.status());
+  if (!r->entries[0].found) {
+    return absl::NotFoundError(absl::StrCat("block ", KeyToHex(req_.keys(key_)),
+                                            " not found in namespace ",
+                                            req_.namespace_()));
+  }
+  entry_ = r->entries[0];
+  pin_ = new SharedPin(store_, r->pin_id);
+  offset_ = 0;
+  return absl::OkStatus();
+}
+
 absl::Status ReadStream::Next(ReadChunk* chunk, bool* last) {
   chunk->prefix.clear();
-  const std::string& key = req_.keys(key_);
   if (pin_ == nullptr) {
     // Pin one block at a time: it cannot be evicted while its bytes are on
     // their way, and a large batch never pins more than the blocks in flight.
-    absl::string_view k = key;
-    ASSIGN_OR_RETURN(LookupResult r,
-                     store_.Lookup(kInternalSession, req_.namespace_(), {&k, 1},
-                                   false, /*pin=*/true));
-    if (!r.entries[0].found) {
-      return absl::NotFoundError(absl::StrCat(
-          "block ", KeyToHex(key), " not found in namespace ", req_.namespace_()));
-    }
-    entry_ = r.entries[0];
-    pin_ = new SharedPin(store_, r.pin_id);
-    offset_ = 0;
+    absl::string_view k = req_.keys(key_);
+    RETURN_IF_ERROR(Adopt(store_.Lookup(kInternalSession, req_.namespace_(),
+                                        {&k, 1}, false, /*pin=*/true)));
+  }
+  if (offset_ == 0) {
     v1::ReadResponse header_only;
     v1::ReadHeader* h = header_only.mutable_header();
-    h->set_key(key);
+    h->set_key(req_.keys(key_));
     h->set_size(entry_.size);
     h->set_checksum(entry_.checksum);
     header_only.AppendToString(&chunk->prefix);

@@ -16,6 +16,7 @@
 #include <optional>
 #include <string>
 
+#include "absl/functional/any_invocable.h"
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "kvdepot/v1/kvdepot.pb.h"
@@ -103,6 +104,14 @@ class ReadStream {
 
   // Checks the request (namespace, batch size).
   absl::Status Validate() const;
+  // True when the next chunk starts a block that is not pinned yet. A server
+  // calls PinNext then, so that a block only on NVMe is promoted off its
+  // thread; Next would do it inline.
+  bool NeedsPin() const { return pin_ == nullptr && key_ < req_.keys_size(); }
+  // Pins the next block (see NeedsPin) and calls `done` with the outcome:
+  // NotFound if it is not stored. `done` runs on this thread for a block in
+  // DRAM, else on a promotion thread of the store.
+  void PinNext(absl::AnyInvocable<void(absl::Status) &&> done);
   // Produces the next chunk (a block's first chunk carries its header) and
   // sets `*last` when it is the stream's final message. NotFound at the
   // first key that is not stored.
@@ -113,6 +122,9 @@ class ReadStream {
   void ReleasePin();
 
  private:
+  // Takes the pin of a one-key lookup of the next block.
+  absl::Status Adopt(absl::StatusOr<LookupResult> r);
+
   TieredStore& store_;
   const v1::ReadRequest& req_;
   int key_ = 0;         // index of the block being sent

@@ -173,34 +173,49 @@ grpc::ServerUnaryReactor* KvDepotService::CloseSession(
 grpc::ServerUnaryReactor* KvDepotService::Lookup(grpc::CallbackServerContext* ctx,
                                                  const v1::LookupRequest* req,
                                                  v1::LookupResponse* resp) {
-  return Unary(ctx, "Lookup", [&]() -> absl::Status {
-    if (req->pin()) RETURN_IF_ERROR(RequireSession(req->session_id()));
-    std::vector<absl::string_view> keys = Views(req->keys());
-    ASSIGN_OR_RETURN(LookupResult r,
-                     store_.Lookup(req->session_id(), req->namespace_(), keys,
-                                   req->prefix(), req->pin()));
-    if (r.pin_id != 0 && ctx->IsCancelled()) {
-      // The client gave up (deadline or cancel) and will never learn the
-      // pin id: release it rather than hold the blocks until the session ends.
-      store_.Unpin(req->session_id(), r.pin_id).IgnoreError();
-      return absl::CancelledError("client cancelled the lookup");
+  const absl::Time start = clock_.Now();
+  grpc::ServerUnaryReactor* reactor = ctx->DefaultReactor();
+  auto finish = [this, reactor, start](const absl::Status& st) {
+    Finished("Lookup", st, start);
+    reactor->Finish(ToGrpcStatus(st));
+  };
+  if (req->pin()) {
+    if (absl::Status st = RequireSession(req->session_id()); !st.ok()) {
+      finish(st);
+      return reactor;
     }
-    uint64_t hits = 0;
-    for (const LookupEntry& e : r.entries) {
-      v1::LookupEntry* out = resp->add_entries();
-      out->set_found(e.found);
-      if (!e.found) continue;
-      ++hits;
-      out->set_tier(ToProto(e.tier));
-      out->set_size(e.size);
-      out->set_checksum(e.checksum);
-      if (req->pin()) out->set_offset(e.offset);
-    }
-    resp->set_prefix_hits(r.prefix_hits);
-    resp->set_pin_id(r.pin_id);
-    metrics_.RecordLookup(hits, keys.size() - hits);
-    return absl::OkStatus();
-  });
+  }
+  std::vector<absl::string_view> keys = Views(req->keys());
+  // A pinned lookup that promotes blocks from NVMe answers from the store's
+  // promotion threads; `req` and `resp` live until the reactor is done.
+  store_.LookupAsync(
+      req->session_id(), req->namespace_(), keys, req->prefix(), req->pin(),
+      [this, ctx, req, resp, finish](absl::StatusOr<LookupResult> r) {
+        if (!r.ok()) return finish(r.status());
+        if (r->pin_id != 0 && ctx->IsCancelled()) {
+          // The client gave up (deadline or cancel) and will never learn the
+          // pin id: release it rather than hold the blocks until the session
+          // ends.
+          store_.Unpin(req->session_id(), r->pin_id).IgnoreError();
+          return finish(absl::CancelledError("client cancelled the lookup"));
+        }
+        uint64_t hits = 0;
+        for (const LookupEntry& e : r->entries) {
+          v1::LookupEntry* out = resp->add_entries();
+          out->set_found(e.found);
+          if (!e.found) continue;
+          ++hits;
+          out->set_tier(ToProto(e.tier));
+          out->set_size(e.size);
+          out->set_checksum(e.checksum);
+          if (req->pin()) out->set_offset(e.offset);
+        }
+        resp->set_prefix_hits(r->prefix_hits);
+        resp->set_pin_id(r->pin_id);
+        metrics_.RecordLookup(hits, r->entries.size() - hits);
+        finish(absl::OkStatus());
+      });
+  return reactor;
 }
 
 grpc::ServerUnaryReactor* KvDepotService::Unpin(grpc::CallbackServerContext* ctx,
@@ -379,6 +394,22 @@ class ReadReactor final : public grpc::ServerWriteReactor<grpc::ByteBuffer>,
 
  private:
   void WriteNext() {
+    if (stream_.NeedsPin()) {
+      // A block only on NVMe is promoted on the store's threads; the write
+      // continues from there.
+      stream_.PinNext([this](absl::Status st) {
+        if (!st.ok()) {
+          Finish(st);
+          return;
+        }
+        WriteChunk();
+      });
+      return;
+    }
+    WriteChunk();
+  }
+
+  void WriteChunk() {
     bool last = false;
     ReadChunk chunk;
     absl::Status st = stream_.Next(&chunk, &last);

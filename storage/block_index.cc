@@ -108,13 +108,14 @@ void BlockIndex::Unpin(BlockEntry* e) {
 }
 
 std::unique_ptr<BlockEntry> BlockIndex::Insert(std::unique_ptr<BlockEntry> entry,
-                                               absl::string_view parent) {
+                                               absl::string_view parent,
+                                               bool pinned) {
   KeyRef key{entry->ns_id,
              absl::string_view(base_ + entry->key_offset(), entry->key_len),
              entry->hash};
   entry->parent_hash = parent.empty() ? 0 : Hash(entry->ns_id, parent);
   entry->flags = 0;
-  entry->pins = 0;
+  entry->pins = pinned ? 1 : 0;
   entry->children = 0;
   Shard& s = ShardFor(entry->hash);
   // Link to the parent while holding both shards, so a concurrent removal of
@@ -128,7 +129,7 @@ std::unique_ptr<BlockEntry> BlockIndex::Insert(std::unique_ptr<BlockEntry> entry
   if (second != first) lock2.emplace(&second->mu);
   bool inserted = [&]() ABSL_NO_THREAD_SAFETY_ANALYSIS {
     if (s.set.contains(key)) return false;
-    LruPushFront(s, entry.get());
+    if (!pinned) LruPushFront(s, entry.get());
     s.set.insert(entry.get());
     if (entry->parent_hash == 0) return true;
     BlockEntry* p = FindByHash(*ps, entry->ns_id, entry->parent_hash);

@@ -115,10 +115,13 @@ class BlockIndex {
 
   // Publishes `entry` unless the key is already present (put-if-absent).
   // REQUIRES: entry->hash, ns_id, key_unit, key_len (and seq) are set and the
-  // key bytes are in the arena. `parent` is the parent key (empty for a root). Returns
-  // the entry back when the key already exists.
+  // key bytes are in the arena. `parent` is the parent key (empty for a
+  // root). With `pinned` the entry is published holding one pin (the
+  // caller's, released with Unpin). Returns the entry back when the key
+  // already exists.
   std::unique_ptr<BlockEntry> Insert(std::unique_ptr<BlockEntry> entry,
-                                     absl::string_view parent);
+                                     absl::string_view parent,
+                                     bool pinned = false);
 
   // Removes an unpinned entry (explicit eviction). On kRemoved, *out holds it
   // and its parent link is already released.

@@ -21,13 +21,29 @@
 #include "absl/random/random.h"
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/mutex.h"
+#include "absl/synchronization/notification.h"
 #include "storage/block_index.h"
 #include "storage/block_key.h"
 #include "storage/checksum.h"
 #include "storage/nvme_tier.h"
 #include "storage/status_macros.h"
+#include "storage/work_pool.h"
 
 namespace kvdepot {
+
+absl::StatusOr<LookupResult> TieredStore::Lookup(
+    SessionId session, absl::string_view ns,
+    absl::Span<const absl::string_view> keys, bool prefix, bool pin) {
+  absl::StatusOr<LookupResult> out;
+  absl::Notification done;
+  LookupAsync(session, ns, keys, prefix, pin,
+              [&](absl::StatusOr<LookupResult> r) {
+                out = std::move(r);
+                done.Notify();
+              });
+  done.WaitForNotification();
+  return out;
+}
 
 const char* TierName(Tier tier) {
   switch (tier) {
@@ -109,9 +125,14 @@ class TieredStoreImpl final : public TieredStore {
     if (options_.background_eviction) {
       evictor_ = std::thread([this] { EvictorLoop(); });
     }
+    if (nvme_ != nullptr) {
+      promoter_ = std::make_unique<WorkPool>(options_.promotion_threads,
+                                             "kvd-promote");
+    }
   }
 
   ~TieredStoreImpl() override {
+    promoter_.reset();  // finishes the promotions in flight first
     if (evictor_.joinable()) {
       {
         absl::MutexLock lock(&evict_mu_);
@@ -171,94 +192,17 @@ class TieredStoreImpl final : public TieredStore {
 
   // ---- lookup and pins ---------------------------------------------------
 
-  absl::StatusOr<LookupResult> Lookup(SessionId session, absl::string_view ns,
-                                      absl::Span<const absl::string_view> keys,
-                                      bool prefix, bool pin) override {
-    RETURN_IF_ERROR(ValidateNamespace(ns));
-    RETURN_IF_ERROR(CheckBatch(keys.size()));
-    for (absl::string_view k : keys) RETURN_IF_ERROR(ValidateKey(k));
-    if (pin && session != kInternalSession) {
-      absl::MutexLock lock(&mu_);
-      ASSIGN_OR_RETURN(Session * s, LiveSession(session));
-      if (s->pinned_blocks + keys.size() > options_.max_pinned_blocks_per_session) {
-        return absl::ResourceExhaustedError(absl::StrCat(
-            "session ", session, " holds ", s->pinned_blocks,
-            " pinned blocks; pinning ", keys.size(), " more would pass the limit of ",
-            options_.max_pinned_blocks_per_session, "; unpin some first"));
-      }
-    }
-    LookupResult result;
-    result.entries.resize(keys.size());
-    NamespaceInfo* info = FindNamespace(ns);
-    lookup_keys_.fetch_add(keys.size(), std::memory_order_relaxed);
-    if (info == nullptr && nvme_ == nullptr) return result;
-    if (info) info->lookups.fetch_add(keys.size(), std::memory_order_relaxed);
-
-    std::vector<BlockEntry*> pinned;
-    bool prefix_open = true;
-    uint64_t hits = 0, dram_hits = 0;
-    const uint32_t seq = index_.NextSeq();
-    for (size_t i = 0; i < keys.size(); ++i) {
-      auto record = [&](Tier tier, uint64_t size, uint64_t checksum, uint64_t offset) {
-        ++hits;
-        if (prefix_open) ++result.prefix_hits;
-        result.entries[i] = LookupEntry{true, tier, size, checksum, offset};
-      };
-      std::optional<BlockIndex::Hit> hit;
-      if (info) hit = index_.Find(BlockIndex::MakeKey(info->id, keys[i]), pin, seq);
-      if (hit) {
-        ++dram_hits;
-      } else if (nvme_ != nullptr) {
-        // Not in DRAM: the NVMe tier. A plain lookup reports it there; a
-        // pinned one reads it into DRAM first, so the pin covers DRAM bytes.
-        if (pin) {
-          if (info == nullptr) {
-            absl::StatusOr<uint32_t> id = NamespaceIdFor(ns);
-            if (id.ok()) info = NamespaceById(*id);
-          }
-          if (info && Promote(*info, keys[i], seq)) {
-            hit = index_.Find(BlockIndex::MakeKey(info->id, keys[i]), pin, seq);
-          }
-        } else if (absl::StatusOr<NvmeBlockMeta> meta = nvme_->Meta(ns, keys[i]);
-                   meta.ok()) {
-          nvme_hits_.fetch_add(1, std::memory_order_relaxed);
-          record(Tier::kNvme, meta->size, meta->checksum, 0);
-          continue;
-        }
-      }
-      if (!hit) {
-        prefix_open = false;
-        if (prefix) break;
-        continue;
-      }
-      record(Tier::kDram, hit->size, hit->checksum, hit->data_offset);
-      if (pin) pinned.push_back(hit->entry);
-    }
-    lookup_hits_.fetch_add(hits, std::memory_order_relaxed);
-    dram_hits_.fetch_add(dram_hits, std::memory_order_relaxed);
-    if (info) info->hits.fetch_add(hits, std::memory_order_relaxed);
-    if (!pinned.empty()) {
-      absl::MutexLock lock(&mu_);
-      Session* s = nullptr;
-      if (session != kInternalSession) {
-        auto it = sessions_.find(session);
-        if (it == sessions_.end()) {
-          // The session ended while we looked: give the pins back.
-          for (BlockEntry* e : pinned) index_.Unpin(e);
-          return SessionNotFound(session);
-        }
-        s = &it->second;
-      }
-      PinId id = NewId();
-      pins_active_ += pinned.size();
-      if (s) {
-        s->pins.insert(id);
-        s->pinned_blocks += pinned.size();
-      }
-      pins_.emplace(id, Pin{session, std::move(pinned)});
-      result.pin_id = id;
-    }
-    return result;
+  void LookupAsync(SessionId session, absl::string_view ns,
+                   absl::Span<const absl::string_view> keys, bool prefix,
+                   bool pin, LookupDone done) override {
+    absl::StatusOr<LookupPlan> plan = PlanLookup(session, ns, keys, prefix, pin);
+    if (!plan.ok()) return std::move(done)(plan.status());
+    if (plan->promote.empty()) return std::move(done)(FinishLookup(*plan));
+    promoter_->Submit(
+        [this, plan = *std::move(plan), done = std::move(done)]() mutable {
+          PromoteBatch(plan);
+          std::move(done)(FinishLookup(plan));
+        });
   }
 
   absl::StatusOr<uint32_t> Unpin(SessionId session, PinId pin) override {
@@ -698,6 +642,203 @@ class TieredStoreImpl final : public TieredStore {
     return true;
   }
 
+  // ---- lookup phases -----------------------------------------------------
+
+  // A lookup between its pass over DRAM and its answer. Blocks found in DRAM
+  // are pinned already (when asked); blocks only on NVMe that a pinned lookup
+  // must promote are listed in `promote`.
+  struct LookupPlan {
+    struct Promotion {
+      size_t index;  // into entries
+      std::string key;
+    };
+    SessionId session = kInternalSession;
+    std::string ns;
+    NamespaceInfo* info = nullptr;  // nullptr while the namespace is unknown
+    bool prefix = false, pin = false;
+    uint32_t seq = 0;
+    std::vector<LookupEntry> entries;  // found ones filled in
+    std::vector<BlockEntry*> pinned;   // per key: the pinned entry, if any
+    std::vector<Promotion> promote;
+    std::vector<bool> promoted;  // per key: read into DRAM by this lookup
+  };
+
+  // Validates, then looks every key up in DRAM (pinning with `pin`) and, for
+  // the others, in the NVMe tier's index (no disk access).
+  absl::StatusOr<LookupPlan> PlanLookup(SessionId session, absl::string_view ns,
+                                        absl::Span<const absl::string_view> keys,
+                                        bool prefix, bool pin) {
+    RETURN_IF_ERROR(ValidateNamespace(ns));
+    RETURN_IF_ERROR(CheckBatch(keys.size()));
+    for (absl::string_view k : keys) RETURN_IF_ERROR(ValidateKey(k));
+    if (pin && session != kInternalSession) {
+      absl::MutexLock lock(&mu_);
+      ASSIGN_OR_RETURN(Session * s, LiveSession(session));
+      if (s->pinned_blocks + keys.size() > options_.max_pinned_blocks_per_session) {
+        return absl::ResourceExhaustedError(absl::StrCat(
+            "session ", session, " holds ", s->pinned_blocks,
+            " pinned blocks; pinning ", keys.size(), " more would pass the limit of ",
+            options_.max_pinned_blocks_per_session, "; unpin some first"));
+      }
+    }
+    LookupPlan plan;
+    plan.session = session;
+    plan.prefix = prefix;
+    plan.pin = pin;
+    plan.entries.resize(keys.size());
+    plan.pinned.resize(keys.size(), nullptr);
+    plan.promoted.resize(keys.size(), false);
+    plan.info = FindNamespace(ns);
+    lookup_keys_.fetch_add(keys.size(), std::memory_order_relaxed);
+    if (plan.info == nullptr && nvme_ == nullptr) return plan;
+    if (plan.info) plan.info->lookups.fetch_add(keys.size(), std::memory_order_relaxed);
+    plan.seq = index_.NextSeq();
+    for (size_t i = 0; i < keys.size(); ++i) {
+      std::optional<BlockIndex::Hit> hit;
+      if (plan.info) {
+        hit = index_.Find(BlockIndex::MakeKey(plan.info->id, keys[i]), pin, plan.seq);
+      }
+      if (hit) {
+        plan.entries[i] = LookupEntry{true, Tier::kDram, hit->size, hit->checksum,
+                                      hit->data_offset};
+        if (pin) plan.pinned[i] = hit->entry;
+        continue;
+      }
+      if (nvme_ != nullptr) {
+        // Not in DRAM: the NVMe tier. A plain lookup reports it there; a
+        // pinned one promotes it first, so the pin covers DRAM bytes.
+        if (pin) {
+          if (nvme_->Contains(ns, keys[i])) {
+            plan.promote.push_back({i, std::string(keys[i])});
+            continue;
+          }
+        } else if (absl::StatusOr<NvmeBlockMeta> meta = nvme_->Meta(ns, keys[i]);
+                   meta.ok()) {
+          plan.entries[i] = LookupEntry{true, Tier::kNvme, meta->size,
+                                        meta->checksum, 0};
+          nvme_hits_.fetch_add(1, std::memory_order_relaxed);
+          continue;
+        }
+      }
+      if (prefix) break;  // the rest stay misses
+    }
+    if (!plan.promote.empty()) plan.ns = std::string(ns);
+    return plan;
+  }
+
+  // Reads plan.promote's blocks from NVMe into new DRAM slots with one
+  // batched read and publishes them pinned. Blocks that cannot be promoted
+  // (gone, failing their checksum, no DRAM room) stay misses. Runs on a
+  // promotion thread: it may wait for the disk and for the evictor.
+  void PromoteBatch(LookupPlan& plan) {
+    if (plan.info == nullptr) {
+      absl::StatusOr<uint32_t> id = NamespaceIdFor(plan.ns);
+      if (!id.ok()) return;
+      plan.info = NamespaceById(*id);
+    }
+    NamespaceInfo& info = *plan.info;
+    struct Pending {
+      const LookupPlan::Promotion* promotion;
+      Slot slot;
+      uint64_t checksum;
+    };
+    std::vector<Pending> pending;
+    pending.reserve(plan.promote.size());
+    for (const LookupPlan::Promotion& p : plan.promote) {
+      absl::StatusOr<NvmeBlockMeta> meta = nvme_->Meta(plan.ns, p.key);
+      if (!meta.ok()) continue;  // evicted meanwhile
+      Pending& q = pending.emplace_back();
+      q.promotion = &p;
+      q.checksum = meta->checksum;
+      q.slot.key = p.key;
+      q.slot.parent = std::move(meta->parent);
+      q.slot.size = meta->size;
+      if (!AllocateSlot(q.slot).ok()) {  // DRAM full of pinned blocks
+        pending.pop_back();
+        break;
+      }
+    }
+    std::vector<NvmeReadRequest> reads;
+    reads.reserve(pending.size());
+    for (const Pending& q : pending) {
+      reads.push_back({q.slot.key, absl::Span<char>(arena_->base() + q.slot.data_offset,
+                                                    q.slot.size)});
+    }
+    std::vector<absl::Status> results = nvme_->MultiRead(plan.ns, reads);
+    for (size_t j = 0; j < pending.size(); ++j) {
+      Pending& q = pending[j];
+      const size_t i = q.promotion->index;
+      if (!results[j].ok()) {  // counted by the tier when corrupt
+        FreeSlot(q.slot);
+        continue;
+      }
+      if (BlockEntry* e = Publish(info, q.slot, q.checksum, plan.seq, /*pinned=*/true)) {
+        promotions_.fetch_add(1, std::memory_order_relaxed);
+        plan.promoted[i] = true;
+        plan.pinned[i] = e;
+        plan.entries[i] = LookupEntry{true, Tier::kDram, q.slot.size, q.checksum,
+                                      q.slot.data_offset};
+        continue;
+      }
+      // Promoted meanwhile by another lookup: use that copy.
+      FreeSlot(q.slot);
+      if (std::optional<BlockIndex::Hit> hit = index_.Find(
+              BlockIndex::MakeKey(info.id, q.slot.key), /*pin=*/true, plan.seq)) {
+        plan.pinned[i] = hit->entry;
+        plan.entries[i] = LookupEntry{true, Tier::kDram, hit->size, hit->checksum,
+                                      hit->data_offset};
+      }
+    }
+  }
+
+  // Turns a plan into the answer: applies the prefix rule (with `prefix`,
+  // nothing after the first miss is found or stays pinned), counts, and
+  // registers the pin with the session.
+  absl::StatusOr<LookupResult> FinishLookup(LookupPlan& plan) {
+    LookupResult result;
+    result.entries = std::move(plan.entries);
+    std::vector<BlockEntry*> pinned;
+    bool prefix_open = true;
+    uint64_t hits = 0, dram_hits = 0;
+    for (size_t i = 0; i < result.entries.size(); ++i) {
+      LookupEntry& e = result.entries[i];
+      if (!e.found || (plan.prefix && !prefix_open)) {
+        if (plan.pinned[i] != nullptr) index_.Unpin(plan.pinned[i]);
+        e = LookupEntry{};
+        prefix_open = false;
+        continue;
+      }
+      ++hits;
+      if (prefix_open) ++result.prefix_hits;
+      if (e.tier == Tier::kDram && !plan.promoted[i]) ++dram_hits;
+      if (plan.pinned[i] != nullptr) pinned.push_back(plan.pinned[i]);
+    }
+    lookup_hits_.fetch_add(hits, std::memory_order_relaxed);
+    dram_hits_.fetch_add(dram_hits, std::memory_order_relaxed);
+    if (plan.info) plan.info->hits.fetch_add(hits, std::memory_order_relaxed);
+    if (pinned.empty()) return result;
+    absl::MutexLock lock(&mu_);
+    Session* s = nullptr;
+    if (plan.session != kInternalSession) {
+      auto it = sessions_.find(plan.session);
+      if (it == sessions_.end()) {
+        // The session ended while we looked: give the pins back.
+        for (BlockEntry* e : pinned) index_.Unpin(e);
+        return SessionNotFound(plan.session);
+      }
+      s = &it->second;
+    }
+    PinId id = NewId();
+    pins_active_ += pinned.size();
+    if (s) {
+      s->pins.insert(id);
+      s->pinned_blocks += pinned.size();
+    }
+    pins_.emplace(id, Pin{plan.session, std::move(pinned)});
+    result.pin_id = id;
+    return result;
+  }
+
   // ---- arena space -------------------------------------------------------
 
   // Allocates the key and data space of a slot, evicting as needed.
@@ -794,35 +935,11 @@ class TieredStoreImpl final : public TieredStore {
     (r.ok() ? demotions_ : demotion_failures_).fetch_add(1, std::memory_order_relaxed);
   }
 
-  // Reads an NVMe block into a new DRAM slot and publishes it there.
-  // Returns whether the block is in DRAM afterwards. A block that fails its
-  // checksum is dropped by the tier (and counted there): a miss here.
-  bool Promote(NamespaceInfo& info, absl::string_view key, uint32_t seq) {
-    absl::StatusOr<NvmeBlockMeta> meta = nvme_->Meta(info.name, key);
-    if (!meta.ok()) return false;
-    Slot slot;
-    slot.key = std::string(key);
-    slot.parent = meta->parent;
-    slot.size = meta->size;
-    if (!AllocateSlot(slot).ok()) return false;
-    absl::Status st = nvme_->Read(
-        info.name, key, absl::Span<char>(arena_->base() + slot.data_offset, slot.size));
-    if (!st.ok()) {
-      FreeSlot(slot);
-      return false;
-    }
-    if (Publish(info, slot, meta->checksum, seq)) {
-      promotions_.fetch_add(1, std::memory_order_relaxed);
-    } else {
-      FreeSlot(slot);  // promoted meanwhile by another caller
-    }
-    return true;
-  }
-
-  // Inserts a slot's block into the index (put-if-absent); on success the
-  // index owns its space. Returns false when the key was already there.
-  bool Publish(NamespaceInfo& info, const Slot& slot, uint64_t checksum,
-               uint32_t seq) {
+  // Inserts a slot's block into the index (put-if-absent), with one pin held
+  // by the caller when `pinned`; on success the index owns its space.
+  // Returns the entry, or nullptr when the key was already there.
+  BlockEntry* Publish(NamespaceInfo& info, const Slot& slot, uint64_t checksum,
+                      uint32_t seq, bool pinned = false) {
     auto entry = std::make_unique<BlockEntry>();
     entry->hash = BlockIndex::Hash(info.id, slot.key);
     entry->checksum = checksum;
@@ -832,10 +949,13 @@ class TieredStoreImpl final : public TieredStore {
     entry->ns_id = info.id;
     entry->key_len = static_cast<uint16_t>(slot.key.size());
     entry->seq = seq;
-    if (index_.Insert(std::move(entry), slot.parent) != nullptr) return false;
+    BlockEntry* published = entry.get();
+    if (index_.Insert(std::move(entry), slot.parent, pinned) != nullptr) {
+      return nullptr;
+    }
     info.blocks.fetch_add(1, std::memory_order_relaxed);
     info.bytes.fetch_add(slot.size, std::memory_order_relaxed);
-    return true;
+    return published;
   }
 
   void MaybeWakeEvictor() {
@@ -928,6 +1048,8 @@ class TieredStoreImpl final : public TieredStore {
   std::atomic<uint64_t> demotions_{0}, demotion_failures_{0}, promotions_{0};
   std::atomic<uint64_t> demotions_skipped_{0};
   std::atomic<uint64_t> nvme_hits_{0};
+  // Runs pinned lookups that need promotions (NVMe tier only).
+  std::unique_ptr<WorkPool> promoter_;
   std::atomic<uint64_t> lookup_keys_{0}, lookup_hits_{0}, dram_hits_{0};
   std::atomic<uint64_t> puts_{0}, put_bytes_{0}, evictions_{0};
 

@@ -22,6 +22,7 @@
 #include <string>
 #include <vector>
 
+#include "absl/functional/any_invocable.h"
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
@@ -79,6 +80,8 @@ struct StoreOptions {
   // looked up at least N times while in DRAM (spares flash endurance).
   uint32_t nvme_admit_min_reads = 0;
   uint64_t nvme_write_buffer_size = uint64_t{8} << 20;
+  // Threads that read NVMe blocks back into DRAM for pinned lookups.
+  int promotion_threads = 2;
 };
 
 struct SessionGrant {
@@ -174,6 +177,9 @@ class SlotHandle {
   virtual absl::Span<char> bytes() const = 0;
 };
 
+// Receives the outcome of TieredStore::LookupAsync.
+using LookupDone = absl::AnyInvocable<void(absl::StatusOr<LookupResult>) &&>;
+
 class TieredStore {
  public:
   TieredStore() = default;
@@ -199,9 +205,21 @@ class TieredStore {
   // or a batch over max_batch_keys; NotFound for an unknown session;
   // ResourceExhausted when the session's pins could pass
   // max_pinned_blocks_per_session.
-  virtual absl::StatusOr<LookupResult> Lookup(
-      SessionId session, absl::string_view ns,
-      absl::Span<const absl::string_view> keys, bool prefix, bool pin) = 0;
+  //
+  // A pinned lookup of blocks found only on the NVMe tier reads them into
+  // DRAM first (promotion), with one batched read; a block that cannot be
+  // promoted (it fails its checksum, DRAM has no room) is a miss. This call
+  // waits for that; servers use LookupAsync.
+  absl::StatusOr<LookupResult> Lookup(SessionId session, absl::string_view ns,
+                                      absl::Span<const absl::string_view> keys,
+                                      bool prefix, bool pin);
+  // Lookup that never blocks the caller on the disk: when a promotion is
+  // needed, it runs on the store's promotion threads and `done` is called
+  // there; otherwise `done` is called on the calling thread before
+  // LookupAsync returns. `keys` need only live until LookupAsync returns.
+  virtual void LookupAsync(SessionId session, absl::string_view ns,
+                           absl::Span<const absl::string_view> keys,
+                           bool prefix, bool pin, LookupDone done) = 0;
   // InvalidArgument for an unknown pin or one of another session. Returns the
   // number of blocks released.
   virtual absl::StatusOr<uint32_t> Unpin(SessionId session, PinId pin) = 0;

@@ -7,8 +7,10 @@
 #include <filesystem>
 #include <map>
 #include <string>
+#include <thread>
 #include <vector>
 
+#include "absl/synchronization/notification.h"
 #include "absl/time/clock.h"
 #include "storage/checksum.h"
 #include "storage/fake_clock.h"
@@ -532,6 +534,88 @@ TEST_F(TieredStoreNvmeTest, DemotedBlocksAreFoundOnNvmeAndPromotedWhenPinned) {
   EXPECT_EQ(Bytes(e), Block(0));
   EXPECT_EQ(store_->Stats().promotions, 1u);
   ASSERT_OK(store_->Unpin(sid_, pin));
+}
+
+// A pinned lookup that needs promotions answers from a promotion thread,
+// with every block read in one batch; one served from DRAM answers on the
+// caller's thread before LookupAsync returns.
+TEST_F(TieredStoreNvmeTest, PinnedLookupPromotesOffTheCallersThread) {
+  for (int i = 0; i < 4; ++i) Put("n" + std::to_string(i), Block(i));
+  ASSERT_OK(store_->PersistDram());  // all four only on NVMe now
+  Put("d", Block(9));                // and one in DRAM
+  const std::thread::id caller = std::this_thread::get_id();
+
+  std::vector<absl::string_view> dram_only = {"d"};
+  bool answered_inline = false;
+  store_->LookupAsync(sid_, "ns", dram_only, false, true,
+                      [&](absl::StatusOr<LookupResult> r) {
+                        answered_inline = std::this_thread::get_id() == caller;
+                        ASSERT_OK(r);
+                        EXPECT_OK(store_->Unpin(sid_, r->pin_id));
+                      });
+  EXPECT_TRUE(answered_inline);
+
+  std::vector<absl::string_view> keys = {"n0", "n1", "d", "n2", "n3"};
+  absl::Notification done;
+  absl::StatusOr<LookupResult> result;
+  std::thread::id answered_on;
+  store_->LookupAsync(sid_, "ns", keys, false, true,
+                      [&](absl::StatusOr<LookupResult> r) {
+                        answered_on = std::this_thread::get_id();
+                        result = std::move(r);
+                        done.Notify();
+                      });
+  ASSERT_TRUE(done.WaitForNotificationWithTimeout(absl::Seconds(30)));
+  EXPECT_NE(answered_on, caller);
+  ASSERT_OK(result);
+  EXPECT_EQ(result->prefix_hits, 5u);
+  for (size_t i = 0; i < keys.size(); ++i) {
+    const LookupEntry& e = result->entries[i];
+    ASSERT_TRUE(e.found) << keys[i];
+    EXPECT_EQ(e.tier, Tier::kDram);
+    int block = keys[i] == "d" ? 9 : keys[i][1] - '0';
+    EXPECT_EQ(Bytes(e), Block(block)) << keys[i];
+  }
+  StoreStats st = store_->Stats();
+  EXPECT_EQ(st.promotions, 4u);
+  EXPECT_EQ(st.pinned_blocks, 5u);
+  // The promoted blocks are pinned: eviction cannot take them.
+  store_->RunEviction();
+  ASSERT_OK(store_->Evict("ns", {}, true));
+  for (size_t i = 0; i < keys.size(); ++i) {
+    EXPECT_EQ(Bytes(result->entries[i]), Block(keys[i] == "d" ? 9 : keys[i][1] - '0'));
+  }
+  auto released = store_->Unpin(sid_, result->pin_id);
+  ASSERT_OK(released);
+  EXPECT_EQ(*released, 5u);
+  EXPECT_EQ(store_->Stats().pinned_blocks, 0u);
+}
+
+// With `prefix`, nothing after the first miss is reported or stays pinned,
+// also when the miss is found only after the DRAM pass.
+TEST_F(TieredStoreNvmeTest, PinnedPrefixLookupAcrossTiersStopsAtTheFirstMiss) {
+  Put("a", Block(0));
+  ASSERT_OK(store_->PersistDram());  // "a" on NVMe
+  Put("b", Block(1));
+  Put("d", Block(3));  // "c" is missing
+  std::vector<absl::string_view> keys = {"a", "b", "c", "d"};
+  auto r = store_->Lookup(sid_, "ns", keys, /*prefix=*/true, /*pin=*/true);
+  ASSERT_OK(r);
+  EXPECT_EQ(r->prefix_hits, 2u);
+  EXPECT_TRUE(r->entries[0].found);
+  EXPECT_TRUE(r->entries[1].found);
+  EXPECT_FALSE(r->entries[2].found);
+  EXPECT_FALSE(r->entries[3].found);
+  EXPECT_EQ(store_->Stats().pinned_blocks, 2u);
+  EXPECT_EQ(Bytes(r->entries[0]), Block(0));
+  ASSERT_OK(store_->Unpin(sid_, r->pin_id));
+  // Without prefix every hit counts; the leading run is still reported.
+  auto all = store_->Lookup(sid_, "ns", keys, /*prefix=*/false, /*pin=*/true);
+  ASSERT_OK(all);
+  EXPECT_EQ(all->prefix_hits, 2u);
+  EXPECT_TRUE(all->entries[3].found);
+  EXPECT_EQ(store_->Stats().pinned_blocks, 3u);
+  ASSERT_OK(store_->Unpin(sid_, all->pin_id));
 }
 
 TEST_F(TieredStoreNvmeTest, PersistedBlocksSurviveARestart) {

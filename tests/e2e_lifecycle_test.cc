@@ -117,6 +117,39 @@ TEST(LifecycleTest, DataDirThatCannotBeCreatedFailsClearly) {
   EXPECT_NE(err.find("cannot create data dir"), std::string::npos) << err;
 }
 
+// A data dir on a file system that went read-only (the usual reaction of
+// ext4/xfs to a failing disk) after a daemon used it, and a new data dir
+// there: a clear error and exit code 1, not a crash.
+TEST(LifecycleTest, ReadOnlyDataDirFailsClearly) {
+  std::string mnt = MakeTempDir("rofs");
+  if (testing::RunCommand(absl::StrCat("mount -t tmpfs -o size=64m tmpfs ", mnt))
+          .exit_code != 0) {
+    GTEST_SKIP() << "cannot mount a tmpfs here (not root?)";
+  }
+  struct Unmount {
+    std::string dir;
+    ~Unmount() { testing::RunCommand("umount -l " + dir); }
+  } unmount{mnt};
+  const std::string used = mnt + "/data";
+  {
+    auto d = DaemonProcess::Start({"--dram-capacity", "64MiB"}, used);
+    ASSERT_OK(d);
+    auto rc = (*d)->Stop(SIGTERM, absl::Seconds(10));
+    ASSERT_OK(rc);
+    ASSERT_EQ(*rc, 0);
+  }
+  ASSERT_EQ(testing::RunCommand("mount -o remount,ro " + mnt).exit_code, 0);
+  for (const std::string& dir : {used, mnt + "/fresh"}) {
+    std::string err;
+    int rc = RunAndWait({testing::DaemonBinary(), "--listen", "127.0.0.1:0",
+                         "--metrics-listen", "", "--data-dir", dir},
+                        &err);
+    EXPECT_EQ(rc, 1) << dir << ": " << err;
+    EXPECT_NE(err.find("Read-only file system"), std::string::npos) << err;
+    EXPECT_NE(err.find("cannot start"), std::string::npos) << err;
+  }
+}
+
 TEST(LifecycleTest, BadFlagsAndConfigAreUsageErrors) {
   std::string err;
   EXPECT_EQ(RunAndWait({testing::DaemonBinary(), "--dram-capacity", "lots"}, &err), 2);

@@ -211,6 +211,23 @@ TEST(NvmeFaultTest, ZipfWorkingSetFourTimesDramHitsBothTiersAndLosesNothing) {
     ASSERT_OK(look);
     EXPECT_TRUE(look->entries[0].found) << key;
   }
+  // A pinned lookup of the coldest blocks (only on NVMe now) promotes them
+  // in one batch before it answers: every one is reported in DRAM.
+  const uint64_t promotions_before = st->promotions();
+  std::vector<std::string> cold;
+  for (int i = kN - 16; i < kN; ++i) cold.push_back("zipf-" + std::to_string(i));
+  std::vector<absl::string_view> cold_keys(cold.begin(), cold.end());
+  auto pinned = client->Lookup("ns", cold_keys, /*prefix=*/false, /*pin=*/true);
+  ASSERT_OK(pinned);
+  for (size_t i = 0; i < cold.size(); ++i) {
+    EXPECT_TRUE(pinned->entries[i].found) << cold[i];
+    EXPECT_EQ(pinned->entries[i].tier, v1::TIER_DRAM) << cold[i];
+  }
+  ASSERT_OK(client->Unpin(pinned->pin_id));
+  auto after = client->Stats();
+  ASSERT_OK(after);
+  EXPECT_GT(after->promotions(), promotions_before);
+  EXPECT_EQ(after->pins(), 0u);
 }
 
 TEST(NvmeFaultTest, FullDiskSkipsDemotionAndKeepsServingDram) {
