@@ -13,7 +13,7 @@ PACKAGES=(
 )
 # Baselines the tests' benchmark smoke runs against.
 if [[ "${1:-}" == "--with-test-tools" ]]; then
-  PACKAGES+=(redis-server redis-tools python3 fio rocksdb-tools)
+  PACKAGES+=(redis-server redis-tools python3 fio rocksdb-tools prometheus python3-yaml)
 fi
 
 missing=()
