@@ -23,12 +23,12 @@
 #include "storage/rocksdb_status.h"
 #include "storage/status_macros.h"
 
-// On-disk layout (format 1).
+// On-disk layout (format 2).
 //
-// Three column families:
-//   default  "kvdepot.nvme_tier.format" -> "1"; nothing else.
-//   meta     block id -> metadata record (small; always inline in the LSM)
-//   data     block id -> the block's bytes (blob files from min_blob_size)
+// One column family (the default), three kinds of keys:
+//   "kvdepot.nvme_tier.format" -> "2"
+//   'm' + block id -> metadata record (small; always inline in the LSM)
+//   'd' + block id -> the block's bytes (blob files from min_blob_size)
 // A block id is one byte holding the namespace length, the namespace, then the
 // key (the rest). Namespaces are at most kMaxNamespaceBytes (< 256) bytes, so
 // the encoding is unambiguous and a (namespace, key) pair has exactly one id.
@@ -36,12 +36,15 @@
 //   u8 version (1) | u64 size | u64 checksum | u64 last_touch |
 //   u32 read_count | u16 parent length | parent key bytes
 //
-// A block's two records are always written, and deleted, in one WriteBatch.
-// With the WAL off, RocksDB could still persist the column families'
-// memtables at different moments; atomic_flush makes every flush cover all
-// of them at once, so a crash leaves either both records or neither. Blocks
-// with only one record are nevertheless handled (dropped when met) in case
-// the files were damaged or edited.
+// A block's two records are always written, and deleted, in one WriteBatch
+// to one column family: they land in the same memtable, which a flush
+// persists whole, so a crash leaves either both records or neither, with or
+// without the WAL. (Format 1 kept them in two column families, which needed
+// atomic_flush; RocksDB 7.8's atomic flush loses writes after recovering
+// from a failed flush when several memtables are queued, and several
+// memtables flushing in parallel are what lets the tier write at disk
+// speed.) Blocks with only one record are nevertheless handled (dropped
+// when met) in case the files were damaged or edited.
 //
 // Index invariants (all under mu_):
 //  * Every entry of index_ is in one state. kStored: both records are in
@@ -70,14 +73,19 @@
 namespace kvdepot {
 namespace {
 
-constexpr char kMetaColumnFamily[] = "meta";
-constexpr char kDataColumnFamily[] = "data";
 constexpr char kFormatKey[] = "kvdepot.nvme_tier.format";
-constexpr char kFormatVersion[] = "1";
+constexpr char kFormatVersion[] = "2";
+// Key prefixes of a block's two records.
+constexpr char kMetaPrefix = 'm';
+constexpr char kDataPrefix = 'd';
+// Column families of format 1 (see the layout comment).
+constexpr char kFormat1MetaFamily[] = "meta";
 constexpr uint8_t kMetaRecordVersion = 1;
 constexpr size_t kMetaFixedBytes = 1 + 8 + 8 + 8 + 4 + 2;
 // Verify deletes what it finds in batches of this many blocks.
 constexpr size_t kScrubDeleteBatch = 256;
+// Puts and deletes between two checks of the blob garbage ratio.
+constexpr uint64_t kGcCheckInterval = 64;
 // Longest chain of stored ancestors walked when a block could close a cycle.
 constexpr int kMaxChainWalk = 1 << 16;
 
@@ -105,6 +113,13 @@ std::string EncodeId(absl::string_view ns, absl::string_view key) {
   id.append(ns.data(), ns.size());
   id.append(key.data(), key.size());
   return id;
+}
+
+std::string MetaKey(absl::string_view id) {
+  return absl::StrCat(absl::string_view(&kMetaPrefix, 1), id);
+}
+std::string DataKey(absl::string_view id) {
+  return absl::StrCat(absl::string_view(&kDataPrefix, 1), id);
 }
 
 // Splits an id; false if it is not one EncodeId could have made.
@@ -344,6 +359,12 @@ class NvmeTierImpl final : public NvmeTier {
   // Notes a failed write (stats, and resumption if RocksDB stopped).
   void NoteWriteFailure(const rocksdb::Status& s);
   absl::Status EvictOverCapacity();
+  // DB::Flush, then waits until no flush is queued or running.
+  absl::Status FlushAndWait();
+  // Turns blob garbage collection on or off by the garbage ratio of the blob
+  // files (hysteresis between the options' two ratios). Cheap; called every
+  // kGcCheckInterval writes.
+  void AdjustBlobGc();
 
   // Constant after Init.
   const NvmeTierOptions options_;
@@ -351,9 +372,6 @@ class NvmeTierImpl final : public NvmeTier {
   const std::shared_ptr<ErrorListener> listener_;
   rocksdb::WriteOptions write_options_;
   std::unique_ptr<rocksdb::DB> db_;
-  rocksdb::ColumnFamilyHandle* default_cf_ = nullptr;
-  rocksdb::ColumnFamilyHandle* meta_cf_ = nullptr;
-  rocksdb::ColumnFamilyHandle* data_cf_ = nullptr;
 
   absl::Mutex resume_mu_;
   absl::Time next_resume_ ABSL_GUARDED_BY(resume_mu_) = absl::InfinitePast();
@@ -372,6 +390,8 @@ class NvmeTierImpl final : public NvmeTier {
   uint64_t puts_ ABSL_GUARDED_BY(mu_) = 0;
   uint64_t write_bytes_ ABSL_GUARDED_BY(mu_) = 0;
   uint64_t write_errors_ ABSL_GUARDED_BY(mu_) = 0;
+  uint64_t writes_since_gc_check_ ABSL_GUARDED_BY(mu_) = 0;
+  std::atomic<bool> blob_gc_active_{false};
   uint64_t reads_ ABSL_GUARDED_BY(mu_) = 0;
   uint64_t read_bytes_ ABSL_GUARDED_BY(mu_) = 0;
   uint64_t integrity_errors_ ABSL_GUARDED_BY(mu_) = 0;
@@ -396,51 +416,59 @@ absl::Status NvmeTierImpl::Init() {
         absl::StrCat("NVMe tier: cannot create directory ", dir)));
   }
 
-  rocksdb::DBOptions db_options;
+  rocksdb::Options db_options;
   db_options.env = env;
   db_options.create_if_missing = true;
-  db_options.create_missing_column_families = true;
-  db_options.atomic_flush = true;  // see the layout comment above
   db_options.max_background_jobs = options_.max_background_jobs;
+  // Half the jobs flush: several memtables flushing in parallel are what
+  // keeps demotion at disk speed (one flush writes one blob file at a time).
+  db_options.max_background_flushes = std::max(1, options_.max_background_jobs / 2);
+  db_options.max_background_compactions =
+      std::max(1, options_.max_background_jobs - db_options.max_background_flushes);
   db_options.listeners.push_back(listener_);
   db_options.keep_log_file_num = 4;
   db_options.max_log_file_size = 16 << 20;
-
-  rocksdb::ColumnFamilyOptions base;
-  base.write_buffer_size = options_.write_buffer_size;
-  base.compression = options_.compression ? rocksdb::kLZ4Compression
-                                          : rocksdb::kNoCompression;
-  rocksdb::ColumnFamilyOptions data = base;
-  data.enable_blob_files = true;
-  data.min_blob_size = options_.min_blob_size;
-  data.blob_file_size = options_.blob_file_size;
-  data.blob_compression_type = base.compression;
+  db_options.use_direct_reads = options_.direct_reads;
+  db_options.use_direct_io_for_flush_and_compaction = options_.direct_writes;
+  if (options_.direct_writes) db_options.writable_file_max_buffer_size = 8 << 20;
+  db_options.write_buffer_size = options_.write_buffer_size;
+  db_options.max_write_buffer_number = options_.max_write_buffer_number;
+  db_options.compression = options_.compression ? rocksdb::kLZ4Compression
+                                                : rocksdb::kNoCompression;
+  db_options.enable_blob_files = true;
+  db_options.min_blob_size = options_.min_blob_size;
+  db_options.blob_file_size = options_.blob_file_size;
+  db_options.blob_compression_type = db_options.compression;
   // Evicted blocks are the oldest, so the oldest blob files fill with
   // garbage first: collect them during compaction, and force compactions
-  // that reclaim them once half of them is garbage.
-  data.enable_blob_garbage_collection = true;
-  data.blob_garbage_collection_age_cutoff = 0.25;
-  data.blob_garbage_collection_force_threshold = 0.5;
+  // that reclaim them once half of them is garbage. Off until there is
+  // garbage to collect (see AdjustBlobGc): relocating live blocks while the
+  // tier fills only multiplies its writes.
+  db_options.enable_blob_garbage_collection = false;
+  db_options.blob_garbage_collection_age_cutoff = 0.25;
+  db_options.blob_garbage_collection_force_threshold = 0.5;
 
-  std::vector<rocksdb::ColumnFamilyDescriptor> families = {
-      {rocksdb::kDefaultColumnFamilyName, base},
-      {kMetaColumnFamily, base},
-      {kDataColumnFamily, data}};
-  std::vector<rocksdb::ColumnFamilyHandle*> handles;
+  // A format-1 tier (three column families) cannot be opened as one.
+  std::vector<std::string> families;
+  if (rocksdb::DB::ListColumnFamilies(db_options, options_.path, &families)
+          .ok() &&
+      std::find(families.begin(), families.end(), kFormat1MetaFamily) !=
+          families.end()) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "NVMe tier at ", options_.path, " has format '1'; this build reads "
+        "format ", kFormatVersion, ". It is a cache: move the directory away "
+        "(or delete it) and the tier refills as blocks are demoted"));
+  }
   rocksdb::DB* raw = nullptr;
-  rocksdb::Status s =
-      rocksdb::DB::Open(db_options, options_.path, families, &handles, &raw);
+  rocksdb::Status s = rocksdb::DB::Open(db_options, options_.path, &raw);
   RETURN_IF_ERROR(FromRocksStatus(
       s, absl::StrCat("NVMe tier: cannot open RocksDB at ", options_.path)));
   db_.reset(raw);
-  default_cf_ = handles[0];
-  meta_cf_ = handles[1];
-  data_cf_ = handles[2];
 
   std::string format;
-  s = db_->Get(rocksdb::ReadOptions(), default_cf_, kFormatKey, &format);
+  s = db_->Get(rocksdb::ReadOptions(), kFormatKey, &format);
   if (s.IsNotFound()) {
-    s = db_->Put(write_options_, default_cf_, kFormatKey, kFormatVersion);
+    s = db_->Put(write_options_, kFormatKey, kFormatVersion);
   } else if (s.ok() && format != kFormatVersion) {
     return absl::FailedPreconditionError(
         absl::StrCat("NVMe tier at ", options_.path, " has format '", format,
@@ -456,9 +484,11 @@ absl::Status NvmeTierImpl::Init() {
     absl::MutexLock lock(&mu_);
     rocksdb::ReadOptions ro;
     ro.fill_cache = false;
-    std::unique_ptr<rocksdb::Iterator> it(db_->NewIterator(ro, meta_cf_));
-    for (it->SeekToFirst(); it->Valid(); it->Next()) {
-      absl::string_view id(it->key().data(), it->key().size());
+    std::unique_ptr<rocksdb::Iterator> it(db_->NewIterator(ro));
+    const std::string first(1, kMetaPrefix);
+    for (it->Seek(first); it->Valid() && it->key().starts_with(first);
+         it->Next()) {
+      absl::string_view id(it->key().data() + 1, it->key().size() - 1);
       absl::string_view ns, key;
       MetaRecord record;
       if (!DecodeId(id, &ns, &key) ||
@@ -542,12 +572,7 @@ NvmeTierImpl::~NvmeTierImpl() {
     absl::MutexLock lock(&mu_);
     PersistDirtyLocked().IgnoreError();  // best effort: only counts/recency
   }
-  rocksdb::FlushOptions flush;
-  flush.allow_write_stall = true;
-  db_->Flush(flush, {default_cf_, meta_cf_, data_cf_}).PermitUncheckedError();
-  for (rocksdb::ColumnFamilyHandle* cf : {default_cf_, meta_cf_, data_cf_}) {
-    if (cf != nullptr) db_->DestroyColumnFamilyHandle(cf).PermitUncheckedError();
-  }
+  FlushAndWait().IgnoreError();
   db_->Close().PermitUncheckedError();
 }
 
@@ -727,7 +752,7 @@ absl::Status NvmeTierImpl::PersistDirtyLocked() {
   for (auto& [id, e] : index_) {
     if (e.state != State::kStored || !e.dirty) continue;
     rocksdb::Status s = batch.Put(
-        meta_cf_, id,
+        MetaKey(id),
         EncodeMeta(e.size, e.checksum, e.last_touch, e.read_count, e.parent));
     RETURN_IF_ERROR(FromRocksStatus(s, "NVMe tier: batching metadata"));
     written.push_back(&e);
@@ -747,8 +772,8 @@ absl::Status NvmeTierImpl::PersistDirtyLocked() {
 absl::Status NvmeTierImpl::DeleteRecords(absl::Span<const Retired> retired) {
   rocksdb::WriteBatch batch;
   for (const Retired& r : retired) {
-    rocksdb::Status s = batch.Delete(meta_cf_, r.id);
-    if (s.ok()) s = batch.Delete(data_cf_, r.id);
+    rocksdb::Status s = batch.Delete(MetaKey(r.id));
+    if (s.ok()) s = batch.Delete(DataKey(r.id));
     RETURN_IF_ERROR(FromRocksStatus(s, "NVMe tier: batching deletes"));
   }
   rocksdb::Status s = db_->Write(write_options_, &batch);
@@ -876,18 +901,18 @@ absl::StatusOr<NvmePutOutcome> NvmeTierImpl::Put(absl::string_view ns,
   rocksdb::WriteBatch batch;
   rocksdb::Status s;
   for (const Retired& v : victims) {
-    if (s.ok()) s = batch.Delete(meta_cf_, v.id);
-    if (s.ok()) s = batch.Delete(data_cf_, v.id);
+    if (s.ok()) s = batch.Delete(MetaKey(v.id));
+    if (s.ok()) s = batch.Delete(DataKey(v.id));
   }
-  if (s.ok()) s = batch.Put(meta_cf_, *block_id, meta);
+  if (s.ok()) s = batch.Put(MetaKey(*block_id), meta);
   if (s.ok()) {
-    s = batch.Put(data_cf_, *block_id,
+    s = batch.Put(DataKey(*block_id),
                   rocksdb::Slice(bytes.data(), bytes.size()));
   }
   if (s.ok()) s = db_->Write(write_options_, &batch);
   if (!s.ok()) NoteWriteFailure(s);
 
-  absl::MutexLock lock(&mu_);
+  absl::ReleasableMutexLock lock(&mu_);
   auto it = index_.find(*block_id);
   Entry& e = it->second;
   if (!s.ok()) {
@@ -906,7 +931,31 @@ absl::StatusOr<NvmePutOutcome> NvmeTierImpl::Put(absl::string_view ns,
   ++blocks_;
   ++puts_;
   write_bytes_ += e.size;
+  if (++writes_since_gc_check_ >= kGcCheckInterval) {
+    writes_since_gc_check_ = 0;
+    lock.Release();
+    AdjustBlobGc();
+  }
   return NvmePutOutcome::kStored;
+}
+
+void NvmeTierImpl::AdjustBlobGc() {
+  uint64_t size = 0, garbage = 0;
+  if (!db_->GetIntProperty(rocksdb::DB::Properties::kLiveBlobFileSize, &size) ||
+      !db_->GetIntProperty(rocksdb::DB::Properties::kLiveBlobFileGarbageSize,
+                           &garbage) ||
+      size == 0) {
+    return;
+  }
+  const double ratio = static_cast<double>(garbage) / static_cast<double>(size);
+  const bool active = blob_gc_active_.load();
+  bool want = active;
+  if (!active && ratio > options_.gc_on_garbage_ratio) want = true;
+  if (active && ratio < options_.gc_off_garbage_ratio) want = false;
+  if (want == active) return;
+  rocksdb::Status s = db_->SetOptions(
+      {{"enable_blob_garbage_collection", want ? "true" : "false"}});
+  if (s.ok()) blob_gc_active_.store(want);
 }
 
 absl::Status NvmeTierImpl::Delete(absl::string_view ns,
@@ -1021,13 +1070,15 @@ std::vector<absl::Status> NvmeTierImpl::MultiRead(
   }
   if (planned.empty()) return results;
 
-  std::vector<rocksdb::Slice> keys;
-  keys.reserve(planned.size());
-  for (const PlannedRead& p : planned) keys.emplace_back(p.id);
+  std::vector<std::string> data_keys;
+  data_keys.reserve(planned.size());
+  for (const PlannedRead& p : planned) data_keys.push_back(DataKey(p.id));
+  std::vector<rocksdb::Slice> keys(data_keys.begin(), data_keys.end());
   std::vector<rocksdb::PinnableSlice> values(planned.size());
   std::vector<rocksdb::Status> statuses(planned.size());
   rocksdb::ReadOptions ro;  // verify_checksums: RocksDB's CRCs as well
-  db_->MultiGet(ro, data_cf_, planned.size(), keys.data(), values.data(),
+  db_->MultiGet(ro, db_->DefaultColumnFamily(), planned.size(), keys.data(),
+                values.data(),
                 statuses.data());
   for (size_t j = 0; j < planned.size(); ++j) {
     const PlannedRead& p = planned[j];
@@ -1119,16 +1170,14 @@ NvmeTierStats NvmeTierImpl::Stats() {
   }
   stats.capacity_bytes = options_.capacity_bytes;
   stats.writable = !listener_->stopped();
-  for (rocksdb::ColumnFamilyHandle* cf : {default_cf_, meta_cf_, data_cf_}) {
+  stats.blob_gc_active = blob_gc_active_.load();
+  db_->GetIntProperty(rocksdb::DB::Properties::kLiveBlobFileGarbageSize,
+                      &stats.blob_garbage_bytes);
+  for (const std::string& property :
+       {rocksdb::DB::Properties::kLiveSstFilesSize,
+        rocksdb::DB::Properties::kLiveBlobFileSize}) {
     uint64_t value = 0;
-    if (db_->GetIntProperty(cf, rocksdb::DB::Properties::kLiveSstFilesSize,
-                            &value)) {
-      stats.disk_bytes += value;
-    }
-    if (db_->GetIntProperty(cf, rocksdb::DB::Properties::kLiveBlobFileSize,
-                            &value)) {
-      stats.disk_bytes += value;
-    }
+    if (db_->GetIntProperty(property, &value)) stats.disk_bytes += value;
   }
   return stats;
 }
@@ -1150,9 +1199,11 @@ absl::StatusOr<NvmeVerifyReport> NvmeTierImpl::Verify() {
   rocksdb::ReadOptions scan;
   scan.verify_checksums = false;
   scan.fill_cache = false;
-  std::unique_ptr<rocksdb::Iterator> it(db_->NewIterator(scan, data_cf_));
-  for (it->SeekToFirst(); it->Valid(); it->Next()) {
-    std::string id = it->key().ToString();
+  std::unique_ptr<rocksdb::Iterator> it(db_->NewIterator(scan));
+  const std::string first(1, kDataPrefix);
+  for (it->Seek(first); it->Valid() && it->key().starts_with(first);
+       it->Next()) {
+    std::string id(it->key().data() + 1, it->key().size() - 1);
     rocksdb::Slice value = it->value();
     const uint64_t sum = BlockChecksum(value.data(), value.size());
     {
@@ -1210,7 +1261,8 @@ absl::StatusOr<NvmeVerifyReport> NvmeTierImpl::Verify() {
   ro.fill_cache = false;
   for (const PlannedRead& p : unseen) {
     rocksdb::PinnableSlice value;
-    rocksdb::Status s = db_->Get(ro, data_cf_, p.id, &value);
+    rocksdb::Status s =
+        db_->Get(ro, db_->DefaultColumnFamily(), DataKey(p.id), &value);
     if (s.IsNotFound()) {
       if (DropBlock(p.id, p.generation, DropReason::kMissing)) {
         ++report.missing_dropped;
@@ -1240,20 +1292,15 @@ absl::Status NvmeTierImpl::Compact() {
   rocksdb::FlushOptions flush;
   flush.allow_write_stall = true;
   RETURN_IF_ERROR(FromRocksStatus(
-      db_->Flush(flush, {default_cf_, meta_cf_, data_cf_}),
+      db_->Flush(flush),
       "NVMe tier: flush before compaction"));
   const absl::Time deadline = absl::Now() + absl::Minutes(1);
   for (;;) {
     uint64_t pending = 0, running = 0;
     db_->GetIntProperty(rocksdb::DB::Properties::kNumRunningCompactions,
                         &running);
-    for (rocksdb::ColumnFamilyHandle* cf : {meta_cf_, data_cf_}) {
-      uint64_t value = 0;
-      if (db_->GetIntProperty(cf, rocksdb::DB::Properties::kCompactionPending,
-                              &value)) {
-        pending += value;
-      }
-    }
+    db_->GetIntProperty(rocksdb::DB::Properties::kCompactionPending,
+                        &pending);
     if ((pending == 0 && running == 0) || absl::Now() > deadline) break;
     absl::SleepFor(absl::Milliseconds(5));
   }
@@ -1262,12 +1309,8 @@ absl::Status NvmeTierImpl::Compact() {
   cro.blob_garbage_collection_policy =
       rocksdb::BlobGarbageCollectionPolicy::kForce;
   cro.blob_garbage_collection_age_cutoff = 1.0;
-  for (rocksdb::ColumnFamilyHandle* cf : {meta_cf_, data_cf_}) {
-    RETURN_IF_ERROR(
-        FromRocksStatus(db_->CompactRange(cro, cf, nullptr, nullptr),
-                        "NVMe tier: compaction"));
-  }
-  return absl::OkStatus();
+  return FromRocksStatus(db_->CompactRange(cro, nullptr, nullptr),
+                         "NVMe tier: compaction");
 }
 
 absl::Status NvmeTierImpl::Flush() {
@@ -1276,11 +1319,34 @@ absl::Status NvmeTierImpl::Flush() {
     absl::MutexLock lock(&mu_);
     RETURN_IF_ERROR(PersistDirtyLocked());
   }
+  return FlushAndWait();
+}
+
+absl::Status NvmeTierImpl::FlushAndWait() {
   rocksdb::FlushOptions flush;
   flush.allow_write_stall = true;
-  return FromRocksStatus(
-      db_->Flush(flush, {default_cf_, meta_cf_, data_cf_}),
-      "NVMe tier: flush");
+  RETURN_IF_ERROR(FromRocksStatus(db_->Flush(flush), "NVMe tier: flush"));
+  // DB::Flush can return while a background flush that already took the
+  // memtable is still writing it (seen after resuming from a full disk with
+  // RocksDB 7.8); closing then would drop that flush's output. Wait until no
+  // memtable is left to flush.
+  const absl::Time deadline = absl::Now() + absl::Minutes(2);
+  while (true) {
+    uint64_t immutable = 0, running = 0;
+    db_->GetIntProperty(rocksdb::DB::Properties::kNumImmutableMemTable,
+                        &immutable);
+    db_->GetIntProperty(rocksdb::DB::Properties::kNumRunningFlushes, &running);
+    if (immutable == 0 && running == 0) return absl::OkStatus();
+    if (listener_->stopped()) {
+      return absl::UnavailableError(absl::StrCat(
+          "NVMe tier: flush failed: ", listener_->reason()));
+    }
+    if (absl::Now() > deadline) {
+      return absl::DeadlineExceededError(
+          "NVMe tier: flush still running after 2 minutes");
+    }
+    absl::SleepFor(absl::Milliseconds(2));
+  }
 }
 
 }  // namespace

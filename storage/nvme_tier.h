@@ -76,14 +76,34 @@ struct NvmeTierOptions {
   uint64_t min_blob_size = 4096;
   // Size at which RocksDB starts a new blob file.
   uint64_t blob_file_size = uint64_t{256} << 20;
-  // Memtable size (per column family); the most unflushed data a crash with
-  // use_wal == false can lose is about twice this.
-  uint64_t write_buffer_size = uint64_t{64} << 20;
+  // Memtable size. Up to max_write_buffer_number of them are in memory, and
+  // that much unflushed data is what a crash with use_wal == false can lose
+  // (96 MiB by default).
+  uint64_t write_buffer_size = uint64_t{16} << 20;
   // LZ4 for blob files and SSTs. Off by default: KV-cache tensors barely
   // compress and the CPU is better spent elsewhere.
   bool compression = false;
-  // RocksDB flush and compaction threads.
-  int max_background_jobs = 4;
+  // Memtables (one filling, the others flushing in parallel): with two, the
+  // tier writes only as fast as one flush writes one blob file (about half
+  // of what the disk takes, measured in tools/results/compare_fio.txt).
+  int max_write_buffer_number = 6;
+  // RocksDB flush and compaction threads (half of each).
+  int max_background_jobs = 8;
+  // Read blocks with O_DIRECT: no page-cache copy (less CPU per block, and
+  // the page cache is left to the system), at the price of no read-ahead.
+  bool direct_reads = false;
+  // Write blob and SST files with O_DIRECT in large buffered chunks
+  // (flushes and compactions): the page cache is not filled with blocks
+  // that were just demoted, and writeback does not stall the flush.
+  bool direct_writes = false;
+  // Blob garbage collection (relocating the live blocks of the oldest blob
+  // files during compaction) runs only while the garbage in blob files is
+  // above gc_on_garbage_ratio of their size, and stops below
+  // gc_off_garbage_ratio: a tier that is filling, or whose evictions empty
+  // whole blob files (the common case: eviction takes old blocks), does not
+  // rewrite live data.
+  double gc_on_garbage_ratio = 0.20;
+  double gc_off_garbage_ratio = 0.05;
   // After RocksDB stops accepting writes (a full disk, an I/O error), writes
   // fail fast with Unavailable, and at most once per this interval a write
   // asks RocksDB to resume; the first one that succeeds reopens the tier for
@@ -125,6 +145,10 @@ struct NvmeTierStats {
   uint64_t blocks = 0;
   // Live SST and blob files of the tier's database, as RocksDB reports them.
   uint64_t disk_bytes = 0;
+  // Bytes of deleted blocks still in blob files, and whether blob garbage
+  // collection is on now (see NvmeTierOptions::gc_on_garbage_ratio).
+  uint64_t blob_garbage_bytes = 0;
+  bool blob_gc_active = false;
   uint64_t puts = 0;         // blocks stored
   uint64_t write_bytes = 0;  // block bytes of those puts
   // Writes (puts, deletes) that failed because RocksDB could not or would

@@ -601,21 +601,17 @@ TEST_F(NvmeTierTest, HalfWrittenBlocksAreDroppedNotServed) {
   for (int i = 0; i < 5; ++i) ASSERT_OK(Put(Key(i), Bytes(i, kSize)));
   Close();
   {
-    std::vector<rocksdb::ColumnFamilyDescriptor> families = {
-        {rocksdb::kDefaultColumnFamilyName, {}}, {"meta", {}}, {"data", {}}};
-    std::vector<rocksdb::ColumnFamilyHandle*> handles;
     rocksdb::DB* raw = nullptr;
-    ASSERT_TRUE(rocksdb::DB::Open(rocksdb::DBOptions(), options_.path,
-                                  families, &handles, &raw)
-                    .ok());
+    ASSERT_TRUE(rocksdb::DB::Open(rocksdb::Options(), options_.path, &raw).ok());
     std::unique_ptr<rocksdb::DB> db(raw);
-    auto id = [](const std::string& key) {
-      return absl::StrCat(std::string(1, '\x02'), "ns", key);
+    // Format 2 keys: 'm' or 'd', then the id (namespace length, namespace,
+    // key).
+    auto record = [](char kind, const std::string& key) {
+      return absl::StrCat(std::string(1, kind), std::string(1, '\x02'), "ns", key);
     };
-    EXPECT_TRUE(db->Delete({}, handles[2], id(Key(1))).ok());  // meta only
-    EXPECT_TRUE(db->Delete({}, handles[2], id(Key(2))).ok());  // meta only
-    EXPECT_TRUE(db->Delete({}, handles[1], id(Key(3))).ok());  // data only
-    for (auto* h : handles) ASSERT_TRUE(db->DestroyColumnFamilyHandle(h).ok());
+    EXPECT_TRUE(db->Delete({}, record('d', Key(1))).ok());  // meta only
+    EXPECT_TRUE(db->Delete({}, record('d', Key(2))).ok());  // meta only
+    EXPECT_TRUE(db->Delete({}, record('m', Key(3))).ok());  // data only
     ASSERT_TRUE(db->Close().ok());
   }
   Open();
@@ -886,6 +882,35 @@ TEST_F(NvmeTierTest, RejectsBadInputAndStoresNothing) {
   EXPECT_THAT(tier_->Read("ns", "k", absl::MakeSpan(buf)),
               StatusIs(Code::kInvalidArgument));
   EXPECT_TRUE(ReadsBack("k", bytes));
+}
+
+// A tier written by a build of format 1 (three column families) is refused
+// with a clear message, and left as it was.
+TEST_F(NvmeTierTest, OpenRefusesTheOldFormat) {
+  {
+    rocksdb::Options o;
+    o.create_if_missing = true;
+    o.create_missing_column_families = true;
+    std::vector<rocksdb::ColumnFamilyDescriptor> families = {
+        {rocksdb::kDefaultColumnFamilyName, o}, {"meta", o}, {"data", o}};
+    std::vector<rocksdb::ColumnFamilyHandle*> handles;
+    rocksdb::DB* raw = nullptr;
+    fs::create_directories(options_.path);
+    ASSERT_TRUE(
+        rocksdb::DB::Open(o, options_.path, families, &handles, &raw).ok());
+    std::unique_ptr<rocksdb::DB> db(raw);
+    ASSERT_TRUE(db->Put({}, "kvdepot.nvme_tier.format", "1").ok());
+    for (auto* h : handles) ASSERT_TRUE(db->DestroyColumnFamilyHandle(h).ok());
+    ASSERT_TRUE(db->Close().ok());
+  }
+  auto tier = OpenNvmeTier(options_, &clock_);
+  EXPECT_THAT(tier, StatusIs(Code::kFailedPrecondition));
+  EXPECT_THAT(std::string(tier.status().message()), HasSubstr("format '1'"));
+  std::vector<std::string> families;
+  ASSERT_TRUE(rocksdb::DB::ListColumnFamilies(rocksdb::DBOptions(),
+                                              options_.path, &families)
+                  .ok());
+  EXPECT_EQ(families.size(), 3u);
 }
 
 TEST_F(NvmeTierTest, OpenRefusesDisabledBadAndLockedTiers) {

@@ -79,7 +79,7 @@ struct StoreOptions {
   // Admission: 0 writes every block leaving DRAM to NVMe; N > 0 only those
   // looked up at least N times while in DRAM (spares flash endurance).
   uint32_t nvme_admit_min_reads = 0;
-  uint64_t nvme_write_buffer_size = uint64_t{8} << 20;
+  uint64_t nvme_write_buffer_size = uint64_t{16} << 20;
   // Threads that read NVMe blocks back into DRAM for pinned lookups.
   int promotion_threads = 2;
 };

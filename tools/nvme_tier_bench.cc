@@ -106,6 +106,9 @@ struct BenchConfig {
   int passes = 1;         // reads
   bool drop_caches = false;
   bool json = false;
+  bool direct_reads = false;
+  bool direct_writes = false;
+  uint64_t write_buffer_size = 0;  // 0: the tier's default
 };
 
 // A size (kvdepot::ParseSize syntax: 262144, 256KiB, 8GiB, 1.5MiB, 64KB...)
@@ -437,6 +440,11 @@ int Run(const BenchConfig& config) {
   options.path = config.path;
   options.capacity_bytes = config.capacity;
   options.use_wal = false;
+  options.direct_reads = config.direct_reads;
+  options.direct_writes = config.direct_writes;
+  if (config.write_buffer_size > 0) {
+    options.write_buffer_size = config.write_buffer_size;
+  }
   const BlockDevice device(config.path);
 
   const SteadyClock::time_point open_start = SteadyClock::now();
@@ -666,6 +674,13 @@ int main(int argc, char** argv) {
                "sync and drop the page cache just before the timed window "
                "(root)");
   app.add_flag("--json", config.json, "print one JSON object on stdout");
+  app.add_flag("--direct-reads", config.direct_reads,
+               "open the tier with NvmeTierOptions::direct_reads");
+  app.add_flag("--direct-writes", config.direct_writes,
+               "open the tier with NvmeTierOptions::direct_writes");
+  std::string write_buffer;
+  app.add_option("--write-buffer", write_buffer,
+                 "memtable size (NvmeTierOptions::write_buffer_size)");
   bool batch_given = false;
   try {
     app.parse(argc, argv);
@@ -709,6 +724,15 @@ int main(int argc, char** argv) {
       return 2;
     }
     config.capacity = *cap;
+  }
+  if (!write_buffer.empty()) {
+    absl::StatusOr<uint64_t> wb = kvdepot::ParseSizeUpTo(write_buffer, 1e12);
+    if (!wb.ok()) {
+      std::fprintf(stderr, "nvme-tier-bench: --write-buffer: %s\n",
+                   std::string(wb.status().message()).c_str());
+      return 2;
+    }
+    config.write_buffer_size = *wb;
   }
   return kvdepot::Run(config);
 }
