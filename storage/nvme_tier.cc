@@ -433,6 +433,10 @@ absl::Status NvmeTierImpl::Init() {
   if (options_.direct_writes) db_options.writable_file_max_buffer_size = 8 << 20;
   db_options.write_buffer_size = options_.write_buffer_size;
   db_options.max_write_buffer_number = options_.max_write_buffer_number;
+  // When flushes fall behind, RocksDB slows writers to this rate before it
+  // stops them; its default (16 MiB/s) turns a short backlog into seconds of
+  // crawling demotion. Slow down only to about what one flush writes.
+  db_options.delayed_write_rate = uint64_t{256} << 20;
   db_options.compression = options_.compression ? rocksdb::kLZ4Compression
                                                 : rocksdb::kNoCompression;
   db_options.enable_blob_files = true;
