@@ -90,6 +90,7 @@ absl::Status LoadConfigFile(const std::string& path, DaemonConfig* c) {
   uint64_t max_batch = c->store.max_batch_keys;
   uint64_t grpc_threads = static_cast<uint64_t>(c->grpc_max_threads);
   uint64_t grpc_streams = static_cast<uint64_t>(c->grpc_max_streams_per_connection);
+  uint64_t ns_labels = static_cast<uint64_t>(c->metrics_namespace_labels);
   auto bool_into = [](bool* out) -> Setter {
     return [out](const std::string& v) {
       if (v != "true" && v != "false") {
@@ -110,6 +111,7 @@ absl::Status LoadConfigFile(const std::string& path, DaemonConfig* c) {
   const std::map<std::string, Setter> setters = {
       {"listen", string_into(&c->listen)},
       {"metrics_listen", string_into(&c->metrics_listen)},
+      {"metrics_namespace_labels", uint_into(&ns_labels)},
       {"data_dir", string_into(&c->data_dir)},
       {"log_level", string_into(&c->log_level)},
       {"dram_capacity", size_into(&c->store.dram_capacity)},
@@ -164,6 +166,8 @@ absl::Status LoadConfigFile(const std::string& path, DaemonConfig* c) {
   c->grpc_max_threads = static_cast<int>(std::min<uint64_t>(grpc_threads, 1 << 20));
   c->grpc_max_streams_per_connection =
       static_cast<int>(std::min<uint64_t>(grpc_streams, 1 << 20));
+  c->metrics_namespace_labels =
+      static_cast<int>(std::min<uint64_t>(ns_labels, 100000));
   return absl::OkStatus();
 }
 

@@ -40,7 +40,8 @@ absl::Status Daemon::Init() {
   ASSIGN_OR_RETURN(data_dir_, DataDir::Open(config_.data_dir));
 
   registry_ = std::make_shared<prometheus::Registry>();
-  metrics_ = std::make_unique<ServerMetrics>(*registry_);
+  metrics_ = std::make_unique<ServerMetrics>(*registry_,
+                                             config_.metrics_namespace_labels);
   StoreOptions store_options = config_.store;
   store_options.nvme_path = data_dir_->path() + "/nvme";
   ASSIGN_OR_RETURN(store_, NewTieredStore(store_options, SystemClock()));

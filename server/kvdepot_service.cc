@@ -199,12 +199,10 @@ grpc::ServerUnaryReactor* KvDepotService::Lookup(grpc::CallbackServerContext* ct
           store_.Unpin(req->session_id(), r->pin_id).IgnoreError();
           return finish(absl::CancelledError("client cancelled the lookup"));
         }
-        uint64_t hits = 0;
         for (const LookupEntry& e : r->entries) {
           v1::LookupEntry* out = resp->add_entries();
           out->set_found(e.found);
           if (!e.found) continue;
-          ++hits;
           out->set_tier(ToProto(e.tier));
           out->set_size(e.size);
           out->set_checksum(e.checksum);
@@ -212,7 +210,7 @@ grpc::ServerUnaryReactor* KvDepotService::Lookup(grpc::CallbackServerContext* ct
         }
         resp->set_prefix_hits(r->prefix_hits);
         resp->set_pin_id(r->pin_id);
-        metrics_.RecordLookup(hits, r->entries.size() - hits);
+        metrics_.RecordLookup(req->namespace_(), req->prefix(), *r);
         finish(absl::OkStatus());
       });
   return reactor;

@@ -1,5 +1,7 @@
 #include "server/metrics.h"
 
+#include <algorithm>
+
 #include "server/version.h"
 
 namespace kvdepot {
@@ -13,8 +15,19 @@ const prometheus::Histogram::BucketBoundaries& LatencyBuckets() {
 }
 }  // namespace
 
-ServerMetrics::ServerMetrics(prometheus::Registry& registry)
-    : requests_(prometheus::BuildCounter()
+namespace {
+
+prometheus::Counter& SingleCounter(prometheus::Registry& registry,
+                                   const std::string& name,
+                                   const std::string& help) {
+  return prometheus::BuildCounter().Name(name).Help(help).Register(registry).Add({});
+}
+
+}  // namespace
+
+ServerMetrics::ServerMetrics(prometheus::Registry& registry, int namespace_labels)
+    : namespace_labels_(static_cast<size_t>(std::max(namespace_labels, 0))),
+      requests_(prometheus::BuildCounter()
                     .Name("kvdepot_requests_total")
                     .Help("RPCs finished, by operation and gRPC status code")
                     .Register(registry)),
@@ -24,8 +37,18 @@ ServerMetrics::ServerMetrics(prometheus::Registry& registry)
                      .Register(registry)),
       lookup_keys_(prometheus::BuildCounter()
                        .Name("kvdepot_lookup_keys_total")
-                       .Help("Keys looked up, by result")
+                       .Help("Keys looked up, by namespace, result and tier "
+                             "(every key asked counts once: the hit ratio's "
+                             "denominator is the sum over results)")
                        .Register(registry)),
+      prefix_asked_(prometheus::BuildCounter()
+                        .Name("kvdepot_lookup_prefix_keys_asked_total")
+                        .Help("Keys asked by prefix lookups, by namespace")
+                        .Register(registry)),
+      prefix_hit_(prometheus::BuildCounter()
+                      .Name("kvdepot_lookup_prefix_hit_keys_total")
+                      .Help("Leading keys found by prefix lookups, by namespace")
+                      .Register(registry)),
       bytes_(prometheus::BuildCounter()
                  .Name("kvdepot_bytes_total")
                  .Help("Block bytes moved, by direction and transport")
@@ -44,10 +67,15 @@ ServerMetrics::ServerMetrics(prometheus::Registry& registry)
                        .Register(registry)),
       evictions_(prometheus::BuildCounter()
                      .Name("kvdepot_evictions_total")
-                     .Help("Blocks evicted, by tier and reason")
+                     .Help("Blocks removed from a tier, by reason: capacity "
+                           "(to make room), admin (Evict), corrupt (failed "
+                           "its checksum)")
                      .Register(registry)),
-      lookup_hits_(lookup_keys_.Add({{"result", "hit"}})),
-      lookup_misses_(lookup_keys_.Add({{"result", "miss"}})),
+      integrity_errors_(prometheus::BuildCounter()
+                            .Name("kvdepot_integrity_errors_total")
+                            .Help("Blocks whose bytes failed their XXH3-64 "
+                                  "checksum when read (dropped, never served)")
+                            .Register(registry)),
       bytes_in_(bytes_.Add({{"direction", "in"}, {"transport", "grpc"}})),
       bytes_out_(bytes_.Add({{"direction", "out"}, {"transport", "grpc"}})),
       sessions_(prometheus::BuildGauge()
@@ -71,6 +99,60 @@ ServerMetrics::ServerMetrics(prometheus::Registry& registry)
       .Register(registry)
       .Add({{"version", kVersion}, {"commit", kGitCommit}})
       .Set(1);
+  // Every series with fixed labels exists from the start at 0, so that
+  // increase() and rate() see the first event.
+  absl::MutexLock lock(&mu_);
+  auto eviction = [&](const char* tier, const char* reason) {
+    return Mirror{&evictions_.Add({{"tier", tier}, {"reason", reason}})};
+  };
+  dram_evictions_ = eviction("dram", "capacity");
+  nvme_evictions_ = eviction("nvme", "capacity");
+  dram_admin_evictions_ = eviction("dram", "admin");
+  nvme_admin_evictions_ = eviction("nvme", "admin");
+  nvme_corrupt_evictions_ = eviction("nvme", "corrupt");
+  integrity_errors_.Add({{"tier", "dram"}});
+  nvme_integrity_errors_ = Mirror{&integrity_errors_.Add({{"tier", "nvme"}})};
+  demotions_ = Mirror{&SingleCounter(registry, "kvdepot_demotions_total",
+                                     "DRAM blocks written to the NVMe tier")};
+  demotion_failures_ = Mirror{&SingleCounter(
+      registry, "kvdepot_demotion_failures_total",
+      "DRAM blocks that could not be written to the NVMe tier (disk full, "
+      "I/O error)")};
+  demotions_skipped_ = Mirror{&SingleCounter(
+      registry, "kvdepot_demotions_skipped_total",
+      "DRAM blocks not admitted to the NVMe tier (read too rarely)")};
+  promotions_ = Mirror{&SingleCounter(registry, "kvdepot_promotions_total",
+                                      "NVMe blocks read back into DRAM")};
+  nvme_write_bytes_ = Mirror{&SingleCounter(
+      registry, "kvdepot_nvme_write_bytes_total",
+      "Block bytes written to the NVMe tier")};
+  for (const char* direction : {"in", "out"}) {
+    bytes_.Add({{"direction", direction}, {"transport", "ucx"}});
+  }
+}
+
+std::string ServerMetrics::NamespaceLabel(absl::string_view ns) {
+  absl::MutexLock lock(&mu_);
+  if (namespaces_.contains(ns)) return std::string(ns);
+  return namespaces_.size() < namespace_labels_ ? std::string(ns) : "other";
+}
+
+ServerMetrics::NamespaceCounters& ServerMetrics::CountersFor(absl::string_view ns)
+    ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+  auto it = namespaces_.find(ns);
+  if (it != namespaces_.end()) return it->second;
+  const std::string label =
+      namespaces_.size() < namespace_labels_ ? std::string(ns) : "other";
+  if (auto other = namespaces_.find(label); other != namespaces_.end()) {
+    return other->second;
+  }
+  auto keys = [&](const char* result, const char* tier) {
+    return &lookup_keys_.Add({{"namespace", label}, {"result", result}, {"tier", tier}});
+  };
+  NamespaceCounters c{keys("hit", "dram"), keys("hit", "nvme"), keys("miss", "none"),
+                      &prefix_asked_.Add({{"namespace", label}}),
+                      &prefix_hit_.Add({{"namespace", label}})};
+  return namespaces_.emplace(label, c).first->second;
 }
 
 void ServerMetrics::RecordRequest(const std::string& op, absl::StatusCode code,
@@ -90,9 +172,27 @@ void ServerMetrics::RecordRequest(const std::string& op, absl::StatusCode code,
   h->Observe(absl::ToDoubleSeconds(elapsed));
 }
 
-void ServerMetrics::RecordLookup(uint64_t hits, uint64_t misses) {
-  lookup_hits_.Increment(static_cast<double>(hits));
-  lookup_misses_.Increment(static_cast<double>(misses));
+void ServerMetrics::RecordLookup(absl::string_view ns, bool prefix,
+                                 const LookupResult& result) {
+  uint64_t dram = 0, nvme = 0, miss = 0;
+  for (const LookupEntry& e : result.entries) {
+    if (!e.found) {
+      ++miss;
+    } else if (e.tier == Tier::kNvme) {
+      ++nvme;
+    } else {
+      ++dram;
+    }
+  }
+  absl::MutexLock lock(&mu_);
+  NamespaceCounters& c = CountersFor(ns);
+  if (dram) c.hit_dram->Increment(static_cast<double>(dram));
+  if (nvme) c.hit_nvme->Increment(static_cast<double>(nvme));
+  if (miss) c.miss->Increment(static_cast<double>(miss));
+  if (prefix) {
+    c.prefix_asked->Increment(static_cast<double>(result.entries.size()));
+    c.prefix_hit->Increment(static_cast<double>(result.prefix_hits));
+  }
 }
 
 void ServerMetrics::UpdateFromStats(const StoreStats& st) {
@@ -106,11 +206,17 @@ void ServerMetrics::UpdateFromStats(const StoreStats& st) {
   pins_.Set(static_cast<double>(st.pins));
   reservations_.Set(static_cast<double>(st.reservations));
   absl::MutexLock lock(&mu_);
-  if (st.dram.evictions > last_evictions_) {
-    evictions_.Add({{"tier", "dram"}, {"reason", "capacity"}})
-        .Increment(static_cast<double>(st.dram.evictions - last_evictions_));
-    last_evictions_ = st.dram.evictions;
-  }
+  dram_evictions_.Advance(st.dram.evictions);
+  nvme_evictions_.Advance(st.nvme.evictions);
+  dram_admin_evictions_.Advance(st.dram.admin_evictions);
+  nvme_admin_evictions_.Advance(st.nvme.admin_evictions);
+  nvme_corrupt_evictions_.Advance(st.integrity_errors);
+  nvme_integrity_errors_.Advance(st.integrity_errors);
+  demotions_.Advance(st.demotions);
+  demotion_failures_.Advance(st.demotion_failures);
+  demotions_skipped_.Advance(st.demotions_skipped);
+  promotions_.Advance(st.promotions);
+  nvme_write_bytes_.Advance(st.nvme_write_bytes);
 }
 
 }  // namespace kvdepot

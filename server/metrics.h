@@ -17,6 +17,7 @@
 #include "absl/container/flat_hash_map.h"
 #include "absl/status/status.h"
 #include "absl/synchronization/mutex.h"
+#include "absl/strings/string_view.h"
 #include "absl/time/time.h"
 #include "storage/tiered_store.h"
 
@@ -24,8 +25,12 @@ namespace kvdepot {
 
 class ServerMetrics {
  public:
-  // `registry` must outlive this object.
-  explicit ServerMetrics(prometheus::Registry& registry);
+  // `registry` must outlive this object. `namespace_labels` namespaces (the
+  // first seen) get their own value of the `namespace` label; the others
+  // share "other", so a client inventing namespaces cannot grow the scrape
+  // without bound.
+  explicit ServerMetrics(prometheus::Registry& registry,
+                         int namespace_labels = 32);
   ServerMetrics(const ServerMetrics&) = delete;
   ServerMetrics& operator=(const ServerMetrics&) = delete;
 
@@ -33,27 +38,55 @@ class ServerMetrics {
   // kvdepot_request_duration_seconds{op}.
   void RecordRequest(const std::string& op, absl::StatusCode code,
                      absl::Duration elapsed);
-  // Keys looked up, split by outcome (the denominator of the hit ratio).
-  void RecordLookup(uint64_t hits, uint64_t misses);
+  // One lookup of namespace `ns`: every key asked counts once in
+  // kvdepot_lookup_keys_total{namespace,result,tier} (a miss has tier
+  // "none"), so hits / all is the hit ratio. A prefix lookup also counts its
+  // keys asked and its leading hits (the prefix hit ratio's two sides).
+  void RecordLookup(absl::string_view ns, bool prefix, const LookupResult& result);
   // Block bytes through the gRPC byte path.
   void AddBytesIn(uint64_t n) { bytes_in_.Increment(static_cast<double>(n)); }
   void AddBytesOut(uint64_t n) { bytes_out_.Increment(static_cast<double>(n)); }
 
   // Copies gauges (tier usage, sessions, pins, reservations) and counter
-  // deltas (evictions) from a store snapshot. Called about once a second.
+  // deltas (evictions, demotions, promotions, integrity errors, NVMe write
+  // bytes) from a store snapshot. Called about once a second.
   void UpdateFromStats(const StoreStats& stats);
 
+  // The `namespace` label value for `ns` (see the constructor).
+  std::string NamespaceLabel(absl::string_view ns);
+
  private:
+  struct NamespaceCounters {
+    prometheus::Counter* hit_dram;
+    prometheus::Counter* hit_nvme;
+    prometheus::Counter* miss;
+    prometheus::Counter* prefix_asked;
+    prometheus::Counter* prefix_hit;
+  };
+  // A counter that mirrors a monotonic store counter.
+  struct Mirror {
+    prometheus::Counter* counter;
+    uint64_t last = 0;
+    void Advance(uint64_t now) {
+      if (now > last) counter->Increment(static_cast<double>(now - last));
+      last = now;
+    }
+  };
+
+  NamespaceCounters& CountersFor(absl::string_view ns);
+
+  const size_t namespace_labels_;
   prometheus::Family<prometheus::Counter>& requests_;
   prometheus::Family<prometheus::Histogram>& durations_;
   prometheus::Family<prometheus::Counter>& lookup_keys_;
+  prometheus::Family<prometheus::Counter>& prefix_asked_;
+  prometheus::Family<prometheus::Counter>& prefix_hit_;
   prometheus::Family<prometheus::Counter>& bytes_;
   prometheus::Family<prometheus::Gauge>& tier_used_;
   prometheus::Family<prometheus::Gauge>& tier_capacity_;
   prometheus::Family<prometheus::Gauge>& tier_blocks_;
   prometheus::Family<prometheus::Counter>& evictions_;
-  prometheus::Counter& lookup_hits_;
-  prometheus::Counter& lookup_misses_;
+  prometheus::Family<prometheus::Counter>& integrity_errors_;
   prometheus::Counter& bytes_in_;
   prometheus::Counter& bytes_out_;
   prometheus::Gauge& sessions_;
@@ -63,7 +96,19 @@ class ServerMetrics {
   absl::Mutex mu_;
   absl::flat_hash_map<std::string, prometheus::Histogram*> histograms_
       ABSL_GUARDED_BY(mu_);
-  uint64_t last_evictions_ ABSL_GUARDED_BY(mu_) = 0;
+  absl::flat_hash_map<std::string, NamespaceCounters> namespaces_
+      ABSL_GUARDED_BY(mu_);
+  Mirror dram_evictions_ ABSL_GUARDED_BY(mu_);
+  Mirror nvme_evictions_ ABSL_GUARDED_BY(mu_);
+  Mirror dram_admin_evictions_ ABSL_GUARDED_BY(mu_);
+  Mirror nvme_admin_evictions_ ABSL_GUARDED_BY(mu_);
+  Mirror nvme_corrupt_evictions_ ABSL_GUARDED_BY(mu_);
+  Mirror nvme_integrity_errors_ ABSL_GUARDED_BY(mu_);
+  Mirror demotions_ ABSL_GUARDED_BY(mu_);
+  Mirror demotion_failures_ ABSL_GUARDED_BY(mu_);
+  Mirror demotions_skipped_ ABSL_GUARDED_BY(mu_);
+  Mirror promotions_ ABSL_GUARDED_BY(mu_);
+  Mirror nvme_write_bytes_ ABSL_GUARDED_BY(mu_);
 };
 
 }  // namespace kvdepot

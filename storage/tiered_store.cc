@@ -417,6 +417,7 @@ class TieredStoreImpl final : public TieredStore {
     EvictResult result;
     NamespaceInfo* info = FindNamespace(ns);
     auto drop = [&](std::unique_ptr<BlockEntry> e) {
+      admin_evictions_dram_.fetch_add(1, std::memory_order_relaxed);
       ++result.evicted_blocks;
       result.evicted_bytes += e->size;
       FreeEntry(std::move(e), /*lru=*/false);
@@ -427,6 +428,7 @@ class TieredStoreImpl final : public TieredStore {
       if (nvme_ == nullptr) return false;
       absl::StatusOr<NvmeBlockMeta> meta = nvme_->Meta(ns, k);
       if (!meta.ok() || !nvme_->Delete(ns, k).ok()) return false;
+      admin_evictions_nvme_.fetch_add(1, std::memory_order_relaxed);
       ++result.evicted_blocks;
       result.evicted_bytes += meta->size;
       return true;
@@ -513,6 +515,8 @@ class TieredStoreImpl final : public TieredStore {
     st.dram.blocks = index_.blocks();
     st.dram.hits = dram_hits_.load();
     st.dram.evictions = evictions_.load();
+    st.dram.admin_evictions = admin_evictions_dram_.load();
+    st.nvme.admin_evictions = admin_evictions_nvme_.load();
     {
       absl::MutexLock lock(&mu_);
       st.sessions = sessions_.size();
@@ -536,6 +540,7 @@ class TieredStoreImpl final : public TieredStore {
       st.nvme.hits = nvme_hits_.load() + promotions_.load();
       st.nvme.evictions = ns.evictions;
       st.integrity_errors = ns.integrity_errors;
+      st.nvme_write_bytes = ns.write_bytes;
     }
     st.demotions = demotions_.load();
     st.demotion_failures = demotion_failures_.load();
@@ -1052,6 +1057,7 @@ class TieredStoreImpl final : public TieredStore {
   std::unique_ptr<WorkPool> promoter_;
   std::atomic<uint64_t> lookup_keys_{0}, lookup_hits_{0}, dram_hits_{0};
   std::atomic<uint64_t> puts_{0}, put_bytes_{0}, evictions_{0};
+  std::atomic<uint64_t> admin_evictions_dram_{0}, admin_evictions_nvme_{0};
 
   absl::Mutex ns_mu_;
   // Ids are 1-based indexes into namespaces_; entries are never removed, so

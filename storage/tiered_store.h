@@ -135,7 +135,8 @@ struct TierStats {
   uint64_t capacity_bytes = 0;
   uint64_t blocks = 0;
   uint64_t hits = 0;
-  uint64_t evictions = 0;
+  uint64_t evictions = 0;        // to make room (capacity)
+  uint64_t admin_evictions = 0;  // by Evict
 };
 struct NamespaceStats {
   std::string name;
@@ -160,7 +161,8 @@ struct StoreStats {
   uint64_t lookup_hits = 0;
   uint64_t puts = 0;
   uint64_t put_bytes = 0;
-  uint64_t integrity_errors = 0;
+  uint64_t integrity_errors = 0;  // NVMe blocks that failed their checksum
+  uint64_t nvme_write_bytes = 0;  // block bytes written to the NVMe tier
   std::vector<NamespaceStats> namespaces;
 };
 

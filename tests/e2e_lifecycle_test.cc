@@ -346,7 +346,8 @@ TEST(LifecycleTest, MetricsEndpointServesPrometheusText) {
   EXPECT_NE(r.out.find("kvdepot_requests_total{code=\"OK\",op=\"Lookup\"} 1"),
             std::string::npos)
       << r.out;
-  EXPECT_NE(r.out.find("kvdepot_lookup_keys_total{result=\"miss\"} 1"),
+  EXPECT_NE(r.out.find(
+                "kvdepot_lookup_keys_total{namespace=\"ns\",result=\"miss\",tier=\"none\"} 1"),
             std::string::npos);
   EXPECT_NE(r.out.find("kvdepot_build_info{"), std::string::npos);
 }

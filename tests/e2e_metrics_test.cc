@@ -1,0 +1,134 @@
+// /metrics of a real kvdepotd under traffic: the families deploy/ relies on
+// (tests/deploy/exported_metrics.txt) are all exported, the lookup counters
+// add up to the keys asked, and the namespace label stays bounded.
+#include <gtest/gtest.h>
+
+#include <fstream>
+#include <map>
+#include <string>
+#include <vector>
+
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_split.h"
+#include "absl/time/clock.h"
+#include "client/client.h"
+#include "tests/daemon_process.h"
+#include "tests/status_matchers.h"
+
+namespace kvdepot {
+namespace {
+
+using testing::DaemonProcess;
+using testing::RunCommand;
+
+std::string Scrape(const DaemonProcess& d) {
+  testing::CommandResult r =
+      RunCommand(absl::StrCat("curl -sf http://", d.metrics_address(), "/metrics"));
+  EXPECT_EQ(r.exit_code, 0) << r.err;
+  return r.out;
+}
+
+// The value of one series, written exactly as the exposition writes it
+// (`name{labels}`), or -1 when absent.
+double Value(const std::string& text, const std::string& series) {
+  for (absl::string_view line : absl::StrSplit(text, '\n')) {
+    if (absl::StartsWith(line, series + " ")) {
+      double v = 0;
+      if (absl::SimpleAtod(line.substr(series.size() + 1), &v)) return v;
+    }
+  }
+  return -1;
+}
+
+// Polls /metrics (store counters are copied about once a second) until
+// `series` reaches `at_least`; returns the last scrape.
+std::string ScrapeUntil(const DaemonProcess& d, const std::string& series,
+                        double at_least) {
+  std::string text;
+  for (int i = 0; i < 100; ++i) {
+    text = Scrape(d);
+    if (Value(text, series) >= at_least) break;
+    absl::SleepFor(absl::Milliseconds(100));
+  }
+  return text;
+}
+
+TEST(MetricsTest, ExportsTheContractAndCountsLookupsWithDenominators) {
+  auto d = DaemonProcess::Start({"--dram-capacity", "8MiB"});
+  ASSERT_OK(d);
+  ClientOptions o;
+  o.server = (*d)->address();
+  auto client = std::move(Client::Connect(o)).value();
+
+  // Three chained blocks, then a prefix lookup of four keys (3 hits, 1
+  // miss), a plain lookup of two (1 hit, 1 miss), a read, an eviction.
+  const std::string bytes(64 << 10, 'm');
+  std::vector<std::string> keys = {"k0", "k1", "k2"};
+  std::vector<BlockToPut> puts = {{keys[0], "", bytes}, {keys[1], keys[0], bytes},
+                                  {keys[2], keys[1], bytes}};
+  ASSERT_OK(client->Put("metrics/ns", puts));
+  std::vector<absl::string_view> prefix_keys = {"k0", "k1", "k2", "nope"};
+  auto p = client->Lookup("metrics/ns", prefix_keys, /*prefix=*/true, /*pin=*/false);
+  ASSERT_OK(p);
+  EXPECT_EQ(p->prefix_hits, 3u);
+  std::vector<absl::string_view> plain = {"k0", "nope"};
+  ASSERT_OK(client->Lookup("metrics/ns", plain, /*prefix=*/false, /*pin=*/false));
+  absl::string_view k0 = "k0";
+  ASSERT_OK(client->Get("metrics/ns", {&k0, 1}));
+  absl::string_view k2 = "k2";
+  ASSERT_OK(client->Evict("metrics/ns", {&k2, 1}, /*all=*/false));
+
+  const std::string text = ScrapeUntil(
+      **d, "kvdepot_evictions_total{reason=\"admin\",tier=\"dram\"}", 1);
+  const std::string ns = "namespace=\"metrics/ns\"";
+  EXPECT_EQ(Value(text, "kvdepot_lookup_keys_total{" + ns +
+                            ",result=\"hit\",tier=\"dram\"}"),
+            4);
+  EXPECT_EQ(Value(text, "kvdepot_lookup_keys_total{" + ns +
+                            ",result=\"miss\",tier=\"none\"}"),
+            2);
+  EXPECT_EQ(Value(text, "kvdepot_lookup_prefix_keys_asked_total{" + ns + "}"), 4);
+  EXPECT_EQ(Value(text, "kvdepot_lookup_prefix_hit_keys_total{" + ns + "}"), 3);
+  EXPECT_EQ(Value(text, "kvdepot_evictions_total{reason=\"admin\",tier=\"dram\"}"), 1);
+  EXPECT_GE(Value(text, "kvdepot_bytes_total{direction=\"in\",transport=\"grpc\"}"),
+            3.0 * bytes.size());
+  EXPECT_GE(Value(text, "kvdepot_bytes_total{direction=\"out\",transport=\"grpc\"}"),
+            1.0 * bytes.size());
+  EXPECT_EQ(Value(text, "kvdepot_requests_total{code=\"OK\",op=\"Lookup\"}"), 2);
+  // Series with fixed labels exist before their first event.
+  EXPECT_EQ(Value(text, "kvdepot_integrity_errors_total{tier=\"nvme\"}"), 0);
+  EXPECT_EQ(Value(text, "kvdepot_demotion_failures_total"), 0);
+
+  // Every family the dashboards and alert rules use is exported.
+  testing::CommandResult check = RunCommand(absl::StrCat(
+      "/usr/bin/python3 " KVDEPOT_SOURCE_DIR "/tests/deploy/check_metric_names.py "
+      "--metrics-url http://", (*d)->metrics_address(), "/metrics"));
+  EXPECT_EQ(check.exit_code, 0) << check.out << check.err;
+}
+
+TEST(MetricsTest, NamespaceLabelsAreBounded) {
+  const std::string dir = testing::MakeTempDir("metrics-cfg");
+  std::ofstream(dir + "/k.yaml") << "metrics_namespace_labels: 2\n";
+  auto d = DaemonProcess::Start({"--config", dir + "/k.yaml"});
+  ASSERT_OK(d);
+  ClientOptions o;
+  o.server = (*d)->address();
+  auto client = std::move(Client::Connect(o)).value();
+  absl::string_view k = "k";
+  for (int i = 0; i < 6; ++i) {
+    ASSERT_OK(client->Lookup(absl::StrCat("ns", i), {&k, 1}, false, false));
+  }
+  const std::string text = Scrape(**d);
+  auto misses = [&](const std::string& ns) {
+    return Value(text, "kvdepot_lookup_keys_total{namespace=\"" + ns +
+                           "\",result=\"miss\",tier=\"none\"}");
+  };
+  EXPECT_EQ(misses("ns0"), 1);
+  EXPECT_EQ(misses("ns1"), 1);
+  EXPECT_EQ(misses("other"), 4);
+  EXPECT_EQ(misses("ns2"), -1);
+}
+
+}  // namespace
+}  // namespace kvdepot
