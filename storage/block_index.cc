@@ -274,3 +274,59 @@ uint64_t BlockIndex::evictable() const {
 }
 
 }  // namespace kvdepot
+
+namespace kvdepot {
+
+std::optional<BlockEntry> BlockIndex::Peek(const KeyRef& key,
+                                           absl::Span<char> trailer) {
+  Shard& s = ShardFor(key.hash);
+  absl::MutexLock lock(&s.mu);
+  auto it = s.set.find(key);
+  if (it == s.set.end()) return std::nullopt;
+  BlockEntry copy = **it;
+  if (!trailer.empty()) {
+    std::memcpy(trailer.data(), base_ + copy.key_offset() + copy.key_len,
+                trailer.size());
+  }
+  copy.lru_prev = copy.lru_next = nullptr;
+  return copy;
+}
+
+std::unique_ptr<BlockEntry> BlockIndex::PopOldestEvictableOf(uint32_t ns_id,
+                                                             int scan) {
+  // Like PopOldestEvictable, among the namespace's entries near each
+  // shard's old end; the choice is checked again under the shard's lock.
+  while (true) {
+    int best = -1;
+    uint32_t best_seq = 0;
+    uint64_t best_hash = 0;
+    for (int i = 0; i < kShards; ++i) {
+      Shard& s = *shards_[i];
+      absl::MutexLock lock(&s.mu);
+      int n = 0;
+      for (BlockEntry* e = s.tail; e != nullptr && n < scan; e = e->lru_prev, ++n) {
+        if (e->ns_id != ns_id) continue;
+        if (best < 0 || static_cast<int32_t>(e->seq - best_seq) < 0) {
+          best = i;
+          best_seq = e->seq;
+          best_hash = e->hash;
+        }
+        break;
+      }
+    }
+    if (best < 0) return nullptr;
+    std::unique_ptr<BlockEntry> out;
+    {
+      Shard& s = *shards_[best];
+      absl::MutexLock lock(&s.mu);
+      BlockEntry* e = FindByHash(s, ns_id, best_hash);
+      if (e == nullptr || !(e->flags & BlockEntry::kInLru)) continue;  // raced
+      Detach(s, e);
+      out.reset(e);
+    }
+    ReleaseParent(*out);
+    return out;
+  }
+}
+
+}  // namespace kvdepot

@@ -37,6 +37,7 @@
 #include "absl/base/thread_annotations.h"
 #include "absl/container/flat_hash_set.h"
 #include "absl/strings/string_view.h"
+#include "absl/types/span.h"
 #include "absl/synchronization/mutex.h"
 
 namespace kvdepot {
@@ -108,6 +109,15 @@ class BlockIndex {
   // the find (it leaves the evictable list); otherwise it is marked
   // referenced. Either way its last use becomes `seq`.
   std::optional<Hit> Find(const KeyRef& key, bool pin, uint32_t seq = 0);
+  // A copy of an entry's fields without touching its recency (admin
+  // inspection), and the `trailer.size()` arena bytes that follow its key
+  // (the caller's own per-block data). nullopt if absent.
+  std::optional<BlockEntry> Peek(const KeyRef& key, absl::Span<char> trailer = {});
+  // Removes the least recently used evictable entry of namespace `ns_id`,
+  // looking at most `scan` entries from the old end of each shard's list
+  // (a namespace quota's eviction). nullptr if none was found.
+  std::unique_ptr<BlockEntry> PopOldestEvictableOf(uint32_t ns_id,
+                                                   int scan = 4096);
   // Adds one pin to an entry already pinned by the caller.
   void AddPin(BlockEntry* entry);
   // REQUIRES: `entry` is pinned by the caller.

@@ -59,6 +59,9 @@ const char* TierName(Tier tier) {
 
 namespace {
 
+// Bytes after each key in its arena allocation: when the block entered DRAM.
+constexpr size_t kStampBytes = sizeof(int64_t);
+
 struct NamespaceInfo {
   uint32_t id = 0;
   std::string name;
@@ -66,6 +69,7 @@ struct NamespaceInfo {
   std::atomic<uint64_t> bytes{0};
   std::atomic<uint64_t> lookups{0};
   std::atomic<uint64_t> hits{0};
+  std::atomic<uint64_t> quota{0};  // DRAM bytes; 0: none
 };
 
 struct Session {
@@ -261,6 +265,7 @@ class TieredStoreImpl final : public TieredStore {
       RETURN_IF_ERROR(LiveSession(session).status());
     }
     ASSIGN_OR_RETURN(uint32_t ns_id, NamespaceIdFor(ns));
+    RETURN_IF_ERROR(MakeRoomInQuota(*NamespaceById(ns_id), total));
 
     ReservationState state{session, ns_id, {}, 0, 0, false};
     state.slots.resize(blocks.size());
@@ -546,6 +551,7 @@ class TieredStoreImpl final : public TieredStore {
     st.demotion_failures = demotion_failures_.load();
     st.demotions_skipped = demotions_skipped_.load();
     st.promotions = promotions_.load();
+    st.draining = draining_.load();
     st.namespaces = ListNamespaces();
     return st;
   }
@@ -645,6 +651,82 @@ class TieredStoreImpl final : public TieredStore {
       reservations_.erase(it);
     }
     return true;
+  }
+
+  // ---- admin -------------------------------------------------------------
+
+  absl::StatusOr<BlockDetails> Inspect(absl::string_view ns,
+                                       absl::string_view key) override {
+    RETURN_IF_ERROR(ValidateNamespace(ns));
+    RETURN_IF_ERROR(ValidateKey(key));
+    BlockDetails d;
+    if (NamespaceInfo* info = FindNamespace(ns)) {
+      char stamp[kStampBytes];
+      if (std::optional<BlockEntry> e =
+              index_.Peek(BlockIndex::MakeKey(info->id, key), absl::MakeSpan(stamp))) {
+        d.in_dram = true;
+        d.size = e->size;
+        d.checksum = e->checksum;
+        d.pins = e->pins;
+        d.cached_children = e->children;
+        d.dram_reads = e->reads;
+        int64_t ms = 0;
+        std::memcpy(&ms, stamp, kStampBytes);
+        d.age = std::max(absl::ZeroDuration(),
+                         clock_->Now() - absl::FromUnixMillis(ms));
+      }
+    }
+    if (nvme_ != nullptr) {
+      if (absl::StatusOr<NvmeBlockMeta> meta = nvme_->Meta(ns, key); meta.ok()) {
+        d.in_nvme = true;
+        if (!d.in_dram) {
+          d.size = meta->size;
+          d.checksum = meta->checksum;
+        }
+        d.nvme_reads = meta->read_count;
+        d.parent = std::move(meta->parent);
+      }
+    }
+    if (!d.in_dram && !d.in_nvme) {
+      return absl::NotFoundError(absl::StrCat("block ", KeyToHex(key),
+                                              " is not in namespace ", ns));
+    }
+    return d;
+  }
+
+  absl::Status SetQuota(absl::string_view ns, uint64_t max_bytes) override {
+    RETURN_IF_ERROR(ValidateNamespace(ns));
+    ASSIGN_OR_RETURN(uint32_t id, NamespaceIdFor(ns));
+    NamespaceById(id)->quota.store(max_bytes);
+    return absl::OkStatus();
+  }
+
+  uint64_t Quota(absl::string_view ns) override {
+    NamespaceInfo* info = FindNamespace(ns);
+    return info == nullptr ? 0 : info->quota.load();
+  }
+
+  // Evicts the namespace's least recently used blocks until `bytes` more fit
+  // in its quota (no-op without one).
+  absl::Status MakeRoomInQuota(NamespaceInfo& info, uint64_t bytes) {
+    const uint64_t quota = info.quota.load();
+    if (quota == 0) return absl::OkStatus();
+    if (bytes > quota) {
+      return absl::ResourceExhaustedError(absl::StrCat(
+          "batch of ", bytes, " bytes exceeds namespace ", info.name,
+          "'s quota of ", quota, " bytes"));
+    }
+    while (info.bytes.load() + bytes > quota) {
+      std::unique_ptr<BlockEntry> e = index_.PopOldestEvictableOf(info.id);
+      if (!e) {
+        return absl::ResourceExhaustedError(absl::StrCat(
+            "namespace ", info.name, " holds ", info.bytes.load(), " of its quota of ",
+            quota, " bytes in blocks that cannot be evicted (pinned, or parents of "
+            "cached blocks); unpin or raise the quota"));
+      }
+      FreeEntry(std::move(e), /*lru=*/true);
+    }
+    return absl::OkStatus();
   }
 
   // ---- lookup phases -----------------------------------------------------
@@ -848,17 +930,22 @@ class TieredStoreImpl final : public TieredStore {
 
   // Allocates the key and data space of a slot, evicting as needed.
   // On failure nothing stays allocated and `slot` is unchanged.
+  // The key's allocation also holds when the block entered DRAM (Unix ms,
+  // kStampBytes after the key; free for keys up to 56 bytes, which share the
+  // 64-byte size class).
   absl::Status AllocateSlot(Slot& slot) {
     ASSIGN_OR_RETURN(uint64_t data, AllocateEvicting(slot.size));
-    absl::StatusOr<uint64_t> key = AllocateEvicting(slot.key.size());
+    absl::StatusOr<uint64_t> key = AllocateEvicting(slot.key.size() + kStampBytes);
     if (!key.ok()) {
       arena_->Free(data);
       return key.status();
     }
     slot.data_offset = data;
     slot.key_offset = *key;
-    std::memcpy(arena_->base() + slot.key_offset, slot.key.data(),
-                slot.key.size());
+    char* k = arena_->base() + slot.key_offset;
+    std::memcpy(k, slot.key.data(), slot.key.size());
+    const int64_t stamp = absl::ToUnixMillis(clock_->Now());
+    std::memcpy(k + slot.key.size(), &stamp, kStampBytes);
     return absl::OkStatus();
   }
 

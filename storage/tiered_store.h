@@ -130,6 +130,20 @@ struct EvictResult {
   uint64_t missing_keys = 0;
 };
 
+// What TieredStore::Inspect reports about one block.
+struct BlockDetails {
+  bool in_dram = false;
+  bool in_nvme = false;
+  uint64_t size = 0;
+  uint64_t checksum = 0;
+  uint32_t pins = 0;
+  uint32_t cached_children = 0;
+  absl::Duration age;  // since it entered DRAM; zero when not in DRAM
+  uint32_t dram_reads = 0;
+  uint32_t nvme_reads = 0;
+  std::string parent;  // from the NVMe copy's record
+};
+
 struct TierStats {
   uint64_t used_bytes = 0;  // space taken by blocks, keys and reservations
   uint64_t capacity_bytes = 0;
@@ -163,6 +177,7 @@ struct StoreStats {
   uint64_t put_bytes = 0;
   uint64_t integrity_errors = 0;  // NVMe blocks that failed their checksum
   uint64_t nvme_write_bytes = 0;  // block bytes written to the NVMe tier
+  bool draining = false;
   std::vector<NamespaceStats> namespaces;
 };
 
@@ -257,6 +272,17 @@ class TieredStore {
       bool all) = 0;
 
   virtual StoreStats Stats() = 0;
+  // NotFound when the block is in neither tier; InvalidArgument for a bad
+  // namespace or key.
+  virtual absl::StatusOr<BlockDetails> Inspect(absl::string_view ns,
+                                               absl::string_view key) = 0;
+  // A namespace's DRAM quota (0: none; the namespace is created if needed).
+  // BeginPut evicts the namespace's least recently used unpinned blocks
+  // (dropping them, as a put that finds DRAM full does) to stay within it,
+  // and fails with ResourceExhausted when that cannot make room.
+  virtual absl::Status SetQuota(absl::string_view ns, uint64_t max_bytes) = 0;
+  // 0 when the namespace has none (or does not exist).
+  virtual uint64_t Quota(absl::string_view ns) = 0;
   virtual std::vector<NamespaceStats> ListNamespaces() = 0;
 
   // Evicts down to the low watermark if above the high one. Returns the

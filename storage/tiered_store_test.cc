@@ -455,6 +455,66 @@ namespace {
 using ::kvdepot::testing::StatusIs;
 
 // The store with an NVMe tier under a temporary directory.
+// A namespace over its quota makes room by evicting its own least recently
+// used blocks; other namespaces are untouched.
+TEST_F(TieredStoreTest, QuotaEvictsTheNamespacesOwnOldBlocks) {
+  const std::string block(64 << 10, 'q');
+  ASSERT_OK(store_->SetQuota("small", 3 * block.size()));
+  EXPECT_EQ(store_->Quota("small"), 3 * block.size());
+  EXPECT_EQ(store_->Quota("other"), 0u);
+  for (int i = 0; i < 3; ++i) ASSERT_OK(Put("o" + std::to_string(i), block, "", "other"));
+  for (int i = 0; i < 3; ++i) ASSERT_OK(Put("s" + std::to_string(i), block, "", "small"));
+  EXPECT_TRUE(Has("s0", "small"));  // s0 is now the most recently used
+  ASSERT_OK(Put("s3", block, "", "small"));
+  EXPECT_FALSE(Has("s1", "small"));
+  for (const char* k : {"s0", "s2", "s3"}) EXPECT_TRUE(Has(k, "small")) << k;
+  for (int i = 0; i < 3; ++i) EXPECT_TRUE(Has("o" + std::to_string(i), "other"));
+  for (const NamespaceStats& ns : store_->ListNamespaces()) {
+    if (ns.name == "small") {
+      EXPECT_LE(ns.bytes, 3 * block.size());
+    }
+  }
+  // A batch bigger than the quota, or a namespace full of pinned blocks,
+  // is refused without evicting anything.
+  PutSpec big{"huge", "", 4 * block.size()};
+  EXPECT_THAT(store_->BeginPut(sid_, "small", {&big, 1}),
+              StatusIs(Code::kResourceExhausted));
+  std::vector<absl::string_view> all = {"s0", "s2", "s3"};
+  auto pin = store_->Lookup(sid_, "small", all, false, true);
+  ASSERT_OK(pin);
+  EXPECT_THAT(Put("s4", block, "", "small"), StatusIs(Code::kResourceExhausted));
+  for (const char* k : {"s0", "s2", "s3"}) EXPECT_TRUE(Has(k, "small")) << k;
+  ASSERT_OK(store_->Unpin(sid_, pin->pin_id));
+  ASSERT_OK(store_->SetQuota("small", 0));  // removed: no limit
+  for (int i = 4; i < 10; ++i) ASSERT_OK(Put("s" + std::to_string(i), block, "", "small"));
+  EXPECT_TRUE(Has("s0", "small"));
+}
+
+TEST_F(TieredStoreTest, InspectReportsABlockWithoutTouchingIt) {
+  ASSERT_OK(Put("p", std::string(1000, 'p')));
+  ASSERT_OK(Put("c", std::string(2000, 'c'), "p"));
+  clock_.Advance(absl::Seconds(90));
+  sid_ = store_->OpenSession(absl::ZeroDuration(), "later")->id;  // lease ran out
+  EXPECT_TRUE(Has("p"));
+  auto d = store_->Inspect("ns", "p");
+  ASSERT_OK(d);
+  EXPECT_TRUE(d->in_dram);
+  EXPECT_FALSE(d->in_nvme);
+  EXPECT_EQ(d->size, 1000u);
+  EXPECT_EQ(d->checksum, BlockChecksum(std::string(1000, 'p')));
+  EXPECT_EQ(d->cached_children, 1u);
+  EXPECT_EQ(d->pins, 0u);
+  EXPECT_EQ(d->dram_reads, 1u);
+  EXPECT_EQ(d->age, absl::Seconds(90));
+  absl::string_view k = "c";
+  auto pin = store_->Lookup(sid_, "ns", {&k, 1}, false, true);
+  ASSERT_OK(pin);
+  EXPECT_EQ(store_->Inspect("ns", "c")->pins, 1u);
+  ASSERT_OK(store_->Unpin(sid_, pin->pin_id));
+  EXPECT_THAT(store_->Inspect("ns", "nope"), StatusIs(Code::kNotFound));
+  EXPECT_THAT(store_->Inspect("ns", ""), StatusIs(Code::kInvalidArgument));
+}
+
 class TieredStoreNvmeTest : public ::testing::Test {
  protected:
   void SetUp() override {
