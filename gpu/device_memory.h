@@ -1,0 +1,85 @@
+// The device primitives kvdepot_gpu builds on: streams, staging host memory
+// and the calling thread's device. Like gather.h, this interface has two
+// implementations chosen at link time: device_memory_cuda.cc in
+// kvdepot_gpu_cuda (CUDA runtime) and device_memory_cpu.cc in kvdepot_gpu_cpu
+// (plain host memory, everything synchronous). A program links exactly one.
+//
+// Thread-safe: every function may be called from any thread.
+#ifndef KVDEPOT_GPU_DEVICE_MEMORY_H_
+#define KVDEPOT_GPU_DEVICE_MEMORY_H_
+
+#include <cstddef>
+#include <utility>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
+
+namespace kvdepot {
+
+// A borrowed handle to an ordered queue of device work. In the CUDA build
+// `native` is a cudaStream_t (nullptr: the legacy default stream), owned by
+// the caller; the CPU build ignores it and does all work on the calling
+// thread before returning.
+struct StreamRef {
+  void* native = nullptr;
+};
+
+// "cuda" or "cpu": the implementation this program linked.
+absl::string_view GpuBackendName();
+
+// Blocks until all work enqueued on `stream` has finished. Returns the
+// device's error (Internal, or the code closest to the CUDA error) if any of
+// that work failed.
+absl::Status SynchronizeStream(StreamRef stream);
+
+// The calling thread's current device (cudaGetDevice); 0 in the CPU build.
+absl::StatusOr<int> GetCurrentDevice();
+// Makes `device` current on the calling thread (cudaSetDevice). The CPU
+// build accepts only 0.
+absl::Status SetCurrentDevice(int device);
+
+// Host memory for staging transfers: page-locked and mapped into the device
+// address space (cudaHostAlloc) in the CUDA build, so kernels and DMA reach it
+// directly; page-aligned ordinary memory in the CPU build. Move-only; frees
+// its memory on destruction.
+class HostBuffer {
+ public:
+  HostBuffer() = default;
+  HostBuffer(HostBuffer&& other) noexcept
+      : data_(std::exchange(other.data_, nullptr)),
+        size_(std::exchange(other.size_, 0)) {}
+  HostBuffer& operator=(HostBuffer&& other) noexcept {
+    if (this != &other) {
+      Release();
+      data_ = std::exchange(other.data_, nullptr);
+      size_ = std::exchange(other.size_, 0);
+    }
+    return *this;
+  }
+  HostBuffer(const HostBuffer&) = delete;
+  HostBuffer& operator=(const HostBuffer&) = delete;
+  ~HostBuffer() { Release(); }
+
+  char* data() const { return data_; }
+  size_t size() const { return size_; }
+
+ private:
+  friend absl::StatusOr<HostBuffer> AllocateHostBuffer(size_t bytes);
+  HostBuffer(char* data, size_t size) : data_(data), size_(size) {}
+  // Frees data_ the way the linked implementation allocated it.
+  void Release();
+
+  char* data_ = nullptr;
+  size_t size_ = 0;
+};
+
+// Allocates `bytes` of staging memory, aligned to at least 4096 bytes (an
+// empty buffer for 0). Returns ResourceExhausted when the memory is not
+// available, or the device's error (e.g. FailedPrecondition without a
+// device in the CUDA build).
+absl::StatusOr<HostBuffer> AllocateHostBuffer(size_t bytes);
+
+}  // namespace kvdepot
+
+#endif  // KVDEPOT_GPU_DEVICE_MEMORY_H_

@@ -1,0 +1,320 @@
+#include "gpu/staging.h"
+
+#include <pthread.h>
+
+#include <algorithm>
+#include <utility>
+
+#include "absl/strings/str_cat.h"
+#include "gpu/internal/transfer_plan.h"
+#include "storage/status_macros.h"
+
+namespace kvdepot {
+
+namespace staging_internal {
+
+// Layers [first_layer, end_layer) of the object of block_ids[index].
+struct Piece {
+  size_t index;
+  int first_layer;
+  int end_layer;
+};
+
+// The state of one transfer, shared by the pipeline's two stage threads and
+// the PendingTransfer handle.
+//
+// The ring protocol: piece k uses buffer k % N. The first stage (device for a
+// save, transport for a load) starts piece k once the second stage has
+// finished piece k - N (k < drained + N), and the second stage starts piece
+// k once the first has finished it (k < staged). So each buffer belongs to
+// one stage at a time, and the first stage runs at most N pieces ahead.
+struct Transfer {
+  // Constant after construction.
+  bool save = false;
+  KvCacheView cache;
+  std::vector<int64_t> block_ids;
+  std::vector<Piece> pieces;
+  // Called only by the transport thread.
+  SaveSink sink;
+  LoadSource source;
+
+  mutable absl::Mutex mu;
+  size_t staged ABSL_GUARDED_BY(mu) = 0;   // pieces through the first stage
+  size_t drained ABSL_GUARDED_BY(mu) = 0;  // pieces through the second stage
+  // Per layer: pieces holding it that the device stage has not finished.
+  std::vector<size_t> layer_pending ABSL_GUARDED_BY(mu);
+  // The first error; once set, both stages stop at their next piece.
+  absl::Status status ABSL_GUARDED_BY(mu);
+  // Both stages have returned: nothing of this transfer runs any more.
+  bool done ABSL_GUARDED_BY(mu) = false;
+
+  void Fail(absl::Status s) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu) {
+    if (status.ok()) status = std::move(s);
+  }
+};
+
+}  // namespace staging_internal
+
+using staging_internal::Piece;
+using staging_internal::Transfer;
+
+// ---------------------------------------------------------------------------
+// PendingTransfer
+
+PendingTransfer::PendingTransfer(std::shared_ptr<Transfer> t)
+    : transfer_(std::move(t)) {}
+
+PendingTransfer::~PendingTransfer() { Wait().IgnoreError(); }
+
+bool PendingTransfer::IsDone() const {
+  absl::MutexLock lock(&transfer_->mu);
+  return transfer_->done;
+}
+
+absl::Status PendingTransfer::Wait() {
+  Transfer& t = *transfer_;
+  absl::MutexLock lock(&t.mu);
+  t.mu.Await(absl::Condition(&t.done));
+  return t.status;
+}
+
+bool PendingTransfer::IsLayerDone(int layer) const {
+  const Transfer& t = *transfer_;
+  absl::MutexLock lock(&t.mu);
+  return layer >= 0 && static_cast<size_t>(layer) < t.layer_pending.size() &&
+         t.layer_pending[layer] == 0;
+}
+
+absl::Status PendingTransfer::WaitForLayer(int layer) {
+  Transfer& t = *transfer_;
+  absl::MutexLock lock(&t.mu);
+  if (layer < 0 || static_cast<size_t>(layer) >= t.layer_pending.size()) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "layer ", layer, " is outside [0, ", t.layer_pending.size(), ")"));
+  }
+  // A failed transfer answers only once it is done, so that a caller who
+  // falls back (recomputes the blocks) never races a scatter still running.
+  auto ready = [&t, layer]() ABSL_SHARED_LOCKS_REQUIRED(t.mu) {
+    return t.layer_pending[layer] == 0 || t.done;
+  };
+  t.mu.Await(absl::Condition(&ready));
+  if (t.layer_pending[layer] == 0) return absl::OkStatus();
+  return t.status;
+}
+
+// ---------------------------------------------------------------------------
+// StagingPipeline
+
+absl::StatusOr<std::unique_ptr<StagingPipeline>> StagingPipeline::Create(
+    const KvLayout& layout, StreamRef stream, StagingOptions options) {
+  if (options.num_buffers < 2) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "num_buffers is ", options.num_buffers, "; the ring needs at least 2"));
+  }
+  if (options.layers_per_piece < 0) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "layers_per_piece is ", options.layers_per_piece, "; it must be >= 0"));
+  }
+  if (options.layers_per_piece == 0 ||
+      options.layers_per_piece > layout.num_layers()) {
+    options.layers_per_piece = layout.num_layers();
+  }
+  ASSIGN_OR_RETURN(const int device, GetCurrentDevice());
+  const size_t buffer_bytes =
+      static_cast<size_t>(options.layers_per_piece) * layout.layer_bytes();
+  std::vector<HostBuffer> buffers;
+  buffers.reserve(options.num_buffers);
+  for (int i = 0; i < options.num_buffers; ++i) {
+    ASSIGN_OR_RETURN(HostBuffer b, AllocateHostBuffer(buffer_bytes));
+    buffers.push_back(std::move(b));
+  }
+  return std::unique_ptr<StagingPipeline>(new StagingPipeline(
+      layout, stream, options, device, buffer_bytes, std::move(buffers)));
+}
+
+StagingPipeline::StagingPipeline(const KvLayout& layout, StreamRef stream,
+                                 StagingOptions options, int device,
+                                 size_t buffer_bytes,
+                                 std::vector<HostBuffer> buffers)
+    : layout_(layout),
+      stream_(stream),
+      options_(options),
+      device_(device),
+      buffer_bytes_(buffer_bytes),
+      buffers_(std::move(buffers)) {
+  device_thread_ = std::thread([this] { RunStage(Stage::kDevice); });
+  transport_thread_ = std::thread([this] { RunStage(Stage::kTransport); });
+  // Linux limits thread names to 15 characters.
+  pthread_setname_np(device_thread_.native_handle(), "kvd-stage-dev");
+  pthread_setname_np(transport_thread_.native_handle(), "kvd-stage-xfer");
+}
+
+StagingPipeline::~StagingPipeline() {
+  {
+    absl::MutexLock lock(&mu_);
+    stop_ = true;
+  }
+  device_thread_.join();
+  transport_thread_.join();
+}
+
+absl::StatusOr<std::unique_ptr<PendingTransfer>> StagingPipeline::StartSave(
+    const KvCacheView& cache, absl::Span<const int64_t> block_ids,
+    SaveSink sink) {
+  if (!sink) return absl::InvalidArgumentError("the save sink is empty");
+  RETURN_IF_ERROR(gpu_internal::ResolveCache(layout_, cache).status());
+  RETURN_IF_ERROR(gpu_internal::ValidateBlockIds(block_ids, cache.num_blocks,
+                                                 /*allow_repeats=*/true));
+  auto t = std::make_shared<Transfer>();
+  t->save = true;
+  t->cache = cache;
+  t->block_ids.assign(block_ids.begin(), block_ids.end());
+  t->sink = std::move(sink);
+  return Start(std::move(t));
+}
+
+absl::StatusOr<std::unique_ptr<PendingTransfer>> StagingPipeline::StartLoad(
+    const KvCacheView& cache, absl::Span<const int64_t> block_ids,
+    LoadSource source) {
+  if (!source) return absl::InvalidArgumentError("the load source is empty");
+  RETURN_IF_ERROR(gpu_internal::ResolveCache(layout_, cache).status());
+  RETURN_IF_ERROR(gpu_internal::ValidateBlockIds(block_ids, cache.num_blocks,
+                                                 /*allow_repeats=*/false));
+  auto t = std::make_shared<Transfer>();
+  t->save = false;
+  t->cache = cache;
+  t->block_ids.assign(block_ids.begin(), block_ids.end());
+  t->source = std::move(source);
+  return Start(std::move(t));
+}
+
+absl::StatusOr<std::unique_ptr<PendingTransfer>> StagingPipeline::Start(
+    std::shared_ptr<Transfer> t) {
+  const int layers = layout_.num_layers();
+  const int step = options_.layers_per_piece;
+  const size_t blocks = t->block_ids.size();
+  t->pieces.reserve(blocks * ((layers + step - 1) / step));
+  if (options_.order == PieceOrder::kLayerMajor) {
+    for (int first = 0; first < layers; first += step) {
+      for (size_t i = 0; i < blocks; ++i) {
+        t->pieces.push_back(Piece{i, first, std::min(layers, first + step)});
+      }
+    }
+  } else {
+    for (size_t i = 0; i < blocks; ++i) {
+      for (int first = 0; first < layers; first += step) {
+        t->pieces.push_back(Piece{i, first, std::min(layers, first + step)});
+      }
+    }
+  }
+  {
+    absl::MutexLock lock(&t->mu);
+    t->layer_pending.assign(layers, blocks);
+  }
+  auto handle = std::unique_ptr<PendingTransfer>(new PendingTransfer(t));
+  absl::MutexLock lock(&mu_);
+  queue_.push_back(std::move(t));
+  return handle;
+}
+
+void StagingPipeline::RunStage(Stage stage) {
+  const int me = static_cast<int>(stage);
+  // The device stage's thread works on the device current when the pipeline
+  // was created; if it cannot, every transfer fails with that error.
+  const absl::Status bound =
+      stage == Stage::kDevice ? SetCurrentDevice(device_) : absl::OkStatus();
+  while (true) {
+    std::shared_ptr<Transfer> t;
+    {
+      absl::MutexLock lock(&mu_);
+      auto ready = [this, me]() ABSL_SHARED_LOCKS_REQUIRED(mu_) {
+        return (!queue_.empty() && !taken_[me]) || (stop_ && queue_.empty());
+      };
+      mu_.Await(absl::Condition(&ready));
+      if (queue_.empty()) return;  // stopping, and every transfer finished
+      t = queue_.front();
+      taken_[me] = true;
+    }
+    if (bound.ok()) {
+      RunStageOf(stage, *t);
+    } else {
+      absl::MutexLock lock(&t->mu);
+      t->Fail(bound);
+    }
+    bool last;
+    {
+      absl::MutexLock lock(&mu_);
+      last = ++stages_finished_ == 2;
+      if (last) {
+        queue_.pop_front();
+        taken_[0] = taken_[1] = false;
+        stages_finished_ = 0;
+      }
+    }
+    if (last) {
+      absl::MutexLock lock(&t->mu);
+      t->done = true;
+    }
+  }
+}
+
+void StagingPipeline::RunStageOf(Stage stage, Transfer& t) {
+  const bool first = t.save == (stage == Stage::kDevice);
+  const size_t ring = buffers_.size();
+  for (size_t k = 0; k < t.pieces.size(); ++k) {
+    {
+      absl::MutexLock lock(&t.mu);
+      auto ready = [&t, first, k, ring]() ABSL_SHARED_LOCKS_REQUIRED(t.mu) {
+        return !t.status.ok() || (first ? k < t.drained + ring : k < t.staged);
+      };
+      t.mu.Await(absl::Condition(&ready));
+      if (!t.status.ok()) return;
+    }
+    absl::Status s =
+        stage == Stage::kDevice ? DevicePiece(t, k) : TransportPiece(t, k);
+    absl::MutexLock lock(&t.mu);
+    if (!s.ok()) {
+      t.Fail(std::move(s));
+      return;
+    }
+    (first ? t.staged : t.drained) = k + 1;
+    if (stage == Stage::kDevice) {
+      const Piece& p = t.pieces[k];
+      for (int l = p.first_layer; l < p.end_layer; ++l) --t.layer_pending[l];
+    }
+  }
+}
+
+absl::Status StagingPipeline::DevicePiece(Transfer& t, size_t k) {
+  const Piece& p = t.pieces[k];
+  char* const buffer = buffers_[k % buffers_.size()].data();
+  const int64_t id = t.block_ids[p.index];
+  const LayerRange layers{p.first_layer, p.end_layer};
+  absl::Status s;
+  if (t.save) {
+    void* const dst[] = {buffer};
+    s = Gather(layout_, t.cache, absl::MakeConstSpan(&id, 1), layers, dst,
+               stream_);
+  } else {
+    const void* const src[] = {buffer};
+    s = Scatter(layout_, t.cache, absl::MakeConstSpan(&id, 1), layers, src,
+                stream_);
+  }
+  // Wait even after a failed call: launches it had already enqueued may
+  // still be touching the cache or the buffer.
+  absl::Status synced = SynchronizeStream(stream_);
+  return s.ok() ? synced : s;
+}
+
+absl::Status StagingPipeline::TransportPiece(Transfer& t, size_t k) {
+  const Piece& p = t.pieces[k];
+  char* const buffer = buffers_[k % buffers_.size()].data();
+  const uint64_t offset = p.first_layer * layout_.layer_bytes();
+  const size_t bytes = (p.end_layer - p.first_layer) * layout_.layer_bytes();
+  if (t.save) {
+    return t.sink(p.index, offset, absl::Span<const char>(buffer, bytes));
+  }
+  return t.source(p.index, offset, absl::Span<char>(buffer, bytes));
+}
+
+}  // namespace kvdepot
