@@ -2,11 +2,13 @@
 //
 //   kvdepotctl [--server HOST:PORT] [--json] COMMAND ...
 //
-// Commands: health, put, get, lookup, evict, stats, namespaces (see --help and
+// Commands: health, status, put, get, lookup, evict, inspect, stats,
+// namespaces, verify, compact, drain, undrain, quota get|set (see --help and
 // README.md). Keys are given in hex. This output and these exit codes are a
 // contract scripts rely on:
 //   0 ok, 1 error (message on stderr), 2 usage error, 3 not found.
 #include <CLI/CLI.hpp>
+#include <algorithm>
 #include <chrono>
 #include <cstdio>
 #include <fstream>
@@ -18,8 +20,10 @@
 #include "absl/strings/ascii.h"
 #include "absl/strings/escaping.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
 #include "client/client.h"
+#include "storage/sizes.h"
 
 namespace kvdepot {
 namespace {
@@ -92,6 +96,7 @@ struct Ctl {
   std::string ns, key, parent, file, out;
   bool prefix = false, pin = false, all = false;
   std::vector<std::string> keys;
+  std::string quota;  // quota set: a size
 
   std::unique_ptr<Client> Connect() {
     ClientOptions o;
@@ -308,6 +313,159 @@ struct Ctl {
     return kOk;
   }
 
+  // Runs one unary admin RPC on the raw stub with the --timeout deadline.
+  template <typename Req, typename Resp, typename Method>
+  absl::Status Call(Method method, const Req& req, Resp* resp) {
+    std::unique_ptr<Client> c = Connect();
+    grpc::ClientContext ctx;
+    ctx.set_deadline(std::chrono::system_clock::now() +
+                     std::chrono::milliseconds(static_cast<int64_t>(timeout_s * 1000)));
+    return FromGrpcStatus((c->stub().*method)(&ctx, req, resp));
+  }
+
+  int SetDraining(bool draining) {
+    v1::SetDrainingRequest req;
+    req.set_draining(draining);
+    v1::SetDrainingResponse r;
+    absl::Status st = Call(&v1::KvDepot::Stub::SetDraining, req, &r);
+    if (!st.ok()) return Fail(st);
+    if (json) {
+      std::cout << "{\"draining\": " << (r.draining() ? "true" : "false")
+                << ", \"open_reservations\": " << r.reservations() << "}\n";
+    } else {
+      std::cout << (r.draining() ? "draining: no new puts; " : "accepting puts; ")
+                << r.reservations() << " reserved put(s) still open\n";
+    }
+    return kOk;
+  }
+
+  int Inspect() {
+    v1::InspectRequest req;
+    req.set_namespace_(ns);
+    req.set_key(HexToBytes(key, "--key"));
+    v1::InspectResponse r;
+    absl::Status st = Call(&v1::KvDepot::Stub::Inspect, req, &r);
+    if (!st.ok()) return Fail(st);
+    std::string tiers = r.in_dram() && r.in_nvme() ? "dram+nvme"
+                        : r.in_dram()              ? "dram"
+                                                   : "nvme";
+    std::string checksum = absl::StrFormat("%016x", r.checksum());
+    std::string parent_hex = absl::BytesToHexString(r.parent());
+    if (json) {
+      std::cout << "{\"tiers\": " << Quote(tiers) << ", \"size\": " << r.size()
+                << ", \"checksum\": " << Quote(checksum) << ", \"pins\": " << r.pins()
+                << ", \"cached_children\": " << r.cached_children()
+                << ", \"age_ms\": " << r.age_ms() << ", \"dram_reads\": " << r.dram_reads()
+                << ", \"nvme_reads\": " << r.nvme_reads()
+                << ", \"parent\": " << Quote(parent_hex) << "}\n";
+    } else {
+      std::cout << "tier: " << tiers << "\nsize: " << r.size() << " bytes\nchecksum: "
+                << checksum << " (XXH3-64)\npins: " << r.pins()
+                << "\ncached children: " << r.cached_children() << "\n";
+      if (r.in_dram()) {
+        std::cout << "age: " << absl::FormatDuration(absl::Milliseconds(r.age_ms()))
+                  << " in DRAM, " << r.dram_reads() << " lookups\n";
+      }
+      if (r.in_nvme()) {
+        std::cout << "nvme reads: " << r.nvme_reads() << "\nparent: "
+                  << (parent_hex.empty() ? "(none)" : parent_hex) << "\n";
+      }
+    }
+    return kOk;
+  }
+
+  int QuotaGet() {
+    v1::GetQuotaRequest req;
+    req.set_namespace_(ns);
+    v1::GetQuotaResponse r;
+    absl::Status st = Call(&v1::KvDepot::Stub::GetQuota, req, &r);
+    if (!st.ok()) return Fail(st);
+    if (json) {
+      std::cout << "{\"namespace\": " << Quote(ns) << ", \"max_bytes\": " << r.max_bytes()
+                << ", \"used_bytes\": " << r.used_bytes() << "}\n";
+    } else if (r.max_bytes() == 0) {
+      std::cout << ns << ": no quota, " << FormatSize(r.used_bytes()) << " used\n";
+    } else {
+      std::cout << ns << ": " << FormatSize(r.used_bytes()) << " of "
+                << FormatSize(r.max_bytes()) << " used\n";
+    }
+    return kOk;
+  }
+
+  int QuotaSet() {
+    absl::StatusOr<uint64_t> bytes = ParseSize(quota);
+    if (!bytes.ok()) {
+      throw UsageError{absl::StrCat("quota '", quota, "' is not a size (e.g. 64GiB, 0 for none)")};
+    }
+    v1::SetQuotaRequest req;
+    req.set_namespace_(ns);
+    req.set_max_bytes(*bytes);
+    v1::SetQuotaResponse r;
+    absl::Status st = Call(&v1::KvDepot::Stub::SetQuota, req, &r);
+    if (!st.ok()) return Fail(st);
+    if (json) {
+      std::cout << "{\"namespace\": " << Quote(ns) << ", \"max_bytes\": " << *bytes << "}\n";
+    } else {
+      std::cout << ns << ": quota " << (*bytes == 0 ? "removed" : FormatSize(*bytes)) << "\n";
+    }
+    return kOk;
+  }
+
+  // One screen: health, tiers, hit ratio, sessions and pins, top namespaces.
+  int Status() {
+    std::unique_ptr<Client> c = Connect();
+    absl::Status health = c->Health();
+    auto r = c->Stats();
+    if (!r.ok()) return Fail(r.status());
+    const char* state = !health.ok() ? "NOT_SERVING" : r->draining() ? "DRAINING" : "SERVING";
+    auto ratio = [](uint64_t a, uint64_t b) { return b == 0 ? 0.0 : static_cast<double>(a) / b; };
+    std::vector<v1::NamespaceStats> top(r->namespaces().begin(), r->namespaces().end());
+    std::sort(top.begin(), top.end(), [](const auto& a, const auto& b) {
+      return a.lookups() > b.lookups();
+    });
+    if (top.size() > 5) top.resize(5);
+    if (json) {
+      std::vector<std::string> nss;
+      for (const auto& n : top) nss.push_back(NamespaceJson(n));
+      std::cout << "{\"state\": " << Quote(state) << ", \"version\": " << Quote(r->version())
+                << ", \"uptime_ms\": " << r->uptime_ms()
+                << ", \"hit_ratio\": " << ratio(r->lookup_hits(), r->lookup_keys())
+                << ", \"sessions\": " << r->sessions() << ", \"pins\": " << r->pins()
+                << ", \"reservations\": " << r->reservations()
+                << ", \"integrity_errors\": " << r->integrity_errors()
+                << ", \"top_namespaces\": [" << absl::StrJoin(nss, ", ") << "]}\n";
+      return health.ok() ? kOk : kError;
+    }
+    std::printf("kvdepotd %s at %s: %s, up %s\n", r->version().c_str(), server.c_str(), state,
+                absl::FormatDuration(absl::Seconds(r->uptime_ms() / 1000)).c_str());
+    for (const auto& [name, t] : {std::pair{"dram", &r->dram()}, std::pair{"nvme", &r->nvme()}}) {
+      const double used = ratio(t->used_bytes(), t->capacity_bytes());
+      const int bar = static_cast<int>(used * 20 + 0.5);
+      std::printf("  %s [%s%s] %5.1f%%  %s of %s, %llu blocks, %llu evictions\n", name,
+                  std::string(bar, '#').c_str(), std::string(20 - bar, '.').c_str(),
+                  100 * used, FormatSize(t->used_bytes()).c_str(),
+                  FormatSize(t->capacity_bytes()).c_str(),
+                  static_cast<unsigned long long>(t->blocks()),
+                  static_cast<unsigned long long>(t->evictions()));
+    }
+    std::printf("  hits %.1f%% of %llu keys looked up (dram %llu, nvme %llu)\n",
+                100 * ratio(r->lookup_hits(), r->lookup_keys()),
+                static_cast<unsigned long long>(r->lookup_keys()),
+                static_cast<unsigned long long>(r->dram().hits()),
+                static_cast<unsigned long long>(r->nvme().hits()));
+    std::printf("  sessions %llu, pins %llu, open puts %llu, integrity errors %llu\n",
+                static_cast<unsigned long long>(r->sessions()),
+                static_cast<unsigned long long>(r->pins()),
+                static_cast<unsigned long long>(r->reservations()),
+                static_cast<unsigned long long>(r->integrity_errors()));
+    for (const auto& n : top) {
+      std::printf("  ns %-32s %8llu blocks %10s  hits %.1f%%\n", n.name().c_str(),
+                  static_cast<unsigned long long>(n.blocks()), FormatSize(n.bytes()).c_str(),
+                  100 * ratio(n.hits(), n.lookups()));
+    }
+    return health.ok() ? kOk : kError;
+  }
+
   int Namespaces() {
     auto r = Connect()->ListNamespaces();
     if (!r.ok()) return Fail(r.status());
@@ -356,6 +514,19 @@ int Main(int argc, char** argv) {
   auto* namespaces = app.add_subcommand("namespaces", "list namespaces");
   auto* verify = app.add_subcommand("verify", "scrub NVMe blocks against their checksums");
   auto* compact = app.add_subcommand("compact", "compact the NVMe tier");
+  auto* status = app.add_subcommand("status", "one screen: health, tiers, hits, sessions, pins");
+  auto* drain = app.add_subcommand("drain", "stop accepting puts (reads keep working)");
+  auto* undrain = app.add_subcommand("undrain", "accept puts again");
+  auto* inspect = app.add_subcommand("inspect", "what the daemon knows about one block");
+  inspect->add_option("--ns", ctl.ns, "namespace")->required();
+  inspect->add_option("--key", ctl.key, "key (hex)")->required();
+  auto* quota = app.add_subcommand("quota", "a namespace's DRAM quota");
+  quota->require_subcommand(1);
+  auto* quota_get = quota->add_subcommand("get", "show the quota and usage");
+  quota_get->add_option("--ns", ctl.ns, "namespace")->required();
+  auto* quota_set = quota->add_subcommand("set", "set the quota (0 removes it)");
+  quota_set->add_option("--ns", ctl.ns, "namespace")->required();
+  quota_set->add_option("size", ctl.quota, "bytes, e.g. 64GiB")->required();
 
   try {
     app.parse(argc, argv);
@@ -373,6 +544,12 @@ int Main(int argc, char** argv) {
     if (namespaces->parsed()) return ctl.Namespaces();
     if (verify->parsed()) return ctl.Verify();
     if (compact->parsed()) return ctl.Compact();
+    if (status->parsed()) return ctl.Status();
+    if (drain->parsed()) return ctl.SetDraining(true);
+    if (undrain->parsed()) return ctl.SetDraining(false);
+    if (inspect->parsed()) return ctl.Inspect();
+    if (quota_get->parsed()) return ctl.QuotaGet();
+    if (quota_set->parsed()) return ctl.QuotaSet();
   } catch (const UsageError& e) {
     std::cerr << "kvdepotctl: " << e.message << "\n";
     return kUsage;

@@ -114,6 +114,8 @@ absl::Status LoadConfigFile(const std::string& path, DaemonConfig* c) {
       {"metrics_namespace_labels", uint_into(&ns_labels)},
       {"data_dir", string_into(&c->data_dir)},
       {"log_level", string_into(&c->log_level)},
+      {"log_format", string_into(&c->log_format)},
+      {"log_file", string_into(&c->log_file)},
       {"dram_capacity", size_into(&c->store.dram_capacity)},
       {"grpc_memory_limit", size_into(&c->grpc_memory_limit)},
       {"max_block_size", size_into(&c->store.max_block_bytes)},

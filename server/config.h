@@ -26,6 +26,9 @@ struct DaemonConfig {
   // On SIGTERM, write DRAM-only blocks to the NVMe tier before exiting.
   bool persist_on_shutdown = true;
   std::string log_level = "info";  // trace, debug, info, warn, error
+  std::string log_format = "text";  // text, json (one object per line)
+  // Empty: stderr. A file is appended to and reopened on SIGHUP.
+  std::string log_file;
   // Most threads of gRPC's synchronous server (health checks); the API runs
   // on gRPC's callback threads.
   int grpc_max_threads = 64;

@@ -47,19 +47,30 @@ absl::Status Daemon::Init() {
   ASSIGN_OR_RETURN(store_, NewTieredStore(store_options, SystemClock()));
 
   if (!config_.metrics_listen.empty()) {
-    try {
-      exposer_ = std::make_unique<prometheus::Exposer>(config_.metrics_listen);
-    } catch (const std::exception& e) {
-      return absl::UnavailableError(absl::StrCat(
-          "cannot serve metrics on ", config_.metrics_listen, ": ", e.what()));
-    }
-    exposer_->RegisterCollectable(registry_);
-    std::vector<int> ports = exposer_->GetListeningPorts();
+    status_page_ = std::make_unique<StatusPage>(
+        StatusPage::Sources{
+            [this] { return store_->Stats(); },
+            [this] { return registry_->Collect(); },
+            [this] {
+              absl::MutexLock lock(&mu_);
+              return !shut_down_;
+            }},
+        *SystemClock());
+    status_page_->StartSampler();
+    HttpServerOptions http;
+    http.listen = config_.metrics_listen;
+    ASSIGN_OR_RETURN(
+        http_server_,
+        HttpServer::Start(http, MetricsPortRoutes(*registry_, *status_page_),
+                          log_));
     metrics_address_ = absl::StrCat(HostOf(config_.metrics_listen), ":",
-                                    ports.empty() ? 0 : ports[0]);
+                                    http_server_->port());
   }
 
+  quota_file_ = std::make_unique<QuotaFile>(data_dir_->path() + "/quotas");
+  RETURN_IF_ERROR(quota_file_->Load(*store_));
   service_ = std::make_unique<KvDepotService>(*store_, *metrics_, *SystemClock(), log_);
+  service_->set_quota_file(quota_file_.get());
   grpc::EnableDefaultHealthCheckService(true);
   grpc::ServerBuilder builder;
   int port = 0;

@@ -9,7 +9,6 @@
 #define KVDEPOT_SERVER_DAEMON_H_
 
 #include <grpcpp/server.h>
-#include <prometheus/exposer.h>
 #include <prometheus/registry.h>
 #include <spdlog/logger.h>
 
@@ -21,8 +20,10 @@
 #include "absl/synchronization/mutex.h"
 #include "server/config.h"
 #include "server/data_dir.h"
+#include "server/http_server.h"
 #include "server/kvdepot_service.h"
 #include "server/metrics.h"
+#include "server/status_page.h"
 #include "storage/clock.h"
 #include "storage/tiered_store.h"
 
@@ -57,8 +58,8 @@ class Daemon {
   std::unique_ptr<DataDir> data_dir_;
   std::shared_ptr<prometheus::Registry> registry_;
   std::unique_ptr<ServerMetrics> metrics_;
-  std::unique_ptr<prometheus::Exposer> exposer_;
   std::unique_ptr<TieredStore> store_;
+  std::unique_ptr<QuotaFile> quota_file_;  // <data-dir>/quotas
   std::unique_ptr<KvDepotService> service_;
   std::unique_ptr<grpc::Server> server_;
   std::string grpc_address_;
@@ -68,6 +69,10 @@ class Daemon {
   bool stopping_ ABSL_GUARDED_BY(mu_) = false;
   bool shut_down_ ABSL_GUARDED_BY(mu_) = false;
   std::thread maintenance_;
+  // The metrics port. Last, so destroyed first: its handlers read store_,
+  // registry_ and mu_.
+  std::unique_ptr<StatusPage> status_page_;
+  std::unique_ptr<HttpServer> http_server_;
 };
 
 }  // namespace kvdepot

@@ -490,6 +490,7 @@ grpc::ServerUnaryReactor* KvDepotService::Stats(grpc::CallbackServerContext* ctx
     resp->set_demotion_failures(st.demotion_failures);
     resp->set_promotions(st.promotions);
     resp->set_demotions_skipped(st.demotions_skipped);
+    resp->set_draining(st.draining);
     resp->set_sessions(st.sessions);
     resp->set_pins(st.pins);
     resp->set_reservations(st.reservations);
@@ -544,6 +545,68 @@ grpc::ServerUnaryReactor* KvDepotService::Compact(grpc::CallbackServerContext* c
   return Unary(ctx, "Compact", [&]() -> absl::Status {
     RETURN_IF_ERROR(store_.CompactNvme());
     log_->info("compacted the NVMe tier");
+    return absl::OkStatus();
+  });
+}
+
+grpc::ServerUnaryReactor* KvDepotService::SetDraining(
+    grpc::CallbackServerContext* ctx, const v1::SetDrainingRequest* req,
+    v1::SetDrainingResponse* resp) {
+  return Unary(ctx, "SetDraining", [&]() -> absl::Status {
+    store_.SetDraining(req->draining());
+    StoreStats st = store_.Stats();
+    resp->set_draining(st.draining);
+    resp->set_reservations(st.reservations);
+    log_->info("{} by {}: {} put(s) reserved still open",
+               req->draining() ? "draining (no new puts)" : "accepting puts again",
+               ctx->peer(), st.reservations);
+    return absl::OkStatus();
+  });
+}
+
+grpc::ServerUnaryReactor* KvDepotService::Inspect(grpc::CallbackServerContext* ctx,
+                                                  const v1::InspectRequest* req,
+                                                  v1::InspectResponse* resp) {
+  return Unary(ctx, "Inspect", [&]() -> absl::Status {
+    ASSIGN_OR_RETURN(BlockDetails d, store_.Inspect(req->namespace_(), req->key()));
+    resp->set_in_dram(d.in_dram);
+    resp->set_in_nvme(d.in_nvme);
+    resp->set_size(d.size);
+    resp->set_checksum(d.checksum);
+    resp->set_pins(d.pins);
+    resp->set_cached_children(d.cached_children);
+    resp->set_age_ms(static_cast<uint64_t>(absl::ToInt64Milliseconds(d.age)));
+    resp->set_dram_reads(d.dram_reads);
+    resp->set_nvme_reads(d.nvme_reads);
+    resp->set_parent(d.parent);
+    return absl::OkStatus();
+  });
+}
+
+grpc::ServerUnaryReactor* KvDepotService::SetQuota(grpc::CallbackServerContext* ctx,
+                                                   const v1::SetQuotaRequest* req,
+                                                   v1::SetQuotaResponse*) {
+  return Unary(ctx, "SetQuota", [&]() -> absl::Status {
+    if (quota_file_ != nullptr) {
+      RETURN_IF_ERROR(quota_file_->Set(store_, req->namespace_(), req->max_bytes()));
+    } else {
+      RETURN_IF_ERROR(store_.SetQuota(req->namespace_(), req->max_bytes()));
+    }
+    log_->info("quota of namespace {} set to {} bytes by {}", req->namespace_(),
+               req->max_bytes(), ctx->peer());
+    return absl::OkStatus();
+  });
+}
+
+grpc::ServerUnaryReactor* KvDepotService::GetQuota(grpc::CallbackServerContext* ctx,
+                                                   const v1::GetQuotaRequest* req,
+                                                   v1::GetQuotaResponse* resp) {
+  return Unary(ctx, "GetQuota", [&]() -> absl::Status {
+    RETURN_IF_ERROR(ValidateNamespace(req->namespace_()));
+    resp->set_max_bytes(store_.Quota(req->namespace_()));
+    for (const NamespaceStats& ns : store_.ListNamespaces()) {
+      if (ns.name == req->namespace_()) resp->set_used_bytes(ns.bytes);
+    }
     return absl::OkStatus();
   });
 }

@@ -21,6 +21,7 @@
 #include "kvdepot/v1/kvdepot.grpc.pb.h"
 #include "server/byte_streams.h"
 #include "server/metrics.h"
+#include "server/quota_file.h"
 #include "storage/clock.h"
 #include "storage/tiered_store.h"
 
@@ -84,6 +85,22 @@ class KvDepotService final
   grpc::ServerUnaryReactor* Compact(grpc::CallbackServerContext* ctx,
                                     const v1::CompactRequest* req,
                                     v1::CompactResponse* resp) override;
+  grpc::ServerUnaryReactor* SetDraining(grpc::CallbackServerContext* ctx,
+                                        const v1::SetDrainingRequest* req,
+                                        v1::SetDrainingResponse* resp) override;
+  grpc::ServerUnaryReactor* Inspect(grpc::CallbackServerContext* ctx,
+                                    const v1::InspectRequest* req,
+                                    v1::InspectResponse* resp) override;
+  grpc::ServerUnaryReactor* SetQuota(grpc::CallbackServerContext* ctx,
+                                     const v1::SetQuotaRequest* req,
+                                     v1::SetQuotaResponse* resp) override;
+  grpc::ServerUnaryReactor* GetQuota(grpc::CallbackServerContext* ctx,
+                                     const v1::GetQuotaRequest* req,
+                                     v1::GetQuotaResponse* resp) override;
+
+  // Where SetQuota records quotas (the daemon's data dir); without one,
+  // quotas apply until the daemon stops. `file` must outlive the service.
+  void set_quota_file(QuotaFile* file) { quota_file_ = file; }
 
   // Records one finished RPC (metrics, and a log line for failures that are
   // the daemon's fault). Used by the unary helper and the stream reactors.
@@ -130,6 +147,8 @@ class KvDepotService final
   Clock& clock_;
   const std::shared_ptr<spdlog::logger> log_;
   const absl::Time started_;
+
+  QuotaFile* quota_file_ = nullptr;
 
   absl::Mutex streams_mu_;
   absl::flat_hash_set<Stream*> streams_ ABSL_GUARDED_BY(streams_mu_);

@@ -7,7 +7,6 @@
 // after a clean shutdown (SIGTERM/SIGINT), 1 when the daemon cannot start or
 // fails, 2 for a usage or configuration error.
 #include <signal.h>
-#include <spdlog/sinks/stdout_color_sinks.h>
 #include <spdlog/spdlog.h>
 
 #include <CLI/CLI.hpp>
@@ -15,6 +14,7 @@
 #include <optional>
 
 #include "server/config.h"
+#include "server/logging.h"
 #include "server/daemon.h"
 #include "server/version.h"
 #include "storage/process_tuning.h"
@@ -110,14 +110,13 @@ int main(int argc, char** argv) {
     return Fail(2, std::string(st.message()));
   }
 
-  auto logger = spdlog::stderr_color_mt("kvdepotd");
-  logger->set_pattern("%Y-%m-%dT%H:%M:%S.%e%z %^%l%$ %v");
-  spdlog::level::level_enum level = spdlog::level::from_str(config.log_level);
-  if (level == spdlog::level::off && config.log_level != "off") {
-    return Fail(2, "unknown log level '" + config.log_level + "'");
+  absl::StatusOr<kvdepot::Logger> log = kvdepot::MakeLogger(
+      "kvdepotd", {config.log_level, config.log_format, config.log_file});
+  if (!log.ok()) {
+    return Fail(log.status().code() == absl::StatusCode::kInvalidArgument ? 2 : 1,
+                std::string(log.status().message()));
   }
-  logger->set_level(level);
-  logger->flush_on(spdlog::level::info);
+  std::shared_ptr<spdlog::logger> logger = log->logger;
 
   // Signals are taken synchronously by this thread; block them before any
   // other thread starts so none of those receives them.
@@ -125,6 +124,7 @@ int main(int argc, char** argv) {
   sigemptyset(&signals);
   sigaddset(&signals, SIGTERM);
   sigaddset(&signals, SIGINT);
+  sigaddset(&signals, SIGHUP);
   pthread_sigmask(SIG_BLOCK, &signals, nullptr);
   signal(SIGPIPE, SIG_IGN);
 
@@ -134,7 +134,11 @@ int main(int argc, char** argv) {
     return 1;
   }
   int sig = 0;
-  sigwait(&signals, &sig);
+  // SIGHUP reopens the log file (after logrotate moved it away).
+  while (sigwait(&signals, &sig) == 0 && sig == SIGHUP) {
+    log->reopen();
+    logger->info("received SIGHUP, log file reopened");
+  }
   logger->info("received {}, shutting down", sig == SIGTERM ? "SIGTERM" : "SIGINT");
   (*daemon)->Shutdown();
   daemon->reset();

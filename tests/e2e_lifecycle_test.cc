@@ -4,10 +4,14 @@
 
 #include <gtest/gtest.h>
 
+#include <cstdio>
 #include <fstream>
+#include <iterator>
 #include <string>
 #include <vector>
 
+#include "absl/strings/numbers.h"
+#include "absl/strings/ascii.h"
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
 #include "client/client.h"
@@ -148,6 +152,48 @@ TEST(LifecycleTest, ReadOnlyDataDirFailsClearly) {
     EXPECT_NE(err.find("Read-only file system"), std::string::npos) << err;
     EXPECT_NE(err.find("cannot start"), std::string::npos) << err;
   }
+}
+
+// log_file + SIGHUP: logrotate moves the file, SIGHUP makes the daemon
+// write to a new one; JSON lines with log_format: json.
+TEST(LifecycleTest, SighupReopensTheLogFile) {
+  const std::string dir = MakeTempDir("logs");
+  const std::string log = dir + "/kvdepotd.log";
+  std::ofstream(dir + "/k.yaml") << "log_file: " << log << "\nlog_format: json\n";
+  // Started by hand: its startup line goes to the file, not to stderr.
+  testing::CommandResult started = testing::RunCommand(absl::StrCat(
+      testing::DaemonBinary(), " --config ", dir, "/k.yaml --listen 127.0.0.1:0",
+      " --metrics-listen '' --hugepages off --dram-capacity 64MiB --data-dir ", dir,
+      "/data > /dev/null 2>&1 & echo $!"));
+  int pid = 0;
+  ASSERT_TRUE(absl::SimpleAtoi(absl::StripAsciiWhitespace(started.out), &pid)) << started.out;
+  auto slurp_until = [&](const std::string& want) {
+    std::string text;
+    for (absl::Time deadline = absl::Now() + absl::Seconds(20);
+         absl::Now() < deadline && text.find(want) == std::string::npos;
+         absl::SleepFor(absl::Milliseconds(50))) {
+      std::ifstream in(log);
+      text.assign(std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>());
+    }
+    return text;
+  };
+  std::string text = slurp_until("listening on");
+  EXPECT_NE(text.find(R"("level":"info","logger":"kvdepotd","msg":"kvdepotd )"),
+            std::string::npos) << text;
+  ASSERT_EQ(std::rename(log.c_str(), (log + ".1").c_str()), 0);
+  ASSERT_EQ(kill(pid, SIGHUP), 0);
+  text = slurp_until("log file reopened");
+  EXPECT_NE(text.find("log file reopened"), std::string::npos) << text;
+  // SIGHUP did not stop it; SIGTERM does, cleanly, and says so in the new file.
+  ASSERT_EQ(kill(pid, 0), 0);
+  ASSERT_EQ(kill(pid, SIGTERM), 0);
+  text = slurp_until("received SIGTERM");
+  EXPECT_NE(text.find("received SIGTERM"), std::string::npos) << text;
+  for (absl::Time deadline = absl::Now() + absl::Seconds(20);
+       absl::Now() < deadline && kill(pid, 0) == 0;) {
+    absl::SleepFor(absl::Milliseconds(50));
+  }
+  if (kill(pid, 0) == 0) kill(pid, SIGKILL);
 }
 
 TEST(LifecycleTest, BadFlagsAndConfigAreUsageErrors) {

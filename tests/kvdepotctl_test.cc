@@ -1,11 +1,13 @@
 // The kvdepotctl contract (output and exit codes) against a real kvdepotd.
 #include <gtest/gtest.h>
 
+#include <cstdio>
 #include <fstream>
 #include <sstream>
 #include <string>
 
 #include "absl/strings/str_cat.h"
+#include "storage/checksum.h"
 #include "tests/daemon_process.h"
 #include "tests/status_matchers.h"
 
@@ -117,6 +119,87 @@ TEST_F(KvdepotctlTest, EvictRemovesBlocks) {
   r = Ctl("evict --ns demo --all");
   EXPECT_EQ(r.exit_code, 0) << r.err;
   EXPECT_EQ(Ctl(absl::StrCat("get --ns demo --key 02 --out ", dir_, "/z")).exit_code, 3);
+}
+
+TEST_F(KvdepotctlTest, DrainStopsPutsButNotReads) {
+  std::string f = File("d", "drain me");
+  ASSERT_EQ(Ctl("put --ns ns --key 01 --file " + f).exit_code, 0);
+  CommandResult r = Ctl("drain");
+  EXPECT_EQ(r.exit_code, 0) << r.err;
+  EXPECT_NE(r.out.find("draining"), std::string::npos) << r.out;
+  r = Ctl("put --ns ns --key 02 --file " + f);
+  EXPECT_EQ(r.exit_code, 1);
+  EXPECT_NE(r.err.find("draining"), std::string::npos) << r.err;
+  EXPECT_EQ(Ctl("get --ns ns --key 01 --out " + dir_ + "/out").exit_code, 0);
+  EXPECT_EQ(Slurp(dir_ + "/out"), "drain me");
+  EXPECT_EQ(Ctl("health").exit_code, 0);  // reads keep being served
+  r = Ctl("status");
+  EXPECT_EQ(r.exit_code, 0) << r.err;
+  EXPECT_NE(r.out.find("DRAINING"), std::string::npos) << r.out;
+  EXPECT_EQ(Ctl("undrain").exit_code, 0);
+  EXPECT_EQ(Ctl("put --ns ns --key 02 --file " + f).exit_code, 0);
+}
+
+TEST_F(KvdepotctlTest, StatusShowsTiersHitsAndNamespaces) {
+  std::string f = File("s", std::string(100000, 's'));
+  ASSERT_EQ(Ctl("put --ns team/a --key aa --file " + f).exit_code, 0);
+  ASSERT_EQ(Ctl("lookup --ns team/a aa bb").exit_code, 0);
+  CommandResult r = Ctl("status");
+  EXPECT_EQ(r.exit_code, 0) << r.err;
+  for (const char* want : {"SERVING", "dram [", "nvme [", "hits 50.0% of 2 keys",
+                           "team/a", "sessions"}) {
+    EXPECT_NE(r.out.find(want), std::string::npos) << want << " in:\n" << r.out;
+  }
+  r = Ctl("--json status");
+  EXPECT_EQ(r.exit_code, 0);
+  EXPECT_NE(r.out.find("\"hit_ratio\": 0.5"), std::string::npos) << r.out;
+}
+
+TEST_F(KvdepotctlTest, InspectShowsTierSizeChecksumPinsAndAge) {
+  std::string f = File("i", "inspect these bytes");
+  ASSERT_EQ(Ctl("put --ns ns --key 0a --file " + f).exit_code, 0);
+  CommandResult r = Ctl("--json inspect --ns ns --key 0a");
+  EXPECT_EQ(r.exit_code, 0) << r.err;
+  char sum[17];
+  std::snprintf(sum, sizeof(sum), "%016llx",
+                static_cast<unsigned long long>(BlockChecksum(std::string("inspect these bytes"))));
+  EXPECT_NE(r.out.find("\"tiers\": \"dram\""), std::string::npos) << r.out;
+  EXPECT_NE(r.out.find("\"size\": 19"), std::string::npos) << r.out;
+  EXPECT_NE(r.out.find(std::string("\"checksum\": \"") + sum), std::string::npos) << r.out;
+  EXPECT_NE(r.out.find("\"pins\": 0"), std::string::npos) << r.out;
+  EXPECT_NE(r.out.find("\"age_ms\": "), std::string::npos) << r.out;
+  r = Ctl("inspect --ns ns --key 0b");
+  EXPECT_EQ(r.exit_code, 3);
+}
+
+TEST_F(KvdepotctlTest, QuotaIsEnforcedAndSurvivesARestart) {
+  CommandResult r = Ctl("quota set --ns q 256KiB");
+  EXPECT_EQ(r.exit_code, 0) << r.err;
+  std::string f = File("q", std::string(100 << 10, 'q'));
+  for (const char* k : {"01", "02", "03"}) {
+    ASSERT_EQ(Ctl(std::string("put --ns q --key ") + k + " --file " + f).exit_code, 0);
+  }
+  // 300 KiB put into a 256 KiB quota: the oldest block made room.
+  EXPECT_EQ(Ctl("get --ns q --key 01 --out -").exit_code, 3);
+  EXPECT_EQ(Ctl("get --ns q --key 03 --out " + dir_ + "/o").exit_code, 0);
+  r = Ctl("--json quota get --ns q");
+  EXPECT_EQ(r.exit_code, 0);
+  EXPECT_NE(r.out.find("\"max_bytes\": 262144"), std::string::npos) << r.out;
+  EXPECT_NE(r.out.find("\"used_bytes\": 204800"), std::string::npos) << r.out;
+  EXPECT_EQ(Ctl("quota set --ns q lots").exit_code, 2);
+
+  // The quota is kept in the data dir.
+  const std::string data_dir = daemon_->data_dir();
+  auto rc = daemon_->Stop(SIGTERM, absl::Seconds(20));
+  ASSERT_OK(rc);
+  auto d = DaemonProcess::Start({"--dram-capacity", "32MiB"}, data_dir);
+  ASSERT_OK(d);
+  daemon_ = std::move(d).value();
+  r = Ctl("--json quota get --ns q");
+  EXPECT_NE(r.out.find("\"max_bytes\": 262144"), std::string::npos) << r.out;
+  EXPECT_EQ(Ctl("quota set --ns q 0").exit_code, 0);
+  r = Ctl("quota get --ns q");
+  EXPECT_NE(r.out.find("no quota"), std::string::npos) << r.out;
 }
 
 TEST_F(KvdepotctlTest, UsageErrorsExitTwo) {

@@ -116,6 +116,8 @@ class SystemdUnitTest(unittest.TestCase):
                 self.service,
                 "SIGHUP terminates kvdepotd (server/main.cc)",
             )
+        else:
+            self.assertIn("-HUP", self.service.get("ExecReload", ""))
 
     def test_packaged_config_is_the_defaults_but_data_dir(self):
         with open(os.path.join(REPO, "deploy/kvdepot.yaml")) as f:

@@ -1,0 +1,179 @@
+#include "server/http_server.h"
+
+#include <civetweb.h>
+#include <zlib.h>
+
+#include <cstring>
+#include <vector>
+
+#include "absl/base/call_once.h"
+#include "absl/strings/ascii.h"
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_split.h"
+#include "absl/strings/strip.h"
+
+namespace kvdepot {
+namespace {
+
+// Bodies smaller than this go out uncompressed.
+constexpr size_t kMinGzipBytes = 1024;
+
+// True when the Accept-Encoding header lists gzip (and not with q=0).
+bool AcceptsGzip(const mg_connection* conn) {
+  const char* header = mg_get_header(conn, "Accept-Encoding");
+  if (header == nullptr) return false;
+  for (absl::string_view item : absl::StrSplit(header, ',')) {
+    std::vector<absl::string_view> parts = absl::StrSplit(item, ';');
+    if (!absl::EqualsIgnoreCase(absl::StripAsciiWhitespace(parts[0]), "gzip")) {
+      continue;
+    }
+    for (size_t i = 1; i < parts.size(); ++i) {
+      absl::string_view p = absl::StripAsciiWhitespace(parts[i]);
+      double q = 1;
+      if (absl::ConsumePrefix(&p, "q=") && absl::SimpleAtod(p, &q) && q <= 0) {
+        return false;
+      }
+    }
+    return true;
+  }
+  return false;
+}
+
+// gzip of `in`; empty on failure (the caller then sends it uncompressed).
+std::string Gzip(const std::string& in) {
+  z_stream zs{};
+  // 16 + MAX_WBITS: a gzip header and trailer rather than zlib's.
+  if (deflateInit2(&zs, Z_DEFAULT_COMPRESSION, Z_DEFLATED, 16 + MAX_WBITS, 8,
+                   Z_DEFAULT_STRATEGY) != Z_OK) {
+    return "";
+  }
+  std::string out(deflateBound(&zs, in.size()), '\0');
+  zs.next_in = reinterpret_cast<Bytef*>(const_cast<char*>(in.data()));
+  zs.avail_in = static_cast<uInt>(in.size());
+  zs.next_out = reinterpret_cast<Bytef*>(out.data());
+  zs.avail_out = static_cast<uInt>(out.size());
+  const int rc = deflate(&zs, Z_FINISH);
+  out.resize(zs.total_out);
+  deflateEnd(&zs);
+  return rc == Z_STREAM_END ? out : "";
+}
+
+void WriteResponse(mg_connection* conn, const HttpResponse& r, bool head) {
+  std::string body_storage;
+  const std::string* body = &r.body;
+  std::string headers = absl::StrCat(
+      "HTTP/1.1 ", r.status, " ", mg_get_response_code_text(conn, r.status),
+      "\r\nContent-Type: ", r.content_type,
+      "\r\nCache-Control: no-store\r\nX-Content-Type-Options: nosniff\r\n"
+      "Connection: close\r\n");
+  if (r.body.size() >= kMinGzipBytes && AcceptsGzip(conn)) {
+    body_storage = Gzip(r.body);
+    if (!body_storage.empty()) {
+      body = &body_storage;
+      absl::StrAppend(&headers, "Content-Encoding: gzip\r\n");
+    }
+  }
+  absl::StrAppend(&headers, "Vary: Accept-Encoding\r\n");
+  for (const auto& [name, value] : r.headers) {
+    absl::StrAppend(&headers, name, ": ", value, "\r\n");
+  }
+  absl::StrAppend(&headers, "Content-Length: ", body->size(), "\r\n\r\n");
+  if (!head) headers += *body;
+  // A client that went away is not our error; civetweb closes the connection.
+  mg_write(conn, headers.data(), headers.size());
+}
+
+HttpResponse Error(int status, std::string message) {
+  HttpResponse r;
+  r.status = status;
+  r.body = std::move(message) + "\n";
+  return r;
+}
+
+}  // namespace
+
+HttpServer::HttpServer(absl::flat_hash_map<std::string, HttpHandler> routes,
+                       std::shared_ptr<spdlog::logger> logger)
+    : routes_(std::move(routes)), log_(std::move(logger)) {}
+
+absl::StatusOr<std::unique_ptr<HttpServer>> HttpServer::Start(
+    const HttpServerOptions& options,
+    absl::flat_hash_map<std::string, HttpHandler> routes,
+    std::shared_ptr<spdlog::logger> logger) {
+  static absl::once_flag init;
+  absl::call_once(init, [] { mg_init_library(0); });
+
+  std::unique_ptr<HttpServer> server(
+      new HttpServer(std::move(routes), std::move(logger)));
+  const std::string threads = absl::StrCat(options.threads);
+  const std::string timeout_ms =
+      absl::StrCat(absl::ToInt64Milliseconds(options.request_timeout));
+  // No document_root: civetweb serves no files, only what OnRequest answers.
+  // clang-format off
+  const char* civet_options[] = {
+      "listening_ports",    options.listen.c_str(),
+      "num_threads",        threads.c_str(),
+      "request_timeout_ms", timeout_ms.c_str(),
+      "enable_keep_alive",  "no",
+      nullptr};
+  // clang-format on
+  mg_callbacks callbacks{};
+  callbacks.begin_request = &HttpServer::OnRequest;
+  callbacks.log_message = &HttpServer::OnLog;
+  mg_init_data init_data{};
+  init_data.callbacks = &callbacks;
+  init_data.user_data = server.get();
+  init_data.configuration_options = civet_options;
+  char error_text[256] = "";
+  unsigned error_code = 0;
+  mg_error_data error{&error_code, error_text, sizeof(error_text)};
+  server->ctx_ = mg_start2(&init_data, &error);
+  if (server->ctx_ == nullptr) {
+    return absl::UnavailableError(absl::StrCat(
+        "cannot serve HTTP on ", options.listen, ": ",
+        error_text[0] != '\0' ? error_text : "civetweb failed to start"));
+  }
+  mg_server_port ports[4] = {};
+  if (mg_get_server_ports(server->ctx_, 4, ports) > 0) {
+    server->port_ = ports[0].port;
+  }
+  return server;
+}
+
+HttpServer::~HttpServer() {
+  if (ctx_ != nullptr) mg_stop(ctx_);
+}
+
+int HttpServer::OnRequest(mg_connection* conn) {
+  auto* self = static_cast<HttpServer*>(mg_get_user_data(mg_get_context(conn)));
+  return self->Serve(conn);
+}
+
+int HttpServer::OnLog(const mg_connection* conn, const char* message) {
+  auto* self = static_cast<HttpServer*>(
+      conn == nullptr ? nullptr : mg_get_user_data(mg_get_context(conn)));
+  if (self == nullptr) return 0;
+  self->log_->debug("http: {}", message);
+  return 1;  // handled: civetweb writes no log of its own
+}
+
+int HttpServer::Serve(mg_connection* conn) {
+  const mg_request_info* req = mg_get_request_info(conn);
+  const bool head = std::strcmp(req->request_method, "HEAD") == 0;
+  HttpResponse response;
+  auto route =
+      req->local_uri == nullptr ? routes_.end() : routes_.find(req->local_uri);
+  if (route == routes_.end()) {
+    response = Error(404, "not found");
+  } else if (!head && std::strcmp(req->request_method, "GET") != 0) {
+    response = Error(405, "method not allowed");
+    response.headers.emplace_back("Allow", "GET, HEAD");
+  } else {
+    response = route->second();
+  }
+  WriteResponse(conn, response, head);
+  return response.status;
+}
+
+}  // namespace kvdepot

@@ -1,0 +1,187 @@
+#include "server/http_server.h"
+
+#include <arpa/inet.h>
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+#include <netinet/in.h>
+#include <poll.h>
+#include <spdlog/sinks/null_sink.h>
+#include <sys/socket.h>
+#include <unistd.h>
+#include <zlib.h>
+
+#include <string>
+
+#include "absl/strings/str_cat.h"
+#include "absl/time/clock.h"
+
+namespace kvdepot {
+namespace {
+
+using ::testing::HasSubstr;
+using ::testing::Not;
+using ::testing::StartsWith;
+
+std::shared_ptr<spdlog::logger> NullLogger() {
+  return std::make_shared<spdlog::logger>(
+      "http", std::make_shared<spdlog::sinks::null_sink_mt>());
+}
+
+int Connect(int port) {
+  int fd = socket(AF_INET, SOCK_STREAM, 0);
+  sockaddr_in addr{};
+  addr.sin_family = AF_INET;
+  addr.sin_port = htons(static_cast<uint16_t>(port));
+  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  EXPECT_EQ(connect(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)), 0);
+  return fd;
+}
+
+// Reads until the server closes the connection (or 10 s pass).
+std::string ReadAll(int fd) {
+  std::string out;
+  char buf[4096];
+  pollfd p{fd, POLLIN, 0};
+  while (poll(&p, 1, 10'000) == 1) {
+    ssize_t n = read(fd, buf, sizeof(buf));
+    if (n <= 0) break;
+    out.append(buf, static_cast<size_t>(n));
+  }
+  return out;
+}
+
+// Sends `request` verbatim and returns the whole response.
+std::string Send(int port, const std::string& request) {
+  int fd = Connect(port);
+  EXPECT_EQ(write(fd, request.data(), request.size()),
+            static_cast<ssize_t>(request.size()));
+  std::string response = ReadAll(fd);
+  close(fd);
+  return response;
+}
+
+std::string Request(const std::string& method, const std::string& path,
+                    const std::string& headers = "") {
+  return absl::StrCat(method, " ", path, " HTTP/1.1\r\nHost: test\r\n", headers,
+                      "\r\n");
+}
+
+std::string BodyOf(const std::string& response) {
+  size_t end = response.find("\r\n\r\n");
+  return end == std::string::npos ? "" : response.substr(end + 4);
+}
+
+std::string Gunzip(const std::string& in) {
+  z_stream zs{};
+  EXPECT_EQ(inflateInit2(&zs, 16 + MAX_WBITS), Z_OK);
+  std::string out(1 << 20, '\0');
+  zs.next_in = reinterpret_cast<Bytef*>(const_cast<char*>(in.data()));
+  zs.avail_in = static_cast<uInt>(in.size());
+  zs.next_out = reinterpret_cast<Bytef*>(out.data());
+  zs.avail_out = static_cast<uInt>(out.size());
+  EXPECT_EQ(inflate(&zs, Z_FINISH), Z_STREAM_END);
+  out.resize(zs.total_out);
+  inflateEnd(&zs);
+  return out;
+}
+
+// One server for the suite: stopping civetweb takes up to 2 s.
+class HttpServerTest : public ::testing::Test {
+ protected:
+  static void SetUpTestSuite() {
+    HttpServerOptions options;
+    options.listen = "127.0.0.1:0";
+    options.request_timeout = absl::Milliseconds(500);
+    absl::flat_hash_map<std::string, HttpHandler> routes = {
+        {"/hello",
+         [] {
+           return HttpResponse{200, "text/plain", "hello"};
+         }},
+        {"/big",
+         [] {
+           return HttpResponse{200, "text/plain", std::string(5000, 'x')};
+         }},
+        {"/teapot",
+         [] {
+           return HttpResponse{418, "text/plain", "short", {{"X-Kind", "tea"}}};
+         }},
+    };
+    auto server = HttpServer::Start(options, std::move(routes), NullLogger());
+    ASSERT_TRUE(server.ok()) << server.status();
+    server_ = std::move(*server).release();
+    ASSERT_GT(server_->port(), 0);
+  }
+  static void TearDownTestSuite() { delete server_; }
+
+  static HttpServer* server_;
+};
+HttpServer* HttpServerTest::server_ = nullptr;
+
+TEST_F(HttpServerTest, ServesGetAndHeadOfItsRoutes) {
+  std::string r = Send(server_->port(), Request("GET", "/hello"));
+  EXPECT_THAT(r, StartsWith("HTTP/1.1 200 OK\r\n"));
+  EXPECT_THAT(r, HasSubstr("Content-Type: text/plain\r\n"));
+  EXPECT_THAT(r, HasSubstr("Content-Length: 5\r\n"));
+  EXPECT_EQ(BodyOf(r), "hello");
+
+  r = Send(server_->port(), Request("HEAD", "/hello"));
+  EXPECT_THAT(r, StartsWith("HTTP/1.1 200 OK\r\n"));
+  EXPECT_THAT(r, HasSubstr("Content-Length: 5\r\n"));
+  EXPECT_EQ(BodyOf(r), "");
+
+  r = Send(server_->port(), Request("GET", "/teapot"));
+  EXPECT_THAT(r, StartsWith("HTTP/1.1 418 "));
+  EXPECT_THAT(r, HasSubstr("X-Kind: tea\r\n"));
+}
+
+TEST_F(HttpServerTest, OtherPathsAreNotFoundOtherMethodsNotAllowed) {
+  EXPECT_THAT(Send(server_->port(), Request("GET", "/")),
+              StartsWith("HTTP/1.1 404 "));
+  EXPECT_THAT(Send(server_->port(), Request("GET", "/hello/x")),
+              StartsWith("HTTP/1.1 404 "));
+  std::string r =
+      Send(server_->port(),
+           Request("POST", "/hello", "Content-Length: 2\r\n") + "ab");
+  EXPECT_THAT(r, StartsWith("HTTP/1.1 405 "));
+  EXPECT_THAT(r, HasSubstr("Allow: GET, HEAD\r\n"));
+  EXPECT_THAT(Send(server_->port(), Request("DELETE", "/hello")),
+              StartsWith("HTTP/1.1 405 "));
+}
+
+TEST_F(HttpServerTest, CompressesLargeBodiesForClientsThatAcceptGzip) {
+  std::string r =
+      Send(server_->port(),
+           Request("GET", "/big", "Accept-Encoding: deflate, gzip\r\n"));
+  EXPECT_THAT(r, HasSubstr("Content-Encoding: gzip\r\n"));
+  EXPECT_EQ(Gunzip(BodyOf(r)), std::string(5000, 'x'));
+
+  r = Send(server_->port(),
+           Request("GET", "/big", "Accept-Encoding: gzip;q=0\r\n"));
+  EXPECT_THAT(r, Not(HasSubstr("Content-Encoding")));
+  EXPECT_EQ(BodyOf(r), std::string(5000, 'x'));
+  r = Send(server_->port(),
+           Request("GET", "/hello", "Accept-Encoding: gzip\r\n"));
+  EXPECT_EQ(BodyOf(r), "hello");  // too small to bother
+}
+
+TEST_F(HttpServerTest, DropsAClientThatSendsNothing) {
+  int fd = Connect(server_->port());
+  absl::Time start = absl::Now();
+  ReadAll(fd);  // returns when the server closes
+  close(fd);
+  EXPECT_LT(absl::Now() - start, absl::Seconds(5));
+  // And the thread it held serves again.
+  EXPECT_EQ(BodyOf(Send(server_->port(), Request("GET", "/hello"))), "hello");
+}
+
+TEST_F(HttpServerTest, AddressInUseIsUnavailable) {
+  HttpServerOptions options;
+  options.listen = absl::StrCat("127.0.0.1:", server_->port());
+  auto second = HttpServer::Start(options, {}, NullLogger());
+  ASSERT_FALSE(second.ok());
+  EXPECT_EQ(second.status().code(), absl::StatusCode::kUnavailable);
+  EXPECT_THAT(second.status().message(), HasSubstr(options.listen));
+}
+
+}  // namespace
+}  // namespace kvdepot

@@ -1,0 +1,35 @@
+// The daemon's logger: text or JSON lines, to stderr or to a file that can be
+// reopened (SIGHUP, after logrotate moved it away).
+#ifndef KVDEPOT_SERVER_LOGGING_H_
+#define KVDEPOT_SERVER_LOGGING_H_
+
+#include <spdlog/spdlog.h>
+
+#include <functional>
+#include <memory>
+#include <string>
+
+#include "absl/status/statusor.h"
+
+namespace kvdepot {
+
+struct LogOptions {
+  std::string level = "info";  // trace, debug, info, warn, error, off
+  std::string format = "text";  // text, json (one object per line)
+  std::string file;             // empty: stderr
+};
+
+struct Logger {
+  std::shared_ptr<spdlog::logger> logger;
+  // Reopens the log file (a no-op for stderr). Thread-safe; lines logged
+  // meanwhile go to the old or the new file, none is lost or torn.
+  std::function<void()> reopen;
+};
+
+// InvalidArgument for an unknown level or format; PermissionDenied when the
+// file cannot be opened for appending.
+absl::StatusOr<Logger> MakeLogger(const std::string& name, const LogOptions& options);
+
+}  // namespace kvdepot
+
+#endif  // KVDEPOT_SERVER_LOGGING_H_

@@ -1,0 +1,77 @@
+#include "server/logging.h"
+
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cstdio>
+#include <filesystem>
+#include <fstream>
+#include <sstream>
+#include <string>
+
+#include "tests/status_matchers.h"
+
+namespace kvdepot {
+namespace {
+
+std::string Slurp(const std::string& path) {
+  std::ifstream in(path);
+  std::stringstream ss;
+  ss << in.rdbuf();
+  return ss.str();
+}
+
+class LoggingTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    dir_ = ::testing::TempDir() + "/logging_test_" +
+           ::testing::UnitTest::GetInstance()->current_test_info()->name();
+    std::filesystem::remove_all(dir_);
+    std::filesystem::create_directories(dir_);
+  }
+  std::string dir_;
+};
+
+TEST_F(LoggingTest, JsonLinesEscapeTheMessage) {
+  auto log = MakeLogger("t", {"info", "json", dir_ + "/k.log"});
+  ASSERT_OK(log);
+  log->logger->info("quote \" backslash \\ newline \n tab \t bell \a");
+  log->logger->debug("below the level");
+  log->logger->flush();
+  const std::string text = Slurp(dir_ + "/k.log");
+  EXPECT_NE(text.find(R"("level":"info","logger":"t","msg":"quote \" backslash \\ newline \n tab \t bell \u0007"})"),
+            std::string::npos)
+      << text;
+  EXPECT_EQ(text.find("below the level"), std::string::npos);
+  EXPECT_EQ(std::count(text.begin(), text.end(), '\n'), 1);  // one line per message
+}
+
+TEST_F(LoggingTest, ReopenFollowsLogrotate) {
+  const std::string path = dir_ + "/k.log";
+  auto log = MakeLogger("t", {"info", "text", path});
+  ASSERT_OK(log);
+  log->logger->info("before rotation");
+  std::filesystem::rename(path, path + ".1");
+  log->logger->info("after the move, before the reopen");
+  log->reopen();
+  log->logger->info("after the reopen");
+  log->logger->flush();
+  const std::string old_file = Slurp(path + ".1");
+  const std::string new_file = Slurp(path);
+  EXPECT_NE(old_file.find("before rotation"), std::string::npos);
+  EXPECT_NE(old_file.find("after the move, before the reopen"), std::string::npos);
+  EXPECT_EQ(old_file.find("after the reopen"), std::string::npos);
+  EXPECT_NE(new_file.find("after the reopen"), std::string::npos) << new_file;
+}
+
+TEST_F(LoggingTest, BadOptionsAreRefused) {
+  EXPECT_THAT(MakeLogger("t", {"loud", "text", ""}),
+              testing::StatusIs(absl::StatusCode::kInvalidArgument));
+  EXPECT_THAT(MakeLogger("t", {"info", "xml", ""}),
+              testing::StatusIs(absl::StatusCode::kInvalidArgument));
+  EXPECT_THAT(MakeLogger("t", {"info", "text", dir_ + "/no/such/dir/k.log"}),
+              testing::StatusIs(absl::StatusCode::kPermissionDenied));
+}
+
+}  // namespace
+}  // namespace kvdepot

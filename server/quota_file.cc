@@ -1,0 +1,96 @@
+#include "server/quota_file.h"
+
+#include <fcntl.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <cstdio>
+#include <cstring>
+#include <fstream>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_split.h"
+#include "storage/block_key.h"
+#include "storage/status_macros.h"
+
+namespace kvdepot {
+
+absl::Status QuotaFile::Load(TieredStore& store) {
+  std::ifstream in(path_);
+  if (!in) {
+    if (errno == ENOENT) return absl::OkStatus();
+    return absl::PermissionDeniedError(
+        absl::StrCat("cannot read ", path_, ": ", std::strerror(errno)));
+  }
+  std::map<std::string, uint64_t> quotas;
+  std::string line;
+  for (int n = 1; std::getline(in, line); ++n) {
+    if (line.empty()) continue;
+    std::vector<std::string> parts = absl::StrSplit(line, ' ');
+    uint64_t bytes = 0;
+    if (parts.size() != 2 || !ValidateNamespace(parts[0]).ok() ||
+        !absl::SimpleAtoi(parts[1], &bytes)) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          path_, ":", n, ": expected \"NAMESPACE BYTES\", got \"", line, "\""));
+    }
+    quotas[parts[0]] = bytes;
+  }
+  for (const auto& [ns, bytes] : quotas) RETURN_IF_ERROR(store.SetQuota(ns, bytes));
+  absl::MutexLock lock(&mu_);
+  quotas_ = std::move(quotas);
+  return absl::OkStatus();
+}
+
+absl::Status QuotaFile::Set(TieredStore& store, absl::string_view ns,
+                            uint64_t max_bytes) {
+  RETURN_IF_ERROR(ValidateNamespace(ns));
+  absl::MutexLock lock(&mu_);
+  std::map<std::string, uint64_t> before = quotas_;
+  if (max_bytes == 0) {
+    quotas_.erase(std::string(ns));
+  } else {
+    quotas_[std::string(ns)] = max_bytes;
+  }
+  if (absl::Status st = WriteLocked(); !st.ok()) {
+    quotas_ = std::move(before);
+    return st;
+  }
+  return store.SetQuota(ns, max_bytes);
+}
+
+absl::Status QuotaFile::WriteLocked() {
+  std::string text;
+  for (const auto& [ns, bytes] : quotas_) absl::StrAppend(&text, ns, " ", bytes, "\n");
+  const std::string tmp = path_ + ".tmp";
+  int fd = ::open(tmp.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
+  auto fail = [&](const char* what) {
+    absl::Status st = absl::UnavailableError(
+        absl::StrCat("cannot ", what, " ", tmp, ": ", std::strerror(errno)));
+    if (fd >= 0) ::close(fd);
+    ::unlink(tmp.c_str());
+    return st;
+  };
+  if (fd < 0) return fail("create");
+  for (size_t done = 0; done < text.size();) {
+    ssize_t n = ::write(fd, text.data() + done, text.size() - done);
+    if (n < 0) {
+      if (errno == EINTR) continue;
+      return fail("write");
+    }
+    done += static_cast<size_t>(n);
+  }
+  if (::fsync(fd) != 0) return fail("sync");
+  if (::close(fd) != 0) {
+    fd = -1;
+    return fail("close");
+  }
+  fd = -1;
+  if (::rename(tmp.c_str(), path_.c_str()) != 0) return fail("rename");
+  return absl::OkStatus();
+}
+
+}  // namespace kvdepot

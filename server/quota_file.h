@@ -1,0 +1,43 @@
+// QuotaFile: the namespace quotas an operator set (kvdepotctl quota set),
+// kept in <data-dir>/quotas so that they survive a restart. One line per
+// namespace, "NAMESPACE BYTES"; the file is rewritten whole (temporary file,
+// fsync, rename) on every change, so a crash leaves the old or the new one.
+//
+// Thread-safe.
+#ifndef KVDEPOT_SERVER_QUOTA_FILE_H_
+#define KVDEPOT_SERVER_QUOTA_FILE_H_
+
+#include <cstdint>
+#include <map>
+#include <string>
+
+#include "absl/base/thread_annotations.h"
+#include "absl/status/status.h"
+#include "absl/strings/string_view.h"
+#include "absl/synchronization/mutex.h"
+#include "storage/tiered_store.h"
+
+namespace kvdepot {
+
+class QuotaFile {
+ public:
+  explicit QuotaFile(std::string path) : path_(std::move(path)) {}
+
+  // Reads the file and applies each quota to `store`. A missing file means
+  // no quotas. InvalidArgument (naming the line) for a malformed file.
+  absl::Status Load(TieredStore& store);
+  // Records `ns`'s quota (0 removes it), rewrites the file, then applies it
+  // to `store`. On a write error nothing changes.
+  absl::Status Set(TieredStore& store, absl::string_view ns, uint64_t max_bytes);
+
+ private:
+  absl::Status WriteLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+
+  const std::string path_;
+  absl::Mutex mu_;
+  std::map<std::string, uint64_t> quotas_ ABSL_GUARDED_BY(mu_);
+};
+
+}  // namespace kvdepot
+
+#endif  // KVDEPOT_SERVER_QUOTA_FILE_H_
