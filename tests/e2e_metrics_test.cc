@@ -1,6 +1,8 @@
 // /metrics of a real kvdepotd under traffic: the families deploy/ relies on
 // (tests/deploy/exported_metrics.txt) are all exported, the lookup counters
 // add up to the keys asked, and the namespace label stays bounded.
+#include <signal.h>
+
 #include <gtest/gtest.h>
 
 #include <fstream>
@@ -8,6 +10,7 @@
 #include <string>
 #include <vector>
 
+#include "absl/strings/ascii.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
@@ -91,20 +94,92 @@ TEST(MetricsTest, ExportsTheContractAndCountsLookupsWithDenominators) {
   EXPECT_EQ(Value(text, "kvdepot_lookup_prefix_keys_asked_total{" + ns + "}"), 4);
   EXPECT_EQ(Value(text, "kvdepot_lookup_prefix_hit_keys_total{" + ns + "}"), 3);
   EXPECT_EQ(Value(text, "kvdepot_evictions_total{reason=\"admin\",tier=\"dram\"}"), 1);
-  EXPECT_GE(Value(text, "kvdepot_bytes_total{direction=\"in\",transport=\"grpc\"}"),
+  // Hits + misses = keys asked (4 + 2); bytes = what the client moved.
+  double keys_counted = 0;
+  for (const char* series : {",result=\"hit\",tier=\"dram\"}", ",result=\"hit\",tier=\"nvme\"}",
+                             ",result=\"miss\",tier=\"none\"}"}) {
+    keys_counted += Value(text, "kvdepot_lookup_keys_total{" + ns + series);
+  }
+  EXPECT_EQ(keys_counted, 6);
+  EXPECT_EQ(Value(text, "kvdepot_bytes_total{direction=\"in\",transport=\"grpc\"}"),
             3.0 * bytes.size());
-  EXPECT_GE(Value(text, "kvdepot_bytes_total{direction=\"out\",transport=\"grpc\"}"),
+  EXPECT_EQ(Value(text, "kvdepot_bytes_total{direction=\"out\",transport=\"grpc\"}"),
             1.0 * bytes.size());
   EXPECT_EQ(Value(text, "kvdepot_requests_total{code=\"OK\",op=\"Lookup\"}"), 2);
   // Series with fixed labels exist before their first event.
   EXPECT_EQ(Value(text, "kvdepot_integrity_errors_total{tier=\"nvme\"}"), 0);
   EXPECT_EQ(Value(text, "kvdepot_demotion_failures_total"), 0);
 
+  // The exposition passes Prometheus' own linter.
+  testing::CommandResult lint = RunCommand(absl::StrCat(
+      "command -v promtool >/dev/null || exit 77; curl -sf http://",
+      (*d)->metrics_address(), "/metrics | promtool check metrics"));
+  if (lint.exit_code != 77) {
+    EXPECT_EQ(lint.exit_code, 0) << lint.out << lint.err;
+  }
+
   // Every family the dashboards and alert rules use is exported.
   testing::CommandResult check = RunCommand(absl::StrCat(
       "/usr/bin/python3 " KVDEPOT_SOURCE_DIR "/tests/deploy/check_metric_names.py "
       "--metrics-url http://", (*d)->metrics_address(), "/metrics"));
   EXPECT_EQ(check.exit_code, 0) << check.out << check.err;
+}
+
+// A real Prometheus scrapes the daemon and answers a query over its HTTP API.
+TEST(MetricsTest, PrometheusScrapesTheDaemon) {
+  if (RunCommand("command -v prometheus").exit_code != 0) {
+    GTEST_SKIP() << "no prometheus binary (Debian package prometheus)";
+  }
+  auto d = DaemonProcess::Start({"--dram-capacity", "8MiB"});
+  ASSERT_OK(d);
+  ClientOptions o;
+  o.server = (*d)->address();
+  auto client = std::move(Client::Connect(o)).value();
+  absl::string_view k = "k";
+  ASSERT_OK(client->Lookup("scraped/ns", {&k, 1}, false, false));
+
+  const std::string dir = testing::MakeTempDir("prometheus");
+  std::ofstream(dir + "/prometheus.yml")
+      << "global: {scrape_interval: 1s}\n"
+         "scrape_configs:\n"
+         "  - job_name: kvdepot\n"
+         "    static_configs: [{targets: ['" << (*d)->metrics_address() << "']}]\n";
+  // Prometheus cannot pick its own port: try a few.
+  int port = 0;
+  int pid = 0;
+  for (int attempt = 0; attempt < 5 && pid == 0; ++attempt) {
+    port = 20000 + static_cast<int>(absl::ToUnixNanos(absl::Now()) % 20000);
+    testing::CommandResult r = RunCommand(absl::StrCat(
+        "prometheus --config.file=", dir, "/prometheus.yml --storage.tsdb.path=", dir,
+        "/data --web.listen-address=127.0.0.1:", port, " > ", dir,
+        "/prometheus.log 2>&1 & echo $!"));
+    int candidate = 0;
+    ASSERT_TRUE(absl::SimpleAtoi(absl::StripAsciiWhitespace(r.out), &candidate));
+    absl::SleepFor(absl::Seconds(1));
+    if (kill(candidate, 0) == 0) pid = candidate;
+  }
+  ASSERT_NE(pid, 0) << "prometheus did not start";
+  struct Killer {
+    int pid;
+    ~Killer() {
+      kill(pid, SIGTERM);
+      for (int i = 0; i < 100 && kill(pid, 0) == 0; ++i) absl::SleepFor(absl::Milliseconds(50));
+      kill(pid, SIGKILL);
+    }
+  } killer{pid};
+
+  std::string answer;
+  for (int i = 0; i < 300; ++i) {
+    answer = RunCommand(absl::StrCat("curl -sf 'http://127.0.0.1:", port,
+                                     "/api/v1/query?query=kvdepot_lookup_keys_total"
+                                     "%7Bnamespace%3D%22scraped%2Fns%22%2Cresult%3D%22miss%22%7D'"))
+                 .out;
+    if (answer.find("\"value\"") != std::string::npos) break;
+    absl::SleepFor(absl::Milliseconds(100));
+  }
+  EXPECT_NE(answer.find("\"__name__\":\"kvdepot_lookup_keys_total\""), std::string::npos)
+      << answer;
+  EXPECT_NE(answer.find("\"1\"]"), std::string::npos) << answer;  // one miss
 }
 
 TEST(MetricsTest, NamespaceLabelsAreBounded) {

@@ -130,6 +130,7 @@ TEST_F(KvdepotctlTest, DrainStopsPutsButNotReads) {
   r = Ctl("put --ns ns --key 02 --file " + f);
   EXPECT_EQ(r.exit_code, 1);
   EXPECT_NE(r.err.find("draining"), std::string::npos) << r.err;
+  EXPECT_NE(r.err.find("FAILED_PRECONDITION"), std::string::npos) << r.err;
   EXPECT_EQ(Ctl("get --ns ns --key 01 --out " + dir_ + "/out").exit_code, 0);
   EXPECT_EQ(Slurp(dir_ + "/out"), "drain me");
   EXPECT_EQ(Ctl("health").exit_code, 0);  // reads keep being served
