@@ -711,28 +711,29 @@ int main(int argc, char** argv) {
   }
   if (config.op == kvdepot::Op::kMultiRead && !batch_given) config.batch = 16;
   if (config.duration_s <= 0) config.duration_s = 10;
+  // Parses a size flag into *out; false (after a message) when it is bad.
+  auto size_flag = [](const char* flag, const std::string& text, double max,
+                      uint64_t* out) {
+    absl::StatusOr<uint64_t> n = kvdepot::ParseSizeUpTo(text, max);
+    if (!n.ok()) {
+      std::fprintf(stderr, "nvme-tier-bench: %s: %s\n", flag,
+                   std::string(n.status().message()).c_str());
+      return false;
+    }
+    *out = *n;
+    return true;
+  };
   if (capacity == "auto") {
     config.capacity =
         config.op == kvdepot::Op::kFill
             ? config.blocks * config.block_size / 16 * 17 + (uint64_t{64} << 20)
             : uint64_t{1} << 40;
-  } else {
-    absl::StatusOr<uint64_t> cap = kvdepot::ParseSizeUpTo(capacity, 1e18);
-    if (!cap.ok()) {
-      std::fprintf(stderr, "nvme-tier-bench: --capacity: %s\n",
-                   std::string(cap.status().message()).c_str());
-      return 2;
-    }
-    config.capacity = *cap;
+  } else if (!size_flag("--capacity", capacity, 1e18, &config.capacity)) {
+    return 2;
   }
-  if (!write_buffer.empty()) {
-    absl::StatusOr<uint64_t> wb = kvdepot::ParseSizeUpTo(write_buffer, 1e12);
-    if (!wb.ok()) {
-      std::fprintf(stderr, "nvme-tier-bench: --write-buffer: %s\n",
-                   std::string(wb.status().message()).c_str());
-      return 2;
-    }
-    config.write_buffer_size = *wb;
+  if (!write_buffer.empty() &&
+      !size_flag("--write-buffer", write_buffer, 1e12, &config.write_buffer_size)) {
+    return 2;
   }
   return kvdepot::Run(config);
 }
