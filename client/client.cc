@@ -5,6 +5,7 @@
 
 #include <algorithm>
 #include <chrono>
+#include <cstring>
 #include <utility>
 
 #include "absl/strings/str_cat.h"
@@ -316,6 +317,123 @@ absl::StatusOr<std::vector<Block>> Client::Get(
                                             " of ", keys.size(), " blocks"));
   }
   return out;
+}
+
+absl::StatusOr<std::vector<bool>> Client::GetInto(
+    absl::string_view ns, absl::Span<const absl::string_view> keys,
+    absl::Span<const absl::Span<char>> dst) {
+  if (keys.size() != dst.size()) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "GetInto: ", keys.size(), " keys but ", dst.size(), " buffers"));
+  }
+  std::vector<bool> filled(keys.size(), false);
+  if (keys.empty()) return filled;
+  RETURN_IF_ERROR(ValidateNamespace(ns));
+  for (absl::string_view k : keys) RETURN_IF_ERROR(ValidateKey(k));
+  // Pin, so that nothing found here is evicted before the Read reaches it.
+  ASSIGN_OR_RETURN(LookupReply found, Lookup(ns, keys, /*prefix=*/false,
+                                             /*pin=*/true));
+  absl::Status st = ReadInto(ns, keys, dst, found);
+  if (found.pin_id != 0) {
+    // A failed unpin only holds the blocks until the session ends.
+    Unpin(found.pin_id).IgnoreError();
+  }
+  RETURN_IF_ERROR(st);
+  for (size_t i = 0; i < keys.size(); ++i) filled[i] = found.entries[i].found;
+  return filled;
+}
+
+absl::Status Client::ReadInto(absl::string_view ns,
+                              absl::Span<const absl::string_view> keys,
+                              absl::Span<const absl::Span<char>> dst,
+                              const LookupReply& found) {
+  if (found.entries.size() != keys.size()) {
+    return absl::InternalError(absl::StrCat("daemon answered ", found.entries.size(),
+                                            " lookup entries for ", keys.size(),
+                                            " keys"));
+  }
+  // Every size is checked before any buffer is written.
+  std::vector<size_t> want;
+  for (size_t i = 0; i < keys.size(); ++i) {
+    const BlockInfo& e = found.entries[i];
+    if (!e.found) continue;
+    if (e.size != dst[i].size()) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "buffer ", i, " has ", dst[i].size(), " bytes but block ",
+          KeyToHex(keys[i]), " has ", e.size));
+    }
+    want.push_back(i);
+  }
+  if (want.empty()) return absl::OkStatus();
+  v1::ReadRequest req;
+  req.set_namespace_(std::string(ns));
+  for (size_t i : want) req.add_keys(std::string(keys[i]));
+  grpc::ClientContext ctx;
+  PrepareContext(&ctx);
+  std::unique_ptr<grpc::ClientReader<v1::ReadResponse>> reader =
+      stub_->Read(&ctx, req);
+  // The block being received: want[cur], `off` bytes so far, its checksum.
+  size_t cur = 0;
+  bool started = false;
+  uint64_t off = 0;
+  uint64_t checksum = 0;
+  auto finish_block = [&]() -> absl::Status {
+    absl::Span<char> b = dst[want[cur]];
+    if (off != b.size()) {
+      return absl::DataLossError(absl::StrCat("block ", KeyToHex(keys[want[cur]]),
+                                              " has ", off, " of ", b.size(), " bytes"));
+    }
+    if (BlockChecksum(b.data(), b.size()) != checksum) {
+      return absl::DataLossError(absl::StrCat(
+          "block ", KeyToHex(keys[want[cur]]), " fails its checksum"));
+    }
+    return absl::OkStatus();
+  };
+  auto fail = [&](absl::Status st) {
+    ctx.TryCancel();
+    (void)reader->Finish();
+    return st;
+  };
+  v1::ReadResponse msg;
+  while (reader->Read(&msg)) {
+    if (msg.has_header()) {
+      if (started) {
+        absl::Status done = finish_block();
+        if (!done.ok()) return fail(done);
+        ++cur;
+      }
+      started = true;
+      if (cur >= want.size()) {
+        return fail(absl::DataLossError("daemon sent more blocks than asked"));
+      }
+      size_t i = want[cur];
+      if (msg.header().key() != keys[i] || msg.header().size() != dst[i].size()) {
+        return fail(absl::DataLossError(absl::StrCat(
+            "daemon sent block ", KeyToHex(msg.header().key()), " of ",
+            msg.header().size(), " bytes where ", KeyToHex(keys[i]), " of ",
+            dst[i].size(), " bytes was expected")));
+      }
+      off = 0;
+      checksum = msg.header().checksum();
+    } else if (!started) {
+      return fail(absl::DataLossError("daemon sent data before a header"));
+    }
+    absl::Span<char> b = dst[want[cur]];
+    if (msg.data().size() > b.size() - off) {
+      return fail(absl::DataLossError(absl::StrCat(
+          "block ", KeyToHex(keys[want[cur]]), " overflows its ", b.size(), " bytes")));
+    }
+    std::memcpy(b.data() + off, msg.data().data(), msg.data().size());
+    off += msg.data().size();
+  }
+  RETURN_IF_ERROR(FromGrpcStatus(reader->Finish()));
+  if (!started) return absl::DataLossError("stream carried no blocks");
+  RETURN_IF_ERROR(finish_block());
+  if (cur + 1 != want.size()) {
+    return absl::DataLossError(absl::StrCat("stream carried ", cur + 1, " of ",
+                                            want.size(), " blocks"));
+  }
+  return absl::OkStatus();
 }
 
 absl::StatusOr<v1::EvictResponse> Client::Evict(

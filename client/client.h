@@ -114,6 +114,26 @@ class Client {
   absl::StatusOr<std::vector<Block>> Get(absl::string_view ns,
                                          absl::Span<const absl::string_view> keys);
 
+  // Reads blocks straight into caller-owned buffers, without the per-block
+  // strings Get allocates. dst[i] receives the block of keys[i] and must be
+  // exactly that block's size. Returns one flag per key: true when dst[i] was
+  // filled, false when the key is not stored (a miss: dst[i] is left
+  // untouched, never zero-filled). The blocks are pinned (a session is opened
+  // if needed) between the lookup and the read so that none is evicted in
+  // between; the pin is released before returning. Keys may repeat.
+  //
+  // REQUIRES: keys.size() == dst.size(); the buffers do not overlap and stay
+  // valid, and are not accessed by others, until the call returns.
+  // Returns InvalidArgument if the counts differ or a stored block's size is
+  // not dst[i].size() -- checked before any buffer is written, so then
+  // nothing is written. DATA_LOSS if a block fails its checksum; the buffers
+  // of the blocks not yet verified are then unspecified. Other errors (the
+  // daemon is unreachable, a deadline) likewise leave the buffers
+  // unspecified.
+  absl::StatusOr<std::vector<bool>> GetInto(
+      absl::string_view ns, absl::Span<const absl::string_view> keys,
+      absl::Span<const absl::Span<char>> dst);
+
   absl::StatusOr<v1::EvictResponse> Evict(absl::string_view ns,
                                           absl::Span<const absl::string_view> keys,
                                           bool all);
@@ -129,6 +149,11 @@ class Client {
   explicit Client(const ClientOptions& options);
   void PrepareContext(grpc::ClientContext* ctx) const;
   void KeepAliveLoop();
+  // GetInto's Read stream: fills dst[i] for every entry `found` marks found.
+  absl::Status ReadInto(absl::string_view ns,
+                        absl::Span<const absl::string_view> keys,
+                        absl::Span<const absl::Span<char>> dst,
+                        const LookupReply& found);
 
   const ClientOptions options_;
   std::shared_ptr<grpc::Channel> channel_;

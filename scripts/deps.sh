@@ -8,12 +8,13 @@ PACKAGES=(
   build-essential cmake ninja-build pkg-config git curl ccache
   protobuf-compiler protobuf-compiler-grpc libprotobuf-dev libgrpc++-dev
   libabsl-dev librocksdb-dev libspdlog-dev libfmt-dev prometheus-cpp-dev libyaml-cpp-dev
-  libcli11-dev libxxhash-dev libcivetweb-dev zlib1g-dev
+  libcli11-dev libxxhash-dev libcivetweb-dev zlib1g-dev pybind11-dev python3-dev libucx-dev
   libgtest-dev libgmock-dev libbenchmark-dev
 )
 # Baselines the tests' benchmark smoke runs against.
 if [[ "${1:-}" == "--with-test-tools" ]]; then
-  PACKAGES+=(redis-server redis-tools python3 fio rocksdb-tools prometheus python3-yaml chromium fonts-dejavu-core)
+  PACKAGES+=(redis-server redis-tools python3 fio rocksdb-tools prometheus python3-yaml chromium fonts-dejavu-core
+    python3-numpy python3-torch ucx-utils)
 fi
 
 missing=()

@@ -1,0 +1,623 @@
+// _kvdepot: the pybind11 binding of libkvdepot (client/client.h) and of the
+// paged-KV layout and CPU gather/scatter (gpu/kv_layout.h, gpu/gather.h).
+// The friendly API is the pure-Python package around it (kvdepot/__init__.py).
+//
+// Buffers: every call that moves block bytes takes objects supporting the
+// buffer protocol (numpy arrays, bytes, bytearray, memoryview) or CPU torch
+// tensors (read through data_ptr(), numel() and element_size()), and uses
+// their memory in place: nothing is copied on the Python side. They must be
+// C-contiguous; buffers that are written must be writable.
+//
+// The GIL is released during every RPC and every gather/scatter; the Python
+// objects whose memory is used are kept referenced meanwhile.
+//
+// Errors: absl::Status codes become Python exceptions whose message starts
+// with the code's name: NOT_FOUND -> KeyError, INVALID_ARGUMENT and
+// OUT_OF_RANGE -> ValueError, everything else -> RuntimeError.
+#include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
+
+#include <cstdint>
+#include <memory>
+#include <optional>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/string_view.h"
+#include "absl/time/time.h"
+#include "client/client.h"
+#include "google/protobuf/descriptor.h"
+#include "google/protobuf/message.h"
+#include "gpu/gather.h"
+#include "gpu/kv_layout.h"
+
+namespace py = pybind11;
+
+namespace kvdepot {
+namespace {
+
+// Raises the Python exception that matches `status` (which is not OK).
+[[noreturn]] void Raise(const absl::Status& status) {
+  std::string msg = absl::StrCat(absl::StatusCodeToString(status.code()), ": ",
+                                 status.message());
+  switch (status.code()) {
+    case absl::StatusCode::kNotFound:
+      throw py::key_error(msg);
+    case absl::StatusCode::kInvalidArgument:
+    case absl::StatusCode::kOutOfRange:
+      throw py::value_error(msg);
+    default:
+      throw std::runtime_error(msg);
+  }
+}
+
+void Check(const absl::Status& status) {
+  if (!status.ok()) Raise(status);
+}
+
+template <typename T>
+T Check(absl::StatusOr<T> value) {
+  if (!value.ok()) Raise(value.status());
+  return *std::move(value);
+}
+
+// A borrowed view of a Python object's memory, valid while the object lives
+// (`owner` keeps it referenced; `view` holds the buffer-protocol export).
+struct Memory {
+  py::object owner;
+  std::optional<py::buffer_info> view;
+  char* data = nullptr;
+  size_t size = 0;
+};
+
+bool IsTorchTensor(py::handle obj) {
+  return py::hasattr(obj, "data_ptr") && py::hasattr(obj, "element_size") &&
+         py::hasattr(obj, "numel") && py::hasattr(obj, "is_contiguous");
+}
+
+// `what` names the argument in errors, e.g. "buffers[3]". REQUIRES: the GIL.
+Memory GetMemory(py::handle obj, bool writable, const std::string& what) {
+  Memory m;
+  m.owner = py::reinterpret_borrow<py::object>(obj);
+  if (IsTorchTensor(obj)) {
+    py::object device = obj.attr("device");
+    std::string type = py::str(device.attr("type"));
+    if (type != "cpu") {
+      throw py::value_error(absl::StrCat(
+          "INVALID_ARGUMENT: ", what, " is a torch tensor on ", type,
+          "; this build moves host memory only (CPU tensors)"));
+    }
+    if (!obj.attr("is_contiguous")().cast<bool>()) {
+      throw py::value_error(
+          absl::StrCat("INVALID_ARGUMENT: ", what, " is not contiguous"));
+    }
+    m.data = reinterpret_cast<char*>(obj.attr("data_ptr")().cast<uintptr_t>());
+    m.size = obj.attr("numel")().cast<size_t>() *
+             obj.attr("element_size")().cast<size_t>();
+    return m;
+  }
+  if (!PyObject_CheckBuffer(obj.ptr())) {
+    throw py::type_error(absl::StrCat(
+        what, " must support the buffer protocol (numpy array, bytes, "
+              "bytearray, memoryview) or be a CPU torch tensor, not ",
+        std::string(py::str(py::type::of(obj)))));
+  }
+  int flags = PyBUF_C_CONTIGUOUS | PyBUF_FORMAT | (writable ? PyBUF_WRITABLE : 0);
+  Py_buffer* buf = new Py_buffer();
+  if (PyObject_GetBuffer(obj.ptr(), buf, flags) != 0) {
+    delete buf;
+    PyErr_Clear();
+    throw py::value_error(absl::StrCat(
+        "INVALID_ARGUMENT: ", what, " is not a C-contiguous",
+        writable ? " writable" : "", " buffer"));
+  }
+  // buffer_info takes ownership of `buf` (releases and deletes it).
+  m.view.emplace(buf, /*ownview=*/true);
+  m.data = static_cast<char*>(buf->buf);
+  m.size = static_cast<size_t>(buf->len);
+  return m;
+}
+
+std::vector<Memory> GetMemories(const py::sequence& objs, bool writable,
+                                const char* what) {
+  std::vector<Memory> out;
+  out.reserve(objs.size());
+  for (size_t i = 0; i < objs.size(); ++i) {
+    out.push_back(GetMemory(objs[i], writable, absl::StrCat(what, "[", i, "]")));
+  }
+  return out;
+}
+
+// Python bytes keys, kept alive as std::string while the GIL is released.
+std::vector<std::string> Keys(const std::vector<py::bytes>& keys) {
+  std::vector<std::string> out;
+  out.reserve(keys.size());
+  for (const py::bytes& k : keys) out.push_back(std::string(k));
+  return out;
+}
+
+std::vector<absl::string_view> Views(const std::vector<std::string>& keys) {
+  return std::vector<absl::string_view>(keys.begin(), keys.end());
+}
+
+// A protobuf message as a dict (field names as in the .proto; nested
+// messages as dicts, repeated fields as lists, enums by name). REQUIRES: the
+// GIL.
+py::object FieldValue(const google::protobuf::Message& msg,
+                      const google::protobuf::FieldDescriptor* f, int index);
+
+py::dict MessageToDict(const google::protobuf::Message& msg) {
+  py::dict out;
+  const google::protobuf::Descriptor* d = msg.GetDescriptor();
+  const google::protobuf::Reflection* r = msg.GetReflection();
+  for (int i = 0; i < d->field_count(); ++i) {
+    const google::protobuf::FieldDescriptor* f = d->field(i);
+    if (f->is_repeated()) {
+      py::list values;
+      for (int j = 0; j < r->FieldSize(msg, f); ++j) {
+        values.append(FieldValue(msg, f, j));
+      }
+      out[py::str(f->name())] = values;
+    } else {
+      out[py::str(f->name())] = FieldValue(msg, f, -1);
+    }
+  }
+  return out;
+}
+
+py::object FieldValue(const google::protobuf::Message& msg,
+                      const google::protobuf::FieldDescriptor* f, int index) {
+  using FD = google::protobuf::FieldDescriptor;
+  const google::protobuf::Reflection* r = msg.GetReflection();
+  bool rep = index >= 0;
+  switch (f->cpp_type()) {
+    case FD::CPPTYPE_INT32:
+      return py::int_(rep ? r->GetRepeatedInt32(msg, f, index) : r->GetInt32(msg, f));
+    case FD::CPPTYPE_INT64:
+      return py::int_(rep ? r->GetRepeatedInt64(msg, f, index) : r->GetInt64(msg, f));
+    case FD::CPPTYPE_UINT32:
+      return py::int_(rep ? r->GetRepeatedUInt32(msg, f, index)
+                          : r->GetUInt32(msg, f));
+    case FD::CPPTYPE_UINT64:
+      return py::int_(rep ? r->GetRepeatedUInt64(msg, f, index)
+                          : r->GetUInt64(msg, f));
+    case FD::CPPTYPE_DOUBLE:
+      return py::float_(rep ? r->GetRepeatedDouble(msg, f, index)
+                            : r->GetDouble(msg, f));
+    case FD::CPPTYPE_FLOAT:
+      return py::float_(rep ? r->GetRepeatedFloat(msg, f, index) : r->GetFloat(msg, f));
+    case FD::CPPTYPE_BOOL:
+      return py::bool_(rep ? r->GetRepeatedBool(msg, f, index) : r->GetBool(msg, f));
+    case FD::CPPTYPE_ENUM:
+      return py::str(rep ? r->GetRepeatedEnum(msg, f, index)->name()
+                         : r->GetEnum(msg, f)->name());
+    case FD::CPPTYPE_STRING: {
+      std::string s = rep ? r->GetRepeatedString(msg, f, index) : r->GetString(msg, f);
+      if (f->type() == FD::TYPE_BYTES) return py::bytes(s);
+      return py::str(s);
+    }
+    case FD::CPPTYPE_MESSAGE:
+      return MessageToDict(rep ? r->GetRepeatedMessage(msg, f, index)
+                               : r->GetMessage(msg, f));
+  }
+  return py::none();
+}
+
+// The Client binding: one libkvdepot Client (thread-safe; Python threads may
+// share it).
+class PyClient {
+ public:
+  PyClient(const std::string& server, double timeout_s, double lease_s,
+           const std::string& client_name) {
+    ClientOptions options;
+    options.server = server;
+    if (timeout_s <= 0) {
+      throw py::value_error("INVALID_ARGUMENT: timeout_s must be positive");
+    }
+    options.rpc_timeout = absl::Seconds(timeout_s);
+    options.lease = absl::Seconds(lease_s);
+    options.client_name = client_name;
+    client_ = Check(Client::Connect(options));
+    server_ = server;
+  }
+
+  void Health() {
+    absl::Status st;
+    std::shared_ptr<Client> c = client();
+    {
+      py::gil_scoped_release release;
+      st = c->Health();
+    }
+    Check(st);
+  }
+
+  uint64_t EnsureSession() {
+    absl::StatusOr<uint64_t> id;
+    std::shared_ptr<Client> c = client();
+    {
+      py::gil_scoped_release release;
+      id = c->EnsureSession();
+    }
+    return Check(std::move(id));
+  }
+
+  void CloseSession() {
+    absl::Status st;
+    std::shared_ptr<Client> c = client();
+    {
+      py::gil_scoped_release release;
+      st = c->CloseSession();
+    }
+    Check(st);
+  }
+
+  LookupReply Lookup(const std::string& ns, const std::vector<py::bytes>& keys,
+                     bool prefix, bool pin) {
+    std::vector<std::string> k = Keys(keys);
+    absl::StatusOr<LookupReply> reply;
+    std::shared_ptr<Client> c = client();
+    {
+      py::gil_scoped_release release;
+      std::vector<absl::string_view> v = Views(k);
+      reply = c->Lookup(ns, v, prefix, pin);
+    }
+    return Check(std::move(reply));
+  }
+
+  void Unpin(uint64_t pin_id) {
+    absl::Status st;
+    std::shared_ptr<Client> c = client();
+    {
+      py::gil_scoped_release release;
+      st = c->Unpin(pin_id);
+    }
+    Check(st);
+  }
+
+  std::vector<bool> Put(const std::string& ns, const std::vector<py::bytes>& keys,
+                        const py::sequence& buffers,
+                        const std::optional<std::vector<py::bytes>>& parents) {
+    if (static_cast<size_t>(buffers.size()) != keys.size()) {
+      throw py::value_error(absl::StrCat("INVALID_ARGUMENT: ", keys.size(),
+                                         " keys but ", buffers.size(), " buffers"));
+    }
+    if (parents && parents->size() != keys.size()) {
+      throw py::value_error(absl::StrCat("INVALID_ARGUMENT: ", keys.size(),
+                                         " keys but ", parents->size(), " parents"));
+    }
+    std::vector<std::string> k = Keys(keys);
+    std::vector<std::string> p = parents ? Keys(*parents) : std::vector<std::string>();
+    std::vector<Memory> mem = GetMemories(buffers, /*writable=*/false, "buffers");
+    absl::StatusOr<std::vector<PutResult>> results;
+    std::shared_ptr<Client> c = client();
+    {
+      py::gil_scoped_release release;
+      std::vector<BlockToPut> blocks(k.size());
+      for (size_t i = 0; i < k.size(); ++i) {
+        blocks[i].key = k[i];
+        if (!p.empty()) blocks[i].parent = p[i];
+        blocks[i].bytes = absl::string_view(mem[i].data, mem[i].size);
+      }
+      results = c->Put(ns, blocks);
+    }
+    std::vector<PutResult> r = Check(std::move(results));
+    std::vector<bool> stored;
+    stored.reserve(r.size());
+    for (PutResult x : r) stored.push_back(x == PutResult::kStored);
+    return stored;
+  }
+
+  std::vector<bool> GetInto(const std::string& ns, const std::vector<py::bytes>& keys,
+                            const py::sequence& buffers) {
+    if (static_cast<size_t>(buffers.size()) != keys.size()) {
+      throw py::value_error(absl::StrCat("INVALID_ARGUMENT: ", keys.size(),
+                                         " keys but ", buffers.size(), " buffers"));
+    }
+    std::vector<std::string> k = Keys(keys);
+    std::vector<Memory> mem = GetMemories(buffers, /*writable=*/true, "buffers");
+    absl::StatusOr<std::vector<bool>> filled;
+    std::shared_ptr<Client> c = client();
+    {
+      py::gil_scoped_release release;
+      std::vector<absl::string_view> v = Views(k);
+      std::vector<absl::Span<char>> dst;
+      dst.reserve(mem.size());
+      for (const Memory& m : mem) dst.emplace_back(m.data, m.size);
+      filled = c->GetInto(ns, v, dst);
+    }
+    return Check(std::move(filled));
+  }
+
+  py::dict Evict(const std::string& ns, const std::vector<py::bytes>& keys, bool all) {
+    std::vector<std::string> k = Keys(keys);
+    absl::StatusOr<v1::EvictResponse> resp;
+    std::shared_ptr<Client> c = client();
+    {
+      py::gil_scoped_release release;
+      std::vector<absl::string_view> v = Views(k);
+      resp = c->Evict(ns, v, all);
+    }
+    return MessageToDict(Check(std::move(resp)));
+  }
+
+  py::dict Stats() {
+    absl::StatusOr<v1::StatsResponse> resp;
+    std::shared_ptr<Client> c = client();
+    {
+      py::gil_scoped_release release;
+      resp = c->Stats();
+    }
+    return MessageToDict(Check(std::move(resp)));
+  }
+
+  // Closes the session and the channel; later calls raise RuntimeError.
+  // Calls in flight on other threads finish first (they hold the client).
+  void Close() {
+    std::shared_ptr<Client> c = std::move(client_);
+    py::gil_scoped_release release;
+    c.reset();
+  }
+
+  std::string server() const { return server_; }
+
+ private:
+  // The client, or raises once closed. REQUIRES: the GIL.
+  std::shared_ptr<Client> client() {
+    if (client_ == nullptr) {
+      throw std::runtime_error("FAILED_PRECONDITION: the client is closed");
+    }
+    return client_;
+  }
+
+  std::string server_;
+  // Shared with the calls in flight, so that close() cannot free it under
+  // them. Replaced only with the GIL held.
+  std::shared_ptr<Client> client_;
+};
+
+// The cache tensors of a gather/scatter as a KvCacheView; num_blocks is
+// derived from the tensors' sizes, which must all be equal and a whole number
+// of blocks. `memories` keeps the objects referenced.
+KvCacheView CacheView(const KvLayout& layout, const std::vector<Memory>& memories) {
+  if (static_cast<int>(memories.size()) != layout.num_tensors()) {
+    throw py::value_error(absl::StrCat(
+        "INVALID_ARGUMENT: layout ", KvCacheLayoutName(layout.layout()), " with ",
+        layout.num_layers(), " layers takes ", layout.num_tensors(),
+        " cache tensors, got ", memories.size()));
+  }
+  uint64_t per_block = Check(layout.TensorBytes(1));
+  KvCacheView view;
+  view.num_blocks = static_cast<int64_t>(memories[0].size / per_block);
+  for (size_t i = 0; i < memories.size(); ++i) {
+    const Memory& m = memories[i];
+    if (m.size != memories[0].size || m.size % per_block != 0 || m.size == 0) {
+      throw py::value_error(absl::StrCat(
+          "INVALID_ARGUMENT: caches[", i, "] has ", m.size, " bytes; every cache "
+          "tensor must have the same size, a positive multiple of ", per_block,
+          " bytes (one block)"));
+    }
+    view.tensors.push_back(m.data);
+  }
+  return view;
+}
+
+LayerRange Layers(const KvLayout& layout, std::optional<std::pair<int, int>> layers) {
+  if (!layers) return layout.AllLayers();
+  return LayerRange{layers->first, layers->second};
+}
+
+// The byte count each object buffer must have for `range`.
+uint64_t PieceBytes(const KvLayout& layout, LayerRange range) {
+  return static_cast<uint64_t>(range.end - range.begin) * layout.layer_bytes();
+}
+
+void CheckObjectSizes(const KvLayout& layout, LayerRange range,
+                      const std::vector<Memory>& objects) {
+  // A bad range is reported by Gather/Scatter themselves.
+  if (range.begin < 0 || range.end > layout.num_layers() || range.begin >= range.end) {
+    return;
+  }
+  uint64_t want = PieceBytes(layout, range);
+  for (size_t i = 0; i < objects.size(); ++i) {
+    if (objects[i].size != want) {
+      throw py::value_error(absl::StrCat("INVALID_ARGUMENT: objects[", i, "] has ",
+                                         objects[i].size, " bytes, expected ", want));
+    }
+  }
+}
+
+void PyGather(const KvLayout& layout, const py::sequence& caches,
+              const std::vector<int64_t>& block_ids, const py::sequence& objects,
+              std::optional<std::pair<int, int>> layers) {
+  std::vector<Memory> cache_mem = GetMemories(caches, /*writable=*/false, "caches");
+  std::vector<Memory> obj_mem = GetMemories(objects, /*writable=*/true, "objects");
+  KvCacheView view = CacheView(layout, cache_mem);
+  LayerRange range = Layers(layout, layers);
+  CheckObjectSizes(layout, range, obj_mem);
+  std::vector<void*> dst;
+  for (const Memory& m : obj_mem) dst.push_back(m.data);
+  absl::Status st;
+  {
+    py::gil_scoped_release release;
+    st = Gather(layout, view, block_ids, range, dst, StreamRef());
+  }
+  Check(st);
+}
+
+void PyScatter(const KvLayout& layout, const py::sequence& caches,
+               const std::vector<int64_t>& block_ids, const py::sequence& objects,
+               std::optional<std::pair<int, int>> layers) {
+  std::vector<Memory> cache_mem = GetMemories(caches, /*writable=*/true, "caches");
+  std::vector<Memory> obj_mem = GetMemories(objects, /*writable=*/false, "objects");
+  KvCacheView view = CacheView(layout, cache_mem);
+  LayerRange range = Layers(layout, layers);
+  CheckObjectSizes(layout, range, obj_mem);
+  std::vector<const void*> src;
+  for (const Memory& m : obj_mem) src.push_back(m.data);
+  absl::Status st;
+  {
+    py::gil_scoped_release release;
+    st = Scatter(layout, view, block_ids, range, src, StreamRef());
+  }
+  Check(st);
+}
+
+}  // namespace
+}  // namespace kvdepot
+
+PYBIND11_MODULE(_kvdepot, m) {
+  using namespace kvdepot;  // NOLINT: the binding names every type once.
+  m.doc() = "Native binding of libkvdepot and the paged-KV gather/scatter "
+            "(CPU). Use the `kvdepot` package instead of this module.";
+
+  py::enum_<v1::Tier>(m, "Tier")
+      .value("UNSPECIFIED", v1::TIER_UNSPECIFIED)
+      .value("DRAM", v1::TIER_DRAM)
+      .value("NVME", v1::TIER_NVME);
+
+  py::class_<BlockInfo>(m, "BlockInfo", "One key's lookup result.")
+      .def_readonly("found", &BlockInfo::found)
+      .def_readonly("tier", &BlockInfo::tier)
+      .def_readonly("size", &BlockInfo::size)
+      .def_readonly("checksum", &BlockInfo::checksum)
+      .def("__repr__", [](const BlockInfo& b) {
+        return absl::StrCat("BlockInfo(found=", b.found ? "True" : "False",
+                            ", tier=", v1::Tier_Name(b.tier), ", size=", b.size,
+                            ", checksum=", b.checksum, ")");
+      });
+
+  py::class_<LookupReply>(m, "LookupReply", "The answer to Client.lookup.")
+      .def_readonly("entries", &LookupReply::entries)
+      .def_readonly("prefix_hits", &LookupReply::prefix_hits)
+      .def_readonly("pin_id", &LookupReply::pin_id)
+      .def("__repr__", [](const LookupReply& r) {
+        return absl::StrCat("LookupReply(", r.entries.size(), " entries, prefix_hits=",
+                            r.prefix_hits, ", pin_id=", r.pin_id, ")");
+      });
+
+  py::class_<PyClient>(m, "Client",
+                       "A connection to kvdepotd (thread-safe). No RPC is made "
+                       "until the first call.")
+      .def(py::init<const std::string&, double, double, const std::string&>(),
+           py::arg("server") = "127.0.0.1:50551", py::arg("timeout_s") = 30.0,
+           py::arg("lease_s") = 0.0, py::arg("client_name") = "kvdepot-python")
+      .def_property_readonly("server", &PyClient::server)
+      .def("close", &PyClient::Close,
+           "Closes the session (releasing its pins) and the connection.")
+      .def("__enter__", [](py::object self) { return self; })
+      .def("__exit__",
+           [](PyClient& c, py::object, py::object, py::object) { c.Close(); })
+      .def("health", &PyClient::Health,
+           "Raises RuntimeError (UNAVAILABLE) unless the daemon is serving.")
+      .def("ensure_session", &PyClient::EnsureSession,
+           "Opens a session if none is open (kept alive in the background); "
+           "returns its id.")
+      .def("close_session", &PyClient::CloseSession,
+           "Closes the session, releasing its pins.")
+      .def("lookup", &PyClient::Lookup, py::arg("ns"), py::arg("keys"),
+           py::arg("prefix") = false, py::arg("pin") = false)
+      .def("unpin", &PyClient::Unpin, py::arg("pin_id"))
+      .def("put", &PyClient::Put, py::arg("ns"), py::arg("keys"), py::arg("buffers"),
+           py::arg("parents") = py::none(),
+           "Stores blocks (put-if-absent) straight from the buffers; returns "
+           "True per block stored, False where it already existed.")
+      .def("get_into", &PyClient::GetInto, py::arg("ns"), py::arg("keys"),
+           py::arg("buffers"),
+           "Reads blocks into writable buffers of exactly the block size; "
+           "returns True per block filled, False per miss (buffer untouched).")
+      .def("evict", &PyClient::Evict, py::arg("ns"), py::arg("keys") =
+           std::vector<py::bytes>(), py::arg("all") = false)
+      .def("stats", &PyClient::Stats);
+
+  py::enum_<KvDtype>(m, "KvDtype")
+      .value("FLOAT16", KvDtype::kFloat16)
+      .value("BFLOAT16", KvDtype::kBFloat16)
+      .value("FLOAT8_E4M3", KvDtype::kFloat8E4M3)
+      .value("FLOAT32", KvDtype::kFloat32);
+  m.def("dtype_bytes", &KvDtypeBytes);
+  m.def("dtype_name", [](KvDtype d) { return std::string(KvDtypeName(d)); });
+
+  py::enum_<KvCacheLayout>(m, "KvCacheLayout")
+      .value("FLASH_ATTN_NHD", KvCacheLayout::kFlashAttnNhd)
+      .value("FLASH_ATTN_HND", KvCacheLayout::kFlashAttnHnd)
+      .value("FLASH_INFER_NHD", KvCacheLayout::kFlashInferNhd)
+      .value("FLASH_INFER_HND", KvCacheLayout::kFlashInferHnd)
+      .value("MLA", KvCacheLayout::kMla)
+      .value("CROSS_LAYER_NHD", KvCacheLayout::kCrossLayerNhd)
+      .value("CROSS_LAYER_HND", KvCacheLayout::kCrossLayerHnd);
+
+  py::class_<KvLayout>(m, "KvLayout",
+                       "An engine's paged KV-cache layout (immutable).")
+      .def_static(
+          "create",
+          [](KvCacheLayout layout, int num_layers, int num_components, int block_size,
+             int num_kv_heads, int head_size, KvDtype dtype) {
+            KvLayoutSpec spec;
+            spec.layout = layout;
+            spec.num_layers = num_layers;
+            spec.num_components = num_components;
+            spec.block_size = block_size;
+            spec.num_kv_heads = num_kv_heads;
+            spec.head_size = head_size;
+            spec.dtype = dtype;
+            return Check(KvLayout::Create(spec));
+          },
+          py::arg("layout"), py::arg("num_layers"), py::arg("num_components"),
+          py::arg("block_size"), py::arg("num_kv_heads"), py::arg("head_size"),
+          py::arg("dtype"))
+      .def_static(
+          "mha",
+          [](KvCacheLayout layout, int num_layers, int block_size, int num_kv_heads,
+             int head_size, KvDtype dtype) {
+            return Check(KvLayout::Mha(layout, num_layers, block_size, num_kv_heads,
+                                       head_size, dtype));
+          },
+          py::arg("layout"), py::arg("num_layers"), py::arg("block_size"),
+          py::arg("num_kv_heads"), py::arg("head_size"), py::arg("dtype"))
+      .def_static(
+          "mla",
+          [](KvCacheLayout layout, int num_layers, int block_size, int latent_size,
+             KvDtype dtype) {
+            return Check(
+                KvLayout::Mla(layout, num_layers, block_size, latent_size, dtype));
+          },
+          py::arg("layout"), py::arg("num_layers"), py::arg("block_size"),
+          py::arg("latent_size"), py::arg("dtype"))
+      .def_property_readonly("layout", &KvLayout::layout)
+      .def_property_readonly("num_layers", &KvLayout::num_layers)
+      .def_property_readonly("num_components", &KvLayout::num_components)
+      .def_property_readonly("block_size", &KvLayout::block_size)
+      .def_property_readonly("num_kv_heads", &KvLayout::num_kv_heads)
+      .def_property_readonly("head_size", &KvLayout::head_size)
+      .def_property_readonly("dtype", &KvLayout::dtype)
+      .def_property_readonly("cross_layer", &KvLayout::cross_layer)
+      .def_property_readonly("num_tensors", &KvLayout::num_tensors)
+      .def_property_readonly("element_bytes", &KvLayout::element_bytes)
+      .def_property_readonly("layer_bytes", &KvLayout::layer_bytes)
+      .def_property_readonly("object_bytes", &KvLayout::object_bytes)
+      .def("tensor_bytes",
+           [](const KvLayout& l, int64_t num_blocks) {
+             return Check(l.TensorBytes(num_blocks));
+           },
+           py::arg("num_blocks"))
+      .def_property_readonly("object_format", &KvLayout::ObjectFormat)
+      .def_property_readonly("fingerprint", &KvLayout::Fingerprint)
+      .def("namespace_for",
+           [](const KvLayout& l, const std::string& model) {
+             return Check(l.NamespaceFor(model));
+           },
+           py::arg("model"))
+      .def("__repr__", &KvLayout::DebugString);
+
+  m.def("gather", &PyGather, py::arg("layout"), py::arg("caches"),
+        py::arg("block_ids"), py::arg("objects"), py::arg("layers") = py::none(),
+        "Copies blocks out of a paged cache into one object buffer per block "
+        "(CPU twin).");
+  m.def("scatter", &PyScatter, py::arg("layout"), py::arg("caches"),
+        py::arg("block_ids"), py::arg("objects"), py::arg("layers") = py::none(),
+        "Writes one object buffer per block into a paged cache (CPU twin).");
+}

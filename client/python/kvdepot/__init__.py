@@ -1,0 +1,210 @@
+"""kvdepot: Python client of kvdepotd, the KV-cache block store.
+
+Two levels:
+
+* :class:`Client` -- the libkvdepot client: ``health``, ``lookup`` (with
+  prefix matching and pinning), ``unpin``, ``put``, ``get_into``, ``evict``,
+  ``stats``. Block bytes move straight from and into caller buffers (numpy
+  arrays, ``bytes``, ``bytearray``, ``memoryview``, CPU torch tensors); the GIL
+  is released during every RPC.
+* :class:`KvCacheStore` -- saves and loads blocks of an engine's paged KV
+  cache (torch tensors or numpy arrays in one of the :class:`KvCacheLayout`
+  layouts): gather into host buffers, then put; get, then scatter the hits.
+
+Layouts: :class:`KvLayout` (``KvLayout.mha``, ``KvLayout.mla``,
+``KvLayout.create``) describes the cache; :meth:`KvLayout.namespace_for` gives
+the namespace its blocks live in; :func:`gather` and :func:`scatter` move
+blocks between a cache and one contiguous object buffer per block (the CPU
+implementation: this package works on host memory).
+
+Errors raise ``KeyError`` (NOT_FOUND), ``ValueError`` (INVALID_ARGUMENT,
+OUT_OF_RANGE) or ``RuntimeError`` (everything else), the message starting with
+the gRPC/absl status code name, e.g. ``"UNAVAILABLE: ..."``.
+
+Example::
+
+    import torch, kvdepot
+    layout = kvdepot.KvLayout.mha(kvdepot.KvCacheLayout.FLASH_ATTN_NHD,
+                                  num_layers=32, block_size=16,
+                                  num_kv_heads=8, head_size=128,
+                                  dtype=kvdepot.KvDtype.BFLOAT16)
+    store = kvdepot.KvCacheStore("127.0.0.1:50551", layout, "llama3-8b/tp0of1")
+    store.save(kv_caches, block_ids=[1, 3], keys=[k1, k2], parents=[b"", k1])
+    hits = store.load(kv_caches, block_ids=[7, 9], keys=[k1, k2])
+"""
+
+from __future__ import annotations
+
+from typing import Any, List, Optional, Sequence
+
+try:
+    from ._kvdepot import (
+        BlockInfo,
+        Client,
+        KvCacheLayout,
+        KvDtype,
+        KvLayout,
+        LookupReply,
+        Tier,
+        dtype_bytes,
+        dtype_name,
+        gather,
+        scatter,
+    )
+except ImportError as e:  # pragma: no cover
+    raise ImportError(
+        "kvdepot: the native module _kvdepot is missing or does not load "
+        f"({e}). It is built by CMake (target _kvdepot) into "
+        "<build>/python/kvdepot/; see client/python/README.md."
+    ) from e
+
+__all__ = [
+    "BlockInfo",
+    "Client",
+    "KvCacheLayout",
+    "KvCacheStore",
+    "KvDtype",
+    "KvLayout",
+    "LookupReply",
+    "Tier",
+    "dtype_bytes",
+    "dtype_from_torch",
+    "dtype_name",
+    "gather",
+    "scatter",
+]
+
+__version__ = "0.1.0"
+
+
+def dtype_from_torch(dtype: Any) -> KvDtype:
+    """Returns the :class:`KvDtype` of a ``torch.dtype`` (fp16, bf16, fp32,
+    float8_e4m3fn where torch has it). Raises ValueError for anything else."""
+    import torch  # imported lazily: torch is optional
+
+    table = {
+        torch.float16: KvDtype.FLOAT16,
+        torch.bfloat16: KvDtype.BFLOAT16,
+        torch.float32: KvDtype.FLOAT32,
+    }
+    fp8 = getattr(torch, "float8_e4m3fn", None)
+    if fp8 is not None:
+        table[fp8] = KvDtype.FLOAT8_E4M3
+    try:
+        return table[dtype]
+    except KeyError:
+        raise ValueError(f"INVALID_ARGUMENT: no KvDtype for {dtype}") from None
+
+
+class KvCacheStore:
+    """Saves and loads blocks of one engine's paged KV cache in kvdepotd.
+
+    ``caches`` arguments are the engine's cache tensors as the layout expects
+    them: one per layer for the per-layer layouts (vLLM FlashAttention,
+    FlashInfer, MLA), exactly one for the cross-layer layouts. They may be CPU
+    torch tensors or numpy arrays and must be C-contiguous; every tensor holds
+    the same number of blocks.
+
+    Blocks are stored under ``layout.namespace_for(model)``, so engines whose
+    objects differ in format never read each other's blocks; ``model`` must
+    name what the layout cannot see (model and revision, tensor-parallel rank
+    and size, KV quantization).
+
+    Not thread-safe (it reuses its host staging buffers); use one store per
+    thread, or share one :class:`Client` between several stores.
+    """
+
+    def __init__(
+        self,
+        server: str,
+        layout: KvLayout,
+        model: str,
+        *,
+        timeout_s: float = 30.0,
+        client: Optional[Client] = None,
+    ) -> None:
+        self.layout = layout
+        self.namespace: str = layout.namespace_for(model)
+        self.client: Client = client if client is not None else Client(
+            server, timeout_s=timeout_s
+        )
+        self._buffers: List[Any] = []
+
+    def _staging(self, n: int) -> List[Any]:
+        """n host buffers of one object each, reused across calls."""
+        import numpy as np
+
+        size = self.layout.object_bytes
+        while len(self._buffers) < n:
+            self._buffers.append(np.empty(size, dtype=np.uint8))
+        return self._buffers[:n]
+
+    def save(
+        self,
+        caches: Sequence[Any],
+        block_ids: Sequence[int],
+        keys: Sequence[bytes],
+        parents: Optional[Sequence[bytes]] = None,
+    ) -> List[bool]:
+        """Stores the blocks ``block_ids`` of ``caches`` under ``keys``.
+
+        ``parents[i]`` is the key of the block before ``keys[i]`` in its
+        chain (``b""`` for a chain's first block); None means no parents.
+        Returns one flag per block: True if stored now, False if the key was
+        already stored (put-if-absent: the existing block is kept).
+        """
+        if len(block_ids) != len(keys):
+            raise ValueError(
+                f"INVALID_ARGUMENT: {len(block_ids)} block ids but {len(keys)} keys"
+            )
+        if not keys:
+            return []
+        buffers = self._staging(len(keys))
+        gather(self.layout, list(caches), list(block_ids), buffers)
+        return self.client.put(
+            self.namespace,
+            list(keys),
+            buffers,
+            list(parents) if parents is not None else None,
+        )
+
+    def load(
+        self,
+        caches: Sequence[Any],
+        block_ids: Sequence[int],
+        keys: Sequence[bytes],
+    ) -> List[bool]:
+        """Loads the blocks stored under ``keys`` into ``block_ids`` of
+        ``caches``.
+
+        Returns one flag per key: True if the block was loaded, False if the
+        key is not stored -- that cache block is then left untouched (never
+        zero-filled), for the caller to recompute. Block ids must not repeat.
+        """
+        if len(block_ids) != len(keys):
+            raise ValueError(
+                f"INVALID_ARGUMENT: {len(block_ids)} block ids but {len(keys)} keys"
+            )
+        if not keys:
+            return []
+        if len(set(block_ids)) != len(block_ids):
+            raise ValueError("INVALID_ARGUMENT: block ids repeat")
+        buffers = self._staging(len(keys))
+        filled = self.client.get_into(self.namespace, list(keys), buffers)
+        hits = [i for i, ok in enumerate(filled) if ok]
+        if hits:
+            scatter(
+                self.layout,
+                list(caches),
+                [block_ids[i] for i in hits],
+                [buffers[i] for i in hits],
+            )
+        return filled
+
+    def lookup(self, keys: Sequence[bytes], prefix: bool = True) -> int:
+        """How many of ``keys`` are stored: with ``prefix``, the length of the
+        longest stored prefix of the chain; else the number found."""
+        reply = self.client.lookup(self.namespace, list(keys), prefix=prefix)
+        if prefix:
+            return reply.prefix_hits
+        return sum(1 for e in reply.entries if e.found)

@@ -1,0 +1,404 @@
+"""Integration tests of the kvdepot Python package against a live kvdepotd.
+
+Run by ctest (python_kvdepot_test) with PYTHONPATH=<build>/python and
+KVDEPOT_DAEMON=<path of kvdepotd>. Exits 77 (ctest: skipped) when numpy is
+missing; the torch cases skip themselves when torch is.
+"""
+
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import unittest
+
+try:
+    import numpy as np
+except ImportError:  # pragma: no cover
+    print("numpy is not installed; skipping", file=sys.stderr)
+    sys.exit(77)
+
+try:
+    import torch
+except ImportError:  # pragma: no cover
+    torch = None
+
+import kvdepot
+
+NS = "pytest/ns"
+
+
+class Daemon:
+    """A kvdepotd on an ephemeral port with its own data directory."""
+
+    def __init__(self):
+        binary = os.environ.get("KVDEPOT_DAEMON")
+        if not binary or not os.path.exists(binary):
+            raise unittest.SkipTest("KVDEPOT_DAEMON does not name kvdepotd")
+        self.dir = tempfile.mkdtemp(prefix="kvdepot-pytest-")
+        self.log_path = os.path.join(self.dir, "kvdepotd.log")
+        self.log = open(self.log_path, "wb")
+        self.proc = subprocess.Popen(
+            [binary, "--listen", "127.0.0.1:0", "--metrics-listen", "",
+             "--data-dir", os.path.join(self.dir, "data"), "--hugepages", "off",
+             "--dram-capacity", "64MiB"],
+            stdout=self.log, stderr=subprocess.STDOUT)
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            with open(self.log_path, "rb") as f:
+                text = f.read().decode(errors="replace")
+            m = re.search(r"listening on (\S+);", text)
+            if m:
+                self.address = m.group(1)
+                return
+            if self.proc.poll() is not None:
+                self.stop()
+                raise RuntimeError(f"kvdepotd exited before listening:\n{text}")
+            time.sleep(0.02)
+        self.stop()
+        raise RuntimeError(f"kvdepotd did not start:\n{text}")
+
+    def stop(self):
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(timeout=10)
+        self.log.close()
+        shutil.rmtree(self.dir, ignore_errors=True)
+
+
+class DaemonTestCase(unittest.TestCase):
+    def setUp(self):
+        self.daemon = Daemon()
+        self.client = kvdepot.Client(self.daemon.address, timeout_s=10)
+        self.client.health()
+
+    def tearDown(self):
+        del self.client  # closes the session before the daemon goes
+        self.daemon.stop()
+
+
+def key(i: int) -> bytes:
+    return b"key-%04d" % i
+
+
+class ClientTest(DaemonTestCase):
+    def test_put_get_into_round_trip_numpy(self):
+        rng = np.random.default_rng(1)
+        blocks = [rng.integers(0, 256, 4096 + i, dtype=np.uint8) for i in range(3)]
+        keys = [key(i) for i in range(3)]
+        parents = [b"", keys[0], keys[1]]
+        self.assertEqual(self.client.put(NS, keys, blocks, parents), [True] * 3)
+        # Put-if-absent: the second put keeps the blocks.
+        self.assertEqual(self.client.put(NS, keys, blocks, parents), [False] * 3)
+
+        out = [np.zeros(b.size, dtype=np.uint8) for b in blocks]
+        ptrs = [o.ctypes.data for o in out]
+        self.assertEqual(self.client.get_into(NS, keys, out), [True] * 3)
+        for b, o, p in zip(blocks, out, ptrs):
+            self.assertEqual(o.ctypes.data, p)  # filled in place
+            np.testing.assert_array_equal(b, o)
+
+    def test_put_accepts_bytes_memoryview_and_typed_arrays(self):
+        data = np.arange(1024, dtype=np.float32)
+        raw = bytes(range(256)) * 4
+        keys = [key(1), key(2), key(3)]
+        self.assertEqual(
+            self.client.put(NS, keys, [data, raw, memoryview(bytearray(raw))]),
+            [True] * 3)
+        out_f = np.empty_like(data)
+        out_b = bytearray(len(raw))
+        out_m = np.empty(len(raw), dtype=np.uint8)
+        self.assertEqual(self.client.get_into(NS, keys, [out_f, out_b, out_m]),
+                         [True] * 3)
+        np.testing.assert_array_equal(out_f, data)
+        self.assertEqual(bytes(out_b), raw)
+        self.assertEqual(out_m.tobytes(), raw)
+
+    def test_miss_returns_false_and_leaves_buffer_untouched(self):
+        self.client.put(NS, [key(1)], [np.full(512, 7, dtype=np.uint8)])
+        out = [np.full(512, 0xAB, dtype=np.uint8) for _ in range(3)]
+        filled = self.client.get_into(NS, [key(0), key(1), key(2)], out)
+        self.assertEqual(filled, [False, True, False])
+        self.assertTrue((out[0] == 0xAB).all())
+        self.assertTrue((out[1] == 7).all())
+        self.assertTrue((out[2] == 0xAB).all())
+        # All misses: nothing read at all.
+        self.assertEqual(self.client.get_into(NS, [key(5)], [out[0]]), [False])
+        self.assertTrue((out[0] == 0xAB).all())
+
+    def test_wrong_buffer_size_is_value_error_and_writes_nothing(self):
+        self.client.put(NS, [key(1), key(2)],
+                        [np.full(512, 1, np.uint8), np.full(512, 2, np.uint8)])
+        good = np.full(512, 0xCD, dtype=np.uint8)
+        small = np.full(511, 0xCD, dtype=np.uint8)
+        with self.assertRaises(ValueError) as cm:
+            self.client.get_into(NS, [key(1), key(2)], [good, small])
+        self.assertIn("INVALID_ARGUMENT", str(cm.exception))
+        self.assertTrue((good == 0xCD).all())
+        self.assertTrue((small == 0xCD).all())
+
+    def test_read_only_and_non_contiguous_buffers_are_rejected(self):
+        self.client.put(NS, [key(1)], [np.zeros(64, np.uint8)])
+        with self.assertRaises(ValueError):
+            self.client.get_into(NS, [key(1)], [bytes(64)])  # read-only
+        with self.assertRaises(ValueError):
+            self.client.put(NS, [key(2)], [np.zeros(128, np.uint8)[::2]])
+        with self.assertRaises(TypeError):
+            self.client.put(NS, [key(2)], [12345])
+        with self.assertRaises(ValueError):
+            self.client.put(NS, [key(2), key(3)], [np.zeros(8, np.uint8)])
+
+    def test_lookup_prefix_pin_unpin_evict_stats(self):
+        keys = [key(i) for i in range(4)]
+        bufs = [np.full(256, i, np.uint8) for i in range(3)]
+        self.client.put(NS, keys[:3], bufs, [b"", keys[0], keys[1]])
+        reply = self.client.lookup(NS, keys, prefix=True, pin=True)
+        self.assertEqual(reply.prefix_hits, 3)
+        self.assertEqual([e.found for e in reply.entries], [True, True, True, False])
+        self.assertEqual(reply.entries[0].size, 256)
+        self.assertEqual(reply.entries[0].tier, kvdepot.Tier.DRAM)
+        self.assertNotEqual(reply.pin_id, 0)
+        self.client.unpin(reply.pin_id)
+        stats = self.client.stats()
+        self.assertIsInstance(stats, dict)
+        self.assertGreaterEqual(stats["puts"], 3)
+        self.assertEqual(stats["dram"]["blocks"], 3)
+        evicted = self.client.evict(NS, [keys[0]])
+        self.assertEqual(evicted["evicted_blocks"], 1)
+        self.assertEqual(self.client.lookup(NS, keys[:1]).entries[0].found, False)
+        with self.assertRaises(ValueError):
+            self.client.lookup("bad namespace with spaces", keys)
+
+    def test_unreachable_daemon_is_runtime_error(self):
+        c = kvdepot.Client("127.0.0.1:1", timeout_s=0.5)
+        with self.assertRaises(RuntimeError) as cm:
+            c.health()
+        self.assertRegex(str(cm.exception), "UNAVAILABLE|DEADLINE_EXCEEDED")
+
+    def test_close_and_context_manager(self):
+        with kvdepot.Client(self.daemon.address, timeout_s=10) as c:
+            c.health()
+            c.put(NS, [key(1)], [b"abc"])
+            self.assertNotEqual(c.lookup(NS, [key(1)], pin=True).pin_id, 0)
+        with self.assertRaises(RuntimeError) as cm:
+            c.health()
+        self.assertIn("FAILED_PRECONDITION", str(cm.exception))
+        c.close()  # idempotent
+
+    def test_concurrent_get_into_releases_the_gil(self):
+        size = 1 << 20
+        keys = [key(i) for i in range(8)]
+        blocks = [np.full(size, i, np.uint8) for i in range(8)]
+        self.client.put(NS, keys, blocks)
+        errors = []
+        done = []
+
+        def reader(n):
+            try:
+                out = [np.empty(size, np.uint8) for _ in keys]
+                for _ in range(n):
+                    self.assertEqual(self.client.get_into(NS, keys, out), [True] * 8)
+                    for i, o in enumerate(out):
+                        self.assertEqual(int(o[0]), i)
+                        self.assertEqual(int(o[-1]), i)
+                done.append(n)
+            except Exception as e:  # reported below
+                errors.append(e)
+
+        threads = [threading.Thread(target=reader, args=(5,)) for _ in range(2)]
+        # A pure-Python thread keeps running while the readers wait on I/O.
+        ticks = [0]
+        stop = threading.Event()
+
+        def ticker():
+            while not stop.is_set():
+                ticks[0] += 1
+
+        t = threading.Thread(target=ticker)
+        t.start()
+        for th in threads:
+            th.start()
+        for th in threads:
+            th.join(timeout=60)
+        stop.set()
+        t.join()
+        self.assertEqual(errors, [])
+        self.assertEqual(done, [5, 5])
+        self.assertGreater(ticks[0], 0)
+
+
+class LayoutTest(unittest.TestCase):
+    def test_layout_factories_and_fingerprint(self):
+        nhd = kvdepot.KvLayout.mha(kvdepot.KvCacheLayout.FLASH_ATTN_NHD, 4, 16, 2, 64,
+                                   kvdepot.KvDtype.BFLOAT16)
+        hnd = kvdepot.KvLayout.mha(kvdepot.KvCacheLayout.FLASH_ATTN_HND, 4, 16, 2, 64,
+                                   kvdepot.KvDtype.BFLOAT16)
+        fp16 = kvdepot.KvLayout.mha(kvdepot.KvCacheLayout.FLASH_ATTN_NHD, 4, 16, 2, 64,
+                                    kvdepot.KvDtype.FLOAT16)
+        self.assertEqual(nhd.object_bytes, 4 * 2 * 16 * 2 * 64 * 2)
+        self.assertEqual(nhd.fingerprint, hnd.fingerprint)
+        self.assertNotEqual(nhd.fingerprint, fp16.fingerprint)
+        self.assertEqual(nhd.namespace_for("m/tp0"), "m/tp0/%016x" % nhd.fingerprint)
+        mla = kvdepot.KvLayout.mla(kvdepot.KvCacheLayout.MLA, 2, 16, 576,
+                                   kvdepot.KvDtype.BFLOAT16)
+        self.assertEqual(mla.num_components, 1)
+        cross = kvdepot.KvLayout.create(kvdepot.KvCacheLayout.CROSS_LAYER_NHD, 4, 2,
+                                        16, 2, 64, kvdepot.KvDtype.BFLOAT16)
+        self.assertEqual(cross.num_tensors, 1)
+        self.assertEqual(cross.fingerprint, nhd.fingerprint)
+        with self.assertRaises(ValueError):
+            kvdepot.KvLayout.mha(kvdepot.KvCacheLayout.MLA, 4, 16, 2, 64,
+                                 kvdepot.KvDtype.BFLOAT16)
+
+    def test_numpy_gather_scatter_cross_layer(self):
+        layout = kvdepot.KvLayout.create(kvdepot.KvCacheLayout.CROSS_LAYER_NHD, 3, 2,
+                                         4, 2, 8, kvdepot.KvDtype.FLOAT32)
+        n = 5
+        cache = np.random.default_rng(2).standard_normal(
+            layout.tensor_bytes(n) // 4).astype(np.float32)
+        objs = [np.empty(layout.object_bytes, np.uint8) for _ in range(2)]
+        kvdepot.gather(layout, [cache], [4, 1], objs)
+        per_block = cache.size // n
+        # Cross-layer NHD: a block's object is its contiguous run.
+        np.testing.assert_array_equal(objs[0].view(np.float32),
+                                      cache[4 * per_block:5 * per_block])
+        restored = np.zeros_like(cache)
+        kvdepot.scatter(layout, [restored], [4, 1], objs)
+        for b in range(n):
+            part = slice(b * per_block, (b + 1) * per_block)
+            if b in (1, 4):
+                np.testing.assert_array_equal(restored[part], cache[part])
+            else:
+                self.assertTrue((restored[part] == 0).all())
+        # A layer range: bytes [1 * layer_bytes, 3 * layer_bytes) of each object.
+        part_objs = [np.empty(2 * layout.layer_bytes, np.uint8)]
+        kvdepot.gather(layout, [cache], [4], part_objs, layers=(1, 3))
+        np.testing.assert_array_equal(
+            part_objs[0], objs[0][layout.layer_bytes:3 * layout.layer_bytes])
+        with self.assertRaises(ValueError):  # out of range: nothing written
+            kvdepot.scatter(layout, [restored], [5], objs[:1])
+        with self.assertRaises(ValueError):  # wrong object size
+            kvdepot.gather(layout, [cache], [0], [np.empty(7, np.uint8)])
+        with self.assertRaises(ValueError):  # wrong tensor count
+            kvdepot.gather(layout, [cache, cache], [0], objs[:1])
+
+
+@unittest.skipIf(torch is None, "torch is not installed")
+class TorchStoreTest(DaemonTestCase):
+    NUM_LAYERS = 4
+    NUM_BLOCKS = 8
+    BLOCK_SIZE = 16
+    KV_HEADS = 2
+    HEAD_SIZE = 64
+
+    def make_caches(self, dtype, random):
+        shape = (2, self.NUM_BLOCKS, self.BLOCK_SIZE, self.KV_HEADS, self.HEAD_SIZE)
+        g = torch.Generator().manual_seed(3)
+        if random:
+            return [torch.randn(shape, generator=g).to(dtype)
+                    for _ in range(self.NUM_LAYERS)]
+        return [torch.zeros(shape, dtype=dtype) for _ in range(self.NUM_LAYERS)]
+
+    def round_trip(self, dtype, cache_layout):
+        layout = kvdepot.KvLayout.mha(cache_layout, self.NUM_LAYERS, self.BLOCK_SIZE,
+                                      self.KV_HEADS, self.HEAD_SIZE,
+                                      kvdepot.dtype_from_torch(dtype))
+        store = kvdepot.KvCacheStore(self.daemon.address, layout, "pytest-model",
+                                     client=self.client)
+        src = self.make_caches(dtype, random=True)
+        if cache_layout == kvdepot.KvCacheLayout.FLASH_ATTN_HND:
+            # Physically [2, N, H, T, D]: a contiguous tensor in that order.
+            src = [t.permute(0, 1, 3, 2, 4).contiguous() for t in src]
+        keys = [b"blk-1", b"blk-3", b"blk-5"]
+        self.assertEqual(store.save(src, [1, 3, 5], keys, [b"", keys[0], keys[1]]),
+                         [True] * 3)
+        self.assertEqual(store.lookup(keys), 3)
+
+        dst = [torch.zeros_like(t) for t in src]
+        filled = store.load(dst, [1, 3, 5], keys)
+        self.assertEqual(filled, [True] * 3)
+        for s, d in zip(src, dst):
+            for b in range(self.NUM_BLOCKS):
+                if b in (1, 3, 5):
+                    self.assertTrue(torch.equal(s[:, b], d[:, b]), f"block {b}")
+                else:
+                    self.assertTrue(torch.equal(d[:, b], torch.zeros_like(d[:, b])))
+
+        # A missing key: a miss, and its block stays zero.
+        dst = [torch.zeros_like(t) for t in src]
+        filled = store.load(dst, [2, 6], [b"blk-3", b"never-stored"])
+        self.assertEqual(filled, [True, False])
+        for s, d in zip(src, dst):
+            self.assertTrue(torch.equal(d[:, 2], s[:, 3]))
+            self.assertTrue(torch.equal(d[:, 6], torch.zeros_like(d[:, 6])))
+
+    def test_round_trip_bf16(self):
+        self.round_trip(torch.bfloat16, kvdepot.KvCacheLayout.FLASH_ATTN_NHD)
+
+    def test_round_trip_fp16(self):
+        self.round_trip(torch.float16, kvdepot.KvCacheLayout.FLASH_ATTN_NHD)
+
+    def test_round_trip_bf16_hnd(self):
+        self.round_trip(torch.bfloat16, kvdepot.KvCacheLayout.FLASH_ATTN_HND)
+
+    def test_round_trip_other_layouts(self):
+        L, N, T, H, D = self.NUM_LAYERS, self.NUM_BLOCKS, self.BLOCK_SIZE, 2, 32
+        K = kvdepot.KvCacheLayout
+        bf16 = kvdepot.KvDtype.BFLOAT16
+        # (layout, cache shapes, the block dimension of each tensor)
+        cases = [
+            (kvdepot.KvLayout.mha(K.FLASH_INFER_NHD, L, T, H, D, bf16),
+             [(N, 2, T, H, D)] * L),
+            (kvdepot.KvLayout.mha(K.FLASH_INFER_HND, L, T, H, D, bf16),
+             [(N, 2, H, T, D)] * L),
+            (kvdepot.KvLayout.mla(K.MLA, L, T, 576, bf16), [(N, T, 576)] * L),
+            (kvdepot.KvLayout.mha(K.CROSS_LAYER_NHD, L, T, H, D, bf16),
+             [(N, L, 2, T, H, D)]),
+            (kvdepot.KvLayout.mha(K.CROSS_LAYER_HND, L, T, H, D, bf16),
+             [(N, L, 2, H, T, D)]),
+        ]
+        g = torch.Generator().manual_seed(4)
+        for layout, shapes in cases:
+            with self.subTest(layout=repr(layout)):
+                store = kvdepot.KvCacheStore(self.daemon.address, layout,
+                                             "pytest-" + layout.layout.name,
+                                             client=self.client)
+                src = [torch.randn(s, generator=g).to(torch.bfloat16) for s in shapes]
+                keys = [b"a", b"b"]
+                store.save(src, [0, 7], keys)
+                dst = [torch.zeros_like(t) for t in src]
+                self.assertEqual(store.load(dst, [7, 2], keys),
+                                 [True, True])
+                for s_, d_ in zip(src, dst):
+                    self.assertTrue(torch.equal(d_[7], s_[0]))
+                    self.assertTrue(torch.equal(d_[2], s_[7]))
+                    for b in (0, 1, 3, 4, 5, 6):
+                        self.assertEqual(int(d_[b].abs().sum()), 0)
+
+    def test_put_and_get_into_torch_tensors_directly(self):
+        t = torch.randn(1024).to(torch.bfloat16)
+        self.assertEqual(self.client.put(NS, [b"t"], [t]), [True])
+        out = torch.zeros_like(t)
+        self.assertEqual(self.client.get_into(NS, [b"t"], [out]), [True])
+        self.assertTrue(torch.equal(out, t))
+        with self.assertRaises(ValueError):
+            self.client.get_into(NS, [b"t"], [torch.zeros(2048, 2)[:, 0]])
+
+    def test_layout_mismatch_is_value_error(self):
+        layout = kvdepot.KvLayout.mha(kvdepot.KvCacheLayout.FLASH_ATTN_NHD,
+                                      self.NUM_LAYERS, self.BLOCK_SIZE, self.KV_HEADS,
+                                      self.HEAD_SIZE, kvdepot.KvDtype.BFLOAT16)
+        store = kvdepot.KvCacheStore(self.daemon.address, layout, "pytest-model",
+                                     client=self.client)
+        caches = self.make_caches(torch.bfloat16, random=False)
+        with self.assertRaises(ValueError):
+            store.save(caches[:3], [0], [b"k"])
+        with self.assertRaises(ValueError):
+            store.save(caches, [self.NUM_BLOCKS], [b"k"])
+
+
+if __name__ == "__main__":
+    unittest.main()

@@ -1,0 +1,140 @@
+#!/usr/bin/env bash
+# compare_ucx_perftest.sh: kvdepot_transport's one-sided GET against UCX's
+# own limit, ucx_perftest (ucx-utils), side by side in one run with the same
+# UCX settings (see ../shared/BENCHMARKS.md and transport/README.md).
+#
+# For each transport (tcp: UCX_TLS=tcp over lo with 512k TCP segments;
+# shm: UCX_TLS=shm,tcp, shared memory chosen) and each client count:
+#   A  ucx_bench: a server process registers a 64 MiB region; N client
+#      threads, each with its own worker and endpoint, read random 256 KiB
+#      blocks in batches of 8 for --seconds.
+#   B  ucx_perftest -t ucp_get -s 262144 -O 8: N server/client process
+#      pairs at once, as many gets as A managed per client.
+# Rounds alternate A B A B; each side's figure is its best round. Prints a
+# table with the ratio A/B and writes JSON (default
+# transport/results/compare_ucx_perftest.json).
+#
+#   transport/compare_ucx_perftest.sh [--seconds 3] [--rounds 2]
+#       [--threads "1 4"] [--transports "tcp shm"] [--build DIR]
+#       [--out FILE] [--smoke]
+#
+# Exit 0 when every run succeeded, 1 when one failed, 2 for usage errors,
+# 77 when ucx_perftest is not installed (ctest reports a skip).
+set -euo pipefail
+
+REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+BUILD="$REPO/build"
+SECONDS_PER_RUN=3
+ROUNDS=2
+THREADS="1 4"
+TRANSPORTS="tcp shm"
+OUT=""
+SMOKE=0
+BLOCK=262144
+BATCH=8
+
+die_usage() { echo "compare_ucx_perftest.sh: $*" >&2; exit 2; }
+while [[ $# -gt 0 ]]; do
+  case "$1" in
+    --seconds) SECONDS_PER_RUN="${2:?}"; shift 2 ;;
+    --rounds) ROUNDS="${2:?}"; shift 2 ;;
+    --threads) THREADS="${2:?}"; shift 2 ;;
+    --transports) TRANSPORTS="${2:?}"; shift 2 ;;
+    --build) BUILD="${2:?}"; shift 2 ;;
+    --out) OUT="${2:?}"; shift 2 ;;
+    --smoke) SMOKE=1; shift ;;
+    -h|--help) sed -n '2,/^set -euo/p' "${BASH_SOURCE[0]}" | sed '$d; s/^# \{0,1\}//'; exit 0 ;;
+    *) die_usage "unknown argument: $1" ;;
+  esac
+done
+if [[ $SMOKE -eq 1 ]]; then
+  SECONDS_PER_RUN=1; ROUNDS=1; THREADS=1; TRANSPORTS=tcp
+  [[ -n $OUT ]] || OUT="$BUILD/transport/compare_ucx_perftest_smoke.json"
+fi
+[[ -n $OUT ]] || OUT="$REPO/transport/results/compare_ucx_perftest.json"
+command -v ucx_perftest >/dev/null || { echo "ucx_perftest not found (apt-get install ucx-utils)" >&2; exit 77; }
+BENCH="$BUILD/transport/ucx_bench"
+[[ -x $BENCH ]] || die_usage "$BENCH not built (ninja -C $BUILD ucx_bench)"
+mkdir -p "$(dirname "$OUT")"
+WORK="$(mktemp -d)"
+PIDS=()
+cleanup() { for p in "${PIDS[@]}"; do kill "$p" 2>/dev/null || true; done; rm -rf "$WORK"; }
+trap cleanup EXIT
+
+# The UCX settings of a transport, as environment assignments; the same as
+# ucx_test::TransportConfig, which ucx_bench uses.
+ucx_env() {
+  case "$1" in
+    tcp) echo "UCX_TLS=tcp UCX_NET_DEVICES=lo UCX_TCP_TX_SEG_SIZE=512k UCX_TCP_RX_SEG_SIZE=512k" ;;
+    shm) echo "UCX_TLS=shm,tcp UCX_NET_DEVICES=lo" ;;
+  esac
+}
+
+# run_perftest TRANSPORT PAIRS ITERS: prints the summed GB/s of PAIRS
+# concurrent ucx_perftest pairs, or "fail".
+run_perftest() {
+  local transport=$1 pairs=$2 iters=$3 env port i total=0 mbs
+  env="$(ucx_env "$transport")"
+  local base_port=$((20000 + RANDOM % 20000))
+  for ((i = 0; i < pairs; i++)); do
+    port=$((base_port + i))
+    env $env timeout 120 ucx_perftest -t ucp_get -s $BLOCK -O $BATCH -n "$iters" \
+      -w 50 -p "$port" -f >"$WORK/server.$i" 2>&1 &
+    PIDS+=($!)
+  done
+  sleep 1
+  local clients=()
+  for ((i = 0; i < pairs; i++)); do
+    port=$((base_port + i))
+    env $env timeout 120 ucx_perftest 127.0.0.1 -t ucp_get -s $BLOCK -O $BATCH \
+      -n "$iters" -w 50 -p "$port" -f >"$WORK/client.$i" 2>&1 &
+    clients+=($!)
+  done
+  local ok=1
+  for p in "${clients[@]}"; do wait "$p" || ok=0; done
+  wait || true
+  PIDS=()
+  [[ $ok -eq 1 ]] || { echo fail; return; }
+  for ((i = 0; i < pairs; i++)); do
+    # Final line: iterations, latency 50%/average/overall (us), bandwidth
+    # average/overall (MB/s of 2^20 bytes), message rate average/overall.
+    mbs="$(awk 'NF == 8 && $1 ~ /^[0-9]+$/ {v = $6} END {print v}' "$WORK/client.$i")"
+    [[ -n $mbs ]] || { echo fail; return; }
+    total="$(awk -v a="$total" -v b="$mbs" 'BEGIN {printf "%.6f", a + b * 1048576 / 1e9}')"
+  done
+  echo "$total"
+}
+
+failed=0
+rows=()
+json_rows=()
+printf '%-5s %-7s %-12s %-12s %-8s\n' transport clients kvdepot_GB/s perftest_GB/s ratio
+for transport in $TRANSPORTS; do
+  for threads in $THREADS; do
+    best_a=0 best_b=0 rounds_json=""
+    for ((r = 1; r <= ROUNDS; r++)); do
+      a_json="$("$BENCH" --transport "$transport" --threads "$threads" \
+        --seconds "$SECONDS_PER_RUN" --batch $BATCH --block-size $BLOCK 2>"$WORK/bench.err" | tail -1)" || a_json=""
+      a="$(sed -n 's/.*"gb_per_s": \([0-9.]*\).*/\1/p' <<<"$a_json")"
+      if [[ -z $a ]]; then failed=1; a=0; cat "$WORK/bench.err" >&2; fi
+      # As many gets per perftest client as each kvdepot client made.
+      iters="$(awk -v g="$a" -v t="$threads" -v s="$SECONDS_PER_RUN" -v b=$BLOCK \
+        'BEGIN {n = int(g * 1e9 * s / t / b); if (n < 200) n = 200; print n}')"
+      b="$(run_perftest "$transport" "$threads" "$iters")"
+      if [[ $b == fail ]]; then failed=1; b=0; fi
+      best_a="$(awk -v x="$best_a" -v y="$a" 'BEGIN {print (y > x) ? y : x}')"
+      best_b="$(awk -v x="$best_b" -v y="$b" 'BEGIN {print (y > x) ? y : x}')"
+      rounds_json+="${rounds_json:+, }{\"round\": $r, \"kvdepot_gb_per_s\": $a, \"perftest_gb_per_s\": $b}"
+    done
+    ratio="$(awk -v a="$best_a" -v b="$best_b" 'BEGIN {if (b > 0) printf "%.2f", a / b; else print "n/a"}')"
+    printf '%-5s %-7s %-12.3f %-12.3f %-8s\n' "$transport" "$threads" "$best_a" "$best_b" "$ratio"
+    json_rows+=("{\"transport\": \"$transport\", \"ucx\": \"$(ucx_env "$transport")\", \"clients\": $threads, \"block_size\": $BLOCK, \"batch\": $BATCH, \"kvdepot_gb_per_s\": $best_a, \"perftest_gb_per_s\": $best_b, \"ratio\": \"$ratio\", \"rounds\": [$rounds_json]}")
+  done
+done
+{
+  echo "{\"workload\": \"one-sided GET, 256 KiB blocks, loopback\", \"ucx_version\": \"$(ucx_info -v | sed -n 's/^# Version //p')\", \"seconds\": $SECONDS_PER_RUN, \"results\": ["
+  (IFS=,; echo "${json_rows[*]}")
+  echo "]}"
+} >"$OUT"
+echo "JSON: $OUT"
+exit $failed

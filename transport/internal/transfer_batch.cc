@@ -1,0 +1,132 @@
+#include "transport/internal/transfer_batch.h"
+
+#include <utility>
+
+#include "transport/internal/ucs_status.h"
+
+namespace kvdepot::transport_internal {
+
+TransferBatch::TransferBatch(Op op, size_t transfers, absl::Time deadline)
+    : op_(op),
+      size_(transfers),
+      deadline_(deadline),
+      op_status_(transfers + 1),
+      refused_(transfers, false),
+      pending_(transfers + 1, false),
+      slots_(transfers + 1) {
+  for (size_t i = 0; i <= transfers; ++i) slots_[i] = Slot{this, i};
+}
+
+bool TransferBatch::IsReady() const {
+  absl::MutexLock lock(&mu_);
+  return ready_;
+}
+
+bool TransferBatch::WaitUntil(absl::Time deadline) const {
+  absl::MutexLock lock(&mu_);
+  mu_.AwaitWithDeadline(absl::Condition(&ready_), deadline);
+  return ready_;
+}
+
+void TransferBatch::Refuse(size_t i, absl::Status status) {
+  refused_[i] = true;
+  op_status_[i] = std::move(status);
+}
+
+ucp_request_param_t TransferBatch::Param(size_t i) {
+  ucp_request_param_t param = {};
+  param.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA;
+  param.cb.send = &TransferBatch::OnRequestDone;
+  param.user_data = &slots_[i];
+  return param;
+}
+
+void TransferBatch::Posted(size_t i, ucs_status_ptr_t result) {
+  if (result == nullptr) return;  // done already
+  if (UCS_PTR_IS_ERR(result)) {
+    op_status_[i] = UcsToStatus(UCS_PTR_STATUS(result),
+                                i == size_ ? "ucp_ep_flush_nbx"
+                                : op_ == Op::kGet ? "ucp_get_nbx"
+                                                  : "ucp_put_nbx");
+    return;
+  }
+  pending_[i] = true;
+  ++outstanding_;
+}
+
+void TransferBatch::OnRequestDone(void* request, ucs_status_t status,
+                                  void* user_data) {
+  const Slot* slot = static_cast<const Slot*>(user_data);
+  ucp_request_free(request);
+  slot->batch->Done(slot->index, status);
+}
+
+void TransferBatch::Done(size_t i, ucs_status_t status) {
+  pending_[i] = false;
+  if (status != UCS_OK) {
+    op_status_[i] = UcsToStatus(status, i == size_ ? "flush" : "transfer");
+  }
+  --outstanding_;
+  if (sealed_ && outstanding_ == 0) Finish();
+}
+
+void TransferBatch::Seal(std::shared_ptr<void> keep) {
+  sealed_ = true;
+  if (outstanding_ == 0) {
+    Finish();
+    return;
+  }
+  keep_ = std::move(keep);
+  self_ = shared_from_this();
+}
+
+void TransferBatch::Abort(absl::Status reason) {
+  if (abort_reason_.ok()) abort_reason_ = std::move(reason);
+}
+
+void TransferBatch::Finish() {
+  finished_ = true;
+  // Keep ourselves alive until the end of this call: dropping self_ may
+  // release the last reference.
+  std::shared_ptr<TransferBatch> self = std::move(self_);
+  keep_.reset();
+  if (!published_) Publish(/*abandoned=*/false);
+}
+
+void TransferBatch::Abandon() {
+  if (finished_ || published_) return;
+  if (abort_reason_.ok()) {
+    abort_reason_ = absl::CancelledError("transfer abandoned");
+  }
+  // Requests still in flight have not succeeded: count them as failed.
+  for (size_t i = 0; i <= size_; ++i) {
+    if (pending_[i]) op_status_[i] = abort_reason_;
+  }
+  Publish(/*abandoned=*/true);
+}
+
+bool TransferBatch::abandoned() const {
+  absl::MutexLock lock(&mu_);
+  return abandoned_;
+}
+
+void TransferBatch::Publish(bool abandoned) {
+  published_ = true;
+  const absl::Status& flush = op_status_[size_];
+  result_.resize(size_);
+  for (size_t i = 0; i < size_; ++i) {
+    absl::Status s = op_status_[i];
+    if (!refused_[i]) {
+      // A get whose request completed has its bytes, whatever the flush
+      // says; a put is only known to have landed once the flush succeeded.
+      if (s.ok() && op_ == Op::kPut) s = flush;
+      if (!s.ok() && !abort_reason_.ok()) s = abort_reason_;
+    }
+    result_[i] = std::move(s);
+  }
+  absl::MutexLock lock(&mu_);
+  abandoned_ = abandoned;
+  ready_ = true;
+}
+
+}  // namespace kvdepot::transport_internal

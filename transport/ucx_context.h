@@ -1,0 +1,75 @@
+// UcxContext: one UCP context (ucp_init) for a process: the UCX
+// configuration, the transports UCX found, and memory registration.
+//
+// Thread-safe. A context must outlive every worker and region made from it.
+#ifndef KVDEPOT_TRANSPORT_UCX_CONTEXT_H_
+#define KVDEPOT_TRANSPORT_UCX_CONTEXT_H_
+
+#include <ucp/api/ucp.h>
+
+#include <cstddef>
+#include <map>
+#include <memory>
+#include <string>
+
+#include "absl/status/statusor.h"
+#include "transport/memory_region.h"
+
+namespace kvdepot {
+
+struct UcxContextOptions {
+  // UCX settings passed through to ucp_config_modify, over whatever UCX_*
+  // environment variables say. Names as the environment variables have
+  // them, with or without "UCX_": {"TLS", "tcp"}, {"UCX_NET_DEVICES", "lo"},
+  // {"TCP_TX_SEG_SIZE", "512k"}. A bad value for a UCP setting makes Create
+  // fail with InvalidArgument; transport settings are checked only when a
+  // worker is made (bad values make UcxWorker::Create fail, unknown names
+  // draw a UCX warning).
+  //
+  // UCX 1.13 ignores a transport setting given with its transport's prefix
+  // ("TCP_TX_SEG_SIZE": "invalid configuration" warning) and applies it
+  // without ("TX_SEG_SIZE") to every transport that has a setting of that
+  // name. So the prefix of the transports in kTransportPrefixes is dropped
+  // here; settings of other transports must be given without theirs.
+  std::map<std::string, std::string> config;
+  // Shows in UCX's logs and tools.
+  std::string name = "kvdepot";
+};
+
+// The transport prefixes UcxContextOptions::config drops.
+inline constexpr const char* kTransportPrefixes[] = {
+    "TCP_", "POSIX_", "SYSV_", "CMA_", "SELF_", "MM_", "XPMEM_", "KNEM_"};
+
+class UcxContext {
+ public:
+  // ucp_init with one-sided RMA and wakeup (event fd) support. Returns
+  // InvalidArgument for a bad setting, Unavailable when UCX finds no usable
+  // transport (e.g. UCX_TLS names none present here).
+  static absl::StatusOr<std::unique_ptr<UcxContext>> Create(
+      const UcxContextOptions& options);
+
+  UcxContext(const UcxContext&) = delete;
+  UcxContext& operator=(const UcxContext&) = delete;
+  // REQUIRES: every worker and region made from this context is gone.
+  ~UcxContext();
+
+  // Registers [base, base + size) for one-sided access by peers (the server's
+  // arena) or as a local source/destination of transfers (a client's
+  // buffer), so that no transfer registers memory on the fly. The memory
+  // must stay mapped until the region is destroyed. InvalidArgument for a
+  // null base or a zero size; the UCX error when registration fails.
+  absl::StatusOr<std::unique_ptr<MemoryRegion>> Register(void* base,
+                                                         size_t size);
+
+  // The UCP handle, for UcxWorker. Thread-safe as UCX's context is.
+  ucp_context_h handle() const { return context_; }
+
+ private:
+  explicit UcxContext(ucp_context_h context) : context_(context) {}
+
+  const ucp_context_h context_;
+};
+
+}  // namespace kvdepot
+
+#endif  // KVDEPOT_TRANSPORT_UCX_CONTEXT_H_

@@ -1,0 +1,327 @@
+#include "transport/ucx_endpoint.h"
+
+#include <algorithm>
+#include <limits>
+#include <utility>
+
+#include "absl/strings/str_cat.h"
+#include "storage/status_macros.h"
+#include "transport/internal/peer_endpoint.h"
+#include "transport/internal/transfer_batch.h"
+#include "transport/internal/ucs_status.h"
+
+namespace kvdepot {
+namespace transport_internal {
+
+// The remote keys unpacked on one endpoint, shared with the batches that
+// use them: UCX requests in flight still refer to their key, so the keys go
+// only when the endpoint and every such batch are done. Destroyed on the
+// progress thread (the last holder lets go there).
+class RkeySet {
+ public:
+  RkeySet() = default;
+  RkeySet(const RkeySet&) = delete;
+  RkeySet& operator=(const RkeySet&) = delete;
+  ~RkeySet() {
+    for (ucp_rkey_h key : keys) ucp_rkey_destroy(key);
+  }
+  std::vector<ucp_rkey_h> keys;
+};
+
+}  // namespace transport_internal
+
+using transport_internal::CreatePeerEndpoint;
+using transport_internal::RkeySet;
+using transport_internal::UcsToStatus;
+
+UcxEndpoint::UcxEndpoint(UcxWorker& worker, UcxEndpointOptions options)
+    : worker_(worker), options_(std::move(options)) {}
+
+absl::StatusOr<std::unique_ptr<UcxEndpoint>> UcxEndpoint::Connect(
+    UcxWorker& worker, std::string_view peer_address,
+    UcxEndpointOptions options) {
+  std::unique_ptr<UcxEndpoint> endpoint(
+      new UcxEndpoint(worker, std::move(options)));
+  UcxEndpoint* e = endpoint.get();
+  absl::Status status;
+  absl::Status run = worker.Run([e, &worker, peer_address, &status] {
+    absl::StatusOr<ucp_ep_h> ep = CreatePeerEndpoint(
+        worker.handle(), peer_address,
+        e->options_.peer_error_handling ? &UcxEndpoint::OnPeerError : nullptr,
+        e);
+    if (!ep.ok()) {
+      status = ep.status();
+      return;
+    }
+    e->ep_ = *ep;
+    e->rkeys_ = std::make_shared<RkeySet>();
+    worker.AddResident(e);
+  });
+  if (!run.ok()) return run;
+  if (!status.ok()) return status;
+  RETURN_IF_ERROR(endpoint->WaitConnected());
+  return endpoint;
+}
+
+absl::Status UcxEndpoint::WaitConnected() {
+  // An empty batch's flush completes once the wire-up has: the peer has
+  // answered. (It also keeps a client that exits at once from leaving the
+  // peer half-way through the handshake.)
+  auto batch = std::make_shared<Batch>(Batch::Op::kGet, 0,
+                                       absl::Now() + options_.connect_timeout);
+  absl::Status run = worker_.Run([this, batch] {
+    if (ep_ == nullptr) {
+      batch->Seal(nullptr);
+      return;
+    }
+    ucp_request_param_t param = batch->Param(0);
+    batch->Posted(0, ucp_ep_flush_nbx(ep_, &param));
+    batch->Seal(rkeys_);
+    if (!batch->finished()) {
+      in_flight_.push_back(batch);
+      worker_.WakeAt(batch->deadline());
+    }
+  });
+  RETURN_IF_ERROR(run);
+  TransferHandle handle(batch);
+  handle.Wait();
+  if (!status().ok() && absl::Now() >= batch->deadline()) {
+    return absl::DeadlineExceededError(
+        "UCX peer did not answer within connect_timeout");
+  }
+  RETURN_IF_ERROR(status());
+  if (!batch->flush_status().ok()) {
+    return absl::UnavailableError(absl::StrCat(
+        "UCX peer did not answer: ", batch->flush_status().message()));
+  }
+  return absl::OkStatus();
+}
+
+UcxEndpoint::~UcxEndpoint() {
+  // When the worker has stopped, OnStop has released everything already.
+  worker_
+      .Run([this] {
+        Fail(absl::CancelledError("UCX endpoint closed"),
+             /*from_ucx_callback=*/false, /*notify=*/false);
+        worker_.RemoveResident(this);
+      })
+      .IgnoreError();
+}
+
+absl::Status UcxEndpoint::status() const {
+  absl::MutexLock lock(&mu_);
+  return status_;
+}
+
+absl::StatusOr<uint32_t> UcxEndpoint::AddRemoteRegion(
+    const RemoteRegion& region) {
+  if (region.packed_rkey.empty()) {
+    return absl::InvalidArgumentError("empty remote key");
+  }
+  if (region.size > std::numeric_limits<uint64_t>::max() - region.base) {
+    return absl::InvalidArgumentError("remote region base + size overflows");
+  }
+  absl::StatusOr<uint32_t> result;
+  absl::Status run = worker_.Run([this, &region, &result] {
+    if (ep_ == nullptr) {
+      result = status();
+      return;
+    }
+    ucp_rkey_h rkey = nullptr;
+    ucs_status_t st =
+        ucp_ep_rkey_unpack(ep_, region.packed_rkey.data(), &rkey);
+    if (st != UCS_OK) {
+      result = UcsToStatus(st, "ucp_ep_rkey_unpack");
+      return;
+    }
+    rkeys_->keys.push_back(rkey);
+    absl::MutexLock lock(&mu_);
+    regions_.push_back(Bounds{region.base, region.size});
+    result = static_cast<uint32_t>(regions_.size() - 1);
+  });
+  if (!run.ok()) return run;
+  return result;
+}
+
+TransferHandle UcxEndpoint::Get(absl::Span<const Transfer> transfers,
+                                absl::Time deadline) {
+  return Start(/*get=*/true, transfers, deadline);
+}
+
+TransferHandle UcxEndpoint::Put(absl::Span<const Transfer> transfers,
+                                absl::Time deadline) {
+  return Start(/*get=*/false, transfers, deadline);
+}
+
+TransferHandle UcxEndpoint::Start(bool get,
+                                  absl::Span<const Transfer> transfers,
+                                  absl::Time deadline) {
+  auto batch = std::make_shared<Batch>(get ? Batch::Op::kGet : Batch::Op::kPut,
+                                       transfers.size(), deadline);
+  TransferHandle handle(batch);
+  // Refuses every transfer not refused yet and publishes the batch; used
+  // when nothing will be posted.
+  auto end_all = [&batch, &transfers](const absl::Status& why) {
+    for (size_t i = 0; i < transfers.size(); ++i) {
+      if (!batch->refused(i)) batch->Refuse(i, why);
+    }
+    batch->Seal(nullptr);
+  };
+
+  size_t accepted = 0;
+  {
+    absl::MutexLock lock(&mu_);
+    if (!status_.ok()) {
+      end_all(absl::UnavailableError(
+          absl::StrCat("UCX endpoint has failed: ", status_.message())));
+      return handle;
+    }
+    for (size_t i = 0; i < transfers.size(); ++i) {
+      const Transfer& t = transfers[i];
+      std::string problem;
+      if (t.local == nullptr || t.size == 0) {
+        problem = "null local buffer or zero size";
+      } else if (t.region >= regions_.size()) {
+        problem = absl::StrCat("unknown remote region ", t.region);
+      } else if (const Bounds& b = regions_[t.region];
+                 t.remote_addr < b.base || t.size > b.size ||
+                 t.remote_addr - b.base > b.size - t.size) {
+        problem = absl::StrCat("remote range [", t.remote_addr, ", +", t.size,
+                               ") is outside region ", t.region);
+      } else if (t.local_region != nullptr &&
+                 !t.local_region->Contains(t.local, t.size)) {
+        problem = "local buffer is outside its registered region";
+      }
+      if (problem.empty()) {
+        ++accepted;
+      } else {
+        batch->Refuse(i, absl::InvalidArgumentError(
+                             absl::StrCat("transfer ", i, ": ", problem)));
+      }
+    }
+  }
+  if (accepted == 0) {
+    batch->Seal(nullptr);
+    return handle;
+  }
+  if (deadline <= absl::Now()) {
+    end_all(absl::DeadlineExceededError(
+        "transfer batch deadline passed before it started"));
+    return handle;
+  }
+  std::vector<Transfer> copy(transfers.begin(), transfers.end());
+  absl::Status queued = worker_.Submit(
+      [this, batch, copy = std::move(copy)] { Post(batch, copy); });
+  if (!queued.ok()) end_all(queued);
+  return handle;
+}
+
+void UcxEndpoint::Post(const std::shared_ptr<Batch>& batch,
+                       const std::vector<Transfer>& transfers) {
+  in_flight_.erase(
+      std::remove_if(in_flight_.begin(), in_flight_.end(),
+                     [](const auto& b) { return b->finished(); }),
+      in_flight_.end());
+  if (ep_ == nullptr) {
+    // Failed while the batch waited in the queue.
+    const absl::Status why = absl::UnavailableError(
+        absl::StrCat("UCX endpoint has failed: ", status().message()));
+    for (size_t i = 0; i < transfers.size(); ++i) {
+      if (!batch->refused(i)) batch->Refuse(i, why);
+    }
+    batch->Seal(nullptr);
+    return;
+  }
+  bool posted = false;
+  for (size_t i = 0; i < transfers.size(); ++i) {
+    if (batch->refused(i)) continue;
+    const Transfer& t = transfers[i];
+    ucp_request_param_t param = batch->Param(i);
+    if (t.local_region != nullptr) {
+      param.op_attr_mask |= UCP_OP_ATTR_FIELD_MEMH;
+      param.memh = t.local_region->handle();
+    }
+    ucp_rkey_h rkey = rkeys_->keys[t.region];
+    ucs_status_ptr_t result =
+        batch->op() == Batch::Op::kGet
+            ? ucp_get_nbx(ep_, t.local, t.size, t.remote_addr, rkey, &param)
+            : ucp_put_nbx(ep_, t.local, t.size, t.remote_addr, rkey, &param);
+    batch->Posted(i, result);
+    posted = true;
+  }
+  if (posted) {
+    ucp_request_param_t param = batch->Param(transfers.size());
+    batch->Posted(transfers.size(), ucp_ep_flush_nbx(ep_, &param));
+  }
+  batch->Seal(rkeys_);
+  if (!batch->finished()) {
+    in_flight_.push_back(batch);
+    worker_.WakeAt(batch->deadline());
+  }
+}
+
+void UcxEndpoint::Fail(absl::Status status, bool from_ucx_callback,
+                       bool notify) {
+  {
+    absl::MutexLock lock(&mu_);
+    if (!status_.ok()) return;
+    status_ = status;
+  }
+  const absl::Time abandon_at = absl::Now() + options_.abandon_after;
+  for (const auto& batch : in_flight_) {
+    batch->Abort(status);
+    if (!batch->finished()) {
+      worker_.RunAt(abandon_at, [batch] { batch->Abandon(); });
+    }
+  }
+  if (ucp_ep_h ep = ep_; ep != nullptr) {
+    ep_ = nullptr;
+    // Force: the peer may be gone, and nothing in flight may linger. UCX
+    // ends the requests still in flight, and their batches finish.
+    if (from_ucx_callback) {
+      UcxWorker* worker = &worker_;
+      worker_.Defer([worker, ep] { worker->CloseEndpoint(ep, /*force=*/true); });
+    } else {
+      worker_.CloseEndpoint(ep, /*force=*/true);
+    }
+  }
+  rkeys_.reset();
+  if (notify && options_.on_error) options_.on_error(status);
+}
+
+void UcxEndpoint::OnPeerError(void* arg, ucp_ep_h /*ep*/,
+                              ucs_status_t status) {
+  static_cast<UcxEndpoint*>(arg)->Fail(
+      absl::UnavailableError(absl::StrCat("UCX endpoint to the peer failed: ",
+                                          ucs_status_string(status))),
+      /*from_ucx_callback=*/true, /*notify=*/true);
+}
+
+absl::Time UcxEndpoint::OnTick(absl::Time now) {
+  absl::Time next = absl::InfiniteFuture();
+  bool expired = false;
+  for (const auto& batch : in_flight_) {
+    if (batch->finished()) continue;
+    if (batch->deadline() <= now) {
+      batch->Abort(absl::DeadlineExceededError(
+          "transfer batch passed its deadline"));
+      expired = true;
+    } else {
+      next = std::min(next, batch->deadline());
+    }
+  }
+  if (expired) {
+    Fail(absl::UnavailableError(
+             "UCX endpoint closed: a transfer batch on it passed its deadline"),
+         /*from_ucx_callback=*/false, /*notify=*/true);
+    return absl::InfiniteFuture();
+  }
+  return next;
+}
+
+void UcxEndpoint::OnStop() {
+  Fail(absl::CancelledError("UCX worker stopped"),
+       /*from_ucx_callback=*/false, /*notify=*/false);
+}
+
+}  // namespace kvdepot

@@ -1,0 +1,166 @@
+// UcxEndpoint: a connection from a local UcxWorker to a peer's worker,
+// for one-sided transfers into and out of the peer's registered memory
+// (a client reading the daemon's arena), with peer-failure detection.
+//
+// Transfers go in batches: Get/Put post one ucp_get_nbx/ucp_put_nbx per
+// transfer and then a flush (ucp_ep_flush_nbx), and return a TransferHandle
+// with a status per transfer. Every batch has a deadline. A batch never
+// hangs: when its deadline passes, or the peer fails, the endpoint is
+// force-closed, which ends everything in flight on it with an error; the
+// endpoint then stays failed (status() says why) and a new one must be
+// connected.
+//
+// Thread-safe. The worker must outlive the endpoint.
+#ifndef KVDEPOT_TRANSPORT_UCX_ENDPOINT_H_
+#define KVDEPOT_TRANSPORT_UCX_ENDPOINT_H_
+
+#include <ucp/api/ucp.h>
+
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "absl/base/thread_annotations.h"
+#include "absl/functional/any_invocable.h"
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/synchronization/mutex.h"
+#include "absl/time/time.h"
+#include "absl/types/span.h"
+#include "transport/memory_region.h"
+#include "transport/transfer_handle.h"
+#include "transport/ucx_worker.h"
+
+namespace kvdepot {
+
+namespace transport_internal {
+class RkeySet;
+class TransferBatch;
+}  // namespace transport_internal
+
+struct UcxEndpointOptions {
+  // Called once, on the progress thread, when the endpoint fails on its own
+  // (the peer is gone, or a batch passed its deadline); not when it is
+  // destroyed. Must not block, and must not destroy the endpoint.
+  absl::AnyInvocable<void(const absl::Status&)> on_error;
+  // UCP_ERR_HANDLING_MODE_PEER: UCX reports a dead peer (on_error, and
+  // Unavailable for what is in flight). UCX 1.13's shared-memory transports
+  // (posix, sysv) cannot do this, so with it they are not used; turn it off
+  // for a co-located client that wants shared memory, and rely on deadlines
+  // (and the server's PeerMonitor, over TCP) instead.
+  bool peer_error_handling = true;
+  // Connect waits this long for the peer to answer the connection.
+  absl::Duration connect_timeout = absl::Seconds(5);
+  // After the endpoint is force-closed, batches whose UCX requests are
+  // still open this long after are ended anyway (TransferHandle::abandoned).
+  // With peer error handling UCX ends them itself, at once.
+  absl::Duration abandon_after = absl::Seconds(1);
+};
+
+// A region of the peer's memory, as the peer described it.
+struct RemoteRegion {
+  std::string packed_rkey;  // the peer's MemoryRegion::packed_rkey()
+  // The peer's MemoryRegion::address() and size(). Transfers outside
+  // [base, base + size) are refused here, before UCX sees them: over TCP and
+  // shared memory UCX itself does not check remote addresses.
+  uint64_t base = 0;
+  uint64_t size = 0;
+};
+
+// One transfer: `size` bytes between the peer's `remote_addr` (inside
+// region `region`) and the local buffer `local`.
+struct Transfer {
+  uint32_t region = 0;  // from AddRemoteRegion
+  uint64_t remote_addr = 0;
+  void* local = nullptr;
+  size_t size = 0;
+  // Optional: the registered region `local` lies in. Lets UCX skip its own
+  // registration lookup; a transfer outside it is refused.
+  const MemoryRegion* local_region = nullptr;
+};
+
+class UcxEndpoint : private UcxWorker::Resident {
+ public:
+  // Creates an endpoint on `worker` to the worker whose address()
+  // `peer_address` is, and waits until the peer has answered (the UCX
+  // wire-up is complete). Unavailable when no transport reaches the peer or
+  // the peer failed; DeadlineExceeded when it did not answer within
+  // connect_timeout; UCX's error when the address cannot be used. The
+  // address must come from a trusted source (the daemon's OpenSession
+  // reply): UCX does not validate it.
+  static absl::StatusOr<std::unique_ptr<UcxEndpoint>> Connect(
+      UcxWorker& worker, std::string_view peer_address,
+      UcxEndpointOptions options = {});
+
+  UcxEndpoint(const UcxEndpoint&) = delete;
+  UcxEndpoint& operator=(const UcxEndpoint&) = delete;
+  // Force-closes the endpoint: batches still in flight end with Cancelled.
+  // Their handles stay valid.
+  ~UcxEndpoint() override;
+
+  // Unpacks the peer's remote key for this endpoint and returns the id that
+  // transfers name it by. InvalidArgument when base + size overflows or the
+  // key is empty; UCX's error when it cannot unpack the key; the failure
+  // when the endpoint has failed. Keys must come from a trusted peer: UCX
+  // does not validate their contents.
+  absl::StatusOr<uint32_t> AddRemoteRegion(const RemoteRegion& region);
+
+  // Reads each transfer's remote bytes into its local buffer.
+  // Never blocks: a batch that cannot be queued ends at once with
+  // ResourceExhausted. Transfers that are malformed (null or unregistered
+  // local buffer, zero size, unknown region, remote range outside the
+  // region) end with InvalidArgument; the others proceed. A deadline in the
+  // past ends the batch at once with DeadlineExceeded. REQUIRES: local
+  // buffers stay valid and untouched until the handle is ready.
+  TransferHandle Get(absl::Span<const Transfer> transfers, absl::Time deadline);
+
+  // Writes each transfer's local bytes to the peer, as Get otherwise. A put
+  // is OK only once the flush that follows the batch has succeeded: its
+  // bytes are then in the peer's memory.
+  TransferHandle Put(absl::Span<const Transfer> transfers, absl::Time deadline);
+
+  // OK while the endpoint is usable; otherwise why it failed.
+  absl::Status status() const;
+
+ private:
+  using Batch = transport_internal::TransferBatch;
+
+  UcxEndpoint(UcxWorker& worker, UcxEndpointOptions options);
+  absl::Status WaitConnected();
+
+  TransferHandle Start(bool get, absl::Span<const Transfer> transfers,
+                       absl::Time deadline);
+  // Progress thread only.
+  void Post(const std::shared_ptr<Batch>& batch,
+            const std::vector<Transfer>& transfers);
+  // Marks the endpoint failed (first call wins), ends the batches in
+  // flight with `status`, force-closes the UCX endpoint, and calls
+  // on_error when `notify`.
+  void Fail(absl::Status status, bool from_ucx_callback, bool notify);
+  static void OnPeerError(void* arg, ucp_ep_h ep, ucs_status_t status);
+  absl::Time OnTick(absl::Time now) override;
+  void OnStop() override;
+
+  UcxWorker& worker_;  // must outlive this endpoint
+
+  // Progress thread only.
+  ucp_ep_h ep_ = nullptr;
+  std::shared_ptr<transport_internal::RkeySet> rkeys_;
+  std::vector<std::shared_ptr<Batch>> in_flight_;
+  UcxEndpointOptions options_;
+
+  struct Bounds {
+    uint64_t base;
+    uint64_t size;
+  };
+  mutable absl::Mutex mu_;
+  std::vector<Bounds> regions_ ABSL_GUARDED_BY(mu_);
+  absl::Status status_ ABSL_GUARDED_BY(mu_);
+};
+
+}  // namespace kvdepot
+
+#endif  // KVDEPOT_TRANSPORT_UCX_ENDPOINT_H_

@@ -1,0 +1,300 @@
+#include "transport/ucx_worker.h"
+
+#include <poll.h>
+#include <pthread.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <cmath>
+#include <utility>
+
+#include "transport/internal/ucs_status.h"
+
+namespace kvdepot {
+
+using transport_internal::UcsToStatus;
+
+UcxWorker::UcxWorker(UcxContext& context, UcxWorkerOptions options)
+    : context_(context), options_(std::move(options)) {}
+
+absl::StatusOr<std::unique_ptr<UcxWorker>> UcxWorker::Create(
+    UcxContext& context, const UcxWorkerOptions& options) {
+  std::unique_ptr<UcxWorker> worker(new UcxWorker(context, options));
+  absl::Notification started;
+  absl::Status start_status;
+  UcxWorker* w = worker.get();
+  {
+    absl::MutexLock lock(&w->join_mu_);
+    w->thread_ = std::thread(
+        [w, &started, &start_status] { w->ThreadMain(&started, &start_status); });
+    pthread_setname_np(w->thread_.native_handle(),
+                       options.name.substr(0, 15).c_str());
+  }
+  started.WaitForNotification();
+  if (!start_status.ok()) return start_status;  // ~UcxWorker joins
+  return worker;
+}
+
+UcxWorker::~UcxWorker() { Stop(); }
+
+void UcxWorker::ThreadMain(absl::Notification* started,
+                           absl::Status* start_status) {
+  thread_id_ = std::this_thread::get_id();
+  absl::Status status = Init();
+  if (!status.ok()) {
+    {
+      absl::MutexLock lock(&mu_);
+      stopping_ = true;
+    }
+    *start_status = std::move(status);
+    finished_.Notify();
+    started->Notify();
+    return;
+  }
+  started->Notify();
+  Loop();
+  Shutdown();
+  finished_.Notify();
+}
+
+absl::Status UcxWorker::Init() {
+  ucp_worker_params_t params = {};
+  params.field_mask = UCP_WORKER_PARAM_FIELD_THREAD_MODE;
+  params.thread_mode = UCS_THREAD_MODE_SINGLE;
+  ucs_status_t st = ucp_worker_create(context_.handle(), &params, &worker_);
+  if (st != UCS_OK) return UcsToStatus(st, "ucp_worker_create");
+  st = ucp_worker_get_efd(worker_, &event_fd_);
+  if (st == UCS_OK) {
+    ucp_address_t* address = nullptr;
+    size_t length = 0;
+    st = ucp_worker_get_address(worker_, &address, &length);
+    if (st == UCS_OK) {
+      address_.assign(reinterpret_cast<const char*>(address), length);
+      ucp_worker_release_address(worker_, address);
+    }
+  }
+  if (st != UCS_OK) {
+    ucp_worker_destroy(worker_);
+    worker_ = nullptr;
+    return UcsToStatus(st, "UCX worker setup");
+  }
+  return absl::OkStatus();
+}
+
+bool UcxWorker::OnProgressThread() const {
+  return std::this_thread::get_id() == thread_id_;
+}
+
+absl::Status UcxWorker::Enqueue(absl::AnyInvocable<void() &&> task,
+                                bool bounded) {
+  {
+    absl::MutexLock lock(&mu_);
+    if (stopping_) return absl::UnavailableError("UCX worker is stopping");
+    if (bounded && queue_.size() >= options_.queue_capacity) {
+      return absl::ResourceExhaustedError(
+          "UCX worker queue is full (queue_capacity tasks waiting)");
+    }
+    queue_.push_back(std::move(task));
+    // Signalled under mu_: the worker is destroyed under mu_ too, after
+    // stopping_ is set. ucp_worker_signal is thread-safe by UCX's contract,
+    // whatever the worker's thread mode.
+    if (!wake_pending_) {
+      wake_pending_ = true;
+      ucp_worker_signal(worker_);
+    }
+  }
+  return absl::OkStatus();
+}
+
+absl::Status UcxWorker::Submit(absl::AnyInvocable<void() &&> task) {
+  return Enqueue(std::move(task), /*bounded=*/true);
+}
+
+absl::Status UcxWorker::Run(absl::AnyInvocable<void() &&> task) {
+  if (OnProgressThread()) {
+    std::move(task)();
+    return absl::OkStatus();
+  }
+  absl::Notification done;
+  absl::Status status = Enqueue(
+      [&task, &done] {
+        std::move(task)();
+        done.Notify();
+      },
+      /*bounded=*/false);
+  if (!status.ok()) {
+    // Residents rely on this: once Run fails, OnStop has run.
+    finished_.WaitForNotification();
+    return status;
+  }
+  done.WaitForNotification();
+  return absl::OkStatus();
+}
+
+void UcxWorker::Stop() {
+  {
+    absl::MutexLock lock(&mu_);
+    if (!stopping_) {
+      stopping_ = true;
+      ucp_worker_signal(worker_);
+    }
+  }
+  absl::MutexLock lock(&join_mu_);
+  if (thread_.joinable()) thread_.join();
+}
+
+void UcxWorker::AddResident(Resident* resident) {
+  residents_.push_back(resident);
+}
+
+void UcxWorker::RemoveResident(Resident* resident) {
+  residents_.erase(std::remove(residents_.begin(), residents_.end(), resident),
+                   residents_.end());
+}
+
+void UcxWorker::WakeAt(absl::Time when) {
+  next_tick_ = std::min(next_tick_, when);
+}
+
+void UcxWorker::Defer(absl::AnyInvocable<void() &&> task) {
+  deferred_.push_back(std::move(task));
+}
+
+void UcxWorker::RunAt(absl::Time when, absl::AnyInvocable<void() &&> task) {
+  timers_.emplace_back(when, std::move(task));
+  WakeAt(when);
+}
+
+void UcxWorker::CloseEndpoint(ucp_ep_h ep, bool force) {
+  ucp_request_param_t param = {};
+  param.op_attr_mask = UCP_OP_ATTR_FIELD_FLAGS;
+  param.flags = force ? UCP_EP_CLOSE_FLAG_FORCE : 0;
+  void* request = ucp_ep_close_nbx(ep, &param);
+  // Errors mean the endpoint is gone already; nothing to wait for.
+  if (UCS_PTR_IS_PTR(request)) close_requests_.push_back(request);
+}
+
+void UcxWorker::ReapCloses() {
+  auto done = [](void* request) {
+    if (ucp_request_check_status(request) == UCS_INPROGRESS) return false;
+    ucp_request_free(request);
+    return true;
+  };
+  close_requests_.erase(
+      std::remove_if(close_requests_.begin(), close_requests_.end(), done),
+      close_requests_.end());
+}
+
+bool UcxWorker::RunQueued() {
+  std::deque<absl::AnyInvocable<void() &&>> tasks;
+  {
+    absl::MutexLock lock(&mu_);
+    if (queue_.empty()) return !stopping_;
+    tasks.swap(queue_);
+  }
+  for (auto& task : tasks) std::move(task)();
+  return true;
+}
+
+void UcxWorker::RunDeferred() {
+  while (!deferred_.empty()) {
+    std::vector<absl::AnyInvocable<void() &&>> tasks;
+    tasks.swap(deferred_);
+    for (auto& task : tasks) std::move(task)();
+  }
+}
+
+void UcxWorker::TickResidents() {
+  const absl::Time now = absl::Now();
+  if (now < next_tick_) return;
+  next_tick_ = absl::InfiniteFuture();
+  std::vector<absl::AnyInvocable<void() &&>> due;
+  for (auto it = timers_.begin(); it != timers_.end();) {
+    if (it->first <= now) {
+      due.push_back(std::move(it->second));
+      it = timers_.erase(it);
+    } else {
+      next_tick_ = std::min(next_tick_, it->first);
+      ++it;
+    }
+  }
+  for (auto& task : due) std::move(task)();
+  // A resident may remove others (or itself) from inside OnTick: call only
+  // those still registered.
+  const std::vector<Resident*> residents = residents_;
+  for (Resident* r : residents) {
+    if (std::find(residents_.begin(), residents_.end(), r) == residents_.end()) {
+      continue;
+    }
+    next_tick_ = std::min(next_tick_, r->OnTick(now));
+  }
+}
+
+void UcxWorker::Loop() {
+  while (RunQueued()) {
+    while (ucp_worker_progress(worker_) != 0) RunDeferred();
+    RunDeferred();
+    ReapCloses();
+    TickResidents();
+    if (!deferred_.empty()) continue;
+    SleepUntilEvent();
+  }
+}
+
+void UcxWorker::SleepUntilEvent() {
+  // Arming drains the event fd; events that arrived since the last progress
+  // make it fail with BUSY, and the loop progresses again.
+  if (ucp_worker_arm(worker_) != UCS_OK) return;
+  {
+    absl::MutexLock lock(&mu_);
+    if (!queue_.empty() || stopping_) return;
+    // From here on a Submit signals again; a signal sent before this point
+    // that arm did not consume only makes poll return early.
+    wake_pending_ = false;
+  }
+  absl::Duration wait = options_.idle_tick;
+  if (next_tick_ != absl::InfiniteFuture()) {
+    wait = std::min(wait, next_tick_ - absl::Now());
+  }
+  // Round up: waking a little late for a deadline is fine, spinning is not.
+  const int timeout_ms = static_cast<int>(std::max<int64_t>(
+      0, absl::ToInt64Milliseconds(wait + absl::Microseconds(999))));
+  pollfd fd = {event_fd_, POLLIN, 0};
+  while (poll(&fd, 1, timeout_ms) < 0 && errno == EINTR) {
+  }
+}
+
+void UcxWorker::Shutdown() {
+  RunDeferred();
+  const std::vector<Resident*> residents = residents_;
+  for (Resident* r : residents) {
+    if (std::find(residents_.begin(), residents_.end(), r) == residents_.end()) {
+      continue;
+    }
+    r->OnStop();
+  }
+  residents_.clear();
+  RunDeferred();
+  // Timers stand for promises (batches to end); keep them now.
+  while (!timers_.empty()) {
+    auto timers = std::move(timers_);
+    timers_.clear();
+    for (auto& [when, task] : timers) std::move(task)();
+  }
+  const absl::Time give_up = absl::Now() + options_.close_timeout;
+  while (!close_requests_.empty() && absl::Now() < give_up) {
+    ucp_worker_progress(worker_);
+    RunDeferred();
+    ReapCloses();
+  }
+  // Requests still open are released with the worker.
+  for (void* request : close_requests_) ucp_request_free(request);
+  close_requests_.clear();
+  // No signal can be in flight: signals are sent under mu_ while
+  // !stopping_.
+  absl::MutexLock lock(&mu_);
+  ucp_worker_destroy(worker_);
+  worker_ = nullptr;
+}
+
+}  // namespace kvdepot

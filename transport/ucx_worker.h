@@ -1,0 +1,161 @@
+// UcxWorker: one UCP worker and the one thread that owns it. The worker is
+// created, progressed and destroyed on that thread only
+// (UCS_THREAD_MODE_SINGLE); other threads hand it work through a bounded
+// queue and wake it with ucp_worker_signal. Between events the thread sleeps
+// on the worker's event fd, so an idle worker costs no CPU.
+//
+// Things that live on the worker (endpoints, the peer monitor) register as a
+// Resident: they get timer ticks for their deadlines and are told to release
+// their UCX objects when the worker stops.
+//
+// Thread-safe, except the methods marked "progress thread only".
+#ifndef KVDEPOT_TRANSPORT_UCX_WORKER_H_
+#define KVDEPOT_TRANSPORT_UCX_WORKER_H_
+
+#include <ucp/api/ucp.h>
+
+#include <cstddef>
+#include <deque>
+#include <memory>
+#include <string>
+#include <thread>
+#include <utility>
+#include <vector>
+
+#include "absl/base/thread_annotations.h"
+#include "absl/functional/any_invocable.h"
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/synchronization/mutex.h"
+#include "absl/synchronization/notification.h"
+#include "absl/time/time.h"
+#include "transport/ucx_context.h"
+
+namespace kvdepot {
+
+struct UcxWorkerOptions {
+  // The progress thread's name (Linux keeps 15 characters).
+  std::string name = "ucx-progress";
+  // Tasks waiting for the progress thread; Submit fails beyond this.
+  size_t queue_capacity = 4096;
+  // The longest the thread sleeps without an event. UCX's keepalive and
+  // endpoint checks run only inside progress, so this bounds how late they
+  // can be; Resident deadlines wake the thread on time regardless.
+  absl::Duration idle_tick = absl::Milliseconds(20);
+  // How long Stop waits for endpoint close requests to finish before it
+  // destroys the worker anyway.
+  absl::Duration close_timeout = absl::Seconds(1);
+};
+
+class UcxWorker {
+ public:
+  // Something that owns UCX objects on this worker.
+  class Resident {
+   public:
+    virtual ~Resident() = default;
+    // Progress thread. Called when the time returned by the previous call
+    // (or passed to WakeAt) has come; returns when it wants the next call
+    // (absl::InfiniteFuture() for never).
+    virtual absl::Time OnTick(absl::Time now) = 0;
+    // Progress thread, once, when the worker stops: fail whatever is in
+    // flight and close every endpoint (CloseEndpoint). No further calls
+    // follow.
+    virtual void OnStop() = 0;
+  };
+
+  // Starts the progress thread and creates the worker on it. Returns UCX's
+  // error when the worker cannot be created.
+  static absl::StatusOr<std::unique_ptr<UcxWorker>> Create(
+      UcxContext& context, const UcxWorkerOptions& options = {});
+
+  UcxWorker(const UcxWorker&) = delete;
+  UcxWorker& operator=(const UcxWorker&) = delete;
+  // Stop().
+  ~UcxWorker();
+
+  // This worker's address (ucp_worker_get_address): opaque bytes a peer
+  // passes to ucp_ep_create. Stays valid after Stop.
+  const std::string& address() const { return address_; }
+
+  // Queues `task` to run on the progress thread, in submission order.
+  // ResourceExhausted when queue_capacity tasks are already waiting;
+  // Unavailable once Stop has begun (the task is dropped, never run).
+  absl::Status Submit(absl::AnyInvocable<void() &&> task);
+
+  // Runs `task` on the progress thread and waits for it; inline when called
+  // on the progress thread. Not bounded by queue_capacity (for control
+  // operations, not the data path). Unavailable once Stop has begun; it
+  // then returns only after the thread has finished (every Resident's
+  // OnStop has run).
+  absl::Status Run(absl::AnyInvocable<void() &&> task);
+
+  // Stops accepting tasks, runs those already queued, calls every Resident's
+  // OnStop, waits up to close_timeout for endpoint closes, destroys the
+  // worker and joins the thread. Idempotent. REQUIRES: not called on the
+  // progress thread.
+  void Stop();
+
+  bool OnProgressThread() const;
+
+  // --- Progress thread only. ---
+  ucp_worker_h handle() const { return worker_; }
+  void AddResident(Resident* resident);
+  // No further calls reach `resident` after this returns.
+  void RemoveResident(Resident* resident);
+  // Ticks every Resident no later than `when`.
+  void WakeAt(absl::Time when);
+  // Runs `task` after the current progress call returns (for work that
+  // must not run inside a UCX callback). Unbounded.
+  void Defer(absl::AnyInvocable<void() &&> task);
+  // Runs `task` once `when` has come, or when the worker stops, whichever
+  // is first.
+  void RunAt(absl::Time when, absl::AnyInvocable<void() &&> task);
+  // Closes `ep` (ucp_ep_close_nbx), forcibly or after a flush; the worker
+  // tracks the close request and Stop waits for it.
+  void CloseEndpoint(ucp_ep_h ep, bool force);
+
+ private:
+  UcxWorker(UcxContext& context, UcxWorkerOptions options);
+
+  void ThreadMain(absl::Notification* started, absl::Status* start_status);
+  absl::Status Init();
+  void Loop();
+  // Runs queued tasks; returns false when stopping and the queue is empty.
+  bool RunQueued();
+  void TickResidents();
+  void RunDeferred();
+  void ReapCloses();
+  void Shutdown();
+  void SleepUntilEvent();
+  absl::Status Enqueue(absl::AnyInvocable<void() &&> task, bool bounded);
+
+  UcxContext& context_;  // must outlive this worker
+  const UcxWorkerOptions options_;
+
+  // Set on the progress thread before Create returns; constant after.
+  ucp_worker_h worker_ = nullptr;
+  int event_fd_ = -1;
+  std::string address_;
+  std::thread::id thread_id_;
+
+  // Progress thread only.
+  std::vector<Resident*> residents_;
+  std::vector<absl::AnyInvocable<void() &&>> deferred_;
+  std::vector<void*> close_requests_;
+  std::vector<std::pair<absl::Time, absl::AnyInvocable<void() &&>>> timers_;
+  absl::Time next_tick_ = absl::InfiniteFuture();
+
+  mutable absl::Mutex mu_;
+  std::deque<absl::AnyInvocable<void() &&>> queue_ ABSL_GUARDED_BY(mu_);
+  bool stopping_ ABSL_GUARDED_BY(mu_) = false;
+  // A ucp_worker_signal is on its way and not yet consumed.
+  bool wake_pending_ ABSL_GUARDED_BY(mu_) = false;
+
+  absl::Notification finished_;  // the thread has released the worker
+  absl::Mutex join_mu_;
+  std::thread thread_ ABSL_GUARDED_BY(join_mu_);
+};
+
+}  // namespace kvdepot
+
+#endif  // KVDEPOT_TRANSPORT_UCX_WORKER_H_
