@@ -62,17 +62,8 @@ int Serve(const Args& a) {
   auto worker = UcxWorker::Create(**context);
   if (!worker.ok()) return Usage(worker.status().ToString().c_str());
   std::vector<char> memory(a.region_size, 1);
-  auto region = (*context)->Register(memory.data(), a.region_size);
-  if (!region.ok()) return Usage(region.status().ToString().c_str());
-  std::printf("SERVE %s %s %llu\n",
-              absl::BytesToHexString((*worker)->address()).c_str(),
-              absl::BytesToHexString((*region)->packed_rkey()).c_str(),
-              static_cast<unsigned long long>((*region)->address()));
-  std::fflush(stdout);
-  char c;
-  while (read(0, &c, 1) > 0) {
-  }
-  return 0;
+  absl::Status served = ucx_test::ServeUntilStdinCloses(**context, **worker, memory);
+  return served.ok() ? 0 : Usage(served.ToString().c_str());
 }
 
 struct ThreadResult {

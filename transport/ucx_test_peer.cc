@@ -63,17 +63,8 @@ int Main(int argc, char** argv) {
   if (args["mode"] == "serve") {
     std::vector<char> memory(1 << 20);
     ucx_test::FillPattern(memory.data(), memory.size(), Number(args, "seed"));
-    auto region = (*context)->Register(memory.data(), memory.size());
-    if (!region.ok()) return Fail(region.status().ToString());
-    std::printf("SERVE %s %s %llu\n",
-                absl::BytesToHexString((*worker)->address()).c_str(),
-                absl::BytesToHexString((*region)->packed_rkey()).c_str(),
-                static_cast<unsigned long long>((*region)->address()));
-    std::fflush(stdout);
-    char c;
-    while (read(0, &c, 1) > 0) {
-    }
-    return 0;
+    absl::Status served = ucx_test::ServeUntilStdinCloses(**context, **worker, memory);
+    return served.ok() ? 0 : Fail(served.ToString());
   }
   UcxEndpointOptions endpoint_options;
   endpoint_options.peer_error_handling =

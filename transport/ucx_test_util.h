@@ -16,6 +16,11 @@
 #include <string>
 #include <vector>
 
+#include "absl/status/status.h"
+#include "absl/strings/escaping.h"
+#include "transport/ucx_context.h"
+#include "transport/ucx_worker.h"
+
 namespace kvdepot::ucx_test {
 
 // The UCX settings of the transports under test, all on loopback:
@@ -153,6 +158,23 @@ class PeerProcess {
   int stdin_ = -1;
   FILE* stdout_ = nullptr;
 };
+
+// The serving side of a peer process (tests, bench): registers `memory`,
+// prints "SERVE <worker address hex> <rkey hex> <base>" on stdout and serves
+// until stdin closes. Returns the registration error, if any.
+inline absl::Status ServeUntilStdinCloses(UcxContext& context, const UcxWorker& worker,
+                                          std::vector<char>& memory) {
+  auto region = context.Register(memory.data(), memory.size());
+  if (!region.ok()) return region.status();
+  std::printf("SERVE %s %s %llu\n", absl::BytesToHexString(worker.address()).c_str(),
+              absl::BytesToHexString((*region)->packed_rkey()).c_str(),
+              static_cast<unsigned long long>((*region)->address()));
+  std::fflush(stdout);
+  char c;
+  while (read(0, &c, 1) > 0) {
+  }
+  return absl::OkStatus();
+}
 
 }  // namespace kvdepot::ucx_test
 
