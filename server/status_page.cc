@@ -62,6 +62,11 @@ class JsonWriter {
     out_ += "null";
     return *this;
   }
+  JsonWriter& Bool(bool v) {
+    Separate();
+    out_ += v ? "true" : "false";
+    return *this;
+  }
   JsonWriter& Int(uint64_t v) {
     Separate();
     absl::StrAppend(&out_, v);
@@ -260,6 +265,7 @@ void StatusPage::TakeSample() {
 
 // /status.json:
 //   health            "SERVING", or "NOT_SERVING" while draining to stop
+//   accepting_puts    false while an admin drain (kvdepotctl drain) holds
 //   version, commit   of this build; uptime_seconds
 //   window_seconds    what the "last minute" figures span (less at start)
 //   tiers.{dram,nvme} used_bytes, capacity_bytes, blocks
@@ -289,6 +295,7 @@ std::string StatusPage::Json() {
   JsonWriter w;
   w.Open('{');
   w.Key("health").Str(serving ? "SERVING" : "NOT_SERVING");
+  w.Key("accepting_puts").Bool(!st.draining);
   w.Key("version").Str(kVersion);
   w.Key("commit").Str(kGitCommit);
   w.Key("uptime_seconds")

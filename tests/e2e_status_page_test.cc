@@ -11,6 +11,7 @@
 #include <unistd.h>
 
 #include <cstdlib>
+#include <chrono>
 #include <filesystem>
 #include <fstream>
 #include <iostream>
@@ -280,6 +281,23 @@ TEST_F(StatusPageTest, HealthIsNotServingWhileDraining) {
     f = FetchStatus(*daemon_);
   }
   ASSERT_EQ(f["reservations"], "1");
+  EXPECT_EQ(f["health"], "\"SERVING\"");
+  EXPECT_EQ(f["accepting_puts"], "true");
+
+  // An admin drain keeps serving reads, and the page says puts are off.
+  {
+    grpc::ClientContext admin;
+    admin.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(10));
+    v1::SetDrainingRequest req;
+    req.set_draining(true);
+    v1::SetDrainingResponse r;
+    ASSERT_TRUE(client_->stub().SetDraining(&admin, req, &r).ok());
+  }
+  for (int i = 0; i < 100 && f["accepting_puts"] != "false"; ++i) {
+    absl::SleepFor(absl::Milliseconds(100));
+    f = FetchStatus(*daemon_);
+  }
+  EXPECT_EQ(f["accepting_puts"], "false");
   EXPECT_EQ(f["health"], "\"SERVING\"");
 
   ::kill(daemon_->pid(), SIGTERM);
