@@ -131,12 +131,6 @@ ServerMetrics::ServerMetrics(prometheus::Registry& registry, int namespace_label
   }
 }
 
-std::string ServerMetrics::NamespaceLabel(absl::string_view ns) {
-  absl::MutexLock lock(&mu_);
-  if (namespaces_.contains(ns)) return std::string(ns);
-  return namespaces_.size() < namespace_labels_ ? std::string(ns) : "other";
-}
-
 ServerMetrics::NamespaceCounters& ServerMetrics::CountersFor(absl::string_view ns)
     ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
   auto it = namespaces_.find(ns);

@@ -52,9 +52,6 @@ class ServerMetrics {
   // bytes) from a store snapshot. Called about once a second.
   void UpdateFromStats(const StoreStats& stats);
 
-  // The `namespace` label value for `ns` (see the constructor).
-  std::string NamespaceLabel(absl::string_view ns);
-
  private:
   struct NamespaceCounters {
     prometheus::Counter* hit_dram;

@@ -991,8 +991,7 @@ bool NvmeTierImpl::Contains(absl::string_view ns, absl::string_view key) {
   if (!ValidateNamespace(ns).ok() || !ValidateKey(key).ok()) return false;
   std::string id = EncodeId(ns, key);
   absl::MutexLock lock(&mu_);
-  auto it = index_.find(id);
-  return it != index_.end() && it->second.state == State::kStored;
+  return StoredLocked(id) != nullptr;
 }
 
 absl::StatusOr<NvmeBlockMeta> NvmeTierImpl::Meta(absl::string_view ns,
@@ -1001,17 +1000,16 @@ absl::StatusOr<NvmeBlockMeta> NvmeTierImpl::Meta(absl::string_view ns,
   RETURN_IF_ERROR(ValidateKey(key));
   std::string id = EncodeId(ns, key);
   absl::MutexLock lock(&mu_);
-  auto it = index_.find(id);
-  if (it == index_.end() || it->second.state != State::kStored) {
+  const Entry* e = StoredLocked(id);
+  if (e == nullptr) {
     return absl::NotFoundError(
         absl::StrCat("block ", IdToHex(id), " is not in the NVMe tier"));
   }
-  const Entry& e = it->second;
   NvmeBlockMeta meta;
-  meta.size = e.size;
-  meta.checksum = e.checksum;
-  meta.parent = e.parent;
-  meta.read_count = e.read_count;
+  meta.size = e->size;
+  meta.checksum = e->checksum;
+  meta.parent = e->parent;
+  meta.read_count = e->read_count;
   return meta;
 }
 
@@ -1054,13 +1052,13 @@ std::vector<absl::Status> NvmeTierImpl::MultiRead(
         continue;
       }
       std::string id = EncodeId(ns, request.key);
-      auto it = index_.find(id);
-      if (it == index_.end() || it->second.state != State::kStored) {
+      Entry* stored = StoredLocked(id);
+      if (stored == nullptr) {
         results[i] = absl::NotFoundError(
             absl::StrCat("block ", IdToHex(id), " is not in the NVMe tier"));
         continue;
       }
-      Entry& e = it->second;
+      Entry& e = *stored;
       if (request.dest.size() != e.size) {
         results[i] = absl::InvalidArgumentError(
             absl::StrCat("block ", IdToHex(id), " is ", e.size,
