@@ -112,14 +112,14 @@ rocksdb::IOStatus FaultInjectionFileSystem::NewRandomAccessFile(
   return s;
 }
 
-rocksdb::IOStatus FaultInjectionFileSystem::NewWritableFile(
-    const std::string& fname, const rocksdb::FileOptions& options,
-    std::unique_ptr<rocksdb::FSWritableFile>* result,
-    rocksdb::IODebugContext* dbg) {
+rocksdb::IOStatus FaultInjectionFileSystem::OpenWritable(
+    const std::string& fname, std::unique_ptr<rocksdb::FSWritableFile>* result,
+    absl::FunctionRef<rocksdb::IOStatus(std::unique_ptr<rocksdb::FSWritableFile>*)>
+        open) {
   rocksdb::IOStatus s = MaybeFail(fname);
   if (!s.ok()) return s;
   std::unique_ptr<rocksdb::FSWritableFile> file;
-  s = target()->NewWritableFile(fname, options, &file, dbg);
+  s = open(&file);
   if (s.ok()) {
     *result = std::make_unique<FaultInjectionWritableFile>(std::move(file),
                                                            this, fname);
@@ -127,19 +127,24 @@ rocksdb::IOStatus FaultInjectionFileSystem::NewWritableFile(
   return s;
 }
 
+rocksdb::IOStatus FaultInjectionFileSystem::NewWritableFile(
+    const std::string& fname, const rocksdb::FileOptions& options,
+    std::unique_ptr<rocksdb::FSWritableFile>* result,
+    rocksdb::IODebugContext* dbg) {
+  return OpenWritable(fname, result,
+                      [&](std::unique_ptr<rocksdb::FSWritableFile>* file) {
+                        return target()->NewWritableFile(fname, options, file, dbg);
+                      });
+}
+
 rocksdb::IOStatus FaultInjectionFileSystem::ReopenWritableFile(
     const std::string& fname, const rocksdb::FileOptions& options,
     std::unique_ptr<rocksdb::FSWritableFile>* result,
     rocksdb::IODebugContext* dbg) {
-  rocksdb::IOStatus s = MaybeFail(fname);
-  if (!s.ok()) return s;
-  std::unique_ptr<rocksdb::FSWritableFile> file;
-  s = target()->ReopenWritableFile(fname, options, &file, dbg);
-  if (s.ok()) {
-    *result = std::make_unique<FaultInjectionWritableFile>(std::move(file),
-                                                           this, fname);
-  }
-  return s;
+  return OpenWritable(fname, result,
+                      [&](std::unique_ptr<rocksdb::FSWritableFile>* file) {
+                        return target()->ReopenWritableFile(fname, options, file, dbg);
+                      });
 }
 
 rocksdb::IOStatus FaultInjectionFileSystem::ReuseWritableFile(
@@ -147,15 +152,10 @@ rocksdb::IOStatus FaultInjectionFileSystem::ReuseWritableFile(
     const rocksdb::FileOptions& options,
     std::unique_ptr<rocksdb::FSWritableFile>* result,
     rocksdb::IODebugContext* dbg) {
-  rocksdb::IOStatus s = MaybeFail(fname);
-  if (!s.ok()) return s;
-  std::unique_ptr<rocksdb::FSWritableFile> file;
-  s = target()->ReuseWritableFile(fname, old_fname, options, &file, dbg);
-  if (s.ok()) {
-    *result = std::make_unique<FaultInjectionWritableFile>(std::move(file),
-                                                           this, fname);
-  }
-  return s;
+  return OpenWritable(fname, result,
+                      [&](std::unique_ptr<rocksdb::FSWritableFile>* file) {
+                        return target()->ReuseWritableFile(fname, old_fname, options, file, dbg);
+                      });
 }
 
 }  // namespace kvdepot

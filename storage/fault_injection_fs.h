@@ -22,6 +22,7 @@
 #include <memory>
 #include <string>
 
+#include "absl/functional/function_ref.h"
 #include "rocksdb/file_system.h"
 
 namespace kvdepot {
@@ -65,6 +66,13 @@ class FaultInjectionFileSystem : public rocksdb::FileSystemWrapper {
       rocksdb::IODebugContext* dbg) override;
 
  private:
+  // Fails while the disk is "full"; otherwise runs `open` (the wrapped file
+  // system's call) and wraps the file it made so its appends can fail too.
+  rocksdb::IOStatus OpenWritable(
+      const std::string& fname, std::unique_ptr<rocksdb::FSWritableFile>* result,
+      absl::FunctionRef<rocksdb::IOStatus(std::unique_ptr<rocksdb::FSWritableFile>*)>
+          open);
+
   std::atomic<bool> disk_full_{false};
   std::atomic<uint64_t> injected_errors_{0};
   std::atomic<uint64_t> blob_reads_{0};
