@@ -8,11 +8,15 @@
 #include <cstring>
 #include <utility>
 
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "grpc/health/v1/health.grpc.pb.h"
 #include "storage/block_key.h"
 #include "storage/checksum.h"
 #include "storage/status_macros.h"
+#include "transport/memory_region.h"
+#include "transport/ucx_context.h"
+#include "transport/ucx_worker.h"
 
 namespace kvdepot {
 
@@ -26,7 +30,91 @@ absl::Status FromGrpcStatus(const grpc::Status& status) {
                       status.error_message());
 }
 
+// The client's UCX side: a context, one worker (its progress thread serves
+// the daemon's one-sided reads and writes of registered buffers over TCP and
+// shared memory) and the registered buffers.
+struct Client::Ucx {
+  std::unique_ptr<UcxContext> context;
+  std::unique_ptr<UcxWorker> worker;
+  struct Buffer {
+    std::unique_ptr<MemoryRegion> region;
+    uint64_t session = 0;  // the session the daemon knows it in
+    uint32_t daemon_id = 0;
+  };
+  absl::Mutex mu;
+  std::vector<Buffer> buffers ABSL_GUARDED_BY(mu);
+};
+
+struct TransferOp::State {
+  explicit State(size_t n, const char* via) : statuses(n), transport(via) {}
+  mutable absl::Mutex mu;
+  bool ready ABSL_GUARDED_BY(mu) = false;
+  std::vector<absl::Status> statuses;  // written before ready
+  const char* transport;
+  // The call in flight (UCX path).
+  grpc::ClientContext ctx;
+  v1::PushBlocksRequest push_req;
+  v1::PushBlocksResponse push_resp;
+  v1::PullBlocksRequest pull_req;
+  v1::PullBlocksResponse pull_resp;
+
+  void Publish() {
+    absl::MutexLock lock(&mu);
+    ready = true;
+  }
+};
+
+TransferOp::TransferOp(std::shared_ptr<State> state) : state_(std::move(state)) {}
+
+bool TransferOp::IsReady() const {
+  absl::MutexLock lock(&state_->mu);
+  return state_->ready;
+}
+
+void TransferOp::Wait() const { WaitUntil(absl::InfiniteFuture()); }
+
+bool TransferOp::WaitUntil(absl::Time deadline) const {
+  absl::MutexLock lock(&state_->mu);
+  state_->mu.AwaitWithDeadline(absl::Condition(&state_->ready), deadline);
+  return state_->ready;
+}
+
+const std::vector<absl::Status>& TransferOp::statuses() const {
+  return state_->statuses;
+}
+
+size_t TransferOp::ok_prefix() const {
+  size_t n = 0;
+  while (n < state_->statuses.size() && state_->statuses[n].ok()) ++n;
+  return n;
+}
+
+const char* TransferOp::transport() const { return state_->transport; }
+
 Client::Client(const ClientOptions& options) : options_(options) {
+  if (options_.transport == ClientOptions::Transport::kUcx) {
+    auto ucx = std::make_unique<Ucx>();
+    UcxContextOptions context_options;
+    context_options.config = options_.ucx;
+    context_options.name = options_.client_name;
+    absl::StatusOr<std::unique_ptr<UcxContext>> context =
+        UcxContext::Create(context_options);
+    absl::StatusOr<std::unique_ptr<UcxWorker>> worker =
+        context.ok() ? UcxWorker::Create(**context,
+                                         UcxWorkerOptions{"kvdepot-ucx"})
+                     : context.status();
+    if (worker.ok()) {
+      ucx->context = *std::move(context);
+      ucx->worker = *std::move(worker);
+      ucx_ = std::move(ucx);
+    } else {
+      absl::MutexLock lock(&mu_);
+      ucx_status_ = worker.status();
+    }
+  } else {
+    absl::MutexLock lock(&mu_);
+    ucx_status_ = absl::FailedPreconditionError("transport grpc was asked for");
+  }
   grpc::ChannelArguments args;
   args.SetMaxReceiveMessageSize(32 << 20);
   args.SetMaxSendMessageSize(32 << 20);
@@ -89,9 +177,31 @@ absl::StatusOr<uint64_t> Client::EnsureSession() {
   v1::OpenSessionRequest req;
   req.set_lease_ms(static_cast<uint32_t>(absl::ToInt64Milliseconds(options_.lease)));
   req.set_client_name(options_.client_name);
+  if (ucx_ != nullptr) {
+    req.set_ucx_worker_address(ucx_->worker->address());
+    req.set_host_id(LocalHostId());
+  }
   v1::OpenSessionResponse resp;
-  RETURN_IF_ERROR(FromGrpcStatus(stub_->OpenSession(&ctx, req, &resp)));
+  grpc::Status st = stub_->OpenSession(&ctx, req, &resp);
+  absl::Status ucx_status = absl::OkStatus();
+  if (!st.ok() && !req.ucx_worker_address().empty() &&
+      (st.error_code() == grpc::StatusCode::UNAVAILABLE ||
+       st.error_code() == grpc::StatusCode::DEADLINE_EXCEEDED) &&
+      absl::StrContains(st.error_message(), "UCX")) {
+    // The daemon cannot reach our worker: fall back to the gRPC byte path.
+    ucx_status = FromGrpcStatus(st);
+    req.clear_ucx_worker_address();
+    grpc::ClientContext retry;
+    PrepareContext(&retry);
+    st = stub_->OpenSession(&retry, req, &resp);
+  }
+  RETURN_IF_ERROR(FromGrpcStatus(st));
+  if (ucx_status.ok() && ucx_ != nullptr && !resp.ucx_connected()) {
+    ucx_status = absl::FailedPreconditionError(
+        "the daemon has no UCX data plane");
+  }
   absl::MutexLock lock(&mu_);
+  if (ucx_ != nullptr) ucx_status_ = ucx_status;
   session_id_ = resp.session_id();
   lease_ = absl::Milliseconds(resp.lease_ms());
   if (!keepalive_.joinable()) {
@@ -464,6 +574,238 @@ absl::StatusOr<v1::ListNamespacesResponse> Client::ListNamespaces() {
   RETURN_IF_ERROR(FromGrpcStatus(
       stub_->ListNamespaces(&ctx, v1::ListNamespacesRequest(), &resp)));
   return resp;
+}
+
+// ---- UCX data plane ---------------------------------------------------------
+
+absl::Status Client::data_plane_status() {
+  absl::MutexLock lock(&mu_);
+  return ucx_status_;
+}
+
+absl::Status Client::RegisterBuffer(void* base, size_t size) {
+  if (ucx_ == nullptr) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("no UCX in this client: ", data_plane_status().ToString()));
+  }
+  ASSIGN_OR_RETURN(std::unique_ptr<MemoryRegion> region,
+                   ucx_->context->Register(base, size));
+  absl::MutexLock lock(&ucx_->mu);
+  ucx_->buffers.push_back(Ucx::Buffer{std::move(region)});
+  return absl::OkStatus();
+}
+
+void Client::DropSession(uint64_t session) {
+  absl::MutexLock lock(&mu_);
+  if (session_id_ == session) session_id_ = 0;
+}
+
+absl::StatusOr<Client::UcxTarget> Client::PrepareUcx(
+    absl::Span<const absl::Span<const char>> ranges) {
+  if (ucx_ == nullptr) return data_plane_status();
+  // Find every range's buffer before anything goes to the daemon.
+  std::vector<size_t> buffer_of(ranges.size());
+  {
+    absl::MutexLock lock(&ucx_->mu);
+    for (size_t i = 0; i < ranges.size(); ++i) {
+      size_t b = 0;
+      while (b < ucx_->buffers.size() &&
+             !ucx_->buffers[b].region->Contains(ranges[i].data(), ranges[i].size())) {
+        ++b;
+      }
+      if (b == ucx_->buffers.size() || ranges[i].empty()) {
+        return absl::NotFoundError(absl::StrCat(
+            "block ", i, " is not in a registered buffer (RegisterBuffer)"));
+      }
+      buffer_of[i] = b;
+    }
+  }
+  UcxTarget target;
+  ASSIGN_OR_RETURN(target.session, EnsureSession());
+  RETURN_IF_ERROR(data_plane_status());
+  absl::MutexLock lock(&ucx_->mu);
+  for (size_t i = 0; i < ranges.size(); ++i) {
+    Ucx::Buffer& b = ucx_->buffers[buffer_of[i]];
+    if (b.session != target.session) {
+      // First use in this session: hand the daemon the buffer's key.
+      grpc::ClientContext ctx;
+      PrepareContext(&ctx);
+      v1::RegisterBufferRequest req;
+      req.set_session_id(target.session);
+      req.set_packed_rkey(b.region->packed_rkey());
+      req.set_address(b.region->address());
+      req.set_size(b.region->size());
+      v1::RegisterBufferResponse resp;
+      grpc::Status st = stub_->RegisterBuffer(&ctx, req, &resp);
+      if (st.error_code() == grpc::StatusCode::NOT_FOUND ||
+          st.error_code() == grpc::StatusCode::FAILED_PRECONDITION) {
+        DropSession(target.session);
+      }
+      RETURN_IF_ERROR(FromGrpcStatus(st));
+      b.session = target.session;
+      b.daemon_id = resp.buffer_id();
+    }
+    v1::BufferRange r;
+    r.set_buffer_id(b.daemon_id);
+    r.set_address(reinterpret_cast<uintptr_t>(ranges[i].data()));
+    r.set_size(ranges[i].size());
+    target.ranges.push_back(std::move(r));
+  }
+  return target;
+}
+
+TransferOp Client::FailedOp(size_t n, const absl::Status& status) {
+  auto state = std::make_shared<TransferOp::State>(n, "none");
+  for (absl::Status& s : state->statuses) s = status;
+  state->Publish();
+  return TransferOp(std::move(state));
+}
+
+namespace {
+
+absl::Status BlockStatus(const v1::BlockTransfer& t) {
+  return absl::Status(static_cast<absl::StatusCode>(t.code()), t.message());
+}
+
+// The daemon no longer has the session or its endpoint: a new one is needed.
+bool SessionGone(const grpc::Status& st) {
+  return st.error_code() == grpc::StatusCode::NOT_FOUND ||
+         st.error_code() == grpc::StatusCode::FAILED_PRECONDITION;
+}
+
+}  // namespace
+
+TransferOp Client::GetIntoAsync(absl::string_view ns,
+                                absl::Span<const absl::string_view> keys,
+                                absl::Span<const absl::Span<char>> dst,
+                                bool prefix) {
+  if (keys.size() != dst.size()) {
+    return FailedOp(keys.size(), absl::InvalidArgumentError(absl::StrCat(
+                                     "GetIntoAsync: ", keys.size(),
+                                     " keys but ", dst.size(), " buffers")));
+  }
+  absl::Status valid = ValidateNamespace(ns);
+  for (size_t i = 0; valid.ok() && i < keys.size(); ++i) valid = ValidateKey(keys[i]);
+  if (!valid.ok()) return FailedOp(keys.size(), valid);
+  std::vector<absl::Span<const char>> ranges(dst.begin(), dst.end());
+  absl::StatusOr<UcxTarget> target = PrepareUcx(ranges);
+  if (!target.ok()) {
+    // The gRPC byte path, done here.
+    auto state = std::make_shared<TransferOp::State>(keys.size(), "grpc");
+    absl::StatusOr<std::vector<bool>> filled = GetInto(ns, keys, dst);
+    bool open = true;
+    for (size_t i = 0; i < keys.size(); ++i) {
+      if (!filled.ok()) {
+        state->statuses[i] = filled.status();
+      } else if (!(*filled)[i] || !open) {
+        state->statuses[i] = absl::NotFoundError("not stored");
+        open = !prefix;
+      }
+    }
+    state->Publish();
+    return TransferOp(std::move(state));
+  }
+  auto state = std::make_shared<TransferOp::State>(keys.size(), "ucx");
+  v1::PushBlocksRequest& req = state->push_req;
+  req.set_session_id(target->session);
+  req.set_namespace_(std::string(ns));
+  for (size_t i = 0; i < keys.size(); ++i) {
+    req.add_keys(std::string(keys[i]));
+    *req.add_destinations() = std::move(target->ranges[i]);
+  }
+  req.set_prefix(prefix);
+  req.set_timeout_ms(static_cast<uint32_t>(
+      absl::ToInt64Milliseconds(options_.transfer_timeout)));
+  PrepareContext(&state->ctx);
+  std::vector<absl::Span<char>> out(dst.begin(), dst.end());
+  const uint64_t session = target->session;
+  TransferOp op(state);
+  stub_->async()->PushBlocks(
+      &state->ctx, &state->push_req, &state->push_resp,
+      [this, state, session, out = std::move(out)](grpc::Status st) {
+        if (!st.ok()) {
+          if (SessionGone(st)) DropSession(session);
+          for (absl::Status& s : state->statuses) s = FromGrpcStatus(st);
+        } else {
+          const v1::PushBlocksResponse& resp = state->push_resp;
+          for (size_t i = 0; i < out.size(); ++i) {
+            if (static_cast<int>(i) >= resp.blocks_size()) {
+              state->statuses[i] = absl::InternalError("short PushBlocks reply");
+              continue;
+            }
+            const v1::BlockTransfer& t = resp.blocks(static_cast<int>(i));
+            absl::Status s = BlockStatus(t);
+            if (s.ok() && (t.size() != out[i].size() ||
+                           BlockChecksum(out[i].data(), out[i].size()) !=
+                               t.checksum())) {
+              s = absl::DataLossError(absl::StrCat(
+                  "block ", i, " does not match its checksum after transfer"));
+            }
+            state->statuses[i] = std::move(s);
+          }
+        }
+        state->Publish();
+      });
+  return op;
+}
+
+TransferOp Client::PutFromAsync(absl::string_view ns,
+                                absl::Span<const BlockToPut> blocks) {
+  absl::Status valid = ValidateNamespace(ns);
+  for (size_t i = 0; valid.ok() && i < blocks.size(); ++i) {
+    valid = ValidateKey(blocks[i].key);
+  }
+  if (!valid.ok()) return FailedOp(blocks.size(), valid);
+  if (blocks.empty()) return FailedOp(0, absl::OkStatus());
+  std::vector<absl::Span<const char>> ranges;
+  ranges.reserve(blocks.size());
+  for (const BlockToPut& b : blocks) ranges.emplace_back(b.bytes.data(), b.bytes.size());
+  absl::StatusOr<UcxTarget> target = PrepareUcx(ranges);
+  if (!target.ok()) {
+    auto state = std::make_shared<TransferOp::State>(blocks.size(), "grpc");
+    absl::StatusOr<std::vector<PutResult>> put = Put(ns, blocks);
+    if (!put.ok()) {
+      for (absl::Status& s : state->statuses) s = put.status();
+    }
+    state->Publish();
+    return TransferOp(std::move(state));
+  }
+  auto state = std::make_shared<TransferOp::State>(blocks.size(), "ucx");
+  v1::PullBlocksRequest& req = state->pull_req;
+  req.set_session_id(target->session);
+  req.set_namespace_(std::string(ns));
+  for (size_t i = 0; i < blocks.size(); ++i) {
+    v1::PullSpec* spec = req.add_blocks();
+    spec->set_key(std::string(blocks[i].key));
+    spec->set_parent_key(std::string(blocks[i].parent));
+    spec->set_checksum(BlockChecksum(blocks[i].bytes));
+    *spec->mutable_source() = std::move(target->ranges[i]);
+  }
+  req.set_timeout_ms(static_cast<uint32_t>(
+      absl::ToInt64Milliseconds(options_.transfer_timeout)));
+  PrepareContext(&state->ctx);
+  const uint64_t session = target->session;
+  TransferOp op(state);
+  stub_->async()->PullBlocks(
+      &state->ctx, &state->pull_req, &state->pull_resp,
+      [this, state, session](grpc::Status st) {
+        const v1::PullBlocksResponse& resp = state->pull_resp;
+        for (size_t i = 0; i < state->statuses.size(); ++i) {
+          absl::Status s;
+          if (!st.ok()) {
+            s = FromGrpcStatus(st);
+          } else if (static_cast<int>(i) >= resp.blocks_size()) {
+            s = absl::InternalError("short PullBlocks reply");
+          } else {
+            s = BlockStatus(resp.blocks(static_cast<int>(i)));
+            if (absl::IsAlreadyExists(s)) s = absl::OkStatus();  // stored
+          }
+          state->statuses[i] = std::move(s);
+        }
+        if (!st.ok() && SessionGone(st)) DropSession(session);
+        state->Publish();
+      });
+  return op;
 }
 
 }  // namespace kvdepot

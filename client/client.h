@@ -8,9 +8,11 @@
 //                                 /*pin=*/true);
 //   auto blocks = (*client)->Get("llama3-8b/bf16/tp0", keys);
 //
-// Blocks move over the gRPC byte path (Write/Read streams in 1 MiB chunks);
-// the UCX data plane comes in a later release behind the same calls. Every
-// block read is checked against its XXH3-64 before it is returned. A session
+// Blocks move over the UCX data plane when the daemon has one and the
+// caller's buffers are registered (RegisterBuffer; GetIntoAsync /
+// PutFromAsync), otherwise over the gRPC byte path (Write/Read streams in
+// 1 MiB chunks). Every block read is checked against its XXH3-64 before it
+// is reported as read. A session
 // is opened on first need (pinning) and kept alive by a background thread
 // (KeepAlive at a third of the lease); if the daemon forgets it (restart,
 // expiry), the next call that needs one opens a new one.
@@ -24,6 +26,7 @@
 #include <grpcpp/channel.h>
 
 #include <cstdint>
+#include <map>
 #include <memory>
 #include <string>
 #include <thread>
@@ -47,6 +50,17 @@ struct ClientOptions {
   // Session lease to ask for; zero means the daemon's default.
   absl::Duration lease = absl::ZeroDuration();
   std::string client_name = "libkvdepot";
+  // kUcx: open sessions with a UCX worker, so that blocks in registered
+  // buffers move over UCX; when UCX cannot start or the daemon cannot reach
+  // the worker, the client uses gRPC (data_plane_status() says why).
+  enum class Transport { kUcx, kGrpc };
+  Transport transport = Transport::kUcx;
+  // UCX settings for the client's context (names as UCX_* variables, with or
+  // without the prefix), e.g. {"TLS", "tcp"}.
+  std::map<std::string, std::string> ucx = {{"TCP_TX_SEG_SIZE", "512k"},
+                                            {"TCP_RX_SEG_SIZE", "512k"}};
+  // Limit for one UCX transfer batch (the daemon may have a lower one).
+  absl::Duration transfer_timeout = absl::Seconds(10);
 };
 
 struct BlockInfo {
@@ -74,6 +88,37 @@ struct Block {
   std::string key;
   std::string bytes;
   uint64_t checksum = 0;
+};
+
+// The outcome of one batch of GetIntoAsync / PutFromAsync: poll or wait,
+// then read one status per block. A status that is not OK is a miss for the
+// caller ("degrade to miss"): NOT_FOUND for a block that is not stored,
+// otherwise why the block could not be moved (the daemon is unreachable,
+// the transfer failed or timed out, DATA_LOSS for bytes that did not match
+// their checksum). After a failed get the destination may hold partial
+// bytes: use only the blocks whose status is OK. For puts, OK means stored
+// (ALREADY_EXISTS counts as stored and is reported as OK).
+//
+// Thread-safe; copies share the same batch. The Client that made an op must
+// outlive it until it is ready.
+class TransferOp {
+ public:
+  struct State;
+  explicit TransferOp(std::shared_ptr<State> state);
+
+  bool IsReady() const;
+  void Wait() const;
+  // Waits until ready or `deadline`; returns IsReady().
+  bool WaitUntil(absl::Time deadline) const;
+  // REQUIRES: IsReady().
+  const std::vector<absl::Status>& statuses() const;
+  // REQUIRES: IsReady(). Number of leading blocks that are OK.
+  size_t ok_prefix() const;
+  // REQUIRES: IsReady(). "ucx" or "grpc": the path the blocks took.
+  const char* transport() const;
+
+ private:
+  std::shared_ptr<State> state_;
 };
 
 // Converts a gRPC status to an absl::Status with the same code and message.
@@ -134,6 +179,42 @@ class Client {
       absl::string_view ns, absl::Span<const absl::string_view> keys,
       absl::Span<const absl::Span<char>> dst);
 
+  // ---- UCX data plane ----------------------------------------------------
+
+  // Registers [base, base + size) for transfers (host memory; GPU memory
+  // where UCX was built with CUDA support). Blocks whose buffers lie inside
+  // registered memory move over UCX. The memory must stay valid until the
+  // client is destroyed. FailedPrecondition when the client has no UCX
+  // (data_plane_status() says why); InvalidArgument for a null base or zero
+  // size; UCX's error when registration fails.
+  absl::Status RegisterBuffer(void* base, size_t size);
+
+  // Reads blocks straight into `dst` (dst[i] receives keys[i] and must be
+  // exactly its size). Over UCX when every dst lies in registered memory and
+  // the session has a UCX endpoint: one round trip in which the daemon looks
+  // the keys up, pins the hits, writes them into dst and unpins; each block
+  // is then verified against its checksum here. Otherwise the gRPC path
+  // (lookup with pin, Read stream), done before this returns. With `prefix`
+  // the daemon stops at the first miss. Never blocks on the daemon.
+  // REQUIRES: keys.size() == dst.size(); dst stays valid and untouched
+  // until the op is ready.
+  TransferOp GetIntoAsync(absl::string_view ns,
+                          absl::Span<const absl::string_view> keys,
+                          absl::Span<const absl::Span<char>> dst,
+                          bool prefix = false);
+  // Stores blocks from caller memory: over UCX (the daemon reserves, reads
+  // the bytes from the caller's registered memory, verifies and commits, in
+  // one round trip) when every block's bytes lie in registered memory;
+  // otherwise over a Write stream, done before this returns. REQUIRES: the
+  // bytes stay valid and unchanged until the op is ready.
+  TransferOp PutFromAsync(absl::string_view ns,
+                          absl::Span<const BlockToPut> blocks);
+
+  // OK when sessions get a UCX endpoint; otherwise why blocks take the gRPC
+  // path (the client asked for gRPC, UCX could not start, the daemon has no
+  // data plane or could not reach this client's worker).
+  absl::Status data_plane_status();
+
   absl::StatusOr<v1::EvictResponse> Evict(absl::string_view ns,
                                           absl::Span<const absl::string_view> keys,
                                           bool all);
@@ -155,7 +236,24 @@ class Client {
                         absl::Span<const absl::Span<char>> dst,
                         const LookupReply& found);
 
+  struct Ucx;
+  // The session for a UCX transfer and the daemon's ids of the buffers
+  // holding `ranges` (registering them with the daemon as needed). NotFound
+  // when a range is not in registered memory.
+  struct UcxTarget {
+    uint64_t session = 0;
+    std::vector<v1::BufferRange> ranges;
+  };
+  absl::StatusOr<UcxTarget> PrepareUcx(absl::Span<const absl::Span<const char>> ranges);
+  // The daemon no longer knows `session` (or its endpoint): forget it so
+  // that the next call opens a new one.
+  void DropSession(uint64_t session);
+  // A ready op with every block failing with `status`.
+  static TransferOp FailedOp(size_t n, const absl::Status& status);
+
   const ClientOptions options_;
+  std::unique_ptr<Ucx> ucx_;  // null without UCX
+  absl::Status ucx_status_ ABSL_GUARDED_BY(mu_);
   std::shared_ptr<grpc::Channel> channel_;
   std::unique_ptr<v1::KvDepot::Stub> stub_;
 

@@ -91,6 +91,7 @@ absl::Status LoadConfigFile(const std::string& path, DaemonConfig* c) {
   uint64_t grpc_threads = static_cast<uint64_t>(c->grpc_max_threads);
   uint64_t grpc_streams = static_cast<uint64_t>(c->grpc_max_streams_per_connection);
   uint64_t ns_labels = static_cast<uint64_t>(c->metrics_namespace_labels);
+  uint64_t ucx_workers = static_cast<uint64_t>(c->ucx_workers);
   auto bool_into = [](bool* out) -> Setter {
     return [out](const std::string& v) {
       if (v != "true" && v != "false") {
@@ -146,9 +147,30 @@ absl::Status LoadConfigFile(const std::string& path, DaemonConfig* c) {
        }},
       {"persist_on_shutdown", bool_into(&c->persist_on_shutdown)},
       {"create_namespaces", bool_into(&c->store.create_namespaces)},
+      {"ucx_enabled", bool_into(&c->ucx_enabled)},
+      {"ucx_workers", uint_into(&ucx_workers)},
+      {"ucx_transfer_timeout", duration_into(&c->ucx_transfer_timeout)},
   };
   for (const auto& kv : root) {
     std::string key = kv.first.as<std::string>();
+    if (key == "ucx") {
+      // A mapping of UCX settings; it replaces the defaults as a whole.
+      if (!kv.second.IsMap()) {
+        return absl::InvalidArgumentError(absl::StrCat(
+            "config ", path, ": 'ucx' must be a mapping of UCX settings"));
+      }
+      c->ucx.clear();
+      for (const auto& setting : kv.second) {
+        if (!setting.second.IsScalar()) {
+          return absl::InvalidArgumentError(absl::StrCat(
+              "config ", path, ": ucx.", setting.first.as<std::string>(),
+              " must be a scalar"));
+        }
+        c->ucx[setting.first.as<std::string>()] =
+            setting.second.as<std::string>();
+      }
+      continue;
+    }
     auto it = setters.find(key);
     if (it == setters.end()) {
       return absl::InvalidArgumentError(
@@ -170,6 +192,7 @@ absl::Status LoadConfigFile(const std::string& path, DaemonConfig* c) {
       static_cast<int>(std::min<uint64_t>(grpc_streams, 1 << 20));
   c->metrics_namespace_labels =
       static_cast<int>(std::min<uint64_t>(ns_labels, 100000));
+  c->ucx_workers = static_cast<int>(std::min<uint64_t>(ucx_workers, 1024));
   return absl::OkStatus();
 }
 
@@ -208,6 +231,12 @@ absl::Status ValidateConfig(const DaemonConfig& c) {
   }
   if (c.stream_idle_timeout < absl::Seconds(1)) {
     return absl::InvalidArgumentError("stream_idle_timeout must be at least 1s");
+  }
+  if (c.ucx_workers < 1 || c.ucx_workers > 64) {
+    return absl::InvalidArgumentError("ucx_workers must be 1..64");
+  }
+  if (c.ucx_transfer_timeout < absl::Milliseconds(100)) {
+    return absl::InvalidArgumentError("ucx_transfer_timeout must be at least 100ms");
   }
   if (c.data_dir.empty()) return absl::InvalidArgumentError("data_dir is empty");
   return absl::OkStatus();

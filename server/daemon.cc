@@ -71,6 +71,24 @@ absl::Status Daemon::Init() {
   RETURN_IF_ERROR(quota_file_->Load(*store_));
   service_ = std::make_unique<KvDepotService>(*store_, *metrics_, *SystemClock(), log_);
   service_->set_quota_file(quota_file_.get());
+  if (config_.ucx_enabled) {
+    DataPlaneOptions data_plane_options;
+    data_plane_options.ucx = config_.ucx;
+    data_plane_options.workers = config_.ucx_workers;
+    absl::StatusOr<std::unique_ptr<DataPlane>> data_plane = DataPlane::Create(
+        data_plane_options, store_->dram_region(),
+        [this](SessionId session, const absl::Status& why) {
+          service_->SessionLost(session, why);
+        },
+        log_);
+    if (data_plane.ok()) {
+      data_plane_ = *std::move(data_plane);
+      service_->set_data_plane(data_plane_.get(), config_.ucx_transfer_timeout);
+    } else {
+      log_->warn("UCX data plane off ({}); clients use the gRPC byte path",
+                 data_plane.status().ToString());
+    }
+  }
   grpc::EnableDefaultHealthCheckService(true);
   grpc::ServerBuilder builder;
   int port = 0;
@@ -97,10 +115,14 @@ absl::Status Daemon::Init() {
   DramRegion dram = store_->dram_region();
   StoreStats st = store_->Stats();
   log_->info(
-      "kvdepotd {} ({}) listening on {}; metrics on {}; DRAM tier {} bytes; "
-      "NVMe tier {} bytes holding {} blocks; data dir {}",
+      "kvdepotd {} ({}) listening on {}; metrics on {}; UCX data plane {}; "
+      "DRAM tier {} bytes; NVMe tier {} bytes holding {} blocks; data dir {}",
       kVersion, kGitCommit, grpc_address_,
-      metrics_address_.empty() ? "off" : metrics_address_, dram.size,
+      metrics_address_.empty() ? "off" : metrics_address_,
+      data_plane_ == nullptr ? "off"
+      : data_plane_->shared_memory() ? "on (shared memory for local clients)"
+                                     : "on",
+      dram.size,
       st.nvme.capacity_bytes, st.nvme.blocks, data_dir_->path());
   return absl::OkStatus();
 }
@@ -114,6 +136,10 @@ void Daemon::MaintenanceLoop() {
     int expired = store_->ExpireSessions();
     if (expired > 0) log_->info("{} session(s) expired", expired);
     service_->CancelIdleStreams(config_.stream_idle_timeout);
+    if (data_plane_ != nullptr) {
+      data_plane_->DetachIf(
+          [this](SessionId id) { return !store_->HasSession(id); });
+    }
     metrics_->UpdateFromStats(store_->Stats());
     mu_.Lock();
   }
@@ -141,6 +167,9 @@ void Daemon::Shutdown() {
     size_t left = service_->active_streams();
     if (left > 0) log_->warn("drain timeout: cancelling {} stream(s)", left);
     server_->Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(1));
+    // Calls still waiting on UCX transfers end now (their transfers are
+    // cancelled), so Wait does not wait for a transfer deadline.
+    if (data_plane_ != nullptr) data_plane_->Close();
     server_->Wait();
     if (config_.persist_on_shutdown && config_.store.nvme_capacity > 0) {
       absl::StatusOr<uint64_t> n = store_->PersistDram();

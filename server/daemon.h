@@ -20,6 +20,7 @@
 #include "absl/synchronization/mutex.h"
 #include "server/config.h"
 #include "server/data_dir.h"
+#include "server/data_plane.h"
 #include "server/http_server.h"
 #include "server/kvdepot_service.h"
 #include "server/metrics.h"
@@ -61,6 +62,9 @@ class Daemon {
   std::unique_ptr<TieredStore> store_;
   std::unique_ptr<QuotaFile> quota_file_;  // <data-dir>/quotas
   std::unique_ptr<KvDepotService> service_;
+  // After service_ (destroyed before it: its lost-session callback and the
+  // transfers' completions call into the service).
+  std::unique_ptr<DataPlane> data_plane_;
   std::unique_ptr<grpc::Server> server_;
   std::string grpc_address_;
   std::string metrics_address_;

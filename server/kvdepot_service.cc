@@ -141,8 +141,21 @@ grpc::ServerUnaryReactor* KvDepotService::OpenSession(
                                                  store_.dram_region().size));
     resp->set_max_batch_keys(o.max_batch_keys);
     resp->set_max_chunk_bytes(kMaxChunkBytes);
-    log_->info("session {} opened by '{}' from {} (lease {})", g.id,
-               req->client_name(), ctx->peer(), absl::FormatDuration(g.lease));
+    if (!req->ucx_worker_address().empty() && data_plane_ != nullptr) {
+      absl::Status attached = data_plane_->Attach(
+          g.id, req->ucx_worker_address(), req->host_id());
+      if (!attached.ok()) {
+        store_.CloseSession(g.id).IgnoreError();
+        return absl::Status(
+            attached.code(),
+            absl::StrCat("cannot reach the client's UCX worker: ",
+                         attached.message()));
+      }
+      resp->set_ucx_connected(true);
+    }
+    log_->info("session {} opened by '{}' from {} (lease {}{})", g.id,
+               req->client_name(), ctx->peer(), absl::FormatDuration(g.lease),
+               resp->ucx_connected() ? ", UCX endpoint" : "");
     return absl::OkStatus();
   });
 }
@@ -161,6 +174,7 @@ grpc::ServerUnaryReactor* KvDepotService::CloseSession(
     grpc::CallbackServerContext* ctx, const v1::CloseSessionRequest* req,
     v1::CloseSessionResponse* resp) {
   return Unary(ctx, "CloseSession", [&]() -> absl::Status {
+    if (data_plane_ != nullptr) data_plane_->Detach(req->session_id());
     ASSIGN_OR_RETURN(SessionRelease rel, store_.CloseSession(req->session_id()));
     resp->set_pins_released(rel.pins_released);
     resp->set_reservations_aborted(rel.reservations_aborted);
@@ -609,6 +623,260 @@ grpc::ServerUnaryReactor* KvDepotService::GetQuota(grpc::CallbackServerContext* 
     }
     return absl::OkStatus();
   });
+}
+
+// ---- UCX data plane ---------------------------------------------------------
+
+namespace {
+
+void SetTransfer(const absl::Status& st, v1::BlockTransfer* out) {
+  out->set_code(static_cast<int32_t>(st.code()));
+  if (!st.ok()) out->set_message(std::string(st.message()));
+}
+
+// The transfer deadline: the request's timeout when it asks for one, capped
+// by the daemon's.
+absl::Time TransferDeadline(uint32_t timeout_ms, absl::Duration cap,
+                            absl::Time now) {
+  absl::Duration d = cap;
+  if (timeout_ms > 0) d = std::min(d, absl::Milliseconds(timeout_ms));
+  return now + d;
+}
+
+}  // namespace
+
+void KvDepotService::SessionLost(SessionId session, const absl::Status& why) {
+  absl::StatusOr<SessionRelease> rel = store_.CloseSession(session);
+  if (data_plane_ != nullptr) data_plane_->Detach(session);
+  if (!rel.ok()) return;  // closed meanwhile
+  log_->info(
+      "session {} ended: its UCX peer is gone ({}); {} pins released, {} "
+      "puts aborted",
+      session, why.ToString(), rel->pins_released, rel->reservations_aborted);
+}
+
+grpc::ServerUnaryReactor* KvDepotService::RegisterBuffer(
+    grpc::CallbackServerContext* ctx, const v1::RegisterBufferRequest* req,
+    v1::RegisterBufferResponse* resp) {
+  return Unary(ctx, "RegisterBuffer", [&]() -> absl::Status {
+    RETURN_IF_ERROR(RequireSession(req->session_id()));
+    if (data_plane_ == nullptr) {
+      return absl::FailedPreconditionError("the UCX data plane is off");
+    }
+    if (!store_.HasSession(req->session_id())) {
+      return absl::NotFoundError(
+          absl::StrCat("unknown session ", req->session_id()));
+    }
+    ASSIGN_OR_RETURN(uint32_t id,
+                     data_plane_->RegisterBuffer(req->session_id(),
+                                                 req->packed_rkey(),
+                                                 req->address(), req->size()));
+    resp->set_buffer_id(id);
+    return absl::OkStatus();
+  });
+}
+
+grpc::ServerUnaryReactor* KvDepotService::PushBlocks(
+    grpc::CallbackServerContext* ctx, const v1::PushBlocksRequest* req,
+    v1::PushBlocksResponse* resp) {
+  const absl::Time start = clock_.Now();
+  grpc::ServerUnaryReactor* reactor = ctx->DefaultReactor();
+  auto finish = [this, reactor, start](const absl::Status& st) {
+    Finished("PushBlocks", st, start);
+    reactor->Finish(ToGrpcStatus(st));
+  };
+  absl::Status check = RequireSession(req->session_id());
+  if (check.ok() && data_plane_ == nullptr) {
+    check = absl::FailedPreconditionError("the UCX data plane is off");
+  }
+  if (check.ok() && req->destinations_size() != req->keys_size()) {
+    check = absl::InvalidArgumentError(
+        absl::StrCat(req->keys_size(), " keys but ", req->destinations_size(),
+                     " destinations"));
+  }
+  if (check.ok() && !data_plane_->attached(req->session_id())) {
+    check = absl::FailedPreconditionError(absl::StrCat(
+        "session ", req->session_id(), " has no UCX endpoint"));
+  }
+  if (!check.ok()) {
+    finish(check);
+    return reactor;
+  }
+  const absl::Time deadline =
+      TransferDeadline(req->timeout_ms(), transfer_timeout_, absl::Now());
+  std::vector<absl::string_view> keys = Views(req->keys());
+  store_.LookupAsync(
+      req->session_id(), req->namespace_(), keys, req->prefix(), /*pin=*/true,
+      [this, req, resp, finish, deadline](absl::StatusOr<LookupResult> r) {
+        if (!r.ok()) return finish(r.status());
+        metrics_.RecordLookup(req->namespace_(), req->prefix(), *r);
+        resp->set_prefix_hits(r->prefix_hits);
+        const DramRegion arena = store_.dram_region();
+        std::vector<BlockMove> moves;
+        std::vector<int> key_of_move;
+        for (int i = 0; i < req->keys_size(); ++i) {
+          const LookupEntry& e = r->entries[i];
+          v1::BlockTransfer* out = resp->add_blocks();
+          if (!e.found) {
+            SetTransfer(absl::NotFoundError("not stored"), out);
+            continue;
+          }
+          out->set_tier(ToProto(e.tier));
+          out->set_size(e.size);
+          out->set_checksum(e.checksum);
+          const v1::BufferRange& dst = req->destinations(i);
+          if (dst.size() != e.size) {
+            SetTransfer(absl::InvalidArgumentError(absl::StrCat(
+                            "block is ", e.size, " bytes, destination ",
+                            dst.size())),
+                        out);
+            continue;
+          }
+          moves.push_back(BlockMove{
+              absl::Span<char>(arena.base + e.offset, e.size), dst.buffer_id(),
+              dst.address()});
+          key_of_move.push_back(i);
+        }
+        const SessionId session = req->session_id();
+        const PinId pin = r->pin_id;
+        auto unpin = [this, session, pin] {
+          if (pin != 0) store_.Unpin(session, pin).IgnoreError();
+        };
+        if (moves.empty()) {
+          unpin();
+          return finish(absl::OkStatus());
+        }
+        absl::StatusOr<TransferHandle> h =
+            data_plane_->Push(session, moves, deadline);
+        if (!h.ok()) {
+          unpin();
+          return finish(h.status());
+        }
+        // Runs on the progress thread: short steps only.
+        h->OnReady([this, resp, finish, unpin, h = *h,
+                    key_of_move = std::move(key_of_move)] {
+          unpin();
+          uint64_t bytes = 0;
+          for (size_t m = 0; m < key_of_move.size(); ++m) {
+            v1::BlockTransfer* out = resp->mutable_blocks(key_of_move[m]);
+            SetTransfer(h.status(m), out);
+            if (h.status(m).ok()) bytes += out->size();
+          }
+          metrics_.AddUcxBytesOut(bytes);
+          finish(absl::OkStatus());
+        });
+      });
+  return reactor;
+}
+
+grpc::ServerUnaryReactor* KvDepotService::PullBlocks(
+    grpc::CallbackServerContext* ctx, const v1::PullBlocksRequest* req,
+    v1::PullBlocksResponse* resp) {
+  const absl::Time start = clock_.Now();
+  grpc::ServerUnaryReactor* reactor = ctx->DefaultReactor();
+  auto finish = [this, reactor, start](const absl::Status& st) {
+    Finished("PullBlocks", st, start);
+    reactor->Finish(ToGrpcStatus(st));
+  };
+  const SessionId session = req->session_id();
+  absl::Status check = RequireSession(session);
+  if (check.ok() && data_plane_ == nullptr) {
+    check = absl::FailedPreconditionError("the UCX data plane is off");
+  }
+  if (check.ok() && !data_plane_->attached(session)) {
+    check = absl::FailedPreconditionError(
+        absl::StrCat("session ", session, " has no UCX endpoint"));
+  }
+  std::vector<PutSpec> specs;
+  specs.reserve(req->blocks_size());
+  for (const v1::PullSpec& b : req->blocks()) {
+    specs.push_back(PutSpec{b.key(), b.parent_key(), b.source().size()});
+  }
+  absl::StatusOr<Reservation> resv =
+      check.ok() ? store_.BeginPut(session, req->namespace_(), specs)
+                 : absl::StatusOr<Reservation>(check);
+  if (!resv.ok()) {
+    finish(resv.status());
+    return reactor;
+  }
+  // Every reserved slot's bytes come from its source.
+  std::vector<BlockMove> moves;
+  std::vector<std::unique_ptr<SlotHandle>> slots;
+  std::vector<int> block_of_move;
+  for (int i = 0; i < req->blocks_size(); ++i) {
+    v1::BlockTransfer* out = resp->add_blocks();
+    out->set_size(specs[i].size);
+    out->set_checksum(req->blocks(i).checksum());
+    if (resv->slots[i].exists) {
+      SetTransfer(absl::AlreadyExistsError("already stored"), out);
+      continue;
+    }
+    absl::StatusOr<std::unique_ptr<SlotHandle>> slot =
+        store_.AcquireSlot(session, resv->id, static_cast<uint32_t>(i));
+    if (!slot.ok()) {  // the session ended under us
+      store_.AbortPut(session, resv->id).IgnoreError();
+      finish(slot.status());
+      return reactor;
+    }
+    const v1::BufferRange& src = req->blocks(i).source();
+    moves.push_back(BlockMove{(*slot)->bytes(), src.buffer_id(), src.address()});
+    slots.push_back(*std::move(slot));
+    block_of_move.push_back(i);
+  }
+  if (moves.empty()) {
+    finish(absl::OkStatus());
+    return reactor;
+  }
+  absl::StatusOr<TransferHandle> h = data_plane_->Pull(
+      session, moves,
+      TransferDeadline(req->timeout_ms(), transfer_timeout_, absl::Now()));
+  if (!h.ok()) {
+    slots.clear();
+    store_.AbortPut(session, resv->id).IgnoreError();
+    finish(h.status());
+    return reactor;
+  }
+  auto commit = [this, req, resp, finish, session, id = resv->id, h = *h,
+                 slots = std::move(slots),
+                 block_of_move = std::move(block_of_move)]() mutable {
+    slots.clear();  // the slots' bytes are in; CommitPut needs them released
+    absl::Status failed = h.overall_status();
+    if (!failed.ok()) {
+      // Nothing of a batch with a failed transfer is published: its bytes
+      // may be partial, and the client will see the failure and retry.
+      store_.AbortPut(session, id).IgnoreError();
+      for (int b : block_of_move) SetTransfer(failed, resp->mutable_blocks(b));
+      return finish(absl::OkStatus());
+    }
+    std::vector<uint64_t> sums(req->blocks_size());
+    for (int i = 0; i < req->blocks_size(); ++i) sums[i] = req->blocks(i).checksum();
+    absl::StatusOr<std::vector<CommitOutcome>> out =
+        store_.CommitPut(session, id, sums);
+    if (!out.ok()) return finish(out.status());
+    uint64_t bytes = 0;
+    for (int b : block_of_move) {
+      v1::BlockTransfer* t = resp->mutable_blocks(b);
+      switch ((*out)[b]) {
+        case CommitOutcome::kStored:
+          SetTransfer(absl::OkStatus(), t);
+          bytes += t->size();
+          break;
+        case CommitOutcome::kAlreadyExists:
+          SetTransfer(absl::AlreadyExistsError("stored meanwhile"), t);
+          break;
+        case CommitOutcome::kChecksumMismatch:
+          SetTransfer(absl::DataLossError("bytes do not match the checksum"), t);
+          break;
+      }
+    }
+    metrics_.AddUcxBytesIn(bytes);
+    finish(absl::OkStatus());
+  };
+  // Verifying checksums takes time: off the progress thread.
+  h->OnReady([this, commit = std::move(commit)]() mutable {
+    commit_pool_.Submit(std::move(commit));
+  });
+  return reactor;
 }
 
 }  // namespace kvdepot

@@ -20,6 +20,7 @@
 #include "absl/time/time.h"
 #include "kvdepot/v1/kvdepot.grpc.pb.h"
 #include "server/byte_streams.h"
+#include "server/data_plane.h"
 #include "server/metrics.h"
 #include "server/quota_file.h"
 #include "storage/clock.h"
@@ -97,10 +98,30 @@ class KvDepotService final
   grpc::ServerUnaryReactor* GetQuota(grpc::CallbackServerContext* ctx,
                                      const v1::GetQuotaRequest* req,
                                      v1::GetQuotaResponse* resp) override;
+  grpc::ServerUnaryReactor* RegisterBuffer(
+      grpc::CallbackServerContext* ctx, const v1::RegisterBufferRequest* req,
+      v1::RegisterBufferResponse* resp) override;
+  grpc::ServerUnaryReactor* PushBlocks(grpc::CallbackServerContext* ctx,
+                                       const v1::PushBlocksRequest* req,
+                                       v1::PushBlocksResponse* resp) override;
+  grpc::ServerUnaryReactor* PullBlocks(grpc::CallbackServerContext* ctx,
+                                       const v1::PullBlocksRequest* req,
+                                       v1::PullBlocksResponse* resp) override;
 
   // Where SetQuota records quotas (the daemon's data dir); without one,
   // quotas apply until the daemon stops. `file` must outlive the service.
   void set_quota_file(QuotaFile* file) { quota_file_ = file; }
+  // The UCX data plane; without one, sessions get no endpoint and the
+  // data-plane RPCs fail with FAILED_PRECONDITION. `data_plane` must outlive
+  // the service's calls. `transfer_timeout` bounds each PushBlocks /
+  // PullBlocks transfer (a request may ask for less).
+  void set_data_plane(DataPlane* data_plane, absl::Duration transfer_timeout) {
+    data_plane_ = data_plane;
+    transfer_timeout_ = transfer_timeout;
+  }
+  // Ends a session whose client the data plane lost (releases its pins and
+  // reservations at once).
+  void SessionLost(SessionId session, const absl::Status& why);
 
   // Records one finished RPC (metrics, and a log line for failures that are
   // the daemon's fault). Used by the unary helper and the stream reactors.
@@ -149,6 +170,11 @@ class KvDepotService final
   const absl::Time started_;
 
   QuotaFile* quota_file_ = nullptr;
+  DataPlane* data_plane_ = nullptr;
+  absl::Duration transfer_timeout_ = absl::Seconds(10);
+  // Verifies and commits the blocks of PullBlocks off the UCX progress
+  // threads.
+  WorkPool commit_pool_{2, "kvd-commit"};
 
   absl::Mutex streams_mu_;
   absl::flat_hash_set<Stream*> streams_ ABSL_GUARDED_BY(streams_mu_);

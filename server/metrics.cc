@@ -78,6 +78,8 @@ ServerMetrics::ServerMetrics(prometheus::Registry& registry, int namespace_label
                             .Register(registry)),
       bytes_in_(bytes_.Add({{"direction", "in"}, {"transport", "grpc"}})),
       bytes_out_(bytes_.Add({{"direction", "out"}, {"transport", "grpc"}})),
+      ucx_bytes_in_(bytes_.Add({{"direction", "in"}, {"transport", "ucx"}})),
+      ucx_bytes_out_(bytes_.Add({{"direction", "out"}, {"transport", "ucx"}})),
       sessions_(prometheus::BuildGauge()
                     .Name("kvdepot_sessions_active")
                     .Help("Open client sessions")
@@ -126,9 +128,6 @@ ServerMetrics::ServerMetrics(prometheus::Registry& registry, int namespace_label
   nvme_write_bytes_ = Mirror{&SingleCounter(
       registry, "kvdepot_nvme_write_bytes_total",
       "Block bytes written to the NVMe tier")};
-  for (const char* direction : {"in", "out"}) {
-    bytes_.Add({{"direction", direction}, {"transport", "ucx"}});
-  }
 }
 
 ServerMetrics::NamespaceCounters& ServerMetrics::CountersFor(absl::string_view ns)

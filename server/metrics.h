@@ -46,6 +46,9 @@ class ServerMetrics {
   // Block bytes through the gRPC byte path.
   void AddBytesIn(uint64_t n) { bytes_in_.Increment(static_cast<double>(n)); }
   void AddBytesOut(uint64_t n) { bytes_out_.Increment(static_cast<double>(n)); }
+  // Block bytes through the UCX data plane (PullBlocks in, PushBlocks out).
+  void AddUcxBytesIn(uint64_t n) { ucx_bytes_in_.Increment(static_cast<double>(n)); }
+  void AddUcxBytesOut(uint64_t n) { ucx_bytes_out_.Increment(static_cast<double>(n)); }
 
   // Copies gauges (tier usage, sessions, pins, reservations) and counter
   // deltas (evictions, demotions, promotions, integrity errors, NVMe write
@@ -86,6 +89,8 @@ class ServerMetrics {
   prometheus::Family<prometheus::Counter>& integrity_errors_;
   prometheus::Counter& bytes_in_;
   prometheus::Counter& bytes_out_;
+  prometheus::Counter& ucx_bytes_in_;
+  prometheus::Counter& ucx_bytes_out_;
   prometheus::Gauge& sessions_;
   prometheus::Gauge& pins_;
   prometheus::Gauge& reservations_;

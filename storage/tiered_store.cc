@@ -194,6 +194,11 @@ class TieredStoreImpl final : public TieredStore {
     return static_cast<int>(expired.size());
   }
 
+  bool HasSession(SessionId session) override {
+    absl::MutexLock lock(&mu_);
+    return sessions_.contains(session);
+  }
+
   // ---- lookup and pins ---------------------------------------------------
 
   void LookupAsync(SessionId session, absl::string_view ns,

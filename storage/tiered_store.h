@@ -215,6 +215,8 @@ class TieredStore {
   // Ends every session whose lease has run out (called periodically).
   // Returns how many ended.
   virtual int ExpireSessions() = 0;
+  // True while `session` is open (not closed, not expired and ended).
+  virtual bool HasSession(SessionId session) = 0;
 
   // Looks up `keys` of namespace `ns`. With `prefix`, stops at the first miss.
   // With `pin`, pins the hits atomically with the lookup (REQUIRES a live

@@ -324,8 +324,10 @@ TEST_F(TieredStoreTest, ExpiredSessionReleasesPinsAndReservations) {
   ASSERT_OK(store_->KeepAlive(sid_));  // renews to now + 30 s
   clock_.Advance(absl::Seconds(29));
   EXPECT_EQ(store_->ExpireSessions(), 0);
+  EXPECT_TRUE(store_->HasSession(sid_));
   clock_.Advance(absl::Seconds(2));
   EXPECT_EQ(store_->ExpireSessions(), 1);
+  EXPECT_FALSE(store_->HasSession(sid_));
 
   st = store_->Stats();
   EXPECT_EQ(st.sessions, 0u);

@@ -12,6 +12,10 @@ TransferHandle::TransferHandle(
 
 bool TransferHandle::IsReady() const { return batch_->IsReady(); }
 
+void TransferHandle::OnReady(absl::AnyInvocable<void() &&> done) const {
+  batch_->OnReady(std::move(done));
+}
+
 void TransferHandle::Wait() const {
   batch_->WaitUntil(absl::InfiniteFuture());
 }

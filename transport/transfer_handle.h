@@ -10,6 +10,7 @@
 #include <memory>
 #include <vector>
 
+#include "absl/functional/any_invocable.h"
 #include "absl/status/status.h"
 #include "absl/time/time.h"
 
@@ -37,6 +38,12 @@ class TransferHandle {
   // from the peer could still write into a Get's local buffer: do not reuse
   // those buffers until the worker has been destroyed.
   bool abandoned() const;
+
+  // Calls `done` once IsReady(): at once, on the calling thread, when it
+  // already is; otherwise on the worker's progress thread, where it must
+  // not block (hand longer work to another thread). Callbacks run in the
+  // order they were added.
+  void OnReady(absl::AnyInvocable<void() &&> done) const;
 
   // Blocks until IsReady().
   void Wait() const;

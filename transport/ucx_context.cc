@@ -1,12 +1,30 @@
 #include "transport/ucx_context.h"
 
+#include <fstream>
 #include <string_view>
 
 #include "absl/status/status.h"
+#include "absl/strings/ascii.h"
 #include "absl/strings/str_cat.h"
 #include "transport/internal/ucs_status.h"
 
 namespace kvdepot {
+namespace {
+
+// The first line of a file, trimmed; empty when it cannot be read.
+std::string FirstLine(const char* path) {
+  std::ifstream in(path);
+  std::string line;
+  std::getline(in, line);
+  return std::string(absl::StripAsciiWhitespace(line));
+}
+
+}  // namespace
+
+std::string LocalHostId() {
+  return absl::StrCat(FirstLine("/etc/machine-id"), "/",
+                      FirstLine("/proc/sys/kernel/random/boot_id"));
+}
 
 using transport_internal::UcsToStatus;
 

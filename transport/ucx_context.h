@@ -40,6 +40,10 @@ struct UcxContextOptions {
 inline constexpr const char* kTransportPrefixes[] = {
     "TCP_", "POSIX_", "SYSV_", "CMA_", "SELF_", "MM_", "XPMEM_", "KNEM_"};
 
+// This machine as the data plane names it (machine id + boot id): a client
+// and a daemon with equal ids may share memory.
+std::string LocalHostId();
+
 class UcxContext {
  public:
   // ucp_init with one-sided RMA and wakeup (event fd) support. Returns

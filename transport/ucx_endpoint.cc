@@ -108,6 +108,15 @@ UcxEndpoint::~UcxEndpoint() {
       .IgnoreError();
 }
 
+void UcxEndpoint::Close() {
+  worker_
+      .Run([this] {
+        Fail(absl::CancelledError("UCX endpoint closed"),
+             /*from_ucx_callback=*/false, /*notify=*/false);
+      })
+      .IgnoreError();
+}
+
 absl::Status UcxEndpoint::status() const {
   absl::MutexLock lock(&mu_);
   return status_;

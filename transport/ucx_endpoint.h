@@ -122,6 +122,11 @@ class UcxEndpoint : private UcxWorker::Resident {
   // bytes are then in the peer's memory.
   TransferHandle Put(absl::Span<const Transfer> transfers, absl::Time deadline);
 
+  // Force-closes the endpoint now, as the destructor does (batches in
+  // flight end Cancelled, later ones end at once), without on_error. The
+  // object stays valid.
+  void Close();
+
   // OK while the endpoint is usable; otherwise why it failed.
   absl::Status status() const;
 

@@ -28,6 +28,17 @@ bool TransferBatch::WaitUntil(absl::Time deadline) const {
   return ready_;
 }
 
+void TransferBatch::OnReady(absl::AnyInvocable<void() &&> done) {
+  {
+    absl::MutexLock lock(&mu_);
+    if (!ready_) {
+      on_ready_.push_back(std::move(done));
+      return;
+    }
+  }
+  std::move(done)();
+}
+
 void TransferBatch::Refuse(size_t i, absl::Status status) {
   refused_[i] = true;
   op_status_[i] = std::move(status);
@@ -124,9 +135,14 @@ void TransferBatch::Publish(bool abandoned) {
     }
     result_[i] = std::move(s);
   }
-  absl::MutexLock lock(&mu_);
-  abandoned_ = abandoned;
-  ready_ = true;
+  std::vector<absl::AnyInvocable<void() &&>> done;
+  {
+    absl::MutexLock lock(&mu_);
+    abandoned_ = abandoned;
+    ready_ = true;
+    done.swap(on_ready_);
+  }
+  for (auto& d : done) std::move(d)();
 }
 
 }  // namespace kvdepot::transport_internal

@@ -16,6 +16,7 @@
 #include <vector>
 
 #include "absl/base/thread_annotations.h"
+#include "absl/functional/any_invocable.h"
 #include "absl/status/status.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
@@ -34,6 +35,10 @@ class TransferBatch : public std::enable_shared_from_this<TransferBatch> {
   bool IsReady() const;
   bool WaitUntil(absl::Time deadline) const;
   size_t size() const { return size_; }
+  // Calls `done` once the batch is ready: at once on this thread when it
+  // already is, else on the progress thread when it becomes ready (in the
+  // order they were added).
+  void OnReady(absl::AnyInvocable<void() &&> done);
   // REQUIRES: IsReady(). Immutable from then on.
   const std::vector<absl::Status>& result() const { return result_; }
 
@@ -106,6 +111,7 @@ class TransferBatch : public std::enable_shared_from_this<TransferBatch> {
   mutable absl::Mutex mu_;
   bool ready_ ABSL_GUARDED_BY(mu_) = false;
   bool abandoned_ ABSL_GUARDED_BY(mu_) = false;
+  std::vector<absl::AnyInvocable<void() &&>> on_ready_ ABSL_GUARDED_BY(mu_);
 };
 
 }  // namespace kvdepot::transport_internal

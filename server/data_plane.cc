@@ -1,0 +1,254 @@
+#include "server/data_plane.h"
+
+#include <cstdlib>
+#include <utility>
+
+#include "absl/strings/ascii.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_split.h"
+#include "storage/status_macros.h"
+
+namespace kvdepot {
+namespace {
+
+// Whether UCX may pick a shared-memory transport under this TLS setting
+// (UCX's default, "all", includes them).
+bool TlsAllowsSharedMemory(const std::map<std::string, std::string>& ucx) {
+  std::string tls;
+  for (const char* name : {"TLS", "UCX_TLS"}) {
+    auto it = ucx.find(name);
+    if (it != ucx.end()) tls = it->second;
+  }
+  if (tls.empty()) {
+    const char* env = std::getenv("UCX_TLS");
+    tls = env != nullptr ? env : "all";
+  }
+  for (absl::string_view t : absl::StrSplit(tls, ',')) {
+    t = absl::StripAsciiWhitespace(t);
+    if (!t.empty() && t[0] == '^') return true;  // "all but ..."
+    for (const char* shm : {"all", "sm", "shm", "posix", "sysv", "cma",
+                            "xpmem", "knem"}) {
+      if (t == shm) return true;
+    }
+  }
+  return false;
+}
+
+}  // namespace
+
+struct DataPlane::Link {
+  std::unique_ptr<UcxEndpoint> endpoint;
+  bool watched = false;  // by monitor_ (a co-located client)
+  absl::Mutex mu;
+  uint32_t buffers ABSL_GUARDED_BY(mu) = 0;
+};
+
+DataPlane::DataPlane(const DataPlaneOptions& options, LostCallback on_lost,
+                     std::shared_ptr<spdlog::logger> logger)
+    : options_(options), log_(std::move(logger)), on_lost_(std::move(on_lost)) {}
+
+absl::StatusOr<std::unique_ptr<DataPlane>> DataPlane::Create(
+    const DataPlaneOptions& options, DramRegion arena, LostCallback on_lost,
+    std::shared_ptr<spdlog::logger> logger) {
+  if (options.workers < 1) {
+    return absl::InvalidArgumentError("data plane: workers must be >= 1");
+  }
+  std::unique_ptr<DataPlane> d(
+      new DataPlane(options, std::move(on_lost), std::move(logger)));
+  d->shared_memory_ = TlsAllowsSharedMemory(options.ucx);
+  UcxContextOptions context_options;
+  context_options.config = options.ucx;
+  context_options.name = "kvdepotd";
+  ASSIGN_OR_RETURN(d->context_, UcxContext::Create(context_options));
+  ASSIGN_OR_RETURN(d->arena_, d->context_->Register(arena.base, arena.size));
+  for (int i = 0; i < options.workers; ++i) {
+    UcxWorkerOptions worker_options;
+    worker_options.name = absl::StrCat("kvd-ucx-", i);
+    ASSIGN_OR_RETURN(std::unique_ptr<UcxWorker> w,
+                     UcxWorker::Create(*d->context_, worker_options));
+    d->workers_.push_back(std::move(w));
+  }
+  DataPlane* self = d.get();
+  d->monitor_ = std::make_unique<PeerMonitor>(
+      *d->workers_[0], [self](uint64_t id, const absl::Status& why) {
+        self->Lost(id, why);
+      });
+  d->lost_pool_ = std::make_unique<WorkPool>(1, "kvd-ucx-lost");
+  return d;
+}
+
+void DataPlane::Close() {
+  absl::flat_hash_map<SessionId, std::shared_ptr<Link>> links;
+  {
+    absl::MutexLock lock(&mu_);
+    closing_ = true;
+    links.swap(links_);
+  }
+  for (auto& [session, link] : links) {
+    if (link->watched) monitor_->Unwatch(session).IgnoreError();
+    // Force-closes the endpoint now, even while transfers still hold the
+    // link: they end Cancelled.
+    link->endpoint->Close();
+  }
+}
+
+DataPlane::~DataPlane() {
+  Close();
+  monitor_.reset();
+  for (auto& w : workers_) w->Stop();
+  lost_pool_.reset();  // runs what was already handed over
+}
+
+void DataPlane::Lost(SessionId session, const absl::Status& why) {
+  absl::MutexLock lock(&mu_);
+  if (closing_ || !links_.contains(session)) return;  // detached already
+  lost_pool_->Submit([this, session, why] { on_lost_(session, why); });
+}
+
+absl::Status DataPlane::Attach(SessionId session, std::string_view address,
+                               std::string_view client_host_id) {
+  if (address.empty()) {
+    return absl::InvalidArgumentError("empty UCX worker address");
+  }
+  UcxWorker* worker;
+  {
+    absl::MutexLock lock(&mu_);
+    if (closing_) return absl::UnavailableError("data plane stopping");
+    if (links_.contains(session)) {
+      return absl::AlreadyExistsError(
+          absl::StrCat("session ", session, " already has a UCX endpoint"));
+    }
+    worker = workers_[next_worker_++ % workers_.size()].get();
+  }
+  const bool colocated = shared_memory_ && !client_host_id.empty() &&
+                         client_host_id == LocalHostId();
+  UcxEndpointOptions endpoint_options;
+  endpoint_options.connect_timeout = options_.connect_timeout;
+  endpoint_options.peer_error_handling = !colocated;
+  endpoint_options.on_error = [this, session](const absl::Status& why) {
+    Lost(session, why);
+  };
+  auto link = std::make_shared<Link>();
+  ASSIGN_OR_RETURN(link->endpoint,
+                   UcxEndpoint::Connect(*worker, address, std::move(endpoint_options)));
+  if (colocated) {
+    RETURN_IF_ERROR(monitor_->Watch(session, address));
+    link->watched = true;
+  }
+  absl::MutexLock lock(&mu_);
+  if (closing_) {
+    if (link->watched) monitor_->Unwatch(session).IgnoreError();
+    return absl::UnavailableError("data plane stopping");
+  }
+  links_.emplace(session, std::move(link));
+  log_->debug("session {}: UCX endpoint connected ({})", session,
+              colocated ? "co-located, shared memory allowed" : "peer error handling");
+  return absl::OkStatus();
+}
+
+void DataPlane::Detach(SessionId session) {
+  std::shared_ptr<Link> link;
+  {
+    absl::MutexLock lock(&mu_);
+    auto it = links_.find(session);
+    if (it == links_.end()) return;
+    link = std::move(it->second);
+    links_.erase(it);
+  }
+  if (link->watched) monitor_->Unwatch(session).IgnoreError();
+  // The endpoint closes when the last transfer that holds the link ends.
+}
+
+void DataPlane::DetachIf(absl::FunctionRef<bool(SessionId)> ended) {
+  std::vector<SessionId> sessions;
+  {
+    absl::MutexLock lock(&mu_);
+    for (const auto& [id, link] : links_) sessions.push_back(id);
+  }
+  for (SessionId id : sessions) {
+    if (ended(id)) Detach(id);
+  }
+}
+
+bool DataPlane::attached(SessionId session) const {
+  return Find(session) != nullptr;
+}
+
+size_t DataPlane::sessions() const {
+  absl::MutexLock lock(&mu_);
+  return links_.size();
+}
+
+std::shared_ptr<DataPlane::Link> DataPlane::Find(SessionId session) const {
+  absl::MutexLock lock(&mu_);
+  auto it = links_.find(session);
+  return it == links_.end() ? nullptr : it->second;
+}
+
+absl::StatusOr<uint32_t> DataPlane::RegisterBuffer(SessionId session,
+                                                   std::string_view packed_rkey,
+                                                   uint64_t address,
+                                                   uint64_t size) {
+  std::shared_ptr<Link> link = Find(session);
+  if (link == nullptr) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "session ", session, " has no UCX endpoint (open it with a worker address)"));
+  }
+  if (size == 0) return absl::InvalidArgumentError("buffer size 0");
+  absl::MutexLock lock(&link->mu);
+  if (link->buffers >= options_.max_buffers_per_session) {
+    return absl::ResourceExhaustedError(absl::StrCat(
+        "session ", session, " has registered ", link->buffers,
+        " buffers (the most allowed)"));
+  }
+  RemoteRegion region;
+  region.packed_rkey = std::string(packed_rkey);
+  region.base = address;
+  region.size = size;
+  ASSIGN_OR_RETURN(uint32_t id, link->endpoint->AddRemoteRegion(region));
+  ++link->buffers;
+  return id;
+}
+
+absl::StatusOr<TransferHandle> DataPlane::Push(SessionId session,
+                                               absl::Span<const BlockMove> moves,
+                                               absl::Time deadline) {
+  return Move(/*push=*/true, session, moves, deadline);
+}
+
+absl::StatusOr<TransferHandle> DataPlane::Pull(SessionId session,
+                                               absl::Span<const BlockMove> moves,
+                                               absl::Time deadline) {
+  return Move(/*push=*/false, session, moves, deadline);
+}
+
+absl::StatusOr<TransferHandle> DataPlane::Move(bool push, SessionId session,
+                                               absl::Span<const BlockMove> moves,
+                                               absl::Time deadline) {
+  std::shared_ptr<Link> link = Find(session);
+  if (link == nullptr) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("session ", session, " has no UCX endpoint"));
+  }
+  std::vector<Transfer> transfers;
+  transfers.reserve(moves.size());
+  for (const BlockMove& m : moves) {
+    Transfer t;
+    t.region = m.buffer;
+    t.remote_addr = m.address;
+    t.local = m.arena.data();
+    t.size = m.arena.size();
+    t.local_region = arena_.get();  // refuses bytes outside the arena
+    transfers.push_back(t);
+  }
+  TransferHandle handle = push ? link->endpoint->Put(transfers, deadline)
+                               : link->endpoint->Get(transfers, deadline);
+  // The link (and its endpoint) lives until the transfers have ended; it is
+  // let go on the pool's thread, not inside the UCX callback that ends them.
+  handle.OnReady([this, link = std::move(link)]() mutable {
+    lost_pool_->Submit([link = std::move(link)] {});
+  });
+  return handle;
+}
+
+}  // namespace kvdepot

@@ -1,0 +1,173 @@
+// DataPlane: kvdepotd's side of the UCX data plane. It owns the UCX context,
+// the progress workers, the DRAM arena's registration and one UCX endpoint
+// per session whose client sent a worker address in OpenSession.
+//
+// Transfers are daemon-driven: the client registers buffers and names keys
+// and places in them; the service resolves the keys to pinned blocks or
+// reserved slots and calls Push (arena -> client, ucp_put_nbx) or Pull
+// (client -> arena, ucp_get_nbx). The client never learns an arena address,
+// so nothing it sends can reach a block it did not look up or a slot it did
+// not reserve; its own addresses are checked against the buffers it
+// registered in this session. (UCX 1.13 over TCP and shared memory does not
+// check remote addresses at all, so a client holding the arena's rkey could
+// read and write the whole daemon: see transport/README.md.)
+//
+// A session's endpoint has UCX peer error handling, except for a client on
+// this host when shared memory is enabled (UCX 1.13's shared-memory
+// transports cannot detect a dead peer); that one is watched by a
+// PeerMonitor over TCP. Either way a dead client is reported through
+// `on_lost` at once, not at lease expiry.
+//
+// Thread-safe.
+#ifndef KVDEPOT_SERVER_DATA_PLANE_H_
+#define KVDEPOT_SERVER_DATA_PLANE_H_
+
+#include <spdlog/logger.h>
+
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "absl/base/thread_annotations.h"
+#include "absl/container/flat_hash_map.h"
+#include "absl/functional/any_invocable.h"
+#include "absl/functional/function_ref.h"
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/synchronization/mutex.h"
+#include "absl/time/time.h"
+#include "absl/types/span.h"
+#include "storage/tiered_store.h"
+#include "storage/work_pool.h"
+#include "transport/memory_region.h"
+#include "transport/peer_monitor.h"
+#include "transport/transfer_handle.h"
+#include "transport/ucx_context.h"
+#include "transport/ucx_endpoint.h"
+#include "transport/ucx_worker.h"
+
+namespace kvdepot {
+
+struct DataPlaneOptions {
+  // UCX settings (see UcxContextOptions::config), e.g. {"TLS", "tcp"}.
+  std::map<std::string, std::string> ucx;
+  // Progress threads; sessions are spread over them.
+  int workers = 1;
+  // How long OpenSession waits for a client's worker to answer.
+  absl::Duration connect_timeout = absl::Seconds(5);
+  // Buffers one session may register.
+  uint32_t max_buffers_per_session = 256;
+};
+
+// One block's bytes in the arena and the place in the client's buffer
+// `buffer` (a RegisterBuffer id) they move to or from.
+struct BlockMove {
+  absl::Span<char> arena;
+  uint32_t buffer = 0;
+  uint64_t address = 0;
+};
+
+class DataPlane {
+ public:
+  // Called with a session whose client is gone (its endpoint failed, its
+  // watch fired, or a transfer passed its deadline), on a thread of the
+  // data plane's own, never on a progress thread or under a lock.
+  using LostCallback =
+      absl::AnyInvocable<void(SessionId session, const absl::Status& why)>;
+
+  // Creates the context and workers and registers `arena`. Errors: the UCX
+  // settings are bad (InvalidArgument), UCX finds no transport
+  // (Unavailable), registration fails.
+  static absl::StatusOr<std::unique_ptr<DataPlane>> Create(
+      const DataPlaneOptions& options, DramRegion arena, LostCallback on_lost,
+      std::shared_ptr<spdlog::logger> logger);
+  DataPlane(const DataPlane&) = delete;
+  DataPlane& operator=(const DataPlane&) = delete;
+  // Close(), then stops the workers and unregisters the arena.
+  ~DataPlane();
+
+  // Closes every endpoint (transfers in flight end Cancelled) and refuses
+  // new sessions (Unavailable); no on_lost comes after it returns. For
+  // shutdown: lets calls waiting on transfers finish.
+  void Close();
+
+  // Connects an endpoint for `session` to the client worker at `address`
+  // and waits for the wire-up. AlreadyExists when the session has one;
+  // InvalidArgument for an empty address; Unavailable or DeadlineExceeded
+  // when the client's worker does not answer.
+  absl::Status Attach(SessionId session, std::string_view address,
+                      std::string_view client_host_id);
+  // Forgets the session's endpoint and buffers (a closed session). Transfers
+  // in flight end Cancelled. No on_lost for it after this returns.
+  void Detach(SessionId session);
+  // Detaches every session for which `ended` returns true (expired leases).
+  void DetachIf(absl::FunctionRef<bool(SessionId)> ended);
+  bool attached(SessionId session) const;
+  size_t sessions() const;
+
+  // Unpacks a client buffer's rkey for the session's endpoint. Returns the
+  // buffer id. FailedPrecondition when the session has no endpoint;
+  // ResourceExhausted past max_buffers_per_session; InvalidArgument for an
+  // empty key, a zero size or an overflowing range.
+  absl::StatusOr<uint32_t> RegisterBuffer(SessionId session,
+                                          std::string_view packed_rkey,
+                                          uint64_t address, uint64_t size);
+
+  // Starts the moves of one batch: Push writes arena bytes into the client's
+  // buffers, Pull reads the client's buffers into arena bytes. Per move the
+  // handle reports OK or why not (InvalidArgument for a place outside the
+  // session's buffers, an unknown buffer id, or arena bytes outside the
+  // arena: refused before UCX). FailedPrecondition when the session has no
+  // endpoint. REQUIRES: the arena bytes stay allocated until the handle is
+  // ready.
+  absl::StatusOr<TransferHandle> Push(SessionId session,
+                                      absl::Span<const BlockMove> moves,
+                                      absl::Time deadline);
+  absl::StatusOr<TransferHandle> Pull(SessionId session,
+                                      absl::Span<const BlockMove> moves,
+                                      absl::Time deadline);
+
+  // Whether the UCX settings let co-located clients use shared memory.
+  bool shared_memory() const { return shared_memory_; }
+
+ private:
+  struct Link;
+  DataPlane(const DataPlaneOptions& options, LostCallback on_lost,
+            std::shared_ptr<spdlog::logger> logger);
+  absl::StatusOr<TransferHandle> Move(bool push, SessionId session,
+                                      absl::Span<const BlockMove> moves,
+                                      absl::Time deadline);
+  std::shared_ptr<Link> Find(SessionId session) const;
+  // Any thread (progress threads included): hands the loss to lost_pool_.
+  void Lost(SessionId session, const absl::Status& why);
+
+  const DataPlaneOptions options_;
+  const std::shared_ptr<spdlog::logger> log_;
+  LostCallback on_lost_;
+  bool shared_memory_ = false;
+
+  // Destroyed in reverse order: links (endpoints) before the monitor,
+  // the monitor before the workers, the workers before the arena region and
+  // the context.
+  std::unique_ptr<UcxContext> context_;
+  std::unique_ptr<MemoryRegion> arena_;
+  std::vector<std::unique_ptr<UcxWorker>> workers_;
+  std::unique_ptr<PeerMonitor> monitor_;  // on workers_[0]
+
+  mutable absl::Mutex mu_;
+  absl::flat_hash_map<SessionId, std::shared_ptr<Link>> links_
+      ABSL_GUARDED_BY(mu_);
+  uint64_t next_worker_ ABSL_GUARDED_BY(mu_) = 0;
+  bool closing_ ABSL_GUARDED_BY(mu_) = false;  // the destructor has begun
+
+  // Runs on_lost_ off the progress threads. Last: destroyed first, so a
+  // pending callback runs while everything above still exists.
+  std::unique_ptr<WorkPool> lost_pool_;
+};
+
+}  // namespace kvdepot
+
+#endif  // KVDEPOT_SERVER_DATA_PLANE_H_

@@ -1,0 +1,385 @@
+// The UCX data plane end to end: a real kvdepotd and real libkvdepot
+// clients (in this process and in ucx_client_peer processes) on loopback,
+// over UCX's TCP transport and over shared memory (plus TCP for liveness).
+#include <signal.h>
+#include <stdlib.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cstdio>
+#include <functional>
+#include <string>
+#include <vector>
+
+#include "absl/strings/match.h"
+#include "absl/strings/str_cat.h"
+#include "absl/time/clock.h"
+#include "client/client.h"
+#include "tests/daemon_process.h"
+#include "tests/status_matchers.h"
+#include "transport/ucx_test_util.h"
+
+namespace kvdepot {
+namespace {
+
+using testing::DaemonProcess;
+using testing::StatusIs;
+
+constexpr size_t kBlock = 256 << 10;
+
+// A child process whose stdout the test reads.
+struct Child {
+  pid_t pid = -1;
+  FILE* out = nullptr;
+  ~Child() {
+    if (pid > 0) {
+      kill(pid, SIGKILL);
+      waitpid(pid, nullptr, 0);
+    }
+    if (out != nullptr) fclose(out);
+  }
+  // The next line of its stdout ("" at EOF).
+  std::string ReadLine() {
+    char buf[256];
+    if (fgets(buf, sizeof buf, out) == nullptr) return "";
+    std::string s(buf);
+    while (!s.empty() && s.back() == '\n') s.pop_back();
+    return s;
+  }
+  int Wait() {
+    int status = 0;
+    waitpid(pid, &status, 0);
+    pid = -1;
+    return WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
+  }
+};
+
+std::unique_ptr<Child> Spawn(const std::vector<std::string>& args) {
+  int fds[2];
+  if (pipe(fds) != 0) return nullptr;
+  auto child = std::make_unique<Child>();
+  child->pid = fork();
+  if (child->pid == 0) {
+    dup2(fds[1], STDOUT_FILENO);
+    close(fds[0]);
+    close(fds[1]);
+    std::vector<char*> argv;
+    std::string bin = KVDEPOT_UCX_CLIENT_PEER;
+    argv.push_back(bin.data());
+    std::vector<std::string> copy = args;
+    for (std::string& a : copy) argv.push_back(a.data());
+    argv.push_back(nullptr);
+    execv(bin.c_str(), argv.data());
+    _exit(127);
+  }
+  close(fds[1]);
+  child->out = fdopen(fds[0], "r");
+  return child;
+}
+
+// Runs every test over "tcp" and "shm": the daemon and the clients get the
+// same UCX settings through the environment.
+class UcxE2eTest : public ::testing::TestWithParam<std::string> {
+ protected:
+  void SetUp() override {
+    for (const auto& [name, value] : ucx_test::TransportConfig(GetParam())) {
+      setenv(absl::StrCat("UCX_", name).c_str(), value.c_str(), 1);
+    }
+    absl::StatusOr<std::unique_ptr<DaemonProcess>> d =
+        DaemonProcess::Start({"--dram-capacity", "256MiB"});
+    ASSERT_OK(d.status());
+    daemon_ = *std::move(d);
+    ASSERT_TRUE(absl::StrContains(daemon_->Log(), "UCX data plane on"))
+        << daemon_->Log();
+    client_ = NewClient();
+  }
+
+  void TearDown() override {
+    for (const auto& [name, value] : ucx_test::TransportConfig(GetParam())) {
+      unsetenv(absl::StrCat("UCX_", name).c_str());
+    }
+  }
+
+  std::unique_ptr<Client> NewClient() {
+    ClientOptions options;
+    options.server = daemon_->address();
+    options.lease = absl::Seconds(60);
+    options.ucx.clear();  // from the environment
+    options.transfer_timeout = absl::Seconds(5);
+    absl::StatusOr<std::unique_ptr<Client>> c = Client::Connect(options);
+    EXPECT_OK(c.status());
+    return c.ok() ? *std::move(c) : nullptr;
+  }
+
+  v1::StatsResponse Stats() {
+    absl::StatusOr<v1::StatsResponse> s = client_->Stats();
+    EXPECT_OK(s.status());
+    return s.ok() ? *s : v1::StatsResponse();
+  }
+
+  // Polls Stats until `done` holds or 10 s pass (the lease is 60 s).
+  bool StatsBecome(const std::function<bool(const v1::StatsResponse&)>& done) {
+    absl::Time deadline = absl::Now() + absl::Seconds(10);
+    while (absl::Now() < deadline) {
+      if (done(Stats())) return true;
+      absl::SleepFor(absl::Milliseconds(20));
+    }
+    return false;
+  }
+
+  std::unique_ptr<DaemonProcess> daemon_;
+  std::unique_ptr<Client> client_;
+};
+
+TEST_P(UcxE2eTest, ConcurrentClientProcessesMoveEveryByteIntact) {
+  std::vector<std::unique_ptr<Child>> peers;
+  for (int seed = 1; seed <= 3; ++seed) {
+    peers.push_back(Spawn({"roundtrip", daemon_->address(), "peers",
+                           std::to_string(seed), "16", std::to_string(kBlock)}));
+    ASSERT_NE(peers.back(), nullptr);
+  }
+  for (auto& p : peers) EXPECT_EQ(p->Wait(), 0) << daemon_->Log();
+  v1::StatsResponse st = Stats();
+  EXPECT_EQ(st.dram().blocks(), 48u);
+  EXPECT_EQ(st.pins(), 0u);
+  EXPECT_EQ(st.reservations(), 0u);
+}
+
+TEST_P(UcxE2eTest, GetIntoAndPutFromInThisProcess) {
+  std::vector<char> src(4 * kBlock), dst(4 * kBlock, 0);
+  for (size_t i = 0; i < 4; ++i) ucx_test::FillPattern(&src[i * kBlock], kBlock, i);
+  ASSERT_OK(client_->RegisterBuffer(src.data(), src.size()));
+  ASSERT_OK(client_->RegisterBuffer(dst.data(), dst.size()));
+  std::vector<std::string> keys = {"k0", "k1", "k2", "k3"};
+  std::vector<BlockToPut> puts;
+  for (size_t i = 0; i < 3; ++i) {  // k3 stays a miss
+    puts.push_back({keys[i], i ? keys[i - 1] : "",
+                    absl::string_view(&src[i * kBlock], kBlock)});
+  }
+  TransferOp put = client_->PutFromAsync("ns", puts);
+  put.Wait();
+  EXPECT_STREQ(put.transport(), "ucx");
+  for (const absl::Status& s : put.statuses()) EXPECT_OK(s);
+  // Putting again is idempotent and still reported as stored.
+  TransferOp again = client_->PutFromAsync("ns", puts);
+  again.Wait();
+  for (const absl::Status& s : again.statuses()) EXPECT_OK(s);
+
+  std::vector<absl::string_view> views(keys.begin(), keys.end());
+  std::vector<absl::Span<char>> spans;
+  for (size_t i = 0; i < 4; ++i) spans.emplace_back(&dst[i * kBlock], kBlock);
+  TransferOp get = client_->GetIntoAsync("ns", views, spans);
+  ASSERT_TRUE(get.WaitUntil(absl::Now() + absl::Seconds(30)));
+  EXPECT_STREQ(get.transport(), "ucx");
+  for (size_t i = 0; i < 3; ++i) {
+    EXPECT_OK(get.statuses()[i]);
+    EXPECT_EQ(ucx_test::FirstPatternMismatch(&dst[i * kBlock], kBlock, i), -1);
+  }
+  EXPECT_THAT(get.statuses()[3], StatusIs(absl::StatusCode::kNotFound));
+  EXPECT_EQ(get.ok_prefix(), 3u);
+  // A miss is never zero-filled or written at all.
+  EXPECT_EQ(std::count(dst.begin() + 3 * kBlock, dst.end(), 0),
+            static_cast<long>(kBlock));
+  v1::StatsResponse st = Stats();
+  EXPECT_EQ(st.pins(), 0u);
+  EXPECT_EQ(st.reservations(), 0u);
+}
+
+TEST_P(UcxE2eTest, AKilledClientsPinsAndReservationsAreReleasedAtOnce) {
+  std::vector<char> src(kBlock, 'p');
+  ASSERT_OK(client_->RegisterBuffer(src.data(), src.size()));
+  TransferOp put = client_->PutFromAsync(
+      "hold", {BlockToPut{"pinned", "", absl::string_view(src.data(), kBlock)}});
+  put.Wait();
+  ASSERT_OK(put.statuses()[0]);
+
+  std::unique_ptr<Child> pinner =
+      Spawn({"hold-pin", daemon_->address(), "hold", "pinned"});
+  ASSERT_EQ(pinner->ReadLine(), "HOLDING");
+  std::unique_ptr<Child> reserver =
+      Spawn({"hold-reservation", daemon_->address(), "hold", "1048576"});
+  ASSERT_EQ(reserver->ReadLine(), "HOLDING");
+  v1::StatsResponse held = Stats();
+  EXPECT_EQ(held.pins(), 1u);
+  EXPECT_EQ(held.reservations(), 1u);
+  EXPECT_GE(held.reserved_bytes(), 1048576u);
+
+  kill(pinner->pid, SIGKILL);
+  kill(reserver->pid, SIGKILL);
+  // Their leases are 60 s; the daemon notices the dead workers at once.
+  EXPECT_TRUE(StatsBecome([](const v1::StatsResponse& s) {
+    return s.pins() == 0 && s.reservations() == 0 && s.reserved_bytes() == 0;
+  })) << daemon_->Log();
+  EXPECT_TRUE(absl::StrContains(daemon_->Log(), "UCX peer is gone"));
+  // The daemon is fine and the block still there.
+  std::vector<char> back(kBlock);
+  ASSERT_OK(client_->RegisterBuffer(back.data(), back.size()));
+  absl::string_view key = "pinned";
+  absl::Span<char> span(back.data(), kBlock);
+  TransferOp get = client_->GetIntoAsync("hold", {&key, 1}, {&span, 1});
+  get.Wait();
+  EXPECT_OK(get.statuses()[0]);
+  EXPECT_EQ(back, src);
+}
+
+TEST_P(UcxE2eTest, RestartedDaemonGivesMissesThenTheClientReconnects) {
+  std::vector<char> buf(2 * kBlock, 'r');
+  ASSERT_OK(client_->RegisterBuffer(buf.data(), buf.size()));
+  BlockToPut block{"r0", "", absl::string_view(buf.data(), kBlock)};
+  absl::string_view key = "r0";
+  absl::Span<char> dst(buf.data() + kBlock, kBlock);
+  TransferOp put = client_->PutFromAsync("restart", {&block, 1});
+  put.Wait();
+  ASSERT_OK(put.statuses()[0]);
+
+  const std::string address = daemon_->address();
+  const std::string dir = daemon_->data_dir();
+  ASSERT_OK(daemon_->Stop(SIGKILL).status());
+  daemon_.reset();
+  TransferOp miss = client_->GetIntoAsync("restart", {&key, 1}, {&dst, 1});
+  ASSERT_TRUE(miss.WaitUntil(absl::Now() + absl::Seconds(40)));  // never hangs
+  EXPECT_FALSE(miss.statuses()[0].ok());
+
+  absl::StatusOr<std::unique_ptr<DaemonProcess>> d =
+      DaemonProcess::Start({"--dram-capacity", "256MiB"}, dir, address);
+  ASSERT_OK(d.status());
+  daemon_ = *std::move(d);
+  // The first call may find its session gone (a miss, and the session is
+  // dropped); a later one opens a new session with a new endpoint.
+  // (gRPC's channel may also wait out its reconnect backoff first.)
+  bool reconnected = false;
+  absl::Status last;
+  for (absl::Time end = absl::Now() + absl::Seconds(30);
+       !reconnected && absl::Now() < end;) {
+    TransferOp p = client_->PutFromAsync("restart", {&block, 1});
+    p.Wait();
+    last = p.statuses()[0];
+    if (!last.ok()) {
+      absl::SleepFor(absl::Milliseconds(100));
+      continue;
+    }
+    std::fill(dst.begin(), dst.end(), 0);
+    TransferOp g = client_->GetIntoAsync("restart", {&key, 1}, {&dst, 1});
+    g.Wait();
+    reconnected = g.statuses()[0].ok() && std::string(g.transport()) == "ucx";
+  }
+  EXPECT_TRUE(reconnected) << last << "\n" << daemon_->Log();
+  EXPECT_EQ(std::count(dst.begin(), dst.end(), 'r'), static_cast<long>(kBlock));
+}
+
+TEST_P(UcxE2eTest, PlacesOutsideTheSessionsBuffersAreRejected) {
+  std::vector<char> mine(2 * kBlock, 'm');
+  ASSERT_OK(client_->RegisterBuffer(mine.data(), mine.size()));
+  BlockToPut block{"secret", "", absl::string_view(mine.data(), kBlock)};
+  TransferOp put = client_->PutFromAsync("iso", {&block, 1});
+  put.Wait();
+  ASSERT_OK(put.statuses()[0]);  // buffer 0 of this session
+  absl::StatusOr<uint64_t> session = client_->EnsureSession();
+  ASSERT_OK(session.status());
+  const uint64_t base = reinterpret_cast<uintptr_t>(mine.data());
+
+  auto push = [&](uint32_t buffer, uint64_t address, uint64_t size) {
+    grpc::ClientContext ctx;
+    v1::PushBlocksRequest req;
+    req.set_session_id(*session);
+    req.set_namespace_("iso");
+    req.add_keys("secret");
+    v1::BufferRange* r = req.add_destinations();
+    r->set_buffer_id(buffer);
+    r->set_address(address);
+    r->set_size(size);
+    v1::PushBlocksResponse resp;
+    EXPECT_TRUE(client_->stub().PushBlocks(&ctx, req, &resp).ok());
+    return resp.blocks_size() == 1 ? resp.blocks(0).code() : -1;
+  };
+  const int kInvalid = static_cast<int>(absl::StatusCode::kInvalidArgument);
+  // A buffer this session never registered (another session's id space).
+  EXPECT_EQ(push(7, base, kBlock), kInvalid);
+  // Past the end of the registered buffer, and before its start.
+  EXPECT_EQ(push(0, base + kBlock + 1, kBlock), kInvalid);
+  EXPECT_EQ(push(0, base - 4096, kBlock), kInvalid);
+  // A size that is not the block's.
+  EXPECT_EQ(push(0, base + kBlock, kBlock / 2), kInvalid);
+  EXPECT_EQ(std::count(mine.begin() + kBlock, mine.end(), 'm'),
+            static_cast<long>(kBlock));  // nothing was written
+  // The right place works.
+  EXPECT_EQ(push(0, base + kBlock, kBlock), 0);
+
+  // A pull from outside stores nothing.
+  {
+    grpc::ClientContext ctx;
+    v1::PullBlocksRequest req;
+    req.set_session_id(*session);
+    req.set_namespace_("iso");
+    v1::PullSpec* spec = req.add_blocks();
+    spec->set_key("forged");
+    spec->mutable_source()->set_buffer_id(0);
+    spec->mutable_source()->set_address(base + 2 * kBlock);
+    spec->mutable_source()->set_size(kBlock);
+    v1::PullBlocksResponse resp;
+    ASSERT_TRUE(client_->stub().PullBlocks(&ctx, req, &resp).ok());
+    ASSERT_EQ(resp.blocks_size(), 1);
+    EXPECT_EQ(resp.blocks(0).code(), kInvalid);
+    absl::string_view forged = "forged";
+    absl::StatusOr<LookupReply> r = client_->Lookup("iso", {&forged, 1}, false, false);
+    ASSERT_OK(r.status());
+    EXPECT_FALSE(r->entries[0].found);
+  }
+  // Another session without a UCX endpoint gets no data-plane calls.
+  {
+    grpc::ClientContext ctx;
+    v1::OpenSessionRequest open;
+    v1::OpenSessionResponse opened;
+    ASSERT_TRUE(client_->stub().OpenSession(&ctx, open, &opened).ok());
+    EXPECT_FALSE(opened.ucx_connected());
+    grpc::ClientContext ctx2;
+    v1::PushBlocksRequest req;
+    req.set_session_id(opened.session_id());
+    req.set_namespace_("iso");
+    req.add_keys("secret");
+    req.add_destinations()->set_size(kBlock);
+    v1::PushBlocksResponse resp;
+    EXPECT_EQ(client_->stub().PushBlocks(&ctx2, req, &resp).error_code(),
+              grpc::StatusCode::FAILED_PRECONDITION);
+  }
+  v1::StatsResponse st = Stats();
+  EXPECT_EQ(st.pins(), 0u);
+  EXPECT_EQ(st.reservations(), 0u);
+  EXPECT_TRUE(daemon_->Running());
+}
+
+TEST(UcxE2eGrpcTest, ClientAskingForGrpcUsesTheBytePath) {
+  absl::StatusOr<std::unique_ptr<DaemonProcess>> d = DaemonProcess::Start();
+  ASSERT_OK(d.status());
+  ClientOptions options;
+  options.server = (*d)->address();
+  options.transport = ClientOptions::Transport::kGrpc;
+  absl::StatusOr<std::unique_ptr<Client>> c = Client::Connect(options);
+  ASSERT_OK(c.status());
+  EXPECT_FALSE((*c)->data_plane_status().ok());
+  std::vector<char> buf(2 * kBlock, 'g');
+  EXPECT_THAT((*c)->RegisterBuffer(buf.data(), buf.size()),
+              StatusIs(absl::StatusCode::kFailedPrecondition));
+  BlockToPut block{"g0", "", absl::string_view(buf.data(), kBlock)};
+  TransferOp put = (*c)->PutFromAsync("g", {&block, 1});
+  ASSERT_TRUE(put.IsReady());  // done before it returned
+  EXPECT_STREQ(put.transport(), "grpc");
+  EXPECT_OK(put.statuses()[0]);
+  absl::string_view key = "g0";
+  absl::Span<char> dst(buf.data() + kBlock, kBlock);
+  std::fill(dst.begin(), dst.end(), 0);
+  TransferOp get = (*c)->GetIntoAsync("g", {&key, 1}, {&dst, 1});
+  EXPECT_STREQ(get.transport(), "grpc");
+  EXPECT_OK(get.statuses()[0]);
+  EXPECT_EQ(std::count(dst.begin(), dst.end(), 'g'), static_cast<long>(kBlock));
+}
+
+INSTANTIATE_TEST_SUITE_P(Transports, UcxE2eTest,
+                         ::testing::Values("tcp", "shm"),
+                         [](const ::testing::TestParamInfo<std::string>& p) { return p.param; });
+
+}  // namespace
+}  // namespace kvdepot

@@ -1,0 +1,138 @@
+// ucx_client_peer: a libkvdepot client process for e2e_ucx_test.
+//
+//   ucx_client_peer roundtrip SERVER NS SEED BLOCKS SIZE
+//     PutFromAsync BLOCKS blocks of SIZE bytes (a pattern from SEED, keys
+//     "SEED/i") from one registered buffer, GetIntoAsync them back into
+//     another, and compares every byte. Exit 0 when all went over UCX and
+//     matched; 1 otherwise (the reason on stderr).
+//   ucx_client_peer hold-pin SERVER NS KEY
+//   ucx_client_peer hold-reservation SERVER NS SIZE
+//     Opens a UCX session, pins KEY (Lookup with pin) or reserves a block of
+//     SIZE bytes (BeginPut), prints "HOLDING" and sleeps until killed.
+#include <unistd.h>
+
+#include <cstdio>
+#include <cstring>
+#include <iostream>
+#include <string>
+#include <vector>
+
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
+#include "client/client.h"
+#include "transport/ucx_test_util.h"
+
+namespace kvdepot {
+namespace {
+
+int Fail(const std::string& why) {
+  std::cerr << "ucx_client_peer: " << why << "\n";
+  return 1;
+}
+
+std::unique_ptr<Client> MakeClient(const std::string& server) {
+  ClientOptions options;
+  options.server = server;
+  options.client_name = "ucx_client_peer";
+  options.lease = absl::Seconds(60);
+  absl::StatusOr<std::unique_ptr<Client>> c = Client::Connect(options);
+  if (!c.ok()) return nullptr;
+  return *std::move(c);
+}
+
+int RoundTrip(const std::string& server, const std::string& ns, uint64_t seed,
+              size_t blocks, size_t size) {
+  std::unique_ptr<Client> client = MakeClient(server);
+  if (client == nullptr) return Fail("connect");
+  std::vector<char> src(blocks * size), dst(blocks * size, 0);
+  for (size_t i = 0; i < blocks; ++i) {
+    ucx_test::FillPattern(src.data() + i * size, size, seed * 1000003 + i);
+  }
+  if (absl::Status st = client->RegisterBuffer(src.data(), src.size()); !st.ok()) {
+    return Fail(st.ToString());
+  }
+  if (absl::Status st = client->RegisterBuffer(dst.data(), dst.size()); !st.ok()) {
+    return Fail(st.ToString());
+  }
+  std::vector<std::string> keys;
+  for (size_t i = 0; i < blocks; ++i) keys.push_back(absl::StrCat(seed, "/", i));
+  std::vector<BlockToPut> puts;
+  for (size_t i = 0; i < blocks; ++i) {
+    puts.push_back(BlockToPut{keys[i], i == 0 ? "" : keys[i - 1],
+                              absl::string_view(src.data() + i * size, size)});
+  }
+  TransferOp put = client->PutFromAsync(ns, puts);
+  put.Wait();
+  if (std::string(put.transport()) != "ucx") {
+    return Fail(absl::StrCat("put went over ", put.transport(), ": ",
+                             client->data_plane_status().ToString()));
+  }
+  for (size_t i = 0; i < blocks; ++i) {
+    if (!put.statuses()[i].ok()) {
+      return Fail(absl::StrCat("put ", i, ": ", put.statuses()[i].ToString()));
+    }
+  }
+  std::vector<absl::string_view> views(keys.begin(), keys.end());
+  std::vector<absl::Span<char>> spans;
+  for (size_t i = 0; i < blocks; ++i) spans.emplace_back(dst.data() + i * size, size);
+  TransferOp get = client->GetIntoAsync(ns, views, spans);
+  get.Wait();
+  if (std::string(get.transport()) != "ucx") return Fail("get did not use UCX");
+  for (size_t i = 0; i < blocks; ++i) {
+    if (!get.statuses()[i].ok()) {
+      return Fail(absl::StrCat("get ", i, ": ", get.statuses()[i].ToString()));
+    }
+    int64_t bad = ucx_test::FirstPatternMismatch(dst.data() + i * size, size,
+                                                 seed * 1000003 + i);
+    if (bad >= 0) return Fail(absl::StrCat("block ", i, " differs at byte ", bad));
+  }
+  return 0;
+}
+
+int Hold(const std::string& server, const std::string& ns, bool pin,
+         const std::string& arg) {
+  std::unique_ptr<Client> client = MakeClient(server);
+  if (client == nullptr) return Fail("connect");
+  absl::StatusOr<uint64_t> session = client->EnsureSession();
+  if (!session.ok()) return Fail(session.status().ToString());
+  if (!client->data_plane_status().ok()) {
+    return Fail(client->data_plane_status().ToString());
+  }
+  if (pin) {
+    absl::string_view key = arg;
+    absl::StatusOr<LookupReply> r = client->Lookup(ns, {&key, 1}, false, true);
+    if (!r.ok() || r->pin_id == 0) return Fail("pin failed");
+  } else {
+    uint64_t size = 0;
+    if (!absl::SimpleAtoi(arg, &size)) return Fail("bad size");
+    grpc::ClientContext ctx;
+    v1::BeginPutRequest req;
+    req.set_session_id(*session);
+    req.set_namespace_(ns);
+    v1::PutSpec* spec = req.add_blocks();
+    spec->set_key("held-reservation");
+    spec->set_size(size);
+    v1::BeginPutResponse resp;
+    grpc::Status st = client->stub().BeginPut(&ctx, req, &resp);
+    if (!st.ok() || resp.reservation_id() == 0) return Fail("reserve failed");
+  }
+  std::cout << "HOLDING" << std::endl;
+  for (;;) pause();
+}
+
+}  // namespace
+}  // namespace kvdepot
+
+int main(int argc, char** argv) {
+  std::vector<std::string> a(argv + 1, argv + argc);
+  uint64_t seed = 0, blocks = 0, size = 0;
+  if (a.size() == 6 && a[0] == "roundtrip" && absl::SimpleAtoi(a[3], &seed) &&
+      absl::SimpleAtoi(a[4], &blocks) && absl::SimpleAtoi(a[5], &size)) {
+    return kvdepot::RoundTrip(a[1], a[2], seed, blocks, size);
+  }
+  if (a.size() == 4 && (a[0] == "hold-pin" || a[0] == "hold-reservation")) {
+    return kvdepot::Hold(a[1], a[2], a[0] == "hold-pin", a[3]);
+  }
+  std::cerr << "usage: ucx_client_peer roundtrip|hold-pin|hold-reservation ...\n";
+  return 2;
+}
