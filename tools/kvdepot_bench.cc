@@ -1,12 +1,17 @@
-// kvdepot-bench: a load generator for kvdepotd's block API (gRPC byte path).
+// kvdepot-bench: a load generator for kvdepotd's block API.
 //
 //   kvdepot-bench --server 127.0.0.1:50551 --op get|put|lookup
-//                 [--block-size 256KiB] [--clients 4]
+//                 [--transport ucx|grpc] [--block-size 256KiB] [--clients 4]
 //                 [--duration 5 | --count 10000] [--keys N] [--batch N]
 //                 [--ns bench] [--clear-ns] [--json]
 //
 // Each client is a thread with its own kvdepot::Client (its own channel, so
-// its own TCP connection). The ops:
+// its own TCP connection). --transport ucx (the default) moves blocks over
+// the UCX data plane: each client registers one buffer for its gets and one
+// for its puts, and a call is one GetIntoAsync / PutFromAsync (one round
+// trip; the daemon writes into / reads from the registered buffer). When
+// the daemon has no data plane or cannot reach the client, it warns and
+// falls back to grpc: Get / Put over the byte streams. The ops:
 //   get     reads --batch (default 1) distinct random keys of the working set
 //           per Get call and checks every block's size (the client library
 //           already verifies its checksum). The working set (--keys blocks)
@@ -101,6 +106,7 @@ struct BenchConfig {
   std::string ns;
   bool clear_ns = false;  // evict the namespace before the run
   bool json = false;
+  bool ucx = true;  // --transport ucx (may fall back to grpc)
 };
 
 // What one client thread measured. Ops are blocks for get and put, calls for
@@ -139,17 +145,40 @@ std::string RandomBytes(uint64_t size, uint64_t seed) {
   return bytes;
 }
 
+// With `*ucx`, also opens the client's UCX session; clears `*ucx` (with a
+// warning) when blocks cannot move over UCX.
 absl::StatusOr<std::unique_ptr<Client>> ConnectChecked(
-    const std::string& server, int id) {
+    const std::string& server, int id, bool* ucx) {
   ClientOptions options;
   options.server = server;
   options.client_name = absl::StrCat("kvdepot-bench/", id);
+  options.transport =
+      *ucx ? ClientOptions::Transport::kUcx : ClientOptions::Transport::kGrpc;
   absl::StatusOr<std::unique_ptr<Client>> client = Client::Connect(options);
   if (!client.ok()) return client.status();
   // Also opens the connection, so the first timed op does not pay for it.
   absl::Status health = (*client)->Health();
   if (!health.ok()) return health;
+  if (*ucx) {
+    absl::StatusOr<uint64_t> session = (*client)->EnsureSession();
+    if (!session.ok()) return session.status();
+    absl::Status data_plane = (*client)->data_plane_status();
+    if (!data_plane.ok()) {
+      std::fprintf(stderr,
+                   "kvdepot-bench: warning: client %d falls back to grpc: %s\n",
+                   id, data_plane.ToString().c_str());
+      *ucx = false;
+    }
+  }
   return client;
+}
+
+// The first failed status of a ready op, or OK.
+absl::Status FirstError(const TransferOp& op) {
+  for (const absl::Status& s : op.statuses()) {
+    if (!s.ok()) return s;
+  }
+  return absl::OkStatus();
 }
 
 // Stores every key of the working set that the daemon does not hold yet.
@@ -202,11 +231,12 @@ absl::Status PopulateWorkingSet(Client& client, const BenchConfig& config,
 class ClientLoop {
  public:
   // `client`, `config`, `put_bytes` and `claimed` must outlive Run.
-  ClientLoop(int id, Client& client, const BenchConfig& config,
+  ClientLoop(int id, Client& client, bool ucx, const BenchConfig& config,
              const std::string& run_nonce, const std::string& put_bytes,
              std::atomic<uint64_t>& claimed)
       : id_(id),
         client_(client),
+        ucx_(ucx),
         config_(config),
         run_nonce_(run_nonce),
         put_bytes_(put_bytes),
@@ -237,6 +267,25 @@ class ClientLoop {
     if (config_.op == Op::kGet && config_.batch > 1) {
       perm.resize(config_.keys);
       for (uint64_t i = 0; i < config_.keys; ++i) perm[i] = i;
+    }
+    // UCX: one registered buffer of --batch blocks, gets land in it and
+    // puts come from it (filled with the put bytes once).
+    std::vector<char> buffer;
+    std::vector<absl::Span<char>> spans;
+    if (ucx_ && config_.op != Op::kLookup) {
+      buffer.resize(config_.batch * config_.block_size);
+      for (int i = 0; i < config_.batch; ++i) {
+        char* p = buffer.data() + i * config_.block_size;
+        std::copy(put_bytes_.begin(), put_bytes_.end(), p);
+        spans.emplace_back(p, config_.block_size);
+      }
+      absl::Status reg = client_.RegisterBuffer(buffer.data(), buffer.size());
+      if (!reg.ok()) {
+        std::fprintf(stderr, "kvdepot-bench: client %d: %s\n", id_,
+                     reg.ToString().c_str());
+        result.errors = 1;
+        return result;
+      }
     }
     uint64_t counter = 0;
     for (;;) {
@@ -269,6 +318,14 @@ class ClientLoop {
             batch_views[i] = batch_keys[i];
           }
           t0 = SteadyClock::now();
+          if (ucx_) {
+            TransferOp op = client_.GetIntoAsync(
+                config_.ns, absl::MakeConstSpan(batch_views.data(), n),
+                absl::MakeConstSpan(spans.data(), n));
+            op.Wait();
+            st = FirstError(op);
+            break;
+          }
           absl::StatusOr<std::vector<Block>> got = client_.Get(
               config_.ns, absl::MakeConstSpan(batch_views.data(), n));
           if (!got.ok()) {
@@ -293,9 +350,19 @@ class ClientLoop {
           for (size_t i = 0; i < n; ++i) {
             batch_keys[i] =
                 absl::StrCat("put/", run_nonce_, "/", id_, "/", counter++);
-            put_blocks[i] = BlockToPut{batch_keys[i], "", put_bytes_};
+            put_blocks[i] = BlockToPut{
+                batch_keys[i], "",
+                ucx_ ? absl::string_view(spans[i].data(), spans[i].size())
+                     : absl::string_view(put_bytes_)};
           }
           t0 = SteadyClock::now();
+          if (ucx_) {
+            TransferOp op = client_.PutFromAsync(
+                config_.ns, absl::MakeConstSpan(put_blocks.data(), n));
+            op.Wait();
+            st = FirstError(op);
+            break;
+          }
           absl::StatusOr<std::vector<PutResult>> put = client_.Put(
               config_.ns, absl::MakeConstSpan(put_blocks.data(), n));
           if (!put.ok()) {
@@ -356,6 +423,7 @@ class ClientLoop {
  private:
   const int id_;
   Client& client_;
+  const bool ucx_;
   const BenchConfig& config_;
   const std::string& run_nonce_;
   const std::string& put_bytes_;
@@ -375,9 +443,12 @@ int Run(const BenchConfig& config) {
 
   // Connect every client (and check the daemon) before the clock starts.
   std::vector<std::unique_ptr<Client>> clients;
+  std::vector<char> ucx_ok(config.clients, config.ucx);
   for (int i = 0; i < config.clients; ++i) {
+    bool ucx = config.ucx;
     absl::StatusOr<std::unique_ptr<Client>> c =
-        ConnectChecked(config.server, i);
+        ConnectChecked(config.server, i, &ucx);
+    ucx_ok[i] = ucx;
     if (!c.ok()) {
       std::fprintf(stderr, "kvdepot-bench: cannot reach %s: %s\n",
                    config.server.c_str(), c.status().ToString().c_str());
@@ -421,7 +492,8 @@ int Run(const BenchConfig& config) {
   SteadyClock::time_point deadline;
   for (int i = 0; i < config.clients; ++i) {
     threads.emplace_back([&, i] {
-      ClientLoop loop(i, *clients[i], config, run_nonce, bytes, claimed);
+      ClientLoop loop(i, *clients[i], ucx_ok[i] != 0, config, run_nonce, bytes,
+                      claimed);
       ready.DecrementCount();
       go.WaitForNotification();  // publishes `start` and `deadline`
       results[i] = loop.Run(deadline);
@@ -455,10 +527,15 @@ int Run(const BenchConfig& config) {
                    : 0;
   const double keys_per_sec = ops_per_sec * config.batch;
 
+  const char* transport =
+      std::count(ucx_ok.begin(), ucx_ok.end(), 1) == config.clients ? "ucx"
+      : std::count(ucx_ok.begin(), ucx_ok.end(), 0) == config.clients
+          ? "grpc"
+          : "mixed";
   std::string human = absl::StrFormat(
-      "%s %s x%d clients batch %d: %u %s in %u calls in %.2f s, %.1f ops/s, "
-      "%.1f calls/s",
-      config.op_name, FormatSize(config.block_size), config.clients,
+      "%s %s over %s x%d clients batch %d: %u %s in %u calls in %.2f s, "
+      "%.1f ops/s, %.1f calls/s",
+      config.op_name, FormatSize(config.block_size), transport, config.clients,
       config.batch, ops, moves_blocks ? "ops (blocks)" : "ops", calls, seconds,
       ops_per_sec, calls_per_sec);
   if (moves_blocks) {
@@ -472,13 +549,14 @@ int Run(const BenchConfig& config) {
   if (config.json) {
     std::fprintf(stderr, "%s\n", human.c_str());
     std::string json = absl::StrFormat(
-        "{\"tool\":\"kvdepot-bench\",\"op\":\"%s\",\"block_size\":%u,"
+        "{\"tool\":\"kvdepot-bench\",\"op\":\"%s\",\"transport\":\"%s\","
+        "\"block_size\":%u,"
         "\"clients\":%d,\"batch\":%d,\"ops\":%u,\"ops_unit\":\"%s\","
         "\"calls\":%u,\"seconds\":%.6f,\"ops_per_sec\":%.3f,"
         "\"calls_per_sec\":%.3f,\"gb_per_sec\":%.6f,\"latency_unit\":\"call\","
         "\"p50_us\":%.3f,\"p99_us\":%.3f,\"p999_us\":%.3f,\"errors\":%u",
-        config.op_name, config.block_size, config.clients, config.batch, ops,
-        moves_blocks ? "block" : "call", calls, seconds, ops_per_sec,
+        config.op_name, transport, config.block_size, config.clients,
+        config.batch, ops, moves_blocks ? "block" : "call", calls, seconds, ops_per_sec,
         calls_per_sec, gb_per_sec, p50, p99, p999, errors);
     if (config.op != Op::kPut)
       absl::StrAppendFormat(&json, ",\"keys\":%u", config.keys);
@@ -531,6 +609,10 @@ int main(int argc, char** argv) {
                  "blocks per get/put call (default 1), keys per lookup call "
                  "(default 64); a get batch reads distinct keys")
       ->check(CLI::Range(1, kvdepot::kMaxLookupBatch));
+  std::string transport = "ucx";
+  app.add_option("--transport", transport,
+                 "ucx (default; falls back to grpc with a warning) or grpc")
+      ->check(CLI::IsMember({"ucx", "grpc"}));
   app.add_option("--ns", config.ns, "namespace (default bench)");
   app.add_flag("--clear-ns", config.clear_ns,
                "evict every unpinned block of --ns before the run (untimed)");
@@ -549,6 +631,7 @@ int main(int argc, char** argv) {
     return 2;
   }
   config.block_size = *size;
+  config.ucx = transport == "ucx";
   config.op = config.op_name == "get"   ? kvdepot::Op::kGet
               : config.op_name == "put" ? kvdepot::Op::kPut
                                         : kvdepot::Op::kLookup;
