@@ -19,7 +19,13 @@
 #
 #   tools/compare_redis.sh [--build DIR] [--sizes "65536 262144 2097152"]
 #       [--clients "1 4"] [--batches "1 16"] [--duration S] [--rounds N]
-#       [--out FILE] [--smoke]
+#       [--transport ucx|grpc] [--ucx-tls TLS] [--out FILE] [--smoke]
+#
+# kvdepot's blocks move over --transport: ucx (the default: the UCX data
+# plane, with each client's buffer registered) or grpc (the byte streams).
+# --ucx-tls sets UCX_TLS for kvdepotd and the clients (e.g. "tcp", or
+# "shm,tcp" for shared memory between co-located processes); unset, UCX
+# chooses.
 #
 # Prints a table and writes JSON (default tools/results/compare_redis.json).
 # Stops everything it started on exit. Exit 0 when every run succeeded, 1 when
@@ -39,6 +45,8 @@ WARMUP=1                          # seconds of warm-up per side and workload
 WORKING_SET=$((256 * 1024 * 1024))  # bytes read by GET (keys = this / size)
 DRAM_CAPACITY=2GiB
 OUT="$REPO/tools/results/compare_redis.json"
+TRANSPORT=ucx
+UCX_TLS_SETTING=""
 
 usage() {
   sed -n '2,/^set -euo/p' "${BASH_SOURCE[0]}" | sed '$d; s/^# \{0,1\}//'
@@ -54,6 +62,8 @@ Options:
   --rounds N           A B rounds per workload (default 2)
   --working-set BYTES  GET working set per block size (default 268435456)
   --dram-capacity SIZE kvdepotd DRAM tier (default 2GiB)
+  --transport T        kvdepot's data path: ucx (default) or grpc
+  --ucx-tls TLS        UCX_TLS for kvdepotd and kvdepot-bench (default: unset)
   --out FILE           JSON output (default tools/results/compare_redis.json)
   --smoke              tiny run for CI: 65536 bytes, 1 client, batch 1,
                        1 s rounds
@@ -74,6 +84,8 @@ while [[ $# -gt 0 ]]; do
     --working-set) need_value "$@"; WORKING_SET="$2"; shift 2 ;;
     --dram-capacity) need_value "$@"; DRAM_CAPACITY="$2"; shift 2 ;;
     --out) need_value "$@"; OUT="$2"; shift 2 ;;
+    --transport) need_value "$@"; TRANSPORT="$2"; shift 2 ;;
+    --ucx-tls) need_value "$@"; UCX_TLS_SETTING="$2"; shift 2 ;;
     --smoke)
       SIZES=65536; CLIENTS=1; BATCHES=1; DURATION=1; ROUNDS=2; WARMUP=0.3
       WORKING_SET=$((64 * 1024 * 1024)); shift ;;
@@ -94,6 +106,8 @@ if ! [[ $DURATION =~ ^[0-9]+([.][0-9]+)?$ ]] ||
   ! awk -v d="$DURATION" 'BEGIN{exit !(d > 0)}'; then
   die_usage "--duration: \"$DURATION\" is not a positive number of seconds"
 fi
+[[ $TRANSPORT == ucx || $TRANSPORT == grpc ]] || die_usage "--transport must be ucx or grpc"
+if [[ -n $UCX_TLS_SETTING ]]; then export UCX_TLS="$UCX_TLS_SETTING"; fi
 is_uint "$ROUNDS" || die_usage "--rounds: \"$ROUNDS\" is not a positive integer"
 is_uint "$WORKING_SET" || die_usage "--working-set: \"$WORKING_SET\" is not a byte count"
 
@@ -205,6 +219,7 @@ kvdepot_run() {
   [[ $round -eq 0 ]] && clear=(--clear-ns)
   out="$("$BENCH" --server "$KVD" --op "$op" --block-size "$size" --clients "$clients" \
     --batch "$batch" --duration "$seconds" --keys "$keys" --ns compare "${clear[@]}" \
+    --transport "$TRANSPORT" \
     --json 2>"$TMP/bench.err")" || rc=$?
   if [[ $rc -ne 0 || $out != '{'* ]]; then
     log "kvdepot-bench $op $size x$clients batch $batch failed (exit $rc):"
@@ -334,7 +349,7 @@ done
 mkdir -p "$(dirname "$OUT")"
 "$PYTHON" - "$RECORDS" "$OUT" "$DURATION" "$ROUNDS" "$WORKING_SET" "$DRAM_CAPACITY" \
   "$("$KVDEPOTD" --version 2>/dev/null || echo unknown)" "$(redis-server --version)" <<'EOF'
-import json, sys, time, platform
+import json, os, sys, time, platform
 
 records_path, out_path, duration, rounds, working_set, dram, kvd_ver, redis_ver = sys.argv[1:9]
 runs = [json.loads(line) for line in open(records_path) if line.strip()]
@@ -356,6 +371,8 @@ def side_summary(rs):
             "p999_us", "errors")
     summary = {k: best[k] for k in keep}
     summary["latency_unit"] = best["latency_unit"]
+    if "transport" in best:
+        summary["transport"] = best["transport"]
     summary["rounds"] = [{k: r[k] for k in ("round", "ops", "seconds") + keep} for r in rs]
     return summary
 
@@ -387,6 +404,7 @@ report = {
     "ops": "blocks (ops_per_sec, gb_per_sec); calls_per_sec = round trips/s",
     "latency": "kvdepot: per call, whole batch; redis: per round trip, to the "
                "first reply byte (redis-benchmark)",
+    "ucx_tls": os.environ.get("UCX_TLS", ""),
     "duration_s": float(duration),
     "rounds": int(rounds),
     "working_set_bytes": int(working_set),
@@ -408,13 +426,14 @@ def size_name(b):
 def fmt(v, spec):
     return "-" if v is None else format(v, spec)
 
-header = ("workload", "block", "clients", "batch", "kvdepot GB/s", "redis GB/s",
-          "ratio", "kvdepot p99 us", "redis p99 us")
+header = ("workload", "block", "clients", "batch", "via", "kvdepot GB/s",
+          "redis GB/s", "ratio", "kvdepot p99 us", "redis p99 us")
 rows = []
 for r in results:
     k, d = r["kvdepot"] or {}, r["redis"] or {}
     rows.append((r["workload"], size_name(r["block_size"]), str(r["clients"]),
-                 str(r["batch"]), fmt(k.get("gb_per_sec"), ".3f"), fmt(d.get("gb_per_sec"), ".3f"),
+                 str(r["batch"]), k.get("transport", "-"),
+                 fmt(k.get("gb_per_sec"), ".3f"), fmt(d.get("gb_per_sec"), ".3f"),
                  fmt(r["ratio_gb_per_sec"], ".2f"), fmt(k.get("p99_us"), ".0f"),
                  fmt(d.get("p99_us"), ".0f")))
 widths = [max(len(h), *(len(row[i]) for row in rows)) if rows else len(h)
