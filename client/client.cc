@@ -46,10 +46,12 @@ struct Client::Ucx {
 };
 
 struct TransferOp::State {
-  explicit State(size_t n, const char* via) : statuses(n), transport(via) {}
+  explicit State(size_t n, const char* via)
+      : statuses(n), existed(n, false), transport(via) {}
   mutable absl::Mutex mu;
   bool ready ABSL_GUARDED_BY(mu) = false;
   std::vector<absl::Status> statuses;  // written before ready
+  std::vector<bool> existed;           // puts: stored before
   const char* transport;
   // The call in flight (UCX path).
   grpc::ClientContext ctx;
@@ -88,6 +90,8 @@ size_t TransferOp::ok_prefix() const {
   while (n < state_->statuses.size() && state_->statuses[n].ok()) ++n;
   return n;
 }
+
+bool TransferOp::already_stored(size_t i) const { return state_->existed[i]; }
 
 const char* TransferOp::transport() const { return state_->transport; }
 
@@ -798,7 +802,10 @@ TransferOp Client::PutFromAsync(absl::string_view ns,
             s = absl::InternalError("short PullBlocks reply");
           } else {
             s = BlockStatus(resp.blocks(static_cast<int>(i)));
-            if (absl::IsAlreadyExists(s)) s = absl::OkStatus();  // stored
+            if (absl::IsAlreadyExists(s)) {  // stored before: not a failure
+              s = absl::OkStatus();
+              state->existed[i] = true;
+            }
           }
           state->statuses[i] = std::move(s);
         }

@@ -114,6 +114,9 @@ class TransferOp {
   const std::vector<absl::Status>& statuses() const;
   // REQUIRES: IsReady(). Number of leading blocks that are OK.
   size_t ok_prefix() const;
+  // REQUIRES: IsReady(). For a put over UCX: block i was stored before
+  // (its status is OK; nothing moved).
+  bool already_stored(size_t i) const;
   // REQUIRES: IsReady(). "ucx" or "grpc": the path the blocks took.
   const char* transport() const;
 

@@ -97,13 +97,32 @@ struct Ctl {
   bool prefix = false, pin = false, all = false;
   std::vector<std::string> keys;
   std::string quota;  // quota set: a size
+  std::string transport = "ucx";  // how put and get move block bytes
 
   std::unique_ptr<Client> Connect() {
     ClientOptions o;
     o.server = server;
     o.rpc_timeout = absl::Seconds(timeout_s);
     o.client_name = "kvdepotctl";
+    o.transport = transport == "ucx" ? ClientOptions::Transport::kUcx
+                                     : ClientOptions::Transport::kGrpc;
     return std::move(Client::Connect(o)).value();
+  }
+
+  // For put and get with --transport ucx: true when `client` has a UCX
+  // session and `bytes` is registered; otherwise warns (once) that the
+  // command falls back to grpc.
+  bool UseUcx(Client& client, absl::Span<char> bytes) {
+    if (transport != "ucx" || bytes.empty()) return false;
+    absl::Status st = client.EnsureSession().status();
+    if (st.ok()) st = client.data_plane_status();
+    if (st.ok()) st = client.RegisterBuffer(bytes.data(), bytes.size());
+    if (!st.ok()) {
+      std::cerr << "kvdepotctl: warning: falling back to grpc: " << st.message()
+                << "\n";
+      return false;
+    }
+    return true;
   }
 
   int Health() {
@@ -122,7 +141,20 @@ struct Ctl {
     buf << in.rdbuf();
     std::string bytes = buf.str();
     BlockToPut b{k, p, bytes};
-    auto r = Connect()->Put(ns, {&b, 1});
+    std::unique_ptr<Client> client = Connect();
+    absl::StatusOr<std::vector<PutResult>> r;
+    if (UseUcx(*client, absl::MakeSpan(bytes))) {
+      TransferOp op = client->PutFromAsync(ns, {&b, 1});
+      op.Wait();
+      if (op.statuses()[0].ok()) {
+        r = std::vector<PutResult>{op.already_stored(0) ? PutResult::kAlreadyExists
+                                                        : PutResult::kStored};
+      } else {
+        r = op.statuses()[0];
+      }
+    } else {
+      r = client->Put(ns, {&b, 1});
+    }
     if (!r.ok()) {
       // A put never reports "not found": a missing session or namespace is
       // an error here, not exit 3.
@@ -142,7 +174,33 @@ struct Ctl {
   int Get() {
     std::string k = HexToBytes(key, "--key");
     absl::string_view kv = k;
-    auto r = Connect()->Get(ns, {&kv, 1});
+    std::unique_ptr<Client> client = Connect();
+    absl::StatusOr<std::vector<Block>> r;
+    // Over UCX the buffer must be registered before the read: learn the
+    // block's size first (Inspect, which counts no lookup).
+    v1::InspectResponse info;
+    if (transport == "ucx") {
+      grpc::ClientContext ctx;
+      ctx.set_deadline(std::chrono::system_clock::now() +
+                       std::chrono::milliseconds(static_cast<int64_t>(timeout_s * 1000)));
+      v1::InspectRequest req;
+      req.set_namespace_(ns);
+      req.set_key(k);
+      if (!client->stub().Inspect(&ctx, req, &info).ok()) info.Clear();
+    }
+    std::string bytes(info.size(), '\0');
+    if (!bytes.empty() && UseUcx(*client, absl::MakeSpan(bytes))) {
+      absl::Span<char> dst = absl::MakeSpan(bytes);
+      TransferOp op = client->GetIntoAsync(ns, {&kv, 1}, {&dst, 1});
+      op.Wait();
+      if (op.statuses()[0].ok()) {
+        r = std::vector<Block>{Block{k, std::move(bytes), info.checksum()}};
+      } else {
+        r = op.statuses()[0];
+      }
+    } else {
+      r = client->Get(ns, {&kv, 1});
+    }
     if (!r.ok()) {
       if (r.status().code() == absl::StatusCode::kNotFound) {
         std::cerr << "kvdepotctl: not found: " << key << "\n";
@@ -490,6 +548,10 @@ int Main(int argc, char** argv) {
   app.add_option("--server", ctl.server, "kvdepotd address (default 127.0.0.1:50551)");
   app.add_flag("--json", ctl.json, "machine-readable output");
   app.add_option("--timeout", ctl.timeout_s, "RPC deadline in seconds (default 30)");
+  app.add_option("--transport", ctl.transport,
+                 "how put and get move block bytes: ucx (default; falls back "
+                 "to grpc with a warning) or grpc")
+      ->check(CLI::IsMember({"ucx", "grpc"}));
 
   auto* health = app.add_subcommand("health", "exit 0 when the daemon is serving");
   auto* put = app.add_subcommand("put", "store a file as a block (put-if-absent)");

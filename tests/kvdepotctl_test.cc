@@ -70,6 +70,29 @@ TEST_F(KvdepotctlTest, PutGetRoundTripAndPutIfAbsent) {
   EXPECT_EQ(Slurp(out), Slurp(first));
 }
 
+TEST_F(KvdepotctlTest, UcxAndGrpcTransportsCarryTheSameBytes) {
+  std::string data = File("u", std::string(200000, 'u') + "end");
+  // Over UCX (the default): no fallback warning; read back over gRPC.
+  CommandResult r = Ctl(absl::StrCat("put --ns t --key 01 --file ", data));
+  EXPECT_EQ(r.exit_code, 0) << r.err;
+  EXPECT_EQ(r.err.find("falling back"), std::string::npos) << r.err;
+  std::string out = dir_ + "/via-grpc";
+  r = Ctl(absl::StrCat("--transport grpc get --ns t --key 01 --out ", out));
+  EXPECT_EQ(r.exit_code, 0) << r.err;
+  EXPECT_EQ(Slurp(out), Slurp(data));
+  // Stored over gRPC, read over UCX; a UCX put of an existing key says so.
+  r = Ctl(absl::StrCat("--transport grpc put --ns t --key 02 --file ", data));
+  EXPECT_EQ(r.exit_code, 0) << r.err;
+  out = dir_ + "/via-ucx";
+  r = Ctl(absl::StrCat("--transport ucx get --ns t --key 02 --out ", out));
+  EXPECT_EQ(r.exit_code, 0) << r.err;
+  EXPECT_EQ(r.err.find("falling back"), std::string::npos) << r.err;
+  EXPECT_EQ(Slurp(out), Slurp(data));
+  r = Ctl(absl::StrCat("put --ns t --key 02 --file ", data));
+  EXPECT_NE(r.out.find("exists"), std::string::npos) << r.out;
+  EXPECT_EQ(Ctl("--transport carrier-pigeon health").exit_code, 2);
+}
+
 TEST_F(KvdepotctlTest, GetOfAMissExitsThreeWithNotFound) {
   CommandResult r = Ctl(absl::StrCat("get --ns demo --key ffff --out ", dir_, "/x"));
   EXPECT_EQ(r.exit_code, 3);
