@@ -14,7 +14,7 @@ PACKAGES=(
 # Baselines the tests' benchmark smoke runs against.
 if [[ "${1:-}" == "--with-test-tools" ]]; then
   PACKAGES+=(redis-server redis-tools python3 fio rocksdb-tools prometheus python3-yaml chromium fonts-dejavu-core
-    python3-numpy python3-torch ucx-utils)
+    python3-numpy python3-torch python3-matplotlib ucx-utils)
 fi
 
 missing=()

@@ -44,6 +44,10 @@ ROUNDS=2
 WARMUP=1                          # seconds of warm-up per side and workload
 WORKING_SET=$((256 * 1024 * 1024))  # bytes read by GET (keys = this / size)
 DRAM_CAPACITY=2GiB
+# Redis keeps its data in memory only; so does kvdepotd here, by default
+# (PUT runs overflow DRAM, and demotion to NVMe would make them a disk
+# benchmark: tools/compare_fio.sh measures that tier against fio).
+NVME_CAPACITY=0
 OUT="$REPO/tools/results/compare_redis.json"
 TRANSPORT=ucx
 UCX_TLS_SETTING=""
@@ -62,6 +66,8 @@ Options:
   --rounds N           A B rounds per workload (default 2)
   --working-set BYTES  GET working set per block size (default 268435456)
   --dram-capacity SIZE kvdepotd DRAM tier (default 2GiB)
+  --nvme-capacity SIZE kvdepotd NVMe tier (default 0: off, memory only as
+                       Redis; blocks evicted from DRAM are dropped)
   --transport T        kvdepot's data path: ucx (default) or grpc
   --ucx-tls TLS        UCX_TLS for kvdepotd and kvdepot-bench (default: unset)
   --out FILE           JSON output (default tools/results/compare_redis.json)
@@ -83,6 +89,7 @@ while [[ $# -gt 0 ]]; do
     --rounds) need_value "$@"; ROUNDS="$2"; shift 2 ;;
     --working-set) need_value "$@"; WORKING_SET="$2"; shift 2 ;;
     --dram-capacity) need_value "$@"; DRAM_CAPACITY="$2"; shift 2 ;;
+    --nvme-capacity) need_value "$@"; NVME_CAPACITY="$2"; shift 2 ;;
     --out) need_value "$@"; OUT="$2"; shift 2 ;;
     --transport) need_value "$@"; TRANSPORT="$2"; shift 2 ;;
     --ucx-tls) need_value "$@"; UCX_TLS_SETTING="$2"; shift 2 ;;
@@ -108,6 +115,7 @@ if ! [[ $DURATION =~ ^[0-9]+([.][0-9]+)?$ ]] ||
 fi
 [[ $TRANSPORT == ucx || $TRANSPORT == grpc ]] || die_usage "--transport must be ucx or grpc"
 if [[ -n $UCX_TLS_SETTING ]]; then export UCX_TLS="$UCX_TLS_SETTING"; fi
+export KVD_NVME_CAPACITY="$NVME_CAPACITY"  # recorded in the JSON
 is_uint "$ROUNDS" || die_usage "--rounds: \"$ROUNDS\" is not a positive integer"
 is_uint "$WORKING_SET" || die_usage "--working-set: \"$WORKING_SET\" is not a byte count"
 
@@ -161,7 +169,7 @@ trap 'exit 143' TERM
 # --- Start both servers ------------------------------------------------------
 
 "$KVDEPOTD" --listen 127.0.0.1:0 --metrics-listen "" --data-dir "$TMP/kvdepot-data" \
-  --dram-capacity "$DRAM_CAPACITY" 2>"$TMP/kvdepotd.log" &
+  --dram-capacity "$DRAM_CAPACITY" --nvme-capacity "$NVME_CAPACITY" 2>"$TMP/kvdepotd.log" &
 KVD_PID=$!
 KVD_PORT=""
 for ((i = 0; i < 150; i++)); do
@@ -409,6 +417,7 @@ report = {
     "rounds": int(rounds),
     "working_set_bytes": int(working_set),
     "kvdepot_dram_capacity": dram,
+    "kvdepot_nvme_capacity": os.environ.get("KVD_NVME_CAPACITY", ""),
     "gb": "1e9 bytes",
     "ratio": "kvdepot GB/s / redis GB/s",
     "results": results,

@@ -21,7 +21,10 @@
 //           (run nonce + client id + counter) of --block-size random bytes,
 //           prepared once.
 //   lookup  looks up --batch (default 64) random keys of the working set per
-//           call (no prefix, no pin); every key must be found.
+//           call; every key must be found. With --prefix, as a prefix
+//           lookup (all of them must be the hit prefix); with --pin, the
+//           hits are pinned (a session per client) and unpinned after the
+//           timed call, outside the latency.
 // With --clear-ns, every unpinned block of the namespace is evicted first
 // (untimed, before the working set is stored): a run then starts from an
 // empty namespace, not from a DRAM tier filled by earlier put runs.
@@ -49,6 +52,7 @@
 #include <cstdint>
 #include <cstdio>
 #include <memory>
+#include <optional>
 #include <random>
 #include <string>
 #include <thread>
@@ -107,6 +111,8 @@ struct BenchConfig {
   bool clear_ns = false;  // evict the namespace before the run
   bool json = false;
   bool ucx = true;  // --transport ucx (may fall back to grpc)
+  bool prefix = false;  // lookup: prefix lookups
+  bool pin = false;     // lookup: pin the hits (then unpin, untimed)
 };
 
 // What one client thread measured. Ops are blocks for get and put, calls for
@@ -303,6 +309,8 @@ class ClientLoop {
       // Keys are formatted before the clock starts: only the RPC is timed.
       absl::Status st;
       SteadyClock::time_point t0;
+      // Set by lookups: the unpin that follows a pinned one is not timed.
+      std::optional<SteadyClock::time_point> lookup_end;
       switch (config_.op) {
         case Op::kGet: {
           for (size_t i = 0; i < n; ++i) {
@@ -388,21 +396,27 @@ class ClientLoop {
           }
           t0 = SteadyClock::now();
           absl::StatusOr<LookupReply> found = client_.Lookup(
-              config_.ns, batch_views, /*prefix=*/false, /*pin=*/false);
+              config_.ns, batch_views, config_.prefix, config_.pin);
+          lookup_end = SteadyClock::now();
           if (!found.ok()) {
             st = found.status();
           } else {
             size_t hits = 0;
             for (const BlockInfo& e : found->entries) hits += e.found ? 1 : 0;
-            if (hits != batch_views.size()) {
+            if (hits != batch_views.size() ||
+                (config_.prefix && found->prefix_hits != hits)) {
               st = absl::NotFoundError(absl::StrCat(
                   "lookup found ", hits, " of ", batch_views.size(), " keys"));
+            }
+            if (found->pin_id != 0) {
+              absl::Status unpinned = client_.Unpin(found->pin_id);
+              if (st.ok()) st = unpinned;
             }
           }
           break;
         }
       }
-      const SteadyClock::time_point t1 = SteadyClock::now();
+      const SteadyClock::time_point t1 = lookup_end.value_or(SteadyClock::now());
       const uint64_t ops = per_block ? n : 1;
       if (st.ok()) {
         result.ops += ops;
@@ -541,7 +555,8 @@ int Run(const BenchConfig& config) {
   if (moves_blocks) {
     absl::StrAppendFormat(&human, ", %.3f GB/s", gb_per_sec);
   } else {
-    absl::StrAppendFormat(&human, ", %.0f keys/s", keys_per_sec);
+    absl::StrAppendFormat(&human, ", %.0f keys/s%s%s", keys_per_sec,
+                          config.prefix ? ", prefix" : "", config.pin ? ", pinned" : "");
   }
   absl::StrAppendFormat(
       &human, ", per call p50 %.1f us, p99 %.1f us, p999 %.1f us, %u errors",
@@ -561,7 +576,10 @@ int Run(const BenchConfig& config) {
     if (config.op != Op::kPut)
       absl::StrAppendFormat(&json, ",\"keys\":%u", config.keys);
     if (config.op == Op::kLookup) {
-      absl::StrAppendFormat(&json, ",\"keys_per_sec\":%.3f", keys_per_sec);
+      absl::StrAppendFormat(&json,
+                            ",\"keys_per_sec\":%.3f,\"prefix\":%s,\"pin\":%s",
+                            keys_per_sec, config.prefix ? "true" : "false",
+                            config.pin ? "true" : "false");
     }
     std::printf("%s}\n", json.c_str());
   } else {
@@ -616,6 +634,9 @@ int main(int argc, char** argv) {
   app.add_option("--ns", config.ns, "namespace (default bench)");
   app.add_flag("--clear-ns", config.clear_ns,
                "evict every unpinned block of --ns before the run (untimed)");
+  app.add_flag("--prefix", config.prefix, "lookup: prefix lookups");
+  app.add_flag("--pin", config.pin,
+               "lookup: pin the hits (unpinned after each call, untimed)");
   app.add_flag("--json", config.json, "print one JSON object on stdout");
   try {
     app.parse(argc, argv);

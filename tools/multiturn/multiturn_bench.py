@@ -1,0 +1,628 @@
+#!/usr/bin/env python3
+"""Multi-turn chat with kvdepot prefix reuse against recompute.
+
+One command: starts its own kvdepotd (loopback, port 0, temporary data
+directory), builds the seeded model, and for each concurrency runs the same
+workload twice -- recompute, then with kvdepot (its namespace emptied first)
+-- and stops the daemon. Prints a table, writes JSON (``--out``) and a PNG of
+TTFT by turn (``--plot``, when matplotlib is installed). Exits 1 when the
+two runs disagree (generated tokens, first-token logits beyond ``--atol``) or
+the kvdepot run finds no prefix at a turn >= 2; timings are reported, never
+asserted. See README.md.
+
+Needs /usr/bin/python3 with torch and numpy, and the kvdepot package built in
+``<build>/python``. Exits 77 (ctest: skipped) when any of them is missing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import importlib.util
+import json
+import math
+import os
+import platform
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import asdict
+from pathlib import Path
+from types import TracebackType
+from typing import TYPE_CHECKING, Any, Dict, List, Optional, Sequence, Tuple, Type
+
+if TYPE_CHECKING:
+    # Imported at run time only after main() has checked that torch, numpy
+    # and kvdepot are there (else it exits 77), so inside the functions.
+    import kvdepot
+    from model import DecoderModel
+    from workload import RequestRecord, RunResult, TurnSpec
+
+HERE = Path(__file__).resolve().parent
+REPO = HERE.parents[1]
+SKIPPED = 77  # ctest SKIP_RETURN_CODE
+
+BLOCK_SIZE = 16
+# Per-turn TTFT target of the issue: turns >= 2 with prompts this long.
+TARGET_MIN_TURN = 2
+TARGET_MIN_CONTEXT = 2000
+TARGET_TTFT_REDUCTION = 0.70
+
+# Sizes: the default fits 2 CPU cores (with torch's reference BLAS) in a few
+# minutes; --smoke is a correctness check that takes seconds.
+PRESETS: Dict[str, Dict[str, Any]] = {
+    "default": dict(
+        vocab=4096, hidden=128, layers=2, heads=4, kv_heads=2, head_size=32,
+        intermediate=384, conversations=8, turns=3, first_tokens=2048,
+        user_tokens=192, output_tokens=24, concurrency=[4, 8], rounds=2,
+    ),
+    "smoke": dict(
+        vocab=512, hidden=64, layers=2, heads=4, kv_heads=2, head_size=16,
+        intermediate=128, conversations=2, turns=2, first_tokens=80,
+        user_tokens=40, output_tokens=6, concurrency=[2], rounds=1,
+    ),
+}
+# First-token logits may differ by rounding only (the same math in a
+# different order); tight bounds per dtype.
+DEFAULT_ATOL = {"float32": 1e-4, "bfloat16": 5e-2, "float16": 5e-3}
+
+
+def parse_args(argv: Sequence[str]) -> argparse.Namespace:
+    """The options, with unset sizes taken from the default or smoke preset."""
+    p = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0])
+    p.add_argument("--smoke", action="store_true",
+                   help="tiny model, 2 conversations x 2 turns, 1 concurrency: "
+                        "the correctness checks in seconds (CI)")
+    p.add_argument("--build", type=Path, default=REPO / "build",
+                   help="CMake build tree: imports <build>/python/kvdepot and "
+                        "runs <build>/server/kvdepotd (default <repo>/build)")
+    p.add_argument("--kvdepotd", type=Path,
+                   help="kvdepotd binary (default <build>/server/kvdepotd)")
+    p.add_argument("--dram-capacity", default="1GiB",
+                   help="kvdepotd DRAM tier (default 1GiB)")
+    p.add_argument("--out", type=Path, default=HERE / "results" / "multiturn.json",
+                   help="JSON report (default tools/multiturn/results/multiturn.json)")
+    p.add_argument("--plot", type=Path,
+                   help="PNG of TTFT by turn (default: --out with .png); "
+                        "skipped without matplotlib")
+    p.add_argument("--no-plot", action="store_true", help="write no PNG")
+
+    def preset(name: str, text: str) -> str:
+        return (f"{text} (default {PRESETS['default'][name]}, "
+                f"--smoke {PRESETS['smoke'][name]})")
+
+    m = p.add_argument_group("model")
+    m.add_argument("--vocab", type=int, help=preset("vocab", "vocabulary size"))
+    m.add_argument("--hidden", type=int, help=preset("hidden", "hidden size"))
+    m.add_argument("--layers", type=int, help=preset("layers", "decoder layers"))
+    m.add_argument("--heads", type=int, help=preset("heads", "query heads"))
+    m.add_argument("--kv-heads", type=int, help=preset("kv_heads", "K/V heads"))
+    m.add_argument("--head-size", type=int, help=preset("head_size", "head size"))
+    m.add_argument("--intermediate", type=int,
+                   help=preset("intermediate", "SwiGLU width"))
+    m.add_argument("--model-seed", type=int, default=0, help="weights seed (default 0)")
+    m.add_argument("--dtype", choices=sorted(DEFAULT_ATOL), default="float32",
+                   help="model and KV cache dtype (default float32)")
+    m.add_argument("--threads", type=int,
+                   help="torch intra-op threads (default: torch's choice)")
+    m.add_argument("--atol", type=float,
+                   help=f"max abs difference of first-token logits "
+                        f"(default by dtype: {DEFAULT_ATOL})")
+
+    w = p.add_argument_group("workload")
+    w.add_argument("--conversations", type=int,
+                   help=preset("conversations", "conversations"))
+    w.add_argument("--turns", type=int, help=preset("turns", "turns per conversation"))
+    w.add_argument("--first-tokens", type=int,
+                   help=preset("first_tokens", "mean length of a conversation's "
+                                               "first user message"))
+    w.add_argument("--user-tokens", type=int,
+                   help=preset("user_tokens", "mean length of each later user message"))
+    w.add_argument("--output-tokens", type=int,
+                   help=preset("output_tokens", "mean answer length"))
+    w.add_argument("--length-jitter", type=float, default=0.2,
+                   help="lengths drawn uniformly within +- this fraction (default 0.2)")
+    w.add_argument("--concurrency", type=int, nargs="+",
+                   help=preset("concurrency", "concurrent clients; one comparison each"))
+    w.add_argument("--workload-seed", type=int, default=0,
+                   help="token ids and lengths (default 0)")
+    w.add_argument("--rounds", type=int,
+                   help=preset("rounds", "runs of each side per concurrency, "
+                                         "alternating recompute, kvdepot, ...; "
+                                         "requests pooled"))
+
+    args = p.parse_args(argv)
+    for name, value in PRESETS["smoke" if args.smoke else "default"].items():
+        if getattr(args, name) is None:
+            setattr(args, name, value)
+    if args.atol is None:
+        args.atol = DEFAULT_ATOL[args.dtype]
+    if args.kvdepotd is None:
+        args.kvdepotd = args.build / "server" / "kvdepotd"
+    if args.plot is None:
+        args.plot = args.out.with_suffix(".png")
+    return args
+
+
+class Daemon:
+    """A kvdepotd on a loopback port picked by the kernel, with a temporary
+    data directory; stopped with SIGTERM (killed after 15 s) on exit."""
+
+    def __init__(self, binary: Path, dram_capacity: str) -> None:
+        self.dir = Path(tempfile.mkdtemp(prefix="kvdepot-multiturn-"))
+        self.log_path = self.dir / "kvdepotd.log"
+        self.address = ""
+        self.banner = ""
+        with open(self.log_path, "wb") as log:
+            self.proc = subprocess.Popen(
+                [str(binary), "--listen", "127.0.0.1:0", "--metrics-listen", "",
+                 "--data-dir", str(self.dir / "data"), "--hugepages", "off",
+                 "--dram-capacity", dram_capacity, "--nvme-capacity", "0"],
+                stdout=log, stderr=subprocess.STDOUT)
+
+    def __enter__(self) -> "Daemon":
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            text = self.log_path.read_text(errors="replace")
+            match = re.search(r"^.*listening on (\S+);.*$", text, re.MULTILINE)
+            if match:
+                self.address = match.group(1)
+                self.banner = match.group(0)
+                return self
+            if self.proc.poll() is not None:
+                break
+            time.sleep(0.02)
+        self.stop()
+        raise RuntimeError(f"kvdepotd did not start:\n{text}")
+
+    def __exit__(
+        self,
+        exc_type: Optional[Type[BaseException]],
+        exc: Optional[BaseException],
+        tb: Optional[TracebackType],
+    ) -> None:
+        self.stop()
+
+    def stop(self) -> None:
+        """Stops the daemon and removes its data directory."""
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        shutil.rmtree(self.dir, ignore_errors=True)
+
+
+def percentile(values: Sequence[float], p: float) -> float:
+    """Nearest-rank percentile."""
+    ordered = sorted(values)
+    return ordered[max(0, math.ceil(p / 100 * len(ordered)) - 1)]
+
+
+def summarize(
+    records: Sequence[RequestRecord], wall_s: Optional[float] = None
+) -> Dict[str, Any]:
+    """TTFT p50/p90, mean TPOT, hit ratio, bytes moved and time spent in
+    kvdepot calls of some requests; with ``wall_s``, also their throughput."""
+    prompt = sum(r.prompt_tokens for r in records)
+    out: Dict[str, Any] = {
+        "requests": len(records),
+        "prompt_tokens_mean": prompt / len(records),
+        "ttft_p50_ms": 1e3 * percentile([r.ttft_s for r in records], 50),
+        "ttft_p90_ms": 1e3 * percentile([r.ttft_s for r in records], 90),
+        "tpot_mean_ms": 1e3 * sum(r.tpot_s for r in records) / len(records),
+        "hit_ratio": sum(r.hit_tokens for r in records) / prompt,
+        "bytes_loaded": sum(r.bytes_loaded for r in records),
+        "bytes_stored": sum(r.bytes_stored for r in records),
+        "load_mean_ms": 1e3 * sum(r.load_s for r in records) / len(records),
+        "save_mean_ms": 1e3 * sum(r.save_s for r in records) / len(records),
+    }
+    if wall_s is not None:
+        out["wall_s"] = wall_s
+        out["requests_per_s"] = len(records) / wall_s
+        out["output_tokens_per_s"] = sum(len(r.output) for r in records) / wall_s
+    return out
+
+
+def by_turn(records: Sequence[RequestRecord]) -> Dict[int, List[RequestRecord]]:
+    """Records grouped by turn, in turn order."""
+    turns: Dict[int, List[RequestRecord]] = {}
+    for r in records:
+        turns.setdefault(r.turn, []).append(r)
+    return dict(sorted(turns.items()))
+
+
+def describe_run(run: RunResult) -> Dict[str, Any]:
+    """The JSON of one (merged) run: overall and per-turn summaries, and
+    each request's numbers (in completion order, round after round)."""
+    return {
+        "mode": run.mode,
+        "concurrency": run.concurrency,
+        "steps": run.steps,
+        "overall": summarize(run.records, run.wall_s),
+        "per_turn": [
+            {"turn": turn, **summarize(recs)} for turn, recs in by_turn(run.records).items()
+        ],
+        "requests": [
+            {"conversation": r.conversation, "turn": r.turn,
+             "prompt_tokens": r.prompt_tokens, "hit_tokens": r.hit_tokens,
+             "output_tokens": len(r.output), "ttft_ms": round(1e3 * r.ttft_s, 3),
+             "tpot_ms": round(1e3 * r.tpot_s, 3), "load_ms": round(1e3 * r.load_s, 3),
+             "save_ms": round(1e3 * r.save_s, 3)}
+            for r in run.records
+        ],
+    }
+
+
+def ratio(a: float, b: float) -> Optional[float]:
+    """a / b, None when b is 0."""
+    return a / b if b else None
+
+
+def merge_rounds(runs: Sequence[RunResult]) -> RunResult:
+    """One run of the same mode and concurrency pooling every round's
+    requests, steps and wall time."""
+    from workload import RunResult
+
+    return RunResult(
+        mode=runs[0].mode,
+        concurrency=runs[0].concurrency,
+        wall_s=sum(r.wall_s for r in runs),
+        steps=sum(r.steps for r in runs),
+        records=[rec for r in runs for rec in r.records],
+    )
+
+
+def check_correctness(
+    pairs: Sequence[Tuple[RunResult, RunResult]], atol: float
+) -> Dict[str, Any]:
+    """Compares each (recompute, kvdepot) pair of runs request by request:
+    the generated tokens must be identical and the first-token logits within
+    ``atol`` (and not NaN: the cache starts as NaN, see main); every turn >=
+    2 of the kvdepot runs must have loaded some prefix."""
+    import torch
+
+    mismatched = []
+    max_diff = 0.0
+    nan_logits = False
+    for round_index, (recompute, cached) in enumerate(pairs):
+        base = {(r.conversation, r.turn): r for r in recompute.records}
+        for r in cached.records:
+            ref = base[(r.conversation, r.turn)]
+            if r.output != ref.output:
+                mismatched.append(
+                    {"round": round_index, "conversation": r.conversation, "turn": r.turn})
+            diff = (r.first_logits - ref.first_logits).abs()
+            nan_logits = nan_logits or bool(torch.isnan(diff).any())
+            max_diff = max(max_diff, float(diff.nan_to_num(0.0).max()))
+    cached_turns = by_turn([r for _, kv in pairs for r in kv.records])
+    no_hit_turns = [turn for turn, recs in cached_turns.items()
+                    if turn >= TARGET_MIN_TURN and not any(r.hit_tokens for r in recs)]
+    return {
+        "ok": not mismatched and not nan_logits and max_diff <= atol and not no_hit_turns,
+        "requests_compared": sum(len(kv.records) for _, kv in pairs),
+        "tokens_identical": not mismatched,
+        "mismatched_requests": mismatched,
+        "first_logits_max_abs_diff": max_diff,
+        "first_logits_nan": nan_logits,
+        "atol": atol,
+        "turns_without_hits": no_hit_turns,
+    }
+
+
+def compare(recompute: RunResult, cached: RunResult) -> Dict[str, Any]:
+    """Ratios kvdepot/recompute of one concurrency, per turn and overall,
+    and the issue's target."""
+    rec_turns, kv_turns = by_turn(recompute.records), by_turn(cached.records)
+    per_turn = []
+    for turn in rec_turns:
+        a, b = summarize(rec_turns[turn]), summarize(kv_turns[turn])
+        per_turn.append({
+            "turn": turn,
+            "prompt_tokens_mean": a["prompt_tokens_mean"],
+            "ttft_p50_ratio": ratio(b["ttft_p50_ms"], a["ttft_p50_ms"]),
+            "ttft_p90_ratio": ratio(b["ttft_p90_ms"], a["ttft_p90_ms"]),
+            "tpot_ratio": ratio(b["tpot_mean_ms"], a["tpot_mean_ms"]),
+            "hit_ratio": b["hit_ratio"],
+        })
+    overall_a = summarize(recompute.records, recompute.wall_s)
+    overall_b = summarize(cached.records, cached.wall_s)
+
+    def in_target(records: Sequence[RequestRecord]) -> List[RequestRecord]:
+        return [r for r in records
+                if r.turn >= TARGET_MIN_TURN and r.prompt_tokens >= TARGET_MIN_CONTEXT]
+
+    target: Dict[str, Any] = {
+        "selection": f"turn >= {TARGET_MIN_TURN} and prompt >= {TARGET_MIN_CONTEXT} tokens",
+        "requests": len(in_target(cached.records)),
+        "tpot_ratio": ratio(overall_b["tpot_mean_ms"], overall_a["tpot_mean_ms"]),
+    }
+    target["tpot_no_worse"] = (target["tpot_ratio"] or 0.0) <= 1.0
+    if target["requests"]:
+        ta = summarize(in_target(recompute.records))
+        tb = summarize(in_target(cached.records))
+        reduction = 1.0 - tb["ttft_p50_ms"] / ta["ttft_p50_ms"]
+        target.update({
+            "ttft_p50_ms_recompute": ta["ttft_p50_ms"],
+            "ttft_p50_ms_kvdepot": tb["ttft_p50_ms"],
+            "ttft_p50_reduction": reduction,
+            "ttft_reduction_met": reduction >= TARGET_TTFT_REDUCTION,
+        })
+    return {
+        "concurrency": recompute.concurrency,
+        "per_turn": per_turn,
+        "overall": {
+            "ttft_p50_ratio": ratio(overall_b["ttft_p50_ms"], overall_a["ttft_p50_ms"]),
+            "ttft_p90_ratio": ratio(overall_b["ttft_p90_ms"], overall_a["ttft_p90_ms"]),
+            "tpot_ratio": target["tpot_ratio"],
+            "requests_per_s_ratio": ratio(overall_b["requests_per_s"],
+                                          overall_a["requests_per_s"]),
+        },
+        "target": target,
+    }
+
+
+def fmt_bytes(n: float) -> str:
+    """Bytes in binary units, e.g. ``16.2 MiB``."""
+    for unit in ("B", "KiB", "MiB"):
+        if n < 1024:
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} GiB"
+
+
+def print_report(
+    runs: Sequence[Dict[str, Any]], comparisons: Sequence[Dict[str, Any]]
+) -> None:
+    """The table (per concurrency: each turn, then all requests; recompute
+    then kvdepot) and the ratios, target and correctness lines."""
+    header = (f"{'C':>2} {'turn':>4} {'mode':<9} {'prompt':>6} {'TTFT p50':>10} "
+              f"{'TTFT p90':>10} {'TPOT':>8} {'hit':>5} {'loaded':>10} "
+              f"{'stored':>10} {'req/s':>6}")
+    print(header)
+    print("-" * len(header))
+
+    def row(c: int, label: str, mode: str, s: Dict[str, Any]) -> None:
+        rps = f"{s['requests_per_s']:6.2f}" if "requests_per_s" in s else ""
+        print(f"{c:>2} {label:>4} {mode:<9} {s['prompt_tokens_mean']:6.0f} "
+              f"{s['ttft_p50_ms']:8.1f}ms {s['ttft_p90_ms']:8.1f}ms "
+              f"{s['tpot_mean_ms']:6.1f}ms {s['hit_ratio']:5.2f} "
+              f"{fmt_bytes(s['bytes_loaded']):>10} {fmt_bytes(s['bytes_stored']):>10} "
+              f"{rps:>6}")
+
+    for comp in comparisons:
+        c = comp["concurrency"]
+        pair = [r for r in runs if r["concurrency"] == c]
+        for i in range(len(pair[0]["per_turn"])):
+            for run in pair:
+                turn = run["per_turn"][i]
+                row(c, str(turn["turn"]), run["mode"], turn)
+        for run in pair:
+            row(c, "all", run["mode"], run["overall"])
+        ttft = ", ".join(f"turn {t['turn']} {t['ttft_p50_ratio']:.3f}"
+                         for t in comp["per_turn"])
+        print(f"   C={c}: kvdepot/recompute TTFT p50: {ttft}; "
+              f"TPOT {comp['overall']['tpot_ratio']:.3f}; "
+              f"req/s {comp['overall']['requests_per_s_ratio']:.3f}")
+        tgt = comp["target"]
+        if "ttft_p50_reduction" in tgt:
+            print(f"   C={c}: target ({tgt['selection']}, {tgt['requests']} requests): "
+                  f"TTFT p50 {tgt['ttft_p50_reduction']:.1%} lower "
+                  f"({'met' if tgt['ttft_reduction_met'] else 'NOT met'}, want >= "
+                  f"{TARGET_TTFT_REDUCTION:.0%}); TPOT "
+                  f"{'no worse' if tgt['tpot_no_worse'] else 'WORSE'}")
+        else:
+            print(f"   C={c}: target: no request with {tgt['selection']}")
+        ok = comp["correctness"]
+        tokens = (f"tokens identical in {ok['requests_compared']} requests"
+                  if ok["tokens_identical"] else
+                  f"tokens DIFFER in {len(ok['mismatched_requests'])} of "
+                  f"{ok['requests_compared']} requests")
+        print(f"   C={c}: correctness {'OK' if ok['ok'] else 'FAILED'}: {tokens}, "
+              f"first-token logits max |diff| "
+              f"{ok['first_logits_max_abs_diff']:.3g} (atol {ok['atol']:g})"
+              + (f", no hits at turns {ok['turns_without_hits']}"
+                 if ok["turns_without_hits"] else "")
+              + (", NaN logits" if ok["first_logits_nan"] else ""))
+        print()
+
+
+def plot_ttft(runs: Sequence[Dict[str, Any]], title: str, path: Path) -> bool:
+    """TTFT p50 (solid) and p90 (dashed) by turn, one panel per concurrency.
+    Returns False when matplotlib is not installed."""
+    try:
+        import matplotlib
+    except ImportError:
+        return False
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    levels = sorted({r["concurrency"] for r in runs})
+    fig, axes = plt.subplots(1, len(levels), figsize=(5 * len(levels), 4), squeeze=False)
+    colors = {"recompute": "tab:red", "kvdepot": "tab:blue"}
+    for ax, c in zip(axes[0], levels):
+        for run in (r for r in runs if r["concurrency"] == c):
+            turns = [t["turn"] for t in run["per_turn"]]
+            color = colors[run["mode"]]
+            ax.plot(turns, [t["ttft_p50_ms"] for t in run["per_turn"]], "o-",
+                    color=color, label=f"{run['mode']} p50")
+            ax.plot(turns, [t["ttft_p90_ms"] for t in run["per_turn"]], "o--",
+                    color=color, alpha=0.5, label=f"{run['mode']} p90")
+        ax.set_title(f"{c} concurrent clients")
+        ax.set_xlabel("turn")
+        ax.set_ylabel("TTFT (ms)")
+        ax.set_xticks(turns)
+        ax.set_ylim(bottom=0)
+        ax.grid(alpha=0.3)
+    handles, labels = axes[0][0].get_legend_handles_labels()
+    fig.legend(handles, labels, loc="lower center", ncol=len(labels))
+    fig.suptitle(title, fontsize=9)
+    fig.tight_layout(rect=(0, 0.07, 1, 1))
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return True
+
+
+def run_pairs(
+    model: DecoderModel,
+    store: kvdepot.KvCacheStore,
+    conversations: Sequence[Sequence[TurnSpec]],
+    concurrency: int,
+    rounds: int,
+) -> List[Tuple[RunResult, RunResult]]:
+    """``rounds`` pairs of runs of the workload at one concurrency:
+    recompute, then kvdepot (its namespace emptied first), alternating."""
+    from model import PagedKvCache
+    from workload import KvdepotConnector, cache_blocks_needed, run_workload
+
+    config = model.config
+    dtype = model.embed.weight.dtype
+    device = model.embed.weight.device
+    num_blocks = cache_blocks_needed(conversations, concurrency, BLOCK_SIZE)
+    pairs = []
+    for round_index in range(rounds):
+        pair = []
+        for use_kvdepot in (False, True):
+            # NaN everywhere: a slot read before it was computed or loaded
+            # would poison the logits.
+            cache = PagedKvCache(config, num_blocks, BLOCK_SIZE, dtype, device,
+                                 fill_value=float("nan"))
+            connector = None
+            if use_kvdepot:
+                store.client.evict(store.namespace, all=True)
+                connector = KvdepotConnector(store, BLOCK_SIZE)
+            run = run_workload(model, cache, conversations, concurrency, connector)
+            print(f"[C={concurrency} round {round_index + 1}/{rounds}] {run.mode}: "
+                  f"{len(run.records)} requests, {run.steps} steps, {run.wall_s:.1f} s",
+                  file=sys.stderr)
+            pair.append(run)
+        pairs.append((pair[0], pair[1]))
+    return pairs
+
+
+def machine_info(device: str) -> Dict[str, Any]:
+    """What the timings depend on: CPUs, Python, torch and its BLAS."""
+    import torch
+
+    blas = re.search(r"BLAS_INFO=(\w+)", torch.__config__.show())
+    return {
+        "nproc": os.cpu_count(),
+        "platform": platform.platform(),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "torch_threads": torch.get_num_threads(),
+        "torch_blas": blas.group(1) if blas else "unknown",
+        "device": device,
+    }
+
+
+def main(argv: Sequence[str]) -> int:
+    args = parse_args(argv)
+    missing = [m for m in ("numpy", "torch") if importlib.util.find_spec(m) is None]
+    if missing:
+        print(f"multiturn: {' and '.join(missing)} not installed; skipping",
+              file=sys.stderr)
+        return SKIPPED
+    sys.path.insert(0, str(args.build / "python"))
+    if importlib.util.find_spec("kvdepot") is None:
+        print(f"multiturn: no kvdepot package in {args.build / 'python'}; skipping",
+              file=sys.stderr)
+        return SKIPPED
+    if not args.kvdepotd.exists():
+        print(f"multiturn: no kvdepotd at {args.kvdepotd}; skipping", file=sys.stderr)
+        return SKIPPED
+    import torch
+
+    import kvdepot
+    from model import DecoderModel, ModelConfig
+    from workload import WorkloadConfig, longest_context, make_workload
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    dtype = getattr(torch, args.dtype)
+    device = torch.device("cpu")  # the kvdepot package works on host memory
+    workload_config = WorkloadConfig(
+        num_conversations=args.conversations, num_turns=args.turns,
+        first_tokens=args.first_tokens, user_tokens=args.user_tokens,
+        output_tokens=args.output_tokens, length_jitter=args.length_jitter,
+        seed=args.workload_seed)
+    conversations = make_workload(workload_config, args.vocab)
+    model_config = ModelConfig(
+        vocab_size=args.vocab, hidden_size=args.hidden, num_layers=args.layers,
+        num_heads=args.heads, num_kv_heads=args.kv_heads, head_size=args.head_size,
+        intermediate_size=args.intermediate, seed=args.model_seed,
+        max_model_len=max(8192, longest_context(conversations)))
+    model = DecoderModel.create(model_config, dtype, device)
+    layout = kvdepot.KvLayout.mha(
+        kvdepot.KvCacheLayout.FLASH_ATTN_NHD, num_layers=model_config.num_layers,
+        block_size=BLOCK_SIZE, num_kv_heads=model_config.num_kv_heads,
+        head_size=model_config.head_size, dtype=kvdepot.dtype_from_torch(dtype))
+    # The namespace names the weights and sizes (model_id) and, through the
+    # layout's fingerprint, the cache format.
+    model_name = f"multiturn/{model_config.model_id()}/tp0of1"
+
+    started = datetime.datetime.now(datetime.timezone.utc)
+    runs: List[RunResult] = []
+    comparisons: List[Dict[str, Any]] = []
+    with Daemon(args.kvdepotd, args.dram_capacity) as daemon, torch.inference_mode():
+        store = kvdepot.KvCacheStore(daemon.address, layout, model_name)
+        store.client.health()
+        for concurrency in args.concurrency:
+            pairs = run_pairs(model, store, conversations, concurrency, args.rounds)
+            recompute = merge_rounds([p[0] for p in pairs])
+            cached = merge_rounds([p[1] for p in pairs])
+            runs.extend([recompute, cached])
+            comparisons.append({**compare(recompute, cached),
+                                "correctness": check_correctness(pairs, args.atol)})
+        store.client.close()
+
+    described = [describe_run(r) for r in runs]
+    ok = all(c["correctness"]["ok"] for c in comparisons)
+    report = {
+        "tool": "multiturn",
+        "date_utc": started.strftime("%Y-%m-%dT%H:%M:%SZ"),
+        "command": " ".join([Path(sys.argv[0]).name, *argv]),
+        "ok": ok,
+        "machine": machine_info(str(device)),
+        "daemon": daemon.banner,
+        "model": {**asdict(model_config), "model_id": model_config.model_id(),
+                  "dtype": args.dtype,
+                  "parameters": sum(p.numel() for p in model.parameters())},
+        "kv_cache": {"layout": "FLASH_ATTN_NHD [2, num_blocks, 16, kv_heads, head_size]",
+                     "block_size": BLOCK_SIZE, "block_bytes": layout.object_bytes,
+                     "namespace": store.namespace},
+        "workload": {**asdict(workload_config), "concurrency": args.concurrency,
+                     "rounds": args.rounds,
+                     "clients": "closed loop, no think time; one engine loop"},
+        "runs": described,
+        "comparisons": comparisons,
+    }
+    print_report(described, comparisons)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(report, indent=1) + "\n")
+    print(f"JSON: {args.out}")
+    if not args.no_plot:
+        title = (f"{model_config.model_id()} {args.dtype}, {args.conversations} "
+                 f"conversations x {args.turns} turns, {args.rounds} round(s), "
+                 f"{os.cpu_count()} CPUs")
+        if plot_ttft(described, title, args.plot):
+            print(f"plot: {args.plot}")
+        else:
+            print("plot: skipped (matplotlib is not installed)")
+    if not ok:
+        print("multiturn: FAILED: the correctness check failed (see above)",
+              file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,117 @@
+#!/usr/bin/env python3
+"""Unit tests of block_hash: the encoding, fixed test vectors, chaining, and
+the same keys in another process. Standard library only.
+
+    /usr/bin/python3 tools/multiturn/test_block_hash.py -v
+"""
+
+import hashlib
+import os
+import subprocess
+import sys
+import unittest
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from block_hash import (  # noqa: E402
+    ROOT_HASH,
+    block_hashes,
+    encode_block,
+    hash_block,
+    parents_of,
+)
+
+# Written down once; a change here changes every stored key.
+ROOT_HEX = "6cb396dac78b65cec3f950504609a732d4133351a077546466c07133484fe5d0"
+BLOCK_0_15_HEX = "223ad76c3c53159c217e3d2b9f74b10e6d1c13c12ac1786304bd4cedaee27500"
+BLOCK_0_15_EXTRA_HEX = (
+    "134fc2cba9b6eb109c612011094d2d9c502c039db01291cef27575f60685197a"
+)
+
+
+class EncodingTest(unittest.TestCase):
+    def test_encoding_is_the_documented_byte_layout(self):
+        self.assertEqual(
+            encode_block(b"", [1, 2], ("x",)),
+            b"KVB1"
+            + bytes.fromhex("00000000")  # parent: length 0
+            + bytes.fromhex("02000000" "01000000" "02000000")  # 2 tokens: 1, 2
+            + bytes.fromhex("01000000")  # 1 extra key
+            + b"s" + bytes.fromhex("01000000") + b"x",  # str "x"
+        )
+        self.assertEqual(
+            encode_block(b"", [], (b"\x00", -1)),
+            b"KVB1" + bytes(4) + bytes(4) + bytes.fromhex("02000000")
+            + b"b" + bytes.fromhex("01000000") + b"\x00"
+            + b"i" + bytes.fromhex("08000000") + b"\xff" * 8,
+        )
+
+    def test_fixed_vectors(self):
+        self.assertEqual(ROOT_HASH.hex(), ROOT_HEX)
+        self.assertEqual(
+            ROOT_HASH, hashlib.sha256(b"kvdepot/block-hash/v1/root").digest())
+        self.assertEqual(hash_block(ROOT_HASH, range(16)).hex(), BLOCK_0_15_HEX)
+        self.assertEqual(
+            hash_block(ROOT_HASH, range(16), ("lora-a", b"salt", 7)).hex(),
+            BLOCK_0_15_EXTRA_HEX)
+
+    def test_extra_keys_are_typed(self):
+        tokens = list(range(16))
+        keys = {hash_block(ROOT_HASH, tokens, extra)
+                for extra in [(), ("1",), (b"1",), (1,), ("1", "1")]}
+        self.assertEqual(len(keys), 5)
+        with self.assertRaises(TypeError):
+            hash_block(ROOT_HASH, tokens, (True,))
+        with self.assertRaises(TypeError):
+            hash_block(ROOT_HASH, tokens, (1.5,))
+
+
+class ChainTest(unittest.TestCase):
+    TOKENS = [(i * 7919) % 50000 for i in range(16 * 5 + 9)]
+
+    def test_chain_links_each_block_to_its_parent(self):
+        keys = block_hashes(self.TOKENS, 16)
+        self.assertEqual(len(keys), 5)  # the partial last block has no key
+        parent = ROOT_HASH
+        for b, key in enumerate(keys):
+            self.assertEqual(key, hash_block(parent, self.TOKENS[16 * b:16 * b + 16]))
+            parent = key
+
+    def test_a_key_names_the_whole_prefix(self):
+        changed = list(self.TOKENS)
+        changed[20] += 1  # in block 1
+        a, b = block_hashes(self.TOKENS, 16), block_hashes(changed, 16)
+        self.assertEqual(a[0], b[0])
+        self.assertTrue(all(x != y for x, y in zip(a[1:], b[1:])))
+
+    def test_extending_a_chain_equals_hashing_it_whole(self):
+        whole = block_hashes(self.TOKENS, 16, ("salt",))
+        head = block_hashes(self.TOKENS[:32], 16, ("salt",))
+        tail = block_hashes(self.TOKENS, 16, ("salt",), start_block=2, parent=head[-1])
+        self.assertEqual(head + tail, whole)
+        with self.assertRaises(ValueError):
+            block_hashes(self.TOKENS, 16, start_block=2)
+
+    def test_parents_of(self):
+        self.assertEqual(parents_of([b"a", b"b", b"c"]), [b"", b"a", b"b"])
+        self.assertEqual(parents_of([b"c"], b"b"), [b"b"])
+        self.assertEqual(parents_of([]), [])
+
+    def test_same_keys_in_another_process(self):
+        code = (
+            "import sys; sys.path.insert(0, sys.argv[1]);"
+            "from block_hash import block_hashes;"
+            "print(b''.join(block_hashes(list(range(100)), 16, ('s', 3))).hex())"
+        )
+        here = str(Path(__file__).resolve().parent)
+        mine = b"".join(block_hashes(list(range(100)), 16, ("s", 3))).hex()
+        for seed in ("0", "12345"):
+            out = subprocess.run(
+                [sys.executable, "-c", code, here], capture_output=True, text=True,
+                check=True, env={**os.environ, "PYTHONHASHSEED": seed})
+            self.assertEqual(out.stdout.strip(), mine)
+
+
+if __name__ == "__main__":
+    unittest.main()
