@@ -599,6 +599,19 @@ absl::Status Client::RegisterBuffer(void* base, size_t size) {
   return absl::OkStatus();
 }
 
+absl::StatusOr<absl::Span<char>> Client::AllocateBuffer(size_t size) {
+  if (ucx_ == nullptr) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("no UCX in this client: ", data_plane_status().ToString()));
+  }
+  ASSIGN_OR_RETURN(std::unique_ptr<MemoryRegion> region,
+                   ucx_->context->Allocate(size));
+  absl::Span<char> bytes(region->base(), region->size());
+  absl::MutexLock lock(&ucx_->mu);
+  ucx_->buffers.push_back(Ucx::Buffer{std::move(region)});
+  return bytes;
+}
+
 void Client::DropSession(uint64_t session) {
   absl::MutexLock lock(&mu_);
   if (session_id_ == session) session_id_ = 0;

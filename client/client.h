@@ -191,6 +191,12 @@ class Client {
   // (data_plane_status() says why); InvalidArgument for a null base or zero
   // size; UCX's error when registration fails.
   absl::Status RegisterBuffer(void* base, size_t size);
+  // Allocates `size` bytes through UCX, registered as RegisterBuffer does,
+  // and returns them; they live as long as the client. UCX places them in
+  // shared memory where it can, so a daemon on this host moves blocks into
+  // and out of them with plain copies (faster than RegisterBuffer's memory
+  // there). Errors as RegisterBuffer.
+  absl::StatusOr<absl::Span<char>> AllocateBuffer(size_t size);
 
   // Reads blocks straight into `dst` (dst[i] receives keys[i] and must be
   // exactly its size). Over UCX when every dst lies in registered memory and

@@ -188,6 +188,30 @@ TEST_P(UcxE2eTest, GetIntoAndPutFromInThisProcess) {
   EXPECT_EQ(st.reservations(), 0u);
 }
 
+TEST_P(UcxE2eTest, BuffersAllocatedByUcxWork) {
+  // UCX-allocated memory: shared memory where UCX can, so the daemon copies
+  // straight into it on this host.
+  absl::StatusOr<absl::Span<char>> buf = client_->AllocateBuffer(2 * kBlock);
+  ASSERT_OK(buf.status());
+  ucx_test::FillPattern(buf->data(), kBlock, 77);
+  BlockToPut block{"alloc", "", absl::string_view(buf->data(), kBlock)};
+  TransferOp put = client_->PutFromAsync("alloc", {&block, 1});
+  put.Wait();
+  EXPECT_STREQ(put.transport(), "ucx");
+  ASSERT_OK(put.statuses()[0]);
+  EXPECT_FALSE(put.already_stored(0));
+  absl::string_view key = "alloc";
+  absl::Span<char> dst = buf->subspan(kBlock, kBlock);
+  TransferOp get = client_->GetIntoAsync("alloc", {&key, 1}, {&dst, 1});
+  get.Wait();
+  ASSERT_OK(get.statuses()[0]);
+  EXPECT_EQ(ucx_test::FirstPatternMismatch(dst.data(), kBlock, 77), -1);
+  TransferOp again = client_->PutFromAsync("alloc", {&block, 1});
+  again.Wait();
+  ASSERT_OK(again.statuses()[0]);
+  EXPECT_TRUE(again.already_stored(0));
+}
+
 TEST_P(UcxE2eTest, AKilledClientsPinsAndReservationsAreReleasedAtOnce) {
   std::vector<char> src(kBlock, 'p');
   ASSERT_OK(client_->RegisterBuffer(src.data(), src.size()));

@@ -276,21 +276,20 @@ class ClientLoop {
     }
     // UCX: one registered buffer of --batch blocks, gets land in it and
     // puts come from it (filled with the put bytes once).
-    std::vector<char> buffer;
     std::vector<absl::Span<char>> spans;
     if (ucx_ && config_.op != Op::kLookup) {
-      buffer.resize(config_.batch * config_.block_size);
-      for (int i = 0; i < config_.batch; ++i) {
-        char* p = buffer.data() + i * config_.block_size;
-        std::copy(put_bytes_.begin(), put_bytes_.end(), p);
-        spans.emplace_back(p, config_.block_size);
-      }
-      absl::Status reg = client_.RegisterBuffer(buffer.data(), buffer.size());
-      if (!reg.ok()) {
+      absl::StatusOr<absl::Span<char>> buffer =
+          client_.AllocateBuffer(config_.batch * config_.block_size);
+      if (!buffer.ok()) {
         std::fprintf(stderr, "kvdepot-bench: client %d: %s\n", id_,
-                     reg.ToString().c_str());
+                     buffer.status().ToString().c_str());
         result.errors = 1;
         return result;
+      }
+      for (int i = 0; i < config_.batch; ++i) {
+        char* p = buffer->data() + i * config_.block_size;
+        std::copy(put_bytes_.begin(), put_bytes_.end(), p);
+        spans.emplace_back(p, config_.block_size);
       }
     }
     uint64_t counter = 0;

@@ -81,14 +81,39 @@ absl::StatusOr<std::unique_ptr<MemoryRegion>> UcxContext::Register(
     return absl::InvalidArgumentError(
         "memory registration needs a non-null base and a non-zero size");
   }
+  return Map(base, size);
+}
+
+absl::StatusOr<std::unique_ptr<MemoryRegion>> UcxContext::Allocate(
+    size_t size) {
+  if (size == 0) return absl::InvalidArgumentError("allocation of 0 bytes");
+  return Map(nullptr, size);
+}
+
+absl::StatusOr<std::unique_ptr<MemoryRegion>> UcxContext::Map(void* base,
+                                                              size_t size) {
   ucp_mem_map_params_t params = {};
   params.field_mask =
       UCP_MEM_MAP_PARAM_FIELD_ADDRESS | UCP_MEM_MAP_PARAM_FIELD_LENGTH;
   params.address = base;
   params.length = size;
+  if (base == nullptr) {
+    params.field_mask |= UCP_MEM_MAP_PARAM_FIELD_FLAGS;
+    params.flags = UCP_MEM_MAP_ALLOCATE;
+  }
   ucp_mem_h memh = nullptr;
   ucs_status_t st = ucp_mem_map(context_, &params, &memh);
   if (st != UCS_OK) return UcsToStatus(st, "ucp_mem_map");
+  if (base == nullptr) {
+    ucp_mem_attr_t attr = {};
+    attr.field_mask = UCP_MEM_ATTR_FIELD_ADDRESS | UCP_MEM_ATTR_FIELD_LENGTH;
+    st = ucp_mem_query(memh, &attr);
+    if (st != UCS_OK) {
+      ucp_mem_unmap(context_, memh);
+      return UcsToStatus(st, "ucp_mem_query");
+    }
+    base = attr.address;
+  }
 
   void* rkey_buffer = nullptr;
   size_t rkey_size = 0;

@@ -65,11 +65,21 @@ class UcxContext {
   absl::StatusOr<std::unique_ptr<MemoryRegion>> Register(void* base,
                                                          size_t size);
 
+  // Allocates `size` bytes through UCX and registers them (ucp_mem_map with
+  // UCP_MEM_MAP_ALLOCATE). UCX takes memory a co-located peer can map
+  // (posix shared memory) where its transports can, so one-sided transfers
+  // from a peer on the same host are plain copies into it instead of
+  // messages (see README.md, caveat 1). Freed with the region.
+  absl::StatusOr<std::unique_ptr<MemoryRegion>> Allocate(size_t size);
+
   // The UCP handle, for UcxWorker. Thread-safe as UCX's context is.
   ucp_context_h handle() const { return context_; }
 
  private:
   explicit UcxContext(ucp_context_h context) : context_(context) {}
+  // ucp_mem_map of [base, base + size), or of `size` new bytes when base is
+  // null; packs the rkey.
+  absl::StatusOr<std::unique_ptr<MemoryRegion>> Map(void* base, size_t size);
 
   const ucp_context_h context_;
 };

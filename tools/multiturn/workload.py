@@ -52,7 +52,7 @@ from typing import TYPE_CHECKING, Deque, Dict, List, Optional, Sequence, Tuple
 import numpy as np
 import torch
 
-from block_hash import block_hashes, parents_of
+from kvdepot.integrations import block_hashes, parents_of
 from model import DecoderModel, PagedKvCache, SequenceChunk
 
 if TYPE_CHECKING:
@@ -109,7 +109,7 @@ class KvdepotConnector:
     kvdepotd. Not thread-safe (nor is the :class:`kvdepot.KvCacheStore` it
     drives).
 
-    Keys are chained block hashes (:mod:`block_hash`) of the token ids,
+    Keys are chained block hashes (:mod:`kvdepot.integrations`) of the token ids,
     without extra keys (no LoRA, multimodal input or cache salt here), in the
     store's namespace, which names the model and the cache layout.
     """

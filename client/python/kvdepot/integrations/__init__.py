@@ -1,0 +1,145 @@
+"""kvdepot adapters for inference engines, and the helpers they share.
+
+* :mod:`kvdepot.integrations.vllm` -- ``KvDepotConnector``, a vLLM v1
+  ``KVConnectorBase_V1`` (``--kv-transfer-config`` with
+  ``"kv_connector_module_path": "kvdepot.integrations.vllm"``).
+* :mod:`kvdepot.integrations.sglang` -- ``KvDepotHiCacheStorage``, an SGLang
+  ``HiCacheStorage`` backend (``--hicache-storage-backend dynamic``).
+
+Neither engine is imported here, and each adapter module imports without its
+engine installed (it then subclasses a documented local stand-in of the
+engine's base class, so that the tests can drive it). See README.md in this
+folder for the configuration and for what was and was not run against the real
+engines.
+
+The helpers below are the keys of a token sequence's blocks (also used by
+``tools/multiturn``): as in vLLM's prefix caching (``hash_block_tokens``), a
+full block's key hashes (parent block's key, the block's token ids, extra
+keys), so it names the whole prefix up to it, and two requests share a key
+exactly when they share that prefix. vLLM hashes with SHA-256 over pickle or
+CBOR from a root drawn from ``PYTHONHASHSEED``; here the encoding and the root
+are fixed, and written down as test vectors (``tests/test_block_keys.py``):
+
+* ``ROOT_HASH = SHA-256(b"kvdepot/block-hash/v1/root")``;
+* a block's key is ``SHA-256(b"KVB1" || u32 len(parent) || parent ||
+  u32 n || n x u32 token id || u32 m || m x extra key)``, an extra key being a
+  type byte (``b`` bytes, ``s`` UTF-8 str, ``i`` i64), its u32 length and its
+  bytes, every integer little-endian.
+
+Unlike vLLM's own block hashes (seeded from ``PYTHONHASHSEED`` unless
+configured), these are the same in every process, so every engine instance
+finds the blocks any other one stored.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import re
+import struct
+from typing import List, Optional, Sequence, Union
+
+ExtraKey = Union[bytes, str, int]
+
+_FORMAT_TAG = b"KVB1"
+_U32 = struct.Struct("<I")
+_I64 = struct.Struct("<q")
+
+ROOT_HASH: bytes = hashlib.sha256(b"kvdepot/block-hash/v1/root").digest()
+
+__all__ = [
+    "ROOT_HASH",
+    "block_hashes",
+    "encode_block",
+    "hash_block",
+    "model_label",
+    "parents_of",
+]
+
+
+def _encode_extra_key(key: ExtraKey) -> bytes:
+    if isinstance(key, bool):
+        raise TypeError("extra keys are bytes, str or int, not bool")
+    if isinstance(key, bytes):
+        tag, data = b"b", key
+    elif isinstance(key, str):
+        tag, data = b"s", key.encode("utf-8")
+    elif isinstance(key, int):
+        tag, data = b"i", _I64.pack(key)
+    else:
+        raise TypeError(f"extra keys are bytes, str or int, not {type(key).__name__}")
+    return tag + _U32.pack(len(data)) + data
+
+
+def encode_block(
+    parent: bytes, token_ids: Sequence[int], extra_keys: Sequence[ExtraKey] = ()
+) -> bytes:
+    """The canonical encoding of (parent, token_ids, extra_keys) that
+    :func:`hash_block` hashes (see the module docstring). Token ids must fit
+    in u32."""
+    parts = [
+        _FORMAT_TAG,
+        _U32.pack(len(parent)),
+        parent,
+        _U32.pack(len(token_ids)),
+        struct.pack(f"<{len(token_ids)}I", *token_ids),
+        _U32.pack(len(extra_keys)),
+    ]
+    parts.extend(_encode_extra_key(k) for k in extra_keys)
+    return b"".join(parts)
+
+
+def hash_block(
+    parent: bytes, token_ids: Sequence[int], extra_keys: Sequence[ExtraKey] = ()
+) -> bytes:
+    """The 32-byte SHA-256 key of one block given its parent's key."""
+    return hashlib.sha256(encode_block(parent, token_ids, extra_keys)).digest()
+
+
+def block_hashes(
+    token_ids: Sequence[int],
+    block_size: int,
+    extra_keys: Sequence[ExtraKey] = (),
+    *,
+    start_block: int = 0,
+    parent: Optional[bytes] = None,
+    num_blocks: Optional[int] = None,
+) -> List[bytes]:
+    """Keys of the full blocks of ``token_ids`` (a trailing partial block gets
+    none), from block ``start_block`` (whose parent key must then be given)
+    up to ``num_blocks`` blocks in all (default: every full block)."""
+    if block_size <= 0:
+        raise ValueError(f"block_size must be positive, not {block_size}")
+    if parent is None:
+        if start_block:
+            raise ValueError("extending a chain needs the parent key")
+        parent = ROOT_HASH
+    end = len(token_ids) // block_size
+    if num_blocks is not None:
+        end = min(end, num_blocks)
+    keys: List[bytes] = []
+    for b in range(start_block, end):
+        parent = hash_block(
+            parent, list(token_ids[b * block_size : (b + 1) * block_size]), extra_keys
+        )
+        keys.append(parent)
+    return keys
+
+
+def parents_of(keys: Sequence[bytes], first_parent: bytes = b"") -> List[bytes]:
+    """The parent of each key of a chain as ``Client.put`` takes them."""
+    return [first_parent, *keys[:-1]] if keys else []
+
+
+_BAD_CHARS = re.compile(r"[^A-Za-z0-9._:/@+=-]+")
+
+
+def model_label(*parts: object, max_len: int = 100) -> str:
+    """A model name for :meth:`kvdepot.KvLayout.namespace_for` made of
+    ``parts`` joined by ``/``: characters a namespace may not hold become
+    ``-``; a result longer than ``max_len`` is cut and suffixed with a hash of
+    the whole, so distinct inputs stay distinct."""
+    text = "/".join(_BAD_CHARS.sub("-", str(p)).strip("/") or "-" for p in parts)
+    if len(text) > max_len:
+        digest = hashlib.sha256(text.encode()).hexdigest()[:12]
+        text = text[: max_len - 13] + "=" + digest
+    return text

@@ -1,0 +1,733 @@
+"""KvDepotConnector: kvdepot as vLLM's external prefix cache (KV connector V1).
+
+Load it with::
+
+    vllm serve MODEL --kv-transfer-config '{"kv_connector": "KvDepotConnector",
+        "kv_connector_module_path": "kvdepot.integrations.vllm",
+        "kv_role": "kv_both",
+        "kv_connector_extra_config": {"server": "127.0.0.1:50551"}}'
+
+Interface followed: vLLM v1 ``KVConnectorBase_V1``
+(``vllm/distributed/kv_transfer/kv_connector/v1/base.py``) as of vLLM 0.11:
+``get_num_new_matched_tokens(request, num_computed_tokens) -> (int | None,
+bool)``, ``update_state_after_alloc(request, blocks, num_external_tokens)``,
+``build_connector_meta(scheduler_output)``, ``update_connector_output(
+connector_output)``, ``request_finished(request, block_ids) -> (bool, dict |
+None)``; ``register_kv_caches(kv_caches)``, ``start_load_kv(forward_context,
+**kwargs)``, ``wait_for_layer_load(layer_name)``, ``save_kv_layer(layer_name,
+kv_layer, attn_metadata, **kwargs)``, ``wait_for_save()``,
+``get_finished(finished_req_ids)``, ``get_block_ids_with_load_errors()``.
+The constructor takes ``(vllm_config, role, kv_cache_config=None)`` and passes
+``kv_cache_config`` on only where the installed base class takes it (newer
+vLLM), so it loads on both. Without vLLM installed, the class subclasses
+:class:`_StandInConnectorBase`, a minimal local stand-in of the base class
+(metadata binding only) that exists so tests can drive the connector; it is
+not vLLM.
+
+How it works (synchronous, one forward pass at a time):
+
+* Keys are chained SHA-256 block hashes over the token ids
+  (:func:`kvdepot.integrations.block_hashes`; LoRA name and ``cache_salt``
+  are extra keys), in the namespace ``KvLayout.namespace_for(model/tpRofN)``,
+  so different models, layouts, dtypes and tensor-parallel ranks never mix.
+* Scheduler: ``get_num_new_matched_tokens`` looks up the prompt's full
+  blocks (never the last token: vLLM must compute at least one) with
+  ``prefix`` and ``pin``; the hits beyond the locally computed tokens are
+  offered. The pin is held until the forward pass that loads them is over
+  (``update_connector_output``), the request finishes, or a new lookup
+  replaces it. ``build_connector_meta`` sends the workers the block ids and
+  keys to load, and the blocks to save: full blocks whose tokens are all
+  computed once this step's forward pass is done, not yet known to be stored.
+* Worker: ``start_load_kv`` reads all layers of the blocks to load into the
+  paged caches before the forward pass (``wait_for_layer_load`` has nothing to
+  wait for); ``wait_for_save`` stores the step's publishable blocks after it
+  (``save_kv_layer`` only records the layer).
+* Errors never escape: a failed lookup offers 0 tokens; a failed or partial
+  load reports the blocks from the first one not loaded through
+  ``get_block_ids_with_load_errors`` (vLLM then recomputes them); a failed
+  save is logged and counted. Requests with multimodal inputs are neither
+  loaded nor saved (their placeholder token ids do not name the content).
+
+Caches: one tensor per layer in vLLM's FlashAttention layout ``[2,
+num_blocks, block_size, num_kv_heads, head_size]`` (or MLA ``[num_blocks,
+block_size, head_size]``), dtype fp16/bf16/fp32. CPU tensors go through the
+native gather/scatter; other devices (CUDA) through a torch staging copy with
+the same object bytes -- that path has only been run on CPU tensors here.
+Not supported: pipeline parallelism, hybrid (several KV cache groups) models,
+fp8 KV caches, asynchronous or layer-pipelined transfer.
+
+Extra config (``kv_connector_extra_config``): ``server`` (default
+``$KVDEPOT_SERVER`` or ``127.0.0.1:50551``), ``model`` (default the served
+model), ``timeout_s`` (5), ``lease_s`` (0: the daemon's default),
+``staging`` (``auto`` | ``torch``: ``torch`` forces the torch staging path),
+``load`` / ``save`` (booleans; default from ``kv_role``: ``kv_producer``
+saves, ``kv_consumer`` loads, ``kv_both`` does both).
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+import os
+import re
+from dataclasses import dataclass, field
+from typing import Any, Dict, Iterable, List, Optional, Sequence, Set, Tuple
+
+from . import block_hashes, model_label, parents_of
+
+logger = logging.getLogger(__name__)
+
+try:  # pragma: no cover - depends on the environment
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+        KVConnectorBase_V1,
+        KVConnectorMetadata,
+        KVConnectorRole,
+    )
+
+    HAVE_VLLM = True
+except Exception:  # vLLM missing (or an incompatible one): the stand-ins.
+    HAVE_VLLM = False
+
+    class KVConnectorRole(enum.Enum):  # type: ignore[no-redef]
+        """Stand-in of vLLM's KVConnectorRole (same members and values)."""
+
+        SCHEDULER = 0
+        WORKER = 1
+
+    class KVConnectorMetadata:  # type: ignore[no-redef]
+        """Stand-in of vLLM's KVConnectorMetadata (an empty base)."""
+
+    class _StandInConnectorBase:
+        """A minimal local stand-in of vLLM's ``KVConnectorBase_V1``, used only
+        when vLLM cannot be imported: the constructor and the metadata binding
+        that the model runner calls (``bind_connector_metadata``,
+        ``clear_connector_metadata``), as vLLM implements them. Everything
+        else is the connector's own."""
+
+        def __init__(self, vllm_config: Any, role: Any, kv_cache_config: Any = None):
+            self._connector_metadata: Optional[Any] = None
+            self._vllm_config = vllm_config
+            if getattr(vllm_config, "kv_transfer_config", None) is None:
+                raise ValueError("kv_transfer_config must be set for KVConnectorBase_V1")
+            self._kv_transfer_config = vllm_config.kv_transfer_config
+            self._kv_cache_config = kv_cache_config
+            self._role = role
+
+        @property
+        def role(self) -> Any:
+            return self._role
+
+        def bind_connector_metadata(self, connector_metadata: Any) -> None:
+            self._connector_metadata = connector_metadata
+
+        def clear_connector_metadata(self) -> None:
+            self._connector_metadata = None
+
+        def _get_connector_metadata(self) -> Any:
+            assert self._connector_metadata is not None
+            return self._connector_metadata
+
+        def has_connector_metadata(self) -> bool:
+            return self._connector_metadata is not None
+
+    KVConnectorBase_V1 = _StandInConnectorBase  # type: ignore[misc,assignment]
+
+
+def _base_takes_kv_cache_config() -> bool:
+    import inspect
+
+    try:
+        params = inspect.signature(KVConnectorBase_V1.__init__).parameters
+    except (TypeError, ValueError):
+        return False
+    return "kv_cache_config" in params
+
+
+@dataclass
+class LoadSpec:
+    """Blocks of one request to read: ``keys[i]`` into cache block
+    ``block_ids[i]``."""
+
+    req_id: str
+    block_ids: List[int]
+    keys: List[bytes]
+
+
+@dataclass
+class SaveSpec:
+    """Blocks of one request to store after this step's forward pass."""
+
+    req_id: str
+    block_ids: List[int]
+    keys: List[bytes]
+    parents: List[bytes]
+
+
+@dataclass
+class KvDepotConnectorMetadata(KVConnectorMetadata):  # type: ignore[misc]
+    """What the scheduler side tells the workers for one step (plain data:
+    vLLM serializes it to the worker processes)."""
+
+    loads: List[LoadSpec] = field(default_factory=list)
+    saves: List[SaveSpec] = field(default_factory=list)
+
+
+@dataclass
+class _RequestState:
+    """Scheduler-side bookkeeping of one request."""
+
+    request: Any
+    extra_keys: Tuple[Any, ...]
+    enabled: bool
+    keys: List[bytes] = field(default_factory=list)  # full-block keys so far
+    block_ids: List[int] = field(default_factory=list)  # the request's blocks
+    stored_blocks: int = 0  # blocks [0, stored_blocks) are known stored
+    pin_id: int = 0
+    load_from: int = 0  # block range to load, when load_pending
+    load_to: int = 0
+    load_pending: bool = False
+    load_in_flight: bool = False
+
+
+def _truthy(value: Any) -> bool:
+    if isinstance(value, str):
+        return value.strip().lower() in ("1", "true", "yes", "on")
+    return bool(value)
+
+
+def _layer_index(name: str, position: int) -> Tuple[int, int]:
+    m = re.search(r"layers\.(\d+)", name) or re.search(r"(\d+)", name)
+    return (int(m.group(1)) if m else position, position)
+
+
+class KvDepotConnector(KVConnectorBase_V1):  # type: ignore[misc,valid-type]
+    """kvdepot as vLLM's external prefix cache (see the module docstring).
+
+    One instance per role and process, as vLLM creates them: the scheduler
+    side and the worker side share nothing but the metadata. Not
+    thread-safe; vLLM calls each side from one thread."""
+
+    def __init__(self, vllm_config: Any, role: Any, kv_cache_config: Any = None):
+        if kv_cache_config is not None and _base_takes_kv_cache_config():
+            super().__init__(vllm_config, role, kv_cache_config)
+        else:
+            super().__init__(vllm_config, role)
+        tc = vllm_config.kv_transfer_config
+        extra = dict(getattr(tc, "kv_connector_extra_config", None) or {})
+        kv_role = getattr(tc, "kv_role", None) or "kv_both"
+        self._server: str = str(
+            extra.get("server") or os.environ.get("KVDEPOT_SERVER") or "127.0.0.1:50551"
+        )
+        self._timeout_s = float(extra.get("timeout_s", 5.0))
+        self._lease_s = float(extra.get("lease_s", 0.0))
+        self._staging = str(extra.get("staging", "auto"))
+        self._load_enabled = _truthy(
+            extra.get("load", kv_role in ("kv_consumer", "kv_both"))
+        )
+        self._save_enabled = _truthy(
+            extra.get("save", kv_role in ("kv_producer", "kv_both"))
+        )
+        self._block_size = int(vllm_config.cache_config.block_size)
+        mc = getattr(vllm_config, "model_config", None)
+        pc = getattr(vllm_config, "parallel_config", None)
+        self._model_name = str(extra.get("model") or getattr(mc, "model", None) or "model")
+        self._tp_size = int(getattr(pc, "tensor_parallel_size", 1) or 1)
+        self._use_mla = bool(getattr(mc, "use_mla", False))
+        self._client: Any = None
+        self._disabled_reason: Optional[str] = None
+        # The layout every rank must have (from the config), so that the
+        # scheduler looks in the namespace the workers write to.
+        self._layout: Any = None
+        try:
+            self._layout = self._layout_from_config(vllm_config)
+        except Exception as e:  # noqa: BLE001 - degrade, never fail the engine
+            self._disable(f"cannot derive the KV layout from the config: {e}")
+
+        # Scheduler side.
+        self._requests: Dict[str, _RequestState] = {}
+        self._scheduler_namespace: Optional[str] = None
+        if self._layout is not None:
+            # The scheduler looks up TP rank 0's blocks (MLA caches are the
+            # same on every rank).
+            self._scheduler_namespace = self._namespace(self._layout, 0)
+
+        # Worker side.
+        self._caches: List[Any] = []
+        self._layer_names: List[str] = []
+        self._store: Any = None
+        self._on_cpu = True
+        self._load_errors: Set[int] = set()
+        self.stats: Dict[str, int] = {
+            "lookups": 0,
+            "lookup_errors": 0,
+            "matched_tokens": 0,
+            "loaded_blocks": 0,
+            "load_errors": 0,
+            "saved_blocks": 0,
+            "save_errors": 0,
+        }
+
+    # ------------------------------------------------------------------
+    # Shared helpers
+
+    def _disable(self, reason: str) -> None:
+        if self._disabled_reason is None:
+            logger.error("kvdepot connector disabled: %s", reason)
+        self._disabled_reason = reason
+
+    @property
+    def disabled_reason(self) -> Optional[str]:
+        """Why the connector does nothing, or None while it works."""
+        return self._disabled_reason
+
+    def _layout_from_config(self, vllm_config: Any) -> Any:
+        import kvdepot
+
+        mc = vllm_config.model_config
+        pc = vllm_config.parallel_config
+        cc = vllm_config.cache_config
+        if int(getattr(pc, "pipeline_parallel_size", 1) or 1) != 1:
+            raise ValueError("pipeline parallelism is not supported")
+        cache_dtype = str(getattr(cc, "cache_dtype", "auto") or "auto")
+        if cache_dtype != "auto":
+            raise ValueError(f"cache_dtype {cache_dtype} is not supported (only auto)")
+        dtype = kvdepot.dtype_from_torch(mc.dtype)
+        num_layers = int(mc.get_num_layers(pc))
+        head_size = int(mc.get_head_size())
+        if self._use_mla:
+            return kvdepot.KvLayout.mla(
+                kvdepot.KvCacheLayout.MLA, num_layers, self._block_size, head_size, dtype
+            )
+        return kvdepot.KvLayout.mha(
+            kvdepot.KvCacheLayout.FLASH_ATTN_NHD,
+            num_layers,
+            self._block_size,
+            int(mc.get_num_kv_heads(pc)),
+            head_size,
+            dtype,
+        )
+
+    def _model_label(self, tp_rank: int) -> str:
+        """The model name of the namespace: MLA caches are the same on every
+        rank; MHA ranks hold different heads."""
+        if self._use_mla:
+            return model_label("vllm", self._model_name, "mla")
+        return model_label("vllm", self._model_name, f"tp{tp_rank}of{self._tp_size}")
+
+    def _namespace(self, layout: Any, tp_rank: int) -> str:
+        return layout.namespace_for(self._model_label(tp_rank))
+
+    def _get_client(self) -> Any:
+        if self._client is None:
+            import kvdepot
+
+            self._client = kvdepot.Client(
+                self._server,
+                timeout_s=self._timeout_s,
+                lease_s=self._lease_s,
+                client_name=f"kvdepot-vllm-{self.role.name.lower()}",
+            )
+        return self._client
+
+    def shutdown(self) -> None:
+        """Releases the pins still held and closes the connection."""
+        for st in self._requests.values():
+            self._unpin(st)
+        self._requests.clear()
+        client, self._client, self._store = self._client, None, None
+        if client is not None:
+            try:
+                client.close()
+            except Exception:  # noqa: BLE001
+                pass
+
+    # ------------------------------------------------------------------
+    # Scheduler side
+
+    @staticmethod
+    def _extra_keys(request: Any) -> Tuple[Any, ...]:
+        extra: List[Any] = []
+        lora = getattr(request, "lora_request", None)
+        if lora is not None:
+            extra.append("lora:" + str(getattr(lora, "lora_name", lora)))
+        salt = getattr(request, "cache_salt", None)
+        if salt:
+            extra.append("salt:" + str(salt))
+        return tuple(extra)
+
+    @staticmethod
+    def _has_multimodal(request: Any) -> bool:
+        for attr in ("mm_features", "mm_positions", "mm_hashes", "mm_inputs"):
+            if getattr(request, attr, None):
+                return True
+        return False
+
+    @staticmethod
+    def _tokens(request: Any) -> Sequence[int]:
+        tokens = getattr(request, "all_token_ids", None)
+        if tokens is None:
+            tokens = request.prompt_token_ids
+        return tokens
+
+    def _state(self, request: Any) -> _RequestState:
+        st = self._requests.get(request.request_id)
+        if st is None:
+            enabled = (
+                self._disabled_reason is None
+                and self._scheduler_namespace is not None
+                and not self._has_multimodal(request)
+            )
+            st = _RequestState(request, self._extra_keys(request), enabled)
+            self._requests[request.request_id] = st
+        else:
+            st.request = request
+        return st
+
+    def _keys_upto(self, st: _RequestState, num_blocks: int) -> List[bytes]:
+        """The keys of the request's first ``num_blocks`` full blocks."""
+        if len(st.keys) < num_blocks:
+            parent = st.keys[-1] if st.keys else None
+            st.keys.extend(
+                block_hashes(
+                    self._tokens(st.request),
+                    self._block_size,
+                    st.extra_keys,
+                    start_block=len(st.keys),
+                    parent=parent,
+                    num_blocks=num_blocks,
+                )
+            )
+        return st.keys[:num_blocks]
+
+    def _unpin(self, st: _RequestState) -> None:
+        pin, st.pin_id = st.pin_id, 0
+        if pin and self._client is not None:
+            try:
+                self._client.unpin(pin)
+            except Exception as e:  # noqa: BLE001 - the session lease ends it
+                logger.warning("kvdepot: unpin %d failed: %s", pin, e)
+
+    def get_num_new_matched_tokens(
+        self, request: Any, num_computed_tokens: int
+    ) -> Tuple[Optional[int], bool]:
+        """Tokens beyond ``num_computed_tokens`` that kvdepot holds (whole
+        blocks, never the prompt's last token), loaded synchronously: returns
+        ``(n, False)``; ``(0, False)`` on any error."""
+        st = self._state(request)
+        self._unpin(st)  # a repeated call replaces the earlier lookup
+        st.load_pending = False
+        if not (st.enabled and self._load_enabled):
+            return 0, False
+        try:
+            tokens = self._tokens(request)
+            num_blocks = (len(tokens) - 1) // self._block_size
+            if num_blocks * self._block_size <= num_computed_tokens:
+                return 0, False
+            keys = self._keys_upto(st, num_blocks)
+            self.stats["lookups"] += 1
+            reply = self._get_client().lookup(
+                self._scheduler_namespace, keys, prefix=True, pin=True
+            )
+            st.pin_id = int(reply.pin_id)
+            hits = int(reply.prefix_hits)
+            st.stored_blocks = max(st.stored_blocks, hits)
+            matched = hits * self._block_size - num_computed_tokens
+            if matched <= 0:
+                self._unpin(st)
+                return 0, False
+            st.load_from = num_computed_tokens // self._block_size
+            st.load_to = hits
+            st.load_pending = True
+            self.stats["matched_tokens"] += matched
+            return matched, False
+        except Exception as e:  # noqa: BLE001 - degrade to recompute
+            self.stats["lookup_errors"] += 1
+            logger.warning("kvdepot: lookup for %s failed, recomputing: %s",
+                           request.request_id, e)
+            self._unpin(st)
+            st.load_pending = False
+            return 0, False
+
+    def update_state_after_alloc(
+        self, request: Any, blocks: Any, num_external_tokens: int
+    ) -> None:
+        """Keeps the load planned by the last lookup if vLLM accepted it
+        (``num_external_tokens > 0``), else drops it and its pin."""
+        st = self._requests.get(request.request_id)
+        if st is None:
+            return
+        st.request = request
+        if num_external_tokens <= 0 or not st.load_pending:
+            st.load_pending = False
+            self._unpin(st)
+            return
+        accepted = st.load_from + num_external_tokens // self._block_size
+        st.load_to = min(st.load_to, accepted)
+
+    def build_connector_meta(self, scheduler_output: Any) -> KvDepotConnectorMetadata:
+        """This step's loads (planned by the lookups) and saves (blocks that
+        become full and computed in this step)."""
+        meta = KvDepotConnectorMetadata()
+        scheduled = getattr(scheduler_output, "num_scheduled_tokens", {}) or {}
+        for new_req in getattr(scheduler_output, "scheduled_new_reqs", ()) or ():
+            st = self._requests.get(new_req.req_id)
+            if st is None:
+                continue
+            st.block_ids = list(new_req.block_ids[0]) if new_req.block_ids else []
+            self._plan(st, new_req.req_id, int(new_req.num_computed_tokens),
+                       int(scheduled.get(new_req.req_id, 0)), meta)
+        cached = getattr(scheduler_output, "scheduled_cached_reqs", None)
+        if cached is not None:
+            resumed_ids = getattr(cached, "resumed_req_ids", None)
+            resumed_flags = getattr(cached, "resumed_from_preemption", None)
+            for i, req_id in enumerate(cached.req_ids):
+                st = self._requests.get(req_id)
+                if st is None:
+                    continue
+                if resumed_ids is not None:
+                    resumed = req_id in resumed_ids
+                else:
+                    resumed = bool(resumed_flags[i]) if resumed_flags else False
+                new_ids = cached.new_block_ids[i]
+                if resumed:
+                    st.block_ids = list(new_ids[0]) if new_ids else []
+                elif new_ids:
+                    st.block_ids.extend(new_ids[0])
+                self._plan(st, req_id, int(cached.num_computed_tokens[i]),
+                           int(scheduled.get(req_id, 0)), meta)
+        return meta
+
+    def _plan(self, st: _RequestState, req_id: str, num_computed: int,
+              num_scheduled: int, meta: KvDepotConnectorMetadata) -> None:
+        try:
+            if st.load_pending:
+                st.load_pending = False
+                lo, hi = st.load_from, min(st.load_to, len(st.block_ids))
+                if hi > lo:
+                    keys = self._keys_upto(st, hi)
+                    meta.loads.append(LoadSpec(req_id, st.block_ids[lo:hi], keys[lo:hi]))
+                    st.load_in_flight = True
+                else:
+                    self._unpin(st)
+            if not (st.enabled and self._save_enabled):
+                return
+            # Tokens whose K/V are in the cache once this step ran: the
+            # scheduled ones that are real tokens (not speculative drafts).
+            done = min(num_computed + num_scheduled, len(self._tokens(st.request)))
+            full = min(done // self._block_size, len(st.block_ids))
+            if full > st.stored_blocks:
+                keys = self._keys_upto(st, full)
+                first = st.stored_blocks
+                parent = keys[first - 1] if first > 0 else b""
+                meta.saves.append(
+                    SaveSpec(req_id, st.block_ids[first:full], keys[first:full],
+                             parents_of(keys[first:full], parent))
+                )
+                st.stored_blocks = full
+        except Exception as e:  # noqa: BLE001
+            logger.warning("kvdepot: planning %s failed: %s", req_id, e)
+
+    def update_connector_output(self, connector_output: Any) -> None:
+        """After a step: its loads are done (synchronous), so their pins go."""
+        for st in self._requests.values():
+            if st.load_in_flight:
+                st.load_in_flight = False
+                self._unpin(st)
+
+    def request_finished(
+        self, request: Any, block_ids: List[int]
+    ) -> Tuple[bool, Optional[Dict[str, Any]]]:
+        """Drops the request's state and pin. Its blocks were saved step by
+        step, so vLLM may free them now: ``(False, None)``."""
+        st = self._requests.pop(request.request_id, None)
+        if st is not None:
+            self._unpin(st)
+        return False, None
+
+    def take_events(self) -> Iterable[Any]:
+        return ()
+
+    # ------------------------------------------------------------------
+    # Worker side
+
+    def register_kv_caches(self, kv_caches: Dict[str, Any]) -> None:
+        """Takes the per-layer caches (ordered by layer index) and checks them
+        against the layout derived from the config; a mismatch disables the
+        connector (logged), it never fails the engine."""
+        try:
+            import kvdepot
+
+            if self._layout is None:
+                return
+            items = sorted(
+                enumerate(kv_caches.items()), key=lambda x: _layer_index(x[1][0], x[0])
+            )
+            self._layer_names = [name for _, (name, _) in items]
+            self._caches = [t for _, (_, t) in items]
+            if len(self._caches) != self._layout.num_layers:
+                raise ValueError(
+                    f"{len(self._caches)} cache tensors, the config says "
+                    f"{self._layout.num_layers} layers")
+            first = self._caches[0]
+            bs = self._block_size
+            if self._use_mla:
+                want = (first.shape[0], bs, self._layout.head_size)
+            else:
+                want = (2, first.shape[1], bs, self._layout.num_kv_heads,
+                        self._layout.head_size)
+            for name, t in zip(self._layer_names, self._caches):
+                if tuple(t.shape) != want or t.dtype != first.dtype:
+                    raise ValueError(f"cache {name} has shape {tuple(t.shape)} "
+                                     f"{t.dtype}, expected {want} {first.dtype}")
+                if not t.is_contiguous():
+                    raise ValueError(f"cache {name} is not contiguous")
+            if kvdepot.dtype_from_torch(first.dtype) != self._layout.dtype:
+                raise ValueError(f"cache dtype {first.dtype} is not the model's")
+            self._on_cpu = first.device.type == "cpu" and self._staging != "torch"
+            rank = self._tp_rank()
+            self._store = kvdepot.KvCacheStore(
+                self._server, self._layout, self._model_label(rank),
+                client=self._get_client())
+        except Exception as e:  # noqa: BLE001
+            self._store = None
+            self._disable(f"register_kv_caches: {e}")
+
+    def _tp_rank(self) -> int:
+        pc = getattr(self._vllm_config, "parallel_config", None)
+        rank = getattr(pc, "rank", 0) or 0
+        try:  # vLLM's own view of the TP rank, where it is initialized
+            from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
+
+            rank = get_tensor_model_parallel_rank()
+        except Exception:  # noqa: BLE001
+            pass
+        return int(rank) % self._tp_size
+
+    # The torch staging path (devices other than CPU): the same canonical
+    # object bytes as kvdepot.gather/scatter, [layers, K/V, tokens, heads,
+    # head_size] per block.
+    def _torch_gather(self, block_ids: List[int]) -> List[Any]:
+        import torch
+
+        idx = torch.tensor(block_ids, dtype=torch.long, device=self._caches[0].device)
+        if self._use_mla:
+            stacked = torch.stack([c.index_select(0, idx) for c in self._caches], dim=1)
+        else:
+            stacked = torch.stack([c.index_select(1, idx) for c in self._caches], dim=0)
+            stacked = stacked.permute(2, 0, 1, 3, 4, 5)
+        host = stacked.contiguous().to("cpu")
+        return [host[i] for i in range(len(block_ids))]
+
+    def _torch_scatter(self, block_ids: List[int], objects: List[Any]) -> None:
+        import torch
+
+        dev = self._caches[0].device
+        idx = torch.tensor(block_ids, dtype=torch.long, device=dev)
+        data = torch.stack(objects).to(dev)
+        for layer, cache in enumerate(self._caches):
+            if self._use_mla:
+                cache.index_copy_(0, idx, data[:, layer])
+            else:
+                cache.index_copy_(1, idx, data[:, layer].transpose(0, 1))
+
+    def _object_shape(self) -> Tuple[int, ...]:
+        lay = self._layout
+        if self._use_mla:
+            return (lay.num_layers, lay.block_size, lay.head_size)
+        return (lay.num_layers, 2, lay.block_size, lay.num_kv_heads, lay.head_size)
+
+    def _load(self, block_ids: List[int], keys: List[bytes]) -> List[bool]:
+        if self._on_cpu:
+            return self._store.load(self._caches, block_ids, keys)
+        import torch
+
+        bufs = [torch.empty(self._object_shape(), dtype=self._caches[0].dtype)
+                for _ in keys]
+        filled = self._store.client.get_into(self._store.namespace, keys, bufs)
+        hits = [i for i, ok in enumerate(filled) if ok]
+        if hits:
+            self._torch_scatter([block_ids[i] for i in hits], [bufs[i] for i in hits])
+        return filled
+
+    def _save(self, block_ids: List[int], keys: List[bytes], parents: List[bytes]) -> None:
+        if self._on_cpu:
+            self._store.save(self._caches, block_ids, keys, parents)
+            return
+        objects = self._torch_gather(block_ids)
+        self._store.client.put(self._store.namespace, keys, objects, parents)
+
+    def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
+        """Reads this step's blocks into the paged caches (all layers, before
+        the forward pass). Blocks not loaded are reported by
+        :meth:`get_block_ids_with_load_errors`; nothing raises."""
+        meta = self._connector_metadata
+        if not isinstance(meta, KvDepotConnectorMetadata) or not meta.loads:
+            return
+        for spec in meta.loads:
+            if self._store is None:
+                self._load_failed(spec.block_ids, "connector disabled")
+                continue
+            try:
+                filled = self._load(spec.block_ids, spec.keys)
+                n = filled.index(False) if False in filled else len(filled)
+                self.stats["loaded_blocks"] += n
+                if n < len(filled):
+                    # A prefix is what vLLM can use: everything from the first
+                    # miss on is recomputed.
+                    self._load_failed(spec.block_ids[n:], f"miss at block {n} of {len(filled)}")
+            except Exception as e:  # noqa: BLE001
+                self._load_failed(spec.block_ids, str(e))
+
+    def _load_failed(self, block_ids: Sequence[int], why: str) -> None:
+        logger.warning("kvdepot: %d blocks not loaded (%s); vLLM recomputes them",
+                       len(block_ids), why)
+        self.stats["load_errors"] += len(block_ids)
+        self._load_errors.update(int(b) for b in block_ids)
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        """Nothing to wait for: start_load_kv loads every layer at once."""
+        return None
+
+    def save_kv_layer(self, layer_name: str, kv_layer: Any, attn_metadata: Any,
+                      **kwargs: Any) -> None:
+        """Nothing per layer: a kvdepot block holds all layers, so the blocks
+        are stored in wait_for_save once every layer is written."""
+        return None
+
+    def wait_for_save(self) -> None:
+        """Stores this step's publishable blocks (all layers). Failures are
+        logged and counted: a lost save is a future miss, never an error."""
+        meta = self._connector_metadata
+        if not isinstance(meta, KvDepotConnectorMetadata) or not meta.saves:
+            return
+        if self._store is None:
+            return
+        for spec in meta.saves:
+            try:
+                self._save(spec.block_ids, spec.keys, spec.parents)
+                self.stats["saved_blocks"] += len(spec.keys)
+            except Exception as e:  # noqa: BLE001
+                self.stats["save_errors"] += len(spec.keys)
+                logger.warning("kvdepot: saving %d blocks of %s failed: %s",
+                               len(spec.keys), spec.req_id, e)
+
+    def get_finished(
+        self, finished_req_ids: Set[str]
+    ) -> Tuple[Optional[Set[str]], Optional[Set[str]]]:
+        """Transfers are synchronous: nothing finishes asynchronously."""
+        return None, None
+
+    def get_block_ids_with_load_errors(self) -> Set[int]:
+        """Block ids whose load failed since the last call (then cleared)."""
+        errors, self._load_errors = self._load_errors, set()
+        return errors
+
+
+__all__ = [
+    "HAVE_VLLM",
+    "KVConnectorRole",
+    "KvDepotConnector",
+    "KvDepotConnectorMetadata",
+    "LoadSpec",
+    "SaveSpec",
+]

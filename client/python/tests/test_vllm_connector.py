@@ -1,0 +1,230 @@
+"""Tests of kvdepot.integrations.vllm.KvDepotConnector against a live kvdepotd,
+driven by engine_harness.VllmEngine in vLLM's call order with real torch paged
+caches. vLLM itself is not installed here: the connector subclasses its local
+stand-in base (see the module's docstring).
+
+Run with PYTHONPATH=<build>/python (the package, with integrations/) and
+KVDEPOT_DAEMON=<path of kvdepotd>. Exits 77 (ctest: skipped) when torch,
+numpy or the kvdepot package is missing.
+"""
+
+import os
+import sys
+import unittest
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+try:
+    import numpy  # noqa: F401
+    import torch
+    import kvdepot
+    from kvdepot.integrations import vllm as kv_vllm
+    from engine_harness import Daemon, FakeRequest, VllmEngine, make_vllm_config
+except ImportError as e:  # pragma: no cover
+    print(f"skipping: {e}", file=sys.stderr)
+    sys.exit(77)
+
+BS = 16
+LAYERS = 3
+HEADS = 2
+HEAD = 32
+
+
+def prompt(seed: int, n: int):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, 32000, (n,), generator=g).tolist()
+
+
+class VllmConnectorTest(unittest.TestCase):
+    def setUp(self):
+        self.daemon = Daemon()
+
+    def tearDown(self):
+        for e in getattr(self, "engines", []):
+            e.scheduler.shutdown()
+            e.worker.shutdown()
+        self.daemon.stop()
+
+    def engine(self, dtype=torch.bfloat16, **extra):
+        cfg = make_vllm_config(self.daemon.address, num_layers=LAYERS, block_size=BS,
+                               num_kv_heads=HEADS, head_size=HEAD, dtype=dtype,
+                               extra=extra)
+        e = VllmEngine(kv_vllm.KvDepotConnector, cfg, num_blocks=32,
+                       role_enum=kv_vllm.KVConnectorRole)
+        self.engines = getattr(self, "engines", []) + [e]
+        self.assertIsNone(e.worker.disabled_reason)
+        return e
+
+    def run_prefill(self, e, req):
+        ext = e.admit(req)
+        n = len(req.all_token_ids) - req.num_computed_tokens
+        e.step([req], [], {req.request_id: n})
+        return ext
+
+    def test_metadata_and_interface(self):
+        if not kv_vllm.HAVE_VLLM:  # the stand-in base is in use
+            self.assertIs(kv_vllm.KVConnectorBase_V1, kv_vllm._StandInConnectorBase)
+        for name in ("get_num_new_matched_tokens", "update_state_after_alloc",
+                     "build_connector_meta", "request_finished", "register_kv_caches",
+                     "start_load_kv", "wait_for_layer_load", "save_kv_layer",
+                     "wait_for_save", "get_finished", "get_block_ids_with_load_errors",
+                     "update_connector_output", "shutdown"):
+            self.assertTrue(callable(getattr(kv_vllm.KvDepotConnector, name)), name)
+
+    def shared_prefix_round_trip(self, staging):
+        a_eng = self.engine(staging=staging)
+        # Request A: 5 full blocks + 3 tokens; nothing stored yet.
+        a = FakeRequest("A", prompt(1, 5 * BS + 3))
+        self.assertEqual(self.run_prefill(a_eng, a), 0)
+        self.assertEqual(a_eng.worker.stats["saved_blocks"], 5)
+        # Decode until the 6th block is full (96 tokens): it is saved then.
+        while len(a.all_token_ids) < 6 * BS + 1:
+            a.output_token_ids.append(7)
+            a_eng.step([], [a], {"A": 1})
+        self.assertEqual(a_eng.worker.stats["saved_blocks"], 6)
+        self.assertEqual(a_eng.finish(a), (False, None))
+        a_blocks = [a_eng.block_kv(a, i) for i in range(6)]
+        # The stand-in model's K/V are what was cached.
+        for i in range(6):
+            for got, want in zip(a_blocks[i], a_eng.expected_block_kv(a.all_token_ids, i)):
+                self.assertTrue(torch.equal(got, want))
+
+        # Request B on a second engine (empty caches): shares A's first 4
+        # blocks, then differs.
+        b_eng = self.engine(staging=staging)
+        b = FakeRequest("B", a.prompt_token_ids[:4 * BS] + prompt(2, 40))
+        ext = b_eng.admit(b)
+        self.assertEqual(ext, 4 * BS)
+        meta = b_eng.step([b], [], {"B": len(b.all_token_ids) - 4 * BS})
+        self.assertEqual(len(meta.loads), 1)
+        self.assertEqual(b_eng.load_errors, [])
+        self.assertEqual(b_eng.worker.stats["loaded_blocks"], 4)
+        for i in range(4):
+            for got, want in zip(b_eng.block_kv(b, i), a_blocks[i]):
+                # Loaded bytes are exactly A's.
+                self.assertTrue(torch.equal(got.view(torch.int16), want.view(torch.int16)))
+        # B's own blocks are computed, and its full new blocks saved (4..5).
+        for i in range(4, 6):
+            for got, want in zip(b_eng.block_kv(b, i),
+                                 b_eng.expected_block_kv(b.all_token_ids, i)):
+                self.assertTrue(torch.equal(got, want))
+        self.assertEqual(meta.saves[0].block_ids, b_eng.blocks["B"][4:6])
+        b_eng.finish(b)
+        stats = kvdepot.Client(self.daemon.address).stats()
+        self.assertEqual(stats["pins"], 0)  # every pin released
+
+    def test_shared_prefix_loads_first_requests_bytes(self):
+        self.shared_prefix_round_trip("auto")
+
+    def test_torch_staging_path_same_bytes(self):
+        # The path used for GPU caches, run here on CPU tensors.
+        self.shared_prefix_round_trip("torch")
+
+    def test_torch_staging_matches_native_gather(self):
+        e = self.engine(staging="torch")
+        for name, t in e.kv_caches.items():
+            t.copy_(torch.randn(t.shape).to(t.dtype))
+        objs = e.worker._torch_gather([3, 1])
+        layout = e.worker._layout
+        native = [numpy.empty(layout.object_bytes, numpy.uint8) for _ in range(2)]
+        kvdepot.gather(layout, [e.kv_caches[n] for n in e.layer_names], [3, 1], native)
+        for o, n in zip(objs, native):
+            self.assertEqual(o.contiguous().view(torch.uint8).numpy().tobytes(), n.tobytes())
+
+    def test_local_prefix_hit_loads_only_the_rest(self):
+        a_eng = self.engine()
+        a = FakeRequest("A", prompt(3, 4 * BS + 5))
+        self.run_prefill(a_eng, a)
+        a_eng.finish(a)
+        # Same engine, B's first block is a local prefix-cache hit (A's block).
+        b = FakeRequest("B", list(a.prompt_token_ids))
+        ext = a_eng.admit(b, num_local_computed=BS, local_blocks=a_eng.blocks["A"][:1])
+        self.assertEqual(ext, 3 * BS)
+        meta = a_eng.step([b], [], {"B": len(b.all_token_ids) - 4 * BS})
+        self.assertEqual(len(meta.loads[0].block_ids), 3)
+        self.assertEqual(meta.loads[0].block_ids, a_eng.blocks["B"][1:4])
+        for i in range(4):
+            for got, want in zip(a_eng.block_kv(b, i),
+                                 a_eng.expected_block_kv(b.all_token_ids, i)):
+                self.assertTrue(torch.equal(got, want))
+
+    def test_last_token_is_never_matched(self):
+        a_eng = self.engine()
+        a = FakeRequest("A", prompt(4, 3 * BS))
+        self.run_prefill(a_eng, a)  # saves 3 blocks
+        b_eng = self.engine()
+        b = FakeRequest("B", list(a.prompt_token_ids))
+        # 48 tokens stored, but vLLM must compute at least one: 2 blocks.
+        self.assertEqual(b_eng.admit(b), 2 * BS)
+
+    def test_daemon_gone_degrades_to_recompute(self):
+        a_eng = self.engine()
+        a = FakeRequest("A", prompt(5, 4 * BS + 1))
+        self.run_prefill(a_eng, a)
+        b_eng = self.engine()
+        b = FakeRequest("B", a.prompt_token_ids[:4 * BS] + prompt(9, BS + 1))
+        self.assertEqual(b_eng.admit(b), 4 * BS)  # looked up and pinned
+        self.daemon.terminate()  # gone between the lookup and the load
+        b_eng.step([b], [], {"B": 1})  # must not raise
+        self.assertEqual(sorted(b_eng.load_errors), sorted(b_eng.blocks["B"][:4]))
+        b_eng.recompute_failed(b, b_eng.load_errors)
+        self.assertEqual(b.num_computed_tokens, 0)
+        b_eng.step([], [b], {"B": len(b.all_token_ids)})  # recompute; saves fail quietly
+        self.assertGreater(b_eng.worker.stats["save_errors"], 0)
+        for i in range(5):
+            for got, want in zip(b_eng.block_kv(b, i),
+                                 b_eng.expected_block_kv(b.all_token_ids, i)):
+                self.assertTrue(torch.equal(got, want))
+        # A new request's lookup fails: 0 tokens, no exception.
+        c = FakeRequest("C", list(a.prompt_token_ids))
+        self.assertEqual(b_eng.scheduler.get_num_new_matched_tokens(c, 0), (0, False))
+        self.assertEqual(b_eng.finish(b), (False, None))
+
+    def test_missing_blocks_are_reported_not_zeroed(self):
+        a_eng = self.engine()
+        a = FakeRequest("A", prompt(6, 4 * BS + 1))
+        self.run_prefill(a_eng, a)
+        b_eng = self.engine()
+        b = FakeRequest("B", list(a.prompt_token_ids))
+        self.assertEqual(b_eng.admit(b), 4 * BS)
+        # Block 2 is lost after the lookup (its pin gone, e.g. the session
+        # lease ran out, and evicted): blocks 0-1 load, 2-3 are reported.
+        st = b_eng.scheduler._requests["B"]
+        b_eng.scheduler._unpin(st)
+        with kvdepot.Client(self.daemon.address) as c:
+            ev = c.evict(b_eng.scheduler._scheduler_namespace, [st.keys[2]])
+            self.assertEqual(ev["evicted_blocks"], 1)
+        b_eng.step([b], [], {"B": 1})
+        self.assertEqual(sorted(b_eng.load_errors), sorted(b_eng.blocks["B"][2:4]))
+        self.assertEqual(b_eng.worker.stats["loaded_blocks"], 2)
+        for i in range(2):
+            for got, want in zip(b_eng.block_kv(b, i), a_eng.block_kv(a, i)):
+                self.assertTrue(torch.equal(got, want))
+        # The missing block is left untouched (vLLM recomputes it and the
+        # ones after it).
+        for got in b_eng.block_kv(b, 2):
+            self.assertEqual(int(got.view(torch.int16).abs().sum()), 0)
+
+    def test_multimodal_and_consumer_roles(self):
+        e = self.engine(save=False)
+        r = FakeRequest("M", prompt(7, 3 * BS))
+        self.run_prefill(e, r)
+        self.assertEqual(e.worker.stats["saved_blocks"], 0)  # load-only role
+        e2 = self.engine()
+        mm = FakeRequest("MM", prompt(8, 3 * BS), mm_features=[object()])
+        self.assertEqual(e2.scheduler.get_num_new_matched_tokens(mm, 0), (0, False))
+
+    def test_bad_config_disables_instead_of_failing(self):
+        cfg = make_vllm_config(self.daemon.address, num_layers=LAYERS, block_size=BS,
+                               num_kv_heads=HEADS, head_size=HEAD, dtype=torch.bfloat16)
+        w = kv_vllm.KvDepotConnector(cfg, kv_vllm.KVConnectorRole.WORKER)
+        w.register_kv_caches({"model.layers.0.attn": torch.zeros(2, 4, BS, HEADS, HEAD)})
+        self.assertIsNotNone(w.disabled_reason)
+        w.start_load_kv(None)
+        w.wait_for_save()
+        self.assertEqual(w.get_block_ids_with_load_errors(), set())
+        w.shutdown()
+
+
+if __name__ == "__main__":
+    unittest.main()
