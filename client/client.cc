@@ -333,6 +333,23 @@ absl::StatusOr<std::vector<PutResult>> FinishPut(
 
 absl::StatusOr<std::vector<PutResult>> Client::Put(
     absl::string_view ns, absl::Span<const BlockToPut> blocks) {
+  if (ucx_ == nullptr || blocks.empty()) return PutGrpc(ns, blocks);
+  // Over UCX when the bytes are in registered memory (PutFromAsync falls
+  // back to PutGrpc otherwise).
+  TransferOp op = PutFromAsync(ns, blocks);
+  op.Wait();
+  std::vector<PutResult> out;
+  out.reserve(blocks.size());
+  for (size_t i = 0; i < blocks.size(); ++i) {
+    RETURN_IF_ERROR(op.statuses()[i]);
+    out.push_back(op.already_stored(i) ? PutResult::kAlreadyExists
+                                       : PutResult::kStored);
+  }
+  return out;
+}
+
+absl::StatusOr<std::vector<PutResult>> Client::PutGrpc(
+    absl::string_view ns, absl::Span<const BlockToPut> blocks) {
   RETURN_IF_ERROR(ValidateNamespace(ns));
   for (const BlockToPut& b : blocks) RETURN_IF_ERROR(ValidateKey(b.key));
   grpc::ClientContext ctx;
@@ -434,6 +451,28 @@ absl::StatusOr<std::vector<Block>> Client::Get(
 }
 
 absl::StatusOr<std::vector<bool>> Client::GetInto(
+    absl::string_view ns, absl::Span<const absl::string_view> keys,
+    absl::Span<const absl::Span<char>> dst) {
+  if (ucx_ == nullptr || keys.empty() || keys.size() != dst.size()) {
+    return GetIntoGrpc(ns, keys, dst);
+  }
+  // Over UCX when dst is in registered memory (GetIntoAsync falls back to
+  // GetIntoGrpc otherwise).
+  TransferOp op = GetIntoAsync(ns, keys, dst);
+  op.Wait();
+  std::vector<bool> filled(keys.size(), false);
+  for (size_t i = 0; i < keys.size(); ++i) {
+    const absl::Status& s = op.statuses()[i];
+    if (s.ok()) {
+      filled[i] = true;
+    } else if (!absl::IsNotFound(s)) {
+      return s;
+    }
+  }
+  return filled;
+}
+
+absl::StatusOr<std::vector<bool>> Client::GetIntoGrpc(
     absl::string_view ns, absl::Span<const absl::string_view> keys,
     absl::Span<const absl::Span<char>> dst) {
   if (keys.size() != dst.size()) {
@@ -709,7 +748,7 @@ TransferOp Client::GetIntoAsync(absl::string_view ns,
   if (!target.ok()) {
     // The gRPC byte path, done here.
     auto state = std::make_shared<TransferOp::State>(keys.size(), "grpc");
-    absl::StatusOr<std::vector<bool>> filled = GetInto(ns, keys, dst);
+    absl::StatusOr<std::vector<bool>> filled = GetIntoGrpc(ns, keys, dst);
     bool open = true;
     for (size_t i = 0; i < keys.size(); ++i) {
       if (!filled.ok()) {
@@ -780,9 +819,13 @@ TransferOp Client::PutFromAsync(absl::string_view ns,
   absl::StatusOr<UcxTarget> target = PrepareUcx(ranges);
   if (!target.ok()) {
     auto state = std::make_shared<TransferOp::State>(blocks.size(), "grpc");
-    absl::StatusOr<std::vector<PutResult>> put = Put(ns, blocks);
-    if (!put.ok()) {
-      for (absl::Status& s : state->statuses) s = put.status();
+    absl::StatusOr<std::vector<PutResult>> put = PutGrpc(ns, blocks);
+    for (size_t i = 0; i < blocks.size(); ++i) {
+      if (!put.ok()) {
+        state->statuses[i] = put.status();
+      } else {
+        state->existed[i] = (*put)[i] == PutResult::kAlreadyExists;
+      }
     }
     state->Publish();
     return TransferOp(std::move(state));

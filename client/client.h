@@ -114,8 +114,8 @@ class TransferOp {
   const std::vector<absl::Status>& statuses() const;
   // REQUIRES: IsReady(). Number of leading blocks that are OK.
   size_t ok_prefix() const;
-  // REQUIRES: IsReady(). For a put over UCX: block i was stored before
-  // (its status is OK; nothing moved).
+  // REQUIRES: IsReady(). For a put: block i was stored before (its status
+  // is OK; nothing was stored).
   bool already_stored(size_t i) const;
   // REQUIRES: IsReady(). "ucx" or "grpc": the path the blocks took.
   const char* transport() const;
@@ -153,8 +153,9 @@ class Client {
                                      bool prefix, bool pin);
   absl::Status Unpin(uint64_t pin_id);
 
-  // Stores blocks over one Write stream (put-if-absent). Each block's
-  // checksum is computed here. Returns one result per block.
+  // Stores blocks (put-if-absent): over UCX (PutFromAsync) when every
+  // block's bytes lie in registered memory, else over one Write stream. Each
+  // block's checksum is computed here. Returns one result per block.
   absl::StatusOr<std::vector<PutResult>> Put(absl::string_view ns,
                                              absl::Span<const BlockToPut> blocks);
   // Reads blocks over one Read stream, verifying each checksum (DATA_LOSS on a
@@ -163,7 +164,8 @@ class Client {
                                          absl::Span<const absl::string_view> keys);
 
   // Reads blocks straight into caller-owned buffers, without the per-block
-  // strings Get allocates. dst[i] receives the block of keys[i] and must be
+  // strings Get allocates; over UCX (GetIntoAsync) when every buffer lies in
+  // registered memory. dst[i] receives the block of keys[i] and must be
   // exactly that block's size. Returns one flag per key: true when dst[i] was
   // filled, false when the key is not stored (a miss: dst[i] is left
   // untouched, never zero-filled). The blocks are pinned (a session is opened
@@ -173,8 +175,8 @@ class Client {
   // REQUIRES: keys.size() == dst.size(); the buffers do not overlap and stay
   // valid, and are not accessed by others, until the call returns.
   // Returns InvalidArgument if the counts differ or a stored block's size is
-  // not dst[i].size() -- checked before any buffer is written, so then
-  // nothing is written. DATA_LOSS if a block fails its checksum; the buffers
+  // not dst[i].size() -- over gRPC checked before any buffer is written, so
+  // then nothing is written; over UCX the other blocks may have been. DATA_LOSS if a block fails its checksum; the buffers
   // of the blocks not yet verified are then unspecified. Other errors (the
   // daemon is unreachable, a deadline) likewise leave the buffers
   // unspecified.
@@ -239,6 +241,12 @@ class Client {
   explicit Client(const ClientOptions& options);
   void PrepareContext(grpc::ClientContext* ctx) const;
   void KeepAliveLoop();
+  // The gRPC byte path of Put and GetInto.
+  absl::StatusOr<std::vector<PutResult>> PutGrpc(absl::string_view ns,
+                                                 absl::Span<const BlockToPut> blocks);
+  absl::StatusOr<std::vector<bool>> GetIntoGrpc(
+      absl::string_view ns, absl::Span<const absl::string_view> keys,
+      absl::Span<const absl::Span<char>> dst);
   // GetInto's Read stream: fills dst[i] for every entry `found` marks found.
   absl::Status ReadInto(absl::string_view ns,
                         absl::Span<const absl::string_view> keys,

@@ -14,6 +14,7 @@
 // Errors: absl::Status codes become Python exceptions whose message starts
 // with the code's name: NOT_FOUND -> KeyError, INVALID_ARGUMENT and
 // OUT_OF_RANGE -> ValueError, everything else -> RuntimeError.
+#include <pybind11/numpy.h>
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
@@ -356,6 +357,40 @@ class PyClient {
 
   // Closes the session and the channel; later calls raise RuntimeError.
   // Calls in flight on other threads finish first (they hold the client).
+  // A numpy uint8 array of `size` bytes allocated through UCX (shared
+  // memory where UCX can): put and get_into with buffers inside it move
+  // blocks over the UCX data plane. The array keeps the client's memory
+  // alive (even past close()).
+  py::array AllocateBuffer(size_t size) {
+    std::shared_ptr<Client> c = client();
+    absl::StatusOr<absl::Span<char>> span;
+    {
+      py::gil_scoped_release release;
+      span = c->AllocateBuffer(size);
+    }
+    absl::Span<char> bytes = Check(std::move(span));
+    auto* owner = new std::shared_ptr<Client>(std::move(c));
+    py::capsule keep(owner, [](void* p) {
+      delete static_cast<std::shared_ptr<Client>*>(p);
+    });
+    return py::array(py::dtype::of<uint8_t>(),
+                     {static_cast<py::ssize_t>(bytes.size())}, {1},
+                     bytes.data(), keep);
+  }
+
+  // "" when blocks in allocated or registered buffers move over UCX;
+  // otherwise why they take the gRPC byte path.
+  std::string DataPlaneStatus() {
+    std::shared_ptr<Client> c = client();
+    absl::Status st;
+    {
+      py::gil_scoped_release release;
+      st = c->EnsureSession().status();
+      if (st.ok()) st = c->data_plane_status();
+    }
+    return st.ok() ? "" : st.ToString();
+  }
+
   void Close() {
     std::shared_ptr<Client> c = std::move(client_);
     py::gil_scoped_release release;
@@ -529,6 +564,13 @@ PYBIND11_MODULE(_kvdepot, m) {
            py::arg("buffers"),
            "Reads blocks into writable buffers of exactly the block size; "
            "returns True per block filled, False per miss (buffer untouched).")
+      .def("allocate_buffer", &PyClient::AllocateBuffer, py::arg("size"),
+           "A numpy uint8 array allocated and registered through UCX; put "
+           "and get_into with buffers inside it use the UCX data plane "
+           "(shared memory with a daemon on this host).")
+      .def("data_plane_status", &PyClient::DataPlaneStatus,
+           "'' when the UCX data plane is in use, else why not (opens a "
+           "session to find out).")
       .def("evict", &PyClient::Evict, py::arg("ns"), py::arg("keys") =
            std::vector<py::bytes>(), py::arg("all") = false)
       .def("stats", &PyClient::Stats);

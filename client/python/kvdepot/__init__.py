@@ -6,7 +6,9 @@ Two levels:
   prefix matching and pinning), ``unpin``, ``put``, ``get_into``, ``evict``,
   ``stats``. Block bytes move straight from and into caller buffers (numpy
   arrays, ``bytes``, ``bytearray``, ``memoryview``, CPU torch tensors); the GIL
-  is released during every RPC.
+  is released during every RPC. Buffers inside ``allocate_buffer`` memory
+  move over the UCX data plane (shared memory with a daemon on this host),
+  others over the gRPC byte path.
 * :class:`KvCacheStore` -- saves and loads blocks of an engine's paged KV
   cache (torch tensors or numpy arrays in one of the :class:`KvCacheLayout`
   layouts): gather into host buffers, then put; get, then scatter the hits.
@@ -131,12 +133,20 @@ class KvCacheStore:
         self._buffers: List[Any] = []
 
     def _staging(self, n: int) -> List[Any]:
-        """n host buffers of one object each, reused across calls."""
+        """n host buffers of one object each, reused across calls: views of
+        memory allocated through UCX (so the blocks move over the UCX data
+        plane) when the client has it, else numpy arrays (gRPC byte path)."""
         import numpy as np
 
         size = self.layout.object_bytes
-        while len(self._buffers) < n:
-            self._buffers.append(np.empty(size, dtype=np.uint8))
+        if len(self._buffers) < n:
+            # Grow in one piece (at least doubling), so registrations stay few.
+            count = max(n, 2 * len(self._buffers), 8)
+            try:
+                pool = self.client.allocate_buffer(count * size)
+            except RuntimeError:  # no UCX in this client: host memory
+                pool = np.empty(count * size, dtype=np.uint8)
+            self._buffers = [pool[i * size:(i + 1) * size] for i in range(count)]
         return self._buffers[:n]
 
     def save(

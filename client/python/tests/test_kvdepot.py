@@ -101,6 +101,28 @@ class ClientTest(DaemonTestCase):
             self.assertEqual(o.ctypes.data, p)  # filled in place
             np.testing.assert_array_equal(b, o)
 
+    def test_allocated_buffers_move_blocks_over_ucx(self):
+        self.assertEqual(self.client.data_plane_status(), "")
+        pool = self.client.allocate_buffer(6 * 4096)
+        self.assertEqual((pool.dtype, pool.shape), (np.uint8, (6 * 4096,)))
+        src = [pool[i * 4096:(i + 1) * 4096] for i in range(3)]
+        dst = [pool[(3 + i) * 4096:(4 + i) * 4096] for i in range(3)]
+        for i, b in enumerate(src):
+            b[:] = np.random.default_rng(i).integers(0, 256, 4096, dtype=np.uint8)
+        keys = [key(40 + i) for i in range(3)]
+        self.assertEqual(self.client.put(NS, keys, src), [True] * 3)
+        self.assertEqual(self.client.put(NS, keys, src), [False] * 3)
+        dst[2][:] = 9
+        self.assertEqual(self.client.get_into(NS, keys[:2] + [key(99)], dst),
+                         [True, True, False])
+        for i in range(2):
+            np.testing.assert_array_equal(dst[i], src[i])
+        self.assertTrue((dst[2] == 9).all())  # a miss is left untouched
+        # The memory outlives close(): the array keeps it.
+        self.client.close()
+        pool[:4] = 1
+        self.assertEqual(int(pool[:4].sum()), 4)
+
     def test_put_accepts_bytes_memoryview_and_typed_arrays(self):
         data = np.arange(1024, dtype=np.float32)
         raw = bytes(range(256)) * 4
