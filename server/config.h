@@ -54,8 +54,9 @@ struct DaemonConfig {
   // 8k take loopback TCP from ~0.7 to several GB/s for 256 KiB blocks.
   std::map<std::string, std::string> ucx = {{"TCP_TX_SEG_SIZE", "512k"},
                                             {"TCP_RX_SEG_SIZE", "512k"}};
-  // Progress threads of the data plane.
-  int ucx_workers = 1;
+  // Progress threads of the data plane (2 measured 10-20% faster than 1
+  // here, over TCP and shared memory alike).
+  int ucx_workers = 2;
   // Longest a PushBlocks / PullBlocks transfer may take; past it the
   // client's endpoint is closed and its session ended.
   absl::Duration ucx_transfer_timeout = absl::Seconds(10);

@@ -55,7 +55,7 @@ struct DataPlaneOptions {
   // UCX settings (see UcxContextOptions::config), e.g. {"TLS", "tcp"}.
   std::map<std::string, std::string> ucx;
   // Progress threads; sessions are spread over them.
-  int workers = 1;
+  int workers = 2;
   // How long OpenSession waits for a client's worker to answer.
   absl::Duration connect_timeout = absl::Seconds(5);
   // Buffers one session may register.
