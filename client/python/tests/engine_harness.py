@@ -1,7 +1,7 @@
-"""Test harness for the engine adapters (kvdepot.integrations): a live
-kvdepotd, and small stand-ins of vLLM's scheduler/model runner and SGLang's
-HiCache controller that call the adapters' methods in the order, and with the
-arguments, the engines use.
+"""Test harness for the engine adapters (kvdepot.integrations): small
+stand-ins of vLLM's scheduler/model runner and SGLang's HiCache controller
+that call the adapters' methods in the order, and with the arguments, the
+engines use (the daemon comes from live_daemon.py).
 
 The call orders follow vLLM's v1 engine (vllm/v1/core/sched/scheduler.py,
 vllm/v1/worker/kv_connector_model_runner_mixin.py,
@@ -13,67 +13,12 @@ engines: they exercise the adapters' contracts, nothing more.
 from __future__ import annotations
 
 import hashlib
-import os
-import re
-import shutil
-import signal
-import subprocess
-import tempfile
-import time
-import unittest
 import zlib
 from dataclasses import dataclass, field
 from types import SimpleNamespace
 from typing import Any, Dict, List, Optional
 
 import torch
-
-
-class Daemon:
-    """A kvdepotd on 127.0.0.1:0 with its own data directory, NVMe tier off."""
-
-    def __init__(self) -> None:
-        binary = os.environ.get("KVDEPOT_DAEMON")
-        if not binary or not os.path.exists(binary):
-            raise unittest.SkipTest("KVDEPOT_DAEMON does not name kvdepotd")
-        self.dir = tempfile.mkdtemp(prefix="kvdepot-engine-test-")
-        self.log_path = os.path.join(self.dir, "kvdepotd.log")
-        self.log = open(self.log_path, "wb")
-        self.proc = subprocess.Popen(
-            [binary, "--listen", "127.0.0.1:0", "--metrics-listen", "",
-             "--data-dir", os.path.join(self.dir, "data"), "--hugepages", "off",
-             "--dram-capacity", "64MiB", "--nvme-capacity", "0"],
-            stdout=self.log, stderr=subprocess.STDOUT)
-        text = ""
-        deadline = time.monotonic() + 30
-        while time.monotonic() < deadline:
-            with open(self.log_path, "rb") as f:
-                text = f.read().decode(errors="replace")
-            m = re.search(r"listening on (\S+);", text)
-            if m:
-                self.address = m.group(1)
-                return
-            if self.proc.poll() is not None:
-                break
-            time.sleep(0.02)
-        self.stop()
-        raise RuntimeError(f"kvdepotd did not start:\n{text}")
-
-    def terminate(self) -> None:
-        """SIGTERM, and wait for the exit (the daemon may stay gone)."""
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(timeout=20)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(timeout=10)
-
-    def stop(self) -> None:
-        self.terminate()
-        if not self.log.closed:
-            self.log.close()
-        shutil.rmtree(self.dir, ignore_errors=True)
 
 
 # ----------------------------------------------------------------------

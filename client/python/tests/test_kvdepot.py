@@ -5,14 +5,8 @@ KVDEPOT_DAEMON=<path of kvdepotd>. Exits 77 (ctest: skipped) when numpy is
 missing; the torch cases skip themselves when torch is.
 """
 
-import os
-import re
-import shutil
-import subprocess
 import sys
-import tempfile
 import threading
-import time
 import unittest
 
 try:
@@ -27,46 +21,9 @@ except ImportError:  # pragma: no cover
     torch = None
 
 import kvdepot
+from live_daemon import Daemon
 
 NS = "pytest/ns"
-
-
-class Daemon:
-    """A kvdepotd on an ephemeral port with its own data directory."""
-
-    def __init__(self):
-        binary = os.environ.get("KVDEPOT_DAEMON")
-        if not binary or not os.path.exists(binary):
-            raise unittest.SkipTest("KVDEPOT_DAEMON does not name kvdepotd")
-        self.dir = tempfile.mkdtemp(prefix="kvdepot-pytest-")
-        self.log_path = os.path.join(self.dir, "kvdepotd.log")
-        self.log = open(self.log_path, "wb")
-        self.proc = subprocess.Popen(
-            [binary, "--listen", "127.0.0.1:0", "--metrics-listen", "",
-             "--data-dir", os.path.join(self.dir, "data"), "--hugepages", "off",
-             "--dram-capacity", "64MiB"],
-            stdout=self.log, stderr=subprocess.STDOUT)
-        deadline = time.monotonic() + 30
-        while time.monotonic() < deadline:
-            with open(self.log_path, "rb") as f:
-                text = f.read().decode(errors="replace")
-            m = re.search(r"listening on (\S+);", text)
-            if m:
-                self.address = m.group(1)
-                return
-            if self.proc.poll() is not None:
-                self.stop()
-                raise RuntimeError(f"kvdepotd exited before listening:\n{text}")
-            time.sleep(0.02)
-        self.stop()
-        raise RuntimeError(f"kvdepotd did not start:\n{text}")
-
-    def stop(self):
-        if self.proc.poll() is None:
-            self.proc.kill()
-            self.proc.wait(timeout=10)
-        self.log.close()
-        shutil.rmtree(self.dir, ignore_errors=True)
 
 
 class DaemonTestCase(unittest.TestCase):

@@ -19,8 +19,9 @@ try:
     import torch
     import kvdepot
     from kvdepot.integrations import sglang as kv_sglang
-    from engine_harness import (Daemon, FakeMHAHostPool, FakeStorageConfig,
+    from engine_harness import (FakeMHAHostPool, FakeStorageConfig,
                                 create_dynamic_backend, sglang_page_hashes)
+    from live_daemon import Daemon
 except ImportError as e:  # pragma: no cover
     print(f"skipping: {e}", file=sys.stderr)
     sys.exit(77)

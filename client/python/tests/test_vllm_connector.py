@@ -19,7 +19,8 @@ try:
     import torch
     import kvdepot
     from kvdepot.integrations import vllm as kv_vllm
-    from engine_harness import Daemon, FakeRequest, VllmEngine, make_vllm_config
+    from engine_harness import FakeRequest, VllmEngine, make_vllm_config
+    from live_daemon import Daemon
 except ImportError as e:  # pragma: no cover
     print(f"skipping: {e}", file=sys.stderr)
     sys.exit(77)

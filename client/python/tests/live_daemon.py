@@ -1,0 +1,62 @@
+"""A live kvdepotd for the Python tests: 127.0.0.1:0, its own data
+directory, NVMe tier off. The binary is $KVDEPOT_DAEMON (set by ctest); the
+tests that use it are skipped without it.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import signal
+import subprocess
+import tempfile
+import time
+import unittest
+
+
+class Daemon:
+    """A kvdepotd on 127.0.0.1:0 with its own data directory, NVMe tier off."""
+
+    def __init__(self) -> None:
+        binary = os.environ.get("KVDEPOT_DAEMON")
+        if not binary or not os.path.exists(binary):
+            raise unittest.SkipTest("KVDEPOT_DAEMON does not name kvdepotd")
+        self.dir = tempfile.mkdtemp(prefix="kvdepot-pytest-")
+        self.log_path = os.path.join(self.dir, "kvdepotd.log")
+        self.log = open(self.log_path, "wb")
+        self.proc = subprocess.Popen(
+            [binary, "--listen", "127.0.0.1:0", "--metrics-listen", "",
+             "--data-dir", os.path.join(self.dir, "data"), "--hugepages", "off",
+             "--dram-capacity", "64MiB", "--nvme-capacity", "0"],
+            stdout=self.log, stderr=subprocess.STDOUT)
+        text = ""
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            with open(self.log_path, "rb") as f:
+                text = f.read().decode(errors="replace")
+            m = re.search(r"listening on (\S+);", text)
+            if m:
+                self.address = m.group(1)
+                return
+            if self.proc.poll() is not None:
+                break
+            time.sleep(0.02)
+        self.stop()
+        raise RuntimeError(f"kvdepotd did not start:\n{text}")
+
+    def terminate(self) -> None:
+        """SIGTERM, and wait for the exit (the daemon may stay gone)."""
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(timeout=10)
+
+    def stop(self) -> None:
+        self.terminate()
+        if not self.log.closed:
+            self.log.close()
+        shutil.rmtree(self.dir, ignore_errors=True)
