@@ -249,6 +249,56 @@ TEST_P(UcxE2eTest, AKilledClientsPinsAndReservationsAreReleasedAtOnce) {
   EXPECT_EQ(back, src);
 }
 
+TEST_P(UcxE2eTest, AStalledClientsTransferEndsAtItsDeadlineAndItsSession) {
+  // 64 MiB of blocks, far more than socket buffers or shared-memory queues
+  // hold, pushed into a client that is stopped (SIGSTOP): its UCX worker
+  // cannot take them, so the transfer must end by its deadline.
+  constexpr int kBlocks = 32;
+  constexpr size_t kBig = 2 << 20;
+  std::vector<char> src(kBig, 'b');
+  ASSERT_OK(client_->RegisterBuffer(src.data(), src.size()));
+  std::vector<std::string> keys;
+  for (int i = 0; i < kBlocks; ++i) {
+    keys.push_back(absl::StrCat("big", i));
+    BlockToPut b{keys.back(), "", absl::string_view(src.data(), kBig)};
+    TransferOp put = client_->PutFromAsync("stall", {&b, 1});
+    put.Wait();
+    ASSERT_OK(put.statuses()[0]);
+  }
+  std::unique_ptr<Child> peer = Spawn({"stall", daemon_->address(), "stall",
+                                       std::to_string(kBlocks * kBig)});
+  std::string ready = peer->ReadLine();
+  uint64_t session = 0, address = 0;
+  ASSERT_EQ(std::sscanf(ready.c_str(), "READY %lu %lu", &session, &address), 2)
+      << ready;
+  kill(peer->pid, SIGSTOP);
+
+  grpc::ClientContext ctx;
+  v1::PushBlocksRequest req;
+  req.set_session_id(session);
+  req.set_namespace_("stall");
+  for (int i = 0; i < kBlocks; ++i) {
+    req.add_keys(keys[i]);
+    v1::BufferRange* r = req.add_destinations();
+    r->set_buffer_id(0);
+    r->set_address(address + i * kBig);
+    r->set_size(kBig);
+  }
+  req.set_timeout_ms(500);
+  v1::PushBlocksResponse resp;
+  // The call returns (it does not wait for the 60 s lease).
+  ASSERT_TRUE(client_->stub().PushBlocks(&ctx, req, &resp).ok());
+  ASSERT_EQ(resp.blocks_size(), kBlocks);
+  int failed = 0;
+  for (const v1::BlockTransfer& b : resp.blocks()) failed += b.code() != 0;
+  EXPECT_GT(failed, 0);  // the stalled client did not take every block
+  // The daemon ended the stalled client's session, pins included.
+  EXPECT_TRUE(StatsBecome([](const v1::StatsResponse& s) {
+    return s.pins() == 0 && s.sessions() == 1;  // only client_'s is left
+  })) << daemon_->Log();
+  kill(peer->pid, SIGCONT);
+}
+
 TEST_P(UcxE2eTest, RestartedDaemonGivesMissesThenTheClientReconnects) {
   std::vector<char> buf(2 * kBlock, 'r');
   ASSERT_OK(client_->RegisterBuffer(buf.data(), buf.size()));

@@ -5,6 +5,10 @@
 //     "SEED/i") from one registered buffer, GetIntoAsync them back into
 //     another, and compares every byte. Exit 0 when all went over UCX and
 //     matched; 1 otherwise (the reason on stderr).
+//   ucx_client_peer stall SERVER NS SIZE
+//     Registers a buffer of SIZE bytes, stores one 4 KiB block from it (so
+//     the daemon knows the buffer as id 0), prints "READY SESSION ADDRESS"
+//     and sleeps until killed (the test stops it to stall transfers).
 //   ucx_client_peer hold-pin SERVER NS KEY
 //   ucx_client_peer hold-reservation SERVER NS SIZE
 //     Opens a UCX session, pins KEY (Lookup with pin) or reserves a block of
@@ -89,6 +93,26 @@ int RoundTrip(const std::string& server, const std::string& ns, uint64_t seed,
   return 0;
 }
 
+int Stall(const std::string& server, const std::string& ns, uint64_t size) {
+  std::unique_ptr<Client> client = MakeClient(server);
+  if (client == nullptr) return Fail("connect");
+  std::vector<char> buffer(size, 's');
+  if (absl::Status st = client->RegisterBuffer(buffer.data(), size); !st.ok()) {
+    return Fail(st.ToString());
+  }
+  BlockToPut block{"stall-seed", "", absl::string_view(buffer.data(), 4096)};
+  TransferOp put = client->PutFromAsync(ns, {&block, 1});
+  put.Wait();
+  if (!put.statuses()[0].ok() || std::string(put.transport()) != "ucx") {
+    return Fail("seed put failed");
+  }
+  absl::StatusOr<uint64_t> session = client->EnsureSession();
+  if (!session.ok()) return Fail(session.status().ToString());
+  std::cout << "READY " << *session << " "
+            << reinterpret_cast<uintptr_t>(buffer.data()) << std::endl;
+  for (;;) pause();
+}
+
 int Hold(const std::string& server, const std::string& ns, bool pin,
          const std::string& arg) {
   std::unique_ptr<Client> client = MakeClient(server);
@@ -130,9 +154,12 @@ int main(int argc, char** argv) {
       absl::SimpleAtoi(a[4], &blocks) && absl::SimpleAtoi(a[5], &size)) {
     return kvdepot::RoundTrip(a[1], a[2], seed, blocks, size);
   }
+  if (a.size() == 4 && a[0] == "stall" && absl::SimpleAtoi(a[3], &size)) {
+    return kvdepot::Stall(a[1], a[2], size);
+  }
   if (a.size() == 4 && (a[0] == "hold-pin" || a[0] == "hold-reservation")) {
     return kvdepot::Hold(a[1], a[2], a[0] == "hold-pin", a[3]);
   }
-  std::cerr << "usage: ucx_client_peer roundtrip|hold-pin|hold-reservation ...\n";
+  std::cerr << "usage: ucx_client_peer roundtrip|stall|hold-pin|hold-reservation ...\n";
   return 2;
 }
