@@ -19,6 +19,7 @@
 #include "absl/strings/escaping.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_split.h"
+#include "absl/synchronization/mutex.h"
 #include "absl/synchronization/notification.h"
 #include "absl/time/clock.h"
 #include "transport/ucx_context.h"
@@ -176,6 +177,41 @@ TEST_P(UcxEndpointTest, PutThenGetReturnsEveryByte) {
   get.Wait();
   ASSERT_TRUE(get.overall_status().ok()) << get.overall_status();
   EXPECT_TRUE(source == sink);
+}
+
+TEST_P(UcxEndpointTest, OnReadyCallbacksRunOnceInOrder) {
+  std::vector<char> sink(4 * kBlock, 0);
+  auto sink_region = RegisterLocal(sink);
+  std::vector<Transfer> gets;
+  for (int i = 0; i < 4; ++i) {
+    gets.push_back({region_id_, region_->address() + i * kBlock,
+                    sink.data() + i * kBlock, kBlock, sink_region.get()});
+  }
+  absl::Mutex mu;
+  std::vector<int> calls;
+  absl::Notification done;
+  TransferHandle get = endpoint_->Get(gets, Soon());
+  // Added before (most likely) the batch is ready: run when it becomes so,
+  // in the order added, with the statuses already published.
+  get.OnReady([&] {
+    absl::MutexLock lock(&mu);
+    calls.push_back(1);
+  });
+  get.OnReady([&, get] {
+    {
+      absl::MutexLock lock(&mu);
+      calls.push_back(get.IsReady() && get.overall_status().ok() ? 2 : -2);
+    }
+    done.Notify();
+  });
+  ASSERT_TRUE(done.WaitForNotificationWithTimeout(absl::Seconds(30)));
+  get.Wait();
+  // Added after: runs at once, on this thread.
+  bool inline_call = false;
+  get.OnReady([&] { inline_call = true; });
+  EXPECT_TRUE(inline_call);
+  absl::MutexLock lock(&mu);
+  EXPECT_EQ(calls, (std::vector<int>{1, 2}));
 }
 
 TEST_P(UcxEndpointTest, OneBatchReadsTheWholeRegion) {
