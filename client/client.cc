@@ -33,44 +33,9 @@ absl::Status FromGrpcStatus(const grpc::Status& status) {
 // The client's UCX side: a context, one worker (its progress thread serves
 // the daemon's one-sided reads and writes of registered buffers over TCP and
 // shared memory) and the registered buffers.
-namespace {
-
-// A UCX context and its one worker (whose progress thread serves the
-// daemon's one-sided reads and writes of registered buffers over TCP and
-// shared memory), shared by every Client of this process with the same UCX
-// settings: one progress thread per process, not per client.
-struct UcxRuntime {
+struct Client::Ucx {
   std::unique_ptr<UcxContext> context;
   std::unique_ptr<UcxWorker> worker;
-};
-
-absl::StatusOr<std::shared_ptr<UcxRuntime>> SharedUcxRuntime(
-    const std::map<std::string, std::string>& settings) {
-  static absl::Mutex mu(absl::kConstInit);
-  static auto* runtimes =
-      new std::map<std::map<std::string, std::string>, std::weak_ptr<UcxRuntime>>;
-  absl::MutexLock lock(&mu);
-  if (std::shared_ptr<UcxRuntime> live = (*runtimes)[settings].lock()) {
-    return live;
-  }
-  UcxContextOptions context_options;
-  context_options.config = settings;
-  context_options.name = "libkvdepot";
-  auto runtime = std::make_shared<UcxRuntime>();
-  ASSIGN_OR_RETURN(runtime->context, UcxContext::Create(context_options));
-  ASSIGN_OR_RETURN(runtime->worker,
-                   UcxWorker::Create(*runtime->context,
-                                     UcxWorkerOptions{"kvdepot-ucx"}));
-  (*runtimes)[settings] = runtime;
-  return runtime;
-}
-
-}  // namespace
-
-// The client's UCX side: the process's shared runtime and this client's
-// registered buffers (destroyed before the runtime they were made with).
-struct Client::Ucx {
-  std::shared_ptr<UcxRuntime> runtime;
   struct Buffer {
     std::unique_ptr<MemoryRegion> region;
     uint64_t session = 0;  // the session the daemon knows it in
@@ -132,14 +97,23 @@ const char* TransferOp::transport() const { return state_->transport; }
 
 Client::Client(const ClientOptions& options) : options_(options) {
   if (options_.transport == ClientOptions::Transport::kUcx) {
-    absl::StatusOr<std::shared_ptr<UcxRuntime>> runtime =
-        SharedUcxRuntime(options_.ucx);
-    if (runtime.ok()) {
-      ucx_ = std::make_unique<Ucx>();
-      ucx_->runtime = *std::move(runtime);
+    auto ucx = std::make_unique<Ucx>();
+    UcxContextOptions context_options;
+    context_options.config = options_.ucx;
+    context_options.name = options_.client_name;
+    absl::StatusOr<std::unique_ptr<UcxContext>> context =
+        UcxContext::Create(context_options);
+    absl::StatusOr<std::unique_ptr<UcxWorker>> worker =
+        context.ok() ? UcxWorker::Create(**context,
+                                         UcxWorkerOptions{"kvdepot-ucx"})
+                     : context.status();
+    if (worker.ok()) {
+      ucx->context = *std::move(context);
+      ucx->worker = *std::move(worker);
+      ucx_ = std::move(ucx);
     } else {
       absl::MutexLock lock(&mu_);
-      ucx_status_ = runtime.status();
+      ucx_status_ = worker.status();
     }
   } else {
     absl::MutexLock lock(&mu_);
@@ -208,7 +182,7 @@ absl::StatusOr<uint64_t> Client::EnsureSession() {
   req.set_lease_ms(static_cast<uint32_t>(absl::ToInt64Milliseconds(options_.lease)));
   req.set_client_name(options_.client_name);
   if (ucx_ != nullptr) {
-    req.set_ucx_worker_address(ucx_->runtime->worker->address());
+    req.set_ucx_worker_address(ucx_->worker->address());
     req.set_host_id(LocalHostId());
   }
   v1::OpenSessionResponse resp;
@@ -658,7 +632,7 @@ absl::Status Client::RegisterBuffer(void* base, size_t size) {
         absl::StrCat("no UCX in this client: ", data_plane_status().ToString()));
   }
   ASSIGN_OR_RETURN(std::unique_ptr<MemoryRegion> region,
-                   ucx_->runtime->context->Register(base, size));
+                   ucx_->context->Register(base, size));
   absl::MutexLock lock(&ucx_->mu);
   ucx_->buffers.push_back(Ucx::Buffer{std::move(region)});
   return absl::OkStatus();
@@ -670,7 +644,7 @@ absl::StatusOr<absl::Span<char>> Client::AllocateBuffer(size_t size) {
         absl::StrCat("no UCX in this client: ", data_plane_status().ToString()));
   }
   ASSIGN_OR_RETURN(std::unique_ptr<MemoryRegion> region,
-                   ucx_->runtime->context->Allocate(size));
+                   ucx_->context->Allocate(size));
   absl::Span<char> bytes(region->base(), region->size());
   absl::MutexLock lock(&ucx_->mu);
   ucx_->buffers.push_back(Ucx::Buffer{std::move(region)});
