@@ -156,7 +156,9 @@ void DataPlane::Detach(SessionId session) {
     links_.erase(it);
   }
   if (link->watched) monitor_->Unwatch(session).IgnoreError();
-  // The endpoint closes when the last transfer that holds the link ends.
+  // An orderly close: the client is alive (its session ended normally or
+  // expired), and a reset would make its UCX log errors.
+  link->endpoint->Close(/*force=*/false);
 }
 
 void DataPlane::DetachIf(absl::FunctionRef<bool(SessionId)> ended) {

@@ -232,6 +232,7 @@ kvdepot_run() {
   if [[ $rc -ne 0 || $out != '{'* ]]; then
     log "kvdepot-bench $op $size x$clients batch $batch failed (exit $rc):"
     sed 's/^/  /' "$TMP/bench.err" >&2
+    [[ -z $out ]] || printf '%s\n' "$out" | head -c 2000 | sed 's/^/  stdout: /' >&2
     FAILED=1
   fi
   [[ $out == '{'* ]] || return 0

@@ -108,11 +108,11 @@ UcxEndpoint::~UcxEndpoint() {
       .IgnoreError();
 }
 
-void UcxEndpoint::Close() {
+void UcxEndpoint::Close(bool force) {
   worker_
-      .Run([this] {
+      .Run([this, force] {
         Fail(absl::CancelledError("UCX endpoint closed"),
-             /*from_ucx_callback=*/false, /*notify=*/false);
+             /*from_ucx_callback=*/false, /*notify=*/false, force);
       })
       .IgnoreError();
 }
@@ -270,7 +270,7 @@ void UcxEndpoint::Post(const std::shared_ptr<Batch>& batch,
 }
 
 void UcxEndpoint::Fail(absl::Status status, bool from_ucx_callback,
-                       bool notify) {
+                       bool notify, bool force) {
   {
     absl::MutexLock lock(&mu_);
     if (!status_.ok()) return;
@@ -291,7 +291,7 @@ void UcxEndpoint::Fail(absl::Status status, bool from_ucx_callback,
       UcxWorker* worker = &worker_;
       worker_.Defer([worker, ep] { worker->CloseEndpoint(ep, /*force=*/true); });
     } else {
-      worker_.CloseEndpoint(ep, /*force=*/true);
+      worker_.CloseEndpoint(ep, force);
     }
   }
   rkeys_.reset();

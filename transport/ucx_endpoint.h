@@ -122,10 +122,13 @@ class UcxEndpoint : private UcxWorker::Resident {
   // bytes are then in the peer's memory.
   TransferHandle Put(absl::Span<const Transfer> transfers, absl::Time deadline);
 
-  // Force-closes the endpoint now, as the destructor does (batches in
-  // flight end Cancelled, later ones end at once), without on_error. The
-  // object stays valid.
-  void Close();
+  // Closes the endpoint now, without on_error; the object stays valid and
+  // later batches end at once (Cancelled). Force (as the destructor does):
+  // batches in flight end Cancelled, the connection is reset. Graceful:
+  // UCX flushes what is in flight and disconnects in order, so the peer
+  // sees an orderly close instead of a connection reset (for a peer that is
+  // alive, e.g. a client whose session ended normally).
+  void Close(bool force = true);
 
   // OK while the endpoint is usable; otherwise why it failed.
   absl::Status status() const;
@@ -144,7 +147,8 @@ class UcxEndpoint : private UcxWorker::Resident {
   // Marks the endpoint failed (first call wins), ends the batches in
   // flight with `status`, force-closes the UCX endpoint, and calls
   // on_error when `notify`.
-  void Fail(absl::Status status, bool from_ucx_callback, bool notify);
+  void Fail(absl::Status status, bool from_ucx_callback, bool notify,
+            bool force = true);
   static void OnPeerError(void* arg, ucp_ep_h ep, ucs_status_t status);
   absl::Time OnTick(absl::Time now) override;
   void OnStop() override;
