@@ -119,12 +119,17 @@ int KvDepotService::CancelIdleStreams(absl::Duration idle) {
 template <typename Fn>
 grpc::ServerUnaryReactor* KvDepotService::Unary(grpc::CallbackServerContext* ctx,
                                                 const char* op, Fn&& fn) {
-  absl::Time start = clock_.Now();
-  absl::Status st = fn();
-  Finished(op, st, start);
   grpc::ServerUnaryReactor* reactor = ctx->DefaultReactor();
-  reactor->Finish(ToGrpcStatus(st));
+  Finisher(op, reactor)(fn());
   return reactor;
+}
+
+std::function<void(const absl::Status&)> KvDepotService::Finisher(
+    const char* op, grpc::ServerUnaryReactor* reactor) {
+  return [this, op, reactor, start = clock_.Now()](const absl::Status& st) {
+    Finished(op, st, start);
+    reactor->Finish(ToGrpcStatus(st));
+  };
 }
 
 grpc::ServerUnaryReactor* KvDepotService::OpenSession(
@@ -187,12 +192,8 @@ grpc::ServerUnaryReactor* KvDepotService::CloseSession(
 grpc::ServerUnaryReactor* KvDepotService::Lookup(grpc::CallbackServerContext* ctx,
                                                  const v1::LookupRequest* req,
                                                  v1::LookupResponse* resp) {
-  const absl::Time start = clock_.Now();
   grpc::ServerUnaryReactor* reactor = ctx->DefaultReactor();
-  auto finish = [this, reactor, start](const absl::Status& st) {
-    Finished("Lookup", st, start);
-    reactor->Finish(ToGrpcStatus(st));
-  };
+  auto finish = Finisher("Lookup", reactor);
   if (req->pin()) {
     if (absl::Status st = RequireSession(req->session_id()); !st.ok()) {
       finish(st);
@@ -655,6 +656,18 @@ void KvDepotService::SessionLost(SessionId session, const absl::Status& why) {
       session, why.ToString(), rel->pins_released, rel->reservations_aborted);
 }
 
+absl::Status KvDepotService::RequireEndpoint(SessionId session) {
+  RETURN_IF_ERROR(RequireSession(session));
+  if (data_plane_ == nullptr) {
+    return absl::FailedPreconditionError("the UCX data plane is off");
+  }
+  if (!data_plane_->attached(session)) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("session ", session, " has no UCX endpoint"));
+  }
+  return absl::OkStatus();
+}
+
 grpc::ServerUnaryReactor* KvDepotService::RegisterBuffer(
     grpc::CallbackServerContext* ctx, const v1::RegisterBufferRequest* req,
     v1::RegisterBufferResponse* resp) {
@@ -679,24 +692,13 @@ grpc::ServerUnaryReactor* KvDepotService::RegisterBuffer(
 grpc::ServerUnaryReactor* KvDepotService::PushBlocks(
     grpc::CallbackServerContext* ctx, const v1::PushBlocksRequest* req,
     v1::PushBlocksResponse* resp) {
-  const absl::Time start = clock_.Now();
   grpc::ServerUnaryReactor* reactor = ctx->DefaultReactor();
-  auto finish = [this, reactor, start](const absl::Status& st) {
-    Finished("PushBlocks", st, start);
-    reactor->Finish(ToGrpcStatus(st));
-  };
-  absl::Status check = RequireSession(req->session_id());
-  if (check.ok() && data_plane_ == nullptr) {
-    check = absl::FailedPreconditionError("the UCX data plane is off");
-  }
+  auto finish = Finisher("PushBlocks", reactor);
+  absl::Status check = RequireEndpoint(req->session_id());
   if (check.ok() && req->destinations_size() != req->keys_size()) {
     check = absl::InvalidArgumentError(
         absl::StrCat(req->keys_size(), " keys but ", req->destinations_size(),
                      " destinations"));
-  }
-  if (check.ok() && !data_plane_->attached(req->session_id())) {
-    check = absl::FailedPreconditionError(absl::StrCat(
-        "session ", req->session_id(), " has no UCX endpoint"));
   }
   if (!check.ok()) {
     finish(check);
@@ -772,21 +774,10 @@ grpc::ServerUnaryReactor* KvDepotService::PushBlocks(
 grpc::ServerUnaryReactor* KvDepotService::PullBlocks(
     grpc::CallbackServerContext* ctx, const v1::PullBlocksRequest* req,
     v1::PullBlocksResponse* resp) {
-  const absl::Time start = clock_.Now();
   grpc::ServerUnaryReactor* reactor = ctx->DefaultReactor();
-  auto finish = [this, reactor, start](const absl::Status& st) {
-    Finished("PullBlocks", st, start);
-    reactor->Finish(ToGrpcStatus(st));
-  };
+  auto finish = Finisher("PullBlocks", reactor);
   const SessionId session = req->session_id();
-  absl::Status check = RequireSession(session);
-  if (check.ok() && data_plane_ == nullptr) {
-    check = absl::FailedPreconditionError("the UCX data plane is off");
-  }
-  if (check.ok() && !data_plane_->attached(session)) {
-    check = absl::FailedPreconditionError(
-        absl::StrCat("session ", session, " has no UCX endpoint"));
-  }
+  absl::Status check = RequireEndpoint(session);
   std::vector<PutSpec> specs;
   specs.reserve(req->blocks_size());
   for (const v1::PullSpec& b : req->blocks()) {

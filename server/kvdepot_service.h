@@ -11,6 +11,7 @@
 #include <spdlog/logger.h>
 
 #include <atomic>
+#include <functional>
 #include <memory>
 #include <string>
 
@@ -158,6 +159,14 @@ class KvDepotService final
   Clock& clock() { return clock_; }
 
  private:
+  // For calls that finish later (on another thread): records the call as
+  // Finished(op) from now, and finishes `reactor` with the status.
+  std::function<void(const absl::Status&)> Finisher(
+      const char* op, grpc::ServerUnaryReactor* reactor);
+  // OK when `session` is a public session with a UCX endpoint;
+  // FailedPrecondition when the data plane is off or it has no endpoint.
+  absl::Status RequireEndpoint(SessionId session);
+
   // Runs `fn` inline and finishes the call with its status.
   template <typename Fn>
   grpc::ServerUnaryReactor* Unary(grpc::CallbackServerContext* ctx,
