@@ -227,56 +227,28 @@ class PyClient {
   }
 
   void Health() {
-    absl::Status st;
-    std::shared_ptr<Client> c = client();
-    {
-      py::gil_scoped_release release;
-      st = c->Health();
-    }
-    Check(st);
+    Check(Released([](Client& c) { return c.Health(); }));
   }
 
   uint64_t EnsureSession() {
-    absl::StatusOr<uint64_t> id;
-    std::shared_ptr<Client> c = client();
-    {
-      py::gil_scoped_release release;
-      id = c->EnsureSession();
-    }
-    return Check(std::move(id));
+    return Check(Released([](Client& c) { return c.EnsureSession(); }));
   }
 
   void CloseSession() {
-    absl::Status st;
-    std::shared_ptr<Client> c = client();
-    {
-      py::gil_scoped_release release;
-      st = c->CloseSession();
-    }
-    Check(st);
+    Check(Released([](Client& c) { return c.CloseSession(); }));
   }
 
   LookupReply Lookup(const std::string& ns, const std::vector<py::bytes>& keys,
                      bool prefix, bool pin) {
     std::vector<std::string> k = Keys(keys);
-    absl::StatusOr<LookupReply> reply;
-    std::shared_ptr<Client> c = client();
-    {
-      py::gil_scoped_release release;
+    return Check(Released([&](Client& c) {
       std::vector<absl::string_view> v = Views(k);
-      reply = c->Lookup(ns, v, prefix, pin);
-    }
-    return Check(std::move(reply));
+      return c.Lookup(ns, v, prefix, pin);
+    }));
   }
 
   void Unpin(uint64_t pin_id) {
-    absl::Status st;
-    std::shared_ptr<Client> c = client();
-    {
-      py::gil_scoped_release release;
-      st = c->Unpin(pin_id);
-    }
-    Check(st);
+    Check(Released([&](Client& c) { return c.Unpin(pin_id); }));
   }
 
   std::vector<bool> Put(const std::string& ns, const std::vector<py::bytes>& keys,
@@ -293,19 +265,15 @@ class PyClient {
     std::vector<std::string> k = Keys(keys);
     std::vector<std::string> p = parents ? Keys(*parents) : std::vector<std::string>();
     std::vector<Memory> mem = GetMemories(buffers, /*writable=*/false, "buffers");
-    absl::StatusOr<std::vector<PutResult>> results;
-    std::shared_ptr<Client> c = client();
-    {
-      py::gil_scoped_release release;
+    std::vector<PutResult> r = Check(Released([&](Client& c) {
       std::vector<BlockToPut> blocks(k.size());
       for (size_t i = 0; i < k.size(); ++i) {
         blocks[i].key = k[i];
         if (!p.empty()) blocks[i].parent = p[i];
         blocks[i].bytes = absl::string_view(mem[i].data, mem[i].size);
       }
-      results = c->Put(ns, blocks);
-    }
-    std::vector<PutResult> r = Check(std::move(results));
+      return c.Put(ns, blocks);
+    }));
     std::vector<bool> stored;
     stored.reserve(r.size());
     for (PutResult x : r) stored.push_back(x == PutResult::kStored);
@@ -320,55 +288,35 @@ class PyClient {
     }
     std::vector<std::string> k = Keys(keys);
     std::vector<Memory> mem = GetMemories(buffers, /*writable=*/true, "buffers");
-    absl::StatusOr<std::vector<bool>> filled;
-    std::shared_ptr<Client> c = client();
-    {
-      py::gil_scoped_release release;
+    return Check(Released([&](Client& c) {
       std::vector<absl::string_view> v = Views(k);
       std::vector<absl::Span<char>> dst;
       dst.reserve(mem.size());
       for (const Memory& m : mem) dst.emplace_back(m.data, m.size);
-      filled = c->GetInto(ns, v, dst);
-    }
-    return Check(std::move(filled));
+      return c.GetInto(ns, v, dst);
+    }));
   }
 
   py::dict Evict(const std::string& ns, const std::vector<py::bytes>& keys, bool all) {
     std::vector<std::string> k = Keys(keys);
-    absl::StatusOr<v1::EvictResponse> resp;
-    std::shared_ptr<Client> c = client();
-    {
-      py::gil_scoped_release release;
+    return MessageToDict(Check(Released([&](Client& c) {
       std::vector<absl::string_view> v = Views(k);
-      resp = c->Evict(ns, v, all);
-    }
-    return MessageToDict(Check(std::move(resp)));
+      return c.Evict(ns, v, all);
+    })));
   }
 
   py::dict Stats() {
-    absl::StatusOr<v1::StatsResponse> resp;
-    std::shared_ptr<Client> c = client();
-    {
-      py::gil_scoped_release release;
-      resp = c->Stats();
-    }
-    return MessageToDict(Check(std::move(resp)));
+    return MessageToDict(Check(Released([](Client& c) { return c.Stats(); })));
   }
 
-  // Closes the session and the channel; later calls raise RuntimeError.
-  // Calls in flight on other threads finish first (they hold the client).
   // A numpy uint8 array of `size` bytes allocated through UCX (shared
   // memory where UCX can): put and get_into with buffers inside it move
   // blocks over the UCX data plane. The array keeps the client's memory
   // alive (even past close()).
   py::array AllocateBuffer(size_t size) {
     std::shared_ptr<Client> c = client();
-    absl::StatusOr<absl::Span<char>> span;
-    {
-      py::gil_scoped_release release;
-      span = c->AllocateBuffer(size);
-    }
-    absl::Span<char> bytes = Check(std::move(span));
+    absl::Span<char> bytes =
+        Check(Released([&](Client& client) { return client.AllocateBuffer(size); }));
     auto* owner = new std::shared_ptr<Client>(std::move(c));
     py::capsule keep(owner, [](void* p) {
       delete static_cast<std::shared_ptr<Client>*>(p);
@@ -381,16 +329,15 @@ class PyClient {
   // "" when blocks in allocated or registered buffers move over UCX;
   // otherwise why they take the gRPC byte path.
   std::string DataPlaneStatus() {
-    std::shared_ptr<Client> c = client();
-    absl::Status st;
-    {
-      py::gil_scoped_release release;
-      st = c->EnsureSession().status();
-      if (st.ok()) st = c->data_plane_status();
-    }
+    absl::Status st = Released([](Client& c) {
+      absl::Status s = c.EnsureSession().status();
+      return s.ok() ? c.data_plane_status() : s;
+    });
     return st.ok() ? "" : st.ToString();
   }
 
+  // Closes the session and the channel; later calls raise RuntimeError.
+  // Calls in flight on other threads finish first (they hold the client).
   void Close() {
     std::shared_ptr<Client> c = std::move(client_);
     py::gil_scoped_release release;
@@ -400,6 +347,15 @@ class PyClient {
   std::string server() const { return server_; }
 
  private:
+  // Runs fn(client) with the GIL released and returns its result (absl
+  // types only: no Python object is touched without the GIL).
+  template <typename Fn>
+  auto Released(Fn&& fn) -> decltype(fn(std::declval<Client&>())) {
+    std::shared_ptr<Client> c = client();
+    py::gil_scoped_release release;
+    return fn(*c);
+  }
+
   // The client, or raises once closed. REQUIRES: the GIL.
   std::shared_ptr<Client> client() {
     if (client_ == nullptr) {
