@@ -656,6 +656,29 @@ void Client::DropSession(uint64_t session) {
   if (session_id_ == session) session_id_ = 0;
 }
 
+namespace {
+
+// Block i's outcome in a PushBlocks / PullBlocks reply that ended with `st`.
+absl::Status BlockOutcome(
+    const grpc::Status& st,
+    const google::protobuf::RepeatedPtrField<v1::BlockTransfer>& blocks,
+    size_t i) {
+  if (!st.ok()) return FromGrpcStatus(st);
+  if (i >= static_cast<size_t>(blocks.size())) {
+    return absl::InternalError("the daemon's reply is short of blocks");
+  }
+  const v1::BlockTransfer& t = blocks[static_cast<int>(i)];
+  return absl::Status(static_cast<absl::StatusCode>(t.code()), t.message());
+}
+
+// The daemon no longer has the session or its endpoint: a new one is needed.
+bool SessionGone(const grpc::Status& st) {
+  return st.error_code() == grpc::StatusCode::NOT_FOUND ||
+         st.error_code() == grpc::StatusCode::FAILED_PRECONDITION;
+}
+
+}  // namespace
+
 absl::StatusOr<Client::UcxTarget> Client::PrepareUcx(
     absl::Span<const absl::Span<const char>> ranges) {
   if (ucx_ == nullptr) return data_plane_status();
@@ -693,10 +716,7 @@ absl::StatusOr<Client::UcxTarget> Client::PrepareUcx(
       req.set_size(b.region->size());
       v1::RegisterBufferResponse resp;
       grpc::Status st = stub_->RegisterBuffer(&ctx, req, &resp);
-      if (st.error_code() == grpc::StatusCode::NOT_FOUND ||
-          st.error_code() == grpc::StatusCode::FAILED_PRECONDITION) {
-        DropSession(target.session);
-      }
+      if (SessionGone(st)) DropSession(target.session);
       RETURN_IF_ERROR(FromGrpcStatus(st));
       b.session = target.session;
       b.daemon_id = resp.buffer_id();
@@ -710,6 +730,11 @@ absl::StatusOr<Client::UcxTarget> Client::PrepareUcx(
   return target;
 }
 
+uint32_t Client::TransferTimeoutMs() const {
+  return static_cast<uint32_t>(
+      absl::ToInt64Milliseconds(options_.transfer_timeout));
+}
+
 TransferOp Client::FailedOp(size_t n, const absl::Status& status) {
   auto state = std::make_shared<TransferOp::State>(n, "none");
   for (absl::Status& s : state->statuses) s = status;
@@ -717,19 +742,6 @@ TransferOp Client::FailedOp(size_t n, const absl::Status& status) {
   return TransferOp(std::move(state));
 }
 
-namespace {
-
-absl::Status BlockStatus(const v1::BlockTransfer& t) {
-  return absl::Status(static_cast<absl::StatusCode>(t.code()), t.message());
-}
-
-// The daemon no longer has the session or its endpoint: a new one is needed.
-bool SessionGone(const grpc::Status& st) {
-  return st.error_code() == grpc::StatusCode::NOT_FOUND ||
-         st.error_code() == grpc::StatusCode::FAILED_PRECONDITION;
-}
-
-}  // namespace
 
 TransferOp Client::GetIntoAsync(absl::string_view ns,
                                 absl::Span<const absl::string_view> keys,
@@ -770,8 +782,7 @@ TransferOp Client::GetIntoAsync(absl::string_view ns,
     *req.add_destinations() = std::move(target->ranges[i]);
   }
   req.set_prefix(prefix);
-  req.set_timeout_ms(static_cast<uint32_t>(
-      absl::ToInt64Milliseconds(options_.transfer_timeout)));
+  req.set_timeout_ms(TransferTimeoutMs());
   PrepareContext(&state->ctx);
   std::vector<absl::Span<char>> out(dst.begin(), dst.end());
   const uint64_t session = target->session;
@@ -779,26 +790,19 @@ TransferOp Client::GetIntoAsync(absl::string_view ns,
   stub_->async()->PushBlocks(
       &state->ctx, &state->push_req, &state->push_resp,
       [this, state, session, out = std::move(out)](grpc::Status st) {
-        if (!st.ok()) {
-          if (SessionGone(st)) DropSession(session);
-          for (absl::Status& s : state->statuses) s = FromGrpcStatus(st);
-        } else {
-          const v1::PushBlocksResponse& resp = state->push_resp;
-          for (size_t i = 0; i < out.size(); ++i) {
-            if (static_cast<int>(i) >= resp.blocks_size()) {
-              state->statuses[i] = absl::InternalError("short PushBlocks reply");
-              continue;
-            }
-            const v1::BlockTransfer& t = resp.blocks(static_cast<int>(i));
-            absl::Status s = BlockStatus(t);
-            if (s.ok() && (t.size() != out[i].size() ||
-                           BlockChecksum(out[i].data(), out[i].size()) !=
-                               t.checksum())) {
+        if (SessionGone(st)) DropSession(session);
+        const auto& blocks = state->push_resp.blocks();
+        for (size_t i = 0; i < out.size(); ++i) {
+          absl::Status s = BlockOutcome(st, blocks, i);
+          if (s.ok()) {
+            const v1::BlockTransfer& t = blocks[static_cast<int>(i)];
+            if (t.size() != out[i].size() ||
+                BlockChecksum(out[i].data(), out[i].size()) != t.checksum()) {
               s = absl::DataLossError(absl::StrCat(
                   "block ", i, " does not match its checksum after transfer"));
             }
-            state->statuses[i] = std::move(s);
           }
+          state->statuses[i] = std::move(s);
         }
         state->Publish();
       });
@@ -841,31 +845,22 @@ TransferOp Client::PutFromAsync(absl::string_view ns,
     spec->set_checksum(BlockChecksum(blocks[i].bytes));
     *spec->mutable_source() = std::move(target->ranges[i]);
   }
-  req.set_timeout_ms(static_cast<uint32_t>(
-      absl::ToInt64Milliseconds(options_.transfer_timeout)));
+  req.set_timeout_ms(TransferTimeoutMs());
   PrepareContext(&state->ctx);
   const uint64_t session = target->session;
   TransferOp op(state);
   stub_->async()->PullBlocks(
       &state->ctx, &state->pull_req, &state->pull_resp,
       [this, state, session](grpc::Status st) {
-        const v1::PullBlocksResponse& resp = state->pull_resp;
+        if (SessionGone(st)) DropSession(session);
         for (size_t i = 0; i < state->statuses.size(); ++i) {
-          absl::Status s;
-          if (!st.ok()) {
-            s = FromGrpcStatus(st);
-          } else if (static_cast<int>(i) >= resp.blocks_size()) {
-            s = absl::InternalError("short PullBlocks reply");
-          } else {
-            s = BlockStatus(resp.blocks(static_cast<int>(i)));
-            if (absl::IsAlreadyExists(s)) {  // stored before: not a failure
-              s = absl::OkStatus();
-              state->existed[i] = true;
-            }
+          absl::Status s = BlockOutcome(st, state->pull_resp.blocks(), i);
+          if (absl::IsAlreadyExists(s)) {  // stored before: not a failure
+            s = absl::OkStatus();
+            state->existed[i] = true;
           }
           state->statuses[i] = std::move(s);
         }
-        if (!st.ok() && SessionGone(st)) DropSession(session);
         state->Publish();
       });
   return op;

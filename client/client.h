@@ -265,6 +265,8 @@ class Client {
   // The daemon no longer knows `session` (or its endpoint): forget it so
   // that the next call opens a new one.
   void DropSession(uint64_t session);
+  // options_.transfer_timeout for the daemon, in milliseconds.
+  uint32_t TransferTimeoutMs() const;
   // A ready op with every block failing with `status`.
   static TransferOp FailedOp(size_t n, const absl::Status& status);
 
