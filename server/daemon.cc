@@ -12,6 +12,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
 #include "server/version.h"
+#include "storage/rocksdb_crc32c.h"
 #include "storage/status_macros.h"
 
 namespace kvdepot {
@@ -116,14 +117,16 @@ absl::Status Daemon::Init() {
   StoreStats st = store_->Stats();
   log_->info(
       "kvdepotd {} ({}) listening on {}; metrics on {}; UCX data plane {}; "
-      "DRAM tier {} bytes; NVMe tier {} bytes holding {} blocks; data dir {}",
+      "DRAM tier {} bytes; NVMe tier {} bytes holding {} blocks (RocksDB "
+      "CRC32C: {}); data dir {}",
       kVersion, kGitCommit, grpc_address_,
       metrics_address_.empty() ? "off" : metrics_address_,
       data_plane_ == nullptr ? "off"
       : data_plane_->shared_memory() ? "on (shared memory for local clients)"
                                      : "on",
       dram.size,
-      st.nvme.capacity_bytes, st.nvme.blocks, data_dir_->path());
+      st.nvme.capacity_bytes, st.nvme.blocks, std::string(RocksCrc32cImplementation()),
+      data_dir_->path());
   return absl::OkStatus();
 }
 

@@ -20,6 +20,7 @@
 #include "rocksdb/write_batch.h"
 #include "storage/block_key.h"
 #include "storage/checksum.h"
+#include "storage/rocksdb_crc32c.h"
 #include "storage/rocksdb_status.h"
 #include "storage/status_macros.h"
 
@@ -1366,6 +1367,9 @@ absl::StatusOr<std::unique_ptr<NvmeTier>> OpenNvmeTier(
     return absl::InvalidArgumentError(
         "NVMe tier needs at least one background job");
   }
+  // Referenced here so that every program that opens the tier links
+  // rocksdb_crc32c.cc, whose CRC32C takes the place of librocksdb's.
+  static_cast<void>(RocksCrc32cImplementation());
   auto tier = std::make_unique<NvmeTierImpl>(
       options, clock != nullptr ? clock : SystemClock());
   RETURN_IF_ERROR(tier->Init());
