@@ -59,7 +59,8 @@ TEST(RocksCrc32cTest, SameAsLibRocksdbsForEveryLengthAndAlignment) {
   for (char& c : buf) c = static_cast<char>(rng());
   for (size_t offset = 0; offset < 9; ++offset) {
     for (size_t n : {size_t{0}, size_t{1}, size_t{7}, size_t{8}, size_t{9},
-                     size_t{63}, size_t{4096}, size_t{262144 + 13}}) {
+                     size_t{63}, size_t{4096}, size_t{3 * 4096 - 1},
+                     size_t{3 * 4096}, size_t{3 * 4096 + 8}, size_t{262144 + 13}}) {
       for (uint32_t init : {0u, 0xDEADBEEFu}) {
         ASSERT_EQ(rocksdb::crc32c::Extend(init, buf.data() + offset, n),
                   theirs(init, buf.data() + offset, n))
