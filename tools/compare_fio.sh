@@ -167,6 +167,46 @@ trap 'exit 143' TERM
 # rebuild during the run would swap the binary under it.
 cp "$BENCH" "$TMP/nvme-tier-bench"
 BENCH="$TMP/nvme-tier-bench"
+# The daemon side (demotion through kvdepotd) needs kvdepotd, kvdepot-bench
+# and kvdepotctl; without them it is left out.
+DAEMON_SIDE=1
+for tool in server/kvdepotd tools/kvdepot-bench client/kvdepotctl; do
+  if [[ -x $BUILD/$tool ]]; then cp "$BUILD/$tool" "$TMP/"; else DAEMON_SIDE=0; fi
+done
+[[ $DAEMON_SIDE -eq 1 ]] || log "kvdepotd, kvdepot-bench or kvdepotctl is not built: the kvdepotd (demotion) side is left out"
+# DRAM tier of the daemon side: an eighth of --size (at least 32 MiB), so
+# most blocks are demoted to NVMe while they are put.
+DEMOTE_DRAM=$((SIZE_BYTES / 8 > (32 << 20) ? SIZE_BYTES / 8 : (32 << 20)))
+
+# demote.sh DIR BLOCKS: kvdepotd with a DRAM tier of DEMOTE_DRAM bytes and an
+# NVMe tier under DIR; kvdepot-bench puts BLOCKS blocks of 256 KiB (2
+# clients, 16 blocks per call, UCX where it connects); its JSON on stdout,
+# the daemon's stats after the puts on stderr.
+cat >"$TMP/demote.sh" <<EOF
+#!/usr/bin/env bash
+set -euo pipefail
+dir=\$1 blocks=\$2
+mkdir -p "\$dir"
+"$TMP/kvdepotd" --listen 127.0.0.1:0 --metrics-listen "" --data-dir "\$dir/data" \\
+  --dram-capacity $DEMOTE_DRAM --nvme-capacity \$((blocks * 262144 * 5 / 4 + (1 << 30))) \\
+  --persist-on-shutdown false --hugepages off 2>"\$dir/kvdepotd.log" &
+pid=\$!
+trap 'kill -9 \$pid 2>/dev/null || true' EXIT
+port=""
+for _ in \$(seq 1 300); do
+  port=\$(sed -n 's/.*listening on 127\.0\.0\.1:\([0-9][0-9]*\).*/\1/p' "\$dir/kvdepotd.log" | head -n1)
+  [[ -n \$port ]] && break
+  kill -0 \$pid 2>/dev/null || { cat "\$dir/kvdepotd.log" >&2; exit 1; }
+  sleep 0.1
+done
+[[ -n \$port ]] || { echo "kvdepotd did not start" >&2; exit 1; }
+"$TMP/kvdepot-bench" --server 127.0.0.1:\$port --op put --count "\$blocks" --batch 16 \\
+  --clients 2 --block-size 262144 --json
+"$TMP/kvdepotctl" --server 127.0.0.1:\$port stats >&2
+kill -TERM \$pid
+wait \$pid
+EOF
+chmod +x "$TMP/demote.sh"
 
 DROP_OK=1
 drop_caches() {
@@ -221,6 +261,14 @@ elif kind == "kvdepot":
                errors=d["errors"], detail=d)
     if d.get("device"):
         dev_r, dev_w = d["device"]["read_bytes"], d["device"]["write_bytes"]
+elif kind == "kvdepotd":
+    d = json.loads(text[text.index("{"):])
+    rec.update(tool="kvdepotd + kvdepot-bench put (" + d["transport"] + ")",
+               ops=d["ops"], seconds=d["seconds"],
+               ops_per_sec=d["ops_per_sec"], gb_per_sec=d["gb_per_sec"],
+               bytes=d["ops"] * d["block_size"], latency_unit="call",
+               p50_us=d["p50_us"], p99_us=d["p99_us"], p999_us=d["p999_us"],
+               errors=d["errors"], detail=d)
 else:  # db_bench
     bench = "fillrandom" if workload == "write" else "readrandom"
     m = re.search(bench + r"\s*:\s*([\d.]+) micros/op (\d+) ops/sec ([\d.]+) seconds (\d+) operations;\s*([\d.]+) MB/s(?: \((\d+) of (\d+) found\))?", text)
@@ -348,6 +396,13 @@ for ((round = 1; round <= ROUNDS; round++)); do
     --block-size "$BLOCK" --threads "$THREADS" --duration "$DURATION" "${drop[@]}" --json
   rm -rf "$TMP/fio.dat" "$TMP/tier"
 
+  if [[ $DAEMON_SIDE -eq 1 ]]; then
+    log "round $round: kvdepotd (demotion)"
+    measure kvdepotd kvdepotd write "$round" -- "$TMP/demote.sh" "$TMP/daemon" "$BLOCKS"
+    grep -E "^(dram|nvme):" "$TMP/err.txt" | sed 's/^/    kvdepotd after the puts: /' >&2 || true
+    rm -rf "$TMP/daemon"
+  fi
+
   for v in $DB_BENCH_VARIANTS; do
     side="db_bench_$v"
     log "round $round: $side"
@@ -419,6 +474,8 @@ def target(name, value, goal):
                     "met": None if value is None else value >= goal})
 target("read: kvdepot tier randread / fio randread 256KiB qd16", ratios.get("read_kvdepot_over_fio"), 0.70)
 target("write: kvdepot tier fill / fio seq write 1MiB", ratios.get("write_kvdepot_over_fio"), 0.60)
+if "kvdepotd" in sides:
+    target("write: kvdepotd put + demotion / fio seq write 1MiB", ratio("write", "kvdepotd", "fio"), 0.60)
 if "db_bench_default" in sides:
     target("read: kvdepot / db_bench default", ratios.get("read_kvdepot_over_db_bench_default"), 2.0)
     target("write: kvdepot / db_bench default", ratios.get("write_kvdepot_over_db_bench_default"), 2.0)
@@ -438,6 +495,7 @@ report = {
         "fio write": "fio --rw=write --bs=1M --direct=1 --iodepth=16 --end_fsync=1 --size=SIZE",
         "fio read": "fio --rw=randread --bs=256k --direct=1 --iodepth=16 --size=SIZE --runtime=DURATION (random map: each block once)",
         "kvdepot write": "nvme-tier-bench --op fill --threads 1: SIZE/256KiB puts into a fresh tier + Flush, no WAL",
+        "kvdepotd write": "kvdepotd with a DRAM tier of SIZE/8 (at least 32 MiB) and an NVMe tier: kvdepot-bench --op put, 2 clients, 16 blocks of 256KiB per call, SIZE in all; most blocks are demoted to NVMe by the daemon's background threads while the puts go on, so the put rate is bounded by demotion",
         "kvdepot read": "nvme-tier-bench --op randread --threads T --drop-caches: NvmeTier::Read of each block at most once, random order, XXH3 verified",
         "db_bench_default write": "db_bench --benchmarks=fillrandom,flush --value_size=262144 --num=SIZE/256KiB --compression_ratio=1 (defaults: WAL on, snappy, no BlobDB); GB/s over the process's wall time",
         "db_bench_default read": "db_bench --benchmarks=readrandom --use_existing_db --threads=T --duration=DURATION --ops_between_duration_checks=1; GB/s counts found keys only",
@@ -483,7 +541,7 @@ if drop_ok != "1":
 print("  ".join(h.ljust(wd) for h, wd in zip(header, widths)))
 for r in rows:
     print("  ".join(c.ljust(wd) for c, wd in zip(r, widths)))
-print("write: fio 1 MiB seq direct qd16 | tier fill, 1 thread, incl. flush | db_bench fillrandom,flush")
+print("write: fio 1 MiB seq direct qd16 | tier fill, 1 thread, incl. flush | kvdepotd: puts through the daemon into a DRAM tier of 1/8 the bytes, demoted to NVMe | db_bench fillrandom,flush")
 print(f"read:  fio 256 KiB randread direct qd16 | tier Read x{threads} threads | db_bench readrandom x{threads} threads")
 print("p50/p99: fio per I/O (clat), tier per call, db_bench per op; dev bytes/byte: device "
       "bytes moved per block byte (read: <1 means page-cache hits, >1 extra reads such as "
