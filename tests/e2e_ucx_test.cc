@@ -20,6 +20,7 @@
 #include "client/client.h"
 #include "tests/daemon_process.h"
 #include "tests/status_matchers.h"
+#include "transport/ucx_context.h"
 #include "transport/ucx_test_util.h"
 
 namespace kvdepot {
@@ -422,6 +423,68 @@ TEST_P(UcxE2eTest, PlacesOutsideTheSessionsBuffersAreRejected) {
   v1::StatsResponse st = Stats();
   EXPECT_EQ(st.pins(), 0u);
   EXPECT_EQ(st.reservations(), 0u);
+  EXPECT_TRUE(daemon_->Running());
+}
+
+// Remote keys that UCX 1.13 would crash the daemon on (truncated, naming a
+// segment that is gone) or that describe more memory than their segment
+// are refused by RegisterBuffer; the daemon stays up and serves the session.
+TEST_P(UcxE2eTest, CraftedOrStaleRemoteKeysAreRefusedAndTheDaemonStaysUp) {
+  std::vector<char> mine(kBlock, 'm');
+  ASSERT_OK(client_->RegisterBuffer(mine.data(), mine.size()));
+  BlockToPut block{"kept", "", absl::string_view(mine.data(), kBlock)};
+  TransferOp put = client_->PutFromAsync("keys", {&block, 1});
+  put.Wait();
+  ASSERT_OK(put.statuses()[0]);
+  absl::StatusOr<uint64_t> session = client_->EnsureSession();
+  ASSERT_OK(session.status());
+  // Keys made like the client's (same UCX settings, same host).
+  UcxContextOptions options;
+  options.config = ucx_test::TransportConfig(GetParam());
+  absl::StatusOr<std::unique_ptr<UcxContext>> context = UcxContext::Create(options);
+  ASSERT_OK(context.status());
+  absl::StatusOr<std::unique_ptr<MemoryRegion>> live = (*context)->Allocate(kBlock);
+  ASSERT_OK(live.status());
+  absl::StatusOr<std::unique_ptr<MemoryRegion>> doomed = (*context)->Allocate(kBlock);
+  ASSERT_OK(doomed.status());
+  const std::string stale_key = (*doomed)->packed_rkey();
+  const uint64_t stale_address = (*doomed)->address();
+  doomed->reset();  // its segment is gone
+
+  auto register_buffer = [&](const std::string& key, uint64_t address,
+                             uint64_t size) {
+    grpc::ClientContext ctx;
+    v1::RegisterBufferRequest req;
+    req.set_session_id(*session);
+    req.set_packed_rkey(key);
+    req.set_address(address);
+    req.set_size(size);
+    v1::RegisterBufferResponse resp;
+    return client_->stub().RegisterBuffer(&ctx, req, &resp).error_code();
+  };
+  const std::string key = (*live)->packed_rkey();
+  const uint64_t address = (*live)->address();
+  EXPECT_EQ(register_buffer(key.substr(0, key.size() - 1), address, kBlock),
+            grpc::StatusCode::INVALID_ARGUMENT);
+  EXPECT_EQ(register_buffer(key.substr(0, 5), address, kBlock),
+            grpc::StatusCode::INVALID_ARGUMENT);
+  if (GetParam() == "shm") {
+    EXPECT_EQ(register_buffer(stale_key, stale_address, kBlock),
+              grpc::StatusCode::INVALID_ARGUMENT);
+    EXPECT_EQ(register_buffer(key, address, 4 * kBlock),
+              grpc::StatusCode::INVALID_ARGUMENT);
+  }
+  // The real key is taken, and the daemon still serves this session.
+  EXPECT_EQ(register_buffer(key, address, kBlock), grpc::StatusCode::OK);
+  ASSERT_TRUE(daemon_->Running());
+  std::vector<char> back(kBlock, 0);
+  ASSERT_OK(client_->RegisterBuffer(back.data(), back.size()));
+  absl::string_view kept = "kept";
+  absl::Span<char> dst(back.data(), back.size());
+  TransferOp get = client_->GetIntoAsync("keys", {&kept, 1}, {&dst, 1});
+  get.Wait();
+  ASSERT_OK(get.statuses()[0]);
+  EXPECT_EQ(back, mine);
   EXPECT_TRUE(daemon_->Running());
 }
 

@@ -7,6 +7,7 @@
 #include "absl/strings/str_cat.h"
 #include "storage/status_macros.h"
 #include "transport/internal/peer_endpoint.h"
+#include "transport/internal/rkey_check.h"
 #include "transport/internal/transfer_batch.h"
 #include "transport/internal/ucs_status.h"
 
@@ -129,6 +130,12 @@ absl::StatusOr<uint32_t> UcxEndpoint::AddRemoteRegion(
   }
   if (region.size > std::numeric_limits<uint64_t>::max() - region.base) {
     return absl::InvalidArgumentError("remote region base + size overflows");
+  }
+  // UCX trusts packed keys; a bad one can crash it (internal/rkey_check.h).
+  if (absl::Status key = transport_internal::CheckPackedRkey(
+          region.packed_rkey, region.base, region.size);
+      !key.ok()) {
+    return key;
   }
   absl::StatusOr<uint32_t> result;
   absl::Status run = worker_.Run([this, &region, &result] {

@@ -496,6 +496,60 @@ TEST_P(UcxEndpointTest, ServerThatDiesUnderAGetEndsTheBatch) {
               bad.status(0).ToString().c_str());
 }
 
+// A client's packed key goes to ucp_ep_rkey_unpack in the daemon. UCX 1.13
+// crashed on many malformed ones (its error path releases transport keys it
+// never unpacked) and on keys of vanished segments; a region larger than its
+// segment would let a transfer write past the mapping. All are refused
+// before UCX sees them (internal/rkey_check.h), and the endpoint still works.
+TEST_P(UcxEndpointTest, MalformedOrStaleRemoteKeysAreRefusedWithoutCrashing) {
+  auto allocated = server_context_->Allocate(1 << 20);
+  ASSERT_TRUE(allocated.ok()) << allocated.status();
+  const std::string good = (*allocated)->packed_rkey();
+  const uint64_t base = (*allocated)->address();
+  auto add = [&](const std::string& key, uint64_t size) {
+    return endpoint_->AddRemoteRegion(RemoteRegion{key, base, size});
+  };
+  for (size_t n = 0; n < good.size(); ++n) {
+    EXPECT_FALSE(add(good.substr(0, n), 1 << 20).ok()) << "truncated to " << n;
+  }
+  int refused = 0;
+  for (size_t i = 0; i < good.size(); ++i) {
+    std::string flipped = good;
+    flipped[i] ^= 0xff;
+    absl::StatusOr<uint32_t> id = add(flipped, 1 << 20);
+    if (!id.ok()) {
+      EXPECT_TRUE(absl::IsInvalidArgument(id.status())) << id.status();
+      ++refused;
+    }
+  }
+  // A flipped System V id could, by chance, name another live segment.
+  EXPECT_GE(refused, static_cast<int>(good.size()) - 4);
+  if (GetParam() == "shm") {
+    // Larger than the segment behind the key.
+    absl::StatusOr<uint32_t> big = add(good, 2 << 20);
+    EXPECT_TRUE(absl::IsInvalidArgument(big.status())) << big.status();
+    // The key of a segment that is gone (its owner freed it, or died).
+    auto doomed = server_context_->Allocate(1 << 20);
+    ASSERT_TRUE(doomed.ok()) << doomed.status();
+    const std::string stale = (*doomed)->packed_rkey();
+    const uint64_t stale_base = (*doomed)->address();
+    doomed->reset();
+    absl::StatusOr<uint32_t> gone =
+        endpoint_->AddRemoteRegion(RemoteRegion{stale, stale_base, 1 << 20});
+    EXPECT_TRUE(absl::IsInvalidArgument(gone.status())) << gone.status();
+  }
+  // The real key still works, and so does the endpoint.
+  absl::StatusOr<uint32_t> ok = add(good, 1 << 20);
+  ASSERT_TRUE(ok.ok()) << ok.status();
+  std::vector<char> one(8);
+  TransferHandle get = endpoint_->Get(
+      std::vector<Transfer>{{region_id_, region_->address(), one.data(), 8,
+                             nullptr}},
+      Soon());
+  get.Wait();
+  EXPECT_TRUE(get.overall_status().ok()) << get.overall_status();
+}
+
 INSTANTIATE_TEST_SUITE_P(Loopback, UcxEndpointTest,
                          ::testing::Values("tcp", "shm"),
                          [](const auto& param_info) { return param_info.param; });

@@ -1,0 +1,47 @@
+// Checks on a peer's packed UCX remote key before ucp_ep_rkey_unpack sees
+// it. UCX trusts packed keys: it has no length for them, and in UCX 1.13 a
+// key whose shared-memory part cannot be attached (a crafted one, or the
+// segment of a client that died before the daemon unpacked its key) makes
+// ucp_ep_rkey_unpack release uninitialised transport keys and crash the
+// process. A remote region larger than the segment behind the key would
+// make a later transfer write past the mapping. So:
+//
+//  - any UCX: the key must parse: an MD bitmap, a memory type UCX knows,
+//    and for each MD bit a size byte and that many bytes, all within the
+//    string;
+//  - UCX 1.13 (the layouts kvdepot was tested with; Debian 12): each
+//    12-byte transport key is a System V segment {int32 shmid, uint64
+//    address}: the segment must exist and [base, base + size) must lie
+//    within [address, address + its size); each 24-byte key is a POSIX
+//    segment {uint64 id, uint64 address, uint64 length}: [base, base + size)
+//    must lie within [address, address + length).
+//
+// What is left: a segment that vanishes between this check and the unpack
+// (microseconds), and on other UCX versions the layouts are not checked
+// (kvdepotd logs so at startup).
+#ifndef KVDEPOT_TRANSPORT_INTERNAL_RKEY_CHECK_H_
+#define KVDEPOT_TRANSPORT_INTERNAL_RKEY_CHECK_H_
+
+#include <cstdint>
+
+#include "absl/status/status.h"
+#include "absl/strings/string_view.h"
+
+namespace kvdepot::transport_internal {
+
+// Whether this process's UCX is one whose shared-memory key layouts
+// CheckPackedRkey knows (1.13).
+bool KnownRkeyLayouts();
+
+// OK, or InvalidArgument saying what is wrong with the key for a remote
+// region [base, base + size).
+absl::Status CheckPackedRkey(absl::string_view packed, uint64_t base,
+                             uint64_t size);
+
+// The same with the layouts of UCX 1.13 assumed or not (for tests).
+absl::Status CheckPackedRkey(absl::string_view packed, uint64_t base,
+                             uint64_t size, bool known_layouts);
+
+}  // namespace kvdepot::transport_internal
+
+#endif  // KVDEPOT_TRANSPORT_INTERNAL_RKEY_CHECK_H_
