@@ -1,12 +1,16 @@
 #include "transport/internal/rkey_check.h"
 
+#include <fcntl.h>
 #include <sys/ipc.h>
 #include <sys/shm.h>
+#include <sys/stat.h>
+#include <unistd.h>
 #include <ucp/api/ucp.h>
 #include <ucs/memory/memory_type.h>
 
 #include <cerrno>
 #include <cstring>
+#include <string>
 
 #include "absl/strings/str_cat.h"
 
@@ -43,13 +47,60 @@ absl::Status CheckSysv(absl::string_view key, uint64_t base, uint64_t size) {
   return absl::OkStatus();
 }
 
+// UCX 1.13's POSIX segment id: flags in the top bits; with kProcfs the
+// owner's pid (low 30 bits) and its descriptor of the segment (next 30),
+// otherwise the id in the name of a /dev/shm file (kShmOpen).
+constexpr uint64_t kProcfs = uint64_t{1} << 63;
+constexpr uint64_t kShmOpen = uint64_t{1} << 62;
+constexpr uint64_t kPidNamespace = uint64_t{1} << 60;
+constexpr uint64_t kLow30 = (uint64_t{1} << 30) - 1;
+constexpr absl::string_view kUcxShmPrefix = "/dev/shm/ucx_shm_posix_";
+
 absl::Status CheckPosix(absl::string_view key, uint64_t base, uint64_t size) {
+  const uint64_t id = Read<uint64_t>(key.data());
   const uint64_t address = Read<uint64_t>(key.data() + 8);
   const uint64_t length = Read<uint64_t>(key.data() + 16);
   if (!Within(base, size, address, length)) {
     return absl::InvalidArgumentError(absl::StrCat(
         "remote region [", base, ", +", size, ") is not inside its segment [",
         address, ", +", length, ")"));
+  }
+  // The file UCX will open and map: it must open, and hold `length` bytes
+  // (a shorter file maps, then faults a transfer past its end).
+  std::string path;
+  if ((id & kProcfs) != 0) {
+    // Another PID namespace: its pid means nothing here, and UCX does not
+    // unpack such keys (the transport is unreachable).
+    if ((id & kPidNamespace) != 0) return absl::OkStatus();
+    path = absl::StrCat("/proc/", id & kLow30, "/fd/", (id >> 30) & kLow30);
+    // Only a UCX segment: not any file some process has open, which the
+    // daemon would otherwise map and write blocks into.
+    char target[256] = {};
+    const ssize_t n = readlink(path.c_str(), target, sizeof(target) - 1);
+    if (n < 0 || absl::string_view(target, static_cast<size_t>(n))
+                         .substr(0, kUcxShmPrefix.size()) != kUcxShmPrefix) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "remote key names ", path, ", which is not a UCX shared-memory segment"));
+    }
+  } else if ((id & kShmOpen) != 0) {
+    path = absl::StrCat(kUcxShmPrefix, absl::Hex(id & ((uint64_t{1} << 60) - 1)));
+  } else {
+    return absl::InvalidArgumentError(
+        "remote key names a POSIX segment outside /dev/shm (unsupported)");
+  }
+  const int fd = open(path.c_str(), O_RDONLY | O_CLOEXEC);
+  if (fd < 0) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "remote key names POSIX segment ", path, ", which cannot be opened: ",
+        std::strerror(errno)));
+  }
+  struct stat st {};
+  const bool sized = fstat(fd, &st) == 0 && static_cast<uint64_t>(st.st_size) >= length;
+  close(fd);
+  if (!sized) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "POSIX segment ", path, " is smaller than the ", length,
+        " bytes its key claims"));
   }
   return absl::OkStatus();
 }
@@ -100,9 +151,25 @@ absl::Status CheckPackedRkey(absl::string_view packed, uint64_t base,
     const absl::string_view key = packed.substr(at, n);
     at += n;
     if (!known_layouts) continue;
+    // Sizes of UCX 1.13's transport keys: 0 (tcp, self), 8 (InfiniBand),
+    // 12 (System V), 24 (POSIX in /dev/shm). Any other could fail to
+    // unpack, and that crashes UCX 1.13: refused.
     absl::Status st = absl::OkStatus();
-    if (n == 12) st = CheckSysv(key, base, size);
-    if (n == 24) st = CheckPosix(key, base, size);
+    switch (n) {
+      case 0:
+      case 8:
+        break;
+      case 12:
+        st = CheckSysv(key, base, size);
+        break;
+      case 24:
+        st = CheckPosix(key, base, size);
+        break;
+      default:
+        st = absl::InvalidArgumentError(absl::StrCat(
+            "remote key of memory domain ", md, " has ", n,
+            " bytes, a layout this UCX version is not known to unpack safely"));
+    }
     if (!st.ok()) return st;
   }
   return absl::OkStatus();

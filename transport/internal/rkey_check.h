@@ -14,11 +14,17 @@
 //    address}: the segment must exist and [base, base + size) must lie
 //    within [address, address + its size); each 24-byte key is a POSIX
 //    segment {uint64 id, uint64 address, uint64 length}: [base, base + size)
-//    must lie within [address, address + length).
+//    must lie within [address, address + length), and the file UCX will map
+//    (/proc/<pid>/fd/<fd> or /dev/shm/ucx_shm_posix_<id>) must be a UCX
+//    segment in /dev/shm at least `length` long; 0- and 8-byte keys (tcp,
+//    self, InfiniBand) carry nothing to check; keys of any other size are
+//    refused.
 //
 // What is left: a segment that vanishes between this check and the unpack
-// (microseconds), and on other UCX versions the layouts are not checked
-// (kvdepotd logs so at startup).
+// (microseconds); a local client naming another local process's UCX segment
+// (nothing ties a key to the session's process yet); POSIX keys of another
+// PID namespace (UCX does not unpack those); on other UCX versions only the
+// structure is checked.
 #ifndef KVDEPOT_TRANSPORT_INTERNAL_RKEY_CHECK_H_
 #define KVDEPOT_TRANSPORT_INTERNAL_RKEY_CHECK_H_
 

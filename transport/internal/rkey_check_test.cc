@@ -1,7 +1,11 @@
 #include "transport/internal/rkey_check.h"
 
+#include <fcntl.h>
 #include <sys/ipc.h>
 #include <sys/shm.h>
+#include <unistd.h>
+
+#include <cstdio>
 
 #include <cstring>
 #include <string>
@@ -47,9 +51,17 @@ std::string PosixKey(uint64_t id, uint64_t address, uint64_t length) {
 
 TEST(RkeyCheckTest, ParsesWellFormedKeys) {
   EXPECT_TRUE(CheckPackedRkey(Key(1, 0, {""}), 0, 100, true).ok());
-  EXPECT_TRUE(CheckPackedRkey(Key(0b1011, 0, {"", "abcd", ""}), 0, 100, true).ok());
+  EXPECT_TRUE(CheckPackedRkey(Key(0b1011, 0, {"", "ib-rkey!", ""}), 0, 100, true).ok());
   // Trailing bytes (system device and distances) are UCX's business.
   EXPECT_TRUE(CheckPackedRkey(Key(1, 0, {""}) + "xyz", 0, 100, true).ok());
+}
+
+TEST(RkeyCheckTest, RefusesTransportKeysOfUnknownSize) {
+  // A layout UCX 1.13 might fail to unpack, which crashes it.
+  absl::Status st = CheckPackedRkey(Key(1, 0, {"abcd"}), 0, 1, true);
+  EXPECT_TRUE(absl::IsInvalidArgument(st)) << st;
+  // Not judged where the layouts are not known.
+  EXPECT_TRUE(CheckPackedRkey(Key(1, 0, {"abcd"}), 0, 1, false).ok());
 }
 
 TEST(RkeyCheckTest, RefusesKeysThatDoNotParse) {
@@ -85,14 +97,61 @@ TEST(RkeyCheckTest, SystemVSegmentMustExistAndHoldTheRegion) {
   EXPECT_NE(gone.message().find("cannot be attached"), std::string::npos) << gone;
 }
 
-TEST(RkeyCheckTest, PosixSegmentMustHoldTheRegion) {
+constexpr uint64_t kProcfs = uint64_t{1} << 63;
+constexpr uint64_t kShmOpen = uint64_t{1} << 62;
+
+// A file in /dev/shm named as UCX 1.13 names its POSIX segments.
+struct ShmFile {
+  explicit ShmFile(uint64_t id, size_t size) {
+    char name[64];
+    snprintf(name, sizeof name, "/dev/shm/ucx_shm_posix_%llx",
+             static_cast<unsigned long long>(id));
+    path = name;
+    fd = open(name, O_RDWR | O_CREAT | O_EXCL, 0600);
+    if (fd >= 0 && ftruncate(fd, static_cast<off_t>(size)) != 0) {
+      close(fd);
+      fd = -1;
+    }
+  }
+  ~ShmFile() {
+    if (fd >= 0) close(fd);
+    unlink(path.c_str());
+  }
+  std::string path;
+  int fd = -1;
+};
+
+TEST(RkeyCheckTest, PosixSegmentMustBeAUcxSegmentHoldingTheRegion) {
+  const uint64_t id = 0x5eed0000u + static_cast<uint64_t>(getpid() & 0xffff);
+  ShmFile file(id, 1 << 20);
+  if (file.fd < 0) GTEST_SKIP() << "cannot create files in /dev/shm";
   const uint64_t address = 0x7f0000000000;
-  const std::string key = Key(1, 0, {PosixKey(77, address, 1 << 20)});
-  EXPECT_TRUE(CheckPackedRkey(key, address, 1 << 20, true).ok());
-  EXPECT_FALSE(CheckPackedRkey(key, address, 2 << 20, true).ok());
-  EXPECT_FALSE(CheckPackedRkey(key, address - 4096, 4096, true).ok());
-  // No overflow in the arithmetic.
-  EXPECT_FALSE(CheckPackedRkey(key, address + 8, UINT64_MAX - address, true).ok());
+  // Named by its /dev/shm id.
+  const std::string by_name = Key(1, 0, {PosixKey(kShmOpen | id, address, 1 << 20)});
+  EXPECT_TRUE(CheckPackedRkey(by_name, address, 1 << 20, true).ok());
+  EXPECT_FALSE(CheckPackedRkey(by_name, address, 2 << 20, true).ok());
+  EXPECT_FALSE(CheckPackedRkey(by_name, address - 4096, 4096, true).ok());
+  EXPECT_FALSE(CheckPackedRkey(by_name, address + 8, UINT64_MAX - address, true).ok());
+  // A key that claims more than the file holds.
+  const std::string too_long = Key(1, 0, {PosixKey(kShmOpen | id, address, 2 << 20)});
+  EXPECT_FALSE(CheckPackedRkey(too_long, address, 4096, true).ok());
+  // Named by this process's descriptor of it (/proc/<pid>/fd/<fd>).
+  const uint64_t procfs = kProcfs | kShmOpen | static_cast<uint64_t>(getpid()) |
+                          (static_cast<uint64_t>(file.fd) << 30);
+  EXPECT_TRUE(CheckPackedRkey(Key(1, 0, {PosixKey(procfs, address, 1 << 20)}),
+                              address, 4096, true).ok());
+  // A descriptor that is not a UCX segment (stdin, or a plain file): the
+  // daemon would map it and write blocks into it.
+  const uint64_t not_ucx = kProcfs | static_cast<uint64_t>(getpid());  // fd 0
+  absl::Status st = CheckPackedRkey(Key(1, 0, {PosixKey(not_ucx, address, 4096)}),
+                                    address, 4096, true);
+  EXPECT_TRUE(absl::IsInvalidArgument(st)) << st;
+  // A segment that is gone.
+  const std::string gone = Key(1, 0, {PosixKey(kShmOpen | (id + 1), address, 4096)});
+  EXPECT_FALSE(CheckPackedRkey(gone, address, 4096, true).ok());
+  // Outside /dev/shm (UCX_POSIX_DIR elsewhere): not supported.
+  EXPECT_FALSE(CheckPackedRkey(Key(1, 0, {PosixKey(77, address, 4096)}),
+                               address, 4096, true).ok());
 }
 
 }  // namespace
