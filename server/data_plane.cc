@@ -215,18 +215,18 @@ absl::StatusOr<uint32_t> DataPlane::RegisterBuffer(SessionId session,
 absl::StatusOr<TransferHandle> DataPlane::Push(SessionId session,
                                                absl::Span<const BlockMove> moves,
                                                absl::Time deadline) {
-  return Move(/*push=*/true, session, moves, deadline);
+  return Move(/*push=*/true, session, moves, deadline, nullptr);
 }
 
-absl::StatusOr<TransferHandle> DataPlane::Pull(SessionId session,
-                                               absl::Span<const BlockMove> moves,
-                                               absl::Time deadline) {
-  return Move(/*push=*/false, session, moves, deadline);
+absl::StatusOr<TransferHandle> DataPlane::Pull(
+    SessionId session, absl::Span<const BlockMove> moves, absl::Time deadline,
+    absl::AnyInvocable<void(size_t)> each_got) {
+  return Move(/*push=*/false, session, moves, deadline, std::move(each_got));
 }
 
-absl::StatusOr<TransferHandle> DataPlane::Move(bool push, SessionId session,
-                                               absl::Span<const BlockMove> moves,
-                                               absl::Time deadline) {
+absl::StatusOr<TransferHandle> DataPlane::Move(
+    bool push, SessionId session, absl::Span<const BlockMove> moves,
+    absl::Time deadline, absl::AnyInvocable<void(size_t)> each_got) {
   std::shared_ptr<Link> link = Find(session);
   if (link == nullptr) {
     return absl::FailedPreconditionError(
@@ -243,8 +243,9 @@ absl::StatusOr<TransferHandle> DataPlane::Move(bool push, SessionId session,
     t.local_region = arena_.get();  // refuses bytes outside the arena
     transfers.push_back(t);
   }
-  TransferHandle handle = push ? link->endpoint->Put(transfers, deadline)
-                               : link->endpoint->Get(transfers, deadline);
+  TransferHandle handle =
+      push ? link->endpoint->Put(transfers, deadline)
+           : link->endpoint->Get(transfers, deadline, std::move(each_got));
   // The link (and its endpoint) lives until the transfers have ended; it is
   // let go on the pool's thread, not inside the UCX callback that ends them.
   handle.OnReady([this, link = std::move(link)]() mutable {

@@ -122,13 +122,15 @@ class DataPlane {
   // session's buffers, an unknown buffer id, or arena bytes outside the
   // arena: refused before UCX). FailedPrecondition when the session has no
   // endpoint. REQUIRES: the arena bytes stay allocated until the handle is
-  // ready.
+  // ready. Pull's `each_got(i)`, when given, runs on a progress thread as
+  // move i's bytes arrive (UcxEndpoint::Get), never after the handle is
+  // ready; it must not block.
   absl::StatusOr<TransferHandle> Push(SessionId session,
                                       absl::Span<const BlockMove> moves,
                                       absl::Time deadline);
-  absl::StatusOr<TransferHandle> Pull(SessionId session,
-                                      absl::Span<const BlockMove> moves,
-                                      absl::Time deadline);
+  absl::StatusOr<TransferHandle> Pull(
+      SessionId session, absl::Span<const BlockMove> moves, absl::Time deadline,
+      absl::AnyInvocable<void(size_t)> each_got = nullptr);
 
   // Whether the UCX settings let co-located clients use shared memory.
   bool shared_memory() const { return shared_memory_; }
@@ -137,9 +139,9 @@ class DataPlane {
   struct Link;
   DataPlane(const DataPlaneOptions& options, LostCallback on_lost,
             std::shared_ptr<spdlog::logger> logger);
-  absl::StatusOr<TransferHandle> Move(bool push, SessionId session,
-                                      absl::Span<const BlockMove> moves,
-                                      absl::Time deadline);
+  absl::StatusOr<TransferHandle> Move(
+      bool push, SessionId session, absl::Span<const BlockMove> moves,
+      absl::Time deadline, absl::AnyInvocable<void(size_t)> each_got);
   std::shared_ptr<Link> Find(SessionId session) const;
   // Any thread (progress threads included): hands the loss to lost_pool_.
   void Lost(SessionId session, const absl::Status& why);

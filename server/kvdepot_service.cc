@@ -818,9 +818,22 @@ grpc::ServerUnaryReactor* KvDepotService::PullBlocks(
     finish(absl::OkStatus());
     return reactor;
   }
+  // Each block is checked against its checksum as soon as its bytes are in,
+  // while they are still in cache; CommitPut then takes it without hashing
+  // it again (a block that does not match is hashed again there and
+  // refused).
+  std::vector<SlotHandle*> verify(slots.size());
+  std::vector<uint64_t> expected(slots.size());
+  for (size_t k = 0; k < slots.size(); ++k) {
+    verify[k] = slots[k].get();
+    expected[k] = req->blocks(block_of_move[k]).checksum();
+  }
   absl::StatusOr<TransferHandle> h = data_plane_->Pull(
       session, moves,
-      TransferDeadline(req->timeout_ms(), transfer_timeout_, absl::Now()));
+      TransferDeadline(req->timeout_ms(), transfer_timeout_, absl::Now()),
+      [verify = std::move(verify), expected = std::move(expected)](size_t k) {
+        verify[k]->Verify(expected[k]);
+      });
   if (!h.ok()) {
     slots.clear();
     store_.AbortPut(session, resv->id).IgnoreError();

@@ -192,6 +192,12 @@ class SlotHandle {
  public:
   virtual ~SlotHandle() = default;
   virtual absl::Span<char> bytes() const = 0;
+  // Checks the slot's bytes against `checksum` now, for a writer whose
+  // bytes have just landed and are likely still in cache: when they match,
+  // CommitPut with the same checksum takes the slot without hashing it
+  // again. Returns whether they matched. REQUIRES: the bytes are final (no
+  // more writes through this handle).
+  virtual bool Verify(uint64_t checksum) = 0;
 };
 
 // Receives the outcome of TieredStore::LookupAsync.

@@ -161,19 +161,27 @@ absl::StatusOr<uint32_t> UcxEndpoint::AddRemoteRegion(
 
 TransferHandle UcxEndpoint::Get(absl::Span<const Transfer> transfers,
                                 absl::Time deadline) {
-  return Start(/*get=*/true, transfers, deadline);
+  return Start(/*get=*/true, transfers, nullptr, deadline);
+}
+
+TransferHandle UcxEndpoint::Get(absl::Span<const Transfer> transfers,
+                                absl::Time deadline,
+                                absl::AnyInvocable<void(size_t)> each_got) {
+  return Start(/*get=*/true, transfers, std::move(each_got), deadline);
 }
 
 TransferHandle UcxEndpoint::Put(absl::Span<const Transfer> transfers,
                                 absl::Time deadline) {
-  return Start(/*get=*/false, transfers, deadline);
+  return Start(/*get=*/false, transfers, nullptr, deadline);
 }
 
 TransferHandle UcxEndpoint::Start(bool get,
                                   absl::Span<const Transfer> transfers,
+                                  absl::AnyInvocable<void(size_t)> each_got,
                                   absl::Time deadline) {
   auto batch = std::make_shared<Batch>(get ? Batch::Op::kGet : Batch::Op::kPut,
                                        transfers.size(), deadline);
+  if (each_got) batch->SetEachGot(std::move(each_got));
   TransferHandle handle(batch);
   // Refuses every transfer not refused yet and publishes the batch; used
   // when nothing will be posted.

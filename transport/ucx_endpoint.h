@@ -116,6 +116,11 @@ class UcxEndpoint : private UcxWorker::Resident {
   // past ends the batch at once with DeadlineExceeded. REQUIRES: local
   // buffers stay valid and untouched until the handle is ready.
   TransferHandle Get(absl::Span<const Transfer> transfers, absl::Time deadline);
+  // The same; `each_got(i)` runs on the progress thread as transfer i's
+  // bytes arrive (while they are likely still in cache), never after the
+  // handle is ready. It must not block.
+  TransferHandle Get(absl::Span<const Transfer> transfers, absl::Time deadline,
+                     absl::AnyInvocable<void(size_t)> each_got);
 
   // Writes each transfer's local bytes to the peer, as Get otherwise. A put
   // is OK only once the flush that follows the batch has succeeded: its
@@ -140,6 +145,7 @@ class UcxEndpoint : private UcxWorker::Resident {
   absl::Status WaitConnected();
 
   TransferHandle Start(bool get, absl::Span<const Transfer> transfers,
+                       absl::AnyInvocable<void(size_t)> each_got,
                        absl::Time deadline);
   // Progress thread only.
   void Post(const std::shared_ptr<Batch>& batch,

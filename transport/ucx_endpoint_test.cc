@@ -185,6 +185,32 @@ TEST_P(UcxEndpointTest, PutThenGetReturnsEveryByte) {
   EXPECT_TRUE(source == sink);
 }
 
+// Get's each_got runs once per transfer whose bytes arrived, with those
+// bytes already in place, and not for refused transfers.
+TEST_P(UcxEndpointTest, EachGotRunsAsEveryGetsBytesArrive) {
+  std::vector<char> sink(4 * kBlock, 0);
+  auto sink_region = RegisterLocal(sink);
+  std::vector<Transfer> gets;
+  for (int i = 0; i < 4; ++i) {
+    gets.push_back({region_id_, region_->address() + i * kBlock,
+                    sink.data() + i * kBlock, kBlock, sink_region.get()});
+  }
+  gets[2].region = 99;  // refused: no such region
+  std::vector<int> got(4, 0);
+  std::vector<int> bytes_in_place(4, 0);
+  TransferHandle get = endpoint_->Get(gets, Soon(), [&](size_t i) {
+    ++got[i];
+    // Block i of the region holds the pattern from word i * kBlock / 8.
+    bytes_in_place[i] = ucx_test::FirstPatternMismatch(
+                            sink.data() + i * kBlock, kBlock,
+                            kSeed + i * kBlock / 8) == -1;
+  });
+  get.Wait();
+  EXPECT_EQ(got, (std::vector<int>{1, 1, 0, 1}));
+  EXPECT_EQ(bytes_in_place, (std::vector<int>{1, 1, 0, 1}));
+  EXPECT_TRUE(absl::IsInvalidArgument(get.status(2))) << get.status(2);
+}
+
 TEST_P(UcxEndpointTest, OnReadyCallbacksRunOnceInOrder) {
   std::vector<char> sink(4 * kBlock, 0);
   auto sink_region = RegisterLocal(sink);

@@ -53,7 +53,10 @@ ucp_request_param_t TransferBatch::Param(size_t i) {
 }
 
 void TransferBatch::Posted(size_t i, ucs_status_ptr_t result) {
-  if (result == nullptr) return;  // done already
+  if (result == nullptr) {  // done already
+    Got(i);
+    return;
+  }
   if (UCS_PTR_IS_ERR(result)) {
     op_status_[i] = UcsToStatus(UCS_PTR_STATUS(result),
                                 i == size_ ? "ucp_ep_flush_nbx"
@@ -72,10 +75,16 @@ void TransferBatch::OnRequestDone(void* request, ucs_status_t status,
   slot->batch->Done(slot->index, status);
 }
 
+void TransferBatch::Got(size_t i) {
+  if (op_ == Op::kGet && i < size_ && !published_ && each_got_) each_got_(i);
+}
+
 void TransferBatch::Done(size_t i, ucs_status_t status) {
   pending_[i] = false;
   if (status != UCS_OK) {
     op_status_[i] = UcsToStatus(status, i == size_ ? "flush" : "transfer");
+  } else {
+    Got(i);
   }
   --outstanding_;
   if (sealed_ && outstanding_ == 0) Finish();

@@ -45,6 +45,11 @@ class TransferBatch : public std::enable_shared_from_this<TransferBatch> {
   // --- Before Seal (the submitting thread, then the progress thread). ---
   Op op() const { return op_; }
   absl::Time deadline() const { return deadline_; }
+  // Called on the progress thread with i as each get's bytes arrive, while
+  // the batch is not yet published (never after: its buffers may be gone).
+  void SetEachGot(absl::AnyInvocable<void(size_t)> each_got) {
+    each_got_ = std::move(each_got);
+  }
   // Transfer i will not be posted; it ends with `status`.
   void Refuse(size_t i, absl::Status status);
   bool refused(size_t i) const { return refused_[i]; }
@@ -85,6 +90,8 @@ class TransferBatch : public std::enable_shared_from_this<TransferBatch> {
   static void OnRequestDone(void* request, ucs_status_t status,
                             void* user_data);
   void Done(size_t i, ucs_status_t status);
+  // Transfer i (not the flush) succeeded: runs each_got_ for a get.
+  void Got(size_t i);
   void Finish();
   // Computes result_ and sets ready_.
   void Publish(bool abandoned);
@@ -105,6 +112,7 @@ class TransferBatch : public std::enable_shared_from_this<TransferBatch> {
   absl::Status abort_reason_;
   std::shared_ptr<TransferBatch> self_;  // while requests are in flight
   std::shared_ptr<void> keep_;
+  absl::AnyInvocable<void(size_t)> each_got_;
 
   // Written once by Finish before ready_ is set; read-only after.
   std::vector<absl::Status> result_;
