@@ -110,6 +110,17 @@ class UcxEndpointTest : public ::testing::TestWithParam<std::string> {
     ASSERT_TRUE(warm.ok()) << warm;
   }
 
+  // Gets of the region's first blocks, block i into sink[i * kBlock, ...).
+  std::vector<Transfer> FirstBlocksInto(std::vector<char>& sink,
+                                        MemoryRegion* sink_region) const {
+    std::vector<Transfer> gets;
+    for (size_t i = 0; i < sink.size() / kBlock; ++i) {
+      gets.push_back({region_id_, region_->address() + i * kBlock,
+                      sink.data() + i * kBlock, kBlock, sink_region});
+    }
+    return gets;
+  }
+
   // Reads the region's first 8 bytes over endpoint_.
   absl::Status ReadFirstBytes() {
     std::vector<char> one(8);
@@ -190,11 +201,7 @@ TEST_P(UcxEndpointTest, PutThenGetReturnsEveryByte) {
 TEST_P(UcxEndpointTest, EachGotRunsAsEveryGetsBytesArrive) {
   std::vector<char> sink(4 * kBlock, 0);
   auto sink_region = RegisterLocal(sink);
-  std::vector<Transfer> gets;
-  for (int i = 0; i < 4; ++i) {
-    gets.push_back({region_id_, region_->address() + i * kBlock,
-                    sink.data() + i * kBlock, kBlock, sink_region.get()});
-  }
+  std::vector<Transfer> gets = FirstBlocksInto(sink, sink_region.get());
   gets[2].region = 99;  // refused: no such region
   std::vector<int> got(4, 0);
   std::vector<int> bytes_in_place(4, 0);
@@ -214,11 +221,7 @@ TEST_P(UcxEndpointTest, EachGotRunsAsEveryGetsBytesArrive) {
 TEST_P(UcxEndpointTest, OnReadyCallbacksRunOnceInOrder) {
   std::vector<char> sink(4 * kBlock, 0);
   auto sink_region = RegisterLocal(sink);
-  std::vector<Transfer> gets;
-  for (int i = 0; i < 4; ++i) {
-    gets.push_back({region_id_, region_->address() + i * kBlock,
-                    sink.data() + i * kBlock, kBlock, sink_region.get()});
-  }
+  std::vector<Transfer> gets = FirstBlocksInto(sink, sink_region.get());
   absl::Mutex mu;
   std::vector<int> calls;
   absl::Notification done;
