@@ -150,8 +150,8 @@ absl::string_view RocksCrc32cImplementation() {
   // librocksdb binds its calls to the first definition in the process's
   // lookup order: this executable's, when the link exported it.
   void* bound = dlsym(RTLD_DEFAULT, kExtendSymbol);
-  if (bound == nullptr || LibRocksdbCrc32cExtend() == nullptr ||
-      bound == reinterpret_cast<void*>(LibRocksdbCrc32cExtend())) {
+  void* theirs = reinterpret_cast<void*>(LibRocksdbCrc32cExtend());
+  if (bound == nullptr || theirs == nullptr || bound == theirs) {
     return "librocksdb's (kvdepot's crc32c is not bound in this process)";
   }
   if (!CpuHasSse42()) return "librocksdb's (the CPU has no SSE4.2)";

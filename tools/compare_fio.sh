@@ -252,23 +252,18 @@ if kind == "fio":
                bytes=io["io_bytes"], latency_unit="io (clat)",
                p50_us=p("50.000000"), p99_us=p("99.000000"),
                p999_us=p("99.900000"), errors=j.get("error", 0))
-elif kind == "kvdepot":
+elif kind in ("kvdepot", "kvdepotd"):
+    # nvme-tier-bench and kvdepot-bench print the same fields.
     d = json.loads(text[text.index("{"):])
-    rec.update(tool="nvme-tier-bench", ops=d["ops"], seconds=d["seconds"],
+    tool = ("nvme-tier-bench" if kind == "kvdepot"
+            else "kvdepotd + kvdepot-bench put (" + d["transport"] + ")")
+    rec.update(tool=tool, ops=d["ops"], seconds=d["seconds"],
                ops_per_sec=d["ops_per_sec"], gb_per_sec=d["gb_per_sec"],
                bytes=d["ops"] * d["block_size"], latency_unit="call",
                p50_us=d["p50_us"], p99_us=d["p99_us"], p999_us=d["p999_us"],
                errors=d["errors"], detail=d)
-    if d.get("device"):
+    if d.get("device"):  # nvme-tier-bench's own sample of its timed window
         dev_r, dev_w = d["device"]["read_bytes"], d["device"]["write_bytes"]
-elif kind == "kvdepotd":
-    d = json.loads(text[text.index("{"):])
-    rec.update(tool="kvdepotd + kvdepot-bench put (" + d["transport"] + ")",
-               ops=d["ops"], seconds=d["seconds"],
-               ops_per_sec=d["ops_per_sec"], gb_per_sec=d["gb_per_sec"],
-               bytes=d["ops"] * d["block_size"], latency_unit="call",
-               p50_us=d["p50_us"], p99_us=d["p99_us"], p999_us=d["p999_us"],
-               errors=d["errors"], detail=d)
 else:  # db_bench
     bench = "fillrandom" if workload == "write" else "readrandom"
     m = re.search(bench + r"\s*:\s*([\d.]+) micros/op (\d+) ops/sec ([\d.]+) seconds (\d+) operations;\s*([\d.]+) MB/s(?: \((\d+) of (\d+) found\))?", text)

@@ -24,10 +24,16 @@ T Read(const char* p) {
   return v;
 }
 
-// [base, base + size) within [start, start + length)?
-bool Within(uint64_t base, uint64_t size, uint64_t start, uint64_t length) {
-  return base >= start && base - start <= length &&
-         size <= length - (base - start);
+// OK when the registered region [base, base + size) lies within the
+// segment [start, start + length).
+absl::Status CheckWithin(uint64_t base, uint64_t size, uint64_t start,
+                         uint64_t length) {
+  if (base >= start && base - start <= length && size <= length - (base - start)) {
+    return absl::OkStatus();
+  }
+  return absl::InvalidArgumentError(absl::StrCat(
+      "remote region [", base, ", +", size, ") is not inside its segment [",
+      start, ", +", length, ")"));
 }
 
 absl::Status CheckSysv(absl::string_view key, uint64_t base, uint64_t size) {
@@ -39,12 +45,7 @@ absl::Status CheckSysv(absl::string_view key, uint64_t base, uint64_t size) {
         "remote key names System V segment ", shmid,
         ", which cannot be attached: ", std::strerror(errno)));
   }
-  if (!Within(base, size, address, ds.shm_segsz)) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "remote region [", base, ", +", size, ") is not inside its segment [",
-        address, ", +", ds.shm_segsz, ")"));
-  }
-  return absl::OkStatus();
+  return CheckWithin(base, size, address, ds.shm_segsz);
 }
 
 // UCX 1.13's POSIX segment id: flags in the top bits; with kProcfs the
@@ -60,10 +61,8 @@ absl::Status CheckPosix(absl::string_view key, uint64_t base, uint64_t size) {
   const uint64_t id = Read<uint64_t>(key.data());
   const uint64_t address = Read<uint64_t>(key.data() + 8);
   const uint64_t length = Read<uint64_t>(key.data() + 16);
-  if (!Within(base, size, address, length)) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "remote region [", base, ", +", size, ") is not inside its segment [",
-        address, ", +", length, ")"));
+  if (absl::Status within = CheckWithin(base, size, address, length); !within.ok()) {
+    return within;
   }
   // The file UCX will open and map: it must open, and hold `length` bytes
   // (a shorter file maps, then faults a transfer past its end).
