@@ -38,7 +38,8 @@ bool TlsAllowsSharedMemory(const std::map<std::string, std::string>& ucx) {
 
 struct DataPlane::Link {
   std::unique_ptr<UcxEndpoint> endpoint;
-  bool watched = false;  // by monitor_ (a co-located client)
+  // A client on this host, allowed shared memory; watched by monitor_.
+  bool colocated = false;
   absl::Mutex mu;
   uint32_t buffers ABSL_GUARDED_BY(mu) = 0;
 };
@@ -85,7 +86,7 @@ void DataPlane::Close() {
     links.swap(links_);
   }
   for (auto& [session, link] : links) {
-    if (link->watched) monitor_->Unwatch(session).IgnoreError();
+    if (link->colocated) monitor_->Unwatch(session).IgnoreError();
     // Force-closes the endpoint now, even while transfers still hold the
     // link: they end Cancelled.
     link->endpoint->Close();
@@ -133,11 +134,11 @@ absl::Status DataPlane::Attach(SessionId session, std::string_view address,
                    UcxEndpoint::Connect(*worker, address, std::move(endpoint_options)));
   if (colocated) {
     RETURN_IF_ERROR(monitor_->Watch(session, address));
-    link->watched = true;
+    link->colocated = true;
   }
   absl::MutexLock lock(&mu_);
   if (closing_) {
-    if (link->watched) monitor_->Unwatch(session).IgnoreError();
+    if (link->colocated) monitor_->Unwatch(session).IgnoreError();
     return absl::UnavailableError("data plane stopping");
   }
   links_.emplace(session, std::move(link));
@@ -155,7 +156,7 @@ void DataPlane::Detach(SessionId session) {
     link = std::move(it->second);
     links_.erase(it);
   }
-  if (link->watched) monitor_->Unwatch(session).IgnoreError();
+  if (link->colocated) monitor_->Unwatch(session).IgnoreError();
   // An orderly close: the client is alive (its session ended normally or
   // expired), and a reset would make its UCX log errors.
   link->endpoint->Close(/*force=*/false);
@@ -214,19 +215,23 @@ absl::StatusOr<uint32_t> DataPlane::RegisterBuffer(SessionId session,
 
 absl::StatusOr<TransferHandle> DataPlane::Push(SessionId session,
                                                absl::Span<const BlockMove> moves,
-                                               absl::Time deadline) {
-  return Move(/*push=*/true, session, moves, deadline, nullptr);
+                                               absl::Time deadline,
+                                               CopyHere copy_here) {
+  return Move(/*push=*/true, session, moves, deadline, nullptr,
+              std::move(copy_here));
 }
 
 absl::StatusOr<TransferHandle> DataPlane::Pull(
     SessionId session, absl::Span<const BlockMove> moves, absl::Time deadline,
-    absl::AnyInvocable<void(size_t)> each_got) {
-  return Move(/*push=*/false, session, moves, deadline, std::move(each_got));
+    absl::AnyInvocable<void(size_t)> each_got, CopyHere copy_here) {
+  return Move(/*push=*/false, session, moves, deadline, std::move(each_got),
+              std::move(copy_here));
 }
 
 absl::StatusOr<TransferHandle> DataPlane::Move(
     bool push, SessionId session, absl::Span<const BlockMove> moves,
-    absl::Time deadline, absl::AnyInvocable<void(size_t)> each_got) {
+    absl::Time deadline, absl::AnyInvocable<void(size_t)> each_got,
+    CopyHere copy_here) {
   std::shared_ptr<Link> link = Find(session);
   if (link == nullptr) {
     return absl::FailedPreconditionError(
@@ -243,9 +248,13 @@ absl::StatusOr<TransferHandle> DataPlane::Move(
     t.local_region = arena_.get();  // refuses bytes outside the arena
     transfers.push_back(t);
   }
+  // Only a co-located client's memory is mapped here: a key from another
+  // host that names a segment of this one must not reach it.
+  if (!link->colocated) copy_here = nullptr;
   TransferHandle handle =
-      push ? link->endpoint->Put(transfers, deadline)
-           : link->endpoint->Get(transfers, deadline, std::move(each_got));
+      push ? link->endpoint->Put(transfers, deadline, std::move(copy_here))
+           : link->endpoint->Get(transfers, deadline, std::move(each_got),
+                                 std::move(copy_here));
   // The link (and its endpoint) lives until the transfers have ended; it is
   // let go on the pool's thread, not inside the UCX callback that ends them.
   handle.OnReady([this, link = std::move(link)]() mutable {

@@ -123,14 +123,24 @@ class DataPlane {
   // arena: refused before UCX). FailedPrecondition when the session has no
   // endpoint. REQUIRES: the arena bytes stay allocated until the handle is
   // ready. Pull's `each_got(i)`, when given, runs on a progress thread as
-  // move i's bytes arrive (UcxEndpoint::Get), never after the handle is
-  // ready; it must not block.
+  // move i's bytes arrive through UCX (UcxEndpoint::Get), never after the
+  // handle is ready; it must not block.
+  //
+  // With `copy_here`, a move whose client buffer this process maps (a
+  // co-located client's UCX shared-memory segment) is not handed to UCX:
+  // `copy_here(i, client)` does it on the calling thread before Push/Pull
+  // return, with `client` move i's place in the client's buffer as mapped
+  // here, and its status is the move's (UcxEndpoint::MappedCopy). The
+  // caller can then check the bytes as they land, in cache.
+  using CopyHere = UcxEndpoint::MappedCopy;
   absl::StatusOr<TransferHandle> Push(SessionId session,
                                       absl::Span<const BlockMove> moves,
-                                      absl::Time deadline);
+                                      absl::Time deadline,
+                                      CopyHere copy_here = nullptr);
   absl::StatusOr<TransferHandle> Pull(
       SessionId session, absl::Span<const BlockMove> moves, absl::Time deadline,
-      absl::AnyInvocable<void(size_t)> each_got = nullptr);
+      absl::AnyInvocable<void(size_t)> each_got = nullptr,
+      CopyHere copy_here = nullptr);
 
   // Whether the UCX settings let co-located clients use shared memory.
   bool shared_memory() const { return shared_memory_; }
@@ -141,7 +151,8 @@ class DataPlane {
             std::shared_ptr<spdlog::logger> logger);
   absl::StatusOr<TransferHandle> Move(
       bool push, SessionId session, absl::Span<const BlockMove> moves,
-      absl::Time deadline, absl::AnyInvocable<void(size_t)> each_got);
+      absl::Time deadline, absl::AnyInvocable<void(size_t)> each_got,
+      CopyHere copy_here);
   std::shared_ptr<Link> Find(SessionId session) const;
   // Any thread (progress threads included): hands the loss to lost_pool_.
   void Lost(SessionId session, const absl::Status& why);

@@ -12,6 +12,7 @@
 #include "absl/strings/str_cat.h"
 #include "server/version.h"
 #include "storage/block_key.h"
+#include "storage/checksum.h"
 #include "storage/status_macros.h"
 
 namespace kvdepot {
@@ -748,23 +749,45 @@ grpc::ServerUnaryReactor* KvDepotService::PushBlocks(
           unpin();
           return finish(absl::OkStatus());
         }
+        // A co-located client's shared memory is mapped here: the block is
+        // copied on this thread and checked as it lands, so the client need
+        // not read it all again to hash it.
+        std::vector<bool> in_place(moves.size(), false);
+        auto copy_here = [&](size_t m, char* client) {
+          in_place[m] = true;
+          const BlockMove& mv = moves[m];
+          const uint64_t want = resp->blocks(key_of_move[m]).checksum();
+          if (CopyWithChecksum(client, mv.arena.data(), mv.arena.size()) != want) {
+            log_->warn("PushBlocks: a block's bytes did not match its checksum "
+                       "as copied to session {}", req->session_id());
+            return absl::DataLossError(
+                "block bytes do not match the checksum as copied");
+          }
+          return absl::OkStatus();
+        };
         absl::StatusOr<TransferHandle> h =
-            data_plane_->Push(session, moves, deadline);
+            data_plane_->Push(session, moves, deadline, copy_here);
         if (!h.ok()) {
           unpin();
           return finish(h.status());
         }
-        // Runs on the progress thread: short steps only.
+        // Runs on the progress thread (or here, when every move was
+        // copied here): short steps only.
         h->OnReady([this, resp, finish, unpin, h = *h,
-                    key_of_move = std::move(key_of_move)] {
+                    key_of_move = std::move(key_of_move),
+                    in_place = std::move(in_place)] {
           unpin();
-          uint64_t bytes = 0;
+          uint64_t bytes = 0, bytes_in_place = 0;
           for (size_t m = 0; m < key_of_move.size(); ++m) {
             v1::BlockTransfer* out = resp->mutable_blocks(key_of_move[m]);
             SetTransfer(h.status(m), out);
-            if (h.status(m).ok()) bytes += out->size();
+            if (h.status(m).ok()) {
+              bytes += out->size();
+              if (in_place[m]) bytes_in_place += out->size();
+              out->set_checked_in_place(in_place[m]);
+            }
           }
-          metrics_.AddUcxBytesOut(bytes);
+          metrics_.AddUcxBytesOut(bytes, bytes_in_place);
           finish(absl::OkStatus());
         });
       });
@@ -828,21 +851,31 @@ grpc::ServerUnaryReactor* KvDepotService::PullBlocks(
     verify[k] = slots[k].get();
     expected[k] = req->blocks(block_of_move[k]).checksum();
   }
+  // A co-located client's shared memory is mapped here: the block is
+  // copied into its slot on this thread and checked as it lands.
+  std::vector<bool> in_place(moves.size(), false);
+  auto copy_here = [&verify, &expected, &in_place](size_t k, char* client) {
+    in_place[k] = true;
+    verify[k]->CopyInAndVerify(client, expected[k]);
+    return absl::OkStatus();  // a mismatch is CommitPut's to report
+  };
   absl::StatusOr<TransferHandle> h = data_plane_->Pull(
       session, moves,
       TransferDeadline(req->timeout_ms(), transfer_timeout_, absl::Now()),
-      [verify = std::move(verify), expected = std::move(expected)](size_t k) {
-        verify[k]->Verify(expected[k]);
-      });
+      [verify, expected](size_t k) { verify[k]->Verify(expected[k]); },
+      copy_here);
   if (!h.ok()) {
     slots.clear();
     store_.AbortPut(session, resv->id).IgnoreError();
     finish(h.status());
     return reactor;
   }
+  const bool all_in_place =
+      std::find(in_place.begin(), in_place.end(), false) == in_place.end();
   auto commit = [this, req, resp, finish, session, id = resv->id, h = *h,
                  slots = std::move(slots),
-                 block_of_move = std::move(block_of_move)]() mutable {
+                 block_of_move = std::move(block_of_move),
+                 in_place = std::move(in_place)]() mutable {
     slots.clear();  // the slots' bytes are in; CommitPut needs them released
     absl::Status failed = h.overall_status();
     if (!failed.ok()) {
@@ -857,13 +890,15 @@ grpc::ServerUnaryReactor* KvDepotService::PullBlocks(
     absl::StatusOr<std::vector<CommitOutcome>> out =
         store_.CommitPut(session, id, sums);
     if (!out.ok()) return finish(out.status());
-    uint64_t bytes = 0;
-    for (int b : block_of_move) {
+    uint64_t bytes = 0, bytes_in_place = 0;
+    for (size_t k = 0; k < block_of_move.size(); ++k) {
+      const int b = block_of_move[k];
       v1::BlockTransfer* t = resp->mutable_blocks(b);
       switch ((*out)[b]) {
         case CommitOutcome::kStored:
           SetTransfer(absl::OkStatus(), t);
           bytes += t->size();
+          if (in_place[k]) bytes_in_place += t->size();
           break;
         case CommitOutcome::kAlreadyExists:
           SetTransfer(absl::AlreadyExistsError("stored meanwhile"), t);
@@ -873,9 +908,15 @@ grpc::ServerUnaryReactor* KvDepotService::PullBlocks(
           break;
       }
     }
-    metrics_.AddUcxBytesIn(bytes);
+    metrics_.AddUcxBytesIn(bytes, bytes_in_place);
     finish(absl::OkStatus());
   };
+  if (all_in_place && h->IsReady()) {
+    // Copied and verified here already: CommitPut hashes nothing (but a
+    // block that did not match), so it runs on this thread too.
+    commit();
+    return reactor;
+  }
   // Verifying checksums takes time: off the progress thread.
   h->OnReady([this, commit = std::move(commit)]() mutable {
     commit_pool_.Submit(std::move(commit));

@@ -80,6 +80,15 @@ ServerMetrics::ServerMetrics(prometheus::Registry& registry, int namespace_label
       bytes_out_(bytes_.Add({{"direction", "out"}, {"transport", "grpc"}})),
       ucx_bytes_in_(bytes_.Add({{"direction", "in"}, {"transport", "ucx"}})),
       ucx_bytes_out_(bytes_.Add({{"direction", "out"}, {"transport", "ucx"}})),
+      in_place_(prometheus::BuildCounter()
+                    .Name("kvdepot_ucx_in_place_bytes_total")
+                    .Help("Of kvdepot_bytes_total{transport=\"ucx\"}: bytes "
+                          "the daemon copied itself into or out of a "
+                          "co-located client's shared memory (checked "
+                          "against their checksum as they landed)")
+                    .Register(registry)),
+      ucx_in_place_in_(in_place_.Add({{"direction", "in"}})),
+      ucx_in_place_out_(in_place_.Add({{"direction", "out"}})),
       sessions_(prometheus::BuildGauge()
                     .Name("kvdepot_sessions_active")
                     .Help("Open client sessions")

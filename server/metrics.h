@@ -46,9 +46,17 @@ class ServerMetrics {
   // Block bytes through the gRPC byte path.
   void AddBytesIn(uint64_t n) { bytes_in_.Increment(static_cast<double>(n)); }
   void AddBytesOut(uint64_t n) { bytes_out_.Increment(static_cast<double>(n)); }
-  // Block bytes through the UCX data plane (PullBlocks in, PushBlocks out).
-  void AddUcxBytesIn(uint64_t n) { ucx_bytes_in_.Increment(static_cast<double>(n)); }
-  void AddUcxBytesOut(uint64_t n) { ucx_bytes_out_.Increment(static_cast<double>(n)); }
+  // Block bytes through the UCX data plane (PullBlocks in, PushBlocks out),
+  // `in_place` of them copied by the daemon itself into or out of a
+  // co-located client's shared memory.
+  void AddUcxBytesIn(uint64_t n, uint64_t in_place) {
+    ucx_bytes_in_.Increment(static_cast<double>(n));
+    ucx_in_place_in_.Increment(static_cast<double>(in_place));
+  }
+  void AddUcxBytesOut(uint64_t n, uint64_t in_place) {
+    ucx_bytes_out_.Increment(static_cast<double>(n));
+    ucx_in_place_out_.Increment(static_cast<double>(in_place));
+  }
 
   // Copies gauges (tier usage, sessions, pins, reservations) and counter
   // deltas (evictions, demotions, promotions, integrity errors, NVMe write
@@ -91,6 +99,9 @@ class ServerMetrics {
   prometheus::Counter& bytes_out_;
   prometheus::Counter& ucx_bytes_in_;
   prometheus::Counter& ucx_bytes_out_;
+  prometheus::Family<prometheus::Counter>& in_place_;
+  prometheus::Counter& ucx_in_place_in_;
+  prometheus::Counter& ucx_in_place_out_;
   prometheus::Gauge& sessions_;
   prometheus::Gauge& pins_;
   prometheus::Gauge& reservations_;

@@ -15,6 +15,12 @@ inline uint64_t BlockChecksum(absl::string_view bytes) {
   return BlockChecksum(bytes.data(), bytes.size());
 }
 
+// Copies `size` bytes from `src` to `dst` (which must not overlap) and
+// returns the BlockChecksum of the bytes as they landed in `dst`. The copy
+// goes in pieces small enough to stay in cache, each hashed right after it
+// is written, so checking a copy costs no second pass over memory.
+uint64_t CopyWithChecksum(char* dst, const char* src, size_t size);
+
 }  // namespace kvdepot
 
 #endif  // KVDEPOT_STORAGE_CHECKSUM_H_

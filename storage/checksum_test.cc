@@ -36,5 +36,28 @@ TEST(BlockChecksumTest, OneFlippedBitChangesIt) {
   EXPECT_NE(BlockChecksum(block), before);
 }
 
+// The copy is the source's bytes, and its checksum is theirs, at sizes
+// around the piece size and XXH3's internal boundaries, from unaligned
+// sources into unaligned destinations.
+TEST(CopyWithChecksumTest, CopiesAndHashesWhatLanded) {
+  std::mt19937_64 rng(5);
+  std::string src((4 << 20) + 64, '\0');
+  for (char& c : src) c = static_cast<char>(rng());
+  for (size_t n : {size_t{0}, size_t{1}, size_t{240}, size_t{1023},
+                   size_t{16384}, size_t{16385}, size_t{32768 - 1},
+                   size_t{65536 + 7}, size_t{262144}, size_t{4 << 20}}) {
+    for (size_t offset : {size_t{0}, size_t{3}}) {
+      std::string dst(n + 8, '\x5a');
+      const uint64_t sum = CopyWithChecksum(dst.data() + offset,
+                                            src.data() + offset, n);
+      ASSERT_EQ(sum, XXH3_64bits(src.data() + offset, n))
+          << "length " << n << " offset " << offset;
+      ASSERT_EQ(dst.compare(offset, n, src, offset, n), 0) << "length " << n;
+      // Nothing written past the end.
+      ASSERT_EQ(dst.find_first_not_of('\x5a', offset + n), std::string::npos);
+    }
+  }
+}
+
 }  // namespace
 }  // namespace kvdepot

@@ -117,6 +117,7 @@ class SlotHandleImpl final : public SlotHandle {
   ~SlotHandleImpl() override;
   absl::Span<char> bytes() const override { return bytes_; }
   bool Verify(uint64_t checksum) override;
+  bool CopyInAndVerify(const char* src, uint64_t checksum) override;
 
  private:
   TieredStoreImpl* const store_;  // outlives the handle
@@ -1197,6 +1198,14 @@ SlotHandleImpl::~SlotHandleImpl() { store_->ReleaseSlot(id_); }
 
 bool SlotHandleImpl::Verify(uint64_t checksum) {
   if (BlockChecksum(bytes_.data(), bytes_.size()) != checksum) return false;
+  store_->MarkVerified(id_, slot_, checksum);
+  return true;
+}
+
+bool SlotHandleImpl::CopyInAndVerify(const char* src, uint64_t checksum) {
+  if (CopyWithChecksum(bytes_.data(), src, bytes_.size()) != checksum) {
+    return false;
+  }
   store_->MarkVerified(id_, slot_, checksum);
   return true;
 }

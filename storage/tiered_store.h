@@ -198,6 +198,10 @@ class SlotHandle {
   // again. Returns whether they matched. REQUIRES: the bytes are final (no
   // more writes through this handle).
   virtual bool Verify(uint64_t checksum) = 0;
+  // Copies the slot's bytes from `src` (bytes().size() of them) and checks
+  // them against `checksum` as they land (CopyWithChecksum), with the same
+  // effect as Verify. Returns whether they matched.
+  virtual bool CopyInAndVerify(const char* src, uint64_t checksum) = 0;
 };
 
 // Receives the outcome of TieredStore::LookupAsync.

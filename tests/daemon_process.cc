@@ -13,7 +13,10 @@
 #include <regex>
 #include <sstream>
 
+#include "absl/strings/match.h"
+#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_split.h"
 #include "absl/time/clock.h"
 #include "gtest/gtest.h"
 
@@ -152,6 +155,23 @@ CommandResult RunCommand(const std::string& command_line) {
 
 CommandResult RunCtl(const std::string& address, const std::string& args) {
   return RunCommand(absl::StrCat(CtlBinary(), " --server ", address, " ", args));
+}
+
+std::string ScrapeMetrics(const DaemonProcess& d) {
+  CommandResult r =
+      RunCommand(absl::StrCat("curl -sf http://", d.metrics_address(), "/metrics"));
+  EXPECT_EQ(r.exit_code, 0) << r.err;
+  return r.out;
+}
+
+double MetricValue(const std::string& text, const std::string& series) {
+  for (absl::string_view line : absl::StrSplit(text, '\n')) {
+    if (absl::StartsWith(line, series + " ")) {
+      double v = 0;
+      if (absl::SimpleAtod(line.substr(series.size() + 1), &v)) return v;
+    }
+  }
+  return -1;
 }
 
 int RunAndWait(const std::vector<std::string>& argv, std::string* err,

@@ -64,6 +64,12 @@ struct CommandResult {
 };
 CommandResult RunCommand(const std::string& command_line);
 
+// The daemon's /metrics page (curl); a failed scrape fails the test.
+std::string ScrapeMetrics(const DaemonProcess& d);
+// The value of one series in a /metrics page, written exactly as the
+// exposition writes it (`name{labels}`), or -1 when absent.
+double MetricValue(const std::string& text, const std::string& series);
+
 // Runs kvdepotctl with `--server address` and `args` (already shell-quoted).
 CommandResult RunCtl(const std::string& address, const std::string& args);
 

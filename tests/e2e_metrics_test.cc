@@ -25,23 +25,9 @@ namespace {
 using testing::DaemonProcess;
 using testing::RunCommand;
 
-std::string Scrape(const DaemonProcess& d) {
-  testing::CommandResult r =
-      RunCommand(absl::StrCat("curl -sf http://", d.metrics_address(), "/metrics"));
-  EXPECT_EQ(r.exit_code, 0) << r.err;
-  return r.out;
-}
-
-// The value of one series, written exactly as the exposition writes it
-// (`name{labels}`), or -1 when absent.
+std::string Scrape(const DaemonProcess& d) { return testing::ScrapeMetrics(d); }
 double Value(const std::string& text, const std::string& series) {
-  for (absl::string_view line : absl::StrSplit(text, '\n')) {
-    if (absl::StartsWith(line, series + " ")) {
-      double v = 0;
-      if (absl::SimpleAtod(line.substr(series.size() + 1), &v)) return v;
-    }
-  }
-  return -1;
+  return testing::MetricValue(text, series);
 }
 
 // Polls /metrics (store counters are copied about once a second) until

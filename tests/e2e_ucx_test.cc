@@ -187,6 +187,15 @@ TEST_P(UcxE2eTest, GetIntoAndPutFromInThisProcess) {
   v1::StatsResponse st = Stats();
   EXPECT_EQ(st.pins(), 0u);
   EXPECT_EQ(st.reservations(), 0u);
+  // Ordinary memory the client registered is not mapped into the daemon:
+  // UCX moved every byte, and the client checked the blocks it got.
+  const std::string metrics = testing::ScrapeMetrics(*daemon_);
+  EXPECT_EQ(testing::MetricValue(
+                metrics, "kvdepot_ucx_in_place_bytes_total{direction=\"out\"}"),
+            0);
+  EXPECT_EQ(testing::MetricValue(
+                metrics, "kvdepot_bytes_total{direction=\"out\",transport=\"ucx\"}"),
+            3 * kBlock);
 }
 
 TEST_P(UcxE2eTest, BuffersAllocatedByUcxWork) {
@@ -211,6 +220,19 @@ TEST_P(UcxE2eTest, BuffersAllocatedByUcxWork) {
   again.Wait();
   ASSERT_OK(again.statuses()[0]);
   EXPECT_TRUE(again.already_stored(0));
+  // Over shared memory the daemon maps this buffer and copied both blocks
+  // itself, checking them as they landed; over TCP UCX moved them.
+  const std::string metrics = testing::ScrapeMetrics(*daemon_);
+  const double in_place = GetParam() == "shm" ? kBlock : 0;
+  EXPECT_EQ(testing::MetricValue(
+                metrics, "kvdepot_ucx_in_place_bytes_total{direction=\"in\"}"),
+            in_place);
+  EXPECT_EQ(testing::MetricValue(
+                metrics, "kvdepot_ucx_in_place_bytes_total{direction=\"out\"}"),
+            in_place);
+  EXPECT_EQ(testing::MetricValue(
+                metrics, "kvdepot_bytes_total{direction=\"out\",transport=\"ucx\"}"),
+            kBlock);
 }
 
 TEST_P(UcxE2eTest, AKilledClientsPinsAndReservationsAreReleasedAtOnce) {

@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <limits>
+#include <optional>
 #include <utility>
 
 #include "absl/strings/str_cat.h"
@@ -151,8 +152,17 @@ absl::StatusOr<uint32_t> UcxEndpoint::AddRemoteRegion(
       return;
     }
     rkeys_->keys.push_back(rkey);
+    // Memory the peer has in a shared-memory segment is attached here by
+    // the unpack; plain copies can then reach it. Only where the key's
+    // segment is known to hold the whole region.
+    void* mapped = nullptr;
+    if (!transport_internal::KnownRkeyLayouts() ||
+        ucp_rkey_ptr(rkey, region.base, &mapped) != UCS_OK) {
+      mapped = nullptr;
+    }
     absl::MutexLock lock(&mu_);
-    regions_.push_back(Bounds{region.base, region.size});
+    regions_.push_back(
+        Bounds{region.base, region.size, static_cast<char*>(mapped)});
     result = static_cast<uint32_t>(regions_.size() - 1);
   });
   if (!run.ok()) return run;
@@ -160,25 +170,22 @@ absl::StatusOr<uint32_t> UcxEndpoint::AddRemoteRegion(
 }
 
 TransferHandle UcxEndpoint::Get(absl::Span<const Transfer> transfers,
-                                absl::Time deadline) {
-  return Start(/*get=*/true, transfers, nullptr, deadline);
-}
-
-TransferHandle UcxEndpoint::Get(absl::Span<const Transfer> transfers,
                                 absl::Time deadline,
-                                absl::AnyInvocable<void(size_t)> each_got) {
-  return Start(/*get=*/true, transfers, std::move(each_got), deadline);
+                                absl::AnyInvocable<void(size_t)> each_got,
+                                MappedCopy mapped) {
+  return Start(/*get=*/true, transfers, std::move(each_got), std::move(mapped),
+               deadline);
 }
 
 TransferHandle UcxEndpoint::Put(absl::Span<const Transfer> transfers,
-                                absl::Time deadline) {
-  return Start(/*get=*/false, transfers, nullptr, deadline);
+                                absl::Time deadline, MappedCopy mapped) {
+  return Start(/*get=*/false, transfers, nullptr, std::move(mapped), deadline);
 }
 
 TransferHandle UcxEndpoint::Start(bool get,
                                   absl::Span<const Transfer> transfers,
                                   absl::AnyInvocable<void(size_t)> each_got,
-                                  absl::Time deadline) {
+                                  MappedCopy mapped, absl::Time deadline) {
   auto batch = std::make_shared<Batch>(get ? Batch::Op::kGet : Batch::Op::kPut,
                                        transfers.size(), deadline);
   if (each_got) batch->SetEachGot(std::move(each_got));
@@ -192,6 +199,12 @@ TransferHandle UcxEndpoint::Start(bool get,
     batch->Seal(nullptr);
   };
 
+  // Transfers to be done by `mapped`: the peer's bytes as mapped here.
+  std::vector<char*> peer(mapped ? transfers.size() : 0, nullptr);
+  // Held until the mapped copies are done: Fail waits for them before the
+  // mappings can go.
+  std::optional<absl::ReaderMutexLock> mapping;
+  if (mapped) mapping.emplace(&mapped_mu_);
   size_t accepted = 0;
   {
     absl::MutexLock lock(&mu_);
@@ -215,6 +228,9 @@ TransferHandle UcxEndpoint::Start(bool get,
       } else if (t.local_region != nullptr &&
                  !t.local_region->Contains(t.local, t.size)) {
         problem = "local buffer is outside its registered region";
+      } else if (mapped && b.mapped != nullptr) {
+        peer[i] = b.mapped + (t.remote_addr - b.base);
+        continue;
       }
       if (problem.empty()) {
         ++accepted;
@@ -223,6 +239,16 @@ TransferHandle UcxEndpoint::Start(bool get,
                              absl::StrCat("transfer ", i, ": ", problem)));
       }
     }
+  }
+  if (mapped) {
+    const bool late = deadline <= absl::Now();
+    for (size_t i = 0; i < peer.size(); ++i) {
+      if (peer[i] == nullptr) continue;
+      batch->Refuse(i, late ? absl::DeadlineExceededError(
+                                  "transfer batch deadline passed before it started")
+                            : mapped(i, peer[i]));
+    }
+    mapping.reset();
   }
   if (accepted == 0) {
     batch->Seal(nullptr);
@@ -290,6 +316,13 @@ void UcxEndpoint::Fail(absl::Status status, bool from_ucx_callback,
     absl::MutexLock lock(&mu_);
     if (!status_.ok()) return;
     status_ = status;
+  }
+  {
+    // No copy into the peer's mapped memory runs past this point, and none
+    // starts (status_ has failed): the keys holding the mappings may go.
+    absl::WriterMutexLock mapping(&mapped_mu_);
+    absl::MutexLock lock(&mu_);
+    for (Bounds& b : regions_) b.mapped = nullptr;
   }
   const absl::Time abandon_at = absl::Now() + options_.abandon_after;
   for (const auto& batch : in_flight_) {

@@ -108,6 +108,18 @@ class UcxEndpoint : private UcxWorker::Resident {
   // does not validate their contents.
   absl::StatusOr<uint32_t> AddRemoteRegion(const RemoteRegion& region);
 
+  // Done by the caller's own copy instead of UCX: with `mapped`, each
+  // transfer whose region this process maps (the peer's memory is a UCX
+  // shared-memory segment, posix or sysv, that ucp_rkey_ptr attaches here)
+  // is done on the calling thread, before Get/Put return, by
+  // `mapped(i, peer)`, with `peer` the transfer's remote bytes as mapped
+  // here; its status is the transfer's. The mapping stays valid while it
+  // runs, even if the endpoint fails meanwhile (failing waits for it), so
+  // it must not wait on the progress thread. The other transfers go
+  // through UCX. Only with UCX versions whose key layouts are checked
+  // (internal/rkey_check.h): there the segment is known to hold the region.
+  using MappedCopy = absl::AnyInvocable<absl::Status(size_t i, char* peer)>;
+
   // Reads each transfer's remote bytes into its local buffer.
   // Never blocks: a batch that cannot be queued ends at once with
   // ResourceExhausted. Transfers that are malformed (null or unregistered
@@ -115,17 +127,19 @@ class UcxEndpoint : private UcxWorker::Resident {
   // region) end with InvalidArgument; the others proceed. A deadline in the
   // past ends the batch at once with DeadlineExceeded. REQUIRES: local
   // buffers stay valid and untouched until the handle is ready.
-  TransferHandle Get(absl::Span<const Transfer> transfers, absl::Time deadline);
-  // The same; `each_got(i)` runs on the progress thread as transfer i's
-  // bytes arrive (while they are likely still in cache), never after the
-  // handle is ready. It must not block.
+  // `each_got(i)`, when given, runs on the progress thread as transfer i's
+  // bytes arrive through UCX (while they are likely still in cache), never
+  // after the handle is ready (nor for a transfer done by `mapped`). It
+  // must not block.
   TransferHandle Get(absl::Span<const Transfer> transfers, absl::Time deadline,
-                     absl::AnyInvocable<void(size_t)> each_got);
+                     absl::AnyInvocable<void(size_t)> each_got = nullptr,
+                     MappedCopy mapped = nullptr);
 
   // Writes each transfer's local bytes to the peer, as Get otherwise. A put
   // is OK only once the flush that follows the batch has succeeded: its
   // bytes are then in the peer's memory.
-  TransferHandle Put(absl::Span<const Transfer> transfers, absl::Time deadline);
+  TransferHandle Put(absl::Span<const Transfer> transfers, absl::Time deadline,
+                     MappedCopy mapped = nullptr);
 
   // Closes the endpoint now, without on_error; the object stays valid and
   // later batches end at once (Cancelled). Force (as the destructor does):
@@ -146,7 +160,7 @@ class UcxEndpoint : private UcxWorker::Resident {
 
   TransferHandle Start(bool get, absl::Span<const Transfer> transfers,
                        absl::AnyInvocable<void(size_t)> each_got,
-                       absl::Time deadline);
+                       MappedCopy mapped, absl::Time deadline);
   // Progress thread only.
   void Post(const std::shared_ptr<Batch>& batch,
             const std::vector<Transfer>& transfers);
@@ -170,7 +184,14 @@ class UcxEndpoint : private UcxWorker::Resident {
   struct Bounds {
     uint64_t base;
     uint64_t size;
+    // The region as mapped into this process (ucp_rkey_ptr), or null.
+    // Cleared (under mapped_mu_ held for writing) when the endpoint fails.
+    char* mapped;
   };
+  // Held for reading while a MappedCopy runs, for writing while Fail
+  // clears the mappings (before the keys that hold them can go).
+  // Acquired before mu_.
+  absl::Mutex mapped_mu_;
   mutable absl::Mutex mu_;
   std::vector<Bounds> regions_ ABSL_GUARDED_BY(mu_);
   absl::Status status_ ABSL_GUARDED_BY(mu_);

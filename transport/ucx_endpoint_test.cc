@@ -600,6 +600,110 @@ TEST_P(UcxEndpointTest, MalformedOrStaleRemoteKeysAreRefusedWithoutCrashing) {
   EXPECT_TRUE(read.ok()) << read;
 }
 
+// Memory the server's UCX allocated (a shared-memory segment) is mapped
+// into a co-located client's process: with `mapped`, Put and Get do such
+// transfers by the caller's own copies, before they return, with a pointer
+// that reaches the server's bytes; the rest (ordinary registered memory,
+// a bad range) take their usual way. Over TCP nothing is mapped.
+TEST_P(UcxEndpointTest, MappedCopiesReachTheServersSharedMemoryDirectly) {
+  auto shared = server_context_->Allocate(4 * kBlock);
+  ASSERT_TRUE(shared.ok()) << shared.status();
+  char* server_bytes = (*shared)->base();
+  std::memset(server_bytes, 0, 4 * kBlock);
+  auto id = endpoint_->AddRemoteRegion(RemoteRegion{
+      (*shared)->packed_rkey(), (*shared)->address(), (*shared)->size()});
+  ASSERT_TRUE(id.ok()) << id.status();
+
+  std::vector<char> source = RandomBytes(3 * kBlock, 9);
+  std::vector<Transfer> puts = {
+      {*id, (*shared)->address(), source.data(), kBlock, nullptr},
+      {*id, (*shared)->address() + 2 * kBlock, source.data() + kBlock, kBlock,
+       nullptr},
+      // Ordinary registered memory: not mapped, through UCX.
+      {region_id_, region_->address(), source.data() + 2 * kBlock, kBlock,
+       nullptr},
+      // Outside the region: refused, never handed to `mapped`.
+      {*id, (*shared)->address() + 4 * kBlock, source.data(), kBlock, nullptr},
+  };
+  std::vector<int> copied(puts.size(), 0);
+  TransferHandle put = endpoint_->Put(puts, Soon(), [&](size_t i, char* peer) {
+    ++copied[i];
+    std::memcpy(peer, puts[i].local, puts[i].size);
+    return absl::OkStatus();
+  });
+  put.Wait();
+  const bool shm = GetParam() == "shm";
+  EXPECT_EQ(copied, (std::vector<int>{shm, shm, 0, 0}));
+  for (size_t i = 0; i < 3; ++i) EXPECT_TRUE(put.status(i).ok()) << put.status(i);
+  EXPECT_TRUE(absl::IsInvalidArgument(put.status(3))) << put.status(3);
+  EXPECT_EQ(std::memcmp(server_bytes, source.data(), kBlock), 0);
+  EXPECT_EQ(std::memcmp(server_bytes + 2 * kBlock, source.data() + kBlock, kBlock), 0);
+  EXPECT_EQ(std::memcmp(arena_->base(), source.data() + 2 * kBlock, kBlock), 0);
+
+  // Get the same way; the status `mapped` returns is the transfer's.
+  std::vector<char> sink(2 * kBlock, 0);
+  std::vector<Transfer> gets = {
+      {*id, (*shared)->address(), sink.data(), kBlock, nullptr},
+      {*id, (*shared)->address() + 2 * kBlock, sink.data() + kBlock, kBlock,
+       nullptr},
+  };
+  TransferHandle get = endpoint_->Get(gets, Soon(), nullptr, [&](size_t i, char* peer) {
+    if (i == 1) return absl::DataLossError("refused by the copier");
+    std::memcpy(gets[i].local, peer, gets[i].size);
+    return absl::OkStatus();
+  });
+  get.Wait();
+  ASSERT_TRUE(get.status(0).ok()) << get.status(0);
+  EXPECT_EQ(std::memcmp(sink.data(), source.data(), kBlock), 0);
+  if (shm) {
+    EXPECT_TRUE(absl::IsDataLoss(get.status(1))) << get.status(1);
+  } else {
+    ASSERT_TRUE(get.status(1).ok()) << get.status(1);
+    EXPECT_EQ(std::memcmp(sink.data() + kBlock, source.data() + kBlock, kBlock), 0);
+  }
+}
+
+// An endpoint that fails (here: is closed) while a mapped copy runs waits
+// for the copy before it lets the mapping go; later batches are refused.
+TEST_P(UcxEndpointTest, ClosingWaitsForAMappedCopyInProgress) {
+  if (GetParam() != "shm") GTEST_SKIP() << "nothing is mapped over TCP";
+  auto shared = server_context_->Allocate(kBlock);
+  ASSERT_TRUE(shared.ok()) << shared.status();
+  auto id = endpoint_->AddRemoteRegion(RemoteRegion{
+      (*shared)->packed_rkey(), (*shared)->address(), (*shared)->size()});
+  ASSERT_TRUE(id.ok()) << id.status();
+  std::vector<char> source = RandomBytes(kBlock, 3);
+  std::vector<Transfer> puts = {
+      {*id, (*shared)->address(), source.data(), kBlock, nullptr}};
+  std::atomic<bool> closed{false};
+  std::thread closer;
+  bool closed_during_copy = true;
+  TransferHandle put = endpoint_->Put(puts, Soon(), [&](size_t, char* peer) {
+    closer = std::thread([&] {
+      endpoint_->Close();
+      closed = true;
+    });
+    // Until this copy returns, Close cannot finish.
+    absl::SleepFor(absl::Milliseconds(100));
+    std::memcpy(peer, source.data(), kBlock);
+    closed_during_copy = closed.load();
+    return absl::OkStatus();
+  });
+  put.Wait();
+  closer.join();
+  EXPECT_FALSE(closed_during_copy);
+  EXPECT_TRUE(put.status(0).ok()) << put.status(0);
+  EXPECT_EQ(std::memcmp((*shared)->base(), source.data(), kBlock), 0);
+  int calls = 0;
+  TransferHandle after = endpoint_->Put(puts, Soon(), [&](size_t, char*) {
+    ++calls;
+    return absl::OkStatus();
+  });
+  after.Wait();
+  EXPECT_EQ(calls, 0);
+  EXPECT_TRUE(absl::IsUnavailable(after.status(0))) << after.status(0);
+}
+
 INSTANTIATE_TEST_SUITE_P(Loopback, UcxEndpointTest,
                          ::testing::Values("tcp", "shm"),
                          [](const auto& param_info) { return param_info.param; });
