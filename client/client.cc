@@ -40,6 +40,7 @@ struct Client::Ucx {
     std::unique_ptr<MemoryRegion> region;
     uint64_t session = 0;  // the session the daemon knows it in
     uint32_t daemon_id = 0;
+    bool in_place = false;  // the daemon copies it itself (copied_in_place)
   };
   absl::Mutex mu;
   std::vector<Buffer> buffers ABSL_GUARDED_BY(mu);
@@ -720,7 +721,9 @@ absl::StatusOr<Client::UcxTarget> Client::PrepareUcx(
       RETURN_IF_ERROR(FromGrpcStatus(st));
       b.session = target.session;
       b.daemon_id = resp.buffer_id();
+      b.in_place = resp.copied_in_place();
     }
+    target.in_place.push_back(b.in_place);
     v1::BufferRange r;
     r.set_buffer_id(b.daemon_id);
     r.set_address(reinterpret_cast<uintptr_t>(ranges[i].data()));
@@ -845,7 +848,11 @@ TransferOp Client::PutFromAsync(absl::string_view ns,
     v1::PullSpec* spec = req.add_blocks();
     spec->set_key(std::string(blocks[i].key));
     spec->set_parent_key(std::string(blocks[i].parent));
-    spec->set_checksum(BlockChecksum(blocks[i].bytes));
+    if (target->in_place[i] && !options_.always_checksum_puts) {
+      spec->set_daemon_checksum(true);  // hashed by the daemon as it copies
+    } else {
+      spec->set_checksum(BlockChecksum(blocks[i].bytes));
+    }
     *spec->mutable_source() = std::move(target->ranges[i]);
   }
   req.set_timeout_ms(TransferTimeoutMs());

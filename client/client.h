@@ -61,6 +61,11 @@ struct ClientOptions {
                                             {"TCP_RX_SEG_SIZE", "512k"}};
   // Limit for one UCX transfer batch (the daemon may have a lower one).
   absl::Duration transfer_timeout = absl::Seconds(10);
+  // Hash every put here, also blocks in AllocateBuffer memory that a daemon
+  // on this host copies itself (and hashes as it copies, so by default this
+  // client does not). Costs a pass over the bytes; catches a buffer changed
+  // while its put is in flight.
+  bool always_checksum_puts = false;
 };
 
 struct BlockInfo {
@@ -195,16 +200,19 @@ class Client {
   absl::Status RegisterBuffer(void* base, size_t size);
   // Allocates `size` bytes through UCX, registered as RegisterBuffer does,
   // and returns them; they live as long as the client. UCX places them in
-  // shared memory where it can, so a daemon on this host moves blocks into
-  // and out of them with plain copies (faster than RegisterBuffer's memory
-  // there). Errors as RegisterBuffer.
+  // shared memory where it can, so a daemon on this host maps them and
+  // copies blocks into and out of them itself, hashing each as it lands:
+  // neither side then makes a second pass over the bytes to check them
+  // (see always_checksum_puts). Errors as RegisterBuffer.
   absl::StatusOr<absl::Span<char>> AllocateBuffer(size_t size);
 
   // Reads blocks straight into `dst` (dst[i] receives keys[i] and must be
   // exactly its size). Over UCX when every dst lies in registered memory and
   // the session has a UCX endpoint: one round trip in which the daemon looks
   // the keys up, pins the hits, writes them into dst and unpins; each block
-  // is then verified against its checksum here. Otherwise the gRPC path
+  // is then verified against its checksum here (or was, as it landed, by a
+  // daemon on this host that copied it into AllocateBuffer memory itself).
+  // Otherwise the gRPC path
   // (lookup with pin, Read stream), done before this returns. With `prefix`
   // the daemon stops at the first miss. Never blocks on the daemon.
   // REQUIRES: keys.size() == dst.size(); dst stays valid and untouched
@@ -260,6 +268,8 @@ class Client {
   struct UcxTarget {
     uint64_t session = 0;
     std::vector<v1::BufferRange> ranges;
+    // Per range: the daemon copies it in place (copied_in_place).
+    std::vector<bool> in_place;
   };
   absl::StatusOr<UcxTarget> PrepareUcx(absl::Span<const absl::Span<const char>> ranges);
   // The daemon no longer knows `session` (or its endpoint): forget it so

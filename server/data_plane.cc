@@ -188,10 +188,9 @@ std::shared_ptr<DataPlane::Link> DataPlane::Find(SessionId session) const {
   return it == links_.end() ? nullptr : it->second;
 }
 
-absl::StatusOr<uint32_t> DataPlane::RegisterBuffer(SessionId session,
-                                                   std::string_view packed_rkey,
-                                                   uint64_t address,
-                                                   uint64_t size) {
+absl::StatusOr<DataPlane::Buffer> DataPlane::RegisterBuffer(
+    SessionId session, std::string_view packed_rkey, uint64_t address,
+    uint64_t size) {
   std::shared_ptr<Link> link = Find(session);
   if (link == nullptr) {
     return absl::FailedPreconditionError(absl::StrCat(
@@ -208,9 +207,16 @@ absl::StatusOr<uint32_t> DataPlane::RegisterBuffer(SessionId session,
   region.packed_rkey = std::string(packed_rkey);
   region.base = address;
   region.size = size;
-  ASSIGN_OR_RETURN(uint32_t id, link->endpoint->AddRemoteRegion(region));
+  Buffer buffer;
+  ASSIGN_OR_RETURN(buffer.id, link->endpoint->AddRemoteRegion(region));
   ++link->buffers;
-  return id;
+  buffer.copied_here = link->colocated && link->endpoint->mapped(buffer.id);
+  return buffer;
+}
+
+bool DataPlane::CopiedHere(SessionId session, uint32_t buffer) const {
+  std::shared_ptr<Link> link = Find(session);
+  return link != nullptr && link->colocated && link->endpoint->mapped(buffer);
 }
 
 absl::StatusOr<TransferHandle> DataPlane::Push(SessionId session,

@@ -109,12 +109,21 @@ class DataPlane {
   size_t sessions() const;
 
   // Unpacks a client buffer's rkey for the session's endpoint. Returns the
-  // buffer id. FailedPrecondition when the session has no endpoint;
-  // ResourceExhausted past max_buffers_per_session; InvalidArgument for an
-  // empty key, a zero size or an overflowing range.
-  absl::StatusOr<uint32_t> RegisterBuffer(SessionId session,
-                                          std::string_view packed_rkey,
-                                          uint64_t address, uint64_t size);
+  // buffer id, and whether moves to and from it are copies this process
+  // makes itself (see `copy_here` below). FailedPrecondition when the
+  // session has no endpoint; ResourceExhausted past max_buffers_per_session;
+  // InvalidArgument for an empty key, a zero size or an overflowing range.
+  struct Buffer {
+    uint32_t id = 0;
+    bool copied_here = false;
+  };
+  absl::StatusOr<Buffer> RegisterBuffer(SessionId session,
+                                        std::string_view packed_rkey,
+                                        uint64_t address, uint64_t size);
+  // Whether moves to and from the session's buffer `buffer` are copies
+  // this process makes itself (a co-located client's UCX shared memory,
+  // mapped here), while the session's endpoint works.
+  bool CopiedHere(SessionId session, uint32_t buffer) const;
 
   // Starts the moves of one batch: Push writes arena bytes into the client's
   // buffers, Pull reads the client's buffers into arena bytes. Per move the

@@ -681,11 +681,12 @@ grpc::ServerUnaryReactor* KvDepotService::RegisterBuffer(
       return absl::NotFoundError(
           absl::StrCat("unknown session ", req->session_id()));
     }
-    ASSIGN_OR_RETURN(uint32_t id,
+    ASSIGN_OR_RETURN(DataPlane::Buffer buffer,
                      data_plane_->RegisterBuffer(req->session_id(),
                                                  req->packed_rkey(),
                                                  req->address(), req->size()));
-    resp->set_buffer_id(id);
+    resp->set_buffer_id(buffer.id);
+    resp->set_copied_in_place(buffer.copied_here);
     return absl::OkStatus();
   });
 }
@@ -803,8 +804,15 @@ grpc::ServerUnaryReactor* KvDepotService::PullBlocks(
   absl::Status check = RequireEndpoint(session);
   std::vector<PutSpec> specs;
   specs.reserve(req->blocks_size());
-  for (const v1::PullSpec& b : req->blocks()) {
+  for (int i = 0; i < req->blocks_size(); ++i) {
+    const v1::PullSpec& b = req->blocks(i);
     specs.push_back(PutSpec{b.key(), b.parent_key(), b.source().size()});
+    if (check.ok() && b.daemon_checksum() &&
+        !data_plane_->CopiedHere(session, b.source().buffer_id())) {
+      check = absl::InvalidArgumentError(absl::StrCat(
+          "block ", i, ": daemon_checksum needs a source in a buffer the "
+          "daemon copies in place (RegisterBuffer's copied_in_place)"));
+    }
   }
   absl::StatusOr<Reservation> resv =
       check.ok() ? store_.BeginPut(session, req->namespace_(), specs)
@@ -841,29 +849,27 @@ grpc::ServerUnaryReactor* KvDepotService::PullBlocks(
     finish(absl::OkStatus());
     return reactor;
   }
-  // Each block is checked against its checksum as soon as its bytes are in,
-  // while they are still in cache; CommitPut then takes it without hashing
-  // it again (a block that does not match is hashed again there and
-  // refused).
-  std::vector<SlotHandle*> verify(slots.size());
-  std::vector<uint64_t> expected(slots.size());
-  for (size_t k = 0; k < slots.size(); ++k) {
-    verify[k] = slots[k].get();
-    expected[k] = req->blocks(block_of_move[k]).checksum();
-  }
-  // A co-located client's shared memory is mapped here: the block is
-  // copied into its slot on this thread and checked as it lands.
+  // Each block is hashed as soon as its bytes are in, while they are still
+  // in cache, and CommitPut compares that with the checksum without hashing
+  // again. A co-located client's shared memory is mapped here: those
+  // blocks are copied into their slots on this thread and hashed as they
+  // land; a block with daemon_checksum takes that hash as its checksum.
+  std::vector<SlotHandle*> hash(slots.size());
+  for (size_t k = 0; k < slots.size(); ++k) hash[k] = slots[k].get();
+  std::vector<uint64_t> sums(req->blocks_size());
+  for (int i = 0; i < req->blocks_size(); ++i) sums[i] = req->blocks(i).checksum();
   std::vector<bool> in_place(moves.size(), false);
-  auto copy_here = [&verify, &expected, &in_place](size_t k, char* client) {
+  auto copy_here = [&](size_t k, char* client) {
     in_place[k] = true;
-    verify[k]->CopyInAndVerify(client, expected[k]);
+    const uint64_t sum = hash[k]->CopyIn(client);
+    const int b = block_of_move[k];
+    if (req->blocks(b).daemon_checksum()) sums[b] = sum;
     return absl::OkStatus();  // a mismatch is CommitPut's to report
   };
   absl::StatusOr<TransferHandle> h = data_plane_->Pull(
       session, moves,
       TransferDeadline(req->timeout_ms(), transfer_timeout_, absl::Now()),
-      [verify, expected](size_t k) { verify[k]->Verify(expected[k]); },
-      copy_here);
+      [hash](size_t k) { hash[k]->Checksum(); }, copy_here);
   if (!h.ok()) {
     slots.clear();
     store_.AbortPut(session, resv->id).IgnoreError();
@@ -875,9 +881,17 @@ grpc::ServerUnaryReactor* KvDepotService::PullBlocks(
   auto commit = [this, req, resp, finish, session, id = resv->id, h = *h,
                  slots = std::move(slots),
                  block_of_move = std::move(block_of_move),
-                 in_place = std::move(in_place)]() mutable {
+                 in_place = std::move(in_place),
+                 sums = std::move(sums)]() mutable {
     slots.clear();  // the slots' bytes are in; CommitPut needs them released
     absl::Status failed = h.overall_status();
+    for (size_t k = 0; failed.ok() && k < block_of_move.size(); ++k) {
+      if (req->blocks(block_of_move[k]).daemon_checksum() && !in_place[k]) {
+        // Checked before the transfer; the mapping went since.
+        failed = absl::UnavailableError(
+            "daemon_checksum block was not copied in place");
+      }
+    }
     if (!failed.ok()) {
       // Nothing of a batch with a failed transfer is published: its bytes
       // may be partial, and the client will see the failure and retry.
@@ -885,8 +899,6 @@ grpc::ServerUnaryReactor* KvDepotService::PullBlocks(
       for (int b : block_of_move) SetTransfer(failed, resp->mutable_blocks(b));
       return finish(absl::OkStatus());
     }
-    std::vector<uint64_t> sums(req->blocks_size());
-    for (int i = 0; i < req->blocks_size(); ++i) sums[i] = req->blocks(i).checksum();
     absl::StatusOr<std::vector<CommitOutcome>> out =
         store_.CommitPut(session, id, sums);
     if (!out.ok()) return finish(out.status());
@@ -894,6 +906,7 @@ grpc::ServerUnaryReactor* KvDepotService::PullBlocks(
     for (size_t k = 0; k < block_of_move.size(); ++k) {
       const int b = block_of_move[k];
       v1::BlockTransfer* t = resp->mutable_blocks(b);
+      t->set_checksum(sums[b]);
       switch ((*out)[b]) {
         case CommitOutcome::kStored:
           SetTransfer(absl::OkStatus(), t);
@@ -912,8 +925,8 @@ grpc::ServerUnaryReactor* KvDepotService::PullBlocks(
     finish(absl::OkStatus());
   };
   if (all_in_place && h->IsReady()) {
-    // Copied and verified here already: CommitPut hashes nothing (but a
-    // block that did not match), so it runs on this thread too.
+    // Copied and hashed here already: CommitPut hashes nothing, so it runs
+    // on this thread too.
     commit();
     return reactor;
   }

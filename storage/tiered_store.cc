@@ -116,8 +116,8 @@ class SlotHandleImpl final : public SlotHandle {
       : store_(store), id_(id), slot_(slot), bytes_(bytes) {}
   ~SlotHandleImpl() override;
   absl::Span<char> bytes() const override { return bytes_; }
-  bool Verify(uint64_t checksum) override;
-  bool CopyInAndVerify(const char* src, uint64_t checksum) override;
+  uint64_t Checksum() override;
+  uint64_t CopyIn(const char* src) override;
 
  private:
   TieredStoreImpl* const store_;  // outlives the handle
@@ -345,7 +345,8 @@ class TieredStoreImpl final : public TieredStore {
         this, id, slot, absl::Span<char>(arena_->base() + s.data_offset, s.size)));
   }
 
-  // SlotHandle::Verify: the bytes hashed (outside the lock) to `checksum`.
+  // SlotHandle::Checksum / CopyIn: the slot's final bytes hashed (outside
+  // the lock) to `checksum`.
   void MarkVerified(ReservationId id, uint32_t slot, uint64_t checksum) {
     absl::MutexLock lock(&mu_);
     auto it = reservations_.find(id);
@@ -400,8 +401,10 @@ class TieredStoreImpl final : public TieredStore {
         continue;
       }
       const char* data = arena_->base() + slot.data_offset;
-      const bool verified = slot.verified && slot.verified_checksum == checksums[i];
-      if (!verified && BlockChecksum(data, slot.size) != checksums[i]) {
+      // A slot hashed as its bytes landed is not hashed again.
+      const uint64_t actual =
+          slot.verified ? slot.verified_checksum : BlockChecksum(data, slot.size);
+      if (actual != checksums[i]) {
         outcomes[i] = CommitOutcome::kChecksumMismatch;
         FreeSlot(slot);
         continue;
@@ -1196,18 +1199,16 @@ class TieredStoreImpl final : public TieredStore {
 
 SlotHandleImpl::~SlotHandleImpl() { store_->ReleaseSlot(id_); }
 
-bool SlotHandleImpl::Verify(uint64_t checksum) {
-  if (BlockChecksum(bytes_.data(), bytes_.size()) != checksum) return false;
-  store_->MarkVerified(id_, slot_, checksum);
-  return true;
+uint64_t SlotHandleImpl::Checksum() {
+  const uint64_t sum = BlockChecksum(bytes_.data(), bytes_.size());
+  store_->MarkVerified(id_, slot_, sum);
+  return sum;
 }
 
-bool SlotHandleImpl::CopyInAndVerify(const char* src, uint64_t checksum) {
-  if (CopyWithChecksum(bytes_.data(), src, bytes_.size()) != checksum) {
-    return false;
-  }
-  store_->MarkVerified(id_, slot_, checksum);
-  return true;
+uint64_t SlotHandleImpl::CopyIn(const char* src) {
+  const uint64_t sum = CopyWithChecksum(bytes_.data(), src, bytes_.size());
+  store_->MarkVerified(id_, slot_, sum);
+  return sum;
 }
 
 }  // namespace

@@ -192,16 +192,15 @@ class SlotHandle {
  public:
   virtual ~SlotHandle() = default;
   virtual absl::Span<char> bytes() const = 0;
-  // Checks the slot's bytes against `checksum` now, for a writer whose
-  // bytes have just landed and are likely still in cache: when they match,
-  // CommitPut with the same checksum takes the slot without hashing it
-  // again. Returns whether they matched. REQUIRES: the bytes are final (no
-  // more writes through this handle).
-  virtual bool Verify(uint64_t checksum) = 0;
-  // Copies the slot's bytes from `src` (bytes().size() of them) and checks
-  // them against `checksum` as they land (CopyWithChecksum), with the same
-  // effect as Verify. Returns whether they matched.
-  virtual bool CopyInAndVerify(const char* src, uint64_t checksum) = 0;
+  // Hashes the slot's bytes now, for a writer whose bytes have just landed
+  // and are likely still in cache, and returns their checksum: CommitPut
+  // with that checksum takes the slot without hashing it again (with any
+  // other, it hashes the slot and refuses it). REQUIRES: the bytes are
+  // final (no more writes through this handle).
+  virtual uint64_t Checksum() = 0;
+  // Copies the slot's bytes from `src` (bytes().size() of them), hashing
+  // them as they land (CopyWithChecksum); then as Checksum().
+  virtual uint64_t CopyIn(const char* src) = 0;
 };
 
 // Receives the outcome of TieredStore::LookupAsync.

@@ -114,40 +114,50 @@ TEST_F(TieredStoreTest, BlocksAreInvisibleUntilCommitted) {
   EXPECT_TRUE(Has("k"));
 }
 
-// SlotHandle::Verify hashes a slot as its bytes land; CommitPut then takes
-// a slot verified against the same checksum without hashing it again, and
-// hashes every other slot as before.
-TEST_F(TieredStoreTest, CommitTakesSlotsVerifiedAgainstTheSameChecksum) {
+// SlotHandle::Checksum hashes a slot as its bytes land, CopyIn copies and
+// hashes them; CommitPut then takes such a slot by that checksum without
+// hashing it again, and hashes every other slot as before.
+TEST_F(TieredStoreTest, CommitTakesSlotsHashedAsTheirBytesLanded) {
   const std::string good(1000, 'v');
   const uint64_t sum = BlockChecksum(good);
-  std::vector<PutSpec> specs = {{"ok", "", good.size()},
-                                {"wrong", "", good.size()},
+  std::vector<PutSpec> specs = {{"hashed", "", good.size()},
+                                {"copied", "", good.size()},
                                 {"other", "", good.size()},
-                                {"trusted", "", good.size()}};
+                                {"trusted", "", good.size()},
+                                {"plain", "", good.size()},
+                                {"plain-wrong", "", good.size()}};
   auto r = store_->BeginPut(sid_, "ns", specs);
   ASSERT_OK(r);
   for (uint32_t i = 0; i < specs.size(); ++i) {
     auto slot = store_->AcquireSlot(sid_, r->id, i);
     ASSERT_OK(slot);
+    if (i == 1) {
+      EXPECT_EQ((*slot)->CopyIn(good.data()), sum);
+      continue;
+    }
     std::memcpy((*slot)->bytes().data(), good.data(), good.size());
-    // 1: a wrong checksum; 2: committed with another one.
-    const bool verified = (*slot)->Verify(i == 1 ? sum + 1 : sum);
-    EXPECT_EQ(verified, i != 1) << i;
+    if (i <= 3) {
+      EXPECT_EQ((*slot)->Checksum(), sum) << i;
+    }
     if (i == 3) {
       // Breaking the REQUIRES shows the skip: commit does not hash again.
       (*slot)->bytes()[0] = 'X';
     }
   }
-  std::vector<uint64_t> sums = {sum, sum, sum + 7, sum};
+  std::vector<uint64_t> sums = {sum, sum, sum + 7, sum, sum, sum + 1};
   auto c = store_->CommitPut(sid_, r->id, sums);
   ASSERT_OK(c);
   EXPECT_EQ((*c)[0], CommitOutcome::kStored);
-  EXPECT_EQ((*c)[1], CommitOutcome::kStored);  // not verified: hashed here
+  EXPECT_EQ((*c)[1], CommitOutcome::kStored);
   EXPECT_EQ((*c)[2], CommitOutcome::kChecksumMismatch);
   EXPECT_EQ((*c)[3], CommitOutcome::kStored);
-  EXPECT_EQ(Read("ok"), good);
-  EXPECT_EQ(Read("wrong"), good);
+  EXPECT_EQ((*c)[4], CommitOutcome::kStored);  // hashed here
+  EXPECT_EQ((*c)[5], CommitOutcome::kChecksumMismatch);
+  EXPECT_EQ(Read("hashed"), good);
+  EXPECT_EQ(Read("copied"), good);
+  EXPECT_EQ(Read("plain"), good);
   EXPECT_FALSE(Has("other"));
+  EXPECT_FALSE(Has("plain-wrong"));
 }
 
 TEST_F(TieredStoreTest, SecondPutIsANoOpAndKeepsTheFirstBytes) {

@@ -18,6 +18,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
 #include "client/client.h"
+#include "storage/checksum.h"
 #include "tests/daemon_process.h"
 #include "tests/status_matchers.h"
 #include "transport/ucx_context.h"
@@ -211,6 +212,14 @@ TEST_P(UcxE2eTest, BuffersAllocatedByUcxWork) {
   ASSERT_OK(put.statuses()[0]);
   EXPECT_FALSE(put.already_stored(0));
   absl::string_view key = "alloc";
+  // Over shared memory the client sent no checksum (the daemon copied the
+  // block and hashed it as it landed): the one stored is the bytes' all
+  // the same.
+  absl::StatusOr<LookupReply> found = client_->Lookup("alloc", {&key, 1}, false, false);
+  ASSERT_OK(found.status());
+  ASSERT_TRUE(found->entries[0].found);
+  EXPECT_EQ(found->entries[0].checksum,
+            BlockChecksum(absl::string_view(buf->data(), kBlock)));
   absl::Span<char> dst = buf->subspan(kBlock, kBlock);
   TransferOp get = client_->GetIntoAsync("alloc", {&key, 1}, {&dst, 1});
   get.Wait();
@@ -422,6 +431,31 @@ TEST_P(UcxE2eTest, PlacesOutsideTheSessionsBuffersAreRejected) {
     EXPECT_EQ(resp.blocks(0).code(), kInvalid);
     absl::string_view forged = "forged";
     absl::StatusOr<LookupReply> r = client_->Lookup("iso", {&forged, 1}, false, false);
+    ASSERT_OK(r.status());
+    EXPECT_FALSE(r->entries[0].found);
+  }
+  // Nor does a pull asking the daemon for its checksum from memory the
+  // daemon does not copy itself (ordinary registered memory): there the
+  // client's own checksum must guard the transfer.
+  {
+    grpc::ClientContext ctx;
+    v1::PullBlocksRequest req;
+    req.set_session_id(*session);
+    req.set_namespace_("iso");
+    v1::PullSpec* spec = req.add_blocks();
+    spec->set_key("unchecked");
+    spec->set_daemon_checksum(true);
+    spec->mutable_source()->set_buffer_id(0);
+    spec->mutable_source()->set_address(base);
+    spec->mutable_source()->set_size(kBlock);
+    v1::PullBlocksResponse resp;
+    grpc::Status st = client_->stub().PullBlocks(&ctx, req, &resp);
+    EXPECT_EQ(st.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+    EXPECT_TRUE(absl::StrContains(st.error_message(), "daemon_checksum"))
+        << st.error_message();
+    absl::string_view unchecked = "unchecked";
+    absl::StatusOr<LookupReply> r =
+        client_->Lookup("iso", {&unchecked, 1}, false, false);
     ASSERT_OK(r.status());
     EXPECT_FALSE(r->entries[0].found);
   }

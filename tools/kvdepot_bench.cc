@@ -113,6 +113,7 @@ struct BenchConfig {
   bool ucx = true;  // --transport ucx (may fall back to grpc)
   bool prefix = false;  // lookup: prefix lookups
   bool pin = false;     // lookup: pin the hits (then unpin, untimed)
+  bool client_checksums = false;  // ClientOptions::always_checksum_puts
 };
 
 // What one client thread measured. Ops are blocks for get and put, calls for
@@ -154,9 +155,10 @@ std::string RandomBytes(uint64_t size, uint64_t seed) {
 // With `*ucx`, also opens the client's UCX session; clears `*ucx` (with a
 // warning) when blocks cannot move over UCX.
 absl::StatusOr<std::unique_ptr<Client>> ConnectChecked(
-    const std::string& server, int id, bool* ucx) {
+    const std::string& server, int id, bool* ucx, bool client_checksums) {
   ClientOptions options;
   options.server = server;
+  options.always_checksum_puts = client_checksums;
   options.client_name = absl::StrCat("kvdepot-bench/", id);
   options.transport =
       *ucx ? ClientOptions::Transport::kUcx : ClientOptions::Transport::kGrpc;
@@ -460,7 +462,7 @@ int Run(const BenchConfig& config) {
   for (int i = 0; i < config.clients; ++i) {
     bool ucx = config.ucx;
     absl::StatusOr<std::unique_ptr<Client>> c =
-        ConnectChecked(config.server, i, &ucx);
+        ConnectChecked(config.server, i, &ucx, config.client_checksums);
     ucx_ok[i] = ucx;
     if (!c.ok()) {
       std::fprintf(stderr, "kvdepot-bench: cannot reach %s: %s\n",
@@ -637,6 +639,9 @@ int main(int argc, char** argv) {
   app.add_flag("--pin", config.pin,
                "lookup: pin the hits (unpinned after each call, untimed)");
   app.add_flag("--json", config.json, "print one JSON object on stdout");
+  app.add_flag("--client-checksums", config.client_checksums,
+               "put: hash every block in the client, also where a daemon on "
+               "this host copies and hashes it (ClientOptions::always_checksum_puts)");
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {

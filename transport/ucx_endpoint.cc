@@ -119,6 +119,11 @@ void UcxEndpoint::Close(bool force) {
       .IgnoreError();
 }
 
+bool UcxEndpoint::mapped(uint32_t region) const {
+  absl::MutexLock lock(&mu_);
+  return region < regions_.size() && regions_[region].mapped != nullptr;
+}
+
 absl::Status UcxEndpoint::status() const {
   absl::MutexLock lock(&mu_);
   return status_;

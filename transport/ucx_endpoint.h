@@ -149,6 +149,11 @@ class UcxEndpoint : private UcxWorker::Resident {
   // alive, e.g. a client whose session ended normally).
   void Close(bool force = true);
 
+  // Whether region `region`'s memory is mapped into this process, so that
+  // Get/Put with a MappedCopy do its transfers by plain copies (until the
+  // endpoint fails).
+  bool mapped(uint32_t region) const;
+
   // OK while the endpoint is usable; otherwise why it failed.
   absl::Status status() const;
 
