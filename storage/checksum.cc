@@ -13,7 +13,12 @@
 #define KVDEPOT_XXH3_64_UPDATE XXH3_64bits_update
 #endif
 
+#if defined(__SSE2__)
+#include <emmintrin.h>
+#endif
+
 #include <algorithm>
+#include <cstdint>
 #include <cstring>
 #include <memory>
 
@@ -21,6 +26,70 @@ namespace kvdepot {
 
 uint64_t BlockChecksum(const void* data, size_t size) {
   return KVDEPOT_XXH3_64(data, size);
+}
+
+namespace {
+
+struct FreeState {
+  void operator()(XXH3_state_t* s) const { XXH3_freeState(s); }
+};
+
+// A reset XXH3 state of this thread's.
+XXH3_state_t* FreshState() {
+  thread_local std::unique_ptr<XXH3_state_t, FreeState> state(
+      XXH3_createState());
+  XXH3_64bits_reset(state.get());
+  return state.get();
+}
+
+// Copies `n` bytes (a multiple of 64) from `src` (in cache) to `dst`
+// (64-byte aligned) with non-temporal stores where the CPU has them: the
+// lines go to memory without being read into the cache first.
+void StreamOut(char* dst, const char* src, size_t n) {
+#if defined(__SSE2__)
+  for (size_t i = 0; i < n; i += 64) {
+    const __m128i a = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i));
+    const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i + 16));
+    const __m128i c = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i + 32));
+    const __m128i d = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i + 48));
+    _mm_stream_si128(reinterpret_cast<__m128i*>(dst + i), a);
+    _mm_stream_si128(reinterpret_cast<__m128i*>(dst + i + 16), b);
+    _mm_stream_si128(reinterpret_cast<__m128i*>(dst + i + 32), c);
+    _mm_stream_si128(reinterpret_cast<__m128i*>(dst + i + 48), d);
+  }
+#else
+  std::memcpy(dst, src, n);
+#endif
+}
+
+}  // namespace
+
+uint64_t CopyToMemoryWithChecksum(char* dst, const char* src, size_t size) {
+  // 16 KiB pieces, each copied into a buffer of this thread's (L1), hashed
+  // there and streamed out: what is hashed is what is written, whatever
+  // happens to `src` meanwhile.
+  constexpr size_t kPiece = 16 * 1024;
+  alignas(64) thread_local char bounce[kPiece];
+  XXH3_state_t* state = FreshState();
+  // Up to dst's first 64-byte boundary with plain stores.
+  size_t off = std::min<size_t>(
+      size, (64 - reinterpret_cast<uintptr_t>(dst) % 64) % 64);
+  std::memcpy(bounce, src, off);
+  KVDEPOT_XXH3_64_UPDATE(state, bounce, off);
+  std::memcpy(dst, bounce, off);
+  while (off < size) {
+    const size_t n = std::min(kPiece, size - off);
+    std::memcpy(bounce, src + off, n);
+    KVDEPOT_XXH3_64_UPDATE(state, bounce, n);
+    const size_t whole = n - n % 64;
+    StreamOut(dst + off, bounce, whole);
+    std::memcpy(dst + off + whole, bounce + whole, n - whole);
+    off += n;
+  }
+#if defined(__SSE2__)
+  _mm_sfence();  // the streamed stores are visible before anything after
+#endif
+  return XXH3_64bits_digest(state);
 }
 
 uint64_t CopyWithChecksum(char* dst, const char* src, size_t size) {
@@ -33,18 +102,13 @@ uint64_t CopyWithChecksum(char* dst, const char* src, size_t size) {
     std::memcpy(dst, src, size);
     return KVDEPOT_XXH3_64(dst, size);
   }
-  struct FreeState {
-    void operator()(XXH3_state_t* s) const { XXH3_freeState(s); }
-  };
-  thread_local std::unique_ptr<XXH3_state_t, FreeState> state(
-      XXH3_createState());
-  XXH3_64bits_reset(state.get());
+  XXH3_state_t* state = FreshState();
   for (size_t off = 0; off < size; off += kPiece) {
     const size_t n = std::min(kPiece, size - off);
     std::memcpy(dst + off, src + off, n);
-    KVDEPOT_XXH3_64_UPDATE(state.get(), dst + off, n);
+    KVDEPOT_XXH3_64_UPDATE(state, dst + off, n);
   }
-  return XXH3_64bits_digest(state.get());
+  return XXH3_64bits_digest(state);
 }
 
 }  // namespace kvdepot

@@ -21,6 +21,12 @@ inline uint64_t BlockChecksum(absl::string_view bytes) {
 // is written, so checking a copy costs no second pass over memory.
 uint64_t CopyWithChecksum(char* dst, const char* src, size_t size);
 
+// The same for a destination that is not read again soon (the DRAM arena):
+// pieces go through a small buffer of this thread's, are hashed there, and
+// are written to `dst` with non-temporal stores, which spare the cache and
+// the read of every destination line that plain stores make first.
+uint64_t CopyToMemoryWithChecksum(char* dst, const char* src, size_t size);
+
 }  // namespace kvdepot
 
 #endif  // KVDEPOT_STORAGE_CHECKSUM_H_

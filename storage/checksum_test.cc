@@ -46,15 +46,18 @@ TEST(CopyWithChecksumTest, CopiesAndHashesWhatLanded) {
   for (size_t n : {size_t{0}, size_t{1}, size_t{240}, size_t{1023},
                    size_t{16384}, size_t{16385}, size_t{32768 - 1},
                    size_t{65536 + 7}, size_t{262144}, size_t{4 << 20}}) {
-    for (size_t offset : {size_t{0}, size_t{3}}) {
-      std::string dst(n + 8, '\x5a');
-      const uint64_t sum = CopyWithChecksum(dst.data() + offset,
-                                            src.data() + offset, n);
-      ASSERT_EQ(sum, XXH3_64bits(src.data() + offset, n))
-          << "length " << n << " offset " << offset;
-      ASSERT_EQ(dst.compare(offset, n, src, offset, n), 0) << "length " << n;
-      // Nothing written past the end.
-      ASSERT_EQ(dst.find_first_not_of('\x5a', offset + n), std::string::npos);
+    for (size_t offset : {size_t{0}, size_t{3}, size_t{64}}) {
+      for (auto copy : {&CopyWithChecksum, &CopyToMemoryWithChecksum}) {
+        SCOPED_TRACE(copy == &CopyWithChecksum ? "cached" : "to memory");
+        std::string dst(n + 72, '\x5a');
+        const uint64_t sum = copy(dst.data() + offset, src.data() + offset, n);
+        ASSERT_EQ(sum, XXH3_64bits(src.data() + offset, n))
+            << "length " << n << " offset " << offset;
+        ASSERT_EQ(dst.compare(offset, n, src, offset, n), 0) << "length " << n;
+        // Nothing written before the start or past the end.
+        ASSERT_EQ(dst.find_first_not_of('\x5a'), n == 0 ? std::string::npos : offset);
+        ASSERT_EQ(dst.find_first_not_of('\x5a', offset + n), std::string::npos);
+      }
     }
   }
 }

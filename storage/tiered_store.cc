@@ -1206,7 +1206,8 @@ uint64_t SlotHandleImpl::Checksum() {
 }
 
 uint64_t SlotHandleImpl::CopyIn(const char* src) {
-  const uint64_t sum = CopyWithChecksum(bytes_.data(), src, bytes_.size());
+  // Arena bytes are not read again soon: no reason to pull them into cache.
+  const uint64_t sum = CopyToMemoryWithChecksum(bytes_.data(), src, bytes_.size());
   store_->MarkVerified(id_, slot_, sum);
   return sum;
 }
