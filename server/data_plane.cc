@@ -262,10 +262,13 @@ absl::StatusOr<TransferHandle> DataPlane::Move(
            : link->endpoint->Get(transfers, deadline, std::move(each_got),
                                  std::move(copy_here));
   // The link (and its endpoint) lives until the transfers have ended; it is
-  // let go on the pool's thread, not inside the UCX callback that ends them.
-  handle.OnReady([this, link = std::move(link)]() mutable {
-    lost_pool_->Submit([link = std::move(link)] {});
-  });
+  // let go on the pool's thread, not inside the UCX callback that ends them
+  // (a batch done by copies here is ready already: it goes on return).
+  if (!handle.IsReady()) {
+    handle.OnReady([this, link = std::move(link)]() mutable {
+      lost_pool_->Submit([link = std::move(link)] {});
+    });
+  }
   return handle;
 }
 

@@ -10,13 +10,19 @@
 #      blocks in batches of 8 for --seconds.
 #   B  ucx_perftest -t ucp_get -s 262144 -O 8: N server/client process
 #      pairs at once, as many gets as A managed per client.
+# With --through kvdepotd, the whole daemon instead (issue 4's figure):
+#   A  kvdepotd (memory only) and kvdepot-bench --op get --clients N
+#      --batch 16: per call, lookup + pin + the daemon's puts into the
+#      client's buffer + unpin + the client's checksum check;
+#   B  ucx_perftest -t ucp_put_bw -s 262144 -O 16, N pairs.
 # Rounds alternate A B A B; each side's figure is its best round. Prints a
 # table with the ratio A/B and writes JSON (default
-# transport/results/compare_ucx_perftest.json).
+# transport/results/compare_ucx_perftest.json, or
+# compare_ucx_perftest_kvdepotd.json with --through kvdepotd).
 #
 #   transport/compare_ucx_perftest.sh [--seconds 3] [--rounds 2]
 #       [--threads "1 4"] [--transports "tcp shm"] [--build DIR]
-#       [--out FILE] [--smoke]
+#       [--through transport|kvdepotd] [--out FILE] [--smoke]
 #
 # Exit 0 when every run succeeded, 1 when one failed, 2 for usage errors,
 # 77 when ucx_perftest is not installed (ctest reports a skip).
@@ -30,6 +36,7 @@ THREADS="1 4"
 TRANSPORTS="tcp shm"
 OUT=""
 SMOKE=0
+THROUGH=transport
 BLOCK=262144
 BATCH=8
 
@@ -42,6 +49,7 @@ while [[ $# -gt 0 ]]; do
     --transports) TRANSPORTS="${2:?}"; shift 2 ;;
     --build) BUILD="${2:?}"; shift 2 ;;
     --out) OUT="${2:?}"; shift 2 ;;
+    --through) THROUGH="${2:?}"; shift 2 ;;
     --smoke) SMOKE=1; shift ;;
     -h|--help) sed -n '2,/^set -euo/p' "${BASH_SOURCE[0]}" | sed '$d; s/^# \{0,1\}//'; exit 0 ;;
     *) die_usage "unknown argument: $1" ;;
@@ -49,12 +57,29 @@ while [[ $# -gt 0 ]]; do
 done
 if [[ $SMOKE -eq 1 ]]; then
   SECONDS_PER_RUN=1; ROUNDS=1; THREADS=1; TRANSPORTS=tcp
-  [[ -n $OUT ]] || OUT="$BUILD/transport/compare_ucx_perftest_smoke.json"
+  [[ -n $OUT ]] || OUT="$BUILD/transport/compare_ucx_perftest_${THROUGH}_smoke.json"
 fi
-[[ -n $OUT ]] || OUT="$REPO/transport/results/compare_ucx_perftest.json"
+case "$THROUGH" in
+  transport) [[ -n $OUT ]] || OUT="$REPO/transport/results/compare_ucx_perftest.json" ;;
+  kvdepotd)
+    BATCH=16
+    [[ -n $OUT ]] || OUT="$REPO/transport/results/compare_ucx_perftest_kvdepotd.json" ;;
+  *) die_usage "--through must be transport or kvdepotd" ;;
+esac
+# ucx_perftest's side: the operation kvdepot's GET is made of.
+PERFTEST_OP=ucp_get
+[[ $THROUGH == kvdepotd ]] && PERFTEST_OP=ucp_put_bw
 command -v ucx_perftest >/dev/null || { echo "ucx_perftest not found (apt-get install ucx-utils)" >&2; exit 77; }
 BENCH="$BUILD/transport/ucx_bench"
-[[ -x $BENCH ]] || die_usage "$BENCH not built (ninja -C $BUILD ucx_bench)"
+KVDEPOTD="$BUILD/server/kvdepotd"
+KVBENCH="$BUILD/tools/kvdepot-bench"
+if [[ $THROUGH == kvdepotd ]]; then
+  for tool in "$KVDEPOTD" "$KVBENCH"; do
+    [[ -x $tool ]] || die_usage "$tool not built (ninja -C $BUILD kvdepotd kvdepot-bench)"
+  done
+else
+  [[ -x $BENCH ]] || die_usage "$BENCH not built (ninja -C $BUILD ucx_bench)"
+fi
 mkdir -p "$(dirname "$OUT")"
 WORK="$(mktemp -d)"
 PIDS=()
@@ -78,7 +103,7 @@ run_perftest() {
   local base_port=$((20000 + RANDOM % 20000))
   for ((i = 0; i < pairs; i++)); do
     port=$((base_port + i))
-    env $env timeout 120 ucx_perftest -t ucp_get -s $BLOCK -O $BATCH -n "$iters" \
+    env $env timeout 120 ucx_perftest -t $PERFTEST_OP -s $BLOCK -O $BATCH -n "$iters" \
       -w 50 -p "$port" -f >"$WORK/server.$i" 2>&1 &
     PIDS+=($!)
   done
@@ -86,7 +111,7 @@ run_perftest() {
   local clients=()
   for ((i = 0; i < pairs; i++)); do
     port=$((base_port + i))
-    env $env timeout 120 ucx_perftest 127.0.0.1 -t ucp_get -s $BLOCK -O $BATCH \
+    env $env timeout 120 ucx_perftest 127.0.0.1 -t $PERFTEST_OP -s $BLOCK -O $BATCH \
       -n "$iters" -w 50 -p "$port" -f >"$WORK/client.$i" 2>&1 &
     clients+=($!)
   done
@@ -105,17 +130,53 @@ run_perftest() {
   echo "$total"
 }
 
+# start_kvdepotd TRANSPORT: a memory-only kvdepotd with the transport's UCX
+# settings; sets KVD (its address) and KVD_PID.
+KVD_PID=""
+start_kvdepotd() {
+  local env port i
+  env="$(ucx_env "$1")"
+  env $env "$KVDEPOTD" --listen 127.0.0.1:0 --metrics-listen "" \
+    --data-dir "$WORK/kvdepot-$1" --dram-capacity 1GiB --nvme-capacity 0 \
+    2>"$WORK/kvdepotd.log" &
+  KVD_PID=$!
+  PIDS+=("$KVD_PID")
+  for ((i = 0; i < 150; i++)); do
+    port="$(sed -n 's/.*listening on 127\.0\.0\.1:\([0-9][0-9]*\).*/\1/p' "$WORK/kvdepotd.log" | head -n1)"
+    [[ -n $port ]] && break
+    sleep 0.1
+  done
+  [[ -n $port ]] || { cat "$WORK/kvdepotd.log" >&2; die_usage "kvdepotd did not start"; }
+  KVD="127.0.0.1:$port"
+}
+stop_kvdepotd() {
+  kill "$KVD_PID" 2>/dev/null || true
+  wait "$KVD_PID" 2>/dev/null || true
+  PIDS=()
+}
+
+# run_a TRANSPORT THREADS: side A's JSON line (gb_per_s or gb_per_sec).
+run_a() {
+  if [[ $THROUGH == kvdepotd ]]; then
+    env $(ucx_env "$1") "$KVBENCH" --server "$KVD" --op get --clients "$2" \
+      --batch $BATCH --block-size $BLOCK --duration "$SECONDS_PER_RUN" --json
+  else
+    "$BENCH" --transport "$1" --threads "$2" \
+      --seconds "$SECONDS_PER_RUN" --batch $BATCH --block-size $BLOCK
+  fi
+}
+
 failed=0
 rows=()
 json_rows=()
 printf '%-5s %-7s %-12s %-12s %-8s\n' transport clients kvdepot_GB/s perftest_GB/s ratio
 for transport in $TRANSPORTS; do
+  [[ $THROUGH == kvdepotd ]] && start_kvdepotd "$transport"
   for threads in $THREADS; do
     best_a=0 best_b=0 rounds_json=""
     for ((r = 1; r <= ROUNDS; r++)); do
-      a_json="$("$BENCH" --transport "$transport" --threads "$threads" \
-        --seconds "$SECONDS_PER_RUN" --batch $BATCH --block-size $BLOCK 2>"$WORK/bench.err" | tail -1)" || a_json=""
-      a="$(sed -n 's/.*"gb_per_s": \([0-9.]*\).*/\1/p' <<<"$a_json")"
+      a_json="$(run_a "$transport" "$threads" 2>"$WORK/bench.err" | tail -1)" || a_json=""
+      a="$(sed -n 's/.*"gb_per_s\(ec\)\{0,1\}": *\([0-9.]*\).*/\2/p' <<<"$a_json")"
       if [[ -z $a ]]; then failed=1; a=0; cat "$WORK/bench.err" >&2; fi
       # As many gets per perftest client as each kvdepot client made.
       iters="$(awk -v g="$a" -v t="$threads" -v s="$SECONDS_PER_RUN" -v b=$BLOCK \
@@ -130,9 +191,15 @@ for transport in $TRANSPORTS; do
     printf '%-5s %-7s %-12.3f %-12.3f %-8s\n' "$transport" "$threads" "$best_a" "$best_b" "$ratio"
     json_rows+=("{\"transport\": \"$transport\", \"ucx\": \"$(ucx_env "$transport")\", \"clients\": $threads, \"block_size\": $BLOCK, \"batch\": $BATCH, \"kvdepot_gb_per_s\": $best_a, \"perftest_gb_per_s\": $best_b, \"ratio\": \"$ratio\", \"rounds\": [$rounds_json]}")
   done
+  [[ $THROUGH == kvdepotd ]] && stop_kvdepotd
 done
 {
-  echo "{\"workload\": \"one-sided GET, 256 KiB blocks, loopback\", \"ucx_version\": \"$(ucx_info -v | sed -n 's/^# Version //p')\", \"seconds\": $SECONDS_PER_RUN, \"results\": ["
+  if [[ $THROUGH == kvdepotd ]]; then
+    workload="kvdepot GET through kvdepotd (kvdepot-bench, batch $BATCH) vs ucx_perftest $PERFTEST_OP -O $BATCH, 256 KiB blocks, loopback"
+  else
+    workload="one-sided GET, 256 KiB blocks, loopback"
+  fi
+  echo "{\"workload\": \"$workload\", \"ucx_version\": \"$(ucx_info -v | sed -n 's/^# Version //p')\", \"seconds\": $SECONDS_PER_RUN, \"results\": ["
   (IFS=,; echo "${json_rows[*]}")
   echo "]}"
 } >"$OUT"
