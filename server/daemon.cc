@@ -94,6 +94,10 @@ absl::Status Daemon::Init() {
   grpc::ServerBuilder builder;
   int port = 0;
   builder.AddListeningPort(config_.listen, grpc::InsecureServerCredentials(), &port);
+  // gRPC sets SO_REUSEPORT by default: a second kvdepotd on this address
+  // would start and take a share of the connections (clients landing on a
+  // daemon that does not know their session or blocks). One per address.
+  builder.AddChannelArgument(GRPC_ARG_ALLOW_REUSEPORT, 0);
   builder.RegisterService(service_.get());
   grpc::ResourceQuota quota("kvdepotd");
   quota.SetMaxThreads(config_.grpc_max_threads);

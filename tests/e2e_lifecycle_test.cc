@@ -110,6 +110,34 @@ TEST(LifecycleTest, SecondDaemonOnTheSameDataDirFailsClearly) {
   EXPECT_TRUE((*first)->Running());
 }
 
+// gRPC would let a second server share the port (SO_REUSEPORT); a second
+// kvdepotd on the same address must fail instead, and the first keep it.
+TEST(LifecycleTest, SecondDaemonOnTheSameAddressFailsClearly) {
+  auto first = DaemonProcess::Start();
+  ASSERT_OK(first);
+  for (const std::vector<std::string>& listen :
+       {std::vector<std::string>{"--listen", (*first)->address(),
+                                 "--metrics-listen", ""},
+        std::vector<std::string>{"--listen", "127.0.0.1:0", "--metrics-listen",
+                                 (*first)->metrics_address()}}) {
+    std::vector<std::string> argv = {testing::DaemonBinary(), "--data-dir",
+                                     MakeTempDir("second")};
+    argv.insert(argv.end(), listen.begin(), listen.end());
+    std::string err;
+    int rc = RunAndWait(argv, &err);
+    // The error names the address in use.
+    const std::string& taken = listen[1] == "127.0.0.1:0" ? listen[3] : listen[1];
+    EXPECT_EQ(rc, 1) << taken << ": " << err;
+    EXPECT_NE(err.find(taken), std::string::npos) << err;
+  }
+  EXPECT_TRUE((*first)->Running());
+  ClientOptions o;
+  o.server = (*first)->address();
+  auto client = Client::Connect(o);
+  ASSERT_OK(client);
+  EXPECT_OK((*client)->Health());
+}
+
 TEST(LifecycleTest, DataDirThatCannotBeCreatedFailsClearly) {
   std::string dir = MakeTempDir("notadir");
   std::ofstream(dir + "/file") << "x";
