@@ -40,6 +40,7 @@ struct DataPlane::Link {
   std::unique_ptr<UcxEndpoint> endpoint;
   // A client on this host, allowed shared memory; watched by monitor_.
   bool colocated = false;
+  std::optional<uint32_t> uid;  // of a co-located client's connection
   absl::Mutex mu;
   uint32_t buffers ABSL_GUARDED_BY(mu) = 0;
 };
@@ -107,7 +108,8 @@ void DataPlane::Lost(SessionId session, const absl::Status& why) {
 }
 
 absl::Status DataPlane::Attach(SessionId session, std::string_view address,
-                               std::string_view client_host_id) {
+                               std::string_view client_host_id,
+                               std::optional<uint32_t> client_uid) {
   if (address.empty()) {
     return absl::InvalidArgumentError("empty UCX worker address");
   }
@@ -121,8 +123,15 @@ absl::Status DataPlane::Attach(SessionId session, std::string_view address,
     }
     worker = workers_[next_worker_++ % workers_.size()].get();
   }
-  const bool colocated = shared_memory_ && !client_host_id.empty() &&
-                         client_host_id == LocalHostId();
+  bool colocated = shared_memory_ && !client_host_id.empty() &&
+                   client_host_id == LocalHostId();
+  if (colocated && !client_uid) {
+    // Its buffers could not be tied to its user: no shared memory for it.
+    log_->warn("session {}: client says it is on this host, but its connection "
+               "is not a local socket whose owner is known; serving it over TCP",
+               session);
+    colocated = false;
+  }
   UcxEndpointOptions endpoint_options;
   endpoint_options.connect_timeout = options_.connect_timeout;
   endpoint_options.peer_error_handling = !colocated;
@@ -135,6 +144,7 @@ absl::Status DataPlane::Attach(SessionId session, std::string_view address,
   if (colocated) {
     RETURN_IF_ERROR(monitor_->Watch(session, address));
     link->colocated = true;
+    link->uid = client_uid;
   }
   absl::MutexLock lock(&mu_);
   if (closing_) {
@@ -207,6 +217,8 @@ absl::StatusOr<DataPlane::Buffer> DataPlane::RegisterBuffer(
   region.packed_rkey = std::string(packed_rkey);
   region.base = address;
   region.size = size;
+  // A co-located client may only name its own user's shared memory.
+  if (link->colocated) region.owner_uid = link->uid;
   Buffer buffer;
   ASSIGN_OR_RETURN(buffer.id, link->endpoint->AddRemoteRegion(region));
   ++link->buffers;

@@ -27,6 +27,7 @@
 #include <cstdint>
 #include <map>
 #include <memory>
+#include <optional>
 #include <string>
 #include <string_view>
 #include <vector>
@@ -98,8 +99,13 @@ class DataPlane {
   // and waits for the wire-up. AlreadyExists when the session has one;
   // InvalidArgument for an empty address; Unavailable or DeadlineExceeded
   // when the client's worker does not answer.
+  // `client_uid` is the uid owning the client's connection when it is on
+  // this host (LocalPeerUid): a co-located client with shared memory must
+  // have one, and the segments its buffers name must belong to it; without
+  // one the client is served as a remote one (TCP, no shared memory).
   absl::Status Attach(SessionId session, std::string_view address,
-                      std::string_view client_host_id);
+                      std::string_view client_host_id,
+                      std::optional<uint32_t> client_uid);
   // Forgets the session's endpoint and buffers (a closed session). Transfers
   // in flight end Cancelled. No on_lost for it after this returns.
   void Detach(SessionId session);

@@ -10,6 +10,7 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "server/peer_credentials.h"
 #include "server/version.h"
 #include "storage/block_key.h"
 #include "storage/checksum.h"
@@ -149,7 +150,8 @@ grpc::ServerUnaryReactor* KvDepotService::OpenSession(
     resp->set_max_chunk_bytes(kMaxChunkBytes);
     if (!req->ucx_worker_address().empty() && data_plane_ != nullptr) {
       absl::Status attached = data_plane_->Attach(
-          g.id, req->ucx_worker_address(), req->host_id());
+          g.id, req->ucx_worker_address(), req->host_id(),
+          LocalPeerUid(ctx->peer()));
       if (!attached.ok()) {
         store_.CloseSession(g.id).IgnoreError();
         return absl::Status(

@@ -3,6 +3,8 @@
 // over UCX's TCP transport and over shared memory (plus TCP for liveness).
 #include <signal.h>
 #include <stdlib.h>
+#include <sys/ipc.h>
+#include <sys/shm.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -10,6 +12,7 @@
 
 #include <algorithm>
 #include <cstdio>
+#include <cstring>
 #include <functional>
 #include <string>
 #include <vector>
@@ -58,6 +61,28 @@ struct Child {
     return WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
   }
 };
+
+// The System V segment id in a packed UCX 1.13 key (its 12-byte transport
+// key: int32 shmid, uint64 address), or -1.
+int SysvShmid(const std::string& packed) {
+  if (packed.size() < 9) return -1;
+  uint64_t md_map;
+  std::memcpy(&md_map, packed.data(), sizeof(md_map));
+  size_t at = 9;
+  for (int md = 0; md < 64; ++md) {
+    if ((md_map & (uint64_t{1} << md)) == 0) continue;
+    if (at >= packed.size()) return -1;
+    const size_t n = static_cast<uint8_t>(packed[at++]);
+    if (n > packed.size() - at) return -1;
+    if (n == 12) {
+      int32_t shmid;
+      std::memcpy(&shmid, packed.data() + at, sizeof(shmid));
+      return shmid;
+    }
+    at += n;
+  }
+  return -1;
+}
 
 std::unique_ptr<Child> Spawn(const std::vector<std::string>& args) {
   int fds[2];
@@ -529,6 +554,32 @@ TEST_P(UcxE2eTest, CraftedOrStaleRemoteKeysAreRefusedAndTheDaemonStaysUp) {
               grpc::StatusCode::INVALID_ARGUMENT);
     EXPECT_EQ(register_buffer(key, address, 4 * kBlock),
               grpc::StatusCode::INVALID_ARGUMENT);
+    // A live segment of another user (its key sent by this session): the
+    // daemon would map it and copy blocks into and out of it.
+    absl::StatusOr<std::unique_ptr<MemoryRegion>> foreign = (*context)->Allocate(kBlock);
+    ASSERT_OK(foreign.status());
+    const std::string foreign_key = (*foreign)->packed_rkey();
+    const int shmid = SysvShmid(foreign_key);
+    if (shmid >= 0) {
+      shmid_ds ds{};
+      ASSERT_EQ(shmctl(shmid, IPC_STAT, &ds), 0);
+      const uid_t owner = ds.shm_perm.uid;
+      ds.shm_perm.uid = owner + 4242;
+      if (shmctl(shmid, IPC_SET, &ds) == 0) {
+        EXPECT_EQ(register_buffer(foreign_key, (*foreign)->address(), kBlock),
+                  grpc::StatusCode::INVALID_ARGUMENT);
+        ds.shm_perm.uid = owner;
+        EXPECT_EQ(shmctl(shmid, IPC_SET, &ds), 0);
+        // Its own again: taken.
+        EXPECT_EQ(register_buffer(foreign_key, (*foreign)->address(), kBlock),
+                  grpc::StatusCode::OK);
+      } else {
+        ADD_FAILURE() << "cannot change the owner of segment " << shmid
+                      << " (not root?): " << std::strerror(errno);
+      }
+    } else {
+      ADD_FAILURE() << "UCX allocated no System V segment here";
+    }
   }
   // The real key is taken, and the daemon still serves this session.
   EXPECT_EQ(register_buffer(key, address, kBlock), grpc::StatusCode::OK);

@@ -139,7 +139,7 @@ absl::StatusOr<uint32_t> UcxEndpoint::AddRemoteRegion(
   }
   // UCX trusts packed keys; a bad one can crash it (internal/rkey_check.h).
   if (absl::Status key = transport_internal::CheckPackedRkey(
-          region.packed_rkey, region.base, region.size);
+          region.packed_rkey, region.base, region.size, region.owner_uid);
       !key.ok()) {
     return key;
   }

@@ -19,6 +19,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <memory>
+#include <optional>
 #include <string>
 #include <string_view>
 #include <vector>
@@ -68,6 +69,9 @@ struct RemoteRegion {
   // shared memory UCX itself does not check remote addresses.
   uint64_t base = 0;
   uint64_t size = 0;
+  // When set, the shared-memory segments the key names must belong to this
+  // uid (the co-located peer's user): see internal/rkey_check.h.
+  std::optional<uint32_t> owner_uid;
 };
 
 // One transfer: `size` bytes between the peer's `remote_addr` (inside

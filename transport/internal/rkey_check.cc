@@ -36,7 +36,17 @@ absl::Status CheckWithin(uint64_t base, uint64_t size, uint64_t start,
       start, ", +", length, ")"));
 }
 
-absl::Status CheckSysv(absl::string_view key, uint64_t base, uint64_t size) {
+// OK when `owner` is unset or is `uid`, the owner of segment `what`.
+absl::Status CheckOwner(const std::string& what, uint32_t uid,
+                        std::optional<uint32_t> owner) {
+  if (!owner || *owner == uid) return absl::OkStatus();
+  return absl::InvalidArgumentError(absl::StrCat(
+      "remote key names ", what, ", which belongs to uid ", uid,
+      ", not to the client's uid ", *owner));
+}
+
+absl::Status CheckSysv(absl::string_view key, uint64_t base, uint64_t size,
+                       std::optional<uint32_t> owner) {
   const int32_t shmid = Read<int32_t>(key.data());
   const uint64_t address = Read<uint64_t>(key.data() + 4);
   shmid_ds ds{};
@@ -44,6 +54,11 @@ absl::Status CheckSysv(absl::string_view key, uint64_t base, uint64_t size) {
     return absl::InvalidArgumentError(absl::StrCat(
         "remote key names System V segment ", shmid,
         ", which cannot be attached: ", std::strerror(errno)));
+  }
+  if (absl::Status mine = CheckOwner(absl::StrCat("System V segment ", shmid),
+                                     ds.shm_perm.uid, owner);
+      !mine.ok()) {
+    return mine;
   }
   return CheckWithin(base, size, address, ds.shm_segsz);
 }
@@ -57,7 +72,8 @@ constexpr uint64_t kPidNamespace = uint64_t{1} << 60;
 constexpr uint64_t kLow30 = (uint64_t{1} << 30) - 1;
 constexpr absl::string_view kUcxShmPrefix = "/dev/shm/ucx_shm_posix_";
 
-absl::Status CheckPosix(absl::string_view key, uint64_t base, uint64_t size) {
+absl::Status CheckPosix(absl::string_view key, uint64_t base, uint64_t size,
+                        std::optional<uint32_t> owner) {
   const uint64_t id = Read<uint64_t>(key.data());
   const uint64_t address = Read<uint64_t>(key.data() + 8);
   const uint64_t length = Read<uint64_t>(key.data() + 16);
@@ -94,9 +110,16 @@ absl::Status CheckPosix(absl::string_view key, uint64_t base, uint64_t size) {
         std::strerror(errno)));
   }
   struct stat st {};
-  const bool sized = fstat(fd, &st) == 0 && static_cast<uint64_t>(st.st_size) >= length;
+  const bool stated = fstat(fd, &st) == 0;
   close(fd);
-  if (!sized) {
+  if (stated) {
+    if (absl::Status mine = CheckOwner(absl::StrCat("POSIX segment ", path),
+                                       st.st_uid, owner);
+        !mine.ok()) {
+      return mine;
+    }
+  }
+  if (!stated || static_cast<uint64_t>(st.st_size) < length) {
     return absl::InvalidArgumentError(absl::StrCat(
         "POSIX segment ", path, " is smaller than the ", length,
         " bytes its key claims"));
@@ -113,13 +136,14 @@ bool KnownRkeyLayouts() {
 }
 
 absl::Status CheckPackedRkey(absl::string_view packed, uint64_t base,
-                             uint64_t size) {
+                             uint64_t size, std::optional<uint32_t> owner) {
   static const bool known = KnownRkeyLayouts();
-  return CheckPackedRkey(packed, base, size, known);
+  return CheckPackedRkeyForLayouts(packed, base, size, known, owner);
 }
 
-absl::Status CheckPackedRkey(absl::string_view packed, uint64_t base,
-                             uint64_t size, bool known_layouts) {
+absl::Status CheckPackedRkeyForLayouts(absl::string_view packed, uint64_t base,
+                                       uint64_t size, bool known_layouts,
+                                       std::optional<uint32_t> owner) {
   constexpr size_t kHeader = sizeof(uint64_t) + 1;  // MD bitmap, memory type
   if (packed.size() < kHeader) {
     return absl::InvalidArgumentError(absl::StrCat(
@@ -159,10 +183,10 @@ absl::Status CheckPackedRkey(absl::string_view packed, uint64_t base,
       case 8:
         break;
       case 12:
-        st = CheckSysv(key, base, size);
+        st = CheckSysv(key, base, size, owner);
         break;
       case 24:
-        st = CheckPosix(key, base, size);
+        st = CheckPosix(key, base, size, owner);
         break;
       default:
         st = absl::InvalidArgumentError(absl::StrCat(

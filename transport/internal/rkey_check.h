@@ -21,14 +21,16 @@
 //    refused.
 //
 // What is left: a segment that vanishes between this check and the unpack
-// (microseconds); a local client naming another local process's UCX segment
-// (nothing ties a key to the session's process yet); POSIX keys of another
-// PID namespace (UCX does not unpack those); on other UCX versions only the
-// structure is checked.
+// (microseconds); a local client naming a UCX segment of another process of
+// its own user (the owner check ties keys to the user, not the process: a
+// same-user process could read and write that memory anyway); POSIX keys
+// of another PID namespace (UCX does not unpack those); on other UCX
+// versions only the structure is checked.
 #ifndef KVDEPOT_TRANSPORT_INTERNAL_RKEY_CHECK_H_
 #define KVDEPOT_TRANSPORT_INTERNAL_RKEY_CHECK_H_
 
 #include <cstdint>
+#include <optional>
 
 #include "absl/status/status.h"
 #include "absl/strings/string_view.h"
@@ -40,13 +42,16 @@ namespace kvdepot::transport_internal {
 bool KnownRkeyLayouts();
 
 // OK, or InvalidArgument saying what is wrong with the key for a remote
-// region [base, base + size).
+// region [base, base + size). With `owner`, each System V and POSIX segment
+// the key names (with known layouts) must belong to that uid: a co-located
+// client may only have the daemon reach its own user's shared memory.
 absl::Status CheckPackedRkey(absl::string_view packed, uint64_t base,
-                             uint64_t size);
+                             uint64_t size, std::optional<uint32_t> owner);
 
 // The same with the layouts of UCX 1.13 assumed or not (for tests).
-absl::Status CheckPackedRkey(absl::string_view packed, uint64_t base,
-                             uint64_t size, bool known_layouts);
+absl::Status CheckPackedRkeyForLayouts(absl::string_view packed, uint64_t base,
+                                       uint64_t size, bool known_layouts,
+                                       std::optional<uint32_t> owner = std::nullopt);
 
 }  // namespace kvdepot::transport_internal
 

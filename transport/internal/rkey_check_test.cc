@@ -50,31 +50,31 @@ std::string PosixKey(uint64_t id, uint64_t address, uint64_t length) {
 }
 
 TEST(RkeyCheckTest, ParsesWellFormedKeys) {
-  EXPECT_TRUE(CheckPackedRkey(Key(1, 0, {""}), 0, 100, true).ok());
-  EXPECT_TRUE(CheckPackedRkey(Key(0b1011, 0, {"", "ib-rkey!", ""}), 0, 100, true).ok());
+  EXPECT_TRUE(CheckPackedRkeyForLayouts(Key(1, 0, {""}), 0, 100, true).ok());
+  EXPECT_TRUE(CheckPackedRkeyForLayouts(Key(0b1011, 0, {"", "ib-rkey!", ""}), 0, 100, true).ok());
   // Trailing bytes (system device and distances) are UCX's business.
-  EXPECT_TRUE(CheckPackedRkey(Key(1, 0, {""}) + "xyz", 0, 100, true).ok());
+  EXPECT_TRUE(CheckPackedRkeyForLayouts(Key(1, 0, {""}) + "xyz", 0, 100, true).ok());
 }
 
 TEST(RkeyCheckTest, RefusesTransportKeysOfUnknownSize) {
   // A layout UCX 1.13 might fail to unpack, which crashes it.
-  absl::Status st = CheckPackedRkey(Key(1, 0, {"abcd"}), 0, 1, true);
+  absl::Status st = CheckPackedRkeyForLayouts(Key(1, 0, {"abcd"}), 0, 1, true);
   EXPECT_TRUE(absl::IsInvalidArgument(st)) << st;
   // Not judged where the layouts are not known.
-  EXPECT_TRUE(CheckPackedRkey(Key(1, 0, {"abcd"}), 0, 1, false).ok());
+  EXPECT_TRUE(CheckPackedRkeyForLayouts(Key(1, 0, {"abcd"}), 0, 1, false).ok());
 }
 
 TEST(RkeyCheckTest, RefusesKeysThatDoNotParse) {
-  EXPECT_FALSE(CheckPackedRkey("", 0, 1, true).ok());
-  EXPECT_FALSE(CheckPackedRkey(std::string(8, '\x01'), 0, 1, true).ok());
-  EXPECT_FALSE(CheckPackedRkey(Key(0, 0, {}), 0, 1, true).ok());      // no MD
-  EXPECT_FALSE(CheckPackedRkey(Key(1, 200, {""}), 0, 1, true).ok());  // type
+  EXPECT_FALSE(CheckPackedRkeyForLayouts("", 0, 1, true).ok());
+  EXPECT_FALSE(CheckPackedRkeyForLayouts(std::string(8, '\x01'), 0, 1, true).ok());
+  EXPECT_FALSE(CheckPackedRkeyForLayouts(Key(0, 0, {}), 0, 1, true).ok());      // no MD
+  EXPECT_FALSE(CheckPackedRkeyForLayouts(Key(1, 200, {""}), 0, 1, true).ok());  // type
   // Two MD bits, one key.
-  EXPECT_FALSE(CheckPackedRkey(Key(0b11, 0, {"ab"}), 0, 1, true).ok());
+  EXPECT_FALSE(CheckPackedRkeyForLayouts(Key(0b11, 0, {"ab"}), 0, 1, true).ok());
   // A size byte past the end.
   std::string long_size = Key(1, 0, {"abcd"});
   long_size[9] = 40;
-  absl::Status st = CheckPackedRkey(long_size, 0, 1, false);
+  absl::Status st = CheckPackedRkeyForLayouts(long_size, 0, 1, false);
   EXPECT_TRUE(absl::IsInvalidArgument(st)) << st;
   EXPECT_NE(st.message().find("says 40 bytes"), std::string::npos) << st;
 }
@@ -84,15 +84,15 @@ TEST(RkeyCheckTest, SystemVSegmentMustExistAndHoldTheRegion) {
   if (shmid < 0) GTEST_SKIP() << "no System V shared memory here";
   const uint64_t address = 0x7f0000000000;
   const std::string key = Key(0b10, 0, {SysvKey(shmid, address)});
-  EXPECT_TRUE(CheckPackedRkey(key, address, 1 << 20, true).ok());
-  EXPECT_TRUE(CheckPackedRkey(key, address + 4096, 8192, true).ok());
-  EXPECT_FALSE(CheckPackedRkey(key, address, (1 << 20) + 1, true).ok());
-  EXPECT_FALSE(CheckPackedRkey(key, address - 1, 16, true).ok());
-  EXPECT_FALSE(CheckPackedRkey(key, address + (1 << 20), 1, true).ok());
+  EXPECT_TRUE(CheckPackedRkeyForLayouts(key, address, 1 << 20, true).ok());
+  EXPECT_TRUE(CheckPackedRkeyForLayouts(key, address + 4096, 8192, true).ok());
+  EXPECT_FALSE(CheckPackedRkeyForLayouts(key, address, (1 << 20) + 1, true).ok());
+  EXPECT_FALSE(CheckPackedRkeyForLayouts(key, address - 1, 16, true).ok());
+  EXPECT_FALSE(CheckPackedRkeyForLayouts(key, address + (1 << 20), 1, true).ok());
   // Layouts not assumed (another UCX version): only the structure.
-  EXPECT_TRUE(CheckPackedRkey(key, 0, uint64_t{1} << 40, false).ok());
+  EXPECT_TRUE(CheckPackedRkeyForLayouts(key, 0, uint64_t{1} << 40, false).ok());
   ASSERT_EQ(shmctl(shmid, IPC_RMID, nullptr), 0);
-  absl::Status gone = CheckPackedRkey(key, address, 4096, true);
+  absl::Status gone = CheckPackedRkeyForLayouts(key, address, 4096, true);
   EXPECT_TRUE(absl::IsInvalidArgument(gone)) << gone;
   EXPECT_NE(gone.message().find("cannot be attached"), std::string::npos) << gone;
 }
@@ -128,30 +128,55 @@ TEST(RkeyCheckTest, PosixSegmentMustBeAUcxSegmentHoldingTheRegion) {
   const uint64_t address = 0x7f0000000000;
   // Named by its /dev/shm id.
   const std::string by_name = Key(1, 0, {PosixKey(kShmOpen | id, address, 1 << 20)});
-  EXPECT_TRUE(CheckPackedRkey(by_name, address, 1 << 20, true).ok());
-  EXPECT_FALSE(CheckPackedRkey(by_name, address, 2 << 20, true).ok());
-  EXPECT_FALSE(CheckPackedRkey(by_name, address - 4096, 4096, true).ok());
-  EXPECT_FALSE(CheckPackedRkey(by_name, address + 8, UINT64_MAX - address, true).ok());
+  EXPECT_TRUE(CheckPackedRkeyForLayouts(by_name, address, 1 << 20, true).ok());
+  EXPECT_FALSE(CheckPackedRkeyForLayouts(by_name, address, 2 << 20, true).ok());
+  EXPECT_FALSE(CheckPackedRkeyForLayouts(by_name, address - 4096, 4096, true).ok());
+  EXPECT_FALSE(CheckPackedRkeyForLayouts(by_name, address + 8, UINT64_MAX - address, true).ok());
   // A key that claims more than the file holds.
   const std::string too_long = Key(1, 0, {PosixKey(kShmOpen | id, address, 2 << 20)});
-  EXPECT_FALSE(CheckPackedRkey(too_long, address, 4096, true).ok());
+  EXPECT_FALSE(CheckPackedRkeyForLayouts(too_long, address, 4096, true).ok());
   // Named by this process's descriptor of it (/proc/<pid>/fd/<fd>).
   const uint64_t procfs = kProcfs | kShmOpen | static_cast<uint64_t>(getpid()) |
                           (static_cast<uint64_t>(file.fd) << 30);
-  EXPECT_TRUE(CheckPackedRkey(Key(1, 0, {PosixKey(procfs, address, 1 << 20)}),
+  EXPECT_TRUE(CheckPackedRkeyForLayouts(Key(1, 0, {PosixKey(procfs, address, 1 << 20)}),
                               address, 4096, true).ok());
   // A descriptor that is not a UCX segment (stdin, or a plain file): the
   // daemon would map it and write blocks into it.
   const uint64_t not_ucx = kProcfs | static_cast<uint64_t>(getpid());  // fd 0
-  absl::Status st = CheckPackedRkey(Key(1, 0, {PosixKey(not_ucx, address, 4096)}),
+  absl::Status st = CheckPackedRkeyForLayouts(Key(1, 0, {PosixKey(not_ucx, address, 4096)}),
                                     address, 4096, true);
   EXPECT_TRUE(absl::IsInvalidArgument(st)) << st;
   // A segment that is gone.
   const std::string gone = Key(1, 0, {PosixKey(kShmOpen | (id + 1), address, 4096)});
-  EXPECT_FALSE(CheckPackedRkey(gone, address, 4096, true).ok());
+  EXPECT_FALSE(CheckPackedRkeyForLayouts(gone, address, 4096, true).ok());
   // Outside /dev/shm (UCX_POSIX_DIR elsewhere): not supported.
-  EXPECT_FALSE(CheckPackedRkey(Key(1, 0, {PosixKey(77, address, 4096)}),
+  EXPECT_FALSE(CheckPackedRkeyForLayouts(Key(1, 0, {PosixKey(77, address, 4096)}),
                                address, 4096, true).ok());
+}
+
+// With an owner, a segment must belong to that uid: a client may only have
+// the daemon reach its own user's shared memory.
+TEST(RkeyCheckTest, SegmentsMustBelongToTheClientsUser) {
+  const uint32_t me = getuid();
+  const uint64_t address = 0x7f0000000000;
+  const int shmid = shmget(IPC_PRIVATE, 1 << 20, IPC_CREAT | 0600);
+  if (shmid < 0) GTEST_SKIP() << "no System V shared memory here";
+  const std::string sysv = Key(0b10, 0, {SysvKey(shmid, address)});
+  EXPECT_TRUE(CheckPackedRkey(sysv, address, 4096, me).ok());
+  EXPECT_TRUE(CheckPackedRkey(sysv, address, 4096, std::nullopt).ok());
+  absl::Status other = CheckPackedRkey(sysv, address, 4096, me + 1);
+  EXPECT_TRUE(absl::IsInvalidArgument(other)) << other;
+  EXPECT_NE(other.message().find("belongs to uid"), std::string::npos) << other;
+  ASSERT_EQ(shmctl(shmid, IPC_RMID, nullptr), 0);
+
+  ShmFile file(0x0e0e0000u + static_cast<uint64_t>(getpid() & 0xffff), 1 << 20);
+  if (file.fd < 0) GTEST_SKIP() << "cannot create files in /dev/shm";
+  const uint64_t procfs = kProcfs | kShmOpen | static_cast<uint64_t>(getpid()) |
+                          (static_cast<uint64_t>(file.fd) << 30);
+  const std::string posix = Key(1, 0, {PosixKey(procfs, address, 1 << 20)});
+  EXPECT_TRUE(CheckPackedRkey(posix, address, 4096, me).ok());
+  other = CheckPackedRkey(posix, address, 4096, me + 1);
+  EXPECT_TRUE(absl::IsInvalidArgument(other)) << other;
 }
 
 }  // namespace

@@ -1,0 +1,37 @@
+// Who is at the other end of a client's gRPC connection, for a client on
+// this host: the uid that owns its TCP socket, from the kernel's socket
+// tables (/proc/net/tcp, /proc/net/tcp6).
+//
+// The daemon maps a co-located client's shared-memory buffers (named by
+// packed UCX keys the client sends) and copies blocks into and out of them.
+// The segment a key names must then belong to the client's own user, or a
+// client could make the daemon read or write another user's shared memory.
+// A same-user process can already read and write that memory (ptrace), so
+// the uid is the boundary that matters.
+#ifndef KVDEPOT_SERVER_PEER_CREDENTIALS_H_
+#define KVDEPOT_SERVER_PEER_CREDENTIALS_H_
+
+#include <cstdint>
+#include <optional>
+#include <string>
+
+#include "absl/strings/string_view.h"
+
+namespace kvdepot {
+
+// The uid owning the local TCP socket at the address gRPC reports as a
+// call's peer ("ipv4:127.0.0.1:41234", "ipv6:[::1]:41234",
+// "ipv6:[::ffff:127.0.0.1]:41234"): found when the peer's socket is in this
+// network namespace (a process on this host, outside containers with their
+// own network). Nullopt otherwise (another host, a unix socket, an address
+// that does not parse, no such socket any more).
+std::optional<uint32_t> LocalPeerUid(absl::string_view grpc_peer);
+
+// The same, with the socket tables read from `proc_net` (a directory with
+// files tcp and tcp6 in /proc/net's format), for tests.
+std::optional<uint32_t> LocalPeerUid(absl::string_view grpc_peer,
+                                     const std::string& proc_net);
+
+}  // namespace kvdepot
+
+#endif  // KVDEPOT_SERVER_PEER_CREDENTIALS_H_
