@@ -28,7 +28,8 @@ std::string Word(const unsigned char* bytes) {
 
 // The uid of the ESTABLISHED socket whose local address is `local` in the
 // table `path`.
-std::optional<uint32_t> FindUid(const std::string& path, const std::string& local) {
+std::optional<uint32_t> FindUid(const std::string& path,
+                                const std::string& local) {
   std::ifstream in(path);
   std::string line;
   std::getline(in, line);  // the header
@@ -50,9 +51,12 @@ std::optional<uint32_t> LocalPeerUid(absl::string_view grpc_peer,
                                      const std::string& proc_net) {
   // Some gRPC versions percent-encode the brackets and colons of an IPv6
   // peer ("ipv6:%5B::1%5D:41234").
-  const std::string decoded = absl::StrReplaceAll(
-      grpc_peer, {{"%5B", "["}, {"%5D", "]"}, {"%3A", ":"}, {"%5b", "["},
-                  {"%5d", "]"}, {"%3a", ":"}});
+  const std::string decoded = absl::StrReplaceAll(grpc_peer, {{"%5B", "["},
+                                                              {"%5D", "]"},
+                                                              {"%3A", ":"},
+                                                              {"%5b", "["},
+                                                              {"%5d", "]"},
+                                                              {"%3a", ":"}});
   absl::string_view rest = decoded;
   const bool v4 = absl::ConsumePrefix(&rest, "ipv4:");
   if (!v4 && !absl::ConsumePrefix(&rest, "ipv6:")) return std::nullopt;
@@ -67,25 +71,30 @@ std::optional<uint32_t> LocalPeerUid(absl::string_view grpc_peer,
   std::vector<std::pair<std::string, std::string>> candidates;  // file, local
   if (v4) {
     in_addr a{};
-    if (inet_pton(AF_INET, std::string(host).c_str(), &a) != 1) return std::nullopt;
+    if (inet_pton(AF_INET, std::string(host).c_str(), &a) != 1)
+      return std::nullopt;
     const auto* b = reinterpret_cast<const unsigned char*>(&a);
     candidates.push_back({"tcp", Word(b) + port_hex});
     // A dual-stack socket shows an IPv4 peer as v4-mapped.
-    candidates.push_back({"tcp6", "0000000000000000FFFF0000" + Word(b) + port_hex});
+    candidates.push_back(
+        {"tcp6", "0000000000000000FFFF0000" + Word(b) + port_hex});
   } else {
     if (!absl::ConsumePrefix(&host, "[") || !absl::ConsumeSuffix(&host, "]")) {
       return std::nullopt;
     }
     in6_addr a{};
-    if (inet_pton(AF_INET6, std::string(host).c_str(), &a) != 1) return std::nullopt;
+    if (inet_pton(AF_INET6, std::string(host).c_str(), &a) != 1)
+      return std::nullopt;
     const auto* b = reinterpret_cast<const unsigned char*>(&a);
-    candidates.push_back(
-        {"tcp6", Word(b) + Word(b + 4) + Word(b + 8) + Word(b + 12) + port_hex});
+    candidates.push_back({"tcp6", Word(b) + Word(b + 4) + Word(b + 8) +
+                                      Word(b + 12) + port_hex});
     // A v4-mapped peer of a dual-stack listener is an IPv4 socket on its side.
-    if (IN6_IS_ADDR_V4MAPPED(&a)) candidates.push_back({"tcp", Word(b + 12) + port_hex});
+    if (IN6_IS_ADDR_V4MAPPED(&a))
+      candidates.push_back({"tcp", Word(b + 12) + port_hex});
   }
   for (const auto& [file, local] : candidates) {
-    if (std::optional<uint32_t> uid = FindUid(absl::StrCat(proc_net, "/", file), local)) {
+    if (std::optional<uint32_t> uid =
+            FindUid(absl::StrCat(proc_net, "/", file), local)) {
       return uid;
     }
   }

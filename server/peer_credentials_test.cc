@@ -45,10 +45,12 @@ class LoopbackPair {
     sockaddr_storage mine{};
     socklen_t mine_len = sizeof(mine);
     ok_ = accepted_ >= 0 &&
-          getsockname(client_, reinterpret_cast<sockaddr*>(&mine), &mine_len) == 0;
-    client_port_ = family == AF_INET
-                       ? ntohs(reinterpret_cast<sockaddr_in*>(&mine)->sin_port)
-                       : ntohs(reinterpret_cast<sockaddr_in6*>(&mine)->sin6_port);
+          getsockname(client_, reinterpret_cast<sockaddr*>(&mine), &mine_len) ==
+              0;
+    client_port_ =
+        family == AF_INET
+            ? ntohs(reinterpret_cast<sockaddr_in*>(&mine)->sin_port)
+            : ntohs(reinterpret_cast<sockaddr_in6*>(&mine)->sin6_port);
   }
   ~LoopbackPair() {
     for (int fd : {accepted_, client_, listener_}) {
@@ -72,7 +74,8 @@ TEST(LocalPeerUidTest, FindsTheOwnerOfALoopbackIpv4Peer) {
   ASSERT_TRUE(uid.has_value()) << peer;
   EXPECT_EQ(*uid, getuid());
   // The same socket as a dual-stack listener reports it.
-  EXPECT_EQ(LocalPeerUid(absl::StrCat("ipv6:[::ffff:127.0.0.1]:", pair.client_port())),
+  EXPECT_EQ(LocalPeerUid(
+                absl::StrCat("ipv6:[::ffff:127.0.0.1]:", pair.client_port())),
             uid);
 }
 
@@ -83,7 +86,8 @@ TEST(LocalPeerUidTest, FindsTheOwnerOfALoopbackIpv6Peer) {
       LocalPeerUid(absl::StrCat("ipv6:[::1]:", pair.client_port()));
   ASSERT_TRUE(uid.has_value());
   EXPECT_EQ(*uid, getuid());
-  EXPECT_EQ(LocalPeerUid(absl::StrCat("ipv6:%5B::1%5D:", pair.client_port())), uid);
+  EXPECT_EQ(LocalPeerUid(absl::StrCat("ipv6:%5B::1%5D:", pair.client_port())),
+            uid);
 }
 
 TEST(LocalPeerUidTest, UnknownOrUnparsablePeersHaveNone) {
@@ -95,8 +99,9 @@ TEST(LocalPeerUidTest, UnknownOrUnparsablePeersHaveNone) {
   }
   // Closed: the socket is not ESTABLISHED any more.
   EXPECT_EQ(LocalPeerUid(absl::StrCat("ipv4:127.0.0.1:", port)), std::nullopt);
-  for (const char* peer : {"unix:/run/kvdepot.sock", "ipv4:127.0.0.1", "ipv4:x:1",
-                           "ipv6:::1:80", "ipv4:127.0.0.1:99999", "", "ipv6:[zz]:1"}) {
+  for (const char* peer :
+       {"unix:/run/kvdepot.sock", "ipv4:127.0.0.1", "ipv4:x:1", "ipv6:::1:80",
+        "ipv4:127.0.0.1:99999", "", "ipv6:[zz]:1"}) {
     EXPECT_EQ(LocalPeerUid(peer), std::nullopt) << peer;
   }
 }
@@ -114,10 +119,12 @@ TEST(LocalPeerUidTest, ReadsTheKernelsTableFormat) {
       << "   1: 0100007F:A0D2 0100007F:1F90 01 00000000:00000000 00:00000000 "
          "00000000  1234        0 2 1 0000000000000000 20 4 30 10 -1\n";
   std::ofstream(dir + "/tcp6")
-      << "  sl  local_address                         remote_address                "
+      << "  sl  local_address                         remote_address           "
+         "     "
          "st tx_queue rx_queue tr tm->when retrnsmt   uid  timeout inode\n"
       << "   0: 00000000000000000000000001000000:B00B "
-         "00000000000000000000000001000000:1F90 01 00000000:00000000 00:00000000 "
+         "00000000000000000000000001000000:1F90 01 00000000:00000000 "
+         "00:00000000 "
          "00000000  4321        0 3 1 0000000000000000 20 4 30 10 -1\n";
   EXPECT_EQ(LocalPeerUid("ipv4:127.0.0.1:41170", dir), 1234u);
   EXPECT_EQ(LocalPeerUid("ipv6:[::1]:45067", dir), 4321u);

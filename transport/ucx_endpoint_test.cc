@@ -153,6 +153,29 @@ class UcxEndpointTest : public ::testing::TestWithParam<std::string> {
 
   static absl::Time Soon() { return absl::Now() + absl::Seconds(10); }
 
+  // The allocators of shared memory to try: UCX's default (System V), and
+  // over shared memory also POSIX.
+  std::vector<std::string> Allocators() const {
+    std::vector<std::string> prios = {""};
+    if (GetParam() == "shm") prios.push_back("md:posix");
+    return prios;
+  }
+  // The context whose Allocate uses allocator `prio` (ALLOC_PRIO): the
+  // server's for "", else a new one (kept in *own) with the server's
+  // settings, so its keys read the same to the client's endpoint.
+  UcxContext* AllocatingContext(const std::string& prio,
+                                std::unique_ptr<UcxContext>* own) {
+    if (prio.empty()) return server_context_.get();
+    UcxContextOptions options;
+    options.config = ucx_test::TransportConfig(GetParam());
+    options.config["ALLOC_PRIO"] = prio;
+    auto context = UcxContext::Create(options);
+    EXPECT_TRUE(context.ok()) << context.status();
+    if (!context.ok()) return nullptr;
+    *own = *std::move(context);
+    return own->get();
+  }
+
   std::unique_ptr<UcxContext> server_context_;
   std::unique_ptr<UcxContext> client_context_;
   std::unique_ptr<UcxWorker> server_worker_;
@@ -538,23 +561,12 @@ TEST_P(UcxEndpointTest, ServerThatDiesUnderAGetEndsTheBatch) {
 // before UCX sees them (internal/rkey_check.h), and the endpoint still works.
 TEST_P(UcxEndpointTest, MalformedOrStaleRemoteKeysAreRefusedWithoutCrashing) {
   // Over shared memory, keys of both kinds UCX allocates: System V (its
-  // default) and POSIX; the packer has the server's settings, so its keys
-  // read the same to the client's endpoint.
-  std::vector<std::string> allocators = {""};
-  if (GetParam() == "shm") allocators.push_back("md:posix");
-  for (const std::string& prio : allocators) {
+  // default) and POSIX.
+  for (const std::string& prio : Allocators()) {
     SCOPED_TRACE(prio.empty() ? "default allocator" : prio);
     std::unique_ptr<UcxContext> own;
-    UcxContext* packer = server_context_.get();
-    if (!prio.empty()) {
-      UcxContextOptions options;
-      options.config = ucx_test::TransportConfig(GetParam());
-      options.config["ALLOC_PRIO"] = prio;
-      auto context = UcxContext::Create(options);
-      ASSERT_TRUE(context.ok()) << context.status();
-      own = *std::move(context);
-      packer = own.get();
-    }
+    UcxContext* packer = AllocatingContext(prio, &own);
+    ASSERT_NE(packer, nullptr);
     auto allocated = packer->Allocate(1 << 20);
     ASSERT_TRUE(allocated.ok()) << allocated.status();
     const std::string good = (*allocated)->packed_rkey();
@@ -606,60 +618,66 @@ TEST_P(UcxEndpointTest, MalformedOrStaleRemoteKeysAreRefusedWithoutCrashing) {
 // that reaches the server's bytes; the rest (ordinary registered memory,
 // a bad range) take their usual way. Over TCP nothing is mapped.
 TEST_P(UcxEndpointTest, MappedCopiesReachTheServersSharedMemoryDirectly) {
-  auto shared = server_context_->Allocate(4 * kBlock);
-  ASSERT_TRUE(shared.ok()) << shared.status();
-  char* server_bytes = (*shared)->base();
-  std::memset(server_bytes, 0, 4 * kBlock);
-  auto id = endpoint_->AddRemoteRegion(RemoteRegion{
-      (*shared)->packed_rkey(), (*shared)->address(), (*shared)->size()});
-  ASSERT_TRUE(id.ok()) << id.status();
+  for (const std::string& prio : Allocators()) {
+    SCOPED_TRACE(prio.empty() ? "default allocator" : prio);
+    std::unique_ptr<UcxContext> own;
+    UcxContext* allocator = AllocatingContext(prio, &own);
+    ASSERT_NE(allocator, nullptr);
+    auto shared = allocator->Allocate(4 * kBlock);
+    ASSERT_TRUE(shared.ok()) << shared.status();
+    char* server_bytes = (*shared)->base();
+    std::memset(server_bytes, 0, 4 * kBlock);
+    auto id = endpoint_->AddRemoteRegion(RemoteRegion{
+        (*shared)->packed_rkey(), (*shared)->address(), (*shared)->size()});
+    ASSERT_TRUE(id.ok()) << id.status();
 
-  std::vector<char> source = RandomBytes(3 * kBlock, 9);
-  std::vector<Transfer> puts = {
-      {*id, (*shared)->address(), source.data(), kBlock, nullptr},
-      {*id, (*shared)->address() + 2 * kBlock, source.data() + kBlock, kBlock,
-       nullptr},
-      // Ordinary registered memory: not mapped, through UCX.
-      {region_id_, region_->address(), source.data() + 2 * kBlock, kBlock,
-       nullptr},
-      // Outside the region: refused, never handed to `mapped`.
-      {*id, (*shared)->address() + 4 * kBlock, source.data(), kBlock, nullptr},
-  };
-  std::vector<int> copied(puts.size(), 0);
-  TransferHandle put = endpoint_->Put(puts, Soon(), [&](size_t i, char* peer) {
-    ++copied[i];
-    std::memcpy(peer, puts[i].local, puts[i].size);
-    return absl::OkStatus();
-  });
-  put.Wait();
-  const bool shm = GetParam() == "shm";
-  EXPECT_EQ(copied, (std::vector<int>{shm, shm, 0, 0}));
-  for (size_t i = 0; i < 3; ++i) EXPECT_TRUE(put.status(i).ok()) << put.status(i);
-  EXPECT_TRUE(absl::IsInvalidArgument(put.status(3))) << put.status(3);
-  EXPECT_EQ(std::memcmp(server_bytes, source.data(), kBlock), 0);
-  EXPECT_EQ(std::memcmp(server_bytes + 2 * kBlock, source.data() + kBlock, kBlock), 0);
-  EXPECT_EQ(std::memcmp(arena_->base(), source.data() + 2 * kBlock, kBlock), 0);
+    std::vector<char> source = RandomBytes(3 * kBlock, 9);
+    std::vector<Transfer> puts = {
+        {*id, (*shared)->address(), source.data(), kBlock, nullptr},
+        {*id, (*shared)->address() + 2 * kBlock, source.data() + kBlock, kBlock,
+         nullptr},
+        // Ordinary registered memory: not mapped, through UCX.
+        {region_id_, region_->address(), source.data() + 2 * kBlock, kBlock,
+         nullptr},
+        // Outside the region: refused, never handed to `mapped`.
+        {*id, (*shared)->address() + 4 * kBlock, source.data(), kBlock, nullptr},
+    };
+    std::vector<int> copied(puts.size(), 0);
+    TransferHandle put = endpoint_->Put(puts, Soon(), [&](size_t i, char* peer) {
+      ++copied[i];
+      std::memcpy(peer, puts[i].local, puts[i].size);
+      return absl::OkStatus();
+    });
+    put.Wait();
+    const bool shm = GetParam() == "shm";
+    EXPECT_EQ(copied, (std::vector<int>{shm, shm, 0, 0}));
+    for (size_t i = 0; i < 3; ++i) EXPECT_TRUE(put.status(i).ok()) << put.status(i);
+    EXPECT_TRUE(absl::IsInvalidArgument(put.status(3))) << put.status(3);
+    EXPECT_EQ(std::memcmp(server_bytes, source.data(), kBlock), 0);
+    EXPECT_EQ(std::memcmp(server_bytes + 2 * kBlock, source.data() + kBlock, kBlock), 0);
+    EXPECT_EQ(std::memcmp(arena_->base(), source.data() + 2 * kBlock, kBlock), 0);
 
-  // Get the same way; the status `mapped` returns is the transfer's.
-  std::vector<char> sink(2 * kBlock, 0);
-  std::vector<Transfer> gets = {
-      {*id, (*shared)->address(), sink.data(), kBlock, nullptr},
-      {*id, (*shared)->address() + 2 * kBlock, sink.data() + kBlock, kBlock,
-       nullptr},
-  };
-  TransferHandle get = endpoint_->Get(gets, Soon(), nullptr, [&](size_t i, char* peer) {
-    if (i == 1) return absl::DataLossError("refused by the copier");
-    std::memcpy(gets[i].local, peer, gets[i].size);
-    return absl::OkStatus();
-  });
-  get.Wait();
-  ASSERT_TRUE(get.status(0).ok()) << get.status(0);
-  EXPECT_EQ(std::memcmp(sink.data(), source.data(), kBlock), 0);
-  if (shm) {
-    EXPECT_TRUE(absl::IsDataLoss(get.status(1))) << get.status(1);
-  } else {
-    ASSERT_TRUE(get.status(1).ok()) << get.status(1);
-    EXPECT_EQ(std::memcmp(sink.data() + kBlock, source.data() + kBlock, kBlock), 0);
+    // Get the same way; the status `mapped` returns is the transfer's.
+    std::vector<char> sink(2 * kBlock, 0);
+    std::vector<Transfer> gets = {
+        {*id, (*shared)->address(), sink.data(), kBlock, nullptr},
+        {*id, (*shared)->address() + 2 * kBlock, sink.data() + kBlock, kBlock,
+         nullptr},
+    };
+    TransferHandle get = endpoint_->Get(gets, Soon(), nullptr, [&](size_t i, char* peer) {
+      if (i == 1) return absl::DataLossError("refused by the copier");
+      std::memcpy(gets[i].local, peer, gets[i].size);
+      return absl::OkStatus();
+    });
+    get.Wait();
+    ASSERT_TRUE(get.status(0).ok()) << get.status(0);
+    EXPECT_EQ(std::memcmp(sink.data(), source.data(), kBlock), 0);
+    if (shm) {
+      EXPECT_TRUE(absl::IsDataLoss(get.status(1))) << get.status(1);
+    } else {
+      ASSERT_TRUE(get.status(1).ok()) << get.status(1);
+      EXPECT_EQ(std::memcmp(sink.data() + kBlock, source.data() + kBlock, kBlock), 0);
+    }
   }
 }
 
