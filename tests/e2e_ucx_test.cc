@@ -439,50 +439,44 @@ TEST_P(UcxE2eTest, PlacesOutsideTheSessionsBuffersAreRejected) {
   // The right place works.
   EXPECT_EQ(push(0, base + kBlock, kBlock), 0);
 
-  // A pull from outside stores nothing.
-  {
+  // One PullBlocks of one block from buffer 0 of this session.
+  auto pull = [&](const std::string& key, uint64_t address, bool daemon_checksum,
+                  v1::PullBlocksResponse* resp) {
     grpc::ClientContext ctx;
     v1::PullBlocksRequest req;
     req.set_session_id(*session);
     req.set_namespace_("iso");
     v1::PullSpec* spec = req.add_blocks();
-    spec->set_key("forged");
+    spec->set_key(key);
+    spec->set_daemon_checksum(daemon_checksum);
     spec->mutable_source()->set_buffer_id(0);
-    spec->mutable_source()->set_address(base + 2 * kBlock);
+    spec->mutable_source()->set_address(address);
     spec->mutable_source()->set_size(kBlock);
+    return client_->stub().PullBlocks(&ctx, req, resp);
+  };
+  auto stored = [&](absl::string_view key) {
+    absl::StatusOr<LookupReply> r = client_->Lookup("iso", {&key, 1}, false, false);
+    EXPECT_OK(r.status());
+    return r.ok() && r->entries[0].found;
+  };
+  // A pull from outside stores nothing.
+  {
     v1::PullBlocksResponse resp;
-    ASSERT_TRUE(client_->stub().PullBlocks(&ctx, req, &resp).ok());
+    ASSERT_TRUE(pull("forged", base + 2 * kBlock, false, &resp).ok());
     ASSERT_EQ(resp.blocks_size(), 1);
     EXPECT_EQ(resp.blocks(0).code(), kInvalid);
-    absl::string_view forged = "forged";
-    absl::StatusOr<LookupReply> r = client_->Lookup("iso", {&forged, 1}, false, false);
-    ASSERT_OK(r.status());
-    EXPECT_FALSE(r->entries[0].found);
+    EXPECT_FALSE(stored("forged"));
   }
   // Nor does a pull asking the daemon for its checksum from memory the
   // daemon does not copy itself (ordinary registered memory): there the
   // client's own checksum must guard the transfer.
   {
-    grpc::ClientContext ctx;
-    v1::PullBlocksRequest req;
-    req.set_session_id(*session);
-    req.set_namespace_("iso");
-    v1::PullSpec* spec = req.add_blocks();
-    spec->set_key("unchecked");
-    spec->set_daemon_checksum(true);
-    spec->mutable_source()->set_buffer_id(0);
-    spec->mutable_source()->set_address(base);
-    spec->mutable_source()->set_size(kBlock);
     v1::PullBlocksResponse resp;
-    grpc::Status st = client_->stub().PullBlocks(&ctx, req, &resp);
+    grpc::Status st = pull("unchecked", base, true, &resp);
     EXPECT_EQ(st.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
     EXPECT_TRUE(absl::StrContains(st.error_message(), "daemon_checksum"))
         << st.error_message();
-    absl::string_view unchecked = "unchecked";
-    absl::StatusOr<LookupReply> r =
-        client_->Lookup("iso", {&unchecked, 1}, false, false);
-    ASSERT_OK(r.status());
-    EXPECT_FALSE(r->entries[0].found);
+    EXPECT_FALSE(stored("unchecked"));
   }
   // Another session without a UCX endpoint gets no data-plane calls.
   {
