@@ -760,13 +760,22 @@ grpc::ServerUnaryReactor* KvDepotService::PushBlocks(
           in_place[m] = true;
           const BlockMove& mv = moves[m];
           const uint64_t want = resp->blocks(key_of_move[m]).checksum();
-          if (CopyWithChecksum(client, mv.arena.data(), mv.arena.size()) != want) {
-            log_->warn("PushBlocks: a block's bytes did not match its checksum "
-                       "as copied to session {}", req->session_id());
-            return absl::DataLossError(
-                "block bytes do not match the checksum as copied");
+          if (CopyWithChecksum(client, mv.arena.data(), mv.arena.size()) == want) {
+            return absl::OkStatus();
           }
-          return absl::OkStatus();
+          // Which copy is wrong: the daemon's (memory corruption or a bug)
+          // or the client's (its buffer changed under the copy)?
+          if (BlockChecksum(mv.arena.data(), mv.arena.size()) != want) {
+            log_->error("PushBlocks: block {} in DRAM does not match its "
+                        "checksum (memory corruption?); not served",
+                        KeyToHex(req->keys(key_of_move[m])));
+          } else {
+            log_->warn("PushBlocks: session {}'s buffer changed while block {} "
+                       "was copied into it", req->session_id(),
+                       KeyToHex(req->keys(key_of_move[m])));
+          }
+          return absl::DataLossError(
+              "block bytes do not match the checksum as copied");
         };
         absl::StatusOr<TransferHandle> h =
             data_plane_->Push(session, moves, deadline, copy_here);
