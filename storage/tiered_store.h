@@ -195,11 +195,12 @@ class SlotHandle {
   // Hashes the slot's bytes now, for a writer whose bytes have just landed
   // and are likely still in cache, and returns their checksum: CommitPut
   // with that checksum takes the slot without hashing it again (with any
-  // other, it hashes the slot and refuses it). REQUIRES: the bytes are
-  // final (no more writes through this handle).
+  // other, it refuses the slot, also without hashing it again). REQUIRES:
+  // the bytes are final (no more writes through this handle).
   virtual uint64_t Checksum() = 0;
   // Copies the slot's bytes from `src` (bytes().size() of them), hashing
-  // them as they land (CopyWithChecksum); then as Checksum().
+  // them on the way (CopyToMemoryWithChecksum: what is hashed is what is
+  // written, whatever happens to `src` meanwhile); then as Checksum().
   virtual uint64_t CopyIn(const char* src) = 0;
 };
 
