@@ -217,8 +217,13 @@ absl::StatusOr<DataPlane::Buffer> DataPlane::RegisterBuffer(
   region.packed_rkey = std::string(packed_rkey);
   region.base = address;
   region.size = size;
-  // A co-located client may only name its own user's shared memory.
-  if (link->colocated) region.owner_uid = link->uid;
+  // A co-located client may only name its own user's shared memory; any
+  // other client none on this host.
+  if (link->colocated) {
+    region.owner_uid = link->uid;
+  } else {
+    region.shared_memory = false;
+  }
   Buffer buffer;
   ASSIGN_OR_RETURN(buffer.id, link->endpoint->AddRemoteRegion(region));
   ++link->buffers;

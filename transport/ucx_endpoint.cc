@@ -137,21 +137,25 @@ absl::StatusOr<uint32_t> UcxEndpoint::AddRemoteRegion(
   if (region.size > std::numeric_limits<uint64_t>::max() - region.base) {
     return absl::InvalidArgumentError("remote region base + size overflows");
   }
+  std::string packed = region.packed_rkey;
+  if (!region.shared_memory) {
+    ASSIGN_OR_RETURN(packed, transport_internal::StripSharedMemoryKeys(packed));
+  }
   // UCX trusts packed keys; a bad one can crash it (internal/rkey_check.h).
   if (absl::Status key = transport_internal::CheckPackedRkey(
-          region.packed_rkey, region.base, region.size, region.owner_uid);
+          packed, region.base, region.size, region.owner_uid);
       !key.ok()) {
     return key;
   }
   absl::StatusOr<uint32_t> result;
-  absl::Status run = worker_.Run([this, &region, &result] {
+  absl::Status run = worker_.Run([this, &region, &packed, &result] {
     if (ep_ == nullptr) {
       result = status();
       return;
     }
     ucp_rkey_h rkey = nullptr;
     ucs_status_t st =
-        ucp_ep_rkey_unpack(ep_, region.packed_rkey.data(), &rkey);
+        ucp_ep_rkey_unpack(ep_, packed.data(), &rkey);
     if (st != UCS_OK) {
       result = UcsToStatus(st, "ucp_ep_rkey_unpack");
       return;

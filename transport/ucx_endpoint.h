@@ -72,6 +72,10 @@ struct RemoteRegion {
   // When set, the shared-memory segments the key names must belong to this
   // uid (the co-located peer's user): see internal/rkey_check.h.
   std::optional<uint32_t> owner_uid;
+  // False for a peer on another host: the key's shared-memory parts are
+  // dropped before UCX sees them (its segments are not here, and one that
+  // names a segment here must not reach it); the rest of the key is used.
+  bool shared_memory = true;
 };
 
 // One transfer: `size` bytes between the peer's `remote_addr` (inside

@@ -681,6 +681,54 @@ TEST_P(UcxEndpointTest, MappedCopiesReachTheServersSharedMemoryDirectly) {
   }
 }
 
+// A peer on another host sends keys of memory UCX allocated in shared
+// memory there: their shared-memory parts name nothing here (or, by chance
+// or on purpose, a segment of this host). With shared_memory = false they
+// are dropped before UCX sees them and the rest of the key works over the
+// network transport; without, a key naming no segment here is refused.
+TEST_P(UcxEndpointTest, RemotePeersKeysWorkWithoutTheirSharedMemoryParts) {
+  if (GetParam() != "shm") GTEST_SKIP() << "TCP contexts pack no shared memory";
+  UcxEndpointOptions options;
+  options.peer_error_handling = true;  // as for a remote client: TCP lanes
+  auto remote = UcxEndpoint::Connect(*client_worker_, server_worker_->address(),
+                                     std::move(options));
+  ASSERT_TRUE(remote.ok()) << remote.status();
+  auto shared = server_context_->Allocate(kBlock);
+  ASSERT_TRUE(shared.ok()) << shared.status();
+  ucx_test::FillPattern((*shared)->base(), kBlock, 31);
+  // The segment id as it would come from another host: not one of ours.
+  std::string key = (*shared)->packed_rkey();
+  bool had_sysv = false;
+  for (size_t at = 9; at < key.size();) {
+    const size_t n = static_cast<uint8_t>(key[at]);
+    if (n == 12) {
+      const int32_t absent = -7;
+      std::memcpy(&key[at + 1], &absent, sizeof(absent));
+      had_sysv = true;
+    }
+    at += 1 + n;
+  }
+  ASSERT_TRUE(had_sysv) << "UCX allocated no System V segment";
+  RemoteRegion region{key, (*shared)->address(), (*shared)->size()};
+  EXPECT_TRUE(absl::IsInvalidArgument((*remote)->AddRemoteRegion(region).status()));
+  region.shared_memory = false;
+  auto id = (*remote)->AddRemoteRegion(region);
+  ASSERT_TRUE(id.ok()) << id.status();
+  EXPECT_FALSE((*remote)->mapped(*id));
+  std::vector<char> sink(kBlock, 0);
+  int mapped_calls = 0;
+  TransferHandle get = (*remote)->Get(
+      std::vector<Transfer>{{*id, (*shared)->address(), sink.data(), kBlock, nullptr}},
+      Soon(), nullptr, [&](size_t, char*) {
+        ++mapped_calls;
+        return absl::OkStatus();
+      });
+  get.Wait();
+  ASSERT_TRUE(get.status(0).ok()) << get.status(0);
+  EXPECT_EQ(mapped_calls, 0);
+  EXPECT_EQ(ucx_test::FirstPatternMismatch(sink.data(), kBlock, 31), -1);
+}
+
 // An endpoint that fails (here: is closed) while a mapped copy runs waits
 // for the copy before it lets the mapping go; later batches are refused.
 TEST_P(UcxEndpointTest, ClosingWaitsForAMappedCopyInProgress) {

@@ -127,7 +127,39 @@ absl::Status CheckPosix(absl::string_view key, uint64_t base, uint64_t size,
   return absl::OkStatus();
 }
 
+// The sizes of UCX 1.13's shared-memory transport keys.
+constexpr size_t kSysvKeySize = 12;
+constexpr size_t kPosixKeySize = 24;
+
 }  // namespace
+
+absl::StatusOr<std::string> StripSharedMemoryKeys(absl::string_view packed) {
+  static const bool known = KnownRkeyLayouts();
+  if (!known) return std::string(packed);
+  // Structure first (the same checks as CheckPackedRkey).
+  if (absl::Status ok = CheckPackedRkeyForLayouts(packed, 0, 0, false); !ok.ok()) {
+    return ok;
+  }
+  const uint64_t md_map = Read<uint64_t>(packed.data());
+  uint64_t kept_map = md_map;
+  std::string kept;
+  size_t at = sizeof(uint64_t) + 1;
+  for (int md = 0; md < 64; ++md) {
+    if ((md_map & (uint64_t{1} << md)) == 0) continue;
+    const size_t n = static_cast<uint8_t>(packed[at]);
+    if (n == kSysvKeySize || n == kPosixKeySize) {
+      kept_map &= ~(uint64_t{1} << md);
+    } else {
+      kept.append(packed.data() + at, 1 + n);
+    }
+    at += 1 + n;
+  }
+  std::string out(reinterpret_cast<const char*>(&kept_map), sizeof(kept_map));
+  out.push_back(packed[sizeof(uint64_t)]);  // memory type
+  out += kept;
+  out.append(packed.data() + at, packed.size() - at);  // trailing bytes
+  return out;
+}
 
 bool KnownRkeyLayouts() {
   unsigned major = 0, minor = 0, release = 0;
@@ -182,10 +214,10 @@ absl::Status CheckPackedRkeyForLayouts(absl::string_view packed, uint64_t base,
       case 0:
       case 8:
         break;
-      case 12:
+      case kSysvKeySize:
         st = CheckSysv(key, base, size, owner);
         break;
-      case 24:
+      case kPosixKeySize:
         st = CheckPosix(key, base, size, owner);
         break;
       default:

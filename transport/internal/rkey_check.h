@@ -31,8 +31,10 @@
 
 #include <cstdint>
 #include <optional>
+#include <string>
 
 #include "absl/status/status.h"
+#include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
 
 namespace kvdepot::transport_internal {
@@ -47,6 +49,14 @@ bool KnownRkeyLayouts();
 // client may only have the daemon reach its own user's shared memory.
 absl::Status CheckPackedRkey(absl::string_view packed, uint64_t base,
                              uint64_t size, std::optional<uint32_t> owner);
+
+// The key without its shared-memory transport keys (UCX 1.13's System V
+// and POSIX layouts: their MD bits cleared, their bytes removed), for a
+// peer on another host: its segments are not on this host, and a key that
+// names one here (by chance or on purpose) must not attach it. Other keys,
+// and trailing bytes, are kept. Unchanged when the layouts are not known.
+// InvalidArgument when the key does not parse.
+absl::StatusOr<std::string> StripSharedMemoryKeys(absl::string_view packed);
 
 // The same with the layouts of UCX 1.13 assumed or not (for tests).
 absl::Status CheckPackedRkeyForLayouts(absl::string_view packed, uint64_t base,

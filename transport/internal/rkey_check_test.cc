@@ -34,6 +34,8 @@ std::string Key(uint64_t md_map, uint8_t mem_type,
   return s;
 }
 
+constexpr uint64_t kShmOpenForStrip = uint64_t{1} << 62;
+
 std::string SysvKey(int32_t shmid, uint64_t address) {
   std::string s;
   Append(s, shmid);
@@ -54,6 +56,30 @@ TEST(RkeyCheckTest, ParsesWellFormedKeys) {
   EXPECT_TRUE(CheckPackedRkeyForLayouts(Key(0b1011, 0, {"", "ib-rkey!", ""}), 0, 100, true).ok());
   // Trailing bytes (system device and distances) are UCX's business.
   EXPECT_TRUE(CheckPackedRkeyForLayouts(Key(1, 0, {""}) + "xyz", 0, 100, true).ok());
+}
+
+// For a peer on another host: shared-memory keys go, the rest stays as it
+// was (MD bits, order, trailing bytes).
+TEST(RkeyCheckTest, StripsSharedMemoryKeysAndKeepsTheRest) {
+  const std::string sysv = SysvKey(-5, 0x1000);  // no such segment
+  const std::string posix = PosixKey(kShmOpenForStrip | 1, 0x1000, 4096);
+  absl::StatusOr<std::string> stripped = StripSharedMemoryKeys(
+      Key(0b11101, 0, {"", sysv, "ib-rkey!", posix}) + "tail");
+  ASSERT_TRUE(stripped.ok()) << stripped.status();
+  EXPECT_EQ(*stripped, Key(0b01001, 0, {"", "ib-rkey!"}) + "tail");
+  // The stripped key passes where the original (a segment that does not
+  // exist) would not.
+  EXPECT_TRUE(CheckPackedRkey(*stripped, 0x1000, 4096, std::nullopt).ok());
+  EXPECT_FALSE(CheckPackedRkey(Key(0b11101, 0, {"", sysv, "ib-rkey!", posix}),
+                               0x1000, 4096, std::nullopt)
+                   .ok());
+  // Nothing to strip: unchanged; only shared memory: no MD left (refused
+  // by the check); malformed: refused.
+  EXPECT_EQ(*StripSharedMemoryKeys(Key(1, 0, {""})), Key(1, 0, {""}));
+  absl::StatusOr<std::string> none = StripSharedMemoryKeys(Key(0b10, 0, {sysv}));
+  ASSERT_TRUE(none.ok());
+  EXPECT_FALSE(CheckPackedRkey(*none, 0x1000, 4096, std::nullopt).ok());
+  EXPECT_FALSE(StripSharedMemoryKeys(Key(0b11, 0, {"ab"})).ok());
 }
 
 TEST(RkeyCheckTest, RefusesTransportKeysOfUnknownSize) {
