@@ -62,28 +62,6 @@ struct Child {
   }
 };
 
-// The System V segment id in a packed UCX 1.13 key (its 12-byte transport
-// key: int32 shmid, uint64 address), or -1.
-int SysvShmid(const std::string& packed) {
-  if (packed.size() < 9) return -1;
-  uint64_t md_map;
-  std::memcpy(&md_map, packed.data(), sizeof(md_map));
-  size_t at = 9;
-  for (int md = 0; md < 64; ++md) {
-    if ((md_map & (uint64_t{1} << md)) == 0) continue;
-    if (at >= packed.size()) return -1;
-    const size_t n = static_cast<uint8_t>(packed[at++]);
-    if (n > packed.size() - at) return -1;
-    if (n == 12) {
-      int32_t shmid;
-      std::memcpy(&shmid, packed.data() + at, sizeof(shmid));
-      return shmid;
-    }
-    at += n;
-  }
-  return -1;
-}
-
 std::unique_ptr<Child> Spawn(const std::vector<std::string>& args) {
   int fds[2];
   if (pipe(fds) != 0) return nullptr;
@@ -553,8 +531,10 @@ TEST_P(UcxE2eTest, CraftedOrStaleRemoteKeysAreRefusedAndTheDaemonStaysUp) {
     absl::StatusOr<std::unique_ptr<MemoryRegion>> foreign = (*context)->Allocate(kBlock);
     ASSERT_OK(foreign.status());
     const std::string foreign_key = (*foreign)->packed_rkey();
-    const int shmid = SysvShmid(foreign_key);
-    if (shmid >= 0) {
+    const size_t sysv = ucx_test::SysvKeyOffset(foreign_key);
+    if (sysv != 0) {
+      int32_t shmid;
+      std::memcpy(&shmid, foreign_key.data() + sysv, sizeof(shmid));
       shmid_ds ds{};
       ASSERT_EQ(shmctl(shmid, IPC_STAT, &ds), 0);
       const uid_t owner = ds.shm_perm.uid;

@@ -698,17 +698,10 @@ TEST_P(UcxEndpointTest, RemotePeersKeysWorkWithoutTheirSharedMemoryParts) {
   ucx_test::FillPattern((*shared)->base(), kBlock, 31);
   // The segment id as it would come from another host: not one of ours.
   std::string key = (*shared)->packed_rkey();
-  bool had_sysv = false;
-  for (size_t at = 9; at < key.size();) {
-    const size_t n = static_cast<uint8_t>(key[at]);
-    if (n == 12) {
-      const int32_t absent = -7;
-      std::memcpy(&key[at + 1], &absent, sizeof(absent));
-      had_sysv = true;
-    }
-    at += 1 + n;
-  }
-  ASSERT_TRUE(had_sysv) << "UCX allocated no System V segment";
+  const size_t sysv = ucx_test::SysvKeyOffset(key);
+  ASSERT_NE(sysv, 0u) << "UCX allocated no System V segment";
+  const int32_t absent = -7;
+  std::memcpy(&key[sysv], &absent, sizeof(absent));
   RemoteRegion region{key, (*shared)->address(), (*shared)->size()};
   EXPECT_TRUE(absl::IsInvalidArgument((*remote)->AddRemoteRegion(region).status()));
   region.shared_memory = false;
