@@ -222,7 +222,17 @@ class PyClient {
     options.rpc_timeout = absl::Seconds(timeout_s);
     options.lease = absl::Seconds(lease_s);
     options.client_name = client_name;
-    client_ = Check(Client::Connect(options));
+    std::unique_ptr<Client> client = Check(Client::Connect(options));
+    // The objects whose memory register_buffer handed to the client live as
+    // long as the client does (UCX keeps the registrations until then):
+    // released, with the GIL, after it is gone.
+    auto registered = std::make_shared<std::vector<Memory>>();
+    registered_ = registered.get();
+    client_ = std::shared_ptr<Client>(client.release(), [registered](Client* c) {
+      delete c;
+      py::gil_scoped_acquire gil;
+      registered->clear();
+    });
     server_ = server;
   }
 
@@ -326,6 +336,19 @@ class PyClient {
                      bytes.data(), keep);
   }
 
+  // Registers the memory of `buffer` (a writable C-contiguous buffer or CPU
+  // tensor) with UCX, so that put and get_into with buffers inside it move
+  // over the data plane, in place. The object is kept alive as long as the
+  // native client (past close() while allocate_buffer arrays hold it).
+  void RegisterBuffer(const py::object& buffer) {
+    std::shared_ptr<Client> c = client();
+    Memory m = GetMemory(buffer, /*writable=*/true, "buffer");
+    Check(Released([&](Client& client) {
+      return client.RegisterBuffer(m.data, m.size);
+    }));
+    registered_->push_back(std::move(m));  // the GIL is held
+  }
+
   // "" when blocks in allocated or registered buffers move over UCX;
   // otherwise why they take the gRPC byte path.
   std::string DataPlaneStatus() {
@@ -368,6 +391,8 @@ class PyClient {
   // Shared with the calls in flight, so that close() cannot free it under
   // them. Replaced only with the GIL held.
   std::shared_ptr<Client> client_;
+  // Owned by client_'s deleter; valid while client_ is set. GIL held.
+  std::vector<Memory>* registered_ = nullptr;
 };
 
 // The cache tensors of a gather/scatter as a KvCacheView; num_blocks is
@@ -524,6 +549,11 @@ PYBIND11_MODULE(_kvdepot, m) {
            "A numpy uint8 array allocated and registered through UCX; put "
            "and get_into with buffers inside it use the UCX data plane "
            "(shared memory with a daemon on this host).")
+      .def("register_buffer", &PyClient::RegisterBuffer, py::arg("buffer"),
+           "Registers a writable buffer (numpy array, bytearray, CPU tensor) "
+           "with UCX: put and get_into with buffers inside it use the UCX "
+           "data plane without copies. The object is kept alive as long as "
+           "the client.")
       .def("data_plane_status", &PyClient::DataPlaneStatus,
            "'' when the UCX data plane is in use, else why not (opens a "
            "session to find out).")

@@ -7,8 +7,9 @@ Two levels:
   ``stats``. Block bytes move straight from and into caller buffers (numpy
   arrays, ``bytes``, ``bytearray``, ``memoryview``, CPU torch tensors); the GIL
   is released during every RPC. Buffers inside ``allocate_buffer`` memory
-  move over the UCX data plane (shared memory with a daemon on this host),
-  others over the gRPC byte path.
+  (shared memory with a daemon on this host) or ``register_buffer`` memory
+  (any writable array, kept alive as long as the client) move over the UCX
+  data plane, others over the gRPC byte path.
 * :class:`KvCacheStore` -- saves and loads blocks of an engine's paged KV
   cache (torch tensors or numpy arrays in one of the :class:`KvCacheLayout`
   layouts): gather into host buffers, then put; get, then scatter the hits.

@@ -18,7 +18,9 @@ import unittest
 class Daemon:
     """A kvdepotd on 127.0.0.1:0 with its own data directory, NVMe tier off."""
 
-    def __init__(self) -> None:
+    def __init__(self, metrics: bool = False) -> None:
+        """With ``metrics``, also serves /metrics (see ``metric``); its
+        HTTP server takes 1-2 s to stop, so only tests that read it ask."""
         binary = os.environ.get("KVDEPOT_DAEMON")
         if not binary or not os.path.exists(binary):
             raise unittest.SkipTest("KVDEPOT_DAEMON does not name kvdepotd")
@@ -26,7 +28,8 @@ class Daemon:
         self.log_path = os.path.join(self.dir, "kvdepotd.log")
         self.log = open(self.log_path, "wb")
         self.proc = subprocess.Popen(
-            [binary, "--listen", "127.0.0.1:0", "--metrics-listen", "",
+            [binary, "--listen", "127.0.0.1:0",
+             "--metrics-listen", "127.0.0.1:0" if metrics else "",
              "--data-dir", os.path.join(self.dir, "data"), "--hugepages", "off",
              "--dram-capacity", "64MiB", "--nvme-capacity", "0"],
             stdout=self.log, stderr=subprocess.STDOUT)
@@ -35,15 +38,28 @@ class Daemon:
         while time.monotonic() < deadline:
             with open(self.log_path, "rb") as f:
                 text = f.read().decode(errors="replace")
-            m = re.search(r"listening on (\S+);", text)
+            m = re.search(r"listening on (\S+); metrics on (\S+);", text)
             if m:
                 self.address = m.group(1)
+                self.metrics_address = m.group(2)
                 return
             if self.proc.poll() is not None:
                 break
             time.sleep(0.02)
         self.stop()
         raise RuntimeError(f"kvdepotd did not start:\n{text}")
+
+    def metric(self, series: str) -> float:
+        """The value of one /metrics series, written as the exposition
+        writes it (``name{labels}``); 0 when absent."""
+        import urllib.request
+
+        url = f"http://{self.metrics_address}/metrics"
+        with urllib.request.urlopen(url, timeout=10) as r:
+            for line in r.read().decode().splitlines():
+                if line.startswith(series + " "):
+                    return float(line.split()[-1])
+        return 0.0
 
     def terminate(self) -> None:
         """SIGTERM, and wait for the exit (the daemon may stay gone)."""

@@ -27,8 +27,10 @@ NS = "pytest/ns"
 
 
 class DaemonTestCase(unittest.TestCase):
+    metrics = False  # the daemon serves /metrics (slower to stop)
+
     def setUp(self):
-        self.daemon = Daemon()
+        self.daemon = Daemon(metrics=self.metrics)
         self.client = kvdepot.Client(self.daemon.address, timeout_s=10)
         self.client.health()
 
@@ -57,28 +59,6 @@ class ClientTest(DaemonTestCase):
         for b, o, p in zip(blocks, out, ptrs):
             self.assertEqual(o.ctypes.data, p)  # filled in place
             np.testing.assert_array_equal(b, o)
-
-    def test_allocated_buffers_move_blocks_over_ucx(self):
-        self.assertEqual(self.client.data_plane_status(), "")
-        pool = self.client.allocate_buffer(6 * 4096)
-        self.assertEqual((pool.dtype, pool.shape), (np.uint8, (6 * 4096,)))
-        src = [pool[i * 4096:(i + 1) * 4096] for i in range(3)]
-        dst = [pool[(3 + i) * 4096:(4 + i) * 4096] for i in range(3)]
-        for i, b in enumerate(src):
-            b[:] = np.random.default_rng(i).integers(0, 256, 4096, dtype=np.uint8)
-        keys = [key(40 + i) for i in range(3)]
-        self.assertEqual(self.client.put(NS, keys, src), [True] * 3)
-        self.assertEqual(self.client.put(NS, keys, src), [False] * 3)
-        dst[2][:] = 9
-        self.assertEqual(self.client.get_into(NS, keys[:2] + [key(99)], dst),
-                         [True, True, False])
-        for i in range(2):
-            np.testing.assert_array_equal(dst[i], src[i])
-        self.assertTrue((dst[2] == 9).all())  # a miss is left untouched
-        # The memory outlives close(): the array keeps it.
-        self.client.close()
-        pool[:4] = 1
-        self.assertEqual(int(pool[:4].sum()), 4)
 
     def test_put_accepts_bytes_memoryview_and_typed_arrays(self):
         data = np.arange(1024, dtype=np.float32)
@@ -207,6 +187,75 @@ class ClientTest(DaemonTestCase):
         self.assertEqual(errors, [])
         self.assertEqual(done, [5, 5])
         self.assertGreater(ticks[0], 0)
+
+
+class UcxDataPlaneTest(DaemonTestCase):
+    """Blocks in UCX-registered memory move over the data plane: the
+    daemon's counters by transport say so."""
+
+    metrics = True
+
+    def ucx_bytes(self, direction: str) -> float:
+        return self.daemon.metric(
+            'kvdepot_bytes_total{direction="%s",transport="ucx"}' % direction)
+
+    def test_allocated_buffers_move_blocks_over_ucx(self):
+        self.assertEqual(self.client.data_plane_status(), "")
+        pool = self.client.allocate_buffer(6 * 4096)
+        self.assertEqual((pool.dtype, pool.shape), (np.uint8, (6 * 4096,)))
+        src = [pool[i * 4096:(i + 1) * 4096] for i in range(3)]
+        dst = [pool[(3 + i) * 4096:(4 + i) * 4096] for i in range(3)]
+        for i, b in enumerate(src):
+            b[:] = np.random.default_rng(i).integers(0, 256, 4096, dtype=np.uint8)
+        keys = [key(40 + i) for i in range(3)]
+        self.assertEqual(self.client.put(NS, keys, src), [True] * 3)
+        self.assertEqual(self.ucx_bytes("in"), 3 * 4096)
+        self.assertEqual(self.client.put(NS, keys, src), [False] * 3)
+        dst[2][:] = 9
+        self.assertEqual(self.client.get_into(NS, keys[:2] + [key(99)], dst),
+                         [True, True, False])
+        for i in range(2):
+            np.testing.assert_array_equal(dst[i], src[i])
+        self.assertTrue((dst[2] == 9).all())  # a miss is left untouched
+        # The memory outlives close(): the array keeps it.
+        self.client.close()
+        pool[:4] = 1
+        self.assertEqual(int(pool[:4].sum()), 4)
+
+    def test_registered_arrays_move_blocks_over_ucx_in_place(self):
+        self.assertEqual(self.client.data_plane_status(), "")
+        arena = np.zeros(6 * 4096, dtype=np.uint8)
+        self.client.register_buffer(arena)
+        src = [arena[i * 4096:(i + 1) * 4096] for i in range(3)]
+        dst = [arena[(3 + i) * 4096:(4 + i) * 4096] for i in range(3)]
+        for i, b in enumerate(src):
+            b[:] = np.random.default_rng(10 + i).integers(0, 256, 4096, dtype=np.uint8)
+        keys = [key(60 + i) for i in range(3)]
+        self.assertEqual(self.client.put(NS, keys, src), [True] * 3)
+        self.assertEqual(self.ucx_bytes("in"), 3 * 4096)
+        ptrs = [d.ctypes.data for d in dst]
+        self.assertEqual(self.client.get_into(NS, keys, dst), [True] * 3)
+        self.assertEqual(self.ucx_bytes("out"), 3 * 4096)
+        for s_, d, p in zip(src, dst, ptrs):
+            self.assertEqual(d.ctypes.data, p)
+            np.testing.assert_array_equal(s_, d)
+        # An array that is not registered takes the gRPC byte path.
+        other = np.zeros(4096, dtype=np.uint8)
+        self.assertEqual(self.client.get_into(NS, keys[:1], [other]), [True])
+        np.testing.assert_array_equal(other, src[0])
+        self.assertEqual(self.ucx_bytes("out"), 3 * 4096)
+        # Read-only memory and closed clients are refused.
+        with self.assertRaises(ValueError):
+            self.client.register_buffer(bytes(4096))
+        if torch is not None:
+            t = torch.zeros(4096, dtype=torch.uint8)
+            self.client.register_buffer(t)
+            self.assertEqual(self.client.get_into(NS, keys[1:2], [t]), [True])
+            self.assertTrue(torch.equal(t, torch.from_numpy(src[1].copy())))
+            self.assertEqual(self.ucx_bytes("out"), 4 * 4096)
+        self.client.close()
+        with self.assertRaises(RuntimeError):
+            self.client.register_buffer(np.zeros(16, dtype=np.uint8))
 
 
 class LayoutTest(unittest.TestCase):
