@@ -1,9 +1,15 @@
 #include "server/http_server.h"
 
+#include <arpa/inet.h>
 #include <civetweb.h>
+#include <netinet/in.h>
+#include <sys/socket.h>
+#include <unistd.h>
 #include <zlib.h>
 
+#include <atomic>
 #include <cstring>
+#include <thread>
 #include <vector>
 
 #include "absl/base/call_once.h"
@@ -12,6 +18,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
 #include "absl/strings/strip.h"
+#include "absl/time/clock.h"
 
 namespace kvdepot {
 namespace {
@@ -138,11 +145,65 @@ absl::StatusOr<std::unique_ptr<HttpServer>> HttpServer::Start(
   if (mg_get_server_ports(server->ctx_, 4, ports) > 0) {
     server->port_ = ports[0].port;
   }
+  // "HOST:PORT", "[V6]:PORT" or "PORT"; a wildcard host is reached on
+  // loopback.
+  absl::string_view host = options.listen;
+  if (size_t colon = host.rfind(':'); colon != absl::string_view::npos) {
+    host = host.substr(0, colon);
+  } else {
+    host = "";
+  }
+  if (absl::ConsumePrefix(&host, "[")) absl::ConsumeSuffix(&host, "]");
+  if (host == "::") {
+    server->wake_host_ = "::1";
+  } else if (!host.empty() && host != "0.0.0.0" && host != "*") {
+    server->wake_host_ = std::string(host);
+  }
   return server;
 }
 
+namespace {
+
+// Opens and closes a TCP connection to host:port; best effort.
+void Knock(const std::string& host, int port) {
+  sockaddr_storage addr{};
+  socklen_t len = 0;
+  auto* v4 = reinterpret_cast<sockaddr_in*>(&addr);
+  auto* v6 = reinterpret_cast<sockaddr_in6*>(&addr);
+  if (inet_pton(AF_INET, host.c_str(), &v4->sin_addr) == 1) {
+    v4->sin_family = AF_INET;
+    v4->sin_port = htons(static_cast<uint16_t>(port));
+    len = sizeof(*v4);
+  } else if (inet_pton(AF_INET6, host.c_str(), &v6->sin6_addr) == 1) {
+    v6->sin6_family = AF_INET6;
+    v6->sin6_port = htons(static_cast<uint16_t>(port));
+    len = sizeof(*v6);
+  } else {
+    return;  // a host name: civetweb stops within its poll quantum anyway
+  }
+  const int fd = socket(addr.ss_family, SOCK_STREAM | SOCK_CLOEXEC, 0);
+  if (fd < 0) return;
+  connect(fd, reinterpret_cast<sockaddr*>(&addr), len);
+  close(fd);
+}
+
+}  // namespace
+
 HttpServer::~HttpServer() {
-  if (ctx_ != nullptr) mg_stop(ctx_);
+  if (ctx_ == nullptr) return;
+  // civetweb's listener thread polls in 2 s quanta and sees the stop only
+  // between them, so a daemon's SIGTERM would wait up to 2 s here. A
+  // connection wakes the poll: knock until mg_stop has returned.
+  std::atomic<bool> stopped{false};
+  std::thread waker([this, &stopped] {
+    while (!stopped.load()) {
+      Knock(wake_host_, port_);
+      absl::SleepFor(absl::Milliseconds(20));
+    }
+  });
+  mg_stop(ctx_);
+  stopped = true;
+  waker.join();
 }
 
 int HttpServer::OnRequest(mg_connection* conn) {
