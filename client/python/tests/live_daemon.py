@@ -19,8 +19,7 @@ class Daemon:
     """A kvdepotd on 127.0.0.1:0 with its own data directory, NVMe tier off."""
 
     def __init__(self, metrics: bool = False) -> None:
-        """With ``metrics``, also serves /metrics (see ``metric``); its
-        HTTP server takes 1-2 s to stop, so only tests that read it ask."""
+        """With ``metrics``, also serves /metrics (see ``metric``)."""
         binary = os.environ.get("KVDEPOT_DAEMON")
         if not binary or not os.path.exists(binary):
             raise unittest.SkipTest("KVDEPOT_DAEMON does not name kvdepotd")

@@ -27,7 +27,7 @@ NS = "pytest/ns"
 
 
 class DaemonTestCase(unittest.TestCase):
-    metrics = False  # the daemon serves /metrics (slower to stop)
+    metrics = False  # the daemon also serves /metrics
 
     def setUp(self):
         self.daemon = Daemon(metrics=self.metrics)
