@@ -18,6 +18,7 @@
 
 #include "absl/status/status.h"
 #include "absl/strings/escaping.h"
+#include "transport/internal/rkey_check.h"
 #include "transport/ucx_context.h"
 #include "transport/ucx_worker.h"
 
@@ -162,17 +163,14 @@ class PeerProcess {
 // The offset of the System V transport key (UCX 1.13: 12 bytes, int32
 // shmid then uint64 address) in a packed UCX key, or 0 when it has none.
 inline size_t SysvKeyOffset(const std::string& packed) {
-  if (packed.size() < 9) return 0;
-  uint64_t md_map;
-  std::memcpy(&md_map, packed.data(), sizeof(md_map));
-  size_t at = 9;  // MD bitmap, memory type
-  for (int md = 0; md < 64 && at < packed.size(); ++md) {
-    if ((md_map & (uint64_t{1} << md)) == 0) continue;
-    const size_t n = static_cast<uint8_t>(packed[at]);
-    if (n == 12 && at + 1 + n <= packed.size()) return at + 1;
-    at += 1 + n;
-  }
-  return 0;
+  size_t offset = 0;
+  transport_internal::ForEachTransportKey(
+      packed, [&](int, absl::string_view key) {
+        if (key.size() == 12 && offset == 0) offset = key.data() - packed.data();
+        return absl::OkStatus();
+      })
+      .IgnoreError();
+  return offset;
 }
 
 // The serving side of a peer process (tests, bench): registers `memory`,

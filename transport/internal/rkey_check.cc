@@ -12,6 +12,7 @@
 #include <cstring>
 #include <string>
 
+#include "absl/functional/function_ref.h"
 #include "absl/strings/str_cat.h"
 
 namespace kvdepot::transport_internal {
@@ -136,28 +137,21 @@ constexpr size_t kPosixKeySize = 24;
 absl::StatusOr<std::string> StripSharedMemoryKeys(absl::string_view packed) {
   static const bool known = KnownRkeyLayouts();
   if (!known) return std::string(packed);
-  // Structure first (the same checks as CheckPackedRkey).
-  if (absl::Status ok = CheckPackedRkeyForLayouts(packed, 0, 0, false); !ok.ok()) {
-    return ok;
-  }
-  const uint64_t md_map = Read<uint64_t>(packed.data());
-  uint64_t kept_map = md_map;
+  uint64_t kept_map = 0;
   std::string kept;
-  size_t at = sizeof(uint64_t) + 1;
-  for (int md = 0; md < 64; ++md) {
-    if ((md_map & (uint64_t{1} << md)) == 0) continue;
-    const size_t n = static_cast<uint8_t>(packed[at]);
-    if (n == kSysvKeySize || n == kPosixKeySize) {
-      kept_map &= ~(uint64_t{1} << md);
-    } else {
-      kept.append(packed.data() + at, 1 + n);
-    }
-    at += 1 + n;
-  }
+  absl::StatusOr<size_t> end =
+      ForEachTransportKey(packed, [&](int md, absl::string_view key) {
+        if (key.size() != kSysvKeySize && key.size() != kPosixKeySize) {
+          kept_map |= uint64_t{1} << md;
+          kept.append(key.data() - 1, 1 + key.size());  // size byte and key
+        }
+        return absl::OkStatus();
+      });
+  if (!end.ok()) return end.status();
   std::string out(reinterpret_cast<const char*>(&kept_map), sizeof(kept_map));
   out.push_back(packed[sizeof(uint64_t)]);  // memory type
   out += kept;
-  out.append(packed.data() + at, packed.size() - at);  // trailing bytes
+  out.append(packed.data() + *end, packed.size() - *end);  // trailing bytes
   return out;
 }
 
@@ -173,9 +167,9 @@ absl::Status CheckPackedRkey(absl::string_view packed, uint64_t base,
   return CheckPackedRkeyForLayouts(packed, base, size, known, owner);
 }
 
-absl::Status CheckPackedRkeyForLayouts(absl::string_view packed, uint64_t base,
-                                       uint64_t size, bool known_layouts,
-                                       std::optional<uint32_t> owner) {
+absl::StatusOr<size_t> ForEachTransportKey(
+    absl::string_view packed,
+    absl::FunctionRef<absl::Status(int md, absl::string_view key)> fn) {
   constexpr size_t kHeader = sizeof(uint64_t) + 1;  // MD bitmap, memory type
   if (packed.size() < kHeader) {
     return absl::InvalidArgumentError(absl::StrCat(
@@ -203,31 +197,40 @@ absl::Status CheckPackedRkeyForLayouts(absl::string_view packed, uint64_t base,
           "remote key of memory domain ", md, " says ", n, " bytes, ",
           packed.size() - at, " are left"));
     }
-    const absl::string_view key = packed.substr(at, n);
+    if (absl::Status st = fn(md, packed.substr(at, n)); !st.ok()) return st;
     at += n;
-    if (!known_layouts) continue;
-    // Sizes of UCX 1.13's transport keys: 0 (tcp, self), 8 (InfiniBand),
-    // 12 (System V), 24 (POSIX in /dev/shm). Any other could fail to
-    // unpack, and that crashes UCX 1.13: refused.
-    absl::Status st = absl::OkStatus();
-    switch (n) {
-      case 0:
-      case 8:
-        break;
-      case kSysvKeySize:
-        st = CheckSysv(key, base, size, owner);
-        break;
-      case kPosixKeySize:
-        st = CheckPosix(key, base, size, owner);
-        break;
-      default:
-        st = absl::InvalidArgumentError(absl::StrCat(
-            "remote key of memory domain ", md, " has ", n,
-            " bytes, a layout this UCX version is not known to unpack safely"));
-    }
-    if (!st.ok()) return st;
   }
-  return absl::OkStatus();
+  return at;
+}
+
+absl::Status CheckPackedRkeyForLayouts(absl::string_view packed, uint64_t base,
+                                       uint64_t size, bool known_layouts,
+                                       std::optional<uint32_t> owner) {
+  return ForEachTransportKey(
+             packed,
+             [&](int md, absl::string_view key) -> absl::Status {
+               if (!known_layouts) return absl::OkStatus();
+               // Sizes of UCX 1.13's transport keys: 0 (tcp, self), 8
+               // (InfiniBand), 12 (System V), 24 (POSIX in /dev/shm). Any
+               // other could fail to unpack, and that crashes UCX 1.13:
+               // refused.
+               switch (key.size()) {
+                 case 0:
+                 case 8:
+                   return absl::OkStatus();
+                 case kSysvKeySize:
+                   return CheckSysv(key, base, size, owner);
+                 case kPosixKeySize:
+                   return CheckPosix(key, base, size, owner);
+                 default:
+                   return absl::InvalidArgumentError(absl::StrCat(
+                       "remote key of memory domain ", md, " has ",
+                       key.size(),
+                       " bytes, a layout this UCX version is not known to "
+                       "unpack safely"));
+               }
+             })
+      .status();
 }
 
 }  // namespace kvdepot::transport_internal

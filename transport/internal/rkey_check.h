@@ -33,6 +33,7 @@
 #include <optional>
 #include <string>
 
+#include "absl/functional/function_ref.h"
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
@@ -42,6 +43,16 @@ namespace kvdepot::transport_internal {
 // Whether this process's UCX is one whose shared-memory key layouts
 // CheckPackedRkey knows (1.13).
 bool KnownRkeyLayouts();
+
+// Walks a packed key: checks its structure (an MD bitmap naming at least
+// one MD, a memory type UCX knows, and for each MD bit a size byte and that
+// many bytes, all within the string) and calls fn(md, transport_key) for
+// each, in order, stopping at the first error it returns. Returns the
+// offset just past the last transport key (UCX's trailing bytes follow),
+// or InvalidArgument / fn's error.
+absl::StatusOr<size_t> ForEachTransportKey(
+    absl::string_view packed,
+    absl::FunctionRef<absl::Status(int md, absl::string_view key)> fn);
 
 // OK, or InvalidArgument saying what is wrong with the key for a remote
 // region [base, base + size). With `owner`, each System V and POSIX segment
