@@ -135,8 +135,7 @@ constexpr size_t kPosixKeySize = 24;
 }  // namespace
 
 absl::StatusOr<std::string> StripSharedMemoryKeys(absl::string_view packed) {
-  static const bool known = KnownRkeyLayouts();
-  if (!known) return std::string(packed);
+  if (!KnownRkeyLayouts()) return std::string(packed);
   uint64_t kept_map = 0;
   std::string kept;
   absl::StatusOr<size_t> end =
@@ -156,15 +155,18 @@ absl::StatusOr<std::string> StripSharedMemoryKeys(absl::string_view packed) {
 }
 
 bool KnownRkeyLayouts() {
-  unsigned major = 0, minor = 0, release = 0;
-  ucp_get_version(&major, &minor, &release);
-  return major == 1 && minor == 13;
+  static const bool known = [] {
+    unsigned major = 0, minor = 0, release = 0;
+    ucp_get_version(&major, &minor, &release);
+    return major == 1 && minor == 13;
+  }();
+  return known;
 }
 
 absl::Status CheckPackedRkey(absl::string_view packed, uint64_t base,
                              uint64_t size, std::optional<uint32_t> owner) {
-  static const bool known = KnownRkeyLayouts();
-  return CheckPackedRkeyForLayouts(packed, base, size, known, owner);
+  return CheckPackedRkeyForLayouts(packed, base, size, KnownRkeyLayouts(),
+                                   owner);
 }
 
 absl::StatusOr<size_t> ForEachTransportKey(

@@ -41,7 +41,7 @@
 namespace kvdepot::transport_internal {
 
 // Whether this process's UCX is one whose shared-memory key layouts
-// CheckPackedRkey knows (1.13).
+// CheckPackedRkey knows (1.13). Asks UCX once.
 bool KnownRkeyLayouts();
 
 // Walks a packed key: checks its structure (an MD bitmap naming at least
