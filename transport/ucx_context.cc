@@ -55,7 +55,8 @@ absl::StatusOr<std::unique_ptr<UcxContext>> UcxContext::Create(
   ucp_params_t params = {};
   params.field_mask = UCP_PARAM_FIELD_FEATURES |
                       UCP_PARAM_FIELD_MT_WORKERS_SHARED | UCP_PARAM_FIELD_NAME;
-  params.features = UCP_FEATURE_RMA | UCP_FEATURE_WAKEUP;
+  // AM: kvdepot's request path (UcxWorker::SetMessageHandler).
+  params.features = UCP_FEATURE_RMA | UCP_FEATURE_AM | UCP_FEATURE_WAKEUP;
   // Workers are single-threaded, but Register may run on any thread.
   params.mt_workers_shared = 1;
   params.name = options.name.c_str();

@@ -149,6 +149,16 @@ class UcxEndpoint : private UcxWorker::Resident {
   TransferHandle Put(absl::Span<const Transfer> transfers, absl::Time deadline,
                      MappedCopy mapped = nullptr);
 
+  // Sends active message `id` (UcxWorker::SetMessageHandler on the peer's
+  // worker) with `header` and `payload`, eagerly (never rendezvous, so the
+  // peer gets it whole in its handler). Never blocks; the bytes are owned
+  // until UCX is done with them. Messages on one endpoint arrive in order,
+  // and after the transfers of batches that were ready before the send.
+  // Unavailable once the endpoint has failed; ResourceExhausted when the
+  // worker's queue is full. Delivery is not confirmed: a reply, or the
+  // endpoint's failure (on_error), tells.
+  absl::Status SendMessage(uint16_t id, std::string header, std::string payload);
+
   // Closes the endpoint now, without on_error; the object stays valid and
   // later batches end at once (Cancelled). Force (as the destructor does):
   // batches in flight end Cancelled, the connection is reset. Graceful:

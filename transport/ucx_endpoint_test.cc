@@ -763,6 +763,74 @@ TEST_P(UcxEndpointTest, ClosingWaitsForAMappedCopyInProgress) {
   EXPECT_TRUE(absl::IsUnavailable(after.status(0))) << after.status(0);
 }
 
+TEST_P(UcxEndpointTest, MessagesArriveWholeAndInOrder) {
+  struct Got {
+    std::string header, payload;
+  };
+  absl::Mutex mu;
+  std::vector<Got> got;
+  ASSERT_TRUE(server_worker_
+                  ->SetMessageHandler(7, [&](absl::string_view header,
+                                             absl::string_view payload) {
+                    absl::MutexLock lock(&mu);
+                    got.push_back({std::string(header), std::string(payload)});
+                  })
+                  .ok());
+  // Small ones, an empty one, and payloads past UCX's eager fragment sizes
+  // (reassembled before the handler sees them).
+  std::vector<Got> sent;
+  for (size_t size : {size_t{0}, size_t{1}, size_t{100}, size_t{8191},
+                      size_t{65536 + 7}, size_t{1} << 20}) {
+    std::vector<char> bytes = RandomBytes(size + 8, size);
+    sent.push_back({"h" + std::to_string(size),
+                    std::string(bytes.data(), size)});
+  }
+  for (const Got& m : sent) {
+    ASSERT_TRUE(endpoint_->SendMessage(7, m.header, m.payload).ok());
+  }
+  absl::MutexLock lock(&mu);
+  ASSERT_TRUE(mu.AwaitWithTimeout(
+      absl::Condition(
+          +[](std::vector<Got>* g) { return g->size() >= 6; }, &got),
+      absl::Seconds(10)))
+      << got.size() << " of 6 messages arrived";
+  ASSERT_EQ(got.size(), sent.size());
+  for (size_t i = 0; i < sent.size(); ++i) {
+    EXPECT_EQ(got[i].header, sent[i].header);
+    EXPECT_TRUE(got[i].payload == sent[i].payload)
+        << "message " << i << ": " << got[i].payload.size() << " bytes of "
+        << sent[i].payload.size();
+  }
+}
+
+TEST_P(UcxEndpointTest, MessagesOfAnotherIdAreNotDelivered) {
+  std::atomic<int> seven{0}, eight{0};
+  ASSERT_TRUE(server_worker_
+                  ->SetMessageHandler(7, [&](absl::string_view, absl::string_view) {
+                    ++seven;
+                  })
+                  .ok());
+  ASSERT_TRUE(server_worker_
+                  ->SetMessageHandler(8, [&](absl::string_view, absl::string_view) {
+                    ++eight;
+                  })
+                  .ok());
+  ASSERT_TRUE(endpoint_->SendMessage(8, "x", "").ok());
+  ASSERT_TRUE(endpoint_->SendMessage(7, "y", "").ok());
+  const absl::Time give_up = absl::Now() + absl::Seconds(10);
+  while ((seven.load() == 0 || eight.load() == 0) && absl::Now() < give_up) {
+    absl::SleepFor(absl::Milliseconds(1));
+  }
+  EXPECT_EQ(seven.load(), 1);
+  EXPECT_EQ(eight.load(), 1);
+}
+
+TEST_P(UcxEndpointTest, SendingOnAClosedEndpointIsUnavailable) {
+  endpoint_->Close();
+  absl::Status st = endpoint_->SendMessage(7, "h", "p");
+  EXPECT_TRUE(absl::IsUnavailable(st)) << st;
+}
+
 INSTANTIATE_TEST_SUITE_P(Loopback, UcxEndpointTest,
                          ::testing::Values("tcp", "shm"),
                          [](const auto& param_info) { return param_info.param; });

@@ -8,6 +8,7 @@
 #include <cmath>
 #include <utility>
 
+#include "storage/status_macros.h"
 #include "transport/internal/ucs_status.h"
 
 namespace kvdepot {
@@ -79,6 +80,46 @@ absl::Status UcxWorker::Init() {
     return UcsToStatus(st, "UCX worker setup");
   }
   return absl::OkStatus();
+}
+
+namespace {
+
+ucs_status_t OnActiveMessage(void* arg, const void* header, size_t header_length,
+                             void* data, size_t length,
+                             const ucp_am_recv_param_t* param) {
+  if ((param->recv_attr & UCP_AM_RECV_ATTR_FLAG_RNDV) != 0) {
+    return UCS_OK;  // not received: UCX drops it
+  }
+  (*static_cast<UcxWorker::MessageHandler*>(arg))(
+      absl::string_view(static_cast<const char*>(header), header_length),
+      absl::string_view(static_cast<const char*>(data), length));
+  return UCS_OK;  // the bytes are UCX's again
+}
+
+}  // namespace
+
+absl::Status UcxWorker::SetMessageHandler(uint16_t id, MessageHandler handler) {
+  absl::Status status;
+  RETURN_IF_ERROR(Run([this, id, &handler, &status] {
+    auto owned = std::make_unique<MessageHandler>(std::move(handler));
+    ucp_am_handler_param_t param = {};
+    param.field_mask = UCP_AM_HANDLER_PARAM_FIELD_ID |
+                       UCP_AM_HANDLER_PARAM_FIELD_FLAGS |
+                       UCP_AM_HANDLER_PARAM_FIELD_CB |
+                       UCP_AM_HANDLER_PARAM_FIELD_ARG;
+    param.id = id;
+    param.flags = UCP_AM_FLAG_WHOLE_MSG;
+    param.cb = &OnActiveMessage;
+    param.arg = owned.get();
+    ucs_status_t st = ucp_worker_set_am_recv_handler(worker_, &param);
+    if (st != UCS_OK) {
+      status = UcsToStatus(st, "ucp_worker_set_am_recv_handler");
+      return;
+    }
+    // The previous handler of `id` is no longer called.
+    message_handlers_[id] = std::move(owned);
+  }));
+  return status;
 }
 
 bool UcxWorker::OnProgressThread() const {

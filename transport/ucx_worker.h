@@ -15,7 +15,9 @@
 #include <ucp/api/ucp.h>
 
 #include <cstddef>
+#include <cstdint>
 #include <deque>
+#include <map>
 #include <memory>
 #include <string>
 #include <thread>
@@ -27,6 +29,7 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
+#include "absl/strings/string_view.h"
 #include "absl/synchronization/notification.h"
 #include "absl/time/time.h"
 #include "transport/ucx_context.h"
@@ -89,6 +92,16 @@ class UcxWorker {
   // OnStop has run).
   absl::Status Run(absl::AnyInvocable<void() &&> task);
 
+  // Calls `handler(header, payload)` on the progress thread for every
+  // active message `id` that arrives on this worker (UcxEndpoint::
+  // SendMessage on the peer's side), whole, with bytes valid only during
+  // the call; it must not block. Replaces an earlier handler of `id`.
+  // Messages a peer sends as rendezvous (larger than UCX sends eagerly,
+  // which SendMessage never asks for) are dropped.
+  using MessageHandler =
+      absl::AnyInvocable<void(absl::string_view header, absl::string_view payload)>;
+  absl::Status SetMessageHandler(uint16_t id, MessageHandler handler);
+
   // Stops accepting tasks, runs those already queued, calls every Resident's
   // OnStop, waits up to close_timeout for endpoint closes, destroys the
   // worker and joins the thread. Idempotent. REQUIRES: not called on the
@@ -139,6 +152,7 @@ class UcxWorker {
   std::thread::id thread_id_;
 
   // Progress thread only.
+  std::map<uint16_t, std::unique_ptr<MessageHandler>> message_handlers_;
   std::vector<Resident*> residents_;
   std::vector<absl::AnyInvocable<void() &&>> deferred_;
   std::vector<void*> close_requests_;
