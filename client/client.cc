@@ -14,6 +14,8 @@
 #include "storage/block_key.h"
 #include "storage/checksum.h"
 #include "storage/status_macros.h"
+#include "storage/work_pool.h"
+#include "client/ucx_requests.h"
 #include "transport/memory_region.h"
 #include "transport/ucx_context.h"
 #include "transport/ucx_worker.h"
@@ -36,6 +38,13 @@ absl::Status FromGrpcStatus(const grpc::Status& status) {
 struct Client::Ucx {
   std::unique_ptr<UcxContext> context;
   std::unique_ptr<UcxWorker> worker;
+  // The request path over UCX (null when it could not start, or
+  // ClientOptions::ucx_requests is off), and the threads that verify what
+  // its replies bring (a checksum pass must not hold up the progress
+  // thread, which serves the daemon's transfers). Destroyed before the
+  // worker: requests still pending end Cancelled.
+  std::unique_ptr<WorkPool> verify_pool;
+  std::unique_ptr<UcxRequests> requests;
   struct Buffer {
     std::unique_ptr<MemoryRegion> region;
     uint64_t session = 0;  // the session the daemon knows it in
@@ -111,6 +120,14 @@ Client::Client(const ClientOptions& options) : options_(options) {
     if (worker.ok()) {
       ucx->context = *std::move(context);
       ucx->worker = *std::move(worker);
+      if (options_.ucx_requests) {
+        absl::StatusOr<std::unique_ptr<UcxRequests>> requests =
+            UcxRequests::Create(*ucx->worker);
+        if (requests.ok()) {
+          ucx->verify_pool = std::make_unique<WorkPool>(2, "kvdepot-verify");
+          ucx->requests = *std::move(requests);
+        }
+      }
       ucx_ = std::move(ucx);
     } else {
       absl::MutexLock lock(&mu_);
@@ -205,6 +222,14 @@ absl::StatusOr<uint64_t> Client::EnsureSession() {
     ucx_status = absl::FailedPreconditionError(
         "the daemon has no UCX data plane");
   }
+  if (ucx_status.ok() && ucx_ != nullptr && ucx_->requests != nullptr &&
+      !resp.ucx_request_address().empty()) {
+    // Without it, requests go as gRPC calls: slower, not broken.
+    ucx_->requests
+        ->Connect(resp.session_id(), resp.ucx_request_address(),
+                  std::min(options_.rpc_timeout, absl::Seconds(5)))
+        .IgnoreError();
+  }
   absl::MutexLock lock(&mu_);
   if (ucx_ != nullptr) ucx_status_ = ucx_status;
   session_id_ = resp.session_id();
@@ -222,6 +247,7 @@ absl::Status Client::CloseSession() {
     id = std::exchange(session_id_, 0);
   }
   if (id == 0) return absl::OkStatus();
+  if (ucx_ != nullptr && ucx_->requests != nullptr) ucx_->requests->Disconnect(id);
   grpc::ClientContext ctx;
   ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(2));
   v1::CloseSessionRequest req;
@@ -653,18 +679,23 @@ absl::StatusOr<absl::Span<char>> Client::AllocateBuffer(size_t size) {
 }
 
 void Client::DropSession(uint64_t session) {
-  absl::MutexLock lock(&mu_);
-  if (session_id_ == session) session_id_ = 0;
+  {
+    absl::MutexLock lock(&mu_);
+    if (session_id_ == session) session_id_ = 0;
+  }
+  if (ucx_ != nullptr && ucx_->requests != nullptr) {
+    ucx_->requests->Disconnect(session);
+  }
 }
 
 namespace {
 
 // Block i's outcome in a PushBlocks / PullBlocks reply that ended with `st`.
 absl::Status BlockOutcome(
-    const grpc::Status& st,
+    const absl::Status& st,
     const google::protobuf::RepeatedPtrField<v1::BlockTransfer>& blocks,
     size_t i) {
-  if (!st.ok()) return FromGrpcStatus(st);
+  if (!st.ok()) return st;
   if (i >= static_cast<size_t>(blocks.size())) {
     return absl::InternalError("the daemon's reply is short of blocks");
   }
@@ -673,9 +704,62 @@ absl::Status BlockOutcome(
 }
 
 // The daemon no longer has the session or its endpoint: a new one is needed.
-bool SessionGone(const grpc::Status& st) {
-  return st.error_code() == grpc::StatusCode::NOT_FOUND ||
-         st.error_code() == grpc::StatusCode::FAILED_PRECONDITION;
+bool SessionGone(const absl::Status& st) {
+  return absl::IsNotFound(st) || absl::IsFailedPrecondition(st);
+}
+
+// A reply that came over UCX: its status, and `resp` parsed from `body`.
+absl::Status ParseReply(const absl::Status& st, absl::string_view body,
+                        google::protobuf::Message& resp) {
+  if (!st.ok()) return st;
+  if (!resp.ParseFromArray(body.data(), static_cast<int>(body.size()))) {
+    return absl::InternalError("malformed reply from kvdepotd");
+  }
+  return absl::OkStatus();
+}
+
+// Ends a GetIntoAsync op from the daemon's answer (`st`, and when OK
+// state.push_resp): each block's status, its bytes in out[i] checked against
+// its checksum unless the daemon checked them as it copied them in place.
+void FinishGet(TransferOp::State& state, const absl::Status& st,
+               absl::Span<const absl::Span<char>> out) {
+  const auto& blocks = state.push_resp.blocks();
+  for (size_t i = 0; i < out.size(); ++i) {
+    absl::Status s = BlockOutcome(st, blocks, i);
+    if (s.ok()) {
+      const v1::BlockTransfer& t = blocks[static_cast<int>(i)];
+      if (t.size() != out[i].size() ||
+          (!t.checked_in_place() &&
+           BlockChecksum(out[i].data(), out[i].size()) != t.checksum())) {
+        s = absl::DataLossError(absl::StrCat(
+            "block ", i, " does not match its checksum after transfer"));
+      }
+    }
+    state.statuses[i] = std::move(s);
+  }
+  state.Publish();
+}
+
+// Whether FinishGet would hash a block (worth moving off a progress thread).
+bool GetNeedsHashing(const absl::Status& st, const v1::PushBlocksResponse& resp) {
+  if (!st.ok()) return false;
+  for (const v1::BlockTransfer& t : resp.blocks()) {
+    if (t.code() == 0 && !t.checked_in_place()) return true;
+  }
+  return false;
+}
+
+// Ends a PutFromAsync op from the daemon's answer (state.pull_resp when OK).
+void FinishPut(TransferOp::State& state, const absl::Status& st) {
+  for (size_t i = 0; i < state.statuses.size(); ++i) {
+    absl::Status s = BlockOutcome(st, state.pull_resp.blocks(), i);
+    if (absl::IsAlreadyExists(s)) {  // stored before: not a failure
+      s = absl::OkStatus();
+      state.existed[i] = true;
+    }
+    state.statuses[i] = std::move(s);
+  }
+  state.Publish();
 }
 
 }  // namespace
@@ -716,9 +800,9 @@ absl::StatusOr<Client::UcxTarget> Client::PrepareUcx(
       req.set_address(b.region->address());
       req.set_size(b.region->size());
       v1::RegisterBufferResponse resp;
-      grpc::Status st = stub_->RegisterBuffer(&ctx, req, &resp);
+      absl::Status st = FromGrpcStatus(stub_->RegisterBuffer(&ctx, req, &resp));
       if (SessionGone(st)) DropSession(target.session);
-      RETURN_IF_ERROR(FromGrpcStatus(st));
+      RETURN_IF_ERROR(st);
       b.session = target.session;
       b.daemon_id = resp.buffer_id();
       b.in_place = resp.copied_in_place();
@@ -786,31 +870,36 @@ TransferOp Client::GetIntoAsync(absl::string_view ns,
   }
   req.set_prefix(prefix);
   req.set_timeout_ms(TransferTimeoutMs());
-  PrepareContext(&state->ctx);
   std::vector<absl::Span<char>> out(dst.begin(), dst.end());
   const uint64_t session = target->session;
   TransferOp op(state);
+  if (ucx_->requests != nullptr && ucx_->requests->Serves(session)) {
+    // Over UCX: the reply comes on the progress thread; blocks to hash are
+    // checked on the verify pool.
+    absl::Status sent = ucx_->requests->Send(
+        session, RequestMethod::kPushBlocks, req.SerializeAsString(),
+        absl::Now() + options_.rpc_timeout,
+        [this, state, session, out](const absl::Status& reply,
+                                    absl::string_view body) mutable {
+          absl::Status st = ParseReply(reply, body, state->push_resp);
+          if (SessionGone(st)) DropSession(session);
+          if (!GetNeedsHashing(st, state->push_resp)) {
+            return FinishGet(*state, st, out);
+          }
+          ucx_->verify_pool->Submit([state, st, out = std::move(out)] {
+            FinishGet(*state, st, out);
+          });
+        });
+    if (sent.ok()) return op;
+    // Not sent (the connection went meanwhile): as a gRPC call.
+  }
+  PrepareContext(&state->ctx);
   stub_->async()->PushBlocks(
       &state->ctx, &state->push_req, &state->push_resp,
-      [this, state, session, out = std::move(out)](grpc::Status st) {
+      [this, state, session, out = std::move(out)](grpc::Status reply) {
+        const absl::Status st = FromGrpcStatus(reply);
         if (SessionGone(st)) DropSession(session);
-        const auto& blocks = state->push_resp.blocks();
-        for (size_t i = 0; i < out.size(); ++i) {
-          absl::Status s = BlockOutcome(st, blocks, i);
-          if (s.ok()) {
-            const v1::BlockTransfer& t = blocks[static_cast<int>(i)];
-            // Checked in place: the daemon wrote into this process's shared
-            // memory itself and hashed the bytes there as they landed.
-            if (t.size() != out[i].size() ||
-                (!t.checked_in_place() &&
-                 BlockChecksum(out[i].data(), out[i].size()) != t.checksum())) {
-              s = absl::DataLossError(absl::StrCat(
-                  "block ", i, " does not match its checksum after transfer"));
-            }
-          }
-          state->statuses[i] = std::move(s);
-        }
-        state->Publish();
+        FinishGet(*state, st, out);
       });
   return op;
 }
@@ -856,22 +945,26 @@ TransferOp Client::PutFromAsync(absl::string_view ns,
     *spec->mutable_source() = std::move(target->ranges[i]);
   }
   req.set_timeout_ms(TransferTimeoutMs());
-  PrepareContext(&state->ctx);
   const uint64_t session = target->session;
   TransferOp op(state);
+  if (ucx_->requests != nullptr && ucx_->requests->Serves(session)) {
+    absl::Status sent = ucx_->requests->Send(
+        session, RequestMethod::kPullBlocks, req.SerializeAsString(),
+        absl::Now() + options_.rpc_timeout,
+        [this, state, session](const absl::Status& reply, absl::string_view body) {
+          const absl::Status st = ParseReply(reply, body, state->pull_resp);
+          if (SessionGone(st)) DropSession(session);
+          FinishPut(*state, st);
+        });
+    if (sent.ok()) return op;
+  }
+  PrepareContext(&state->ctx);
   stub_->async()->PullBlocks(
       &state->ctx, &state->pull_req, &state->pull_resp,
-      [this, state, session](grpc::Status st) {
+      [this, state, session](grpc::Status reply) {
+        const absl::Status st = FromGrpcStatus(reply);
         if (SessionGone(st)) DropSession(session);
-        for (size_t i = 0; i < state->statuses.size(); ++i) {
-          absl::Status s = BlockOutcome(st, state->pull_resp.blocks(), i);
-          if (absl::IsAlreadyExists(s)) {  // stored before: not a failure
-            s = absl::OkStatus();
-            state->existed[i] = true;
-          }
-          state->statuses[i] = std::move(s);
-        }
-        state->Publish();
+        FinishPut(*state, st);
       });
   return op;
 }

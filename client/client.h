@@ -61,6 +61,12 @@ struct ClientOptions {
                                             {"TCP_RX_SEG_SIZE", "512k"}};
   // Limit for one UCX transfer batch (the daemon may have a lower one).
   absl::Duration transfer_timeout = absl::Seconds(10);
+  // Send the block-moving requests of GetIntoAsync / PutFromAsync to the
+  // daemon as UCX active messages when it offers that (a session with a
+  // UCX endpoint, OpenSessionResponse.ucx_request_address), instead of one
+  // gRPC call each: the same request and reply, for a fraction of the CPU
+  // per call. Falls back to gRPC calls when the connection cannot be made.
+  bool ucx_requests = true;
   // Hash every put here, also blocks in AllocateBuffer memory that a daemon
   // on this host copies itself (and hashes as it copies, so by default this
   // client does not). Costs a pass over the bytes; catches a buffer changed

@@ -178,6 +178,14 @@ void Daemon::Shutdown() {
     // cancelled), so Wait does not wait for a transfer deadline.
     if (data_plane_ != nullptr) data_plane_->Close();
     server_->Wait();
+    // Likewise requests that came over UCX: answered (or dropped) once their
+    // transfers have ended, which Close made immediate.
+    if (data_plane_ != nullptr) {
+      const absl::Time until = absl::Now() + absl::Seconds(2);
+      while (data_plane_->requests_in_flight() > 0 && absl::Now() < until) {
+        absl::SleepFor(absl::Milliseconds(5));
+      }
+    }
     if (config_.persist_on_shutdown && config_.store.nvme_capacity > 0) {
       absl::StatusOr<uint64_t> n = store_->PersistDram();
       if (n.ok()) {

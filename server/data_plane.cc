@@ -1,5 +1,6 @@
 #include "server/data_plane.h"
 
+#include <algorithm>
 #include <cstdlib>
 #include <utility>
 
@@ -70,12 +71,22 @@ absl::StatusOr<std::unique_ptr<DataPlane>> DataPlane::Create(
                      UcxWorker::Create(*d->context_, worker_options));
     d->workers_.push_back(std::move(w));
   }
+  // Requests come to a worker of their own: one that has no endpoint to
+  // any client. (UCX pairs the endpoints two workers have to each other,
+  // and refuses a pair whose error handling differs: a co-located client's
+  // session endpoint has none, its request endpoint must have it.)
+  UcxWorkerOptions request_worker_options;
+  request_worker_options.name = "kvd-ucx-req";
+  ASSIGN_OR_RETURN(d->request_worker_,
+                   UcxWorker::Create(*d->context_, request_worker_options));
   DataPlane* self = d.get();
   d->monitor_ = std::make_unique<PeerMonitor>(
       *d->workers_[0], [self](uint64_t id, const absl::Status& why) {
         self->Lost(id, why);
       });
   d->lost_pool_ = std::make_unique<WorkPool>(1, "kvd-ucx-lost");
+  d->request_pool_ = std::make_unique<WorkPool>(
+      std::max(1, options.request_threads), "kvd-ucx-req");
   return d;
 }
 
@@ -96,6 +107,8 @@ void DataPlane::Close() {
 
 DataPlane::~DataPlane() {
   Close();
+  request_worker_->Stop();  // no new requests
+  request_pool_.reset();  // runs what was handed over: it ends at once
   monitor_.reset();
   for (auto& w : workers_) w->Stop();
   lost_pool_.reset();  // runs what was already handed over
@@ -288,5 +301,81 @@ absl::StatusOr<TransferHandle> DataPlane::Move(
   }
   return handle;
 }
+
+// ---- Requests over UCX ------------------------------------------------------
+
+void DataPlane::ServeRequests(RequestHandler handler) {
+  request_handler_ = std::move(handler);
+  absl::Status st = request_worker_->SetMessageHandler(
+      kRequestMessageId,
+      [this](absl::string_view header, absl::string_view payload,
+             const UcxWorker::MessageSender& sender) {
+        OnRequest(header, payload, sender);
+      });
+  if (!st.ok()) {
+    log_->warn("UCX requests not served (clients use gRPC calls): {}",
+               st.ToString());
+    return;
+  }
+  serving_requests_ = true;
+}
+
+void DataPlane::OnRequest(absl::string_view header, absl::string_view payload,
+                          const UcxWorker::MessageSender& sender) {
+  std::optional<RequestHeader> h = DecodeRequestHeader(header);
+  if (!h) {
+    log_->debug("dropped a UCX message that is not a request ({} header bytes)",
+                header.size());
+    return;
+  }
+  // Answered here, over the connection the request came on.
+  auto refuse = [&](const absl::Status& why) {
+    sender.Reply(kReplyMessageId,
+                 EncodeReplyHeader(ReplyHeader{h->request_id, why.code()}),
+                 std::string(why.message()));
+  };
+  if (payload.size() > kMaxRequestPayload) {
+    return refuse(absl::InvalidArgumentError(absl::StrCat(
+        "request of ", payload.size(), " bytes (at most ", kMaxRequestPayload, ")")));
+  }
+  if (std::shared_ptr<Link> link = Find(h->session_id); link == nullptr) {
+    absl::MutexLock lock(&mu_);
+    return refuse(closing_ ? absl::UnavailableError("kvdepotd is stopping")
+                           : absl::FailedPreconditionError(absl::StrCat(
+                                 "session ", h->session_id, " has no UCX endpoint")));
+  }
+  if (requests_in_flight_.fetch_add(1) >= options_.max_requests_in_flight) {
+    requests_in_flight_.fetch_sub(1);
+    return refuse(absl::ResourceExhaustedError(absl::StrCat(
+        "more than ", options_.max_requests_in_flight, " UCX requests in flight")));
+  }
+  request_pool_->Submit(
+      [this, request = Request{h->session_id, h->method, h->request_id,
+                               std::string(payload)}]() mutable {
+        request_handler_(std::move(request));
+      });
+}
+
+void DataPlane::Reply(SessionId session, uint64_t id, const absl::Status& status,
+                      std::string body) {
+  requests_in_flight_.fetch_sub(1);
+  std::shared_ptr<Link> link = Find(session);
+  if (link == nullptr) return;
+  std::string header = EncodeReplyHeader(ReplyHeader{id, status.code()});
+  std::string payload = status.ok() ? std::move(body) : std::string(status.message());
+  absl::Status sent = link->endpoint->SendMessage(kReplyMessageId, std::move(header),
+                                                  std::move(payload));
+  if (!sent.ok()) {
+    log_->debug("session {}: reply to UCX request {} dropped: {}", session, id,
+                sent.ToString());
+  }
+}
+
+std::string DataPlane::RequestAddress(SessionId session) const {
+  if (!serving_requests_ || !attached(session)) return std::string();
+  return request_worker_->address();
+}
+
+size_t DataPlane::requests_in_flight() const { return requests_in_flight_.load(); }
 
 }  // namespace kvdepot

@@ -24,6 +24,7 @@
 
 #include <spdlog/logger.h>
 
+#include <atomic>
 #include <cstdint>
 #include <map>
 #include <memory>
@@ -38,6 +39,7 @@
 #include "absl/functional/function_ref.h"
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
 #include "absl/types/span.h"
@@ -45,6 +47,7 @@
 #include "storage/work_pool.h"
 #include "transport/memory_region.h"
 #include "transport/peer_monitor.h"
+#include "transport/request_message.h"
 #include "transport/transfer_handle.h"
 #include "transport/ucx_context.h"
 #include "transport/ucx_endpoint.h"
@@ -61,6 +64,11 @@ struct DataPlaneOptions {
   absl::Duration connect_timeout = absl::Seconds(5);
   // Buffers one session may register.
   uint32_t max_buffers_per_session = 256;
+  // Requests over UCX (ServeRequests) received and not yet answered;
+  // beyond this a request is answered ResourceExhausted at once.
+  size_t max_requests_in_flight = 4096;
+  // Threads that run requests over UCX.
+  int request_threads = 2;
 };
 
 // One block's bytes in the arena and the place in the client's buffer
@@ -157,6 +165,39 @@ class DataPlane {
       absl::AnyInvocable<void(size_t)> each_got = nullptr,
       CopyHere copy_here = nullptr);
 
+  // ---- Requests over UCX (transport/request_message.h) -----------------
+  // A client whose session has an endpoint may send PushBlocks / PullBlocks
+  // requests as active messages to the data plane's request worker
+  // (RequestAddress) instead of calling gRPC: the same protobuf bytes, a
+  // fraction of the cost per call. The request names its session as a gRPC
+  // call does (same trust: the id is what a client proves itself by).
+  struct Request {
+    SessionId session = 0;
+    RequestMethod method = RequestMethod::kPushBlocks;
+    uint64_t id = 0;   // the client's; Reply echoes it
+    std::string body;  // the serialized request
+  };
+  using RequestHandler = absl::AnyInvocable<void(Request request)>;
+  // Serves requests: each one whose session has an endpoint is handed to
+  // `handler` on a request thread (never a progress thread), which must
+  // answer it with Reply, exactly once. Answered at once, without the
+  // handler: a session without an endpoint (FailedPrecondition), a payload
+  // over kMaxRequestPayload (InvalidArgument), more than
+  // max_requests_in_flight unanswered (ResourceExhausted). Messages that
+  // are not requests are dropped. Call once, before sessions attach.
+  void ServeRequests(RequestHandler handler);
+  // Answers request `id` of `session`'s client over the session's endpoint
+  // (after every transfer that was ready before). Dropped when the session
+  // has no working endpoint (the client's deadline, or its endpoint's
+  // failure, tells it).
+  void Reply(SessionId session, uint64_t id, const absl::Status& status,
+             std::string body);
+  // Where `session`'s client sends requests (a worker address); empty when
+  // the session has no endpoint.
+  std::string RequestAddress(SessionId session) const;
+  // Requests received and not yet answered.
+  size_t requests_in_flight() const;
+
   // Whether the UCX settings let co-located clients use shared memory.
   bool shared_memory() const { return shared_memory_; }
 
@@ -171,6 +212,9 @@ class DataPlane {
   std::shared_ptr<Link> Find(SessionId session) const;
   // Any thread (progress threads included): hands the loss to lost_pool_.
   void Lost(SessionId session, const absl::Status& why);
+  // Progress thread: a message arrived for kRequestMessageId.
+  void OnRequest(absl::string_view header, absl::string_view payload,
+                 const UcxWorker::MessageSender& sender);
 
   const DataPlaneOptions options_;
   const std::shared_ptr<spdlog::logger> log_;
@@ -183,6 +227,8 @@ class DataPlane {
   std::unique_ptr<UcxContext> context_;
   std::unique_ptr<MemoryRegion> arena_;
   std::vector<std::unique_ptr<UcxWorker>> workers_;
+  // Receives requests (ServeRequests); no endpoints live on it.
+  std::unique_ptr<UcxWorker> request_worker_;
   std::unique_ptr<PeerMonitor> monitor_;  // on workers_[0]
 
   mutable absl::Mutex mu_;
@@ -190,6 +236,14 @@ class DataPlane {
       ABSL_GUARDED_BY(mu_);
   uint64_t next_worker_ ABSL_GUARDED_BY(mu_) = 0;
   bool closing_ ABSL_GUARDED_BY(mu_) = false;  // the destructor has begun
+
+  // Set once, before sessions attach.
+  RequestHandler request_handler_;
+  bool serving_requests_ = false;
+  std::atomic<size_t> requests_in_flight_{0};
+  // Runs request_handler_. Destroyed before lost_pool_ (it may hand work
+  // there), after the links (a request in progress holds its link).
+  std::unique_ptr<WorkPool> request_pool_;
 
   // Runs on_lost_ off the progress threads. Last: destroyed first, so a
   // pending callback runs while everything above still exists.

@@ -160,6 +160,7 @@ grpc::ServerUnaryReactor* KvDepotService::OpenSession(
                          attached.message()));
       }
       resp->set_ucx_connected(true);
+      resp->set_ucx_request_address(data_plane_->RequestAddress(g.id));
     }
     log_->info("session {} opened by '{}' from {} (lease {}{})", g.id,
                req->client_name(), ctx->peer(), absl::FormatDuration(g.lease),
@@ -697,17 +698,20 @@ grpc::ServerUnaryReactor* KvDepotService::PushBlocks(
     grpc::CallbackServerContext* ctx, const v1::PushBlocksRequest* req,
     v1::PushBlocksResponse* resp) {
   grpc::ServerUnaryReactor* reactor = ctx->DefaultReactor();
-  auto finish = Finisher("PushBlocks", reactor);
+  StartPushBlocks(req, resp, Finisher("PushBlocks", reactor));
+  return reactor;
+}
+
+void KvDepotService::StartPushBlocks(const v1::PushBlocksRequest* req,
+                                     v1::PushBlocksResponse* resp,
+                                     Finish finish) {
   absl::Status check = RequireEndpoint(req->session_id());
   if (check.ok() && req->destinations_size() != req->keys_size()) {
     check = absl::InvalidArgumentError(
         absl::StrCat(req->keys_size(), " keys but ", req->destinations_size(),
                      " destinations"));
   }
-  if (!check.ok()) {
-    finish(check);
-    return reactor;
-  }
+  if (!check.ok()) return finish(check);
   const absl::Time deadline =
       TransferDeadline(req->timeout_ms(), transfer_timeout_, absl::Now());
   std::vector<absl::string_view> keys = Views(req->keys());
@@ -803,14 +807,19 @@ grpc::ServerUnaryReactor* KvDepotService::PushBlocks(
           finish(absl::OkStatus());
         });
       });
-  return reactor;
 }
 
 grpc::ServerUnaryReactor* KvDepotService::PullBlocks(
     grpc::CallbackServerContext* ctx, const v1::PullBlocksRequest* req,
     v1::PullBlocksResponse* resp) {
   grpc::ServerUnaryReactor* reactor = ctx->DefaultReactor();
-  auto finish = Finisher("PullBlocks", reactor);
+  StartPullBlocks(req, resp, Finisher("PullBlocks", reactor));
+  return reactor;
+}
+
+void KvDepotService::StartPullBlocks(const v1::PullBlocksRequest* req,
+                                     v1::PullBlocksResponse* resp,
+                                     Finish finish) {
   const SessionId session = req->session_id();
   absl::Status check = RequireEndpoint(session);
   std::vector<PutSpec> specs;
@@ -829,8 +838,7 @@ grpc::ServerUnaryReactor* KvDepotService::PullBlocks(
       check.ok() ? store_.BeginPut(session, req->namespace_(), specs)
                  : absl::StatusOr<Reservation>(check);
   if (!resv.ok()) {
-    finish(resv.status());
-    return reactor;
+    return finish(resv.status());
   }
   // Every reserved slot's bytes come from its source.
   std::vector<BlockMove> moves;
@@ -848,8 +856,7 @@ grpc::ServerUnaryReactor* KvDepotService::PullBlocks(
         store_.AcquireSlot(session, resv->id, static_cast<uint32_t>(i));
     if (!slot.ok()) {  // the session ended under us
       store_.AbortPut(session, resv->id).IgnoreError();
-      finish(slot.status());
-      return reactor;
+      return finish(slot.status());
     }
     const v1::BufferRange& src = req->blocks(i).source();
     moves.push_back(BlockMove{(*slot)->bytes(), src.buffer_id(), src.address()});
@@ -857,8 +864,7 @@ grpc::ServerUnaryReactor* KvDepotService::PullBlocks(
     block_of_move.push_back(i);
   }
   if (moves.empty()) {
-    finish(absl::OkStatus());
-    return reactor;
+    return finish(absl::OkStatus());
   }
   // Each block is hashed as soon as its bytes are in, while they are still
   // in cache, and CommitPut compares that with the checksum without hashing
@@ -884,8 +890,7 @@ grpc::ServerUnaryReactor* KvDepotService::PullBlocks(
   if (!h.ok()) {
     slots.clear();
     store_.AbortPut(session, resv->id).IgnoreError();
-    finish(h.status());
-    return reactor;
+    return finish(h.status());
   }
   const bool all_in_place =
       std::find(in_place.begin(), in_place.end(), false) == in_place.end();
@@ -939,13 +944,73 @@ grpc::ServerUnaryReactor* KvDepotService::PullBlocks(
     // Copied and hashed here already: CommitPut hashes nothing, so it runs
     // on this thread too.
     commit();
-    return reactor;
+    return;
   }
   // Verifying checksums takes time: off the progress thread.
   h->OnReady([this, commit = std::move(commit)]() mutable {
     commit_pool_.Submit(std::move(commit));
   });
-  return reactor;
+}
+
+void KvDepotService::set_data_plane(DataPlane* data_plane,
+                                    absl::Duration transfer_timeout) {
+  data_plane_ = data_plane;
+  transfer_timeout_ = transfer_timeout;
+  data_plane_->ServeRequests(
+      [this](DataPlane::Request request) { ServeUcxRequest(std::move(request)); });
+}
+
+namespace {
+
+// Runs one UCX request of type Req through `start` (StartPushBlocks or
+// StartPullBlocks) and answers it with `answer(status, serialized Resp)`.
+// The messages live until it is answered.
+template <typename Req, typename Resp, typename Answer, typename Start>
+void RunUcxCall(const DataPlane::Request& request, const char* op,
+                Answer answer, Start start) {
+  struct Call {
+    Req req;
+    Resp resp;
+  };
+  auto call = std::make_shared<Call>();
+  if (!call->req.ParseFromString(request.body)) {
+    return answer(absl::InvalidArgumentError(absl::StrCat("malformed ", op, "Request")),
+                  std::string());
+  }
+  // The session whose endpoint answers is the one the request acts for.
+  if (call->req.session_id() != request.session) {
+    return answer(absl::InvalidArgumentError(absl::StrCat(
+                      op, "Request names session ", call->req.session_id(),
+                      " but came for session ", request.session)),
+                  std::string());
+  }
+  start(&call->req, &call->resp, [call, answer](const absl::Status& st) {
+    answer(st, st.ok() ? call->resp.SerializeAsString() : std::string());
+  });
+}
+
+}  // namespace
+
+void KvDepotService::ServeUcxRequest(DataPlane::Request request) {
+  const bool push = request.method == RequestMethod::kPushBlocks;
+  const char* op = push ? "PushBlocks" : "PullBlocks";
+  metrics_.RecordUcxRequest(op);
+  auto answer = [this, op, start = clock_.Now(), session = request.session,
+                 id = request.id](const absl::Status& st, std::string body) {
+    Finished(op, st, start);
+    data_plane_->Reply(session, id, st, std::move(body));
+  };
+  if (push) {
+    RunUcxCall<v1::PushBlocksRequest, v1::PushBlocksResponse>(
+        request, op, answer,
+        [this](const v1::PushBlocksRequest* req, v1::PushBlocksResponse* resp,
+               Finish finish) { StartPushBlocks(req, resp, std::move(finish)); });
+  } else {
+    RunUcxCall<v1::PullBlocksRequest, v1::PullBlocksResponse>(
+        request, op, answer,
+        [this](const v1::PullBlocksRequest* req, v1::PullBlocksResponse* resp,
+               Finish finish) { StartPullBlocks(req, resp, std::move(finish)); });
+  }
 }
 
 }  // namespace kvdepot

@@ -114,12 +114,12 @@ class KvDepotService final
   void set_quota_file(QuotaFile* file) { quota_file_ = file; }
   // The UCX data plane; without one, sessions get no endpoint and the
   // data-plane RPCs fail with FAILED_PRECONDITION. `data_plane` must outlive
-  // the service's calls. `transfer_timeout` bounds each PushBlocks /
-  // PullBlocks transfer (a request may ask for less).
-  void set_data_plane(DataPlane* data_plane, absl::Duration transfer_timeout) {
-    data_plane_ = data_plane;
-    transfer_timeout_ = transfer_timeout;
-  }
+  // the service's calls, and the service must outlive the data plane's
+  // requests (DataPlane::requests_in_flight). `transfer_timeout` bounds each
+  // PushBlocks / PullBlocks transfer (a request may ask for less). Also
+  // serves PushBlocks / PullBlocks requests that come over UCX
+  // (DataPlane::ServeRequests) as it serves them over gRPC.
+  void set_data_plane(DataPlane* data_plane, absl::Duration transfer_timeout);
   // Ends a session whose client the data plane lost (releases its pins and
   // reservations at once).
   void SessionLost(SessionId session, const absl::Status& why);
@@ -163,6 +163,16 @@ class KvDepotService final
   // Finished(op) from now, and finishes `reactor` with the status.
   std::function<void(const absl::Status&)> Finisher(
       const char* op, grpc::ServerUnaryReactor* reactor);
+  // The work of PushBlocks / PullBlocks, over gRPC or UCX: `finish` is
+  // called once, on any thread, when `resp` is complete; `req` and `resp`
+  // must live until then and are not touched after it.
+  using Finish = std::function<void(const absl::Status&)>;
+  void StartPushBlocks(const v1::PushBlocksRequest* req,
+                       v1::PushBlocksResponse* resp, Finish finish);
+  void StartPullBlocks(const v1::PullBlocksRequest* req,
+                       v1::PullBlocksResponse* resp, Finish finish);
+  // A request that came over UCX; answered with DataPlane::Reply.
+  void ServeUcxRequest(DataPlane::Request request);
   // OK when `session` is a public session with a UCX endpoint;
   // FailedPrecondition when the data plane is off or it has no endpoint.
   absl::Status RequireEndpoint(SessionId session);

@@ -89,6 +89,14 @@ ServerMetrics::ServerMetrics(prometheus::Registry& registry, int namespace_label
                     .Register(registry)),
       ucx_in_place_in_(in_place_.Add({{"direction", "in"}})),
       ucx_in_place_out_(in_place_.Add({{"direction", "out"}})),
+      ucx_requests_(prometheus::BuildCounter()
+                        .Name("kvdepot_ucx_requests_total")
+                        .Help("PushBlocks / PullBlocks requests that came "
+                              "over UCX active messages instead of gRPC "
+                              "(also counted in kvdepot_requests_total)")
+                        .Register(registry)),
+      ucx_push_requests_(ucx_requests_.Add({{"op", "PushBlocks"}})),
+      ucx_pull_requests_(ucx_requests_.Add({{"op", "PullBlocks"}})),
       sessions_(prometheus::BuildGauge()
                     .Name("kvdepot_sessions_active")
                     .Help("Open client sessions")
@@ -155,6 +163,10 @@ ServerMetrics::NamespaceCounters& ServerMetrics::CountersFor(absl::string_view n
                       &prefix_asked_.Add({{"namespace", label}}),
                       &prefix_hit_.Add({{"namespace", label}})};
   return namespaces_.emplace(label, c).first->second;
+}
+
+void ServerMetrics::RecordUcxRequest(const std::string& op) {
+  (op == "PushBlocks" ? ucx_push_requests_ : ucx_pull_requests_).Increment();
 }
 
 void ServerMetrics::RecordRequest(const std::string& op, absl::StatusCode code,

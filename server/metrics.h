@@ -58,6 +58,11 @@ class ServerMetrics {
     ucx_in_place_out_.Increment(static_cast<double>(in_place));
   }
 
+  // One PushBlocks / PullBlocks request that came over UCX instead of gRPC
+  // (kvdepot_ucx_requests_total{op}; it is also counted, when finished, in
+  // kvdepot_requests_total).
+  void RecordUcxRequest(const std::string& op);
+
   // Copies gauges (tier usage, sessions, pins, reservations) and counter
   // deltas (evictions, demotions, promotions, integrity errors, NVMe write
   // bytes) from a store snapshot. Called about once a second.
@@ -102,6 +107,9 @@ class ServerMetrics {
   prometheus::Family<prometheus::Counter>& in_place_;
   prometheus::Counter& ucx_in_place_in_;
   prometheus::Counter& ucx_in_place_out_;
+  prometheus::Family<prometheus::Counter>& ucx_requests_;
+  prometheus::Counter& ucx_push_requests_;
+  prometheus::Counter& ucx_pull_requests_;
   prometheus::Gauge& sessions_;
   prometheus::Gauge& pins_;
   prometheus::Gauge& reservations_;

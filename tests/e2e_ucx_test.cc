@@ -19,13 +19,17 @@
 
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
+#include "absl/synchronization/notification.h"
 #include "absl/time/clock.h"
 #include "client/client.h"
+#include "client/ucx_requests.h"
 #include "storage/checksum.h"
 #include "tests/daemon_process.h"
 #include "tests/status_matchers.h"
+#include "transport/request_message.h"
 #include "transport/ucx_context.h"
 #include "transport/ucx_test_util.h"
+#include "transport/ucx_worker.h"
 
 namespace kvdepot {
 namespace {
@@ -108,9 +112,10 @@ class UcxE2eTest : public ::testing::TestWithParam<std::string> {
     }
   }
 
-  std::unique_ptr<Client> NewClient() {
+  std::unique_ptr<Client> NewClient(bool ucx_requests = true) {
     ClientOptions options;
     options.server = daemon_->address();
+    options.ucx_requests = ucx_requests;
     options.lease = absl::Seconds(60);
     options.ucx.clear();  // from the environment
     options.transfer_timeout = absl::Seconds(5);
@@ -377,6 +382,137 @@ TEST_P(UcxE2eTest, RestartedDaemonGivesMissesThenTheClientReconnects) {
   }
   EXPECT_TRUE(reconnected) << last << "\n" << daemon_->Log();
   EXPECT_EQ(std::count(dst.begin(), dst.end(), 'r'), static_cast<long>(kBlock));
+}
+
+// One put and one get of a block in `buf` (2 blocks: source, destination)
+// through `client`; every byte checked.
+void PutThenGet(Client& client, std::vector<char>& buf, absl::string_view key) {
+  BlockToPut block{key, "", absl::string_view(buf.data(), kBlock)};
+  TransferOp put = client.PutFromAsync("req", {&block, 1});
+  put.Wait();
+  EXPECT_OK(put.statuses()[0]);
+  absl::Span<char> dst(buf.data() + kBlock, kBlock);
+  std::fill(dst.begin(), dst.end(), 0);
+  TransferOp get = client.GetIntoAsync("req", {&key, 1}, {&dst, 1});
+  get.Wait();
+  EXPECT_OK(get.statuses()[0]);
+  EXPECT_STREQ(get.transport(), "ucx");
+  EXPECT_EQ(std::memcmp(buf.data(), dst.data(), kBlock), 0);
+}
+
+TEST_P(UcxE2eTest, RequestsTravelAsUcxMessagesUnlessTheClientAsksForGrpc) {
+  const std::string push_ucx = "kvdepot_ucx_requests_total{op=\"PushBlocks\"}";
+  const std::string pull_ucx = "kvdepot_ucx_requests_total{op=\"PullBlocks\"}";
+  const std::string push_all = "kvdepot_requests_total{code=\"OK\",op=\"PushBlocks\"}";
+  std::vector<char> buf(2 * kBlock);
+  ucx_test::FillPattern(buf.data(), kBlock, 7);
+  ASSERT_OK(client_->RegisterBuffer(buf.data(), buf.size()));
+  PutThenGet(*client_, buf, "m0");
+  std::string metrics = testing::ScrapeMetrics(*daemon_);
+  EXPECT_EQ(testing::MetricValue(metrics, push_ucx), 1) << metrics;
+  EXPECT_EQ(testing::MetricValue(metrics, pull_ucx), 1);
+  EXPECT_EQ(testing::MetricValue(metrics, push_all), 1);
+
+  std::unique_ptr<Client> grpc_requests = NewClient(/*ucx_requests=*/false);
+  ASSERT_NE(grpc_requests, nullptr);
+  ASSERT_OK(grpc_requests->RegisterBuffer(buf.data(), buf.size()));
+  PutThenGet(*grpc_requests, buf, "m1");
+  metrics = testing::ScrapeMetrics(*daemon_);
+  EXPECT_EQ(testing::MetricValue(metrics, push_ucx), 1);  // as before
+  EXPECT_EQ(testing::MetricValue(metrics, pull_ucx), 1);
+  EXPECT_EQ(testing::MetricValue(metrics, push_all), 2);  // a gRPC call
+}
+
+TEST_P(UcxE2eTest, ARequestForASessionTheDaemonClosedIsAMissThenTheClientRecovers) {
+  std::vector<char> buf(2 * kBlock);
+  ucx_test::FillPattern(buf.data(), kBlock, 8);
+  ASSERT_OK(client_->RegisterBuffer(buf.data(), buf.size()));
+  PutThenGet(*client_, buf, "c0");
+  // The session ends behind the client's back (as at lease expiry): the
+  // daemon has no endpoint for it when the next request comes.
+  absl::StatusOr<uint64_t> session = client_->EnsureSession();
+  ASSERT_OK(session.status());
+  grpc::ClientContext ctx;
+  v1::CloseSessionRequest close;
+  close.set_session_id(*session);
+  v1::CloseSessionResponse closed;
+  ASSERT_TRUE(client_->stub().CloseSession(&ctx, close, &closed).ok());
+  absl::string_view key = "c0";
+  absl::Span<char> dst(buf.data() + kBlock, kBlock);
+  TransferOp miss = client_->GetIntoAsync("req", {&key, 1}, {&dst, 1});
+  ASSERT_TRUE(miss.WaitUntil(absl::Now() + absl::Seconds(30)));
+  EXPECT_THAT(miss.statuses()[0], StatusIs(absl::StatusCode::kFailedPrecondition));
+  // The client dropped the session; the next call opens a new one.
+  std::fill(dst.begin(), dst.end(), 0);
+  TransferOp get = client_->GetIntoAsync("req", {&key, 1}, {&dst, 1});
+  get.Wait();
+  EXPECT_OK(get.statuses()[0]);
+  EXPECT_EQ(std::memcmp(buf.data(), dst.data(), kBlock), 0);
+  EXPECT_NE(*client_->EnsureSession(), *session);
+  const std::string metrics = testing::ScrapeMetrics(*daemon_);
+  EXPECT_EQ(testing::MetricValue(
+                metrics, "kvdepot_ucx_requests_total{op=\"PushBlocks\"}"),
+            2);  // the refused one never reached the service
+}
+
+TEST_P(UcxE2eTest, MalformedRequestsAreAnsweredAndTheDaemonStaysUp) {
+  // A hand-made UCX client: its own worker, a session with an endpoint to
+  // it, and the request connection the daemon offers.
+  UcxContextOptions context_options;
+  context_options.name = "crafted";
+  absl::StatusOr<std::unique_ptr<UcxContext>> context =
+      UcxContext::Create(context_options);
+  ASSERT_OK(context.status());
+  absl::StatusOr<std::unique_ptr<UcxWorker>> worker = UcxWorker::Create(**context);
+  ASSERT_OK(worker.status());
+  grpc::ClientContext ctx;
+  v1::OpenSessionRequest open;
+  open.set_ucx_worker_address((*worker)->address());
+  v1::OpenSessionResponse opened;
+  ASSERT_TRUE(client_->stub().OpenSession(&ctx, open, &opened).ok());
+  ASSERT_TRUE(opened.ucx_connected());
+  ASSERT_FALSE(opened.ucx_request_address().empty());
+  const uint64_t session = opened.session_id();
+  absl::StatusOr<std::unique_ptr<UcxRequests>> requests = UcxRequests::Create(**worker);
+  ASSERT_OK(requests.status());
+  // Sends `body` as a request for `for_session` and waits for the answer.
+  auto ask = [&](uint64_t for_session, std::string body) {
+    absl::Notification done;
+    absl::Status answer;
+    absl::Status sent = (*requests)->Send(
+        for_session, RequestMethod::kPushBlocks, std::move(body),
+        absl::Now() + absl::Seconds(20),
+        [&](const absl::Status& st, absl::string_view) {
+          answer = st;
+          done.Notify();
+        });
+    if (!sent.ok()) return sent;
+    done.WaitForNotification();
+    return answer;
+  };
+  ASSERT_OK((*requests)->Connect(session, opened.ucx_request_address(),
+                                 absl::Seconds(5)));
+  EXPECT_THAT(ask(session, "not a protobuf \xff\xff\xff"),
+              StatusIs(absl::StatusCode::kInvalidArgument));
+  v1::PushBlocksRequest other;
+  other.set_session_id(session + 1);  // not the session it comes for
+  other.set_namespace_("req");
+  EXPECT_THAT(ask(session, other.SerializeAsString()),
+              StatusIs(absl::StatusCode::kInvalidArgument));
+  EXPECT_THAT(ask(session, std::string(kMaxRequestPayload + 1, 'x')),
+              StatusIs(absl::StatusCode::kInvalidArgument));
+  v1::PushBlocksRequest empty;
+  empty.set_session_id(session);
+  empty.set_namespace_("req");
+  EXPECT_OK(ask(session, empty.SerializeAsString()));  // nothing asked, nothing moved
+  // A session the daemon does not know.
+  ASSERT_OK((*requests)->Connect(session ^ 0x5555, opened.ucx_request_address(),
+                                 absl::Seconds(5)));
+  other.set_session_id(session ^ 0x5555);
+  EXPECT_THAT(ask(session ^ 0x5555, other.SerializeAsString()),
+              StatusIs(absl::StatusCode::kFailedPrecondition));
+  EXPECT_OK(client_->Health());
+  EXPECT_EQ(daemon_->Stop(SIGTERM).value_or(-1), 0) << daemon_->Log();
 }
 
 TEST_P(UcxE2eTest, PlacesOutsideTheSessionsBuffersAreRejected) {

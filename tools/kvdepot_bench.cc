@@ -3,15 +3,19 @@
 //   kvdepot-bench --server 127.0.0.1:50551 --op get|put|lookup
 //                 [--transport ucx|grpc] [--block-size 256KiB] [--clients 4]
 //                 [--duration 5 | --count 10000] [--keys N] [--batch N]
-//                 [--ns bench] [--clear-ns] [--json]
+//                 [--depth N] [--ns bench] [--clear-ns] [--json]
 //
 // Each client is a thread with its own kvdepot::Client (its own channel, so
 // its own TCP connection). --transport ucx (the default) moves blocks over
 // the UCX data plane: each client registers one buffer for its gets and one
 // for its puts, and a call is one GetIntoAsync / PutFromAsync (one round
-// trip; the daemon writes into / reads from the registered buffer). When
-// the daemon has no data plane or cannot reach the client, it warns and
-// falls back to grpc: Get / Put over the byte streams. The ops:
+// trip; the daemon writes into / reads from the registered buffer), with
+// up to --depth calls in flight per client (default 1: issue, wait, issue;
+// with more, each call has its own part of the buffer and a new call is
+// issued as soon as the oldest one is ready, as an engine overlapping its
+// loads would). When the daemon has no data plane or cannot reach the
+// client, it warns and falls back to grpc: Get / Put over the byte streams,
+// one call at a time. The ops:
 //   get     reads --batch (default 1) distinct random keys of the working set
 //           per Get call and checks every block's size (the client library
 //           already verifies its checksum). The working set (--keys blocks)
@@ -35,7 +39,8 @@
 //
 // Every call's latency is recorded (a vector per thread, merged at the end)
 // and reported as p50/p99/p999 (nearest rank): latencies are per call, not
-// per block. Throughput is ops over the wall time from the common start to
+// per block. With --depth > 1 a call's latency runs from its issue to when
+// the client sees it ready, after the calls issued before it. Throughput is ops over the wall time from the common start to
 // the last client's end; GB/s is block size x ops / 1e9 for get and put
 // (decimal GB) and 0 for lookup, where no block bytes move (it reports keys/s
 // instead). calls/s is reported for every op.
@@ -107,6 +112,7 @@ struct BenchConfig {
   uint64_t count = 0;     // > 0: bounded by the total number of ops
   uint64_t keys = 0;      // working set (get, lookup)
   int batch = 0;          // keys (lookup) or blocks (get, put) per call
+  int depth = 1;          // UCX get/put calls in flight per client
   std::string ns;
   bool clear_ns = false;  // evict the namespace before the run
   bool json = false;
@@ -114,6 +120,7 @@ struct BenchConfig {
   bool prefix = false;  // lookup: prefix lookups
   bool pin = false;     // lookup: pin the hits (then unpin, untimed)
   bool client_checksums = false;  // ClientOptions::always_checksum_puts
+  bool ucx_requests = true;       // ClientOptions::ucx_requests
 };
 
 // What one client thread measured. Ops are blocks for get and put, calls for
@@ -155,10 +162,11 @@ std::string RandomBytes(uint64_t size, uint64_t seed) {
 // With `*ucx`, also opens the client's UCX session; clears `*ucx` (with a
 // warning) when blocks cannot move over UCX.
 absl::StatusOr<std::unique_ptr<Client>> ConnectChecked(
-    const std::string& server, int id, bool* ucx, bool client_checksums) {
+    const BenchConfig& config, int id, bool* ucx) {
   ClientOptions options;
-  options.server = server;
-  options.always_checksum_puts = client_checksums;
+  options.server = config.server;
+  options.always_checksum_puts = config.client_checksums;
+  options.ucx_requests = config.ucx_requests;
   options.client_name = absl::StrCat("kvdepot-bench/", id);
   options.transport =
       *ucx ? ClientOptions::Transport::kUcx : ClientOptions::Transport::kGrpc;
@@ -254,89 +262,187 @@ class ClientLoop {
 
   ClientResult Run(SteadyClock::time_point deadline) {
     ClientResult result;
-    // What one call takes from the --count budget: its blocks (get, put) or
-    // itself (lookup).
-    const bool per_block = config_.op != Op::kLookup;
-    const uint64_t ops_per_call = per_block ? config_.batch : 1;
-    if (config_.count > 0) {
-      result.latencies_us.reserve(config_.count / ops_per_call /
-                                      config_.clients + 1);
-    } else {
-      result.latencies_us.reserve(1 << 16);
+    const uint64_t calls_expected =
+        config_.count > 0
+            ? config_.count / OpsPerCall() / config_.clients + 1
+            : uint64_t{1} << 16;
+    result.latencies_us.reserve(calls_expected);
+    if (config_.op == Op::kGet && config_.batch > 1) {
+      perm_.resize(config_.keys);
+      for (uint64_t i = 0; i < config_.keys; ++i) perm_[i] = i;
     }
+    if (ucx_ && config_.op != Op::kLookup) {
+      RunUcx(deadline, result);
+    } else {
+      RunSync(deadline, result);
+    }
+    return result;
+  }
+
+ private:
+  // What one call takes from the --count budget: its blocks (get, put) or
+  // itself (lookup).
+  uint64_t OpsPerCall() const {
+    return config_.op == Op::kLookup ? 1 : config_.batch;
+  }
+
+  // Blocks (get, put) or keys (lookup) in the next call; 0 when the run is
+  // over. The last call of a --count run may carry fewer than --batch blocks,
+  // so that exactly --count blocks move.
+  size_t NextCall(SteadyClock::time_point deadline) {
+    if (config_.count > 0) {
+      const uint64_t before =
+          claimed_.fetch_add(OpsPerCall(), std::memory_order_relaxed);
+      if (before >= config_.count) return 0;
+      if (config_.op == Op::kLookup) return config_.batch;
+      return std::min<uint64_t>(config_.batch, config_.count - before);
+    }
+    return SteadyClock::now() >= deadline ? 0 : config_.batch;
+  }
+
+  // Fills keys[0, n) with distinct random keys of the working set (gets) or
+  // random ones (lookups).
+  void DrawWorkingSetKeys(size_t n, std::vector<std::string>& keys,
+                          std::vector<absl::string_view>& views) {
     std::uniform_int_distribution<uint64_t> pick(
         0, config_.keys > 0 ? config_.keys - 1 : 0);
-    std::vector<std::string> batch_keys(config_.batch);
-    std::vector<absl::string_view> batch_views(config_.batch);
-    std::vector<BlockToPut> put_blocks(config_.batch);
-    // A get batch draws distinct keys: a partial Fisher-Yates shuffle of
-    // this permutation of the working set's indexes.
-    std::vector<uint64_t> perm;
-    if (config_.op == Op::kGet && config_.batch > 1) {
-      perm.resize(config_.keys);
-      for (uint64_t i = 0; i < config_.keys; ++i) perm[i] = i;
-    }
-    // UCX: one registered buffer of --batch blocks, gets land in it and
-    // puts come from it (filled with the put bytes once).
-    std::vector<absl::Span<char>> spans;
-    if (ucx_ && config_.op != Op::kLookup) {
-      absl::StatusOr<absl::Span<char>> buffer =
-          client_.AllocateBuffer(config_.batch * config_.block_size);
-      if (!buffer.ok()) {
-        std::fprintf(stderr, "kvdepot-bench: client %d: %s\n", id_,
-                     buffer.status().ToString().c_str());
-        result.errors = 1;
-        return result;
+    for (size_t i = 0; i < n; ++i) {
+      uint64_t index;
+      if (perm_.empty()) {
+        index = pick(rng_);
+      } else {
+        // A partial Fisher-Yates shuffle of the working set's indexes.
+        std::uniform_int_distribution<uint64_t> rest(i, perm_.size() - 1);
+        std::swap(perm_[i], perm_[rest(rng_)]);
+        index = perm_[i];
       }
+      keys[i] = WorkingSetKey(config_.block_size, index);
+      views[i] = keys[i];
+    }
+  }
+
+  // Fills keys[0, n) and blocks[0, n) with new put keys over `bytes`.
+  void DrawPutKeys(size_t n, std::vector<std::string>& keys,
+                   std::vector<BlockToPut>& blocks,
+                   absl::Span<const absl::Span<char>> bytes) {
+    for (size_t i = 0; i < n; ++i) {
+      keys[i] = absl::StrCat("put/", run_nonce_, "/", id_, "/", counter_++);
+      blocks[i] = BlockToPut{
+          keys[i], "",
+          bytes.empty() ? absl::string_view(put_bytes_)
+                        : absl::string_view(bytes[i].data(), bytes[i].size())};
+    }
+  }
+
+  void Record(ClientResult& result, const absl::Status& st, uint64_t ops,
+              SteadyClock::time_point t0, SteadyClock::time_point t1) {
+    if (st.ok()) {
+      result.ops += ops;
+      ++result.calls;
+      result.latencies_us.push_back(
+          std::chrono::duration<double, std::micro>(t1 - t0).count());
+      return;
+    }
+    if (result.errors < kMaxReportedErrors) {
+      std::fprintf(stderr, "kvdepot-bench: client %d: %s\n", id_,
+                   st.ToString().c_str());
+    }
+    result.errors += ops;
+  }
+
+  // UCX gets and puts: one registered buffer of --depth x --batch blocks
+  // (gets land in it, puts come from it, filled with the put bytes once);
+  // up to --depth GetIntoAsync / PutFromAsync calls in flight, each on its
+  // own --batch blocks of the buffer, issued in order and waited for oldest
+  // first.
+  void RunUcx(SteadyClock::time_point deadline, ClientResult& result) {
+    const size_t depth = config_.depth;
+    const uint64_t call_bytes = config_.batch * config_.block_size;
+    absl::StatusOr<absl::Span<char>> buffer =
+        client_.AllocateBuffer(depth * call_bytes);
+    if (!buffer.ok()) {
+      std::fprintf(stderr, "kvdepot-bench: client %d: %s\n", id_,
+                   buffer.status().ToString().c_str());
+      result.errors = 1;
+      return;
+    }
+    struct Call {
+      std::vector<absl::Span<char>> spans;  // this call's part of the buffer
+      std::vector<std::string> keys;
+      std::vector<absl::string_view> views;
+      std::vector<BlockToPut> blocks;
+      std::optional<TransferOp> op;
+      SteadyClock::time_point t0;
+      size_t n = 0;
+    };
+    std::vector<Call> calls(depth);
+    for (size_t c = 0; c < depth; ++c) {
+      Call& call = calls[c];
+      call.keys.resize(config_.batch);
+      call.views.resize(config_.batch);
+      call.blocks.resize(config_.batch);
       for (int i = 0; i < config_.batch; ++i) {
-        char* p = buffer->data() + i * config_.block_size;
-        std::copy(put_bytes_.begin(), put_bytes_.end(), p);
-        spans.emplace_back(p, config_.block_size);
+        char* p = buffer->data() + c * call_bytes + i * config_.block_size;
+        if (config_.op == Op::kPut) {
+          std::copy(put_bytes_.begin(), put_bytes_.end(), p);
+        }
+        call.spans.emplace_back(p, config_.block_size);
       }
     }
-    uint64_t counter = 0;
-    for (;;) {
-      // Blocks in this call (get, put); the last call of a --count run may
-      // carry fewer than --batch, so that exactly --count blocks move.
-      size_t n = config_.batch;
-      if (config_.count > 0) {
-        const uint64_t before =
-            claimed_.fetch_add(ops_per_call, std::memory_order_relaxed);
-        if (before >= config_.count) break;
-        if (per_block) n = std::min<uint64_t>(n, config_.count - before);
-      } else if (SteadyClock::now() >= deadline) {
-        break;
+    // calls[next % depth] is the next to issue; [done, next) are in flight.
+    uint64_t next = 0, done = 0;
+    bool over = false;
+    while (!over || done < next) {
+      while (!over && next - done < depth) {
+        Call& call = calls[next % depth];
+        call.n = NextCall(deadline);
+        if (call.n == 0) {
+          over = true;
+          break;
+        }
+        const auto spans = absl::MakeConstSpan(call.spans.data(), call.n);
+        // Keys are formatted before the clock starts: only the call is timed.
+        if (config_.op == Op::kGet) {
+          DrawWorkingSetKeys(call.n, call.keys, call.views);
+          call.t0 = SteadyClock::now();
+          call.op = client_.GetIntoAsync(
+              config_.ns, absl::MakeConstSpan(call.views.data(), call.n), spans);
+        } else {
+          DrawPutKeys(call.n, call.keys, call.blocks, spans);
+          call.t0 = SteadyClock::now();
+          call.op = client_.PutFromAsync(
+              config_.ns, absl::MakeConstSpan(call.blocks.data(), call.n));
+        }
+        ++next;
       }
-      // Keys are formatted before the clock starts: only the RPC is timed.
+      if (done == next) break;
+      Call& oldest = calls[done % depth];
+      oldest.op->Wait();
+      Record(result, FirstError(*oldest.op), oldest.n, oldest.t0,
+             SteadyClock::now());
+      oldest.op.reset();
+      ++done;
+    }
+  }
+
+  // gRPC gets and puts, and lookups: one call at a time.
+  void RunSync(SteadyClock::time_point deadline, ClientResult& result) {
+    std::vector<std::string> keys(config_.batch);
+    std::vector<absl::string_view> views(config_.batch);
+    std::vector<BlockToPut> put_blocks(config_.batch);
+    for (;;) {
+      const size_t n = NextCall(deadline);
+      if (n == 0) break;
       absl::Status st;
       SteadyClock::time_point t0;
       // Set by lookups: the unpin that follows a pinned one is not timed.
       std::optional<SteadyClock::time_point> lookup_end;
       switch (config_.op) {
         case Op::kGet: {
-          for (size_t i = 0; i < n; ++i) {
-            uint64_t index;
-            if (perm.empty()) {
-              index = pick(rng_);
-            } else {
-              std::uniform_int_distribution<uint64_t> rest(i, perm.size() - 1);
-              std::swap(perm[i], perm[rest(rng_)]);
-              index = perm[i];
-            }
-            batch_keys[i] = WorkingSetKey(config_.block_size, index);
-            batch_views[i] = batch_keys[i];
-          }
+          DrawWorkingSetKeys(n, keys, views);
           t0 = SteadyClock::now();
-          if (ucx_) {
-            TransferOp op = client_.GetIntoAsync(
-                config_.ns, absl::MakeConstSpan(batch_views.data(), n),
-                absl::MakeConstSpan(spans.data(), n));
-            op.Wait();
-            st = FirstError(op);
-            break;
-          }
-          absl::StatusOr<std::vector<Block>> got = client_.Get(
-              config_.ns, absl::MakeConstSpan(batch_views.data(), n));
+          absl::StatusOr<std::vector<Block>> got =
+              client_.Get(config_.ns, absl::MakeConstSpan(views.data(), n));
           if (!got.ok()) {
             st = got.status();
           } else if (got->size() != n) {
@@ -346,9 +452,8 @@ class ClientLoop {
             for (size_t i = 0; i < n; ++i) {
               if ((*got)[i].bytes.size() != config_.block_size) {
                 st = absl::DataLossError(absl::StrCat(
-                    "get ", batch_keys[i], " returned ",
-                    (*got)[i].bytes.size(), " bytes, expected ",
-                    config_.block_size));
+                    "get ", keys[i], " returned ", (*got)[i].bytes.size(),
+                    " bytes, expected ", config_.block_size));
                 break;
               }
             }
@@ -356,22 +461,8 @@ class ClientLoop {
           break;
         }
         case Op::kPut: {
-          for (size_t i = 0; i < n; ++i) {
-            batch_keys[i] =
-                absl::StrCat("put/", run_nonce_, "/", id_, "/", counter++);
-            put_blocks[i] = BlockToPut{
-                batch_keys[i], "",
-                ucx_ ? absl::string_view(spans[i].data(), spans[i].size())
-                     : absl::string_view(put_bytes_)};
-          }
+          DrawPutKeys(n, keys, put_blocks, {});
           t0 = SteadyClock::now();
-          if (ucx_) {
-            TransferOp op = client_.PutFromAsync(
-                config_.ns, absl::MakeConstSpan(put_blocks.data(), n));
-            op.Wait();
-            st = FirstError(op);
-            break;
-          }
           absl::StatusOr<std::vector<PutResult>> put = client_.Put(
               config_.ns, absl::MakeConstSpan(put_blocks.data(), n));
           if (!put.ok()) {
@@ -383,7 +474,7 @@ class ClientLoop {
             for (size_t i = 0; i < n; ++i) {
               if ((*put)[i] != PutResult::kStored) {
                 st = absl::AlreadyExistsError(
-                    absl::StrCat("put ", batch_keys[i], " was not stored"));
+                    absl::StrCat("put ", keys[i], " was not stored"));
                 break;
               }
             }
@@ -391,23 +482,25 @@ class ClientLoop {
           break;
         }
         case Op::kLookup: {
-          for (int i = 0; i < config_.batch; ++i) {
-            batch_keys[i] = WorkingSetKey(config_.block_size, pick(rng_));
-            batch_views[i] = batch_keys[i];
+          std::uniform_int_distribution<uint64_t> pick(
+              0, config_.keys > 0 ? config_.keys - 1 : 0);
+          for (size_t i = 0; i < n; ++i) {
+            keys[i] = WorkingSetKey(config_.block_size, pick(rng_));
+            views[i] = keys[i];
           }
           t0 = SteadyClock::now();
-          absl::StatusOr<LookupReply> found = client_.Lookup(
-              config_.ns, batch_views, config_.prefix, config_.pin);
+          absl::StatusOr<LookupReply> found =
+              client_.Lookup(config_.ns, views, config_.prefix, config_.pin);
           lookup_end = SteadyClock::now();
           if (!found.ok()) {
             st = found.status();
           } else {
             size_t hits = 0;
             for (const BlockInfo& e : found->entries) hits += e.found ? 1 : 0;
-            if (hits != batch_views.size() ||
+            if (hits != views.size() ||
                 (config_.prefix && found->prefix_hits != hits)) {
               st = absl::NotFoundError(absl::StrCat(
-                  "lookup found ", hits, " of ", batch_views.size(), " keys"));
+                  "lookup found ", hits, " of ", views.size(), " keys"));
             }
             if (found->pin_id != 0) {
               absl::Status unpinned = client_.Unpin(found->pin_id);
@@ -417,25 +510,11 @@ class ClientLoop {
           break;
         }
       }
-      const SteadyClock::time_point t1 = lookup_end.value_or(SteadyClock::now());
-      const uint64_t ops = per_block ? n : 1;
-      if (st.ok()) {
-        result.ops += ops;
-        ++result.calls;
-        result.latencies_us.push_back(
-            std::chrono::duration<double, std::micro>(t1 - t0).count());
-      } else {
-        if (result.errors < kMaxReportedErrors) {
-          std::fprintf(stderr, "kvdepot-bench: client %d: %s\n", id_,
-                       st.ToString().c_str());
-        }
-        result.errors += ops;
-      }
+      Record(result, st, config_.op == Op::kLookup ? 1 : n, t0,
+             lookup_end.value_or(SteadyClock::now()));
     }
-    return result;
   }
 
- private:
   const int id_;
   Client& client_;
   const bool ucx_;
@@ -444,6 +523,10 @@ class ClientLoop {
   const std::string& put_bytes_;
   std::atomic<uint64_t>& claimed_;
   std::mt19937_64 rng_;
+  // A get batch draws distinct keys: a permutation of the working set's
+  // indexes, partially shuffled per call (batch > 1 only).
+  std::vector<uint64_t> perm_;
+  uint64_t counter_ = 0;  // put keys issued by this client
 };
 
 
@@ -462,7 +545,7 @@ int Run(const BenchConfig& config) {
   for (int i = 0; i < config.clients; ++i) {
     bool ucx = config.ucx;
     absl::StatusOr<std::unique_ptr<Client>> c =
-        ConnectChecked(config.server, i, &ucx, config.client_checksums);
+        ConnectChecked(config, i, &ucx);
     ucx_ok[i] = ucx;
     if (!c.ok()) {
       std::fprintf(stderr, "kvdepot-bench: cannot reach %s: %s\n",
@@ -547,11 +630,15 @@ int Run(const BenchConfig& config) {
       : std::count(ucx_ok.begin(), ucx_ok.end(), 0) == config.clients
           ? "grpc"
           : "mixed";
+  // Reported as run: gRPC clients and lookups make one call at a time.
+  const int depth =
+      config.op != Op::kLookup && std::string(transport) == "ucx" ? config.depth
+                                                                   : 1;
   std::string human = absl::StrFormat(
-      "%s %s over %s x%d clients batch %d: %u %s in %u calls in %.2f s, "
-      "%.1f ops/s, %.1f calls/s",
+      "%s %s over %s x%d clients batch %d depth %d: %u %s in %u calls in "
+      "%.2f s, %.1f ops/s, %.1f calls/s",
       config.op_name, FormatSize(config.block_size), transport, config.clients,
-      config.batch, ops, moves_blocks ? "ops (blocks)" : "ops", calls, seconds,
+      config.batch, depth, ops, moves_blocks ? "ops (blocks)" : "ops", calls, seconds,
       ops_per_sec, calls_per_sec);
   if (moves_blocks) {
     absl::StrAppendFormat(&human, ", %.3f GB/s", gb_per_sec);
@@ -567,13 +654,18 @@ int Run(const BenchConfig& config) {
     std::string json = absl::StrFormat(
         "{\"tool\":\"kvdepot-bench\",\"op\":\"%s\",\"transport\":\"%s\","
         "\"block_size\":%u,"
-        "\"clients\":%d,\"batch\":%d,\"ops\":%u,\"ops_unit\":\"%s\","
-        "\"calls\":%u,\"seconds\":%.6f,\"ops_per_sec\":%.3f,"
-        "\"calls_per_sec\":%.3f,\"gb_per_sec\":%.6f,\"latency_unit\":\"call\","
-        "\"p50_us\":%.3f,\"p99_us\":%.3f,\"p999_us\":%.3f,\"errors\":%u",
+        "\"clients\":%d,\"batch\":%d,\"depth\":%d,\"ops\":%u,"
+        "\"ops_unit\":\"%s\",\"calls\":%u,\"seconds\":%.6f,"
+        "\"ops_per_sec\":%.3f,\"calls_per_sec\":%.3f,\"gb_per_sec\":%.6f,"
+        "\"latency_unit\":\"call\",\"p50_us\":%.3f,\"p99_us\":%.3f,"
+        "\"p999_us\":%.3f,\"errors\":%u",
         config.op_name, transport, config.block_size, config.clients,
-        config.batch, ops, moves_blocks ? "block" : "call", calls, seconds, ops_per_sec,
+        config.batch, depth, ops, moves_blocks ? "block" : "call", calls, seconds, ops_per_sec,
         calls_per_sec, gb_per_sec, p50, p99, p999, errors);
+    if (config.op != Op::kLookup && std::string(transport) == "ucx") {
+      absl::StrAppendFormat(&json, ",\"requests\":\"%s\"",
+                            config.ucx_requests ? "ucx" : "grpc");
+    }
     if (config.op != Op::kPut)
       absl::StrAppendFormat(&json, ",\"keys\":%u", config.keys);
     if (config.op == Op::kLookup) {
@@ -628,6 +720,9 @@ int main(int argc, char** argv) {
                  "blocks per get/put call (default 1), keys per lookup call "
                  "(default 64); a get batch reads distinct keys")
       ->check(CLI::Range(1, kvdepot::kMaxLookupBatch));
+  app.add_option("--depth", config.depth,
+                 "get/put over ucx: calls in flight per client (default 1)")
+      ->check(CLI::Range(1, 64));
   std::string transport = "ucx";
   app.add_option("--transport", transport,
                  "ucx (default; falls back to grpc with a warning) or grpc")
@@ -639,6 +734,12 @@ int main(int argc, char** argv) {
   app.add_flag("--pin", config.pin,
                "lookup: pin the hits (unpinned after each call, untimed)");
   app.add_flag("--json", config.json, "print one JSON object on stdout");
+  std::string requests = "ucx";
+  app.add_option("--requests", requests,
+                 "get/put over ucx: send each call's request as a UCX active "
+                 "message (ucx, the default, where the daemon offers it) or "
+                 "as a gRPC call (grpc; ClientOptions::ucx_requests)")
+      ->check(CLI::IsMember({"ucx", "grpc"}));
   app.add_flag("--client-checksums", config.client_checksums,
                "put: hash every block in the client, also where a daemon on "
                "this host copies and hashes it (ClientOptions::always_checksum_puts)");
@@ -657,6 +758,7 @@ int main(int argc, char** argv) {
   }
   config.block_size = *size;
   config.ucx = transport == "ucx";
+  config.ucx_requests = requests == "ucx";
   config.op = config.op_name == "get"   ? kvdepot::Op::kGet
               : config.op_name == "put" ? kvdepot::Op::kPut
                                         : kvdepot::Op::kLookup;

@@ -9,6 +9,7 @@
 #include "storage/status_macros.h"
 #include "transport/internal/peer_endpoint.h"
 #include "transport/internal/rkey_check.h"
+#include "transport/internal/send_message.h"
 #include "transport/internal/transfer_batch.h"
 #include "transport/internal/ucs_status.h"
 
@@ -319,45 +320,18 @@ void UcxEndpoint::Post(const std::shared_ptr<Batch>& batch,
   }
 }
 
-namespace {
-
-// One message in flight: its bytes live until UCX's send completes.
-struct OutgoingMessage {
-  std::string header;
-  std::string payload;
-};
-
-void OnMessageSent(void* request, ucs_status_t /*status*/, void* user_data) {
-  // A failed send shows as the endpoint's failure; nothing to do here.
-  delete static_cast<OutgoingMessage*>(user_data);
-  ucp_request_free(request);
-}
-
-}  // namespace
-
 absl::Status UcxEndpoint::SendMessage(uint16_t id, std::string header,
                                       std::string payload) {
   if (absl::Status st = status(); !st.ok()) {
     return absl::UnavailableError(
         absl::StrCat("UCX endpoint has failed: ", st.message()));
   }
-  auto message = std::make_unique<OutgoingMessage>(
-      OutgoingMessage{std::move(header), std::move(payload)});
-  return worker_.Submit([this, id, message = std::move(message)]() mutable {
-    if (ep_ == nullptr) return;  // failed meanwhile; on_error tells
-    OutgoingMessage* m = message.release();
-    ucp_request_param_t param = {};
-    param.op_attr_mask = UCP_OP_ATTR_FIELD_FLAGS | UCP_OP_ATTR_FIELD_CALLBACK |
-                         UCP_OP_ATTR_FIELD_USER_DATA;
-    param.flags = UCP_AM_SEND_FLAG_EAGER;
-    param.cb.send = &OnMessageSent;
-    param.user_data = m;
-    ucs_status_ptr_t request =
-        ucp_am_send_nbx(ep_, id, m->header.data(), m->header.size(),
-                        m->payload.data(), m->payload.size(), &param);
-    // Done (or failed) at once: the callback will not run.
-    if (!UCS_PTR_IS_PTR(request)) delete m;
-  });
+  return worker_.Submit(
+      [this, id, header = std::move(header), payload = std::move(payload)]() mutable {
+        if (ep_ == nullptr) return;  // failed meanwhile; on_error tells
+        transport_internal::PostMessage(ep_, id, std::move(header),
+                                        std::move(payload));
+      });
 }
 
 void UcxEndpoint::Fail(absl::Status status, bool from_ucx_callback,

@@ -771,7 +771,8 @@ TEST_P(UcxEndpointTest, MessagesArriveWholeAndInOrder) {
   std::vector<Got> got;
   ASSERT_TRUE(server_worker_
                   ->SetMessageHandler(7, [&](absl::string_view header,
-                                             absl::string_view payload) {
+                                             absl::string_view payload,
+                                             const UcxWorker::MessageSender&) {
                     absl::MutexLock lock(&mu);
                     got.push_back({std::string(header), std::string(payload)});
                   })
@@ -806,12 +807,14 @@ TEST_P(UcxEndpointTest, MessagesArriveWholeAndInOrder) {
 TEST_P(UcxEndpointTest, MessagesOfAnotherIdAreNotDelivered) {
   std::atomic<int> seven{0}, eight{0};
   ASSERT_TRUE(server_worker_
-                  ->SetMessageHandler(7, [&](absl::string_view, absl::string_view) {
+                  ->SetMessageHandler(7, [&](absl::string_view, absl::string_view,
+                                             const UcxWorker::MessageSender&) {
                     ++seven;
                   })
                   .ok());
   ASSERT_TRUE(server_worker_
-                  ->SetMessageHandler(8, [&](absl::string_view, absl::string_view) {
+                  ->SetMessageHandler(8, [&](absl::string_view, absl::string_view,
+                                             const UcxWorker::MessageSender&) {
                     ++eight;
                   })
                   .ok());
@@ -823,6 +826,33 @@ TEST_P(UcxEndpointTest, MessagesOfAnotherIdAreNotDelivered) {
   }
   EXPECT_EQ(seven.load(), 1);
   EXPECT_EQ(eight.load(), 1);
+}
+
+TEST_P(UcxEndpointTest, AHandlerAnswersASenderItHasNoEndpointTo) {
+  // The server has no endpoint to the client: it answers over the
+  // connection the message came on.
+  ASSERT_TRUE(server_worker_
+                  ->SetMessageHandler(7, [](absl::string_view header,
+                                            absl::string_view payload,
+                                            const UcxWorker::MessageSender& from) {
+                    from.Reply(9, std::string(header) + "!",
+                               std::string(payload) + "?");
+                  })
+                  .ok());
+  absl::Notification answered;
+  std::string header, payload;
+  ASSERT_TRUE(client_worker_
+                  ->SetMessageHandler(9, [&](absl::string_view h, absl::string_view p,
+                                             const UcxWorker::MessageSender&) {
+                    header = std::string(h);
+                    payload = std::string(p);
+                    answered.Notify();
+                  })
+                  .ok());
+  ASSERT_TRUE(endpoint_->SendMessage(7, "ask", "me").ok());
+  ASSERT_TRUE(answered.WaitForNotificationWithTimeout(absl::Seconds(10)));
+  EXPECT_EQ(header, "ask!");
+  EXPECT_EQ(payload, "me?");
 }
 
 TEST_P(UcxEndpointTest, SendingOnAClosedEndpointIsUnavailable) {

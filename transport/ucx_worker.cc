@@ -9,6 +9,7 @@
 #include <utility>
 
 #include "storage/status_macros.h"
+#include "transport/internal/send_message.h"
 #include "transport/internal/ucs_status.h"
 
 namespace kvdepot {
@@ -90,13 +91,24 @@ ucs_status_t OnActiveMessage(void* arg, const void* header, size_t header_length
   if ((param->recv_attr & UCP_AM_RECV_ATTR_FLAG_RNDV) != 0) {
     return UCS_OK;  // not received: UCX drops it
   }
+  ucp_ep_h reply_ep = (param->recv_attr & UCP_AM_RECV_ATTR_FIELD_REPLY_EP) != 0
+                          ? param->reply_ep
+                          : nullptr;
   (*static_cast<UcxWorker::MessageHandler*>(arg))(
       absl::string_view(static_cast<const char*>(header), header_length),
-      absl::string_view(static_cast<const char*>(data), length));
+      absl::string_view(static_cast<const char*>(data), length),
+      UcxWorker::MessageSender(reply_ep));
   return UCS_OK;  // the bytes are UCX's again
 }
 
 }  // namespace
+
+void UcxWorker::MessageSender::Reply(uint16_t id, std::string header,
+                                     std::string payload) const {
+  if (ep_ != nullptr) {
+    transport_internal::PostMessage(ep_, id, std::move(header), std::move(payload));
+  }
+}
 
 absl::Status UcxWorker::SetMessageHandler(uint16_t id, MessageHandler handler) {
   absl::Status status;

@@ -92,14 +92,28 @@ class UcxWorker {
   // OnStop has run).
   absl::Status Run(absl::AnyInvocable<void() &&> task);
 
-  // Calls `handler(header, payload)` on the progress thread for every
-  // active message `id` that arrives on this worker (UcxEndpoint::
+  // The sender of a message being handled: Reply answers it over the
+  // connection the message came on (for a peer this worker has no endpoint
+  // to). Valid only during the handler's call.
+  class MessageSender {
+   public:
+    explicit MessageSender(ucp_ep_h ep) : ep_(ep) {}
+    // Sends message `id` back, as UcxEndpoint::SendMessage does; dropped
+    // when the sender cannot be answered (it sent without a reply endpoint).
+    void Reply(uint16_t id, std::string header, std::string payload) const;
+
+   private:
+    ucp_ep_h ep_;
+  };
+  // Calls `handler(header, payload, sender)` on the progress thread for
+  // every active message `id` that arrives on this worker (UcxEndpoint::
   // SendMessage on the peer's side), whole, with bytes valid only during
   // the call; it must not block. Replaces an earlier handler of `id`.
   // Messages a peer sends as rendezvous (larger than UCX sends eagerly,
   // which SendMessage never asks for) are dropped.
-  using MessageHandler =
-      absl::AnyInvocable<void(absl::string_view header, absl::string_view payload)>;
+  using MessageHandler = absl::AnyInvocable<void(
+      absl::string_view header, absl::string_view payload,
+      const MessageSender& sender)>;
   absl::Status SetMessageHandler(uint16_t id, MessageHandler handler);
 
   // Stops accepting tasks, runs those already queued, calls every Resident's

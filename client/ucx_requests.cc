@@ -1,0 +1,203 @@
+#include "client/ucx_requests.h"
+
+#include <utility>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "storage/status_macros.h"
+
+namespace kvdepot {
+namespace {
+
+// How often pending requests are checked against their deadlines.
+constexpr absl::Duration kDeadlineCheck = absl::Milliseconds(50);
+
+}  // namespace
+
+UcxRequests::UcxRequests(UcxWorker& worker) : worker_(worker) {}
+
+absl::StatusOr<std::unique_ptr<UcxRequests>> UcxRequests::Create(UcxWorker& worker) {
+  std::unique_ptr<UcxRequests> r(new UcxRequests(worker));
+  UcxRequests* self = r.get();
+  RETURN_IF_ERROR(worker.SetMessageHandler(
+      kReplyMessageId, [self](absl::string_view header, absl::string_view payload,
+                              const UcxWorker::MessageSender&) {
+        self->OnReply(header, payload);
+      }));
+  RETURN_IF_ERROR(worker.Run([self] {
+    self->worker_.AddResident(self);
+    self->worker_.WakeAt(absl::Now() + kDeadlineCheck);
+  }));
+  return r;
+}
+
+UcxRequests::~UcxRequests() {
+  // No reply handler or tick reaches this object after these.
+  worker_
+      .SetMessageHandler(kReplyMessageId,
+                         [](absl::string_view, absl::string_view,
+                            const UcxWorker::MessageSender&) {})
+      .IgnoreError();
+  worker_.Run([this] { worker_.RemoveResident(this); }).IgnoreError();
+  std::unique_ptr<UcxEndpoint> endpoint;
+  {
+    absl::MutexLock lock(&mu_);
+    stopped_ = true;
+    endpoint = std::move(endpoint_);
+  }
+  EndWhere([](const Pending&) { return true; },
+           absl::CancelledError("kvdepot client closed"));
+  endpoint.reset();  // waits on the progress thread: outside mu_
+}
+
+absl::Status UcxRequests::Connect(uint64_t session, std::string_view address,
+                                  absl::Duration timeout) {
+  uint64_t connection;
+  {
+    absl::MutexLock lock(&mu_);
+    if (stopped_) return absl::CancelledError("kvdepot client closed");
+    connection = ++connection_;
+  }
+  UcxEndpointOptions options;
+  options.connect_timeout = timeout;
+  options.peer_error_handling = true;  // a dead daemon ends requests at once
+  options.on_error = [this, connection](const absl::Status& why) {
+    {
+      absl::MutexLock lock(&mu_);
+      if (connection_ == connection) failed_ = true;
+    }
+    EndWhere([connection](const Pending& p) { return p.connection == connection; },
+             absl::UnavailableError(absl::StrCat(
+                 "UCX connection to kvdepotd failed: ", why.message())));
+  };
+  absl::StatusOr<std::unique_ptr<UcxEndpoint>> endpoint =
+      UcxEndpoint::Connect(worker_, address, std::move(options));
+  std::unique_ptr<UcxEndpoint> old;
+  {
+    absl::MutexLock lock(&mu_);
+    if (connection_ != connection || stopped_) {
+      // Another Connect (or the destructor) came after this one: it wins.
+      old = endpoint.ok() ? *std::move(endpoint) : nullptr;
+    } else {
+      old = std::move(endpoint_);
+      if (endpoint.ok()) {
+        endpoint_ = *std::move(endpoint);
+        session_ = session;
+        failed_ = false;
+      } else {
+        session_ = 0;
+        failed_ = true;
+      }
+    }
+  }
+  EndWhere([connection](const Pending& p) { return p.connection != connection; },
+           absl::UnavailableError("UCX connection to kvdepotd was replaced"));
+  Dispose(std::move(old));
+  return endpoint.ok() ? absl::OkStatus() : endpoint.status();
+}
+
+void UcxRequests::Disconnect(uint64_t session) {
+  std::unique_ptr<UcxEndpoint> old;
+  uint64_t connection;
+  {
+    absl::MutexLock lock(&mu_);
+    if (session_ != session || endpoint_ == nullptr) return;
+    old = std::move(endpoint_);
+    session_ = 0;
+    failed_ = true;
+    connection = connection_;
+  }
+  EndWhere([connection](const Pending& p) { return p.connection == connection; },
+           absl::UnavailableError("the session's UCX connection was closed"));
+  Dispose(std::move(old));
+}
+
+void UcxRequests::Dispose(std::unique_ptr<UcxEndpoint> endpoint) {
+  if (endpoint == nullptr) return;
+  if (worker_.OnProgressThread()) {
+    // Inside a UCX callback (a reply's, or this endpoint's own on_error):
+    // it goes once the callback has returned.
+    worker_.Defer([endpoint = std::move(endpoint)]() mutable { endpoint.reset(); });
+  } else {
+    endpoint.reset();
+  }
+}
+
+bool UcxRequests::Serves(uint64_t session) const {
+  absl::MutexLock lock(&mu_);
+  return session != 0 && session_ == session && !failed_ && endpoint_ != nullptr;
+}
+
+size_t UcxRequests::pending() const {
+  absl::MutexLock lock(&mu_);
+  return pending_.size();
+}
+
+absl::Status UcxRequests::Send(uint64_t session, RequestMethod method,
+                               std::string body, absl::Time deadline, Done done) {
+  absl::MutexLock lock(&mu_);
+  if (stopped_ || session == 0 || session_ != session || failed_ ||
+      endpoint_ == nullptr) {
+    return absl::UnavailableError(
+        absl::StrCat("no UCX connection to kvdepotd for session ", session));
+  }
+  const uint64_t id = next_id_++;
+  pending_.emplace(id, Pending{std::move(done), deadline, connection_});
+  // Under mu_, so the endpoint cannot be replaced meanwhile: SendMessage
+  // only queues work for the progress thread, which never holds what
+  // SendMessage takes while it waits for mu_.
+  absl::Status sent = endpoint_->SendMessage(
+      kRequestMessageId, EncodeRequestHeader(RequestHeader{method, id, session}),
+      std::move(body));
+  if (!sent.ok()) pending_.erase(id);
+  return sent;
+}
+
+void UcxRequests::OnReply(absl::string_view header, absl::string_view payload) {
+  std::optional<ReplyHeader> h = DecodeReplyHeader(header);
+  if (!h) return;  // not a reply of ours
+  Done done;
+  {
+    absl::MutexLock lock(&mu_);
+    auto it = pending_.find(h->request_id);
+    if (it == pending_.end()) return;  // ended already (deadline, failure)
+    done = std::move(it->second.done);
+    pending_.erase(it);
+  }
+  if (h->code == absl::StatusCode::kOk) {
+    std::move(done)(absl::OkStatus(), payload);
+  } else {
+    std::move(done)(absl::Status(h->code, payload), absl::string_view());
+  }
+}
+
+absl::Time UcxRequests::OnTick(absl::Time now) {
+  EndWhere([now](const Pending& p) { return p.deadline <= now; },
+           absl::DeadlineExceededError(
+               "kvdepotd did not answer the UCX request before its deadline"));
+  return now + kDeadlineCheck;
+}
+
+void UcxRequests::OnStop() {
+  EndWhere([](const Pending&) { return true; },
+           absl::CancelledError("the client's UCX worker stopped"));
+}
+
+template <typename Pred>
+void UcxRequests::EndWhere(Pred which, const absl::Status& status) {
+  std::vector<Done> ended;
+  {
+    absl::MutexLock lock(&mu_);
+    for (auto it = pending_.begin(); it != pending_.end();) {
+      if (which(it->second)) {
+        ended.push_back(std::move(it->second.done));
+        pending_.erase(it++);
+      } else {
+        ++it;
+      }
+    }
+  }
+  for (Done& done : ended) std::move(done)(status, absl::string_view());
+}
+
+}  // namespace kvdepot

@@ -1,0 +1,40 @@
+#include "transport/internal/send_message.h"
+
+#include <memory>
+#include <utility>
+
+namespace kvdepot::transport_internal {
+namespace {
+
+// One message in flight: its bytes live until UCX's send completes.
+struct OutgoingMessage {
+  std::string header;
+  std::string payload;
+};
+
+void OnMessageSent(void* request, ucs_status_t /*status*/, void* user_data) {
+  delete static_cast<OutgoingMessage*>(user_data);
+  ucp_request_free(request);
+}
+
+}  // namespace
+
+void PostMessage(ucp_ep_h ep, uint16_t id, std::string header,
+                 std::string payload) {
+  auto* m = new OutgoingMessage{std::move(header), std::move(payload)};
+  ucp_request_param_t param = {};
+  param.op_attr_mask = UCP_OP_ATTR_FIELD_FLAGS | UCP_OP_ATTR_FIELD_CALLBACK |
+                       UCP_OP_ATTR_FIELD_USER_DATA;
+  // Eager: the receiver's handler gets the message whole. Reply: it can
+  // answer a sender it has no endpoint to.
+  param.flags = UCP_AM_SEND_FLAG_EAGER | UCP_AM_SEND_FLAG_REPLY;
+  param.cb.send = &OnMessageSent;
+  param.user_data = m;
+  ucs_status_ptr_t request =
+      ucp_am_send_nbx(ep, id, m->header.data(), m->header.size(),
+                      m->payload.data(), m->payload.size(), &param);
+  // Done (or failed) at once: the callback will not run.
+  if (!UCS_PTR_IS_PTR(request)) delete m;
+}
+
+}  // namespace kvdepot::transport_internal
