@@ -11,6 +11,11 @@
 // The GIL is released during every RPC and every gather/scatter; the Python
 // objects whose memory is used are kept referenced meanwhile.
 //
+// Asynchronous transfers (get_into_async, put_async) return a TransferOp
+// that holds those objects, and the native client, until the op is seen
+// ready; an op dropped before then waits for its batch, with the GIL
+// released, before letting them go (see PyTransferOp).
+//
 // Errors: absl::Status codes become Python exceptions whose message starts
 // with the code's name: NOT_FOUND -> KeyError, INVALID_ARGUMENT and
 // OUT_OF_RANGE -> ValueError, everything else -> RuntimeError.
@@ -18,6 +23,8 @@
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
+#include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <memory>
 #include <optional>
@@ -35,6 +42,7 @@
 #include "google/protobuf/message.h"
 #include "gpu/gather.h"
 #include "gpu/kv_layout.h"
+#include "storage/block_key.h"
 
 namespace py = pybind11;
 
@@ -208,6 +216,175 @@ py::object FieldValue(const google::protobuf::Message& msg,
   return py::none();
 }
 
+// The binding of one TransferOp (a get_into_async or put_async batch) and
+// the owner of everything the batch uses: the Python objects whose memory it
+// reads or writes (with their buffer-protocol exports, which also keep
+// bytearrays and numpy arrays from being resized) and the native client,
+// whose UCX completion callback runs on a gRPC thread.
+//
+// Lifetime: those references are dropped only once the op is ready --
+// when wait(), ready() or a result accessor first sees it ready, or, for an
+// op dropped while still in flight, by the destructor, which first waits for
+// the batch with the GIL released. The wait is bounded by the client's RPC
+// deadline (timeout_s). The transfer never needs the GIL to finish, so the
+// wait cannot deadlock on it.
+//
+// Thread-safe for Python callers: every method runs with the GIL held, and
+// where one releases it (around the native wait, and to drop the client) it
+// touches only the TransferOp, which is thread-safe, or locals.
+class PyTransferOp {
+ public:
+  PyTransferOp(std::shared_ptr<Client> client, std::vector<Memory> memory)
+      : client_(std::move(client)), memory_(std::move(memory)) {}
+
+  // REQUIRES: the GIL (pybind11 destroys instances holding it).
+  ~PyTransferOp() {
+    if (client_ == nullptr && memory_.empty()) return;
+    {
+      py::gil_scoped_release release;
+      if (op_) op_->Wait();
+    }
+    Settle();
+  }
+
+  PyTransferOp(const PyTransferOp&) = delete;
+  PyTransferOp& operator=(const PyTransferOp&) = delete;
+
+  // Sets the op once it has been started. Needs no GIL (called by the one
+  // thread that owns this object before Python sees it).
+  void Start(TransferOp op) { op_.emplace(std::move(op)); }
+
+  bool Ready() {
+    if (!op_->IsReady()) return false;
+    Settle();
+    return true;
+  }
+
+  // Waits up to `timeout` seconds (forever with None; 0 polls). The GIL is
+  // released meanwhile; an unbounded wait wakes every 100 ms to let
+  // KeyboardInterrupt and other signal handlers run.
+  bool Wait(std::optional<double> timeout) {
+    if (timeout && std::isnan(*timeout)) {
+      throw py::value_error("INVALID_ARGUMENT: timeout is NaN");
+    }
+    const absl::Time deadline =
+        timeout ? absl::Now() + absl::Seconds(std::max(0.0, *timeout))
+                : absl::InfiniteFuture();
+    bool ready = false;
+    for (;;) {
+      absl::Time until = std::min(deadline, absl::Now() + absl::Milliseconds(100));
+      {
+        py::gil_scoped_release release;
+        ready = op_->WaitUntil(until);
+      }
+      if (ready || absl::Now() >= deadline) break;
+      if (PyErr_CheckSignals() != 0) throw py::error_already_set();
+    }
+    if (ready) Settle();
+    return ready;
+  }
+
+  std::vector<bool> Ok() {
+    RequireReady("ok");
+    std::vector<bool> out;
+    out.reserve(op_->statuses().size());
+    for (const absl::Status& s : op_->statuses()) out.push_back(s.ok());
+    return out;
+  }
+
+  // Per block: None when OK, else (code name, message), e.g.
+  // ("NOT_FOUND", "not stored").
+  py::list Errors() {
+    RequireReady("errors");
+    py::list out;
+    for (const absl::Status& s : op_->statuses()) {
+      if (s.ok()) {
+        out.append(py::none());
+      } else {
+        out.append(py::make_tuple(absl::StatusCodeToString(s.code()),
+                                  std::string(s.message())));
+      }
+    }
+    return out;
+  }
+
+  size_t OkPrefix() {
+    RequireReady("ok_prefix");
+    return op_->ok_prefix();
+  }
+
+  bool AlreadyStored(py::ssize_t i) {
+    RequireReady("already_stored");
+    const auto n = static_cast<py::ssize_t>(op_->statuses().size());
+    if (i < 0) i += n;
+    if (i < 0 || i >= n) {
+      throw py::index_error(absl::StrCat("block index out of range (", n, " blocks)"));
+    }
+    return op_->already_stored(static_cast<size_t>(i));
+  }
+
+  std::string Transport() {
+    RequireReady("transport");
+    return op_->transport();
+  }
+
+  // The number of blocks; known before the op is ready.
+  size_t size() const { return size_; }
+  void set_size(size_t n) { size_ = n; }
+
+  // "TransferOp(4 blocks, ready, 3 ok, transport=ucx)" or "(4 blocks, in
+  // flight)". Does not settle the op.
+  std::string Repr() {
+    if (!op_->IsReady()) return absl::StrCat("TransferOp(", size_, " blocks, in flight)");
+    size_t ok = 0;
+    for (const absl::Status& s : op_->statuses()) ok += s.ok() ? 1 : 0;
+    return absl::StrCat("TransferOp(", size_, " blocks, ready, ", ok,
+                        " ok, transport=", op_->transport(), ")");
+  }
+
+ private:
+  void RequireReady(const char* what) {
+    if (!op_->IsReady()) {
+      throw std::runtime_error(absl::StrCat(
+          "FAILED_PRECONDITION: TransferOp.", what,
+          "() before the transfer is ready; call wait() (or poll ready()) "
+          "first"));
+    }
+    Settle();
+  }
+
+  // Drops the references the batch needed. REQUIRES: the GIL, and the op
+  // ready (or never started). The client goes with the GIL released (its
+  // destructor closes the session); the memory objects after it, moved out
+  // first because releasing them may run Python code that calls back here.
+  void Settle() {
+    if (client_ == nullptr && memory_.empty()) return;
+    std::shared_ptr<Client> client = std::move(client_);
+    client_ = nullptr;
+    std::vector<Memory> memory = std::move(memory_);
+    memory_.clear();
+    {
+      py::gil_scoped_release release;
+      client.reset();
+    }
+  }
+
+  std::optional<TransferOp> op_;  // set by Start before Python sees it
+  size_t size_ = 0;
+  // Held until the op is ready; then null and empty.
+  std::shared_ptr<Client> client_;
+  std::vector<Memory> memory_;
+};
+
+// Raises ValueError unless `ns` and every key are valid (the native async
+// calls would report them per block instead).
+void ValidateNames(const std::string& ns, const std::vector<std::string>& keys) {
+  Check(ValidateNamespace(ns));
+  for (size_t i = 0; i < keys.size(); ++i) {
+    Check(ValidateKey(keys[i], absl::StrCat("keys[", i, "]")));
+  }
+}
+
 // The Client binding: one libkvdepot Client (thread-safe; Python threads may
 // share it).
 class PyClient {
@@ -305,6 +482,73 @@ class PyClient {
       for (const Memory& m : mem) dst.emplace_back(m.data, m.size);
       return c.GetInto(ns, v, dst);
     }));
+  }
+
+  // Starts reading blocks into `buffers` (as GetInto; over UCX when every
+  // buffer lies in allocated or registered memory, else over gRPC, done
+  // before this returns). Bad input raises here; per-block outcomes, misses
+  // included, are the op's.
+  std::unique_ptr<PyTransferOp> GetIntoAsync(const std::string& ns,
+                                             const std::vector<py::bytes>& keys,
+                                             const py::sequence& buffers,
+                                             bool prefix) {
+    if (static_cast<size_t>(buffers.size()) != keys.size()) {
+      throw py::value_error(absl::StrCat("INVALID_ARGUMENT: ", keys.size(),
+                                         " keys but ", buffers.size(), " buffers"));
+    }
+    std::vector<std::string> k = Keys(keys);
+    ValidateNames(ns, k);
+    std::vector<Memory> mem = GetMemories(buffers, /*writable=*/true, "buffers");
+    std::vector<absl::Span<char>> dst;
+    dst.reserve(mem.size());
+    for (const Memory& m : mem) dst.emplace_back(m.data, m.size);
+    std::shared_ptr<Client> c = client();
+    // The op owns the memory before the transfer can touch it.
+    auto op = std::make_unique<PyTransferOp>(c, std::move(mem));
+    op->set_size(k.size());
+    {
+      py::gil_scoped_release release;
+      std::vector<absl::string_view> v = Views(k);
+      op->Start(c->GetIntoAsync(ns, v, dst, prefix));
+    }
+    return op;
+  }
+
+  // Starts storing blocks from `buffers` (as Put; over UCX when every
+  // buffer lies in allocated or registered memory, else over gRPC, done
+  // before this returns). The buffers must not change until the op is ready.
+  std::unique_ptr<PyTransferOp> PutAsync(
+      const std::string& ns, const std::vector<py::bytes>& keys,
+      const py::sequence& buffers,
+      const std::optional<std::vector<py::bytes>>& parents) {
+    if (static_cast<size_t>(buffers.size()) != keys.size()) {
+      throw py::value_error(absl::StrCat("INVALID_ARGUMENT: ", keys.size(),
+                                         " keys but ", buffers.size(), " buffers"));
+    }
+    if (parents && parents->size() != keys.size()) {
+      throw py::value_error(absl::StrCat("INVALID_ARGUMENT: ", keys.size(),
+                                         " keys but ", parents->size(), " parents"));
+    }
+    std::vector<std::string> k = Keys(keys);
+    ValidateNames(ns, k);
+    std::vector<std::string> p = parents ? Keys(*parents) : std::vector<std::string>();
+    std::vector<Memory> mem = GetMemories(buffers, /*writable=*/false, "buffers");
+    // Keys and parents are copied into the request: they need to live only
+    // through the call.
+    std::vector<BlockToPut> blocks(k.size());
+    for (size_t i = 0; i < k.size(); ++i) {
+      blocks[i].key = k[i];
+      if (!p.empty()) blocks[i].parent = p[i];
+      blocks[i].bytes = absl::string_view(mem[i].data, mem[i].size);
+    }
+    std::shared_ptr<Client> c = client();
+    auto op = std::make_unique<PyTransferOp>(c, std::move(mem));
+    op->set_size(k.size());
+    {
+      py::gil_scoped_release release;
+      op->Start(c->PutFromAsync(ns, blocks));
+    }
+    return op;
   }
 
   py::dict Evict(const std::string& ns, const std::vector<py::bytes>& keys, bool all) {
@@ -515,6 +759,31 @@ PYBIND11_MODULE(_kvdepot, m) {
                             r.prefix_hits, ", pin_id=", r.pin_id, ")");
       });
 
+  py::class_<PyTransferOp>(
+      m, "TransferOp",
+      "One get_into_async/put_async batch in flight. Holds the buffers and "
+      "the client until it is seen ready; dropped earlier, it waits for the "
+      "batch (GIL released). Result methods raise RuntimeError "
+      "(FAILED_PRECONDITION) before it is ready.")
+      .def("ready", &PyTransferOp::Ready, "True once every block has an outcome (never blocks).")
+      .def("wait", &PyTransferOp::Wait, py::arg("timeout") = py::none(),
+           "Waits until ready or `timeout` seconds (None: no limit; 0 polls), "
+           "with the GIL released; returns whether it is ready.")
+      .def("ok", &PyTransferOp::Ok,
+           "One flag per block: True when filled (get) or stored (put, also "
+           "when it already existed).")
+      .def("errors", &PyTransferOp::Errors,
+           "One entry per block: None when OK, else (code name, message), e.g. "
+           "('NOT_FOUND', ...) for a miss.")
+      .def("ok_prefix", &PyTransferOp::OkPrefix, "Number of leading blocks that are OK.")
+      .def("already_stored", &PyTransferOp::AlreadyStored, py::arg("i"),
+           "For a put: block i was stored before (its status is OK).")
+      .def("transport", &PyTransferOp::Transport,
+           "'ucx' or 'grpc': the path the blocks took ('none' when nothing "
+           "was sent).")
+      .def("__len__", &PyTransferOp::size)
+      .def("__repr__", &PyTransferOp::Repr);
+
   py::class_<PyClient>(m, "Client",
                        "A connection to kvdepotd (thread-safe). No RPC is made "
                        "until the first call.")
@@ -545,6 +814,18 @@ PYBIND11_MODULE(_kvdepot, m) {
            py::arg("buffers"),
            "Reads blocks into writable buffers of exactly the block size; "
            "returns True per block filled, False per miss (buffer untouched).")
+      .def("get_into_async", &PyClient::GetIntoAsync, py::arg("ns"), py::arg("keys"),
+           py::arg("buffers"), py::arg("prefix") = false,
+           "Starts reading blocks into writable buffers of exactly the block "
+           "size; returns a TransferOp (a miss is a NOT_FOUND block status, "
+           "its buffer untouched). Over UCX when every buffer lies in "
+           "allocate_buffer/register_buffer memory, else over gRPC, done "
+           "before this returns. With prefix, stops at the first miss.")
+      .def("put_async", &PyClient::PutAsync, py::arg("ns"), py::arg("keys"),
+           py::arg("buffers"), py::arg("parents") = py::none(),
+           "Starts storing blocks (put-if-absent) from the buffers; returns a "
+           "TransferOp (ok per block stored; already_stored(i) where it "
+           "existed). The buffers must not change until the op is ready.")
       .def("allocate_buffer", &PyClient::AllocateBuffer, py::arg("size"),
            "A numpy uint8 array allocated and registered through UCX; put "
            "and get_into with buffers inside it use the UCX data plane "

@@ -9,7 +9,9 @@ Two levels:
   is released during every RPC. Buffers inside ``allocate_buffer`` memory
   (shared memory with a daemon on this host) or ``register_buffer`` memory
   (any writable array, kept alive as long as the client) move over the UCX
-  data plane, others over the gRPC byte path.
+  data plane, others over the gRPC byte path. ``get_into_async`` and
+  ``put_async`` start a batch and return a :class:`TransferOp` to poll or
+  wait on (per-block outcomes; a miss is a NOT_FOUND block, not an error).
 * :class:`KvCacheStore` -- saves and loads blocks of an engine's paged KV
   cache (torch tensors or numpy arrays in one of the :class:`KvCacheLayout`
   layouts): gather into host buffers, then put; get, then scatter the hits.
@@ -43,12 +45,13 @@ from typing import Any, List, Optional, Sequence
 try:
     from ._kvdepot import (
         BlockInfo,
-        Client,
+        Client as _NativeClient,
         KvCacheLayout,
         KvDtype,
         KvLayout,
         LookupReply,
         Tier,
+        TransferOp,
         dtype_bytes,
         dtype_name,
         gather,
@@ -70,6 +73,7 @@ __all__ = [
     "KvLayout",
     "LookupReply",
     "Tier",
+    "TransferOp",
     "dtype_bytes",
     "dtype_from_torch",
     "dtype_name",
@@ -78,6 +82,74 @@ __all__ = [
 ]
 
 __version__ = "0.1.0"
+
+
+class Client(_NativeClient):
+    """A connection to kvdepotd (thread-safe); see the module docstring.
+
+    ``Client(server="127.0.0.1:50551", timeout_s=30.0, lease_s=0.0,
+    client_name="kvdepot-python")``. No RPC is made until the first call.
+    The synchronous methods are the native ones; this class adds typed
+    wrappers of the asynchronous transfers.
+    """
+
+    def get_into_async(
+        self,
+        ns: str,
+        keys: Sequence[bytes],
+        buffers: Sequence[Any],
+        prefix: bool = False,
+    ) -> TransferOp:
+        """Starts reading the blocks ``keys`` into ``buffers`` and returns a
+        :class:`TransferOp` without waiting for the daemon.
+
+        ``buffers[i]`` receives ``keys[i]``: a writable C-contiguous buffer
+        of exactly that block's size. Over the UCX data plane when every
+        buffer lies in ``allocate_buffer`` or ``register_buffer`` memory;
+        otherwise over the gRPC byte path, done before this returns (the op
+        is then ready at once). With ``prefix`` the read stops at the first
+        miss (the later blocks are misses too).
+
+        Per block, ``op.ok()[i]`` says whether ``buffers[i]`` was filled; a
+        key that is not stored is a miss (``("NOT_FOUND", ...)`` in
+        ``op.errors()``) and leaves its buffer untouched. Other block errors
+        (the daemon unreachable, DATA_LOSS, a wrong buffer size) may leave
+        partial bytes: use only the blocks that are OK.
+
+        Raises ValueError for bad input (counts differ, an invalid namespace
+        or key, a read-only or non-contiguous buffer) and TypeError for an
+        object that is not a buffer, before anything starts. The op keeps the
+        buffers (and this client) referenced until it is ready; don't read
+        or change them before then.
+        """
+        return super().get_into_async(ns, list(keys), list(buffers), prefix)
+
+    def put_async(
+        self,
+        ns: str,
+        keys: Sequence[bytes],
+        buffers: Sequence[Any],
+        parents: Optional[Sequence[bytes]] = None,
+    ) -> TransferOp:
+        """Starts storing ``buffers`` under ``keys`` (put-if-absent) and
+        returns a :class:`TransferOp` without waiting for the daemon.
+
+        ``parents[i]`` is the key of the block before ``keys[i]`` in its
+        chain (``b""`` for a chain's first block). Over the UCX data plane
+        when every buffer lies in ``allocate_buffer`` or ``register_buffer``
+        memory; otherwise over the gRPC byte path, done before this returns.
+
+        Per block, ``op.ok()[i]`` says the block is stored;
+        ``op.already_stored(i)`` that it was stored before (the existing
+        block is kept). Raises as :meth:`get_into_async`. The buffers must not
+        change until the op is ready (the op keeps them referenced).
+        """
+        return super().put_async(
+            ns,
+            list(keys),
+            list(buffers),
+            list(parents) if parents is not None else None,
+        )
 
 
 def dtype_from_torch(dtype: Any) -> KvDtype:

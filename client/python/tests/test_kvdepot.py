@@ -5,8 +5,12 @@ KVDEPOT_DAEMON=<path of kvdepotd>. Exits 77 (ctest: skipped) when numpy is
 missing; the torch cases skip themselves when torch is.
 """
 
+import os
+import signal
+import subprocess
 import sys
 import threading
+import time
 import unittest
 
 try:
@@ -256,6 +260,391 @@ class UcxDataPlaneTest(DaemonTestCase):
         self.client.close()
         with self.assertRaises(RuntimeError):
             self.client.register_buffer(np.zeros(16, dtype=np.uint8))
+
+
+class AsyncTransferTest(DaemonTestCase):
+    """get_into_async / put_async: TransferOp handles, per-block outcomes,
+    and the lifetime of what an op in flight uses."""
+
+    metrics = True
+    SIZE = 4096
+
+    def ucx_bytes(self, direction: str) -> float:
+        return self.daemon.metric(
+            'kvdepot_bytes_total{direction="%s",transport="ucx"}' % direction)
+
+    def stored(self, first: int, n: int, size: int = SIZE):
+        """Stores n random blocks key(first..) over gRPC (plain arrays);
+        returns their keys and copies of their bytes."""
+        keys = [key(first + i) for i in range(n)]
+        blocks = [np.random.default_rng(first + i).integers(0, 256, size, dtype=np.uint8)
+                  for i in range(n)]
+        self.assertEqual(self.client.put(NS, keys, blocks), [True] * n)
+        self.assertEqual(self.ucx_bytes("in"), 0)
+        return keys, blocks
+
+    def tearDown(self):
+        # A test that failed with the daemon stopped: let it stop normally.
+        os.kill(self.daemon.proc.pid, signal.SIGCONT)
+        super().tearDown()
+
+    def stop_daemon(self):
+        """SIGSTOPs the daemon (continued at tearDown at the latest): a batch
+        sent now cannot complete until it continues."""
+        pid = self.daemon.proc.pid
+        os.kill(pid, signal.SIGSTOP)
+        # kill() returns before every thread has stopped: wait until they have.
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:
+            states = []
+            for task in os.listdir(f"/proc/{pid}/task"):
+                try:
+                    with open(f"/proc/{pid}/task/{task}/stat") as f:
+                        states.append(f.read().rsplit(")", 1)[1].split()[0])
+                except FileNotFoundError:  # a thread that just exited
+                    pass
+            if states and all(st in ("T", "t") for st in states):
+                return
+            time.sleep(0.001)
+        self.fail("kvdepotd did not stop")
+
+    def continue_daemon_after(self, seconds: float) -> subprocess.Popen:
+        """SIGCONTs the daemon from another process after `seconds`, so that
+        it continues whatever this process (and its GIL) are doing."""
+        p = subprocess.Popen(["sh", "-c", "sleep %s; kill -CONT %d"
+                              % (seconds, self.daemon.proc.pid)])
+        self.addCleanup(p.wait)
+        return p
+
+    def runs_without_the_gil(self, fn):
+        """Runs fn(), which must take 0.25 s or more, and checks that a
+        pure-Python thread ran in the middle of it (0.05-0.25 s in): fn
+        released the GIL. Returns fn's result and its duration."""
+        window = [float("inf"), float("-inf")]
+        ticks = [0]
+        stop = threading.Event()
+
+        def ticker():
+            while not stop.is_set():
+                if window[0] <= time.monotonic() <= window[1]:
+                    ticks[0] += 1
+
+        t = threading.Thread(target=ticker)
+        t.start()
+        try:
+            t0 = time.monotonic()
+            window[:] = [t0 + 0.05, t0 + 0.25]
+            result = fn()
+            took = time.monotonic() - t0
+        finally:
+            stop.set()
+            t.join()
+        self.assertGreaterEqual(took, 0.25)
+        self.assertGreater(ticks[0], 0, "the GIL was held")
+        return result, took
+
+    def check_get(self, dst_of):
+        """Gets 3 stored blocks and one miss (third) into dst_of(4) over UCX."""
+        self.assertEqual(self.client.data_plane_status(), "")
+        keys, blocks = self.stored(0, 3)
+        dst = dst_of(4)
+        for d in dst:
+            d[:] = 0xAB  # a miss must leave this as it is
+        ptrs = [d.ctypes.data for d in dst]
+        op = self.client.get_into_async(NS, keys[:2] + [key(99), keys[2]], dst)
+        self.assertIsInstance(op, kvdepot.TransferOp)
+        self.assertEqual(len(op), 4)
+        self.assertIs(op.wait(), True)
+        self.assertTrue(op.ready())
+        self.assertEqual(op.ok(), [True, True, False, True])
+        errors = op.errors()
+        self.assertEqual([e is None for e in errors], [True, True, False, True])
+        self.assertEqual(errors[2][0], "NOT_FOUND")
+        self.assertEqual(op.ok_prefix(), 2)
+        self.assertEqual(op.transport(), "ucx")
+        self.assertEqual(self.ucx_bytes("out"), 3 * self.SIZE)
+        for d, b, p in zip([dst[0], dst[1], dst[3]], blocks, [ptrs[0], ptrs[1], ptrs[3]]):
+            self.assertEqual(d.ctypes.data, p)  # filled in place
+            self.assertEqual(d.tobytes(), b.tobytes())
+        self.assertTrue((dst[2] == 0xAB).all())
+        self.assertIn("ready", repr(op))
+
+    def test_get_into_async_allocated_buffer_over_ucx(self):
+        pool = self.client.allocate_buffer(4 * self.SIZE)
+        self.check_get(lambda n: [pool[i * self.SIZE:(i + 1) * self.SIZE]
+                                  for i in range(n)])
+
+    def test_get_into_async_registered_numpy_over_ucx(self):
+        arena = np.zeros(4 * self.SIZE, dtype=np.uint8)
+        self.client.register_buffer(arena)
+        self.check_get(lambda n: [arena[i * self.SIZE:(i + 1) * self.SIZE]
+                                  for i in range(n)])
+
+    @unittest.skipIf(torch is None, "torch is not installed")
+    def test_get_into_async_registered_torch_tensor(self):
+        keys, blocks = self.stored(0, 2)
+        t = torch.zeros(2, self.SIZE, dtype=torch.uint8)
+        self.client.register_buffer(t)
+        op = self.client.get_into_async(NS, keys, [t[0], t[1]])
+        self.assertTrue(op.wait(timeout=10))
+        self.assertEqual((op.ok(), op.transport()), ([True, True], "ucx"))
+        for i in range(2):
+            self.assertEqual(t[i].numpy().tobytes(), blocks[i].tobytes())
+        self.assertEqual(self.ucx_bytes("out"), 2 * self.SIZE)
+
+    def test_unregistered_buffers_take_grpc_and_are_ready_at_once(self):
+        keys, blocks = self.stored(0, 2)
+        dst = [np.full(self.SIZE, 0xAB, np.uint8) for _ in range(3)]
+        op = self.client.get_into_async(NS, [keys[0], key(99), keys[1]], dst)
+        self.assertTrue(op.ready())  # the gRPC path ran inside the call
+        self.assertEqual(op.transport(), "grpc")
+        self.assertEqual(op.ok(), [True, False, True])
+        self.assertEqual(op.errors()[1][0], "NOT_FOUND")
+        self.assertEqual(dst[0].tobytes(), blocks[0].tobytes())
+        self.assertEqual(dst[2].tobytes(), blocks[1].tobytes())
+        self.assertTrue((dst[1] == 0xAB).all())
+        self.assertEqual(self.ucx_bytes("out"), 0)
+
+    def test_prefix_stops_at_the_first_miss(self):
+        keys, _ = self.stored(0, 2)
+        pool = self.client.allocate_buffer(3 * self.SIZE)
+        pool[:] = 0xAB
+        dst = [pool[i * self.SIZE:(i + 1) * self.SIZE] for i in range(3)]
+        op = self.client.get_into_async(NS, [keys[0], key(99), keys[1]], dst,
+                                        prefix=True)
+        self.assertTrue(op.wait())
+        self.assertEqual(op.transport(), "ucx")
+        self.assertEqual(op.ok(), [True, False, False])
+        self.assertEqual(op.ok_prefix(), 1)
+        self.assertTrue((dst[1] == 0xAB).all())
+
+    def test_many_ops_in_flight_waited_in_reverse_order(self):
+        n_ops, per_op, size = 6, 3, 64 << 10
+        keys, blocks = self.stored(0, n_ops * per_op, size)
+        pool = self.client.allocate_buffer(n_ops * per_op * size)
+        dst = [pool[i * size:(i + 1) * size] for i in range(n_ops * per_op)]
+        warm = self.client.get_into_async(NS, keys[:1], dst[:1])
+        self.assertTrue(warm.wait(timeout=30))
+        pool[:] = 0
+        # Every op is sent before the daemon may answer any.
+        self.stop_daemon()
+        ops = []
+        for j in range(n_ops):
+            part = slice(j * per_op, (j + 1) * per_op)
+            ops.append(self.client.get_into_async(NS, keys[part], dst[part]))
+        self.assertEqual([op.ready() for op in ops], [False] * n_ops)
+        os.kill(self.daemon.proc.pid, signal.SIGCONT)
+        for j in reversed(range(n_ops)):
+            self.assertTrue(ops[j].wait(timeout=30), f"op {j}")
+            self.assertEqual(ops[j].ok(), [True] * per_op, f"op {j}")
+            self.assertEqual(ops[j].transport(), "ucx")
+        for i, (d, b) in enumerate(zip(dst, blocks)):
+            self.assertEqual(d.tobytes(), b.tobytes(), f"block {i}")
+        self.assertEqual(self.ucx_bytes("out"), (n_ops * per_op + 1) * size)
+
+    def test_put_async_then_get_back(self):
+        pool = self.client.allocate_buffer(6 * self.SIZE)
+        src = [pool[i * self.SIZE:(i + 1) * self.SIZE] for i in range(3)]
+        for i, b in enumerate(src):
+            b[:] = np.random.default_rng(20 + i).integers(0, 256, self.SIZE,
+                                                          dtype=np.uint8)
+        keys = [key(20 + i) for i in range(3)]
+        op = self.client.put_async(NS, keys, src, parents=[b"", keys[0], keys[1]])
+        self.assertTrue(op.wait(timeout=30))
+        self.assertEqual(op.transport(), "ucx")
+        self.assertEqual(op.ok(), [True] * 3)
+        self.assertEqual([op.already_stored(i) for i in range(3)], [False] * 3)
+        self.assertEqual(self.ucx_bytes("in"), 3 * self.SIZE)
+        self.assertEqual(self.client.lookup(NS, keys, prefix=True).prefix_hits, 3)
+        # Put-if-absent: a second put keeps the blocks and says so.
+        again = self.client.put_async(NS, keys + [key(23)], src + [src[0]])
+        self.assertTrue(again.wait(timeout=30))
+        self.assertEqual(again.ok(), [True] * 4)
+        self.assertEqual([again.already_stored(i) for i in range(4)],
+                         [True, True, True, False])
+        self.assertIs(again.already_stored(-1), False)
+        with self.assertRaises(IndexError):
+            again.already_stored(4)
+        # Back over UCX, async, and over gRPC, sync.
+        dst = [pool[(3 + i) * self.SIZE:(4 + i) * self.SIZE] for i in range(3)]
+        get = self.client.get_into_async(NS, keys, dst)
+        self.assertTrue(get.wait(timeout=30))
+        self.assertEqual((get.ok(), get.transport()), ([True] * 3, "ucx"))
+        plain = [np.zeros(self.SIZE, np.uint8) for _ in range(3)]
+        self.assertEqual(self.client.get_into(NS, keys, plain), [True] * 3)
+        for s_, d, p in zip(src, dst, plain):
+            self.assertEqual(d.tobytes(), s_.tobytes())
+            self.assertEqual(p.tobytes(), s_.tobytes())
+
+    def test_grpc_path_releases_the_gil_during_the_call(self):
+        keys, blocks = self.stored(0, 2)
+        self.client.ensure_session()
+        dst = [np.zeros(self.SIZE, np.uint8) for _ in range(2)]
+        self.stop_daemon()
+        self.continue_daemon_after(0.3)
+        # Not registered: the gRPC path runs inside the call.
+        op, _ = self.runs_without_the_gil(
+            lambda: self.client.get_into_async(NS, keys, dst))
+        self.assertTrue(op.ready())
+        self.assertEqual((op.ok(), op.transport()), ([True, True], "grpc"))
+        self.assertEqual([d.tobytes() for d in dst], [b.tobytes() for b in blocks])
+        self.stop_daemon()
+        self.continue_daemon_after(0.3)
+        op, _ = self.runs_without_the_gil(
+            lambda: self.client.put_async(NS, [key(50)], [blocks[0]]))
+        self.assertEqual((op.ok(), op.transport()), ([True], "grpc"))
+
+    def test_put_async_from_plain_buffers_takes_grpc(self):
+        data = [bytes([i]) * 100 for i in range(2)]
+        op = self.client.put_async(NS, [key(1), key(2)], data)
+        self.assertTrue(op.ready())
+        self.assertEqual((op.ok(), op.transport()), ([True, True], "grpc"))
+        out = [bytearray(100) for _ in range(2)]
+        self.assertEqual(self.client.get_into(NS, [key(1), key(2)], out), [True] * 2)
+        self.assertEqual([bytes(o) for o in out], data)
+        self.assertEqual(self.ucx_bytes("in"), 0)
+
+    def test_results_before_ready_raise_and_wait_timeout_returns(self):
+        keys, blocks = self.stored(0, 2)
+        pool = self.client.allocate_buffer(2 * self.SIZE)
+        dst = [pool[:self.SIZE], pool[self.SIZE:]]
+        # Session and buffer registration first (synchronous RPCs).
+        warm = self.client.get_into_async(NS, keys[:1], dst[:1])
+        self.assertTrue(warm.wait(timeout=30))
+        pool[:] = 0
+        self.stop_daemon()
+        op = self.client.get_into_async(NS, keys, dst)
+        t0 = time.monotonic()
+        self.assertIs(op.wait(timeout=0), False)
+        self.assertLess(time.monotonic() - t0, 0.5)  # no waiting for the daemon
+        self.assertIs(op.ready(), False)
+        self.assertIn("in flight", repr(op))
+        self.assertEqual(len(op), 2)
+        for call in (op.ok, op.errors, op.ok_prefix, op.transport,
+                     lambda: op.already_stored(0)):
+            with self.assertRaises(RuntimeError) as cm:
+                call()
+            self.assertIn("FAILED_PRECONDITION", str(cm.exception))
+        # A bounded wait gives up after its timeout, with the GIL released.
+        ready, waited = self.runs_without_the_gil(lambda: op.wait(timeout=0.3))
+        self.assertIs(ready, False)
+        self.assertGreaterEqual(waited, 0.29)
+        os.kill(self.daemon.proc.pid, signal.SIGCONT)
+        self.assertIs(op.wait(timeout=30), True)
+        self.assertEqual(op.ok(), [True, True])
+        for d, b in zip(dst, blocks):
+            self.assertEqual(d.tobytes(), b.tobytes())
+
+    def test_dropped_get_waits_for_its_batch(self):
+        size, n = 1 << 20, 8
+        keys, blocks = self.stored(0, n, size)
+        arena = np.zeros(n * size, dtype=np.uint8)
+        self.client.register_buffer(arena)
+        dst = [arena[i * size:(i + 1) * size] for i in range(n)]
+        warm = self.client.get_into_async(NS, keys[:1], dst[:1])
+        self.assertTrue(warm.wait(timeout=30))
+        arena[:] = 0
+        self.stop_daemon()
+        op = self.client.get_into_async(NS, keys, dst)
+        self.assertFalse(op.ready())
+        self.continue_daemon_after(0.3)
+
+        def drop():
+            nonlocal op
+            del op  # waits for the batch, the GIL released
+
+        self.runs_without_the_gil(drop)
+        for i, (d, b) in enumerate(zip(dst, blocks)):
+            self.assertEqual(d.tobytes(), b.tobytes(), f"block {i}")
+        self.assertEqual(self.ucx_bytes("out"), (n + 1) * size)  # with warm
+
+    def test_dropped_put_waits_for_its_batch(self):
+        size, n = 1 << 20, 8
+        pool = self.client.allocate_buffer(n * size)
+        warm = self.client.put_async(NS, [b"warm"], [pool[:16]])
+        self.assertTrue(warm.wait(timeout=30))
+        pool[:] = np.random.default_rng(5).integers(0, 256, n * size, dtype=np.uint8)
+        expected = pool.copy()
+        keys = [key(100 + i) for i in range(n)]
+        self.stop_daemon()
+        op = self.client.put_async(NS, keys, [pool[i * size:(i + 1) * size]
+                                              for i in range(n)])
+        self.assertFalse(op.ready())
+        del pool  # only the op holds the memory now
+        self.continue_daemon_after(0.3)
+
+        def drop():
+            nonlocal op
+            del op  # waits for the batch, the GIL released
+
+        self.runs_without_the_gil(drop)
+        self.client.close()  # the last holder of the memory goes too
+        self.assertEqual(self.ucx_bytes("in"), 16 + n * size)
+        with kvdepot.Client(self.daemon.address, timeout_s=10) as c:
+            out = np.zeros(n * size, dtype=np.uint8)
+            self.assertEqual(
+                c.get_into(NS, keys, [out[i * size:(i + 1) * size] for i in range(n)]),
+                [True] * n)
+        np.testing.assert_array_equal(out, expected)
+
+    def test_op_outlives_close_of_its_client(self):
+        # Registered numpy memory does not hold the client (allocate_buffer
+        # memory would): only the op keeps the native client alive.
+        keys, blocks = self.stored(0, 2)
+        arena = np.zeros(2 * self.SIZE, dtype=np.uint8)
+        self.client.register_buffer(arena)
+        dst = [arena[:self.SIZE], arena[self.SIZE:]]
+        warm = self.client.get_into_async(NS, keys[:1], dst[:1])
+        self.assertTrue(warm.wait(timeout=30))
+        del warm
+        arena[:] = 0
+        other = kvdepot.Client(self.daemon.address, timeout_s=10)
+        self.addCleanup(other.close)
+        self.assertEqual(other.stats()["sessions"], 1)
+        self.stop_daemon()
+        op = self.client.get_into_async(NS, keys, dst)
+        t0 = time.monotonic()
+        # Not torn down under the op: that would close the session, an RPC
+        # that waits for the stopped daemon (up to 2 s).
+        self.client.close()
+        self.assertLess(time.monotonic() - t0, 1.0)
+        with self.assertRaises(RuntimeError):
+            self.client.get_into_async(NS, keys, dst)
+        os.kill(self.daemon.proc.pid, signal.SIGCONT)
+        self.assertEqual(other.stats()["sessions"], 1)  # still the op's
+        self.assertTrue(op.wait(timeout=30))
+        self.assertEqual((op.ok(), op.transport()), ([True, True], "ucx"))
+        for d, b in zip(dst, blocks):
+            self.assertEqual(d.tobytes(), b.tobytes())
+        # Seen ready, the op let the client go: its session is closed.
+        self.assertEqual(other.stats()["sessions"], 0)
+
+    def test_bad_input_raises_before_anything_starts(self):
+        self.client.put(NS, [key(1)], [np.zeros(64, np.uint8)])
+        with self.assertRaises(ValueError):  # counts differ
+            self.client.get_into_async(NS, [key(1), key(2)], [bytearray(64)])
+        with self.assertRaises(ValueError):
+            self.client.put_async(NS, [key(1)], [b"x", b"y"])
+        with self.assertRaises(ValueError):
+            self.client.put_async(NS, [key(1)], [b"x"], parents=[b"", b""])
+        with self.assertRaises(ValueError):  # read-only destination
+            self.client.get_into_async(NS, [key(1)], [bytes(64)])
+        with self.assertRaises(ValueError):  # not contiguous
+            self.client.get_into_async(NS, [key(1)], [np.zeros(128, np.uint8)[::2]])
+        with self.assertRaises(ValueError):
+            self.client.put_async(NS, [key(2)], [np.zeros(128, np.uint8)[::2]])
+        with self.assertRaises(ValueError):  # bad namespace, empty key
+            self.client.get_into_async("bad namespace", [key(1)], [bytearray(64)])
+        with self.assertRaises(ValueError):
+            self.client.put_async(NS, [b""], [b"x"])
+        with self.assertRaises(TypeError):
+            self.client.put_async(NS, [key(2)], [12345])
+        with self.assertRaises(TypeError):
+            self.client.get_into_async(NS, [key(1)], [object()])
+        # Nothing was stored by the refused calls.
+        self.assertEqual(self.client.lookup(NS, [key(2)]).entries[0].found, False)
+        with self.assertRaises(ValueError):
+            self.client.put_async(NS, [key(1)], [b"x"]).wait(timeout=float("nan"))
 
 
 class LayoutTest(unittest.TestCase):
