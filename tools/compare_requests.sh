@@ -1,0 +1,152 @@
+#!/usr/bin/env bash
+# compare_requests.sh: kvdepot's two request paths side by side on loopback
+# (see ../shared/BENCHMARKS.md): each GetIntoAsync / PutFromAsync call's
+# request as a UCX active message (kvdepot-bench --requests ucx, the
+# default) against the same call as a gRPC call (--requests grpc, what
+# every call paid before). Block bytes move over UCX either way; only the
+# request and its reply change path, so the ratio is what the request path
+# is worth per call.
+#
+# Starts one memory-only kvdepotd (port 0, temporary data dir); for every op
+# (put, get), batch and client count runs a warm-up of each side, then
+# A B A B (ucx, grpc) for --rounds rounds. Each side's figure is its BEST
+# round (highest GB/s); every round is kept in the JSON. ratio = ucx GB/s /
+# grpc GB/s (the same as the calls/s ratio: every call moves --batch blocks).
+#
+#   tools/compare_requests.sh [--build DIR] [--block-size BYTES]
+#       [--clients "1 4"] [--batches "1 16"] [--duration S] [--rounds N]
+#       [--ucx-tls TLS] [--out FILE] [--smoke]
+#
+# --ucx-tls sets UCX_TLS for kvdepotd and the clients ("tcp"; "shm,tcp" for
+# shared memory between co-located processes, the default).
+#
+# Prints a table and writes JSON (default tools/results/compare_requests.json).
+# Stops everything it started on exit. Exit 0 when every run succeeded, 1 when
+# one failed, 2 for usage errors. Needs the kvdepotd and kvdepot-bench builds.
+set -euo pipefail
+
+REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+BUILD="$REPO/build"
+BLOCK=262144
+CLIENTS="1 4"
+BATCHES="1 16"
+DURATION=3
+ROUNDS=2
+WARMUP=1
+TLS="shm,tcp"
+OUT="$REPO/tools/results/compare_requests.json"
+
+usage() { sed -n '2,/^set -euo/p' "${BASH_SOURCE[0]}" | sed '$d; s/^# \{0,1\}//'; }
+die_usage() { echo "compare_requests.sh: $*" >&2; exit 2; }
+need_value() { [[ $# -ge 2 ]] || die_usage "$1 needs a value"; }
+while [[ $# -gt 0 ]]; do
+  case "$1" in
+    --build) need_value "$@"; BUILD="$2"; shift 2 ;;
+    --block-size) need_value "$@"; BLOCK="$2"; shift 2 ;;
+    --clients) need_value "$@"; CLIENTS="$2"; shift 2 ;;
+    --batches) need_value "$@"; BATCHES="$2"; shift 2 ;;
+    --duration) need_value "$@"; DURATION="$2"; shift 2 ;;
+    --rounds) need_value "$@"; ROUNDS="$2"; shift 2 ;;
+    --ucx-tls) need_value "$@"; TLS="$2"; shift 2 ;;
+    --out) need_value "$@"; OUT="$2"; shift 2 ;;
+    --smoke) BLOCK=65536; CLIENTS=1; BATCHES=1; DURATION=0.5; ROUNDS=1; WARMUP=0.2; shift ;;
+    -h|--help) usage; exit 0 ;;
+    *) die_usage "unknown argument: $1" ;;
+  esac
+done
+is_uint() { [[ $1 =~ ^[0-9]+$ ]] && [[ $1 -gt 0 ]]; }
+is_uint "$BLOCK" || die_usage "--block-size: \"$BLOCK\" is not a byte count"
+is_uint "$ROUNDS" || die_usage "--rounds: \"$ROUNDS\" is not a positive integer"
+for c in $CLIENTS; do is_uint "$c" || die_usage "--clients: \"$c\" is not a positive integer"; done
+for b in $BATCHES; do is_uint "$b" || die_usage "--batches: \"$b\" is not a positive integer"; done
+[[ $DURATION =~ ^[0-9]+([.][0-9]+)?$ ]] || die_usage "--duration: \"$DURATION\" is not a number of seconds"
+
+KVDEPOTD="$BUILD/server/kvdepotd"
+BENCH="$BUILD/tools/kvdepot-bench"
+for tool in "$KVDEPOTD" "$BENCH"; do
+  [[ -x $tool ]] || die_usage "$tool not built (ninja -C $BUILD kvdepotd kvdepot-bench)"
+done
+export UCX_TLS="$TLS" UCX_NET_DEVICES=lo UCX_TCP_TX_SEG_SIZE=512k UCX_TCP_RX_SEG_SIZE=512k
+
+WORK="$(mktemp -d)"
+KVD_PID=""
+cleanup() {
+  [[ -n $KVD_PID ]] && kill "$KVD_PID" 2>/dev/null && wait "$KVD_PID" 2>/dev/null
+  rm -rf "$WORK"
+}
+trap cleanup EXIT
+"$KVDEPOTD" --listen 127.0.0.1:0 --metrics-listen "" --data-dir "$WORK/kvd" \
+  --dram-capacity 2GiB --nvme-capacity 0 2>"$WORK/kvdepotd.log" &
+KVD_PID=$!
+port=""
+for ((i = 0; i < 150; i++)); do
+  port="$(sed -n 's/.*listening on 127\.0\.0\.1:\([0-9][0-9]*\).*/\1/p' "$WORK/kvdepotd.log" | head -n1)"
+  [[ -n $port ]] && break
+  sleep 0.1
+done
+[[ -n $port ]] || { cat "$WORK/kvdepotd.log" >&2; echo "kvdepotd did not start" >&2; exit 1; }
+KVD="127.0.0.1:$port"
+
+failed=0
+# bench REQUESTS OP CLIENTS BATCH SECONDS [extra]: one kvdepot-bench run's JSON.
+bench() {
+  local requests=$1 op=$2 clients=$3 batch=$4 seconds=$5 out
+  shift 5
+  if ! out="$("$BENCH" --server "$KVD" --op "$op" --requests "$requests" \
+      --block-size "$BLOCK" --clients "$clients" --batch "$batch" \
+      --duration "$seconds" --ns requests "$@" --json 2>"$WORK/bench.err")" ||
+      [[ $out != '{'* ]]; then
+    echo "kvdepot-bench --requests $requests --op $op x$clients batch $batch failed:" >&2
+    sed 's/^/  /' "$WORK/bench.err" >&2
+    failed=1
+    echo "{}"
+    return
+  fi
+  if grep -q "falls back to grpc" "$WORK/bench.err"; then
+    echo "kvdepot-bench: blocks did not move over UCX:" >&2
+    sed 's/^/  /' "$WORK/bench.err" >&2
+    failed=1
+  fi
+  echo "$out"
+}
+gbps() { sed -n 's/.*"gb_per_sec":\([0-9.]*\).*/\1/p' <<<"$1"; }
+p99() { sed -n 's/.*"p99_us":\([0-9.]*\).*/\1/p' <<<"$1"; }
+
+printf '%-4s %-7s %-5s %-12s %-12s %-8s %-12s %-12s\n' op clients batch \
+  ucx_GB/s grpc_GB/s ratio ucx_p99_us grpc_p99_us
+rows=()
+for op in put get; do
+  for clients in $CLIENTS; do
+    for batch in $BATCHES; do
+      # Warm-up (and for get, the working set is stored by the first run).
+      bench ucx "$op" "$clients" "$batch" "$WARMUP" --clear-ns >/dev/null
+      bench grpc "$op" "$clients" "$batch" "$WARMUP" >/dev/null
+      best_a=0 best_b=0 a_p99=0 b_p99=0 rounds=""
+      for ((r = 1; r <= ROUNDS; r++)); do
+        a="$(bench ucx "$op" "$clients" "$batch" "$DURATION")"
+        b="$(bench grpc "$op" "$clients" "$batch" "$DURATION")"
+        ga="$(gbps "$a")"; gb="$(gbps "$b")"
+        ga=${ga:-0}; gb=${gb:-0}
+        if awk -v x="$ga" -v y="$best_a" 'BEGIN{exit !(x > y)}'; then best_a=$ga; a_p99="$(p99 "$a")"; fi
+        if awk -v x="$gb" -v y="$best_b" 'BEGIN{exit !(x > y)}'; then best_b=$gb; b_p99="$(p99 "$b")"; fi
+        rounds+="${rounds:+, }{\"round\": $r, \"ucx\": $a, \"grpc\": $b}"
+      done
+      ratio="$(awk -v a="$best_a" -v b="$best_b" 'BEGIN {if (b > 0) printf "%.2f", a / b; else print "n/a"}')"
+      printf '%-4s %-7s %-5s %-12.3f %-12.3f %-8s %-12s %-12s\n' "$op" "$clients" "$batch" \
+        "$best_a" "$best_b" "$ratio" "${a_p99:-0}" "${b_p99:-0}"
+      rows+=("{\"op\": \"$op\", \"clients\": $clients, \"batch\": $batch, \"ucx_gb_per_s\": $best_a, \"grpc_gb_per_s\": $best_b, \"ratio\": \"$ratio\", \"ucx_p99_us\": ${a_p99:-0}, \"grpc_p99_us\": ${b_p99:-0}, \"rounds\": [$rounds]}")
+    done
+  done
+done
+{
+  echo "{\"benchmark\": \"compare_requests\", \"date\": \"$(date -u +%Y-%m-%dT%H:%M:%SZ)\","
+  echo " \"workload\": \"kvdepot-bench get/put over UCX, request as UCX active message (ucx) vs gRPC call (grpc)\","
+  echo " \"block_size\": $BLOCK, \"ucx_tls\": \"$TLS\", \"duration_s\": $DURATION, \"rounds_per_side\": $ROUNDS,"
+  echo " \"results\": ["
+  for ((i = 0; i < ${#rows[@]}; i++)); do
+    printf '  %s%s\n' "${rows[$i]}" "$([[ $i -lt $((${#rows[@]} - 1)) ]] && echo ,)"
+  done
+  echo " ]}"
+} >"$OUT"
+echo "JSON: $OUT"
+exit $failed
