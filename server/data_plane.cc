@@ -86,7 +86,7 @@ absl::StatusOr<std::unique_ptr<DataPlane>> DataPlane::Create(
       });
   d->lost_pool_ = std::make_unique<WorkPool>(1, "kvd-ucx-lost");
   d->request_pool_ = std::make_unique<WorkPool>(
-      std::max(1, options.request_threads), "kvd-ucx-req");
+      std::max(1, options.request_threads), "kvd-request");
   return d;
 }
 
