@@ -144,6 +144,13 @@ Client::Client(const ClientOptions& options) : options_(options) {
   // the reply starts; for block-sized messages that is a second copy per
   // put. Our calls are idempotent and callers degrade to a miss instead.
   args.SetInt(GRPC_ARG_ENABLE_RETRIES, 0);
+  // A restarted daemon is back within seconds, and until the channel
+  // reconnects every call is a miss: retry the connection every 100 ms at
+  // first, never less often than every 2 s (gRPC's default backoff grows
+  // to minutes, and on a daemon down for 2 s it had already grown to ~15 s).
+  args.SetInt(GRPC_ARG_INITIAL_RECONNECT_BACKOFF_MS, 100);
+  args.SetInt(GRPC_ARG_MIN_RECONNECT_BACKOFF_MS, 100);
+  args.SetInt(GRPC_ARG_MAX_RECONNECT_BACKOFF_MS, 2000);
   channel_ = grpc::CreateCustomChannel(options_.server,
                                        grpc::InsecureChannelCredentials(), args);
   stub_ = v1::KvDepot::NewStub(channel_);
@@ -703,10 +710,11 @@ absl::Status BlockOutcome(
   return absl::Status(static_cast<absl::StatusCode>(t.code()), t.message());
 }
 
-// The daemon no longer has the session or its endpoint: a new one is needed.
-bool SessionGone(const absl::Status& st) {
-  return absl::IsNotFound(st) || absl::IsFailedPrecondition(st);
-}
+// The daemon no longer has the session (restart, expiry, closed when its
+// endpoint failed): a new one is needed. (FAILED_PRECONDITION is not that:
+// a draining daemon refuses puts with it, and opening sessions again would
+// not help.)
+bool SessionGone(const absl::Status& st) { return absl::IsNotFound(st); }
 
 // A reply that came over UCX: its status, and `resp` parsed from `body`.
 absl::Status ParseReply(const absl::Status& st, absl::string_view body,

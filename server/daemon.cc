@@ -173,17 +173,39 @@ void Daemon::Shutdown() {
     }
     size_t left = service_->active_streams();
     if (left > 0) log_->warn("drain timeout: cancelling {} stream(s)", left);
-    server_->Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(1));
+    // Requests that came over UCX: new ones are refused, those in flight
+    // finish their transfers (until the drain timeout; Close below cuts
+    // what is left short).
+    if (data_plane_ != nullptr) {
+      data_plane_->StopRequests();
+      while (data_plane_->requests_in_flight() > 0 && absl::Now() < deadline) {
+        absl::SleepFor(absl::Milliseconds(1));
+      }
+    }
+    // Unary calls in progress finish too (a PushBlocks waiting on its
+    // transfer, a pinned lookup promoting from NVMe). Then gRPC's own
+    // shutdown needs no grace period: given one, it also spends it waiting
+    // for idle client connections to acknowledge its GOAWAY (a client whose
+    // requests go over UCX has no call in flight to read its socket), which
+    // made SIGTERM take the whole second.
+    while (service_->active_calls() > 0 && absl::Now() < deadline) {
+      absl::SleepFor(absl::Milliseconds(1));
+    }
+    server_->Shutdown(std::chrono::system_clock::now() +
+                      std::chrono::milliseconds(50));
     // Calls still waiting on UCX transfers end now (their transfers are
     // cancelled), so Wait does not wait for a transfer deadline.
     if (data_plane_ != nullptr) data_plane_->Close();
     server_->Wait();
-    // Likewise requests that came over UCX: answered (or dropped) once their
-    // transfers have ended, which Close made immediate.
+    // Requests over UCX still in flight end once their transfers have
+    // (Close ended them); the service must outlive them.
     if (data_plane_ != nullptr) {
       const absl::Time until = absl::Now() + absl::Seconds(2);
       while (data_plane_->requests_in_flight() > 0 && absl::Now() < until) {
         absl::SleepFor(absl::Milliseconds(5));
+      }
+      if (size_t n = data_plane_->requests_in_flight(); n > 0) {
+        log_->warn("{} UCX request(s) still in flight at shutdown", n);
       }
     }
     if (config_.persist_on_shutdown && config_.store.nvme_capacity > 0) {

@@ -334,15 +334,22 @@ void DataPlane::OnRequest(absl::string_view header, absl::string_view payload,
                  EncodeReplyHeader(ReplyHeader{h->request_id, why.code()}),
                  std::string(why.message()));
   };
+  if (requests_stopped_.load()) {
+    return refuse(absl::UnavailableError("kvdepotd is stopping"));
+  }
   if (payload.size() > kMaxRequestPayload) {
     return refuse(absl::InvalidArgumentError(absl::StrCat(
         "request of ", payload.size(), " bytes (at most ", kMaxRequestPayload, ")")));
   }
   if (std::shared_ptr<Link> link = Find(h->session_id); link == nullptr) {
     absl::MutexLock lock(&mu_);
+    // Almost always a session that ended (closed, expired, or lost its
+    // client): NOT_FOUND, as for an unknown session over gRPC, so that the
+    // client opens a new one.
     return refuse(closing_ ? absl::UnavailableError("kvdepotd is stopping")
-                           : absl::FailedPreconditionError(absl::StrCat(
-                                 "session ", h->session_id, " has no UCX endpoint")));
+                           : absl::NotFoundError(absl::StrCat(
+                                 "session ", h->session_id,
+                                 " is not open here with a UCX endpoint")));
   }
   if (requests_in_flight_.fetch_add(1) >= options_.max_requests_in_flight) {
     requests_in_flight_.fetch_sub(1);

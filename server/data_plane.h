@@ -181,7 +181,7 @@ class DataPlane {
   // Serves requests: each one whose session has an endpoint is handed to
   // `handler` on a request thread (never a progress thread), which must
   // answer it with Reply, exactly once. Answered at once, without the
-  // handler: a session without an endpoint (FailedPrecondition), a payload
+  // handler: a session without an endpoint (NotFound: it ended), a payload
   // over kMaxRequestPayload (InvalidArgument), more than
   // max_requests_in_flight unanswered (ResourceExhausted). Messages that
   // are not requests are dropped. Call once, before sessions attach.
@@ -197,6 +197,10 @@ class DataPlane {
   std::string RequestAddress(SessionId session) const;
   // Requests received and not yet answered.
   size_t requests_in_flight() const;
+  // Answers new requests Unavailable from now on (shutdown: the requests
+  // in flight may finish, see requests_in_flight, before Close cuts their
+  // transfers short).
+  void StopRequests() { requests_stopped_.store(true); }
 
   // Whether the UCX settings let co-located clients use shared memory.
   bool shared_memory() const { return shared_memory_; }
@@ -241,6 +245,7 @@ class DataPlane {
   RequestHandler request_handler_;
   bool serving_requests_ = false;
   std::atomic<size_t> requests_in_flight_{0};
+  std::atomic<bool> requests_stopped_{false};
   // Runs request_handler_. Destroyed before lost_pool_ (it may hand work
   // there), after the links (a request in progress holds its link).
   std::unique_ptr<WorkPool> request_pool_;

@@ -128,9 +128,11 @@ grpc::ServerUnaryReactor* KvDepotService::Unary(grpc::CallbackServerContext* ctx
 
 std::function<void(const absl::Status&)> KvDepotService::Finisher(
     const char* op, grpc::ServerUnaryReactor* reactor) {
+  active_calls_.fetch_add(1);
   return [this, op, reactor, start = clock_.Now()](const absl::Status& st) {
     Finished(op, st, start);
     reactor->Finish(ToGrpcStatus(st));
+    active_calls_.fetch_sub(1);
   };
 }
 
@@ -666,6 +668,11 @@ absl::Status KvDepotService::RequireEndpoint(SessionId session) {
     return absl::FailedPreconditionError("the UCX data plane is off");
   }
   if (!data_plane_->attached(session)) {
+    // An unknown session (the daemon restarted, it expired or was closed) is
+    // NOT_FOUND, as everywhere: the client then opens a new one.
+    if (!store_.HasSession(session)) {
+      return absl::NotFoundError(absl::StrCat("unknown session ", session));
+    }
     return absl::FailedPreconditionError(
         absl::StrCat("session ", session, " has no UCX endpoint"));
   }

@@ -153,6 +153,8 @@ class KvDepotService final
   int CancelIdleStreams(absl::Duration idle);
   // Read and Write streams in progress.
   size_t active_streams();
+  // Unary calls in progress (started and not finished), over gRPC or UCX.
+  size_t active_calls() const { return active_calls_.load(); }
 
   TieredStore& store() { return store_; }
   ServerMetrics& metrics() { return metrics_; }
@@ -173,8 +175,9 @@ class KvDepotService final
                        v1::PullBlocksResponse* resp, Finish finish);
   // A request that came over UCX; answered with DataPlane::Reply.
   void ServeUcxRequest(DataPlane::Request request);
-  // OK when `session` is a public session with a UCX endpoint;
-  // FailedPrecondition when the data plane is off or it has no endpoint.
+  // OK when `session` is a public session with a UCX endpoint; NotFound
+  // when the session is not open; FailedPrecondition when the data plane
+  // is off or the session has no endpoint.
   absl::Status RequireEndpoint(SessionId session);
 
   // Runs `fn` inline and finishes the call with its status.
@@ -194,6 +197,8 @@ class KvDepotService final
   // Verifies and commits the blocks of PullBlocks off the UCX progress
   // threads.
   WorkPool commit_pool_{2, "kvd-commit"};
+
+  std::atomic<size_t> active_calls_{0};
 
   absl::Mutex streams_mu_;
   absl::flat_hash_set<Stream*> streams_ ABSL_GUARDED_BY(streams_mu_);

@@ -441,7 +441,7 @@ TEST_P(UcxE2eTest, ARequestForASessionTheDaemonClosedIsAMissThenTheClientRecover
   absl::Span<char> dst(buf.data() + kBlock, kBlock);
   TransferOp miss = client_->GetIntoAsync("req", {&key, 1}, {&dst, 1});
   ASSERT_TRUE(miss.WaitUntil(absl::Now() + absl::Seconds(30)));
-  EXPECT_THAT(miss.statuses()[0], StatusIs(absl::StatusCode::kFailedPrecondition));
+  EXPECT_THAT(miss.statuses()[0], StatusIs(absl::StatusCode::kNotFound));
   // The client dropped the session; the next call opens a new one.
   std::fill(dst.begin(), dst.end(), 0);
   TransferOp get = client_->GetIntoAsync("req", {&key, 1}, {&dst, 1});
@@ -453,6 +453,34 @@ TEST_P(UcxE2eTest, ARequestForASessionTheDaemonClosedIsAMissThenTheClientRecover
   EXPECT_EQ(testing::MetricValue(
                 metrics, "kvdepot_ucx_requests_total{op=\"PushBlocks\"}"),
             2);  // the refused one never reached the service
+}
+
+TEST_P(UcxE2eTest, ADrainingDaemonRefusesPutsAndTheClientKeepsItsSession) {
+  std::vector<char> buf(2 * kBlock);
+  ucx_test::FillPattern(buf.data(), kBlock, 9);
+  ASSERT_OK(client_->RegisterBuffer(buf.data(), buf.size()));
+  PutThenGet(*client_, buf, "d0");
+  absl::StatusOr<uint64_t> session = client_->EnsureSession();
+  ASSERT_OK(session.status());
+  auto set_draining = [&](bool draining) {
+    grpc::ClientContext ctx;
+    v1::SetDrainingRequest req;
+    req.set_draining(draining);
+    v1::SetDrainingResponse resp;
+    return client_->stub().SetDraining(&ctx, req, &resp).ok();
+  };
+  ASSERT_TRUE(set_draining(true));
+  BlockToPut block{"d1", "", absl::string_view(buf.data(), kBlock)};
+  TransferOp refused = client_->PutFromAsync("req", {&block, 1});
+  refused.Wait();
+  EXPECT_THAT(refused.statuses()[0], StatusIs(absl::StatusCode::kFailedPrecondition));
+  // Not a lost session: the client keeps it (no new session per refusal).
+  EXPECT_EQ(*client_->EnsureSession(), *session);
+  ASSERT_TRUE(set_draining(false));
+  TransferOp put = client_->PutFromAsync("req", {&block, 1});
+  put.Wait();
+  EXPECT_OK(put.statuses()[0]);
+  EXPECT_EQ(*client_->EnsureSession(), *session);
 }
 
 TEST_P(UcxE2eTest, MalformedRequestsAreAnsweredAndTheDaemonStaysUp) {
@@ -510,7 +538,7 @@ TEST_P(UcxE2eTest, MalformedRequestsAreAnsweredAndTheDaemonStaysUp) {
                                  absl::Seconds(5)));
   other.set_session_id(session ^ 0x5555);
   EXPECT_THAT(ask(session ^ 0x5555, other.SerializeAsString()),
-              StatusIs(absl::StatusCode::kFailedPrecondition));
+              StatusIs(absl::StatusCode::kNotFound));
   EXPECT_OK(client_->Health());
   EXPECT_EQ(daemon_->Stop(SIGTERM).value_or(-1), 0) << daemon_->Log();
 }
