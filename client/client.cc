@@ -825,6 +825,13 @@ absl::StatusOr<Client::UcxTarget> Client::PrepareUcx(
   return target;
 }
 
+absl::Duration Client::UcxRequestTimeout() const {
+  // The daemon bounds the transfers by transfer_timeout; a reply it cannot
+  // send (its endpoint to this client failed, the session ended meanwhile)
+  // is not worth waiting a whole rpc_timeout for.
+  return std::min(options_.rpc_timeout, options_.transfer_timeout + absl::Seconds(5));
+}
+
 uint32_t Client::TransferTimeoutMs() const {
   return static_cast<uint32_t>(
       absl::ToInt64Milliseconds(options_.transfer_timeout));
@@ -886,7 +893,7 @@ TransferOp Client::GetIntoAsync(absl::string_view ns,
     // checked on the verify pool.
     absl::Status sent = ucx_->requests->Send(
         session, RequestMethod::kPushBlocks, req.SerializeAsString(),
-        absl::Now() + options_.rpc_timeout,
+        absl::Now() + UcxRequestTimeout(),
         [this, state, session, out](const absl::Status& reply,
                                     absl::string_view body) mutable {
           absl::Status st = ParseReply(reply, body, state->push_resp);
@@ -958,7 +965,7 @@ TransferOp Client::PutFromAsync(absl::string_view ns,
   if (ucx_->requests != nullptr && ucx_->requests->Serves(session)) {
     absl::Status sent = ucx_->requests->Send(
         session, RequestMethod::kPullBlocks, req.SerializeAsString(),
-        absl::Now() + options_.rpc_timeout,
+        absl::Now() + UcxRequestTimeout(),
         [this, state, session](const absl::Status& reply, absl::string_view body) {
           const absl::Status st = ParseReply(reply, body, state->pull_resp);
           if (SessionGone(st)) DropSession(session);

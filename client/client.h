@@ -65,7 +65,10 @@ struct ClientOptions {
   // daemon as UCX active messages when it offers that (a session with a
   // UCX endpoint, OpenSessionResponse.ucx_request_address), instead of one
   // gRPC call each: the same request and reply, for a fraction of the CPU
-  // per call. Falls back to gRPC calls when the connection cannot be made.
+  // per call. Falls back to gRPC calls when the connection cannot be made
+  // or fails (for the rest of that session; requests pending on it end
+  // UNAVAILABLE). A request waits at most min(rpc_timeout,
+  // transfer_timeout + 5 s) for its reply.
   bool ucx_requests = true;
   // Hash every put here, also blocks in AllocateBuffer memory that a daemon
   // on this host copies itself (and hashes as it copies, so by default this
@@ -283,6 +286,8 @@ class Client {
   void DropSession(uint64_t session);
   // options_.transfer_timeout for the daemon, in milliseconds.
   uint32_t TransferTimeoutMs() const;
+  // How long a request over UCX waits for its reply.
+  absl::Duration UcxRequestTimeout() const;
   // A ready op with every block failing with `status`.
   static TransferOp FailedOp(size_t n, const absl::Status& status);
 

@@ -56,7 +56,7 @@ absl::Status UcxRequests::Connect(uint64_t session, std::string_view address,
   {
     absl::MutexLock lock(&mu_);
     if (stopped_) return absl::CancelledError("kvdepot client closed");
-    connection = ++connection_;
+    connection = ++connections_started_;
   }
   UcxEndpointOptions options;
   options.connect_timeout = timeout;
@@ -73,13 +73,16 @@ absl::Status UcxRequests::Connect(uint64_t session, std::string_view address,
   absl::StatusOr<std::unique_ptr<UcxEndpoint>> endpoint =
       UcxEndpoint::Connect(worker_, address, std::move(options));
   std::unique_ptr<UcxEndpoint> old;
+  bool installed = false;
   {
     absl::MutexLock lock(&mu_);
-    if (connection_ != connection || stopped_) {
+    if (connections_started_ != connection || stopped_) {
       // Another Connect (or the destructor) came after this one: it wins.
       old = endpoint.ok() ? *std::move(endpoint) : nullptr;
     } else {
+      installed = true;
       old = std::move(endpoint_);
+      connection_ = connection;
       if (endpoint.ok()) {
         endpoint_ = *std::move(endpoint);
         session_ = session;
@@ -90,8 +93,10 @@ absl::Status UcxRequests::Connect(uint64_t session, std::string_view address,
       }
     }
   }
-  EndWhere([connection](const Pending& p) { return p.connection != connection; },
-           absl::UnavailableError("UCX connection to kvdepotd was replaced"));
+  if (installed) {  // what went on the connection it replaced ends now
+    EndWhere([connection](const Pending& p) { return p.connection != connection; },
+             absl::UnavailableError("UCX connection to kvdepotd was replaced"));
+  }
   Dispose(std::move(old));
   return endpoint.ok() ? absl::OkStatus() : endpoint.status();
 }
@@ -114,12 +119,17 @@ void UcxRequests::Disconnect(uint64_t session) {
 
 void UcxRequests::Dispose(std::unique_ptr<UcxEndpoint> endpoint) {
   if (endpoint == nullptr) return;
-  if (worker_.OnProgressThread()) {
-    // Inside a UCX callback (a reply's, or this endpoint's own on_error):
-    // it goes once the callback has returned.
-    worker_.Defer([endpoint = std::move(endpoint)]() mutable { endpoint.reset(); });
-  } else {
-    endpoint.reset();
+  if (!worker_.OnProgressThread()) {
+    endpoint.reset();  // waits behind the work the endpoint queued
+    return;
+  }
+  // Inside a UCX callback (a reply's, or this endpoint's own on_error),
+  // with sends of this endpoint possibly still queued: it goes in a task
+  // queued after them, outside any callback.
+  auto holder = std::make_shared<std::unique_ptr<UcxEndpoint>>(std::move(endpoint));
+  if (!worker_.Post([holder] { holder->reset(); }).ok()) {
+    // Stopping: the worker runs what is queued, then OnStop; after that.
+    worker_.Defer([holder] { holder->reset(); });
   }
 }
 

@@ -94,7 +94,9 @@ class UcxRequests : private UcxWorker::Resident {
   mutable absl::Mutex mu_;
   std::unique_ptr<UcxEndpoint> endpoint_ ABSL_GUARDED_BY(mu_);
   uint64_t session_ ABSL_GUARDED_BY(mu_) = 0;
-  // Counts connections; a pending request names the one it went on.
+  // Numbers the connections as Connect starts them; connection_ is the one
+  // endpoint_ is (a pending request names the one it went on).
+  uint64_t connections_started_ ABSL_GUARDED_BY(mu_) = 0;
   uint64_t connection_ ABSL_GUARDED_BY(mu_) = 0;
   bool failed_ ABSL_GUARDED_BY(mu_) = false;  // the current connection
   uint64_t next_id_ ABSL_GUARDED_BY(mu_) = 1;

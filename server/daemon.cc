@@ -197,15 +197,18 @@ void Daemon::Shutdown() {
     // cancelled), so Wait does not wait for a transfer deadline.
     if (data_plane_ != nullptr) data_plane_->Close();
     server_->Wait();
-    // Requests over UCX still in flight end once their transfers have
-    // (Close ended them); the service must outlive them.
+    // Requests over UCX still in flight end soon (Close ended their
+    // transfers; a lookup may still be promoting from NVMe). Their answers
+    // use the data plane and the service: both must outlive them, so this
+    // waits for every one.
     if (data_plane_ != nullptr) {
-      const absl::Time until = absl::Now() + absl::Seconds(2);
-      while (data_plane_->requests_in_flight() > 0 && absl::Now() < until) {
+      absl::Time next_warning = absl::Now() + absl::Seconds(2);
+      while (size_t n = data_plane_->requests_in_flight()) {
+        if (absl::Now() >= next_warning) {
+          log_->warn("waiting for {} UCX request(s) still in flight", n);
+          next_warning = absl::Now() + absl::Seconds(5);
+        }
         absl::SleepFor(absl::Milliseconds(5));
-      }
-      if (size_t n = data_plane_->requests_in_flight(); n > 0) {
-        log_->warn("{} UCX request(s) still in flight at shutdown", n);
       }
     }
     if (config_.persist_on_shutdown && config_.store.nvme_capacity > 0) {

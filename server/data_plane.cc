@@ -159,12 +159,17 @@ absl::Status DataPlane::Attach(SessionId session, std::string_view address,
     link->colocated = true;
     link->uid = client_uid;
   }
-  absl::MutexLock lock(&mu_);
-  if (closing_) {
+  {
+    absl::MutexLock lock(&mu_);
+    if (!closing_) {
+      links_.emplace(session, std::move(link));
+      link = nullptr;
+    }
+  }
+  if (link != nullptr) {  // closing: Unwatch waits on a progress thread, off mu_
     if (link->colocated) monitor_->Unwatch(session).IgnoreError();
     return absl::UnavailableError("data plane stopping");
   }
-  links_.emplace(session, std::move(link));
   log_->debug("session {}: UCX endpoint connected ({})", session,
               colocated ? "co-located, shared memory allowed" : "peer error handling");
   return absl::OkStatus();
@@ -365,17 +370,20 @@ void DataPlane::OnRequest(absl::string_view header, absl::string_view payload,
 
 void DataPlane::Reply(SessionId session, uint64_t id, const absl::Status& status,
                       std::string body) {
-  requests_in_flight_.fetch_sub(1);
-  std::shared_ptr<Link> link = Find(session);
-  if (link == nullptr) return;
-  std::string header = EncodeReplyHeader(ReplyHeader{id, status.code()});
-  std::string payload = status.ok() ? std::move(body) : std::string(status.message());
-  absl::Status sent = link->endpoint->SendMessage(kReplyMessageId, std::move(header),
-                                                  std::move(payload));
-  if (!sent.ok()) {
-    log_->debug("session {}: reply to UCX request {} dropped: {}", session, id,
-                sent.ToString());
+  if (std::shared_ptr<Link> link = Find(session); link != nullptr) {
+    std::string header = EncodeReplyHeader(ReplyHeader{id, status.code()});
+    std::string payload =
+        status.ok() ? std::move(body) : std::string(status.message());
+    absl::Status sent = link->endpoint->SendMessage(
+        kReplyMessageId, std::move(header), std::move(payload));
+    if (!sent.ok()) {
+      log_->debug("session {}: reply to UCX request {} dropped: {}", session, id,
+                  sent.ToString());
+    }
   }
+  // Last: once no request is in flight, nothing here runs any more (the
+  // daemon waits for that before the data plane goes).
+  requests_in_flight_.fetch_sub(1);
 }
 
 std::string DataPlane::RequestAddress(SessionId session) const {

@@ -326,7 +326,7 @@ absl::Status UcxEndpoint::SendMessage(uint16_t id, std::string header,
     return absl::UnavailableError(
         absl::StrCat("UCX endpoint has failed: ", st.message()));
   }
-  return worker_.Submit(
+  return worker_.Post(
       [this, id, header = std::move(header), payload = std::move(payload)]() mutable {
         if (ep_ == nullptr) return;  // failed meanwhile; on_error tells
         transport_internal::PostMessage(ep_, id, std::move(header),

@@ -106,7 +106,11 @@ class UcxEndpoint : private UcxWorker::Resident {
   UcxEndpoint(const UcxEndpoint&) = delete;
   UcxEndpoint& operator=(const UcxEndpoint&) = delete;
   // Force-closes the endpoint: batches still in flight end with Cancelled.
-  // Their handles stay valid.
+  // Their handles stay valid. Work this endpoint queued on the worker (a
+  // batch, a message) refers to it: off the progress thread the destructor
+  // waits behind that work; on the progress thread, destroy it only from a
+  // task queued after that work (UcxWorker::Post), never inside a UCX
+  // callback or a Defer.
   ~UcxEndpoint() override;
 
   // Unpacks the peer's remote key for this endpoint and returns the id that
@@ -154,8 +158,9 @@ class UcxEndpoint : private UcxWorker::Resident {
   // peer gets it whole in its handler). Never blocks; the bytes are owned
   // until UCX is done with them. Messages on one endpoint arrive in order,
   // and after the transfers of batches that were ready before the send.
-  // Unavailable once the endpoint has failed; ResourceExhausted when the
-  // worker's queue is full. Delivery is not confirmed: a reply, or the
+  // Not bounded by the worker's queue_capacity (UcxWorker::Post): callers
+  // bound their messages (requests in flight). Unavailable once the
+  // endpoint has failed. Delivery is not confirmed: a reply, or the
   // endpoint's failure (on_error), tells.
   absl::Status SendMessage(uint16_t id, std::string header, std::string payload);
 

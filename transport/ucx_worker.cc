@@ -163,6 +163,10 @@ absl::Status UcxWorker::Submit(absl::AnyInvocable<void() &&> task) {
   return Enqueue(std::move(task), /*bounded=*/true);
 }
 
+absl::Status UcxWorker::Post(absl::AnyInvocable<void() &&> task) {
+  return Enqueue(std::move(task), /*bounded=*/false);
+}
+
 absl::Status UcxWorker::Run(absl::AnyInvocable<void() &&> task) {
   if (OnProgressThread()) {
     std::move(task)();

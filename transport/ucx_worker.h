@@ -85,6 +85,13 @@ class UcxWorker {
   // Unavailable once Stop has begun (the task is dropped, never run).
   absl::Status Submit(absl::AnyInvocable<void() &&> task);
 
+  // Queues `task` like Submit, but not bounded by queue_capacity (for
+  // messages and control work whose number the caller bounds itself).
+  // Unavailable once Stop has begun (the task is dropped, never run). On
+  // the progress thread it still queues: the task runs after those queued
+  // before it.
+  absl::Status Post(absl::AnyInvocable<void() &&> task);
+
   // Runs `task` on the progress thread and waits for it; inline when called
   // on the progress thread. Not bounded by queue_capacity (for control
   // operations, not the data path). Unavailable once Stop has begun; it

@@ -434,13 +434,10 @@ class PyClient {
     }));
   }
 
-  void Unpin(uint64_t pin_id) {
-    Check(Released([&](Client& c) { return c.Unpin(pin_id); }));
-  }
-
-  std::vector<bool> Put(const std::string& ns, const std::vector<py::bytes>& keys,
-                        const py::sequence& buffers,
-                        const std::optional<std::vector<py::bytes>>& parents) {
+  // Put and PutAsync: one buffer, and one parent if any, per key.
+  static void CheckPutCounts(const std::vector<py::bytes>& keys,
+                             const py::sequence& buffers,
+                             const std::optional<std::vector<py::bytes>>& parents) {
     if (static_cast<size_t>(buffers.size()) != keys.size()) {
       throw py::value_error(absl::StrCat("INVALID_ARGUMENT: ", keys.size(),
                                          " keys but ", buffers.size(), " buffers"));
@@ -449,6 +446,16 @@ class PyClient {
       throw py::value_error(absl::StrCat("INVALID_ARGUMENT: ", keys.size(),
                                          " keys but ", parents->size(), " parents"));
     }
+  }
+
+  void Unpin(uint64_t pin_id) {
+    Check(Released([&](Client& c) { return c.Unpin(pin_id); }));
+  }
+
+  std::vector<bool> Put(const std::string& ns, const std::vector<py::bytes>& keys,
+                        const py::sequence& buffers,
+                        const std::optional<std::vector<py::bytes>>& parents) {
+    CheckPutCounts(keys, buffers, parents);
     std::vector<std::string> k = Keys(keys);
     std::vector<std::string> p = parents ? Keys(*parents) : std::vector<std::string>();
     std::vector<Memory> mem = GetMemories(buffers, /*writable=*/false, "buffers");
@@ -521,14 +528,7 @@ class PyClient {
       const std::string& ns, const std::vector<py::bytes>& keys,
       const py::sequence& buffers,
       const std::optional<std::vector<py::bytes>>& parents) {
-    if (static_cast<size_t>(buffers.size()) != keys.size()) {
-      throw py::value_error(absl::StrCat("INVALID_ARGUMENT: ", keys.size(),
-                                         " keys but ", buffers.size(), " buffers"));
-    }
-    if (parents && parents->size() != keys.size()) {
-      throw py::value_error(absl::StrCat("INVALID_ARGUMENT: ", keys.size(),
-                                         " keys but ", parents->size(), " parents"));
-    }
+    CheckPutCounts(keys, buffers, parents);
     std::vector<std::string> k = Keys(keys);
     ValidateNames(ns, k);
     std::vector<std::string> p = parents ? Keys(*parents) : std::vector<std::string>();
