@@ -378,7 +378,7 @@ TEST(LifecycleTest, RestartServesWhatWasPersistedToNvme) {
     for (int i = 0; i < 20; ++i) {
       keys.push_back("warm-" + std::to_string(i));
       blocks.push_back(std::string(100000 + i, static_cast<char>('A' + i)));
-      BlockToPut b{keys.back(), i ? keys[i - 1] : "", blocks.back()};
+      BlockToPut b{keys.back(), i ? absl::string_view(keys[i - 1]) : "", blocks.back()};
       ASSERT_OK(client->Put("ns", {&b, 1}));
     }
   }

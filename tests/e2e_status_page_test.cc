@@ -61,7 +61,7 @@ Expected GenerateTraffic(Client& client) {
     std::vector<BlockToPut> puts;
     for (int i = 0; i < n; ++i) keys[ns].push_back(absl::StrCat(ns, "#", i));
     for (int i = 0; i < n; ++i) {
-      puts.push_back({keys[ns][i], i == 0 ? "" : keys[ns][i - 1], bytes});
+      puts.push_back({keys[ns][i], i == 0 ? "" : absl::string_view(keys[ns][i - 1]), bytes});
     }
     EXPECT_OK(client.Put(ns, puts));
     e.blocks += n;

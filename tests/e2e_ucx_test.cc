@@ -166,7 +166,7 @@ TEST_P(UcxE2eTest, GetIntoAndPutFromInThisProcess) {
   std::vector<std::string> keys = {"k0", "k1", "k2", "k3"};
   std::vector<BlockToPut> puts;
   for (size_t i = 0; i < 3; ++i) {  // k3 stays a miss
-    puts.push_back({keys[i], i ? keys[i - 1] : "",
+    puts.push_back({keys[i], i ? absl::string_view(keys[i - 1]) : "",
                     absl::string_view(&src[i * kBlock], kBlock)});
   }
   TransferOp put = client_->PutFromAsync("ns", puts);

@@ -62,7 +62,7 @@ int RoundTrip(const std::string& server, const std::string& ns, uint64_t seed,
   for (size_t i = 0; i < blocks; ++i) keys.push_back(absl::StrCat(seed, "/", i));
   std::vector<BlockToPut> puts;
   for (size_t i = 0; i < blocks; ++i) {
-    puts.push_back(BlockToPut{keys[i], i == 0 ? "" : keys[i - 1],
+    puts.push_back(BlockToPut{keys[i], i == 0 ? "" : absl::string_view(keys[i - 1]),
                               absl::string_view(src.data() + i * size, size)});
   }
   TransferOp put = client->PutFromAsync(ns, puts);
