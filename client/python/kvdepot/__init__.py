@@ -40,7 +40,7 @@ Example::
 
 from __future__ import annotations
 
-from typing import Any, List, Optional, Sequence
+from typing import Any, List, Optional, Sequence, Tuple
 
 try:
     from ._kvdepot import (
@@ -187,6 +187,15 @@ class KvCacheStore:
 
     Not thread-safe (it reuses its host staging buffers); use one store per
     thread, or share one :class:`Client` between several stores.
+
+    Saves and loads are pipelined: the blocks go in up to
+    ``pipeline_batches`` batches in flight at once (each of
+    ``min_batch_bytes`` or more),
+    so the gather of one batch overlaps the put of the one before, and the
+    scatter of one the transfer of the next: 64 blocks of 2 MiB over shared
+    memory loaded 1.3x and saved 1.4x faster than in one batch on a 2-core
+    machine (tools/compare_store_pipeline.py). 1 makes every save or load
+    one batch.
     """
 
     def __init__(
@@ -197,13 +206,56 @@ class KvCacheStore:
         *,
         timeout_s: float = 30.0,
         client: Optional[Client] = None,
+        pipeline_batches: int = 4,
+        min_batch_bytes: int = 2 << 20,
     ) -> None:
+        if pipeline_batches < 1:
+            raise ValueError("INVALID_ARGUMENT: pipeline_batches must be >= 1")
+        # Smaller batches cost more in round trips than their overlap saves.
+        self.min_batch_bytes = max(0, min_batch_bytes)
         self.layout = layout
         self.namespace: str = layout.namespace_for(model)
         self.client: Client = client if client is not None else Client(
             server, timeout_s=timeout_s
         )
+        self.pipeline_batches = pipeline_batches
         self._buffers: List[Any] = []
+
+    def _batches(self, n: int) -> List[Tuple[int, int]]:
+        """[lo, hi) ranges splitting n blocks into up to pipeline_batches
+        batches of at least 2 blocks and min_batch_bytes each."""
+        min_blocks = -(-self.min_batch_bytes // max(1, self.layout.object_bytes))
+        step = max(2, min_blocks, -(-n // self.pipeline_batches))
+        return [(lo, min(n, lo + step)) for lo in range(0, n, step)]
+
+    def _check_block_ids(self, caches: Sequence[Any], block_ids: Sequence[int]) -> None:
+        """Raises ValueError for a block id outside the caches, before any
+        batch moves (a later batch's bad id must not leave earlier batches
+        written)."""
+        if not caches:
+            return
+        t = caches[0]
+        nbytes = t.numel() * t.element_size() if hasattr(t, "element_size") else t.nbytes
+        per_block = self.layout.tensor_bytes(1)
+        n = nbytes // per_block if per_block else 0
+        for b in block_ids:
+            if not 0 <= b < n:
+                raise ValueError(
+                    f"OUT_OF_RANGE: block id {b} is outside the cache's {n} blocks")
+
+    @staticmethod
+    def _raise_first(ops: Sequence[TransferOp], ignore: Tuple[str, ...] = ()) -> None:
+        """Raises the first block error of ``ops`` whose code is not in
+        ``ignore``, as the synchronous calls would (ValueError for
+        INVALID_ARGUMENT / OUT_OF_RANGE, else RuntimeError)."""
+        for op in ops:
+            for err in op.errors():
+                if err is None or err[0] in ignore:
+                    continue
+                message = f"{err[0]}: {err[1]}"
+                if err[0] in ("INVALID_ARGUMENT", "OUT_OF_RANGE"):
+                    raise ValueError(message)
+                raise RuntimeError(message)
 
     def _staging(self, n: int) -> List[Any]:
         """n host buffers of one object each, reused across calls: views of
@@ -242,14 +294,30 @@ class KvCacheStore:
             )
         if not keys:
             return []
+        if parents is not None and len(parents) != len(keys):
+            raise ValueError(
+                f"INVALID_ARGUMENT: {len(keys)} keys but {len(parents)} parents"
+            )
+        caches = list(caches)
+        self._check_block_ids(caches, block_ids)
         buffers = self._staging(len(keys))
-        gather(self.layout, list(caches), list(block_ids), buffers)
-        return self.client.put(
-            self.namespace,
-            list(keys),
-            buffers,
-            list(parents) if parents is not None else None,
-        )
+        ops: List[Tuple[int, TransferOp]] = []
+        try:
+            for lo, hi in self._batches(len(keys)):
+                # Gathered while the batches before it are being stored.
+                gather(self.layout, caches, list(block_ids[lo:hi]), buffers[lo:hi])
+                ops.append((lo, self.client.put_async(
+                    self.namespace,
+                    keys[lo:hi],
+                    buffers[lo:hi],
+                    parents[lo:hi] if parents is not None else None,
+                )))
+        finally:
+            for _, op in ops:  # no staging buffer is in flight past here
+                op.wait()
+        self._raise_first([op for _, op in ops])
+        return [not op.already_stored(i)
+                for _, op in ops for i in range(len(op))]
 
     def load(
         self,
@@ -272,16 +340,32 @@ class KvCacheStore:
             return []
         if len(set(block_ids)) != len(block_ids):
             raise ValueError("INVALID_ARGUMENT: block ids repeat")
+        caches = list(caches)
+        self._check_block_ids(caches, block_ids)
         buffers = self._staging(len(keys))
-        filled = self.client.get_into(self.namespace, list(keys), buffers)
-        hits = [i for i, ok in enumerate(filled) if ok]
-        if hits:
-            scatter(
-                self.layout,
-                list(caches),
-                [block_ids[i] for i in hits],
-                [buffers[i] for i in hits],
-            )
+        ops = [(lo, self.client.get_into_async(self.namespace, keys[lo:hi],
+                                               buffers[lo:hi]))
+               for lo, hi in self._batches(len(keys))]
+        filled: List[bool] = []
+        try:
+            for lo, op in ops:
+                op.wait()
+                ok = op.ok()
+                # Scattered while the batches after it are still arriving.
+                hits = [lo + i for i, o in enumerate(ok) if o]
+                if hits:
+                    scatter(
+                        self.layout,
+                        caches,
+                        [block_ids[i] for i in hits],
+                        [buffers[i] for i in hits],
+                    )
+                filled += ok
+        finally:
+            for _, op in ops:  # no staging buffer is in flight past here
+                op.wait()
+        # A key that is not stored is a miss; any other error raises.
+        self._raise_first([op for _, op in ops], ignore=("NOT_FOUND",))
         return filled
 
     def lookup(self, keys: Sequence[bytes], prefix: bool = True) -> int:

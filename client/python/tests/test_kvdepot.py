@@ -795,6 +795,55 @@ class TorchStoreTest(DaemonTestCase):
                     for b in (0, 1, 3, 4, 5, 6):
                         self.assertEqual(int(d_[b].abs().sum()), 0)
 
+    def test_pipelined_batches_round_trip_and_report_per_block(self):
+        layout = kvdepot.KvLayout.mha(kvdepot.KvCacheLayout.FLASH_ATTN_NHD,
+                                      self.NUM_LAYERS, self.BLOCK_SIZE, self.KV_HEADS,
+                                      self.HEAD_SIZE, kvdepot.KvDtype.BFLOAT16)
+        store = kvdepot.KvCacheStore(self.daemon.address, layout, "pytest-pipe",
+                                     client=self.client, pipeline_batches=3,
+                                     min_batch_bytes=0)
+        src = self.make_caches(torch.bfloat16, random=True)
+        ids = [7, 0, 5, 2, 6, 1, 3]  # 3 batches: [7, 0, 5], [2, 6, 1], [3]
+        keys = [b"p%d" % b for b in ids]
+        # Two of them stored before: put-if-absent says so per block, in order.
+        self.assertEqual(store.save(src, [5, 6], [b"p5", b"p6"]), [True, True])
+        self.assertEqual(store.save(src, ids, keys),
+                         [True, True, False, True, False, True, True])
+        dst = self.make_caches(torch.bfloat16, random=False)
+        load_ids = [1, 2, 3, 4, 5, 6, 7]
+        load_keys = [b"p0", b"p1", b"p2", b"missing", b"p5", b"p6", b"p7"]
+        self.assertEqual(store.load(dst, load_ids, load_keys),
+                         [True, True, True, False, True, True, True])
+        for s_, d_ in zip(src, dst):
+            for block, key in zip(load_ids, load_keys):
+                if key == b"missing":  # a miss is never written
+                    self.assertTrue(torch.equal(d_[:, block], torch.zeros_like(d_[:, block])))
+                else:
+                    self.assertTrue(torch.equal(d_[:, block], s_[:, int(key[1:])]),
+                                    f"block {block}")
+        with self.assertRaises(ValueError):
+            kvdepot.KvCacheStore(self.daemon.address, layout, "pytest-pipe",
+                                 client=self.client, pipeline_batches=0)
+
+    def test_a_bad_block_id_in_a_later_batch_moves_nothing(self):
+        layout = kvdepot.KvLayout.mha(kvdepot.KvCacheLayout.FLASH_ATTN_NHD,
+                                      self.NUM_LAYERS, self.BLOCK_SIZE, self.KV_HEADS,
+                                      self.HEAD_SIZE, kvdepot.KvDtype.BFLOAT16)
+        store = kvdepot.KvCacheStore(self.daemon.address, layout, "pytest-bad-id",
+                                     client=self.client, pipeline_batches=2,
+                                     min_batch_bytes=0)
+        src = self.make_caches(torch.bfloat16, random=True)
+        keys = [b"b0", b"b1", b"b2", b"b3"]
+        with self.assertRaises(ValueError):
+            store.save(src, [0, 1, 2, self.NUM_BLOCKS], keys)
+        self.assertEqual(store.lookup(keys, prefix=False), 0)  # nothing stored
+        self.assertEqual(store.save(src, [0, 1, 2, 3], keys), [True] * 4)
+        dst = self.make_caches(torch.bfloat16, random=False)
+        with self.assertRaises(ValueError):
+            store.load(dst, [0, 1, 2, -1], keys)
+        for d_ in dst:  # nothing scattered
+            self.assertEqual(int(d_.abs().sum()), 0)
+
     def test_put_and_get_into_torch_tensors_directly(self):
         t = torch.randn(1024).to(torch.bfloat16)
         self.assertEqual(self.client.put(NS, [b"t"], [t]), [True])

@@ -1,0 +1,143 @@
+#!/usr/bin/python3
+"""compare_store_pipeline.py: KvCacheStore loads and saves pipelined in
+batches (pipeline_batches=N, the default 4) against one batch
+(pipeline_batches=1), side by side against one kvdepotd it starts
+(memory only, port 0, a temporary data dir).
+
+A torch paged cache (vLLM FlashAttention NHD, bf16; 32 layers x 16 tokens x
+8 KV heads x 128 by default: 2 MiB objects) is saved once, then each side
+loads (and saves under new keys) the same blocks in alternation, --rounds
+times; each side's figure is its best round. ratio = one-batch time /
+pipelined time (> 1: pipelining is faster). Every load is checked byte for
+byte.
+
+    /usr/bin/python3 tools/compare_store_pipeline.py [--build DIR]
+        [--blocks 64] [--batches 4] [--rounds 5] [--out FILE] [--smoke]
+
+Needs the kvdepotd build and the Python package in <build>/python (run with
+/usr/bin/python3: Debian's torch and numpy). Exit 0 when every run
+succeeded, 1 otherwise, 77 without torch.
+"""
+import argparse
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--build", default=os.path.join(REPO, "build"))
+    ap.add_argument("--blocks", type=int, default=64)
+    ap.add_argument("--batches", type=int, default=4)
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--layers", type=int, default=32)
+    ap.add_argument("--out", default=os.path.join(REPO, "tools/results/compare_store_pipeline.json"))
+    ap.add_argument("--smoke", action="store_true", help="tiny run for CI")
+    a = ap.parse_args()
+    if a.smoke:
+        a.blocks, a.rounds, a.layers = 8, 1, 2
+    sys.path.insert(0, os.path.join(a.build, "python"))
+    try:
+        import torch  # noqa: E402
+    except ImportError:
+        print("compare_store_pipeline: torch is not installed: skipped", file=sys.stderr)
+        return 77
+    import kvdepot  # noqa: E402
+
+    work = tempfile.mkdtemp()
+    log = open(os.path.join(work, "kvdepotd.log"), "w+")
+    daemon = subprocess.Popen(
+        [os.path.join(a.build, "server/kvdepotd"), "--listen", "127.0.0.1:0",
+         "--metrics-listen", "", "--data-dir", os.path.join(work, "d"),
+         "--dram-capacity", "2GiB", "--nvme-capacity", "0"],
+        stdout=subprocess.DEVNULL, stderr=log)
+    try:
+        address = None
+        for _ in range(150):
+            log.seek(0)
+            m = re.search(r"listening on (127\.0\.0\.1:\d+)", log.read())
+            if m:
+                address = m.group(1)
+                break
+            time.sleep(0.1)
+        if address is None:
+            log.seek(0)
+            print(log.read(), file=sys.stderr)
+            return 1
+        T, H, D = 16, 8, 128
+        layout = kvdepot.KvLayout.mha(kvdepot.KvCacheLayout.FLASH_ATTN_NHD, a.layers,
+                                      T, H, D, kvdepot.KvDtype.BFLOAT16)
+        client = kvdepot.Client(address, timeout_s=30)
+        sides = {
+            "pipelined": kvdepot.KvCacheStore(address, layout, "bench", client=client,
+                                              pipeline_batches=a.batches),
+            "one_batch": kvdepot.KvCacheStore(address, layout, "bench", client=client,
+                                              pipeline_batches=1),
+        }
+        g = torch.Generator().manual_seed(1)
+        n = a.blocks
+        src = [torch.randn((2, n, T, H, D), generator=g).to(torch.bfloat16)
+               for _ in range(a.layers)]
+        ids = list(range(n))
+        keys = [b"blk%d" % i for i in ids]
+        sides["one_batch"].save(src, ids, keys)
+        best = {name: {"load_s": float("inf"), "save_s": float("inf")} for name in sides}
+        rounds = []
+        failed = False
+        for r in range(a.rounds):
+            for name, store in sides.items():
+                dst = [torch.zeros_like(t) for t in src]
+                t0 = time.perf_counter()
+                filled = store.load(dst, ids, keys)
+                load_s = time.perf_counter() - t0
+                if not all(filled) or not all(torch.equal(s, d) for s, d in zip(src, dst)):
+                    print(f"{name}: load round {r} returned wrong bytes", file=sys.stderr)
+                    failed = True
+                new_keys = [b"%s-r%d-%s" % (name.encode(), r, k) for k in keys]
+                t0 = time.perf_counter()
+                stored = store.save(src, ids, new_keys)
+                save_s = time.perf_counter() - t0
+                if not all(stored):
+                    failed = True
+                best[name]["load_s"] = min(best[name]["load_s"], load_s)
+                best[name]["save_s"] = min(best[name]["save_s"], save_s)
+                rounds.append({"round": r + 1, "side": name, "load_s": load_s,
+                               "save_s": save_s})
+        total = n * layout.object_bytes
+        rows = []
+        print(f"{n} blocks of {layout.object_bytes / 2**20:.1f} MiB, pipeline_batches "
+              f"{a.batches} vs 1, best of {a.rounds} alternating rounds")
+        print(f"{'op':5} {'pipelined_ms':>13} {'one_batch_ms':>13} {'pipelined_GB/s':>15} "
+              f"{'one_batch_GB/s':>15} {'ratio':>6}")
+        for op in ("load", "save"):
+            p, o = best["pipelined"][f"{op}_s"], best["one_batch"][f"{op}_s"]
+            ratio = o / p if p > 0 else 0
+            print(f"{op:5} {p * 1e3:13.1f} {o * 1e3:13.1f} {total / p / 1e9:15.2f} "
+                  f"{total / o / 1e9:15.2f} {ratio:6.2f}")
+            rows.append({"op": op, "pipelined_s": p, "one_batch_s": o,
+                         "pipelined_gb_per_s": total / p / 1e9,
+                         "one_batch_gb_per_s": total / o / 1e9, "ratio": ratio})
+        with open(a.out, "w") as f:
+            json.dump({"benchmark": "compare_store_pipeline",
+                       "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+                       "blocks": n, "object_bytes": layout.object_bytes,
+                       "layout": repr(layout), "pipeline_batches": a.batches,
+                       "results": rows, "rounds": rounds}, f, indent=1)
+        print(f"JSON: {a.out}")
+        return 1 if failed else 0
+    finally:
+        daemon.terminate()
+        daemon.wait(timeout=20)
+        log.close()
+        shutil.rmtree(work, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
