@@ -187,6 +187,7 @@ cat >"$TMP/demote.sh" <<EOF
 set -euo pipefail
 dir=\$1 blocks=\$2
 mkdir -p "\$dir"
+: >"\$dir/kvdepotd.log"  # read by the port loop before the daemon opens it
 "$TMP/kvdepotd" --listen 127.0.0.1:0 --metrics-listen "" --data-dir "\$dir/data" \\
   --dram-capacity $DEMOTE_DRAM --nvme-capacity \$((blocks * 262144 * 5 / 4 + (1 << 30))) \\
   --persist-on-shutdown false --hugepages off 2>"\$dir/kvdepotd.log" &

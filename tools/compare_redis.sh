@@ -168,6 +168,9 @@ trap 'exit 143' TERM
 
 # --- Start both servers ------------------------------------------------------
 
+# The log exists before the daemon starts: the port loop reads it at once
+# (a background job opens its redirection only when it runs).
+: >"$TMP/kvdepotd.log"
 "$KVDEPOTD" --listen 127.0.0.1:0 --metrics-listen "" --data-dir "$TMP/kvdepot-data" \
   --dram-capacity "$DRAM_CAPACITY" --nvme-capacity "$NVME_CAPACITY" 2>"$TMP/kvdepotd.log" &
 KVD_PID=$!

@@ -75,6 +75,7 @@ cleanup() {
   rm -rf "$WORK"
 }
 trap cleanup EXIT
+: >"$WORK/kvdepotd.log"  # read by the port loop before the daemon opens it
 "$KVDEPOTD" --listen 127.0.0.1:0 --metrics-listen "" --data-dir "$WORK/kvd" \
   --dram-capacity 2GiB --nvme-capacity 0 2>"$WORK/kvdepotd.log" &
 KVD_PID=$!

@@ -136,6 +136,7 @@ KVD_PID=""
 start_kvdepotd() {
   local env port i
   env="$(ucx_env "$1")"
+  : >"$WORK/kvdepotd.log"  # read by the port loop before the daemon opens it
   env $env "$KVDEPOTD" --listen 127.0.0.1:0 --metrics-listen "" \
     --data-dir "$WORK/kvdepot-$1" --dram-capacity 1GiB --nvme-capacity 0 \
     2>"$WORK/kvdepotd.log" &
