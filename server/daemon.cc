@@ -167,20 +167,23 @@ void Daemon::Shutdown() {
     // for ours here: in-flight Read/Write streams may finish (a Write may
     // complete its block; new blocks are refused by the store) until the
     // drain timeout, then whatever is left is cancelled.
-    absl::Time deadline = absl::Now() + config_.drain_timeout;
-    while (service_->active_streams() > 0 && absl::Now() < deadline) {
-      absl::SleepFor(absl::Milliseconds(10));
-    }
-    size_t left = service_->active_streams();
+    const absl::Time deadline = absl::Now() + config_.drain_timeout;
+    // Polls `count` until it is 0 or the drain deadline has passed; returns
+    // what is left.
+    auto drain = [deadline](auto count) {
+      while (count() > 0 && absl::Now() < deadline) {
+        absl::SleepFor(absl::Milliseconds(1));
+      }
+      return count();
+    };
+    size_t left = drain([this] { return service_->active_streams(); });
     if (left > 0) log_->warn("drain timeout: cancelling {} stream(s)", left);
     // Requests that came over UCX: new ones are refused, those in flight
     // finish their transfers (until the drain timeout; Close below cuts
     // what is left short).
     if (data_plane_ != nullptr) {
       data_plane_->StopRequests();
-      while (data_plane_->requests_in_flight() > 0 && absl::Now() < deadline) {
-        absl::SleepFor(absl::Milliseconds(1));
-      }
+      drain([this] { return data_plane_->requests_in_flight(); });
     }
     // Unary calls in progress finish too (a PushBlocks waiting on its
     // transfer, a pinned lookup promoting from NVMe). Then gRPC's own
@@ -188,9 +191,7 @@ void Daemon::Shutdown() {
     // for idle client connections to acknowledge its GOAWAY (a client whose
     // requests go over UCX has no call in flight to read its socket), which
     // made SIGTERM take the whole second.
-    while (service_->active_calls() > 0 && absl::Now() < deadline) {
-      absl::SleepFor(absl::Milliseconds(1));
-    }
+    drain([this] { return service_->active_calls(); });
     server_->Shutdown(std::chrono::system_clock::now() +
                       std::chrono::milliseconds(50));
     // Calls still waiting on UCX transfers end now (their transfers are

@@ -300,8 +300,8 @@ class ClientLoop {
     return SteadyClock::now() >= deadline ? 0 : config_.batch;
   }
 
-  // Fills keys[0, n) with distinct random keys of the working set (gets) or
-  // random ones (lookups).
+  // Fills keys[0, n) with random keys of the working set: distinct ones for
+  // a get batch (perm_), possibly repeated ones otherwise (lookups).
   void DrawWorkingSetKeys(size_t n, std::vector<std::string>& keys,
                           std::vector<absl::string_view>& views) {
     std::uniform_int_distribution<uint64_t> pick(
@@ -482,12 +482,7 @@ class ClientLoop {
           break;
         }
         case Op::kLookup: {
-          std::uniform_int_distribution<uint64_t> pick(
-              0, config_.keys > 0 ? config_.keys - 1 : 0);
-          for (size_t i = 0; i < n; ++i) {
-            keys[i] = WorkingSetKey(config_.block_size, pick(rng_));
-            views[i] = keys[i];
-          }
+          DrawWorkingSetKeys(n, keys, views);  // random, may repeat (no perm_)
           t0 = SteadyClock::now();
           absl::StatusOr<LookupReply> found =
               client_.Lookup(config_.ns, views, config_.prefix, config_.pin);
