@@ -274,35 +274,18 @@ class StoppableDaemonTestCase(DaemonTestCase):
 
     def tearDown(self):
         # A test that failed with the daemon stopped: let it stop normally.
-        if self.daemon.proc.poll() is None:
-            os.kill(self.daemon.proc.pid, signal.SIGCONT)
+        self.daemon.resume()
         super().tearDown()
 
     def stop_daemon(self):
         """SIGSTOPs the daemon (continued at tearDown at the latest): a batch
         sent now cannot complete until it continues."""
-        pid = self.daemon.proc.pid
-        os.kill(pid, signal.SIGSTOP)
-        # kill() returns before every thread has stopped: wait until they have.
-        deadline = time.monotonic() + 10
-        while time.monotonic() < deadline:
-            states = []
-            for task in os.listdir(f"/proc/{pid}/task"):
-                try:
-                    with open(f"/proc/{pid}/task/{task}/stat") as f:
-                        states.append(f.read().rsplit(")", 1)[1].split()[0])
-                except FileNotFoundError:  # a thread that just exited
-                    pass
-            if states and all(st in ("T", "t") for st in states):
-                return
-            time.sleep(0.001)
-        self.fail("kvdepotd did not stop")
+        self.daemon.pause()
 
     def continue_daemon_after(self, seconds: float) -> subprocess.Popen:
         """SIGCONTs the daemon from another process after `seconds`, so that
         it continues whatever this process (and its GIL) are doing."""
-        p = subprocess.Popen(["sh", "-c", "sleep %s; kill -CONT %d"
-                              % (seconds, self.daemon.proc.pid)])
+        p = self.daemon.resume_after(seconds)
         self.addCleanup(p.wait)
         return p
 
@@ -977,7 +960,9 @@ class LoadAsyncTest(StoppableDaemonTestCase):
         self.assertIn("FAILED_PRECONDITION", str(cm.exception))
         for d in dst:  # nothing has arrived, so nothing is written
             self.assertEqual(int(d.abs().sum()), 0)
-        os.kill(self.daemon.proc.pid, signal.SIGCONT)
+        # Continued a little later: a wait that did not wait would see
+        # layer 0 missing.
+        self.continue_daemon_after(0.3)
         loads = [(4, 0), (5, 1), (6, 2), (7, 3)]
         for layer in range(self.L):
             h.wait_for_layer(layer)
