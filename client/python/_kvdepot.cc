@@ -1247,6 +1247,87 @@ PYBIND11_MODULE(_kvdepot, m) {
       .def("__len__", &PyTransferOp::size)
       .def("__repr__", &PyTransferOp::Repr);
 
+  py::enum_<KvDtype>(m, "KvDtype")
+      .value("FLOAT16", KvDtype::kFloat16)
+      .value("BFLOAT16", KvDtype::kBFloat16)
+      .value("FLOAT8_E4M3", KvDtype::kFloat8E4M3)
+      .value("FLOAT32", KvDtype::kFloat32);
+  m.def("dtype_bytes", &KvDtypeBytes, py::arg("dtype"));
+  m.def("dtype_name", [](KvDtype d) { return std::string(KvDtypeName(d)); },
+        py::arg("dtype"));
+
+  py::enum_<KvCacheLayout>(m, "KvCacheLayout")
+      .value("FLASH_ATTN_NHD", KvCacheLayout::kFlashAttnNhd)
+      .value("FLASH_ATTN_HND", KvCacheLayout::kFlashAttnHnd)
+      .value("FLASH_INFER_NHD", KvCacheLayout::kFlashInferNhd)
+      .value("FLASH_INFER_HND", KvCacheLayout::kFlashInferHnd)
+      .value("MLA", KvCacheLayout::kMla)
+      .value("CROSS_LAYER_NHD", KvCacheLayout::kCrossLayerNhd)
+      .value("CROSS_LAYER_HND", KvCacheLayout::kCrossLayerHnd);
+
+  py::class_<KvLayout>(m, "KvLayout",
+                       "An engine's paged KV-cache layout (immutable).")
+      .def_static(
+          "create",
+          [](KvCacheLayout layout, int num_layers, int num_components, int block_size,
+             int num_kv_heads, int head_size, KvDtype dtype) {
+            KvLayoutSpec spec;
+            spec.layout = layout;
+            spec.num_layers = num_layers;
+            spec.num_components = num_components;
+            spec.block_size = block_size;
+            spec.num_kv_heads = num_kv_heads;
+            spec.head_size = head_size;
+            spec.dtype = dtype;
+            return Check(KvLayout::Create(spec));
+          },
+          py::arg("layout"), py::arg("num_layers"), py::arg("num_components"),
+          py::arg("block_size"), py::arg("num_kv_heads"), py::arg("head_size"),
+          py::arg("dtype"))
+      .def_static(
+          "mha",
+          [](KvCacheLayout layout, int num_layers, int block_size, int num_kv_heads,
+             int head_size, KvDtype dtype) {
+            return Check(KvLayout::Mha(layout, num_layers, block_size, num_kv_heads,
+                                       head_size, dtype));
+          },
+          py::arg("layout"), py::arg("num_layers"), py::arg("block_size"),
+          py::arg("num_kv_heads"), py::arg("head_size"), py::arg("dtype"))
+      .def_static(
+          "mla",
+          [](KvCacheLayout layout, int num_layers, int block_size, int latent_size,
+             KvDtype dtype) {
+            return Check(
+                KvLayout::Mla(layout, num_layers, block_size, latent_size, dtype));
+          },
+          py::arg("layout"), py::arg("num_layers"), py::arg("block_size"),
+          py::arg("latent_size"), py::arg("dtype"))
+      .def_property_readonly("layout", &KvLayout::layout)
+      .def_property_readonly("num_layers", &KvLayout::num_layers)
+      .def_property_readonly("num_components", &KvLayout::num_components)
+      .def_property_readonly("block_size", &KvLayout::block_size)
+      .def_property_readonly("num_kv_heads", &KvLayout::num_kv_heads)
+      .def_property_readonly("head_size", &KvLayout::head_size)
+      .def_property_readonly("dtype", &KvLayout::dtype)
+      .def_property_readonly("cross_layer", &KvLayout::cross_layer)
+      .def_property_readonly("num_tensors", &KvLayout::num_tensors)
+      .def_property_readonly("element_bytes", &KvLayout::element_bytes)
+      .def_property_readonly("layer_bytes", &KvLayout::layer_bytes)
+      .def_property_readonly("object_bytes", &KvLayout::object_bytes)
+      .def("tensor_bytes",
+           [](const KvLayout& l, int64_t num_blocks) {
+             return Check(l.TensorBytes(num_blocks));
+           },
+           py::arg("num_blocks"))
+      .def_property_readonly("object_format", &KvLayout::ObjectFormat)
+      .def_property_readonly("fingerprint", &KvLayout::Fingerprint)
+      .def("namespace_for",
+           [](const KvLayout& l, const std::string& model) {
+             return Check(l.NamespaceFor(model));
+           },
+           py::arg("model"))
+      .def("__repr__", &KvLayout::DebugString);
+
   py::class_<PyCacheLoad>(
       m, "CacheLoad",
       "A Client.load_into_cache_async in flight: blocks read into staging "
@@ -1344,87 +1425,6 @@ PYBIND11_MODULE(_kvdepot, m) {
       .def("evict", &PyClient::Evict, py::arg("ns"), py::arg("keys") =
            std::vector<py::bytes>(), py::arg("all") = false)
       .def("stats", &PyClient::Stats);
-
-  py::enum_<KvDtype>(m, "KvDtype")
-      .value("FLOAT16", KvDtype::kFloat16)
-      .value("BFLOAT16", KvDtype::kBFloat16)
-      .value("FLOAT8_E4M3", KvDtype::kFloat8E4M3)
-      .value("FLOAT32", KvDtype::kFloat32);
-  m.def("dtype_bytes", &KvDtypeBytes, py::arg("dtype"));
-  m.def("dtype_name", [](KvDtype d) { return std::string(KvDtypeName(d)); },
-        py::arg("dtype"));
-
-  py::enum_<KvCacheLayout>(m, "KvCacheLayout")
-      .value("FLASH_ATTN_NHD", KvCacheLayout::kFlashAttnNhd)
-      .value("FLASH_ATTN_HND", KvCacheLayout::kFlashAttnHnd)
-      .value("FLASH_INFER_NHD", KvCacheLayout::kFlashInferNhd)
-      .value("FLASH_INFER_HND", KvCacheLayout::kFlashInferHnd)
-      .value("MLA", KvCacheLayout::kMla)
-      .value("CROSS_LAYER_NHD", KvCacheLayout::kCrossLayerNhd)
-      .value("CROSS_LAYER_HND", KvCacheLayout::kCrossLayerHnd);
-
-  py::class_<KvLayout>(m, "KvLayout",
-                       "An engine's paged KV-cache layout (immutable).")
-      .def_static(
-          "create",
-          [](KvCacheLayout layout, int num_layers, int num_components, int block_size,
-             int num_kv_heads, int head_size, KvDtype dtype) {
-            KvLayoutSpec spec;
-            spec.layout = layout;
-            spec.num_layers = num_layers;
-            spec.num_components = num_components;
-            spec.block_size = block_size;
-            spec.num_kv_heads = num_kv_heads;
-            spec.head_size = head_size;
-            spec.dtype = dtype;
-            return Check(KvLayout::Create(spec));
-          },
-          py::arg("layout"), py::arg("num_layers"), py::arg("num_components"),
-          py::arg("block_size"), py::arg("num_kv_heads"), py::arg("head_size"),
-          py::arg("dtype"))
-      .def_static(
-          "mha",
-          [](KvCacheLayout layout, int num_layers, int block_size, int num_kv_heads,
-             int head_size, KvDtype dtype) {
-            return Check(KvLayout::Mha(layout, num_layers, block_size, num_kv_heads,
-                                       head_size, dtype));
-          },
-          py::arg("layout"), py::arg("num_layers"), py::arg("block_size"),
-          py::arg("num_kv_heads"), py::arg("head_size"), py::arg("dtype"))
-      .def_static(
-          "mla",
-          [](KvCacheLayout layout, int num_layers, int block_size, int latent_size,
-             KvDtype dtype) {
-            return Check(
-                KvLayout::Mla(layout, num_layers, block_size, latent_size, dtype));
-          },
-          py::arg("layout"), py::arg("num_layers"), py::arg("block_size"),
-          py::arg("latent_size"), py::arg("dtype"))
-      .def_property_readonly("layout", &KvLayout::layout)
-      .def_property_readonly("num_layers", &KvLayout::num_layers)
-      .def_property_readonly("num_components", &KvLayout::num_components)
-      .def_property_readonly("block_size", &KvLayout::block_size)
-      .def_property_readonly("num_kv_heads", &KvLayout::num_kv_heads)
-      .def_property_readonly("head_size", &KvLayout::head_size)
-      .def_property_readonly("dtype", &KvLayout::dtype)
-      .def_property_readonly("cross_layer", &KvLayout::cross_layer)
-      .def_property_readonly("num_tensors", &KvLayout::num_tensors)
-      .def_property_readonly("element_bytes", &KvLayout::element_bytes)
-      .def_property_readonly("layer_bytes", &KvLayout::layer_bytes)
-      .def_property_readonly("object_bytes", &KvLayout::object_bytes)
-      .def("tensor_bytes",
-           [](const KvLayout& l, int64_t num_blocks) {
-             return Check(l.TensorBytes(num_blocks));
-           },
-           py::arg("num_blocks"))
-      .def_property_readonly("object_format", &KvLayout::ObjectFormat)
-      .def_property_readonly("fingerprint", &KvLayout::Fingerprint)
-      .def("namespace_for",
-           [](const KvLayout& l, const std::string& model) {
-             return Check(l.NamespaceFor(model));
-           },
-           py::arg("model"))
-      .def("__repr__", &KvLayout::DebugString);
 
   m.def("gather", &PyGather, py::arg("layout"), py::arg("caches"),
         py::arg("block_ids"), py::arg("objects"), py::arg("layers") = py::none(),
