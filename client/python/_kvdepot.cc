@@ -32,10 +32,10 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <exception>
 #include <memory>
 #include <optional>
 #include <string>
-#include <system_error>
 #include <thread>
 #include <utility>
 #include <vector>
@@ -678,12 +678,13 @@ class PyCacheLoad {
   PyCacheLoad& operator=(const PyCacheLoad&) = delete;
 
   // Starts the loader thread (once, before Python sees the object). Where
-  // no thread can be had, loads here instead, with the GIL released.
-  // REQUIRES: the GIL.
+  // no thread can be had (std::system_error, std::bad_alloc), loads here
+  // instead, with the GIL released: the load must run, or the destructor
+  // would wait for it forever. REQUIRES: the GIL.
   void Start() {
     try {
       thread_ = std::thread([state = state_] { state->Run(); });
-    } catch (const std::system_error&) {
+    } catch (const std::exception&) {
       py::gil_scoped_release release;
       state_->Run();
     }
