@@ -16,6 +16,12 @@
 // ready; an op dropped before then waits for its batch, with the GIL
 // released, before letting them go (see PyTransferOp).
 //
+// Loads into a paged cache (load_into_cache_async, behind
+// KvCacheStore.load_async) return a CacheLoad: a loader thread, which never
+// takes the GIL, reads the batches into staging objects and scatters them
+// into the cache layer by layer, so that layers become ready in order (see
+// CacheLoadState and PyCacheLoad).
+//
 // Errors: absl::Status codes become Python exceptions whose message starts
 // with the code's name: NOT_FOUND -> KeyError, INVALID_ARGUMENT and
 // OUT_OF_RANGE -> ValueError, everything else -> RuntimeError.
@@ -26,17 +32,22 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <exception>
 #include <memory>
 #include <optional>
 #include <string>
+#include <thread>
 #include <utility>
 #include <vector>
 
+#include "absl/base/thread_annotations.h"
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/string_view.h"
+#include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
+#include "absl/types/span.h"
 #include "client/client.h"
 #include "google/protobuf/descriptor.h"
 #include "google/protobuf/message.h"
@@ -216,6 +227,32 @@ py::object FieldValue(const google::protobuf::Message& msg,
   return py::none();
 }
 
+// Calls wait_until(t) with the GIL released, for deadlines t in slices of
+// at most 100 ms, until it returns true or `timeout` seconds have passed
+// (None: no limit; 0: one poll); returns whether it returned true. Between
+// slices, KeyboardInterrupt and other signal handlers run. REQUIRES: the
+// GIL; wait_until touches no Python object.
+template <typename WaitUntil>
+bool WaitReleased(std::optional<double> timeout, WaitUntil wait_until) {
+  if (timeout && std::isnan(*timeout)) {
+    throw py::value_error("INVALID_ARGUMENT: timeout is NaN");
+  }
+  const absl::Time deadline = timeout
+                                  ? absl::Now() + absl::Seconds(std::max(0.0, *timeout))
+                                  : absl::InfiniteFuture();
+  for (;;) {
+    absl::Time until = std::min(deadline, absl::Now() + absl::Milliseconds(100));
+    bool ready = false;
+    {
+      py::gil_scoped_release release;
+      ready = wait_until(until);
+    }
+    if (ready) return true;
+    if (absl::Now() >= deadline) return false;
+    if (PyErr_CheckSignals() != 0) throw py::error_already_set();
+  }
+}
+
 // The binding of one TransferOp (a get_into_async or put_async batch) and
 // the owner of everything the batch uses: the Python objects whose memory it
 // reads or writes (with their buffer-protocol exports, which also keep
@@ -260,26 +297,11 @@ class PyTransferOp {
     return true;
   }
 
-  // Waits up to `timeout` seconds (forever with None; 0 polls). The GIL is
-  // released meanwhile; an unbounded wait wakes every 100 ms to let
-  // KeyboardInterrupt and other signal handlers run.
+  // Waits up to `timeout` seconds (forever with None; 0 polls), the GIL
+  // released (see WaitReleased).
   bool Wait(std::optional<double> timeout) {
-    if (timeout && std::isnan(*timeout)) {
-      throw py::value_error("INVALID_ARGUMENT: timeout is NaN");
-    }
-    const absl::Time deadline =
-        timeout ? absl::Now() + absl::Seconds(std::max(0.0, *timeout))
-                : absl::InfiniteFuture();
-    bool ready = false;
-    for (;;) {
-      absl::Time until = std::min(deadline, absl::Now() + absl::Milliseconds(100));
-      {
-        py::gil_scoped_release release;
-        ready = op_->WaitUntil(until);
-      }
-      if (ready || absl::Now() >= deadline) break;
-      if (PyErr_CheckSignals() != 0) throw py::error_already_set();
-    }
+    bool ready =
+        WaitReleased(timeout, [this](absl::Time t) { return op_->WaitUntil(t); });
     if (ready) Settle();
     return ready;
   }
@@ -374,6 +396,401 @@ class PyTransferOp {
   // Held until the op is ready; then null and empty.
   std::shared_ptr<Client> client_;
   std::vector<Memory> memory_;
+};
+
+// The cache tensors of a gather/scatter as a KvCacheView; num_blocks is
+// derived from the tensors' sizes, which must all be equal and a whole number
+// of blocks. `memories` keeps the objects referenced.
+KvCacheView CacheView(const KvLayout& layout, const std::vector<Memory>& memories) {
+  if (static_cast<int>(memories.size()) != layout.num_tensors()) {
+    throw py::value_error(absl::StrCat(
+        "INVALID_ARGUMENT: layout ", KvCacheLayoutName(layout.layout()), " with ",
+        layout.num_layers(), " layers takes ", layout.num_tensors(),
+        " cache tensors, got ", memories.size()));
+  }
+  uint64_t per_block = Check(layout.TensorBytes(1));
+  KvCacheView view;
+  view.num_blocks = static_cast<int64_t>(memories[0].size / per_block);
+  for (size_t i = 0; i < memories.size(); ++i) {
+    const Memory& m = memories[i];
+    if (m.size != memories[0].size || m.size % per_block != 0 || m.size == 0) {
+      throw py::value_error(absl::StrCat(
+          "INVALID_ARGUMENT: caches[", i, "] has ", m.size, " bytes; every cache "
+          "tensor must have the same size, a positive multiple of ", per_block,
+          " bytes (one block)"));
+    }
+    view.tensors.push_back(m.data);
+  }
+  return view;
+}
+
+// One load of blocks into a paged KV cache (Client.load_into_cache_async),
+// run by one loader thread (Run): it starts a GetIntoAsync read of each
+// batch into its staging objects, then scatters the hits of the batches that
+// have arrived into the cache, one layer of one batch at a time. Layers
+// become ready in order: layer l is ready once every batch has arrived and
+// has scattered layers [0, l] of its hits (a batch without hits has nothing
+// to scatter).
+//
+// Order of the scatter: the loader always takes the lowest layer left of any
+// batch that has arrived (the lowest batch among equals). While later batches
+// are in flight it works through the layers of the earlier ones; when the
+// last batch arrives, its layer 0 comes next, so layer 0 is ready one
+// single-layer scatter after the last arrival, and each later layer as soon
+// as its pieces are done -- no batch's whole object stands in the way.
+//
+// Memory is borrowed: the cache tensors and the staging objects must stay
+// valid, and the client alive, until done() (CacheLoad holds them). The
+// loader touches no Python object and never takes the GIL.
+//
+// Thread-safe.
+class CacheLoadState {
+ public:
+  // Block i is keys[i], read into objects[i] (layout.object_bytes() each)
+  // and scattered into block_ids[i] of `cache`; batch b is blocks
+  // [bounds[b], bounds[b + 1]). REQUIRES: valid, distinct block ids;
+  // bounds ascending from 0 to keys.size().
+  CacheLoadState(Client& client, std::string ns, std::vector<std::string> keys,
+                 std::vector<char*> objects, KvLayout layout, KvCacheView cache,
+                 std::vector<int64_t> block_ids, std::vector<size_t> bounds)
+      : client_(client),
+        ns_(std::move(ns)),
+        keys_(std::move(keys)),
+        objects_(std::move(objects)),
+        layout_(std::move(layout)),
+        cache_(std::move(cache)),
+        block_ids_(std::move(block_ids)),
+        bounds_(std::move(bounds)),
+        statuses_(keys_.size(), absl::UnknownError("not loaded")) {}
+
+  CacheLoadState(const CacheLoadState&) = delete;
+  CacheLoadState& operator=(const CacheLoadState&) = delete;
+
+  // The loader's body; returns once done() (every batch ready, every hit
+  // scattered, or the load cancelled).
+  void Run() {
+    const int num_layers = layout_.num_layers();
+    const size_t num_batches = bounds_.size() - 1;
+    std::vector<TransferOp> ops;
+    ops.reserve(num_batches);
+    {
+      const std::vector<absl::string_view> keys(keys_.begin(), keys_.end());
+      std::vector<absl::Span<char>> dst;
+      dst.reserve(objects_.size());
+      for (char* o : objects_) dst.emplace_back(o, layout_.object_bytes());
+      for (size_t b = 0; b < num_batches && !cancelled(); ++b) {
+        const size_t lo = bounds_[b], n = bounds_[b + 1] - lo;
+        ops.push_back(client_.GetIntoAsync(
+            ns_, absl::MakeConstSpan(keys).subspan(lo, n),
+            absl::MakeConstSpan(dst).subspan(lo, n)));
+      }
+    }
+    std::vector<bool> arrived(ops.size(), false);
+    std::vector<int> next(ops.size(), 0);  // layers of the batch scattered
+    std::vector<std::vector<size_t>> hits(ops.size());
+    size_t in_flight = ops.size();
+    while (!cancelled()) {
+      for (size_t b = 0; b < ops.size(); ++b) {
+        if (arrived[b] || !ops[b].IsReady()) continue;
+        arrived[b] = true;
+        --in_flight;
+        const std::vector<absl::Status>& st = ops[b].statuses();
+        for (size_t i = bounds_[b]; i < bounds_[b + 1]; ++i) {
+          statuses_[i] = st[i - bounds_[b]];
+          if (statuses_[i].ok()) hits[b].push_back(i);
+        }
+        if (hits[b].empty()) next[b] = num_layers;
+      }
+      size_t best = ops.size();
+      for (size_t b = 0; b < ops.size(); ++b) {
+        if (arrived[b] && next[b] < num_layers &&
+            (best == ops.size() || next[b] < next[best])) {
+          best = b;
+        }
+      }
+      if (best < ops.size()) {
+        absl::Status s = ScatterLayer(hits[best], next[best]);
+        if (s.ok()) {
+          ++next[best];
+        } else {  // not expected: the input was checked
+          for (size_t i : hits[best]) {
+            statuses_[i] = absl::Status(
+                s.code(),
+                absl::StrCat("scatter of layer ", next[best], ": ", s.message()));
+          }
+          hits[best].clear();
+          next[best] = num_layers;
+        }
+        int ready = num_layers;
+        for (size_t b = 0; b < ops.size(); ++b) {
+          ready = std::min(ready, arrived[b] ? next[b] : 0);
+        }
+        absl::MutexLock lock(&mu_);
+        ready_layers_ = ready;
+        continue;
+      }
+      if (in_flight == 0) break;
+      // Nothing to scatter: wait for the first batch in flight; while others
+      // are in flight too, for a slice only, to see one that arrives first.
+      for (size_t b = 0; b < ops.size(); ++b) {
+        if (arrived[b]) continue;
+        ops[b].WaitUntil(in_flight == 1 ? absl::InfiniteFuture()
+                                        : absl::Now() + absl::Milliseconds(1));
+        break;
+      }
+    }
+    // Cancelled: the batches still in flight write into the staging objects
+    // and use the client until they are ready.
+    for (const TransferOp& op : ops) op.Wait();
+    // Then the hits not wholly scattered, and the blocks of batches seen
+    // ready only now or never started, end CANCELLED.
+    for (size_t b = 0; b < num_batches; ++b) {
+      const bool seen = b < ops.size() && arrived[b];
+      if (seen && next[b] >= num_layers) continue;
+      for (size_t i = bounds_[b]; i < bounds_[b + 1]; ++i) {
+        if (!seen || statuses_[i].ok()) {
+          statuses_[i] = absl::CancelledError("the load was cancelled");
+        }
+      }
+    }
+    absl::MutexLock lock(&mu_);
+    if (!cancelled_) ready_layers_ = num_layers;  // also when nothing was hit
+    done_ = true;
+  }
+
+  // Scatters no further layer; the loader then waits for the batches in
+  // flight and is done. The blocks not wholly scattered end CANCELLED.
+  void Cancel() {
+    absl::MutexLock lock(&mu_);
+    cancelled_ = true;
+  }
+
+  size_t size() const { return keys_.size(); }
+  int num_layers() const { return layout_.num_layers(); }
+
+  // Layers [0, ready_layers()) of every hit are in the cache.
+  int ready_layers() const {
+    absl::MutexLock lock(&mu_);
+    return ready_layers_;
+  }
+
+  bool done() const {
+    absl::MutexLock lock(&mu_);
+    return done_;
+  }
+
+  // Waits until ready_layers() >= n or done(), or `deadline`; returns
+  // whether ready_layers() >= n.
+  bool WaitLayers(int n, absl::Time deadline) const {
+    absl::MutexLock lock(&mu_);
+    auto reached = [this, n]() ABSL_SHARED_LOCKS_REQUIRED(mu_) {
+      return ready_layers_ >= n || done_;
+    };
+    mu_.AwaitWithDeadline(absl::Condition(&reached), deadline);
+    return ready_layers_ >= n;
+  }
+
+  // Waits until done() or `deadline`; returns done().
+  bool WaitDone(absl::Time deadline) const {
+    absl::MutexLock lock(&mu_);
+    mu_.AwaitWithDeadline(absl::Condition(&done_), deadline);
+    return done_;
+  }
+
+  // REQUIRES: done(). One status per block: the read's (NOT_FOUND for a
+  // key not stored), a scatter error, or CANCELLED.
+  const std::vector<absl::Status>& statuses() const { return statuses_; }
+
+ private:
+  bool cancelled() const {
+    absl::MutexLock lock(&mu_);
+    return cancelled_;
+  }
+
+  // Scatters layer `layer` of the blocks `hits` from their staging objects.
+  absl::Status ScatterLayer(const std::vector<size_t>& hits, int layer) const {
+    std::vector<int64_t> ids;
+    std::vector<const void*> src;
+    ids.reserve(hits.size());
+    src.reserve(hits.size());
+    const uint64_t offset = static_cast<uint64_t>(layer) * layout_.layer_bytes();
+    for (size_t i : hits) {
+      ids.push_back(block_ids_[i]);
+      src.push_back(objects_[i] + offset);
+    }
+    return Scatter(layout_, cache_, ids, LayerRange{layer, layer + 1}, src,
+                   StreamRef());
+  }
+
+  // Constant after construction; borrowed memory, see the class comment.
+  Client& client_;
+  const std::string ns_;
+  const std::vector<std::string> keys_;
+  const std::vector<char*> objects_;
+  const KvLayout layout_;
+  const KvCacheView cache_;
+  const std::vector<int64_t> block_ids_;
+  const std::vector<size_t> bounds_;
+
+  // Written by the loader before it sets done_; read by others only after
+  // they have seen done_ (under mu_).
+  std::vector<absl::Status> statuses_;
+
+  mutable absl::Mutex mu_;
+  int ready_layers_ ABSL_GUARDED_BY(mu_) = 0;
+  bool done_ ABSL_GUARDED_BY(mu_) = false;
+  bool cancelled_ ABSL_GUARDED_BY(mu_) = false;
+};
+
+// The binding of one CacheLoadState (Python: CacheLoad) and the owner of
+// everything it uses: the cache tensors' and staging objects' Python objects
+// (with their buffer-protocol exports), the native client, and the loader
+// thread. They go once the load is seen done (wait(), ready(),
+// wait_for_layer() or a result accessor; the thread is joined then). A
+// CacheLoad dropped before that cancels the load -- no further layer is
+// scattered -- and its destructor waits, with the GIL released, until the
+// batches in flight are ready and the loader has ended, so no memory is
+// freed or reused under a transfer or a scatter. That wait is bounded by the
+// client's transfer deadlines.
+//
+// Thread-safe for Python callers: every method runs with the GIL held, and
+// where one releases it, it touches only the state (thread-safe) or locals.
+class PyCacheLoad {
+ public:
+  PyCacheLoad(std::shared_ptr<Client> client, std::vector<Memory> memory,
+              std::shared_ptr<CacheLoadState> state)
+      : client_(std::move(client)),
+        memory_(std::move(memory)),
+        state_(std::move(state)) {}
+
+  // REQUIRES: the GIL (pybind11 destroys instances holding it).
+  ~PyCacheLoad() {
+    if (settled_) return;
+    state_->Cancel();
+    {
+      py::gil_scoped_release release;
+      state_->WaitDone(absl::InfiniteFuture());
+    }
+    Settle();
+  }
+
+  PyCacheLoad(const PyCacheLoad&) = delete;
+  PyCacheLoad& operator=(const PyCacheLoad&) = delete;
+
+  // Starts the loader thread (once, before Python sees the object). Where
+  // no thread can be had (std::system_error, std::bad_alloc), loads here
+  // instead, with the GIL released: the load must run, or the destructor
+  // would wait for it forever. REQUIRES: the GIL.
+  void Start() {
+    try {
+      thread_ = std::thread([state = state_] { state->Run(); });
+    } catch (const std::exception&) {
+      py::gil_scoped_release release;
+      state_->Run();
+    }
+  }
+
+  int ReadyLayers() const { return state_->ready_layers(); }
+
+  bool Ready() {
+    if (!state_->done()) return false;
+    Settle();
+    return true;
+  }
+
+  // Waits until layers [0, layer] are ready or `timeout` seconds pass.
+  bool WaitForLayer(int layer, std::optional<double> timeout) {
+    if (layer < 0 || layer >= state_->num_layers()) {
+      Raise(absl::OutOfRangeError(absl::StrCat(
+          "layer ", layer, " is outside [0, ", state_->num_layers(), ")")));
+    }
+    bool ready = WaitReleased(timeout, [this, layer](absl::Time t) {
+      return state_->WaitLayers(layer + 1, t);
+    });
+    if (state_->done()) Settle();
+    return ready;
+  }
+
+  bool Wait(std::optional<double> timeout) {
+    bool ready =
+        WaitReleased(timeout, [this](absl::Time t) { return state_->WaitDone(t); });
+    if (ready) Settle();
+    return ready;
+  }
+
+  std::vector<bool> Ok() {
+    RequireDone("ok");
+    std::vector<bool> out;
+    out.reserve(state_->size());
+    for (const absl::Status& s : state_->statuses()) out.push_back(s.ok());
+    return out;
+  }
+
+  // Per block: None when loaded, else (code name, message).
+  py::list Errors() {
+    RequireDone("errors");
+    py::list out;
+    for (const absl::Status& s : state_->statuses()) {
+      if (s.ok()) {
+        out.append(py::none());
+      } else {
+        out.append(py::make_tuple(absl::StatusCodeToString(s.code()),
+                                  std::string(s.message())));
+      }
+    }
+    return out;
+  }
+
+  size_t size() const { return state_->size(); }
+  int num_layers() const { return state_->num_layers(); }
+
+  // "CacheLoad(4 blocks, 3 of 32 layers ready)" or "CacheLoad(4 blocks,
+  // done, 3 loaded)". Does not settle the load.
+  std::string Repr() const {
+    if (!state_->done()) {
+      return absl::StrCat("CacheLoad(", size(), " blocks, ", ReadyLayers(), " of ",
+                          num_layers(), " layers ready)");
+    }
+    size_t ok = 0;
+    for (const absl::Status& s : state_->statuses()) ok += s.ok() ? 1 : 0;
+    return absl::StrCat("CacheLoad(", size(), " blocks, done, ", ok, " loaded)");
+  }
+
+ private:
+  void RequireDone(const char* what) {
+    if (!state_->done()) {
+      throw std::runtime_error(absl::StrCat(
+          "FAILED_PRECONDITION: CacheLoad.", what,
+          "() before the load is done; call wait() (or poll ready()) first"));
+    }
+    Settle();
+  }
+
+  // Joins the loader and drops the references the load needed. REQUIRES:
+  // the GIL, and the state done. The join does not wait: a done loader only
+  // returns. The client goes with the GIL released (its destructor closes
+  // the session); the memory objects after it, moved out first because
+  // releasing them may run Python code that calls back here.
+  void Settle() {
+    if (settled_) return;
+    settled_ = true;
+    if (thread_.joinable()) thread_.join();
+    std::shared_ptr<Client> client = std::move(client_);
+    client_ = nullptr;
+    std::vector<Memory> memory = std::move(memory_);
+    memory_.clear();
+    {
+      py::gil_scoped_release release;
+      client.reset();
+    }
+  }
+
+  // Held until settled; then null and empty.
+  std::shared_ptr<Client> client_;
+  std::vector<Memory> memory_;
+  const std::shared_ptr<CacheLoadState> state_;
+  std::thread thread_;
+  bool settled_ = false;  // the GIL guards it
 };
 
 // Raises ValueError unless `ns` and every key are valid (the native async
@@ -551,6 +968,79 @@ class PyClient {
     return op;
   }
 
+  // Starts loading the blocks `keys` into the blocks `block_ids` of the
+  // paged cache `caches` (of `layout`) through the staging `objects` (one
+  // writable buffer of layout.object_bytes per block; over UCX when every
+  // one lies in allocated or registered memory), in batches of
+  // `batch_sizes` blocks (None: one batch), and returns a CacheLoad at once
+  // (see CacheLoadState and PyCacheLoad). Bad input raises here, before
+  // anything is read or written; per-block outcomes, misses included, are
+  // the load's.
+  std::unique_ptr<PyCacheLoad> LoadIntoCacheAsync(
+      const std::string& ns, const std::vector<py::bytes>& keys,
+      const py::sequence& objects, const KvLayout& layout, const py::sequence& caches,
+      const std::vector<int64_t>& block_ids,
+      const std::optional<std::vector<int64_t>>& batch_sizes) {
+    const size_t n = keys.size();
+    if (static_cast<size_t>(objects.size()) != n || block_ids.size() != n) {
+      throw py::value_error(absl::StrCat("INVALID_ARGUMENT: ", n, " keys, ",
+                                         objects.size(), " objects and ",
+                                         block_ids.size(), " block ids"));
+    }
+    std::vector<std::string> k = Keys(keys);
+    ValidateNames(ns, k);
+    std::vector<size_t> bounds = {0};
+    if (batch_sizes) {
+      for (int64_t size : *batch_sizes) {
+        if (size <= 0) {
+          throw py::value_error("INVALID_ARGUMENT: batch sizes must be positive");
+        }
+        bounds.push_back(bounds.back() + static_cast<size_t>(size));
+      }
+      if (bounds.back() != n) {
+        throw py::value_error(absl::StrCat("INVALID_ARGUMENT: batch sizes add up to ",
+                                           bounds.back(), ", not ", n, " blocks"));
+      }
+    } else if (n > 0) {
+      bounds.push_back(n);
+    }
+    std::vector<Memory> memory = GetMemories(caches, /*writable=*/true, "caches");
+    KvCacheView view = CacheView(layout, memory);
+    for (size_t i = 0; i < n; ++i) {
+      if (block_ids[i] < 0 || block_ids[i] >= view.num_blocks) {
+        Raise(absl::OutOfRangeError(absl::StrCat("block id ", block_ids[i],
+                                                 " is outside the cache's ",
+                                                 view.num_blocks, " blocks")));
+      }
+    }
+    std::vector<int64_t> sorted = block_ids;
+    std::sort(sorted.begin(), sorted.end());
+    if (std::adjacent_find(sorted.begin(), sorted.end()) != sorted.end()) {
+      throw py::value_error("INVALID_ARGUMENT: block ids repeat");
+    }
+    std::vector<Memory> obj = GetMemories(objects, /*writable=*/true, "objects");
+    std::vector<char*> dst;
+    dst.reserve(n);
+    for (size_t i = 0; i < n; ++i) {
+      if (obj[i].size != layout.object_bytes()) {
+        throw py::value_error(absl::StrCat("INVALID_ARGUMENT: objects[", i, "] has ",
+                                           obj[i].size, " bytes, expected ",
+                                           layout.object_bytes()));
+      }
+      dst.push_back(obj[i].data);
+    }
+    for (Memory& m : obj) memory.push_back(std::move(m));
+    std::shared_ptr<Client> c = client();
+    auto state = std::make_shared<CacheLoadState>(*c, ns, std::move(k), std::move(dst),
+                                                  layout, std::move(view), block_ids,
+                                                  std::move(bounds));
+    // The load owns the memory and the client before the loader can touch
+    // them.
+    auto load = std::make_unique<PyCacheLoad>(std::move(c), std::move(memory), state);
+    load->Start();
+    return load;
+  }
+
   py::dict Evict(const std::string& ns, const std::vector<py::bytes>& keys, bool all) {
     std::vector<std::string> k = Keys(keys);
     return MessageToDict(Check(Released([&](Client& c) {
@@ -638,32 +1128,6 @@ class PyClient {
   // Owned by client_'s deleter; valid while client_ is set. GIL held.
   std::vector<Memory>* registered_ = nullptr;
 };
-
-// The cache tensors of a gather/scatter as a KvCacheView; num_blocks is
-// derived from the tensors' sizes, which must all be equal and a whole number
-// of blocks. `memories` keeps the objects referenced.
-KvCacheView CacheView(const KvLayout& layout, const std::vector<Memory>& memories) {
-  if (static_cast<int>(memories.size()) != layout.num_tensors()) {
-    throw py::value_error(absl::StrCat(
-        "INVALID_ARGUMENT: layout ", KvCacheLayoutName(layout.layout()), " with ",
-        layout.num_layers(), " layers takes ", layout.num_tensors(),
-        " cache tensors, got ", memories.size()));
-  }
-  uint64_t per_block = Check(layout.TensorBytes(1));
-  KvCacheView view;
-  view.num_blocks = static_cast<int64_t>(memories[0].size / per_block);
-  for (size_t i = 0; i < memories.size(); ++i) {
-    const Memory& m = memories[i];
-    if (m.size != memories[0].size || m.size % per_block != 0 || m.size == 0) {
-      throw py::value_error(absl::StrCat(
-          "INVALID_ARGUMENT: caches[", i, "] has ", m.size, " bytes; every cache "
-          "tensor must have the same size, a positive multiple of ", per_block,
-          " bytes (one block)"));
-    }
-    view.tensors.push_back(m.data);
-  }
-  return view;
-}
 
 LayerRange Layers(const KvLayout& layout, std::optional<std::pair<int, int>> layers) {
   if (!layers) return layout.AllLayers();
@@ -784,71 +1248,14 @@ PYBIND11_MODULE(_kvdepot, m) {
       .def("__len__", &PyTransferOp::size)
       .def("__repr__", &PyTransferOp::Repr);
 
-  py::class_<PyClient>(m, "Client",
-                       "A connection to kvdepotd (thread-safe). No RPC is made "
-                       "until the first call.")
-      .def(py::init<const std::string&, double, double, const std::string&>(),
-           py::arg("server") = "127.0.0.1:50551", py::arg("timeout_s") = 30.0,
-           py::arg("lease_s") = 0.0, py::arg("client_name") = "kvdepot-python")
-      .def_property_readonly("server", &PyClient::server)
-      .def("close", &PyClient::Close,
-           "Closes the session (releasing its pins) and the connection.")
-      .def("__enter__", [](py::object self) { return self; })
-      .def("__exit__",
-           [](PyClient& c, py::object, py::object, py::object) { c.Close(); })
-      .def("health", &PyClient::Health,
-           "Raises RuntimeError (UNAVAILABLE) unless the daemon is serving.")
-      .def("ensure_session", &PyClient::EnsureSession,
-           "Opens a session if none is open (kept alive in the background); "
-           "returns its id.")
-      .def("close_session", &PyClient::CloseSession,
-           "Closes the session, releasing its pins.")
-      .def("lookup", &PyClient::Lookup, py::arg("ns"), py::arg("keys"),
-           py::arg("prefix") = false, py::arg("pin") = false)
-      .def("unpin", &PyClient::Unpin, py::arg("pin_id"))
-      .def("put", &PyClient::Put, py::arg("ns"), py::arg("keys"), py::arg("buffers"),
-           py::arg("parents") = py::none(),
-           "Stores blocks (put-if-absent) straight from the buffers; returns "
-           "True per block stored, False where it already existed.")
-      .def("get_into", &PyClient::GetInto, py::arg("ns"), py::arg("keys"),
-           py::arg("buffers"),
-           "Reads blocks into writable buffers of exactly the block size; "
-           "returns True per block filled, False per miss (buffer untouched).")
-      .def("get_into_async", &PyClient::GetIntoAsync, py::arg("ns"), py::arg("keys"),
-           py::arg("buffers"), py::arg("prefix") = false,
-           "Starts reading blocks into writable buffers of exactly the block "
-           "size; returns a TransferOp (a miss is a NOT_FOUND block status, "
-           "its buffer untouched). Over UCX when every buffer lies in "
-           "allocate_buffer/register_buffer memory, else over gRPC, done "
-           "before this returns. With prefix, stops at the first miss.")
-      .def("put_async", &PyClient::PutAsync, py::arg("ns"), py::arg("keys"),
-           py::arg("buffers"), py::arg("parents") = py::none(),
-           "Starts storing blocks (put-if-absent) from the buffers; returns a "
-           "TransferOp (ok per block stored; already_stored(i) where it "
-           "existed). The buffers must not change until the op is ready.")
-      .def("allocate_buffer", &PyClient::AllocateBuffer, py::arg("size"),
-           "A numpy uint8 array allocated and registered through UCX; put "
-           "and get_into with buffers inside it use the UCX data plane "
-           "(shared memory with a daemon on this host).")
-      .def("register_buffer", &PyClient::RegisterBuffer, py::arg("buffer"),
-           "Registers a writable buffer (numpy array, bytearray, CPU tensor) "
-           "with UCX: put and get_into with buffers inside it use the UCX "
-           "data plane without copies. The object is kept alive as long as "
-           "the client.")
-      .def("data_plane_status", &PyClient::DataPlaneStatus,
-           "'' when the UCX data plane is in use, else why not (opens a "
-           "session to find out).")
-      .def("evict", &PyClient::Evict, py::arg("ns"), py::arg("keys") =
-           std::vector<py::bytes>(), py::arg("all") = false)
-      .def("stats", &PyClient::Stats);
-
   py::enum_<KvDtype>(m, "KvDtype")
       .value("FLOAT16", KvDtype::kFloat16)
       .value("BFLOAT16", KvDtype::kBFloat16)
       .value("FLOAT8_E4M3", KvDtype::kFloat8E4M3)
       .value("FLOAT32", KvDtype::kFloat32);
-  m.def("dtype_bytes", &KvDtypeBytes);
-  m.def("dtype_name", [](KvDtype d) { return std::string(KvDtypeName(d)); });
+  m.def("dtype_bytes", &KvDtypeBytes, py::arg("dtype"));
+  m.def("dtype_name", [](KvDtype d) { return std::string(KvDtypeName(d)); },
+        py::arg("dtype"));
 
   py::enum_<KvCacheLayout>(m, "KvCacheLayout")
       .value("FLASH_ATTN_NHD", KvCacheLayout::kFlashAttnNhd)
@@ -921,6 +1328,104 @@ PYBIND11_MODULE(_kvdepot, m) {
            },
            py::arg("model"))
       .def("__repr__", &KvLayout::DebugString);
+
+  py::class_<PyCacheLoad>(
+      m, "CacheLoad",
+      "A Client.load_into_cache_async in flight: blocks read into staging "
+      "objects and scattered into a paged cache by a loader thread, layer by "
+      "layer, layers ready in order. Holds the caches, objects and client "
+      "until seen done; dropped earlier, it scatters no further layer and "
+      "waits for the batches in flight (GIL released). ok()/errors() raise "
+      "RuntimeError (FAILED_PRECONDITION) before it is done.")
+      .def("ready_layers", &PyCacheLoad::ReadyLayers,
+           "n: layers [0, n) of every loaded block are in the cache (never "
+           "blocks).")
+      .def("ready", &PyCacheLoad::Ready,
+           "True once every block has an outcome and every hit is scattered "
+           "(never blocks).")
+      .def("wait_for_layer", &PyCacheLoad::WaitForLayer, py::arg("layer"),
+           py::arg("timeout") = py::none(),
+           "Waits until layers [0, layer] are in the cache or `timeout` seconds "
+           "(None: no limit; 0 polls), with the GIL released; returns whether "
+           "they are. ValueError for a layer outside [0, num_layers).")
+      .def("wait", &PyCacheLoad::Wait, py::arg("timeout") = py::none(),
+           "Waits until ready or `timeout` seconds (None: no limit; 0 polls), "
+           "with the GIL released; returns whether it is ready.")
+      .def("ok", &PyCacheLoad::Ok, "One flag per block: True when loaded.")
+      .def("errors", &PyCacheLoad::Errors,
+           "One entry per block: None when loaded, else (code name, message), "
+           "e.g. ('NOT_FOUND', ...) for a miss (its cache block untouched).")
+      .def_property_readonly("num_layers", &PyCacheLoad::num_layers)
+      .def("__len__", &PyCacheLoad::size)
+      .def("__repr__", &PyCacheLoad::Repr);
+
+  py::class_<PyClient>(m, "Client",
+                       "A connection to kvdepotd (thread-safe). No RPC is made "
+                       "until the first call.")
+      .def(py::init<const std::string&, double, double, const std::string&>(),
+           py::arg("server") = "127.0.0.1:50551", py::arg("timeout_s") = 30.0,
+           py::arg("lease_s") = 0.0, py::arg("client_name") = "kvdepot-python")
+      .def_property_readonly("server", &PyClient::server)
+      .def("close", &PyClient::Close,
+           "Closes the session (releasing its pins) and the connection.")
+      .def("__enter__", [](py::object self) { return self; })
+      .def("__exit__",
+           [](PyClient& c, py::object, py::object, py::object) { c.Close(); })
+      .def("health", &PyClient::Health,
+           "Raises RuntimeError (UNAVAILABLE) unless the daemon is serving.")
+      .def("ensure_session", &PyClient::EnsureSession,
+           "Opens a session if none is open (kept alive in the background); "
+           "returns its id.")
+      .def("close_session", &PyClient::CloseSession,
+           "Closes the session, releasing its pins.")
+      .def("lookup", &PyClient::Lookup, py::arg("ns"), py::arg("keys"),
+           py::arg("prefix") = false, py::arg("pin") = false)
+      .def("unpin", &PyClient::Unpin, py::arg("pin_id"))
+      .def("put", &PyClient::Put, py::arg("ns"), py::arg("keys"), py::arg("buffers"),
+           py::arg("parents") = py::none(),
+           "Stores blocks (put-if-absent) straight from the buffers; returns "
+           "True per block stored, False where it already existed.")
+      .def("get_into", &PyClient::GetInto, py::arg("ns"), py::arg("keys"),
+           py::arg("buffers"),
+           "Reads blocks into writable buffers of exactly the block size; "
+           "returns True per block filled, False per miss (buffer untouched).")
+      .def("get_into_async", &PyClient::GetIntoAsync, py::arg("ns"), py::arg("keys"),
+           py::arg("buffers"), py::arg("prefix") = false,
+           "Starts reading blocks into writable buffers of exactly the block "
+           "size; returns a TransferOp (a miss is a NOT_FOUND block status, "
+           "its buffer untouched). Over UCX when every buffer lies in "
+           "allocate_buffer/register_buffer memory, else over gRPC, done "
+           "before this returns. With prefix, stops at the first miss.")
+      .def("put_async", &PyClient::PutAsync, py::arg("ns"), py::arg("keys"),
+           py::arg("buffers"), py::arg("parents") = py::none(),
+           "Starts storing blocks (put-if-absent) from the buffers; returns a "
+           "TransferOp (ok per block stored; already_stored(i) where it "
+           "existed). The buffers must not change until the op is ready.")
+      .def("load_into_cache_async", &PyClient::LoadIntoCacheAsync, py::arg("ns"),
+           py::arg("keys"), py::arg("objects"), py::arg("layout"), py::arg("caches"),
+           py::arg("block_ids"), py::arg("batch_sizes") = py::none(),
+           "Starts loading blocks into a paged cache: keys[i] is read into "
+           "objects[i] (staging, layout.object_bytes each) and scattered into "
+           "block block_ids[i] of caches, in batches of batch_sizes blocks "
+           "(None: one batch), by a loader thread; returns a CacheLoad at "
+           "once. Bad input (counts, names, sizes, block ids out of range or "
+           "repeated) raises before anything moves. A miss is a NOT_FOUND "
+           "block, its cache block untouched.")
+      .def("allocate_buffer", &PyClient::AllocateBuffer, py::arg("size"),
+           "A numpy uint8 array allocated and registered through UCX; put "
+           "and get_into with buffers inside it use the UCX data plane "
+           "(shared memory with a daemon on this host).")
+      .def("register_buffer", &PyClient::RegisterBuffer, py::arg("buffer"),
+           "Registers a writable buffer (numpy array, bytearray, CPU tensor) "
+           "with UCX: put and get_into with buffers inside it use the UCX "
+           "data plane without copies. The object is kept alive as long as "
+           "the client.")
+      .def("data_plane_status", &PyClient::DataPlaneStatus,
+           "'' when the UCX data plane is in use, else why not (opens a "
+           "session to find out).")
+      .def("evict", &PyClient::Evict, py::arg("ns"), py::arg("keys") =
+           std::vector<py::bytes>(), py::arg("all") = false)
+      .def("stats", &PyClient::Stats);
 
   m.def("gather", &PyGather, py::arg("layout"), py::arg("caches"),
         py::arg("block_ids"), py::arg("objects"), py::arg("layers") = py::none(),

@@ -15,6 +15,10 @@ Two levels:
 * :class:`KvCacheStore` -- saves and loads blocks of an engine's paged KV
   cache (torch tensors or numpy arrays in one of the :class:`KvCacheLayout`
   layouts): gather into host buffers, then put; get, then scatter the hits.
+  :meth:`KvCacheStore.load_async` returns a :class:`LoadHandle` at once and
+  scatters in the background, layer by layer, so that an engine can run
+  layer 0's attention (``handle.wait_for_layer(0)``) while the later layers
+  are still being written.
 
 Layouts: :class:`KvLayout` (``KvLayout.mha``, ``KvLayout.mla``,
 ``KvLayout.create``) describes the cache; :meth:`KvLayout.namespace_for` gives
@@ -36,15 +40,23 @@ Example::
     store = kvdepot.KvCacheStore("127.0.0.1:50551", layout, "llama3-8b/tp0of1")
     store.save(kv_caches, block_ids=[1, 3], keys=[k1, k2], parents=[b"", k1])
     hits = store.load(kv_caches, block_ids=[7, 9], keys=[k1, k2])
+
+    handle = store.load_async(kv_caches, block_ids=[7, 9], keys=[k1, k2])
+    for layer in range(layout.num_layers):
+        handle.wait_for_layer(layer)   # layers [0, layer] are in the caches
+        ...                            # run that layer
+    hits = handle.wait()
 """
 
 from __future__ import annotations
 
+import weakref
 from typing import Any, List, Optional, Sequence, Tuple
 
 try:
     from ._kvdepot import (
         BlockInfo,
+        CacheLoad,
         Client as _NativeClient,
         KvCacheLayout,
         KvDtype,
@@ -66,11 +78,13 @@ except ImportError as e:  # pragma: no cover
 
 __all__ = [
     "BlockInfo",
+    "CacheLoad",
     "Client",
     "KvCacheLayout",
     "KvCacheStore",
     "KvDtype",
     "KvLayout",
+    "LoadHandle",
     "LookupReply",
     "Tier",
     "TransferOp",
@@ -151,6 +165,47 @@ class Client(_NativeClient):
             list(parents) if parents is not None else None,
         )
 
+    def load_into_cache_async(
+        self,
+        ns: str,
+        keys: Sequence[bytes],
+        objects: Sequence[Any],
+        layout: KvLayout,
+        caches: Sequence[Any],
+        block_ids: Sequence[int],
+        batch_sizes: Optional[Sequence[int]] = None,
+    ) -> CacheLoad:
+        """Starts loading the blocks ``keys`` into the blocks ``block_ids``
+        of a paged cache and returns a :class:`CacheLoad` at once: the
+        building block of :meth:`KvCacheStore.load_async` (use that).
+
+        ``keys[i]`` is read into the staging buffer ``objects[i]`` (writable,
+        ``layout.object_bytes`` each; over the UCX data plane when all lie
+        in ``allocate_buffer``/``register_buffer`` memory) and scattered into
+        block ``block_ids[i]`` of ``caches``, in batches of ``batch_sizes``
+        blocks (None: one batch). A loader thread starts the reads and
+        scatters, without the GIL, one layer of one arrived batch at a time
+        (the lowest layer first), so layers become ready in order:
+        ``load.wait_for_layer(l)``. A miss is a NOT_FOUND block whose cache
+        block is left untouched.
+
+        Raises ValueError, before anything is read or written, for counts
+        that differ, an invalid namespace or key, block ids outside the
+        caches or repeated, staging buffers of the wrong size, caches that do
+        not fit ``layout``; TypeError for an object that is not a buffer.
+        The load holds the caches, the objects and this client until it is
+        done; don't touch the objects, or layers not yet ready, before then.
+        """
+        return super().load_into_cache_async(
+            ns,
+            list(keys),
+            list(objects),
+            layout,
+            list(caches),
+            list(block_ids),
+            list(batch_sizes) if batch_sizes is not None else None,
+        )
+
 
 def dtype_from_torch(dtype: Any) -> KvDtype:
     """Returns the :class:`KvDtype` of a ``torch.dtype`` (fp16, bf16, fp32,
@@ -171,6 +226,123 @@ def dtype_from_torch(dtype: Any) -> KvDtype:
         raise ValueError(f"INVALID_ARGUMENT: no KvDtype for {dtype}") from None
 
 
+def _raise_block_error(
+    errors: Sequence[Optional[Tuple[str, str]]], ignore: Tuple[str, ...] = ()
+) -> None:
+    """Raises the first block error whose code is not in ``ignore``, as the
+    synchronous calls would (ValueError for INVALID_ARGUMENT / OUT_OF_RANGE,
+    else RuntimeError)."""
+    for err in errors:
+        if err is None or err[0] in ignore:
+            continue
+        message = f"{err[0]}: {err[1]}"
+        if err[0] in ("INVALID_ARGUMENT", "OUT_OF_RANGE"):
+            raise ValueError(message)
+        raise RuntimeError(message)
+
+
+class LoadHandle:
+    """A :meth:`KvCacheStore.load_async` in flight.
+
+    The blocks are read in the store's pipelined batches and scattered into
+    the caches by a loader thread (native, without the GIL) one layer at a
+    time, so layers become ready in order: once :meth:`wait_for_layer`
+    ``(l)`` returns, layers ``0..l`` of every block that was hit are in the
+    caches and the engine may run those layers' attention, while the later
+    layers are still being written. :meth:`wait` waits for everything and
+    returns one hit flag per key, as :meth:`KvCacheStore.load` does.
+
+    Until :attr:`done`, don't read layers that are not ready yet, and don't
+    write the blocks being loaded. Dropping an unfinished handle cancels it:
+    no further layer is scattered (the blocks' contents are then
+    unspecified), and the drop waits -- without the GIL, bounded by the
+    client's transfer deadlines -- until no transfer or scatter uses the
+    caches or the store's staging buffers any more.
+
+    Safe to wait on from several threads.
+    """
+
+    __slots__ = ("_load", "_num_layers", "_size", "__weakref__")
+
+    def __init__(self, load: Optional[CacheLoad], num_layers: int, size: int) -> None:
+        # load is None for a load of no blocks (done at once).
+        self._load = load
+        self._num_layers = num_layers
+        self._size = size
+
+    def __len__(self) -> int:
+        """The number of keys (blocks) loaded."""
+        return self._size
+
+    @property
+    def num_layers(self) -> int:
+        return self._num_layers
+
+    @property
+    def ready_layers(self) -> int:
+        """``n``: layers ``[0, n)`` of every block hit so far are in the
+        caches, and stay so. Reaches :attr:`num_layers` when done (never
+        blocks)."""
+        return self._num_layers if self._load is None else self._load.ready_layers()
+
+    @property
+    def done(self) -> bool:
+        """True once every block has an outcome and every hit is in the
+        caches: :meth:`wait` then returns at once (never blocks)."""
+        return self._load is None or self._load.ready()
+
+    def wait_for_layer(self, layer: int, timeout: Optional[float] = None) -> None:
+        """Returns once layer ``layer`` (and every layer before it) of every
+        block hit is in the caches: the engine may run that layer.
+
+        Misses and failed blocks are not waited for (their cache blocks are
+        untouched); :meth:`wait` reports them. ``timeout`` in seconds (None:
+        no limit) raises TimeoutError when it passes first; the GIL is
+        released while waiting. ValueError for a layer outside ``[0,
+        num_layers)``.
+        """
+        if not 0 <= layer < self._num_layers:
+            raise ValueError(
+                f"OUT_OF_RANGE: layer {layer} is outside [0, {self._num_layers})")
+        if self._load is not None and not self._load.wait_for_layer(layer, timeout):
+            raise TimeoutError(f"layer {layer} of {self!r} not ready after {timeout} s")
+
+    def wait(self, timeout: Optional[float] = None) -> List[bool]:
+        """Waits until the load is done and returns one flag per key: True if
+        the block was loaded, False if the key is not stored (a miss: that
+        cache block is left untouched, never zero-filled).
+
+        Any other block error (the daemon unreachable, a deadline,
+        DATA_LOSS) raises once everything has ended, as :meth:`KvCacheStore.load`
+        does: ValueError for INVALID_ARGUMENT / OUT_OF_RANGE, else
+        RuntimeError, the message starting with the code (the blocks that
+        did load are in the caches; :meth:`errors` tells them apart).
+        ``timeout`` as in :meth:`wait_for_layer`.
+        """
+        if self._load is None:
+            return []
+        if not self._load.wait(timeout):
+            raise TimeoutError(f"{self!r} not done after {timeout} s")
+        _raise_block_error(self._load.errors(), ignore=("NOT_FOUND",))
+        return self._load.ok()
+
+    def errors(self) -> List[Optional[Tuple[str, str]]]:
+        """One entry per key once done: None when loaded, else (code name,
+        message), e.g. ``("NOT_FOUND", ...)`` for a miss. Never raises for
+        block errors; RuntimeError (FAILED_PRECONDITION) before done."""
+        return [] if self._load is None else self._load.errors()
+
+    def _finish(self) -> None:
+        """Waits until done, reporting nothing (the results stay here)."""
+        if self._load is not None:
+            self._load.wait()
+
+    def __repr__(self) -> str:
+        if self._load is None:
+            return "LoadHandle(0 blocks, done)"
+        return f"LoadHandle({self._load!r})"
+
+
 class KvCacheStore:
     """Saves and loads blocks of one engine's paged KV cache in kvdepotd.
 
@@ -186,7 +358,10 @@ class KvCacheStore:
     and size, KV quantization).
 
     Not thread-safe (it reuses its host staging buffers); use one store per
-    thread, or share one :class:`Client` between several stores.
+    thread, or share one :class:`Client` between several stores. For the same
+    reason one load may be in flight per store: a ``load_async``, ``load`` or
+    ``save`` called while an earlier :class:`LoadHandle` is not done first
+    waits for it (its results stay with that handle).
 
     Saves and loads are pipelined: the blocks go in up to
     ``pipeline_batches`` batches in flight at once (each of
@@ -195,7 +370,7 @@ class KvCacheStore:
     scatter of one the transfer of the next: 64 blocks of 2 MiB over shared
     memory loaded 1.3x and saved 1.4x faster than in one batch on a 2-core
     machine (tools/compare_store_pipeline.py). 1 makes every save or load
-    one batch.
+    one batch. Loads scatter layer by layer (see :meth:`load_async`).
     """
 
     def __init__(
@@ -220,6 +395,8 @@ class KvCacheStore:
         )
         self.pipeline_batches = pipeline_batches
         self._buffers: List[Any] = []
+        # The last load_async's handle, until its staging buffers are free.
+        self._pending: Optional["weakref.ReferenceType[LoadHandle]"] = None
 
     def _batches(self, n: int) -> List[Tuple[int, int]]:
         """[lo, hi) ranges splitting n blocks into up to pipeline_batches
@@ -246,16 +423,18 @@ class KvCacheStore:
     @staticmethod
     def _raise_first(ops: Sequence[TransferOp], ignore: Tuple[str, ...] = ()) -> None:
         """Raises the first block error of ``ops`` whose code is not in
-        ``ignore``, as the synchronous calls would (ValueError for
-        INVALID_ARGUMENT / OUT_OF_RANGE, else RuntimeError)."""
+        ``ignore`` (see _raise_block_error)."""
         for op in ops:
-            for err in op.errors():
-                if err is None or err[0] in ignore:
-                    continue
-                message = f"{err[0]}: {err[1]}"
-                if err[0] in ("INVALID_ARGUMENT", "OUT_OF_RANGE"):
-                    raise ValueError(message)
-                raise RuntimeError(message)
+            _raise_block_error(op.errors(), ignore)
+
+    def _wait_pending(self) -> None:
+        """Waits for the load in flight, if any, so that its staging buffers
+        are free; its results stay with its handle. (A handle that was
+        dropped waited for itself.)"""
+        handle = self._pending() if self._pending is not None else None
+        if handle is not None:
+            handle._finish()
+        self._pending = None
 
     def _staging(self, n: int) -> List[Any]:
         """n host buffers of one object each, reused across calls: views of
@@ -300,6 +479,7 @@ class KvCacheStore:
             )
         caches = list(caches)
         self._check_block_ids(caches, block_ids)
+        self._wait_pending()
         buffers = self._staging(len(keys))
         ops: List[Tuple[int, TransferOp]] = []
         try:
@@ -326,47 +506,64 @@ class KvCacheStore:
         keys: Sequence[bytes],
     ) -> List[bool]:
         """Loads the blocks stored under ``keys`` into ``block_ids`` of
-        ``caches``.
+        ``caches``: ``load_async(caches, block_ids, keys).wait()``.
 
         Returns one flag per key: True if the block was loaded, False if the
         key is not stored -- that cache block is then left untouched (never
         zero-filled), for the caller to recompute. Block ids must not repeat.
+        Raises as :meth:`load_async` and :meth:`LoadHandle.wait`.
+        """
+        return self.load_async(caches, block_ids, keys).wait()
+
+    def load_async(
+        self,
+        caches: Sequence[Any],
+        block_ids: Sequence[int],
+        keys: Sequence[bytes],
+    ) -> LoadHandle:
+        """Starts loading the blocks stored under ``keys`` into ``block_ids``
+        of ``caches`` and returns a :class:`LoadHandle` at once.
+
+        The reads go in the pipelined batches (``pipeline_batches``,
+        ``min_batch_bytes``) into this store's staging buffers; a loader
+        thread scatters the hits into the caches one layer of one arrived
+        batch at a time, always the lowest layer left first. So layer 0 is
+        ready one single-layer scatter after the last batch arrives, and
+        ``handle.wait_for_layer(l)`` returns as soon as layers ``0..l`` are
+        written, while the later ones are still being scattered.
+        ``handle.wait()`` returns the hit flags (see :meth:`load`).
+
+        Raises, before anything is read or written: ValueError when the
+        counts differ, a block id repeats or is outside the caches, or the
+        caches do not fit the layout. Waits first for a load of this store
+        still in flight (see the class docstring). Until the handle is
+        done, the caches' blocks being loaded must not be written, and their
+        layers not yet ready not read.
         """
         if len(block_ids) != len(keys):
             raise ValueError(
                 f"INVALID_ARGUMENT: {len(block_ids)} block ids but {len(keys)} keys"
             )
         if not keys:
-            return []
+            return LoadHandle(None, self.layout.num_layers, 0)
         if len(set(block_ids)) != len(block_ids):
             raise ValueError("INVALID_ARGUMENT: block ids repeat")
         caches = list(caches)
         self._check_block_ids(caches, block_ids)
+        self._wait_pending()
         buffers = self._staging(len(keys))
-        ops = [(lo, self.client.get_into_async(self.namespace, keys[lo:hi],
-                                               buffers[lo:hi]))
-               for lo, hi in self._batches(len(keys))]
-        filled: List[bool] = []
-        try:
-            for lo, op in ops:
-                op.wait()
-                ok = op.ok()
-                # Scattered while the batches after it are still arriving.
-                hits = [lo + i for i, o in enumerate(ok) if o]
-                if hits:
-                    scatter(
-                        self.layout,
-                        caches,
-                        [block_ids[i] for i in hits],
-                        [buffers[i] for i in hits],
-                    )
-                filled += ok
-        finally:
-            for _, op in ops:  # no staging buffer is in flight past here
-                op.wait()
-        # A key that is not stored is a miss; any other error raises.
-        self._raise_first([op for _, op in ops], ignore=("NOT_FOUND",))
-        return filled
+        load = self.client.load_into_cache_async(
+            self.namespace,
+            list(keys),
+            buffers,
+            self.layout,
+            caches,
+            list(block_ids),
+            [hi - lo for lo, hi in self._batches(len(keys))],
+        )
+        handle = LoadHandle(load, self.layout.num_layers, len(keys))
+        self._pending = weakref.ref(handle)
+        return handle
 
     def lookup(self, keys: Sequence[bytes], prefix: bool = True) -> int:
         """How many of ``keys`` are stored: with ``prefix``, the length of the

@@ -16,7 +16,7 @@ import hashlib
 import zlib
 from dataclasses import dataclass, field
 from types import SimpleNamespace
-from typing import Any, Dict, List, Optional
+from typing import Any, Callable, Dict, List, Optional
 
 import torch
 
@@ -162,7 +162,14 @@ class VllmEngine:
         return ext
 
     def step(self, new_reqs: List[FakeRequest], cached: List[FakeRequest],
-             num_scheduled: Dict[str, int]) -> Any:
+             num_scheduled: Dict[str, int],
+             hook: Optional[Callable[[str, int], None]] = None) -> Any:
+        """One scheduler step and forward pass. ``hook(event, layer)``, when
+        given, is called at points a test may inspect: ("before_load", -1)
+        after the metadata is bound, ("after_start_load", -1) once
+        start_load_kv returned, and ("layer_loaded", l) once
+        wait_for_layer_load returned for layer l, before its attention."""
+        hook = hook or (lambda event, layer: None)
         new_block_ids: List[Any] = []
         for r in cached:  # running requests get blocks as they grow
             blocks = self.blocks[r.request_id]
@@ -192,10 +199,13 @@ class VllmEngine:
         # --- model runner
         self.worker.bind_connector_metadata(meta)
         fc = SimpleNamespace(no_compile_layers={}, attn_metadata={}, virtual_engine=0)
+        hook("before_load", -1)
         self.worker.start_load_kv(fc)
+        hook("after_start_load", -1)
         reqs = {r.request_id: r for r in new_reqs + cached}
         for layer, name in enumerate(self.layer_names):
             self.worker.wait_for_layer_load(name)
+            hook("layer_loaded", layer)
             for rid, n in num_scheduled.items():
                 self._attention_writes(reqs[rid], layer, name, n)
             self.worker.save_kv_layer(name, self.kv_caches[name], fc.attn_metadata)

@@ -60,6 +60,38 @@ class Daemon:
                     return float(line.split()[-1])
         return 0.0
 
+    def pause(self) -> None:
+        """SIGSTOPs the daemon and returns once every one of its threads has
+        stopped: what it is sent now cannot complete until ``resume``."""
+        pid = self.proc.pid
+        os.kill(pid, signal.SIGSTOP)
+        # kill() returns before every thread has stopped: wait until they have.
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:
+            states = []
+            for task in os.listdir(f"/proc/{pid}/task"):
+                try:
+                    with open(f"/proc/{pid}/task/{task}/stat") as f:
+                        states.append(f.read().rsplit(")", 1)[1].split()[0])
+                except FileNotFoundError:  # a thread that just exited
+                    pass
+            if states and all(st in ("T", "t") for st in states):
+                return
+            time.sleep(0.001)
+        raise RuntimeError("kvdepotd did not stop")
+
+    def resume(self) -> None:
+        """SIGCONTs the daemon if it still runs (a no-op otherwise)."""
+        if self.proc.poll() is None:
+            os.kill(self.proc.pid, signal.SIGCONT)
+
+    def resume_after(self, seconds: float) -> subprocess.Popen:
+        """SIGCONTs the daemon from another process after ``seconds``, so
+        that it continues whatever this process (and its GIL) is doing.
+        Wait for the returned process before the test ends."""
+        return subprocess.Popen(["sh", "-c", "sleep %s; kill -CONT %d"
+                                 % (seconds, self.proc.pid)])
+
     def terminate(self) -> None:
         """SIGTERM, and wait for the exit (the daemon may stay gone)."""
         if self.proc.poll() is None:

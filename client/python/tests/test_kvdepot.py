@@ -262,57 +262,30 @@ class UcxDataPlaneTest(DaemonTestCase):
             self.client.register_buffer(np.zeros(16, dtype=np.uint8))
 
 
-class AsyncTransferTest(DaemonTestCase):
-    """get_into_async / put_async: TransferOp handles, per-block outcomes,
-    and the lifetime of what an op in flight uses."""
+class StoppableDaemonTestCase(DaemonTestCase):
+    """A daemon (with /metrics) that a test may SIGSTOP, so that what it is
+    sent cannot complete until it continues."""
 
     metrics = True
-    SIZE = 4096
 
     def ucx_bytes(self, direction: str) -> float:
         return self.daemon.metric(
             'kvdepot_bytes_total{direction="%s",transport="ucx"}' % direction)
 
-    def stored(self, first: int, n: int, size: int = SIZE):
-        """Stores n random blocks key(first..) over gRPC (plain arrays);
-        returns their keys and copies of their bytes."""
-        keys = [key(first + i) for i in range(n)]
-        blocks = [np.random.default_rng(first + i).integers(0, 256, size, dtype=np.uint8)
-                  for i in range(n)]
-        self.assertEqual(self.client.put(NS, keys, blocks), [True] * n)
-        self.assertEqual(self.ucx_bytes("in"), 0)
-        return keys, blocks
-
     def tearDown(self):
         # A test that failed with the daemon stopped: let it stop normally.
-        os.kill(self.daemon.proc.pid, signal.SIGCONT)
+        self.daemon.resume()
         super().tearDown()
 
     def stop_daemon(self):
         """SIGSTOPs the daemon (continued at tearDown at the latest): a batch
         sent now cannot complete until it continues."""
-        pid = self.daemon.proc.pid
-        os.kill(pid, signal.SIGSTOP)
-        # kill() returns before every thread has stopped: wait until they have.
-        deadline = time.monotonic() + 10
-        while time.monotonic() < deadline:
-            states = []
-            for task in os.listdir(f"/proc/{pid}/task"):
-                try:
-                    with open(f"/proc/{pid}/task/{task}/stat") as f:
-                        states.append(f.read().rsplit(")", 1)[1].split()[0])
-                except FileNotFoundError:  # a thread that just exited
-                    pass
-            if states and all(st in ("T", "t") for st in states):
-                return
-            time.sleep(0.001)
-        self.fail("kvdepotd did not stop")
+        self.daemon.pause()
 
     def continue_daemon_after(self, seconds: float) -> subprocess.Popen:
         """SIGCONTs the daemon from another process after `seconds`, so that
         it continues whatever this process (and its GIL) are doing."""
-        p = subprocess.Popen(["sh", "-c", "sleep %s; kill -CONT %d"
-                              % (seconds, self.daemon.proc.pid)])
+        p = self.daemon.resume_after(seconds)
         self.addCleanup(p.wait)
         return p
 
@@ -342,6 +315,23 @@ class AsyncTransferTest(DaemonTestCase):
         self.assertGreaterEqual(took, 0.25)
         self.assertGreater(ticks[0], 0, "the GIL was held")
         return result, took
+
+
+class AsyncTransferTest(StoppableDaemonTestCase):
+    """get_into_async / put_async: TransferOp handles, per-block outcomes,
+    and the lifetime of what an op in flight uses."""
+
+    SIZE = 4096
+
+    def stored(self, first: int, n: int, size: int = SIZE):
+        """Stores n random blocks key(first..) over gRPC (plain arrays);
+        returns their keys and copies of their bytes."""
+        keys = [key(first + i) for i in range(n)]
+        blocks = [np.random.default_rng(first + i).integers(0, 256, size, dtype=np.uint8)
+                  for i in range(n)]
+        self.assertEqual(self.client.put(NS, keys, blocks), [True] * n)
+        self.assertEqual(self.ucx_bytes("in"), 0)
+        return keys, blocks
 
     def check_get(self, dst_of):
         """Gets 3 stored blocks and one miss (third) into dst_of(4) over UCX."""
@@ -864,6 +854,266 @@ class TorchStoreTest(DaemonTestCase):
             store.save(caches[:3], [0], [b"k"])
         with self.assertRaises(ValueError):
             store.save(caches, [self.NUM_BLOCKS], [b"k"])
+
+
+@unittest.skipIf(torch is None, "torch is not installed")
+class LoadAsyncTest(StoppableDaemonTestCase):
+    """KvCacheStore.load_async: a LoadHandle whose layers become ready in
+    order, misses, errors, bad input, a second call while one is in flight,
+    and dropped handles."""
+
+    L, N, T, H, D = 4, 8, 16, 2, 32
+
+    def cases(self):
+        """(layout, cache shapes, part(caches, layer, block)) for every
+        layout: part is that layer of that block."""
+        L, N, T, H, D = self.L, self.N, self.T, self.H, self.D
+        K = kvdepot.KvCacheLayout
+        bf16 = kvdepot.KvDtype.BFLOAT16
+        mha = kvdepot.KvLayout.mha
+        per_layer_kv = lambda c, layer, b: c[layer][:, b]  # noqa: E731
+        per_layer = lambda c, layer, b: c[layer][b]  # noqa: E731
+        cross = lambda c, layer, b: c[0][b, layer]  # noqa: E731
+        return [
+            (mha(K.FLASH_ATTN_NHD, L, T, H, D, bf16), [(2, N, T, H, D)] * L, per_layer_kv),
+            (mha(K.FLASH_ATTN_HND, L, T, H, D, bf16), [(2, N, H, T, D)] * L, per_layer_kv),
+            (mha(K.FLASH_INFER_NHD, L, T, H, D, bf16), [(N, 2, T, H, D)] * L, per_layer),
+            (mha(K.FLASH_INFER_HND, L, T, H, D, bf16), [(N, 2, H, T, D)] * L, per_layer),
+            (kvdepot.KvLayout.mla(K.MLA, L, T, 576, bf16), [(N, T, 576)] * L, per_layer),
+            (mha(K.CROSS_LAYER_NHD, L, T, H, D, bf16), [(N, L, 2, T, H, D)], cross),
+            (mha(K.CROSS_LAYER_HND, L, T, H, D, bf16), [(N, L, 2, H, T, D)], cross),
+        ]
+
+    def setup_store(self, layout, shapes, name, client=None, batches=2):
+        """A store of `batches` batches (of at least 2 blocks), random
+        source caches with blocks 0-3 stored under s0..s3, and zeroed
+        destination caches."""
+        store = kvdepot.KvCacheStore(self.daemon.address, layout, "pytest-" + name,
+                                     client=client or self.client,
+                                     pipeline_batches=batches, min_batch_bytes=0)
+        g = torch.Generator().manual_seed(11)
+        src = [torch.randn(s, generator=g).to(torch.bfloat16) for s in shapes]
+        keys = [b"s%d" % b for b in range(4)]
+        self.assertEqual(store.save(src, [0, 1, 2, 3], keys), [True] * 4)
+        dst = [torch.zeros(s, dtype=torch.bfloat16) for s in shapes]
+        return store, src, keys, dst
+
+    def nhd(self, name, **kw):
+        layout, shapes, part = self.cases()[0]
+        return self.setup_store(layout, shapes, name, **kw) + (layout, part)
+
+    def assert_layers(self, dst, src, part, loads, upto):
+        """Layers [0, upto) of each (dst block, src block) in `loads` match."""
+        for dst_block, src_block in loads:
+            for layer in range(upto):
+                self.assertTrue(torch.equal(part(dst, layer, dst_block),
+                                            part(src, layer, src_block)),
+                                f"layer {layer} of block {dst_block}")
+
+    def test_layers_become_ready_in_order_in_every_layout(self):
+        for layout, shapes, part in self.cases():
+            with self.subTest(layout=layout.layout.name):
+                store, src, keys, dst = self.setup_store(
+                    layout, shapes, "layers-" + layout.layout.name, batches=3)
+                for d in dst:
+                    d.fill_(7.0)  # what nothing loaded may change
+                # Three batches ([7, 6], [4, 3], [1, 0]); block 4 misses.
+                ids = [7, 6, 4, 3, 1, 0]
+                load_keys = [keys[0], keys[1], b"missing", keys[3], keys[2], keys[0]]
+                loads = [(7, 0), (6, 1), (3, 3), (1, 2), (0, 0)]
+                h = store.load_async(dst, ids, load_keys)
+                self.assertIsInstance(h, kvdepot.LoadHandle)
+                self.assertEqual((len(h), h.num_layers), (6, self.L))
+                for layer in range(self.L):
+                    h.wait_for_layer(layer)
+                    self.assertGreaterEqual(h.ready_layers, layer + 1)
+                    self.assert_layers(dst, src, part, loads, layer + 1)
+                self.assertEqual(h.wait(), [True, True, False, True, True, True])
+                self.assertTrue(h.done)
+                self.assertEqual(h.ready_layers, self.L)
+                self.assertEqual([e is None for e in h.errors()],
+                                 [True, True, False, True, True, True])
+                self.assertEqual(h.errors()[2][0], "NOT_FOUND")
+                self.assert_layers(dst, src, part, loads, self.L)
+                # The miss (4) and the blocks not loaded keep their bytes.
+                for b in (2, 4, 5):
+                    for layer in range(self.L):
+                        self.assertTrue(bool((part(dst, layer, b) == 7.0).all()),
+                                        f"layer {layer} of block {b}")
+
+    def test_load_async_returns_before_the_daemon_answers(self):
+        store, src, keys, dst, layout, part = self.nhd("in-flight")
+        # Session, staging buffers and UCX endpoint first (a miss is a round
+        # trip too).
+        self.assertEqual(store.load(dst, [0], [b"warm"]), [False])
+        self.stop_daemon()
+        h = store.load_async(dst, [4, 5, 6, 7], keys)
+        self.assertFalse(h.done)
+        self.assertEqual(h.ready_layers, 0)
+        self.assertIn("0 of 4 layers ready", repr(h))
+        with self.assertRaises(TimeoutError):
+            h.wait_for_layer(0, timeout=0)
+        with self.assertRaises(TimeoutError):
+            h.wait(timeout=0)
+        with self.assertRaises(RuntimeError) as cm:
+            h.errors()
+        self.assertIn("FAILED_PRECONDITION", str(cm.exception))
+        for d in dst:  # nothing has arrived, so nothing is written
+            self.assertEqual(int(d.abs().sum()), 0)
+        # Continued a little later: a wait that did not wait would see
+        # layer 0 missing.
+        self.continue_daemon_after(0.3)
+        loads = [(4, 0), (5, 1), (6, 2), (7, 3)]
+        for layer in range(self.L):
+            h.wait_for_layer(layer)
+            self.assert_layers(dst, src, part, loads, layer + 1)
+        self.assertEqual(h.wait(), [True] * 4)
+        self.assertEqual(self.ucx_bytes("out"), 4 * layout.object_bytes)
+
+    def test_unregistered_staging_takes_grpc_in_the_loader(self):
+        # The native call with plain numpy staging: the gRPC reads run in
+        # the loader thread, not in the call.
+        store, src, keys, dst, layout, part = self.nhd("grpc")
+        objects = [np.full(layout.object_bytes, 0xAB, np.uint8) for _ in range(4)]
+        load = self.client.load_into_cache_async(
+            store.namespace, [keys[1], b"missing", keys[2], keys[3]], objects, layout,
+            dst, [4, 5, 6, 7], batch_sizes=[1, 3])
+        self.assertIsInstance(load, kvdepot.CacheLoad)
+        self.assertEqual((len(load), load.num_layers), (4, self.L))
+        self.assertTrue(load.wait_for_layer(self.L - 1, timeout=30))
+        self.assertTrue(load.wait(timeout=30))
+        self.assertTrue(load.ready())
+        self.assertEqual(load.ready_layers(), self.L)
+        self.assertEqual(load.ok(), [True, False, True, True])
+        self.assertEqual(load.errors()[1][0], "NOT_FOUND")
+        self.assertIn("done, 3 loaded", repr(load))
+        self.assert_layers(dst, src, part, [(4, 1), (6, 2), (7, 3)], self.L)
+        self.assertEqual(int(dst[0][:, 5].abs().sum()), 0)
+        self.assertTrue((objects[1] == 0xAB).all())  # the miss's staging
+        self.assertEqual(self.ucx_bytes("out"), 0)
+
+    def test_bad_input_raises_before_anything_moves(self):
+        store, src, keys, dst, layout, part = self.nhd("bad-input")
+        with self.assertRaises(ValueError):  # in the second batch
+            store.load_async(dst, [4, 5, 6, self.N], keys)
+        with self.assertRaises(ValueError):
+            store.load_async(dst, [4, 5, 6, -1], keys)
+        with self.assertRaises(ValueError):
+            store.load_async(dst, [4, 5, 5, 6], keys)
+        with self.assertRaises(ValueError):
+            store.load_async(dst, [4, 5], keys)
+        with self.assertRaises(ValueError):  # one cache tensor short
+            store.load_async(dst[:3], [4, 5, 6, 7], keys)
+        ns, staging = store.namespace, store._staging(4)
+        with self.assertRaises(ValueError):  # staging of the wrong size
+            self.client.load_into_cache_async(ns, keys, [np.empty(3, np.uint8)] * 4,
+                                              layout, dst, [4, 5, 6, 7])
+        with self.assertRaises(ValueError):  # batches that do not add up
+            self.client.load_into_cache_async(ns, keys, staging, layout, dst,
+                                              [4, 5, 6, 7], [3])
+        with self.assertRaises(ValueError):
+            self.client.load_into_cache_async(ns, keys, staging, layout, dst,
+                                              [4, 5, 6, 7], [4, 0])
+        with self.assertRaises(ValueError):  # repeated, out of range
+            self.client.load_into_cache_async(ns, keys, staging, layout, dst, [4, 4, 6, 7])
+        with self.assertRaises(ValueError):
+            self.client.load_into_cache_async(ns, keys, staging, layout, dst,
+                                              [4, 5, 6, self.N])
+        with self.assertRaises(ValueError):
+            self.client.load_into_cache_async("bad namespace", keys, staging, layout,
+                                              dst, [4, 5, 6, 7])
+        with self.assertRaises(TypeError):
+            self.client.load_into_cache_async(ns, keys, [object()] * 4, layout, dst,
+                                              [4, 5, 6, 7])
+        for d in dst:
+            self.assertEqual(int(d.abs().sum()), 0)
+        self.assertEqual(self.ucx_bytes("out"), 0)  # nothing was read
+        h = store.load_async(dst, [4, 5, 6, 7], keys)
+        for bad in (self.L, -1):
+            with self.assertRaises(ValueError):
+                h.wait_for_layer(bad)
+        self.assertEqual(h.wait(), [True] * 4)
+        empty = store.load_async(dst, [], [])
+        self.assertTrue(empty.done)
+        self.assertEqual((empty.ready_layers, empty.wait(), empty.errors()),
+                         (self.L, [], []))
+        empty.wait_for_layer(self.L - 1)
+
+    def test_a_second_call_waits_for_the_load_in_flight(self):
+        store, src, keys, dst, layout, part = self.nhd("second-call")
+        self.assertEqual(store.load(dst, [0], [b"warm"]), [False])
+        dst2 = [torch.zeros_like(d) for d in dst]
+        self.stop_daemon()
+        first = store.load_async(dst, [4, 5, 6, 7], keys)
+        self.assertFalse(first.done)
+        self.continue_daemon_after(0.3)
+        # The staging buffers are the first load's until it is done: the
+        # second call waits for it.
+        second = store.load_async(dst2, [0, 1, 2, 3], keys)
+        self.assertTrue(first.done)
+        self.assertEqual(second.wait(), [True] * 4)
+        self.assertEqual(first.wait(), [True] * 4)  # its results stayed with it
+        self.assert_layers(dst, src, part, [(4, 0), (5, 1), (6, 2), (7, 3)], self.L)
+        self.assert_layers(dst2, src, part, [(0, 0), (1, 1), (2, 2), (3, 3)], self.L)
+        # A save (it gathers into the same staging buffers) waits too.
+        self.stop_daemon()
+        third = store.load_async(dst2, [4, 5, 6, 7], keys)
+        self.assertFalse(third.done)
+        self.continue_daemon_after(0.3)
+        self.assertEqual(store.save(src, [4, 5], [b"s4", b"s5"]), [True, True])
+        self.assertTrue(third.done)
+        self.assertEqual(third.wait(), [True] * 4)
+        self.assertEqual(store.load(dst, [0, 1], [b"s4", b"s5"]), [True, True])
+        self.assert_layers(dst, src, part, [(0, 4), (1, 5)], self.L)
+
+    def test_dropping_a_handle_waits_for_its_batches(self):
+        store, src, keys, dst, layout, part = self.nhd("drop")
+        self.assertEqual(store.load(dst, [0], [b"warm"]), [False])
+        self.stop_daemon()
+        h = store.load_async(dst, [4, 5, 6, 7], keys)
+        self.assertFalse(h.done)
+        self.continue_daemon_after(0.3)
+
+        def drop():
+            nonlocal h
+            del h  # cancels, and waits for the batches, the GIL released
+
+        self.runs_without_the_gil(drop)
+        # Every block had been read when the drop returned: nothing in flight.
+        self.assertEqual(self.ucx_bytes("out"), 4 * layout.object_bytes)
+        # The staging buffers are free at once: the next load does not wait.
+        dst2 = [torch.zeros_like(d) for d in dst]
+        self.assertEqual(store.load(dst2, [4, 5, 6, 7], keys), [True] * 4)
+        self.assert_layers(dst2, src, part, [(4, 0), (5, 1), (6, 2), (7, 3)], self.L)
+        # A handle outliving its store, dropped after the store, unfinished.
+        self.stop_daemon()
+        h2 = store.load_async(dst2, [0, 1], keys[:2])
+        del store
+        self.continue_daemon_after(0.3)
+        del h2
+        self.assertEqual(self.ucx_bytes("out"), 10 * layout.object_bytes)
+
+    def test_errors_other_than_misses_raise_once_everything_ended(self):
+        client = kvdepot.Client(self.daemon.address, timeout_s=2)
+        self.addCleanup(client.close)
+        store, src, keys, dst, layout, part = self.nhd("errors", client=client)
+        self.assertEqual(store.load(dst, [0], [b"warm"]), [False])
+        self.daemon.terminate()
+        h = store.load_async(dst, [4, 5, 6, 7], keys)
+        with self.assertRaises(RuntimeError) as cm:
+            h.wait()
+        self.assertNotIn("NOT_FOUND", str(cm.exception))
+        self.assertTrue(h.done)
+        self.assertEqual(h.ready_layers, self.L)  # nothing more will come
+        errors = h.errors()
+        self.assertEqual(len(errors), 4)
+        for e in errors:
+            self.assertIsNotNone(e)
+            self.assertNotEqual(e[0], "NOT_FOUND")
+        for d in dst:  # nothing written
+            self.assertEqual(int(d.abs().sum()), 0)
+        with self.assertRaises(RuntimeError):  # load() is the same path
+            store.load(dst, [4, 5], keys[:2])
 
 
 if __name__ == "__main__":

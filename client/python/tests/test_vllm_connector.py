@@ -9,6 +9,7 @@ numpy or the kvdepot package is missing.
 """
 
 import os
+import signal
 import sys
 import unittest
 
@@ -41,6 +42,7 @@ class VllmConnectorTest(unittest.TestCase):
         self.daemon = Daemon()
 
     def tearDown(self):
+        self.daemon.resume()  # a test that failed with it stopped
         for e in getattr(self, "engines", []):
             e.scheduler.shutdown()
             e.worker.shutdown()
@@ -214,6 +216,120 @@ class VllmConnectorTest(unittest.TestCase):
         e2 = self.engine()
         mm = FakeRequest("MM", prompt(8, 3 * BS), mm_features=[object()])
         self.assertEqual(e2.scheduler.get_num_new_matched_tokens(mm, 0), (0, False))
+
+    def test_layers_are_loaded_before_their_attention_runs(self):
+        a_eng = self.engine()
+        a = FakeRequest("A", prompt(10, 5 * BS + 1))
+        self.run_prefill(a_eng, a)
+        a_blocks = [a_eng.block_kv(a, i) for i in range(5)]
+        b_eng = self.engine()
+        # A first load (one block) opens the worker's session, staging
+        # buffers and UCX endpoint.
+        w = FakeRequest("W", a.prompt_token_ids[:BS] + prompt(11, 5))
+        self.assertEqual(self.run_prefill(b_eng, w), BS)
+        b = FakeRequest("B", a.prompt_token_ids[:4 * BS] + prompt(12, 9))
+        self.assertEqual(b_eng.admit(b), 4 * BS)
+        loaded = b_eng.blocks["B"][:4]
+        seen = []
+
+        def hook(event, layer):
+            seen.append((event, layer))
+            if event == "before_load":
+                self.daemon.pause()
+            elif event == "after_start_load":
+                # start_load_kv returned with the daemon stopped: the load is
+                # in flight, and nothing of it is in the caches yet.
+                pending = b_eng.worker._pending_load
+                self.assertIsNotNone(pending)
+                self.assertFalse(pending.handle.done)
+                self.assertEqual(pending.handle.ready_layers, 0)
+                for i in range(4):
+                    for got in b_eng.block_kv(b, i):
+                        self.assertEqual(int(got.view(torch.int16).abs().sum()), 0)
+                # Continued from elsewhere a little later: a wait that did not
+                # wait would see layer 0 missing.
+                self.addCleanup(self.daemon.resume_after(0.3).wait)
+            elif event == "layer_loaded":
+                # This layer and the ones before it are in place before the
+                # layer's attention runs.
+                for i in range(4):
+                    got = b_eng.block_kv(b, i)
+                    for m in range(layer + 1):
+                        self.assertTrue(torch.equal(got[m], a_blocks[i][m]),
+                                        f"layer {m} of block {i} at layer {layer}")
+
+        meta = b_eng.step([b], [], {"B": len(b.all_token_ids) - 4 * BS}, hook=hook)
+        self.assertEqual(meta.loads[0].block_ids, loaded)
+        self.assertEqual([e for e, _ in seen].count("layer_loaded"), LAYERS)
+        self.assertIsNone(b_eng.worker._pending_load)  # finished in the step
+        self.assertEqual(b_eng.load_errors, [])
+        self.assertEqual(b_eng.worker.stats["loaded_blocks"], 1 + 4)
+        for i in range(4):
+            for got, want in zip(b_eng.block_kv(b, i), a_blocks[i]):
+                self.assertTrue(torch.equal(got, want))
+
+    def test_one_load_per_step_reported_per_request(self):
+        a_eng = self.engine()
+        a = FakeRequest("A", prompt(13, 4 * BS + 1))
+        self.run_prefill(a_eng, a)
+        keys = kvdepot.integrations.block_hashes(a.all_token_ids, BS)[:4]
+        w = self.engine().worker
+        # Two requests' loads in one step, called without any layer wait: X
+        # loads whole; Y misses its second block, so its blocks from there
+        # on are reported (and left as they were).
+        meta = kv_vllm.KvDepotConnectorMetadata(loads=[
+            kv_vllm.LoadSpec("X", [3, 4], keys[:2]),
+            kv_vllm.LoadSpec("Y", [7, 8, 9], [keys[2], b"missing", keys[3]]),
+        ])
+        w.bind_connector_metadata(meta)
+        w.start_load_kv(None)
+        self.assertIsNotNone(w._pending_load)
+        self.assertEqual(w.get_block_ids_with_load_errors(), {8, 9})
+        self.assertIsNone(w._pending_load)
+        self.assertEqual((w.stats["loaded_blocks"], w.stats["load_errors"]), (3, 2))
+        for block, src in ((3, 0), (4, 1), (7, 2)):
+            want = [a_eng.kv_caches[n][:, a_eng.blocks["A"][src]] for n in a_eng.layer_names]
+            for name, wl in zip(a_eng.layer_names, want):
+                self.assertTrue(torch.equal(w._caches[w._layer_index[name]][:, block], wl))
+        for c in w._caches:
+            self.assertEqual(int(c[:, 8].view(torch.int16).abs().sum()), 0)
+        w.clear_connector_metadata()
+        # A load still in flight at shutdown is finished and reported.
+        w.bind_connector_metadata(kv_vllm.KvDepotConnectorMetadata(loads=[
+            kv_vllm.LoadSpec("Z", [10, 11], [b"missing", keys[0]])]))
+        w.start_load_kv(None)
+        w.shutdown()
+        self.assertIsNone(w._pending_load)
+        self.assertEqual(w.stats["load_errors"], 2 + 2)
+        # The next start_load_kv finishes one left over, too.
+        w2 = self.engine().worker
+        w2.bind_connector_metadata(kv_vllm.KvDepotConnectorMetadata(loads=[
+            kv_vllm.LoadSpec("Q", [5], [b"missing"])]))
+        w2.start_load_kv(None)
+        w2.bind_connector_metadata(kv_vllm.KvDepotConnectorMetadata())
+        w2.start_load_kv(None)
+        self.assertIsNone(w2._pending_load)
+        self.assertEqual(w2.stats["load_errors"], 1)
+        self.assertEqual(w2.get_block_ids_with_load_errors(), {5})
+
+    def test_torch_staging_loads_in_start_load_kv(self):
+        a_eng = self.engine()
+        a = FakeRequest("A", prompt(14, 3 * BS + 1))
+        self.run_prefill(a_eng, a)
+        b_eng = self.engine(staging="torch")
+        b = FakeRequest("B", list(a.prompt_token_ids))
+        self.assertEqual(b_eng.admit(b), 3 * BS)
+
+        def hook(event, layer):
+            if event == "after_start_load":  # synchronous: every layer is in
+                self.assertIsNone(b_eng.worker._pending_load)
+                for i in range(3):
+                    for got, want in zip(b_eng.block_kv(b, i), a_eng.block_kv(a, i)):
+                        self.assertTrue(torch.equal(got, want))
+
+        b_eng.step([b], [], {"B": 1}, hook=hook)
+        self.assertEqual(b_eng.load_errors, [])
+        self.assertEqual(b_eng.worker.stats["loaded_blocks"], 3)
 
     def test_bad_config_disables_instead_of_failing(self):
         cfg = make_vllm_config(self.daemon.address, num_layers=LAYERS, block_size=BS,

@@ -24,7 +24,7 @@ vLLM), so it loads on both. Without vLLM installed, the class subclasses
 (metadata binding only) that exists so tests can drive the connector; it is
 not vLLM.
 
-How it works (synchronous, one forward pass at a time):
+How it works (one forward pass at a time; loads stream layer by layer):
 
 * Keys are chained SHA-256 block hashes over the token ids
   (:func:`kvdepot.integrations.block_hashes`; LoRA name and ``cache_salt``
@@ -38,9 +38,16 @@ How it works (synchronous, one forward pass at a time):
   replaces it. ``build_connector_meta`` sends the workers the block ids and
   keys to load, and the blocks to save: full blocks whose tokens are all
   computed once this step's forward pass is done, not yet known to be stored.
-* Worker: ``start_load_kv`` reads all layers of the blocks to load into the
-  paged caches before the forward pass (``wait_for_layer_load`` has nothing to
-  wait for); ``wait_for_save`` stores the step's publishable blocks after it
+* Worker: ``start_load_kv`` starts one :meth:`kvdepot.KvCacheStore.load_async`
+  for all of the step's loads and returns; a native loader thread scatters
+  the blocks into the paged caches layer by layer, and
+  ``wait_for_layer_load(layer_name)`` waits only until that layer (and the
+  ones before it) is in place, so layer 0's attention runs while the later
+  layers are still being written. The load is finished, and its misses and
+  errors recorded, before anything that needs it: ``wait_for_save``, the
+  next ``start_load_kv``, ``get_finished``,
+  ``get_block_ids_with_load_errors`` and ``shutdown``. ``wait_for_save``
+  stores the step's publishable blocks after the forward pass
   (``save_kv_layer`` only records the layer).
 * Errors never escape: a failed lookup offers 0 tokens; a failed or partial
   load reports the blocks from the first one not loaded through
@@ -52,9 +59,11 @@ Caches: one tensor per layer in vLLM's FlashAttention layout ``[2,
 num_blocks, block_size, num_kv_heads, head_size]`` (or MLA ``[num_blocks,
 block_size, head_size]``), dtype fp16/bf16/fp32. CPU tensors go through the
 native gather/scatter; other devices (CUDA) through a torch staging copy with
-the same object bytes -- that path has only been run on CPU tensors here.
+the same object bytes -- that path has only been run on CPU tensors here, and
+it loads synchronously in ``start_load_kv`` (all layers at once).
 Not supported: pipeline parallelism, hybrid (several KV cache groups) models,
-fp8 KV caches, asynchronous or layer-pipelined transfer.
+fp8 KV caches, loads that span forward passes (``get_num_new_matched_tokens``
+always answers ``load_kv_async=False``).
 
 Extra config (``kv_connector_extra_config``): ``server`` (default
 ``$KVDEPOT_SERVER`` or ``127.0.0.1:50551``), ``model`` (default the served
@@ -164,6 +173,15 @@ class SaveSpec:
 
 
 @dataclass
+class _PendingLoad:
+    """Worker side: the step's load in flight, and the specs it serves (in
+    the order their blocks were concatenated)."""
+
+    handle: Any  # kvdepot.LoadHandle
+    specs: List[LoadSpec]
+
+
+@dataclass
 class KvDepotConnectorMetadata(KVConnectorMetadata):  # type: ignore[misc]
     """What the scheduler side tells the workers for one step (plain data:
     vLLM serializes it to the worker processes)."""
@@ -254,6 +272,8 @@ class KvDepotConnector(KVConnectorBase_V1):  # type: ignore[misc,valid-type]
         # Worker side.
         self._caches: List[Any] = []
         self._layer_names: List[str] = []
+        self._layer_index: Dict[str, int] = {}  # name -> index in _caches
+        self._pending_load: Optional[_PendingLoad] = None
         self._store: Any = None
         self._on_cpu = True
         self._load_errors: Set[int] = set()
@@ -330,7 +350,9 @@ class KvDepotConnector(KVConnectorBase_V1):  # type: ignore[misc,valid-type]
         return self._client
 
     def shutdown(self) -> None:
-        """Releases the pins still held and closes the connection."""
+        """Finishes a load in flight, releases the pins still held and closes
+        the connection."""
+        self._finish_load()
         for st in self._requests.values():
             self._unpin(st)
         self._requests.clear()
@@ -411,8 +433,8 @@ class KvDepotConnector(KVConnectorBase_V1):  # type: ignore[misc,valid-type]
         self, request: Any, num_computed_tokens: int
     ) -> Tuple[Optional[int], bool]:
         """Tokens beyond ``num_computed_tokens`` that kvdepot holds (whole
-        blocks, never the prompt's last token), loaded synchronously: returns
-        ``(n, False)``; ``(0, False)`` on any error."""
+        blocks, never the prompt's last token), loaded within the step that
+        schedules them: returns ``(n, False)``; ``(0, False)`` on any error."""
         st = self._state(request)
         self._unpin(st)  # a repeated call replaces the earlier lookup
         st.load_pending = False
@@ -528,7 +550,8 @@ class KvDepotConnector(KVConnectorBase_V1):  # type: ignore[misc,valid-type]
             logger.warning("kvdepot: planning %s failed: %s", req_id, e)
 
     def update_connector_output(self, connector_output: Any) -> None:
-        """After a step: its loads are done (synchronous), so their pins go."""
+        """After a step: its loads have ended (the worker finishes them
+        within the step), so their pins go."""
         for st in self._requests.values():
             if st.load_in_flight:
                 st.load_in_flight = False
@@ -563,6 +586,7 @@ class KvDepotConnector(KVConnectorBase_V1):  # type: ignore[misc,valid-type]
                 enumerate(kv_caches.items()), key=lambda x: _layer_index(x[1][0], x[0])
             )
             self._layer_names = [name for _, (name, _) in items]
+            self._layer_index = {name: i for i, name in enumerate(self._layer_names)}
             self._caches = [t for _, (_, t) in items]
             if len(self._caches) != self._layout.num_layers:
                 raise ValueError(
@@ -636,9 +660,8 @@ class KvDepotConnector(KVConnectorBase_V1):  # type: ignore[misc,valid-type]
             return (lay.num_layers, lay.block_size, lay.head_size)
         return (lay.num_layers, 2, lay.block_size, lay.num_kv_heads, lay.head_size)
 
-    def _load(self, block_ids: List[int], keys: List[bytes]) -> List[bool]:
-        if self._on_cpu:
-            return self._store.load(self._caches, block_ids, keys)
+    def _torch_load(self, block_ids: List[int], keys: List[bytes]) -> List[bool]:
+        """The torch staging path's load (synchronous, all layers)."""
         import torch
 
         bufs = [torch.empty(self._object_shape(), dtype=self._caches[0].dtype)
@@ -657,26 +680,76 @@ class KvDepotConnector(KVConnectorBase_V1):  # type: ignore[misc,valid-type]
         self._store.client.put(self._store.namespace, keys, objects, parents)
 
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
-        """Reads this step's blocks into the paged caches (all layers, before
-        the forward pass). Blocks not loaded are reported by
+        """Starts reading this step's blocks into the paged caches and
+        returns: one :meth:`kvdepot.KvCacheStore.load_async` for all of the
+        step's loads, scattered layer by layer in the background (see
+        :meth:`wait_for_layer_load`). The torch staging path (non-CPU caches)
+        loads synchronously here instead. Blocks not loaded are reported by
         :meth:`get_block_ids_with_load_errors`; nothing raises."""
+        self._finish_load()  # an earlier step's, should one be left
         meta = self._connector_metadata
         if not isinstance(meta, KvDepotConnectorMetadata) or not meta.loads:
             return
-        for spec in meta.loads:
-            if self._store is None:
+        if self._store is None:
+            for spec in meta.loads:
                 self._load_failed(spec.block_ids, "connector disabled")
-                continue
-            try:
-                filled = self._load(spec.block_ids, spec.keys)
-                n = filled.index(False) if False in filled else len(filled)
-                self.stats["loaded_blocks"] += n
-                if n < len(filled):
-                    # A prefix is what vLLM can use: everything from the first
-                    # miss on is recomputed.
-                    self._load_failed(spec.block_ids[n:], f"miss at block {n} of {len(filled)}")
-            except Exception as e:  # noqa: BLE001
+            return
+        if not self._on_cpu:
+            for spec in meta.loads:
+                try:
+                    filled = self._torch_load(spec.block_ids, spec.keys)
+                    self._account(spec, filled, None)
+                except Exception as e:  # noqa: BLE001
+                    self._load_failed(spec.block_ids, str(e))
+            return
+        specs = list(meta.loads)
+        try:
+            handle = self._store.load_async(
+                self._caches,
+                [b for spec in specs for b in spec.block_ids],
+                [k for spec in specs for k in spec.keys],
+            )
+        except Exception as e:  # noqa: BLE001 - e.g. a bad block id: recompute
+            for spec in specs:
                 self._load_failed(spec.block_ids, str(e))
+            return
+        self._pending_load = _PendingLoad(handle, specs)
+
+    def _finish_load(self) -> None:
+        """Waits for the load in flight, if any, and records what each of
+        its specs loaded and which blocks failed. Never raises."""
+        pending, self._pending_load = self._pending_load, None
+        if pending is None:
+            return
+        handle = pending.handle
+        failure: Optional[str] = None
+        try:
+            handle.wait()
+        except Exception as e:  # noqa: BLE001 - block errors: per block below
+            failure = str(e)
+        try:
+            errors = handle.errors()
+        except Exception:  # noqa: BLE001 - not done (cannot happen after wait)
+            errors = [("UNKNOWN", failure or "load not finished")] * len(handle)
+        pos = 0
+        for spec in pending.specs:
+            part = errors[pos:pos + len(spec.block_ids)]
+            pos += len(spec.block_ids)
+            self._account(spec, [e is None for e in part], part)
+
+    def _account(self, spec: LoadSpec, filled: List[bool],
+                 errors: Optional[List[Any]]) -> None:
+        """Counts the loaded prefix of ``spec`` and reports the rest: a prefix
+        is what vLLM can use, everything from the first block not loaded on
+        is recomputed."""
+        n = filled.index(False) if False in filled else len(filled)
+        self.stats["loaded_blocks"] += n
+        if n < len(filled):
+            err = errors[n] if errors is not None else None
+            why = f"miss at block {n} of {len(filled)}"
+            if err is not None and err[0] != "NOT_FOUND":
+                why = f"{err[0]}: {err[1]} at block {n} of {len(filled)}"
+            self._load_failed(spec.block_ids[n:], why)
 
     def _load_failed(self, block_ids: Sequence[int], why: str) -> None:
         logger.warning("kvdepot: %d blocks not loaded (%s); vLLM recomputes them",
@@ -685,8 +758,22 @@ class KvDepotConnector(KVConnectorBase_V1):  # type: ignore[misc,valid-type]
         self._load_errors.update(int(b) for b in block_ids)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
-        """Nothing to wait for: start_load_kv loads every layer at once."""
-        return None
+        """Returns once layer ``layer_name`` (and every layer before it, in
+        the order ``register_kv_caches`` sorted them) of the blocks loaded
+        this step is in the paged caches. An unknown layer name waits for
+        the whole load. Nothing raises: a failure is recorded as load errors
+        (see :meth:`get_block_ids_with_load_errors`)."""
+        pending = self._pending_load
+        if pending is None:
+            return
+        index = self._layer_index.get(layer_name)
+        try:
+            if index is not None:
+                pending.handle.wait_for_layer(index)
+                return
+        except Exception as e:  # noqa: BLE001 - never fail the engine
+            logger.warning("kvdepot: waiting for layer %s failed: %s", layer_name, e)
+        self._finish_load()
 
     def save_kv_layer(self, layer_name: str, kv_layer: Any, attn_metadata: Any,
                       **kwargs: Any) -> None:
@@ -695,8 +782,10 @@ class KvDepotConnector(KVConnectorBase_V1):  # type: ignore[misc,valid-type]
         return None
 
     def wait_for_save(self) -> None:
-        """Stores this step's publishable blocks (all layers). Failures are
-        logged and counted: a lost save is a future miss, never an error."""
+        """Finishes the step's load, then stores this step's publishable
+        blocks (all layers). Failures are logged and counted: a lost save is
+        a future miss, never an error."""
+        self._finish_load()
         meta = self._connector_metadata
         if not isinstance(meta, KvDepotConnectorMetadata) or not meta.saves:
             return
@@ -714,11 +803,15 @@ class KvDepotConnector(KVConnectorBase_V1):  # type: ignore[misc,valid-type]
     def get_finished(
         self, finished_req_ids: Set[str]
     ) -> Tuple[Optional[Set[str]], Optional[Set[str]]]:
-        """Transfers are synchronous: nothing finishes asynchronously."""
+        """Loads and saves end within their step: nothing finishes
+        asynchronously. (Finishes the step's load, should it still run.)"""
+        self._finish_load()
         return None, None
 
     def get_block_ids_with_load_errors(self) -> Set[int]:
-        """Block ids whose load failed since the last call (then cleared)."""
+        """Block ids whose load failed since the last call (then cleared);
+        finishes the step's load first."""
+        self._finish_load()
         errors, self._load_errors = self._load_errors, set()
         return errors
 
