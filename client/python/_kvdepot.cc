@@ -227,6 +227,29 @@ py::object FieldValue(const google::protobuf::Message& msg,
   return py::none();
 }
 
+// Per block: whether its status is OK (TransferOp.ok, CacheLoad.ok).
+std::vector<bool> OkFlags(const std::vector<absl::Status>& statuses) {
+  std::vector<bool> out;
+  out.reserve(statuses.size());
+  for (const absl::Status& s : statuses) out.push_back(s.ok());
+  return out;
+}
+
+// Per block: None when OK, else (code name, message), e.g. ("NOT_FOUND",
+// "not stored") (TransferOp.errors, CacheLoad.errors). REQUIRES: the GIL.
+py::list ErrorList(const std::vector<absl::Status>& statuses) {
+  py::list out;
+  for (const absl::Status& s : statuses) {
+    if (s.ok()) {
+      out.append(py::none());
+    } else {
+      out.append(py::make_tuple(absl::StatusCodeToString(s.code()),
+                                std::string(s.message())));
+    }
+  }
+  return out;
+}
+
 // Calls wait_until(t) with the GIL released, for deadlines t in slices of
 // at most 100 ms, until it returns true or `timeout` seconds have passed
 // (None: no limit; 0: one poll); returns whether it returned true. Between
@@ -308,26 +331,12 @@ class PyTransferOp {
 
   std::vector<bool> Ok() {
     RequireReady("ok");
-    std::vector<bool> out;
-    out.reserve(op_->statuses().size());
-    for (const absl::Status& s : op_->statuses()) out.push_back(s.ok());
-    return out;
+    return OkFlags(op_->statuses());
   }
 
-  // Per block: None when OK, else (code name, message), e.g.
-  // ("NOT_FOUND", "not stored").
   py::list Errors() {
     RequireReady("errors");
-    py::list out;
-    for (const absl::Status& s : op_->statuses()) {
-      if (s.ok()) {
-        out.append(py::none());
-      } else {
-        out.append(py::make_tuple(absl::StatusCodeToString(s.code()),
-                                  std::string(s.message())));
-      }
-    }
-    return out;
+    return ErrorList(op_->statuses());
   }
 
   size_t OkPrefix() {
@@ -720,25 +729,12 @@ class PyCacheLoad {
 
   std::vector<bool> Ok() {
     RequireDone("ok");
-    std::vector<bool> out;
-    out.reserve(state_->size());
-    for (const absl::Status& s : state_->statuses()) out.push_back(s.ok());
-    return out;
+    return OkFlags(state_->statuses());
   }
 
-  // Per block: None when loaded, else (code name, message).
   py::list Errors() {
     RequireDone("errors");
-    py::list out;
-    for (const absl::Status& s : state_->statuses()) {
-      if (s.ok()) {
-        out.append(py::none());
-      } else {
-        out.append(py::make_tuple(absl::StatusCodeToString(s.code()),
-                                  std::string(s.message())));
-      }
-    }
-    return out;
+    return ErrorList(state_->statuses());
   }
 
   size_t size() const { return state_->size(); }
