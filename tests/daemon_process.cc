@@ -10,6 +10,7 @@
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
+#include <mutex>
 #include <regex>
 #include <sstream>
 
@@ -63,6 +64,37 @@ pid_t Spawn(const std::vector<std::string>& argv, const std::string& stderr_path
   return pid;
 }
 
+// The directories MakeTempDir made in this process, removed when it exits
+// unless a test failed (then kept, and named, for a look at the daemon's
+// log and data). A function-local static made after gtest's UnitTest (which
+// InitGoogleTest makes first), so it goes before it.
+class TempDirs {
+ public:
+  static TempDirs& Get() {
+    static TempDirs dirs;
+    return dirs;
+  }
+  void Add(std::string dir) {
+    std::lock_guard<std::mutex> lock(mu_);
+    dirs_.push_back(std::move(dir));
+  }
+  ~TempDirs() {
+    if (::testing::UnitTest::GetInstance()->Failed()) {
+      for (const std::string& dir : dirs_) {
+        std::fprintf(stderr, "kept for the failed test(s): %s\n", dir.c_str());
+      }
+      return;
+    }
+    std::error_code ignored;
+    for (const std::string& dir : dirs_) std::filesystem::remove_all(dir, ignored);
+  }
+
+ private:
+  TempDirs() = default;
+  std::mutex mu_;
+  std::vector<std::string> dirs_;
+};
+
 }  // namespace
 
 std::string DaemonBinary() { return KVDEPOT_DAEMON_BIN; }
@@ -74,6 +106,7 @@ std::string MakeTempDir(const std::string& prefix) {
                                  "-", counter++);
   std::filesystem::remove_all(dir);
   std::filesystem::create_directories(dir);
+  TempDirs::Get().Add(dir);
   return dir;
 }
 

@@ -20,7 +20,8 @@ namespace kvdepot::testing {
 // Paths of the binaries under test (set by CMake).
 std::string DaemonBinary();
 std::string CtlBinary();
-// A fresh directory under the test's temp dir.
+// A fresh directory under the test's temp dir, removed when the test
+// process exits, unless a test failed (then kept, and named on stderr).
 std::string MakeTempDir(const std::string& prefix);
 
 class DaemonProcess {
