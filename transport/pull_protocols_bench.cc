@@ -287,7 +287,8 @@ Round RunDaemon(const Args& a, bool am, int from_client, int to_client) {
     param.memh = side.region_->handle();
     return param;
   };
-  // Takes blocks until `until` (posting more) and then drains.
+  // One pass: receives the blocks that arrived (am) or posts gets up to
+  // --depth in flight while `more` (get), then progresses the worker.
   auto pump = [&](bool more) {
     if (am) {
       while (!arrivals.descriptors.empty()) {
@@ -356,10 +357,8 @@ Round Measure(const Args& a, bool am) {
   }
   close(to_child[0]);
   close(to_parent[1]);
-  Round round;
-  {
-    round = RunDaemon(a, am, to_parent[0], to_child[1]);
-  }  // the daemon's endpoint and worker are gone
+  // When it returns, the daemon's endpoint and worker are gone.
+  const Round round = RunDaemon(a, am, to_parent[0], to_child[1]);
   Send(to_child[1], "bye");
   int status = 0;
   waitpid(pid, &status, 0);
