@@ -15,37 +15,69 @@
 #      (and to $OUT/ when set, for the device runner to bring back).
 #
 #   tests/gpu/run_gpu_checks.sh [--skip-deps]
+#   tests/gpu/run_gpu_checks.sh --bundle DIR [--report-dir DIR]
+#
+# With --bundle, steps 1's dependencies and build are skipped: DIR holds the
+# programs built elsewhere with the libraries they need
+# (tests/gpu/make_gpu_bundle.sh). That is how it runs on the lent GPU
+# machine, whose image has CUDA but none of kvdepot's Debian build
+# dependencies and no network: make the bundle here, then run
+#   tests/gpu/run_gpu_checks.sh --bundle gpu-bundle   (carry ["gpu-bundle"])
 #
 # Exit: 0 when the tests passed and the benchmark ran, 1 otherwise, 77 when
 # there is no GPU.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
-[[ ${1:-} == --skip-deps ]] || ./scripts/deps.sh
+SKIP_DEPS=0
+BUNDLE=""
+REPORT_DIR=tools/results
+while [[ $# -gt 0 ]]; do
+  case "$1" in
+    --skip-deps) SKIP_DEPS=1; shift ;;
+    --bundle) BUNDLE="${2:?--bundle needs a directory}"; shift 2 ;;
+    --report-dir) REPORT_DIR="${2:?--report-dir needs a directory}"; shift 2 ;;
+    *) echo "run_gpu_checks: unknown argument '$1'" >&2; exit 2 ;;
+  esac
+done
 export PATH="/usr/local/cuda/bin:$PATH"
+if [[ -n $BUNDLE ]]; then
+  [[ -f $BUNDLE/MANIFEST ]] || { echo "run_gpu_checks: $BUNDLE is not a bundle (no MANIFEST)" >&2; exit 1; }
+  BUNDLE="$(cd "$BUNDLE" && pwd)"
+elif [[ $SKIP_DEPS == 0 ]]; then
+  ./scripts/deps.sh
+fi
 if ! command -v nvidia-smi >/dev/null || ! nvidia-smi -L >/dev/null 2>&1; then
   echo "run_gpu_checks: no NVIDIA GPU here; skipping" >&2
   exit 77
 fi
-command -v nvcc >/dev/null || { echo "run_gpu_checks: nvcc not found" >&2; exit 1; }
+if [[ -n $BUNDLE ]]; then
+  BIN="$BUNDLE/bin"
+  export LD_LIBRARY_PATH="$BUNDLE/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+  BUILT="bundle: $(sed -n 's/^commit: //p' "$BUNDLE/MANIFEST"), $(sed -n 's/^nvcc: //p' "$BUNDLE/MANIFEST")"
+else
+  command -v nvcc >/dev/null || { echo "run_gpu_checks: nvcc not found" >&2; exit 1; }
+  cmake -S . -B build-gpu -G Ninja -DCMAKE_BUILD_TYPE=Release >/dev/null
+  ninja -C build-gpu -j "$(nproc)" gather_cuda_test gpu_cuda_benchmark
+  BIN=build-gpu/gpu
+  BUILT="commit: $(git rev-parse --short HEAD 2>/dev/null || echo unknown), nvcc: $(nvcc --version | tail -n1)"
+fi
 GPU="$(nvidia-smi --query-gpu=name --format=csv,noheader | head -n1)"
 SLUG="$(echo "$GPU" | tr -c 'A-Za-z0-9\n' '_' | tr -s '_')"
 DATE="$(date -u +%Y-%m-%d)"
-REPORT="tools/results/gpu_checks_${DATE}_${SLUG}"
-cmake -S . -B build-gpu -G Ninja -DCMAKE_BUILD_TYPE=Release >/dev/null
-ninja -C build-gpu -j "$(nproc)" gather_cuda_test gpu_cuda_benchmark
+mkdir -p "$REPORT_DIR"
+REPORT="$REPORT_DIR/gpu_checks_${DATE}_${SLUG}"
 {
   echo "GPU checks (tests/gpu/run_gpu_checks.sh), $DATE"
   echo "GPU: $GPU"
   nvidia-smi --query-gpu=driver_version,memory.total --format=csv,noheader | sed 's/^/driver, memory: /'
-  echo "nvcc: $(nvcc --version | tail -n1)"
-  echo "commit: $(git rev-parse --short HEAD 2>/dev/null || echo unknown)"
+  echo "$BUILT"
   echo
   echo "== gather_cuda_test"
 } >"$REPORT.txt"
 rc=0
-build-gpu/gpu/gather_cuda_test --gtest_brief=1 2>&1 | tail -n 5 >>"$REPORT.txt" || rc=1
+"$BIN/gather_cuda_test" --gtest_brief=1 2>&1 | tail -n 40 >>"$REPORT.txt" || rc=1
 { echo; echo "== gpu_cuda_benchmark (best of 5 rounds; ratio = ours / cudaMemcpy)"; } >>"$REPORT.txt"
-build-gpu/gpu/gpu_cuda_benchmark --rounds 5 --json "$REPORT.json" >>"$REPORT.txt" 2>&1 || rc=1
+"$BIN/gpu_cuda_benchmark" --rounds 5 --json "$REPORT.json" >>"$REPORT.txt" 2>&1 || rc=1
 cat "$REPORT.txt"
 if [[ -n ${OUT:-} ]]; then cp "$REPORT.txt" "$REPORT.json" "$OUT/" 2>/dev/null || true; fi
 exit $rc
