@@ -1,8 +1,9 @@
 // The device primitives kvdepot_gpu builds on: streams, staging host memory
-// and the calling thread's device. Like gather.h, this interface has two
-// implementations chosen at link time: device_memory_cuda.cc in
-// kvdepot_gpu_cuda (CUDA runtime) and device_memory_cpu.cc in kvdepot_gpu_cpu
-// (plain host memory, everything synchronous). A program links exactly one.
+// (allocated or registered) and the calling thread's device. Like gather.h,
+// this interface has two implementations chosen at link time:
+// device_memory_cuda.cc in kvdepot_gpu_cuda (CUDA runtime) and
+// device_memory_cpu.cc in kvdepot_gpu_cpu (plain host memory, everything
+// synchronous). A program links exactly one.
 //
 // Thread-safe: every function may be called from any thread.
 #ifndef KVDEPOT_GPU_DEVICE_MEMORY_H_
@@ -79,6 +80,28 @@ class HostBuffer {
 // available, or the device's error (e.g. FailedPrecondition without a
 // device in the CUDA build).
 absl::StatusOr<HostBuffer> AllocateHostBuffer(size_t bytes);
+
+// Page-locks `bytes` of existing host memory at `data` and maps it for every
+// device (cudaHostRegister with cudaHostRegisterPortable |
+// cudaHostRegisterMapped), so that Gather/Scatter and DMA reach it through
+// its host address: for staging memory that someone else allocated (e.g.
+// UCX shared memory), which the CUDA build otherwise rejects as pageable.
+// The memory must stay allocated until UnregisterHostMemory(data).
+// Registering is slow (it pins every page): do it once per buffer, not per
+// transfer.
+//
+// Returns InvalidArgument for a null `data` or zero `bytes` (both builds).
+// CUDA build: AlreadyExists if part of the range is registered already
+// (including cudaHostAlloc memory), FailedPrecondition without a usable
+// device or where the device cannot use the host address of registered
+// memory, else the closest code to the CUDA error. CPU build: nothing to
+// pin; returns OK.
+absl::Status RegisterHostMemory(void* data, size_t bytes);
+
+// Undoes RegisterHostMemory(data) (`data` as registered). Returns
+// InvalidArgument for null. CUDA build: NotFound if `data` is not the start
+// of a registered range. CPU build: OK.
+absl::Status UnregisterHostMemory(void* data);
 
 }  // namespace kvdepot
 

@@ -50,4 +50,24 @@ absl::StatusOr<HostBuffer> AllocateHostBuffer(size_t bytes) {
   return HostBuffer(static_cast<char*>(p), bytes);
 }
 
+// Host memory needs no pinning here; only the arguments are checked, so that
+// callers see the CUDA build's InvalidArgument cases in tests.
+absl::Status RegisterHostMemory(void* data, size_t bytes) {
+  if (data == nullptr) {
+    return absl::InvalidArgumentError(
+        "cannot register host memory at a null address");
+  }
+  if (bytes == 0) {
+    return absl::InvalidArgumentError("cannot register 0 bytes of host memory");
+  }
+  return absl::OkStatus();
+}
+
+absl::Status UnregisterHostMemory(void* data) {
+  if (data == nullptr) {
+    return absl::InvalidArgumentError("cannot unregister a null address");
+  }
+  return absl::OkStatus();
+}
+
 }  // namespace kvdepot

@@ -24,6 +24,10 @@ absl::Status CudaStatus(int error, absl::string_view what) {
       return absl::FailedPreconditionError(message);
     case cudaErrorInvalidValue:
       return absl::InvalidArgumentError(message);
+    case cudaErrorHostMemoryAlreadyRegistered:
+      return absl::AlreadyExistsError(message);
+    case cudaErrorHostMemoryNotRegistered:
+      return absl::NotFoundError(message);
     default:
       return absl::InternalError(message);
   }
@@ -71,6 +75,47 @@ absl::StatusOr<HostBuffer> AllocateHostBuffer(size_t bytes) {
       absl::StrCat("cudaHostAlloc(", bytes, ")"));
   if (!s.ok()) return s;
   return HostBuffer(static_cast<char*>(p), bytes);
+}
+
+absl::Status RegisterHostMemory(void* data, size_t bytes) {
+  if (data == nullptr) {
+    return absl::InvalidArgumentError(
+        "cannot register host memory at a null address");
+  }
+  if (bytes == 0) {
+    return absl::InvalidArgumentError("cannot register 0 bytes of host memory");
+  }
+  // The kernels dereference the host address itself (HostBuffer works the
+  // same way), which registered memory allows only where this attribute is
+  // set (every 64-bit Linux system with unified addressing).
+  int device = 0;
+  absl::Status s = CudaStatus(cudaGetDevice(&device), "cudaGetDevice");
+  if (!s.ok()) return s;
+  int same_address = 0;
+  s = CudaStatus(
+      cudaDeviceGetAttribute(&same_address,
+                             cudaDevAttrCanUseHostPointerForRegisteredMem,
+                             device),
+      "cudaDeviceGetAttribute(CanUseHostPointerForRegisteredMem)");
+  if (!s.ok()) return s;
+  if (same_address == 0) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "device ", device,
+        " cannot access registered host memory at its host address"));
+  }
+  // Portable: usable from every device's context. Mapped: in the device
+  // address space (implied by unified addressing; explicit here).
+  return CudaStatus(
+      cudaHostRegister(data, bytes,
+                       cudaHostRegisterPortable | cudaHostRegisterMapped),
+      absl::StrCat("cudaHostRegister(", bytes, " bytes)"));
+}
+
+absl::Status UnregisterHostMemory(void* data) {
+  if (data == nullptr) {
+    return absl::InvalidArgumentError("cannot unregister a null address");
+  }
+  return CudaStatus(cudaHostUnregister(data), "cudaHostUnregister");
 }
 
 }  // namespace kvdepot

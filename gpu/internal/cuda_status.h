@@ -10,7 +10,8 @@ namespace kvdepot::gpu_internal {
 // OK for cudaSuccess (0). Otherwise "<what>: <error name>: <description>"
 // with the closest code: ResourceExhausted for out of memory,
 // FailedPrecondition for no device or an unusable driver, InvalidArgument
-// for invalid values, Internal for the rest. `error` is a cudaError_t.
+// for invalid values, AlreadyExists / NotFound for host memory registered
+// already / not registered, Internal for the rest. `error` is a cudaError_t.
 absl::Status CudaStatus(int error, absl::string_view what);
 
 }  // namespace kvdepot::gpu_internal

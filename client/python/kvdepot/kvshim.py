@@ -1,0 +1,563 @@
+"""Gather/scatter of paged KV caches through the C ABI of ``gpu/kv_capi.h``,
+loaded with ctypes: the CUDA kernels for CUDA torch caches, the CPU twin for
+host caches.
+
+The native module ``_kvdepot`` carries the CPU implementation of gather and
+scatter only (a pybind module cannot hold both: they define the same
+symbols), and it is built for one Python version. The C ABI libraries are
+plain shared libraries, built next to it by CMake:
+
+* ``libkvdepot_kv_cpu.so`` -- the CPU twin (host memory; done when the call
+  returns);
+* ``libkvdepot_kv_cuda.so`` -- the CUDA kernels (built where nvcc was found;
+  the static CUDA runtime, so it needs only the driver). Calls enqueue on a
+  CUDA stream and return.
+
+Each exports only the ``kvdepot_kv_`` functions, so both can be loaded
+into one process beside ``_kvdepot``, and they work with any Python 3
+version. ctypes releases the GIL during every call.
+
+This module imports nothing from the rest of the package (only the standard
+library; numpy and torch lazily, when given their objects), so it also works
+where ``_kvdepot`` does not load -- e.g. a GPU machine with another Python.
+Load it by path there::
+
+    import importlib.util
+    spec = importlib.util.spec_from_file_location("kvshim", "<...>/kvdepot/kvshim.py")
+    kvshim = importlib.util.module_from_spec(spec); spec.loader.exec_module(kvshim)
+    shim = kvshim.KvShim.for_device("cuda", library="<build>/gpu/libkvdepot_kv_cuda.so")
+
+Example (inside the package)::
+
+    from kvdepot.kvshim import KvShim
+    shim = KvShim.for_device("cuda")            # libkvdepot_kv_cuda.so beside this file
+    shim.register_host(staging)                 # once: e.g. client.allocate_buffer memory
+    shim.gather(layout, kv_caches, block_ids, objects)   # on torch's current stream
+    shim.synchronize()                          # before the objects are read
+
+Errors raise like the rest of the package, the message starting with the
+status code name: ``ValueError`` (INVALID_ARGUMENT, OUT_OF_RANGE),
+``KeyError`` (NOT_FOUND), ``RuntimeError`` (everything else, e.g.
+``FAILED_PRECONDITION`` without a usable CUDA device). A library that is not
+built or does not load raises ``ImportError`` naming it.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import enum
+import os
+import sys
+import threading
+from typing import Any, Dict, List, NamedTuple, Optional, Sequence, Tuple, Union
+
+__all__ = [
+    "ABI_VERSION",
+    "CacheLayout",
+    "Dtype",
+    "KvShim",
+    "LayoutInfo",
+    "LayoutSpec",
+    "library_path",
+]
+
+#: The KVDEPOT_KV_ABI_VERSION this module speaks.
+ABI_VERSION = 1
+
+_INVALID_ARGUMENT = 3
+_NOT_FOUND = 5
+_OUT_OF_RANGE = 11
+_ERR_CAP = 1024
+
+
+class CacheLayout(enum.IntEnum):
+    """``KVDEPOT_KV_LAYOUT_*`` (the values of ``kvdepot.KvCacheLayout``; see
+    gpu/README.md for the shapes)."""
+
+    FLASH_ATTN_NHD = 1
+    FLASH_ATTN_HND = 2
+    FLASH_INFER_NHD = 3
+    FLASH_INFER_HND = 4
+    MLA = 5
+    CROSS_LAYER_NHD = 6
+    CROSS_LAYER_HND = 7
+
+
+class Dtype(enum.IntEnum):
+    """``KVDEPOT_KV_DTYPE_*`` (the values of ``kvdepot.KvDtype``)."""
+
+    FLOAT16 = 1
+    BFLOAT16 = 2
+    FLOAT8_E4M3 = 3
+    FLOAT32 = 4
+
+
+class LayoutSpec(NamedTuple):
+    """A cache layout without the native module: the fields of
+    ``kvdepot.KvLayout`` (which the methods below accept as well).
+    Validated by the library on use."""
+
+    layout: Union[CacheLayout, int]
+    num_layers: int
+    num_components: int
+    block_size: int
+    num_kv_heads: int
+    head_size: int
+    dtype: Union[Dtype, int]
+
+    @classmethod
+    def mha(cls, layout: Union[CacheLayout, int], num_layers: int, block_size: int,
+            num_kv_heads: int, head_size: int, dtype: Union[Dtype, int]) -> "LayoutSpec":
+        """A K/V layout (2 components), as ``kvdepot.KvLayout.mha``."""
+        return cls(layout, num_layers, 2, block_size, num_kv_heads, head_size, dtype)
+
+    @classmethod
+    def mla(cls, layout: Union[CacheLayout, int], num_layers: int, block_size: int,
+            latent_size: int, dtype: Union[Dtype, int]) -> "LayoutSpec":
+        """A one-latent layout (1 component, 1 head), as ``kvdepot.KvLayout.mla``."""
+        return cls(layout, num_layers, 1, block_size, 1, latent_size, dtype)
+
+
+class LayoutInfo(NamedTuple):
+    """Sizes of a layout (``kvdepot_kv_layout_info``)."""
+
+    num_tensors: int  #: cache tensors: num_layers, or 1 for cross-layer
+    element_bytes: int
+    layer_bytes: int  #: one layer of one block's object
+    object_bytes: int  #: one block's whole object
+    tensor_bytes_per_block: int  #: a cache tensor of N blocks has N x this
+
+
+class _Spec(ctypes.Structure):
+    _fields_ = [(name, ctypes.c_int32) for name in (
+        "layout", "dtype", "num_layers", "num_components", "block_size",
+        "num_kv_heads", "head_size")]
+
+
+class _Info(ctypes.Structure):
+    _fields_ = [
+        ("num_tensors", ctypes.c_int32),
+        ("element_bytes", ctypes.c_int32),
+        ("layer_bytes", ctypes.c_uint64),
+        ("object_bytes", ctypes.c_uint64),
+        ("tensor_bytes_per_block", ctypes.c_uint64),
+    ]
+
+
+def library_path(backend: str) -> str:
+    """Where :meth:`KvShim.for_device` looks for the library of ``backend``
+    ("cpu" or "cuda") by default: beside this file, as the CMake build and
+    the wheel put it."""
+    return os.path.join(os.path.dirname(os.path.abspath(__file__)),
+                        f"libkvdepot_kv_{backend}.so")
+
+
+def _spec_key(layout: Any) -> Tuple[int, ...]:
+    """The seven fields of a LayoutSpec, a kvdepot.KvLayout or anything with
+    those attributes, as ints (enums by value; layout and dtype also by
+    name)."""
+    def enum_value(value: Any, kind: Any, what: str) -> int:
+        if isinstance(value, str):
+            try:
+                return int(kind[value.upper()])
+            except KeyError:
+                raise ValueError(f"INVALID_ARGUMENT: unknown {what} {value!r}") from None
+        return int(value)
+
+    try:
+        return (
+            enum_value(layout.layout, CacheLayout, "layout"),
+            enum_value(layout.dtype, Dtype, "dtype"),
+            int(layout.num_layers),
+            int(layout.num_components),
+            int(layout.block_size),
+            int(layout.num_kv_heads),
+            int(layout.head_size),
+        )
+    except AttributeError as e:
+        raise TypeError(
+            "layout must be a kvshim.LayoutSpec or a kvdepot.KvLayout "
+            f"(attributes layout, num_layers, num_components, block_size, "
+            f"num_kv_heads, head_size, dtype): {e}") from None
+
+
+class _Memory(NamedTuple):
+    ptr: int
+    nbytes: int
+    device: str  # "cpu" for host memory, else the torch device type
+    index: Optional[int]  # the CUDA device index of a CUDA tensor
+    keep: Any  # what must stay referenced while the pointer is used
+
+
+def _is_torch_tensor(obj: Any) -> bool:
+    return all(hasattr(obj, a) for a in ("data_ptr", "element_size", "numel",
+                                         "is_contiguous", "device"))
+
+
+def _memory(obj: Any, writable: bool, what: str) -> _Memory:
+    """The memory of a torch tensor, a numpy array (or anything with
+    ``__array_interface__``) or a buffer-protocol object. Raises ValueError
+    for a non-contiguous (or, with ``writable``, read-only) one and
+    TypeError for other objects."""
+    if _is_torch_tensor(obj):
+        if not obj.is_contiguous():
+            raise ValueError(f"INVALID_ARGUMENT: {what} is not contiguous")
+        device = obj.device
+        return _Memory(int(obj.data_ptr()), int(obj.numel()) * int(obj.element_size()),
+                       str(device.type), device.index, obj)
+    interface = getattr(obj, "__array_interface__", None)
+    if interface is None:
+        try:
+            view = memoryview(obj)
+        except TypeError:
+            raise TypeError(
+                f"{what} must be a torch tensor, a numpy array or a buffer "
+                f"(bytearray, memoryview, ...), not {type(obj).__name__}") from None
+        if not view.c_contiguous:
+            raise ValueError(f"INVALID_ARGUMENT: {what} is not a C-contiguous buffer")
+        import numpy as np  # for the address of any buffer, read-only ones too
+
+        # Read-only exactly when the buffer is.
+        obj = np.frombuffer(view, dtype=np.uint8) if view.nbytes else np.empty(0, np.uint8)
+        if view.readonly and not view.nbytes:
+            obj.flags.writeable = False
+        interface = obj.__array_interface__
+    ptr, readonly = interface["data"]
+    strides = interface.get("strides")
+    shape = tuple(interface["shape"])
+    try:
+        itemsize = int(interface["typestr"][2:])
+    except ValueError:
+        raise TypeError(f"{what} has elements of type {interface['typestr']!r}, which "
+                        f"are not plain bytes") from None
+    nbytes = itemsize
+    for extent in shape:
+        nbytes *= int(extent)
+    if strides is not None:
+        expected = itemsize
+        for extent, stride in reversed(list(zip(shape, strides))):
+            if extent > 1 and stride != expected:
+                raise ValueError(f"INVALID_ARGUMENT: {what} is not C-contiguous")
+            expected *= extent
+    if writable and readonly:
+        raise ValueError(f"INVALID_ARGUMENT: {what} is read-only")
+    return _Memory(int(ptr or 0), nbytes, "cpu", None, obj)
+
+
+def _as_block_ids(block_ids: Sequence[Any]) -> Any:
+    ids = [int(b) for b in block_ids]
+    for i, b in enumerate(ids):
+        if not -(1 << 63) <= b < (1 << 63):
+            raise ValueError(f"INVALID_ARGUMENT: block_ids[{i}] = {b} is not a 64-bit integer")
+    return (ctypes.c_int64 * len(ids))(*ids)
+
+
+class KvShim:
+    """One loaded C ABI library (``libkvdepot_kv_cpu.so`` or
+    ``libkvdepot_kv_cuda.so``).
+
+    Thread-safe: the library keeps no state; concurrent calls must not write
+    the same bytes. The registrations of :meth:`register_host` are tracked
+    under a lock. Get instances from :meth:`for_device` (one per library
+    file) or construct one from a path.
+    """
+
+    _instances: Dict[str, "KvShim"] = {}
+    _instances_lock = threading.Lock()
+
+    def __init__(self, library: str) -> None:
+        """Loads the library at ``library``. Raises ImportError, naming it,
+        when it is missing, does not load, or speaks another ABI version."""
+        self.library = os.path.abspath(library)
+        if not os.path.exists(self.library):
+            raise ImportError(
+                f"kvdepot: {self.library} is not built. CMake builds "
+                f"libkvdepot_kv_cpu.so always and libkvdepot_kv_cuda.so where nvcc "
+                f"is found (targets kvdepot_kv_cpu, kvdepot_kv_cuda); see "
+                f"client/python/README.md.")
+        try:
+            lib = ctypes.CDLL(self.library)  # CDLL: the GIL is released per call
+        except OSError as e:
+            raise ImportError(f"kvdepot: {self.library} does not load: {e}") from e
+        self._lib = lib
+        c = ctypes
+        err = [c.c_char_p, c.c_size_t]
+        lib.kvdepot_kv_abi_version.argtypes = []
+        lib.kvdepot_kv_abi_version.restype = c.c_int
+        lib.kvdepot_kv_backend.argtypes = []
+        lib.kvdepot_kv_backend.restype = c.c_char_p
+        lib.kvdepot_kv_status_name.argtypes = [c.c_int]
+        lib.kvdepot_kv_status_name.restype = c.c_char_p
+        lib.kvdepot_kv_layout_describe.argtypes = [c.POINTER(_Spec), c.POINTER(_Info)] + err
+        transfer = [c.POINTER(_Spec), c.POINTER(c.c_void_p), c.c_size_t, c.c_int64,
+                    c.POINTER(c.c_int64), c.c_size_t, c.c_int32, c.c_int32,
+                    c.POINTER(c.c_void_p), c.c_void_p] + err
+        lib.kvdepot_kv_gather.argtypes = transfer
+        lib.kvdepot_kv_scatter.argtypes = transfer
+        lib.kvdepot_kv_synchronize.argtypes = [c.c_void_p] + err
+        lib.kvdepot_kv_current_device.argtypes = [c.POINTER(c.c_int32)] + err
+        lib.kvdepot_kv_register_host.argtypes = [c.c_void_p, c.c_size_t] + err
+        lib.kvdepot_kv_unregister_host.argtypes = [c.c_void_p] + err
+        for f in ("layout_describe", "gather", "scatter", "synchronize",
+                  "current_device", "register_host", "unregister_host"):
+            getattr(lib, "kvdepot_kv_" + f).restype = c.c_int
+        version = lib.kvdepot_kv_abi_version()
+        if version != ABI_VERSION:
+            raise ImportError(f"kvdepot: {self.library} has ABI version {version}; "
+                              f"this kvshim.py speaks {ABI_VERSION}")
+        self.backend: str = lib.kvdepot_kv_backend().decode()
+        self._info_cache: Dict[Tuple[int, ...], LayoutInfo] = {}
+        self._registered: Dict[int, Tuple[Any, int]] = {}
+        self._lock = threading.Lock()
+
+    @classmethod
+    def for_device(cls, device: Any = "cpu", library: Optional[str] = None) -> "KvShim":
+        """The shim for ``device``: "cpu" or "cuda" (also "cuda:1", a
+        ``torch.device``), from ``library`` or else :func:`library_path`.
+        One instance per library file.
+
+        For "cuda", also checks that a CUDA device is usable (RuntimeError
+        ``FAILED_PRECONDITION: ...`` if not: no GPU, no or too old a driver
+        for the CUDA runtime the library was built with). ImportError when
+        the library is not built."""
+        kind = str(getattr(device, "type", device)).split(":")[0]
+        if kind not in ("cpu", "cuda"):
+            raise ValueError(f"INVALID_ARGUMENT: no kvdepot gather/scatter library for "
+                             f"device {device!r}; use 'cpu' or 'cuda'")
+        path = os.path.abspath(library or library_path(kind))
+        with cls._instances_lock:
+            shim = cls._instances.get(path)
+            if shim is None:
+                shim = cls(path)
+                if shim.backend == "cuda":
+                    shim.current_device()  # raises without a usable device
+                cls._instances[path] = shim
+        if shim.backend != kind:
+            raise ImportError(f"kvdepot: {path} is the {shim.backend} library, "
+                              f"not the {kind} one")
+        return shim
+
+    def __repr__(self) -> str:
+        return f"KvShim(backend={self.backend!r}, library={self.library!r})"
+
+    # -- errors ---------------------------------------------------------
+
+    def _raise(self, code: int, err: Any) -> None:
+        name = self._lib.kvdepot_kv_status_name(code).decode() or f"CODE_{code}"
+        message = f"{name}: {err.value.decode(errors='replace')}"
+        if self.backend == "cuda" and code == _INVALID_ARGUMENT and "pageable" in message:
+            message += (" (from Python: KvShim.register_host(buffer) once, or a "
+                        "torch tensor from pin_memory())")
+        if code == _NOT_FOUND:
+            raise KeyError(message)
+        if code in (_INVALID_ARGUMENT, _OUT_OF_RANGE):
+            raise ValueError(message)
+        raise RuntimeError(message)
+
+    def _call(self, fn: Any, *args: Any) -> None:
+        err = ctypes.create_string_buffer(_ERR_CAP)
+        code = fn(*args, err, _ERR_CAP)
+        if code != 0:
+            self._raise(code, err)
+
+    # -- layouts --------------------------------------------------------
+
+    def layout_info(self, layout: Any) -> LayoutInfo:
+        """The sizes of ``layout`` (a :class:`LayoutSpec` or
+        ``kvdepot.KvLayout``). ValueError for a layout the library rejects."""
+        key = _spec_key(layout)
+        info = self._info_cache.get(key)
+        if info is None:
+            out = _Info()
+            self._call(self._lib.kvdepot_kv_layout_describe, ctypes.byref(_Spec(*key)),
+                       ctypes.byref(out))
+            info = LayoutInfo(out.num_tensors, out.element_bytes, out.layer_bytes,
+                              out.object_bytes, out.tensor_bytes_per_block)
+            self._info_cache[key] = info
+        return info
+
+    # -- gather / scatter -----------------------------------------------
+
+    def gather(self, layout: Any, caches: Sequence[Any], block_ids: Sequence[int],
+               objects: Sequence[Any], layers: Optional[Tuple[int, int]] = None,
+               stream: Any = None) -> None:
+        """Copies layers ``layers`` (default: all) of the blocks
+        ``block_ids`` (repeats allowed) out of ``caches`` into ``objects``,
+        one per id, each ``(end - begin) x layer_bytes`` bytes, in the
+        canonical object format (gpu/README.md).
+
+        ``caches``: the cache tensors of ``layout`` (num_layers per-layer
+        tensors, or one cross-layer tensor), contiguous and of equal size,
+        N blocks each. ``objects``: writable torch tensors, numpy arrays or
+        buffers. The cpu library takes host memory only; the cuda library
+        takes CUDA torch caches, and objects on the same device or in
+        page-locked host memory (pin_memory tensors, or buffers registered
+        with :meth:`register_host`).
+
+        cuda: enqueued on ``stream`` (a ``torch.cuda.Stream``, a raw
+        ``cudaStream_t`` int; default: torch's current stream of the caches'
+        device) and returns; the objects are complete once that stream has
+        reached this point (:meth:`synchronize`), and every object must stay
+        alive until then. cpu: done when it returns; ``stream`` is ignored.
+
+        Raises ValueError, before anything is written, for bad input: counts
+        or sizes that do not match the layout, ids outside the caches, a bad
+        layer range, memory the library cannot reach."""
+        self._transfer(False, layout, caches, block_ids, objects, layers, stream)
+
+    def scatter(self, layout: Any, caches: Sequence[Any], block_ids: Sequence[int],
+                objects: Sequence[Any], layers: Optional[Tuple[int, int]] = None,
+                stream: Any = None) -> None:
+        """The reverse of :meth:`gather`: ``objects[i]`` (readable; any
+        buffer) is written into block ``block_ids[i]`` of ``caches``;
+        nothing else in the caches changes. Block ids must not repeat.
+        Same memory, stream and error rules as :meth:`gather`."""
+        self._transfer(True, layout, caches, block_ids, objects, layers, stream)
+
+    def _transfer(self, to_cache: bool, layout: Any, caches: Sequence[Any],
+                  block_ids: Sequence[int], objects: Sequence[Any],
+                  layers: Optional[Tuple[int, int]], stream: Any) -> None:
+        key = _spec_key(layout)
+        info = self.layout_info(layout)
+        caches = list(caches)
+        objects = list(objects)
+        if len(caches) != info.num_tensors:
+            raise ValueError(
+                f"INVALID_ARGUMENT: layout {CacheLayout(key[0]).name} with {key[2]} "
+                f"layers takes {info.num_tensors} cache tensors, got {len(caches)}")
+        cache_mem = [_memory(t, to_cache, f"caches[{i}]") for i, t in enumerate(caches)]
+        obj_mem = [_memory(o, not to_cache, f"objects[{i}]") for i, o in enumerate(objects)]
+        per_block = info.tensor_bytes_per_block
+        size = cache_mem[0].nbytes
+        for i, m in enumerate(cache_mem):
+            if m.nbytes != size or m.nbytes == 0 or m.nbytes % per_block != 0:
+                raise ValueError(
+                    f"INVALID_ARGUMENT: caches[{i}] has {m.nbytes} bytes; every cache "
+                    f"tensor must have the same size, a positive multiple of "
+                    f"{per_block} bytes (one block)")
+        num_blocks = size // per_block
+        begin, end = (0, key[2]) if layers is None else (int(layers[0]), int(layers[1]))
+        if 0 <= begin < end <= key[2]:  # a bad range is reported by the library
+            want = (end - begin) * info.layer_bytes
+            for i, m in enumerate(obj_mem):
+                if m.nbytes != want:
+                    raise ValueError(f"INVALID_ARGUMENT: objects[{i}] has {m.nbytes} "
+                                     f"bytes, expected {want}")
+        ids = _as_block_ids(block_ids)
+        if len(obj_mem) != len(ids):
+            raise ValueError(f"INVALID_ARGUMENT: {len(ids)} block ids but {len(obj_mem)} "
+                             f"objects; there must be one per block")
+        device_index = self._check_devices(cache_mem, obj_mem)
+        tensors = (ctypes.c_void_p * len(cache_mem))(*[m.ptr for m in cache_mem])
+        ptrs = (ctypes.c_void_p * len(obj_mem))(*[m.ptr for m in obj_mem])
+        fn = self._lib.kvdepot_kv_scatter if to_cache else self._lib.kvdepot_kv_gather
+        args = (ctypes.byref(_Spec(*key)), tensors, len(cache_mem), num_blocks, ids,
+                len(ids), begin, end, ptrs)
+        if self.backend == "cpu":
+            self._call(fn, *args, None)
+            return
+        import torch  # CUDA caches are torch tensors (checked above)
+
+        with torch.cuda.device(device_index):
+            self._call(fn, *args, self._stream_handle(stream, device_index))
+
+    def _check_devices(self, caches: List[_Memory], objects: List[_Memory]) -> Optional[int]:
+        """Checks the memory against the backend; returns the CUDA device
+        index of the cuda backend's tensors."""
+        named = [(f"caches[{i}]", m) for i, m in enumerate(caches)]
+        named += [(f"objects[{i}]", m) for i, m in enumerate(objects)]
+        if self.backend == "cpu":
+            for what, m in named:
+                if m.device != "cpu":
+                    raise ValueError(
+                        f"INVALID_ARGUMENT: {what} is a torch tensor on {m.device}; the cpu "
+                        f"library ({os.path.basename(self.library)}) moves host memory "
+                        f"only: use KvShim.for_device('cuda') for CUDA tensors")
+            return None
+        index: Optional[int] = None
+        for what, m in named:
+            if what.startswith("caches") and m.device != "cuda":
+                raise ValueError(
+                    f"INVALID_ARGUMENT: {what} is {'host memory' if m.device == 'cpu' else 'on ' + m.device}; "
+                    f"the cuda library ({os.path.basename(self.library)}) moves blocks of "
+                    f"CUDA torch caches: use KvShim.for_device('cpu') for host caches")
+            if m.device not in ("cuda", "cpu"):
+                raise ValueError(f"INVALID_ARGUMENT: {what} is a tensor on {m.device}; the "
+                                 f"cuda library takes CUDA tensors and host memory")
+            if m.device == "cuda":
+                dev = 0 if m.index is None else int(m.index)
+                if index is None:
+                    index = dev
+                elif dev != index:
+                    raise ValueError(f"INVALID_ARGUMENT: {what} is on cuda:{dev}, the "
+                                     f"caches on cuda:{index}: one device per call")
+        return index
+
+    @staticmethod
+    def _stream_handle(stream: Any, device_index: Optional[int]) -> Optional[int]:
+        """A cudaStream_t as an int (None: the legacy default stream)."""
+        if stream is None:
+            import torch
+
+            return torch.cuda.current_stream(device_index).cuda_stream or None
+        handle = getattr(stream, "cuda_stream", stream)
+        if not isinstance(handle, int):
+            raise TypeError("stream must be a torch.cuda.Stream, a cudaStream_t as an "
+                            f"int, or None, not {type(stream).__name__}")
+        return handle or None
+
+    # -- streams, devices, host memory ----------------------------------
+
+    def synchronize(self, stream: Any = None) -> None:
+        """Waits for the work on ``stream`` (default: torch's current
+        stream where torch is loaded, else the legacy default stream);
+        raises the device's error if any of it failed. Returns at once in
+        the cpu library."""
+        handle = None
+        if self.backend == "cuda":
+            if stream is None and "torch" in sys.modules:
+                stream = sys.modules["torch"].cuda.current_stream()
+            handle = None if stream is None else self._stream_handle(stream, None)
+        self._call(self._lib.kvdepot_kv_synchronize, handle)
+
+    def current_device(self) -> int:
+        """The calling thread's CUDA device as the library sees it (0 for
+        cpu). RuntimeError ``FAILED_PRECONDITION`` without a usable device."""
+        device = ctypes.c_int32(-1)
+        self._call(self._lib.kvdepot_kv_current_device, ctypes.byref(device))
+        return device.value
+
+    def register_host(self, buffer: Any) -> None:
+        """Page-locks the host memory of ``buffer`` (a writable numpy array,
+        buffer, e.g. the array ``Client.allocate_buffer`` returns, or a CPU
+        tensor) so that the cuda library's kernels reach it; a no-op beyond
+        the checks in the cpu library. Register once, not per transfer
+        (pinning is slow). The buffer is kept alive until
+        :meth:`unregister_host`.
+
+        Raises ValueError for device or read-only memory, RuntimeError
+        ``ALREADY_EXISTS`` if this shim registered it already (the cuda
+        library says so too for memory registered elsewhere, e.g. a
+        pin_memory tensor)."""
+        m = _memory(buffer, True, "buffer")
+        if m.device != "cpu":
+            raise ValueError(f"INVALID_ARGUMENT: buffer is a tensor on {m.device}; only "
+                             f"host memory is registered")
+        with self._lock:
+            if m.ptr in self._registered:
+                raise RuntimeError(f"ALREADY_EXISTS: host memory at {m.ptr:#x} is "
+                                   f"registered already")
+            self._call(self._lib.kvdepot_kv_register_host, m.ptr, m.nbytes)
+            self._registered[m.ptr] = (m.keep, m.nbytes)
+
+    def unregister_host(self, buffer: Any) -> None:
+        """Undoes :meth:`register_host` of the same buffer (or one starting
+        at the same address). KeyError ``NOT_FOUND`` if this shim did not
+        register it."""
+        m = _memory(buffer, False, "buffer")
+        with self._lock:
+            if m.ptr not in self._registered:
+                raise KeyError(f"NOT_FOUND: host memory at {m.ptr:#x} was not "
+                               f"registered through this shim")
+            self._call(self._lib.kvdepot_kv_unregister_host, m.ptr)
+            del self._registered[m.ptr]
