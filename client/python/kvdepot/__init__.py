@@ -343,14 +343,46 @@ class LoadHandle:
         return f"LoadHandle({self._load!r})"
 
 
+class _HostRegistration:
+    """Staging memory registered with a device shim (page-locked for CUDA),
+    unregistered when the last holder lets go: the store, and a load whose
+    scatters may still read the memory after the store dropped it."""
+
+    __slots__ = ("shim", "pool")
+
+    def __init__(self, shim: Any, pool: Any) -> None:
+        shim.register_host(pool)
+        self.shim = shim
+        self.pool = pool
+
+    def __del__(self) -> None:
+        try:
+            self.shim.unregister_host(self.pool)
+        except Exception:  # noqa: BLE001 - nothing to report to in __del__
+            pass
+
+
 class KvCacheStore:
     """Saves and loads blocks of one engine's paged KV cache in kvdepotd.
 
     ``caches`` arguments are the engine's cache tensors as the layout expects
     them: one per layer for the per-layer layouts (vLLM FlashAttention,
     FlashInfer, MLA), exactly one for the cross-layer layouts. They may be CPU
-    torch tensors or numpy arrays and must be C-contiguous; every tensor holds
-    the same number of blocks.
+    torch tensors or numpy arrays (the native gather/scatter) or CUDA torch
+    tensors (:mod:`kvdepot.kvshim`: the CUDA kernels between the GPU caches
+    and the staging buffers, which the store page-locks), and must be
+    C-contiguous, on one device; every tensor holds the same number of
+    blocks. ``shim`` forces a :class:`kvdepot.kvshim.KvShim` for every
+    cache (e.g. the library's CPU build, for CPU caches).
+
+    With a shim, saves gather each batch on the caller's current stream
+    (after the work it queued before) and wait for it; loads work as on the
+    host except who scatters: ``LoadHandle.wait_for_layer(l)`` waits for the
+    blocks to arrive and then *enqueues* the scatter of the layers up to
+    ``l`` on the current stream (a kernel launch each; work queued on that
+    stream afterwards sees them), and ``wait()`` enqueues the rest and
+    synchronizes, so the blocks are in the caches when it returns. Nothing
+    is scattered until the caller asks for a layer.
 
     Blocks are stored under ``layout.namespace_for(model)``, so engines whose
     objects differ in format never read each other's blocks; ``model`` must
@@ -383,6 +415,7 @@ class KvCacheStore:
         client: Optional[Client] = None,
         pipeline_batches: int = 4,
         min_batch_bytes: int = 2 << 20,
+        shim: Optional[Any] = None,
     ) -> None:
         if pipeline_batches < 1:
             raise ValueError("INVALID_ARGUMENT: pipeline_batches must be >= 1")
@@ -395,8 +428,52 @@ class KvCacheStore:
         )
         self.pipeline_batches = pipeline_batches
         self._buffers: List[Any] = []
+        self._pool: Any = None  # the memory of _buffers
         # The last load_async's handle, until its staging buffers are free.
         self._pending: Optional["weakref.ReferenceType[LoadHandle]"] = None
+        # Device caches: the KvShim that gathers/scatters them (None: pick
+        # by the caches' device), and _pool's registrations with shims.
+        self._forced_shim = shim
+        self._shims: dict = {}
+        self._registered: List[_HostRegistration] = []
+
+    def _release_pool(self) -> None:
+        """Drops the staging memory and its registrations (each unregisters
+        once no load holds it either)."""
+        self._registered = []
+        self._buffers = []
+        self._pool = None
+
+    def shim_for(self, caches: Sequence[Any]) -> Optional[Any]:
+        """The KvShim that moves blocks of ``caches``: None for host caches
+        (numpy arrays, CPU tensors: the native gather/scatter), the CUDA
+        one for CUDA tensors, or the shim the store was made with."""
+        if self._forced_shim is not None:
+            return self._forced_shim
+        devices = {getattr(getattr(t, "device", None), "type", "cpu") for t in caches}
+        if devices <= {"cpu"}:
+            return None
+        if len(devices) > 1:
+            raise ValueError(
+                f"INVALID_ARGUMENT: the caches are on several devices ({sorted(devices)})")
+        (device,) = devices
+        if device not in self._shims:
+            from .kvshim import KvShim
+
+            self._shims[device] = KvShim.for_device(device)
+        return self._shims[device]
+
+    @staticmethod
+    def _stream_of(caches: Sequence[Any]) -> Optional[int]:
+        """The caller's current CUDA stream on the caches' device (None for
+        host caches: the default stream / no stream)."""
+        t = caches[0] if caches else None
+        dev = getattr(t, "device", None)
+        if dev is None or dev.type != "cuda":
+            return None
+        import torch
+
+        return int(torch.cuda.current_stream(dev).cuda_stream)
 
     def _batches(self, n: int) -> List[Tuple[int, int]]:
         """[lo, hi) ranges splitting n blocks into up to pipeline_batches
@@ -436,22 +513,34 @@ class KvCacheStore:
             handle._finish()
         self._pending = None
 
-    def _staging(self, n: int) -> List[Any]:
+    def _staging(self, n: int, shim: Optional[Any] = None) -> List[Any]:
         """n host buffers of one object each, reused across calls: views of
         memory allocated through UCX (so the blocks move over the UCX data
-        plane) when the client has it, else numpy arrays (gRPC byte path)."""
+        plane) when the client has it, else numpy arrays (gRPC byte path).
+        With a device ``shim`` the memory is registered with it (page-locked
+        for CUDA, so its kernels can read and write it)."""
         import numpy as np
 
         size = self.layout.object_bytes
         if len(self._buffers) < n:
             # Grow in one piece (at least doubling), so registrations stay few.
             count = max(n, 2 * len(self._buffers), 8)
+            self._release_pool()
             try:
                 pool = self.client.allocate_buffer(count * size)
             except RuntimeError:  # no UCX in this client: host memory
                 pool = np.empty(count * size, dtype=np.uint8)
+            self._pool = pool
             self._buffers = [pool[i * size:(i + 1) * size] for i in range(count)]
+        if shim is not None and self._registration(shim) is None:
+            self._registered.append(_HostRegistration(shim, self._pool))
         return self._buffers[:n]
+
+    def _registration(self, shim: Any) -> Optional[_HostRegistration]:
+        for r in self._registered:
+            if r.shim is shim:
+                return r
+        return None
 
     def save(
         self,
@@ -479,13 +568,20 @@ class KvCacheStore:
             )
         caches = list(caches)
         self._check_block_ids(caches, block_ids)
+        shim = self.shim_for(caches)
         self._wait_pending()
-        buffers = self._staging(len(keys))
+        buffers = self._staging(len(keys), shim)
+        stream = self._stream_of(caches)
         ops: List[Tuple[int, TransferOp]] = []
         try:
             for lo, hi in self._batches(len(keys)):
                 # Gathered while the batches before it are being stored.
-                gather(self.layout, caches, list(block_ids[lo:hi]), buffers[lo:hi])
+                if shim is None:
+                    gather(self.layout, caches, list(block_ids[lo:hi]), buffers[lo:hi])
+                else:  # on the caller's stream, after what it queued before
+                    shim.gather(self.layout, caches, list(block_ids[lo:hi]),
+                                buffers[lo:hi], stream=stream)
+                    shim.synchronize(stream)
                 ops.append((lo, self.client.put_async(
                     self.namespace,
                     keys[lo:hi],
@@ -550,17 +646,25 @@ class KvCacheStore:
             raise ValueError("INVALID_ARGUMENT: block ids repeat")
         caches = list(caches)
         self._check_block_ids(caches, block_ids)
+        shim = self.shim_for(caches)
         self._wait_pending()
-        buffers = self._staging(len(keys))
-        load = self.client.load_into_cache_async(
-            self.namespace,
-            list(keys),
-            buffers,
-            self.layout,
-            caches,
-            list(block_ids),
-            [hi - lo for lo, hi in self._batches(len(keys))],
-        )
+        buffers = self._staging(len(keys), shim)
+        batch_sizes = [hi - lo for lo, hi in self._batches(len(keys))]
+        load: Any
+        if shim is None:
+            load = self.client.load_into_cache_async(
+                self.namespace, list(keys), buffers, self.layout, caches,
+                list(block_ids), batch_sizes)
+        else:
+            from ._device_load import DeviceLoad
+
+            # The caches against the layout and the device, before anything
+            # is read (an empty scatter checks them and moves nothing).
+            shim.scatter(self.layout, caches, [], [])
+            load = DeviceLoad(self.client, self.namespace, list(keys), buffers,
+                              self.layout, shim, caches, list(block_ids),
+                              batch_sizes, lambda: self._stream_of(caches),
+                              keep=self._registration(shim))
         handle = LoadHandle(load, self.layout.num_layers, len(keys))
         self._pending = weakref.ref(handle)
         return handle

@@ -1116,5 +1116,153 @@ class LoadAsyncTest(StoppableDaemonTestCase):
             store.load(dst, [4, 5], keys[:2])
 
 
+class _SpyShim:
+    """A KvShim wrapper (the real CPU library underneath) that counts
+    registrations and can fail the scatter of one layer."""
+
+    def __init__(self, shim, fail_layer=None):
+        self.shim = shim
+        self.backend = shim.backend
+        self.fail_layer = fail_layer
+        self.registered = []
+        self.unregistered = []
+        self.scattered_layers = []
+        self.syncs = 0
+
+    def gather(self, *args, **kw):
+        return self.shim.gather(*args, **kw)
+
+    def scatter(self, layout, caches, ids, objs, layers=None, stream=None):
+        if layers is not None and layers[0] == self.fail_layer:
+            raise RuntimeError("INTERNAL: injected failure")
+        self.scattered_layers.append(layers)
+        return self.shim.scatter(layout, caches, ids, objs, layers=layers, stream=stream)
+
+    def synchronize(self, stream=None):
+        self.syncs += 1
+        return self.shim.synchronize(stream)
+
+    def register_host(self, buf):
+        self.registered.append(buf.ctypes.data)
+        return self.shim.register_host(buf)
+
+    def unregister_host(self, buf):
+        self.unregistered.append(buf.ctypes.data)
+        return self.shim.unregister_host(buf)
+
+
+@unittest.skipIf(torch is None, "torch is not installed")
+class DeviceLoadTest(LoadAsyncTest):
+    """KvCacheStore through a kvdepot.kvshim.KvShim (the path of CUDA
+    caches), driven here with the library's CPU build: the same bytes as the
+    native path, scatters enqueued by wait_for_layer (so layers past the one
+    asked for are not yet written), the staging memory registered once and
+    unregistered before it is freed, failures per block."""
+
+    def setUp(self):
+        super().setUp()
+        from kvdepot.kvshim import KvShim
+
+        self.shim = KvShim.for_device("cpu")
+
+    def setup_store(self, layout, shapes, name, client=None, batches=2, shim=None):
+        store = kvdepot.KvCacheStore(self.daemon.address, layout, "pytest-" + name,
+                                     client=client or self.client,
+                                     pipeline_batches=batches, min_batch_bytes=0,
+                                     shim=shim or self.shim)
+        g = torch.Generator().manual_seed(11)
+        src = [torch.randn(s, generator=g).to(torch.bfloat16) for s in shapes]
+        keys = [b"s%d" % b for b in range(4)]
+        self.assertEqual(store.save(src, [0, 1, 2, 3], keys), [True] * 4)
+        dst = [torch.zeros(s, dtype=torch.bfloat16) for s in shapes]
+        return store, src, keys, dst
+
+    # The native loader's own call; nothing of the shim path in it.
+    test_unregistered_staging_takes_grpc_in_the_loader = None
+
+    def test_load_async_returns_before_the_daemon_answers(self):
+        store, src, keys, dst, layout, part = self.nhd("in-flight")
+        self.assertEqual(store.load(dst, [0], [b"warm"]), [False])
+        self.stop_daemon()
+        h = store.load_async(dst, [4, 5, 6, 7], keys)
+        self.assertFalse(h.done)
+        self.assertEqual(h.ready_layers, 0)
+        with self.assertRaises(TimeoutError):
+            h.wait_for_layer(0, timeout=0)
+        with self.assertRaises(TimeoutError):
+            h.wait(timeout=0)
+        with self.assertRaises(RuntimeError) as cm:
+            h.errors()
+        self.assertIn("FAILED_PRECONDITION", str(cm.exception))
+        for d in dst:
+            self.assertEqual(int(d.abs().sum()), 0)
+        self.continue_daemon_after(0.3)
+        loads = [(4, 0), (5, 1), (6, 2), (7, 3)]
+        h.wait_for_layer(1)
+        self.assertEqual(h.ready_layers, 2)
+        self.assert_layers(dst, src, part, loads, 2)
+        self.assertTrue(h.done)  # everything arrived; what is left is enqueueing
+        for dst_block, _ in loads:  # layers 2.. are not scattered yet
+            for layer in (2, 3):
+                self.assertEqual(int(part(dst, layer, dst_block).abs().sum()), 0)
+        self.assertEqual(h.wait(), [True] * 4)
+        self.assert_layers(dst, src, part, loads, self.L)
+        self.assertEqual(self.ucx_bytes("out"), 4 * layout.object_bytes)
+
+    def test_same_bytes_as_the_native_path_both_ways(self):
+        layout, shapes, part = self.cases()[1]  # FlashAttention HND
+        shim_store, src, keys, dst = self.setup_store(layout, shapes, "cross")
+        native = kvdepot.KvCacheStore(self.daemon.address, layout, "pytest-cross",
+                                      client=self.client, min_batch_bytes=0)
+        self.assertEqual(native.namespace, shim_store.namespace)
+        # Saved through the shim, loaded natively; saved natively, loaded
+        # through the shim.
+        self.assertEqual(native.load(dst, [4, 5, 6, 7], keys), [True] * 4)
+        self.assert_layers(dst, src, part, [(4, 0), (5, 1), (6, 2), (7, 3)], self.L)
+        self.assertEqual(native.save(src, [5], [b"n5"]), [True])
+        dst2 = [torch.zeros_like(d) for d in dst]
+        self.assertEqual(shim_store.load(dst2, [0], [b"n5"]), [True])
+        self.assert_layers(dst2, src, part, [(0, 5)], self.L)
+
+    def test_staging_memory_is_registered_once_and_unregistered_before_it_goes(self):
+        spy = _SpyShim(self.shim)
+        layout, shapes, part = self.cases()[0]
+        store, src, keys, dst = self.setup_store(layout, shapes, "register", shim=spy)
+        self.assertEqual(len(spy.registered), 1)
+        self.assertEqual(store.load(dst, [4, 5], keys[:2]), [True, True])
+        self.assertEqual(store.save(src, [6], [b"r6"]), [True])
+        self.assertEqual(len(spy.registered), 1)  # the same pool, once
+        self.assertEqual(spy.unregistered, [])
+        # 40 blocks outgrow the pool: the old one is unregistered first.
+        many = [b"m%d" % i for i in range(40)]
+        big = [torch.zeros((2, 40, self.T, self.H, self.D), dtype=torch.bfloat16)
+               for _ in range(self.L)]
+        self.assertEqual(store.load(big, list(range(40)), many), [False] * 40)
+        self.assertEqual(spy.unregistered, spy.registered[:1])
+        self.assertEqual(len(spy.registered), 2)
+        del store
+        self.assertEqual(spy.unregistered, spy.registered)
+
+    def test_a_failed_scatter_fails_the_hits_not_the_misses(self):
+        spy = _SpyShim(self.shim, fail_layer=2)
+        layout, shapes, part = self.cases()[0]
+        store, src, keys, dst = self.setup_store(layout, shapes, "fail", shim=spy)
+        h = store.load_async(dst, [4, 5, 6], [keys[0], b"missing", keys[1]])
+        h.wait_for_layer(1)
+        self.assert_layers(dst, src, part, [(4, 0), (6, 1)], 2)
+        h.wait_for_layer(3)  # layer 2 fails: nothing more is scattered
+        with self.assertRaises(RuntimeError) as cm:
+            h.wait()
+        self.assertIn("INTERNAL", str(cm.exception))
+        errors = h.errors()
+        self.assertEqual(errors[1][0], "NOT_FOUND")
+        for i in (0, 2):
+            self.assertEqual(errors[i][0], "INTERNAL")
+            self.assertIn("scatter of layers [2, 4)", errors[i][1])
+        for layer in (2, 3):
+            self.assertEqual(int(part(dst, layer, 4).abs().sum()), 0)
+        self.assertEqual(h.ready_layers, self.L)
+
+
 if __name__ == "__main__":
     unittest.main()

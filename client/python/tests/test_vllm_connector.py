@@ -123,6 +123,11 @@ class VllmConnectorTest(unittest.TestCase):
         # The path used for GPU caches, run here on CPU tensors.
         self.shared_prefix_round_trip("torch")
 
+    def test_kvshim_staging_path_same_bytes(self):
+        # The path of CUDA caches (kvdepot.kvshim), with the library's CPU
+        # build on CPU tensors.
+        self.shared_prefix_round_trip("kvshim")
+
     def test_torch_staging_matches_native_gather(self):
         e = self.engine(staging="torch")
         for name, t in e.kv_caches.items():
@@ -218,11 +223,19 @@ class VllmConnectorTest(unittest.TestCase):
         self.assertEqual(e2.scheduler.get_num_new_matched_tokens(mm, 0), (0, False))
 
     def test_layers_are_loaded_before_their_attention_runs(self):
+        self.layers_loaded_before_attention("auto")
+
+    def test_kvshim_layers_are_loaded_before_their_attention_runs(self):
+        self.layers_loaded_before_attention("kvshim")
+
+    def layers_loaded_before_attention(self, staging):
         a_eng = self.engine()
         a = FakeRequest("A", prompt(10, 5 * BS + 1))
         self.run_prefill(a_eng, a)
         a_blocks = [a_eng.block_kv(a, i) for i in range(5)]
-        b_eng = self.engine()
+        b_eng = self.engine(staging=staging)
+        if staging == "kvshim":
+            self.assertIsNotNone(b_eng.worker._store._forced_shim)
         # A first load (one block) opens the worker's session, staging
         # buffers and UCX endpoint.
         w = FakeRequest("W", a.prompt_token_ids[:BS] + prompt(11, 5))

@@ -58,9 +58,16 @@ How it works (one forward pass at a time; loads stream layer by layer):
 Caches: one tensor per layer in vLLM's FlashAttention layout ``[2,
 num_blocks, block_size, num_kv_heads, head_size]`` (or MLA ``[num_blocks,
 block_size, head_size]``), dtype fp16/bf16/fp32. CPU tensors go through the
-native gather/scatter; other devices (CUDA) through a torch staging copy with
-the same object bytes -- that path has only been run on CPU tensors here, and
-it loads synchronously in ``start_load_kv`` (all layers at once).
+native gather/scatter. CUDA tensors go through :mod:`kvdepot.kvshim` (the
+CUDA gather/scatter kernels, between the GPU caches and page-locked staging
+buffers): saves gather on the current stream; loads enqueue each layer's
+scatter on the current stream from ``wait_for_layer_load``, once the blocks
+have arrived. That path has run here only with the kvshim library's CPU
+build (``staging=kvshim`` on CPU caches); the CUDA library has not yet run
+on a GPU. Where the CUDA library is missing (not built, no usable device)
+the connector falls back, with a warning, to a torch staging copy with the
+same object bytes, which loads synchronously in ``start_load_kv`` (all
+layers at once).
 Not supported: pipeline parallelism, hybrid (several KV cache groups) models,
 fp8 KV caches, loads that span forward passes (``get_num_new_matched_tokens``
 always answers ``load_kv_async=False``).
@@ -68,7 +75,9 @@ always answers ``load_kv_async=False``).
 Extra config (``kv_connector_extra_config``): ``server`` (default
 ``$KVDEPOT_SERVER`` or ``127.0.0.1:50551``), ``model`` (default the served
 model), ``timeout_s`` (5), ``lease_s`` (0: the daemon's default),
-``staging`` (``auto`` | ``torch``: ``torch`` forces the torch staging path),
+``staging`` (``auto`` | ``kvshim`` | ``torch``: ``kvshim`` uses the kvshim
+library for any device, its CPU build for CPU caches, and fails without it;
+``torch`` forces the torch staging path),
 ``load`` / ``save`` (booleans; default from ``kv_role``: ``kv_producer``
 saves, ``kv_consumer`` loads, ``kv_both`` does both).
 """
@@ -239,6 +248,10 @@ class KvDepotConnector(KVConnectorBase_V1):  # type: ignore[misc,valid-type]
         self._timeout_s = float(extra.get("timeout_s", 5.0))
         self._lease_s = float(extra.get("lease_s", 0.0))
         self._staging = str(extra.get("staging", "auto"))
+        if self._staging not in ("auto", "kvshim", "torch"):
+            logger.warning("kvdepot: staging=%r is not auto, kvshim or torch; using auto",
+                           self._staging)
+            self._staging = "auto"
         self._load_enabled = _truthy(
             extra.get("load", kv_role in ("kv_consumer", "kv_both"))
         )
@@ -275,7 +288,7 @@ class KvDepotConnector(KVConnectorBase_V1):  # type: ignore[misc,valid-type]
         self._layer_index: Dict[str, int] = {}  # name -> index in _caches
         self._pending_load: Optional[_PendingLoad] = None
         self._store: Any = None
-        self._on_cpu = True
+        self._via_store = True
         self._load_errors: Set[int] = set()
         self.stats: Dict[str, int] = {
             "lookups": 0,
@@ -607,11 +620,29 @@ class KvDepotConnector(KVConnectorBase_V1):  # type: ignore[misc,valid-type]
                     raise ValueError(f"cache {name} is not contiguous")
             if kvdepot.dtype_from_torch(first.dtype) != self._layout.dtype:
                 raise ValueError(f"cache dtype {first.dtype} is not the model's")
-            self._on_cpu = first.device.type == "cpu" and self._staging != "torch"
             rank = self._tp_rank()
+            # Through the store: the native module's gather/scatter for CPU
+            # caches, the kvshim library (CUDA kernels) for CUDA caches
+            # (staging=kvshim: the kvshim library for any device, its CPU
+            # build for CPU caches); torch staging where that library is
+            # missing, or with staging=torch.
+            shim = None
+            if self._staging == "kvshim":
+                from kvdepot.kvshim import KvShim
+
+                shim = KvShim.for_device(first.device.type)
             self._store = kvdepot.KvCacheStore(
                 self._server, self._layout, self._model_label(rank),
-                client=self._get_client())
+                client=self._get_client(), shim=shim)
+            self._via_store = self._staging != "torch"
+            if self._staging == "auto" and first.device.type != "cpu":
+                try:
+                    self._store.shim_for(self._caches)
+                except Exception as e:  # noqa: BLE001
+                    logger.warning(
+                        "kvdepot: no native gather/scatter for %s caches (%s); "
+                        "using the torch staging path", first.device, e)
+                    self._via_store = False
         except Exception as e:  # noqa: BLE001
             self._store = None
             self._disable(f"register_kv_caches: {e}")
@@ -673,7 +704,7 @@ class KvDepotConnector(KVConnectorBase_V1):  # type: ignore[misc,valid-type]
         return filled
 
     def _save(self, block_ids: List[int], keys: List[bytes], parents: List[bytes]) -> None:
-        if self._on_cpu:
+        if self._via_store:
             self._store.save(self._caches, block_ids, keys, parents)
             return
         objects = self._torch_gather(block_ids)
@@ -694,7 +725,7 @@ class KvDepotConnector(KVConnectorBase_V1):  # type: ignore[misc,valid-type]
             for spec in meta.loads:
                 self._load_failed(spec.block_ids, "connector disabled")
             return
-        if not self._on_cpu:
+        if not self._via_store:
             for spec in meta.loads:
                 try:
                     filled = self._torch_load(spec.block_ids, spec.keys)

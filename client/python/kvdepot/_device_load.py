@@ -1,0 +1,230 @@
+"""The load behind :meth:`kvdepot.KvCacheStore.load_async` for caches that a
+:class:`kvdepot.kvshim.KvShim` scatters (CUDA caches): the same interface as
+the native ``CacheLoad`` (what :class:`kvdepot.LoadHandle` wraps), driven by
+the caller instead of a loader thread.
+
+On a CUDA stream a scatter is a kernel launch that returns at once, so there
+is nothing for a thread to overlap: ``wait_for_layer(l)`` waits for the
+batches to arrive (the GIL released), then enqueues the scatters of the
+layers not yet enqueued up to ``l``, lowest first, on the stream of the
+first call (the caller's current stream), and returns. Work the engine
+queues on that stream afterwards sees those layers; another stream must
+wait on it. ``wait`` enqueues the rest and synchronizes the stream, so that
+when it returns the blocks are in the caches and the staging buffers free.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from typing import Any, Callable, List, Optional, Sequence, Tuple
+
+_BlockError = Optional[Tuple[str, str]]
+
+
+def _split_status(e: Exception) -> Tuple[str, str]:
+    """("CODE", "message") of an exception whose message is "CODE: ..."."""
+    code, sep, msg = str(e).partition(": ")
+    if sep and code.isupper() and code.replace("_", "").isalpha():
+        return code, msg
+    return "INTERNAL", str(e)
+
+
+class DeviceLoad:
+    """One load in flight; see the module docstring. Thread-safe."""
+
+    def __init__(
+        self,
+        client: Any,
+        ns: str,
+        keys: Sequence[bytes],
+        objects: Sequence[Any],
+        layout: Any,
+        shim: Any,
+        caches: Sequence[Any],
+        block_ids: Sequence[int],
+        batch_sizes: Sequence[int],
+        stream_fn: Callable[[], Optional[int]],
+        keep: Any = None,
+    ) -> None:
+        if sum(batch_sizes) != len(keys):
+            raise ValueError(
+                f"INVALID_ARGUMENT: batches of {sum(batch_sizes)} blocks for {len(keys)} keys")
+        self._layout = layout
+        self._shim = shim
+        self._caches = list(caches)
+        self._ids = list(block_ids)
+        self._objects = list(objects)
+        self._stream_fn = stream_fn
+        # Held until this load is gone (after close() synchronized): the
+        # staging memory's registration, which scatters still read.
+        self._keep = keep
+        self._num_layers: int = layout.num_layers
+        self._lock = threading.Lock()
+        self._errors: List[_BlockError] = [None] * len(keys)
+        self._hits: List[int] = []
+        self._arrived = False
+        self._layers = 0  # layers [0, _layers) of every hit are enqueued
+        self._stream: Optional[int] = None
+        self._enqueued_any = False
+        self._synced = False
+        self._ops: List[Tuple[int, Any]] = []
+        lo = 0
+        try:
+            for n in batch_sizes:
+                self._ops.append((lo, client.get_into_async(
+                    ns, list(keys[lo:lo + n]), self._objects[lo:lo + n])))
+                lo += n
+        except BaseException:
+            for _, op in self._ops:  # no staging buffer is in flight past here
+                op.wait()
+            raise
+
+    def __len__(self) -> int:
+        return len(self._errors)
+
+    def num_layers(self) -> int:
+        return self._num_layers
+
+    def _acquire(self, timeout: Optional[float]) -> bool:
+        return self._lock.acquire(timeout=-1 if timeout is None else max(0.0, timeout))
+
+    def _arrive(self, deadline: Optional[float]) -> bool:
+        """Waits for every batch (lock held); records hits and errors."""
+        if self._arrived:
+            return True
+        for _, op in self._ops:
+            left = None if deadline is None else max(0.0, deadline - time.monotonic())
+            if not op.wait(left):
+                return False
+        for lo, op in self._ops:
+            for i, err in enumerate(op.errors()):
+                if err is None:
+                    self._hits.append(lo + i)
+                else:
+                    self._errors[lo + i] = err
+        self._arrived = True
+        return True
+
+    def _fail_hits(self, code: str, message: str) -> None:
+        for i in self._hits:
+            self._errors[i] = (code, message)
+        self._hits = []
+        self._layers = self._num_layers
+
+    def _enqueue(self, upto: int) -> None:
+        """Enqueues the scatter of layers [_layers, upto) of every hit (lock
+        held). A failure makes every hit an error (their blocks may hold
+        some layers) and ends the load's scatters."""
+        if self._layers >= upto:
+            return
+        if not self._hits:
+            self._layers = upto
+            return
+        if self._stream is None:
+            self._stream = self._stream_fn()
+        # One call (one kernel launch per batch of blocks) for the whole
+        # range; each object's part is its bytes of those layers.
+        begin, lb = self._layers, self._layout.layer_bytes
+        ids = [self._ids[i] for i in self._hits]
+        objs = [self._objects[i][begin * lb:upto * lb] for i in self._hits]
+        try:
+            self._enqueued_any = True
+            self._shim.scatter(self._layout, self._caches, ids, objs,
+                               layers=(begin, upto), stream=self._stream)
+        except Exception as e:  # noqa: BLE001 - reported per block
+            code, msg = _split_status(e)
+            self._fail_hits(code, f"scatter of layers [{begin}, {upto}): {msg}")
+            return
+        self._layers = upto
+
+    def _sync(self) -> None:
+        """Waits until every enqueued scatter ran (lock held)."""
+        if self._synced:
+            return
+        self._synced = True
+        if not self._enqueued_any:
+            return
+        try:
+            self._shim.synchronize(self._stream)
+        except Exception as e:  # noqa: BLE001 - reported per block
+            code, msg = _split_status(e)
+            self._fail_hits(code, f"synchronizing the scatters: {msg}")
+
+    def wait_for_layer(self, layer: int, timeout: Optional[float] = None) -> bool:
+        """False if ``timeout`` passed first; see the module docstring."""
+        if not 0 <= layer < self._num_layers:
+            raise ValueError(
+                f"OUT_OF_RANGE: layer {layer} is outside [0, {self._num_layers})")
+        deadline = None if timeout is None else time.monotonic() + timeout
+        if not self._acquire(timeout):
+            return False
+        try:
+            if not self._arrive(deadline):
+                return False
+            self._enqueue(layer + 1)
+            return True
+        finally:
+            self._lock.release()
+
+    def wait(self, timeout: Optional[float] = None) -> bool:
+        """Arrival, every layer enqueued, the stream synchronized. False if
+        ``timeout`` passed before the batches arrived."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        if not self._acquire(timeout):
+            return False
+        try:
+            if not self._arrive(deadline):
+                return False
+            self._enqueue(self._num_layers)
+            self._sync()
+            return True
+        finally:
+            self._lock.release()
+
+    def ready_layers(self) -> int:
+        """Layers enqueued for every hit (they advance only through
+        wait_for_layer / wait)."""
+        return self._layers
+
+    def ready(self) -> bool:
+        """True once every batch has arrived: wait() then no longer waits
+        for the network (it still enqueues what is left and synchronizes)."""
+        if self._synced:
+            return True
+        return all(op.ready() for _, op in self._ops)
+
+    def errors(self) -> List[_BlockError]:
+        if not self._synced:
+            raise RuntimeError("FAILED_PRECONDITION: the load is not done; wait() first")
+        return list(self._errors)
+
+    def ok(self) -> List[bool]:
+        return [e is None for e in self.errors()]
+
+    def close(self) -> None:
+        """Ends the load without scattering further layers: waits for the
+        transfers and for the scatters already enqueued, so the staging
+        buffers can be reused. The blocks not wholly scattered end
+        CANCELLED (their cache blocks may hold some layers)."""
+        with self._lock:
+            if self._synced:
+                return
+            for _, op in self._ops:
+                op.wait()
+            self._arrive(None)
+            if self._layers < self._num_layers:
+                self._fail_hits("CANCELLED", "the load was dropped before it finished")
+            self._sync()
+
+    def __del__(self) -> None:
+        try:
+            self.close()
+        except Exception:  # noqa: BLE001 - nothing to report to in __del__
+            pass
+
+    def __repr__(self) -> str:
+        state = "done" if self._synced else (
+            "arrived" if self._arrived else "in flight")
+        return (f"DeviceLoad({len(self._errors)} blocks, {self._layers}/"
+                f"{self._num_layers} layers enqueued, {state})")
