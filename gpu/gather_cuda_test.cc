@@ -140,6 +140,53 @@ TEST(GatherCudaTest, RejectsPageableMemoryTheDeviceCannotRead) {
   EXPECT_EQ(pageable_object, std::vector<char>(layout.object_bytes(), 'x'));
 }
 
+// Pageable memory registered with RegisterHostMemory (as the Python shim
+// registers UCX staging buffers) is accepted and gathered into and
+// scattered from correctly; registration twice, and unregistering what is
+// not registered, are reported.
+TEST(GatherCudaTest, RegisteredPageableMemoryRoundTrips) {
+  const KvLayout layout = KvLayout::Mha(KvCacheLayout::kFlashInferHnd, 3, 5, 2,
+                                        24, KvDtype::kBFloat16)
+                              .value();
+  std::mt19937_64 rng(17);
+  TestCache cache(layout, 6);
+  cache.FillRandom(rng);
+  const std::vector<int64_t> ids = {5, 2, 5};
+  const size_t bytes = layout.object_bytes();
+  std::vector<char> pool(ids.size() * bytes, 'x');  // pageable
+  std::vector<void*> dst;
+  for (size_t i = 0; i < ids.size(); ++i) dst.push_back(pool.data() + i * bytes);
+
+  ASSERT_OK(RegisterHostMemory(pool.data(), pool.size()));
+  EXPECT_THAT(RegisterHostMemory(pool.data(), pool.size()),
+              StatusIs(absl::StatusCode::kAlreadyExists));
+  ASSERT_OK(Gather(layout, cache.view(), ids, layout.AllLayers(), dst,
+                   StreamRef{}));
+  ASSERT_OK(SynchronizeStream(StreamRef{}));
+  for (size_t i = 0; i < ids.size(); ++i) {
+    EXPECT_EQ(std::string(pool.data() + i * bytes, bytes),
+              cache.ExpectedObject(ids[i]))
+        << "object " << i;
+  }
+  TestCache restored(layout, 6);
+  const std::vector<int64_t> to = {0, 3};
+  const std::vector<const void*> src = {dst[0], dst[1]};
+  ASSERT_OK(Scatter(layout, restored.view(), to, layout.AllLayers(), src,
+                    StreamRef{}));
+  ASSERT_OK(SynchronizeStream(StreamRef{}));
+  EXPECT_EQ(restored.ExpectedObject(0), cache.ExpectedObject(5));
+  EXPECT_EQ(restored.ExpectedObject(3), cache.ExpectedObject(2));
+  EXPECT_EQ(restored.ExpectedObject(1), std::string(bytes, '\0'));
+
+  ASSERT_OK(UnregisterHostMemory(pool.data()));
+  EXPECT_THAT(UnregisterHostMemory(pool.data()),
+              StatusIs(absl::StatusCode::kNotFound));
+  EXPECT_THAT(RegisterHostMemory(nullptr, 64),
+              StatusIs(absl::StatusCode::kInvalidArgument));
+  EXPECT_THAT(RegisterHostMemory(pool.data(), 0),
+              StatusIs(absl::StatusCode::kInvalidArgument));
+}
+
 TEST(GatherCudaTest, StagingSavesFromDeviceMemoryOnItsOwnStream) {
   const KvLayout layout =
       KvLayout::Mla(KvCacheLayout::kMla, 3, 16, 576, KvDtype::kBFloat16)

@@ -217,10 +217,8 @@ def _memory(obj: Any, writable: bool, what: str) -> _Memory:
             raise ValueError(f"INVALID_ARGUMENT: {what} is not a C-contiguous buffer")
         import numpy as np  # for the address of any buffer, read-only ones too
 
-        # Read-only exactly when the buffer is.
+        # frombuffer's array is read-only exactly when the buffer is.
         obj = np.frombuffer(view, dtype=np.uint8) if view.nbytes else np.empty(0, np.uint8)
-        if view.readonly and not view.nbytes:
-            obj.flags.writeable = False
         interface = obj.__array_interface__
     ptr, readonly = interface["data"]
     strides = interface.get("strides")
@@ -280,6 +278,23 @@ class KvShim:
         except OSError as e:
             raise ImportError(f"kvdepot: {self.library} does not load: {e}") from e
         self._lib = lib
+        try:
+            self._declare(lib)
+        except AttributeError as e:  # a library of another kind or version
+            raise ImportError(f"kvdepot: {self.library} lacks a kvdepot_kv_ function: "
+                              f"{e}") from e
+        version = lib.kvdepot_kv_abi_version()
+        if version != ABI_VERSION:
+            raise ImportError(f"kvdepot: {self.library} has ABI version {version}; "
+                              f"this kvshim.py speaks {ABI_VERSION}")
+        self.backend: str = lib.kvdepot_kv_backend().decode()
+        self._info_cache: Dict[Tuple[int, ...], LayoutInfo] = {}
+        self._registered: Dict[int, Tuple[Any, int]] = {}
+        self._lock = threading.Lock()
+
+    @staticmethod
+    def _declare(lib: Any) -> None:
+        """Sets the signatures of kv_capi.h's functions on ``lib``."""
         c = ctypes
         err = [c.c_char_p, c.c_size_t]
         lib.kvdepot_kv_abi_version.argtypes = []
@@ -301,14 +316,6 @@ class KvShim:
         for f in ("layout_describe", "gather", "scatter", "synchronize",
                   "current_device", "register_host", "unregister_host"):
             getattr(lib, "kvdepot_kv_" + f).restype = c.c_int
-        version = lib.kvdepot_kv_abi_version()
-        if version != ABI_VERSION:
-            raise ImportError(f"kvdepot: {self.library} has ABI version {version}; "
-                              f"this kvshim.py speaks {ABI_VERSION}")
-        self.backend: str = lib.kvdepot_kv_backend().decode()
-        self._info_cache: Dict[Tuple[int, ...], LayoutInfo] = {}
-        self._registered: Dict[int, Tuple[Any, int]] = {}
-        self._lock = threading.Lock()
 
     @classmethod
     def for_device(cls, device: Any = "cpu", library: Optional[str] = None) -> "KvShim":

@@ -154,6 +154,8 @@ class LibraryTest(ShimTestCase):
         not_a_library = os.path.abspath(__file__)
         with self.assertRaisesRegex(ImportError, "does not load"):
             KvShim(not_a_library)
+        with self.assertRaisesRegex(ImportError, "lacks a kvdepot_kv_ function"):
+            KvShim(kvdepot._kvdepot.__file__)  # a shared object, not ours
 
     def test_kvshim_loads_on_its_own_without_the_native_module(self):
         # As tests/gpu/test_cuda_kvshim.py loads it where _kvdepot does not
