@@ -9,7 +9,9 @@
 #      reports a GPU (the only fake: there is no GPU here) and no
 #      scripts/deps.sh, build or nvcc on PATH: it must write its report with
 #      the bundle's commit, and run the bundled programs, which find no CUDA
-#      device and exit 77, so the script must fail (exit 1), saying so.
+#      device and exit 77, so the script must fail (exit 1), saying so; and
+#      the Python check of the bundled C ABI libraries, which stops at
+#      torch's "no CUDA device" (exit 77).
 #
 #   tests/gpu/bundle_test.sh BUILD_DIR
 set -euo pipefail
@@ -22,7 +24,8 @@ fail() { echo "bundle_test: FAIL: $*" >&2; exit 1; }
 "$SRC/tests/gpu/make_gpu_bundle.sh" --no-build --build "$BUILD" --out "$WORK/bundle" \
   >"$WORK/make.log" 2>&1 || { cat "$WORK/make.log" >&2; fail "make_gpu_bundle.sh failed"; }
 cat "$WORK/make.log"
-for f in bin/gather_cuda_test bin/gpu_cuda_benchmark MANIFEST; do
+for f in bin/gather_cuda_test bin/gpu_cuda_benchmark lib/libkvdepot_kv_cuda.so \
+         lib/libkvdepot_kv_cpu.so MANIFEST; do
   [[ -s $WORK/bundle/$f ]] || fail "the bundle has no $f"
 done
 ls "$WORK/bundle/lib/"libabsl_status.so* >/dev/null 2>&1 || fail "the bundle lacks Abseil's libraries"
@@ -45,10 +48,13 @@ case "$*" in
 esac
 EOF
 chmod +x "$WORK/path/nvidia-smi"
-for t in bash sh env cat sed head tail tr date mkdir cp pwd dirname git; do
+for t in bash sh env cat sed head tail tr date mkdir cp rm pwd dirname git; do
   p="$(command -v "$t" || true)"
   [[ -n $p ]] && ln -sf "$p" "$WORK/path/$t"
 done
+# Debian's python3 (numpy, CPU torch): the kvshim check runs up to torch's
+# "no CUDA device".
+[[ -x /usr/bin/python3 ]] && ln -sf /usr/bin/python3 "$WORK/path/python3"
 set +e
 env -i HOME="$WORK" PATH="$WORK/path" OUT="$WORK/out" \
   "$WORK/path/bash" "$SRC/tests/gpu/run_gpu_checks.sh" --bundle "$WORK/bundle" \
@@ -65,5 +71,10 @@ grep -q "no usable CUDA device" "$report" ||
   fail "the bundled gather_cuda_test did not run to its device check"
 grep -q "no CUDA device" "$report" && grep -q "== gpu_cuda_benchmark" "$report" ||
   fail "the bundled gpu_cuda_benchmark did not run"
+grep -q "== test_cuda_kvshim.py" "$report" || fail "the kvshim check did not run"
+if [[ -x /usr/bin/python3 ]] && /usr/bin/python3 -c 'import numpy, torch' 2>/dev/null; then
+  grep -q "test_cuda_kvshim: torch sees no CUDA device; skipping" "$report" ||
+    fail "the kvshim check did not get as far as torch's device check"
+fi
 [[ -f $WORK/out/$(basename "$report") ]] || fail "the report was not copied to \$OUT"
 echo "bundle_test: OK"

@@ -10,6 +10,8 @@
 # libraries they need, except the C runtime, into one folder:
 #
 #   <out>/bin/gather_cuda_test, <out>/bin/gpu_cuda_benchmark  (debug info stripped)
+#   <out>/lib/libkvdepot_kv_{cuda,cpu}.so  the C ABI libraries that
+#                        tests/gpu/test_cuda_kvshim.py loads with ctypes
 #   <out>/lib/*.so*      every library ldd resolves, except the ones any
 #                        Linux has (glibc, libstdc++, libgcc_s) and the driver
 #   <out>/MANIFEST       commit, date, nvcc, glibc, CUDA architectures, sha256s
@@ -43,6 +45,7 @@ while [[ $# -gt 0 ]]; do
 done
 
 PROGRAMS=(gather_cuda_test gpu_cuda_benchmark)
+CAPI_LIBS=(kvdepot_kv_cuda kvdepot_kv_cpu)
 # Libraries the GPU machine's own system provides (and must: they are the C
 # runtime every program there uses), plus the driver's libcuda, which the
 # static CUDA runtime opens at run time. Everything else travels.
@@ -54,16 +57,27 @@ die() { echo "make_gpu_bundle: $*" >&2; exit 1; }
 grep -q '^CMAKE_CUDA_COMPILER:[A-Z]*=.\+' "$BUILD/CMakeCache.txt" ||
   die "$BUILD was configured without CUDA (no nvcc found): nothing to bundle"
 if [[ $DO_BUILD == 1 ]]; then
-  cmake --build "$BUILD" --target "${PROGRAMS[@]}"
+  cmake --build "$BUILD" --target "${PROGRAMS[@]}" "${CAPI_LIBS[@]}"
 fi
 for p in "${PROGRAMS[@]}"; do
   [[ -x $BUILD/gpu/$p ]] || die "$BUILD/gpu/$p is not built"
 done
+# Beside the Python module where that is built, else in gpu/.
+capi_path() {
+  local f
+  for f in "$BUILD/python/kvdepot/lib$1.so" "$BUILD/gpu/lib$1.so"; do
+    [[ -f $f ]] && { echo "$f"; return; }
+  done
+  die "lib$1.so is not built (ninja -C $BUILD $1)"
+}
 
 rm -rf "$OUT_DIR"
 mkdir -p "$OUT_DIR/bin" "$OUT_DIR/lib"
 for p in "${PROGRAMS[@]}"; do
   objcopy --strip-debug "$BUILD/gpu/$p" "$OUT_DIR/bin/$p"
+done
+for l in "${CAPI_LIBS[@]}"; do
+  objcopy --strip-debug "$(capi_path "$l")" "$OUT_DIR/lib/lib$l.so"
 done
 
 # name path, for every library ldd resolves (ldd follows the whole closure).
@@ -71,11 +85,11 @@ resolved() { ldd "$@" 2>/dev/null | awk '$2 == "=>" && $3 ~ /^\// {print $1, $3}
 while read -r name path; do
   [[ $name =~ $SYSTEM_LIBS ]] && continue
   cp -L "$path" "$OUT_DIR/lib/$name"
-done < <(resolved "$OUT_DIR"/bin/*)
+done < <(resolved "$OUT_DIR"/bin/* "$OUT_DIR"/lib/libkvdepot_kv_*.so)
 
 # Stands alone: with only the folder's lib/ on the path, ldd finds every
 # library, and the ones found outside the folder are the system's.
-for b in "$OUT_DIR"/bin/*; do
+for b in "$OUT_DIR"/bin/* "$OUT_DIR"/lib/libkvdepot_kv_*.so; do
   out="$(env -i LD_LIBRARY_PATH="$OUT_DIR/lib" ldd "$b" 2>&1)"
   if grep -q 'not found' <<<"$out"; then
     die "$b: a library is missing from the bundle:"$'\n'"$out"

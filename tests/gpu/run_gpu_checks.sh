@@ -11,7 +11,11 @@
 #   3. gpu_cuda_benchmark: gather/scatter vs device-to-device cudaMemcpy of
 #      the same bytes (aim >= 0.70), the staging pipeline's save vs
 #      device-to-pinned-host cudaMemcpyAsync (aim >= 0.80), every layout;
-#   4. writes the report to tools/results/gpu_checks_<date>_<gpu>.{txt,json}
+#   4. tests/gpu/test_cuda_kvshim.py (where python3 has torch with CUDA):
+#      the C ABI library that the Python package uses for CUDA caches
+#      (libkvdepot_kv_cuda.so, through kvdepot/kvshim.py) against its CPU
+#      build, every layout and dtype, byte for byte;
+#   5. writes the report to tools/results/gpu_checks_<date>_<gpu>.{txt,json}
 #      (and to $OUT/ when set, for the device runner to bring back).
 #
 #   tests/gpu/run_gpu_checks.sh [--skip-deps]
@@ -52,13 +56,16 @@ if ! command -v nvidia-smi >/dev/null || ! nvidia-smi -L >/dev/null 2>&1; then
 fi
 if [[ -n $BUNDLE ]]; then
   BIN="$BUNDLE/bin"
+  CAPI="$BUNDLE/lib"
   export LD_LIBRARY_PATH="$BUNDLE/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
   BUILT="bundle: $(sed -n 's/^commit: //p' "$BUNDLE/MANIFEST"), $(sed -n 's/^nvcc: //p' "$BUNDLE/MANIFEST")"
 else
   command -v nvcc >/dev/null || { echo "run_gpu_checks: nvcc not found" >&2; exit 1; }
   cmake -S . -B build-gpu -G Ninja -DCMAKE_BUILD_TYPE=Release >/dev/null
-  ninja -C build-gpu -j "$(nproc)" gather_cuda_test gpu_cuda_benchmark
+  ninja -C build-gpu -j "$(nproc)" gather_cuda_test gpu_cuda_benchmark kvdepot_kv_cuda kvdepot_kv_cpu
   BIN=build-gpu/gpu
+  CAPI=build-gpu/python/kvdepot
+  [[ -f $CAPI/libkvdepot_kv_cuda.so ]] || CAPI=build-gpu/gpu
   BUILT="commit: $(git rev-parse --short HEAD 2>/dev/null || echo unknown), nvcc: $(nvcc --version | tail -n1)"
 fi
 GPU="$(nvidia-smi --query-gpu=name --format=csv,noheader | head -n1)"
@@ -78,6 +85,19 @@ rc=0
 "$BIN/gather_cuda_test" --gtest_brief=1 2>&1 | tail -n 40 >>"$REPORT.txt" || rc=1
 { echo; echo "== gpu_cuda_benchmark (best of 5 rounds; ratio = ours / cudaMemcpy)"; } >>"$REPORT.txt"
 "$BIN/gpu_cuda_benchmark" --rounds 5 --json "$REPORT.json" >>"$REPORT.txt" 2>&1 || rc=1
+{ echo; echo "== test_cuda_kvshim.py (the Python package's CUDA library vs its CPU build)"; } >>"$REPORT.txt"
+set +e
+python3 tests/gpu/test_cuda_kvshim.py --cuda-lib "$CAPI/libkvdepot_kv_cuda.so" \
+  --cpu-lib "$CAPI/libkvdepot_kv_cpu.so" >"$REPORT.kvshim.log" 2>&1
+py_rc=$?
+set -e
+tail -n 40 "$REPORT.kvshim.log" >>"$REPORT.txt"
+rm -f "$REPORT.kvshim.log"
+case $py_rc in
+  0) ;;
+  77) echo "(skipped: python3 has no numpy, torch or CUDA device)" >>"$REPORT.txt" ;;
+  *) rc=1 ;;
+esac
 cat "$REPORT.txt"
 if [[ -n ${OUT:-} ]]; then cp "$REPORT.txt" "$REPORT.json" "$OUT/" 2>/dev/null || true; fi
 exit $rc

@@ -21,7 +21,11 @@ two geometries (16-byte rows, and odd 3-element rows):
   * out-of-range and (scatter) repeated ids write nothing;
   * torch's current stream is honoured (and an explicit stream): the copy
     is ordered after earlier work on a non-default stream and is
-    asynchronous.
+    asynchronous;
+  * kvdepot/_device_load.py (KvCacheStore.load_async's path for CUDA
+    caches), with a stand-in of the client (no daemon there): each
+    wait_for_layer scatters the layers up to it, on the current stream,
+    from registered staging; the rest follows in wait(); a miss is untouched.
 
 Usage:
   python3 tests/gpu/test_cuda_kvshim.py [--cuda-lib PATH] [--cpu-lib PATH]
@@ -393,6 +397,91 @@ class CudaKvShimTest(unittest.TestCase):
 
     def test_an_explicit_stream_is_honoured(self):
         self.check_stream_order(explicit=True)
+
+
+class _ArrivedGet:
+    """A stand-in of a finished Client.get_into_async batch (there is no
+    kvdepotd on the GPU machine): copies the stored objects into the
+    staging buffers; a key not stored is a NOT_FOUND block."""
+
+    def __init__(self, stored, keys, buffers):
+        self._errors = []
+        for k, b in zip(keys, buffers):
+            if k in stored:
+                b[:] = np.frombuffer(stored[k], np.uint8)
+                self._errors.append(None)
+            else:
+                self._errors.append(("NOT_FOUND", "not stored"))
+
+    def wait(self, timeout=None):
+        return True
+
+    def ready(self):
+        return True
+
+    def errors(self):
+        return list(self._errors)
+
+
+class _StandInClient:
+    def __init__(self, stored):
+        self.stored = stored
+
+    def get_into_async(self, ns, keys, buffers):
+        return _ArrivedGet(self.stored, keys, buffers)
+
+
+class DeviceLoadTest(unittest.TestCase):
+    """kvdepot/_device_load.py (what KvCacheStore.load_async runs for CUDA
+    caches) with the CUDA library: each wait_for_layer enqueues the
+    scatter of the layers up to it on the current stream, from registered
+    staging memory; wait() finishes and synchronizes; a miss is untouched."""
+
+    def test_layers_are_scattered_on_the_current_stream_as_asked(self):
+        path = os.path.join(REPO, "client", "python", "kvdepot", "_device_load.py")
+        spec_ = importlib.util.spec_from_file_location("kvdepot_device_load", path)
+        mod = importlib.util.module_from_spec(spec_)
+        spec_.loader.exec_module(mod)
+        gen = torch.Generator(device=DEV).manual_seed(5)
+        for spec, shapes in cases(kvshim.Dtype.BFLOAT16, GEOMETRIES[0]):
+            with self.subTest(layout=kvshim.CacheLayout(spec.layout).name):
+                L, N = spec.num_layers, num_blocks(spec, shapes)
+                info = CUDA.layout_info(spec)
+                host = host_copies(random_gpu_caches(shapes, torch.bfloat16, gen))
+                objects = cpu_objects(spec, host, [0, 1, 2])
+                stored = {b"k0": objects[0], b"k1": objects[1], b"k2": objects[2]}
+                pool = np.zeros(4 * info.object_bytes, np.uint8)
+                CUDA.register_host(pool)
+                try:
+                    staging = [pool[i * info.object_bytes:(i + 1) * info.object_bytes]
+                               for i in range(4)]
+                    dst = [torch.zeros(s, dtype=torch.bfloat16, device=DEV) for s in shapes]
+                    ids = [N - 1, N - 2, N - 3, N - 4]
+                    side = torch.cuda.Stream(DEV)
+                    load = mod.DeviceLoad(
+                        _StandInClient(stored), "ns", [b"k2", b"missing", b"k0", b"k1"],
+                        staging, spec, CUDA, dst, ids, [2, 2],
+                        lambda: torch.cuda.current_stream(DEV).cuda_stream)
+                    with torch.cuda.stream(side):
+                        self.assertTrue(load.wait_for_layer(0))
+                    side.synchronize()
+                    got0 = cpu_objects(spec, host_copies(dst), ids, layers=(0, 1))
+                    rest = cpu_objects(spec, host_copies(dst), ids, layers=(1, L))
+                    for i, src in ((0, 2), (2, 0), (3, 1)):
+                        self.assertEqual(got0[i], objects[src][:info.layer_bytes])
+                        self.assertEqual(rest[i], bytes(len(rest[i])))  # not yet
+                    with torch.cuda.stream(side):
+                        self.assertTrue(load.wait())
+                    self.assertEqual([e is None for e in load.errors()],
+                                     [True, False, True, True])
+                    got = cpu_objects(spec, host_copies(dst), list(range(N)))
+                    for b in range(N):
+                        want = {ids[0]: objects[2], ids[2]: objects[0],
+                                ids[3]: objects[1]}.get(b, bytes(info.object_bytes))
+                        self.assertEqual(got[b], want, f"block {b}")
+                    del load
+                finally:
+                    CUDA.unregister_host(pool)
 
 
 def find_library(backend, given):

@@ -60,6 +60,8 @@ class DeviceLoad:
         # staging memory's registration, which scatters still read.
         self._keep = keep
         self._num_layers: int = layout.num_layers
+        # Through the shim: a kvdepot.KvLayout or the shim's own LayoutSpec.
+        self._layer_bytes: int = shim.layout_info(layout).layer_bytes
         self._lock = threading.Lock()
         self._errors: List[_BlockError] = [None] * len(keys)
         self._hits: List[int] = []
@@ -125,7 +127,7 @@ class DeviceLoad:
             self._stream = self._stream_fn()
         # One call (one kernel launch per batch of blocks) for the whole
         # range; each object's part is its bytes of those layers.
-        begin, lb = self._layers, self._layout.layer_bytes
+        begin, lb = self._layers, self._layer_bytes
         ids = [self._ids[i] for i in self._hits]
         objs = [self._objects[i][begin * lb:upto * lb] for i in self._hits]
         try:

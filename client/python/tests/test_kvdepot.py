@@ -1132,6 +1132,9 @@ class _SpyShim:
     def gather(self, *args, **kw):
         return self.shim.gather(*args, **kw)
 
+    def layout_info(self, layout):
+        return self.shim.layout_info(layout)
+
     def scatter(self, layout, caches, ids, objs, layers=None, stream=None):
         if layers is not None and layers[0] == self.fail_layer:
             raise RuntimeError("INTERNAL: injected failure")
