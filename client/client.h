@@ -200,8 +200,11 @@ class Client {
 
   // ---- UCX data plane ----------------------------------------------------
 
-  // Registers [base, base + size) for transfers (host memory; GPU memory
-  // where UCX was built with CUDA support). Blocks whose buffers lie inside
+  // Registers [base, base + size) for transfers: host memory only (the
+  // client checks the blocks it gets on the CPU; InvalidArgument for memory
+  // UCX reports as device memory, while a UCX without GPU support cannot
+  // tell, so never pass a device pointer). GPU caches are staged through
+  // page-locked host buffers (gpu/, kvdepot.kvshim). Blocks whose buffers lie inside
   // registered memory move over UCX. The memory must stay valid until the
   // client is destroyed. FailedPrecondition when the client has no UCX
   // (data_plane_status() says why); InvalidArgument for a null base or zero

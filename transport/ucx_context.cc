@@ -105,16 +105,26 @@ absl::StatusOr<std::unique_ptr<MemoryRegion>> UcxContext::Map(void* base,
   ucp_mem_h memh = nullptr;
   ucs_status_t st = ucp_mem_map(context_, &params, &memh);
   if (st != UCS_OK) return UcsToStatus(st, "ucp_mem_map");
-  if (base == nullptr) {
-    ucp_mem_attr_t attr = {};
-    attr.field_mask = UCP_MEM_ATTR_FIELD_ADDRESS | UCP_MEM_ATTR_FIELD_LENGTH;
-    st = ucp_mem_query(memh, &attr);
-    if (st != UCS_OK) {
-      ucp_mem_unmap(context_, memh);
-      return UcsToStatus(st, "ucp_mem_query");
-    }
-    base = attr.address;
+  ucp_mem_attr_t attr = {};
+  attr.field_mask = UCP_MEM_ATTR_FIELD_ADDRESS | UCP_MEM_ATTR_FIELD_MEM_TYPE;
+  st = ucp_mem_query(memh, &attr);
+  if (st != UCS_OK) {
+    ucp_mem_unmap(context_, memh);
+    return UcsToStatus(st, "ucp_mem_query");
   }
+  // Host memory only: both ends read the blocks on the CPU (checksums, the
+  // daemon's in-place copies). A UCX built with CUDA or ROCm support
+  // recognizes device memory here; one without (Debian's) cannot, and a
+  // device pointer must not be passed at all.
+  if (attr.mem_type != UCS_MEMORY_TYPE_HOST) {
+    ucp_mem_unmap(context_, memh);
+    return absl::InvalidArgumentError(absl::StrCat(
+        "memory at ", absl::Hex(reinterpret_cast<uintptr_t>(base)),
+        " is ", ucs_memory_type_names[attr.mem_type],
+        " memory; only host memory can be registered (stage device memory "
+        "through page-locked host buffers: gpu/README.md)"));
+  }
+  if (base == nullptr) base = attr.address;
 
   void* rkey_buffer = nullptr;
   size_t rkey_size = 0;

@@ -60,8 +60,10 @@ class UcxContext {
   // Registers [base, base + size) for one-sided access by peers (the server's
   // arena) or as a local source/destination of transfers (a client's
   // buffer), so that no transfer registers memory on the fly. The memory
-  // must stay mapped until the region is destroyed. InvalidArgument for a
-  // null base or a zero size; the UCX error when registration fails.
+  // must stay mapped until the region is destroyed. Host memory only:
+  // InvalidArgument for memory UCX reports as device memory (a UCX built
+  // with CUDA/ROCm support), a null base or a zero size; the UCX error when
+  // registration fails.
   absl::StatusOr<std::unique_ptr<MemoryRegion>> Register(void* base,
                                                          size_t size);
 

@@ -24,7 +24,9 @@ Layouts: :class:`KvLayout` (``KvLayout.mha``, ``KvLayout.mla``,
 ``KvLayout.create``) describes the cache; :meth:`KvLayout.namespace_for` gives
 the namespace its blocks live in; :func:`gather` and :func:`scatter` move
 blocks between a cache and one contiguous object buffer per block (the CPU
-implementation: this package works on host memory).
+implementation, on host memory). CUDA caches go through
+:mod:`kvdepot.kvshim` (the CUDA kernels, loaded with ctypes), which
+:class:`KvCacheStore` picks by the caches' device.
 
 Errors raise ``KeyError`` (NOT_FOUND), ``ValueError`` (INVALID_ARGUMENT,
 OUT_OF_RANGE) or ``RuntimeError`` (everything else), the message starting with
