@@ -153,36 +153,36 @@ class DeviceLoad:
             code, msg = _split_status(e)
             self._fail_hits(code, f"synchronizing the scatters: {msg}")
 
+    def _after_arrival(self, timeout: Optional[float], then: Callable[[], None]) -> bool:
+        """Waits (up to ``timeout``) for the batches to arrive, then runs
+        ``then`` under the lock. False if ``timeout`` passed first."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        if not self._acquire(timeout):
+            return False
+        try:
+            if not self._arrive(deadline):
+                return False
+            then()
+            return True
+        finally:
+            self._lock.release()
+
     def wait_for_layer(self, layer: int, timeout: Optional[float] = None) -> bool:
         """False if ``timeout`` passed first; see the module docstring."""
         if not 0 <= layer < self._num_layers:
             raise ValueError(
                 f"OUT_OF_RANGE: layer {layer} is outside [0, {self._num_layers})")
-        deadline = None if timeout is None else time.monotonic() + timeout
-        if not self._acquire(timeout):
-            return False
-        try:
-            if not self._arrive(deadline):
-                return False
-            self._enqueue(layer + 1)
-            return True
-        finally:
-            self._lock.release()
+        return self._after_arrival(timeout, lambda: self._enqueue(layer + 1))
 
     def wait(self, timeout: Optional[float] = None) -> bool:
         """Arrival, every layer enqueued, the stream synchronized. False if
         ``timeout`` passed before the batches arrived."""
-        deadline = None if timeout is None else time.monotonic() + timeout
-        if not self._acquire(timeout):
-            return False
-        try:
-            if not self._arrive(deadline):
-                return False
+
+        def finish() -> None:
             self._enqueue(self._num_layers)
             self._sync()
-            return True
-        finally:
-            self._lock.release()
+
+        return self._after_arrival(timeout, finish)
 
     def ready_layers(self) -> int:
         """Layers enqueued for every hit (they advance only through
@@ -226,7 +226,10 @@ class DeviceLoad:
             pass
 
     def __repr__(self) -> str:
-        state = "done" if self._synced else (
-            "arrived" if self._arrived else "in flight")
-        return (f"DeviceLoad({len(self._errors)} blocks, {self._layers}/"
-                f"{self._num_layers} layers enqueued, {state})")
+        """As the native CacheLoad's: "DeviceLoad(4 blocks, 1 of 32 layers
+        ready)" (ready: enqueued) or "DeviceLoad(4 blocks, done, 3 loaded)"."""
+        if not self._synced:
+            return (f"DeviceLoad({len(self._errors)} blocks, {self._layers} of "
+                    f"{self._num_layers} layers ready)")
+        ok = sum(1 for e in self._errors if e is None)
+        return f"DeviceLoad({len(self._errors)} blocks, done, {ok} loaded)"

@@ -967,8 +967,13 @@ class LoadAsyncTest(StoppableDaemonTestCase):
         for layer in range(self.L):
             h.wait_for_layer(layer)
             self.assert_layers(dst, src, part, loads, layer + 1)
+            self.after_wait_for_layer(h, dst, part, loads, layer)
         self.assertEqual(h.wait(), [True] * 4)
         self.assertEqual(self.ucx_bytes("out"), 4 * layout.object_bytes)
+
+    def after_wait_for_layer(self, h, dst, part, loads, layer):
+        """More checks once wait_for_layer(layer) returned (DeviceLoadTest:
+        the later layers are not scattered yet)."""
 
     def test_unregistered_staging_takes_grpc_in_the_loader(self):
         # The native call with plain numpy staging: the gRPC reads run in
@@ -1183,34 +1188,15 @@ class DeviceLoadTest(LoadAsyncTest):
     # The native loader's own call; nothing of the shim path in it.
     test_unregistered_staging_takes_grpc_in_the_loader = None
 
-    def test_load_async_returns_before_the_daemon_answers(self):
-        store, src, keys, dst, layout, part = self.nhd("in-flight")
-        self.assertEqual(store.load(dst, [0], [b"warm"]), [False])
-        self.stop_daemon()
-        h = store.load_async(dst, [4, 5, 6, 7], keys)
-        self.assertFalse(h.done)
-        self.assertEqual(h.ready_layers, 0)
-        with self.assertRaises(TimeoutError):
-            h.wait_for_layer(0, timeout=0)
-        with self.assertRaises(TimeoutError):
-            h.wait(timeout=0)
-        with self.assertRaises(RuntimeError) as cm:
-            h.errors()
-        self.assertIn("FAILED_PRECONDITION", str(cm.exception))
-        for d in dst:
-            self.assertEqual(int(d.abs().sum()), 0)
-        self.continue_daemon_after(0.3)
-        loads = [(4, 0), (5, 1), (6, 2), (7, 3)]
-        h.wait_for_layer(1)
-        self.assertEqual(h.ready_layers, 2)
-        self.assert_layers(dst, src, part, loads, 2)
-        self.assertTrue(h.done)  # everything arrived; what is left is enqueueing
-        for dst_block, _ in loads:  # layers 2.. are not scattered yet
-            for layer in (2, 3):
-                self.assertEqual(int(part(dst, layer, dst_block).abs().sum()), 0)
-        self.assertEqual(h.wait(), [True] * 4)
-        self.assert_layers(dst, src, part, loads, self.L)
-        self.assertEqual(self.ucx_bytes("out"), 4 * layout.object_bytes)
+    def after_wait_for_layer(self, h, dst, part, loads, layer):
+        # Scattered as asked, and no further: everything has arrived, what
+        # is left is enqueueing.
+        self.assertEqual(h.ready_layers, layer + 1)
+        self.assertTrue(h.done)
+        for dst_block, _ in loads:
+            for later in range(layer + 1, self.L):
+                self.assertEqual(int(part(dst, later, dst_block).abs().sum()), 0,
+                                 f"layer {later} of block {dst_block} after layer {layer}")
 
     def test_same_bytes_as_the_native_path_both_ways(self):
         layout, shapes, part = self.cases()[1]  # FlashAttention HND
