@@ -260,10 +260,10 @@ class CudaKvShimTest(unittest.TestCase):
 
     @staticmethod
     @contextlib.contextmanager
-    def registered_numpy(objects):
-        """The objects in one pageable numpy array, registered."""
+    def registered_pool(pool, objects):
+        """The objects copied into the pageable uint8 array `pool`, which
+        is registered while the views of them are in use."""
         size = len(objects[0])
-        pool = np.empty(len(objects) * size, np.uint8)
         for i, o in enumerate(objects):
             pool[i * size:(i + 1) * size] = np.frombuffer(o, np.uint8)
         CUDA.register_host(pool)
@@ -271,6 +271,12 @@ class CudaKvShimTest(unittest.TestCase):
             yield [pool[i * size:(i + 1) * size] for i in range(len(objects))]
         finally:
             CUDA.unregister_host(pool)
+
+    @classmethod
+    def registered_numpy(cls, objects):
+        """The objects in one pageable numpy array, registered."""
+        return cls.registered_pool(np.empty(len(objects) * len(objects[0]), np.uint8),
+                                   objects)
 
     @staticmethod
     @contextlib.contextmanager
@@ -284,14 +290,9 @@ class CudaKvShimTest(unittest.TestCase):
             # Not closed here: the views handed out keep it exported; it is
             # unmapped when the last of them goes.
             mapping = mmap.mmap(f.fileno(), total, mmap.MAP_SHARED)
-        pool = np.frombuffer(mapping, np.uint8)
-        for i, o in enumerate(objects):
-            pool[i * size:(i + 1) * size] = np.frombuffer(o, np.uint8)
-        CUDA.register_host(pool)
-        try:
-            yield [pool[i * size:(i + 1) * size] for i in range(len(objects))]
-        finally:
-            CUDA.unregister_host(pool)
+        with CudaKvShimTest.registered_pool(np.frombuffer(mapping, np.uint8),
+                                            objects) as views:
+            yield views
 
     @staticmethod
     @contextlib.contextmanager
