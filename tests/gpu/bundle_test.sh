@@ -48,7 +48,7 @@ case "$*" in
 esac
 EOF
 chmod +x "$WORK/path/nvidia-smi"
-for t in bash sh env cat sed head tail tr date mkdir cp rm pwd dirname git; do
+for t in bash sh env cat sed grep head tail tr date mkdir cp rm pwd dirname git; do
   p="$(command -v "$t" || true)"
   [[ -n $p ]] && ln -sf "$p" "$WORK/path/$t"
 done
@@ -72,9 +72,12 @@ grep -q "no usable CUDA device" "$report" ||
 grep -q "no CUDA device" "$report" && grep -q "== gpu_cuda_benchmark" "$report" ||
   fail "the bundled gpu_cuda_benchmark did not run"
 grep -q "== test_cuda_kvshim.py" "$report" || fail "the kvshim check did not run"
+grep -q "== bench_kvshim_vs_torch.py" "$report" || fail "the kvshim benchmark did not run"
 if [[ -x /usr/bin/python3 ]] && /usr/bin/python3 -c 'import numpy, torch' 2>/dev/null; then
   grep -q "test_cuda_kvshim: torch sees no CUDA device; skipping" "$report" ||
     fail "the kvshim check did not get as far as torch's device check"
+  grep -q "bench_kvshim_vs_torch: torch sees no CUDA device; skipping" "$report" ||
+    fail "the kvshim benchmark did not get as far as torch's device check"
 fi
 [[ -f $WORK/out/$(basename "$report") ]] || fail "the report was not copied to \$OUT"
 echo "bundle_test: OK"

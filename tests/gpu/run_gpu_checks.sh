@@ -15,7 +15,10 @@
 #      the C ABI library that the Python package uses for CUDA caches
 #      (libkvdepot_kv_cuda.so, through kvdepot/kvshim.py) against its CPU
 #      build, every layout and dtype, byte for byte;
-#   5. writes the report to tools/results/gpu_checks_<date>_<gpu>.{txt,json}
+#   5. tests/gpu/bench_kvshim_vs_torch.py: that library's save and load of
+#      64 Llama-3-8B-shaped blocks against the torch staging path the vLLM
+#      connector falls back to (ratios reported, not asserted);
+#   6. writes the report to tools/results/gpu_checks_<date>_<gpu>.{txt,json}
 #      (and to $OUT/ when set, for the device runner to bring back).
 #
 #   tests/gpu/run_gpu_checks.sh [--skip-deps]
@@ -98,6 +101,21 @@ case $py_rc in
   77) echo "(skipped: python3 has no numpy, torch or CUDA device)" >>"$REPORT.txt" ;;
   *) rc=1 ;;
 esac
+{ echo; echo "== bench_kvshim_vs_torch.py (CUDA caches: kvshim vs the torch staging path)"; } >>"$REPORT.txt"
+set +e
+python3 tests/gpu/bench_kvshim_vs_torch.py --cuda-lib "$CAPI/libkvdepot_kv_cuda.so" \
+  --json "$REPORT.kvshim_vs_torch.json" >"$REPORT.bench.log" 2>&1
+py_rc=$?
+set -e
+grep -v '^{' "$REPORT.bench.log" | tail -n 20 >>"$REPORT.txt"
+rm -f "$REPORT.bench.log"
+case $py_rc in
+  0) ;;
+  77) echo "(skipped: python3 has no numpy, torch or CUDA device)" >>"$REPORT.txt" ;;
+  *) rc=1 ;;
+esac
 cat "$REPORT.txt"
-if [[ -n ${OUT:-} ]]; then cp "$REPORT.txt" "$REPORT.json" "$OUT/" 2>/dev/null || true; fi
+if [[ -n ${OUT:-} ]]; then
+  cp "$REPORT.txt" "$REPORT.json" "$REPORT.kvshim_vs_torch.json" "$OUT/" 2>/dev/null || true
+fi
 exit $rc
