@@ -381,7 +381,7 @@ class KvCacheStore:
     (after the work it queued before) and wait for it; loads work as on the
     host except who scatters: ``LoadHandle.wait_for_layer(l)`` waits for the
     blocks to arrive and then *enqueues* the scatter of the layers up to
-    ``l`` on the current stream (a kernel launch each; work queued on that
+    ``l`` on the current stream (kernel launches; work queued on that
     stream afterwards sees them), and ``wait()`` enqueues the rest and
     synchronizes, so the blocks are in the caches when it returns. Nothing
     is scattered until the caller asks for a layer.
