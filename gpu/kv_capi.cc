@@ -75,7 +75,8 @@ int Report(absl::StatusCode code, absl::string_view message, char* err,
            size_t err_cap) noexcept {
   if (err != nullptr && err_cap > 0) {
     const size_t n = std::min(message.size(), err_cap - 1);
-    std::memcpy(err, message.data(), n);
+    // An OK status's empty message may have a null data(): no memcpy then.
+    if (n > 0) std::memcpy(err, message.data(), n);
     err[n] = '\0';
   }
   return static_cast<int>(code);

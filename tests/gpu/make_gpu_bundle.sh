@@ -56,6 +56,8 @@ die() { echo "make_gpu_bundle: $*" >&2; exit 1; }
 [[ -f $BUILD/CMakeCache.txt ]] || die "$BUILD is not a configured build directory (cmake -S . -B $BUILD -G Ninja)"
 grep -q '^CMAKE_CUDA_COMPILER:[A-Z]*=.\+' "$BUILD/CMakeCache.txt" ||
   die "$BUILD was configured without CUDA (no nvcc found): nothing to bundle"
+grep -Eq '^KVDEPOT_(SANITIZE|TSAN):BOOL=ON' "$BUILD/CMakeCache.txt" &&
+  die "$BUILD is a sanitizer build, whose programs need the sanitizer's runtime: bundle a plain build"
 if [[ $DO_BUILD == 1 ]]; then
   cmake --build "$BUILD" --target "${PROGRAMS[@]}" "${CAPI_LIBS[@]}"
 fi
