@@ -325,6 +325,31 @@ class VllmConnectorTest(unittest.TestCase):
         self.assertEqual(w2.stats["load_errors"], 1)
         self.assertEqual(w2.get_block_ids_with_load_errors(), {5})
 
+    def test_a_bad_spec_fails_alone(self):
+        a_eng = self.engine()
+        a = FakeRequest("A", prompt(15, 3 * BS + 1))
+        self.run_prefill(a_eng, a)
+        keys = kvdepot.integrations.block_hashes(a.all_token_ids, BS)[:3]
+        w = self.engine().worker
+        n = w._caches[0].shape[1]
+        # X loads; Y names a block outside the cache, Z repeats X's block 3,
+        # W has fewer keys than blocks: each is reported, X still loads.
+        w.bind_connector_metadata(kv_vllm.KvDepotConnectorMetadata(loads=[
+            kv_vllm.LoadSpec("X", [3, 4], keys[:2]),
+            kv_vllm.LoadSpec("Y", [5, n], keys[:2]),
+            kv_vllm.LoadSpec("Z", [3], keys[2:3]),
+            kv_vllm.LoadSpec("W", [6, 7], keys[:1]),
+        ]))
+        w.start_load_kv(None)
+        self.assertEqual(w.get_block_ids_with_load_errors(), {5, n, 3, 6, 7})
+        self.assertEqual((w.stats["loaded_blocks"], w.stats["load_errors"]), (2, 5))
+        for block, src in ((3, 0), (4, 1)):
+            for name in a_eng.layer_names:
+                self.assertTrue(torch.equal(w._caches[w._layer_index[name]][:, block],
+                                            a_eng.kv_caches[name][:, a_eng.blocks["A"][src]]))
+        for c in w._caches:  # Y's valid block was not loaded either
+            self.assertEqual(int(c[:, 5].view(torch.int16).abs().sum()), 0)
+
     def test_torch_staging_loads_in_start_load_kv(self):
         a_eng = self.engine()
         a = FakeRequest("A", prompt(14, 3 * BS + 1))
