@@ -884,19 +884,24 @@ class LoadAsyncTest(StoppableDaemonTestCase):
             (mha(K.CROSS_LAYER_HND, L, T, H, D, bf16), [(N, L, 2, H, T, D)], cross),
         ]
 
-    def setup_store(self, layout, shapes, name, client=None, batches=2):
+    def setup_store(self, layout, shapes, name, client=None, batches=2, **store_kw):
         """A store of `batches` batches (of at least 2 blocks), random
         source caches with blocks 0-3 stored under s0..s3, and zeroed
         destination caches."""
         store = kvdepot.KvCacheStore(self.daemon.address, layout, "pytest-" + name,
                                      client=client or self.client,
-                                     pipeline_batches=batches, min_batch_bytes=0)
+                                     pipeline_batches=batches, min_batch_bytes=0,
+                                     **self.store_kw(**store_kw))
         g = torch.Generator().manual_seed(11)
         src = [torch.randn(s, generator=g).to(torch.bfloat16) for s in shapes]
         keys = [b"s%d" % b for b in range(4)]
         self.assertEqual(store.save(src, [0, 1, 2, 3], keys), [True] * 4)
         dst = [torch.zeros(s, dtype=torch.bfloat16) for s in shapes]
         return store, src, keys, dst
+
+    def store_kw(self, **kw):
+        """KvCacheStore's further arguments in this class's stores."""
+        return kw
 
     def nhd(self, name, **kw):
         layout, shapes, part = self.cases()[0]
@@ -1173,17 +1178,8 @@ class DeviceLoadTest(LoadAsyncTest):
 
         self.shim = KvShim.for_device("cpu")
 
-    def setup_store(self, layout, shapes, name, client=None, batches=2, shim=None):
-        store = kvdepot.KvCacheStore(self.daemon.address, layout, "pytest-" + name,
-                                     client=client or self.client,
-                                     pipeline_batches=batches, min_batch_bytes=0,
-                                     shim=shim or self.shim)
-        g = torch.Generator().manual_seed(11)
-        src = [torch.randn(s, generator=g).to(torch.bfloat16) for s in shapes]
-        keys = [b"s%d" % b for b in range(4)]
-        self.assertEqual(store.save(src, [0, 1, 2, 3], keys), [True] * 4)
-        dst = [torch.zeros(s, dtype=torch.bfloat16) for s in shapes]
-        return store, src, keys, dst
+    def store_kw(self, shim=None, **kw):
+        return dict(kw, shim=shim or self.shim)
 
     # The native loader's own call; nothing of the shim path in it.
     test_unregistered_staging_takes_grpc_in_the_loader = None
