@@ -436,7 +436,6 @@ class KvCacheStore:
         # Device caches: the KvShim that gathers/scatters them (None: pick
         # by the caches' device), and _pool's registrations with shims.
         self._forced_shim = shim
-        self._shims: dict = {}
         self._registered: List[_HostRegistration] = []
 
     def _release_pool(self) -> None:
@@ -459,11 +458,9 @@ class KvCacheStore:
             raise ValueError(
                 f"INVALID_ARGUMENT: the caches are on several devices ({sorted(devices)})")
         (device,) = devices
-        if device not in self._shims:
-            from .kvshim import KvShim
+        from .kvshim import KvShim
 
-            self._shims[device] = KvShim.for_device(device)
-        return self._shims[device]
+        return KvShim.for_device(device)  # one instance per library
 
     @staticmethod
     def _stream_of(caches: Sequence[Any]) -> Optional[int]:
@@ -484,10 +481,10 @@ class KvCacheStore:
         step = max(2, min_blocks, -(-n // self.pipeline_batches))
         return [(lo, min(n, lo + step)) for lo in range(0, n, step)]
 
-    def _check_block_ids(self, caches: Sequence[Any], block_ids: Sequence[int]) -> None:
-        """Raises ValueError for a block id outside the caches, before any
-        batch moves (a later batch's bad id must not leave earlier batches
-        written)."""
+    def check_block_ids(self, caches: Sequence[Any], block_ids: Sequence[int]) -> None:
+        """Raises ValueError (OUT_OF_RANGE) for a block id outside the
+        caches. save and load_async call it before any batch moves (a later
+        batch's bad id must not leave earlier batches written)."""
         if not caches:
             return
         t = caches[0]
@@ -569,7 +566,7 @@ class KvCacheStore:
                 f"INVALID_ARGUMENT: {len(keys)} keys but {len(parents)} parents"
             )
         caches = list(caches)
-        self._check_block_ids(caches, block_ids)
+        self.check_block_ids(caches, block_ids)
         shim = self.shim_for(caches)
         self._wait_pending()
         buffers = self._staging(len(keys), shim)
@@ -647,7 +644,7 @@ class KvCacheStore:
         if len(set(block_ids)) != len(block_ids):
             raise ValueError("INVALID_ARGUMENT: block ids repeat")
         caches = list(caches)
-        self._check_block_ids(caches, block_ids)
+        self.check_block_ids(caches, block_ids)
         shim = self.shim_for(caches)
         self._wait_pending()
         buffers = self._staging(len(keys), shim)

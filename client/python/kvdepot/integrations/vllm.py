@@ -737,16 +737,18 @@ class KvDepotConnector(KVConnectorBase_V1):  # type: ignore[misc,valid-type]
         # bad block id is reported alone instead of failing the others.
         specs = []
         seen: Set[int] = set()
-        n = self._num_cache_blocks()
         for spec in meta.loads:
             ids = [int(b) for b in spec.block_ids]
             why = None
             if len(ids) != len(spec.keys):
                 why = f"{len(ids)} block ids but {len(spec.keys)} keys"
-            elif any(not 0 <= b < n for b in ids):
-                why = f"a block id outside the cache's {n} blocks"
             elif len(set(ids)) != len(ids) or not seen.isdisjoint(ids):
                 why = "a block id repeats within the step"
+            else:
+                try:
+                    self._store.check_block_ids(self._caches, ids)
+                except ValueError as e:
+                    why = str(e)
             if why is not None:
                 self._load_failed(spec.block_ids, why)
                 continue
@@ -765,11 +767,6 @@ class KvDepotConnector(KVConnectorBase_V1):  # type: ignore[misc,valid-type]
                 self._load_failed(spec.block_ids, str(e))
             return
         self._pending_load = _PendingLoad(handle, specs)
-
-    def _num_cache_blocks(self) -> int:
-        """Blocks each cache tensor holds ([2, N, ...], or MLA [N, ...])."""
-        first = self._caches[0]
-        return int(first.shape[0] if self._use_mla else first.shape[1])
 
     def _finish_load(self) -> None:
         """Waits for the load in flight, if any, and records what each of
