@@ -88,32 +88,30 @@ rc=0
 "$BIN/gather_cuda_test" --gtest_brief=1 2>&1 | tail -n 40 >>"$REPORT.txt" || rc=1
 { echo; echo "== gpu_cuda_benchmark (best of 5 rounds; ratio = ours / cudaMemcpy)"; } >>"$REPORT.txt"
 "$BIN/gpu_cuda_benchmark" --rounds 5 --json "$REPORT.json" >>"$REPORT.txt" 2>&1 || rc=1
-{ echo; echo "== test_cuda_kvshim.py (the Python package's CUDA library vs its CPU build)"; } >>"$REPORT.txt"
-set +e
-python3 tests/gpu/test_cuda_kvshim.py --cuda-lib "$CAPI/libkvdepot_kv_cuda.so" \
-  --cpu-lib "$CAPI/libkvdepot_kv_cpu.so" >"$REPORT.kvshim.log" 2>&1
-py_rc=$?
-set -e
-tail -n 40 "$REPORT.kvshim.log" >>"$REPORT.txt"
-rm -f "$REPORT.kvshim.log"
-case $py_rc in
-  0) ;;
-  77) echo "(skipped: python3 has no numpy, torch or CUDA device)" >>"$REPORT.txt" ;;
-  *) rc=1 ;;
-esac
-{ echo; echo "== bench_kvshim_vs_torch.py (CUDA caches: kvshim vs the torch staging path)"; } >>"$REPORT.txt"
-set +e
-python3 tests/gpu/bench_kvshim_vs_torch.py --cuda-lib "$CAPI/libkvdepot_kv_cuda.so" \
-  --json "$REPORT.kvshim_vs_torch.json" >"$REPORT.bench.log" 2>&1
-py_rc=$?
-set -e
-grep -v '^{' "$REPORT.bench.log" | tail -n 20 >>"$REPORT.txt"
-rm -f "$REPORT.bench.log"
-case $py_rc in
-  0) ;;
-  77) echo "(skipped: python3 has no numpy, torch or CUDA device)" >>"$REPORT.txt" ;;
-  *) rc=1 ;;
-esac
+# A Python step: its last 40 lines (without its JSON line) go into the
+# report; exit 77 (no numpy, torch or CUDA device there) is a skip.
+python_step() {
+  local title="$1" log="$REPORT.step.log" py_rc
+  shift
+  { echo; echo "== $title"; } >>"$REPORT.txt"
+  set +e
+  python3 "$@" >"$log" 2>&1
+  py_rc=$?
+  set -e
+  grep -v '^{' "$log" | tail -n 40 >>"$REPORT.txt"
+  rm -f "$log"
+  case $py_rc in
+    0) ;;
+    77) echo "(skipped: python3 has no numpy, torch or CUDA device)" >>"$REPORT.txt" ;;
+    *) rc=1 ;;
+  esac
+}
+python_step "test_cuda_kvshim.py (the Python package's CUDA library vs its CPU build)" \
+  tests/gpu/test_cuda_kvshim.py --cuda-lib "$CAPI/libkvdepot_kv_cuda.so" \
+  --cpu-lib "$CAPI/libkvdepot_kv_cpu.so"
+python_step "bench_kvshim_vs_torch.py (CUDA caches: kvshim vs the torch staging path)" \
+  tests/gpu/bench_kvshim_vs_torch.py --cuda-lib "$CAPI/libkvdepot_kv_cuda.so" \
+  --json "$REPORT.kvshim_vs_torch.json"
 cat "$REPORT.txt"
 if [[ -n ${OUT:-} ]]; then
   cp "$REPORT.txt" "$REPORT.json" "$REPORT.kvshim_vs_torch.json" "$OUT/" 2>/dev/null || true
