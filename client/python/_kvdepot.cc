@@ -479,7 +479,7 @@ class CacheLoadState {
   // scattered, or the load cancelled).
   void Run() {
     const int num_layers = layout_.num_layers();
-    const size_t num_batches = bounds_.size() - 1;
+    const size_t num_batches = this->num_batches();
     std::vector<TransferOp> ops;
     ops.reserve(num_batches);
     {
@@ -492,6 +492,8 @@ class CacheLoadState {
         ops.push_back(client_.GetIntoAsync(
             ns_, absl::MakeConstSpan(keys).subspan(lo, n),
             absl::MakeConstSpan(dst).subspan(lo, n)));
+        absl::MutexLock lock(&mu_);
+        ++started_batches_;
       }
     }
     std::vector<bool> arrived(ops.size(), false);
@@ -576,6 +578,14 @@ class CacheLoadState {
 
   size_t size() const { return keys_.size(); }
   int num_layers() const { return layout_.num_layers(); }
+  size_t num_batches() const { return bounds_.size() - 1; }
+
+  // Batches whose reads have been started (all of them, unless the load
+  // was cancelled first); for diagnostics.
+  size_t started_batches() const {
+    absl::MutexLock lock(&mu_);
+    return started_batches_;
+  }
 
   // Layers [0, ready_layers()) of every hit are in the cache.
   int ready_layers() const {
@@ -649,6 +659,7 @@ class CacheLoadState {
   int ready_layers_ ABSL_GUARDED_BY(mu_) = 0;
   bool done_ ABSL_GUARDED_BY(mu_) = false;
   bool cancelled_ ABSL_GUARDED_BY(mu_) = false;
+  size_t started_batches_ ABSL_GUARDED_BY(mu_) = 0;
 };
 
 // The binding of one CacheLoadState (Python: CacheLoad) and the owner of
@@ -740,11 +751,13 @@ class PyCacheLoad {
   size_t size() const { return state_->size(); }
   int num_layers() const { return state_->num_layers(); }
 
-  // "CacheLoad(4 blocks, 3 of 32 layers ready)" or "CacheLoad(4 blocks,
-  // done, 3 loaded)". Does not settle the load.
+  // "CacheLoad(4 blocks, 2 of 2 batches started, 3 of 32 layers ready)" or
+  // "CacheLoad(4 blocks, done, 3 loaded)". Does not settle the load.
   std::string Repr() const {
     if (!state_->done()) {
-      return absl::StrCat("CacheLoad(", size(), " blocks, ", ReadyLayers(), " of ",
+      return absl::StrCat("CacheLoad(", size(), " blocks, ",
+                          state_->started_batches(), " of ", state_->num_batches(),
+                          " batches started, ", ReadyLayers(), " of ",
                           num_layers(), " layers ready)");
     }
     size_t ok = 0;

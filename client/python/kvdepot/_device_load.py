@@ -226,10 +226,12 @@ class DeviceLoad:
             pass
 
     def __repr__(self) -> str:
-        """As the native CacheLoad's: "DeviceLoad(4 blocks, 1 of 32 layers
-        ready)" (ready: enqueued) or "DeviceLoad(4 blocks, done, 3 loaded)"."""
+        """As the native CacheLoad's: "DeviceLoad(4 blocks, 2 of 2 batches
+        started, 1 of 32 layers ready)" (ready: enqueued; every batch starts
+        in the constructor) or "DeviceLoad(4 blocks, done, 3 loaded)"."""
         if not self._synced:
-            return (f"DeviceLoad({len(self._errors)} blocks, {self._layers} of "
-                    f"{self._num_layers} layers ready)")
+            batches = len(self._ops)
+            return (f"DeviceLoad({len(self._errors)} blocks, {batches} of {batches} "
+                    f"batches started, {self._layers} of {self._num_layers} layers ready)")
         ok = sum(1 for e in self._errors if e is None)
         return f"DeviceLoad({len(self._errors)} blocks, done, {ok} loaded)"

@@ -6,6 +6,7 @@ missing; the torch cases skip themselves when torch is.
 """
 
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -41,6 +42,11 @@ class DaemonTestCase(unittest.TestCase):
     def tearDown(self):
         del self.client  # closes the session before the daemon goes
         self.daemon.stop()
+
+    def ucx_bytes(self, direction: str) -> float:
+        """Block bytes the daemon moved over UCX (needs metrics = True)."""
+        return self.daemon.metric(
+            'kvdepot_bytes_total{direction="%s",transport="ucx"}' % direction)
 
 
 def key(i: int) -> bytes:
@@ -199,10 +205,6 @@ class UcxDataPlaneTest(DaemonTestCase):
 
     metrics = True
 
-    def ucx_bytes(self, direction: str) -> float:
-        return self.daemon.metric(
-            'kvdepot_bytes_total{direction="%s",transport="ucx"}' % direction)
-
     def test_allocated_buffers_move_blocks_over_ucx(self):
         self.assertEqual(self.client.data_plane_status(), "")
         pool = self.client.allocate_buffer(6 * 4096)
@@ -267,10 +269,6 @@ class StoppableDaemonTestCase(DaemonTestCase):
     sent cannot complete until it continues."""
 
     metrics = True
-
-    def ucx_bytes(self, direction: str) -> float:
-        return self.daemon.metric(
-            'kvdepot_bytes_total{direction="%s",transport="ucx"}' % direction)
 
     def tearDown(self):
         # A test that failed with the daemon stopped: let it stop normally.
@@ -976,6 +974,18 @@ class LoadAsyncTest(StoppableDaemonTestCase):
         self.assertEqual(h.wait(), [True] * 4)
         self.assertEqual(self.ucx_bytes("out"), 4 * layout.object_bytes)
 
+    def wait_until_started(self, h):
+        """Waits (no daemon needed) until every batch of load `h` has been
+        started, as its repr says."""
+        deadline = time.monotonic() + 30
+        while True:
+            m = re.search(r"(\d+) of (\d+) batches started", repr(h))
+            self.assertIsNotNone(m, repr(h))
+            if m.group(1) == m.group(2):
+                return
+            self.assertLess(time.monotonic(), deadline, repr(h))
+            time.sleep(0.001)
+
     def after_wait_for_layer(self, h, dst, part, loads, layer):
         """More checks once wait_for_layer(layer) returned (DeviceLoadTest:
         the later layers are not scattered yet)."""
@@ -1082,6 +1092,9 @@ class LoadAsyncTest(StoppableDaemonTestCase):
         self.stop_daemon()
         h = store.load_async(dst, [4, 5, 6, 7], keys)
         self.assertFalse(h.done)
+        # Dropped once its reads have started (a load dropped before starts
+        # none), so that the drop has batches in flight to wait for.
+        self.wait_until_started(h)
         self.continue_daemon_after(0.3)
 
         def drop():
@@ -1099,6 +1112,7 @@ class LoadAsyncTest(StoppableDaemonTestCase):
         self.stop_daemon()
         h2 = store.load_async(dst2, [0, 1], keys[:2])
         del store
+        self.wait_until_started(h2)
         self.continue_daemon_after(0.3)
         del h2
         self.assertEqual(self.ucx_bytes("out"), 10 * layout.object_bytes)
@@ -1183,6 +1197,18 @@ class DeviceLoadTest(LoadAsyncTest):
 
     # The native loader's own call; nothing of the shim path in it.
     test_unregistered_staging_takes_grpc_in_the_loader = None
+
+    def wait_until_started(self, h):
+        """Waits (no daemon needed) until every batch of load `h` has been
+        started, as its repr says."""
+        deadline = time.monotonic() + 30
+        while True:
+            m = re.search(r"(\d+) of (\d+) batches started", repr(h))
+            self.assertIsNotNone(m, repr(h))
+            if m.group(1) == m.group(2):
+                return
+            self.assertLess(time.monotonic(), deadline, repr(h))
+            time.sleep(0.001)
 
     def after_wait_for_layer(self, h, dst, part, loads, layer):
         # Scattered as asked, and no further: everything has arrived, what
