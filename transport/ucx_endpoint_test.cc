@@ -176,12 +176,18 @@ class UcxEndpointTest : public ::testing::TestWithParam<std::string> {
     return own->get();
   }
 
+  // Declared so that they go in the reverse order: the endpoint, then the
+  // workers (stopped: nothing UCX keeps in flight reads or writes memory
+  // after that), and only then the memory -- an abandoned batch's
+  // requests, or the server's answers to them, may still be queued until
+  // the workers go.
   std::unique_ptr<UcxContext> server_context_;
   std::unique_ptr<UcxContext> client_context_;
-  std::unique_ptr<UcxWorker> server_worker_;
-  std::unique_ptr<UcxWorker> client_worker_;
   std::unique_ptr<Mapping> arena_;
   std::unique_ptr<MemoryRegion> region_;
+  std::vector<char> abandoned_sink_;  // a test's buffer UCX may still write
+  std::unique_ptr<UcxWorker> server_worker_;
+  std::unique_ptr<UcxWorker> client_worker_;
   std::unique_ptr<UcxEndpoint> endpoint_;
   uint32_t region_id_ = 0;
 };
@@ -470,7 +476,10 @@ TEST_P(UcxEndpointTest, DeadlineEndsAGetToAStuckServer) {
                   })
                   .ok());
   stuck.WaitForNotification();
-  std::vector<char> sink(4 * kBlock);
+  // The batch will be abandoned over shared memory: its buffer must live
+  // until the client's worker has gone.
+  std::vector<char>& sink = abandoned_sink_;
+  sink.resize(4 * kBlock);
   std::vector<Transfer> gets;
   for (size_t i = 0; i < 4; ++i) {
     gets.push_back({region_id_, region_->address() + i * kBlock,
