@@ -816,6 +816,22 @@ void KvDepotService::StartPushBlocks(const v1::PushBlocksRequest* req,
       });
 }
 
+void KvDepotService::HoldUntilReleased(
+    SessionId session, const TransferHandle& h,
+    std::vector<std::unique_ptr<SlotHandle>> slots) {
+  uint64_t bytes = 0;
+  for (const auto& slot : slots) bytes += slot->bytes().size();
+  log_->warn("PullBlocks: session {}'s transfer was abandoned with UCX reads "
+             "into {} slots ({} bytes) still open; their memory stays "
+             "allocated until UCX ends those reads",
+             session, slots.size(), bytes);
+  h.OnReleased([log = log_, session, bytes, slots = std::move(slots)]() mutable {
+    slots.clear();
+    log->info("PullBlocks: UCX ended session {}'s abandoned reads; {} bytes "
+              "of slots freed", session, bytes);
+  });
+}
+
 grpc::ServerUnaryReactor* KvDepotService::PullBlocks(
     grpc::CallbackServerContext* ctx, const v1::PullBlocksRequest* req,
     v1::PullBlocksResponse* resp) {
@@ -906,6 +922,7 @@ void KvDepotService::StartPullBlocks(const v1::PullBlocksRequest* req,
                  block_of_move = std::move(block_of_move),
                  in_place = std::move(in_place),
                  sums = std::move(sums)]() mutable {
+    if (h.abandoned()) HoldUntilReleased(session, h, std::move(slots));
     slots.clear();  // the slots' bytes are in; CommitPut needs them released
     absl::Status failed = h.overall_status();
     for (size_t k = 0; failed.ok() && k < block_of_move.size(); ++k) {

@@ -14,6 +14,7 @@
 #include <functional>
 #include <memory>
 #include <string>
+#include <vector>
 
 #include "absl/container/flat_hash_set.h"
 #include "absl/status/status.h"
@@ -173,6 +174,12 @@ class KvDepotService final
                        v1::PushBlocksResponse* resp, Finish finish);
   void StartPullBlocks(const v1::PullBlocksRequest* req,
                        v1::PullBlocksResponse* resp, Finish finish);
+  // A pull `h` was abandoned (UCX still holds reads into its slots: a
+  // co-located client that stopped answering): keeps the slots' memory
+  // allocated, whatever becomes of the put and the session, until UCX has
+  // ended those reads, so that a late answer lands in no other block.
+  void HoldUntilReleased(SessionId session, const TransferHandle& h,
+                         std::vector<std::unique_ptr<SlotHandle>> slots);
   // A request that came over UCX; answered with DataPlane::Reply.
   void ServeUcxRequest(DataPlane::Request request);
   // OK when `session` is a public session with a UCX endpoint; NotFound

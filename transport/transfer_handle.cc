@@ -26,6 +26,10 @@ bool TransferHandle::WaitUntil(absl::Time deadline) const {
 
 bool TransferHandle::abandoned() const { return batch_->abandoned(); }
 
+void TransferHandle::OnReleased(absl::AnyInvocable<void() &&> done) const {
+  batch_->OnReleased(std::move(done));
+}
+
 size_t TransferHandle::size() const { return batch_->size(); }
 
 const absl::Status& TransferHandle::status(size_t i) const {

@@ -36,8 +36,17 @@ class TransferHandle {
   // peer stopped answering: UCX 1.13 does not end such requests when the
   // endpoint is closed). Their transfers report errors, but a late answer
   // from the peer could still write into a Get's local buffer: do not reuse
-  // those buffers until the worker has been destroyed.
+  // those buffers until the worker has been destroyed, or OnReleased.
   bool abandoned() const;
+
+  // Calls `done` once UCX holds no request of the batch, so that nothing
+  // reads or writes its local buffers any more: when it becomes ready, for
+  // a batch that is not abandoned; for an abandoned one, when the peer's
+  // late answers have ended its last request -- perhaps never (a peer that
+  // is gone), in which case `done` is destroyed unrun with the worker.
+  // Runs at once, on the calling thread, when that is so already; otherwise
+  // on the worker's progress thread, where it must not block.
+  void OnReleased(absl::AnyInvocable<void() &&> done) const;
 
   // Calls `done` once IsReady(): at once, on the calling thread, when it
   // already is; otherwise on the worker's progress thread, where it must

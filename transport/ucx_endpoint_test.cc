@@ -498,6 +498,11 @@ TEST_P(UcxEndpointTest, DeadlineEndsAGetToAStuckServer) {
   // Over shared memory (no peer error handling) UCX keeps the requests
   // after the force-close; the batch was abandoned.
   EXPECT_EQ(get.abandoned(), !ucx_test::PeerErrorHandling(GetParam()));
+  // Released (UCX holds none of its requests) with ready, unless abandoned:
+  // then only once the server's late answers have ended those requests.
+  auto released = std::make_shared<absl::Notification>();
+  get.OnReleased([released] { released->Notify(); });
+  EXPECT_EQ(released->HasBeenNotified(), !get.abandoned());
   EXPECT_EQ(endpoint_->status().code(), absl::StatusCode::kUnavailable);
   TransferHandle after = endpoint_->Get(gets, Soon());
   EXPECT_TRUE(after.IsReady());
@@ -505,6 +510,8 @@ TEST_P(UcxEndpointTest, DeadlineEndsAGetToAStuckServer) {
     EXPECT_EQ(after.status(0).code(), absl::StatusCode::kUnavailable);
   }
   release.Notify();
+  EXPECT_TRUE(released->WaitForNotificationWithTimeout(absl::Seconds(10)))
+      << "the abandoned requests never ended";
 
   // A new endpoint works once the server is back.
   auto again = Connect();

@@ -29,14 +29,32 @@ bool TransferBatch::WaitUntil(absl::Time deadline) const {
 }
 
 void TransferBatch::OnReady(absl::AnyInvocable<void() &&> done) {
+  RunOrQueue(&ready_, &on_ready_, std::move(done));
+}
+
+void TransferBatch::OnReleased(absl::AnyInvocable<void() &&> done) {
+  RunOrQueue(&released_, &on_released_, std::move(done));
+}
+
+void TransferBatch::RunOrQueue(const bool* flag, Callbacks* queue, Callback done) {
   {
     absl::MutexLock lock(&mu_);
-    if (!ready_) {
-      on_ready_.push_back(std::move(done));
+    if (!*flag) {
+      queue->push_back(std::move(done));
       return;
     }
   }
   std::move(done)();
+}
+
+void TransferBatch::SetAndRun(bool* flag, Callbacks* queue) {
+  Callbacks run;
+  {
+    absl::MutexLock lock(&mu_);
+    *flag = true;
+    run.swap(*queue);
+  }
+  for (Callback& c : run) std::move(c)();
 }
 
 void TransferBatch::Refuse(size_t i, absl::Status status) {
@@ -111,6 +129,7 @@ void TransferBatch::Finish() {
   std::shared_ptr<TransferBatch> self = std::move(self_);
   keep_.reset();
   if (!published_) Publish(/*abandoned=*/false);
+  SetAndRun(&released_, &on_released_);
 }
 
 void TransferBatch::Abandon() {
@@ -144,14 +163,11 @@ void TransferBatch::Publish(bool abandoned) {
     }
     result_[i] = std::move(s);
   }
-  std::vector<absl::AnyInvocable<void() &&>> done;
   {
     absl::MutexLock lock(&mu_);
     abandoned_ = abandoned;
-    ready_ = true;
-    done.swap(on_ready_);
   }
-  for (auto& d : done) std::move(d)();
+  SetAndRun(&ready_, &on_ready_);
 }
 
 }  // namespace kvdepot::transport_internal

@@ -39,6 +39,10 @@ class TransferBatch : public std::enable_shared_from_this<TransferBatch> {
   // already is, else on the progress thread when it becomes ready (in the
   // order they were added).
   void OnReady(absl::AnyInvocable<void() &&> done);
+  // Calls `done` once UCX holds no request of the batch (it finished): at
+  // once on this thread when it has, else on the progress thread when it
+  // does. Ready and finished together unless the batch was abandoned.
+  void OnReleased(absl::AnyInvocable<void() &&> done);
   // REQUIRES: IsReady(). Immutable from then on.
   const std::vector<absl::Status>& result() const { return result_; }
 
@@ -96,6 +100,14 @@ class TransferBatch : public std::enable_shared_from_this<TransferBatch> {
   // Computes result_ and sets ready_.
   void Publish(bool abandoned);
 
+  using Callback = absl::AnyInvocable<void() &&>;
+  using Callbacks = std::vector<Callback>;
+  // Runs `done` now when *flag is set, else queues it in *queue (flag and
+  // queue: ready_/on_ready_ or released_/on_released_, under mu_).
+  void RunOrQueue(const bool* flag, Callbacks* queue, Callback done);
+  // Sets *flag, then runs (outside mu_) what *queue held.
+  void SetAndRun(bool* flag, Callbacks* queue);
+
   const Op op_;
   const size_t size_;
   const absl::Time deadline_;
@@ -119,7 +131,9 @@ class TransferBatch : public std::enable_shared_from_this<TransferBatch> {
   mutable absl::Mutex mu_;
   bool ready_ ABSL_GUARDED_BY(mu_) = false;
   bool abandoned_ ABSL_GUARDED_BY(mu_) = false;
-  std::vector<absl::AnyInvocable<void() &&>> on_ready_ ABSL_GUARDED_BY(mu_);
+  Callbacks on_ready_ ABSL_GUARDED_BY(mu_);
+  bool released_ ABSL_GUARDED_BY(mu_) = false;  // finished, seen under mu_
+  Callbacks on_released_ ABSL_GUARDED_BY(mu_);
 };
 
 }  // namespace kvdepot::transport_internal
