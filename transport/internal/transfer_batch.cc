@@ -47,15 +47,6 @@ void TransferBatch::RunOrQueue(const bool* flag, Callbacks* queue, Callback done
   std::move(done)();
 }
 
-void TransferBatch::SetAndRun(bool* flag, Callbacks* queue) {
-  Callbacks run;
-  {
-    absl::MutexLock lock(&mu_);
-    *flag = true;
-    run.swap(*queue);
-  }
-  for (Callback& c : run) std::move(c)();
-}
 
 void TransferBatch::Refuse(size_t i, absl::Status status) {
   refused_[i] = true;
@@ -128,8 +119,17 @@ void TransferBatch::Finish() {
   // release the last reference.
   std::shared_ptr<TransferBatch> self = std::move(self_);
   keep_.reset();
-  if (!published_) Publish(/*abandoned=*/false);
-  SetAndRun(&released_, &on_released_);
+  if (!published_) {
+    Publish(/*abandoned=*/false);  // ready and released at once
+    return;
+  }
+  Callbacks run;
+  {
+    absl::MutexLock lock(&mu_);
+    released_ = true;
+    run.swap(on_released_);
+  }
+  for (Callback& c : run) std::move(c)();
 }
 
 void TransferBatch::Abandon() {
@@ -163,11 +163,19 @@ void TransferBatch::Publish(bool abandoned) {
     }
     result_[i] = std::move(s);
   }
+  Callbacks ready, released;
   {
     absl::MutexLock lock(&mu_);
     abandoned_ = abandoned;
+    ready_ = true;
+    ready.swap(on_ready_);
+    if (!abandoned) {  // from Finish: UCX holds no request either
+      released_ = true;
+      released.swap(on_released_);
+    }
   }
-  SetAndRun(&ready_, &on_ready_);
+  for (Callback& c : ready) std::move(c)();
+  for (Callback& c : released) std::move(c)();
 }
 
 }  // namespace kvdepot::transport_internal

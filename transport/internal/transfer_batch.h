@@ -97,7 +97,8 @@ class TransferBatch : public std::enable_shared_from_this<TransferBatch> {
   // Transfer i (not the flush) succeeded: runs each_got_ for a get.
   void Got(size_t i);
   void Finish();
-  // Computes result_ and sets ready_.
+  // Computes result_ and sets ready_ (and released_ unless abandoned:
+  // ready and released are seen together then).
   void Publish(bool abandoned);
 
   using Callback = absl::AnyInvocable<void() &&>;
@@ -105,8 +106,6 @@ class TransferBatch : public std::enable_shared_from_this<TransferBatch> {
   // Runs `done` now when *flag is set, else queues it in *queue (flag and
   // queue: ready_/on_ready_ or released_/on_released_, under mu_).
   void RunOrQueue(const bool* flag, Callbacks* queue, Callback done);
-  // Sets *flag, then runs (outside mu_) what *queue held.
-  void SetAndRun(bool* flag, Callbacks* queue);
 
   const Op op_;
   const size_t size_;
