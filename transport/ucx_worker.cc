@@ -289,7 +289,15 @@ void UcxWorker::TickResidents() {
 
 void UcxWorker::Loop() {
   while (RunQueued()) {
-    while (ucp_worker_progress(worker_) != 0) RunDeferred();
+    // Deadlines before progress, and between its calls: after a stall of
+    // this thread (SIGSTOP, swapping, a long task) a batch past its
+    // deadline ends, its endpoint closed, before progress sends or takes
+    // more of it -- its peer may have given up on it and reused the memory.
+    TickResidents();
+    while (ucp_worker_progress(worker_) != 0) {
+      RunDeferred();
+      TickResidents();
+    }
     RunDeferred();
     ReapCloses();
     TickResidents();
