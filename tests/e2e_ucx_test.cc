@@ -130,6 +130,23 @@ class UcxE2eTest : public ::testing::TestWithParam<std::string> {
     return s.ok() ? *s : v1::StatsResponse();
   }
 
+  // A ucx_client_peer "stall" process with a registered buffer of `size`
+  // bytes (all 's') in namespace `ns`, stopped (SIGSTOP): its UCX worker
+  // answers nothing until SIGCONT. Null (a test failure added) when it did
+  // not come up.
+  std::unique_ptr<Child> StoppedPeer(const std::string& ns, size_t size,
+                                     uint64_t* session, uint64_t* address) {
+    std::unique_ptr<Child> peer =
+        Spawn({"stall", daemon_->address(), ns, std::to_string(size)});
+    const std::string ready = peer->ReadLine();
+    if (std::sscanf(ready.c_str(), "READY %lu %lu", session, address) != 2) {
+      ADD_FAILURE() << "the peer said: " << ready;
+      return nullptr;
+    }
+    kill(peer->pid, SIGSTOP);
+    return peer;
+  }
+
   // Polls Stats until `done` holds or 10 s pass (the lease is 60 s).
   bool StatsBecome(const std::function<bool(const v1::StatsResponse&)>& done) {
     absl::Time deadline = absl::Now() + absl::Seconds(10);
@@ -305,13 +322,10 @@ TEST_P(UcxE2eTest, AStalledClientsTransferEndsAtItsDeadlineAndItsSession) {
     put.Wait();
     ASSERT_OK(put.statuses()[0]);
   }
-  std::unique_ptr<Child> peer = Spawn({"stall", daemon_->address(), "stall",
-                                       std::to_string(kBlocks * kBig)});
-  std::string ready = peer->ReadLine();
   uint64_t session = 0, address = 0;
-  ASSERT_EQ(std::sscanf(ready.c_str(), "READY %lu %lu", &session, &address), 2)
-      << ready;
-  kill(peer->pid, SIGSTOP);
+  std::unique_ptr<Child> peer =
+      StoppedPeer("stall", kBlocks * kBig, &session, &address);
+  ASSERT_NE(peer, nullptr);
 
   grpc::ClientContext ctx;
   v1::PushBlocksRequest req;
@@ -349,13 +363,10 @@ TEST_P(UcxE2eTest, AStalledClientsLateAnswersLandInNoOtherBlock) {
   constexpr int kLate = 32;
   constexpr size_t kBig = 2 << 20;
   ASSERT_OK(client_->EnsureSession().status());
-  std::unique_ptr<Child> peer =
-      Spawn({"stall", daemon_->address(), "late", std::to_string(kLate * kBig)});
-  std::string ready = peer->ReadLine();
   uint64_t session = 0, address = 0;
-  ASSERT_EQ(std::sscanf(ready.c_str(), "READY %lu %lu", &session, &address), 2)
-      << ready;
-  kill(peer->pid, SIGSTOP);
+  std::unique_ptr<Child> peer =
+      StoppedPeer("late", kLate * kBig, &session, &address);
+  ASSERT_NE(peer, nullptr);
 
   const std::string stalled(kBig, 's');  // what the peer's buffer holds
   grpc::ClientContext ctx;

@@ -1198,18 +1198,6 @@ class DeviceLoadTest(LoadAsyncTest):
     # The native loader's own call; nothing of the shim path in it.
     test_unregistered_staging_takes_grpc_in_the_loader = None
 
-    def wait_until_started(self, h):
-        """Waits (no daemon needed) until every batch of load `h` has been
-        started, as its repr says."""
-        deadline = time.monotonic() + 30
-        while True:
-            m = re.search(r"(\d+) of (\d+) batches started", repr(h))
-            self.assertIsNotNone(m, repr(h))
-            if m.group(1) == m.group(2):
-                return
-            self.assertLess(time.monotonic(), deadline, repr(h))
-            time.sleep(0.001)
-
     def after_wait_for_layer(self, h, dst, part, loads, layer):
         # Scattered as asked, and no further: everything has arrived, what
         # is left is enqueueing.
