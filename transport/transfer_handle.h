@@ -43,7 +43,7 @@ class TransferHandle {
   // reads or writes its local buffers any more: when it becomes ready, for
   // a batch that is not abandoned; for an abandoned one, when the peer's
   // late answers have ended its last request -- perhaps never (a peer that
-  // is gone), in which case `done` is destroyed unrun with the worker.
+  // is gone): then `done` never runs, and what it holds is never freed.
   // Runs at once, on the calling thread, when that is so already; otherwise
   // on the worker's progress thread, where it must not block.
   void OnReleased(absl::AnyInvocable<void() &&> done) const;

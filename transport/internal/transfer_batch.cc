@@ -47,7 +47,6 @@ void TransferBatch::RunOrQueue(const bool* flag, Callbacks* queue, Callback done
   std::move(done)();
 }
 
-
 void TransferBatch::Refuse(size_t i, absl::Status status) {
   refused_[i] = true;
   op_status_[i] = std::move(status);
