@@ -209,6 +209,15 @@ class Client {
   // client is destroyed. FailedPrecondition when the client has no UCX
   // (data_plane_status() says why); InvalidArgument for a null base or zero
   // size; UCX's error when registration fails.
+  //
+  // With a daemon on this host over shared memory, prefer AllocateBuffer:
+  // UCX 1.13 moves blocks into registered memory with messages that this
+  // client's worker copies in, and cannot take back what it queued when a
+  // transfer passes its deadline (transport/README, caveat 2). A get that
+  // failed because this process stalled past the transfer timeout may then
+  // still be written into its buffers afterwards; do not reuse them for
+  // another get at once. AllocateBuffer memory is copied into by the daemon
+  // itself and has no such tail.
   absl::Status RegisterBuffer(void* base, size_t size);
   // Allocates `size` bytes through UCX, registered as RegisterBuffer does,
   // and returns them; they live as long as the client. UCX places them in
