@@ -825,8 +825,12 @@ void KvDepotService::HoldUntilReleased(
              "into {} slots ({} bytes) still open; their memory stays "
              "allocated until UCX ends those reads",
              session, slots.size(), bytes);
-  h.OnReleased([log = log_, session, bytes, slots = std::move(slots)]() mutable {
+  metrics_.AddUcxHeldBytes(static_cast<int64_t>(bytes));
+  // metrics_ outlives the data plane, whose workers run this.
+  h.OnReleased([log = log_, metrics = &metrics_, session, bytes,
+                slots = std::move(slots)]() mutable {
     slots.clear();
+    metrics->AddUcxHeldBytes(-static_cast<int64_t>(bytes));
     log->info("PullBlocks: UCX ended session {}'s abandoned reads; {} bytes "
               "of slots freed", session, bytes);
   });

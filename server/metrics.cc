@@ -97,6 +97,14 @@ ServerMetrics::ServerMetrics(prometheus::Registry& registry, int namespace_label
                         .Register(registry)),
       ucx_push_requests_(ucx_requests_.Add({{"op", "PushBlocks"}})),
       ucx_pull_requests_(ucx_requests_.Add({{"op", "PullBlocks"}})),
+      ucx_held_bytes_(prometheus::BuildGauge()
+                          .Name("kvdepot_ucx_held_bytes")
+                          .Help("DRAM bytes held for UCX transfers that UCX "
+                                "has not ended: slots of puts abandoned while "
+                                "a co-located client did not answer, freed "
+                                "when it does (or at restart)")
+                          .Register(registry)
+                          .Add({})),
       sessions_(prometheus::BuildGauge()
                     .Name("kvdepot_sessions_active")
                     .Help("Open client sessions")

@@ -58,6 +58,11 @@ class ServerMetrics {
     ucx_in_place_out_.Increment(static_cast<double>(in_place));
   }
 
+  // DRAM bytes held for transfers UCX has not ended (slots of a put
+  // abandoned while a co-located client did not answer): +n when held, -n
+  // when freed (kvdepot_ucx_held_bytes).
+  void AddUcxHeldBytes(int64_t n) { ucx_held_bytes_.Increment(static_cast<double>(n)); }
+
   // One PushBlocks / PullBlocks request that came over UCX instead of gRPC
   // (kvdepot_ucx_requests_total{op}; it is also counted, when finished, in
   // kvdepot_requests_total).
@@ -110,6 +115,7 @@ class ServerMetrics {
   prometheus::Family<prometheus::Counter>& ucx_requests_;
   prometheus::Counter& ucx_push_requests_;
   prometheus::Counter& ucx_pull_requests_;
+  prometheus::Gauge& ucx_held_bytes_;
   prometheus::Gauge& sessions_;
   prometheus::Gauge& pins_;
   prometheus::Gauge& reservations_;

@@ -411,6 +411,8 @@ TEST_P(UcxE2eTest, AStalledClientsLateAnswersLandInNoOtherBlock) {
   put.Wait();
   for (int i = 0; i < kStored; ++i) ASSERT_OK(put.statuses()[i]) << i;
 
+  const double held = testing::MetricValue(testing::ScrapeMetrics(*daemon_),
+                                           "kvdepot_ucx_held_bytes");
   // The client continues and answers; UCX takes the answers (the daemon's
   // requests end, or are dropped) within a moment.
   kill(peer->pid, SIGCONT);
@@ -418,6 +420,7 @@ TEST_P(UcxE2eTest, AStalledClientsLateAnswersLandInNoOtherBlock) {
     // The daemon held the slots, and frees them once the answers are in.
     EXPECT_TRUE(absl::StrContains(daemon_->Log(), "memory stays allocated"))
         << daemon_->Log();
+    EXPECT_EQ(held, static_cast<double>(kLate * kBig));  // every slot
     const absl::Time deadline = absl::Now() + absl::Seconds(10);
     while (!absl::StrContains(daemon_->Log(), "abandoned reads;") &&
            absl::Now() < deadline) {
@@ -425,11 +428,15 @@ TEST_P(UcxE2eTest, AStalledClientsLateAnswersLandInNoOtherBlock) {
     }
     EXPECT_TRUE(absl::StrContains(daemon_->Log(), "abandoned reads;"))
         << daemon_->Log();
+    EXPECT_EQ(testing::MetricValue(testing::ScrapeMetrics(*daemon_),
+                                   "kvdepot_ucx_held_bytes"),
+              0.0);
   } else {
     // Over TCP UCX ended the reads with the endpoint; nothing was held.
     // Time for any late answer to arrive all the same.
     absl::SleepFor(absl::Seconds(2));
     EXPECT_FALSE(absl::StrContains(daemon_->Log(), "memory stays allocated"));
+    EXPECT_EQ(held, 0.0);
   }
 
   std::vector<char> back(src.size(), 0);
