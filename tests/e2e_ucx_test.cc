@@ -147,6 +147,38 @@ class UcxE2eTest : public ::testing::TestWithParam<std::string> {
     return peer;
   }
 
+  // Has the daemon put `n` blocks of `size` bytes ("<ns>0", "<ns>1"...)
+  // from a StoppedPeer's buffer, 500 ms allowed: a PullBlocks the test
+  // sends for the peer's session. Returns how many blocks failed (-1, with
+  // a test failure added, when the call itself failed).
+  int PutFromStoppedPeer(uint64_t session, uint64_t address,
+                         const std::string& ns, int n, size_t size) {
+    const std::string stalled(size, 's');  // what the peer's buffer holds
+    grpc::ClientContext ctx;
+    v1::PullBlocksRequest req;
+    req.set_session_id(session);
+    req.set_namespace_(ns);
+    for (int i = 0; i < n; ++i) {
+      v1::PullSpec* b = req.add_blocks();
+      b->set_key(absl::StrCat(ns, i));
+      b->set_checksum(BlockChecksum(stalled));
+      b->mutable_source()->set_buffer_id(0);
+      b->mutable_source()->set_address(address + i * size);
+      b->mutable_source()->set_size(size);
+    }
+    req.set_timeout_ms(500);
+    v1::PullBlocksResponse resp;
+    grpc::Status st = client_->stub().PullBlocks(&ctx, req, &resp);
+    if (!st.ok() || resp.blocks_size() != n) {
+      ADD_FAILURE() << "PullBlocks: " << st.error_message() << ", "
+                    << resp.blocks_size() << " blocks";
+      return -1;
+    }
+    int failed = 0;
+    for (const v1::BlockTransfer& b : resp.blocks()) failed += b.code() != 0;
+    return failed;
+  }
+
   // Polls Stats until `done` holds or 10 s pass (the lease is 60 s).
   bool StatsBecome(const std::function<bool(const v1::StatsResponse&)>& done) {
     absl::Time deadline = absl::Now() + absl::Seconds(10);
@@ -368,26 +400,8 @@ TEST_P(UcxE2eTest, AStalledClientsLateAnswersLandInNoOtherBlock) {
       StoppedPeer("late", kLate * kBig, &session, &address);
   ASSERT_NE(peer, nullptr);
 
-  const std::string stalled(kBig, 's');  // what the peer's buffer holds
-  grpc::ClientContext ctx;
-  v1::PullBlocksRequest req;
-  req.set_session_id(session);
-  req.set_namespace_("late");
-  for (int i = 0; i < kLate; ++i) {
-    v1::PullSpec* b = req.add_blocks();
-    b->set_key(absl::StrCat("late", i));
-    b->set_checksum(BlockChecksum(stalled));
-    b->mutable_source()->set_buffer_id(0);
-    b->mutable_source()->set_address(address + i * kBig);
-    b->mutable_source()->set_size(kBig);
-  }
-  req.set_timeout_ms(500);
-  v1::PullBlocksResponse resp;
-  ASSERT_TRUE(client_->stub().PullBlocks(&ctx, req, &resp).ok());
-  ASSERT_EQ(resp.blocks_size(), kLate);
-  int failed = 0;
-  for (const v1::BlockTransfer& b : resp.blocks()) failed += b.code() != 0;
-  EXPECT_GT(failed, 0);  // the stalled client did not give every block
+  EXPECT_GT(PutFromStoppedPeer(session, address, "late", kLate, kBig), 0)
+      << "the stalled client gave every block";
   EXPECT_TRUE(StatsBecome([](const v1::StatsResponse& s) {
     return s.sessions() == 1 && s.reservations() == 0;
   })) << daemon_->Log();
@@ -455,6 +469,27 @@ TEST_P(UcxE2eTest, AStalledClientsLateAnswersLandInNoOtherBlock) {
     }
   }
   EXPECT_EQ(lost, 0) << daemon_->Log();
+}
+
+TEST_P(UcxE2eTest, ADaemonHoldingAStalledClientsSlotsStopsCleanly) {
+  // SIGTERM while the daemon holds the slots of a put abandoned to a
+  // stopped client (shared memory; over TCP nothing is held): it drains
+  // and exits 0 all the same, the reads UCX keeps notwithstanding.
+  constexpr int kBlocks = 8;
+  constexpr size_t kBig = 2 << 20;
+  ASSERT_OK(client_->EnsureSession().status());
+  uint64_t session = 0, address = 0;
+  std::unique_ptr<Child> peer =
+      StoppedPeer("held", kBlocks * kBig, &session, &address);
+  ASSERT_NE(peer, nullptr);
+  EXPECT_GT(PutFromStoppedPeer(session, address, "held", kBlocks, kBig), 0);
+  const double held = testing::MetricValue(testing::ScrapeMetrics(*daemon_),
+                                           "kvdepot_ucx_held_bytes");
+  EXPECT_EQ(held, GetParam() == "shm" ? kBlocks * kBig : 0.0);
+  client_.reset();
+  absl::StatusOr<int> code = daemon_->Stop(SIGTERM, absl::Seconds(30));
+  ASSERT_OK(code.status()) << daemon_->Log();
+  EXPECT_EQ(*code, 0) << daemon_->Log();
 }
 
 TEST_P(UcxE2eTest, RestartedDaemonGivesMissesThenTheClientReconnects) {
