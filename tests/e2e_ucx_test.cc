@@ -132,10 +132,15 @@ class UcxE2eTest : public ::testing::TestWithParam<std::string> {
 
   // A ucx_client_peer "stall" process with a registered buffer of `size`
   // bytes (all 's') in namespace `ns`, stopped (SIGSTOP): its UCX worker
-  // answers nothing until SIGCONT. Null (a test failure added) when it did
-  // not come up.
+  // answers nothing until SIGCONT. client_ has a session first (so that
+  // the daemon's count of sessions includes it). Null (a test failure
+  // added) when either did not come up.
   std::unique_ptr<Child> StoppedPeer(const std::string& ns, size_t size,
                                      uint64_t* session, uint64_t* address) {
+    if (absl::Status st = client_->EnsureSession().status(); !st.ok()) {
+      ADD_FAILURE() << "client_: " << st;
+      return nullptr;
+    }
     std::unique_ptr<Child> peer =
         Spawn({"stall", daemon_->address(), ns, std::to_string(size)});
     const std::string ready = peer->ReadLine();
@@ -394,7 +399,6 @@ TEST_P(UcxE2eTest, AStalledClientsLateAnswersLandInNoOtherBlock) {
   // Those bytes must not land in blocks stored meanwhile.
   constexpr int kLate = 32;
   constexpr size_t kBig = 2 << 20;
-  ASSERT_OK(client_->EnsureSession().status());
   uint64_t session = 0, address = 0;
   std::unique_ptr<Child> peer =
       StoppedPeer("late", kLate * kBig, &session, &address);
@@ -477,7 +481,6 @@ TEST_P(UcxE2eTest, ADaemonHoldingAStalledClientsSlotsStopsCleanly) {
   // and exits 0 all the same, the reads UCX keeps notwithstanding.
   constexpr int kBlocks = 8;
   constexpr size_t kBig = 2 << 20;
-  ASSERT_OK(client_->EnsureSession().status());
   uint64_t session = 0, address = 0;
   std::unique_ptr<Child> peer =
       StoppedPeer("held", kBlocks * kBig, &session, &address);
