@@ -699,6 +699,66 @@ TEST_P(UcxE2eTest, MalformedRequestsAreAnsweredAndTheDaemonStaysUp) {
   EXPECT_EQ(daemon_->Stop(SIGTERM).value_or(-1), 0) << daemon_->Log();
 }
 
+TEST_P(UcxE2eTest, AnAnswerThatCameInTimeIsTakenAfterTheClientStalled) {
+  // The daemon's answer arrives while the client's progress thread is held
+  // (as by SIGSTOP) past the request's deadline: once it runs again it
+  // takes the answer; it does not end the request as timed out first.
+  UcxContextOptions context_options;
+  context_options.name = "stalling";
+  absl::StatusOr<std::unique_ptr<UcxContext>> context =
+      UcxContext::Create(context_options);
+  ASSERT_OK(context.status());
+  absl::StatusOr<std::unique_ptr<UcxWorker>> worker = UcxWorker::Create(**context);
+  ASSERT_OK(worker.status());
+  grpc::ClientContext ctx;
+  v1::OpenSessionRequest open;
+  open.set_ucx_worker_address((*worker)->address());
+  v1::OpenSessionResponse opened;
+  ASSERT_TRUE(client_->stub().OpenSession(&ctx, open, &opened).ok());
+  const uint64_t session = opened.session_id();
+  absl::StatusOr<std::unique_ptr<UcxRequests>> requests = UcxRequests::Create(**worker);
+  ASSERT_OK(requests.status());
+  ASSERT_OK((*requests)->Connect(session, opened.ucx_request_address(),
+                                 absl::Seconds(5)));
+  v1::PushBlocksRequest empty;  // answered OK, nothing moved
+  empty.set_session_id(session);
+  empty.set_namespace_("stall");
+  // Sends `empty`; the answer goes to *answer, then *done is notified.
+  auto send = [&](absl::Time deadline, absl::Status* answer,
+                  absl::Notification* done) {
+    return (*requests)->Send(session, RequestMethod::kPushBlocks,
+                             empty.SerializeAsString(), deadline,
+                             [answer, done](const absl::Status& st, absl::string_view) {
+                               *answer = st;
+                               done->Notify();
+                             });
+  };
+  // One answer first: the daemon's endpoint back to this worker is then
+  // wired up (its handshake would need this worker; see transport/README).
+  absl::Status first;
+  absl::Notification first_done;
+  ASSERT_OK(send(absl::Now() + absl::Seconds(10), &first, &first_done));
+  first_done.WaitForNotification();
+  ASSERT_OK(first);
+
+  kill(daemon_->pid(), SIGSTOP);  // the request waits in its queue
+  absl::Status answer;
+  absl::Notification answered, stuck, go;
+  const absl::Time deadline = absl::Now() + absl::Milliseconds(500);
+  ASSERT_OK(send(deadline, &answer, &answered));
+  ASSERT_OK((*worker)->Run([] {}));  // the request has been sent
+  ASSERT_OK((*worker)->Submit([&] {
+    stuck.Notify();
+    go.WaitForNotification();
+  }));
+  stuck.WaitForNotification();
+  kill(daemon_->pid(), SIGCONT);  // it answers at once, into the held client
+  absl::SleepFor(deadline + absl::Milliseconds(300) - absl::Now());
+  go.Notify();
+  ASSERT_TRUE(answered.WaitForNotificationWithTimeout(absl::Seconds(10)));
+  EXPECT_OK(answer);
+}
+
 TEST_P(UcxE2eTest, PlacesOutsideTheSessionsBuffersAreRejected) {
   std::vector<char> mine(2 * kBlock, 'm');
   ASSERT_OK(client_->RegisterBuffer(mine.data(), mine.size()));

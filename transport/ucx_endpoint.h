@@ -199,6 +199,7 @@ class UcxEndpoint : private UcxWorker::Resident {
             bool force = true);
   static void OnPeerError(void* arg, ucp_ep_h ep, ucs_status_t status);
   absl::Time OnTick(absl::Time now) override;
+  bool TickBeforeProgress() const override { return true; }
   void OnStop() override;
 
   UcxWorker& worker_;  // must outlive this endpoint

@@ -276,27 +276,41 @@ void UcxWorker::TickResidents() {
     }
   }
   for (auto& task : due) std::move(task)();
-  // A resident may remove others (or itself) from inside OnTick: call only
+  ForEachResident([this, now](Resident* r) {
+    next_tick_ = std::min(next_tick_, r->OnTick(now));
+  });
+}
+
+template <typename Fn>
+void UcxWorker::ForEachResident(Fn fn) {
+  // A resident may remove others (or itself) from inside a call: call only
   // those still registered.
   const std::vector<Resident*> residents = residents_;
   for (Resident* r : residents) {
-    if (std::find(residents_.begin(), residents_.end(), r) == residents_.end()) {
-      continue;
+    if (std::find(residents_.begin(), residents_.end(), r) != residents_.end()) {
+      fn(r);
     }
-    next_tick_ = std::min(next_tick_, r->OnTick(now));
   }
+}
+
+void UcxWorker::TickSenders() {
+  const absl::Time now = absl::Now();
+  if (now < next_tick_) return;  // next_tick_ stays: TickResidents follows
+  ForEachResident([now](Resident* r) {
+    if (r->TickBeforeProgress()) r->OnTick(now);
+  });
 }
 
 void UcxWorker::Loop() {
   while (RunQueued()) {
-    // Deadlines before progress, and between its calls: after a stall of
-    // this thread (SIGSTOP, swapping, a long task) a batch past its
-    // deadline ends, its endpoint closed, before progress sends or takes
-    // more of it -- its peer may have given up on it and reused the memory.
-    TickResidents();
+    // Senders' deadlines before progress, and between its calls: after a
+    // stall of this thread (SIGSTOP, swapping, a long task) a batch past
+    // its deadline ends, its endpoint closed, before progress sends more of
+    // it -- its peer may have given up on it and reused the memory.
+    TickSenders();
     while (ucp_worker_progress(worker_) != 0) {
       RunDeferred();
-      TickResidents();
+      TickSenders();
     }
     RunDeferred();
     ReapCloses();
@@ -331,13 +345,7 @@ void UcxWorker::SleepUntilEvent() {
 
 void UcxWorker::Shutdown() {
   RunDeferred();
-  const std::vector<Resident*> residents = residents_;
-  for (Resident* r : residents) {
-    if (std::find(residents_.begin(), residents_.end(), r) == residents_.end()) {
-      continue;
-    }
-    r->OnStop();
-  }
+  ForEachResident([](Resident* r) { r->OnStop(); });
   residents_.clear();
   RunDeferred();
   // Timers stand for promises (batches to end); keep them now.

@@ -60,6 +60,12 @@ class UcxWorker {
     // (or passed to WakeAt) has come; returns when it wants the next call
     // (absl::InfiniteFuture() for never).
     virtual absl::Time OnTick(absl::Time now) = 0;
+    // Whether OnTick also runs before each progress call once its time has
+    // come: for a resident whose deadlines bound what it sends (nothing
+    // more of a batch past its deadline goes out after a stall of this
+    // process). Those that wait for answers keep the default, ticked only
+    // after progress, so that an answer that arrived in time is taken.
+    virtual bool TickBeforeProgress() const { return false; }
     // Progress thread, once, when the worker stops: fail whatever is in
     // flight and close every endpoint (CloseEndpoint). No further calls
     // follow.
@@ -156,7 +162,15 @@ class UcxWorker {
   void Loop();
   // Runs queued tasks; returns false when stopping and the queue is empty.
   bool RunQueued();
+  // Runs due timers and every resident's OnTick (once next_tick_ has come)
+  // and sets next_tick_ anew.
   void TickResidents();
+  // Once next_tick_ has come: OnTick of the residents that TickBeforeProgress
+  // (next_tick_ is left for TickResidents).
+  void TickSenders();
+  // fn(r) for each resident still registered when its turn comes.
+  template <typename Fn>
+  void ForEachResident(Fn fn);
   void RunDeferred();
   void ReapCloses();
   void Shutdown();
