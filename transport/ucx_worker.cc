@@ -211,6 +211,7 @@ void UcxWorker::RemoveResident(Resident* resident) {
 
 void UcxWorker::WakeAt(absl::Time when) {
   next_tick_ = std::min(next_tick_, when);
+  next_sender_tick_ = std::min(next_sender_tick_, when);
 }
 
 void UcxWorker::Defer(absl::AnyInvocable<void() &&> task) {
@@ -276,8 +277,13 @@ void UcxWorker::TickResidents() {
     }
   }
   for (auto& task : due) std::move(task)();
+  next_sender_tick_ = absl::InfiniteFuture();
   ForEachResident([this, now](Resident* r) {
-    next_tick_ = std::min(next_tick_, r->OnTick(now));
+    const absl::Time next = r->OnTick(now);
+    next_tick_ = std::min(next_tick_, next);
+    if (r->TickBeforeProgress()) {
+      next_sender_tick_ = std::min(next_sender_tick_, next);
+    }
   });
 }
 
@@ -295,9 +301,13 @@ void UcxWorker::ForEachResident(Fn fn) {
 
 void UcxWorker::TickSenders() {
   const absl::Time now = absl::Now();
-  if (now < next_tick_) return;  // next_tick_ stays: TickResidents follows
-  ForEachResident([now](Resident* r) {
-    if (r->TickBeforeProgress()) r->OnTick(now);
+  if (now < next_sender_tick_) return;
+  next_sender_tick_ = absl::InfiniteFuture();
+  // next_tick_ stays: TickResidents follows, and calls these again.
+  ForEachResident([this, now](Resident* r) {
+    if (r->TickBeforeProgress()) {
+      next_sender_tick_ = std::min(next_sender_tick_, r->OnTick(now));
+    }
   });
 }
 

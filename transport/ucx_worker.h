@@ -165,8 +165,8 @@ class UcxWorker {
   // Runs due timers and every resident's OnTick (once next_tick_ has come)
   // and sets next_tick_ anew.
   void TickResidents();
-  // Once next_tick_ has come: OnTick of the residents that TickBeforeProgress
-  // (next_tick_ is left for TickResidents).
+  // Once next_sender_tick_ has come: OnTick of the residents that
+  // TickBeforeProgress (next_tick_ is left for TickResidents).
   void TickSenders();
   // fn(r) for each resident still registered when its turn comes.
   template <typename Fn>
@@ -193,6 +193,9 @@ class UcxWorker {
   std::vector<void*> close_requests_;
   std::vector<std::pair<absl::Time, absl::AnyInvocable<void() &&>>> timers_;
   absl::Time next_tick_ = absl::InfiniteFuture();
+  // The earliest time a TickBeforeProgress resident asked for (<= its part
+  // of next_tick_).
+  absl::Time next_sender_tick_ = absl::InfiniteFuture();
 
   mutable absl::Mutex mu_;
   std::deque<absl::AnyInvocable<void() &&>> queue_ ABSL_GUARDED_BY(mu_);
