@@ -89,6 +89,40 @@ std::unique_ptr<Child> Spawn(const std::vector<std::string>& args) {
   return child;
 }
 
+// A hand-made UCX client: its own context and worker, a session whose
+// endpoint goes to that worker, and a UcxRequests on it (not yet connected
+// to the request address the daemon offers).
+struct HandMadeClient {
+  std::unique_ptr<UcxContext> context;
+  std::unique_ptr<UcxWorker> worker;
+  uint64_t session = 0;
+  std::string request_address;
+  std::unique_ptr<UcxRequests> requests;  // destroyed before the worker
+
+  void Open(Client& client, const std::string& name) {
+    UcxContextOptions options;
+    options.name = name;
+    absl::StatusOr<std::unique_ptr<UcxContext>> c = UcxContext::Create(options);
+    ASSERT_OK(c.status());
+    context = *std::move(c);
+    absl::StatusOr<std::unique_ptr<UcxWorker>> w = UcxWorker::Create(*context);
+    ASSERT_OK(w.status());
+    worker = *std::move(w);
+    grpc::ClientContext ctx;
+    v1::OpenSessionRequest open;
+    open.set_ucx_worker_address(worker->address());
+    v1::OpenSessionResponse opened;
+    ASSERT_TRUE(client.stub().OpenSession(&ctx, open, &opened).ok());
+    ASSERT_TRUE(opened.ucx_connected());
+    ASSERT_FALSE(opened.ucx_request_address().empty());
+    session = opened.session_id();
+    request_address = opened.ucx_request_address();
+    absl::StatusOr<std::unique_ptr<UcxRequests>> r = UcxRequests::Create(*worker);
+    ASSERT_OK(r.status());
+    requests = *std::move(r);
+  }
+};
+
 // Runs every test over "tcp" and "shm": the daemon and the clients get the
 // same UCX settings through the environment.
 class UcxE2eTest : public ::testing::TestWithParam<std::string> {
@@ -640,30 +674,14 @@ TEST_P(UcxE2eTest, ADrainingDaemonRefusesPutsAndTheClientKeepsItsSession) {
 }
 
 TEST_P(UcxE2eTest, MalformedRequestsAreAnsweredAndTheDaemonStaysUp) {
-  // A hand-made UCX client: its own worker, a session with an endpoint to
-  // it, and the request connection the daemon offers.
-  UcxContextOptions context_options;
-  context_options.name = "crafted";
-  absl::StatusOr<std::unique_ptr<UcxContext>> context =
-      UcxContext::Create(context_options);
-  ASSERT_OK(context.status());
-  absl::StatusOr<std::unique_ptr<UcxWorker>> worker = UcxWorker::Create(**context);
-  ASSERT_OK(worker.status());
-  grpc::ClientContext ctx;
-  v1::OpenSessionRequest open;
-  open.set_ucx_worker_address((*worker)->address());
-  v1::OpenSessionResponse opened;
-  ASSERT_TRUE(client_->stub().OpenSession(&ctx, open, &opened).ok());
-  ASSERT_TRUE(opened.ucx_connected());
-  ASSERT_FALSE(opened.ucx_request_address().empty());
-  const uint64_t session = opened.session_id();
-  absl::StatusOr<std::unique_ptr<UcxRequests>> requests = UcxRequests::Create(**worker);
-  ASSERT_OK(requests.status());
+  HandMadeClient c;
+  ASSERT_NO_FATAL_FAILURE(c.Open(*client_, "crafted"));
+  const uint64_t session = c.session;
   // Sends `body` as a request for `for_session` and waits for the answer.
   auto ask = [&](uint64_t for_session, std::string body) {
     absl::Notification done;
     absl::Status answer;
-    absl::Status sent = (*requests)->Send(
+    absl::Status sent = c.requests->Send(
         for_session, RequestMethod::kPushBlocks, std::move(body),
         absl::Now() + absl::Seconds(20),
         [&](const absl::Status& st, absl::string_view) {
@@ -674,7 +692,7 @@ TEST_P(UcxE2eTest, MalformedRequestsAreAnsweredAndTheDaemonStaysUp) {
     done.WaitForNotification();
     return answer;
   };
-  ASSERT_OK((*requests)->Connect(session, opened.ucx_request_address(),
+  ASSERT_OK(c.requests->Connect(session, c.request_address,
                                  absl::Seconds(5)));
   EXPECT_THAT(ask(session, "not a protobuf \xff\xff\xff"),
               StatusIs(absl::StatusCode::kInvalidArgument));
@@ -690,7 +708,7 @@ TEST_P(UcxE2eTest, MalformedRequestsAreAnsweredAndTheDaemonStaysUp) {
   empty.set_namespace_("req");
   EXPECT_OK(ask(session, empty.SerializeAsString()));  // nothing asked, nothing moved
   // A session the daemon does not know.
-  ASSERT_OK((*requests)->Connect(session ^ 0x5555, opened.ucx_request_address(),
+  ASSERT_OK(c.requests->Connect(session ^ 0x5555, c.request_address,
                                  absl::Seconds(5)));
   other.set_session_id(session ^ 0x5555);
   EXPECT_THAT(ask(session ^ 0x5555, other.SerializeAsString()),
@@ -703,30 +721,17 @@ TEST_P(UcxE2eTest, AnAnswerThatCameInTimeIsTakenAfterTheClientStalled) {
   // The daemon's answer arrives while the client's progress thread is held
   // (as by SIGSTOP) past the request's deadline: once it runs again it
   // takes the answer; it does not end the request as timed out first.
-  UcxContextOptions context_options;
-  context_options.name = "stalling";
-  absl::StatusOr<std::unique_ptr<UcxContext>> context =
-      UcxContext::Create(context_options);
-  ASSERT_OK(context.status());
-  absl::StatusOr<std::unique_ptr<UcxWorker>> worker = UcxWorker::Create(**context);
-  ASSERT_OK(worker.status());
-  grpc::ClientContext ctx;
-  v1::OpenSessionRequest open;
-  open.set_ucx_worker_address((*worker)->address());
-  v1::OpenSessionResponse opened;
-  ASSERT_TRUE(client_->stub().OpenSession(&ctx, open, &opened).ok());
-  const uint64_t session = opened.session_id();
-  absl::StatusOr<std::unique_ptr<UcxRequests>> requests = UcxRequests::Create(**worker);
-  ASSERT_OK(requests.status());
-  ASSERT_OK((*requests)->Connect(session, opened.ucx_request_address(),
-                                 absl::Seconds(5)));
+  HandMadeClient c;
+  ASSERT_NO_FATAL_FAILURE(c.Open(*client_, "stalling"));
+  const uint64_t session = c.session;
+  ASSERT_OK(c.requests->Connect(session, c.request_address, absl::Seconds(5)));
   v1::PushBlocksRequest empty;  // answered OK, nothing moved
   empty.set_session_id(session);
   empty.set_namespace_("stall");
   // Sends `empty`; the answer goes to *answer, then *done is notified.
   auto send = [&](absl::Time deadline, absl::Status* answer,
                   absl::Notification* done) {
-    return (*requests)->Send(session, RequestMethod::kPushBlocks,
+    return c.requests->Send(session, RequestMethod::kPushBlocks,
                              empty.SerializeAsString(), deadline,
                              [answer, done](const absl::Status& st, absl::string_view) {
                                *answer = st;
@@ -746,8 +751,8 @@ TEST_P(UcxE2eTest, AnAnswerThatCameInTimeIsTakenAfterTheClientStalled) {
   absl::Notification answered, stuck, go;
   const absl::Time deadline = absl::Now() + absl::Milliseconds(500);
   ASSERT_OK(send(deadline, &answer, &answered));
-  ASSERT_OK((*worker)->Run([] {}));  // the request has been sent
-  ASSERT_OK((*worker)->Submit([&] {
+  ASSERT_OK(c.worker->Run([] {}));  // the request has been sent
+  ASSERT_OK(c.worker->Submit([&] {
     stuck.Notify();
     go.WaitForNotification();
   }));
