@@ -27,27 +27,11 @@ namespace kvdepot {
 namespace {
 
 using gpu_testing::FilledBuffer;
+using gpu_testing::kAllDtypes;
+using gpu_testing::kAllLayouts;
 using gpu_testing::TestCache;
 using ::kvdepot::testing::StatusIs;
 using ::testing::HasSubstr;
-
-}  // namespace
-
-// Readable test parameters.
-void PrintTo(KvCacheLayout layout, std::ostream* os) {
-  *os << KvCacheLayoutName(layout);
-}
-void PrintTo(KvDtype dtype, std::ostream* os) { *os << KvDtypeName(dtype); }
-
-namespace {
-
-constexpr KvCacheLayout kAllLayouts[] = {
-    KvCacheLayout::kFlashAttnNhd,  KvCacheLayout::kFlashAttnHnd,
-    KvCacheLayout::kFlashInferNhd, KvCacheLayout::kFlashInferHnd,
-    KvCacheLayout::kMla,           KvCacheLayout::kCrossLayerNhd,
-    KvCacheLayout::kCrossLayerHnd};
-constexpr KvDtype kAllDtypes[] = {KvDtype::kFloat16, KvDtype::kBFloat16,
-                                  KvDtype::kFloat8E4M3, KvDtype::kFloat32};
 
 absl::Status GatherSync(const KvLayout& layout, const KvCacheView& cache,
                         absl::Span<const int64_t> ids, LayerRange layers,

@@ -34,26 +34,14 @@ extern "C" int kv_capi_test_c_gather(int32_t num_layers, int32_t block_size,
                                      size_t err_cap);
 
 namespace kvdepot {
-
-// Readable test parameters.
-void PrintTo(KvCacheLayout layout, std::ostream* os) {
-  *os << KvCacheLayoutName(layout);
-}
-void PrintTo(KvDtype dtype, std::ostream* os) { *os << KvDtypeName(dtype); }
-
 namespace {
 
+using gpu_testing::kAllDtypes;
+using gpu_testing::kAllLayouts;
 using gpu_testing::TestCache;
 using ::testing::HasSubstr;
 using ::testing::StartsWith;
 
-constexpr KvCacheLayout kAllLayouts[] = {
-    KvCacheLayout::kFlashAttnNhd,  KvCacheLayout::kFlashAttnHnd,
-    KvCacheLayout::kFlashInferNhd, KvCacheLayout::kFlashInferHnd,
-    KvCacheLayout::kMla,           KvCacheLayout::kCrossLayerNhd,
-    KvCacheLayout::kCrossLayerHnd};
-constexpr KvDtype kAllDtypes[] = {KvDtype::kFloat16, KvDtype::kBFloat16,
-                                  KvDtype::kFloat8E4M3, KvDtype::kFloat32};
 constexpr int kInvalidArgument = KVDEPOT_KV_INVALID_ARGUMENT;
 
 // A small layout of the given kind: 3 layers, 5 tokens, 3 heads (1 for the

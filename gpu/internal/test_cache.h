@@ -12,6 +12,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <ostream>
 #include <random>
 #include <string>
 #include <utility>
@@ -21,7 +22,26 @@
 #include "gpu/gather.h"
 #include "gpu/kv_layout.h"
 
+namespace kvdepot {
+
+// Readable test parameters (gtest finds them by argument-dependent lookup).
+inline void PrintTo(KvCacheLayout layout, std::ostream* os) {
+  *os << KvCacheLayoutName(layout);
+}
+inline void PrintTo(KvDtype dtype, std::ostream* os) { *os << KvDtypeName(dtype); }
+
+}  // namespace kvdepot
+
 namespace kvdepot::gpu_testing {
+
+// Every layout and dtype, for tests that cover them all.
+constexpr KvCacheLayout kAllLayouts[] = {
+    KvCacheLayout::kFlashAttnNhd,  KvCacheLayout::kFlashAttnHnd,
+    KvCacheLayout::kFlashInferNhd, KvCacheLayout::kFlashInferHnd,
+    KvCacheLayout::kMla,           KvCacheLayout::kCrossLayerNhd,
+    KvCacheLayout::kCrossLayerHnd};
+constexpr KvDtype kAllDtypes[] = {KvDtype::kFloat16, KvDtype::kBFloat16,
+                                  KvDtype::kFloat8E4M3, KvDtype::kFloat32};
 
 class TestCache {
  public:
