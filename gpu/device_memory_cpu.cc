@@ -4,6 +4,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "gpu/device_memory.h"
+#include "gpu/internal/host_memory_args.h"
 
 namespace kvdepot {
 namespace {
@@ -53,21 +54,11 @@ absl::StatusOr<HostBuffer> AllocateHostBuffer(size_t bytes) {
 // Host memory needs no pinning here; only the arguments are checked, so that
 // callers see the CUDA build's InvalidArgument cases in tests.
 absl::Status RegisterHostMemory(void* data, size_t bytes) {
-  if (data == nullptr) {
-    return absl::InvalidArgumentError(
-        "cannot register host memory at a null address");
-  }
-  if (bytes == 0) {
-    return absl::InvalidArgumentError("cannot register 0 bytes of host memory");
-  }
-  return absl::OkStatus();
+  return gpu_internal::CheckRegisterArgs(data, bytes);
 }
 
 absl::Status UnregisterHostMemory(void* data) {
-  if (data == nullptr) {
-    return absl::InvalidArgumentError("cannot unregister a null address");
-  }
-  return absl::OkStatus();
+  return gpu_internal::CheckUnregisterArgs(data);
 }
 
 }  // namespace kvdepot

@@ -4,6 +4,7 @@
 #include "absl/strings/str_cat.h"
 #include "gpu/device_memory.h"
 #include "gpu/internal/cuda_status.h"
+#include "gpu/internal/host_memory_args.h"
 
 namespace kvdepot {
 
@@ -78,12 +79,8 @@ absl::StatusOr<HostBuffer> AllocateHostBuffer(size_t bytes) {
 }
 
 absl::Status RegisterHostMemory(void* data, size_t bytes) {
-  if (data == nullptr) {
-    return absl::InvalidArgumentError(
-        "cannot register host memory at a null address");
-  }
-  if (bytes == 0) {
-    return absl::InvalidArgumentError("cannot register 0 bytes of host memory");
+  if (absl::Status st = gpu_internal::CheckRegisterArgs(data, bytes); !st.ok()) {
+    return st;
   }
   // The kernels dereference the host address itself (HostBuffer works the
   // same way), which registered memory allows only where this attribute is
@@ -112,8 +109,8 @@ absl::Status RegisterHostMemory(void* data, size_t bytes) {
 }
 
 absl::Status UnregisterHostMemory(void* data) {
-  if (data == nullptr) {
-    return absl::InvalidArgumentError("cannot unregister a null address");
+  if (absl::Status st = gpu_internal::CheckUnregisterArgs(data); !st.ok()) {
+    return st;
   }
   return CudaStatus(cudaHostUnregister(data), "cudaHostUnregister");
 }
