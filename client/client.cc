@@ -6,6 +6,7 @@
 #include <algorithm>
 #include <chrono>
 #include <cstring>
+#include <iterator>
 #include <utility>
 
 #include "absl/strings/match.h"
@@ -32,19 +33,44 @@ absl::Status FromGrpcStatus(const grpc::Status& status) {
                       status.error_message());
 }
 
-// The client's UCX side: a context, one worker (its progress thread serves
-// the daemon's one-sided reads and writes of registered buffers over TCP and
-// shared memory) and the registered buffers.
+// A UCX worker (its progress thread serves the daemon's one-sided reads and
+// writes of registered buffers over TCP and shared memory) and the request
+// path on it. A session's endpoint in the daemon goes to one link's worker.
+// When a get fails in a way that may leave the daemon's writes for it in
+// flight, the link's worker is fenced (never progressed again) before the
+// failure is told, and the next session gets a new link.
+struct Client::Link {
+  std::unique_ptr<UcxWorker> worker;
+  // Null when it could not start, or ClientOptions::ucx_requests is off.
+  // Destroyed before the worker: requests still pending end Cancelled.
+  std::unique_ptr<UcxRequests> requests;
+  uint64_t session = 0;  // opened on this link (guarded by Ucx::link_mu)
+  absl::Time retired_at;  // when it was fenced (guarded by Ucx::link_mu)
+};
+
+namespace {
+// How long a fenced link's worker keeps its connections open (unserved)
+// before it is destroyed, and how many such links a client keeps at most
+// (beyond that the oldest go first). UCX 1.13 over TCP has crashed a
+// daemon when a client destroyed a worker just after the daemon dropped
+// its endpoint to it (UcxWorker::Fence); seconds later it did not.
+constexpr absl::Duration kRetiredLinkGrace = absl::Seconds(30);
+constexpr size_t kMaxRetiredLinks = 16;
+}  // namespace
+
+// The client's UCX side: a context, the current link and the registered
+// buffers.
 struct Client::Ucx {
   std::unique_ptr<UcxContext> context;
-  std::unique_ptr<UcxWorker> worker;
-  // The request path over UCX (null when it could not start, or
-  // ClientOptions::ucx_requests is off), and the threads that verify what
-  // its replies bring (a checksum pass must not hold up the progress
-  // thread, which serves the daemon's transfers). Destroyed before the
-  // worker: requests still pending end Cancelled.
+  // Threads that verify what replies over UCX bring (a checksum pass must
+  // not hold up a progress thread, which serves the daemon's transfers).
   std::unique_ptr<WorkPool> verify_pool;
-  std::unique_ptr<UcxRequests> requests;
+  absl::Mutex link_mu;
+  // Null after a fence until the next session opens.
+  std::shared_ptr<Link> link ABSL_GUARDED_BY(link_mu);
+  // Fenced links, destroyed on a caller's thread (never on their own
+  // progress thread): when the next session opens, or with the client.
+  std::vector<std::shared_ptr<Link>> retired ABSL_GUARDED_BY(link_mu);
   struct Buffer {
     std::unique_ptr<MemoryRegion> region;
     uint64_t session = 0;  // the session the daemon knows it in
@@ -113,25 +139,19 @@ Client::Client(const ClientOptions& options) : options_(options) {
     context_options.name = options_.client_name;
     absl::StatusOr<std::unique_ptr<UcxContext>> context =
         UcxContext::Create(context_options);
-    absl::StatusOr<std::unique_ptr<UcxWorker>> worker =
-        context.ok() ? UcxWorker::Create(**context,
-                                         UcxWorkerOptions{"kvdepot-ucx"})
-                     : context.status();
-    if (worker.ok()) {
-      ucx->context = *std::move(context);
-      ucx->worker = *std::move(worker);
-      if (options_.ucx_requests) {
-        absl::StatusOr<std::unique_ptr<UcxRequests>> requests =
-            UcxRequests::Create(*ucx->worker);
-        if (requests.ok()) {
-          ucx->verify_pool = std::make_unique<WorkPool>(2, "kvdepot-verify");
-          ucx->requests = *std::move(requests);
-        }
+    if (context.ok()) ucx->context = *std::move(context);
+    absl::StatusOr<std::shared_ptr<Link>> link =
+        context.ok() ? NewLink(*ucx->context) : context.status();
+    if (link.ok()) {
+      if ((*link)->requests != nullptr) {
+        ucx->verify_pool = std::make_unique<WorkPool>(2, "kvdepot-verify");
       }
+      absl::MutexLock lock(&ucx->link_mu);
+      ucx->link = *std::move(link);
       ucx_ = std::move(ucx);
     } else {
       absl::MutexLock lock(&mu_);
-      ucx_status_ = worker.status();
+      ucx_status_ = link.status();
     }
   } else {
     absl::MutexLock lock(&mu_);
@@ -172,6 +192,79 @@ Client::~Client() {
   }
   if (keepalive_.joinable()) keepalive_.join();
   CloseSession().IgnoreError();
+  if (ucx_ != nullptr) {
+    // Before the rest of ucx_, which the callbacks of their pending
+    // requests use (ReplaceLink). Stopped first: then no progress thread
+    // holds one when they go.
+    std::vector<std::shared_ptr<Link>> links;
+    {
+      absl::MutexLock lock(&ucx_->link_mu);
+      links.swap(ucx_->retired);
+      if (ucx_->link != nullptr) links.push_back(std::move(ucx_->link));
+    }
+    for (const std::shared_ptr<Link>& link : links) link->worker->Stop();
+    links.clear();
+  }
+}
+
+absl::StatusOr<std::shared_ptr<Client::Link>> Client::NewLink(
+    UcxContext& context) const {
+  auto link = std::make_shared<Link>();
+  ASSIGN_OR_RETURN(link->worker,
+                   UcxWorker::Create(context, UcxWorkerOptions{"kvdepot-ucx"}));
+  if (options_.ucx_requests) {
+    absl::StatusOr<std::unique_ptr<UcxRequests>> requests =
+        UcxRequests::Create(*link->worker);
+    // Without it, requests go as gRPC calls: slower, not broken.
+    if (requests.ok()) link->requests = *std::move(requests);
+  }
+  return link;
+}
+
+std::shared_ptr<Client::Link> Client::LinkOf(uint64_t session) {
+  absl::MutexLock lock(&ucx_->link_mu);
+  if (ucx_->link == nullptr || ucx_->link->session != session) return nullptr;
+  return ucx_->link;
+}
+
+void Client::ReplaceLink(Link& link, uint64_t session,
+                         absl::AnyInvocable<void() &&> then) {
+  {
+    absl::MutexLock lock(&ucx_->link_mu);
+    if (ucx_->link.get() == &link) {
+      link.retired_at = absl::Now();
+      ucx_->retired.push_back(std::move(ucx_->link));
+    }
+  }
+  DropSession(session);  // its endpoint in the daemon goes to this worker
+  link.worker->Fence(std::move(then));
+}
+
+void Client::ReapLinks() {
+  std::vector<std::shared_ptr<Link>> done;
+  {
+    absl::MutexLock lock(&ucx_->link_mu);
+    const absl::Time now = absl::Now();
+    // Oldest first; past the cap, the oldest go before their time.
+    size_t excess = ucx_->retired.size() > kMaxRetiredLinks
+                        ? ucx_->retired.size() - kMaxRetiredLinks
+                        : 0;
+    std::vector<std::shared_ptr<Link>> keep;
+    for (std::shared_ptr<Link>& link : ucx_->retired) {
+      const bool due = excess > 0 || now - link->retired_at >= kRetiredLinkGrace;
+      // Nothing makes a new copy of a retired link (LinkOf gives the
+      // current one), and a progress thread that may still use its own
+      // link (by reference, in a request's callback) has not ended.
+      if (due && link.use_count() == 1 && link->worker->finished()) {
+        done.push_back(std::move(link));
+        if (excess > 0) --excess;
+      } else {
+        keep.push_back(std::move(link));
+      }
+    }
+    ucx_->retired.swap(keep);
+  }
+  done.clear();  // outside link_mu: their requests' callbacks may take it
 }
 
 void Client::PrepareContext(grpc::ClientContext* ctx) const {
@@ -206,13 +299,32 @@ absl::StatusOr<uint64_t> Client::EnsureSession() {
   v1::OpenSessionRequest req;
   req.set_lease_ms(static_cast<uint32_t>(absl::ToInt64Milliseconds(options_.lease)));
   req.set_client_name(options_.client_name);
+  std::shared_ptr<Link> link;
+  absl::Status link_status = absl::OkStatus();
   if (ucx_ != nullptr) {
-    req.set_ucx_worker_address(ucx_->worker->address());
+    ReapLinks();
+    {
+      absl::MutexLock lock(&ucx_->link_mu);
+      link = ucx_->link;
+    }
+    if (link == nullptr) {
+      absl::StatusOr<std::shared_ptr<Link>> made = NewLink(*ucx_->context);
+      if (made.ok()) {
+        link = *std::move(made);
+        absl::MutexLock lock(&ucx_->link_mu);
+        ucx_->link = link;
+      } else {
+        link_status = made.status();  // this session goes without UCX
+      }
+    }
+  }
+  if (link != nullptr) {
+    req.set_ucx_worker_address(link->worker->address());
     req.set_host_id(LocalHostId());
   }
   v1::OpenSessionResponse resp;
   grpc::Status st = stub_->OpenSession(&ctx, req, &resp);
-  absl::Status ucx_status = absl::OkStatus();
+  absl::Status ucx_status = link_status;
   if (!st.ok() && !req.ucx_worker_address().empty() &&
       (st.error_code() == grpc::StatusCode::UNAVAILABLE ||
        st.error_code() == grpc::StatusCode::DEADLINE_EXCEEDED) &&
@@ -229,13 +341,18 @@ absl::StatusOr<uint64_t> Client::EnsureSession() {
     ucx_status = absl::FailedPreconditionError(
         "the daemon has no UCX data plane");
   }
-  if (ucx_status.ok() && ucx_ != nullptr && ucx_->requests != nullptr &&
-      !resp.ucx_request_address().empty()) {
-    // Without it, requests go as gRPC calls: slower, not broken.
-    ucx_->requests
-        ->Connect(resp.session_id(), resp.ucx_request_address(),
-                  std::min(options_.rpc_timeout, absl::Seconds(5)))
-        .IgnoreError();
+  if (ucx_status.ok() && link != nullptr) {
+    {
+      absl::MutexLock lock(&ucx_->link_mu);
+      link->session = resp.session_id();
+    }
+    if (link->requests != nullptr && !resp.ucx_request_address().empty()) {
+      // Without it, requests go as gRPC calls: slower, not broken.
+      link->requests
+          ->Connect(resp.session_id(), resp.ucx_request_address(),
+                    std::min(options_.rpc_timeout, absl::Seconds(5)))
+          .IgnoreError();
+    }
   }
   absl::MutexLock lock(&mu_);
   if (ucx_ != nullptr) ucx_status_ = ucx_status;
@@ -254,7 +371,7 @@ absl::Status Client::CloseSession() {
     id = std::exchange(session_id_, 0);
   }
   if (id == 0) return absl::OkStatus();
-  if (ucx_ != nullptr && ucx_->requests != nullptr) ucx_->requests->Disconnect(id);
+  DisconnectRequests(id);
   grpc::ClientContext ctx;
   ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(2));
   v1::CloseSessionRequest req;
@@ -690,8 +807,14 @@ void Client::DropSession(uint64_t session) {
     absl::MutexLock lock(&mu_);
     if (session_id_ == session) session_id_ = 0;
   }
-  if (ucx_ != nullptr && ucx_->requests != nullptr) {
-    ucx_->requests->Disconnect(session);
+  DisconnectRequests(session);
+}
+
+void Client::DisconnectRequests(uint64_t session) {
+  if (ucx_ == nullptr) return;
+  std::shared_ptr<Link> link = LinkOf(session);
+  if (link != nullptr && link->requests != nullptr) {
+    link->requests->Disconnect(session);
   }
 }
 
@@ -757,6 +880,36 @@ bool GetNeedsHashing(const absl::Status& st, const v1::PushBlocksResponse& resp)
   return false;
 }
 
+// Whether the daemon may still write blocks of a get that ended with `st`
+// (when OK, with the outcomes in `resp`) into this client's buffers after
+// this: a transfer that failed on its way, or a request whose answer did
+// not come. The daemon's own copies (`in_place`) are done before it
+// answers; UCX's are not: over shared memory UCX 1.13 cannot take back
+// writes it has queued (transport/README, caveat 2), and over TCP they
+// may still be in the socket.
+bool MayLandLate(const absl::Status& st, const v1::PushBlocksResponse& resp,
+                 const std::vector<bool>& in_place) {
+  auto in_flight = [](absl::StatusCode code) {
+    return code == absl::StatusCode::kDeadlineExceeded ||
+           code == absl::StatusCode::kUnavailable ||
+           code == absl::StatusCode::kCancelled ||
+           code == absl::StatusCode::kAborted ||
+           code == absl::StatusCode::kUnknown ||
+           code == absl::StatusCode::kInternal;
+  };
+  if (std::all_of(in_place.begin(), in_place.end(), [](bool b) { return b; })) {
+    return false;
+  }
+  if (!st.ok()) return in_flight(st.code());
+  for (int i = 0; i < resp.blocks_size(); ++i) {
+    if (static_cast<size_t>(i) < in_place.size() && !in_place[i] &&
+        in_flight(static_cast<absl::StatusCode>(resp.blocks(i).code()))) {
+      return true;
+    }
+  }
+  return false;
+}
+
 // Ends a PutFromAsync op from the daemon's answer (state.pull_resp when OK).
 void FinishPut(TransferOp::State& state, const absl::Status& st) {
   for (size_t i = 0; i < state.statuses.size(); ++i) {
@@ -795,6 +948,10 @@ absl::StatusOr<Client::UcxTarget> Client::PrepareUcx(
   UcxTarget target;
   ASSIGN_OR_RETURN(target.session, EnsureSession());
   RETURN_IF_ERROR(data_plane_status());
+  target.link = LinkOf(target.session);
+  if (target.link == nullptr) {  // replaced since (a get failed meanwhile)
+    return absl::UnavailableError("the session's UCX worker was replaced");
+  }
   absl::MutexLock lock(&ucx_->mu);
   for (size_t i = 0; i < ranges.size(); ++i) {
     Ucx::Buffer& b = ucx_->buffers[buffer_of[i]];
@@ -888,16 +1045,25 @@ TransferOp Client::GetIntoAsync(absl::string_view ns,
   std::vector<absl::Span<char>> out(dst.begin(), dst.end());
   const uint64_t session = target->session;
   TransferOp op(state);
-  if (ucx_->requests != nullptr && ucx_->requests->Serves(session)) {
+  // A failure that may leave the daemon's writes in flight is told only
+  // once the worker they would come through is fenced: the caller owns
+  // the buffers again when the op is ready.
+  Link* link = target->link.get();
+  if (link->requests != nullptr && link->requests->Serves(session)) {
     // Over UCX: the reply comes on the progress thread; blocks to hash are
-    // checked on the verify pool.
-    absl::Status sent = ucx_->requests->Send(
+    // checked on the verify pool. `link` outlives its requests' callbacks.
+    absl::Status sent = link->requests->Send(
         session, RequestMethod::kPushBlocks, req.SerializeAsString(),
         absl::Now() + UcxRequestTimeout(),
-        [this, state, session, out](const absl::Status& reply,
-                                    absl::string_view body) mutable {
+        [this, state, session, out, link, in_place = target->in_place](
+            const absl::Status& reply, absl::string_view body) mutable {
           absl::Status st = ParseReply(reply, body, state->push_resp);
           if (SessionGone(st)) DropSession(session);
+          if (MayLandLate(st, state->push_resp, in_place)) {
+            return ReplaceLink(*link, session, [state, st, out = std::move(out)] {
+              FinishGet(*state, st, out);
+            });
+          }
           if (!GetNeedsHashing(st, state->push_resp)) {
             return FinishGet(*state, st, out);
           }
@@ -911,9 +1077,15 @@ TransferOp Client::GetIntoAsync(absl::string_view ns,
   PrepareContext(&state->ctx);
   stub_->async()->PushBlocks(
       &state->ctx, &state->push_req, &state->push_resp,
-      [this, state, session, out = std::move(out)](grpc::Status reply) {
+      [this, state, session, out = std::move(out), link = std::move(target->link),
+       in_place = std::move(target->in_place)](grpc::Status reply) {
         const absl::Status st = FromGrpcStatus(reply);
         if (SessionGone(st)) DropSession(session);
+        if (MayLandLate(st, state->push_resp, in_place)) {
+          return ReplaceLink(*link, session, [state, st, out] {
+            FinishGet(*state, st, out);
+          });
+        }
         FinishGet(*state, st, out);
       });
   return op;
@@ -962,8 +1134,11 @@ TransferOp Client::PutFromAsync(absl::string_view ns,
   req.set_timeout_ms(TransferTimeoutMs());
   const uint64_t session = target->session;
   TransferOp op(state);
-  if (ucx_->requests != nullptr && ucx_->requests->Serves(session)) {
-    absl::Status sent = ucx_->requests->Send(
+  // No fence for a put that fails: the daemon only reads these buffers,
+  // and keeps the slots of reads UCX may still answer (HoldUntilReleased).
+  UcxRequests* requests = target->link->requests.get();
+  if (requests != nullptr && requests->Serves(session)) {
+    absl::Status sent = requests->Send(
         session, RequestMethod::kPullBlocks, req.SerializeAsString(),
         absl::Now() + UcxRequestTimeout(),
         [this, state, session](const absl::Status& reply, absl::string_view body) {

@@ -33,6 +33,7 @@
 #include <vector>
 
 #include "absl/base/thread_annotations.h"
+#include "absl/functional/any_invocable.h"
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
@@ -42,6 +43,8 @@
 #include "kvdepot/v1/kvdepot.grpc.pb.h"
 
 namespace kvdepot {
+
+class UcxContext;
 
 struct ClientOptions {
   std::string server = "127.0.0.1:50551";
@@ -210,14 +213,15 @@ class Client {
   // (data_plane_status() says why); InvalidArgument for a null base or zero
   // size; UCX's error when registration fails.
   //
-  // With a daemon on this host over shared memory, prefer AllocateBuffer:
-  // UCX 1.13 moves blocks into registered memory with messages that this
+  // With a daemon on this host over shared memory, prefer AllocateBuffer
+  // (the daemon copies into it itself, a pass cheaper). Into other
+  // registered memory UCX 1.13 moves blocks with messages that this
   // client's worker copies in, and cannot take back what it queued when a
-  // transfer passes its deadline (transport/README, caveat 2). A get that
-  // failed because this process stalled past the transfer timeout may then
-  // still be written into its buffers afterwards; do not reuse them for
-  // another get at once. AllocateBuffer memory is copied into by the daemon
-  // itself and has no such tail.
+  // transfer fails on its way (transport/README, caveat 2). So when a get
+  // fails that way (a timeout, a lost connection), the client fences that
+  // worker (it is never progressed again) before it reports the failure,
+  // and opens its next session on a new one: once an op is ready, nothing
+  // more is written into its buffers.
   absl::Status RegisterBuffer(void* base, size_t size);
   // Allocates `size` bytes through UCX, registered as RegisterBuffer does,
   // and returns them; they live as long as the client. UCX places them in
@@ -282,12 +286,14 @@ class Client {
                         absl::Span<const absl::Span<char>> dst,
                         const LookupReply& found);
 
+  struct Link;
   struct Ucx;
   // The session for a UCX transfer and the daemon's ids of the buffers
   // holding `ranges` (registering them with the daemon as needed). NotFound
   // when a range is not in registered memory.
   struct UcxTarget {
     uint64_t session = 0;
+    std::shared_ptr<Link> link;  // the worker the session's endpoint goes to
     std::vector<v1::BufferRange> ranges;
     // Per range: the daemon copies it in place (copied_in_place).
     std::vector<bool> in_place;
@@ -296,6 +302,21 @@ class Client {
   // The daemon no longer knows `session` (or its endpoint): forget it so
   // that the next call opens a new one.
   void DropSession(uint64_t session);
+  // Ends the requests over UCX of `session` (pending ones: Unavailable).
+  void DisconnectRequests(uint64_t session);
+
+  // A new worker, and the request path on it unless options_ say no.
+  absl::StatusOr<std::shared_ptr<Link>> NewLink(UcxContext& context) const;
+  // The current link when `session` was opened on it; otherwise null.
+  std::shared_ptr<Link> LinkOf(uint64_t session);
+  // For a get that failed in a way that may leave the daemon's writes for
+  // it in flight: retires `link` (the next session gets a new one), drops
+  // `session`, and fences the link's worker; `then` runs once it will
+  // never be progressed again (UcxWorker::Fence).
+  void ReplaceLink(Link& link, uint64_t session, absl::AnyInvocable<void() &&> then);
+  // Destroys the retired links that are done with (their threads have
+  // ended, nothing else holds them). Never on a progress thread.
+  void ReapLinks();
   // options_.transfer_timeout for the daemon, in milliseconds.
   uint32_t TransferTimeoutMs() const;
   // How long a request over UCX waits for its reply.

@@ -509,6 +509,52 @@ TEST_P(UcxE2eTest, AStalledClientsLateAnswersLandInNoOtherBlock) {
   EXPECT_EQ(lost, 0) << daemon_->Log();
 }
 
+TEST_P(UcxE2eTest, AGetThatFailedWritesNothingIntoTheClientsBufferAfterwards) {
+  // A libkvdepot client (a ucx_client_peer process) gets 64 MiB into
+  // memory it registered itself and stops (SIGSTOP) once the first block
+  // has landed, until well past the transfer's deadline. The get then
+  // fails; from the moment the client reports that, nothing more may be
+  // written into its buffer (the caller owns it again), although the
+  // daemon's UCX may still hold writes of the transfer for it (over shared
+  // memory it cannot take them back). The client's next get works.
+  constexpr int kBlocks = 32;
+  constexpr size_t kBig = 2 << 20;
+  std::vector<char> src(kBig);
+  for (int i = 0; i < kBlocks; ++i) {
+    ucx_test::FillPattern(src.data(), kBig, i + 1);
+    const std::string key = absl::StrCat("lateget", i);
+    BlockToPut block{key, "", absl::string_view(src.data(), kBig)};
+    absl::StatusOr<std::vector<PutResult>> put = client_->Put("lateget", {&block, 1});
+    ASSERT_OK(put.status()) << i;
+  }
+  std::unique_ptr<Child> peer =
+      Spawn({"late-get", daemon_->address(), "lateget", std::to_string(kBlocks),
+             std::to_string(kBig), "500"});
+  ASSERT_NE(peer, nullptr);
+  ASSERT_EQ(peer->ReadLine(), "STOPPING");
+  int status = 0;
+  ASSERT_EQ(waitpid(peer->pid, &status, WUNTRACED), peer->pid);
+  ASSERT_TRUE(WIFSTOPPED(status));
+  // Past the daemon's deadline (500 ms) and its giving up on UCX (1 s
+  // later): the daemon has answered that the blocks failed.
+  absl::SleepFor(absl::Milliseconds(2500));
+  kill(peer->pid, SIGCONT);
+  const std::string result = peer->ReadLine();
+  int failed = -1, recovered = -1;
+  size_t changed = 0;
+  ASSERT_EQ(std::sscanf(result.c_str(), "RESULT %d %zu %d", &failed, &changed,
+                        &recovered),
+            3)
+      << "the peer said: " << result;
+  EXPECT_GT(failed, 0) << "the whole get arrived in time: nothing was tested";
+  EXPECT_EQ(changed, 0u) << "bytes written into the buffer after the get failed";
+  EXPECT_EQ(recovered, 1) << "the next get did not bring every block";
+  EXPECT_EQ(peer->Wait(), 0);
+  // The daemon saw the client's first worker go; it is unharmed.
+  EXPECT_OK(client_->Health());
+  EXPECT_EQ(daemon_->Stop(SIGTERM).value_or(-1), 0) << daemon_->Log();
+}
+
 TEST_P(UcxE2eTest, ADaemonHoldingAStalledClientsSlotsStopsCleanly) {
   // SIGTERM while the daemon holds the slots of a put abandoned to a
   // stopped client (shared memory; over TCP nothing is held): it drains

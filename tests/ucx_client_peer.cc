@@ -9,10 +9,22 @@
 //     Registers a buffer of SIZE bytes, stores one 4 KiB block from it (so
 //     the daemon knows the buffer as id 0), prints "READY SESSION ADDRESS"
 //     and sleeps until killed (the test stops it to stall transfers).
+//   ucx_client_peer late-get SERVER NS BLOCKS SIZE TIMEOUT_MS
+//     With a transfer timeout of TIMEOUT_MS, GetIntoAsync the blocks
+//     "NS<i>" (i < BLOCKS, SIZE bytes, pattern seed i + 1: the test stored
+//     them) into a registered buffer filled with 'E'. Once block 0 has
+//     landed, prints "STOPPING" and stops itself (SIGSTOP; the test sends
+//     SIGCONT after the deadline). Then waits for the get, copies the
+//     buffer, waits 2 s and counts the bytes changed since (none may be:
+//     the get had ended), gets the blocks again and checks every byte.
+//     Prints "RESULT FAILED CHANGED RECOVERED": blocks the first get
+//     failed, bytes written after it ended, 1 when the second got all.
 //   ucx_client_peer hold-pin SERVER NS KEY
 //   ucx_client_peer hold-reservation SERVER NS SIZE
 //     Opens a UCX session, pins KEY (Lookup with pin) or reserves a block of
 //     SIZE bytes (BeginPut), prints "HOLDING" and sleeps until killed.
+#include <sched.h>
+#include <signal.h>
 #include <unistd.h>
 
 #include <cstdio>
@@ -23,6 +35,7 @@
 
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
+#include "absl/time/clock.h"
 #include "client/client.h"
 #include "transport/ucx_test_util.h"
 
@@ -113,6 +126,64 @@ int Stall(const std::string& server, const std::string& ns, uint64_t size) {
   for (;;) pause();
 }
 
+int LateGet(const std::string& server, const std::string& ns, size_t blocks,
+            size_t size, int64_t timeout_ms) {
+  ClientOptions options;
+  options.server = server;
+  options.client_name = "ucx_client_peer";
+  options.lease = absl::Seconds(60);
+  options.ucx.clear();  // from the environment
+  options.transfer_timeout = absl::Milliseconds(timeout_ms);
+  // The request's own deadline (rpc_timeout bounds it): passed, too, when
+  // this process continues.
+  options.rpc_timeout = absl::Milliseconds(2 * timeout_ms);
+  absl::StatusOr<std::unique_ptr<Client>> c = Client::Connect(options);
+  if (!c.ok()) return Fail(c.status().ToString());
+  Client& client = **c;
+  std::vector<char> buffer(blocks * size, 'E');
+  if (absl::Status st = client.RegisterBuffer(buffer.data(), buffer.size()); !st.ok()) {
+    return Fail(st.ToString());
+  }
+  std::vector<std::string> keys;
+  std::vector<absl::Span<char>> dst;
+  for (size_t i = 0; i < blocks; ++i) {
+    keys.push_back(absl::StrCat(ns, i));
+    dst.emplace_back(buffer.data() + i * size, size);
+  }
+  std::vector<absl::string_view> views(keys.begin(), keys.end());
+  TransferOp first = client.GetIntoAsync(ns, views, dst);
+  if (std::string(first.transport()) != "ucx") return Fail("get did not use UCX");
+  while (!first.IsReady() &&
+         ucx_test::FirstPatternMismatch(buffer.data(), size, 1) >= 0) {
+    sched_yield();
+  }
+  if (first.IsReady()) return Fail("the get ended before this process stopped");
+  std::cout << "STOPPING" << std::endl;
+  raise(SIGSTOP);
+  first.Wait();
+  int failed = 0;
+  for (const absl::Status& st : first.statuses()) failed += !st.ok();
+  const std::vector<char> ended = buffer;
+  absl::SleepFor(absl::Seconds(2));
+  size_t changed = 0;
+  for (size_t i = 0; i < buffer.size(); ++i) changed += buffer[i] != ended[i];
+
+  TransferOp second = client.GetIntoAsync(ns, views, dst);
+  second.Wait();
+  bool recovered = std::string(second.transport()) == "ucx";
+  for (size_t i = 0; i < blocks; ++i) {
+    if (!second.statuses()[i].ok()) {
+      std::cerr << "second get, block " << i << ": " << second.statuses()[i] << "\n";
+      recovered = false;
+    } else if (ucx_test::FirstPatternMismatch(dst[i].data(), size, i + 1) >= 0) {
+      std::cerr << "second get, block " << i << " differs\n";
+      recovered = false;
+    }
+  }
+  std::cout << "RESULT " << failed << " " << changed << " " << recovered << std::endl;
+  return 0;
+}
+
 int Hold(const std::string& server, const std::string& ns, bool pin,
          const std::string& arg) {
   std::unique_ptr<Client> client = MakeClient(server);
@@ -157,9 +228,14 @@ int main(int argc, char** argv) {
   if (a.size() == 4 && a[0] == "stall" && absl::SimpleAtoi(a[3], &size)) {
     return kvdepot::Stall(a[1], a[2], size);
   }
+  int64_t timeout_ms = 0;
+  if (a.size() == 6 && a[0] == "late-get" && absl::SimpleAtoi(a[3], &blocks) &&
+      absl::SimpleAtoi(a[4], &size) && absl::SimpleAtoi(a[5], &timeout_ms)) {
+    return kvdepot::LateGet(a[1], a[2], blocks, size, timeout_ms);
+  }
   if (a.size() == 4 && (a[0] == "hold-pin" || a[0] == "hold-reservation")) {
     return kvdepot::Hold(a[1], a[2], a[0] == "hold-pin", a[3]);
   }
-  std::cerr << "usage: ucx_client_peer roundtrip|stall|hold-pin|hold-reservation ...\n";
+  std::cerr << "usage: ucx_client_peer roundtrip|stall|late-get|hold-pin|hold-reservation ...\n";
   return 2;
 }

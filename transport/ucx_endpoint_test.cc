@@ -584,6 +584,57 @@ TEST_P(UcxEndpointTest, NothingMoreOfABatchIsSentOnceItsDeadlinePassed) {
   EXPECT_FALSE(put.overall_status().ok());
 }
 
+TEST_P(UcxEndpointTest, AFencedWorkerTakesNoMoreWrites) {
+  // The server's worker is fenced before it has taken any of a 16 MiB put:
+  // none of it may reach the region afterwards, whatever UCX still holds
+  // (over shared memory the client's UCX cannot take back its queued
+  // sends; the server's worker is then never progressed again).
+  auto written = [&] {  // blocks of the region the put wrote
+    size_t n = 0;
+    for (size_t b = 0; b < kRegionSize / kBlock; ++b) {
+      n += ucx_test::FirstPatternMismatch(arena_->base() + b * kBlock, kBlock,
+                                          kSeed + b * kBlock / 8) >= 0;
+    }
+    return n;
+  };
+  absl::Notification stuck, go, fenced;
+  size_t written_when_fenced = SIZE_MAX;
+  ASSERT_TRUE(server_worker_
+                  ->Submit([&] {
+                    stuck.Notify();
+                    go.WaitForNotification();
+                    server_worker_->Fence([&] {
+                      written_when_fenced = written();
+                      fenced.Notify();
+                    });
+                  })
+                  .ok());
+  stuck.WaitForNotification();
+  std::vector<char> source(kRegionSize, 'x');
+  auto source_region = RegisterLocal(source);
+  std::vector<Transfer> puts;
+  for (size_t b = 0; b < kRegionSize / kBlock; ++b) {
+    puts.push_back({region_id_, region_->address() + b * kBlock,
+                    source.data() + b * kBlock, kBlock, source_region.get()});
+  }
+  TransferHandle put = endpoint_->Put(puts, absl::Now() + absl::Milliseconds(500));
+  ASSERT_TRUE(client_worker_->Run([] {}).ok());  // posted
+  absl::SleepFor(absl::Milliseconds(100));        // and partly sent
+  go.Notify();
+  fenced.WaitForNotification();
+  EXPECT_EQ(written_when_fenced, 0u);
+  EXPECT_EQ(server_worker_->Run([] {}).code(), absl::StatusCode::kUnavailable);
+  ASSERT_TRUE(put.WaitUntil(absl::Now() + absl::Seconds(10)));
+  EXPECT_FALSE(put.overall_status().ok());
+  absl::SleepFor(absl::Milliseconds(300));  // anything still on its way
+  EXPECT_EQ(written(), 0u) << "the put reached the region after the fence";
+  // Fenced from another thread, `then` runs before Fence returns.
+  bool ran = false;
+  client_worker_->Fence([&] { ran = true; });
+  EXPECT_TRUE(ran);
+  EXPECT_EQ(client_worker_->Submit([] {}).code(), absl::StatusCode::kUnavailable);
+}
+
 // A server process that dies under a get (here: it is made to copy from an
 // unmapped address, which UCX 1.13 does not check over TCP or shared
 // memory): the batch ends with an error, by peer failure or by its

@@ -198,6 +198,28 @@ void UcxWorker::Stop() {
   }
   absl::MutexLock lock(&join_mu_);
   if (thread_.joinable()) thread_.join();
+  absl::MutexLock worker_lock(&mu_);
+  if (worker_ != nullptr) {
+    ucp_worker_destroy(worker_);
+    worker_ = nullptr;
+  }
+}
+
+void UcxWorker::Fence(absl::AnyInvocable<void() &&> then) {
+  if (OnProgressThread()) {
+    FenceHere();
+    Defer(std::move(then));  // after the current progress call, if any
+    return;
+  }
+  // Unavailable: stopping already; Run then returns once the thread is done.
+  Run([this] { FenceHere(); }).IgnoreError();
+  std::move(then)();
+}
+
+void UcxWorker::FenceHere() {
+  fenced_ = true;
+  absl::MutexLock lock(&mu_);
+  stopping_ = true;  // Loop ends once the queue is empty
 }
 
 void UcxWorker::AddResident(Resident* resident) {
@@ -313,19 +335,20 @@ void UcxWorker::TickSenders() {
 
 void UcxWorker::Loop() {
   while (RunQueued()) {
+    if (fenced_) continue;  // only the queued tasks, then Shutdown
     // Senders' deadlines before progress, and between its calls: after a
     // stall of this thread (SIGSTOP, swapping, a long task) a batch past
     // its deadline ends, its endpoint closed, before progress sends more of
     // it -- its peer may have given up on it and reused the memory.
     TickSenders();
-    while (ucp_worker_progress(worker_) != 0) {
+    while (!fenced_ && ucp_worker_progress(worker_) != 0) {
       RunDeferred();
       TickSenders();
     }
     RunDeferred();
     ReapCloses();
     TickResidents();
-    if (!deferred_.empty()) continue;
+    if (!deferred_.empty() || fenced_) continue;
     SleepUntilEvent();
   }
 }
@@ -364,8 +387,9 @@ void UcxWorker::Shutdown() {
     timers_.clear();
     for (auto& [when, task] : timers) std::move(task)();
   }
+  // Closes end in progress calls, which a fenced worker makes no more.
   const absl::Time give_up = absl::Now() + options_.close_timeout;
-  while (!close_requests_.empty() && absl::Now() < give_up) {
+  while (!fenced_ && !close_requests_.empty() && absl::Now() < give_up) {
     ucp_worker_progress(worker_);
     RunDeferred();
     ReapCloses();
@@ -373,6 +397,9 @@ void UcxWorker::Shutdown() {
   // Requests still open are released with the worker.
   for (void* request : close_requests_) ucp_request_free(request);
   close_requests_.clear();
+  // A fenced worker's UCP worker (its connections) goes in Stop, later:
+  // see Fence.
+  if (fenced_) return;
   // No signal can be in flight: signals are sent under mu_ while
   // !stopping_.
   absl::MutexLock lock(&mu_);
