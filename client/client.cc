@@ -229,14 +229,19 @@ std::shared_ptr<Client::Link> Client::LinkOf(uint64_t session) {
 
 void Client::ReplaceLink(Link& link, uint64_t session,
                          absl::AnyInvocable<void() &&> then) {
+  uint64_t opened = 0;
   {
     absl::MutexLock lock(&ucx_->link_mu);
+    opened = link.session;
     if (ucx_->link.get() == &link) {
       link.retired_at = absl::Now();
       ucx_->retired.push_back(std::move(ucx_->link));
     }
   }
-  DropSession(session);  // its endpoint in the daemon goes to this worker
+  // Their endpoints in the daemon go to this worker: the get's session,
+  // and the one opened on the link since, if another.
+  DropSession(session);
+  if (opened != session) DropSession(opened);
   link.worker->Fence(std::move(then));
 }
 
@@ -950,6 +955,7 @@ absl::StatusOr<Client::UcxTarget> Client::PrepareUcx(
   RETURN_IF_ERROR(data_plane_status());
   target.link = LinkOf(target.session);
   if (target.link == nullptr) {  // replaced since (a get failed meanwhile)
+    DropSession(target.session);
     return absl::UnavailableError("the session's UCX worker was replaced");
   }
   absl::MutexLock lock(&ucx_->mu);

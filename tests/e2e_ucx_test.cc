@@ -59,6 +59,11 @@ struct Child {
     return s;
   }
   int Wait() {
+    // Read what it still writes (UCX logs to stdout) so it cannot block on
+    // a full pipe.
+    char buf[4096];
+    while (out != nullptr && fread(buf, 1, sizeof buf, out) > 0) {
+    }
     int status = 0;
     waitpid(pid, &status, 0);
     pid = -1;
