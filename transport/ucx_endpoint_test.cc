@@ -153,6 +153,27 @@ class UcxEndpointTest : public ::testing::TestWithParam<std::string> {
 
   static absl::Time Soon() { return absl::Now() + absl::Seconds(10); }
 
+  // Puts of `source` (kRegionSize bytes, registered as `source_region`)
+  // over the whole region, one per block.
+  std::vector<Transfer> PutsOverTheRegion(std::vector<char>& source,
+                                          const MemoryRegion* source_region) const {
+    std::vector<Transfer> puts;
+    for (size_t b = 0; b < kRegionSize / kBlock; ++b) {
+      puts.push_back({region_id_, region_->address() + b * kBlock,
+                      source.data() + b * kBlock, kBlock, source_region});
+    }
+    return puts;
+  }
+  // Blocks of the region that no longer hold the pattern (a put wrote them).
+  size_t BlocksWritten() const {
+    size_t n = 0;
+    for (size_t b = 0; b < kRegionSize / kBlock; ++b) {
+      n += ucx_test::FirstPatternMismatch(arena_->base() + b * kBlock, kBlock,
+                                          kSeed + b * kBlock / 8) >= 0;
+    }
+    return n;
+  }
+
   // The allocators of shared memory to try: UCX's default (System V), and
   // over shared memory also POSIX.
   std::vector<std::string> Allocators() const {
@@ -549,11 +570,7 @@ TEST_P(UcxEndpointTest, NothingMoreOfABatchIsSentOnceItsDeadlinePassed) {
   server_stuck.WaitForNotification();
   std::vector<char> source(kRegionSize, 'x');
   auto source_region = RegisterLocal(source);
-  std::vector<Transfer> puts;
-  for (size_t b = 0; b < kRegionSize / kBlock; ++b) {
-    puts.push_back({region_id_, region_->address() + b * kBlock,
-                    source.data() + b * kBlock, kBlock, source_region.get()});
-  }
+  const std::vector<Transfer> puts = PutsOverTheRegion(source, source_region.get());
   const absl::Time deadline = absl::Now() + absl::Milliseconds(300);
   TransferHandle put = endpoint_->Put(puts, deadline);
   ASSERT_TRUE(client_worker_
@@ -563,15 +580,7 @@ TEST_P(UcxEndpointTest, NothingMoreOfABatchIsSentOnceItsDeadlinePassed) {
                   })
                   .ok());
   client_stuck.WaitForNotification();
-  auto written = [&] {  // blocks of the region the batch wrote
-    size_t n = 0;
-    for (size_t b = 0; b < puts.size(); ++b) {
-      n += ucx_test::FirstPatternMismatch(arena_->base() + b * kBlock, kBlock,
-                                          kSeed + b * kBlock / 8) >= 0;
-    }
-    return n;
-  };
-  EXPECT_LT(written(), puts.size()) << "nothing was left to send";
+  EXPECT_LT(BlocksWritten(), puts.size()) << "nothing was left to send";
   server_go.Notify();  // takes what was sent before the stall
   absl::SleepFor(deadline + absl::Milliseconds(200) - absl::Now());
   client_go.Notify();
@@ -579,7 +588,7 @@ TEST_P(UcxEndpointTest, NothingMoreOfABatchIsSentOnceItsDeadlinePassed) {
   // Anything still on its way lands meanwhile.
   absl::SleepFor(absl::Milliseconds(300));
   ASSERT_TRUE(server_worker_->Run([] {}).ok());
-  EXPECT_LT(written(), puts.size())
+  EXPECT_LT(BlocksWritten(), puts.size())
       << "the rest of the batch was sent after its deadline";
   EXPECT_FALSE(put.overall_status().ok());
 }
@@ -589,14 +598,6 @@ TEST_P(UcxEndpointTest, AFencedWorkerTakesNoMoreWrites) {
   // none of it may reach the region afterwards, whatever UCX still holds
   // (over shared memory the client's UCX cannot take back its queued
   // sends; the server's worker is then never progressed again).
-  auto written = [&] {  // blocks of the region the put wrote
-    size_t n = 0;
-    for (size_t b = 0; b < kRegionSize / kBlock; ++b) {
-      n += ucx_test::FirstPatternMismatch(arena_->base() + b * kBlock, kBlock,
-                                          kSeed + b * kBlock / 8) >= 0;
-    }
-    return n;
-  };
   absl::Notification stuck, go, fenced;
   size_t written_when_fenced = SIZE_MAX;
   ASSERT_TRUE(server_worker_
@@ -604,7 +605,7 @@ TEST_P(UcxEndpointTest, AFencedWorkerTakesNoMoreWrites) {
                     stuck.Notify();
                     go.WaitForNotification();
                     server_worker_->Fence([&] {
-                      written_when_fenced = written();
+                      written_when_fenced = BlocksWritten();
                       fenced.Notify();
                     });
                   })
@@ -612,11 +613,7 @@ TEST_P(UcxEndpointTest, AFencedWorkerTakesNoMoreWrites) {
   stuck.WaitForNotification();
   std::vector<char> source(kRegionSize, 'x');
   auto source_region = RegisterLocal(source);
-  std::vector<Transfer> puts;
-  for (size_t b = 0; b < kRegionSize / kBlock; ++b) {
-    puts.push_back({region_id_, region_->address() + b * kBlock,
-                    source.data() + b * kBlock, kBlock, source_region.get()});
-  }
+  const std::vector<Transfer> puts = PutsOverTheRegion(source, source_region.get());
   TransferHandle put = endpoint_->Put(puts, absl::Now() + absl::Milliseconds(500));
   ASSERT_TRUE(client_worker_->Run([] {}).ok());  // posted
   absl::SleepFor(absl::Milliseconds(100));        // and partly sent
@@ -627,7 +624,7 @@ TEST_P(UcxEndpointTest, AFencedWorkerTakesNoMoreWrites) {
   ASSERT_TRUE(put.WaitUntil(absl::Now() + absl::Seconds(10)));
   EXPECT_FALSE(put.overall_status().ok());
   absl::SleepFor(absl::Milliseconds(300));  // anything still on its way
-  EXPECT_EQ(written(), 0u) << "the put reached the region after the fence";
+  EXPECT_EQ(BlocksWritten(), 0u) << "the put reached the region after the fence";
   // Fenced from another thread, `then` runs before Fence returns.
   bool ran = false;
   client_worker_->Fence([&] { ran = true; });
