@@ -6,7 +6,6 @@
 #include <algorithm>
 #include <chrono>
 #include <cstring>
-#include <iterator>
 #include <utility>
 
 #include "absl/strings/match.h"
@@ -69,7 +68,8 @@ struct Client::Ucx {
   // Null after a fence until the next session opens.
   std::shared_ptr<Link> link ABSL_GUARDED_BY(link_mu);
   // Fenced links, destroyed on a caller's thread (never on their own
-  // progress thread): when the next session opens, or with the client.
+  // progress thread): when a session opens once they are kRetiredLinkGrace
+  // old (or past kMaxRetiredLinks), or with the client.
   std::vector<std::shared_ptr<Link>> retired ABSL_GUARDED_BY(link_mu);
   struct Buffer {
     std::unique_ptr<MemoryRegion> region;

@@ -190,9 +190,9 @@ absl::Time UcxRequests::OnTick(absl::Time now) {
 
 void UcxRequests::OnStop() {
   EndWhere([](const Pending&) { return true; },
-           absl::CancelledError(
-      "the client's UCX worker stopped (the client closed, or a get that "
-      "failed in flight fenced it)"));
+           absl::CancelledError("the client's UCX worker stopped (the client "
+                                "closed, or a get that failed in flight "
+                                "fenced it)"));
 }
 
 template <typename Pred>
