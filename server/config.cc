@@ -92,6 +92,7 @@ absl::Status LoadConfigFile(const std::string& path, DaemonConfig* c) {
   uint64_t grpc_streams = static_cast<uint64_t>(c->grpc_max_streams_per_connection);
   uint64_t ns_labels = static_cast<uint64_t>(c->metrics_namespace_labels);
   uint64_t ucx_workers = static_cast<uint64_t>(c->ucx_workers);
+  uint64_t ucx_colocated = static_cast<uint64_t>(c->ucx_colocated_workers);
   auto bool_into = [](bool* out) -> Setter {
     return [out](const std::string& v) {
       if (v != "true" && v != "false") {
@@ -149,6 +150,7 @@ absl::Status LoadConfigFile(const std::string& path, DaemonConfig* c) {
       {"create_namespaces", bool_into(&c->store.create_namespaces)},
       {"ucx_enabled", bool_into(&c->ucx_enabled)},
       {"ucx_workers", uint_into(&ucx_workers)},
+      {"ucx_colocated_workers", uint_into(&ucx_colocated)},
       {"ucx_transfer_timeout", duration_into(&c->ucx_transfer_timeout)},
   };
   for (const auto& kv : root) {
@@ -193,6 +195,8 @@ absl::Status LoadConfigFile(const std::string& path, DaemonConfig* c) {
   c->metrics_namespace_labels =
       static_cast<int>(std::min<uint64_t>(ns_labels, 100000));
   c->ucx_workers = static_cast<int>(std::min<uint64_t>(ucx_workers, 1024));
+  c->ucx_colocated_workers =
+      static_cast<int>(std::min<uint64_t>(ucx_colocated, 1 << 20));
   return absl::OkStatus();
 }
 
@@ -234,6 +238,9 @@ absl::Status ValidateConfig(const DaemonConfig& c) {
   }
   if (c.ucx_workers < 1 || c.ucx_workers > 64) {
     return absl::InvalidArgumentError("ucx_workers must be 1..64");
+  }
+  if (c.ucx_colocated_workers < 0 || c.ucx_colocated_workers > 4096) {
+    return absl::InvalidArgumentError("ucx_colocated_workers must be 0..4096");
   }
   if (c.ucx_transfer_timeout < absl::Milliseconds(100)) {
     return absl::InvalidArgumentError("ucx_transfer_timeout must be at least 100ms");

@@ -57,6 +57,10 @@ struct DaemonConfig {
   // Progress threads of the data plane (2 measured 10-20% faster than 1
   // here, over TCP and shared memory alike).
   int ucx_workers = 2;
+  // Co-located clients (shared memory) that get a UCX worker and progress
+  // thread of their own (DataPlaneOptions::max_colocated_workers); beyond
+  // it they are served over TCP.
+  int ucx_colocated_workers = 64;
   // Longest a PushBlocks / PullBlocks transfer may take; past it the
   // client's endpoint is closed and its session ended.
   absl::Duration ucx_transfer_timeout = absl::Seconds(10);

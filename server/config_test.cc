@@ -92,23 +92,30 @@ TEST(ConfigFileTest2, ShippedExampleMatchesTheDefaults) {
   EXPECT_EQ(from_file.ucx_enabled, defaults.ucx_enabled);
   EXPECT_EQ(from_file.ucx, defaults.ucx);
   EXPECT_EQ(from_file.ucx_workers, defaults.ucx_workers);
+  EXPECT_EQ(from_file.ucx_colocated_workers, defaults.ucx_colocated_workers);
   EXPECT_EQ(from_file.ucx_transfer_timeout, defaults.ucx_transfer_timeout);
 }
 
 TEST_F(ConfigFileTest, UcxSettingsAreAMapping) {
   DaemonConfig c;
   ASSERT_OK(LoadConfigFile(Write("ucx:\n  TLS: tcp\n  NET_DEVICES: lo\n"
-                                 "ucx_workers: 2\n"),
+                                 "ucx_workers: 2\n"
+                                 "ucx_colocated_workers: 0\n"),
                            &c));
   EXPECT_EQ(c.ucx, (std::map<std::string, std::string>{{"TLS", "tcp"},
                                                        {"NET_DEVICES", "lo"}}));
   EXPECT_EQ(c.ucx_workers, 2);
+  EXPECT_EQ(c.ucx_colocated_workers, 0);
+  EXPECT_OK(ValidateConfig(c));
   DaemonConfig bad;
   EXPECT_THAT(LoadConfigFile(Write("ucx: tcp\n"), &bad),
               StatusIs(absl::StatusCode::kInvalidArgument));
   EXPECT_THAT(LoadConfigFile(Write("ucx:\n  TLS: [tcp]\n"), &bad),
               StatusIs(absl::StatusCode::kInvalidArgument));
   bad.ucx_workers = 0;
+  EXPECT_THAT(ValidateConfig(bad), StatusIs(absl::StatusCode::kInvalidArgument));
+  bad = DaemonConfig{};
+  bad.ucx_colocated_workers = 5000;
   EXPECT_THAT(ValidateConfig(bad), StatusIs(absl::StatusCode::kInvalidArgument));
 }
 

@@ -38,6 +38,19 @@ bool TlsAllowsSharedMemory(const std::map<std::string, std::string>& ucx) {
 }  // namespace
 
 struct DataPlane::Link {
+  // Gives back a co-located client's worker slot once its worker is gone.
+  struct Slot {
+    std::atomic<int>* count = nullptr;
+    ~Slot() {
+      if (count != nullptr) count->fetch_sub(1);
+    }
+  };
+  // In this order: the endpoint goes before the worker it lives on, the
+  // worker before its slot.
+  Slot slot;
+  // A co-located client's worker of its own (max_colocated_workers);
+  // null: the endpoint lives on one of the shared workers_.
+  std::unique_ptr<UcxWorker> own_worker;
   std::unique_ptr<UcxEndpoint> endpoint;
   // A client on this host, allowed shared memory; watched by monitor_.
   bool colocated = false;
@@ -85,6 +98,7 @@ absl::StatusOr<std::unique_ptr<DataPlane>> DataPlane::Create(
         self->Lost(id, why);
       });
   d->lost_pool_ = std::make_unique<WorkPool>(1, "kvd-ucx-lost");
+  d->retire_pool_ = std::make_unique<WorkPool>(1, "kvd-ucx-retire");
   d->request_pool_ = std::make_unique<WorkPool>(
       std::max(1, options.request_threads), "kvd-request");
   return d;
@@ -102,6 +116,7 @@ void DataPlane::Close() {
     // Force-closes the endpoint now, even while transfers still hold the
     // link: they end Cancelled.
     link->endpoint->Close();
+    Retire(std::move(link));
   }
 }
 
@@ -111,7 +126,16 @@ DataPlane::~DataPlane() {
   request_pool_.reset();  // runs what was handed over: it ends at once
   monitor_.reset();
   for (auto& w : workers_) w->Stop();
+  retire_pool_.reset();  // stops the co-located clients' workers
   lost_pool_.reset();  // runs what was already handed over
+}
+
+void DataPlane::Retire(std::shared_ptr<Link> link) {
+  if (link->own_worker == nullptr) return;
+  // The task holds the link, so the worker object outlives its Stop; the
+  // link (endpoint, then worker) goes with the last holder, a transfer's
+  // release on lost_pool_ or this task.
+  retire_pool_->Submit([link = std::move(link)] { link->own_worker->Stop(); });
 }
 
 void DataPlane::Lost(SessionId session, const absl::Status& why) {
@@ -145,13 +169,37 @@ absl::Status DataPlane::Attach(SessionId session, std::string_view address,
                session);
     colocated = false;
   }
+  auto link = std::make_shared<Link>();
+  if (colocated) {
+    // A worker of its own (see max_colocated_workers), or TCP.
+    if (colocated_workers_.fetch_add(1) < options_.max_colocated_workers) {
+      link->slot.count = &colocated_workers_;
+      UcxWorkerOptions worker_options;
+      worker_options.name = absl::StrCat("kvd-sess-", session % 100000);
+      absl::StatusOr<std::unique_ptr<UcxWorker>> own =
+          UcxWorker::Create(*context_, worker_options);
+      if (own.ok()) {
+        link->own_worker = *std::move(own);
+        worker = link->own_worker.get();
+      } else {
+        log_->warn("session {}: no UCX worker for a co-located client ({}); "
+                   "serving it over TCP", session, own.status().ToString());
+        colocated = false;
+      }
+    } else {
+      colocated_workers_.fetch_sub(1);
+      log_->warn("session {}: {} co-located clients have a UCX worker of their "
+                 "own already (ucx_colocated_workers); serving this one over TCP",
+                 session, options_.max_colocated_workers);
+      colocated = false;
+    }
+  }
   UcxEndpointOptions endpoint_options;
   endpoint_options.connect_timeout = options_.connect_timeout;
   endpoint_options.peer_error_handling = !colocated;
   endpoint_options.on_error = [this, session](const absl::Status& why) {
     Lost(session, why);
   };
-  auto link = std::make_shared<Link>();
   ASSIGN_OR_RETURN(link->endpoint,
                    UcxEndpoint::Connect(*worker, address, std::move(endpoint_options)));
   if (colocated) {
@@ -188,6 +236,7 @@ void DataPlane::Detach(SessionId session) {
   // An orderly close: the client is alive (its session ended normally or
   // expired), and a reset would make its UCX log errors.
   link->endpoint->Close(/*force=*/false);
+  Retire(std::move(link));
 }
 
 void DataPlane::DetachIf(absl::FunctionRef<bool(SessionId)> ended) {

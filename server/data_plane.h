@@ -69,6 +69,14 @@ struct DataPlaneOptions {
   size_t max_requests_in_flight = 4096;
   // Threads that run requests over UCX.
   int request_threads = 2;
+  // A co-located client (shared memory) gets a UCX worker and progress
+  // thread of its own, destroyed after its session ends: UCX 1.13 drops
+  // sends queued over shared memory for a client that no longer takes them
+  // (stopped, or killed) only with the worker, and a progress thread with
+  // such sends pending spins a core on them for good. At most this many
+  // at once; further co-located clients are served over TCP, like remote
+  // ones, on the shared workers (0: all of them).
+  int max_colocated_workers = 64;
 };
 
 // One block's bytes in the arena and the place in the client's buffer
@@ -204,6 +212,10 @@ class DataPlane {
 
   // Whether the UCX settings let co-located clients use shared memory.
   bool shared_memory() const { return shared_memory_; }
+  // Co-located clients' own workers (max_colocated_workers) not yet
+  // destroyed: those of attached sessions and of ended ones still being
+  // stopped.
+  int colocated_workers() const { return colocated_workers_.load(); }
 
  private:
   struct Link;
@@ -216,6 +228,10 @@ class DataPlane {
   std::shared_ptr<Link> Find(SessionId session) const;
   // Any thread (progress threads included): hands the loss to lost_pool_.
   void Lost(SessionId session, const absl::Status& why);
+  // A co-located link's own worker, when it has one, for the link that
+  // left links_: stopped on retire_pool_ (that ends whatever is still in
+  // flight on it), then destroyed with the link.
+  void Retire(std::shared_ptr<Link> link);
   // Progress thread: a message arrived for kRequestMessageId.
   void OnRequest(absl::string_view header, absl::string_view payload,
                  const UcxWorker::MessageSender& sender);
@@ -253,6 +269,11 @@ class DataPlane {
   // Runs on_lost_ off the progress threads. Last: destroyed first, so a
   // pending callback runs while everything above still exists.
   std::unique_ptr<WorkPool> lost_pool_;
+  // Stops retired links' own workers (Retire); each stop may wait for
+  // UCX's close of the endpoint (UcxWorkerOptions::close_timeout). The
+  // destructor empties it before lost_pool_: the stops hand work there.
+  std::atomic<int> colocated_workers_{0};
+  std::unique_ptr<WorkPool> retire_pool_;
 };
 
 }  // namespace kvdepot

@@ -826,13 +826,15 @@ void KvDepotService::HoldUntilReleased(
              "allocated until UCX ends those reads",
              session, slots.size(), bytes);
   metrics_.AddUcxHeldBytes(static_cast<int64_t>(bytes));
-  // metrics_ outlives the data plane, whose workers run this.
+  // metrics_ outlives the data plane, whose workers (or the thread that
+  // stops a session's own worker) run this.
   h.OnReleased([log = log_, metrics = &metrics_, session, bytes,
                 slots = std::move(slots)]() mutable {
     slots.clear();
     metrics->AddUcxHeldBytes(-static_cast<int64_t>(bytes));
-    log->info("PullBlocks: UCX ended session {}'s abandoned reads; {} bytes "
-              "of slots freed", session, bytes);
+    log->info("PullBlocks: session {}'s abandoned reads ended (UCX ended "
+              "them, or they went with the session's worker); {} bytes of "
+              "slots freed", session, bytes);
   });
 }
 

@@ -352,7 +352,22 @@ void UcxEndpoint::Fail(absl::Status status, bool from_ucx_callback,
   for (const auto& batch : in_flight_) {
     batch->Abort(status);
     if (!batch->finished()) {
-      worker_.RunAt(abandon_at, [batch] { batch->Abandon(); });
+      UcxWorker* worker = &worker_;
+      worker_.RunAt(abandon_at, [batch, worker,
+                                 keys = std::weak_ptr<RkeySet>(rkeys_)] {
+        batch->Abandon();
+        if (batch->finished()) return;
+        // Released when UCX ends its requests, or when the worker goes
+        // and they with it.
+        worker->AfterDestroy([batch = std::weak_ptr<Batch>(batch), keys] {
+          std::shared_ptr<Batch> b = batch.lock();
+          if (b == nullptr) return;
+          // The keys went with the worker too: not to be destroyed again
+          // when the batch lets go of them.
+          if (std::shared_ptr<RkeySet> k = keys.lock()) k->keys.clear();
+          b->WorkerDestroyed();
+        });
+      });
     }
   }
   if (ucp_ep_h ep = ep_; ep != nullptr) {

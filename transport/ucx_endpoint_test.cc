@@ -546,6 +546,49 @@ TEST_P(UcxEndpointTest, DeadlineEndsAGetToAStuckServer) {
   EXPECT_TRUE(ok.overall_status().ok()) << ok.overall_status();
 }
 
+TEST_P(UcxEndpointTest, AnAbandonedBatchIsReleasedWhenItsWorkerGoes) {
+  // A get abandoned to a server that answers nothing (over shared memory,
+  // where UCX keeps the requests) is released once the client's worker is
+  // destroyed -- the requests went with it, and nothing of UCX's can write
+  // into the buffer any more -- without the server's answers.
+  if (ucx_test::PeerErrorHandling(GetParam())) {
+    // UCX ends the requests with the endpoint there: nothing is abandoned
+    // (DeadlineEndsAGetToAStuckServer). (And the server, answering a
+    // worker that is gone, would abort in UCX 1.13 over TCP.)
+    GTEST_SKIP() << "nothing is abandoned with peer error handling";
+  }
+  absl::Notification stuck, release;
+  ASSERT_TRUE(server_worker_
+                  ->Submit([&] {
+                    stuck.Notify();
+                    release.WaitForNotification();
+                  })
+                  .ok());
+  stuck.WaitForNotification();
+  std::vector<char>& sink = abandoned_sink_;
+  sink.resize(4 * kBlock);
+  std::vector<Transfer> gets;
+  for (size_t i = 0; i < 4; ++i) {
+    gets.push_back({region_id_, region_->address() + i * kBlock,
+                    sink.data() + i * kBlock, kBlock, nullptr});
+  }
+  TransferHandle get =
+      endpoint_->Get(gets, absl::Now() + absl::Milliseconds(300));
+  EXPECT_TRUE(get.WaitUntil(absl::Now() + absl::Seconds(10)));
+  auto released = std::make_shared<absl::Notification>();
+  get.OnReleased([released] { released->Notify(); });
+  EXPECT_EQ(get.abandoned(), !ucx_test::PeerErrorHandling(GetParam()));
+  EXPECT_EQ(released->HasBeenNotified(), !get.abandoned());
+  endpoint_.reset();
+  client_worker_->Stop();
+  EXPECT_TRUE(released->HasBeenNotified())
+      << "the batch was not released with its worker";
+  for (size_t i = 0; i < gets.size(); ++i) EXPECT_FALSE(get.status(i).ok());
+  release.Notify();
+  // The server's task is done with `release` before it goes.
+  EXPECT_TRUE(server_worker_->Run([] {}).ok());
+}
+
 // A client whose own process stalls (its progress thread held here, as by
 // SIGSTOP or swapping) past a put batch's deadline: once it runs again the
 // batch ends before anything more of it is sent. Its peer may have given

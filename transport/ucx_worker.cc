@@ -198,11 +198,31 @@ void UcxWorker::Stop() {
   }
   absl::MutexLock lock(&join_mu_);
   if (thread_.joinable()) thread_.join();
-  absl::MutexLock worker_lock(&mu_);
-  if (worker_ != nullptr) {
-    ucp_worker_destroy(worker_);
-    worker_ = nullptr;
+  bool destroyed = false;
+  {
+    absl::MutexLock worker_lock(&mu_);
+    if (worker_ != nullptr) {  // fenced
+      DestroyWorker();
+      destroyed = true;
+    }
   }
+  if (destroyed) RunAfterDestroy();
+}
+
+void UcxWorker::DestroyWorker() {
+  ucp_worker_destroy(worker_);
+  worker_ = nullptr;
+}
+
+void UcxWorker::RunAfterDestroy() {
+  auto tasks = std::move(after_destroy_);
+  after_destroy_.clear();
+  for (auto& task : tasks) std::move(task)();
+}
+
+void UcxWorker::AfterDestroy(absl::AnyInvocable<void() &&> task) {
+  if (worker_ == nullptr) return;
+  after_destroy_.push_back(std::move(task));
 }
 
 void UcxWorker::Fence(absl::AnyInvocable<void() &&> then) {
@@ -402,9 +422,11 @@ void UcxWorker::Shutdown() {
   if (fenced_) return;
   // No signal can be in flight: signals are sent under mu_ while
   // !stopping_.
-  absl::MutexLock lock(&mu_);
-  ucp_worker_destroy(worker_);
-  worker_ = nullptr;
+  {
+    absl::MutexLock lock(&mu_);
+    DestroyWorker();
+  }
+  RunAfterDestroy();
 }
 
 }  // namespace kvdepot

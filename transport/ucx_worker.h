@@ -174,6 +174,12 @@ class UcxWorker {
   // Closes `ep` (ucp_ep_close_nbx), forcibly or after a flush; the worker
   // tracks the close request and Stop waits for it.
   void CloseEndpoint(ucp_ep_h ep, bool force);
+  // Runs `task` once the UCP worker has been destroyed (in Stop, on the
+  // thread that destroys it): for what must wait until UCX can no longer
+  // touch memory it was handed -- requests UCX never ended are gone with
+  // the worker, and their callbacks never come. Never runs when the
+  // worker is not destroyed (a task added after that is dropped).
+  void AfterDestroy(absl::AnyInvocable<void() &&> task);
 
  private:
   UcxWorker(UcxContext& context, UcxWorkerOptions options);
@@ -195,6 +201,11 @@ class UcxWorker {
   void RunDeferred();
   void ReapCloses();
   void Shutdown();
+  // Destroys the UCP worker; RunAfterDestroy follows, without mu_ (the
+  // tasks may call Submit, which refuses them). On the progress thread, or
+  // Stop's after the thread ended.
+  void DestroyWorker() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void RunAfterDestroy();
   // Fence's part on the progress thread.
   void FenceHere();
   void SleepUntilEvent();
@@ -214,6 +225,8 @@ class UcxWorker {
   std::vector<Resident*> residents_;
   std::vector<absl::AnyInvocable<void() &&>> deferred_;
   std::vector<void*> close_requests_;
+  // AfterDestroy's tasks; after the thread has ended, Stop's.
+  std::vector<absl::AnyInvocable<void() &&>> after_destroy_;
   std::vector<std::pair<absl::Time, absl::AnyInvocable<void() &&>>> timers_;
   absl::Time next_tick_ = absl::InfiniteFuture();
   // Fence: ucp_worker_progress is never called again.

@@ -143,6 +143,12 @@ void TransferBatch::Abandon() {
   Publish(/*abandoned=*/true);
 }
 
+void TransferBatch::WorkerDestroyed() {
+  if (finished_) return;
+  Abandon();
+  Finish();  // released now: nothing of UCX's can reach the buffers
+}
+
 bool TransferBatch::abandoned() const {
   absl::MutexLock lock(&mu_);
   return abandoned_;

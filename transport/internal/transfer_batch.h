@@ -83,6 +83,10 @@ class TransferBatch : public std::enable_shared_from_this<TransferBatch> {
   void Abandon();
   // Any thread, after IsReady().
   bool abandoned() const;
+  // The UCP worker has been destroyed, and with it every request of the
+  // batch UCX still held (their callbacks never come): publishes what is
+  // not yet (Abandon) and finishes. On the thread that destroyed it.
+  void WorkerDestroyed();
   // REQUIRES: finished(). How the batch's flush ended.
   const absl::Status& flush_status() const { return op_status_[size_]; }
 
