@@ -16,7 +16,10 @@
 // this host when shared memory is enabled (UCX 1.13's shared-memory
 // transports cannot detect a dead peer); that one is watched by a
 // PeerMonitor over TCP. Either way a dead client is reported through
-// `on_lost` at once, not at lease expiry.
+// `on_lost` at once, not at lease expiry. Such a co-located client's
+// endpoint lives on a worker of its own, destroyed after the session ends
+// (max_colocated_workers): what UCX still holds for a client that stopped
+// taking it goes with it.
 //
 // Thread-safe.
 #ifndef KVDEPOT_SERVER_DATA_PLANE_H_
