@@ -149,6 +149,9 @@ void Daemon::MaintenanceLoop() {
           [this](SessionId id) { return !store_->HasSession(id); });
     }
     metrics_->UpdateFromStats(store_->Stats());
+    if (data_plane_ != nullptr) {
+      metrics_->SetUcxColocatedWorkers(data_plane_->colocated_workers());
+    }
     mu_.Lock();
   }
 }

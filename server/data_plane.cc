@@ -173,15 +173,16 @@ absl::Status DataPlane::Attach(SessionId session, std::string_view address,
   if (colocated) {
     // A worker of its own (see max_colocated_workers), or TCP.
     if (colocated_workers_.fetch_add(1) < options_.max_colocated_workers) {
-      link->slot.count = &colocated_workers_;
       UcxWorkerOptions worker_options;
       worker_options.name = absl::StrCat("kvd-sess-", session % 100000);
       absl::StatusOr<std::unique_ptr<UcxWorker>> own =
           UcxWorker::Create(*context_, worker_options);
       if (own.ok()) {
+        link->slot.count = &colocated_workers_;
         link->own_worker = *std::move(own);
         worker = link->own_worker.get();
       } else {
+        colocated_workers_.fetch_sub(1);
         log_->warn("session {}: no UCX worker for a co-located client ({}); "
                    "serving it over TCP", session, own.status().ToString());
         colocated = false;

@@ -102,9 +102,18 @@ ServerMetrics::ServerMetrics(prometheus::Registry& registry, int namespace_label
                           .Help("DRAM bytes held for UCX transfers that UCX "
                                 "has not ended: slots of puts abandoned while "
                                 "a co-located client did not answer, freed "
-                                "when it does (or at restart)")
+                                "when UCX ends them or the session's worker "
+                                "goes")
                           .Register(registry)
                           .Add({})),
+      ucx_colocated_workers_(
+          prometheus::BuildGauge()
+              .Name("kvdepot_ucx_colocated_workers")
+              .Help("UCX workers (each with a progress thread) of co-located "
+                    "clients' sessions: open ones, and ended ones still being "
+                    "stopped; at most ucx_colocated_workers")
+              .Register(registry)
+              .Add({})),
       sessions_(prometheus::BuildGauge()
                     .Name("kvdepot_sessions_active")
                     .Help("Open client sessions")

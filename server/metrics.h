@@ -62,6 +62,11 @@ class ServerMetrics {
   // abandoned while a co-located client did not answer): +n when held, -n
   // when freed (kvdepot_ucx_held_bytes).
   void AddUcxHeldBytes(int64_t n) { ucx_held_bytes_.Increment(static_cast<double>(n)); }
+  // Co-located clients' own UCX workers (DataPlane::colocated_workers),
+  // kvdepot_ucx_colocated_workers.
+  void SetUcxColocatedWorkers(int n) {
+    ucx_colocated_workers_.Set(static_cast<double>(n));
+  }
 
   // One PushBlocks / PullBlocks request that came over UCX instead of gRPC
   // (kvdepot_ucx_requests_total{op}; it is also counted, when finished, in
@@ -116,6 +121,7 @@ class ServerMetrics {
   prometheus::Counter& ucx_push_requests_;
   prometheus::Counter& ucx_pull_requests_;
   prometheus::Gauge& ucx_held_bytes_;
+  prometheus::Gauge& ucx_colocated_workers_;
   prometheus::Gauge& sessions_;
   prometheus::Gauge& pins_;
   prometheus::Gauge& reservations_;

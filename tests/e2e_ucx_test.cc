@@ -622,6 +622,19 @@ TEST_P(UcxE2eTest, AKilledClientLeavesNothingForTheDaemonToSpinOn) {
   ASSERT_TRUE(WIFSTOPPED(status));
   EXPECT_EQ(ThreadsNamed(daemon_->pid(), "kvd-sess-"),
             own_workers + (GetParam() == "shm" ? 1 : 0));
+  // The daemon's gauge of them (updated once a second) says so too.
+  auto gauge_becomes = [this](double want) {
+    double v = -1;
+    for (absl::Time end = absl::Now() + absl::Seconds(5); absl::Now() < end;
+         absl::SleepFor(absl::Milliseconds(100))) {
+      v = testing::MetricValue(testing::ScrapeMetrics(*daemon_),
+                               "kvdepot_ucx_colocated_workers");
+      if (v == want) break;
+    }
+    return v;
+  };
+  EXPECT_EQ(gauge_becomes(own_workers + (GetParam() == "shm" ? 1 : 0)),
+            own_workers + (GetParam() == "shm" ? 1 : 0));
   // Past the get's deadline (500 ms) and the daemon's giving up on it.
   absl::SleepFor(absl::Milliseconds(2000));
   kill(peer->pid, SIGKILL);
@@ -636,6 +649,7 @@ TEST_P(UcxE2eTest, AKilledClientLeavesNothingForTheDaemonToSpinOn) {
     absl::SleepFor(absl::Milliseconds(50));
   }
   EXPECT_EQ(ThreadsNamed(daemon_->pid(), "kvd-sess-"), own_workers);
+  EXPECT_EQ(gauge_becomes(own_workers), own_workers);
   absl::SleepFor(absl::Milliseconds(500));  // what the loss set off
   const double before = CpuSeconds(daemon_->pid());
   absl::SleepFor(absl::Seconds(3));
