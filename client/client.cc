@@ -326,15 +326,21 @@ absl::StatusOr<uint64_t> Client::EnsureSession() {
   if (link != nullptr) {
     req.set_ucx_worker_address(link->worker->address());
     req.set_host_id(LocalHostId());
+    if (const auto& tcp = ucx_->context->tcp_segments(); tcp.has_value()) {
+      req.set_ucx_tcp_tx_seg_size(tcp->tx);
+      req.set_ucx_tcp_rx_seg_size(tcp->rx);
+    }
   }
   v1::OpenSessionResponse resp;
   grpc::Status st = stub_->OpenSession(&ctx, req, &resp);
   absl::Status ucx_status = link_status;
   if (!st.ok() && !req.ucx_worker_address().empty() &&
       (st.error_code() == grpc::StatusCode::UNAVAILABLE ||
-       st.error_code() == grpc::StatusCode::DEADLINE_EXCEEDED) &&
+       st.error_code() == grpc::StatusCode::DEADLINE_EXCEEDED ||
+       st.error_code() == grpc::StatusCode::FAILED_PRECONDITION) &&
       absl::StrContains(st.error_message(), "UCX")) {
-    // The daemon cannot reach our worker: fall back to the gRPC byte path.
+    // The daemon cannot reach our worker, or will not (our UCX settings do
+    // not fit its): fall back to the gRPC byte path.
     ucx_status = FromGrpcStatus(st);
     req.clear_ucx_worker_address();
     grpc::ClientContext retry;

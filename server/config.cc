@@ -6,12 +6,14 @@
 #include <cctype>
 #include <cmath>
 #include <functional>
+#include <iterator>
 #include <map>
 
 #include "absl/strings/ascii.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/strip.h"
+#include "transport/ucx_context.h"
 
 namespace kvdepot {
 
@@ -156,20 +158,27 @@ absl::Status LoadConfigFile(const std::string& path, DaemonConfig* c) {
   for (const auto& kv : root) {
     std::string key = kv.first.as<std::string>();
     if (key == "ucx") {
-      // A mapping of UCX settings; it replaces the defaults as a whole.
+      // A mapping of UCX settings, over the defaults: a setting given
+      // replaces the default of that name (however prefixed), the other
+      // defaults stay. (Replacing them as a whole made `ucx: {TLS: tcp}`
+      // drop the TCP segment sizes libkvdepot clients use, and UCX aborted
+      // the daemon at their first put.)
       if (!kv.second.IsMap()) {
         return absl::InvalidArgumentError(absl::StrCat(
             "config ", path, ": 'ucx' must be a mapping of UCX settings"));
       }
-      c->ucx.clear();
       for (const auto& setting : kv.second) {
+        const std::string name = setting.first.as<std::string>();
         if (!setting.second.IsScalar()) {
           return absl::InvalidArgumentError(absl::StrCat(
-              "config ", path, ": ucx.", setting.first.as<std::string>(),
-              " must be a scalar"));
+              "config ", path, ": ucx.", name, " must be a scalar"));
         }
-        c->ucx[setting.first.as<std::string>()] =
-            setting.second.as<std::string>();
+        for (auto it = c->ucx.begin(); it != c->ucx.end();) {
+          it = UcxSettingName(it->first) == UcxSettingName(name)
+                   ? c->ucx.erase(it)
+                   : std::next(it);
+        }
+        c->ucx[name] = setting.second.as<std::string>();
       }
       continue;
     }

@@ -102,8 +102,18 @@ TEST_F(ConfigFileTest, UcxSettingsAreAMapping) {
                                  "ucx_workers: 2\n"
                                  "ucx_colocated_workers: 0\n"),
                            &c));
-  EXPECT_EQ(c.ucx, (std::map<std::string, std::string>{{"TLS", "tcp"},
-                                                       {"NET_DEVICES", "lo"}}));
+  // Over the defaults (the TCP segment sizes stay).
+  EXPECT_EQ(c.ucx, (std::map<std::string, std::string>{
+                       {"TLS", "tcp"},
+                       {"NET_DEVICES", "lo"},
+                       {"TCP_TX_SEG_SIZE", "512k"},
+                       {"TCP_RX_SEG_SIZE", "512k"}}));
+  // A default given again, however prefixed, is replaced.
+  DaemonConfig again;
+  ASSERT_OK(LoadConfigFile(Write("ucx:\n  UCX_TCP_RX_SEG_SIZE: 1m\n"), &again));
+  EXPECT_EQ(again.ucx, (std::map<std::string, std::string>{
+                           {"TCP_TX_SEG_SIZE", "512k"},
+                           {"UCX_TCP_RX_SEG_SIZE", "1m"}}));
   EXPECT_EQ(c.ucx_workers, 2);
   EXPECT_EQ(c.ucx_colocated_workers, 0);
   EXPECT_OK(ValidateConfig(c));

@@ -146,9 +146,20 @@ void DataPlane::Lost(SessionId session, const absl::Status& why) {
 
 absl::Status DataPlane::Attach(SessionId session, std::string_view address,
                                std::string_view client_host_id,
-                               std::optional<uint32_t> client_uid) {
+                               std::optional<uint32_t> client_uid,
+                               std::optional<TcpSegmentSizes> client_tcp) {
   if (address.empty()) {
     return absl::InvalidArgumentError("empty UCX worker address");
+  }
+  if (const auto& ours = context_->tcp_segments();
+      client_tcp.has_value() && ours.has_value() &&
+      !TcpSegmentsFit(*ours, *client_tcp)) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "the client's UCX TCP segments (TX_SEG_SIZE ", client_tcp->tx,
+        ", RX_SEG_SIZE ", client_tcp->rx, ") do not fit kvdepotd's (",
+        ours->tx, ", ", ours->rx, "): each side's UCX_TCP_TX_SEG_SIZE must "
+        "be at most the other's UCX_TCP_RX_SEG_SIZE (UCX aborts the receiver "
+        "of a larger segment); set them alike on both sides"));
   }
   UcxWorker* worker;
   {

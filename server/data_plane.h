@@ -122,9 +122,15 @@ class DataPlane {
   // this host (LocalPeerUid): a co-located client with shared memory must
   // have one, and the segments its buffers name must belong to it; without
   // one the client is served as a remote one (TCP, no shared memory).
+  // `client_tcp`, when the client said them, are its UCX TCP segment
+  // sizes: FailedPrecondition (naming both sides' sizes, and "UCX") when
+  // they do not fit this daemon's (TcpSegmentsFit), before anything is
+  // connected -- UCX 1.13 would abort whichever side received a segment
+  // larger than its own RX size.
   absl::Status Attach(SessionId session, std::string_view address,
                       std::string_view client_host_id,
-                      std::optional<uint32_t> client_uid);
+                      std::optional<uint32_t> client_uid,
+                      std::optional<TcpSegmentSizes> client_tcp = std::nullopt);
   // Forgets the session's endpoint and buffers (a closed session). Transfers
   // in flight end Cancelled. No on_lost for it after this returns.
   void Detach(SessionId session);

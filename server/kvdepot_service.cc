@@ -151,11 +151,22 @@ grpc::ServerUnaryReactor* KvDepotService::OpenSession(
     resp->set_max_batch_keys(o.max_batch_keys);
     resp->set_max_chunk_bytes(kMaxChunkBytes);
     if (!req->ucx_worker_address().empty() && data_plane_ != nullptr) {
+      std::optional<TcpSegmentSizes> client_tcp;
+      if (req->ucx_tcp_tx_seg_size() != 0 && req->ucx_tcp_rx_seg_size() != 0) {
+        client_tcp = TcpSegmentSizes{req->ucx_tcp_tx_seg_size(),
+                                     req->ucx_tcp_rx_seg_size()};
+      }
       absl::Status attached = data_plane_->Attach(
           g.id, req->ucx_worker_address(), req->host_id(),
-          LocalPeerUid(ctx->peer()));
+          LocalPeerUid(ctx->peer()), client_tcp);
       if (!attached.ok()) {
         store_.CloseSession(g.id).IgnoreError();
+        if (absl::IsFailedPrecondition(attached)) {
+          log_->warn("session of '{}' from {}: no UCX endpoint: {}",
+                     req->client_name(), ctx->peer(),
+                     std::string(attached.message()));
+          return attached;
+        }
         return absl::Status(
             attached.code(),
             absl::StrCat("cannot reach the client's UCX worker: ",

@@ -154,9 +154,11 @@ class UcxE2eTest : public ::testing::TestWithParam<std::string> {
     }
   }
 
-  std::unique_ptr<Client> NewClient(bool ucx_requests = true) {
+  // A client of daemon_, or of the daemon at `server`.
+  std::unique_ptr<Client> NewClient(bool ucx_requests = true,
+                                    const std::string& server = "") {
     ClientOptions options;
-    options.server = daemon_->address();
+    options.server = server.empty() ? daemon_->address() : server;
     options.ucx_requests = ucx_requests;
     options.lease = absl::Seconds(60);
     options.ucx.clear();  // from the environment
@@ -770,6 +772,111 @@ TEST_P(UcxE2eTest, RequestsTravelAsUcxMessagesUnlessTheClientAsksForGrpc) {
   EXPECT_EQ(testing::MetricValue(metrics, push_ucx), 1);  // as before
   EXPECT_EQ(testing::MetricValue(metrics, pull_ucx), 1);
   EXPECT_EQ(testing::MetricValue(metrics, push_all), 2);  // a gRPC call
+}
+
+TEST_P(UcxE2eTest, CoLocatedClientsBeyondTheWorkerLimitAreServedOverTcp) {
+  // A daemon that gives one co-located client a UCX worker of its own
+  // (ucx_colocated_workers: 1): a second one is served over TCP on the
+  // shared workers, every byte intact; once the first has gone, the next
+  // one gets a worker again.
+  if (GetParam() != "shm") GTEST_SKIP() << "no co-located workers over TCP";
+  const std::string dir = testing::MakeTempDir("limit");
+  std::ofstream(dir + "/kvdepot.yaml") << "ucx_colocated_workers: 1\n";
+  absl::StatusOr<std::unique_ptr<DaemonProcess>> d = DaemonProcess::Start(
+      {"--config", dir + "/kvdepot.yaml", "--dram-capacity", "64MiB"});
+  ASSERT_OK(d.status());
+  DaemonProcess& daemon = **d;
+  auto own_workers = [&] { return ThreadsNamed(daemon.pid(), "kvd-sess-"); };
+
+  std::unique_ptr<Client> first = NewClient(true, daemon.address());
+  ASSERT_NE(first, nullptr);
+  ASSERT_OK(first->EnsureSession().status());
+  EXPECT_EQ(own_workers(), 1);
+  std::unique_ptr<Client> second = NewClient(true, daemon.address());
+  ASSERT_NE(second, nullptr);
+  ASSERT_OK(second->EnsureSession().status());
+  EXPECT_EQ(own_workers(), 1);
+  EXPECT_TRUE(absl::StrContains(daemon.Log(), "serving this one over TCP"))
+      << daemon.Log();
+  std::vector<char> buf(2 * kBlock);
+  ucx_test::FillPattern(buf.data(), kBlock, 11);
+  ASSERT_OK(second->RegisterBuffer(buf.data(), buf.size()));
+  PutThenGet(*second, buf, "over-tcp");
+  ASSERT_OK(first->RegisterBuffer(buf.data(), buf.size()));
+  PutThenGet(*first, buf, "own-worker");
+
+  first.reset();  // closes its session; its worker goes
+  for (absl::Time end = absl::Now() + absl::Seconds(10);
+       own_workers() > 0 && absl::Now() < end;) {
+    absl::SleepFor(absl::Milliseconds(20));
+  }
+  EXPECT_EQ(own_workers(), 0);
+  std::unique_ptr<Client> third = NewClient(true, daemon.address());
+  ASSERT_NE(third, nullptr);
+  ASSERT_OK(third->EnsureSession().status());
+  EXPECT_EQ(own_workers(), 1);
+  ASSERT_OK(third->RegisterBuffer(buf.data(), buf.size()));
+  PutThenGet(*third, buf, "own-worker-again");
+  EXPECT_EQ(daemon.Stop(SIGTERM).value_or(-1), 0) << daemon.Log();
+}
+
+TEST_P(UcxE2eTest, AClientWhoseTcpSegmentsDoNotFitIsServedOverGrpc) {
+  // A client whose UCX would send TCP segments larger than the daemon
+  // takes (1m against 512k): UCX 1.13 would abort the daemon at its first
+  // put. The daemon makes no UCX endpoint for it and says why; the client
+  // uses the gRPC byte path, every byte intact, and the daemon stays up.
+  ClientOptions options;
+  options.server = daemon_->address();
+  options.lease = absl::Seconds(60);
+  options.ucx = {{"TCP_TX_SEG_SIZE", "1m"}, {"TCP_RX_SEG_SIZE", "1m"}};
+  absl::StatusOr<std::unique_ptr<Client>> big = Client::Connect(options);
+  ASSERT_OK(big.status());
+  ASSERT_OK((*big)->EnsureSession().status());
+  EXPECT_THAT((*big)->data_plane_status(),
+              StatusIs(absl::StatusCode::kFailedPrecondition));
+  EXPECT_TRUE(absl::StrContains((*big)->data_plane_status().message(),
+                                "TCP_TX_SEG_SIZE"))
+      << (*big)->data_plane_status();
+  EXPECT_TRUE(absl::StrContains(daemon_->Log(), "do not fit kvdepotd's"))
+      << daemon_->Log();
+  std::vector<char> buf(2 * kBlock);
+  ucx_test::FillPattern(buf.data(), kBlock, 13);
+  BlockToPut block{"big-segments", "", absl::string_view(buf.data(), kBlock)};
+  absl::string_view key = "big-segments";
+  absl::Span<char> dst(buf.data() + kBlock, kBlock);
+  TransferOp put = (*big)->PutFromAsync("seg", {&block, 1});
+  put.Wait();
+  EXPECT_OK(put.statuses()[0]);
+  TransferOp get = (*big)->GetIntoAsync("seg", {&key, 1}, {&dst, 1});
+  get.Wait();
+  EXPECT_OK(get.statuses()[0]);
+  EXPECT_STREQ(get.transport(), "grpc");
+  EXPECT_EQ(std::memcmp(buf.data(), dst.data(), kBlock), 0);
+  EXPECT_OK(client_->Health());
+}
+
+TEST(UcxE2eConfigTest, ADaemonConfiguredForTcpServesDefaultClientsOverUcx) {
+  // `ucx: {TLS: tcp}` in the config keeps the daemon's TCP segment sizes
+  // (the settings go over the defaults), so a client with libkvdepot's
+  // defaults is served over UCX. (Before, the mapping replaced the
+  // defaults, and UCX aborted the daemon at the client's first put.)
+  const std::string dir = testing::MakeTempDir("tcpcfg");
+  std::ofstream(dir + "/kvdepot.yaml") << "ucx:\n  TLS: tcp\n  NET_DEVICES: lo\n";
+  absl::StatusOr<std::unique_ptr<DaemonProcess>> d = DaemonProcess::Start(
+      {"--config", dir + "/kvdepot.yaml", "--dram-capacity", "64MiB"});
+  ASSERT_OK(d.status());
+  ClientOptions options;
+  options.server = (*d)->address();
+  options.ucx["TLS"] = "tcp";
+  options.ucx["NET_DEVICES"] = "lo";
+  absl::StatusOr<std::unique_ptr<Client>> c = Client::Connect(options);
+  ASSERT_OK(c.status());
+  std::vector<char> buf(2 * kBlock);
+  ucx_test::FillPattern(buf.data(), kBlock, 17);
+  ASSERT_OK((*c)->RegisterBuffer(buf.data(), buf.size()));
+  PutThenGet(**c, buf, "tcp-config");
+  EXPECT_OK((*c)->data_plane_status());
+  EXPECT_EQ((*d)->Stop(SIGTERM).value_or(-1), 0) << (*d)->Log();
 }
 
 TEST_P(UcxE2eTest, ARequestForASessionTheDaemonClosedIsAMissThenTheClientRecovers) {

@@ -1,6 +1,12 @@
 #include "transport/ucx_context.h"
 
+#include <uct/api/uct.h>
+
+#include <cstdint>
 #include <fstream>
+#include <map>
+#include <optional>
+#include <string>
 #include <string_view>
 
 #include "absl/status/status.h"
@@ -21,6 +27,89 @@ std::string FirstLine(const char* path) {
 
 }  // namespace
 
+std::string UcxSettingName(std::string_view key) {
+  std::string_view name = key;
+  if (name.substr(0, 4) == "UCX_") name.remove_prefix(4);
+  for (std::string_view prefix : kTransportPrefixes) {
+    if (name.size() > prefix.size() && name.substr(0, prefix.size()) == prefix) {
+      name.remove_prefix(prefix.size());
+      break;
+    }
+  }
+  return std::string(name);
+}
+
+namespace {
+
+// A UCX memory-units value as uct_config_get prints it ("8K", "512K",
+// "1M", "65536"); nullopt for anything else ("inf", "auto").
+std::optional<uint64_t> ParseMemunits(std::string_view s) {
+  uint64_t n = 0;
+  size_t i = 0;
+  for (; i < s.size() && absl::ascii_isdigit(s[i]); ++i) n = n * 10 + (s[i] - '0');
+  if (i == 0) return std::nullopt;
+  std::string_view unit = s.substr(i);
+  if (!unit.empty() && (unit.back() == 'b' || unit.back() == 'B')) {
+    unit.remove_suffix(1);
+  }
+  if (unit.empty()) return n;
+  if (unit.size() != 1) return std::nullopt;
+  switch (absl::ascii_toupper(unit[0])) {
+    case 'K': return n << 10;
+    case 'M': return n << 20;
+    case 'G': return n << 30;
+    default: return std::nullopt;
+  }
+}
+
+// What UCX's TCP transport reads for its segment sizes: its configuration
+// from the environment, with `config`'s settings applied as ucp_config_modify
+// applies them. nullopt when UCX has no TCP transport.
+std::optional<TcpSegmentSizes> ReadTcpSegmentSizes(
+    const std::map<std::string, std::string>& config) {
+  uct_component_h* components = nullptr;
+  unsigned count = 0;
+  if (uct_query_components(&components, &count) != UCS_OK) return std::nullopt;
+  std::optional<TcpSegmentSizes> sizes;
+  for (unsigned c = 0; c < count && !sizes; ++c) {
+    uct_component_attr_t attr = {};
+    attr.field_mask = UCT_COMPONENT_ATTR_FIELD_NAME;
+    if (uct_component_query(components[c], &attr) != UCS_OK ||
+        std::string_view(attr.name) != "tcp") {
+      continue;
+    }
+    uct_md_config_t* md_config = nullptr;
+    if (uct_md_config_read(components[c], nullptr, nullptr, &md_config) != UCS_OK) {
+      break;
+    }
+    uct_md_h md = nullptr;
+    ucs_status_t st = uct_md_open(components[c], "tcp", md_config, &md);
+    uct_config_release(md_config);
+    if (st != UCS_OK) break;
+    uct_iface_config_t* iface_config = nullptr;
+    if (uct_md_iface_config_read(md, "tcp", nullptr, nullptr, &iface_config) ==
+        UCS_OK) {
+      for (const auto& [key, value] : config) {
+        // Settings that are not the TCP transport's are refused here.
+        uct_config_modify(iface_config, UcxSettingName(key).c_str(), value.c_str());
+      }
+      char tx[64] = {}, rx[64] = {};
+      std::optional<uint64_t> t, r;
+      if (uct_config_get(iface_config, "TX_SEG_SIZE", tx, sizeof tx) == UCS_OK &&
+          uct_config_get(iface_config, "RX_SEG_SIZE", rx, sizeof rx) == UCS_OK &&
+          (t = ParseMemunits(tx)) && (r = ParseMemunits(rx))) {
+        sizes = TcpSegmentSizes{*t, *r};
+      }
+      uct_config_release(iface_config);
+    }
+    uct_md_close(md);
+  }
+  uct_release_component_list(components);
+  return sizes;
+}
+
+}  // namespace
+
 std::string LocalHostId() {
   return absl::StrCat(FirstLine("/etc/machine-id"), "/",
                       FirstLine("/proc/sys/kernel/random/boot_id"));
@@ -34,16 +123,7 @@ absl::StatusOr<std::unique_ptr<UcxContext>> UcxContext::Create(
   ucs_status_t st = ucp_config_read(nullptr, nullptr, &config);
   if (st != UCS_OK) return UcsToStatus(st, "ucp_config_read");
   for (const auto& [key, value] : options.config) {
-    std::string_view name = key;
-    if (name.substr(0, 4) == "UCX_") name.remove_prefix(4);
-    for (std::string_view prefix : kTransportPrefixes) {
-      if (name.size() > prefix.size() &&
-          name.substr(0, prefix.size()) == prefix) {
-        name.remove_prefix(prefix.size());
-        break;
-      }
-    }
-    st = ucp_config_modify(config, std::string(name).c_str(), value.c_str());
+    st = ucp_config_modify(config, UcxSettingName(key).c_str(), value.c_str());
     if (st != UCS_OK) {
       ucp_config_release(config);
       return absl::InvalidArgumentError(
@@ -71,7 +151,9 @@ absl::StatusOr<std::unique_ptr<UcxContext>> UcxContext::Create(
     }
     return status;
   }
-  return std::unique_ptr<UcxContext>(new UcxContext(context));
+  std::unique_ptr<UcxContext> made(new UcxContext(context));
+  made->tcp_segments_ = ReadTcpSegmentSizes(options.config);
+  return made;
 }
 
 UcxContext::~UcxContext() { ucp_cleanup(context_); }

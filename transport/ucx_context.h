@@ -10,6 +10,7 @@
 #include <cstddef>
 #include <map>
 #include <memory>
+#include <optional>
 #include <string>
 
 #include "absl/status/statusor.h"
@@ -39,10 +40,28 @@ struct UcxContextOptions {
 // The transport prefixes UcxContextOptions::config drops.
 inline constexpr const char* kTransportPrefixes[] = {
     "TCP_", "POSIX_", "SYSV_", "CMA_", "SELF_", "MM_", "XPMEM_", "KNEM_"};
+// The name UCX is given for setting `key` of UcxContextOptions::config:
+// without "UCX_" and a prefix of kTransportPrefixes ("UCX_TCP_TX_SEG_SIZE",
+// "TCP_TX_SEG_SIZE" and "TX_SEG_SIZE" are one setting).
+std::string UcxSettingName(std::string_view key);
 
 // This machine as the data plane names it (machine id + boot id): a client
 // and a daemon with equal ids may share memory.
 std::string LocalHostId();
+
+// The segment sizes of UCX's TCP transport. Two peers must agree: UCX 1.13
+// aborts a process that receives a segment larger than its own RX size
+// (tcp_ep.c "Assertion hdr->length <= rx_seg_size"), so each side's tx
+// must be at most the other's rx (transport/README, caveat 5).
+struct TcpSegmentSizes {
+  uint64_t tx = 0;
+  uint64_t rx = 0;
+};
+// Whether a peer with `theirs` can talk TCP to a process with `ours`.
+inline bool TcpSegmentsFit(const TcpSegmentSizes& ours,
+                           const TcpSegmentSizes& theirs) {
+  return theirs.tx <= ours.rx && ours.tx <= theirs.rx;
+}
 
 class UcxContext {
  public:
@@ -77,6 +96,13 @@ class UcxContext {
   // The UCP handle, for UcxWorker. Thread-safe as UCX's context is.
   ucp_context_h handle() const { return context_; }
 
+  // The TCP segment sizes this context's workers use (the environment,
+  // then the options, as UCX's TCP transport reads them); nullopt when
+  // UCX has no TCP transport here.
+  const std::optional<TcpSegmentSizes>& tcp_segments() const {
+    return tcp_segments_;
+  }
+
  private:
   explicit UcxContext(ucp_context_h context) : context_(context) {}
   // ucp_mem_map of [base, base + size), or of `size` new bytes when base is
@@ -84,6 +110,7 @@ class UcxContext {
   absl::StatusOr<std::unique_ptr<MemoryRegion>> Map(void* base, size_t size);
 
   const ucp_context_h context_;
+  std::optional<TcpSegmentSizes> tcp_segments_;
 };
 
 }  // namespace kvdepot

@@ -38,15 +38,14 @@ inline std::map<std::string, std::string> TransportConfig(
       {"KEEPALIVE_INTERVAL", "200ms"},
       {"KEEPALIVE_NUM_EPS", "inf"},
   };
-  if (transport == "tcp") {
-    config["TLS"] = "tcp";
-    config["NET_DEVICES"] = "lo";
-    config["TCP_TX_SEG_SIZE"] = "512k";
-    config["TCP_RX_SEG_SIZE"] = "512k";
-  } else {
-    config["TLS"] = "shm,tcp";
-    config["NET_DEVICES"] = "lo";
-  }
+  // TCP segments as kvdepotd and libkvdepot have them by default: UCX 1.13
+  // aborts a process that receives a segment larger than its own
+  // RX_SEG_SIZE (transport/README, caveat 5), over "shm" too when a
+  // co-located client is served over TCP.
+  config["TCP_TX_SEG_SIZE"] = "512k";
+  config["TCP_RX_SEG_SIZE"] = "512k";
+  config["NET_DEVICES"] = "lo";
+  config["TLS"] = transport == "tcp" ? "tcp" : "shm,tcp";
   return config;
 }
 

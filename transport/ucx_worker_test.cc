@@ -118,6 +118,34 @@ TEST_F(UcxWorkerTest, ContextRejectsBadSettings) {
   EXPECT_FALSE(UcxWorker::Create(**context).ok());
 }
 
+TEST_F(UcxWorkerTest, ContextKnowsItsTcpSegmentSizes) {
+  // As the options give them, with or without prefixes...
+  UcxContextOptions options;
+  options.config = {{"TLS", "tcp"},
+                    {"UCX_TCP_TX_SEG_SIZE", "256k"},
+                    {"TCP_RX_SEG_SIZE", "1m"}};
+  auto context = UcxContext::Create(options);
+  ASSERT_TRUE(context.ok()) << context.status();
+  ASSERT_TRUE((*context)->tcp_segments().has_value());
+  EXPECT_EQ((*context)->tcp_segments()->tx, 256u << 10);
+  EXPECT_EQ((*context)->tcp_segments()->rx, 1u << 20);
+  // ... or the environment, which the options override.
+  setenv("UCX_TCP_RX_SEG_SIZE", "96k", 1);
+  options.config = {{"TLS", "tcp"}, {"TX_SEG_SIZE", "32k"}};
+  context = UcxContext::Create(options);
+  unsetenv("UCX_TCP_RX_SEG_SIZE");
+  ASSERT_TRUE(context.ok()) << context.status();
+  ASSERT_TRUE((*context)->tcp_segments().has_value());
+  EXPECT_EQ((*context)->tcp_segments()->tx, 32u << 10);
+  EXPECT_EQ((*context)->tcp_segments()->rx, 96u << 10);
+
+  const TcpSegmentSizes big{512 << 10, 512 << 10}, small{8 << 10, 64 << 10};
+  EXPECT_TRUE(TcpSegmentsFit(big, big));
+  EXPECT_TRUE(TcpSegmentsFit(small, small));
+  EXPECT_FALSE(TcpSegmentsFit(big, small));  // they cannot take our 512k
+  EXPECT_FALSE(TcpSegmentsFit(small, big));  // we cannot take theirs
+}
+
 TEST_F(UcxWorkerTest, RegistersMemoryAndPacksAKey) {
   EXPECT_EQ(context_->Register(nullptr, 64).status().code(),
             absl::StatusCode::kInvalidArgument);
