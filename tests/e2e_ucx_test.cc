@@ -239,6 +239,35 @@ class UcxE2eTest : public ::testing::TestWithParam<std::string> {
     return false;
   }
 
+  // Stores `blocks` blocks of `size` bytes ("<ns>0"...; pattern seed i + 1)
+  // through client_, then starts a ucx_client_peer "late-get" of them (500
+  // ms allowed) and waits until it has stopped itself with block 0 landed.
+  // Null (a test failure added) when any step failed.
+  std::unique_ptr<Child> StoppedLateGet(const std::string& ns, int blocks,
+                                        size_t size) {
+    std::vector<char> src(size);
+    for (int i = 0; i < blocks; ++i) {
+      ucx_test::FillPattern(src.data(), size, i + 1);
+      const std::string key = absl::StrCat(ns, i);
+      BlockToPut block{key, "", absl::string_view(src.data(), size)};
+      if (absl::Status st = client_->Put(ns, {&block, 1}).status(); !st.ok()) {
+        ADD_FAILURE() << "put " << key << ": " << st;
+        return nullptr;
+      }
+    }
+    std::unique_ptr<Child> peer =
+        Spawn({"late-get", daemon_->address(), ns, std::to_string(blocks),
+               std::to_string(size), "500"});
+    const std::string said = peer != nullptr ? peer->ReadLine() : "";
+    int status = 0;
+    if (said != "STOPPING" || waitpid(peer->pid, &status, WUNTRACED) != peer->pid ||
+        !WIFSTOPPED(status)) {
+      ADD_FAILURE() << "the late-get peer did not stop (it said: " << said << ")";
+      return nullptr;
+    }
+    return peer;
+  }
+
   std::unique_ptr<DaemonProcess> daemon_;
   std::unique_ptr<Client> client_;
 };
@@ -524,24 +553,8 @@ TEST_P(UcxE2eTest, AGetThatFailedWritesNothingIntoTheClientsBufferAfterwards) {
   // written into its buffer (the caller owns it again), although the
   // daemon's UCX may still hold writes of the transfer for it (over shared
   // memory it cannot take them back). The client's next get works.
-  constexpr int kBlocks = 32;
-  constexpr size_t kBig = 2 << 20;
-  std::vector<char> src(kBig);
-  for (int i = 0; i < kBlocks; ++i) {
-    ucx_test::FillPattern(src.data(), kBig, i + 1);
-    const std::string key = absl::StrCat("lateget", i);
-    BlockToPut block{key, "", absl::string_view(src.data(), kBig)};
-    absl::StatusOr<std::vector<PutResult>> put = client_->Put("lateget", {&block, 1});
-    ASSERT_OK(put.status()) << i;
-  }
-  std::unique_ptr<Child> peer =
-      Spawn({"late-get", daemon_->address(), "lateget", std::to_string(kBlocks),
-             std::to_string(kBig), "500"});
+  std::unique_ptr<Child> peer = StoppedLateGet("lateget", 32, 2 << 20);
   ASSERT_NE(peer, nullptr);
-  ASSERT_EQ(peer->ReadLine(), "STOPPING");
-  int status = 0;
-  ASSERT_EQ(waitpid(peer->pid, &status, WUNTRACED), peer->pid);
-  ASSERT_TRUE(WIFSTOPPED(status));
   // Past the daemon's deadline (500 ms) and its giving up on UCX (1 s
   // later): the daemon has answered that the blocks failed.
   absl::SleepFor(absl::Milliseconds(2500));
@@ -600,28 +613,13 @@ TEST_P(UcxE2eTest, AKilledClientLeavesNothingForTheDaemonToSpinOn) {
   // idle: what UCX still held for the dead client goes with it, rather
   // than keeping a progress thread busy retrying sends nobody will take
   // (over shared memory it spun a core, for good, before).
-  constexpr int kBlocks = 32;
-  constexpr size_t kBig = 2 << 20;
-  std::vector<char> src(kBig);
-  for (int i = 0; i < kBlocks; ++i) {
-    ucx_test::FillPattern(src.data(), kBig, i + 1);
-    const std::string key = absl::StrCat("spin", i);
-    BlockToPut block{key, "", absl::string_view(src.data(), kBig)};
-    ASSERT_OK(client_->Put("spin", {&block, 1}).status()) << i;
-  }
   // Co-located clients over shared memory have a worker of their own in
   // the daemon (client_ is one, too).
   ASSERT_OK(client_->EnsureSession().status());
   const int own_workers = ThreadsNamed(daemon_->pid(), "kvd-sess-");
   EXPECT_EQ(own_workers, GetParam() == "shm" ? 1 : 0);
-  std::unique_ptr<Child> peer =
-      Spawn({"late-get", daemon_->address(), "spin", std::to_string(kBlocks),
-             std::to_string(kBig), "500"});
+  std::unique_ptr<Child> peer = StoppedLateGet("spin", 32, 2 << 20);
   ASSERT_NE(peer, nullptr);
-  ASSERT_EQ(peer->ReadLine(), "STOPPING");
-  int status = 0;
-  ASSERT_EQ(waitpid(peer->pid, &status, WUNTRACED), peer->pid);
-  ASSERT_TRUE(WIFSTOPPED(status));
   EXPECT_EQ(ThreadsNamed(daemon_->pid(), "kvd-sess-"),
             own_workers + (GetParam() == "shm" ? 1 : 0));
   // The daemon's gauge of them (updated once a second) says so too.

@@ -174,6 +174,31 @@ class UcxEndpointTest : public ::testing::TestWithParam<std::string> {
     return n;
   }
 
+  // Holds the server's progress thread in a task until `release` is
+  // notified: its worker serves nothing meanwhile. False when the task
+  // could not be queued. The test must wait for the task to end (Run on
+  // the server's worker) before `release` goes.
+  bool HoldServer(absl::Notification& release) {
+    absl::Notification stuck;
+    if (!server_worker_
+             ->Submit([&stuck, &release] {
+               stuck.Notify();
+               release.WaitForNotification();
+             })
+             .ok()) {
+      return false;
+    }
+    stuck.WaitForNotification();
+    return true;
+  }
+  // Gets of the region's first 4 blocks into abandoned_sink_: a batch
+  // abandoned over shared memory may still be written, so its buffer lives
+  // until the workers have gone.
+  std::vector<Transfer> GetsIntoTheSink() {
+    abandoned_sink_.resize(4 * kBlock);
+    return FirstBlocksInto(abandoned_sink_, nullptr);
+  }
+
   // The allocators of shared memory to try: UCX's default (System V), and
   // over shared memory also POSIX.
   std::vector<std::string> Allocators() const {
@@ -489,23 +514,9 @@ TEST_P(UcxEndpointTest, UcxItselfDoesNotCheckRemoteAddresses) {
 // the batch's deadline ends it, the endpoint fails, and later batches end
 // at once. Nothing hangs.
 TEST_P(UcxEndpointTest, DeadlineEndsAGetToAStuckServer) {
-  absl::Notification stuck, release;
-  ASSERT_TRUE(server_worker_
-                  ->Submit([&] {
-                    stuck.Notify();
-                    release.WaitForNotification();
-                  })
-                  .ok());
-  stuck.WaitForNotification();
-  // The batch will be abandoned over shared memory: its buffer must live
-  // until the client's worker has gone.
-  std::vector<char>& sink = abandoned_sink_;
-  sink.resize(4 * kBlock);
-  std::vector<Transfer> gets;
-  for (size_t i = 0; i < 4; ++i) {
-    gets.push_back({region_id_, region_->address() + i * kBlock,
-                    sink.data() + i * kBlock, kBlock, nullptr});
-  }
+  absl::Notification release;
+  ASSERT_TRUE(HoldServer(release));
+  std::vector<Transfer> gets = GetsIntoTheSink();
   const absl::Time start = absl::Now();
   TransferHandle get = endpoint_->Get(gets, start + absl::Milliseconds(500));
   EXPECT_TRUE(get.WaitUntil(start + absl::Seconds(10)))
@@ -557,21 +568,9 @@ TEST_P(UcxEndpointTest, AnAbandonedBatchIsReleasedWhenItsWorkerGoes) {
     // worker that is gone, would abort in UCX 1.13 over TCP.)
     GTEST_SKIP() << "nothing is abandoned with peer error handling";
   }
-  absl::Notification stuck, release;
-  ASSERT_TRUE(server_worker_
-                  ->Submit([&] {
-                    stuck.Notify();
-                    release.WaitForNotification();
-                  })
-                  .ok());
-  stuck.WaitForNotification();
-  std::vector<char>& sink = abandoned_sink_;
-  sink.resize(4 * kBlock);
-  std::vector<Transfer> gets;
-  for (size_t i = 0; i < 4; ++i) {
-    gets.push_back({region_id_, region_->address() + i * kBlock,
-                    sink.data() + i * kBlock, kBlock, nullptr});
-  }
+  absl::Notification release;
+  ASSERT_TRUE(HoldServer(release));
+  std::vector<Transfer> gets = GetsIntoTheSink();
   TransferHandle get =
       endpoint_->Get(gets, absl::Now() + absl::Milliseconds(300));
   EXPECT_TRUE(get.WaitUntil(absl::Now() + absl::Seconds(10)));
