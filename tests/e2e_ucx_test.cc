@@ -240,11 +240,11 @@ class UcxE2eTest : public ::testing::TestWithParam<std::string> {
   }
 
   // Stores `blocks` blocks of `size` bytes ("<ns>0"...; pattern seed i + 1)
-  // through client_, then starts a ucx_client_peer "late-get" of them (500
-  // ms allowed) and waits until it has stopped itself with block 0 landed.
-  // Null (a test failure added) when any step failed.
+  // through client_, then starts a ucx_client_peer "late-get" of them
+  // (`timeout_ms` allowed) and waits until it has stopped itself with
+  // block 0 landed. Null (a test failure added) when any step failed.
   std::unique_ptr<Child> StoppedLateGet(const std::string& ns, int blocks,
-                                        size_t size) {
+                                        size_t size, int timeout_ms = 500) {
     std::vector<char> src(size);
     for (int i = 0; i < blocks; ++i) {
       ucx_test::FillPattern(src.data(), size, i + 1);
@@ -257,7 +257,7 @@ class UcxE2eTest : public ::testing::TestWithParam<std::string> {
     }
     std::unique_ptr<Child> peer =
         Spawn({"late-get", daemon_->address(), ns, std::to_string(blocks),
-               std::to_string(size), "500"});
+               std::to_string(size), std::to_string(timeout_ms)});
     const std::string said = peer != nullptr ? peer->ReadLine() : "";
     int status = 0;
     if (said != "STOPPING" || waitpid(peer->pid, &status, WUNTRACED) != peer->pid ||
@@ -606,37 +606,36 @@ int ThreadsNamed(pid_t pid, absl::string_view prefix) {
   return n;
 }
 
+// The daemon's kvdepot_ucx_colocated_workers (updated once a second),
+// once it is `want` or after 5 s.
+double ColocatedWorkersGauge(const DaemonProcess& daemon, double want) {
+  double v = -1;
+  for (absl::Time end = absl::Now() + absl::Seconds(5); absl::Now() < end;
+       absl::SleepFor(absl::Milliseconds(100))) {
+    v = testing::MetricValue(testing::ScrapeMetrics(daemon),
+                             "kvdepot_ucx_colocated_workers");
+    if (v == want) break;
+  }
+  return v;
+}
+
 TEST_P(UcxE2eTest, AKilledClientLeavesNothingForTheDaemonToSpinOn) {
-  // A client (ucx_client_peer late-get) stops in the middle of a 64 MiB
-  // get, so the daemon's UCX holds writes for it that it does not take;
-  // then it is killed. The daemon ends its session at once, and then goes
-  // idle: what UCX still held for the dead client goes with it, rather
-  // than keeping a progress thread busy retrying sends nobody will take
-  // (over shared memory it spun a core, for good, before).
+  // A client (ucx_client_peer late-get, 5 s allowed) stops in the middle
+  // of a 64 MiB get, so the daemon's UCX holds writes for it that it does
+  // not take; then it is killed. The daemon ends its session at once, and
+  // then goes idle: what UCX still held for the dead client goes with it,
+  // rather than keeping a progress thread busy retrying sends nobody will
+  // take (over shared memory it spun a core, for good, before).
   // Co-located clients over shared memory have a worker of their own in
   // the daemon (client_ is one, too).
   ASSERT_OK(client_->EnsureSession().status());
   const int own_workers = ThreadsNamed(daemon_->pid(), "kvd-sess-");
   EXPECT_EQ(own_workers, GetParam() == "shm" ? 1 : 0);
-  std::unique_ptr<Child> peer = StoppedLateGet("spin", 32, 2 << 20);
+  std::unique_ptr<Child> peer = StoppedLateGet("spin", 32, 2 << 20, 5000);
   ASSERT_NE(peer, nullptr);
-  EXPECT_EQ(ThreadsNamed(daemon_->pid(), "kvd-sess-"),
-            own_workers + (GetParam() == "shm" ? 1 : 0));
-  // The daemon's gauge of them (updated once a second) says so too.
-  auto gauge_becomes = [this](double want) {
-    double v = -1;
-    for (absl::Time end = absl::Now() + absl::Seconds(5); absl::Now() < end;
-         absl::SleepFor(absl::Milliseconds(100))) {
-      v = testing::MetricValue(testing::ScrapeMetrics(*daemon_),
-                               "kvdepot_ucx_colocated_workers");
-      if (v == want) break;
-    }
-    return v;
-  };
-  EXPECT_EQ(gauge_becomes(own_workers + (GetParam() == "shm" ? 1 : 0)),
-            own_workers + (GetParam() == "shm" ? 1 : 0));
-  // Past the get's deadline (500 ms) and the daemon's giving up on it.
-  absl::SleepFor(absl::Milliseconds(2000));
+  const int with_peer = own_workers + (GetParam() == "shm" ? 1 : 0);
+  EXPECT_EQ(ThreadsNamed(daemon_->pid(), "kvd-sess-"), with_peer);
+  EXPECT_EQ(ColocatedWorkersGauge(*daemon_, with_peer), with_peer);
   kill(peer->pid, SIGKILL);
   EXPECT_NE(peer->Wait(), 0);
   EXPECT_TRUE(StatsBecome([](const v1::StatsResponse& s) {
@@ -649,7 +648,7 @@ TEST_P(UcxE2eTest, AKilledClientLeavesNothingForTheDaemonToSpinOn) {
     absl::SleepFor(absl::Milliseconds(50));
   }
   EXPECT_EQ(ThreadsNamed(daemon_->pid(), "kvd-sess-"), own_workers);
-  EXPECT_EQ(gauge_becomes(own_workers), own_workers);
+  EXPECT_EQ(ColocatedWorkersGauge(*daemon_, own_workers), own_workers);
   absl::SleepFor(absl::Milliseconds(500));  // what the loss set off
   const double before = CpuSeconds(daemon_->pid());
   absl::SleepFor(absl::Seconds(3));
@@ -796,6 +795,7 @@ TEST_P(UcxE2eTest, CoLocatedClientsBeyondTheWorkerLimitAreServedOverTcp) {
   EXPECT_EQ(own_workers(), 1);
   EXPECT_TRUE(absl::StrContains(daemon.Log(), "serving this one over TCP"))
       << daemon.Log();
+  EXPECT_EQ(ColocatedWorkersGauge(daemon, 1), 1);  // the one over TCP has none
   std::vector<char> buf(2 * kBlock);
   ucx_test::FillPattern(buf.data(), kBlock, 11);
   ASSERT_OK(second->RegisterBuffer(buf.data(), buf.size()));
@@ -809,6 +809,7 @@ TEST_P(UcxE2eTest, CoLocatedClientsBeyondTheWorkerLimitAreServedOverTcp) {
     absl::SleepFor(absl::Milliseconds(20));
   }
   EXPECT_EQ(own_workers(), 0);
+  EXPECT_EQ(ColocatedWorkersGauge(daemon, 0), 0);
   std::unique_ptr<Client> third = NewClient(true, daemon.address());
   ASSERT_NE(third, nullptr);
   ASSERT_OK(third->EnsureSession().status());
