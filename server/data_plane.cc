@@ -1,49 +1,22 @@
 #include "server/data_plane.h"
 
 #include <algorithm>
-#include <cstdlib>
 #include <utility>
 
-#include "absl/strings/ascii.h"
 #include "absl/strings/str_cat.h"
-#include "absl/strings/str_split.h"
 #include "storage/status_macros.h"
 
 namespace kvdepot {
-namespace {
-
-// Whether UCX may pick a shared-memory transport under this TLS setting
-// (UCX's default, "all", includes them).
-bool TlsAllowsSharedMemory(const std::map<std::string, std::string>& ucx) {
-  std::string tls;
-  for (const char* name : {"TLS", "UCX_TLS"}) {
-    auto it = ucx.find(name);
-    if (it != ucx.end()) tls = it->second;
-  }
-  if (tls.empty()) {
-    const char* env = std::getenv("UCX_TLS");
-    tls = env != nullptr ? env : "all";
-  }
-  for (absl::string_view t : absl::StrSplit(tls, ',')) {
-    t = absl::StripAsciiWhitespace(t);
-    if (!t.empty() && t[0] == '^') return true;  // "all but ..."
-    for (const char* shm : {"all", "sm", "shm", "posix", "sysv", "cma",
-                            "xpmem", "knem"}) {
-      if (t == shm) return true;
-    }
-  }
-  return false;
-}
-
-}  // namespace
 
 struct DataPlane::Link {
   // Gives back a co-located client's worker slot once its worker is gone.
   struct Slot {
     std::atomic<int>* count = nullptr;
-    ~Slot() {
+    void Release() {
       if (count != nullptr) count->fetch_sub(1);
+      count = nullptr;
     }
+    ~Slot() { Release(); }
   };
   // In this order: the endpoint goes before the worker it lives on, the
   // worker before its slot.
@@ -71,7 +44,7 @@ absl::StatusOr<std::unique_ptr<DataPlane>> DataPlane::Create(
   }
   std::unique_ptr<DataPlane> d(
       new DataPlane(options, std::move(on_lost), std::move(logger)));
-  d->shared_memory_ = TlsAllowsSharedMemory(options.ucx);
+  d->shared_memory_ = UcxTlsAllows(options.ucx, kSharedMemoryTransports);
   UcxContextOptions context_options;
   context_options.config = options.ucx;
   context_options.name = "kvdepotd";
@@ -112,12 +85,17 @@ void DataPlane::Close() {
     links.swap(links_);
   }
   for (auto& [session, link] : links) {
-    if (link->colocated) monitor_->Unwatch(session).IgnoreError();
     // Force-closes the endpoint now, even while transfers still hold the
     // link: they end Cancelled.
-    link->endpoint->Close();
-    Retire(std::move(link));
+    Unlink(session, std::move(link), /*force=*/true);
   }
+}
+
+void DataPlane::Unlink(SessionId session, std::shared_ptr<Link> link,
+                       bool force) {
+  if (link->colocated) monitor_->Unwatch(session).IgnoreError();
+  link->endpoint->Close(force);
+  Retire(std::move(link));
 }
 
 DataPlane::~DataPlane() {
@@ -131,11 +109,19 @@ DataPlane::~DataPlane() {
 }
 
 void DataPlane::Retire(std::shared_ptr<Link> link) {
-  if (link->own_worker == nullptr) return;
+  if (link == nullptr || link->own_worker == nullptr) return;
   // The task holds the link, so the worker object outlives its Stop; the
   // link (endpoint, then worker) goes with the last holder, a transfer's
   // release on lost_pool_ or this task.
   retire_pool_->Submit([link = std::move(link)] { link->own_worker->Stop(); });
+}
+
+bool DataPlane::TakeColocatedSlot() {
+  int n = colocated_workers_.load();
+  while (n < options_.max_colocated_workers) {
+    if (colocated_workers_.compare_exchange_weak(n, n + 1)) return true;
+  }
+  return false;
 }
 
 void DataPlane::Lost(SessionId session, const absl::Status& why) {
@@ -183,26 +169,31 @@ absl::Status DataPlane::Attach(SessionId session, std::string_view address,
   auto link = std::make_shared<Link>();
   if (colocated) {
     // A worker of its own (see max_colocated_workers), or TCP.
-    if (colocated_workers_.fetch_add(1) < options_.max_colocated_workers) {
+    std::string no_worker;
+    if (!TakeColocatedSlot()) {
+      no_worker = options_.max_colocated_workers == 0
+                      ? "co-located clients get no UCX worker of their own "
+                        "(ucx_colocated_workers: 0)"
+                      : absl::StrCat(options_.max_colocated_workers,
+                                     " co-located clients have a UCX worker of "
+                                     "their own already (ucx_colocated_workers)");
+    } else {
+      link->slot.count = &colocated_workers_;
       UcxWorkerOptions worker_options;
       worker_options.name = absl::StrCat("kvd-sess-", session % 100000);
       absl::StatusOr<std::unique_ptr<UcxWorker>> own =
           UcxWorker::Create(*context_, worker_options);
       if (own.ok()) {
-        link->slot.count = &colocated_workers_;
         link->own_worker = *std::move(own);
         worker = link->own_worker.get();
       } else {
-        colocated_workers_.fetch_sub(1);
-        log_->warn("session {}: no UCX worker for a co-located client ({}); "
-                   "serving it over TCP", session, own.status().ToString());
-        colocated = false;
+        link->slot.Release();
+        no_worker = absl::StrCat("no UCX worker for a co-located client (",
+                                 own.status().ToString(), ")");
       }
-    } else {
-      colocated_workers_.fetch_sub(1);
-      log_->warn("session {}: {} co-located clients have a UCX worker of their "
-                 "own already (ucx_colocated_workers); serving this one over TCP",
-                 session, options_.max_colocated_workers);
+    }
+    if (!no_worker.empty()) {
+      log_->warn("session {}: {}; serving it over TCP", session, no_worker);
       colocated = false;
     }
   }
@@ -212,10 +203,18 @@ absl::Status DataPlane::Attach(SessionId session, std::string_view address,
   endpoint_options.on_error = [this, session](const absl::Status& why) {
     Lost(session, why);
   };
-  ASSIGN_OR_RETURN(link->endpoint,
-                   UcxEndpoint::Connect(*worker, address, std::move(endpoint_options)));
+  absl::StatusOr<std::unique_ptr<UcxEndpoint>> endpoint =
+      UcxEndpoint::Connect(*worker, address, std::move(endpoint_options));
+  if (!endpoint.ok()) {
+    Retire(std::move(link));  // its own worker stops off this thread
+    return endpoint.status();
+  }
+  link->endpoint = *std::move(endpoint);
   if (colocated) {
-    RETURN_IF_ERROR(monitor_->Watch(session, address));
+    if (absl::Status watched = monitor_->Watch(session, address); !watched.ok()) {
+      Unlink(session, std::move(link), /*force=*/true);
+      return watched;
+    }
     link->colocated = true;
     link->uid = client_uid;
   }
@@ -227,7 +226,7 @@ absl::Status DataPlane::Attach(SessionId session, std::string_view address,
     }
   }
   if (link != nullptr) {  // closing: Unwatch waits on a progress thread, off mu_
-    if (link->colocated) monitor_->Unwatch(session).IgnoreError();
+    Unlink(session, std::move(link), /*force=*/true);
     return absl::UnavailableError("data plane stopping");
   }
   log_->debug("session {}: UCX endpoint connected ({})", session,
@@ -235,7 +234,7 @@ absl::Status DataPlane::Attach(SessionId session, std::string_view address,
   return absl::OkStatus();
 }
 
-void DataPlane::Detach(SessionId session) {
+void DataPlane::Detach(SessionId session, bool peer_gone) {
   std::shared_ptr<Link> link;
   {
     absl::MutexLock lock(&mu_);
@@ -244,11 +243,11 @@ void DataPlane::Detach(SessionId session) {
     link = std::move(it->second);
     links_.erase(it);
   }
-  if (link->colocated) monitor_->Unwatch(session).IgnoreError();
-  // An orderly close: the client is alive (its session ended normally or
-  // expired), and a reset would make its UCX log errors.
-  link->endpoint->Close(/*force=*/false);
-  Retire(std::move(link));
+  // An orderly close for a client that may be alive (its session ended
+  // normally or expired: a reset would make its UCX log errors); a forced
+  // one for a client that is gone, whose flush would never end (the
+  // worker's stop would wait close_timeout for it).
+  Unlink(session, std::move(link), /*force=*/peer_gone);
 }
 
 void DataPlane::DetachIf(absl::FunctionRef<bool(SessionId)> ended) {

@@ -133,7 +133,9 @@ class DataPlane {
                       std::optional<TcpSegmentSizes> client_tcp = std::nullopt);
   // Forgets the session's endpoint and buffers (a closed session). Transfers
   // in flight end Cancelled. No on_lost for it after this returns.
-  void Detach(SessionId session);
+  // `peer_gone` (on_lost's sessions): the endpoint is reset rather than
+  // closed in order, which a client that is gone never completes.
+  void Detach(SessionId session, bool peer_gone = false);
   // Detaches every session for which `ended` returns true (expired leases).
   void DetachIf(absl::FunctionRef<bool(SessionId)> ended);
   bool attached(SessionId session) const;
@@ -241,6 +243,13 @@ class DataPlane {
   // left links_: stopped on retire_pool_ (that ends whatever is still in
   // flight on it), then destroyed with the link.
   void Retire(std::shared_ptr<Link> link);
+  // For a link out of links_ (or never in it): stops watching its client,
+  // closes its endpoint (`force`: a reset, for a client that may be gone)
+  // and retires it.
+  void Unlink(SessionId session, std::shared_ptr<Link> link, bool force);
+  // Counts one more co-located worker in colocated_workers_ unless there
+  // are max_colocated_workers already.
+  bool TakeColocatedSlot();
   // Progress thread: a message arrived for kRequestMessageId.
   void OnRequest(absl::string_view header, absl::string_view payload,
                  const UcxWorker::MessageSender& sender);
@@ -275,13 +284,15 @@ class DataPlane {
   // there), after the links (a request in progress holds its link).
   std::unique_ptr<WorkPool> request_pool_;
 
-  // Runs on_lost_ off the progress threads. Last: destroyed first, so a
-  // pending callback runs while everything above still exists.
+  // Runs on_lost_ off the progress threads. The destructor empties it
+  // last, so a pending callback runs while everything above still exists.
   std::unique_ptr<WorkPool> lost_pool_;
-  // Stops retired links' own workers (Retire); each stop may wait for
-  // UCX's close of the endpoint (UcxWorkerOptions::close_timeout). The
-  // destructor empties it before lost_pool_: the stops hand work there.
+  // Co-located clients' own workers not yet destroyed (Link::Slot).
   std::atomic<int> colocated_workers_{0};
+  // Stops retired links' own workers (Retire); each stop may wait for
+  // UCX's orderly close of the endpoint (UcxWorkerOptions::close_timeout;
+  // a client that is gone gets a forced one). The destructor empties it
+  // before lost_pool_: the stops hand work there.
   std::unique_ptr<WorkPool> retire_pool_;
 };
 

@@ -160,17 +160,14 @@ grpc::ServerUnaryReactor* KvDepotService::OpenSession(
           g.id, req->ucx_worker_address(), req->host_id(),
           LocalPeerUid(ctx->peer()), client_tcp);
       if (!attached.ok()) {
+        // The client falls back to its gRPC byte path on Unavailable,
+        // DeadlineExceeded or FailedPrecondition naming UCX.
         store_.CloseSession(g.id).IgnoreError();
-        if (absl::IsFailedPrecondition(attached)) {
-          log_->warn("session of '{}' from {}: no UCX endpoint: {}",
-                     req->client_name(), ctx->peer(),
-                     std::string(attached.message()));
-          return attached;
-        }
-        return absl::Status(
-            attached.code(),
-            absl::StrCat("cannot reach the client's UCX worker: ",
-                         attached.message()));
+        log_->warn("session of '{}' from {}: no UCX endpoint: {}",
+                   req->client_name(), ctx->peer(), attached.ToString());
+        return absl::Status(attached.code(),
+                            absl::StrCat("no UCX endpoint for the client: ",
+                                         attached.message()));
       }
       resp->set_ucx_connected(true);
       resp->set_ucx_request_address(data_plane_->RequestAddress(g.id));
@@ -665,7 +662,7 @@ absl::Time TransferDeadline(uint32_t timeout_ms, absl::Duration cap,
 
 void KvDepotService::SessionLost(SessionId session, const absl::Status& why) {
   absl::StatusOr<SessionRelease> rel = store_.CloseSession(session);
-  if (data_plane_ != nullptr) data_plane_->Detach(session);
+  if (data_plane_ != nullptr) data_plane_->Detach(session, /*peer_gone=*/true);
   if (!rel.ok()) return;  // closed meanwhile
   log_->info(
       "session {} ended: its UCX peer is gone ({}); {} pins released, {} "

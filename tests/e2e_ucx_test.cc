@@ -649,6 +649,10 @@ TEST_P(UcxE2eTest, AKilledClientLeavesNothingForTheDaemonToSpinOn) {
   }
   EXPECT_EQ(ThreadsNamed(daemon_->pid(), "kvd-sess-"), own_workers);
   EXPECT_EQ(ColocatedWorkersGauge(*daemon_, own_workers), own_workers);
+  // The dead client's remote keys went before its worker (UCX warns of
+  // those that outlive it).
+  EXPECT_FALSE(absl::StrContains(daemon_->Log(), "mpool ucp_rkeys"))
+      << daemon_->Log();
   absl::SleepFor(absl::Milliseconds(500));  // what the loss set off
   const double before = CpuSeconds(daemon_->pid());
   absl::SleepFor(absl::Seconds(3));
@@ -679,7 +683,10 @@ TEST_P(UcxE2eTest, ADaemonMovingBytesForAStoppedClientStopsCleanly) {
     failed = PutFromStoppedPeer(session, address, "held", kBlocks, kBig,
                                 /*timeout_ms=*/5000);
   });
-  absl::SleepFor(absl::Milliseconds(500));  // the put is under way
+  // The put is under way: its slots are reserved.
+  EXPECT_TRUE(StatsBecome([](const v1::StatsResponse& s) {
+    return s.reservations() > 0;
+  })) << daemon_->Log();
   absl::StatusOr<int> code = daemon_->Stop(SIGTERM, absl::Seconds(30));
   put.join();
   EXPECT_GT(failed, 0) << "the stopped client gave every block";
@@ -793,7 +800,7 @@ TEST_P(UcxE2eTest, CoLocatedClientsBeyondTheWorkerLimitAreServedOverTcp) {
   ASSERT_NE(second, nullptr);
   ASSERT_OK(second->EnsureSession().status());
   EXPECT_EQ(own_workers(), 1);
-  EXPECT_TRUE(absl::StrContains(daemon.Log(), "serving this one over TCP"))
+  EXPECT_TRUE(absl::StrContains(daemon.Log(), "serving it over TCP"))
       << daemon.Log();
   EXPECT_EQ(ColocatedWorkersGauge(daemon, 1), 1);  // the one over TCP has none
   std::vector<char> buf(2 * kBlock);
@@ -816,6 +823,34 @@ TEST_P(UcxE2eTest, CoLocatedClientsBeyondTheWorkerLimitAreServedOverTcp) {
   EXPECT_EQ(own_workers(), 1);
   ASSERT_OK(third->RegisterBuffer(buf.data(), buf.size()));
   PutThenGet(*third, buf, "own-worker-again");
+  EXPECT_EQ(daemon.Stop(SIGTERM).value_or(-1), 0) << daemon.Log();
+}
+
+TEST_P(UcxE2eTest, NoOwnWorkersMeansCoLocatedClientsAreServedOverTcp) {
+  // ucx_colocated_workers: 0 -- every co-located client shares the
+  // daemon's workers, over TCP (no shared memory without a worker of its
+  // own); its bytes arrive intact, and the daemon says why once per client.
+  if (GetParam() != "shm") GTEST_SKIP() << "no co-located workers over TCP";
+  const std::string dir = testing::MakeTempDir("noown");
+  std::ofstream(dir + "/kvdepot.yaml") << "ucx_colocated_workers: 0\n";
+  absl::StatusOr<std::unique_ptr<DaemonProcess>> d = DaemonProcess::Start(
+      {"--config", dir + "/kvdepot.yaml", "--dram-capacity", "64MiB"});
+  ASSERT_OK(d.status());
+  DaemonProcess& daemon = **d;
+  std::unique_ptr<Client> client = NewClient(true, daemon.address());
+  ASSERT_NE(client, nullptr);
+  ASSERT_OK(client->EnsureSession().status());
+  EXPECT_OK(client->data_plane_status());
+  EXPECT_EQ(ThreadsNamed(daemon.pid(), "kvd-sess-"), 0);
+  EXPECT_TRUE(absl::StrContains(daemon.Log(), "(ucx_colocated_workers: 0); "
+                                              "serving it over TCP"))
+      << daemon.Log();
+  std::vector<char> buf(2 * kBlock);
+  ucx_test::FillPattern(buf.data(), kBlock, 12);
+  ASSERT_OK(client->RegisterBuffer(buf.data(), buf.size()));
+  PutThenGet(*client, buf, "shared-workers");
+  EXPECT_EQ(ColocatedWorkersGauge(daemon, 0), 0);
+  client.reset();
   EXPECT_EQ(daemon.Stop(SIGTERM).value_or(-1), 0) << daemon.Log();
 }
 

@@ -42,10 +42,12 @@ class TransferHandle {
   // Calls `done` once UCX holds no request of the batch, so that nothing
   // reads or writes its local buffers any more: when it becomes ready, for
   // a batch that is not abandoned; for an abandoned one, when the peer's
-  // late answers have ended its last request -- perhaps never (a peer that
-  // is gone): then `done` never runs, and what it holds is never freed.
+  // late answers have ended its last request, or when the worker is
+  // destroyed (UcxWorker::Stop) and its requests with it -- until then,
+  // perhaps long (a peer that is gone, on a worker that lives on).
   // Runs at once, on the calling thread, when that is so already; otherwise
-  // on the worker's progress thread, where it must not block.
+  // on the worker's progress thread, or on the thread that destroys the
+  // worker; it must not block.
   void OnReleased(absl::AnyInvocable<void() &&> done) const;
 
   // Calls `done` once IsReady(): at once, on the calling thread, when it

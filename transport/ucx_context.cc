@@ -2,16 +2,20 @@
 
 #include <uct/api/uct.h>
 
+#include <algorithm>
 #include <cstdint>
+#include <cstdlib>
 #include <fstream>
 #include <map>
 #include <optional>
 #include <string>
 #include <string_view>
+#include <vector>
 
 #include "absl/status/status.h"
 #include "absl/strings/ascii.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_split.h"
 #include "transport/internal/ucs_status.h"
 
 namespace kvdepot {
@@ -39,6 +43,32 @@ std::string UcxSettingName(std::string_view key) {
   return std::string(name);
 }
 
+bool UcxTlsAllows(const std::map<std::string, std::string>& config,
+                  absl::Span<const absl::string_view> transports) {
+  std::string tls;
+  for (const auto& [key, value] : config) {
+    if (UcxSettingName(key) == "TLS") tls = value;
+  }
+  if (tls.empty()) {
+    const char* env = std::getenv("UCX_TLS");
+    tls = env != nullptr ? env : "all";
+  }
+  absl::string_view list = absl::StripAsciiWhitespace(tls);
+  const bool excluding = !list.empty() && list[0] == '^';
+  if (excluding) list.remove_prefix(1);
+  std::vector<absl::string_view> named;
+  for (absl::string_view t : absl::StrSplit(list, ',')) {
+    named.push_back(absl::StripAsciiWhitespace(t));
+  }
+  auto is_named = [&](absl::string_view t) {
+    return std::find(named.begin(), named.end(), t) != named.end();
+  };
+  for (absl::string_view t : transports) {
+    if (excluding ? !is_named(t) : is_named(t)) return true;
+  }
+  return !excluding && is_named("all");
+}
+
 namespace {
 
 // A UCX memory-units value as uct_config_get prints it ("8K", "512K",
@@ -64,9 +94,11 @@ std::optional<uint64_t> ParseMemunits(std::string_view s) {
 
 // What UCX's TCP transport reads for its segment sizes: its configuration
 // from the environment, with `config`'s settings applied as ucp_config_modify
-// applies them. nullopt when UCX has no TCP transport.
+// applies them. nullopt when UCX has no TCP transport, or may not use it.
 std::optional<TcpSegmentSizes> ReadTcpSegmentSizes(
     const std::map<std::string, std::string>& config) {
+  constexpr absl::string_view kTcp[] = {"tcp"};
+  if (!UcxTlsAllows(config, kTcp)) return std::nullopt;
   uct_component_h* components = nullptr;
   unsigned count = 0;
   if (uct_query_components(&components, &count) != UCS_OK) return std::nullopt;

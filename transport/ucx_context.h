@@ -12,8 +12,11 @@
 #include <memory>
 #include <optional>
 #include <string>
+#include <string_view>
 
 #include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
+#include "absl/types/span.h"
 #include "transport/memory_region.h"
 
 namespace kvdepot {
@@ -44,6 +47,16 @@ inline constexpr const char* kTransportPrefixes[] = {
 // without "UCX_" and a prefix of kTransportPrefixes ("UCX_TCP_TX_SEG_SIZE",
 // "TCP_TX_SEG_SIZE" and "TX_SEG_SIZE" are one setting).
 std::string UcxSettingName(std::string_view key);
+
+// UCX's names of its shared-memory transports, aliases included.
+inline constexpr absl::string_view kSharedMemoryTransports[] = {
+    "sm", "shm", "posix", "sysv", "cma", "xpmem", "knem"};
+// Whether UCX may use one of `transports` under the TLS setting of
+// `config` (else the environment's UCX_TLS, else UCX's default, "all"): a
+// list names the transports allowed ("all" allows every one), or, when it
+// begins with "^", those excluded.
+bool UcxTlsAllows(const std::map<std::string, std::string>& config,
+                  absl::Span<const absl::string_view> transports);
 
 // This machine as the data plane names it (machine id + boot id): a client
 // and a daemon with equal ids may share memory.

@@ -25,8 +25,11 @@ class RkeySet {
   RkeySet() = default;
   RkeySet(const RkeySet&) = delete;
   RkeySet& operator=(const RkeySet&) = delete;
-  ~RkeySet() {
+  ~RkeySet() { Destroy(); }
+  // Destroys the keys now (they need their worker, not their endpoint).
+  void Destroy() {
     for (ucp_rkey_h key : keys) ucp_rkey_destroy(key);
+    keys.clear();
   }
   std::vector<ucp_rkey_h> keys;
 };
@@ -358,15 +361,16 @@ void UcxEndpoint::Fail(absl::Status status, bool from_ucx_callback,
         batch->Abandon();
         if (batch->finished()) return;
         // Released when UCX ends its requests, or when the worker goes
-        // and they with it.
-        worker->AfterDestroy([batch = std::weak_ptr<Batch>(batch), keys] {
-          std::shared_ptr<Batch> b = batch.lock();
-          if (b == nullptr) return;
-          // The keys went with the worker too: not to be destroyed again
-          // when the batch lets go of them.
-          if (std::shared_ptr<RkeySet> k = keys.lock()) k->keys.clear();
-          b->WorkerDestroyed();
-        });
+        // and they with it. The keys (held by the batch: their mappings
+        // of the peer's memory) go just before the worker, which they need.
+        worker->AtDestroy(
+            batch,
+            [keys] {
+              if (std::shared_ptr<RkeySet> k = keys.lock()) k->Destroy();
+            },
+            [batch = std::weak_ptr<Batch>(batch)] {
+              if (std::shared_ptr<Batch> b = batch.lock()) b->WorkerDestroyed();
+            });
       });
     }
   }

@@ -17,6 +17,7 @@
 #include <gtest/gtest.h>
 
 #include "absl/strings/escaping.h"
+#include "absl/strings/match.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_split.h"
 #include "absl/synchronization/mutex.h"
@@ -579,7 +580,12 @@ TEST_P(UcxEndpointTest, AnAbandonedBatchIsReleasedWhenItsWorkerGoes) {
   EXPECT_EQ(get.abandoned(), !ucx_test::PeerErrorHandling(GetParam()));
   EXPECT_EQ(released->HasBeenNotified(), !get.abandoned());
   endpoint_.reset();
+  // UCX says (on stdout) when a remote key outlives its worker: the
+  // batch's keys, which map the server's memory, go just before it.
+  testing::internal::CaptureStdout();
   client_worker_->Stop();
+  const std::string ucx_said = testing::internal::GetCapturedStdout();
+  EXPECT_FALSE(absl::StrContains(ucx_said, "ucp_rkeys")) << ucx_said;
   EXPECT_TRUE(released->HasBeenNotified())
       << "the batch was not released with its worker";
   for (size_t i = 0; i < gets.size(); ++i) EXPECT_FALSE(get.status(i).ok());

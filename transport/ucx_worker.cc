@@ -198,31 +198,39 @@ void UcxWorker::Stop() {
   }
   absl::MutexLock lock(&join_mu_);
   if (thread_.joinable()) thread_.join();
-  bool destroyed = false;
+  bool fenced;
   {
     absl::MutexLock worker_lock(&mu_);
-    if (worker_ != nullptr) {  // fenced
-      DestroyWorker();
-      destroyed = true;
-    }
+    fenced = worker_ != nullptr;
   }
-  if (destroyed) RunAfterDestroy();
+  if (fenced) DestroyWorker();
 }
 
 void UcxWorker::DestroyWorker() {
-  ucp_worker_destroy(worker_);
-  worker_ = nullptr;
+  std::vector<DestroyHook> hooks = std::move(destroy_hooks_);
+  destroy_hooks_.clear();
+  for (DestroyHook& h : hooks) {
+    if (!h.owner.expired()) std::move(h.before)();
+  }
+  {
+    absl::MutexLock lock(&mu_);
+    ucp_worker_destroy(worker_);
+    worker_ = nullptr;
+  }
+  for (DestroyHook& h : hooks) {
+    if (!h.owner.expired()) std::move(h.after)();
+  }
 }
 
-void UcxWorker::RunAfterDestroy() {
-  auto tasks = std::move(after_destroy_);
-  after_destroy_.clear();
-  for (auto& task : tasks) std::move(task)();
-}
-
-void UcxWorker::AfterDestroy(absl::AnyInvocable<void() &&> task) {
+void UcxWorker::AtDestroy(std::weak_ptr<const void> owner,
+                          absl::AnyInvocable<void() &&> before,
+                          absl::AnyInvocable<void() &&> after) {
   if (worker_ == nullptr) return;
-  after_destroy_.push_back(std::move(task));
+  destroy_hooks_.erase(
+      std::remove_if(destroy_hooks_.begin(), destroy_hooks_.end(),
+                     [](const DestroyHook& h) { return h.owner.expired(); }),
+      destroy_hooks_.end());
+  destroy_hooks_.push_back({std::move(owner), std::move(before), std::move(after)});
 }
 
 void UcxWorker::Fence(absl::AnyInvocable<void() &&> then) {
@@ -422,11 +430,7 @@ void UcxWorker::Shutdown() {
   if (fenced_) return;
   // No signal can be in flight: signals are sent under mu_ while
   // !stopping_.
-  {
-    absl::MutexLock lock(&mu_);
-    DestroyWorker();
-  }
-  RunAfterDestroy();
+  DestroyWorker();
 }
 
 }  // namespace kvdepot

@@ -174,12 +174,18 @@ class UcxWorker {
   // Closes `ep` (ucp_ep_close_nbx), forcibly or after a flush; the worker
   // tracks the close request and Stop waits for it.
   void CloseEndpoint(ucp_ep_h ep, bool force);
-  // Runs `task` once the UCP worker has been destroyed (in Stop, on the
-  // thread that destroys it): for what must wait until UCX can no longer
-  // touch memory it was handed -- requests UCX never ended are gone with
-  // the worker, and their callbacks never come. Never runs when the
-  // worker is not destroyed (a task added after that is dropped).
-  void AfterDestroy(absl::AnyInvocable<void() &&> task);
+  // For what must be done when the UCP worker is destroyed (in Stop, or at
+  // the end of the progress thread; on the thread that destroys it), while
+  // `owner` lives: `before` once no progress call runs any more and the
+  // UCP worker still exists (remote keys, which need it, to destroy);
+  // `after` once it is gone, and with it the requests UCX never ended,
+  // whose callbacks never come (what they held may be freed). Entries
+  // whose owner has gone are dropped as new ones come, so a long-lived
+  // worker keeps no more than its live owners' hooks. Never run when the
+  // worker is not destroyed (added after that: dropped). Progress thread.
+  void AtDestroy(std::weak_ptr<const void> owner,
+                 absl::AnyInvocable<void() &&> before,
+                 absl::AnyInvocable<void() &&> after);
 
  private:
   UcxWorker(UcxContext& context, UcxWorkerOptions options);
@@ -201,11 +207,11 @@ class UcxWorker {
   void RunDeferred();
   void ReapCloses();
   void Shutdown();
-  // Destroys the UCP worker; RunAfterDestroy follows, without mu_ (the
-  // tasks may call Submit, which refuses them). On the progress thread, or
-  // Stop's after the thread ended.
-  void DestroyWorker() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  void RunAfterDestroy();
+  // Runs AtDestroy's `before` hooks, destroys the UCP worker (under mu_),
+  // then runs their `after` hooks, without mu_ (they may call Submit,
+  // which refuses them). On the progress thread, or Stop's after the
+  // thread ended.
+  void DestroyWorker() ABSL_LOCKS_EXCLUDED(mu_);
   // Fence's part on the progress thread.
   void FenceHere();
   void SleepUntilEvent();
@@ -225,8 +231,13 @@ class UcxWorker {
   std::vector<Resident*> residents_;
   std::vector<absl::AnyInvocable<void() &&>> deferred_;
   std::vector<void*> close_requests_;
-  // AfterDestroy's tasks; after the thread has ended, Stop's.
-  std::vector<absl::AnyInvocable<void() &&>> after_destroy_;
+  // AtDestroy's hooks; after the thread has ended, Stop's.
+  struct DestroyHook {
+    std::weak_ptr<const void> owner;
+    absl::AnyInvocable<void() &&> before;
+    absl::AnyInvocable<void() &&> after;
+  };
+  std::vector<DestroyHook> destroy_hooks_;
   std::vector<std::pair<absl::Time, absl::AnyInvocable<void() &&>>> timers_;
   absl::Time next_tick_ = absl::InfiniteFuture();
   // Fence: ucp_worker_progress is never called again.

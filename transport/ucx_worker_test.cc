@@ -2,6 +2,11 @@
 #include "transport/ucx_worker.h"
 
 #include <atomic>
+#include <cstdlib>
+#include <map>
+#include <memory>
+#include <optional>
+#include <string>
 #include <thread>
 #include <vector>
 
@@ -102,6 +107,49 @@ TEST_F(UcxWorkerTest, StopRunsQueuedTasksThenRefusesNewOnes) {
   worker->Stop();  // idempotent
 }
 
+// AtDestroy's hooks run when the worker is destroyed: `before` while the
+// UCP worker still exists, `after` once it is gone; those of an owner that
+// has gone, never. For a stopped worker and for a fenced one (whose UCP
+// worker Stop destroys, on its own thread).
+TEST_F(UcxWorkerTest, DestroyHooksRunAroundTheWorkersEndWhileTheirOwnerLives) {
+  for (bool fence : {false, true}) {
+    SCOPED_TRACE(fence ? "fenced" : "stopped");
+    auto worker = MakeWorker();
+    ASSERT_NE(worker, nullptr);
+    std::vector<std::string> seen;  // the progress thread's, then Stop's
+    auto live = std::make_shared<int>(1);
+    auto gone = std::make_shared<int>(2);
+    UcxWorker* w = worker.get();
+    ASSERT_TRUE(worker
+                    ->Run([&] {
+                      w->AtDestroy(
+                          live,
+                          [&] {
+                            seen.push_back(w->handle() != nullptr ? "before, worker there"
+                                                                  : "before, no worker");
+                          },
+                          [&] {
+                            seen.push_back(w->handle() == nullptr ? "after, worker gone"
+                                                                  : "after, worker there");
+                          });
+                      w->AtDestroy(
+                          gone, [&] { seen.push_back("gone's before"); },
+                          [&] { seen.push_back("gone's after"); });
+                    })
+                    .ok());
+    gone.reset();
+    if (fence) {
+      absl::Notification fenced;
+      worker->Fence([&] { fenced.Notify(); });
+      ASSERT_TRUE(fenced.HasBeenNotified());
+      EXPECT_TRUE(seen.empty()) << "a fenced worker's UCP worker goes in Stop";
+    }
+    worker->Stop();
+    EXPECT_EQ(seen, (std::vector<std::string>{"before, worker there",
+                                              "after, worker gone"}));
+  }
+}
+
 TEST_F(UcxWorkerTest, ContextRejectsBadSettings) {
   UcxContextOptions options;
   options.config = {{"TLS", "tcp"}, {"KEEPALIVE_INTERVAL", "not-a-time"}};
@@ -130,20 +178,52 @@ TEST_F(UcxWorkerTest, ContextKnowsItsTcpSegmentSizes) {
   EXPECT_EQ((*context)->tcp_segments()->tx, 256u << 10);
   EXPECT_EQ((*context)->tcp_segments()->rx, 1u << 20);
   // ... or the environment, which the options override.
+  const char* env = std::getenv("UCX_TCP_RX_SEG_SIZE");
+  const std::optional<std::string> saved =
+      env != nullptr ? std::optional<std::string>(env) : std::nullopt;
   setenv("UCX_TCP_RX_SEG_SIZE", "96k", 1);
   options.config = {{"TLS", "tcp"}, {"TX_SEG_SIZE", "32k"}};
   context = UcxContext::Create(options);
-  unsetenv("UCX_TCP_RX_SEG_SIZE");
+  if (saved) {
+    setenv("UCX_TCP_RX_SEG_SIZE", saved->c_str(), 1);
+  } else {
+    unsetenv("UCX_TCP_RX_SEG_SIZE");
+  }
   ASSERT_TRUE(context.ok()) << context.status();
   ASSERT_TRUE((*context)->tcp_segments().has_value());
   EXPECT_EQ((*context)->tcp_segments()->tx, 32u << 10);
   EXPECT_EQ((*context)->tcp_segments()->rx, 96u << 10);
+
+  // None when UCX may not use TCP: the sizes do not matter then.
+  options.config = {{"UCX_TLS", "self,sm"}};
+  context = UcxContext::Create(options);
+  ASSERT_TRUE(context.ok()) << context.status();
+  EXPECT_FALSE((*context)->tcp_segments().has_value());
 
   const TcpSegmentSizes big{512 << 10, 512 << 10}, small{8 << 10, 64 << 10};
   EXPECT_TRUE(TcpSegmentsFit(big, big));
   EXPECT_TRUE(TcpSegmentsFit(small, small));
   EXPECT_FALSE(TcpSegmentsFit(big, small));  // they cannot take our 512k
   EXPECT_FALSE(TcpSegmentsFit(small, big));  // we cannot take theirs
+}
+
+TEST(UcxTlsAllowsTest, ReadsTheTransportListAndItsExclusions) {
+  constexpr absl::string_view kTcp[] = {"tcp"};
+  using Config = std::map<std::string, std::string>;
+  EXPECT_TRUE(UcxTlsAllows(Config{{"TLS", "tcp"}}, kTcp));
+  EXPECT_TRUE(UcxTlsAllows(Config{{"UCX_TLS", " sm , tcp "}}, kTcp));
+  EXPECT_TRUE(UcxTlsAllows(Config{{"TLS", "all"}}, kTcp));
+  EXPECT_FALSE(UcxTlsAllows(Config{{"TLS", "rc_x,ud_x,sm"}}, kTcp));
+  EXPECT_FALSE(UcxTlsAllows(Config{{"TLS", "^tcp"}}, kTcp));
+  EXPECT_TRUE(UcxTlsAllows(Config{{"TLS", "^rc,ud"}}, kTcp));
+  EXPECT_TRUE(UcxTlsAllows(Config{{"TLS", "rc,posix"}}, kSharedMemoryTransports));
+  EXPECT_TRUE(UcxTlsAllows(Config{{"TLS", "^posix"}}, kSharedMemoryTransports));
+  EXPECT_FALSE(UcxTlsAllows(Config{{"TLS", "tcp"}}, kSharedMemoryTransports));
+  // Without a setting: the environment's, else UCX's "all".
+  if (std::getenv("UCX_TLS") == nullptr) {
+    EXPECT_TRUE(UcxTlsAllows(Config{}, kTcp));
+    EXPECT_TRUE(UcxTlsAllows(Config{}, kSharedMemoryTransports));
+  }
 }
 
 TEST_F(UcxWorkerTest, RegistersMemoryAndPacksAKey) {

@@ -41,7 +41,8 @@ class TransferBatch : public std::enable_shared_from_this<TransferBatch> {
   void OnReady(absl::AnyInvocable<void() &&> done);
   // Calls `done` once UCX holds no request of the batch (it finished): at
   // once on this thread when it has, else on the progress thread when it
-  // does. Ready and finished together unless the batch was abandoned.
+  // does (or on the thread that destroyed the worker: WorkerDestroyed).
+  // Ready and finished together unless the batch was abandoned.
   void OnReleased(absl::AnyInvocable<void() &&> done);
   // REQUIRES: IsReady(). Immutable from then on.
   const std::vector<absl::Status>& result() const { return result_; }
