@@ -25,11 +25,11 @@
 namespace kvdepot::ucx_test {
 
 // The UCX settings of the transports under test, all on loopback:
-//   "tcp"  UCX_TLS=tcp over lo, with the TCP segment sizes the README
-//          recommends;
+//   "tcp"  UCX_TLS=tcp over lo;
 //   "shm"  shared memory (UCX 1.13 emulates one-sided transfers of user
 //          memory over posix/sysv messages), plus tcp for the endpoints
 //          that need peer-failure detection (shared memory cannot).
+// Both with the TCP segment sizes the README recommends (kvdepotd's).
 // Both with a short keepalive, so tests see a dead peer within a second.
 // Endpoints of the "shm" tests turn peer error handling off.
 inline std::map<std::string, std::string> TransportConfig(
