@@ -136,6 +136,7 @@ absl::Status Daemon::Init() {
 }
 
 void Daemon::MaintenanceLoop() {
+  std::string nvme_write_error;  // as last logged
   absl::MutexLock lock(&mu_);
   while (!stopping_) {
     mu_.AwaitWithTimeout(absl::Condition(&stopping_), absl::Seconds(1));
@@ -148,7 +149,16 @@ void Daemon::MaintenanceLoop() {
       data_plane_->DetachIf(
           [this](SessionId id) { return !store_->HasSession(id); });
     }
-    metrics_->UpdateFromStats(store_->Stats());
+    const StoreStats stats = store_->Stats();
+    if (stats.nvme_write_error != nvme_write_error) {
+      if (stats.nvme_write_error.empty()) {
+        log_->info("NVMe tier takes writes again");
+      } else {
+        log_->warn("NVMe tier takes no writes: {}", stats.nvme_write_error);
+      }
+      nvme_write_error = stats.nvme_write_error;
+    }
+    metrics_->UpdateFromStats(stats);
     if (data_plane_ != nullptr) {
       metrics_->SetUcxColocatedWorkers(data_plane_->colocated_workers());
     }

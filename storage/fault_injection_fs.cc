@@ -1,5 +1,6 @@
 #include "storage/fault_injection_fs.h"
 
+#include <string_view>
 #include <utility>
 
 namespace kvdepot {
@@ -77,18 +78,28 @@ class BlobReadCountingFile final
   FaultInjectionFileSystem* const fs_;  // outlives its files
 };
 
-bool IsBlobFile(const std::string& name) {
-  static constexpr char kSuffix[] = ".blob";
-  constexpr size_t kLen = sizeof(kSuffix) - 1;
-  return name.size() >= kLen &&
-         name.compare(name.size() - kLen, kLen, kSuffix) == 0;
+bool HasSuffix(const std::string& name, std::string_view suffix) {
+  return name.size() >= suffix.size() &&
+         name.compare(name.size() - suffix.size(), suffix.size(), suffix) == 0;
 }
+bool IsBlobFile(const std::string& name) { return HasSuffix(name, ".blob"); }
+bool IsTableFile(const std::string& name) { return HasSuffix(name, ".sst"); }
 
 }  // namespace
 
 FaultInjectionFileSystem::FaultInjectionFileSystem(
     const std::shared_ptr<rocksdb::FileSystem>& base)
     : FileSystemWrapper(base) {}
+
+void FaultInjectionFileSystem::SetTableFilesHeld(bool held) {
+  absl::MutexLock lock(&held_mu_);
+  table_files_held_ = held;
+}
+
+int FaultInjectionFileSystem::held_creations() const {
+  absl::MutexLock lock(&held_mu_);
+  return held_creations_;
+}
 
 rocksdb::IOStatus FaultInjectionFileSystem::MaybeFail(const std::string& what) {
   if (!disk_full_.load()) return rocksdb::IOStatus::OK();
@@ -116,6 +127,13 @@ rocksdb::IOStatus FaultInjectionFileSystem::OpenWritable(
     const std::string& fname, std::unique_ptr<rocksdb::FSWritableFile>* result,
     absl::FunctionRef<rocksdb::IOStatus(std::unique_ptr<rocksdb::FSWritableFile>*)>
         open) {
+  if (IsBlobFile(fname) || IsTableFile(fname)) {
+    absl::MutexLock lock(&held_mu_);
+    ++held_creations_;
+    held_mu_.Await(absl::Condition(
+        +[](bool* held) { return !*held; }, &table_files_held_));
+    --held_creations_;
+  }
   rocksdb::IOStatus s = MaybeFail(fname);
   if (!s.ok()) return s;
   std::unique_ptr<rocksdb::FSWritableFile> file;

@@ -1,7 +1,8 @@
 // FaultInjectionFileSystem: a rocksdb::FileSystem for tests that behaves like
 // a full disk while a switch is on: creating a file and appending to one fail
 // with IOStatus::NoSpace (what RocksDB's POSIX file system returns for
-// ENOSPC). Reads, and everything while the switch is off, go to the wrapped
+// ENOSPC). Another switch holds the creation of table and blob files (a
+// flush, stopped mid-way). Reads, and everything while the switch is off, go to the wrapped
 // file system. It also counts reads of blob files (*.blob), so a test can
 // prove that an operation never touched block bytes. No test hook in
 // production code is needed: the tier takes the Env built from it through
@@ -22,7 +23,9 @@
 #include <memory>
 #include <string>
 
+#include "absl/base/thread_annotations.h"
 #include "absl/functional/function_ref.h"
+#include "absl/synchronization/mutex.h"
 #include "rocksdb/file_system.h"
 
 namespace kvdepot {
@@ -43,6 +46,12 @@ class FaultInjectionFileSystem : public rocksdb::FileSystemWrapper {
   // Read calls on blob files since construction.
   uint64_t blob_reads() const { return blob_reads_.load(); }
   void CountBlobRead() { blob_reads_.fetch_add(1); }
+
+  // While true, creating a table or blob file (what a flush or compaction
+  // writes) waits until it is false again: a test holds a flush mid-way.
+  void SetTableFilesHeld(bool held);
+  // Creations of table or blob files waiting on SetTableFilesHeld now.
+  int held_creations() const;
 
   // Returns NoSpace (and counts it) while the disk is "full", else OK.
   rocksdb::IOStatus MaybeFail(const std::string& what);
@@ -73,6 +82,9 @@ class FaultInjectionFileSystem : public rocksdb::FileSystemWrapper {
       absl::FunctionRef<rocksdb::IOStatus(std::unique_ptr<rocksdb::FSWritableFile>*)>
           open);
 
+  mutable absl::Mutex held_mu_;
+  bool table_files_held_ ABSL_GUARDED_BY(held_mu_) = false;
+  int held_creations_ ABSL_GUARDED_BY(held_mu_) = 0;
   std::atomic<bool> disk_full_{false};
   std::atomic<uint64_t> injected_errors_{0};
   std::atomic<uint64_t> blob_reads_{0};

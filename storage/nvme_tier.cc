@@ -4,6 +4,7 @@
 #include <atomic>
 #include <cstring>
 #include <limits>
+#include <thread>
 #include <utility>
 
 #include "absl/base/thread_annotations.h"
@@ -13,6 +14,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/clock.h"
+#include "rocksdb/convenience.h"
 #include "rocksdb/db.h"
 #include "rocksdb/env.h"
 #include "rocksdb/listener.h"
@@ -87,6 +89,21 @@ constexpr size_t kMetaFixedBytes = 1 + 8 + 8 + 8 + 4 + 2;
 constexpr size_t kScrubDeleteBatch = 256;
 // Puts and deletes between two checks of the blob garbage ratio.
 constexpr uint64_t kGcCheckInterval = 64;
+// How long the write that starts DB::Resume waits for it (its flush of
+// what the memtables hold), and the destructor (both at most until the
+// resume counts as stuck, NvmeTierOptions::resume_stuck_after).
+// RocksDB 7.8 can lose a flush it had scheduled when a background error
+// stops it: the job returns without taking its request off the queue, no
+// later one is counted for it, and DB::Resume then waits for that flush for
+// good (nvme_tier_test AFlushRocksDbLostLeavesWritesOffWithoutAHang;
+// RocksDB issue 15030 describes the same orphaned flush). Writes then stay
+// off until the tier is reopened; at close, CancelAllBackgroundWork ends the
+// wait, and what the memtables held is lost, as in a crash without the WAL.
+constexpr absl::Duration kResumeWait = absl::Seconds(5);
+constexpr char kStuckSuffix[] =
+    "; RocksDB's resume has not ended (RocksDB 7 can leave it waiting for a "
+    "flush it never runs): writes stay off until kvdepotd restarts";
+constexpr absl::Duration kShutdownResumeWait = absl::Seconds(10);
 // Longest chain of stored ancestors walked when a block could close a cycle.
 constexpr int kMaxChainWalk = 1 << 16;
 
@@ -354,9 +371,18 @@ class NvmeTierImpl final : public NvmeTier {
   // Verifies what a RocksDB read of `read` returned and copies it to `dest`.
   absl::Status FinishRead(const PlannedRead& read, const rocksdb::Status& s,
                           const rocksdb::Slice& value, absl::Span<char> dest);
-  // OK when RocksDB accepts writes; otherwise tries DB::Resume at most once
-  // per resume_interval and returns Unavailable while that fails.
+  // OK when RocksDB accepts writes; otherwise starts DB::Resume at most
+  // once per resume_interval (on resume_thread_) and waits up to
+  // kResumeWait for it, and returns Unavailable while it has not
+  // succeeded. Never waits longer: see kResumeWait.
   absl::Status EnsureWritable();
+  // Whether a resume has run past resume_stuck_after.
+  bool ResumeStuckLocked() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(resume_mu_);
+  // Starts DB::Resume on resume_thread_ unless it runs already.
+  void StartResumeLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(resume_mu_);
+  // Waits up to `timeout` for a running resume to end; true when none runs.
+  bool AwaitResumeLocked(absl::Duration timeout)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(resume_mu_);
   // Notes a failed write (stats, and resumption if RocksDB stopped).
   void NoteWriteFailure(const rocksdb::Status& s);
   absl::Status EvictOverCapacity();
@@ -374,8 +400,14 @@ class NvmeTierImpl final : public NvmeTier {
   rocksdb::WriteOptions write_options_;
   std::unique_ptr<rocksdb::DB> db_;
 
-  absl::Mutex resume_mu_;
+  mutable absl::Mutex resume_mu_;
   absl::Time next_resume_ ABSL_GUARDED_BY(resume_mu_) = absl::InfinitePast();
+  // DB::Resume runs here: it flushes, which may take long -- or never end
+  // (kResumeWait) -- and no caller may wait on that.
+  std::thread resume_thread_ ABSL_GUARDED_BY(resume_mu_);
+  bool resuming_ ABSL_GUARDED_BY(resume_mu_) = false;
+  absl::Time resume_started_ ABSL_GUARDED_BY(resume_mu_);  // real time
+  rocksdb::Status last_resume_ ABSL_GUARDED_BY(resume_mu_);
 
   mutable absl::Mutex mu_;
   Index index_ ABSL_GUARDED_BY(mu_);
@@ -571,13 +603,34 @@ absl::Status NvmeTierImpl::EvictOverCapacity() {
 
 NvmeTierImpl::~NvmeTierImpl() {
   if (db_ == nullptr) return;
-  // A stopped database cannot flush; give it one chance to resume.
-  if (listener_->stopped() && db_->Resume().ok()) listener_->Clear();
+  bool stuck;
   {
-    absl::MutexLock lock(&mu_);
-    PersistDirtyLocked().IgnoreError();  // best effort: only counts/recency
+    // A stopped database cannot flush; give it one chance to resume.
+    absl::MutexLock lock(&resume_mu_);
+    if (listener_->stopped()) StartResumeLocked();
+    const absl::Duration left =
+        resuming_ ? options_.resume_stuck_after - (absl::Now() - resume_started_)
+                  : absl::ZeroDuration();
+    stuck = !AwaitResumeLocked(
+        std::clamp(left, absl::ZeroDuration(), kShutdownResumeWait));
   }
-  FlushAndWait().IgnoreError();
+  if (stuck) {
+    // Unflushed blocks are lost; the database stops (which ends the
+    // resume's wait) and closes.
+    rocksdb::CancelAllBackgroundWork(db_.get(), /*wait=*/true);
+  } else {
+    {
+      absl::MutexLock lock(&mu_);
+      PersistDirtyLocked().IgnoreError();  // best effort: only counts/recency
+    }
+    FlushAndWait().IgnoreError();
+  }
+  std::thread resume;
+  {
+    absl::MutexLock lock(&resume_mu_);
+    resume = std::move(resume_thread_);
+  }
+  if (resume.joinable()) resume.join();  // it takes resume_mu_ to end
   db_->Close().PermitUncheckedError();
 }
 
@@ -809,23 +862,59 @@ absl::Status NvmeTierImpl::EnsureWritable() {
   if (!listener_->stopped()) return absl::OkStatus();
   absl::MutexLock lock(&resume_mu_);
   if (!listener_->stopped()) return absl::OkStatus();
+  const std::string stopped = absl::StrCat(
+      "NVMe tier is not accepting writes after a RocksDB error (",
+      listener_->reason(), ")");
+  if (ResumeStuckLocked()) {
+    return absl::UnavailableError(absl::StrCat(stopped, kStuckSuffix));
+  }
+  if (resuming_) {
+    return absl::UnavailableError(absl::StrCat(stopped, "; resuming"));
+  }
   absl::Time now = clock_->Now();
   if (now < next_resume_) {
     return absl::UnavailableError(absl::StrCat(
-        "NVMe tier is not accepting writes after a RocksDB error (",
-        listener_->reason(), "); next retry in ",
-        absl::FormatDuration(next_resume_ - now)));
+        stopped, "; ",
+        last_resume_.ok() ? std::string()
+                          : absl::StrCat("resuming failed (",
+                                         last_resume_.ToString(), "); "),
+        "next retry in ", absl::FormatDuration(next_resume_ - now)));
   }
   next_resume_ = now + options_.resume_interval;
-  rocksdb::Status s = db_->Resume();
-  if (!s.ok()) {
-    return FromRocksStatus(
-        s, absl::StrCat("NVMe tier is not accepting writes after a RocksDB "
-                        "error (",
-                        listener_->reason(), "); resuming failed"));
+  StartResumeLocked();
+  if (!AwaitResumeLocked(std::min(kResumeWait, options_.resume_stuck_after))) {
+    return absl::UnavailableError(absl::StrCat(stopped, "; resuming"));
   }
-  listener_->Clear();
+  if (!last_resume_.ok()) {
+    return FromRocksStatus(last_resume_,
+                           absl::StrCat(stopped, "; resuming failed"));
+  }
   return absl::OkStatus();
+}
+
+bool NvmeTierImpl::ResumeStuckLocked() const {
+  return resuming_ && absl::Now() - resume_started_ > options_.resume_stuck_after;
+}
+
+void NvmeTierImpl::StartResumeLocked() {
+  if (resuming_) return;
+  if (resume_thread_.joinable()) resume_thread_.join();  // ended already
+  resuming_ = true;
+  resume_started_ = absl::Now();
+  resume_thread_ = std::thread([this] {
+    rocksdb::Status s = db_->Resume();
+    absl::MutexLock lock(&resume_mu_);
+    if (s.ok()) listener_->Clear();
+    last_resume_ = s;
+    resuming_ = false;
+  });
+}
+
+bool NvmeTierImpl::AwaitResumeLocked(absl::Duration timeout) {
+  auto done = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(resume_mu_) {
+    return !resuming_;
+  };
+  return resume_mu_.AwaitWithTimeout(absl::Condition(&done), timeout);
 }
 
 absl::StatusOr<NvmePutOutcome> NvmeTierImpl::Put(absl::string_view ns,
@@ -1173,6 +1262,11 @@ NvmeTierStats NvmeTierImpl::Stats() {
   }
   stats.capacity_bytes = options_.capacity_bytes;
   stats.writable = !listener_->stopped();
+  if (!stats.writable) {
+    absl::MutexLock lock(&resume_mu_);
+    stats.write_error = listener_->reason();
+    if (ResumeStuckLocked()) absl::StrAppend(&stats.write_error, kStuckSuffix);
+  }
   stats.blob_gc_active = blob_gc_active_.load();
   db_->GetIntProperty(rocksdb::DB::Properties::kLiveBlobFileGarbageSize,
                       &stats.blob_garbage_bytes);
@@ -1366,6 +1460,9 @@ absl::StatusOr<std::unique_ptr<NvmeTier>> OpenNvmeTier(
   if (options.max_background_jobs < 1) {
     return absl::InvalidArgumentError(
         "NVMe tier needs at least one background job");
+  }
+  if (options.resume_stuck_after <= absl::ZeroDuration()) {
+    return absl::InvalidArgumentError("NVMe tier: resume_stuck_after must be > 0");
   }
   // Referenced here so that every program that opens the tier links
   // rocksdb_crc32c.cc, whose CRC32C takes the place of librocksdb's.

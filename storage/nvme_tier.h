@@ -106,9 +106,15 @@ struct NvmeTierOptions {
   double gc_off_garbage_ratio = 0.05;
   // After RocksDB stops accepting writes (a full disk, an I/O error), writes
   // fail fast with Unavailable, and at most once per this interval a write
-  // asks RocksDB to resume; the first one that succeeds reopens the tier for
+  // asks RocksDB to resume (on a thread of the tier's; that write waits for
+  // it up to 5 s); the first resume that succeeds reopens the tier for
   // writing.
   absl::Duration resume_interval = absl::Seconds(1);
+  // A resume still running after this long is taken for stuck (RocksDB 7
+  // can lose a flush a background error interrupted, and its resume then
+  // waits for it for good): writes fail with Unavailable saying so until
+  // the tier is reopened, and closing does not wait for it.
+  absl::Duration resume_stuck_after = absl::Seconds(60);
   // RocksDB environment (file system, threads). nullptr means
   // rocksdb::Env::Default(). Borrowed: must outlive the tier. Tests pass a
   // fault-injecting one.
@@ -167,6 +173,9 @@ struct NvmeTierStats {
   // False while RocksDB refuses writes after a background error (a full
   // disk); see NvmeTierOptions::resume_interval.
   bool writable = true;
+  // Why, while not writable: RocksDB's error, and whether its resume is
+  // stuck (NvmeTierOptions::resume_stuck_after). Empty when writable.
+  std::string write_error;
 };
 
 // What NvmeTier::Verify found.

@@ -8,6 +8,7 @@
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <functional>
 #include <iterator>
 #include <map>
 #include <random>
@@ -17,6 +18,8 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "absl/synchronization/notification.h"
+#include "absl/time/clock.h"
 #include "rocksdb/db.h"
 #include "rocksdb/env.h"
 #include "storage/checksum.h"
@@ -676,6 +679,7 @@ TEST_F(NvmeTierTest, DiskFullFailsPutsCleanlyAndRecovers) {
               HasSubstr("not accepting writes"));
   NvmeTierStats stats = tier_->Stats();
   EXPECT_FALSE(stats.writable);
+  EXPECT_THAT(stats.write_error, HasSubstr("no space left on device"));
   EXPECT_GE(stats.write_errors, 1u);
   EXPECT_EQ(stats.blocks, 10 + stored.size());
   EXPECT_FALSE(tier_->Contains("ns", Key(500)));
@@ -694,6 +698,7 @@ TEST_F(NvmeTierTest, DiskFullFailsPutsCleanlyAndRecovers) {
   EXPECT_THAT(Put(Key(500), Bytes(500, kSize)),
               IsOkAndHolds(NvmePutOutcome::kStored));
   EXPECT_TRUE(tier_->Stats().writable);
+  EXPECT_EQ(tier_->Stats().write_error, "");
   ASSERT_OK(tier_->Flush());
 
   // And everything the tier reported survives a restart.
@@ -706,6 +711,101 @@ TEST_F(NvmeTierTest, DiskFullFailsPutsCleanlyAndRecovers) {
   for (int i : stored) {
     EXPECT_TRUE(ReadsBack(Key(i), Bytes(i, kSize))) << i;
   }
+  EXPECT_TRUE(ReadsBack(Key(500), Bytes(500, kSize)));
+}
+
+// Holds a RocksDB background thread until `release` is notified.
+struct BusyThread {
+  std::atomic<int>* started;
+  absl::Notification* release;
+  static void Run(void* arg) {
+    auto* self = static_cast<BusyThread*>(arg);
+    self->started->fetch_add(1);
+    self->release->WaitForNotification();
+  }
+};
+
+// Waits up to 20 s for `done`.
+bool Eventually(const std::function<bool()>& done) {
+  for (absl::Time end = absl::Now() + absl::Seconds(20); absl::Now() < end;
+       absl::SleepFor(absl::Milliseconds(5))) {
+    if (done()) return true;
+  }
+  return done();
+}
+
+// RocksDB 7.8 loses a flush it had scheduled when a background error stops
+// it before the flush starts (the job returns without taking its request
+// off the queue, and no later one is counted for it), and then DB::Resume
+// waits for that flush for good. Made to happen here step by step: one
+// flush held while it creates its file, a second one scheduled behind it
+// that cannot start (every other flush thread busy), then the disk full.
+// The tier must not hang on it (it did, under load, in
+// DiskFullFailsPutsCleanlyAndRecovers): writes fail with a clear error,
+// reads go on, closing ends, and what was flushed survives.
+TEST_F(NvmeTierTest, AFlushRocksDbLostLeavesWritesOffWithoutAHang) {
+  constexpr size_t kSize = 64 * kKiB;
+  options_.max_background_jobs = 4;       // 2 flushes at a time
+  options_.max_write_buffer_number = 4;   // writes go on while one flushes
+  options_.resume_stuck_after = absl::Seconds(2);
+  Open();
+  for (int i = 0; i < 4; ++i) ASSERT_OK(Put(Key(i), Bytes(i, kSize)));
+  ASSERT_OK(tier_->Flush());
+
+  rocksdb::Env* env = env_.get();
+  constexpr auto kHigh = rocksdb::Env::Priority::HIGH;
+  const int threads = env->GetBackgroundThreads(kHigh);
+  ASSERT_GE(threads, 2);
+  std::atomic<int> started{0};
+  absl::Notification release;
+  BusyThread busy{&started, &release};
+  for (int t = 0; t < threads - 1; ++t) env->Schedule(&BusyThread::Run, &busy, kHigh);
+  ASSERT_TRUE(Eventually([&] { return started.load() == threads - 1; }));
+
+  fault_fs_->SetTableFilesHeld(true);
+  int next = 4;
+  auto put_until = [&](const std::function<bool()>& done) {
+    while (!done() && next < 200) {
+      absl::StatusOr<NvmePutOutcome> put = Put(Key(next), Bytes(next, kSize));
+      if (!put.ok()) return false;
+      ++next;
+    }
+    return Eventually(done);
+  };
+  // A flush held creating its file, and another scheduled behind it.
+  ASSERT_TRUE(put_until([&] { return fault_fs_->held_creations() > 0; }));
+  ASSERT_TRUE(put_until([&] { return env->GetThreadPoolQueueLen(kHigh) > 0; }));
+  fault_fs_->SetDiskFull(true);
+  fault_fs_->SetTableFilesHeld(false);  // the held flush fails: RocksDB stops
+  // The second flush ran, and returned at once.
+  ASSERT_TRUE(Eventually([&] { return env->GetThreadPoolQueueLen(kHigh) == 0; }));
+  release.Notify();
+  ASSERT_TRUE(Eventually([&] { return !tier_->Stats().writable; }));
+
+  fault_fs_->SetDiskFull(false);
+  clock_.Advance(options_.resume_interval);
+  // The resume starts, and is waited for only so long...
+  auto put = Put(Key(500), Bytes(500, kSize));
+  EXPECT_THAT(put, StatusIs(absl::StatusCode::kUnavailable));
+  // ... and then taken for stuck: writes stay off, and say why.
+  absl::SleepFor(options_.resume_stuck_after);
+  put = Put(Key(500), Bytes(500, kSize));
+  EXPECT_THAT(put, StatusIs(absl::StatusCode::kUnavailable));
+  EXPECT_THAT(std::string(put.status().message()),
+              HasSubstr("writes stay off until kvdepotd restarts"));
+  EXPECT_FALSE(tier_->Stats().writable);
+  EXPECT_THAT(tier_->Stats().write_error,
+              HasSubstr("writes stay off until kvdepotd restarts"));
+  // Reads go on.
+  for (int i = 0; i < 4; ++i) EXPECT_TRUE(ReadsBack(Key(i), Bytes(i, kSize))) << i;
+
+  // Closing ends (what the lost flush held is lost with the memtables), and
+  // the reopened tier has what was flushed, and takes writes.
+  Close();
+  Open();
+  for (int i = 0; i < 4; ++i) EXPECT_TRUE(ReadsBack(Key(i), Bytes(i, kSize))) << i;
+  EXPECT_THAT(Put(Key(500), Bytes(500, kSize)),
+              IsOkAndHolds(NvmePutOutcome::kStored));
   EXPECT_TRUE(ReadsBack(Key(500), Bytes(500, kSize)));
 }
 

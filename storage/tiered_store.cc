@@ -571,6 +571,7 @@ class TieredStoreImpl final : public TieredStore {
       st.nvme.evictions = ns.evictions;
       st.integrity_errors = ns.integrity_errors;
       st.nvme_write_bytes = ns.write_bytes;
+      st.nvme_write_error = std::move(ns.write_error);
     }
     st.demotions = demotions_.load();
     st.demotion_failures = demotion_failures_.load();

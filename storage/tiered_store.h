@@ -164,6 +164,9 @@ struct StoreStats {
   TierStats nvme;  // all zero when the tier is off
   uint64_t demotions = 0;          // DRAM blocks written to NVMe
   uint64_t demotion_failures = 0;  // could not be written (disk full, ...)
+  // Why the NVMe tier takes no writes now (NvmeTierStats::write_error);
+  // empty when it does.
+  std::string nvme_write_error;
   uint64_t demotions_skipped = 0;  // not admitted (read too rarely)
   uint64_t promotions = 0;         // NVMe blocks read back into DRAM
   uint64_t sessions = 0;
