@@ -100,6 +100,8 @@ constexpr uint64_t kGcCheckInterval = 64;
 // off until the tier is reopened; at close, CancelAllBackgroundWork ends the
 // wait, and what the memtables held is lost, as in a crash without the WAL.
 constexpr absl::Duration kResumeWait = absl::Seconds(5);
+// What ProbeRoom writes before a resume is tried.
+constexpr size_t kProbeBytes = 1 << 20;
 constexpr char kStuckSuffix[] =
     "; RocksDB's resume has not ended (RocksDB 7 can leave it waiting for a "
     "flush it never runs): writes stay off until kvdepotd restarts";
@@ -376,6 +378,9 @@ class NvmeTierImpl final : public NvmeTier {
   // kResumeWait for it, and returns Unavailable while it has not
   // succeeded. Never waits longer: see kResumeWait.
   absl::Status EnsureWritable();
+  // Writes and syncs kProbeBytes to a file in the tier's directory, then
+  // deletes it: OK when there was room for it.
+  absl::Status ProbeRoom();
   // Whether a resume has run past resume_stuck_after.
   bool ResumeStuckLocked() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(resume_mu_);
   // Starts DB::Resume on resume_thread_ unless it runs already.
@@ -881,6 +886,14 @@ absl::Status NvmeTierImpl::EnsureWritable() {
         "next retry in ", absl::FormatDuration(next_resume_ - now)));
   }
   next_resume_ = now + options_.resume_interval;
+  // A resume that fails for want of room is not only useless: RocksDB 7.8
+  // can lose a flush it scheduled at the end of one (see kResumeWait), and
+  // then no later resume ends. So resume only once a probe file fits.
+  if (absl::Status room = ProbeRoom(); !room.ok()) {
+    return absl::UnavailableError(absl::StrCat(
+        stopped, "; no room to resume yet (", room.message(), "); next retry in ",
+        absl::FormatDuration(options_.resume_interval)));
+  }
   StartResumeLocked();
   if (!AwaitResumeLocked(std::min(kResumeWait, options_.resume_stuck_after))) {
     return absl::UnavailableError(absl::StrCat(stopped, "; resuming"));
@@ -890,6 +903,25 @@ absl::Status NvmeTierImpl::EnsureWritable() {
                            absl::StrCat(stopped, "; resuming failed"));
   }
   return absl::OkStatus();
+}
+
+absl::Status NvmeTierImpl::ProbeRoom() {
+  rocksdb::Env* env =
+      options_.env != nullptr ? options_.env : rocksdb::Env::Default();
+  const std::string probe = options_.path + "/RESUME_PROBE";
+  std::unique_ptr<rocksdb::WritableFile> file;
+  rocksdb::Status s = env->NewWritableFile(probe, &file, rocksdb::EnvOptions());
+  if (s.ok()) {
+    const std::string chunk(64 << 10, '\0');
+    for (size_t n = 0; s.ok() && n < kProbeBytes; n += chunk.size()) {
+      s = file->Append(chunk);
+    }
+    if (s.ok()) s = file->Sync();
+    rocksdb::Status closed = file->Close();
+    if (s.ok()) s = closed;
+  }
+  env->DeleteFile(probe).PermitUncheckedError();
+  return FromRocksStatus(s, "probe file");
 }
 
 bool NvmeTierImpl::ResumeStuckLocked() const {

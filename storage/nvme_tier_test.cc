@@ -752,20 +752,32 @@ TEST_F(NvmeTierTest, AFlushRocksDbLostLeavesWritesOffWithoutAHang) {
   for (int i = 0; i < 4; ++i) ASSERT_OK(Put(Key(i), Bytes(i, kSize)));
   ASSERT_OK(tier_->Flush());
 
+  // The flush threads (the process's, shared by every tier): two, one of
+  // them busy here, so that a second flush waits behind the first.
   rocksdb::Env* env = env_.get();
   constexpr auto kHigh = rocksdb::Env::Priority::HIGH;
-  const int threads = env->GetBackgroundThreads(kHigh);
-  ASSERT_GE(threads, 2);
+  env->SetBackgroundThreads(2, kHigh);
   std::atomic<int> started{0};
   absl::Notification release;
   BusyThread busy{&started, &release};
-  for (int t = 0; t < threads - 1; ++t) env->Schedule(&BusyThread::Run, &busy, kHigh);
-  ASSERT_TRUE(Eventually([&] { return started.load() == threads - 1; }));
+  struct Cleanup {  // whatever fails below, nothing stays held
+    FaultInjectionFileSystem* fs;
+    absl::Notification* release;
+    ~Cleanup() {
+      fs->SetTableFilesHeld(false);
+      if (!release->HasBeenNotified()) release->Notify();
+    }
+  } cleanup{fault_fs_.get(), &release};
+  env->Schedule(&BusyThread::Run, &busy, kHigh);
+  ASSERT_TRUE(Eventually([&] { return started.load() == 1; }));
 
   fault_fs_->SetTableFilesHeld(true);
   int next = 4;
+  // Puts until `done`; false when the held flushes are more than one (the
+  // second one started: it would not be lost) or a put fails.
   auto put_until = [&](const std::function<bool()>& done) {
     while (!done() && next < 200) {
+      if (fault_fs_->held_creations() > 1) return false;
       absl::StatusOr<NvmePutOutcome> put = Put(Key(next), Bytes(next, kSize));
       if (!put.ok()) return false;
       ++next;
@@ -774,7 +786,8 @@ TEST_F(NvmeTierTest, AFlushRocksDbLostLeavesWritesOffWithoutAHang) {
   };
   // A flush held creating its file, and another scheduled behind it.
   ASSERT_TRUE(put_until([&] { return fault_fs_->held_creations() > 0; }));
-  ASSERT_TRUE(put_until([&] { return env->GetThreadPoolQueueLen(kHigh) > 0; }));
+  ASSERT_TRUE(put_until([&] { return env->GetThreadPoolQueueLen(kHigh) > 0; }))
+      << fault_fs_->held_creations() << " held";
   fault_fs_->SetDiskFull(true);
   fault_fs_->SetTableFilesHeld(false);  // the held flush fails: RocksDB stops
   // The second flush ran, and returned at once.
