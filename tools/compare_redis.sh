@@ -175,7 +175,7 @@ trap 'exit 143' TERM
   --dram-capacity "$DRAM_CAPACITY" --nvme-capacity "$NVME_CAPACITY" 2>"$TMP/kvdepotd.log" &
 KVD_PID=$!
 KVD_PORT=""
-for ((i = 0; i < 150; i++)); do
+for ((i = 0; i < 600; i++)); do  # up to 60 s (a loaded host)
   KVD_PORT="$(sed -n 's/.*listening on 127\.0\.0\.1:\([0-9][0-9]*\).*/\1/p' "$TMP/kvdepotd.log" | head -n1)"
   [[ -n $KVD_PORT ]] && break
   kill -0 "$KVD_PID" 2>/dev/null || break

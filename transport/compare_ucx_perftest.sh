@@ -142,7 +142,7 @@ start_kvdepotd() {
     2>"$WORK/kvdepotd.log" &
   KVD_PID=$!
   PIDS+=("$KVD_PID")
-  for ((i = 0; i < 150; i++)); do
+  for ((i = 0; i < 600; i++)); do  # up to 60 s (a loaded host)
     port="$(sed -n 's/.*listening on 127\.0\.0\.1:\([0-9][0-9]*\).*/\1/p' "$WORK/kvdepotd.log" | head -n1)"
     [[ -n $port ]] && break
     sleep 0.1
