@@ -778,18 +778,29 @@ TEST_P(UcxE2eTest, RequestsTravelAsUcxMessagesUnlessTheClientAsksForGrpc) {
   EXPECT_EQ(testing::MetricValue(metrics, push_all), 2);  // a gRPC call
 }
 
+// A daemon (64 MiB of DRAM) whose config file sets ucx_colocated_workers;
+// null (a test failure added) when it does not start.
+std::unique_ptr<DaemonProcess> StartWithColocatedWorkers(int workers) {
+  const std::string dir = testing::MakeTempDir("colocated");
+  std::ofstream(dir + "/kvdepot.yaml") << "ucx_colocated_workers: " << workers << "\n";
+  absl::StatusOr<std::unique_ptr<DaemonProcess>> d = DaemonProcess::Start(
+      {"--config", dir + "/kvdepot.yaml", "--dram-capacity", "64MiB"});
+  if (!d.ok()) {
+    ADD_FAILURE() << "kvdepotd: " << d.status();
+    return nullptr;
+  }
+  return *std::move(d);
+}
+
 TEST_P(UcxE2eTest, CoLocatedClientsBeyondTheWorkerLimitAreServedOverTcp) {
   // A daemon that gives one co-located client a UCX worker of its own
   // (ucx_colocated_workers: 1): a second one is served over TCP on the
   // shared workers, every byte intact; once the first has gone, the next
   // one gets a worker again.
   if (GetParam() != "shm") GTEST_SKIP() << "no co-located workers over TCP";
-  const std::string dir = testing::MakeTempDir("limit");
-  std::ofstream(dir + "/kvdepot.yaml") << "ucx_colocated_workers: 1\n";
-  absl::StatusOr<std::unique_ptr<DaemonProcess>> d = DaemonProcess::Start(
-      {"--config", dir + "/kvdepot.yaml", "--dram-capacity", "64MiB"});
-  ASSERT_OK(d.status());
-  DaemonProcess& daemon = **d;
+  std::unique_ptr<DaemonProcess> d = StartWithColocatedWorkers(1);
+  ASSERT_NE(d, nullptr);
+  DaemonProcess& daemon = *d;
   auto own_workers = [&] { return ThreadsNamed(daemon.pid(), "kvd-sess-"); };
 
   std::unique_ptr<Client> first = NewClient(true, daemon.address());
@@ -831,12 +842,9 @@ TEST_P(UcxE2eTest, NoOwnWorkersMeansCoLocatedClientsAreServedOverTcp) {
   // daemon's workers, over TCP (no shared memory without a worker of its
   // own); its bytes arrive intact, and the daemon says why once per client.
   if (GetParam() != "shm") GTEST_SKIP() << "no co-located workers over TCP";
-  const std::string dir = testing::MakeTempDir("noown");
-  std::ofstream(dir + "/kvdepot.yaml") << "ucx_colocated_workers: 0\n";
-  absl::StatusOr<std::unique_ptr<DaemonProcess>> d = DaemonProcess::Start(
-      {"--config", dir + "/kvdepot.yaml", "--dram-capacity", "64MiB"});
-  ASSERT_OK(d.status());
-  DaemonProcess& daemon = **d;
+  std::unique_ptr<DaemonProcess> d = StartWithColocatedWorkers(0);
+  ASSERT_NE(d, nullptr);
+  DaemonProcess& daemon = *d;
   std::unique_ptr<Client> client = NewClient(true, daemon.address());
   ASSERT_NE(client, nullptr);
   ASSERT_OK(client->EnsureSession().status());
