@@ -610,9 +610,12 @@ NvmeTierImpl::~NvmeTierImpl() {
   if (db_ == nullptr) return;
   bool stuck;
   {
-    // A stopped database cannot flush; give it one chance to resume.
+    // A stopped database cannot flush; give it one chance to resume, if
+    // there is room for it (see EnsureWritable).
     absl::MutexLock lock(&resume_mu_);
-    if (listener_->stopped()) StartResumeLocked();
+    if (listener_->stopped() && !resuming_ && ProbeRoom().ok()) {
+      StartResumeLocked();
+    }
     const absl::Duration left =
         resuming_ ? options_.resume_stuck_after - (absl::Now() - resume_started_)
                   : absl::ZeroDuration();
