@@ -378,6 +378,10 @@ class NvmeTierImpl final : public NvmeTier {
   // kResumeWait for it, and returns Unavailable while it has not
   // succeeded. Never waits longer: see kResumeWait.
   absl::Status EnsureWritable();
+  // The options' environment, else RocksDB's default.
+  rocksdb::Env* Env() const {
+    return options_.env != nullptr ? options_.env : rocksdb::Env::Default();
+  }
   // Writes and syncs kProbeBytes to a file in the tier's directory, then
   // deletes it: OK when there was room for it.
   absl::Status ProbeRoom();
@@ -442,8 +446,7 @@ class NvmeTierImpl final : public NvmeTier {
 // Open, close.
 
 absl::Status NvmeTierImpl::Init() {
-  rocksdb::Env* env =
-      options_.env != nullptr ? options_.env : rocksdb::Env::Default();
+  rocksdb::Env* env = Env();
 
   // RocksDB creates only the last directory of the path.
   for (size_t pos = options_.path.find('/', 1); pos != std::string::npos;
@@ -909,8 +912,7 @@ absl::Status NvmeTierImpl::EnsureWritable() {
 }
 
 absl::Status NvmeTierImpl::ProbeRoom() {
-  rocksdb::Env* env =
-      options_.env != nullptr ? options_.env : rocksdb::Env::Default();
+  rocksdb::Env* env = Env();
   const std::string probe = options_.path + "/RESUME_PROBE";
   std::unique_ptr<rocksdb::WritableFile> file;
   rocksdb::Status s = env->NewWritableFile(probe, &file, rocksdb::EnvOptions());

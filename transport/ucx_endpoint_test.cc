@@ -175,14 +175,14 @@ class UcxEndpointTest : public ::testing::TestWithParam<std::string> {
     return n;
   }
 
-  // Holds the server's progress thread in a task until `release` is
-  // notified: its worker serves nothing meanwhile. False when the task
+  // Holds `worker`'s progress thread in a task until `release` is
+  // notified: the worker serves nothing meanwhile. False when the task
   // could not be queued. The test must wait for the task to end (Run on
-  // the server's worker) before `release` goes.
-  bool HoldServer(absl::Notification& release) {
+  // the worker) before `release` goes.
+  static bool HoldWorker(UcxWorker& worker, absl::Notification& release) {
     absl::Notification stuck;
-    if (!server_worker_
-             ->Submit([&stuck, &release] {
+    if (!worker
+             .Submit([&stuck, &release] {
                stuck.Notify();
                release.WaitForNotification();
              })
@@ -191,6 +191,9 @@ class UcxEndpointTest : public ::testing::TestWithParam<std::string> {
     }
     stuck.WaitForNotification();
     return true;
+  }
+  bool HoldServer(absl::Notification& release) {
+    return HoldWorker(*server_worker_, release);
   }
   // Gets of the region's first 4 blocks into abandoned_sink_: a batch
   // abandoned over shared memory may still be written, so its buffer lives
@@ -608,26 +611,14 @@ TEST_P(UcxEndpointTest, NothingMoreOfABatchIsSentOnceItsDeadlinePassed) {
   }
   // The server does not read at first, so that most of the batch is still
   // queued in the client's UCX when the client stalls.
-  absl::Notification server_stuck, server_go, client_stuck, client_go;
-  ASSERT_TRUE(server_worker_
-                  ->Submit([&] {
-                    server_stuck.Notify();
-                    server_go.WaitForNotification();
-                  })
-                  .ok());
-  server_stuck.WaitForNotification();
+  absl::Notification server_go, client_go;
+  ASSERT_TRUE(HoldServer(server_go));
   std::vector<char> source(kRegionSize, 'x');
   auto source_region = RegisterLocal(source);
   const std::vector<Transfer> puts = PutsOverTheRegion(source, source_region.get());
   const absl::Time deadline = absl::Now() + absl::Milliseconds(300);
   TransferHandle put = endpoint_->Put(puts, deadline);
-  ASSERT_TRUE(client_worker_
-                  ->Submit([&] {  // after the put's posting
-                    client_stuck.Notify();
-                    client_go.WaitForNotification();
-                  })
-                  .ok());
-  client_stuck.WaitForNotification();
+  ASSERT_TRUE(HoldWorker(*client_worker_, client_go));  // after the put's posting
   EXPECT_LT(BlocksWritten(), puts.size()) << "nothing was left to send";
   server_go.Notify();  // takes what was sent before the stall
   absl::SleepFor(deadline + absl::Milliseconds(200) - absl::Now());
