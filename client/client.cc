@@ -61,8 +61,9 @@ constexpr size_t kMaxRetiredLinks = 16;
 // buffers.
 struct Client::Ucx {
   std::unique_ptr<UcxContext> context;
-  // Threads that verify what replies over UCX bring (a checksum pass must
-  // not hold up a progress thread, which serves the daemon's transfers).
+  // Threads that verify what replies over UCX bring when no caller waits
+  // for them (a checksum pass must not hold up a progress thread, which
+  // serves the daemon's transfers).
   std::unique_ptr<WorkPool> verify_pool;
   absl::Mutex link_mu;
   // Null after a fence until the next session opens.
@@ -96,11 +97,38 @@ struct TransferOp::State {
   v1::PullBlocksRequest pull_req;
   v1::PullBlocksResponse pull_resp;
 
+  // The last step before ready (checking a get's blocks against their
+  // checksums), left for a caller blocked in Wait: it runs it on its own
+  // thread, rather than waking a pool thread that then wakes the caller.
+  int waiters ABSL_GUARDED_BY(mu) = 0;
+  absl::AnyInvocable<void() &&> last_step ABSL_GUARDED_BY(mu);
+
   void Publish() {
     absl::MutexLock lock(&mu);
     ready = true;
   }
+  bool ReadyOrStepLeft() const ABSL_SHARED_LOCKS_REQUIRED(mu) {
+    return ready || last_step != nullptr;
+  }
 };
+
+namespace {
+
+// Runs `step` (which ends in state->Publish) on a caller waiting for the op,
+// when there is one, else on `pool`.
+void RunLastStep(WorkPool& pool, TransferOp::State& state,
+                 absl::AnyInvocable<void() &&> step) {
+  {
+    absl::MutexLock lock(&state.mu);
+    if (state.waiters > 0) {
+      state.last_step = std::move(step);
+      return;
+    }
+  }
+  pool.Submit(std::move(step));
+}
+
+}  // namespace
 
 TransferOp::TransferOp(std::shared_ptr<State> state) : state_(std::move(state)) {}
 
@@ -112,9 +140,21 @@ bool TransferOp::IsReady() const {
 void TransferOp::Wait() const { WaitUntil(absl::InfiniteFuture()); }
 
 bool TransferOp::WaitUntil(absl::Time deadline) const {
-  absl::MutexLock lock(&state_->mu);
-  state_->mu.AwaitWithDeadline(absl::Condition(&state_->ready), deadline);
-  return state_->ready;
+  State& state = *state_;
+  absl::AnyInvocable<void() &&> step;
+  {
+    absl::MutexLock lock(&state.mu);
+    ++state.waiters;
+    state.mu.AwaitWithDeadline(
+        absl::Condition(&state, &State::ReadyOrStepLeft), deadline);
+    --state.waiters;
+    if (state.ready || state.last_step == nullptr) return state.ready;
+    // Left to a waiter: this one takes it, past its deadline or not (the
+    // step is short, and no one else is bound to run it).
+    step = std::exchange(state.last_step, nullptr);
+  }
+  std::move(step)();
+  return IsReady();
 }
 
 const std::vector<absl::Status>& TransferOp::statuses() const {
@@ -1063,7 +1103,7 @@ TransferOp Client::GetIntoAsync(absl::string_view ns,
   Link* link = target->link.get();
   if (link->requests != nullptr && link->requests->Serves(session)) {
     // Over UCX: the reply comes on the progress thread; blocks to hash are
-    // checked on the verify pool. `link` outlives its requests' callbacks.
+    // checked by a waiting caller, or on the verify pool. `link` outlives its requests' callbacks.
     absl::Status sent = link->requests->Send(
         session, RequestMethod::kPushBlocks, req.SerializeAsString(),
         absl::Now() + UcxRequestTimeout(),
@@ -1079,9 +1119,10 @@ TransferOp Client::GetIntoAsync(absl::string_view ns,
           if (!GetNeedsHashing(st, state->push_resp)) {
             return FinishGet(*state, st, out);
           }
-          ucx_->verify_pool->Submit([state, st, out = std::move(out)] {
-            FinishGet(*state, st, out);
-          });
+          RunLastStep(*ucx_->verify_pool, *state,
+                      [state, st, out = std::move(out)] {
+                        FinishGet(*state, st, out);
+                      });
         });
     if (sent.ok()) return op;
     // Not sent (the connection went meanwhile): as a gRPC call.

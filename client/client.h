@@ -125,7 +125,9 @@ class TransferOp {
 
   bool IsReady() const;
   void Wait() const;
-  // Waits until ready or `deadline`; returns IsReady().
+  // Waits until ready or `deadline`; returns IsReady(). A get's checksum
+  // checks run on a waiting caller's thread when there is one (then it may
+  // return a little past `deadline`, ready).
   bool WaitUntil(absl::Time deadline) const;
   // REQUIRES: IsReady().
   const std::vector<absl::Status>& statuses() const;

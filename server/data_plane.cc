@@ -356,15 +356,28 @@ absl::StatusOr<TransferHandle> DataPlane::Move(
       push ? link->endpoint->Put(transfers, deadline, std::move(copy_here))
            : link->endpoint->Get(transfers, deadline, std::move(each_got),
                                  std::move(copy_here));
-  // The link (and its endpoint) lives until the transfers have ended; it is
-  // let go on the pool's thread, not inside the UCX callback that ends them
-  // (a batch done by copies here is ready already: it goes on return).
+  // The link (and its endpoint) lives until the transfers have ended (a
+  // batch done by copies here is ready already: it goes on return).
   if (!handle.IsReady()) {
-    handle.OnReady([this, link = std::move(link)]() mutable {
-      lost_pool_->Submit([link = std::move(link)] {});
+    handle.OnReady([this, session, link = std::move(link)]() mutable {
+      LetGo(session, std::move(link));
     });
   }
   return handle;
+}
+
+void DataPlane::LetGo(SessionId session, std::shared_ptr<Link> link) {
+  {
+    absl::MutexLock lock(&mu_);
+    auto it = links_.find(session);
+    if (it != links_.end() && it->second == link) {
+      link.reset();  // the session still holds it: not the last holder
+      return;
+    }
+  }
+  // Perhaps the last holder: the endpoint must not go inside the UCX
+  // callback that ended the transfers, so it goes on the pool's thread.
+  lost_pool_->Submit([link = std::move(link)] {});
 }
 
 // ---- Requests over UCX ------------------------------------------------------

@@ -243,6 +243,10 @@ class DataPlane {
   // left links_: stopped on retire_pool_ (that ends whatever is still in
   // flight on it), then destroyed with the link.
   void Retire(std::shared_ptr<Link> link);
+  // Drops a transfer's hold on `link`, on a progress thread: at once while
+  // the session still holds it (no thread woken per batch), else on
+  // lost_pool_, where the endpoint may go.
+  void LetGo(SessionId session, std::shared_ptr<Link> link);
   // For a link out of links_ (or never in it): stops watching its client,
   // closes its endpoint (`force`: a reset, for a client that may be gone)
   // and retires it.

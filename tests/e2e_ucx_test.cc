@@ -333,6 +333,21 @@ TEST_P(UcxE2eTest, GetIntoAndPutFromInThisProcess) {
   EXPECT_EQ(testing::MetricValue(
                 metrics, "kvdepot_bytes_total{direction=\"out\",transport=\"ucx\"}"),
             3 * kBlock);
+
+  // A get that no caller waits on (polled) is checked all the same, off
+  // the caller's thread.
+  std::fill(dst.begin(), dst.end(), 0);
+  TransferOp polled = client_->GetIntoAsync("ns", views, spans);
+  const absl::Time give_up = absl::Now() + absl::Seconds(30);
+  while (!polled.IsReady() && absl::Now() < give_up) {
+    absl::SleepFor(absl::Milliseconds(1));
+  }
+  ASSERT_TRUE(polled.IsReady());
+  for (size_t i = 0; i < 3; ++i) {
+    EXPECT_OK(polled.statuses()[i]);
+    EXPECT_EQ(ucx_test::FirstPatternMismatch(&dst[i * kBlock], kBlock, i), -1);
+  }
+  EXPECT_THAT(polled.statuses()[3], StatusIs(absl::StatusCode::kNotFound));
 }
 
 TEST_P(UcxE2eTest, BuffersAllocatedByUcxWork) {
