@@ -984,8 +984,13 @@ void KvDepotService::StartPullBlocks(const v1::PullBlocksRequest* req,
     commit();
     return;
   }
-  // Verifying checksums takes time: off the progress thread.
-  h->OnReady([this, commit = std::move(commit)]() mutable {
+  // Every block whose bytes came in was hashed as they landed (each_got):
+  // CommitPut only compares and publishes, a short step that runs on the
+  // progress thread (as a get's unpin and answer do) rather than waking a
+  // pool thread per batch. An abandoned batch's slots are handed on
+  // (HoldUntilReleased) off it.
+  h->OnReady([this, h = *h, commit = std::move(commit)]() mutable {
+    if (!h.abandoned()) return commit();
     commit_pool_.Submit(std::move(commit));
   });
 }
