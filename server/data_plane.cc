@@ -382,8 +382,10 @@ void DataPlane::LetGo(SessionId session, std::shared_ptr<Link> link) {
 
 // ---- Requests over UCX ------------------------------------------------------
 
-void DataPlane::ServeRequests(RequestHandler handler) {
+void DataPlane::ServeRequests(RequestHandler handler,
+                              std::optional<RequestMethod> quick) {
   request_handler_ = std::move(handler);
+  quick_method_ = quick;
   absl::Status st = request_worker_->SetMessageHandler(
       kRequestMessageId,
       [this](absl::string_view header, absl::string_view payload,
@@ -419,7 +421,8 @@ void DataPlane::OnRequest(absl::string_view header, absl::string_view payload,
     return refuse(absl::InvalidArgumentError(absl::StrCat(
         "request of ", payload.size(), " bytes (at most ", kMaxRequestPayload, ")")));
   }
-  if (std::shared_ptr<Link> link = Find(h->session_id); link == nullptr) {
+  std::shared_ptr<Link> link = Find(h->session_id);
+  if (link == nullptr) {
     absl::MutexLock lock(&mu_);
     // Almost always a session that ended (closed, expired, or lost its
     // client): NOT_FOUND, as for an unknown session over gRPC, so that the
@@ -434,11 +437,13 @@ void DataPlane::OnRequest(absl::string_view header, absl::string_view payload,
     return refuse(absl::ResourceExhaustedError(absl::StrCat(
         "more than ", options_.max_requests_in_flight, " UCX requests in flight")));
   }
-  request_pool_->Submit(
-      [this, request = Request{h->session_id, h->method, h->request_id,
-                               std::string(payload)}]() mutable {
-        request_handler_(std::move(request));
-      });
+  Request request{h->session_id, h->method, h->request_id, std::string(payload)};
+  if (h->method == quick_method_ && !link->colocated) {
+    return request_handler_(std::move(request));
+  }
+  request_pool_->Submit([this, request = std::move(request)]() mutable {
+    request_handler_(std::move(request));
+  });
 }
 
 void DataPlane::Reply(SessionId session, uint64_t id, const absl::Status& status,

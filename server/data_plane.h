@@ -198,13 +198,18 @@ class DataPlane {
   };
   using RequestHandler = absl::AnyInvocable<void(Request request)>;
   // Serves requests: each one whose session has an endpoint is handed to
-  // `handler` on a request thread (never a progress thread), which must
-  // answer it with Reply, exactly once. Answered at once, without the
-  // handler: a session without an endpoint (NotFound: it ended), a payload
-  // over kMaxRequestPayload (InvalidArgument), more than
-  // max_requests_in_flight unanswered (ResourceExhausted). Messages that
-  // are not requests are dropped. Call once, before sessions attach.
-  void ServeRequests(RequestHandler handler);
+  // `handler` on a request thread, which must answer it with Reply, exactly
+  // once. A request whose method `quick` names, from a client that is not
+  // co-located (no copies here), goes to `handler` on the request worker's
+  // progress thread instead, without waking a request thread: for requests
+  // whose handling never blocks (a lookup in memory, then transfers handed
+  // to another worker). Answered at once, without the handler: a session
+  // without an endpoint (NotFound: it ended), a payload over
+  // kMaxRequestPayload (InvalidArgument), more than max_requests_in_flight
+  // unanswered (ResourceExhausted). Messages that are not requests are
+  // dropped. Call once, before sessions attach.
+  void ServeRequests(RequestHandler handler,
+                     std::optional<RequestMethod> quick = std::nullopt);
   // Answers request `id` of `session`'s client over the session's endpoint
   // (after every transfer that was ready before). Dropped when the session
   // has no working endpoint (the client's deadline, or its endpoint's
@@ -281,6 +286,7 @@ class DataPlane {
 
   // Set once, before sessions attach.
   RequestHandler request_handler_;
+  std::optional<RequestMethod> quick_method_;
   bool serving_requests_ = false;
   std::atomic<size_t> requests_in_flight_{0};
   std::atomic<bool> requests_stopped_{false};

@@ -999,8 +999,13 @@ void KvDepotService::set_data_plane(DataPlane* data_plane,
                                     absl::Duration transfer_timeout) {
   data_plane_ = data_plane;
   transfer_timeout_ = transfer_timeout;
+  // A get's handling never blocks (a lookup in memory, promotions from NVMe
+  // on the store's own threads, transfers handed to the session's worker):
+  // it runs on the request worker's thread. A put's BeginPut may wait for
+  // eviction.
   data_plane_->ServeRequests(
-      [this](DataPlane::Request request) { ServeUcxRequest(std::move(request)); });
+      [this](DataPlane::Request request) { ServeUcxRequest(std::move(request)); },
+      RequestMethod::kPushBlocks);
 }
 
 namespace {
