@@ -220,4 +220,12 @@ int RunAndWait(const std::vector<std::string>& argv, std::string* err,
   return code;
 }
 
+bool PollUntil(absl::FunctionRef<bool()> done, absl::Duration limit,
+               absl::Duration every) {
+  for (const absl::Time end = absl::Now() + limit;; absl::SleepFor(every)) {
+    if (done()) return true;
+    if (absl::Now() >= end) return false;
+  }
+}
+
 }  // namespace kvdepot::testing

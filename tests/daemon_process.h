@@ -12,6 +12,7 @@
 #include <string>
 #include <vector>
 
+#include "absl/functional/function_ref.h"
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
 
@@ -78,6 +79,12 @@ CommandResult RunCtl(const std::string& address, const std::string& args);
 // to `timeout`; its stderr is appended to *err.
 int RunAndWait(const std::vector<std::string>& argv, std::string* err,
                absl::Duration timeout = absl::Seconds(30));
+
+// Calls `done` every `every` until it returns true (then true) or `limit`
+// has passed (then false): for what a daemon does in its own time.
+bool PollUntil(absl::FunctionRef<bool()> done,
+               absl::Duration limit = absl::Seconds(10),
+               absl::Duration every = absl::Milliseconds(20));
 
 }  // namespace kvdepot::testing
 

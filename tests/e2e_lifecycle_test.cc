@@ -197,12 +197,14 @@ TEST(LifecycleTest, SighupReopensTheLogFile) {
   ASSERT_TRUE(absl::SimpleAtoi(absl::StripAsciiWhitespace(started.out), &pid)) << started.out;
   auto slurp_until = [&](const std::string& want) {
     std::string text;
-    for (absl::Time deadline = absl::Now() + absl::Seconds(20);
-         absl::Now() < deadline && text.find(want) == std::string::npos;
-         absl::SleepFor(absl::Milliseconds(50))) {
-      std::ifstream in(log);
-      text.assign(std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>());
-    }
+    testing::PollUntil(
+        [&] {
+          std::ifstream in(log);
+          text.assign(std::istreambuf_iterator<char>(in),
+                      std::istreambuf_iterator<char>());
+          return text.find(want) != std::string::npos;
+        },
+        absl::Seconds(20), absl::Milliseconds(50));
     return text;
   };
   std::string text = slurp_until("listening on");
@@ -217,10 +219,8 @@ TEST(LifecycleTest, SighupReopensTheLogFile) {
   ASSERT_EQ(kill(pid, SIGTERM), 0);
   text = slurp_until("received SIGTERM");
   EXPECT_NE(text.find("received SIGTERM"), std::string::npos) << text;
-  for (absl::Time deadline = absl::Now() + absl::Seconds(20);
-       absl::Now() < deadline && kill(pid, 0) == 0;) {
-    absl::SleepFor(absl::Milliseconds(50));
-  }
+  testing::PollUntil([&] { return kill(pid, 0) != 0; }, absl::Seconds(20),
+                     absl::Milliseconds(50));
   if (kill(pid, 0) == 0) kill(pid, SIGKILL);
 }
 

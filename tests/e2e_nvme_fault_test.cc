@@ -260,13 +260,9 @@ TEST(NvmeFaultTest, FullDiskSkipsDemotionAndKeepsServingDram) {
     EXPECT_GT(st->demotion_failures(), 0u);
     EXPECT_OK(client->Health());
     // The log says why (the daemon looks once a second).
-    for (absl::Time end = absl::Now() + absl::Seconds(10);
-         !absl::StrContains((*d)->Log(), "NVMe tier takes no writes") &&
-         absl::Now() < end;) {
-      absl::SleepFor(absl::Milliseconds(50));
-    }
-    EXPECT_TRUE(absl::StrContains((*d)->Log(), "NVMe tier takes no writes"))
-        << (*d)->Log();
+    EXPECT_TRUE(testing::PollUntil([&] {
+      return absl::StrContains((*d)->Log(), "NVMe tier takes no writes");
+    })) << (*d)->Log();
     // The newest blocks are in DRAM and served.
     for (int i = 370; i < 384; ++i) {
       std::string key = "full-" + std::to_string(i);

@@ -231,12 +231,7 @@ class UcxE2eTest : public ::testing::TestWithParam<std::string> {
 
   // Polls Stats until `done` holds or 10 s pass (the lease is 60 s).
   bool StatsBecome(const std::function<bool(const v1::StatsResponse&)>& done) {
-    absl::Time deadline = absl::Now() + absl::Seconds(10);
-    while (absl::Now() < deadline) {
-      if (done(Stats())) return true;
-      absl::SleepFor(absl::Milliseconds(20));
-    }
-    return false;
+    return testing::PollUntil([&] { return done(Stats()); });
   }
 
   // Stores `blocks` blocks of `size` bytes ("<ns>0"...; pattern seed i + 1)
@@ -338,11 +333,8 @@ TEST_P(UcxE2eTest, GetIntoAndPutFromInThisProcess) {
   // the caller's thread.
   std::fill(dst.begin(), dst.end(), 0);
   TransferOp polled = client_->GetIntoAsync("ns", views, spans);
-  const absl::Time give_up = absl::Now() + absl::Seconds(30);
-  while (!polled.IsReady() && absl::Now() < give_up) {
-    absl::SleepFor(absl::Milliseconds(1));
-  }
-  ASSERT_TRUE(polled.IsReady());
+  ASSERT_TRUE(testing::PollUntil([&] { return polled.IsReady(); },
+                                 absl::Seconds(30), absl::Milliseconds(1)));
   for (size_t i = 0; i < 3; ++i) {
     EXPECT_OK(polled.statuses()[i]);
     EXPECT_EQ(ucx_test::FirstPatternMismatch(&dst[i * kBlock], kBlock, i), -1);
@@ -503,13 +495,9 @@ TEST_P(UcxE2eTest, AStalledClientsLateAnswersLandInNoOtherBlock) {
   if (GetParam() == "shm") {
     EXPECT_TRUE(absl::StrContains(daemon_->Log(), "memory stays allocated"))
         << daemon_->Log();
-    const absl::Time deadline = absl::Now() + absl::Seconds(10);
-    while (!absl::StrContains(daemon_->Log(), "abandoned reads ended") &&
-           absl::Now() < deadline) {
-      absl::SleepFor(absl::Milliseconds(20));
-    }
-    EXPECT_TRUE(absl::StrContains(daemon_->Log(), "abandoned reads ended"))
-        << daemon_->Log();
+    EXPECT_TRUE(testing::PollUntil([&] {
+      return absl::StrContains(daemon_->Log(), "abandoned reads ended");
+    })) << daemon_->Log();
   } else {
     // Over TCP UCX ended the reads with the endpoint; nothing was held.
     EXPECT_FALSE(absl::StrContains(daemon_->Log(), "memory stays allocated"));
@@ -625,12 +613,13 @@ int ThreadsNamed(pid_t pid, absl::string_view prefix) {
 // once it is `want` or after 5 s.
 double ColocatedWorkersGauge(const DaemonProcess& daemon, double want) {
   double v = -1;
-  for (absl::Time end = absl::Now() + absl::Seconds(5); absl::Now() < end;
-       absl::SleepFor(absl::Milliseconds(100))) {
-    v = testing::MetricValue(testing::ScrapeMetrics(daemon),
-                             "kvdepot_ucx_colocated_workers");
-    if (v == want) break;
-  }
+  testing::PollUntil(
+      [&] {
+        v = testing::MetricValue(testing::ScrapeMetrics(daemon),
+                                 "kvdepot_ucx_colocated_workers");
+        return v == want;
+      },
+      absl::Seconds(5), absl::Milliseconds(100));
   return v;
 }
 
@@ -658,10 +647,9 @@ TEST_P(UcxE2eTest, AKilledClientLeavesNothingForTheDaemonToSpinOn) {
   })) << daemon_->Log();
   // The dead client's worker goes (after UCX's close of its endpoint has
   // had its time, 1 s).
-  for (absl::Time end = absl::Now() + absl::Seconds(10);
-       ThreadsNamed(daemon_->pid(), "kvd-sess-") > own_workers && absl::Now() < end;) {
-    absl::SleepFor(absl::Milliseconds(50));
-  }
+  testing::PollUntil([&] {
+    return ThreadsNamed(daemon_->pid(), "kvd-sess-") <= own_workers;
+  });
   EXPECT_EQ(ThreadsNamed(daemon_->pid(), "kvd-sess-"), own_workers);
   EXPECT_EQ(ColocatedWorkersGauge(*daemon_, own_workers), own_workers);
   // The dead client's remote keys went before its worker (UCX warns of
@@ -837,10 +825,7 @@ TEST_P(UcxE2eTest, CoLocatedClientsBeyondTheWorkerLimitAreServedOverTcp) {
   PutThenGet(*first, buf, "own-worker");
 
   first.reset();  // closes its session; its worker goes
-  for (absl::Time end = absl::Now() + absl::Seconds(10);
-       own_workers() > 0 && absl::Now() < end;) {
-    absl::SleepFor(absl::Milliseconds(20));
-  }
+  testing::PollUntil([&] { return own_workers() == 0; });
   EXPECT_EQ(own_workers(), 0);
   EXPECT_EQ(ColocatedWorkersGauge(daemon, 0), 0);
   std::unique_ptr<Client> third = NewClient(true, daemon.address());
