@@ -317,9 +317,9 @@ bool DataPlane::CopiedHere(SessionId session, uint32_t buffer) const {
 absl::StatusOr<TransferHandle> DataPlane::Push(SessionId session,
                                                absl::Span<const BlockMove> moves,
                                                absl::Time deadline,
-                                               CopyHere copy_here) {
+                                               CopyHere copy_here, PutEnd end) {
   return Move(/*push=*/true, session, moves, deadline, nullptr,
-              std::move(copy_here));
+              std::move(copy_here), end);
 }
 
 absl::StatusOr<TransferHandle> DataPlane::Pull(
@@ -332,7 +332,7 @@ absl::StatusOr<TransferHandle> DataPlane::Pull(
 absl::StatusOr<TransferHandle> DataPlane::Move(
     bool push, SessionId session, absl::Span<const BlockMove> moves,
     absl::Time deadline, absl::AnyInvocable<void(size_t)> each_got,
-    CopyHere copy_here) {
+    CopyHere copy_here, PutEnd end) {
   std::shared_ptr<Link> link = Find(session);
   if (link == nullptr) {
     return absl::FailedPreconditionError(
@@ -353,7 +353,7 @@ absl::StatusOr<TransferHandle> DataPlane::Move(
   // host that names a segment of this one must not reach it.
   if (!link->colocated) copy_here = nullptr;
   TransferHandle handle =
-      push ? link->endpoint->Put(transfers, deadline, std::move(copy_here))
+      push ? link->endpoint->Put(transfers, deadline, std::move(copy_here), end)
            : link->endpoint->Get(transfers, deadline, std::move(each_got),
                                  std::move(copy_here));
   // The link (and its endpoint) lives until the transfers have ended (a

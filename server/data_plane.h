@@ -174,11 +174,18 @@ class DataPlane {
   // return, with `client` move i's place in the client's buffer as mapped
   // here, and its status is the move's (UcxEndpoint::MappedCopy). The
   // caller can then check the bytes as they land, in cache.
+  //
+  // Push's `end`: kFenced for a batch the client learns of by a Reply (sent
+  // after the handle is ready: it reaches the client after the bytes), which
+  // spares the flush's round trip; kFlushed when it learns of it otherwise
+  // (a gRPC answer).
   using CopyHere = UcxEndpoint::MappedCopy;
+  using PutEnd = UcxEndpoint::PutEnd;
   absl::StatusOr<TransferHandle> Push(SessionId session,
                                       absl::Span<const BlockMove> moves,
                                       absl::Time deadline,
-                                      CopyHere copy_here = nullptr);
+                                      CopyHere copy_here = nullptr,
+                                      PutEnd end = PutEnd::kFlushed);
   absl::StatusOr<TransferHandle> Pull(
       SessionId session, absl::Span<const BlockMove> moves, absl::Time deadline,
       absl::AnyInvocable<void(size_t)> each_got = nullptr,
@@ -240,7 +247,7 @@ class DataPlane {
   absl::StatusOr<TransferHandle> Move(
       bool push, SessionId session, absl::Span<const BlockMove> moves,
       absl::Time deadline, absl::AnyInvocable<void(size_t)> each_got,
-      CopyHere copy_here);
+      CopyHere copy_here, PutEnd end = PutEnd::kFlushed);
   std::shared_ptr<Link> Find(SessionId session) const;
   // Any thread (progress threads included): hands the loss to lost_pool_.
   void Lost(SessionId session, const absl::Status& why);

@@ -719,7 +719,7 @@ grpc::ServerUnaryReactor* KvDepotService::PushBlocks(
 
 void KvDepotService::StartPushBlocks(const v1::PushBlocksRequest* req,
                                      v1::PushBlocksResponse* resp,
-                                     Finish finish) {
+                                     Finish finish, bool over_ucx) {
   absl::Status check = RequireEndpoint(req->session_id());
   if (check.ok() && req->destinations_size() != req->keys_size()) {
     check = absl::InvalidArgumentError(
@@ -732,7 +732,7 @@ void KvDepotService::StartPushBlocks(const v1::PushBlocksRequest* req,
   std::vector<absl::string_view> keys = Views(req->keys());
   store_.LookupAsync(
       req->session_id(), req->namespace_(), keys, req->prefix(), /*pin=*/true,
-      [this, req, resp, finish, deadline](absl::StatusOr<LookupResult> r) {
+      [this, req, resp, finish, deadline, over_ucx](absl::StatusOr<LookupResult> r) {
         if (!r.ok()) return finish(r.status());
         metrics_.RecordLookup(req->namespace_(), req->prefix(), *r);
         resp->set_prefix_hits(r->prefix_hits);
@@ -796,8 +796,9 @@ void KvDepotService::StartPushBlocks(const v1::PushBlocksRequest* req,
           return absl::DataLossError(
               "block bytes do not match the checksum as copied");
         };
-        absl::StatusOr<TransferHandle> h =
-            data_plane_->Push(session, moves, deadline, copy_here);
+        absl::StatusOr<TransferHandle> h = data_plane_->Push(
+            session, moves, deadline, copy_here,
+            over_ucx ? DataPlane::PutEnd::kFenced : DataPlane::PutEnd::kFlushed);
         if (!h.ok()) {
           unpin();
           return finish(h.status());
@@ -1052,7 +1053,9 @@ void KvDepotService::ServeUcxRequest(DataPlane::Request request) {
     RunUcxCall<v1::PushBlocksRequest, v1::PushBlocksResponse>(
         request, op, answer,
         [this](const v1::PushBlocksRequest* req, v1::PushBlocksResponse* resp,
-               Finish finish) { StartPushBlocks(req, resp, std::move(finish)); });
+               Finish finish) {
+          StartPushBlocks(req, resp, std::move(finish), /*over_ucx=*/true);
+        });
   } else {
     RunUcxCall<v1::PullBlocksRequest, v1::PullBlocksResponse>(
         request, op, answer,

@@ -170,8 +170,11 @@ class KvDepotService final
   // called once, on any thread, when `resp` is complete; `req` and `resp`
   // must live until then and are not touched after it.
   using Finish = std::function<void(const absl::Status&)>;
+  // `over_ucx`: the answer goes back over the session's UCX endpoint
+  // (DataPlane::Reply), after the blocks (DataPlane::PutEnd::kFenced).
   void StartPushBlocks(const v1::PushBlocksRequest* req,
-                       v1::PushBlocksResponse* resp, Finish finish);
+                       v1::PushBlocksResponse* resp, Finish finish,
+                       bool over_ucx = false);
   void StartPullBlocks(const v1::PullBlocksRequest* req,
                        v1::PullBlocksResponse* resp, Finish finish);
   // A pull `h` was abandoned (UCX still holds reads into its slots: a

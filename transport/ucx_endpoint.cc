@@ -191,14 +191,17 @@ TransferHandle UcxEndpoint::Get(absl::Span<const Transfer> transfers,
 }
 
 TransferHandle UcxEndpoint::Put(absl::Span<const Transfer> transfers,
-                                absl::Time deadline, MappedCopy mapped) {
-  return Start(/*get=*/false, transfers, nullptr, std::move(mapped), deadline);
+                                absl::Time deadline, MappedCopy mapped,
+                                PutEnd end) {
+  return Start(/*get=*/false, transfers, nullptr, std::move(mapped), deadline,
+               end);
 }
 
 TransferHandle UcxEndpoint::Start(bool get,
                                   absl::Span<const Transfer> transfers,
                                   absl::AnyInvocable<void(size_t)> each_got,
-                                  MappedCopy mapped, absl::Time deadline) {
+                                  MappedCopy mapped, absl::Time deadline,
+                                  PutEnd end) {
   auto batch = std::make_shared<Batch>(get ? Batch::Op::kGet : Batch::Op::kPut,
                                        transfers.size(), deadline);
   if (each_got) batch->SetEachGot(std::move(each_got));
@@ -274,13 +277,13 @@ TransferHandle UcxEndpoint::Start(bool get,
   }
   std::vector<Transfer> copy(transfers.begin(), transfers.end());
   absl::Status queued = worker_.Submit(
-      [this, batch, copy = std::move(copy)] { Post(batch, copy); });
+      [this, batch, copy = std::move(copy), end] { Post(batch, copy, end); });
   if (!queued.ok()) end_all(queued);
   return handle;
 }
 
 void UcxEndpoint::Post(const std::shared_ptr<Batch>& batch,
-                       const std::vector<Transfer>& transfers) {
+                       const std::vector<Transfer>& transfers, PutEnd end) {
   in_flight_.erase(
       std::remove_if(in_flight_.begin(), in_flight_.end(),
                      [](const auto& b) { return b->finished(); }),
@@ -313,8 +316,13 @@ void UcxEndpoint::Post(const std::shared_ptr<Batch>& batch,
     posted = true;
   }
   if (posted) {
-    ucp_request_param_t param = batch->Param(transfers.size());
-    batch->Posted(transfers.size(), ucp_ep_flush_nbx(ep_, &param));
+    if (batch->op() == Batch::Op::kPut && end == PutEnd::kFenced &&
+        ucp_worker_fence(worker_.handle()) == UCS_OK) {
+      batch->Posted(transfers.size(), UCS_STATUS_PTR(UCS_OK));  // no flush
+    } else {
+      ucp_request_param_t param = batch->Param(transfers.size());
+      batch->Posted(transfers.size(), ucp_ep_flush_nbx(ep_, &param));
+    }
   }
   batch->Seal(rkeys_);
   if (!batch->finished()) {

@@ -147,11 +147,23 @@ class UcxEndpoint : private UcxWorker::Resident {
                      absl::AnyInvocable<void(size_t)> each_got = nullptr,
                      MappedCopy mapped = nullptr);
 
-  // Writes each transfer's local bytes to the peer, as Get otherwise. A put
-  // is OK only once the flush that follows the batch has succeeded: its
-  // bytes are then in the peer's memory.
+  // How a Put batch ends.
+  enum class PutEnd {
+    // OK once the flush that follows the batch has succeeded: the bytes
+    // are then in the peer's memory.
+    kFlushed,
+    // OK once each put has completed here (UCX no longer needs the local
+    // bytes) and a fence (ucp_worker_fence) follows the batch: the bytes
+    // reach the peer's memory before anything sent later through this
+    // endpoint's worker (SendMessage). For a peer that is told the bytes
+    // are in by such a message: it saves the flush's round trip.
+    kFenced,
+  };
+
+  // Writes each transfer's local bytes to the peer, as Get otherwise, and
+  // ends as `end` says.
   TransferHandle Put(absl::Span<const Transfer> transfers, absl::Time deadline,
-                     MappedCopy mapped = nullptr);
+                     MappedCopy mapped = nullptr, PutEnd end = PutEnd::kFlushed);
 
   // Sends active message `id` (UcxWorker::SetMessageHandler on the peer's
   // worker) with `header` and `payload`, eagerly (never rendezvous, so the
@@ -188,10 +200,11 @@ class UcxEndpoint : private UcxWorker::Resident {
 
   TransferHandle Start(bool get, absl::Span<const Transfer> transfers,
                        absl::AnyInvocable<void(size_t)> each_got,
-                       MappedCopy mapped, absl::Time deadline);
+                       MappedCopy mapped, absl::Time deadline,
+                       PutEnd end = PutEnd::kFlushed);
   // Progress thread only.
   void Post(const std::shared_ptr<Batch>& batch,
-            const std::vector<Transfer>& transfers);
+            const std::vector<Transfer>& transfers, PutEnd end);
   // Marks the endpoint failed (first call wins), ends the batches in
   // flight with `status`, force-closes the UCX endpoint, and calls
   // on_error when `notify`.

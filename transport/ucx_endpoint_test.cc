@@ -966,6 +966,53 @@ TEST_P(UcxEndpointTest, MessagesArriveWholeAndInOrder) {
   }
 }
 
+// A fenced put batch is ready without a flush, and a message sent after it
+// finds its bytes in the peer's memory when it arrives (what a daemon's
+// answer to a client's get relies on).
+TEST_P(UcxEndpointTest, AFencedPutsBytesAreInBeforeALaterMessageArrives) {
+  constexpr int kRounds = 16;
+  std::vector<std::vector<char>> sources;
+  for (int r = 0; r < kRounds; ++r) {
+    sources.push_back(RandomBytes(kRegionSize, 100 + r));
+  }
+  absl::Mutex mu;
+  std::vector<int> arrived;  // per message: its round, or -1 if the bytes were not in
+  ASSERT_TRUE(server_worker_
+                  ->SetMessageHandler(7, [&](absl::string_view header,
+                                             absl::string_view,
+                                             const UcxWorker::MessageSender&) {
+                    int round = -1;
+                    ASSERT_TRUE(absl::SimpleAtoi(header, &round));
+                    const bool in = std::memcmp(arena_->base(),
+                                                sources[round].data(),
+                                                kRegionSize) == 0;
+                    absl::MutexLock lock(&mu);
+                    arrived.push_back(in ? round : -1);
+                  })
+                  .ok());
+  for (int r = 0; r < kRounds; ++r) {
+    auto source_region = RegisterLocal(sources[r]);
+    TransferHandle put =
+        endpoint_->Put(PutsOverTheRegion(sources[r], source_region.get()), Soon(),
+                       nullptr, UcxEndpoint::PutEnd::kFenced);
+    put.Wait();
+    ASSERT_TRUE(put.overall_status().ok()) << put.overall_status();
+    ASSERT_TRUE(endpoint_->SendMessage(7, std::to_string(r), "").ok());
+    // The next round's puts go only once this message was handled (they
+    // would overwrite what it checks).
+    absl::MutexLock lock(&mu);
+    auto handled = [&]() ABSL_SHARED_LOCKS_REQUIRED(mu) {
+      return arrived.size() > static_cast<size_t>(r);
+    };
+    ASSERT_TRUE(mu.AwaitWithTimeout(absl::Condition(&handled), absl::Seconds(10)))
+        << "message " << r << " did not arrive";
+  }
+  absl::MutexLock lock(&mu);
+  std::vector<int> want(kRounds);
+  for (int r = 0; r < kRounds; ++r) want[r] = r;
+  EXPECT_EQ(arrived, want);
+}
+
 TEST_P(UcxEndpointTest, MessagesOfAnotherIdAreNotDelivered) {
   std::atomic<int> seven{0}, eight{0};
   ASSERT_TRUE(server_worker_
