@@ -1103,7 +1103,8 @@ TransferOp Client::GetIntoAsync(absl::string_view ns,
   Link* link = target->link.get();
   if (link->requests != nullptr && link->requests->Serves(session)) {
     // Over UCX: the reply comes on the progress thread; blocks to hash are
-    // checked by a waiting caller, or on the verify pool. `link` outlives its requests' callbacks.
+    // checked by a waiting caller, or on the verify pool. `link` outlives
+    // its requests' callbacks.
     absl::Status sent = link->requests->Send(
         session, RequestMethod::kPushBlocks, req.SerializeAsString(),
         absl::Now() + UcxRequestTimeout(),
