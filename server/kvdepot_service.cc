@@ -857,7 +857,7 @@ grpc::ServerUnaryReactor* KvDepotService::PullBlocks(
 
 void KvDepotService::StartPullBlocks(const v1::PullBlocksRequest* req,
                                      v1::PullBlocksResponse* resp,
-                                     Finish finish) {
+                                     Finish finish, bool must_not_block) {
   const SessionId session = req->session_id();
   absl::Status check = RequireEndpoint(session);
   std::vector<PutSpec> specs;
@@ -872,9 +872,17 @@ void KvDepotService::StartPullBlocks(const v1::PullBlocksRequest* req,
           "daemon copies in place (RegisterBuffer's copied_in_place)"));
     }
   }
+  bool would_wait = false;
   absl::StatusOr<Reservation> resv =
-      check.ok() ? store_.BeginPut(session, req->namespace_(), specs)
+      check.ok() ? store_.BeginPut(session, req->namespace_(), specs,
+                                   must_not_block ? &would_wait : nullptr)
                  : absl::StatusOr<Reservation>(check);
+  if (would_wait) {
+    // DRAM is full and the evictor is to make room: wait for it elsewhere.
+    return put_pool_.Submit([this, req, resp, finish = std::move(finish)] {
+      StartPullBlocks(req, resp, finish);
+    });
+  }
   if (!resv.ok()) {
     return finish(resv.status());
   }
@@ -992,7 +1000,7 @@ void KvDepotService::StartPullBlocks(const v1::PullBlocksRequest* req,
   // (HoldUntilReleased) off it.
   h->OnReady([this, h = *h, commit = std::move(commit)]() mutable {
     if (!h.abandoned()) return commit();
-    commit_pool_.Submit(std::move(commit));
+    put_pool_.Submit(std::move(commit));
   });
 }
 
@@ -1000,13 +1008,14 @@ void KvDepotService::set_data_plane(DataPlane* data_plane,
                                     absl::Duration transfer_timeout) {
   data_plane_ = data_plane;
   transfer_timeout_ = transfer_timeout;
-  // A get's handling never blocks (a lookup in memory, promotions from NVMe
-  // on the store's own threads, transfers handed to the session's worker):
-  // it runs on the request worker's thread. A put's BeginPut may wait for
-  // eviction.
+  // Requests from remote clients run on the request worker's thread: a get
+  // is a lookup in memory (promotions from NVMe run on the store's own
+  // threads) and transfers handed to the session's worker; a put is a
+  // reservation (one that would wait for room goes to put_pool_) and the
+  // same.
   data_plane_->ServeRequests(
       [this](DataPlane::Request request) { ServeUcxRequest(std::move(request)); },
-      RequestMethod::kPushBlocks);
+      /*quick=*/true);
 }
 
 namespace {
@@ -1059,8 +1068,11 @@ void KvDepotService::ServeUcxRequest(DataPlane::Request request) {
   } else {
     RunUcxCall<v1::PullBlocksRequest, v1::PullBlocksResponse>(
         request, op, answer,
-        [this](const v1::PullBlocksRequest* req, v1::PullBlocksResponse* resp,
-               Finish finish) { StartPullBlocks(req, resp, std::move(finish)); });
+        [this, quick = request.on_progress_thread](
+            const v1::PullBlocksRequest* req, v1::PullBlocksResponse* resp,
+            Finish finish) {
+          StartPullBlocks(req, resp, std::move(finish), /*must_not_block=*/quick);
+        });
   }
 }
 

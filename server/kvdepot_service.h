@@ -175,8 +175,11 @@ class KvDepotService final
   void StartPushBlocks(const v1::PushBlocksRequest* req,
                        v1::PushBlocksResponse* resp, Finish finish,
                        bool over_ucx = false);
+  // `must_not_block` (on a UCX progress thread): a put that would wait for
+  // room (BeginPut's would_wait) goes on put_pool_ and waits there.
   void StartPullBlocks(const v1::PullBlocksRequest* req,
-                       v1::PullBlocksResponse* resp, Finish finish);
+                       v1::PullBlocksResponse* resp, Finish finish,
+                       bool must_not_block = false);
   // A pull `h` was abandoned (UCX still holds reads into its slots: a
   // co-located client that stopped answering): keeps the slots' memory
   // allocated, whatever becomes of the put and the session, until UCX has
@@ -204,9 +207,9 @@ class KvDepotService final
   QuotaFile* quota_file_ = nullptr;
   DataPlane* data_plane_ = nullptr;
   absl::Duration transfer_timeout_ = absl::Seconds(10);
-  // Verifies and commits the blocks of PullBlocks off the UCX progress
-  // threads.
-  WorkPool commit_pool_{2, "kvd-commit"};
+  // PullBlocks' steps that may block, off the UCX progress threads: a
+  // BeginPut waiting for room, an abandoned batch's commit.
+  WorkPool put_pool_{2, "kvd-put"};
 
   std::atomic<size_t> active_calls_{0};
 

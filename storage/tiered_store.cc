@@ -240,7 +240,9 @@ class TieredStoreImpl final : public TieredStore {
   // ---- two-phase put -----------------------------------------------------
 
   absl::StatusOr<Reservation> BeginPut(SessionId session, absl::string_view ns,
-                                       absl::Span<const PutSpec> blocks) override {
+                                       absl::Span<const PutSpec> blocks,
+                                       bool* would_wait = nullptr) override {
+    if (would_wait != nullptr) *would_wait = false;
     RETURN_IF_ERROR(ValidateNamespace(ns));
     RETURN_IF_ERROR(CheckBatch(blocks.size()));
     if (blocks.empty()) return absl::InvalidArgumentError("no blocks to put");
@@ -294,7 +296,7 @@ class TieredStoreImpl final : public TieredStore {
         out.slots[i].exists = true;
         continue;
       }
-      absl::Status st = AllocateSlot(slot);
+      absl::Status st = AllocateSlot(slot, would_wait);
       if (!st.ok()) {
         state.slots.resize(i);  // only slots before i hold space
         FreeSlots(state);
@@ -959,9 +961,11 @@ class TieredStoreImpl final : public TieredStore {
   // The key's allocation also holds when the block entered DRAM (Unix ms,
   // kStampBytes after the key; free for keys up to 56 bytes, which share the
   // 64-byte size class).
-  absl::Status AllocateSlot(Slot& slot) {
-    ASSIGN_OR_RETURN(uint64_t data, AllocateEvicting(slot.size));
-    absl::StatusOr<uint64_t> key = AllocateEvicting(slot.key.size() + kStampBytes);
+  // `would_wait`: see BeginPut.
+  absl::Status AllocateSlot(Slot& slot, bool* would_wait = nullptr) {
+    ASSIGN_OR_RETURN(uint64_t data, AllocateEvicting(slot.size, would_wait));
+    absl::StatusOr<uint64_t> key =
+        AllocateEvicting(slot.key.size() + kStampBytes, would_wait);
     if (!key.ok()) {
       arena_->Free(data);
       return key.status();
@@ -980,7 +984,9 @@ class TieredStoreImpl final : public TieredStore {
   // blocks that NVMe would have kept; demotion never runs on the caller's
   // thread. Without them, or when waiting did not help, it evicts (drops)
   // synchronously.
-  absl::StatusOr<uint64_t> AllocateEvicting(uint64_t bytes) {
+  // With `would_wait`, the wait is not made: Unavailable, *would_wait set.
+  absl::StatusOr<uint64_t> AllocateEvicting(uint64_t bytes,
+                                            bool* would_wait = nullptr) {
     bool waited = false;
     while (true) {
       absl::StatusOr<uint64_t> off = arena_->Allocate(bytes);
@@ -989,6 +995,12 @@ class TieredStoreImpl final : public TieredStore {
         return off;
       }
       if (!waited && nvme_ != nullptr && evictor_.joinable()) {
+        if (would_wait != nullptr) {
+          *would_wait = true;
+          MaybeWakeEvictor();
+          return absl::UnavailableError(
+              "DRAM tier full: making room waits for the evictor");
+        }
         waited = true;
         if (WaitForEvictor()) continue;
       }

@@ -260,9 +260,12 @@ class TieredStore {
   // needed; ResourceExhausted when nothing evictable makes room (nothing is
   // reserved then). InvalidArgument for bad keys, sizes (0 or above
   // max_block_bytes) or batch size; FailedPrecondition while draining.
+  // With `would_wait` (a caller that must not block): where making room
+  // would wait for the evictor (DRAM full, NVMe tier on), returns
+  // Unavailable at once with *would_wait set, having reserved nothing.
   virtual absl::StatusOr<Reservation> BeginPut(
       SessionId session, absl::string_view ns,
-      absl::Span<const PutSpec> blocks) = 0;
+      absl::Span<const PutSpec> blocks, bool* would_wait = nullptr) = 0;
   // Writable bytes of one slot (the gRPC byte path fills slots through it).
   // While the returned handle lives, the slot's memory stays allocated even
   // if the reservation is aborted or its session expires (it is freed when

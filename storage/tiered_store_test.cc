@@ -575,14 +575,15 @@ class TieredStoreNvmeTest : public ::testing::Test {
     store_.reset();
     std::filesystem::remove_all(dir_);
   }
-  void Open(uint32_t admit_min_reads = 0) {
+  void Open(uint32_t admit_min_reads = 0, bool background_eviction = false,
+            double high_watermark = 0.5) {
     store_.reset();
     StoreOptions o;
     o.nvme_admit_min_reads = admit_min_reads;
     o.dram_capacity = 4 << 20;
     o.hugepages = HugePageMode::kOff;
-    o.background_eviction = false;
-    o.high_watermark = 0.5;
+    o.background_eviction = background_eviction;
+    o.high_watermark = high_watermark;
     o.low_watermark = 0.25;
     o.nvme_path = dir_ + "/nvme";
     o.nvme_capacity = 64 << 20;
@@ -642,6 +643,52 @@ TEST_F(TieredStoreNvmeTest, DemotedBlocksAreFoundOnNvmeAndPromotedWhenPinned) {
   EXPECT_EQ(Bytes(e), Block(0));
   EXPECT_EQ(store_->Stats().promotions, 1u);
   ASSERT_OK(store_->Unpin(sid_, pin));
+}
+
+// With the evictor and an NVMe tier, a put that finds DRAM full waits for
+// room; a caller that must not block (a UCX progress thread) can decline
+// to: Unavailable at once, would_wait set, nothing reserved.
+TEST_F(TieredStoreNvmeTest, APutThatWouldWaitForRoomCanDeclineTo) {
+  // The evictor only runs when asked (its high mark is never passed), and
+  // every block is pinned: nothing can make room.
+  Open(/*admit_min_reads=*/0, /*background_eviction=*/true,
+       /*high_watermark=*/1.0);
+  std::vector<PinId> pins;
+  bool declined = false;
+  for (int i = 0; i < 32 && !declined; ++i) {
+    const std::string key = "p" + std::to_string(i);
+    PutSpec spec{key, "", 256 << 10};
+    bool would_wait = true;  // BeginPut clears it unless it would wait
+    auto r = store_->BeginPut(sid_, "ns", {&spec, 1}, &would_wait);
+    if (!r.ok()) {
+      EXPECT_TRUE(would_wait);
+      EXPECT_TRUE(absl::IsUnavailable(r.status())) << r.status();
+      declined = true;
+      break;
+    }
+    EXPECT_FALSE(would_wait);
+    {
+      auto slot = store_->AcquireSlot(sid_, r->id, 0);
+      ASSERT_OK(slot);
+      std::memset((*slot)->bytes().data(), 'p', spec.size);
+    }
+    const uint64_t sum = BlockChecksum(std::string(spec.size, 'p'));
+    ASSERT_OK(store_->CommitPut(sid_, r->id, {&sum, 1}));
+    PinId pin = 0;
+    ASSERT_TRUE(Look(key, true, &pin).found);
+    pins.push_back(pin);
+  }
+  ASSERT_TRUE(declined) << "DRAM never filled";
+  EXPECT_GE(pins.size(), 8u);
+  StoreStats st = store_->Stats();
+  EXPECT_EQ(st.reservations, 0u);
+  EXPECT_EQ(st.reserved_bytes, 0u);
+  // Without would_wait the same put waits for a round of the evictor, which
+  // cannot move pinned blocks: nothing makes room.
+  PutSpec spec{"late", "", 256 << 10};
+  EXPECT_TRUE(absl::IsResourceExhausted(
+      store_->BeginPut(sid_, "ns", {&spec, 1}).status()));
+  for (PinId pin : pins) ASSERT_OK(store_->Unpin(sid_, pin));
 }
 
 // A pinned lookup that needs promotions answers from a promotion thread,

@@ -921,6 +921,52 @@ TEST(UcxE2eConfigTest, ADaemonConfiguredForTcpServesDefaultClientsOverUcx) {
   EXPECT_EQ((*d)->Stop(SIGTERM).value_or(-1), 0) << (*d)->Log();
 }
 
+TEST(UcxE2eConfigTest, PutsOverUcxThatOverfillDramWaitForRoomAndLoseNothing) {
+  // DRAM of 8 MiB, the NVMe tier on (the default): puts of 24 MiB over UCX,
+  // 6 MiB per call, find DRAM full again and again. A put request served
+  // on the daemon's request worker does not wait for the evictor there; it
+  // waits for room elsewhere, and every block is stored and reads back
+  // intact.
+  // UCX over TCP only: the client is served as a remote one.
+  const std::string dir = testing::MakeTempDir("overfill");
+  std::ofstream(dir + "/kvdepot.yaml") << "ucx:\n  TLS: tcp\n  NET_DEVICES: lo\n";
+  absl::StatusOr<std::unique_ptr<DaemonProcess>> d = DaemonProcess::Start(
+      {"--config", dir + "/kvdepot.yaml", "--dram-capacity", "8MiB"});
+  ASSERT_OK(d.status());
+  ClientOptions options;
+  options.server = (*d)->address();
+  options.ucx["TLS"] = "tcp";
+  options.ucx["NET_DEVICES"] = "lo";
+  absl::StatusOr<std::unique_ptr<Client>> c = Client::Connect(options);
+  ASSERT_OK(c.status());
+  constexpr int kBlocks = 96, kBatch = 24;
+  std::vector<char> src(kBlocks * kBlock), dst(kBlock);
+  for (int i = 0; i < kBlocks; ++i) ucx_test::FillPattern(&src[i * kBlock], kBlock, i);
+  ASSERT_OK((*c)->RegisterBuffer(src.data(), src.size()));
+  ASSERT_OK((*c)->RegisterBuffer(dst.data(), dst.size()));
+  std::vector<std::string> keys;
+  for (int i = 0; i < kBlocks; ++i) keys.push_back("fill" + std::to_string(i));
+  for (int b = 0; b < kBlocks; b += kBatch) {
+    std::vector<BlockToPut> puts;
+    for (int i = b; i < b + kBatch; ++i) {
+      puts.push_back({keys[i], "", absl::string_view(&src[i * kBlock], kBlock)});
+    }
+    TransferOp put = (*c)->PutFromAsync("fill", puts);
+    put.Wait();
+    EXPECT_STREQ(put.transport(), "ucx");
+    for (int i = 0; i < kBatch; ++i) EXPECT_OK(put.statuses()[i]) << b + i;
+  }
+  for (int i = 0; i < kBlocks; ++i) {
+    absl::string_view key = keys[i];
+    absl::Span<char> out(dst.data(), kBlock);
+    TransferOp get = (*c)->GetIntoAsync("fill", {&key, 1}, {&out, 1});
+    get.Wait();
+    ASSERT_OK(get.statuses()[0]) << i;
+    EXPECT_EQ(ucx_test::FirstPatternMismatch(dst.data(), kBlock, i), -1) << i;
+  }
+  EXPECT_EQ((*d)->Stop(SIGTERM).value_or(-1), 0) << (*d)->Log();
+}
+
 TEST_P(UcxE2eTest, ARequestForASessionTheDaemonClosedIsAMissThenTheClientRecovers) {
   std::vector<char> buf(2 * kBlock);
   ucx_test::FillPattern(buf.data(), kBlock, 8);
