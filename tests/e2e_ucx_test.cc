@@ -27,6 +27,7 @@
 #include "client/client.h"
 #include "client/ucx_requests.h"
 #include "storage/checksum.h"
+#include "storage/status_macros.h"
 #include "tests/daemon_process.h"
 #include "tests/status_matchers.h"
 #include "transport/request_message.h"
@@ -897,28 +898,43 @@ TEST_P(UcxE2eTest, AClientWhoseTcpSegmentsDoNotFitIsServedOverGrpc) {
   EXPECT_OK(client_->Health());
 }
 
+// A daemon whose config says `ucx: {TLS: tcp, NET_DEVICES: lo}` (its
+// clients are served as remote ones, over TCP), with `dram` of DRAM, and a
+// client of it over UCX/TCP with libkvdepot's other defaults.
+struct TcpDaemonAndClient {
+  std::unique_ptr<DaemonProcess> daemon;
+  std::unique_ptr<Client> client;
+};
+absl::StatusOr<TcpDaemonAndClient> StartTcpDaemonAndClient(const std::string& dram) {
+  const std::string dir = testing::MakeTempDir("tcpcfg");
+  std::ofstream(dir + "/kvdepot.yaml") << "ucx:\n  TLS: tcp\n  NET_DEVICES: lo\n";
+  TcpDaemonAndClient out;
+  ASSIGN_OR_RETURN(out.daemon,
+                   DaemonProcess::Start({"--config", dir + "/kvdepot.yaml",
+                                         "--dram-capacity", dram}));
+  ClientOptions options;
+  options.server = out.daemon->address();
+  options.ucx["TLS"] = "tcp";
+  options.ucx["NET_DEVICES"] = "lo";
+  ASSIGN_OR_RETURN(out.client, Client::Connect(options));
+  return out;
+}
+
 TEST(UcxE2eConfigTest, ADaemonConfiguredForTcpServesDefaultClientsOverUcx) {
   // `ucx: {TLS: tcp}` in the config keeps the daemon's TCP segment sizes
   // (the settings go over the defaults), so a client with libkvdepot's
   // defaults is served over UCX. (Before, the mapping replaced the
   // defaults, and UCX aborted the daemon at the client's first put.)
-  const std::string dir = testing::MakeTempDir("tcpcfg");
-  std::ofstream(dir + "/kvdepot.yaml") << "ucx:\n  TLS: tcp\n  NET_DEVICES: lo\n";
-  absl::StatusOr<std::unique_ptr<DaemonProcess>> d = DaemonProcess::Start(
-      {"--config", dir + "/kvdepot.yaml", "--dram-capacity", "64MiB"});
-  ASSERT_OK(d.status());
-  ClientOptions options;
-  options.server = (*d)->address();
-  options.ucx["TLS"] = "tcp";
-  options.ucx["NET_DEVICES"] = "lo";
-  absl::StatusOr<std::unique_ptr<Client>> c = Client::Connect(options);
-  ASSERT_OK(c.status());
+  absl::StatusOr<TcpDaemonAndClient> t = StartTcpDaemonAndClient("64MiB");
+  ASSERT_OK(t.status());
+  std::unique_ptr<DaemonProcess>& d = t->daemon;
+  std::unique_ptr<Client>& c = t->client;
   std::vector<char> buf(2 * kBlock);
   ucx_test::FillPattern(buf.data(), kBlock, 17);
-  ASSERT_OK((*c)->RegisterBuffer(buf.data(), buf.size()));
-  PutThenGet(**c, buf, "tcp-config");
-  EXPECT_OK((*c)->data_plane_status());
-  EXPECT_EQ((*d)->Stop(SIGTERM).value_or(-1), 0) << (*d)->Log();
+  ASSERT_OK(c->RegisterBuffer(buf.data(), buf.size()));
+  PutThenGet(*c, buf, "tcp-config");
+  EXPECT_OK(c->data_plane_status());
+  EXPECT_EQ(d->Stop(SIGTERM).value_or(-1), 0) << d->Log();
 }
 
 TEST(UcxE2eConfigTest, PutsOverUcxThatOverfillDramWaitForRoomAndLoseNothing) {
@@ -928,22 +944,15 @@ TEST(UcxE2eConfigTest, PutsOverUcxThatOverfillDramWaitForRoomAndLoseNothing) {
   // waits for room elsewhere, and every block is stored and reads back
   // intact.
   // UCX over TCP only: the client is served as a remote one.
-  const std::string dir = testing::MakeTempDir("overfill");
-  std::ofstream(dir + "/kvdepot.yaml") << "ucx:\n  TLS: tcp\n  NET_DEVICES: lo\n";
-  absl::StatusOr<std::unique_ptr<DaemonProcess>> d = DaemonProcess::Start(
-      {"--config", dir + "/kvdepot.yaml", "--dram-capacity", "8MiB"});
-  ASSERT_OK(d.status());
-  ClientOptions options;
-  options.server = (*d)->address();
-  options.ucx["TLS"] = "tcp";
-  options.ucx["NET_DEVICES"] = "lo";
-  absl::StatusOr<std::unique_ptr<Client>> c = Client::Connect(options);
-  ASSERT_OK(c.status());
+  absl::StatusOr<TcpDaemonAndClient> t = StartTcpDaemonAndClient("8MiB");
+  ASSERT_OK(t.status());
+  std::unique_ptr<DaemonProcess>& d = t->daemon;
+  std::unique_ptr<Client>& c = t->client;
   constexpr int kBlocks = 96, kBatch = 24;
   std::vector<char> src(kBlocks * kBlock), dst(kBlock);
   for (int i = 0; i < kBlocks; ++i) ucx_test::FillPattern(&src[i * kBlock], kBlock, i);
-  ASSERT_OK((*c)->RegisterBuffer(src.data(), src.size()));
-  ASSERT_OK((*c)->RegisterBuffer(dst.data(), dst.size()));
+  ASSERT_OK(c->RegisterBuffer(src.data(), src.size()));
+  ASSERT_OK(c->RegisterBuffer(dst.data(), dst.size()));
   std::vector<std::string> keys;
   for (int i = 0; i < kBlocks; ++i) keys.push_back("fill" + std::to_string(i));
   for (int b = 0; b < kBlocks; b += kBatch) {
@@ -951,7 +960,7 @@ TEST(UcxE2eConfigTest, PutsOverUcxThatOverfillDramWaitForRoomAndLoseNothing) {
     for (int i = b; i < b + kBatch; ++i) {
       puts.push_back({keys[i], "", absl::string_view(&src[i * kBlock], kBlock)});
     }
-    TransferOp put = (*c)->PutFromAsync("fill", puts);
+    TransferOp put = c->PutFromAsync("fill", puts);
     put.Wait();
     EXPECT_STREQ(put.transport(), "ucx");
     for (int i = 0; i < kBatch; ++i) EXPECT_OK(put.statuses()[i]) << b + i;
@@ -959,12 +968,12 @@ TEST(UcxE2eConfigTest, PutsOverUcxThatOverfillDramWaitForRoomAndLoseNothing) {
   for (int i = 0; i < kBlocks; ++i) {
     absl::string_view key = keys[i];
     absl::Span<char> out(dst.data(), kBlock);
-    TransferOp get = (*c)->GetIntoAsync("fill", {&key, 1}, {&out, 1});
+    TransferOp get = c->GetIntoAsync("fill", {&key, 1}, {&out, 1});
     get.Wait();
     ASSERT_OK(get.statuses()[0]) << i;
     EXPECT_EQ(ucx_test::FirstPatternMismatch(dst.data(), kBlock, i), -1) << i;
   }
-  EXPECT_EQ((*d)->Stop(SIGTERM).value_or(-1), 0) << (*d)->Log();
+  EXPECT_EQ(d->Stop(SIGTERM).value_or(-1), 0) << d->Log();
 }
 
 TEST_P(UcxE2eTest, ARequestForASessionTheDaemonClosedIsAMissThenTheClientRecovers) {
