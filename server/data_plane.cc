@@ -382,9 +382,8 @@ void DataPlane::LetGo(SessionId session, std::shared_ptr<Link> link) {
 
 // ---- Requests over UCX ------------------------------------------------------
 
-void DataPlane::ServeRequests(RequestHandler handler, bool quick) {
+void DataPlane::ServeRequests(RequestHandler handler) {
   request_handler_ = std::move(handler);
-  quick_requests_ = quick;
   absl::Status st = request_worker_->SetMessageHandler(
       kRequestMessageId,
       [this](absl::string_view header, absl::string_view payload,
@@ -437,7 +436,7 @@ void DataPlane::OnRequest(absl::string_view header, absl::string_view payload,
         "more than ", options_.max_requests_in_flight, " UCX requests in flight")));
   }
   Request request{h->session_id, h->method, h->request_id, std::string(payload)};
-  if (quick_requests_ && !link->colocated) {
+  if (!link->colocated) {
     request.on_progress_thread = true;
     return request_handler_(std::move(request));
   }

@@ -202,21 +202,22 @@ class DataPlane {
     RequestMethod method = RequestMethod::kPushBlocks;
     uint64_t id = 0;   // the client's; Reply echoes it
     std::string body;  // the serialized request
-    // Handed over on the request worker's progress thread (ServeRequests'
-    // `quick`): the handler must not block, and hands on what would.
+    // Handed over on the request worker's progress thread: the handler
+    // must not block, and hands on what would.
     bool on_progress_thread = false;
   };
   using RequestHandler = absl::AnyInvocable<void(Request request)>;
   // Serves requests: each one whose session has an endpoint is handed to
-  // `handler` on a request thread, which must answer it with Reply, exactly
-  // once. With `quick`, a request from a client that is not co-located (no
-  // copies here) goes to `handler` on the request worker's progress thread
-  // instead (on_progress_thread), without waking a request thread. Answered
-  // at once, without the handler: a session without an endpoint (NotFound:
-  // it ended), a payload over kMaxRequestPayload (InvalidArgument), more
-  // than max_requests_in_flight unanswered (ResourceExhausted). Messages
-  // that are not requests are dropped. Call once, before sessions attach.
-  void ServeRequests(RequestHandler handler, bool quick = false);
+  // `handler`, which must answer it with Reply, exactly once. A request
+  // from a client that is not co-located goes to it on the request worker's
+  // progress thread (on_progress_thread), without waking another thread;
+  // one from a co-located client (whose blocks the handler copies itself)
+  // on a request thread. Answered at once, without the handler: a session
+  // without an endpoint (NotFound: it ended), a payload over
+  // kMaxRequestPayload (InvalidArgument), more than max_requests_in_flight
+  // unanswered (ResourceExhausted). Messages that are not requests are
+  // dropped. Call once, before sessions attach.
+  void ServeRequests(RequestHandler handler);
   // Answers request `id` of `session`'s client over the session's endpoint
   // (after every transfer that was ready before). Dropped when the session
   // has no working endpoint (the client's deadline, or its endpoint's
@@ -293,7 +294,6 @@ class DataPlane {
 
   // Set once, before sessions attach.
   RequestHandler request_handler_;
-  bool quick_requests_ = false;
   bool serving_requests_ = false;
   std::atomic<size_t> requests_in_flight_{0};
   std::atomic<bool> requests_stopped_{false};

@@ -1008,14 +1008,13 @@ void KvDepotService::set_data_plane(DataPlane* data_plane,
                                     absl::Duration transfer_timeout) {
   data_plane_ = data_plane;
   transfer_timeout_ = transfer_timeout;
-  // Requests from remote clients run on the request worker's thread: a get
-  // is a lookup in memory (promotions from NVMe run on the store's own
-  // threads) and transfers handed to the session's worker; a put is a
-  // reservation (one that would wait for room goes to put_pool_) and the
-  // same.
+  // Requests from remote clients come on the request worker's thread, where
+  // nothing may block: a get is a lookup in memory (promotions from NVMe run
+  // on the store's own threads) and transfers handed to the session's
+  // worker; a put is a reservation (one that would wait for room goes to
+  // put_pool_) and the same.
   data_plane_->ServeRequests(
-      [this](DataPlane::Request request) { ServeUcxRequest(std::move(request)); },
-      /*quick=*/true);
+      [this](DataPlane::Request request) { ServeUcxRequest(std::move(request)); });
 }
 
 namespace {
