@@ -316,8 +316,7 @@ void UcxEndpoint::Post(const std::shared_ptr<Batch>& batch,
     posted = true;
   }
   if (posted) {
-    if (batch->op() == Batch::Op::kPut && end == PutEnd::kFenced &&
-        ucp_worker_fence(worker_.handle()) == UCS_OK) {
+    if (end == PutEnd::kFenced && ucp_worker_fence(worker_.handle()) == UCS_OK) {
       batch->Posted(transfers.size(), UCS_STATUS_PTR(UCS_OK));  // no flush
     } else {
       ucp_request_param_t param = batch->Param(transfers.size());
