@@ -29,6 +29,8 @@ inline double Percentile(const std::vector<double>& sorted, double p) {
 struct TallySummary {
   uint64_t ops = 0, calls = 0, errors = 0;
   double p50_us = 0, p99_us = 0, p999_us = 0;
+  // Fairness: the fewest and most ops one thread completed.
+  uint64_t min_thread_ops = 0, max_thread_ops = 0;
 };
 
 // Adds up `tallies` (anything derived from CallTally); their latency vectors
@@ -37,7 +39,11 @@ template <typename T>
 TallySummary Summarize(std::vector<T>& tallies) {
   TallySummary s;
   std::vector<double> latencies;
+  bool first = true;
   for (CallTally& t : tallies) {
+    s.min_thread_ops = first ? t.ops : std::min(s.min_thread_ops, t.ops);
+    s.max_thread_ops = std::max(s.max_thread_ops, t.ops);
+    first = false;
     s.ops += t.ops;
     s.calls += t.calls;
     s.errors += t.errors;

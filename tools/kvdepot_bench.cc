@@ -642,8 +642,10 @@ int Run(const BenchConfig& config) {
                           config.prefix ? ", prefix" : "", config.pin ? ", pinned" : "");
   }
   absl::StrAppendFormat(
-      &human, ", per call p50 %.1f us, p99 %.1f us, p999 %.1f us, %u errors",
-      p50, p99, p999, errors);
+      &human,
+      ", per call p50 %.1f us, p99 %.1f us, p999 %.1f us, %u errors, per "
+      "client %u-%u ops",
+      p50, p99, p999, errors, tally.min_thread_ops, tally.max_thread_ops);
   if (config.json) {
     std::fprintf(stderr, "%s\n", human.c_str());
     std::string json = absl::StrFormat(
@@ -653,10 +655,12 @@ int Run(const BenchConfig& config) {
         "\"ops_unit\":\"%s\",\"calls\":%u,\"seconds\":%.6f,"
         "\"ops_per_sec\":%.3f,\"calls_per_sec\":%.3f,\"gb_per_sec\":%.6f,"
         "\"latency_unit\":\"call\",\"p50_us\":%.3f,\"p99_us\":%.3f,"
-        "\"p999_us\":%.3f,\"errors\":%u",
+        "\"p999_us\":%.3f,\"errors\":%u,\"min_client_ops\":%u,"
+        "\"max_client_ops\":%u",
         config.op_name, transport, config.block_size, config.clients,
         config.batch, depth, ops, moves_blocks ? "block" : "call", calls, seconds, ops_per_sec,
-        calls_per_sec, gb_per_sec, p50, p99, p999, errors);
+        calls_per_sec, gb_per_sec, p50, p99, p999, errors,
+        tally.min_thread_ops, tally.max_thread_ops);
     if (config.op != Op::kLookup && std::string(transport) == "ucx") {
       absl::StrAppendFormat(&json, ",\"requests\":\"%s\"",
                             config.ucx_requests ? "ucx" : "grpc");
