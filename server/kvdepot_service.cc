@@ -1067,10 +1067,10 @@ void KvDepotService::ServeUcxRequest(DataPlane::Request request) {
   } else {
     RunUcxCall<v1::PullBlocksRequest, v1::PullBlocksResponse>(
         request, op, answer,
-        [this, quick = request.on_progress_thread](
+        [this, must_not_block = request.on_progress_thread](
             const v1::PullBlocksRequest* req, v1::PullBlocksResponse* resp,
             Finish finish) {
-          StartPullBlocks(req, resp, std::move(finish), /*must_not_block=*/quick);
+          StartPullBlocks(req, resp, std::move(finish), must_not_block);
         });
   }
 }
