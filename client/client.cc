@@ -16,6 +16,7 @@
 #include "storage/status_macros.h"
 #include "storage/work_pool.h"
 #include "client/ucx_requests.h"
+#include "transport/net_devices.h"
 #include "transport/memory_region.h"
 #include "transport/ucx_context.h"
 #include "transport/ucx_worker.h"
@@ -176,6 +177,12 @@ Client::Client(const ClientOptions& options) : options_(options) {
     auto ucx = std::make_unique<Ucx>();
     UcxContextOptions context_options;
     context_options.config = options_.ucx;
+    if (!UcxNetDevicesSet(options_.ucx)) {
+      UcxDeviceChoice devices = UcxDevicesFor(options_.server);
+      if (devices.confined()) {
+        context_options.config["NET_DEVICES"] = *devices.net_devices;
+      }
+    }
     context_options.name = options_.client_name;
     absl::StatusOr<std::unique_ptr<UcxContext>> context =
         UcxContext::Create(context_options);

@@ -14,6 +14,7 @@
 #include "server/version.h"
 #include "storage/rocksdb_crc32c.h"
 #include "storage/status_macros.h"
+#include "transport/net_devices.h"
 
 namespace kvdepot {
 namespace {
@@ -75,6 +76,7 @@ absl::Status Daemon::Init() {
   if (config_.ucx_enabled) {
     DataPlaneOptions data_plane_options;
     data_plane_options.ucx = config_.ucx;
+    ChooseUcxDevices(data_plane_options.ucx);
     data_plane_options.workers = config_.ucx_workers;
     data_plane_options.max_colocated_workers = config_.ucx_colocated_workers;
     absl::StatusOr<std::unique_ptr<DataPlane>> data_plane = DataPlane::Create(
@@ -133,6 +135,27 @@ absl::Status Daemon::Init() {
       st.nvme.capacity_bytes, st.nvme.blocks, std::string(RocksCrc32cImplementation()),
       data_dir_->path());
   return absl::OkStatus();
+}
+
+void Daemon::ChooseUcxDevices(std::map<std::string, std::string>& ucx) const {
+  if (UcxNetDevicesSet(ucx)) {
+    log_->info("UCX data plane on the network devices its settings name "
+               "(NET_DEVICES)");
+    return;
+  }
+  UcxDeviceChoice devices = UcxDevicesFor(config_.listen);
+  if (devices.confined()) {
+    ucx["NET_DEVICES"] = *devices.net_devices;
+    log_->info("UCX data plane on network devices {} ({})", *devices.net_devices,
+               devices.why);
+    return;
+  }
+  log_->warn(
+      "UCX data plane on every network device ({}): over TCP, UCX 1.13 serves "
+      "reads and writes of this process's memory to any peer that reaches its "
+      "ports; keep those networks trusted, or name the devices in the config "
+      "(ucx: NET_DEVICES)",
+      devices.why);
 }
 
 void Daemon::MaintenanceLoop() {

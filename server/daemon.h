@@ -12,6 +12,7 @@
 #include <prometheus/registry.h>
 #include <spdlog/logger.h>
 
+#include <map>
 #include <memory>
 #include <string>
 #include <thread>
@@ -52,6 +53,10 @@ class Daemon {
  private:
   Daemon(const DaemonConfig& config, std::shared_ptr<spdlog::logger> logger);
   absl::Status Init();
+  // Keeps the data plane's UCX listeners on the devices where `listen` is,
+  // unless `ucx` (or UCX_NET_DEVICES) names them (transport/net_devices.h),
+  // and logs which.
+  void ChooseUcxDevices(std::map<std::string, std::string>& ucx) const;
   void MaintenanceLoop();
 
   const DaemonConfig config_;

@@ -1,6 +1,7 @@
 // The UCX data plane end to end: a real kvdepotd and real libkvdepot
 // clients (in this process and in ucx_client_peer processes) on loopback,
 // over UCX's TCP transport and over shared memory (plus TCP for liveness).
+#include <arpa/inet.h>
 #include <signal.h>
 #include <stdlib.h>
 #include <sys/ipc.h>
@@ -16,12 +17,15 @@
 #include <filesystem>
 #include <fstream>
 #include <functional>
+#include <optional>
 #include <string>
 #include <thread>
 #include <vector>
 
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+#include "absl/strings/str_split.h"
 #include "absl/synchronization/notification.h"
 #include "absl/time/clock.h"
 #include "client/client.h"
@@ -30,6 +34,7 @@
 #include "storage/status_macros.h"
 #include "tests/daemon_process.h"
 #include "tests/status_matchers.h"
+#include "transport/net_devices.h"
 #include "transport/request_message.h"
 #include "transport/ucx_context.h"
 #include "transport/ucx_test_util.h"
@@ -1341,6 +1346,142 @@ TEST(UcxE2eGrpcTest, ClientAskingForGrpcUsesTheBytePath) {
   EXPECT_STREQ(get.transport(), "grpc");
   EXPECT_OK(get.statuses()[0]);
   EXPECT_EQ(std::count(dst.begin(), dst.end(), 'g'), static_cast<long>(kBlock));
+}
+
+// The local addresses ("127.0.0.1:41487", "[::1]:5000") of the TCP sockets
+// process `pid` listens on, from the kernel's tables of its network
+// namespace and the sockets among its open files.
+std::vector<std::string> TcpListeners(pid_t pid) {
+  std::vector<std::string> inodes;
+  std::error_code ec;
+  for (const auto& fd : std::filesystem::directory_iterator(
+           absl::StrCat("/proc/", pid, "/fd"), ec)) {
+    std::error_code link_ec;
+    const std::string target = std::filesystem::read_symlink(fd.path(), link_ec).string();
+    if (absl::StartsWith(target, "socket:[")) {
+      inodes.push_back(target.substr(8, target.size() - 9));
+    }
+  }
+  std::vector<std::string> out;
+  for (const char* table : {"tcp", "tcp6"}) {
+    std::ifstream in(absl::StrCat("/proc/", pid, "/net/", table));
+    std::string line;
+    std::getline(in, line);  // the header
+    while (std::getline(in, line)) {
+      std::vector<std::string> f = absl::StrSplit(line, ' ', absl::SkipWhitespace());
+      // sl local_address rem_address st tx:rx tr:when retrnsmt uid timeout inode
+      if (f.size() < 10 || f[3] != "0A") continue;  // 0A: LISTEN
+      if (std::find(inodes.begin(), inodes.end(), f[9]) == inodes.end()) continue;
+      const std::string& local = f[1];  // words in host order, then ":PORT"
+      const size_t colon = local.find(':');
+      unsigned char bytes[16];
+      const size_t words = colon / 8;
+      for (size_t w = 0; w < words; ++w) {
+        uint32_t word = std::stoul(local.substr(w * 8, 8), nullptr, 16);
+        std::memcpy(bytes + 4 * w, &word, 4);
+      }
+      char text[INET6_ADDRSTRLEN] = {};
+      inet_ntop(words == 1 ? AF_INET : AF_INET6, bytes, text, sizeof(text));
+      const unsigned long port = std::stoul(local.substr(colon + 1), nullptr, 16);
+      out.push_back(words == 1 ? absl::StrCat(text, ":", port)
+                               : absl::StrCat("[", text, "]:", port));
+    }
+  }
+  return out;
+}
+
+bool IsLoopbackListener(const std::string& address) {
+  return absl::StartsWith(address, "127.") || absl::StartsWith(address, "[::1]") ||
+         absl::StartsWith(address, "[::ffff:127.");
+}
+
+// This host's addresses other than loopback (and IPv6 link-local).
+std::vector<std::string> NonLoopbackAddresses() {
+  std::vector<std::string> out;
+  for (const NetInterfaceAddress& i : LocalInterfaceAddresses()) {
+    if (!i.loopback && !absl::StartsWith(i.address, "fe80:")) {
+      out.push_back(i.device + " " + i.address);
+    }
+  }
+  return out;
+}
+
+// Runs a test body with UCX_NET_DEVICES unset (the daemon started from it
+// inherits that), as a user who never heard of it has it.
+class WithoutNetDevicesEnv {
+ public:
+  WithoutNetDevicesEnv() {
+    if (const char* v = std::getenv("UCX_NET_DEVICES")) saved_ = v;
+    unsetenv("UCX_NET_DEVICES");
+  }
+  ~WithoutNetDevicesEnv() {
+    if (saved_) setenv("UCX_NET_DEVICES", saved_->c_str(), 1);
+  }
+
+ private:
+  std::optional<std::string> saved_;
+};
+
+TEST(UcxE2eExposureTest, ADaemonOnLoopbackAndItsClientsListenOnLoopbackOnly) {
+  // UCX listens on every device by default, and over TCP it lets any peer
+  // read and write the listening process's memory (transport/README.md,
+  // caveat 1). A daemon on loopback (the default) must not open such a
+  // door on the host's other devices, nor must its clients.
+  const std::vector<std::string> others = NonLoopbackAddresses();
+  if (others.empty()) GTEST_SKIP() << "this host has loopback only: nothing to tell apart";
+  WithoutNetDevicesEnv env;
+  absl::StatusOr<std::unique_ptr<DaemonProcess>> d = DaemonProcess::Start();
+  ASSERT_OK(d.status());
+  EXPECT_TRUE(absl::StrContains((*d)->Log(), "UCX data plane on network devices lo"))
+      << (*d)->Log();
+  ClientOptions options;
+  options.server = (*d)->address();  // 127.0.0.1:PORT
+  absl::StatusOr<std::unique_ptr<Client>> c = Client::Connect(options);
+  ASSERT_OK(c.status());
+  std::vector<char> buf(2 * kBlock);
+  ucx_test::FillPattern(buf.data(), kBlock, 29);
+  ASSERT_OK((*c)->RegisterBuffer(buf.data(), buf.size()));
+  PutThenGet(**c, buf, "lo-only");  // the data plane works on lo alone
+  ASSERT_OK((*c)->data_plane_status());
+
+  const std::vector<std::string> daemon_listeners = TcpListeners((*d)->pid());
+  // gRPC, and at least one UCX worker's listener (the rest are UCX's).
+  EXPECT_GE(daemon_listeners.size(), 2u);
+  for (const std::string& l : daemon_listeners) {
+    EXPECT_TRUE(IsLoopbackListener(l))
+        << "kvdepotd listens on " << l << "; this host also has "
+        << absl::StrJoin(others, ", ");
+  }
+  const std::vector<std::string> client_listeners = TcpListeners(getpid());
+  EXPECT_FALSE(client_listeners.empty());  // the client's UCX worker
+  for (const std::string& l : client_listeners) {
+    EXPECT_TRUE(IsLoopbackListener(l)) << "the client listens on " << l;
+  }
+  EXPECT_EQ((*d)->Stop(SIGTERM).value_or(-1), 0) << (*d)->Log();
+}
+
+TEST(UcxE2eExposureTest, ADaemonOnEveryAddressSaysThatItsDataPlaneIsOpenToo) {
+  // Listening on 0.0.0.0 is asking to be reached from anywhere; the data
+  // plane then keeps UCX's every device, and the log says what that means.
+  const std::vector<std::string> others = NonLoopbackAddresses();
+  if (others.empty()) GTEST_SKIP() << "this host has loopback only: nothing to tell apart";
+  WithoutNetDevicesEnv env;
+  absl::StatusOr<std::unique_ptr<DaemonProcess>> d =
+      DaemonProcess::Start({}, "", "0.0.0.0:0");
+  ASSERT_OK(d.status());
+  EXPECT_TRUE(absl::StrContains((*d)->Log(), "UCX data plane on every network device"))
+      << (*d)->Log();
+  EXPECT_TRUE(absl::StrContains((*d)->Log(), "keep those networks trusted")) << (*d)->Log();
+  const std::vector<std::string> listeners = TcpListeners((*d)->pid());
+  EXPECT_TRUE(std::any_of(listeners.begin(), listeners.end(),
+                          [](const std::string& l) {
+                            return !IsLoopbackListener(l) &&
+                                   !absl::StartsWith(l, "0.0.0.0:") &&
+                                   !absl::StartsWith(l, "[::]:");
+                          }))
+      << "no UCX listener on " << absl::StrJoin(others, ", ") << ": "
+      << absl::StrJoin(listeners, ", ");
+  EXPECT_EQ((*d)->Stop(SIGTERM).value_or(-1), 0) << (*d)->Log();
 }
 
 INSTANTIATE_TEST_SUITE_P(Transports, UcxE2eTest,

@@ -1,0 +1,198 @@
+#include "transport/net_devices.h"
+
+#include <arpa/inet.h>
+#include <ifaddrs.h>
+#include <net/if.h>
+#include <netdb.h>
+#include <netinet/in.h>
+#include <sys/socket.h>
+
+#include <algorithm>
+#include <cstdlib>
+#include <filesystem>
+#include <system_error>
+
+#include "absl/strings/match.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+#include "absl/strings/string_view.h"
+#include "absl/strings/strip.h"
+#include "transport/ucx_context.h"
+
+namespace kvdepot {
+namespace {
+
+struct Host {
+  bool unix_socket = false;
+  std::string name;  // empty: every address (":50551")
+};
+
+// The host part of a gRPC listen address or target.
+Host HostOf(absl::string_view address) {
+  absl::string_view rest = address;
+  if (absl::StartsWith(rest, "unix:") || absl::StartsWith(rest, "unix-abstract:")) {
+    return {true, ""};
+  }
+  if (absl::ConsumePrefix(&rest, "dns://")) {
+    // dns://[authority]/host:port
+    const size_t slash = rest.find('/');
+    rest = slash == absl::string_view::npos ? rest : rest.substr(slash + 1);
+  } else if (!absl::ConsumePrefix(&rest, "dns:") &&
+             !absl::ConsumePrefix(&rest, "ipv4:")) {
+    absl::ConsumePrefix(&rest, "ipv6:");
+  }
+  rest = rest.substr(0, rest.find(','));  // ipv4:a:p,b:p -- the first
+  if (absl::ConsumePrefix(&rest, "[")) {
+    return {false, std::string(rest.substr(0, rest.find(']')))};
+  }
+  const size_t colon = rest.find(':');
+  if (colon != absl::string_view::npos && rest.find(':', colon + 1) == absl::string_view::npos) {
+    return {false, std::string(rest.substr(0, colon))};  // host:port
+  }
+  return {false, std::string(rest)};  // a bare IPv6 address, or no port
+}
+
+// `sa` as a numeric address, IPv4-mapped IPv6 as IPv4; empty for other
+// families.
+std::string Numeric(const sockaddr* sa) {
+  char buf[INET6_ADDRSTRLEN] = {};
+  if (sa->sa_family == AF_INET) {
+    const auto* in = reinterpret_cast<const sockaddr_in*>(sa);
+    return inet_ntop(AF_INET, &in->sin_addr, buf, sizeof(buf)) ? buf : "";
+  }
+  if (sa->sa_family == AF_INET6) {
+    const auto* in6 = reinterpret_cast<const sockaddr_in6*>(sa);
+    if (IN6_IS_ADDR_V4MAPPED(&in6->sin6_addr)) {
+      return inet_ntop(AF_INET, &in6->sin6_addr.s6_addr[12], buf, sizeof(buf)) ? buf : "";
+    }
+    return inet_ntop(AF_INET6, &in6->sin6_addr, buf, sizeof(buf)) ? buf : "";
+  }
+  return "";
+}
+
+// The numeric addresses `host` stands for (numeric hosts without a lookup).
+std::vector<std::string> Resolve(const std::string& host) {
+  std::string name = host;
+  if (const size_t scope = name.find('%'); scope != std::string::npos) {
+    name.resize(scope);  // fe80::1%eth0
+  }
+  addrinfo hints = {};
+  hints.ai_family = AF_UNSPEC;
+  hints.ai_socktype = SOCK_STREAM;
+  addrinfo* list = nullptr;
+  if (getaddrinfo(name.c_str(), nullptr, &hints, &list) != 0) return {};
+  std::vector<std::string> out;
+  for (addrinfo* a = list; a != nullptr; a = a->ai_next) {
+    std::string n = Numeric(a->ai_addr);
+    if (!n.empty() && std::find(out.begin(), out.end(), n) == out.end()) {
+      out.push_back(std::move(n));
+    }
+  }
+  freeaddrinfo(list);
+  return out;
+}
+
+bool IsLoopback(const std::string& numeric) {
+  in_addr a4{};
+  if (inet_pton(AF_INET, numeric.c_str(), &a4) == 1) {
+    return (ntohl(a4.s_addr) >> 24) == 127;
+  }
+  in6_addr a6{};
+  return inet_pton(AF_INET6, numeric.c_str(), &a6) == 1 && IN6_IS_ADDR_LOOPBACK(&a6);
+}
+
+bool IsWildcard(const std::string& numeric) {
+  return numeric == "0.0.0.0" || numeric == "::";
+}
+
+void AddOnce(std::vector<std::string>& list, const std::string& item) {
+  if (std::find(list.begin(), list.end(), item) == list.end()) list.push_back(item);
+}
+
+}  // namespace
+
+UcxDeviceChoice UcxDevicesFor(std::string_view address,
+                              const std::vector<NetInterfaceAddress>& interfaces,
+                              const std::vector<std::string>& rdma_devices) {
+  std::vector<std::string> loopback_devices;
+  for (const NetInterfaceAddress& i : interfaces) {
+    if (i.loopback) AddOnce(loopback_devices, i.device);
+  }
+  if (loopback_devices.empty()) loopback_devices.push_back("lo");
+  const Host host = HostOf(absl::string_view(address.data(), address.size()));
+  if (host.unix_socket || host.name == "localhost") {
+    return {absl::StrJoin(loopback_devices, ","), "the address is on this host only"};
+  }
+  if (host.name.empty() || host.name == "*") {
+    return {std::nullopt, "the address is every address of this host"};
+  }
+  const std::vector<std::string> addresses = Resolve(host.name);
+  if (addresses.empty()) {
+    return {std::nullopt, absl::StrCat("'", host.name, "' does not resolve here")};
+  }
+  if (std::any_of(addresses.begin(), addresses.end(), IsWildcard)) {
+    return {std::nullopt, "the address is every address of this host"};
+  }
+  if (std::all_of(addresses.begin(), addresses.end(), IsLoopback)) {
+    return {absl::StrJoin(loopback_devices, ","), "the address is loopback"};
+  }
+  std::vector<std::string> devices;
+  for (const std::string& a : addresses) {
+    if (IsLoopback(a)) continue;
+    for (const NetInterfaceAddress& i : interfaces) {
+      if (!i.loopback && i.address == a) AddOnce(devices, i.device);
+    }
+  }
+  if (devices.empty()) {
+    return {std::nullopt, absl::StrCat("no device of this host has ",
+                                       absl::StrJoin(addresses, " or "))};
+  }
+  std::string why = absl::StrCat("the address is on ", absl::StrJoin(devices, ","));
+  for (const std::string& d : loopback_devices) AddOnce(devices, d);
+  for (const std::string& d : rdma_devices) AddOnce(devices, d);
+  if (!rdma_devices.empty()) absl::StrAppend(&why, " (and RDMA stays on)");
+  return {absl::StrJoin(devices, ","), std::move(why)};
+}
+
+UcxDeviceChoice UcxDevicesFor(std::string_view address) {
+  return UcxDevicesFor(address, LocalInterfaceAddresses(), LocalRdmaDevices());
+}
+
+std::vector<NetInterfaceAddress> LocalInterfaceAddresses() {
+  std::vector<NetInterfaceAddress> out;
+  ifaddrs* list = nullptr;
+  if (getifaddrs(&list) != 0) return out;
+  for (ifaddrs* i = list; i != nullptr; i = i->ifa_next) {
+    if (i->ifa_addr == nullptr) continue;
+    std::string numeric = Numeric(i->ifa_addr);
+    if (numeric.empty()) continue;
+    out.push_back({i->ifa_name, std::move(numeric), (i->ifa_flags & IFF_LOOPBACK) != 0});
+  }
+  freeifaddrs(list);
+  return out;
+}
+
+std::vector<std::string> LocalRdmaDevices() {
+  namespace fs = std::filesystem;
+  std::vector<std::string> out;
+  std::error_code ec;
+  for (const fs::directory_entry& dev : fs::directory_iterator("/sys/class/infiniband", ec)) {
+    std::error_code port_ec;
+    for (const fs::directory_entry& port :
+         fs::directory_iterator(dev.path() / "ports", port_ec)) {
+      out.push_back(absl::StrCat(dev.path().filename().string(), ":",
+                                 port.path().filename().string()));
+    }
+  }
+  std::sort(out.begin(), out.end());
+  return out;
+}
+
+bool UcxNetDevicesSet(const std::map<std::string, std::string>& config) {
+  for (const auto& [key, value] : config) {
+    if (UcxSettingName(key) == "NET_DEVICES") return true;
+  }
+  return std::getenv("UCX_NET_DEVICES") != nullptr;
+}
+
+}  // namespace kvdepot

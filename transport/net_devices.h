@@ -1,0 +1,71 @@
+// Which network devices UCX may listen on, chosen from the address a
+// process is reached at.
+//
+// UCX opens a TCP listener on every network device it uses, for every
+// worker, on an ephemeral port; by default that is every device of the
+// host. Over TCP (and shared memory) UCX 1.13 serves one-sided reads and
+// writes from any peer that connects, at whatever address the peer names
+// (transport/README.md, caveat 1): such a listener is a door into the
+// process's memory. So kvdepotd keeps its data plane's devices to where its
+// gRPC listener is (a daemon on loopback: `lo` only), and libkvdepot its
+// own to where it reaches its daemon from (a daemon on this host: `lo`).
+//
+// Thread-safe (no state).
+#ifndef KVDEPOT_TRANSPORT_NET_DEVICES_H_
+#define KVDEPOT_TRANSPORT_NET_DEVICES_H_
+
+#include <map>
+#include <optional>
+#include <string>
+#include <string_view>
+#include <vector>
+
+namespace kvdepot {
+
+// A network interface address of this host, as getifaddrs lists it.
+struct NetInterfaceAddress {
+  std::string device;   // "eth0"
+  std::string address;  // numeric, as inet_ntop prints it: "10.0.0.5", "fd00::2"
+  bool loopback = false;
+};
+
+struct UcxDeviceChoice {
+  // UCX's NET_DEVICES value; nullopt: UCX's default (every device).
+  std::optional<std::string> net_devices;
+  // Why, for a log line: "the address is loopback", "nothing on this host
+  // has 10.1.2.3: every device"...
+  std::string why;
+  // True when the choice keeps UCX off every device that is not where
+  // `address` is (net_devices set).
+  bool confined() const { return net_devices.has_value(); }
+};
+
+// The devices for a process reached at `address` (a gRPC listen address or
+// target: "127.0.0.1:50551", "[::1]:0", "localhost:50551", "0.0.0.0:50551",
+// "dns:///host:port", "ipv4:10.0.0.5:50551", "unix:/run/kvdepot.sock"):
+// - loopback (127/8, ::1, "localhost", a unix socket): the loopback device;
+// - an address of this host's devices: those devices, the loopback device
+//   (co-located clients) and every RDMA device (UCX names them, e.g.
+//   "mlx5_0:1"; `rdma_devices`), so RDMA stays on;
+// - the wildcard (0.0.0.0, ::, an empty host), a host name that does not
+//   resolve here, or an address no device of this host has: nullopt.
+// `interfaces` and `rdma_devices` describe the host (tests give their own).
+UcxDeviceChoice UcxDevicesFor(std::string_view address,
+                              const std::vector<NetInterfaceAddress>& interfaces,
+                              const std::vector<std::string>& rdma_devices);
+// The same for this host (getifaddrs, /sys/class/infiniband).
+UcxDeviceChoice UcxDevicesFor(std::string_view address);
+
+// This host's interface addresses (getifaddrs; IPv4 and IPv6 only).
+std::vector<NetInterfaceAddress> LocalInterfaceAddresses();
+// This host's RDMA ports as UCX names them ("mlx5_0:1"), from
+// /sys/class/infiniband; empty without RDMA.
+std::vector<std::string> LocalRdmaDevices();
+
+// Whether UCX's NET_DEVICES is already chosen: by `config` (a
+// UcxContextOptions::config) or by the environment's UCX_NET_DEVICES.
+bool UcxNetDevicesSet(const std::map<std::string, std::string>& config);
+
+}  // namespace kvdepot
+
+#endif  // KVDEPOT_TRANSPORT_NET_DEVICES_H_

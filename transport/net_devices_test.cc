@@ -1,0 +1,112 @@
+#include "transport/net_devices.h"
+
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cstdlib>
+#include <string>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_split.h"
+
+namespace kvdepot {
+namespace {
+
+// A host with loopback, two Ethernet devices and no RDMA.
+const std::vector<NetInterfaceAddress> kHost = {
+    {"lo", "127.0.0.1", true},   {"lo", "::1", true},
+    {"eth0", "10.0.0.5", false}, {"eth0", "fd00::2", false},
+    {"eth1", "192.168.1.7", false},
+};
+
+std::string Devices(std::string_view address,
+                    const std::vector<std::string>& rdma = {}) {
+  UcxDeviceChoice c = UcxDevicesFor(address, kHost, rdma);
+  return c.net_devices.value_or("<every device>");
+}
+
+TEST(UcxDevicesForTest, LoopbackAddressesKeepUcxOnTheLoopbackDevice) {
+  for (const char* address :
+       {"127.0.0.1:50551", "127.0.0.1:0", "127.8.9.10:1", "[::1]:50551",
+        "localhost:50551", "ipv4:127.0.0.1:50551", "ipv6:[::1]:50551",
+        "dns:///127.0.0.1:50551", "dns://8.8.8.8/127.0.0.1:1", "::1",
+        "unix:/run/kvdepot.sock", "unix-abstract:kvdepot", "[::ffff:127.0.0.1]:1"}) {
+    SCOPED_TRACE(address);
+    EXPECT_EQ(Devices(address), "lo");
+    EXPECT_TRUE(UcxDevicesFor(address, kHost, {}).confined());
+  }
+}
+
+TEST(UcxDevicesForTest, TheLoopbackDeviceIsFoundByItsFlagNotItsName) {
+  const std::vector<NetInterfaceAddress> host = {{"lo0", "127.0.0.1", true},
+                                                 {"em1", "10.1.1.1", false}};
+  EXPECT_EQ(UcxDevicesFor("127.0.0.1:1", host, {}).net_devices.value_or(""), "lo0");
+  EXPECT_EQ(UcxDevicesFor("10.1.1.1:1", host, {}).net_devices.value_or(""), "em1,lo0");
+}
+
+TEST(UcxDevicesForTest, AnAddressOfADeviceKeepsThatDeviceLoopbackAndRdma) {
+  EXPECT_EQ(Devices("10.0.0.5:50551"), "eth0,lo");
+  EXPECT_EQ(Devices("[fd00::2]:50551"), "eth0,lo");
+  EXPECT_EQ(Devices("[::ffff:10.0.0.5]:50551"), "eth0,lo");  // v4-mapped
+  EXPECT_EQ(Devices("ipv4:192.168.1.7:1,10.0.0.5:1"), "eth1,lo");  // the first
+  // RDMA devices have no IP address UCX could be told apart by; they stay.
+  EXPECT_EQ(Devices("192.168.1.7:1", {"mlx5_0:1", "mlx5_1:1"}),
+            "eth1,lo,mlx5_0:1,mlx5_1:1");
+  UcxDeviceChoice c = UcxDevicesFor("10.0.0.5:1", kHost, {"mlx5_0:1"});
+  EXPECT_NE(c.why.find("eth0"), std::string::npos) << c.why;
+  EXPECT_NE(c.why.find("RDMA"), std::string::npos) << c.why;
+}
+
+TEST(UcxDevicesForTest, TheWildcardAndForeignAddressesLeaveEveryDevice) {
+  for (const char* address : {"0.0.0.0:50551", "[::]:50551", ":50551", "*:50551"}) {
+    SCOPED_TRACE(address);
+    UcxDeviceChoice c = UcxDevicesFor(address, kHost, {});
+    EXPECT_FALSE(c.confined());
+    EXPECT_NE(c.why.find("every address"), std::string::npos) << c.why;
+  }
+  // A daemon on another host: nothing here has its address.
+  UcxDeviceChoice c = UcxDevicesFor("203.0.113.9:50551", kHost, {});
+  EXPECT_FALSE(c.confined());
+  EXPECT_NE(c.why.find("203.0.113.9"), std::string::npos) << c.why;
+}
+
+TEST(UcxDevicesForTest, ThisHostsOwnAddressesMapToTheirDevices) {
+  std::vector<NetInterfaceAddress> local = LocalInterfaceAddresses();
+  ASSERT_FALSE(local.empty()) << "getifaddrs found nothing, not even loopback";
+  UcxDeviceChoice loopback = UcxDevicesFor("127.0.0.1:1");
+  ASSERT_TRUE(loopback.confined()) << loopback.why;
+  for (const NetInterfaceAddress& i : local) {
+    if (i.loopback) {
+      EXPECT_EQ(*loopback.net_devices, i.device);
+      continue;
+    }
+    if (i.address.rfind("fe80:", 0) == 0) continue;  // link-local: needs a scope
+    SCOPED_TRACE(absl::StrCat(i.device, " ", i.address));
+    UcxDeviceChoice c = UcxDevicesFor(absl::StrCat("[", i.address, "]:1"));
+    ASSERT_TRUE(c.confined()) << c.why;
+    std::vector<std::string> named = absl::StrSplit(*c.net_devices, ',');
+    EXPECT_NE(std::find(named.begin(), named.end(), i.device), named.end())
+        << *c.net_devices;
+  }
+}
+
+TEST(UcxNetDevicesSetTest, TheConfigOrTheEnvironmentChoosesFirst) {
+  const char* saved = std::getenv("UCX_NET_DEVICES");
+  const std::string restore = saved != nullptr ? saved : "";
+  unsetenv("UCX_NET_DEVICES");
+  EXPECT_FALSE(UcxNetDevicesSet({}));
+  EXPECT_FALSE(UcxNetDevicesSet({{"TLS", "tcp"}, {"TCP_TX_SEG_SIZE", "512k"}}));
+  EXPECT_TRUE(UcxNetDevicesSet({{"NET_DEVICES", "eth0"}}));
+  EXPECT_TRUE(UcxNetDevicesSet({{"UCX_NET_DEVICES", "eth0"}}));
+  setenv("UCX_NET_DEVICES", "eth1", 1);
+  EXPECT_TRUE(UcxNetDevicesSet({}));
+  if (saved != nullptr) {
+    setenv("UCX_NET_DEVICES", restore.c_str(), 1);
+  } else {
+    unsetenv("UCX_NET_DEVICES");
+  }
+}
+
+}  // namespace
+}  // namespace kvdepot
