@@ -260,6 +260,16 @@ class ClientLoop {
         rng_(0x6b766465706f74ULL ^
              (static_cast<uint64_t>(id) * 0x9e3779b97f4a7c15ULL)) {}
 
+  // Before the clock starts: the UCX buffer (AllocateBuffer makes all its
+  // pages, which takes a while for large ones; done by every client while
+  // others already ran, it slowed their first calls).
+  void Prepare() {
+    if (ucx_ && config_.op != Op::kLookup) {
+      ucx_buffer_ = client_.AllocateBuffer(config_.depth * config_.batch *
+                                           config_.block_size);
+    }
+  }
+
   ClientResult Run(SteadyClock::time_point deadline) {
     ClientResult result;
     const uint64_t calls_expected =
@@ -358,8 +368,7 @@ class ClientLoop {
   void RunUcx(SteadyClock::time_point deadline, ClientResult& result) {
     const size_t depth = config_.depth;
     const uint64_t call_bytes = config_.batch * config_.block_size;
-    absl::StatusOr<absl::Span<char>> buffer =
-        client_.AllocateBuffer(depth * call_bytes);
+    absl::StatusOr<absl::Span<char>>& buffer = ucx_buffer_;
     if (!buffer.ok()) {
       std::fprintf(stderr, "kvdepot-bench: client %d: %s\n", id_,
                    buffer.status().ToString().c_str());
@@ -522,6 +531,9 @@ class ClientLoop {
   // indexes, partially shuffled per call (batch > 1 only).
   std::vector<uint64_t> perm_;
   uint64_t counter_ = 0;  // put keys issued by this client
+  // Prepare's buffer (gets land in it, puts come from it).
+  absl::StatusOr<absl::Span<char>> ucx_buffer_ =
+      absl::FailedPreconditionError("no UCX buffer: Prepare was not called");
 };
 
 
@@ -587,6 +599,7 @@ int Run(const BenchConfig& config) {
     threads.emplace_back([&, i] {
       ClientLoop loop(i, *clients[i], ucx_ok[i] != 0, config, run_nonce, bytes,
                       claimed);
+      loop.Prepare();
       ready.DecrementCount();
       go.WaitForNotification();  // publishes `start` and `deadline`
       results[i] = loop.Run(deadline);

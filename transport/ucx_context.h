@@ -103,7 +103,8 @@ class UcxContext {
   // UCP_MEM_MAP_ALLOCATE). UCX takes memory a co-located peer can map
   // (posix shared memory) where its transports can, so one-sided transfers
   // from a peer on the same host are plain copies into it instead of
-  // messages (see README.md, caveat 1). Freed with the region.
+  // messages (see README.md, caveat 1). Every page exists when it returns
+  // (prefaulted), so no transfer into it faults. Freed with the region.
   absl::StatusOr<std::unique_ptr<MemoryRegion>> Allocate(size_t size);
 
   // The UCP handle, for UcxWorker. Thread-safe as UCX's context is.
@@ -121,6 +122,9 @@ class UcxContext {
   // ucp_mem_map of [base, base + size), or of `size` new bytes when base is
   // null; packs the rkey.
   absl::StatusOr<std::unique_ptr<MemoryRegion>> Map(void* base, size_t size);
+  // Makes every page of [base, base + size) exist (MADV_POPULATE_WRITE, or
+  // a write to each page where the kernel lacks it).
+  static void Prefault(char* base, size_t size);
 
   const ucp_context_h context_;
   std::optional<TcpSegmentSizes> tcp_segments_;

@@ -1,7 +1,10 @@
 // UcxWorker, UcxContext and MemoryRegion over real UCX (loopback TCP).
 #include "transport/ucx_worker.h"
 
+#include <algorithm>
 #include <atomic>
+#include <cerrno>
+#include <cstring>
 #include <cstdlib>
 #include <map>
 #include <memory>
@@ -11,6 +14,8 @@
 #include <vector>
 
 #include <gtest/gtest.h>
+#include <sys/mman.h>
+#include <unistd.h>
 
 #include "absl/synchronization/notification.h"
 #include "transport/ucx_context.h"
@@ -242,6 +247,35 @@ TEST_F(UcxWorkerTest, RegistersMemoryAndPacksAKey) {
   EXPECT_FALSE((*region)->Contains(buffer.data() + 1, buffer.size()));
   EXPECT_FALSE((*region)->Contains(buffer.data() - 1, 1));
   EXPECT_FALSE((*region)->Contains(buffer.data(), SIZE_MAX));
+}
+
+// How many pages of [base, base + size) are resident (mincore).
+size_t ResidentPages(char* base, size_t size) {
+  const size_t page = sysconf(_SC_PAGESIZE);
+  std::vector<unsigned char> vec((size + page - 1) / page);
+  if (mincore(base, size, vec.data()) != 0) {
+    ADD_FAILURE() << "mincore: " << std::strerror(errno);
+    return 0;
+  }
+  return std::count_if(vec.begin(), vec.end(), [](unsigned char v) { return v & 1; });
+}
+
+TEST(UcxContextAllocateTest, EveryPageExistsBeforeTheFirstTransfer) {
+  // UCX's fresh memory has no pages; a transfer into it would fault on
+  // every one, on the progress thread that serves the worker's transfers.
+  for (const char* transport : {"tcp", "shm"}) {
+    SCOPED_TRACE(transport);
+    UcxContextOptions options;
+    options.config = ucx_test::TransportConfig(transport);
+    absl::StatusOr<std::unique_ptr<UcxContext>> context = UcxContext::Create(options);
+    ASSERT_TRUE(context.ok()) << context.status();
+    constexpr size_t kSize = 24 << 20;
+    absl::StatusOr<std::unique_ptr<MemoryRegion>> region = (*context)->Allocate(kSize);
+    ASSERT_TRUE(region.ok()) << region.status();
+    ASSERT_GE((*region)->size(), kSize);
+    const size_t page = sysconf(_SC_PAGESIZE);
+    EXPECT_EQ(ResidentPages((*region)->base(), kSize), kSize / page);
+  }
 }
 
 }  // namespace
