@@ -236,7 +236,9 @@ class Client {
   // shared memory where it can, so a daemon on this host maps them and
   // copies blocks into and out of them itself, hashing each as it lands:
   // neither side then makes a second pass over the bytes to check them
-  // (see always_checksum_puts). Errors as RegisterBuffer.
+  // (see always_checksum_puts). Every page of it exists when it returns
+  // (the call takes time in proportion to `size`), so no transfer into it
+  // takes page faults on the progress thread. Errors as RegisterBuffer.
   absl::StatusOr<absl::Span<char>> AllocateBuffer(size_t size);
 
   // Reads blocks straight into `dst` (dst[i] receives keys[i] and must be
