@@ -178,7 +178,7 @@ Client::Client(const ClientOptions& options) : options_(options) {
     UcxContextOptions context_options;
     context_options.config = options_.ucx;
     if (!UcxNetDevicesSet(options_.ucx)) {
-      UcxDeviceChoice devices = UcxDevicesFor(options_.server);
+      UcxDeviceChoice devices = UcxDevicesToReach(options_.server);
       if (devices.confined()) {
         context_options.config["NET_DEVICES"] = *devices.net_devices;
       }

@@ -61,11 +61,13 @@ struct ClientOptions {
   // UCX settings for the client's context (names as UCX_* variables, with or
   // without the prefix), e.g. {"TLS", "tcp"}. Unless they (or the
   // environment's UCX_NET_DEVICES) name NET_DEVICES, the client's UCX
-  // listens only on the devices where `server` is (UcxDevicesFor: a daemon
-  // on loopback, `lo`; one at an address of this host, that device, `lo` and
-  // RDMA): over TCP UCX serves reads and writes of this process's memory to
-  // any peer that connects (transport/net_devices.h). For a daemon on
-  // another host it keeps UCX's default, every device.
+  // listens only on the devices it reaches `server` by (UcxDevicesToReach:
+  // a daemon on loopback, `lo`; one at an address of this host, that device;
+  // one on another host, the device the route to it leaves by; with `lo`
+  // and RDMA devices in the last two): over TCP UCX serves reads and writes
+  // of this process's memory to any peer that connects
+  // (transport/net_devices.h). Where none can be told (no route, a name
+  // that does not resolve), UCX's default: every device.
   std::map<std::string, std::string> ucx = {{"TCP_TX_SEG_SIZE", "512k"},
                                             {"TCP_RX_SEG_SIZE", "512k"}};
   // Limit for one UCX transfer batch (the daemon may have a lower one).

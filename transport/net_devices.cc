@@ -6,6 +6,7 @@
 #include <netdb.h>
 #include <netinet/in.h>
 #include <sys/socket.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <cstdlib>
@@ -109,16 +110,64 @@ void AddOnce(std::vector<std::string>& list, const std::string& item) {
   if (std::find(list.begin(), list.end(), item) == list.end()) list.push_back(item);
 }
 
+std::vector<std::string> LoopbackDevices(
+    const std::vector<NetInterfaceAddress>& interfaces) {
+  std::vector<std::string> out;
+  for (const NetInterfaceAddress& i : interfaces) {
+    if (i.loopback) AddOnce(out, i.device);
+  }
+  if (out.empty()) out.push_back("lo");
+  return out;
+}
+
+// `devices` (not empty) with the loopback and RDMA devices added.
+UcxDeviceChoice Confined(std::vector<std::string> devices, std::string why,
+                         const std::vector<NetInterfaceAddress>& interfaces,
+                         const std::vector<std::string>& rdma_devices) {
+  for (const std::string& d : LoopbackDevices(interfaces)) AddOnce(devices, d);
+  for (const std::string& d : rdma_devices) AddOnce(devices, d);
+  if (!rdma_devices.empty()) absl::StrAppend(&why, " (and RDMA stays on)");
+  return {absl::StrJoin(devices, ","), std::move(why)};
+}
+
+// The source address this host's routing picks for `numeric` (a UDP
+// socket connected there: nothing is sent); nullopt without a route.
+std::optional<std::string> RouteSource(const std::string& numeric) {
+  sockaddr_storage ss = {};
+  socklen_t len = 0;
+  auto* in = reinterpret_cast<sockaddr_in*>(&ss);
+  auto* in6 = reinterpret_cast<sockaddr_in6*>(&ss);
+  if (inet_pton(AF_INET, numeric.c_str(), &in->sin_addr) == 1) {
+    in->sin_family = AF_INET;
+    in->sin_port = htons(9);
+    len = sizeof(*in);
+  } else if (inet_pton(AF_INET6, numeric.c_str(), &in6->sin6_addr) == 1) {
+    in6->sin6_family = AF_INET6;
+    in6->sin6_port = htons(9);
+    len = sizeof(*in6);
+  } else {
+    return std::nullopt;
+  }
+  const int fd = socket(ss.ss_family, SOCK_DGRAM | SOCK_CLOEXEC, 0);
+  if (fd < 0) return std::nullopt;
+  std::optional<std::string> out;
+  sockaddr_storage local = {};
+  socklen_t local_len = sizeof(local);
+  if (connect(fd, reinterpret_cast<sockaddr*>(&ss), len) == 0 &&
+      getsockname(fd, reinterpret_cast<sockaddr*>(&local), &local_len) == 0) {
+    std::string n = Numeric(reinterpret_cast<sockaddr*>(&local));
+    if (!n.empty()) out = std::move(n);
+  }
+  close(fd);
+  return out;
+}
+
 }  // namespace
 
 UcxDeviceChoice UcxDevicesFor(std::string_view address,
                               const std::vector<NetInterfaceAddress>& interfaces,
                               const std::vector<std::string>& rdma_devices) {
-  std::vector<std::string> loopback_devices;
-  for (const NetInterfaceAddress& i : interfaces) {
-    if (i.loopback) AddOnce(loopback_devices, i.device);
-  }
-  if (loopback_devices.empty()) loopback_devices.push_back("lo");
+  const std::vector<std::string> loopback_devices = LoopbackDevices(interfaces);
   const Host host = HostOf(absl::string_view(address.data(), address.size()));
   if (host.unix_socket || host.name == "localhost") {
     return {absl::StrJoin(loopback_devices, ","), "the address is on this host only"};
@@ -148,14 +197,46 @@ UcxDeviceChoice UcxDevicesFor(std::string_view address,
                                        absl::StrJoin(addresses, " or "))};
   }
   std::string why = absl::StrCat("the address is on ", absl::StrJoin(devices, ","));
-  for (const std::string& d : loopback_devices) AddOnce(devices, d);
-  for (const std::string& d : rdma_devices) AddOnce(devices, d);
-  if (!rdma_devices.empty()) absl::StrAppend(&why, " (and RDMA stays on)");
-  return {absl::StrJoin(devices, ","), std::move(why)};
+  return Confined(std::move(devices), std::move(why), interfaces, rdma_devices);
 }
 
 UcxDeviceChoice UcxDevicesFor(std::string_view address) {
   return UcxDevicesFor(address, LocalInterfaceAddresses(), LocalRdmaDevices());
+}
+
+UcxDeviceChoice UcxDevicesToReach(
+    std::string_view address, const std::vector<NetInterfaceAddress>& interfaces,
+    const std::vector<std::string>& rdma_devices,
+    absl::FunctionRef<std::optional<std::string>(const std::string&)> route_source) {
+  UcxDeviceChoice here = UcxDevicesFor(address, interfaces, rdma_devices);
+  const Host host = HostOf(absl::string_view(address.data(), address.size()));
+  if (here.confined() || host.unix_socket || host.name.empty() || host.name == "*") {
+    return here;
+  }
+  const std::vector<std::string> addresses = Resolve(host.name);
+  if (addresses.empty() || std::any_of(addresses.begin(), addresses.end(), IsWildcard)) {
+    return here;
+  }
+  std::vector<std::string> devices;
+  for (const std::string& a : addresses) {
+    const std::optional<std::string> source = route_source(a);
+    if (!source.has_value()) continue;
+    for (const NetInterfaceAddress& i : interfaces) {
+      if (!i.loopback && i.address == *source) AddOnce(devices, i.device);
+    }
+  }
+  if (devices.empty()) {
+    return {std::nullopt, absl::StrCat("no route to ", absl::StrJoin(addresses, " or "),
+                                       " from a device of this host")};
+  }
+  std::string why = absl::StrCat("the route to ", addresses.front(), " leaves by ",
+                                 absl::StrJoin(devices, ","));
+  return Confined(std::move(devices), std::move(why), interfaces, rdma_devices);
+}
+
+UcxDeviceChoice UcxDevicesToReach(std::string_view address) {
+  return UcxDevicesToReach(address, LocalInterfaceAddresses(), LocalRdmaDevices(),
+                           RouteSource);
 }
 
 std::vector<NetInterfaceAddress> LocalInterfaceAddresses() {

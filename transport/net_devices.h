@@ -8,7 +8,7 @@
 // (transport/README.md, caveat 1): such a listener is a door into the
 // process's memory. So kvdepotd keeps its data plane's devices to where its
 // gRPC listener is (a daemon on loopback: `lo` only), and libkvdepot its
-// own to where it reaches its daemon from (a daemon on this host: `lo`).
+// own to the devices it reaches its daemon by (a daemon on this host: `lo`).
 //
 // Thread-safe (no state).
 #ifndef KVDEPOT_TRANSPORT_NET_DEVICES_H_
@@ -19,6 +19,8 @@
 #include <string>
 #include <string_view>
 #include <vector>
+
+#include "absl/functional/function_ref.h"
 
 namespace kvdepot {
 
@@ -55,6 +57,20 @@ UcxDeviceChoice UcxDevicesFor(std::string_view address,
                               const std::vector<std::string>& rdma_devices);
 // The same for this host (getifaddrs, /sys/class/infiniband).
 UcxDeviceChoice UcxDevicesFor(std::string_view address);
+
+// For a client of the daemon at `address`: UcxDevicesFor's choice where it
+// confines UCX (a daemon on this host); else the devices this host's routes
+// to the daemon's addresses leave by (`route_source`: the source address
+// the routing picks), with the loopback and RDMA devices. The daemon
+// connects to the client over those. Nullopt (every device) for the
+// wildcard, a name that does not resolve, or no route.
+UcxDeviceChoice UcxDevicesToReach(
+    std::string_view address, const std::vector<NetInterfaceAddress>& interfaces,
+    const std::vector<std::string>& rdma_devices,
+    absl::FunctionRef<std::optional<std::string>(const std::string&)> route_source);
+// The same for this host (its routing table, through a connected UDP
+// socket: nothing is sent).
+UcxDeviceChoice UcxDevicesToReach(std::string_view address);
 
 // This host's interface addresses (getifaddrs; IPv4 and IPv6 only).
 std::vector<NetInterfaceAddress> LocalInterfaceAddresses();

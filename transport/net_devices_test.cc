@@ -91,6 +91,54 @@ TEST(UcxDevicesForTest, ThisHostsOwnAddressesMapToTheirDevices) {
   }
 }
 
+TEST(UcxDevicesToReachTest, AClientOfARemoteDaemonKeepsToTheDeviceItsRouteLeavesBy) {
+  // The routing table of kHost: 10/8 by eth0, everything else by eth1.
+  auto route = [](const std::string& to) -> std::optional<std::string> {
+    if (to.rfind("10.", 0) == 0) return "10.0.0.5";
+    if (to == "fd00::9") return "fd00::2";
+    if (to.find(':') != std::string::npos) return std::nullopt;  // no v6 route
+    return "192.168.1.7";
+  };
+  auto reach = [&](std::string_view address, std::vector<std::string> rdma = {}) {
+    return UcxDevicesToReach(address, kHost, rdma, route).net_devices.value_or("<every device>");
+  };
+  EXPECT_EQ(reach("10.9.8.7:50551"), "eth0,lo");
+  EXPECT_EQ(reach("203.0.113.9:50551"), "eth1,lo");
+  EXPECT_EQ(reach("[fd00::9]:50551"), "eth0,lo");
+  EXPECT_EQ(reach("10.9.8.7:50551", {"mlx5_0:1"}), "eth0,lo,mlx5_0:1");
+  UcxDeviceChoice c = UcxDevicesToReach("10.9.8.7:1", kHost, {}, route);
+  EXPECT_NE(c.why.find("eth0"), std::string::npos) << c.why;
+  // No route: UCX's default, said why.
+  c = UcxDevicesToReach("[2001:db8::1]:1", kHost, {}, route);
+  EXPECT_FALSE(c.confined());
+  EXPECT_NE(c.why.find("no route"), std::string::npos) << c.why;
+  // A daemon on this host: as UcxDevicesFor, the route is not asked.
+  auto no_route = [](const std::string&) -> std::optional<std::string> {
+    ADD_FAILURE() << "asked for a route";
+    return std::nullopt;
+  };
+  EXPECT_EQ(UcxDevicesToReach("127.0.0.1:1", kHost, {}, no_route).net_devices.value_or(""), "lo");
+  EXPECT_EQ(UcxDevicesToReach("10.0.0.5:1", kHost, {}, no_route).net_devices.value_or(""),
+            "eth0,lo");
+  EXPECT_FALSE(UcxDevicesToReach("0.0.0.0:1", kHost, {}, no_route).confined());
+}
+
+TEST(UcxDevicesToReachTest, ThisHostsRoutesLeadToItsDevices) {
+  // With this host's own tables: an address of one of its devices is
+  // reached locally, so the choice names that device.
+  for (const NetInterfaceAddress& i : LocalInterfaceAddresses()) {
+    if (i.loopback || i.address.find(':') != std::string::npos) continue;
+    SCOPED_TRACE(absl::StrCat(i.device, " ", i.address));
+    UcxDeviceChoice c = UcxDevicesToReach(absl::StrCat(i.address, ":1"));
+    ASSERT_TRUE(c.confined()) << c.why;
+    std::vector<std::string> named = absl::StrSplit(*c.net_devices, ',');
+    EXPECT_NE(std::find(named.begin(), named.end(), i.device), named.end())
+        << *c.net_devices;
+  }
+  EXPECT_EQ(UcxDevicesToReach("127.0.0.1:1").net_devices.value_or(""),
+            UcxDevicesFor("127.0.0.1:1").net_devices.value_or("?"));
+}
+
 TEST(UcxNetDevicesSetTest, TheConfigOrTheEnvironmentChoosesFirst) {
   const char* saved = std::getenv("UCX_NET_DEVICES");
   const std::string restore = saved != nullptr ? saved : "";
