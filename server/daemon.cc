@@ -6,6 +6,7 @@
 #include <grpcpp/server_builder.h>
 #include <spdlog/spdlog.h>
 
+#include <cstdlib>
 #include <exception>
 #include <utility>
 
@@ -139,8 +140,14 @@ absl::Status Daemon::Init() {
 
 void Daemon::ChooseUcxDevices(std::map<std::string, std::string>& ucx) const {
   if (UcxNetDevicesSet(ucx)) {
-    log_->info("UCX data plane on the network devices its settings name "
-               "(NET_DEVICES)");
+    std::string named;
+    for (const auto& [key, value] : ucx) {
+      if (UcxSettingName(key) == "NET_DEVICES") named = value;
+    }
+    const char* env = std::getenv("UCX_NET_DEVICES");
+    if (named.empty() && env != nullptr) named = env;
+    log_->info("UCX data plane on network devices {} (as its settings name them)",
+               named);
     return;
   }
   UcxDeviceChoice devices = UcxDevicesFor(config_.listen);

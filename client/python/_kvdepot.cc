@@ -1423,7 +1423,8 @@ PYBIND11_MODULE(_kvdepot, m) {
       .def("allocate_buffer", &PyClient::AllocateBuffer, py::arg("size"),
            "A numpy uint8 array allocated and registered through UCX; put "
            "and get_into with buffers inside it use the UCX data plane "
-           "(shared memory with a daemon on this host).")
+           "(shared memory with a daemon on this host). Its pages exist "
+           "when it returns (it takes time in proportion to size).")
       .def("register_buffer", &PyClient::RegisterBuffer, py::arg("buffer"),
            "Registers a writable buffer (numpy array, bytearray, CPU tensor) "
            "with UCX: put and get_into with buffers inside it use the UCX "
