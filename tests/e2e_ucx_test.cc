@@ -1484,6 +1484,57 @@ TEST(UcxE2eExposureTest, ADaemonOnEveryAddressSaysThatItsDataPlaneIsOpenToo) {
   EXPECT_EQ((*d)->Stop(SIGTERM).value_or(-1), 0) << (*d)->Log();
 }
 
+TEST(UcxE2eExposureTest, ADaemonOnOneDevicesAddressListensOnThatDeviceAndLoopback) {
+  // listen on an address of one device (not loopback): UCX there and on
+  // lo (co-located clients), nowhere else; a client reaches it over UCX.
+  std::optional<NetInterfaceAddress> chosen;
+  const std::vector<NetInterfaceAddress> local = LocalInterfaceAddresses();
+  for (const NetInterfaceAddress& i : local) {
+    if (!i.loopback && i.address.find(':') == std::string::npos) {
+      chosen = i;
+      break;
+    }
+  }
+  if (!chosen) GTEST_SKIP() << "no IPv4 address off loopback here";
+  WithoutNetDevicesEnv env;
+  absl::StatusOr<std::unique_ptr<DaemonProcess>> d =
+      DaemonProcess::Start({}, "", chosen->address + ":0");
+  ASSERT_OK(d.status());
+  EXPECT_TRUE(absl::StrContains(
+      (*d)->Log(), absl::StrCat("UCX data plane on network devices ", chosen->device)))
+      << (*d)->Log();
+  ClientOptions options;
+  options.server = (*d)->address();
+  absl::StatusOr<std::unique_ptr<Client>> c = Client::Connect(options);
+  ASSERT_OK(c.status());
+  std::vector<char> buf(2 * kBlock);
+  ucx_test::FillPattern(buf.data(), kBlock, 31);
+  ASSERT_OK((*c)->RegisterBuffer(buf.data(), buf.size()));
+  PutThenGet(**c, buf, "one-device");
+  ASSERT_OK((*c)->data_plane_status());
+  // Every listener is on an address of the chosen device or of loopback.
+  auto device_of = [&](const std::string& listener) -> std::string {
+    if (IsLoopbackListener(listener)) return "loopback";
+    for (const NetInterfaceAddress& i : local) {
+      if (absl::StartsWith(listener, i.address + ":") ||
+          absl::StartsWith(listener, "[" + i.address + "]:") ||
+          absl::StartsWith(listener, "[::ffff:" + i.address + "]:")) {
+        return i.device;
+      }
+    }
+    return "unknown";
+  };
+  for (const pid_t pid : {(*d)->pid(), getpid()}) {
+    for (const std::string& l : TcpListeners(pid)) {
+      const std::string device = device_of(l);
+      EXPECT_TRUE(device == "loopback" || device == chosen->device)
+          << (pid == getpid() ? "the client" : "kvdepotd") << " listens on " << l
+          << " (" << device << "), not only on " << chosen->device << " and loopback";
+    }
+  }
+  EXPECT_EQ((*d)->Stop(SIGTERM).value_or(-1), 0) << (*d)->Log();
+}
+
 INSTANTIATE_TEST_SUITE_P(Transports, UcxE2eTest,
                          ::testing::Values("tcp", "shm"),
                          [](const ::testing::TestParamInfo<std::string>& p) { return p.param; });
