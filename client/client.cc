@@ -177,7 +177,7 @@ Client::Client(const ClientOptions& options) : options_(options) {
     auto ucx = std::make_unique<Ucx>();
     UcxContextOptions context_options;
     context_options.config = options_.ucx;
-    if (!UcxNetDevicesSet(options_.ucx)) {
+    if (!UcxNetDevicesSetting(options_.ucx).has_value()) {
       UcxDeviceChoice devices = UcxDevicesToReach(options_.server);
       if (devices.confined()) {
         context_options.config["NET_DEVICES"] = *devices.net_devices;

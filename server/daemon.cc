@@ -6,8 +6,8 @@
 #include <grpcpp/server_builder.h>
 #include <spdlog/spdlog.h>
 
-#include <cstdlib>
 #include <exception>
+#include <optional>
 #include <utility>
 
 #include "absl/strings/str_cat.h"
@@ -139,15 +139,9 @@ absl::Status Daemon::Init() {
 }
 
 void Daemon::ChooseUcxDevices(std::map<std::string, std::string>& ucx) const {
-  if (UcxNetDevicesSet(ucx)) {
-    std::string named;
-    for (const auto& [key, value] : ucx) {
-      if (UcxSettingName(key) == "NET_DEVICES") named = value;
-    }
-    const char* env = std::getenv("UCX_NET_DEVICES");
-    if (named.empty() && env != nullptr) named = env;
+  if (std::optional<std::string> named = UcxNetDevicesSetting(ucx)) {
     log_->info("UCX data plane on network devices {} (as its settings name them)",
-               named);
+               *named);
     return;
   }
   UcxDeviceChoice devices = UcxDevicesFor(config_.listen);

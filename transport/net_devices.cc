@@ -162,20 +162,28 @@ std::optional<std::string> RouteSource(const std::string& numeric) {
   return out;
 }
 
-}  // namespace
+// The addresses UcxDevicesFor's choice looks at: none for a unix socket,
+// "localhost", the wildcard or an empty host (decided by the name), else
+// the host's, resolved once.
+std::vector<std::string> AddressesOf(const Host& host) {
+  if (host.unix_socket || host.name.empty() || host.name == "*" ||
+      host.name == "localhost") {
+    return {};
+  }
+  return Resolve(host.name);
+}
 
-UcxDeviceChoice UcxDevicesFor(std::string_view address,
-                              const std::vector<NetInterfaceAddress>& interfaces,
-                              const std::vector<std::string>& rdma_devices) {
+// UcxDevicesFor with `host` parsed and its `addresses` (AddressesOf).
+UcxDeviceChoice DevicesHere(const Host& host, const std::vector<std::string>& addresses,
+                            const std::vector<NetInterfaceAddress>& interfaces,
+                            const std::vector<std::string>& rdma_devices) {
   const std::vector<std::string> loopback_devices = LoopbackDevices(interfaces);
-  const Host host = HostOf(absl::string_view(address.data(), address.size()));
   if (host.unix_socket || host.name == "localhost") {
     return {absl::StrJoin(loopback_devices, ","), "the address is on this host only"};
   }
   if (host.name.empty() || host.name == "*") {
     return {std::nullopt, "the address is every address of this host"};
   }
-  const std::vector<std::string> addresses = Resolve(host.name);
   if (addresses.empty()) {
     return {std::nullopt, absl::StrCat("'", host.name, "' does not resolve here")};
   }
@@ -200,6 +208,15 @@ UcxDeviceChoice UcxDevicesFor(std::string_view address,
   return Confined(std::move(devices), std::move(why), interfaces, rdma_devices);
 }
 
+}  // namespace
+
+UcxDeviceChoice UcxDevicesFor(std::string_view address,
+                              const std::vector<NetInterfaceAddress>& interfaces,
+                              const std::vector<std::string>& rdma_devices) {
+  const Host host = HostOf(absl::string_view(address.data(), address.size()));
+  return DevicesHere(host, AddressesOf(host), interfaces, rdma_devices);
+}
+
 UcxDeviceChoice UcxDevicesFor(std::string_view address) {
   return UcxDevicesFor(address, LocalInterfaceAddresses(), LocalRdmaDevices());
 }
@@ -208,13 +225,11 @@ UcxDeviceChoice UcxDevicesToReach(
     std::string_view address, const std::vector<NetInterfaceAddress>& interfaces,
     const std::vector<std::string>& rdma_devices,
     absl::FunctionRef<std::optional<std::string>(const std::string&)> route_source) {
-  UcxDeviceChoice here = UcxDevicesFor(address, interfaces, rdma_devices);
   const Host host = HostOf(absl::string_view(address.data(), address.size()));
-  if (here.confined() || host.unix_socket || host.name.empty() || host.name == "*") {
-    return here;
-  }
-  const std::vector<std::string> addresses = Resolve(host.name);
-  if (addresses.empty() || std::any_of(addresses.begin(), addresses.end(), IsWildcard)) {
+  const std::vector<std::string> addresses = AddressesOf(host);
+  UcxDeviceChoice here = DevicesHere(host, addresses, interfaces, rdma_devices);
+  if (here.confined() || addresses.empty() ||
+      std::any_of(addresses.begin(), addresses.end(), IsWildcard)) {
     return here;
   }
   std::vector<std::string> devices;
@@ -269,11 +284,11 @@ std::vector<std::string> LocalRdmaDevices() {
   return out;
 }
 
-bool UcxNetDevicesSet(const std::map<std::string, std::string>& config) {
-  for (const auto& [key, value] : config) {
-    if (UcxSettingName(key) == "NET_DEVICES") return true;
-  }
-  return std::getenv("UCX_NET_DEVICES") != nullptr;
+std::optional<std::string> UcxNetDevicesSetting(
+    const std::map<std::string, std::string>& config) {
+  if (std::optional<std::string> set = UcxConfigValue(config, "NET_DEVICES")) return set;
+  if (const char* env = std::getenv("UCX_NET_DEVICES")) return std::string(env);
+  return std::nullopt;
 }
 
 }  // namespace kvdepot

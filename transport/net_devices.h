@@ -78,9 +78,11 @@ std::vector<NetInterfaceAddress> LocalInterfaceAddresses();
 // /sys/class/infiniband; empty without RDMA.
 std::vector<std::string> LocalRdmaDevices();
 
-// Whether UCX's NET_DEVICES is already chosen: by `config` (a
-// UcxContextOptions::config) or by the environment's UCX_NET_DEVICES.
-bool UcxNetDevicesSet(const std::map<std::string, std::string>& config);
+// UCX's NET_DEVICES where it is already chosen: by `config` (a
+// UcxContextOptions::config), else by the environment's UCX_NET_DEVICES;
+// nullopt where neither names it.
+std::optional<std::string> UcxNetDevicesSetting(
+    const std::map<std::string, std::string>& config);
 
 }  // namespace kvdepot
 

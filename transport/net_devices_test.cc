@@ -143,12 +143,14 @@ TEST(UcxNetDevicesSetTest, TheConfigOrTheEnvironmentChoosesFirst) {
   const char* saved = std::getenv("UCX_NET_DEVICES");
   const std::string restore = saved != nullptr ? saved : "";
   unsetenv("UCX_NET_DEVICES");
-  EXPECT_FALSE(UcxNetDevicesSet({}));
-  EXPECT_FALSE(UcxNetDevicesSet({{"TLS", "tcp"}, {"TCP_TX_SEG_SIZE", "512k"}}));
-  EXPECT_TRUE(UcxNetDevicesSet({{"NET_DEVICES", "eth0"}}));
-  EXPECT_TRUE(UcxNetDevicesSet({{"UCX_NET_DEVICES", "eth0"}}));
+  EXPECT_FALSE(UcxNetDevicesSetting({}).has_value());
+  EXPECT_FALSE(
+      UcxNetDevicesSetting({{"TLS", "tcp"}, {"TCP_TX_SEG_SIZE", "512k"}}).has_value());
+  EXPECT_EQ(UcxNetDevicesSetting({{"NET_DEVICES", "eth0"}}).value_or(""), "eth0");
+  EXPECT_EQ(UcxNetDevicesSetting({{"UCX_NET_DEVICES", "eth0"}}).value_or(""), "eth0");
   setenv("UCX_NET_DEVICES", "eth1", 1);
-  EXPECT_TRUE(UcxNetDevicesSet({}));
+  EXPECT_EQ(UcxNetDevicesSetting({}).value_or(""), "eth1");
+  EXPECT_EQ(UcxNetDevicesSetting({{"NET_DEVICES", "eth0"}}).value_or(""), "eth0");
   if (saved != nullptr) {
     setenv("UCX_NET_DEVICES", restore.c_str(), 1);
   } else {

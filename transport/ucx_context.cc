@@ -45,12 +45,18 @@ std::string UcxSettingName(std::string_view key) {
   return std::string(name);
 }
 
+std::optional<std::string> UcxConfigValue(
+    const std::map<std::string, std::string>& config, std::string_view name) {
+  std::optional<std::string> out;
+  for (const auto& [key, value] : config) {
+    if (UcxSettingName(key) == name) out = value;
+  }
+  return out;
+}
+
 bool UcxTlsAllows(const std::map<std::string, std::string>& config,
                   absl::Span<const absl::string_view> transports) {
-  std::string tls;
-  for (const auto& [key, value] : config) {
-    if (UcxSettingName(key) == "TLS") tls = value;
-  }
+  std::string tls = UcxConfigValue(config, "TLS").value_or("");
   if (tls.empty()) {
     const char* env = std::getenv("UCX_TLS");
     tls = env != nullptr ? env : "all";

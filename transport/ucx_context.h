@@ -47,6 +47,11 @@ inline constexpr const char* kTransportPrefixes[] = {
 // without "UCX_" and a prefix of kTransportPrefixes ("UCX_TCP_TX_SEG_SIZE",
 // "TCP_TX_SEG_SIZE" and "TX_SEG_SIZE" are one setting).
 std::string UcxSettingName(std::string_view key);
+// The value `config` (a UcxContextOptions::config) gives the setting UCX
+// calls `name` (of several keys that name it, the last in the map), or
+// nullopt: UCX_TLS, TLS and tls are all "TLS" here.
+std::optional<std::string> UcxConfigValue(
+    const std::map<std::string, std::string>& config, std::string_view name);
 
 // UCX's names of its shared-memory transports, aliases included.
 inline constexpr absl::string_view kSharedMemoryTransports[] = {
