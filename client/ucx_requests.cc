@@ -56,6 +56,11 @@ absl::Status UcxRequests::Connect(uint64_t session, std::string_view address,
   {
     absl::MutexLock lock(&mu_);
     if (stopped_) return absl::CancelledError("kvdepot client closed");
+    if (endpoint_ != nullptr && !failed_ && address_ == address &&
+        connections_started_ == connection_) {
+      session_ = session;  // the connection this worker keeps
+      return absl::OkStatus();
+    }
     connection = ++connections_started_;
   }
   UcxEndpointOptions options;
@@ -85,9 +90,11 @@ absl::Status UcxRequests::Connect(uint64_t session, std::string_view address,
       connection_ = connection;
       if (endpoint.ok()) {
         endpoint_ = *std::move(endpoint);
+        address_ = std::string(address);
         session_ = session;
         failed_ = false;
       } else {
+        address_.clear();
         session_ = 0;
         failed_ = true;
       }
@@ -102,19 +109,12 @@ absl::Status UcxRequests::Connect(uint64_t session, std::string_view address,
 }
 
 void UcxRequests::Disconnect(uint64_t session) {
-  std::unique_ptr<UcxEndpoint> old;
-  uint64_t connection;
   {
     absl::MutexLock lock(&mu_);
-    if (session_ != session || endpoint_ == nullptr) return;
-    old = std::move(endpoint_);
-    session_ = 0;
-    failed_ = true;
-    connection = connection_;
+    if (session_ == session) session_ = 0;
   }
-  EndWhere([connection](const Pending& p) { return p.connection == connection; },
-           absl::UnavailableError("the session's UCX connection was closed"));
-  Dispose(std::move(old));
+  EndWhere([session](const Pending& p) { return p.session == session; },
+           absl::UnavailableError("the session's UCX requests were stopped"));
 }
 
 void UcxRequests::Dispose(std::unique_ptr<UcxEndpoint> endpoint) {
@@ -152,7 +152,7 @@ absl::Status UcxRequests::Send(uint64_t session, RequestMethod method,
         absl::StrCat("no UCX connection to kvdepotd for session ", session));
   }
   const uint64_t id = next_id_++;
-  pending_.emplace(id, Pending{std::move(done), deadline, connection_});
+  pending_.emplace(id, Pending{std::move(done), deadline, connection_, session});
   // Under mu_, so the endpoint cannot be replaced meanwhile: SendMessage
   // only queues work for the progress thread, which never holds what
   // SendMessage takes while it waits for mu_.

@@ -44,14 +44,24 @@ class UcxRequests : private UcxWorker::Resident {
   // Ends every pending request with Cancelled and closes the connection.
   ~UcxRequests() override;
 
-  // Connects to the daemon worker at `address` for `session` and waits for
-  // the wire-up (UcxEndpoint::Connect, with peer error handling, so a dead
-  // daemon ends the requests at once). Replaces an earlier connection; its
-  // pending requests end Unavailable. Errors as UcxEndpoint::Connect.
+  // Sends the requests of `session` to the daemon worker at `address`.
+  // A working connection to that address is kept (the session changes;
+  // see below); otherwise connects and waits for the wire-up
+  // (UcxEndpoint::Connect, with peer error handling, so a dead daemon ends
+  // the requests at once), replacing an earlier connection, whose pending
+  // requests end Unavailable. Errors as UcxEndpoint::Connect.
+  //
+  // One connection per daemon worker for this worker's life: kvdepotd makes
+  // one endpoint to this worker from its request worker, and this
+  // connection pairs with it instead of being wired up anew
+  // (DataPlane::RequestAddress), which only holds while each side makes
+  // one.
   absl::Status Connect(uint64_t session, std::string_view address,
                        absl::Duration timeout);
-  // Drops the connection if it serves `session` (pending requests end
-  // Unavailable). May be called from a Done.
+  // Stops sending requests for `session` (Serves turns false); the
+  // connection stays for the next session. Requests of `session` still
+  // pending end Unavailable (the daemon drops the replies of a session it
+  // ended). May be called from a Done.
   void Disconnect(uint64_t session);
   // Whether requests for `session` can be sent: the connection serves it and
   // has not failed.
@@ -74,6 +84,7 @@ class UcxRequests : private UcxWorker::Resident {
     Done done;
     absl::Time deadline;
     uint64_t connection = 0;  // the connection it went on
+    uint64_t session = 0;
   };
   explicit UcxRequests(UcxWorker& worker);
 
@@ -93,6 +104,7 @@ class UcxRequests : private UcxWorker::Resident {
 
   mutable absl::Mutex mu_;
   std::unique_ptr<UcxEndpoint> endpoint_ ABSL_GUARDED_BY(mu_);
+  std::string address_ ABSL_GUARDED_BY(mu_);  // endpoint_'s peer
   uint64_t session_ ABSL_GUARDED_BY(mu_) = 0;
   // Numbers the connections as Connect starts them; connection_ is the one
   // endpoint_ is (a pending request names the one it went on).

@@ -57,10 +57,11 @@ absl::StatusOr<std::unique_ptr<DataPlane>> DataPlane::Create(
                      UcxWorker::Create(*d->context_, worker_options));
     d->workers_.push_back(std::move(w));
   }
-  // Requests come to a worker of their own: one that has no endpoint to
-  // any client. (UCX pairs the endpoints two workers have to each other,
-  // and refuses a pair whose error handling differs: a co-located client's
-  // session endpoint has none, its request endpoint must have it.)
+  // Requests come to a worker of their own, whose only endpoints are those
+  // it pairs clients' request endpoints with (RequestAddress). (UCX pairs
+  // the endpoints two workers have to each other, and refuses a pair whose
+  // error handling differs: a co-located client's session endpoint has
+  // none, its request endpoint must have it.)
   UcxWorkerOptions request_worker_options;
   request_worker_options.name = "kvd-ucx-req";
   ASSIGN_OR_RETURN(d->request_worker_,
@@ -79,10 +80,15 @@ absl::StatusOr<std::unique_ptr<DataPlane>> DataPlane::Create(
 
 void DataPlane::Close() {
   absl::flat_hash_map<SessionId, std::shared_ptr<Link>> links;
+  absl::flat_hash_map<std::string, RequestLink> request_links;
   {
     absl::MutexLock lock(&mu_);
     closing_ = true;
     links.swap(links_);
+    request_links.swap(request_links_);
+  }
+  for (auto& [address, request_link] : request_links) {
+    if (request_link.endpoint != nullptr) request_link.endpoint->Close(/*force=*/true);
   }
   for (auto& [session, link] : links) {
     // Force-closes the endpoint now, even while transfers still hold the
@@ -100,7 +106,8 @@ void DataPlane::Unlink(SessionId session, std::shared_ptr<Link> link,
 
 DataPlane::~DataPlane() {
   Close();
-  request_worker_->Stop();  // no new requests
+  // Create may have failed before the request worker was made.
+  if (request_worker_ != nullptr) request_worker_->Stop();  // no new requests
   request_pool_.reset();  // runs what was handed over: it ends at once
   monitor_.reset();
   for (auto& w : workers_) w->Stop();
@@ -229,6 +236,7 @@ absl::Status DataPlane::Attach(SessionId session, std::string_view address,
     Unlink(session, std::move(link), /*force=*/true);
     return absl::UnavailableError("data plane stopping");
   }
+  EnsureRequestLink(session, address);
   log_->debug("session {}: UCX endpoint connected ({})", session,
               colocated ? "co-located, shared memory allowed" : "peer error handling");
   return absl::OkStatus();
@@ -461,6 +469,70 @@ void DataPlane::Reply(SessionId session, uint64_t id, const absl::Status& status
   // Last: once no request is in flight, nothing here runs any more (the
   // daemon waits for that before the data plane goes).
   requests_in_flight_.fetch_sub(1);
+}
+
+void DataPlane::EnsureRequestLink(SessionId session, std::string_view address) {
+  if (!serving_requests_) return;
+  const std::string key(address);
+  uint64_t id;
+  {
+    absl::MutexLock lock(&mu_);
+    if (closing_ || request_links_.contains(key)) return;
+    if (request_links_.size() >= options_.max_request_links) {
+      log_->warn("session {}: {} client workers have a request link already "
+                 "(max_request_links); this client wires up its own",
+                 session, request_links_.size());
+      return;
+    }
+    id = ++next_request_link_;
+    request_links_[key].id = id;  // taken: a second Attach does not make one
+  }
+  UcxEndpointOptions options;
+  options.connect_timeout = options_.connect_timeout;
+  options.peer_error_handling = true;
+  options.on_error = [this, key, id](const absl::Status&) {
+    DropRequestLink(key, id);
+  };
+  absl::StatusOr<std::unique_ptr<UcxEndpoint>> endpoint =
+      UcxEndpoint::Connect(*request_worker_, address, std::move(options));
+  if (!endpoint.ok()) {
+    log_->warn("session {}: no request link to the client's worker ({}); "
+               "the client wires up its own", session, endpoint.status().ToString());
+    DropRequestLink(key, id);
+    return;
+  }
+  std::unique_ptr<UcxEndpoint> unused;
+  {
+    absl::MutexLock lock(&mu_);
+    auto it = request_links_.find(key);
+    if (it != request_links_.end() && it->second.id == id) {
+      it->second.endpoint = *std::move(endpoint);
+    } else {
+      unused = *std::move(endpoint);  // failed meanwhile, or closing
+    }
+  }
+  if (unused != nullptr) unused->Close(/*force=*/true);
+}
+
+void DataPlane::DropRequestLink(const std::string& address, uint64_t id) {
+  std::unique_ptr<UcxEndpoint> endpoint;
+  {
+    absl::MutexLock lock(&mu_);
+    auto it = request_links_.find(address);
+    if (it == request_links_.end() || it->second.id != id) return;
+    endpoint = std::move(it->second.endpoint);
+    request_links_.erase(it);
+  }
+  if (endpoint == nullptr) return;
+  // Not inside the endpoint's own callback, where on_error comes from.
+  lost_pool_->Submit([endpoint = std::shared_ptr<UcxEndpoint>(std::move(endpoint))] {
+    endpoint->Close(/*force=*/true);
+  });
+}
+
+size_t DataPlane::request_links() const {
+  absl::MutexLock lock(&mu_);
+  return request_links_.size();
 }
 
 std::string DataPlane::RequestAddress(SessionId session) const {

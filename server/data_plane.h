@@ -80,6 +80,10 @@ struct DataPlaneOptions {
   // at once; further co-located clients are served over TCP, like remote
   // ones, on the shared workers (0: all of them).
   int max_colocated_workers = 64;
+  // Client workers the request worker keeps an endpoint to (see
+  // RequestAddress); further clients wire up their request connections
+  // themselves.
+  size_t max_request_links = 4096;
 };
 
 // One block's bytes in the arena and the place in the client's buffer
@@ -226,7 +230,20 @@ class DataPlane {
              std::string body);
   // Where `session`'s client sends requests (a worker address); empty when
   // the session has no endpoint.
+  //
+  // The request worker has an endpoint of its own to each client worker
+  // that has a session (Attach makes it, with peer error handling, and
+  // keeps it until that worker is gone), and the client's request
+  // endpoint pairs with it: UCX matches the endpoints two workers create
+  // to each other, so the client's connect wires nothing up. That keeps
+  // kvdepotd from ever answering a client's wire-up: doing so connects
+  // back to the client, and a client that dies before that connection is
+  // made aborts UCX 1.13 in kvdepotd (transport/README, caveat 4). The
+  // pairing holds while each side makes one such endpoint per client
+  // worker: libkvdepot keeps its request connection across sessions.
   std::string RequestAddress(SessionId session) const;
+  // Client workers the request worker has an endpoint to.
+  size_t request_links() const;
   // Requests received and not yet answered.
   size_t requests_in_flight() const;
   // Answers new requests Unavailable from now on (shutdown: the requests
@@ -267,6 +284,13 @@ class DataPlane {
   // Counts one more co-located worker in colocated_workers_ unless there
   // are max_colocated_workers already.
   bool TakeColocatedSlot();
+  // Makes the request worker's endpoint to the client worker at `address`
+  // unless it has one (see RequestAddress). Waits for the wire-up; on
+  // failure the client wires up its own (logged).
+  void EnsureRequestLink(SessionId session, std::string_view address);
+  // Drops request link `id` (its endpoint failed: the client's worker is
+  // gone). Any thread.
+  void DropRequestLink(const std::string& address, uint64_t id);
   // Progress thread: a message arrived for kRequestMessageId.
   void OnRequest(absl::string_view header, absl::string_view payload,
                  const UcxWorker::MessageSender& sender);
@@ -282,7 +306,8 @@ class DataPlane {
   std::unique_ptr<UcxContext> context_;
   std::unique_ptr<MemoryRegion> arena_;
   std::vector<std::unique_ptr<UcxWorker>> workers_;
-  // Receives requests (ServeRequests); no endpoints live on it.
+  // Receives requests (ServeRequests); its only endpoints are
+  // request_links_.
   std::unique_ptr<UcxWorker> request_worker_;
   std::unique_ptr<PeerMonitor> monitor_;  // on workers_[0]
 
@@ -290,6 +315,15 @@ class DataPlane {
   absl::flat_hash_map<SessionId, std::shared_ptr<Link>> links_
       ABSL_GUARDED_BY(mu_);
   uint64_t next_worker_ ABSL_GUARDED_BY(mu_) = 0;
+  // The request worker's endpoints to client workers, by the client
+  // worker's address; `endpoint` is null while it is being made.
+  struct RequestLink {
+    uint64_t id = 0;
+    std::unique_ptr<UcxEndpoint> endpoint;
+  };
+  absl::flat_hash_map<std::string, RequestLink> request_links_
+      ABSL_GUARDED_BY(mu_);
+  uint64_t next_request_link_ ABSL_GUARDED_BY(mu_) = 0;
   bool closing_ ABSL_GUARDED_BY(mu_) = false;  // the destructor has begun
 
   // Set once, before sessions attach.
