@@ -942,6 +942,36 @@ TEST(UcxE2eConfigTest, ADaemonConfiguredForTcpServesDefaultClientsOverUcx) {
   EXPECT_EQ(d->Stop(SIGTERM).value_or(-1), 0) << d->Log();
 }
 
+TEST(UcxE2eConfigTest, ADaemonWhoseUcxSettingsLeaveNoTransportServesOverGrpc) {
+  // UCX finds nothing to use: kvdepotd runs without its data plane (it
+  // crashed while giving up on it) and clients fall back to gRPC.
+  const std::string dir = testing::MakeTempDir("notls");
+  std::ofstream(dir + "/kvdepot.yaml") << "ucx:\n  TLS: no_such_transport\n";
+  absl::StatusOr<std::unique_ptr<DaemonProcess>> d =
+      DaemonProcess::Start({"--config", dir + "/kvdepot.yaml"});
+  ASSERT_OK(d.status());
+  EXPECT_THAT((*d)->Log(), ::testing::HasSubstr("UCX data plane off"));
+  ClientOptions options;
+  options.server = (*d)->address();
+  absl::StatusOr<std::unique_ptr<Client>> c = Client::Connect(options);
+  ASSERT_OK(c.status());
+  std::vector<char> buf(2 * kBlock);
+  ucx_test::FillPattern(buf.data(), kBlock, 22);
+  ASSERT_OK((*c)->RegisterBuffer(buf.data(), buf.size()));
+  BlockToPut block{"no-ucx", "", absl::string_view(buf.data(), kBlock)};
+  TransferOp put = (*c)->PutFromAsync("notls", {&block, 1});
+  put.Wait();
+  EXPECT_OK(put.statuses()[0]);
+  absl::string_view key = "no-ucx";
+  absl::Span<char> dst(buf.data() + kBlock, kBlock);
+  TransferOp get = (*c)->GetIntoAsync("notls", {&key, 1}, {&dst, 1});
+  get.Wait();
+  EXPECT_OK(get.statuses()[0]);
+  EXPECT_STREQ(get.transport(), "grpc");
+  EXPECT_EQ(std::memcmp(buf.data(), dst.data(), kBlock), 0);
+  EXPECT_EQ((*d)->Stop(SIGTERM).value_or(-1), 0) << (*d)->Log();
+}
+
 TEST(UcxE2eConfigTest, PutsOverUcxThatOverfillDramWaitForRoomAndLoseNothing) {
   // DRAM of 8 MiB, the NVMe tier on (the default): puts of 24 MiB over UCX,
   // 6 MiB per call, find DRAM full again and again. A put request served
@@ -1011,6 +1041,28 @@ TEST_P(UcxE2eTest, ARequestForASessionTheDaemonClosedIsAMissThenTheClientRecover
   EXPECT_EQ(testing::MetricValue(
                 metrics, "kvdepot_ucx_requests_total{op=\"PushBlocks\"}"),
             2);  // the refused one never reached the service
+}
+
+TEST_P(UcxE2eTest, ClientsThatDieAsTheirFirstRequestGoesOutLeaveTheDaemonServing) {
+  // A client's first request over UCX makes UCX resolve the client's
+  // endpoint on the daemon's side. kvdepotd used to answer it by wiring up
+  // a connection of its own back to the client, and a client that died
+  // before that was done aborted kvdepotd inside UCX 1.13 (an assertion on
+  // the request worker, "got REP message"): here at the second of these
+  // clients. Each is slow (2 ms between its UCX progress calls, as on a
+  // busy host) and ends a different time after its first request.
+  constexpr int kClients = 40;
+  for (int i = 0; i < kClients; ++i) {
+    std::unique_ptr<Child> peer =
+        Spawn({"wire-and-die", daemon_->address(), std::to_string(i * 200)});
+    ASSERT_NE(peer, nullptr);
+    ASSERT_EQ(peer->Wait(), 0) << "client " << i << "; kvdepotd:\n" << daemon_->Log();
+  }
+  std::vector<char> buf(2 * kBlock);
+  ucx_test::FillPattern(buf.data(), kBlock, 21);
+  ASSERT_OK(client_->RegisterBuffer(buf.data(), buf.size()));
+  PutThenGet(*client_, buf, "after-dead-clients");
+  EXPECT_EQ(daemon_->Stop(SIGTERM).value_or(-1), 0) << daemon_->Log();
 }
 
 TEST_P(UcxE2eTest, ADrainingDaemonRefusesPutsAndTheClientKeepsItsSession) {
