@@ -198,9 +198,10 @@ class DataPlane {
   // ---- Requests over UCX (transport/request_message.h) -----------------
   // A client whose session has an endpoint may send PushBlocks / PullBlocks
   // requests as active messages to the data plane's request worker
-  // (RequestAddress) instead of calling gRPC: the same protobuf bytes, a
-  // fraction of the cost per call. The request names its session as a gRPC
-  // call does (same trust: the id is what a client proves itself by).
+  // (RequestAddress; over its request link) instead of calling gRPC: the
+  // same protobuf bytes, a fraction of the cost per call. The request
+  // names its session as a gRPC call does (same trust: the id is what a
+  // client proves itself by).
   struct Request {
     SessionId session = 0;
     RequestMethod method = RequestMethod::kPushBlocks;
