@@ -1050,13 +1050,20 @@ TEST_P(UcxE2eTest, ClientsThatDieAsTheirFirstRequestGoesOutLeaveTheDaemonServing
   // before that was done aborted kvdepotd inside UCX 1.13 (an assertion on
   // the request worker, "got REP message"): here at the second of these
   // clients. Each is slow (2 ms between its UCX progress calls, as on a
-  // busy host) and ends a different time after its first request.
+  // busy host) and ends a different time (0-8 ms) after the first request
+  // of its last session.
+  // Half the clients die in their first session, half in their second:
+  // the first checks the daemon's request links, the second that the
+  // client keeps its request connection across sessions (a new one per
+  // session would be wired up, daemon's answer and all, again).
   constexpr int kClients = 40;
   for (int i = 0; i < kClients; ++i) {
-    std::unique_ptr<Child> peer =
-        Spawn({"wire-and-die", daemon_->address(), std::to_string(i * 200)});
+    const std::string sessions = i % 2 == 0 ? "1" : "2";
+    std::unique_ptr<Child> peer = Spawn({"wire-and-die", daemon_->address(), sessions,
+                                         std::to_string(i / 2 * 400)});
     ASSERT_NE(peer, nullptr);
-    ASSERT_EQ(peer->Wait(), 0) << "client " << i << "; kvdepotd:\n" << daemon_->Log();
+    ASSERT_EQ(peer->Wait(), 0) << "client " << i << " (" << sessions
+                               << " sessions); kvdepotd:\n" << daemon_->Log();
   }
   std::vector<char> buf(2 * kBlock);
   ucx_test::FillPattern(buf.data(), kBlock, 21);

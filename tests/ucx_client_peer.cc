@@ -23,13 +23,16 @@
 //   ucx_client_peer hold-reservation SERVER NS SIZE
 //     Opens a UCX session, pins KEY (Lookup with pin) or reserves a block of
 //     SIZE bytes (BeginPut), prints "HOLDING" and sleeps until killed.
-//   ucx_client_peer wire-and-die SERVER DELAY_US
-//     What libkvdepot does when it opens a session, cut short: a UCX worker
-//     with libkvdepot's default settings, OpenSession with its address, then
-//     the request endpoint to the daemon's ucx_request_address; DELAY_US
-//     microseconds after that connect starts, the process ends (_exit, no
-//     cleanup), whether or not it has finished. Exit 3 when OpenSession
-//     failed or gave no request address (nothing was tried).
+//   ucx_client_peer wire-and-die SERVER SESSIONS DELAY_US
+//     What libkvdepot does with its request connection (UcxRequests over
+//     a worker with libkvdepot's default settings), cut short: SESSIONS
+//     sessions one after another, each opened with the worker's address
+//     and connected to the daemon's ucx_request_address; every session
+//     but the last sends one request, takes its answer and is closed. Then
+//     the process becomes a slow client (2 ms between UCX progress calls),
+//     sends the last session's first request and ends (_exit, no cleanup)
+//     DELAY_US microseconds later. Exit 3 when OpenSession failed or gave
+//     no request address (nothing was tried).
 #include <sched.h>
 #include <signal.h>
 #include <unistd.h>
@@ -43,9 +46,11 @@
 
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
+#include "absl/synchronization/notification.h"
 #include "absl/time/clock.h"
 #include "client/client.h"
 #include "transport/net_devices.h"
+#include "client/ucx_requests.h"
 #include "transport/request_message.h"
 #include "transport/ucx_context.h"
 #include "transport/ucx_endpoint.h"
@@ -228,7 +233,7 @@ int Hold(const std::string& server, const std::string& ns, bool pin,
   for (;;) pause();
 }
 
-int WireAndDie(const std::string& server, int64_t delay_us) {
+int WireAndDie(const std::string& server, int sessions, int64_t delay_us) {
   ClientOptions defaults;
   UcxContextOptions context_options;
   context_options.config = defaults.ucx;
@@ -241,39 +246,52 @@ int WireAndDie(const std::string& server, int64_t delay_us) {
   if (!context.ok()) return Fail(context.status().ToString());
   absl::StatusOr<std::unique_ptr<UcxWorker>> worker = UcxWorker::Create(**context);
   if (!worker.ok()) return Fail(worker.status().ToString());
+  absl::StatusOr<std::unique_ptr<UcxRequests>> requests = UcxRequests::Create(**worker);
+  if (!requests.ok()) return Fail(requests.status().ToString());
   ClientOptions options;
   options.server = server;
   options.transport = ClientOptions::Transport::kGrpc;  // for its stub only
   absl::StatusOr<std::unique_ptr<Client>> client = Client::Connect(options);
   if (!client.ok()) return Fail(client.status().ToString());
-  grpc::ClientContext ctx;
-  v1::OpenSessionRequest req;
-  req.set_client_name("wire-and-die");
-  req.set_lease_ms(60000);
-  req.set_ucx_worker_address((*worker)->address());
-  req.set_host_id(LocalHostId());
-  if (const auto& tcp = (*context)->tcp_segments(); tcp.has_value()) {
-    req.set_ucx_tcp_tx_seg_size(tcp->tx);
-    req.set_ucx_tcp_rx_seg_size(tcp->rx);
+  uint64_t session = 0;
+  for (int s = 1; s <= sessions; ++s) {
+    grpc::ClientContext ctx;
+    v1::OpenSessionRequest req;
+    req.set_client_name("wire-and-die");
+    req.set_lease_ms(60000);
+    req.set_ucx_worker_address((*worker)->address());
+    req.set_host_id(LocalHostId());
+    if (const auto& tcp = (*context)->tcp_segments(); tcp.has_value()) {
+      req.set_ucx_tcp_tx_seg_size(tcp->tx);
+      req.set_ucx_tcp_rx_seg_size(tcp->rx);
+    }
+    v1::OpenSessionResponse resp;
+    if (!(*client)->stub().OpenSession(&ctx, req, &resp).ok() ||
+        resp.ucx_request_address().empty()) {
+      std::cerr << "ucx_client_peer: no session with a UCX request address\n";
+      return 3;
+    }
+    session = resp.session_id();
+    absl::Status connected =
+        (*requests)->Connect(session, resp.ucx_request_address(), absl::Seconds(5));
+    if (!connected.ok()) return Fail(connected.ToString());
+    if (s == sessions) break;
+    // An earlier session: one request answered (its body is malformed: any
+    // answer will do), then the session ends as libkvdepot ends it.
+    absl::Notification answered;
+    absl::Status sent = (*requests)->Send(
+        session, RequestMethod::kPullBlocks, "x", absl::Now() + absl::Seconds(5),
+        [&answered](const absl::Status&, absl::string_view) { answered.Notify(); });
+    if (!sent.ok() || !answered.WaitForNotificationWithTimeout(absl::Seconds(10))) {
+      return Fail("no answer to a request of an earlier session");
+    }
+    (*requests)->Disconnect(session);
+    grpc::ClientContext close_ctx;
+    v1::CloseSessionRequest close;
+    close.set_session_id(session);
+    v1::CloseSessionResponse closed;
+    (*client)->stub().CloseSession(&close_ctx, close, &closed);
   }
-  v1::OpenSessionResponse resp;
-  if (!(*client)->stub().OpenSession(&ctx, req, &resp).ok() ||
-      resp.ucx_request_address().empty()) {
-    std::cerr << "ucx_client_peer: no session with a UCX request address\n";
-    return 3;
-  }
-  // Takes the daemon's answer (UCX 1.13 crashes a process that gets an
-  // active message it has no handler for).
-  if (!(*worker)
-           ->SetMessageHandler(kReplyMessageId,
-                               [](absl::string_view, absl::string_view,
-                                  const UcxWorker::MessageSender&) {})
-           .ok()) {
-    return Fail("no reply handler");
-  }
-  absl::StatusOr<std::unique_ptr<UcxEndpoint>> endpoint =
-      UcxEndpoint::Connect(**worker, resp.ucx_request_address());
-  if (!endpoint.ok()) return Fail(endpoint.status().ToString());
   // From here this is a slow client: its progress thread takes 2 ms
   // between UCX progress calls (a task that sleeps), as on a busy host.
   std::thread([&worker] {
@@ -282,13 +300,10 @@ int WireAndDie(const std::string& server, int64_t delay_us) {
       absl::SleepFor(absl::Milliseconds(2));
     }
   }).detach();
-  // Its first request (for a session that does not exist: any answer
-  // will do); DELAY_US later the process ends.
-  (*endpoint)
-      ->SendMessage(kRequestMessageId,
-                    EncodeRequestHeader(RequestHeader{RequestMethod::kPullBlocks, 1,
-                                                      resp.session_id() + 1}),
-                    "x")
+  // The last session's first request; DELAY_US later the process ends.
+  (*requests)
+      ->Send(session, RequestMethod::kPullBlocks, "x", absl::Now() + absl::Seconds(5),
+             [](const absl::Status&, absl::string_view) {})
       .IgnoreError();
   absl::SleepFor(absl::Microseconds(delay_us));
   std::fflush(nullptr);
@@ -317,8 +332,10 @@ int main(int argc, char** argv) {
     return kvdepot::Hold(a[1], a[2], a[0] == "hold-pin", a[3]);
   }
   int64_t delay_us = 0;
-  if (a.size() == 3 && a[0] == "wire-and-die" && absl::SimpleAtoi(a[2], &delay_us)) {
-    return kvdepot::WireAndDie(a[1], delay_us);
+  int sessions = 0;
+  if (a.size() == 4 && a[0] == "wire-and-die" && absl::SimpleAtoi(a[2], &sessions) &&
+      sessions >= 1 && absl::SimpleAtoi(a[3], &delay_us)) {
+    return kvdepot::WireAndDie(a[1], sessions, delay_us);
   }
   std::cerr << "usage: ucx_client_peer roundtrip|stall|late-get|hold-pin|hold-reservation|wire-and-die ...\n";
   return 2;
