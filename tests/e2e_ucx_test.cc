@@ -1048,8 +1048,8 @@ TEST_P(UcxE2eTest, ClientsThatDieAsTheirFirstRequestGoesOutLeaveTheDaemonServing
   // endpoint on the daemon's side. kvdepotd used to answer it by wiring up
   // a connection of its own back to the client, and a client that died
   // before that was done aborted kvdepotd inside UCX 1.13 (an assertion on
-  // the request worker, "got REP message"): here at the second of these
-  // clients. Each is slow (2 ms between its UCX progress calls, as on a
+  // the request worker, "got REP message"): here within the first four of
+  // these clients. Each is slow (2 ms between its UCX progress calls, as on a
   // busy host) and ends a different time (0-8 ms) after the first request
   // of its last session.
   // Half the clients die in their first session, half in their second:
