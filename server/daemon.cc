@@ -185,6 +185,7 @@ void Daemon::MaintenanceLoop() {
     metrics_->UpdateFromStats(stats);
     if (data_plane_ != nullptr) {
       metrics_->SetUcxColocatedWorkers(data_plane_->colocated_workers());
+      metrics_->SetUcxRequestLinks(data_plane_->request_links());
     }
     mu_.Lock();
   }

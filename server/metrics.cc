@@ -114,6 +114,15 @@ ServerMetrics::ServerMetrics(prometheus::Registry& registry, int namespace_label
                     "stopped; at most ucx_colocated_workers")
               .Register(registry)
               .Add({})),
+      ucx_request_links_(
+          prometheus::BuildGauge()
+              .Name("kvdepot_ucx_request_links")
+              .Help("Client UCX workers the daemon's request worker keeps an "
+                    "endpoint to, so that their request connections need no "
+                    "wire-up answered by kvdepotd: one per client worker that "
+                    "opened a session and is still there")
+              .Register(registry)
+              .Add({})),
       sessions_(prometheus::BuildGauge()
                     .Name("kvdepot_sessions_active")
                     .Help("Open client sessions")

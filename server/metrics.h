@@ -67,6 +67,8 @@ class ServerMetrics {
   void SetUcxColocatedWorkers(int n) {
     ucx_colocated_workers_.Set(static_cast<double>(n));
   }
+  // kvdepot_ucx_request_links.
+  void SetUcxRequestLinks(size_t n) { ucx_request_links_.Set(static_cast<double>(n)); }
 
   // One PushBlocks / PullBlocks request that came over UCX instead of gRPC
   // (kvdepot_ucx_requests_total{op}; it is also counted, when finished, in
@@ -122,6 +124,7 @@ class ServerMetrics {
   prometheus::Counter& ucx_pull_requests_;
   prometheus::Gauge& ucx_held_bytes_;
   prometheus::Gauge& ucx_colocated_workers_;
+  prometheus::Gauge& ucx_request_links_;
   prometheus::Gauge& sessions_;
   prometheus::Gauge& pins_;
   prometheus::Gauge& reservations_;

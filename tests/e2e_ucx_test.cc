@@ -615,18 +615,22 @@ int ThreadsNamed(pid_t pid, absl::string_view prefix) {
   return n;
 }
 
-// The daemon's kvdepot_ucx_colocated_workers (updated once a second),
-// once it is `want` or after 5 s.
-double ColocatedWorkersGauge(const DaemonProcess& daemon, double want) {
+// The daemon's gauge `name` (the UCX ones are updated once a second), once
+// it is `want` or after 5 s.
+double GaugeOnceItIs(const DaemonProcess& daemon, const std::string& name,
+                     double want) {
   double v = -1;
   testing::PollUntil(
       [&] {
-        v = testing::MetricValue(testing::ScrapeMetrics(daemon),
-                                 "kvdepot_ucx_colocated_workers");
+        v = testing::MetricValue(testing::ScrapeMetrics(daemon), name);
         return v == want;
       },
       absl::Seconds(5), absl::Milliseconds(100));
   return v;
+}
+
+double ColocatedWorkersGauge(const DaemonProcess& daemon, double want) {
+  return GaugeOnceItIs(daemon, "kvdepot_ucx_colocated_workers", want);
 }
 
 TEST_P(UcxE2eTest, AKilledClientLeavesNothingForTheDaemonToSpinOn) {
@@ -1070,6 +1074,32 @@ TEST_P(UcxE2eTest, ClientsThatDieAsTheirFirstRequestGoesOutLeaveTheDaemonServing
   ASSERT_OK(client_->RegisterBuffer(buf.data(), buf.size()));
   PutThenGet(*client_, buf, "after-dead-clients");
   EXPECT_EQ(daemon_->Stop(SIGTERM).value_or(-1), 0) << daemon_->Log();
+}
+
+TEST_P(UcxE2eTest, AClientWorkerHasOneRequestLinkForAllItsSessionsUntilItGoes) {
+  // The daemon's request worker keeps one endpoint per client worker (its
+  // request link), which the client's one request connection pairs with,
+  // whatever the number of sessions; it goes when the client does.
+  const std::string links = "kvdepot_ucx_request_links";
+  std::vector<char> buf(2 * kBlock);
+  ucx_test::FillPattern(buf.data(), kBlock, 23);
+  ASSERT_OK(client_->RegisterBuffer(buf.data(), buf.size()));
+  for (int s = 0; s < 3; ++s) {
+    PutThenGet(*client_, buf, "link" + std::to_string(s));
+    ASSERT_OK(client_->CloseSession());  // the next call opens another
+  }
+  std::unique_ptr<Client> second = NewClient();
+  ASSERT_NE(second, nullptr);
+  ASSERT_OK(second->RegisterBuffer(buf.data(), buf.size()));
+  PutThenGet(*second, buf, "link-second");
+  EXPECT_EQ(GaugeOnceItIs(*daemon_, links, 2), 2);
+  const std::string metrics = testing::ScrapeMetrics(*daemon_);
+  EXPECT_EQ(testing::MetricValue(
+                metrics, "kvdepot_ucx_requests_total{op=\"PushBlocks\"}"),
+            4);  // every get went as a UCX request
+  second.reset();
+  client_.reset();
+  EXPECT_EQ(GaugeOnceItIs(*daemon_, links, 0), 0);
 }
 
 TEST_P(UcxE2eTest, ADrainingDaemonRefusesPutsAndTheClientKeepsItsSession) {
