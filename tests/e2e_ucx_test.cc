@@ -754,7 +754,10 @@ TEST_P(UcxE2eTest, RestartedDaemonGivesMissesThenTheClientReconnects) {
 
 // One put and one get of a block in `buf` (2 blocks: source, destination)
 // through `client`; every byte checked.
-void PutThenGet(Client& client, std::vector<char>& buf, absl::string_view key) {
+// Puts the block at the start of `buf` under `key`, gets it into the block
+// after, checks the bytes, and that the get took `transport`.
+void PutThenGet(Client& client, std::vector<char>& buf, absl::string_view key,
+                const char* transport = "ucx") {
   BlockToPut block{key, "", absl::string_view(buf.data(), kBlock)};
   TransferOp put = client.PutFromAsync("req", {&block, 1});
   put.Wait();
@@ -764,7 +767,7 @@ void PutThenGet(Client& client, std::vector<char>& buf, absl::string_view key) {
   TransferOp get = client.GetIntoAsync("req", {&key, 1}, {&dst, 1});
   get.Wait();
   EXPECT_OK(get.statuses()[0]);
-  EXPECT_STREQ(get.transport(), "ucx");
+  EXPECT_STREQ(get.transport(), transport);
   EXPECT_EQ(std::memcmp(buf.data(), dst.data(), kBlock), 0);
 }
 
@@ -962,17 +965,7 @@ TEST(UcxE2eConfigTest, ADaemonWhoseUcxSettingsLeaveNoTransportServesOverGrpc) {
   std::vector<char> buf(2 * kBlock);
   ucx_test::FillPattern(buf.data(), kBlock, 22);
   ASSERT_OK((*c)->RegisterBuffer(buf.data(), buf.size()));
-  BlockToPut block{"no-ucx", "", absl::string_view(buf.data(), kBlock)};
-  TransferOp put = (*c)->PutFromAsync("notls", {&block, 1});
-  put.Wait();
-  EXPECT_OK(put.statuses()[0]);
-  absl::string_view key = "no-ucx";
-  absl::Span<char> dst(buf.data() + kBlock, kBlock);
-  TransferOp get = (*c)->GetIntoAsync("notls", {&key, 1}, {&dst, 1});
-  get.Wait();
-  EXPECT_OK(get.statuses()[0]);
-  EXPECT_STREQ(get.transport(), "grpc");
-  EXPECT_EQ(std::memcmp(buf.data(), dst.data(), kBlock), 0);
+  PutThenGet(**c, buf, "no-ucx", "grpc");
   EXPECT_EQ((*d)->Stop(SIGTERM).value_or(-1), 0) << (*d)->Log();
 }
 
