@@ -172,17 +172,20 @@ bool TransferOp::already_stored(size_t i) const { return state_->existed[i]; }
 
 const char* TransferOp::transport() const { return state_->transport; }
 
+std::map<std::string, std::string> ClientUcxSettings(const ClientOptions& options) {
+  std::map<std::string, std::string> settings = options.ucx;
+  if (!UcxNetDevicesSetting(options.ucx).has_value()) {
+    UcxDeviceChoice devices = UcxDevicesToReach(options.server);
+    if (devices.confined()) settings["NET_DEVICES"] = *devices.net_devices;
+  }
+  return settings;
+}
+
 Client::Client(const ClientOptions& options) : options_(options) {
   if (options_.transport == ClientOptions::Transport::kUcx) {
     auto ucx = std::make_unique<Ucx>();
     UcxContextOptions context_options;
-    context_options.config = options_.ucx;
-    if (!UcxNetDevicesSetting(options_.ucx).has_value()) {
-      UcxDeviceChoice devices = UcxDevicesToReach(options_.server);
-      if (devices.confined()) {
-        context_options.config["NET_DEVICES"] = *devices.net_devices;
-      }
-    }
+    context_options.config = ClientUcxSettings(options_);
     context_options.name = options_.client_name;
     absl::StatusOr<std::unique_ptr<UcxContext>> context =
         UcxContext::Create(context_options);

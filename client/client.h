@@ -88,6 +88,11 @@ struct ClientOptions {
   bool always_checksum_puts = false;
 };
 
+// The UCX settings a Client with `options` gives its UCX context: options.ucx,
+// and unless they (or UCX_NET_DEVICES) name NET_DEVICES, the network devices
+// it reaches options.server by (transport/net_devices.h).
+std::map<std::string, std::string> ClientUcxSettings(const ClientOptions& options);
+
 struct BlockInfo {
   bool found = false;
   v1::Tier tier = v1::TIER_UNSPECIFIED;

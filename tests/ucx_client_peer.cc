@@ -49,7 +49,6 @@
 #include "absl/synchronization/notification.h"
 #include "absl/time/clock.h"
 #include "client/client.h"
-#include "transport/net_devices.h"
 #include "client/ucx_requests.h"
 #include "transport/request_message.h"
 #include "transport/ucx_context.h"
@@ -235,12 +234,9 @@ int Hold(const std::string& server, const std::string& ns, bool pin,
 
 int WireAndDie(const std::string& server, int sessions, int64_t delay_us) {
   ClientOptions defaults;
+  defaults.server = server;
   UcxContextOptions context_options;
-  context_options.config = defaults.ucx;
-  if (!UcxNetDevicesSetting(defaults.ucx).has_value()) {
-    UcxDeviceChoice devices = UcxDevicesToReach(server);
-    if (devices.confined()) context_options.config["NET_DEVICES"] = *devices.net_devices;
-  }
+  context_options.config = ClientUcxSettings(defaults);
   absl::StatusOr<std::unique_ptr<UcxContext>> context =
       UcxContext::Create(context_options);
   if (!context.ok()) return Fail(context.status().ToString());
