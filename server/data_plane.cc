@@ -87,9 +87,7 @@ void DataPlane::Close() {
     links.swap(links_);
     request_links.swap(request_links_);
   }
-  for (auto& [address, request_link] : request_links) {
-    if (request_link.endpoint != nullptr) request_link.endpoint->Close(/*force=*/true);
-  }
+  request_links.clear();  // their destructors force-close them
   for (auto& [session, link] : links) {
     // Force-closes the endpoint now, even while transfers still hold the
     // link: they end Cancelled.
@@ -501,17 +499,13 @@ void DataPlane::EnsureRequestLink(SessionId session, std::string_view address) {
     DropRequestLink(key, id);
     return;
   }
-  std::unique_ptr<UcxEndpoint> unused;
-  {
-    absl::MutexLock lock(&mu_);
-    auto it = request_links_.find(key);
-    if (it != request_links_.end() && it->second.id == id) {
-      it->second.endpoint = *std::move(endpoint);
-    } else {
-      unused = *std::move(endpoint);  // failed meanwhile, or closing
-    }
+  // Failed meanwhile, or closing: `endpoint` keeps it, and its destructor
+  // force-closes it after `lock` is released (declared later, gone first).
+  absl::MutexLock lock(&mu_);
+  auto it = request_links_.find(key);
+  if (it != request_links_.end() && it->second.id == id) {
+    it->second.endpoint = *std::move(endpoint);
   }
-  if (unused != nullptr) unused->Close(/*force=*/true);
 }
 
 void DataPlane::DropRequestLink(const std::string& address, uint64_t id) {
@@ -524,10 +518,9 @@ void DataPlane::DropRequestLink(const std::string& address, uint64_t id) {
     request_links_.erase(it);
   }
   if (endpoint == nullptr) return;
-  // Not inside the endpoint's own callback, where on_error comes from.
-  lost_pool_->Submit([endpoint = std::shared_ptr<UcxEndpoint>(std::move(endpoint))] {
-    endpoint->Close(/*force=*/true);
-  });
+  // Destroyed (force-closed) on the pool, not inside the endpoint's own
+  // callback, where on_error comes from.
+  lost_pool_->Submit([endpoint = std::move(endpoint)] {});
 }
 
 size_t DataPlane::request_links() const {
