@@ -89,6 +89,8 @@ constexpr size_t kMetaFixedBytes = 1 + 8 + 8 + 8 + 4 + 2;
 constexpr size_t kScrubDeleteBatch = 256;
 // Puts and deletes between two checks of the blob garbage ratio.
 constexpr uint64_t kGcCheckInterval = 64;
+// Most forced-GC passes one Compact makes (see Compact).
+constexpr int kCompactPasses = 3;
 // How long the write that starts DB::Resume waits for it (its flush of
 // what the memtables hold), and the destructor (both at most until the
 // resume counts as stuck, NvmeTierOptions::resume_stuck_after).
@@ -1443,8 +1445,23 @@ absl::Status NvmeTierImpl::Compact() {
   cro.blob_garbage_collection_policy =
       rocksdb::BlobGarbageCollectionPolicy::kForce;
   cro.blob_garbage_collection_age_cutoff = 1.0;
-  return FromRocksStatus(db_->CompactRange(cro, nullptr, nullptr),
-                         "NVMe tier: compaction");
+  // A forced-GC pass relocates every live blob, so afterwards no blob file
+  // should hold garbage. Once in many hundred runs (RocksDB 7.8, CI's
+  // loaded machine; nvme_tier_test CompactReclaimsSpaceOfDeletedBlocks) a
+  // pass left what looked like one whole blob file, its live blob unmoved;
+  // not reproduced since. Passes go on while garbage is left, a few at most:
+  // each rewrites every live block.
+  for (int pass = 1;; ++pass) {
+    RETURN_IF_ERROR(FromRocksStatus(db_->CompactRange(cro, nullptr, nullptr),
+                                    "NVMe tier: compaction"));
+    uint64_t garbage = 0;
+    if (pass == kCompactPasses ||
+        !db_->GetIntProperty(
+            rocksdb::DB::Properties::kLiveBlobFileGarbageSize, &garbage) ||
+        garbage == 0) {
+      return absl::OkStatus();
+    }
+  }
 }
 
 absl::Status NvmeTierImpl::Flush() {

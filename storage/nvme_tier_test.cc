@@ -773,10 +773,17 @@ TEST_F(NvmeTierTest, AFlushRocksDbLostLeavesWritesOffWithoutAHang) {
 
   fault_fs_->SetTableFilesHeld(true);
   int next = 4;
-  // Puts until `done`; false when the held flushes are more than one (the
-  // second one started: it would not be lost) or a put fails.
-  auto put_until = [&](const std::function<bool()>& done) {
-    while (!done() && next < 200) {
+  // Puts until `done`, or until `memtables` memtables' worth of puts went in
+  // since the flush above, and then waits for `done`; false when the held
+  // flushes are more than one (the second one started: it would not be
+  // lost) or a put fails. The bound keeps the puts off RocksDB's write stop
+  // (max_write_buffer_number memtables unflushed), where a put would wait
+  // for good on the held flush: on a loaded machine the flush thread can
+  // take as long to reach its file as the puts take to fill every memtable.
+  const int per_memtable = static_cast<int>(options_.write_buffer_size / kSize);
+  auto put_until = [&](const std::function<bool()>& done, double memtables) {
+    const int last = 4 + static_cast<int>(memtables * per_memtable);
+    while (!done() && next < last) {
       if (fault_fs_->held_creations() > 1) return false;
       absl::StatusOr<NvmePutOutcome> put = Put(Key(next), Bytes(next, kSize));
       if (!put.ok()) return false;
@@ -784,10 +791,14 @@ TEST_F(NvmeTierTest, AFlushRocksDbLostLeavesWritesOffWithoutAHang) {
     }
     return Eventually(done);
   };
-  // A flush held creating its file, and another scheduled behind it.
-  ASSERT_TRUE(put_until([&] { return fault_fs_->held_creations() > 0; }));
-  ASSERT_TRUE(put_until([&] { return env->GetThreadPoolQueueLen(kHigh) > 0; }))
-      << fault_fs_->held_creations() << " held";
+  // A flush held creating its file (the first memtable switches within
+  // 1.25 memtables of puts), and another scheduled behind it (the second
+  // switch, within 2.5; the write stop needs 4).
+  ASSERT_TRUE(put_until([&] { return fault_fs_->held_creations() > 0; }, 1.25))
+      << next - 4 << " puts";
+  ASSERT_TRUE(
+      put_until([&] { return env->GetThreadPoolQueueLen(kHigh) > 0; }, 2.5))
+      << fault_fs_->held_creations() << " held, " << next - 4 << " puts";
   fault_fs_->SetDiskFull(true);
   fault_fs_->SetTableFilesHeld(false);  // the held flush fails: RocksDB stops
   // The second flush ran, and returned at once.
@@ -867,7 +878,10 @@ TEST_F(NvmeTierTest, CompactReclaimsSpaceOfDeletedBlocks) {
   EXPECT_GE(tier_->Stats().disk_bytes, 40 * kSize);
   for (int i = 1; i < 40; ++i) ASSERT_OK(tier_->Delete("ns", Key(i)));
   ASSERT_OK(tier_->Compact());
-  EXPECT_LT(tier_->Stats().disk_bytes, 4 * kSize);
+  NvmeTierStats stats = tier_->Stats();
+  EXPECT_LT(stats.disk_bytes, 4 * kSize)
+      << stats.blob_garbage_bytes << " bytes of blob garbage";
+  EXPECT_EQ(stats.blob_garbage_bytes, 0u);
   EXPECT_TRUE(ReadsBack(Key(0), Bytes(0, kSize)));
   Close();
   Open();
