@@ -70,6 +70,20 @@ std::optional<RequestHeader> DecodeRequestHeader(absl::string_view bytes) {
   return h;
 }
 
+std::string EncodeDataRequestHeader(const RequestHeader& header,
+                                    absl::string_view body) {
+  std::string out = EncodeRequestHeader(header);
+  out.append(body.data(), body.size());
+  return out;
+}
+
+std::optional<DataRequestHeader> DecodeDataRequestHeader(absl::string_view bytes) {
+  if (bytes.size() < kRequestSize) return std::nullopt;
+  std::optional<RequestHeader> h = DecodeRequestHeader(bytes.substr(0, kRequestSize));
+  if (!h) return std::nullopt;
+  return DataRequestHeader{*h, bytes.substr(kRequestSize)};
+}
+
 std::string EncodeReplyHeader(const ReplyHeader& header) {
   std::string out = Prefix(kReplyKind);
   Put(out, header.request_id);

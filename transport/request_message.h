@@ -23,6 +23,14 @@ namespace kvdepot {
 // Active-message ids (UcxWorker::SetMessageHandler).
 inline constexpr uint16_t kRequestMessageId = 0x6b31;  // client -> daemon
 inline constexpr uint16_t kReplyMessageId = 0x6b32;    // daemon -> client
+// client -> daemon: a PullBlocks request whose blocks' bytes come with it as
+// the message's rendezvous data (UCP_AM_SEND_FLAG_RNDV), so that the daemon
+// receives them straight into the slots it reserved (UCX then moves them
+// with zero copy where the transport can) instead of reading the client's
+// buffers. Its UCX header is EncodeDataRequestHeader's; its data the
+// blocks' bytes, in the request's order, back to back. Answered with
+// kReplyMessageId as any request.
+inline constexpr uint16_t kDataRequestMessageId = 0x6b33;
 
 // The methods a request may name.
 enum class RequestMethod : uint16_t { kPushBlocks = 1, kPullBlocks = 2 };
@@ -48,6 +56,17 @@ std::string EncodeRequestHeader(const RequestHeader& header);
 // nullopt for bytes that are not a request header of this version or name
 // an unknown method.
 std::optional<RequestHeader> DecodeRequestHeader(absl::string_view bytes);
+
+// kDataRequestMessageId's UCX header: the request header, then the
+// serialized request (body).
+std::string EncodeDataRequestHeader(const RequestHeader& header,
+                                    absl::string_view body);
+struct DataRequestHeader {
+  RequestHeader header;
+  absl::string_view body;  // into the decoded bytes
+};
+// nullopt as DecodeRequestHeader for its first bytes.
+std::optional<DataRequestHeader> DecodeDataRequestHeader(absl::string_view bytes);
 
 std::string EncodeReplyHeader(const ReplyHeader& header);
 // nullopt for bytes that are not a reply header of this version.

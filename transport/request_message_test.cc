@@ -52,5 +52,26 @@ TEST(RequestMessageTest, RefusesWhatIsNotAHeaderOfThisVersion) {
   EXPECT_FALSE(DecodeReplyHeader(bad_code).has_value());
 }
 
+TEST(RequestMessageTest, DataRequestHeaderCarriesTheBodyAfterTheHeader) {
+  RequestHeader h{RequestMethod::kPullBlocks, 7, 9};
+  const std::string body("\0serialized\xff", 12);
+  const std::string bytes = EncodeDataRequestHeader(h, body);
+  std::optional<DataRequestHeader> back = DecodeDataRequestHeader(bytes);
+  ASSERT_TRUE(back.has_value());
+  EXPECT_EQ(back->header.request_id, 7u);
+  EXPECT_EQ(back->header.session_id, 9u);
+  EXPECT_EQ(back->body, body);
+  // An empty body is a header alone; fewer bytes, or a broken header, none.
+  back = DecodeDataRequestHeader(EncodeRequestHeader(h));
+  ASSERT_TRUE(back.has_value());
+  EXPECT_TRUE(back->body.empty());
+  const std::string header = EncodeRequestHeader(h);
+  EXPECT_FALSE(DecodeDataRequestHeader(header.substr(0, header.size() - 1)));
+  std::string bad = bytes;
+  bad[0] ^= 1;
+  EXPECT_FALSE(DecodeDataRequestHeader(bad));
+  EXPECT_FALSE(DecodeDataRequestHeader(EncodeReplyHeader(ReplyHeader{}) + body));
+}
+
 }  // namespace
 }  // namespace kvdepot

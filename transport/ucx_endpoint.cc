@@ -344,6 +344,28 @@ absl::Status UcxEndpoint::SendMessage(uint16_t id, std::string header,
       });
 }
 
+absl::Status UcxEndpoint::SendMessageWithData(
+    uint16_t id, std::string header, absl::Span<const char> data,
+    absl::AnyInvocable<void(const absl::Status&) &&> sent) {
+  if (absl::Status st = status(); !st.ok()) {
+    return absl::UnavailableError(
+        absl::StrCat("UCX endpoint has failed: ", st.message()));
+  }
+  return worker_.Post([this, id, header = std::move(header), data,
+                       sent = std::move(sent)]() mutable {
+    if (ep_ == nullptr) {  // failed meanwhile
+      return std::move(sent)(absl::UnavailableError("UCX endpoint has failed"));
+    }
+    transport_internal::PostDataMessage(
+        ep_, id, std::move(header), data,
+        [sent = std::move(sent)](ucs_status_t st) mutable {
+          std::move(sent)(st == UCS_OK ? absl::OkStatus()
+                                       : transport_internal::UcsToStatus(
+                                             st, "ucp_am_send_nbx (rendezvous)"));
+        });
+  });
+}
+
 void UcxEndpoint::Fail(absl::Status status, bool from_ucx_callback,
                        bool notify, bool force) {
   {

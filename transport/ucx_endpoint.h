@@ -175,6 +175,17 @@ class UcxEndpoint : private UcxWorker::Resident {
   // endpoint has failed. Delivery is not confirmed: a reply, or the
   // endpoint's failure (on_error), tells.
   absl::Status SendMessage(uint16_t id, std::string header, std::string payload);
+  // Sends message `id` with `header`, and `data` as its rendezvous data
+  // (UcxWorker::SetDataMessageHandler and Receive on the peer's side: the
+  // peer places it, UCX moves it with zero copy where it can). `data` is
+  // not copied: it must stay valid until `sent` runs, on the progress
+  // thread, with OK once UCX is done with it or why the send failed
+  // (Unavailable when the endpoint failed before it went). Unavailable,
+  // and `sent` never runs, once the endpoint has failed or the worker
+  // stops.
+  absl::Status SendMessageWithData(uint16_t id, std::string header,
+                                   absl::Span<const char> data,
+                                   absl::AnyInvocable<void(const absl::Status&) &&> sent);
 
   // Closes the endpoint now, without on_error; the object stays valid and
   // later batches end at once (Cancelled). Force (as the destructor does):

@@ -1070,6 +1070,103 @@ TEST_P(UcxEndpointTest, SendingOnAClosedEndpointIsUnavailable) {
   EXPECT_TRUE(absl::IsUnavailable(st)) << st;
 }
 
+// Rendezvous data stays with the sender until the receiver places it
+// (Receive, into its registered memory) or drops it; either way the
+// sender's send ends, and only a received message's bytes move.
+TEST_P(UcxEndpointTest, RendezvousDataGoesWhereTheReceiverPutsItOrNowhere) {
+  absl::Mutex mu;
+  std::vector<std::pair<std::string, std::unique_ptr<UcxWorker::IncomingData>>> got;
+  ASSERT_TRUE(server_worker_
+                  ->SetDataMessageHandler(
+                      9, [&](absl::string_view header,
+                             std::unique_ptr<UcxWorker::IncomingData> data,
+                             const UcxWorker::MessageSender&) {
+                        absl::MutexLock lock(&mu);
+                        got.emplace_back(std::string(header), std::move(data));
+                      })
+                  .ok());
+  const std::vector<size_t> sizes = {1, 256 * 1024, (size_t{4} << 20) + 3};
+  std::vector<std::vector<char>> payloads;
+  for (size_t size : sizes) payloads.push_back(RandomBytes(size, size + 1));
+  int sent_ok = 0, sent_done = 0;
+  for (size_t i = 0; i < sizes.size(); ++i) {
+    ASSERT_TRUE(endpoint_
+                    ->SendMessageWithData(
+                        9, "m" + std::to_string(i),
+                        absl::MakeConstSpan(payloads[i]),
+                        [&](const absl::Status& st) {
+                          absl::MutexLock lock(&mu);
+                          ++sent_done;
+                          if (st.ok()) ++sent_ok;
+                        })
+                    .ok());
+  }
+  {
+    absl::MutexLock lock(&mu);
+    ASSERT_TRUE(mu.AwaitWithTimeout(
+        absl::Condition(+[](decltype(got)* g) { return g->size() == 3; }, &got),
+        absl::Seconds(10)))
+        << got.size() << " of 3 messages arrived";
+  }
+  // Message 1 is dropped; 0 and 2 are received, apart, into the region.
+  std::fill(arena_->base(), arena_->base() + kRegionSize, '\0');
+  std::vector<TransferHandle> receives;
+  std::vector<char*> places;
+  int each_got = 0;
+  for (size_t i = 0; i < got.size(); ++i) {
+    ASSERT_EQ(got[i].first, "m" + std::to_string(i));
+    ASSERT_EQ(got[i].second->size(), sizes[i]);
+    if (i == 1) {
+      got[i].second.reset();
+      continue;
+    }
+    char* to = arena_->base() + (i == 0 ? 4096 : kRegionSize - sizes[i]);
+    places.push_back(to);
+    receives.push_back(server_worker_->Receive(std::move(got[i].second), to, Soon(),
+                                               [&each_got](size_t k) {
+                                                 EXPECT_EQ(k, 0u);
+                                                 ++each_got;
+                                               }));
+  }
+  for (size_t k = 0; k < receives.size(); ++k) {
+    ASSERT_TRUE(receives[k].WaitUntil(Soon())) << k;
+    ASSERT_TRUE(receives[k].overall_status().ok()) << receives[k].overall_status();
+    EXPECT_FALSE(receives[k].abandoned());
+  }
+  EXPECT_EQ(each_got, 2);
+  EXPECT_EQ(std::memcmp(places[0], payloads[0].data(), sizes[0]), 0);
+  EXPECT_EQ(std::memcmp(places[1], payloads[2].data(), sizes[2]), 0);
+  // Nothing of the dropped one (nor anything else) landed elsewhere.
+  size_t nonzero = 0;
+  for (size_t i = 0; i < kRegionSize; ++i) {
+    const char* p = arena_->base() + i;
+    const bool inside = (p >= places[0] && p < places[0] + sizes[0]) ||
+                        (p >= places[1] && p < places[1] + sizes[2]);
+    if (!inside && *p != 0) ++nonzero;
+  }
+  EXPECT_EQ(nonzero, 0u);
+  absl::MutexLock lock(&mu);
+  ASSERT_TRUE(mu.AwaitWithTimeout(
+      absl::Condition(+[](int* n) { return *n == 3; }, &sent_done),
+      absl::Seconds(10)))
+      << sent_done << " of 3 sends ended";
+  EXPECT_EQ(sent_ok, 3);
+}
+
+TEST_P(UcxEndpointTest, RendezvousDataOnAClosedEndpointIsUnavailable) {
+  endpoint_->Close();
+  std::vector<char> bytes(100);
+  bool ran = false;
+  absl::Status st = endpoint_->SendMessageWithData(
+      9, "h", absl::MakeConstSpan(bytes), [&ran](const absl::Status&) { ran = true; });
+  EXPECT_TRUE(absl::IsUnavailable(st)) << st;
+  EXPECT_FALSE(ran);
+  // Receive of nothing, or to nowhere, is refused at once.
+  TransferHandle h = server_worker_->Receive(nullptr, arena_->base(), Soon());
+  ASSERT_TRUE(h.IsReady());
+  EXPECT_TRUE(absl::IsInvalidArgument(h.overall_status())) << h.overall_status();
+}
+
 INSTANTIATE_TEST_SUITE_P(Loopback, UcxEndpointTest,
                          ::testing::Values("tcp", "shm"),
                          [](const auto& param_info) { return param_info.param; });

@@ -6,10 +6,12 @@
 #include <algorithm>
 #include <cerrno>
 #include <cmath>
+#include <cstring>
 #include <utility>
 
 #include "storage/status_macros.h"
 #include "transport/internal/send_message.h"
+#include "transport/internal/transfer_batch.h"
 #include "transport/internal/ucs_status.h"
 
 namespace kvdepot {
@@ -102,6 +104,119 @@ ucs_status_t OnActiveMessage(void* arg, const void* header, size_t header_length
 }
 
 }  // namespace
+
+ucs_status_t UcxWorker::OnDataMessage(void* arg, const void* header,
+                                      size_t header_length, void* data,
+                                      size_t length,
+                                      const ucp_am_recv_param_t* param) {
+  auto* entry = static_cast<DataHandler*>(arg);
+  const bool rndv = (param->recv_attr & UCP_AM_RECV_ATTR_FLAG_RNDV) != 0;
+  ucp_ep_h reply_ep = (param->recv_attr & UCP_AM_RECV_ATTR_FIELD_REPLY_EP) != 0
+                          ? param->reply_ep
+                          : nullptr;
+  std::unique_ptr<IncomingData> in(
+      rndv ? new IncomingData(entry->worker, data, length, std::string())
+           : new IncomingData(entry->worker, nullptr, length,
+                              std::string(static_cast<const char*>(data), length)));
+  entry->handler(absl::string_view(static_cast<const char*>(header), header_length),
+                 std::move(in), MessageSender(reply_ep));
+  // A rendezvous descriptor is UCX's until released or received, which
+  // happens after this callback (IncomingData defers both).
+  return rndv ? UCS_INPROGRESS : UCS_OK;
+}
+
+UcxWorker::IncomingData::~IncomingData() {
+  if (desc_ == nullptr) return;
+  auto release = [w = worker_, desc = desc_] {
+    if (w->worker_ != nullptr) ucp_am_data_release(w->worker_, desc);
+  };
+  if (worker_->OnProgressThread()) {
+    worker_->Defer(std::move(release));
+  } else {
+    // Stopping: the UCP worker's destruction frees the descriptor.
+    worker_->Post(std::move(release)).IgnoreError();
+  }
+}
+
+absl::Status UcxWorker::SetDataMessageHandler(uint16_t id,
+                                              DataMessageHandler handler) {
+  absl::Status status;
+  RETURN_IF_ERROR(Run([this, id, &handler, &status] {
+    auto owned = std::make_unique<DataHandler>(DataHandler{this, std::move(handler)});
+    ucp_am_handler_param_t param = {};
+    param.field_mask = UCP_AM_HANDLER_PARAM_FIELD_ID |
+                       UCP_AM_HANDLER_PARAM_FIELD_FLAGS |
+                       UCP_AM_HANDLER_PARAM_FIELD_CB |
+                       UCP_AM_HANDLER_PARAM_FIELD_ARG;
+    param.id = id;
+    param.flags = UCP_AM_FLAG_WHOLE_MSG;
+    param.cb = &UcxWorker::OnDataMessage;
+    param.arg = owned.get();
+    ucs_status_t st = ucp_worker_set_am_recv_handler(worker_, &param);
+    if (st != UCS_OK) {
+      status = UcsToStatus(st, "ucp_worker_set_am_recv_handler");
+      return;
+    }
+    data_handlers_[id] = std::move(owned);
+  }));
+  return status;
+}
+
+TransferHandle UcxWorker::Receive(std::unique_ptr<IncomingData> data, char* to,
+                                  absl::Time deadline,
+                                  absl::AnyInvocable<void(size_t)> each_got) {
+  using transport_internal::TransferBatch;
+  auto batch = std::make_shared<TransferBatch>(TransferBatch::Op::kReceive, 1,
+                                               deadline);
+  if (each_got) batch->SetEachGot(std::move(each_got));
+  TransferHandle handle(batch);
+  if (data == nullptr || to == nullptr) {
+    batch->Refuse(0, absl::InvalidArgumentError("nothing to receive, or nowhere"));
+    batch->Seal(nullptr);
+    return handle;
+  }
+  auto start = [this, batch, data = std::move(data), to]() mutable {
+    StartReceive(std::move(batch), std::move(data), to);
+  };
+  if (OnProgressThread()) {
+    Defer(std::move(start));  // perhaps inside a UCX callback now
+  } else if (!Post(std::move(start)).ok()) {
+    batch->Refuse(0, absl::UnavailableError("UCX worker is stopping"));
+    batch->Seal(nullptr);
+  }
+  return handle;
+}
+
+void UcxWorker::StartReceive(
+    std::shared_ptr<transport_internal::TransferBatch> batch,
+    std::unique_ptr<IncomingData> data, char* to) {
+  if (data->desc_ == nullptr) {  // came eagerly: its bytes are here
+    std::memcpy(to, data->eager_.data(), data->size_);
+    batch->Posted(1, nullptr);
+    batch->Seal(nullptr);
+    return;
+  }
+  ucp_request_param_t param = batch->Param(1);
+  void* desc = std::exchange(data->desc_, nullptr);
+  batch->Posted(1, ucp_am_recv_data_nbx(worker_, desc, to, data->size_, &param));
+  batch->Seal(nullptr);
+  if (batch->finished()) return;
+  std::weak_ptr<transport_internal::TransferBatch> weak = batch;
+  RunAt(batch->deadline(), [weak] {
+    std::shared_ptr<transport_internal::TransferBatch> b = weak.lock();
+    if (b == nullptr || b->finished()) return;
+    // UCX 1.13 cannot cancel a rendezvous receive: the request ends when
+    // the bytes come or the sender's connection fails.
+    b->Abort(absl::DeadlineExceededError(
+        "rendezvous data did not arrive before its deadline"));
+    b->Abandon();
+  });
+  AtDestroy(weak, [] {}, [weak] {
+    if (std::shared_ptr<transport_internal::TransferBatch> b = weak.lock()) {
+      b->WorkerDestroyed();
+    }
+  });
+}
 
 void UcxWorker::MessageSender::Reply(uint16_t id, std::string header,
                                      std::string payload) const {

@@ -32,6 +32,7 @@
 #include "absl/strings/string_view.h"
 #include "absl/synchronization/notification.h"
 #include "absl/time/time.h"
+#include "transport/transfer_handle.h"
 #include "transport/ucx_context.h"
 
 namespace kvdepot {
@@ -129,6 +130,49 @@ class UcxWorker {
       const MessageSender& sender)>;
   absl::Status SetMessageHandler(uint16_t id, MessageHandler handler);
 
+  // The data of a message a peer sent as rendezvous (UcxEndpoint::
+  // SendMessageWithData): it stays with the sender until Receive takes it.
+  // Destroying it unreceived releases it (ucp_am_data_release, outside any
+  // UCX callback): the sender's send ends, its bytes unread. Any thread;
+  // the worker must outlive it.
+  class IncomingData {
+   public:
+    IncomingData(const IncomingData&) = delete;
+    IncomingData& operator=(const IncomingData&) = delete;
+    ~IncomingData();
+    size_t size() const { return size_; }
+
+   private:
+    friend class UcxWorker;
+    IncomingData(UcxWorker* worker, void* desc, size_t size, std::string eager)
+        : worker_(worker), desc_(desc), size_(size), eager_(std::move(eager)) {}
+    UcxWorker* worker_;
+    void* desc_;         // UCX's rendezvous descriptor, until received
+    size_t size_;
+    std::string eager_;  // the bytes, when UCX brought them with the message
+  };
+  // Calls `handler(header, data, sender)` on the progress thread for every
+  // message `id` that arrives on this worker with rendezvous data (or, if
+  // UCX sent it eagerly after all, its bytes); it must not block, and keeps
+  // `data` for Receive or drops it. Replaces an earlier handler of `id`
+  // (either kind).
+  using DataMessageHandler = absl::AnyInvocable<void(
+      absl::string_view header, std::unique_ptr<IncomingData> data,
+      const MessageSender& sender)>;
+  absl::Status SetDataMessageHandler(uint16_t id, DataMessageHandler handler);
+  // Receives `data` into [to, to + data->size()) (ucp_am_recv_data_nbx: UCX
+  // moves it with zero copy where the transport can), as a batch of one
+  // transfer: OK once the bytes are in; DeadlineExceeded when `deadline`
+  // passes first (the batch is then abandoned: UCX may still write into
+  // `to` until its request ends, TransferHandle::OnReleased); Unavailable
+  // when the sender's connection failed or the worker is stopping. Once the
+  // bytes are in, `each_got(0)` runs on the progress thread before the
+  // handle is ready. Any thread; the request is posted outside UCX
+  // callbacks. `to` should lie in memory mapped on this worker's context.
+  TransferHandle Receive(std::unique_ptr<IncomingData> data, char* to,
+                         absl::Time deadline,
+                         absl::AnyInvocable<void(size_t)> each_got = nullptr);
+
   // Stops accepting tasks, runs those already queued, calls every Resident's
   // OnStop, waits up to close_timeout for endpoint closes, destroys the
   // worker and joins the thread (a fenced worker: joins, then destroys
@@ -212,6 +256,13 @@ class UcxWorker {
   // which refuses them). On the progress thread, or Stop's after the
   // thread ended.
   void DestroyWorker() ABSL_LOCKS_EXCLUDED(mu_);
+  static ucs_status_t OnDataMessage(void* arg, const void* header,
+                                    size_t header_length, void* data,
+                                    size_t length,
+                                    const ucp_am_recv_param_t* param);
+  // Receive's part on the progress thread, outside UCX callbacks.
+  void StartReceive(std::shared_ptr<transport_internal::TransferBatch> batch,
+                    std::unique_ptr<IncomingData> data, char* to);
   // Fence's part on the progress thread.
   void FenceHere();
   void SleepUntilEvent();
@@ -228,6 +279,11 @@ class UcxWorker {
 
   // Progress thread only.
   std::map<uint16_t, std::unique_ptr<MessageHandler>> message_handlers_;
+  struct DataHandler {
+    UcxWorker* worker;
+    DataMessageHandler handler;
+  };
+  std::map<uint16_t, std::unique_ptr<DataHandler>> data_handlers_;
   std::vector<Resident*> residents_;
   std::vector<absl::AnyInvocable<void() &&>> deferred_;
   std::vector<void*> close_requests_;

@@ -37,4 +37,36 @@ void PostMessage(ucp_ep_h ep, uint16_t id, std::string header,
   if (!UCS_PTR_IS_PTR(request)) delete m;
 }
 
+namespace {
+
+struct OutgoingDataMessage {
+  std::string header;
+  absl::AnyInvocable<void(ucs_status_t) &&> sent;
+};
+
+void OnDataMessageSent(void* request, ucs_status_t status, void* user_data) {
+  std::unique_ptr<OutgoingDataMessage> m(static_cast<OutgoingDataMessage*>(user_data));
+  ucp_request_free(request);
+  if (m->sent) std::move(m->sent)(status);
+}
+
+}  // namespace
+
+void PostDataMessage(ucp_ep_h ep, uint16_t id, std::string header,
+                     absl::Span<const char> data,
+                     absl::AnyInvocable<void(ucs_status_t) &&> sent) {
+  auto* m = new OutgoingDataMessage{std::move(header), std::move(sent)};
+  ucp_request_param_t param = {};
+  param.op_attr_mask = UCP_OP_ATTR_FIELD_FLAGS | UCP_OP_ATTR_FIELD_CALLBACK |
+                       UCP_OP_ATTR_FIELD_USER_DATA;
+  param.flags = UCP_AM_SEND_FLAG_RNDV | UCP_AM_SEND_FLAG_REPLY;
+  param.cb.send = &OnDataMessageSent;
+  param.user_data = m;
+  ucs_status_ptr_t request = ucp_am_send_nbx(
+      ep, id, m->header.data(), m->header.size(), data.data(), data.size(), &param);
+  if (UCS_PTR_IS_PTR(request)) return;  // the callback ends it
+  std::unique_ptr<OutgoingDataMessage> done(m);
+  if (done->sent) std::move(done->sent)(UCS_PTR_STATUS(request));
+}
+
 }  // namespace kvdepot::transport_internal

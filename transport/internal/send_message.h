@@ -8,6 +8,9 @@
 #include <cstdint>
 #include <string>
 
+#include "absl/functional/any_invocable.h"
+#include "absl/types/span.h"
+
 namespace kvdepot::transport_internal {
 
 // Progress thread of ep's worker. Posts ucp_am_send_nbx of message `id`,
@@ -16,6 +19,15 @@ namespace kvdepot::transport_internal {
 // shows as the endpoint's failure.
 void PostMessage(ucp_ep_h ep, uint16_t id, std::string header,
                  std::string payload);
+
+// Like PostMessage, with `data` sent as rendezvous (UCP_AM_SEND_FLAG_RNDV:
+// the receiver takes it into memory of its choice, UcxWorker::Receive).
+// `data` is not copied: it must stay valid until `sent` runs (once, on
+// ep's progress thread, or here when the send ends at once) with how the
+// send ended.
+void PostDataMessage(ucp_ep_h ep, uint16_t id, std::string header,
+                     absl::Span<const char> data,
+                     absl::AnyInvocable<void(ucs_status_t) &&> sent);
 
 }  // namespace kvdepot::transport_internal
 

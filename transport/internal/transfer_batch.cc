@@ -55,7 +55,11 @@ void TransferBatch::Refuse(size_t i, absl::Status status) {
 ucp_request_param_t TransferBatch::Param(size_t i) {
   ucp_request_param_t param = {};
   param.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA;
-  param.cb.send = &TransferBatch::OnRequestDone;
+  if (op_ == Op::kReceive && i == size_) {
+    param.cb.recv_am = &TransferBatch::OnReceiveDone;
+  } else {
+    param.cb.send = &TransferBatch::OnRequestDone;
+  }
   param.user_data = &slots_[i];
   return param;
 }
@@ -67,9 +71,10 @@ void TransferBatch::Posted(size_t i, ucs_status_ptr_t result) {
   }
   if (UCS_PTR_IS_ERR(result)) {
     op_status_[i] = UcsToStatus(UCS_PTR_STATUS(result),
-                                i == size_ ? "ucp_ep_flush_nbx"
-                                : op_ == Op::kGet ? "ucp_get_nbx"
-                                                  : "ucp_put_nbx");
+                                op_ == Op::kReceive ? "ucp_am_recv_data_nbx"
+                                : i == size_        ? "ucp_ep_flush_nbx"
+                                : op_ == Op::kGet   ? "ucp_get_nbx"
+                                                    : "ucp_put_nbx");
     return;
   }
   pending_[i] = true;
@@ -83,8 +88,19 @@ void TransferBatch::OnRequestDone(void* request, ucs_status_t status,
   slot->batch->Done(slot->index, status);
 }
 
+void TransferBatch::OnReceiveDone(void* request, ucs_status_t status,
+                                  size_t /*length*/, void* user_data) {
+  OnRequestDone(request, status, user_data);
+}
+
 void TransferBatch::Got(size_t i) {
-  if (op_ == Op::kGet && i < size_ && !published_ && each_got_) each_got_(i);
+  if (published_ || !each_got_) return;
+  if (op_ == Op::kGet && i < size_) each_got_(i);
+  if (op_ == Op::kReceive && i == size_) {
+    for (size_t j = 0; j < size_; ++j) {
+      if (!refused_[j]) each_got_(j);
+    }
+  }
 }
 
 void TransferBatch::Done(size_t i, ucs_status_t status) {
@@ -162,8 +178,9 @@ void TransferBatch::Publish(bool abandoned) {
     absl::Status s = op_status_[i];
     if (!refused_[i]) {
       // A get whose request completed has its bytes, whatever the flush
-      // says; a put is only known to have landed once the flush succeeded.
-      if (s.ok() && op_ == Op::kPut) s = flush;
+      // says; a put is only known to have landed once the flush succeeded,
+      // a received transfer once the receive did.
+      if (s.ok() && op_ != Op::kGet) s = flush;
       if (!s.ok() && !abort_reason_.ok()) s = abort_reason_;
     }
     result_[i] = std::move(s);

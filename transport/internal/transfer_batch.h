@@ -25,7 +25,11 @@ namespace kvdepot::transport_internal {
 
 class TransferBatch : public std::enable_shared_from_this<TransferBatch> {
  public:
-  enum class Op { kGet, kPut };
+  // kReceive: the bytes of every transfer come in one UCX request, a
+  // message's rendezvous data received into them (UcxWorker::Receive),
+  // posted as the batch's last request (index size(), the flush of the
+  // others). Each transfer ends as that request does.
+  enum class Op { kGet, kPut, kReceive };
 
   TransferBatch(Op op, size_t transfers, absl::Time deadline);
   TransferBatch(const TransferBatch&) = delete;
@@ -61,7 +65,7 @@ class TransferBatch : public std::enable_shared_from_this<TransferBatch> {
 
   // --- Progress thread only. ---
   // Request parameters whose callback reports transfer i (i == size() is
-  // the flush) to this batch.
+  // the flush, or a kReceive batch's receive) to this batch.
   ucp_request_param_t Param(size_t i);
   // Accounts for what a ucp_*_nbx call for transfer i returned: done at
   // once, failed at once, or a request whose callback comes later.
@@ -97,6 +101,8 @@ class TransferBatch : public std::enable_shared_from_this<TransferBatch> {
     size_t index;
   };
   static void OnRequestDone(void* request, ucs_status_t status,
+                            void* user_data);
+  static void OnReceiveDone(void* request, ucs_status_t status, size_t length,
                             void* user_data);
   void Done(size_t i, ucs_status_t status);
   // Transfer i (not the flush) succeeded: runs each_got_ for a get.
