@@ -61,6 +61,9 @@ namespace {
 
 // Bytes after each key in its arena allocation: when the block entered DRAM.
 constexpr size_t kStampBytes = sizeof(int64_t);
+// The longest a put waits for the evictor to demote room (AllocateEvicting)
+// before it drops blocks itself.
+constexpr absl::Duration kMaxWaitForRoom = absl::Seconds(5);
 
 struct NamespaceInfo {
   uint32_t id = 0;
@@ -980,29 +983,40 @@ class TieredStoreImpl final : public TieredStore {
   }
 
   // With an NVMe tier and the background evictor, a put that finds DRAM
-  // full waits (bounded) for the evictor to demote room instead of dropping
-  // blocks that NVMe would have kept; demotion never runs on the caller's
-  // thread. Without them, or when waiting did not help, it evicts (drops)
-  // synchronously.
+  // full waits for the evictor to demote room instead of dropping blocks
+  // that NVMe would have kept; demotion never runs on the caller's thread.
+  // It waits round after round while the evictor frees something (other
+  // puts waiting too may take a round's room first: many puts of one block
+  // each, as UCX data requests make, dropped blocks after one round), for
+  // kMaxWaitForRoom at most. Without them, or when a round freed nothing
+  // or the time is up, it evicts (drops) synchronously.
   // With `would_wait`, the wait is not made: Unavailable, *would_wait set.
   absl::StatusOr<uint64_t> AllocateEvicting(uint64_t bytes,
                                             bool* would_wait = nullptr) {
-    bool waited = false;
+    absl::Time wait_until = absl::InfinitePast();
+    bool waiting = nvme_ != nullptr && evictor_.joinable();
     while (true) {
       absl::StatusOr<uint64_t> off = arena_->Allocate(bytes);
       if (off.ok()) {
         MaybeWakeEvictor();
         return off;
       }
-      if (!waited && nvme_ != nullptr && evictor_.joinable()) {
+      if (waiting) {
         if (would_wait != nullptr) {
           *would_wait = true;
           MaybeWakeEvictor();
           return absl::UnavailableError(
               "DRAM tier full: making room waits for the evictor");
         }
-        waited = true;
-        if (WaitForEvictor()) continue;
+        if (wait_until == absl::InfinitePast()) {
+          wait_until = absl::Now() + kMaxWaitForRoom;
+        }
+        const uint64_t evicted = evictions_.load(std::memory_order_relaxed);
+        if (WaitForEvictor(wait_until) &&
+            evictions_.load(std::memory_order_relaxed) != evicted) {
+          continue;
+        }
+        waiting = false;  // it did not help: make room here
       }
       if (!EvictOne()) {
         return absl::ResourceExhaustedError(absl::StrCat(
@@ -1100,7 +1114,9 @@ class TieredStoreImpl final : public TieredStore {
 
   // Asks the evictor for a forced round and waits for it (at most 5 s).
   // Returns whether a round finished.
-  bool WaitForEvictor() {
+  // Waits until an evictor round that starts after this call has ended, or
+  // `deadline`; true when one did.
+  bool WaitForEvictor(absl::Time deadline) {
     absl::MutexLock lock(&evict_mu_);
     const uint64_t target = rounds_started_ + 1;
     pressure_ = true;
@@ -1109,7 +1125,7 @@ class TieredStoreImpl final : public TieredStore {
     auto done = [this, target]() ABSL_SHARED_LOCKS_REQUIRED(evict_mu_) {
       return stop_ || rounds_done_ >= target;
     };
-    return evict_mu_.AwaitWithTimeout(absl::Condition(&done), absl::Seconds(5)) &&
+    return evict_mu_.AwaitWithDeadline(absl::Condition(&done), deadline) &&
            !stop_;
   }
 
