@@ -145,6 +145,22 @@ size_t UcxRequests::pending() const {
 
 absl::Status UcxRequests::Send(uint64_t session, RequestMethod method,
                                std::string body, absl::Time deadline, Done done) {
+  return SendRequest(session, method, std::move(body), nullptr, deadline,
+                     std::move(done));
+}
+
+absl::Status UcxRequests::SendWithData(uint64_t session, RequestMethod method,
+                                       std::string body,
+                                       absl::Span<const char> data,
+                                       absl::Time deadline, Done done) {
+  return SendRequest(session, method, std::move(body), &data, deadline,
+                     std::move(done));
+}
+
+absl::Status UcxRequests::SendRequest(uint64_t session, RequestMethod method,
+                                      std::string body,
+                                      const absl::Span<const char>* data,
+                                      absl::Time deadline, Done done) {
   absl::MutexLock lock(&mu_);
   if (stopped_ || session == 0 || session_ != session || failed_ ||
       endpoint_ == nullptr) {
@@ -156,9 +172,20 @@ absl::Status UcxRequests::Send(uint64_t session, RequestMethod method,
   // Under mu_, so the endpoint cannot be replaced meanwhile: SendMessage
   // only queues work for the progress thread, which never holds what
   // SendMessage takes while it waits for mu_.
-  absl::Status sent = endpoint_->SendMessage(
-      kRequestMessageId, EncodeRequestHeader(RequestHeader{method, id, session}),
-      std::move(body));
+  const RequestHeader header{method, id, session};
+  absl::Status sent =
+      data == nullptr
+          ? endpoint_->SendMessage(kRequestMessageId, EncodeRequestHeader(header),
+                                   std::move(body))
+          : endpoint_->SendMessageWithData(
+                kDataRequestMessageId, EncodeDataRequestHeader(header, body),
+                *data, [this, id](const absl::Status& st) {
+                  if (st.ok()) return;
+                  // Progress thread, no lock held.
+                  EndOne(id, absl::UnavailableError(absl::StrCat(
+                                 "sending the request's data failed: ",
+                                 st.message())));
+                });
   if (!sent.ok()) pending_.erase(id);
   return sent;
 }
@@ -193,6 +220,18 @@ void UcxRequests::OnStop() {
            absl::CancelledError("the client's UCX worker stopped (the client "
                                 "closed, or a get that failed in flight "
                                 "fenced it)"));
+}
+
+void UcxRequests::EndOne(uint64_t id, const absl::Status& status) {
+  Done done;
+  {
+    absl::MutexLock lock(&mu_);
+    auto it = pending_.find(id);
+    if (it == pending_.end()) return;  // ended already
+    done = std::move(it->second.done);
+    pending_.erase(it);
+  }
+  std::move(done)(status, absl::string_view());
 }
 
 template <typename Pred>

@@ -24,6 +24,7 @@
 #include "absl/strings/string_view.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
+#include "absl/types/span.h"
 #include "transport/request_message.h"
 #include "transport/ucx_endpoint.h"
 #include "transport/ucx_worker.h"
@@ -76,6 +77,15 @@ class UcxRequests : private UcxWorker::Resident {
   absl::Status Send(uint64_t session, RequestMethod method, std::string body,
                     absl::Time deadline, Done done);
 
+  // Like Send, for a request that carries `data` as rendezvous data
+  // (kDataRequestMessageId: the daemon receives it into memory it picks).
+  // `data` must stay valid until `done` runs: the daemon answers once it
+  // has received the bytes, or without having read them. A send that fails
+  // ends the request Unavailable.
+  absl::Status SendWithData(uint64_t session, RequestMethod method,
+                            std::string body, absl::Span<const char> data,
+                            absl::Time deadline, Done done);
+
   // Requests sent and not yet ended.
   size_t pending() const;
 
@@ -95,6 +105,12 @@ class UcxRequests : private UcxWorker::Resident {
   void OnReply(absl::string_view header, absl::string_view payload);
   absl::Time OnTick(absl::Time now) override;
   void OnStop() override;
+  // Send and SendWithData (`data` null for Send).
+  absl::Status SendRequest(uint64_t session, RequestMethod method,
+                           std::string body, const absl::Span<const char>* data,
+                           absl::Time deadline, Done done);
+  // Ends pending request `id`, if it still is, with `status` (outside mu_).
+  void EndOne(uint64_t id, const absl::Status& status);
   // Ends the pending requests for which `which` is true with `status`
   // (outside mu_).
   template <typename Pred>

@@ -396,12 +396,47 @@ void DataPlane::ServeRequests(RequestHandler handler) {
              const UcxWorker::MessageSender& sender) {
         OnRequest(header, payload, sender);
       });
+  if (st.ok()) {
+    st = request_worker_->SetDataMessageHandler(
+        kDataRequestMessageId,
+        [this](absl::string_view header,
+               std::unique_ptr<UcxWorker::IncomingData> data,
+               const UcxWorker::MessageSender& sender) {
+          std::optional<DataRequestHeader> h = DecodeDataRequestHeader(header);
+          if (!h) {
+            log_->debug("dropped a UCX data message that is not a request "
+                        "({} header bytes)", header.size());
+            return;  // its data is released unread
+          }
+          if (h->header.method != RequestMethod::kPullBlocks) {
+            sender.Reply(kReplyMessageId,
+                         EncodeReplyHeader(ReplyHeader{
+                             h->header.request_id,
+                             absl::StatusCode::kInvalidArgument}),
+                         "only PullBlocks requests come with data");
+            return;
+          }
+          Admit(h->header, h->body, std::move(data), sender);
+        });
+  }
   if (!st.ok()) {
     log_->warn("UCX requests not served (clients use gRPC calls): {}",
                st.ToString());
     return;
   }
   serving_requests_ = true;
+}
+
+absl::StatusOr<TransferHandle> DataPlane::Receive(
+    std::unique_ptr<UcxWorker::IncomingData> data, absl::Span<char> slot,
+    absl::Time deadline, absl::AnyInvocable<void(size_t)> each_got) {
+  if (data == nullptr || data->size() != slot.size() ||
+      !arena_->Contains(slot.data(), slot.size())) {
+    return absl::InvalidArgumentError(
+        "a request's data must go into an arena slot of its size");
+  }
+  return request_worker_->Receive(std::move(data), slot.data(), deadline,
+                                  std::move(each_got));
 }
 
 void DataPlane::OnRequest(absl::string_view header, absl::string_view payload,
@@ -412,7 +447,15 @@ void DataPlane::OnRequest(absl::string_view header, absl::string_view payload,
                 header.size());
     return;
   }
-  // Answered here, over the connection the request came on.
+  Admit(*h, payload, nullptr, sender);
+}
+
+void DataPlane::Admit(const RequestHeader& header, absl::string_view payload,
+                      std::unique_ptr<UcxWorker::IncomingData> data,
+                      const UcxWorker::MessageSender& sender) {
+  const RequestHeader* h = &header;
+  // Answered here, over the connection the request came on (data, if any,
+  // released unread).
   auto refuse = [&](const absl::Status& why) {
     sender.Reply(kReplyMessageId,
                  EncodeReplyHeader(ReplyHeader{h->request_id, why.code()}),
@@ -441,7 +484,8 @@ void DataPlane::OnRequest(absl::string_view header, absl::string_view payload,
     return refuse(absl::ResourceExhaustedError(absl::StrCat(
         "more than ", options_.max_requests_in_flight, " UCX requests in flight")));
   }
-  Request request{h->session_id, h->method, h->request_id, std::string(payload)};
+  Request request{h->session_id, h->method, h->request_id, std::string(payload),
+                  false, std::move(data)};
   if (!link->colocated) {
     request.on_progress_thread = true;
     return request_handler_(std::move(request));

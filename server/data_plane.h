@@ -210,6 +210,12 @@ class DataPlane {
     // Handed over on the request worker's progress thread: the handler
     // must not block, and hands on what would.
     bool on_progress_thread = false;
+    // A PullBlocks request of one block sent with its bytes
+    // (kDataRequestMessageId): they are still with the client until
+    // Receive places them; dropping this releases them unread. Null for
+    // other requests. Must go before Reply (the request worker outlives
+    // no request in flight).
+    std::unique_ptr<UcxWorker::IncomingData> data;
   };
   using RequestHandler = absl::AnyInvocable<void(Request request)>;
   // Serves requests: each one whose session has an endpoint is handed to
@@ -223,6 +229,12 @@ class DataPlane {
   // unanswered (ResourceExhausted). Messages that are not requests are
   // dropped. Call once, before sessions attach.
   void ServeRequests(RequestHandler handler);
+  // Receives a request's `data` into `slot` (arena bytes of its size):
+  // see UcxWorker::Receive. `each_got(0)` runs once the bytes are in.
+  // InvalidArgument for a slot outside the arena or of another size.
+  absl::StatusOr<TransferHandle> Receive(
+      std::unique_ptr<UcxWorker::IncomingData> data, absl::Span<char> slot,
+      absl::Time deadline, absl::AnyInvocable<void(size_t)> each_got);
   // Answers request `id` of `session`'s client over the session's endpoint
   // (after every transfer that was ready before). Dropped when the session
   // has no working endpoint (the client's deadline, or its endpoint's
@@ -293,6 +305,11 @@ class DataPlane {
   // gone). Any thread.
   void DropRequestLink(const std::string& address, uint64_t id);
   // Progress thread: a message arrived for kRequestMessageId.
+  // Progress thread: request `h` (its body, and `data` when it came with
+  // some) admitted or answered at once.
+  void Admit(const RequestHeader& h, absl::string_view body,
+             std::unique_ptr<UcxWorker::IncomingData> data,
+             const UcxWorker::MessageSender& sender);
   void OnRequest(absl::string_view header, absl::string_view payload,
                  const UcxWorker::MessageSender& sender);
 

@@ -171,6 +171,7 @@ grpc::ServerUnaryReactor* KvDepotService::OpenSession(
       }
       resp->set_ucx_connected(true);
       resp->set_ucx_request_address(data_plane_->RequestAddress(g.id));
+      resp->set_ucx_data_requests(!resp->ucx_request_address().empty());
     }
     log_->info("session {} opened by '{}' from {} (lease {}{})", g.id,
                req->client_name(), ctx->peer(), absl::FormatDuration(g.lease),
@@ -857,9 +858,18 @@ grpc::ServerUnaryReactor* KvDepotService::PullBlocks(
 
 void KvDepotService::StartPullBlocks(const v1::PullBlocksRequest* req,
                                      v1::PullBlocksResponse* resp,
-                                     Finish finish, bool must_not_block) {
+                                     Finish finish, bool must_not_block,
+                                     std::shared_ptr<IncomingData> data) {
   const SessionId session = req->session_id();
   absl::Status check = RequireEndpoint(session);
+  const bool with_data = data != nullptr && *data != nullptr;
+  if (check.ok() && with_data &&
+      (req->blocks_size() != 1 || req->blocks(0).daemon_checksum() ||
+       req->blocks(0).source().size() != (*data)->size())) {
+    check = absl::InvalidArgumentError(
+        "a PullBlocks request with data names one block, of the data's size, "
+        "with its checksum");
+  }
   std::vector<PutSpec> specs;
   specs.reserve(req->blocks_size());
   for (int i = 0; i < req->blocks_size(); ++i) {
@@ -879,8 +889,8 @@ void KvDepotService::StartPullBlocks(const v1::PullBlocksRequest* req,
                  : absl::StatusOr<Reservation>(check);
   if (would_wait) {
     // DRAM is full and the evictor is to make room: wait for it elsewhere.
-    return put_pool_.Submit([this, req, resp, finish = std::move(finish)] {
-      StartPullBlocks(req, resp, finish);
+    return put_pool_.Submit([this, req, resp, finish = std::move(finish), data] {
+      StartPullBlocks(req, resp, finish, false, data);
     });
   }
   if (!resv.ok()) {
@@ -929,10 +939,14 @@ void KvDepotService::StartPullBlocks(const v1::PullBlocksRequest* req,
     if (req->blocks(b).daemon_checksum()) sums[b] = sum;
     return absl::OkStatus();  // a mismatch is CommitPut's to report
   };
-  absl::StatusOr<TransferHandle> h = data_plane_->Pull(
-      session, moves,
-      TransferDeadline(req->timeout_ms(), transfer_timeout_, absl::Now()),
-      [hash](size_t k) { hash[k]->Checksum(); }, copy_here);
+  const absl::Time deadline =
+      TransferDeadline(req->timeout_ms(), transfer_timeout_, absl::Now());
+  absl::StatusOr<TransferHandle> h =
+      with_data ? data_plane_->Receive(std::move(*data), moves[0].arena, deadline,
+                                       [hash](size_t) { hash[0]->Checksum(); })
+                : data_plane_->Pull(session, moves, deadline,
+                                    [hash](size_t k) { hash[k]->Checksum(); },
+                                    copy_here);
   if (!h.ok()) {
     slots.clear();
     store_.AbortPut(session, resv->id).IgnoreError();
@@ -1051,7 +1065,7 @@ void RunUcxCall(const DataPlane::Request& request, const char* op,
 void KvDepotService::ServeUcxRequest(DataPlane::Request request) {
   const bool push = request.method == RequestMethod::kPushBlocks;
   const char* op = push ? "PushBlocks" : "PullBlocks";
-  metrics_.RecordUcxRequest(op);
+  metrics_.RecordUcxRequest(request.data != nullptr ? "PullBlocksWithData" : op);
   auto answer = [this, op, start = clock_.Now(), session = request.session,
                  id = request.id](const absl::Status& st, std::string body) {
     Finished(op, st, start);
@@ -1065,12 +1079,20 @@ void KvDepotService::ServeUcxRequest(DataPlane::Request request) {
           StartPushBlocks(req, resp, std::move(finish), /*over_ucx=*/true);
         });
   } else {
+    // Data that came with the request is received or released before the
+    // answer: the request worker may go once no request is in flight.
+    auto data = std::make_shared<std::unique_ptr<UcxWorker::IncomingData>>(
+        std::move(request.data));
     RunUcxCall<v1::PullBlocksRequest, v1::PullBlocksResponse>(
-        request, op, answer,
-        [this, must_not_block = request.on_progress_thread](
+        request, op,
+        [answer, data](const absl::Status& st, std::string body) {
+          data->reset();
+          answer(st, std::move(body));
+        },
+        [this, must_not_block = request.on_progress_thread, data](
             const v1::PullBlocksRequest* req, v1::PullBlocksResponse* resp,
             Finish finish) {
-          StartPullBlocks(req, resp, std::move(finish), must_not_block);
+          StartPullBlocks(req, resp, std::move(finish), must_not_block, data);
         });
   }
 }

@@ -177,9 +177,14 @@ class KvDepotService final
                        bool over_ucx = false);
   // `must_not_block` (on a UCX progress thread): a put that would wait for
   // room (BeginPut's would_wait) goes on put_pool_ and waits there.
+  // `data`, when it holds some, is the block's bytes sent with a UCX
+  // request (DataPlane::Request::data): received into the slot instead of
+  // read from the client's buffer.
+  using IncomingData = std::unique_ptr<UcxWorker::IncomingData>;
   void StartPullBlocks(const v1::PullBlocksRequest* req,
                        v1::PullBlocksResponse* resp, Finish finish,
-                       bool must_not_block = false);
+                       bool must_not_block = false,
+                       std::shared_ptr<IncomingData> data = nullptr);
   // A pull `h` was abandoned (UCX still holds reads into its slots: a
   // co-located client that stopped answering): keeps the slots' memory
   // allocated, whatever becomes of the put and the session, until UCX has

@@ -93,10 +93,13 @@ ServerMetrics::ServerMetrics(prometheus::Registry& registry, int namespace_label
                         .Name("kvdepot_ucx_requests_total")
                         .Help("PushBlocks / PullBlocks requests that came "
                               "over UCX active messages instead of gRPC "
-                              "(also counted in kvdepot_requests_total)")
+                              "(also counted in kvdepot_requests_total); "
+                              "op=PullBlocksWithData: a put of one block "
+                              "that came with its bytes")
                         .Register(registry)),
       ucx_push_requests_(ucx_requests_.Add({{"op", "PushBlocks"}})),
       ucx_pull_requests_(ucx_requests_.Add({{"op", "PullBlocks"}})),
+      ucx_pull_data_requests_(ucx_requests_.Add({{"op", "PullBlocksWithData"}})),
       ucx_held_bytes_(prometheus::BuildGauge()
                           .Name("kvdepot_ucx_held_bytes")
                           .Help("DRAM bytes held for UCX transfers that UCX "
@@ -192,7 +195,10 @@ ServerMetrics::NamespaceCounters& ServerMetrics::CountersFor(absl::string_view n
 }
 
 void ServerMetrics::RecordUcxRequest(const std::string& op) {
-  (op == "PushBlocks" ? ucx_push_requests_ : ucx_pull_requests_).Increment();
+  (op == "PushBlocks"   ? ucx_push_requests_
+   : op == "PullBlocks" ? ucx_pull_requests_
+                        : ucx_pull_data_requests_)
+      .Increment();
 }
 
 void ServerMetrics::RecordRequest(const std::string& op, absl::StatusCode code,

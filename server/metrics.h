@@ -122,6 +122,7 @@ class ServerMetrics {
   prometheus::Family<prometheus::Counter>& ucx_requests_;
   prometheus::Counter& ucx_push_requests_;
   prometheus::Counter& ucx_pull_requests_;
+  prometheus::Counter& ucx_pull_data_requests_;
   prometheus::Gauge& ucx_held_bytes_;
   prometheus::Gauge& ucx_colocated_workers_;
   prometheus::Gauge& ucx_request_links_;

@@ -162,10 +162,12 @@ class UcxE2eTest : public ::testing::TestWithParam<std::string> {
 
   // A client of daemon_, or of the daemon at `server`.
   std::unique_ptr<Client> NewClient(bool ucx_requests = true,
-                                    const std::string& server = "") {
+                                    const std::string& server = "",
+                                    bool data_requests = true) {
     ClientOptions options;
     options.server = server.empty() ? daemon_->address() : server;
     options.ucx_requests = ucx_requests;
+    options.ucx_data_requests = data_requests;
     options.lease = absl::Seconds(60);
     options.ucx.clear();  // from the environment
     options.transfer_timeout = absl::Seconds(5);
@@ -793,24 +795,41 @@ void PutThenGet(Client& client, std::vector<char>& buf, absl::string_view key,
 TEST_P(UcxE2eTest, RequestsTravelAsUcxMessagesUnlessTheClientAsksForGrpc) {
   const std::string push_ucx = "kvdepot_ucx_requests_total{op=\"PushBlocks\"}";
   const std::string pull_ucx = "kvdepot_ucx_requests_total{op=\"PullBlocks\"}";
+  const std::string pull_data =
+      "kvdepot_ucx_requests_total{op=\"PullBlocksWithData\"}";
   const std::string push_all = "kvdepot_requests_total{code=\"OK\",op=\"PushBlocks\"}";
+  const std::string pull_all = "kvdepot_requests_total{code=\"OK\",op=\"PullBlocks\"}";
   std::vector<char> buf(2 * kBlock);
   ucx_test::FillPattern(buf.data(), kBlock, 7);
   ASSERT_OK(client_->RegisterBuffer(buf.data(), buf.size()));
-  PutThenGet(*client_, buf, "m0");
+  PutThenGet(*client_, buf, "m0");  // the put sends its block with the request
   std::string metrics = testing::ScrapeMetrics(*daemon_);
   EXPECT_EQ(testing::MetricValue(metrics, push_ucx), 1) << metrics;
-  EXPECT_EQ(testing::MetricValue(metrics, pull_ucx), 1);
+  EXPECT_EQ(testing::MetricValue(metrics, pull_data), 1);
+  EXPECT_EQ(testing::MetricValue(metrics, pull_ucx), 0);
   EXPECT_EQ(testing::MetricValue(metrics, push_all), 1);
+  EXPECT_EQ(testing::MetricValue(metrics, pull_all), 1);
+
+  // Without data requests the daemon reads the client's buffer.
+  std::unique_ptr<Client> pulled = NewClient(true, "", /*data_requests=*/false);
+  ASSERT_NE(pulled, nullptr);
+  ASSERT_OK(pulled->RegisterBuffer(buf.data(), buf.size()));
+  PutThenGet(*pulled, buf, "m2");
+  metrics = testing::ScrapeMetrics(*daemon_);
+  EXPECT_EQ(testing::MetricValue(metrics, pull_data), 1);  // as before
+  EXPECT_EQ(testing::MetricValue(metrics, pull_ucx), 1);
+  EXPECT_EQ(testing::MetricValue(metrics, push_ucx), 2);
+  pulled.reset();
 
   std::unique_ptr<Client> grpc_requests = NewClient(/*ucx_requests=*/false);
   ASSERT_NE(grpc_requests, nullptr);
   ASSERT_OK(grpc_requests->RegisterBuffer(buf.data(), buf.size()));
   PutThenGet(*grpc_requests, buf, "m1");
   metrics = testing::ScrapeMetrics(*daemon_);
-  EXPECT_EQ(testing::MetricValue(metrics, push_ucx), 1);  // as before
+  EXPECT_EQ(testing::MetricValue(metrics, push_ucx), 2);  // as before
   EXPECT_EQ(testing::MetricValue(metrics, pull_ucx), 1);
-  EXPECT_EQ(testing::MetricValue(metrics, push_all), 2);  // a gRPC call
+  EXPECT_EQ(testing::MetricValue(metrics, pull_data), 1);
+  EXPECT_EQ(testing::MetricValue(metrics, push_all), 3);  // a gRPC call
 }
 
 // A daemon (64 MiB of DRAM) whose config file sets ucx_colocated_workers;
@@ -1183,6 +1202,96 @@ TEST_P(UcxE2eTest, MalformedRequestsAreAnsweredAndTheDaemonStaysUp) {
   EXPECT_THAT(ask(session ^ 0x5555, other.SerializeAsString()),
               StatusIs(absl::StatusCode::kNotFound));
   EXPECT_OK(client_->Health());
+  EXPECT_EQ(daemon_->Stop(SIGTERM).value_or(-1), 0) << daemon_->Log();
+}
+
+// Puts whose bytes come with their request (kDataRequestMessageId): one
+// block, of its spec's size, with its checksum, or refused; a refused or
+// failed one stores nothing, and its bytes are left unread.
+TEST_P(UcxE2eTest, DataRequestsThatDoNotMatchTheirBytesStoreNothing) {
+  HandMadeClient c;
+  ASSERT_NO_FATAL_FAILURE(c.Open(*client_, "data-requests"));
+  const uint64_t session = c.session;
+  ASSERT_OK(c.requests->Connect(session, c.request_address, absl::Seconds(5)));
+  std::vector<char> bytes(kBlock);
+  ucx_test::FillPattern(bytes.data(), kBlock, 31);
+  const uint64_t sum = BlockChecksum(absl::string_view(bytes.data(), kBlock));
+  // The request for `keys` (each a block of `size` bytes, checksum `check`)
+  // sent as `method` with `data`; the answer, and its response.
+  struct Answer {
+    absl::Status status;
+    v1::PullBlocksResponse resp;
+  };
+  auto ask = [&](std::vector<std::string> keys, uint64_t size, uint64_t check,
+                 absl::Span<const char> data,
+                 RequestMethod method = RequestMethod::kPullBlocks) {
+    v1::PullBlocksRequest req;
+    req.set_session_id(session);
+    req.set_namespace_("dreq");
+    for (const std::string& k : keys) {
+      v1::PullSpec* b = req.add_blocks();
+      b->set_key(k);
+      b->set_checksum(check);
+      b->mutable_source()->set_size(size);
+    }
+    absl::Notification done;
+    Answer a;
+    absl::Status sent = c.requests->SendWithData(
+        session, method, req.SerializeAsString(), data,
+        absl::Now() + absl::Seconds(20),
+        [&](const absl::Status& st, absl::string_view body) {
+          a.status = st;
+          if (st.ok()) a.resp.ParseFromArray(body.data(), static_cast<int>(body.size()));
+          done.Notify();
+        });
+    if (!sent.ok()) {
+      a.status = sent;
+      return a;
+    }
+    done.WaitForNotification();
+    return a;
+  };
+  const absl::Span<const char> all(bytes.data(), kBlock);
+  // Sizes that do not match, two blocks, another method: refused.
+  EXPECT_THAT(ask({"d1"}, kBlock + 1, sum, all).status,
+              StatusIs(absl::StatusCode::kInvalidArgument));
+  EXPECT_THAT(ask({"d1"}, kBlock, sum, all.subspan(0, kBlock - 1)).status,
+              StatusIs(absl::StatusCode::kInvalidArgument));
+  EXPECT_THAT(ask({"d1", "d2"}, kBlock / 2, sum, all).status,
+              StatusIs(absl::StatusCode::kInvalidArgument));
+  EXPECT_THAT(ask({"d1"}, kBlock, sum, all, RequestMethod::kPushBlocks).status,
+              StatusIs(absl::StatusCode::kInvalidArgument));
+  // Bytes that do not match the checksum: DATA_LOSS, nothing stored.
+  Answer bad = ask({"d1"}, kBlock, sum ^ 1, all);
+  ASSERT_OK(bad.status);
+  ASSERT_EQ(bad.resp.blocks_size(), 1);
+  EXPECT_EQ(bad.resp.blocks(0).code(), static_cast<int>(absl::StatusCode::kDataLoss));
+  // The real thing: stored, and reads back through another client.
+  Answer good = ask({"d0"}, kBlock, sum, all);
+  ASSERT_OK(good.status);
+  ASSERT_EQ(good.resp.blocks_size(), 1);
+  EXPECT_EQ(good.resp.blocks(0).code(), 0) << good.resp.blocks(0).message();
+  // Again: already there, its bytes left unread.
+  Answer again = ask({"d0"}, kBlock, sum, all);
+  ASSERT_OK(again.status);
+  EXPECT_EQ(again.resp.blocks(0).code(),
+            static_cast<int>(absl::StatusCode::kAlreadyExists));
+  std::vector<char> dst(kBlock, 0);
+  ASSERT_OK(client_->RegisterBuffer(dst.data(), dst.size()));
+  for (const char* key : {"d0", "d1"}) {
+    absl::string_view k = key;
+    absl::Span<char> out(dst.data(), kBlock);
+    TransferOp get = client_->GetIntoAsync("dreq", {&k, 1}, {&out, 1});
+    get.Wait();
+    if (k == "d0") {
+      ASSERT_OK(get.statuses()[0]);
+      EXPECT_EQ(ucx_test::FirstPatternMismatch(dst.data(), kBlock, 31), -1);
+    } else {
+      EXPECT_THAT(get.statuses()[0], StatusIs(absl::StatusCode::kNotFound));
+    }
+  }
+  v1::StatsResponse st = Stats();
+  EXPECT_EQ(st.reservations(), 0u);
   EXPECT_EQ(daemon_->Stop(SIGTERM).value_or(-1), 0) << daemon_->Log();
 }
 

@@ -121,6 +121,7 @@ struct BenchConfig {
   bool pin = false;     // lookup: pin the hits (then unpin, untimed)
   bool client_checksums = false;  // ClientOptions::always_checksum_puts
   bool ucx_requests = true;       // ClientOptions::ucx_requests
+  bool ucx_data_requests = true;  // ClientOptions::ucx_data_requests
 };
 
 // What one client thread measured. Ops are blocks for get and put, calls for
@@ -167,6 +168,7 @@ absl::StatusOr<std::unique_ptr<Client>> ConnectChecked(
   options.server = config.server;
   options.always_checksum_puts = config.client_checksums;
   options.ucx_requests = config.ucx_requests;
+  options.ucx_data_requests = config.ucx_data_requests;
   options.client_name = absl::StrCat("kvdepot-bench/", id);
   options.transport =
       *ucx ? ClientOptions::Transport::kUcx : ClientOptions::Transport::kGrpc;
@@ -677,6 +679,10 @@ int Run(const BenchConfig& config) {
     if (config.op != Op::kLookup && std::string(transport) == "ucx") {
       absl::StrAppendFormat(&json, ",\"requests\":\"%s\"",
                             config.ucx_requests ? "ucx" : "grpc");
+      if (config.op == Op::kPut) {
+        absl::StrAppendFormat(&json, ",\"put_protocol\":\"%s\"",
+                              config.ucx_data_requests ? "send" : "pull");
+      }
     }
     if (config.op != Op::kPut)
       absl::StrAppendFormat(&json, ",\"keys\":%u", config.keys);
@@ -752,6 +758,13 @@ int main(int argc, char** argv) {
                  "message (ucx, the default, where the daemon offers it) or "
                  "as a gRPC call (grpc; ClientOptions::ucx_requests)")
       ->check(CLI::IsMember({"ucx", "grpc"}));
+  std::string put_protocol = "send";
+  app.add_option("--put-protocol", put_protocol,
+                 "put over ucx requests: send each block with its request for "
+                 "the daemon to receive into its slot (send, the default, where "
+                 "the daemon takes it; ClientOptions::ucx_data_requests), or "
+                 "one request per batch whose blocks the daemon reads (pull)")
+      ->check(CLI::IsMember({"send", "pull"}));
   app.add_flag("--client-checksums", config.client_checksums,
                "put: hash every block in the client, also where a daemon on "
                "this host copies and hashes it (ClientOptions::always_checksum_puts)");
@@ -771,6 +784,7 @@ int main(int argc, char** argv) {
   config.block_size = *size;
   config.ucx = transport == "ucx";
   config.ucx_requests = requests == "ucx";
+  config.ucx_data_requests = put_protocol == "send";
   config.op = config.op_name == "get"   ? kvdepot::Op::kGet
               : config.op_name == "put" ? kvdepot::Op::kPut
                                         : kvdepot::Op::kLookup;
