@@ -79,6 +79,7 @@ absl::Status Daemon::Init() {
     data_plane_options.ucx = config_.ucx;
     ChooseUcxDevices(data_plane_options.ucx);
     data_plane_options.workers = config_.ucx_workers;
+    data_plane_options.request_workers = config_.ucx_workers;
     data_plane_options.max_colocated_workers = config_.ucx_colocated_workers;
     absl::StatusOr<std::unique_ptr<DataPlane>> data_plane = DataPlane::Create(
         data_plane_options, store_->dram_region(),

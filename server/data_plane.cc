@@ -28,6 +28,9 @@ struct DataPlane::Link {
   // A client on this host, allowed shared memory; watched by monitor_.
   bool colocated = false;
   std::optional<uint32_t> uid;  // of a co-located client's connection
+  // The request worker the client's worker sends requests to.
+  size_t request_worker = 0;
+  std::string client_address;  // the client worker's
   absl::Mutex mu;
   uint32_t buffers ABSL_GUARDED_BY(mu) = 0;
 };
@@ -62,10 +65,13 @@ absl::StatusOr<std::unique_ptr<DataPlane>> DataPlane::Create(
   // the endpoints two workers have to each other, and refuses a pair whose
   // error handling differs: a co-located client's session endpoint has
   // none, its request endpoint must have it.)
-  UcxWorkerOptions request_worker_options;
-  request_worker_options.name = "kvd-ucx-req";
-  ASSIGN_OR_RETURN(d->request_worker_,
-                   UcxWorker::Create(*d->context_, request_worker_options));
+  for (int i = 0; i < std::max(1, options.request_workers); ++i) {
+    UcxWorkerOptions request_worker_options;
+    request_worker_options.name = absl::StrCat("kvd-ucx-req-", i);
+    ASSIGN_OR_RETURN(std::unique_ptr<UcxWorker> w,
+                     UcxWorker::Create(*d->context_, request_worker_options));
+    d->request_workers_.push_back(std::move(w));
+  }
   DataPlane* self = d.get();
   d->monitor_ = std::make_unique<PeerMonitor>(
       *d->workers_[0], [self](uint64_t id, const absl::Status& why) {
@@ -104,8 +110,8 @@ void DataPlane::Unlink(SessionId session, std::shared_ptr<Link> link,
 
 DataPlane::~DataPlane() {
   Close();
-  // Create may have failed before the request worker was made.
-  if (request_worker_ != nullptr) request_worker_->Stop();  // no new requests
+  // Create may have failed before the request workers were made.
+  for (auto& w : request_workers_) w->Stop();  // no new requests
   request_pool_.reset();  // runs what was handed over: it ends at once
   monitor_.reset();
   for (auto& w : workers_) w->Stop();
@@ -223,6 +229,8 @@ absl::Status DataPlane::Attach(SessionId session, std::string_view address,
     link->colocated = true;
     link->uid = client_uid;
   }
+  link->request_worker = EnsureRequestLink(session, address);
+  link->client_address = std::string(address);
   {
     absl::MutexLock lock(&mu_);
     if (!closing_) {
@@ -234,7 +242,6 @@ absl::Status DataPlane::Attach(SessionId session, std::string_view address,
     Unlink(session, std::move(link), /*force=*/true);
     return absl::UnavailableError("data plane stopping");
   }
-  EnsureRequestLink(session, address);
   log_->debug("session {}: UCX endpoint connected ({})", session,
               colocated ? "co-located, shared memory allowed" : "peer error handling");
   return absl::OkStatus();
@@ -390,14 +397,27 @@ void DataPlane::LetGo(SessionId session, std::shared_ptr<Link> link) {
 
 void DataPlane::ServeRequests(RequestHandler handler) {
   request_handler_ = std::move(handler);
-  absl::Status st = request_worker_->SetMessageHandler(
+  absl::Status st;
+  for (auto& w : request_workers_) {
+    if (st.ok()) st = ServeRequestsOn(*w);
+  }
+  if (!st.ok()) {
+    log_->warn("UCX requests not served (clients use gRPC calls): {}",
+               st.ToString());
+    return;
+  }
+  serving_requests_ = true;
+}
+
+absl::Status DataPlane::ServeRequestsOn(UcxWorker& request_worker) {
+  absl::Status st = request_worker.SetMessageHandler(
       kRequestMessageId,
       [this](absl::string_view header, absl::string_view payload,
              const UcxWorker::MessageSender& sender) {
         OnRequest(header, payload, sender);
       });
   if (st.ok()) {
-    st = request_worker_->SetDataMessageHandler(
+    st = request_worker.SetDataMessageHandler(
         kDataRequestMessageId,
         [this](absl::string_view header,
                std::unique_ptr<UcxWorker::IncomingData> data,
@@ -419,13 +439,9 @@ void DataPlane::ServeRequests(RequestHandler handler) {
           Admit(h->header, h->body, std::move(data), sender);
         });
   }
-  if (!st.ok()) {
-    log_->warn("UCX requests not served (clients use gRPC calls): {}",
-               st.ToString());
-    return;
-  }
-  serving_requests_ = true;
+  return st;
 }
+
 
 absl::StatusOr<TransferHandle> DataPlane::Receive(
     std::unique_ptr<UcxWorker::IncomingData> data, absl::Span<char> slot,
@@ -435,8 +451,9 @@ absl::StatusOr<TransferHandle> DataPlane::Receive(
     return absl::InvalidArgumentError(
         "a request's data must go into an arena slot of its size");
   }
-  return request_worker_->Receive(std::move(data), slot.data(), deadline,
-                                  std::move(each_got));
+  UcxWorker& worker = data->worker();  // the one it came on
+  return worker.Receive(std::move(data), slot.data(), deadline,
+                        std::move(each_got));
 }
 
 void DataPlane::OnRequest(absl::string_view header, absl::string_view payload,
@@ -479,6 +496,14 @@ void DataPlane::Admit(const RequestHeader& header, absl::string_view payload,
                                  "session ", h->session_id,
                                  " is not open here with a UCX endpoint")));
   }
+  if (data != nullptr && !HasRequestLink(link->client_address)) {
+    // Its bytes would come over an endpoint the client wired up, which
+    // kvdepotd cannot close: UCX 1.13 aborts when a worker goes with a
+    // rendezvous receive pending on such an endpoint (a client stopped
+    // mid-put at shutdown). Refused unread (TakesDataRequests said no).
+    return refuse(absl::FailedPreconditionError(
+        "no request link to this client: send puts without their bytes"));
+  }
   if (requests_in_flight_.fetch_add(1) >= options_.max_requests_in_flight) {
     requests_in_flight_.fetch_sub(1);
     return refuse(absl::ResourceExhaustedError(absl::StrCat(
@@ -513,21 +538,28 @@ void DataPlane::Reply(SessionId session, uint64_t id, const absl::Status& status
   requests_in_flight_.fetch_sub(1);
 }
 
-void DataPlane::EnsureRequestLink(SessionId session, std::string_view address) {
-  if (!serving_requests_) return;
+size_t DataPlane::EnsureRequestLink(SessionId session, std::string_view address) {
+  if (!serving_requests_) return 0;
   const std::string key(address);
   uint64_t id;
+  size_t request_worker;
   {
     absl::MutexLock lock(&mu_);
-    if (closing_ || request_links_.contains(key)) return;
+    if (auto it = request_links_.find(key); it != request_links_.end()) {
+      return it->second.worker;
+    }
+    // Client workers are spread over the request workers in turn.
+    request_worker = next_request_worker_++ % request_workers_.size();
+    if (closing_) return request_worker;
     if (request_links_.size() >= options_.max_request_links) {
       log_->warn("session {}: {} client workers have a request link already "
                  "(max_request_links); this client wires up its own",
                  session, request_links_.size());
-      return;
+      return request_worker;
     }
     id = ++next_request_link_;
-    request_links_[key].id = id;  // taken: a second Attach does not make one
+    // Taken: a second Attach does not make one.
+    request_links_[key] = RequestLink{id, request_worker, nullptr};
   }
   UcxEndpointOptions options;
   options.connect_timeout = options_.connect_timeout;
@@ -536,12 +568,13 @@ void DataPlane::EnsureRequestLink(SessionId session, std::string_view address) {
     DropRequestLink(key, id);
   };
   absl::StatusOr<std::unique_ptr<UcxEndpoint>> endpoint =
-      UcxEndpoint::Connect(*request_worker_, address, std::move(options));
+      UcxEndpoint::Connect(*request_workers_[request_worker], address,
+                           std::move(options));
   if (!endpoint.ok()) {
     log_->warn("session {}: no request link to the client's worker ({}); "
                "the client wires up its own", session, endpoint.status().ToString());
     DropRequestLink(key, id);
-    return;
+    return request_worker;
   }
   // Failed meanwhile, or closing: `endpoint` keeps it, and its destructor
   // force-closes it after `lock` is released (declared later, gone first).
@@ -550,6 +583,7 @@ void DataPlane::EnsureRequestLink(SessionId session, std::string_view address) {
   if (it != request_links_.end() && it->second.id == id) {
     it->second.endpoint = *std::move(endpoint);
   }
+  return request_worker;
 }
 
 void DataPlane::DropRequestLink(const std::string& address, uint64_t id) {
@@ -567,14 +601,28 @@ void DataPlane::DropRequestLink(const std::string& address, uint64_t id) {
   lost_pool_->Submit([endpoint = std::move(endpoint)] {});
 }
 
+bool DataPlane::HasRequestLink(const std::string& client_address) const {
+  absl::MutexLock lock(&mu_);
+  auto it = request_links_.find(client_address);
+  return it != request_links_.end() && it->second.endpoint != nullptr;
+}
+
+bool DataPlane::TakesDataRequests(SessionId session) const {
+  if (!serving_requests_) return false;
+  std::shared_ptr<Link> link = Find(session);
+  return link != nullptr && HasRequestLink(link->client_address);
+}
+
 size_t DataPlane::request_links() const {
   absl::MutexLock lock(&mu_);
   return request_links_.size();
 }
 
 std::string DataPlane::RequestAddress(SessionId session) const {
-  if (!serving_requests_ || !attached(session)) return std::string();
-  return request_worker_->address();
+  if (!serving_requests_) return std::string();
+  std::shared_ptr<Link> link = Find(session);
+  if (link == nullptr) return std::string();
+  return request_workers_[link->request_worker]->address();
 }
 
 size_t DataPlane::requests_in_flight() const { return requests_in_flight_.load(); }

@@ -72,6 +72,10 @@ struct DataPlaneOptions {
   size_t max_requests_in_flight = 4096;
   // Threads that run requests over UCX.
   int request_threads = 2;
+  // UCX workers (progress threads) that receive requests, and the bytes
+  // of puts sent with them; each client worker sends to one of them,
+  // chosen by its address.
+  int request_workers = 2;
   // A co-located client (shared memory) gets a UCX worker and progress
   // thread of its own, destroyed after its session ends: UCX 1.13 drops
   // sends queued over shared memory for a client that no longer takes them
@@ -255,6 +259,10 @@ class DataPlane {
   // pairing holds while each side makes one such endpoint per client
   // worker: libkvdepot keeps its request connection across sessions.
   std::string RequestAddress(SessionId session) const;
+  // Whether `session`'s client may send puts with their bytes
+  // (kDataRequestMessageId): its worker has a request link, so the bytes
+  // come over an endpoint kvdepotd owns and closes (see Admit).
+  bool TakesDataRequests(SessionId session) const;
   // Client workers the request worker has an endpoint to.
   size_t request_links() const;
   // Requests received and not yet answered.
@@ -297,10 +305,17 @@ class DataPlane {
   // Counts one more co-located worker in colocated_workers_ unless there
   // are max_colocated_workers already.
   bool TakeColocatedSlot();
-  // Makes the request worker's endpoint to the client worker at `address`
+  // Makes a request worker's endpoint to the client worker at `address`
   // unless it has one (see RequestAddress). Waits for the wire-up; on
   // failure the client wires up its own (logged).
-  void EnsureRequestLink(SessionId session, std::string_view address);
+  // Returns the request worker that serves that client worker (its
+  // link's; a new one's in turn).
+  size_t EnsureRequestLink(SessionId session, std::string_view address);
+  // Whether the request link to the client worker at `client_address` is
+  // made.
+  bool HasRequestLink(const std::string& client_address) const;
+  // Sets the request handlers of one request worker.
+  absl::Status ServeRequestsOn(UcxWorker& request_worker);
   // Drops request link `id` (its endpoint failed: the client's worker is
   // gone). Any thread.
   void DropRequestLink(const std::string& address, uint64_t id);
@@ -324,9 +339,9 @@ class DataPlane {
   std::unique_ptr<UcxContext> context_;
   std::unique_ptr<MemoryRegion> arena_;
   std::vector<std::unique_ptr<UcxWorker>> workers_;
-  // Receives requests (ServeRequests); its only endpoints are
+  // Receive requests (ServeRequests); their only endpoints are
   // request_links_.
-  std::unique_ptr<UcxWorker> request_worker_;
+  std::vector<std::unique_ptr<UcxWorker>> request_workers_;
   std::unique_ptr<PeerMonitor> monitor_;  // on workers_[0]
 
   mutable absl::Mutex mu_;
@@ -337,11 +352,13 @@ class DataPlane {
   // worker's address; `endpoint` is null while it is being made.
   struct RequestLink {
     uint64_t id = 0;
+    size_t worker = 0;  // in request_workers_
     std::unique_ptr<UcxEndpoint> endpoint;
   };
   absl::flat_hash_map<std::string, RequestLink> request_links_
       ABSL_GUARDED_BY(mu_);
   uint64_t next_request_link_ ABSL_GUARDED_BY(mu_) = 0;
+  uint64_t next_request_worker_ ABSL_GUARDED_BY(mu_) = 0;
   bool closing_ ABSL_GUARDED_BY(mu_) = false;  // the destructor has begun
 
   // Set once, before sessions attach.

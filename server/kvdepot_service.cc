@@ -171,7 +171,7 @@ grpc::ServerUnaryReactor* KvDepotService::OpenSession(
       }
       resp->set_ucx_connected(true);
       resp->set_ucx_request_address(data_plane_->RequestAddress(g.id));
-      resp->set_ucx_data_requests(!resp->ucx_request_address().empty());
+      resp->set_ucx_data_requests(data_plane_->TakesDataRequests(g.id));
     }
     log_->info("session {} opened by '{}' from {} (lease {}{})", g.id,
                req->client_name(), ctx->peer(), absl::FormatDuration(g.lease),

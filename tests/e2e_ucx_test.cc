@@ -654,6 +654,55 @@ double ColocatedWorkersGauge(const DaemonProcess& daemon, double want) {
   return GaugeOnceItIs(daemon, "kvdepot_ucx_colocated_workers", want);
 }
 
+// Clients that stop (SIGSTOP) right after sending a put with its bytes
+// (ucx_client_peer stall-put): the daemon asked for the bytes, which never
+// come. The receive ends at the put's deadline; its slot stays held while
+// UCX may still write into it, and is free again once the client is gone.
+// A client still stopped when the daemon stops does not crash it (UCX 1.13
+// aborts when a worker goes with a rendezvous receive pending on an
+// endpoint it did not close; the daemon closes its request links first).
+TEST_P(UcxE2eTest, ClientsStoppedMidPutWithTheirBytesHoldNothingOnceGone) {
+  if (GetParam() == "shm") {
+    // UCX may then fetch the bytes itself (cma: it reads the stopped
+    // process's memory), and the put succeeds.
+    GTEST_SKIP() << "over shared memory the bytes need not wait for the sender";
+  }
+  ASSERT_OK(client_->EnsureSession().status());
+  constexpr size_t kSize = 1 << 20;
+  std::vector<std::unique_ptr<Child>> peers;
+  for (const char* ns : {"sp-killed", "sp-left"}) {
+    peers.push_back(Spawn({"stall-put", daemon_->address(), ns,
+                           std::to_string(kSize), "300"}));
+    std::string line;
+    for (int i = 0; i < 50 && line != "SENT"; ++i) {
+      line = peers.back()->ReadLine();
+      if (line.empty()) break;  // EOF: it ended
+    }
+    ASSERT_EQ(line, "SENT") << ns;
+  }
+  // Past the deadline, the puts failed: nothing reserved, the slots held.
+  EXPECT_TRUE(StatsBecome([](const v1::StatsResponse& s) {
+    return s.reservations() == 0;
+  })) << daemon_->Log();
+  EXPECT_EQ(GaugeOnceItIs(*daemon_, "kvdepot_ucx_held_bytes", 2.0 * kSize),
+            2.0 * kSize);
+  // One client is killed: its request link fails, and UCX ends its receive.
+  kill(peers[0]->pid, SIGKILL);
+  EXPECT_EQ(GaugeOnceItIs(*daemon_, "kvdepot_ucx_held_bytes", 1.0 * kSize),
+            1.0 * kSize) << daemon_->Log();
+  // Nothing was stored for either.
+  for (const char* key : {"sp-killed0", "sp-left0"}) {
+    absl::string_view k = key;
+    absl::StatusOr<LookupReply> r =
+        client_->Lookup(absl::string_view(key).substr(0, std::strlen(key) - 1),
+                        {&k, 1}, false, false);
+    ASSERT_OK(r.status());
+    EXPECT_FALSE(r->entries[0].found) << key;
+  }
+  // The other is still stopped when the daemon stops: a clean exit.
+  EXPECT_EQ(daemon_->Stop(SIGTERM).value_or(-1), 0) << daemon_->Log();
+}
+
 TEST_P(UcxE2eTest, AKilledClientLeavesNothingForTheDaemonToSpinOn) {
   // A client (ucx_client_peer late-get, 5 s allowed) stops in the middle
   // of a 64 MiB get, so the daemon's UCX holds writes for it that it does

@@ -33,7 +33,16 @@
 //     sends the last session's first request and ends (_exit, no cleanup)
 //     DELAY_US microseconds later. Exit 3 when OpenSession failed or gave
 //     no request address (nothing was tried).
+//   ucx_client_peer stall-put SERVER NS SIZE TIMEOUT_MS
+//     Opens a session as libkvdepot does (its worker's address, a request
+//     connection), puts a block "NS-warm" with its bytes, then sends a put
+//     of one block "NS0" of SIZE bytes with its bytes as rendezvous data
+//     (timeout_ms TIMEOUT_MS), and as soon as the
+//     message is out, prints "SENT" and stops itself (SIGSTOP) from its
+//     progress thread: the daemon is asked for the bytes and never gets
+//     them. Exit 3 when the daemon takes no puts with their bytes.
 #include <sched.h>
+#include <sys/types.h>
 #include <signal.h>
 #include <unistd.h>
 
@@ -50,6 +59,7 @@
 #include "absl/time/clock.h"
 #include "client/client.h"
 #include "client/ucx_requests.h"
+#include "storage/checksum.h"
 #include "transport/request_message.h"
 #include "transport/ucx_context.h"
 #include "transport/ucx_endpoint.h"
@@ -306,6 +316,93 @@ int WireAndDie(const std::string& server, int sessions, int64_t delay_us) {
   _exit(0);
 }
 
+int StallPut(const std::string& server, const std::string& ns, uint64_t size,
+             uint32_t timeout_ms) {
+  ClientOptions defaults;
+  defaults.server = server;
+  UcxContextOptions context_options;
+  context_options.config = ClientUcxSettings(defaults);
+  absl::StatusOr<std::unique_ptr<UcxContext>> context =
+      UcxContext::Create(context_options);
+  if (!context.ok()) return Fail(context.status().ToString());
+  absl::StatusOr<std::unique_ptr<UcxWorker>> worker = UcxWorker::Create(**context);
+  if (!worker.ok()) return Fail(worker.status().ToString());
+  absl::StatusOr<std::unique_ptr<UcxRequests>> requests = UcxRequests::Create(**worker);
+  if (!requests.ok()) return Fail(requests.status().ToString());
+  ClientOptions options;
+  options.server = server;
+  options.transport = ClientOptions::Transport::kGrpc;  // for its stub only
+  absl::StatusOr<std::unique_ptr<Client>> client = Client::Connect(options);
+  if (!client.ok()) return Fail(client.status().ToString());
+  grpc::ClientContext ctx;
+  v1::OpenSessionRequest open;
+  open.set_client_name("stall-put");
+  open.set_lease_ms(60000);
+  open.set_ucx_worker_address((*worker)->address());
+  open.set_host_id(LocalHostId());
+  if (const auto& tcp = (*context)->tcp_segments(); tcp.has_value()) {
+    open.set_ucx_tcp_tx_seg_size(tcp->tx);
+    open.set_ucx_tcp_rx_seg_size(tcp->rx);
+  }
+  v1::OpenSessionResponse opened;
+  if (!(*client)->stub().OpenSession(&ctx, open, &opened).ok() ||
+      !opened.ucx_data_requests()) {
+    std::cerr << "ucx_client_peer: the daemon takes no puts with their bytes\n";
+    return 3;
+  }
+  const uint64_t session = opened.session_id();
+  absl::Status connected =
+      (*requests)->Connect(session, opened.ucx_request_address(), absl::Seconds(5));
+  if (!connected.ok()) return Fail(connected.ToString());
+  std::vector<char> bytes(size, 'p');
+  // The put of one block `key` of `size` bytes.
+  auto put = [&](const std::string& key) {
+    v1::PullBlocksRequest req;
+    req.set_session_id(session);
+    req.set_namespace_(ns);
+    req.set_timeout_ms(timeout_ms);
+    v1::PullSpec* b = req.add_blocks();
+    b->set_key(key);
+    b->set_checksum(BlockChecksum(absl::string_view(bytes.data(), size)));
+    b->mutable_source()->set_size(size);
+    return req.SerializeAsString();
+  };
+  // One put taken whole first: UCX 1.13 wires up some of a connection's
+  // lanes only when they are first used, which needs progress here.
+  absl::Notification warm;
+  absl::Status warmed;
+  absl::Status sent = (*requests)->SendWithData(
+      session, RequestMethod::kPullBlocks, put(absl::StrCat(ns, "-warm")),
+      absl::Span<const char>(bytes.data(), size), absl::Now() + absl::Seconds(10),
+      [&](const absl::Status& st, absl::string_view) {
+        warmed = st;
+        warm.Notify();
+      });
+  if (!sent.ok()) return Fail(sent.ToString());
+  warm.WaitForNotification();
+  if (!warmed.ok()) return Fail(warmed.ToString());
+  // From a task on the progress thread, so that the send and the stop are
+  // queued together and run in one pass, with no UCX progress in between:
+  // the message goes out, the daemon's answer asking for the bytes is
+  // never taken.
+  absl::Status ran = (*worker)->Run([&] {
+    sent = (*requests)->SendWithData(
+        session, RequestMethod::kPullBlocks, put(absl::StrCat(ns, 0)),
+        absl::Span<const char>(bytes.data(), size), absl::Now() + absl::Seconds(60),
+        [](const absl::Status&, absl::string_view) {});
+    if (!sent.ok()) return;
+    (*worker)
+        ->Post([] {
+          std::cout << "SENT" << std::endl;
+          kill(getpid(), SIGSTOP);
+        })
+        .IgnoreError();
+  });
+  if (!ran.ok()) return Fail(ran.ToString());
+  if (!sent.ok()) return Fail(sent.ToString());
+  for (;;) pause();
+}
+
 }  // namespace
 }  // namespace kvdepot
 
@@ -333,6 +430,11 @@ int main(int argc, char** argv) {
       sessions >= 1 && absl::SimpleAtoi(a[3], &delay_us)) {
     return kvdepot::WireAndDie(a[1], sessions, delay_us);
   }
-  std::cerr << "usage: ucx_client_peer roundtrip|stall|late-get|hold-pin|hold-reservation|wire-and-die ...\n";
+  uint32_t put_timeout_ms = 0;
+  if (a.size() == 5 && a[0] == "stall-put" && absl::SimpleAtoi(a[3], &size) &&
+      absl::SimpleAtoi(a[4], &put_timeout_ms)) {
+    return kvdepot::StallPut(a[1], a[2], size, put_timeout_ms);
+  }
+  std::cerr << "usage: ucx_client_peer roundtrip|stall|late-get|hold-pin|hold-reservation|wire-and-die|stall-put ...\n";
   return 2;
 }

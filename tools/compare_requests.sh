@@ -15,7 +15,15 @@
 #
 #   tools/compare_requests.sh [--build DIR] [--block-size BYTES]
 #       [--clients "1 4"] [--batches "1 16"] [--duration S] [--rounds N]
-#       [--ucx-tls TLS] [--out FILE] [--smoke]
+#       [--ucx-tls TLS] [--compare requests|put-protocol] [--out FILE]
+#       [--smoke]
+#
+# --compare put-protocol compares the two ways a put's bytes travel instead
+# (puts only, both with requests over UCX): each block sent with its own
+# request as rendezvous data that the daemon receives into its slot
+# (kvdepot-bench --put-protocol send, the default) against one request per
+# batch whose blocks the daemon reads from the client's buffer (pull).
+# ratio = send GB/s / pull GB/s.
 #
 # --ucx-tls sets UCX_TLS for kvdepotd and the clients ("tcp"; "shm,tcp" for
 # shared memory between co-located processes, the default).
@@ -35,6 +43,7 @@ ROUNDS=2
 WARMUP=1
 TLS="shm,tcp"
 OUT="$REPO/tools/results/compare_requests.json"
+COMPARE=requests
 
 usage() { sed -n '2,/^set -euo/p' "${BASH_SOURCE[0]}" | sed '$d; s/^# \{0,1\}//'; }
 die_usage() { echo "compare_requests.sh: $*" >&2; exit 2; }
@@ -48,6 +57,7 @@ while [[ $# -gt 0 ]]; do
     --duration) need_value "$@"; DURATION="$2"; shift 2 ;;
     --rounds) need_value "$@"; ROUNDS="$2"; shift 2 ;;
     --ucx-tls) need_value "$@"; TLS="$2"; shift 2 ;;
+    --compare) need_value "$@"; COMPARE="$2"; shift 2 ;;
     --out) need_value "$@"; OUT="$2"; shift 2 ;;
     --smoke) BLOCK=65536; CLIENTS=1; BATCHES=1; DURATION=0.5; ROUNDS=1; WARMUP=0.2; shift ;;
     -h|--help) usage; exit 0 ;;
@@ -60,6 +70,18 @@ is_uint "$ROUNDS" || die_usage "--rounds: \"$ROUNDS\" is not a positive integer"
 for c in $CLIENTS; do is_uint "$c" || die_usage "--clients: \"$c\" is not a positive integer"; done
 for b in $BATCHES; do is_uint "$b" || die_usage "--batches: \"$b\" is not a positive integer"; done
 [[ $DURATION =~ ^[0-9]+([.][0-9]+)?$ ]] || die_usage "--duration: \"$DURATION\" is not a number of seconds"
+# The two sides (A, B), the kvdepot-bench arguments of each, and the ops.
+case "$COMPARE" in
+  requests)
+    SIDE_A=ucx SIDE_B=grpc OPS="put get"
+    ARGS_A=(--requests ucx) ARGS_B=(--requests grpc)
+    WORKLOAD="kvdepot-bench get/put over UCX, request as UCX active message (ucx) vs gRPC call (grpc)" ;;
+  put-protocol)
+    SIDE_A=send SIDE_B=pull OPS="put"
+    ARGS_A=(--requests ucx --put-protocol send) ARGS_B=(--requests ucx --put-protocol pull)
+    WORKLOAD="kvdepot-bench put over UCX requests, each block sent with its request as rendezvous data (send) vs one request per batch whose blocks the daemon reads (pull)" ;;
+  *) die_usage "--compare must be requests or put-protocol" ;;
+esac
 
 KVDEPOTD="$BUILD/server/kvdepotd"
 BENCH="$BUILD/tools/kvdepot-bench"
@@ -89,15 +111,17 @@ done
 KVD="127.0.0.1:$port"
 
 failed=0
-# bench REQUESTS OP CLIENTS BATCH SECONDS [extra]: one kvdepot-bench run's JSON.
+# bench SIDE OP CLIENTS BATCH SECONDS [extra]: one kvdepot-bench run's JSON.
 bench() {
-  local requests=$1 op=$2 clients=$3 batch=$4 seconds=$5 out
+  local side=$1 op=$2 clients=$3 batch=$4 seconds=$5 out
   shift 5
-  if ! out="$("$BENCH" --server "$KVD" --op "$op" --requests "$requests" \
+  local args=("${ARGS_A[@]}")
+  [[ $side == "$SIDE_B" ]] && args=("${ARGS_B[@]}")
+  if ! out="$("$BENCH" --server "$KVD" --op "$op" "${args[@]}" \
       --block-size "$BLOCK" --clients "$clients" --batch "$batch" \
       --duration "$seconds" --ns requests "$@" --json 2>"$WORK/bench.err")" ||
       [[ $out != '{'* ]]; then
-    echo "kvdepot-bench --requests $requests --op $op x$clients batch $batch failed:" >&2
+    echo "kvdepot-bench ${args[*]} --op $op x$clients batch $batch failed:" >&2
     sed 's/^/  /' "$WORK/bench.err" >&2
     failed=1
     echo "{}"
@@ -114,34 +138,34 @@ gbps() { sed -n 's/.*"gb_per_sec":\([0-9.]*\).*/\1/p' <<<"$1"; }
 p99() { sed -n 's/.*"p99_us":\([0-9.]*\).*/\1/p' <<<"$1"; }
 
 printf '%-4s %-7s %-5s %-12s %-12s %-8s %-12s %-12s\n' op clients batch \
-  ucx_GB/s grpc_GB/s ratio ucx_p99_us grpc_p99_us
+  "${SIDE_A}_GB/s" "${SIDE_B}_GB/s" ratio "${SIDE_A}_p99_us" "${SIDE_B}_p99_us"
 rows=()
-for op in put get; do
+for op in $OPS; do
   for clients in $CLIENTS; do
     for batch in $BATCHES; do
       # Warm-up (and for get, the working set is stored by the first run).
-      bench ucx "$op" "$clients" "$batch" "$WARMUP" --clear-ns >/dev/null
-      bench grpc "$op" "$clients" "$batch" "$WARMUP" >/dev/null
+      bench "$SIDE_A" "$op" "$clients" "$batch" "$WARMUP" --clear-ns >/dev/null
+      bench "$SIDE_B" "$op" "$clients" "$batch" "$WARMUP" >/dev/null
       best_a=0 best_b=0 a_p99=0 b_p99=0 rounds=""
       for ((r = 1; r <= ROUNDS; r++)); do
-        a="$(bench ucx "$op" "$clients" "$batch" "$DURATION")"
-        b="$(bench grpc "$op" "$clients" "$batch" "$DURATION")"
+        a="$(bench "$SIDE_A" "$op" "$clients" "$batch" "$DURATION")"
+        b="$(bench "$SIDE_B" "$op" "$clients" "$batch" "$DURATION")"
         ga="$(gbps "$a")"; gb="$(gbps "$b")"
         ga=${ga:-0}; gb=${gb:-0}
         if awk -v x="$ga" -v y="$best_a" 'BEGIN{exit !(x > y)}'; then best_a=$ga; a_p99="$(p99 "$a")"; fi
         if awk -v x="$gb" -v y="$best_b" 'BEGIN{exit !(x > y)}'; then best_b=$gb; b_p99="$(p99 "$b")"; fi
-        rounds+="${rounds:+, }{\"round\": $r, \"ucx\": $a, \"grpc\": $b}"
+        rounds+="${rounds:+, }{\"round\": $r, \"$SIDE_A\": $a, \"$SIDE_B\": $b}"
       done
       ratio="$(awk -v a="$best_a" -v b="$best_b" 'BEGIN {if (b > 0) printf "%.2f", a / b; else print "n/a"}')"
       printf '%-4s %-7s %-5s %-12.3f %-12.3f %-8s %-12s %-12s\n' "$op" "$clients" "$batch" \
         "$best_a" "$best_b" "$ratio" "${a_p99:-0}" "${b_p99:-0}"
-      rows+=("{\"op\": \"$op\", \"clients\": $clients, \"batch\": $batch, \"ucx_gb_per_s\": $best_a, \"grpc_gb_per_s\": $best_b, \"ratio\": \"$ratio\", \"ucx_p99_us\": ${a_p99:-0}, \"grpc_p99_us\": ${b_p99:-0}, \"rounds\": [$rounds]}")
+      rows+=("{\"op\": \"$op\", \"clients\": $clients, \"batch\": $batch, \"${SIDE_A}_gb_per_s\": $best_a, \"${SIDE_B}_gb_per_s\": $best_b, \"ratio\": \"$ratio\", \"${SIDE_A}_p99_us\": ${a_p99:-0}, \"${SIDE_B}_p99_us\": ${b_p99:-0}, \"rounds\": [$rounds]}")
     done
   done
 done
 {
   echo "{\"benchmark\": \"compare_requests\", \"date\": \"$(date -u +%Y-%m-%dT%H:%M:%SZ)\","
-  echo " \"workload\": \"kvdepot-bench get/put over UCX, request as UCX active message (ucx) vs gRPC call (grpc)\","
+  echo " \"compare\": \"$COMPARE\", \"workload\": \"$WORKLOAD\","
   echo " \"block_size\": $BLOCK, \"ucx_tls\": \"$TLS\", \"duration_s\": $DURATION, \"rounds_per_side\": $ROUNDS,"
   echo " \"results\": ["
   for ((i = 0; i < ${#rows[@]}; i++)); do

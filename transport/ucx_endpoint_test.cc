@@ -1153,6 +1153,69 @@ TEST_P(UcxEndpointTest, RendezvousDataGoesWhereTheReceiverPutsItOrNowhere) {
   EXPECT_EQ(sent_ok, 3);
 }
 
+// A sender that stops progressing after its message went out never sends
+// the data: the receive ends at its deadline, abandoned (UCX still holds
+// it), and is released when the receiver closes its endpoint to the
+// sender. As kvdepotd does, the receiver has an endpoint of its own to the
+// sender's worker, made first, which the sender's pairs with: UCX 1.13
+// aborts when a worker is destroyed while a rendezvous receive is pending
+// on an endpoint it did not close (ucp_ep.c, "proto_reqs" assertion).
+TEST_P(UcxEndpointTest, ARendezvousReceiveWhoseSenderStalledEndsAtItsDeadline) {
+  auto sender_worker = UcxWorker::Create(*client_context_);
+  ASSERT_TRUE(sender_worker.ok()) << sender_worker.status();
+  UcxEndpointOptions back_options;
+  back_options.peer_error_handling = true;
+  auto back = UcxEndpoint::Connect(*server_worker_, (*sender_worker)->address(),
+                                   std::move(back_options));
+  ASSERT_TRUE(back.ok()) << back.status();
+  UcxEndpointOptions options;
+  options.peer_error_handling = true;
+  auto sender = UcxEndpoint::Connect(**sender_worker, server_worker_->address(),
+                                     std::move(options));
+  ASSERT_TRUE(sender.ok()) << sender.status();
+  absl::Mutex mu;
+  std::unique_ptr<UcxWorker::IncomingData> got;
+  ASSERT_TRUE(server_worker_
+                  ->SetDataMessageHandler(
+                      9, [&](absl::string_view, std::unique_ptr<UcxWorker::IncomingData> data,
+                             const UcxWorker::MessageSender&) {
+                        absl::MutexLock lock(&mu);
+                        got = std::move(data);
+                      })
+                  .ok());
+  std::vector<char> payload = RandomBytes(kBlock, 5);
+  ASSERT_TRUE((*sender)
+                  ->SendMessageWithData(9, "stall", absl::MakeConstSpan(payload),
+                                        [](const absl::Status&) {})
+                  .ok());
+  {
+    absl::MutexLock lock(&mu);
+    ASSERT_TRUE(mu.AwaitWithTimeout(
+        absl::Condition(+[](std::unique_ptr<UcxWorker::IncomingData>* g) {
+          return *g != nullptr;
+        }, &got),
+        absl::Seconds(10)));
+  }
+  absl::Notification fenced;
+  (*sender_worker)->Fence([&fenced] { fenced.Notify(); });
+  fenced.WaitForNotification();
+  std::fill(arena_->base(), arena_->base() + kBlock, '\0');
+  const absl::Time start = absl::Now();
+  TransferHandle h = server_worker_->Receive(std::move(got), arena_->base(),
+                                             start + absl::Milliseconds(300));
+  ASSERT_TRUE(h.WaitUntil(start + absl::Seconds(10)));
+  EXPECT_GE(absl::Now() - start, absl::Milliseconds(300));
+  EXPECT_TRUE(absl::IsDeadlineExceeded(h.overall_status())) << h.overall_status();
+  EXPECT_TRUE(h.abandoned());
+  absl::Notification released;
+  h.OnReleased([&released] { released.Notify(); });
+  EXPECT_FALSE(released.HasBeenNotified());
+  (*back)->Close(/*force=*/true);  // ends the receive
+  EXPECT_TRUE(released.WaitForNotificationWithTimeout(absl::Seconds(10)));
+  back->reset();
+  server_worker_->Stop();
+}
+
 TEST_P(UcxEndpointTest, RendezvousDataOnAClosedEndpointIsUnavailable) {
   endpoint_->Close();
   std::vector<char> bytes(100);

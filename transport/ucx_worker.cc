@@ -202,20 +202,38 @@ void UcxWorker::StartReceive(
   batch->Seal(nullptr);
   if (batch->finished()) return;
   std::weak_ptr<transport_internal::TransferBatch> weak = batch;
-  RunAt(batch->deadline(), [weak] {
-    std::shared_ptr<transport_internal::TransferBatch> b = weak.lock();
-    if (b == nullptr || b->finished()) return;
-    // UCX 1.13 cannot cancel a rendezvous receive: the request ends when
-    // the bytes come or the sender's connection fails.
-    b->Abort(absl::DeadlineExceededError(
-        "rendezvous data did not arrive before its deadline"));
-    b->Abandon();
-  });
+  receives_.push_back({batch->deadline(), weak});
+  WakeAt(batch->deadline());
+  // Receives that ended leave the list at the next tick; a fast stream of
+  // them between ticks is compacted now and then, so the list stays near
+  // the number in flight.
+  if (receives_.size() >= 2 * receives_kept_ + 64) TickReceives(absl::InfinitePast());
   AtDestroy(weak, [] {}, [weak] {
     if (std::shared_ptr<transport_internal::TransferBatch> b = weak.lock()) {
       b->WorkerDestroyed();
     }
   });
+}
+
+void UcxWorker::TickReceives(absl::Time now) {
+  size_t kept = 0;
+  for (PendingReceive& r : receives_) {
+    std::shared_ptr<transport_internal::TransferBatch> b = r.batch.lock();
+    if (b == nullptr || b->finished()) continue;
+    if (r.deadline <= now) {
+      // UCX 1.13 cannot cancel a rendezvous receive: the request ends when
+      // the bytes come or the sender's connection fails (or the worker
+      // goes: AtDestroy).
+      b->Abort(absl::DeadlineExceededError(
+          "rendezvous data did not arrive before its deadline"));
+      b->Abandon();
+      continue;
+    }
+    next_tick_ = std::min(next_tick_, r.deadline);
+    receives_[kept++] = std::move(r);
+  }
+  receives_.resize(kept);
+  receives_kept_ = kept;
 }
 
 void UcxWorker::MessageSender::Reply(uint16_t id, std::string header,
@@ -442,6 +460,7 @@ void UcxWorker::TickResidents() {
     }
   }
   for (auto& task : due) std::move(task)();
+  TickReceives(now);
   next_sender_tick_ = absl::InfiniteFuture();
   ForEachResident([this, now](Resident* r) {
     const absl::Time next = r->OnTick(now);

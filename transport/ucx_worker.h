@@ -141,6 +141,8 @@ class UcxWorker {
     IncomingData& operator=(const IncomingData&) = delete;
     ~IncomingData();
     size_t size() const { return size_; }
+    // The worker it came on (where Receive takes it).
+    UcxWorker& worker() const { return *worker_; }
 
    private:
     friend class UcxWorker;
@@ -260,6 +262,9 @@ class UcxWorker {
                                     size_t header_length, void* data,
                                     size_t length,
                                     const ucp_am_recv_param_t* param);
+  // Ends the receives past their deadline at `now` (abandoned: UCX still
+  // holds them) and drops those that ended from receives_.
+  void TickReceives(absl::Time now);
   // Receive's part on the progress thread, outside UCX callbacks.
   void StartReceive(std::shared_ptr<transport_internal::TransferBatch> batch,
                     std::unique_ptr<IncomingData> data, char* to);
@@ -295,6 +300,13 @@ class UcxWorker {
   };
   std::vector<DestroyHook> destroy_hooks_;
   std::vector<std::pair<absl::Time, absl::AnyInvocable<void() &&>>> timers_;
+  // Receives in flight (or ended since the last tick), for their deadlines.
+  struct PendingReceive {
+    absl::Time deadline;
+    std::weak_ptr<transport_internal::TransferBatch> batch;
+  };
+  std::vector<PendingReceive> receives_;
+  size_t receives_kept_ = 0;  // receives_.size() after the last tick
   absl::Time next_tick_ = absl::InfiniteFuture();
   // Fence: ucp_worker_progress is never called again.
   bool fenced_ = false;
