@@ -1159,73 +1159,6 @@ TransferOp Client::GetIntoAsync(absl::string_view ns,
   return op;
 }
 
-bool Client::SendPutsWithData(UcxRequests& requests,
-                              const std::shared_ptr<TransferOp::State>& state,
-                              absl::Span<const BlockToPut> blocks) {
-  const v1::PullBlocksRequest& req = state->pull_req;
-  const uint64_t session = req.session_id();
-  if (!requests.Serves(session)) return false;
-  // One request per block, each with the block's bytes: UCX sends a
-  // message's data with zero copy only from one contiguous range, and the
-  // daemon receives it into one slot. The op ends with the last reply.
-  struct Parts {
-    absl::Mutex mu;
-    size_t left ABSL_GUARDED_BY(mu) = 0;
-  };
-  auto parts = std::make_shared<Parts>();
-  for (int i = 0; i < req.blocks_size(); ++i) state->pull_resp.add_blocks();
-  {
-    absl::MutexLock lock(&parts->mu);
-    parts->left = blocks.size();
-  }
-  // Block i's reply (or failure) is in: the op ends with the last.
-  auto settle = [this, state, parts, session](int i, const absl::Status& st,
-                                              const v1::PullBlocksResponse* r) {
-    if (SessionGone(st)) DropSession(session);
-    bool last;
-    {
-      absl::MutexLock lock(&parts->mu);
-      v1::BlockTransfer* t = state->pull_resp.mutable_blocks(i);
-      if (st.ok() && r->blocks_size() == 1) {
-        *t = r->blocks(0);
-      } else {
-        const absl::Status why =
-            st.ok() ? absl::InternalError("the daemon's reply is short of blocks")
-                    : st;
-        t->set_code(static_cast<int>(why.code()));
-        t->set_message(std::string(why.message()));
-      }
-      last = --parts->left == 0;
-    }
-    if (last) FinishPut(*state, absl::OkStatus());
-  };
-  const absl::Time deadline = absl::Now() + UcxRequestTimeout();
-  for (int i = 0; i < req.blocks_size(); ++i) {
-    v1::PullBlocksRequest one;
-    one.set_session_id(session);
-    one.set_namespace_(req.namespace_());
-    one.set_timeout_ms(req.timeout_ms());
-    *one.add_blocks() = req.blocks(i);
-    absl::Status sent = requests.SendWithData(
-        session, RequestMethod::kPullBlocks, one.SerializeAsString(),
-        absl::Span<const char>(blocks[i].bytes.data(), blocks[i].bytes.size()),
-        deadline,
-        [settle, i](const absl::Status& reply, absl::string_view body) {
-          v1::PullBlocksResponse r;
-          settle(i, ParseReply(reply, body, r), &r);
-        });
-    if (!sent.ok()) {
-      if (i == 0) {  // nothing went: the caller sends it as one request
-        state->pull_resp.Clear();
-        return false;
-      }
-      for (int j = i; j < req.blocks_size(); ++j) settle(j, sent, nullptr);
-      return true;
-    }
-  }
-  return true;
-}
-
 TransferOp Client::PutFromAsync(absl::string_view ns,
                                 absl::Span<const BlockToPut> blocks) {
   absl::Status valid = ValidateNamespace(ns);
@@ -1272,22 +1205,32 @@ TransferOp Client::PutFromAsync(absl::string_view ns,
   // No fence for a put that fails: the daemon only reads these buffers,
   // and keeps the slots of reads UCX may still answer (HoldUntilReleased).
   UcxRequests* requests = target->link->requests.get();
-  if (requests != nullptr && options_.ucx_data_requests &&
-      target->link->data_requests.load() &&
-      std::find(target->in_place.begin(), target->in_place.end(), true) ==
-          target->in_place.end() &&
-      SendPutsWithData(*requests, state, blocks)) {
-    return op;
-  }
   if (requests != nullptr && requests->Serves(session)) {
-    absl::Status sent = requests->Send(
-        session, RequestMethod::kPullBlocks, req.SerializeAsString(),
-        absl::Now() + UcxRequestTimeout(),
-        [this, state, session](const absl::Status& reply, absl::string_view body) {
-          const absl::Status st = ParseReply(reply, body, state->pull_resp);
-          if (SessionGone(st)) DropSession(session);
-          FinishPut(*state, st);
-        });
+    auto done = [this, state, session](const absl::Status& reply,
+                                       absl::string_view body) {
+      const absl::Status st = ParseReply(reply, body, state->pull_resp);
+      if (SessionGone(st)) DropSession(session);
+      FinishPut(*state, st);
+    };
+    // The blocks' bytes with the request (ucx_data_requests), unless the
+    // daemon copies them in place.
+    const bool with_data =
+        options_.ucx_data_requests && target->link->data_requests.load() &&
+        std::find(target->in_place.begin(), target->in_place.end(), true) ==
+            target->in_place.end();
+    absl::Status sent;
+    if (with_data) {
+      std::vector<absl::Span<const char>> data;
+      data.reserve(blocks.size());
+      for (const BlockToPut& b : blocks) data.emplace_back(b.bytes.data(), b.bytes.size());
+      sent = requests->SendWithData(session, RequestMethod::kPullBlocks,
+                                    req.SerializeAsString(), std::move(data),
+                                    absl::Now() + UcxRequestTimeout(), std::move(done));
+    } else {
+      sent = requests->Send(session, RequestMethod::kPullBlocks,
+                            req.SerializeAsString(),
+                            absl::Now() + UcxRequestTimeout(), std::move(done));
+    }
     if (sent.ok()) return op;
   }
   PrepareContext(&state->ctx);

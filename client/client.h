@@ -87,15 +87,18 @@ struct ClientOptions {
   // client does not). Costs a pass over the bytes; catches a buffer changed
   // while its put is in flight.
   bool always_checksum_puts = false;
-  // With ucx_requests, send each block of a PutFromAsync with its request,
+  // With ucx_requests, send the blocks of a PutFromAsync with its request,
   // as UCX rendezvous data, when the daemon takes that (OpenSessionResponse.
   // ucx_data_requests): the daemon receives the bytes straight into the
-  // slot it reserved, where UCX moves them with zero copy (TCP: the
-  // kernel's copies only), instead of reading this client's buffer with
-  // gets that UCX 1.13 emulates with messages over TCP. One request per
-  // block. Not for blocks a daemon on this host copies in place
-  // (AllocateBuffer), which stay one request per batch.
-  bool ucx_data_requests = true;
+  // slots it reserved instead of reading this client's buffers with gets
+  // (which UCX 1.13 emulates with messages over TCP, a copy on each side).
+  // Not for blocks a daemon on this host copies in place (AllocateBuffer).
+  // Off by default: on loopback TCP here it moved 1.0-1.5x the bytes/s of
+  // the gets at 1 client but 0.8-1.0x at 4 (tools/results/
+  // compare_put_protocols_tcp.json; the kernel's copy from cold client
+  // memory costs what UCX's copy into a warm buffer saved). Measure on your
+  // fabric: tools/compare_requests.sh --compare put-protocol.
+  bool ucx_data_requests = false;
 };
 
 // The UCX settings a Client with `options` gives its UCX context: options.ucx,
@@ -326,12 +329,6 @@ class Client {
     std::vector<bool> in_place;
   };
   absl::StatusOr<UcxTarget> PrepareUcx(absl::Span<const absl::Span<const char>> ranges);
-  // PutFromAsync's blocks (state->pull_req, one per block) as requests
-  // with their bytes (ClientOptions::ucx_data_requests); false when none
-  // could be sent (nothing went: send them otherwise).
-  bool SendPutsWithData(UcxRequests& requests,
-                        const std::shared_ptr<TransferOp::State>& state,
-                        absl::Span<const BlockToPut> blocks);
   // The daemon no longer knows `session` (or its endpoint): forget it so
   // that the next call opens a new one.
   void DropSession(uint64_t session);

@@ -151,7 +151,7 @@ absl::Status UcxRequests::Send(uint64_t session, RequestMethod method,
 
 absl::Status UcxRequests::SendWithData(uint64_t session, RequestMethod method,
                                        std::string body,
-                                       absl::Span<const char> data,
+                                       std::vector<absl::Span<const char>> data,
                                        absl::Time deadline, Done done) {
   return SendRequest(session, method, std::move(body), &data, deadline,
                      std::move(done));
@@ -159,7 +159,7 @@ absl::Status UcxRequests::SendWithData(uint64_t session, RequestMethod method,
 
 absl::Status UcxRequests::SendRequest(uint64_t session, RequestMethod method,
                                       std::string body,
-                                      const absl::Span<const char>* data,
+                                      std::vector<absl::Span<const char>>* data,
                                       absl::Time deadline, Done done) {
   absl::MutexLock lock(&mu_);
   if (stopped_ || session == 0 || session_ != session || failed_ ||
@@ -179,7 +179,7 @@ absl::Status UcxRequests::SendRequest(uint64_t session, RequestMethod method,
                                    std::move(body))
           : endpoint_->SendMessageWithData(
                 kDataRequestMessageId, EncodeDataRequestHeader(header, body),
-                *data, [this, id](const absl::Status& st) {
+                std::move(*data), [this, id](const absl::Status& st) {
                   if (st.ok()) return;
                   // Progress thread, no lock held.
                   EndOne(id, absl::UnavailableError(absl::StrCat(

@@ -15,6 +15,7 @@
 #include <memory>
 #include <string>
 #include <string_view>
+#include <vector>
 
 #include "absl/base/thread_annotations.h"
 #include "absl/container/flat_hash_map.h"
@@ -77,13 +78,15 @@ class UcxRequests : private UcxWorker::Resident {
   absl::Status Send(uint64_t session, RequestMethod method, std::string body,
                     absl::Time deadline, Done done);
 
-  // Like Send, for a request that carries `data` as rendezvous data
-  // (kDataRequestMessageId: the daemon receives it into memory it picks).
+  // Like Send, for a request that carries `data` (its pieces one after the
+  // other) as rendezvous data (kDataRequestMessageId: the daemon receives
+  // it into memory it picks).
   // `data` must stay valid until `done` runs: the daemon answers once it
   // has received the bytes, or without having read them. A send that fails
   // ends the request Unavailable.
   absl::Status SendWithData(uint64_t session, RequestMethod method,
-                            std::string body, absl::Span<const char> data,
+                            std::string body,
+                            std::vector<absl::Span<const char>> data,
                             absl::Time deadline, Done done);
 
   // Requests sent and not yet ended.
@@ -107,7 +110,8 @@ class UcxRequests : private UcxWorker::Resident {
   void OnStop() override;
   // Send and SendWithData (`data` null for Send).
   absl::Status SendRequest(uint64_t session, RequestMethod method,
-                           std::string body, const absl::Span<const char>* data,
+                           std::string body,
+                           std::vector<absl::Span<const char>>* data,
                            absl::Time deadline, Done done);
   // Ends pending request `id`, if it still is, with `status` (outside mu_).
   void EndOne(uint64_t id, const absl::Status& status);

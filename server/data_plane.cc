@@ -444,15 +444,22 @@ absl::Status DataPlane::ServeRequestsOn(UcxWorker& request_worker) {
 
 
 absl::StatusOr<TransferHandle> DataPlane::Receive(
-    std::unique_ptr<UcxWorker::IncomingData> data, absl::Span<char> slot,
-    absl::Time deadline, absl::AnyInvocable<void(size_t)> each_got) {
-  if (data == nullptr || data->size() != slot.size() ||
-      !arena_->Contains(slot.data(), slot.size())) {
+    std::unique_ptr<UcxWorker::IncomingData> data,
+    std::vector<absl::Span<char>> pieces, absl::Time deadline,
+    absl::AnyInvocable<void(size_t)> each_got) {
+  uint64_t total = 0;
+  for (const absl::Span<char>& p : pieces) {
+    total += p.size();
+    if (p.data() != nullptr && !arena_->Contains(p.data(), p.size())) {
+      return absl::InvalidArgumentError("a request's data must go into arena slots");
+    }
+  }
+  if (data == nullptr || data->size() != total) {
     return absl::InvalidArgumentError(
-        "a request's data must go into an arena slot of its size");
+        "a request's data must fill its pieces exactly");
   }
   UcxWorker& worker = data->worker();  // the one it came on
-  return worker.Receive(std::move(data), slot.data(), deadline,
+  return worker.Receive(std::move(data), std::move(pieces), deadline,
                         std::move(each_got));
 }
 

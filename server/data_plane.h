@@ -214,7 +214,7 @@ class DataPlane {
     // Handed over on the request worker's progress thread: the handler
     // must not block, and hands on what would.
     bool on_progress_thread = false;
-    // A PullBlocks request of one block sent with its bytes
+    // A PullBlocks request sent with its blocks' bytes
     // (kDataRequestMessageId): they are still with the client until
     // Receive places them; dropping this releases them unread. Null for
     // other requests. Must go before Reply (the request worker outlives
@@ -233,12 +233,14 @@ class DataPlane {
   // unanswered (ResourceExhausted). Messages that are not requests are
   // dropped. Call once, before sessions attach.
   void ServeRequests(RequestHandler handler);
-  // Receives a request's `data` into `slot` (arena bytes of its size):
-  // see UcxWorker::Receive. `each_got(0)` runs once the bytes are in.
-  // InvalidArgument for a slot outside the arena or of another size.
+  // Receives a request's `data` into `pieces` (arena slots; null pieces
+  // drop their bytes): see UcxWorker::Receive. `each_got(i)` runs once the
+  // bytes are in. InvalidArgument for a piece outside the arena, or
+  // pieces that do not add up to the data.
   absl::StatusOr<TransferHandle> Receive(
-      std::unique_ptr<UcxWorker::IncomingData> data, absl::Span<char> slot,
-      absl::Time deadline, absl::AnyInvocable<void(size_t)> each_got);
+      std::unique_ptr<UcxWorker::IncomingData> data,
+      std::vector<absl::Span<char>> pieces, absl::Time deadline,
+      absl::AnyInvocable<void(size_t)> each_got);
   // Answers request `id` of `session`'s client over the session's endpoint
   // (after every transfer that was ready before). Dropped when the session
   // has no working endpoint (the client's deadline, or its endpoint's

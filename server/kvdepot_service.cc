@@ -863,12 +863,19 @@ void KvDepotService::StartPullBlocks(const v1::PullBlocksRequest* req,
   const SessionId session = req->session_id();
   absl::Status check = RequireEndpoint(session);
   const bool with_data = data != nullptr && *data != nullptr;
-  if (check.ok() && with_data &&
-      (req->blocks_size() != 1 || req->blocks(0).daemon_checksum() ||
-       req->blocks(0).source().size() != (*data)->size())) {
-    check = absl::InvalidArgumentError(
-        "a PullBlocks request with data names one block, of the data's size, "
-        "with its checksum");
+  if (check.ok() && with_data) {
+    uint64_t total = 0;
+    bool checksums = true;
+    for (const v1::PullSpec& b : req->blocks()) {
+      total += b.source().size();
+      checksums = checksums && !b.daemon_checksum();
+    }
+    if (total != (*data)->size() || !checksums) {
+      check = absl::InvalidArgumentError(absl::StrCat(
+          "a PullBlocks request with data: its blocks' sizes must add up to the "
+          "data's ", (*data)->size(), " bytes (they add up to ", total,
+          "), each with its checksum"));
+    }
   }
   std::vector<PutSpec> specs;
   specs.reserve(req->blocks_size());
@@ -941,12 +948,30 @@ void KvDepotService::StartPullBlocks(const v1::PullBlocksRequest* req,
   };
   const absl::Time deadline =
       TransferDeadline(req->timeout_ms(), transfer_timeout_, absl::Now());
-  absl::StatusOr<TransferHandle> h =
-      with_data ? data_plane_->Receive(std::move(*data), moves[0].arena, deadline,
-                                       [hash](size_t) { hash[0]->Checksum(); })
-                : data_plane_->Pull(session, moves, deadline,
-                                    [hash](size_t k) { hash[k]->Checksum(); },
-                                    copy_here);
+  absl::StatusOr<TransferHandle> h;
+  if (with_data) {
+    // The request's bytes, block after block: each into its slot, those of
+    // blocks stored already dropped.
+    std::vector<absl::Span<char>> pieces;
+    std::vector<int> move_of_piece;
+    size_t k = 0;
+    for (int i = 0; i < req->blocks_size(); ++i) {
+      if (k < block_of_move.size() && block_of_move[k] == i) {
+        pieces.push_back(moves[k].arena);
+        move_of_piece.push_back(static_cast<int>(k++));
+      } else {
+        pieces.emplace_back(nullptr, specs[i].size);
+        move_of_piece.push_back(-1);
+      }
+    }
+    h = data_plane_->Receive(std::move(*data), std::move(pieces), deadline,
+                             [hash, move_of_piece](size_t i) {
+                               if (move_of_piece[i] >= 0) hash[move_of_piece[i]]->Checksum();
+                             });
+  } else {
+    h = data_plane_->Pull(session, moves, deadline,
+                          [hash](size_t k) { hash[k]->Checksum(); }, copy_here);
+  }
   if (!h.ok()) {
     slots.clear();
     store_.AbortPut(session, resv->id).IgnoreError();

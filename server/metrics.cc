@@ -94,8 +94,8 @@ ServerMetrics::ServerMetrics(prometheus::Registry& registry, int namespace_label
                         .Help("PushBlocks / PullBlocks requests that came "
                               "over UCX active messages instead of gRPC "
                               "(also counted in kvdepot_requests_total); "
-                              "op=PullBlocksWithData: a put of one block "
-                              "that came with its bytes")
+                              "op=PullBlocksWithData: a put that came with "
+                              "its blocks' bytes")
                         .Register(registry)),
       ucx_push_requests_(ucx_requests_.Add({{"op", "PushBlocks"}})),
       ucx_pull_requests_(ucx_requests_.Add({{"op", "PullBlocks"}})),

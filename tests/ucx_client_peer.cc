@@ -5,6 +5,9 @@
 //     "SEED/i") from one registered buffer, GetIntoAsync them back into
 //     another, and compares every byte. Exit 0 when all went over UCX and
 //     matched; 1 otherwise (the reason on stderr).
+//   ucx_client_peer roundtrip-send SERVER NS SEED BLOCKS SIZE
+//     The same with the puts' bytes sent with their requests
+//     (ClientOptions::ucx_data_requests).
 //   ucx_client_peer stall SERVER NS SIZE
 //     Registers a buffer of SIZE bytes, stores one 4 KiB block from it (so
 //     the daemon knows the buffer as id 0), prints "READY SESSION ADDRESS"
@@ -74,19 +77,21 @@ int Fail(const std::string& why) {
   return 1;
 }
 
-std::unique_ptr<Client> MakeClient(const std::string& server) {
+std::unique_ptr<Client> MakeClient(const std::string& server,
+                                   bool data_requests = false) {
   ClientOptions options;
   options.server = server;
   options.client_name = "ucx_client_peer";
   options.lease = absl::Seconds(60);
+  options.ucx_data_requests = data_requests;
   absl::StatusOr<std::unique_ptr<Client>> c = Client::Connect(options);
   if (!c.ok()) return nullptr;
   return *std::move(c);
 }
 
 int RoundTrip(const std::string& server, const std::string& ns, uint64_t seed,
-              size_t blocks, size_t size) {
-  std::unique_ptr<Client> client = MakeClient(server);
+              size_t blocks, size_t size, bool data_requests) {
+  std::unique_ptr<Client> client = MakeClient(server, data_requests);
   if (client == nullptr) return Fail("connect");
   std::vector<char> src(blocks * size), dst(blocks * size, 0);
   for (size_t i = 0; i < blocks; ++i) {
@@ -373,7 +378,7 @@ int StallPut(const std::string& server, const std::string& ns, uint64_t size,
   absl::Status warmed;
   absl::Status sent = (*requests)->SendWithData(
       session, RequestMethod::kPullBlocks, put(absl::StrCat(ns, "-warm")),
-      absl::Span<const char>(bytes.data(), size), absl::Now() + absl::Seconds(10),
+      {absl::Span<const char>(bytes.data(), size)}, absl::Now() + absl::Seconds(10),
       [&](const absl::Status& st, absl::string_view) {
         warmed = st;
         warm.Notify();
@@ -388,7 +393,7 @@ int StallPut(const std::string& server, const std::string& ns, uint64_t size,
   absl::Status ran = (*worker)->Run([&] {
     sent = (*requests)->SendWithData(
         session, RequestMethod::kPullBlocks, put(absl::StrCat(ns, 0)),
-        absl::Span<const char>(bytes.data(), size), absl::Now() + absl::Seconds(60),
+        {absl::Span<const char>(bytes.data(), size)}, absl::Now() + absl::Seconds(60),
         [](const absl::Status&, absl::string_view) {});
     if (!sent.ok()) return;
     (*worker)
@@ -409,9 +414,11 @@ int StallPut(const std::string& server, const std::string& ns, uint64_t size,
 int main(int argc, char** argv) {
   std::vector<std::string> a(argv + 1, argv + argc);
   uint64_t seed = 0, blocks = 0, size = 0;
-  if (a.size() == 6 && a[0] == "roundtrip" && absl::SimpleAtoi(a[3], &seed) &&
-      absl::SimpleAtoi(a[4], &blocks) && absl::SimpleAtoi(a[5], &size)) {
-    return kvdepot::RoundTrip(a[1], a[2], seed, blocks, size);
+  if (a.size() == 6 && (a[0] == "roundtrip" || a[0] == "roundtrip-send") &&
+      absl::SimpleAtoi(a[3], &seed) && absl::SimpleAtoi(a[4], &blocks) &&
+      absl::SimpleAtoi(a[5], &size)) {
+    return kvdepot::RoundTrip(a[1], a[2], seed, blocks, size,
+                              /*data_requests=*/a[0] == "roundtrip-send");
   }
   if (a.size() == 4 && a[0] == "stall" && absl::SimpleAtoi(a[3], &size)) {
     return kvdepot::Stall(a[1], a[2], size);
@@ -435,6 +442,6 @@ int main(int argc, char** argv) {
       absl::SimpleAtoi(a[4], &put_timeout_ms)) {
     return kvdepot::StallPut(a[1], a[2], size, put_timeout_ms);
   }
-  std::cerr << "usage: ucx_client_peer roundtrip|stall|late-get|hold-pin|hold-reservation|wire-and-die|stall-put ...\n";
+  std::cerr << "usage: ucx_client_peer roundtrip|roundtrip-send|stall|late-get|hold-pin|hold-reservation|wire-and-die|stall-put ...\n";
   return 2;
 }

@@ -19,11 +19,10 @@
 #       [--smoke]
 #
 # --compare put-protocol compares the two ways a put's bytes travel instead
-# (puts only, both with requests over UCX): each block sent with its own
-# request as rendezvous data that the daemon receives into its slot
-# (kvdepot-bench --put-protocol send, the default) against one request per
-# batch whose blocks the daemon reads from the client's buffer (pull).
-# ratio = send GB/s / pull GB/s.
+# (puts only, both with requests over UCX): the blocks' bytes sent with the
+# request as rendezvous data that the daemon receives into its slots
+# (kvdepot-bench --put-protocol send) against the daemon reading them from
+# the client's buffers (pull, the default). ratio = send GB/s / pull GB/s.
 #
 # --ucx-tls sets UCX_TLS for kvdepotd and the clients ("tcp"; "shm,tcp" for
 # shared memory between co-located processes, the default).

@@ -121,7 +121,7 @@ struct BenchConfig {
   bool pin = false;     // lookup: pin the hits (then unpin, untimed)
   bool client_checksums = false;  // ClientOptions::always_checksum_puts
   bool ucx_requests = true;       // ClientOptions::ucx_requests
-  bool ucx_data_requests = true;  // ClientOptions::ucx_data_requests
+  bool ucx_data_requests = false;  // ClientOptions::ucx_data_requests
 };
 
 // What one client thread measured. Ops are blocks for get and put, calls for
@@ -758,12 +758,12 @@ int main(int argc, char** argv) {
                  "message (ucx, the default, where the daemon offers it) or "
                  "as a gRPC call (grpc; ClientOptions::ucx_requests)")
       ->check(CLI::IsMember({"ucx", "grpc"}));
-  std::string put_protocol = "send";
+  std::string put_protocol = "pull";
   app.add_option("--put-protocol", put_protocol,
-                 "put over ucx requests: send each block with its request for "
-                 "the daemon to receive into its slot (send, the default, where "
-                 "the daemon takes it; ClientOptions::ucx_data_requests), or "
-                 "one request per batch whose blocks the daemon reads (pull)")
+                 "put over ucx requests: the daemon reads the blocks from the "
+                 "client's buffers (pull, the default), or the blocks' bytes go "
+                 "with the request for the daemon to receive into its slots "
+                 "(send, where the daemon takes it; ClientOptions::ucx_data_requests)")
       ->check(CLI::IsMember({"send", "pull"}));
   app.add_flag("--client-checksums", config.client_checksums,
                "put: hash every block in the client, also where a daemon on "

@@ -25,9 +25,8 @@ inline constexpr uint16_t kRequestMessageId = 0x6b31;  // client -> daemon
 inline constexpr uint16_t kReplyMessageId = 0x6b32;    // daemon -> client
 // client -> daemon: a PullBlocks request whose blocks' bytes come with it as
 // the message's rendezvous data (UCP_AM_SEND_FLAG_RNDV), so that the daemon
-// receives them straight into the slots it reserved (UCX then moves them
-// with zero copy where the transport can) instead of reading the client's
-// buffers. Its UCX header is EncodeDataRequestHeader's; its data the
+// receives them straight into the slots it reserved instead of reading the
+// client's buffers. Its UCX header is EncodeDataRequestHeader's; its data the
 // blocks' bytes, in the request's order, back to back. Answered with
 // kReplyMessageId as any request.
 inline constexpr uint16_t kDataRequestMessageId = 0x6b33;

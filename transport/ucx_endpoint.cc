@@ -347,17 +347,25 @@ absl::Status UcxEndpoint::SendMessage(uint16_t id, std::string header,
 absl::Status UcxEndpoint::SendMessageWithData(
     uint16_t id, std::string header, absl::Span<const char> data,
     absl::AnyInvocable<void(const absl::Status&) &&> sent) {
+  return SendMessageWithData(id, std::move(header),
+                             std::vector<absl::Span<const char>>{data},
+                             std::move(sent));
+}
+
+absl::Status UcxEndpoint::SendMessageWithData(
+    uint16_t id, std::string header, std::vector<absl::Span<const char>> data,
+    absl::AnyInvocable<void(const absl::Status&) &&> sent) {
   if (absl::Status st = status(); !st.ok()) {
     return absl::UnavailableError(
         absl::StrCat("UCX endpoint has failed: ", st.message()));
   }
-  return worker_.Post([this, id, header = std::move(header), data,
+  return worker_.Post([this, id, header = std::move(header), data = std::move(data),
                        sent = std::move(sent)]() mutable {
     if (ep_ == nullptr) {  // failed meanwhile
       return std::move(sent)(absl::UnavailableError("UCX endpoint has failed"));
     }
     transport_internal::PostDataMessage(
-        ep_, id, std::move(header), data,
+        ep_, id, std::move(header), std::move(data),
         [sent = std::move(sent)](ucs_status_t st) mutable {
           std::move(sent)(st == UCS_OK ? absl::OkStatus()
                                        : transport_internal::UcsToStatus(

@@ -186,6 +186,11 @@ class UcxEndpoint : private UcxWorker::Resident {
   absl::Status SendMessageWithData(uint16_t id, std::string header,
                                    absl::Span<const char> data,
                                    absl::AnyInvocable<void(const absl::Status&) &&> sent);
+  // The same with the data in `pieces`, one after the other (the peer may
+  // receive it into pieces of its own: UcxWorker::Receive).
+  absl::Status SendMessageWithData(uint16_t id, std::string header,
+                                   std::vector<absl::Span<const char>> pieces,
+                                   absl::AnyInvocable<void(const absl::Status&) &&> sent);
 
   // Closes the endpoint now, without on_error; the object stays valid and
   // later batches end at once (Cancelled). Force (as the destructor does):

@@ -1216,6 +1216,74 @@ TEST_P(UcxEndpointTest, ARendezvousReceiveWhoseSenderStalledEndsAtItsDeadline) {
   server_worker_->Stop();
 }
 
+// Data sent from several pieces and received into several others, split
+// elsewhere, one of them dropped: the bytes arrive in order where asked,
+// and nowhere else. Pieces that do not add up to the data are refused.
+TEST_P(UcxEndpointTest, RendezvousDataIsGatheredAndScatteredPieceByPiece) {
+  absl::Mutex mu;
+  std::vector<std::unique_ptr<UcxWorker::IncomingData>> got;
+  ASSERT_TRUE(server_worker_
+                  ->SetDataMessageHandler(
+                      9, [&](absl::string_view, std::unique_ptr<UcxWorker::IncomingData> data,
+                             const UcxWorker::MessageSender&) {
+                        absl::MutexLock lock(&mu);
+                        got.push_back(std::move(data));
+                      })
+                  .ok());
+  const std::vector<size_t> sizes = {100 * 1024, 256 * 1024, 3};
+  std::vector<std::vector<char>> parts;
+  std::vector<char> whole;
+  for (size_t i = 0; i < sizes.size(); ++i) {
+    parts.push_back(RandomBytes(sizes[i], 40 + i));
+    whole.insert(whole.end(), parts.back().begin(), parts.back().end());
+  }
+  for (int m = 0; m < 2; ++m) {
+    ASSERT_TRUE(endpoint_
+                    ->SendMessageWithData(
+                        9, "iov",
+                        std::vector<absl::Span<const char>>{
+                            absl::MakeConstSpan(parts[0]), absl::MakeConstSpan(parts[1]),
+                            absl::MakeConstSpan(parts[2])},
+                        [](const absl::Status&) {})
+                    .ok());
+  }
+  {
+    absl::MutexLock lock(&mu);
+    ASSERT_TRUE(mu.AwaitWithTimeout(
+        absl::Condition(+[](decltype(got)* g) { return g->size() == 2; }, &got),
+        absl::Seconds(10)));
+  }
+  ASSERT_EQ(got[0]->size(), whole.size());
+  std::fill(arena_->base(), arena_->base() + kRegionSize, '\0');
+  // 150 KiB into the region's start, 200 KiB dropped, the rest at 1 MiB.
+  const size_t a = 150 * 1024, drop = 200 * 1024, b = whole.size() - a - drop;
+  char* place_b = arena_->base() + (1 << 20);
+  std::vector<size_t> each;
+  TransferHandle h = server_worker_->Receive(
+      std::move(got[0]),
+      {absl::Span<char>(arena_->base(), a), absl::Span<char>(nullptr, drop),
+       absl::Span<char>(place_b, b)},
+      Soon(), [&each](size_t i) { each.push_back(i); });
+  ASSERT_TRUE(h.WaitUntil(Soon()));
+  ASSERT_TRUE(h.overall_status().ok()) << h.overall_status();
+  EXPECT_EQ(h.size(), 3u);
+  EXPECT_EQ(each, (std::vector<size_t>{0, 1, 2}));
+  EXPECT_EQ(std::memcmp(arena_->base(), whole.data(), a), 0);
+  EXPECT_EQ(std::memcmp(place_b, whole.data() + a + drop, b), 0);
+  size_t elsewhere = 0;
+  for (size_t i = a; i < kRegionSize; ++i) {
+    if (arena_->base() + i >= place_b && arena_->base() + i < place_b + b) continue;
+    if (arena_->base()[i] != 0) ++elsewhere;
+  }
+  EXPECT_EQ(elsewhere, 0u);
+  // One byte short: refused, and the data released unread.
+  TransferHandle short_one = server_worker_->Receive(
+      std::move(got[1]), {absl::Span<char>(arena_->base(), whole.size() - 1)}, Soon());
+  ASSERT_TRUE(short_one.IsReady());
+  EXPECT_TRUE(absl::IsInvalidArgument(short_one.overall_status()))
+      << short_one.overall_status();
+}
+
 TEST_P(UcxEndpointTest, RendezvousDataOnAClosedEndpointIsUnavailable) {
   endpoint_->Close();
   std::vector<char> bytes(100);

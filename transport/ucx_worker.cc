@@ -9,6 +9,7 @@
 #include <cstring>
 #include <utility>
 
+#include "absl/strings/str_cat.h"
 #include "storage/status_macros.h"
 #include "transport/internal/send_message.h"
 #include "transport/internal/transfer_batch.h"
@@ -165,23 +166,48 @@ absl::Status UcxWorker::SetDataMessageHandler(uint16_t id,
 TransferHandle UcxWorker::Receive(std::unique_ptr<IncomingData> data, char* to,
                                   absl::Time deadline,
                                   absl::AnyInvocable<void(size_t)> each_got) {
-  using transport_internal::TransferBatch;
-  auto batch = std::make_shared<TransferBatch>(TransferBatch::Op::kReceive, 1,
-                                               deadline);
-  if (each_got) batch->SetEachGot(std::move(each_got));
-  TransferHandle handle(batch);
-  if (data == nullptr || to == nullptr) {
+  if (to == nullptr || data == nullptr) {
+    auto batch = std::make_shared<transport_internal::TransferBatch>(
+        transport_internal::TransferBatch::Op::kReceive, 1, deadline);
     batch->Refuse(0, absl::InvalidArgumentError("nothing to receive, or nowhere"));
     batch->Seal(nullptr);
-    return handle;
+    return TransferHandle(batch);
   }
-  auto start = [this, batch, data = std::move(data), to]() mutable {
-    StartReceive(std::move(batch), std::move(data), to);
+  const size_t size = data->size();
+  return Receive(std::move(data), {absl::Span<char>(to, size)}, deadline,
+                 std::move(each_got));
+}
+
+TransferHandle UcxWorker::Receive(std::unique_ptr<IncomingData> data,
+                                  std::vector<absl::Span<char>> pieces,
+                                  absl::Time deadline,
+                                  absl::AnyInvocable<void(size_t)> each_got) {
+  using transport_internal::TransferBatch;
+  auto batch = std::make_shared<TransferBatch>(TransferBatch::Op::kReceive,
+                                               pieces.size(), deadline);
+  if (each_got) batch->SetEachGot(std::move(each_got));
+  TransferHandle handle(batch);
+  size_t total = 0;
+  for (const absl::Span<char>& p : pieces) total += p.size();
+  if (data == nullptr || pieces.empty() || total != data->size()) {
+    for (size_t i = 0; i < pieces.size(); ++i) {
+      batch->Refuse(i, absl::InvalidArgumentError(absl::StrCat(
+                           "pieces of ", total, " bytes for data of ",
+                           data == nullptr ? 0 : data->size())));
+    }
+    batch->Seal(nullptr);
+    return handle;  // `data` is released unread
+  }
+  auto start = [this, batch, data = std::move(data),
+                pieces = std::move(pieces)]() mutable {
+    StartReceive(std::move(batch), std::move(data), std::move(pieces));
   };
   if (OnProgressThread()) {
     Defer(std::move(start));  // perhaps inside a UCX callback now
   } else if (!Post(std::move(start)).ok()) {
-    batch->Refuse(0, absl::UnavailableError("UCX worker is stopping"));
+    for (size_t i = 0; i < batch->size(); ++i) {
+      batch->Refuse(i, absl::UnavailableError("UCX worker is stopping"));
+    }
     batch->Seal(nullptr);
   }
   return handle;
@@ -189,17 +215,52 @@ TransferHandle UcxWorker::Receive(std::unique_ptr<IncomingData> data, char* to,
 
 void UcxWorker::StartReceive(
     std::shared_ptr<transport_internal::TransferBatch> batch,
-    std::unique_ptr<IncomingData> data, char* to) {
+    std::unique_ptr<IncomingData> data, std::vector<absl::Span<char>> pieces) {
+  const size_t last = batch->size();  // the receive's index in the batch
   if (data->desc_ == nullptr) {  // came eagerly: its bytes are here
-    std::memcpy(to, data->eager_.data(), data->size_);
-    batch->Posted(1, nullptr);
+    size_t off = 0;
+    for (const absl::Span<char>& p : pieces) {
+      if (p.data() != nullptr) std::memcpy(p.data(), data->eager_.data() + off, p.size());
+      off += p.size();
+    }
+    batch->Posted(last, nullptr);
     batch->Seal(nullptr);
     return;
   }
-  ucp_request_param_t param = batch->Param(1);
+  ucp_request_param_t param = batch->Param(last);
   void* desc = std::exchange(data->desc_, nullptr);
-  batch->Posted(1, ucp_am_recv_data_nbx(worker_, desc, to, data->size_, &param));
-  batch->Seal(nullptr);
+  // What the receive uses until it ends: its iov array, and the discard
+  // buffer it writes dropped pieces into (a larger one may replace
+  // discard_ meanwhile).
+  struct Keep {
+    std::vector<ucp_dt_iov_t> iov;
+    std::shared_ptr<char[]> discard;
+  };
+  std::shared_ptr<Keep> keep;
+  if (pieces.size() == 1 && pieces[0].data() != nullptr) {
+    batch->Posted(last, ucp_am_recv_data_nbx(worker_, desc, pieces[0].data(),
+                                             data->size_, &param));
+  } else {
+    size_t largest_drop = 0;
+    for (const absl::Span<char>& p : pieces) {
+      if (p.data() == nullptr) largest_drop = std::max(largest_drop, p.size());
+    }
+    if (largest_drop > discard_size_) {
+      discard_ = std::shared_ptr<char[]>(new char[largest_drop]);
+      discard_size_ = largest_drop;
+    }
+    keep = std::make_shared<Keep>();
+    keep->discard = discard_;
+    for (const absl::Span<char>& p : pieces) {
+      keep->iov.push_back(
+          {p.data() != nullptr ? p.data() : keep->discard.get(), p.size()});
+    }
+    param.op_attr_mask |= UCP_OP_ATTR_FIELD_DATATYPE;
+    param.datatype = ucp_dt_make_iov();
+    batch->Posted(last, ucp_am_recv_data_nbx(worker_, desc, keep->iov.data(),
+                                             keep->iov.size(), &param));
+  }
+  batch->Seal(keep);
   if (batch->finished()) return;
   std::weak_ptr<transport_internal::TransferBatch> weak = batch;
   receives_.push_back({batch->deadline(), weak});

@@ -32,6 +32,7 @@
 #include "absl/strings/string_view.h"
 #include "absl/synchronization/notification.h"
 #include "absl/time/time.h"
+#include "absl/types/span.h"
 #include "transport/transfer_handle.h"
 #include "transport/ucx_context.h"
 
@@ -174,6 +175,16 @@ class UcxWorker {
   TransferHandle Receive(std::unique_ptr<IncomingData> data, char* to,
                          absl::Time deadline,
                          absl::AnyInvocable<void(size_t)> each_got = nullptr);
+  // The same into `pieces`, one after the other (transfer i of the batch is
+  // piece i; each_got(i) for each). A piece whose data() is null takes its
+  // size in bytes and drops them. The pieces' sizes must add up to
+  // data->size() (else every transfer ends InvalidArgument, the data
+  // released unread). More than one piece: an IOV receive, which UCX 1.13
+  // serves with its active-message rendezvous (what it uses over TCP in
+  // any case), not RMA zero copy.
+  TransferHandle Receive(std::unique_ptr<IncomingData> data,
+                         std::vector<absl::Span<char>> pieces, absl::Time deadline,
+                         absl::AnyInvocable<void(size_t)> each_got = nullptr);
 
   // Stops accepting tasks, runs those already queued, calls every Resident's
   // OnStop, waits up to close_timeout for endpoint closes, destroys the
@@ -267,7 +278,8 @@ class UcxWorker {
   void TickReceives(absl::Time now);
   // Receive's part on the progress thread, outside UCX callbacks.
   void StartReceive(std::shared_ptr<transport_internal::TransferBatch> batch,
-                    std::unique_ptr<IncomingData> data, char* to);
+                    std::unique_ptr<IncomingData> data,
+                    std::vector<absl::Span<char>> pieces);
   // Fence's part on the progress thread.
   void FenceHere();
   void SleepUntilEvent();
@@ -307,6 +319,10 @@ class UcxWorker {
   };
   std::vector<PendingReceive> receives_;
   size_t receives_kept_ = 0;  // receives_.size() after the last tick
+  // Where dropped pieces of received data go (garbage; shared by every
+  // receive), grown to the largest such piece.
+  std::shared_ptr<char[]> discard_;
+  size_t discard_size_ = 0;
   absl::Time next_tick_ = absl::InfiniteFuture();
   // Fence: ucp_worker_progress is never called again.
   bool fenced_ = false;

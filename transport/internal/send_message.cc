@@ -41,6 +41,7 @@ namespace {
 
 struct OutgoingDataMessage {
   std::string header;
+  std::vector<ucp_dt_iov_t> iov;
   absl::AnyInvocable<void(ucs_status_t) &&> sent;
 };
 
@@ -55,15 +56,36 @@ void OnDataMessageSent(void* request, ucs_status_t status, void* user_data) {
 void PostDataMessage(ucp_ep_h ep, uint16_t id, std::string header,
                      absl::Span<const char> data,
                      absl::AnyInvocable<void(ucs_status_t) &&> sent) {
-  auto* m = new OutgoingDataMessage{std::move(header), std::move(sent)};
+  PostDataMessage(ep, id, std::move(header),
+                  std::vector<absl::Span<const char>>{data}, std::move(sent));
+}
+
+void PostDataMessage(ucp_ep_h ep, uint16_t id, std::string header,
+                     std::vector<absl::Span<const char>> pieces,
+                     absl::AnyInvocable<void(ucs_status_t) &&> sent) {
+  auto* m = new OutgoingDataMessage{std::move(header), {}, std::move(sent)};
   ucp_request_param_t param = {};
   param.op_attr_mask = UCP_OP_ATTR_FIELD_FLAGS | UCP_OP_ATTR_FIELD_CALLBACK |
                        UCP_OP_ATTR_FIELD_USER_DATA;
   param.flags = UCP_AM_SEND_FLAG_RNDV | UCP_AM_SEND_FLAG_REPLY;
   param.cb.send = &OnDataMessageSent;
   param.user_data = m;
-  ucs_status_ptr_t request = ucp_am_send_nbx(
-      ep, id, m->header.data(), m->header.size(), data.data(), data.size(), &param);
+  const void* buffer = nullptr;
+  size_t count = 0;
+  if (pieces.size() == 1) {
+    buffer = pieces[0].data();
+    count = pieces[0].size();
+  } else {
+    for (const absl::Span<const char>& p : pieces) {
+      m->iov.push_back({const_cast<char*>(p.data()), p.size()});
+    }
+    param.op_attr_mask |= UCP_OP_ATTR_FIELD_DATATYPE;
+    param.datatype = ucp_dt_make_iov();
+    buffer = m->iov.data();
+    count = m->iov.size();
+  }
+  ucs_status_ptr_t request = ucp_am_send_nbx(ep, id, m->header.data(),
+                                             m->header.size(), buffer, count, &param);
   if (UCS_PTR_IS_PTR(request)) return;  // the callback ends it
   std::unique_ptr<OutgoingDataMessage> done(m);
   if (done->sent) std::move(done->sent)(UCS_PTR_STATUS(request));

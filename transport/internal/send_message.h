@@ -7,6 +7,7 @@
 
 #include <cstdint>
 #include <string>
+#include <vector>
 
 #include "absl/functional/any_invocable.h"
 #include "absl/types/span.h"
@@ -27,6 +28,11 @@ void PostMessage(ucp_ep_h ep, uint16_t id, std::string header,
 // send ended.
 void PostDataMessage(ucp_ep_h ep, uint16_t id, std::string header,
                      absl::Span<const char> data,
+                     absl::AnyInvocable<void(ucs_status_t) &&> sent);
+// The same with the data in `pieces`, one after the other (an IOV send
+// when there are several).
+void PostDataMessage(ucp_ep_h ep, uint16_t id, std::string header,
+                     std::vector<absl::Span<const char>> pieces,
                      absl::AnyInvocable<void(ucs_status_t) &&> sent);
 
 }  // namespace kvdepot::transport_internal
