@@ -242,6 +242,23 @@ class UcxE2eTest : public ::testing::TestWithParam<std::string> {
     return testing::PollUntil([&] { return done(Stats()); });
   }
 
+  // Three ucx_client_peer `mode` processes (roundtrip or roundtrip-send)
+  // at once, 16 blocks each into namespace `ns`: every byte checked by
+  // each, and nothing left pinned or reserved.
+  void RunConcurrentRoundTrips(const std::string& mode, const std::string& ns) {
+    std::vector<std::unique_ptr<Child>> peers;
+    for (int seed = 1; seed <= 3; ++seed) {
+      peers.push_back(Spawn({mode, daemon_->address(), ns, std::to_string(seed),
+                             "16", std::to_string(kBlock)}));
+      ASSERT_NE(peers.back(), nullptr);
+    }
+    for (auto& p : peers) EXPECT_EQ(p->Wait(), 0) << daemon_->Log();
+    v1::StatsResponse st = Stats();
+    EXPECT_EQ(st.dram().blocks(), 48u);
+    EXPECT_EQ(st.pins(), 0u);
+    EXPECT_EQ(st.reservations(), 0u);
+  }
+
   // Stores `blocks` blocks of `size` bytes ("<ns>0"...; pattern seed i + 1)
   // through client_, then starts a ucx_client_peer "late-get" of them
   // (`timeout_ms` allowed) and waits until it has stopped itself with
@@ -276,32 +293,12 @@ class UcxE2eTest : public ::testing::TestWithParam<std::string> {
 };
 
 TEST_P(UcxE2eTest, ConcurrentClientProcessesMoveEveryByteIntact) {
-  std::vector<std::unique_ptr<Child>> peers;
-  for (int seed = 1; seed <= 3; ++seed) {
-    peers.push_back(Spawn({"roundtrip", daemon_->address(), "peers",
-                           std::to_string(seed), "16", std::to_string(kBlock)}));
-    ASSERT_NE(peers.back(), nullptr);
-  }
-  for (auto& p : peers) EXPECT_EQ(p->Wait(), 0) << daemon_->Log();
-  v1::StatsResponse st = Stats();
-  EXPECT_EQ(st.dram().blocks(), 48u);
-  EXPECT_EQ(st.pins(), 0u);
-  EXPECT_EQ(st.reservations(), 0u);
+  RunConcurrentRoundTrips("roundtrip", "peers");
 }
 
 // The same with the puts' bytes sent with their requests (data requests).
 TEST_P(UcxE2eTest, ConcurrentClientProcessesSendingTheirPutsBytesMoveEveryByteIntact) {
-  std::vector<std::unique_ptr<Child>> peers;
-  for (int seed = 1; seed <= 3; ++seed) {
-    peers.push_back(Spawn({"roundtrip-send", daemon_->address(), "senders",
-                           std::to_string(seed), "16", std::to_string(kBlock)}));
-    ASSERT_NE(peers.back(), nullptr);
-  }
-  for (auto& p : peers) EXPECT_EQ(p->Wait(), 0) << daemon_->Log();
-  v1::StatsResponse st = Stats();
-  EXPECT_EQ(st.dram().blocks(), 48u);
-  EXPECT_EQ(st.pins(), 0u);
-  EXPECT_EQ(st.reservations(), 0u);
+  RunConcurrentRoundTrips("roundtrip-send", "senders");
   EXPECT_GT(testing::MetricValue(testing::ScrapeMetrics(*daemon_),
                                  "kvdepot_ucx_requests_total{op=\"PullBlocksWithData\"}"),
             0);

@@ -63,6 +63,7 @@
 #include "client/client.h"
 #include "client/ucx_requests.h"
 #include "storage/checksum.h"
+#include "storage/status_macros.h"
 #include "transport/request_message.h"
 #include "transport/ucx_context.h"
 #include "transport/ucx_endpoint.h"
@@ -247,38 +248,57 @@ int Hold(const std::string& server, const std::string& ns, bool pin,
   for (;;) pause();
 }
 
-int WireAndDie(const std::string& server, int sessions, int64_t delay_us) {
-  ClientOptions defaults;
-  defaults.server = server;
-  UcxContextOptions context_options;
-  context_options.config = ClientUcxSettings(defaults);
-  absl::StatusOr<std::unique_ptr<UcxContext>> context =
-      UcxContext::Create(context_options);
-  if (!context.ok()) return Fail(context.status().ToString());
-  absl::StatusOr<std::unique_ptr<UcxWorker>> worker = UcxWorker::Create(**context);
-  if (!worker.ok()) return Fail(worker.status().ToString());
-  absl::StatusOr<std::unique_ptr<UcxRequests>> requests = UcxRequests::Create(**worker);
-  if (!requests.ok()) return Fail(requests.status().ToString());
-  ClientOptions options;
-  options.server = server;
-  options.transport = ClientOptions::Transport::kGrpc;  // for its stub only
-  absl::StatusOr<std::unique_ptr<Client>> client = Client::Connect(options);
-  if (!client.ok()) return Fail(client.status().ToString());
-  uint64_t session = 0;
-  for (int s = 1; s <= sessions; ++s) {
+// What libkvdepot's UCX side is made of, by hand: a context and worker
+// with libkvdepot's default settings, the request path on that worker, and
+// a gRPC-only Client for the stub.
+struct HandMadeUcx {
+  std::unique_ptr<UcxContext> context;
+  std::unique_ptr<UcxWorker> worker;
+  std::unique_ptr<UcxRequests> requests;  // destroyed before the worker
+  std::unique_ptr<Client> client;
+
+  absl::Status Start(const std::string& server) {
+    ClientOptions defaults;
+    defaults.server = server;
+    UcxContextOptions context_options;
+    context_options.config = ClientUcxSettings(defaults);
+    ASSIGN_OR_RETURN(context, UcxContext::Create(context_options));
+    ASSIGN_OR_RETURN(worker, UcxWorker::Create(*context));
+    ASSIGN_OR_RETURN(requests, UcxRequests::Create(*worker));
+    ClientOptions options;
+    options.server = server;
+    options.transport = ClientOptions::Transport::kGrpc;  // for its stub only
+    ASSIGN_OR_RETURN(client, Client::Connect(options));
+    return absl::OkStatus();
+  }
+  // A session opened with the worker's address, as libkvdepot opens one;
+  // false when the call failed or gave no request address.
+  bool Open(const std::string& name, v1::OpenSessionResponse* resp) {
     grpc::ClientContext ctx;
     v1::OpenSessionRequest req;
-    req.set_client_name("wire-and-die");
+    req.set_client_name(name);
     req.set_lease_ms(60000);
-    req.set_ucx_worker_address((*worker)->address());
+    req.set_ucx_worker_address(worker->address());
     req.set_host_id(LocalHostId());
-    if (const auto& tcp = (*context)->tcp_segments(); tcp.has_value()) {
+    if (const auto& tcp = context->tcp_segments(); tcp.has_value()) {
       req.set_ucx_tcp_tx_seg_size(tcp->tx);
       req.set_ucx_tcp_rx_seg_size(tcp->rx);
     }
+    return client->stub().OpenSession(&ctx, req, resp).ok() &&
+           !resp->ucx_request_address().empty();
+  }
+};
+
+int WireAndDie(const std::string& server, int sessions, int64_t delay_us) {
+  HandMadeUcx ucx;
+  if (absl::Status st = ucx.Start(server); !st.ok()) return Fail(st.ToString());
+  std::unique_ptr<UcxWorker>* worker = &ucx.worker;
+  std::unique_ptr<UcxRequests>* requests = &ucx.requests;
+  std::unique_ptr<Client>* client = &ucx.client;
+  uint64_t session = 0;
+  for (int s = 1; s <= sessions; ++s) {
     v1::OpenSessionResponse resp;
-    if (!(*client)->stub().OpenSession(&ctx, req, &resp).ok() ||
-        resp.ucx_request_address().empty()) {
+    if (!ucx.Open("wire-and-die", &resp)) {
       std::cerr << "ucx_client_peer: no session with a UCX request address\n";
       return 3;
     }
@@ -323,35 +343,12 @@ int WireAndDie(const std::string& server, int sessions, int64_t delay_us) {
 
 int StallPut(const std::string& server, const std::string& ns, uint64_t size,
              uint32_t timeout_ms) {
-  ClientOptions defaults;
-  defaults.server = server;
-  UcxContextOptions context_options;
-  context_options.config = ClientUcxSettings(defaults);
-  absl::StatusOr<std::unique_ptr<UcxContext>> context =
-      UcxContext::Create(context_options);
-  if (!context.ok()) return Fail(context.status().ToString());
-  absl::StatusOr<std::unique_ptr<UcxWorker>> worker = UcxWorker::Create(**context);
-  if (!worker.ok()) return Fail(worker.status().ToString());
-  absl::StatusOr<std::unique_ptr<UcxRequests>> requests = UcxRequests::Create(**worker);
-  if (!requests.ok()) return Fail(requests.status().ToString());
-  ClientOptions options;
-  options.server = server;
-  options.transport = ClientOptions::Transport::kGrpc;  // for its stub only
-  absl::StatusOr<std::unique_ptr<Client>> client = Client::Connect(options);
-  if (!client.ok()) return Fail(client.status().ToString());
-  grpc::ClientContext ctx;
-  v1::OpenSessionRequest open;
-  open.set_client_name("stall-put");
-  open.set_lease_ms(60000);
-  open.set_ucx_worker_address((*worker)->address());
-  open.set_host_id(LocalHostId());
-  if (const auto& tcp = (*context)->tcp_segments(); tcp.has_value()) {
-    open.set_ucx_tcp_tx_seg_size(tcp->tx);
-    open.set_ucx_tcp_rx_seg_size(tcp->rx);
-  }
+  HandMadeUcx ucx;
+  if (absl::Status st = ucx.Start(server); !st.ok()) return Fail(st.ToString());
+  std::unique_ptr<UcxWorker>* worker = &ucx.worker;
+  std::unique_ptr<UcxRequests>* requests = &ucx.requests;
   v1::OpenSessionResponse opened;
-  if (!(*client)->stub().OpenSession(&ctx, open, &opened).ok() ||
-      !opened.ucx_data_requests()) {
+  if (!ucx.Open("stall-put", &opened) || !opened.ucx_data_requests()) {
     std::cerr << "ucx_client_peer: the daemon takes no puts with their bytes\n";
     return 3;
   }

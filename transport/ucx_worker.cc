@@ -144,23 +144,25 @@ absl::Status UcxWorker::SetDataMessageHandler(uint16_t id,
   absl::Status status;
   RETURN_IF_ERROR(Run([this, id, &handler, &status] {
     auto owned = std::make_unique<DataHandler>(DataHandler{this, std::move(handler)});
-    ucp_am_handler_param_t param = {};
-    param.field_mask = UCP_AM_HANDLER_PARAM_FIELD_ID |
-                       UCP_AM_HANDLER_PARAM_FIELD_FLAGS |
-                       UCP_AM_HANDLER_PARAM_FIELD_CB |
-                       UCP_AM_HANDLER_PARAM_FIELD_ARG;
-    param.id = id;
-    param.flags = UCP_AM_FLAG_WHOLE_MSG;
-    param.cb = &UcxWorker::OnDataMessage;
-    param.arg = owned.get();
-    ucs_status_t st = ucp_worker_set_am_recv_handler(worker_, &param);
-    if (st != UCS_OK) {
-      status = UcsToStatus(st, "ucp_worker_set_am_recv_handler");
-      return;
-    }
-    data_handlers_[id] = std::move(owned);
+    status = SetAmHandler(id, &UcxWorker::OnDataMessage, owned.get());
+    if (status.ok()) data_handlers_[id] = std::move(owned);
   }));
   return status;
+}
+
+absl::Status UcxWorker::SetAmHandler(uint16_t id, ucp_am_recv_callback_t cb,
+                                     void* arg) {
+  ucp_am_handler_param_t param = {};
+  param.field_mask = UCP_AM_HANDLER_PARAM_FIELD_ID |
+                     UCP_AM_HANDLER_PARAM_FIELD_FLAGS |
+                     UCP_AM_HANDLER_PARAM_FIELD_CB | UCP_AM_HANDLER_PARAM_FIELD_ARG;
+  param.id = id;
+  param.flags = UCP_AM_FLAG_WHOLE_MSG;
+  param.cb = cb;
+  param.arg = arg;
+  ucs_status_t st = ucp_worker_set_am_recv_handler(worker_, &param);
+  return st == UCS_OK ? absl::OkStatus()
+                      : UcsToStatus(st, "ucp_worker_set_am_recv_handler");
 }
 
 TransferHandle UcxWorker::Receive(std::unique_ptr<IncomingData> data, char* to,
@@ -308,22 +310,9 @@ absl::Status UcxWorker::SetMessageHandler(uint16_t id, MessageHandler handler) {
   absl::Status status;
   RETURN_IF_ERROR(Run([this, id, &handler, &status] {
     auto owned = std::make_unique<MessageHandler>(std::move(handler));
-    ucp_am_handler_param_t param = {};
-    param.field_mask = UCP_AM_HANDLER_PARAM_FIELD_ID |
-                       UCP_AM_HANDLER_PARAM_FIELD_FLAGS |
-                       UCP_AM_HANDLER_PARAM_FIELD_CB |
-                       UCP_AM_HANDLER_PARAM_FIELD_ARG;
-    param.id = id;
-    param.flags = UCP_AM_FLAG_WHOLE_MSG;
-    param.cb = &OnActiveMessage;
-    param.arg = owned.get();
-    ucs_status_t st = ucp_worker_set_am_recv_handler(worker_, &param);
-    if (st != UCS_OK) {
-      status = UcsToStatus(st, "ucp_worker_set_am_recv_handler");
-      return;
-    }
+    status = SetAmHandler(id, &OnActiveMessage, owned.get());
     // The previous handler of `id` is no longer called.
-    message_handlers_[id] = std::move(owned);
+    if (status.ok()) message_handlers_[id] = std::move(owned);
   }));
   return status;
 }

@@ -269,6 +269,9 @@ class UcxWorker {
   // which refuses them). On the progress thread, or Stop's after the
   // thread ended.
   void DestroyWorker() ABSL_LOCKS_EXCLUDED(mu_);
+  // Progress thread: makes `cb(arg, ...)` the handler of active message
+  // `id` (whole messages).
+  absl::Status SetAmHandler(uint16_t id, ucp_am_recv_callback_t cb, void* arg);
   static ucs_status_t OnDataMessage(void* arg, const void* header,
                                     size_t header_length, void* data,
                                     size_t length,

@@ -17,19 +17,27 @@ void OnMessageSent(void* request, ucs_status_t /*status*/, void* user_data) {
   ucp_request_free(request);
 }
 
+// ucp_am_send_nbx's parameters: `flags` (always with a reply endpoint for
+// the receiver, so it can answer a sender it has no endpoint to), and
+// `sent(request, status, user_data)` when the send ends later.
+ucp_request_param_t SendParam(uint32_t flags, ucp_send_nbx_callback_t sent,
+                              void* user_data) {
+  ucp_request_param_t param = {};
+  param.op_attr_mask = UCP_OP_ATTR_FIELD_FLAGS | UCP_OP_ATTR_FIELD_CALLBACK |
+                       UCP_OP_ATTR_FIELD_USER_DATA;
+  param.flags = flags | UCP_AM_SEND_FLAG_REPLY;
+  param.cb.send = sent;
+  param.user_data = user_data;
+  return param;
+}
+
 }  // namespace
 
 void PostMessage(ucp_ep_h ep, uint16_t id, std::string header,
                  std::string payload) {
   auto* m = new OutgoingMessage{std::move(header), std::move(payload)};
-  ucp_request_param_t param = {};
-  param.op_attr_mask = UCP_OP_ATTR_FIELD_FLAGS | UCP_OP_ATTR_FIELD_CALLBACK |
-                       UCP_OP_ATTR_FIELD_USER_DATA;
-  // Eager: the receiver's handler gets the message whole. Reply: it can
-  // answer a sender it has no endpoint to.
-  param.flags = UCP_AM_SEND_FLAG_EAGER | UCP_AM_SEND_FLAG_REPLY;
-  param.cb.send = &OnMessageSent;
-  param.user_data = m;
+  // Eager: the receiver's handler gets the message whole.
+  ucp_request_param_t param = SendParam(UCP_AM_SEND_FLAG_EAGER, &OnMessageSent, m);
   ucs_status_ptr_t request =
       ucp_am_send_nbx(ep, id, m->header.data(), m->header.size(),
                       m->payload.data(), m->payload.size(), &param);
@@ -64,12 +72,7 @@ void PostDataMessage(ucp_ep_h ep, uint16_t id, std::string header,
                      std::vector<absl::Span<const char>> pieces,
                      absl::AnyInvocable<void(ucs_status_t) &&> sent) {
   auto* m = new OutgoingDataMessage{std::move(header), {}, std::move(sent)};
-  ucp_request_param_t param = {};
-  param.op_attr_mask = UCP_OP_ATTR_FIELD_FLAGS | UCP_OP_ATTR_FIELD_CALLBACK |
-                       UCP_OP_ATTR_FIELD_USER_DATA;
-  param.flags = UCP_AM_SEND_FLAG_RNDV | UCP_AM_SEND_FLAG_REPLY;
-  param.cb.send = &OnDataMessageSent;
-  param.user_data = m;
+  ucp_request_param_t param = SendParam(UCP_AM_SEND_FLAG_RNDV, &OnDataMessageSent, m);
   const void* buffer = nullptr;
   size_t count = 0;
   if (pieces.size() == 1) {
