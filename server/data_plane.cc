@@ -428,14 +428,6 @@ absl::Status DataPlane::ServeRequestsOn(UcxWorker& request_worker) {
                         "({} header bytes)", header.size());
             return;  // its data is released unread
           }
-          if (h->header.method != RequestMethod::kPullBlocks) {
-            sender.Reply(kReplyMessageId,
-                         EncodeReplyHeader(ReplyHeader{
-                             h->header.request_id,
-                             absl::StatusCode::kInvalidArgument}),
-                         "only PullBlocks requests come with data");
-            return;
-          }
           Admit(h->header, h->body, std::move(data), sender);
         });
   }
@@ -447,17 +439,13 @@ absl::StatusOr<TransferHandle> DataPlane::Receive(
     std::unique_ptr<UcxWorker::IncomingData> data,
     std::vector<absl::Span<char>> pieces, absl::Time deadline,
     absl::AnyInvocable<void(size_t)> each_got) {
-  uint64_t total = 0;
   for (const absl::Span<char>& p : pieces) {
-    total += p.size();
     if (p.data() != nullptr && !arena_->Contains(p.data(), p.size())) {
       return absl::InvalidArgumentError("a request's data must go into arena slots");
     }
   }
-  if (data == nullptr || data->size() != total) {
-    return absl::InvalidArgumentError(
-        "a request's data must fill its pieces exactly");
-  }
+  if (data == nullptr) return absl::InvalidArgumentError("no data to receive");
+  // Pieces that do not add up to the data: Receive refuses them.
   UcxWorker& worker = data->worker();  // the one it came on
   return worker.Receive(std::move(data), std::move(pieces), deadline,
                         std::move(each_got));
@@ -474,17 +462,19 @@ void DataPlane::OnRequest(absl::string_view header, absl::string_view payload,
   Admit(*h, payload, nullptr, sender);
 }
 
-void DataPlane::Admit(const RequestHeader& header, absl::string_view payload,
+void DataPlane::Admit(const RequestHeader& h, absl::string_view payload,
                       std::unique_ptr<UcxWorker::IncomingData> data,
                       const UcxWorker::MessageSender& sender) {
-  const RequestHeader* h = &header;
   // Answered here, over the connection the request came on (data, if any,
   // released unread).
   auto refuse = [&](const absl::Status& why) {
     sender.Reply(kReplyMessageId,
-                 EncodeReplyHeader(ReplyHeader{h->request_id, why.code()}),
+                 EncodeReplyHeader(ReplyHeader{h.request_id, why.code()}),
                  std::string(why.message()));
   };
+  if (data != nullptr && h.method != RequestMethod::kPullBlocks) {
+    return refuse(absl::InvalidArgumentError("only PullBlocks requests come with data"));
+  }
   if (requests_stopped_.load()) {
     return refuse(absl::UnavailableError("kvdepotd is stopping"));
   }
@@ -492,7 +482,7 @@ void DataPlane::Admit(const RequestHeader& header, absl::string_view payload,
     return refuse(absl::InvalidArgumentError(absl::StrCat(
         "request of ", payload.size(), " bytes (at most ", kMaxRequestPayload, ")")));
   }
-  std::shared_ptr<Link> link = Find(h->session_id);
+  std::shared_ptr<Link> link = Find(h.session_id);
   if (link == nullptr) {
     absl::MutexLock lock(&mu_);
     // Almost always a session that ended (closed, expired, or lost its
@@ -500,7 +490,7 @@ void DataPlane::Admit(const RequestHeader& header, absl::string_view payload,
     // client opens a new one.
     return refuse(closing_ ? absl::UnavailableError("kvdepotd is stopping")
                            : absl::NotFoundError(absl::StrCat(
-                                 "session ", h->session_id,
+                                 "session ", h.session_id,
                                  " is not open here with a UCX endpoint")));
   }
   if (data != nullptr && !HasRequestLink(link->client_address)) {
@@ -516,7 +506,7 @@ void DataPlane::Admit(const RequestHeader& header, absl::string_view payload,
     return refuse(absl::ResourceExhaustedError(absl::StrCat(
         "more than ", options_.max_requests_in_flight, " UCX requests in flight")));
   }
-  Request request{h->session_id, h->method, h->request_id, std::string(payload),
+  Request request{h.session_id, h.method, h.request_id, std::string(payload),
                   false, std::move(data)};
   if (!link->colocated) {
     request.on_progress_thread = true;

@@ -235,8 +235,8 @@ class DataPlane {
   void ServeRequests(RequestHandler handler);
   // Receives a request's `data` into `pieces` (arena slots; null pieces
   // drop their bytes): see UcxWorker::Receive. `each_got(i)` runs once the
-  // bytes are in. InvalidArgument for a piece outside the arena, or
-  // pieces that do not add up to the data.
+  // bytes are in. InvalidArgument for a piece outside the arena (pieces
+  // that do not add up to the data: every transfer ends InvalidArgument).
   absl::StatusOr<TransferHandle> Receive(
       std::unique_ptr<UcxWorker::IncomingData> data,
       std::vector<absl::Span<char>> pieces, absl::Time deadline,
@@ -321,12 +321,12 @@ class DataPlane {
   // Drops request link `id` (its endpoint failed: the client's worker is
   // gone). Any thread.
   void DropRequestLink(const std::string& address, uint64_t id);
-  // Progress thread: a message arrived for kRequestMessageId.
   // Progress thread: request `h` (its body, and `data` when it came with
   // some) admitted or answered at once.
   void Admit(const RequestHeader& h, absl::string_view body,
              std::unique_ptr<UcxWorker::IncomingData> data,
              const UcxWorker::MessageSender& sender);
+  // Progress thread: a message arrived for kRequestMessageId.
   void OnRequest(absl::string_view header, absl::string_view payload,
                  const UcxWorker::MessageSender& sender);
 

@@ -177,9 +177,9 @@ class KvDepotService final
                        bool over_ucx = false);
   // `must_not_block` (on a UCX progress thread): a put that would wait for
   // room (BeginPut's would_wait) goes on put_pool_ and waits there.
-  // `data`, when it holds some, is the block's bytes sent with a UCX
-  // request (DataPlane::Request::data): received into the slot instead of
-  // read from the client's buffer.
+  // `data`, when it holds some, is the blocks' bytes sent with a UCX
+  // request (DataPlane::Request::data): received into the slots instead of
+  // read from the client's buffers.
   using IncomingData = std::unique_ptr<UcxWorker::IncomingData>;
   void StartPullBlocks(const v1::PullBlocksRequest* req,
                        v1::PullBlocksResponse* resp, Finish finish,

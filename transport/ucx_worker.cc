@@ -165,14 +165,23 @@ absl::Status UcxWorker::SetAmHandler(uint16_t id, ucp_am_recv_callback_t cb,
                       : UcsToStatus(st, "ucp_worker_set_am_recv_handler");
 }
 
+namespace {
+
+// Ends every transfer of a batch that will not be posted with `why`.
+void RefuseAll(transport_internal::TransferBatch& batch, const absl::Status& why) {
+  for (size_t i = 0; i < batch.size(); ++i) batch.Refuse(i, why);
+  batch.Seal(nullptr);
+}
+
+}  // namespace
+
 TransferHandle UcxWorker::Receive(std::unique_ptr<IncomingData> data, char* to,
                                   absl::Time deadline,
                                   absl::AnyInvocable<void(size_t)> each_got) {
   if (to == nullptr || data == nullptr) {
     auto batch = std::make_shared<transport_internal::TransferBatch>(
         transport_internal::TransferBatch::Op::kReceive, 1, deadline);
-    batch->Refuse(0, absl::InvalidArgumentError("nothing to receive, or nowhere"));
-    batch->Seal(nullptr);
+    RefuseAll(*batch, absl::InvalidArgumentError("nothing to receive, or nowhere"));
     return TransferHandle(batch);
   }
   const size_t size = data->size();
@@ -192,12 +201,9 @@ TransferHandle UcxWorker::Receive(std::unique_ptr<IncomingData> data,
   size_t total = 0;
   for (const absl::Span<char>& p : pieces) total += p.size();
   if (data == nullptr || pieces.empty() || total != data->size()) {
-    for (size_t i = 0; i < pieces.size(); ++i) {
-      batch->Refuse(i, absl::InvalidArgumentError(absl::StrCat(
-                           "pieces of ", total, " bytes for data of ",
-                           data == nullptr ? 0 : data->size())));
-    }
-    batch->Seal(nullptr);
+    RefuseAll(*batch, absl::InvalidArgumentError(
+                          absl::StrCat("pieces of ", total, " bytes for data of ",
+                                       data == nullptr ? 0 : data->size())));
     return handle;  // `data` is released unread
   }
   auto start = [this, batch, data = std::move(data),
@@ -207,10 +213,7 @@ TransferHandle UcxWorker::Receive(std::unique_ptr<IncomingData> data,
   if (OnProgressThread()) {
     Defer(std::move(start));  // perhaps inside a UCX callback now
   } else if (!Post(std::move(start)).ok()) {
-    for (size_t i = 0; i < batch->size(); ++i) {
-      batch->Refuse(i, absl::UnavailableError("UCX worker is stopping"));
-    }
-    batch->Seal(nullptr);
+    RefuseAll(*batch, absl::UnavailableError("UCX worker is stopping"));
   }
   return handle;
 }
