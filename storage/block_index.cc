@@ -143,17 +143,12 @@ std::unique_ptr<BlockEntry> BlockIndex::Insert(std::unique_ptr<BlockEntry> entry
   return nullptr;
 }
 
-void BlockIndex::ReleaseParent(const BlockEntry& removed,
-                               std::string* parent_key) {
-  if (parent_key != nullptr) parent_key->clear();
+void BlockIndex::ReleaseParent(const BlockEntry& removed) {
   if (!(removed.flags & BlockEntry::kLinked)) return;
   Shard& ps = ShardFor(removed.parent_hash);
   absl::MutexLock lock(&ps.mu);
   BlockEntry* p = FindByHash(ps, removed.ns_id, removed.parent_hash);
   if (p == nullptr || p->children == 0) return;
-  if (parent_key != nullptr) {
-    parent_key->assign(base_ + p->key_offset(), p->key_len);
-  }
   if (--p->children == 0 && p->pins == 0) LruPushBack(ps, p);
 }
 
@@ -165,6 +160,7 @@ BlockIndex::RemoveOutcome BlockIndex::Remove(const KeyRef& key,
     auto it = s.set.find(key);
     if (it == s.set.end()) return RemoveOutcome::kMissing;
     BlockEntry* e = *it;
+    if (e->flags & BlockEntry::kDemoting) return RemoveOutcome::kDemoting;
     if (e->pins > 0) return RemoveOutcome::kPinned;
     Detach(s, e);
     out->reset(e);
@@ -174,16 +170,19 @@ BlockIndex::RemoveOutcome BlockIndex::Remove(const KeyRef& key,
 }
 
 std::vector<std::unique_ptr<BlockEntry>> BlockIndex::RemoveNamespace(
-    uint32_t ns_id, uint64_t* pinned) {
+    uint32_t ns_id, uint64_t* pinned, uint64_t* demoting) {
   std::vector<std::unique_ptr<BlockEntry>> removed;
   *pinned = 0;
+  *demoting = 0;
   for (auto& sp : shards_) {
     Shard& s = *sp;
     absl::MutexLock lock(&s.mu);
     std::vector<BlockEntry*> victims;
     for (BlockEntry* e : s.set) {
       if (e->ns_id != ns_id) continue;
-      if (e->pins > 0) {
+      if (e->flags & BlockEntry::kDemoting) {
+        ++*demoting;
+      } else if (e->pins > 0) {
         ++*pinned;
       } else {
         victims.push_back(e);
@@ -214,8 +213,7 @@ BlockEntry* BlockIndex::SettleTail(Shard& s) {
   return e;
 }
 
-std::unique_ptr<BlockEntry> BlockIndex::PopEvictable(int shard,
-                                                     std::string* parent_key) {
+std::unique_ptr<BlockEntry> BlockIndex::PopEvictable(int shard) {
   Shard& s = *shards_[shard];
   std::unique_ptr<BlockEntry> out;
   {
@@ -225,34 +223,82 @@ std::unique_ptr<BlockEntry> BlockIndex::PopEvictable(int shard,
     Detach(s, e);
     out.reset(e);
   }
-  ReleaseParent(*out, parent_key);
+  ReleaseParent(*out);
   return out;
 }
 
-std::unique_ptr<BlockEntry> BlockIndex::PopOldestEvictable(
-    std::string* parent_key) {
-  // Find the shard whose tail was used longest ago, then pop that shard's
-  // tail. Another thread may empty that shard in between: then look again,
-  // so nullptr means no shard had an evictable entry.
-  while (true) {
-    int best = -1;
-    uint32_t best_seq = 0;
-    for (int i = 0; i < kShards; ++i) {
-      Shard& s = *shards_[i];
-      absl::MutexLock lock(&s.mu);
-      BlockEntry* e = SettleTail(s);
-      if (e == nullptr) continue;
-      // Wrap-aware: a is older than b when (a - b) is negative as int32.
-      if (best < 0 || static_cast<int32_t>(e->seq - best_seq) < 0) {
-        best = i;
-        best_seq = e->seq;
-      }
-    }
-    if (best < 0) return nullptr;
-    if (std::unique_ptr<BlockEntry> e = PopEvictable(best, parent_key)) {
-      return e;
+int BlockIndex::OldestShard() {
+  int best = -1;
+  uint32_t best_seq = 0;
+  for (int i = 0; i < kShards; ++i) {
+    Shard& s = *shards_[i];
+    absl::MutexLock lock(&s.mu);
+    BlockEntry* e = SettleTail(s);
+    if (e == nullptr) continue;
+    // Wrap-aware: a is older than b when (a - b) is negative as int32.
+    if (best < 0 || static_cast<int32_t>(e->seq - best_seq) < 0) {
+      best = i;
+      best_seq = e->seq;
     }
   }
+  return best;
+}
+
+std::unique_ptr<BlockEntry> BlockIndex::PopOldestEvictable() {
+  // Another thread may empty the chosen shard before it is popped: then look
+  // again, so nullptr means no shard had an evictable entry.
+  while (true) {
+    const int best = OldestShard();
+    if (best < 0) return nullptr;
+    if (std::unique_ptr<BlockEntry> e = PopEvictable(best)) return e;
+  }
+}
+
+std::optional<BlockIndex::Demotion> BlockIndex::BeginDemotion() {
+  Demotion d;
+  bool linked = false;
+  uint64_t parent_hash = 0;
+  while (d.entry == nullptr) {
+    const int best = OldestShard();
+    if (best < 0) return std::nullopt;
+    Shard& s = *shards_[best];
+    absl::MutexLock lock(&s.mu);
+    BlockEntry* e = SettleTail(s);
+    if (e == nullptr) continue;  // emptied meanwhile: look again
+    LruRemove(s, e);
+    ++e->pins;
+    e->flags |= BlockEntry::kDemoting;
+    d.entry = e;
+    d.reads = e->reads;
+    linked = (e->flags & BlockEntry::kLinked) != 0;
+    parent_hash = e->parent_hash;
+  }
+  if (linked) {
+    // The parent stays while this entry is linked to it, unless removed
+    // explicitly (Remove does not wait for children); then it has no key.
+    Shard& ps = ShardFor(parent_hash);
+    absl::MutexLock lock(&ps.mu);
+    if (BlockEntry* p = FindByHash(ps, d.entry->ns_id, parent_hash)) {
+      d.parent_key.assign(base_ + p->key_offset(), p->key_len);
+    }
+  }
+  return d;
+}
+
+std::unique_ptr<BlockEntry> BlockIndex::EndDemotion(BlockEntry* e) {
+  Shard& s = ShardFor(e->hash);
+  std::unique_ptr<BlockEntry> out;
+  {
+    absl::MutexLock lock(&s.mu);
+    e->flags &= ~BlockEntry::kDemoting;
+    // Pinned by a lookup meanwhile: its Unpin lists it again. With a cached
+    // child it is not evictable until the child leaves.
+    if (--e->pins > 0 || e->children > 0) return nullptr;
+    Detach(s, e);
+    out.reset(e);
+  }
+  ReleaseParent(*out);
+  return out;
 }
 
 uint64_t BlockIndex::blocks() const {

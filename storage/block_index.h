@@ -46,6 +46,7 @@ struct BlockEntry {
   static constexpr uint8_t kInLru = 1;   // in its shard's evictable list
   static constexpr uint8_t kLinked = 2;  // counted in its parent's children
   static constexpr uint8_t kReferenced = 4;  // looked up since last considered
+  static constexpr uint8_t kDemoting = 8;  // being written to the NVMe tier
 
   BlockEntry* lru_prev = nullptr;
   BlockEntry* lru_next = nullptr;
@@ -87,7 +88,18 @@ class BlockIndex {
     uint32_t size;
     uint64_t checksum;
   };
-  enum class RemoveOutcome { kRemoved, kPinned, kMissing };
+  // kDemoting: the entry is being written to the NVMe tier (BeginDemotion);
+  // it leaves DRAM when that ends, so try again then.
+  enum class RemoveOutcome { kRemoved, kPinned, kDemoting, kMissing };
+  // An entry being demoted, with what the demotion needs that may change
+  // under the shard's lock.
+  struct Demotion {
+    BlockEntry* entry = nullptr;  // pinned until EndDemotion
+    uint8_t reads = 0;            // BlockEntry::reads when it began
+    // The parent's key when the entry is linked to a cached parent, else
+    // empty (the index keeps only the parent's hash).
+    std::string parent_key;
+  };
 
   // `arena_base` is where key_unit offsets point; it must outlive the index.
   explicit BlockIndex(const char* arena_base);
@@ -136,20 +148,26 @@ class BlockIndex {
   // Removes an unpinned entry (explicit eviction). On kRemoved, *out holds it
   // and its parent link is already released.
   RemoveOutcome Remove(const KeyRef& key, std::unique_ptr<BlockEntry>* out);
-  // Removes every unpinned entry of namespace `ns_id`; counts pinned ones.
+  // Removes every unpinned entry of namespace `ns_id` that is not being
+  // demoted; counts pinned ones and ones being demoted.
   std::vector<std::unique_ptr<BlockEntry>> RemoveNamespace(uint32_t ns_id,
-                                                          uint64_t* pinned);
+                                                          uint64_t* pinned,
+                                                          uint64_t* demoting);
   // Removes the least recently used evictable entry of `shard`, if any.
-  // With `parent_key`, sets it to the key of the entry's parent when the
-  // entry was linked to a cached parent (the index keeps only the parent's
-  // hash; this is the last moment the parent is sure to be there), else
-  // clears it.
-  std::unique_ptr<BlockEntry> PopEvictable(int shard,
-                                           std::string* parent_key = nullptr);
+  std::unique_ptr<BlockEntry> PopEvictable(int shard);
   // Removes the evictable entry whose last use is oldest among the shards'
   // least-recent ends (every shard is looked at). nullptr if none.
-  std::unique_ptr<BlockEntry> PopOldestEvictable(
-      std::string* parent_key = nullptr);
+  std::unique_ptr<BlockEntry> PopOldestEvictable();
+
+  // Demotion: the entry PopOldestEvictable would remove is written to the
+  // NVMe tier first, and stays findable in DRAM meanwhile (a lookup never
+  // misses a block between the tiers, and a Remove cannot be undone by a
+  // write that lands after it). BeginDemotion pins that entry and marks it
+  // demoting; nullopt if none is evictable. EndDemotion drops that pin and
+  // removes the entry, returning it to the caller, unless a lookup pinned it
+  // or a child of it was stored meanwhile: then it stays (nullptr).
+  std::optional<Demotion> BeginDemotion();
+  std::unique_ptr<BlockEntry> EndDemotion(BlockEntry* entry);
 
   uint64_t blocks() const;
   // Number of entries in the evictable lists (for tests and stats).
@@ -215,10 +233,11 @@ class BlockIndex {
   // Gives referenced entries at the tail their second chance; returns the
   // tail afterwards (nullptr if the list is empty).
   static BlockEntry* SettleTail(Shard& s) ABSL_EXCLUSIVE_LOCKS_REQUIRED(s.mu);
-  // Drops one child count from the parent of a removed entry, if linked,
-  // and copies the parent's key to `parent_key` (when given).
-  void ReleaseParent(const BlockEntry& removed,
-                     std::string* parent_key = nullptr);
+  // The shard whose least-recent evictable entry was used longest ago, or
+  // -1 when no shard has one.
+  int OldestShard();
+  // Drops one child count from the parent of a removed entry, if linked.
+  void ReleaseParent(const BlockEntry& removed);
 
   const char* const base_;
   std::array<std::unique_ptr<Shard>, kShards> shards_;

@@ -2,6 +2,8 @@
 
 #include <gtest/gtest.h>
 
+#include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -163,13 +165,75 @@ TEST_F(BlockIndexTest, RemoveNamespaceKeepsPinnedAndOtherNamespaces) {
   Put("c", "", 2);
   auto hit = index_.Find(BlockIndex::MakeKey(1, "a"), true);
   uint64_t pinned = 0;
-  auto removed = index_.RemoveNamespace(1, &pinned);
+  uint64_t demoting = 0;
+  auto removed = index_.RemoveNamespace(1, &pinned, &demoting);
   EXPECT_EQ(removed.size(), 1u);
   EXPECT_EQ(pinned, 1u);
   EXPECT_TRUE(index_.Find(BlockIndex::MakeKey(2, "c"), false));
   // "a" lost its only child: once unpinned it is evictable.
   index_.Unpin(hit->entry);
   EXPECT_EQ(DrainEvictable().size(), 2u);  // a and c
+}
+
+// A block being demoted stays findable; removing it waits for the demotion
+// (kDemoting), and it leaves the index when the demotion ends.
+TEST_F(BlockIndexTest, AnEntryBeingDemotedStaysFindableUntilItsDemotionEnds) {
+  Put("old", "", 1, 10);
+  Put("new", "", 1, 20);
+  std::optional<BlockIndex::Demotion> d = index_.BeginDemotion();
+  ASSERT_TRUE(d.has_value());
+  EXPECT_EQ(std::string(buf_.data() + d->entry->key_offset(), d->entry->key_len), "old");
+  EXPECT_EQ(d->parent_key, "");
+  EXPECT_TRUE(index_.Find(BlockIndex::MakeKey(1, "old"), false));
+  std::unique_ptr<BlockEntry> out;
+  EXPECT_EQ(index_.Remove(BlockIndex::MakeKey(1, "old"), &out),
+            BlockIndex::RemoveOutcome::kDemoting);
+  uint64_t pinned = 0, demoting = 0;
+  auto removed = index_.RemoveNamespace(1, &pinned, &demoting);
+  EXPECT_EQ(removed.size(), 1u);  // "new"
+  EXPECT_EQ(pinned, 0u);
+  EXPECT_EQ(demoting, 1u);
+  // Not offered to another demotion or eviction meanwhile.
+  EXPECT_FALSE(index_.BeginDemotion().has_value());
+  EXPECT_EQ(index_.PopOldestEvictable(), nullptr);
+  std::unique_ptr<BlockEntry> gone = index_.EndDemotion(d->entry);
+  ASSERT_NE(gone, nullptr);
+  EXPECT_FALSE(index_.Find(BlockIndex::MakeKey(1, "old"), false));
+  EXPECT_EQ(index_.blocks(), 0u);
+}
+
+// A lookup that pins a block being demoted, or a child stored meanwhile,
+// keeps it in DRAM; the demotion carries the cached parent's key.
+TEST_F(BlockIndexTest, ADemotionKeepsAnEntryPinnedOrGivenAChildMeanwhile) {
+  Put("a", "", 1, 10);
+  std::optional<BlockIndex::Demotion> d = index_.BeginDemotion();
+  ASSERT_TRUE(d.has_value());
+  auto hit = index_.Find(BlockIndex::MakeKey(1, "a"), true);
+  ASSERT_TRUE(hit);
+  EXPECT_EQ(index_.EndDemotion(d->entry), nullptr);
+  EXPECT_EQ(index_.evictable(), 0u);  // still pinned by the lookup
+  std::unique_ptr<BlockEntry> out;
+  EXPECT_EQ(index_.Remove(BlockIndex::MakeKey(1, "a"), &out),
+            BlockIndex::RemoveOutcome::kPinned);
+  index_.Unpin(hit->entry);
+  EXPECT_EQ(index_.evictable(), 1u);
+
+  d = index_.BeginDemotion();
+  ASSERT_TRUE(d.has_value());
+  Put("a/child", "a", 1, 30);
+  EXPECT_EQ(index_.EndDemotion(d->entry), nullptr);
+  EXPECT_TRUE(index_.Find(BlockIndex::MakeKey(1, "a"), false));
+
+  // Only the leaf is evictable; its demotion names its parent.
+  d = index_.BeginDemotion();
+  ASSERT_TRUE(d.has_value());
+  EXPECT_EQ(d->parent_key, "a");
+  ASSERT_NE(index_.EndDemotion(d->entry), nullptr);
+  d = index_.BeginDemotion();  // now the parent
+  ASSERT_TRUE(d.has_value());
+  EXPECT_EQ(d->parent_key, "");
+  ASSERT_NE(index_.EndDemotion(d->entry), nullptr);
+  EXPECT_EQ(index_.blocks(), 0u);
 }
 
 TEST(BlockEntryTest, MetadataStaysSmall) {

@@ -64,6 +64,9 @@ constexpr size_t kStampBytes = sizeof(int64_t);
 // The longest a put waits for the evictor to demote room (AllocateEvicting)
 // before it drops blocks itself.
 constexpr absl::Duration kMaxWaitForRoom = absl::Seconds(5);
+// The longest an Evict waits for blocks being demoted to reach the NVMe tier
+// (so it can remove them from both) before it reports them as pinned.
+constexpr absl::Duration kMaxWaitForDemotion = absl::Seconds(5);
 
 struct NamespaceInfo {
   uint32_t id = 0;
@@ -468,11 +471,19 @@ class TieredStoreImpl final : public TieredStore {
       result.evicted_bytes += meta->size;
       return true;
     };
+    // A block being demoted leaves DRAM once it is on NVMe: wait for that,
+    // then remove it from NVMe, so the demotion cannot bring it back.
+    const absl::Time wait_until = absl::Now() + kMaxWaitForDemotion;
     if (all) {
-      if (info) {
-        auto removed = index_.RemoveNamespace(info->id, &result.pinned_blocks);
+      uint64_t demoting = 0;
+      while (info) {
+        const uint64_t ended = DemotionsEnded();
+        auto removed =
+            index_.RemoveNamespace(info->id, &result.pinned_blocks, &demoting);
         for (auto& e : removed) drop(std::move(e));
+        if (demoting == 0 || !WaitForDemotions(ended, wait_until)) break;
       }
+      result.pinned_blocks += demoting;  // waited too long: they stay
       if (nvme_ != nullptr) {
         std::vector<std::string> on_nvme;
         nvme_->ForEachBlock([&](const NvmeBlockView& b) {
@@ -482,24 +493,38 @@ class TieredStoreImpl final : public TieredStore {
       }
       return result;
     }
-    for (absl::string_view k : keys) {
-      std::unique_ptr<BlockEntry> e;
-      BlockIndex::RemoveOutcome outcome =
-          info ? index_.Remove(BlockIndex::MakeKey(info->id, k), &e)
-               : BlockIndex::RemoveOutcome::kMissing;
-      switch (outcome) {
-        case BlockIndex::RemoveOutcome::kRemoved:
-          drop(std::move(e));
-          drop_nvme(k);
-          break;
-        case BlockIndex::RemoveOutcome::kPinned:
-          result.pinned_keys.emplace_back(k);
-          ++result.pinned_blocks;
-          break;
-        case BlockIndex::RemoveOutcome::kMissing:
-          if (!drop_nvme(k)) ++result.missing_keys;
-          break;
+    std::vector<absl::string_view> todo(keys.begin(), keys.end());
+    while (!todo.empty()) {
+      const uint64_t ended = DemotionsEnded();
+      std::vector<absl::string_view> demoting;
+      for (absl::string_view k : todo) {
+        std::unique_ptr<BlockEntry> e;
+        BlockIndex::RemoveOutcome outcome =
+            info ? index_.Remove(BlockIndex::MakeKey(info->id, k), &e)
+                 : BlockIndex::RemoveOutcome::kMissing;
+        switch (outcome) {
+          case BlockIndex::RemoveOutcome::kRemoved:
+            drop(std::move(e));
+            drop_nvme(k);
+            break;
+          case BlockIndex::RemoveOutcome::kDemoting:
+            demoting.push_back(k);
+            break;
+          case BlockIndex::RemoveOutcome::kPinned:
+            result.pinned_keys.emplace_back(k);
+            ++result.pinned_blocks;
+            break;
+          case BlockIndex::RemoveOutcome::kMissing:
+            if (!drop_nvme(k)) ++result.missing_keys;
+            break;
+        }
       }
+      todo = std::move(demoting);
+      if (!todo.empty() && !WaitForDemotions(ended, wait_until)) break;
+    }
+    for (absl::string_view k : todo) {  // waited too long: they stay
+      result.pinned_keys.emplace_back(k);
+      ++result.pinned_blocks;
     }
     return result;
   }
@@ -988,8 +1013,9 @@ class TieredStoreImpl final : public TieredStore {
   // It waits round after round while the evictor frees something (other
   // puts waiting too may take a round's room first: many puts of one block
   // each, as UCX data requests make, dropped blocks after one round), for
-  // kMaxWaitForRoom at most. Without them, or when a round freed nothing
-  // or the time is up, it evicts (drops) synchronously.
+  // kMaxWaitForRoom at most; room freed otherwise meanwhile (an Evict) counts
+  // too. Without them, or when a round freed nothing or the time is up, it
+  // tries once more and then evicts (drops) synchronously.
   // With `would_wait`, the wait is not made: Unavailable, *would_wait set.
   absl::StatusOr<uint64_t> AllocateEvicting(uint64_t bytes,
                                             bool* would_wait = nullptr) {
@@ -1012,11 +1038,16 @@ class TieredStoreImpl final : public TieredStore {
           wait_until = absl::Now() + kMaxWaitForRoom;
         }
         const uint64_t evicted = evictions_.load(std::memory_order_relaxed);
+        const size_t used = arena_->allocated_bytes();
         if (WaitForEvictor(wait_until) &&
-            evictions_.load(std::memory_order_relaxed) != evicted) {
-          continue;
+            (evictions_.load(std::memory_order_relaxed) != evicted ||
+             arena_->allocated_bytes() < used)) {
+          continue;  // room was freed: wait again if others took it
         }
-        waiting = false;  // it did not help: make room here
+        // Nothing was freed (or the wait is over): try once more, then make
+        // room here.
+        waiting = false;
+        continue;
       }
       if (!EvictOne()) {
         return absl::ResourceExhaustedError(absl::StrCat(
@@ -1051,32 +1082,58 @@ class TieredStoreImpl final : public TieredStore {
   // Evicts the evictable block used longest ago (approximately: the oldest
   // of the shards' least-recent ends). Returns false when there is none.
   // With `demote` (the background evictor, PersistDram) the block is first
-  // written to the NVMe tier; a put waiting for room drops it instead.
+  // written to the NVMe tier, staying findable in DRAM until it is there
+  // (it stays in DRAM if a lookup pinned it meanwhile); a put waiting for
+  // room drops it instead.
   bool EvictOne(bool demote = false) {
-    const bool demoting = demote && nvme_ != nullptr;
-    std::string parent;
-    std::unique_ptr<BlockEntry> e =
-        index_.PopOldestEvictable(demoting ? &parent : nullptr);
-    if (!e) return false;
-    if (demoting) Demote(*e, parent);
-    FreeEntry(std::move(e), /*lru=*/true);
+    if (!demote || nvme_ == nullptr) {
+      std::unique_ptr<BlockEntry> e = index_.PopOldestEvictable();
+      if (!e) return false;
+      FreeEntry(std::move(e), /*lru=*/true);
+      return true;
+    }
+    std::optional<BlockIndex::Demotion> d = index_.BeginDemotion();
+    if (!d) return false;
+    Demote(*d);
+    std::unique_ptr<BlockEntry> e = index_.EndDemotion(d->entry);
+    if (e) FreeEntry(std::move(e), /*lru=*/true);
+    absl::MutexLock lock(&demote_mu_);
+    ++demotions_ended_;
     return true;
   }
 
   // Writes a block leaving DRAM to the NVMe tier with its parent key (empty
   // when its parent was not cached in DRAM when it was linked), so that the
-  // tier's eviction keeps prefixes and a promotion relinks the chain.
-  void Demote(const BlockEntry& e, absl::string_view parent) {
-    if (e.reads < options_.nvme_admit_min_reads) {
+  // tier's eviction keeps prefixes and a promotion relinks the chain. The
+  // entry's bytes and key stay put while it is pinned for the demotion.
+  void Demote(const BlockIndex::Demotion& d) {
+    if (d.reads < options_.nvme_admit_min_reads) {
       demotions_skipped_.fetch_add(1, std::memory_order_relaxed);
       return;
     }
+    const BlockEntry& e = *d.entry;
     const char* base = arena_->base();
     NamespaceInfo* info = NamespaceById(e.ns_id);
     absl::StatusOr<NvmePutOutcome> r = nvme_->Put(
-        info->name, absl::string_view(base + e.key_offset(), e.key_len), parent,
-        absl::string_view(base + e.data_offset(), e.size), e.checksum);
+        info->name, absl::string_view(base + e.key_offset(), e.key_len),
+        d.parent_key, absl::string_view(base + e.data_offset(), e.size),
+        e.checksum);
     (r.ok() ? demotions_ : demotion_failures_).fetch_add(1, std::memory_order_relaxed);
+  }
+
+  uint64_t DemotionsEnded() {
+    absl::MutexLock lock(&demote_mu_);
+    return demotions_ended_;
+  }
+
+  // Waits until a demotion ends after `seen` had (DemotionsEnded), or
+  // `deadline`; true when one did.
+  bool WaitForDemotions(uint64_t seen, absl::Time deadline) {
+    absl::MutexLock lock(&demote_mu_);
+    auto ended = [this, seen]() ABSL_SHARED_LOCKS_REQUIRED(demote_mu_) {
+      return demotions_ended_ != seen;
+    };
+    return demote_mu_.AwaitWithDeadline(absl::Condition(&ended), deadline);
   }
 
   // Inserts a slot's block into the index (put-if-absent), with one pin held
@@ -1223,6 +1280,9 @@ class TieredStoreImpl final : public TieredStore {
   bool pressure_ ABSL_GUARDED_BY(evict_mu_) = false;  // a put waits for room
   uint64_t rounds_started_ ABSL_GUARDED_BY(evict_mu_) = 0;
   uint64_t rounds_done_ ABSL_GUARDED_BY(evict_mu_) = 0;
+  // Demotions ended (EvictOne), for an Evict waiting for one.
+  absl::Mutex demote_mu_;
+  uint64_t demotions_ended_ ABSL_GUARDED_BY(demote_mu_) = 0;
   std::thread evictor_;
 };
 

@@ -284,7 +284,9 @@ class TieredStore {
   // Frees the reservation's slots. InvalidArgument for an unknown one.
   virtual absl::Status AbortPut(SessionId session, ReservationId id) = 0;
 
-  // Removes unpinned blocks: `keys`, or the whole namespace with `all`.
+  // Removes unpinned blocks: `keys`, or the whole namespace with `all`, from
+  // both tiers. A block being demoted to NVMe is removed once it is there
+  // (waiting up to 5 s; after that it is reported with the pinned ones).
   virtual absl::StatusOr<EvictResult> Evict(
       absl::string_view ns, absl::Span<const absl::string_view> keys,
       bool all) = 0;

@@ -728,17 +728,10 @@ TEST_F(TieredStoreNvmeTest, ConcurrentOneBlockPutsIntoFullDramLoseNothing) {
   }
   for (std::thread& t : threads) t.join();
   EXPECT_EQ(failed.load(), 0);
-  // The evictor is still demoting: a block it has taken out of DRAM and not
-  // yet written to NVMe is briefly in neither (a miss, not a loss), so a
-  // block not found is looked up again for a while.
+  // The evictor may still be demoting: a block is then found in DRAM.
   int missing = 0;
   for (int n = 0; n < kThreads * kPerThread; ++n) {
     LookupEntry e = Look("c" + std::to_string(n), false);
-    for (absl::Time end = absl::Now() + absl::Seconds(5);
-         !e.found && absl::Now() < end;) {
-      absl::SleepFor(absl::Milliseconds(10));
-      e = Look("c" + std::to_string(n), false);
-    }
     if (!e.found) {
       ++missing;
       continue;
@@ -747,7 +740,62 @@ TEST_F(TieredStoreNvmeTest, ConcurrentOneBlockPutsIntoFullDramLoseNothing) {
   }
   EXPECT_EQ(missing, 0);
   StoreStats st = store_->Stats();
-  EXPECT_EQ(st.dram.evictions, st.demotions) << "blocks dropped, not demoted";
+  // Every eviction was a demotion (the evictor may be between a demotion
+  // and its eviction, and a block demoted twice counts twice).
+  EXPECT_LE(st.dram.evictions, st.demotions) << "blocks dropped, not demoted";
+}
+
+// While the evictor demotes, a block is always found in one tier or the
+// other, and an Evict removes it from both. (A block used to leave the DRAM
+// index before its NVMe write: lookups then missed it, and an Evict in that
+// moment found nothing and was undone when the write landed.)
+TEST_F(TieredStoreNvmeTest, BlocksBeingDemotedAreNeitherMissedNorBroughtBackByTheirWrite) {
+  Open(/*admit_min_reads=*/0, /*background_eviction=*/true);
+  constexpr int kDoomed = 32, kKept = 40;  // 18 MiB into 4 MiB of DRAM
+  for (int n = 0; n < kDoomed; ++n) Put("d" + std::to_string(n), Block(n));
+  std::atomic<int> kept_stored{0};
+  std::atomic<bool> writing{true};
+  std::atomic<int> misses{0};
+  std::thread writer([&] {
+    for (int n = 0; n < kKept; ++n) {
+      Put("k" + std::to_string(n), Block(n));
+      kept_stored.store(n + 1);
+    }
+    writing.store(false);
+  });
+  std::thread reader([&] {
+    while (writing.load()) {
+      const int stored = kept_stored.load();
+      for (int n = 0; n < stored; ++n) {
+        if (!Look("k" + std::to_string(n), false).found) misses++;
+      }
+    }
+  });
+  // The evictor demotes the oldest blocks first: the doomed ones, in order.
+  uint64_t evicted = 0, not_found = 0;
+  for (int n = 0; n < kDoomed; ++n) {
+    const std::string key = "d" + std::to_string(n);
+    absl::string_view k = key;
+    absl::StatusOr<EvictResult> r = store_->Evict("ns", {&k, 1}, false);
+    ASSERT_OK(r);
+    evicted += r->evicted_blocks;
+    not_found += r->missing_keys;
+    EXPECT_TRUE(r->pinned_keys.empty()) << key;
+  }
+  writer.join();
+  reader.join();
+  EXPECT_EQ(misses.load(), 0) << "stored blocks missed while being demoted";
+  EXPECT_EQ(not_found, 0u) << "stored blocks not found by Evict";
+  EXPECT_GE(evicted, uint64_t{kDoomed});  // DRAM and NVMe copies both count
+  ASSERT_OK(store_->PersistDram());  // every demotion has ended
+  for (int n = 0; n < kDoomed; ++n) {
+    EXPECT_FALSE(Look("d" + std::to_string(n), false).found) << "d" << n << " came back";
+  }
+  for (int n = 0; n < kKept; ++n) {
+    LookupEntry e = Look("k" + std::to_string(n), false);
+    ASSERT_TRUE(e.found) << n;
+    EXPECT_EQ(e.checksum, BlockChecksum(Block(n))) << n;
+  }
 }
 
 // A pinned lookup that needs promotions answers from a promotion thread,
