@@ -336,8 +336,11 @@ absl::Status UcxWorker::Enqueue(absl::AnyInvocable<void() &&> task,
     queue_.push_back(std::move(task));
     // Signalled under mu_: the worker is destroyed under mu_ too, after
     // stopping_ is set. ucp_worker_signal is thread-safe by UCX's contract,
-    // whatever the worker's thread mode.
-    if (!wake_pending_) {
+    // whatever the worker's thread mode. A task queued by the progress
+    // thread itself (a reply sent from a completion callback) needs no
+    // signal: the loop looks at the queue before it sleeps (an eventfd
+    // write, its read and another round of progress saved per task).
+    if (!wake_pending_ && !OnProgressThread()) {
       wake_pending_ = true;
       ucp_worker_signal(worker_);
     }

@@ -6,6 +6,7 @@
 #include <cerrno>
 #include <cstring>
 #include <cstdlib>
+#include <functional>
 #include <map>
 #include <memory>
 #include <optional>
@@ -69,6 +70,42 @@ TEST_F(UcxWorkerTest, RunsTasksInOrderOnItsOwnThread) {
   bool inner = false;
   ASSERT_TRUE(worker->Run([&] { worker->Run([&] { inner = true; }).IgnoreError(); }).ok());
   EXPECT_TRUE(inner);
+}
+
+TEST_F(UcxWorkerTest, TasksPostedOnTheProgressThreadRunBeforeItSleeps) {
+  // The progress thread queues tasks for itself without waking itself (a
+  // reply sent from a completion callback): they must run before it next
+  // sleeps, not at its next idle tick (here a minute away).
+  UcxWorkerOptions options;
+  options.idle_tick = absl::Minutes(1);
+  auto worker = MakeWorker(options);
+  ASSERT_NE(worker, nullptr);
+  absl::Notification from_task, from_timer, from_deferred;
+  // From a task: the rest of a chain of posts.
+  std::function<void(int)> chain = [&](int left) {
+    if (left == 0) return from_task.Notify();
+    ASSERT_TRUE(worker->Post([&, left] { chain(left - 1); }).ok());
+  };
+  ASSERT_TRUE(worker->Submit([&] { chain(5); }).ok());
+  EXPECT_TRUE(from_task.WaitForNotificationWithTimeout(absl::Seconds(20)));
+  // From a timer, which runs after progress, just before the thread sleeps.
+  ASSERT_TRUE(worker
+                  ->Submit([&] {
+                    worker->RunAt(absl::Now() + absl::Milliseconds(10), [&] {
+                      ASSERT_TRUE(worker->Post([&] { from_timer.Notify(); }).ok());
+                    });
+                  })
+                  .ok());
+  EXPECT_TRUE(from_timer.WaitForNotificationWithTimeout(absl::Seconds(20)));
+  // From a deferred task (what UCX callbacks hand over).
+  ASSERT_TRUE(worker
+                  ->Submit([&] {
+                    worker->Defer([&] {
+                      ASSERT_TRUE(worker->Post([&] { from_deferred.Notify(); }).ok());
+                    });
+                  })
+                  .ok());
+  EXPECT_TRUE(from_deferred.WaitForNotificationWithTimeout(absl::Seconds(20)));
 }
 
 TEST_F(UcxWorkerTest, SubmitFailsWhenTheQueueIsFull) {
