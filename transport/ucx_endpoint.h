@@ -3,8 +3,9 @@
 // (a client reading the daemon's arena), with peer-failure detection.
 //
 // Transfers go in batches: Get/Put post one ucp_get_nbx/ucp_put_nbx per
-// transfer and then a flush (ucp_ep_flush_nbx), and return a TransferHandle
-// with a status per transfer. Every batch has a deadline. A batch never
+// transfer, a Put then a flush (ucp_ep_flush_nbx) or a fence, and return a
+// TransferHandle with a status per transfer (a get's is OK once its bytes
+// are here: no flush follows gets). Every batch has a deadline. A batch never
 // hangs: when its deadline passes, or the peer fails, the endpoint is
 // force-closed, which ends everything in flight on it with an error; the
 // endpoint then stays failed (status() says why) and a new one must be
