@@ -899,9 +899,10 @@ absl::Status BlockOutcome(
 }
 
 // The daemon no longer has the session (restart, expiry, closed when its
-// endpoint failed): a new one is needed. (FAILED_PRECONDITION is not that:
-// a draining daemon refuses puts with it, and opening sessions again would
-// not help.)
+// endpoint failed): a new one is needed. A whole request's NOT_FOUND means
+// only that (a missing block is a per-block NOT_FOUND; a namespace that
+// may not be created is FAILED_PRECONDITION, as is a draining daemon's
+// refusal of puts: opening sessions again would not help).
 bool SessionGone(const absl::Status& st) { return absl::IsNotFound(st); }
 
 // A reply that came over UCX: its status, and `resp` parsed from `body`.

@@ -50,11 +50,7 @@ absl::Status QuotaFile::Set(TieredStore& store, absl::string_view ns,
   RETURN_IF_ERROR(ValidateNamespace(ns));
   absl::MutexLock lock(&mu_);
   std::map<std::string, uint64_t> before = quotas_;
-  if (max_bytes == 0) {
-    quotas_.erase(std::string(ns));
-  } else {
-    quotas_[std::string(ns)] = max_bytes;
-  }
+  quotas_[std::string(ns)] = max_bytes;
   if (absl::Status st = WriteLocked(); !st.ok()) {
     quotas_ = std::move(before);
     return st;

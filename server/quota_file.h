@@ -1,6 +1,8 @@
 // QuotaFile: the namespace quotas an operator set (kvdepotctl quota set),
 // kept in <data-dir>/quotas so that they survive a restart. One line per
-// namespace, "NAMESPACE BYTES"; the file is rewritten whole (temporary file,
+// namespace, "NAMESPACE BYTES" (0: no limit, but the namespace is declared:
+// with create_namespaces off, clients may put only into namespaces an
+// operator declared); the file is rewritten whole (temporary file,
 // fsync, rename) on every change, so a crash leaves the old or the new one.
 //
 // Thread-safe.
@@ -26,7 +28,7 @@ class QuotaFile {
   // Reads the file and applies each quota to `store`. A missing file means
   // no quotas. InvalidArgument (naming the line) for a malformed file.
   absl::Status Load(TieredStore& store);
-  // Records `ns`'s quota (0 removes it), rewrites the file, then applies it
+  // Records `ns`'s quota (0 for no limit), rewrites the file, then applies it
   // to `store`. On a write error nothing changes.
   absl::Status Set(TieredStore& store, absl::string_view ns, uint64_t max_bytes);
 

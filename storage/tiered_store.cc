@@ -283,7 +283,7 @@ class TieredStoreImpl final : public TieredStore {
       absl::MutexLock lock(&mu_);
       RETURN_IF_ERROR(LiveSession(session).status());
     }
-    ASSIGN_OR_RETURN(uint32_t ns_id, NamespaceIdFor(ns));
+    ASSIGN_OR_RETURN(uint32_t ns_id, NamespaceIdFor(ns, NamespaceUse::kClientPut));
     RETURN_IF_ERROR(MakeRoomInQuota(*NamespaceById(ns_id), total));
 
     ReservationState state{session, ns_id, {}, 0, 0, false};
@@ -752,7 +752,7 @@ class TieredStoreImpl final : public TieredStore {
 
   absl::Status SetQuota(absl::string_view ns, uint64_t max_bytes) override {
     RETURN_IF_ERROR(ValidateNamespace(ns));
-    ASSIGN_OR_RETURN(uint32_t id, NamespaceIdFor(ns));
+    ASSIGN_OR_RETURN(uint32_t id, NamespaceIdFor(ns, NamespaceUse::kDeclared));
     NamespaceById(id)->quota.store(max_bytes);
     return absl::OkStatus();
   }
@@ -875,7 +875,7 @@ class TieredStoreImpl final : public TieredStore {
   // promotion thread: it may wait for the disk and for the evictor.
   void PromoteBatch(LookupPlan& plan) {
     if (plan.info == nullptr) {
-      absl::StatusOr<uint32_t> id = NamespaceIdFor(plan.ns);
+      absl::StatusOr<uint32_t> id = NamespaceIdFor(plan.ns, NamespaceUse::kDeclared);
       if (!id.ok()) return;
       plan.info = NamespaceById(*id);
     }
@@ -1220,12 +1220,21 @@ class TieredStoreImpl final : public TieredStore {
     return namespaces_[id - 1].get();
   }
 
-  absl::StatusOr<uint32_t> NamespaceIdFor(absl::string_view ns) {
+  // Who asks for a namespace: a client's put creates it only when
+  // create_namespaces is on; an operator's quota, or a block of it read back
+  // from NVMe, always does (it exists then).
+  enum class NamespaceUse { kClientPut, kDeclared };
+
+  absl::StatusOr<uint32_t> NamespaceIdFor(absl::string_view ns, NamespaceUse use) {
     absl::MutexLock lock(&ns_mu_);
     auto it = ns_ids_.find(ns);
     if (it != ns_ids_.end()) return it->second;
-    if (!options_.create_namespaces) {
-      return absl::NotFoundError(absl::StrCat("unknown namespace ", ns));
+    if (use == NamespaceUse::kClientPut && !options_.create_namespaces) {
+      // FAILED_PRECONDITION, not NOT_FOUND: a whole request's NOT_FOUND
+      // tells a client that its session is gone.
+      return absl::FailedPreconditionError(absl::StrCat(
+          "namespace ", ns, " does not exist and create_namespaces is off "
+          "(an operator creates it by setting its quota)"));
     }
     if (namespaces_.size() >= options_.max_namespaces) {
       return absl::ResourceExhaustedError(absl::StrCat(

@@ -502,6 +502,26 @@ namespace {
 
 using ::kvdepot::testing::StatusIs;
 
+// With create_namespaces off, a client's put into a namespace nobody
+// declared is refused (FAILED_PRECONDITION: NOT_FOUND would tell a client
+// that its session is gone) and reserves nothing; an operator's quota
+// declares the namespace.
+TEST_F(TieredStoreTest, WithoutCreateNamespacesPutsGoOnlyIntoDeclaredOnes) {
+  StoreOptions opts;
+  opts.create_namespaces = false;
+  Reopen(opts);
+  const std::string block(4096, 'n');
+  absl::StatusOr<CommitOutcome> refused = Put("k", block, "", "undeclared");
+  EXPECT_THAT(refused, StatusIs(Code::kFailedPrecondition));
+  EXPECT_THAT(refused.status().message(), ::testing::HasSubstr("create_namespaces"));
+  EXPECT_EQ(store_->Stats().reservations, 0u);
+  EXPECT_TRUE(store_->ListNamespaces().empty());
+  ASSERT_OK(store_->SetQuota("declared", 0));  // no limit, but it exists
+  ASSERT_OK(Put("k", block, "", "declared"));
+  EXPECT_EQ(Read("k", "declared"), block);
+  EXPECT_THAT(Put("k", block, "", "undeclared"), StatusIs(Code::kFailedPrecondition));
+}
+
 // The store with an NVMe tier under a temporary directory.
 // A namespace over its quota makes room by evicting its own least recently
 // used blocks; other namespaces are untouched.
@@ -587,6 +607,7 @@ class TieredStoreNvmeTest : public ::testing::Test {
     o.low_watermark = 0.25;
     o.nvme_path = dir_ + "/nvme";
     o.nvme_capacity = 64 << 20;
+    o.create_namespaces = create_namespaces_;
     auto s = NewTieredStore(o, &clock_);
     ASSERT_OK(s);
     store_ = std::move(s).value();
@@ -618,6 +639,7 @@ class TieredStoreNvmeTest : public ::testing::Test {
   static std::string Block(int i) { return std::string(256 << 10, static_cast<char>('a' + i % 26)); }
 
   FakeClock clock_;
+  bool create_namespaces_ = true;
   std::string dir_;
   std::unique_ptr<TieredStore> store_;
   SessionId sid_ = 0;
@@ -895,6 +917,22 @@ TEST_F(TieredStoreNvmeTest, PersistedBlocksSurviveARestart) {
     EXPECT_EQ(Bytes(e), Block(i));
     ASSERT_OK(store_->Unpin(sid_, pin));
   }
+}
+
+// A namespace whose blocks are on NVMe exists after a restart even with
+// create_namespaces off: its blocks are promoted when looked up, and its
+// clients may put into it again once it is known.
+TEST_F(TieredStoreNvmeTest, NamespacesOnNvmeExistWithoutCreateNamespaces) {
+  for (int i = 0; i < 2; ++i) Put("p" + std::to_string(i), Block(i));
+  ASSERT_OK(store_->PersistDram());
+  create_namespaces_ = false;
+  Open();
+  PinId pin = 0;
+  LookupEntry e = Look("p0", true, &pin);
+  ASSERT_TRUE(e.found);
+  EXPECT_EQ(Bytes(e), Block(0));
+  ASSERT_OK(store_->Unpin(sid_, pin));
+  Put("p2", Block(2));
 }
 
 // Demotion keeps a block's parent key, which the NVMe tier's prefix-aware

@@ -1230,6 +1230,55 @@ TEST_P(UcxE2eTest, ADrainingDaemonRefusesPutsAndTheClientKeepsItsSession) {
   EXPECT_EQ(*client_->EnsureSession(), *session);
 }
 
+TEST_P(UcxE2eTest, APutIntoAnUndeclaredNamespaceIsRefusedAndTheClientKeepsItsSession) {
+  // create_namespaces off: a put into a namespace no operator declared is
+  // refused as a whole request. That is not a lost session (once it was
+  // taken for one: the client dropped its session and fenced its worker).
+  const std::string dir = testing::MakeTempDir("declared");
+  std::ofstream(dir + "/kvdepot.yaml") << "create_namespaces: false\n";
+  absl::StatusOr<std::unique_ptr<DaemonProcess>> d = DaemonProcess::Start(
+      {"--config", dir + "/kvdepot.yaml", "--dram-capacity", "64MiB"});
+  ASSERT_OK(d.status());
+  for (bool ucx_requests : {true, false}) {
+    SCOPED_TRACE(ucx_requests ? "requests over UCX" : "requests over gRPC");
+    std::unique_ptr<Client> c = NewClient(ucx_requests, (*d)->address());
+    ASSERT_NE(c, nullptr);
+    std::vector<char> buf(2 * kBlock);
+    ucx_test::FillPattern(buf.data(), kBlock, 10);
+    ASSERT_OK(c->RegisterBuffer(buf.data(), buf.size()));
+    absl::StatusOr<uint64_t> session = c->EnsureSession();
+    ASSERT_OK(session.status());
+    const std::string ns = ucx_requests ? "ucx-ns" : "grpc-ns";
+    BlockToPut block{"u0", "", absl::string_view(buf.data(), kBlock)};
+    TransferOp refused = c->PutFromAsync(ns, {&block, 1});
+    refused.Wait();
+    EXPECT_THAT(refused.statuses()[0], StatusIs(absl::StatusCode::kFailedPrecondition));
+    EXPECT_STREQ(refused.transport(), "ucx");
+    EXPECT_EQ(*c->EnsureSession(), *session);
+    // Declared by the operator (a quota), the namespace takes the put, over
+    // the same session and UCX.
+    grpc::ClientContext ctx;
+    v1::SetQuotaRequest quota;
+    quota.set_namespace_(ns);
+    quota.set_max_bytes(0);
+    v1::SetQuotaResponse set;
+    ASSERT_TRUE(c->stub().SetQuota(&ctx, quota, &set).ok());
+    TransferOp put = c->PutFromAsync(ns, {&block, 1});
+    put.Wait();
+    EXPECT_OK(put.statuses()[0]);
+    EXPECT_STREQ(put.transport(), "ucx");
+    absl::string_view key = "u0";
+    absl::Span<char> dst(buf.data() + kBlock, kBlock);
+    TransferOp get = c->GetIntoAsync(ns, {&key, 1}, {&dst, 1});
+    get.Wait();
+    EXPECT_OK(get.statuses()[0]);
+    EXPECT_EQ(std::memcmp(buf.data(), dst.data(), kBlock), 0);
+    EXPECT_EQ(*c->EnsureSession(), *session);
+    EXPECT_OK(c->data_plane_status());
+  }
+  EXPECT_EQ((*d)->Stop(SIGTERM).value_or(-1), 0) << (*d)->Log();
+}
+
 TEST_P(UcxE2eTest, MalformedRequestsAreAnsweredAndTheDaemonStaysUp) {
   HandMadeClient c;
   ASSERT_NO_FATAL_FAILURE(c.Open(*client_, "crafted"));

@@ -226,6 +226,35 @@ TEST_F(KvdepotctlTest, QuotaIsEnforcedAndSurvivesARestart) {
   EXPECT_NE(r.out.find("no quota"), std::string::npos) << r.out;
 }
 
+TEST_F(KvdepotctlTest, WithoutCreateNamespacesPutsGoIntoDeclaredNamespacesAcrossRestarts) {
+  const std::string config = File("kvdepot.yaml", "create_namespaces: false\n");
+  const std::string data_dir = MakeTempDir("declared");
+  auto start = [&] {
+    auto d = DaemonProcess::Start({"--config", config, "--dram-capacity", "32MiB"},
+                                  data_dir);
+    ASSERT_OK(d);
+    daemon_ = std::move(d).value();
+  };
+  ASSERT_OK(daemon_->Stop(SIGTERM));
+  start();
+  const std::string f = File("d", "declared bytes");
+  CommandResult r = Ctl("put --ns d --key 0d --file " + f);
+  EXPECT_NE(r.exit_code, 0);
+  EXPECT_NE(r.err.find("create_namespaces"), std::string::npos) << r.err;
+  // Declared with no limit (quota 0), the namespace takes puts, and stays
+  // declared after a restart.
+  ASSERT_EQ(Ctl("quota set --ns d 0").exit_code, 0);
+  r = Ctl("put --ns d --key 0d --file " + f);
+  EXPECT_EQ(r.exit_code, 0) << r.err;
+  ASSERT_OK(daemon_->Stop(SIGTERM, absl::Seconds(20)));
+  start();
+  r = Ctl("put --ns d --key 0e --file " + f);
+  EXPECT_EQ(r.exit_code, 0) << r.err;
+  EXPECT_EQ(Ctl("get --ns d --key 0d --out " + dir_ + "/o").exit_code, 0);
+  EXPECT_EQ(Slurp(dir_ + "/o"), "declared bytes");
+  EXPECT_NE(Ctl("put --ns other --key 0d --file " + f).exit_code, 0);
+}
+
 TEST_F(KvdepotctlTest, UsageErrorsExitTwo) {
   EXPECT_EQ(Ctl("").exit_code, 2);
   EXPECT_EQ(Ctl("frobnicate").exit_code, 2);
