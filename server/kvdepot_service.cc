@@ -806,9 +806,10 @@ void KvDepotService::StartPushBlocks(const v1::PushBlocksRequest* req,
         }
         // Runs on the progress thread (or here, when every move was
         // copied here): short steps only.
-        h->OnReady([this, resp, finish, unpin, h = *h,
+        h->OnReady([this, req, resp, finish, unpin, h = *h,
                     key_of_move = std::move(key_of_move),
                     in_place = std::move(in_place)] {
+          if (h.abandoned()) HoldBlocksUntilReleased(*req, key_of_move, h);
           unpin();
           uint64_t bytes = 0, bytes_in_place = 0;
           for (size_t m = 0; m < key_of_move.size(); ++m) {
@@ -845,6 +846,42 @@ void KvDepotService::HoldUntilReleased(
     log->info("PullBlocks: session {}'s abandoned reads ended (UCX ended "
               "them, or they went with the session's worker); {} bytes of "
               "slots freed", session, bytes);
+  });
+}
+
+void KvDepotService::HoldBlocksUntilReleased(const v1::PushBlocksRequest& req,
+                                             const std::vector<int>& key_of_move,
+                                             const TransferHandle& h) {
+  // The request's pin still holds the blocks: pin them again, for the
+  // daemon itself, so that neither an Unpin nor the session's end frees
+  // them for other blocks while UCX may still read them.
+  std::vector<absl::string_view> keys;
+  keys.reserve(key_of_move.size());
+  for (int k : key_of_move) keys.push_back(req.keys(k));
+  absl::StatusOr<LookupResult> held =
+      store_.Lookup(kInternalSession, req.namespace_(), keys, false, /*pin=*/true);
+  if (!held.ok() || held->pin_id == 0) {
+    log_->error("PushBlocks: session {}'s transfer was abandoned with UCX "
+                "writes open, and its blocks could not be held: {}",
+                req.session_id(),
+                held.ok() ? std::string("none found") : held.status().ToString());
+    return;
+  }
+  uint64_t bytes = 0;
+  for (const LookupEntry& e : held->entries) bytes += e.found ? e.size : 0;
+  log_->warn("PushBlocks: session {}'s transfer was abandoned with UCX writes "
+             "from {} blocks ({} bytes) still open; they stay pinned until UCX "
+             "ends those writes",
+             req.session_id(), keys.size(), bytes);
+  metrics_.AddUcxHeldBytes(static_cast<int64_t>(bytes));
+  // store_ and metrics_ outlive the data plane, whose workers (or the thread
+  // that stops a session's own worker) run this.
+  h.OnReleased([log = log_, store = &store_, metrics = &metrics_,
+                session = req.session_id(), pin = held->pin_id, bytes] {
+    store->Unpin(kInternalSession, pin).IgnoreError();
+    metrics->AddUcxHeldBytes(-static_cast<int64_t>(bytes));
+    log->info("PushBlocks: session {}'s abandoned writes ended; {} bytes of "
+              "blocks unpinned", session, bytes);
   });
 }
 

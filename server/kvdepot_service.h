@@ -191,6 +191,14 @@ class KvDepotService final
   // ended those reads, so that a late answer lands in no other block.
   void HoldUntilReleased(SessionId session, const TransferHandle& h,
                          std::vector<std::unique_ptr<SlotHandle>> slots);
+  // A push `h` was abandoned (UCX still holds writes from its blocks into
+  // a client that stopped answering): keeps req's blocks pinned (by the
+  // daemon, whatever becomes of the session) until UCX has ended those
+  // writes, so that no other block's bytes take their place and reach that
+  // client late.
+  void HoldBlocksUntilReleased(const v1::PushBlocksRequest& req,
+                               const std::vector<int>& key_of_move,
+                               const TransferHandle& h);
   // A request that came over UCX; answered with DataPlane::Reply.
   void ServeUcxRequest(DataPlane::Request request);
   // OK when `session` is a public session with a UCX endpoint; NotFound

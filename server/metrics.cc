@@ -103,10 +103,10 @@ ServerMetrics::ServerMetrics(prometheus::Registry& registry, int namespace_label
       ucx_held_bytes_(prometheus::BuildGauge()
                           .Name("kvdepot_ucx_held_bytes")
                           .Help("DRAM bytes held for UCX transfers that UCX "
-                                "has not ended: slots of puts abandoned while "
-                                "a co-located client did not answer, freed "
-                                "when UCX ends them or the session's worker "
-                                "goes")
+                                "has not ended: slots of puts and blocks of "
+                                "gets abandoned while a co-located client did "
+                                "not answer, freed when UCX ends them or the "
+                                "session's worker goes")
                           .Register(registry)
                           .Add({})),
       ucx_colocated_workers_(
