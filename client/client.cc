@@ -1049,16 +1049,24 @@ absl::StatusOr<Client::UcxTarget> Client::PrepareUcx(
   return target;
 }
 
+absl::Duration Client::DaemonTransferTimeout() const {
+  // Well inside this client's own wait (an RPC's deadline, or
+  // UcxRequestTimeout): a daemon copying into an AllocateBuffer buffer
+  // itself starts no copy after it, and one in progress then ends before
+  // this client stops waiting and hands the buffer back to its caller.
+  return std::min(options_.transfer_timeout, options_.rpc_timeout / 2);
+}
+
 absl::Duration Client::UcxRequestTimeout() const {
-  // The daemon bounds the transfers by transfer_timeout; a reply it cannot
-  // send (its endpoint to this client failed, the session ended meanwhile)
-  // is not worth waiting a whole rpc_timeout for.
-  return std::min(options_.rpc_timeout, options_.transfer_timeout + absl::Seconds(5));
+  // The daemon bounds the transfers by DaemonTransferTimeout; a reply it
+  // cannot send (its endpoint to this client failed, the session ended
+  // meanwhile) is not worth waiting a whole rpc_timeout for.
+  return std::min(options_.rpc_timeout, DaemonTransferTimeout() + absl::Seconds(5));
 }
 
 uint32_t Client::TransferTimeoutMs() const {
   return static_cast<uint32_t>(
-      absl::ToInt64Milliseconds(options_.transfer_timeout));
+      std::max<int64_t>(1, absl::ToInt64Milliseconds(DaemonTransferTimeout())));
 }
 
 TransferOp Client::FailedOp(size_t n, const absl::Status& status) {

@@ -71,7 +71,9 @@ struct ClientOptions {
   // that does not resolve), UCX's default: every device.
   std::map<std::string, std::string> ucx = {{"TCP_TX_SEG_SIZE", "512k"},
                                             {"TCP_RX_SEG_SIZE", "512k"}};
-  // Limit for one UCX transfer batch (the daemon may have a lower one).
+  // Limit for one UCX transfer batch (the daemon may have a lower one; the
+  // client asks for at most rpc_timeout / 2, so that the daemon's transfers
+  // end well before the client stops waiting for them).
   absl::Duration transfer_timeout = absl::Seconds(10);
   // Send the block-moving requests of GetIntoAsync / PutFromAsync to the
   // daemon as UCX active messages when it offers that (a session with a
@@ -80,7 +82,7 @@ struct ClientOptions {
   // per call. Falls back to gRPC calls when the connection cannot be made
   // or fails (for the rest of that session; requests pending on it end
   // UNAVAILABLE). A request waits at most min(rpc_timeout,
-  // transfer_timeout + 5 s) for its reply.
+  // min(transfer_timeout, rpc_timeout / 2) + 5 s) for its reply.
   bool ucx_requests = true;
   // Hash every put here, also blocks in AllocateBuffer memory that a daemon
   // on this host copies itself (and hashes as it copies, so by default this
@@ -347,7 +349,10 @@ class Client {
   // Destroys the retired links that are done with (their threads have
   // ended, nothing else holds them). Never on a progress thread.
   void ReapLinks();
-  // options_.transfer_timeout for the daemon, in milliseconds.
+  // The transfer timeout a request gives the daemon:
+  // min(transfer_timeout, rpc_timeout / 2).
+  absl::Duration DaemonTransferTimeout() const;
+  // DaemonTransferTimeout in milliseconds (at least 1).
   uint32_t TransferTimeoutMs() const;
   // How long a request over UCX waits for its reply.
   absl::Duration UcxRequestTimeout() const;

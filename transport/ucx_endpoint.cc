@@ -257,12 +257,15 @@ TransferHandle UcxEndpoint::Start(bool get,
     }
   }
   if (mapped) {
-    const bool late = deadline <= absl::Now();
+    // Each copy only before the deadline: a peer that stopped waiting
+    // then owns its buffer again, and must find no bytes landing in it.
     for (size_t i = 0; i < peer.size(); ++i) {
       if (peer[i] == nullptr) continue;
-      batch->Refuse(i, late ? absl::DeadlineExceededError(
-                                  "transfer batch deadline passed before it started")
-                            : mapped(i, peer[i]));
+      batch->Refuse(i, deadline <= absl::Now()
+                           ? absl::DeadlineExceededError(
+                                 "transfer batch deadline passed before this "
+                                 "block's copy started")
+                           : mapped(i, peer[i]));
     }
     mapping.reset();
   }

@@ -884,6 +884,42 @@ TEST_P(UcxEndpointTest, RemotePeersKeysWorkWithoutTheirSharedMemoryParts) {
   EXPECT_EQ(ucx_test::FirstPatternMismatch(sink.data(), kBlock, 31), -1);
 }
 
+// A batch's mapped copies start only before its deadline: one that runs
+// past it (a big block, a busy machine) is the last; the peer, which
+// stopped waiting then, finds nothing more landing in its memory.
+TEST_P(UcxEndpointTest, NoMappedCopyStartsAfterTheDeadline) {
+  if (GetParam() != "shm") GTEST_SKIP() << "nothing is mapped over TCP";
+  auto shared = server_context_->Allocate(3 * kBlock);
+  ASSERT_TRUE(shared.ok()) << shared.status();
+  std::memset((*shared)->base(), 0, 3 * kBlock);
+  auto id = endpoint_->AddRemoteRegion(RemoteRegion{
+      (*shared)->packed_rkey(), (*shared)->address(), (*shared)->size()});
+  ASSERT_TRUE(id.ok()) << id.status();
+  std::vector<char> source = RandomBytes(3 * kBlock, 5);
+  std::vector<Transfer> puts;
+  for (size_t i = 0; i < 3; ++i) {
+    puts.push_back({*id, (*shared)->address() + i * kBlock,
+                    source.data() + i * kBlock, kBlock, nullptr});
+  }
+  const absl::Time deadline = absl::Now() + absl::Milliseconds(200);
+  std::vector<int> copied(puts.size(), 0);
+  TransferHandle put = endpoint_->Put(puts, deadline, [&](size_t i, char* peer) {
+    ++copied[i];
+    if (i == 0) absl::SleepFor(deadline + absl::Milliseconds(50) - absl::Now());
+    std::memcpy(peer, puts[i].local, puts[i].size);
+    return absl::OkStatus();
+  });
+  put.Wait();
+  EXPECT_EQ(copied, (std::vector<int>{1, 0, 0}));
+  EXPECT_TRUE(put.status(0).ok()) << put.status(0);
+  for (size_t i = 1; i < 3; ++i) {
+    EXPECT_TRUE(absl::IsDeadlineExceeded(put.status(i))) << put.status(i);
+    EXPECT_EQ(std::count((*shared)->base() + i * kBlock,
+                         (*shared)->base() + (i + 1) * kBlock, 0),
+              static_cast<long>(kBlock));
+  }
+}
+
 // An endpoint that fails (here: is closed) while a mapped copy runs waits
 // for the copy before it lets the mapping go; later batches are refused.
 TEST_P(UcxEndpointTest, ClosingWaitsForAMappedCopyInProgress) {
