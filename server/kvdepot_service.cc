@@ -671,6 +671,13 @@ void KvDepotService::SessionLost(SessionId session, const absl::Status& why) {
       session, why.ToString(), rel->pins_released, rel->reservations_aborted);
 }
 
+absl::Status KvDepotService::UnlessSessionEnded(SessionId session,
+                                                absl::Status st) {
+  if (st.ok() || store_.HasSession(session)) return st;
+  return absl::NotFoundError(absl::StrCat("session ", session,
+                                          " ended during the request (", st.message(), ")"));
+}
+
 absl::Status KvDepotService::RequireEndpoint(SessionId session) {
   RETURN_IF_ERROR(RequireSession(session));
   if (data_plane_ == nullptr) {
@@ -802,7 +809,7 @@ void KvDepotService::StartPushBlocks(const v1::PushBlocksRequest* req,
             over_ucx ? DataPlane::PutEnd::kFenced : DataPlane::PutEnd::kFlushed);
         if (!h.ok()) {
           unpin();
-          return finish(h.status());
+          return finish(UnlessSessionEnded(session, h.status()));
         }
         // Runs on the progress thread (or here, when every move was
         // copied here): short steps only.
@@ -1012,7 +1019,7 @@ void KvDepotService::StartPullBlocks(const v1::PullBlocksRequest* req,
   if (!h.ok()) {
     slots.clear();
     store_.AbortPut(session, resv->id).IgnoreError();
-    return finish(h.status());
+    return finish(UnlessSessionEnded(session, h.status()));
   }
   const bool all_in_place =
       std::find(in_place.begin(), in_place.end(), false) == in_place.end();

@@ -205,6 +205,10 @@ class KvDepotService final
   // when the session is not open; FailedPrecondition when the data plane
   // is off or the session has no endpoint.
   absl::Status RequireEndpoint(SessionId session);
+  // `st`, or NotFound when `session` has ended meanwhile (the failure came
+  // of that: its endpoint went with it), so that its client learns that
+  // its session is gone, as from a request that named it afterwards.
+  absl::Status UnlessSessionEnded(SessionId session, absl::Status st);
 
   // Runs `fn` inline and finishes the call with its status.
   template <typename Fn>

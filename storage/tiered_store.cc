@@ -230,6 +230,7 @@ class TieredStoreImpl final : public TieredStore {
     absl::MutexLock lock(&mu_);
     auto it = pins_.find(pin);
     if (it == pins_.end() || it->second.session != session) {
+      RETURN_IF_ERROR(SessionOrInternal(session));
       return absl::InvalidArgumentError(
           absl::StrCat("unknown pin ", pin, " for session ", session));
     }
@@ -661,10 +662,19 @@ class TieredStoreImpl final : public TieredStore {
     auto it = reservations_.find(id);
     if (it == reservations_.end() || it->second.doomed ||
         it->second.session != session) {
+      RETURN_IF_ERROR(SessionOrInternal(session));
       return absl::InvalidArgumentError(absl::StrCat(
           "unknown reservation ", id, " for session ", session));
     }
     return &it->second;
+  }
+
+  // NotFound when `session` is neither open nor kInternalSession: a pin or
+  // reservation it no longer has went with it (closed, expired, its client
+  // lost), which its client must learn as a lost session.
+  absl::Status SessionOrInternal(SessionId session) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    if (session == kInternalSession) return absl::OkStatus();
+    return LiveSession(session).status();
   }
 
   SessionRelease EndSession(SessionId session)

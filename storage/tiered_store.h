@@ -252,7 +252,8 @@ class TieredStore {
   virtual void LookupAsync(SessionId session, absl::string_view ns,
                            absl::Span<const absl::string_view> keys,
                            bool prefix, bool pin, LookupDone done) = 0;
-  // InvalidArgument for an unknown pin or one of another session. Returns the
+  // InvalidArgument for an unknown pin or one of another session; NotFound
+  // when the session itself is gone (its pins went with it). Returns the
   // number of blocks released.
   virtual absl::StatusOr<uint32_t> Unpin(SessionId session, PinId pin) = 0;
 
@@ -271,7 +272,8 @@ class TieredStore {
   // if the reservation is aborted or its session expires (it is freed when
   // the handle goes), and CommitPut of the reservation fails with
   // FailedPrecondition. InvalidArgument for an unknown reservation or slot,
-  // or an EXISTS slot.
+  // or an EXISTS slot; NotFound when the session is gone (its reservations
+  // went with it), as for CommitPut and AbortPut.
   virtual absl::StatusOr<std::unique_ptr<SlotHandle>> AcquireSlot(
       SessionId session, ReservationId id, uint32_t slot) = 0;
   // Verifies and publishes every non-EXISTS slot; `checksums` has one entry

@@ -406,6 +406,37 @@ TEST_F(TieredStoreTest, SlotHandleOutlivesAnAbortedReservation) {
   EXPECT_LT(store_->Stats().dram.used_bytes, used);
 }
 
+// A pin or reservation whose session ended went with it: asking for it
+// again is NotFound (the session is gone: its client must open another),
+// not InvalidArgument, which stays for ids a live session never had.
+TEST_F(TieredStoreTest, PinsAndReservationsOfAnEndedSessionAreNotFound) {
+  ASSERT_OK(Put("a", "1"));
+  absl::string_view a = "a";
+  auto pin = store_->Lookup(sid_, "ns", {&a, 1}, false, true);
+  ASSERT_OK(pin);
+  PutSpec spec{"b", "", 4096};
+  auto r = store_->BeginPut(sid_, "ns", {&spec, 1});
+  ASSERT_OK(r);
+  EXPECT_THAT(store_->Unpin(sid_, pin->pin_id + 100), StatusIs(Code::kInvalidArgument));
+  EXPECT_THAT(store_->AcquireSlot(sid_, r->id + 100, 0), StatusIs(Code::kInvalidArgument));
+  uint64_t sum = 0;
+  EXPECT_THAT(store_->CommitPut(sid_, r->id + 100, {&sum, 1}),
+              StatusIs(Code::kInvalidArgument));
+  // Another live session asking for this one's: still InvalidArgument.
+  auto other = store_->OpenSession(absl::ZeroDuration(), "other");
+  ASSERT_OK(other);
+  EXPECT_THAT(store_->Unpin(other->id, pin->pin_id), StatusIs(Code::kInvalidArgument));
+  EXPECT_THAT(store_->AbortPut(other->id, r->id), StatusIs(Code::kInvalidArgument));
+
+  ASSERT_OK(store_->CloseSession(sid_));
+  EXPECT_THAT(store_->Unpin(sid_, pin->pin_id), StatusIs(Code::kNotFound));
+  EXPECT_THAT(store_->AcquireSlot(sid_, r->id, 0), StatusIs(Code::kNotFound));
+  EXPECT_THAT(store_->CommitPut(sid_, r->id, {&sum, 1}), StatusIs(Code::kNotFound));
+  EXPECT_THAT(store_->AbortPut(sid_, r->id), StatusIs(Code::kNotFound));
+  EXPECT_EQ(store_->Stats().reservations, 0u);
+  EXPECT_EQ(store_->Stats().pins, 0u);
+}
+
 TEST_F(TieredStoreTest, EvictReportsPinnedAndMissingKeys) {
   ASSERT_OK(Put("a", "1"));
   ASSERT_OK(Put("b", "2"));
