@@ -231,11 +231,17 @@ absl::Status DataPlane::Attach(SessionId session, std::string_view address,
   }
   link->request_worker = EnsureRequestLink(session, address);
   link->client_address = std::string(address);
+  UcxEndpoint* endpoint_here = link->endpoint.get();
   {
     absl::MutexLock lock(&mu_);
     if (!closing_) {
       links_.emplace(session, std::move(link));
       link = nullptr;
+      // An error before the link was in links_ found nothing to report
+      // (Lost): report it now, or the session would wait for its lease.
+      if (absl::Status st = endpoint_here->status(); !st.ok()) {
+        lost_pool_->Submit([this, session, st] { on_lost_(session, st); });
+      }
     }
   }
   if (link != nullptr) {  // closing: Unwatch waits on a progress thread, off mu_

@@ -1047,7 +1047,12 @@ void KvDepotService::StartPullBlocks(const v1::PullBlocksRequest* req,
     }
     absl::StatusOr<std::vector<CommitOutcome>> out =
         store_.CommitPut(session, id, sums);
-    if (!out.ok()) return finish(out.status());
+    if (!out.ok()) {
+      // A reservation CommitPut left open (it should leave none here) would
+      // hold its DRAM until the session ends.
+      store_.AbortPut(session, id).IgnoreError();
+      return finish(out.status());
+    }
     uint64_t bytes = 0, bytes_in_place = 0;
     for (size_t k = 0; k < block_of_move.size(); ++k) {
       const int b = block_of_move[k];
