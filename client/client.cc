@@ -196,7 +196,9 @@ Client::Client(const ClientOptions& options) : options_(options) {
     absl::StatusOr<std::shared_ptr<Link>> link =
         context.ok() ? NewLink(*ucx->context) : context.status();
     if (link.ok()) {
-      if ((*link)->requests != nullptr) {
+      // Whenever requests may go over UCX: a later link may have them
+      // although this one has not.
+      if (options_.ucx_requests) {
         ucx->verify_pool = std::make_unique<WorkPool>(2, "kvdepot-verify");
       }
       absl::MutexLock lock(&ucx->link_mu);
