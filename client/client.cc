@@ -350,6 +350,13 @@ absl::Status Client::Health() {
 
 absl::StatusOr<uint64_t> Client::EnsureSession() {
   absl::MutexLock open_lock(&open_mu_);
+  for (int attempt = 0;; ++attempt) {
+    absl::StatusOr<uint64_t> opened = OpenSessionLocked(/*last_try=*/attempt > 0);
+    if (!opened.ok() || *opened != 0) return opened;
+  }
+}
+
+absl::StatusOr<uint64_t> Client::OpenSessionLocked(bool last_try) {
   {
     absl::MutexLock lock(&mu_);
     if (session_id_ != 0) return session_id_;
@@ -403,6 +410,19 @@ absl::StatusOr<uint64_t> Client::EnsureSession() {
     st = stub_->OpenSession(&retry, req, &resp);
   }
   RETURN_IF_ERROR(FromGrpcStatus(st));
+  bool retired = false;
+  if (link != nullptr) {
+    absl::MutexLock lock(&ucx_->link_mu);
+    retired = ucx_->link != link;
+  }
+  if (retired && !last_try) {
+    // Retired meanwhile (a get failed: ReplaceLink fenced its worker). The
+    // session's endpoint goes to a worker that nothing progresses, or the
+    // daemon could not connect to it and the session went without UCX:
+    // close it, and open another on a new link.
+    CloseSessionRpc(resp.session_id()).IgnoreError();
+    return 0;
+  }
   if (ucx_status.ok() && ucx_ != nullptr && !resp.ucx_connected()) {
     ucx_status = absl::FailedPreconditionError(
         "the daemon has no UCX data plane");
@@ -439,6 +459,10 @@ absl::Status Client::CloseSession() {
   }
   if (id == 0) return absl::OkStatus();
   DisconnectRequests(id);
+  return CloseSessionRpc(id);
+}
+
+absl::Status Client::CloseSessionRpc(uint64_t id) {
   grpc::ClientContext ctx;
   ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(2));
   v1::CloseSessionRequest req;

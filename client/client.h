@@ -356,6 +356,13 @@ class Client {
   uint32_t TransferTimeoutMs() const;
   // How long a request over UCX waits for its reply.
   absl::Duration UcxRequestTimeout() const;
+  // EnsureSession's one try (open_mu_ held): the session, or 0 when the
+  // UCX link it was opened on was retired meanwhile and it was closed again
+  // (never when `last_try`).
+  absl::StatusOr<uint64_t> OpenSessionLocked(bool last_try)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(open_mu_);
+  // CloseSession's RPC for session `id`.
+  absl::Status CloseSessionRpc(uint64_t id);
   // A ready op with every block failing with `status`.
   static TransferOp FailedOp(size_t n, const absl::Status& status);
 
