@@ -772,13 +772,22 @@ void KvDepotService::StartPushBlocks(const v1::PushBlocksRequest* req,
         }
         const SessionId session = req->session_id();
         const PinId pin = r->pin_id;
-        auto unpin = [this, session, pin] {
-          if (pin != 0) store_.Unpin(session, pin).IgnoreError();
-        };
         if (moves.empty()) {
-          unpin();
+          if (pin != 0) store_.Unpin(session, pin).IgnoreError();
           return finish(absl::OkStatus());
         }
+        // UCX may hold writes to a co-located client past the transfer and
+        // the session (an abandoned batch): such a pin is the daemon's
+        // from here on, so that the session's end does not free blocks
+        // UCX may still read (HoldPinUntilReleased).
+        SessionId owner = session;
+        if (pin != 0 && data_plane_->colocated(session)) {
+          if (absl::Status st = store_.HandOverPin(session, pin); !st.ok()) {
+            return finish(UnlessSessionEnded(session, st));
+          }
+          owner = kInternalSession;
+        }
+        auto unpin = [this, owner, pin] { store_.Unpin(owner, pin).IgnoreError(); };
         // A co-located client's shared memory is mapped here: the block is
         // copied on this thread and checked as it lands, so the client need
         // not read it all again to hash it.
@@ -813,11 +822,16 @@ void KvDepotService::StartPushBlocks(const v1::PushBlocksRequest* req,
         }
         // Runs on the progress thread (or here, when every move was
         // copied here): short steps only.
-        h->OnReady([this, req, resp, finish, unpin, h = *h,
+        h->OnReady([this, req, resp, finish, unpin, owner, pin, h = *h,
                     key_of_move = std::move(key_of_move),
                     in_place = std::move(in_place)] {
-          if (h.abandoned()) HoldBlocksUntilReleased(*req, key_of_move, h);
-          unpin();
+          if (h.abandoned()) {
+            uint64_t held = 0;
+            for (int k : key_of_move) held += resp->blocks(k).size();
+            HoldPinUntilReleased(req->session_id(), h, owner, pin, held);
+          } else {
+            unpin();
+          }
           uint64_t bytes = 0, bytes_in_place = 0;
           for (size_t m = 0; m < key_of_move.size(); ++m) {
             v1::BlockTransfer* out = resp->mutable_blocks(key_of_move[m]);
@@ -856,36 +870,27 @@ void KvDepotService::HoldUntilReleased(
   });
 }
 
-void KvDepotService::HoldBlocksUntilReleased(const v1::PushBlocksRequest& req,
-                                             const std::vector<int>& key_of_move,
-                                             const TransferHandle& h) {
-  // The request's pin still holds the blocks: pin them again, for the
-  // daemon itself, so that neither an Unpin nor the session's end frees
-  // them for other blocks while UCX may still read them.
-  std::vector<absl::string_view> keys;
-  keys.reserve(key_of_move.size());
-  for (int k : key_of_move) keys.push_back(req.keys(k));
-  absl::StatusOr<LookupResult> held =
-      store_.Lookup(kInternalSession, req.namespace_(), keys, false, /*pin=*/true);
-  if (!held.ok() || held->pin_id == 0) {
-    log_->error("PushBlocks: session {}'s transfer was abandoned with UCX "
-                "writes open, and its blocks could not be held: {}",
-                req.session_id(),
-                held.ok() ? std::string("none found") : held.status().ToString());
-    return;
+void KvDepotService::HoldPinUntilReleased(SessionId session,
+                                          const TransferHandle& h,
+                                          SessionId owner, PinId pin,
+                                          uint64_t bytes) {
+  if (owner != kInternalSession) {
+    // Not a co-located client's (those are the ones whose batches UCX
+    // abandons): the pin may end with the session before UCX lets go.
+    log_->error("PushBlocks: session {}'s transfer was abandoned although its "
+                "client is not served as co-located; its pin ends with the "
+                "session", session);
   }
-  uint64_t bytes = 0;
-  for (const LookupEntry& e : held->entries) bytes += e.found ? e.size : 0;
   log_->warn("PushBlocks: session {}'s transfer was abandoned with UCX writes "
-             "from {} blocks ({} bytes) still open; they stay pinned until UCX "
-             "ends those writes",
-             req.session_id(), keys.size(), bytes);
+             "from its blocks ({} bytes) still open; they stay pinned until "
+             "UCX ends those writes",
+             session, bytes);
   metrics_.AddUcxHeldBytes(static_cast<int64_t>(bytes));
   // store_ and metrics_ outlive the data plane, whose workers (or the thread
   // that stops a session's own worker) run this.
-  h.OnReleased([log = log_, store = &store_, metrics = &metrics_,
-                session = req.session_id(), pin = held->pin_id, bytes] {
-    store->Unpin(kInternalSession, pin).IgnoreError();
+  h.OnReleased([log = log_, store = &store_, metrics = &metrics_, session,
+                owner, pin, bytes] {
+    store->Unpin(owner, pin).IgnoreError();
     metrics->AddUcxHeldBytes(-static_cast<int64_t>(bytes));
     log->info("PushBlocks: session {}'s abandoned writes ended; {} bytes of "
               "blocks unpinned", session, bytes);

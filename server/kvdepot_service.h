@@ -192,13 +192,13 @@ class KvDepotService final
   void HoldUntilReleased(SessionId session, const TransferHandle& h,
                          std::vector<std::unique_ptr<SlotHandle>> slots);
   // A push `h` was abandoned (UCX still holds writes from its blocks into
-  // a client that stopped answering): keeps req's blocks pinned (by the
-  // daemon, whatever becomes of the session) until UCX has ended those
+  // a co-located client that stopped answering): keeps its pin (`owner`'s:
+  // kInternalSession for a co-located client, handed over before the
+  // transfer, so that it survives the session) until UCX has ended those
   // writes, so that no other block's bytes take their place and reach that
   // client late.
-  void HoldBlocksUntilReleased(const v1::PushBlocksRequest& req,
-                               const std::vector<int>& key_of_move,
-                               const TransferHandle& h);
+  void HoldPinUntilReleased(SessionId session, const TransferHandle& h,
+                            SessionId owner, PinId pin, uint64_t bytes);
   // A request that came over UCX; answered with DataPlane::Reply.
   void ServeUcxRequest(DataPlane::Request request);
   // OK when `session` is a public session with a UCX endpoint; NotFound

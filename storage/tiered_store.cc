@@ -244,6 +244,24 @@ class TieredStoreImpl final : public TieredStore {
     return ReleasePin(it);
   }
 
+  absl::Status HandOverPin(SessionId session, PinId pin) override {
+    absl::MutexLock lock(&mu_);
+    auto it = pins_.find(pin);
+    if (it == pins_.end() || it->second.session != session) {
+      RETURN_IF_ERROR(SessionOrInternal(session));
+      return absl::InvalidArgumentError(
+          absl::StrCat("unknown pin ", pin, " for session ", session));
+    }
+    if (session == kInternalSession) return absl::OkStatus();
+    auto s = sessions_.find(session);
+    if (s != sessions_.end()) {
+      s->second.pins.erase(pin);
+      s->second.pinned_blocks -= it->second.entries.size();
+    }
+    it->second.session = kInternalSession;
+    return absl::OkStatus();
+  }
+
   // ---- two-phase put -----------------------------------------------------
 
   absl::StatusOr<Reservation> BeginPut(SessionId session, absl::string_view ns,

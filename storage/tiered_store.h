@@ -256,6 +256,10 @@ class TieredStore {
   // when the session itself is gone (its pins went with it). Returns the
   // number of blocks released.
   virtual absl::StatusOr<uint32_t> Unpin(SessionId session, PinId pin) = 0;
+  // Hands `session`'s `pin` over to kInternalSession: it no longer counts
+  // against the session nor ends with it; the caller releases it with
+  // Unpin(kInternalSession, pin). Errors as Unpin's.
+  virtual absl::Status HandOverPin(SessionId session, PinId pin) = 0;
 
   // Reserves DRAM space for `blocks` (EXISTS for stored keys). Evicts as
   // needed; ResourceExhausted when nothing evictable makes room (nothing is

@@ -437,6 +437,32 @@ TEST_F(TieredStoreTest, PinsAndReservationsOfAnEndedSessionAreNotFound) {
   EXPECT_EQ(store_->Stats().pins, 0u);
 }
 
+// A pin handed over to kInternalSession no longer counts against its
+// session, outlives it, and is released with kInternalSession.
+TEST_F(TieredStoreTest, AHandedOverPinOutlivesItsSession) {
+  ASSERT_OK(Put("a", "1"));
+  absl::string_view a = "a";
+  auto pin = store_->Lookup(sid_, "ns", {&a, 1}, false, true);
+  ASSERT_OK(pin);
+  EXPECT_THAT(store_->HandOverPin(sid_, pin->pin_id + 100), StatusIs(Code::kInvalidArgument));
+  ASSERT_OK(store_->HandOverPin(sid_, pin->pin_id));
+  // The session can no longer release it; its end does not either.
+  EXPECT_THAT(store_->Unpin(sid_, pin->pin_id), StatusIs(Code::kInvalidArgument));
+  ASSERT_OK(store_->CloseSession(sid_));
+  EXPECT_EQ(store_->Stats().pins, 1u);
+  auto ev = store_->Evict("ns", {&a, 1}, false);
+  ASSERT_OK(ev);
+  EXPECT_EQ(ev->pinned_keys, std::vector<std::string>{"a"});
+  EXPECT_THAT(store_->HandOverPin(sid_, pin->pin_id), StatusIs(Code::kNotFound));
+  auto released = store_->Unpin(kInternalSession, pin->pin_id);
+  ASSERT_OK(released);
+  EXPECT_EQ(*released, 1u);
+  EXPECT_EQ(store_->Stats().pins, 0u);
+  ev = store_->Evict("ns", {&a, 1}, false);
+  ASSERT_OK(ev);
+  EXPECT_EQ(ev->evicted_blocks, 1u);
+}
+
 TEST_F(TieredStoreTest, EvictReportsPinnedAndMissingKeys) {
   ASSERT_OK(Put("a", "1"));
   ASSERT_OK(Put("b", "2"));

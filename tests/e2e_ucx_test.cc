@@ -494,8 +494,9 @@ TEST_P(UcxE2eTest, AStalledClientsTransferEndsAtItsDeadlineAndItsSession) {
   kill(peer->pid, SIGCONT);
   if (GetParam() == "shm") {
     // UCX 1.13 kept writes of the transfer (no peer error handling over
-    // shared memory): the daemon held the blocks they read from, pinned
-    // past the session's end, until UCX ended them.
+    // shared memory): the daemon held the blocks they read from (pinned by
+    // itself since before the transfer, so past the session's end) until
+    // UCX ended them.
     EXPECT_TRUE(absl::StrContains(daemon_->Log(), "they stay pinned until UCX"))
         << daemon_->Log();
     EXPECT_TRUE(testing::PollUntil([&] {
