@@ -410,10 +410,17 @@ absl::StatusOr<uint64_t> Client::OpenSessionLocked(bool last_try) {
     st = stub_->OpenSession(&retry, req, &resp);
   }
   RETURN_IF_ERROR(FromGrpcStatus(st));
+  if (ucx_status.ok() && ucx_ != nullptr && !resp.ucx_connected()) {
+    ucx_status = absl::FailedPreconditionError(
+        "the daemon has no UCX data plane");
+  }
   bool retired = false;
   if (link != nullptr) {
+    // Under one hold of link_mu with the check: a ReplaceLink after it
+    // drops this session too (link->session).
     absl::MutexLock lock(&ucx_->link_mu);
     retired = ucx_->link != link;
+    if (!retired && ucx_status.ok()) link->session = resp.session_id();
   }
   if (retired && !last_try) {
     // Retired meanwhile (a get failed: ReplaceLink fenced its worker). The
@@ -423,15 +430,7 @@ absl::StatusOr<uint64_t> Client::OpenSessionLocked(bool last_try) {
     CloseSessionRpc(resp.session_id()).IgnoreError();
     return 0;
   }
-  if (ucx_status.ok() && ucx_ != nullptr && !resp.ucx_connected()) {
-    ucx_status = absl::FailedPreconditionError(
-        "the daemon has no UCX data plane");
-  }
-  if (ucx_status.ok() && link != nullptr) {
-    {
-      absl::MutexLock lock(&ucx_->link_mu);
-      link->session = resp.session_id();
-    }
+  if (ucx_status.ok() && link != nullptr && !retired) {
     if (link->requests != nullptr && !resp.ucx_request_address().empty()) {
       link->data_requests.store(resp.ucx_data_requests());
       // Without it, requests go as gRPC calls: slower, not broken.

@@ -586,7 +586,7 @@ int Main(int argc, char** argv) {
   quota->require_subcommand(1);
   auto* quota_get = quota->add_subcommand("get", "show the quota and usage");
   quota_get->add_option("--ns", ctl.ns, "namespace")->required();
-  auto* quota_set = quota->add_subcommand("set", "set the quota (0 removes it)");
+  auto* quota_set = quota->add_subcommand("set", "set the quota (0: no limit; the namespace stays declared)");
   quota_set->add_option("--ns", ctl.ns, "namespace")->required();
   quota_set->add_option("size", ctl.quota, "bytes, e.g. 64GiB")->required();
 

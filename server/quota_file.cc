@@ -49,13 +49,18 @@ absl::Status QuotaFile::Set(TieredStore& store, absl::string_view ns,
                             uint64_t max_bytes) {
   RETURN_IF_ERROR(ValidateNamespace(ns));
   absl::MutexLock lock(&mu_);
+  // The store first: a quota it refuses (too many namespaces) must not
+  // reach the file, or the next start would fail to load it.
+  const uint64_t old_quota = store.Quota(ns);
+  RETURN_IF_ERROR(store.SetQuota(ns, max_bytes));
   std::map<std::string, uint64_t> before = quotas_;
   quotas_[std::string(ns)] = max_bytes;
   if (absl::Status st = WriteLocked(); !st.ok()) {
     quotas_ = std::move(before);
+    store.SetQuota(ns, old_quota).IgnoreError();
     return st;
   }
-  return store.SetQuota(ns, max_bytes);
+  return absl::OkStatus();
 }
 
 absl::Status QuotaFile::WriteLocked() {

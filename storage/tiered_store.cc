@@ -144,6 +144,15 @@ class TieredStoreImpl final : public TieredStore {
     if (nvme_ != nullptr) {
       promoter_ = std::make_unique<WorkPool>(options_.promotion_threads,
                                              "kvd-promote");
+      // The namespaces of blocks kept on NVMe exist (also for puts with
+      // create_namespaces off).
+      absl::flat_hash_set<std::string> on_nvme;
+      nvme_->ForEachBlock([&](const NvmeBlockView& b) {
+        if (!on_nvme.contains(b.ns)) on_nvme.emplace(b.ns);
+      });
+      for (const std::string& ns : on_nvme) {
+        NamespaceIdFor(ns, NamespaceUse::kDeclared).IgnoreError();  // past max_namespaces
+      }
     }
   }
 

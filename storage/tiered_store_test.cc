@@ -977,19 +977,21 @@ TEST_F(TieredStoreNvmeTest, PersistedBlocksSurviveARestart) {
 }
 
 // A namespace whose blocks are on NVMe exists after a restart even with
-// create_namespaces off: its blocks are promoted when looked up, and its
-// clients may put into it again once it is known.
+// create_namespaces off: its clients may put into it, and its blocks are
+// promoted when looked up.
 TEST_F(TieredStoreNvmeTest, NamespacesOnNvmeExistWithoutCreateNamespaces) {
   for (int i = 0; i < 2; ++i) Put("p" + std::to_string(i), Block(i));
   ASSERT_OK(store_->PersistDram());
   create_namespaces_ = false;
   Open();
+  ASSERT_EQ(store_->ListNamespaces().size(), 1u);
+  EXPECT_EQ(store_->ListNamespaces()[0].name, "ns");
+  Put("p2", Block(2));  // before anything of "ns" was read back
   PinId pin = 0;
   LookupEntry e = Look("p0", true, &pin);
   ASSERT_TRUE(e.found);
   EXPECT_EQ(Bytes(e), Block(0));
   ASSERT_OK(store_->Unpin(sid_, pin));
-  Put("p2", Block(2));
 }
 
 // Demotion keeps a block's parent key, which the NVMe tier's prefix-aware
