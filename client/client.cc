@@ -1079,7 +1079,11 @@ absl::Duration Client::DaemonTransferTimeout() const {
   // UcxRequestTimeout): a daemon copying into an AllocateBuffer buffer
   // itself starts no copy after it, and one in progress then ends before
   // this client stops waiting and hands the buffer back to its caller.
-  return std::min(options_.transfer_timeout, options_.rpc_timeout / 2);
+  const absl::Duration half = options_.rpc_timeout / 2;
+  // Zero (or less): no limit of its own; the daemon's applies, within half.
+  return options_.transfer_timeout <= absl::ZeroDuration()
+             ? half
+             : std::min(options_.transfer_timeout, half);
 }
 
 absl::Duration Client::UcxRequestTimeout() const {

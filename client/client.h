@@ -73,7 +73,7 @@ struct ClientOptions {
                                             {"TCP_RX_SEG_SIZE", "512k"}};
   // Limit for one UCX transfer batch (the daemon may have a lower one; the
   // client asks for at most rpc_timeout / 2, so that the daemon's transfers
-  // end well before the client stops waiting for them).
+  // end well before the client stops waiting for them; zero: that alone).
   absl::Duration transfer_timeout = absl::Seconds(10);
   // Send the block-moving requests of GetIntoAsync / PutFromAsync to the
   // daemon as UCX active messages when it offers that (a session with a
