@@ -237,6 +237,20 @@ class TieredStoreImpl final : public TieredStore {
 
   absl::StatusOr<uint32_t> Unpin(SessionId session, PinId pin) override {
     absl::MutexLock lock(&mu_);
+    ASSIGN_OR_RETURN(auto it, TakePinFromSession(session, pin));
+    return ReleasePin(it);
+  }
+
+  absl::Status HandOverPin(SessionId session, PinId pin) override {
+    absl::MutexLock lock(&mu_);
+    ASSIGN_OR_RETURN(auto it, TakePinFromSession(session, pin));
+    it->second.session = kInternalSession;
+    return absl::OkStatus();
+  }
+
+  // `session`'s `pin`, no longer counted in the session (Unpin's errors).
+  absl::StatusOr<absl::flat_hash_map<PinId, Pin>::iterator> TakePinFromSession(
+      SessionId session, PinId pin) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
     auto it = pins_.find(pin);
     if (it == pins_.end() || it->second.session != session) {
       RETURN_IF_ERROR(SessionOrInternal(session));
@@ -250,25 +264,7 @@ class TieredStoreImpl final : public TieredStore {
         s->second.pinned_blocks -= it->second.entries.size();
       }
     }
-    return ReleasePin(it);
-  }
-
-  absl::Status HandOverPin(SessionId session, PinId pin) override {
-    absl::MutexLock lock(&mu_);
-    auto it = pins_.find(pin);
-    if (it == pins_.end() || it->second.session != session) {
-      RETURN_IF_ERROR(SessionOrInternal(session));
-      return absl::InvalidArgumentError(
-          absl::StrCat("unknown pin ", pin, " for session ", session));
-    }
-    if (session == kInternalSession) return absl::OkStatus();
-    auto s = sessions_.find(session);
-    if (s != sessions_.end()) {
-      s->second.pins.erase(pin);
-      s->second.pinned_blocks -= it->second.entries.size();
-    }
-    it->second.session = kInternalSession;
-    return absl::OkStatus();
+    return it;
   }
 
   // ---- two-phase put -----------------------------------------------------
