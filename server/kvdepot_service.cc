@@ -779,7 +779,7 @@ void KvDepotService::StartPushBlocks(const v1::PushBlocksRequest* req,
         // UCX may hold writes to a co-located client past the transfer and
         // the session (an abandoned batch): such a pin is the daemon's
         // from here on, so that the session's end does not free blocks
-        // UCX may still read (HoldPinUntilReleased).
+        // UCX may still read (HoldUntilReleased).
         SessionId owner = session;
         if (pin != 0 && data_plane_->colocated(session)) {
           if (absl::Status st = store_.HandOverPin(session, pin); !st.ok()) {
@@ -822,13 +822,23 @@ void KvDepotService::StartPushBlocks(const v1::PushBlocksRequest* req,
         }
         // Runs on the progress thread (or here, when every move was
         // copied here): short steps only.
-        h->OnReady([this, req, resp, finish, unpin, owner, pin, h = *h,
+        h->OnReady([this, req, resp, finish, unpin, owner, h = *h,
                     key_of_move = std::move(key_of_move),
                     in_place = std::move(in_place)] {
           if (h.abandoned()) {
-            uint64_t held = 0;
-            for (int k : key_of_move) held += resp->blocks(k).size();
-            HoldPinUntilReleased(req->session_id(), h, owner, pin, held);
+            if (owner != kInternalSession) {
+              // Not a co-located client's (those are the ones whose batches
+              // UCX abandons): the pin may end with the session first.
+              log_->error("PushBlocks: session {}'s transfer was abandoned "
+                          "although its client is not served as co-located; "
+                          "its pin ends with the session", req->session_id());
+            }
+            uint64_t bytes = 0;
+            for (int k : key_of_move) bytes += resp->blocks(k).size();
+            HoldUntilReleased("PushBlocks", req->session_id(), h,
+                              {"writes from its blocks", "they stay pinned",
+                               "writes", bytes},
+                              unpin);
           } else {
             unpin();
           }
@@ -848,52 +858,24 @@ void KvDepotService::StartPushBlocks(const v1::PushBlocksRequest* req,
       });
 }
 
-void KvDepotService::HoldUntilReleased(
-    SessionId session, const TransferHandle& h,
-    std::vector<std::unique_ptr<SlotHandle>> slots) {
-  uint64_t bytes = 0;
-  for (const auto& slot : slots) bytes += slot->bytes().size();
-  log_->warn("PullBlocks: session {}'s transfer was abandoned with UCX reads "
-             "into {} slots ({} bytes) still open; their memory stays "
-             "allocated until UCX ends those reads",
-             session, slots.size(), bytes);
-  metrics_.AddUcxHeldBytes(static_cast<int64_t>(bytes));
-  // metrics_ outlives the data plane, whose workers (or the thread that
-  // stops a session's own worker) run this.
-  h.OnReleased([log = log_, metrics = &metrics_, session, bytes,
-                slots = std::move(slots)]() mutable {
-    slots.clear();
-    metrics->AddUcxHeldBytes(-static_cast<int64_t>(bytes));
-    log->info("PullBlocks: session {}'s abandoned reads ended (UCX ended "
-              "them, or they went with the session's worker); {} bytes of "
-              "slots freed", session, bytes);
-  });
-}
-
-void KvDepotService::HoldPinUntilReleased(SessionId session,
-                                          const TransferHandle& h,
-                                          SessionId owner, PinId pin,
-                                          uint64_t bytes) {
-  if (owner != kInternalSession) {
-    // Not a co-located client's (those are the ones whose batches UCX
-    // abandons): the pin may end with the session before UCX lets go.
-    log_->error("PushBlocks: session {}'s transfer was abandoned although its "
-                "client is not served as co-located; its pin ends with the "
-                "session", session);
-  }
-  log_->warn("PushBlocks: session {}'s transfer was abandoned with UCX writes "
-             "from its blocks ({} bytes) still open; they stay pinned until "
-             "UCX ends those writes",
-             session, bytes);
-  metrics_.AddUcxHeldBytes(static_cast<int64_t>(bytes));
-  // store_ and metrics_ outlive the data plane, whose workers (or the thread
-  // that stops a session's own worker) run this.
-  h.OnReleased([log = log_, store = &store_, metrics = &metrics_, session,
-                owner, pin, bytes] {
-    store->Unpin(owner, pin).IgnoreError();
-    metrics->AddUcxHeldBytes(-static_cast<int64_t>(bytes));
-    log->info("PushBlocks: session {}'s abandoned writes ended; {} bytes of "
-              "blocks unpinned", session, bytes);
+void KvDepotService::HoldUntilReleased(const char* op, SessionId session,
+                                       const TransferHandle& h,
+                                       const HeldFor& held,
+                                       absl::AnyInvocable<void() &&> release) {
+  log_->warn("{}: session {}'s transfer was abandoned with UCX {} ({} bytes) "
+             "still open; {} until UCX ends those {}",
+             op, session, held.what, held.bytes, held.kept, held.ops);
+  metrics_.AddUcxHeldBytes(static_cast<int64_t>(held.bytes));
+  // metrics_ (and what `release` uses: store_, slots) outlive the data
+  // plane, whose workers (or the thread that stops a session's own worker)
+  // run this.
+  h.OnReleased([log = log_, metrics = &metrics_, op, session, held,
+                release = std::move(release)]() mutable {
+    std::move(release)();
+    metrics->AddUcxHeldBytes(-static_cast<int64_t>(held.bytes));
+    log->info("{}: session {}'s abandoned {} ended (UCX ended them, or they "
+              "went with the session's worker); {} bytes freed",
+              op, session, held.ops, held.bytes);
   });
 }
 
@@ -1033,7 +1015,13 @@ void KvDepotService::StartPullBlocks(const v1::PullBlocksRequest* req,
                  block_of_move = std::move(block_of_move),
                  in_place = std::move(in_place),
                  sums = std::move(sums)]() mutable {
-    if (h.abandoned()) HoldUntilReleased(session, h, std::move(slots));
+    if (h.abandoned()) {
+      HeldFor held{absl::StrCat("reads into ", slots.size(), " slots"),
+                   "their memory stays allocated", "reads", 0};
+      for (const auto& slot : slots) held.bytes += slot->bytes().size();
+      HoldUntilReleased("PullBlocks", session, h, held,
+                        [slots = std::move(slots)]() mutable { slots.clear(); });
+    }
     slots.clear();  // the slots' bytes are in; CommitPut needs them released
     absl::Status failed = h.overall_status();
     for (size_t k = 0; failed.ok() && k < block_of_move.size(); ++k) {

@@ -17,6 +17,7 @@
 #include <vector>
 
 #include "absl/container/flat_hash_set.h"
+#include "absl/functional/any_invocable.h"
 #include "absl/status/status.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
@@ -185,20 +186,22 @@ class KvDepotService final
                        v1::PullBlocksResponse* resp, Finish finish,
                        bool must_not_block = false,
                        std::shared_ptr<IncomingData> data = nullptr);
-  // A pull `h` was abandoned (UCX still holds reads into its slots: a
-  // co-located client that stopped answering): keeps the slots' memory
-  // allocated, whatever becomes of the put and the session, until UCX has
-  // ended those reads, so that a late answer lands in no other block.
-  void HoldUntilReleased(SessionId session, const TransferHandle& h,
-                         std::vector<std::unique_ptr<SlotHandle>> slots);
-  // A push `h` was abandoned (UCX still holds writes from its blocks into
-  // a co-located client that stopped answering): keeps its pin (`owner`'s:
-  // kInternalSession for a co-located client, handed over before the
-  // transfer, so that it survives the session) until UCX has ended those
-  // writes, so that no other block's bytes take their place and reach that
-  // client late.
-  void HoldPinUntilReleased(SessionId session, const TransferHandle& h,
-                            SessionId owner, PinId pin, uint64_t bytes);
+  // What an abandoned batch holds, for the log and kvdepot_ucx_held_bytes.
+  struct HeldFor {
+    std::string what;  // "reads into 3 slots"
+    std::string kept;  // "their memory stays allocated"
+    std::string ops;   // "reads"
+    uint64_t bytes = 0;
+  };
+  // `op`'s batch `h` was abandoned (UCX still holds requests of it: a
+  // co-located client that stopped answering): runs `release` (which frees
+  // the DRAM those requests read or write: a pull's slots, a push's pin)
+  // only once UCX has ended them, whatever becomes of the request and the
+  // session, so that a late answer lands in no other block and no other
+  // block's bytes reach that client.
+  void HoldUntilReleased(const char* op, SessionId session,
+                         const TransferHandle& h, const HeldFor& held,
+                         absl::AnyInvocable<void() &&> release);
   // A request that came over UCX; answered with DataPlane::Reply.
   void ServeUcxRequest(DataPlane::Request request);
   // OK when `session` is a public session with a UCX endpoint; NotFound
