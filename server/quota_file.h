@@ -28,8 +28,9 @@ class QuotaFile {
   // Reads the file and applies each quota to `store`. A missing file means
   // no quotas. InvalidArgument (naming the line) for a malformed file.
   absl::Status Load(TieredStore& store);
-  // Records `ns`'s quota (0 for no limit), rewrites the file, then applies it
-  // to `store`. On a write error nothing changes.
+  // Applies `ns`'s quota (0 for no limit) to `store`, then records it and
+  // rewrites the file. On an error (the store refuses it, the write fails)
+  // nothing changes, but a namespace the store created stays.
   absl::Status Set(TieredStore& store, absl::string_view ns, uint64_t max_bytes);
 
  private:

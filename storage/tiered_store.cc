@@ -144,8 +144,11 @@ class TieredStoreImpl final : public TieredStore {
     if (nvme_ != nullptr) {
       promoter_ = std::make_unique<WorkPool>(options_.promotion_threads,
                                              "kvd-promote");
-      // The namespaces of blocks kept on NVMe exist (also for puts with
-      // create_namespaces off).
+    }
+    if (nvme_ != nullptr && !options_.create_namespaces) {
+      // The namespaces of blocks kept on NVMe exist: clients may put into
+      // them. (With create_namespaces on, a put or a promotion creates
+      // them when needed: no pass over the blocks at start.)
       absl::flat_hash_set<std::string> on_nvme;
       nvme_->ForEachBlock([&](const NvmeBlockView& b) {
         if (!on_nvme.contains(b.ns)) on_nvme.emplace(b.ns);
