@@ -506,9 +506,9 @@ TEST_P(UcxE2eTest, AStalledClientsTransferEndsAtItsDeadlineAndItsSession) {
     EXPECT_FALSE(absl::StrContains(daemon_->Log(), "they stay pinned until UCX"));
   }
   EXPECT_TRUE(StatsBecome([](const v1::StatsResponse& s) { return s.pins() == 0; }));
-  EXPECT_EQ(testing::MetricValue(testing::ScrapeMetrics(*daemon_),
-                                 "kvdepot_ucx_held_bytes"),
-            0.0);
+  const std::string scraped = testing::ScrapeMetrics(*daemon_);
+  EXPECT_EQ(testing::MetricValue(scraped, "kvdepot_ucx_held_bytes"), 0.0)
+      << "scraped " << scraped.size() << " bytes:\n" << scraped;
 }
 
 TEST_P(UcxE2eTest, AStalledClientsLateAnswersLandInNoOtherBlock) {
@@ -542,9 +542,9 @@ TEST_P(UcxE2eTest, AStalledClientsLateAnswersLandInNoOtherBlock) {
     // Over TCP UCX ended the reads with the endpoint; nothing was held.
     EXPECT_FALSE(absl::StrContains(daemon_->Log(), "memory stays allocated"));
   }
-  EXPECT_EQ(testing::MetricValue(testing::ScrapeMetrics(*daemon_),
-                                 "kvdepot_ucx_held_bytes"),
-            0.0);
+  const std::string scraped = testing::ScrapeMetrics(*daemon_);
+  EXPECT_EQ(testing::MetricValue(scraped, "kvdepot_ucx_held_bytes"), 0.0)
+      << "scraped " << scraped.size() << " bytes:\n" << scraped;
 
   // Blocks stored now: 160 MiB of the 256 MiB DRAM, in the late slots too.
   constexpr int kStored = 80;
