@@ -1213,8 +1213,13 @@ std::vector<absl::Status> NvmeTierImpl::MultiRead(
                 statuses.data());
   for (size_t j = 0; j < planned.size(); ++j) {
     const PlannedRead& p = planned[j];
-    results[p.request] =
-        FinishRead(p, statuses[j], values[j], requests[p.request].dest);
+    const NvmeReadRequest& request = requests[p.request];
+    results[p.request] = FinishRead(p, statuses[j], values[j], request.dest);
+    // The checksum FinishRead verified: the entry's as planned, which may
+    // not be the one the caller saw in Meta before (a replaced block).
+    if (results[p.request].ok() && request.checksum != nullptr) {
+      *request.checksum = p.checksum;
+    }
   }
   return results;
 }

@@ -191,6 +191,12 @@ struct NvmeVerifyReport {
 struct NvmeReadRequest {
   absl::string_view key;
   absl::Span<char> dest;  // exactly the block's size
+  // When set, receives on success the checksum the bytes were verified
+  // against: the block's as stored when the read began. A caller that took
+  // size and checksum from Meta earlier publishes this one, not Meta's: the
+  // block may have been replaced meanwhile (deleted, then put again with
+  // other bytes of the same size).
+  uint64_t* checksum = nullptr;
 };
 
 enum class NvmePutOutcome {
@@ -250,8 +256,10 @@ class NvmeTier {
                             absl::Span<char> dest) = 0;
 
   // Read() for several blocks of one namespace, fetched with one RocksDB
-  // MultiGet. Returns one status per request, in order, with Read's meaning.
-  // Meant for the engine's background threads (it blocks on the disk).
+  // MultiGet. Returns one status per request, in order, with Read's meaning;
+  // for each one that succeeds, sets *checksum when the request asks (see
+  // NvmeReadRequest). Meant for the engine's background threads (it blocks
+  // on the disk).
   virtual std::vector<absl::Status> MultiRead(
       absl::string_view ns, absl::Span<const NvmeReadRequest> requests) = 0;
 

@@ -566,6 +566,39 @@ TEST_F(NvmeTierTest, MultiReadMixesHitsMissesAndCorruptBlocks) {
   }
 }
 
+// MultiRead reports the checksum it verified the bytes against: that of the
+// block as stored when it read, not of an earlier Meta, whose block may
+// have been replaced meanwhile by other bytes of the same size (a promotion
+// publishes what it read). A failed request leaves its checksum alone.
+TEST_F(NvmeTierTest, MultiReadReportsTheChecksumItVerified) {
+  constexpr size_t kSize = 16 * kKiB;
+  Open();
+  ASSERT_OK(Put(Key(0), Bytes(0, kSize)));
+  ASSERT_OK(Put(Key(1), Bytes(1, kSize)));
+  auto before = tier_->Meta("ns", Key(0));
+  ASSERT_OK(before);
+  ASSERT_OK(tier_->Delete("ns", Key(0)));
+  ASSERT_OK(Put(Key(0), Bytes(100, kSize)));
+  ASSERT_OK(tier_->Delete("ns", Key(1)));
+  ASSERT_OK(Put(Key(1), Bytes(1, 2 * kSize)));  // another size
+
+  const std::string keys[2] = {Key(0), Key(1)};
+  std::string replaced(kSize, '\0'), resized(kSize, '\0');
+  uint64_t replaced_sum = 0, resized_sum = 7;
+  std::vector<NvmeReadRequest> requests = {
+      {keys[0], absl::MakeSpan(replaced), &replaced_sum},
+      {keys[1], absl::MakeSpan(resized), &resized_sum},
+  };
+  std::vector<absl::Status> results = tier_->MultiRead("ns", requests);
+  ASSERT_EQ(results.size(), 2u);
+  ASSERT_OK(results[0]);
+  EXPECT_EQ(replaced, Bytes(100, kSize));
+  EXPECT_EQ(replaced_sum, BlockChecksum(Bytes(100, kSize)));
+  EXPECT_NE(replaced_sum, before->checksum);
+  EXPECT_THAT(results[1], StatusIs(Code::kInvalidArgument));
+  EXPECT_EQ(resized_sum, 7u);
+}
+
 TEST_F(NvmeTierTest, VerifyDropsCorruptBlocks) {
   constexpr size_t kSize = 16 * kKiB;
   Open();

@@ -3,6 +3,7 @@
 //  * ns_mu_: the namespace table (name -> id, per-namespace counters);
 //  * mu_: sessions, pins and reservations. Lock order: mu_, then index shard
 //    locks, then the arena's lock; the index and arena never call back.
+//    ns_mu_ is a leaf: nothing is locked under it.
 // Block bytes and keys live in the arena; a committed block is one BlockEntry
 // in the index. A reservation owns its slots' arena space until it commits
 // (ownership moves to the index) or ends (space freed).
@@ -72,10 +73,17 @@ struct NamespaceInfo {
   uint32_t id = 0;
   std::string name;
   std::atomic<uint64_t> blocks{0};
-  std::atomic<uint64_t> bytes{0};
+  std::atomic<uint64_t> bytes{0};  // of its DRAM blocks
   std::atomic<uint64_t> lookups{0};
   std::atomic<uint64_t> hits{0};
   std::atomic<uint64_t> quota{0};  // DRAM bytes; 0: none
+  // What counts against the quota: the bytes of its DRAM blocks and of its
+  // open reservations and promotions in flight. A block is charged (by
+  // ChargeQuota, with or without a quota) before its DRAM space is
+  // allocated, so concurrent puts cannot pass the quota together; it keeps
+  // its charge once published, until it leaves DRAM (FreeEntry), and gives
+  // it back when it is not published (aborted, failed, lost a race).
+  std::atomic<uint64_t> charged{0};
 };
 
 struct Session {
@@ -111,6 +119,9 @@ struct ReservationState {
   uint64_t bytes = 0;   // arena space held
   int busy = 0;         // live SlotHandles
   bool doomed = false;  // ended while busy: free when the last handle goes
+  // Charged to the namespace's quota (NamespaceInfo::charged): the sizes of
+  // the slots not yet published.
+  uint64_t charged = 0;
 };
 
 class TieredStoreImpl;
@@ -311,7 +322,11 @@ class TieredStoreImpl final : public TieredStore {
       RETURN_IF_ERROR(LiveSession(session).status());
     }
     ASSIGN_OR_RETURN(uint32_t ns_id, NamespaceIdFor(ns, NamespaceUse::kClientPut));
-    RETURN_IF_ERROR(MakeRoomInQuota(*NamespaceById(ns_id), total));
+    NamespaceInfo& info = *NamespaceById(ns_id);
+    // Every block is charged, stored already or not, so that room is made
+    // before any slot is allocated; the stored ones' share goes back once
+    // they are known.
+    RETURN_IF_ERROR(ChargeQuota(info, total));
 
     ReservationState state{session, ns_id, {}, 0, 0, false};
     state.slots.resize(blocks.size());
@@ -333,14 +348,16 @@ class TieredStoreImpl final : public TieredStore {
       if (!st.ok()) {
         state.slots.resize(i);  // only slots before i hold space
         FreeSlots(state);
+        info.charged.fetch_sub(total);
         return st;
       }
-      state.bytes += DramArena::AllocationSize(slot.size) +
-                     DramArena::AllocationSize(slot.key.size());
+      state.bytes += SlotAllocationSize(slot);
+      state.charged += slot.size;
       out.slots[i].offset = slot.data_offset;
       out.slots[i].size = slot.size;
       any = true;
     }
+    info.charged.fetch_sub(total - state.charged);  // stored already
     if (!any) return out;  // every key exists: no reservation
 
     absl::MutexLock lock(&mu_);
@@ -349,6 +366,7 @@ class TieredStoreImpl final : public TieredStore {
       auto it = sessions_.find(session);
       if (it == sessions_.end()) {
         FreeSlots(state);
+        info.charged.fetch_sub(state.charged);
         return SessionNotFound(session);
       }
       s = &it->second;
@@ -439,14 +457,17 @@ class TieredStoreImpl final : public TieredStore {
       // A slot hashed as its bytes landed is not hashed again.
       const uint64_t actual =
           slot.verified ? slot.verified_checksum : BlockChecksum(data, slot.size);
+      // A published block keeps its quota charge; the others give it back.
       if (actual != checksums[i]) {
         outcomes[i] = CommitOutcome::kChecksumMismatch;
         FreeSlot(slot);
+        info->charged.fetch_sub(slot.size);
         continue;
       }
       if (!Publish(*info, slot, checksums[i], seq)) {
         outcomes[i] = CommitOutcome::kAlreadyExists;  // a racing writer won
         FreeSlot(slot);
+        info->charged.fetch_sub(slot.size);
         continue;
       }
       outcomes[i] = CommitOutcome::kStored;
@@ -736,6 +757,10 @@ class TieredStoreImpl final : public TieredStore {
     auto it = reservations_.find(id);
     if (it == reservations_.end() || it->second.doomed) return false;
     reserved_bytes_ -= it->second.bytes;
+    // Its blocks will not be published: the quota is free for others now,
+    // even while a SlotHandle still holds a slot's memory.
+    NamespaceById(it->second.ns_id)->charged.fetch_sub(it->second.charged);
+    it->second.charged = 0;
     if (it->second.busy > 0) {
       it->second.doomed = true;
     } else {
@@ -798,27 +823,42 @@ class TieredStoreImpl final : public TieredStore {
     return info == nullptr ? 0 : info->quota.load();
   }
 
-  // Evicts the namespace's least recently used blocks until `bytes` more fit
-  // in its quota (no-op without one).
-  absl::Status MakeRoomInQuota(NamespaceInfo& info, uint64_t bytes) {
+  // Charges `bytes` of blocks about to enter DRAM (a put's or promotion's)
+  // to the namespace (NamespaceInfo::charged), first evicting its least
+  // recently used unpinned blocks until they fit in its quota, if it has
+  // one. The check and the charge are one compare-and-swap: two callers
+  // cannot both take the last room. ResourceExhausted when eviction cannot
+  // make room (nothing is charged then; what was evicted stays evicted).
+  absl::Status ChargeQuota(NamespaceInfo& info, uint64_t bytes) {
     const uint64_t quota = info.quota.load();
-    if (quota == 0) return absl::OkStatus();
+    if (quota == 0) {
+      info.charged.fetch_add(bytes);
+      return absl::OkStatus();
+    }
     if (bytes > quota) {
       return absl::ResourceExhaustedError(absl::StrCat(
           "batch of ", bytes, " bytes exceeds namespace ", info.name,
           "'s quota of ", quota, " bytes"));
     }
-    while (info.bytes.load() + bytes > quota) {
+    uint64_t charged = info.charged.load();
+    while (true) {
+      if (charged + bytes <= quota) {
+        if (info.charged.compare_exchange_weak(charged, charged + bytes)) {
+          return absl::OkStatus();
+        }
+        continue;  // `charged` reloaded: another put or eviction won
+      }
       std::unique_ptr<BlockEntry> e = index_.PopOldestEvictableOf(info.id);
       if (!e) {
         return absl::ResourceExhaustedError(absl::StrCat(
-            "namespace ", info.name, " holds ", info.bytes.load(), " of its quota of ",
-            quota, " bytes in blocks that cannot be evicted (pinned, or parents of "
-            "cached blocks); unpin or raise the quota"));
+            "namespace ", info.name, " holds ", charged, " of its quota of ",
+            quota, " bytes in blocks that cannot be evicted (pinned, parents of "
+            "cached blocks, or puts and promotions in flight); unpin or raise "
+            "the quota"));
       }
       FreeEntry(std::move(e), /*lru=*/true);
+      charged = info.charged.load();
     }
-    return absl::OkStatus();
   }
 
   // ---- lookup phases -----------------------------------------------------
@@ -906,9 +946,11 @@ class TieredStoreImpl final : public TieredStore {
   }
 
   // Reads plan.promote's blocks from NVMe into new DRAM slots with one
-  // batched read and publishes them pinned. Blocks that cannot be promoted
-  // (gone, failing their checksum, no DRAM room) stay misses. Runs on a
-  // promotion thread: it may wait for the disk and for the evictor.
+  // batched read and publishes them pinned. A promotion makes room in the
+  // namespace's quota as a put does (ChargeQuota). Blocks that cannot be
+  // promoted (gone, failing their checksum, no room in DRAM or in the
+  // quota) stay misses. Runs on a promotion thread: it may wait for the disk
+  // and for the evictor.
   void PromoteBatch(LookupPlan& plan) {
     if (plan.info == nullptr) {
       absl::StatusOr<uint32_t> id = NamespaceIdFor(plan.ns, NamespaceUse::kDeclared);
@@ -919,29 +961,38 @@ class TieredStoreImpl final : public TieredStore {
     struct Pending {
       const LookupPlan::Promotion* promotion;
       Slot slot;
-      uint64_t checksum;
+      // What MultiRead verified the bytes against (the block may have been
+      // replaced on NVMe since Meta: what is published is what was read).
+      uint64_t checksum = 0;
     };
     std::vector<Pending> pending;
     pending.reserve(plan.promote.size());
     for (const LookupPlan::Promotion& p : plan.promote) {
       absl::StatusOr<NvmeBlockMeta> meta = nvme_->Meta(plan.ns, p.key);
       if (!meta.ok()) continue;  // evicted meanwhile
+      // Pinned blocks, and this batch's earlier promotions, hold the quota:
+      // a smaller block may still fit.
+      if (!ChargeQuota(info, meta->size).ok()) continue;
       Pending& q = pending.emplace_back();
       q.promotion = &p;
-      q.checksum = meta->checksum;
       q.slot.key = p.key;
       q.slot.parent = std::move(meta->parent);
       q.slot.size = meta->size;
       if (!AllocateSlot(q.slot).ok()) {  // DRAM full of pinned blocks
+        info.charged.fetch_sub(q.slot.size);
         pending.pop_back();
         break;
       }
     }
     std::vector<NvmeReadRequest> reads;
     reads.reserve(pending.size());
-    for (const Pending& q : pending) {
-      reads.push_back({q.slot.key, absl::Span<char>(arena_->base() + q.slot.data_offset,
-                                                    q.slot.size)});
+    for (Pending& q : pending) {
+      // A block replaced by one of another size since Meta fails the read
+      // (its destination's size is wrong) and is not promoted.
+      reads.push_back({q.slot.key,
+                       absl::Span<char>(arena_->base() + q.slot.data_offset,
+                                        q.slot.size),
+                       &q.checksum});
     }
     std::vector<absl::Status> results = nvme_->MultiRead(plan.ns, reads);
     for (size_t j = 0; j < pending.size(); ++j) {
@@ -949,6 +1000,7 @@ class TieredStoreImpl final : public TieredStore {
       const size_t i = q.promotion->index;
       if (!results[j].ok()) {  // counted by the tier when corrupt
         FreeSlot(q.slot);
+        info.charged.fetch_sub(q.slot.size);
         continue;
       }
       if (BlockEntry* e = Publish(info, q.slot, q.checksum, plan.seq, /*pinned=*/true)) {
@@ -961,6 +1013,7 @@ class TieredStoreImpl final : public TieredStore {
       }
       // Promoted meanwhile by another lookup: use that copy.
       FreeSlot(q.slot);
+      info.charged.fetch_sub(q.slot.size);
       if (std::optional<BlockIndex::Hit> hit = index_.Find(
               BlockIndex::MakeKey(info.id, q.slot.key), /*pin=*/true, plan.seq)) {
         plan.pinned[i] = hit->entry;
@@ -1029,7 +1082,7 @@ class TieredStoreImpl final : public TieredStore {
   absl::Status AllocateSlot(Slot& slot, bool* would_wait = nullptr) {
     ASSIGN_OR_RETURN(uint64_t data, AllocateEvicting(slot.size, would_wait));
     absl::StatusOr<uint64_t> key =
-        AllocateEvicting(slot.key.size() + kStampBytes, would_wait);
+        AllocateEvicting(KeyAllocationBytes(slot), would_wait);
     if (!key.ok()) {
       arena_->Free(data);
       return key.status();
@@ -1094,6 +1147,18 @@ class TieredStoreImpl final : public TieredStore {
     }
   }
 
+  // The bytes AllocateSlot asks for the slot's key and stamp.
+  static size_t KeyAllocationBytes(const Slot& slot) {
+    return slot.key.size() + kStampBytes;
+  }
+
+  // The arena space AllocateSlot takes for `slot` (as reserved_bytes_
+  // counts it).
+  static uint64_t SlotAllocationSize(const Slot& slot) {
+    return DramArena::AllocationSize(slot.size) +
+           DramArena::AllocationSize(KeyAllocationBytes(slot));
+  }
+
   void FreeSlot(Slot& slot) {
     arena_->Free(slot.data_offset);
     arena_->Free(slot.key_offset);
@@ -1110,6 +1175,7 @@ class TieredStoreImpl final : public TieredStore {
     NamespaceInfo* info = NamespaceById(e->ns_id);
     info->blocks.fetch_sub(1, std::memory_order_relaxed);
     info->bytes.fetch_sub(e->size, std::memory_order_relaxed);
+    info->charged.fetch_sub(e->size);
     arena_->Free(e->data_offset());
     arena_->Free(e->key_offset());
     if (lru) evictions_.fetch_add(1, std::memory_order_relaxed);
@@ -1175,6 +1241,8 @@ class TieredStoreImpl final : public TieredStore {
   // Inserts a slot's block into the index (put-if-absent), with one pin held
   // by the caller when `pinned`; on success the index owns its space.
   // Returns the entry, or nullptr when the key was already there.
+  // REQUIRES: the block is charged to `info` (ChargeQuota); it keeps the
+  // charge when published.
   BlockEntry* Publish(NamespaceInfo& info, const Slot& slot, uint64_t checksum,
                       uint32_t seq, bool pinned = false) {
     auto entry = std::make_unique<BlockEntry>();
@@ -1187,11 +1255,16 @@ class TieredStoreImpl final : public TieredStore {
     entry->key_len = static_cast<uint16_t>(slot.key.size());
     entry->seq = seq;
     BlockEntry* published = entry.get();
-    if (index_.Insert(std::move(entry), slot.parent, pinned) != nullptr) {
-      return nullptr;
-    }
+    // Counted before the insert: once inserted the block is evictable, and
+    // its eviction (FreeEntry) must not subtract it first, wrapping the
+    // counters around.
     info.blocks.fetch_add(1, std::memory_order_relaxed);
     info.bytes.fetch_add(slot.size, std::memory_order_relaxed);
+    if (index_.Insert(std::move(entry), slot.parent, pinned) != nullptr) {
+      info.blocks.fetch_sub(1, std::memory_order_relaxed);
+      info.bytes.fetch_sub(slot.size, std::memory_order_relaxed);
+      return nullptr;
+    }
     return published;
   }
 

@@ -240,8 +240,10 @@ class TieredStore {
   //
   // A pinned lookup of blocks found only on the NVMe tier reads them into
   // DRAM first (promotion), with one batched read; a block that cannot be
-  // promoted (it fails its checksum, DRAM has no room) is a miss. This call
-  // waits for that; servers use LookupAsync.
+  // promoted (it fails its checksum, DRAM has no room, or its namespace's
+  // quota has none left once the namespace's unpinned blocks are evicted:
+  // see SetQuota) is a miss. This call waits for that; servers use
+  // LookupAsync.
   absl::StatusOr<LookupResult> Lookup(SessionId session, absl::string_view ns,
                                       absl::Span<const absl::string_view> keys,
                                       bool prefix, bool pin);
@@ -303,9 +305,16 @@ class TieredStore {
   virtual absl::StatusOr<BlockDetails> Inspect(absl::string_view ns,
                                                absl::string_view key) = 0;
   // A namespace's DRAM quota (0: none; the namespace is created if needed).
-  // BeginPut evicts the namespace's least recently used unpinned blocks
-  // (dropping them, as a put that finds DRAM full does) to stay within it,
-  // and fails with ResourceExhausted when that cannot make room.
+  // It bounds the bytes of the namespace's DRAM blocks plus those of its
+  // open reservations (a reservation counts from BeginPut until its blocks
+  // are published, or it ends) and of promotions in flight. BeginPut evicts
+  // the namespace's least recently used unpinned blocks (dropping them, as a
+  // put that finds DRAM full does) to stay within it, and fails with
+  // ResourceExhausted when that cannot make room. A pinned Lookup's
+  // promotion makes room the same way; a block it cannot make room for
+  // stays on NVMe and is a miss of that lookup (as when DRAM is full).
+  // Lowering the quota evicts nothing by itself: the next put or promotion
+  // into the namespace does.
   virtual absl::Status SetQuota(absl::string_view ns, uint64_t max_bytes) = 0;
   // 0 when the namespace has none (or does not exist).
   virtual uint64_t Quota(absl::string_view ns) = 0;

@@ -615,6 +615,111 @@ TEST_F(TieredStoreTest, QuotaEvictsTheNamespacesOwnOldBlocks) {
   EXPECT_TRUE(Has("s0", "small"));
 }
 
+// Bytes of namespace `ns`'s DRAM blocks, as ListNamespaces reports them.
+uint64_t NamespaceBytes(TieredStore& store, const std::string& ns) {
+  for (const NamespaceStats& n : store.ListNamespaces()) {
+    if (n.name == ns) return n.bytes;
+  }
+  return 0;
+}
+
+// An open reservation counts against its namespace's quota from BeginPut
+// on: two reservations cannot together pass it (they would both commit),
+// and the room comes back when one ends without publishing.
+TEST_F(TieredStoreTest, QuotaCountsOpenReservations) {
+  const std::string block(64 << 10, 'q');
+  const uint64_t b = block.size();
+  const uint64_t sum = BlockChecksum(block);
+  const uint64_t sums[2] = {sum, sum};
+  ASSERT_OK(store_->SetQuota("q", 2 * b));
+  PutSpec first[2] = {{"k1", "", b}, {"k2", "", b}};
+  PutSpec second[2] = {{"k3", "", b}, {"k4", "", b}};
+  auto r1 = store_->BeginPut(sid_, "q", first);
+  ASSERT_OK(r1);
+  EXPECT_THAT(store_->BeginPut(sid_, "q", second),
+              StatusIs(Code::kResourceExhausted));
+  EXPECT_EQ(store_->Stats().reservations, 1u);
+
+  // Aborting gives the room back.
+  ASSERT_OK(store_->AbortPut(sid_, r1->id));
+  auto r2 = store_->BeginPut(sid_, "q", second);
+  ASSERT_OK(r2);
+  EXPECT_THAT(store_->BeginPut(sid_, "q", first),
+              StatusIs(Code::kResourceExhausted));
+
+  // So does the end of the reservation's session.
+  ASSERT_OK(store_->CloseSession(sid_));
+  sid_ = store_->OpenSession(absl::ZeroDuration(), "again")->id;
+  r1 = store_->BeginPut(sid_, "q", first);
+  ASSERT_OK(r1);
+
+  // Committed, the blocks hold the quota as blocks: unpinned, a later put
+  // evicts them.
+  for (uint32_t i = 0; i < 2; ++i) {
+    auto slot = store_->AcquireSlot(sid_, r1->id, i);
+    ASSERT_OK(slot);
+    std::memcpy((*slot)->bytes().data(), block.data(), b);
+  }
+  auto c = store_->CommitPut(sid_, r1->id, sums);
+  ASSERT_OK(c);
+  EXPECT_THAT(*c, ::testing::Each(CommitOutcome::kStored));
+  EXPECT_EQ(NamespaceBytes(*store_, "q"), 2 * b);
+  ASSERT_OK(Put("k3", block, "", "q"));
+  EXPECT_EQ(NamespaceBytes(*store_, "q"), 2 * b);
+  EXPECT_NE(Has("k1", "q"), Has("k2", "q"));  // one made room
+  EXPECT_TRUE(Has("k3", "q"));
+}
+
+// Slots that are not published (a writer that lost the race for its key, a
+// checksum mismatch) give their quota charge back at commit: the blocks
+// that were published are not evicted for them.
+TEST_F(TieredStoreTest, UnpublishedSlotsGiveTheirQuotaBack) {
+  const std::string block(64 << 10, 'u');
+  const uint64_t b = block.size();
+  ASSERT_OK(store_->SetQuota("q", 3 * b));
+  PutSpec spec{"k", "", b};
+  auto r1 = store_->BeginPut(sid_, "q", {&spec, 1});
+  auto r2 = store_->BeginPut(sid_, "q", {&spec, 1});
+  ASSERT_OK(r1);
+  ASSERT_OK(r2);
+  for (ReservationId id : {r1->id, r2->id}) {
+    auto slot = store_->AcquireSlot(sid_, id, 0);
+    ASSERT_OK(slot);
+    std::memcpy((*slot)->bytes().data(), block.data(), b);
+  }
+  uint64_t sum = BlockChecksum(block);
+  EXPECT_EQ((*store_->CommitPut(sid_, r1->id, {&sum, 1}))[0], CommitOutcome::kStored);
+  EXPECT_EQ((*store_->CommitPut(sid_, r2->id, {&sum, 1}))[0],
+            CommitOutcome::kAlreadyExists);
+  PutSpec bad{"bad", "", b};
+  auto r3 = store_->BeginPut(sid_, "q", {&bad, 1});
+  ASSERT_OK(r3);
+  uint64_t wrong = sum + 1;
+  EXPECT_EQ((*store_->CommitPut(sid_, r3->id, {&wrong, 1}))[0],
+            CommitOutcome::kChecksumMismatch);
+  // "k" and two more blocks fill the quota exactly.
+  ASSERT_OK(Put("x", block, "", "q"));
+  ASSERT_OK(Put("y", block, "", "q"));
+  for (const char* k : {"k", "x", "y"}) EXPECT_TRUE(Has(k, "q")) << k;
+  EXPECT_EQ(NamespaceBytes(*store_, "q"), 3 * b);
+}
+
+// reserved_bytes is the arena space reservations hold, the key's stamp
+// included (a 60-byte key and its 8-byte stamp take a 128-byte class).
+TEST_F(TieredStoreTest, ReservedBytesAreTheArenaSpaceTaken) {
+  const uint64_t before = store_->Stats().dram.used_bytes;
+  const std::string key(60, 'k');
+  PutSpec spec{key, "", 1000};
+  auto r = store_->BeginPut(sid_, "ns", {&spec, 1});
+  ASSERT_OK(r);
+  StoreStats st = store_->Stats();
+  EXPECT_EQ(st.reserved_bytes, st.dram.used_bytes - before);
+  ASSERT_OK(store_->AbortPut(sid_, r->id));
+  st = store_->Stats();
+  EXPECT_EQ(st.reserved_bytes, 0u);
+  EXPECT_EQ(st.dram.used_bytes, before);
+}
+
 TEST_F(TieredStoreTest, InspectReportsABlockWithoutTouchingIt) {
   ASSERT_OK(Put("p", std::string(1000, 'p')));
   ASSERT_OK(Put("c", std::string(2000, 'c'), "p"));
@@ -1050,6 +1155,39 @@ TEST_F(TieredStoreNvmeTest, AdmissionByReadsSparesColdBlocks) {
   EXPECT_EQ(st.demotions_skipped, 1u);
   EXPECT_TRUE(Look("hot", false).found);
   EXPECT_FALSE(Look("cold", false).found);
+}
+
+// A promotion makes room in its namespace's quota as a put does; a block
+// it cannot make room for (the namespace's other blocks are pinned, or
+// promoted by the same lookup) stays on NVMe and is a miss of that lookup.
+TEST_F(TieredStoreNvmeTest, PromotionsStayWithinTheQuota) {
+  const uint64_t b = Block(0).size();
+  for (int i = 0; i < 3; ++i) Put("p" + std::to_string(i), Block(i));
+  ASSERT_OK(store_->PersistDram());
+  ASSERT_OK(store_->SetQuota("ns", b));
+  std::vector<absl::string_view> keys = {"p0", "p1", "p2"};
+  auto r = store_->Lookup(sid_, "ns", keys, /*prefix=*/false, /*pin=*/true);
+  ASSERT_OK(r);
+  ASSERT_TRUE(r->entries[0].found);
+  EXPECT_EQ(r->entries[0].tier, Tier::kDram);
+  EXPECT_EQ(Bytes(r->entries[0]), Block(0));
+  EXPECT_FALSE(r->entries[1].found);
+  EXPECT_FALSE(r->entries[2].found);
+  StoreStats st = store_->Stats();
+  EXPECT_EQ(st.promotions, 1u);
+  EXPECT_EQ(st.dram.blocks, 1u);
+  EXPECT_EQ(NamespaceBytes(*store_, "ns"), b);
+  EXPECT_EQ(Look("p1", false).tier, Tier::kNvme);  // still there
+
+  // Unpinned, the promoted block makes way for the next promotion.
+  ASSERT_OK(store_->Unpin(sid_, r->pin_id));
+  PinId pin = 0;
+  LookupEntry e = Look("p1", true, &pin);
+  ASSERT_TRUE(e.found);
+  EXPECT_EQ(Bytes(e), Block(1));
+  EXPECT_EQ(NamespaceBytes(*store_, "ns"), b);
+  EXPECT_EQ(Look("p0", false).tier, Tier::kNvme);
+  ASSERT_OK(store_->Unpin(sid_, pin));
 }
 
 TEST_F(TieredStoreNvmeTest, NoNvmeTierMeansPersistFails) {
