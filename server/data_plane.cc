@@ -211,6 +211,12 @@ absl::Status DataPlane::Attach(SessionId session, std::string_view address,
   UcxEndpointOptions endpoint_options;
   endpoint_options.connect_timeout = options_.connect_timeout;
   endpoint_options.peer_error_handling = !colocated;
+  // A client past a transfer's deadline may only be stalled: its endpoint
+  // on a shared worker closes in order (a forced close could crash this
+  // process in UCX when the client continues; UcxEndpointOptions). A
+  // co-located client's goes with its own worker instead.
+  endpoint_options.deadline_close =
+      colocated ? DeadlineClose::kForce : DeadlineClose::kOrderly;
   endpoint_options.on_error = [this, session](const absl::Status& why) {
     Lost(session, why);
   };

@@ -776,18 +776,19 @@ void KvDepotService::StartPushBlocks(const v1::PushBlocksRequest* req,
           if (pin != 0) store_.Unpin(session, pin).IgnoreError();
           return finish(absl::OkStatus());
         }
-        // UCX may hold writes to a co-located client past the transfer and
-        // the session (an abandoned batch): such a pin is the daemon's
-        // from here on, so that the session's end does not free blocks
-        // UCX may still read (HoldUntilReleased).
-        SessionId owner = session;
-        if (pin != 0 && data_plane_->colocated(session)) {
+        // UCX may hold writes to the client past the transfer and the
+        // session (an abandoned batch: a co-located client's, or one whose
+        // endpoint closed in order after a deadline while it stalled): the
+        // pin is the daemon's from here on, so that the session's end does
+        // not free blocks UCX may still read (HoldUntilReleased).
+        if (pin != 0) {
           if (absl::Status st = store_.HandOverPin(session, pin); !st.ok()) {
             return finish(UnlessSessionEnded(session, st));
           }
-          owner = kInternalSession;
         }
-        auto unpin = [this, owner, pin] { store_.Unpin(owner, pin).IgnoreError(); };
+        auto unpin = [this, pin] {
+          store_.Unpin(kInternalSession, pin).IgnoreError();
+        };
         // A co-located client's shared memory is mapped here: the block is
         // copied on this thread and checked as it lands, so the client need
         // not read it all again to hash it.
@@ -822,17 +823,10 @@ void KvDepotService::StartPushBlocks(const v1::PushBlocksRequest* req,
         }
         // Runs on the progress thread (or here, when every move was
         // copied here): short steps only.
-        h->OnReady([this, req, resp, finish, unpin, owner, h = *h,
+        h->OnReady([this, req, resp, finish, unpin, h = *h,
                     key_of_move = std::move(key_of_move),
                     in_place = std::move(in_place)] {
           if (h.abandoned()) {
-            if (owner != kInternalSession) {
-              // Not a co-located client's (those are the ones whose batches
-              // UCX abandons): the pin may end with the session first.
-              log_->error("PushBlocks: session {}'s transfer was abandoned "
-                          "although its client is not served as co-located; "
-                          "its pin ends with the session", req->session_id());
-            }
             uint64_t bytes = 0;
             for (int k : key_of_move) bytes += resp->blocks(k).size();
             HoldUntilReleased("PushBlocks", req->session_id(), h,

@@ -34,7 +34,8 @@ class TransferHandle {
   // REQUIRES: IsReady(). True when the batch was ended while UCX still held
   // some of its requests (an endpoint without peer error handling, whose
   // peer stopped answering: UCX 1.13 does not end such requests when the
-  // endpoint is closed). Their transfers report errors, but a late answer
+  // endpoint is closed; or one that closes in order after a deadline,
+  // DeadlineClose::kOrderly, until the peer takes them). Their transfers report errors, but a late answer
   // from the peer could still write into a Get's local buffer: do not reuse
   // those buffers until the worker has been destroyed, or OnReleased.
   bool abandoned() const;

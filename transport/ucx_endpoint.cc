@@ -51,10 +51,11 @@ absl::StatusOr<std::unique_ptr<UcxEndpoint>> UcxEndpoint::Connect(
   UcxEndpoint* e = endpoint.get();
   absl::Status status;
   absl::Status run = worker.Run([e, &worker, peer_address, &status] {
+    e->error_target_ = std::make_shared<ErrorTarget>(ErrorTarget{e});
     absl::StatusOr<ucp_ep_h> ep = CreatePeerEndpoint(
         worker.handle(), peer_address,
         e->options_.peer_error_handling ? &UcxEndpoint::OnPeerError : nullptr,
-        e);
+        e->error_target_.get());
     if (!ep.ok()) {
       status = ep.status();
       return;
@@ -426,8 +427,13 @@ void UcxEndpoint::Fail(absl::Status status, bool from_ucx_callback,
     if (from_ucx_callback) {
       UcxWorker* worker = &worker_;
       worker_.Defer([worker, ep] { worker->CloseEndpoint(ep, /*force=*/true); });
+    } else if (force) {
+      worker_.CloseEndpoint(ep, /*force=*/true);
     } else {
-      worker_.CloseEndpoint(ep, force);
+      // Open until its flush ends, maybe past this object: UCX's error
+      // callback then reaches nothing (this endpoint has failed already).
+      error_target_->endpoint = nullptr;
+      worker_.CloseEndpoint(ep, /*force=*/false, error_target_);
     }
   }
   rkeys_.reset();
@@ -436,7 +442,9 @@ void UcxEndpoint::Fail(absl::Status status, bool from_ucx_callback,
 
 void UcxEndpoint::OnPeerError(void* arg, ucp_ep_h /*ep*/,
                               ucs_status_t status) {
-  static_cast<UcxEndpoint*>(arg)->Fail(
+  UcxEndpoint* endpoint = static_cast<ErrorTarget*>(arg)->endpoint;
+  if (endpoint == nullptr) return;  // closing in order: the flush fails too
+  endpoint->Fail(
       absl::UnavailableError(absl::StrCat("UCX endpoint to the peer failed: ",
                                           ucs_status_string(status))),
       /*from_ucx_callback=*/true, /*notify=*/true);
@@ -458,7 +466,8 @@ absl::Time UcxEndpoint::OnTick(absl::Time now) {
   if (expired) {
     Fail(absl::UnavailableError(
              "UCX endpoint closed: a transfer batch on it passed its deadline"),
-         /*from_ucx_callback=*/false, /*notify=*/true);
+         /*from_ucx_callback=*/false, /*notify=*/true,
+         /*force=*/options_.deadline_close == DeadlineClose::kForce);
     return absl::InfiniteFuture();
   }
   return next;

@@ -43,6 +43,17 @@ class RkeySet;
 class TransferBatch;
 }  // namespace transport_internal
 
+// How an endpoint closes when a batch on it passes its deadline (see
+// UcxEndpointOptions::deadline_close).
+enum class DeadlineClose {
+  // Force-closed: UCX drops what it still holds for the peer (with peer
+  // error handling, nothing more of the batch goes out).
+  kForce,
+  // Closed in order: queued sends still go out if the peer takes them, and
+  // the close ends once they have, or when the peer's connection fails.
+  kOrderly,
+};
+
 struct UcxEndpointOptions {
   // Called once, on the progress thread, when the endpoint fails on its own
   // (the peer is gone, or a batch passed its deadline); not when it is
@@ -56,10 +67,21 @@ struct UcxEndpointOptions {
   bool peer_error_handling = true;
   // Connect waits this long for the peer to answer the connection.
   absl::Duration connect_timeout = absl::Seconds(5);
-  // After the endpoint is force-closed, batches whose UCX requests are
-  // still open this long after are ended anyway (TransferHandle::abandoned).
-  // With peer error handling UCX ends them itself, at once.
+  // After the endpoint has failed, batches whose UCX requests are still
+  // open this long after are ended anyway (TransferHandle::abandoned). With
+  // peer error handling and a forced close UCX ends them itself, at once.
   absl::Duration abandon_after = absl::Seconds(1);
+  // How the endpoint closes after a batch passed its deadline (the batch
+  // ends DeadlineExceeded, and on_error follows, either way). kOrderly is
+  // for a peer that may only be stalled, and needs peer error handling (else
+  // a peer that never reads again keeps the close open until the worker
+  // goes): a forced close of an endpoint whose sends such a peer has not
+  // taken yet left UCX 1.13's TCP transport discarding it when the peer
+  // continued and checked its own endpoint, and that crashed this process
+  // in UCX (transport/README, caveat 8). The price: what the batch had
+  // queued still reaches the peer if it continues (as over shared memory
+  // in any case, caveat 2).
+  DeadlineClose deadline_close = DeadlineClose::kForce;
 };
 
 // A region of the peer's memory, as the peer described it.
@@ -234,8 +256,16 @@ class UcxEndpoint : private UcxWorker::Resident {
 
   UcxWorker& worker_;  // must outlive this endpoint
 
+  // What UCX's error callback gets (OnPeerError): this endpoint, or null
+  // once the UCP endpoint is closing in order (it may outlive this object
+  // then; the worker keeps this until the close).
+  struct ErrorTarget {
+    UcxEndpoint* endpoint;
+  };
+
   // Progress thread only.
   ucp_ep_h ep_ = nullptr;
+  std::shared_ptr<ErrorTarget> error_target_;
   std::shared_ptr<transport_internal::RkeySet> rkeys_;
   std::vector<std::shared_ptr<Batch>> in_flight_;
   UcxEndpointOptions options_;

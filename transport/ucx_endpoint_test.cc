@@ -632,6 +632,79 @@ TEST_P(UcxEndpointTest, NothingMoreOfABatchIsSentOnceItsDeadlinePassed) {
   EXPECT_FALSE(put.overall_status().ok());
 }
 
+// DeadlineClose::kOrderly, for a peer that may only be stalled (kvdepotd's
+// endpoints to remote clients): the batch still ends at its deadline, but
+// the endpoint closes only once the peer has taken what was queued for it
+// (or its connection failed), so the rest of the batch reaches the peer
+// when it continues, and UCX then ends the batch's requests.
+TEST_P(UcxEndpointTest, AnOrderlyCloseAfterADeadlineWaitsForTheStalledPeer) {
+  if (!ucx_test::PeerErrorHandling(GetParam())) {
+    GTEST_SKIP() << "kOrderly needs peer error handling (not over shared memory)";
+  }
+  UcxEndpointOptions options;
+  options.deadline_close = DeadlineClose::kOrderly;
+  std::unique_ptr<UcxEndpoint> endpoint = Connect(std::move(options));
+  ASSERT_NE(endpoint, nullptr);
+  auto id = endpoint->AddRemoteRegion(Remote());
+  ASSERT_TRUE(id.ok()) << id.status();
+  absl::Notification server_go;
+  ASSERT_TRUE(HoldServer(server_go));  // the peer stalls
+  std::vector<char> source(kRegionSize, 'x');
+  auto source_region = RegisterLocal(source);
+  std::vector<Transfer> puts = PutsOverTheRegion(source, source_region.get());
+  for (Transfer& t : puts) t.region = *id;
+  TransferHandle put = endpoint->Put(puts, absl::Now() + absl::Milliseconds(300));
+  ASSERT_TRUE(put.WaitUntil(absl::Now() + absl::Seconds(10)));
+  EXPECT_EQ(put.overall_status().code(), absl::StatusCode::kDeadlineExceeded)
+      << put.overall_status();
+  EXPECT_FALSE(endpoint->status().ok());
+  absl::Notification released;
+  put.OnReleased([&released] { released.Notify(); });
+  // The batch's requests stay open while the peer stalls, past abandon_after.
+  EXPECT_FALSE(released.WaitForNotificationWithTimeout(absl::Milliseconds(1500)));
+  EXPECT_TRUE(put.abandoned());
+  server_go.Notify();  // the peer continues: it takes the rest
+  ASSERT_TRUE(server_worker_->Run([] {}).ok());
+  EXPECT_TRUE(released.WaitForNotificationWithTimeout(absl::Seconds(10)));
+  size_t written = 0;
+  for (const absl::Time end = absl::Now() + absl::Seconds(10);
+       absl::Now() < end && written < puts.size();
+       absl::SleepFor(absl::Milliseconds(20))) {
+    ASSERT_TRUE(server_worker_->Run([] {}).ok());
+    written = BlocksWritten();
+  }
+  EXPECT_EQ(written, puts.size()) << "the rest of the batch was not sent";
+}
+
+// A worker stopped while an endpoint of its waits, closing in order, for a
+// peer that never reads again: Stop force-closes it and returns (UCX 1.13
+// aborted the process destroying a worker with such an endpoint).
+TEST_P(UcxEndpointTest, AWorkerStopsWhileAnEndpointWaitsForAStalledPeer) {
+  if (!ucx_test::PeerErrorHandling(GetParam())) {
+    GTEST_SKIP() << "kOrderly needs peer error handling (not over shared memory)";
+  }
+  UcxEndpointOptions options;
+  options.deadline_close = DeadlineClose::kOrderly;
+  std::unique_ptr<UcxEndpoint> endpoint = Connect(std::move(options));
+  ASSERT_NE(endpoint, nullptr);
+  auto id = endpoint->AddRemoteRegion(Remote());
+  ASSERT_TRUE(id.ok()) << id.status();
+  absl::Notification server_go;
+  ASSERT_TRUE(HoldServer(server_go));
+  std::vector<char> source(kRegionSize, 'x');
+  auto source_region = RegisterLocal(source);
+  std::vector<Transfer> puts = PutsOverTheRegion(source, source_region.get());
+  for (Transfer& t : puts) t.region = *id;
+  TransferHandle put = endpoint->Put(puts, absl::Now() + absl::Milliseconds(200));
+  ASSERT_TRUE(put.WaitUntil(absl::Now() + absl::Seconds(10)));
+  EXPECT_FALSE(put.overall_status().ok());
+  endpoint.reset();  // its UCP endpoint lives on, flushing
+  client_worker_->Stop();
+  EXPECT_TRUE(client_worker_->finished());
+  server_go.Notify();
+  ASSERT_TRUE(server_worker_->Run([] {}).ok());
+}
+
 TEST_P(UcxEndpointTest, AFencedWorkerTakesNoMoreWrites) {
   // The server's worker is fenced before it has taken any of a 16 MiB put:
   // none of it may reach the region afterwards, whatever UCX still holds

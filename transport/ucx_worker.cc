@@ -462,13 +462,51 @@ void UcxWorker::RunAt(absl::Time when, absl::AnyInvocable<void() &&> task) {
   WakeAt(when);
 }
 
-void UcxWorker::CloseEndpoint(ucp_ep_h ep, bool force) {
+void UcxWorker::CloseEndpoint(ucp_ep_h ep, bool force,
+                              std::shared_ptr<const void> keep) {
+  if (!force) {
+    // Flushed first, with the endpoint still open: a close would otherwise
+    // leave UCX waiting on a peer that may never read again (and abort at
+    // Stop), and a forced close of an endpoint with sends such a peer has
+    // not taken yet crashed UCX 1.13's TCP transport when the peer
+    // continued (transport/README, caveat 8).
+    auto close = std::make_unique<FlushingClose>();
+    close->worker = this;
+    close->ep = ep;
+    close->keep = std::move(keep);
+    ucp_request_param_t param = {};
+    param.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA;
+    param.cb.send = [](void* /*request*/, ucs_status_t status, void* user_data) {
+      auto* c = static_cast<FlushingClose*>(user_data);
+      c->status = status;
+      c->worker->Defer([c] { c->worker->EndFlushingClose(c); });
+    };
+    param.user_data = close.get();
+    void* request = ucp_ep_flush_nbx(ep, &param);
+    if (UCS_PTR_IS_PTR(request)) {
+      close->request = request;
+      flushing_closes_.push_back(std::move(close));
+      return;
+    }
+    // Flushed already, or failed: closed now, `keep` with it.
+    force = UCS_PTR_STATUS(request) != UCS_OK;
+  }
   ucp_request_param_t param = {};
   param.op_attr_mask = UCP_OP_ATTR_FIELD_FLAGS;
   param.flags = force ? UCP_EP_CLOSE_FLAG_FORCE : 0;
   void* request = ucp_ep_close_nbx(ep, &param);
   // Errors mean the endpoint is gone already; nothing to wait for.
   if (UCS_PTR_IS_PTR(request)) close_requests_.push_back(request);
+}
+
+void UcxWorker::EndFlushingClose(FlushingClose* close) {
+  auto it = std::find_if(flushing_closes_.begin(), flushing_closes_.end(),
+                         [close](const auto& c) { return c.get() == close; });
+  if (it == flushing_closes_.end()) return;  // cannot happen: ends once
+  std::unique_ptr<FlushingClose> c = std::move(*it);
+  flushing_closes_.erase(it);
+  ucp_request_free(c->request);
+  if (!c->forced) CloseEndpoint(c->ep, /*force=*/c->status != UCS_OK);
 }
 
 void UcxWorker::ReapCloses() {
@@ -605,16 +643,27 @@ void UcxWorker::Shutdown() {
     timers_.clear();
     for (auto& [when, task] : timers) std::move(task)();
   }
+  // Endpoints still flushing before an orderly close go now, by force:
+  // their flushes end (cancelled) in the progress calls below.
+  for (const auto& c : flushing_closes_) {
+    if (c->forced) continue;
+    c->forced = true;
+    CloseEndpoint(c->ep, /*force=*/true);
+  }
   // Closes end in progress calls, which a fenced worker makes no more.
   const absl::Time give_up = absl::Now() + options_.close_timeout;
-  while (!fenced_ && !close_requests_.empty() && absl::Now() < give_up) {
+  while (!fenced_ && (!close_requests_.empty() || !flushing_closes_.empty()) &&
+         absl::Now() < give_up) {
     ucp_worker_progress(worker_);
     RunDeferred();
     ReapCloses();
   }
-  // Requests still open are released with the worker.
+  // Requests still open are released with the worker. A flush whose
+  // callback may still come keeps its record (a few bytes, at Stop only).
   for (void* request : close_requests_) ucp_request_free(request);
   close_requests_.clear();
+  for (auto& c : flushing_closes_) static_cast<void>(c.release());
+  flushing_closes_.clear();
   // A fenced worker's UCP worker (its connections) goes in Stop, later:
   // see Fence.
   if (fenced_) return;

@@ -228,9 +228,17 @@ class UcxWorker {
   // Runs `task` once `when` has come, or when the worker stops, whichever
   // is first.
   void RunAt(absl::Time when, absl::AnyInvocable<void() &&> task);
-  // Closes `ep` (ucp_ep_close_nbx), forcibly or after a flush; the worker
-  // tracks the close request and Stop waits for it.
-  void CloseEndpoint(ucp_ep_h ep, bool force);
+  // Closes `ep` (ucp_ep_close_nbx); the worker tracks the close and Stop
+  // waits for it. Forcibly: at once. Otherwise in order: once what UCX
+  // still holds for the peer has gone out (a flush; then a close that has
+  // nothing left to send), or by force once that flush fails (the peer is
+  // gone). Stop force-closes an endpoint whose flush has not ended (UCX 1.13
+  // aborts the process when a worker is destroyed with an endpoint closing
+  // in order that still has requests queued, e.g. for a stopped peer).
+  // `keep` lives until the endpoint is closed (what the argument of its
+  // error callback points to: UCX may call it until then).
+  void CloseEndpoint(ucp_ep_h ep, bool force,
+                     std::shared_ptr<const void> keep = nullptr);
   // For what must be done when the UCP worker is destroyed (in Stop, or at
   // the end of the progress thread; on the thread that destroys it), while
   // `owner` lives: `before` once no progress call runs any more and the
@@ -307,6 +315,18 @@ class UcxWorker {
   std::vector<Resident*> residents_;
   std::vector<absl::AnyInvocable<void() &&>> deferred_;
   std::vector<void*> close_requests_;
+  // Endpoints closing in order, while their flush runs (CloseEndpoint).
+  struct FlushingClose {
+    UcxWorker* worker;
+    ucp_ep_h ep;
+    std::shared_ptr<const void> keep;
+    void* request = nullptr;  // the flush
+    ucs_status_t status = UCS_INPROGRESS;  // the flush's, once it ended
+    bool forced = false;  // force-closed by Stop before the flush ended
+  };
+  std::vector<std::unique_ptr<FlushingClose>> flushing_closes_;
+  // Progress thread, outside UCX callbacks: `close`'s flush ended.
+  void EndFlushingClose(FlushingClose* close);
   // AtDestroy's hooks; after the thread has ended, Stop's.
   struct DestroyHook {
     std::weak_ptr<const void> owner;
