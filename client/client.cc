@@ -1077,8 +1077,9 @@ absl::StatusOr<Client::UcxTarget> Client::PrepareUcx(
 absl::Duration Client::DaemonTransferTimeout() const {
   // Well inside this client's own wait (an RPC's deadline, or
   // UcxRequestTimeout): a daemon copying into an AllocateBuffer buffer
-  // itself starts no copy after it, and one in progress then ends before
-  // this client stops waiting and hands the buffer back to its caller.
+  // itself starts no copy after it (counted from when the request was made:
+  // CopyDeadlineUnixUs), and one in progress then ends before this client
+  // stops waiting and hands the buffer back to its caller.
   const absl::Duration half = options_.rpc_timeout / 2;
   // Zero (or less): no limit of its own; the daemon's applies, within half.
   return options_.transfer_timeout <= absl::ZeroDuration()
@@ -1091,6 +1092,10 @@ absl::Duration Client::UcxRequestTimeout() const {
   // cannot send (its endpoint to this client failed, the session ended
   // meanwhile) is not worth waiting a whole rpc_timeout for.
   return std::min(options_.rpc_timeout, DaemonTransferTimeout() + absl::Seconds(5));
+}
+
+int64_t Client::CopyDeadlineUnixUs() const {
+  return absl::ToUnixMicros(absl::Now() + DaemonTransferTimeout());
 }
 
 uint32_t Client::TransferTimeoutMs() const {
@@ -1146,6 +1151,7 @@ TransferOp Client::GetIntoAsync(absl::string_view ns,
   }
   req.set_prefix(prefix);
   req.set_timeout_ms(TransferTimeoutMs());
+  req.set_deadline_unix_us(CopyDeadlineUnixUs());
   std::vector<absl::Span<char>> out(dst.begin(), dst.end());
   const uint64_t session = target->session;
   TransferOp op(state);
@@ -1238,6 +1244,7 @@ TransferOp Client::PutFromAsync(absl::string_view ns,
     *spec->mutable_source() = std::move(target->ranges[i]);
   }
   req.set_timeout_ms(TransferTimeoutMs());
+  req.set_deadline_unix_us(CopyDeadlineUnixUs());
   const uint64_t session = target->session;
   TransferOp op(state);
   // No fence for a put that fails: the daemon only reads these buffers,

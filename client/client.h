@@ -354,6 +354,11 @@ class Client {
   absl::Duration DaemonTransferTimeout() const;
   // DaemonTransferTimeout in milliseconds (at least 1).
   uint32_t TransferTimeoutMs() const;
+  // Now + DaemonTransferTimeout, in microseconds since the Unix epoch: no
+  // copy a daemon on this host makes itself into or out of our buffers
+  // starts later (the request's deadline_unix_us), whenever the request
+  // reaches it.
+  int64_t CopyDeadlineUnixUs() const;
   // How long a request over UCX waits for its reply.
   absl::Duration UcxRequestTimeout() const;
   // EnsureSession's one try (open_mu_ held): the session, or 0 when the

@@ -659,6 +659,20 @@ absl::Time TransferDeadline(uint32_t timeout_ms, absl::Duration cap,
   return now + d;
 }
 
+// The last time a copy this daemon makes itself into or out of a co-located
+// client's memory may start: the transfer deadline, or the client's own
+// (deadline_unix_us, on this host's clock) when that comes first.
+absl::Time CopyDeadline(absl::Time transfer_deadline, int64_t deadline_unix_us) {
+  if (deadline_unix_us <= 0) return transfer_deadline;
+  return std::min(transfer_deadline, absl::FromUnixMicros(deadline_unix_us));
+}
+
+absl::Status CopyTooLate() {
+  return absl::DeadlineExceededError(
+      "the client's deadline for this copy passed before it started (the "
+      "request came late)");
+}
+
 }  // namespace
 
 void KvDepotService::SessionLost(SessionId session, const absl::Status& why) {
@@ -737,10 +751,12 @@ void KvDepotService::StartPushBlocks(const v1::PushBlocksRequest* req,
   if (!check.ok()) return finish(check);
   const absl::Time deadline =
       TransferDeadline(req->timeout_ms(), transfer_timeout_, absl::Now());
+  const absl::Time copy_deadline = CopyDeadline(deadline, req->deadline_unix_us());
   std::vector<absl::string_view> keys = Views(req->keys());
   store_.LookupAsync(
       req->session_id(), req->namespace_(), keys, req->prefix(), /*pin=*/true,
-      [this, req, resp, finish, deadline, over_ucx](absl::StatusOr<LookupResult> r) {
+      [this, req, resp, finish, deadline, copy_deadline,
+       over_ucx](absl::StatusOr<LookupResult> r) {
         if (!r.ok()) return finish(r.status());
         metrics_.RecordLookup(req->namespace_(), req->prefix(), *r);
         resp->set_prefix_hits(r->prefix_hits);
@@ -794,6 +810,7 @@ void KvDepotService::StartPushBlocks(const v1::PushBlocksRequest* req,
         // not read it all again to hash it.
         std::vector<bool> in_place(moves.size(), false);
         auto copy_here = [&](size_t m, char* client) {
+          if (absl::Now() >= copy_deadline) return CopyTooLate();
           in_place[m] = true;
           const BlockMove& mv = moves[m];
           const uint64_t want = resp->blocks(key_of_move[m]).checksum();
@@ -964,15 +981,17 @@ void KvDepotService::StartPullBlocks(const v1::PullBlocksRequest* req,
   std::vector<uint64_t> sums(req->blocks_size());
   for (int i = 0; i < req->blocks_size(); ++i) sums[i] = req->blocks(i).checksum();
   std::vector<bool> in_place(moves.size(), false);
+  const absl::Time deadline =
+      TransferDeadline(req->timeout_ms(), transfer_timeout_, absl::Now());
+  const absl::Time copy_deadline = CopyDeadline(deadline, req->deadline_unix_us());
   auto copy_here = [&](size_t k, char* client) {
+    if (absl::Now() >= copy_deadline) return CopyTooLate();
     in_place[k] = true;
     const uint64_t sum = hash[k]->CopyIn(client);
     const int b = block_of_move[k];
     if (req->blocks(b).daemon_checksum()) sums[b] = sum;
     return absl::OkStatus();  // a mismatch is CommitPut's to report
   };
-  const absl::Time deadline =
-      TransferDeadline(req->timeout_ms(), transfer_timeout_, absl::Now());
   absl::StatusOr<TransferHandle> h;
   if (with_data) {
     // The request's bytes, block after block: each into its slot, those of

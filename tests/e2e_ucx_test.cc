@@ -365,6 +365,78 @@ TEST_P(UcxE2eTest, GetIntoAndPutFromInThisProcess) {
   EXPECT_THAT(polled.statuses()[3], StatusIs(absl::StatusCode::kNotFound));
 }
 
+// A request that reaches the daemon after the client gave up on it (here
+// the daemon is stopped until then; a long queue does the same) copies
+// nothing into or out of the client's AllocateBuffer memory: the client
+// has handed that memory back to its caller, who may have written it
+// again. Such a put would otherwise store the caller's new bytes under the
+// old key, with their own (daemon-computed) checksum.
+TEST_P(UcxE2eTest, NoInPlaceCopyStartsAfterTheClientGaveUp) {
+  if (GetParam() != "shm") {
+    GTEST_SKIP() << "the daemon copies in place only into a co-located "
+                    "client's shared memory";
+  }
+  ClientOptions options;
+  options.server = daemon_->address();
+  options.lease = absl::Seconds(60);
+  options.ucx.clear();  // from the environment
+  options.transfer_timeout = absl::Milliseconds(200);
+  options.rpc_timeout = absl::Seconds(2);  // the client's wait
+  absl::StatusOr<std::unique_ptr<Client>> c = Client::Connect(options);
+  ASSERT_OK(c.status());
+  absl::StatusOr<absl::Span<char>> buf = (*c)->AllocateBuffer(3 * kBlock);
+  ASSERT_OK(buf.status());
+  ucx_test::FillPattern(buf->data(), kBlock, 5);
+  BlockToPut stored{"stored", "", absl::string_view(buf->data(), kBlock)};
+  TransferOp put = (*c)->PutFromAsync("gaveup", {&stored, 1});
+  put.Wait();
+  ASSERT_OK(put.statuses()[0]);
+  absl::string_view key = "stored";
+  absl::Span<char> dst = buf->subspan(kBlock, kBlock);
+  TransferOp get = (*c)->GetIntoAsync("gaveup", {&key, 1}, {&dst, 1});
+  get.Wait();
+  ASSERT_OK(get.statuses()[0]);
+  // Requests answered OK (per-block failures included), by method.
+  auto answered = [&](const char* op) {
+    return testing::MetricValue(
+        testing::ScrapeMetrics(*daemon_),
+        absl::StrCat("kvdepot_requests_total{code=\"OK\",op=\"", op, "\"}"));
+  };
+
+  // A get: the caller writes its buffer once the get has failed.
+  const double pushes = answered("PushBlocks");
+  std::memset(dst.data(), 'y', kBlock);
+  kill(daemon_->pid(), SIGSTOP);
+  TransferOp late_get = (*c)->GetIntoAsync("gaveup", {&key, 1}, {&dst, 1});
+  late_get.Wait();
+  kill(daemon_->pid(), SIGCONT);
+  EXPECT_FALSE(late_get.statuses()[0].ok());
+  EXPECT_TRUE(testing::PollUntil([&] { return answered("PushBlocks") == pushes + 1; }))
+      << "the late get was never answered";
+  EXPECT_EQ(std::count(dst.begin(), dst.end(), 'y'), static_cast<ptrdiff_t>(kBlock))
+      << "the daemon copied into the buffer after the client gave up";
+
+  // A put: the caller writes other bytes into its source once it failed.
+  const double pulls = answered("PullBlocks");
+  char* source = buf->data() + 2 * kBlock;
+  ucx_test::FillPattern(source, kBlock, 9);
+  BlockToPut late{"late", "", absl::string_view(source, kBlock)};
+  kill(daemon_->pid(), SIGSTOP);
+  TransferOp late_put = (*c)->PutFromAsync("gaveup", {&late, 1});
+  late_put.Wait();
+  std::memset(source, 'z', kBlock);
+  kill(daemon_->pid(), SIGCONT);
+  EXPECT_FALSE(late_put.statuses()[0].ok());
+  EXPECT_TRUE(testing::PollUntil([&] { return answered("PullBlocks") == pulls + 1; }))
+      << "the late put was never answered";
+  absl::string_view late_key = "late";
+  absl::StatusOr<LookupReply> found =
+      (*c)->Lookup("gaveup", {&late_key, 1}, false, false);
+  ASSERT_OK(found.status());
+  EXPECT_FALSE(found->entries[0].found)
+      << "the daemon stored what the caller wrote after the put failed";
+}
+
 TEST_P(UcxE2eTest, BuffersAllocatedByUcxWork) {
   // UCX-allocated memory: shared memory where UCX can, so the daemon copies
   // straight into it on this host.
