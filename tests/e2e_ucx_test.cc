@@ -365,27 +365,6 @@ TEST_P(UcxE2eTest, GetIntoAndPutFromInThisProcess) {
   EXPECT_THAT(polled.statuses()[3], StatusIs(absl::StatusCode::kNotFound));
 }
 
-// Stops process `pid` (SIGSTOP) and waits until every thread of it has
-// stopped: a request sent before then could still be served.
-bool Stopped(pid_t pid) {
-  kill(pid, SIGSTOP);
-  return testing::PollUntil([pid] {
-    const std::string dir = absl::StrCat("/proc/", pid, "/task");
-    for (const auto& task : std::filesystem::directory_iterator(dir)) {
-      std::ifstream stat(task.path() / "stat");
-      std::string line;
-      std::getline(stat, line);
-      // "tid (comm) S ...": the state follows the last ')'.
-      const size_t paren = line.rfind(')');
-      if (paren == std::string::npos || paren + 2 >= line.size() ||
-          line[paren + 2] != 'T') {
-        return false;
-      }
-    }
-    return true;
-  }, absl::Seconds(10), absl::Milliseconds(1));
-}
-
 // A request that reaches the daemon after the client gave up on it (here
 // the daemon is stopped until then; a long queue does the same) copies
 // nothing into or out of the client's AllocateBuffer memory: the client
@@ -427,7 +406,7 @@ TEST_P(UcxE2eTest, NoInPlaceCopyStartsAfterTheClientGaveUp) {
   // A get: the caller writes its buffer once the get has failed.
   const double pushes = answered("PushBlocks");
   std::memset(dst.data(), 'y', kBlock);
-  ASSERT_TRUE(Stopped(daemon_->pid()));
+  ASSERT_TRUE(ucx_test::StopProcess(daemon_->pid()));
   TransferOp late_get = (*c)->GetIntoAsync("gaveup", {&key, 1}, {&dst, 1});
   late_get.Wait();
   kill(daemon_->pid(), SIGCONT);
@@ -442,7 +421,7 @@ TEST_P(UcxE2eTest, NoInPlaceCopyStartsAfterTheClientGaveUp) {
   char* source = buf->data() + 2 * kBlock;
   ucx_test::FillPattern(source, kBlock, 9);
   BlockToPut late{"late", "", absl::string_view(source, kBlock)};
-  ASSERT_TRUE(Stopped(daemon_->pid()));
+  ASSERT_TRUE(ucx_test::StopProcess(daemon_->pid()));
   TransferOp late_put = (*c)->PutFromAsync("gaveup", {&late, 1});
   late_put.Wait();
   std::memset(source, 'z', kBlock);

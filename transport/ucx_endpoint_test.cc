@@ -677,42 +677,54 @@ TEST_P(UcxEndpointTest, AnOrderlyCloseAfterADeadlineWaitsForTheStalledPeer) {
 }
 
 // A worker stopped while an endpoint of its waits, closing in order, for a
-// peer that never reads again: Stop force-closes it and returns (UCX 1.13
-// aborted the process destroying a worker with such an endpoint).
+// peer that never reads again (a stopped process): Stop force-closes it and
+// returns (UCX 1.13 aborted the process destroying a worker with such an
+// endpoint). The peer is a process of its own, killed at the end (its UCX
+// could abort, not this one's, were it let go with nobody left to answer).
 TEST_P(UcxEndpointTest, AWorkerStopsWhileAnEndpointWaitsForAStalledPeer) {
   if (!ucx_test::PeerErrorHandling(GetParam())) {
     GTEST_SKIP() << "kOrderly needs peer error handling (not over shared memory)";
   }
+  ucx_test::PeerProcess peer(
+      KVDEPOT_UCX_TEST_PEER,
+      {"--transport", GetParam(), "--mode", "serve", "--seed", "3"});
+  const std::string line = peer.ReadLine();
+  std::vector<std::string> words = absl::StrSplit(line, ' ');
+  ASSERT_EQ(words.size(), 4u) << "peer said: " << line;
+  uint64_t base = 0;
+  ASSERT_TRUE(absl::SimpleAtoi(words[3], &base));
   UcxEndpointOptions options;
+  options.peer_error_handling = true;
   options.deadline_close = DeadlineClose::kOrderly;
-  std::unique_ptr<UcxEndpoint> endpoint = Connect(std::move(options));
-  ASSERT_NE(endpoint, nullptr);
-  auto id = endpoint->AddRemoteRegion(Remote());
+  auto connected = UcxEndpoint::Connect(
+      *client_worker_, absl::HexStringToBytes(words[1]), std::move(options));
+  ASSERT_TRUE(connected.ok()) << connected.status();
+  std::unique_ptr<UcxEndpoint> endpoint = *std::move(connected);
+  auto id = endpoint->AddRemoteRegion(
+      RemoteRegion{absl::HexStringToBytes(words[2]), base, 1 << 20});
   ASSERT_TRUE(id.ok()) << id.status();
-  // The peer stalls, and never reads again: once let go it is fenced (its
-  // UCX 1.13 aborts when it takes puts whose acknowledgements cannot reach
-  // a sender that has gone).
-  absl::Notification stuck, server_go, fenced;
-  ASSERT_TRUE(server_worker_
-                  ->Submit([&] {
-                    stuck.Notify();
-                    server_go.WaitForNotification();
-                    server_worker_->Fence([&] { fenced.Notify(); });
-                  })
-                  .ok());
-  stuck.WaitForNotification();
-  std::vector<char> source(kRegionSize, 'x');
-  auto source_region = RegisterLocal(source);
-  std::vector<Transfer> puts = PutsOverTheRegion(source, source_region.get());
-  for (Transfer& t : puts) t.region = *id;
-  TransferHandle put = endpoint->Put(puts, absl::Now() + absl::Milliseconds(200));
-  ASSERT_TRUE(put.WaitUntil(absl::Now() + absl::Seconds(10)));
-  EXPECT_FALSE(put.overall_status().ok());
+  // Gets of the peer's region: the requests stay open while it is stopped.
+  std::vector<char> sink(1 << 20);
+  auto sink_region = RegisterLocal(sink);
+  std::vector<Transfer> gets;
+  for (size_t b = 0; b < sink.size() / kBlock; ++b) {
+    gets.push_back({*id, base + b * kBlock, sink.data() + b * kBlock, kBlock,
+                    sink_region.get()});
+  }
+  // One get while the peer runs: the connection is up.
+  TransferHandle first = endpoint->Get({gets.front()}, Soon());
+  first.Wait();
+  ASSERT_TRUE(first.overall_status().ok()) << first.overall_status();
+
+  ASSERT_TRUE(ucx_test::StopProcess(peer.pid()));
+  TransferHandle get = endpoint->Get(gets, absl::Now() + absl::Milliseconds(200));
+  ASSERT_TRUE(get.WaitUntil(absl::Now() + absl::Seconds(10)));
+  EXPECT_FALSE(get.overall_status().ok());
   endpoint.reset();  // its UCP endpoint lives on, flushing
   client_worker_->Stop();
   EXPECT_TRUE(client_worker_->finished());
-  server_go.Notify();
-  fenced.WaitForNotification();
+  peer.Kill();
+  peer.Wait();
 }
 
 TEST_P(UcxEndpointTest, AFencedWorkerTakesNoMoreWrites) {

@@ -4,6 +4,7 @@
 #define KVDEPOT_TRANSPORT_UCX_TEST_UTIL_H_
 
 #include <signal.h>
+#include <sys/prctl.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -12,12 +13,16 @@
 #include <cstdint>
 #include <cstdio>
 #include <cstring>
+#include <filesystem>
+#include <fstream>
 #include <map>
 #include <string>
 #include <vector>
 
 #include "absl/status/status.h"
 #include "absl/strings/escaping.h"
+#include "absl/strings/str_cat.h"
+#include "absl/time/clock.h"
 #include "transport/internal/rkey_check.h"
 #include "transport/ucx_context.h"
 #include "transport/ucx_worker.h"
@@ -56,6 +61,34 @@ inline bool PeerErrorHandling(const std::string& transport) {
 
 // A deterministic byte pattern: the 8 bytes at offset 8*i of a buffer
 // filled with `seed` are SplitMix64(seed + i).
+// Stops process `pid` (SIGSTOP) and waits, up to 10 s, until every thread
+// of it has stopped: a request sent to it before then could still be
+// served. False when it did not stop in time.
+inline bool StopProcess(pid_t pid) {
+  kill(pid, SIGSTOP);
+  auto stopped = [pid] {
+    const std::string dir = absl::StrCat("/proc/", pid, "/task");
+    std::error_code ec;
+    for (const auto& task : std::filesystem::directory_iterator(dir, ec)) {
+      std::ifstream stat(task.path() / "stat");
+      std::string line;
+      std::getline(stat, line);
+      // "tid (comm) S ...": the state follows the last ')'.
+      const size_t paren = line.rfind(')');
+      if (paren == std::string::npos || paren + 2 >= line.size() ||
+          line[paren + 2] != 'T') {
+        return false;
+      }
+    }
+    return !ec;
+  };
+  for (const absl::Time end = absl::Now() + absl::Seconds(10);;
+       absl::SleepFor(absl::Milliseconds(1))) {
+    if (stopped()) return true;
+    if (absl::Now() >= end) return false;
+  }
+}
+
 inline uint64_t SplitMix64(uint64_t x) {
   x += 0x9e3779b97f4a7c15ULL;
   x = (x ^ (x >> 30)) * 0xbf58476d1ce4e5b9ULL;
@@ -95,6 +128,9 @@ class PeerProcess {
     argv.push_back(nullptr);
     pid_ = fork();
     if (pid_ == 0) {
+      // Killed with this process, even when stopped (a test that crashed
+      // must not leave a stopped peer holding its output open).
+      prctl(PR_SET_PDEATHSIG, SIGKILL);
       dup2(in[0], 0);
       dup2(out[1], 1);
       close(in[0]);
