@@ -290,11 +290,6 @@ bool DataPlane::attached(SessionId session) const {
   return Find(session) != nullptr;
 }
 
-bool DataPlane::colocated(SessionId session) const {
-  std::shared_ptr<Link> link = Find(session);
-  return link != nullptr && link->colocated;
-}
-
 size_t DataPlane::sessions() const {
   absl::MutexLock lock(&mu_);
   return links_.size();

@@ -147,10 +147,6 @@ class DataPlane {
   // Detaches every session for which `ended` returns true (expired leases).
   void DetachIf(absl::FunctionRef<bool(SessionId)> ended);
   bool attached(SessionId session) const;
-  // Whether `session`'s client is served as co-located (shared memory, no
-  // UCX peer error handling: a transfer to it can be abandoned, UCX
-  // holding its requests until the session's worker goes).
-  bool colocated(SessionId session) const;
   size_t sessions() const;
 
   // Unpacks a client buffer's rkey for the session's endpoint. Returns the

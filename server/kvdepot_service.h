@@ -194,7 +194,8 @@ class KvDepotService final
     uint64_t bytes = 0;
   };
   // `op`'s batch `h` was abandoned (UCX still holds requests of it: a
-  // co-located client that stopped answering): runs `release` (which frees
+  // co-located client that stopped answering, or a remote one whose
+  // endpoint closes in order after a deadline): runs `release` (which frees
   // the DRAM those requests read or write: a pull's slots, a push's pin)
   // only once UCX has ended them, whatever becomes of the request and the
   // session, so that a late answer lands in no other block and no other

@@ -154,6 +154,24 @@ class UcxEndpointTest : public ::testing::TestWithParam<std::string> {
 
   static absl::Time Soon() { return absl::Now() + absl::Seconds(10); }
 
+  // Connects an endpoint on client_worker_, with `options`, to `peer` (a
+  // ucx_test_peer --mode serve): sets *endpoint, and the packed key and
+  // address of the peer's region.
+  void ConnectToServingPeer(ucx_test::PeerProcess& peer,
+                            UcxEndpointOptions options,
+                            std::unique_ptr<UcxEndpoint>* endpoint,
+                            std::string* rkey, uint64_t* base) {
+    const std::string line = peer.ReadLine();
+    std::vector<std::string> words = absl::StrSplit(line, ' ');
+    ASSERT_EQ(words.size(), 4u) << "peer said: " << line;
+    ASSERT_TRUE(absl::SimpleAtoi(words[3], base)) << line;
+    auto connected = UcxEndpoint::Connect(
+        *client_worker_, absl::HexStringToBytes(words[1]), std::move(options));
+    ASSERT_TRUE(connected.ok()) << connected.status();
+    *endpoint = *std::move(connected);
+    *rkey = absl::HexStringToBytes(words[2]);
+  }
+
   // Puts of `source` (kRegionSize bytes, registered as `source_region`)
   // over the whole region, one per block.
   std::vector<Transfer> PutsOverTheRegion(std::vector<char>& source,
@@ -688,20 +706,15 @@ TEST_P(UcxEndpointTest, AWorkerStopsWhileAnEndpointWaitsForAStalledPeer) {
   ucx_test::PeerProcess peer(
       KVDEPOT_UCX_TEST_PEER,
       {"--transport", GetParam(), "--mode", "serve", "--seed", "3"});
-  const std::string line = peer.ReadLine();
-  std::vector<std::string> words = absl::StrSplit(line, ' ');
-  ASSERT_EQ(words.size(), 4u) << "peer said: " << line;
-  uint64_t base = 0;
-  ASSERT_TRUE(absl::SimpleAtoi(words[3], &base));
   UcxEndpointOptions options;
   options.peer_error_handling = true;
   options.deadline_close = DeadlineClose::kOrderly;
-  auto connected = UcxEndpoint::Connect(
-      *client_worker_, absl::HexStringToBytes(words[1]), std::move(options));
-  ASSERT_TRUE(connected.ok()) << connected.status();
-  std::unique_ptr<UcxEndpoint> endpoint = *std::move(connected);
-  auto id = endpoint->AddRemoteRegion(
-      RemoteRegion{absl::HexStringToBytes(words[2]), base, 1 << 20});
+  std::unique_ptr<UcxEndpoint> endpoint;
+  std::string rkey;
+  uint64_t base = 0;
+  ASSERT_NO_FATAL_FAILURE(
+      ConnectToServingPeer(peer, std::move(options), &endpoint, &rkey, &base));
+  auto id = endpoint->AddRemoteRegion(RemoteRegion{rkey, base, 1 << 20});
   ASSERT_TRUE(id.ok()) << id.status();
   // Gets of the peer's region: the requests stay open while it is stopped.
   std::vector<char> sink(1 << 20);
@@ -774,20 +787,15 @@ TEST_P(UcxEndpointTest, ServerThatDiesUnderAGetEndsTheBatch) {
   ucx_test::PeerProcess server(
       KVDEPOT_UCX_TEST_PEER,
       {"--transport", GetParam(), "--mode", "serve", "--seed", "3"});
-  const std::string line = server.ReadLine();
-  std::vector<std::string> words = absl::StrSplit(line, ' ');
-  ASSERT_EQ(words.size(), 4u) << "server said: " << line;
   UcxEndpointOptions options;
   options.peer_error_handling = ucx_test::PeerErrorHandling(GetParam());
-  auto connected = UcxEndpoint::Connect(
-      *client_worker_, absl::HexStringToBytes(words[1]), std::move(options));
-  ASSERT_TRUE(connected.ok()) << connected.status();
-  std::unique_ptr<UcxEndpoint> endpoint = *std::move(connected);
+  std::unique_ptr<UcxEndpoint> endpoint;
+  std::string rkey;
   uint64_t base = 0;
-  ASSERT_TRUE(absl::SimpleAtoi(words[3], &base));
-  auto id = endpoint->AddRemoteRegion(RemoteRegion{
-      absl::HexStringToBytes(words[2]), 0,
-      std::numeric_limits<uint64_t>::max()});
+  ASSERT_NO_FATAL_FAILURE(
+      ConnectToServingPeer(server, std::move(options), &endpoint, &rkey, &base));
+  auto id = endpoint->AddRemoteRegion(
+      RemoteRegion{rkey, 0, std::numeric_limits<uint64_t>::max()});
   ASSERT_TRUE(id.ok()) << id.status();
   std::vector<char> sink(kBlock);
   // A good read first: the connection is up, the bytes are right.
