@@ -58,6 +58,8 @@ namespace {
 // daemon when a client destroyed a worker just after the daemon dropped
 // its endpoint to it (UcxWorker::Fence); seconds later it did not.
 constexpr absl::Duration kRetiredLinkGrace = absl::Seconds(30);
+// Pins whose session Client::Unpin remembers (see pin_sessions_).
+constexpr size_t kMaxRememberedPins = 1 << 16;
 constexpr size_t kMaxRetiredLinks = 16;
 }  // namespace
 
@@ -455,6 +457,9 @@ absl::Status Client::CloseSession() {
   {
     absl::MutexLock lock(&mu_);
     id = std::exchange(session_id_, 0);
+    // The daemon releases the session's pins with it.
+    absl::erase_if(pin_sessions_,
+                   [&](const auto& entry) { return entry.second == id; });
   }
   if (id == 0) return absl::OkStatus();
   DisconnectRequests(id);
@@ -526,6 +531,7 @@ absl::StatusOr<LookupReply> Client::Lookup(absl::string_view ns,
       continue;
     }
     RETURN_IF_ERROR(FromGrpcStatus(st));
+    if (resp.pin_id() != 0) RememberPin(resp.pin_id(), sid);
     break;
   }
   LookupReply out;
@@ -538,17 +544,35 @@ absl::StatusOr<LookupReply> Client::Lookup(absl::string_view ns,
   return out;
 }
 
+void Client::RememberPin(uint64_t pin_id, uint64_t session) {
+  absl::MutexLock lock(&mu_);
+  if (pin_sessions_.size() >= kMaxRememberedPins) {
+    absl::erase_if(pin_sessions_, [&](const auto& entry) {
+      return entry.second != session_id_;
+    });
+  }
+  if (pin_sessions_.size() < kMaxRememberedPins) pin_sessions_[pin_id] = session;
+}
+
 absl::Status Client::Unpin(uint64_t pin_id) {
   v1::UnpinRequest req;
   {
     absl::MutexLock lock(&mu_);
-    req.set_session_id(session_id_);
+    auto it = pin_sessions_.find(pin_id);
+    req.set_session_id(it != pin_sessions_.end() ? it->second : session_id_);
   }
   req.set_pin_id(pin_id);
   grpc::ClientContext ctx;
   PrepareContext(&ctx);
   v1::UnpinResponse resp;
-  return FromGrpcStatus(stub_->Unpin(&ctx, req, &resp));
+  absl::Status st = FromGrpcStatus(stub_->Unpin(&ctx, req, &resp));
+  // Released, or gone with its session: forget it. Kept for a retry after
+  // any other error (the daemon unreachable).
+  if (st.ok() || absl::IsNotFound(st) || absl::IsInvalidArgument(st)) {
+    absl::MutexLock lock(&mu_);
+    pin_sessions_.erase(pin_id);
+  }
+  return st;
 }
 
 namespace {

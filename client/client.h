@@ -33,6 +33,7 @@
 #include <vector>
 
 #include "absl/base/thread_annotations.h"
+#include "absl/container/flat_hash_map.h"
 #include "absl/functional/any_invocable.h"
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
@@ -198,6 +199,9 @@ class Client {
   absl::StatusOr<LookupReply> Lookup(absl::string_view ns,
                                      absl::Span<const absl::string_view> keys,
                                      bool prefix, bool pin);
+  // Releases a pin in the session it was taken in, which need not be the
+  // current one: a failed get replaces the session (its worker is fenced)
+  // while the daemon keeps the old one, and its pins, until it ends.
   absl::Status Unpin(uint64_t pin_id);
 
   // Stores blocks (put-if-absent): over UCX (PutFromAsync) when every
@@ -334,6 +338,7 @@ class Client {
   // The daemon no longer knows `session` (or its endpoint): forget it so
   // that the next call opens a new one.
   void DropSession(uint64_t session);
+  void RememberPin(uint64_t pin_id, uint64_t session);
   // Ends the requests over UCX of `session` (pending ones: Unavailable).
   void DisconnectRequests(uint64_t session);
 
@@ -381,6 +386,11 @@ class Client {
   absl::Mutex open_mu_ ABSL_ACQUIRED_BEFORE(mu_);
   absl::Mutex mu_;
   uint64_t session_id_ ABSL_GUARDED_BY(mu_) = 0;
+  // The session each pin of Lookup was taken in, until its Unpin (pin ids
+  // are unique in a daemon). At most kMaxRememberedPins: past that, the
+  // pins of sessions other than the current one are forgotten (their
+  // Unpin then names the current session, as an unknown pin does).
+  absl::flat_hash_map<uint64_t, uint64_t> pin_sessions_ ABSL_GUARDED_BY(mu_);
   absl::Duration lease_ ABSL_GUARDED_BY(mu_) = absl::Seconds(30);
   bool stop_ ABSL_GUARDED_BY(mu_) = false;
   // The keep-alive RPC in flight, cancelled by the destructor.

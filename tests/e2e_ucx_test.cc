@@ -437,6 +437,54 @@ TEST_P(UcxE2eTest, NoInPlaceCopyStartsAfterTheClientGaveUp) {
       << "the daemon stored what the caller wrote after the put failed";
 }
 
+TEST_P(UcxE2eTest, APinIsReleasedInItsOwnSessionAfterTheClientMovedOn) {
+  // A get that fails on its way makes the client fence its worker and
+  // leave that session for a new one, while the daemon keeps the old
+  // session, and the pins taken in it, until it ends. Unpin must still
+  // release such a pin: it names the pin's session, not the current one.
+  ClientOptions options;
+  options.server = daemon_->address();
+  options.lease = absl::Seconds(60);
+  options.ucx.clear();  // from the environment
+  options.transfer_timeout = absl::Milliseconds(200);
+  options.rpc_timeout = absl::Seconds(2);  // the client's wait
+  absl::StatusOr<std::unique_ptr<Client>> c = Client::Connect(options);
+  ASSERT_OK(c.status());
+  // Registered, not UCX-allocated: the daemon's UCX writes into it, so a
+  // failed get may land late and the client moves to a new session.
+  std::vector<char> buf(2 * kBlock);
+  ASSERT_OK((*c)->RegisterBuffer(buf.data(), buf.size()));
+  ucx_test::FillPattern(buf.data(), kBlock, 3);
+  BlockToPut block{"kept", "", absl::string_view(buf.data(), kBlock)};
+  TransferOp put = (*c)->PutFromAsync("movedon", {&block, 1});
+  put.Wait();
+  ASSERT_OK(put.statuses()[0]);
+  absl::string_view key = "kept";
+  absl::StatusOr<LookupReply> pinned = (*c)->Lookup("movedon", {&key, 1}, false, true);
+  ASSERT_OK(pinned.status());
+  ASSERT_NE(pinned->pin_id, 0u);
+
+  // The daemon stalls past the client's wait for a get (of a block it does
+  // not have: no transfer, so nothing ends the daemon's session).
+  absl::string_view absent = "absent";
+  absl::Span<char> dst(buf.data() + kBlock, kBlock);
+  ASSERT_TRUE(ucx_test::StopProcess(daemon_->pid()));
+  TransferOp get = (*c)->GetIntoAsync("movedon", {&absent, 1}, {&dst, 1});
+  get.Wait();
+  kill(daemon_->pid(), SIGCONT);
+  ASSERT_FALSE(get.statuses()[0].ok());
+
+  absl::StatusOr<v1::EvictResponse> kept = (*c)->Evict("movedon", {&key, 1}, false);
+  ASSERT_OK(kept.status());
+  ASSERT_EQ(kept->pinned_blocks(), 1u) << "the old session's pin is gone already";
+  EXPECT_OK((*c)->Unpin(pinned->pin_id));
+  absl::StatusOr<v1::EvictResponse> evicted = (*c)->Evict("movedon", {&key, 1}, false);
+  ASSERT_OK(evicted.status());
+  EXPECT_EQ(evicted->evicted_blocks(), 1u) << "the block is still pinned";
+  // The client works on, in a new session.
+  ASSERT_OK((*c)->Lookup("movedon", {&key, 1}, false, true).status());
+}
+
 TEST_P(UcxE2eTest, BuffersAllocatedByUcxWork) {
   // UCX-allocated memory: shared memory where UCX can, so the daemon copies
   // straight into it on this host.
