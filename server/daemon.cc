@@ -252,6 +252,12 @@ void Daemon::Shutdown() {
         absl::SleepFor(absl::Milliseconds(5));
       }
     }
+    // Nothing is in flight any more: sessions still open end here, so that
+    // the blocks their pins kept in DRAM (and those blocks' ancestors) are
+    // saved below too; their open reservations were never committed.
+    if (int ended = store_->EndAllSessions(); ended > 0) {
+      log_->info("ended {} session(s) still open", ended);
+    }
     if (config_.persist_on_shutdown && config_.store.nvme_capacity > 0) {
       absl::StatusOr<uint64_t> n = store_->PersistDram();
       if (n.ok()) {

@@ -229,6 +229,15 @@ class TieredStoreImpl final : public TieredStore {
     return static_cast<int>(expired.size());
   }
 
+  int EndAllSessions() override {
+    absl::MutexLock lock(&mu_);
+    std::vector<SessionId> open;
+    open.reserve(sessions_.size());
+    for (const auto& [id, s] : sessions_) open.push_back(id);
+    for (SessionId id : open) EndSession(id);
+    return static_cast<int>(open.size());
+  }
+
   bool HasSession(SessionId session) override {
     absl::MutexLock lock(&mu_);
     return sessions_.contains(session);

@@ -228,6 +228,10 @@ class TieredStore {
   // Ends every session whose lease has run out (called periodically).
   // Returns how many ended.
   virtual int ExpireSessions() = 0;
+  // Ends every open session, as CloseSession does (for a shutdown, once no
+  // request is in flight: PersistDram then saves the blocks their pins
+  // kept). Returns how many ended.
+  virtual int EndAllSessions() = 0;
   // True while `session` is open (not closed, not expired and ended).
   virtual bool HasSession(SessionId session) = 0;
 
@@ -327,7 +331,7 @@ class TieredStore {
   // ones may still commit.
   virtual void SetDraining(bool draining) = 0;
   // Writes every unpinned DRAM block to the NVMe tier and flushes it (for a
-  // clean shutdown: a restarted store serves them). Returns how many were
+  // clean shutdown, after EndAllSessions: a restarted store serves them). Returns how many were
   // written; FailedPrecondition when there is no NVMe tier.
   virtual absl::StatusOr<uint64_t> PersistDram() = 0;
 

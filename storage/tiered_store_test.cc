@@ -439,6 +439,35 @@ TEST_F(TieredStoreTest, PinsAndReservationsOfAnEndedSessionAreNotFound) {
 
 // A pin handed over to kInternalSession no longer counts against its
 // session, outlives it, and is released with kInternalSession.
+TEST_F(TieredStoreTest, EndAllSessionsReleasesEveryClientsPinsAndReservations) {
+  ASSERT_OK(Put("a", "1"));
+  ASSERT_OK(Put("b", "2"));
+  absl::string_view a = "a", b = "b";
+  auto other = store_->OpenSession(absl::Seconds(30), "other");
+  ASSERT_OK(other);
+  ASSERT_OK(store_->Lookup(sid_, "ns", {&a, 1}, false, true));
+  ASSERT_OK(store_->Lookup(other->id, "ns", {&b, 1}, false, true));
+  PutSpec spec{"pending", "", 1000};
+  ASSERT_OK(store_->BeginPut(other->id, "ns", {&spec, 1}));
+  // A pin handed over to the store is not a session's: it stays.
+  auto held = store_->Lookup(sid_, "ns", {&b, 1}, false, true);
+  ASSERT_OK(held);
+  ASSERT_OK(store_->HandOverPin(sid_, held->pin_id));
+
+  EXPECT_EQ(store_->EndAllSessions(), 2);
+  StoreStats st = store_->Stats();
+  EXPECT_EQ(st.sessions, 0u);
+  EXPECT_EQ(st.pins, 1u);
+  EXPECT_EQ(st.reservations, 0u);
+  EXPECT_FALSE(store_->HasSession(sid_));
+  EXPECT_FALSE(store_->HasSession(other->id));
+  EXPECT_EQ(store_->EndAllSessions(), 0);
+  auto ev = store_->Evict("ns", {}, true);
+  ASSERT_OK(ev);
+  EXPECT_EQ(ev->evicted_blocks, 1u);  // "a"; "b" is held by the store
+  EXPECT_EQ(ev->pinned_blocks, 1u);
+}
+
 TEST_F(TieredStoreTest, AHandedOverPinOutlivesItsSession) {
   ASSERT_OK(Put("a", "1"));
   absl::string_view a = "a";

@@ -373,15 +373,20 @@ TEST(LifecycleTest, RestartServesWhatWasPersistedToNvme) {
   ASSERT_OK(d);
   const std::string data_dir = (*d)->data_dir();
   std::vector<std::string> keys, blocks;
-  {
-    auto client = Connect((*d)->address());
-    for (int i = 0; i < 20; ++i) {
-      keys.push_back("warm-" + std::to_string(i));
-      blocks.push_back(std::string(100000 + i, static_cast<char>('A' + i)));
-      BlockToPut b{keys.back(), i ? absl::string_view(keys[i - 1]) : "", blocks.back()};
-      ASSERT_OK(client->Put("ns", {&b, 1}));
-    }
+  auto pinning = Connect((*d)->address());
+  for (int i = 0; i < 20; ++i) {
+    keys.push_back("warm-" + std::to_string(i));
+    blocks.push_back(std::string(100000 + i, static_cast<char>('A' + i)));
+    BlockToPut b{keys.back(), i ? absl::string_view(keys[i - 1]) : "", blocks.back()};
+    ASSERT_OK(pinning->Put("ns", {&b, 1}));
   }
+  // A client still holds a pin on the first half of the chain at SIGTERM
+  // (an engine using that prefix): those blocks, and so their ancestors,
+  // must be saved as well.
+  std::vector<absl::string_view> first_half(keys.begin(), keys.begin() + 10);
+  auto pinned = pinning->Lookup("ns", first_half, /*prefix=*/true, /*pin=*/true);
+  ASSERT_OK(pinned);
+  ASSERT_EQ(pinned->prefix_hits, 10u);
   auto rc = (*d)->Stop(SIGTERM);
   ASSERT_OK(rc);
   ASSERT_EQ(*rc, 0);
