@@ -7,6 +7,7 @@
 #include <spdlog/spdlog.h>
 
 #include <exception>
+#include <filesystem>
 #include <optional>
 #include <utility>
 
@@ -16,6 +17,7 @@
 #include "storage/rocksdb_crc32c.h"
 #include "storage/status_macros.h"
 #include "transport/net_devices.h"
+#include "transport/ucx_address_sandbox.h"
 
 namespace kvdepot {
 namespace {
@@ -24,6 +26,14 @@ namespace {
 std::string HostOf(const std::string& addr) {
   size_t colon = addr.rfind(':');
   return colon == std::string::npos ? addr : addr.substr(0, colon);
+}
+
+// This executable, which runs the UCX address sandbox when started with
+// kUcxAddressSandboxFlag (main.cc); "" when /proc cannot say.
+std::string SelfExecutable() {
+  std::error_code error;
+  std::filesystem::path self = std::filesystem::read_symlink("/proc/self/exe", error);
+  return error ? std::string() : self.string();
 }
 
 }  // namespace
@@ -81,6 +91,7 @@ absl::Status Daemon::Init() {
     data_plane_options.workers = config_.ucx_workers;
     data_plane_options.request_workers = config_.ucx_workers;
     data_plane_options.max_colocated_workers = config_.ucx_colocated_workers;
+    data_plane_options.address_sandbox = SelfExecutable();
     absl::StatusOr<std::unique_ptr<DataPlane>> data_plane = DataPlane::Create(
         data_plane_options, store_->dram_region(),
         [this](SessionId session, const absl::Status& why) {

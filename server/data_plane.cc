@@ -52,6 +52,13 @@ absl::StatusOr<std::unique_ptr<DataPlane>> DataPlane::Create(
   context_options.config = options.ucx;
   context_options.name = "kvdepotd";
   ASSIGN_OR_RETURN(d->context_, UcxContext::Create(context_options));
+  if (!options.address_sandbox.empty()) {
+    d->sandbox_ = std::make_unique<UcxAddressSandbox>(
+        UcxAddressSandboxArgs(options.address_sandbox, options.ucx));
+    // Now, so that the first session does not wait for it; a failure here
+    // is told by the first Check.
+    d->sandbox_->Start().IgnoreError();
+  }
   ASSIGN_OR_RETURN(d->arena_, d->context_->Register(arena.base, arena.size));
   for (int i = 0; i < options.workers; ++i) {
     UcxWorkerOptions worker_options;
@@ -206,6 +213,19 @@ absl::Status DataPlane::Attach(SessionId session, std::string_view address,
     if (!no_worker.empty()) {
       log_->warn("session {}: {}; serving it over TCP", session, no_worker);
       colocated = false;
+    }
+  }
+  if (sandbox_ != nullptr) {
+    // The endpoints made to it below: the session's (without peer error
+    // handling for a co-located client), the monitor's and the request
+    // link (with).
+    absl::Status checked = sandbox_->Check(address, /*peer_error_handling=*/true);
+    if (checked.ok() && colocated) {
+      checked = sandbox_->Check(address, /*peer_error_handling=*/false);
+    }
+    if (!checked.ok()) {
+      Retire(std::move(link));  // its own worker stops off this thread
+      return checked;
     }
   }
   UcxEndpointOptions endpoint_options;

@@ -52,6 +52,7 @@
 #include "transport/peer_monitor.h"
 #include "transport/request_message.h"
 #include "transport/transfer_handle.h"
+#include "transport/ucx_address_sandbox.h"
 #include "transport/ucx_context.h"
 #include "transport/ucx_endpoint.h"
 #include "transport/ucx_worker.h"
@@ -88,6 +89,11 @@ struct DataPlaneOptions {
   // RequestAddress); further clients wire up their request connections
   // themselves.
   size_t max_request_links = 4096;
+  // The executable of the UCX address sandbox (kvdepotd itself; see
+  // transport/ucx_address_sandbox.h): Attach has it try a client's worker
+  // address, with these UCX settings, before any endpoint here is made to
+  // it. Empty: addresses go to UCX unchecked (tests that make their own).
+  std::string address_sandbox;
 };
 
 // One block's bytes in the arena and the place in the client's buffer
@@ -339,6 +345,7 @@ class DataPlane {
   // the monitor before the workers, the workers before the arena region and
   // the context.
   std::unique_ptr<UcxContext> context_;
+  std::unique_ptr<UcxAddressSandbox> sandbox_;  // null: none
   std::unique_ptr<MemoryRegion> arena_;
   std::vector<std::unique_ptr<UcxWorker>> workers_;
   // Receive requests (ServeRequests); their only endpoints are

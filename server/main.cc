@@ -12,12 +12,16 @@
 #include <CLI/CLI.hpp>
 #include <cstdio>
 #include <optional>
+#include <string>
+#include <string_view>
+#include <vector>
 
 #include "server/config.h"
 #include "server/logging.h"
 #include "server/daemon.h"
 #include "server/version.h"
 #include "storage/process_tuning.h"
+#include "transport/ucx_address_sandbox.h"
 
 namespace {
 
@@ -29,6 +33,10 @@ int Fail(int code, const std::string& msg) {
 }  // namespace
 
 int main(int argc, char** argv) {
+  if (argc > 1 && std::string_view(argv[1]) == kvdepot::kUcxAddressSandboxFlag) {
+    // Started by kvdepotd itself (transport/ucx_address_sandbox.h).
+    return kvdepot::RunUcxAddressSandbox(std::vector<std::string>(argv + 2, argv + argc));
+  }
   using kvdepot::DaemonConfig;
   kvdepot::TuneProcessForBlockIo();
   CLI::App app{"kvdepotd: KV-cache block store daemon for LLM inference"};

@@ -1717,6 +1717,68 @@ TEST_P(UcxE2eTest, PlacesOutsideTheSessionsBuffersAreRejected) {
 // Remote keys that UCX 1.13 would crash the daemon on (truncated, naming a
 // segment that is gone) or that describe more memory than their segment
 // are refused by RegisterBuffer; the daemon stays up and serves the session.
+TEST_P(UcxE2eTest, MalformedWorkerAddressesAreRefusedAndTheDaemonStaysUp) {
+  // OpenSession hands the client's worker address to UCX, which unpacks it
+  // without a length: every truncation of a real one, and byte flips
+  // across it. Without the sandbox (transport/ucx_address_sandbox.h) the
+  // daemon died at a truncation to 47 bytes over TCP, 66 with shared memory.
+  UcxContextOptions options;
+  options.config = ucx_test::TransportConfig(GetParam());
+  absl::StatusOr<std::unique_ptr<UcxContext>> context = UcxContext::Create(options);
+  ASSERT_OK(context.status());
+  absl::StatusOr<std::unique_ptr<UcxWorker>> worker = UcxWorker::Create(**context);
+  ASSERT_OK(worker.status());
+  const std::string address = (*worker)->address();
+  // OpenSession with `a` as the client's worker address, from this host.
+  auto open = [&](const std::string& a) {
+    grpc::ClientContext ctx;
+    ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(60));
+    v1::OpenSessionRequest req;
+    req.set_ucx_worker_address(a);
+    req.set_host_id(LocalHostId());
+    v1::OpenSessionResponse resp;
+    grpc::Status st = client_->stub().OpenSession(&ctx, req, &resp);
+    if (st.ok()) {  // UCX took it: the session is closed again
+      grpc::ClientContext close_ctx;
+      v1::CloseSessionRequest close;
+      close.set_session_id(resp.session_id());
+      v1::CloseSessionResponse closed;
+      client_->stub().CloseSession(&close_ctx, close, &closed);
+    }
+    return st;
+  };
+  int refused = 0;
+  auto try_address = [&](const std::string& a, const std::string& what) {
+    grpc::Status st = open(a);
+    if (!st.ok()) {
+      ++refused;
+      // Refused as malformed, or (an address UCX takes, cut to one that
+      // names fewer transports) not reachable: the client uses gRPC.
+      EXPECT_THAT(st.error_code(),
+                  ::testing::AnyOf(grpc::StatusCode::INVALID_ARGUMENT,
+                                 grpc::StatusCode::UNAVAILABLE,
+                                 grpc::StatusCode::DEADLINE_EXCEEDED))
+          << what << ": " << st.error_message();
+    }
+    ASSERT_OK(client_->Health()) << "after " << what << "\n" << daemon_->Log();
+  };
+  for (size_t n = 1; n < address.size(); ++n) {
+    try_address(address.substr(0, n), absl::StrCat("the first ", n, " bytes"));
+    if (HasFatalFailure()) return;
+  }
+  for (size_t i = 0; i < address.size(); i += 7) {
+    std::string flipped = address;
+    flipped[i] = static_cast<char>(flipped[i] ^ 0xa5);
+    try_address(flipped, absl::StrCat("byte ", i, " flipped"));
+    if (HasFatalFailure()) return;
+  }
+  EXPECT_GT(refused, 0);
+  // The real address still works, and so do the daemon's clients.
+  EXPECT_TRUE(open(address).ok());
+  absl::string_view key = "k";
+  EXPECT_OK(client_->Lookup("ns", {&key, 1}, false, true).status());
+}
+
 TEST_P(UcxE2eTest, CraftedOrStaleRemoteKeysAreRefusedAndTheDaemonStaysUp) {
   std::vector<char> mine(kBlock, 'm');
   ASSERT_OK(client_->RegisterBuffer(mine.data(), mine.size()));

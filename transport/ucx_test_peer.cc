@@ -18,11 +18,13 @@
 #include <map>
 #include <memory>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include "absl/strings/escaping.h"
 #include "absl/strings/numbers.h"
 #include "absl/time/clock.h"
+#include "transport/ucx_address_sandbox.h"
 #include "transport/ucx_context.h"
 #include "transport/ucx_endpoint.h"
 #include "transport/ucx_test_util.h"
@@ -139,4 +141,10 @@ int Main(int argc, char** argv) {
 }  // namespace
 }  // namespace kvdepot
 
-int main(int argc, char** argv) { return kvdepot::Main(argc, argv); }
+int main(int argc, char** argv) {
+  if (argc > 1 && std::string_view(argv[1]) == kvdepot::kUcxAddressSandboxFlag) {
+    // As kvdepotd does (ucx_address_sandbox_test).
+    return kvdepot::RunUcxAddressSandbox(std::vector<std::string>(argv + 2, argv + argc));
+  }
+  return kvdepot::Main(argc, argv);
+}

@@ -1,0 +1,93 @@
+// UcxAddressSandbox: a peer's UCX worker address is tried in a separate
+// process before this one's UCX sees it.
+//
+// UCX 1.13 unpacks a worker address without a length and trusts what it
+// finds: ucp_ep_create with a truncated or altered address reads past it
+// and crashed kvdepotd (a segfault in uct_tcp_ep_set_dest_addr for an
+// address cut at 47 of its bytes; transport/README, caveat 9). Any client
+// that can call OpenSession sends one. So kvdepotd first has a sandbox
+// process -- itself, started with `--ucx-address-sandbox` and the same UCX
+// settings -- create (and at once force-close) an endpoint to the address
+// with the error handling kvdepotd will use. An address the sandbox did
+// not survive, or that UCX refused there, is refused; the sandbox is
+// started again for the next one.
+//
+// The sandbox is one long-lived process, so a check costs a pipe round
+// trip and an endpoint creation (a TCP connection to the peer is opened
+// and closed: the peer sees one more connection from this host).
+//
+// Thread-safe: checks run one at a time.
+#ifndef KVDEPOT_TRANSPORT_UCX_ADDRESS_SANDBOX_H_
+#define KVDEPOT_TRANSPORT_UCX_ADDRESS_SANDBOX_H_
+
+#include <sys/types.h>
+
+#include <cstddef>
+#include <map>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "absl/base/thread_annotations.h"
+#include "absl/status/status.h"
+#include "absl/synchronization/mutex.h"
+#include "absl/time/time.h"
+
+namespace kvdepot {
+
+// The flag that makes kvdepotd run RunUcxAddressSandbox (first argument).
+inline constexpr char kUcxAddressSandboxFlag[] = "--ucx-address-sandbox";
+// Longest worker address a sandbox takes (UCX's are a few hundred bytes).
+inline constexpr size_t kMaxUcxWorkerAddressBytes = 64 * 1024;
+
+class UcxAddressSandbox {
+ public:
+  // `argv`: the sandbox's command line, argv[0] its executable, e.g.
+  // {"/proc/self/exe" resolved, kUcxAddressSandboxFlag, "TLS=tcp", ...}
+  // (UcxAddressSandboxArgs). Nothing is started until the first Check.
+  explicit UcxAddressSandbox(std::vector<std::string> argv,
+                             absl::Duration timeout = absl::Seconds(5));
+  ~UcxAddressSandbox();  // kills the sandbox process
+  UcxAddressSandbox(const UcxAddressSandbox&) = delete;
+  UcxAddressSandbox& operator=(const UcxAddressSandbox&) = delete;
+
+  // OK when UCX in the sandbox created an endpoint to `address` with
+  // (`peer_error_handling`) or without peer error handling. InvalidArgument
+  // when it refused the address, or the sandbox died of a signal or took
+  // longer than the timeout on it; Unavailable when no sandbox could be
+  // started or it exited by itself (no UCX there).
+  absl::Status Check(std::string_view address, bool peer_error_handling);
+
+  // Starts the sandbox process now rather than at the first Check.
+  absl::Status Start();
+
+  // The sandbox's process id, -1 when none runs (for tests).
+  pid_t pid();
+
+ private:
+  absl::Status StartLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Closes the connection and reaps the sandbox (killing it first when
+  // asked); returns its wait status.
+  int StopLocked(bool kill_first) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+
+  const std::vector<std::string> argv_;
+  const absl::Duration timeout_;
+  absl::Mutex mu_;
+  pid_t pid_ ABSL_GUARDED_BY(mu_) = -1;
+  int sock_ ABSL_GUARDED_BY(mu_) = -1;  // to and from the sandbox
+};
+
+// The sandbox command line for `executable` and UCX settings `config` (as
+// UcxContextOptions::config): executable, kUcxAddressSandboxFlag, then one
+// "NAME=VALUE" per setting.
+std::vector<std::string> UcxAddressSandboxArgs(
+    const std::string& executable, const std::map<std::string, std::string>& config);
+
+// The sandbox itself: `args` are what follows kUcxAddressSandboxFlag. Reads
+// requests from stdin, answers on stdout, returns the process's exit code
+// when stdin ends (or at once, 2, for bad arguments or no UCX).
+int RunUcxAddressSandbox(const std::vector<std::string>& args);
+
+}  // namespace kvdepot
+
+#endif  // KVDEPOT_TRANSPORT_UCX_ADDRESS_SANDBOX_H_

@@ -1,0 +1,99 @@
+// UcxAddressSandbox over real UCX: ucx_test_peer runs the sandbox as
+// kvdepotd does (started with kUcxAddressSandboxFlag).
+#include "transport/ucx_address_sandbox.h"
+
+#include <signal.h>
+#include <sys/types.h>
+
+#include <memory>
+#include <string>
+#include <vector>
+
+#include <gtest/gtest.h>
+
+#include "transport/ucx_context.h"
+#include "transport/ucx_test_util.h"
+#include "transport/ucx_worker.h"
+
+namespace kvdepot {
+namespace {
+
+class UcxAddressSandboxTest : public ::testing::TestWithParam<std::string> {
+ protected:
+  void SetUp() override {
+    UcxContextOptions options;
+    options.config = ucx_test::TransportConfig(GetParam());
+    absl::StatusOr<std::unique_ptr<UcxContext>> context = UcxContext::Create(options);
+    if (!context.ok()) {
+      GTEST_SKIP() << "UCX cannot create a context here (" << context.status() << ")";
+    }
+    context_ = *std::move(context);
+    absl::StatusOr<std::unique_ptr<UcxWorker>> worker = UcxWorker::Create(*context_);
+    ASSERT_TRUE(worker.ok()) << worker.status();
+    worker_ = *std::move(worker);
+    sandbox_ = std::make_unique<UcxAddressSandbox>(UcxAddressSandboxArgs(
+        KVDEPOT_UCX_TEST_PEER, ucx_test::TransportConfig(GetParam())));
+  }
+
+  std::unique_ptr<UcxContext> context_;
+  std::unique_ptr<UcxWorker> worker_;  // the peer whose address is checked
+  std::unique_ptr<UcxAddressSandbox> sandbox_;
+};
+
+TEST_P(UcxAddressSandboxTest, TakesARealAddressAndRefusesBrokenOnesWithoutDying) {
+  const std::string address = worker_->address();
+  EXPECT_EQ(sandbox_->pid(), -1) << "started before the first check";
+  ASSERT_TRUE(sandbox_->Check(address, /*peer_error_handling=*/true).ok());
+  ASSERT_TRUE(sandbox_->Check(address, /*peer_error_handling=*/false).ok());
+  const pid_t first = sandbox_->pid();
+  ASSERT_GT(first, 0);
+  // Every truncation: each one is refused, or taken (a shorter address UCX
+  // can read); some of them kill UCX (kvdepotd died at 31 bytes), which
+  // the sandbox survives by starting another process.
+  int refused = 0;
+  for (size_t n = 1; n < address.size(); ++n) {
+    absl::Status st = sandbox_->Check(address.substr(0, n), true);
+    if (!st.ok()) {
+      ++refused;
+      EXPECT_TRUE(absl::IsInvalidArgument(st)) << n << ": " << st;
+    }
+  }
+  EXPECT_GT(refused, 0);
+  EXPECT_NE(sandbox_->pid(), first) << "no truncation crashed the sandbox";
+  // And it still answers.
+  EXPECT_TRUE(sandbox_->Check(address, true).ok());
+}
+
+TEST_P(UcxAddressSandboxTest, ASandboxThatDiedBetweenChecksIsStartedAgain) {
+  const std::string address = worker_->address();
+  ASSERT_TRUE(sandbox_->Check(address, true).ok());
+  const pid_t first = sandbox_->pid();
+  ASSERT_EQ(kill(first, SIGKILL), 0);
+  // Not blamed on the next address.
+  EXPECT_TRUE(sandbox_->Check(address, true).ok());
+  EXPECT_NE(sandbox_->pid(), first);
+}
+
+TEST_P(UcxAddressSandboxTest, RefusesEmptyAndOversizedAddressesUnread) {
+  EXPECT_TRUE(absl::IsInvalidArgument(sandbox_->Check("", true)));
+  EXPECT_TRUE(absl::IsInvalidArgument(
+      sandbox_->Check(std::string(kMaxUcxWorkerAddressBytes + 1, 'a'), true)));
+  EXPECT_EQ(sandbox_->pid(), -1);
+}
+
+TEST_P(UcxAddressSandboxTest, NoSandboxProcessIsUnavailable) {
+  UcxAddressSandbox missing(
+      UcxAddressSandboxArgs("/nonexistent/kvdepotd", ucx_test::TransportConfig(GetParam())));
+  EXPECT_TRUE(absl::IsUnavailable(missing.Check(worker_->address(), true)));
+  // A sandbox that cannot make a UCX context (a bad setting) exits at once:
+  // no address is blamed for that.
+  UcxAddressSandbox broken(UcxAddressSandboxArgs(KVDEPOT_UCX_TEST_PEER, {{"TLS", "nosuch"}}));
+  absl::Status st = broken.Check(worker_->address(), true);
+  EXPECT_TRUE(absl::IsUnavailable(st)) << st;
+}
+
+INSTANTIATE_TEST_SUITE_P(Transports, UcxAddressSandboxTest, ::testing::Values("tcp", "shm"),
+                         [](const auto& param_info) { return param_info.param; });
+
+}  // namespace
+}  // namespace kvdepot
