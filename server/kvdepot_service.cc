@@ -15,6 +15,7 @@
 #include "storage/block_key.h"
 #include "storage/checksum.h"
 #include "storage/status_macros.h"
+#include "transport/ucx_address_sandbox.h"
 
 namespace kvdepot {
 
@@ -136,10 +137,41 @@ std::function<void(const absl::Status&)> KvDepotService::Finisher(
   };
 }
 
+namespace {
+
+// OpenSession's strings are kept for the session's life and logged: short,
+// and no control characters in the name (a newline would forge log lines).
+absl::Status ValidateOpenSession(const v1::OpenSessionRequest& req) {
+  if (req.client_name().size() > kMaxClientNameBytes) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "client_name of ", req.client_name().size(), " bytes (at most ",
+        kMaxClientNameBytes, ")"));
+  }
+  for (unsigned char c : req.client_name()) {
+    if (c < 0x20 || c == 0x7f) {
+      return absl::InvalidArgumentError(
+          "client_name holds a control character");
+    }
+  }
+  if (req.host_id().size() > kMaxHostIdBytes) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "host_id of ", req.host_id().size(), " bytes (at most ", kMaxHostIdBytes, ")"));
+  }
+  if (req.ucx_worker_address().size() > kMaxUcxWorkerAddressBytes) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "ucx_worker_address of ", req.ucx_worker_address().size(),
+        " bytes (at most ", kMaxUcxWorkerAddressBytes, ")"));
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace
+
 grpc::ServerUnaryReactor* KvDepotService::OpenSession(
     grpc::CallbackServerContext* ctx, const v1::OpenSessionRequest* req,
     v1::OpenSessionResponse* resp) {
   return Unary(ctx, "OpenSession", [&]() -> absl::Status {
+    RETURN_IF_ERROR(ValidateOpenSession(*req));
     ASSIGN_OR_RETURN(SessionGrant g,
                      store_.OpenSession(absl::Milliseconds(req->lease_ms()),
                                         req->client_name()));

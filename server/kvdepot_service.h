@@ -31,6 +31,10 @@
 
 namespace kvdepot {
 
+// OpenSession's limits (INVALID_ARGUMENT beyond them).
+inline constexpr size_t kMaxClientNameBytes = 256;
+inline constexpr size_t kMaxHostIdBytes = 256;
+
 // Converts an absl::Status to a grpc::Status with the same code and message.
 grpc::Status ToGrpcStatus(const absl::Status& status);
 

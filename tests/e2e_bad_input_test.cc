@@ -247,6 +247,32 @@ TEST_F(BadInputTest, UnknownSessionIsNotFound) {
             grpc::StatusCode::NOT_FOUND);
 }
 
+TEST_F(BadInputTest, OversizedOrControlCharacterSessionStringsAreInvalidArgument) {
+  auto open = [&](const std::string& name, const std::string& host,
+                  const std::string& address) {
+    grpc::ClientContext ctx;
+    v1::OpenSessionRequest req;
+    req.set_client_name(name);
+    req.set_host_id(host);
+    req.set_ucx_worker_address(address);
+    v1::OpenSessionResponse resp;
+    return client_->stub().OpenSession(&ctx, req, &resp).error_code();
+  };
+  const std::string big(1 << 20, 'n');
+  EXPECT_EQ(open(big, "", ""), grpc::StatusCode::INVALID_ARGUMENT);
+  EXPECT_EQ(open(std::string(257, 'n'), "", ""), grpc::StatusCode::INVALID_ARGUMENT);
+  EXPECT_EQ(open("engine\n2026-01-01 info forged", "", ""),
+            grpc::StatusCode::INVALID_ARGUMENT);
+  EXPECT_EQ(open("ok", std::string(257, 'h'), ""), grpc::StatusCode::INVALID_ARGUMENT);
+  EXPECT_EQ(open("ok", "", std::string((64 << 10) + 1, 'a')),
+            grpc::StatusCode::INVALID_ARGUMENT);
+  auto st = client_->Stats();
+  ASSERT_OK(st);
+  EXPECT_EQ(st->sessions(), 0u) << "a refused OpenSession left a session";
+  // At the limits: a session.
+  EXPECT_EQ(open(std::string(256, 'n'), std::string(256, 'h'), ""), grpc::StatusCode::OK);
+}
+
 TEST_F(BadInputTest, UnknownPinIsInvalidArgument) {
   ASSERT_OK(client_->EnsureSession());
   EXPECT_THAT(client_->Unpin(123456), StatusIs(Code::kInvalidArgument));
