@@ -43,6 +43,7 @@
 #include "absl/base/thread_annotations.h"
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/string_view.h"
 #include "absl/synchronization/mutex.h"
@@ -92,6 +93,9 @@ struct Memory {
   std::optional<py::buffer_info> view;
   char* data = nullptr;
   size_t size = 0;
+  // Its elements' type: a torch dtype without "torch." ("bfloat16"), or a
+  // buffer's struct format without its byte-order mark ("e", "B").
+  std::string element;
 };
 
 bool IsTorchTensor(py::handle obj) {
@@ -118,6 +122,8 @@ Memory GetMemory(py::handle obj, bool writable, const std::string& what) {
     m.data = reinterpret_cast<char*>(obj.attr("data_ptr")().cast<uintptr_t>());
     m.size = obj.attr("numel")().cast<size_t>() *
              obj.attr("element_size")().cast<size_t>();
+    m.element = py::str(obj.attr("dtype"));
+    if (absl::StartsWith(m.element, "torch.")) m.element.erase(0, 6);
     return m;
   }
   if (!PyObject_CheckBuffer(obj.ptr())) {
@@ -136,6 +142,10 @@ Memory GetMemory(py::handle obj, bool writable, const std::string& what) {
         writable ? " writable" : "", " buffer"));
   }
   // buffer_info takes ownership of `buf` (releases and deletes it).
+  m.element = buf->format != nullptr ? buf->format : "B";
+  if (!m.element.empty() && absl::StrContains("@=<>!", m.element[0])) {
+    m.element.erase(0, 1);
+  }
   m.view.emplace(buf, /*ownview=*/true);
   m.data = static_cast<char*>(buf->buf);
   m.size = static_cast<size_t>(buf->len);
@@ -410,7 +420,40 @@ class PyTransferOp {
 // The cache tensors of a gather/scatter as a KvCacheView; num_blocks is
 // derived from the tensors' sizes, which must all be equal and a whole number
 // of blocks. `memories` keeps the objects referenced.
+// True when elements of type `element` (Memory::element) may hold a cache of
+// `dtype`: that type itself, or integers (raw bits: a uint8 view, numpy's
+// uint16 for bf16, which numpy lacks). Another floating-point type may not.
+bool ElementFits(const std::string& element, KvDtype dtype) {
+  const bool floating =
+      absl::StartsWith(element, "float") || absl::StartsWith(element, "bfloat") ||
+      absl::StartsWith(element, "complex") ||
+      (element.size() == 1 && absl::StrContains("efdgZ", element[0])) ||
+      absl::StartsWith(element, "Z");
+  if (!floating) return true;
+  switch (dtype) {
+    case KvDtype::kFloat16:
+      return element == "float16" || element == "e";
+    case KvDtype::kBFloat16:
+      return element == "bfloat16";
+    case KvDtype::kFloat8E4M3:
+      return element == "float8_e4m3fn";
+    case KvDtype::kFloat32:
+      return element == "float32" || element == "f";
+  }
+  return false;
+}
+
 KvCacheView CacheView(const KvLayout& layout, const std::vector<Memory>& memories) {
+  for (size_t i = 0; i < memories.size(); ++i) {
+    // The fingerprint names the dtype: a cache of another one would be
+    // stored as, or loaded from, blocks of this layout's.
+    if (!ElementFits(memories[i].element, layout.dtype())) {
+      throw py::value_error(absl::StrCat(
+          "INVALID_ARGUMENT: caches[", i, "] holds ", memories[i].element,
+          " elements but the layout's dtype is ", KvDtypeName(layout.dtype()),
+          " (give tensors of that dtype, or an integer view of their bits)"));
+    }
+  }
   if (static_cast<int>(memories.size()) != layout.num_tensors()) {
     throw py::value_error(absl::StrCat(
         "INVALID_ARGUMENT: layout ", KvCacheLayoutName(layout.layout()), " with ",
@@ -1003,6 +1046,10 @@ class PyClient {
       for (int64_t size : *batch_sizes) {
         if (size <= 0) {
           throw py::value_error("INVALID_ARGUMENT: batch sizes must be positive");
+        }
+        if (static_cast<uint64_t>(size) > n - bounds.back()) {  // no wrap-around
+          throw py::value_error(absl::StrCat(
+              "INVALID_ARGUMENT: batch sizes add up to more than ", n, " blocks"));
         }
         bounds.push_back(bounds.back() + static_cast<size_t>(size));
       }

@@ -242,6 +242,41 @@ def _memory(obj: Any, writable: bool, what: str) -> _Memory:
     return _Memory(int(ptr or 0), nbytes, "cpu", None, obj)
 
 
+# The floating-point element type a cache of each dtype must have when it
+# has one (integer elements are taken as raw bits: a uint8 view, or numpy's
+# uint16 for bf16, which numpy lacks).
+_CACHE_ELEMENTS = {
+    Dtype.FLOAT16: {"float16"},
+    Dtype.BFLOAT16: {"bfloat16"},
+    Dtype.FLOAT8_E4M3: {"float8_e4m3fn"},
+    Dtype.FLOAT32: {"float32"},
+}
+
+
+def _element_name(obj: Any) -> str:
+    """A torch tensor's or numpy array's dtype name ("bfloat16", "uint8");
+    "uint8" for other buffers (bytes)."""
+    dtype = getattr(obj, "dtype", None)
+    if dtype is None:
+        return "uint8"
+    name = getattr(dtype, "name", None)  # numpy's; torch's dtypes have none
+    return str(name) if name is not None else str(dtype).replace("torch.", "")
+
+
+def _check_cache_elements(caches: Sequence[Any], dtype: int) -> None:
+    """ValueError for a cache tensor of floating-point elements other than
+    the layout's dtype (the fingerprint names it): fp16 caches under a bf16
+    layout would be stored as, or loaded from, bf16 blocks."""
+    allowed = _CACHE_ELEMENTS.get(Dtype(dtype), set())
+    for i, t in enumerate(caches):
+        name = _element_name(t)
+        if name.startswith(("float", "bfloat", "complex")) and name not in allowed:
+            raise ValueError(
+                f"INVALID_ARGUMENT: caches[{i}] holds {name} elements but the layout's "
+                f"dtype is {Dtype(dtype).name} (give tensors of that dtype, or an "
+                f"integer view of their bits)")
+
+
 def _as_block_ids(block_ids: Sequence[Any]) -> Any:
     ids = [int(b) for b in block_ids]
     for i, b in enumerate(ids):
@@ -432,6 +467,7 @@ class KvShim:
             raise ValueError(
                 f"INVALID_ARGUMENT: layout {CacheLayout(key[0]).name} with {key[2]} "
                 f"layers takes {info.num_tensors} cache tensors, got {len(caches)}")
+        _check_cache_elements(caches, key[1])
         cache_mem = [_memory(t, to_cache, f"caches[{i}]") for i, t in enumerate(caches)]
         obj_mem = [_memory(o, not to_cache, f"objects[{i}]") for i, o in enumerate(objects)]
         per_block = info.tensor_bytes_per_block

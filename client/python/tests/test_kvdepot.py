@@ -852,6 +852,18 @@ class TorchStoreTest(DaemonTestCase):
             store.save(caches[:3], [0], [b"k"])
         with self.assertRaises(ValueError):
             store.save(caches, [self.NUM_BLOCKS], [b"k"])
+        # Same shape and bytes, another dtype: the layout's fingerprint names
+        # bf16, so fp16 caches must not be stored (or loaded) under it.
+        with self.assertRaises(ValueError):
+            store.save(self.make_caches(torch.float16, random=False), [0], [b"k"])
+        with self.assertRaises(ValueError):
+            kvdepot.gather(layout, self.make_caches(torch.float16, random=False), [0],
+                           [torch.zeros(layout.object_bytes, dtype=torch.uint8)])
+        self.assertFalse(store.load(self.make_caches(torch.bfloat16, random=False), [0],
+                                    [b"k"])[0], "a block was stored")
+        # A uint8 view of the right caches is plain bytes: taken.
+        self.assertEqual(store.save([c.view(torch.uint8) for c in caches], [0], [b"k"]),
+                         [True])
 
 
 @unittest.skipIf(torch is None, "torch is not installed")
@@ -1034,6 +1046,9 @@ class LoadAsyncTest(StoppableDaemonTestCase):
         with self.assertRaises(ValueError):
             self.client.load_into_cache_async(ns, keys, staging, layout, dst,
                                               [4, 5, 6, 7], [4, 0])
+        with self.assertRaises(ValueError):  # a sum that wraps around to 4
+            self.client.load_into_cache_async(ns, keys, staging, layout, dst,
+                                              [4, 5, 6, 7], [2**63 - 1, 2**63 - 1, 6])
         with self.assertRaises(ValueError):  # repeated, out of range
             self.client.load_into_cache_async(ns, keys, staging, layout, dst, [4, 4, 6, 7])
         with self.assertRaises(ValueError):
