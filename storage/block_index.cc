@@ -129,11 +129,21 @@ std::unique_ptr<BlockEntry> BlockIndex::Insert(std::unique_ptr<BlockEntry> entry
   if (second != first) lock2.emplace(&second->mu);
   bool inserted = [&]() ABSL_NO_THREAD_SAFETY_ANALYSIS {
     if (s.set.contains(key)) return false;
+    // Another key with this hash is there already: this one is its twin
+    // (see the header), so that FindByHash keeps finding that one.
+    if (s.set.contains(HashProbe{entry->ns_id, entry->hash})) {
+      entry->flags |= BlockEntry::kHashTwin;
+    }
     if (!pinned) LruPushFront(s, entry.get());
     s.set.insert(entry.get());
     if (entry->parent_hash == 0) return true;
-    BlockEntry* p = FindByHash(*ps, entry->ns_id, entry->parent_hash);
-    if (p == nullptr || p == entry.get()) return true;
+    // The parent by its full key; a twin is left unlinked, since the
+    // link's later users find the parent by hash.
+    auto parent_it =
+        ps->set.find(KeyRef{entry->ns_id, parent, entry->parent_hash});
+    if (parent_it == ps->set.end()) return true;
+    BlockEntry* p = *parent_it;
+    if (p == entry.get() || (p->flags & BlockEntry::kHashTwin)) return true;
     if (p->children++ == 0) LruRemove(*ps, p);
     entry->flags |= BlockEntry::kLinked;
     return true;
@@ -346,6 +356,9 @@ std::unique_ptr<BlockEntry> BlockIndex::PopOldestEvictableOf(uint32_t ns_id,
     int best = -1;
     uint32_t best_seq = 0;
     uint64_t best_hash = 0;
+    // The full key: the entry is found again by it, not by its hash alone,
+    // which a (pinned) twin may share.
+    std::string best_key;
     for (int i = 0; i < kShards; ++i) {
       Shard& s = *shards_[i];
       absl::MutexLock lock(&s.mu);
@@ -356,6 +369,7 @@ std::unique_ptr<BlockEntry> BlockIndex::PopOldestEvictableOf(uint32_t ns_id,
           best = i;
           best_seq = e->seq;
           best_hash = e->hash;
+          best_key.assign(base_ + e->key_offset(), e->key_len);
         }
         break;
       }
@@ -365,8 +379,11 @@ std::unique_ptr<BlockEntry> BlockIndex::PopOldestEvictableOf(uint32_t ns_id,
     {
       Shard& s = *shards_[best];
       absl::MutexLock lock(&s.mu);
-      BlockEntry* e = FindByHash(s, ns_id, best_hash);
-      if (e == nullptr || !(e->flags & BlockEntry::kInLru)) continue;  // raced
+      auto it = s.set.find(KeyRef{ns_id, best_key, best_hash});
+      if (it == s.set.end() || !((*it)->flags & BlockEntry::kInLru)) {
+        continue;  // raced: evicted, pinned or given a child meanwhile
+      }
+      BlockEntry* e = *it;
       Detach(s, e);
       out.reset(e);
     }

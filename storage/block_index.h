@@ -20,6 +20,16 @@
 // Key bytes live in the DRAM arena (a small allocation per block), so the
 // metadata of a block is one 72-byte heap entry plus its hash-table slot.
 //
+// Hash collisions. Lookups compare full keys, so two keys of a namespace
+// with one 64-bit hash ("twins") are distinct blocks. A child keeps only its
+// parent's hash, though, and finds its parent again by it (to release the
+// link, or to name the parent when demoted): so only one entry per
+// (namespace, hash) may be a parent. Insert links a child to its parent
+// found by full key, and only if that parent was the first of its hash
+// when it was inserted (a later twin is marked kHashTwin, is never linked
+// to, and is skipped by that search). A collision thus costs at most the
+// prefix ordering of a twin's children, never a link to the wrong block.
+//
 // Thread-safe. A BlockEntry is owned by the index while it is inserted; the
 // caller owns it again after a Remove/Pop. A pinned entry is never removed,
 // so BlockEntry pointers held by pins stay valid until Unpin.
@@ -47,6 +57,9 @@ struct BlockEntry {
   static constexpr uint8_t kLinked = 2;  // counted in its parent's children
   static constexpr uint8_t kReferenced = 4;  // looked up since last considered
   static constexpr uint8_t kDemoting = 8;  // being written to the NVMe tier
+  // Another key of its namespace had its hash when it was inserted (a
+  // 64-bit collision): it is never linked to as a parent (see BlockIndex).
+  static constexpr uint8_t kHashTwin = 16;
 
   BlockEntry* lru_prev = nullptr;
   BlockEntry* lru_next = nullptr;
@@ -174,7 +187,8 @@ class BlockIndex {
   uint64_t evictable() const;
 
  private:
-  // A probe that matches by namespace and hash alone (parent links).
+  // A probe that matches by namespace and hash alone (parent links): it
+  // finds the one entry of that hash not marked kHashTwin.
   struct HashProbe {
     uint32_t ns_id;
     uint64_t hash;
@@ -196,7 +210,8 @@ class BlockIndex {
       return (*this)(a, k);
     }
     bool operator()(const BlockEntry* a, const HashProbe& p) const {
-      return a->hash == p.hash && a->ns_id == p.ns_id;
+      return a->hash == p.hash && a->ns_id == p.ns_id &&
+             !(a->flags & BlockEntry::kHashTwin);
     }
     bool operator()(const HashProbe& p, const BlockEntry* a) const {
       return (*this)(a, p);
@@ -215,7 +230,8 @@ class BlockIndex {
   };
 
   Shard& ShardFor(uint64_t hash) { return *shards_[hash >> (64 - kShardBits)]; }
-  // Finds an entry by hash only (for parent links; the key is not stored).
+  // Finds the entry of this hash that may be a parent (not kHashTwin), for
+  // parent links (a child does not keep its parent's key).
   BlockEntry* FindByHash(Shard& s, uint32_t ns_id, uint64_t hash)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(s.mu);
   static void LruPushFront(Shard& s, BlockEntry* e)

@@ -5,7 +5,11 @@
 #include <memory>
 #include <optional>
 #include <string>
+#include <thread>
 #include <vector>
+
+#include "absl/synchronization/notification.h"
+#include "absl/time/time.h"
 
 namespace kvdepot {
 namespace {
@@ -16,15 +20,17 @@ class BlockIndexTest : public ::testing::Test {
  protected:
   BlockIndexTest() : buf_(1 << 20), index_(buf_.data()) {}
 
+  // `hash` 0 means BlockIndex::Hash(ns, key); tests force collisions with
+  // another (the caller supplies an entry's hash).
   BlockEntry* Put(const std::string& key, const std::string& parent = "",
-                  uint32_t ns = 1, uint32_t seq = 0) {
+                  uint32_t ns = 1, uint32_t seq = 0, uint64_t hash = 0) {
     auto e = std::make_unique<BlockEntry>();
     uint32_t unit = next_unit_++;
     std::copy(key.begin(), key.end(), buf_.begin() + unit * 64);
     e->key_unit = unit;
     e->key_len = static_cast<uint16_t>(key.size());
     e->ns_id = ns;
-    e->hash = BlockIndex::Hash(ns, key);
+    e->hash = hash != 0 ? hash : BlockIndex::Hash(ns, key);
     e->size = 100;
     e->data_unit = 1000 + unit;
     e->seq = seq ? seq : index_.NextSeq();
@@ -50,6 +56,10 @@ class BlockIndexTest : public ::testing::Test {
       }
     }
     return order;
+  }
+
+  std::string KeyOf(const BlockEntry& e) const {
+    return std::string(buf_.data() + e.key_offset(), e.key_len);
   }
 
   std::vector<char> buf_;
@@ -233,6 +243,100 @@ TEST_F(BlockIndexTest, ADemotionKeepsAnEntryPinnedOrGivenAChildMeanwhile) {
   ASSERT_TRUE(d.has_value());
   EXPECT_EQ(d->parent_key, "");
   ASSERT_NE(index_.EndDemotion(d->entry), nullptr);
+  EXPECT_EQ(index_.blocks(), 0u);
+}
+
+// Two keys of one namespace with one 64-bit hash (a collision, forced here)
+// are two blocks. A namespace's quota eviction takes the evictable one: it
+// neither spins on its pinned twin nor takes it, in either insertion order.
+TEST_F(BlockIndexTest, QuotaEvictionTellsHashTwinsApartByKey) {
+  for (uint32_t ns : {7u, 8u}) {
+    const bool pinned_first = ns == 7;
+    SCOPED_TRACE(pinned_first ? "pinned twin inserted first"
+                              : "pinned twin inserted second");
+    const uint64_t h = BlockIndex::Hash(ns, "pinned");
+    BlockIndex::KeyRef pinned_key{ns, "pinned", h};
+    if (pinned_first) {
+      ASSERT_NE(Put("pinned", "", ns, 20), nullptr);
+      ASSERT_NE(Put("evictable", "", ns, 10, h), nullptr);
+    } else {
+      ASSERT_NE(Put("evictable", "", ns, 10, h), nullptr);
+      ASSERT_NE(Put("pinned", "", ns, 20), nullptr);
+    }
+    auto pin = index_.Find(pinned_key, /*pin=*/true);
+    ASSERT_TRUE(pin);
+    EXPECT_EQ(KeyOf(*pin->entry), "pinned");
+    auto other = index_.Find({ns, "evictable", h}, false);
+    ASSERT_TRUE(other);
+    EXPECT_NE(other->entry, pin->entry);
+
+    std::unique_ptr<BlockEntry> popped;
+    absl::Notification done;
+    std::thread pop([&] {
+      popped = index_.PopOldestEvictableOf(ns);
+      done.Notify();
+    });
+    // A bound against a hang: the pop is immediate unless it spins.
+    const bool returned = done.WaitForNotificationWithTimeout(absl::Seconds(10));
+    EXPECT_TRUE(returned) << "PopOldestEvictableOf spins on the pinned twin";
+    if (!returned) index_.Unpin(pin->entry);  // lets it end
+    pop.join();
+    ASSERT_NE(popped, nullptr);
+    EXPECT_EQ(KeyOf(*popped), "evictable");
+    if (returned) {
+      EXPECT_TRUE(index_.Find(pinned_key, false));
+      EXPECT_EQ(index_.PopOldestEvictableOf(ns), nullptr);  // only the pinned
+      index_.Unpin(pin->entry);
+    }
+  }
+}
+
+// A child links to its parent found by full key, never to another key that
+// shares the parent's hash: the twin stays evictable, and a demotion of the
+// child never names the twin as its parent.
+TEST_F(BlockIndexTest, AChildNeverLinksToItsParentsHashTwin) {
+  for (uint32_t ns : {1u, 2u}) {
+    const bool twin_first = ns == 1;
+    SCOPED_TRACE(twin_first ? "twin inserted first" : "parent inserted first");
+    const uint64_t h = BlockIndex::Hash(ns, "parent");
+    BlockIndex::KeyRef parent_key{ns, "parent", h};
+    BlockIndex::KeyRef twin_key{ns, "twin", h};
+    if (twin_first) {
+      ASSERT_NE(Put("twin", "", ns, 30, h), nullptr);
+      ASSERT_NE(Put("parent", "", ns, 20), nullptr);
+    } else {
+      ASSERT_NE(Put("parent", "", ns, 20), nullptr);
+      ASSERT_NE(Put("twin", "", ns, 30, h), nullptr);
+    }
+    ASSERT_NE(Put("child", "parent", ns, 10), nullptr);
+    std::optional<BlockEntry> twin = index_.Peek(twin_key);
+    ASSERT_TRUE(twin);
+    EXPECT_EQ(twin->children, 0u);
+    EXPECT_TRUE(twin->flags & BlockEntry::kInLru) << "the twin is not evictable";
+    std::optional<BlockEntry> parent = index_.Peek(parent_key);
+    ASSERT_TRUE(parent);
+    if (!twin_first) {
+      // The parent came first: the link is made, to it.
+      EXPECT_EQ(parent->children, 1u);
+      EXPECT_FALSE(parent->flags & BlockEntry::kInLru);
+    }
+
+    // The child is the oldest evictable entry.
+    std::optional<BlockIndex::Demotion> d = index_.BeginDemotion();
+    ASSERT_TRUE(d.has_value());
+    EXPECT_EQ(KeyOf(*d->entry), "child");
+    EXPECT_NE(d->parent_key, "twin");
+    if (!twin_first) {
+      EXPECT_EQ(d->parent_key, "parent");
+    }
+    ASSERT_NE(index_.EndDemotion(d->entry), nullptr);
+    // Its link released on the parent, not on the twin.
+    EXPECT_EQ(index_.Peek(parent_key)->children, 0u);
+    EXPECT_EQ(index_.Peek(twin_key)->children, 0u);
+    EXPECT_TRUE(index_.Peek(parent_key)->flags & BlockEntry::kInLru);
+    uint64_t pinned = 0, demoting = 0;
+    EXPECT_EQ(index_.RemoveNamespace(ns, &pinned, &demoting).size(), 2u);
+  }
   EXPECT_EQ(index_.blocks(), 0u);
 }
 

@@ -96,6 +96,18 @@ void FaultInjectionFileSystem::SetTableFilesHeld(bool held) {
   table_files_held_ = held;
 }
 
+void FaultInjectionFileSystem::HoldNextTableFile() {
+  absl::MutexLock lock(&held_mu_);
+  hold_next_file_ = true;
+  next_file_held_ = true;
+}
+
+void FaultInjectionFileSystem::ReleaseNextTableFile() {
+  absl::MutexLock lock(&held_mu_);
+  hold_next_file_ = false;
+  next_file_held_ = false;
+}
+
 int FaultInjectionFileSystem::held_creations() const {
   absl::MutexLock lock(&held_mu_);
   return held_creations_;
@@ -130,6 +142,10 @@ rocksdb::IOStatus FaultInjectionFileSystem::OpenWritable(
   if (IsBlobFile(fname) || IsTableFile(fname)) {
     absl::MutexLock lock(&held_mu_);
     ++held_creations_;
+    if (std::exchange(hold_next_file_, false)) {
+      held_mu_.Await(absl::Condition(
+          +[](bool* held) { return !*held; }, &next_file_held_));
+    }
     held_mu_.Await(absl::Condition(
         +[](bool* held) { return !*held; }, &table_files_held_));
     --held_creations_;

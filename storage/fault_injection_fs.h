@@ -2,7 +2,8 @@
 // a full disk while a switch is on: creating a file and appending to one fail
 // with IOStatus::NoSpace (what RocksDB's POSIX file system returns for
 // ENOSPC). Another switch holds the creation of table and blob files (a
-// flush, stopped mid-way). Reads, and everything while the switch is off, go to the wrapped
+// flush, stopped mid-way), and a third only the next one (a compaction
+// stopped mid-way while other flushes and compactions go on). Reads, and everything while the switch is off, go to the wrapped
 // file system. It also counts reads of blob files (*.blob), so a test can
 // prove that an operation never touched block bytes. No test hook in
 // production code is needed: the tier takes the Env built from it through
@@ -50,7 +51,12 @@ class FaultInjectionFileSystem : public rocksdb::FileSystemWrapper {
   // While true, creating a table or blob file (what a flush or compaction
   // writes) waits until it is false again: a test holds a flush mid-way.
   void SetTableFilesHeld(bool held);
-  // Creations of table or blob files waiting on SetTableFilesHeld now.
+  // The next creation of a table or blob file (only that one) waits until
+  // ReleaseNextTableFile.
+  void HoldNextTableFile();
+  void ReleaseNextTableFile();
+  // Creations of table or blob files waiting on SetTableFilesHeld or
+  // HoldNextTableFile now.
   int held_creations() const;
 
   // Returns NoSpace (and counts it) while the disk is "full", else OK.
@@ -84,6 +90,10 @@ class FaultInjectionFileSystem : public rocksdb::FileSystemWrapper {
 
   mutable absl::Mutex held_mu_;
   bool table_files_held_ ABSL_GUARDED_BY(held_mu_) = false;
+  // HoldNextTableFile: armed, until a creation takes it; then that creation
+  // waits while next_file_held_.
+  bool hold_next_file_ ABSL_GUARDED_BY(held_mu_) = false;
+  bool next_file_held_ ABSL_GUARDED_BY(held_mu_) = false;
   int held_creations_ ABSL_GUARDED_BY(held_mu_) = 0;
   std::atomic<bool> disk_full_{false};
   std::atomic<uint64_t> injected_errors_{0};

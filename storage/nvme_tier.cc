@@ -108,6 +108,11 @@ constexpr char kStuckSuffix[] =
     "; RocksDB's resume has not ended (RocksDB 7 can leave it waiting for a "
     "flush it never runs): writes stay off until kvdepotd restarts";
 constexpr absl::Duration kShutdownResumeWait = absl::Seconds(10);
+// After an automatic compaction met a corrupt block (see ErrorListener), the
+// maintenance thread scrubs the tier, at most once per this long (tier's
+// clock): a corruption Verify cannot drop (in a table file) would otherwise
+// have every failing compaction start another scrub.
+constexpr absl::Duration kAutoScrubInterval = absl::Minutes(10);
 // Longest chain of stored ancestors walked when a block could close a cycle.
 constexpr int kMaxChainWalk = 1 << 16;
 
@@ -208,13 +213,32 @@ std::string IdToHex(absl::string_view id) {
 // hit a full disk), and keeps RocksDB from resuming on its own (by default
 // its SstFileManager polls the disk from its own thread every 5 s): the tier
 // resumes on its own schedule, see NvmeTierImpl::EnsureWritable.
+//
+// A compaction that reads a corrupt block (blob garbage collection
+// relocating a blob whose bytes went bad on disk) fails with Corruption,
+// which RocksDB would make a background error that no DB::Resume clears:
+// the tier would take no write until restarted, and the next compaction
+// would stop it again. Such an error is suppressed instead (RocksDB keeps
+// the compaction's inputs and drops its output, so the database is as
+// before, and reads verify every block anyway) and noted, so that the tier
+// scrubs the bad block away (NvmeTierImpl::Compact, MaintenanceLoop).
 // Thread-safe (RocksDB calls it from its background threads).
 class ErrorListener final : public rocksdb::EventListener {
  public:
-  void OnBackgroundError(rocksdb::BackgroundErrorReason /*reason*/,
+  void OnBackgroundError(rocksdb::BackgroundErrorReason reason,
                          rocksdb::Status* bg_error) override {
     if (bg_error->ok()) return;
+    if (reason == rocksdb::BackgroundErrorReason::kCompaction &&
+        bg_error->IsCorruption()) {
+      *bg_error = rocksdb::Status::OK();
+      corruption_seen_.store(true, std::memory_order_release);
+      return;
+    }
     Stop(bg_error->ToString());
+  }
+  // Whether a compaction met corruption since the last call.
+  bool TakeCorruption() {
+    return corruption_seen_.exchange(false, std::memory_order_acq_rel);
   }
   void OnErrorRecoveryBegin(rocksdb::BackgroundErrorReason /*reason*/,
                             rocksdb::Status bg_error,
@@ -237,6 +261,7 @@ class ErrorListener final : public rocksdb::EventListener {
 
  private:
   std::atomic<bool> stopped_{false};
+  std::atomic<bool> corruption_seen_{false};
   mutable absl::Mutex mu_;
   std::string reason_ ABSL_GUARDED_BY(mu_);
 };
@@ -248,6 +273,8 @@ class NvmeTierImpl final : public NvmeTier {
         clock_(clock),
         listener_(std::make_shared<ErrorListener>()) {
     write_options_.disableWAL = !options_.use_wal;
+    // Deletes are few (admin Evict) and must not come back after a crash.
+    delete_options_.disableWAL = false;
   }
   ~NvmeTierImpl() override;
 
@@ -363,8 +390,10 @@ class NvmeTierImpl final : public NvmeTier {
   // Writes read counts and recency of stored entries to their records.
   absl::Status PersistDirtyLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
-  // Deletes the records of `retired` in one batch.
-  absl::Status DeleteRecords(absl::Span<const Retired> retired);
+  // Deletes the records of `retired` in one batch; with `durable`, through
+  // the WAL (Delete), else with write_options_ (evictions, drops).
+  absl::Status DeleteRecords(absl::Span<const Retired> retired,
+                             bool durable = false);
   // Deletes the records, then erases the entries (whatever the outcome: a
   // dropped block is never served again by this process).
   void DeleteAndErase(absl::Span<const Retired> retired);
@@ -403,13 +432,36 @@ class NvmeTierImpl final : public NvmeTier {
   // files (hysteresis between the options' two ratios). Cheap; called every
   // kGcCheckInterval writes.
   void AdjustBlobGc();
+  // Notes that a write without the WAL has landed in a memtable (call it
+  // after the write): the flush timer starts counting its age.
+  void NoteUnflushedWrite();
+  // The maintenance thread (maintenance_): every tick, flushes the
+  // memtables when the oldest unflushed write is max_unflushed_age old,
+  // and scrubs the tier (Verify) when an automatic compaction met a corrupt
+  // block (at most every kAutoScrubInterval). Ends on stop_maintenance_.
+  void MaintenanceLoop();
 
   // Constant after Init.
   const NvmeTierOptions options_;
   Clock* const clock_;
   const std::shared_ptr<ErrorListener> listener_;
   rocksdb::WriteOptions write_options_;
+  rocksdb::WriteOptions delete_options_;  // Delete's: always with the WAL
   std::unique_ptr<rocksdb::DB> db_;
+
+  // The age of what only the memtables hold (NvmeTierOptions::
+  // max_unflushed_age). A leaf lock: nothing is locked under it.
+  absl::Mutex flush_mu_;
+  // When the oldest write not known to be flushed landed; InfiniteFuture()
+  // when there is none.
+  absl::Time unflushed_since_ ABSL_GUARDED_BY(flush_mu_) =
+      absl::InfiniteFuture();
+  bool stop_maintenance_ ABSL_GUARDED_BY(flush_mu_) = false;
+  absl::Time next_auto_scrub_ ABSL_GUARDED_BY(flush_mu_) =
+      absl::InfinitePast();
+  std::thread maintenance_;  // started by Init, joined by the destructor
+  // Set by the destructor: a scrub of the maintenance thread stops early.
+  std::atomic<bool> closing_{false};
 
   mutable absl::Mutex resume_mu_;
   absl::Time next_resume_ ABSL_GUARDED_BY(resume_mu_) = absl::InfinitePast();
@@ -583,7 +635,55 @@ absl::Status NvmeTierImpl::Init() {
     }
   }
   DeleteAndErase(malformed);
-  return EvictOverCapacity();
+  RETURN_IF_ERROR(EvictOverCapacity());
+  maintenance_ = std::thread([this] { MaintenanceLoop(); });
+  return absl::OkStatus();
+}
+
+void NvmeTierImpl::NoteUnflushedWrite() {
+  if (options_.use_wal) return;
+  absl::MutexLock lock(&flush_mu_);
+  if (unflushed_since_ == absl::InfiniteFuture()) {
+    unflushed_since_ = clock_->Now();
+  }
+}
+
+void NvmeTierImpl::MaintenanceLoop() {
+  const absl::Duration tick =
+      std::clamp(options_.max_unflushed_age / 4, absl::Milliseconds(10),
+                 absl::Seconds(1));
+  flush_mu_.Lock();
+  while (true) {
+    flush_mu_.AwaitWithTimeout(absl::Condition(&stop_maintenance_), tick);
+    if (stop_maintenance_) break;
+    const absl::Time now = clock_->Now();
+    if (now >= next_auto_scrub_ && listener_->TakeCorruption()) {
+      next_auto_scrub_ = now + kAutoScrubInterval;
+      flush_mu_.Unlock();
+      Verify().IgnoreError();  // counted in the stats; retried if need be
+      flush_mu_.Lock();
+      continue;
+    }
+    // Nothing unflushed (InfiniteFuture), or not old enough yet (or the
+    // timer off: with the WAL, or an infinite max age). A stopped database
+    // cannot flush: its resume flushes what the memtables hold.
+    if (options_.use_wal ||
+        now - unflushed_since_ < options_.max_unflushed_age ||
+        listener_->stopped()) {
+      continue;
+    }
+    // Writes that land from now on may miss this flush: they count anew.
+    // A write marks itself after it landed, so none goes uncounted.
+    const absl::Time since =
+        std::exchange(unflushed_since_, absl::InfiniteFuture());
+    flush_mu_.Unlock();
+    rocksdb::FlushOptions flush;  // waits for the flush
+    flush.allow_write_stall = true;
+    rocksdb::Status s = db_->Flush(flush);
+    flush_mu_.Lock();
+    if (!s.ok()) unflushed_since_ = std::min(unflushed_since_, since);
+  }
+  flush_mu_.Unlock();
 }
 
 absl::Status NvmeTierImpl::EvictOverCapacity() {
@@ -612,6 +712,14 @@ absl::Status NvmeTierImpl::EvictOverCapacity() {
 }
 
 NvmeTierImpl::~NvmeTierImpl() {
+  if (maintenance_.joinable()) {
+    closing_.store(true);
+    {
+      absl::MutexLock lock(&flush_mu_);
+      stop_maintenance_ = true;
+    }
+    maintenance_.join();  // after the flush it runs, if any
+  }
   if (db_ == nullptr) return;
   bool stuck;
   {
@@ -840,15 +948,21 @@ absl::Status NvmeTierImpl::PersistDirtyLocked() {
 // ---------------------------------------------------------------------------
 // RocksDB writes.
 
-absl::Status NvmeTierImpl::DeleteRecords(absl::Span<const Retired> retired) {
+absl::Status NvmeTierImpl::DeleteRecords(absl::Span<const Retired> retired,
+                                         bool durable) {
   rocksdb::WriteBatch batch;
   for (const Retired& r : retired) {
     rocksdb::Status s = batch.Delete(MetaKey(r.id));
     if (s.ok()) s = batch.Delete(DataKey(r.id));
     RETURN_IF_ERROR(FromRocksStatus(s, "NVMe tier: batching deletes"));
   }
-  rocksdb::Status s = db_->Write(write_options_, &batch);
-  if (!s.ok()) NoteWriteFailure(s);
+  rocksdb::Status s =
+      db_->Write(durable ? delete_options_ : write_options_, &batch);
+  if (!s.ok()) {
+    NoteWriteFailure(s);
+  } else if (!durable) {
+    NoteUnflushedWrite();
+  }
   return FromRocksStatus(s, "NVMe tier: deleting blocks");
 }
 
@@ -1043,7 +1157,11 @@ absl::StatusOr<NvmePutOutcome> NvmeTierImpl::Put(absl::string_view ns,
                   rocksdb::Slice(bytes.data(), bytes.size()));
   }
   if (s.ok()) s = db_->Write(write_options_, &batch);
-  if (!s.ok()) NoteWriteFailure(s);
+  if (s.ok()) {
+    NoteUnflushedWrite();
+  } else {
+    NoteWriteFailure(s);
+  }
 
   absl::ReleasableMutexLock lock(&mu_);
   auto it = index_.find(*block_id);
@@ -1107,7 +1225,7 @@ absl::Status NvmeTierImpl::Delete(absl::string_view ns,
     }
     victim = RetireLocked(&it->second);
   }
-  absl::Status s = DeleteRecords({&victim, 1});
+  absl::Status s = DeleteRecords({&victim, 1}, /*durable=*/true);
   absl::MutexLock lock(&mu_);
   EraseRetiredLocked({&victim, 1});
   return s;
@@ -1342,7 +1460,8 @@ absl::StatusOr<NvmeVerifyReport> NvmeTierImpl::Verify() {
   scan.fill_cache = false;
   std::unique_ptr<rocksdb::Iterator> it(db_->NewIterator(scan));
   const std::string first(1, kDataPrefix);
-  for (it->Seek(first); it->Valid() && it->key().starts_with(first);
+  for (it->Seek(first);
+       it->Valid() && it->key().starts_with(first) && !closing_.load();
        it->Next()) {
     std::string id(it->key().data() + 1, it->key().size() - 1);
     rocksdb::Slice value = it->value();
@@ -1385,6 +1504,7 @@ absl::StatusOr<NvmeVerifyReport> NvmeTierImpl::Verify() {
   it.reset();
   DeleteAndErase(doomed);
   RETURN_IF_ERROR(FromRocksStatus(scan_status, "NVMe tier: scrub stopped"));
+  if (closing_.load()) return absl::CancelledError("NVMe tier is closing");
 
   // Stored blocks the scan did not meet: their bytes are missing, or they
   // were written after the scan's snapshot. Look again.
@@ -1401,6 +1521,7 @@ absl::StatusOr<NvmeVerifyReport> NvmeTierImpl::Verify() {
   rocksdb::ReadOptions ro;
   ro.fill_cache = false;
   for (const PlannedRead& p : unseen) {
+    if (closing_.load()) return absl::CancelledError("NVMe tier is closing");
     rocksdb::PinnableSlice value;
     rocksdb::Status s =
         db_->Get(ro, db_->DefaultColumnFamily(), DataKey(p.id), &value);
@@ -1446,6 +1567,12 @@ absl::Status NvmeTierImpl::Compact() {
     absl::SleepFor(absl::Milliseconds(5));
   }
   rocksdb::CompactRangeOptions cro;
+  // Beside RocksDB's own compactions, never instead of them: an exclusive
+  // manual compaction first waits for the running ones and, until it ends,
+  // lets no automatic one start, so flushes pile up level-0 files until
+  // RocksDB stops every write (every put and delete of the tier) for as long
+  // as this runs. (false is RocksDB 7's default; before 7 it was true.)
+  cro.exclusive_manual_compaction = false;
   cro.bottommost_level_compaction = rocksdb::BottommostLevelCompaction::kForce;
   cro.blob_garbage_collection_policy =
       rocksdb::BlobGarbageCollectionPolicy::kForce;
@@ -1456,9 +1583,21 @@ absl::Status NvmeTierImpl::Compact() {
   // pass left what looked like one whole blob file, its live blob unmoved;
   // not reproduced since. Passes go on while garbage is left, a few at most:
   // each rewrites every live block.
+  //
+  // A pass that meets a corrupt block fails with Corruption (and leaves the
+  // database as it was, see ErrorListener): the tier scrubs, dropping what
+  // fails its checksum (counted in integrity_errors), and compacts again,
+  // once; DataLoss if that fails too.
+  bool scrubbed = false;
   for (int pass = 1;; ++pass) {
-    RETURN_IF_ERROR(FromRocksStatus(db_->CompactRange(cro, nullptr, nullptr),
-                                    "NVMe tier: compaction"));
+    rocksdb::Status s = db_->CompactRange(cro, nullptr, nullptr);
+    if (s.IsCorruption() && !scrubbed) {
+      scrubbed = true;
+      listener_->TakeCorruption();  // this one is being dealt with
+      RETURN_IF_ERROR(Verify().status());
+      continue;
+    }
+    RETURN_IF_ERROR(FromRocksStatus(s, "NVMe tier: compaction"));
     uint64_t garbage = 0;
     if (pass == kCompactPasses ||
         !db_->GetIntProperty(
@@ -1522,6 +1661,10 @@ absl::StatusOr<std::unique_ptr<NvmeTier>> OpenNvmeTier(
   }
   if (options.resume_stuck_after <= absl::ZeroDuration()) {
     return absl::InvalidArgumentError("NVMe tier: resume_stuck_after must be > 0");
+  }
+  if (options.max_unflushed_age <= absl::ZeroDuration()) {
+    return absl::InvalidArgumentError(
+        "NVMe tier: max_unflushed_age must be > 0");
   }
   // Referenced here so that every program that opens the tier links
   // rocksdb_crc32c.cc, whose CRC32C takes the place of librocksdb's.

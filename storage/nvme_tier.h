@@ -12,8 +12,12 @@
 // every block whose records were persisted, without reading any blob).
 //
 // Durability: block records are written without the WAL by default, so a
-// crash may lose the blocks of the last unflushed memtable (the last seconds
-// of writes); a clean shutdown (the destructor, or Flush) persists them.
+// crash may lose what the memtables hold. A timer of the tier bounds that to
+// the last seconds of writes: it flushes the memtables once the oldest write
+// in them is max_unflushed_age old (on the tier's clock). Delete goes
+// through the WAL whatever use_wal says, so a deleted block never comes back
+// after a crash. A clean shutdown (the destructor, or Flush) persists
+// everything.
 // Integrity is never traded: every read verifies the block's XXH3-64, and a
 // block whose bytes do not match is deleted, counted as an integrity error
 // and reported as DataLoss. No path returns bytes that fail their checksum.
@@ -26,6 +30,9 @@
 // written goes first. (A parent whose last child goes counts as least
 // recently used: its chain has just aged out.) Admission is the engine's
 // business.
+//
+// The tier runs one thread of its own, for the flushes above and for
+// scrubbing after an automatic compaction met a corrupt block (see Compact).
 //
 // Thread-safe: every method may be called from any thread. Reads, puts and
 // deletes do their RocksDB I/O outside the index lock, so they overlap; puts
@@ -69,8 +76,17 @@ struct NvmeTierOptions {
   // Largest block accepted by Put (InvalidArgument above it).
   uint64_t max_block_bytes = uint64_t{256} << 20;
   // Write block records through RocksDB's write-ahead log. Off by default: a
-  // cache may lose its last seconds of writes on a crash.
+  // cache may lose its last seconds of writes on a crash (see
+  // max_unflushed_age). Delete always writes through the WAL.
   bool use_wal = false;
+  // Without the WAL, the longest a put (or an eviction's delete) stays only
+  // in memtables: the tier's timer flushes them once the oldest unflushed
+  // write is this old. It looks at the clock every quarter of this (at most
+  // every second), so a crash loses at most about max_unflushed_age plus
+  // one second (plus the flush's time) of writes. InfiniteDuration() turns
+  // the timer off (memtables are then flushed when full, by Flush, or at
+  // close). Must be > 0. Unused with use_wal.
+  absl::Duration max_unflushed_age = absl::Seconds(5);
   // Block values of at least this many bytes go to blob files; smaller ones
   // stay inline in the LSM.
   uint64_t min_blob_size = 4096;
@@ -266,7 +282,9 @@ class NvmeTier {
   // Deletes the block. NotFound if absent; InvalidArgument for a bad
   // namespace or key. Once this returns, the block is not served, even when
   // RocksDB failed to delete its records (the error is returned; such
-  // records come back after a restart and are checked like any other).
+  // records come back after a restart and are checked like any other). On
+  // success the delete is in the WAL (with or without use_wal): the block
+  // stays deleted after a crash of the process.
   virtual absl::Status Delete(absl::string_view ns, absl::string_view key) = 0;
 
   // Calls `fn` for every stored block (for the engine to rebuild its
@@ -287,7 +305,14 @@ class NvmeTier {
 
   // Compacts the database and garbage-collects every blob file, so that the
   // space of deleted and evicted blocks returns to the file system. Heavy:
-  // rewrites live data. Unavailable on an I/O error.
+  // rewrites live data. Runs beside RocksDB's own compactions, so puts and
+  // deletes go on meanwhile. A block whose bytes went bad on disk fails the
+  // compaction that relocates it; the tier then scrubs (Verify: such blocks
+  // are dropped and counted in integrity_errors) and compacts again. (An
+  // automatic compaction that meets one does not stop writes either: the
+  // tier scrubs in the background, at most every ten minutes.)
+  // Unavailable on an I/O error; DataLoss when the compaction still fails
+  // after the scrub (corruption that is not in a block's bytes).
   virtual absl::Status Compact() = 0;
 
   // Persists read counts and recency and flushes the memtables: every block
@@ -301,11 +326,13 @@ class NvmeTier {
 // Opens (or creates) the tier at options.path and rebuilds its index from the
 // metadata records; blocks over capacity_bytes (the capacity shrank since the
 // last run) are evicted, least recently used first. `clock` paces write
-// resumption after errors; it must outlive the tier (nullptr means
+// resumption after errors and measures the age of unflushed writes
+// (max_unflushed_age); it must outlive the tier (nullptr means
 // SystemClock()).
 // Returns FailedPrecondition when capacity_bytes is 0 (the tier is disabled)
 // or the directory holds a database of another format; InvalidArgument for
-// an empty path; Unavailable when the directory cannot be created, opened or
+// an empty path or a max_unflushed_age or resume_stuck_after that is not
+// positive; Unavailable when the directory cannot be created, opened or
 // locked (e.g. read-only, or in use by another tier); DataLoss when RocksDB
 // finds the database corrupt.
 absl::StatusOr<std::unique_ptr<NvmeTier>> OpenNvmeTier(

@@ -521,6 +521,44 @@ TEST_F(NvmeTierTest, ByteFlippedInBlobFileIsDataLossAndDropped) {
   EXPECT_EQ(tier_->Stats().blocks, 7u);
 }
 
+// One corrupt blob must not cost the tier its writes. Compact's forced blob
+// garbage collection relocates every live blob, the corrupt one too, and
+// RocksDB fails that compaction with Corruption: a background error that
+// stops writes and that DB::Resume does not clear. The contract holds
+// anyway: the bad block is dropped and counted, and the tier writes again.
+TEST_F(NvmeTierTest, ACorruptBlobDoesNotStopWritesAfterACompaction) {
+  constexpr size_t kSize = 64 * kKiB;
+  Open();
+  for (int i = 0; i < 8; ++i) ASSERT_OK(Put(Key(i), Bytes(i, kSize)));
+  Close();
+  CorruptBlobBytes(Bytes(3, kSize));
+  Open();
+
+  // The compaction scrubs the bad block away and compacts again.
+  absl::Status compacted = tier_->Compact();
+  EXPECT_OK(compacted);
+  clock_.Advance(options_.resume_interval);
+  EXPECT_THAT(Put(Key(100), Bytes(100, kSize)),
+              IsOkAndHolds(NvmePutOutcome::kStored))
+      << "Compact returned " << compacted;
+  NvmeTierStats stats = tier_->Stats();
+  EXPECT_TRUE(stats.writable) << stats.write_error;
+  EXPECT_FALSE(tier_->Contains("ns", Key(3)));
+  EXPECT_EQ(stats.integrity_errors, 1u);
+  for (int i : {0, 1, 2, 4, 5, 6, 7, 100}) {
+    EXPECT_TRUE(ReadsBack(Key(i), Bytes(i, kSize))) << i;
+  }
+  // And the state lasts: a second compaction and a restart change nothing.
+  EXPECT_OK(tier_->Compact());
+  Close();
+  Open();
+  EXPECT_TRUE(tier_->Stats().writable);
+  EXPECT_FALSE(tier_->Contains("ns", Key(3)));
+  EXPECT_EQ(tier_->Stats().blocks, 8u);
+  EXPECT_THAT(Put(Key(101), Bytes(101, kSize)),
+              IsOkAndHolds(NvmePutOutcome::kStored));
+}
+
 TEST_F(NvmeTierTest, MultiReadMixesHitsMissesAndCorruptBlocks) {
   constexpr size_t kSize = 32 * kKiB;
   Open();
@@ -903,6 +941,66 @@ TEST_F(NvmeTierTest, CrashLosesOnlyUnflushedWritesWithoutWal) {
   }
 }
 
+// Without the WAL, what the memtables hold reaches the files once its
+// oldest write is max_unflushed_age old, though no memtable filled and
+// nothing called Flush: a crash then loses only the last seconds of writes.
+// That holds for the deletes of evictions as well as for puts.
+TEST_F(NvmeTierTest, CrashKeepsWritesOlderThanTheMaxUnflushedAge) {
+  constexpr size_t kSize = 16 * kKiB;
+  options_.capacity_bytes = 12 * Charge("ns", Key(0), kSize);
+  Open();
+  for (int i = 0; i < 10; ++i) ASSERT_OK(Put(Key(i), Bytes(i, kSize)));
+  ASSERT_OK(tier_->Flush());
+  const uint64_t flushed = tier_->Stats().disk_bytes;
+  // Five more: the tier evicts Key(0..2) to make room.
+  for (int i = 10; i < 15; ++i) ASSERT_OK(Put(Key(i), Bytes(i, kSize)));
+  ASSERT_EQ(tier_->Stats().evictions, 3u);
+
+  clock_.Advance(options_.max_unflushed_age);
+  // The flush shows in the live files (a new blob file and table file).
+  EXPECT_TRUE(Eventually([&] { return tier_->Stats().disk_bytes > flushed; }))
+      << "nothing was flushed " << options_.max_unflushed_age
+      << " after the writes";
+  const std::string image = options_.path + "-crash";
+  fs::copy(options_.path, image);
+  Close();
+
+  options_.path = image;
+  Open();
+  EXPECT_EQ(tier_->Stats().blocks, 12u);
+  for (int i = 0; i < 3; ++i) EXPECT_FALSE(tier_->Contains("ns", Key(i))) << i;
+  for (int i = 3; i < 15; ++i) {
+    EXPECT_TRUE(ReadsBack(Key(i), Bytes(i, kSize))) << i;
+  }
+  auto report = tier_->Verify();
+  ASSERT_OK(report);
+  EXPECT_EQ(report->blocks_checked, 12u);
+  EXPECT_EQ(report->orphans_dropped + report->missing_dropped +
+                report->corrupt_dropped,
+            0u);
+}
+
+// Delete (an operator's Evict) goes through the WAL: a deleted block does
+// not come back after a crash, however soon after the delete.
+TEST_F(NvmeTierTest, ADeletedBlockStaysDeletedAfterACrash) {
+  constexpr size_t kSize = 16 * kKiB;
+  Open();
+  for (int i = 0; i < 5; ++i) ASSERT_OK(Put(Key(i), Bytes(i, kSize)));
+  ASSERT_OK(tier_->Flush());
+  ASSERT_OK(tier_->Delete("ns", Key(1)));
+  const std::string image = options_.path + "-crash";
+  fs::copy(options_.path, image);
+  Close();
+
+  options_.path = image;
+  Open();
+  EXPECT_FALSE(tier_->Contains("ns", Key(1)));
+  EXPECT_EQ(tier_->Stats().blocks, 4u);
+  for (int i : {0, 2, 3, 4}) {
+    EXPECT_TRUE(ReadsBack(Key(i), Bytes(i, kSize))) << i;
+  }
+}
+
 TEST_F(NvmeTierTest, CompactReclaimsSpaceOfDeletedBlocks) {
   constexpr size_t kSize = 64 * kKiB;
   Open();
@@ -920,6 +1018,58 @@ TEST_F(NvmeTierTest, CompactReclaimsSpaceOfDeletedBlocks) {
   Open();
   EXPECT_EQ(tier_->Stats().blocks, 1u);
   EXPECT_TRUE(ReadsBack(Key(0), Bytes(0, kSize)));
+}
+
+// An operator's Compact runs beside RocksDB's own compactions. Here it is
+// held at its first output file while puts and flushes make more level-0
+// files than RocksDB's write stop (level0_stop_writes_trigger, 36): the
+// automatic compactions must go on meanwhile, or every put (a demotion)
+// waits in RocksDB until the admin compaction ends.
+TEST_F(NvmeTierTest, PutsGoOnWhileACompactRuns) {
+  constexpr size_t kSize = 1 * kKiB;  // inline: each flush makes one table
+  constexpr int kFlushes = 45;
+  options_.max_background_jobs = 4;  // two compactions at a time
+  Open();
+  for (int i = 0; i < 3; ++i) ASSERT_OK(Put(Key(i), Bytes(i, kSize)));
+  ASSERT_OK(tier_->Flush());
+
+  fault_fs_->HoldNextTableFile();
+  absl::Notification puts_done;
+  struct Cleanup {  // whatever fails below, nothing stays held
+    FaultInjectionFileSystem* fs;
+    std::vector<std::thread>* threads;
+    ~Cleanup() {
+      fs->ReleaseNextTableFile();
+      for (std::thread& t : *threads) t.join();
+    }
+  };
+  std::vector<std::thread> threads;
+  Cleanup cleanup{fault_fs_.get(), &threads};
+  absl::Status compacted;
+  threads.emplace_back([&] { compacted = tier_->Compact(); });
+  ASSERT_TRUE(Eventually([&] { return fault_fs_->held_creations() == 1; }));
+
+  std::atomic<int> failed{0};
+  threads.emplace_back([&] {
+    for (int i = 3; i < 3 + kFlushes; ++i) {
+      if (!Put(Key(i), Bytes(i, kSize)).ok()) ++failed;
+      if (!tier_->Flush().ok()) ++failed;
+    }
+    puts_done.Notify();
+  });
+  // A bound against a hang, not a speed test: the puts take well under a
+  // second unless they stall.
+  EXPECT_TRUE(puts_done.WaitForNotificationWithTimeout(absl::Seconds(60)))
+      << "puts stalled behind the held compaction";
+  EXPECT_EQ(fault_fs_->held_creations(), 1) << "the compaction went on";
+  fault_fs_->ReleaseNextTableFile();
+  for (std::thread& t : threads) t.join();
+  threads.clear();
+  EXPECT_EQ(failed.load(), 0);
+  EXPECT_OK(compacted);
+  for (int i = 0; i < 3 + kFlushes; ++i) {
+    EXPECT_TRUE(ReadsBack(Key(i), Bytes(i, kSize))) << i;
+  }
 }
 
 TEST_F(NvmeTierTest, ConcurrentPutsReadsAndDeletes) {
@@ -1084,6 +1234,10 @@ TEST_F(NvmeTierTest, OpenRefusesDisabledBadAndLockedTiers) {
   no_path.path = "";
   EXPECT_THAT(OpenNvmeTier(no_path, &clock_),
               StatusIs(Code::kInvalidArgument));
+  NvmeTierOptions no_age = options_;
+  no_age.max_unflushed_age = absl::ZeroDuration();
+  EXPECT_THAT(OpenNvmeTier(no_age, &clock_), StatusIs(Code::kInvalidArgument));
+  EXPECT_FALSE(fs::exists(options_.path));
 
   // Parents are created; a second opener of the same directory is refused
   // with a message naming it.

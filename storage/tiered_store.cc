@@ -348,7 +348,10 @@ class TieredStoreImpl final : public TieredStore {
       slot.key = std::string(b.key);
       slot.parent = std::string(b.parent);
       slot.size = b.size;
-      if (index_.Find(BlockIndex::MakeKey(ns_id, b.key), false)) {
+      // Put-if-absent across the tiers: a block only on NVMe is stored too
+      // (its in-memory index answers; no disk access).
+      if (index_.Find(BlockIndex::MakeKey(ns_id, b.key), false) ||
+          (nvme_ != nullptr && nvme_->Contains(ns, b.key))) {
         slot.exists = true;
         out.slots[i].exists = true;
         continue;
@@ -473,7 +476,12 @@ class TieredStoreImpl final : public TieredStore {
         info->charged.fetch_sub(slot.size);
         continue;
       }
-      if (!Publish(*info, slot, checksums[i], seq)) {
+      // Stored by another writer since BeginPut: in DRAM (Publish refuses
+      // then), or already demoted to NVMe (and gone from DRAM). Checked
+      // just before publishing, so the window left is a twin's demotion
+      // ending between the two calls.
+      if ((nvme_ != nullptr && nvme_->Contains(info->name, slot.key)) ||
+          !Publish(*info, slot, checksums[i], seq)) {
         outcomes[i] = CommitOutcome::kAlreadyExists;  // a racing writer won
         FreeSlot(slot);
         info->charged.fetch_sub(slot.size);
@@ -1455,6 +1463,7 @@ absl::StatusOr<std::unique_ptr<TieredStore>> NewTieredStore(
     o.capacity_bytes = options.nvme_capacity;
     o.max_block_bytes = std::min<uint64_t>(options.max_block_bytes, o.capacity_bytes);
     o.use_wal = options.nvme_use_wal;
+    o.max_unflushed_age = options.nvme_max_unflushed_age;
     o.write_buffer_size = options.nvme_write_buffer_size;
     ASSIGN_OR_RETURN(nvme, OpenNvmeTier(o, clock));
   }

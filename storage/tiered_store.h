@@ -76,6 +76,9 @@ struct StoreOptions {
   std::string nvme_path;
   uint64_t nvme_capacity = 0;
   bool nvme_use_wal = false;
+  // Without the WAL, blocks demoted to NVMe reach its files (survive a
+  // crash) within about this long (NvmeTierOptions::max_unflushed_age).
+  absl::Duration nvme_max_unflushed_age = absl::Seconds(5);
   // Admission: 0 writes every block leaving DRAM to NVMe; N > 0 only those
   // looked up at least N times while in DRAM (spares flash endurance).
   uint32_t nvme_admit_min_reads = 0;
@@ -267,7 +270,8 @@ class TieredStore {
   // Unpin(kInternalSession, pin). Errors as Unpin's.
   virtual absl::Status HandOverPin(SessionId session, PinId pin) = 0;
 
-  // Reserves DRAM space for `blocks` (EXISTS for stored keys). Evicts as
+  // Reserves DRAM space for `blocks` (EXISTS for keys stored in either
+  // tier: a block kept only on NVMe is stored, put-if-absent). Evicts as
   // needed; ResourceExhausted when nothing evictable makes room (nothing is
   // reserved then). InvalidArgument for bad keys, sizes (0 or above
   // max_block_bytes) or batch size; FailedPrecondition while draining.
@@ -287,7 +291,8 @@ class TieredStore {
   virtual absl::StatusOr<std::unique_ptr<SlotHandle>> AcquireSlot(
       SessionId session, ReservationId id, uint32_t slot) = 0;
   // Verifies and publishes every non-EXISTS slot; `checksums` has one entry
-  // per block of the BeginPut. The reservation ends either way (slots that
+  // per block of the BeginPut. A slot whose key was stored meanwhile (in
+  // DRAM, or already demoted to NVMe) is kAlreadyExists and not published. The reservation ends either way (slots that
   // fail are freed). InvalidArgument for an unknown reservation or a wrong
   // number of checksums (the reservation then stays open).
   virtual absl::StatusOr<std::vector<CommitOutcome>> CommitPut(

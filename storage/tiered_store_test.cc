@@ -809,6 +809,7 @@ class TieredStoreNvmeTest : public ::testing::Test {
     PutSpec spec{key, parent, bytes.size()};
     auto r = store_->BeginPut(sid_, "ns", {&spec, 1});
     ASSERT_OK(r);
+    if (r->slots[0].exists) return;  // stored already, in either tier
     {
       auto slot = store_->AcquireSlot(sid_, r->id, 0);
       ASSERT_OK(slot);
@@ -1156,7 +1157,9 @@ TEST_F(TieredStoreNvmeTest, DemotedBlocksKeepTheirParentKeys) {
 TEST_F(TieredStoreNvmeTest, EvictRemovesBlocksFromBothTiers) {
   for (int i = 0; i < 4; ++i) Put("e" + std::to_string(i), Block(i));
   ASSERT_OK(store_->PersistDram());
-  Put("e0", Block(0));  // back in DRAM too
+  PinId pin = 0;
+  ASSERT_TRUE(Look("e0", true, &pin).found);  // back in DRAM too (promoted)
+  ASSERT_OK(store_->Unpin(sid_, pin));
   std::vector<absl::string_view> keys = {"e0", "e1", "missing"};
   auto ev = store_->Evict("ns", keys, false);
   ASSERT_OK(ev);
@@ -1168,6 +1171,97 @@ TEST_F(TieredStoreNvmeTest, EvictRemovesBlocksFromBothTiers) {
   ASSERT_OK(all);
   EXPECT_EQ(all->evicted_blocks, 2u);
   EXPECT_EQ(store_->Stats().nvme.blocks, 0u);
+}
+
+// An operator's Evict is durable at once: a crash right after it (the
+// files as kill -9 leaves them) does not bring the blocks back from NVMe.
+TEST_F(TieredStoreNvmeTest, EvictedBlocksStayGoneAfterACrash) {
+  for (int i = 0; i < 3; ++i) Put("e" + std::to_string(i), Block(i));
+  ASSERT_OK(store_->PersistDram());
+  std::vector<absl::string_view> keys = {"e1"};
+  auto ev = store_->Evict("ns", keys, false);
+  ASSERT_OK(ev);
+  EXPECT_EQ(ev->evicted_blocks, 1u);
+  const std::string image = dir_ + "/crash";
+  std::filesystem::copy(dir_ + "/nvme", image);
+  NvmeTierOptions o;
+  o.path = image;
+  o.capacity_bytes = 64 << 20;
+  auto tier = OpenNvmeTier(o, &clock_);
+  ASSERT_OK(tier);
+  EXPECT_FALSE((*tier)->Contains("ns", "e1"));
+  EXPECT_TRUE((*tier)->Contains("ns", "e0"));
+  EXPECT_TRUE((*tier)->Contains("ns", "e2"));
+}
+
+// Put-if-absent holds across the tiers: a key kept only on NVMe is stored,
+// so a second put of it writes nothing, even with other bytes (which only
+// a broken client sends), and every lookup reports the first bytes.
+TEST_F(TieredStoreNvmeTest, APutOfAKeyOnlyOnNvmeFindsItStored) {
+  const std::string a = Block(0), b = Block(1);
+  Put("k", a);
+  ASSERT_OK(store_->PersistDram());  // "k" only on NVMe now
+  PutSpec spec{"k", "", b.size()};
+  auto r = store_->BeginPut(sid_, "ns", {&spec, 1});
+  ASSERT_OK(r);
+  EXPECT_TRUE(r->slots[0].exists);
+  EXPECT_EQ(r->id, 0u);
+  if (!r->slots[0].exists) {  // went on as a client would: write b
+    {
+      auto slot = store_->AcquireSlot(sid_, r->id, 0);
+      ASSERT_OK(slot);
+      std::memcpy((*slot)->bytes().data(), b.data(), b.size());
+    }
+    uint64_t sum = BlockChecksum(b);
+    ASSERT_OK(store_->CommitPut(sid_, r->id, {&sum, 1}));
+  }
+  const uint64_t sum_a = BlockChecksum(a);
+  EXPECT_EQ(Look("k", false).checksum, sum_a);
+  PinId pin = 0;
+  LookupEntry e = Look("k", true, &pin);
+  ASSERT_TRUE(e.found);
+  EXPECT_EQ(e.checksum, sum_a);
+  EXPECT_TRUE(Bytes(e) == a);
+  ASSERT_OK(store_->Unpin(sid_, pin));
+  ASSERT_OK(store_->PersistDram());
+  EXPECT_EQ(Look("k", false).checksum, sum_a);
+  e = Look("k", true, &pin);
+  ASSERT_TRUE(e.found);
+  EXPECT_EQ(e.checksum, sum_a);
+  EXPECT_TRUE(Bytes(e) == a);
+  ASSERT_OK(store_->Unpin(sid_, pin));
+  EXPECT_EQ(store_->Stats().puts, 1u);
+}
+
+// The key may reach NVMe between BeginPut and CommitPut (another writer
+// stored it, and it was demoted and left DRAM): CommitPut then finds it
+// stored and publishes nothing.
+TEST_F(TieredStoreNvmeTest, ACommitOfAKeyDemotedMeanwhileFindsItStored) {
+  const std::string a = Block(0), b = Block(1);
+  PutSpec spec{"k", "", b.size()};
+  auto r = store_->BeginPut(sid_, "ns", {&spec, 1});
+  ASSERT_OK(r);
+  ASSERT_FALSE(r->slots[0].exists);
+  {
+    auto slot = store_->AcquireSlot(sid_, r->id, 0);
+    ASSERT_OK(slot);
+    std::memcpy((*slot)->bytes().data(), b.data(), b.size());
+  }
+  Put("k", a);                       // the other writer
+  ASSERT_OK(store_->PersistDram());  // "k" only on NVMe now
+  const uint64_t sum_b = BlockChecksum(b);
+  auto c = store_->CommitPut(sid_, r->id, {&sum_b, 1});
+  ASSERT_OK(c);
+  EXPECT_EQ((*c)[0], CommitOutcome::kAlreadyExists);
+  const uint64_t sum_a = BlockChecksum(a);
+  EXPECT_EQ(Look("k", false).checksum, sum_a);
+  PinId pin = 0;
+  LookupEntry e = Look("k", true, &pin);
+  ASSERT_TRUE(e.found);
+  EXPECT_EQ(e.checksum, sum_a);
+  EXPECT_TRUE(Bytes(e) == a);
+  ASSERT_OK(store_->Unpin(sid_, pin));
+  EXPECT_EQ(store_->Stats().reserved_bytes, 0u);
 }
 
 TEST_F(TieredStoreNvmeTest, AdmissionByReadsSparesColdBlocks) {
