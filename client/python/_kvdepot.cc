@@ -856,6 +856,14 @@ void ValidateNames(const std::string& ns, const std::vector<std::string>& keys) 
 
 // The Client binding: one libkvdepot Client (thread-safe; Python threads may
 // share it).
+bool InterpreterFinalizing() {
+#if PY_VERSION_HEX >= 0x030D0000
+  return Py_IsFinalizing();
+#else
+  return _Py_IsFinalizing();
+#endif
+}
+
 class PyClient {
  public:
   PyClient(const std::string& server, double timeout_s, double lease_s,
@@ -875,7 +883,16 @@ class PyClient {
     auto registered = std::make_shared<std::vector<Memory>>();
     registered_ = registered.get();
     client_ = std::shared_ptr<Client>(client.release(), [registered](Client* c) {
-      delete c;
+      // ~Client closes the session (an RPC, up to a few seconds with a
+      // daemon that does not answer) and stops the UCX workers: without the
+      // GIL, whoever drops the last reference (del, the garbage collector),
+      // except while the interpreter shuts down.
+      if (PyGILState_Check() && !InterpreterFinalizing()) {
+        py::gil_scoped_release nogil;
+        delete c;
+      } else {
+        delete c;
+      }
       py::gil_scoped_acquire gil;
       registered->clear();
     });

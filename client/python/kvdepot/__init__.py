@@ -463,16 +463,18 @@ class KvCacheStore:
         return KvShim.for_device(device)  # one instance per library
 
     @staticmethod
-    def _stream_of(caches: Sequence[Any]) -> Optional[int]:
-        """The caller's current CUDA stream on the caches' device (None for
-        host caches: the default stream / no stream)."""
+    def _stream_of(caches: Sequence[Any]) -> Any:
+        """The caller's current CUDA stream on the caches' device, as a
+        torch.cuda.Stream (which knows its device: the default stream's
+        handle alone would name the current device's); None for host
+        caches."""
         t = caches[0] if caches else None
         dev = getattr(t, "device", None)
         if dev is None or dev.type != "cuda":
             return None
         import torch
 
-        return int(torch.cuda.current_stream(dev).cuda_stream)
+        return torch.cuda.current_stream(dev)
 
     def _batches(self, n: int) -> List[Tuple[int, int]]:
         """[lo, hi) ranges splitting n blocks into up to pipeline_batches

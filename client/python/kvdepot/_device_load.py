@@ -67,7 +67,7 @@ class DeviceLoad:
         self._hits: List[int] = []
         self._arrived = False
         self._layers = 0  # layers [0, _layers) of every hit are enqueued
-        self._stream: Optional[int] = None
+        self._stream: Any = None  # a torch.cuda.Stream
         self._enqueued_any = False
         self._synced = False
         self._ops: List[Tuple[int, Any]] = []

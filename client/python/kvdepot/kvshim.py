@@ -553,14 +553,26 @@ class KvShim:
 
     def synchronize(self, stream: Any = None) -> None:
         """Waits for the work on ``stream`` (default: torch's current
-        stream where torch is loaded, else the legacy default stream);
+        stream where torch is loaded, else the legacy default stream; a
+        ``torch.cuda.Stream`` is waited for on its own device);
         raises the device's error if any of it failed. Returns at once in
         the cpu library."""
         handle = None
+        device = None
         if self.backend == "cuda":
             if stream is None and "torch" in sys.modules:
                 stream = sys.modules["torch"].cuda.current_stream()
             handle = None if stream is None else self._stream_handle(stream, None)
+            # A torch.cuda.Stream knows its GPU. Its default stream is the
+            # handle 0, the legacy default stream of whichever GPU is
+            # current: make it the stream's, or this would wait on another.
+            device = getattr(stream, "device", None)
+        if device is not None:
+            import torch
+
+            with torch.cuda.device(device):
+                self._call(self._lib.kvdepot_kv_synchronize, handle)
+            return
         self._call(self._lib.kvdepot_kv_synchronize, handle)
 
     def current_device(self) -> int:

@@ -482,6 +482,16 @@ class AsyncTransferTest(StoppableDaemonTestCase):
             lambda: self.client.put_async(NS, [key(50)], [blocks[0]]))
         self.assertEqual((op.ok(), op.transport()), ([True], "grpc"))
 
+    def test_dropping_a_client_releases_the_gil(self):
+        # Its destructor closes the session: an RPC that waits for the daemon.
+        other = kvdepot.Client(self.daemon.address, timeout_s=5)
+        other.ensure_session()
+        held = [other]
+        del other
+        self.stop_daemon()
+        self.continue_daemon_after(0.3)
+        self.runs_without_the_gil(held.clear)
+
     def test_put_async_from_plain_buffers_takes_grpc(self):
         data = [bytes([i]) * 100 for i in range(2)]
         op = self.client.put_async(NS, [key(1), key(2)], data)

@@ -14,11 +14,13 @@ Run by ctest (python_kvshim_test) with PYTHONPATH=<build>/python. Exits 77
 without torch, the daemon case without KVDEPOT_DAEMON.
 """
 
+import contextlib
 import os
 import subprocess
 import sys
 import types
 import unittest
+from unittest import mock
 
 try:
     import numpy as np
@@ -503,6 +505,38 @@ class CudaLibraryWithoutGpuTest(unittest.TestCase):
             shim.gather(layout, on0, [0], [FakeTensor("cuda", 1, layout.object_bytes)])
         with self.assertRaisesRegex(ValueError, r"objects\[0\] is a tensor on mps"):
             shim.scatter(layout, on0, [0], [FakeTensor("mps", 0, layout.object_bytes)])
+
+    def test_a_streams_device_is_current_while_it_is_synchronized(self):
+        # The default stream of cuda:1 is the handle 0: the legacy default
+        # stream of whichever device is current. With cuda:0 current, the
+        # library must still wait on cuda:1's.
+        shim = KvShim(self.path)
+        current = [0]
+        seen = []
+
+        class FakeCuda:
+            @staticmethod
+            @contextlib.contextmanager
+            def device(d):
+                before, current[0] = current[0], d
+                try:
+                    yield
+                finally:
+                    current[0] = before
+
+        class Stream:
+            device = 1
+            cuda_stream = 0
+
+        def synchronize(handle, err, cap):
+            seen.append((handle, current[0]))
+            return 0
+
+        shim._lib = types.SimpleNamespace(kvdepot_kv_synchronize=synchronize)
+        with mock.patch.dict(sys.modules, {"torch": types.SimpleNamespace(cuda=FakeCuda)}):
+            shim.synchronize(Stream())
+        self.assertEqual(seen, [(None, 1)])
+        self.assertEqual(current[0], 0)
 
 
 if __name__ == "__main__":
