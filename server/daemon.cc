@@ -243,11 +243,13 @@ void Daemon::Shutdown() {
     // requests go over UCX has no call in flight to read its socket), which
     // made SIGTERM take the whole second.
     drain([this] { return service_->active_calls(); });
+    // Calls still waiting on UCX transfers end now (their transfers are
+    // cancelled): before gRPC's Shutdown, which waits for every call to
+    // finish (cancelling one does not finish it) -- until the transfer's
+    // deadline, ucx_transfer_timeout, when this came after it.
+    if (data_plane_ != nullptr) data_plane_->Close();
     server_->Shutdown(std::chrono::system_clock::now() +
                       std::chrono::milliseconds(50));
-    // Calls still waiting on UCX transfers end now (their transfers are
-    // cancelled), so Wait does not wait for a transfer deadline.
-    if (data_plane_ != nullptr) data_plane_->Close();
     server_->Wait();
     // Requests over UCX still in flight end soon (Close ended their
     // transfers; a lookup may still be promoting from NVMe). Their answers
