@@ -739,7 +739,7 @@ absl::StatusOr<std::vector<bool>> Client::GetInto(
 
 absl::StatusOr<std::vector<bool>> Client::GetIntoGrpc(
     absl::string_view ns, absl::Span<const absl::string_view> keys,
-    absl::Span<const absl::Span<char>> dst) {
+    absl::Span<const absl::Span<char>> dst, bool prefix) {
   if (keys.size() != dst.size()) {
     return absl::InvalidArgumentError(absl::StrCat(
         "GetInto: ", keys.size(), " keys but ", dst.size(), " buffers"));
@@ -749,8 +749,8 @@ absl::StatusOr<std::vector<bool>> Client::GetIntoGrpc(
   RETURN_IF_ERROR(ValidateNamespace(ns));
   for (absl::string_view k : keys) RETURN_IF_ERROR(ValidateKey(k));
   // Pin, so that nothing found here is evicted before the Read reaches it.
-  ASSIGN_OR_RETURN(LookupReply found, Lookup(ns, keys, /*prefix=*/false,
-                                             /*pin=*/true));
+  // A prefix lookup finds nothing after the first miss: nothing is read there.
+  ASSIGN_OR_RETURN(LookupReply found, Lookup(ns, keys, prefix, /*pin=*/true));
   absl::Status st = ReadInto(ns, keys, dst, found);
   if (found.pin_id != 0) {
     // A failed unpin only holds the blocks until the session ends.
@@ -1152,7 +1152,7 @@ TransferOp Client::GetIntoAsync(absl::string_view ns,
   if (!target.ok()) {
     // The gRPC byte path, done here.
     auto state = std::make_shared<TransferOp::State>(keys.size(), "grpc");
-    absl::StatusOr<std::vector<bool>> filled = GetIntoGrpc(ns, keys, dst);
+    absl::StatusOr<std::vector<bool>> filled = GetIntoGrpc(ns, keys, dst, prefix);
     bool open = true;
     for (size_t i = 0; i < keys.size(); ++i) {
       if (!filled.ok()) {

@@ -313,9 +313,11 @@ class Client {
   // The gRPC byte path of Put and GetInto.
   absl::StatusOr<std::vector<PutResult>> PutGrpc(absl::string_view ns,
                                                  absl::Span<const BlockToPut> blocks);
+  // With `prefix`, only the blocks before the first miss are read (a miss
+  // leaves its buffer, and every one after it, untouched).
   absl::StatusOr<std::vector<bool>> GetIntoGrpc(
       absl::string_view ns, absl::Span<const absl::string_view> keys,
-      absl::Span<const absl::Span<char>> dst);
+      absl::Span<const absl::Span<char>> dst, bool prefix = false);
   // GetInto's Read stream: fills dst[i] for every entry `found` marks found.
   absl::Status ReadInto(absl::string_view ns,
                         absl::Span<const absl::string_view> keys,

@@ -406,6 +406,18 @@ class AsyncTransferTest(StoppableDaemonTestCase):
         self.assertEqual(op.ok_prefix(), 1)
         self.assertTrue((dst[1] == 0xAB).all())
 
+    def test_prefix_over_grpc_writes_nothing_from_the_first_miss_on(self):
+        keys, _ = self.stored(0, 2)
+        # Not registered: the gRPC byte path.
+        dst = [np.full(self.SIZE, 0xAB, np.uint8) for _ in range(3)]
+        op = self.client.get_into_async(NS, [keys[0], key(99), keys[1]], dst,
+                                        prefix=True)
+        self.assertTrue(op.wait())
+        self.assertEqual(op.transport(), "grpc")
+        self.assertEqual(op.ok(), [True, False, False])
+        self.assertTrue((dst[1] == 0xAB).all())
+        self.assertTrue((dst[2] == 0xAB).all(), "a block after the miss was written")
+
     def test_many_ops_in_flight_waited_in_reverse_order(self):
         n_ops, per_op, size = 6, 3, 64 << 10
         keys, blocks = self.stored(0, n_ops * per_op, size)
