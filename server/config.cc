@@ -141,6 +141,7 @@ absl::Status LoadConfigFile(const std::string& path, DaemonConfig* c) {
       {"dram_prefault", bool_into(&c->store.prefault_dram)},
       {"nvme_capacity", size_into(&c->store.nvme_capacity)},
       {"nvme_wal", bool_into(&c->store.nvme_use_wal)},
+      {"nvme_max_unflushed_age", duration_into(&c->store.nvme_max_unflushed_age)},
       {"nvme_admission",
        [c](const std::string& v) -> absl::Status {
          absl::StatusOr<uint32_t> n = ParseAdmission(v);
@@ -250,6 +251,9 @@ absl::Status ValidateConfig(const DaemonConfig& c) {
   }
   if (c.ucx_colocated_workers < 0 || c.ucx_colocated_workers > 4096) {
     return absl::InvalidArgumentError("ucx_colocated_workers must be 0..4096");
+  }
+  if (c.store.nvme_max_unflushed_age < absl::Milliseconds(100)) {
+    return absl::InvalidArgumentError("nvme_max_unflushed_age must be at least 100ms");
   }
   if (c.ucx_transfer_timeout < absl::Milliseconds(100)) {
     return absl::InvalidArgumentError("ucx_transfer_timeout must be at least 100ms");

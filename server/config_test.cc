@@ -77,6 +77,7 @@ TEST(ConfigFileTest2, ShippedExampleMatchesTheDefaults) {
   EXPECT_EQ(from_file.store.prefault_dram, defaults.store.prefault_dram);
   EXPECT_EQ(from_file.store.nvme_capacity, defaults.store.nvme_capacity);
   EXPECT_EQ(from_file.store.nvme_use_wal, defaults.store.nvme_use_wal);
+  EXPECT_EQ(from_file.store.nvme_max_unflushed_age, defaults.store.nvme_max_unflushed_age);
   EXPECT_EQ(from_file.store.nvme_admit_min_reads, defaults.store.nvme_admit_min_reads);
   EXPECT_EQ(from_file.persist_on_shutdown, defaults.persist_on_shutdown);
   EXPECT_EQ(from_file.store.high_watermark, defaults.store.high_watermark);
@@ -149,6 +150,15 @@ TEST(ValidateConfigTest, ChecksCrossFieldRules) {
   EXPECT_THAT(ValidateConfig(c), StatusIs(absl::StatusCode::kInvalidArgument));
   c = DaemonConfig{};
   c.store.dram_capacity = 1000;
+  EXPECT_THAT(ValidateConfig(c), StatusIs(absl::StatusCode::kInvalidArgument));
+}
+
+TEST_F(ConfigFileTest, NvmeMaxUnflushedAgeIsReadAndChecked) {
+  DaemonConfig c;
+  ASSERT_OK(LoadConfigFile(Write("nvme_max_unflushed_age: 2s\n"), &c));
+  EXPECT_EQ(c.store.nvme_max_unflushed_age, absl::Seconds(2));
+  EXPECT_OK(ValidateConfig(c));
+  c.store.nvme_max_unflushed_age = absl::ZeroDuration();
   EXPECT_THAT(ValidateConfig(c), StatusIs(absl::StatusCode::kInvalidArgument));
 }
 
