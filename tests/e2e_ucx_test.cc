@@ -176,6 +176,18 @@ class UcxE2eTest : public ::testing::TestWithParam<std::string> {
     return c.ok() ? *std::move(c) : nullptr;
   }
 
+  // A client of daemon_ that gives a transfer 200 ms and waits 2 s for the
+  // daemon's answer: a daemon stopped for longer fails its calls.
+  absl::StatusOr<std::unique_ptr<Client>> ImpatientClient() {
+    ClientOptions options;
+    options.server = daemon_->address();
+    options.lease = absl::Seconds(60);
+    options.ucx.clear();  // from the environment
+    options.transfer_timeout = absl::Milliseconds(200);
+    options.rpc_timeout = absl::Seconds(2);  // the client's wait
+    return Client::Connect(options);
+  }
+
   v1::StatsResponse Stats() {
     absl::StatusOr<v1::StatsResponse> s = client_->Stats();
     EXPECT_OK(s.status());
@@ -376,13 +388,7 @@ TEST_P(UcxE2eTest, NoInPlaceCopyStartsAfterTheClientGaveUp) {
     GTEST_SKIP() << "the daemon copies in place only into a co-located "
                     "client's shared memory";
   }
-  ClientOptions options;
-  options.server = daemon_->address();
-  options.lease = absl::Seconds(60);
-  options.ucx.clear();  // from the environment
-  options.transfer_timeout = absl::Milliseconds(200);
-  options.rpc_timeout = absl::Seconds(2);  // the client's wait
-  absl::StatusOr<std::unique_ptr<Client>> c = Client::Connect(options);
+  absl::StatusOr<std::unique_ptr<Client>> c = ImpatientClient();
   ASSERT_OK(c.status());
   absl::StatusOr<absl::Span<char>> buf = (*c)->AllocateBuffer(3 * kBlock);
   ASSERT_OK(buf.status());
@@ -442,13 +448,7 @@ TEST_P(UcxE2eTest, APinIsReleasedInItsOwnSessionAfterTheClientMovedOn) {
   // leave that session for a new one, while the daemon keeps the old
   // session, and the pins taken in it, until it ends. Unpin must still
   // release such a pin: it names the pin's session, not the current one.
-  ClientOptions options;
-  options.server = daemon_->address();
-  options.lease = absl::Seconds(60);
-  options.ucx.clear();  // from the environment
-  options.transfer_timeout = absl::Milliseconds(200);
-  options.rpc_timeout = absl::Seconds(2);  // the client's wait
-  absl::StatusOr<std::unique_ptr<Client>> c = Client::Connect(options);
+  absl::StatusOr<std::unique_ptr<Client>> c = ImpatientClient();
   ASSERT_OK(c.status());
   // Registered, not UCX-allocated: the daemon's UCX writes into it, so a
   // failed get may land late and the client moves to a new session.
