@@ -19,6 +19,7 @@ try:
         block_hashes,
         encode_block,
         hash_block,
+        model_label,
         parents_of,
     )
 except ImportError as e:  # pragma: no cover
@@ -112,6 +113,27 @@ class ChainTest(unittest.TestCase):
                 [sys.executable, "-c", code], capture_output=True, text=True,
                 check=True, env={**os.environ, "PYTHONHASHSEED": seed})
             self.assertEqual(out.stdout.strip(), mine)
+
+
+class ModelLabelTest(unittest.TestCase):
+    def test_clean_names_are_kept(self):
+        # Namespaces of names a namespace can hold as they are do not move.
+        self.assertEqual(model_label("vllm", "meta-llama/Llama-3-8B", "tp0of1"),
+                         "vllm/meta-llama/Llama-3-8B/tp0of1")
+
+    def test_names_that_read_alike_once_cleaned_stay_apart(self):
+        labels = {
+            model_label("vllm", name, "tp0of1")
+            for name in ("llama 3", "llama#3", "llama-3", "/models/x", "models/x",
+                         "models/x/", "", "-")
+        }
+        self.assertEqual(len(labels), 8, labels)
+
+    def test_long_names_are_cut_and_stay_apart(self):
+        a = model_label("m" * 200 + "a")
+        b = model_label("m" * 200 + "b")
+        self.assertLessEqual(max(len(a), len(b)), 100)
+        self.assertNotEqual(a, b)
 
 
 if __name__ == "__main__":

@@ -135,11 +135,17 @@ _BAD_CHARS = re.compile(r"[^A-Za-z0-9._:/@+=-]+")
 
 def model_label(*parts: object, max_len: int = 100) -> str:
     """A model name for :meth:`kvdepot.KvLayout.namespace_for` made of
-    ``parts`` joined by ``/``: characters a namespace may not hold become
-    ``-``; a result longer than ``max_len`` is cut and suffixed with a hash of
-    the whole, so distinct inputs stay distinct."""
-    text = "/".join(_BAD_CHARS.sub("-", str(p)).strip("/") or "-" for p in parts)
-    if len(text) > max_len:
-        digest = hashlib.sha256(text.encode()).hexdigest()[:12]
+    ``parts`` joined by ``/``. Parts a namespace can hold as they are
+    (``A-Za-z0-9._:/@+=-``, no leading or trailing ``/``) are kept; if any
+    part had to change (characters a namespace may not hold become ``-``,
+    outer ``/`` go), or the result is longer than ``max_len``, it is
+    suffixed (cut first, if need be) with a hash of the parts as given. So
+    distinct inputs stay distinct: two models never share a namespace
+    because their names read alike once cleaned ("llama 3", "llama#3")."""
+    given = [str(p) for p in parts]
+    clean = [_BAD_CHARS.sub("-", p).strip("/") or "-" for p in given]
+    text = "/".join(clean)
+    if clean != given or len(text) > max_len:
+        digest = hashlib.sha256("\0".join(given).encode()).hexdigest()[:12]
         text = text[: max_len - 13] + "=" + digest
     return text
