@@ -4,6 +4,7 @@
 #include <atomic>
 #include <cstring>
 #include <limits>
+#include <optional>
 #include <thread>
 #include <utility>
 
@@ -19,9 +20,11 @@
 #include "rocksdb/env.h"
 #include "rocksdb/listener.h"
 #include "rocksdb/options.h"
+#include "rocksdb/snapshot.h"
 #include "rocksdb/write_batch.h"
 #include "storage/block_key.h"
 #include "storage/checksum.h"
+#include "storage/internal/sync_point.h"
 #include "storage/rocksdb_crc32c.h"
 #include "storage/rocksdb_status.h"
 #include "storage/status_macros.h"
@@ -85,8 +88,6 @@ constexpr char kDataPrefix = 'd';
 constexpr char kFormat1MetaFamily[] = "meta";
 constexpr uint8_t kMetaRecordVersion = 1;
 constexpr size_t kMetaFixedBytes = 1 + 8 + 8 + 8 + 4 + 2;
-// Verify deletes what it finds in batches of this many blocks.
-constexpr size_t kScrubDeleteBatch = 256;
 // Puts and deletes between two checks of the blob garbage ratio.
 constexpr uint64_t kGcCheckInterval = 64;
 // Most forced-GC passes one Compact makes (see Compact).
@@ -397,6 +398,10 @@ class NvmeTierImpl final : public NvmeTier {
   // Deletes the records, then erases the entries (whatever the outcome: a
   // dropped block is never served again by this process).
   void DeleteAndErase(absl::Span<const Retired> retired);
+  // Whether the snapshot (or the present) that `ro` reads holds a valid
+  // metadata record for `id`. A failed read counts as one: Verify deletes
+  // nothing on a doubt.
+  bool HasMetaAt(const rocksdb::ReadOptions& ro, const std::string& id);
   // Takes a block whose read failed out of service, if `generation` is still
   // the stored one. Returns true if it did.
   bool DropBlock(const std::string& id, uint64_t generation,
@@ -975,6 +980,15 @@ void NvmeTierImpl::DeleteAndErase(absl::Span<const Retired> retired) {
   EraseRetiredLocked(retired);
 }
 
+bool NvmeTierImpl::HasMetaAt(const rocksdb::ReadOptions& ro,
+                             const std::string& id) {
+  std::string value;
+  rocksdb::Status s = db_->Get(ro, MetaKey(id), &value);
+  if (s.IsNotFound()) return false;
+  MetaRecord record;
+  return !s.ok() || DecodeMeta(value, &record);
+}
+
 void NvmeTierImpl::NoteWriteFailure(const rocksdb::Status& s) {
   {
     absl::MutexLock lock(&mu_);
@@ -1290,6 +1304,13 @@ std::vector<absl::Status> NvmeTierImpl::MultiRead(
   }
   std::vector<PlannedRead> planned;
   planned.reserve(requests.size());
+  // What the reads see: the database as it was while they were planned.
+  // Taken under mu_, where every planned entry is kStored, so it holds their
+  // records; a delete and re-put of one of them before the reads (other
+  // bytes or size under the same key) does not change what they read, and
+  // its bytes are never checked against the old checksum (a false
+  // integrity error).
+  std::unique_ptr<rocksdb::ManagedSnapshot> snapshot;
   {
     absl::MutexLock lock(&mu_);
     for (size_t i = 0; i < requests.size(); ++i) {
@@ -1316,8 +1337,13 @@ std::vector<absl::Status> NvmeTierImpl::MultiRead(
       TouchLocked(&e);
       planned.push_back({i, std::move(id), e.generation, e.size, e.checksum});
     }
+    if (!planned.empty()) {
+      snapshot = std::make_unique<rocksdb::ManagedSnapshot>(db_.get());
+    }
   }
   if (planned.empty()) return results;
+  // Planned, nothing read yet.
+  internal::TestSyncPoint("NvmeTier::MultiRead:Planned");
 
   std::vector<std::string> data_keys;
   data_keys.reserve(planned.size());
@@ -1326,6 +1352,7 @@ std::vector<absl::Status> NvmeTierImpl::MultiRead(
   std::vector<rocksdb::PinnableSlice> values(planned.size());
   std::vector<rocksdb::Status> statuses(planned.size());
   rocksdb::ReadOptions ro;  // verify_checksums: RocksDB's CRCs as well
+  ro.snapshot = snapshot->snapshot();
   db_->MultiGet(ro, db_->DefaultColumnFamily(), planned.size(), keys.data(),
                 values.data(),
                 statuses.data());
@@ -1347,8 +1374,8 @@ absl::Status NvmeTierImpl::FinishRead(const PlannedRead& read,
                                       const rocksdb::Slice& value,
                                       absl::Span<char> dest) {
   if (s.IsNotFound()) {
-    // Either a delete won the race (the entry is gone already), or the
-    // metadata outlived the bytes: drop it.
+    // The read's snapshot was taken while the entry was stored: the
+    // metadata outlived the bytes. Drop it (unless it went meanwhile).
     DropBlock(read.id, read.generation, DropReason::kMissing);
     return absl::NotFoundError(
         absl::StrCat("block ", IdToHex(read.id), " is not in the NVMe tier"));
@@ -1451,64 +1478,83 @@ absl::StatusOr<NvmeVerifyReport> NvmeTierImpl::Verify() {
     generation_limit = next_generation_;
   }
   absl::flat_hash_set<uint64_t> seen;
-  std::vector<Retired> doomed;
 
-  // One pass over the bytes. RocksDB's own blob CRCs are off here so that a
-  // bad blob does not end the scan; the XXH3-64 check below catches it.
-  rocksdb::ReadOptions scan;
-  scan.verify_checksums = false;
-  scan.fill_cache = false;
-  std::unique_ptr<rocksdb::Iterator> it(db_->NewIterator(scan));
-  const std::string first(1, kDataPrefix);
-  for (it->Seek(first);
-       it->Valid() && it->key().starts_with(first) && !closing_.load();
-       it->Next()) {
-    std::string id(it->key().data() + 1, it->key().size() - 1);
-    rocksdb::Slice value = it->value();
-    const uint64_t sum = BlockChecksum(value.data(), value.size());
-    {
-      absl::MutexLock lock(&mu_);
-      auto found = index_.find(id);
-      if (found == index_.end()) {
-        // Bytes without metadata. The placeholder makes a Put of this id
-        // wait until the delete has landed.
-        auto [pos, inserted] = index_.try_emplace(std::move(id));
-        pos->second.id = &pos->first;
-        pos->second.state = State::kDeleting;
-        pos->second.generation = next_generation_++;
-        doomed.push_back({pos->first, pos->second.generation});
-        ++orphans_dropped_;
-        ++report.orphans_dropped;
-      } else if (found->second.state == State::kStored &&
-                 found->second.generation < generation_limit) {
-        Entry& e = found->second;
-        if (value.size() == e.size && sum == e.checksum) {
-          seen.insert(e.generation);
-          ++report.blocks_checked;
-          report.bytes_checked += e.size;
-        } else {
-          doomed.push_back(RetireLocked(&e));
-          ++integrity_errors_;
-          ++report.corrupt_dropped;
+  // One pass over the bytes of one snapshot. RocksDB's own blob CRCs are
+  // off here so that a bad blob does not end the scan; the XXH3-64 check
+  // below catches it.
+  rocksdb::Status scan_status;
+  {
+    rocksdb::ManagedSnapshot snapshot(db_.get());
+    rocksdb::ReadOptions scan;
+    scan.snapshot = snapshot.snapshot();
+    scan.verify_checksums = false;
+    scan.fill_cache = false;
+    rocksdb::ReadOptions meta_reads;
+    meta_reads.snapshot = snapshot.snapshot();
+    std::unique_ptr<rocksdb::Iterator> it(db_->NewIterator(scan));
+    const std::string first(1, kDataPrefix);
+    for (it->Seek(first);
+         it->Valid() && it->key().starts_with(first) && !closing_.load();
+         it->Next()) {
+      std::string id(it->key().data() + 1, it->key().size() - 1);
+      rocksdb::Slice value = it->value();
+      const uint64_t sum = BlockChecksum(value.data(), value.size());
+      // The scan has read the bytes of `id` (arg: the std::string id).
+      internal::TestSyncPoint("NvmeTier::Verify:Scanned", &id);
+      // A block to drop. Dropped at once: its kDeleting entry makes a put
+      // of its id wait (WaitSettled) until the delete has landed.
+      std::optional<Retired> doomed;
+      bool indexed = true;
+      {
+        absl::MutexLock lock(&mu_);
+        auto found = index_.find(id);
+        if (found == index_.end()) {
+          indexed = false;
+        } else if (found->second.state == State::kStored &&
+                   found->second.generation < generation_limit) {
+          Entry& e = found->second;
+          if (value.size() == e.size && sum == e.checksum) {
+            seen.insert(e.generation);
+            ++report.blocks_checked;
+            report.bytes_checked += e.size;
+          } else {
+            doomed = RetireLocked(&e);
+            ++integrity_errors_;
+            ++report.corrupt_dropped;
+          }
+        }
+        // Otherwise a put or delete of this id is in flight, or the block
+        // is newer than the scan: leave it.
+      }
+      // Not in the index: bytes without metadata, or a block deleted (or
+      // evicted) since the snapshot, which still shows its metadata record.
+      // Only the first is an orphan.
+      if (!indexed && !HasMetaAt(meta_reads, id)) {
+        absl::MutexLock lock(&mu_);
+        // A put of the id since then has overwritten the bytes: leave them.
+        if (!index_.contains(id)) {
+          auto [pos, inserted] = index_.try_emplace(std::move(id));
+          pos->second.id = &pos->first;
+          pos->second.state = State::kDeleting;
+          pos->second.generation = next_generation_++;
+          doomed = Retired{pos->first, pos->second.generation};
+          ++orphans_dropped_;
+          ++report.orphans_dropped;
         }
       }
-      // Otherwise a put or delete of this id is in flight, or the block is
-      // newer than the scan: leave it.
+      if (doomed.has_value()) DeleteAndErase({&*doomed, 1});
     }
-    if (doomed.size() >= kScrubDeleteBatch) {
-      DeleteAndErase(doomed);
-      doomed.clear();
-    }
+    scan_status = it->status();
   }
-  rocksdb::Status scan_status = it->status();
-  it.reset();
-  DeleteAndErase(doomed);
   RETURN_IF_ERROR(FromRocksStatus(scan_status, "NVMe tier: scrub stopped"));
   if (closing_.load()) return absl::CancelledError("NVMe tier is closing");
 
   // Stored blocks the scan did not meet: their bytes are missing, or they
-  // were written after the scan's snapshot. Look again.
+  // were written after the scan's snapshot. Look again, in a snapshot taken
+  // while each of them is stored: it holds their records (or shows their
+  // bytes missing), never those of a block put under the same id since.
   std::vector<PlannedRead> unseen;
+  std::unique_ptr<rocksdb::ManagedSnapshot> snapshot;
   {
     absl::MutexLock lock(&mu_);
     for (const auto& [id, e] : index_) {
@@ -1517,9 +1563,13 @@ absl::StatusOr<NvmeVerifyReport> NvmeTierImpl::Verify() {
         unseen.push_back({0, id, e.generation, e.size, e.checksum});
       }
     }
+    if (!unseen.empty()) {
+      snapshot = std::make_unique<rocksdb::ManagedSnapshot>(db_.get());
+    }
   }
   rocksdb::ReadOptions ro;
   ro.fill_cache = false;
+  if (snapshot != nullptr) ro.snapshot = snapshot->snapshot();
   for (const PlannedRead& p : unseen) {
     if (closing_.load()) return absl::CancelledError("NVMe tier is closing");
     rocksdb::PinnableSlice value;

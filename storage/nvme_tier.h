@@ -298,7 +298,9 @@ class NvmeTier {
   // Scrubs the tier: reads every stored block's bytes, verifies them against
   // their checksums, and drops blocks that fail (counted in integrity_errors),
   // blocks whose bytes are missing and bytes that have no metadata. Other
-  // calls may run meanwhile. Returns what it found; Unavailable or DataLoss
+  // calls may run meanwhile: blocks they delete, evict or put during the
+  // scan are neither reported nor held up (a put of an id the scan drops
+  // waits only for that delete). Returns what it found; Unavailable or DataLoss
   // when RocksDB cannot iterate the database (what was found until then has
   // been dropped already).
   virtual absl::StatusOr<NvmeVerifyReport> Verify() = 0;

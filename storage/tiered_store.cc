@@ -92,6 +92,11 @@ struct Session {
   std::string client_name;
   absl::flat_hash_set<PinId> pins;
   uint64_t pinned_blocks = 0;  // block references held by `pins`
+  // Block references that pinned lookups accepted and not yet answered may
+  // add (each its number of keys): counted against the pin limit from
+  // PlanLookup to FinishLookup, so lookups waiting for their promotions
+  // cannot pass it together.
+  uint64_t planned_pins = 0;
   absl::flat_hash_set<ReservationId> reservations;
 };
 
@@ -897,6 +902,8 @@ class TieredStoreImpl final : public TieredStore {
     std::vector<BlockEntry*> pinned;   // per key: the pinned entry, if any
     std::vector<Promotion> promote;
     std::vector<bool> promoted;  // per key: read into DRAM by this lookup
+    // Counted in the session's Session::planned_pins until FinishLookup.
+    uint64_t planned_pins = 0;
   };
 
   // Validates, then looks every key up in DRAM (pinning with `pin`) and, for
@@ -907,17 +914,26 @@ class TieredStoreImpl final : public TieredStore {
     RETURN_IF_ERROR(ValidateNamespace(ns));
     RETURN_IF_ERROR(CheckBatch(keys.size()));
     for (absl::string_view k : keys) RETURN_IF_ERROR(ValidateKey(k));
+    LookupPlan plan;
     if (pin && session != kInternalSession) {
       absl::MutexLock lock(&mu_);
       ASSIGN_OR_RETURN(Session * s, LiveSession(session));
-      if (s->pinned_blocks + keys.size() > options_.max_pinned_blocks_per_session) {
+      if (s->pinned_blocks + s->planned_pins + keys.size() >
+          options_.max_pinned_blocks_per_session) {
+        const std::string in_flight =
+            s->planned_pins == 0
+                ? std::string()
+                : absl::StrCat(" and pinned lookups of ", s->planned_pins,
+                               " keys in flight");
         return absl::ResourceExhaustedError(absl::StrCat(
-            "session ", session, " holds ", s->pinned_blocks,
-            " pinned blocks; pinning ", keys.size(), " more would pass the limit of ",
+            "session ", session, " holds ", s->pinned_blocks, " pinned blocks",
+            in_flight, "; pinning ", keys.size(), " more would pass the limit of ",
             options_.max_pinned_blocks_per_session, "; unpin some first"));
       }
+      // Given back by FinishLookup; nothing below fails before it runs.
+      s->planned_pins += keys.size();
+      plan.planned_pins = keys.size();
     }
-    LookupPlan plan;
     plan.session = session;
     plan.prefix = prefix;
     plan.pin = pin;
@@ -1065,18 +1081,23 @@ class TieredStoreImpl final : public TieredStore {
     lookup_hits_.fetch_add(hits, std::memory_order_relaxed);
     dram_hits_.fetch_add(dram_hits, std::memory_order_relaxed);
     if (plan.info) plan.info->hits.fetch_add(hits, std::memory_order_relaxed);
-    if (pinned.empty()) return result;
+    if (pinned.empty() && plan.planned_pins == 0) return result;
     absl::MutexLock lock(&mu_);
     Session* s = nullptr;
     if (plan.session != kInternalSession) {
       auto it = sessions_.find(plan.session);
       if (it == sessions_.end()) {
+        if (pinned.empty()) return result;
         // The session ended while we looked: give the pins back.
         for (BlockEntry* e : pinned) index_.Unpin(e);
         return SessionNotFound(plan.session);
       }
       s = &it->second;
+      // The planned pins become the real ones (at most as many).
+      s->planned_pins -= std::min(s->planned_pins, plan.planned_pins);
+      plan.planned_pins = 0;
     }
+    if (pinned.empty()) return result;
     PinId id = NewId();
     pins_active_ += pinned.size();
     if (s) {

@@ -64,7 +64,8 @@ struct StoreOptions {
   uint32_t max_sessions = 65536;
   // Block references one session's live pins may hold (a pinned Lookup of n
   // keys adds up to n); a pinned lookup that could pass it fails with
-  // ResourceExhausted until the client unpins.
+  // ResourceExhausted until the client unpins. Pinned lookups still in
+  // flight (waiting for their promotions) count with their n keys.
   uint32_t max_pinned_blocks_per_session = 65536;
   // Run a background thread that evicts down to the low watermark.
   bool background_eviction = true;

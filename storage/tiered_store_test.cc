@@ -10,10 +10,12 @@
 #include <thread>
 #include <vector>
 
+#include "absl/synchronization/mutex.h"
 #include "absl/synchronization/notification.h"
 #include "absl/time/clock.h"
 #include "storage/checksum.h"
 #include "storage/fake_clock.h"
+#include "storage/internal/sync_point.h"
 #include "storage/nvme_tier.h"
 #include "tests/status_matchers.h"
 
@@ -799,6 +801,7 @@ class TieredStoreNvmeTest : public ::testing::Test {
     o.nvme_path = dir_ + "/nvme";
     o.nvme_capacity = 64 << 20;
     o.create_namespaces = create_namespaces_;
+    o.max_pinned_blocks_per_session = max_pinned_blocks_per_session_;
     auto s = NewTieredStore(o, &clock_);
     ASSERT_OK(s);
     store_ = std::move(s).value();
@@ -832,6 +835,8 @@ class TieredStoreNvmeTest : public ::testing::Test {
 
   FakeClock clock_;
   bool create_namespaces_ = true;
+  uint32_t max_pinned_blocks_per_session_ =
+      StoreOptions{}.max_pinned_blocks_per_session;
   std::string dir_;
   std::unique_ptr<TieredStore> store_;
   SessionId sid_ = 0;
@@ -1065,6 +1070,62 @@ TEST_F(TieredStoreNvmeTest, PinnedLookupPromotesOffTheCallersThread) {
   ASSERT_OK(released);
   EXPECT_EQ(*released, 5u);
   EXPECT_EQ(store_->Stats().pinned_blocks, 0u);
+}
+
+// Pinned lookups waiting for their promotions count against the session's
+// pin limit from the moment they are accepted, not only once answered: a
+// session cannot pass the limit by asking faster than the disk reads.
+TEST_F(TieredStoreNvmeTest, PinnedLookupsWaitingForPromotionCountAgainstTheLimit) {
+  constexpr int kLimit = 4, kLookups = 10;
+  max_pinned_blocks_per_session_ = kLimit;
+  Open();
+  for (int i = 0; i < kLookups; ++i) Put("n" + std::to_string(i), Block(i));
+  ASSERT_OK(store_->PersistDram());  // all only on NVMe now
+
+  // NVMe reads wait until released (a bound against a hang only).
+  absl::Notification release;
+  internal::SyncPointCallback hold("NvmeTier::MultiRead:Planned", [&](void*) {
+    EXPECT_TRUE(release.WaitForNotificationWithTimeout(absl::Seconds(60)));
+  });
+  absl::Mutex mu;
+  int answered = 0, pinned = 0, refused = 0;
+  std::vector<PinId> pins;
+  std::vector<std::string> keys;
+  for (int i = 0; i < kLookups; ++i) keys.push_back("n" + std::to_string(i));
+  for (int i = 0; i < kLookups; ++i) {
+    absl::string_view k = keys[i];
+    store_->LookupAsync(
+        sid_, "ns", {&k, 1}, false, true, [&](absl::StatusOr<LookupResult> r) {
+          absl::MutexLock lock(&mu);
+          ++answered;
+          if (r.ok()) {
+            EXPECT_TRUE(r->entries[0].found);
+            ++pinned;
+            pins.push_back(r->pin_id);
+          } else {
+            EXPECT_THAT(r.status(), StatusIs(Code::kResourceExhausted));
+            ++refused;
+          }
+        });
+  }
+  release.Notify();
+  {
+    absl::MutexLock lock(&mu);
+    auto all_answered = [&]() ABSL_SHARED_LOCKS_REQUIRED(mu) {
+      return answered == kLookups;
+    };
+    ASSERT_TRUE(mu.AwaitWithTimeout(absl::Condition(&all_answered),
+                                    absl::Seconds(60)));
+    EXPECT_EQ(pinned, kLimit);
+    EXPECT_EQ(refused, kLookups - kLimit);
+  }
+  EXPECT_EQ(store_->Stats().pinned_blocks, static_cast<uint64_t>(kLimit));
+  // At the limit, another pinned lookup is refused; after an unpin it fits.
+  absl::string_view k = keys[0];
+  EXPECT_THAT(store_->Lookup(sid_, "ns", {&k, 1}, false, true),
+              StatusIs(Code::kResourceExhausted));
+  ASSERT_OK(store_->Unpin(sid_, pins[0]));
+  EXPECT_OK(store_->Lookup(sid_, "ns", {&k, 1}, false, true));
 }
 
 // With `prefix`, nothing after the first miss is reported or stays pinned,
