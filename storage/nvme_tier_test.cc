@@ -137,6 +137,44 @@ class NvmeTierTest : public ::testing::Test {
     return ::testing::AssertionSuccess();
   }
 
+  // For a Verify sync point: puts `key` on `thread` and waits for it, 10 s
+  // at most (a bound against a hang only: the put takes milliseconds unless
+  // it waits for the scan). True when the put ended meanwhile. The caller
+  // joins `thread` once Verify has returned.
+  bool PutBesideTheScan(std::thread& thread, absl::Notification& done,
+                        const std::string& key, const std::string& bytes) {
+    thread = std::thread([&, key, bytes] {
+      EXPECT_OK(Put(key, bytes));
+      done.Notify();
+    });
+    return done.WaitForNotificationWithTimeout(absl::Seconds(10));
+  }
+
+  // Opens a copy of the tier's directory as it is now, as a process that
+  // was killed now would leave it (its writes are in the page cache, which
+  // outlives the process; what RocksDB holds in memory is lost).
+  void OpenCrashImage() {
+    const std::string image = options_.path + "-crash";
+    fs::copy(options_.path, image);
+    Close();
+    options_.path = image;
+    Open();
+  }
+
+  // A scrub (Verify) checks `blocks` blocks and drops nothing.
+  ::testing::AssertionResult ScrubsClean(uint64_t blocks) {
+    absl::StatusOr<NvmeVerifyReport> report = tier_->Verify();
+    if (!report.ok()) return ::testing::AssertionFailure() << report.status();
+    const uint64_t dropped = report->orphans_dropped + report->missing_dropped +
+                             report->corrupt_dropped;
+    if (report->blocks_checked != blocks || dropped != 0) {
+      return ::testing::AssertionFailure()
+             << "scrub checked " << report->blocks_checked << " blocks (expected "
+             << blocks << ") and dropped " << dropped;
+    }
+    return ::testing::AssertionSuccess();
+  }
+
   std::vector<std::string> BlobFiles() const {
     std::vector<std::string> out;
     for (const auto& f : fs::directory_iterator(options_.path)) {
@@ -717,15 +755,9 @@ TEST_F(NvmeTierTest, VerifyTakesNoBlockDeletedDuringTheScanForAnOrphan) {
             EXPECT_OK(Put(Key(21), Bytes(21, kSize)));
             EXPECT_FALSE(tier_->Contains("ns", Key(4)));
           } else if (absl::EndsWith(id, Key(8))) {
-            // The scan has passed 3 (and 4): put 3 again, beside it. A
-            // bound against a hang only: the put takes milliseconds
-            // unless it waits for the scan.
-            reput = std::thread([&] {
-              EXPECT_OK(Put(Key(3), Bytes(3, kSize)));
-              reput_done.Notify();
-            });
+            // The scan has passed 3 (and 4): put 3 again, beside it.
             reput_during_scan =
-                reput_done.WaitForNotificationWithTimeout(absl::Seconds(10));
+                PutBesideTheScan(reput, reput_done, Key(3), Bytes(3, kSize));
           }
         });
     auto report = tier_->Verify();
@@ -775,13 +807,7 @@ TEST_F(NvmeTierTest, APutOfAnOrphansIdDoesNotWaitForTheScanToEnd) {
     internal::SyncPointCallback scanned(
         "NvmeTier::Verify:Scanned", [&](void* arg) {
           if (!absl::EndsWith(*static_cast<std::string*>(arg), Key(8))) return;
-          // A bound against a hang only, as above.
-          put = std::thread([&] {
-            EXPECT_OK(Put(Key(3), Bytes(3, kSize)));
-            put_done.Notify();
-          });
-          put_during_scan =
-              put_done.WaitForNotificationWithTimeout(absl::Seconds(10));
+          put_during_scan = PutBesideTheScan(put, put_done, Key(3), Bytes(3, kSize));
         });
     auto report = tier_->Verify();
     if (put.joinable()) put.join();
@@ -868,12 +894,7 @@ TEST_F(NvmeTierTest, HalfWrittenBlocksAreDroppedNotServed) {
                 IsOkAndHolds(NvmePutOutcome::kStored));
     EXPECT_TRUE(ReadsBack(Key(i), Bytes(i, kSize)));
   }
-  report = tier_->Verify();
-  ASSERT_OK(report);
-  EXPECT_EQ(report->blocks_checked, 5u);
-  EXPECT_EQ(report->orphans_dropped + report->missing_dropped +
-                report->corrupt_dropped,
-            0u);
+  EXPECT_TRUE(ScrubsClean(5u));
 }
 
 TEST_F(NvmeTierTest, DiskFullFailsPutsCleanlyAndRecovers) {
@@ -1073,12 +1094,7 @@ TEST_F(NvmeTierTest, CrashLosesOnlyUnflushedWritesWithoutWal) {
     for (int i = 0; i < 10; ++i) ASSERT_OK(Put(Key(i), Bytes(i, kSize)));
     ASSERT_OK(tier_->Flush());
     for (int i = 10; i < 15; ++i) ASSERT_OK(Put(Key(i), Bytes(i, kSize)));
-    const std::string image = options_.path + "-crash";
-    fs::copy(options_.path, image);
-    Close();
-
-    options_.path = image;
-    Open();
+    OpenCrashImage();
     const uint64_t expected = wal ? 15 : 10;
     EXPECT_EQ(tier_->Stats().blocks, expected);
     for (int i = 0; i < 15; ++i) {
@@ -1088,12 +1104,7 @@ TEST_F(NvmeTierTest, CrashLosesOnlyUnflushedWritesWithoutWal) {
         EXPECT_FALSE(tier_->Contains("ns", Key(i))) << i;
       }
     }
-    auto report = tier_->Verify();
-    ASSERT_OK(report);
-    EXPECT_EQ(report->blocks_checked, expected);
-    EXPECT_EQ(report->orphans_dropped + report->missing_dropped +
-                  report->corrupt_dropped,
-              0u);
+    EXPECT_TRUE(ScrubsClean(expected));
     Close();
   }
 }
@@ -1118,23 +1129,13 @@ TEST_F(NvmeTierTest, CrashKeepsWritesOlderThanTheMaxUnflushedAge) {
   EXPECT_TRUE(Eventually([&] { return tier_->Stats().disk_bytes > flushed; }))
       << "nothing was flushed " << options_.max_unflushed_age
       << " after the writes";
-  const std::string image = options_.path + "-crash";
-  fs::copy(options_.path, image);
-  Close();
-
-  options_.path = image;
-  Open();
+  OpenCrashImage();
   EXPECT_EQ(tier_->Stats().blocks, 12u);
   for (int i = 0; i < 3; ++i) EXPECT_FALSE(tier_->Contains("ns", Key(i))) << i;
   for (int i = 3; i < 15; ++i) {
     EXPECT_TRUE(ReadsBack(Key(i), Bytes(i, kSize))) << i;
   }
-  auto report = tier_->Verify();
-  ASSERT_OK(report);
-  EXPECT_EQ(report->blocks_checked, 12u);
-  EXPECT_EQ(report->orphans_dropped + report->missing_dropped +
-                report->corrupt_dropped,
-            0u);
+  EXPECT_TRUE(ScrubsClean(12u));
 }
 
 // Delete (an operator's Evict) goes through the WAL: a deleted block does
@@ -1145,12 +1146,7 @@ TEST_F(NvmeTierTest, ADeletedBlockStaysDeletedAfterACrash) {
   for (int i = 0; i < 5; ++i) ASSERT_OK(Put(Key(i), Bytes(i, kSize)));
   ASSERT_OK(tier_->Flush());
   ASSERT_OK(tier_->Delete("ns", Key(1)));
-  const std::string image = options_.path + "-crash";
-  fs::copy(options_.path, image);
-  Close();
-
-  options_.path = image;
-  Open();
+  OpenCrashImage();
   EXPECT_FALSE(tier_->Contains("ns", Key(1)));
   EXPECT_EQ(tier_->Stats().blocks, 4u);
   for (int i : {0, 2, 3, 4}) {

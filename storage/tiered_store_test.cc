@@ -828,6 +828,18 @@ class TieredStoreNvmeTest : public ::testing::Test {
     if (pin_id) *pin_id = r->pin_id;
     return r->entries[0];
   }
+  // Both kinds of lookup of `key` report `bytes`' checksum, and a pinned
+  // one serves those bytes.
+  void ExpectServes(const std::string& key, const std::string& bytes) {
+    const uint64_t sum = BlockChecksum(bytes);
+    EXPECT_EQ(Look(key, false).checksum, sum);
+    PinId pin = 0;
+    LookupEntry e = Look(key, true, &pin);
+    ASSERT_TRUE(e.found);
+    EXPECT_EQ(e.checksum, sum);
+    EXPECT_TRUE(Bytes(e) == bytes);
+    ASSERT_OK(store_->Unpin(sid_, pin));
+  }
   std::string Bytes(const LookupEntry& e) {
     return std::string(store_->dram_region().base + e.offset, e.size);
   }
@@ -1276,21 +1288,9 @@ TEST_F(TieredStoreNvmeTest, APutOfAKeyOnlyOnNvmeFindsItStored) {
     uint64_t sum = BlockChecksum(b);
     ASSERT_OK(store_->CommitPut(sid_, r->id, {&sum, 1}));
   }
-  const uint64_t sum_a = BlockChecksum(a);
-  EXPECT_EQ(Look("k", false).checksum, sum_a);
-  PinId pin = 0;
-  LookupEntry e = Look("k", true, &pin);
-  ASSERT_TRUE(e.found);
-  EXPECT_EQ(e.checksum, sum_a);
-  EXPECT_TRUE(Bytes(e) == a);
-  ASSERT_OK(store_->Unpin(sid_, pin));
+  ExpectServes("k", a);
   ASSERT_OK(store_->PersistDram());
-  EXPECT_EQ(Look("k", false).checksum, sum_a);
-  e = Look("k", true, &pin);
-  ASSERT_TRUE(e.found);
-  EXPECT_EQ(e.checksum, sum_a);
-  EXPECT_TRUE(Bytes(e) == a);
-  ASSERT_OK(store_->Unpin(sid_, pin));
+  ExpectServes("k", a);
   EXPECT_EQ(store_->Stats().puts, 1u);
 }
 
@@ -1314,14 +1314,7 @@ TEST_F(TieredStoreNvmeTest, ACommitOfAKeyDemotedMeanwhileFindsItStored) {
   auto c = store_->CommitPut(sid_, r->id, {&sum_b, 1});
   ASSERT_OK(c);
   EXPECT_EQ((*c)[0], CommitOutcome::kAlreadyExists);
-  const uint64_t sum_a = BlockChecksum(a);
-  EXPECT_EQ(Look("k", false).checksum, sum_a);
-  PinId pin = 0;
-  LookupEntry e = Look("k", true, &pin);
-  ASSERT_TRUE(e.found);
-  EXPECT_EQ(e.checksum, sum_a);
-  EXPECT_TRUE(Bytes(e) == a);
-  ASSERT_OK(store_->Unpin(sid_, pin));
+  ExpectServes("k", a);
   EXPECT_EQ(store_->Stats().reserved_bytes, 0u);
 }
 
