@@ -224,6 +224,12 @@ int RunUcxAddressSandbox(const std::vector<std::string>& args) {
   // Goes with kvdepotd.
   prctl(PR_SET_PDEATHSIG, SIGKILL);
   if (getppid() == 1) return 2;
+  // Nothing of kvdepotd's but stdin, stdout and stderr: descriptors it
+  // opened without close-on-exec (UCX's own pipes among them) would stay
+  // open here, and a crash here must not touch them.
+  if (close_range(3, ~0U, 0) != 0) {
+    for (int fd = 3; fd < 1024; ++fd) close(fd);
+  }
   // UCX logs to stdout: the answers go on a descriptor of their own, and
   // stdout to stderr (kvdepotd's log).
   const int answers = dup(STDOUT_FILENO);

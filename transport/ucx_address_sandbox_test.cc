@@ -4,13 +4,17 @@
 
 #include <signal.h>
 #include <sys/types.h>
+#include <unistd.h>
 
+#include <algorithm>
+#include <filesystem>
 #include <memory>
 #include <string>
 #include <vector>
 
 #include <gtest/gtest.h>
 
+#include "absl/strings/str_cat.h"
 #include "transport/ucx_context.h"
 #include "transport/ucx_test_util.h"
 #include "transport/ucx_worker.h"
@@ -72,6 +76,25 @@ TEST_P(UcxAddressSandboxTest, ASandboxThatDiedBetweenChecksIsStartedAgain) {
   // Not blamed on the next address.
   EXPECT_TRUE(sandbox_->Check(address, true).ok());
   EXPECT_NE(sandbox_->pid(), first);
+}
+
+TEST_P(UcxAddressSandboxTest, TheSandboxKeepsNoDescriptorOfItsParent) {
+  int fds[2];
+  ASSERT_EQ(pipe(fds), 0);  // not close-on-exec: the sandbox inherits it
+  const std::string inherited =
+      std::filesystem::read_symlink(absl::StrCat("/proc/self/fd/", fds[1])).string();
+  ASSERT_TRUE(sandbox_->Check(worker_->address(), true).ok());
+  std::vector<std::string> open;
+  for (const auto& fd : std::filesystem::directory_iterator(
+           absl::StrCat("/proc/", sandbox_->pid(), "/fd"))) {
+    std::error_code error;
+    open.push_back(std::filesystem::read_symlink(fd.path(), error).string());
+  }
+  close(fds[0]);
+  close(fds[1]);
+  EXPECT_FALSE(open.empty());
+  EXPECT_EQ(std::count(open.begin(), open.end(), inherited), 0)
+      << inherited << " is open in the sandbox";
 }
 
 TEST_P(UcxAddressSandboxTest, RefusesEmptyAndOversizedAddressesUnread) {
