@@ -176,12 +176,16 @@ ServerMetrics::ServerMetrics(prometheus::Registry& registry, int namespace_label
       "Block bytes written to the NVMe tier")};
 }
 
-ServerMetrics::NamespaceCounters& ServerMetrics::CountersFor(absl::string_view ns)
+ServerMetrics::NamespaceCounters& ServerMetrics::CountersFor(absl::string_view ns,
+                                                             bool known)
     ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
   auto it = namespaces_.find(ns);
   if (it != namespaces_.end()) return it->second;
+  // Only namespaces that exist get a label of their own: lookups in made-up
+  // names would take the labels before real namespaces were looked up.
+  const size_t labelled = namespaces_.size() - namespaces_.count("other");
   const std::string label =
-      namespaces_.size() < namespace_labels_ ? std::string(ns) : "other";
+      known && labelled < namespace_labels_ ? std::string(ns) : "other";
   if (auto other = namespaces_.find(label); other != namespaces_.end()) {
     return other->second;
   }
@@ -231,7 +235,7 @@ void ServerMetrics::RecordLookup(absl::string_view ns, bool prefix,
     }
   }
   absl::MutexLock lock(&mu_);
-  NamespaceCounters& c = CountersFor(ns);
+  NamespaceCounters& c = CountersFor(ns, result.namespace_known);
   if (dram) c.hit_dram->Increment(static_cast<double>(dram));
   if (nvme) c.hit_nvme->Increment(static_cast<double>(nvme));
   if (miss) c.miss->Increment(static_cast<double>(miss));

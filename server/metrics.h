@@ -98,7 +98,9 @@ class ServerMetrics {
     }
   };
 
-  NamespaceCounters& CountersFor(absl::string_view ns);
+  // The counters of `ns`: its own labels while there are labels left and it
+  // is `known` (exists in the store), else "other"'s.
+  NamespaceCounters& CountersFor(absl::string_view ns, bool known);
 
   const size_t namespace_labels_;
   prometheus::Family<prometheus::Counter>& requests_;

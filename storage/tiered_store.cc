@@ -1078,6 +1078,7 @@ class TieredStoreImpl final : public TieredStore {
       if (e.tier == Tier::kDram && !plan.promoted[i]) ++dram_hits;
       if (plan.pinned[i] != nullptr) pinned.push_back(plan.pinned[i]);
     }
+    result.namespace_known = plan.info != nullptr || hits > 0;
     lookup_hits_.fetch_add(hits, std::memory_order_relaxed);
     dram_hits_.fetch_add(dram_hits, std::memory_order_relaxed);
     if (plan.info) plan.info->hits.fetch_add(hits, std::memory_order_relaxed);

@@ -108,6 +108,9 @@ struct LookupResult {
   std::vector<LookupEntry> entries;  // one per key asked
   uint32_t prefix_hits = 0;          // leading keys found
   PinId pin_id = 0;                  // 0 when nothing was pinned
+  // The namespace exists (it has blocks, or was created or given a quota):
+  // false for lookups in names nothing was ever stored under.
+  bool namespace_known = false;
 };
 
 struct PutSpec {

@@ -418,6 +418,8 @@ TEST(LifecycleTest, MetricsEndpointServesPrometheusText) {
   ASSERT_OK(d);
   auto client = Connect((*d)->address());
   absl::string_view k = "k";
+  BlockToPut b{"stored", "", "bytes"};  // the namespace exists: it has a label
+  ASSERT_OK(client->Put("ns", {&b, 1}));
   ASSERT_OK(client->Lookup("ns", {&k, 1}, false, false));
   auto r = testing::RunCommand(
       absl::StrCat("curl -sf http://", (*d)->metrics_address(), "/metrics"));
