@@ -289,8 +289,12 @@ class LoadHandle:
 
     @property
     def done(self) -> bool:
-        """True once every block has an outcome and every hit is in the
-        caches: :meth:`wait` then returns at once (never blocks)."""
+        """True once every block has an outcome. For host caches every hit
+        is then in the caches and :meth:`wait` returns at once (never
+        blocks). For caches on a GPU the scatters are queued on the caller's
+        stream by :meth:`wait_for_layer` / :meth:`wait` themselves: done
+        means nothing is left to come over the network, and :meth:`wait`
+        then only queues what is left and synchronizes that stream."""
         return self._load is None or self._load.ready()
 
     def wait_for_layer(self, layer: int, timeout: Optional[float] = None) -> None:
