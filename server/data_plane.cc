@@ -3,7 +3,9 @@
 #include <algorithm>
 #include <utility>
 
+#include "absl/cleanup/cleanup.h"
 #include "absl/strings/str_cat.h"
+#include "storage/internal/sync_point.h"
 #include "storage/status_macros.h"
 
 namespace kvdepot {
@@ -143,8 +145,16 @@ bool DataPlane::TakeColocatedSlot() {
 }
 
 void DataPlane::Lost(SessionId session, const absl::Status& why) {
+  internal::TestSyncPoint("DataPlane::Lost", &session);
   absl::MutexLock lock(&mu_);
-  if (closing_ || !links_.contains(session)) return;  // detached already
+  if (closing_) return;
+  if (!links_.contains(session)) {
+    // Still attaching: reported once it is linked. Else detached already.
+    if (auto it = attaching_.find(session); it != attaching_.end() && it->second.ok()) {
+      it->second = why.ok() ? absl::UnavailableError("UCX peer lost") : why;
+    }
+    return;
+  }
   lost_pool_->Submit([this, session, why] { on_lost_(session, why); });
 }
 
@@ -240,6 +250,14 @@ absl::Status DataPlane::Attach(SessionId session, std::string_view address,
   endpoint_options.on_error = [this, session](const absl::Status& why) {
     Lost(session, why);
   };
+  {
+    absl::MutexLock lock(&mu_);
+    attaching_[session] = absl::OkStatus();
+  }
+  absl::Cleanup not_attaching = [this, session] {
+    absl::MutexLock lock(&mu_);
+    attaching_.erase(session);
+  };
   absl::StatusOr<std::unique_ptr<UcxEndpoint>> endpoint =
       UcxEndpoint::Connect(*worker, address, std::move(endpoint_options));
   if (!endpoint.ok()) {
@@ -254,6 +272,7 @@ absl::Status DataPlane::Attach(SessionId session, std::string_view address,
     }
     link->colocated = true;
     link->uid = client_uid;
+    internal::TestSyncPoint("DataPlane::Attach:Watched", &session);
   }
   link->request_worker = EnsureRequestLink(session, address);
   link->client_address = std::string(address);
@@ -265,7 +284,11 @@ absl::Status DataPlane::Attach(SessionId session, std::string_view address,
       link = nullptr;
       // An error before the link was in links_ found nothing to report
       // (Lost): report it now, or the session would wait for its lease.
-      if (absl::Status st = endpoint_here->status(); !st.ok()) {
+      absl::Status st = endpoint_here->status();
+      if (auto it = attaching_.find(session); st.ok() && it != attaching_.end()) {
+        st = it->second;  // what the monitor saw meanwhile
+      }
+      if (!st.ok()) {
         lost_pool_->Submit([this, session, st] { on_lost_(session, st); });
       }
     }

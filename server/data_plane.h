@@ -356,6 +356,11 @@ class DataPlane {
   mutable absl::Mutex mu_;
   absl::flat_hash_map<SessionId, std::shared_ptr<Link>> links_
       ABSL_GUARDED_BY(mu_);
+  // Sessions Attach is connecting (from before its endpoints exist until
+  // the link is in links_), with the loss the monitor reported meanwhile
+  // (OK: none): the monitor reports once, and a report for a session not
+  // yet in links_ would otherwise be dropped, leaving it to its lease.
+  absl::flat_hash_map<SessionId, absl::Status> attaching_ ABSL_GUARDED_BY(mu_);
   uint64_t next_worker_ ABSL_GUARDED_BY(mu_) = 0;
   // The request worker's endpoints to client workers, by the client
   // worker's address; `endpoint` is null while it is being made.
