@@ -7,7 +7,6 @@
 #include <spdlog/spdlog.h>
 
 #include <exception>
-#include <filesystem>
 #include <optional>
 #include <utility>
 
@@ -17,7 +16,6 @@
 #include "storage/rocksdb_crc32c.h"
 #include "storage/status_macros.h"
 #include "transport/net_devices.h"
-#include "transport/ucx_address_sandbox.h"
 
 namespace kvdepot {
 namespace {
@@ -26,14 +24,6 @@ namespace {
 std::string HostOf(const std::string& addr) {
   size_t colon = addr.rfind(':');
   return colon == std::string::npos ? addr : addr.substr(0, colon);
-}
-
-// This executable, which runs the UCX address sandbox when started with
-// kUcxAddressSandboxFlag (main.cc); "" when /proc cannot say.
-std::string SelfExecutable() {
-  std::error_code error;
-  std::filesystem::path self = std::filesystem::read_symlink("/proc/self/exe", error);
-  return error ? std::string() : self.string();
 }
 
 }  // namespace
@@ -91,7 +81,10 @@ absl::Status Daemon::Init() {
     data_plane_options.workers = config_.ucx_workers;
     data_plane_options.request_workers = config_.ucx_workers;
     data_plane_options.max_colocated_workers = config_.ucx_colocated_workers;
-    data_plane_options.address_sandbox = SelfExecutable();
+    // This very executable (main.cc runs the sandbox when started with
+    // kUcxAddressSandboxFlag): the file it was started from, even if a
+    // newer one replaced it since, so the sandbox's UCX is the daemon's.
+    data_plane_options.address_sandbox = "/proc/self/exe";
     absl::StatusOr<std::unique_ptr<DataPlane>> data_plane = DataPlane::Create(
         data_plane_options, store_->dram_region(),
         [this](SessionId session, const absl::Status& why) {

@@ -57,9 +57,12 @@ absl::StatusOr<std::unique_ptr<DataPlane>> DataPlane::Create(
   if (!options.address_sandbox.empty()) {
     d->sandbox_ = std::make_unique<UcxAddressSandbox>(
         UcxAddressSandboxArgs(options.address_sandbox, options.ucx));
-    // Now, so that the first session does not wait for it; a failure here
-    // is told by the first Check.
-    d->sandbox_->Start().IgnoreError();
+    // Now, so that the first session does not wait for it. Without one,
+    // clients are served over gRPC (Check says Unavailable, naming UCX).
+    if (absl::Status started = d->sandbox_->Start(); !started.ok()) {
+      d->log_->warn("{}; clients will use the gRPC byte path until one starts",
+                    started.ToString());
+    }
   }
   ASSIGN_OR_RETURN(d->arena_, d->context_->Register(arena.base, arena.size));
   for (int i = 0; i < options.workers; ++i) {

@@ -3,7 +3,6 @@
 #include <poll.h>
 #include <signal.h>
 #include <spawn.h>
-#include <sys/prctl.h>
 #include <sys/socket.h>
 #include <sys/wait.h>
 #include <unistd.h>
@@ -14,6 +13,7 @@
 #include <cstdio>
 #include <cstring>
 #include <memory>
+#include <optional>
 #include <utility>
 
 #include "absl/strings/str_cat.h"
@@ -28,6 +28,7 @@ namespace {
 
 // A request: mode byte (1: peer error handling), the address's length
 // (4 bytes, little-endian), the address. The answer: one byte.
+constexpr char kReady = 'R';  // sent once, when its UCX is up
 constexpr char kCreated = 'Y';
 constexpr char kRefused = 'N';
 
@@ -89,12 +90,13 @@ std::vector<std::string> UcxAddressSandboxArgs(
 }
 
 UcxAddressSandbox::UcxAddressSandbox(std::vector<std::string> argv,
-                                     absl::Duration timeout)
-    : argv_(std::move(argv)), timeout_(timeout) {}
+                                     absl::Duration timeout,
+                                     absl::Duration start_timeout)
+    : argv_(std::move(argv)), timeout_(timeout), start_timeout_(start_timeout) {}
 
 UcxAddressSandbox::~UcxAddressSandbox() {
   absl::MutexLock lock(&mu_);
-  StopLocked(/*kill_first=*/true);
+  StopLocked();
 }
 
 absl::Status UcxAddressSandbox::Start() {
@@ -107,6 +109,27 @@ pid_t UcxAddressSandbox::pid() {
   return pid_;
 }
 
+namespace {
+
+// Waits up to `timeout` for one byte on `fd`: the byte, or nullopt (no byte
+// in time, or EOF / an error: the sandbox has gone).
+std::optional<char> ReadByte(int fd, absl::Duration timeout, bool* timed_out) {
+  pollfd p = {fd, POLLIN, 0};
+  const absl::Time deadline = absl::Now() + timeout;
+  int ready = 0;
+  do {
+    const int64_t ms = std::max<int64_t>(
+        0, absl::ToInt64Milliseconds(absl::Ceil(deadline - absl::Now(), absl::Milliseconds(1))));
+    ready = poll(&p, 1, static_cast<int>(std::min<int64_t>(ms, 1 << 30)));
+  } while (ready < 0 && errno == EINTR);
+  *timed_out = ready == 0;
+  char c = 0;
+  if (ready != 1 || !ReadAll(fd, &c, 1)) return std::nullopt;
+  return c;
+}
+
+}  // namespace
+
 absl::Status UcxAddressSandbox::StartLocked() {
   if (argv_.empty()) return absl::UnavailableError("no UCX address sandbox command");
   int sv[2];
@@ -118,13 +141,23 @@ absl::Status UcxAddressSandbox::StartLocked() {
   posix_spawn_file_actions_init(&actions);
   posix_spawn_file_actions_adddup2(&actions, sv[1], STDIN_FILENO);
   posix_spawn_file_actions_adddup2(&actions, sv[1], STDOUT_FILENO);
+  // No signal blocked there, and the ones kvdepotd handles at their
+  // defaults: the threads that spawn it may have them blocked.
+  posix_spawnattr_t attr;
+  posix_spawnattr_init(&attr);
+  sigset_t none, defaults;
+  sigemptyset(&none);
+  sigemptyset(&defaults);
+  for (int sig : {SIGTERM, SIGINT, SIGHUP, SIGQUIT}) sigaddset(&defaults, sig);
+  posix_spawnattr_setsigmask(&attr, &none);
+  posix_spawnattr_setsigdefault(&attr, &defaults);
+  posix_spawnattr_setflags(&attr, POSIX_SPAWN_SETSIGMASK | POSIX_SPAWN_SETSIGDEF);
   std::vector<char*> args;
   for (const std::string& a : argv_) args.push_back(const_cast<char*>(a.c_str()));
   args.push_back(nullptr);
-  // Its crashes are expected: no UCX backtrace in kvdepotd's log for them
-  // (Check says what happened).
-  // UCX then installs no signal handlers there, and a crash ends it by its
-  // signal.
+  // Its crashes are expected: UCX installs no signal handlers there (no
+  // backtrace in kvdepotd's log for them; Check says what happened), and a
+  // crash ends it by its signal.
   std::vector<std::string> env_strings = {"UCX_HANDLE_ERRORS=none", "UCX_ERROR_SIGNALS="};
   for (char** e = environ; *e != nullptr; ++e) {
     const std::string_view var(*e);
@@ -136,8 +169,9 @@ absl::Status UcxAddressSandbox::StartLocked() {
   for (std::string& e : env_strings) env.push_back(e.data());
   env.push_back(nullptr);
   pid_t pid = -1;
-  int rc = posix_spawn(&pid, argv_[0].c_str(), &actions, nullptr, args.data(), env.data());
+  int rc = posix_spawn(&pid, argv_[0].c_str(), &actions, &attr, args.data(), env.data());
   posix_spawn_file_actions_destroy(&actions);
+  posix_spawnattr_destroy(&attr);
   close(sv[1]);
   if (rc != 0) {
     close(sv[0]);
@@ -146,15 +180,24 @@ absl::Status UcxAddressSandbox::StartLocked() {
   }
   pid_ = pid;
   sock_ = sv[0];
-  return absl::OkStatus();
+  // Ready once its UCX is: a check's time starts after that.
+  bool timed_out = false;
+  if (ReadByte(sock_, start_timeout_, &timed_out) == kReady) return absl::OkStatus();
+  const int status = StopLocked();
+  return absl::UnavailableError(absl::StrCat(
+      "UCX address sandbox (", argv_[0], ") did not start: ",
+      timed_out ? absl::StrCat("not ready in ", absl::FormatDuration(start_timeout_))
+      : WIFEXITED(status) ? absl::StrCat("exited with code ", WEXITSTATUS(status),
+                                         " (its messages are in the log)")
+                          : absl::StrCat("killed by signal ", WTERMSIG(status))));
 }
 
-int UcxAddressSandbox::StopLocked(bool kill_first) {
-  if (sock_ >= 0) close(sock_);  // a live sandbox exits at EOF
+int UcxAddressSandbox::StopLocked() {
+  if (sock_ >= 0) close(sock_);
   sock_ = -1;
   int status = 0;
   if (pid_ > 0) {
-    if (kill_first) kill(pid_, SIGKILL);
+    kill(pid_, SIGKILL);  // a live one (stuck, or answering nonsense) too
     while (waitpid(pid_, &status, 0) < 0 && errno == EINTR) {
     }
   }
@@ -177,63 +220,57 @@ absl::Status UcxAddressSandbox::Check(std::string_view address,
   request.append(address);
 
   absl::MutexLock lock(&mu_);
-  // A sandbox killed from outside (SIGKILL: the OOM killer, an operator)
-  // is not this address's doing: one more try, on a fresh one.
-  for (int attempt = 0;; ++attempt) {
+  // A sandbox that went before it took the request, or was killed from
+  // outside (SIGKILL: the OOM killer, an operator), is not this address's
+  // doing: one more try, on a fresh one.
+  for (int attempt = 0; attempt < 2; ++attempt) {
     if (pid_ < 0) {
       if (absl::Status started = StartLocked(); !started.ok()) return started;
     }
-    bool answered = false;
-    char answer = 0;
-    int ready = 0;
-    if (WriteAll(sock_, request.data(), request.size())) {
-      pollfd p = {sock_, POLLIN, 0};
-      const absl::Time deadline = absl::Now() + timeout_;
-      do {
-        const int64_t ms = std::max<int64_t>(
-            0, absl::ToInt64Milliseconds(
-                   absl::Ceil(deadline - absl::Now(), absl::Milliseconds(1))));
-        ready = poll(&p, 1, static_cast<int>(ms));
-      } while (ready < 0 && errno == EINTR);
-      answered = ready == 1 && ReadAll(sock_, &answer, 1) &&
-                 (answer == kCreated || answer == kRefused);
+    if (!WriteAll(sock_, request.data(), request.size())) {
+      StopLocked();
+      continue;
     }
-    if (answered) {
-      if (answer == kCreated) return absl::OkStatus();
+    bool timed_out = false;
+    const std::optional<char> answer = ReadByte(sock_, timeout_, &timed_out);
+    if (answer == kCreated) return absl::OkStatus();
+    if (answer == kRefused) {
       return absl::InvalidArgumentError(
           "malformed UCX worker address: UCX cannot make an endpoint to it");
     }
-    const bool timed_out = ready == 0;
-    const int status = StopLocked(/*kill_first=*/timed_out);
-    const bool killed_outside =
-        !timed_out && WIFSIGNALED(status) && WTERMSIG(status) == SIGKILL;
-    if (killed_outside && attempt == 0) continue;
-    if (!timed_out && WIFEXITED(status)) {  // it could not run UCX at all
+    const int status = StopLocked();
+    if (timed_out) {
+      // Slow is not malformed: the client may use gRPC (its fallback
+      // takes UNAVAILABLE naming UCX).
       return absl::UnavailableError(absl::StrCat(
-          "the UCX address sandbox (", argv_[0], ") exited with code ",
-          WEXITSTATUS(status), " without an answer; see its messages in the log"));
+          "UCX address sandbox took over ", absl::FormatDuration(timeout_),
+          " on the client's UCX worker address"));
     }
-    return absl::InvalidArgumentError(absl::StrCat(
-        "malformed UCX worker address: UCX ",
-        timed_out ? "did not finish with it" : "crashed on it",
-        " (in a sandbox process)"));
+    if (WIFSIGNALED(status) && WTERMSIG(status) != SIGKILL) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "malformed UCX worker address: UCX crashed on it (signal ", WTERMSIG(status),
+          ", in a sandbox process)"));
+    }
+    // Killed from outside, or it exited by itself: try once more.
   }
+  return absl::UnavailableError(
+      "the UCX address sandbox went twice without an answer; see the log");
 }
 
 int RunUcxAddressSandbox(const std::vector<std::string>& args) {
-  // Goes with kvdepotd.
-  prctl(PR_SET_PDEATHSIG, SIGKILL);
-  if (getppid() == 1) return 2;
-  // Nothing of kvdepotd's but stdin, stdout and stderr: descriptors it
-  // opened without close-on-exec (UCX's own pipes among them) would stay
-  // open here, and a crash here must not touch them.
-  if (close_range(3, ~0U, 0) != 0) {
-    for (int fd = 3; fd < 1024; ++fd) close(fd);
-  }
+  // It goes when kvdepotd does: stdin then ends (the read below), whichever
+  // thread of kvdepotd started it. Nothing of kvdepotd's but stdin, stdout
+  // and stderr stays open here: descriptors it opened without close-on-exec
+  // (UCX's own pipes, client sockets) would otherwise outlive their closing
+  // in kvdepotd, and a crash here must not touch them.
+  closefrom(3);
   // UCX logs to stdout: the answers go on a descriptor of their own, and
   // stdout to stderr (kvdepotd's log).
   const int answers = dup(STDOUT_FILENO);
-  if (answers < 0 || dup2(STDERR_FILENO, STDOUT_FILENO) < 0) return 2;
+  if (answers < 0 || dup2(STDERR_FILENO, STDOUT_FILENO) < 0) {
+    std::perror("--ucx-address-sandbox: dup");
+    return 2;
+  }
   UcxContextOptions options;
   options.name = "kvdepotd-sandbox";
   for (const std::string& a : args) {
@@ -254,7 +291,11 @@ int RunUcxAddressSandbox(const std::vector<std::string>& args) {
   params.field_mask = UCP_WORKER_PARAM_FIELD_THREAD_MODE;
   params.thread_mode = UCS_THREAD_MODE_SINGLE;
   ucp_worker_h worker = nullptr;
-  if (ucp_worker_create((*context)->handle(), &params, &worker) != UCS_OK) return 2;
+  if (ucp_worker_create((*context)->handle(), &params, &worker) != UCS_OK) {
+    std::fprintf(stderr, "%s: ucp_worker_create failed\n", kUcxAddressSandboxFlag);
+    return 2;
+  }
+  if (!WriteAll(answers, &kReady, 1)) return 0;
   std::string address;
   for (;;) {
     char header[5];

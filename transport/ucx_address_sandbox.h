@@ -46,16 +46,21 @@ class UcxAddressSandbox {
   // {"/proc/self/exe" resolved, kUcxAddressSandboxFlag, "TLS=tcp", ...}
   // (UcxAddressSandboxArgs). Nothing is started until the first Check.
   explicit UcxAddressSandbox(std::vector<std::string> argv,
-                             absl::Duration timeout = absl::Seconds(5));
+                             absl::Duration timeout = absl::Seconds(5),
+                             absl::Duration start_timeout = absl::Seconds(30));
   ~UcxAddressSandbox();  // kills the sandbox process
   UcxAddressSandbox(const UcxAddressSandbox&) = delete;
   UcxAddressSandbox& operator=(const UcxAddressSandbox&) = delete;
 
   // OK when UCX in the sandbox created an endpoint to `address` with
   // (`peer_error_handling`) or without peer error handling. InvalidArgument
-  // when it refused the address, or the sandbox died of a signal or took
-  // longer than the timeout on it; Unavailable when no sandbox could be
-  // started or it exited by itself (no UCX there).
+  // when UCX refused the address there, or the sandbox died of a signal
+  // (not SIGKILL) on it. Unavailable, naming UCX (a client then uses its
+  // gRPC path), when no sandbox starts (it must say it is ready within
+  // start_timeout), one took longer than `timeout` on the address, or
+  // sandboxes went twice without an answer (killed from outside, or
+  // exiting by themselves). A sandbox that went is started again at the
+  // next check.
   absl::Status Check(std::string_view address, bool peer_error_handling);
 
   // Starts the sandbox process now rather than at the first Check.
@@ -66,12 +71,13 @@ class UcxAddressSandbox {
 
  private:
   absl::Status StartLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  // Closes the connection and reaps the sandbox (killing it first when
-  // asked); returns its wait status.
-  int StopLocked(bool kill_first) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Closes the connection, kills the sandbox (SIGKILL: a no-op for one
+  // that has gone) and reaps it; returns its wait status.
+  int StopLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
   const std::vector<std::string> argv_;
   const absl::Duration timeout_;
+  const absl::Duration start_timeout_;
   absl::Mutex mu_;
   pid_t pid_ ABSL_GUARDED_BY(mu_) = -1;
   int sock_ ABSL_GUARDED_BY(mu_) = -1;  // to and from the sandbox

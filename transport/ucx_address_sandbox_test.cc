@@ -78,6 +78,20 @@ TEST_P(UcxAddressSandboxTest, ASandboxThatDiedBetweenChecksIsStartedAgain) {
   EXPECT_NE(sandbox_->pid(), first);
 }
 
+TEST_P(UcxAddressSandboxTest, ASlowSandboxIsUnavailableNotAMalformedAddress) {
+  UcxAddressSandbox slow(UcxAddressSandboxArgs(KVDEPOT_UCX_TEST_PEER,
+                                               ucx_test::TransportConfig(GetParam())),
+                         /*timeout=*/absl::Milliseconds(300));
+  const std::string address = worker_->address();
+  ASSERT_TRUE(slow.Check(address, true).ok());
+  const pid_t stuck = slow.pid();
+  ASSERT_EQ(kill(stuck, SIGSTOP), 0);  // as a sandbox stuck inside UCX
+  absl::Status st = slow.Check(address, true);
+  EXPECT_TRUE(absl::IsUnavailable(st)) << st;  // the client may use gRPC
+  EXPECT_NE(slow.pid(), stuck);
+  EXPECT_TRUE(slow.Check(address, true).ok());  // on a fresh one
+}
+
 TEST_P(UcxAddressSandboxTest, TheSandboxKeepsNoDescriptorOfItsParent) {
   int fds[2];
   ASSERT_EQ(pipe(fds), 0);  // not close-on-exec: the sandbox inherits it
