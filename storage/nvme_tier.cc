@@ -440,6 +440,9 @@ class NvmeTierImpl final : public NvmeTier {
   // Notes that a write without the WAL has landed in a memtable (call it
   // after the write): the flush timer starts counting its age.
   void NoteUnflushedWrite();
+  // Flushes the memtables when the oldest unflushed write is
+  // max_unflushed_age old (see MaintenanceLoop). Any thread, no lock held.
+  void FlushIfDue();
   // The maintenance thread (maintenance_): every tick, flushes the
   // memtables when the oldest unflushed write is max_unflushed_age old,
   // and scrubs the tier (Verify) when an automatic compaction met a corrupt
@@ -662,33 +665,40 @@ void NvmeTierImpl::MaintenanceLoop() {
     flush_mu_.AwaitWithTimeout(absl::Condition(&stop_maintenance_), tick);
     if (stop_maintenance_) break;
     const absl::Time now = clock_->Now();
-    if (now >= next_auto_scrub_ && listener_->TakeCorruption()) {
-      next_auto_scrub_ = now + kAutoScrubInterval;
-      flush_mu_.Unlock();
-      Verify().IgnoreError();  // counted in the stats; retried if need be
-      flush_mu_.Lock();
-      continue;
-    }
+    const bool scrub = now >= next_auto_scrub_ && listener_->TakeCorruption();
+    if (scrub) next_auto_scrub_ = now + kAutoScrubInterval;
+    flush_mu_.Unlock();
+    // The scrub flushes what is due as it goes (it may read for minutes).
+    if (scrub) Verify().IgnoreError();  // counted in the stats; retried if need be
+    FlushIfDue();
+    flush_mu_.Lock();
+  }
+  flush_mu_.Unlock();
+}
+
+void NvmeTierImpl::FlushIfDue() {
+  absl::Time since;
+  {
+    absl::MutexLock lock(&flush_mu_);
     // Nothing unflushed (InfiniteFuture), or not old enough yet (or the
     // timer off: with the WAL, or an infinite max age). A stopped database
     // cannot flush: its resume flushes what the memtables hold.
     if (options_.use_wal ||
-        now - unflushed_since_ < options_.max_unflushed_age ||
+        clock_->Now() - unflushed_since_ < options_.max_unflushed_age ||
         listener_->stopped()) {
-      continue;
+      return;
     }
     // Writes that land from now on may miss this flush: they count anew.
     // A write marks itself after it landed, so none goes uncounted.
-    const absl::Time since =
-        std::exchange(unflushed_since_, absl::InfiniteFuture());
-    flush_mu_.Unlock();
-    rocksdb::FlushOptions flush;  // waits for the flush
-    flush.allow_write_stall = true;
-    rocksdb::Status s = db_->Flush(flush);
-    flush_mu_.Lock();
-    if (!s.ok()) unflushed_since_ = std::min(unflushed_since_, since);
+    since = std::exchange(unflushed_since_, absl::InfiniteFuture());
   }
-  flush_mu_.Unlock();
+  rocksdb::FlushOptions flush;  // waits for the flush
+  flush.allow_write_stall = true;
+  rocksdb::Status s = db_->Flush(flush);
+  if (!s.ok()) {
+    absl::MutexLock lock(&flush_mu_);
+    unflushed_since_ = std::min(unflushed_since_, since);
+  }
 }
 
 absl::Status NvmeTierImpl::EvictOverCapacity() {
@@ -1493,9 +1503,13 @@ absl::StatusOr<NvmeVerifyReport> NvmeTierImpl::Verify() {
     meta_reads.snapshot = snapshot.snapshot();
     std::unique_ptr<rocksdb::Iterator> it(db_->NewIterator(scan));
     const std::string first(1, kDataPrefix);
+    uint64_t scanned = 0;
     for (it->Seek(first);
          it->Valid() && it->key().starts_with(first) && !closing_.load();
          it->Next()) {
+      // A scrub may read for minutes: demotions still reach the files
+      // within max_unflushed_age.
+      if (++scanned % 256 == 0) FlushIfDue();
       std::string id(it->key().data() + 1, it->key().size() - 1);
       rocksdb::Slice value = it->value();
       const uint64_t sum = BlockChecksum(value.data(), value.size());
