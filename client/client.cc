@@ -546,7 +546,10 @@ absl::StatusOr<LookupReply> Client::Lookup(absl::string_view ns,
 
 void Client::RememberPin(uint64_t pin_id, uint64_t session) {
   absl::MutexLock lock(&mu_);
-  if (pin_sessions_.size() >= kMaxRememberedPins) {
+  // Full: forget the pins of other sessions, once per current session (a
+  // map full of this session's pins is not scanned again at every call).
+  if (pin_sessions_.size() >= kMaxRememberedPins && pins_pruned_for_ != session_id_) {
+    pins_pruned_for_ = session_id_;
     absl::erase_if(pin_sessions_, [&](const auto& entry) {
       return entry.second != session_id_;
     });

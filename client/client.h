@@ -393,6 +393,7 @@ class Client {
   // pins of sessions other than the current one are forgotten (their
   // Unpin then names the current session, as an unknown pin does).
   absl::flat_hash_map<uint64_t, uint64_t> pin_sessions_ ABSL_GUARDED_BY(mu_);
+  uint64_t pins_pruned_for_ ABSL_GUARDED_BY(mu_) = 0;  // session of the last prune
   absl::Duration lease_ ABSL_GUARDED_BY(mu_) = absl::Seconds(30);
   bool stop_ ABSL_GUARDED_BY(mu_) = false;
   // The keep-alive RPC in flight, cancelled by the destructor.

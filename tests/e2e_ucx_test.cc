@@ -1747,9 +1747,6 @@ TEST_P(UcxE2eTest, PlacesOutsideTheSessionsBuffersAreRejected) {
   EXPECT_TRUE(daemon_->Running());
 }
 
-// Remote keys that UCX 1.13 would crash the daemon on (truncated, naming a
-// segment that is gone) or that describe more memory than their segment
-// are refused by RegisterBuffer; the daemon stays up and serves the session.
 TEST_P(UcxE2eTest, MalformedWorkerAddressesAreRefusedAndTheDaemonStaysUp) {
   // OpenSession hands the client's worker address to UCX, which unpacks it
   // without a length: every truncation of a real one, and byte flips
@@ -1812,6 +1809,9 @@ TEST_P(UcxE2eTest, MalformedWorkerAddressesAreRefusedAndTheDaemonStaysUp) {
   EXPECT_OK(client_->Lookup("ns", {&key, 1}, false, true).status());
 }
 
+// Remote keys that UCX 1.13 would crash the daemon on (truncated, naming a
+// segment that is gone) or that describe more memory than their segment
+// are refused by RegisterBuffer; the daemon stays up and serves the session.
 TEST_P(UcxE2eTest, CraftedOrStaleRemoteKeysAreRefusedAndTheDaemonStaysUp) {
   std::vector<char> mine(kBlock, 'm');
   ASSERT_OK(client_->RegisterBuffer(mine.data(), mine.size()));
