@@ -274,8 +274,6 @@ class NvmeTierImpl final : public NvmeTier {
         clock_(clock),
         listener_(std::make_shared<ErrorListener>()) {
     write_options_.disableWAL = !options_.use_wal;
-    // Deletes are few (admin Evict) and must not come back after a crash.
-    delete_options_.disableWAL = false;
   }
   ~NvmeTierImpl() override;
 
@@ -454,7 +452,6 @@ class NvmeTierImpl final : public NvmeTier {
   Clock* const clock_;
   const std::shared_ptr<ErrorListener> listener_;
   rocksdb::WriteOptions write_options_;
-  rocksdb::WriteOptions delete_options_;  // Delete's: always with the WAL
   std::unique_ptr<rocksdb::DB> db_;
 
   // The age of what only the memtables hold (NvmeTierOptions::
@@ -972,7 +969,9 @@ absl::Status NvmeTierImpl::DeleteRecords(absl::Span<const Retired> retired,
     RETURN_IF_ERROR(FromRocksStatus(s, "NVMe tier: batching deletes"));
   }
   rocksdb::Status s =
-      db_->Write(durable ? delete_options_ : write_options_, &batch);
+      // Delete's are few (admin Evict) and must not come back after a
+      // crash: RocksDB's default options write them through the WAL.
+      db_->Write(durable ? rocksdb::WriteOptions() : write_options_, &batch);
   if (!s.ok()) {
     NoteWriteFailure(s);
   } else if (!durable) {

@@ -19,6 +19,7 @@
 #include "absl/base/thread_annotations.h"
 #include "absl/container/flat_hash_map.h"
 #include "absl/container/flat_hash_set.h"
+#include "absl/functional/function_ref.h"
 #include "absl/random/random.h"
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/mutex.h"
@@ -225,22 +226,13 @@ class TieredStoreImpl final : public TieredStore {
 
   int ExpireSessions() override {
     absl::MutexLock lock(&mu_);
-    absl::Time now = clock_->Now();
-    std::vector<SessionId> expired;
-    for (const auto& [id, s] : sessions_) {
-      if (s.deadline <= now) expired.push_back(id);
-    }
-    for (SessionId id : expired) EndSession(id);
-    return static_cast<int>(expired.size());
+    const absl::Time now = clock_->Now();
+    return EndSessionsWhere([now](const Session& s) { return s.deadline <= now; });
   }
 
   int EndAllSessions() override {
     absl::MutexLock lock(&mu_);
-    std::vector<SessionId> open;
-    open.reserve(sessions_.size());
-    for (const auto& [id, s] : sessions_) open.push_back(id);
-    for (SessionId id : open) EndSession(id);
-    return static_cast<int>(open.size());
+    return EndSessionsWhere([](const Session&) { return true; });
   }
 
   bool HasSession(SessionId session) override {
@@ -744,6 +736,17 @@ class TieredStoreImpl final : public TieredStore {
   absl::Status SessionOrInternal(SessionId session) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
     if (session == kInternalSession) return absl::OkStatus();
     return LiveSession(session).status();
+  }
+
+  // Ends every session for which `end` holds; returns how many.
+  int EndSessionsWhere(absl::FunctionRef<bool(const Session&)> end)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    std::vector<SessionId> ending;
+    for (const auto& [id, s] : sessions_) {
+      if (end(s)) ending.push_back(id);
+    }
+    for (SessionId id : ending) EndSession(id);
+    return static_cast<int>(ending.size());
   }
 
   SessionRelease EndSession(SessionId session)
