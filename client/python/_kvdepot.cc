@@ -427,8 +427,8 @@ bool ElementFits(const std::string& element, KvDtype dtype) {
   const bool floating =
       absl::StartsWith(element, "float") || absl::StartsWith(element, "bfloat") ||
       absl::StartsWith(element, "complex") ||
-      (element.size() == 1 && absl::StrContains("efdgZ", element[0])) ||
-      absl::StartsWith(element, "Z");
+      (element.size() == 1 && absl::StrContains("efdg", element[0])) ||
+      absl::StartsWith(element, "Z");  // complex formats: "Zf", "Zd"...
   if (!floating) return true;
   switch (dtype) {
     case KvDtype::kFloat16:

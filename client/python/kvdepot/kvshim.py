@@ -44,6 +44,7 @@ built or does not load raises ``ImportError`` naming it.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import enum
 import os
@@ -567,13 +568,13 @@ class KvShim:
             # handle 0, the legacy default stream of whichever GPU is
             # current: make it the stream's, or this would wait on another.
             device = getattr(stream, "device", None)
+        current: Any = contextlib.nullcontext()
         if device is not None:
             import torch
 
-            with torch.cuda.device(device):
-                self._call(self._lib.kvdepot_kv_synchronize, handle)
-            return
-        self._call(self._lib.kvdepot_kv_synchronize, handle)
+            current = torch.cuda.device(device)
+        with current:
+            self._call(self._lib.kvdepot_kv_synchronize, handle)
 
     def current_device(self) -> int:
         """The calling thread's CUDA device as the library sees it (0 for
