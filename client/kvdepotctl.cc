@@ -299,6 +299,7 @@ struct Ctl {
                 << ", \"demotions\": " << r->demotions()
                 << ", \"demotion_failures\": " << r->demotion_failures()
                 << ", \"promotions\": " << r->promotions()
+                << ", \"promotions_shed\": " << r->promotions_shed()
                 << ", \"demotions_skipped\": " << r->demotions_skipped()
                 << ", \"sessions\": " << r->sessions() << ", \"pins\": " << r->pins()
                 << ", \"reservations\": " << r->reservations()
@@ -320,13 +321,14 @@ struct Ctl {
                   static_cast<unsigned long long>(d.evictions()));
       const v1::TierStats& n = r->nvme();
       std::printf("nvme: %llu blocks, %llu / %llu bytes; %llu demotions (%llu failed), "
-                  "%llu promotions\n",
+                  "%llu promotions (%llu shed)\n",
                   static_cast<unsigned long long>(n.blocks()),
                   static_cast<unsigned long long>(n.used_bytes()),
                   static_cast<unsigned long long>(n.capacity_bytes()),
                   static_cast<unsigned long long>(r->demotions()),
                   static_cast<unsigned long long>(r->demotion_failures()),
-                  static_cast<unsigned long long>(r->promotions()));
+                  static_cast<unsigned long long>(r->promotions()),
+                  static_cast<unsigned long long>(r->promotions_shed()));
       std::printf("lookups: %llu keys, %llu hits; puts: %llu (%llu bytes)\n",
                   static_cast<unsigned long long>(r->lookup_keys()),
                   static_cast<unsigned long long>(r->lookup_hits()),

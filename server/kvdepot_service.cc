@@ -551,6 +551,7 @@ grpc::ServerUnaryReactor* KvDepotService::Stats(grpc::CallbackServerContext* ctx
     resp->set_demotions(st.demotions);
     resp->set_demotion_failures(st.demotion_failures);
     resp->set_promotions(st.promotions);
+    resp->set_promotions_shed(st.promotions_shed);
     resp->set_demotions_skipped(st.demotions_skipped);
     resp->set_draining(st.draining);
     resp->set_sessions(st.sessions);

@@ -171,6 +171,10 @@ ServerMetrics::ServerMetrics(prometheus::Registry& registry, int namespace_label
       "DRAM blocks not admitted to the NVMe tier (read too rarely)")};
   promotions_ = Mirror{&SingleCounter(registry, "kvdepot_promotions_total",
                                       "NVMe blocks read back into DRAM")};
+  promotions_shed_ = Mirror{&SingleCounter(
+      registry, "kvdepot_promotions_shed_total",
+      "NVMe blocks pinned lookups reported as misses because the promotion "
+      "queue was full (more load than the disk reads)")};
   nvme_write_bytes_ = Mirror{&SingleCounter(
       registry, "kvdepot_nvme_write_bytes_total",
       "Block bytes written to the NVMe tier")};
@@ -266,6 +270,7 @@ void ServerMetrics::UpdateFromStats(const StoreStats& st) {
   demotion_failures_.Advance(st.demotion_failures);
   demotions_skipped_.Advance(st.demotions_skipped);
   promotions_.Advance(st.promotions);
+  promotions_shed_.Advance(st.promotions_shed);
   nvme_write_bytes_.Advance(st.nvme_write_bytes);
 }
 

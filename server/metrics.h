@@ -147,6 +147,7 @@ class ServerMetrics {
   Mirror demotion_failures_ ABSL_GUARDED_BY(mu_);
   Mirror demotions_skipped_ ABSL_GUARDED_BY(mu_);
   Mirror promotions_ ABSL_GUARDED_BY(mu_);
+  Mirror promotions_shed_ ABSL_GUARDED_BY(mu_);
   Mirror nvme_write_bytes_ ABSL_GUARDED_BY(mu_);
 };
 

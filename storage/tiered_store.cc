@@ -17,6 +17,7 @@
 #include <utility>
 
 #include "absl/base/thread_annotations.h"
+#include "absl/cleanup/cleanup.h"
 #include "absl/container/flat_hash_map.h"
 #include "absl/container/flat_hash_set.h"
 #include "absl/functional/function_ref.h"
@@ -669,6 +670,7 @@ class TieredStoreImpl final : public TieredStore {
     st.demotion_failures = demotion_failures_.load();
     st.demotions_skipped = demotions_skipped_.load();
     st.promotions = promotions_.load();
+    st.promotions_shed = promotions_shed_.load();
     st.draining = draining_.load();
     st.namespaces = ListNamespaces();
     return st;
@@ -964,8 +966,11 @@ class TieredStoreImpl final : public TieredStore {
         // pinned one promotes it first, so the pin covers DRAM bytes.
         if (pin) {
           if (nvme_->Contains(ns, keys[i])) {
-            plan.promote.push_back({i, std::string(keys[i])});
-            continue;
+            if (QueuePromotion()) {
+              plan.promote.push_back({i, std::string(keys[i])});
+              continue;
+            }
+            promotions_shed_.fetch_add(1, std::memory_order_relaxed);
           }
         } else if (absl::StatusOr<NvmeBlockMeta> meta = nvme_->Meta(ns, keys[i]);
                    meta.ok()) {
@@ -977,8 +982,33 @@ class TieredStoreImpl final : public TieredStore {
       }
       if (prefix) break;  // the rest stay misses
     }
-    if (!plan.promote.empty()) plan.ns = std::string(ns);
+    if (plan.promote.empty()) return plan;
+    plan.ns = std::string(ns);
+    // While it waits, the lookup keeps planned only the pins it can take:
+    // its DRAM hits and its promotions.
+    uint64_t can_pin = plan.promote.size();
+    for (BlockEntry* e : plan.pinned) can_pin += e != nullptr;
+    if (plan.planned_pins > can_pin) {
+      absl::MutexLock lock(&mu_);
+      auto s = sessions_.find(session);
+      if (s != sessions_.end()) {
+        s->second.planned_pins -=
+            std::min(s->second.planned_pins, plan.planned_pins - can_pin);
+      }
+      plan.planned_pins = can_pin;
+    }
     return plan;
+  }
+
+  // Takes a place in the promotion queue (max_queued_promotions) for one
+  // block; false when it is full. PromoteBatch gives the places back.
+  bool QueuePromotion() {
+    if (queued_promotions_.fetch_add(1, std::memory_order_relaxed) <
+        options_.max_queued_promotions) {
+      return true;
+    }
+    queued_promotions_.fetch_sub(1, std::memory_order_relaxed);
+    return false;
   }
 
   // Reads plan.promote's blocks from NVMe into new DRAM slots with one
@@ -988,6 +1018,9 @@ class TieredStoreImpl final : public TieredStore {
   // quota) stay misses. Runs on a promotion thread: it may wait for the disk
   // and for the evictor.
   void PromoteBatch(LookupPlan& plan) {
+    absl::Cleanup dequeue = [&] {
+      queued_promotions_.fetch_sub(plan.promote.size(), std::memory_order_relaxed);
+    };
     if (plan.info == nullptr) {
       absl::StatusOr<uint32_t> id = NamespaceIdFor(plan.ns, NamespaceUse::kDeclared);
       if (!id.ok()) return;
@@ -1409,6 +1442,9 @@ class TieredStoreImpl final : public TieredStore {
 
   std::atomic<bool> draining_{false};
   std::atomic<uint64_t> demotions_{0}, demotion_failures_{0}, promotions_{0};
+  std::atomic<uint64_t> promotions_shed_{0};
+  // Blocks of lookups waiting for PromoteBatch (max_queued_promotions).
+  std::atomic<uint64_t> queued_promotions_{0};
   std::atomic<uint64_t> demotions_skipped_{0};
   std::atomic<uint64_t> nvme_hits_{0};
   // Runs pinned lookups that need promotions (NVMe tier only).

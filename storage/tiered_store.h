@@ -86,6 +86,12 @@ struct StoreOptions {
   uint64_t nvme_write_buffer_size = uint64_t{16} << 20;
   // Threads that read NVMe blocks back into DRAM for pinned lookups.
   int promotion_threads = 2;
+  // Blocks waiting to be promoted, across all lookups (a bound on the
+  // promotion threads' queue, and so on the memory and the pins queued
+  // lookups hold). Past it, a pinned lookup reports a block found only on
+  // NVMe as a miss (StoreStats::promotions_shed): under more load than the
+  // disk can read, clients recompute rather than wait in a growing queue.
+  uint32_t max_queued_promotions = 16384;
 };
 
 struct SessionGrant {
@@ -176,6 +182,9 @@ struct StoreStats {
   std::string nvme_write_error;
   uint64_t demotions_skipped = 0;  // not admitted (read too rarely)
   uint64_t promotions = 0;         // NVMe blocks read back into DRAM
+  // NVMe blocks a pinned lookup reported as misses because
+  // max_queued_promotions blocks were already waiting.
+  uint64_t promotions_shed = 0;
   uint64_t sessions = 0;
   uint64_t pins = 0;           // live pins
   uint64_t pinned_blocks = 0;  // block references held by live pins
@@ -253,8 +262,8 @@ class TieredStore {
   // DRAM first (promotion), with one batched read; a block that cannot be
   // promoted (it fails its checksum, DRAM has no room, or its namespace's
   // quota has none left once the namespace's unpinned blocks are evicted:
-  // see SetQuota) is a miss. This call waits for that; servers use
-  // LookupAsync.
+  // see SetQuota; or max_queued_promotions blocks are waiting already) is a
+  // miss. This call waits for that; servers use LookupAsync.
   absl::StatusOr<LookupResult> Lookup(SessionId session, absl::string_view ns,
                                       absl::Span<const absl::string_view> keys,
                                       bool prefix, bool pin);

@@ -10,6 +10,7 @@
 #include <thread>
 #include <vector>
 
+#include "absl/cleanup/cleanup.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/synchronization/notification.h"
 #include "absl/time/clock.h"
@@ -802,6 +803,7 @@ class TieredStoreNvmeTest : public ::testing::Test {
     o.nvme_capacity = 64 << 20;
     o.create_namespaces = create_namespaces_;
     o.max_pinned_blocks_per_session = max_pinned_blocks_per_session_;
+    o.max_queued_promotions = max_queued_promotions_;
     auto s = NewTieredStore(o, &clock_);
     ASSERT_OK(s);
     store_ = std::move(s).value();
@@ -849,6 +851,7 @@ class TieredStoreNvmeTest : public ::testing::Test {
   bool create_namespaces_ = true;
   uint32_t max_pinned_blocks_per_session_ =
       StoreOptions{}.max_pinned_blocks_per_session;
+  uint32_t max_queued_promotions_ = StoreOptions().max_queued_promotions;
   std::string dir_;
   std::unique_ptr<TieredStore> store_;
   SessionId sid_ = 0;
@@ -1138,6 +1141,123 @@ TEST_F(TieredStoreNvmeTest, PinnedLookupsWaitingForPromotionCountAgainstTheLimit
               StatusIs(Code::kResourceExhausted));
   ASSERT_OK(store_->Unpin(sid_, pins[0]));
   EXPECT_OK(store_->Lookup(sid_, "ns", {&k, 1}, false, true));
+}
+
+// The promotion queue is bounded across all lookups: once
+// max_queued_promotions blocks wait for the disk, a pinned lookup reports a
+// block found only on NVMe as a miss at once (shed, counted) instead of
+// queueing; the places come back when the promotions finish.
+TEST_F(TieredStoreNvmeTest, PinnedLookupsPastTheQueuedPromotionsLimitGetMisses) {
+  constexpr int kQueued = 2, kLookups = 5;
+  max_queued_promotions_ = kQueued;
+  Open();
+  std::vector<std::string> keys;
+  for (int i = 0; i < kLookups; ++i) {
+    keys.push_back("q" + std::to_string(i));
+    Put(keys.back(), Block(i));
+  }
+  ASSERT_OK(store_->PersistDram());  // all only on NVMe now
+  Put("dram", Block(7));             // in DRAM: needs no promotion
+
+  absl::Notification release;
+  internal::SyncPointCallback hold("NvmeTier::MultiRead:Planned", [&](void*) {
+    EXPECT_TRUE(release.WaitForNotificationWithTimeout(absl::Seconds(60)));
+  });
+  absl::Mutex mu;
+  int answered = 0, found = 0, missed = 0;
+  std::vector<PinId> pins;
+  for (int i = 0; i < kLookups; ++i) {
+    absl::string_view k = keys[i];
+    store_->LookupAsync(
+        sid_, "ns", {&k, 1}, false, true, [&, i](absl::StatusOr<LookupResult> r) {
+          ASSERT_OK(r);
+          absl::MutexLock lock(&mu);
+          ++answered;
+          if (r->entries[0].found) {
+            ++found;
+            pins.push_back(r->pin_id);
+            EXPECT_EQ(Bytes(r->entries[0]), Block(i));
+          } else {
+            ++missed;
+            EXPECT_EQ(r->pin_id, 0u);
+          }
+        });
+  }
+  {
+    // The shed lookups answered at once, while the queued ones still wait.
+    absl::MutexLock lock(&mu);
+    EXPECT_EQ(answered, kLookups - kQueued);
+    EXPECT_EQ(missed, kLookups - kQueued);
+  }
+  EXPECT_EQ(store_->Stats().promotions_shed, static_cast<uint64_t>(kLookups - kQueued));
+  // A pinned DRAM hit needs no place in the queue.
+  PinId dram_pin = 0;
+  EXPECT_TRUE(Look("dram", /*pin=*/true, &dram_pin).found);
+  ASSERT_OK(store_->Unpin(sid_, dram_pin));
+  release.Notify();
+  {
+    absl::MutexLock lock(&mu);
+    auto all_answered = [&]() ABSL_SHARED_LOCKS_REQUIRED(mu) {
+      return answered == kLookups;
+    };
+    ASSERT_TRUE(mu.AwaitWithTimeout(absl::Condition(&all_answered),
+                                    absl::Seconds(60)));
+    EXPECT_EQ(found, kQueued);
+  }
+  for (PinId p : pins) ASSERT_OK(store_->Unpin(sid_, p));
+  // The queue is empty again: a batch of kQueued promotions fits.
+  std::vector<absl::string_view> rest = {keys[kLookups - 2], keys[kLookups - 1]};
+  auto r = store_->Lookup(sid_, "ns", rest, false, true);
+  ASSERT_OK(r);
+  EXPECT_TRUE(r->entries[0].found);
+  EXPECT_TRUE(r->entries[1].found);
+  StoreStats st = store_->Stats();
+  EXPECT_EQ(st.promotions, static_cast<uint64_t>(kQueued + 2));
+  EXPECT_EQ(st.promotions_shed, static_cast<uint64_t>(kLookups - kQueued));
+}
+
+// A pinned lookup waiting for its promotions holds planned pins only for the
+// blocks it can pin (its DRAM hits and promotions), not for its misses: a
+// 4-key lookup of 1 NVMe block and 3 misses leaves room under a limit of 4.
+TEST_F(TieredStoreNvmeTest, WaitingLookupsPlanPinsOnlyForBlocksTheyCanPin) {
+  max_pinned_blocks_per_session_ = 4;
+  Open();
+  Put("nvme", Block(1));
+  ASSERT_OK(store_->PersistDram());
+  Put("a", Block(2));
+  Put("b", Block(3));
+
+  absl::Notification release, answered;
+  internal::SyncPointCallback hold("NvmeTier::MultiRead:Planned", [&](void*) {
+    EXPECT_TRUE(release.WaitForNotificationWithTimeout(absl::Seconds(60)));
+  });
+  // A failed assertion below must not leave the promotion waiting.
+  absl::Cleanup unblock = [&] {
+    if (!release.HasBeenNotified()) release.Notify();
+    answered.WaitForNotificationWithTimeout(absl::Seconds(60));
+  };
+  std::vector<absl::string_view> first = {"nvme", "x", "y", "z"};
+  PinId first_pin = 0;
+  store_->LookupAsync(sid_, "ns", first, false, true,
+                      [&](absl::StatusOr<LookupResult> r) {
+                        EXPECT_OK(r);
+                        if (r.ok()) {
+                          EXPECT_TRUE(r->entries[0].found);
+                          EXPECT_FALSE(r->entries[1].found);
+                          first_pin = r->pin_id;
+                        }
+                        answered.Notify();
+                      });
+  // 1 planned + 2 = 3 <= 4 (before: 4 planned + 2 > 4, ResourceExhausted).
+  std::vector<absl::string_view> second = {"a", "b"};
+  auto r = store_->Lookup(sid_, "ns", second, false, true);
+  ASSERT_OK(r);
+  EXPECT_EQ(r->prefix_hits, 2u);
+  std::move(unblock).Invoke();
+  ASSERT_TRUE(answered.HasBeenNotified());
+  EXPECT_EQ(store_->Stats().pinned_blocks, 3u);
+  ASSERT_OK(store_->Unpin(sid_, first_pin));
+  ASSERT_OK(store_->Unpin(sid_, r->pin_id));
 }
 
 // With `prefix`, nothing after the first miss is reported or stays pinned,
