@@ -4,9 +4,11 @@
 #include <netinet/in.h>
 
 #include <cstring>
+#include <filesystem>
 #include <fstream>
 #include <vector>
 
+#include "absl/container/flat_hash_set.h"
 #include "absl/strings/ascii.h"
 #include "absl/strings/match.h"
 #include "absl/strings/numbers.h"
@@ -26,29 +28,61 @@ std::string Word(const unsigned char* bytes) {
   return absl::StrFormat("%08X", w);
 }
 
-// The uid of the ESTABLISHED socket whose local address is `local` in the
-// table `path`.
-std::optional<uint32_t> FindUid(const std::string& path,
-                                const std::string& local) {
+// A v4 address in the v4-mapped form of tcp6 ("%08X" words), so that both
+// tables compare equal: a dual-stack listener's end of an IPv4 connection is
+// in tcp6.
+constexpr absl::string_view kV4MappedPrefix = "0000000000000000FFFF0000";
+
+// One ESTABLISHED socket of /proc/net/tcp{,6}, addresses in tcp6's form.
+struct Socket {
+  std::string local, remote;
+  uint32_t uid = 0;
+  uint64_t inode = 0;
+};
+
+// The ESTABLISHED sockets of table `path` (tcp when !v6).
+void ReadTable(const std::string& path, bool v6, std::vector<Socket>* out) {
   std::ifstream in(path);
   std::string line;
   std::getline(in, line);  // the header
   while (std::getline(in, line)) {
     std::vector<absl::string_view> f =
         absl::StrSplit(line, ' ', absl::SkipWhitespace());
-    // sl local_address rem_address st tx:rx tr:when retrnsmt uid ...
-    if (f.size() < 8 || f[3] != "01") continue;
-    if (!absl::EqualsIgnoreCase(f[1], local)) continue;
-    uint32_t uid = 0;
-    if (absl::SimpleAtoi(f[7], &uid)) return uid;
+    // sl local_address rem_address st tx:rx tr:when retrnsmt uid timeout inode
+    if (f.size() < 10 || f[3] != "01") continue;
+    Socket s;
+    if (!absl::SimpleAtoi(f[7], &s.uid) || !absl::SimpleAtoi(f[9], &s.inode)) {
+      continue;
+    }
+    const std::string prefix = v6 ? "" : std::string(kV4MappedPrefix);
+    s.local = absl::AsciiStrToUpper(absl::StrCat(prefix, f[1]));
+    s.remote = absl::AsciiStrToUpper(absl::StrCat(prefix, f[2]));
+    out->push_back(std::move(s));
   }
-  return std::nullopt;
+}
+
+// The inodes of this process's sockets (/proc/self/fd/N -> "socket:[I]").
+absl::flat_hash_set<uint64_t> OwnSocketInodes() {
+  absl::flat_hash_set<uint64_t> inodes;
+  std::error_code ec;
+  for (const auto& fd : std::filesystem::directory_iterator("/proc/self/fd", ec)) {
+    std::error_code link_ec;
+    const std::string target = std::filesystem::read_symlink(fd.path(), link_ec);
+    absl::string_view t = target;
+    uint64_t inode = 0;
+    if (!link_ec && absl::ConsumePrefix(&t, "socket:[") &&
+        absl::ConsumeSuffix(&t, "]") && absl::SimpleAtoi(t, &inode)) {
+      inodes.insert(inode);
+    }
+  }
+  return inodes;
 }
 
 }  // namespace
 
-std::optional<uint32_t> LocalPeerUid(absl::string_view grpc_peer,
-                                     const std::string& proc_net) {
+std::optional<uint32_t> LocalPeerUid(
+    absl::string_view grpc_peer, const std::string& proc_net,
+    const absl::flat_hash_set<uint64_t>& own_inodes) {
   // Some gRPC versions percent-encode the brackets and colons of an IPv6
   // peer ("ipv6:%5B::1%5D:41234").
   const std::string decoded = absl::StrReplaceAll(grpc_peer, {{"%5B", "["},
@@ -68,16 +102,13 @@ std::optional<uint32_t> LocalPeerUid(absl::string_view grpc_peer,
     return std::nullopt;
   }
   const std::string port_hex = absl::StrFormat(":%04X", port);
-  std::vector<std::pair<std::string, std::string>> candidates;  // file, local
+  std::string local;  // the peer's address, in tcp6's form
   if (v4) {
     in_addr a{};
     if (inet_pton(AF_INET, std::string(host).c_str(), &a) != 1)
       return std::nullopt;
-    const auto* b = reinterpret_cast<const unsigned char*>(&a);
-    candidates.push_back({"tcp", Word(b) + port_hex});
-    // A dual-stack socket shows an IPv4 peer as v4-mapped.
-    candidates.push_back(
-        {"tcp6", "0000000000000000FFFF0000" + Word(b) + port_hex});
+    local = absl::StrCat(kV4MappedPrefix,
+                         Word(reinterpret_cast<const unsigned char*>(&a)));
   } else {
     if (!absl::ConsumePrefix(&host, "[") || !absl::ConsumeSuffix(&host, "]")) {
       return std::nullopt;
@@ -86,23 +117,33 @@ std::optional<uint32_t> LocalPeerUid(absl::string_view grpc_peer,
     if (inet_pton(AF_INET6, std::string(host).c_str(), &a) != 1)
       return std::nullopt;
     const auto* b = reinterpret_cast<const unsigned char*>(&a);
-    candidates.push_back({"tcp6", Word(b) + Word(b + 4) + Word(b + 8) +
-                                      Word(b + 12) + port_hex});
-    // A v4-mapped peer of a dual-stack listener is an IPv4 socket on its side.
-    if (IN6_IS_ADDR_V4MAPPED(&a))
-      candidates.push_back({"tcp", Word(b + 12) + port_hex});
+    local = Word(b) + Word(b + 4) + Word(b + 8) + Word(b + 12);
   }
-  for (const auto& [file, local] : candidates) {
-    if (std::optional<uint32_t> uid =
-            FindUid(absl::StrCat(proc_net, "/", file), local)) {
-      return uid;
+  absl::StrAppend(&local, port_hex);
+  std::vector<Socket> sockets;
+  ReadTable(absl::StrCat(proc_net, "/tcp"), /*v6=*/false, &sockets);
+  ReadTable(absl::StrCat(proc_net, "/tcp6"), /*v6=*/true, &sockets);
+  // The peer's socket: at its address, with its other end one of ours (the
+  // connection's two ends are each other's remote).
+  std::optional<uint32_t> uid;
+  int found = 0;
+  for (const Socket& peer : sockets) {
+    if (peer.local != local) continue;
+    for (const Socket& ours : sockets) {
+      if (ours.local == peer.remote && ours.remote == peer.local &&
+          own_inodes.contains(ours.inode)) {
+        uid = peer.uid;
+        ++found;
+        break;
+      }
     }
   }
-  return std::nullopt;
+  if (found != 1) return std::nullopt;
+  return uid;
 }
 
 std::optional<uint32_t> LocalPeerUid(absl::string_view grpc_peer) {
-  return LocalPeerUid(grpc_peer, "/proc/net");
+  return LocalPeerUid(grpc_peer, "/proc/net", OwnSocketInodes());
 }
 
 }  // namespace kvdepot

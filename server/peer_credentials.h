@@ -15,22 +15,28 @@
 #include <optional>
 #include <string>
 
+#include "absl/container/flat_hash_set.h"
 #include "absl/strings/string_view.h"
 
 namespace kvdepot {
 
 // The uid owning the local TCP socket at the address gRPC reports as a
 // call's peer ("ipv4:127.0.0.1:41234", "ipv6:[::1]:41234",
-// "ipv6:[::ffff:127.0.0.1]:41234"): found when the peer's socket is in this
-// network namespace (a process on this host, outside containers with their
-// own network). Nullopt otherwise (another host, a unix socket, an address
-// that does not parse, no such socket any more).
+// "ipv6:[::ffff:127.0.0.1]:41234"), found when that socket is connected to
+// one of this process's own sockets: a process on this host, in this network
+// namespace. Several sockets may share a local address (connected to
+// different destinations, or bound with SO_REUSEADDR), so the peer's socket
+// is the one whose other end is ours; when that is not exactly one socket,
+// the answer is nullopt. Nullopt also for another host, a unix socket, an
+// address that does not parse, or a connection that is gone.
 std::optional<uint32_t> LocalPeerUid(absl::string_view grpc_peer);
 
 // The same, with the socket tables read from `proc_net` (a directory with
-// files tcp and tcp6 in /proc/net's format), for tests.
+// files tcp and tcp6 in /proc/net's format) and this process's sockets given
+// by their inodes, for tests.
 std::optional<uint32_t> LocalPeerUid(absl::string_view grpc_peer,
-                                     const std::string& proc_net);
+                                     const std::string& proc_net,
+                                     const absl::flat_hash_set<uint64_t>& own_inodes);
 
 }  // namespace kvdepot
 

@@ -106,29 +106,74 @@ TEST(LocalPeerUidTest, UnknownOrUnparsablePeersHaveNone) {
   }
 }
 
-// The table format, including another user's socket and sockets that are
-// not ESTABLISHED at the same address.
-TEST(LocalPeerUidTest, ReadsTheKernelsTableFormat) {
-  const std::string dir = ::testing::TempDir() + "/proc_net";
-  ASSERT_EQ(system(absl::StrCat("mkdir -p ", dir).c_str()), 0);
-  std::ofstream(dir + "/tcp")
-      << "  sl  local_address rem_address   st tx_queue rx_queue tr tm->when "
-         "retrnsmt   uid  timeout inode\n"
-      << "   0: 0100007F:A0D2 0100007F:1F90 0A 00000000:00000000 00:00000000 "
-         "00000000     7        0 1 1 0000000000000000 100 0 0 10 0\n"
-      << "   1: 0100007F:A0D2 0100007F:1F90 01 00000000:00000000 00:00000000 "
-         "00000000  1234        0 2 1 0000000000000000 20 4 30 10 -1\n";
-  std::ofstream(dir + "/tcp6")
-      << "  sl  local_address                         remote_address           "
-         "     "
-         "st tx_queue rx_queue tr tm->when retrnsmt   uid  timeout inode\n"
-      << "   0: 00000000000000000000000001000000:B00B "
-         "00000000000000000000000001000000:1F90 01 00000000:00000000 "
-         "00:00000000 "
-         "00000000  4321        0 3 1 0000000000000000 20 4 30 10 -1\n";
-  EXPECT_EQ(LocalPeerUid("ipv4:127.0.0.1:41170", dir), 1234u);
-  EXPECT_EQ(LocalPeerUid("ipv6:[::1]:45067", dir), 4321u);
-  EXPECT_EQ(LocalPeerUid("ipv4:127.0.0.1:41171", dir), std::nullopt);
+// A /proc/net/tcp row: sl local remote st ... uid timeout inode.
+std::string Row(int sl, const std::string& local, const std::string& remote,
+                const std::string& state, uint32_t uid, uint64_t inode) {
+  return absl::StrCat("   ", sl, ": ", local, " ", remote, " ", state,
+                      " 00000000:00000000 00:00000000 00000000  ", uid,
+                      "        0 ", inode, " 1 0000000000000000 20 4 30 10 -1\n");
+}
+
+class PeerTableTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    dir_ = ::testing::TempDir() + "/proc_net_" +
+           ::testing::UnitTest::GetInstance()->current_test_info()->name();
+    ASSERT_EQ(system(absl::StrCat("mkdir -p ", dir_).c_str()), 0);
+  }
+  void Write(const std::string& tcp, const std::string& tcp6) {
+    std::ofstream(dir_ + "/tcp")
+        << "  sl  local_address rem_address   st tx_queue rx_queue tr tm->when "
+           "retrnsmt   uid  timeout inode\n"
+        << tcp;
+    std::ofstream(dir_ + "/tcp6")
+        << "  sl  local_address                         remote_address        "
+           "        st tx_queue rx_queue tr tm->when retrnsmt   uid  timeout "
+           "inode\n"
+        << tcp6;
+  }
+  std::string dir_;
+};
+
+// The table format, including sockets that are not ESTABLISHED at the same
+// address; the daemon's end (inode 100, 300) is ours.
+TEST_F(PeerTableTest, ReadsTheKernelsTableFormat) {
+  Write(Row(0, "0100007F:A0D2", "0100007F:1F90", "0A", 7, 1) +
+            Row(1, "0100007F:A0D2", "0100007F:1F90", "01", 1234, 2) +
+            Row(2, "0100007F:1F90", "0100007F:A0D2", "01", 0, 100),
+        Row(0, "00000000000000000000000001000000:B00B",
+            "00000000000000000000000001000000:1F90", "01", 4321, 3) +
+            Row(1, "00000000000000000000000001000000:1F90",
+                "00000000000000000000000001000000:B00B", "01", 0, 300));
+  EXPECT_EQ(LocalPeerUid("ipv4:127.0.0.1:41170", dir_, {100, 300}), 1234u);
+  EXPECT_EQ(LocalPeerUid("ipv6:[::1]:45067", dir_, {100, 300}), 4321u);
+  EXPECT_EQ(LocalPeerUid("ipv4:127.0.0.1:41171", dir_, {100, 300}), std::nullopt);
+  // Connected, but not to this process: no answer.
+  EXPECT_EQ(LocalPeerUid("ipv4:127.0.0.1:41170", dir_, {300}), std::nullopt);
+}
+
+// An IPv4 client of a dual-stack listener: its end is in tcp, the daemon's
+// (v4-mapped) in tcp6.
+TEST_F(PeerTableTest, MatchesAcrossTheTwoTables) {
+  Write(Row(0, "0100007F:A0D2", "0100007F:1F90", "01", 1234, 2),
+        Row(0, "0000000000000000FFFF00000100007F:1F90",
+            "0000000000000000FFFF00000100007F:A0D2", "01", 0, 100));
+  EXPECT_EQ(LocalPeerUid("ipv4:127.0.0.1:41170", dir_, {100}), 1234u);
+  EXPECT_EQ(LocalPeerUid("ipv6:[::ffff:127.0.0.1]:41170", dir_, {100}), 1234u);
+}
+
+// Another user's socket may share the client's local address (connected
+// elsewhere, or bound with SO_REUSEADDR), and come first in the table: the
+// peer is the socket whose other end is the daemon's, not the first match.
+TEST_F(PeerTableTest, ASocketSharingThePeersAddressDoesNotLendItsUid) {
+  Write(Row(0, "0100007F:A0D2", "0100007F:0016", "01", 1001, 50) +
+            Row(1, "0100007F:0016", "0100007F:A0D2", "01", 0, 51) +
+            Row(2, "0100007F:A0D2", "0100007F:1F90", "01", 1000, 60) +
+            Row(3, "0100007F:1F90", "0100007F:A0D2", "01", 0, 61),
+        "");
+  EXPECT_EQ(LocalPeerUid("ipv4:127.0.0.1:41170", dir_, {61}), 1000u);
+  // Both connected to this process (two listeners): ambiguous, no answer.
+  EXPECT_EQ(LocalPeerUid("ipv4:127.0.0.1:41170", dir_, {51, 61}), std::nullopt);
 }
 
 }  // namespace
