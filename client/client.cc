@@ -13,6 +13,7 @@
 #include "grpc/health/v1/health.grpc.pb.h"
 #include "storage/block_key.h"
 #include "storage/checksum.h"
+#include "storage/internal/sync_point.h"
 #include "storage/status_macros.h"
 #include "storage/work_pool.h"
 #include "client/ucx_requests.h"
@@ -60,6 +61,8 @@ namespace {
 constexpr absl::Duration kRetiredLinkGrace = absl::Seconds(30);
 // Pins whose session Client::Unpin remembers (see pin_sessions_).
 constexpr size_t kMaxRememberedPins = 1 << 16;
+// Pins Client::ReleaseOwnPin owes the daemon (see owed_unpins_).
+constexpr size_t kMaxOwedUnpins = 1 << 12;
 constexpr size_t kMaxRetiredLinks = 16;
 }  // namespace
 
@@ -501,6 +504,30 @@ void Client::KeepAliveLoop() {
     if (st.error_code() == grpc::StatusCode::NOT_FOUND && session_id_ == id) {
       session_id_ = 0;
     }
+    if (st.ok()) RetryOwedUnpins();
+  }
+}
+
+void Client::RetryOwedUnpins() {
+  std::vector<std::pair<uint64_t, uint64_t>> owed;
+  owed.swap(owed_unpins_);
+  const absl::Duration timeout =
+      std::min(std::max(lease_ / 3, absl::Seconds(1)), options_.rpc_timeout);
+  std::vector<std::pair<uint64_t, uint64_t>> still;
+  for (const auto& [pin, session] : owed) {
+    if (stop_) break;
+    mu_.Unlock();
+    const absl::Status st = UnpinRpc(session, pin, timeout);
+    mu_.Lock();
+    // Released, or gone with its session: done. Otherwise next time.
+    if (st.ok() || absl::IsNotFound(st) || absl::IsInvalidArgument(st)) {
+      pin_sessions_.erase(pin);
+    } else {
+      still.push_back({pin, session});
+    }
+  }
+  for (const auto& entry : still) {
+    if (owed_unpins_.size() < kMaxOwedUnpins) owed_unpins_.push_back(entry);
   }
 }
 
@@ -558,17 +585,13 @@ void Client::RememberPin(uint64_t pin_id, uint64_t session) {
 }
 
 absl::Status Client::Unpin(uint64_t pin_id) {
-  v1::UnpinRequest req;
+  uint64_t session;
   {
     absl::MutexLock lock(&mu_);
     auto it = pin_sessions_.find(pin_id);
-    req.set_session_id(it != pin_sessions_.end() ? it->second : session_id_);
+    session = it != pin_sessions_.end() ? it->second : session_id_;
   }
-  req.set_pin_id(pin_id);
-  grpc::ClientContext ctx;
-  PrepareContext(&ctx);
-  v1::UnpinResponse resp;
-  absl::Status st = FromGrpcStatus(stub_->Unpin(&ctx, req, &resp));
+  absl::Status st = UnpinRpc(session, pin_id, options_.rpc_timeout);
   // Released, or gone with its session: forget it. Kept for a retry after
   // any other error (the daemon unreachable).
   if (st.ok() || absl::IsNotFound(st) || absl::IsInvalidArgument(st)) {
@@ -576,6 +599,31 @@ absl::Status Client::Unpin(uint64_t pin_id) {
     pin_sessions_.erase(pin_id);
   }
   return st;
+}
+
+absl::Status Client::UnpinRpc(uint64_t session, uint64_t pin_id,
+                              absl::Duration timeout) {
+  // Tests stand in for a daemon that cannot be reached by setting an error.
+  absl::Status unreachable;
+  internal::TestSyncPoint("Client::UnpinRpc", &unreachable);
+  if (!unreachable.ok()) return unreachable;
+  v1::UnpinRequest req;
+  req.set_session_id(session);
+  req.set_pin_id(pin_id);
+  grpc::ClientContext ctx;
+  ctx.set_deadline(std::chrono::system_clock::now() +
+                   absl::ToChronoMilliseconds(timeout));
+  v1::UnpinResponse resp;
+  return FromGrpcStatus(stub_->Unpin(&ctx, req, &resp));
+}
+
+void Client::ReleaseOwnPin(uint64_t pin_id) {
+  const absl::Status st = Unpin(pin_id);
+  if (st.ok() || absl::IsNotFound(st) || absl::IsInvalidArgument(st)) return;
+  absl::MutexLock lock(&mu_);
+  auto it = pin_sessions_.find(pin_id);
+  const uint64_t session = it != pin_sessions_.end() ? it->second : session_id_;
+  if (owed_unpins_.size() < kMaxOwedUnpins) owed_unpins_.push_back({pin_id, session});
 }
 
 namespace {
@@ -755,10 +803,7 @@ absl::StatusOr<std::vector<bool>> Client::GetIntoGrpc(
   // A prefix lookup finds nothing after the first miss: nothing is read there.
   ASSIGN_OR_RETURN(LookupReply found, Lookup(ns, keys, prefix, /*pin=*/true));
   absl::Status st = ReadInto(ns, keys, dst, found);
-  if (found.pin_id != 0) {
-    // A failed unpin only holds the blocks until the session ends.
-    Unpin(found.pin_id).IgnoreError();
-  }
+  if (found.pin_id != 0) ReleaseOwnPin(found.pin_id);
   RETURN_IF_ERROR(st);
   for (size_t i = 0; i < keys.size(); ++i) filled[i] = found.entries[i].found;
   return filled;

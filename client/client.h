@@ -341,6 +341,16 @@ class Client {
   // that the next call opens a new one.
   void DropSession(uint64_t session);
   void RememberPin(uint64_t pin_id, uint64_t session);
+  // Unpin's RPC: `pin_id` of `session`, within `timeout`.
+  absl::Status UnpinRpc(uint64_t session, uint64_t pin_id, absl::Duration timeout);
+  // Releases a pin this library took for itself (GetInto over gRPC): one
+  // that cannot be released now (the daemon unreachable) is owed, and the
+  // keep-alive thread retries it, since the caller never saw its id and the
+  // renewed session would hold it for the client's whole life.
+  void ReleaseOwnPin(uint64_t pin_id);
+  // The keep-alive thread's retry of owed_unpins_ (REQUIRES mu_, released
+  // during the RPCs).
+  void RetryOwedUnpins() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Ends the requests over UCX of `session` (pending ones: Unavailable).
   void DisconnectRequests(uint64_t session);
 
@@ -394,6 +404,10 @@ class Client {
   // Unpin then names the current session, as an unknown pin does).
   absl::flat_hash_map<uint64_t, uint64_t> pin_sessions_ ABSL_GUARDED_BY(mu_);
   uint64_t pins_pruned_for_ ABSL_GUARDED_BY(mu_) = 0;  // session of the last prune
+  // Pins of ReleaseOwnPin still to release, as {pin, session}; at most
+  // kMaxOwedUnpins (past that, the session's lease ends them at the latest
+  // once the daemon is unreachable for longer than a lease).
+  std::vector<std::pair<uint64_t, uint64_t>> owed_unpins_ ABSL_GUARDED_BY(mu_);
   absl::Duration lease_ ABSL_GUARDED_BY(mu_) = absl::Seconds(30);
   bool stop_ ABSL_GUARDED_BY(mu_) = false;
   // The keep-alive RPC in flight, cancelled by the destructor.

@@ -4,6 +4,7 @@
 
 #include <gtest/gtest.h>
 
+#include <atomic>
 #include <cstdio>
 #include <fstream>
 #include <iterator>
@@ -16,6 +17,7 @@
 #include "absl/time/clock.h"
 #include "client/client.h"
 #include "storage/checksum.h"
+#include "storage/internal/sync_point.h"
 #include "tests/daemon_process.h"
 #include "tests/status_matchers.h"
 
@@ -301,6 +303,50 @@ TEST(LifecycleTest, ClientKeepsItsSessionAliveAcrossLeases) {
   auto st = client->Stats();
   ASSERT_OK(st);
   EXPECT_EQ(st->sessions(), 1u);
+}
+
+// A get over gRPC pins its blocks and unpins them after the read; when that
+// unpin cannot reach the daemon (a connection lost and not yet back; stood
+// in for here), the pin is owed and released by the keep-alive thread, in
+// the same session: the caller never saw the pin's id, and the kept-alive
+// session would otherwise hold the blocks for the client's whole life.
+TEST(LifecycleTest, AGetWhoseUnpinFailedReleasesItsPinLater) {
+  auto d = DaemonProcess::Start({"--session-lease", "3s"});
+  ASSERT_OK(d);
+  ClientOptions o;
+  o.server = (*d)->address();
+  o.transport = ClientOptions::Transport::kGrpc;
+  auto client = std::move(Client::Connect(o)).value();
+  const std::string bytes(4096, 'u');
+  BlockToPut b{"k", "", bytes};
+  ASSERT_OK(client->Put("ns", {&b, 1}));
+  auto sid = client->EnsureSession();
+  ASSERT_OK(sid);
+  std::atomic<int> unpins{0};
+  internal::SyncPointCallback unreachable("Client::UnpinRpc", [&](void* arg) {
+    if (unpins.fetch_add(1) == 0) {
+      *static_cast<absl::Status*>(arg) = absl::UnavailableError("connection lost");
+    }
+  });
+  std::string out(bytes.size(), '\0');
+  absl::string_view k = "k";
+  absl::Span<char> dst(out);
+  auto got = client->GetInto("ns", {&k, 1}, {&dst, 1});
+  ASSERT_OK(got);
+  EXPECT_TRUE((*got)[0]);
+  EXPECT_EQ(out, bytes);
+  // The keep-alive thread (every second here) releases it; poll.
+  bool released = false;
+  for (int i = 0; i < 100 && !released; ++i) {
+    absl::SleepFor(absl::Milliseconds(100));
+    auto st = client->Stats();
+    released = st.ok() && st->pins() == 0;
+  }
+  EXPECT_TRUE(released);
+  EXPECT_GE(unpins.load(), 2);
+  auto again = client->EnsureSession();
+  ASSERT_OK(again);
+  EXPECT_EQ(*again, *sid);  // released by the client, not by an expiry
 }
 
 TEST(LifecycleTest, ClientReopensItsSessionAfterADaemonRestart) {
