@@ -79,6 +79,7 @@ void KvDepotService::Finished(const char* op, const absl::Status& st,
     case absl::StatusCode::kInvalidArgument:
     case absl::StatusCode::kFailedPrecondition:
     case absl::StatusCode::kResourceExhausted:
+    case absl::StatusCode::kAborted:
       log_->debug("{} rejected: {}", op, st.ToString());
       break;
     default:
@@ -992,7 +993,9 @@ void KvDepotService::StartPullBlocks(const v1::PullBlocksRequest* req,
     }
     absl::StatusOr<std::unique_ptr<SlotHandle>> slot =
         store_.AcquireSlot(session, resv->id, static_cast<uint32_t>(i));
-    if (!slot.ok()) {  // the session ended under us
+    // Fails when the session ended under us, or (Aborted) when a Write
+    // stream holds the slot.
+    if (!slot.ok()) {
       store_.AbortPut(session, resv->id).IgnoreError();
       return finish(slot.status());
     }

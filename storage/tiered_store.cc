@@ -114,7 +114,12 @@ struct Slot {
   bool exists = false;
   uint64_t data_offset = 0;
   uint64_t key_offset = 0;
-  // Set by SlotHandle::Verify: the bytes were found to hash to this.
+  // A SlotHandle of this slot lives: its one writer (AcquireSlot refuses
+  // a second).
+  bool writing = false;
+  // Set by SlotHandle::Checksum / CopyIn: the bytes were found to hash to
+  // this. Cleared by AcquireSlot: bytes a later handle may have rewritten
+  // are hashed again at commit.
   bool verified = false;
   uint64_t verified_checksum = 0;
 };
@@ -124,7 +129,7 @@ struct ReservationState {
   uint32_t ns_id;
   std::vector<Slot> slots;
   uint64_t bytes = 0;   // arena space held
-  int busy = 0;         // live SlotHandles
+  int busy = 0;         // live SlotHandles (slots with `writing` set)
   bool doomed = false;  // ended while busy: free when the last handle goes
   // Charged to the namespace's quota (NamespaceInfo::charged): the sizes of
   // the slots not yet published.
@@ -398,11 +403,22 @@ class TieredStoreImpl final : public TieredStore {
           "slot ", slot, " out of range: reservation ", id, " has ",
           r->slots.size()));
     }
-    const Slot& s = r->slots[slot];
+    Slot& s = r->slots[slot];
     if (s.exists) {
       return absl::InvalidArgumentError(absl::StrCat(
           "slot ", slot, " of reservation ", id, " is EXISTS: nothing to write"));
     }
+    // One writer per slot: a second could change the bytes while the
+    // first hashes them, or after it has.
+    if (s.writing) {
+      return absl::AbortedError(absl::StrCat(
+          "slot ", slot, " of reservation ", id,
+          " is being written by another writer"));
+    }
+    // Whatever was hashed before is void: this writer may change the bytes.
+    s.writing = true;
+    s.verified = false;
+    s.verified_checksum = 0;
     ++r->busy;
     return std::unique_ptr<SlotHandle>(new SlotHandleImpl(
         this, id, slot, absl::Span<char>(arena_->base() + s.data_offset, s.size)));
@@ -419,11 +435,12 @@ class TieredStoreImpl final : public TieredStore {
     s.verified_checksum = checksum;
   }
 
-  void ReleaseSlot(ReservationId id) {
+  void ReleaseSlot(ReservationId id, uint32_t slot) {
     absl::MutexLock lock(&mu_);
     auto it = reservations_.find(id);
     if (it == reservations_.end()) return;  // cannot happen: busy pins it
     ReservationState& r = it->second;
+    r.slots[slot].writing = false;
     if (--r.busy == 0 && r.doomed) {
       FreeSlots(r);
       reservations_.erase(it);
@@ -442,8 +459,10 @@ class TieredStoreImpl final : public TieredStore {
             "commit has ", checksums.size(), " checksums for ",
             found->slots.size(), " blocks"));
       }
+      // A conflict, not a refusal of the put: once the writes in progress
+      // finish (their handles go), the same commit succeeds.
       if (found->busy > 0) {
-        return absl::FailedPreconditionError(absl::StrCat(
+        return absl::AbortedError(absl::StrCat(
             "reservation ", id, " still has a slot being written"));
       }
       r = std::move(*found);
@@ -464,7 +483,8 @@ class TieredStoreImpl final : public TieredStore {
         continue;
       }
       const char* data = arena_->base() + slot.data_offset;
-      // A slot hashed as its bytes landed is not hashed again.
+      // A slot hashed as its bytes landed is not hashed again (`verified`
+      // holds only if no handle was acquired after that hash).
       const uint64_t actual =
           slot.verified ? slot.verified_checksum : BlockChecksum(data, slot.size);
       // A published block keeps its quota charge; the others give it back.
@@ -1482,7 +1502,7 @@ class TieredStoreImpl final : public TieredStore {
   std::thread evictor_;
 };
 
-SlotHandleImpl::~SlotHandleImpl() { store_->ReleaseSlot(id_); }
+SlotHandleImpl::~SlotHandleImpl() { store_->ReleaseSlot(id_, slot_); }
 
 uint64_t SlotHandleImpl::Checksum() {
   const uint64_t sum = BlockChecksum(bytes_.data(), bytes_.size());

@@ -206,7 +206,8 @@ struct DramRegion {
   uint64_t size = 0;
 };
 
-// Write access to one reserved slot; see TieredStore::AcquireSlot.
+// Write access to one reserved slot; see TieredStore::AcquireSlot. A slot
+// has at most one live handle: its one writer.
 class SlotHandle {
  public:
   virtual ~SlotHandle() = default;
@@ -214,7 +215,8 @@ class SlotHandle {
   // Hashes the slot's bytes now, for a writer whose bytes have just landed
   // and are likely still in cache, and returns their checksum: CommitPut
   // with that checksum takes the slot without hashing it again (with any
-  // other, it refuses the slot, also without hashing it again). REQUIRES:
+  // other, it refuses the slot, also without hashing it again), unless a
+  // later handle of the slot voided the hash (see AcquireSlot). REQUIRES:
   // the bytes are final (no more writes through this handle).
   virtual uint64_t Checksum() = 0;
   // Copies the slot's bytes from `src` (bytes().size() of them), hashing
@@ -295,19 +297,29 @@ class TieredStore {
       SessionId session, absl::string_view ns,
       absl::Span<const PutSpec> blocks, bool* would_wait = nullptr) = 0;
   // Writable bytes of one slot (the gRPC byte path fills slots through it).
-  // While the returned handle lives, the slot's memory stays allocated even
-  // if the reservation is aborted or its session expires (it is freed when
-  // the handle goes), and CommitPut of the reservation fails with
-  // FailedPrecondition. InvalidArgument for an unknown reservation or slot,
-  // or an EXISTS slot; NotFound when the session is gone (its reservations
-  // went with it), as for CommitPut and AbortPut.
+  // A slot has one writer at a time: Aborted while another handle of the
+  // same slot lives (a conflict: it may succeed once that handle goes). A
+  // new handle voids any earlier hash of the slot (SlotHandle::Checksum,
+  // CopyIn): bytes possibly rewritten after it are hashed again by
+  // CommitPut, unless this handle hashes them. While the returned handle
+  // lives, the slot's memory stays allocated even if the reservation is
+  // aborted or its session expires (it is freed when the handle goes), and
+  // CommitPut of the reservation fails with Aborted. InvalidArgument for an
+  // unknown reservation or slot, or an EXISTS slot; NotFound when the
+  // session is gone (its reservations went with it), as for CommitPut and
+  // AbortPut.
   virtual absl::StatusOr<std::unique_ptr<SlotHandle>> AcquireSlot(
       SessionId session, ReservationId id, uint32_t slot) = 0;
   // Verifies and publishes every non-EXISTS slot; `checksums` has one entry
   // per block of the BeginPut. A slot whose key was stored meanwhile (in
-  // DRAM, or already demoted to NVMe) is kAlreadyExists and not published. The reservation ends either way (slots that
-  // fail are freed). InvalidArgument for an unknown reservation or a wrong
-  // number of checksums (the reservation then stays open).
+  // DRAM, or already demoted to NVMe) is kAlreadyExists and not published.
+  // The reservation ends either way (slots that fail are freed).
+  // InvalidArgument for an unknown reservation or a wrong number of
+  // checksums (the reservation then stays open); Aborted while a
+  // SlotHandle of the reservation lives (a write in progress must finish
+  // first: a conflict to retry, not a refusal of the put; the reservation
+  // stays open); NotFound when the session is gone (its reservations went
+  // with it).
   virtual absl::StatusOr<std::vector<CommitOutcome>> CommitPut(
       SessionId session, ReservationId id,
       absl::Span<const uint64_t> checksums) = 0;
