@@ -12,6 +12,7 @@ engines: they exercise the adapters' contracts, nothing more.
 
 from __future__ import annotations
 
+import enum
 import hashlib
 import zlib
 from dataclasses import dataclass, field
@@ -43,11 +44,29 @@ class FakeModelConfig:
         return self._head_size
 
 
+class FakeCUDAGraphMode(enum.Enum):
+    """vllm.config.compilation.CUDAGraphMode (vLLM 0.11): same members,
+    values and has_full_cudagraphs()."""
+
+    NONE = 0
+    PIECEWISE = 1
+    FULL = 2
+    FULL_DECODE_ONLY = (2, 0)
+    FULL_AND_PIECEWISE = (2, 1)
+
+    def has_full_cudagraphs(self) -> bool:
+        value = max(self.value) if isinstance(self.value, tuple) else self.value
+        return value == FakeCUDAGraphMode.FULL.value
+
+
 def make_vllm_config(server: str, *, num_layers: int, block_size: int,
                      num_kv_heads: int, head_size: int, dtype: Any,
-                     kv_role: str = "kv_both", extra: Optional[dict] = None) -> Any:
+                     kv_role: str = "kv_both", extra: Optional[dict] = None,
+                     cudagraph_mode: Any = FakeCUDAGraphMode.PIECEWISE) -> Any:
     """The parts of a VllmConfig the connector reads, built from
-    --kv-transfer-config's fields."""
+    --kv-transfer-config's fields. ``cudagraph_mode``: PIECEWISE by default
+    (what vLLM picks for a connector that requires it); vLLM 0.11's own
+    default is FULL_AND_PIECEWISE."""
     cfg = {"server": server, "timeout_s": 2.0}
     cfg.update(extra or {})
     return SimpleNamespace(
@@ -60,23 +79,29 @@ def make_vllm_config(server: str, *, num_layers: int, block_size: int,
                                      head_size, dtype),
         parallel_config=SimpleNamespace(tensor_parallel_size=1,
                                         pipeline_parallel_size=1, rank=0),
+        compilation_config=SimpleNamespace(cudagraph_mode=cudagraph_mode),
     )
 
 
 @dataclass
 class FakeRequest:
-    """vllm.v1.request.Request: the fields the connector reads."""
+    """vllm.v1.request.Request: the fields the connector reads. A prompt
+    sent as embeddings has ``prompt_token_ids=None`` and ``prompt_embeds``
+    set; vLLM then fills its token ids with zeros."""
 
     request_id: str
-    prompt_token_ids: List[int]
+    prompt_token_ids: Optional[List[int]]
     output_token_ids: List[int] = field(default_factory=list)
     num_computed_tokens: int = 0
     lora_request: Any = None
     cache_salt: Optional[str] = None
     mm_features: List[Any] = field(default_factory=list)
+    prompt_embeds: Any = None
 
     @property
     def all_token_ids(self) -> List[int]:
+        if self.prompt_token_ids is None:  # as vllm.v1.request.Request
+            return [0] * len(self.prompt_embeds) + self.output_token_ids
         return self.prompt_token_ids + self.output_token_ids
 
 
@@ -163,13 +188,25 @@ class VllmEngine:
 
     def step(self, new_reqs: List[FakeRequest], cached: List[FakeRequest],
              num_scheduled: Dict[str, int],
-             hook: Optional[Callable[[str, int], None]] = None) -> Any:
+             hook: Optional[Callable[[str, int], None]] = None,
+             graph_replay: bool = False) -> Any:
         """One scheduler step and forward pass. ``hook(event, layer)``, when
         given, is called at points a test may inspect: ("before_load", -1)
         after the metadata is bound, ("after_start_load", -1) once
-        start_load_kv returned, and ("layer_loaded", l) once
-        wait_for_layer_load returned for layer l, before its attention."""
-        hook = hook or (lambda event, layer: None)
+        start_load_kv returned, ("layer_loaded", l) once
+        wait_for_layer_load returned for layer l, and ("before_attention",
+        l) just before layer l's attention. ``graph_replay``: the forward
+        pass is a FULL CUDA graph replay, which runs the layers without the
+        per-layer hooks (no wait_for_layer_load, no save_kv_layer)."""
+        return self.execute(self.schedule(new_reqs, cached, num_scheduled), hook,
+                            graph_replay)
+
+    def schedule(self, new_reqs: List[FakeRequest], cached: List[FakeRequest],
+                 num_scheduled: Dict[str, int]) -> Any:
+        """The scheduler half of :meth:`step` (up to build_connector_meta);
+        :meth:`execute` runs it. With async scheduling vLLM schedules the
+        next step before the output of the one running comes back: call
+        schedule twice, then execute each in order."""
         new_block_ids: List[Any] = []
         for r in cached:  # running requests get blocks as they grow
             blocks = self.blocks[r.request_id]
@@ -196,6 +233,18 @@ class VllmEngine:
         import pickle
         meta = pickle.loads(pickle.dumps(meta))
         self.finished = set()
+        return SimpleNamespace(so=so, meta=meta, new_reqs=list(new_reqs),
+                               cached=list(cached), num_scheduled=dict(num_scheduled))
+
+    def execute(self, scheduled: Any,
+                hook: Optional[Callable[[str, int], None]] = None,
+                graph_replay: bool = False) -> Any:
+        """The forward pass and update_from_output of a :meth:`schedule`d
+        step (see :meth:`step`); returns its metadata."""
+        hook = hook or (lambda event, layer: None)
+        so, meta = scheduled.so, scheduled.meta
+        new_reqs, cached = scheduled.new_reqs, scheduled.cached
+        num_scheduled = scheduled.num_scheduled
         # --- model runner
         self.worker.bind_connector_metadata(meta)
         fc = SimpleNamespace(no_compile_layers={}, attn_metadata={}, virtual_engine=0)
@@ -204,11 +253,14 @@ class VllmEngine:
         hook("after_start_load", -1)
         reqs = {r.request_id: r for r in new_reqs + cached}
         for layer, name in enumerate(self.layer_names):
-            self.worker.wait_for_layer_load(name)
-            hook("layer_loaded", layer)
+            if not graph_replay:
+                self.worker.wait_for_layer_load(name)
+                hook("layer_loaded", layer)
+            hook("before_attention", layer)
             for rid, n in num_scheduled.items():
                 self._attention_writes(reqs[rid], layer, name, n)
-            self.worker.save_kv_layer(name, self.kv_caches[name], fc.attn_metadata)
+            if not graph_replay:
+                self.worker.save_kv_layer(name, self.kv_caches[name], fc.attn_metadata)
         self.worker.wait_for_save()
         self.worker.get_finished(so.finished_req_ids)
         errors = self.worker.get_block_ids_with_load_errors()

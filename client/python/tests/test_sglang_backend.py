@@ -8,9 +8,11 @@ Run with PYTHONPATH=<build>/python and KVDEPOT_DAEMON=<path of kvdepotd>.
 Exits 77 (ctest: skipped) when torch, numpy or the kvdepot package is missing.
 """
 
+import dataclasses
 import os
 import sys
 import unittest
+from typing import List, Optional
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
@@ -25,6 +27,17 @@ try:
 except ImportError as e:  # pragma: no cover
     print(f"skipping: {e}", file=sys.stderr)
     sys.exit(77)
+
+
+
+@dataclasses.dataclass
+class SglangExtraInfo:
+    """sglang.srt.mem_cache.hicache_storage.HiCacheStorageExtraInfo, with
+    SGLang's default prefix_keys=(None,)."""
+
+    prefix_keys: Optional[List[str]] = (None,)  # type: ignore[assignment]
+    extra_info: Optional[dict] = None
+
 
 PAGE = 16
 LAYERS = 3
@@ -149,6 +162,44 @@ class SglangBackendTest(unittest.TestCase):
                                                  torch.bfloat16))
         self.assertNotEqual(a.namespace, b.namespace)
         self.assertIn("tp1of2", b.namespace)
+
+    def test_first_parent_ignores_sglangs_default_prefix_keys(self):
+        b, pool = self.backend()
+        puts = []
+
+        class RecordingClient:
+            """Passes every call on to the real client, recording puts."""
+
+            def __init__(self, inner):
+                self._inner = inner
+
+            def put(self, namespace, keys, values, parents=None, **kwargs):
+                puts.append((list(keys), list(parents)))
+                return self._inner.put(namespace, keys, values, parents, **kwargs)
+
+            def __getattr__(self, name):
+                return getattr(self._inner, name)
+
+        b._client = RecordingClient(b._client)
+        keys = sglang_page_hashes(list(range(4 * PAGE)), PAGE)
+        self.fill(pool, [0, 1, 2, 3], seed=4)
+        # SGLang's HiCacheStorageExtraInfo() has prefix_keys=(None,): no
+        # page before the first one.
+        sglang_default = SglangExtraInfo()
+        self.assertEqual(sglang_default.prefix_keys, (None,))
+        self.assertEqual(b.batch_set_v1(keys[:2], self.host_indices([0, 1]), sglang_default),
+                         [True] * 2)
+        self.assertEqual(b.batch_set_v1(keys[2:3], self.host_indices([2]),
+                                        SglangExtraInfo(prefix_keys=[])), [True])
+        # A real prefix names its last page's last object.
+        self.assertEqual(b.batch_set_v1(keys[3:], self.host_indices([3]),
+                                        SglangExtraInfo(prefix_keys=[None, keys[2]])), [True])
+        self.assertEqual(len(puts), 3)
+        okeys, parents = puts[0]
+        self.assertEqual(parents, [b"", okeys[0], okeys[1], okeys[2]])
+        self.assertEqual(puts[1][1][0], b"")
+        self.assertEqual(puts[2][1][0], f"{keys[2]}.1".encode())
+        self.assertEqual(b.batch_exists(keys), 4)
 
     def test_daemon_gone_is_a_miss_not_an_error(self):
         b, pool = self.backend()

@@ -20,7 +20,8 @@ try:
     import torch
     import kvdepot
     from kvdepot.integrations import vllm as kv_vllm
-    from engine_harness import FakeRequest, VllmEngine, make_vllm_config
+    from engine_harness import (FakeCUDAGraphMode, FakeRequest, VllmEngine,
+                                make_vllm_config)
     from live_daemon import Daemon
 except ImportError as e:  # pragma: no cover
     print(f"skipping: {e}", file=sys.stderr)
@@ -48,10 +49,13 @@ class VllmConnectorTest(unittest.TestCase):
             e.worker.shutdown()
         self.daemon.stop()
 
-    def engine(self, dtype=torch.bfloat16, **extra):
+    def engine(self, dtype=torch.bfloat16, tp=None, cudagraph_mode=None, **extra):
+        kw = {} if cudagraph_mode is None else {"cudagraph_mode": cudagraph_mode}
         cfg = make_vllm_config(self.daemon.address, num_layers=LAYERS, block_size=BS,
                                num_kv_heads=HEADS, head_size=HEAD, dtype=dtype,
-                               extra=extra)
+                               extra=extra, **kw)
+        if tp is not None:  # (rank, size): one worker of a TP engine
+            cfg.parallel_config.rank, cfg.parallel_config.tensor_parallel_size = tp
         e = VllmEngine(kv_vllm.KvDepotConnector, cfg, num_blocks=32,
                        role_enum=kv_vllm.KVConnectorRole)
         self.engines = getattr(self, "engines", []) + [e]
@@ -221,6 +225,204 @@ class VllmConnectorTest(unittest.TestCase):
         e2 = self.engine()
         mm = FakeRequest("MM", prompt(8, 3 * BS), mm_features=[object()])
         self.assertEqual(e2.scheduler.get_num_new_matched_tokens(mm, 0), (0, False))
+
+    def test_prompt_embeds_are_neither_looked_up_nor_saved(self):
+        # vLLM gives a prompt sent as embeddings prompt_token_ids=None and
+        # all_token_ids=[0]*n: those zeros do not name the content.
+        z_eng = self.engine()
+        z = FakeRequest("Z", [0] * (4 * BS + 1))  # real token ids, all zero
+        self.run_prefill(z_eng, z)
+        self.assertEqual(z_eng.worker.stats["saved_blocks"], 4)
+        a_eng = self.engine()
+        a = FakeRequest("EA", None, prompt_embeds=torch.randn(4 * BS + 1, 8))
+        self.assertEqual(a.all_token_ids, z.all_token_ids)
+        self.assertEqual(self.run_prefill(a_eng, a), 0)
+        self.assertEqual(a_eng.worker.stats["saved_blocks"], 0)
+        self.assertEqual(a_eng.scheduler.stats["lookups"], 0)
+        b_eng = self.engine()
+        b = FakeRequest("EB", None, prompt_embeds=torch.randn(4 * BS + 1, 8))
+        self.assertEqual(b_eng.scheduler.get_num_new_matched_tokens(b, 0), (0, False))
+        b_eng.scheduler.request_finished(b, [])
+
+    def test_failed_load_saves_nothing_then_recompute_saves(self):
+        p = prompt(16, 6 * BS + 1)
+        c_eng = self.engine()
+        c = FakeRequest("C", p)
+        self.run_prefill(c_eng, c)  # stores blocks 0-5 of p
+        x_eng = self.engine()
+        x = FakeRequest("X", p[:4 * BS] + prompt(17, 2 * BS + 1))
+        self.assertEqual(x_eng.admit(x), 4 * BS)
+        # Block 2 is lost after the lookup: blocks 2-3 fail to load, in the
+        # step that also computes X's blocks 4-5 (over their stale KV).
+        st = x_eng.scheduler._requests["X"]
+        x_eng.scheduler._unpin(st)
+        keys = list(st.keys[:4])
+        with kvdepot.Client(self.daemon.address) as cl:
+            self.assertEqual(cl.evict(x_eng.scheduler._scheduler_namespace,
+                                      [keys[2]])["evicted_blocks"], 1)
+        meta = x_eng.step([x], [], {"X": len(x.all_token_ids) - 4 * BS})
+        self.assertEqual(sorted(x_eng.load_errors), sorted(x_eng.blocks["X"][2:4]))
+        self.assertEqual([s.block_ids for s in meta.saves], [x_eng.blocks["X"][4:6]])
+        x_keys = kvdepot.integrations.block_hashes(x.all_token_ids, BS)[:6]
+        store = x_eng.worker._store
+        # Nothing of that step was saved: blocks 4-5 are not stored.
+        self.assertEqual(x_eng.worker.stats["saved_blocks"], 0)
+        self.assertEqual(x_eng.worker.stats["saves_dropped"], 2)
+        self.assertEqual(store.lookup(x_keys[4:], prefix=False), 0)
+        # vLLM recomputes from block 2; the recomputed blocks 2-5 are saved.
+        x_eng.recompute_failed(x, x_eng.load_errors)
+        self.assertEqual(x.num_computed_tokens, 2 * BS)
+        meta2 = x_eng.step([], [x], {"X": len(x.all_token_ids) - 2 * BS})
+        self.assertEqual([s.block_ids for s in meta2.saves], [x_eng.blocks["X"][2:6]])
+        self.assertEqual(meta2.saves[0].parents[0], x_keys[1])
+        self.assertEqual(x_eng.worker.stats["saved_blocks"], 4)
+        self.assertEqual(store.lookup(x_keys, prefix=False), 6)
+        x_eng.finish(x)
+        # A fresh engine loads X's whole prompt, as X computed it.
+        z_eng = self.engine()
+        z = FakeRequest("Z", list(x.prompt_token_ids))
+        self.assertEqual(z_eng.admit(z), 6 * BS)
+        z_eng.step([z], [], {"Z": 1})
+        self.assertEqual(z_eng.load_errors, [])
+        for i in range(6):
+            for got, want in zip(z_eng.block_kv(z, i),
+                                 z_eng.expected_block_kv(z.all_token_ids, i)):
+                self.assertTrue(torch.equal(got, want))
+
+    def test_tp_rank_missing_blocks_saves_them_once_recomputed(self):
+        # With tensor parallelism the scheduler looks at rank 0's namespace;
+        # a block rank 1 lacks fails there, is recomputed and then saved, so
+        # the next request loads it on rank 1 too.
+        p = prompt(18, 4 * BS + 1)
+        r0 = self.engine(tp=(0, 2))
+        a = FakeRequest("A", p)
+        self.run_prefill(r0, a)
+        self.assertEqual(r0.worker.stats["saved_blocks"], 4)
+        r1 = self.engine(tp=(1, 2))
+        b = FakeRequest("B", list(p))
+        self.assertEqual(r1.admit(b), 4 * BS)
+        r1.step([b], [], {"B": 1})
+        self.assertEqual(sorted(r1.load_errors), sorted(r1.blocks["B"][:4]))
+        r1.recompute_failed(b, r1.load_errors)
+        meta = r1.step([], [b], {"B": len(p) - b.num_computed_tokens})
+        self.assertEqual([s.block_ids for s in meta.saves], [r1.blocks["B"][:4]])
+        r1.finish(b)
+        r1b = self.engine(tp=(1, 2))
+        c = FakeRequest("C", list(p))
+        self.assertEqual(r1b.admit(c), 4 * BS)
+        r1b.step([c], [], {"C": 1})
+        self.assertEqual(r1b.load_errors, [])
+        self.assertEqual(r1b.worker.stats["loaded_blocks"], 4)
+
+    def test_async_scheduling_keeps_the_next_steps_pins(self):
+        # With async scheduling vLLM plans step N+1 before step N's output
+        # comes back: N's output must not release the pins of N+1's loads.
+        a_eng = self.engine()
+        x = FakeRequest("X", prompt(20, 3 * BS + 1))
+        y = FakeRequest("Y", prompt(21, 3 * BS + 1))
+        self.run_prefill(a_eng, x)
+        self.run_prefill(a_eng, y)
+        b_eng = self.engine()
+        x2 = FakeRequest("X2", list(x.prompt_token_ids))
+        y2 = FakeRequest("Y2", list(y.prompt_token_ids))
+        self.assertEqual(b_eng.admit(x2), 3 * BS)
+        step_n = b_eng.schedule([x2], [], {"X2": 1})
+        self.assertEqual(b_eng.admit(y2), 3 * BS)
+        step_n1 = b_eng.schedule([y2], [], {"Y2": 1})
+        b_eng.execute(step_n)
+        # Y2's blocks are still pinned: eviction cannot take them.
+        y_keys = b_eng.scheduler._requests["Y2"].keys[:3]
+        with kvdepot.Client(self.daemon.address) as cl:
+            ev = cl.evict(b_eng.scheduler._scheduler_namespace, y_keys)
+            self.assertEqual(ev["evicted_blocks"], 0)
+            self.assertEqual(cl.stats()["pins"], 1)
+            b_eng.execute(step_n1)
+            self.assertEqual(b_eng.load_errors, [])
+            self.assertEqual(b_eng.worker.stats["loaded_blocks"], 6)
+            self.assertEqual(cl.stats()["pins"], 0)
+
+    def test_tp_saves_wait_for_the_load_outcome(self):
+        # Rank 0's load succeeding says nothing of rank 1's: if that one
+        # failed, the all-reduce spreads its attention's garbage into every
+        # rank's later layers. So what a loading step computes is saved once
+        # the step's output (invalid_block_ids) is in.
+        p = prompt(22, 6 * BS + 1)
+        a_eng = self.engine(tp=(0, 2))
+        a = FakeRequest("A", p[:4 * BS + 1])
+        self.run_prefill(a_eng, a)
+        r0 = self.engine(tp=(0, 2))
+        x = FakeRequest("X", list(p))
+        self.assertEqual(r0.admit(x), 4 * BS)
+        meta = r0.step([x], [], {"X": len(p) - 4 * BS})
+        self.assertEqual(r0.load_errors, [])
+        self.assertEqual(meta.saves, [])
+        self.assertEqual(r0.worker.stats["saved_blocks"], 0)
+        x.output_token_ids.append(5)
+        meta = r0.step([], [x], {"X": 1})
+        self.assertEqual([s.block_ids for s in meta.saves], [r0.blocks["X"][4:6]])
+        keys = kvdepot.integrations.block_hashes(p, BS)[:6]
+        self.assertEqual(r0.worker._store.lookup(keys, prefix=True), 6)
+
+    def test_async_step_before_the_load_outcome_saves_nothing(self):
+        # Async scheduling: step N+1 is planned before step N's output. A
+        # block X fills in N+1, after a load in N, is saved once N's outcome
+        # is known (a failed load is recomputed, and N+1 used its KV).
+        a_eng = self.engine()
+        p = prompt(23, 5 * BS - 1)
+        self.run_prefill(a_eng, FakeRequest("A", p[:4 * BS + 1]))
+        b_eng = self.engine()
+        x = FakeRequest("X", list(p))
+        self.assertEqual(b_eng.admit(x), 4 * BS)
+        step_n = b_eng.schedule([x], [], {"X": BS - 1})
+        self.assertEqual(len(step_n.meta.loads), 1)
+        # vLLM advances the request when it schedules it.
+        x.num_computed_tokens += BS - 1
+        x.output_token_ids.append(5)
+        step_n1 = b_eng.schedule([], [x], {"X": 1})  # block 4 fills here
+        self.assertEqual(step_n1.meta.saves, [])
+        x.num_computed_tokens -= BS - 1  # (the harness advances it in execute)
+        b_eng.execute(step_n)
+        b_eng.execute(step_n1)
+        self.assertEqual(b_eng.load_errors, [])
+        x.output_token_ids.append(6)
+        meta = b_eng.step([], [x], {"X": 1})
+        self.assertEqual([s.block_ids for s in meta.saves], [b_eng.blocks["X"][4:5]])
+        for got, want in zip(b_eng.block_kv(x, 4), b_eng.expected_block_kv(x.all_token_ids, 4)):
+            self.assertTrue(torch.equal(got, want))
+
+    def test_full_cudagraph_replay_finds_loads_before_attention(self):
+        # vLLM 0.11 replays FULL CUDA graphs (FULL_AND_PIECEWISE, its
+        # default, for uniform decode batches) without the per-layer hooks:
+        # the load must then be in the caches when start_load_kv returns.
+        self.assertTrue(kv_vllm.KvDepotConnector.requires_piecewise_for_cudagraph({}))
+        a_eng = self.engine()
+        a = FakeRequest("A", prompt(19, 4 * BS + 1))
+        self.run_prefill(a_eng, a)
+        a_blocks = [a_eng.block_kv(a, i) for i in range(4)]
+        b_eng = self.engine(cudagraph_mode=FakeCUDAGraphMode.FULL_AND_PIECEWISE)
+        b = FakeRequest("B", list(a.prompt_token_ids))
+        self.assertEqual(b_eng.admit(b), 4 * BS)
+        seen = []
+
+        def hook(event, layer):
+            seen.append((event, layer))
+            if event == "before_load":
+                # Stopped while the load starts, continued a little later
+                # from elsewhere: start_load_kv must wait for it.
+                self.daemon.pause()
+                self.addCleanup(self.daemon.resume_after(0.3).wait)
+            elif event == "after_start_load":
+                self.assertIsNone(b_eng.worker._pending_load)
+            elif event == "before_attention":
+                for i in range(4):
+                    for got, want in zip(b_eng.block_kv(b, i), a_blocks[i]):
+                        self.assertTrue(torch.equal(got, want), f"block {i} layer {layer}")
+
+        b_eng.step([b], [], {"B": 1}, hook=hook, graph_replay=True)
+        self.assertEqual([e for e, _ in seen].count("before_attention"), LAYERS)
+        self.assertNotIn("layer_loaded", [e for e, _ in seen])
+        self.assertEqual(b_eng.load_errors, [])
+        self.assertEqual(b_eng.worker.stats["loaded_blocks"], 4)
 
     def test_layers_are_loaded_before_their_attention_runs(self):
         self.layers_loaded_before_attention("auto")

@@ -253,7 +253,10 @@ class KvDepotHiCacheStorage(HiCacheStorage):  # type: ignore[misc,valid-type]
         try:
             bufs = self._buffers(host_indices, len(keys))
             okeys = self._object_keys(keys)
-            prefix = getattr(extra_info, "prefix_keys", None) if extra_info else None
+            # The page before the first, where SGLang names it: its
+            # HiCacheStorageExtraInfo.prefix_keys defaults to (None,), so
+            # None and empty entries are not keys.
+            prefix = [k for k in (getattr(extra_info, "prefix_keys", None) or ()) if k]
             first_parent = f"{prefix[-1]}.{self._objects_per_page - 1}".encode() if prefix else b""
             parents = [first_parent, *okeys[:-1]]
             self._client.put(self._namespace, okeys, bufs, parents)

@@ -33,9 +33,10 @@ How it works (one forward pass at a time; loads stream layer by layer):
 * Scheduler: ``get_num_new_matched_tokens`` looks up the prompt's full
   blocks (never the last token: vLLM must compute at least one) with
   ``prefix`` and ``pin``; the hits beyond the locally computed tokens are
-  offered. The pin is held until the forward pass that loads them is over
-  (``update_connector_output``), the request finishes, or a new lookup
-  replaces it. ``build_connector_meta`` sends the workers the block ids and
+  offered. The pin is held until the output of the step that loads them
+  is in (``update_connector_output`` for that step; with async scheduling
+  not the one before it), the request finishes, or a new lookup replaces
+  it. ``build_connector_meta`` sends the workers the block ids and
   keys to load, and the blocks to save: full blocks whose tokens are all
   computed once this step's forward pass is done, not yet known to be stored.
 * Worker: ``start_load_kv`` starts one :meth:`kvdepot.KvCacheStore.load_async`
@@ -52,8 +53,22 @@ How it works (one forward pass at a time; loads stream layer by layer):
 * Errors never escape: a failed lookup offers 0 tokens; a failed or partial
   load reports the blocks from the first one not loaded through
   ``get_block_ids_with_load_errors`` (vLLM then recomputes them); a failed
-  save is logged and counted. Requests with multimodal inputs are neither
-  loaded nor saved (their placeholder token ids do not name the content).
+  save is logged and counted. Requests with multimodal inputs or prompt
+  embeddings are neither looked up nor saved (their placeholder token ids,
+  zeros for embeddings, do not name the content).
+* A failed load poisons what the step computes after it: the worker saves
+  nothing of that request in that step, and the scheduler, told the failed
+  blocks (``invalid_block_ids``), counts them and the blocks after them as
+  not stored, so they are saved once vLLM recomputed them (with tensor
+  parallelism this also stores the blocks a rank lacked). With tensor
+  parallelism, and with async scheduling for the steps planned before the
+  load's outcome is in, a loading request's new blocks are saved only
+  after that outcome (lost if the request ends first).
+* CUDA graphs: FULL graph replay skips ``wait_for_layer_load``, so
+  :meth:`KvDepotConnector.requires_piecewise_for_cudagraph` asks vLLM (after
+  0.11) for PIECEWISE graphs; where the configured ``cudagraph_mode`` still
+  has FULL graphs (vLLM 0.11), ``start_load_kv`` finishes each load before
+  returning (logged once), no longer layer by layer.
 
 Caches: one tensor per layer in vLLM's FlashAttention layout ``[2,
 num_blocks, block_size, num_kv_heads, head_size]`` (or MLA ``[num_blocks,
@@ -214,12 +229,31 @@ class _RequestState:
     load_to: int = 0
     load_pending: bool = False
     load_in_flight: bool = False
+    load_step: int = 0  # the step (see KvDepotConnector._steps_planned) loading
 
 
 def _truthy(value: Any) -> bool:
     if isinstance(value, str):
         return value.strip().lower() in ("1", "true", "yes", "on")
     return bool(value)
+
+
+def _has_full_cudagraphs(vllm_config: Any) -> bool:
+    """Whether vLLM may replay FULL CUDA graphs (``compilation_config.
+    cudagraph_mode`` FULL, FULL_DECODE_ONLY or FULL_AND_PIECEWISE, the
+    default of vLLM 0.11). Read defensively: no compilation config or mode
+    is False; a mode that cannot be read is True (the safe answer)."""
+    cc = getattr(vllm_config, "compilation_config", None)
+    mode = getattr(cc, "cudagraph_mode", None)
+    if mode is None:
+        return False
+    try:
+        check = getattr(mode, "has_full_cudagraphs", None)
+        if callable(check):
+            return bool(check())
+        return "FULL" in str(getattr(mode, "name", mode)).upper()
+    except Exception:  # noqa: BLE001
+        return True
 
 
 def _layer_index(name: str, position: int) -> Tuple[int, int]:
@@ -277,6 +311,13 @@ class KvDepotConnector(KVConnectorBase_V1):  # type: ignore[misc,valid-type]
         # Scheduler side.
         self._requests: Dict[str, _RequestState] = {}
         self._scheduler_namespace: Optional[str] = None
+        # Steps with scheduled tokens that build_connector_meta planned, and
+        # the ones whose output update_connector_output has seen (in order).
+        # With async scheduling the next step is planned before the output
+        # of the one running comes back, so a load's pin is released only
+        # once its own step's output is in.
+        self._steps_planned = 0
+        self._steps_done = 0
         if self._layout is not None:
             # The scheduler looks up TP rank 0's blocks (MLA caches are the
             # same on every rank).
@@ -290,6 +331,21 @@ class KvDepotConnector(KVConnectorBase_V1):  # type: ignore[misc,valid-type]
         self._store: Any = None
         self._via_store = True
         self._load_errors: Set[int] = set()
+        # FULL CUDA graph replay runs the attention layers without the
+        # per-layer hooks (wait_for_layer_load), so a load must then be in
+        # the caches before the forward pass starts: start_load_kv finishes
+        # it. (vLLM versions with requires_piecewise_for_cudagraph switch to
+        # PIECEWISE graphs for this connector instead.)
+        self._load_before_forward = _has_full_cudagraphs(vllm_config)
+        if self._load_before_forward and role == KVConnectorRole.WORKER:
+            logger.warning(
+                "kvdepot: FULL CUDA graphs are enabled (compilation_config."
+                "cudagraph_mode), which skip wait_for_layer_load: loads finish "
+                "in start_load_kv, before the forward pass, instead of layer "
+                "by layer. Use cudagraph_mode=PIECEWISE to keep them layered.")
+        # Requests whose load failed in this step (from start_load_kv on):
+        # what the step computed for them used stale KV, so is not saved.
+        self._failed_load_reqs: Set[str] = set()
         self.stats: Dict[str, int] = {
             "lookups": 0,
             "lookup_errors": 0,
@@ -298,6 +354,7 @@ class KvDepotConnector(KVConnectorBase_V1):  # type: ignore[misc,valid-type]
             "load_errors": 0,
             "saved_blocks": 0,
             "save_errors": 0,
+            "saves_dropped": 0,  # blocks not saved: the request's load failed
         }
 
     # ------------------------------------------------------------------
@@ -398,6 +455,15 @@ class KvDepotConnector(KVConnectorBase_V1):  # type: ignore[misc,valid-type]
         return False
 
     @staticmethod
+    def _has_prompt_embeds(request: Any) -> bool:
+        """True for a prompt sent as embeddings: vLLM then has no prompt
+        token ids (``prompt_token_ids`` is None) and fills ``all_token_ids``
+        with zeros, which do not name the content."""
+        if getattr(request, "prompt_embeds", None) is not None:
+            return True
+        return hasattr(request, "prompt_token_ids") and request.prompt_token_ids is None
+
+    @staticmethod
     def _tokens(request: Any) -> Sequence[int]:
         tokens = getattr(request, "all_token_ids", None)
         if tokens is None:
@@ -411,6 +477,7 @@ class KvDepotConnector(KVConnectorBase_V1):  # type: ignore[misc,valid-type]
                 self._disabled_reason is None
                 and self._scheduler_namespace is not None
                 and not self._has_multimodal(request)
+                and not self._has_prompt_embeds(request)
             )
             st = _RequestState(request, self._extra_keys(request), enabled)
             self._requests[request.request_id] = st
@@ -504,6 +571,8 @@ class KvDepotConnector(KVConnectorBase_V1):  # type: ignore[misc,valid-type]
         become full and computed in this step)."""
         meta = KvDepotConnectorMetadata()
         scheduled = getattr(scheduler_output, "num_scheduled_tokens", {}) or {}
+        if any(int(n) > 0 for n in scheduled.values()):
+            self._steps_planned += 1
         for new_req in getattr(scheduler_output, "scheduled_new_reqs", ()) or ():
             st = self._requests.get(new_req.req_id)
             if st is None:
@@ -542,9 +611,21 @@ class KvDepotConnector(KVConnectorBase_V1):  # type: ignore[misc,valid-type]
                     keys = self._keys_upto(st, hi)
                     meta.loads.append(LoadSpec(req_id, st.block_ids[lo:hi], keys[lo:hi]))
                     st.load_in_flight = True
+                    st.load_step = self._steps_planned
                 else:
                     self._unpin(st)
             if not (st.enabled and self._save_enabled):
+                return
+            if st.load_in_flight and (self._tp_size > 1
+                                      or st.load_step < self._steps_planned):
+                # What the request computes before its load's outcome is
+                # known waits (it is saved in a later step, or lost if the
+                # request ends first): with tensor parallelism another rank's
+                # load may fail where this one's did not, and its attention
+                # output, all-reduced, spoils every rank's later layers; with
+                # async scheduling this step runs before the load step's
+                # outcome is in. (Within the load step itself, with one rank,
+                # the worker drops the saves of a request whose load failed.)
                 return
             # Tokens whose K/V are in the cache once this step ran: the
             # scheduled ones that are real tokens (not speculative drafts).
@@ -564,11 +645,25 @@ class KvDepotConnector(KVConnectorBase_V1):  # type: ignore[misc,valid-type]
 
     def update_connector_output(self, connector_output: Any) -> None:
         """After a step: its loads have ended (the worker finishes them
-        within the step), so their pins go."""
+        within the step), so their pins go; loads planned for a later step
+        (async scheduling) keep theirs. A request with blocks whose load
+        failed (``invalid_block_ids``, which vLLM recomputes) no longer counts
+        its blocks from the first failed one on as stored, so they are saved
+        again once recomputed: the workers did not save what that step
+        computed after them, and with tensor parallelism a block that rank 0
+        holds may be missing on another rank."""
+        invalid = set(getattr(connector_output, "invalid_block_ids", None) or ())
+        # An output for a step without tokens (none planned) is not counted.
+        self._steps_done = min(self._steps_done + 1, self._steps_planned)
         for st in self._requests.values():
-            if st.load_in_flight:
-                st.load_in_flight = False
-                self._unpin(st)
+            if not st.load_in_flight or st.load_step > self._steps_done:
+                continue
+            st.load_in_flight = False
+            self._unpin(st)
+            if invalid:
+                failed = next((i for i, b in enumerate(st.block_ids) if b in invalid), None)
+                if failed is not None:
+                    st.stored_blocks = min(st.stored_blocks, failed)
 
     def request_finished(
         self, request: Any, block_ids: List[int]
@@ -582,6 +677,13 @@ class KvDepotConnector(KVConnectorBase_V1):  # type: ignore[misc,valid-type]
 
     def take_events(self) -> Iterable[Any]:
         return ()
+
+    @classmethod
+    def requires_piecewise_for_cudagraph(cls, extra_config: Dict[str, Any]) -> bool:
+        """True: loads are waited for per layer (``wait_for_layer_load``),
+        which FULL CUDA graph replay would skip, so vLLM versions that ask
+        (after 0.11) use PIECEWISE graphs with this connector."""
+        return True
 
     # ------------------------------------------------------------------
     # Worker side
@@ -718,12 +820,13 @@ class KvDepotConnector(KVConnectorBase_V1):  # type: ignore[misc,valid-type]
         loads synchronously here instead. Blocks not loaded are reported by
         :meth:`get_block_ids_with_load_errors`; nothing raises."""
         self._finish_load()  # an earlier step's, should one be left
+        self._failed_load_reqs = set()
         meta = self._connector_metadata
         if not isinstance(meta, KvDepotConnectorMetadata) or not meta.loads:
             return
         if self._store is None:
             for spec in meta.loads:
-                self._load_failed(spec.block_ids, "connector disabled")
+                self._load_failed(spec, spec.block_ids, "connector disabled")
             return
         if not self._via_store:
             for spec in meta.loads:
@@ -731,7 +834,7 @@ class KvDepotConnector(KVConnectorBase_V1):  # type: ignore[misc,valid-type]
                     filled = self._torch_load(spec.block_ids, spec.keys)
                     self._account(spec, filled, None)
                 except Exception as e:  # noqa: BLE001
-                    self._load_failed(spec.block_ids, str(e))
+                    self._load_failed(spec, spec.block_ids, str(e))
             return
         # One load for the step, of the specs that can load: a spec with a
         # bad block id is reported alone instead of failing the others.
@@ -750,7 +853,7 @@ class KvDepotConnector(KVConnectorBase_V1):  # type: ignore[misc,valid-type]
                 except ValueError as e:
                     why = str(e)
             if why is not None:
-                self._load_failed(spec.block_ids, why)
+                self._load_failed(spec, spec.block_ids, why)
                 continue
             seen.update(ids)
             specs.append(spec)
@@ -764,9 +867,11 @@ class KvDepotConnector(KVConnectorBase_V1):  # type: ignore[misc,valid-type]
             )
         except Exception as e:  # noqa: BLE001 - e.g. a bad block id: recompute
             for spec in specs:
-                self._load_failed(spec.block_ids, str(e))
+                self._load_failed(spec, spec.block_ids, str(e))
             return
         self._pending_load = _PendingLoad(handle, specs)
+        if self._load_before_forward:
+            self._finish_load()
 
     def _finish_load(self) -> None:
         """Waits for the load in flight, if any, and records what each of
@@ -802,13 +907,14 @@ class KvDepotConnector(KVConnectorBase_V1):  # type: ignore[misc,valid-type]
             why = f"miss at block {n} of {len(filled)}"
             if err is not None and err[0] != "NOT_FOUND":
                 why = f"{err[0]}: {err[1]} at block {n} of {len(filled)}"
-            self._load_failed(spec.block_ids[n:], why)
+            self._load_failed(spec, spec.block_ids[n:], why)
 
-    def _load_failed(self, block_ids: Sequence[int], why: str) -> None:
-        logger.warning("kvdepot: %d blocks not loaded (%s); vLLM recomputes them",
-                       len(block_ids), why)
+    def _load_failed(self, spec: LoadSpec, block_ids: Sequence[int], why: str) -> None:
+        logger.warning("kvdepot: %d blocks of %s not loaded (%s); vLLM recomputes them",
+                       len(block_ids), spec.req_id, why)
         self.stats["load_errors"] += len(block_ids)
         self._load_errors.update(int(b) for b in block_ids)
+        self._failed_load_reqs.add(spec.req_id)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         """Returns once layer ``layer_name`` (and every layer before it, in
@@ -837,7 +943,12 @@ class KvDepotConnector(KVConnectorBase_V1):  # type: ignore[misc,valid-type]
     def wait_for_save(self) -> None:
         """Finishes the step's load, then stores this step's publishable
         blocks (all layers). Failures are logged and counted: a lost save is
-        a future miss, never an error."""
+        a future miss, never an error.
+
+        A request whose load failed in this step saves nothing: the blocks
+        it computed in this step attended to the KV of blocks that were not
+        loaded, and their keys name the right prefix. (The scheduler, told
+        of the failed blocks, has them saved once vLLM recomputed them.)"""
         self._finish_load()
         meta = self._connector_metadata
         if not isinstance(meta, KvDepotConnectorMetadata) or not meta.saves:
@@ -845,6 +956,11 @@ class KvDepotConnector(KVConnectorBase_V1):  # type: ignore[misc,valid-type]
         if self._store is None:
             return
         for spec in meta.saves:
+            if spec.req_id in self._failed_load_reqs:
+                self.stats["saves_dropped"] += len(spec.keys)
+                logger.warning("kvdepot: not saving %d blocks of %s: its load failed "
+                               "in this step", len(spec.keys), spec.req_id)
+                continue
             try:
                 self._save(spec.block_ids, spec.keys, spec.parents)
                 self.stats["saved_blocks"] += len(spec.keys)
