@@ -56,11 +56,19 @@ class ReopenableFileSink final : public spdlog::sinks::base_sink<std::mutex> {
     std::lock_guard<std::mutex> lock(mutex_);
     return OpenLocked();
   }
-  void Reopen() {
+  // The new file replaces the old one only once it is open: on failure,
+  // lines keep going to the old file (moved away, but still written).
+  absl::Status Reopen() {
     std::lock_guard<std::mutex> lock(mutex_);
+    std::FILE* file = std::fopen(path_.c_str(), "ae");
+    if (file == nullptr) {
+      return absl::PermissionDeniedError(absl::StrCat(
+          "cannot reopen log file ", path_, ": ", std::strerror(errno),
+          "; still writing to the file it had open"));
+    }
     if (file_ != nullptr) std::fclose(file_);
-    file_ = nullptr;
-    OpenLocked();  // on failure, lines are dropped until the next reopen
+    file_ = file;
+    return absl::OkStatus();
   }
 
  protected:
@@ -107,7 +115,7 @@ absl::StatusOr<Logger> MakeLogger(const std::string& name, const LogOptions& opt
     auto sink = std::make_shared<spdlog::sinks::stderr_color_sink_mt>();
     sink->set_formatter(std::move(formatter));
     out.logger = std::make_shared<spdlog::logger>(name, std::move(sink));
-    out.reopen = [] {};
+    out.reopen = [] { return absl::OkStatus(); };
   } else {
     auto sink = std::make_shared<ReopenableFileSink>(options.file);
     if (!sink->Open()) {
@@ -116,7 +124,7 @@ absl::StatusOr<Logger> MakeLogger(const std::string& name, const LogOptions& opt
     }
     sink->set_formatter(std::move(formatter));
     out.logger = std::make_shared<spdlog::logger>(name, sink);
-    out.reopen = [sink] { sink->Reopen(); };
+    out.reopen = [sink] { return sink->Reopen(); };
   }
   out.logger->set_level(level);
   out.logger->flush_on(spdlog::level::info);

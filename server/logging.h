@@ -22,8 +22,10 @@ struct LogOptions {
 struct Logger {
   std::shared_ptr<spdlog::logger> logger;
   // Reopens the log file (a no-op for stderr). Thread-safe; lines logged
-  // meanwhile go to the old or the new file, none is lost or torn.
-  std::function<void()> reopen;
+  // meanwhile go to the old or the new file, none is lost or torn. When the
+  // path cannot be opened (its directory gone, no permission), the old file
+  // stays in use and the error is returned.
+  std::function<absl::Status()> reopen;
 };
 
 // InvalidArgument for an unknown level or format; PermissionDenied when the

@@ -53,7 +53,7 @@ TEST_F(LoggingTest, ReopenFollowsLogrotate) {
   log->logger->info("before rotation");
   std::filesystem::rename(path, path + ".1");
   log->logger->info("after the move, before the reopen");
-  log->reopen();
+  ASSERT_OK(log->reopen());
   log->logger->info("after the reopen");
   log->logger->flush();
   const std::string old_file = Slurp(path + ".1");
@@ -62,6 +62,29 @@ TEST_F(LoggingTest, ReopenFollowsLogrotate) {
   EXPECT_NE(old_file.find("after the move, before the reopen"), std::string::npos);
   EXPECT_EQ(old_file.find("after the reopen"), std::string::npos);
   EXPECT_NE(new_file.find("after the reopen"), std::string::npos) << new_file;
+}
+
+// A reopen that cannot open the path (its directory moved away too) keeps
+// the old file: nothing logged after it is lost, and the caller is told.
+TEST_F(LoggingTest, AFailedReopenKeepsWritingToTheOldFile) {
+  const std::string logs = dir_ + "/logs";
+  std::filesystem::create_directories(logs);
+  auto log = MakeLogger("t", {"info", "text", logs + "/k.log"});
+  ASSERT_OK(log);
+  log->logger->info("before rotation");
+  std::filesystem::rename(logs, dir_ + "/logs.1");
+  EXPECT_THAT(log->reopen(), testing::StatusIs(absl::StatusCode::kPermissionDenied));
+  log->logger->info("after the failed reopen");
+  log->logger->flush();
+  const std::string old_file = Slurp(dir_ + "/logs.1/k.log");
+  EXPECT_NE(old_file.find("before rotation"), std::string::npos);
+  EXPECT_NE(old_file.find("after the failed reopen"), std::string::npos) << old_file;
+  // Once the path can be opened again, the next reopen moves there.
+  std::filesystem::create_directories(logs);
+  ASSERT_OK(log->reopen());
+  log->logger->info("in the new file");
+  log->logger->flush();
+  EXPECT_NE(Slurp(logs + "/k.log").find("in the new file"), std::string::npos);
 }
 
 TEST_F(LoggingTest, BadOptionsAreRefused) {

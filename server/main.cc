@@ -144,8 +144,11 @@ int main(int argc, char** argv) {
   int sig = 0;
   // SIGHUP reopens the log file (after logrotate moved it away).
   while (sigwait(&signals, &sig) == 0 && sig == SIGHUP) {
-    log->reopen();
-    logger->info("received SIGHUP, log file reopened");
+    if (absl::Status st = log->reopen(); st.ok()) {
+      logger->info("received SIGHUP, log file reopened");
+    } else {
+      logger->warn("received SIGHUP: {}", st.ToString());
+    }
   }
   logger->info("received {}, shutting down", sig == SIGTERM ? "SIGTERM" : "SIGINT");
   (*daemon)->Shutdown();
