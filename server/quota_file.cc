@@ -3,6 +3,7 @@
 #include <fcntl.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <cstdio>
 #include <cstring>
@@ -58,6 +59,9 @@ absl::Status QuotaFile::Set(TieredStore& store, absl::string_view ns,
   if (absl::Status st = WriteLocked(); !st.ok()) {
     quotas_ = std::move(before);
     store.SetQuota(ns, old_quota).IgnoreError();
+    // A failure after the rename left the new quota in the file: put the
+    // old one back (best effort), so a restart loads what the daemon runs.
+    WriteLocked().IgnoreError();
     return st;
   }
   return absl::OkStatus();
@@ -91,6 +95,18 @@ absl::Status QuotaFile::WriteLocked() {
   }
   fd = -1;
   if (::rename(tmp.c_str(), path_.c_str()) != 0) return fail("rename");
+  // The rename reaches the disk with its directory: until that is synced a
+  // power loss can bring the old file back.
+  const std::string dir = path_.substr(0, std::max<size_t>(path_.rfind('/'), 1));
+  const int dir_fd = ::open(path_.find('/') == std::string::npos ? "." : dir.c_str(),
+                            O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+  if (dir_fd < 0 || ::fsync(dir_fd) != 0) {
+    absl::Status st = absl::UnavailableError(absl::StrCat(
+        "cannot sync the directory of ", path_, ": ", std::strerror(errno)));
+    if (dir_fd >= 0) ::close(dir_fd);
+    return st;
+  }
+  ::close(dir_fd);
   return absl::OkStatus();
 }
 
