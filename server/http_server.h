@@ -40,10 +40,15 @@ using HttpHandler = std::function<HttpResponse()>;
 struct HttpServerOptions {
   // HOST:PORT (IPv6 as [ADDR]:PORT); port 0 picks a free one.
   std::string listen;
-  // Requests served at once; more wait in civetweb's accept queue.
-  int threads = 4;
-  // Bound on receiving a request and on sending its response.
-  absl::Duration request_timeout = absl::Seconds(10);
+  // Requests served at once; more wait in civetweb's accept queue. A
+  // connection holds its thread until its request is answered or dropped,
+  // so this many idle connections delay everyone else by up to
+  // request_timeout (idle threads cost only their stacks).
+  int threads = 16;
+  // Bound on receiving a request and on sending its response: well under
+  // Prometheus's default scrape timeout (10 s), so a scrape queued behind
+  // idle connections still gets its answer.
+  absl::Duration request_timeout = absl::Seconds(5);
 };
 
 class HttpServer {

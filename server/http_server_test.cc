@@ -11,6 +11,7 @@
 #include <zlib.h>
 
 #include <string>
+#include <vector>
 
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
@@ -172,6 +173,27 @@ TEST_F(HttpServerTest, DropsAClientThatSendsNothing) {
   EXPECT_LT(absl::Now() - start, absl::Seconds(5));
   // And the thread it held serves again.
   EXPECT_EQ(BodyOf(Send(server_->port(), Request("GET", "/hello"))), "hello");
+}
+
+// With the default options, idle connections (a scraper's stalled peers, or
+// a hostile one) up to half the pool leave room: a request is answered
+// while they are still open, not once the server drops them.
+TEST(HttpServerDefaultsTest, IdleConnectionsLeaveRoomForRequests) {
+  HttpServerOptions options;
+  options.listen = "127.0.0.1:0";
+  auto server = HttpServer::Start(
+      options, {{"/hello", [] { return HttpResponse{200, "text/plain", "hello"}; }}},
+      NullLogger());
+  ASSERT_TRUE(server.ok()) << server.status();
+  const int port = (*server)->port();
+  std::vector<int> idle;
+  for (int i = 0; i < 8; ++i) idle.push_back(Connect(port));
+  EXPECT_EQ(BodyOf(Send(port, Request("GET", "/hello"))), "hello");
+  for (int fd : idle) {
+    pollfd p{fd, POLLIN, 0};
+    EXPECT_EQ(poll(&p, 1, 0), 0) << "an idle connection was dropped first";
+    close(fd);
+  }
 }
 
 TEST_F(HttpServerTest, AddressInUseIsUnavailable) {
