@@ -207,6 +207,9 @@ void Daemon::Shutdown() {
                absl::FormatDuration(config_.drain_timeout));
     server_->GetHealthCheckService()->SetServingStatus(false);
     store_->SetDraining(true);
+    // A scrub or compaction (kvdepotctl verify/compact) can run for
+    // minutes, and gRPC's shutdown waits for its call: cut it short.
+    store_->StopNvmeMaintenance();
     // gRPC's own Shutdown does not wait for callback-API streams, so wait
     // for ours here: in-flight Read/Write streams may finish (a Write may
     // complete its block; new blocks are refused by the store) until the

@@ -586,12 +586,29 @@ grpc::ServerUnaryReactor* KvDepotService::ListNamespaces(
 }
 
 // Verify and Compact are long (they read or rewrite the whole NVMe tier) and
-// rare; they run inline on a gRPC thread, which only that call waits on.
+// rare; they run inline on a gRPC thread, which only that call waits on, one
+// at a time (Aborted while the other runs). Shutdown cuts them short
+// (TieredStore::StopNvmeMaintenance).
+absl::Status KvDepotService::NvmeMaintenance(
+    absl::FunctionRef<absl::Status()> fn) {
+  if (nvme_maintenance_.exchange(true)) {
+    return absl::AbortedError(
+        "a verify or compact of the NVMe tier is running already; retry when it ends");
+  }
+  absl::Status st = fn();
+  nvme_maintenance_.store(false);
+  return st;
+}
+
 grpc::ServerUnaryReactor* KvDepotService::Verify(grpc::CallbackServerContext* ctx,
                                                  const v1::VerifyRequest*,
                                                  v1::VerifyResponse* resp) {
   return Unary(ctx, "Verify", [&]() -> absl::Status {
-    ASSIGN_OR_RETURN(TieredStore::VerifyReport r, store_.VerifyNvme());
+    TieredStore::VerifyReport r;
+    RETURN_IF_ERROR(NvmeMaintenance([&]() -> absl::Status {
+      ASSIGN_OR_RETURN(r, store_.VerifyNvme());
+      return absl::OkStatus();
+    }));
     resp->set_blocks_checked(r.blocks_checked);
     resp->set_bytes_checked(r.bytes_checked);
     resp->set_corrupt_dropped(r.corrupt_dropped);
@@ -607,7 +624,7 @@ grpc::ServerUnaryReactor* KvDepotService::Compact(grpc::CallbackServerContext* c
                                                   const v1::CompactRequest*,
                                                   v1::CompactResponse*) {
   return Unary(ctx, "Compact", [&]() -> absl::Status {
-    RETURN_IF_ERROR(store_.CompactNvme());
+    RETURN_IF_ERROR(NvmeMaintenance([&] { return store_.CompactNvme(); }));
     log_->info("compacted the NVMe tier");
     return absl::OkStatus();
   });

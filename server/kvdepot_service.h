@@ -18,6 +18,7 @@
 
 #include "absl/container/flat_hash_set.h"
 #include "absl/functional/any_invocable.h"
+#include "absl/functional/function_ref.h"
 #include "absl/status/status.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
@@ -167,6 +168,9 @@ class KvDepotService final
   Clock& clock() { return clock_; }
 
  private:
+  // Runs a Verify or Compact of the NVMe tier, one at a time: Aborted when
+  // one runs already.
+  absl::Status NvmeMaintenance(absl::FunctionRef<absl::Status()> fn);
   // For calls that finish later (on another thread): records the call as
   // Finished(op) from now, and finishes `reactor` with the status.
   std::function<void(const absl::Status&)> Finisher(
@@ -237,6 +241,9 @@ class KvDepotService final
   WorkPool put_pool_{2, "kvd-put"};
 
   std::atomic<size_t> active_calls_{0};
+  // A Verify or Compact is running (one at a time: each reads or rewrites
+  // the whole NVMe tier, and holds a gRPC thread while it does).
+  std::atomic<bool> nvme_maintenance_{false};
 
   absl::Mutex streams_mu_;
   absl::flat_hash_set<Stream*> streams_ ABSL_GUARDED_BY(streams_mu_);

@@ -300,6 +300,7 @@ class NvmeTierImpl final : public NvmeTier {
   NvmeTierStats Stats() override;
   absl::StatusOr<NvmeVerifyReport> Verify() override;
   absl::Status Compact() override;
+  void StopMaintenance() override;
   absl::Status Flush() override;
   const NvmeTierOptions& options() const override { return options_; }
 
@@ -1609,7 +1610,13 @@ absl::StatusOr<NvmeVerifyReport> NvmeTierImpl::Verify() {
   return report;
 }
 
+void NvmeTierImpl::StopMaintenance() {
+  closing_.store(true);  // Verify's loops stop at the next block
+  db_->DisableManualCompaction();  // CompactRange returns Incomplete
+}
+
 absl::Status NvmeTierImpl::Compact() {
+  if (closing_.load()) return absl::CancelledError("NVMe tier is closing");
   RETURN_IF_ERROR(EnsureWritable());
   // CompactRange plans its levels when called; a flush's automatic
   // compaction still moving files down would hide them from it. So flush,
@@ -1626,7 +1633,10 @@ absl::Status NvmeTierImpl::Compact() {
                         &running);
     db_->GetIntProperty(rocksdb::DB::Properties::kCompactionPending,
                         &pending);
-    if ((pending == 0 && running == 0) || absl::Now() > deadline) break;
+    if ((pending == 0 && running == 0) || absl::Now() > deadline ||
+        closing_.load()) {
+      break;
+    }
     absl::SleepFor(absl::Milliseconds(5));
   }
   rocksdb::CompactRangeOptions cro;
@@ -1653,7 +1663,11 @@ absl::Status NvmeTierImpl::Compact() {
   // once; DataLoss if that fails too.
   bool scrubbed = false;
   for (int pass = 1;; ++pass) {
+    if (closing_.load()) return absl::CancelledError("NVMe tier is closing");
     rocksdb::Status s = db_->CompactRange(cro, nullptr, nullptr);
+    if (s.IsIncomplete() && closing_.load()) {  // StopMaintenance
+      return absl::CancelledError("NVMe tier is closing: compaction stopped");
+    }
     if (s.IsCorruption() && !scrubbed) {
       scrubbed = true;
       listener_->TakeCorruption();  // this one is being dealt with

@@ -317,6 +317,12 @@ class NvmeTier {
   // after the scrub (corruption that is not in a block's bytes).
   virtual absl::Status Compact() = 0;
 
+  // For shutdown: cuts a Verify or Compact in progress short (they return
+  // Cancelled; what a scrub dropped until then stays dropped, a compaction
+  // stops between files) and refuses new ones with Cancelled. Puts, reads
+  // and flushes go on. Thread-safe.
+  virtual void StopMaintenance() = 0;
+
   // Persists read counts and recency and flushes the memtables: every block
   // stored before this call survives a crash after it returns.
   // Unavailable on an I/O error.

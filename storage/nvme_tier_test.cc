@@ -820,6 +820,28 @@ TEST_F(NvmeTierTest, APutOfAnOrphansIdDoesNotWaitForTheScanToEnd) {
   EXPECT_EQ(tier_->Stats().blocks, 10u);
 }
 
+// Shutdown cuts a scrub short: StopMaintenance ends a Verify in progress at
+// its next block (Cancelled) and refuses later Verify and Compact calls,
+// while puts and reads go on.
+TEST_F(NvmeTierTest, StopMaintenanceCutsAScrubShortAndRefusesNewOnes) {
+  constexpr size_t kSize = 16 * kKiB;
+  Open();
+  for (int i = 0; i < 10; ++i) ASSERT_OK(Put(Key(i), Bytes(i, kSize)));
+  int scanned = 0;
+  {
+    internal::SyncPointCallback stop("NvmeTier::Verify:Scanned", [&](void*) {
+      if (++scanned == 2) tier_->StopMaintenance();
+    });
+    EXPECT_THAT(tier_->Verify(), StatusIs(absl::StatusCode::kCancelled));
+  }
+  EXPECT_LE(scanned, 3);  // it stopped at the next block, not at the end
+  EXPECT_THAT(tier_->Verify(), StatusIs(absl::StatusCode::kCancelled));
+  EXPECT_THAT(tier_->Compact(), StatusIs(absl::StatusCode::kCancelled));
+  EXPECT_EQ(tier_->Stats().integrity_errors, 0u);
+  ASSERT_OK(Put(Key(10), Bytes(10, kSize)));
+  for (int i = 0; i <= 10; ++i) EXPECT_TRUE(ReadsBack(Key(i), Bytes(i, kSize))) << i;
+}
+
 TEST_F(NvmeTierTest, VerifyDropsCorruptBlocks) {
   constexpr size_t kSize = 16 * kKiB;
   Open();

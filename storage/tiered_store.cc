@@ -640,6 +640,10 @@ class TieredStoreImpl final : public TieredStore {
     return nvme_->Compact();
   }
 
+  void StopNvmeMaintenance() override {
+    if (nvme_ != nullptr) nvme_->StopMaintenance();
+  }
+
   absl::StatusOr<uint64_t> PersistDram() override {
     if (nvme_ == nullptr) return absl::FailedPreconditionError("no NVMe tier");
     uint64_t before = demotions_.load();

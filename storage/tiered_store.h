@@ -373,6 +373,10 @@ class TieredStore {
   };
   virtual absl::StatusOr<VerifyReport> VerifyNvme() = 0;
   virtual absl::Status CompactNvme() = 0;
+  // For shutdown: VerifyNvme and CompactNvme in progress end early and new
+  // ones fail, with Cancelled (NvmeTier::StopMaintenance). A no-op without
+  // an NVMe tier.
+  virtual void StopNvmeMaintenance() = 0;
 
   virtual DramRegion dram_region() const = 0;
   virtual const StoreOptions& options() const = 0;
