@@ -19,6 +19,7 @@ struct WriteStream::Block {
   uint64_t size = 0;
   uint64_t checksum = 0;
   uint64_t filled = 0;
+  SessionId session = kInternalSession;  // of a reservation-target block
   bool standalone = false;
   bool discard = false;  // key already stored: consume and drop the bytes
   ReservationId internal_id = 0;
@@ -45,6 +46,8 @@ absl::Status WriteStream::Start(const v1::WriteHeader& h) {
         "header for a new block while block ", KeyToHex(cur_->key), " has ",
         cur_->filled, " of ", cur_->size, " bytes"));
   }
+  progressed_ = true;
+  bytes_since_progress_ = 0;
   cur_ = std::make_unique<Block>();
   cur_->key = h.key();
   cur_->checksum = h.checksum();
@@ -54,6 +57,7 @@ absl::Status WriteStream::Start(const v1::WriteHeader& h) {
     }
     ASSIGN_OR_RETURN(cur_->slot, store_.AcquireSlot(h.session_id(),
                                                     h.reservation_id(), h.slot()));
+    cur_->session = h.session_id();
     cur_->size = cur_->slot->bytes().size();
     if (h.size() != cur_->size) {
       return absl::InvalidArgumentError(absl::StrCat(
@@ -77,9 +81,18 @@ absl::Status WriteStream::Start(const v1::WriteHeader& h) {
 }
 
 absl::Status WriteStream::Complete() {
+  progressed_ = true;
+  bytes_since_progress_ = 0;
   std::unique_ptr<Block> b = std::move(cur_);
   b->slot.reset();
   if (!b->standalone) {
+    // The session may have ended while the slot was written: its
+    // reservation went with it (the bytes went to memory being freed).
+    if (!store_.HasSession(b->session)) {
+      return absl::NotFoundError(absl::StrCat(
+          "session ", b->session, " ended while block ", KeyToHex(b->key),
+          " was written: its reservation went with it"));
+    }
     resp_->add_results(v1::WRITE_SLOT_FILLED);
     return absl::OkStatus();
   }
@@ -130,8 +143,15 @@ absl::Status WriteStream::ConsumeOne(const v1::WriteRequest& msg) {
   }
   cur_->filled += data.size();
   bytes_in_ += data.size();
+  bytes_since_progress_ += data.size();
+  if (bytes_since_progress_ >= std::max(cur_->size / 16, kProgressBytes)) {
+    progressed_ = true;
+    bytes_since_progress_ = 0;
+  }
   return cur_->filled == cur_->size ? Complete() : absl::OkStatus();
 }
+
+bool WriteStream::TakeProgress() { return std::exchange(progressed_, false); }
 
 absl::Status WriteStream::End() {
   if (cur_) {

@@ -44,6 +44,13 @@ class WriteStream {
   void Abort();
   // Block bytes accepted so far.
   uint64_t bytes_in() const { return bytes_in_; }
+  // Whether the stream made progress since the last call: started or
+  // completed a block, or received a sixteenth of the block in progress
+  // (at least kProgressBytes) since. A client trickling a byte now and then
+  // makes none, so the daemon's idle timeout (stream_idle_timeout) ends it:
+  // a block finishes within 16 idle timeouts, or its space is released.
+  bool TakeProgress();
+  static constexpr uint64_t kProgressBytes = 64 << 10;
 
  private:
   struct Block;
@@ -55,6 +62,8 @@ class WriteStream {
   v1::WriteResponse* const resp_;
   std::unique_ptr<Block> cur_;
   uint64_t bytes_in_ = 0;
+  bool progressed_ = false;
+  uint64_t bytes_since_progress_ = 0;
 };
 
 // A pin on one block shared by everything that still points into its DRAM

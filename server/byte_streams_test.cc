@@ -2,6 +2,7 @@
 
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <string>
 
 #include "storage/checksum.h"
@@ -158,6 +159,57 @@ TEST_F(ByteStreamsTest, FillsAReservationSlotWithoutPublishing) {
   ASSERT_OK(c);
   EXPECT_EQ((*c)[0], CommitOutcome::kStored);
   EXPECT_TRUE(store_->Lookup(0, "ns", {&k, 1}, false, false)->entries[0].found);
+}
+
+// A session that ends while one of its slots is written takes the
+// reservation with it: the block's end reports NotFound, not SLOT_FILLED.
+TEST_F(ByteStreamsTest, ASlotWhoseSessionEndedMidBlockIsNotFound) {
+  auto session = store_->OpenSession(absl::ZeroDuration(), "t");
+  ASSERT_OK(session);
+  PutSpec spec{"slot-key", "", 4096};
+  auto r = store_->BeginPut(session->id, "ns", {&spec, 1});
+  ASSERT_OK(r);
+  v1::WriteRequest m;
+  m.mutable_header()->set_session_id(session->id);
+  m.mutable_header()->set_reservation_id(r->id);
+  m.mutable_header()->set_slot(0);
+  m.mutable_header()->set_size(4096);
+  m.set_data(std::string(1024, 'h'));
+  v1::WriteResponse resp;
+  WriteStream ws(*store_, &resp);
+  ASSERT_OK(ws.Consume(m));
+  ASSERT_OK(store_->CloseSession(session->id));
+  EXPECT_THAT(ws.Consume(Data(std::string(3072, 'h'))), StatusIs(Code::kNotFound));
+  EXPECT_EQ(resp.results_size(), 0);
+  EXPECT_EQ(store_->Stats().reservations, 0u);
+}
+
+// Progress, for the idle timeout, is a block started or finished or a
+// sixteenth of one received: not any message, or a trickle of single bytes
+// would hold a reservation for ever.
+TEST_F(ByteStreamsTest, ProgressIsAShareOfTheBlockNotAnyMessage) {
+  v1::WriteResponse resp;
+  WriteStream ws(*store_, &resp);
+  EXPECT_FALSE(ws.TakeProgress());
+  const std::string bytes(16 << 20, 'p');  // a sixteenth is 1 MiB
+  ASSERT_OK(ws.Consume(Header("big", bytes, "p")));
+  EXPECT_TRUE(ws.TakeProgress());  // a block started
+  EXPECT_FALSE(ws.TakeProgress());
+  size_t sent = 1;
+  for (int i = 0; i < 10; ++i, ++sent) ASSERT_OK(ws.Consume(Data("p")));
+  EXPECT_FALSE(ws.TakeProgress());
+  const std::string chunk((1 << 20) - 11, 'p');
+  ASSERT_OK(ws.Consume(Data(chunk)));
+  sent += chunk.size();
+  EXPECT_TRUE(ws.TakeProgress());  // 1 MiB since the header
+  while (sent < bytes.size()) {
+    const size_t n = std::min<size_t>(kMaxChunkBytes, bytes.size() - sent);
+    ASSERT_OK(ws.Consume(Data(std::string(n, 'p'))));
+    sent += n;
+  }
+  EXPECT_TRUE(ws.TakeProgress());
+  ASSERT_EQ(resp.results_size(), 1);
+  EXPECT_EQ(resp.results(0), v1::WRITE_STORED);
 }
 
 TEST_F(ByteStreamsTest, ReadSplitsBlocksIntoChunksWithTheHeaderFirst) {

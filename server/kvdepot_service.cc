@@ -364,7 +364,6 @@ class WriteReactor final : public grpc::ServerReadReactor<v1::WriteRequest>,
   void Cancel() override { ctx_->TryCancel(); }
 
   void OnReadDone(bool ok) override {
-    Progressed(service_.clock().Now());
     if (!ok) {  // half-close, or the client went away
       Finish(ctx_->IsCancelled() ? absl::CancelledError("client cancelled the write")
                                  : stream_.End());
@@ -373,6 +372,10 @@ class WriteReactor final : public grpc::ServerReadReactor<v1::WriteRequest>,
     uint64_t before = stream_.bytes_in();
     absl::Status st = stream_.Consume(msg_);
     service_.metrics().AddBytesIn(stream_.bytes_in() - before);
+    // Progress is a block started or finished, or a share of one received
+    // (WriteStream::TakeProgress), not any message: a trickle of single
+    // bytes would otherwise hold a block's reservation for ever.
+    if (stream_.TakeProgress()) Progressed(service_.clock().Now());
     if (!st.ok()) {
       Finish(st);
       return;

@@ -414,6 +414,40 @@ TEST(LifecycleTest, StalledStreamIsCancelledAndReleasesItsSpace) {
   EXPECT_OK(client->Health());
 }
 
+// A client trickling a byte now and then makes no progress either: its
+// stream is cancelled by the idle timeout all the same, and the space goes.
+TEST(LifecycleTest, TricklingStreamIsCancelledAndReleasesItsSpace) {
+  std::string dir = MakeTempDir("cfg");
+  std::ofstream(dir + "/kvdepot.yaml") << "stream_idle_timeout: 1s\n";
+  auto d = DaemonProcess::Start({"--config", dir + "/kvdepot.yaml",
+                                 "--dram-capacity", "64MiB"});
+  ASSERT_OK(d);
+  auto client = Connect((*d)->address());
+  grpc::ClientContext ctx;
+  v1::WriteResponse resp;
+  auto writer = client->stub().Write(&ctx, &resp);
+  v1::WriteRequest msg;
+  msg.mutable_header()->set_namespace_("ns");
+  msg.mutable_header()->set_key("trickle");
+  msg.mutable_header()->set_size(8 << 20);
+  msg.set_data("t");
+  ASSERT_TRUE(writer->Write(msg));
+  msg.clear_header();
+  // A byte every 200 ms, well inside the idle timeout each time; bounded
+  // at 30 s against a hang.
+  bool cut = false;
+  for (int i = 0; i < 150 && !cut; ++i) {
+    absl::SleepFor(absl::Milliseconds(200));
+    cut = !writer->Write(msg);
+  }
+  EXPECT_TRUE(cut);
+  EXPECT_EQ(writer->Finish().error_code(), grpc::StatusCode::CANCELLED);
+  auto st = client->Stats();
+  ASSERT_OK(st);
+  EXPECT_EQ(st->reservations(), 0u);
+  EXPECT_EQ(st->reserved_bytes(), 0u);
+}
+
 TEST(LifecycleTest, RestartServesWhatWasPersistedToNvme) {
   auto d = DaemonProcess::Start({"--dram-capacity", "64MiB", "--nvme-capacity", "256MiB"});
   ASSERT_OK(d);
