@@ -6,22 +6,28 @@
 // namespaces, verify, compact, drain, undrain, quota get|set (see --help and
 // README.md). Keys are given in hex. This output and these exit codes are a
 // contract scripts rely on:
-//   0 ok, 1 error (message on stderr), 2 usage error, 3 not found.
+//   0 ok, 1 error (message on stderr; also when stdout cannot be written),
+//   2 usage error (also an input file that cannot be opened), 3 not found.
 #include <CLI/CLI.hpp>
 #include <algorithm>
+#include <cerrno>
 #include <chrono>
 #include <cstdio>
+#include <cstring>
+#include <exception>
 #include <fstream>
 #include <iostream>
 #include <sstream>
 #include <string>
 #include <vector>
 
+#include "absl/status/status.h"
 #include "absl/strings/ascii.h"
 #include "absl/strings/escaping.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
+#include "absl/time/time.h"
 #include "client/client.h"
 #include "storage/sizes.h"
 
@@ -30,9 +36,21 @@ namespace {
 
 constexpr int kOk = 0, kError = 1, kUsage = 2, kNotFound = 3;
 
+// Thrown inside this file only, caught in Run: a usage error (exit 2) and
+// a failure before any command could run (exit 1 or 3, as Fail decides).
 struct UsageError {
   std::string message;
 };
+struct CommandError {
+  absl::Status status;
+};
+
+// --timeout's range, in seconds: positive and small enough that a deadline
+// this far ahead is representable.
+constexpr double kMinTimeoutS = 0.001, kMaxTimeoutS = 1e6;
+// verify and compact scan the whole NVMe tier: without an explicit
+// --timeout their deadline is this long.
+constexpr absl::Duration kLongRpcTimeout = absl::Hours(24);
 
 std::string HexToBytes(const std::string& hex, const char* what) {
   if (hex.empty() || hex.size() % 2 != 0) {
@@ -92,6 +110,7 @@ struct Ctl {
   std::string server = "127.0.0.1:50551";
   bool json = false;
   double timeout_s = 30;
+  bool timeout_given = false;  // --timeout was on the command line
   // Subcommand arguments.
   std::string ns, key, parent, file, out;
   bool prefix = false, pin = false, all = false;
@@ -106,7 +125,25 @@ struct Ctl {
     o.client_name = "kvdepotctl";
     o.transport = transport == "ucx" ? ClientOptions::Transport::kUcx
                                      : ClientOptions::Transport::kGrpc;
-    return std::move(Client::Connect(o)).value();
+    absl::StatusOr<std::unique_ptr<Client>> client = Client::Connect(o);
+    if (!client.ok()) {
+      // InvalidArgument: the options (--server) are wrong.
+      if (absl::IsInvalidArgument(client.status())) {
+        throw UsageError{absl::StrCat("--server: ", client.status().message())};
+      }
+      throw CommandError{client.status()};
+    }
+    return std::move(client).value();
+  }
+
+  // The deadline of an admin RPC started now: --timeout, or `fallback` when
+  // --timeout was not given.
+  std::chrono::system_clock::time_point Deadline(
+      absl::Duration fallback = absl::ZeroDuration()) const {
+    absl::Duration d = timeout_given || fallback == absl::ZeroDuration()
+                           ? absl::Seconds(timeout_s)
+                           : fallback;
+    return absl::ToChronoTime(absl::Now() + d);
   }
 
   // For put and get with --transport ucx: true when `client` has a UCX
@@ -136,9 +173,14 @@ struct Ctl {
     std::string k = HexToBytes(key, "--key");
     std::string p = parent.empty() ? "" : HexToBytes(parent, "--parent");
     std::ifstream in(file, std::ios::binary);
-    if (!in) return Fail(absl::NotFoundError(absl::StrCat("cannot open ", file)));
+    if (!in) {
+      // Nothing reached the daemon: the argument is wrong (not "not found",
+      // which is about blocks).
+      throw UsageError{absl::StrCat("--file: cannot open ", file, ": ", std::strerror(errno))};
+    }
     std::stringstream buf;
     buf << in.rdbuf();
+    if (in.bad()) return Fail(absl::DataLossError(absl::StrCat("cannot read ", file)));
     std::string bytes = buf.str();
     BlockToPut b{k, p, bytes};
     std::unique_ptr<Client> client = Connect();
@@ -181,8 +223,7 @@ struct Ctl {
     v1::InspectResponse info;
     if (transport == "ucx") {
       grpc::ClientContext ctx;
-      ctx.set_deadline(std::chrono::system_clock::now() +
-                       std::chrono::milliseconds(static_cast<int64_t>(timeout_s * 1000)));
+      ctx.set_deadline(Deadline());
       v1::InspectRequest req;
       req.set_namespace_(ns);
       req.set_key(k);
@@ -210,6 +251,7 @@ struct Ctl {
     }
     const Block& b = (*r)[0];
     if (out == "-") {
+      // Main's FinishOutput flushes and checks stdout.
       std::cout.write(b.bytes.data(), static_cast<std::streamsize>(b.bytes.size()));
       return kOk;
     }
@@ -344,7 +386,7 @@ struct Ctl {
 
   int Verify() {
     grpc::ClientContext ctx;
-    ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::hours(24));
+    ctx.set_deadline(Deadline(kLongRpcTimeout));
     v1::VerifyResponse r;
     absl::Status st = FromGrpcStatus(Connect()->stub().Verify(&ctx, v1::VerifyRequest(), &r));
     if (!st.ok()) return Fail(st);
@@ -365,7 +407,7 @@ struct Ctl {
 
   int Compact() {
     grpc::ClientContext ctx;
-    ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::hours(24));
+    ctx.set_deadline(Deadline(kLongRpcTimeout));
     v1::CompactResponse r;
     absl::Status st = FromGrpcStatus(Connect()->stub().Compact(&ctx, v1::CompactRequest(), &r));
     if (!st.ok()) return Fail(st);
@@ -378,8 +420,7 @@ struct Ctl {
   absl::Status Call(Method method, const Req& req, Resp* resp) {
     std::unique_ptr<Client> c = Connect();
     grpc::ClientContext ctx;
-    ctx.set_deadline(std::chrono::system_clock::now() +
-                     std::chrono::milliseconds(static_cast<int64_t>(timeout_s * 1000)));
+    ctx.set_deadline(Deadline());
     return FromGrpcStatus((c->stub().*method)(&ctx, req, resp));
   }
 
@@ -455,7 +496,8 @@ struct Ctl {
   int QuotaSet() {
     absl::StatusOr<uint64_t> bytes = ParseSize(quota);
     if (!bytes.ok()) {
-      throw UsageError{absl::StrCat("quota '", quota, "' is not a size (e.g. 64GiB, 0 for none)")};
+      throw UsageError{absl::StrCat("quota: ", bytes.status().message(),
+                                    " (e.g. 64GiB, 0 for none)")};
     }
     v1::SetQuotaRequest req;
     req.set_namespace_(ns);
@@ -543,13 +585,30 @@ struct Ctl {
   }
 };
 
-int Main(int argc, char** argv) {
+// Flushes stdout (iostream and stdio both write to it) and checks that
+// everything printed reached it: results written nowhere are an error.
+int FinishOutput(int rc) {
+  errno = 0;
+  std::cout.flush();
+  const bool cout_failed = !std::cout;
+  if (std::fflush(stdout) != 0 || std::ferror(stdout) || cout_failed) {
+    const int err = errno;
+    std::cerr << "kvdepotctl: cannot write to stdout"
+              << (err != 0 ? absl::StrCat(": ", std::strerror(err)) : "") << "\n";
+    return rc == kOk ? kError : rc;
+  }
+  return rc;
+}
+
+int Run(int argc, char** argv) {
   Ctl ctl;
   CLI::App app{"kvdepotctl: administer a kvdepotd"};
   app.require_subcommand(1);
   app.add_option("--server", ctl.server, "kvdepotd address (default 127.0.0.1:50551)");
   app.add_flag("--json", ctl.json, "machine-readable output");
-  app.add_option("--timeout", ctl.timeout_s, "RPC deadline in seconds (default 30)");
+  auto* timeout = app.add_option(
+      "--timeout", ctl.timeout_s,
+      "RPC deadline in seconds, 0.001 to 1e6 (default 30; verify and compact: 24 h)");
   app.add_option("--transport", ctl.transport,
                  "how put and get move block bytes: ucx (default; falls back "
                  "to grpc with a warning) or grpc")
@@ -599,6 +658,12 @@ int Main(int argc, char** argv) {
     return rc == 0 ? kOk : kUsage;
   }
   try {
+    ctl.timeout_given = timeout->count() > 0;
+    // The negated test also rejects NaN.
+    if (!(ctl.timeout_s >= kMinTimeoutS && ctl.timeout_s <= kMaxTimeoutS)) {
+      throw UsageError{absl::StrCat("--timeout ", ctl.timeout_s,
+                                    " must be 0.001 to 1e6 seconds")};
+    }
     if (health->parsed()) return ctl.Health();
     if (put->parsed()) return ctl.Put();
     if (get->parsed()) return ctl.Get();
@@ -617,9 +682,16 @@ int Main(int argc, char** argv) {
   } catch (const UsageError& e) {
     std::cerr << "kvdepotctl: " << e.message << "\n";
     return kUsage;
+  } catch (const CommandError& e) {
+    return Fail(e.status);
+  } catch (const std::exception& e) {
+    std::cerr << "kvdepotctl: " << e.what() << "\n";
+    return kError;
   }
   return kUsage;
 }
+
+int Main(int argc, char** argv) { return FinishOutput(Run(argc, argv)); }
 
 }  // namespace
 }  // namespace kvdepot

@@ -7,6 +7,7 @@
 #include <cmath>
 #include <functional>
 #include <iterator>
+#include <limits>
 #include <map>
 
 #include "absl/strings/ascii.h"
@@ -105,17 +106,27 @@ absl::Status LoadConfigFile(const std::string& path, DaemonConfig* c) {
       return absl::OkStatus();
     };
   };
-  auto uint_into = [](uint64_t* out) -> Setter {
-    return [out](const std::string& v) {
-      return absl::SimpleAtoi(v, out)
-                 ? absl::OkStatus()
-                 : absl::InvalidArgumentError(absl::StrCat("bad integer '", v, "'"));
+  // Range-checked here, before the value is narrowed into its field (an
+  // unchecked cast made 4294967297 max_batch_keys 1); `max` is at most the
+  // field's largest value, and ValidateConfig checks the tighter rules.
+  auto uint_into = [](uint64_t* out, uint64_t max) -> Setter {
+    return [out, max](const std::string& v) {
+      uint64_t n;
+      if (!absl::SimpleAtoi(v, &n)) {
+        return absl::InvalidArgumentError(absl::StrCat("bad integer '", v, "'"));
+      }
+      if (n > max) {
+        return absl::InvalidArgumentError(absl::StrCat(v, " is too large (at most ", max, ")"));
+      }
+      *out = n;
+      return absl::OkStatus();
     };
   };
+  constexpr uint64_t kMaxInt = std::numeric_limits<int>::max();
   const std::map<std::string, Setter> setters = {
       {"listen", string_into(&c->listen)},
       {"metrics_listen", string_into(&c->metrics_listen)},
-      {"metrics_namespace_labels", uint_into(&ns_labels)},
+      {"metrics_namespace_labels", uint_into(&ns_labels, 100000)},
       {"data_dir", string_into(&c->data_dir)},
       {"log_level", string_into(&c->log_level)},
       {"log_format", string_into(&c->log_format)},
@@ -123,9 +134,9 @@ absl::Status LoadConfigFile(const std::string& path, DaemonConfig* c) {
       {"dram_capacity", size_into(&c->store.dram_capacity)},
       {"grpc_memory_limit", size_into(&c->grpc_memory_limit)},
       {"max_block_size", size_into(&c->store.max_block_bytes)},
-      {"max_batch_keys", uint_into(&max_batch)},
-      {"grpc_max_threads", uint_into(&grpc_threads)},
-      {"grpc_max_streams_per_connection", uint_into(&grpc_streams)},
+      {"max_batch_keys", uint_into(&max_batch, std::numeric_limits<uint32_t>::max())},
+      {"grpc_max_threads", uint_into(&grpc_threads, kMaxInt)},
+      {"grpc_max_streams_per_connection", uint_into(&grpc_streams, kMaxInt)},
       {"high_watermark", double_into(&c->store.high_watermark)},
       {"low_watermark", double_into(&c->store.low_watermark)},
       {"session_lease", duration_into(&c->store.default_lease)},
@@ -152,8 +163,8 @@ absl::Status LoadConfigFile(const std::string& path, DaemonConfig* c) {
       {"persist_on_shutdown", bool_into(&c->persist_on_shutdown)},
       {"create_namespaces", bool_into(&c->store.create_namespaces)},
       {"ucx_enabled", bool_into(&c->ucx_enabled)},
-      {"ucx_workers", uint_into(&ucx_workers)},
-      {"ucx_colocated_workers", uint_into(&ucx_colocated)},
+      {"ucx_workers", uint_into(&ucx_workers, kMaxInt)},
+      {"ucx_colocated_workers", uint_into(&ucx_colocated, kMaxInt)},
       {"ucx_transfer_timeout", duration_into(&c->ucx_transfer_timeout)},
   };
   for (const auto& kv : root) {
@@ -198,15 +209,13 @@ absl::Status LoadConfigFile(const std::string& path, DaemonConfig* c) {
           absl::StrCat("config ", path, ": ", key, ": ", st.message()));
     }
   }
+  // Each fits its field: uint_into checked it.
   c->store.max_batch_keys = static_cast<uint32_t>(max_batch);
-  c->grpc_max_threads = static_cast<int>(std::min<uint64_t>(grpc_threads, 1 << 20));
-  c->grpc_max_streams_per_connection =
-      static_cast<int>(std::min<uint64_t>(grpc_streams, 1 << 20));
-  c->metrics_namespace_labels =
-      static_cast<int>(std::min<uint64_t>(ns_labels, 100000));
-  c->ucx_workers = static_cast<int>(std::min<uint64_t>(ucx_workers, 1024));
-  c->ucx_colocated_workers =
-      static_cast<int>(std::min<uint64_t>(ucx_colocated, 1 << 20));
+  c->grpc_max_threads = static_cast<int>(grpc_threads);
+  c->grpc_max_streams_per_connection = static_cast<int>(grpc_streams);
+  c->metrics_namespace_labels = static_cast<int>(ns_labels);
+  c->ucx_workers = static_cast<int>(ucx_workers);
+  c->ucx_colocated_workers = static_cast<int>(ucx_colocated);
   return absl::OkStatus();
 }
 

@@ -7,6 +7,7 @@
 #include <map>
 #include <string>
 
+#include "absl/strings/str_cat.h"
 #include "tests/status_matchers.h"
 #include "yaml-cpp/yaml.h"
 
@@ -62,6 +63,33 @@ TEST_F(ConfigFileTest, RejectsUnknownKeysAndBadValues) {
               StatusIs(absl::StatusCode::kInvalidArgument));
   EXPECT_THAT(LoadConfigFile("/nonexistent/kvdepot.yaml", &c),
               StatusIs(absl::StatusCode::kInvalidArgument));
+}
+
+// An integer too large for its field is an error, never wrapped or clamped
+// into range (4294967297 once became max_batch_keys 1).
+TEST_F(ConfigFileTest, RejectsIntegersTooLargeForTheirField) {
+  for (const char* key : {"max_batch_keys", "grpc_max_threads",
+                          "grpc_max_streams_per_connection", "metrics_namespace_labels",
+                          "ucx_workers", "ucx_colocated_workers"}) {
+    for (const char* value : {"4294967297", "18446744073709551615", "100001"}) {
+      DaemonConfig c;
+      absl::Status st = LoadConfigFile(Write(absl::StrCat(key, ": ", value, "\n")), &c);
+      if (st.ok()) st = ValidateConfig(c);
+      EXPECT_THAT(st, StatusIs(absl::StatusCode::kInvalidArgument)) << key << ": " << value;
+    }
+  }
+  DaemonConfig c;
+  EXPECT_THAT(LoadConfigFile(Write("max_batch_keys: 4294967297\n"), &c),
+              StatusIs(absl::StatusCode::kInvalidArgument));
+  EXPECT_THAT(LoadConfigFile(Write("max_batch_keys: 18446744073709551616\n"), &c),
+              StatusIs(absl::StatusCode::kInvalidArgument));
+  // The largest values in range are taken as written.
+  ASSERT_OK(LoadConfigFile(Write("max_batch_keys: 65536\n"
+                                 "metrics_namespace_labels: 100000\n"),
+                           &c));
+  EXPECT_EQ(c.store.max_batch_keys, 65536u);
+  EXPECT_EQ(c.metrics_namespace_labels, 100000);
+  EXPECT_OK(ValidateConfig(c));
 }
 
 TEST(ConfigFileTest2, ShippedExampleMatchesTheDefaults) {

@@ -15,6 +15,7 @@ namespace kvdepot {
 namespace {
 
 using testing::CommandResult;
+using testing::CtlBinary;
 using testing::DaemonProcess;
 using testing::MakeTempDir;
 using testing::RunCtl;
@@ -268,8 +269,56 @@ TEST_F(KvdepotctlTest, ServerSideErrorsExitOne) {
   CommandResult r = Ctl("lookup --ns 'bad ns' 01");
   EXPECT_EQ(r.exit_code, 1);
   EXPECT_NE(r.err.find("INVALID_ARGUMENT"), std::string::npos) << r.err;
-  r = Ctl(absl::StrCat("put --ns demo --key 01 --file ", dir_, "/does-not-exist"));
-  EXPECT_NE(r.exit_code, 0);
+}
+
+// A put whose input file cannot be opened never reaches the daemon: a usage
+// error (2), not "not found" (3, which means a missing block).
+TEST_F(KvdepotctlTest, PutOfAnUnreadableFileIsAUsageError) {
+  CommandResult r = Ctl(absl::StrCat("put --ns demo --key 01 --file ", dir_, "/does-not-exist"));
+  EXPECT_EQ(r.exit_code, 2);
+  EXPECT_NE(r.err.find("cannot open"), std::string::npos) << r.err;
+}
+
+TEST_F(KvdepotctlTest, AnEmptyServerAddressIsAUsageError) {
+  for (const char* command : {"health", "stats"}) {
+    CommandResult r = testing::RunCommand(absl::StrCat(CtlBinary(), " --server '' ", command));
+    EXPECT_EQ(r.exit_code, 2) << command;
+    EXPECT_NE(r.err.find("server address"), std::string::npos) << r.err;
+  }
+}
+
+TEST_F(KvdepotctlTest, TimeoutMustBeAPositiveFiniteNumberOfSeconds) {
+  for (const char* bad : {"-1", "0", "nan", "inf", "1e300", "soon"}) {
+    CommandResult r = Ctl(absl::StrCat("--timeout ", bad, " health"));
+    EXPECT_EQ(r.exit_code, 2) << bad;
+    EXPECT_NE(r.err.find("--timeout"), std::string::npos) << bad << ": " << r.err;
+  }
+  EXPECT_EQ(Ctl("--timeout nan verify").exit_code, 2);
+  EXPECT_EQ(Ctl("--timeout 0.5 health").exit_code, 0);
+  EXPECT_EQ(Ctl("--timeout 60 verify").exit_code, 0);
+  EXPECT_EQ(Ctl("--timeout 60 compact").exit_code, 0);
+}
+
+// Output that cannot be written (a full disk, a closed pipe) is an error,
+// for block bytes (--out -) and for printed results alike.
+TEST_F(KvdepotctlTest, AFailedWriteToStdoutExitsOne) {
+  ASSERT_EQ(Ctl(absl::StrCat("put --ns demo --key 0a --file ", File("f", "full disk"))).exit_code,
+            0);
+  auto to_dev_full = [&](const std::string& args) {
+    return testing::RunCommand(absl::StrCat("sh -c '", CtlBinary(), " --server ",
+                                            daemon_->address(), " ", args, " >/dev/full'"));
+  };
+  for (const char* args : {"--transport grpc get --ns demo --key 0a --out -",
+                           "--transport ucx get --ns demo --key 0a --out -", "health",
+                           "--json stats", "stats", "status", "lookup --ns demo 0a"}) {
+    CommandResult r = to_dev_full(args);
+    EXPECT_EQ(r.exit_code, 1) << args;
+    EXPECT_NE(r.err.find("stdout"), std::string::npos) << args << ": " << r.err;
+  }
+  // The same commands to a writable stdout succeed.
+  CommandResult r = Ctl("--transport grpc get --ns demo --key 0a --out -");
+  EXPECT_EQ(r.exit_code, 0) << r.err;
+  EXPECT_EQ(r.out, "full disk");
 }
 
 }  // namespace
