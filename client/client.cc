@@ -667,7 +667,18 @@ absl::StatusOr<std::vector<PutResult>> Client::Put(
 absl::StatusOr<std::vector<PutResult>> Client::PutGrpc(
     absl::string_view ns, absl::Span<const BlockToPut> blocks) {
   RETURN_IF_ERROR(ValidateNamespace(ns));
-  for (const BlockToPut& b : blocks) RETURN_IF_ERROR(ValidateKey(b.key));
+  // Everything checked before the stream opens: the daemon stores each
+  // block as it completes, so a bad one further on must not leave the ones
+  // before it stored but reported failed (the UCX path refuses the whole
+  // batch the same way).
+  for (const BlockToPut& b : blocks) {
+    RETURN_IF_ERROR(ValidateKey(b.key));
+    if (!b.parent.empty()) RETURN_IF_ERROR(ValidateKey(b.parent));
+    if (b.bytes.empty()) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("block ", KeyToHex(b.key), " is empty (size 0)"));
+    }
+  }
   grpc::ClientContext ctx;
   PrepareContext(&ctx);
   v1::WriteResponse resp;
@@ -774,7 +785,8 @@ absl::StatusOr<std::vector<bool>> Client::GetInto(
   }
   // Over UCX when dst is in registered memory (GetIntoAsync falls back to
   // GetIntoGrpc otherwise).
-  TransferOp op = GetIntoAsync(ns, keys, dst);
+  TransferOp op = GetIntoAsyncImpl(ns, keys, dst, /*prefix=*/false,
+                                   /*all_or_nothing=*/true);
   op.Wait();
   std::vector<bool> filled(keys.size(), false);
   for (size_t i = 0; i < keys.size(); ++i) {
@@ -791,46 +803,66 @@ absl::StatusOr<std::vector<bool>> Client::GetInto(
 absl::StatusOr<std::vector<bool>> Client::GetIntoGrpc(
     absl::string_view ns, absl::Span<const absl::string_view> keys,
     absl::Span<const absl::Span<char>> dst, bool prefix) {
+  ASSIGN_OR_RETURN(std::vector<absl::Status> statuses,
+                   GetIntoGrpcPerKey(ns, keys, dst, prefix, /*all_or_nothing=*/true));
+  std::vector<bool> filled(keys.size(), false);
+  for (size_t i = 0; i < keys.size(); ++i) {
+    if (statuses[i].ok()) {
+      filled[i] = true;
+    } else if (!absl::IsNotFound(statuses[i])) {
+      return statuses[i];
+    }
+  }
+  return filled;
+}
+
+absl::StatusOr<std::vector<absl::Status>> Client::GetIntoGrpcPerKey(
+    absl::string_view ns, absl::Span<const absl::string_view> keys,
+    absl::Span<const absl::Span<char>> dst, bool prefix, bool all_or_nothing) {
   if (keys.size() != dst.size()) {
     return absl::InvalidArgumentError(absl::StrCat(
         "GetInto: ", keys.size(), " keys but ", dst.size(), " buffers"));
   }
-  std::vector<bool> filled(keys.size(), false);
-  if (keys.empty()) return filled;
+  std::vector<absl::Status> statuses(keys.size());
+  if (keys.empty()) return statuses;
   RETURN_IF_ERROR(ValidateNamespace(ns));
   for (absl::string_view k : keys) RETURN_IF_ERROR(ValidateKey(k));
   // Pin, so that nothing found here is evicted before the Read reaches it.
   // A prefix lookup finds nothing after the first miss: nothing is read there.
   ASSIGN_OR_RETURN(LookupReply found, Lookup(ns, keys, prefix, /*pin=*/true));
-  absl::Status st = ReadInto(ns, keys, dst, found);
+  absl::Status st;
+  if (found.entries.size() != keys.size()) {
+    st = absl::InternalError(absl::StrCat("daemon answered ", found.entries.size(),
+                                          " lookup entries for ", keys.size(), " keys"));
+  } else {
+    for (size_t i = 0; i < keys.size(); ++i) {
+      const BlockInfo& e = found.entries[i];
+      if (!e.found) {
+        statuses[i] = absl::NotFoundError("not stored");
+      } else if (e.size != dst[i].size()) {
+        statuses[i] = absl::InvalidArgumentError(absl::StrCat(
+            "buffer ", i, " has ", dst[i].size(), " bytes but block ",
+            KeyToHex(keys[i]), " has ", e.size));
+        // All or nothing: the call fails before any buffer is written.
+        if (all_or_nothing) st = statuses[i];
+      }
+    }
+    if (st.ok()) ReadInto(ns, keys, dst, found, statuses);
+  }
   if (found.pin_id != 0) ReleaseOwnPin(found.pin_id);
   RETURN_IF_ERROR(st);
-  for (size_t i = 0; i < keys.size(); ++i) filled[i] = found.entries[i].found;
-  return filled;
+  return statuses;
 }
 
-absl::Status Client::ReadInto(absl::string_view ns,
-                              absl::Span<const absl::string_view> keys,
-                              absl::Span<const absl::Span<char>> dst,
-                              const LookupReply& found) {
-  if (found.entries.size() != keys.size()) {
-    return absl::InternalError(absl::StrCat("daemon answered ", found.entries.size(),
-                                            " lookup entries for ", keys.size(),
-                                            " keys"));
-  }
-  // Every size is checked before any buffer is written.
+void Client::ReadInto(absl::string_view ns, absl::Span<const absl::string_view> keys,
+                      absl::Span<const absl::Span<char>> dst, const LookupReply& found,
+                      std::vector<absl::Status>& statuses) {
+  // The blocks to read: found, with a buffer of their size.
   std::vector<size_t> want;
   for (size_t i = 0; i < keys.size(); ++i) {
-    const BlockInfo& e = found.entries[i];
-    if (!e.found) continue;
-    if (e.size != dst[i].size()) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          "buffer ", i, " has ", dst[i].size(), " bytes but block ",
-          KeyToHex(keys[i]), " has ", e.size));
-    }
-    want.push_back(i);
+    if (found.entries[i].found && statuses[i].ok()) want.push_back(i);
   }
-  if (want.empty()) return absl::OkStatus();
+  if (want.empty()) return;
   v1::ReadRequest req;
   req.set_namespace_(std::string(ns));
   for (size_t i : want) req.add_keys(std::string(keys[i]));
@@ -839,6 +871,7 @@ absl::Status Client::ReadInto(absl::string_view ns,
   std::unique_ptr<grpc::ClientReader<v1::ReadResponse>> reader =
       stub_->Read(&ctx, req);
   // The block being received: want[cur], `off` bytes so far, its checksum.
+  // Blocks before want[cur] are verified (their status stays OK).
   size_t cur = 0;
   bool started = false;
   uint64_t off = 0;
@@ -855,10 +888,19 @@ absl::Status Client::ReadInto(absl::string_view ns,
     }
     return absl::OkStatus();
   };
+  // The stream stopped at want[cur] (its status `st`): the blocks after it
+  // were not read.
+  auto fail_from = [&](size_t from, const absl::Status& st) {
+    for (size_t j = from; j < want.size(); ++j) {
+      statuses[want[j]] =
+          j == from ? st
+                    : absl::Status(st.code(), absl::StrCat("not read: ", st.message()));
+    }
+  };
   auto fail = [&](absl::Status st) {
     ctx.TryCancel();
     (void)reader->Finish();
-    return st;
+    fail_from(cur, st);
   };
   v1::ReadResponse msg;
   while (reader->Read(&msg)) {
@@ -869,8 +911,10 @@ absl::Status Client::ReadInto(absl::string_view ns,
         ++cur;
       }
       started = true;
-      if (cur >= want.size()) {
-        return fail(absl::DataLossError("daemon sent more blocks than asked"));
+      if (cur >= want.size()) {  // every block asked for is verified
+        ctx.TryCancel();
+        (void)reader->Finish();
+        return;
       }
       size_t i = want[cur];
       if (msg.header().key() != keys[i] || msg.header().size() != dst[i].size()) {
@@ -892,14 +936,23 @@ absl::Status Client::ReadInto(absl::string_view ns,
     std::memcpy(b.data() + off, msg.data().data(), msg.data().size());
     off += msg.data().size();
   }
-  RETURN_IF_ERROR(FromGrpcStatus(reader->Finish()));
-  if (!started) return absl::DataLossError("stream carried no blocks");
-  RETURN_IF_ERROR(finish_block());
-  if (cur + 1 != want.size()) {
-    return absl::DataLossError(absl::StrCat("stream carried ", cur + 1, " of ",
-                                            want.size(), " blocks"));
+  const absl::Status end = FromGrpcStatus(reader->Finish());
+  if (!started) {
+    fail_from(0, end.ok() ? absl::DataLossError("stream carried no blocks") : end);
+    return;
   }
-  return absl::OkStatus();
+  // The block in progress when the stream ended is complete only if it
+  // passes its checks; the stream's own error counts for what follows.
+  if (absl::Status done = finish_block(); !done.ok()) {
+    fail_from(cur, end.ok() ? done : end);
+    return;
+  }
+  if (!end.ok()) {
+    fail_from(cur + 1, end);
+  } else if (cur + 1 != want.size()) {
+    fail_from(cur + 1, absl::DataLossError(absl::StrCat(
+                           "stream carried ", cur + 1, " of ", want.size(), " blocks")));
+  }
 }
 
 absl::StatusOr<v1::EvictResponse> Client::Evict(
@@ -1187,6 +1240,13 @@ TransferOp Client::GetIntoAsync(absl::string_view ns,
                                 absl::Span<const absl::string_view> keys,
                                 absl::Span<const absl::Span<char>> dst,
                                 bool prefix) {
+  return GetIntoAsyncImpl(ns, keys, dst, prefix, /*all_or_nothing=*/false);
+}
+
+TransferOp Client::GetIntoAsyncImpl(absl::string_view ns,
+                                    absl::Span<const absl::string_view> keys,
+                                    absl::Span<const absl::Span<char>> dst,
+                                    bool prefix, bool all_or_nothing) {
   if (keys.size() != dst.size()) {
     return FailedOp(keys.size(), absl::InvalidArgumentError(absl::StrCat(
                                      "GetIntoAsync: ", keys.size(),
@@ -1200,14 +1260,18 @@ TransferOp Client::GetIntoAsync(absl::string_view ns,
   if (!target.ok()) {
     // The gRPC byte path, done here.
     auto state = std::make_shared<TransferOp::State>(keys.size(), "grpc");
-    absl::StatusOr<std::vector<bool>> filled = GetIntoGrpc(ns, keys, dst, prefix);
+    absl::StatusOr<std::vector<absl::Status>> got =
+        GetIntoGrpcPerKey(ns, keys, dst, prefix, all_or_nothing);
     bool open = true;
     for (size_t i = 0; i < keys.size(); ++i) {
-      if (!filled.ok()) {
-        state->statuses[i] = filled.status();
-      } else if (!(*filled)[i] || !open) {
+      if (!got.ok()) {
+        state->statuses[i] = got.status();
+      } else if (!open) {
         state->statuses[i] = absl::NotFoundError("not stored");
-        open = !prefix;
+      } else {
+        state->statuses[i] = (*got)[i];
+        // With `prefix`, a block that did not arrive ends the prefix.
+        if (prefix && !state->statuses[i].ok()) open = false;
       }
     }
     state->Publish();

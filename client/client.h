@@ -227,10 +227,11 @@ class Client {
   // valid, and are not accessed by others, until the call returns.
   // Returns InvalidArgument if the counts differ or a stored block's size is
   // not dst[i].size() -- over gRPC checked before any buffer is written, so
-  // then nothing is written; over UCX the other blocks may have been. DATA_LOSS if a block fails its checksum; the buffers
-  // of the blocks not yet verified are then unspecified. Other errors (the
-  // daemon is unreachable, a deadline) likewise leave the buffers
-  // unspecified.
+  // then nothing is written; over UCX the other blocks may have been.
+  // DATA_LOSS if a block fails its checksum; the buffers of the blocks not
+  // yet verified are then unspecified. Other errors (the daemon is
+  // unreachable, a deadline) likewise leave the buffers unspecified.
+  // GetIntoAsync reports each key on its own instead.
   absl::StatusOr<std::vector<bool>> GetInto(
       absl::string_view ns, absl::Span<const absl::string_view> keys,
       absl::Span<const absl::Span<char>> dst);
@@ -318,11 +319,27 @@ class Client {
   absl::StatusOr<std::vector<bool>> GetIntoGrpc(
       absl::string_view ns, absl::Span<const absl::string_view> keys,
       absl::Span<const absl::Span<char>> dst, bool prefix = false);
-  // GetInto's Read stream: fills dst[i] for every entry `found` marks found.
-  absl::Status ReadInto(absl::string_view ns,
-                        absl::Span<const absl::string_view> keys,
-                        absl::Span<const absl::Span<char>> dst,
-                        const LookupReply& found);
+  // The same, with a status per key: OK (its buffer holds the verified
+  // block), NotFound (a miss), InvalidArgument (its buffer's size is not
+  // the block's: not read), or what stopped the stream at or before it
+  // (DataLoss for a block failing its checksum; the stream's error for the
+  // blocks it did not deliver). With `all_or_nothing` a wrong size fails the
+  // whole call before any buffer is written (GetInto's contract over gRPC).
+  // Errors of the call itself: bad arguments, or the lookup failing.
+  absl::StatusOr<std::vector<absl::Status>> GetIntoGrpcPerKey(
+      absl::string_view ns, absl::Span<const absl::string_view> keys,
+      absl::Span<const absl::Span<char>> dst, bool prefix, bool all_or_nothing);
+  // GetIntoAsync; `all_or_nothing` as for GetIntoGrpcPerKey on the gRPC path.
+  TransferOp GetIntoAsyncImpl(absl::string_view ns,
+                              absl::Span<const absl::string_view> keys,
+                              absl::Span<const absl::Span<char>> dst, bool prefix,
+                              bool all_or_nothing);
+  // GetInto's Read stream: fills dst[i] for every entry `found` marks found
+  // whose status is still OK, and sets the status of each that does not
+  // arrive verified (see GetIntoGrpcPerKey).
+  void ReadInto(absl::string_view ns, absl::Span<const absl::string_view> keys,
+                absl::Span<const absl::Span<char>> dst, const LookupReply& found,
+                std::vector<absl::Status>& statuses);
 
   struct Link;
   struct Ucx;

@@ -220,6 +220,59 @@ TEST_F(BadInputTest, ClientThatVanishesMidReadReleasesItsPin) {
   EXPECT_EQ(ev->evicted_blocks(), 1u);
 }
 
+// Over the gRPC byte path (buffers not registered), a get reports each key
+// on its own: a buffer of the wrong size fails that key only, the others
+// arrive and a miss stays a miss (as over UCX). The synchronous GetInto
+// keeps its contract: a wrong size fails the call before anything is
+// written.
+TEST_F(BadInputTest, AGrpcGetWithOneWrongBufferFailsOnlyThatKey) {
+  const std::string a(4096, 'a'), b(4096, 'b'), c(4096, 'c');
+  std::vector<BlockToPut> puts = {{"ka", "", a}, {"kb", "", b}, {"kc", "", c}};
+  ASSERT_OK(client_->Put(kNs, puts));
+  std::vector<absl::string_view> keys = {"ka", "kb", "kc", "kd"};
+  std::vector<std::string> out = {std::string(4096, '.'), std::string(100, '.'),
+                                  std::string(4096, '.'), std::string(4096, '.')};
+  std::vector<absl::Span<char>> dst;
+  for (std::string& o : out) dst.emplace_back(o);
+  EXPECT_THAT(client_->GetInto(kNs, keys, dst), StatusIs(Code::kInvalidArgument));
+  for (const std::string& o : out) EXPECT_EQ(o.find_first_not_of('.'), std::string::npos);
+
+  TransferOp op = client_->GetIntoAsync(kNs, keys, dst);
+  op.Wait();
+  EXPECT_STREQ(op.transport(), "grpc");
+  EXPECT_OK(op.statuses()[0]);
+  EXPECT_THAT(op.statuses()[1], StatusIs(Code::kInvalidArgument));
+  EXPECT_OK(op.statuses()[2]);
+  EXPECT_THAT(op.statuses()[3], StatusIs(Code::kNotFound));
+  EXPECT_EQ(out[0], a);
+  EXPECT_EQ(out[1], std::string(100, '.'));
+  EXPECT_EQ(out[2], c);
+  EXPECT_EQ(out[3], std::string(4096, '.'));
+  auto st = client_->Stats();
+  ASSERT_OK(st);
+  EXPECT_EQ(st->pins(), 0u);
+  ASSERT_OK(client_->Evict(kNs, {keys.data(), 3}, false));
+}
+
+// A put batch with an empty block is refused whole before anything is
+// stored, over the gRPC byte path as over UCX: no block reported failed
+// while it was in fact stored.
+TEST_F(BadInputTest, AGrpcPutWithAnEmptyBlockStoresNothing) {
+  const std::string x(4096, 'x'), y(4096, 'y');
+  std::vector<BlockToPut> puts = {{"kx", "", x}, {"kempty", "", ""}, {"ky", "", y}};
+  TransferOp op = client_->PutFromAsync(kNs, puts);
+  op.Wait();
+  EXPECT_STREQ(op.transport(), "grpc");
+  for (const absl::Status& s : op.statuses()) {
+    EXPECT_THAT(s, StatusIs(Code::kInvalidArgument));
+  }
+  std::vector<absl::string_view> keys = {"kx", "ky"};
+  auto found = client_->Lookup(kNs, keys, false, false);
+  ASSERT_OK(found);
+  EXPECT_FALSE(found->entries[0].found);
+  EXPECT_FALSE(found->entries[1].found);
+}
+
 TEST_F(BadInputTest, DataBeforeHeaderIsInvalidArgument) {
   grpc::Status st = WriteRaw({Data("orphan")});
   EXPECT_EQ(st.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
