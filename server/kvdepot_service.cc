@@ -868,9 +868,16 @@ void KvDepotService::StartPushBlocks(const v1::PushBlocksRequest* req,
           in_place[m] = true;
           const BlockMove& mv = moves[m];
           const uint64_t want = resp->blocks(key_of_move[m]).checksum();
-          if (CopyWithChecksum(client, mv.arena.data(), mv.arena.size()) == want) {
-            return absl::OkStatus();
+          // Checked again every MiB: a client stalled past its deadline
+          // has given up, and a large block must not keep landing in its
+          // buffer for long after that.
+          const std::optional<uint64_t> sum = CopyWithChecksumUntil(
+              client, mv.arena.data(), mv.arena.size(), copy_deadline);
+          if (!sum.has_value()) {
+            return absl::DeadlineExceededError(
+                "the client's deadline for this copy passed during it");
           }
+          if (*sum == want) return absl::OkStatus();
           // Which copy is wrong: the daemon's (memory corruption or a bug)
           // or the client's (its buffer changed under the copy)?
           if (BlockChecksum(mv.arena.data(), mv.arena.size()) != want) {

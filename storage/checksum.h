@@ -6,7 +6,10 @@
 #include <cstddef>
 #include <cstdint>
 
+#include <optional>
+
 #include "absl/strings/string_view.h"
+#include "absl/time/time.h"
 
 namespace kvdepot {
 
@@ -20,6 +23,13 @@ inline uint64_t BlockChecksum(absl::string_view bytes) {
 // goes in pieces small enough to stay in cache, each hashed right after it
 // is written, so checking a copy costs no second pass over memory.
 uint64_t CopyWithChecksum(char* dst, const char* src, size_t size);
+
+// CopyWithChecksum that stops once `deadline` has passed, checked before
+// every MiB (so at most a MiB is written after it): nullopt then, with
+// `dst` partly written. For copies into memory of another process that
+// gives up at `deadline` (a co-located client's buffer).
+std::optional<uint64_t> CopyWithChecksumUntil(char* dst, const char* src,
+                                              size_t size, absl::Time deadline);
 
 // The same for a destination that is not read again soon (the DRAM arena):
 // pieces go through a small buffer of this thread's, are hashed there, and

@@ -5,6 +5,7 @@
 #include <random>
 #include <string>
 
+#include "absl/time/clock.h"
 #include "gtest/gtest.h"
 
 namespace kvdepot {
@@ -47,8 +48,15 @@ TEST(CopyWithChecksumTest, CopiesAndHashesWhatLanded) {
                    size_t{16384}, size_t{16385}, size_t{32768 - 1},
                    size_t{65536 + 7}, size_t{262144}, size_t{4 << 20}}) {
     for (size_t offset : {size_t{0}, size_t{3}, size_t{64}}) {
-      for (auto copy : {&CopyWithChecksum, &CopyToMemoryWithChecksum}) {
-        SCOPED_TRACE(copy == &CopyWithChecksum ? "cached" : "to memory");
+      // CopyWithChecksumUntil with a deadline far ahead: a plain copy.
+      uint64_t (*until)(char*, const char*, size_t) = [](char* d, const char* s,
+                                                         size_t len) {
+        return CopyWithChecksumUntil(d, s, len, absl::InfiniteFuture()).value();
+      };
+      for (auto copy : {&CopyWithChecksum, &CopyToMemoryWithChecksum, until}) {
+        SCOPED_TRACE(copy == &CopyWithChecksum ? "cached"
+                     : copy == until           ? "until"
+                                               : "to memory");
         std::string dst(n + 72, '\x5a');
         const uint64_t sum = copy(dst.data() + offset, src.data() + offset, n);
         ASSERT_EQ(sum, XXH3_64bits(src.data() + offset, n))
@@ -59,6 +67,34 @@ TEST(CopyWithChecksumTest, CopiesAndHashesWhatLanded) {
         ASSERT_EQ(dst.find_first_not_of('\x5a', offset + n), std::string::npos);
       }
     }
+  }
+}
+
+// Past its deadline, CopyWithChecksumUntil stops before the next MiB: at
+// once when it has passed already, and mid-block when it passes during the
+// copy (here: a deadline a copy of 64 MiB cannot meet, checked by what it
+// left unwritten, not by time).
+TEST(CopyWithChecksumTest, UntilStopsOnceItsDeadlinePassed) {
+  std::string src(64 << 20, 's');
+  std::string dst(src.size(), 'd');
+  EXPECT_EQ(CopyWithChecksumUntil(dst.data(), src.data(), src.size(),
+                                  absl::Now() - absl::Seconds(1)),
+            std::nullopt);
+  EXPECT_EQ(dst.find_first_not_of('d'), std::string::npos);  // nothing written
+  EXPECT_EQ(CopyWithChecksumUntil(dst.data(), src.data(), 100,
+                                  absl::InfinitePast()),
+            std::nullopt);
+  // Stopped part of the way: a prefix of whole MiB written, the rest not.
+  const std::optional<uint64_t> sum = CopyWithChecksumUntil(
+      dst.data(), src.data(), src.size(), absl::Now() + absl::Microseconds(1));
+  if (!sum.has_value()) {
+    const size_t written = dst.find('d');
+    ASSERT_NE(written, std::string::npos);
+    EXPECT_EQ(written % (1 << 20), 0u);
+    EXPECT_EQ(dst.find_first_not_of('d', written), std::string::npos);
+  } else {
+    // A machine fast enough to copy 64 MiB within the microsecond.
+    EXPECT_EQ(*sum, XXH3_64bits(src.data(), src.size()));
   }
 }
 
