@@ -21,7 +21,7 @@ struct DaemonConfig {
   std::string listen = "127.0.0.1:50551";
   std::string metrics_listen = "127.0.0.1:9551";  // empty: no metrics endpoint
   // Namespaces (the first seen) with their own `namespace` label value in
-  // the lookup metrics; the rest are counted as "other".
+  // the lookup metrics; the rest are counted as "(other)".
   int metrics_namespace_labels = 32;
   std::string data_dir = "./kvdepot-data";
   // On SIGTERM, write DRAM-only blocks to the NVMe tier before exiting.

@@ -187,9 +187,11 @@ ServerMetrics::NamespaceCounters& ServerMetrics::CountersFor(absl::string_view n
   if (it != namespaces_.end()) return it->second;
   // Only namespaces that exist get a label of their own: lookups in made-up
   // names would take the labels before real namespaces were looked up.
-  const size_t labelled = namespaces_.size() - namespaces_.count("other");
-  const std::string label =
-      known && labelled < namespace_labels_ ? std::string(ns) : "other";
+  const size_t labelled =
+      namespaces_.size() - namespaces_.count(kOtherNamespacesLabel);
+  const std::string label = known && labelled < namespace_labels_
+                                ? std::string(ns)
+                                : std::string(kOtherNamespacesLabel);
   if (auto other = namespaces_.find(label); other != namespaces_.end()) {
     return other->second;
   }

@@ -23,11 +23,15 @@
 
 namespace kvdepot {
 
+// The `namespace` label shared by namespaces past the labelled ones: not a
+// valid namespace name, so a namespace named "other" keeps its own.
+inline constexpr char kOtherNamespacesLabel[] = "(other)";
+
 class ServerMetrics {
  public:
   // `registry` must outlive this object. `namespace_labels` namespaces (the
   // first seen) get their own value of the `namespace` label; the others
-  // share "other", so a client inventing namespaces cannot grow the scrape
+  // share "(other)", so a client inventing namespaces cannot grow the scrape
   // without bound.
   explicit ServerMetrics(prometheus::Registry& registry,
                          int namespace_labels = 32);
@@ -99,7 +103,7 @@ class ServerMetrics {
   };
 
   // The counters of `ns`: its own labels while there are labels left and it
-  // is `known` (exists in the store), else "other"'s.
+  // is `known` (exists in the store), else "(other)"'s.
   NamespaceCounters& CountersFor(absl::string_view ns, bool known);
 
   const size_t namespace_labels_;

@@ -199,8 +199,32 @@ TEST(MetricsTest, NamespaceLabelsAreBounded) {
   EXPECT_EQ(misses("junk0"), -1);
   EXPECT_EQ(misses("ns0"), 1);
   EXPECT_EQ(misses("ns1"), 1);
-  EXPECT_EQ(misses("other"), 5);  // 4 junk lookups, then ns2's: 2 labels
+  EXPECT_EQ(misses("(other)"), 5);  // 4 junk lookups, then ns2's: 2 labels
   EXPECT_EQ(misses("ns2"), -1);
+}
+
+// The label the unlabelled namespaces share is no namespace's name: one
+// named "other" keeps its own counts.
+TEST(MetricsTest, ANamespaceNamedOtherIsNotTheOverflowLabel) {
+  const std::string dir = testing::MakeTempDir("metrics-cfg");
+  std::ofstream(dir + "/k.yaml") << "metrics_namespace_labels: 1\n";
+  auto d = DaemonProcess::Start({"--config", dir + "/k.yaml"});
+  ASSERT_OK(d);
+  ClientOptions o;
+  o.server = (*d)->address();
+  auto client = std::move(Client::Connect(o)).value();
+  BlockToPut b{"k", "", "bytes"};
+  ASSERT_OK(client->Put("other", {&b, 1}));
+  absl::string_view k = "k";
+  ASSERT_OK(client->Lookup("other", {&k, 1}, false, false));  // a hit
+  ASSERT_OK(client->Lookup("junk", {&k, 1}, false, false));   // a miss
+  const std::string text = Scrape(**d);
+  auto keys = [&](const std::string& ns, const std::string& rest) {
+    return Value(text, "kvdepot_lookup_keys_total{namespace=\"" + ns + "\"," + rest + "}");
+  };
+  EXPECT_EQ(keys("other", "result=\"hit\",tier=\"dram\""), 1);
+  EXPECT_EQ(keys("other", "result=\"miss\",tier=\"none\""), 0);
+  EXPECT_EQ(keys("(other)", "result=\"miss\",tier=\"none\""), 1);
 }
 
 }  // namespace
