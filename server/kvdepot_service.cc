@@ -687,11 +687,16 @@ grpc::ServerUnaryReactor* KvDepotService::GetQuota(grpc::CallbackServerContext* 
                                                    v1::GetQuotaResponse* resp) {
   return Unary(ctx, "GetQuota", [&]() -> absl::Status {
     RETURN_IF_ERROR(ValidateNamespace(req->namespace_()));
-    resp->set_max_bytes(store_.Quota(req->namespace_()));
     for (const NamespaceStats& ns : store_.ListNamespaces()) {
-      if (ns.name == req->namespace_()) resp->set_used_bytes(ns.bytes);
+      if (ns.name != req->namespace_()) continue;
+      resp->set_max_bytes(store_.Quota(req->namespace_()));
+      resp->set_used_bytes(ns.bytes);
+      return absl::OkStatus();
     }
-    return absl::OkStatus();
+    // Neither stored into nor declared (SetQuota): "no quota" would hide
+    // that, with create_namespaces off, puts into it are refused.
+    return absl::NotFoundError(absl::StrCat(
+        "namespace ", req->namespace_(), " does not exist (nothing stored, no quota set)"));
   });
 }
 

@@ -242,9 +242,16 @@ TEST_F(KvdepotctlTest, WithoutCreateNamespacesPutsGoIntoDeclaredNamespacesAcross
   CommandResult r = Ctl("put --ns d --key 0d --file " + f);
   EXPECT_NE(r.exit_code, 0);
   EXPECT_NE(r.err.find("create_namespaces"), std::string::npos) << r.err;
+  // Not declared: not found, rather than "no quota".
+  r = Ctl("quota get --ns d");
+  EXPECT_EQ(r.exit_code, 3) << r.out;
+  EXPECT_NE(r.err.find("does not exist"), std::string::npos) << r.err;
   // Declared with no limit (quota 0), the namespace takes puts, and stays
   // declared after a restart.
   ASSERT_EQ(Ctl("quota set --ns d 0").exit_code, 0);
+  r = Ctl("quota get --ns d");
+  EXPECT_EQ(r.exit_code, 0) << r.err;
+  EXPECT_NE(r.out.find("no quota"), std::string::npos) << r.out;
   r = Ctl("put --ns d --key 0d --file " + f);
   EXPECT_EQ(r.exit_code, 0) << r.err;
   ASSERT_OK(daemon_->Stop(SIGTERM, absl::Seconds(20)));
