@@ -570,8 +570,10 @@ grpc::ServerUnaryReactor* KvDepotService::Stats(grpc::CallbackServerContext* ctx
     for (const NamespaceStats& ns : st.namespaces) {
       FillNamespace(ns, resp->add_namespaces());
     }
-    resp->set_uptime_ms(static_cast<uint64_t>(
-        absl::ToInt64Milliseconds(clock_.Now() - started_)));
+    // The wall clock may step back (NTP): never a negative uptime, which
+    // would wrap to ~1.8e19 ms.
+    resp->set_uptime_ms(static_cast<uint64_t>(std::max<int64_t>(
+        0, absl::ToInt64Milliseconds(clock_.Now() - started_))));
     resp->set_version(kVersion);
     return absl::OkStatus();
   });
