@@ -4,6 +4,7 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "storage/internal/sync_point.h"
 #include "storage/status_macros.h"
 
 namespace kvdepot {
@@ -77,6 +78,11 @@ absl::Status UcxRequests::Connect(uint64_t session, std::string_view address,
   };
   absl::StatusOr<std::unique_ptr<UcxEndpoint>> endpoint =
       UcxEndpoint::Connect(worker_, address, std::move(options));
+  absl::Status result = endpoint.status();
+  // Arg: the new UcxEndpoint, not installed yet (null when it failed to
+  // connect).
+  internal::TestSyncPoint("UcxRequests::Connect:BeforeInstall",
+                          endpoint.ok() ? endpoint->get() : nullptr);
   std::unique_ptr<UcxEndpoint> old;
   bool installed = false;
   {
@@ -92,7 +98,13 @@ absl::Status UcxRequests::Connect(uint64_t session, std::string_view address,
         endpoint_ = *std::move(endpoint);
         address_ = std::string(address);
         session_ = session;
-        failed_ = false;
+        // The endpoint may have failed since UcxEndpoint::Connect returned:
+        // its on_error then found connection_ naming the connection it
+        // replaces and set nothing, so its failure is taken here. One that
+        // fails from here on finds connection_ == connection (its status
+        // is set before on_error runs, which waits for mu_).
+        result = endpoint_->status();
+        failed_ = !result.ok();
       } else {
         address_.clear();
         session_ = 0;
@@ -105,7 +117,7 @@ absl::Status UcxRequests::Connect(uint64_t session, std::string_view address,
              absl::UnavailableError("UCX connection to kvdepotd was replaced"));
   }
   Dispose(std::move(old));
-  return endpoint.ok() ? absl::OkStatus() : endpoint.status();
+  return result;
 }
 
 void UcxRequests::Disconnect(uint64_t session) {

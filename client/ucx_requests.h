@@ -51,7 +51,10 @@ class UcxRequests : private UcxWorker::Resident {
   // see below); otherwise connects and waits for the wire-up
   // (UcxEndpoint::Connect, with peer error handling, so a dead daemon ends
   // the requests at once), replacing an earlier connection, whose pending
-  // requests end Unavailable. Errors as UcxEndpoint::Connect.
+  // requests end Unavailable. Errors as UcxEndpoint::Connect, or the new
+  // connection's own when it failed before this returned (it is then
+  // installed failed: Serves is false, and the next Connect to the
+  // address connects anew).
   //
   // One connection per daemon worker for this worker's life: kvdepotd makes
   // one endpoint to this worker from its request worker, and this

@@ -31,12 +31,14 @@
 #include "client/client.h"
 #include "client/ucx_requests.h"
 #include "storage/checksum.h"
+#include "storage/internal/sync_point.h"
 #include "storage/status_macros.h"
 #include "tests/daemon_process.h"
 #include "tests/status_matchers.h"
 #include "transport/net_devices.h"
 #include "transport/request_message.h"
 #include "transport/ucx_context.h"
+#include "transport/ucx_endpoint.h"
 #include "transport/ucx_test_util.h"
 #include "transport/ucx_worker.h"
 
@@ -1897,6 +1899,62 @@ TEST_P(UcxE2eTest, CraftedOrStaleRemoteKeysAreRefusedAndTheDaemonStaysUp) {
   ASSERT_OK(get.statuses()[0]);
   EXPECT_EQ(back, mine);
   EXPECT_TRUE(daemon_->Running());
+}
+
+// UcxRequests without a daemon: its peer is a worker of this process,
+// stopped (its connections reset) between UcxEndpoint::Connect and the
+// install of the new connection, after that connection's on_error has run
+// (finding the connection it replaces, and setting nothing). The
+// connection is not served, and the next Connect to the same address
+// connects anew (and fails: nothing is there) instead of keeping the
+// broken one, which left every request failing, served over gRPC instead,
+// for the worker's life.
+TEST(UcxRequestsTest, AConnectionThatFailsBeforeItIsInstalledIsNotKept) {
+  UcxContextOptions options;
+  options.config = ucx_test::TransportConfig("tcp");
+  absl::StatusOr<std::unique_ptr<UcxContext>> peer_context = UcxContext::Create(options);
+  ASSERT_OK(peer_context.status());
+  absl::StatusOr<std::unique_ptr<UcxContext>> client_context =
+      UcxContext::Create(options);
+  ASSERT_OK(client_context.status());
+  absl::StatusOr<std::unique_ptr<UcxWorker>> peer = UcxWorker::Create(**peer_context);
+  ASSERT_OK(peer.status());
+  absl::StatusOr<std::unique_ptr<UcxWorker>> client =
+      UcxWorker::Create(**client_context);
+  ASSERT_OK(client.status());
+  absl::StatusOr<std::unique_ptr<UcxRequests>> requests = UcxRequests::Create(**client);
+  ASSERT_OK(requests.status());
+  const std::string address = (*peer)->address();
+
+  internal::SyncPointCallback point(
+      "UcxRequests::Connect:BeforeInstall", [&](void* arg) {
+        auto* endpoint = static_cast<UcxEndpoint*>(arg);
+        if (endpoint == nullptr) return;  // the second Connect's
+        (*peer)->Stop();
+        // Waits for the failure to reach the new endpoint (TCP's reset).
+        const absl::Time give_up = absl::Now() + absl::Seconds(30);
+        while (endpoint->status().ok() && absl::Now() < give_up) {
+          absl::SleepFor(absl::Milliseconds(5));
+        }
+        ASSERT_FALSE(endpoint->status().ok())
+            << "the peer's end did not reach the client's endpoint";
+        // Its on_error runs on the progress thread, in the same call that
+        // set the status: over once a task queued now has run.
+        ASSERT_OK((*client)->Run([] {}));
+      });
+  constexpr uint64_t kSession = 7;
+  EXPECT_THAT((*requests)->Connect(kSession, address, absl::Seconds(5)),
+              StatusIs(absl::StatusCode::kUnavailable));
+  EXPECT_FALSE((*requests)->Serves(kSession));
+  EXPECT_THAT((*requests)->Send(kSession, RequestMethod::kPushBlocks, "ask",
+                                absl::Now() + absl::Seconds(30),
+                                [](const absl::Status&, absl::string_view) {}),
+              StatusIs(absl::StatusCode::kUnavailable));
+  // Not the broken connection again: a new one, to a worker that is gone.
+  EXPECT_FALSE((*requests)->Connect(kSession, address, absl::Seconds(2)).ok());
+  EXPECT_FALSE((*requests)->Serves(kSession));
+  requests->reset();
+  (*client)->Stop();
 }
 
 TEST(UcxE2eGrpcTest, ClientAskingForGrpcUsesTheBytePath) {

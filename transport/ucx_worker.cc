@@ -234,9 +234,9 @@ void UcxWorker::StartReceive(
   }
   ucp_request_param_t param = batch->Param(last);
   void* desc = std::exchange(data->desc_, nullptr);
-  // What the receive uses until it ends: its iov array, and the discard
-  // buffer it writes dropped pieces into (a larger one may replace
-  // discard_ meanwhile).
+  // What the receive uses until it ends: its iov array, and the scratch
+  // buffer it writes dropped pieces into (held here too, so that a
+  // receive abandoned past its deadline never writes into freed memory).
   struct Keep {
     std::vector<ucp_dt_iov_t> iov;
     std::shared_ptr<char[]> discard;
@@ -246,19 +246,33 @@ void UcxWorker::StartReceive(
     batch->Posted(last, ucp_am_recv_data_nbx(worker_, desc, pieces[0].data(),
                                              data->size_, &param));
   } else {
-    size_t largest_drop = 0;
-    for (const absl::Span<char>& p : pieces) {
-      if (p.data() == nullptr) largest_drop = std::max(largest_drop, p.size());
-    }
-    if (largest_drop > discard_size_) {
-      discard_ = std::shared_ptr<char[]>(new char[largest_drop]);
-      discard_size_ = largest_drop;
-    }
     keep = std::make_shared<Keep>();
-    keep->discard = discard_;
+    size_t entries = 0;
     for (const absl::Span<char>& p : pieces) {
-      keep->iov.push_back(
-          {p.data() != nullptr ? p.data() : keep->discard.get(), p.size()});
+      entries += p.data() != nullptr
+                     ? 1
+                     : (p.size() + kDiscardScratch - 1) / kDiscardScratch;
+    }
+    keep->iov.reserve(entries);
+    for (const absl::Span<char>& p : pieces) {
+      if (p.data() != nullptr) {
+        keep->iov.push_back({p.data(), p.size()});
+        continue;
+      }
+      // A dropped piece goes into the one scratch buffer, kDiscardScratch
+      // bytes at a time: its iov entries overlap, which UCX allows (it
+      // copies each fragment where its entry says), and the bytes are
+      // garbage anyway. So the memory dropping costs stays bounded,
+      // whatever the size of the pieces dropped.
+      if (discard_ == nullptr) {
+        discard_.reset(new char[kDiscardScratch]);
+        discard_size_ = kDiscardScratch;
+      }
+      keep->discard = discard_;
+      for (size_t off = 0; off < p.size(); off += kDiscardScratch) {
+        keep->iov.push_back(
+            {discard_.get(), std::min(kDiscardScratch, p.size() - off)});
+      }
     }
     param.op_attr_mask |= UCP_OP_ATTR_FIELD_DATATYPE;
     param.datatype = ucp_dt_make_iov();

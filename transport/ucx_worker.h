@@ -177,7 +177,9 @@ class UcxWorker {
                          absl::AnyInvocable<void(size_t)> each_got = nullptr);
   // The same into `pieces`, one after the other (transfer i of the batch is
   // piece i; each_got(i) for each). A piece whose data() is null takes its
-  // size in bytes and drops them. The pieces' sizes must add up to
+  // size in bytes and drops them (into one scratch buffer of
+  // kDiscardScratch bytes that the worker keeps for every receive, one iov
+  // entry per kDiscardScratch bytes dropped). The pieces' sizes must add up to
   // data->size() (else every transfer ends InvalidArgument, the data
   // released unread). More than one piece: an IOV receive, which UCX 1.13
   // serves with its active-message rendezvous (what it uses over TCP in
@@ -185,6 +187,10 @@ class UcxWorker {
   TransferHandle Receive(std::unique_ptr<IncomingData> data,
                          std::vector<absl::Span<char>> pieces, absl::Time deadline,
                          absl::AnyInvocable<void(size_t)> each_got = nullptr);
+  // The scratch buffer for dropped bytes: what dropping costs in memory,
+  // once, however large the pieces dropped (a block the daemon has already
+  // among a put's bytes may be 256 MiB).
+  static constexpr size_t kDiscardScratch = size_t{1} << 20;
 
   // Stops accepting tasks, runs those already queued, calls every Resident's
   // OnStop, waits up to close_timeout for endpoint closes, destroys the
@@ -217,6 +223,9 @@ class UcxWorker {
 
   // --- Progress thread only. ---
   ucp_worker_h handle() const { return worker_; }
+  // Bytes held for dropped pieces of received data: 0 before the first
+  // drop, then kDiscardScratch.
+  size_t discard_capacity() const { return discard_size_; }
   void AddResident(Resident* resident);
   // No further calls reach `resident` after this returns.
   void RemoveResident(Resident* resident);
@@ -343,7 +352,8 @@ class UcxWorker {
   std::vector<PendingReceive> receives_;
   size_t receives_kept_ = 0;  // receives_.size() after the last tick
   // Where dropped pieces of received data go (garbage; shared by every
-  // receive), grown to the largest such piece.
+  // receive): kDiscardScratch bytes, allocated at the first drop, that
+  // every such piece reuses kDiscardScratch bytes at a time.
   std::shared_ptr<char[]> discard_;
   size_t discard_size_ = 0;
   absl::Time next_tick_ = absl::InfiniteFuture();

@@ -10,6 +10,7 @@
 #include <map>
 #include <memory>
 #include <optional>
+#include <random>
 #include <string>
 #include <thread>
 #include <vector>
@@ -18,8 +19,11 @@
 #include <sys/mman.h>
 #include <unistd.h>
 
+#include "absl/synchronization/mutex.h"
 #include "absl/synchronization/notification.h"
+#include "absl/time/clock.h"
 #include "transport/ucx_context.h"
+#include "transport/ucx_endpoint.h"
 #include "transport/ucx_test_util.h"
 
 namespace kvdepot {
@@ -284,6 +288,130 @@ TEST_F(UcxWorkerTest, RegistersMemoryAndPacksAKey) {
   EXPECT_FALSE((*region)->Contains(buffer.data() + 1, buffer.size()));
   EXPECT_FALSE((*region)->Contains(buffer.data() - 1, 1));
   EXPECT_FALSE((*region)->Contains(buffer.data(), SIZE_MAX));
+}
+
+std::vector<char> RandomBytes(size_t size, uint64_t seed) {
+  std::mt19937_64 rng(seed);
+  std::vector<char> bytes(size);
+  for (char& b : bytes) b = static_cast<char>(rng());
+  return bytes;
+}
+
+// Pieces of received data that are dropped (a put's block the daemon has
+// already) go into one scratch buffer of kDiscardScratch bytes, however
+// large they are: a worker that dropped a piece of several MiB keeps no
+// more than that. The pieces kept get their bytes, in order; a receive
+// that drops everything ends OK too.
+TEST_F(UcxWorkerTest, DroppedPiecesOfReceivedDataTakeABoundedScratchBuffer) {
+  constexpr size_t kScratch = UcxWorker::kDiscardScratch;
+  for (const char* transport : {"tcp", "shm"}) {
+    SCOPED_TRACE(transport);
+    UcxContextOptions options;
+    options.config = ucx_test::TransportConfig(transport);
+    auto server_context = UcxContext::Create(options);
+    ASSERT_TRUE(server_context.ok()) << server_context.status();
+    auto client_context = UcxContext::Create(options);
+    ASSERT_TRUE(client_context.ok()) << client_context.status();
+    auto server = UcxWorker::Create(**server_context);
+    ASSERT_TRUE(server.ok()) << server.status();
+    auto client = UcxWorker::Create(**client_context);
+    ASSERT_TRUE(client.ok()) << client.status();
+    UcxEndpointOptions endpoint_options;
+    endpoint_options.peer_error_handling = ucx_test::PeerErrorHandling(transport);
+    auto endpoint = UcxEndpoint::Connect(**client, (*server)->address(),
+                                         std::move(endpoint_options));
+    ASSERT_TRUE(endpoint.ok()) << endpoint.status();
+
+    absl::Mutex mu;
+    std::vector<std::unique_ptr<UcxWorker::IncomingData>> got;
+    ASSERT_TRUE((*server)
+                    ->SetDataMessageHandler(
+                        9, [&](absl::string_view,
+                               std::unique_ptr<UcxWorker::IncomingData> data,
+                               const UcxWorker::MessageSender&) {
+                          absl::MutexLock lock(&mu);
+                          got.push_back(std::move(data));
+                        })
+                    .ok());
+    // Kept, dropped (5 scratch buffers and a bit), kept, dropped, kept.
+    const std::vector<size_t> sizes = {100 * 1024 + 5, 5 * kScratch + 7,
+                                       300 * 1024, 1000, 8};
+    const std::vector<bool> kept = {true, false, true, false, true};
+    std::vector<std::vector<char>> parts;
+    std::vector<absl::Span<const char>> send;
+    for (size_t i = 0; i < sizes.size(); ++i) {
+      parts.push_back(RandomBytes(sizes[i], 70 + i));
+      send.push_back(absl::MakeConstSpan(parts.back()));
+    }
+    // Second message: 3 scratch buffers' worth, all dropped.
+    const std::vector<char> all_dropped = RandomBytes(3 * kScratch, 80);
+    int sent_done = 0, sent_ok = 0;
+    auto on_sent = [&](const absl::Status& st) {
+      absl::MutexLock lock(&mu);
+      ++sent_done;
+      if (st.ok()) ++sent_ok;
+    };
+    ASSERT_TRUE((*endpoint)->SendMessageWithData(9, "pieces", send, on_sent).ok());
+    ASSERT_TRUE((*endpoint)
+                    ->SendMessageWithData(9, "all", absl::MakeConstSpan(all_dropped),
+                                          on_sent)
+                    .ok());
+    {
+      absl::MutexLock lock(&mu);
+      ASSERT_TRUE(mu.AwaitWithTimeout(
+          absl::Condition(+[](decltype(got)* g) { return g->size() == 2; }, &got),
+          absl::Seconds(20)))
+          << got.size() << " of 2 messages arrived";
+    }
+
+    // The kept pieces go into one registered sink, one after the other.
+    size_t kept_bytes = 0;
+    for (size_t i = 0; i < sizes.size(); ++i) kept_bytes += kept[i] ? sizes[i] : 0;
+    std::vector<char> sink(kept_bytes, '\0');
+    auto region = (*server_context)->Register(sink.data(), sink.size());
+    ASSERT_TRUE(region.ok()) << region.status();
+    std::vector<absl::Span<char>> pieces;
+    size_t at = 0;
+    for (size_t i = 0; i < sizes.size(); ++i) {
+      if (kept[i]) {
+        pieces.push_back(absl::Span<char>(sink.data() + at, sizes[i]));
+        at += sizes[i];
+      } else {
+        pieces.push_back(absl::Span<char>(nullptr, sizes[i]));
+      }
+    }
+    const absl::Time soon = absl::Now() + absl::Seconds(20);
+    TransferHandle h = (*server)->Receive(std::move(got[0]), pieces, soon);
+    TransferHandle dropped = (*server)->Receive(
+        std::move(got[1]), {absl::Span<char>(nullptr, all_dropped.size())}, soon);
+    ASSERT_TRUE(h.WaitUntil(soon));
+    ASSERT_TRUE(h.overall_status().ok()) << h.overall_status();
+    ASSERT_TRUE(dropped.WaitUntil(soon));
+    ASSERT_TRUE(dropped.overall_status().ok()) << dropped.overall_status();
+    at = 0;
+    for (size_t i = 0; i < sizes.size(); ++i) {
+      if (!kept[i]) continue;
+      EXPECT_EQ(std::memcmp(sink.data() + at, parts[i].data(), sizes[i]), 0)
+          << "piece " << i;
+      at += sizes[i];
+    }
+    size_t capacity = 0;
+    UcxWorker* w = server->get();
+    ASSERT_TRUE((*server)->Run([&] { capacity = w->discard_capacity(); }).ok());
+    EXPECT_GT(capacity, 0u) << "the drops went through the scratch buffer";
+    EXPECT_LE(capacity, kScratch) << "dropping grew the worker's memory";
+
+    {
+      absl::MutexLock lock(&mu);
+      ASSERT_TRUE(mu.AwaitWithTimeout(
+          absl::Condition(+[](int* n) { return *n == 2; }, &sent_done),
+          absl::Seconds(20)));
+      EXPECT_EQ(sent_ok, 2);
+    }
+    endpoint->reset();
+    (*client)->Stop();
+    (*server)->Stop();
+  }
 }
 
 // How many pages of [base, base + size) are resident (mincore).
