@@ -511,23 +511,21 @@ void Client::KeepAliveLoop() {
 void Client::RetryOwedUnpins() {
   std::vector<std::pair<uint64_t, uint64_t>> owed;
   owed.swap(owed_unpins_);
-  const absl::Duration timeout =
-      std::min(std::max(lease_ / 3, absl::Seconds(1)), options_.rpc_timeout);
-  std::vector<std::pair<uint64_t, uint64_t>> still;
-  for (const auto& [pin, session] : owed) {
-    if (stop_) break;
+  // The keep-alive thread must not miss a lease for these: each call gets a
+  // second, and the round ends at the first that fails (the daemon is
+  // unreachable again; the rest wait for the next round).
+  size_t done = 0;
+  for (; done < owed.size() && !stop_; ++done) {
+    const auto [pin, session] = owed[done];
     mu_.Unlock();
-    const absl::Status st = UnpinRpc(session, pin, timeout);
+    const absl::Status st = UnpinRpc(session, pin, absl::Seconds(1));
     mu_.Lock();
     // Released, or gone with its session: done. Otherwise next time.
-    if (st.ok() || absl::IsNotFound(st) || absl::IsInvalidArgument(st)) {
-      pin_sessions_.erase(pin);
-    } else {
-      still.push_back({pin, session});
-    }
+    if (!st.ok() && !absl::IsNotFound(st) && !absl::IsInvalidArgument(st)) break;
+    pin_sessions_.erase(pin);
   }
-  for (const auto& entry : still) {
-    if (owed_unpins_.size() < kMaxOwedUnpins) owed_unpins_.push_back(entry);
+  for (size_t i = done; i < owed.size(); ++i) {
+    if (owed_unpins_.size() < kMaxOwedUnpins) owed_unpins_.push_back(owed[i]);
   }
 }
 
@@ -889,12 +887,18 @@ void Client::ReadInto(absl::string_view ns, absl::Span<const absl::string_view> 
     return absl::OkStatus();
   };
   // The stream stopped at want[cur] (its status `st`): the blocks after it
-  // were not read.
+  // were not read (Aborted for those when the stream itself was fine, so
+  // that one corrupt block does not count as several).
   auto fail_from = [&](size_t from, const absl::Status& st) {
     for (size_t j = from; j < want.size(); ++j) {
-      statuses[want[j]] =
-          j == from ? st
-                    : absl::Status(st.code(), absl::StrCat("not read: ", st.message()));
+      if (j == from) {
+        statuses[want[j]] = st;
+        continue;
+      }
+      const absl::StatusCode code =
+          absl::IsDataLoss(st) ? absl::StatusCode::kAborted : st.code();
+      statuses[want[j]] = absl::Status(
+          code, absl::StrCat("not read: the stream stopped before it: ", st.message()));
     }
   };
   auto fail = [&](absl::Status st) {
@@ -1270,8 +1274,8 @@ TransferOp Client::GetIntoAsyncImpl(absl::string_view ns,
         state->statuses[i] = absl::NotFoundError("not stored");
       } else {
         state->statuses[i] = (*got)[i];
-        // With `prefix`, a block that did not arrive ends the prefix.
-        if (prefix && !state->statuses[i].ok()) open = false;
+        // With `prefix`, a miss ends the prefix (nothing after it was read).
+        if (prefix && absl::IsNotFound(state->statuses[i])) open = false;
       }
     }
     state->Publish();

@@ -697,7 +697,9 @@ grpc::ServerUnaryReactor* KvDepotService::GetQuota(grpc::CallbackServerContext* 
     }
     // Neither stored into nor declared (SetQuota): "no quota" would hide
     // that, with create_namespaces off, puts into it are refused.
-    return absl::NotFoundError(absl::StrCat(
+    // FailedPrecondition, as for a put into a namespace that does not exist
+    // (NOT_FOUND of a whole call means the session is gone).
+    return absl::FailedPreconditionError(absl::StrCat(
         "namespace ", req->namespace_(), " does not exist (nothing stored, no quota set)"));
   });
 }

@@ -65,9 +65,10 @@ void ReadTable(const std::string& path, bool v6, std::vector<Socket>* out) {
 absl::flat_hash_set<uint64_t> OwnSocketInodes() {
   absl::flat_hash_set<uint64_t> inodes;
   std::error_code ec;
-  for (const auto& fd : std::filesystem::directory_iterator("/proc/self/fd", ec)) {
+  for (std::filesystem::directory_iterator it("/proc/self/fd", ec), end;
+       !ec && it != end; it.increment(ec)) {
     std::error_code link_ec;
-    const std::string target = std::filesystem::read_symlink(fd.path(), link_ec);
+    const std::string target = std::filesystem::read_symlink(it->path(), link_ec);
     absl::string_view t = target;
     uint64_t inode = 0;
     if (!link_ec && absl::ConsumePrefix(&t, "socket:[") &&
@@ -125,20 +126,22 @@ std::optional<uint32_t> LocalPeerUid(
   ReadTable(absl::StrCat(proc_net, "/tcp6"), /*v6=*/true, &sockets);
   // The peer's socket: at its address, with its other end one of ours (the
   // connection's two ends are each other's remote).
+  // Counted by inode: the tables are not read atomically, so a socket may
+  // show up twice.
   std::optional<uint32_t> uid;
-  int found = 0;
+  absl::flat_hash_set<uint64_t> found;
   for (const Socket& peer : sockets) {
-    if (peer.local != local) continue;
+    if (peer.local != local || found.contains(peer.inode)) continue;
     for (const Socket& ours : sockets) {
       if (ours.local == peer.remote && ours.remote == peer.local &&
           own_inodes.contains(ours.inode)) {
         uid = peer.uid;
-        ++found;
+        found.insert(peer.inode);
         break;
       }
     }
   }
-  if (found != 1) return std::nullopt;
+  if (found.size() != 1) return std::nullopt;
   return uid;
 }
 

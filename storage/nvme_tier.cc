@@ -663,7 +663,10 @@ void NvmeTierImpl::MaintenanceLoop() {
     flush_mu_.AwaitWithTimeout(absl::Condition(&stop_maintenance_), tick);
     if (stop_maintenance_) break;
     const absl::Time now = clock_->Now();
-    const bool scrub = now >= next_auto_scrub_ && listener_->TakeCorruption();
+    // Not once StopMaintenance ran: the scrub would end at once, and the
+    // corruption it was for would be taken as dealt with.
+    const bool scrub = now >= next_auto_scrub_ && !closing_.load() &&
+                       listener_->TakeCorruption();
     if (scrub) next_auto_scrub_ = now + kAutoScrubInterval;
     flush_mu_.Unlock();
     // The scrub flushes what is due as it goes (it may read for minutes).

@@ -242,9 +242,9 @@ TEST_F(KvdepotctlTest, WithoutCreateNamespacesPutsGoIntoDeclaredNamespacesAcross
   CommandResult r = Ctl("put --ns d --key 0d --file " + f);
   EXPECT_NE(r.exit_code, 0);
   EXPECT_NE(r.err.find("create_namespaces"), std::string::npos) << r.err;
-  // Not declared: not found, rather than "no quota".
+  // Not declared: an error, rather than "no quota".
   r = Ctl("quota get --ns d");
-  EXPECT_EQ(r.exit_code, 3) << r.out;
+  EXPECT_EQ(r.exit_code, 1) << r.out;
   EXPECT_NE(r.err.find("does not exist"), std::string::npos) << r.err;
   // Declared with no limit (quota 0), the namespace takes puts, and stays
   // declared after a restart.
