@@ -274,9 +274,12 @@ class Client {
   // the keys up, pins the hits, writes them into dst and unpins; each block
   // is then verified against its checksum here (or was, as it landed, by a
   // daemon on this host that copied it into AllocateBuffer memory itself).
-  // Otherwise the gRPC path
-  // (lookup with pin, Read stream), done before this returns. With `prefix`
-  // the daemon stops at the first miss. Never blocks on the daemon.
+  // Otherwise the gRPC path (lookup with pin, Read stream), done before this
+  // returns. With `prefix` the daemon stops at the first miss. Over UCX this
+  // returns once the request is on its way; it blocks on the daemon only to
+  // open a session when none is open. The gRPC path, and opening a session,
+  // run on the calling thread, each call bounded by rpc_timeout (a daemon
+  // that stalls can hold this for a few of them).
   // REQUIRES: keys.size() == dst.size(); dst stays valid and untouched
   // until the op is ready.
   TransferOp GetIntoAsync(absl::string_view ns,
@@ -286,7 +289,8 @@ class Client {
   // Stores blocks from caller memory: over UCX (the daemon reserves, reads
   // the bytes from the caller's registered memory, verifies and commits, in
   // one round trip) when every block's bytes lie in registered memory;
-  // otherwise over a Write stream, done before this returns. REQUIRES: the
+  // otherwise over a Write stream, done before this returns (blocking as
+  // GetIntoAsync's gRPC path does). REQUIRES: the
   // bytes stay valid and unchanged until the op is ready.
   TransferOp PutFromAsync(absl::string_view ns,
                           absl::Span<const BlockToPut> blocks);
