@@ -611,7 +611,9 @@ grpc::ServerUnaryReactor* KvDepotService::Verify(grpc::CallbackServerContext* ct
   return Unary(ctx, "Verify", [&]() -> absl::Status {
     TieredStore::VerifyReport r;
     RETURN_IF_ERROR(NvmeMaintenance([&]() -> absl::Status {
-      ASSIGN_OR_RETURN(r, store_.VerifyNvme());
+      // A client that gives up (Ctrl-C, its deadline) ends the scan, which
+      // would otherwise hold the one-at-a-time slot until it is done.
+      ASSIGN_OR_RETURN(r, store_.VerifyNvme([ctx] { return ctx->IsCancelled(); }));
       return absl::OkStatus();
     }));
     resp->set_blocks_checked(r.blocks_checked);

@@ -298,7 +298,8 @@ class NvmeTierImpl final : public NvmeTier {
   void ForEachBlock(
       absl::FunctionRef<void(const NvmeBlockView&)> fn) override;
   NvmeTierStats Stats() override;
-  absl::StatusOr<NvmeVerifyReport> Verify() override;
+  absl::StatusOr<NvmeVerifyReport> Verify(
+      std::function<bool()> cancelled = nullptr) override;
   absl::Status Compact() override;
   void StopMaintenance() override;
   absl::Status Flush() override;
@@ -1481,7 +1482,14 @@ NvmeTierStats NvmeTierImpl::Stats() {
   return stats;
 }
 
-absl::StatusOr<NvmeVerifyReport> NvmeTierImpl::Verify() {
+absl::StatusOr<NvmeVerifyReport> NvmeTierImpl::Verify(
+    std::function<bool()> cancelled) {
+  // Stop at the next block: shutdown (StopMaintenance), or the caller gave up.
+  auto stopping = [&] { return closing_.load() || (cancelled && cancelled()); };
+  auto stopped = [&] {
+    return closing_.load() ? absl::CancelledError("NVMe tier is closing")
+                           : absl::CancelledError("scrub cancelled by its caller");
+  };
   NvmeVerifyReport report;
   // Entries of a generation below this existed before the scan's snapshot;
   // each is either met by the scan or checked afterwards.
@@ -1508,7 +1516,7 @@ absl::StatusOr<NvmeVerifyReport> NvmeTierImpl::Verify() {
     const std::string first(1, kDataPrefix);
     uint64_t scanned = 0;
     for (it->Seek(first);
-         it->Valid() && it->key().starts_with(first) && !closing_.load();
+         it->Valid() && it->key().starts_with(first) && !stopping();
          it->Next()) {
       // A scrub may read for minutes: demotions still reach the files
       // within max_unflushed_age.
@@ -1564,7 +1572,7 @@ absl::StatusOr<NvmeVerifyReport> NvmeTierImpl::Verify() {
     scan_status = it->status();
   }
   RETURN_IF_ERROR(FromRocksStatus(scan_status, "NVMe tier: scrub stopped"));
-  if (closing_.load()) return absl::CancelledError("NVMe tier is closing");
+  if (stopping()) return stopped();
 
   // Stored blocks the scan did not meet: their bytes are missing, or they
   // were written after the scan's snapshot. Look again, in a snapshot taken
@@ -1588,7 +1596,7 @@ absl::StatusOr<NvmeVerifyReport> NvmeTierImpl::Verify() {
   ro.fill_cache = false;
   if (snapshot != nullptr) ro.snapshot = snapshot->snapshot();
   for (const PlannedRead& p : unseen) {
-    if (closing_.load()) return absl::CancelledError("NVMe tier is closing");
+    if (stopping()) return stopped();
     rocksdb::PinnableSlice value;
     rocksdb::Status s =
         db_->Get(ro, db_->DefaultColumnFamily(), DataKey(p.id), &value);

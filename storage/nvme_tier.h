@@ -46,6 +46,7 @@
 #define KVDEPOT_STORAGE_NVME_TIER_H_
 
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <string>
 #include <vector>
@@ -302,8 +303,10 @@ class NvmeTier {
   // scan are neither reported nor held up (a put of an id the scan drops
   // waits only for that delete). Returns what it found; Unavailable or DataLoss
   // when RocksDB cannot iterate the database (what was found until then has
-  // been dropped already).
-  virtual absl::StatusOr<NvmeVerifyReport> Verify() = 0;
+  // been dropped already). Cancelled once `cancelled` returns true (asked
+  // before each block: the caller gave up) or StopMaintenance ran.
+  virtual absl::StatusOr<NvmeVerifyReport> Verify(
+      std::function<bool()> cancelled = nullptr) = 0;
 
   // Compacts the database and garbage-collects every blob file, so that the
   // space of deleted and evicted blocks returns to the file system. Heavy:

@@ -842,6 +842,21 @@ TEST_F(NvmeTierTest, StopMaintenanceCutsAScrubShortAndRefusesNewOnes) {
   for (int i = 0; i <= 10; ++i) EXPECT_TRUE(ReadsBack(Key(i), Bytes(i, kSize))) << i;
 }
 
+// A caller that gives up (kvdepotctl's Ctrl-C) ends its scrub at the next
+// block; the tier is not stopped by it: the next scrub runs to the end.
+TEST_F(NvmeTierTest, AScrubWhoseCallerGaveUpStopsAtTheNextBlock) {
+  constexpr size_t kSize = 16 * kKiB;
+  Open();
+  for (int i = 0; i < 10; ++i) ASSERT_OK(Put(Key(i), Bytes(i, kSize)));
+  int asked = 0;
+  auto report = tier_->Verify([&] { return ++asked > 3; });
+  EXPECT_THAT(report, StatusIs(absl::StatusCode::kCancelled));
+  EXPECT_LE(asked, 5);  // asked before each block: stopped after 3 of 10
+  auto full = tier_->Verify();
+  ASSERT_OK(full);
+  EXPECT_EQ(full->blocks_checked, 10u);
+}
+
 TEST_F(NvmeTierTest, VerifyDropsCorruptBlocks) {
   constexpr size_t kSize = 16 * kKiB;
   Open();

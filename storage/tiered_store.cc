@@ -628,9 +628,10 @@ class TieredStoreImpl final : public TieredStore {
 
   void SetDraining(bool draining) override { draining_.store(draining); }
 
-  absl::StatusOr<VerifyReport> VerifyNvme() override {
+  absl::StatusOr<VerifyReport> VerifyNvme(
+      std::function<bool()> cancelled = nullptr) override {
     if (nvme_ == nullptr) return absl::FailedPreconditionError("no NVMe tier");
-    ASSIGN_OR_RETURN(NvmeVerifyReport r, nvme_->Verify());
+    ASSIGN_OR_RETURN(NvmeVerifyReport r, nvme_->Verify(std::move(cancelled)));
     return VerifyReport{r.blocks_checked, r.bytes_checked, r.corrupt_dropped,
                         r.missing_dropped, r.orphans_dropped};
   }

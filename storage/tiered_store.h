@@ -18,6 +18,7 @@
 #define KVDEPOT_STORAGE_TIERED_STORE_H_
 
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <string>
 #include <vector>
@@ -371,7 +372,9 @@ class TieredStore {
     uint64_t blocks_checked = 0, bytes_checked = 0, corrupt_dropped = 0,
              missing_dropped = 0, orphans_dropped = 0;
   };
-  virtual absl::StatusOr<VerifyReport> VerifyNvme() = 0;
+  // `cancelled`: see NvmeTier::Verify.
+  virtual absl::StatusOr<VerifyReport> VerifyNvme(
+      std::function<bool()> cancelled = nullptr) = 0;
   virtual absl::Status CompactNvme() = 0;
   // For shutdown: VerifyNvme and CompactNvme in progress end early and new
   // ones fail, with Cancelled (NvmeTier::StopMaintenance). A no-op without
