@@ -63,6 +63,13 @@ constexpr absl::Duration kRetiredLinkGrace = absl::Seconds(30);
 constexpr size_t kMaxRememberedPins = 1 << 16;
 // Pins Client::ReleaseOwnPin owes the daemon (see owed_unpins_).
 constexpr size_t kMaxOwedUnpins = 1 << 12;
+
+// An unpin that needs no retry: released, or gone with its session (or a
+// pin the daemon never knew). Anything else (the daemon unreachable) may be
+// retried.
+bool UnpinSettled(const absl::Status& st) {
+  return st.ok() || absl::IsNotFound(st) || absl::IsInvalidArgument(st);
+}
 constexpr size_t kMaxRetiredLinks = 16;
 }  // namespace
 
@@ -521,7 +528,7 @@ void Client::RetryOwedUnpins() {
     const absl::Status st = UnpinRpc(session, pin, absl::Seconds(1));
     mu_.Lock();
     // Released, or gone with its session: done. Otherwise next time.
-    if (!st.ok() && !absl::IsNotFound(st) && !absl::IsInvalidArgument(st)) break;
+    if (!UnpinSettled(st)) break;
     pin_sessions_.erase(pin);
   }
   for (size_t i = done; i < owed.size(); ++i) {
@@ -582,17 +589,20 @@ void Client::RememberPin(uint64_t pin_id, uint64_t session) {
   if (pin_sessions_.size() < kMaxRememberedPins) pin_sessions_[pin_id] = session;
 }
 
+uint64_t Client::PinSessionLocked(uint64_t pin_id) {
+  auto it = pin_sessions_.find(pin_id);
+  return it != pin_sessions_.end() ? it->second : session_id_;
+}
+
 absl::Status Client::Unpin(uint64_t pin_id) {
   uint64_t session;
   {
     absl::MutexLock lock(&mu_);
-    auto it = pin_sessions_.find(pin_id);
-    session = it != pin_sessions_.end() ? it->second : session_id_;
+    session = PinSessionLocked(pin_id);
   }
   absl::Status st = UnpinRpc(session, pin_id, options_.rpc_timeout);
-  // Released, or gone with its session: forget it. Kept for a retry after
-  // any other error (the daemon unreachable).
-  if (st.ok() || absl::IsNotFound(st) || absl::IsInvalidArgument(st)) {
+  // Settled: forget it. Kept for a retry after any other error.
+  if (UnpinSettled(st)) {
     absl::MutexLock lock(&mu_);
     pin_sessions_.erase(pin_id);
   }
@@ -616,12 +626,11 @@ absl::Status Client::UnpinRpc(uint64_t session, uint64_t pin_id,
 }
 
 void Client::ReleaseOwnPin(uint64_t pin_id) {
-  const absl::Status st = Unpin(pin_id);
-  if (st.ok() || absl::IsNotFound(st) || absl::IsInvalidArgument(st)) return;
+  if (UnpinSettled(Unpin(pin_id))) return;
   absl::MutexLock lock(&mu_);
-  auto it = pin_sessions_.find(pin_id);
-  const uint64_t session = it != pin_sessions_.end() ? it->second : session_id_;
-  if (owed_unpins_.size() < kMaxOwedUnpins) owed_unpins_.push_back({pin_id, session});
+  if (owed_unpins_.size() < kMaxOwedUnpins) {
+    owed_unpins_.push_back({pin_id, PinSessionLocked(pin_id)});
+  }
 }
 
 namespace {

@@ -362,6 +362,8 @@ class Client {
   // that the next call opens a new one.
   void DropSession(uint64_t session);
   void RememberPin(uint64_t pin_id, uint64_t session);
+  // The session `pin_id` was taken in (pin_sessions_), else the current one.
+  uint64_t PinSessionLocked(uint64_t pin_id) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Unpin's RPC: `pin_id` of `session`, within `timeout`.
   absl::Status UnpinRpc(uint64_t session, uint64_t pin_id, absl::Duration timeout);
   // Releases a pin this library took for itself (GetInto over gRPC): one

@@ -46,8 +46,7 @@ absl::Status WriteStream::Start(const v1::WriteHeader& h) {
         "header for a new block while block ", KeyToHex(cur_->key), " has ",
         cur_->filled, " of ", cur_->size, " bytes"));
   }
-  progressed_ = true;
-  bytes_since_progress_ = 0;
+  MarkProgress();
   cur_ = std::make_unique<Block>();
   cur_->key = h.key();
   cur_->checksum = h.checksum();
@@ -81,8 +80,7 @@ absl::Status WriteStream::Start(const v1::WriteHeader& h) {
 }
 
 absl::Status WriteStream::Complete() {
-  progressed_ = true;
-  bytes_since_progress_ = 0;
+  MarkProgress();
   std::unique_ptr<Block> b = std::move(cur_);
   b->slot.reset();
   if (!b->standalone) {
@@ -145,10 +143,14 @@ absl::Status WriteStream::ConsumeOne(const v1::WriteRequest& msg) {
   bytes_in_ += data.size();
   bytes_since_progress_ += data.size();
   if (bytes_since_progress_ >= std::max(cur_->size / 16, kProgressBytes)) {
-    progressed_ = true;
-    bytes_since_progress_ = 0;
+    MarkProgress();
   }
   return cur_->filled == cur_->size ? Complete() : absl::OkStatus();
+}
+
+void WriteStream::MarkProgress() {
+  progressed_ = true;
+  bytes_since_progress_ = 0;
 }
 
 bool WriteStream::TakeProgress() { return std::exchange(progressed_, false); }

@@ -57,6 +57,8 @@ class WriteStream {
   absl::Status ConsumeOne(const v1::WriteRequest& msg);
   absl::Status Start(const v1::WriteHeader& h);
   absl::Status Complete();
+  // A block started or finished, or a share of one arrived (TakeProgress).
+  void MarkProgress();
 
   TieredStore& store_;
   v1::WriteResponse* const resp_;

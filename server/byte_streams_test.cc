@@ -37,6 +37,17 @@ class ByteStreamsTest : public ::testing::Test {
     m.set_data(first_chunk);
     return m;
   }
+  // A Write of slot 0 of `reservation`, with its first chunk.
+  static v1::WriteRequest SlotWrite(SessionId session, ReservationId reservation,
+                                    uint64_t size, const std::string& first_chunk) {
+    v1::WriteRequest m;
+    m.mutable_header()->set_session_id(session);
+    m.mutable_header()->set_reservation_id(reservation);
+    m.mutable_header()->set_slot(0);
+    m.mutable_header()->set_size(size);
+    m.set_data(first_chunk);
+    return m;
+  }
   static v1::WriteRequest Data(const std::string& bytes) {
     v1::WriteRequest m;
     m.set_data(bytes);
@@ -128,12 +139,8 @@ TEST_F(ByteStreamsTest, FillsAReservationSlotWithoutPublishing) {
   PutSpec spec{"slot-key", "", 500};
   auto r = store_->BeginPut(session->id, "ns", {&spec, 1});
   ASSERT_OK(r);
-  v1::WriteRequest m;
-  m.mutable_header()->set_session_id(session->id);
-  m.mutable_header()->set_reservation_id(r->id);
-  m.mutable_header()->set_slot(0);
   std::string bytes(500, 'e');
-  m.set_data(bytes);
+  v1::WriteRequest m = SlotWrite(session->id, r->id, 500, bytes);
   v1::WriteResponse resp;
   {
     // A size that is not the slot's, and session 0, are refused.
@@ -169,12 +176,7 @@ TEST_F(ByteStreamsTest, ASlotWhoseSessionEndedMidBlockIsNotFound) {
   PutSpec spec{"slot-key", "", 4096};
   auto r = store_->BeginPut(session->id, "ns", {&spec, 1});
   ASSERT_OK(r);
-  v1::WriteRequest m;
-  m.mutable_header()->set_session_id(session->id);
-  m.mutable_header()->set_reservation_id(r->id);
-  m.mutable_header()->set_slot(0);
-  m.mutable_header()->set_size(4096);
-  m.set_data(std::string(1024, 'h'));
+  v1::WriteRequest m = SlotWrite(session->id, r->id, 4096, std::string(1024, 'h'));
   v1::WriteResponse resp;
   WriteStream ws(*store_, &resp);
   ASSERT_OK(ws.Consume(m));

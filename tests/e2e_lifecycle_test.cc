@@ -382,20 +382,31 @@ TEST(LifecycleTest, ClientReopensItsSessionAfterADaemonRestart) {
   EXPECT_NE(r->pin_id, 0u);
 }
 
-TEST(LifecycleTest, StalledStreamIsCancelledAndReleasesItsSpace) {
+// A daemon (64 MiB of DRAM) that cancels streams idle for a second.
+absl::StatusOr<std::unique_ptr<DaemonProcess>> StartWithOneSecondStreamIdleTimeout() {
   std::string dir = MakeTempDir("cfg");
   std::ofstream(dir + "/kvdepot.yaml") << "stream_idle_timeout: 1s\n";
-  auto d = DaemonProcess::Start({"--config", dir + "/kvdepot.yaml",
-                                 "--dram-capacity", "64MiB"});
+  return DaemonProcess::Start({"--config", dir + "/kvdepot.yaml",
+                               "--dram-capacity", "64MiB"});
+}
+
+// The first Write message of an 8 MiB block `key` in namespace "ns".
+v1::WriteRequest HeaderOf8MiBBlock(const std::string& key) {
+  v1::WriteRequest msg;
+  msg.mutable_header()->set_namespace_("ns");
+  msg.mutable_header()->set_key(key);
+  msg.mutable_header()->set_size(8 << 20);
+  return msg;
+}
+
+TEST(LifecycleTest, StalledStreamIsCancelledAndReleasesItsSpace) {
+  auto d = StartWithOneSecondStreamIdleTimeout();
   ASSERT_OK(d);
   auto client = Connect((*d)->address());
   grpc::ClientContext ctx;
   v1::WriteResponse resp;
   auto writer = client->stub().Write(&ctx, &resp);
-  v1::WriteRequest msg;
-  msg.mutable_header()->set_namespace_("ns");
-  msg.mutable_header()->set_key("stalled");
-  msg.mutable_header()->set_size(8 << 20);
+  v1::WriteRequest msg = HeaderOf8MiBBlock("stalled");
   msg.set_data(std::string(1 << 20, 's'));
   ASSERT_TRUE(writer->Write(msg));
   // The client stalls mid-block, holding an 8 MiB reservation.
@@ -417,19 +428,13 @@ TEST(LifecycleTest, StalledStreamIsCancelledAndReleasesItsSpace) {
 // A client trickling a byte now and then makes no progress either: its
 // stream is cancelled by the idle timeout all the same, and the space goes.
 TEST(LifecycleTest, TricklingStreamIsCancelledAndReleasesItsSpace) {
-  std::string dir = MakeTempDir("cfg");
-  std::ofstream(dir + "/kvdepot.yaml") << "stream_idle_timeout: 1s\n";
-  auto d = DaemonProcess::Start({"--config", dir + "/kvdepot.yaml",
-                                 "--dram-capacity", "64MiB"});
+  auto d = StartWithOneSecondStreamIdleTimeout();
   ASSERT_OK(d);
   auto client = Connect((*d)->address());
   grpc::ClientContext ctx;
   v1::WriteResponse resp;
   auto writer = client->stub().Write(&ctx, &resp);
-  v1::WriteRequest msg;
-  msg.mutable_header()->set_namespace_("ns");
-  msg.mutable_header()->set_key("trickle");
-  msg.mutable_header()->set_size(8 << 20);
+  v1::WriteRequest msg = HeaderOf8MiBBlock("trickle");
   msg.set_data("t");
   ASSERT_TRUE(writer->Write(msg));
   msg.clear_header();
