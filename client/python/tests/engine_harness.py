@@ -139,10 +139,15 @@ class VllmEngine:
         writes the layer's new K/V, save_kv_layer(name, kv_cache, attn_md) ->
         wait_for_save() -> get_finished(finished_ids) ->
         get_block_ids_with_load_errors() -> clear_connector_metadata()
-      scheduler.update_from_output(): update_connector_output(output); on
-        load errors the request's computed tokens are cut back to the first
-        failed block (recompute); request_finished(request, block_ids) when a
-        request ends.
+      scheduler.update_from_output(): request_finished(request, block_ids)
+        for the requests that end in this step, then update_connector_output(
+        output), whose finished_sending frees the blocks of requests that
+        request_finished held; on load errors the request's computed tokens
+        are cut back to the first failed block (recompute).
+      A step without tokens runs only bind_connector_metadata ->
+        start_load_kv -> get_finished -> get_block_ids_with_load_errors ->
+        clear_connector_metadata (vLLM's kv_connector_no_forward: no forward
+        pass, no wait_for_save).
     """
 
     def __init__(self, connector_cls: Any, vllm_config: Any, num_blocks: int,
@@ -168,6 +173,8 @@ class VllmEngine:
         self.external: Dict[str, int] = {}
         self.load_errors: List[int] = []
         self.finished: set = set()
+        self.sending: set = set()  # finished, blocks held (request_finished True)
+        self.sent: set = set()  # reported finished_sending, blocks freed
 
     # --- scheduler.schedule()
     def admit(self, req: FakeRequest, num_local_computed: int = 0,
@@ -189,8 +196,11 @@ class VllmEngine:
     def step(self, new_reqs: List[FakeRequest], cached: List[FakeRequest],
              num_scheduled: Dict[str, int],
              hook: Optional[Callable[[str, int], None]] = None,
-             graph_replay: bool = False) -> Any:
-        """One scheduler step and forward pass. ``hook(event, layer)``, when
+             graph_replay: bool = False,
+             finishing: Optional[List[FakeRequest]] = None) -> Any:
+        """One scheduler step and forward pass. ``finishing``: requests that
+        end with this step (request_finished runs in its update_from_output,
+        before update_connector_output, as in vLLM). ``hook(event, layer)``, when
         given, is called at points a test may inspect: ("before_load", -1)
         after the metadata is bound, ("after_start_load", -1) once
         start_load_kv returned, ("layer_loaded", l) once
@@ -199,7 +209,7 @@ class VllmEngine:
         pass is a FULL CUDA graph replay, which runs the layers without the
         per-layer hooks (no wait_for_layer_load, no save_kv_layer)."""
         return self.execute(self.schedule(new_reqs, cached, num_scheduled), hook,
-                            graph_replay)
+                            graph_replay, finishing)
 
     def schedule(self, new_reqs: List[FakeRequest], cached: List[FakeRequest],
                  num_scheduled: Dict[str, int]) -> Any:
@@ -238,7 +248,8 @@ class VllmEngine:
 
     def execute(self, scheduled: Any,
                 hook: Optional[Callable[[str, int], None]] = None,
-                graph_replay: bool = False) -> Any:
+                graph_replay: bool = False,
+                finishing: Optional[List[FakeRequest]] = None) -> Any:
         """The forward pass and update_from_output of a :meth:`schedule`d
         step (see :meth:`step`); returns its metadata."""
         hook = hook or (lambda event, layer: None)
@@ -252,7 +263,8 @@ class VllmEngine:
         self.worker.start_load_kv(fc)
         hook("after_start_load", -1)
         reqs = {r.request_id: r for r in new_reqs + cached}
-        for layer, name in enumerate(self.layer_names):
+        forward = any(n > 0 for n in num_scheduled.values())
+        for layer, name in enumerate(self.layer_names if forward else []):
             if not graph_replay:
                 self.worker.wait_for_layer_load(name)
                 hook("layer_loaded", layer)
@@ -261,19 +273,29 @@ class VllmEngine:
                 self._attention_writes(reqs[rid], layer, name, n)
             if not graph_replay:
                 self.worker.save_kv_layer(name, self.kv_caches[name], fc.attn_metadata)
-        self.worker.wait_for_save()
-        self.worker.get_finished(so.finished_req_ids)
+        if forward:
+            self.worker.wait_for_save()
+        sending, recving = self.worker.get_finished(so.finished_req_ids)
+        assert recving is None, recving
         errors = self.worker.get_block_ids_with_load_errors()
         self.worker.clear_connector_metadata()
         # --- scheduler.update_from_output()
-        self.scheduler.update_connector_output(SimpleNamespace(
-            finished_sending=None, finished_recving=None,
-            invalid_block_ids=set(errors)))
-        if errors:
-            self.load_errors.extend(sorted(errors))
         for rid, n in num_scheduled.items():
             r = reqs[rid]
             r.num_computed_tokens += n
+        for r in finishing or ():
+            self.finish(r)
+        self.scheduler.update_connector_output(SimpleNamespace(
+            finished_sending=sending, finished_recving=None,
+            invalid_block_ids=set(errors)))
+        for rid in sending or ():
+            # vLLM frees the blocks of a request it holds them for (and
+            # fails on any other id).
+            assert rid in self.sending, (rid, self.sending)
+            self.sending.remove(rid)
+            self.sent.add(rid)
+        if errors:
+            self.load_errors.extend(sorted(errors))
         return meta
 
     def _attention_writes(self, req: FakeRequest, layer: int, name: str, n: int) -> None:
@@ -295,6 +317,8 @@ class VllmEngine:
     def finish(self, req: FakeRequest) -> Any:
         out = self.scheduler.request_finished(req, list(self.blocks[req.request_id]))
         self.finished.add(req.request_id)
+        if out[0]:
+            self.sending.add(req.request_id)
         return out
 
     def block_kv(self, req: FakeRequest, index: int) -> List[torch.Tensor]:

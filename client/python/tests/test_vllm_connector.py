@@ -363,6 +363,107 @@ class VllmConnectorTest(unittest.TestCase):
         keys = kvdepot.integrations.block_hashes(p, BS)[:6]
         self.assertEqual(r0.worker._store.lookup(keys, prefix=True), 6)
 
+    def test_tp_request_ending_in_its_load_step_saves_later(self):
+        # With tensor parallelism the blocks a request computes in its load
+        # step wait for the load's outcome; a request that ends in that step
+        # (max_tokens=1, say) keeps its blocks (request_finished answers
+        # True) until the next step saves them, in get_finished, which then
+        # reports it finished sending.
+        p = prompt(24, 6 * BS + 1)
+        a_eng = self.engine(tp=(0, 2))
+        a = FakeRequest("A", p[:4 * BS + 1])
+        self.run_prefill(a_eng, a)
+        # Nothing waits for A: its blocks are freed at once.
+        self.assertEqual(a_eng.finish(a), (False, None))
+        self.assertNotIn("A", a_eng.scheduler._requests)
+        r0 = self.engine(tp=(0, 2))
+        x = FakeRequest("X", list(p))
+        self.assertEqual(r0.admit(x), 4 * BS)
+        x.output_token_ids.append(5)  # its one token, sampled in this step
+        meta = r0.step([x], [], {"X": len(p) - 4 * BS}, finishing=[x])
+        self.assertEqual(r0.load_errors, [])
+        self.assertEqual(meta.saves, [])
+        self.assertEqual(r0.sending, {"X"})  # blocks held for the saves
+        self.assertEqual(r0.worker.stats["saved_blocks"], 0)
+        # The next step has no tokens (vLLM's kv_connector_no_forward: no
+        # wait_for_save); get_finished saves blocks 4-5 and reports X.
+        meta = r0.step([], [], {})
+        self.assertEqual(meta.finishing, ["X"])
+        self.assertEqual([s.block_ids for s in meta.finishing_saves],
+                         [r0.blocks["X"][4:6]])
+        self.assertEqual(r0.sent, {"X"})
+        self.assertEqual(r0.sending, set())
+        self.assertNotIn("X", r0.scheduler._requests)
+        keys = kvdepot.integrations.block_hashes(p, BS)[:6]
+        self.assertEqual(r0.worker._store.lookup(keys, prefix=True), 6)
+        with kvdepot.Client(self.daemon.address) as cl:
+            self.assertEqual(cl.stats()["pins"], 0)
+        # Reported once: the step after reports nothing.
+        meta = r0.step([], [], {})
+        self.assertEqual(meta.finishing, [])
+        # Another rank-0 engine loads X's whole prompt, as X computed it.
+        z_eng = self.engine(tp=(0, 2))
+        z = FakeRequest("Z", list(p))
+        self.assertEqual(z_eng.admit(z), 6 * BS)
+        z_eng.step([z], [], {"Z": 1})
+        self.assertEqual(z_eng.load_errors, [])
+        for i in (4, 5):
+            for got, want in zip(z_eng.block_kv(z, i), z_eng.expected_block_kv(p, i)):
+                self.assertTrue(torch.equal(got, want))
+
+    def test_tp_request_ending_with_a_failed_load_saves_nothing_past_it(self):
+        # The same, but the load failed at block 2 and the request ended
+        # anyway (an abort): its blocks are freed a step later with nothing
+        # saved from the failed block on (that KV attended to stale blocks).
+        p = prompt(25, 6 * BS + 1)
+        a_eng = self.engine(tp=(0, 2))
+        self.run_prefill(a_eng, FakeRequest("A", p[:4 * BS + 1]))
+        r0 = self.engine(tp=(0, 2))
+        x = FakeRequest("X", list(p))
+        self.assertEqual(r0.admit(x), 4 * BS)
+        keys = kvdepot.integrations.block_hashes(p, BS)[:6]
+        with kvdepot.Client(self.daemon.address) as cl:
+            r0.scheduler._unpin(r0.scheduler._requests["X"])
+            self.assertEqual(cl.evict(r0.scheduler._scheduler_namespace,
+                                      [keys[2]])["evicted_blocks"], 1)
+        x.output_token_ids.append(5)
+        r0.step([x], [], {"X": len(p) - 4 * BS}, finishing=[x])
+        self.assertEqual(sorted(r0.load_errors), sorted(r0.blocks["X"][2:4]))
+        self.assertEqual(r0.sending, {"X"})
+        meta = r0.step([], [], {})
+        self.assertEqual(meta.finishing, ["X"])
+        self.assertEqual(meta.finishing_saves, [])
+        self.assertEqual(r0.sent, {"X"})
+        self.assertEqual(r0.worker.stats["saved_blocks"], 0)
+        self.assertEqual(r0.worker._store.lookup(keys[4:], prefix=False), 0)
+
+    def test_async_request_ending_before_its_held_saves_saves_them(self):
+        # Async scheduling: block 4 fills in step N+1, planned before the
+        # outcome of N's load, so its save waits; X ends with N+1. Its
+        # blocks are held and block 4 is saved in the next step.
+        a_eng = self.engine()
+        p = prompt(26, 5 * BS - 1)
+        self.run_prefill(a_eng, FakeRequest("A", p[:4 * BS + 1]))
+        b_eng = self.engine()
+        x = FakeRequest("X", list(p))
+        self.assertEqual(b_eng.admit(x), 4 * BS)
+        step_n = b_eng.schedule([x], [], {"X": BS - 1})
+        x.num_computed_tokens += BS - 1
+        x.output_token_ids.append(5)
+        step_n1 = b_eng.schedule([], [x], {"X": 1})
+        self.assertEqual(step_n1.meta.saves, [])
+        x.num_computed_tokens -= BS - 1
+        b_eng.execute(step_n)
+        x.output_token_ids.append(6)  # sampled in N+1, the last one
+        b_eng.execute(step_n1, finishing=[x])
+        self.assertEqual(b_eng.sending, {"X"})
+        meta = b_eng.step([], [], {})
+        self.assertEqual([s.block_ids for s in meta.finishing_saves],
+                         [b_eng.blocks["X"][4:5]])
+        self.assertEqual(b_eng.sent, {"X"})
+        keys = kvdepot.integrations.block_hashes(x.all_token_ids, BS)[:5]
+        self.assertEqual(b_eng.worker._store.lookup(keys, prefix=True), 5)
+
     def test_async_step_before_the_load_outcome_saves_nothing(self):
         # Async scheduling: step N+1 is planned before step N's output. A
         # block X fills in N+1, after a load in N, is saved once N's outcome

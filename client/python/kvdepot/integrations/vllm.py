@@ -63,7 +63,12 @@ How it works (one forward pass at a time; loads stream layer by layer):
   parallelism this also stores the blocks a rank lacked). With tensor
   parallelism, and with async scheduling for the steps planned before the
   load's outcome is in, a loading request's new blocks are saved only
-  after that outcome (lost if the request ends first).
+  after that outcome. A request that ends first keeps its blocks
+  (``request_finished`` answers ``(True, None)``) until the first step
+  planned after the outcome saves them, in ``get_finished`` (which runs in
+  steps without tokens too), and reports it finished sending. (If the
+  engine has nothing else to run, that step may come only with the next
+  request; the blocks stay held until then.)
 * CUDA graphs: FULL graph replay skips ``wait_for_layer_load``, so
   :meth:`KvDepotConnector.requires_piecewise_for_cudagraph` asks vLLM (after
   0.11) for PIECEWISE graphs; where the configured ``cudagraph_mode`` still
@@ -212,6 +217,12 @@ class KvDepotConnectorMetadata(KVConnectorMetadata):  # type: ignore[misc]
 
     loads: List[LoadSpec] = field(default_factory=list)
     saves: List[SaveSpec] = field(default_factory=list)
+    # Requests that finished with blocks whose save had to wait (see
+    # KvDepotConnector.request_finished): saved in get_finished, which runs
+    # in every step (wait_for_save does not run in steps without tokens),
+    # then reported there as finished sending, so vLLM frees their blocks.
+    finishing_saves: List[SaveSpec] = field(default_factory=list)
+    finishing: List[str] = field(default_factory=list)
 
 
 @dataclass
@@ -230,6 +241,11 @@ class _RequestState:
     load_pending: bool = False
     load_in_flight: bool = False
     load_step: int = 0  # the step (see KvDepotConnector._steps_planned) loading
+    # Finished with its blocks held (request_finished answered True): the
+    # blocks [stored_blocks, finished_blocks) are saved, and the blocks
+    # freed, in the first step planned once no load is in flight.
+    finished: bool = False
+    finished_blocks: int = 0
 
 
 def _truthy(value: Any) -> bool:
@@ -599,6 +615,7 @@ class KvDepotConnector(KVConnectorBase_V1):  # type: ignore[misc,valid-type]
                     st.block_ids.extend(new_ids[0])
                 self._plan(st, req_id, int(cached.num_computed_tokens[i]),
                            int(scheduled.get(req_id, 0)), meta)
+        self._plan_finished(meta)
         return meta
 
     def _plan(self, st: _RequestState, req_id: str, num_computed: int,
@@ -664,16 +681,67 @@ class KvDepotConnector(KVConnectorBase_V1):  # type: ignore[misc,valid-type]
                 failed = next((i for i, b in enumerate(st.block_ids) if b in invalid), None)
                 if failed is not None:
                     st.stored_blocks = min(st.stored_blocks, failed)
+                    # A finished request is not recomputed: what it computed
+                    # from the failed block on is not saved.
+                    st.finished_blocks = min(st.finished_blocks, st.stored_blocks)
 
     def request_finished(
         self, request: Any, block_ids: List[int]
     ) -> Tuple[bool, Optional[Dict[str, Any]]]:
-        """Drops the request's state and pin. Its blocks were saved step by
-        step, so vLLM may free them now: ``(False, None)``."""
-        st = self._requests.pop(request.request_id, None)
-        if st is not None:
-            self._unpin(st)
-        return False, None
+        """Drops the request's pin. Its blocks are saved step by step, so vLLM
+        may free them now, ``(False, None)``, unless some of them still wait
+        for a load's outcome (tensor parallelism, async scheduling; see
+        ``_plan``): then ``(True, None)``, and the blocks are saved in the
+        first step planned once that outcome is in (in the workers'
+        ``get_finished``, which then reports the request as finished
+        sending, so vLLM frees its blocks)."""
+        st = self._requests.get(request.request_id)
+        if st is None:
+            return False, None
+        self._unpin(st)
+        st.request = request
+        held = 0
+        if st.enabled and self._save_enabled and self._disabled_reason is None:
+            try:
+                # The tokens whose K/V is in the cache: the computed ones,
+                # never the last (sampled, not fed back).
+                tokens = len(self._tokens(request))
+                done = min(int(getattr(request, "num_computed_tokens", 0)), tokens - 1)
+                if block_ids:
+                    st.block_ids = list(block_ids)
+                held = min(max(done, 0) // self._block_size, len(st.block_ids))
+            except Exception as e:  # noqa: BLE001 - free the blocks, lose the saves
+                logger.warning("kvdepot: finishing %s failed: %s", request.request_id, e)
+                held = 0
+        if held <= st.stored_blocks:
+            del self._requests[request.request_id]
+            return False, None
+        st.finished = True
+        st.finished_blocks = held
+        return True, None
+
+    def _plan_finished(self, meta: KvDepotConnectorMetadata) -> None:
+        """The saves of finished requests whose blocks vLLM holds for them
+        (``request_finished`` answered True), once no load of theirs is in
+        flight; their state goes."""
+        for req_id, st in list(self._requests.items()):
+            if not st.finished or st.load_in_flight:
+                continue
+            del self._requests[req_id]
+            meta.finishing.append(req_id)
+            if st.finished_blocks <= st.stored_blocks:
+                continue  # its load failed: nothing computed is worth saving
+            try:
+                keys = self._keys_upto(st, st.finished_blocks)
+                first = st.stored_blocks
+                parent = keys[first - 1] if first > 0 else b""
+                meta.finishing_saves.append(SaveSpec(
+                    req_id, st.block_ids[first:st.finished_blocks],
+                    keys[first:st.finished_blocks],
+                    parents_of(keys[first:st.finished_blocks], parent)))
+            except Exception as e:  # noqa: BLE001 - still report it finished
+                logger.warning("kvdepot: planning the last saves of %s failed: %s",
+                               req_id, e)
 
     def take_events(self) -> Iterable[Any]:
         return ()
@@ -961,21 +1029,36 @@ class KvDepotConnector(KVConnectorBase_V1):  # type: ignore[misc,valid-type]
                 logger.warning("kvdepot: not saving %d blocks of %s: its load failed "
                                "in this step", len(spec.keys), spec.req_id)
                 continue
-            try:
-                self._save(spec.block_ids, spec.keys, spec.parents)
-                self.stats["saved_blocks"] += len(spec.keys)
-            except Exception as e:  # noqa: BLE001
-                self.stats["save_errors"] += len(spec.keys)
-                logger.warning("kvdepot: saving %d blocks of %s failed: %s",
-                               len(spec.keys), spec.req_id, e)
+            self._save_spec(spec)
+
+    def _save_spec(self, spec: SaveSpec) -> None:
+        """Stores one spec's blocks; a failure is logged and counted."""
+        try:
+            self._save(spec.block_ids, spec.keys, spec.parents)
+            self.stats["saved_blocks"] += len(spec.keys)
+        except Exception as e:  # noqa: BLE001
+            self.stats["save_errors"] += len(spec.keys)
+            logger.warning("kvdepot: saving %d blocks of %s failed: %s",
+                           len(spec.keys), spec.req_id, e)
 
     def get_finished(
         self, finished_req_ids: Set[str]
     ) -> Tuple[Optional[Set[str]], Optional[Set[str]]]:
-        """Loads and saves end within their step: nothing finishes
-        asynchronously. (Finishes the step's load, should it still run.)"""
+        """Finishes the step's load, should it still run, then stores the
+        last blocks of the requests that finished with their blocks held
+        (see :meth:`request_finished`) and reports those requests as
+        finished sending, saved or not (a failed save is logged and counted),
+        so vLLM frees their blocks. This runs in every step, with or without
+        tokens. Loads end within their step: nothing is finished
+        receiving."""
         self._finish_load()
-        return None, None
+        meta = self._connector_metadata
+        if not isinstance(meta, KvDepotConnectorMetadata) or not meta.finishing:
+            return None, None
+        if self._store is not None:
+            for spec in meta.finishing_saves:
+                self._save_spec(spec)
+        return set(meta.finishing), None
 
     def get_block_ids_with_load_errors(self) -> Set[int]:
         """Block ids whose load failed since the last call (then cleared);
