@@ -23,9 +23,12 @@
 #
 # kvdepot's blocks move over --transport: ucx (the default: the UCX data
 # plane, with each client's buffer registered) or grpc (the byte streams).
-# --ucx-tls sets UCX_TLS for kvdepotd and the clients (e.g. "tcp", or
-# "shm,tcp" for shared memory between co-located processes); unset, UCX
-# chooses.
+# --ucx-tls sets UCX_TLS for kvdepotd and the clients: tcp (the default,
+# so that both sides cross loopback TCP), "shm,tcp" for shared memory
+# between co-located processes (kvdepotd then copies blocks straight into
+# the bench's buffers, while Redis stays on TCP: the co-located comparison),
+# or auto (UCX_TLS left unset: UCX chooses, which here means shared memory).
+# The table's "via" column names it.
 #
 # Prints a table and writes JSON (default tools/results/compare_redis.json).
 # Stops everything it started on exit. Exit 0 when every run succeeded, 1 when
@@ -50,7 +53,7 @@ DRAM_CAPACITY=2GiB
 NVME_CAPACITY=0
 OUT="$REPO/tools/results/compare_redis.json"
 TRANSPORT=ucx
-UCX_TLS_SETTING=""
+UCX_TLS_SETTING=tcp
 
 usage() {
   sed -n '2,/^set -euo/p' "${BASH_SOURCE[0]}" | sed '$d; s/^# \{0,1\}//'
@@ -69,7 +72,8 @@ Options:
   --nvme-capacity SIZE kvdepotd NVMe tier (default 0: off, memory only as
                        Redis; blocks evicted from DRAM are dropped)
   --transport T        kvdepot's data path: ucx (default) or grpc
-  --ucx-tls TLS        UCX_TLS for kvdepotd and kvdepot-bench (default: unset)
+  --ucx-tls TLS        UCX_TLS for kvdepotd and kvdepot-bench: tcp (default),
+                       shm,tcp, or auto (unset: UCX chooses)
   --out FILE           JSON output (default tools/results/compare_redis.json)
   --smoke              tiny run for CI: 65536 bytes, 1 client, batch 1,
                        1 s rounds
@@ -114,7 +118,8 @@ if ! [[ $DURATION =~ ^[0-9]+([.][0-9]+)?$ ]] ||
   die_usage "--duration: \"$DURATION\" is not a positive number of seconds"
 fi
 [[ $TRANSPORT == ucx || $TRANSPORT == grpc ]] || die_usage "--transport must be ucx or grpc"
-if [[ -n $UCX_TLS_SETTING ]]; then export UCX_TLS="$UCX_TLS_SETTING"; fi
+[[ -n $UCX_TLS_SETTING ]] || die_usage "--ucx-tls needs a value (tcp, shm,tcp or auto)"
+if [[ $UCX_TLS_SETTING == auto ]]; then unset UCX_TLS; else export UCX_TLS="$UCX_TLS_SETTING"; fi
 export KVD_NVME_CAPACITY="$NVME_CAPACITY"  # recorded in the JSON
 is_uint "$ROUNDS" || die_usage "--rounds: \"$ROUNDS\" is not a positive integer"
 is_uint "$WORKING_SET" || die_usage "--working-set: \"$WORKING_SET\" is not a byte count"
@@ -416,7 +421,7 @@ report = {
     "ops": "blocks (ops_per_sec, gb_per_sec); calls_per_sec = round trips/s",
     "latency": "kvdepot: per call, whole batch; redis: per round trip, to the "
                "first reply byte (redis-benchmark)",
-    "ucx_tls": os.environ.get("UCX_TLS", ""),
+    "ucx_tls": os.environ.get("UCX_TLS") or "auto",
     "duration_s": float(duration),
     "rounds": int(rounds),
     "working_set_bytes": int(working_set),
@@ -439,13 +444,20 @@ def size_name(b):
 def fmt(v, spec):
     return "-" if v is None else format(v, spec)
 
+def via(transport):
+    if transport is None:
+        return "-"
+    if transport != "ucx":
+        return transport
+    return "ucx/" + (os.environ.get("UCX_TLS") or "auto")
+
 header = ("workload", "block", "clients", "batch", "via", "kvdepot GB/s",
           "redis GB/s", "ratio", "kvdepot p99 us", "redis p99 us")
 rows = []
 for r in results:
     k, d = r["kvdepot"] or {}, r["redis"] or {}
     rows.append((r["workload"], size_name(r["block_size"]), str(r["clients"]),
-                 str(r["batch"]), k.get("transport", "-"),
+                 str(r["batch"]), via(k.get("transport")),
                  fmt(k.get("gb_per_sec"), ".3f"), fmt(d.get("gb_per_sec"), ".3f"),
                  fmt(r["ratio_gb_per_sec"], ".2f"), fmt(k.get("p99_us"), ".0f"),
                  fmt(d.get("p99_us"), ".0f")))

@@ -25,7 +25,15 @@
 # the client's buffers (pull, the default). ratio = send GB/s / pull GB/s.
 #
 # --ucx-tls sets UCX_TLS for kvdepotd and the clients ("tcp"; "shm,tcp" for
-# shared memory between co-located processes, the default).
+# shared memory between co-located processes, the default of --compare
+# requests; --compare put-protocol defaults to "tcp": over shared memory the
+# daemon copies a put's blocks in place, so no block is ever sent).
+#
+# Each measured run is checked against the daemon's own counters
+# (kvdepot_ucx_requests_total, scraped before and after it): a run whose
+# requests did not take its side's path (a "ucx" run whose requests went as
+# gRPC calls, a "send" run whose puts were pulled, or the reverse) counts
+# as failed, and its ops per path are kept in the JSON ("paths").
 #
 # Prints a table and writes JSON (default tools/results/compare_requests.json).
 # Stops everything it started on exit. Exit 0 when every run succeeded, 1 when
@@ -40,7 +48,7 @@ BATCHES="1 16"
 DURATION=3
 ROUNDS=2
 WARMUP=1
-TLS="shm,tcp"
+TLS=""
 OUT="$REPO/tools/results/compare_requests.json"
 COMPARE=requests
 
@@ -81,6 +89,9 @@ case "$COMPARE" in
     WORKLOAD="kvdepot-bench put over UCX requests, each block sent with its request as rendezvous data (send) vs one request per batch whose blocks the daemon reads (pull)" ;;
   *) die_usage "--compare must be requests or put-protocol" ;;
 esac
+if [[ -z $TLS ]]; then
+  if [[ $COMPARE == put-protocol ]]; then TLS=tcp; else TLS="shm,tcp"; fi
+fi
 
 KVDEPOTD="$BUILD/server/kvdepotd"
 BENCH="$BUILD/tools/kvdepot-bench"
@@ -97,7 +108,7 @@ cleanup() {
 }
 trap cleanup EXIT
 : >"$WORK/kvdepotd.log"  # read by the port loop before the daemon opens it
-"$KVDEPOTD" --listen 127.0.0.1:0 --metrics-listen "" --data-dir "$WORK/kvd" \
+"$KVDEPOTD" --listen 127.0.0.1:0 --metrics-listen 127.0.0.1:0 --data-dir "$WORK/kvd" \
   --dram-capacity 2GiB --nvme-capacity 0 2>"$WORK/kvdepotd.log" &
 KVD_PID=$!
 port=""
@@ -115,15 +126,56 @@ for ((i = 0; i < 600; i++)); do  # up to 60 s (a loaded host)
 done
 [[ -n $port ]] || { cat "$WORK/kvdepotd.log" >&2; echo "kvdepotd did not start" >&2; exit 1; }
 KVD="127.0.0.1:$port"
+MPORT="$(sed -n 's/.*metrics on 127\.0\.0\.1:\([0-9][0-9]*\).*/\1/p' "$WORK/kvdepotd.log" | head -n1)"
+[[ -n $MPORT ]] || { cat "$WORK/kvdepotd.log" >&2; echo "kvdepotd serves no metrics" >&2; exit 1; }
+
+# ucx_requests: "PushBlocks PullBlocks PullBlocksWithData", the daemon's
+# kvdepot_ucx_requests_total by op (plain bash: no curl needed).
+ucx_requests() {
+  local body push=0 pull=0 data=0
+  exec 3<>"/dev/tcp/127.0.0.1/$MPORT"
+  printf 'GET /metrics HTTP/1.0\r\nHost: 127.0.0.1\r\n\r\n' >&3
+  body="$(cat <&3)"
+  exec 3<&-
+  push="$(sed -n 's/^kvdepot_ucx_requests_total{op="PushBlocks"} \([0-9]*\).*/\1/p' <<<"$body")"
+  pull="$(sed -n 's/^kvdepot_ucx_requests_total{op="PullBlocks"} \([0-9]*\).*/\1/p' <<<"$body")"
+  data="$(sed -n 's/^kvdepot_ucx_requests_total{op="PullBlocksWithData"} \([0-9]*\).*/\1/p' <<<"$body")"
+  echo "${push:-0} ${pull:-0} ${data:-0}"
+}
+
+# path_error SIDE OP BEFORE AFTER: why a run's requests did not take its
+# side's path (empty when they did).
+path_error() {
+  local side=$1 op=$2 push pull data
+  read -r push pull data < <(awk -v a="$3" -v b="$4" 'BEGIN{split(a, x); split(b, y);
+    print y[1] - x[1], y[2] - x[2], y[3] - x[3]}')
+  case "$COMPARE/$side" in
+    requests/ucx)
+      if [[ $op == get && $push -eq 0 ]] || [[ $op == put && $((pull + data)) -eq 0 ]]; then
+        echo "no request came over UCX (they went as gRPC calls)"
+      fi ;;
+    requests/grpc)
+      [[ $((push + pull + data)) -eq 0 ]] || echo "$((push + pull + data)) requests came over UCX" ;;
+    put-protocol/send)
+      if [[ $data -eq 0 || $pull -ne 0 ]]; then
+        echo "$data puts came with their bytes, $pull were pulled (UCX_TLS=$UCX_TLS: shared memory copies in place)"
+      fi ;;
+    put-protocol/pull)
+      if [[ $pull -eq 0 || $data -ne 0 ]]; then
+        echo "$pull puts were pulled, $data came with their bytes"
+      fi ;;
+  esac
+}
 
 # bench SIDE OP CLIENTS BATCH SECONDS [extra]: one kvdepot-bench run's JSON.
 # Its callers read that JSON through $(...), a subshell, so a failed run is
 # recorded in a file ($WORK/failed), not in a variable the subshell would lose.
 bench() {
-  local side=$1 op=$2 clients=$3 batch=$4 seconds=$5 out
+  local side=$1 op=$2 clients=$3 batch=$4 seconds=$5 out before after why
   shift 5
   local args=("${ARGS_A[@]}")
   [[ $side == "$SIDE_B" ]] && args=("${ARGS_B[@]}")
+  before="$(ucx_requests)"
   if ! out="$("$BENCH" --server "$KVD" --op "$op" "${args[@]}" \
       --block-size "$BLOCK" --clients "$clients" --batch "$batch" \
       --duration "$seconds" --ns requests "$@" --json 2>"$WORK/bench.err")" ||
@@ -139,6 +191,15 @@ bench() {
     sed 's/^/  /' "$WORK/bench.err" >&2
     : >"$WORK/failed"
   fi
+  after="$(ucx_requests)"
+  why="$(path_error "$side" "$op" "$before" "$after")"
+  if [[ -n $why ]]; then
+    echo "kvdepot-bench ${args[*]} --op $op x$clients batch $batch: not a $side run: $why" >&2
+    : >"$WORK/failed"
+  fi
+  # The run's UCX requests by op, from the daemon's counters.
+  out="${out%\}}, \"paths\": {$(awk -v a="$before" -v b="$after" 'BEGIN{split(a, x); split(b, y);
+    printf "\"PushBlocks\": %d, \"PullBlocks\": %d, \"PullBlocksWithData\": %d", y[1] - x[1], y[2] - x[2], y[3] - x[3]}')}}"
   echo "$out"
 }
 gbps() { sed -n 's/.*"gb_per_sec":\([0-9.]*\).*/\1/p' <<<"$1"; }

@@ -1,23 +1,44 @@
 #!/usr/bin/env bash
 # compare_requests.sh's exit status, with stubs for kvdepotd and kvdepot-bench
-# (nothing is measured): 1 when a measured round fails or moves no block over
-# UCX, and when kvdepotd dies before it listens.
+# (nothing is measured): 1 when a measured round fails, moves no block over
+# UCX, or sends its requests another way than its side's (the daemon's
+# kvdepot_ucx_requests_total did not move as it should), and when kvdepotd
+# dies before it listens.
 # Usage: compare_requests_failure_test.sh PATH/TO/compare_requests.sh
 set -u
 script=$1
 stub="$(mktemp -d)"
 trap 'rm -rf "$stub"' EXIT
 mkdir -p "$stub/server" "$stub/tools"
-# A daemon that says where it listens and, like kvdepotd, exits 0 on SIGTERM.
+# A daemon that says where it listens, serves kvdepot_ucx_requests_total from
+# $STUB_COUNTERS ("PushBlocks PullBlocks PullBlocksWithData", which the stub
+# bench moves) and, like kvdepotd, exits 0 on SIGTERM.
+export STUB_COUNTERS="$stub/counters"
 cat >"$stub/server/kvdepotd" <<'STUB'
-#!/usr/bin/env bash
-echo "kvdepotd listening on 127.0.0.1:1" >&2
-trap 'kill $! 2>/dev/null; exit 0' TERM
-sleep 120 &
-wait
+#!/usr/bin/env python3
+import http.server, os, signal, sys
+class H(http.server.BaseHTTPRequestHandler):
+    def do_GET(self):
+        push, pull, data = open(os.environ["STUB_COUNTERS"]).read().split()
+        body = (f'kvdepot_ucx_requests_total{{op="PushBlocks"}} {push}\n'
+                f'kvdepot_ucx_requests_total{{op="PullBlocks"}} {pull}\n'
+                f'kvdepot_ucx_requests_total{{op="PullBlocksWithData"}} {data}\n').encode()
+        self.send_response(200)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+    def log_message(self, *args):
+        pass
+srv = http.server.HTTPServer(("127.0.0.1", 0), H)
+signal.signal(signal.SIGTERM, lambda *a: sys.exit(0))
+print(f"kvdepotd listening on 127.0.0.1:1; metrics on 127.0.0.1:{srv.server_address[1]}; x",
+      file=sys.stderr, flush=True)
+srv.serve_forever()
 STUB
 # A kvdepot-bench that succeeds in the warm-ups (--duration 0.2 under
-# --smoke) and fails in the measured rounds the way $STUB_FAILURE says.
+# --smoke) and fails in the measured rounds the way $STUB_FAILURE says; a
+# run with --requests ucx counts one UCX request of its op (PullBlocks for
+# put, PushBlocks for get) unless STUB_FAILURE=wrong_path.
 cat >"$stub/tools/kvdepot-bench" <<'STUB'
 #!/usr/bin/env bash
 case " $* " in
@@ -27,6 +48,11 @@ case " $* " in
        fallback) echo "kvdepot-bench: warning: client 0 falls back to grpc: stub" >&2 ;;
      esac ;;
 esac
+if [[ " $* " == *" --requests ucx "* && $STUB_FAILURE != wrong_path ]]; then
+  read -r push pull data <"$STUB_COUNTERS"
+  if [[ " $* " == *" --op get "* ]]; then push=$((push + 1)); else pull=$((pull + 1)); fi
+  echo "$push $pull $data" >"$STUB_COUNTERS"
+fi
 echo '{"gb_per_sec":1.5,"p99_us":10}'
 STUB
 chmod +x "$stub/server/kvdepotd" "$stub/tools/kvdepot-bench"
@@ -38,11 +64,23 @@ expect_exit_1() {  # WHAT MESSAGE: the last run exited 1 and said MESSAGE
     fail=1
   fi
 }
-for mode in exit fallback; do
+for mode in exit fallback wrong_path; do
+  echo "0 0 0" >"$STUB_COUNTERS"
   STUB_FAILURE=$mode "$script" --smoke --build "$stub" --out "$stub/out.json" 2>"$stub/err"
   rc=$?
   expect_exit_1 "measured round failing ($mode)" "a kvdepot-bench run failed"
 done
+grep -qF "not a ucx run: no request came over UCX" "$stub/err" || {
+  echo "FAIL: wrong_path: no 'not a ucx run' on stderr:"; sed 's/^/  /' "$stub/err"; fail=1; }
+# Every run on its side's path: exit 0, and the JSON has each run's paths.
+echo "0 0 0" >"$STUB_COUNTERS"
+STUB_FAILURE=none "$script" --smoke --build "$stub" --out "$stub/out.json" 2>"$stub/err"
+rc=$?
+if [[ $rc -ne 0 ]] || ! grep -qF '"paths": {"PushBlocks": 0, "PullBlocks": 1' "$stub/out.json"; then
+  echo "FAIL: runs on their paths: exit $rc (want 0, and paths in the JSON):"
+  sed 's/^/  /' "$stub/err" "$stub/out.json"
+  fail=1
+fi
 # A daemon that dies before it listens: reported at once, not after 60 s.
 cat >"$stub/server/kvdepotd" <<'STUB'
 #!/usr/bin/env bash
