@@ -301,9 +301,14 @@ absl::Status Fill(NvmeTier& tier, const BenchConfig& config,
         ++r.errors;
         continue;
       }
-      if (*put == NvmePutOutcome::kAlreadyPresent) ++r.already_present;
-      ++r.ops;
       ++r.calls;
+      if (*put == NvmePutOutcome::kAlreadyPresent) {
+        // Nothing written: not an op of the fill (its bytes would inflate
+        // GB/s), and an error of the run (see the report).
+        ++r.already_present;
+        continue;
+      }
+      ++r.ops;
       r.latencies_us.push_back(Micros(t0, t1));
     }
   });
@@ -532,10 +537,14 @@ int Run(const BenchConfig& config) {
     ++errors;
   }
   if (extras.already_present > 0) {
+    // Counted as errors (the run exits 1): a fill that wrote only some of
+    // its blocks did not measure what it says.
     std::fprintf(stderr,
                  "nvme-tier-bench: %llu blocks were already stored (fill an "
-                 "empty --path): nothing was written for them\n",
+                 "empty --path): nothing was written for them, and they count "
+                 "as errors\n",
                  static_cast<unsigned long long>(extras.already_present));
+    errors += extras.already_present;
   }
   const double p50 = tally.p50_us;
   const double p99 = tally.p99_us;
