@@ -34,8 +34,10 @@
 // empty namespace, not from a DRAM tier filled by earlier put runs.
 // An op is a block for get and put (a call moves --batch of them) and a call
 // for lookup. A failed call (an error status, a wrong count or size, a lookup
-// miss, a put answered "already exists") counts all its ops as errors and is
-// left out of the latencies.
+// miss, a synchronous put answered "already exists") counts all its ops as
+// errors and is left out of the latencies. (PutFromAsync, the UCX path,
+// reports a block that already exists as stored; put keys carry a per-run
+// nonce, so a put never meets an existing key.)
 //
 // Every call's latency is recorded (a vector per thread, merged at the end)
 // and reported as p50/p99/p999 (nearest rank): latencies are per call, not
