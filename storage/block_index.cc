@@ -7,12 +7,20 @@
 #include <functional>
 #include <utility>
 
+#include "storage/dram_arena.h"
+
 namespace kvdepot {
 
-static_assert(sizeof(BlockEntry) <= 72,
+// The metadata budget is 128 B per block (metadata_footprint_test): the
+// entry's heap chunk (88 B asks glibc for a 96-byte chunk; 89..104 B would
+// take 112) plus its hash-table slot (8 B and a control byte, at a load of
+// 7/16..7/8: about 10..21 B).
+static_assert(sizeof(BlockEntry) <= 88,
               "BlockEntry must stay small: metadata <= 128 B per block");
 
-BlockIndex::BlockIndex(const char* arena_base) : base_(arena_base) {
+BlockIndex::BlockIndex(const char* arena_base, size_t key_trailer_bytes,
+                       uint32_t first_seq)
+    : base_(arena_base), key_trailer_bytes_(key_trailer_bytes), seq_(first_seq) {
   for (auto& s : shards_) s = std::make_unique<Shard>(arena_base);
 }
 
@@ -36,12 +44,21 @@ bool BlockIndex::EntryEq::operator()(const BlockEntry* a,
          std::memcmp(base + a->key_offset(), k.key.data(), k.key.size()) == 0;
 }
 
+// The namespace lists mirror the shard's list: every push and removal below
+// does the same on both, so each namespace list is the subsequence of the
+// shard's list that holds that namespace's entries.
 void BlockIndex::LruPushFront(Shard& s, BlockEntry* e) {
   e->lru_prev = nullptr;
   e->lru_next = s.head;
   if (s.head) s.head->lru_prev = e;
   s.head = e;
   if (!s.tail) s.tail = e;
+  NsList& l = s.ns_lru[e->ns_id];
+  e->ns_prev = nullptr;
+  e->ns_next = l.head;
+  if (l.head) l.head->ns_prev = e;
+  l.head = e;
+  if (!l.tail) l.tail = e;
   e->flags |= BlockEntry::kInLru;
   ++s.lru_size;
 }
@@ -53,6 +70,12 @@ void BlockIndex::LruPushBack(Shard& s, BlockEntry* e) {
   if (s.tail) s.tail->lru_next = e;
   s.tail = e;
   if (!s.head) s.head = e;
+  NsList& l = s.ns_lru[e->ns_id];
+  e->ns_next = nullptr;
+  e->ns_prev = l.tail;
+  if (l.tail) l.tail->ns_next = e;
+  l.tail = e;
+  if (!l.head) l.head = e;
   e->flags |= BlockEntry::kInLru;
   ++s.lru_size;
 }
@@ -62,6 +85,16 @@ void BlockIndex::LruRemove(Shard& s, BlockEntry* e) {
   if (e->lru_prev) e->lru_prev->lru_next = e->lru_next; else s.head = e->lru_next;
   if (e->lru_next) e->lru_next->lru_prev = e->lru_prev; else s.tail = e->lru_prev;
   e->lru_prev = e->lru_next = nullptr;
+  if (e->ns_prev) e->ns_prev->ns_next = e->ns_next;
+  if (e->ns_next) e->ns_next->ns_prev = e->ns_prev;
+  if (e->ns_prev == nullptr || e->ns_next == nullptr) {  // an end of its list
+    auto it = s.ns_lru.find(e->ns_id);
+    NsList& l = it->second;
+    if (e->ns_prev == nullptr) l.head = e->ns_next;
+    if (e->ns_next == nullptr) l.tail = e->ns_prev;
+    if (l.head == nullptr) s.ns_lru.erase(it);
+  }
+  e->ns_prev = e->ns_next = nullptr;
   e->flags &= ~BlockEntry::kInLru;
   --s.lru_size;
 }
@@ -69,6 +102,31 @@ void BlockIndex::LruRemove(Shard& s, BlockEntry* e) {
 void BlockIndex::Detach(Shard& s, BlockEntry* e) {
   LruRemove(s, e);
   s.set.erase(e);
+  bytes_.fetch_sub(Footprint(*e), std::memory_order_relaxed);
+  if (HeldByCaller(*e)) held_bytes_.fetch_sub(Footprint(*e), std::memory_order_relaxed);
+  if (e->children > 0) {
+    // Its children stay linked to its key (see the header). Only the one
+    // non-twin entry of a hash has children, and a record of its hash would
+    // have been adopted by it or made it a twin: there is none yet.
+    Orphans& o = s.orphans[NsHash{e->ns_id, e->hash}];
+    o.parent_key.assign(base_ + e->key_offset(), e->key_len);
+    o.children += e->children;
+  }
+}
+
+uint64_t BlockIndex::Footprint(const BlockEntry& e) const {
+  return DramArena::AllocationSize(e.size) +
+         DramArena::AllocationSize(e.key_len + key_trailer_bytes_);
+}
+
+void BlockIndex::CountHold(const BlockEntry& e, bool was_held) {
+  const bool held = HeldByCaller(e);
+  if (held == was_held) return;
+  if (held) {
+    held_bytes_.fetch_add(Footprint(e), std::memory_order_relaxed);
+  } else {
+    held_bytes_.fetch_sub(Footprint(e), std::memory_order_relaxed);
+  }
 }
 
 BlockEntry* BlockIndex::FindByHash(Shard& s, uint32_t ns_id, uint64_t hash) {
@@ -86,25 +144,45 @@ std::optional<BlockIndex::Hit> BlockIndex::Find(const KeyRef& key, bool pin,
   if (seq != 0) e->seq = seq;
   if (e->reads < UINT8_MAX) ++e->reads;
   if (pin) {
+    const bool was_held = HeldByCaller(*e);
     LruRemove(s, e);
     ++e->pins;
+    CountHold(*e, was_held);
   } else {
     e->flags |= BlockEntry::kReferenced;
   }
   return Hit{e, e->data_offset(), e->size, e->checksum};
 }
 
+BlockEntry* BlockIndex::PinIfPresent(const KeyRef& key) {
+  Shard& s = ShardFor(key.hash);
+  absl::MutexLock lock(&s.mu);
+  auto it = s.set.find(key);
+  if (it == s.set.end()) return nullptr;
+  BlockEntry* e = *it;
+  const bool was_held = HeldByCaller(*e);
+  LruRemove(s, e);
+  ++e->pins;
+  CountHold(*e, was_held);
+  return e;
+}
+
 void BlockIndex::AddPin(BlockEntry* e) {
   Shard& s = ShardFor(e->hash);
   absl::MutexLock lock(&s.mu);
+  const bool was_held = HeldByCaller(*e);
   LruRemove(s, e);
   ++e->pins;
+  CountHold(*e, was_held);
 }
 
 void BlockIndex::Unpin(BlockEntry* e) {
   Shard& s = ShardFor(e->hash);
   absl::MutexLock lock(&s.mu);
-  if (e->pins > 0 && --e->pins == 0 && e->children == 0) LruPushFront(s, e);
+  if (e->pins == 0) return;
+  const bool was_held = HeldByCaller(*e);
+  if (--e->pins == 0 && e->children == 0) LruPushFront(s, e);
+  CountHold(*e, was_held);
 }
 
 std::unique_ptr<BlockEntry> BlockIndex::Insert(std::unique_ptr<BlockEntry> entry,
@@ -133,9 +211,21 @@ std::unique_ptr<BlockEntry> BlockIndex::Insert(std::unique_ptr<BlockEntry> entry
     // (see the header), so that FindByHash keeps finding that one.
     if (s.set.contains(HashProbe{entry->ns_id, entry->hash})) {
       entry->flags |= BlockEntry::kHashTwin;
+    } else if (auto o = s.orphans.find(NsHash{entry->ns_id, entry->hash});
+               o != s.orphans.end()) {
+      // Children of an earlier entry of this hash are still linked to it:
+      // the same key adopts them; another key is a twin while they last.
+      if (o->second.parent_key == key.key) {
+        entry->children = o->second.children;
+        s.orphans.erase(o);
+      } else {
+        entry->flags |= BlockEntry::kHashTwin;
+      }
     }
-    if (!pinned) LruPushFront(s, entry.get());
+    if (!pinned && entry->children == 0) LruPushFront(s, entry.get());
     s.set.insert(entry.get());
+    bytes_.fetch_add(Footprint(*entry), std::memory_order_relaxed);
+    if (pinned) held_bytes_.fetch_add(Footprint(*entry), std::memory_order_relaxed);
     if (entry->parent_hash == 0) return true;
     // The parent by its full key; a twin is left unlinked, since the
     // link's later users find the parent by hash.
@@ -157,6 +247,14 @@ void BlockIndex::ReleaseParent(const BlockEntry& removed) {
   if (!(removed.flags & BlockEntry::kLinked)) return;
   Shard& ps = ShardFor(removed.parent_hash);
   absl::MutexLock lock(&ps.mu);
+  // The parent was removed with its children cached (and its key not
+  // inserted again since): the link counts on the record. There is then no
+  // non-twin entry of that hash.
+  auto o = ps.orphans.find(NsHash{removed.ns_id, removed.parent_hash});
+  if (o != ps.orphans.end()) {
+    if (--o->second.children == 0) ps.orphans.erase(o);
+    return;
+  }
   BlockEntry* p = FindByHash(ps, removed.ns_id, removed.parent_hash);
   if (p == nullptr || p->children == 0) return;
   if (--p->children == 0 && p->pins == 0) LruPushBack(ps, p);
@@ -276,7 +374,7 @@ std::optional<BlockIndex::Demotion> BlockIndex::BeginDemotion() {
     BlockEntry* e = SettleTail(s);
     if (e == nullptr) continue;  // emptied meanwhile: look again
     LruRemove(s, e);
-    ++e->pins;
+    ++e->pins;  // the demotion's own: not a caller's (HeldByCaller)
     e->flags |= BlockEntry::kDemoting;
     d.entry = e;
     d.reads = e->reads;
@@ -285,11 +383,15 @@ std::optional<BlockIndex::Demotion> BlockIndex::BeginDemotion() {
   }
   if (linked) {
     // The parent stays while this entry is linked to it, unless removed
-    // explicitly (Remove does not wait for children); then it has no key.
+    // explicitly (Remove does not wait for children); then its record of
+    // orphans keeps its key.
     Shard& ps = ShardFor(parent_hash);
     absl::MutexLock lock(&ps.mu);
     if (BlockEntry* p = FindByHash(ps, d.entry->ns_id, parent_hash)) {
       d.parent_key.assign(base_ + p->key_offset(), p->key_len);
+    } else if (auto o = ps.orphans.find(NsHash{d.entry->ns_id, parent_hash});
+               o != ps.orphans.end()) {
+      d.parent_key = o->second.parent_key;
     }
   }
   return d;
@@ -300,10 +402,13 @@ std::unique_ptr<BlockEntry> BlockIndex::EndDemotion(BlockEntry* e) {
   std::unique_ptr<BlockEntry> out;
   {
     absl::MutexLock lock(&s.mu);
+    const bool was_held = HeldByCaller(*e);
     e->flags &= ~BlockEntry::kDemoting;
+    --e->pins;
+    CountHold(*e, was_held);
     // Pinned by a lookup meanwhile: its Unpin lists it again. With a cached
     // child it is not evictable until the child leaves.
-    if (--e->pins > 0 || e->children > 0) return nullptr;
+    if (e->pins > 0 || e->children > 0) return nullptr;
     Detach(s, e);
     out.reset(e);
   }
@@ -318,6 +423,28 @@ uint64_t BlockIndex::blocks() const {
     n += s->set.size();
   }
   return n;
+}
+
+void BlockIndex::SweepSeqs(uint32_t now) {
+  // Stamps taken after `now` (by callers racing this one) look negative
+  // here and stay; the previous sweep left none older than kMaxSeqAge +
+  // kSeqSweepEvery < 2^31, so none looks negative for being old.
+  const uint32_t floor = now - kMaxSeqAge;
+  for (auto& sp : shards_) {
+    Shard& s = *sp;
+    absl::MutexLock lock(&s.mu);
+    for (BlockEntry* e : s.set) {
+      if (static_cast<int32_t>(now - e->seq) > static_cast<int32_t>(kMaxSeqAge)) {
+        e->seq = floor;
+      }
+    }
+  }
+}
+
+uint64_t BlockIndex::unpinned_bytes() const {
+  const uint64_t held = held_bytes_.load(std::memory_order_relaxed);
+  const uint64_t all = bytes_.load(std::memory_order_relaxed);
+  return all > held ? all - held : 0;  // read apart: may cross an update
 }
 
 uint64_t BlockIndex::evictable() const {
@@ -345,33 +472,41 @@ std::optional<BlockEntry> BlockIndex::Peek(const KeyRef& key,
                 trailer.size());
   }
   copy.lru_prev = copy.lru_next = nullptr;
+  copy.ns_prev = copy.ns_next = nullptr;
   return copy;
 }
 
-std::unique_ptr<BlockEntry> BlockIndex::PopOldestEvictableOf(uint32_t ns_id,
-                                                             int scan) {
-  // Like PopOldestEvictable, among the namespace's entries near each
-  // shard's old end; the choice is checked again under the shard's lock.
+BlockEntry* BlockIndex::SettleNsTail(Shard& s, uint32_t ns_id) {
+  // As SettleTail, on the namespace's list; the list may go away and come
+  // back (LruRemove, LruPushFront), so it is looked up each round. One
+  // pass unmarks every entry of the list, so this ends.
+  while (true) {
+    auto it = s.ns_lru.find(ns_id);
+    if (it == s.ns_lru.end()) return nullptr;
+    BlockEntry* e = it->second.tail;
+    if (!(e->flags & BlockEntry::kReferenced)) return e;
+    e->flags &= ~BlockEntry::kReferenced;
+    LruRemove(s, e);
+    LruPushFront(s, e);
+  }
+}
+
+std::unique_ptr<BlockEntry> BlockIndex::PopOldestEvictableOf(uint32_t ns_id) {
+  // Like PopOldestEvictable, on the namespace's lists. Another thread may
+  // empty the chosen list before it is popped: then look again, so nullptr
+  // means no shard had an evictable entry of the namespace.
   while (true) {
     int best = -1;
     uint32_t best_seq = 0;
-    uint64_t best_hash = 0;
-    // The full key: the entry is found again by it, not by its hash alone,
-    // which a (pinned) twin may share.
-    std::string best_key;
     for (int i = 0; i < kShards; ++i) {
       Shard& s = *shards_[i];
       absl::MutexLock lock(&s.mu);
-      int n = 0;
-      for (BlockEntry* e = s.tail; e != nullptr && n < scan; e = e->lru_prev, ++n) {
-        if (e->ns_id != ns_id) continue;
-        if (best < 0 || static_cast<int32_t>(e->seq - best_seq) < 0) {
-          best = i;
-          best_seq = e->seq;
-          best_hash = e->hash;
-          best_key.assign(base_ + e->key_offset(), e->key_len);
-        }
-        break;
+      BlockEntry* e = SettleNsTail(s, ns_id);
+      if (e == nullptr) continue;
+      // Wrap-aware, as OldestShard.
+      if (best < 0 || static_cast<int32_t>(e->seq - best_seq) < 0) {
+        best = i;
+        best_seq = e->seq;
       }
     }
     if (best < 0) return nullptr;
@@ -379,11 +514,8 @@ std::unique_ptr<BlockEntry> BlockIndex::PopOldestEvictableOf(uint32_t ns_id,
     {
       Shard& s = *shards_[best];
       absl::MutexLock lock(&s.mu);
-      auto it = s.set.find(KeyRef{ns_id, best_key, best_hash});
-      if (it == s.set.end() || !((*it)->flags & BlockEntry::kInLru)) {
-        continue;  // raced: evicted, pinned or given a child meanwhile
-      }
-      BlockEntry* e = *it;
+      BlockEntry* e = SettleNsTail(s, ns_id);
+      if (e == nullptr) continue;  // emptied meanwhile: look again
       Detach(s, e);
       out.reset(e);
     }

@@ -17,8 +17,18 @@
 // shards' least-recent ends by the sequence number of their last use, so a
 // shard holding only fresh blocks is not drained before older ones.
 //
+// Per-namespace order. Each shard also threads its evictable entries of each
+// namespace on a list of their own (BlockEntry::ns_prev/ns_next, one list
+// per namespace present in the shard's evictable list, found by namespace
+// id). It holds the same entries in the same order as the shard's list does
+// (every push, removal and second chance updates both), so a namespace's
+// least-recent evictable entry in a shard is that list's tail: a quota's
+// eviction (PopOldestEvictableOf) looks at one entry per shard, however many
+// entries of other namespaces are older. The list is guarded by its shard's
+// mutex, like the shard's list; it takes no lock of its own.
+//
 // Key bytes live in the DRAM arena (a small allocation per block), so the
-// metadata of a block is one 72-byte heap entry plus its hash-table slot.
+// metadata of a block is one 88-byte heap entry plus its hash-table slot.
 //
 // Hash collisions. Lookups compare full keys, so two keys of a namespace
 // with one 64-bit hash ("twins") are distinct blocks. A child keeps only its
@@ -29,6 +39,16 @@
 // when it was inserted (a later twin is marked kHashTwin, is never linked
 // to, and is skipped by that search). A collision thus costs at most the
 // prefix ordering of a twin's children, never a link to the wrong block.
+//
+// A parent removed while it has cached children (an explicit Remove or
+// RemoveNamespace: eviction never takes one) leaves its children linked to
+// its key: the shard records them ("orphans", by namespace and hash, with
+// the parent's key). When that key is inserted again, the new entry adopts
+// them (it counts them as its cached children: they name its key as their
+// parent), so leaves still go before it; until then their releases only
+// count down the record. Another key of that hash inserted meanwhile is a
+// twin. So a child's link always counts on the one entry (or record) of its
+// parent's key, never on a later incarnation that does not know it.
 //
 // Thread-safe. A BlockEntry is owned by the index while it is inserted; the
 // caller owns it again after a Remove/Pop. A pinned entry is never removed,
@@ -42,9 +62,11 @@
 #include <memory>
 #include <optional>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "absl/base/thread_annotations.h"
+#include "absl/container/flat_hash_map.h"
 #include "absl/container/flat_hash_set.h"
 #include "absl/strings/string_view.h"
 #include "absl/types/span.h"
@@ -61,8 +83,10 @@ struct BlockEntry {
   // 64-bit collision): it is never linked to as a parent (see BlockIndex).
   static constexpr uint8_t kHashTwin = 16;
 
-  BlockEntry* lru_prev = nullptr;
+  BlockEntry* lru_prev = nullptr;  // its shard's evictable list
   BlockEntry* lru_next = nullptr;
+  BlockEntry* ns_prev = nullptr;  // its namespace's list in that shard
+  BlockEntry* ns_next = nullptr;
   uint64_t hash = 0;         // BlockIndex::Hash(ns_id, key)
   uint64_t parent_hash = 0;  // hash of the parent key; 0 for a chain's root
   uint64_t checksum = 0;     // XXH3-64 of the block's bytes
@@ -77,7 +101,9 @@ struct BlockEntry {
   // Lookups that found it (saturating), for the NVMe admission policy.
   uint8_t reads = 0;
   // When it was last stored or looked up, in BlockIndex::NextSeq() units
-  // (compared wrap-aware). With `reads`, fills what would be padding.
+  // (compared wrap-aware: never more than 2^31 behind the counter, see
+  // NextSeq). With `reads`, fills what would be padding (64 bits would take
+  // the entry past its budget).
   uint32_t seq = 0;
 
   uint64_t data_offset() const { return uint64_t{data_unit} * 64; }
@@ -115,7 +141,12 @@ class BlockIndex {
   };
 
   // `arena_base` is where key_unit offsets point; it must outlive the index.
-  explicit BlockIndex(const char* arena_base);
+  // `key_trailer_bytes`: what the caller keeps after each key in the key's
+  // arena allocation (see Peek), for the arena space an entry holds
+  // (unpinned_bytes). `first_seq`: where NextSeq's counter starts (tests
+  // start it near a wrap; 0 otherwise).
+  explicit BlockIndex(const char* arena_base, size_t key_trailer_bytes = 0,
+                      uint32_t first_seq = 0);
   ~BlockIndex();
   BlockIndex(const BlockIndex&) = delete;
   BlockIndex& operator=(const BlockIndex&) = delete;
@@ -126,23 +157,45 @@ class BlockIndex {
     return KeyRef{ns_id, key, Hash(ns_id, key)};
   }
 
-  // A recency stamp for Find and Insert. Callers take one per batch, not per
-  // key, so the shared counter is not a point of contention.
-  uint32_t NextSeq() { return seq_.fetch_add(1, std::memory_order_relaxed) + 1; }
+  // A recency stamp for Find and Insert (never 0). Callers take one per
+  // batch, not per key, so the shared counter is not a point of contention.
+  //
+  // Stamps are 32 bits, compared wrap-aware ((a - b) as int32), which is
+  // right only while they are less than 2^31 apart; the counter passes that
+  // in hours under load. So every kSeqSweepEvery ticks the caller that
+  // reaches a multiple of it ages every entry older than kMaxSeqAge to just
+  // that age (SweepSeqs: one pass over the index, under each shard's lock in
+  // turn). No stamp is then ever more than kMaxSeqAge + kSeqSweepEvery
+  // (< 2^31) behind the counter, and blocks older than kMaxSeqAge compare
+  // as equally old (their order within a shard's list stays).
+  static constexpr uint32_t kSeqSweepEvery = uint32_t{1} << 30;
+  static constexpr uint32_t kMaxSeqAge = uint32_t{1} << 29;
+  uint32_t NextSeq() {
+    const uint32_t seq = seq_.fetch_add(1, std::memory_order_relaxed) + 1;
+    if ((seq & (kSeqSweepEvery - 1)) != 0) return seq;
+    SweepSeqs(seq);
+    return seq != 0 ? seq : NextSeq();  // 0 means "no stamp" to Find
+  }
 
   // Finds `key`. With `pin`, the entry's pin count is raised atomically with
   // the find (it leaves the evictable list); otherwise it is marked
   // referenced. Either way its last use becomes `seq`.
   std::optional<Hit> Find(const KeyRef& key, bool pin, uint32_t seq = 0);
+  // Pins `key`'s entry if present, without counting a lookup: its reads,
+  // referenced mark and last use stay as they are (a put-if-absent's check,
+  // holding the block so that making room for the put cannot evict it).
+  // Like any pin it leaves the evictable lists; Unpin lists it again at the
+  // most-recent end. Returns the entry (released with Unpin), or nullptr.
+  BlockEntry* PinIfPresent(const KeyRef& key);
   // A copy of an entry's fields without touching its recency (admin
   // inspection), and the `trailer.size()` arena bytes that follow its key
   // (the caller's own per-block data). nullopt if absent.
   std::optional<BlockEntry> Peek(const KeyRef& key, absl::Span<char> trailer = {});
-  // Removes the least recently used evictable entry of namespace `ns_id`,
-  // looking at most `scan` entries from the old end of each shard's list
-  // (a namespace quota's eviction). nullptr if none was found.
-  std::unique_ptr<BlockEntry> PopOldestEvictableOf(uint32_t ns_id,
-                                                   int scan = 4096);
+  // Removes the evictable entry of namespace `ns_id` whose last use is
+  // oldest among the least-recent ends of its per-shard lists (a namespace
+  // quota's eviction): one entry per shard is looked at, whatever other
+  // namespaces hold. nullptr if the namespace has no evictable entry.
+  std::unique_ptr<BlockEntry> PopOldestEvictableOf(uint32_t ns_id);
   // Adds one pin to an entry already pinned by the caller.
   void AddPin(BlockEntry* entry);
   // REQUIRES: `entry` is pinned by the caller.
@@ -185,6 +238,15 @@ class BlockIndex {
   uint64_t blocks() const;
   // Number of entries in the evictable lists (for tests and stats).
   uint64_t evictable() const;
+  // Arena bytes (block and key allocations, as DramArena::AllocationSize
+  // counts them) of the entries no caller holds pinned: what evicting could
+  // ever free, at most. It includes entries that are not evictable now but
+  // will be without the caller's help: entries being demoted (their
+  // demotion's pin is not counted as a caller's) and parents of cached
+  // children; also parents whose children are pinned, which only the pins'
+  // release makes evictable, so it is an upper bound. Exact when no entry
+  // changes meanwhile; read without locking the shards.
+  uint64_t unpinned_bytes() const;
 
  private:
   // A probe that matches by namespace and hash alone (parent links): it
@@ -219,6 +281,20 @@ class BlockIndex {
   };
   using Set = absl::flat_hash_set<BlockEntry*, EntryHash, EntryEq>;
 
+  // One namespace's evictable entries in a shard, threaded through
+  // BlockEntry::ns_prev/ns_next: head = most recent, tail = least recent.
+  struct NsList {
+    BlockEntry* head = nullptr;
+    BlockEntry* tail = nullptr;
+  };
+  // Linked children of a parent removed while they were cached (see the
+  // file comment), until its key is inserted again or they all leave.
+  struct Orphans {
+    std::string parent_key;
+    uint32_t children = 0;
+  };
+  using NsHash = std::pair<uint32_t, uint64_t>;  // (ns_id, hash)
+
   struct Shard {
     explicit Shard(const char* base) : set(0, EntryHash(), EntryEq{base}) {}
     mutable absl::Mutex mu;
@@ -227,6 +303,11 @@ class BlockIndex {
     BlockEntry* head ABSL_GUARDED_BY(mu) = nullptr;
     BlockEntry* tail ABSL_GUARDED_BY(mu) = nullptr;
     uint64_t lru_size ABSL_GUARDED_BY(mu) = 0;
+    // The same entries per namespace, in the same order; a namespace with
+    // none here has no list.
+    absl::flat_hash_map<uint32_t, NsList> ns_lru ABSL_GUARDED_BY(mu);
+    // By the removed parent's (namespace, hash); usually empty.
+    absl::flat_hash_map<NsHash, Orphans> orphans ABSL_GUARDED_BY(mu);
   };
 
   Shard& ShardFor(uint64_t hash) { return *shards_[hash >> (64 - kShardBits)]; }
@@ -243,21 +324,42 @@ class BlockIndex {
   static bool Evictable(const BlockEntry* e) {
     return e->pins == 0 && e->children == 0;
   }
-  // Takes `e` out of the set and the list. REQUIRES: e is in s.set.
-  static void Detach(Shard& s, BlockEntry* e)
-      ABSL_EXCLUSIVE_LOCKS_REQUIRED(s.mu);
+  // Takes `e` out of the set and the lists (recording its cached children
+  // as orphans). REQUIRES: e is in s.set and no caller holds it pinned.
+  void Detach(Shard& s, BlockEntry* e) ABSL_EXCLUSIVE_LOCKS_REQUIRED(s.mu);
   // Gives referenced entries at the tail their second chance; returns the
   // tail afterwards (nullptr if the list is empty).
   static BlockEntry* SettleTail(Shard& s) ABSL_EXCLUSIVE_LOCKS_REQUIRED(s.mu);
+  // The same for namespace `ns_id`'s list in `s` (a second chance moves the
+  // entry to the most-recent end of both lists).
+  static BlockEntry* SettleNsTail(Shard& s, uint32_t ns_id)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(s.mu);
+  // The arena bytes `e` holds (see unpinned_bytes).
+  uint64_t Footprint(const BlockEntry& e) const;
+  // Pinned by a caller: a pin besides the one its demotion holds.
+  static bool HeldByCaller(const BlockEntry& e) {
+    return e.pins > ((e.flags & BlockEntry::kDemoting) ? 1u : 0u);
+  }
+  // Updates held_bytes_ after `e`'s pins or flags changed; `was_held` is
+  // HeldByCaller(e) before. Called under e's shard lock.
+  void CountHold(const BlockEntry& e, bool was_held);
   // The shard whose least-recent evictable entry was used longest ago, or
   // -1 when no shard has one.
   int OldestShard();
   // Drops one child count from the parent of a removed entry, if linked.
   void ReleaseParent(const BlockEntry& removed);
+  // Ages every entry last used more than kMaxSeqAge before `now` to that
+  // age (see NextSeq).
+  void SweepSeqs(uint32_t now);
 
   const char* const base_;
+  const size_t key_trailer_bytes_;
   std::array<std::unique_ptr<Shard>, kShards> shards_;
   std::atomic<uint32_t> seq_{0};
+  // Footprint of every entry, and of those HeldByCaller (changed under the
+  // entry's shard lock).
+  std::atomic<uint64_t> bytes_{0};
+  std::atomic<uint64_t> held_bytes_{0};
 };
 
 }  // namespace kvdepot

@@ -82,9 +82,12 @@ struct NamespaceInfo {
   // What counts against the quota: the bytes of its DRAM blocks and of its
   // open reservations and promotions in flight. A block is charged (by
   // ChargeQuota, with or without a quota) before its DRAM space is
-  // allocated, so concurrent puts cannot pass the quota together; it keeps
-  // its charge once published, until it leaves DRAM (FreeEntry), and gives
-  // it back when it is not published (aborted, failed, lost a race).
+  // allocated, so concurrent puts cannot pass the quota together (a put
+  // into a namespace that does not exist yet charges once its space is
+  // allocated and the namespace created; the charge still checks the quota
+  // an operator may have set meanwhile); it keeps its charge once
+  // published, until it leaves DRAM (FreeEntry), and gives it back when it
+  // is not published (aborted, failed, lost a race).
   std::atomic<uint64_t> charged{0};
 };
 
@@ -105,6 +108,9 @@ struct Session {
 struct Pin {
   SessionId session;
   std::vector<BlockEntry*> entries;
+  // Handed over (HandOverPin): the session whose pinned_blocks still count
+  // its entries until it is released (0 otherwise).
+  SessionId charged = 0;
 };
 
 struct Slot {
@@ -160,7 +166,7 @@ class TieredStoreImpl final : public TieredStore {
   TieredStoreImpl(const StoreOptions& options, Clock* clock,
                   std::unique_ptr<DramArena> arena, std::unique_ptr<NvmeTier> nvme)
       : options_(options), clock_(clock), arena_(std::move(arena)),
-        index_(arena_->base()), nvme_(std::move(nvme)) {
+        index_(arena_->base(), kStampBytes), nvme_(std::move(nvme)) {
     if (options_.background_eviction) {
       evictor_ = std::thread([this] { EvictorLoop(); });
     }
@@ -269,8 +275,19 @@ class TieredStoreImpl final : public TieredStore {
 
   absl::Status HandOverPin(SessionId session, PinId pin) override {
     absl::MutexLock lock(&mu_);
-    ASSIGN_OR_RETURN(auto it, TakePinFromSession(session, pin));
+    auto it = pins_.find(pin);
+    if (it == pins_.end() || it->second.session != session ||
+        session == kInternalSession) {
+      return TakePinFromSession(session, pin).status();  // its errors
+    }
+    // It leaves the session's pins (the session's end does not release it)
+    // but still counts against max_pinned_blocks_per_session until it is
+    // released: a client whose transfers are abandoned (HoldUntilReleased)
+    // must not pin more than it may by letting them stall.
+    auto s = sessions_.find(session);
+    if (s != sessions_.end()) s->second.pins.erase(pin);
     it->second.session = kInternalSession;
+    it->second.charged = session;
     return absl::OkStatus();
   }
 
@@ -304,7 +321,6 @@ class TieredStoreImpl final : public TieredStore {
     if (blocks.empty()) return absl::InvalidArgumentError("no blocks to put");
     uint64_t max_block = std::min<uint64_t>(options_.max_block_bytes,
                                             arena_->capacity());
-    uint64_t total = 0;
     for (const PutSpec& b : blocks) {
       RETURN_IF_ERROR(ValidateKey(b.key));
       if (!b.parent.empty()) RETURN_IF_ERROR(ValidateKey(b.parent, "parent key"));
@@ -319,12 +335,6 @@ class TieredStoreImpl final : public TieredStore {
             "block of ", b.size, " bytes exceeds the DRAM tier's capacity of ",
             arena_->capacity(), " bytes"));
       }
-      total += b.size;
-    }
-    if (total > arena_->capacity()) {
-      return absl::ResourceExhaustedError(absl::StrCat(
-          "batch of ", total, " bytes exceeds the DRAM tier's capacity of ",
-          arena_->capacity(), " bytes"));
     }
     if (draining_.load()) {
       return absl::FailedPreconditionError("draining: no new puts accepted");
@@ -333,47 +343,104 @@ class TieredStoreImpl final : public TieredStore {
       absl::MutexLock lock(&mu_);
       RETURN_IF_ERROR(LiveSession(session).status());
     }
-    ASSIGN_OR_RETURN(uint32_t ns_id, NamespaceIdFor(ns, NamespaceUse::kClientPut));
-    NamespaceInfo& info = *NamespaceById(ns_id);
-    // Every block is charged, stored already or not, so that room is made
-    // before any slot is allocated; the stored ones' share goes back once
-    // they are known.
-    RETURN_IF_ERROR(ChargeQuota(info, total));
+    // An unknown namespace is created only once the put has reserved space
+    // (below): a put that fails leaves none behind.
+    NamespaceInfo* info = FindNamespace(ns);
+    if (info == nullptr && !options_.create_namespaces) {
+      // FailedPrecondition, unless an operator declared it meanwhile.
+      ASSIGN_OR_RETURN(uint32_t id, NamespaceIdFor(ns, NamespaceUse::kClientPut));
+      info = NamespaceById(id);
+    }
 
-    ReservationState state{session, ns_id, {}, 0, 0, false};
+    ReservationState state{session, 0, {}, 0, 0, false};
     state.slots.resize(blocks.size());
     Reservation out;
     out.slots.resize(blocks.size());
-    bool any = false;
+    // Put-if-absent first: the blocks stored already are held (pinned, not
+    // counted as lookups) until the reservation is made, so that making room
+    // for the others cannot evict them; only the others are charged and
+    // allocated.
+    std::vector<BlockEntry*> held;
+    absl::Cleanup release_held = [&] {
+      for (BlockEntry* e : held) index_.Unpin(e);
+    };
+    uint64_t total = 0;  // bytes of the blocks to store
+    uint64_t space = 0;  // the arena space their slots take
     for (size_t i = 0; i < blocks.size(); ++i) {
       const PutSpec& b = blocks[i];
       Slot& slot = state.slots[i];
       slot.key = std::string(b.key);
       slot.parent = std::string(b.parent);
       slot.size = b.size;
-      // Put-if-absent across the tiers: a block only on NVMe is stored too
-      // (its in-memory index answers; no disk access).
-      if (index_.Find(BlockIndex::MakeKey(ns_id, b.key), false) ||
-          (nvme_ != nullptr && nvme_->Contains(ns, b.key))) {
+      // Across the tiers: a block only on NVMe is stored too (its in-memory
+      // index answers; no disk access).
+      BlockEntry* e =
+          info ? index_.PinIfPresent(BlockIndex::MakeKey(info->id, b.key)) : nullptr;
+      if (e != nullptr) held.push_back(e);
+      if (e != nullptr || (nvme_ != nullptr && nvme_->Contains(ns, b.key))) {
         slot.exists = true;
         out.slots[i].exists = true;
         continue;
       }
-      absl::Status st = AllocateSlot(slot, would_wait);
+      total += b.size;
+      space += SlotAllocationSize(slot);
+    }
+    if (total == 0) return out;  // every key exists: no reservation
+    if (total > arena_->capacity()) {
+      return absl::ResourceExhaustedError(absl::StrCat(
+          "batch of ", total, " bytes exceeds the DRAM tier's capacity of ",
+          arena_->capacity(), " bytes"));
+    }
+    // A batch that no eviction can make room for now (the rest of DRAM is
+    // pinned or reserved) evicts nothing, for the quota or for DRAM. With
+    // an NVMe tier and its evictor it waits for room (AllocateEvicting):
+    // pins and reservations end, and what they held becomes evictable;
+    // with would_wait it declines at once. Without them it fails.
+    if (absl::Status room = CheckRoom(space); !room.ok()) {
+      if (!WaitsForRoom()) return room;
+      if (would_wait != nullptr) {
+        *would_wait = true;
+        MaybeWakeEvictor();
+        return absl::UnavailableError(
+            "DRAM tier full of pinned and reserved blocks: waits for room");
+      }
+    }
+    if (info != nullptr) RETURN_IF_ERROR(ChargeQuota(*info, total));
+
+    uint64_t need = space;  // still to allocate
+    for (size_t i = 0; i < blocks.size(); ++i) {
+      Slot& slot = state.slots[i];
+      if (slot.exists) continue;
+      absl::Status st = AllocateSlot(slot, would_wait, need);
       if (!st.ok()) {
         state.slots.resize(i);  // only slots before i hold space
         FreeSlots(state);
-        info.charged.fetch_sub(total);
+        if (info != nullptr) info->charged.fetch_sub(total);
         return st;
       }
+      need -= SlotAllocationSize(slot);
       state.bytes += SlotAllocationSize(slot);
       state.charged += slot.size;
       out.slots[i].offset = slot.data_offset;
       out.slots[i].size = slot.size;
-      any = true;
     }
-    info.charged.fetch_sub(total - state.charged);  // stored already
-    if (!any) return out;  // every key exists: no reservation
+    if (info == nullptr) {
+      // Space is reserved: now the namespace is created. It has no quota
+      // unless an operator declared it meanwhile; then the charge may make
+      // room as above (the slots are allocated already, the charge still
+      // keeps the namespace within its quota).
+      absl::StatusOr<uint32_t> id = NamespaceIdFor(ns, NamespaceUse::kClientPut);
+      absl::Status st = id.status();
+      if (id.ok()) {
+        info = NamespaceById(*id);
+        st = ChargeQuota(*info, total);
+      }
+      if (!st.ok()) {
+        FreeSlots(state);
+        return st;
+      }
+    }
+    state.ns_id = info->id;
 
     absl::MutexLock lock(&mu_);
     Session* s = nullptr;
@@ -381,7 +448,7 @@ class TieredStoreImpl final : public TieredStore {
       auto it = sessions_.find(session);
       if (it == sessions_.end()) {
         FreeSlots(state);
-        info.charged.fetch_sub(state.charged);
+        info->charged.fetch_sub(state.charged);
         return SessionNotFound(session);
       }
       s = &it->second;
@@ -799,6 +866,10 @@ class TieredStoreImpl final : public TieredStore {
     uint32_t n = static_cast<uint32_t>(it->second.entries.size());
     for (BlockEntry* e : it->second.entries) index_.Unpin(e);
     pins_active_ -= n;
+    if (it->second.charged != 0) {  // handed over: counted there until now
+      auto s = sessions_.find(it->second.charged);
+      if (s != sessions_.end()) s->second.pinned_blocks -= n;
+    }
     pins_.erase(it);
     return n;
   }
@@ -1178,11 +1249,16 @@ class TieredStoreImpl final : public TieredStore {
   // The key's allocation also holds when the block entered DRAM (Unix ms,
   // kStampBytes after the key; free for keys up to 56 bytes, which share the
   // 64-byte size class).
-  // `would_wait`: see BeginPut.
-  absl::Status AllocateSlot(Slot& slot, bool* would_wait = nullptr) {
-    ASSIGN_OR_RETURN(uint64_t data, AllocateEvicting(slot.size, would_wait));
-    absl::StatusOr<uint64_t> key =
-        AllocateEvicting(KeyAllocationBytes(slot), would_wait);
+  // `would_wait`: see BeginPut. `need`: the arena space its batch has still
+  // to allocate, this slot's included (0: only this slot's); see
+  // AllocateEvicting.
+  absl::Status AllocateSlot(Slot& slot, bool* would_wait = nullptr,
+                            uint64_t need = 0) {
+    need = std::max<uint64_t>(need, SlotAllocationSize(slot));
+    ASSIGN_OR_RETURN(uint64_t data, AllocateEvicting(slot.size, would_wait, need));
+    absl::StatusOr<uint64_t> key = AllocateEvicting(
+        KeyAllocationBytes(slot), would_wait,
+        need - DramArena::AllocationSize(slot.size));
     if (!key.ok()) {
       arena_->Free(data);
       return key.status();
@@ -1206,10 +1282,19 @@ class TieredStoreImpl final : public TieredStore {
   // too. Without them, or when a round freed nothing or the time is up, it
   // tries once more and then evicts (drops) synchronously.
   // With `would_wait`, the wait is not made: Unavailable, *would_wait set.
+  // `need` is the arena space the caller's batch has still to allocate,
+  // these `bytes` included: once the free space and every block no one
+  // holds pinned could not hold it (CheckRoom), it drops nothing more and
+  // fails (waiting, above, still goes on: pins and reservations end). That
+  // bound ignores fragmentation: when the free space is
+  // enough in sum but not in one piece that fits, evicting may still fail
+  // to make room after dropping every evictable block.
   absl::StatusOr<uint64_t> AllocateEvicting(uint64_t bytes,
-                                            bool* would_wait = nullptr) {
+                                            bool* would_wait = nullptr,
+                                            uint64_t need = 0) {
+    need = std::max(need, bytes);
     absl::Time wait_until = absl::InfinitePast();
-    bool waiting = nvme_ != nullptr && evictor_.joinable();
+    bool waiting = WaitsForRoom();
     while (true) {
       absl::StatusOr<uint64_t> off = arena_->Allocate(bytes);
       if (off.ok()) {
@@ -1238,6 +1323,8 @@ class TieredStoreImpl final : public TieredStore {
         waiting = false;
         continue;
       }
+      // Dropping blocks that cannot make room would only lose them.
+      RETURN_IF_ERROR(CheckRoom(need));
       if (!EvictOne()) {
         return absl::ResourceExhaustedError(absl::StrCat(
             "DRAM tier full: no room for ", bytes, " bytes and nothing "
@@ -1245,6 +1332,28 @@ class TieredStoreImpl final : public TieredStore {
             arena_->capacity(), " bytes pinned, reserved or fragmented)"));
       }
     }
+  }
+
+  // Whether a put that finds DRAM full waits for the evictor to demote room
+  // (see AllocateEvicting) rather than dropping blocks at once.
+  bool WaitsForRoom() const { return nvme_ != nullptr && evictor_.joinable(); }
+
+  // ResourceExhausted when `need` bytes of arena space cannot be had however
+  // much is evicted: the free space plus the space of the blocks no one
+  // holds pinned (BlockIndex::unpinned_bytes) is less. What pins and open
+  // reservations hold (and slots being published or promoted) never counts.
+  // A necessary condition only: unpinned parents of pinned blocks count,
+  // and fragmentation can still leave no piece big enough.
+  absl::Status CheckRoom(uint64_t need) {
+    const uint64_t cap = arena_->capacity();
+    const uint64_t used = std::min<uint64_t>(arena_->allocated_bytes(), cap);
+    const uint64_t unpinned = index_.unpinned_bytes();
+    if (need <= cap - used + unpinned) return absl::OkStatus();
+    return absl::ResourceExhaustedError(absl::StrCat(
+        "DRAM tier full: ", need, " bytes needed but only ", cap - used,
+        " of ", cap, " are free and ", unpinned,
+        " are in unpinned blocks (the rest is pinned or reserved); nothing "
+        "was evicted for it"));
   }
 
   // The bytes AllocateSlot asks for the slot's key and stamp.

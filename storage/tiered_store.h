@@ -281,19 +281,31 @@ class TieredStore {
   // when the session itself is gone (its pins went with it). Returns the
   // number of blocks released.
   virtual absl::StatusOr<uint32_t> Unpin(SessionId session, PinId pin) = 0;
-  // Hands `session`'s `pin` over to kInternalSession: it no longer counts
-  // against the session nor ends with it; the caller releases it with
-  // Unpin(kInternalSession, pin). Errors as Unpin's.
+  // Hands `session`'s `pin` over to kInternalSession: it no longer ends
+  // with the session, but its blocks still count against the session's
+  // max_pinned_blocks_per_session until it is released (the session's
+  // transfers hold it); the caller releases it with Unpin(kInternalSession,
+  // pin). Errors as Unpin's.
   virtual absl::Status HandOverPin(SessionId session, PinId pin) = 0;
 
   // Reserves DRAM space for `blocks` (EXISTS for keys stored in either
-  // tier: a block kept only on NVMe is stored, put-if-absent). Evicts as
-  // needed; ResourceExhausted when nothing evictable makes room (nothing is
-  // reserved then). InvalidArgument for bad keys, sizes (0 or above
-  // max_block_bytes) or batch size; FailedPrecondition while draining.
+  // tier: a block kept only on NVMe is stored, put-if-absent). Keys stored
+  // already cost nothing: they are not charged to the quota, nothing is
+  // evicted for them, and making room for the others never evicts them; a
+  // batch of stored keys only is a no-op (no reservation, id 0) whatever its
+  // size, and creates no namespace. Evicts as needed for the others;
+  // ResourceExhausted when nothing evictable makes room (nothing is
+  // reserved then, and an unknown namespace is not created). A batch that
+  // no eviction could make room for (more than the free space and the
+  // unpinned blocks' space together) fails before evicting anything; one
+  // refused for fragmentation only (the space exists, but not in pieces
+  // that fit) may still have evicted blocks. InvalidArgument for bad keys,
+  // sizes (0 or above max_block_bytes) or batch size; FailedPrecondition
+  // while draining.
   // With `would_wait` (a caller that must not block): where making room
   // would wait for the evictor (DRAM full, NVMe tier on), returns
-  // Unavailable at once with *would_wait set, having reserved nothing.
+  // Unavailable at once with *would_wait set, having reserved nothing
+  // (where no wait could make room, ResourceExhausted as above).
   virtual absl::StatusOr<Reservation> BeginPut(
       SessionId session, absl::string_view ns,
       absl::Span<const PutSpec> blocks, bool* would_wait = nullptr) = 0;
@@ -344,8 +356,9 @@ class TieredStore {
   // open reservations (a reservation counts from BeginPut until its blocks
   // are published, or it ends) and of promotions in flight. BeginPut evicts
   // the namespace's least recently used unpinned blocks (dropping them, as a
-  // put that finds DRAM full does) to stay within it, and fails with
-  // ResourceExhausted when that cannot make room. A pinned Lookup's
+  // put that finds DRAM full does) to stay within it, for the blocks it
+  // does not have yet, and fails with ResourceExhausted when that cannot
+  // make room. A pinned Lookup's
   // promotion makes room the same way; a block it cannot make room for
   // stays on NVMe and is a miss of that lookup (as when DRAM is full).
   // Lowering the quota evicts nothing by itself: the next put or promotion

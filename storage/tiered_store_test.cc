@@ -274,6 +274,39 @@ TEST_F(TieredStoreTest, PinnedBlocksPerSessionAreBounded) {
               StatusIs(Code::kResourceExhausted));
 }
 
+// A pin handed over for a transfer (PushBlocks: the daemon's until the
+// transfer ends, however long it stalls) still counts against its session's
+// bound until released: stalled transfers cannot pin more than the bound.
+TEST_F(TieredStoreTest, HandedOverPinsStillCountAgainstTheirSession) {
+  StoreOptions opts;
+  opts.max_pinned_blocks_per_session = 3;
+  Reopen(opts);
+  ASSERT_OK(Put("k", "x"));
+  absl::string_view k = "k";
+  std::vector<PinId> held;
+  for (int i = 0; i < 3; ++i) {
+    auto r = store_->Lookup(sid_, "ns", {&k, 1}, false, true);
+    ASSERT_OK(r);
+    ASSERT_OK(store_->HandOverPin(sid_, r->pin_id));
+    held.push_back(r->pin_id);
+  }
+  EXPECT_THAT(store_->Lookup(sid_, "ns", {&k, 1}, false, true),
+              StatusIs(Code::kResourceExhausted));
+  // Released by the store (the transfer ended): the session may pin again.
+  ASSERT_OK(store_->Unpin(kInternalSession, held[0]));
+  auto again = store_->Lookup(sid_, "ns", {&k, 1}, false, true);
+  ASSERT_OK(again);
+  EXPECT_THAT(store_->Lookup(sid_, "ns", {&k, 1}, false, true),
+              StatusIs(Code::kResourceExhausted));
+  // The session's end does not release the handed-over pins; their release
+  // after it is fine.
+  ASSERT_OK(store_->CloseSession(sid_));
+  EXPECT_EQ(store_->Stats().pins, 2u);
+  ASSERT_OK(store_->Unpin(kInternalSession, held[1]));
+  ASSERT_OK(store_->Unpin(kInternalSession, held[2]));
+  EXPECT_EQ(store_->Stats().pins, 0u);
+}
+
 TEST_F(TieredStoreTest, FailedBatchPutFreesOnlyWhatItAllocated) {
   // A block that stays pinned at the start of the arena, then a two-block
   // put whose second block cannot fit: nothing may be freed twice, and the
@@ -532,8 +565,8 @@ TEST_F(TieredStoreTest, PinsAndReservationsOfAnEndedSessionAreNotFound) {
   EXPECT_EQ(store_->Stats().pins, 0u);
 }
 
-// A pin handed over to kInternalSession no longer counts against its
-// session, outlives it, and is released with kInternalSession.
+// A pin handed over to kInternalSession outlives its session and is
+// released with kInternalSession.
 TEST_F(TieredStoreTest, EndAllSessionsReleasesEveryClientsPinsAndReservations) {
   ASSERT_OK(Put("a", "1"));
   ASSERT_OK(Put("b", "2"));
@@ -869,6 +902,223 @@ TEST_F(TieredStoreTest, InspectReportsABlockWithoutTouchingIt) {
   EXPECT_THAT(store_->Inspect("ns", ""), StatusIs(Code::kInvalidArgument));
 }
 
+// Puts `keys` into `ns` in batches of 1024, each block `size` bytes of 'x'.
+absl::Status PutMany(TieredStore& store, SessionId sid, const std::string& ns,
+                     const std::vector<std::string>& keys, size_t size) {
+  const std::string bytes(size, 'x');
+  const uint64_t sum = BlockChecksum(bytes);
+  for (size_t i = 0; i < keys.size(); i += 1024) {
+    std::vector<PutSpec> specs;
+    for (size_t j = i; j < keys.size() && j < i + 1024; ++j) {
+      specs.push_back({keys[j], "", size});
+    }
+    auto r = store.BeginPut(sid, ns, specs);
+    if (!r.ok()) return r.status();
+    if (r->id == 0) continue;
+    for (const PutSlot& slot : r->slots) {
+      if (!slot.exists) {
+        std::memcpy(store.dram_region().base + slot.offset, bytes.data(), size);
+      }
+    }
+    std::vector<uint64_t> sums(specs.size(), sum);
+    auto c = store.CommitPut(sid, r->id, sums);
+    if (!c.ok()) return c.status();
+  }
+  return absl::OkStatus();
+}
+
+// A quota's eviction finds the namespace's own least recently used block
+// however many older blocks of other namespaces lie at the old end of
+// every shard's list (it looked at 4096 entries per shard, and so found
+// none behind 300k foreign ones: the put failed as if everything was
+// pinned).
+TEST_F(TieredStoreTest, QuotaEvictsOwnBlocksBehindManyOlderForeignBlocks) {
+  StoreOptions o;
+  o.dram_capacity = uint64_t{48} << 20;
+  o.hugepages = HugePageMode::kOff;
+  o.background_eviction = false;
+  auto made = NewTieredStore(o, &clock_);
+  ASSERT_OK(made);
+  TieredStore& store = **made;
+  const SessionId sid = store.OpenSession(absl::ZeroDuration(), "t")->id;
+  std::vector<std::string> foreign;
+  for (int i = 0; i < 300000; ++i) foreign.push_back("f" + std::to_string(i));
+  ASSERT_OK(PutMany(store, sid, "big", foreign, 64));
+  ASSERT_OK(store.SetQuota("q", 64 * 64));
+  for (int i = 0; i < 64; ++i) {  // one put each: q0 is the oldest
+    ASSERT_OK(PutMany(store, sid, "q", {"q" + std::to_string(i)}, 64));
+  }
+  const uint64_t evictions = store.Stats().dram.evictions;
+  ASSERT_OK(PutMany(store, sid, "q", {"q-next"}, 64));
+  EXPECT_EQ(store.Stats().dram.evictions, evictions + 1);
+  auto has = [&](const std::string& ns, const std::string& key) {
+    absl::string_view k = key;
+    auto r = store.Lookup(kInternalSession, ns, {&k, 1}, false, false);
+    return r.ok() && r->entries[0].found;
+  };
+  EXPECT_FALSE(has("q", "q0"));  // the namespace's oldest
+  EXPECT_TRUE(has("q", "q1"));
+  EXPECT_TRUE(has("q", "q-next"));
+  EXPECT_TRUE(has("big", "f0"));  // other namespaces are untouched
+  EXPECT_EQ(store.Stats().dram.blocks, 300000u + 64u);
+}
+
+// A batch that no eviction can make room for (the space not pinned is too
+// small) fails before evicting anything: it emptied DRAM of every unpinned
+// block, and then failed "having reserved nothing".
+TEST_F(TieredStoreTest, UnsatisfiableBatchEvictsNothing) {
+  std::vector<std::string> keys;
+  for (int i = 0; i < 32; ++i) keys.push_back("c" + std::to_string(i));
+  ASSERT_OK(PutMany(*store_, sid_, "c", keys, 64 << 10));
+  std::vector<absl::string_view> pin(keys.begin(), keys.begin() + 16);
+  auto pinned = store_->Lookup(sid_, "c", pin, false, true);
+  ASSERT_OK(pinned);
+  ASSERT_EQ(store_->Stats().pinned_blocks, 16u);
+  const StoreStats before = store_->Stats();
+  ASSERT_EQ(before.dram.blocks, 32u);
+  std::vector<std::string> names;
+  for (int i = 0; i < 7; ++i) names.push_back("n" + std::to_string(i));
+  std::vector<PutSpec> specs;
+  for (const std::string& n : names) specs.push_back({n, "", 512 << 10});
+  // 3.5 MiB: less than the tier's 4 MiB, more than all but the pinned 1 MiB.
+  EXPECT_THAT(store_->BeginPut(sid_, "c", specs),
+              StatusIs(Code::kResourceExhausted));
+  const StoreStats after = store_->Stats();
+  EXPECT_EQ(after.dram.blocks, 32u);
+  EXPECT_EQ(after.dram.evictions, before.dram.evictions);
+  EXPECT_EQ(after.dram.used_bytes, before.dram.used_bytes);
+  EXPECT_EQ(after.reservations, 0u);
+  // A batch that fits once the unpinned blocks go still makes room.
+  specs.resize(4);
+  auto r = store_->BeginPut(sid_, "c", specs);
+  ASSERT_OK(r);
+  EXPECT_GT(store_->Stats().dram.evictions, before.dram.evictions);
+  ASSERT_OK(store_->AbortPut(sid_, r->id));
+  for (int i = 0; i < 16; ++i) EXPECT_TRUE(Has(keys[i], "c")) << keys[i];
+  ASSERT_OK(store_->Unpin(sid_, pinned->pin_id));
+}
+
+// A put of keys stored already is a no-op, even under a full quota: it
+// charged the whole batch first, evicting the namespace's least recently
+// used block for bytes never written (or the re-put key itself, answering
+// with a fresh slot instead of EXISTS), and refused a batch of stored keys
+// larger than the quota.
+TEST_F(TieredStoreTest, PutOfExistingKeysUnderAFullQuotaEvictsNothing) {
+  const std::string block(4096, 'e');
+  ASSERT_OK(store_->SetQuota("r", 4 * block.size()));
+  const std::vector<std::string> keys = {"k0", "k1", "k2", "k3"};
+  for (const std::string& k : keys) ASSERT_OK(Put(k, block, "", "r"));
+  const uint64_t evictions = store_->Stats().dram.evictions;
+  PutSpec spec{"k3", "", block.size()};
+  auto r = store_->BeginPut(sid_, "r", {&spec, 1});
+  ASSERT_OK(r);
+  EXPECT_EQ(r->id, 0u);
+  EXPECT_TRUE(r->slots[0].exists);
+  EXPECT_EQ(store_->Stats().dram.evictions, evictions);
+  for (const std::string& k : keys) EXPECT_TRUE(Has(k, "r")) << k;
+  // k0 is the least recently used: a put of it must not evict it either.
+  spec.key = "k0";
+  r = store_->BeginPut(sid_, "r", {&spec, 1});
+  ASSERT_OK(r);
+  EXPECT_TRUE(r->slots[0].exists);
+  EXPECT_EQ(store_->Stats().dram.evictions, evictions);
+  // Five stored blocks (20 KiB, the quota is 16 KiB), one of them twice.
+  std::vector<PutSpec> specs = {{"k1", "", block.size()}, {"k2", "", block.size()},
+                                {"k3", "", block.size()}, {"k1", "", block.size()},
+                                {"k2", "", block.size()}};
+  r = store_->BeginPut(sid_, "r", specs);
+  ASSERT_OK(r);
+  EXPECT_EQ(r->id, 0u);
+  for (const PutSlot& slot : r->slots) EXPECT_TRUE(slot.exists);
+  EXPECT_EQ(store_->Stats().dram.evictions, evictions);
+  EXPECT_EQ(NamespaceBytes(*store_, "r"), 4 * block.size());
+  // A batch of stored keys and a new one evicts for the new one only, and
+  // not one of the stored keys it names.
+  specs = {{"k0", "", block.size()}, {"k4", "", block.size()}};
+  r = store_->BeginPut(sid_, "r", specs);
+  ASSERT_OK(r);
+  EXPECT_TRUE(r->slots[0].exists);
+  EXPECT_FALSE(r->slots[1].exists);
+  EXPECT_EQ(store_->Stats().dram.evictions, evictions + 1);
+  EXPECT_TRUE(Has("k0", "r"));
+  ASSERT_OK(store_->AbortPut(sid_, r->id));
+}
+
+// A parent evicted explicitly while its child is cached, then stored again
+// with a new child: the old child names its key too, so the new entry
+// counts both, and the old child's eviction leaves the new one's count.
+// (The old child's release counted down the new entry, which then looked
+// childless, and evictable, while its new child was cached.)
+TEST_F(TieredStoreTest, AParentStoredAgainCountsTheChildrenOfItsEvictedSelf) {
+  const std::string block(4096, 'p');
+  ASSERT_OK(Put("P", block));
+  ASSERT_OK(Put("C", block, "P"));
+  absl::string_view p = "P", c = "C";
+  ASSERT_EQ(store_->Evict("ns", {&p, 1}, false)->evicted_blocks, 1u);
+  ASSERT_OK(Put("P", block));
+  ASSERT_OK(Put("C2", block, "P"));
+  EXPECT_EQ(store_->Inspect("ns", "P")->cached_children, 2u);
+  ASSERT_EQ(store_->Evict("ns", {&c, 1}, false)->evicted_blocks, 1u);
+  EXPECT_TRUE(Has("C2"));
+  EXPECT_EQ(store_->Inspect("ns", "P")->cached_children, 1u);
+  // Leaves first: filling DRAM evicts C2 before P (Inspect does not touch
+  // them, as a lookup would).
+  std::vector<std::string> fill;
+  for (int i = 0; i < 200; ++i) fill.push_back("fill" + std::to_string(i));
+  bool c2_gone_first = false;
+  for (const std::string& k : fill) {
+    ASSERT_OK(Put(k, std::string(64 << 10, 'f')));
+    const bool has_p = store_->Inspect("ns", "P").ok();
+    const bool has_c2 = store_->Inspect("ns", "C2").ok();
+    ASSERT_FALSE(has_c2 && !has_p) << "the parent went before its child";
+    if (!has_c2) {
+      c2_gone_first = true;
+      break;
+    }
+  }
+  EXPECT_TRUE(c2_gone_first);
+}
+
+// A put that fails creates no namespace (namespaces are never removed: a
+// client could use up max_namespaces with failed puts).
+TEST_F(TieredStoreTest, AFailedPutCreatesNoNamespace) {
+  StoreOptions o;
+  o.max_namespaces = 2;
+  Reopen(o);
+  std::vector<std::string> keys = {"a0", "a1", "a2"};
+  ASSERT_OK(PutMany(*store_, sid_, "a", keys, 1 << 20));
+  std::vector<absl::string_view> views(keys.begin(), keys.end());
+  auto pin = store_->Lookup(sid_, "a", views, false, true);
+  ASSERT_OK(pin);
+  for (const char* ns : {"g1", "g2", "g3"}) {
+    PutSpec spec{"k", "", 2 << 20};
+    EXPECT_THAT(store_->BeginPut(sid_, ns, {&spec, 1}),
+                StatusIs(Code::kResourceExhausted));
+  }
+  std::vector<std::string> names;
+  for (const NamespaceStats& ns : store_->ListNamespaces()) names.push_back(ns.name);
+  EXPECT_THAT(names, ::testing::ElementsAre("a"));
+  ASSERT_OK(store_->Unpin(sid_, pin->pin_id));
+  ASSERT_OK(Put("k", std::string(1000, 'b'), "", "b"));
+  EXPECT_TRUE(Has("k", "b"));
+}
+
+// A put of a stored key is not a read of it: it neither counts toward the
+// NVMe admission policy (nvme_admit_min_reads) nor shows in dram_reads.
+TEST_F(TieredStoreTest, APutOfAStoredKeyIsNotCountedAsARead) {
+  const std::string block(1000, 'r');
+  ASSERT_OK(Put("k", block));
+  EXPECT_EQ(store_->Inspect("ns", "k")->dram_reads, 0u);
+  for (int i = 0; i < 3; ++i) {
+    EXPECT_EQ(Put("k", block).value_or(CommitOutcome::kStored),
+              CommitOutcome::kAlreadyExists);
+  }
+  EXPECT_EQ(store_->Inspect("ns", "k")->dram_reads, 0u);
+  EXPECT_EQ(store_->Inspect("ns", "k")->pins, 0u);
+  EXPECT_TRUE(Has("k"));
+  EXPECT_EQ(store_->Inspect("ns", "k")->dram_reads, 1u);
+}
+
 class TieredStoreNvmeTest : public ::testing::Test {
  protected:
   void SetUp() override {
@@ -973,7 +1223,8 @@ TEST_F(TieredStoreNvmeTest, DemotedBlocksAreFoundOnNvmeAndPromotedWhenPinned) {
 
 // With the evictor and an NVMe tier, a put that finds DRAM full waits for
 // room; a caller that must not block (a UCX progress thread) can decline
-// to: Unavailable at once, would_wait set, nothing reserved.
+// to: Unavailable at once, would_wait set, nothing reserved. Where waiting
+// could not help (every block pinned), the put fails at once instead.
 TEST_F(TieredStoreNvmeTest, APutThatWouldWaitForRoomCanDeclineTo) {
   // The evictor only runs when asked (its high mark is never passed), and
   // every block is pinned: nothing can make room.
