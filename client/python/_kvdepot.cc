@@ -45,6 +45,7 @@
 #include "absl/status/statusor.h"
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
 #include "absl/strings/string_view.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
@@ -87,16 +88,66 @@ T Check(absl::StatusOr<T> value) {
 }
 
 // A borrowed view of a Python object's memory, valid while the object lives
-// (`owner` keeps it referenced; `view` holds the buffer-protocol export).
+// (`owner` keeps it referenced; `view` holds the buffer-protocol export; for
+// a torch tensor, `storage` holds what owns its memory, which t.set_() would
+// otherwise free under a transfer: the tensor alone does not keep it).
 struct Memory {
   py::object owner;
+  py::object storage;
   std::optional<py::buffer_info> view;
   char* data = nullptr;
   size_t size = 0;
   // Its elements' type: a torch dtype without "torch." ("bfloat16"), or a
   // buffer's struct format without its byte-order mark ("e", "B").
   std::string element;
+  // Its shape in elements of `itemsize` bytes ({size} where it has none).
+  std::vector<int64_t> shape;
+  size_t itemsize = 1;
 };
+
+constexpr bool kBigEndianHost = __BYTE_ORDER__ == __ORDER_BIG_ENDIAN__;
+
+// Raises ValueError for big-endian elements wider than a byte: element bytes
+// are copied verbatim and are little-endian by contract (gpu/kv_layout.h),
+// so they would be stored byte-swapped into a namespace others load.
+// `order` is a struct format's byte-order character ('@', '=', '<', '>',
+// '!'); `shown` says what the elements are, for the message.
+void CheckByteOrder(char order, size_t itemsize, const std::string& what,
+                    const std::string& shown) {
+  const bool big = order == '>' || order == '!' ||
+                   ((order == '@' || order == '=') && kBigEndianHost);
+  if (big && itemsize > 1) {
+    throw py::value_error(absl::StrCat(
+        "INVALID_ARGUMENT: ", what, " holds big-endian elements (", shown,
+        "); kvdepot copies element bytes verbatim and they must be "
+        "little-endian: convert first (e.g. numpy's .astype('<f2'))"));
+  }
+}
+
+// The message of the Python exception being raised, which this clears.
+// REQUIRES: the GIL and a Python error set.
+std::string TakePythonErrorText() {
+  py::error_already_set error;  // fetches and clears it
+  try {
+    return std::string(py::str(error.value()));
+  } catch (const std::exception&) {
+    return "(no message)";
+  }
+}
+
+// The storage of torch tensor `t` (None where it has none): untyped_storage()
+// (torch >= 2.0), else storage(). REQUIRES: the GIL.
+py::object TorchStorage(py::handle t) {
+  for (const char* name : {"untyped_storage", "storage"}) {
+    if (!py::hasattr(t, name)) continue;
+    try {
+      return t.attr(name)();
+    } catch (const py::error_already_set&) {
+      return py::none();  // e.g. a tensor without storage
+    }
+  }
+  return py::none();
+}
 
 bool IsTorchTensor(py::handle obj) {
   return py::hasattr(obj, "data_ptr") && py::hasattr(obj, "element_size") &&
@@ -120,10 +171,21 @@ Memory GetMemory(py::handle obj, bool writable, const std::string& what) {
           absl::StrCat("INVALID_ARGUMENT: ", what, " is not contiguous"));
     }
     m.data = reinterpret_cast<char*>(obj.attr("data_ptr")().cast<uintptr_t>());
-    m.size = obj.attr("numel")().cast<size_t>() *
-             obj.attr("element_size")().cast<size_t>();
+    m.itemsize = obj.attr("element_size")().cast<size_t>();
+    CheckByteOrder('@', m.itemsize, what,
+                   "a torch tensor on a big-endian host");
+    m.size = obj.attr("numel")().cast<size_t>() * m.itemsize;
     m.element = py::str(obj.attr("dtype"));
     if (absl::StartsWith(m.element, "torch.")) m.element.erase(0, 6);
+    if (py::hasattr(obj, "shape")) {
+      for (py::handle extent : obj.attr("shape")) {
+        m.shape.push_back(extent.cast<int64_t>());
+      }
+    } else {
+      m.shape = {
+          static_cast<int64_t>(m.size / std::max<size_t>(1, m.itemsize))};
+    }
+    m.storage = TorchStorage(obj);
     return m;
   }
   if (!PyObject_CheckBuffer(obj.ptr())) {
@@ -136,19 +198,28 @@ Memory GetMemory(py::handle obj, bool writable, const std::string& what) {
   Py_buffer* buf = new Py_buffer();
   if (PyObject_GetBuffer(obj.ptr(), buf, flags) != 0) {
     delete buf;
-    PyErr_Clear();
+    // Why (not C-contiguous, read-only, an element type numpy exports no
+    // buffer of, e.g. datetime64) is the exporter's message.
     throw py::value_error(absl::StrCat(
-        "INVALID_ARGUMENT: ", what, " is not a C-contiguous",
-        writable ? " writable" : "", " buffer"));
+        "INVALID_ARGUMENT: ", what, " cannot be read as a C-contiguous",
+        writable ? " writable" : "", " buffer: ", TakePythonErrorText()));
   }
-  // buffer_info takes ownership of `buf` (releases and deletes it).
-  m.element = buf->format != nullptr ? buf->format : "B";
-  if (!m.element.empty() && absl::StrContains("@=<>!", m.element[0])) {
-    m.element.erase(0, 1);
-  }
+  // buffer_info takes ownership of `buf` (releases and deletes it), also
+  // when a check below throws.
+  const std::string format = buf->format != nullptr ? buf->format : "B";
   m.view.emplace(buf, /*ownview=*/true);
   m.data = static_cast<char*>(buf->buf);
   m.size = static_cast<size_t>(buf->len);
+  m.itemsize = static_cast<size_t>(std::max<py::ssize_t>(1, m.view->itemsize));
+  m.element = format;
+  char order = '@';
+  if (!m.element.empty() && absl::StrContains("@=<>!", m.element[0])) {
+    order = m.element[0];
+    m.element.erase(0, 1);
+  }
+  CheckByteOrder(order, m.itemsize, what,
+                 absl::StrCat("buffer format '", format, "'"));
+  m.shape.assign(m.view->shape.begin(), m.view->shape.end());
   return m;
 }
 
@@ -417,9 +488,6 @@ class PyTransferOp {
   std::vector<Memory> memory_;
 };
 
-// The cache tensors of a gather/scatter as a KvCacheView; num_blocks is
-// derived from the tensors' sizes, which must all be equal and a whole number
-// of blocks. `memories` keeps the objects referenced.
 // True when elements of type `element` (Memory::element) may hold a cache of
 // `dtype`: that type itself, or integers (raw bits: a uint8 view, numpy's
 // uint16 for bf16, which numpy lacks). Another floating-point type may not.
@@ -443,6 +511,59 @@ bool ElementFits(const std::string& element, KvDtype dtype) {
   return false;
 }
 
+// The physical shape of a cache tensor of `layout` with `num_blocks` blocks
+// (gpu/kv_layout.h), and the same in letters for messages.
+std::vector<int64_t> PhysicalShape(const KvLayout& layout, int64_t num_blocks,
+                                   std::string* letters) {
+  const int64_t n = num_blocks, l = layout.num_layers(),
+                c = layout.num_components(), t = layout.block_size(),
+                h = layout.num_kv_heads(), d = layout.head_size();
+  switch (layout.layout()) {
+    case KvCacheLayout::kFlashAttnNhd:
+      *letters = "[2, N, T, H, D]";
+      return {c, n, t, h, d};
+    case KvCacheLayout::kFlashAttnHnd:
+      *letters = "[2, N, H, T, D]";
+      return {c, n, h, t, d};
+    case KvCacheLayout::kFlashInferNhd:
+      *letters = "[N, 2, T, H, D]";
+      return {n, c, t, h, d};
+    case KvCacheLayout::kFlashInferHnd:
+      *letters = "[N, 2, H, T, D]";
+      return {n, c, h, t, d};
+    case KvCacheLayout::kMla:
+      *letters = "[N, T, D]";
+      return {n, t, d};
+    case KvCacheLayout::kCrossLayerNhd:
+      *letters = "[N, L, C, T, H, D]";
+      return {n, l, c, t, h, d};
+    case KvCacheLayout::kCrossLayerHnd:
+      *letters = "[N, L, C, H, T, D]";
+      return {n, l, c, h, t, d};
+  }
+  *letters = "?";
+  return {};
+}
+
+// `shape` (of elements of `itemsize` bytes) with its last dimension in bytes
+// and without the dimensions of extent 1, which order no bytes: C-contiguous
+// tensors of equal byte shapes lay each index out in the same bytes,
+// whatever integer type views them.
+std::vector<int64_t> ByteShape(std::vector<int64_t> shape, size_t itemsize) {
+  if (!shape.empty()) shape.back() *= static_cast<int64_t>(itemsize);
+  shape.erase(std::remove(shape.begin(), shape.end(), int64_t{1}), shape.end());
+  return shape;
+}
+
+std::string ShapeText(const std::vector<int64_t>& shape) {
+  return absl::StrCat("[", absl::StrJoin(shape, ", "), "]");
+}
+
+// The cache tensors of a gather/scatter as a KvCacheView; num_blocks is
+// derived from the tensors' sizes, which must all be equal and a whole number
+// of blocks. Raises ValueError for elements of another floating-point type
+// than the layout's, and for a tensor of more than one dimension whose shape
+// is not the layout's physical one. `memories` keeps the objects referenced.
 KvCacheView CacheView(const KvLayout& layout, const std::vector<Memory>& memories) {
   for (size_t i = 0; i < memories.size(); ++i) {
     // The fingerprint names the dtype: a cache of another one would be
@@ -467,11 +588,34 @@ KvCacheView CacheView(const KvLayout& layout, const std::vector<Memory>& memorie
     const Memory& m = memories[i];
     if (m.size != memories[0].size || m.size % per_block != 0 || m.size == 0) {
       throw py::value_error(absl::StrCat(
-          "INVALID_ARGUMENT: caches[", i, "] has ", m.size, " bytes; every cache "
-          "tensor must have the same size, a positive multiple of ", per_block,
-          " bytes (one block)"));
+          "INVALID_ARGUMENT: caches[", i, "] has ", m.size,
+          " bytes; every cache "
+          "tensor must have the same size, a positive multiple of ",
+          per_block, " bytes (one block)"));
     }
     view.tensors.push_back(m.data);
+  }
+  // A tensor of more than one dimension must have the layout's physical
+  // shape: another layout's tensor of the same size (FlashInfer's [N, 2,
+  // ...] as FlashAttention, HND as NHD) would give wrong objects, and
+  // layouts share namespaces (the fingerprint leaves the physical order
+  // out). 1-D buffers are taken by their size.
+  std::string letters;
+  const std::vector<int64_t> expected =
+      PhysicalShape(layout, view.num_blocks, &letters);
+  const std::vector<int64_t> want = ByteShape(expected, layout.element_bytes());
+  for (size_t i = 0; i < memories.size(); ++i) {
+    const Memory& m = memories[i];
+    if (m.shape.size() > 1 && ByteShape(m.shape, m.itemsize) != want) {
+      throw py::value_error(absl::StrCat(
+          "INVALID_ARGUMENT: caches[", i, "] has shape ", ShapeText(m.shape),
+          "; layout ", KvCacheLayoutName(layout.layout()),
+          " takes tensors of shape ", ShapeText(expected), " (physically ",
+          letters,
+          "; an integer view of other width may differ in the last dimension, "
+          "a "
+          "1-D buffer in shape)"));
+    }
   }
   return view;
 }
@@ -483,6 +627,12 @@ KvCacheView CacheView(const KvLayout& layout, const std::vector<Memory>& memorie
 // become ready in order: layer l is ready once every batch has arrived and
 // has scattered layers [0, l] of its hits (a batch without hits has nothing
 // to scatter).
+//
+// A scatter that fails (not expected: the input was checked) fails the hits
+// of its batch, which then hold some layers only: the failed layer and every
+// later one never become ready (ready_layers() stops below it), and waiting
+// for them reports the failure once the load is done (failure()), as
+// gpu/staging.h's PendingTransfer::WaitForLayer does.
 //
 // Order of the scatter: the loader always takes the lowest layer left of any
 // batch that has arrived (the lowest batch among equals). While later batches
@@ -567,20 +717,22 @@ class CacheLoadState {
         if (s.ok()) {
           ++next[best];
         } else {  // not expected: the input was checked
-          for (size_t i : hits[best]) {
-            statuses_[i] = absl::Status(
-                s.code(),
-                absl::StrCat("scatter of layer ", next[best], ": ", s.message()));
-          }
+          const absl::Status failed(
+              s.code(),
+              absl::StrCat("scatter of layer ", next[best], ": ", s.message()));
+          for (size_t i : hits[best]) statuses_[i] = failed;
           hits[best].clear();
-          next[best] = num_layers;
+          absl::MutexLock lock(&mu_);
+          if (failure_.ok()) failure_ = failed;
+          failed_layer_ = std::min(failed_layer_, next[best]);
+          next[best] = num_layers;  // nothing more of this batch to scatter
         }
         int ready = num_layers;
         for (size_t b = 0; b < ops.size(); ++b) {
           ready = std::min(ready, arrived[b] ? next[b] : 0);
         }
         absl::MutexLock lock(&mu_);
-        ready_layers_ = ready;
+        ready_layers_ = std::min(ready, failed_layer_);
         continue;
       }
       if (in_flight == 0) break;
@@ -608,7 +760,8 @@ class CacheLoadState {
       }
     }
     absl::MutexLock lock(&mu_);
-    if (!cancelled_) ready_layers_ = num_layers;  // also when nothing was hit
+    // Also when nothing was hit; never past a layer whose scatter failed.
+    if (!cancelled_) ready_layers_ = std::min(num_layers, failed_layer_);
     done_ = true;
   }
 
@@ -630,10 +783,18 @@ class CacheLoadState {
     return started_batches_;
   }
 
-  // Layers [0, ready_layers()) of every hit are in the cache.
+  // Layers [0, ready_layers()) of every hit are in the cache. num_layers()
+  // once done, unless cancelled or a scatter failed (then below the layer
+  // that failed).
   int ready_layers() const {
     absl::MutexLock lock(&mu_);
     return ready_layers_;
+  }
+
+  // OK, or the first scatter's failure (see the class comment).
+  absl::Status failure() const {
+    absl::MutexLock lock(&mu_);
+    return failure_;
   }
 
   bool done() const {
@@ -700,6 +861,10 @@ class CacheLoadState {
 
   mutable absl::Mutex mu_;
   int ready_layers_ ABSL_GUARDED_BY(mu_) = 0;
+  // The lowest layer whose scatter failed (num_layers while none did), and
+  // the first failure.
+  int failed_layer_ ABSL_GUARDED_BY(mu_) = layout_.num_layers();
+  absl::Status failure_ ABSL_GUARDED_BY(mu_);
   bool done_ ABSL_GUARDED_BY(mu_) = false;
   bool cancelled_ ABSL_GUARDED_BY(mu_) = false;
   size_t started_batches_ ABSL_GUARDED_BY(mu_) = 0;
@@ -761,16 +926,25 @@ class PyCacheLoad {
     return true;
   }
 
-  // Waits until layers [0, layer] are ready or `timeout` seconds pass.
+  // Waits until layers [0, layer] are ready or `timeout` seconds pass;
+  // returns whether they are. Raises the scatter's failure once the load is
+  // done without them (see CacheLoadState).
   bool WaitForLayer(int layer, std::optional<double> timeout) {
     if (layer < 0 || layer >= state_->num_layers()) {
       Raise(absl::OutOfRangeError(absl::StrCat(
           "layer ", layer, " is outside [0, ", state_->num_layers(), ")")));
     }
-    bool ready = WaitReleased(timeout, [this, layer](absl::Time t) {
-      return state_->WaitLayers(layer + 1, t);
+    // Until the layers are ready or the load is done: a failed layer never
+    // becomes ready.
+    WaitReleased(timeout, [this, layer](absl::Time t) {
+      return state_->WaitLayers(layer + 1, t) || state_->done();
     });
-    if (state_->done()) Settle();
+    const bool ready = state_->ready_layers() > layer;
+    if (state_->done()) {
+      Settle();
+      absl::Status failure = state_->failure();
+      if (!ready && !failure.ok()) Raise(failure);
+    }
     return ready;
   }
 
@@ -1214,9 +1388,13 @@ uint64_t PieceBytes(const KvLayout& layout, LayerRange range) {
 
 void CheckObjectSizes(const KvLayout& layout, LayerRange range,
                       const std::vector<Memory>& objects) {
-  // A bad range is reported by Gather/Scatter themselves.
-  if (range.begin < 0 || range.end > layout.num_layers() || range.begin >= range.end) {
-    return;
+  // Gather/Scatter check the range too; checked first here, so that the
+  // object sizes are always checked.
+  if (range.begin < 0 || range.end > layout.num_layers() ||
+      range.begin >= range.end) {
+    Raise(absl::InvalidArgumentError(absl::StrCat(
+        "layer range [", range.begin, ", ", range.end,
+        ") is not a non-empty part of [0, ", layout.num_layers(), ")")));
   }
   uint64_t want = PieceBytes(layout, range);
   for (size_t i = 0; i < objects.size(); ++i) {
@@ -1412,7 +1590,8 @@ PYBIND11_MODULE(_kvdepot, m) {
       "RuntimeError (FAILED_PRECONDITION) before it is done.")
       .def("ready_layers", &PyCacheLoad::ReadyLayers,
            "n: layers [0, n) of every loaded block are in the cache (never "
-           "blocks).")
+           "blocks). num_layers once done, unless a scatter failed: then "
+           "below the layer that failed.")
       .def("ready", &PyCacheLoad::Ready,
            "True once every block has an outcome and every hit is scattered "
            "(never blocks).")
@@ -1420,7 +1599,10 @@ PYBIND11_MODULE(_kvdepot, m) {
            py::arg("timeout") = py::none(),
            "Waits until layers [0, layer] are in the cache or `timeout` seconds "
            "(None: no limit; 0 polls), with the GIL released; returns whether "
-           "they are. ValueError for a layer outside [0, num_layers).")
+           "they are. ValueError for a layer outside [0, num_layers). Raises "
+           "the error of a failed scatter (RuntimeError, or ValueError for "
+           "INVALID_ARGUMENT / OUT_OF_RANGE) once the load is done, when that "
+           "layer or an earlier one failed: the blocks hold some layers only.")
       .def("wait", &PyCacheLoad::Wait, py::arg("timeout") = py::none(),
            "Waits until ready or `timeout` seconds (None: no limit; 0 polls), "
            "with the GIL released; returns whether it is ready.")

@@ -283,8 +283,15 @@ class LoadHandle:
     @property
     def ready_layers(self) -> int:
         """``n``: layers ``[0, n)`` of every block hit so far are in the
-        caches, and stay so. Reaches :attr:`num_layers` when done (never
-        blocks)."""
+        caches, and stay so. Never blocks. Once :attr:`done` it is
+        :attr:`num_layers` -- unless a scatter failed: it then stays below
+        the layer that failed (see :meth:`wait_for_layer`).
+
+        For caches a shim scatters (on a GPU), reading it once every batch
+        has arrived enqueues the scatter of the layers left on the current
+        stream, as ``wait_for_layer(num_layers - 1)`` would: "in the
+        caches" means, there as for :meth:`wait_for_layer`, seen by the work
+        queued on that stream afterwards."""
         return self._num_layers if self._load is None else self._load.ready_layers()
 
     @property
@@ -292,20 +299,25 @@ class LoadHandle:
         """True once every block has an outcome. For host caches every hit
         is then in the caches and :meth:`wait` returns at once (never
         blocks). For caches on a GPU the scatters are queued on the caller's
-        stream by :meth:`wait_for_layer` / :meth:`wait` themselves: done
-        means nothing is left to come over the network, and :meth:`wait`
-        then only queues what is left and synchronizes that stream."""
+        stream by :meth:`wait_for_layer`, :attr:`ready_layers` and
+        :meth:`wait` themselves: done means nothing is left to come over the
+        network; :attr:`ready_layers` then queues what is left, and
+        :meth:`wait` queues it and synchronizes that stream."""
         return self._load is None or self._load.ready()
 
     def wait_for_layer(self, layer: int, timeout: Optional[float] = None) -> None:
         """Returns once layer ``layer`` (and every layer before it) of every
         block hit is in the caches: the engine may run that layer.
 
-        Misses and failed blocks are not waited for (their cache blocks are
-        untouched); :meth:`wait` reports them. ``timeout`` in seconds (None:
-        no limit) raises TimeoutError when it passes first; the GIL is
-        released while waiting. ValueError for a layer outside ``[0,
-        num_layers)``.
+        Misses and blocks whose read failed are not waited for (their cache
+        blocks are untouched); :meth:`wait` reports them. A failed scatter
+        is different: its blocks hold some layers only, so for the layer
+        that failed and every later one this raises that error, as
+        :meth:`wait` would (RuntimeError, or ValueError for INVALID_ARGUMENT
+        / OUT_OF_RANGE), once nothing of the load runs any more; the layers
+        before it still return. ``timeout`` in seconds (None: no limit)
+        raises TimeoutError when it passes first; the GIL is released while
+        waiting. ValueError for a layer outside ``[0, num_layers)``.
         """
         if not 0 <= layer < self._num_layers:
             raise ValueError(
@@ -377,9 +389,12 @@ class KvCacheStore:
     torch tensors or numpy arrays (the native gather/scatter) or CUDA torch
     tensors (:mod:`kvdepot.kvshim`: the CUDA kernels between the GPU caches
     and the staging buffers, which the store page-locks), and must be
-    C-contiguous, on one device; every tensor holds the same number of
-    blocks. ``shim`` forces a :class:`kvdepot.kvshim.KvShim` for every
-    cache (e.g. the library's CPU build, for CPU caches).
+    C-contiguous, little-endian, on one device, of the layout's physical
+    shape (e.g. ``[2, N, T, H, D]`` for FLASH_ATTN_NHD; an integer view of
+    the bits may differ in the last dimension, a 1-D buffer in shape, see
+    gpu/kv_layout.h); every tensor holds the same number of blocks.
+    ``shim`` forces a :class:`kvdepot.kvshim.KvShim` for every cache (e.g.
+    the library's CPU build, for CPU caches).
 
     With a shim, saves gather each batch on the caller's current stream
     (after the work it queued before) and wait for it; loads work as on the
@@ -388,7 +403,8 @@ class KvCacheStore:
     ``l`` on the current stream (kernel launches; work queued on that
     stream afterwards sees them), and ``wait()`` enqueues the rest and
     synchronizes, so the blocks are in the caches when it returns. Nothing
-    is scattered until the caller asks for a layer.
+    is scattered until the caller asks for a layer (``wait_for_layer``,
+    ``wait``, or ``ready_layers`` once the blocks have arrived).
 
     Blocks are stored under ``layout.namespace_for(model)``, so engines whose
     objects differ in format never read each other's blocks; ``model`` must

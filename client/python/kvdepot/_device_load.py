@@ -11,6 +11,15 @@ first call (the caller's current stream), and returns. Work the engine
 queues on that stream afterwards sees those layers; another stream must
 wait on it. ``wait`` enqueues the rest and synchronizes the stream, so that
 when it returns the blocks are in the caches and the staging buffers free.
+``ready_layers`` never waits: once every batch has arrived it enqueues the
+layers left, as ``wait_for_layer(num_layers - 1)`` would, so that an engine
+polling it (or ``ready``, then it) sees it reach ``num_layers``.
+
+A scatter that fails fails the hits (they hold some layers only): no
+further layer is scattered, ``ready_layers`` stays below the layer that
+failed, and ``wait_for_layer`` of that layer or a later one synchronizes
+the stream (nothing of the load runs any more) and raises the error, as
+``wait`` reports it.
 """
 
 from __future__ import annotations
@@ -28,6 +37,18 @@ def _split_status(e: Exception) -> Tuple[str, str]:
     if sep and code.isupper() and code.replace("_", "").isalpha():
         return code, msg
     return "INTERNAL", str(e)
+
+
+def _raise_status(code: str, message: str) -> None:
+    """Raises "CODE: message" as the native module does: KeyError for
+    NOT_FOUND, ValueError for INVALID_ARGUMENT / OUT_OF_RANGE, else
+    RuntimeError."""
+    text = f"{code}: {message}"
+    if code == "NOT_FOUND":
+        raise KeyError(text)
+    if code in ("INVALID_ARGUMENT", "OUT_OF_RANGE"):
+        raise ValueError(text)
+    raise RuntimeError(text)
 
 
 class DeviceLoad:
@@ -67,6 +88,11 @@ class DeviceLoad:
         self._hits: List[int] = []
         self._arrived = False
         self._layers = 0  # layers [0, _layers) of every hit are enqueued
+        # The first failure (code, message) of a scatter or of the stream,
+        # and the lowest layer it may have left unwritten (_num_layers while
+        # nothing failed).
+        self._failure: _BlockError = None
+        self._failed_layer = self._num_layers
         self._stream: Any = None  # a torch.cuda.Stream
         self._enqueued_any = False
         self._synced = False
@@ -108,17 +134,21 @@ class DeviceLoad:
         self._arrived = True
         return True
 
-    def _fail_hits(self, code: str, message: str) -> None:
+    def _fail_hits(self, code: str, message: str, layer: int) -> None:
+        """Fails every hit (lock held): layers from ``layer`` on may be
+        missing from their blocks. Nothing more is scattered."""
         for i in self._hits:
             self._errors[i] = (code, message)
         self._hits = []
-        self._layers = self._num_layers
+        if self._failure is None:
+            self._failure = (code, message)
+        self._failed_layer = min(self._failed_layer, layer)
 
     def _enqueue(self, upto: int) -> None:
         """Enqueues the scatter of layers [_layers, upto) of every hit (lock
         held). A failure makes every hit an error (their blocks may hold
         some layers) and ends the load's scatters."""
-        if self._layers >= upto:
+        if self._layers >= upto or self._failure is not None:
             return
         if not self._hits:
             self._layers = upto
@@ -136,7 +166,7 @@ class DeviceLoad:
                                layers=(begin, upto), stream=self._stream)
         except Exception as e:  # noqa: BLE001 - reported per block
             code, msg = _split_status(e)
-            self._fail_hits(code, f"scatter of layers [{begin}, {upto}): {msg}")
+            self._fail_hits(code, f"scatter of layers [{begin}, {upto}): {msg}", begin)
             return
         self._layers = upto
 
@@ -151,7 +181,8 @@ class DeviceLoad:
             self._shim.synchronize(self._stream)
         except Exception as e:  # noqa: BLE001 - reported per block
             code, msg = _split_status(e)
-            self._fail_hits(code, f"synchronizing the scatters: {msg}")
+            # Any enqueued layer may be the one that failed.
+            self._fail_hits(code, f"synchronizing the scatters: {msg}", 0)
 
     def _after_arrival(self, timeout: Optional[float], then: Callable[[], None]) -> bool:
         """Waits (up to ``timeout``) for the batches to arrive, then runs
@@ -168,11 +199,20 @@ class DeviceLoad:
             self._lock.release()
 
     def wait_for_layer(self, layer: int, timeout: Optional[float] = None) -> bool:
-        """False if ``timeout`` passed first; see the module docstring."""
+        """False if ``timeout`` passed first; see the module docstring.
+        Raises the failure of a scatter that left ``layer`` (or an earlier
+        one) unwritten, once the stream is synchronized."""
         if not 0 <= layer < self._num_layers:
             raise ValueError(
                 f"OUT_OF_RANGE: layer {layer} is outside [0, {self._num_layers})")
-        return self._after_arrival(timeout, lambda: self._enqueue(layer + 1))
+
+        def enqueue() -> None:
+            self._enqueue(layer + 1)
+            if self._failure is not None and layer >= self._failed_layer:
+                self._sync()  # no scatter of this load runs past here
+                _raise_status(*self._failure)
+
+        return self._after_arrival(timeout, enqueue)
 
     def wait(self, timeout: Optional[float] = None) -> bool:
         """Arrival, every layer enqueued, the stream synchronized. False if
@@ -185,9 +225,27 @@ class DeviceLoad:
         return self._after_arrival(timeout, finish)
 
     def ready_layers(self) -> int:
-        """Layers enqueued for every hit (they advance only through
-        wait_for_layer / wait)."""
-        return self._layers
+        """Layers enqueued for every hit. Never waits: once every batch has
+        arrived, enqueues the layers left first (see the module
+        docstring), so it reaches num_layers unless a scatter fails."""
+        self._poll()
+        return min(self._layers, self._failed_layer)
+
+    def _poll(self) -> None:
+        """Enqueues the layers left if every batch has arrived, without
+        waiting: nothing while one is in flight or another thread holds the
+        load (it is then arriving or enqueueing itself)."""
+        if self._layers >= self._num_layers or self._failure is not None:
+            return
+        if not all(op.ready() for _, op in self._ops):
+            return
+        if not self._lock.acquire(blocking=False):
+            return
+        try:
+            if self._arrive(time.monotonic()):  # every op is ready: no wait
+                self._enqueue(self._num_layers)
+        finally:
+            self._lock.release()
 
     def ready(self) -> bool:
         """True once every batch has arrived: wait() then no longer waits
@@ -216,7 +274,8 @@ class DeviceLoad:
                 op.wait()
             self._arrive(None)
             if self._layers < self._num_layers:
-                self._fail_hits("CANCELLED", "the load was dropped before it finished")
+                self._fail_hits("CANCELLED", "the load was dropped before it finished",
+                                self._layers)
             self._sync()
 
     def __del__(self) -> None:
@@ -231,7 +290,8 @@ class DeviceLoad:
         in the constructor) or "DeviceLoad(4 blocks, done, 3 loaded)"."""
         if not self._synced:
             batches = len(self._ops)
+            ready = min(self._layers, self._failed_layer)
             return (f"DeviceLoad({len(self._errors)} blocks, {batches} of {batches} "
-                    f"batches started, {self._layers} of {self._num_layers} layers ready)")
+                    f"batches started, {ready} of {self._num_layers} layers ready)")
         ok = sum(1 for e in self._errors if e is None)
         return f"DeviceLoad({len(self._errors)} blocks, done, {ok} loaded)"

@@ -173,9 +173,13 @@ class KvLayout:
 class CacheLoad:
     """A Client.load_into_cache_async in flight (not constructible)."""
 
-    def ready_layers(self) -> int: ...
+    def ready_layers(self) -> int:
+        """Never blocks; num_layers once done unless a scatter failed
+        (then below the layer that failed)."""
     def ready(self) -> bool: ...
-    def wait_for_layer(self, layer: int, timeout: Optional[float] = None) -> bool: ...
+    def wait_for_layer(self, layer: int, timeout: Optional[float] = None) -> bool:
+        """Whether layers [0, layer] are in the cache within ``timeout``;
+        raises a failed scatter's error once done if one of them failed."""
     def wait(self, timeout: Optional[float] = None) -> bool: ...
     def ok(self) -> List[bool]: ...
     def errors(self) -> List[_BlockError]: ...
@@ -247,6 +251,10 @@ class Client:
     ) -> Dict[str, Any]: ...
     def stats(self) -> Dict[str, Any]: ...
 
+# gather/scatter (and load_into_cache_async) take caches that are C-contiguous,
+# little-endian, and -- with more than one dimension -- of the layout's
+# physical shape (an integer view may differ in the last dimension); else
+# ValueError.
 def gather(
     layout: KvLayout,
     caches: Sequence[_Buffer],

@@ -69,6 +69,10 @@ _INVALID_ARGUMENT = 3
 _NOT_FOUND = 5
 _OUT_OF_RANGE = 11
 _ERR_CAP = 1024
+# ctypes passes an int as an int32_t or a pointer modulo 2**32 or 2**64,
+# without a word: every such argument is checked against these first.
+_INT32_MIN, _INT32_MAX = -(1 << 31), (1 << 31) - 1
+_POINTER_LIMIT = 1 << (8 * ctypes.sizeof(ctypes.c_void_p))
 
 
 class CacheLayout(enum.IntEnum):
@@ -156,7 +160,8 @@ def library_path(backend: str) -> str:
 def _spec_key(layout: Any) -> Tuple[int, ...]:
     """The seven fields of a LayoutSpec, a kvdepot.KvLayout or anything with
     those attributes, as ints (enums by value; layout and dtype also by
-    name)."""
+    name), in the order of ``_Spec``. ValueError for a field outside int32
+    (ctypes would pass it modulo 2**32: 2**32 + 3 layers as 3)."""
     def enum_value(value: Any, kind: Any, what: str) -> int:
         if isinstance(value, str):
             try:
@@ -166,7 +171,7 @@ def _spec_key(layout: Any) -> Tuple[int, ...]:
         return int(value)
 
     try:
-        return (
+        key = (
             enum_value(layout.layout, CacheLayout, "layout"),
             enum_value(layout.dtype, Dtype, "dtype"),
             int(layout.num_layers),
@@ -180,6 +185,41 @@ def _spec_key(layout: Any) -> Tuple[int, ...]:
             "layout must be a kvshim.LayoutSpec or a kvdepot.KvLayout "
             f"(attributes layout, num_layers, num_components, block_size, "
             f"num_kv_heads, head_size, dtype): {e}") from None
+    for (name, _), value in zip(_Spec._fields_, key):
+        _check_int32(value, f"layout field {name}")
+    return key
+
+
+def _check_int32(value: int, what: str) -> None:
+    """ValueError unless ``value`` fits the int32_t ctypes passes it as."""
+    if not _INT32_MIN <= value <= _INT32_MAX:
+        raise ValueError(f"INVALID_ARGUMENT: {what} = {value} is not a 32-bit integer")
+
+
+# The physical shape of a cache tensor of each layout (gpu/kv_layout.h), of
+# N blocks, from a _spec_key: (shape, the same in letters).
+def _physical_shape(key: Tuple[int, ...], n: int) -> Tuple[Tuple[int, ...], str]:
+    layout, _, num_layers, c, t, h, d = key
+    shapes = {
+        CacheLayout.FLASH_ATTN_NHD: ((c, n, t, h, d), "[2, N, T, H, D]"),
+        CacheLayout.FLASH_ATTN_HND: ((c, n, h, t, d), "[2, N, H, T, D]"),
+        CacheLayout.FLASH_INFER_NHD: ((n, c, t, h, d), "[N, 2, T, H, D]"),
+        CacheLayout.FLASH_INFER_HND: ((n, c, h, t, d), "[N, 2, H, T, D]"),
+        CacheLayout.MLA: ((n, t, d), "[N, T, D]"),
+        CacheLayout.CROSS_LAYER_NHD: ((n, num_layers, c, t, h, d), "[N, L, C, T, H, D]"),
+        CacheLayout.CROSS_LAYER_HND: ((n, num_layers, c, h, t, d), "[N, L, C, H, T, D]"),
+    }
+    return shapes[CacheLayout(layout)]
+
+
+def _byte_shape(shape: Sequence[int], itemsize: int) -> Tuple[int, ...]:
+    """A shape with its last dimension in bytes and without the dimensions
+    of extent 1 (which order no bytes): two C-contiguous tensors of equal
+    byte shapes lay out the same index in the same bytes, whatever integer
+    type views them."""
+    dims = [int(x) for x in shape]
+    dims[-1] *= itemsize
+    return tuple(x for x in dims if x != 1)
 
 
 class _Memory(NamedTuple):
@@ -188,6 +228,38 @@ class _Memory(NamedTuple):
     device: str  # "cpu" for host memory, else the torch device type
     index: Optional[int]  # the CUDA device index of a CUDA tensor
     keep: Any  # what must stay referenced while the pointer is used
+    shape: Tuple[int, ...]  # in elements; (nbytes,) for a plain buffer
+    itemsize: int  # bytes per element
+
+
+def _torch_storage(t: Any) -> Any:
+    """The storage of torch tensor ``t`` (None where it has none): what owns
+    its memory. Holding the tensor alone does not keep the memory: t.set_()
+    gives the tensor another storage, freeing the old one if nothing else
+    holds it. (A resize_() that grows the tensor reallocates even a held
+    storage: that stays the caller's to avoid.)"""
+    for name in ("untyped_storage", "storage"):  # torch >= 2.0, older
+        get = getattr(t, name, None)
+        if get is not None:
+            try:
+                return get()
+            except Exception:  # noqa: BLE001 - e.g. a tensor without storage
+                return None
+    return None
+
+
+def _check_byte_order(order: str, itemsize: int, what: str, shown: str) -> None:
+    """ValueError for big-endian elements wider than a byte: element bytes
+    are copied verbatim and are little-endian by contract (gpu/kv_layout.h),
+    so they would be stored byte-swapped into a namespace other engines
+    load. ``order``: a struct/typestr byte-order character ('<', '>', '!',
+    '=', '@' or '|')."""
+    big = order in ">!" or (order in "=@" and sys.byteorder == "big")
+    if big and itemsize > 1:
+        raise ValueError(
+            f"INVALID_ARGUMENT: {what} holds big-endian elements ({shown}); kvdepot "
+            f"copies element bytes verbatim and they must be little-endian: convert "
+            f"first (e.g. numpy's .astype('<f2'))")
 
 
 def _is_torch_tensor(obj: Any) -> bool:
@@ -204,8 +276,12 @@ def _memory(obj: Any, writable: bool, what: str) -> _Memory:
         if not obj.is_contiguous():
             raise ValueError(f"INVALID_ARGUMENT: {what} is not contiguous")
         device = obj.device
-        return _Memory(int(obj.data_ptr()), int(obj.numel()) * int(obj.element_size()),
-                       str(device.type), device.index, obj)
+        itemsize = int(obj.element_size())
+        _check_byte_order("=", itemsize, what, "a torch tensor on a big-endian host")
+        numel = int(obj.numel())
+        shape = tuple(int(x) for x in getattr(obj, "shape", (numel,)))
+        return _Memory(int(obj.data_ptr()), numel * itemsize, str(device.type),
+                       device.index, (obj, _torch_storage(obj)), shape, itemsize)
     interface = getattr(obj, "__array_interface__", None)
     if interface is None:
         try:
@@ -216,6 +292,8 @@ def _memory(obj: Any, writable: bool, what: str) -> _Memory:
                 f"(bytearray, memoryview, ...), not {type(obj).__name__}") from None
         if not view.c_contiguous:
             raise ValueError(f"INVALID_ARGUMENT: {what} is not a C-contiguous buffer")
+        fmt = view.format or "B"
+        _check_byte_order(fmt[0], view.itemsize, what, f"buffer format {fmt!r}")
         import numpy as np  # for the address of any buffer, read-only ones too
 
         # frombuffer's array is read-only exactly when the buffer is.
@@ -224,11 +302,13 @@ def _memory(obj: Any, writable: bool, what: str) -> _Memory:
     ptr, readonly = interface["data"]
     strides = interface.get("strides")
     shape = tuple(interface["shape"])
+    typestr = interface["typestr"]
     try:
-        itemsize = int(interface["typestr"][2:])
+        itemsize = int(typestr[2:])
     except ValueError:
-        raise TypeError(f"{what} has elements of type {interface['typestr']!r}, which "
+        raise TypeError(f"{what} has elements of type {typestr!r}, which "
                         f"are not plain bytes") from None
+    _check_byte_order(typestr[0], itemsize, what, f"type {typestr!r}")
     nbytes = itemsize
     for extent in shape:
         nbytes *= int(extent)
@@ -240,7 +320,7 @@ def _memory(obj: Any, writable: bool, what: str) -> _Memory:
             expected *= extent
     if writable and readonly:
         raise ValueError(f"INVALID_ARGUMENT: {what} is read-only")
-    return _Memory(int(ptr or 0), nbytes, "cpu", None, obj)
+    return _Memory(int(ptr or 0), nbytes, "cpu", None, obj, shape, itemsize)
 
 
 # The floating-point element type a cache of each dtype must have when it
@@ -431,11 +511,16 @@ class KvShim:
 
         ``caches``: the cache tensors of ``layout`` (num_layers per-layer
         tensors, or one cross-layer tensor), contiguous and of equal size,
-        N blocks each. ``objects``: writable torch tensors, numpy arrays or
-        buffers. The cpu library takes host memory only; the cuda library
-        takes CUDA torch caches, and objects on the same device or in
-        page-locked host memory (pin_memory tensors, or buffers registered
-        with :meth:`register_host`).
+        N blocks each, little-endian. A tensor of more than one dimension
+        must have the layout's physical shape (gpu/kv_layout.h, e.g. [2, N,
+        T, H, D] for FLASH_ATTN_NHD; dimensions of extent 1 aside, and an
+        integer view of the bits may count other elements in the last
+        dimension); 1-D buffers are taken by their size. ``objects``:
+        writable torch tensors, numpy arrays or buffers. The cpu library
+        takes host memory only; the cuda library takes CUDA torch caches,
+        and objects on the same device or in page-locked host memory
+        (pin_memory tensors, or buffers registered with
+        :meth:`register_host`).
 
         cuda: enqueued on ``stream`` (a ``torch.cuda.Stream``, a raw
         ``cudaStream_t`` int; default: torch's current stream of the caches'
@@ -443,9 +528,10 @@ class KvShim:
         reached this point (:meth:`synchronize`), and every object must stay
         alive until then. cpu: done when it returns; ``stream`` is ignored.
 
-        Raises ValueError, before anything is written, for bad input: counts
-        or sizes that do not match the layout, ids outside the caches, a bad
-        layer range, memory the library cannot reach."""
+        Raises ValueError, before anything is written, for bad input: counts,
+        sizes or shapes that do not match the layout, big-endian elements,
+        ids outside the caches, a bad layer range, a layout field or layer
+        outside int32, memory the library cannot reach."""
         self._transfer(False, layout, caches, block_ids, objects, layers, stream)
 
     def scatter(self, layout: Any, caches: Sequence[Any], block_ids: Sequence[int],
@@ -480,13 +566,18 @@ class KvShim:
                     f"tensor must have the same size, a positive multiple of "
                     f"{per_block} bytes (one block)")
         num_blocks = size // per_block
+        self._check_shapes(key, info, cache_mem, num_blocks)
         begin, end = (0, key[2]) if layers is None else (int(layers[0]), int(layers[1]))
-        if 0 <= begin < end <= key[2]:  # a bad range is reported by the library
-            want = (end - begin) * info.layer_bytes
-            for i, m in enumerate(obj_mem):
-                if m.nbytes != want:
-                    raise ValueError(f"INVALID_ARGUMENT: objects[{i}] has {m.nbytes} "
-                                     f"bytes, expected {want}")
+        # Here, not (only) in the library: ctypes would pass the range modulo
+        # 2**32, (0, 2**32 + 1) as (0, 1), past the size check below.
+        if not 0 <= begin < end <= key[2]:
+            raise ValueError(f"INVALID_ARGUMENT: layer range [{begin}, {end}) is not a "
+                             f"non-empty part of [0, {key[2]})")
+        want = (end - begin) * info.layer_bytes
+        for i, m in enumerate(obj_mem):
+            if m.nbytes != want:
+                raise ValueError(f"INVALID_ARGUMENT: objects[{i}] has {m.nbytes} "
+                                 f"bytes, expected {want}")
         ids = _as_block_ids(block_ids)
         if len(obj_mem) != len(ids):
             raise ValueError(f"INVALID_ARGUMENT: {len(ids)} block ids but {len(obj_mem)} "
@@ -504,6 +595,25 @@ class KvShim:
 
         with torch.cuda.device(device_index):
             self._call(fn, *args, self._stream_handle(stream, device_index))
+
+    @staticmethod
+    def _check_shapes(key: Tuple[int, ...], info: LayoutInfo, caches: List[_Memory],
+                      num_blocks: int) -> None:
+        """ValueError for a cache of more than one dimension whose shape is
+        not the layout's physical one (gpu/kv_layout.h): another layout's
+        tensor of the same size (FlashInfer's [N, 2, ...] as FlashAttention,
+        HND as NHD) would give wrong objects, and layouts share namespaces.
+        Integer views of the bits may count other elements in the last
+        dimension; 1-D (byte) buffers are taken by their size."""
+        expected, letters = _physical_shape(key, num_blocks)
+        want = _byte_shape(expected, info.element_bytes)
+        for i, m in enumerate(caches):
+            if len(m.shape) > 1 and _byte_shape(m.shape, m.itemsize) != want:
+                raise ValueError(
+                    f"INVALID_ARGUMENT: caches[{i}] has shape {list(m.shape)}; layout "
+                    f"{CacheLayout(key[0]).name} takes tensors of shape {list(expected)} "
+                    f"(physically {letters}; an integer view of other width may differ "
+                    f"in the last dimension, a 1-D buffer in shape)")
 
     def _check_devices(self, caches: List[_Memory], objects: List[_Memory]) -> Optional[int]:
         """Checks the memory against the backend; returns the CUDA device
@@ -548,6 +658,8 @@ class KvShim:
         if not isinstance(handle, int):
             raise TypeError("stream must be a torch.cuda.Stream, a cudaStream_t as an "
                             f"int, or None, not {type(stream).__name__}")
+        if not 0 <= handle < _POINTER_LIMIT:  # ctypes would wrap it
+            raise ValueError(f"INVALID_ARGUMENT: stream handle {handle} is not a pointer")
         return handle or None
 
     # -- streams, devices, host memory ----------------------------------

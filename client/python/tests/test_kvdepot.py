@@ -5,6 +5,7 @@ KVDEPOT_DAEMON=<path of kvdepotd>. Exits 77 (ctest: skipped) when numpy is
 missing; the torch cases skip themselves when torch is.
 """
 
+import gc
 import os
 import re
 import signal
@@ -12,7 +13,9 @@ import subprocess
 import sys
 import threading
 import time
+import types
 import unittest
+import weakref
 
 try:
     import numpy as np
@@ -119,6 +122,23 @@ class ClientTest(DaemonTestCase):
             self.client.put(NS, [key(2)], [12345])
         with self.assertRaises(ValueError):
             self.client.put(NS, [key(2), key(3)], [np.zeros(8, np.uint8)])
+
+    def test_big_endian_buffers_are_rejected(self):
+        # Bytes are stored verbatim and read as little-endian: a big-endian
+        # array would store byte-swapped blocks.
+        be = np.ones(32, ">f2")
+        with self.assertRaisesRegex(ValueError, r"^INVALID_ARGUMENT: buffers\[0\] holds "
+                                    r"big-endian elements"):
+            self.client.put(NS, [key(1)], [be])
+        with self.assertRaisesRegex(ValueError, "big-endian"):
+            self.client.put_async(NS, [key(1)], [be])
+        self.assertEqual(self.client.put(NS, [key(1)], [be.astype("<f2")]), [True])
+        with self.assertRaisesRegex(ValueError, "big-endian"):
+            self.client.get_into(NS, [key(1)], [np.zeros(32, ">f2")])
+        with self.assertRaisesRegex(ValueError, "big-endian"):
+            self.client.get_into_async(NS, [key(1)], [np.zeros(16, ">i4")])
+        # One-byte elements have no byte order.
+        self.assertEqual(self.client.get_into(NS, [key(1)], [np.zeros(64, ">u1")]), [True])
 
     def test_lookup_prefix_pin_unpin_evict_stats(self):
         keys = [key(i) for i in range(4)]
@@ -514,6 +534,28 @@ class AsyncTransferTest(StoppableDaemonTestCase):
         self.assertEqual([bytes(o) for o in out], data)
         self.assertEqual(self.ucx_bytes("in"), 0)
 
+    @unittest.skipIf(torch is None, "torch is not installed")
+    def test_an_op_holds_the_storage_of_its_torch_tensors(self):
+        # t.set_() while the op is in flight swaps the tensor's storage: the
+        # op must hold the storage it uses, not only the tensor. The tensor
+        # of torch.from_numpy keeps its array alive through its storage, so
+        # the array's weakref tells when that storage goes.
+        for start in ("put_async", "get_into_async"):
+            with self.subTest(op=start):
+                arr = np.full(self.SIZE, 7, np.uint8)
+                alive = weakref.ref(arr)
+                t = torch.from_numpy(arr)
+                del arr
+                # Over gRPC (plain memory): done at once, but held until seen
+                # ready.
+                op = getattr(self.client, start)(NS, [key(1)], [t])
+                t.set_(torch.zeros(0, dtype=torch.uint8))
+                gc.collect()
+                self.assertIsNotNone(alive(), "the op let the tensor's memory go")
+                self.assertTrue(op.wait())
+                gc.collect()
+                self.assertIsNone(alive())  # released once seen ready
+
     def test_results_before_ready_raise_and_wait_timeout_returns(self):
         keys, blocks = self.stored(0, 2)
         pool = self.client.allocate_buffer(2 * self.SIZE)
@@ -713,6 +755,66 @@ class LayoutTest(unittest.TestCase):
             kvdepot.gather(layout, [cache, cache], [0], objs[:1])
 
 
+    def test_big_endian_caches_and_objects_are_rejected(self):
+        layout = kvdepot.KvLayout.mha(kvdepot.KvCacheLayout.FLASH_ATTN_NHD, 2, 4, 2, 8,
+                                      kvdepot.KvDtype.FLOAT16)
+        shape = (2, 3, 4, 2, 8)
+        objs = [np.full(layout.object_bytes, 0x77, np.uint8)]
+        for bad in (">f2", ">u2", ">i2"):
+            caches = [np.ones(shape, bad)] * 2
+            for op in (kvdepot.gather, kvdepot.scatter):
+                with self.subTest(dtype=bad, op=op.__name__):
+                    with self.assertRaisesRegex(ValueError, r"^INVALID_ARGUMENT: caches\[0\] "
+                                                r"holds big-endian elements"):
+                        op(layout, caches, [1], objs)
+                    self.assertTrue((objs[0] == 0x77).all())
+        caches = [np.ones(shape, "<f2")] * 2  # explicitly little-endian: fine
+        kvdepot.gather(layout, caches, [1], objs)
+        with self.assertRaisesRegex(ValueError, r"objects\[0\] holds big-endian"):
+            kvdepot.gather(layout, caches, [1], [np.zeros(layout.object_bytes // 4, ">f4")])
+
+    def test_cache_shapes_must_be_the_layouts(self):
+        K = kvdepot.KvCacheLayout
+        L, N, T, H, D = 2, 3, 4, 2, 8
+        nhd = kvdepot.KvLayout.mha(K.FLASH_ATTN_NHD, L, T, H, D, kvdepot.KvDtype.FLOAT16)
+        objs = [np.full(nhd.object_bytes, 0x77, np.uint8)]
+        rng = np.random.default_rng(3)
+        # FlashInfer's [N, 2, T, H, D], HND's [2, N, H, T, D], merged dimensions.
+        for wrong in ((N, 2, T, H, D), (2, N, H, T, D), (2, N, T, H * D), (2, N, T, 2 * H, D // 2)):
+            caches = [rng.standard_normal(wrong).astype(np.float16) for _ in range(L)]
+            for op in (kvdepot.gather, kvdepot.scatter):
+                with self.subTest(shape=wrong, op=op.__name__):
+                    with self.assertRaisesRegex(
+                            ValueError, r"^INVALID_ARGUMENT: caches\[0\] has shape \[.*\]; "
+                            r"layout flash-attn-nhd takes"):
+                        op(nhd, caches, [1], objs)
+                    self.assertTrue((objs[0] == 0x77).all())
+        # The right shape, and views of it: integers of other widths (the
+        # last dimension differs), flat arrays, bytes.
+        right = [rng.standard_normal((2, N, T, H, D)).astype(np.float16) for _ in range(L)]
+        want = [np.zeros(nhd.object_bytes, np.uint8)]
+        kvdepot.gather(nhd, right, [1], want)
+        for view in ([c.view(np.uint8) for c in right], [c.view(np.int16) for c in right],
+                     [c.view(np.uint32) for c in right], [c.reshape(-1) for c in right],
+                     [c.tobytes() for c in right]):
+            got = [np.zeros(nhd.object_bytes, np.uint8)]
+            kvdepot.gather(nhd, view, [1], got)
+            np.testing.assert_array_equal(got[0], want[0])
+        # With one KV head NHD and HND are the same bytes: either shape fits.
+        one = kvdepot.KvLayout.mha(K.FLASH_ATTN_NHD, L, T, 1, D, kvdepot.KvDtype.FLOAT16)
+        kvdepot.gather(one, [np.zeros((2, N, 1, T, D), np.float16)] * L, [0],
+                       [np.zeros(one.object_bytes, np.uint8)])
+
+    def test_a_buffer_that_cannot_be_exported_says_why(self):
+        layout = kvdepot.KvLayout.mha(kvdepot.KvCacheLayout.FLASH_ATTN_NHD, 1, 4, 2, 8,
+                                      kvdepot.KvDtype.FLOAT32)
+        dates = np.zeros((2, 3, 4, 2, 8), "M8[s]")  # numpy exports no buffer of these
+        with self.assertRaises(ValueError) as cm:
+            kvdepot.gather(layout, [dates], [0], [np.zeros(layout.object_bytes, np.uint8)])
+        self.assertIn("caches[0]", str(cm.exception))
+        self.assertIn("cannot include dtype 'M'", str(cm.exception))
+
+
 @unittest.skipIf(torch is None, "torch is not installed")
 class TorchStoreTest(DaemonTestCase):
     NUM_LAYERS = 4
@@ -886,6 +988,16 @@ class TorchStoreTest(DaemonTestCase):
         # A uint8 view of the right caches is plain bytes: taken.
         self.assertEqual(store.save([c.view(torch.uint8) for c in caches], [0], [b"k"]),
                          [True])
+        # FlashInfer-shaped caches ([N, 2, T, H, D]: the same bytes) under
+        # FlashAttention: neither saved nor loaded.
+        flashinfer = [torch.zeros((self.NUM_BLOCKS, 2, self.BLOCK_SIZE, self.KV_HEADS,
+                                   self.HEAD_SIZE), dtype=torch.bfloat16)
+                      for _ in range(self.NUM_LAYERS)]
+        with self.assertRaisesRegex(ValueError, "has shape"):
+            store.save(flashinfer, [1], [b"k1"])
+        with self.assertRaisesRegex(ValueError, "has shape"):
+            store.load_async(flashinfer, [1], [b"k"])
+        self.assertEqual(store.lookup([b"k1"]), 0)
 
 
 @unittest.skipIf(torch is None, "torch is not installed")
@@ -977,6 +1089,29 @@ class LoadAsyncTest(StoppableDaemonTestCase):
                     for layer in range(self.L):
                         self.assertTrue(bool((part(dst, layer, b) == 7.0).all()),
                                         f"layer {layer} of block {b}")
+
+    def test_polling_done_then_ready_layers_is_num_layers(self):
+        # An engine may poll instead of wait: done, then ready_layers must
+        # reach num_layers without anyone calling wait_for_layer or wait.
+        store, src, keys, dst, layout, part = self.nhd("poll")
+        loads = [(4, 0), (5, 1), (6, 2), (7, 3)]
+        h = store.load_async(dst, [4, 5, 6, 7], keys)
+        deadline = time.monotonic() + 30
+        while not h.done:
+            self.assertLess(time.monotonic(), deadline, repr(h))
+            time.sleep(0.001)
+        self.assertEqual(h.ready_layers, self.L, repr(h))
+        self.assert_layers(dst, src, part, loads, self.L)
+        self.assertEqual(h.wait(), [True] * 4)
+        # Polling ready_layers alone gets there too.
+        dst2 = [torch.zeros_like(d) for d in dst]
+        h = store.load_async(dst2, [4, 5, 6, 7], keys)
+        while h.ready_layers < self.L:
+            self.assertLess(time.monotonic(), deadline, repr(h))
+            time.sleep(0.001)
+        self.assertTrue(h.done)
+        self.assert_layers(dst2, src, part, loads, self.L)
+        self.assertEqual(h.wait(), [True] * 4)
 
     def test_load_async_returns_before_the_daemon_answers(self):
         store, src, keys, dst, layout, part = self.nhd("in-flight")
@@ -1154,6 +1289,23 @@ class LoadAsyncTest(StoppableDaemonTestCase):
         del h2
         self.assertEqual(self.ucx_bytes("out"), 10 * layout.object_bytes)
 
+    def test_a_failed_scatter_fails_wait_for_layer(self):
+        # The loader's scatter of the hit fails at layer 0: that layer and
+        # every later one must not be reported ready (the block may hold some
+        # layers only); wait_for_layer raises the error, as wait() does.
+        store, src, keys, dst, layout, part = self.nhd("null-cache")
+        caches = [_NullCache(d.numel() * d.element_size()) for d in dst]
+        h = store.load_async(caches, [4, 5], [keys[0], b"missing"])
+        for layer in (0, self.L - 1):
+            with self.assertRaisesRegex(ValueError, r"^INVALID_ARGUMENT: scatter of layer 0: "
+                                        r"cache tensor 0 is null"):
+                h.wait_for_layer(layer, timeout=30)
+        self.assertTrue(h.done)
+        self.assertEqual(h.ready_layers, 0)
+        with self.assertRaisesRegex(ValueError, "cache tensor 0 is null"):
+            h.wait()
+        self.assertEqual([e[0] for e in h.errors()], ["INVALID_ARGUMENT", "NOT_FOUND"])
+
     def test_errors_other_than_misses_raise_once_everything_ended(self):
         client = kvdepot.Client(self.daemon.address, timeout_s=2)
         self.addCleanup(client.close)
@@ -1175,6 +1327,32 @@ class LoadAsyncTest(StoppableDaemonTestCase):
             self.assertEqual(int(d.abs().sum()), 0)
         with self.assertRaises(RuntimeError):  # load() is the same path
             store.load(dst, [4, 5], keys[:2])
+
+
+class _NullCache:
+    """Looks like a CPU torch cache tensor whose data pointer is null: the
+    native binding takes it (it reads data_ptr, numel, element_size,
+    is_contiguous, device and dtype), and the loader's scatter into it then
+    fails with INVALID_ARGUMENT ("cache tensor 0 is null") before touching
+    any memory -- a scatter failure without a fault hook in the loader."""
+
+    device = types.SimpleNamespace(type="cpu", index=None)
+    dtype = "torch.bfloat16"
+
+    def __init__(self, nbytes):
+        self._nbytes = nbytes
+
+    def data_ptr(self):
+        return 0
+
+    def numel(self):
+        return self._nbytes // 2
+
+    def element_size(self):
+        return 2
+
+    def is_contiguous(self):
+        return True
 
 
 class _SpyShim:
@@ -1234,11 +1412,15 @@ class DeviceLoadTest(LoadAsyncTest):
 
     # The native loader's own call; nothing of the shim path in it.
     test_unregistered_staging_takes_grpc_in_the_loader = None
+    # A null cache pointer fails the shim's check in load_async itself; the
+    # shim path's failed scatters are tested with _SpyShim below.
+    test_a_failed_scatter_fails_wait_for_layer = None
 
     def after_wait_for_layer(self, h, dst, part, loads, layer):
         # Scattered as asked, and no further: everything has arrived, what
-        # is left is enqueueing.
-        self.assertEqual(h.ready_layers, layer + 1)
+        # is left is enqueueing. (Not through h.ready_layers: once done,
+        # polling it enqueues the rest.)
+        self.assertIn(f"{layer + 1} of {self.L} layers ready", repr(h))
         self.assertTrue(h.done)
         for dst_block, _ in loads:
             for later in range(layer + 1, self.L):
@@ -1286,7 +1468,15 @@ class DeviceLoadTest(LoadAsyncTest):
         h = store.load_async(dst, [4, 5, 6], [keys[0], b"missing", keys[1]])
         h.wait_for_layer(1)
         self.assert_layers(dst, src, part, [(4, 0), (6, 1)], 2)
-        h.wait_for_layer(3)  # layer 2 fails: nothing more is scattered
+        # Layer 2 fails: nothing more is scattered, and neither it nor a
+        # later layer is reported ready (the hits are partly loaded).
+        with self.assertRaisesRegex(RuntimeError, r"^INTERNAL: .*scatter of layers \[2, 4\)"):
+            h.wait_for_layer(3)
+        with self.assertRaisesRegex(RuntimeError, "^INTERNAL: "):
+            h.wait_for_layer(2)
+        h.wait_for_layer(1)  # scattered before the failure
+        self.assertTrue(h.done)
+        self.assertEqual(h.ready_layers, 2)
         with self.assertRaises(RuntimeError) as cm:
             h.wait()
         self.assertIn("INTERNAL", str(cm.exception))
@@ -1297,7 +1487,26 @@ class DeviceLoadTest(LoadAsyncTest):
             self.assertIn("scatter of layers [2, 4)", errors[i][1])
         for layer in (2, 3):
             self.assertEqual(int(part(dst, layer, 4).abs().sum()), 0)
-        self.assertEqual(h.ready_layers, self.L)
+        self.assertEqual(h.ready_layers, 2)
+
+    def test_a_failed_scatter_seen_by_polling_fails_wait_for_layer(self):
+        spy = _SpyShim(self.shim, fail_layer=0)
+        layout, shapes, part = self.cases()[0]
+        store, src, keys, dst = self.setup_store(layout, shapes, "fail-poll", shim=spy)
+        h = store.load_async(dst, [4, 5], keys[:2])
+        deadline = time.monotonic() + 30
+        while not h.done:
+            self.assertLess(time.monotonic(), deadline, repr(h))
+            time.sleep(0.001)
+        self.assertEqual(h.ready_layers, 0)  # the scatter of every layer failed
+        for layer in (0, self.L - 1):
+            with self.assertRaisesRegex(RuntimeError, "^INTERNAL: .*injected failure"):
+                h.wait_for_layer(layer)
+        self.assertEqual([e[0] for e in h.errors()], ["INTERNAL"] * 2)
+        with self.assertRaises(RuntimeError):
+            h.wait()
+        for d in dst:
+            self.assertEqual(int(d.abs().sum()), 0)
 
 
 if __name__ == "__main__":

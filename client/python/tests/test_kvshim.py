@@ -15,6 +15,7 @@ without torch, the daemon case without KVDEPOT_DAEMON.
 """
 
 import contextlib
+import ctypes
 import os
 import subprocess
 import sys
@@ -359,6 +360,61 @@ class ErrorTest(ShimTestCase):
         for layers in ((0, 0), (2, 1), (0, L + 1), (-1, 1)):
             self.assert_rejected(ValueError, r"^INVALID_ARGUMENT: layer range", layers=layers)
 
+    def test_layer_ranges_that_wrap_in_32_bits_write_nothing(self):
+        # ctypes passes the layer range as int32, modulo 2**32: (0, 2**32 + 1)
+        # would reach the library as (0, 1) and write a whole layer into the
+        # 16-byte object below. The guard bytes after it must stay.
+        pool = np.full(2 * self.layout.layer_bytes, 0x77, np.uint8)
+        small = [pool[:16]]
+        for layers in ((0, 2 ** 32 + 1), (2 ** 32, 2 ** 32 + 1), (-2 ** 32, 1), (-1, 1),
+                       (0, 2 ** 64 + 1)):
+            self.assert_rejected(ValueError, r"^INVALID_ARGUMENT: layer range",
+                                 ids=(1,), objects=small, layers=layers)
+            self.assertTrue((pool == 0x77).all(), f"layers {layers} wrote past the object")
+        # A valid range still checks the object's size (before: skipped
+        # for ranges outside [0, num_layers)).
+        self.assert_rejected(ValueError, r"objects\[0\] has 16 bytes, expected",
+                             ids=(1,), objects=small, layers=(0, 1))
+        self.assertTrue((pool == 0x77).all())
+
+    def test_layout_fields_that_wrap_in_32_bits_are_rejected(self):
+        spec = LayoutSpec.mha(K.FLASH_INFER_HND, L, T, H, HD, DT.BFLOAT16)
+        for field, value in (("num_layers", 2 ** 32 + L), ("block_size", 2 ** 32 + T),
+                             ("num_kv_heads", -2 ** 32 + H), ("head_size", 2 ** 33 + HD),
+                             ("num_components", 2 ** 32 + 2),
+                             ("layout", 2 ** 32 + int(K.FLASH_INFER_HND)),
+                             ("dtype", 2 ** 32 + int(DT.BFLOAT16))):
+            bad = spec._replace(**{field: value})
+            with self.subTest(field=field):
+                with self.assertRaisesRegex(ValueError, f"^INVALID_ARGUMENT: .*{field}.*32-bit"):
+                    self.shim.layout_info(bad)
+                self.assert_rejected(ValueError, f"^INVALID_ARGUMENT: .*{field}.*32-bit",
+                                     layout=bad)
+
+    def test_big_endian_memory_is_rejected(self):
+        # Element bytes are stored verbatim, little-endian: a big-endian
+        # array would put byte-swapped blocks into the shared namespace.
+        layout, shapes = layout_cases(DT.FLOAT16)[0]
+        objs = filled(2, layout.object_bytes, 0x77)
+        for bad in (">f2", ">i2", ">u2"):
+            caches = [np.ones(s, bad) for s in shapes]
+            for op in ("gather", "scatter"):
+                with self.subTest(dtype=bad, op=op):
+                    with self.assertRaisesRegex(ValueError, r"^INVALID_ARGUMENT: caches\[0\] "
+                                                r"holds big-endian elements"):
+                        getattr(self.shim, op)(layout, caches, [0, 1], objs)
+                    self.assertTrue(all((o == 0x77).all() for o in objs))
+        size = layout.object_bytes
+        caches = [np.ones(s, "<f2") for s in shapes]  # explicitly little-endian: fine
+        self.shim.gather(layout, caches, [0, 1], objs)
+        with self.assertRaisesRegex(ValueError, r"objects\[1\] holds big-endian"):
+            self.shim.gather(layout, caches, [0, 1], [objs[0], np.zeros(size // 4, ">f4")])
+        be_buffer = (ctypes.c_int16.__ctype_be__ * (size // 2))()  # a '>h' buffer
+        with self.assertRaisesRegex(ValueError, r"objects\[0\] holds big-endian"):
+            self.shim.scatter(layout, caches, [0], [be_buffer])
+        with self.assertRaisesRegex(ValueError, "buffer holds big-endian"):
+            self.shim.register_host(np.zeros(64, ">u4"))
+
     def test_bad_layouts(self):
         spec = LayoutSpec.mha(K.FLASH_INFER_HND, L, T, H, HD, DT.BFLOAT16)
         self.assert_rejected(ValueError, "INVALID_ARGUMENT: .*2 components",
@@ -400,6 +456,72 @@ class ErrorTest(ShimTestCase):
     def test_not_found_is_key_error(self):
         with self.assertRaisesRegex(KeyError, "NOT_FOUND: host memory at"):
             self.shim.unregister_host(np.zeros(16, np.uint8))
+
+
+class ShapeTest(ShimTestCase):
+    """Caches with more than one dimension must have the layout's physical
+    shape: layouts share a namespace (the fingerprint leaves the physical
+    order out), so a cache of another layout's shape would store, or load,
+    wrong blocks for every engine."""
+
+    def check(self, layout, good_shapes, wrong_shapes):
+        objs = filled(2, layout.object_bytes, 0x77)
+        for wrong in wrong_shapes:
+            caches = random_np_caches([wrong] * len(good_shapes), DT.BFLOAT16, seed=1)
+            for op in ("gather", "scatter"):
+                with self.subTest(layout=layout.layout.name, shape=wrong, op=op):
+                    with self.assertRaisesRegex(
+                            ValueError, r"^INVALID_ARGUMENT: caches\[0\] has shape \[.*\]; "
+                            r"layout .* takes"):
+                        getattr(self.shim, op)(layout, caches, [0, 1], objs)
+                    self.assertTrue(all((o == 0x77).all() for o in objs))
+        # The right shape, and views of it: raw bits of other widths (the
+        # last dimension then counts other elements), flat buffers.
+        right = random_np_caches(good_shapes, DT.BFLOAT16, seed=2)
+        want = filled(2, layout.object_bytes, 0)
+        kvdepot.gather(layout, right, [0, 1], want)
+        for name, view in (("uint16", right), ("uint8", [c.view(np.uint8) for c in right]),
+                           ("int32", [c.view(np.int32) for c in right]),
+                           ("flat", [c.reshape(-1) for c in right]),
+                           ("bytes", [c.view(np.uint8).reshape(-1) for c in right])):
+            with self.subTest(layout=layout.layout.name, view=name):
+                got = filled(2, layout.object_bytes, 0x77)
+                self.shim.gather(layout, view, [0, 1], got)
+                self.assertEqual([raw(g) for g in got], [raw(w) for w in want])
+
+    def test_flash_attention_nhd(self):
+        layout = kvdepot.KvLayout.mha(K.FLASH_ATTN_NHD, L, T, H, HD, DT.BFLOAT16)
+        self.check(layout, [(2, N, T, H, HD)] * L,
+                   [(N, 2, T, H, HD),  # FlashInfer's
+                    (2, N, H, T, HD),  # HND
+                    (2, N, T, H * HD), (2 * N, T, H, HD), (2, N, T, 2 * H, HD // 2)])
+
+    def test_every_layout_rejects_the_others_shapes(self):
+        cases = layout_cases(DT.BFLOAT16)
+        for layout, shapes in cases:
+            nbytes = int(np.prod(shapes[0]))
+            others = {tuple(s[0]) for _, s in cases
+                      if tuple(s[0]) != tuple(shapes[0]) and int(np.prod(s[0])) == nbytes
+                      and len(s) == len(shapes)}
+            self.check(layout, shapes, sorted(others))
+
+    def test_singleton_dimensions_do_not_order_bytes(self):
+        # With one KV head, NHD and HND are the same bytes: either shape fits.
+        nhd = kvdepot.KvLayout.mha(K.FLASH_ATTN_NHD, L, T, 1, HD, DT.BFLOAT16)
+        self.check(nhd, [(2, N, 1, T, HD)] * L, [(N, 2, T, 1, HD)])
+        self.check(nhd, [(2, N, T, 1, HD)] * L, [(2, N, T, HD, 1)])
+
+    @unittest.skipIf(torch is None, "torch is not installed")
+    def test_torch_caches(self):
+        layout = kvdepot.KvLayout.mha(K.FLASH_ATTN_NHD, L, T, H, HD, DT.BFLOAT16)
+        objs = [torch.zeros(layout.object_bytes, dtype=torch.uint8) for _ in range(2)]
+        flashinfer = [torch.zeros((N, 2, T, H, HD), dtype=torch.bfloat16) for _ in range(L)]
+        with self.assertRaisesRegex(ValueError, r"caches\[0\] has shape \[7, 2, 4, 2, 8\]"):
+            self.shim.gather(layout, flashinfer, [0, 1], objs)
+        right = [torch.zeros((2, N, T, H, HD), dtype=torch.bfloat16) for _ in range(L)]
+        self.shim.gather(layout, right, [0, 1], objs)
+        self.shim.gather(layout, [c.view(torch.uint8) for c in right], [0, 1], objs)
+        self.shim.gather(layout, [c.view(torch.int16) for c in right], [0, 1], objs)
 
 
 class RegisterHostTest(ShimTestCase):
