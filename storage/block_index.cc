@@ -53,7 +53,7 @@ void BlockIndex::LruPushFront(Shard& s, BlockEntry* e) {
   if (s.head) s.head->lru_prev = e;
   s.head = e;
   if (!s.tail) s.tail = e;
-  NsList& l = s.ns_lru[e->ns_id];
+  NsList& l = NsListOf(s, e->ns_id);
   e->ns_prev = nullptr;
   e->ns_next = l.head;
   if (l.head) l.head->ns_prev = e;
@@ -70,7 +70,7 @@ void BlockIndex::LruPushBack(Shard& s, BlockEntry* e) {
   if (s.tail) s.tail->lru_next = e;
   s.tail = e;
   if (!s.head) s.head = e;
-  NsList& l = s.ns_lru[e->ns_id];
+  NsList& l = NsListOf(s, e->ns_id);
   e->ns_next = nullptr;
   e->ns_prev = l.tail;
   if (l.tail) l.tail->ns_next = e;
@@ -88,11 +88,9 @@ void BlockIndex::LruRemove(Shard& s, BlockEntry* e) {
   if (e->ns_prev) e->ns_prev->ns_next = e->ns_next;
   if (e->ns_next) e->ns_next->ns_prev = e->ns_prev;
   if (e->ns_prev == nullptr || e->ns_next == nullptr) {  // an end of its list
-    auto it = s.ns_lru.find(e->ns_id);
-    NsList& l = it->second;
+    NsList& l = s.ns_lru[e->ns_id];  // exists: e was pushed on it
     if (e->ns_prev == nullptr) l.head = e->ns_next;
     if (e->ns_next == nullptr) l.tail = e->ns_prev;
-    if (l.head == nullptr) s.ns_lru.erase(it);
   }
   e->ns_prev = e->ns_next = nullptr;
   e->flags &= ~BlockEntry::kInLru;
@@ -102,8 +100,9 @@ void BlockIndex::LruRemove(Shard& s, BlockEntry* e) {
 void BlockIndex::Detach(Shard& s, BlockEntry* e) {
   LruRemove(s, e);
   s.set.erase(e);
-  bytes_.fetch_sub(Footprint(*e), std::memory_order_relaxed);
-  if (HeldByCaller(*e)) held_bytes_.fetch_sub(Footprint(*e), std::memory_order_relaxed);
+  const uint64_t footprint = Footprint(*e);
+  Add(s.bytes, -footprint);
+  if (HeldByCaller(*e)) Add(s.held_bytes, -footprint);
   if (e->children > 0) {
     // Its children stay linked to its key (see the header). Only the one
     // non-twin entry of a hash has children, and a record of its hash would
@@ -119,14 +118,11 @@ uint64_t BlockIndex::Footprint(const BlockEntry& e) const {
          DramArena::AllocationSize(e.key_len + key_trailer_bytes_);
 }
 
-void BlockIndex::CountHold(const BlockEntry& e, bool was_held) {
+void BlockIndex::CountHold(Shard& s, const BlockEntry& e, bool was_held) {
   const bool held = HeldByCaller(e);
   if (held == was_held) return;
-  if (held) {
-    held_bytes_.fetch_add(Footprint(e), std::memory_order_relaxed);
-  } else {
-    held_bytes_.fetch_sub(Footprint(e), std::memory_order_relaxed);
-  }
+  const uint64_t footprint = Footprint(e);
+  Add(s.held_bytes, held ? footprint : -footprint);
 }
 
 BlockEntry* BlockIndex::FindByHash(Shard& s, uint32_t ns_id, uint64_t hash) {
@@ -147,7 +143,7 @@ std::optional<BlockIndex::Hit> BlockIndex::Find(const KeyRef& key, bool pin,
     const bool was_held = HeldByCaller(*e);
     LruRemove(s, e);
     ++e->pins;
-    CountHold(*e, was_held);
+    CountHold(s, *e, was_held);
   } else {
     e->flags |= BlockEntry::kReferenced;
   }
@@ -163,7 +159,7 @@ BlockEntry* BlockIndex::PinIfPresent(const KeyRef& key) {
   const bool was_held = HeldByCaller(*e);
   LruRemove(s, e);
   ++e->pins;
-  CountHold(*e, was_held);
+  CountHold(s, *e, was_held);
   return e;
 }
 
@@ -173,7 +169,7 @@ void BlockIndex::AddPin(BlockEntry* e) {
   const bool was_held = HeldByCaller(*e);
   LruRemove(s, e);
   ++e->pins;
-  CountHold(*e, was_held);
+  CountHold(s, *e, was_held);
 }
 
 void BlockIndex::Unpin(BlockEntry* e) {
@@ -182,7 +178,7 @@ void BlockIndex::Unpin(BlockEntry* e) {
   if (e->pins == 0) return;
   const bool was_held = HeldByCaller(*e);
   if (--e->pins == 0 && e->children == 0) LruPushFront(s, e);
-  CountHold(*e, was_held);
+  CountHold(s, *e, was_held);
 }
 
 std::unique_ptr<BlockEntry> BlockIndex::Insert(std::unique_ptr<BlockEntry> entry,
@@ -224,8 +220,9 @@ std::unique_ptr<BlockEntry> BlockIndex::Insert(std::unique_ptr<BlockEntry> entry
     }
     if (!pinned && entry->children == 0) LruPushFront(s, entry.get());
     s.set.insert(entry.get());
-    bytes_.fetch_add(Footprint(*entry), std::memory_order_relaxed);
-    if (pinned) held_bytes_.fetch_add(Footprint(*entry), std::memory_order_relaxed);
+    const uint64_t footprint = Footprint(*entry);
+    Add(s.bytes, footprint);
+    if (pinned) Add(s.held_bytes, footprint);
     if (entry->parent_hash == 0) return true;
     // The parent by its full key; a twin is left unlinked, since the
     // link's later users find the parent by hash.
@@ -405,7 +402,7 @@ std::unique_ptr<BlockEntry> BlockIndex::EndDemotion(BlockEntry* e) {
     const bool was_held = HeldByCaller(*e);
     e->flags &= ~BlockEntry::kDemoting;
     --e->pins;
-    CountHold(*e, was_held);
+    CountHold(s, *e, was_held);
     // Pinned by a lookup meanwhile: its Unpin lists it again. With a cached
     // child it is not evictable until the child leaves.
     if (e->pins > 0 || e->children > 0) return nullptr;
@@ -442,8 +439,11 @@ void BlockIndex::SweepSeqs(uint32_t now) {
 }
 
 uint64_t BlockIndex::unpinned_bytes() const {
-  const uint64_t held = held_bytes_.load(std::memory_order_relaxed);
-  const uint64_t all = bytes_.load(std::memory_order_relaxed);
+  uint64_t all = 0, held = 0;
+  for (const auto& s : shards_) {
+    all += s->bytes.load(std::memory_order_relaxed);
+    held += s->held_bytes.load(std::memory_order_relaxed);
+  }
   return all > held ? all - held : 0;  // read apart: may cross an update
 }
 
@@ -477,13 +477,13 @@ std::optional<BlockEntry> BlockIndex::Peek(const KeyRef& key,
 }
 
 BlockEntry* BlockIndex::SettleNsTail(Shard& s, uint32_t ns_id) {
-  // As SettleTail, on the namespace's list; the list may go away and come
-  // back (LruRemove, LruPushFront), so it is looked up each round. One
-  // pass unmarks every entry of the list, so this ends.
+  // As SettleTail, on the namespace's list (LruPushFront may grow the
+  // vector, so the list is looked up each round). One pass unmarks every
+  // entry of the list, so this ends.
   while (true) {
-    auto it = s.ns_lru.find(ns_id);
-    if (it == s.ns_lru.end()) return nullptr;
-    BlockEntry* e = it->second.tail;
+    if (ns_id >= s.ns_lru.size()) return nullptr;
+    BlockEntry* e = s.ns_lru[ns_id].tail;
+    if (e == nullptr) return nullptr;
     if (!(e->flags & BlockEntry::kReferenced)) return e;
     e->flags &= ~BlockEntry::kReferenced;
     LruRemove(s, e);

@@ -18,9 +18,9 @@
 // shard holding only fresh blocks is not drained before older ones.
 //
 // Per-namespace order. Each shard also threads its evictable entries of each
-// namespace on a list of their own (BlockEntry::ns_prev/ns_next, one list
-// per namespace present in the shard's evictable list, found by namespace
-// id). It holds the same entries in the same order as the shard's list does
+// namespace on a list of their own (BlockEntry::ns_prev/ns_next; the
+// shard's lists in a vector indexed by namespace id, which TieredStore keeps
+// small and dense: at most max_namespaces x 16 bytes per shard). It holds the same entries in the same order as the shard's list does
 // (every push, removal and second chance updates both), so a namespace's
 // least-recent evictable entry in a shard is that list's tail: a quota's
 // eviction (PopOldestEvictableOf) looks at one entry per shard, however many
@@ -303,11 +303,17 @@ class BlockIndex {
     BlockEntry* head ABSL_GUARDED_BY(mu) = nullptr;
     BlockEntry* tail ABSL_GUARDED_BY(mu) = nullptr;
     uint64_t lru_size ABSL_GUARDED_BY(mu) = 0;
-    // The same entries per namespace, in the same order; a namespace with
-    // none here has no list.
-    absl::flat_hash_map<uint32_t, NsList> ns_lru ABSL_GUARDED_BY(mu);
+    // The same entries per namespace, in the same order, indexed by
+    // namespace id (ids are small and dense: TieredStore numbers them from
+    // 1 up to max_namespaces), grown as ids come; an empty list is {}.
+    std::vector<NsList> ns_lru ABSL_GUARDED_BY(mu);
     // By the removed parent's (namespace, hash); usually empty.
     absl::flat_hash_map<NsHash, Orphans> orphans ABSL_GUARDED_BY(mu);
+    // Footprint of its entries, and of those HeldByCaller: written under
+    // `mu` (plain loads and stores, no read-modify-write: a pin costs no
+    // shared atomic), read without it by unpinned_bytes.
+    std::atomic<uint64_t> bytes{0};
+    std::atomic<uint64_t> held_bytes{0};
   };
 
   Shard& ShardFor(uint64_t hash) { return *shards_[hash >> (64 - kShardBits)]; }
@@ -321,6 +327,12 @@ class BlockIndex {
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(s.mu);
   static void LruRemove(Shard& s, BlockEntry* e)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(s.mu);
+  // `ns_id`'s list in `s`, made (empty) if the shard has none yet.
+  static NsList& NsListOf(Shard& s, uint32_t ns_id)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(s.mu) {
+    if (ns_id >= s.ns_lru.size()) s.ns_lru.resize(size_t{ns_id} + 1);
+    return s.ns_lru[ns_id];
+  }
   static bool Evictable(const BlockEntry* e) {
     return e->pins == 0 && e->children == 0;
   }
@@ -340,9 +352,15 @@ class BlockIndex {
   static bool HeldByCaller(const BlockEntry& e) {
     return e.pins > ((e.flags & BlockEntry::kDemoting) ? 1u : 0u);
   }
-  // Updates held_bytes_ after `e`'s pins or flags changed; `was_held` is
-  // HeldByCaller(e) before. Called under e's shard lock.
-  void CountHold(const BlockEntry& e, bool was_held);
+  // Updates s.held_bytes after `e`'s pins or flags changed; `was_held` is
+  // HeldByCaller(e) before.
+  void CountHold(Shard& s, const BlockEntry& e, bool was_held)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(s.mu);
+  // Adds `delta` (two's complement) to a counter only `s.mu`'s holder writes.
+  static void Add(std::atomic<uint64_t>& counter, uint64_t delta) {
+    counter.store(counter.load(std::memory_order_relaxed) + delta,
+                  std::memory_order_relaxed);
+  }
   // The shard whose least-recent evictable entry was used longest ago, or
   // -1 when no shard has one.
   int OldestShard();
@@ -356,10 +374,6 @@ class BlockIndex {
   const size_t key_trailer_bytes_;
   std::array<std::unique_ptr<Shard>, kShards> shards_;
   std::atomic<uint32_t> seq_{0};
-  // Footprint of every entry, and of those HeldByCaller (changed under the
-  // entry's shard lock).
-  std::atomic<uint64_t> bytes_{0};
-  std::atomic<uint64_t> held_bytes_{0};
 };
 
 }  // namespace kvdepot

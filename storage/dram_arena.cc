@@ -237,8 +237,11 @@ void Prefault(char* base, size_t size) {
 }  // namespace
 
 size_t DramArena::AllocationSize(size_t bytes) {
-  int cls = ClassFor(bytes);
-  return cls >= 0 ? kClasses[cls] : PagesFor(bytes) * kPage;
+  // The common cases without the class search (the index asks on every pin
+  // and unpin): a key (the smallest class) and a block of pages.
+  if (bytes <= kClasses.front()) return kClasses.front();
+  if (bytes > kClasses.back()) return PagesFor(bytes) * kPage;
+  return kClasses[ClassFor(bytes)];
 }
 
 absl::StatusOr<std::unique_ptr<DramArena>> DramArena::Create(
