@@ -31,6 +31,29 @@ if [[ $(id -u) -ne 0 ]]; then
   SUDO=sudo
 fi
 echo "deps.sh: installing ${missing[*]}" >&2
+# redis-server and prometheus are baselines the tests start themselves (on
+# free ports); their packages would also start system services (redis on
+# :6379, prometheus on :9090 on every address) and enable them at boot. So
+# services are kept from starting during the install (policy-rc.d, unless
+# the host has its own) and the ones installed here are disabled after.
+services=()
+for p in "${missing[@]}"; do
+  case "$p" in redis-server|prometheus) services+=("$p") ;; esac
+done
+policy=""
+if ((${#services[@]} > 0)) && [[ ! -e /usr/sbin/policy-rc.d ]]; then
+  policy=/usr/sbin/policy-rc.d
+  printf '#!/bin/sh\n# deps.sh: no services start while it installs\nexit 101\n' |
+    $SUDO tee "$policy" >/dev/null
+  $SUDO chmod 755 "$policy"
+  trap '$SUDO rm -f "$policy"' EXIT
+fi
 $SUDO apt-get update -qq
 DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq --no-install-recommends \
   "${missing[@]}" >/dev/null
+if ((${#services[@]} > 0)) && [[ -d /run/systemd/system ]]; then
+  for svc in "${services[@]}"; do
+    $SUDO systemctl disable --now "$svc" >/dev/null 2>&1 || true
+  done
+  echo "deps.sh: installed ${services[*]} for the tests, with their system services disabled" >&2
+fi

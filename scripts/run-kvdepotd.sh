@@ -8,4 +8,4 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 ./scripts/deps.sh
 ./scripts/build.sh kvdepotd kvdepotctl
-exec ./build/server/kvdepotd "$@"
+exec "${KVDEPOT_BUILD_DIR:-build}/server/kvdepotd" "$@"
