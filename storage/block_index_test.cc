@@ -15,6 +15,27 @@
 namespace kvdepot {
 namespace {
 
+// Inserts a root entry for `key` of namespace `ns`, its key bytes in `buf`'s
+// 64-byte unit `unit` (a plain buffer standing in for the arena), last used
+// at `seq`. False when the index refused it.
+bool InsertAt(BlockIndex& index, std::vector<char>& buf, uint32_t unit,
+              const std::string& key, uint32_t ns, uint32_t seq) {
+  std::copy(key.begin(), key.end(), buf.begin() + size_t{unit} * 64);
+  auto e = std::make_unique<BlockEntry>();
+  e->key_unit = unit;
+  e->key_len = static_cast<uint16_t>(key.size());
+  e->ns_id = ns;
+  e->hash = BlockIndex::Hash(ns, key);
+  e->size = 64;
+  e->seq = seq;
+  return index.Insert(std::move(e), "") == nullptr;
+}
+
+// The key of a popped entry ("<none>" for none).
+std::string KeyIn(const std::vector<char>& buf, const std::unique_ptr<BlockEntry>& e) {
+  return e ? std::string(buf.data() + e->key_offset(), e->key_len) : "<none>";
+}
+
 // Keys live in a plain buffer standing in for the arena; each entry's key
 // goes in its own 64-byte unit.
 class BlockIndexTest : public ::testing::Test {
@@ -351,20 +372,9 @@ TEST(BlockIndexNamespaceTest, EvictionFindsTheNamespacesOldestBehindOthers) {
   BlockIndex index(buf.data());
   uint32_t next_unit = 0;
   auto put = [&](const std::string& key, uint32_t ns) {
-    const uint32_t unit = next_unit++;
-    std::copy(key.begin(), key.end(), buf.begin() + size_t{unit} * 64);
-    auto e = std::make_unique<BlockEntry>();
-    e->key_unit = unit;
-    e->key_len = static_cast<uint16_t>(key.size());
-    e->ns_id = ns;
-    e->hash = BlockIndex::Hash(ns, key);
-    e->size = 64;
-    e->seq = index.NextSeq();
-    ASSERT_EQ(index.Insert(std::move(e), ""), nullptr);
+    ASSERT_TRUE(InsertAt(index, buf, next_unit++, key, ns, index.NextSeq()));
   };
-  auto key_of = [&](const std::unique_ptr<BlockEntry>& e) {
-    return e ? std::string(buf.data() + e->key_offset(), e->key_len) : "<none>";
-  };
+  auto key_of = [&](const std::unique_ptr<BlockEntry>& e) { return KeyIn(buf, e); };
   for (int i = 0; i < kForeign; ++i) put("f" + std::to_string(i), 1);
   for (const char* k : {"a", "b", "c"}) put(k, 2);
   auto pin = index.Find(BlockIndex::MakeKey(2, "a"), /*pin=*/true);
@@ -477,16 +487,7 @@ TEST(BlockIndexSeqTest, AnOldStampNeverLooksNewerThanAFreshOne) {
   BlockIndex index(buf.data(), 0, kStart);
   uint32_t next_unit = 0;
   auto put = [&](const std::string& key, uint32_t ns, uint32_t seq) {
-    const uint32_t unit = next_unit++;
-    std::copy(key.begin(), key.end(), buf.begin() + size_t{unit} * 64);
-    auto e = std::make_unique<BlockEntry>();
-    e->key_unit = unit;
-    e->key_len = static_cast<uint16_t>(key.size());
-    e->ns_id = ns;
-    e->hash = BlockIndex::Hash(ns, key);
-    e->size = 64;
-    e->seq = seq;
-    ASSERT_EQ(index.Insert(std::move(e), ""), nullptr);
+    ASSERT_TRUE(InsertAt(index, buf, next_unit++, key, ns, seq));
   };
   auto shard = [](uint32_t ns, const std::string& key) {
     return BlockIndex::Hash(ns, key) >> (64 - BlockIndex::kShardBits);
@@ -505,9 +506,7 @@ TEST(BlockIndexSeqTest, AnOldStampNeverLooksNewerThanAFreshOne) {
   const std::string new1 = fresh_key(1), new2 = fresh_key(2);
   put(new1, 1, index.NextSeq());
   put(new2, 2, index.NextSeq());
-  auto key_of = [&](const std::unique_ptr<BlockEntry>& e) {
-    return e ? std::string(buf.data() + e->key_offset(), e->key_len) : "<none>";
-  };
+  auto key_of = [&](const std::unique_ptr<BlockEntry>& e) { return KeyIn(buf, e); };
   std::unique_ptr<BlockEntry> e = index.PopOldestEvictableOf(2);
   EXPECT_EQ(key_of(e), "old");
   e = index.PopOldestEvictable();
