@@ -559,10 +559,9 @@ void DataPlane::Admit(const RequestHeader& h, absl::string_view payload,
     return refuse(absl::FailedPreconditionError(
         "no request link to this client: send puts without their bytes"));
   }
-  if (requests_in_flight_.fetch_add(1) >= options_.max_requests_in_flight) {
-    requests_in_flight_.fetch_sub(1);
-    return refuse(absl::ResourceExhaustedError(absl::StrCat(
-        "more than ", options_.max_requests_in_flight, " UCX requests in flight")));
+  if (absl::Status taken = TakeRequestSlot(h.session_id, h.request_id, payload.size());
+      !taken.ok()) {
+    return refuse(taken);
   }
   Request request{h.session_id, h.method, h.request_id, std::string(payload),
                   false, std::move(data)};
@@ -575,8 +574,71 @@ void DataPlane::Admit(const RequestHeader& h, absl::string_view payload,
   });
 }
 
+absl::Status DataPlane::TakeRequestSlot(SessionId session, uint64_t id,
+                                        size_t bytes) {
+  absl::MutexLock lock(&requests_mu_);
+  auto it = session_requests_.find(session);
+  const size_t session_requests =
+      it == session_requests_.end() ? 0 : it->second.bodies.size();
+  const size_t session_bytes = it == session_requests_.end() ? 0 : it->second.bytes;
+  if (it != session_requests_.end() && it->second.bodies.contains(id)) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "UCX request id ", id, " is in flight already for session ", session));
+  }
+  if (requests_in_flight_.load() >= options_.max_requests_in_flight) {
+    return absl::ResourceExhaustedError(absl::StrCat(
+        "more than ", options_.max_requests_in_flight, " UCX requests in flight"));
+  }
+  if (session_requests >= options_.max_requests_per_session) {
+    return absl::ResourceExhaustedError(absl::StrCat(
+        "session ", session, " has ", session_requests,
+        " UCX requests in flight (at most ", options_.max_requests_per_session,
+        " per session)"));
+  }
+  // No overflow: the sums are bounded by the caps, `bytes` by
+  // kMaxRequestPayload.
+  if (session_bytes + bytes > options_.max_request_bytes_per_session) {
+    return absl::ResourceExhaustedError(absl::StrCat(
+        "session ", session, " has ", session_bytes,
+        " bytes of UCX requests in flight; this one's ", bytes,
+        " would pass the ", options_.max_request_bytes_per_session,
+        " allowed per session"));
+  }
+  if (request_bytes_ + bytes > options_.max_request_bytes_in_flight) {
+    return absl::ResourceExhaustedError(absl::StrCat(
+        request_bytes_, " bytes of UCX requests in flight; this one's ", bytes,
+        " would pass the ", options_.max_request_bytes_in_flight, " allowed"));
+  }
+  SessionRequests& s = session_requests_[session];
+  s.bodies.emplace(id, bytes);
+  s.bytes += bytes;
+  request_bytes_ += bytes;
+  requests_in_flight_.fetch_add(1);
+  return absl::OkStatus();
+}
+
+bool DataPlane::ReleaseRequestSlot(SessionId session, uint64_t id) {
+  absl::MutexLock lock(&requests_mu_);
+  auto it = session_requests_.find(session);
+  if (it == session_requests_.end()) return false;
+  auto body = it->second.bodies.find(id);
+  if (body == it->second.bodies.end()) return false;
+  it->second.bytes -= body->second;
+  request_bytes_ -= body->second;
+  it->second.bodies.erase(body);
+  if (it->second.bodies.empty()) session_requests_.erase(it);
+  return true;
+}
+
 void DataPlane::Reply(SessionId session, uint64_t id, const absl::Status& status,
                       std::string body) {
+  // Released whether or not the session still has its endpoint: a session
+  // that ended still had this request counted.
+  if (!ReleaseRequestSlot(session, id)) {
+    log_->error("session {}: a reply to UCX request {}, which is not in flight, "
+                "dropped", session, id);
+    return;
+  }
   if (std::shared_ptr<Link> link = Find(session); link != nullptr) {
     std::string header = EncodeReplyHeader(ReplyHeader{id, status.code()});
     std::string payload =

@@ -71,6 +71,25 @@ struct DataPlaneOptions {
   // Requests over UCX (ServeRequests) received and not yet answered;
   // beyond this a request is answered ResourceExhausted at once.
   size_t max_requests_in_flight = 4096;
+  // The same for one session (the session a request names): a client that
+  // stops taking its transfers keeps its requests in flight until their
+  // deadlines, and must not hold every slot of max_requests_in_flight
+  // while other sessions are refused. 1024, a quarter of them: a client
+  // keeps one request in flight per batch it waits on, far fewer.
+  size_t max_requests_per_session = 1024;
+  // Bytes of request bodies (the serialized requests, each at most
+  // kMaxRequestPayload, kept until the reply; the parsed request held
+  // meanwhile weighs about as much again) received and not yet answered,
+  // of all sessions; past it a request is answered ResourceExhausted at
+  // once. Without it max_requests_in_flight bodies of 4 MiB would hold
+  // 16 GiB. 256 MiB: a PullBlocks request of 1024 keys (max_batch_keys)
+  // weighs about 97 KiB with 32-byte keys (vLLM), 550 KiB with 256-byte
+  // ones, so some 2700 full batches of the former fit.
+  size_t max_request_bytes_in_flight = size_t{256} << 20;
+  // The same for one session: a quarter (16 requests of
+  // kMaxRequestPayload, some 670 full batches of 32-byte keys), so that one
+  // stalled client cannot take all of max_request_bytes_in_flight either.
+  size_t max_request_bytes_per_session = size_t{64} << 20;
   // Threads that run requests over UCX.
   int request_threads = 2;
   // UCX workers (progress threads) that receive requests, and the bytes
@@ -235,9 +254,13 @@ class DataPlane {
   // one from a co-located client (whose blocks the handler copies itself)
   // on a request thread. Answered at once, without the handler: a session
   // without an endpoint (NotFound: it ended), a payload over
-  // kMaxRequestPayload (InvalidArgument), more than max_requests_in_flight
-  // unanswered (ResourceExhausted). Messages that are not requests are
-  // dropped. Call once, before sessions attach.
+  // kMaxRequestPayload (InvalidArgument), a request id its session has in
+  // flight already (InvalidArgument: ids are the client's, and tell its
+  // requests apart), more than max_requests_in_flight or
+  // max_requests_per_session unanswered, or bodies over
+  // max_request_bytes_in_flight or max_request_bytes_per_session
+  // (ResourceExhausted). Messages that are not requests are dropped. Call
+  // once, before sessions attach.
   void ServeRequests(RequestHandler handler);
   // Receives a request's `data` into `pieces` (arena slots; null pieces
   // drop their bytes): see UcxWorker::Receive. `each_got(i)` runs once the
@@ -248,9 +271,12 @@ class DataPlane {
       std::vector<absl::Span<char>> pieces, absl::Time deadline,
       absl::AnyInvocable<void(size_t)> each_got);
   // Answers request `id` of `session`'s client over the session's endpoint
-  // (after every transfer that was ready before). Dropped when the session
-  // has no working endpoint (the client's deadline, or its endpoint's
-  // failure, tells it).
+  // (after every transfer that was ready before), and gives back what the
+  // request held of the caps above, even when the session has ended.
+  // Dropped when the session has no working endpoint (the client's
+  // deadline, or its endpoint's failure, tells it). REQUIRES: `id` is a
+  // request of `session` handed to the handler and not yet answered (a
+  // second answer is logged and dropped).
   void Reply(SessionId session, uint64_t id, const absl::Status& status,
              std::string body);
   // Where `session`'s client sends requests (a worker address); empty when
@@ -332,6 +358,13 @@ class DataPlane {
   void Admit(const RequestHeader& h, absl::string_view body,
              std::unique_ptr<UcxWorker::IncomingData> data,
              const UcxWorker::MessageSender& sender);
+  // Counts request `id` of `session`, with a body of `bytes`, as in flight,
+  // or says why it may not be (see ServeRequests).
+  absl::Status TakeRequestSlot(SessionId session, uint64_t id, size_t bytes);
+  // Gives back what TakeRequestSlot counted for request `id` of `session`,
+  // except requests_in_flight_ (the caller's last step). False when it
+  // counted nothing (not admitted, or answered already).
+  bool ReleaseRequestSlot(SessionId session, uint64_t id);
   // Progress thread: a message arrived for kRequestMessageId.
   void OnRequest(absl::string_view header, absl::string_view payload,
                  const UcxWorker::MessageSender& sender);
@@ -378,6 +411,21 @@ class DataPlane {
   // Set once, before sessions attach.
   RequestHandler request_handler_;
   bool serving_requests_ = false;
+  // Requests admitted and not yet answered (TakeRequestSlot to Reply).
+  // Taken on the request workers' progress threads: held only to look up
+  // and update the counts.
+  struct SessionRequests {
+    absl::flat_hash_map<uint64_t, size_t> bodies;  // request id -> bytes
+    size_t bytes = 0;                             // their sum
+  };
+  mutable absl::Mutex requests_mu_;
+  // Only sessions with a request in flight: an entry goes with its last.
+  absl::flat_hash_map<SessionId, SessionRequests> session_requests_
+      ABSL_GUARDED_BY(requests_mu_);
+  size_t request_bytes_ ABSL_GUARDED_BY(requests_mu_) = 0;
+  // Raised under requests_mu_; lowered at the very end of Reply (after its
+  // slot is released), so it is never below the requests counted in
+  // session_requests_. Read without the lock (requests_in_flight()).
   std::atomic<size_t> requests_in_flight_{0};
   std::atomic<bool> requests_stopped_{false};
   // Runs request_handler_. Destroyed before lost_pool_ (it may hand work

@@ -8,16 +8,22 @@
 #include <sys/mman.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <memory>
 #include <optional>
+#include <string>
+#include <utility>
 #include <vector>
 
 #include <gtest/gtest.h>
 
+#include "absl/container/flat_hash_map.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/synchronization/notification.h"
 #include "storage/internal/sync_point.h"
+#include "transport/request_message.h"
 #include "transport/ucx_context.h"
+#include "transport/ucx_endpoint.h"
 #include "transport/ucx_test_util.h"
 #include "transport/ucx_worker.h"
 
@@ -43,11 +49,28 @@ class DataPlaneTest : public ::testing::Test {
     ASSERT_TRUE(worker.ok()) << worker.status();
     client_worker_ = *std::move(worker);
 
+    StartPlane(PlaneOptions());
+  }
+
+  void TearDown() override {
+    plane_.reset();
+    request_clients_.clear();
+    client_worker_.reset();
+    if (arena_ != nullptr) munmap(arena_, kArenaBytes);
+  }
+
+  static DataPlaneOptions PlaneOptions() {
     DataPlaneOptions options;
     options.ucx = ucx_test::TransportConfig("shm");
     options.workers = 1;
     options.request_workers = 1;
     options.connect_timeout = absl::Seconds(1);
+    return options;
+  }
+
+  // Replaces plane_ by a data plane with `options`.
+  void StartPlane(const DataPlaneOptions& options) {
+    plane_.reset();
     absl::StatusOr<std::unique_ptr<DataPlane>> plane = DataPlane::Create(
         options, DramRegion{arena_, kArenaBytes},
         [this](SessionId session, const absl::Status&) {
@@ -60,10 +83,119 @@ class DataPlaneTest : public ::testing::Test {
     plane_ = *std::move(plane);
   }
 
-  void TearDown() override {
-    plane_.reset();
-    client_worker_.reset();
-    if (arena_ != nullptr) munmap(arena_, kArenaBytes);
+  // Serves plane_'s requests with a handler that answers none of them
+  // (a client whose transfers stall): they stay in held_ until Answer.
+  void HoldRequests() {
+    plane_->ServeRequests([this](DataPlane::Request request) {
+      absl::MutexLock lock(&mu_);
+      held_.emplace_back(request.session, request.id);
+    });
+  }
+
+  // Whether the handler got request `id` of `session` (waiting for it, with
+  // a bound against a hang).
+  bool Held(SessionId session, uint64_t id) {
+    absl::MutexLock lock(&mu_);
+    auto held = [&] {
+      mu_.AssertHeld();
+      return std::find(held_.begin(), held_.end(), std::make_pair(session, id)) !=
+             held_.end();
+    };
+    return mu_.AwaitWithTimeout(absl::Condition(&held), absl::Seconds(10));
+  }
+  size_t held() {
+    absl::MutexLock lock(&mu_);
+    return held_.size();
+  }
+
+  // Replies OK to held request `id` of `session`.
+  void Answer(SessionId session, uint64_t id) {
+    {
+      absl::MutexLock lock(&mu_);
+      auto it = std::find(held_.begin(), held_.end(), std::make_pair(session, id));
+      ASSERT_NE(it, held_.end()) << "request " << id << " of session " << session;
+      held_.erase(it);
+    }
+    plane_->Reply(session, id, absl::OkStatus(), "answered");
+  }
+  void AnswerAll() {
+    std::vector<std::pair<SessionId, uint64_t>> held;
+    {
+      absl::MutexLock lock(&mu_);
+      held.swap(held_);
+    }
+    for (const auto& [session, id] : held) {
+      plane_->Reply(session, id, absl::OkStatus(), "answered");
+    }
+  }
+
+  // A client worker of its own, attached as `session` (a client on another
+  // host: its requests reach the handler on the request worker's thread),
+  // that sends requests as libkvdepot's UcxRequests does, with ids of the
+  // test's choosing, and keeps the codes of their replies.
+  class RequestClient {
+   public:
+    // The code of request `id`'s reply, waiting for it (with a bound
+    // against a hang); nullopt when none came.
+    std::optional<absl::StatusCode> Reply(uint64_t id) {
+      absl::MutexLock lock(&mu_);
+      auto replied = [&] {
+        mu_.AssertHeld();
+        return replies_.contains(id);
+      };
+      if (!mu_.AwaitWithTimeout(absl::Condition(&replied), absl::Seconds(10))) {
+        return std::nullopt;
+      }
+      return replies_[id];
+    }
+    // Sends request `id` with a body of `bytes` bytes.
+    void Send(uint64_t id, size_t bytes) {
+      const RequestHeader header{RequestMethod::kPullBlocks, id, session_};
+      ASSERT_TRUE(endpoint_
+                      ->SendMessage(kRequestMessageId, EncodeRequestHeader(header),
+                                    std::string(bytes, 'r'))
+                      .ok());
+    }
+
+   private:
+    friend class DataPlaneTest;
+    SessionId session_ = 0;
+    std::unique_ptr<UcxWorker> worker_;
+    std::unique_ptr<UcxEndpoint> endpoint_;  // to the request worker
+    absl::Mutex mu_;
+    absl::flat_hash_map<uint64_t, absl::StatusCode> replies_ ABSL_GUARDED_BY(mu_);
+  };
+  // Null (with a failure) when it could not be attached and connected.
+  RequestClient* AttachRequestClient(SessionId session) {
+    auto client = std::make_unique<RequestClient>();
+    client->session_ = session;
+    absl::StatusOr<std::unique_ptr<UcxWorker>> worker =
+        UcxWorker::Create(*client_context_);
+    EXPECT_TRUE(worker.ok()) << worker.status();
+    if (!worker.ok()) return nullptr;
+    client->worker_ = *std::move(worker);
+    RequestClient* c = client.get();
+    absl::Status st = c->worker_->SetMessageHandler(
+        kReplyMessageId, [c](absl::string_view header, absl::string_view,
+                             const UcxWorker::MessageSender&) {
+          std::optional<ReplyHeader> h = DecodeReplyHeader(header);
+          if (!h) return;
+          absl::MutexLock lock(&c->mu_);
+          c->replies_[h->request_id] = h->code;
+        });
+    EXPECT_TRUE(st.ok()) << st;
+    st = plane_->Attach(session, c->worker_->address(), "", std::nullopt);
+    EXPECT_TRUE(st.ok()) << st;
+    if (!st.ok()) return nullptr;
+    UcxEndpointOptions options;
+    options.peer_error_handling = true;  // as UcxRequests: pairs with the link
+    absl::StatusOr<std::unique_ptr<UcxEndpoint>> endpoint = UcxEndpoint::Connect(
+        *c->worker_, plane_->RequestAddress(session), std::move(options));
+    EXPECT_TRUE(endpoint.ok()) << endpoint.status();
+    if (!endpoint.ok()) return nullptr;
+    c->endpoint_ = *std::move(endpoint);
+    request_clients_.push_back(std::move(client));
+    return c;
   }
 
   // Whether on_lost was called for `session` within `wait`.
@@ -82,6 +214,10 @@ class DataPlaneTest : public ::testing::Test {
   std::unique_ptr<DataPlane> plane_;
   absl::Mutex mu_;
   std::vector<SessionId> lost_ ABSL_GUARDED_BY(mu_);
+  // Requests handed to HoldRequests' handler, not yet answered.
+  std::vector<std::pair<SessionId, uint64_t>> held_ ABSL_GUARDED_BY(mu_);
+  // Destroyed after plane_ (it has endpoints to their workers).
+  std::vector<std::unique_ptr<RequestClient>> request_clients_;
 };
 
 TEST_F(DataPlaneTest, AColocatedClientLostWhileItsSessionAttachesIsReported) {
@@ -105,6 +241,132 @@ TEST_F(DataPlaneTest, AColocatedClientLostWhileItsSessionAttachesIsReported) {
   EXPECT_TRUE(monitor_reported.HasBeenNotified());
   EXPECT_TRUE(ReportedLost(7, absl::Seconds(10)))
       << "the loss reported while the session attached was dropped";
+}
+
+
+TEST_F(DataPlaneTest, ASessionPastItsRequestsInFlightLeavesRoomForOthers) {
+  // Session 1's requests are never answered (its transfers stall): past
+  // max_requests_per_session they are refused, and session 2's still go to
+  // the handler though the daemon-wide cap is far off.
+  DataPlaneOptions options = PlaneOptions();
+  options.max_requests_per_session = 2;
+  StartPlane(options);
+  HoldRequests();
+  RequestClient* stalled = AttachRequestClient(1);
+  RequestClient* other = AttachRequestClient(2);
+  ASSERT_NE(stalled, nullptr);
+  ASSERT_NE(other, nullptr);
+  stalled->Send(11, 100);
+  stalled->Send(12, 100);
+  stalled->Send(13, 100);  // a third, on the same connection: after them
+  EXPECT_EQ(stalled->Reply(13), absl::StatusCode::kResourceExhausted);
+  EXPECT_TRUE(Held(1, 11));
+  EXPECT_TRUE(Held(1, 12));
+  EXPECT_EQ(plane_->requests_in_flight(), 2u);
+
+  other->Send(11, 100);  // the same id, another session: its own
+  EXPECT_TRUE(Held(2, 11)) << "session 2 was refused for session 1's requests";
+  EXPECT_EQ(plane_->requests_in_flight(), 3u);
+
+  // An answer gives session 1 its slot back.
+  Answer(1, 11);
+  EXPECT_EQ(stalled->Reply(11), absl::StatusCode::kOk);
+  stalled->Send(14, 100);
+  EXPECT_TRUE(Held(1, 14));
+  EXPECT_EQ(held(), 3u);
+  AnswerAll();
+  EXPECT_EQ(plane_->requests_in_flight(), 0u);
+}
+
+TEST_F(DataPlaneTest, RequestBodiesInFlightAreBounded) {
+  // The daemon-wide bound on the bytes of request bodies, and each
+  // session's share of it.
+  DataPlaneOptions options = PlaneOptions();
+  options.max_request_bytes_in_flight = 3000;
+  options.max_request_bytes_per_session = 2000;
+  StartPlane(options);
+  HoldRequests();
+  RequestClient* first = AttachRequestClient(1);
+  RequestClient* second = AttachRequestClient(2);
+  ASSERT_NE(first, nullptr);
+  ASSERT_NE(second, nullptr);
+  first->Send(1, 1000);
+  first->Send(2, 1000);
+  first->Send(3, 1);  // past session 1's 2000
+  EXPECT_EQ(first->Reply(3), absl::StatusCode::kResourceExhausted);
+  EXPECT_TRUE(Held(1, 1));
+  EXPECT_TRUE(Held(1, 2));
+
+  second->Send(1, 1001);  // 3001 in all: past the daemon's 3000
+  EXPECT_EQ(second->Reply(1), absl::StatusCode::kResourceExhausted);
+  second->Send(2, 1000);  // 3000: fits
+  EXPECT_TRUE(Held(2, 2));
+  second->Send(3, 0);  // an empty body fits still
+  EXPECT_TRUE(Held(2, 3));
+  second->Send(4, 1);
+  EXPECT_EQ(second->Reply(4), absl::StatusCode::kResourceExhausted);
+
+  // Answered bodies are given back.
+  Answer(1, 1);
+  second->Send(5, 1000);  // 3000 again, 2000 of session 2's
+  EXPECT_TRUE(Held(2, 5));
+  AnswerAll();
+  EXPECT_EQ(plane_->requests_in_flight(), 0u);
+  first->Send(6, 2000);
+  second->Send(7, 1000);
+  EXPECT_TRUE(Held(1, 6));
+  EXPECT_TRUE(Held(2, 7));
+  AnswerAll();
+}
+
+TEST_F(DataPlaneTest, ADuplicateRequestIdInFlightIsRefused) {
+  // Ids are the client's: one its session has in flight already is refused,
+  // and the first request's accounting is left as it was.
+  DataPlaneOptions options = PlaneOptions();
+  options.max_requests_per_session = 2;
+  StartPlane(options);
+  HoldRequests();
+  RequestClient* client = AttachRequestClient(1);
+  ASSERT_NE(client, nullptr);
+  client->Send(5, 100);
+  EXPECT_TRUE(Held(1, 5));
+  client->Send(5, 100);
+  EXPECT_EQ(client->Reply(5), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(held(), 1u);
+  EXPECT_EQ(plane_->requests_in_flight(), 1u);
+  client->Send(6, 100);  // the second slot is still free
+  EXPECT_TRUE(Held(1, 6));
+  AnswerAll();
+  EXPECT_EQ(plane_->requests_in_flight(), 0u);
+  client->Send(5, 100);  // answered: the id may come again
+  EXPECT_TRUE(Held(1, 5));
+  AnswerAll();
+}
+
+TEST_F(DataPlaneTest, AReplyAfterItsSessionEndedGivesItsSlotBack) {
+  DataPlaneOptions options = PlaneOptions();
+  options.max_requests_per_session = 1;
+  options.max_request_bytes_in_flight = 1000;
+  StartPlane(options);
+  HoldRequests();
+  RequestClient* client = AttachRequestClient(1);
+  ASSERT_NE(client, nullptr);
+  client->Send(1, 1000);
+  EXPECT_TRUE(Held(1, 1));
+  plane_->Detach(1);
+  Answer(1, 1);  // over no endpoint: dropped, but released
+  EXPECT_EQ(plane_->requests_in_flight(), 0u);
+  // A second answer, and one to a request never admitted, release nothing.
+  plane_->Reply(1, 1, absl::OkStatus(), "");
+  plane_->Reply(3, 9, absl::OkStatus(), "");
+  EXPECT_EQ(plane_->requests_in_flight(), 0u);
+  // The bytes and the slot are free for the next session.
+  RequestClient* next = AttachRequestClient(2);
+  ASSERT_NE(next, nullptr);
+  next->Send(1, 1000);
+  EXPECT_TRUE(Held(2, 1));
+  EXPECT_EQ(plane_->requests_in_flight(), 1u);
+  AnswerAll();
 }
 
 }  // namespace
