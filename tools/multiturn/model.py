@@ -102,10 +102,12 @@ class PagedKvCache:
         device: torch.device,
         fill_value: float = 0.0,
     ) -> None:
-        """``fill_value`` initialises every slot; NaN makes any read of a
-        slot that was never written show up in the logits."""
+        """``fill_value`` initialises every slot, and :meth:`free` resets
+        every freed block to it; with NaN, any read of a slot that was not
+        written since its block was allocated shows up in the logits."""
         self.num_blocks = num_blocks
         self.block_size = block_size
+        self.fill_value = fill_value
         shape = (2, num_blocks, block_size, config.num_kv_heads, config.head_size)
         self.tensors: List[torch.Tensor] = [
             torch.full(shape, fill_value, dtype=dtype, device=device)
@@ -129,7 +131,21 @@ class PagedKvCache:
         return [self._free.pop() for _ in range(n)]
 
     def free(self, block_ids: Sequence[int]) -> None:
-        """Returns ``block_ids`` to the free list; their contents are stale."""
+        """Resets ``block_ids`` to ``fill_value`` and returns them to the
+        free list.
+
+        The reset matters: the free list is LIFO, so a conversation's next
+        turn often gets back the very blocks its previous turn used. Left as
+        they were, they would still hold that turn's K/V, and a load that
+        wrote nothing would go unnoticed. Every run (recompute or kvdepot)
+        frees the same blocks at the same steps, so the reset costs both
+        sides the same.
+        """
+        if block_ids:
+            index = torch.tensor(list(block_ids), dtype=torch.long,
+                                 device=self.tensors[0].device)
+            for tensor in self.tensors:
+                tensor.index_fill_(1, index, self.fill_value)
         self._free.extend(reversed(block_ids))
 
 

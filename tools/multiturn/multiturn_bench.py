@@ -4,11 +4,13 @@
 One command: starts its own kvdepotd (loopback, port 0, temporary data
 directory), builds the seeded model, and for each concurrency runs the same
 workload twice -- recompute, then with kvdepot (its namespace emptied first)
--- and stops the daemon. Prints a table, writes JSON (``--out``) and a PNG of
-TTFT by turn (``--plot``, when matplotlib is installed). Exits 1 when the
-two runs disagree (generated tokens, first-token logits beyond ``--atol``) or
-the kvdepot run finds no prefix at a turn >= 2; timings are reported, never
-asserted. See README.md.
+-- and stops the daemon. Prints a header and a table, writes JSON
+(``--out``), the same text as stdout (``--txt``) and a PNG of TTFT by turn
+(``--plot``, when matplotlib is installed). Exits 1 when the two runs
+disagree (generated tokens, first-token logits beyond ``--atol`` or NaN), a
+kvdepot load returns fewer blocks than its lookup found, or a lookup finds
+other than the blocks the conversation's earlier turns saved; timings are
+reported, never asserted. See README.md.
 
 Needs /usr/bin/python3 with torch and numpy, and the kvdepot package built in
 ``<build>/python``. Exits 77 (ctest: skipped) when any of them is missing.
@@ -87,6 +89,9 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
                    help="kvdepotd DRAM tier (default 1GiB)")
     p.add_argument("--out", type=Path, default=HERE / "results" / "multiturn.json",
                    help="JSON report (default tools/multiturn/results/multiturn.json)")
+    p.add_argument("--txt", type=Path,
+                   help="the header and table printed on stdout, as a text file "
+                        "(default: --out with .txt)")
     p.add_argument("--plot", type=Path,
                    help="PNG of TTFT by turn (default: --out with .png); "
                         "skipped without matplotlib")
@@ -146,6 +151,8 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
         args.kvdepotd = args.build / "server" / "kvdepotd"
     if args.plot is None:
         args.plot = args.out.with_suffix(".png")
+    if args.txt is None:
+        args.txt = args.out.with_suffix(".txt")
     return args
 
 
@@ -219,6 +226,9 @@ def summarize(
         "ttft_p90_ms": 1e3 * percentile([r.ttft_s for r in records], 90),
         "tpot_mean_ms": 1e3 * sum(r.tpot_s for r in records) / len(records),
         "hit_ratio": sum(r.hit_tokens for r in records) / prompt,
+        "lookup_hit_blocks": sum(r.lookup_hits for r in records),
+        "loaded_blocks": sum(r.loaded_blocks for r in records),
+        "expected_blocks": sum(r.expected_blocks for r in records),
         "bytes_loaded": sum(r.bytes_loaded for r in records),
         "bytes_stored": sum(r.bytes_stored for r in records),
         "load_mean_ms": 1e3 * sum(r.load_s for r in records) / len(records),
@@ -253,6 +263,8 @@ def describe_run(run: RunResult) -> Dict[str, Any]:
         "requests": [
             {"conversation": r.conversation, "turn": r.turn,
              "prompt_tokens": r.prompt_tokens, "hit_tokens": r.hit_tokens,
+             "lookup_hits": r.lookup_hits, "loaded_blocks": r.loaded_blocks,
+             "expected_blocks": r.expected_blocks,
              "output_tokens": len(r.output), "ttft_ms": round(1e3 * r.ttft_s, 3),
              "tpot_ms": round(1e3 * r.tpot_s, 3), "load_ms": round(1e3 * r.load_s, 3),
              "save_ms": round(1e3 * r.save_s, 3)}
@@ -281,38 +293,91 @@ def merge_rounds(runs: Sequence[RunResult]) -> RunResult:
 
 
 def check_correctness(
-    pairs: Sequence[Tuple[RunResult, RunResult]], atol: float
+    pairs: Sequence[Tuple[RunResult, RunResult]], atol: float,
+    dram_bytes: Optional[int],
 ) -> Dict[str, Any]:
-    """Compares each (recompute, kvdepot) pair of runs request by request:
-    the generated tokens must be identical and the first-token logits within
-    ``atol`` (and not NaN: the cache starts as NaN, see main); every turn >=
-    2 of the kvdepot runs must have loaded some prefix."""
+    """Compares each (recompute, kvdepot) pair of runs request by request
+    and checks what the kvdepot runs loaded.
+
+    Failures: generated tokens that differ; first-token logits beyond
+    ``atol`` or NaN (the cache starts as NaN and freed blocks are reset to
+    NaN, so a block the load did not write poisons them); a request whose
+    load returned fewer blocks than its lookup found (the engine would
+    recompute the rest: right tokens, wrong timing); a request whose lookup
+    found other than ``expected_blocks``, the full blocks its conversation's
+    earlier turns saved (0 at turn 1: the namespace is emptied before each
+    kvdepot run). The latter is exact only while nothing is evicted: when a
+    run stored more than half of the DRAM tier (``dram_bytes``, None if
+    unknown), it only fails on more hits than expected and on a turn >= 2
+    where no request hit at all.
+    """
     import torch
 
     mismatched = []
     max_diff = 0.0
     nan_logits = False
+    short_loads = []
+    unexpected_hits = []
+    stored_per_run = [sum(r.bytes_stored for r in kv.records) for _, kv in pairs]
+    exact = dram_bytes is not None and 2 * max(stored_per_run) <= dram_bytes
     for round_index, (recompute, cached) in enumerate(pairs):
         base = {(r.conversation, r.turn): r for r in recompute.records}
         for r in cached.records:
             ref = base[(r.conversation, r.turn)]
+            where = {"round": round_index, "conversation": r.conversation, "turn": r.turn}
             if r.output != ref.output:
-                mismatched.append(
-                    {"round": round_index, "conversation": r.conversation, "turn": r.turn})
+                mismatched.append(where)
             diff = (r.first_logits - ref.first_logits).abs()
             nan_logits = nan_logits or bool(torch.isnan(diff).any())
             max_diff = max(max_diff, float(diff.nan_to_num(0.0).max()))
-    cached_turns = by_turn([r for _, kv in pairs for r in kv.records])
-    no_hit_turns = [turn for turn, recs in cached_turns.items()
-                    if turn >= TARGET_MIN_TURN and not any(r.hit_tokens for r in recs)]
+            blocks = {"lookup_hits": r.lookup_hits, "loaded_blocks": r.loaded_blocks,
+                      "expected_blocks": r.expected_blocks}
+            if r.loaded_blocks < r.lookup_hits:
+                short_loads.append({**where, **blocks})
+            if (r.lookup_hits != r.expected_blocks if exact
+                    else r.lookup_hits > r.expected_blocks):
+                unexpected_hits.append({**where, **blocks})
+    cached_records = [r for _, kv in pairs for r in kv.records]
+    no_hit_turns = [] if exact else [
+        turn for turn, recs in by_turn(cached_records).items()
+        if turn >= TARGET_MIN_TURN and not any(r.lookup_hits for r in recs)]
+    total = len(cached_records)
+    failures = []
+    if mismatched:
+        failures.append(f"tokens differ in {len(mismatched)} of {total} requests")
+    if nan_logits:
+        failures.append("first-token logits NaN (a cache slot read before it was "
+                        "computed or loaded)")
+    if max_diff > atol:
+        failures.append(f"first-token logits max |diff| {max_diff:.3g} > atol {atol:g}")
+    if short_loads:
+        failures.append(
+            f"{len(short_loads)} of {total} requests loaded fewer blocks than the "
+            f"lookup found ({sum(x['loaded_blocks'] for x in short_loads)} of "
+            f"{sum(x['lookup_hits'] for x in short_loads)})")
+    if unexpected_hits:
+        failures.append(
+            f"{len(unexpected_hits)} of {total} requests: lookup hits differ from the "
+            f"expected blocks (those earlier turns saved): "
+            f"{sum(x['lookup_hits'] for x in unexpected_hits)} found, "
+            f"{sum(x['expected_blocks'] for x in unexpected_hits)} expected")
+    if no_hit_turns:
+        failures.append(f"no lookup hit at turns {no_hit_turns}")
     return {
-        "ok": not mismatched and not nan_logits and max_diff <= atol and not no_hit_turns,
-        "requests_compared": sum(len(kv.records) for _, kv in pairs),
+        "ok": not failures,
+        "failures": failures,
+        "requests_compared": total,
         "tokens_identical": not mismatched,
         "mismatched_requests": mismatched,
         "first_logits_max_abs_diff": max_diff,
         "first_logits_nan": nan_logits,
         "atol": atol,
+        "lookup_hit_blocks": sum(r.lookup_hits for r in cached_records),
+        "loaded_blocks": sum(r.loaded_blocks for r in cached_records),
+        "expected_blocks": sum(r.expected_blocks for r in cached_records),
+        "short_loads": short_loads,
+        "expected_hits_exact": exact,
+        "unexpected_hits": unexpected_hits,
         "turns_without_hits": no_hit_turns,
     }
 
@@ -378,24 +443,61 @@ def fmt_bytes(n: float) -> str:
     return f"{n:.1f} GiB"
 
 
-def print_report(
+def report_header(report: Dict[str, Any]) -> List[str]:
+    """The lines above the table, from the JSON report alone (so the text
+    and the JSON cannot disagree on date, daemon or sizes)."""
+    m, model, kv, w = (report["machine"], report["model"], report["kv_cache"],
+                       report["workload"])
+    load = report["machine"].get("loadavg_start")
+    return [
+        "Multi-turn chat, kvdepot prefix reuse vs recompute "
+        "(tools/multiturn/multiturn_bench.py)",
+        "",
+        f"Date (UTC):  {report['date_utc']}",
+        f"Command:     {report['command']}",
+        f"Machine:     nproc {m['nproc']}"
+        + (f", load average at start {load[0]:.2f} {load[1]:.2f} {load[2]:.2f}"
+           if load else "")
+        + f"; torch {m['torch']}, {m['torch_threads']} intra-op thread(s), "
+          f"BLAS_INFO={m['torch_blas']}, {m['device']}",
+        f"Daemon:      kvdepotd {report.get('daemon_version') or '?'} "
+        f"(commit {report.get('daemon_commit') or '?'}), loopback, DRAM tier "
+        f"{report.get('daemon_dram_bytes') or '?'} bytes, NVMe tier off",
+        f"Model:       {model['model_id']} ({model['parameters']:,} parameters), "
+        f"{model['dtype']}, {kv['block_size']}-token blocks of "
+        f"{fmt_bytes(kv['block_bytes'])}",
+        f"Workload:    {w['num_conversations']} conversations x {w['num_turns']} turns, "
+        f"first message {w['first_tokens']} tokens, later {w['user_tokens']}, "
+        f"answers {w['output_tokens']} (each +-{w['length_jitter']:.0%}), "
+        f"concurrency {' and '.join(str(c) for c in w['concurrency'])}, "
+        f"{w['rounds']} round(s) of recompute then kvdepot, requests pooled",
+        f"Wall time:   {report['wall_s']:.0f} s",
+        "",
+    ]
+
+
+def report_table(
     runs: Sequence[Dict[str, Any]], comparisons: Sequence[Dict[str, Any]]
-) -> None:
+) -> List[str]:
     """The table (per concurrency: each turn, then all requests; recompute
     then kvdepot) and the ratios, target and correctness lines."""
+    lines: List[str] = []
     header = (f"{'C':>2} {'turn':>4} {'mode':<9} {'prompt':>6} {'TTFT p50':>10} "
-              f"{'TTFT p90':>10} {'TPOT':>8} {'hit':>5} {'loaded':>10} "
-              f"{'stored':>10} {'req/s':>6}")
-    print(header)
-    print("-" * len(header))
+              f"{'TTFT p90':>10} {'TPOT':>8} {'hit':>5} {'blk hit/ld/exp':>15} "
+              f"{'loaded':>10} {'stored':>10} {'req/s':>6}")
+    lines.append(header)
+    lines.append("-" * len(header))
 
     def row(c: int, label: str, mode: str, s: Dict[str, Any]) -> None:
         rps = f"{s['requests_per_s']:6.2f}" if "requests_per_s" in s else ""
-        print(f"{c:>2} {label:>4} {mode:<9} {s['prompt_tokens_mean']:6.0f} "
-              f"{s['ttft_p50_ms']:8.1f}ms {s['ttft_p90_ms']:8.1f}ms "
-              f"{s['tpot_mean_ms']:6.1f}ms {s['hit_ratio']:5.2f} "
-              f"{fmt_bytes(s['bytes_loaded']):>10} {fmt_bytes(s['bytes_stored']):>10} "
-              f"{rps:>6}")
+        blocks = (f"{s['lookup_hit_blocks']}/{s['loaded_blocks']}/{s['expected_blocks']}"
+                  if mode == "kvdepot" else "-")
+        lines.append(
+            f"{c:>2} {label:>4} {mode:<9} {s['prompt_tokens_mean']:6.0f} "
+            f"{s['ttft_p50_ms']:8.1f}ms {s['ttft_p90_ms']:8.1f}ms "
+            f"{s['tpot_mean_ms']:6.1f}ms {s['hit_ratio']:5.2f} {blocks:>15} "
+            f"{fmt_bytes(s['bytes_loaded']):>10} {fmt_bytes(s['bytes_stored']):>10} "
+            f"{rps:>6}")
 
     for comp in comparisons:
         c = comp["concurrency"]
@@ -408,30 +510,34 @@ def print_report(
             row(c, "all", run["mode"], run["overall"])
         ttft = ", ".join(f"turn {t['turn']} {t['ttft_p50_ratio']:.3f}"
                          for t in comp["per_turn"])
-        print(f"   C={c}: kvdepot/recompute TTFT p50: {ttft}; "
-              f"TPOT {comp['overall']['tpot_ratio']:.3f}; "
-              f"req/s {comp['overall']['requests_per_s_ratio']:.3f}")
+        lines.append(f"   C={c}: kvdepot/recompute TTFT p50: {ttft}; "
+                     f"TPOT {comp['overall']['tpot_ratio']:.3f}; "
+                     f"req/s {comp['overall']['requests_per_s_ratio']:.3f}")
         tgt = comp["target"]
         if "ttft_p50_reduction" in tgt:
-            print(f"   C={c}: target ({tgt['selection']}, {tgt['requests']} requests): "
-                  f"TTFT p50 {tgt['ttft_p50_reduction']:.1%} lower "
-                  f"({'met' if tgt['ttft_reduction_met'] else 'NOT met'}, want >= "
-                  f"{TARGET_TTFT_REDUCTION:.0%}); TPOT "
-                  f"{'no worse' if tgt['tpot_no_worse'] else 'WORSE'}")
+            lines.append(
+                f"   C={c}: target ({tgt['selection']}, {tgt['requests']} requests): "
+                f"TTFT p50 {tgt['ttft_p50_ms_recompute']:.0f} -> "
+                f"{tgt['ttft_p50_ms_kvdepot']:.0f} ms, "
+                f"{tgt['ttft_p50_reduction']:.1%} lower "
+                f"({'met' if tgt['ttft_reduction_met'] else 'NOT met'}, want >= "
+                f"{TARGET_TTFT_REDUCTION:.0%}); TPOT "
+                f"{'no worse' if tgt['tpot_no_worse'] else 'WORSE'}")
         else:
-            print(f"   C={c}: target: no request with {tgt['selection']}")
+            lines.append(f"   C={c}: target: no request with {tgt['selection']}")
         ok = comp["correctness"]
-        tokens = (f"tokens identical in {ok['requests_compared']} requests"
-                  if ok["tokens_identical"] else
-                  f"tokens DIFFER in {len(ok['mismatched_requests'])} of "
-                  f"{ok['requests_compared']} requests")
-        print(f"   C={c}: correctness {'OK' if ok['ok'] else 'FAILED'}: {tokens}, "
-              f"first-token logits max |diff| "
-              f"{ok['first_logits_max_abs_diff']:.3g} (atol {ok['atol']:g})"
-              + (f", no hits at turns {ok['turns_without_hits']}"
-                 if ok["turns_without_hits"] else "")
-              + (", NaN logits" if ok["first_logits_nan"] else ""))
-        print()
+        if ok["ok"]:
+            exact = ("= expected" if ok["expected_hits_exact"]
+                     else "<= expected (DRAM tier too small to expect every block)")
+            lines.append(
+                f"   C={c}: correctness OK: tokens identical in "
+                f"{ok['requests_compared']} requests, first-token logits max |diff| "
+                f"{ok['first_logits_max_abs_diff']:.3g} (atol {ok['atol']:g}); "
+                f"blocks loaded = lookup hits ({ok['loaded_blocks']}) {exact}")
+        else:
+            lines.append(f"   C={c}: correctness FAILED: " + "; ".join(ok["failures"]))
+        lines.append("")
+    return lines
 
 
 def plot_ttft(runs: Sequence[Dict[str, Any]], title: str, path: Path) -> bool:
@@ -521,6 +627,7 @@ def machine_info(device: str) -> Dict[str, Any]:
         "torch_threads": torch.get_num_threads(),
         "torch_blas": blas.group(1) if blas else "unknown",
         "device": device,
+        "loadavg_start": list(os.getloadavg()),
     }
 
 
@@ -570,29 +677,40 @@ def main(argv: Sequence[str]) -> int:
     model_name = f"multiturn/{model_config.model_id()}/tp0of1"
 
     started = datetime.datetime.now(datetime.timezone.utc)
+    started_s = time.perf_counter()
+    machine = machine_info(str(device))  # load average before the runs
     runs: List[RunResult] = []
     comparisons: List[Dict[str, Any]] = []
     with Daemon(args.kvdepotd, args.dram_capacity) as daemon, torch.inference_mode():
         store = kvdepot.KvCacheStore(daemon.address, layout, model_name)
         store.client.health()
+        dram = re.search(r"DRAM tier (\d+) bytes", daemon.banner)
+        dram_bytes = int(dram.group(1)) if dram else None
         for concurrency in args.concurrency:
             pairs = run_pairs(model, store, conversations, concurrency, args.rounds)
             recompute = merge_rounds([p[0] for p in pairs])
             cached = merge_rounds([p[1] for p in pairs])
             runs.extend([recompute, cached])
             comparisons.append({**compare(recompute, cached),
-                                "correctness": check_correctness(pairs, args.atol)})
+                                "correctness": check_correctness(pairs, args.atol,
+                                                                 dram_bytes)})
         store.client.close()
 
+    wall_s = time.perf_counter() - started_s
     described = [describe_run(r) for r in runs]
     ok = all(c["correctness"]["ok"] for c in comparisons)
+    version = re.search(r"kvdepotd (\S+) \((\w+)\)", daemon.banner)
     report = {
         "tool": "multiturn",
         "date_utc": started.strftime("%Y-%m-%dT%H:%M:%SZ"),
         "command": " ".join([Path(sys.argv[0]).name, *argv]),
+        "wall_s": wall_s,
         "ok": ok,
-        "machine": machine_info(str(device)),
+        "machine": machine,
         "daemon": daemon.banner,
+        "daemon_version": version.group(1) if version else None,
+        "daemon_commit": version.group(2) if version else None,
+        "daemon_dram_bytes": dram_bytes,
         "model": {**asdict(model_config), "model_id": model_config.model_id(),
                   "dtype": args.dtype,
                   "parameters": sum(p.numel() for p in model.parameters())},
@@ -605,10 +723,13 @@ def main(argv: Sequence[str]) -> int:
         "runs": described,
         "comparisons": comparisons,
     }
-    print_report(described, comparisons)
+    text = "\n".join(report_header(report) + report_table(described, comparisons))
+    print(text)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(report, indent=1) + "\n")
-    print(f"JSON: {args.out}")
+    args.txt.parent.mkdir(parents=True, exist_ok=True)
+    args.txt.write_text(text + "\n")
+    print(f"JSON: {args.out}\ntext: {args.txt}")
     if not args.no_plot:
         title = (f"{model_config.model_id()} {args.dtype}, {args.conversations} "
                  f"conversations x {args.turns} turns, {args.rounds} round(s), "
@@ -618,8 +739,10 @@ def main(argv: Sequence[str]) -> int:
         else:
             print("plot: skipped (matplotlib is not installed)")
     if not ok:
-        print("multiturn: FAILED: the correctness check failed (see above)",
-              file=sys.stderr)
+        for comp in comparisons:
+            for failure in comp["correctness"]["failures"]:
+                print(f"multiturn: FAILED: C={comp['concurrency']}: {failure}",
+                      file=sys.stderr)
         return 1
     return 0
 

@@ -30,7 +30,10 @@ kvdepot:
   only the rest; the partial last block is always recomputed, and so is the
   last full block when the prompt ends on a block boundary (the last prompt
   token must run to give the first output's logits). A finished request
-  saves its new full blocks (``KvCacheStore.save``, with parents).
+  saves its new full blocks (``KvCacheStore.save``, with parents). Each
+  request records the lookup's hits, the blocks actually loaded and the
+  blocks it should have found (what the conversation's earlier turns
+  saved), for the benchmark to check.
 * without one, every prompt is prefilled from the first token (recompute).
 
 Timing: a request's TTFT runs from when its client sent it (the moment the
@@ -121,31 +124,34 @@ class KvdepotConnector:
 
     def load_prefix(
         self, cache: PagedKvCache, prompt: Sequence[int], block_ids: Sequence[int]
-    ) -> int:
+    ) -> Tuple[int, int]:
         """Loads the longest stored prefix of ``prompt``'s blocks into
         ``block_ids`` (lookup with prefix match and pin, load, unpin).
 
         Never loads the block holding the prompt's last token, which must be
-        computed. Returns the number of blocks loaded.
+        computed. Returns ``(lookup_hits, loaded)``: the blocks the lookup
+        found and the leading blocks the load reported loaded.
         """
         max_blocks = (len(prompt) - 1) // self.block_size
         keys = block_hashes(prompt[: max_blocks * self.block_size], self.block_size)
         if not keys:
-            return 0
+            return 0, 0
         client = self.store.client
         reply = client.lookup(self.store.namespace, keys, prefix=True, pin=True)
         try:
             hits = reply.prefix_hits
             if not hits:
-                return 0
+                return 0, 0
             filled = self.store.load(cache.tensors, block_ids[:hits], keys[:hits])
         finally:
             if reply.pin_id:
                 client.unpin(reply.pin_id)
-        # Pinned blocks are not evicted, so a miss here is not expected; if
-        # one happens anyway, the prefix ends before it and the rest is
-        # recomputed.
-        return filled.index(False) if False in filled else hits
+        # Pinned blocks are not evicted, so a miss here is a failure, which
+        # the benchmark reports (loaded < lookup_hits) and fails on. The
+        # engine still serves the request correctly: the prefix ends before
+        # the first miss and the rest is recomputed.
+        loaded = filled.index(False) if False in filled else len(filled)
+        return hits, loaded
 
     def save(
         self,
@@ -177,6 +183,9 @@ class RequestRecord:
     turn: int
     prompt_tokens: int
     hit_tokens: int  # prompt tokens loaded from kvdepot
+    lookup_hits: int  # blocks the prefix lookup found (kvdepot runs)
+    loaded_blocks: int  # leading blocks the load reported loaded
+    expected_blocks: int  # blocks this conversation's earlier turns saved
     output: List[int]
     first_logits: torch.Tensor  # float32 [vocab], on the CPU
     ttft_s: float
@@ -207,7 +216,9 @@ class _Request:
     arrival: float
     block_ids: List[int] = field(default_factory=list)
     num_computed: int = 0  # tokens whose K/V are in the cache
+    lookup_hits: int = 0
     loaded_blocks: int = 0
+    expected_blocks: int = 0
     load_s: float = 0.0
     output: List[int] = field(default_factory=list)
     first_token_time: float = 0.0
@@ -301,12 +312,19 @@ class _Engine:
             arrival = self.sent_at[client]
             if arrival is None:
                 arrival = time.perf_counter()
-            req = _Request(spec, self.history[spec.conversation] + list(spec.user_tokens),
-                           arrival)
+            history = self.history[spec.conversation]
+            req = _Request(spec, history + list(spec.user_tokens), arrival)
             req.block_ids = self.cache.allocate(-(-len(req.prompt) // bs))
             if self.connector is not None:
+                # The previous turn saved the full blocks of its prompt and
+                # answer but the last answer token (see _finish), the turns
+                # before it the shorter prefixes of the same chain; the
+                # lookup stops before the prompt's last token.
+                if history:
+                    req.expected_blocks = min((len(history) - 1) // bs,
+                                              (len(req.prompt) - 1) // bs)
                 load_start = time.perf_counter()
-                req.loaded_blocks = self.connector.load_prefix(
+                req.lookup_hits, req.loaded_blocks = self.connector.load_prefix(
                     self.cache, req.prompt, req.block_ids
                 )
                 req.num_computed = req.loaded_blocks * bs
@@ -339,6 +357,9 @@ class _Engine:
                 turn=req.spec.turn,
                 prompt_tokens=len(req.prompt),
                 hit_tokens=req.loaded_blocks * self.cache.block_size,
+                lookup_hits=req.lookup_hits,
+                loaded_blocks=req.loaded_blocks,
+                expected_blocks=req.expected_blocks,
                 output=req.output,
                 first_logits=req.first_logits,
                 ttft_s=req.first_token_time - req.arrival,
