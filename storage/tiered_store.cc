@@ -23,6 +23,7 @@
 #include "absl/functional/function_ref.h"
 #include "absl/random/random.h"
 #include "absl/strings/str_cat.h"
+#include "absl/time/clock.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/synchronization/notification.h"
 #include "storage/block_index.h"
@@ -351,6 +352,12 @@ class TieredStoreImpl final : public TieredStore {
       ASSIGN_OR_RETURN(uint32_t id, NamespaceIdFor(ns, NamespaceUse::kClientPut));
       info = NamespaceById(id);
     }
+    if (info == nullptr) {
+      // One that could not be created fails here, before anything is
+      // evicted for it (a creation racing this put may still take the last
+      // one; then this put fails after making room).
+      RETURN_IF_ERROR(RoomForANamespace());
+    }
 
     ReservationState state{session, 0, {}, 0, 0, false};
     state.slots.resize(blocks.size());
@@ -397,13 +404,16 @@ class TieredStoreImpl final : public TieredStore {
     // pins and reservations end, and what they held becomes evictable;
     // with would_wait it declines at once. Without them it fails.
     if (absl::Status room = CheckRoom(space); !room.ok()) {
-      if (!WaitsForRoom()) return room;
+      if (!WaitsForRoom() || space > arena_->capacity()) return room;
       if (would_wait != nullptr) {
         *would_wait = true;
         MaybeWakeEvictor();
         return absl::UnavailableError(
             "DRAM tier full of pinned and reserved blocks: waits for room");
       }
+      // Waits for pins and reservations to end before the quota's charge
+      // may drop blocks of the namespace for a put that then cannot fit.
+      RETURN_IF_ERROR(WaitUntilRoomIsPossible(space));
     }
     if (info != nullptr) RETURN_IF_ERROR(ChargeQuota(*info, total));
 
@@ -1338,6 +1348,29 @@ class TieredStoreImpl final : public TieredStore {
   // (see AllocateEvicting) rather than dropping blocks at once.
   bool WaitsForRoom() const { return nvme_ != nullptr && evictor_.joinable(); }
 
+  // Polls CheckRoom(need) (1 ms, then up to 50 ms apart) until it passes,
+  // for kMaxWaitForRoom at most: pins and reservations end, and what they
+  // held becomes free or evictable. Its error when the time is up.
+  absl::Status WaitUntilRoomIsPossible(uint64_t need) {
+    const absl::Time until = absl::Now() + kMaxWaitForRoom;
+    absl::Duration pause = absl::Milliseconds(1);
+    while (true) {
+      absl::Status room = CheckRoom(need);
+      if (room.ok() || absl::Now() >= until) return room;
+      absl::SleepFor(pause);
+      pause = std::min(pause * 2, absl::Milliseconds(50));
+    }
+  }
+
+  // ResourceExhausted when max_namespaces are in use (so a put into a new
+  // namespace could not create it).
+  absl::Status RoomForANamespace() {
+    absl::MutexLock lock(&ns_mu_);
+    if (namespaces_.size() < options_.max_namespaces) return absl::OkStatus();
+    return absl::ResourceExhaustedError(
+        absl::StrCat("too many namespaces (", options_.max_namespaces, ")"));
+  }
+
   // ResourceExhausted when `need` bytes of arena space cannot be had however
   // much is evicted: the free space plus the space of the blocks no one
   // holds pinned (BlockIndex::unpinned_bytes) is less. What pins and open
@@ -1352,8 +1385,7 @@ class TieredStoreImpl final : public TieredStore {
     return absl::ResourceExhaustedError(absl::StrCat(
         "DRAM tier full: ", need, " bytes needed but only ", cap - used,
         " of ", cap, " are free and ", unpinned,
-        " are in unpinned blocks (the rest is pinned or reserved); nothing "
-        "was evicted for it"));
+        " are in unpinned blocks (the rest is pinned or reserved)"));
   }
 
   // The bytes AllocateSlot asks for the slot's key and stamp.

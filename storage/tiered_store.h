@@ -302,10 +302,13 @@ class TieredStore {
   // that fit) may still have evicted blocks. InvalidArgument for bad keys,
   // sizes (0 or above max_block_bytes) or batch size; FailedPrecondition
   // while draining.
+  // With an NVMe tier and its evictor, a batch that does not fit now waits
+  // (up to 5 s) for the evictor, and for pins and reservations to end,
+  // before it charges the quota or drops anything; then ResourceExhausted.
   // With `would_wait` (a caller that must not block): where making room
-  // would wait for the evictor (DRAM full, NVMe tier on), returns
-  // Unavailable at once with *would_wait set, having reserved nothing
-  // (where no wait could make room, ResourceExhausted as above).
+  // would wait (DRAM full, NVMe tier on), returns Unavailable at once with
+  // *would_wait set, having reserved nothing (a batch larger than the DRAM
+  // tier: ResourceExhausted as above).
   virtual absl::StatusOr<Reservation> BeginPut(
       SessionId session, absl::string_view ns,
       absl::Span<const PutSpec> blocks, bool* would_wait = nullptr) = 0;

@@ -1103,6 +1103,25 @@ TEST_F(TieredStoreTest, AFailedPutCreatesNoNamespace) {
   EXPECT_TRUE(Has("k", "b"));
 }
 
+// A put into a new namespace when max_namespaces are in use fails before it
+// evicts anything for its slots (it used to make room, dropping other
+// namespaces' blocks, and only then find it could not create its own).
+TEST_F(TieredStoreTest, APutThatCannotCreateItsNamespaceEvictsNothing) {
+  StoreOptions o;
+  o.max_namespaces = 1;
+  Reopen(o);
+  std::vector<std::string> keys;
+  for (int i = 0; i < 15; ++i) keys.push_back("a" + std::to_string(i));
+  ASSERT_OK(PutMany(*store_, sid_, "a", keys, 256 << 10));  // DRAM nearly full
+  const StoreStats before = store_->Stats();
+  PutSpec specs[2] = {{"b0", "", 256 << 10}, {"b1", "", 256 << 10}};
+  EXPECT_THAT(store_->BeginPut(sid_, "b", specs), StatusIs(Code::kResourceExhausted));
+  const StoreStats after = store_->Stats();
+  EXPECT_EQ(after.dram.evictions, before.dram.evictions);
+  EXPECT_EQ(after.dram.blocks, before.dram.blocks);
+  for (const std::string& k : keys) EXPECT_TRUE(Has(k, "a")) << k;
+}
+
 // A put of a stored key is not a read of it: it neither counts toward the
 // NVMe admission policy (nvme_admit_min_reads) nor shows in dram_reads.
 TEST_F(TieredStoreTest, APutOfAStoredKeyIsNotCountedAsARead) {
@@ -1221,10 +1240,53 @@ TEST_F(TieredStoreNvmeTest, DemotedBlocksAreFoundOnNvmeAndPromotedWhenPinned) {
   ASSERT_OK(store_->Unpin(sid_, pin));
 }
 
+// With the evictor and an NVMe tier, a batch that cannot fit while the rest
+// of DRAM is pinned waits, and then fails having dropped nothing: the quota's
+// charge does not drop the namespace's blocks (which NVMe would have kept)
+// for a put that then finds no room.
+TEST_F(TieredStoreNvmeTest, AQuotaPutThatCannotFitDropsNothing) {
+  Open(/*admit_min_reads=*/0, /*background_eviction=*/true, /*high_watermark=*/1.0);
+  const size_t kB = 256 << 10;
+  ASSERT_OK(store_->SetQuota("q", 2 << 20));
+  auto put = [&](const std::string& ns, const std::string& key) {
+    PutSpec spec{key, "", kB};
+    bool would_wait = false;
+    auto r = store_->BeginPut(sid_, ns, {&spec, 1}, &would_wait);
+    if (!r.ok()) return r.status();
+    std::string bytes(kB, key[0]);
+    std::memcpy(store_->dram_region().base + r->slots[0].offset, bytes.data(), kB);
+    const uint64_t sum = BlockChecksum(bytes);
+    return store_->CommitPut(sid_, r->id, {&sum, 1}).status();
+  };
+  for (int i = 0; i < 4; ++i) ASSERT_OK(put("q", "q" + std::to_string(i)));
+  std::vector<PinId> pins;  // the rest of DRAM: pinned blocks of "p"
+  for (int i = 0; i < 64; ++i) {
+    const std::string key = "p" + std::to_string(i);
+    if (!put("p", key).ok()) break;
+    absl::string_view k = key;
+    auto l = store_->Lookup(sid_, "p", {&k, 1}, false, true);
+    ASSERT_OK(l);
+    pins.push_back(l->pin_id);
+  }
+  ASSERT_GE(pins.size(), 4u);
+  std::vector<PutSpec> specs;
+  for (int i = 0; i < 6; ++i) specs.push_back({"n" + std::to_string(i), "", kB});
+  EXPECT_THAT(store_->BeginPut(sid_, "q", specs), StatusIs(Code::kResourceExhausted));
+  for (int i = 0; i < 4; ++i) {
+    const std::string key = "q" + std::to_string(i);
+    absl::string_view k = key;
+    auto l = store_->Lookup(sid_, "q", {&k, 1}, false, false);
+    ASSERT_OK(l);
+    EXPECT_TRUE(l->entries[0].found) << key << " was dropped";
+  }
+  for (PinId pin : pins) ASSERT_OK(store_->Unpin(sid_, pin));
+}
+
 // With the evictor and an NVMe tier, a put that finds DRAM full waits for
 // room; a caller that must not block (a UCX progress thread) can decline
-// to: Unavailable at once, would_wait set, nothing reserved. Where waiting
-// could not help (every block pinned), the put fails at once instead.
+// to: Unavailable at once, would_wait set, nothing reserved (also when every
+// block is pinned: pins end). A put that waits and finds no room in time
+// fails ResourceExhausted.
 TEST_F(TieredStoreNvmeTest, APutThatWouldWaitForRoomCanDeclineTo) {
   // The evictor only runs when asked (its high mark is never passed), and
   // every block is pinned: nothing can make room.
