@@ -243,7 +243,6 @@ TEST_F(DataPlaneTest, AColocatedClientLostWhileItsSessionAttachesIsReported) {
       << "the loss reported while the session attached was dropped";
 }
 
-
 TEST_F(DataPlaneTest, ASessionPastItsRequestsInFlightLeavesRoomForOthers) {
   // Session 1's requests are never answered (its transfers stall): past
   // max_requests_per_session they are refused, and session 2's still go to
