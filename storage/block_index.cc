@@ -44,55 +44,62 @@ bool BlockIndex::EntryEq::operator()(const BlockEntry* a,
          std::memcmp(base + a->key_offset(), k.key.data(), k.key.size()) == 0;
 }
 
+namespace {
+
+// One intrusive doubly linked list through BlockEntry's `kPrev`/`kNext`
+// members: head = most recent, tail = least recent.
+template <BlockEntry* BlockEntry::*kPrev, BlockEntry* BlockEntry::*kNext>
+struct Links {
+  static void PushFront(BlockEntry*& head, BlockEntry*& tail, BlockEntry* e) {
+    e->*kPrev = nullptr;
+    e->*kNext = head;
+    if (head) head->*kPrev = e;
+    head = e;
+    if (!tail) tail = e;
+  }
+  static void PushBack(BlockEntry*& head, BlockEntry*& tail, BlockEntry* e) {
+    e->*kNext = nullptr;
+    e->*kPrev = tail;
+    if (tail) tail->*kNext = e;
+    tail = e;
+    if (!head) head = e;
+  }
+  static void Unlink(BlockEntry*& head, BlockEntry*& tail, BlockEntry* e) {
+    if (e->*kPrev) (e->*kPrev)->*kNext = e->*kNext; else head = e->*kNext;
+    if (e->*kNext) (e->*kNext)->*kPrev = e->*kPrev; else tail = e->*kPrev;
+    e->*kPrev = e->*kNext = nullptr;
+  }
+};
+using ShardLinks = Links<&BlockEntry::lru_prev, &BlockEntry::lru_next>;
+using NsLinks = Links<&BlockEntry::ns_prev, &BlockEntry::ns_next>;
+
+}  // namespace
+
 // The namespace lists mirror the shard's list: every push and removal below
 // does the same on both, so each namespace list is the subsequence of the
 // shard's list that holds that namespace's entries.
 void BlockIndex::LruPushFront(Shard& s, BlockEntry* e) {
-  e->lru_prev = nullptr;
-  e->lru_next = s.head;
-  if (s.head) s.head->lru_prev = e;
-  s.head = e;
-  if (!s.tail) s.tail = e;
+  ShardLinks::PushFront(s.head, s.tail, e);
   NsList& l = NsListOf(s, e->ns_id);
-  e->ns_prev = nullptr;
-  e->ns_next = l.head;
-  if (l.head) l.head->ns_prev = e;
-  l.head = e;
-  if (!l.tail) l.tail = e;
+  NsLinks::PushFront(l.head, l.tail, e);
   e->flags |= BlockEntry::kInLru;
   ++s.lru_size;
 }
 
 void BlockIndex::LruPushBack(Shard& s, BlockEntry* e) {
   e->flags &= ~BlockEntry::kReferenced;
-  e->lru_next = nullptr;
-  e->lru_prev = s.tail;
-  if (s.tail) s.tail->lru_next = e;
-  s.tail = e;
-  if (!s.head) s.head = e;
+  ShardLinks::PushBack(s.head, s.tail, e);
   NsList& l = NsListOf(s, e->ns_id);
-  e->ns_next = nullptr;
-  e->ns_prev = l.tail;
-  if (l.tail) l.tail->ns_next = e;
-  l.tail = e;
-  if (!l.head) l.head = e;
+  NsLinks::PushBack(l.head, l.tail, e);
   e->flags |= BlockEntry::kInLru;
   ++s.lru_size;
 }
 
 void BlockIndex::LruRemove(Shard& s, BlockEntry* e) {
   if (!(e->flags & BlockEntry::kInLru)) return;
-  if (e->lru_prev) e->lru_prev->lru_next = e->lru_next; else s.head = e->lru_next;
-  if (e->lru_next) e->lru_next->lru_prev = e->lru_prev; else s.tail = e->lru_prev;
-  e->lru_prev = e->lru_next = nullptr;
-  if (e->ns_prev) e->ns_prev->ns_next = e->ns_next;
-  if (e->ns_next) e->ns_next->ns_prev = e->ns_prev;
-  if (e->ns_prev == nullptr || e->ns_next == nullptr) {  // an end of its list
-    NsList& l = s.ns_lru[e->ns_id];  // exists: e was pushed on it
-    if (e->ns_prev == nullptr) l.head = e->ns_next;
-    if (e->ns_next == nullptr) l.tail = e->ns_prev;
-  }
-  e->ns_prev = e->ns_next = nullptr;
+  ShardLinks::Unlink(s.head, s.tail, e);
+  NsList& l = s.ns_lru[e->ns_id];  // exists: e was pushed on it
+  NsLinks::Unlink(l.head, l.tail, e);
   e->flags &= ~BlockEntry::kInLru;
   --s.lru_size;
 }

@@ -276,25 +276,21 @@ class TieredStoreImpl final : public TieredStore {
 
   absl::Status HandOverPin(SessionId session, PinId pin) override {
     absl::MutexLock lock(&mu_);
-    auto it = pins_.find(pin);
-    if (it == pins_.end() || it->second.session != session ||
-        session == kInternalSession) {
-      return TakePinFromSession(session, pin).status();  // its errors
-    }
     // It leaves the session's pins (the session's end does not release it)
     // but still counts against max_pinned_blocks_per_session until it is
     // released: a client whose transfers are abandoned (HoldUntilReleased)
     // must not pin more than it may by letting them stall.
-    auto s = sessions_.find(session);
-    if (s != sessions_.end()) s->second.pins.erase(pin);
+    ASSIGN_OR_RETURN(auto it, TakePinFromSession(session, pin, /*uncharge=*/false));
+    if (session != kInternalSession) it->second.charged = session;
     it->second.session = kInternalSession;
-    it->second.charged = session;
     return absl::OkStatus();
   }
 
-  // `session`'s `pin`, no longer counted in the session (Unpin's errors).
+  // `session`'s `pin`, no longer among the session's pins (Unpin's errors);
+  // with `uncharge`, no longer counted in its pinned_blocks either.
   absl::StatusOr<absl::flat_hash_map<PinId, Pin>::iterator> TakePinFromSession(
-      SessionId session, PinId pin) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+      SessionId session, PinId pin, bool uncharge = true)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
     auto it = pins_.find(pin);
     if (it == pins_.end() || it->second.session != session) {
       RETURN_IF_ERROR(SessionOrInternal(session));
@@ -305,7 +301,7 @@ class TieredStoreImpl final : public TieredStore {
       auto s = sessions_.find(session);
       if (s != sessions_.end()) {
         s->second.pins.erase(pin);
-        s->second.pinned_blocks -= it->second.entries.size();
+        if (uncharge) s->second.pinned_blocks -= it->second.entries.size();
       }
     }
     return it;
@@ -400,9 +396,10 @@ class TieredStoreImpl final : public TieredStore {
     }
     // A batch that no eviction can make room for now (the rest of DRAM is
     // pinned or reserved) evicts nothing, for the quota or for DRAM. With
-    // an NVMe tier and its evictor it waits for room (AllocateEvicting):
-    // pins and reservations end, and what they held becomes evictable;
-    // with would_wait it declines at once. Without them it fails.
+    // an NVMe tier and its evictor it waits for room
+    // (WaitUntilRoomIsPossible): pins and reservations end, and what they
+    // held becomes evictable; with would_wait it declines at once. Without
+    // them it fails.
     if (absl::Status room = CheckRoom(space); !room.ok()) {
       if (!WaitsForRoom() || space > arena_->capacity()) return room;
       if (would_wait != nullptr) {
@@ -1366,6 +1363,9 @@ class TieredStoreImpl final : public TieredStore {
   // namespace could not create it).
   absl::Status RoomForANamespace() {
     absl::MutexLock lock(&ns_mu_);
+    return RoomForANamespaceLocked();
+  }
+  absl::Status RoomForANamespaceLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(ns_mu_) {
     if (namespaces_.size() < options_.max_namespaces) return absl::OkStatus();
     return absl::ResourceExhaustedError(
         absl::StrCat("too many namespaces (", options_.max_namespaces, ")"));
@@ -1586,10 +1586,7 @@ class TieredStoreImpl final : public TieredStore {
           "namespace ", ns, " does not exist and create_namespaces is off "
           "(an operator creates it by setting its quota)"));
     }
-    if (namespaces_.size() >= options_.max_namespaces) {
-      return absl::ResourceExhaustedError(absl::StrCat(
-          "too many namespaces (", options_.max_namespaces, ")"));
-    }
+    RETURN_IF_ERROR(RoomForANamespaceLocked());
     auto info = std::make_unique<NamespaceInfo>();
     uint32_t id = static_cast<uint32_t>(namespaces_.size() + 1);
     info->id = id;
