@@ -311,26 +311,31 @@ std::vector<std::unique_ptr<BlockEntry>> BlockIndex::RemoveNamespace(
   return removed;
 }
 
-BlockEntry* BlockIndex::SettleTail(Shard& s) {
+BlockEntry* BlockIndex::SettleTail(Shard& s, uint32_t ns_id) {
   // Second chance: referenced entries go back to the front, unmarked. One
-  // pass over the list unmarks everything, so this ends.
-  BlockEntry* e = s.tail;
-  for (uint64_t n = s.lru_size;
-       e != nullptr && n > 0 && (e->flags & BlockEntry::kReferenced); --n) {
+  // pass over the list unmarks everything, so this ends. (LruPushFront may
+  // grow the namespace vector: the list is looked up each round.)
+  while (true) {
+    BlockEntry* e = ns_id == kAllNamespaces ? s.tail
+                    : ns_id < s.ns_lru.size() ? s.ns_lru[ns_id].tail
+                                              : nullptr;
+    if (e == nullptr || !(e->flags & BlockEntry::kReferenced)) return e;
     e->flags &= ~BlockEntry::kReferenced;
     LruRemove(s, e);
     LruPushFront(s, e);
-    e = s.tail;
   }
-  return e;
 }
 
 std::unique_ptr<BlockEntry> BlockIndex::PopEvictable(int shard) {
+  return PopTail(shard, kAllNamespaces);
+}
+
+std::unique_ptr<BlockEntry> BlockIndex::PopTail(int shard, uint32_t ns_id) {
   Shard& s = *shards_[shard];
   std::unique_ptr<BlockEntry> out;
   {
     absl::MutexLock lock(&s.mu);
-    BlockEntry* e = SettleTail(s);
+    BlockEntry* e = SettleTail(s, ns_id);
     if (e == nullptr) return nullptr;
     Detach(s, e);
     out.reset(e);
@@ -339,13 +344,13 @@ std::unique_ptr<BlockEntry> BlockIndex::PopEvictable(int shard) {
   return out;
 }
 
-int BlockIndex::OldestShard() {
+int BlockIndex::OldestShard(uint32_t ns_id) {
   int best = -1;
   uint32_t best_seq = 0;
   for (int i = 0; i < kShards; ++i) {
     Shard& s = *shards_[i];
     absl::MutexLock lock(&s.mu);
-    BlockEntry* e = SettleTail(s);
+    BlockEntry* e = SettleTail(s, ns_id);
     if (e == nullptr) continue;
     // Wrap-aware: a is older than b when (a - b) is negative as int32.
     if (best < 0 || static_cast<int32_t>(e->seq - best_seq) < 0) {
@@ -356,14 +361,18 @@ int BlockIndex::OldestShard() {
   return best;
 }
 
-std::unique_ptr<BlockEntry> BlockIndex::PopOldestEvictable() {
-  // Another thread may empty the chosen shard before it is popped: then look
+std::unique_ptr<BlockEntry> BlockIndex::PopOldest(uint32_t ns_id) {
+  // Another thread may empty the chosen list before it is popped: then look
   // again, so nullptr means no shard had an evictable entry.
   while (true) {
-    const int best = OldestShard();
+    const int best = OldestShard(ns_id);
     if (best < 0) return nullptr;
-    if (std::unique_ptr<BlockEntry> e = PopEvictable(best)) return e;
+    if (std::unique_ptr<BlockEntry> e = PopTail(best, ns_id)) return e;
   }
+}
+
+std::unique_ptr<BlockEntry> BlockIndex::PopOldestEvictable() {
+  return PopOldest(kAllNamespaces);
 }
 
 std::optional<BlockIndex::Demotion> BlockIndex::BeginDemotion() {
@@ -483,52 +492,8 @@ std::optional<BlockEntry> BlockIndex::Peek(const KeyRef& key,
   return copy;
 }
 
-BlockEntry* BlockIndex::SettleNsTail(Shard& s, uint32_t ns_id) {
-  // As SettleTail, on the namespace's list (LruPushFront may grow the
-  // vector, so the list is looked up each round). One pass unmarks every
-  // entry of the list, so this ends.
-  while (true) {
-    if (ns_id >= s.ns_lru.size()) return nullptr;
-    BlockEntry* e = s.ns_lru[ns_id].tail;
-    if (e == nullptr) return nullptr;
-    if (!(e->flags & BlockEntry::kReferenced)) return e;
-    e->flags &= ~BlockEntry::kReferenced;
-    LruRemove(s, e);
-    LruPushFront(s, e);
-  }
-}
-
 std::unique_ptr<BlockEntry> BlockIndex::PopOldestEvictableOf(uint32_t ns_id) {
-  // Like PopOldestEvictable, on the namespace's lists. Another thread may
-  // empty the chosen list before it is popped: then look again, so nullptr
-  // means no shard had an evictable entry of the namespace.
-  while (true) {
-    int best = -1;
-    uint32_t best_seq = 0;
-    for (int i = 0; i < kShards; ++i) {
-      Shard& s = *shards_[i];
-      absl::MutexLock lock(&s.mu);
-      BlockEntry* e = SettleNsTail(s, ns_id);
-      if (e == nullptr) continue;
-      // Wrap-aware, as OldestShard.
-      if (best < 0 || static_cast<int32_t>(e->seq - best_seq) < 0) {
-        best = i;
-        best_seq = e->seq;
-      }
-    }
-    if (best < 0) return nullptr;
-    std::unique_ptr<BlockEntry> out;
-    {
-      Shard& s = *shards_[best];
-      absl::MutexLock lock(&s.mu);
-      BlockEntry* e = SettleNsTail(s, ns_id);
-      if (e == nullptr) continue;  // emptied meanwhile: look again
-      Detach(s, e);
-      out.reset(e);
-    }
-    ReleaseParent(*out);
-    return out;
-  }
+  return PopOldest(ns_id);
 }
 
 }  // namespace kvdepot

@@ -339,13 +339,18 @@ class BlockIndex {
   // Takes `e` out of the set and the lists (recording its cached children
   // as orphans). REQUIRES: e is in s.set and no caller holds it pinned.
   void Detach(Shard& s, BlockEntry* e) ABSL_EXCLUSIVE_LOCKS_REQUIRED(s.mu);
-  // Gives referenced entries at the tail their second chance; returns the
-  // tail afterwards (nullptr if the list is empty).
-  static BlockEntry* SettleTail(Shard& s) ABSL_EXCLUSIVE_LOCKS_REQUIRED(s.mu);
-  // The same for namespace `ns_id`'s list in `s` (a second chance moves the
-  // entry to the most-recent end of both lists).
-  static BlockEntry* SettleNsTail(Shard& s, uint32_t ns_id)
+  // `ns_id` naming every namespace: the shard's own list.
+  static constexpr uint32_t kAllNamespaces = UINT32_MAX;
+  // Gives referenced entries at the tail of `s`'s list of `ns_id` their
+  // second chance (to the most-recent end of both lists); returns the tail
+  // afterwards (nullptr if the list is empty).
+  static BlockEntry* SettleTail(Shard& s, uint32_t ns_id = kAllNamespaces)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(s.mu);
+  // Removes the settled tail of shard `shard`'s list of `ns_id`.
+  std::unique_ptr<BlockEntry> PopTail(int shard, uint32_t ns_id);
+  // Removes the entry whose last use is oldest among the settled tails of
+  // every shard's list of `ns_id`; nullptr when those lists are empty.
+  std::unique_ptr<BlockEntry> PopOldest(uint32_t ns_id);
   // The arena bytes `e` holds (see unpinned_bytes).
   uint64_t Footprint(const BlockEntry& e) const;
   // Pinned by a caller: a pin besides the one its demotion holds.
@@ -361,9 +366,9 @@ class BlockIndex {
     counter.store(counter.load(std::memory_order_relaxed) + delta,
                   std::memory_order_relaxed);
   }
-  // The shard whose least-recent evictable entry was used longest ago, or
-  // -1 when no shard has one.
-  int OldestShard();
+  // The shard whose least-recent evictable entry (of `ns_id`) was used
+  // longest ago, or -1 when no shard has one.
+  int OldestShard(uint32_t ns_id = kAllNamespaces);
   // Drops one child count from the parent of a removed entry, if linked.
   void ReleaseParent(const BlockEntry& removed);
   // Ages every entry last used more than kMaxSeqAge before `now` to that
