@@ -21,6 +21,15 @@ std::string KeyOf(uint64_t i) {
   return k;
 }
 
+// KeyOf(0 .. n-1) in a scattered order (stride 7919, prime to n), so that
+// consecutive lookups touch unrelated entries.
+std::vector<std::string> ScatteredKeys(int n) {
+  std::vector<std::string> keys;
+  keys.reserve(n);
+  for (int i = 0; i < n; ++i) keys.push_back(KeyOf((uint64_t{7919} * i) % n));
+  return keys;
+}
+
 std::unique_ptr<TieredStore> FilledStore(int n, uint64_t block) {
   StoreOptions o;
   o.dram_capacity = static_cast<uint64_t>(n) * 256 + (64 << 20);
@@ -52,8 +61,7 @@ std::unique_ptr<TieredStore> FilledStore(int n, uint64_t block) {
 void BM_Lookup(benchmark::State& state) {
   const int n = 1 << 18;
   auto store = FilledStore(n, 64);
-  std::vector<std::string> keys;
-  for (int i = 0; i < n; ++i) keys.push_back(KeyOf((i * 7919) % n));
+  const std::vector<std::string> keys = ScatteredKeys(n);
   std::vector<absl::string_view> batch(64);
   size_t pos = 0;
   for (auto _ : state) {
@@ -72,8 +80,7 @@ void BM_LookupPinned(benchmark::State& state) {
   const int n = 1 << 18;
   auto store = FilledStore(n, 64);
   auto session = store->OpenSession(absl::ZeroDuration(), "pins").value();
-  std::vector<std::string> keys;
-  for (int i = 0; i < n; ++i) keys.push_back(KeyOf((i * 7919) % n));
+  const std::vector<std::string> keys = ScatteredKeys(n);
   std::vector<absl::string_view> batch(64);
   size_t pos = 0;
   for (auto _ : state) {
@@ -96,8 +103,7 @@ void BM_BaselineMapLookup(benchmark::State& state) {
   absl::Mutex mu;
   absl::flat_hash_map<std::string, uint64_t> map;
   for (int i = 0; i < n; ++i) map.emplace(KeyOf(i), i);
-  std::vector<std::string> keys;
-  for (int i = 0; i < n; ++i) keys.push_back(KeyOf((i * 7919) % n));
+  const std::vector<std::string> keys = ScatteredKeys(n);
   size_t pos = 0;
   for (auto _ : state) {
     uint64_t found = 0;
