@@ -241,10 +241,10 @@ class _RequestState:
     load_pending: bool = False
     load_in_flight: bool = False
     load_step: int = 0  # the step (see KvDepotConnector._steps_planned) loading
-    # Finished with its blocks held (request_finished answered True): the
-    # blocks [stored_blocks, finished_blocks) are saved, and the blocks
-    # freed, in the first step planned once no load is in flight.
-    finished: bool = False
+    # Finished with its blocks held (request_finished answered True; the
+    # request is in KvDepotConnector._finishing): the blocks [stored_blocks,
+    # finished_blocks) are saved, and the blocks freed, in the first step
+    # planned once no load is in flight.
     finished_blocks: int = 0
 
 
@@ -326,6 +326,8 @@ class KvDepotConnector(KVConnectorBase_V1):  # type: ignore[misc,valid-type]
 
         # Scheduler side.
         self._requests: Dict[str, _RequestState] = {}
+        # Requests that finished with their blocks held (request_finished).
+        self._finishing: Set[str] = set()
         self._scheduler_namespace: Optional[str] = None
         # Steps with scheduled tokens that build_connector_meta planned, and
         # the ones whose output update_connector_output has seen (in order).
@@ -442,6 +444,7 @@ class KvDepotConnector(KVConnectorBase_V1):  # type: ignore[misc,valid-type]
         for st in self._requests.values():
             self._unpin(st)
         self._requests.clear()
+        self._finishing.clear()
         client, self._client, self._store = self._client, None, None
         if client is not None:
             try:
@@ -649,13 +652,7 @@ class KvDepotConnector(KVConnectorBase_V1):  # type: ignore[misc,valid-type]
             done = min(num_computed + num_scheduled, len(self._tokens(st.request)))
             full = min(done // self._block_size, len(st.block_ids))
             if full > st.stored_blocks:
-                keys = self._keys_upto(st, full)
-                first = st.stored_blocks
-                parent = keys[first - 1] if first > 0 else b""
-                meta.saves.append(
-                    SaveSpec(req_id, st.block_ids[first:full], keys[first:full],
-                             parents_of(keys[first:full], parent))
-                )
+                meta.saves.append(self._blocks_to_save(st, req_id, full))
                 st.stored_blocks = full
         except Exception as e:  # noqa: BLE001
             logger.warning("kvdepot: planning %s failed: %s", req_id, e)
@@ -716,29 +713,35 @@ class KvDepotConnector(KVConnectorBase_V1):  # type: ignore[misc,valid-type]
         if held <= st.stored_blocks:
             del self._requests[request.request_id]
             return False, None
-        st.finished = True
         st.finished_blocks = held
+        self._finishing.add(request.request_id)
         return True, None
+
+    def _blocks_to_save(self, st: _RequestState, req_id: str, upto: int) -> SaveSpec:
+        """The request's blocks from the first not known stored up to
+        ``upto``, with their keys and parents."""
+        keys = self._keys_upto(st, upto)
+        first = st.stored_blocks
+        parent = keys[first - 1] if first > 0 else b""
+        return SaveSpec(req_id, st.block_ids[first:upto], keys[first:upto],
+                        parents_of(keys[first:upto], parent))
 
     def _plan_finished(self, meta: KvDepotConnectorMetadata) -> None:
         """The saves of finished requests whose blocks vLLM holds for them
         (``request_finished`` answered True), once no load of theirs is in
         flight; their state goes."""
-        for req_id, st in list(self._requests.items()):
-            if not st.finished or st.load_in_flight:
+        for req_id in sorted(self._finishing):
+            st = self._requests[req_id]
+            if st.load_in_flight:
                 continue
+            self._finishing.discard(req_id)
             del self._requests[req_id]
             meta.finishing.append(req_id)
             if st.finished_blocks <= st.stored_blocks:
                 continue  # its load failed: nothing computed is worth saving
             try:
-                keys = self._keys_upto(st, st.finished_blocks)
-                first = st.stored_blocks
-                parent = keys[first - 1] if first > 0 else b""
-                meta.finishing_saves.append(SaveSpec(
-                    req_id, st.block_ids[first:st.finished_blocks],
-                    keys[first:st.finished_blocks],
-                    parents_of(keys[first:st.finished_blocks], parent)))
+                meta.finishing_saves.append(
+                    self._blocks_to_save(st, req_id, st.finished_blocks))
             except Exception as e:  # noqa: BLE001 - still report it finished
                 logger.warning("kvdepot: planning the last saves of %s failed: %s",
                                req_id, e)
