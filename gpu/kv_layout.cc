@@ -264,4 +264,14 @@ std::string KvLayout::DebugString() const {
                       " layout=", KvCacheLayoutName(spec_.layout));
 }
 
+absl::Status ValidateLayerRange(const KvLayout& layout, LayerRange layers) {
+  if (layers.begin < 0 || layers.begin >= layers.end ||
+      layers.end > layout.num_layers()) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "layer range [", layers.begin, ", ", layers.end,
+        ") is not a non-empty part of [0, ", layout.num_layers(), ")"));
+  }
+  return absl::OkStatus();
+}
+
 }  // namespace kvdepot

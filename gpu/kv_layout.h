@@ -92,6 +92,11 @@ struct LayerRange {
   int end = 0;
 };
 
+class KvLayout;
+// InvalidArgument unless `layers` is a non-empty range within the layout
+// (what Gather and Scatter check first).
+absl::Status ValidateLayerRange(const KvLayout& layout, LayerRange layers);
+
 // The fields of a layout, as an engine reports them. KvLayout::Create
 // validates them.
 struct KvLayoutSpec {

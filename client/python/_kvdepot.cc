@@ -1390,12 +1390,7 @@ void CheckObjectSizes(const KvLayout& layout, LayerRange range,
                       const std::vector<Memory>& objects) {
   // Gather/Scatter check the range too; checked first here, so that the
   // object sizes are always checked.
-  if (range.begin < 0 || range.end > layout.num_layers() ||
-      range.begin >= range.end) {
-    Raise(absl::InvalidArgumentError(absl::StrCat(
-        "layer range [", range.begin, ", ", range.end,
-        ") is not a non-empty part of [0, ", layout.num_layers(), ")")));
-  }
+  Check(ValidateLayerRange(layout, range));
   uint64_t want = PieceBytes(layout, range);
   for (size_t i = 0; i < objects.size(); ++i) {
     if (objects[i].size != want) {

@@ -109,16 +109,6 @@ absl::Status ValidateBlockIds(absl::Span<const int64_t> block_ids,
   return absl::OkStatus();
 }
 
-absl::Status ValidateLayerRange(const KvLayout& layout, LayerRange layers) {
-  if (layers.begin < 0 || layers.begin >= layers.end ||
-      layers.end > layout.num_layers()) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "layer range [", layers.begin, ", ", layers.end,
-        ") is not a non-empty part of [0, ", layout.num_layers(), ")"));
-  }
-  return absl::OkStatus();
-}
-
 absl::StatusOr<CacheGeometry> PlanTransfer(
     const KvLayout& layout, const KvCacheView& cache,
     absl::Span<const int64_t> block_ids, LayerRange layers,

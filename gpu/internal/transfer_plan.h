@@ -46,8 +46,6 @@ absl::StatusOr<CacheGeometry> ResolveCache(const KvLayout& layout,
 absl::Status ValidateBlockIds(absl::Span<const int64_t> block_ids,
                               int64_t num_blocks, bool allow_repeats);
 
-// Checks that `layers` is a non-empty range within the layout.
-absl::Status ValidateLayerRange(const KvLayout& layout, LayerRange layers);
 
 // Everything Gather and Scatter check before touching memory (see gather.h);
 // returns the cache's geometry. `buffers` are the objects (dst or src).
