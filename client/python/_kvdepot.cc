@@ -100,7 +100,8 @@ struct Memory {
   // Its elements' type: a torch dtype without "torch." ("bfloat16"), or a
   // buffer's struct format without its byte-order mark ("e", "B").
   std::string element;
-  // Its shape in elements of `itemsize` bytes ({size} where it has none).
+  // Its shape in elements of `itemsize` bytes ({size} where it has none);
+  // filled only when asked (GetMemory's with_shape).
   std::vector<int64_t> shape;
   size_t itemsize = 1;
 };
@@ -154,8 +155,10 @@ bool IsTorchTensor(py::handle obj) {
          py::hasattr(obj, "numel") && py::hasattr(obj, "is_contiguous");
 }
 
-// `what` names the argument in errors, e.g. "buffers[3]". REQUIRES: the GIL.
-Memory GetMemory(py::handle obj, bool writable, const std::string& what) {
+// `what` names the argument in errors, e.g. "buffers[3]". `with_shape`
+// fills Memory::shape (only caches need it: CacheView). REQUIRES: the GIL.
+Memory GetMemory(py::handle obj, bool writable, const std::string& what,
+                 bool with_shape = false) {
   Memory m;
   m.owner = py::reinterpret_borrow<py::object>(obj);
   if (IsTorchTensor(obj)) {
@@ -177,7 +180,9 @@ Memory GetMemory(py::handle obj, bool writable, const std::string& what) {
     m.size = obj.attr("numel")().cast<size_t>() * m.itemsize;
     m.element = py::str(obj.attr("dtype"));
     if (absl::StartsWith(m.element, "torch.")) m.element.erase(0, 6);
-    if (py::hasattr(obj, "shape")) {
+    if (!with_shape) {
+      // Not asked for.
+    } else if (py::hasattr(obj, "shape")) {
       for (py::handle extent : obj.attr("shape")) {
         m.shape.push_back(extent.cast<int64_t>());
       }
@@ -219,16 +224,17 @@ Memory GetMemory(py::handle obj, bool writable, const std::string& what) {
   }
   CheckByteOrder(order, m.itemsize, what,
                  absl::StrCat("buffer format '", format, "'"));
-  m.shape.assign(m.view->shape.begin(), m.view->shape.end());
+  if (with_shape) m.shape.assign(m.view->shape.begin(), m.view->shape.end());
   return m;
 }
 
 std::vector<Memory> GetMemories(const py::sequence& objs, bool writable,
-                                const char* what) {
+                                const char* what, bool with_shape = false) {
   std::vector<Memory> out;
   out.reserve(objs.size());
   for (size_t i = 0; i < objs.size(); ++i) {
-    out.push_back(GetMemory(objs[i], writable, absl::StrCat(what, "[", i, "]")));
+    out.push_back(
+        GetMemory(objs[i], writable, absl::StrCat(what, "[", i, "]"), with_shape));
   }
   return out;
 }
@@ -1251,7 +1257,8 @@ class PyClient {
     } else if (n > 0) {
       bounds.push_back(n);
     }
-    std::vector<Memory> memory = GetMemories(caches, /*writable=*/true, "caches");
+    std::vector<Memory> memory =
+        GetMemories(caches, /*writable=*/true, "caches", /*with_shape=*/true);
     KvCacheView view = CacheView(layout, memory);
     for (size_t i = 0; i < n; ++i) {
       if (block_ids[i] < 0 || block_ids[i] >= view.num_blocks) {
@@ -1403,7 +1410,8 @@ void CheckObjectSizes(const KvLayout& layout, LayerRange range,
 void PyGather(const KvLayout& layout, const py::sequence& caches,
               const std::vector<int64_t>& block_ids, const py::sequence& objects,
               std::optional<std::pair<int, int>> layers) {
-  std::vector<Memory> cache_mem = GetMemories(caches, /*writable=*/false, "caches");
+  std::vector<Memory> cache_mem =
+      GetMemories(caches, /*writable=*/false, "caches", /*with_shape=*/true);
   std::vector<Memory> obj_mem = GetMemories(objects, /*writable=*/true, "objects");
   KvCacheView view = CacheView(layout, cache_mem);
   LayerRange range = Layers(layout, layers);
@@ -1421,7 +1429,8 @@ void PyGather(const KvLayout& layout, const py::sequence& caches,
 void PyScatter(const KvLayout& layout, const py::sequence& caches,
                const std::vector<int64_t>& block_ids, const py::sequence& objects,
                std::optional<std::pair<int, int>> layers) {
-  std::vector<Memory> cache_mem = GetMemories(caches, /*writable=*/true, "caches");
+  std::vector<Memory> cache_mem =
+      GetMemories(caches, /*writable=*/true, "caches", /*with_shape=*/true);
   std::vector<Memory> obj_mem = GetMemories(objects, /*writable=*/false, "objects");
   KvCacheView view = CacheView(layout, cache_mem);
   LayerRange range = Layers(layout, layers);
