@@ -488,6 +488,10 @@ class KvShim:
     def layout_info(self, layout: Any) -> LayoutInfo:
         """The sizes of ``layout`` (a :class:`LayoutSpec` or
         ``kvdepot.KvLayout``). ValueError for a layout the library rejects."""
+        return self._key_and_info(layout)[1]
+
+    def _key_and_info(self, layout: Any) -> Tuple[Tuple[int, ...], LayoutInfo]:
+        """``layout``'s _spec_key and its :meth:`layout_info`."""
         key = _spec_key(layout)
         info = self._info_cache.get(key)
         if info is None:
@@ -497,7 +501,7 @@ class KvShim:
             info = LayoutInfo(out.num_tensors, out.element_bytes, out.layer_bytes,
                               out.object_bytes, out.tensor_bytes_per_block)
             self._info_cache[key] = info
-        return info
+        return key, info
 
     # -- gather / scatter -----------------------------------------------
 
@@ -546,8 +550,7 @@ class KvShim:
     def _transfer(self, to_cache: bool, layout: Any, caches: Sequence[Any],
                   block_ids: Sequence[int], objects: Sequence[Any],
                   layers: Optional[Tuple[int, int]], stream: Any) -> None:
-        key = _spec_key(layout)
-        info = self.layout_info(layout)
+        key, info = self._key_and_info(layout)
         caches = list(caches)
         objects = list(objects)
         if len(caches) != info.num_tensors:
