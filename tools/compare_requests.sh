@@ -143,12 +143,11 @@ ucx_requests() {
   echo "${push:-0} ${pull:-0} ${data:-0}"
 }
 
-# path_error SIDE OP BEFORE AFTER: why a run's requests did not take its
-# side's path (empty when they did).
+# path_error SIDE OP PUSH PULL DATA: why a run whose UCX requests were
+# PUSH PushBlocks, PULL PullBlocks and DATA PullBlocksWithData did not take
+# its side's path (empty when it did).
 path_error() {
-  local side=$1 op=$2 push pull data
-  read -r push pull data < <(awk -v a="$3" -v b="$4" 'BEGIN{split(a, x); split(b, y);
-    print y[1] - x[1], y[2] - x[2], y[3] - x[3]}')
+  local side=$1 op=$2 push=$3 pull=$4 data=$5
   case "$COMPARE/$side" in
     requests/ucx)
       if [[ $op == get && $push -eq 0 ]] || [[ $op == put && $((pull + data)) -eq 0 ]]; then
@@ -192,14 +191,16 @@ bench() {
     : >"$WORK/failed"
   fi
   after="$(ucx_requests)"
-  why="$(path_error "$side" "$op" "$before" "$after")"
+  local push pull data  # the run's requests: the counters' growth
+  read -r push pull data < <(awk -v a="$before" -v b="$after" 'BEGIN{split(a, x); split(b, y);
+    print y[1] - x[1], y[2] - x[2], y[3] - x[3]}')
+  why="$(path_error "$side" "$op" "$push" "$pull" "$data")"
   if [[ -n $why ]]; then
     echo "kvdepot-bench ${args[*]} --op $op x$clients batch $batch: not a $side run: $why" >&2
     : >"$WORK/failed"
   fi
   # The run's UCX requests by op, from the daemon's counters.
-  out="${out%\}}, \"paths\": {$(awk -v a="$before" -v b="$after" 'BEGIN{split(a, x); split(b, y);
-    printf "\"PushBlocks\": %d, \"PullBlocks\": %d, \"PullBlocksWithData\": %d", y[1] - x[1], y[2] - x[2], y[3] - x[3]}')}}"
+  out="${out%\}}, \"paths\": {\"PushBlocks\": $push, \"PullBlocks\": $pull, \"PullBlocksWithData\": $data}}"
   echo "$out"
 }
 gbps() { sed -n 's/.*"gb_per_sec":\([0-9.]*\).*/\1/p' <<<"$1"; }
