@@ -81,6 +81,9 @@ absl::Status Daemon::Init() {
     data_plane_options.workers = config_.ucx_workers;
     data_plane_options.request_workers = config_.ucx_workers;
     data_plane_options.max_colocated_workers = config_.ucx_colocated_workers;
+    data_plane_options.on_refused = [metrics = metrics_.get()](absl::StatusCode code) {
+      metrics->RecordUcxRefused(code);
+    };
     // This very executable (main.cc runs the sandbox when started with
     // kUcxAddressSandboxFlag): the file it was started from, even if a
     // newer one replaced it since, so the sandbox's UCX is the daemon's.

@@ -526,6 +526,7 @@ void DataPlane::Admit(const RequestHeader& h, absl::string_view payload,
   // Answered here, over the connection the request came on (data, if any,
   // released unread).
   auto refuse = [&](const absl::Status& why) {
+    if (options_.on_refused) options_.on_refused(why.code());
     sender.Reply(kReplyMessageId,
                  EncodeReplyHeader(ReplyHeader{h.request_id, why.code()}),
                  std::string(why.message()));

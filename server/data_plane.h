@@ -29,6 +29,7 @@
 
 #include <atomic>
 #include <cstdint>
+#include <functional>
 #include <map>
 #include <memory>
 #include <optional>
@@ -113,6 +114,11 @@ struct DataPlaneOptions {
   // address, with these UCX settings, before any endpoint here is made to
   // it. Empty: addresses go to UCX unchecked (tests that make their own).
   std::string address_sandbox;
+  // Called with the code of each request answered at once, unserved (see
+  // ServeRequests: a limit above, an ended session, kvdepotd stopping, a
+  // malformed request), on the thread that received it; it must not block.
+  // kvdepotd counts them in kvdepot_ucx_requests_refused_total{code}.
+  std::function<void(absl::StatusCode)> on_refused;
 };
 
 // One block's bytes in the arena and the place in the client's buffer

@@ -249,6 +249,10 @@ TEST_F(DataPlaneTest, ASessionPastItsRequestsInFlightLeavesRoomForOthers) {
   // the handler though the daemon-wide cap is far off.
   DataPlaneOptions options = PlaneOptions();
   options.max_requests_per_session = 2;
+  std::atomic<int> refused{0};
+  options.on_refused = [&refused](absl::StatusCode code) {
+    if (code == absl::StatusCode::kResourceExhausted) ++refused;
+  };
   StartPlane(options);
   HoldRequests();
   RequestClient* stalled = AttachRequestClient(1);
@@ -259,6 +263,7 @@ TEST_F(DataPlaneTest, ASessionPastItsRequestsInFlightLeavesRoomForOthers) {
   stalled->Send(12, 100);
   stalled->Send(13, 100);  // a third, on the same connection: after them
   EXPECT_EQ(stalled->Reply(13), absl::StatusCode::kResourceExhausted);
+  EXPECT_EQ(refused.load(), 1) << "the refusal was not reported (on_refused)";
   EXPECT_TRUE(Held(1, 11));
   EXPECT_TRUE(Held(1, 12));
   EXPECT_EQ(plane_->requests_in_flight(), 2u);
@@ -275,6 +280,8 @@ TEST_F(DataPlaneTest, ASessionPastItsRequestsInFlightLeavesRoomForOthers) {
   EXPECT_EQ(held(), 3u);
   AnswerAll();
   EXPECT_EQ(plane_->requests_in_flight(), 0u);
+  EXPECT_EQ(refused.load(), 1) << "served requests were reported as refused";
+  plane_.reset();  // before `refused` goes
 }
 
 TEST_F(DataPlaneTest, RequestBodiesInFlightAreBounded) {

@@ -100,6 +100,16 @@ ServerMetrics::ServerMetrics(prometheus::Registry& registry, int namespace_label
       ucx_push_requests_(ucx_requests_.Add({{"op", "PushBlocks"}})),
       ucx_pull_requests_(ucx_requests_.Add({{"op", "PullBlocks"}})),
       ucx_pull_data_requests_(ucx_requests_.Add({{"op", "PullBlocksWithData"}})),
+      ucx_refused_(prometheus::BuildCounter()
+                       .Name("kvdepot_ucx_requests_refused_total")
+                       .Help("Requests over UCX answered at once without being "
+                             "served, by code: RESOURCE_EXHAUSTED (too many "
+                             "in flight, for the daemon or the session), "
+                             "NOT_FOUND (the session ended), UNAVAILABLE "
+                             "(stopping), INVALID_ARGUMENT, "
+                             "FAILED_PRECONDITION (not in "
+                             "kvdepot_requests_total)")
+                       .Register(registry)),
       ucx_held_bytes_(prometheus::BuildGauge()
                           .Name("kvdepot_ucx_held_bytes")
                           .Help("DRAM bytes held for UCX transfers that UCX "
@@ -159,6 +169,12 @@ ServerMetrics::ServerMetrics(prometheus::Registry& registry, int namespace_label
   nvme_admin_evictions_ = eviction("nvme", "admin");
   nvme_corrupt_evictions_ = eviction("nvme", "corrupt");
   integrity_errors_.Add({{"tier", "dram"}});
+  for (absl::StatusCode code :
+       {absl::StatusCode::kResourceExhausted, absl::StatusCode::kNotFound,
+        absl::StatusCode::kUnavailable, absl::StatusCode::kInvalidArgument,
+        absl::StatusCode::kFailedPrecondition}) {
+    ucx_refused_.Add({{"code", absl::StatusCodeToString(code)}});
+  }
   nvme_integrity_errors_ = Mirror{&integrity_errors_.Add({{"tier", "nvme"}})};
   demotions_ = Mirror{&SingleCounter(registry, "kvdepot_demotions_total",
                                      "DRAM blocks written to the NVMe tier")};
@@ -209,6 +225,10 @@ void ServerMetrics::RecordUcxRequest(const std::string& op) {
    : op == "PullBlocks" ? ucx_pull_requests_
                         : ucx_pull_data_requests_)
       .Increment();
+}
+
+void ServerMetrics::RecordUcxRefused(absl::StatusCode code) {
+  ucx_refused_.Add({{"code", absl::StatusCodeToString(code)}}).Increment();
 }
 
 void ServerMetrics::RecordRequest(const std::string& op, absl::StatusCode code,

@@ -78,6 +78,10 @@ class ServerMetrics {
   // (kvdepot_ucx_requests_total{op}; it is also counted, when finished, in
   // kvdepot_requests_total).
   void RecordUcxRequest(const std::string& op);
+  // One request over UCX answered at once with `code`, unserved (a limit
+  // of DataPlaneOptions, an ended session, kvdepotd stopping):
+  // kvdepot_ucx_requests_refused_total{code}. Not in kvdepot_requests_total.
+  void RecordUcxRefused(absl::StatusCode code);
 
   // Copies gauges (tier usage, sessions, pins, reservations) and counter
   // deltas (evictions, demotions, promotions, integrity errors, NVMe write
@@ -129,6 +133,7 @@ class ServerMetrics {
   prometheus::Counter& ucx_push_requests_;
   prometheus::Counter& ucx_pull_requests_;
   prometheus::Counter& ucx_pull_data_requests_;
+  prometheus::Family<prometheus::Counter>& ucx_refused_;
   prometheus::Gauge& ucx_held_bytes_;
   prometheus::Gauge& ucx_colocated_workers_;
   prometheus::Gauge& ucx_request_links_;
