@@ -7,7 +7,7 @@
 // README.md). Keys are given in hex. This output and these exit codes are a
 // contract scripts rely on:
 //   0 ok, 1 error (message on stderr; also when stdout cannot be written),
-//   2 usage error (also an input file that cannot be opened), 3 not found.
+//   2 usage error (also an input file that cannot be opened or read), 3 not found.
 #include <CLI/CLI.hpp>
 #include <algorithm>
 #include <cerrno>
@@ -15,9 +15,9 @@
 #include <cstdio>
 #include <cstring>
 #include <exception>
+#include <filesystem>
 #include <fstream>
 #include <iostream>
-#include <sstream>
 #include <string>
 #include <vector>
 
@@ -172,16 +172,27 @@ struct Ctl {
   int Put() {
     std::string k = HexToBytes(key, "--key");
     std::string p = parent.empty() ? "" : HexToBytes(parent, "--parent");
+    // A file that cannot be read is a wrong argument and reaches no daemon:
+    // a usage error (not "not found", which is about blocks). A directory
+    // opens, but its read fails: it once went out as an empty block.
+    std::error_code ec;
+    if (std::filesystem::is_directory(file, ec)) {
+      throw UsageError{absl::StrCat("--file: cannot read ", file, ": is a directory")};
+    }
     std::ifstream in(file, std::ios::binary);
     if (!in) {
-      // Nothing reached the daemon: the argument is wrong (not "not found",
-      // which is about blocks).
       throw UsageError{absl::StrCat("--file: cannot open ", file, ": ", std::strerror(errno))};
     }
-    std::stringstream buf;
-    buf << in.rdbuf();
-    if (in.bad()) return Fail(absl::DataLossError(absl::StrCat("cannot read ", file)));
-    std::string bytes = buf.str();
+    // istream::read turns a read error into badbit (`buf << in.rdbuf()`
+    // left it on the other stream, where an empty file looks the same).
+    std::string bytes;
+    char chunk[1 << 16];
+    while (in.read(chunk, sizeof chunk) || in.gcount() > 0) {
+      bytes.append(chunk, static_cast<size_t>(in.gcount()));
+    }
+    if (in.bad()) {
+      throw UsageError{absl::StrCat("--file: cannot read ", file)};
+    }
     BlockToPut b{k, p, bytes};
     std::unique_ptr<Client> client = Connect();
     absl::StatusOr<std::vector<PutResult>> r;

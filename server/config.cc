@@ -9,6 +9,7 @@
 #include <iterator>
 #include <limits>
 #include <map>
+#include <set>
 
 #include "absl/strings/ascii.h"
 #include "absl/strings/numbers.h"
@@ -24,6 +25,13 @@ absl::StatusOr<absl::Duration> ParseDurationFlag(absl::string_view text) {
       d < absl::ZeroDuration()) {
     return absl::InvalidArgumentError(
         absl::StrCat("bad duration '", text, "' (e.g. 30s, 500ms)"));
+  }
+  // ParseDuration takes "inf" (and saturates a huge number to it): no
+  // timeout or lease of ours may be infinite (an infinite drain_timeout let
+  // SIGTERM wait forever).
+  if (d == absl::InfiniteDuration()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("duration '", text, "' must be finite (e.g. 30s, 500ms)"));
   }
   return d;
 }
@@ -47,14 +55,29 @@ absl::StatusOr<HugePageMode> ParseHugePages(absl::string_view s) {
       absl::StrCat("hugepages must be auto, on or off, not '", s, "'"));
 }
 
-absl::Status LoadConfigFile(const std::string& path, DaemonConfig* c) {
-  YAML::Node root;
-  try {
-    root = YAML::LoadFile(path);
-  } catch (const YAML::Exception& e) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("cannot read config ", path, ": ", e.what()));
+namespace {
+
+// " at line N" for a node read from a file ("" when yaml-cpp has no mark).
+std::string AtLine(const YAML::Node& node) {
+  const YAML::Mark mark = node.Mark();
+  return mark.is_null() ? "" : absl::StrCat(" at line ", mark.line + 1);
+}
+
+// The key of one mapping entry: a plain scalar, or InvalidArgument (a
+// sequence, mapping or null key, e.g. `? [a, b]`, names no setting; reading
+// it as a string would throw).
+absl::StatusOr<std::string> KeyOf(const YAML::Node& key, const std::string& path,
+                                  absl::string_view where) {
+  if (!key.IsScalar()) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "config ", path, ": a key", where, AtLine(key), " is not a plain scalar"));
   }
+  return key.Scalar();
+}
+
+// LoadConfigFile past the parse. May throw YAML::Exception (the caller
+// turns it into InvalidArgument).
+absl::Status ApplyConfig(const YAML::Node& root, const std::string& path, DaemonConfig* c) {
   if (root.IsNull()) return absl::OkStatus();  // empty file
   if (!root.IsMap()) {
     return absl::InvalidArgumentError(
@@ -167,8 +190,17 @@ absl::Status LoadConfigFile(const std::string& path, DaemonConfig* c) {
       {"ucx_colocated_workers", uint_into(&ucx_colocated, kMaxInt)},
       {"ucx_transfer_timeout", duration_into(&c->ucx_transfer_timeout)},
   };
+  // yaml-cpp keeps every entry of a repeated key: each is an error, never
+  // "the last one wins".
+  std::set<std::string> seen;
   for (const auto& kv : root) {
-    std::string key = kv.first.as<std::string>();
+    absl::StatusOr<std::string> key_or = KeyOf(kv.first, path, "");
+    if (!key_or.ok()) return key_or.status();
+    const std::string& key = *key_or;
+    if (!seen.insert(key).second) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "config ", path, ": key '", key, "' is given more than once", AtLine(kv.first)));
+    }
     if (key == "ucx") {
       // A mapping of UCX settings, over the defaults: a setting given
       // replaces the default of that name (however prefixed), the other
@@ -179,8 +211,18 @@ absl::Status LoadConfigFile(const std::string& path, DaemonConfig* c) {
         return absl::InvalidArgumentError(absl::StrCat(
             "config ", path, ": 'ucx' must be a mapping of UCX settings"));
       }
+      // By UCX's name for each: "TLS" and "UCX_TLS" are one setting.
+      std::map<std::string, std::string> ucx_seen;
       for (const auto& setting : kv.second) {
-        const std::string name = setting.first.as<std::string>();
+        absl::StatusOr<std::string> name_or = KeyOf(setting.first, path, " in 'ucx'");
+        if (!name_or.ok()) return name_or.status();
+        const std::string& name = *name_or;
+        auto [first, inserted] = ucx_seen.emplace(UcxSettingName(name), name);
+        if (!inserted) {
+          return absl::InvalidArgumentError(absl::StrCat(
+              "config ", path, ": ucx.", name, AtLine(setting.first), " repeats ucx.",
+              first->second, " (one setting)"));
+        }
         if (!setting.second.IsScalar()) {
           return absl::InvalidArgumentError(absl::StrCat(
               "config ", path, ": ucx.", name, " must be a scalar"));
@@ -219,6 +261,25 @@ absl::Status LoadConfigFile(const std::string& path, DaemonConfig* c) {
   return absl::OkStatus();
 }
 
+}  // namespace
+
+absl::Status LoadConfigFile(const std::string& path, DaemonConfig* c) {
+  YAML::Node root;
+  try {
+    root = YAML::LoadFile(path);
+  } catch (const YAML::Exception& e) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("cannot read config ", path, ": ", e.what()));
+  }
+  // The walk checks each node's type before converting it; this is for
+  // whatever it missed (an exception must never reach kvdepotd's main).
+  try {
+    return ApplyConfig(root, path, c);
+  } catch (const YAML::Exception& e) {
+    return absl::InvalidArgumentError(absl::StrCat("config ", path, ": ", e.what()));
+  }
+}
+
 absl::Status ValidateConfig(const DaemonConfig& c) {
   const StoreOptions& s = c.store;
   if (!(s.low_watermark > 0 && s.low_watermark <= s.high_watermark &&
@@ -251,6 +312,13 @@ absl::Status ValidateConfig(const DaemonConfig& c) {
   }
   if (c.grpc_max_streams_per_connection < 1 || c.grpc_max_streams_per_connection > 65536) {
     return absl::InvalidArgumentError("grpc_max_streams_per_connection must be 1..65536");
+  }
+  // The store clamps a session's lease into [min_lease, max_lease]; a
+  // default outside it would be changed without a word.
+  if (s.default_lease < s.min_lease || s.default_lease > s.max_lease) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "session_lease must be ", absl::FormatDuration(s.min_lease), "..",
+        absl::FormatDuration(s.max_lease), ", not ", absl::FormatDuration(s.default_lease)));
   }
   if (c.stream_idle_timeout < absl::Seconds(1)) {
     return absl::InvalidArgumentError("stream_idle_timeout must be at least 1s");

@@ -80,14 +80,19 @@ struct DaemonConfig {
 absl::StatusOr<uint32_t> ParseAdmission(absl::string_view text);
 // "auto", "on"/"true", "off"/"false".
 absl::StatusOr<HugePageMode> ParseHugePages(absl::string_view text);
-// "30s", "500ms", "2m" (absl duration syntax).
+// "30s", "500ms", "2m" (absl duration syntax). InvalidArgument when
+// negative or infinite ("inf").
 absl::StatusOr<absl::Duration> ParseDurationFlag(absl::string_view text);
 
 // Applies the keys of a YAML file to `config`. Unknown keys are an error (a
-// typo must not silently fall back to a default).
+// typo must not silently fall back to a default), and so are a key given
+// twice (at the top or in `ucx`, where "TLS" and "UCX_TLS" are one setting)
+// and a key that is not a plain scalar. Every error is InvalidArgument;
+// nothing throws.
 absl::Status LoadConfigFile(const std::string& path, DaemonConfig* config);
 
-// Cross-field checks (watermarks, sizes, addresses).
+// Cross-field checks (watermarks, sizes, addresses, session_lease within
+// the store's [min_lease, max_lease]).
 absl::Status ValidateConfig(const DaemonConfig& config);
 
 }  // namespace kvdepot

@@ -6,6 +6,7 @@
 #include <fstream>
 #include <map>
 #include <string>
+#include <utility>
 
 #include "absl/strings/str_cat.h"
 #include "tests/status_matchers.h"
@@ -15,6 +16,7 @@ namespace kvdepot {
 namespace {
 
 using ::kvdepot::testing::StatusIs;
+using ::testing::HasSubstr;
 
 TEST(ParseAdmissionTest, AcceptsAlwaysAndReadCounts) {
   EXPECT_EQ(*ParseAdmission("always"), 0u);
@@ -188,6 +190,71 @@ TEST_F(ConfigFileTest, NvmeMaxUnflushedAgeIsReadAndChecked) {
   EXPECT_OK(ValidateConfig(c));
   c.store.nvme_max_unflushed_age = absl::ZeroDuration();
   EXPECT_THAT(ValidateConfig(c), StatusIs(absl::StatusCode::kInvalidArgument));
+}
+
+// A key that is not a plain scalar names no setting: an error, never an
+// exception (reading it as a string threw, and kvdepotd aborted).
+TEST_F(ConfigFileTest, RejectsKeysThatAreNotPlainScalars) {
+  for (const char* text : {"? [a, b]\n: 1\n", "? {a: 1}\n: 1\n", "? \n: 1\n",
+                           "ucx:\n  ? [a, b]\n  : 1\n", "ucx:\n  ? {TLS: tcp}\n  : 1\n"}) {
+    DaemonConfig c;
+    absl::Status st = LoadConfigFile(Write(text), &c);
+    EXPECT_THAT(st, StatusIs(absl::StatusCode::kInvalidArgument)) << text;
+    EXPECT_THAT(std::string(st.message()), HasSubstr("not a plain scalar")) << text;
+  }
+}
+
+// absl::ParseDuration takes "inf": no duration of ours may be infinite (an
+// infinite drain_timeout let SIGTERM wait forever).
+TEST_F(ConfigFileTest, RejectsInfiniteDurations) {
+  for (const char* key : {"session_lease", "drain_timeout", "stream_idle_timeout",
+                          "nvme_max_unflushed_age", "ucx_transfer_timeout"}) {
+    for (const char* value : {"inf", "+inf", "-inf", "9223372036854775807h"}) {
+      DaemonConfig c;
+      absl::Status st = LoadConfigFile(Write(absl::StrCat(key, ": ", value, "\n")), &c);
+      EXPECT_THAT(st, StatusIs(absl::StatusCode::kInvalidArgument)) << key << ": " << value;
+      EXPECT_THAT(std::string(st.message()), HasSubstr(key)) << key << ": " << value;
+    }
+  }
+  for (const char* flag : {"inf", "-inf", "-1s"}) {
+    EXPECT_THAT(ParseDurationFlag(flag), StatusIs(absl::StatusCode::kInvalidArgument)) << flag;
+  }
+  EXPECT_EQ(*ParseDurationFlag("90m"), absl::Minutes(90));
+}
+
+// The store clamps a lease into [min_lease, max_lease] (1s..1h): a default
+// outside it is an error, not silently changed.
+TEST_F(ConfigFileTest, SessionLeaseMustBeInTheStoresRange) {
+  for (const char* value : {"0s", "999ms", "1h0m1s", "2h"}) {
+    DaemonConfig c;
+    ASSERT_OK(LoadConfigFile(Write(absl::StrCat("session_lease: ", value, "\n")), &c));
+    absl::Status st = ValidateConfig(c);
+    EXPECT_THAT(st, StatusIs(absl::StatusCode::kInvalidArgument)) << value;
+    EXPECT_THAT(std::string(st.message()), HasSubstr("session_lease must be 1s..1h")) << value;
+  }
+  for (const char* value : {"1s", "30s", "1h"}) {
+    DaemonConfig c;
+    ASSERT_OK(LoadConfigFile(Write(absl::StrCat("session_lease: ", value, "\n")), &c));
+    EXPECT_OK(ValidateConfig(c)) << value;
+  }
+}
+
+// A repeated key is an error naming it, at the top and inside `ucx` (where
+// "TLS" and "UCX_TLS" are one setting); the last one no longer wins.
+TEST_F(ConfigFileTest, RejectsRepeatedKeys) {
+  const std::pair<const char*, const char*> cases[] = {
+      {"listen: 127.0.0.1:1\nlisten: 127.0.0.1:2\n", "'listen'"},
+      {"drain_timeout: 1s\nlisten: 127.0.0.1:1\ndrain_timeout: 2s\n", "'drain_timeout'"},
+      {"ucx: {TLS: tcp}\nucx: {NET_DEVICES: lo}\n", "'ucx'"},
+      {"ucx:\n  TLS: tcp\n  TLS: shm\n", "ucx.TLS"},
+      {"ucx:\n  TLS: tcp\n  UCX_TLS: shm\n", "ucx.UCX_TLS"},
+  };
+  for (const auto& [text, named] : cases) {
+    DaemonConfig c;
+    absl::Status st = LoadConfigFile(Write(text), &c);
+    EXPECT_THAT(st, StatusIs(absl::StatusCode::kInvalidArgument)) << text;
+    EXPECT_THAT(std::string(st.message()), HasSubstr(named)) << text;
+  }
 }
 
 }  // namespace

@@ -286,6 +286,16 @@ TEST_F(KvdepotctlTest, PutOfAnUnreadableFileIsAUsageError) {
   EXPECT_NE(r.err.find("cannot open"), std::string::npos) << r.err;
 }
 
+// A directory opens but cannot be read: a usage error naming it, never an
+// empty block sent to the daemon (which refused it, exit 1).
+TEST_F(KvdepotctlTest, PutOfADirectoryIsAUsageError) {
+  CommandResult r = Ctl(absl::StrCat("put --ns demo --key 01 --file ", dir_));
+  EXPECT_EQ(r.exit_code, 2) << r.err;
+  EXPECT_NE(r.err.find(absl::StrCat("cannot read ", dir_)), std::string::npos) << r.err;
+  // Nothing was stored.
+  EXPECT_EQ(Ctl(absl::StrCat("get --ns demo --key 01 --out ", dir_, "/o")).exit_code, 3);
+}
+
 TEST_F(KvdepotctlTest, AnEmptyServerAddressIsAUsageError) {
   for (const char* command : {"health", "stats"}) {
     CommandResult r = testing::RunCommand(absl::StrCat(CtlBinary(), " --server '' ", command));
