@@ -63,6 +63,22 @@ absl::Status WriteStream::Start(const v1::WriteHeader& h) {
           "header declares ", h.size(), " bytes but slot ", h.slot(),
           " of reservation ", h.reservation_id(), " holds ", cur_->size));
     }
+    // The slot names its block; a header that names another (a client
+    // writing the wrong slot) is refused before any byte lands. Key and
+    // namespace may be left out; a checksum given is checked at the end.
+    if (!h.key().empty() && h.key() != cur_->slot->key()) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "header names block ", KeyToHex(h.key()), " but slot ", h.slot(),
+          " of reservation ", h.reservation_id(), " is for block ",
+          KeyToHex(cur_->slot->key())));
+    }
+    if (!h.namespace_().empty() && h.namespace_() != cur_->slot->ns()) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "header names namespace ", h.namespace_(), " but slot ", h.slot(),
+          " of reservation ", h.reservation_id(), " is in namespace ",
+          cur_->slot->ns()));
+    }
+    cur_->key = cur_->slot->key();
     return absl::OkStatus();
   }
   cur_->standalone = true;
@@ -82,6 +98,17 @@ absl::Status WriteStream::Start(const v1::WriteHeader& h) {
 absl::Status WriteStream::Complete() {
   MarkProgress();
   std::unique_ptr<Block> b = std::move(cur_);
+  if (!b->standalone && b->checksum != 0) {
+    // Hashed now, while the bytes are likely in cache; CommitPut takes the
+    // slot without hashing it again when its checksum is this one.
+    const uint64_t sum = b->slot->Checksum();
+    if (sum != b->checksum) {
+      b->slot.reset();
+      return absl::InvalidArgumentError(absl::StrCat(
+          "checksum mismatch for block ", KeyToHex(b->key),
+          ": the bytes do not match the header's XXH3-64"));
+    }
+  }
   b->slot.reset();
   if (!b->standalone) {
     // The session may have ended while the slot was written: its

@@ -168,6 +168,46 @@ TEST_F(ByteStreamsTest, FillsAReservationSlotWithoutPublishing) {
   EXPECT_TRUE(store_->Lookup(0, "ns", {&k, 1}, false, false)->entries[0].found);
 }
 
+// A slot Write whose header names another block (key or namespace), or
+// declares a checksum its bytes do not have, is refused; the slot stays
+// open, and a right Write of it then succeeds. Key, namespace and checksum
+// may be left out.
+TEST_F(ByteStreamsTest, ASlotWriteNamingAnotherBlockIsRefused) {
+  auto session = store_->OpenSession(absl::ZeroDuration(), "t");
+  ASSERT_OK(session);
+  PutSpec spec{"slot-key", "", 500};
+  auto r = store_->BeginPut(session->id, "ns", {&spec, 1});
+  ASSERT_OK(r);
+  const std::string bytes(500, 's');
+  v1::WriteResponse resp;
+  auto refused = [&](auto change, const std::string& why) {
+    v1::WriteRequest m = SlotWrite(session->id, r->id, 500, bytes);
+    change(m.mutable_header());
+    WriteStream ws(*store_, &resp);
+    absl::Status st = ws.Consume(m);
+    EXPECT_THAT(st, StatusIs(Code::kInvalidArgument)) << why;
+    EXPECT_NE(st.message().find(why), std::string::npos) << st;
+  };
+  refused([](v1::WriteHeader* h) { h->set_key("other-key"); }, "is for block");
+  refused([](v1::WriteHeader* h) { h->set_namespace_("other"); }, "is in namespace ns");
+  refused([&](v1::WriteHeader* h) { h->set_checksum(BlockChecksum(bytes) + 1); },
+          "checksum mismatch");
+  EXPECT_EQ(resp.results_size(), 0);
+  // Named right, with its checksum: filled, and committed.
+  v1::WriteRequest m = SlotWrite(session->id, r->id, 500, bytes);
+  m.mutable_header()->set_key("slot-key");
+  m.mutable_header()->set_namespace_("ns");
+  m.mutable_header()->set_checksum(BlockChecksum(bytes));
+  WriteStream ws(*store_, &resp);
+  ASSERT_OK(ws.Consume(m));
+  ASSERT_EQ(resp.results_size(), 1);
+  EXPECT_EQ(resp.results(0), v1::WRITE_SLOT_FILLED);
+  uint64_t sum = BlockChecksum(bytes);
+  auto c = store_->CommitPut(session->id, r->id, {&sum, 1});
+  ASSERT_OK(c);
+  EXPECT_EQ((*c)[0], CommitOutcome::kStored);
+}
+
 // A session that ends while one of its slots is written takes the
 // reservation with it: the block's end reports NotFound, not SLOT_FILLED.
 TEST_F(ByteStreamsTest, ASlotWhoseSessionEndedMidBlockIsNotFound) {

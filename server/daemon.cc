@@ -6,6 +6,7 @@
 #include <grpcpp/server_builder.h>
 #include <spdlog/spdlog.h>
 
+#include <algorithm>
 #include <exception>
 #include <optional>
 #include <utility>
@@ -117,9 +118,14 @@ absl::Status Daemon::Init() {
   builder.SetResourceQuota(quota);
   builder.AddChannelArgument(GRPC_ARG_MAX_CONCURRENT_STREAMS,
                              config_.grpc_max_streams_per_connection);
-  // Chunks are <= 1 MiB; Lookup/BeginPut batches of 64k 256-byte keys fit.
-  builder.SetMaxReceiveMessageSize(32 << 20);
-  builder.SetMaxSendMessageSize(32 << 20);
+  // Chunks are <= 1 MiB. A batch of max_batch_keys blocks must fit too, or
+  // gRPC would refuse it as RESOURCE_EXHAUSTED ("no room" in our contract):
+  // with 256-byte keys and parents a block's entry weighs about 600 bytes
+  // (PullBlocks: key, parent, checksum, buffer range), so 1 KiB each.
+  const int max_message = static_cast<int>(std::max<uint64_t>(
+      uint64_t{32} << 20, uint64_t{config_.store.max_batch_keys} * 1024 + (1 << 20)));
+  builder.SetMaxReceiveMessageSize(max_message);
+  builder.SetMaxSendMessageSize(max_message);
   server_ = builder.BuildAndStart();
   if (!server_ || port == 0) {
     return absl::UnavailableError(absl::StrCat(
@@ -209,6 +215,7 @@ void Daemon::Shutdown() {
     log_->info("draining: refusing new puts, waiting up to {} for in-flight RPCs",
                absl::FormatDuration(config_.drain_timeout));
     server_->GetHealthCheckService()->SetServingStatus(false);
+    service_->BeginShutdown();
     store_->SetDraining(true);
     // A scrub or compaction (kvdepotctl verify/compact) can run for
     // minutes, and gRPC's shutdown waits for its call: cut it short.
@@ -226,8 +233,17 @@ void Daemon::Shutdown() {
       }
       return count();
     };
-    size_t left = drain([this] { return service_->active_streams(); });
-    if (left > 0) log_->warn("drain timeout: cancelling {} stream(s)", left);
+    // Two-phase puts reserved before the drain may commit too: their
+    // clients are still writing the slots (over Write streams or UCX) and
+    // will call CommitPut; ending their sessions now would lose puts
+    // already accepted.
+    size_t left = drain([this] {
+      return service_->active_streams() + store_->Stats().session_reservations;
+    });
+    if (left > 0) {
+      log_->warn("drain timeout: cancelling {} stream(s), aborting {} reserved put(s)",
+                 service_->active_streams(), store_->Stats().session_reservations);
+    }
     // Requests that came over UCX: new ones are refused, those in flight
     // finish their transfers (until the drain timeout; Close below cuts
     // what is left short).

@@ -641,13 +641,18 @@ grpc::ServerUnaryReactor* KvDepotService::SetDraining(
     grpc::CallbackServerContext* ctx, const v1::SetDrainingRequest* req,
     v1::SetDrainingResponse* resp) {
   return Unary(ctx, "SetDraining", [&]() -> absl::Status {
+    if (!req->draining() && shutting_down_.load()) {
+      return absl::UnavailableError("kvdepotd is stopping: it takes no puts again");
+    }
     store_.SetDraining(req->draining());
     StoreStats st = store_.Stats();
     resp->set_draining(st.draining);
-    resp->set_reservations(st.reservations);
+    // Clients' two-phase puts: a Write stream's own reservation is no put
+    // an operator waits for.
+    resp->set_reservations(st.session_reservations);
     log_->info("{} by {}: {} put(s) reserved still open",
                req->draining() ? "draining (no new puts)" : "accepting puts again",
-               ctx->peer(), st.reservations);
+               ctx->peer(), st.session_reservations);
     return absl::OkStatus();
   });
 }
@@ -1061,9 +1066,15 @@ void KvDepotService::StartPullBlocks(const v1::PullBlocksRequest* req,
   auto copy_here = [&](size_t k, char* client) {
     if (absl::Now() >= copy_deadline) return CopyTooLate();
     in_place[k] = true;
-    const uint64_t sum = hash[k]->CopyIn(client);
+    // Checked again every MiB: a client stalled past its deadline has
+    // given up, and may be writing other bytes into its buffer by now.
+    const std::optional<uint64_t> sum = hash[k]->CopyInUntil(client, copy_deadline);
+    if (!sum.has_value()) {
+      return absl::DeadlineExceededError(
+          "the client's deadline for this copy passed during it");
+    }
     const int b = block_of_move[k];
-    if (req->blocks(b).daemon_checksum()) sums[b] = sum;
+    if (req->blocks(b).daemon_checksum()) sums[b] = *sum;
     return absl::OkStatus();  // a mismatch is CommitPut's to report
   };
   absl::StatusOr<TransferHandle> h;

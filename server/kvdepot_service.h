@@ -162,6 +162,9 @@ class KvDepotService final
   size_t active_streams();
   // Unary calls in progress (started and not finished), over gRPC or UCX.
   size_t active_calls() const { return active_calls_.load(); }
+  // The daemon is shutting down (SIGTERM): puts stay refused, and
+  // SetDraining(false) is answered UNAVAILABLE instead of undoing that.
+  void BeginShutdown() { shutting_down_.store(true); }
 
   TieredStore& store() { return store_; }
   ServerMetrics& metrics() { return metrics_; }
@@ -241,6 +244,7 @@ class KvDepotService final
   WorkPool put_pool_{2, "kvd-put"};
 
   std::atomic<size_t> active_calls_{0};
+  std::atomic<bool> shutting_down_{false};
   // A Verify or Compact is running (one at a time: each reads or rewrites
   // the whole NVMe tier, and holds a gRPC thread while it does).
   std::atomic<bool> nvme_maintenance_{false};

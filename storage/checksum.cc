@@ -66,11 +66,16 @@ void StreamOut(char* dst, const char* src, size_t n) {
 
 }  // namespace
 
-uint64_t CopyToMemoryWithChecksum(char* dst, const char* src, size_t size) {
+std::optional<uint64_t> CopyToMemoryWithChecksumUntil(char* dst, const char* src,
+                                                      size_t size,
+                                                      absl::Time deadline) {
   // 16 KiB pieces, each copied into a buffer of this thread's (L1), hashed
   // there and streamed out: what is hashed is what is written, whatever
-  // happens to `src` meanwhile.
+  // happens to `src` meanwhile. The deadline is checked before every MiB.
   constexpr size_t kPiece = 16 * 1024;
+  constexpr size_t kPiecesPerCheck = (1 << 20) / kPiece;
+  const bool timed = deadline != absl::InfiniteFuture();
+  if (timed && absl::Now() >= deadline) return std::nullopt;
   alignas(64) thread_local char bounce[kPiece];
   XXH3_state_t* state = FreshState();
   // Up to dst's first 64-byte boundary with plain stores.
@@ -79,7 +84,14 @@ uint64_t CopyToMemoryWithChecksum(char* dst, const char* src, size_t size) {
   std::memcpy(bounce, src, off);
   KVDEPOT_XXH3_64_UPDATE(state, bounce, off);
   std::memcpy(dst, bounce, off);
-  while (off < size) {
+  for (size_t piece = 0; off < size; ++piece) {
+    if (timed && piece > 0 && piece % kPiecesPerCheck == 0 &&
+        absl::Now() >= deadline) {
+#if defined(__SSE2__)
+      _mm_sfence();
+#endif
+      return std::nullopt;
+    }
     const size_t n = std::min(kPiece, size - off);
     std::memcpy(bounce, src + off, n);
     KVDEPOT_XXH3_64_UPDATE(state, bounce, n);
@@ -92,6 +104,10 @@ uint64_t CopyToMemoryWithChecksum(char* dst, const char* src, size_t size) {
   _mm_sfence();  // the streamed stores are visible before anything after
 #endif
   return XXH3_64bits_digest(state);
+}
+
+uint64_t CopyToMemoryWithChecksum(char* dst, const char* src, size_t size) {
+  return *CopyToMemoryWithChecksumUntil(dst, src, size, absl::InfiniteFuture());
 }
 
 namespace {

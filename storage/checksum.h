@@ -36,6 +36,10 @@ std::optional<uint64_t> CopyWithChecksumUntil(char* dst, const char* src,
 // are written to `dst` with non-temporal stores, which spare the cache and
 // the read of every destination line that plain stores make first.
 uint64_t CopyToMemoryWithChecksum(char* dst, const char* src, size_t size);
+// The same, stopping once `deadline` has passed (checked first and before
+// every MiB, as CopyWithChecksumUntil): nullopt then, `dst` partly written.
+std::optional<uint64_t> CopyToMemoryWithChecksumUntil(char* dst, const char* src,
+                                                      size_t size, absl::Time deadline);
 
 }  // namespace kvdepot
 

@@ -75,26 +75,39 @@ TEST(CopyWithChecksumTest, CopiesAndHashesWhatLanded) {
 // copy (here: a deadline a copy of 64 MiB cannot meet, checked by what it
 // left unwritten, not by time).
 TEST(CopyWithChecksumTest, UntilStopsOnceItsDeadlinePassed) {
-  std::string src(64 << 20, 's');
-  std::string dst(src.size(), 'd');
-  EXPECT_EQ(CopyWithChecksumUntil(dst.data(), src.data(), src.size(),
-                                  absl::Now() - absl::Seconds(1)),
-            std::nullopt);
-  EXPECT_EQ(dst.find_first_not_of('d'), std::string::npos);  // nothing written
-  EXPECT_EQ(CopyWithChecksumUntil(dst.data(), src.data(), 100,
-                                  absl::InfinitePast()),
-            std::nullopt);
-  // Stopped part of the way: a prefix of whole MiB written, the rest not.
-  const std::optional<uint64_t> sum = CopyWithChecksumUntil(
-      dst.data(), src.data(), src.size(), absl::Now() + absl::Microseconds(1));
-  if (!sum.has_value()) {
-    const size_t written = dst.find('d');
-    ASSERT_NE(written, std::string::npos);
-    EXPECT_EQ(written % (1 << 20), 0u);
-    EXPECT_EQ(dst.find_first_not_of('d', written), std::string::npos);
-  } else {
-    // A machine fast enough to copy 64 MiB within the microsecond.
-    EXPECT_EQ(*sum, XXH3_64bits(src.data(), src.size()));
+  // Both copies that take a deadline: into memory that is read again
+  // (CopyWithChecksumUntil) and into the arena (CopyToMemoryWithChecksumUntil).
+  for (auto copy : {&CopyWithChecksumUntil, &CopyToMemoryWithChecksumUntil}) {
+    std::string src(64 << 20, 's');
+    std::string dst(src.size(), 'd');
+    // CopyToMemoryWithChecksumUntil counts its MiB from dst's first 64-byte
+    // boundary.
+    const size_t head = copy == &CopyWithChecksumUntil
+                            ? 0
+                            : (64 - reinterpret_cast<uintptr_t>(dst.data()) % 64) % 64;
+    EXPECT_EQ(copy(dst.data(), src.data(), src.size(), absl::Now() - absl::Seconds(1)),
+              std::nullopt);
+    EXPECT_EQ(dst.find_first_not_of('d'), std::string::npos);  // nothing written
+    EXPECT_EQ(copy(dst.data(), src.data(), 100, absl::InfinitePast()), std::nullopt);
+    // Stopped part of the way: a prefix of whole MiB written, the rest not.
+    const std::optional<uint64_t> sum =
+        copy(dst.data(), src.data(), src.size(), absl::Now() + absl::Microseconds(1));
+    if (!sum.has_value()) {
+      const size_t written = dst.find('d');
+      ASSERT_NE(written, std::string::npos);
+      if (written > 0) {
+        EXPECT_EQ((written - head) % (1 << 20), 0u) << written;
+      }
+      EXPECT_EQ(dst.find_first_not_of('d', written), std::string::npos);
+    } else {
+      // A machine fast enough to copy 64 MiB within the microsecond.
+      EXPECT_EQ(*sum, XXH3_64bits(src.data(), src.size()));
+    }
+    // A deadline far ahead: the whole copy, and its checksum.
+    std::string full(src.size(), 'd');
+    EXPECT_EQ(copy(full.data(), src.data(), src.size(), absl::InfiniteFuture()),
+              XXH3_64bits(src.data(), src.size()));
+    EXPECT_EQ(full, src);
   }
 }
 

@@ -148,18 +148,24 @@ class TieredStoreImpl;
 class SlotHandleImpl final : public SlotHandle {
  public:
   SlotHandleImpl(TieredStoreImpl* store, ReservationId id, uint32_t slot,
-                 absl::Span<char> bytes)
-      : store_(store), id_(id), slot_(slot), bytes_(bytes) {}
+                 absl::Span<char> bytes, std::string key, absl::string_view ns)
+      : store_(store), id_(id), slot_(slot), bytes_(bytes), key_(std::move(key)),
+        ns_(ns) {}
   ~SlotHandleImpl() override;
   absl::Span<char> bytes() const override { return bytes_; }
+  const std::string& key() const override { return key_; }
+  absl::string_view ns() const override { return ns_; }
   uint64_t Checksum() override;
   uint64_t CopyIn(const char* src) override;
+  std::optional<uint64_t> CopyInUntil(const char* src, absl::Time deadline) override;
 
  private:
   TieredStoreImpl* const store_;  // outlives the handle
   const ReservationId id_;
   const uint32_t slot_;
   const absl::Span<char> bytes_;
+  const std::string key_;
+  const absl::string_view ns_;  // NamespaceInfo::name: namespaces stay
 };
 
 class TieredStoreImpl final : public TieredStore {
@@ -495,7 +501,8 @@ class TieredStoreImpl final : public TieredStore {
     s.verified_checksum = 0;
     ++r->busy;
     return std::unique_ptr<SlotHandle>(new SlotHandleImpl(
-        this, id, slot, absl::Span<char>(arena_->base() + s.data_offset, s.size)));
+        this, id, slot, absl::Span<char>(arena_->base() + s.data_offset, s.size),
+        s.key, NamespaceById(r->ns_id)->name));
   }
 
   // SlotHandle::Checksum / CopyIn: the slot's final bytes hashed (outside
@@ -744,6 +751,9 @@ class TieredStoreImpl final : public TieredStore {
       st.sessions = sessions_.size();
       st.pins = pins_.size();
       st.pinned_blocks = pins_active_;
+      for (const auto& [id, session] : sessions_) {
+        st.session_reservations += session.reservations.size();
+      }
       // Aborted reservations whose slot is still being written linger until
       // their SlotHandle goes; they are not open reservations any more.
       for (const auto& [id, r] : reservations_) st.reservations += r.doomed ? 0 : 1;
@@ -1654,9 +1664,15 @@ uint64_t SlotHandleImpl::Checksum() {
 }
 
 uint64_t SlotHandleImpl::CopyIn(const char* src) {
+  return *CopyInUntil(src, absl::InfiniteFuture());
+}
+
+std::optional<uint64_t> SlotHandleImpl::CopyInUntil(const char* src,
+                                                    absl::Time deadline) {
   // Arena bytes are not read again soon: no reason to pull them into cache.
-  const uint64_t sum = CopyToMemoryWithChecksum(bytes_.data(), src, bytes_.size());
-  store_->MarkVerified(id_, slot_, sum);
+  const std::optional<uint64_t> sum =
+      CopyToMemoryWithChecksumUntil(bytes_.data(), src, bytes_.size(), deadline);
+  if (sum.has_value()) store_->MarkVerified(id_, slot_, *sum);
   return sum;
 }
 

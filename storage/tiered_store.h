@@ -20,6 +20,7 @@
 #include <cstdint>
 #include <functional>
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -190,6 +191,10 @@ struct StoreStats {
   uint64_t pins = 0;           // live pins
   uint64_t pinned_blocks = 0;  // block references held by live pins
   uint64_t reservations = 0;
+  // Of `reservations`, those of sessions (two-phase puts a client has yet
+  // to commit or abort); the rest are in-process callers' (a Write stream
+  // storing one block).
+  uint64_t session_reservations = 0;
   uint64_t reserved_bytes = 0;
   uint64_t lookup_keys = 0;
   uint64_t lookup_hits = 0;
@@ -213,6 +218,9 @@ class SlotHandle {
  public:
   virtual ~SlotHandle() = default;
   virtual absl::Span<char> bytes() const = 0;
+  // The block the slot is for: its key and namespace (as BeginPut got them).
+  virtual const std::string& key() const = 0;
+  virtual absl::string_view ns() const = 0;
   // Hashes the slot's bytes now, for a writer whose bytes have just landed
   // and are likely still in cache, and returns their checksum: CommitPut
   // with that checksum takes the slot without hashing it again (with any
@@ -224,6 +232,12 @@ class SlotHandle {
   // them on the way (CopyToMemoryWithChecksum: what is hashed is what is
   // written, whatever happens to `src` meanwhile); then as Checksum().
   virtual uint64_t CopyIn(const char* src) = 0;
+  // CopyIn that stops once `deadline` has passed (checked first and before
+  // every MiB): nullopt then, and the slot is not verified (its commit
+  // hashes it again, and fails unless the bytes happen to be right). For
+  // a source in memory of another process that gives up at `deadline` and
+  // may then reuse it (a co-located client's buffer).
+  virtual std::optional<uint64_t> CopyInUntil(const char* src, absl::Time deadline) = 0;
 };
 
 // Receives the outcome of TieredStore::LookupAsync.

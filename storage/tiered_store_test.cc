@@ -465,6 +465,26 @@ TEST_F(TieredStoreTest, CommitWhileASlotIsBeingWrittenIsAbortedAndRetryable) {
   EXPECT_EQ(store_->Stats().reservations, 0u);
 }
 
+// session_reservations counts the two-phase puts of sessions, not those of
+// in-process callers (a Write stream's), which a shutdown drain waits for
+// through the stream instead.
+TEST_F(TieredStoreTest, SessionReservationsLeaveOutInternalOnes) {
+  PutSpec a{"a", "", 100}, b{"b", "", 100};
+  auto mine = store_->BeginPut(sid_, "ns", {&a, 1});
+  ASSERT_OK(mine);
+  auto internal = store_->BeginPut(kInternalSession, "ns", {&b, 1});
+  ASSERT_OK(internal);
+  StoreStats st = store_->Stats();
+  EXPECT_EQ(st.reservations, 2u);
+  EXPECT_EQ(st.session_reservations, 1u);
+  ASSERT_OK(store_->AbortPut(sid_, mine->id));
+  st = store_->Stats();
+  EXPECT_EQ(st.reservations, 1u);
+  EXPECT_EQ(st.session_reservations, 0u);
+  ASSERT_OK(store_->AbortPut(kInternalSession, internal->id));
+  EXPECT_EQ(store_->Stats().reservations, 0u);
+}
+
 // A slot has one writer at a time: a second AcquireSlot of it fails
 // (Aborted: a conflict) while the first handle lives, and succeeds once it
 // is released. Other slots of the reservation are not affected.

@@ -2,10 +2,13 @@
 // leases enforced by the daemon itself.
 #include <signal.h>
 
+#include <grpcpp/create_channel.h>
 #include <gtest/gtest.h>
 
 #include <atomic>
+#include <chrono>
 #include <cstdio>
+#include <cstring>
 #include <fstream>
 #include <iterator>
 #include <string>
@@ -98,6 +101,97 @@ TEST(LifecycleTest, SigtermLetsAnInFlightWriteFinishAndRefusesNewCalls) {
   auto rc = (*d)->Stop(SIGTERM, absl::Seconds(10));
   ASSERT_OK(rc);
   EXPECT_EQ(*rc, 0);
+}
+
+// A two-phase put reserved before SIGTERM is still the client's to finish:
+// the drain waits for it (up to drain_timeout), its commit stores the block,
+// and the block is there after a restart. Meanwhile an admin undrain cannot
+// take puts back in.
+TEST(LifecycleTest, SigtermLetsAReservedPutCommit) {
+  auto d = DaemonProcess::Start({"--dram-capacity", "64MiB"});
+  ASSERT_OK(d);
+  auto client = Connect((*d)->address());
+  const std::string data_dir = (*d)->data_dir();
+  const std::string bytes(256 << 10, 'r');
+  const uint64_t sum = BlockChecksum(bytes);
+
+  v1::OpenSessionResponse session;
+  {
+    grpc::ClientContext ctx;
+    v1::OpenSessionRequest req;
+    req.set_client_name("lifecycle");
+    ASSERT_TRUE(client->stub().OpenSession(&ctx, req, &session).ok());
+  }
+  v1::BeginPutResponse reserved;
+  {
+    grpc::ClientContext ctx;
+    v1::BeginPutRequest req;
+    req.set_session_id(session.session_id());
+    req.set_namespace_("ns");
+    v1::PutSpec* spec = req.add_blocks();
+    spec->set_key("reserved");
+    spec->set_size(bytes.size());
+    ASSERT_TRUE(client->stub().BeginPut(&ctx, req, &reserved).ok());
+    ASSERT_NE(reserved.reservation_id(), 0u);
+  }
+  ::kill((*d)->pid(), SIGTERM);
+  for (int i = 0; i < 100 && (*d)->Log().find("draining") == std::string::npos; ++i) {
+    absl::SleepFor(absl::Milliseconds(20));
+  }
+  ASSERT_NE((*d)->Log().find("draining"), std::string::npos);
+  // The drain waits for the reservation: still running a second later.
+  absl::SleepFor(absl::Seconds(1));
+  ASSERT_TRUE((*d)->Running()) << "the drain did not wait for a reserved put";
+  {
+    grpc::ClientContext ctx;
+    v1::SetDrainingRequest req;
+    req.set_draining(false);
+    v1::SetDrainingResponse resp;
+    grpc::Status st = client->stub().SetDraining(&ctx, req, &resp);
+    EXPECT_EQ(st.error_code(), grpc::StatusCode::UNAVAILABLE)
+        << "undrain during shutdown: " << st.error_message();
+  }
+  BlockToPut late{"late", "", "bytes"};
+  EXPECT_FALSE(client->Put("ns", {&late, 1}).ok()) << "a put accepted while stopping";
+  {
+    grpc::ClientContext ctx;
+    v1::WriteResponse resp;
+    auto writer = client->stub().Write(&ctx, &resp);
+    v1::WriteRequest msg;
+    msg.mutable_header()->set_session_id(session.session_id());
+    msg.mutable_header()->set_reservation_id(reserved.reservation_id());
+    msg.mutable_header()->set_slot(0);
+    msg.mutable_header()->set_size(bytes.size());
+    msg.set_data(bytes);
+    ASSERT_TRUE(writer->Write(msg));
+    writer->WritesDone();
+    grpc::Status st = writer->Finish();
+    ASSERT_TRUE(st.ok()) << st.error_message();
+  }
+  {
+    grpc::ClientContext ctx;
+    v1::CommitPutRequest req;
+    req.set_session_id(session.session_id());
+    req.set_reservation_id(reserved.reservation_id());
+    req.add_checksums(sum);
+    v1::CommitPutResponse resp;
+    grpc::Status st = client->stub().CommitPut(&ctx, req, &resp);
+    ASSERT_TRUE(st.ok()) << st.error_message();
+    ASSERT_EQ(resp.results_size(), 1);
+    EXPECT_EQ(resp.results(0), v1::COMMIT_STORED);
+  }
+  auto rc = (*d)->Stop(SIGTERM, absl::Seconds(10));
+  ASSERT_OK(rc);
+  EXPECT_EQ(*rc, 0);
+  d->reset();
+
+  auto again = DaemonProcess::Start({"--dram-capacity", "64MiB"}, data_dir);
+  ASSERT_OK(again);
+  absl::string_view key = "reserved";
+  auto got = Connect((*again)->address())->Get("ns", {&key, 1});
+  ASSERT_OK(got) << "the committed put was lost";
+  ASSERT_EQ(got->size(), 1u);
+  EXPECT_EQ((*got)[0].bytes, bytes);
 }
 
 TEST(LifecycleTest, SecondDaemonOnTheSameDataDirFailsClearly) {
@@ -246,6 +340,39 @@ TEST(LifecycleTest, ConfigFileIsReadAndFlagsOverrideIt) {
   auto stats = Connect((*d)->address())->Stats();
   ASSERT_OK(stats);
   EXPECT_EQ(stats->dram().capacity_bytes(), 16u << 20);
+}
+
+// The daemon takes a batch of max_batch_keys blocks with the longest keys
+// and parents: gRPC's message limit follows the setting, so a batch the
+// config allows is never refused as RESOURCE_EXHAUSTED ("no room") for its
+// size (it was at 32 MiB: 65536 blocks of 256-byte keys and parents weigh
+// 34 MB). Sent with an unknown session: the answer is that, not the size.
+TEST(LifecycleTest, ABatchOfMaxBatchKeysLongKeysIsTaken) {
+  std::string dir = MakeTempDir("cfg");
+  std::ofstream(dir + "/kvdepot.yaml") << "max_batch_keys: 65536\n";
+  auto d = DaemonProcess::Start({"--config", dir + "/kvdepot.yaml"});
+  ASSERT_OK(d);
+  grpc::ChannelArguments args;
+  args.SetMaxSendMessageSize(-1);
+  auto stub = v1::KvDepot::NewStub(grpc::CreateCustomChannel(
+      (*d)->address(), grpc::InsecureChannelCredentials(), args));
+  v1::BeginPutRequest req;
+  req.set_session_id(987654321);
+  req.set_namespace_("ns");
+  for (int i = 0; i < 65536; ++i) {
+    v1::PutSpec* spec = req.add_blocks();
+    std::string key(256, 'k');
+    std::memcpy(key.data(), &i, sizeof(i));
+    spec->set_key(key);
+    spec->set_parent_key(std::string(256, 'p'));
+    spec->set_size(4096);
+  }
+  ASSERT_GT(req.ByteSizeLong(), size_t{32} << 20);
+  grpc::ClientContext ctx;
+  v1::BeginPutResponse resp;
+  ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(30));
+  grpc::Status st = stub->BeginPut(&ctx, req, &resp);
+  EXPECT_EQ(st.error_code(), grpc::StatusCode::NOT_FOUND) << st.error_message();
 }
 
 TEST(LifecycleTest, DaemonExpiresSessionsThatStopKeepingAlive) {
