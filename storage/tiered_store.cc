@@ -181,10 +181,11 @@ class TieredStoreImpl final : public TieredStore {
       promoter_ = std::make_unique<WorkPool>(options_.promotion_threads,
                                              "kvd-promote");
     }
-    if (nvme_ != nullptr && !options_.create_namespaces) {
+    if (nvme_ != nullptr) {
       // The namespaces of blocks kept on NVMe exist: clients may put into
-      // them. (With create_namespaces on, a put or a promotion creates
-      // them when needed: no pass over the blocks at start.)
+      // them (with create_namespaces off), and operators see them
+      // (ListNamespaces, GetQuota) before any block of theirs is read
+      // back. One pass over the NVMe tier's in-memory index.
       absl::flat_hash_set<std::string> on_nvme;
       nvme_->ForEachBlock([&](const NvmeBlockView& b) {
         if (!on_nvme.contains(b.ns)) on_nvme.emplace(b.ns);

@@ -1735,6 +1735,12 @@ TEST_F(TieredStoreNvmeTest, PersistedBlocksSurviveARestart) {
 TEST_F(TieredStoreNvmeTest, NamespacesOnNvmeExistWithoutCreateNamespaces) {
   for (int i = 0; i < 2; ++i) Put("p" + std::to_string(i), Block(i));
   ASSERT_OK(store_->PersistDram());
+  // With create_namespaces on as well: an operator listing namespaces (or
+  // asking for a quota) after a restart sees those on NVMe, before any of
+  // their blocks is read back.
+  Open();
+  ASSERT_EQ(store_->ListNamespaces().size(), 1u);
+  EXPECT_EQ(store_->ListNamespaces()[0].name, "ns");
   create_namespaces_ = false;
   Open();
   ASSERT_EQ(store_->ListNamespaces().size(), 1u);
