@@ -295,6 +295,11 @@ class ChartTest(unittest.TestCase):
         endpoint = sm["spec"]["endpoints"][0]
         self.assertIn(endpoint["port"], [p["name"] for p in svc["spec"]["ports"]])
         self.assertEqual(endpoint["path"], "/metrics")
+        # The operator adds a namespace target label (the Kubernetes one);
+        # kvdepotd's own namespace label (the cache namespace) must win, or
+        # it arrives as exported_namespace and the per-namespace rules and
+        # the dashboard see nothing.
+        self.assertIs(endpoint.get("honorLabels"), True)
         job = svc["metadata"]["labels"][sm["spec"]["jobLabel"]]
         self.assertIn(f'job="{job}"', self.alert_rules)
 

@@ -90,6 +90,15 @@ class AlertRulesTest(unittest.TestCase):
         down = next(a for a in alerts() if a["alert"] == "KvdepotDown")
         self.assertIn('job="kvdepot"', down["expr"])
 
+    def test_scrape_job_honors_the_namespace_label(self):
+        # kvdepotd's namespace label (its cache namespace) must not become
+        # exported_namespace when a target label of that name is added.
+        job = next(
+            c for c in load_yaml("prometheus.yml")["scrape_configs"]
+            if c["job_name"] == "kvdepot"
+        )
+        self.assertIs(job.get("honor_labels"), True)
+
 
 class PromtoolTest(unittest.TestCase):
     def setUp(self):

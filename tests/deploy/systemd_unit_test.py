@@ -89,9 +89,13 @@ class SystemdUnitTest(unittest.TestCase):
             "ProtectKernelTunables",
             "ProtectKernelModules",
             "LockPersonality",
-            "MemoryDenyWriteExecute",
         ):
             self.assertTrue(yes(s.get(key, "")), key)
+        # UCX installs its mmap hooks by making code pages writable and
+        # executable (mprotect W+X) when it loads; MemoryDenyWriteExecute
+        # makes that fail, and with it the UCX data plane: every client
+        # would fall back to gRPC without an error.
+        self.assertNotIn("MemoryDenyWriteExecute", s)
         self.assertEqual(
             set(s["RestrictAddressFamilies"].split()),
             {"AF_INET", "AF_INET6", "AF_UNIX", "AF_NETLINK"},
