@@ -343,13 +343,17 @@ class VllmEngine:
 
 @dataclass
 class FakeStorageConfig:
-    """sglang.srt.mem_cache.hicache_storage.HiCacheStorageConfig's fields."""
+    """sglang.srt.mem_cache.hicache_storage.HiCacheStorageConfig's fields
+    (SGLang requires enable_storage_metrics; True here)."""
 
     tp_rank: int = 0
     tp_size: int = 1
     pp_rank: int = 0
     pp_size: int = 1
+    attn_cp_rank: int = 0
+    attn_cp_size: int = 1
     is_mla_model: bool = False
+    enable_storage_metrics: bool = True
     is_page_first_layout: bool = True
     model_name: Optional[str] = "test/tiny-llama"
     extra_config: Optional[dict] = None

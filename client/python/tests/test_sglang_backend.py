@@ -12,6 +12,7 @@ import dataclasses
 import os
 import sys
 import unittest
+from types import SimpleNamespace
 from typing import List, Optional
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -39,6 +40,82 @@ class SglangExtraInfo:
     extra_info: Optional[dict] = None
 
 
+class Passthrough:
+    """A stand-in kvdepot client that passes every call on to the real one;
+    subclasses override what a test watches."""
+
+    def __init__(self, inner):
+        self._inner = inner
+
+    def __getattr__(self, name):
+        return getattr(self._inner, name)
+
+
+class CallSizes(Passthrough):
+    """Records the number of keys of every lookup and transfer."""
+
+    def __init__(self, backend):
+        super().__init__(backend._client)
+        self.sizes = []
+        backend._client = self
+
+    def lookup(self, ns, keys, *args, **kwargs):
+        self.sizes.append(len(keys))
+        return self._inner.lookup(ns, keys, *args, **kwargs)
+
+    def get_into_async(self, ns, keys, *args, **kwargs):
+        self.sizes.append(len(keys))
+        return self._inner.get_into_async(ns, keys, *args, **kwargs)
+
+    def put_async(self, ns, keys, *args, **kwargs):
+        self.sizes.append(len(keys))
+        return self._inner.put_async(ns, keys, *args, **kwargs)
+
+    def get_into(self, ns, keys, *args, **kwargs):
+        self.sizes.append(len(keys))
+        return self._inner.get_into(ns, keys, *args, **kwargs)
+
+    def put(self, ns, keys, *args, **kwargs):
+        self.sizes.append(len(keys))
+        return self._inner.put(ns, keys, *args, **kwargs)
+
+
+class RecordRegistrations(Passthrough):
+    """Records the buffers registered with the client."""
+
+    def __init__(self, backend):
+        super().__init__(backend._client)
+        self.buffers = []
+        backend._client = self
+
+    def register_buffer(self, buffer):
+        self.buffers.append(buffer)
+        return self._inner.register_buffer(buffer)
+
+
+class RefusingClient(Passthrough):
+    """A client whose register_buffer fails (as without UCX)."""
+
+    def register_buffer(self, buffer):
+        raise RuntimeError("FAILED_PRECONDITION: no UCX data plane")
+
+
+
+class _NamedDtype:
+    """A dtype this torch lacks (torch 1.13 has no float8), named as torch
+    names it."""
+
+    def __init__(self, name):
+        self.name = name
+
+    def __str__(self):
+        return f"torch.{self.name}"
+
+
+def torch_dtype(name):
+    return getattr(torch, name, None) or _NamedDtype(name)
+
+
 PAGE = 16
 LAYERS = 3
 HEADS = 2
@@ -48,7 +125,7 @@ POOL_TOKENS = 40 * PAGE
 
 class SglangBackendTest(unittest.TestCase):
     def setUp(self):
-        self.daemon = Daemon()
+        self.daemon = Daemon(metrics=True)
         self.backends = []
 
     def tearDown(self):
@@ -56,30 +133,55 @@ class SglangBackendTest(unittest.TestCase):
             b.close()
         self.daemon.stop()
 
-    def backend(self, layout="page_first", **extra):
-        cfg = FakeStorageConfig(extra_config={
+    def unregistered(self, config=None, **extra):
+        """A backend as StorageBackendFactory creates it; ``config``:
+        FakeStorageConfig fields."""
+        cfg = FakeStorageConfig(**(config or {}), extra_config={
             "backend_name": "kvdepot", "module_path": "kvdepot.integrations.sglang",
             "class_name": "KvDepotHiCacheStorage", "interface_v1": 1,
             "server": self.daemon.address, "timeout_s": 2.0, **extra})
         b = create_dynamic_backend(cfg, kv_sglang.HiCacheStorage)
-        pool = FakeMHAHostPool(POOL_TOKENS, PAGE, LAYERS, HEADS, DIM, torch.bfloat16,
-                               layout=layout)
-        b.register_mem_pool_host(pool)  # as HiCacheController does
         self.backends.append(b)
+        return b
+
+    def backend(self, layout="page_first", config=None, pool=None, **extra):
+        b = self.unregistered(config, **extra)
+        if pool is None:
+            pool = FakeMHAHostPool(POOL_TOKENS, PAGE, LAYERS, HEADS, DIM, torch.bfloat16,
+                                   layout=layout)
+        b.register_mem_pool_host(pool)  # as HiCacheController does
         return b, pool
 
     @staticmethod
-    def host_indices(pages):
-        return torch.cat([torch.arange(p * PAGE, (p + 1) * PAGE) for p in pages])
+    def host_indices(pages, page=PAGE):
+        return torch.cat([torch.arange(p * page, (p + 1) * page) for p in pages])
+
+    @staticmethod
+    def page_view(pool, p):
+        page = pool.page_size
+        if pool.layout == "layer_first":
+            return pool.kv_buffer[:, :, p * page:(p + 1) * page]
+        return pool.kv_buffer[:, p * page:(p + 1) * page]
 
     def fill(self, pool, pages, seed):
         g = torch.Generator().manual_seed(seed)
         for p in pages:
-            if pool.layout == "layer_first":
-                view = pool.kv_buffer[:, :, p * PAGE:(p + 1) * PAGE]
+            view = self.page_view(pool, p)
+            if view.dtype == torch.uint8:
+                view.copy_(torch.randint(0, 256, view.shape, generator=g, dtype=torch.uint8))
             else:
-                view = pool.kv_buffer[:, p * PAGE:(p + 1) * PAGE]
-            view.copy_(torch.randn(view.shape, generator=g).to(view.dtype))
+                view.copy_(torch.randn(view.shape, generator=g).to(view.dtype))
+
+    def same_page(self, pool_a, a, pool_b, b):
+        """Whether page ``a`` of pool_a and page ``b`` of pool_b hold the
+        same bytes."""
+        return torch.equal(self.page_view(pool_a, a).contiguous().view(torch.uint8),
+                           self.page_view(pool_b, b).contiguous().view(torch.uint8))
+
+    def ucx_bytes(self, direction):
+        """Block bytes the daemon moved over UCX."""
+        return self.daemon.metric(
+            'kvdepot_bytes_total{direction="%s",transport="ucx"}' % direction)
 
     def round_trip(self, layout):
         src, src_pool = self.backend(layout)
@@ -173,9 +275,9 @@ class SglangBackendTest(unittest.TestCase):
             def __init__(self, inner):
                 self._inner = inner
 
-            def put(self, namespace, keys, values, parents=None, **kwargs):
+            def put_async(self, namespace, keys, values, parents=None):
                 puts.append((list(keys), list(parents)))
-                return self._inner.put(namespace, keys, values, parents, **kwargs)
+                return self._inner.put_async(namespace, keys, values, parents)
 
             def __getattr__(self, name):
                 return getattr(self._inner, name)
@@ -213,6 +315,234 @@ class SglangBackendTest(unittest.TestCase):
         self.assertFalse(b.batch_set(["x"], [pool.page(0).reshape(-1)]))
         self.assertEqual(b.batch_get(["x"]), [None])
         self.assertGreaterEqual(b.counters["errors"], 5)
+
+    # ------------------------------------------------------------------
+    # Batches over the daemon's max_batch_keys
+
+    def test_layer_first_batches_beyond_the_daemons_key_limit(self):
+        # 32 layers layer_first: 64 objects a page, so SGLang's batches (up
+        # to 128 pages) exceed the daemon's 1024 keys a call beyond 16 pages.
+        page, layers, n = 4, 32, 40
+        pool = FakeMHAHostPool(3 * n * page, page, layers, 2, 16, torch.bfloat16,
+                               layout="layer_first")
+        b, _ = self.backend(pool=pool)
+        calls = CallSizes(b)
+        self.assertEqual(b._objects_per_page, 64)
+        self.fill(pool, range(n), seed=5)
+        keys = sglang_page_hashes(list(range(n * page)), page)
+        self.assertEqual(b.batch_set_v1(keys, self.host_indices(range(n), page)), [True] * n)
+        self.assertEqual(b.batch_exists(keys), n)
+        self.assertEqual(b.batch_get_v1(keys, self.host_indices(range(n, 2 * n), page)),
+                         [True] * n)
+        for p in range(n):
+            self.assertTrue(self.same_page(pool, p, pool, n + p), p)
+        # A page missing in the second chunk (pages 16..31) ends the prefix.
+        other = [k + "-b" for k in keys]
+        self.assertEqual(b.batch_set_v1(other[:20], self.host_indices(range(20), page)),
+                         [True] * 20)
+        self.assertEqual(b.batch_set_v1(other[21:], self.host_indices(range(21, n), page)),
+                         [True] * (n - 21))
+        self.assertEqual(b.batch_exists(other), 20)
+        got = b.batch_get_v1(other, self.host_indices(range(2 * n, 3 * n), page))
+        self.assertEqual(got, [True] * 20 + [False] + [True] * (n - 21))
+        # The generic path too.
+        flat = [self.page_view(pool, p).reshape(-1).clone() for p in range(20)]
+        self.assertTrue(b.batch_set([f"g{i}" for i in range(20)], flat))
+        out = b.batch_get([f"g{i}" for i in range(20)])
+        for f, o in zip(flat, out):
+            self.assertTrue(torch.equal(f.view(torch.int16), o.view(torch.int16)))
+        self.assertEqual(b.counters["errors"], 0)
+        self.assertLessEqual(max(calls.sizes), kv_sglang.DEFAULT_MAX_BATCH_KEYS)
+        self.assertGreater(len(calls.sizes), 8)
+
+    def test_max_batch_keys_below_one_page(self):
+        # extra_config max_batch_keys, here smaller than a page's 64 objects:
+        # a page's objects span several calls and still count as one page.
+        page, layers, n = 4, 32, 6
+        pool = FakeMHAHostPool(3 * n * page, page, layers, 2, 16, torch.bfloat16,
+                               layout="layer_first")
+        b, _ = self.backend(pool=pool, max_batch_keys=40)
+        calls = CallSizes(b)
+        self.fill(pool, range(n), seed=6)
+        keys = sglang_page_hashes(list(range(n * page)), page)
+        stored = [0, 1, 2, 4, 5]  # page 3 missing
+        for p in stored:
+            self.assertEqual(b.batch_set_v1([keys[p]], self.host_indices([p], page)), [True])
+        self.assertEqual(b.batch_exists(keys), 3)
+        self.assertEqual(b.batch_get_v1(keys, self.host_indices(range(n, 2 * n), page)),
+                         [True, True, True, False, True, True])
+        for p in stored:
+            self.assertTrue(self.same_page(pool, p, pool, n + p), p)
+        self.assertLessEqual(max(calls.sizes), 40)
+
+    # ------------------------------------------------------------------
+    # Namespaces: attention context parallelism, FP8
+
+    def test_context_parallel_ranks_do_not_share_pages(self):
+        for mla in (False, True):
+            with self.subTest(mla=mla):
+                base, _ = self.backend(config={"is_mla_model": mla})
+                b0, pool0 = self.backend(config={"is_mla_model": mla, "attn_cp_rank": 0,
+                                                 "attn_cp_size": 2})
+                b1, pool1 = self.backend(config={"is_mla_model": mla, "attn_cp_rank": 1,
+                                                 "attn_cp_size": 2})
+                self.assertNotEqual(b0.namespace, b1.namespace)
+                self.assertIn("cp1of2", b1.namespace)
+                self.assertNotEqual(b0.namespace, base.namespace)
+                keys = sglang_page_hashes(list(range(2 * PAGE)), PAGE)
+                keys = [k + f"-{mla}" for k in keys]
+                pool0.kv_buffer.fill_(1.0)
+                pool1.kv_buffer.zero_()
+                self.assertEqual(b0.batch_set_v1(keys, self.host_indices([0, 1])), [True] * 2)
+                # Rank 1 holds another slice of these pages: never rank 0's.
+                self.assertEqual(b1.batch_exists(keys), 0)
+                self.assertEqual(b1.batch_get_v1(keys, self.host_indices([2, 3])),
+                                 [False] * 2)
+                self.assertEqual(int(pool1.kv_buffer.abs().sum()), 0)
+                pool1.kv_buffer.fill_(2.0)
+                self.assertEqual(b1.batch_set_v1(keys, self.host_indices([0, 1])), [True] * 2)
+                pool1.kv_buffer[:, 2 * PAGE:].zero_()
+                self.assertEqual(b1.batch_get_v1(keys, self.host_indices([2, 3])), [True] * 2)
+                self.assertTrue(bool((pool1.kv_buffer[:, :4 * PAGE] == 2.0).all()))
+
+    def fp8_pool(self, logical):
+        """An FP8 KV cache's host pool: uint8 (SGLang's store_dtype), its
+        device pool's dtype the FP8 format."""
+        pool = FakeMHAHostPool(POOL_TOKENS, PAGE, LAYERS, HEADS, DIM, torch.uint8)
+        pool.device_pool = SimpleNamespace(dtype=logical, store_dtype=torch.uint8)
+        return pool
+
+    def test_fp8_pool_namespaced_by_its_format(self):
+        e4m3 = self.fp8_pool(torch_dtype("float8_e4m3fn"))
+        e5m2 = self.fp8_pool(torch_dtype("float8_e5m2"))
+        a, _ = self.backend(pool=e4m3)
+        b, _ = self.backend(pool=e5m2)
+        self.assertIsNone(a.disabled_reason)
+        self.assertIn("float8_e4m3fn", a.namespace)
+        self.assertIn("float8_e5m2", b.namespace)
+        self.assertNotEqual(a.namespace, b.namespace)
+        keys = sglang_page_hashes(list(range(3 * PAGE)), PAGE)
+        self.fill(e4m3, [0, 1, 2], seed=7)
+        self.assertEqual(a.batch_set_v1(keys, self.host_indices([0, 1, 2])), [True] * 3)
+        self.assertEqual(a.batch_exists(keys), 3)
+        self.assertEqual(b.batch_exists(keys), 0)  # e5m2 never reads e4m3 bytes
+        self.assertEqual(a.batch_get_v1(keys, self.host_indices([5, 6, 7])), [True] * 3)
+        for s_, d in zip([0, 1, 2], [5, 6, 7]):
+            self.assertTrue(self.same_page(e4m3, s_, e4m3, d))
+        flat = e4m3.page(0).reshape(-1)
+        self.assertTrue(a.batch_set(["flat"], [flat]))
+        self.assertTrue(torch.equal(a.batch_get(["flat"])[0], flat))
+
+    def test_unknown_uint8_pool_disables_the_backend(self):
+        for pool in (self.fp8_pool(torch.int8),
+                     FakeMHAHostPool(POOL_TOKENS, PAGE, LAYERS, HEADS, DIM, torch.uint8)):
+            b = self.unregistered()
+            with self.assertLogs("kvdepot.integrations.sglang", "ERROR"):
+                b.register_mem_pool_host(pool)  # must not raise: SGLang re-raises
+            self.assertIsNone(b.namespace)
+            self.assertIn("uint8", b.disabled_reason)
+            keys = ["a", "b"]
+            self.assertEqual(b.batch_exists(keys), 0)
+            self.assertEqual(b.batch_set_v1(keys, self.host_indices([0, 1])), [False] * 2)
+            self.assertEqual(b.batch_get_v1(keys, self.host_indices([0, 1])), [False] * 2)
+            self.assertFalse(b.batch_set(["a"], [pool.page(0).reshape(-1)]))
+            self.assertEqual(b.batch_get(["a"]), [None])
+
+    # ------------------------------------------------------------------
+    # Data plane
+
+    def test_host_pool_registered_and_moved_over_ucx(self):
+        self.assertEqual(self.unregistered()._client.data_plane_status(), "")
+        src = self.unregistered()
+        registered = RecordRegistrations(src)
+        src_pool = FakeMHAHostPool(POOL_TOKENS, PAGE, LAYERS, HEADS, DIM, torch.bfloat16)
+        src.register_mem_pool_host(src_pool)
+        self.assertEqual(len(registered.buffers), 1)
+        self.assertIs(registered.buffers[0], src_pool.kv_buffer)
+        dst, dst_pool = self.backend()
+        keys = sglang_page_hashes(list(range(4 * PAGE)), PAGE)
+        self.fill(src_pool, [0, 1, 2, 3], seed=8)
+        page_bytes = self.page_view(src_pool, 0).numel() * 2
+        self.assertEqual(src.batch_set_v1(keys, self.host_indices([0, 1, 2, 3])), [True] * 4)
+        self.assertEqual(self.ucx_bytes("in"), 4 * page_bytes)
+        self.assertEqual(dst.batch_get_v1(keys, self.host_indices([9, 8, 7, 6])), [True] * 4)
+        self.assertEqual(self.ucx_bytes("out"), 4 * page_bytes)
+        for s_, d in zip([0, 1, 2, 3], [9, 8, 7, 6]):
+            self.assertTrue(self.same_page(src_pool, s_, dst_pool, d))
+
+    def test_failed_registration_falls_back_to_grpc(self):
+        b = self.unregistered()
+        b._client = RefusingClient(b._client)
+        pool = FakeMHAHostPool(POOL_TOKENS, PAGE, LAYERS, HEADS, DIM, torch.bfloat16)
+        with self.assertLogs("kvdepot.integrations.sglang", "WARNING"):
+            b.register_mem_pool_host(pool)
+        self.assertIsNotNone(b.namespace)
+        keys = sglang_page_hashes(list(range(2 * PAGE)), PAGE)
+        self.fill(pool, [0, 1], seed=9)
+        self.assertEqual(b.batch_set_v1(keys, self.host_indices([0, 1])), [True] * 2)
+        self.assertEqual(b.batch_get_v1(keys, self.host_indices([4, 5])), [True] * 2)
+        self.assertTrue(self.same_page(pool, 0, pool, 4) and self.same_page(pool, 1, pool, 5))
+        self.assertEqual(self.ucx_bytes("in") + self.ucx_bytes("out"), 0)
+
+    def test_a_bad_page_fails_alone(self):
+        for ucx in (True, False):
+            with self.subTest(ucx=ucx):
+                b = self.unregistered()
+                pool = FakeMHAHostPool(POOL_TOKENS, PAGE, LAYERS, HEADS, DIM, torch.bfloat16)
+                if ucx:
+                    b.register_mem_pool_host(pool)
+                else:
+                    b._client = RefusingClient(b._client)
+                    with self.assertLogs("kvdepot.integrations.sglang", "WARNING"):
+                        b.register_mem_pool_host(pool)
+                keys = sglang_page_hashes(list(range(4 * PAGE)), PAGE)
+                keys = [k + f"-{ucx}" for k in keys]
+                self.fill(pool, [0, 1, 2, 3], seed=10)
+                self.assertEqual(b.batch_set_v1(keys, self.host_indices([0, 1, 2, 3])),
+                                 [True] * 4)
+                # Page 2's V object replaced by one of another size (as a page
+                # stored by an engine of another shape would be).
+                bad = f"{keys[2]}.1".encode()
+                b._client.evict(b.namespace, [bad])
+                b._client.put(b.namespace, [bad], [bytes(100)])
+                got = b.batch_get_v1(keys, self.host_indices([10, 11, 12, 13]))
+                self.assertEqual(got, [True, True, False, True])
+                for s_, d in ((0, 10), (1, 11), (3, 13)):
+                    self.assertTrue(self.same_page(pool, s_, pool, d))
+                self.assertEqual(b.counters["errors"], 1)
+
+    # ------------------------------------------------------------------
+    # Statistics and the generic path's errors
+
+    def test_statistics_stay_bounded_without_get_stats(self):
+        b, pool = self.backend()
+        keys = sglang_page_hashes(list(range(PAGE)), PAGE)
+        self.assertEqual(b.batch_set_v1(keys, self.host_indices([0])), [True])
+        for _ in range(5000):
+            b.batch_get_v1(keys, self.host_indices([1]))
+        stats = b.get_stats()
+        self.assertLessEqual(len(stats.prefetch_pgs), 1024)
+        self.assertLessEqual(len(stats.prefetch_bandwidth), 1024)
+        self.assertEqual(stats.backup_pgs, [1])
+        # With SGLang's storage metrics off (it never calls get_stats),
+        # nothing is kept.
+        off, _ = self.backend(config={"enable_storage_metrics": False})
+        self.assertEqual(off.batch_get_v1(keys, self.host_indices([2])), [True])
+        self.assertEqual(off.batch_set_v1(keys, self.host_indices([2])), [True])
+        self.assertEqual(off.get_stats().prefetch_pgs, [])
+        self.assertEqual(off.get_stats().backup_pgs, [])
+
+    def test_generic_get_errors_are_misses(self):
+        u = self.unregistered()  # no host pool yet
+        self.assertEqual(u.batch_get(["x"]), [None])
+        self.assertIsNone(u.get("x"))
+        b, pool = self.backend()
+        self.fill(pool, [0, 1], seed=11)
+        self.assertTrue(b.batch_set(["a", "b"], [pool.page(0).reshape(-1),
+                                                 pool.page(PAGE).reshape(-1)]))
+        # Fewer targets than keys.
+        self.assertEqual(b.batch_get(["a", "b"], [None]), [None, None])
+        self.assertEqual(b.batch_get(["a", "b"], [])[0], None)
 
 
 if __name__ == "__main__":

@@ -21,8 +21,8 @@ of ``python/sglang/srt/mem_cache/storage/backend_factory.py``, which calls
 ``register_mem_pool_host(host_pool)``. Methods: ``batch_exists(keys,
 extra_info=None) -> int`` (length of the stored prefix, in pages),
 ``batch_get_v1(keys, host_indices, extra_info=None) -> list[bool]`` and
-``batch_set_v1(...)`` (zero-copy: kvdepot reads and writes the host pool's
-memory in place, at the page addresses the pool's ``get_page_buffer_meta``
+``batch_set_v1(...)`` (no staging tensor: kvdepot reads and writes the host
+pool's memory at the page addresses the pool's ``get_page_buffer_meta``
 gives), ``get``/``set``/``batch_get``/``batch_set``/``exists`` (generic path),
 ``clear``, ``get_stats`` (a ``StorageMetrics`` where SGLang has it). The
 ``*_v2`` pool-transfer methods (hybrid models) are not implemented. Without
@@ -31,33 +31,74 @@ local stand-in of the base class (its ``register_mem_pool_host`` and
 prefix ``batch_exists``) that exists so tests can drive the backend; it is
 not SGLang.
 
+Data plane: ``register_mem_pool_host`` registers the host pool's tensors
+(``kv_buffer``) with the kvdepot client (``Client.register_buffer``), so the
+page buffers, which lie inside them, move over UCX, in place. Where that
+fails (no UCX; ``Client.data_plane_status`` says why) a warning is logged and
+the pages take the gRPC byte path: the same bytes, copied through the RPC
+messages, many times slower.
+
 Storage: each page is stored as the objects ``get_page_buffer_meta`` lists
 for it (K and V for an MHA ``page_first`` pool, one latent for MLA, one per
 layer and K/V for ``layer_first``), under ``<page key>.<i>``, in the namespace
 ``KvLayout.namespace_for("sglang/<model>/<pool layout>/tpRofN")`` (MLA: no
-rank). A page is present only when all its objects are.
+rank), followed by ``ppRofN`` with pipeline parallelism, ``cpRofN`` with
+attention context parallelism (each rank holds its own slice of a page) and,
+for an FP8 KV cache, the logical dtype (``float8_e4m3fn``, ``float8_e5m2``).
+A page is present only when all its objects are.
+
+Batches: a call covers up to SGLang's whole batch (128 pages of 64 objects
+with 32 layers ``layer_first``), more keys than the daemon takes in one
+lookup or transfer (its ``max_batch_keys``, 1024 by default). Each call is
+split into daemon calls of at most ``max_batch_keys`` keys, at page
+boundaries (unless one page alone has more objects). ``batch_exists`` stops
+at the first chunk that is not all stored.
 
 Errors never escape: a failed lookup is 0 pages, a failed get or set is
-False for each page it covered (SGLang then recomputes or retries).
+False for each page it covered (SGLang then recomputes or retries); a get or
+set reports each page on its own, so one bad page does not fail the others.
+A host pool the backend cannot serve (an FP8 pool whose logical dtype is
+unknown, a pool without page buffers) disables the backend with an error log
+instead of failing the server: every lookup is then 0 pages, every get and
+set False.
 
 Extra config: ``server`` (default ``$KVDEPOT_SERVER`` or
 ``127.0.0.1:50551``), ``model`` (default ``storage_config.model_name``),
-``timeout_s`` (5), ``lease_s`` (0: the daemon's default).
+``timeout_s`` (5), ``lease_s`` (0: the daemon's default),
+``max_batch_keys`` (1024: set it to the daemon's ``max_batch_keys`` where
+that is lower).
 """
 
 from __future__ import annotations
 
+import collections
 import ctypes
 import logging
 import os
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Optional
+from typing import Any, Callable, Deque, Dict, List, Optional, Sequence, Tuple
 
 from . import model_label
 
 logger = logging.getLogger(__name__)
+
+# The daemon's default max_batch_keys (README, "Configuration"): the most keys
+# one Lookup, put or Read takes. The daemon reports its own value when a
+# session opens (OpenSessionResponse.max_batch_keys), but the Python client
+# does not expose it; extra_config["max_batch_keys"] overrides this.
+DEFAULT_MAX_BATCH_KEYS = 1024
+
+# Statistics kept for get_stats at most (per list): SGLang calls get_stats
+# only with its storage metrics on (enable_storage_metrics); this bounds the
+# memory should nobody drain them.
+_MAX_PENDING_STATS = 1024
+
+# torch dtype names of the 1-byte FP8 formats an FP8 KV cache is stored in.
+# SGLang's host pool holds them as torch.uint8 (the device pool's
+# store_dtype); the device pool's dtype names the format.
+_FP8_DTYPES = ("float8_e4m3fn", "float8_e4m3fnuz", "float8_e5m2", "float8_e5m2fnuz")
 
 try:  # pragma: no cover - depends on the environment
     from sglang.srt.mem_cache.hicache_storage import HiCacheStorage
@@ -104,6 +145,12 @@ def _cfg(storage_config: Any, name: str, default: Any) -> Any:
     return default if value is None else value
 
 
+def _dtype_name(dtype: Any) -> str:
+    """``torch.float8_e5m2`` -> ``float8_e5m2`` (by name: torch versions
+    differ in which FP8 dtypes they have)."""
+    return str(dtype).rsplit(".", 1)[-1]
+
+
 class KvDepotHiCacheStorage(HiCacheStorage):  # type: ignore[misc,valid-type]
     """SGLang HiCache storage in kvdepotd (see the module docstring).
 
@@ -121,24 +168,36 @@ class KvDepotHiCacheStorage(HiCacheStorage):  # type: ignore[misc,valid-type]
         )
         self._timeout_s = float(extra.get("timeout_s", 5.0))
         self._lease_s = float(extra.get("lease_s", 0.0))
+        self._max_batch_keys = max(1, int(extra.get("max_batch_keys", DEFAULT_MAX_BATCH_KEYS)))
         self._model = str(extra.get("model") or _cfg(storage_config, "model_name", "") or "model")
         self._tp_rank = int(_cfg(storage_config, "tp_rank", 0))
         self._tp_size = int(_cfg(storage_config, "tp_size", 1))
         self._pp_rank = int(_cfg(storage_config, "pp_rank", 0))
         self._pp_size = int(_cfg(storage_config, "pp_size", 1))
+        # Attention context parallelism (SGLang versions without the fields:
+        # none). Each CP rank's host pool holds its own slice of a page.
+        self._cp_rank = int(_cfg(storage_config, "attn_cp_rank", 0))
+        self._cp_size = int(_cfg(storage_config, "attn_cp_size", 1))
         self._is_mla = bool(_cfg(storage_config, "is_mla_model", False))
+        # SGLang calls get_stats only with storage metrics on; versions
+        # without the field: recorded (bounded either way).
+        self._record_stats = bool(_cfg(storage_config, "enable_storage_metrics", True))
         self._client = kvdepot.Client(
             self._server, timeout_s=self._timeout_s, lease_s=self._lease_s,
             client_name="kvdepot-sglang")
         self.mem_pool_host: Any = None
+        # None until a pool is registered, and when the backend is disabled:
+        # every call is then a miss.
         self._namespace: Optional[str] = None
+        self._disabled_reason: Optional[str] = None
+        self._host_pool_registered = False
         self._objects_per_page = 0
         self._object_sizes: List[int] = []
         self._lock = threading.Lock()
-        self._prefetch_pgs: List[int] = []
-        self._backup_pgs: List[int] = []
-        self._prefetch_bw: List[float] = []
-        self._backup_bw: List[float] = []
+        self._prefetch_pgs: Deque[int] = collections.deque(maxlen=_MAX_PENDING_STATS)
+        self._backup_pgs: Deque[int] = collections.deque(maxlen=_MAX_PENDING_STATS)
+        self._prefetch_bw: Deque[float] = collections.deque(maxlen=_MAX_PENDING_STATS)
+        self._backup_bw: Deque[float] = collections.deque(maxlen=_MAX_PENDING_STATS)
         self.counters: Dict[str, int] = {
             "exists_calls": 0, "exists_hit_pages": 0, "get_pages": 0,
             "get_hit_pages": 0, "set_pages": 0, "set_ok_pages": 0, "errors": 0,
@@ -149,17 +208,32 @@ class KvDepotHiCacheStorage(HiCacheStorage):  # type: ignore[misc,valid-type]
 
     def register_mem_pool_host(self, mem_pool_host: Any) -> None:
         """Takes the host KV pool (SGLang's HostKVCache): its page size,
-        layout and ``get_page_buffer_meta`` define the stored objects."""
+        layout and ``get_page_buffer_meta`` define the stored objects, and
+        its tensors are registered with the client (UCX). A pool the backend
+        cannot serve disables it (error log) instead of raising."""
         super().register_mem_pool_host(mem_pool_host)
+        self._namespace = None
+        try:
+            namespace = self._namespace_for(mem_pool_host)
+        except Exception as e:  # noqa: BLE001 - disable, never fail SGLang
+            self._disabled_reason = str(e)
+            logger.error("kvdepot: HiCache storage backend disabled (every page a miss): %s", e)
+            return
+        self._disabled_reason = None
+        self._host_pool_registered = self._register_host_memory(mem_pool_host)
+        self._namespace = namespace
+
+    def _namespace_for(self, pool: Any) -> str:
+        """The pool's namespace; sets the per-page object count and sizes.
+        Raises for a pool the backend cannot serve."""
         import torch
 
-        pool = mem_pool_host
         page = int(pool.page_size)
         ptrs, sizes = pool.get_page_buffer_meta(torch.arange(page, dtype=torch.int64))
-        self._objects_per_page = len(ptrs)
-        self._object_sizes = [int(s) for s in sizes]
+        if not ptrs:
+            raise ValueError(f"the host pool ({type(pool).__name__}) lists no page buffers")
         kv = self._kvdepot
-        dtype = kv.dtype_from_torch(pool.dtype)
+        dtype, fp8_name = self._kv_dtype(pool)
         layer_num = int(pool.layer_num)
         if self._is_mla:
             width = int(getattr(pool, "kv_lora_rank", 0)) + int(
@@ -175,20 +249,68 @@ class KvDepotHiCacheStorage(HiCacheStorage):  # type: ignore[misc,valid-type]
                                 f"tp{self._tp_rank}of{self._tp_size}")
         if self._pp_size > 1:
             label = model_label(label, f"pp{self._pp_rank}of{self._pp_size}")
+        if self._cp_size > 1:
+            label = model_label(label, f"cp{self._cp_rank}of{self._cp_size}")
+        if fp8_name is not None:
+            label = model_label(label, fp8_name)
+        self._objects_per_page = len(ptrs)
+        self._object_sizes = [int(s) for s in sizes]
         # The layout fingerprint only separates models of other shapes; the
         # objects are SGLang's host-pool bytes, named apart by "sglang/...".
-        self._namespace = layout.namespace_for(label)
+        return layout.namespace_for(label)
+
+    def _kv_dtype(self, pool: Any) -> Tuple[Any, Optional[str]]:
+        """The pool's element type as a KvDtype, and for an FP8 pool the
+        logical dtype's name (which goes into the namespace label). An FP8
+        KV cache's host pool is torch.uint8 (SGLang's store_dtype); its
+        device pool's dtype names the format. The bytes move as they are;
+        the layout only needs the element size (formats other than e4m3fn
+        use FLOAT8_E4M3 as a 1-byte type; the label keeps them apart).
+        Raises ValueError for a dtype the backend cannot name."""
+        import torch
+
+        kv = self._kvdepot
+        if pool.dtype != torch.uint8:
+            return kv.dtype_from_torch(pool.dtype), None
+        logical = getattr(getattr(pool, "device_pool", None), "dtype", None)
+        name = _dtype_name(logical) if logical is not None else None
+        if name not in _FP8_DTYPES:
+            raise ValueError(f"the host pool holds uint8 whose logical dtype ({logical}, "
+                             f"from its device_pool) is not one of {', '.join(_FP8_DTYPES)}")
+        return kv.KvDtype.FLOAT8_E4M3, name
+
+    def _register_host_memory(self, pool: Any) -> bool:
+        """Registers the pool's tensors with the client so that the page
+        buffers move over UCX; on failure warns (gRPC byte path)."""
+        buffers = getattr(pool, "kv_buffer", None)
+        tensors = list(buffers) if isinstance(buffers, (list, tuple)) else [buffers]
+        tensors = [t for t in tensors if t is not None]
+        try:
+            if not tensors:
+                raise ValueError("the pool has no kv_buffer")
+            for t in tensors:
+                self._client.register_buffer(t)
+            return True
+        except Exception as e:  # noqa: BLE001 - the gRPC path still works
+            logger.warning("kvdepot: could not register the host KV pool for UCX (%s); "
+                           "pages take the slower gRPC byte path", e)
+            return False
 
     @property
     def namespace(self) -> Optional[str]:
         return self._namespace
+
+    @property
+    def disabled_reason(self) -> Optional[str]:
+        """Why the backend does nothing, or None."""
+        return self._disabled_reason
 
     def _object_keys(self, keys: List[str]) -> List[bytes]:
         n = self._objects_per_page
         return [f"{k}.{i}".encode() for k in keys for i in range(n)]
 
     def _buffers(self, host_indices: Any, num_pages: int) -> List[Any]:
-        """Zero-copy views of the host pool at the addresses SGLang gives."""
+        """Views of the host pool at the addresses SGLang gives."""
         ptrs, sizes = self.mem_pool_host.get_page_buffer_meta(host_indices)
         if len(ptrs) != num_pages * self._objects_per_page:
             raise ValueError(f"{len(ptrs)} page buffers for {num_pages} pages of "
@@ -204,6 +326,87 @@ class KvDepotHiCacheStorage(HiCacheStorage):  # type: ignore[misc,valid-type]
             self.counters[name] += value
 
     # ------------------------------------------------------------------
+    # Daemon calls, in chunks of at most max_batch_keys keys
+
+    def _chunks(self, num_objects: int) -> List[Tuple[int, int]]:
+        """[lo, hi) object ranges of at most max_batch_keys, ending at page
+        boundaries (a page with more objects than that: max_batch_keys
+        each, the last of a page ending at its boundary)."""
+        n, limit = max(1, self._objects_per_page), self._max_batch_keys
+        if n <= limit:
+            step = (limit // n) * n
+            return [(lo, min(num_objects, lo + step)) for lo in range(0, num_objects, step)]
+        return [(lo, min(page + n, lo + limit))
+                for page in range(0, num_objects, n) for lo in range(page, page + n, limit)]
+
+    def _stored_prefix(self, okeys: List[bytes]) -> int:
+        """How many of ``okeys``, from the first, are stored."""
+        hits = 0
+        for lo, hi in self._chunks(len(okeys)):
+            reply = self._client.lookup(self._namespace, okeys[lo:hi], prefix=True)
+            got = int(reply.prefix_hits)
+            hits += got
+            if got < hi - lo:
+                break
+        return hits
+
+    def _transfer(self, start: Callable[[int, int], Any], num_objects: int,
+                  what: str, concurrent: bool) -> List[bool]:
+        """Runs one async op per chunk (``start(lo, hi)``) and returns a
+        flag per object. ``concurrent``: all chunks in flight at once, else
+        one after the other. Every op started is waited for before this
+        returns or raises (its buffers are the caller's again)."""
+        flags = [False] * num_objects
+        pending: List[Tuple[int, Any]] = []
+        failure: Optional[Tuple[str, str]] = None
+        try:
+            for lo, hi in self._chunks(num_objects):
+                pending.append((lo, start(lo, hi)))
+                if not concurrent:
+                    err = self._finish(*pending.pop(), flags)
+                    failure = failure or err
+        finally:
+            for lo, op in pending:
+                err = self._finish(lo, op, flags)
+                failure = failure or err
+        if failure is not None:
+            self._count("errors")
+            logger.warning("kvdepot: %s: %s: %s", what, *failure)
+        return flags
+
+    @staticmethod
+    def _finish(lo: int, op: Any, flags: List[bool]) -> Optional[Tuple[str, str]]:
+        """Waits for ``op``; its flags go to ``flags[lo:]``. Returns its
+        first error other than a miss."""
+        op.wait()
+        ok = op.ok()
+        flags[lo:lo + len(ok)] = ok
+        for err in op.errors():
+            if err is not None and err[0] != "NOT_FOUND":
+                return err
+        return None
+
+    def _get_objects(self, okeys: List[bytes], bufs: Sequence[Any], what: str) -> List[bool]:
+        """Reads ``okeys`` into ``bufs``; True per object read (a failed
+        object, e.g. DATA_LOSS, fails alone)."""
+        return self._transfer(
+            lambda lo, hi: self._client.get_into_async(self._namespace, okeys[lo:hi],
+                                                       bufs[lo:hi]),
+            len(okeys), what, concurrent=True)
+
+    def _put_objects(self, okeys: List[bytes], bufs: Sequence[Any],
+                     parents: Optional[Sequence[bytes]], what: str) -> List[bool]:
+        """Stores ``bufs`` under ``okeys`` (put-if-absent: an object already
+        stored is OK), linked to ``parents`` (None: no links); True per
+        object stored. Chunks go one after the other, so each links to its
+        parent, stored by the one before."""
+        return self._transfer(
+            lambda lo, hi: self._client.put_async(
+                self._namespace, okeys[lo:hi], bufs[lo:hi],
+                parents[lo:hi] if parents is not None else None),
+            len(okeys), what, concurrent=False)
+
+    # ------------------------------------------------------------------
     # Zero-copy interface
 
     def batch_exists(self, keys: List[str], extra_info: Any = None) -> int:
@@ -212,9 +415,7 @@ class KvDepotHiCacheStorage(HiCacheStorage):  # type: ignore[misc,valid-type]
         if not keys or self._namespace is None:
             return 0
         try:
-            reply = self._client.lookup(self._namespace, self._object_keys(keys),
-                                        prefix=True)
-            pages = int(reply.prefix_hits) // self._objects_per_page
+            pages = self._stored_prefix(self._object_keys(keys)) // self._objects_per_page
             self._count("exists_hit_pages", pages)
             return pages
         except Exception as e:  # noqa: BLE001 - a failed lookup is a miss
@@ -224,15 +425,17 @@ class KvDepotHiCacheStorage(HiCacheStorage):  # type: ignore[misc,valid-type]
 
     def batch_get_v1(self, keys: List[str], host_indices: Any,
                      extra_info: Any = None) -> List[bool]:
-        """Reads the pages into the host pool in place; True per page read."""
+        """Reads the pages into the host pool; True per page read."""
         if not keys:
             return []
+        if self._namespace is None:
+            return [False] * len(keys)
         start = time.perf_counter()
         self._count("get_pages", len(keys))
         try:
             bufs = self._buffers(host_indices, len(keys))
-            filled = self._client.get_into(self._namespace, self._object_keys(keys), bufs)
-            pages = self._per_page(filled)
+            pages = self._per_page(self._get_objects(
+                self._object_keys(keys), bufs, f"batch_get_v1 of {len(keys)} pages"))
         except Exception as e:  # noqa: BLE001
             self._count("errors")
             logger.warning("kvdepot: batch_get_v1 of %d pages failed: %s", len(keys), e)
@@ -248,6 +451,8 @@ class KvDepotHiCacheStorage(HiCacheStorage):  # type: ignore[misc,valid-type]
         page already stored counts as stored); True per page."""
         if not keys:
             return []
+        if self._namespace is None:
+            return [False] * len(keys)
         start = time.perf_counter()
         self._count("set_pages", len(keys))
         try:
@@ -259,16 +464,20 @@ class KvDepotHiCacheStorage(HiCacheStorage):  # type: ignore[misc,valid-type]
             prefix = [k for k in (getattr(extra_info, "prefix_keys", None) or ()) if k]
             first_parent = f"{prefix[-1]}.{self._objects_per_page - 1}".encode() if prefix else b""
             parents = [first_parent, *okeys[:-1]]
-            self._client.put(self._namespace, okeys, bufs, parents)
+            pages = self._per_page(self._put_objects(
+                okeys, bufs, parents, f"batch_set_v1 of {len(keys)} pages"))
         except Exception as e:  # noqa: BLE001
             self._count("errors")
             logger.warning("kvdepot: batch_set_v1 of %d pages failed: %s", len(keys), e)
             return [False] * len(keys)
-        self._count("set_ok_pages", len(keys))
-        self._record(self._backup_pgs, self._backup_bw, len(keys), start)
-        return [True] * len(keys)
+        stored = sum(pages)
+        self._count("set_ok_pages", stored)
+        self._record(self._backup_pgs, self._backup_bw, stored, start)
+        return pages
 
-    def _record(self, pgs: List[int], bw: List[float], pages: int, start: float) -> None:
+    def _record(self, pgs: Deque[int], bw: Deque[float], pages: int, start: float) -> None:
+        if not self._record_stats:
+            return
         elapsed = time.perf_counter() - start
         nbytes = pages * sum(self._object_sizes)
         with self._lock:
@@ -305,24 +514,26 @@ class KvDepotHiCacheStorage(HiCacheStorage):  # type: ignore[misc,valid-type]
 
     def batch_get(self, keys: List[str], target_locations: Any = None,
                   target_sizes: Any = None) -> List[Any]:
-        """Pages as flat uint8-backed tensors of the pool's dtype (written
-        into ``target_locations`` when given); None per miss."""
-        import torch
-
-        outs: List[Any] = []
-        for i in range(len(keys)):
-            if target_locations is not None and target_locations[i] is not None:
-                outs.append(target_locations[i])
-            else:
-                dtype = self.mem_pool_host.dtype
-                item = torch.tensor([], dtype=dtype).element_size()
-                outs.append(torch.empty(self._flat_size() // item, dtype=dtype))
+        """Pages as flat tensors of the pool's dtype (written into
+        ``target_locations`` when given); None per miss."""
+        if not keys or self._namespace is None:
+            return [None] * len(keys)
         try:
+            import torch
+
+            outs: List[Any] = []
+            for i in range(len(keys)):
+                if target_locations is not None and target_locations[i] is not None:
+                    outs.append(target_locations[i])
+                else:
+                    dtype = self.mem_pool_host.dtype
+                    item = torch.tensor([], dtype=dtype).element_size()
+                    outs.append(torch.empty(self._flat_size() // item, dtype=dtype))
             views = []
             for t in outs:
                 views.extend(self._flat_views(t.view(torch.uint8).reshape(-1)))
-            filled = self._client.get_into(self._namespace, self._object_keys(keys), views)
-            pages = self._per_page(filled)
+            pages = self._per_page(self._get_objects(
+                self._object_keys(keys), views, f"batch_get of {len(keys)} pages"))
         except Exception as e:  # noqa: BLE001
             self._count("errors")
             logger.warning("kvdepot: batch_get failed: %s", e)
@@ -336,9 +547,13 @@ class KvDepotHiCacheStorage(HiCacheStorage):  # type: ignore[misc,valid-type]
     def batch_set(self, keys: List[str], values: Any = None, target_locations: Any = None,
                   target_sizes: Any = None) -> bool:
         """Stores flat page tensors (the generic path); True if all stored."""
-        import torch
-
+        if self._namespace is None:
+            return False
         try:
+            import torch
+
+            if len(values) != len(keys):
+                raise ValueError(f"{len(values)} values for {len(keys)} keys")
             views = []
             for v in values:
                 raw = v.contiguous().view(torch.uint8).reshape(-1)
@@ -346,8 +561,10 @@ class KvDepotHiCacheStorage(HiCacheStorage):  # type: ignore[misc,valid-type]
                     raise ValueError(f"a page has {raw.numel()} bytes, expected "
                                      f"{self._flat_size()}")
                 views.extend(self._flat_views(raw))
-            self._client.put(self._namespace, self._object_keys(keys), views)
-            return True
+            okeys = self._object_keys(keys)
+            stored = self._put_objects(okeys, views, None,
+                                       f"batch_set of {len(keys)} pages")
+            return all(stored)
         except Exception as e:  # noqa: BLE001
             self._count("errors")
             logger.warning("kvdepot: batch_set failed: %s", e)
@@ -369,19 +586,22 @@ class KvDepotHiCacheStorage(HiCacheStorage):  # type: ignore[misc,valid-type]
 
     def get_stats(self) -> Any:
         """Pages and bandwidth (GiB/s) per prefetch and backup since the last
-        call, as SGLang's StorageMetrics; the lists are then reset."""
+        call (the last 1024 of each at most), as SGLang's StorageMetrics; the
+        lists are then reset. Nothing is recorded when SGLang's
+        ``enable_storage_metrics`` is off."""
         metrics = StorageMetrics()
         with self._lock:
             metrics.prefetch_pgs.extend(self._prefetch_pgs)
             metrics.backup_pgs.extend(self._backup_pgs)
             metrics.prefetch_bandwidth.extend(self._prefetch_bw)
             metrics.backup_bandwidth.extend(self._backup_bw)
-            self._prefetch_pgs, self._backup_pgs = [], []
-            self._prefetch_bw, self._backup_bw = [], []
+            for pending in (self._prefetch_pgs, self._backup_pgs,
+                            self._prefetch_bw, self._backup_bw):
+                pending.clear()
         return metrics
 
     def close(self) -> None:
         self._client.close()
 
 
-__all__ = ["HAVE_SGLANG", "KvDepotHiCacheStorage", "StorageMetrics"]
+__all__ = ["DEFAULT_MAX_BATCH_KEYS", "HAVE_SGLANG", "KvDepotHiCacheStorage", "StorageMetrics"]
