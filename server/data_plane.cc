@@ -1,5 +1,7 @@
 #include "server/data_plane.h"
 
+#include <unistd.h>
+
 #include <algorithm>
 #include <utility>
 
@@ -57,11 +59,11 @@ absl::StatusOr<std::unique_ptr<DataPlane>> DataPlane::Create(
   if (!options.address_sandbox.empty()) {
     d->sandbox_ = std::make_unique<UcxAddressSandbox>(
         UcxAddressSandboxArgs(options.address_sandbox, options.ucx));
-    // Now, so that the first session does not wait for it. Without one,
-    // clients are served over gRPC (Check says Unavailable, naming UCX).
+    // Now, so that the first session does not wait for it, and so that
+    // one that cannot start is said at startup. Without one, clients are
+    // served over gRPC (Check says Unavailable, naming UCX).
     if (absl::Status started = d->sandbox_->Start(); !started.ok()) {
-      d->log_->warn("{}; clients will use the gRPC byte path until one starts",
-                    started.ToString());
+      d->SandboxFailed(started);
     }
   }
   ASSIGN_OR_RETURN(d->arena_, d->context_->Register(arena.base, arena.size));
@@ -94,6 +96,14 @@ absl::StatusOr<std::unique_ptr<DataPlane>> DataPlane::Create(
   d->request_pool_ = std::make_unique<WorkPool>(
       std::max(1, options.request_threads), "kvd-request");
   return d;
+}
+
+void DataPlane::SandboxFailed(const absl::Status& why) {
+  if (sandbox_failing_.exchange(true)) return;  // said already
+  log_->error("{}: UCX sessions fall back to the gRPC byte path (OpenSession "
+              "answers UNAVAILABLE for them) until a sandbox works; one is "
+              "started again at each OpenSession with a UCX worker address",
+              why.ToString());
 }
 
 void DataPlane::Close() {
@@ -196,6 +206,18 @@ absl::Status DataPlane::Attach(SessionId session, std::string_view address,
                "is not a local socket whose owner is known; serving it over TCP",
                session);
     colocated = false;
+  } else if (colocated && *client_uid != geteuid()) {
+    // UCX's shared-memory segments are its user's alone (mode 0600):
+    // kvdepotd could not attach them (shmat: Permission denied) -- the
+    // endpoint, or its check in the sandbox, would fail -- nor the client
+    // kvdepotd's. Served as a remote client: TCP, with peer error
+    // handling (which no shared-memory transport of UCX 1.13 but cma has,
+    // and cma is not used for this client's memory: its keys lose their
+    // shared-memory parts, RegisterBuffer).
+    log_->info("session {}: client uid {} differs from kvdepotd's {}: shared "
+               "memory off for it, served over TCP",
+               session, *client_uid, geteuid());
+    colocated = false;
   }
   auto link = std::make_shared<Link>();
   if (colocated) {
@@ -235,6 +257,15 @@ absl::Status DataPlane::Attach(SessionId session, std::string_view address,
     absl::Status checked = sandbox_->Check(address, /*peer_error_handling=*/true);
     if (checked.ok() && colocated) {
       checked = sandbox_->Check(address, /*peer_error_handling=*/false);
+    }
+    if (checked.ok()) {
+      if (sandbox_failing_.exchange(false)) {
+        log_->info("the UCX address sandbox works again: UCX sessions are back");
+      }
+    } else if (absl::IsUnavailable(checked) && sandbox_->pid() < 0) {
+      // No sandbox runs after this check: it could not start, was stuck,
+      // or went (not the address's doing).
+      SandboxFailed(checked);
     }
     if (!checked.ok()) {
       Retire(std::move(link));  // its own worker stops off this thread

@@ -13,8 +13,9 @@
 // read and write the whole daemon: see transport/README.md.)
 //
 // A session's endpoint has UCX peer error handling, except for a client on
-// this host when shared memory is enabled (UCX 1.13's shared-memory
-// transports cannot detect a dead peer); that one is watched by a
+// this host, running as kvdepotd's user, when shared memory is enabled
+// (UCX 1.13's shared-memory transports cannot detect a dead peer; a client
+// of another user is served over TCP); that one is watched by a
 // PeerMonitor over TCP. Either way a dead client is reported through
 // `on_lost` at once, not at lease expiry. Such a co-located client's
 // endpoint lives on a worker of its own, destroyed after the session ends
@@ -159,8 +160,10 @@ class DataPlane {
   // when the client's worker does not answer.
   // `client_uid` is the uid owning the client's connection when it is on
   // this host (LocalPeerUid): a co-located client with shared memory must
-  // have one, and the segments its buffers name must belong to it; without
-  // one the client is served as a remote one (TCP, no shared memory).
+  // have one, equal to kvdepotd's effective uid (UCX's segments are their
+  // user's alone), and the segments its buffers name must belong to it;
+  // without one, or with another, the client is served as a remote one
+  // (TCP, no shared memory; logged at info for another uid).
   // `client_tcp`, when the client said them, are its UCX TCP segment
   // sizes: FailedPrecondition (naming both sides' sizes, and "UCX") when
   // they do not fit this daemon's (TcpSegmentsFit), before anything is
@@ -342,6 +345,9 @@ class DataPlane {
   // closes its endpoint (`force`: a reset, for a client that may be gone)
   // and retires it.
   void Unlink(SessionId session, std::shared_ptr<Link> link, bool force);
+  // Logs, once until a check passes again, that the address sandbox
+  // fails (`why`) and UCX sessions go to gRPC.
+  void SandboxFailed(const absl::Status& why);
   // Counts one more co-located worker in colocated_workers_ unless there
   // are max_colocated_workers already.
   bool TakeColocatedSlot();
@@ -385,6 +391,8 @@ class DataPlane {
   // the context.
   std::unique_ptr<UcxContext> context_;
   std::unique_ptr<UcxAddressSandbox> sandbox_;  // null: none
+  // The sandbox failed (logged as an error), and no check passed since.
+  std::atomic<bool> sandbox_failing_{false};
   std::unique_ptr<MemoryRegion> arena_;
   std::vector<std::unique_ptr<UcxWorker>> workers_;
   // Receive requests (ServeRequests); their only endpoints are

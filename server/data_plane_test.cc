@@ -4,23 +4,29 @@
 #include "server/data_plane.h"
 
 #include <spdlog/sinks/null_sink.h>
+#include <spdlog/sinks/ostream_sink.h>
 #include <spdlog/spdlog.h>
 #include <sys/mman.h>
 #include <unistd.h>
 
 #include <algorithm>
+#include <cerrno>
+#include <cstring>
 #include <memory>
 #include <optional>
+#include <sstream>
 #include <string>
 #include <utility>
 #include <vector>
 
 #include <gtest/gtest.h>
 
+#include "absl/cleanup/cleanup.h"
 #include "absl/container/flat_hash_map.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/synchronization/notification.h"
 #include "storage/internal/sync_point.h"
+#include "transport/memory_region.h"
 #include "transport/request_message.h"
 #include "transport/ucx_context.h"
 #include "transport/ucx_endpoint.h"
@@ -68,17 +74,18 @@ class DataPlaneTest : public ::testing::Test {
     return options;
   }
 
-  // Replaces plane_ by a data plane with `options`.
-  void StartPlane(const DataPlaneOptions& options) {
+  // Replaces plane_ by a data plane with `options`, logging to `sink`
+  // (nowhere when null).
+  void StartPlane(const DataPlaneOptions& options, spdlog::sink_ptr sink = nullptr) {
     plane_.reset();
+    if (sink == nullptr) sink = std::make_shared<spdlog::sinks::null_sink_mt>();
     absl::StatusOr<std::unique_ptr<DataPlane>> plane = DataPlane::Create(
         options, DramRegion{arena_, kArenaBytes},
         [this](SessionId session, const absl::Status&) {
           absl::MutexLock lock(&mu_);
           lost_.push_back(session);
         },
-        std::make_shared<spdlog::logger>("test",
-                                         std::make_shared<spdlog::sinks::null_sink_mt>()));
+        std::make_shared<spdlog::logger>("test", std::move(sink)));
     ASSERT_TRUE(plane.ok()) << plane.status();
     plane_ = *std::move(plane);
   }
@@ -241,6 +248,91 @@ TEST_F(DataPlaneTest, AColocatedClientLostWhileItsSessionAttachesIsReported) {
   EXPECT_TRUE(monitor_reported.HasBeenNotified());
   EXPECT_TRUE(ReportedLost(7, absl::Seconds(10)))
       << "the loss reported while the session attached was dropped";
+}
+
+// A client on this host whose user is not kvdepotd's (the engine as root
+// or vllm, kvdepotd as its own user: the usual deployment). Its UCX shared
+// memory is not kvdepotd's to attach (shmat: Permission denied, and the
+// session was refused as a "malformed UCX worker address"): it is served
+// as a remote client, over TCP, its buffers not copied in place. Run as
+// root, the data plane here runs as another user (this process's
+// effective uid, while the client's worker and segments stay root's), so
+// shared memory would really fail; otherwise the client claims a uid that
+// is not this process's.
+TEST_F(DataPlaneTest, AColocatedClientOfAnotherUserIsServedOverTcp) {
+  ASSERT_TRUE(plane_->shared_memory());
+  constexpr size_t kBlock = 64 << 10;
+  // UCX memory of the client's (a shared-memory segment of its user), as
+  // libkvdepot's AllocateBuffer, made before the plane's user changes.
+  absl::StatusOr<std::unique_ptr<MemoryRegion>> buffer =
+      client_context_->Allocate(kBlock);
+  ASSERT_TRUE(buffer.ok()) << buffer.status();
+  uint32_t client_uid = geteuid() + 1;
+  const uid_t ours = geteuid();
+  absl::Cleanup restore_uid = [ours] {
+    if (geteuid() != ours) {
+      EXPECT_EQ(seteuid(ours), 0) << std::strerror(errno);
+    }
+  };
+  if (ours == 0) {
+    client_uid = 0;
+    ASSERT_EQ(seteuid(65534), 0) << std::strerror(errno);
+  }
+  StartPlane(PlaneOptions());  // kvdepotd's UCX, as that user
+
+  ASSERT_TRUE(
+      plane_->Attach(1, client_worker_->address(), LocalHostId(), client_uid).ok());
+  EXPECT_EQ(plane_->colocated_workers(), 0) << "served as a co-located client";
+  absl::StatusOr<DataPlane::Buffer> registered = plane_->RegisterBuffer(
+      1, (*buffer)->packed_rkey(), (*buffer)->address(), kBlock);
+  ASSERT_TRUE(registered.ok()) << registered.status();
+  EXPECT_FALSE(registered->copied_here);
+  EXPECT_FALSE(plane_->CopiedHere(1, registered->id));
+  // Bytes reach it (over TCP), though they could not over shared memory.
+  for (size_t i = 0; i < kBlock; ++i) arena_[i] = static_cast<char>(i * 7 + 1);
+  const BlockMove move{absl::MakeSpan(arena_, kBlock), registered->id,
+                       (*buffer)->address()};
+  absl::StatusOr<TransferHandle> pushed =
+      plane_->Push(1, {&move, 1}, absl::Now() + absl::Seconds(10));
+  ASSERT_TRUE(pushed.ok()) << pushed.status();
+  pushed->Wait();
+  ASSERT_TRUE(pushed->overall_status().ok()) << pushed->overall_status();
+  EXPECT_EQ(std::memcmp(reinterpret_cast<const char*>((*buffer)->address()), arena_,
+                        kBlock),
+            0);
+  plane_->Detach(1);
+  plane_.reset();  // as the user that made it
+}
+
+// An address sandbox that cannot start (here: no such executable; under
+// systemd, say, one that UCX's output made fail) sends every UCX session
+// to gRPC. That is said once, as an error, at startup, not only as a
+// warning per refused session.
+TEST_F(DataPlaneTest, ASandboxThatCannotStartIsAnErrorAtStartup) {
+  std::ostringstream log;
+  auto sink = std::make_shared<spdlog::sinks::ostream_sink_mt>(log);
+  sink->set_pattern("%l %v");
+  DataPlaneOptions options = PlaneOptions();
+  options.address_sandbox = "/nonexistent/kvdepotd";
+  StartPlane(options, sink);
+  auto errors = [&] {
+    const std::string text = log.str();
+    size_t n = 0;
+    for (size_t at = text.find("error "); at != std::string::npos;
+         at = text.find("error ", at + 1)) {
+      if (at == 0 || text[at - 1] == '\n') ++n;
+    }
+    return n;
+  };
+  EXPECT_EQ(errors(), 1u) << log.str();
+  EXPECT_NE(log.str().find("/nonexistent/kvdepotd"), std::string::npos) << log.str();
+  EXPECT_NE(log.str().find("gRPC"), std::string::npos) << log.str();
+  for (SessionId session : {1, 2}) {
+    absl::Status st =
+        plane_->Attach(session, client_worker_->address(), "", std::nullopt);
+    EXPECT_TRUE(absl::IsUnavailable(st)) << st;
+  }
+  EXPECT_EQ(errors(), 1u) << "said more than once:\n" << log.str();
 }
 
 TEST_F(DataPlaneTest, ASessionPastItsRequestsInFlightLeavesRoomForOthers) {

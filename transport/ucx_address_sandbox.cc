@@ -3,7 +3,9 @@
 #include <poll.h>
 #include <signal.h>
 #include <spawn.h>
+#include <fcntl.h>
 #include <sys/socket.h>
+#include <sys/stat.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -16,6 +18,7 @@
 #include <optional>
 #include <utility>
 
+#include "absl/status/statusor.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
 #include "transport/internal/peer_endpoint.h"
@@ -26,8 +29,14 @@ extern char** environ;
 namespace kvdepot {
 namespace {
 
+// Requests and answers go over kUcxAddressSandboxFd, a socket to kvdepotd
+// set up at spawn time; the sandbox's stdout is kvdepotd's stderr, since
+// UCX may print there as it loads, before main (and stdin is /dev/null).
 // A request: mode byte (1: peer error handling), the address's length
-// (4 bytes, little-endian), the address. The answer: one byte.
+// (4 bytes, little-endian), the address. The answer: kCreated, or kRefused
+// followed by why: the absl::StatusCode of ucp_ep_create's error (one
+// byte), its message's length (one byte) and the message (at most 255
+// bytes).
 constexpr char kReady = 'R';  // sent once, when its UCX is up
 constexpr char kCreated = 'Y';
 constexpr char kRefused = 'N';
@@ -58,10 +67,11 @@ bool ReadAll(int fd, char* data, size_t n) {
 void IgnoreError(void*, ucp_ep_h, ucs_status_t) {}
 
 // Creates an endpoint to `address` on `worker` and force-closes it.
-bool TryEndpoint(ucp_worker_h worker, std::string_view address, bool peer) {
+// Returns ucp_ep_create's error, if any.
+absl::Status TryEndpoint(ucp_worker_h worker, std::string_view address, bool peer) {
   absl::StatusOr<ucp_ep_h> ep = transport_internal::CreatePeerEndpoint(
       worker, address, peer ? &IgnoreError : nullptr, nullptr);
-  if (!ep.ok()) return false;
+  if (!ep.ok()) return ep.status();
   ucp_request_param_t param = {};
   param.op_attr_mask = UCP_OP_ATTR_FIELD_FLAGS;
   param.flags = UCP_EP_CLOSE_FLAG_FORCE;
@@ -77,7 +87,7 @@ bool TryEndpoint(ucp_worker_h worker, std::string_view address, bool peer) {
   }
   while (ucp_worker_progress(worker) != 0) {
   }
-  return true;
+  return absl::OkStatus();
 }
 
 }  // namespace
@@ -128,19 +138,66 @@ std::optional<char> ReadByte(int fd, absl::Duration timeout, bool* timed_out) {
   return c;
 }
 
+// What Check says for an address UCX refused in the sandbox with an error
+// of absl::StatusCode `code` and message `why` (ucp_ep_create's).
+absl::Status Refusal(int code, const std::string& why) {
+  if (code == static_cast<int>(absl::StatusCode::kInvalidArgument)) {
+    // UCX could not read it (UCS_ERR_INVALID_PARAM and the like).
+    return absl::InvalidArgumentError(
+        absl::StrCat("malformed UCX worker address: UCX cannot read it (", why, ")"));
+  }
+  // UCX read an address but made no endpoint to it: no transport of it
+  // reachable from here ("Destination is unreachable": the two sides'
+  // UCX_TLS or devices share none, or the address was cut short and names
+  // fewer), or one it could not connect (a shared-memory segment this
+  // user may not attach, ...). Not known to be malformed; Unavailable
+  // naming UCX, which the client takes as a reason to use its gRPC path.
+  return absl::UnavailableError(absl::StrCat(
+      "UCX cannot make an endpoint to the client's worker address from "
+      "kvdepotd (", why, ", in its UCX address sandbox)"));
+}
+
 }  // namespace
 
 absl::Status UcxAddressSandbox::StartLocked() {
   if (argv_.empty()) return absl::UnavailableError("no UCX address sandbox command");
+  // The sandbox's stdout goes to kvdepotd's log (its stderr), or nowhere
+  // when kvdepotd has no stderr: never to kvdepotd's socket, which UCX
+  // would otherwise write into as it loads.
+  const bool have_stderr = fcntl(STDERR_FILENO, F_GETFD) >= 0;
   int sv[2];
   if (socketpair(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0, sv) != 0) {
     return absl::UnavailableError(
         absl::StrCat("UCX address sandbox: socketpair: ", std::strerror(errno)));
   }
+  if (sv[1] <= kUcxAddressSandboxFd) {
+    // Moved above the descriptors set up below (dup2 onto itself would
+    // keep close-on-exec; a standard one would be replaced).
+    const int moved = fcntl(sv[1], F_DUPFD_CLOEXEC, kUcxAddressSandboxFd + 1);
+    const int dup_errno = errno;
+    close(sv[1]);
+    if (moved < 0) {
+      close(sv[0]);
+      return absl::UnavailableError(
+          absl::StrCat("UCX address sandbox: fcntl: ", std::strerror(dup_errno)));
+    }
+    sv[1] = moved;
+  }
   posix_spawn_file_actions_t actions;
   posix_spawn_file_actions_init(&actions);
-  posix_spawn_file_actions_adddup2(&actions, sv[1], STDIN_FILENO);
-  posix_spawn_file_actions_adddup2(&actions, sv[1], STDOUT_FILENO);
+  posix_spawn_file_actions_adddup2(&actions, sv[1], kUcxAddressSandboxFd);
+  posix_spawn_file_actions_addopen(&actions, STDIN_FILENO, "/dev/null", O_RDONLY, 0);
+  if (have_stderr) {
+    posix_spawn_file_actions_adddup2(&actions, STDERR_FILENO, STDOUT_FILENO);
+  } else {
+    posix_spawn_file_actions_addopen(&actions, STDOUT_FILENO, "/dev/null", O_WRONLY, 0);
+    posix_spawn_file_actions_addopen(&actions, STDERR_FILENO, "/dev/null", O_WRONLY, 0);
+  }
+  // Nothing else of kvdepotd's stays open there, from the start: descriptors
+  // it opened without close-on-exec (UCX's own pipes, client sockets) would
+  // otherwise outlive their closing in kvdepotd, and a crash there must
+  // not touch them.
+  posix_spawn_file_actions_addclosefrom_np(&actions, kUcxAddressSandboxFd + 1);
   // No signal blocked there, and the ones kvdepotd handles at their
   // defaults: the threads that spawn it may have them blocked.
   posix_spawnattr_t attr;
@@ -182,11 +239,15 @@ absl::Status UcxAddressSandbox::StartLocked() {
   sock_ = sv[0];
   // Ready once its UCX is: a check's time starts after that.
   bool timed_out = false;
-  if (ReadByte(sock_, start_timeout_, &timed_out) == kReady) return absl::OkStatus();
+  const std::optional<char> ready = ReadByte(sock_, start_timeout_, &timed_out);
+  if (ready == kReady) return absl::OkStatus();
   const int status = StopLocked();
   return absl::UnavailableError(absl::StrCat(
       "UCX address sandbox (", argv_[0], ") did not start: ",
       timed_out ? absl::StrCat("not ready in ", absl::FormatDuration(start_timeout_))
+      : ready.has_value()
+          ? absl::StrCat("it said 0x", absl::Hex(static_cast<uint8_t>(*ready)),
+                         " instead of that it is ready")
       : WIFEXITED(status) ? absl::StrCat("exited with code ", WEXITSTATUS(status),
                                          " (its messages are in the log)")
                           : absl::StrCat("killed by signal ", WTERMSIG(status))));
@@ -235,8 +296,19 @@ absl::Status UcxAddressSandbox::Check(std::string_view address,
     const std::optional<char> answer = ReadByte(sock_, timeout_, &timed_out);
     if (answer == kCreated) return absl::OkStatus();
     if (answer == kRefused) {
-      return absl::InvalidArgumentError(
-          "malformed UCX worker address: UCX cannot make an endpoint to it");
+      // Why follows (the same write); cut short, it is no answer.
+      const std::optional<char> code = ReadByte(sock_, timeout_, &timed_out);
+      const std::optional<char> length =
+          code.has_value() ? ReadByte(sock_, timeout_, &timed_out) : std::nullopt;
+      std::string why;
+      while (length.has_value() && why.size() < static_cast<uint8_t>(*length)) {
+        const std::optional<char> c = ReadByte(sock_, timeout_, &timed_out);
+        if (!c.has_value()) break;
+        why.push_back(*c);
+      }
+      if (length.has_value() && why.size() == static_cast<uint8_t>(*length)) {
+        return Refusal(static_cast<uint8_t>(*code), why);
+      }
     }
     const int status = StopLocked();
     if (timed_out) {
@@ -258,17 +330,18 @@ absl::Status UcxAddressSandbox::Check(std::string_view address,
 }
 
 int RunUcxAddressSandbox(const std::vector<std::string>& args) {
-  // It goes when kvdepotd does: stdin then ends (the read below), whichever
-  // thread of kvdepotd started it. Nothing of kvdepotd's but stdin, stdout
-  // and stderr stays open here: descriptors it opened without close-on-exec
-  // (UCX's own pipes, client sockets) would otherwise outlive their closing
-  // in kvdepotd, and a crash here must not touch them.
-  closefrom(3);
-  // UCX logs to stdout: the answers go on a descriptor of their own, and
-  // stdout to stderr (kvdepotd's log).
-  const int answers = dup(STDOUT_FILENO);
-  if (answers < 0 || dup2(STDERR_FILENO, STDOUT_FILENO) < 0) {
-    std::perror("--ucx-address-sandbox: dup");
+  // UcxAddressSandbox set up its descriptors: kUcxAddressSandboxFd its
+  // connection to kvdepotd (requests and answers), stdout on its stderr,
+  // stdin /dev/null, nothing else of kvdepotd's. The sandbox goes when
+  // kvdepotd does: the connection then ends (the read below), whichever
+  // thread of kvdepotd started it.
+  const int conn = kUcxAddressSandboxFd;
+  struct stat conn_stat;
+  if (fstat(conn, &conn_stat) != 0 || !S_ISSOCK(conn_stat.st_mode)) {
+    std::fprintf(stderr,
+                 "%s: descriptor %d is not a connection to kvdepotd (this mode "
+                 "is for kvdepotd's own use)\n",
+                 kUcxAddressSandboxFlag, conn);
     return 2;
   }
   UcxContextOptions options;
@@ -295,18 +368,24 @@ int RunUcxAddressSandbox(const std::vector<std::string>& args) {
     std::fprintf(stderr, "%s: ucp_worker_create failed\n", kUcxAddressSandboxFlag);
     return 2;
   }
-  if (!WriteAll(answers, &kReady, 1)) return 0;
+  if (!WriteAll(conn, &kReady, 1)) return 0;
   std::string address;
   for (;;) {
     char header[5];
-    if (!ReadAll(STDIN_FILENO, header, sizeof header)) break;
+    if (!ReadAll(conn, header, sizeof header)) break;
     uint32_t n = 0;
     for (int i = 0; i < 4; ++i) n |= static_cast<uint32_t>(static_cast<uint8_t>(header[1 + i])) << (8 * i);
     if (n == 0 || n > kMaxUcxWorkerAddressBytes) break;
     address.resize(n);
-    if (!ReadAll(STDIN_FILENO, address.data(), n)) break;
-    const char answer = TryEndpoint(worker, address, header[0] == 1) ? kCreated : kRefused;
-    if (!WriteAll(answers, &answer, 1)) break;
+    if (!ReadAll(conn, address.data(), n)) break;
+    const absl::Status tried = TryEndpoint(worker, address, header[0] == 1);
+    std::string answer(1, kCreated);
+    if (!tried.ok()) {
+      const absl::string_view why = tried.message().substr(0, 255);
+      answer = {kRefused, static_cast<char>(tried.code()), static_cast<char>(why.size())};
+      answer.append(why.data(), why.size());
+    }
+    if (!WriteAll(conn, answer.data(), answer.size())) break;
   }
   ucp_worker_destroy(worker);
   return 0;

@@ -12,9 +12,12 @@
 // not survive, or that UCX refused there, is refused; the sandbox is
 // started again for the next one.
 //
-// The sandbox is one long-lived process, so a check costs a pipe round
+// The sandbox is one long-lived process, so a check costs a socket round
 // trip and an endpoint creation (a TCP connection to the peer is opened
-// and closed: the peer sees one more connection from this host).
+// and closed: the peer sees one more connection from this host). It talks
+// to kvdepotd over descriptor kUcxAddressSandboxFd, set up when it is
+// spawned; its stdout is kvdepotd's stderr, because UCX may print there
+// as it loads, before the sandbox's main runs.
 //
 // Thread-safe: checks run one at a time.
 #ifndef KVDEPOT_TRANSPORT_UCX_ADDRESS_SANDBOX_H_
@@ -39,6 +42,8 @@ namespace kvdepot {
 inline constexpr char kUcxAddressSandboxFlag[] = "--ucx-address-sandbox";
 // Longest worker address a sandbox takes (UCX's are a few hundred bytes).
 inline constexpr size_t kMaxUcxWorkerAddressBytes = 64 * 1024;
+// The sandbox's descriptor for requests and answers: a socket to kvdepotd.
+inline constexpr int kUcxAddressSandboxFd = 3;
 
 class UcxAddressSandbox {
  public:
@@ -53,14 +58,18 @@ class UcxAddressSandbox {
   UcxAddressSandbox& operator=(const UcxAddressSandbox&) = delete;
 
   // OK when UCX in the sandbox created an endpoint to `address` with
-  // (`peer_error_handling`) or without peer error handling. InvalidArgument
-  // when UCX refused the address there, or the sandbox died of a signal
-  // (not SIGKILL) on it. Unavailable, naming UCX (a client then uses its
-  // gRPC path), when no sandbox starts (it must say it is ready within
-  // start_timeout), one took longer than `timeout` on the address, or
-  // sandboxes went twice without an answer (killed from outside, or
-  // exiting by themselves). A sandbox that went is started again at the
-  // next check.
+  // (`peer_error_handling`) or without peer error handling.
+  // InvalidArgument ("malformed UCX worker address") when UCX could not
+  // read the address there (its error maps to InvalidArgument), or the
+  // sandbox died of a signal (not SIGKILL) on it. Unavailable, naming UCX
+  // (a client then uses its gRPC path): UCX refused the address with
+  // another error, naming it (no transport of it reachable from here --
+  // also what an address cut short mostly reads as -- or a shared-memory
+  // segment it may not attach); no sandbox starts (it must say it is ready
+  // within start_timeout); one took longer than `timeout` on the address;
+  // or sandboxes went twice without an answer (killed from outside, or
+  // exiting by themselves). After the last three pid() is -1: a sandbox
+  // that went is started again at the next check.
   absl::Status Check(std::string_view address, bool peer_error_handling);
 
   // Starts the sandbox process now rather than at the first Check.
@@ -90,8 +99,9 @@ std::vector<std::string> UcxAddressSandboxArgs(
     const std::string& executable, const std::map<std::string, std::string>& config);
 
 // The sandbox itself: `args` are what follows kUcxAddressSandboxFlag. Reads
-// requests from stdin, answers on stdout, returns the process's exit code
-// when stdin ends (or at once, 2, for bad arguments or no UCX).
+// requests from and answers on kUcxAddressSandboxFd (as UcxAddressSandbox
+// spawns it), returns the process's exit code when that connection ends
+// (or at once, 2, for bad arguments, no such connection, or no UCX).
 int RunUcxAddressSandbox(const std::vector<std::string>& args);
 
 }  // namespace kvdepot

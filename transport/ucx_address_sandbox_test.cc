@@ -14,6 +14,7 @@
 
 #include <gtest/gtest.h>
 
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "transport/ucx_context.h"
 #include "transport/ucx_test_util.h"
@@ -53,15 +54,26 @@ TEST_P(UcxAddressSandboxTest, TakesARealAddressAndRefusesBrokenOnesWithoutDying)
   ASSERT_GT(first, 0);
   // Every truncation: each one is refused, or taken (a shorter address UCX
   // can read); some of them kill UCX (kvdepotd died at 31 bytes), which
-  // the sandbox survives by starting another process.
+  // the sandbox survives by starting another process. Refused as
+  // malformed, or, most of them, as naming no transport UCX reaches from
+  // here (Unavailable, which the client answers with its gRPC path).
   int refused = 0;
+  int malformed = 0;
   for (size_t n = 1; n < address.size(); ++n) {
     absl::Status st = sandbox_->Check(address.substr(0, n), true);
     if (!st.ok()) {
       ++refused;
-      EXPECT_TRUE(absl::IsInvalidArgument(st)) << n << ": " << st;
+      if (absl::IsInvalidArgument(st)) {
+        ++malformed;
+        EXPECT_TRUE(absl::StrContains(st.message(), "malformed")) << n << ": " << st;
+      } else {
+        EXPECT_TRUE(absl::IsUnavailable(st)) << n << ": " << st;
+        EXPECT_TRUE(absl::StrContains(st.message(), "UCX")) << n << ": " << st;
+        EXPECT_FALSE(absl::StrContains(st.message(), "malformed")) << n << ": " << st;
+      }
     }
   }
+  EXPECT_GT(malformed, 0) << "no truncation crashed UCX or was unreadable";
   EXPECT_GT(refused, 0);
   EXPECT_NE(sandbox_->pid(), first) << "no truncation crashed the sandbox";
   // And it still answers.
@@ -109,6 +121,35 @@ TEST_P(UcxAddressSandboxTest, TheSandboxKeepsNoDescriptorOfItsParent) {
   EXPECT_FALSE(open.empty());
   EXPECT_EQ(std::count(open.begin(), open.end(), inherited), 0)
       << inherited << " is open in the sandbox";
+}
+
+// A sandbox process that writes to its stdout before it answers: UCX does
+// at load time, before main, under some settings or conditions ("UCX
+// ERROR Failed to change page protection" under systemd's
+// MemoryDenyWriteExecute; UCX_MEM_LOG_LEVEL=info below). That text is not
+// an answer: when stdout was the answer channel, the sandbox was judged
+// broken and every client went to gRPC.
+TEST_P(UcxAddressSandboxTest, WhatTheSandboxPrintsOnStdoutIsNoAnswer) {
+  const std::vector<std::string> sandbox = UcxAddressSandboxArgs(
+      KVDEPOT_UCX_TEST_PEER, ucx_test::TransportConfig(GetParam()));
+  // Plain text first (a shell that prints, then becomes the sandbox), then
+  // UCX's memory hooks logging at load time.
+  std::vector<std::string> chatty = {"/bin/sh", "-c",
+                                     "echo 'UCX  ERROR not an answer'; exec \"$@\"",
+                                     "sh"};
+  chatty.insert(chatty.end(), sandbox.begin(), sandbox.end());
+  std::vector<std::string> ucx_logs = {"/usr/bin/env", "UCX_MEM_LOG_LEVEL=info"};
+  ucx_logs.insert(ucx_logs.end(), sandbox.begin(), sandbox.end());
+  for (const std::vector<std::string>& argv : {chatty, ucx_logs}) {
+    SCOPED_TRACE(argv[0]);
+    UcxAddressSandbox printing(argv);
+    const std::string address = worker_->address();
+    EXPECT_TRUE(printing.Check(address, true).ok());
+    const pid_t first = printing.pid();
+    EXPECT_TRUE(printing.Check(address, false).ok());
+    EXPECT_EQ(printing.pid(), first) << "the sandbox was started again";
+    EXPECT_FALSE(printing.Check(address.substr(0, 2), true).ok());
+  }
 }
 
 TEST_P(UcxAddressSandboxTest, RefusesEmptyAndOversizedAddressesUnread) {
