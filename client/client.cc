@@ -6,8 +6,10 @@
 #include <algorithm>
 #include <chrono>
 #include <cstring>
+#include <map>
 #include <utility>
 
+#include "absl/container/flat_hash_set.h"
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "grpc/health/v1/health.grpc.pb.h"
@@ -93,6 +95,13 @@ struct Client::Ucx {
     uint64_t session = 0;  // the session the daemon knows it in
     uint32_t daemon_id = 0;
     bool in_place = false;  // the daemon copies it itself (copied_in_place)
+    // The session a caller registers it with now (RegisterBuffer RPC in
+    // flight, outside mu), or 0.
+    uint64_t registering = 0;
+    // The last registration that failed: its session, error and end.
+    uint64_t failed_session = 0;
+    absl::Status failure;
+    absl::Time failed_at;
   };
   absl::Mutex mu;
   std::vector<Buffer> buffers ABSL_GUARDED_BY(mu);
@@ -126,6 +135,109 @@ struct TransferOp::State {
   bool ReadyOrStepLeft() const ABSL_SHARED_LOCKS_REQUIRED(mu) {
     return ready || last_step != nullptr;
   }
+};
+
+// Runs tasks at their time, on a thread of its own (started by the first
+// At): the publication of ops that must wait for their copy deadline. The
+// Client and the callbacks that schedule on it share it, so that it is
+// there for a callback that runs as the Client goes. Thread-safe.
+struct Client::Timers {
+  ~Timers() { Stop(); }
+  // Runs `task` at `when`; at once, on this thread, from Stop on.
+  void At(absl::Time when, absl::AnyInvocable<void() &&> task) {
+    {
+      absl::MutexLock lock(&mu);
+      if (!stopped) {
+        tasks.emplace(when, std::move(task));
+        ++changes;
+        if (!thread.joinable()) thread = std::thread([this] { Loop(); });
+        return;
+      }
+    }
+    std::move(task)();
+  }
+  // Ends the thread and runs every task still waiting, whatever its time.
+  void Stop() {
+    std::multimap<absl::Time, absl::AnyInvocable<void() &&>> left;
+    {
+      absl::MutexLock lock(&mu);
+      stopped = true;
+      left.swap(tasks);
+      ++changes;
+    }
+    // No At starts a thread once stopped is set.
+    if (thread.joinable()) thread.join();
+    for (auto& [when, task] : left) std::move(task)();
+  }
+
+ private:
+  void Loop() {
+    absl::MutexLock lock(&mu);
+    while (!stopped) {
+      const uint64_t seen = changes;
+      auto changed = [this, seen]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu) {
+        return changes != seen;
+      };
+      if (tasks.empty()) {
+        mu.Await(absl::Condition(&changed));
+        continue;
+      }
+      const absl::Time next = tasks.begin()->first;
+      if (absl::Now() < next) {
+        mu.AwaitWithDeadline(absl::Condition(&changed), next);
+        continue;
+      }
+      absl::AnyInvocable<void() &&> task = std::move(tasks.begin()->second);
+      tasks.erase(tasks.begin());
+      mu.Unlock();
+      std::move(task)();
+      mu.Lock();
+    }
+  }
+
+  absl::Mutex mu;
+  std::multimap<absl::Time, absl::AnyInvocable<void() &&>> tasks ABSL_GUARDED_BY(mu);
+  uint64_t changes ABSL_GUARDED_BY(mu) = 0;  // tasks added, or stopped
+  bool stopped ABSL_GUARDED_BY(mu) = false;
+  std::thread thread;  // set under mu, before stopped
+};
+
+// The gRPC calls of GetIntoAsync / PutFromAsync in flight. Their callbacks
+// use the Client (DropSession, ReplaceLink): each ends with End, and the
+// Client's destructor cancels those left and waits for them
+// (CancelAndWait). Shared with the callbacks, so that End never touches a
+// destroyed object. Thread-safe.
+struct Client::Calls {
+  // Adds the call of `ctx` before it starts; false once the Client is
+  // going (then it must not start).
+  bool Begin(grpc::ClientContext* ctx) {
+    absl::MutexLock lock(&mu);
+    if (closing) return false;
+    in_flight.insert(ctx);
+    return true;
+  }
+  // The call's callback is done with the Client.
+  void End(grpc::ClientContext* ctx) {
+    absl::MutexLock lock(&mu);
+    in_flight.erase(ctx);
+  }
+  // Starts no more; cancels those in flight (a call not started yet is
+  // cancelled as it starts) and waits until each has ended. TryCancel runs
+  // under mu (a context in in_flight is alive until its End): gRPC never
+  // runs a client call's callback inline (CallbackWithStatusTag), so it
+  // cannot reach End on this thread.
+  void CancelAndWait() {
+    absl::MutexLock lock(&mu);
+    closing = true;
+    for (grpc::ClientContext* ctx : in_flight) ctx->TryCancel();
+    auto none = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu) { return in_flight.empty(); };
+    mu.Await(absl::Condition(&none));
+  }
+
+ private:
+  absl::Mutex mu;
+  absl::flat_hash_set<grpc::ClientContext*> in_flight ABSL_GUARDED_BY(mu);
+  bool closing ABSL_GUARDED_BY(mu) = false;
 };
 
 namespace {
@@ -196,7 +308,10 @@ std::map<std::string, std::string> ClientUcxSettings(const ClientOptions& option
   return settings;
 }
 
-Client::Client(const ClientOptions& options) : options_(options) {
+Client::Client(const ClientOptions& options)
+    : options_(options),
+      timers_(std::make_shared<Timers>()),
+      calls_(std::make_shared<Calls>()) {
   if (options_.transport == ClientOptions::Transport::kUcx) {
     auto ucx = std::make_unique<Ucx>();
     UcxContextOptions context_options;
@@ -225,8 +340,11 @@ Client::Client(const ClientOptions& options) : options_(options) {
     ucx_status_ = absl::FailedPreconditionError("transport grpc was asked for");
   }
   grpc::ChannelArguments args;
-  args.SetMaxReceiveMessageSize(32 << 20);
-  args.SetMaxSendMessageSize(32 << 20);
+  // As large as kvdepotd's messages may be: a batch of max_batch_keys
+  // (at most 65536) blocks with 256-byte keys weighs up to 1 KiB per block
+  // (kvdepotd sizes its own limit the same way, server/daemon.cc).
+  args.SetMaxReceiveMessageSize(65 << 20);
+  args.SetMaxSendMessageSize(65 << 20);
   // gRPC's transparent retries keep a copy of every outgoing message until
   // the reply starts; for block-sized messages that is a second copy per
   // put. Our calls are idempotent and callers degrade to a miss instead.
@@ -252,13 +370,25 @@ absl::StatusOr<std::unique_ptr<Client>> Client::Connect(
 }
 
 Client::~Client() {
+  uint64_t session;
   {
     absl::MutexLock lock(&mu_);
     stop_ = true;
     if (keepalive_ctx_ != nullptr) keepalive_ctx_->TryCancel();
+    // Taken first: the callbacks of the calls ended below may drop it (a
+    // get that fails in flight replaces the session), and it is closed all
+    // the same.
+    session = std::exchange(session_id_, 0);
+    pin_sessions_.clear();
   }
   if (keepalive_.joinable()) keepalive_.join();
-  CloseSession().IgnoreError();
+  if (session != 0) DisconnectRequests(session);  // pending: Unavailable
+  // Before anything they use goes: their callbacks run on gRPC's threads.
+  calls_->CancelAndWait();
+  if (session != 0) {
+    CloseSessionRpc(session, std::min(absl::Seconds(2), options_.rpc_timeout / 2))
+        .IgnoreError();
+  }
   if (ucx_ != nullptr) {
     // Before the rest of ucx_, which the callbacks of their pending
     // requests use (ReplaceLink). Stopped first: then no progress thread
@@ -272,6 +402,11 @@ Client::~Client() {
     for (const std::shared_ptr<Link>& link : links) link->worker->Stop();
     links.clear();
   }
+  // Ops still waiting for their copy deadline are reported last, once the
+  // memory of their buffers (AllocateBuffer) has gone with ucx_: no caller
+  // can write into it any more while the daemon may still copy.
+  ucx_.reset();
+  timers_->Stop();
 }
 
 absl::StatusOr<std::shared_ptr<Client::Link>> Client::NewLink(
@@ -361,14 +496,46 @@ absl::Status Client::Health() {
 }
 
 absl::StatusOr<uint64_t> Client::EnsureSession() {
-  absl::MutexLock open_lock(&open_mu_);
-  for (int attempt = 0;; ++attempt) {
-    absl::StatusOr<uint64_t> opened = OpenSessionLocked(/*last_try=*/attempt > 0);
-    if (!opened.ok() || *opened != 0) return opened;
+  const absl::Time give_up = absl::Now() + options_.rpc_timeout;
+  uint64_t mine;
+  {
+    absl::MutexLock open_lock(&open_mu_);
+    for (;;) {
+      {
+        absl::MutexLock lock(&mu_);
+        if (session_id_ != 0) return session_id_;
+      }
+      if (!opening_) break;
+      // Another caller is opening one: its outcome is this caller's too (a
+      // daemon that does not answer it would not answer this one either).
+      const uint64_t theirs = open_tries_;
+      auto ended = [this, theirs]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(open_mu_) {
+        return open_done_ >= theirs;
+      };
+      if (!open_mu_.AwaitWithDeadline(absl::Condition(&ended), give_up)) {
+        return absl::DeadlineExceededError(absl::StrCat(
+            "no session with kvdepotd at ", options_.server, " within ",
+            absl::FormatDuration(options_.rpc_timeout),
+            " (another call is opening one)"));
+      }
+      if (!open_status_.ok()) return open_status_;
+    }
+    opening_ = true;
+    mine = ++open_tries_;
   }
+  absl::StatusOr<uint64_t> opened;
+  for (int attempt = 0;; ++attempt) {
+    opened = OpenSessionOnce(/*last_try=*/attempt > 0);
+    if (!opened.ok() || *opened != 0) break;
+  }
+  absl::MutexLock open_lock(&open_mu_);
+  opening_ = false;
+  open_done_ = mine;
+  open_status_ = opened.status();
+  return opened;
 }
 
-absl::StatusOr<uint64_t> Client::OpenSessionLocked(bool last_try) {
+absl::StatusOr<uint64_t> Client::OpenSessionOnce(bool last_try) {
   {
     absl::MutexLock lock(&mu_);
     if (session_id_ != 0) return session_id_;
@@ -439,7 +606,8 @@ absl::StatusOr<uint64_t> Client::OpenSessionLocked(bool last_try) {
     // session's endpoint goes to a worker that nothing progresses, or the
     // daemon could not connect to it and the session went without UCX:
     // close it, and open another on a new link.
-    CloseSessionRpc(resp.session_id()).IgnoreError();
+    CloseSessionRpc(resp.session_id(), std::min(absl::Seconds(2), options_.rpc_timeout))
+        .IgnoreError();
     return 0;
   }
   if (ucx_status.ok() && link != nullptr && !retired) {
@@ -473,12 +641,13 @@ absl::Status Client::CloseSession() {
   }
   if (id == 0) return absl::OkStatus();
   DisconnectRequests(id);
-  return CloseSessionRpc(id);
+  return CloseSessionRpc(id, std::min(absl::Seconds(2), options_.rpc_timeout));
 }
 
-absl::Status Client::CloseSessionRpc(uint64_t id) {
+absl::Status Client::CloseSessionRpc(uint64_t id, absl::Duration timeout) {
   grpc::ClientContext ctx;
-  ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(2));
+  ctx.set_deadline(std::chrono::system_clock::now() +
+                   absl::ToChronoMilliseconds(timeout));
   v1::CloseSessionRequest req;
   req.set_session_id(id);
   v1::CloseSessionResponse resp;
@@ -1139,6 +1308,39 @@ bool MayLandLate(const absl::Status& st, const v1::PushBlocksResponse& resp,
   return false;
 }
 
+// How long after its copy deadline an op with blocks in buffers the daemon
+// copies itself (in place) is made ready when it ended without the
+// daemon's answer: the daemon starts no such copy after that deadline and
+// checks it before each MiB of one, so this covers a daemon thread
+// descheduled within a MiB (client.h, AllocateBuffer).
+constexpr absl::Duration kLateCopySlack = absl::Seconds(1);
+
+bool AnyInPlace(const std::vector<bool>& in_place) {
+  return std::find(in_place.begin(), in_place.end(), true) != in_place.end();
+}
+
+// Whether a gRPC call of PushBlocks / PullBlocks that ended with `st` may
+// have ended without the daemon's answer (the daemon may still run it).
+bool MaybeUnanswered(const absl::Status& st) {
+  switch (st.code()) {
+    case absl::StatusCode::kDeadlineExceeded:
+    case absl::StatusCode::kUnavailable:
+    case absl::StatusCode::kCancelled:
+    case absl::StatusCode::kAborted:
+    case absl::StatusCode::kUnknown:
+    case absl::StatusCode::kInternal:
+      return true;
+    default:
+      return false;
+  }
+}
+
+// The daemon did not answer in time: trying it again over another path
+// would only wait as long again.
+bool NotAnswering(const absl::Status& st) {
+  return absl::IsUnavailable(st) || absl::IsDeadlineExceeded(st);
+}
+
 // Ends a PutFromAsync op from the daemon's answer (state.pull_resp when OK).
 void FinishPut(TransferOp::State& state, const absl::Status& st) {
   for (size_t i = 0; i < state.statuses.size(); ++i) {
@@ -1155,7 +1357,8 @@ void FinishPut(TransferOp::State& state, const absl::Status& st) {
 }  // namespace
 
 absl::StatusOr<Client::UcxTarget> Client::PrepareUcx(
-    absl::Span<const absl::Span<const char>> ranges) {
+    absl::Span<const absl::Span<const char>> ranges, bool* unreachable) {
+  *unreachable = false;
   if (ucx_ == nullptr) return data_plane_status();
   // Find every range's buffer before anything goes to the daemon.
   std::vector<size_t> buffer_of(ranges.size());
@@ -1175,36 +1378,28 @@ absl::StatusOr<Client::UcxTarget> Client::PrepareUcx(
     }
   }
   UcxTarget target;
-  ASSIGN_OR_RETURN(target.session, EnsureSession());
+  absl::StatusOr<uint64_t> session = EnsureSession();
+  if (!session.ok()) {
+    *unreachable = NotAnswering(session.status());
+    return session.status();
+  }
+  target.session = *session;
   RETURN_IF_ERROR(data_plane_status());
   target.link = LinkOf(target.session);
   if (target.link == nullptr) {  // replaced since (a get failed meanwhile)
     DropSession(target.session);
     return absl::UnavailableError("the session's UCX worker was replaced");
   }
-  absl::MutexLock lock(&ucx_->mu);
+  std::vector<size_t> wanted = buffer_of;
+  std::sort(wanted.begin(), wanted.end());
+  wanted.erase(std::unique(wanted.begin(), wanted.end()), wanted.end());
+  absl::flat_hash_map<size_t, std::pair<uint32_t, bool>> ids;
+  RETURN_IF_ERROR(RegisterInSession(target.session, wanted, &ids, unreachable));
   for (size_t i = 0; i < ranges.size(); ++i) {
-    Ucx::Buffer& b = ucx_->buffers[buffer_of[i]];
-    if (b.session != target.session) {
-      // First use in this session: hand the daemon the buffer's key.
-      grpc::ClientContext ctx;
-      PrepareContext(&ctx);
-      v1::RegisterBufferRequest req;
-      req.set_session_id(target.session);
-      req.set_packed_rkey(b.region->packed_rkey());
-      req.set_address(b.region->address());
-      req.set_size(b.region->size());
-      v1::RegisterBufferResponse resp;
-      absl::Status st = FromGrpcStatus(stub_->RegisterBuffer(&ctx, req, &resp));
-      if (SessionGone(st)) DropSession(target.session);
-      RETURN_IF_ERROR(st);
-      b.session = target.session;
-      b.daemon_id = resp.buffer_id();
-      b.in_place = resp.copied_in_place();
-    }
-    target.in_place.push_back(b.in_place);
+    const auto [daemon_id, in_place] = ids.at(buffer_of[i]);
+    target.in_place.push_back(in_place);
     v1::BufferRange r;
-    r.set_buffer_id(b.daemon_id);
+    r.set_buffer_id(daemon_id);
     r.set_address(reinterpret_cast<uintptr_t>(ranges[i].data()));
     r.set_size(ranges[i].size());
     target.ranges.push_back(std::move(r));
@@ -1212,12 +1407,109 @@ absl::StatusOr<Client::UcxTarget> Client::PrepareUcx(
   return target;
 }
 
+absl::Status Client::RegisterInSession(
+    uint64_t session, absl::Span<const size_t> wanted,
+    absl::flat_hash_map<size_t, std::pair<uint32_t, bool>>* ids,
+    bool* unreachable) {
+  const absl::Time arrived = absl::Now();
+  // The buffers this call registers, and those another call registers now.
+  struct Registration {
+    size_t buffer;
+    v1::RegisterBufferRequest req;
+    absl::Status status;
+    v1::RegisterBufferResponse resp;
+  };
+  std::vector<Registration> mine;
+  std::vector<size_t> theirs;
+  {
+    absl::MutexLock lock(&ucx_->mu);
+    for (size_t b : wanted) {
+      Ucx::Buffer& buf = ucx_->buffers[b];
+      if (buf.session == session) {
+        (*ids)[b] = {buf.daemon_id, buf.in_place};
+      } else if (buf.registering == session) {
+        theirs.push_back(b);
+      } else {
+        // First use in this session: hand the daemon the buffer's key.
+        buf.registering = session;
+        Registration& r = mine.emplace_back();
+        r.buffer = b;
+        r.req.set_session_id(session);
+        r.req.set_packed_rkey(buf.region->packed_rkey());
+        r.req.set_address(buf.region->address());
+        r.req.set_size(buf.region->size());
+      }
+    }
+  }
+  // Outside ucx_->mu: other calls go on meanwhile. After a failure the
+  // rest fail with it (a daemon that does not answer one would not answer
+  // the next either).
+  absl::Status failed;
+  for (Registration& r : mine) {
+    if (!failed.ok()) {
+      r.status = failed;
+      continue;
+    }
+    grpc::ClientContext ctx;
+    PrepareContext(&ctx);
+    r.status = FromGrpcStatus(stub_->RegisterBuffer(&ctx, r.req, &r.resp));
+    failed = r.status;
+  }
+  {
+    absl::MutexLock lock(&ucx_->mu);
+    for (const Registration& r : mine) {
+      Ucx::Buffer& buf = ucx_->buffers[r.buffer];
+      if (r.status.ok()) (*ids)[r.buffer] = {r.resp.buffer_id(), r.resp.copied_in_place()};
+      // Published unless a call for a newer session took the buffer over.
+      if (buf.registering != session) continue;
+      buf.registering = 0;
+      if (r.status.ok()) {
+        buf.session = session;
+        buf.daemon_id = r.resp.buffer_id();
+        buf.in_place = r.resp.copied_in_place();
+      } else {
+        buf.failed_session = session;
+        buf.failure = r.status;
+        buf.failed_at = absl::Now();
+      }
+    }
+    // Waited for only now: this call never waits while others wait for it.
+    for (size_t b : theirs) {
+      if (!failed.ok()) break;
+      auto settled = [this, b, session]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(ucx_->mu) {
+        return ucx_->buffers[b].registering != session;
+      };
+      if (!ucx_->mu.AwaitWithDeadline(absl::Condition(&settled),
+                                      arrived + options_.rpc_timeout)) {
+        failed = absl::DeadlineExceededError(absl::StrCat(
+            "kvdepotd did not take a buffer's registration within ",
+            absl::FormatDuration(options_.rpc_timeout)));
+        break;
+      }
+      const Ucx::Buffer& buf = ucx_->buffers[b];
+      if (buf.session == session) {
+        (*ids)[b] = {buf.daemon_id, buf.in_place};
+      } else if (buf.failed_session == session && buf.failed_at >= arrived) {
+        failed = buf.failure;  // the registration waited for failed
+      } else {
+        // Taken over for another session: this one is on its way out.
+        failed = absl::AbortedError("the session changed while a buffer was registered");
+      }
+    }
+  }
+  if (failed.ok()) return failed;
+  if (SessionGone(failed)) DropSession(session);
+  *unreachable = NotAnswering(failed);
+  return failed;
+}
+
 absl::Duration Client::DaemonTransferTimeout() const {
   // Well inside this client's own wait (an RPC's deadline, or
   // UcxRequestTimeout): a daemon copying into an AllocateBuffer buffer
   // itself starts no copy after it (counted from when the request was made:
-  // CopyDeadlineUnixUs), and one in progress then ends before this client
-  // stops waiting and hands the buffer back to its caller.
+  // CopyDeadline), and one in progress then ends before this client stops
+  // waiting. An op that ends without the daemon's answer is made ready
+  // only after that deadline (PublishAfter).
   const absl::Duration half = options_.rpc_timeout / 2;
   // Zero (or less): no limit of its own; the daemon's applies, within half.
   return options_.transfer_timeout <= absl::ZeroDuration()
@@ -1232,13 +1524,25 @@ absl::Duration Client::UcxRequestTimeout() const {
   return std::min(options_.rpc_timeout, DaemonTransferTimeout() + absl::Seconds(5));
 }
 
-int64_t Client::CopyDeadlineUnixUs() const {
-  return absl::ToUnixMicros(absl::Now() + DaemonTransferTimeout());
+absl::Time Client::CopyDeadline() const {
+  return absl::Now() + DaemonTransferTimeout();
 }
 
 uint32_t Client::TransferTimeoutMs() const {
   return static_cast<uint32_t>(
       std::max<int64_t>(1, absl::ToInt64Milliseconds(DaemonTransferTimeout())));
+}
+
+absl::Time Client::PublishAfter(bool answered, const std::vector<bool>& in_place,
+                                absl::Time copy_deadline) {
+  if (answered || !AnyInPlace(in_place)) return absl::InfinitePast();
+  return copy_deadline + kLateCopySlack;
+}
+
+void Client::PublishAt(Timers& timers, absl::Time at,
+                       absl::AnyInvocable<void() &&> publish) {
+  if (at <= absl::Now()) return std::move(publish)();
+  timers.At(at, std::move(publish));
 }
 
 TransferOp Client::FailedOp(size_t n, const absl::Status& status) {
@@ -1269,7 +1573,11 @@ TransferOp Client::GetIntoAsyncImpl(absl::string_view ns,
   for (size_t i = 0; valid.ok() && i < keys.size(); ++i) valid = ValidateKey(keys[i]);
   if (!valid.ok()) return FailedOp(keys.size(), valid);
   std::vector<absl::Span<const char>> ranges(dst.begin(), dst.end());
-  absl::StatusOr<UcxTarget> target = PrepareUcx(ranges);
+  bool unreachable = false;
+  absl::StatusOr<UcxTarget> target = PrepareUcx(ranges, &unreachable);
+  // The daemon did not answer in time: a miss, not another wait on the
+  // gRPC path.
+  if (!target.ok() && unreachable) return FailedOp(keys.size(), target.status());
   if (!target.ok()) {
     // The gRPC byte path, done here.
     auto state = std::make_shared<TransferOp::State>(keys.size(), "grpc");
@@ -1300,13 +1608,15 @@ TransferOp Client::GetIntoAsyncImpl(absl::string_view ns,
   }
   req.set_prefix(prefix);
   req.set_timeout_ms(TransferTimeoutMs());
-  req.set_deadline_unix_us(CopyDeadlineUnixUs());
+  const absl::Time copy_deadline = CopyDeadline();
+  req.set_deadline_unix_us(absl::ToUnixMicros(copy_deadline));
   std::vector<absl::Span<char>> out(dst.begin(), dst.end());
   const uint64_t session = target->session;
   TransferOp op(state);
   // A failure that may leave the daemon's writes in flight is told only
-  // once the worker they would come through is fenced: the caller owns
-  // the buffers again when the op is ready.
+  // once the worker they would come through is fenced, and, for blocks
+  // the daemon copies itself, once it copies no more (PublishAfter): the
+  // caller owns the buffers again when the op is ready.
   Link* link = target->link.get();
   if (link->requests != nullptr && link->requests->Serves(session)) {
     // Over UCX: the reply comes on the progress thread; blocks to hash are
@@ -1315,18 +1625,24 @@ TransferOp Client::GetIntoAsyncImpl(absl::string_view ns,
     absl::Status sent = link->requests->Send(
         session, RequestMethod::kPushBlocks, req.SerializeAsString(),
         absl::Now() + UcxRequestTimeout(),
-        [this, state, session, out, link, in_place = target->in_place](
-            const absl::Status& reply, absl::string_view body) mutable {
-          absl::Status st = ParseReply(reply, body, state->push_resp);
+        [this, state, session, out, link, in_place = target->in_place,
+         copy_deadline, timers = timers_](const absl::Status& reply,
+                                          absl::string_view body) mutable {
+          const bool answered = UcxRequests::Answered(reply);
+          absl::Status st = ParseReply(UcxRequests::WithoutAnswerMark(reply), body,
+                                       state->push_resp);
           if (SessionGone(st)) DropSession(session);
-          if (MayLandLate(st, state->push_resp, in_place)) {
-            return ReplaceLink(*link, session, [state, st, out = std::move(out)] {
+          // (`out` copied: the verify pool's step below needs it too.)
+          auto finish = [state, st, out, timers,
+                         at = PublishAfter(answered, in_place, copy_deadline)]() mutable {
+            PublishAt(*timers, at, [state, st, out = std::move(out)] {
               FinishGet(*state, st, out);
             });
+          };
+          if (MayLandLate(st, state->push_resp, in_place)) {
+            return ReplaceLink(*link, session, std::move(finish));
           }
-          if (!GetNeedsHashing(st, state->push_resp)) {
-            return FinishGet(*state, st, out);
-          }
+          if (!GetNeedsHashing(st, state->push_resp)) return std::move(finish)();
           RunLastStep(*ucx_->verify_pool, *state,
                       [state, st, out = std::move(out)] {
                         FinishGet(*state, st, out);
@@ -1336,18 +1652,33 @@ TransferOp Client::GetIntoAsyncImpl(absl::string_view ns,
     // Not sent (the connection went meanwhile): as a gRPC call.
   }
   PrepareContext(&state->ctx);
+  if (!calls_->Begin(&state->ctx)) {  // the client is going: nothing sent
+    FinishGet(*state, absl::CancelledError("kvdepot client closed"), out);
+    return op;
+  }
   stub_->async()->PushBlocks(
       &state->ctx, &state->push_req, &state->push_resp,
       [this, state, session, out = std::move(out), link = std::move(target->link),
-       in_place = std::move(target->in_place)](grpc::Status reply) {
+       in_place = std::move(target->in_place), copy_deadline, timers = timers_,
+       calls = calls_](grpc::Status reply) mutable {
         const absl::Status st = FromGrpcStatus(reply);
         if (SessionGone(st)) DropSession(session);
-        if (MayLandLate(st, state->push_resp, in_place)) {
-          return ReplaceLink(*link, session, [state, st, out] {
+        auto finish = [state, st, out = std::move(out), timers,
+                       at = PublishAfter(!MaybeUnanswered(st), in_place,
+                                         copy_deadline)]() mutable {
+          PublishAt(*timers, at, [state, st, out = std::move(out)] {
             FinishGet(*state, st, out);
           });
+        };
+        if (MayLandLate(st, state->push_resp, in_place)) {
+          // Not on a progress thread: the fence is done when it returns.
+          ReplaceLink(*link, session, std::move(finish));
+        } else {
+          std::move(finish)();
         }
-        FinishGet(*state, st, out);
+        // Done with the Client: what it owns is not released from here.
+        link.reset();
+        calls->End(&state->ctx);
       });
   return op;
 }
@@ -1363,7 +1694,11 @@ TransferOp Client::PutFromAsync(absl::string_view ns,
   std::vector<absl::Span<const char>> ranges;
   ranges.reserve(blocks.size());
   for (const BlockToPut& b : blocks) ranges.emplace_back(b.bytes.data(), b.bytes.size());
-  absl::StatusOr<UcxTarget> target = PrepareUcx(ranges);
+  bool unreachable = false;
+  absl::StatusOr<UcxTarget> target = PrepareUcx(ranges, &unreachable);
+  // As for gets: a daemon that did not answer in time is not waited for
+  // again over a Write stream.
+  if (!target.ok() && unreachable) return FailedOp(blocks.size(), target.status());
   if (!target.ok()) {
     auto state = std::make_shared<TransferOp::State>(blocks.size(), "grpc");
     absl::StatusOr<std::vector<PutResult>> put = PutGrpc(ns, blocks);
@@ -1393,25 +1728,32 @@ TransferOp Client::PutFromAsync(absl::string_view ns,
     *spec->mutable_source() = std::move(target->ranges[i]);
   }
   req.set_timeout_ms(TransferTimeoutMs());
-  req.set_deadline_unix_us(CopyDeadlineUnixUs());
+  const absl::Time copy_deadline = CopyDeadline();
+  req.set_deadline_unix_us(absl::ToUnixMicros(copy_deadline));
   const uint64_t session = target->session;
   TransferOp op(state);
   // No fence for a put that fails: the daemon only reads these buffers,
   // and keeps the slots of reads UCX may still answer (HoldUntilReleased).
+  // But a daemon on this host copies blocks of AllocateBuffer memory
+  // itself (and with daemon_checksum stores the hash of what it copied):
+  // a put that ended without its answer is ready only once the daemon
+  // copies no more of them (PublishAfter).
   UcxRequests* requests = target->link->requests.get();
   if (requests != nullptr && requests->Serves(session)) {
-    auto done = [this, state, session](const absl::Status& reply,
-                                       absl::string_view body) {
-      const absl::Status st = ParseReply(reply, body, state->pull_resp);
+    auto done = [this, state, session, in_place = target->in_place, copy_deadline,
+                 timers = timers_](const absl::Status& reply, absl::string_view body) {
+      const bool answered = UcxRequests::Answered(reply);
+      const absl::Status st =
+          ParseReply(UcxRequests::WithoutAnswerMark(reply), body, state->pull_resp);
       if (SessionGone(st)) DropSession(session);
-      FinishPut(*state, st);
+      PublishAt(*timers, PublishAfter(answered, in_place, copy_deadline),
+                [state, st] { FinishPut(*state, st); });
     };
     // The blocks' bytes with the request (ucx_data_requests), unless the
     // daemon copies them in place.
     const bool with_data =
         options_.ucx_data_requests && target->link->data_requests.load() &&
-        std::find(target->in_place.begin(), target->in_place.end(), true) ==
-            target->in_place.end();
+        !AnyInPlace(target->in_place);
     absl::Status sent;
     if (with_data) {
       std::vector<absl::Span<const char>> data;
@@ -1428,12 +1770,19 @@ TransferOp Client::PutFromAsync(absl::string_view ns,
     if (sent.ok()) return op;
   }
   PrepareContext(&state->ctx);
+  if (!calls_->Begin(&state->ctx)) {  // the client is going: nothing sent
+    FinishPut(*state, absl::CancelledError("kvdepot client closed"));
+    return op;
+  }
   stub_->async()->PullBlocks(
       &state->ctx, &state->pull_req, &state->pull_resp,
-      [this, state, session](grpc::Status reply) {
+      [this, state, session, in_place = std::move(target->in_place), copy_deadline,
+       timers = timers_, calls = calls_](grpc::Status reply) {
         const absl::Status st = FromGrpcStatus(reply);
         if (SessionGone(st)) DropSession(session);
-        FinishPut(*state, st);
+        PublishAt(*timers, PublishAfter(!MaybeUnanswered(st), in_place, copy_deadline),
+                  [state, st] { FinishPut(*state, st); });
+        calls->End(&state->ctx);
       });
   return op;
 }

@@ -30,6 +30,7 @@
 #include <memory>
 #include <string>
 #include <thread>
+#include <utility>
 #include <vector>
 
 #include "absl/base/thread_annotations.h"
@@ -145,6 +146,13 @@ struct Block {
 // bytes: use only the blocks whose status is OK. For puts, OK means stored
 // (ALREADY_EXISTS counts as stored and is reported as OK).
 //
+// Once an op is ready its buffers are the caller's again: nothing more is
+// written into a get's, nor read from a put's, on its behalf (see
+// RegisterBuffer and AllocateBuffer for how, and for the one case left). So
+// an op may be ready only some time after it failed: one over AllocateBuffer
+// memory that ended without the daemon's answer, up to about
+// min(transfer_timeout, rpc_timeout / 2) + 1 s after it was made.
+//
 // Thread-safe; copies share the same batch. The Client that made an op must
 // outlive it until it is ready.
 class TransferOp {
@@ -180,7 +188,15 @@ class Client {
   // Creates the channel; no RPC is made (use Health to check the daemon).
   static absl::StatusOr<std::unique_ptr<Client>> Connect(
       const ClientOptions& options);
-  // Closes the session, if any, and stops the keep-alive thread.
+  // Stops the keep-alive thread, cancels the calls of GetIntoAsync /
+  // PutFromAsync still in flight and waits for their callbacks, closes the
+  // session, if any (waiting at most min(2 s, rpc_timeout / 2) for the
+  // daemon), and stops the UCX workers (each within its close timeout,
+  // 1 s), which ends every op still pending (failed): within about one
+  // rpc_timeout however the daemon behaves (a stopped daemon, rpc_timeout
+  // 3 s: 1.5 s). Ops still waiting for their copy deadline (AllocateBuffer)
+  // are reported as the last step, once the memory of their buffers is
+  // freed.
   ~Client();
   Client(const Client&) = delete;
   Client& operator=(const Client&) = delete;
@@ -189,9 +205,13 @@ class Client {
   // UNAVAILABLE when it reports NOT_SERVING or cannot be reached.
   absl::Status Health();
 
-  // Opens a session if none is open and starts keeping it alive.
+  // Opens a session if none is open and starts keeping it alive. One
+  // caller opens it; those that come meanwhile wait for its outcome (at
+  // most rpc_timeout each: DEADLINE_EXCEEDED then) and get its error when
+  // it fails, rather than each trying again in turn.
   absl::StatusOr<uint64_t> EnsureSession();
-  // Closes the session (releasing its pins and open reservations).
+  // Closes the session (releasing its pins and open reservations); waits at
+  // most min(2 s, rpc_timeout) for the daemon.
   absl::Status CloseSession();
 
   // Looks up `keys`; see LookupRequest in the .proto. With `pin`, a session
@@ -266,6 +286,25 @@ class Client {
   // (see always_checksum_puts). Every page of it exists when it returns
   // (the call takes time in proportion to `size`), so no transfer into it
   // takes page faults on the progress thread. Errors as RegisterBuffer.
+  //
+  // The daemon's copies into and out of such a buffer need no fence, but
+  // an op can end without the daemon's answer (its wait passed, the request
+  // connection failed, the session was closed or replaced, another get's
+  // failure fenced the worker, the gRPC call failed) while the daemon has
+  // not yet run its request, or is copying. Each request names a copy
+  // deadline (deadline_unix_us: min(transfer_timeout, rpc_timeout / 2)
+  // after the call): the daemon starts no copy after it and checks it again
+  // before each MiB of one. So such an op is made ready only once that
+  // deadline plus 1 s has passed (a timer does it; no caller's thread
+  // waits for it): until then IsReady is false and WaitUntil returns false
+  // at its own deadline, and its statuses then say why it failed. Left: a
+  // daemon frozen (SIGSTOP, swapped out) for longer than that 1 s between
+  // its check of the deadline and the end of the MiB it then copies may
+  // still write that part of the MiB into a get's buffer, or read it from
+  // a put's source (a put whose block then completes is stored with those
+  // bytes and, unless always_checksum_puts, the daemon's checksum of them),
+  // after the op was reported. For a put, always_checksum_puts closes that
+  // case (the bytes no longer match the client's checksum).
   absl::StatusOr<absl::Span<char>> AllocateBuffer(size_t size);
 
   // Reads blocks straight into `dst` (dst[i] receives keys[i] and must be
@@ -277,9 +316,13 @@ class Client {
   // Otherwise the gRPC path (lookup with pin, Read stream), done before this
   // returns. With `prefix` the daemon stops at the first miss. Over UCX this
   // returns once the request is on its way; it blocks on the daemon only to
-  // open a session when none is open. The gRPC path, and opening a session,
-  // run on the calling thread, each call bounded by rpc_timeout (a daemon
-  // that stalls can hold this for a few of them).
+  // open a session when none is open, or to register a buffer with the
+  // session at its first use. The gRPC path, and those, run on the calling
+  // thread, each call bounded by rpc_timeout. When the daemon does not
+  // answer them in time (UNAVAILABLE, DEADLINE_EXCEEDED), the op fails at
+  // once (a miss) rather than trying the gRPC path as well, and callers
+  // that wait for the same session or registration get its outcome: each
+  // call returns within about one rpc_timeout.
   // REQUIRES: keys.size() == dst.size(); dst stays valid and untouched
   // until the op is ready.
   TransferOp GetIntoAsync(absl::string_view ns,
@@ -347,6 +390,8 @@ class Client {
 
   struct Link;
   struct Ucx;
+  struct Timers;
+  struct Calls;
   // The session for a UCX transfer and the daemon's ids of the buffers
   // holding `ranges` (registering them with the daemon as needed). NotFound
   // when a range is not in registered memory.
@@ -357,7 +402,20 @@ class Client {
     // Per range: the daemon copies it in place (copied_in_place).
     std::vector<bool> in_place;
   };
-  absl::StatusOr<UcxTarget> PrepareUcx(absl::Span<const absl::Span<const char>> ranges);
+  // `*unreachable` says whether an error is the daemon not answering in
+  // time (then the caller fails the op instead of trying gRPC).
+  absl::StatusOr<UcxTarget> PrepareUcx(absl::Span<const absl::Span<const char>> ranges,
+                                       bool* unreachable);
+  // PrepareUcx's registration of ucx_->buffers[i] for each i in `wanted`
+  // with `session`: sets (*ids)[i] to {the daemon's id, copied in place}.
+  // Registers the buffers nobody registers in that session now (one
+  // RegisterBuffer RPC each, outside ucx_->mu); waits for the outcome of
+  // those another caller registers (until rpc_timeout from the call), whose
+  // failure is this caller's too.
+  absl::Status RegisterInSession(
+      uint64_t session, absl::Span<const size_t> wanted,
+      absl::flat_hash_map<size_t, std::pair<uint32_t, bool>>* ids,
+      bool* unreachable);
   // The daemon no longer knows `session` (or its endpoint): forget it so
   // that the next call opens a new one.
   void DropSession(uint64_t session);
@@ -394,31 +452,49 @@ class Client {
   absl::Duration DaemonTransferTimeout() const;
   // DaemonTransferTimeout in milliseconds (at least 1).
   uint32_t TransferTimeoutMs() const;
-  // Now + DaemonTransferTimeout, in microseconds since the Unix epoch: no
-  // copy a daemon on this host makes itself into or out of our buffers
-  // starts later (the request's deadline_unix_us), whenever the request
-  // reaches it.
-  int64_t CopyDeadlineUnixUs() const;
+  // Now + DaemonTransferTimeout: no copy a daemon on this host makes itself
+  // into or out of our buffers starts later (the request's
+  // deadline_unix_us), whenever the request reaches it.
+  absl::Time CopyDeadline() const;
   // How long a request over UCX waits for its reply.
   absl::Duration UcxRequestTimeout() const;
-  // EnsureSession's one try (open_mu_ held): the session, or 0 when the
-  // UCX link it was opened on was retired meanwhile and it was closed again
-  // (never when `last_try`).
-  absl::StatusOr<uint64_t> OpenSessionLocked(bool last_try)
-      ABSL_EXCLUSIVE_LOCKS_REQUIRED(open_mu_);
-  // CloseSession's RPC for session `id`.
-  absl::Status CloseSessionRpc(uint64_t id);
+  // EnsureSession's one try, by the one caller opening (opening_): the
+  // session, or 0 when the UCX link it was opened on was retired meanwhile
+  // and it was closed again (never when `last_try`).
+  absl::StatusOr<uint64_t> OpenSessionOnce(bool last_try);
+  // CloseSession's RPC for session `id`, waiting at most `timeout`.
+  absl::Status CloseSessionRpc(uint64_t id, absl::Duration timeout);
   // A ready op with every block failing with `status`.
   static TransferOp FailedOp(size_t n, const absl::Status& status);
+  // When an op that ended may be made ready: at once (InfinitePast) when
+  // the daemon `answered` or copies none of its blocks itself (`in_place`,
+  // per block); otherwise once no copy of the daemon's can still be
+  // running, kLateCopySlack past the op's `copy_deadline`.
+  static absl::Time PublishAfter(bool answered, const std::vector<bool>& in_place,
+                                 absl::Time copy_deadline);
+  // Runs `publish` now when `at` has come, else on `timers` at `at`.
+  static void PublishAt(Timers& timers, absl::Time at,
+                        absl::AnyInvocable<void() &&> publish);
 
   const ClientOptions options_;
+  // Publishes ops at their copy deadline (AllocateBuffer); shared with the
+  // callbacks that schedule on it. Stopped last by the destructor.
+  const std::shared_ptr<Timers> timers_;
+  // The gRPC calls of GetIntoAsync / PutFromAsync in flight, whose
+  // callbacks use this object: the destructor cancels them and waits.
+  const std::shared_ptr<Calls> calls_;
   std::unique_ptr<Ucx> ucx_;  // null without UCX
   absl::Status ucx_status_ ABSL_GUARDED_BY(mu_);
   std::shared_ptr<grpc::Channel> channel_;
   std::unique_ptr<v1::KvDepot::Stub> stub_;
 
-  // Serializes session opening (the RPC runs outside mu_).
+  // Session opening: one caller at a time opens (its RPCs outside any
+  // lock); others wait for its outcome.
   absl::Mutex open_mu_ ABSL_ACQUIRED_BEFORE(mu_);
+  bool opening_ ABSL_GUARDED_BY(open_mu_) = false;  // a try in progress
+  uint64_t open_tries_ ABSL_GUARDED_BY(open_mu_) = 0;  // started
+  uint64_t open_done_ ABSL_GUARDED_BY(open_mu_) = 0;   // the last one ended
+  absl::Status open_status_ ABSL_GUARDED_BY(open_mu_);  // how it ended
   absl::Mutex mu_;
   uint64_t session_id_ ABSL_GUARDED_BY(mu_) = 0;
   // The session each pin of Lookup was taken in, until its Unpin (pin ids

@@ -3,6 +3,7 @@
 #include <utility>
 #include <vector>
 
+#include "absl/strings/cord.h"
 #include "absl/strings/str_cat.h"
 #include "storage/internal/sync_point.h"
 #include "storage/status_macros.h"
@@ -13,7 +14,25 @@ namespace {
 // How often pending requests are checked against their deadlines.
 constexpr absl::Duration kDeadlineCheck = absl::Milliseconds(50);
 
+// The payload of a status a request ended with here, without the daemon's
+// reply (Answered).
+constexpr absl::string_view kUnansweredUrl = "kvdepot.UcxRequests/unanswered";
+
+absl::Status MarkUnanswered(absl::Status status) {
+  status.SetPayload(kUnansweredUrl, absl::Cord());
+  return status;
+}
+
 }  // namespace
+
+bool UcxRequests::Answered(const absl::Status& status) {
+  return !status.GetPayload(kUnansweredUrl).has_value();
+}
+
+absl::Status UcxRequests::WithoutAnswerMark(absl::Status status) {
+  status.ErasePayload(kUnansweredUrl);
+  return status;
+}
 
 UcxRequests::UcxRequests(UcxWorker& worker) : worker_(worker) {}
 
@@ -243,7 +262,7 @@ void UcxRequests::EndOne(uint64_t id, const absl::Status& status) {
     done = std::move(it->second.done);
     pending_.erase(it);
   }
-  std::move(done)(status, absl::string_view());
+  std::move(done)(MarkUnanswered(status), absl::string_view());
 }
 
 template <typename Pred>
@@ -260,7 +279,9 @@ void UcxRequests::EndWhere(Pred which, const absl::Status& status) {
       }
     }
   }
-  for (Done& done : ended) std::move(done)(status, absl::string_view());
+  if (ended.empty()) return;
+  const absl::Status unanswered = MarkUnanswered(status);
+  for (Done& done : ended) std::move(done)(unanswered, absl::string_view());
 }
 
 }  // namespace kvdepot

@@ -77,7 +77,8 @@ class UcxRequests : private UcxWorker::Resident {
   // replaced), DeadlineExceeded at `deadline`, Cancelled when this object
   // goes. Otherwise nothing was sent and `done` never runs: Unavailable
   // when the connection does not serve `session` (any more),
-  // ResourceExhausted when the worker's queue is full.
+  // ResourceExhausted when the worker's queue is full. Answered() tells the
+  // daemon's reply from a request that ended without one.
   absl::Status Send(uint64_t session, RequestMethod method, std::string body,
                     absl::Time deadline, Done done);
 
@@ -94,6 +95,15 @@ class UcxRequests : private UcxWorker::Resident {
 
   // Requests sent and not yet ended.
   size_t pending() const;
+
+  // Whether `status`, as a Done got it, is the daemon's reply (an error it
+  // answered included). False when the request ended here without one (the
+  // connection failed or was replaced, Disconnect, its deadline, the worker
+  // stopping, this object going): the daemon may then still run it, or be
+  // running it. Such a status carries a payload that says so;
+  // WithoutAnswerMark returns it without (for a status shown to callers).
+  static bool Answered(const absl::Status& status);
+  static absl::Status WithoutAnswerMark(absl::Status status);
 
  private:
   struct Pending {
@@ -116,10 +126,11 @@ class UcxRequests : private UcxWorker::Resident {
                            std::string body,
                            std::vector<absl::Span<const char>>* data,
                            absl::Time deadline, Done done);
-  // Ends pending request `id`, if it still is, with `status` (outside mu_).
+  // Ends pending request `id`, if it still is, with `status` marked
+  // unanswered (outside mu_).
   void EndOne(uint64_t id, const absl::Status& status);
   // Ends the pending requests for which `which` is true with `status`
-  // (outside mu_).
+  // marked unanswered (outside mu_).
   template <typename Pred>
   void EndWhere(Pred which, const absl::Status& status);
 

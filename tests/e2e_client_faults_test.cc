@@ -1,0 +1,300 @@
+// libkvdepot against a real kvdepotd that stops answering (SIGSTOP) on
+// loopback UCX: what the client reports, when, and what it leaves the
+// daemon to do afterwards.
+//
+//   - ops over buffers the daemon copies itself (AllocateBuffer, shared
+//     memory) that end without its answer stay unready until their copy
+//     deadline has passed: a caller that reuses the buffers then finds
+//     neither a get's bytes landing late nor its new bytes stored by a put;
+//   - callers that meet a stalled daemon at the same time each return
+//     within about one rpc_timeout, not one after the other;
+//   - a Client destroyed with gRPC calls in flight ends them first (its
+//     ops are ready when the destructor returns), within a bounded time.
+#include <signal.h>
+#include <stdlib.h>
+
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cstring>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "absl/strings/match.h"
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_split.h"
+#include "absl/time/clock.h"
+#include "client/client.h"
+#include "tests/daemon_process.h"
+#include "tests/status_matchers.h"
+#include "transport/ucx_test_util.h"
+
+namespace kvdepot {
+namespace {
+
+using testing::DaemonProcess;
+
+constexpr size_t kBlock = 256 << 10;
+
+// A daemon over UCX transport `transport` ("tcp" or "shm"), the client and
+// the daemon both set up through the environment; the daemon is let run
+// again (SIGCONT) and stopped at the end, whatever the test did to it.
+class ClientFaultsTest : public ::testing::Test {
+ protected:
+  void StartDaemon(const std::string& transport) {
+    transport_ = transport;
+    for (const auto& [name, value] : ucx_test::TransportConfig(transport)) {
+      setenv(absl::StrCat("UCX_", name).c_str(), value.c_str(), 1);
+    }
+    absl::StatusOr<std::unique_ptr<DaemonProcess>> d =
+        DaemonProcess::Start({"--dram-capacity", "256MiB"});
+    ASSERT_OK(d.status());
+    daemon_ = *std::move(d);
+    ASSERT_TRUE(absl::StrContains(daemon_->Log(), "UCX data plane on"))
+        << daemon_->Log();
+  }
+
+  void TearDown() override {
+    if (daemon_ != nullptr) {
+      kill(daemon_->pid(), SIGCONT);
+      EXPECT_EQ(daemon_->Stop(SIGTERM).value_or(-1), 0) << daemon_->Log();
+    }
+    for (const auto& [name, value] : ucx_test::TransportConfig(transport_)) {
+      unsetenv(absl::StrCat("UCX_", name).c_str());
+    }
+  }
+
+  std::unique_ptr<Client> NewClient(absl::Duration rpc_timeout,
+                                    absl::Duration transfer_timeout,
+                                    bool ucx_requests = true) {
+    ClientOptions options;
+    options.server = daemon_->address();
+    options.lease = absl::Seconds(60);
+    options.ucx.clear();  // from the environment
+    options.rpc_timeout = rpc_timeout;
+    options.transfer_timeout = transfer_timeout;
+    options.ucx_requests = ucx_requests;
+    absl::StatusOr<std::unique_ptr<Client>> c = Client::Connect(options);
+    EXPECT_OK(c.status());
+    return c.ok() ? *std::move(c) : nullptr;
+  }
+
+  // The sum of a counter's series whose labels include `label`.
+  double Counter(const std::string& name, const std::string& label) {
+    double sum = 0;
+    for (absl::string_view line :
+         absl::StrSplit(testing::ScrapeMetrics(*daemon_), '\n')) {
+      if (!absl::StartsWith(line, absl::StrCat(name, "{")) ||
+          !absl::StrContains(line, label)) {
+        continue;
+      }
+      double v = 0;
+      const size_t space = line.rfind(' ');
+      if (space != absl::string_view::npos &&
+          absl::SimpleAtod(line.substr(space + 1), &v)) {
+        sum += v;
+      }
+    }
+    return sum;
+  }
+  // Requests of `op` the daemon has answered, whatever their code.
+  double Answered(const std::string& op) {
+    return Counter("kvdepot_requests_total", absl::StrCat("op=\"", op, "\""));
+  }
+
+  std::string transport_ = "tcp";
+  std::unique_ptr<DaemonProcess> daemon_;
+};
+
+// Bug: an op whose every block the daemon copies itself (a co-located
+// client's AllocateBuffer memory) was reported finished as soon as it ended
+// without the daemon's answer (here: cancelled when another get's failure
+// fenced the client's worker). The daemon, still before the copy deadline
+// the request named, then copied anyway: a get's bytes into a buffer the
+// caller had taken back, a put's source after the caller had written new
+// bytes into it, stored under the old key with a checksum of its own.
+TEST_F(ClientFaultsTest, InPlaceOpsEndedWithoutAnAnswerKeepTheirBuffersUntilTheCopyDeadline) {
+  ASSERT_NO_FATAL_FAILURE(StartDaemon("shm"));
+  // The daemon may copy until 5 s after a request was made; the client
+  // waits 10 s for an answer.
+  std::unique_ptr<Client> client = NewClient(absl::Seconds(10), absl::Seconds(5));
+  ASSERT_NE(client, nullptr);
+  absl::StatusOr<absl::Span<char>> shared = client->AllocateBuffer(3 * kBlock);
+  ASSERT_OK(shared.status());
+  // Ordinary memory: UCX moves its blocks (not copied in place).
+  std::vector<char> plain(2 * kBlock);
+  ASSERT_OK(client->RegisterBuffer(plain.data(), plain.size()));
+
+  ucx_test::FillPattern(shared->data(), kBlock, 5);
+  BlockToPut stored{"stored", "", absl::string_view(shared->data(), kBlock)};
+  TransferOp put_stored = client->PutFromAsync("late", {&stored, 1});
+  put_stored.Wait();
+  ASSERT_OK(put_stored.statuses()[0]);
+  ASSERT_STREQ(put_stored.transport(), "ucx");
+  if (Counter("kvdepot_ucx_in_place_bytes_total", "direction=\"in\"") <= 0) {
+    GTEST_SKIP() << "the daemon does not copy AllocateBuffer memory in place here";
+  }
+  ucx_test::FillPattern(plain.data(), kBlock, 6);
+  BlockToPut other{"plain", "", absl::string_view(plain.data(), kBlock)};
+  TransferOp put_plain = client->PutFromAsync("late", {&other, 1});
+  put_plain.Wait();
+  ASSERT_OK(put_plain.statuses()[0]);
+  const double pushes = Answered("PushBlocks");
+  const double pulls = Answered("PullBlocks");
+
+  ASSERT_TRUE(ucx_test::StopProcess(daemon_->pid()));
+  const absl::Time t0 = absl::Now();
+  // A get into ordinary memory: unanswered, it ends at t0 + 10 s, and the
+  // client fences its worker, which ends every request pending on it.
+  absl::string_view plain_key = "plain";
+  absl::Span<char> plain_dst(plain.data() + kBlock, kBlock);
+  TransferOp get_plain = client->GetIntoAsync("late", {&plain_key, 1}, {&plain_dst, 1});
+  // In-place ops made at t0 + 7 s, each allowing the daemon copies until
+  // t0 + 12 s: ended (cancelled) at t0 + 10 s by that fence.
+  absl::SleepFor(t0 + absl::Seconds(7) - absl::Now());
+  const absl::Time sent = absl::Now();
+  char* source = shared->data() + 2 * kBlock;
+  ucx_test::FillPattern(source, kBlock, 9);
+  BlockToPut late{"late", "", absl::string_view(source, kBlock)};
+  TransferOp put = client->PutFromAsync("late", {&late, 1});
+  absl::string_view stored_key = "stored";
+  absl::Span<char> dst = shared->subspan(kBlock, kBlock);
+  std::memset(dst.data(), 'q', kBlock);
+  TransferOp get = client->GetIntoAsync("late", {&stored_key, 1}, {&dst, 1});
+  ASSERT_STREQ(put.transport(), "ucx");
+  ASSERT_STREQ(get.transport(), "ucx");
+
+  get_plain.Wait();
+  EXPECT_FALSE(get_plain.statuses()[0].ok());
+  // Not ready before their copy deadline, although they have ended.
+  EXPECT_FALSE(put.WaitUntil(sent + absl::Milliseconds(4500)))
+      << "the put was reported before the daemon's last moment to copy it";
+  EXPECT_FALSE(get.WaitUntil(sent + absl::Milliseconds(4500)))
+      << "the get was reported before the daemon's last moment to copy it";
+  put.Wait();
+  get.Wait();
+  EXPECT_FALSE(put.statuses()[0].ok());
+  EXPECT_FALSE(get.statuses()[0].ok());
+
+  // The caller owns its buffers again: it writes other bytes into both.
+  std::memset(source, 'z', kBlock);
+  std::memset(dst.data(), 'y', kBlock);
+  kill(daemon_->pid(), SIGCONT);
+  // The daemon takes the requests it was sent (the plain get's ends at its
+  // transfer deadline).
+  EXPECT_TRUE(testing::PollUntil(
+      [&] { return Answered("PushBlocks") >= pushes + 2 && Answered("PullBlocks") >= pulls + 1; },
+      absl::Seconds(20)))
+      << "the late requests were never answered";
+  EXPECT_EQ(std::count(dst.begin(), dst.end(), 'y'), static_cast<ptrdiff_t>(kBlock))
+      << "the daemon copied into the get's buffer after the op was reported";
+  absl::string_view late_key = "late";
+  absl::StatusOr<std::vector<Block>> got = client->Get("late", {&late_key, 1});
+  if (got.ok()) {
+    ASSERT_EQ((*got)[0].bytes.size(), kBlock);
+    EXPECT_EQ(ucx_test::FirstPatternMismatch((*got)[0].bytes.data(), kBlock, 9), -1)
+        << "the daemon stored what the caller wrote after the put was reported";
+  } else {
+    EXPECT_TRUE(absl::IsNotFound(got.status())) << got.status();
+  }
+}
+
+// Bug: with the daemon stalled, concurrent calls queued behind one lock
+// (the session's opening, a buffer's registration) and then retried on the
+// gRPC byte path, each adding its own rpc_timeout: 4 callers with 1 s
+// returned after 2, 3, 4, 5 s (3, 5, 7, 8 s with no session yet).
+void RunConcurrentCallersAgainstAStalledDaemon(Client& client, pid_t daemon,
+                                               bool open_session_first) {
+  constexpr int kCallers = 4;
+  const absl::Duration rpc_timeout = client.options().rpc_timeout;
+  std::vector<std::vector<char>> bufs(kCallers, std::vector<char>(kBlock));
+  for (auto& b : bufs) ASSERT_OK(client.RegisterBuffer(b.data(), b.size()));
+  if (open_session_first) {
+    ASSERT_OK(client.EnsureSession().status());
+  } else {
+    ASSERT_OK(client.Health());
+  }
+  ASSERT_TRUE(ucx_test::StopProcess(daemon));
+  std::vector<absl::Duration> took(kCallers);
+  std::vector<absl::Status> status(kCallers);
+  std::vector<std::thread> callers;
+  for (int i = 0; i < kCallers; ++i) {
+    callers.emplace_back([&, i] {
+      const absl::Time start = absl::Now();
+      absl::string_view key = "k";
+      absl::Span<char> dst(bufs[i].data(), kBlock);
+      TransferOp op = client.GetIntoAsync("convoy", {&key, 1}, {&dst, 1});
+      op.Wait();
+      took[i] = absl::Now() - start;
+      status[i] = op.statuses()[0];
+    });
+  }
+  for (std::thread& t : callers) t.join();
+  for (int i = 0; i < kCallers; ++i) {
+    EXPECT_FALSE(status[i].ok()) << "caller " << i;
+    // Generous: each caller's own wait is one rpc_timeout.
+    EXPECT_LT(took[i], 3 * rpc_timeout)
+        << "caller " << i << " waited behind the others: " << status[i];
+  }
+  kill(daemon, SIGCONT);
+}
+
+TEST_F(ClientFaultsTest, CallersMeetingAStalledDaemonDoNotQueueBehindEachOther) {
+  ASSERT_NO_FATAL_FAILURE(StartDaemon("tcp"));
+  std::unique_ptr<Client> client = NewClient(absl::Seconds(1), absl::Seconds(10));
+  ASSERT_NE(client, nullptr);
+  RunConcurrentCallersAgainstAStalledDaemon(*client, daemon_->pid(),
+                                            /*open_session_first=*/false);
+}
+
+TEST_F(ClientFaultsTest, CallersRegisteringBuffersWithAStalledDaemonDoNotQueue) {
+  ASSERT_NO_FATAL_FAILURE(StartDaemon("tcp"));
+  std::unique_ptr<Client> client = NewClient(absl::Seconds(1), absl::Seconds(10));
+  ASSERT_NE(client, nullptr);
+  RunConcurrentCallersAgainstAStalledDaemon(*client, daemon_->pid(),
+                                            /*open_session_first=*/true);
+}
+
+// Bug: a gRPC call of GetIntoAsync (requests over gRPC) still in flight
+// when the Client was destroyed called back into the freed Client when it
+// ended; the op was not ready when the destructor returned.
+TEST_F(ClientFaultsTest, AClientDestroyedWithCallsInFlightEndsThemFirst) {
+  ASSERT_NO_FATAL_FAILURE(StartDaemon("tcp"));
+  const absl::Duration rpc_timeout = absl::Seconds(3);
+  std::unique_ptr<Client> client =
+      NewClient(rpc_timeout, absl::Seconds(10), /*ucx_requests=*/false);
+  ASSERT_NE(client, nullptr);
+  std::vector<char> buf(2 * kBlock);
+  ASSERT_OK(client->RegisterBuffer(buf.data(), buf.size()));
+  ucx_test::FillPattern(buf.data(), kBlock, 1);
+  BlockToPut block{"k", "", absl::string_view(buf.data(), kBlock)};
+  TransferOp put = client->PutFromAsync("dtor", {&block, 1});
+  put.Wait();
+  ASSERT_OK(put.statuses()[0]);
+  ASSERT_STREQ(put.transport(), "ucx");
+
+  ASSERT_TRUE(ucx_test::StopProcess(daemon_->pid()));
+  absl::string_view key = "k";
+  absl::Span<char> dst(buf.data() + kBlock, kBlock);
+  TransferOp get = client->GetIntoAsync("dtor", {&key, 1}, {&dst, 1});
+  ASSERT_STREQ(get.transport(), "ucx");
+  EXPECT_FALSE(get.IsReady());
+  const absl::Time start = absl::Now();
+  client.reset();
+  const absl::Duration took = absl::Now() - start;
+  EXPECT_TRUE(get.IsReady()) << "the destructor left a call in flight";
+  // Generous (a hang would be unbounded); about one rpc_timeout at most.
+  EXPECT_LT(took, 2 * rpc_timeout);
+  if (get.IsReady()) {
+    EXPECT_FALSE(get.statuses()[0].ok());
+  } else {
+    // Past the call's own deadline: its callback runs now, after the
+    // Client went (a use after free before the fix).
+    EXPECT_TRUE(get.WaitUntil(absl::Now() + 2 * rpc_timeout));
+  }
+}
+
+}  // namespace
+}  // namespace kvdepot
