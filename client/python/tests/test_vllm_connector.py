@@ -9,9 +9,13 @@ numpy or the kvdepot package is missing.
 """
 
 import os
+import shlex
+import shutil
 import signal
 import sys
+import tempfile
 import unittest
+from unittest import mock
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
@@ -38,6 +42,62 @@ def prompt(seed: int, n: int):
     return torch.randint(0, 32000, (n,), generator=g).tolist()
 
 
+class CallLog:
+    """A stand-in kvdepot client that passes every call on to the real one
+    and records, in ``calls``, each daemon call's kind and keys (and, for
+    puts, parents): lookups, puts and reads, a read per batch of
+    ``load_into_cache_async``. ``fail`` (kind, n): the n-th call of that
+    kind (from 1) raises RuntimeError instead."""
+
+    def __init__(self, inner, calls, fail=None):
+        self._inner = inner
+        self.calls = calls
+        self._fail = fail
+        self._count = {}
+
+    def __getattr__(self, name):
+        return getattr(self._inner, name)
+
+    def _record(self, kind, keys, parents=None):
+        self._count[kind] = self._count.get(kind, 0) + 1
+        if self._fail == (kind, self._count[kind]):
+            raise RuntimeError(f"UNAVAILABLE: injected failure of {kind} call "
+                               f"{self._count[kind]}")
+        self.calls.append((kind, list(keys), None if parents is None else list(parents)))
+
+    def lookup(self, ns, keys, *args, **kwargs):
+        self._record("lookup", keys)
+        return self._inner.lookup(ns, keys, *args, **kwargs)
+
+    def put(self, ns, keys, buffers, parents=None):
+        self._record("put", keys, parents)
+        return self._inner.put(ns, keys, buffers, parents)
+
+    def put_async(self, ns, keys, buffers, parents=None):
+        self._record("put", keys, parents)
+        return self._inner.put_async(ns, keys, buffers, parents)
+
+    def get_into(self, ns, keys, *args, **kwargs):
+        self._record("get", keys)
+        return self._inner.get_into(ns, keys, *args, **kwargs)
+
+    def get_into_async(self, ns, keys, *args, **kwargs):
+        self._record("get", keys)
+        return self._inner.get_into_async(ns, keys, *args, **kwargs)
+
+    def load_into_cache_async(self, ns, keys, objects, layout, caches, block_ids,
+                              batch_sizes=None):
+        lo = 0
+        for n in batch_sizes or [len(keys)]:
+            self._record("get", keys[lo:lo + n])
+            lo += n
+        return self._inner.load_into_cache_async(ns, keys, objects, layout, caches,
+                                                 block_ids, batch_sizes)
+
+    def sizes(self, kind=None):
+        return [len(k) for c, k, _ in self.calls if kind in (None, c)]
+
+
 class VllmConnectorTest(unittest.TestCase):
     def setUp(self):
         self.daemon = Daemon()
@@ -49,14 +109,15 @@ class VllmConnectorTest(unittest.TestCase):
             e.worker.shutdown()
         self.daemon.stop()
 
-    def engine(self, dtype=torch.bfloat16, tp=None, cudagraph_mode=None, **extra):
+    def engine(self, dtype=torch.bfloat16, tp=None, cudagraph_mode=None,
+               num_blocks=32, block_size=BS, **extra):
         kw = {} if cudagraph_mode is None else {"cudagraph_mode": cudagraph_mode}
-        cfg = make_vllm_config(self.daemon.address, num_layers=LAYERS, block_size=BS,
-                               num_kv_heads=HEADS, head_size=HEAD, dtype=dtype,
-                               extra=extra, **kw)
+        cfg = make_vllm_config(self.daemon.address, num_layers=LAYERS,
+                               block_size=block_size, num_kv_heads=HEADS,
+                               head_size=HEAD, dtype=dtype, extra=extra, **kw)
         if tp is not None:  # (rank, size): one worker of a TP engine
             cfg.parallel_config.rank, cfg.parallel_config.tensor_parallel_size = tp
-        e = VllmEngine(kv_vllm.KvDepotConnector, cfg, num_blocks=32,
+        e = VllmEngine(kv_vllm.KvDepotConnector, cfg, num_blocks=num_blocks,
                        role_enum=kv_vllm.KVConnectorRole)
         self.engines = getattr(self, "engines", []) + [e]
         self.assertIsNone(e.worker.disabled_reason)
@@ -671,6 +732,255 @@ class VllmConnectorTest(unittest.TestCase):
         b_eng.step([b], [], {"B": 1}, hook=hook)
         self.assertEqual(b_eng.load_errors, [])
         self.assertEqual(b_eng.worker.stats["loaded_blocks"], 3)
+
+    # ------------------------------------------------------------------
+    # Requests of more blocks than the daemon's max_batch_keys
+
+    def limit_daemon_batches(self, max_batch_keys):
+        """Replaces the test's daemon by one that takes at most
+        ``max_batch_keys`` keys per call (from a config file: live_daemon
+        passes no such flag, so $KVDEPOT_DAEMON is a script adding it)."""
+        self.daemon.stop()
+        d = tempfile.mkdtemp(prefix="kvdepot-vllm-")
+        self.addCleanup(shutil.rmtree, d, True)
+        config = os.path.join(d, "kvdepotd.yaml")
+        with open(config, "w") as f:
+            f.write(f"max_batch_keys: {max_batch_keys}\n")
+        script = os.path.join(d, "kvdepotd")
+        with open(script, "w") as f:
+            f.write(f'#!/bin/sh\nexec {shlex.quote(os.environ["KVDEPOT_DAEMON"])} '
+                    f'--config {shlex.quote(config)} "$@"\n')
+        os.chmod(script, 0o755)
+        with mock.patch.dict(os.environ, {"KVDEPOT_DAEMON": script}):
+            self.daemon = Daemon()
+        with kvdepot.Client(self.daemon.address) as cl:  # the limit holds
+            with self.assertRaisesRegex(ValueError, "exceeds the limit"):
+                cl.lookup("vllm-limit-check", [b"k%d" % i for i in range(max_batch_keys + 1)])
+
+    def log_calls(self, e, fail=None):
+        """Records the daemon calls of engine ``e``'s scheduler and worker
+        (a CallLog; ``fail`` as CallLog's, for both)."""
+        log = CallLog(e.scheduler._get_client(), [], fail)
+        e.scheduler._client = log
+        e.worker._store.client = CallLog(e.worker._store.client, log.calls, fail)
+        return log
+
+    def pins(self):
+        with kvdepot.Client(self.daemon.address) as cl:
+            return cl.stats()["pins"]
+
+    def test_long_prompt_saves_and_loads_in_chunks(self):
+        # 20 blocks, the daemon taking 8 keys a call: lookups, loads and
+        # saves go in chunks of up to 8, the saves chained across chunks.
+        self.limit_daemon_batches(8)
+        for seed, staging in enumerate(("auto", "torch", "kvshim"), 40):
+            with self.subTest(staging=staging):
+                a_eng = self.engine(staging=staging, max_batch_keys=8)
+                a_log = self.log_calls(a_eng)
+                a = FakeRequest("A", prompt(seed, 20 * BS + 1))
+                self.assertEqual(self.run_prefill(a_eng, a), 0)
+                self.assertEqual(a_eng.worker.stats["save_errors"], 0)
+                self.assertEqual(a_eng.worker.stats["saved_blocks"], 20)
+                keys = kvdepot.integrations.block_hashes(a.all_token_ids, BS)[:20]
+                puts = [(k, p) for c, k, p in a_log.calls if c == "put"]
+                self.assertEqual([len(k) for k, _ in puts], [8, 8, 4])
+                self.assertEqual([x for k, _ in puts for x in k], keys)
+                # Each chunk's first block links to the chunk before's last.
+                self.assertEqual([x for _, p in puts for x in p],
+                                 kvdepot.integrations.parents_of(keys, b""))
+                a_eng.finish(a)
+                a_blocks = [a_eng.block_kv(a, i) for i in range(20)]
+
+                b_eng = self.engine(staging=staging, max_batch_keys=8)
+                b_log = self.log_calls(b_eng)
+                b = FakeRequest("B", list(a.prompt_token_ids))
+                self.assertEqual(b_eng.admit(b), 20 * BS)
+                self.assertEqual(b_log.sizes("lookup"), [8, 8, 4])
+                self.assertEqual(self.pins(), 3)  # one per chunk
+                b_eng.step([b], [], {"B": 1})
+                self.assertEqual(b_eng.load_errors, [])
+                self.assertEqual(b_eng.worker.stats["loaded_blocks"], 20)
+                self.assertEqual(sum(b_log.sizes("get")), 20)
+                self.assertLessEqual(max(b_log.sizes("get")), 8)
+                for i in range(20):
+                    for got, want in zip(b_eng.block_kv(b, i), a_blocks[i]):
+                        self.assertTrue(torch.equal(got.view(torch.int16),
+                                                    want.view(torch.int16)), i)
+                # The loaded KV is what recomputing gives.
+                for i in (0, 8, 19):
+                    for got, want in zip(b_eng.block_kv(b, i),
+                                         b_eng.expected_block_kv(b.all_token_ids, i)):
+                        self.assertTrue(torch.equal(got, want), i)
+                self.assertEqual(self.pins(), 0)
+                b_eng.finish(b)
+                self.assertEqual(self.pins(), 0)
+
+    def test_long_prompt_with_the_default_limit(self):
+        # The daemon's and the connector's default of 1024 keys a call, and
+        # a prompt of 1100 blocks (block_size 2 keeps the stand-in model
+        # cheap; with vLLM's 16 that is 17600 tokens).
+        bs, n = 2, 1100
+        a_eng = self.engine(block_size=bs, num_blocks=n + 8)
+        a_log = self.log_calls(a_eng)
+        a = FakeRequest("A", prompt(50, n * bs + 1))
+        self.assertEqual(self.run_prefill(a_eng, a), 0)
+        self.assertEqual(a_eng.worker.stats["save_errors"], 0)
+        self.assertEqual(a_eng.worker.stats["saved_blocks"], n)
+        a_eng.finish(a)
+        b_eng = self.engine(block_size=bs, num_blocks=n + 8)
+        b_log = self.log_calls(b_eng)
+        b = FakeRequest("B", list(a.prompt_token_ids))
+        self.assertEqual(b_eng.admit(b), n * bs)
+        self.assertEqual(self.pins(), 2)
+        b_eng.step([b], [], {"B": 1})
+        self.assertEqual(b_eng.load_errors, [])
+        self.assertEqual(b_eng.worker.stats["loaded_blocks"], n)
+        for i in range(n):
+            for got, want in zip(b_eng.block_kv(b, i), a_eng.block_kv(a, i)):
+                self.assertTrue(torch.equal(got, want), i)
+        for i in (0, n - 1):
+            for got, want in zip(b_eng.block_kv(b, i),
+                                 b_eng.expected_block_kv(b.all_token_ids, i)):
+                self.assertTrue(torch.equal(got, want), i)
+        b_eng.finish(b)
+        self.assertEqual(self.pins(), 0)
+        sizes = a_log.sizes() + b_log.sizes()
+        self.assertLessEqual(max(sizes), kv_vllm.DEFAULT_MAX_BATCH_KEYS)
+
+    def test_prefix_ends_in_a_partly_missing_chunk(self):
+        # A block missing in the second chunk (blocks 8-15) ends the prefix
+        # there: exactly the leading hits are offered and loaded, and the
+        # third chunk is not looked up.
+        self.limit_daemon_batches(8)
+        a_eng = self.engine(max_batch_keys=8)
+        a = FakeRequest("A", prompt(51, 20 * BS + 1))
+        self.run_prefill(a_eng, a)
+        a_eng.finish(a)
+        keys = kvdepot.integrations.block_hashes(a.all_token_ids, BS)[:20]
+        ns = a_eng.scheduler._scheduler_namespace
+        # (missing block, pins held: the second chunk's too if it hit any)
+        for missing, pins in ((10, 2), (8, 1)):
+            with self.subTest(missing=missing):
+                with kvdepot.Client(self.daemon.address) as cl:
+                    self.assertEqual(cl.evict(ns, [keys[missing]])["evicted_blocks"], 1)
+                b_eng = self.engine(max_batch_keys=8)
+                b_log = self.log_calls(b_eng)
+                b = FakeRequest("B", list(a.prompt_token_ids))
+                self.assertEqual(b_eng.admit(b), missing * BS)
+                self.assertEqual(b_log.sizes("lookup"), [8, 8])
+                self.assertEqual(self.pins(), pins)
+                b_eng.step([b], [], {"B": len(b.all_token_ids) - missing * BS})
+                self.assertEqual(b_eng.load_errors, [])
+                self.assertEqual(b_eng.worker.stats["loaded_blocks"], missing)
+                for i in range(missing):
+                    for got, want in zip(b_eng.block_kv(b, i), a_eng.block_kv(a, i)):
+                        self.assertTrue(torch.equal(got, want), i)
+                # B computed the rest, and saved it from the missing block on.
+                self.assertEqual(b_eng.worker.stats["saved_blocks"], 20 - missing)
+                b_eng.finish(b)
+                self.assertEqual(self.pins(), 0)
+                with kvdepot.Client(self.daemon.address) as cl:  # all 20 again
+                    self.assertEqual(sum(cl.lookup(ns, keys[lo:lo + 8], prefix=True)
+                                         .prefix_hits for lo in (0, 8, 16)), 20)
+
+    def test_load_miss_in_a_later_chunk_reports_from_there(self):
+        # Block 11 (second chunk) is lost between the lookup and the load:
+        # blocks 0-10 load, 11-19 are reported; the torch path reads no
+        # chunk past it. A read that fails in the second chunk likewise.
+        self.limit_daemon_batches(8)
+        a_eng = self.engine(max_batch_keys=8)
+        a = FakeRequest("A", prompt(52, 20 * BS + 1))
+        self.run_prefill(a_eng, a)
+        a_eng.finish(a)
+        ns = a_eng.scheduler._scheduler_namespace
+        keys = kvdepot.integrations.block_hashes(a.all_token_ids, BS)[:20]
+        cases = (("auto", None, 11), ("torch", None, 11), ("torch", ("get", 2), 8))
+        for staging, fail, first_bad in cases:
+            with self.subTest(staging=staging, fail=fail):
+                b_eng = self.engine(staging=staging, max_batch_keys=8)
+                b = FakeRequest("B", list(a.prompt_token_ids))
+                self.assertEqual(b_eng.admit(b), 20 * BS)
+                b_log = self.log_calls(b_eng, fail=fail)
+                if fail is None:
+                    b_eng.scheduler._unpin(b_eng.scheduler._requests["B"])
+                    with kvdepot.Client(self.daemon.address) as cl:
+                        self.assertEqual(cl.evict(ns, [keys[11]])["evicted_blocks"], 1)
+                b_eng.step([b], [], {"B": 1})
+                self.assertEqual(sorted(b_eng.load_errors),
+                                 sorted(b_eng.blocks["B"][first_bad:20]))
+                self.assertEqual(b_eng.worker.stats["loaded_blocks"], first_bad)
+                for i in range(first_bad):
+                    for got, want in zip(b_eng.block_kv(b, i), a_eng.block_kv(a, i)):
+                        self.assertTrue(torch.equal(got, want), i)
+                for got in b_eng.block_kv(b, first_bad):  # untouched
+                    self.assertEqual(int(got.view(torch.int16).abs().sum()), 0)
+                if staging == "torch":
+                    self.assertEqual(b_log.sizes("get"), [8] if fail else [8, 8])
+                b_eng.recompute_failed(b, b_eng.load_errors)
+                b_eng.step([], [b], {"B": len(b.all_token_ids) - b.num_computed_tokens})
+                b_eng.finish(b)
+                self.assertEqual(self.pins(), 0)
+                # The recomputed blocks were saved again: all 20 are stored.
+                with kvdepot.Client(self.daemon.address) as cl:
+                    self.assertEqual(sum(cl.lookup(ns, keys[lo:lo + 8], prefix=True)
+                                         .prefix_hits for lo in (0, 8, 16)), 20)
+
+    def test_chunked_lookups_release_every_pin(self):
+        # Three chunks, three pins: each way a lookup's pins end releases
+        # them all, once.
+        self.limit_daemon_batches(8)
+        a_eng = self.engine(max_batch_keys=8)
+        a = FakeRequest("A", prompt(53, 20 * BS + 1))
+        self.run_prefill(a_eng, a)
+        a_eng.finish(a)
+        e = self.engine(max_batch_keys=8)
+        sched = e.scheduler
+        unpins = []
+        real_unpin = sched._get_client().unpin
+        sched._client.unpin = lambda pin: (unpins.append(pin), real_unpin(pin))[1]
+
+        def request(rid):
+            return FakeRequest(rid, list(a.prompt_token_ids))
+
+        # vLLM does not take the offer.
+        r = request("R1")
+        self.assertEqual(sched.get_num_new_matched_tokens(r, 0), (20 * BS, False))
+        self.assertEqual((self.pins(), len(sched._requests["R1"].pin_ids)), (3, 3))
+        sched.update_state_after_alloc(r, None, 0)
+        self.assertEqual((self.pins(), len(unpins)), (0, 3))
+        # A second lookup replaces the first; the request then finishes.
+        r = request("R2")
+        sched.get_num_new_matched_tokens(r, 0)
+        sched.get_num_new_matched_tokens(r, 0)
+        self.assertEqual((self.pins(), len(unpins)), (3, 6))
+        self.assertEqual(sched.request_finished(r, []), (False, None))
+        self.assertEqual((self.pins(), len(unpins)), (0, 9))
+        # The hits (10 blocks, two chunks) are all computed locally already:
+        # nothing offered.
+        r = FakeRequest("R3", a.prompt_token_ids[:10 * BS] + prompt(54, 10 * BS + 1))
+        self.assertEqual(sched.get_num_new_matched_tokens(r, 12 * BS), (0, False))
+        self.assertEqual((self.pins(), len(unpins)), (0, 11))
+        sched.request_finished(r, [])
+        # The second chunk's lookup fails: the first chunk's pin goes too.
+        log = self.log_calls(e, fail=("lookup", 2))
+        r = request("R4")
+        self.assertEqual(sched.get_num_new_matched_tokens(r, 0), (0, False))
+        self.assertEqual(sched.stats["lookup_errors"], 1)
+        self.assertEqual(self.pins(), 0)
+        self.assertEqual(sched._requests["R4"].pin_ids, [])
+        sched.request_finished(r, [])
+        # Loaded, then shut down with another lookup's pins held.
+        sched._client = log._inner
+        r = request("R5")
+        self.assertEqual(e.admit(r), 20 * BS)
+        e.step([r], [], {"R5": 1})
+        self.assertEqual(self.pins(), 0)
+        r6 = request("R6")
+        sched.get_num_new_matched_tokens(r6, 0)
+        self.assertEqual(self.pins(), 3)
+        sched.shutdown()
+        self.assertEqual(self.pins(), 0)
+        self.assertEqual(len(set(unpins)), len(unpins))  # each released once
 
     def test_bad_config_disables_instead_of_failing(self):
         cfg = make_vllm_config(self.daemon.address, num_layers=LAYERS, block_size=BS,

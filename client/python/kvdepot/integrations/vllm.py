@@ -33,7 +33,7 @@ How it works (one forward pass at a time; loads stream layer by layer):
 * Scheduler: ``get_num_new_matched_tokens`` looks up the prompt's full
   blocks (never the last token: vLLM must compute at least one) with
   ``prefix`` and ``pin``; the hits beyond the locally computed tokens are
-  offered. The pin is held until the output of the step that loads them
+  offered. The pins are held until the output of the step that loads them
   is in (``update_connector_output`` for that step; with async scheduling
   not the one before it), the request finishes, or a new lookup replaces
   it. ``build_connector_meta`` sends the workers the block ids and
@@ -50,6 +50,17 @@ How it works (one forward pass at a time; loads stream layer by layer):
   ``get_block_ids_with_load_errors`` and ``shutdown``. ``wait_for_save``
   stores the step's publishable blocks after the forward pass
   (``save_kv_layer`` only records the layer).
+* Batches: the daemon takes at most ``max_batch_keys`` keys (1024 by
+  default) in one lookup, put or read, and one block is one key, so a
+  prompt of more blocks (over 16k tokens with vLLM's block size of 16) is
+  looked up, loaded and saved in chunks of at most that many keys. The
+  lookup goes chunk after chunk, pinning each, and stops at the first chunk
+  not entirely stored; the request holds every chunk's pin until it is
+  released as above. A load is one :meth:`kvdepot.KvCacheStore.load_async`
+  whose batches are chunks (the torch staging path reads chunk after chunk
+  and stops at the first not entirely loaded); a save puts chunk after
+  chunk, each chunk's first block linked to the last of the one before, as
+  one call would.
 * Errors never escape: a failed lookup offers 0 tokens; a failed or partial
   load reports the blocks from the first one not loaded through
   ``get_block_ids_with_load_errors`` (vLLM then recomputes them); a failed
@@ -99,7 +110,9 @@ model), ``timeout_s`` (5), ``lease_s`` (0: the daemon's default),
 library for any device, its CPU build for CPU caches, and fails without it;
 ``torch`` forces the torch staging path),
 ``load`` / ``save`` (booleans; default from ``kv_role``: ``kv_producer``
-saves, ``kv_consumer`` loads, ``kv_both`` does both).
+saves, ``kv_consumer`` loads, ``kv_both`` does both), ``max_batch_keys``
+(1024, at least 2: set it to the daemon's ``max_batch_keys`` where that is
+lower).
 """
 
 from __future__ import annotations
@@ -114,6 +127,12 @@ from typing import Any, Dict, Iterable, List, Optional, Sequence, Set, Tuple
 from . import block_hashes, model_label, parents_of
 
 logger = logging.getLogger(__name__)
+
+# The daemon's default max_batch_keys (README, "Configuration"): the most keys
+# one Lookup, put or Read takes. The daemon reports its own value when a
+# session opens (OpenSessionResponse.max_batch_keys), but the Python client
+# does not expose it; extra_config["max_batch_keys"] overrides this.
+DEFAULT_MAX_BATCH_KEYS = 1024
 
 try:  # pragma: no cover - depends on the environment
     from vllm.distributed.kv_transfer.kv_connector.v1.base import (
@@ -235,7 +254,9 @@ class _RequestState:
     keys: List[bytes] = field(default_factory=list)  # full-block keys so far
     block_ids: List[int] = field(default_factory=list)  # the request's blocks
     stored_blocks: int = 0  # blocks [0, stored_blocks) are known stored
-    pin_id: int = 0
+    # The pins of the last lookup, one per chunk it pinned (see
+    # KvDepotConnector._unpin, which releases them all).
+    pin_ids: List[int] = field(default_factory=list)
     load_from: int = 0  # block range to load, when load_pending
     load_to: int = 0
     load_pending: bool = False
@@ -308,6 +329,12 @@ class KvDepotConnector(KVConnectorBase_V1):  # type: ignore[misc,valid-type]
         self._save_enabled = _truthy(
             extra.get("save", kv_role in ("kv_producer", "kv_both"))
         )
+        # At least 2: a KvCacheStore batch may hold 2 blocks (see _load_async).
+        self._max_batch_keys = int(extra.get("max_batch_keys", DEFAULT_MAX_BATCH_KEYS))
+        if self._max_batch_keys < 2:
+            logger.warning("kvdepot: max_batch_keys=%d is below 2; using 2",
+                           self._max_batch_keys)
+            self._max_batch_keys = 2
         self._block_size = int(vllm_config.cache_config.block_size)
         mc = getattr(vllm_config, "model_config", None)
         pc = getattr(vllm_config, "parallel_config", None)
@@ -347,6 +374,7 @@ class KvDepotConnector(KVConnectorBase_V1):  # type: ignore[misc,valid-type]
         self._layer_index: Dict[str, int] = {}  # name -> index in _caches
         self._pending_load: Optional[_PendingLoad] = None
         self._store: Any = None
+        self._store_pipeline_batches = 1  # the store's own (see _load_async)
         self._via_store = True
         self._load_errors: Set[int] = set()
         # FULL CUDA graph replay runs the attention layers without the
@@ -424,6 +452,12 @@ class KvDepotConnector(KVConnectorBase_V1):  # type: ignore[misc,valid-type]
 
     def _namespace(self, layout: Any, tp_rank: int) -> str:
         return layout.namespace_for(self._model_label(tp_rank))
+
+    def _chunks(self, n: int) -> List[Tuple[int, int]]:
+        """[lo, hi) ranges splitting ``n`` keys into daemon calls of at most
+        max_batch_keys keys, in order."""
+        step = self._max_batch_keys
+        return [(lo, min(n, lo + step)) for lo in range(0, n, step)]
 
     def _get_client(self) -> Any:
         if self._client is None:
@@ -521,12 +555,35 @@ class KvDepotConnector(KVConnectorBase_V1):  # type: ignore[misc,valid-type]
         return st.keys[:num_blocks]
 
     def _unpin(self, st: _RequestState) -> None:
-        pin, st.pin_id = st.pin_id, 0
-        if pin and self._client is not None:
+        """Releases every pin of the request's last lookup, once (a failed
+        unpin is logged: the session's lease ends it)."""
+        pins, st.pin_ids = st.pin_ids, []
+        if self._client is None:
+            return
+        for pin in pins:
             try:
                 self._client.unpin(pin)
             except Exception as e:  # noqa: BLE001 - the session lease ends it
                 logger.warning("kvdepot: unpin %d failed: %s", pin, e)
+
+    def _lookup_prefix(self, st: _RequestState, keys: List[bytes]) -> int:
+        """The stored prefix of ``keys``, in blocks, pinned: a prefix lookup
+        per chunk, in order, up to the first chunk not entirely stored; each
+        chunk's pin joins ``st.pin_ids`` as soon as it is taken (so that
+        :meth:`_unpin` releases it should a later chunk fail)."""
+        client = self._get_client()
+        hits = 0
+        for lo, hi in self._chunks(len(keys)):
+            reply = client.lookup(self._scheduler_namespace, keys[lo:hi],
+                                  prefix=True, pin=True)
+            pin = int(reply.pin_id)
+            if pin:
+                st.pin_ids.append(pin)
+            got = int(reply.prefix_hits)
+            hits += got
+            if got < hi - lo:
+                break
+        return hits
 
     def get_num_new_matched_tokens(
         self, request: Any, num_computed_tokens: int
@@ -546,11 +603,7 @@ class KvDepotConnector(KVConnectorBase_V1):  # type: ignore[misc,valid-type]
                 return 0, False
             keys = self._keys_upto(st, num_blocks)
             self.stats["lookups"] += 1
-            reply = self._get_client().lookup(
-                self._scheduler_namespace, keys, prefix=True, pin=True
-            )
-            st.pin_id = int(reply.pin_id)
-            hits = int(reply.prefix_hits)
+            hits = self._lookup_prefix(st, keys)
             st.stored_blocks = max(st.stored_blocks, hits)
             matched = hits * self._block_size - num_computed_tokens
             if matched <= 0:
@@ -685,7 +738,7 @@ class KvDepotConnector(KVConnectorBase_V1):  # type: ignore[misc,valid-type]
     def request_finished(
         self, request: Any, block_ids: List[int]
     ) -> Tuple[bool, Optional[Dict[str, Any]]]:
-        """Drops the request's pin. Its blocks are saved step by step, so vLLM
+        """Drops the request's pins. Its blocks are saved step by step, so vLLM
         may free them now, ``(False, None)``, unless some of them still wait
         for a load's outcome (tensor parallelism, async scheduling; see
         ``_plan``): then ``(True, None)``, and the blocks are saved in the
@@ -807,6 +860,11 @@ class KvDepotConnector(KVConnectorBase_V1):  # type: ignore[misc,valid-type]
             self._store = kvdepot.KvCacheStore(
                 self._server, self._layout, self._model_label(rank),
                 client=self._get_client(), shim=shim)
+            # No store batch above max_batch_keys blocks (see _load_async).
+            self._store.min_batch_bytes = min(
+                self._store.min_batch_bytes,
+                self._max_batch_keys * self._layout.object_bytes)
+            self._store_pipeline_batches = self._store.pipeline_batches
             self._via_store = self._staging != "torch"
             if self._staging == "auto" and first.device.type != "cpu":
                 try:
@@ -864,17 +922,48 @@ class KvDepotConnector(KVConnectorBase_V1):  # type: ignore[misc,valid-type]
             return (lay.num_layers, lay.block_size, lay.head_size)
         return (lay.num_layers, 2, lay.block_size, lay.num_kv_heads, lay.head_size)
 
-    def _torch_load(self, block_ids: List[int], keys: List[bytes]) -> List[bool]:
-        """The torch staging path's load (synchronous, all layers)."""
+    def _torch_load(self, block_ids: List[int],
+                    keys: List[bytes]) -> Tuple[List[bool], List[Any]]:
+        """The torch staging path's load (synchronous, all layers): a read
+        per chunk, in order, up to the first chunk not entirely loaded (only
+        a loaded prefix is used). Returns a flag per block and an error per
+        block (None, or the ``(name, message)`` of a chunk that raised, at
+        its first block); the blocks from a failed chunk on are not loaded."""
         import torch
 
-        bufs = [torch.empty(self._object_shape(), dtype=self._caches[0].dtype)
-                for _ in keys]
-        filled = self._store.client.get_into(self._store.namespace, keys, bufs)
-        hits = [i for i, ok in enumerate(filled) if ok]
-        if hits:
-            self._torch_scatter([block_ids[i] for i in hits], [bufs[i] for i in hits])
-        return filled
+        filled = [False] * len(keys)
+        errors: List[Any] = [None] * len(keys)
+        for lo, hi in self._chunks(len(keys)):
+            bufs = [torch.empty(self._object_shape(), dtype=self._caches[0].dtype)
+                    for _ in range(lo, hi)]
+            try:
+                got = self._store.client.get_into(self._store.namespace, keys[lo:hi], bufs)
+            except Exception as e:  # noqa: BLE001 - reported by the caller
+                errors[lo] = (type(e).__name__, str(e))
+                break
+            hits = [i for i, ok in enumerate(got) if ok]
+            if hits:
+                self._torch_scatter([block_ids[lo + i] for i in hits],
+                                    [bufs[i] for i in hits])
+            filled[lo:hi] = [bool(ok) for ok in got]
+            if len(hits) < hi - lo:
+                break
+        return filled, errors
+
+    def _load_async(self, block_ids: List[int], keys: List[bytes]) -> Any:
+        """``KvCacheStore.load_async`` in batches (one daemon read each) of
+        at most max_batch_keys blocks. The store splits a load into up to
+        ``pipeline_batches`` batches of at least 2 blocks and
+        ``min_batch_bytes`` (register_kv_caches caps that at max_batch_keys
+        objects) when the load starts, so for this call it gets enough
+        batches to keep each within the limit; its saves keep its own
+        number (each save here is one chunk)."""
+        needed = -(-len(keys) // self._max_batch_keys)
+        self._store.pipeline_batches = max(self._store_pipeline_batches, needed)
+        try:
+            return self._store.load_async(self._caches, block_ids, keys)
+        finally:
+            self._store.pipeline_batches = self._store_pipeline_batches
 
     def _save(self, block_ids: List[int], keys: List[bytes], parents: List[bytes]) -> None:
         if self._via_store:
@@ -902,8 +991,8 @@ class KvDepotConnector(KVConnectorBase_V1):  # type: ignore[misc,valid-type]
         if not self._via_store:
             for spec in meta.loads:
                 try:
-                    filled = self._torch_load(spec.block_ids, spec.keys)
-                    self._account(spec, filled, None)
+                    filled, errors = self._torch_load(spec.block_ids, spec.keys)
+                    self._account(spec, filled, errors)
                 except Exception as e:  # noqa: BLE001
                     self._load_failed(spec, spec.block_ids, str(e))
             return
@@ -931,8 +1020,7 @@ class KvDepotConnector(KVConnectorBase_V1):  # type: ignore[misc,valid-type]
         if not specs:
             return
         try:
-            handle = self._store.load_async(
-                self._caches,
+            handle = self._load_async(
                 [b for spec in specs for b in spec.block_ids],
                 [k for spec in specs for k in spec.keys],
             )
@@ -1035,14 +1123,20 @@ class KvDepotConnector(KVConnectorBase_V1):  # type: ignore[misc,valid-type]
             self._save_spec(spec)
 
     def _save_spec(self, spec: SaveSpec) -> None:
-        """Stores one spec's blocks; a failure is logged and counted."""
+        """Stores one spec's blocks, a chunk at a time, in order: each chunk's
+        first block links to the last of the chunk before (``spec.parents``
+        chains them), which is stored by then. A failure is logged and
+        counted; the chunks from the failed one on are not stored."""
+        saved = 0
         try:
-            self._save(spec.block_ids, spec.keys, spec.parents)
-            self.stats["saved_blocks"] += len(spec.keys)
+            for lo, hi in self._chunks(len(spec.keys)):
+                self._save(spec.block_ids[lo:hi], spec.keys[lo:hi], spec.parents[lo:hi])
+                saved = hi
         except Exception as e:  # noqa: BLE001
-            self.stats["save_errors"] += len(spec.keys)
+            self.stats["save_errors"] += len(spec.keys) - saved
             logger.warning("kvdepot: saving %d blocks of %s failed: %s",
-                           len(spec.keys), spec.req_id, e)
+                           len(spec.keys) - saved, spec.req_id, e)
+        self.stats["saved_blocks"] += saved
 
     def get_finished(
         self, finished_req_ids: Set[str]
