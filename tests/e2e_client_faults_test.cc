@@ -29,6 +29,7 @@
 #include "client/client.h"
 #include "tests/daemon_process.h"
 #include "tests/status_matchers.h"
+#include "tests/ucx_daemon.h"
 #include "transport/ucx_test_util.h"
 
 namespace kvdepot {
@@ -45,15 +46,9 @@ class ClientFaultsTest : public ::testing::Test {
  protected:
   void StartDaemon(const std::string& transport) {
     transport_ = transport;
-    for (const auto& [name, value] : ucx_test::TransportConfig(transport)) {
-      setenv(absl::StrCat("UCX_", name).c_str(), value.c_str(), 1);
-    }
-    absl::StatusOr<std::unique_ptr<DaemonProcess>> d =
-        DaemonProcess::Start({"--dram-capacity", "256MiB"});
+    absl::StatusOr<std::unique_ptr<DaemonProcess>> d = testing::StartUcxDaemon(transport);
     ASSERT_OK(d.status());
     daemon_ = *std::move(d);
-    ASSERT_TRUE(absl::StrContains(daemon_->Log(), "UCX data plane on"))
-        << daemon_->Log();
   }
 
   void TearDown() override {
@@ -61,9 +56,7 @@ class ClientFaultsTest : public ::testing::Test {
       kill(daemon_->pid(), SIGCONT);
       EXPECT_EQ(daemon_->Stop(SIGTERM).value_or(-1), 0) << daemon_->Log();
     }
-    for (const auto& [name, value] : ucx_test::TransportConfig(transport_)) {
-      unsetenv(absl::StrCat("UCX_", name).c_str());
-    }
+    testing::UnsetUcxEnvironment(transport_);
   }
 
   std::unique_ptr<Client> NewClient(absl::Duration rpc_timeout,

@@ -34,6 +34,7 @@
 #include "storage/internal/sync_point.h"
 #include "storage/status_macros.h"
 #include "tests/daemon_process.h"
+#include "tests/ucx_daemon.h"
 #include "tests/status_matchers.h"
 #include "transport/net_devices.h"
 #include "transport/request_message.h"
@@ -144,22 +145,15 @@ struct HandMadeClient {
 class UcxE2eTest : public ::testing::TestWithParam<std::string> {
  protected:
   void SetUp() override {
-    for (const auto& [name, value] : ucx_test::TransportConfig(GetParam())) {
-      setenv(absl::StrCat("UCX_", name).c_str(), value.c_str(), 1);
-    }
     absl::StatusOr<std::unique_ptr<DaemonProcess>> d =
-        DaemonProcess::Start({"--dram-capacity", "256MiB"});
+        testing::StartUcxDaemon(GetParam());
     ASSERT_OK(d.status());
     daemon_ = *std::move(d);
-    ASSERT_TRUE(absl::StrContains(daemon_->Log(), "UCX data plane on"))
-        << daemon_->Log();
     client_ = NewClient();
   }
 
   void TearDown() override {
-    for (const auto& [name, value] : ucx_test::TransportConfig(GetParam())) {
-      unsetenv(absl::StrCat("UCX_", name).c_str());
-    }
+    testing::UnsetUcxEnvironment(GetParam());
   }
 
   // A client of daemon_, or of the daemon at `server`.
