@@ -401,6 +401,9 @@ Client::~Client() {
     }
     for (const std::shared_ptr<Link>& link : links) link->worker->Stop();
     links.clear();
+    // Checks of replies still queued read the buffers they landed in: done
+    // before those buffers (AllocateBuffer memory) go with ucx_.
+    ucx_->verify_pool.reset();
   }
   // Ops still waiting for their copy deadline are reported last, once the
   // memory of their buffers (AllocateBuffer) has gone with ucx_: no caller
@@ -1335,11 +1338,6 @@ bool MaybeUnanswered(const absl::Status& st) {
   }
 }
 
-// The daemon did not answer in time: trying it again over another path
-// would only wait as long again.
-bool NotAnswering(const absl::Status& st) {
-  return absl::IsUnavailable(st) || absl::IsDeadlineExceeded(st);
-}
 
 // Ends a PutFromAsync op from the daemon's answer (state.pull_resp when OK).
 void FinishPut(TransferOp::State& state, const absl::Status& st) {
@@ -1355,6 +1353,16 @@ void FinishPut(TransferOp::State& state, const absl::Status& st) {
 }
 
 }  // namespace
+
+bool Client::DaemonNotAnswering(const absl::Status& st) const {
+  // Trying the daemon again over another path would only wait as long
+  // again. A deadline passed: it did not answer (a stalled daemon keeps its
+  // connections up). UNAVAILABLE over a channel that is up is the daemon's
+  // own answer (its side of the UCX endpoint failed, it is stopping): the
+  // gRPC byte path may still serve.
+  if (absl::IsDeadlineExceeded(st)) return true;
+  return absl::IsUnavailable(st) && channel_->GetState(false) != GRPC_CHANNEL_READY;
+}
 
 absl::StatusOr<Client::UcxTarget> Client::PrepareUcx(
     absl::Span<const absl::Span<const char>> ranges, bool* unreachable) {
@@ -1380,7 +1388,7 @@ absl::StatusOr<Client::UcxTarget> Client::PrepareUcx(
   UcxTarget target;
   absl::StatusOr<uint64_t> session = EnsureSession();
   if (!session.ok()) {
-    *unreachable = NotAnswering(session.status());
+    *unreachable = DaemonNotAnswering(session.status());
     return session.status();
   }
   target.session = *session;
@@ -1415,6 +1423,10 @@ absl::Status Client::RegisterInSession(
   // The buffers this call registers, and those another call registers now.
   struct Registration {
     size_t buffer;
+    // This call's registration is the one others of the session wait for
+    // (the buffer's `registering`); false when another session's was in
+    // flight already: its outcome is then this call's alone.
+    bool published;
     v1::RegisterBufferRequest req;
     absl::Status status;
     v1::RegisterBufferResponse resp;
@@ -1431,9 +1443,14 @@ absl::Status Client::RegisterInSession(
         theirs.push_back(b);
       } else {
         // First use in this session: hand the daemon the buffer's key.
-        buf.registering = session;
+        // Another session's registration in flight (an ended session's
+        // last caller, or the next session's first) keeps the buffer: its
+        // waiters wait for it, not for this one.
+        const bool publish = buf.registering == 0;
+        if (publish) buf.registering = session;
         Registration& r = mine.emplace_back();
         r.buffer = b;
+        r.published = publish;
         r.req.set_session_id(session);
         r.req.set_packed_rkey(buf.region->packed_rkey());
         r.req.set_address(buf.region->address());
@@ -1460,8 +1477,7 @@ absl::Status Client::RegisterInSession(
     for (const Registration& r : mine) {
       Ucx::Buffer& buf = ucx_->buffers[r.buffer];
       if (r.status.ok()) (*ids)[r.buffer] = {r.resp.buffer_id(), r.resp.copied_in_place()};
-      // Published unless a call for a newer session took the buffer over.
-      if (buf.registering != session) continue;
+      if (!r.published) continue;
       buf.registering = 0;
       if (r.status.ok()) {
         buf.session = session;
@@ -1492,14 +1508,19 @@ absl::Status Client::RegisterInSession(
       } else if (buf.failed_session == session && buf.failed_at >= arrived) {
         failed = buf.failure;  // the registration waited for failed
       } else {
-        // Taken over for another session: this one is on its way out.
-        failed = absl::AbortedError("the session changed while a buffer was registered");
+        // Cannot happen: only the registration's own caller ends it.
+        failed = absl::InternalError("a buffer's registration ended unpublished");
       }
     }
   }
   if (failed.ok()) return failed;
-  if (SessionGone(failed)) DropSession(session);
-  *unreachable = NotAnswering(failed);
+  *unreachable = DaemonNotAnswering(failed);
+  // NOT_FOUND: the session is gone. UNAVAILABLE from a daemon that does
+  // answer: its side of the session's UCX endpoint failed or is stopping;
+  // the next call opens a new session rather than fail on this one.
+  if (SessionGone(failed) || (absl::IsUnavailable(failed) && !*unreachable)) {
+    DropSession(session);
+  }
   return failed;
 }
 

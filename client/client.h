@@ -419,6 +419,10 @@ class Client {
   // The daemon no longer knows `session` (or its endpoint): forget it so
   // that the next call opens a new one.
   void DropSession(uint64_t session);
+  // Whether `st`, of a call to the daemon, means it is not answering (so
+  // that no other path is tried): a passed deadline, or UNAVAILABLE while
+  // the channel is not up.
+  bool DaemonNotAnswering(const absl::Status& st) const;
   void RememberPin(uint64_t pin_id, uint64_t session);
   // The session `pin_id` was taken in (pin_sessions_), else the current one.
   uint64_t PinSessionLocked(uint64_t pin_id) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
