@@ -193,8 +193,8 @@ class Client {
   // session, if any (waiting at most min(2 s, rpc_timeout / 2) for the
   // daemon), and stops the UCX workers (each within its close timeout,
   // 1 s), which ends every op still pending (failed): within about one
-  // rpc_timeout however the daemon behaves (a stopped daemon, rpc_timeout
-  // 3 s: 1.5 s). Ops still waiting for their copy deadline (AllocateBuffer)
+  // rpc_timeout plus a few seconds however the daemon behaves (a stopped
+  // daemon, rpc_timeout 3 s: 1.5 s to 3.5 s). Ops still waiting for their copy deadline (AllocateBuffer)
   // are reported as the last step, once the memory of their buffers is
   // freed.
   ~Client();
@@ -321,8 +321,13 @@ class Client {
   // thread, each call bounded by rpc_timeout. When the daemon does not
   // answer them in time (UNAVAILABLE, DEADLINE_EXCEEDED), the op fails at
   // once (a miss) rather than trying the gRPC path as well, and callers
-  // that wait for the same session or registration get its outcome: each
-  // call returns within about one rpc_timeout.
+  // that wait for the same session or registration get its outcome: no
+  // caller queues behind the others. Each waits about one rpc_timeout per
+  // step it takes itself: the caller that opens a session up to about two
+  // (OpenSession, once more without UCX when the daemon refuses its worker)
+  // plus the request connection's 5 s; one that waits for others' session
+  // and registrations up to two; one that registers buffers one
+  // rpc_timeout per buffer.
   // REQUIRES: keys.size() == dst.size(); dst stays valid and untouched
   // until the op is ready.
   TransferOp GetIntoAsync(absl::string_view ns,
