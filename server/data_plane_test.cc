@@ -312,6 +312,9 @@ TEST_F(DataPlaneTest, ASandboxThatCannotStartIsAnErrorAtStartup) {
   std::ostringstream log;
   auto sink = std::make_shared<spdlog::sinks::ostream_sink_mt>(log);
   sink->set_pattern("%l %v");
+  // The plane logs until it is destroyed (its threads, its destructor):
+  // before `log` goes, however the test ends.
+  absl::Cleanup stop_plane = [this] { plane_.reset(); };
   DataPlaneOptions options = PlaneOptions();
   options.address_sandbox = "/nonexistent/kvdepotd";
   StartPlane(options, sink);
@@ -345,6 +348,7 @@ TEST_F(DataPlaneTest, ASessionPastItsRequestsInFlightLeavesRoomForOthers) {
   options.on_refused = [&refused](absl::StatusCode code) {
     if (code == absl::StatusCode::kResourceExhausted) ++refused;
   };
+  absl::Cleanup stop_plane = [this] { plane_.reset(); };  // before `refused` goes
   StartPlane(options);
   HoldRequests();
   RequestClient* stalled = AttachRequestClient(1);
@@ -373,7 +377,6 @@ TEST_F(DataPlaneTest, ASessionPastItsRequestsInFlightLeavesRoomForOthers) {
   AnswerAll();
   EXPECT_EQ(plane_->requests_in_flight(), 0u);
   EXPECT_EQ(refused.load(), 1) << "served requests were reported as refused";
-  plane_.reset();  // before `refused` goes
 }
 
 TEST_F(DataPlaneTest, RequestBodiesInFlightAreBounded) {
