@@ -66,19 +66,20 @@ absl::Status WriteStream::Start(const v1::WriteHeader& h) {
     // The slot names its block; a header that names another (a client
     // writing the wrong slot) is refused before any byte lands. Key and
     // namespace may be left out; a checksum given is checked at the end.
-    if (!h.key().empty() && h.key() != cur_->slot->key()) {
+    cur_->key = cur_->slot->key();
+    if (!h.key().empty() && h.key() != cur_->key) {
       return absl::InvalidArgumentError(absl::StrCat(
           "header names block ", KeyToHex(h.key()), " but slot ", h.slot(),
           " of reservation ", h.reservation_id(), " is for block ",
-          KeyToHex(cur_->slot->key())));
+          KeyToHex(cur_->key)));
     }
-    if (!h.namespace_().empty() && h.namespace_() != cur_->slot->ns()) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          "header names namespace ", h.namespace_(), " but slot ", h.slot(),
-          " of reservation ", h.reservation_id(), " is in namespace ",
-          cur_->slot->ns()));
+    if (!h.namespace_().empty()) {
+      if (const std::string ns = cur_->slot->ns(); h.namespace_() != ns) {
+        return absl::InvalidArgumentError(absl::StrCat(
+            "header names namespace ", h.namespace_(), " but slot ", h.slot(),
+            " of reservation ", h.reservation_id(), " is in namespace ", ns));
+      }
     }
-    cur_->key = cur_->slot->key();
     return absl::OkStatus();
   }
   cur_->standalone = true;

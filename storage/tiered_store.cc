@@ -148,13 +148,12 @@ class TieredStoreImpl;
 class SlotHandleImpl final : public SlotHandle {
  public:
   SlotHandleImpl(TieredStoreImpl* store, ReservationId id, uint32_t slot,
-                 absl::Span<char> bytes, std::string key, absl::string_view ns)
-      : store_(store), id_(id), slot_(slot), bytes_(bytes), key_(std::move(key)),
-        ns_(ns) {}
+                 absl::Span<char> bytes)
+      : store_(store), id_(id), slot_(slot), bytes_(bytes) {}
   ~SlotHandleImpl() override;
   absl::Span<char> bytes() const override { return bytes_; }
-  const std::string& key() const override { return key_; }
-  absl::string_view ns() const override { return ns_; }
+  std::string key() const override;
+  std::string ns() const override;
   uint64_t Checksum() override;
   uint64_t CopyIn(const char* src) override;
   std::optional<uint64_t> CopyInUntil(const char* src, absl::Time deadline) override;
@@ -164,8 +163,6 @@ class SlotHandleImpl final : public SlotHandle {
   const ReservationId id_;
   const uint32_t slot_;
   const absl::Span<char> bytes_;
-  const std::string key_;
-  const absl::string_view ns_;  // NamespaceInfo::name: namespaces stay
 };
 
 class TieredStoreImpl final : public TieredStore {
@@ -502,12 +499,28 @@ class TieredStoreImpl final : public TieredStore {
     s.verified_checksum = 0;
     ++r->busy;
     return std::unique_ptr<SlotHandle>(new SlotHandleImpl(
-        this, id, slot, absl::Span<char>(arena_->base() + s.data_offset, s.size),
-        s.key, NamespaceById(r->ns_id)->name));
+        this, id, slot, absl::Span<char>(arena_->base() + s.data_offset, s.size)));
   }
 
   // SlotHandle::Checksum / CopyIn: the slot's final bytes hashed (outside
   // the lock) to `checksum`.
+  // SlotHandle::key / ns.
+  std::string SlotKey(ReservationId id, uint32_t slot) {
+    absl::MutexLock lock(&mu_);
+    auto it = reservations_.find(id);
+    return it == reservations_.end() ? "" : it->second.slots[slot].key;  // busy pins it
+  }
+  std::string SlotNamespace(ReservationId id) {
+    uint32_t ns_id;
+    {
+      absl::MutexLock lock(&mu_);
+      auto it = reservations_.find(id);
+      if (it == reservations_.end()) return "";  // cannot happen: busy pins it
+      ns_id = it->second.ns_id;
+    }
+    return NamespaceById(ns_id)->name;  // namespaces stay
+  }
+
   void MarkVerified(ReservationId id, uint32_t slot, uint64_t checksum) {
     absl::MutexLock lock(&mu_);
     auto it = reservations_.find(id);
@@ -1663,6 +1676,10 @@ uint64_t SlotHandleImpl::Checksum() {
   store_->MarkVerified(id_, slot_, sum);
   return sum;
 }
+
+std::string SlotHandleImpl::key() const { return store_->SlotKey(id_, slot_); }
+
+std::string SlotHandleImpl::ns() const { return store_->SlotNamespace(id_); }
 
 uint64_t SlotHandleImpl::CopyIn(const char* src) {
   return *CopyInUntil(src, absl::InfiniteFuture());

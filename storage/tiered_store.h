@@ -218,9 +218,10 @@ class SlotHandle {
  public:
   virtual ~SlotHandle() = default;
   virtual absl::Span<char> bytes() const = 0;
-  // The block the slot is for: its key and namespace (as BeginPut got them).
-  virtual const std::string& key() const = 0;
-  virtual absl::string_view ns() const = 0;
+  // The block the slot is for: its key and namespace (as BeginPut got
+  // them), looked up when asked (not every writer needs them).
+  virtual std::string key() const = 0;
+  virtual std::string ns() const = 0;
   // Hashes the slot's bytes now, for a writer whose bytes have just landed
   // and are likely still in cache, and returns their checksum: CommitPut
   // with that checksum takes the slot without hashing it again (with any
