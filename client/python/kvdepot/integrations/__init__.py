@@ -36,7 +36,7 @@ from __future__ import annotations
 import hashlib
 import re
 import struct
-from typing import List, Optional, Sequence, Union
+from typing import List, Optional, Sequence, Tuple, Union
 
 ExtraKey = Union[bytes, str, int]
 
@@ -47,7 +47,9 @@ _I64 = struct.Struct("<q")
 ROOT_HASH: bytes = hashlib.sha256(b"kvdepot/block-hash/v1/root").digest()
 
 __all__ = [
+    "DEFAULT_MAX_BATCH_KEYS",
     "ROOT_HASH",
+    "batch_ranges",
     "block_hashes",
     "encode_block",
     "hash_block",
@@ -149,3 +151,24 @@ def model_label(*parts: object, max_len: int = 100) -> str:
         digest = hashlib.sha256("\0".join(given).encode()).hexdigest()[:12]
         text = text[: max_len - 13] + "=" + digest
     return text
+
+
+# The daemon's default max_batch_keys (README, "Configuration"): the most keys
+# one Lookup, put or Read takes. The daemon reports its own value when a
+# session opens (OpenSessionResponse.max_batch_keys), but the Python client
+# does not expose it; the adapters take extra_config["max_batch_keys"].
+DEFAULT_MAX_BATCH_KEYS = 1024
+
+
+def batch_ranges(count: int, limit: int, unit: int = 1) -> List[Tuple[int, int]]:
+    """[lo, hi) ranges splitting ``count`` keys, in order, into daemon calls
+    of at most ``limit`` keys, each ending at a multiple of ``unit`` (the
+    objects of one page stay in one call); a unit of more than ``limit``
+    keys is split into pieces of ``limit``, the last ending at its
+    boundary."""
+    n = max(1, unit)
+    if n <= limit:
+        step = (limit // n) * n
+        return [(lo, min(count, lo + step)) for lo in range(0, count, step)]
+    return [(lo, min(page + n, lo + limit))
+            for page in range(0, count, n) for lo in range(page, page + n, limit)]

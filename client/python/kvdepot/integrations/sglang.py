@@ -80,15 +80,10 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Deque, Dict, List, Optional, Sequence, Tuple
 
-from . import model_label
+from . import DEFAULT_MAX_BATCH_KEYS, batch_ranges, model_label
 
 logger = logging.getLogger(__name__)
 
-# The daemon's default max_batch_keys (README, "Configuration"): the most keys
-# one Lookup, put or Read takes. The daemon reports its own value when a
-# session opens (OpenSessionResponse.max_batch_keys), but the Python client
-# does not expose it; extra_config["max_batch_keys"] overrides this.
-DEFAULT_MAX_BATCH_KEYS = 1024
 
 # Statistics kept for get_stats at most (per list): SGLang calls get_stats
 # only with its storage metrics on (enable_storage_metrics); this bounds the
@@ -332,12 +327,7 @@ class KvDepotHiCacheStorage(HiCacheStorage):  # type: ignore[misc,valid-type]
         """[lo, hi) object ranges of at most max_batch_keys, ending at page
         boundaries (a page with more objects than that: max_batch_keys
         each, the last of a page ending at its boundary)."""
-        n, limit = max(1, self._objects_per_page), self._max_batch_keys
-        if n <= limit:
-            step = (limit // n) * n
-            return [(lo, min(num_objects, lo + step)) for lo in range(0, num_objects, step)]
-        return [(lo, min(page + n, lo + limit))
-                for page in range(0, num_objects, n) for lo in range(page, page + n, limit)]
+        return batch_ranges(num_objects, self._max_batch_keys, self._objects_per_page)
 
     def _stored_prefix(self, okeys: List[bytes]) -> int:
         """How many of ``okeys``, from the first, are stored."""

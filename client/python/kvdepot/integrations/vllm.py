@@ -124,15 +124,10 @@ import re
 from dataclasses import dataclass, field
 from typing import Any, Dict, Iterable, List, Optional, Sequence, Set, Tuple
 
-from . import block_hashes, model_label, parents_of
+from . import DEFAULT_MAX_BATCH_KEYS, batch_ranges, block_hashes, model_label, parents_of
 
 logger = logging.getLogger(__name__)
 
-# The daemon's default max_batch_keys (README, "Configuration"): the most keys
-# one Lookup, put or Read takes. The daemon reports its own value when a
-# session opens (OpenSessionResponse.max_batch_keys), but the Python client
-# does not expose it; extra_config["max_batch_keys"] overrides this.
-DEFAULT_MAX_BATCH_KEYS = 1024
 
 try:  # pragma: no cover - depends on the environment
     from vllm.distributed.kv_transfer.kv_connector.v1.base import (
@@ -456,8 +451,7 @@ class KvDepotConnector(KVConnectorBase_V1):  # type: ignore[misc,valid-type]
     def _chunks(self, n: int) -> List[Tuple[int, int]]:
         """[lo, hi) ranges splitting ``n`` keys into daemon calls of at most
         max_batch_keys keys, in order."""
-        step = self._max_batch_keys
-        return [(lo, min(n, lo + step)) for lo in range(0, n, step)]
+        return batch_ranges(n, self._max_batch_keys)
 
     def _get_client(self) -> Any:
         if self._client is None:
