@@ -48,6 +48,11 @@ absl::Status Daemon::Init() {
                                              config_.metrics_namespace_labels);
   StoreOptions store_options = config_.store;
   store_options.nvme_path = data_dir_->path() + "/nvme";
+  if (std::string w = NvmeHeadroomWarning(store_options.nvme_capacity,
+                                          data_dir_->FilesystemBytes());
+      !w.empty()) {
+    log_->warn("{}", w);
+  }
   ASSIGN_OR_RETURN(store_, NewTieredStore(store_options, SystemClock()));
 
   if (!config_.metrics_listen.empty()) {

@@ -3,6 +3,7 @@
 #include <fcntl.h>
 #include <sys/file.h>
 #include <sys/stat.h>
+#include <sys/statvfs.h>
 #include <unistd.h>
 
 #include <cerrno>
@@ -13,6 +14,7 @@
 #include "absl/status/status.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
 #include "absl/strings/strip.h"
 
 namespace kvdepot {
@@ -62,5 +64,26 @@ absl::StatusOr<std::unique_ptr<DataDir>> DataDir::Open(const std::string& path) 
 }
 
 DataDir::~DataDir() { ::close(lock_fd_); }  // releases the flock
+
+uint64_t DataDir::FilesystemBytes() const {
+  struct statvfs fs;
+  if (statvfs(path_.c_str(), &fs) != 0) return 0;
+  return static_cast<uint64_t>(fs.f_blocks) * fs.f_frsize;
+}
+
+std::string NvmeHeadroomWarning(uint64_t nvme_capacity, uint64_t filesystem_bytes) {
+  if (nvme_capacity == 0 || filesystem_bytes == 0 ||
+      nvme_capacity <= filesystem_bytes / 4 * 3) {
+    return "";
+  }
+  constexpr double kGiB = 1024.0 * 1024 * 1024;
+  return absl::StrFormat(
+      "nvme_capacity (%.1f GiB) is over 3/4 of the data directory's "
+      "filesystem (%.1f GiB): the NVMe tier's files hold up to about 1.25x "
+      "its blocks until garbage collection catches up, and it takes no "
+      "writes while the filesystem is full; lower nvme_capacity or give it "
+      "a larger filesystem",
+      nvme_capacity / kGiB, filesystem_bytes / kGiB);
+}
 
 }  // namespace kvdepot

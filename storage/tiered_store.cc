@@ -21,6 +21,7 @@
 #include "absl/container/flat_hash_map.h"
 #include "absl/container/flat_hash_set.h"
 #include "absl/functional/function_ref.h"
+#include "absl/hash/hash.h"
 #include "absl/random/random.h"
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
@@ -630,6 +631,9 @@ class TieredStoreImpl final : public TieredStore {
     if (!all && keys.empty()) {
       return absl::InvalidArgumentError("evict needs keys or all");
     }
+    // No promotion of this namespace publishes a block while we run (see
+    // evict_stripes_).
+    absl::WriterMutexLock no_promotions(&EvictStripe(ns));
     EvictResult result;
     NamespaceInfo* info = FindNamespace(ns);
     auto drop = [&](std::unique_ptr<BlockEntry> e) {
@@ -639,14 +643,29 @@ class TieredStoreImpl final : public TieredStore {
       FreeEntry(std::move(e), /*lru=*/false);
     };
     // A copy on NVMe goes too (blocks are never pinned there). Returns
-    // whether there was one.
-    auto drop_nvme = [&](absl::string_view k) {
+    // whether there was one; `count` when the block was not already counted
+    // for its DRAM copy. A delete the tier could not make durable (RocksDB
+    // stopped: full disk, I/O error) would bring the block back after a
+    // restart: the first such error is the answer, after the other keys.
+    absl::Status nvme_error;
+    auto drop_nvme = [&](absl::string_view k, bool count) {
       if (nvme_ == nullptr) return false;
       absl::StatusOr<NvmeBlockMeta> meta = nvme_->Meta(ns, k);
-      if (!meta.ok() || !nvme_->Delete(ns, k).ok()) return false;
+      if (!meta.ok()) return false;
+      if (absl::Status st = nvme_->Delete(ns, k); !st.ok()) {
+        if (absl::IsNotFound(st)) return false;  // the tier evicted it
+        if (nvme_error.ok()) {
+          nvme_error = absl::Status(
+              st.code(), absl::StrCat("evict: deleting a block from NVMe: ",
+                                      st.message()));
+        }
+        return true;  // it was there: not "missing"
+      }
       admin_evictions_nvme_.fetch_add(1, std::memory_order_relaxed);
-      ++result.evicted_blocks;
-      result.evicted_bytes += meta->size;
+      if (count) {
+        ++result.evicted_blocks;
+        result.evicted_bytes += meta->size;
+      }
       return true;
     };
     // A block being demoted leaves DRAM once it is on NVMe: wait for that,
@@ -667,8 +686,14 @@ class TieredStoreImpl final : public TieredStore {
         nvme_->ForEachBlock([&](const NvmeBlockView& b) {
           if (b.ns == ns) on_nvme.emplace_back(b.key);
         });
-        for (const std::string& k : on_nvme) drop_nvme(k);
+        for (const std::string& k : on_nvme) {
+          // A block that stays in DRAM (pinned, or still being demoted)
+          // keeps its NVMe copy, as with `keys`: it is reported pinned.
+          if (info && index_.Peek(BlockIndex::MakeKey(info->id, k))) continue;
+          drop_nvme(k, /*count=*/true);
+        }
       }
+      RETURN_IF_ERROR(nvme_error);
       return result;
     }
     std::vector<absl::string_view> todo(keys.begin(), keys.end());
@@ -683,7 +708,7 @@ class TieredStoreImpl final : public TieredStore {
         switch (outcome) {
           case BlockIndex::RemoveOutcome::kRemoved:
             drop(std::move(e));
-            drop_nvme(k);
+            drop_nvme(k, /*count=*/false);
             break;
           case BlockIndex::RemoveOutcome::kDemoting:
             demoting.push_back(k);
@@ -693,7 +718,7 @@ class TieredStoreImpl final : public TieredStore {
             ++result.pinned_blocks;
             break;
           case BlockIndex::RemoveOutcome::kMissing:
-            if (!drop_nvme(k)) ++result.missing_keys;
+            if (!drop_nvme(k, /*count=*/true)) ++result.missing_keys;
             break;
         }
       }
@@ -704,6 +729,7 @@ class TieredStoreImpl final : public TieredStore {
       result.pinned_keys.emplace_back(k);
       ++result.pinned_blocks;
     }
+    RETURN_IF_ERROR(nvme_error);
     return result;
   }
 
@@ -1154,6 +1180,7 @@ class TieredStoreImpl final : public TieredStore {
       plan.info = NamespaceById(*id);
     }
     NamespaceInfo& info = *plan.info;
+    absl::ReaderMutexLock no_evict(&EvictStripe(plan.ns));
     struct Pending {
       const LookupPlan::Promotion* promotion;
       Slot slot;
@@ -1666,7 +1693,19 @@ class TieredStoreImpl final : public TieredStore {
   // Demotions ended (EvictOne), for an Evict waiting for one.
   absl::Mutex demote_mu_;
   uint64_t demotions_ended_ ABSL_GUARDED_BY(demote_mu_) = 0;
+  // A promotion holds its namespace's stripe shared from reading the block's
+  // NVMe metadata until it publishes the block in DRAM; an admin Evict
+  // holds it exclusively. Without it an Evict landing between the two found
+  // the block in neither tier's DRAM index, deleted its NVMe copy, and the
+  // promotion then put it back in DRAM. Striped by namespace name (a
+  // promotion may run before the namespace has an id).
+  static constexpr size_t kEvictStripes = 16;
+  absl::Mutex evict_stripes_[kEvictStripes];
   std::thread evictor_;
+
+  absl::Mutex& EvictStripe(absl::string_view ns) {
+    return evict_stripes_[absl::HashOf(ns) % kEvictStripes];
+  }
 };
 
 SlotHandleImpl::~SlotHandleImpl() { store_->ReleaseSlot(id_, slot_); }
@@ -1723,6 +1762,7 @@ absl::StatusOr<std::unique_ptr<TieredStore>> NewTieredStore(
     o.use_wal = options.nvme_use_wal;
     o.max_unflushed_age = options.nvme_max_unflushed_age;
     o.write_buffer_size = options.nvme_write_buffer_size;
+    o.env = options.nvme_env;
     ASSIGN_OR_RETURN(nvme, OpenNvmeTier(o, clock));
   }
   ASSIGN_OR_RETURN(std::unique_ptr<DramArena> arena,

@@ -33,6 +33,10 @@
 #include "storage/clock.h"
 #include "storage/dram_arena.h"
 
+namespace rocksdb {
+class Env;
+}  // namespace rocksdb
+
 namespace kvdepot {
 
 using SessionId = uint64_t;
@@ -86,6 +90,9 @@ struct StoreOptions {
   // looked up at least N times while in DRAM (spares flash endurance).
   uint32_t nvme_admit_min_reads = 0;
   uint64_t nvme_write_buffer_size = uint64_t{16} << 20;
+  // The NVMe tier's RocksDB environment (NvmeTierOptions::env); null is
+  // the default. Borrowed. Tests pass a fault-injecting one.
+  rocksdb::Env* nvme_env = nullptr;
   // Threads that read NVMe blocks back into DRAM for pinned lookups.
   int promotion_threads = 2;
   // Blocks waiting to be promoted, across all lookups (a bound on the
@@ -359,7 +366,12 @@ class TieredStore {
 
   // Removes unpinned blocks: `keys`, or the whole namespace with `all`, from
   // both tiers. A block being demoted to NVMe is removed once it is there
-  // (waiting up to 5 s; after that it is reported with the pinned ones).
+  // (waiting up to 5 s; after that it is reported with the pinned ones); a
+  // promotion of the namespace in flight finishes first (a block it pins
+  // is reported pinned). A block is counted once, whichever tiers held it.
+  // When the NVMe tier cannot make a delete durable (RocksDB stopped), the
+  // other keys are still evicted and that error is the answer: the block
+  // would come back after a restart.
   virtual absl::StatusOr<EvictResult> Evict(
       absl::string_view ns, absl::Span<const absl::string_view> keys,
       bool all) = 0;
@@ -393,8 +405,10 @@ class TieredStore {
   // ones may still commit.
   virtual void SetDraining(bool draining) = 0;
   // Writes every unpinned DRAM block to the NVMe tier and flushes it (for a
-  // clean shutdown, after EndAllSessions: a restarted store serves them). Returns how many were
-  // written; FailedPrecondition when there is no NVMe tier.
+  // clean shutdown, after EndAllSessions: a restarted store serves them)
+  // that the admission policy admits (nvme_admit_min_reads: the others are
+  // dropped, as the evictor would). Returns how many were written;
+  // FailedPrecondition when there is no NVMe tier.
   virtual absl::StatusOr<uint64_t> PersistDram() = 0;
 
   // Scrubs the NVMe tier (see NvmeTier::Verify) / compacts it.

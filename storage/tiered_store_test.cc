@@ -14,9 +14,11 @@
 #include "absl/synchronization/mutex.h"
 #include "absl/synchronization/notification.h"
 #include "absl/time/clock.h"
+#include "rocksdb/env.h"
 #include "storage/checksum.h"
 #include "storage/fake_clock.h"
 #include "storage/internal/sync_point.h"
+#include "storage/fault_injection_fs.h"
 #include "storage/nvme_tier.h"
 #include "tests/status_matchers.h"
 
@@ -1185,6 +1187,7 @@ class TieredStoreNvmeTest : public ::testing::Test {
     o.create_namespaces = create_namespaces_;
     o.max_pinned_blocks_per_session = max_pinned_blocks_per_session_;
     o.max_queued_promotions = max_queued_promotions_;
+    o.nvme_env = nvme_env_;
     auto s = NewTieredStore(o, &clock_);
     ASSERT_OK(s);
     store_ = std::move(s).value();
@@ -1233,6 +1236,7 @@ class TieredStoreNvmeTest : public ::testing::Test {
   uint32_t max_pinned_blocks_per_session_ =
       StoreOptions{}.max_pinned_blocks_per_session;
   uint32_t max_queued_promotions_ = StoreOptions().max_queued_promotions;
+  rocksdb::Env* nvme_env_ = nullptr;
   std::string dir_;
   std::unique_ptr<TieredStore> store_;
   SessionId sid_ = 0;
@@ -1788,6 +1792,9 @@ TEST_F(TieredStoreNvmeTest, EvictRemovesBlocksFromBothTiers) {
   auto ev = store_->Evict("ns", keys, false);
   ASSERT_OK(ev);
   EXPECT_EQ(ev->missing_keys, 1u);
+  // e0 was in both tiers, e1 on NVMe only: each counts once.
+  EXPECT_EQ(ev->evicted_blocks, 2u);
+  EXPECT_EQ(ev->evicted_bytes, 2 * Block(0).size());
   EXPECT_FALSE(Look("e0", false).found);
   EXPECT_FALSE(Look("e1", false).found);
   EXPECT_TRUE(Look("e2", false).found);
@@ -1795,6 +1802,85 @@ TEST_F(TieredStoreNvmeTest, EvictRemovesBlocksFromBothTiers) {
   ASSERT_OK(all);
   EXPECT_EQ(all->evicted_blocks, 2u);
   EXPECT_EQ(store_->Stats().nvme.blocks, 0u);
+}
+
+// An admin Evict landing while a pinned lookup promotes one of its keys
+// from NVMe waits for that promotion: the block it pinned is reported
+// pinned (and stays), the rest go from both tiers, and nothing reported
+// evicted comes back. (Before, the Evict deleted the NVMe copy between the
+// promotion's read and its publish, reported it evicted, and the promotion
+// then put it back in DRAM.)
+TEST_F(TieredStoreNvmeTest, AnEvictDuringAPromotionIsNotUndoneByIt) {
+  for (const bool all : {false, true}) {
+    SCOPED_TRACE(all ? "evict all" : "evict keys");
+    for (int i = 0; i < 3; ++i) Put("v" + std::to_string(i), Block(i));
+    ASSERT_OK(store_->PersistDram());  // all only on NVMe
+    std::thread evictor;
+    absl::StatusOr<EvictResult> ev;
+    bool first = true;
+    {
+      internal::SyncPointCallback hold("NvmeTier::MultiRead:Planned", [&](void*) {
+        if (!first) return;
+        first = false;
+        absl::Notification started;
+        evictor = std::thread([&] {
+          started.Notify();
+          std::vector<absl::string_view> keys = {"v0", "v1"};
+          ev = store_->Evict("ns", all ? std::vector<absl::string_view>{} : keys,
+                             all);
+        });
+        started.WaitForNotification();
+        // Time for the Evict to run into the promotion's window (without the
+        // exclusion it finished within it).
+        absl::SleepFor(absl::Milliseconds(200));
+      });
+      PinId pin = 0;
+      ASSERT_TRUE(Look("v0", true, &pin).found);
+      evictor.join();
+      ASSERT_OK(ev);
+      EXPECT_EQ(ev->pinned_blocks, 1u);
+      if (!all) {
+        EXPECT_THAT(ev->pinned_keys, ::testing::ElementsAre("v0"));
+      }
+      EXPECT_EQ(ev->evicted_blocks, all ? 2u : 1u);
+      ASSERT_OK(store_->Unpin(sid_, pin));
+    }
+    EXPECT_TRUE(Look("v0", false).found);  // reported pinned: stays
+    EXPECT_FALSE(Look("v1", false).found);
+    EXPECT_EQ(Look("v2", false).found, !all);
+    // Unpinned now, it goes.
+    std::vector<absl::string_view> v0 = {"v0"};
+    auto again = store_->Evict("ns", v0, false);
+    ASSERT_OK(again);
+    EXPECT_EQ(again->evicted_blocks, 1u);
+    PinId pin = 0;
+    EXPECT_FALSE(Look("v0", true, &pin).found);
+    ASSERT_OK(store_->Evict("ns", {}, true));
+  }
+}
+
+// An Evict whose NVMe delete cannot be made durable (RocksDB cannot write:
+// the disk is full) fails with that error instead of reporting the block
+// evicted or missing: it would come back after a restart. The other blocks
+// are untouched.
+TEST_F(TieredStoreNvmeTest, AnEvictTheNvmeTierCannotMakeDurableFails) {
+  auto fault_fs = std::make_shared<FaultInjectionFileSystem>();
+  std::unique_ptr<rocksdb::Env> env = rocksdb::NewCompositeEnv(fault_fs);
+  nvme_env_ = env.get();
+  absl::Cleanup close = [&] { store_.reset(); };  // before env goes
+  Open();
+  Put("d0", Block(0));
+  Put("d1", Block(1));
+  ASSERT_OK(store_->PersistDram());
+  fault_fs->SetDiskFull(true);
+  std::vector<absl::string_view> keys = {"d0"};
+  auto ev = store_->Evict("ns", keys, false);
+  EXPECT_FALSE(ev.ok());
+  EXPECT_THAT(std::string(ev.status().message()),
+              ::testing::HasSubstr("evict: deleting a block from NVMe"));
+  EXPECT_GT(fault_fs->injected_errors(), 0u);
+  fault_fs->SetDiskFull(false);
+  ExpectServes("d1", Block(1));
 }
 
 // An operator's Evict is durable at once: a crash right after it (the

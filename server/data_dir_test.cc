@@ -1,0 +1,65 @@
+#include "server/data_dir.h"
+
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+
+#include <filesystem>
+#include <string>
+
+#include "tests/status_matchers.h"
+
+namespace kvdepot {
+namespace {
+
+using ::kvdepot::testing::StatusIs;
+using ::testing::HasSubstr;
+
+constexpr uint64_t kGiB = uint64_t{1} << 30;
+
+class DataDirTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    dir_ = ::testing::TempDir() + "/data_dir_test_" +
+           ::testing::UnitTest::GetInstance()->current_test_info()->name();
+    std::filesystem::remove_all(dir_);
+  }
+  void TearDown() override { std::filesystem::remove_all(dir_); }
+  std::string dir_;
+};
+
+// The directory is created and held: a second daemon on it is refused,
+// naming the holder; once the first lets go it opens.
+TEST_F(DataDirTest, OneDaemonPerDirectory) {
+  auto first = DataDir::Open(dir_ + "/sub");
+  ASSERT_OK(first);
+  EXPECT_TRUE(std::filesystem::is_directory(dir_ + "/sub"));
+  auto second = DataDir::Open(dir_ + "/sub");
+  EXPECT_THAT(second, StatusIs(absl::StatusCode::kFailedPrecondition));
+  first->reset();
+  EXPECT_OK(DataDir::Open(dir_ + "/sub"));
+}
+
+// The size of the filesystem the directory is on, as statvfs tells it.
+TEST_F(DataDirTest, KnowsItsFilesystemSize) {
+  auto d = DataDir::Open(dir_);
+  ASSERT_OK(d);
+  const std::filesystem::space_info space = std::filesystem::space(dir_);
+  EXPECT_EQ((*d)->FilesystemBytes(), space.capacity);
+  EXPECT_GT((*d)->FilesystemBytes(), 0u);
+}
+
+// kvdepotd warns at start when the NVMe tier's capacity leaves the
+// filesystem no room for its garbage (a full disk stops its writes).
+TEST(NvmeHeadroomWarningTest, OverThreeQuartersOfTheFilesystemWarns) {
+  EXPECT_EQ(NvmeHeadroomWarning(0, 10 * kGiB), "");          // no tier
+  EXPECT_EQ(NvmeHeadroomWarning(8 * kGiB, 0), "");           // unknown size
+  EXPECT_EQ(NvmeHeadroomWarning(6 * kGiB, 8 * kGiB), "");    // exactly 3/4
+  EXPECT_EQ(NvmeHeadroomWarning(8 * kGiB, 100 * kGiB), "");
+  const std::string w = NvmeHeadroomWarning(7 * kGiB, 8 * kGiB);
+  EXPECT_THAT(w, HasSubstr("nvme_capacity (7.0 GiB)"));
+  EXPECT_THAT(w, HasSubstr("filesystem (8.0 GiB)"));
+  EXPECT_NE(NvmeHeadroomWarning(20 * kGiB, 8 * kGiB), "");   // past its size
+}
+
+}  // namespace
+}  // namespace kvdepot
