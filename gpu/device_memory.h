@@ -6,6 +6,10 @@
 // synchronous). A program links exactly one.
 //
 // Thread-safe: every function may be called from any thread.
+//
+// CUDA build: a failure that these functions (and Gather/Scatter) return is
+// cleared from the calling thread's cudaGetLastError() state, so that the
+// engine's own check after its next launch does not take it for its own.
 #ifndef KVDEPOT_GPU_DEVICE_MEMORY_H_
 #define KVDEPOT_GPU_DEVICE_MEMORY_H_
 

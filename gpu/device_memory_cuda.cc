@@ -10,9 +10,16 @@ namespace kvdepot {
 
 namespace gpu_internal {
 
+// Every runtime call whose failure kvdepot returns passes its error through
+// here, so this is also where the failure is cleared from the thread's
+// last-error state: left there, a later cudaGetLastError() -- the engine's
+// after its own kernel launch (PyTorch checks every launch that way), or
+// anyone's -- would report it as its own error. Only the non-sticky state
+// clears; a sticky error (a faulted kernel) stays, as it must.
 absl::Status CudaStatus(int error, absl::string_view what) {
   const auto e = static_cast<cudaError_t>(error);
   if (e == cudaSuccess) return absl::OkStatus();
+  (void)cudaGetLastError();
   const std::string message = absl::StrCat(what, ": ", cudaGetErrorName(e),
                                            ": ", cudaGetErrorString(e));
   switch (e) {
@@ -60,8 +67,11 @@ absl::Status SetCurrentDevice(int device) {
 
 void HostBuffer::Release() {
   // Nothing useful to do on failure (e.g. the runtime is already unloading
-  // at exit): the memory goes with the process.
-  if (data_ != nullptr) (void)cudaFreeHost(data_);
+  // at exit): the memory goes with the process. The error is cleared so
+  // that no later cudaGetLastError() takes it for its own (see CudaStatus).
+  if (data_ != nullptr && cudaFreeHost(data_) != cudaSuccess) {
+    (void)cudaGetLastError();
+  }
   data_ = nullptr;
   size_ = 0;
 }

@@ -7,10 +7,14 @@
 // done when the call returns). Link `kvdepot_gpu` to get the CUDA one where
 // CUDA was found at configure time, else the CPU one.
 //
-// Memory: in the CUDA build every pointer (cache tensors, objects) must be
-// reachable by the device: device memory, or page-locked host memory such as
-// a HostBuffer. Pageable host memory is rejected with InvalidArgument unless
-// the device can access pageable memory (HMM/ATS). In the CPU build every
+// Memory: in the CUDA build every buffer (each cache tensor of
+// TensorBytes(num_blocks), each object of the layer range's bytes) must be
+// reachable by the current device: its device memory, managed memory, or
+// page-locked host memory such as a HostBuffer or RegisterHostMemory's.
+// Both the first and the last byte of each buffer are checked; pageable
+// host memory (unless the device can access it: HMM/ATS), a buffer that
+// runs past the end of its registration or allocation, and another
+// device's memory are rejected with InvalidArgument. In the CPU build every
 // pointer is host memory.
 //
 // Thread-safe: the functions keep no state. Concurrent calls must not write
@@ -50,8 +54,8 @@ struct KvCacheView {
 // InvalidArgument (writing nothing) if: the view has the wrong number of
 // tensors, a null tensor, or no blocks; a block id is outside [0,
 // num_blocks); dst.size() != block_ids.size() or a dst pointer is null; the
-// layer range is empty or outside [0, num_layers); (CUDA) a pointer is not
-// device-accessible.
+// layer range is empty or outside [0, num_layers); (CUDA) a buffer is not
+// reachable by the current device (see "Memory" above).
 //
 // The CUDA build enqueues the copy on `stream` and returns; dst is complete
 // once the stream's work up to here has finished (SynchronizeStream, an

@@ -6,6 +6,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <string>
 
 #include "absl/strings/str_cat.h"
 #include "gpu/gather.h"
@@ -23,10 +24,69 @@ using gpu_internal::CudaStatus;
 using gpu_internal::kLaunchMaxBlocks;
 using gpu_internal::kLaunchMaxLayers;
 
-// A kernel dereferencing pageable host memory would fault and poison the
-// whole CUDA context (the engine's too), so every pointer is checked first
-// unless the device can read pageable memory (HMM/ATS).
-absl::Status CheckDeviceAccessible(const KvCacheView& cache,
+// A kernel dereferencing memory the device cannot reach faults and poisons
+// the whole CUDA context (the engine's too), so every buffer is checked
+// before anything is enqueued: its first and its last byte must each be
+// device memory of the current device, managed memory, or page-locked host
+// memory -- or pageable host memory where the device reads that (HMM/ATS).
+// The last byte catches a buffer that runs past the end of its
+// registration or allocation. Two cudaPointerGetAttributes per buffer,
+// nothing cached (memory is freed and reused between calls). Not seen: a
+// hole inside a buffer whose two ends are reachable (two registered ranges
+// with pageable memory between them).
+//
+// Device memory of another device is refused even where peer access to it
+// is enabled: the runtime cannot tell whether it is without side effects,
+// and an engine's cache and its staging live on its own device.
+constexpr absl::string_view kReachable =
+    "use device memory of the current device or page-locked host memory "
+    "(AllocateHostBuffer, RegisterHostMemory)";
+
+// Why a kernel on `device` cannot dereference byte `p`; empty if it can.
+std::string Unreachable(const void* p, int device, bool pageable) {
+  cudaPointerAttributes attr{};
+  if (cudaPointerGetAttributes(&attr, p) != cudaSuccess) {
+    (void)cudaGetLastError();  // not a CUDA pointer; clear the error
+    attr.type = cudaMemoryTypeUnregistered;
+  }
+  switch (attr.type) {
+    case cudaMemoryTypeUnregistered:
+      return pageable ? std::string()
+                      : std::string(
+                            "pageable host memory, which this device "
+                            "cannot access");
+    case cudaMemoryTypeDevice:
+      if (attr.device == device) return std::string();
+      return absl::StrCat("memory of device ", attr.device,
+                          ", not of the current device ", device,
+                          " (make that device current first)");
+    default:  // page-locked host memory; managed memory
+      return std::string();
+  }
+}
+
+absl::Status CheckBuffer(const void* p, uint64_t bytes, int device,
+                         bool pageable, absl::string_view what, size_t index) {
+  std::string why = Unreachable(p, device, pageable);
+  if (!why.empty()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(what, " ", index, " is ", why, "; ", kReachable));
+  }
+  if (bytes > 1) {
+    why = Unreachable(static_cast<const char*>(p) + (bytes - 1), device,
+                      pageable);
+    if (!why.empty()) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          what, " ", index, " (", bytes,
+          " bytes) runs past the end of its memory: its last byte is ", why,
+          "; ", kReachable));
+    }
+  }
+  return absl::OkStatus();
+}
+
+absl::Status CheckDeviceAccessible(const KvLayout& layout,
+                                   const KvCacheView& cache, LayerRange layers,
                                    absl::Span<const void* const> objects) {
   int device = 0;
   RETURN_IF_ERROR(CudaStatus(cudaGetDevice(&device), "cudaGetDevice"));
@@ -35,27 +95,18 @@ absl::Status CheckDeviceAccessible(const KvCacheView& cache,
       CudaStatus(cudaDeviceGetAttribute(
                      &pageable, cudaDevAttrPageableMemoryAccess, device),
                  "cudaDeviceGetAttribute(PageableMemoryAccess)"));
-  if (pageable != 0) return absl::OkStatus();
-  auto check = [](const void* p, absl::string_view what,
-                  size_t index) -> absl::Status {
-    cudaPointerAttributes attr{};
-    if (cudaPointerGetAttributes(&attr, p) != cudaSuccess) {
-      (void)cudaGetLastError();  // not a CUDA pointer; clear the error
-      attr.type = cudaMemoryTypeUnregistered;
-    }
-    if (attr.type == cudaMemoryTypeUnregistered) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          what, " ", index,
-          " is pageable host memory, which this device cannot access; use "
-          "device memory or page-locked host memory (AllocateHostBuffer)"));
-    }
-    return absl::OkStatus();
-  };
+  // Both validated by PlanTransfer.
+  ASSIGN_OR_RETURN(const uint64_t tensor_bytes,
+                   layout.TensorBytes(cache.num_blocks));
+  const uint64_t object_bytes =
+      static_cast<uint64_t>(layers.end - layers.begin) * layout.layer_bytes();
   for (size_t i = 0; i < cache.tensors.size(); ++i) {
-    RETURN_IF_ERROR(check(cache.tensors[i], "cache tensor", i));
+    RETURN_IF_ERROR(CheckBuffer(cache.tensors[i], tensor_bytes, device,
+                                pageable != 0, "cache tensor", i));
   }
   for (size_t i = 0; i < objects.size(); ++i) {
-    RETURN_IF_ERROR(check(objects[i], "object buffer", i));
+    RETURN_IF_ERROR(CheckBuffer(objects[i], object_bytes, device, pageable != 0,
+                                "object buffer", i));
   }
   return absl::OkStatus();
 }
@@ -135,7 +186,7 @@ absl::Status Gather(const KvLayout& layout, const KvCacheView& cache,
       const CacheGeometry g,
       gpu_internal::PlanTransfer(layout, cache, block_ids, layers, objects,
                                  /*allow_repeats=*/true));
-  RETURN_IF_ERROR(CheckDeviceAccessible(cache, objects));
+  RETURN_IF_ERROR(CheckDeviceAccessible(layout, cache, layers, objects));
   return Copy(g, block_ids, layers, objects, /*to_cache=*/false, stream);
 }
 
@@ -145,7 +196,7 @@ absl::Status Scatter(const KvLayout& layout, const KvCacheView& cache,
   ASSIGN_OR_RETURN(const CacheGeometry g,
                    gpu_internal::PlanTransfer(layout, cache, block_ids, layers,
                                               src, /*allow_repeats=*/false));
-  RETURN_IF_ERROR(CheckDeviceAccessible(cache, src));
+  RETURN_IF_ERROR(CheckDeviceAccessible(layout, cache, layers, src));
   return Copy(g, block_ids, layers, src, /*to_cache=*/true, stream);
 }
 

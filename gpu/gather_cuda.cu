@@ -60,26 +60,34 @@ __global__ void __launch_bounds__(kThreads)
   }
 }
 
+// Launched with cudaLaunchKernel, whose return value is this launch's own
+// result. The alternative, <<<...>>> then cudaGetLastError(), would also
+// return a non-sticky error left by any earlier runtime call on this thread
+// (a refused cudaHostRegister, a bad cudaSetDevice, the engine's own), and
+// report as failed a kernel that was enqueued and still writes the
+// caller's buffers. The thread's last-error state is left as it was.
+template <typename V, bool kContiguous, bool kToCache>
+cudaError_t LaunchOne(const CopyLaunch& p, unsigned grid, cudaStream_t stream) {
+  void* args[] = {const_cast<CopyLaunch*>(&p)};
+  return cudaLaunchKernel(CopyChunks<V, kContiguous, kToCache>, dim3(grid),
+                          dim3(kThreads), args, 0, stream);
+}
+
 template <typename V>
 int Launch(const CopyLaunch& p, bool contiguous, bool to_cache,
            cudaStream_t stream) {
   const unsigned grid = static_cast<unsigned>(p.num_blocks) *
                         static_cast<unsigned>(p.num_layers) *
                         static_cast<unsigned>(p.num_components);
+  cudaError_t e;
   if (contiguous) {
-    if (to_cache) {
-      CopyChunks<V, true, true><<<grid, kThreads, 0, stream>>>(p);
-    } else {
-      CopyChunks<V, true, false><<<grid, kThreads, 0, stream>>>(p);
-    }
+    e = to_cache ? LaunchOne<V, true, true>(p, grid, stream)
+                 : LaunchOne<V, true, false>(p, grid, stream);
   } else {
-    if (to_cache) {
-      CopyChunks<V, false, true><<<grid, kThreads, 0, stream>>>(p);
-    } else {
-      CopyChunks<V, false, false><<<grid, kThreads, 0, stream>>>(p);
-    }
+    e = to_cache ? LaunchOne<V, false, true>(p, grid, stream)
+                 : LaunchOne<V, false, false>(p, grid, stream);
   }
-  return static_cast<int>(cudaGetLastError());
+  return static_cast<int>(e);
 }
 
 }  // namespace

@@ -7,6 +7,8 @@
 #include <gtest/gtest.h>
 
 #include <cstdio>
+#include <cstdlib>
+#include <cstring>
 #include <random>
 #include <string>
 #include <vector>
@@ -20,8 +22,11 @@
 namespace kvdepot {
 namespace {
 
+using gpu_testing::FilledBuffer;
 using gpu_testing::TestCache;
 using ::kvdepot::testing::StatusIs;
+using ::testing::AllOf;
+using ::testing::HasSubstr;
 
 #define ASSERT_CUDA(expr) ASSERT_EQ((expr), cudaSuccess) << #expr
 
@@ -39,6 +44,39 @@ class DeviceBuffer {
  private:
   void* data_ = nullptr;
 };
+
+// Pageable host memory, page-aligned (so that registering a whole number
+// of pages registers exactly those), filled with `fill`.
+class PageableBuffer {
+ public:
+  static constexpr size_t kPage = 4096;
+  PageableBuffer(size_t pages, char fill)
+      : data_(static_cast<char*>(std::aligned_alloc(kPage, pages * kPage))),
+        size_(pages * kPage) {
+    if (data_ != nullptr) std::memset(data_, fill, size_);
+  }
+  ~PageableBuffer() { std::free(data_); }
+  PageableBuffer(const PageableBuffer&) = delete;
+  PageableBuffer& operator=(const PageableBuffer&) = delete;
+  char* data() const { return data_; }
+  size_t size() const { return size_; }
+  std::string bytes() const { return std::string(data_, size_); }
+
+ private:
+  char* data_;
+  size_t size_;
+};
+
+bool DeviceReadsPageableMemory() {
+  int device = 0, pageable = 0;
+  if (cudaGetDevice(&device) != cudaSuccess ||
+      cudaDeviceGetAttribute(&pageable, cudaDevAttrPageableMemoryAccess,
+                             device) != cudaSuccess) {
+    (void)cudaGetLastError();
+    return false;
+  }
+  return pageable != 0;
+}
 
 class CudaStream {
  public:
@@ -160,6 +198,10 @@ TEST(GatherCudaTest, RegisteredPageableMemoryRoundTrips) {
   ASSERT_OK(RegisterHostMemory(pool.data(), pool.size()));
   EXPECT_THAT(RegisterHostMemory(pool.data(), pool.size()),
               StatusIs(absl::StatusCode::kAlreadyExists));
+  // The refused registration's error is returned, not left behind for the
+  // next cudaGetLastError(): the launch below once reported it as its own
+  // and failed, with the kernel enqueued anyway.
+  EXPECT_EQ(cudaPeekAtLastError(), cudaSuccess);
   ASSERT_OK(Gather(layout, cache.view(), ids, layout.AllLayers(), dst,
                    StreamRef{}));
   ASSERT_OK(SynchronizeStream(StreamRef{}));
@@ -181,10 +223,197 @@ TEST(GatherCudaTest, RegisteredPageableMemoryRoundTrips) {
   ASSERT_OK(UnregisterHostMemory(pool.data()));
   EXPECT_THAT(UnregisterHostMemory(pool.data()),
               StatusIs(absl::StatusCode::kNotFound));
+  EXPECT_EQ(cudaPeekAtLastError(), cudaSuccess);
   EXPECT_THAT(RegisterHostMemory(nullptr, 64),
               StatusIs(absl::StatusCode::kInvalidArgument));
   EXPECT_THAT(RegisterHostMemory(pool.data(), 0),
               StatusIs(absl::StatusCode::kInvalidArgument));
+}
+
+// Every failure the API returns is cleared from the thread's last-error
+// state, where the engine's next cudaGetLastError() (PyTorch's check after
+// each of its launches) would take it for its own.
+TEST(GatherCudaTest, ReturnedFailuresLeaveNoErrorBehind) {
+  (void)cudaGetLastError();  // start clean
+  int devices = 0;
+  ASSERT_CUDA(cudaGetDeviceCount(&devices));
+  EXPECT_THAT(SetCurrentDevice(devices),
+              StatusIs(absl::StatusCode::kFailedPrecondition));
+  EXPECT_EQ(cudaPeekAtLastError(), cudaSuccess) << "after SetCurrentDevice";
+  HostBuffer pinned = AllocateHostBuffer(4096).value();
+  EXPECT_THAT(RegisterHostMemory(pinned.data(), pinned.size()),
+              StatusIs(absl::StatusCode::kAlreadyExists));
+  EXPECT_EQ(cudaPeekAtLastError(), cudaSuccess) << "after RegisterHostMemory";
+  EXPECT_THAT(UnregisterHostMemory(pinned.data()),
+              StatusIs(absl::StatusCode::kNotFound));
+  EXPECT_EQ(cudaPeekAtLastError(), cudaSuccess) << "after UnregisterHostMemory";
+}
+
+// A non-sticky error that someone else left on this thread (here: a raw
+// cudaSetDevice to a device that does not exist) does not make a good
+// launch report failure: the launch's own result is checked. Gather and
+// Scatter succeed and are bit-exact.
+TEST(GatherCudaTest, AStaleErrorOfAnEarlierCallDoesNotFailTheLaunch) {
+  const KvLayout layout = KvLayout::Mha(KvCacheLayout::kFlashAttnNhd, 2, 8, 2,
+                                        32, KvDtype::kFloat16)
+                              .value();
+  std::mt19937_64 rng(23);
+  TestCache cache(layout, 4);
+  cache.FillRandom(rng);
+  const std::vector<int64_t> ids = {3, 0};
+  const size_t bytes = layout.object_bytes();
+  HostBuffer objects = FilledBuffer(ids.size() * bytes, 'x');
+  std::vector<void*> dst = {objects.data(), objects.data() + bytes};
+  int devices = 0;
+  ASSERT_CUDA(cudaGetDeviceCount(&devices));
+
+  ASSERT_NE(cudaSetDevice(devices), cudaSuccess);
+  ASSERT_NE(cudaPeekAtLastError(), cudaSuccess) << "no stale error to test";
+  ASSERT_OK(
+      Gather(layout, cache.view(), ids, layout.AllLayers(), dst, StreamRef{}));
+  ASSERT_OK(SynchronizeStream(StreamRef{}));
+  for (size_t i = 0; i < ids.size(); ++i) {
+    EXPECT_EQ(std::string(objects.data() + i * bytes, bytes),
+              cache.ExpectedObject(ids[i]))
+        << "object " << i;
+  }
+
+  ASSERT_NE(cudaSetDevice(devices), cudaSuccess);
+  TestCache restored(layout, 4);
+  const std::vector<const void*> src = {dst[0], dst[1]};
+  const std::vector<int64_t> to = {1, 2};
+  ASSERT_OK(Scatter(layout, restored.view(), to, layout.AllLayers(), src,
+                    StreamRef{}));
+  ASSERT_OK(SynchronizeStream(StreamRef{}));
+  EXPECT_EQ(restored.ExpectedObject(1), cache.ExpectedObject(3));
+  EXPECT_EQ(restored.ExpectedObject(2), cache.ExpectedObject(0));
+  EXPECT_EQ(restored.ExpectedObject(0), std::string(bytes, '\0'));
+  (void)cudaGetLastError();  // the stale error is ours to clear here
+}
+
+// A buffer that starts in registered memory but runs past its end would
+// fault in the kernel: its last byte is checked too, and the call refused
+// before anything is enqueued.
+TEST(GatherCudaTest, RefusesBuffersThatRunPastTheirRegisteredMemory) {
+  if (DeviceReadsPageableMemory()) {
+    GTEST_SKIP() << "this device reads pageable memory: nothing to refuse";
+  }
+  const KvLayout layout = KvLayout::Mha(KvCacheLayout::kFlashInferHnd, 3, 5, 2,
+                                        24, KvDtype::kBFloat16)
+                              .value();
+  const size_t bytes = layout.object_bytes();  // 2880
+  ASSERT_GT(bytes, 1024u);
+  std::mt19937_64 rng(29);
+  TestCache cache(layout, 4);
+  cache.FillRandom(rng);
+  const std::string cache_before = cache.Snapshot();
+  // Four pages; the first two registered. Object 0 lies in them, object 1
+  // starts 1 KiB before their end and runs on into page 2.
+  PageableBuffer pool(4, 'x');
+  ASSERT_NE(pool.data(), nullptr);
+  const size_t registered = 2 * PageableBuffer::kPage;
+  ASSERT_OK(RegisterHostMemory(pool.data(), registered));
+  const std::string pool_before = pool.bytes();
+  const std::vector<int64_t> ids = {1, 2};
+  std::vector<void*> dst = {pool.data(), pool.data() + registered - 1024};
+
+  const absl::Status gather =
+      Gather(layout, cache.view(), ids, layout.AllLayers(), dst, StreamRef{});
+  EXPECT_THAT(gather, StatusIs(absl::StatusCode::kInvalidArgument));
+  EXPECT_THAT(std::string(gather.message()),
+              AllOf(HasSubstr("object buffer 1 (2880 bytes) runs past the end "
+                              "of its memory: its last byte is pageable"),
+                    HasSubstr("RegisterHostMemory")))
+      << gather;
+  const std::vector<const void*> src = {dst[0], dst[1]};
+  EXPECT_THAT(
+      Scatter(layout, cache.view(), ids, layout.AllLayers(), src, StreamRef{}),
+      StatusIs(absl::StatusCode::kInvalidArgument));
+  ASSERT_OK(SynchronizeStream(StreamRef{}));
+  EXPECT_TRUE(pool.bytes() == pool_before) << "a refused gather wrote";
+  EXPECT_TRUE(cache.Snapshot() == cache_before) << "a refused scatter wrote";
+
+  // The check covers the bytes the call moves: one layer (960 bytes) at
+  // the same address fits in the registered pages and is gathered.
+  ASSERT_OK(
+      Gather(layout, cache.view(), ids, LayerRange{0, 1}, dst, StreamRef{}));
+  ASSERT_OK(SynchronizeStream(StreamRef{}));
+  EXPECT_EQ(std::string(static_cast<const char*>(dst[1]), layout.layer_bytes()),
+            cache.ExpectedObject(2, LayerRange{0, 1}));
+  ASSERT_OK(UnregisterHostMemory(pool.data()));
+}
+
+// The same for a cache tensor: a view claiming more blocks than the
+// registered memory holds is refused; one that fits is gathered.
+TEST(GatherCudaTest, RefusesCacheTensorsThatRunPastTheirRegisteredMemory) {
+  if (DeviceReadsPageableMemory()) {
+    GTEST_SKIP() << "this device reads pageable memory: nothing to refuse";
+  }
+  // Cross-layer NHD: block b is bytes [b, b + 1) x object_bytes (1 KiB) of
+  // the one tensor, in object order.
+  const KvLayout layout = KvLayout::Mha(KvCacheLayout::kCrossLayerNhd, 2, 4, 2,
+                                        16, KvDtype::kFloat16)
+                              .value();
+  const size_t bytes = layout.object_bytes();
+  ASSERT_EQ(bytes, 1024u);
+  PageableBuffer tensor(4, 'x');
+  ASSERT_NE(tensor.data(), nullptr);
+  std::mt19937_64 rng(31);
+  for (size_t i = 0; i < tensor.size(); ++i) {
+    tensor.data()[i] = static_cast<char>(rng());
+  }
+  ASSERT_OK(RegisterHostMemory(tensor.data(), 2 * PageableBuffer::kPage));
+  HostBuffer object = FilledBuffer(bytes, 'o');
+  const int64_t id = 7;
+  void* dst[] = {object.data()};
+
+  KvCacheView too_big;
+  too_big.tensors = {tensor.data()};
+  too_big.num_blocks = 12;  // 12 KiB: past the 8 registered
+  const absl::Status s = Gather(layout, too_big, absl::MakeConstSpan(&id, 1),
+                                layout.AllLayers(), dst, StreamRef{});
+  EXPECT_THAT(s, StatusIs(absl::StatusCode::kInvalidArgument));
+  EXPECT_THAT(std::string(s.message()),
+              HasSubstr("cache tensor 0 (12288 bytes) runs past "
+                        "the end of its memory"))
+      << s;
+  ASSERT_OK(SynchronizeStream(StreamRef{}));
+  EXPECT_EQ(std::string(object.data(), bytes), std::string(bytes, 'o'));
+
+  KvCacheView fits = too_big;
+  fits.num_blocks = 8;
+  ASSERT_OK(Gather(layout, fits, absl::MakeConstSpan(&id, 1),
+                   layout.AllLayers(), dst, StreamRef{}));
+  ASSERT_OK(SynchronizeStream(StreamRef{}));
+  EXPECT_EQ(std::string(object.data(), bytes),
+            std::string(tensor.data() + id * bytes, bytes));
+  ASSERT_OK(UnregisterHostMemory(tensor.data()));
+}
+
+// Memory of another device faults the kernel unless peer access is on; it
+// is refused. Needs two devices.
+TEST(GatherCudaTest, RefusesMemoryOfAnotherDevice) {
+  int devices = 0;
+  ASSERT_CUDA(cudaGetDeviceCount(&devices));
+  if (devices < 2) GTEST_SKIP() << "needs two devices";
+  const KvLayout layout = KvLayout::Mha(KvCacheLayout::kFlashAttnNhd, 2, 4, 2,
+                                        16, KvDtype::kFloat16)
+                              .value();
+  TestCache cache(layout, 2);
+  ASSERT_CUDA(cudaSetDevice(1));
+  DeviceBuffer other(layout.object_bytes());
+  ASSERT_CUDA(cudaSetDevice(0));
+  ASSERT_NE(other.data(), nullptr);
+  const int64_t id = 1;
+  void* dst[] = {other.data()};
+  const absl::Status s =
+      Gather(layout, cache.view(), absl::MakeConstSpan(&id, 1),
+             layout.AllLayers(), dst, StreamRef{});
+  EXPECT_THAT(s, StatusIs(absl::StatusCode::kInvalidArgument));
+  EXPECT_THAT(std::string(s.message()),
+              HasSubstr("object buffer 0 is memory of device 1, "
+                        "not of the current device 0"))
+      << s;
 }
 
 TEST(GatherCudaTest, StagingSavesFromDeviceMemoryOnItsOwnStream) {

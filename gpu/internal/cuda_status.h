@@ -12,6 +12,9 @@ namespace kvdepot::gpu_internal {
 // FailedPrecondition for no device or an unusable driver, InvalidArgument
 // for invalid values, AlreadyExists / NotFound for host memory registered
 // already / not registered, Internal for the rest. `error` is a cudaError_t.
+// A failure also clears the thread's last-error state (cudaGetLastError),
+// since the caller hears of it from the returned status: a later kernel
+// launch's check must not report it again.
 absl::Status CudaStatus(int error, absl::string_view what);
 
 }  // namespace kvdepot::gpu_internal

@@ -11,7 +11,9 @@
 #      the bundle's commit, and run the bundled programs, which find no CUDA
 #      device and exit 77, so the script must fail (exit 1), saying so; and
 #      the Python check of the bundled C ABI libraries, which stops at
-#      torch's "no CUDA device" (exit 77).
+#      torch's "no CUDA device" (exit 77). The stand-in's driver (0.0) is
+#      older than the MANIFEST says the programs need: the script must say
+#      DRIVER TOO OLD.
 #
 #   tests/gpu/bundle_test.sh BUILD_DIR
 set -euo pipefail
@@ -32,6 +34,8 @@ ls "$WORK/bundle/lib/"libabsl_status.so* >/dev/null 2>&1 || fail "the bundle lac
 if ls "$WORK/bundle/lib/" | grep -Eq '^(libc|libstdc\+\+|libcuda)\.so'; then
   fail "the bundle carries a library the GPU machine must provide itself"
 fi
+grep -Eq '^driver: (R[0-9]+ or later|unknown) ' "$WORK/bundle/MANIFEST" ||
+  fail "the MANIFEST does not say which NVIDIA driver the programs need"
 # Every file the manifest lists is there with its checksum.
 (cd "$WORK/bundle" && sed -n 's/^  //p' MANIFEST | sha256sum --quiet -c -) ||
   fail "the MANIFEST's checksums do not match the bundle"
@@ -71,6 +75,12 @@ grep -q "no usable CUDA device" "$report" ||
   fail "the bundled gather_cuda_test did not run to its device check"
 grep -q "no CUDA device" "$report" && grep -q "== gpu_cuda_benchmark" "$report" ||
   fail "the bundled gpu_cuda_benchmark did not run"
+if grep -q '^driver: R[0-9]' "$WORK/bundle/MANIFEST"; then
+  grep -q "DRIVER TOO OLD: this machine's NVIDIA driver is 0.0; " "$report" ||
+    fail "the report does not say that the stand-in's driver is too old"
+  [[ $(tail -n1 "$WORK/run.log") == "run_gpu_checks: DRIVER TOO OLD: "* ]] ||
+    fail "the last line printed is not the too-old-driver line"
+fi
 grep -q "== test_cuda_kvshim.py" "$report" || fail "the kvshim check did not run"
 grep -q "== bench_kvshim_vs_torch.py" "$report" || fail "the kvshim benchmark did not run"
 if [[ -x /usr/bin/python3 ]] && /usr/bin/python3 -c 'import numpy, torch' 2>/dev/null; then

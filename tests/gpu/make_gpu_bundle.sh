@@ -14,12 +14,15 @@
 #                        tests/gpu/test_cuda_kvshim.py loads with ctypes
 #   <out>/lib/*.so*      every library ldd resolves, except the ones any
 #                        Linux has (glibc, libstdc++, libgcc_s) and the driver
-#   <out>/MANIFEST       commit, date, nvcc, glibc, CUDA architectures, sha256s
+#   <out>/MANIFEST       commit, date, nvcc, the NVIDIA driver it needs, glibc,
+#                        CUDA architectures, sha256s
 #
 # then proves the folder stands alone: ldd with only <out>/lib finds every
 # library, and (as root) each program runs in a chroot that holds nothing but
 # the folder and the C runtime, where it must reach its "no GPU" exit (77).
-# The CUDA runtime is linked statically; the programs need only the driver.
+# The CUDA runtime is linked statically; the programs need only the driver,
+# one at least as new as that runtime needs: R580 or later for CUDA 13.x
+# (the MANIFEST's "driver:" line; run_gpu_checks.sh checks it).
 #
 #   tests/gpu/make_gpu_bundle.sh [--build DIR] [--out DIR] [--no-build] [--no-chroot]
 #
@@ -135,6 +138,19 @@ else
   echo "make_gpu_bundle: chroot check skipped (needs root and chroot)"
 fi
 
+# The oldest driver branch that runs the statically linked CUDA runtime of
+# this nvcc release (CUDA's minor version compatibility: any 13.x runtime
+# on R580, 12.x on R525, 11.x on R450). Older drivers fail every CUDA call
+# with cudaErrorInsufficientDriver.
+NVCC="$(sed -n 's/^CMAKE_CUDA_COMPILER:[A-Z]*=//p' "$BUILD/CMakeCache.txt")"
+cuda_release="$("$NVCC" --version | sed -n 's/.*release \([0-9]*\.[0-9]*\).*/\1/p')"
+case "$cuda_release" in
+  13.*) min_driver="R580 or later" ;;
+  12.*) min_driver="R525 or later" ;;
+  11.*) min_driver="R450 or later" ;;
+  *) min_driver=unknown ;;  # a newer CUDA: see its release notes
+esac
+
 commit="$(git rev-parse HEAD 2>/dev/null || echo unknown)"
 if [[ $commit != unknown && -n $(git status --porcelain --untracked-files=no 2>/dev/null) ]]; then
   commit="$commit (with uncommitted changes)"
@@ -144,7 +160,8 @@ fi
   echo "commit: $commit"
   echo "built: $(date -u +%Y-%m-%dT%H:%M:%SZ) on $(. /etc/os-release && echo "$PRETTY_NAME")"
   echo "glibc: $(ldd --version | head -n1)"
-  echo "nvcc: $("$(sed -n 's/^CMAKE_CUDA_COMPILER:[A-Z]*=//p' "$BUILD/CMakeCache.txt")" --version | tail -n1)"
+  echo "nvcc: $("$NVCC" --version | tail -n1)"
+  echo "driver: $min_driver (NVIDIA; the CUDA $cuda_release runtime is linked statically)"
   echo "cuda architectures: $(sed -n 's/^CMAKE_CUDA_ARCHITECTURES:[A-Z]*=//p' "$BUILD/CMakeCache.txt")"
   echo "build type: $(sed -n 's/^CMAKE_BUILD_TYPE:[A-Z]*=//p' "$BUILD/CMakeCache.txt")"
   # What the GPU machine's C runtime must offer (its glibc and libstdc++ at

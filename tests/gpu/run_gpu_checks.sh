@@ -31,6 +31,12 @@
 # dependencies and no network: make the bundle here, then run
 #   tests/gpu/run_gpu_checks.sh --bundle gpu-bundle   (carry ["gpu-bundle"])
 #
+# The programs link the CUDA runtime statically and need an NVIDIA driver
+# at least as new as it: R580 or later for CUDA 13.x (the bundle's MANIFEST
+# says which). With an older driver every check still runs, but the CUDA
+# ones cannot start; the report and the last line printed say so
+# ("DRIVER TOO OLD").
+#
 # Exit: 0 when the tests passed and the benchmark ran, 1 otherwise, 77 when
 # there is no GPU.
 set -euo pipefail
@@ -71,6 +77,30 @@ else
   [[ -f $CAPI/libkvdepot_kv_cuda.so ]] || CAPI=build-gpu/gpu
   BUILT="commit: $(git rev-parse --short HEAD 2>/dev/null || echo unknown), nvcc: $(nvcc --version | tail -n1)"
 fi
+# The driver the programs' CUDA runtime needs (a branch number: 580 for
+# R580), from the bundle's MANIFEST or the local nvcc as
+# make_gpu_bundle.sh derives it, against the driver here.
+if [[ -n $BUNDLE ]]; then
+  NEED_DRIVER="$(sed -n 's/^driver: R\([0-9][0-9]*\) or later.*/\1/p' "$BUNDLE/MANIFEST")"
+  CUDA_RELEASE="$(sed -n 's/^nvcc: .*cuda_\([0-9]*\.[0-9]*\).*/\1/p' "$BUNDLE/MANIFEST")"
+else
+  CUDA_RELEASE="$(nvcc --version | sed -n 's/.*release \([0-9]*\.[0-9]*\).*/\1/p')"
+  case "$CUDA_RELEASE" in
+    13.*) NEED_DRIVER=580 ;;
+    12.*) NEED_DRIVER=525 ;;
+    11.*) NEED_DRIVER=450 ;;
+    *) NEED_DRIVER="" ;;
+  esac
+fi
+DRIVER="$(nvidia-smi --query-gpu=driver_version --format=csv,noheader 2>/dev/null | head -n1 || true)"
+DRIVER="${DRIVER%%,*}"
+NEEDS="unknown"
+[[ -z $NEED_DRIVER ]] || NEEDS="R$NEED_DRIVER or later"
+DRIVER_NOTE=""
+if [[ -n $NEED_DRIVER && ${DRIVER%%.*} =~ ^[0-9]+$ ]] && (( ${DRIVER%%.*} < NEED_DRIVER )); then
+  DRIVER_NOTE="run_gpu_checks: DRIVER TOO OLD: this machine's NVIDIA driver is $DRIVER; the programs' CUDA ${CUDA_RELEASE:-?} runtime (linked statically) needs $NEEDS, so the CUDA checks cannot start (\"CUDA driver version is insufficient for CUDA runtime version\"). Use a machine with a newer driver, or build with an nvcc that this driver supports."
+  echo "$DRIVER_NOTE" >&2
+fi
 GPU="$(nvidia-smi --query-gpu=name --format=csv,noheader | head -n1)"
 SLUG="$(echo "$GPU" | tr -c 'A-Za-z0-9\n' '_' | tr -s '_')"
 DATE="$(date -u +%Y-%m-%d)"
@@ -81,6 +111,8 @@ REPORT="$REPORT_DIR/gpu_checks_${DATE}_${SLUG}"
   echo "GPU: $GPU"
   nvidia-smi --query-gpu=driver_version,memory.total --format=csv,noheader | sed 's/^/driver, memory: /'
   echo "$BUILT"
+  echo "needs driver: $NEEDS (CUDA ${CUDA_RELEASE:-?} runtime)"
+  [[ -z $DRIVER_NOTE ]] || echo "$DRIVER_NOTE"
   echo
   echo "== gather_cuda_test"
 } >"$REPORT.txt"
@@ -112,7 +144,14 @@ python_step "test_cuda_kvshim.py (the Python package's CUDA library vs its CPU b
 python_step "bench_kvshim_vs_torch.py (CUDA caches: kvshim vs the torch staging path)" \
   tests/gpu/bench_kvshim_vs_torch.py --cuda-lib "$CAPI/libkvdepot_kv_cuda.so" \
   --json "$REPORT.kvshim_vs_torch.json"
+# A driver check that could not tell (no version from nvidia-smi or the
+# MANIFEST), but the runtime could.
+if [[ -z $DRIVER_NOTE ]] && grep -q "driver version is insufficient" "$REPORT.txt"; then
+  DRIVER_NOTE="run_gpu_checks: DRIVER TOO OLD: the CUDA runtime says this machine's NVIDIA driver (${DRIVER:-unknown}) is older than it needs ($NEEDS)."
+  { echo; echo "$DRIVER_NOTE"; } >>"$REPORT.txt"
+fi
 cat "$REPORT.txt"
+[[ -z $DRIVER_NOTE ]] || echo "$DRIVER_NOTE" >&2
 if [[ -n ${OUT:-} ]]; then
   cp "$REPORT.txt" "$REPORT.json" "$REPORT.kvshim_vs_torch.json" "$OUT/" 2>/dev/null || true
 fi

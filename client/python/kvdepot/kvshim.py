@@ -212,6 +212,54 @@ def _physical_shape(key: Tuple[int, ...], n: int) -> Tuple[Tuple[int, ...], str]
     return shapes[CacheLayout(layout)]
 
 
+# Where each dimension of a layout's tensor is in the engine's (logical)
+# shape: physical dimension i is logical dimension order[i]. The logical
+# shape is the physical one in NHD order; an HND cache keeps its H and T
+# dimensions swapped in memory. That is how vLLM builds its HND caches
+# (get_kv_cache_shape() is NHD, get_kv_cache_stride_order() the physical
+# order): the physical tensor, permute()d to the logical shape.
+_HND_ORDER = {
+    CacheLayout.FLASH_ATTN_HND: (0, 1, 3, 2, 4),
+    CacheLayout.FLASH_INFER_HND: (0, 1, 3, 2, 4),
+    CacheLayout.CROSS_LAYER_HND: (0, 1, 2, 4, 3, 5),
+}
+
+
+def _logical_order(key: Tuple[int, ...], n: int) -> Tuple[Tuple[int, ...], List[str],
+                                                         Tuple[int, ...]]:
+    """(logical shape, its dimensions' letters, physical order) of the
+    tensors of a layout of N blocks: physical dimension i is logical
+    dimension order[i]."""
+    physical, letters = _physical_shape(key, n)
+    names = letters.strip("[]").split(", ")
+    order = _HND_ORDER.get(CacheLayout(key[0]), tuple(range(len(physical))))
+    logical = [0] * len(physical)
+    logical_names = [""] * len(physical)
+    for i, dim in enumerate(order):
+        logical[dim] = physical[i]
+        logical_names[dim] = names[i]
+    return tuple(logical), logical_names, order
+
+
+def _dense_strides(t: Any) -> Optional[Tuple[int, ...]]:
+    """The element strides of torch tensor ``t`` if it is a permutation of a
+    C-contiguous tensor's dimensions (every element once, no gaps, as
+    ``x.permute(...)`` of a contiguous ``x``), else None."""
+    try:
+        strides = tuple(int(x) for x in t.stride())
+        shape = tuple(int(x) for x in t.shape)
+    except Exception:  # noqa: BLE001 - not a torch tensor after all
+        return None
+    if len(strides) != len(shape):
+        return None
+    expected = 1
+    for stride, extent in sorted((st, e) for e, st in zip(shape, strides) if e > 1):
+        if stride != expected:
+            return None
+        expected *= extent
+    return strides
+
+
 def _byte_shape(shape: Sequence[int], itemsize: int) -> Tuple[int, ...]:
     """A shape with its last dimension in bytes and without the dimensions
     of extent 1 (which order no bytes): two C-contiguous tensors of equal
@@ -230,6 +278,10 @@ class _Memory(NamedTuple):
     keep: Any  # what must stay referenced while the pointer is used
     shape: Tuple[int, ...]  # in elements; (nbytes,) for a plain buffer
     itemsize: int  # bytes per element
+    # Element strides of a torch tensor that is a permuted view of a
+    # contiguous one (only where _memory was allowed to take one); None
+    # for C-contiguous memory.
+    strides: Optional[Tuple[int, ...]] = None
 
 
 def _torch_storage(t: Any) -> Any:
@@ -267,21 +319,29 @@ def _is_torch_tensor(obj: Any) -> bool:
                                          "is_contiguous", "device"))
 
 
-def _memory(obj: Any, writable: bool, what: str) -> _Memory:
+def _memory(obj: Any, writable: bool, what: str, permuted: bool = False) -> _Memory:
     """The memory of a torch tensor, a numpy array (or anything with
     ``__array_interface__``) or a buffer-protocol object. Raises ValueError
     for a non-contiguous (or, with ``writable``, read-only) one and
-    TypeError for other objects."""
+    TypeError for other objects. With ``permuted``, a torch tensor may also
+    be a permuted view of a contiguous one (its strides are returned; its
+    data_ptr is then still where its bytes start)."""
     if _is_torch_tensor(obj):
+        strides = None
         if not obj.is_contiguous():
-            raise ValueError(f"INVALID_ARGUMENT: {what} is not contiguous")
+            strides = _dense_strides(obj) if permuted else None
+            if strides is None:
+                raise ValueError(
+                    f"INVALID_ARGUMENT: {what} is not contiguous"
+                    + (" (nor a permuted view of a contiguous tensor)" if permuted else ""))
         device = obj.device
         itemsize = int(obj.element_size())
         _check_byte_order("=", itemsize, what, "a torch tensor on a big-endian host")
         numel = int(obj.numel())
         shape = tuple(int(x) for x in getattr(obj, "shape", (numel,)))
         return _Memory(int(obj.data_ptr()), numel * itemsize, str(device.type),
-                       device.index, (obj, _torch_storage(obj)), shape, itemsize)
+                       device.index, (obj, _torch_storage(obj)), shape, itemsize,
+                       strides)
     interface = getattr(obj, "__array_interface__", None)
     if interface is None:
         try:
@@ -519,7 +579,12 @@ class KvShim:
         must have the layout's physical shape (gpu/kv_layout.h, e.g. [2, N,
         T, H, D] for FLASH_ATTN_NHD; dimensions of extent 1 aside, and an
         integer view of the bits may count other elements in the last
-        dimension); 1-D buffers are taken by their size. ``objects``:
+        dimension); 1-D buffers are taken by their size. A torch cache may
+        instead be a permuted view of a contiguous tensor, as vLLM's HND
+        caches are: then of the layout's shape in NHD order (e.g. [2, N, T,
+        H, D] for FLASH_ATTN_HND), its strides in the physical order
+        (:meth:`_check_shapes` says what these checks can and cannot
+        tell). ``objects``:
         writable torch tensors, numpy arrays or buffers. The cpu library
         takes host memory only; the cuda library takes CUDA torch caches,
         and objects on the same device or in page-locked host memory
@@ -558,7 +623,8 @@ class KvShim:
                 f"INVALID_ARGUMENT: layout {CacheLayout(key[0]).name} with {key[2]} "
                 f"layers takes {info.num_tensors} cache tensors, got {len(caches)}")
         _check_cache_elements(caches, key[1])
-        cache_mem = [_memory(t, to_cache, f"caches[{i}]") for i, t in enumerate(caches)]
+        cache_mem = [_memory(t, to_cache, f"caches[{i}]", permuted=True)
+                     for i, t in enumerate(caches)]
         obj_mem = [_memory(o, not to_cache, f"objects[{i}]") for i, o in enumerate(objects)]
         per_block = info.tensor_bytes_per_block
         size = cache_mem[0].nbytes
@@ -602,21 +668,73 @@ class KvShim:
     @staticmethod
     def _check_shapes(key: Tuple[int, ...], info: LayoutInfo, caches: List[_Memory],
                       num_blocks: int) -> None:
-        """ValueError for a cache of more than one dimension whose shape is
-        not the layout's physical one (gpu/kv_layout.h): another layout's
-        tensor of the same size (FlashInfer's [N, 2, ...] as FlashAttention,
-        HND as NHD) would give wrong objects, and layouts share namespaces.
-        Integer views of the bits may count other elements in the last
-        dimension; 1-D (byte) buffers are taken by their size."""
+        """ValueError for a cache whose dimensions do not fit the layout
+        (gpu/kv_layout.h); layouts share namespaces, so another layout's
+        tensor would store or load wrong blocks. What is checked:
+
+        * A C-contiguous tensor or array of more than one dimension: its
+          shape must be the layout's physical shape (dimensions of extent 1
+          aside; an integer view of the bits may count other elements in
+          the last dimension). Only the shape: a tensor of another layout
+          with the same shape passes -- NHD as HND or the reverse when
+          block_size == num_kv_heads, FlashAttention's [2, N, ...] as
+          FlashInfer's [N, 2, ...] when num_blocks == 2.
+        * A torch tensor that is a permuted view of a contiguous one (how
+          vLLM builds HND caches): its shape must be the layout's logical
+          shape (the physical one in NHD order, e.g. [2, N, T, H, D] for
+          FLASH_ATTN_HND), and its strides must lay those dimensions out in
+          the layout's physical order. Its dimensions are taken to be in
+          that logical order, so the strides tell NHD from HND whatever the
+          sizes; FlashAttention and FlashInfer still only by shape.
+        * 1-D buffers: their size only (checked by the caller)."""
         expected, letters = _physical_shape(key, num_blocks)
         want = _byte_shape(expected, info.element_bytes)
+        name = CacheLayout(key[0]).name
         for i, m in enumerate(caches):
-            if len(m.shape) > 1 and _byte_shape(m.shape, m.itemsize) != want:
+            if m.strides is not None:
+                KvShim._check_permuted(key, info, m, num_blocks, f"caches[{i}]")
+            elif len(m.shape) > 1 and _byte_shape(m.shape, m.itemsize) != want:
                 raise ValueError(
                     f"INVALID_ARGUMENT: caches[{i}] has shape {list(m.shape)}; layout "
-                    f"{CacheLayout(key[0]).name} takes tensors of shape {list(expected)} "
+                    f"{name} takes tensors of shape {list(expected)} "
                     f"(physically {letters}; an integer view of other width may differ "
                     f"in the last dimension, a 1-D buffer in shape)")
+
+    @staticmethod
+    def _check_permuted(key: Tuple[int, ...], info: LayoutInfo, m: _Memory,
+                        num_blocks: int, what: str) -> None:
+        """_check_shapes for a permuted view ``m``: the layout's logical
+        shape, strides of its physical order."""
+        logical, names, order = _logical_order(key, num_blocks)
+        physical, letters = _physical_shape(key, num_blocks)
+        shape = list(m.shape)
+        strides = list(m.strides or ())
+        # The head-size dimension is innermost in every layout: an integer
+        # view of other width counts other elements in it.
+        want_shape = list(logical)
+        last_bytes = want_shape[-1] * info.element_bytes
+        want_shape[-1] = last_bytes // m.itemsize if last_bytes % m.itemsize == 0 else -1
+        want_strides = [0] * len(want_shape)
+        step = 1
+        for dim in reversed(order):
+            want_strides[dim] = step
+            step *= want_shape[dim]
+        if shape == want_shape and all(
+                e <= 1 or st == w for e, st, w in zip(shape, strides, want_strides)):
+            return
+        # The order its strides give, in the letters of the logical shape
+        # where that shape is the layout's.
+        by_stride = sorted(range(len(shape)), key=lambda d: -strides[d])
+        if len(shape) == len(names) and shape[:-1] == want_shape[:-1]:
+            seen = "[" + ", ".join(names[d] for d in by_stride) + "]"
+        else:
+            seen = f"dimensions {by_stride}"
+        raise ValueError(
+            f"INVALID_ARGUMENT: {what} is a permuted view of shape {shape} with "
+            f"strides {strides}, in memory as {seen}; layout {CacheLayout(key[0]).name} "
+            f"takes contiguous tensors of shape {list(physical)} "
+            f"(physically {letters}), or views of them of shape {list(logical)} "
+            f"([{', '.join(names)}])")
 
     def _check_devices(self, caches: List[_Memory], objects: List[_Memory]) -> Optional[int]:
         """Checks the memory against the backend; returns the CUDA device

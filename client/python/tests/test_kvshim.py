@@ -450,8 +450,15 @@ class ErrorTest(ShimTestCase):
         meta = [torch.empty(c.shape, dtype=torch.bfloat16, device="meta")
                 for c in self.caches]
         self.assert_rejected(ValueError, r"caches\[0\] is a torch tensor on meta", caches=meta)
+        t = [torch.from_numpy(c.view(np.int16))[..., ::2] for c in self.caches]
+        self.assert_rejected(ValueError, r"caches\[0\] is not contiguous \(nor a permuted "
+                             r"view of a contiguous tensor\)", caches=t)
+        # A permuted view, but not one of the layout's: [2, N, H, T, D] for
+        # FlashInfer HND's logical [N, 2, T, H, D].
         t = [torch.from_numpy(c.view(np.int16)).transpose(0, 1) for c in self.caches]
-        self.assert_rejected(ValueError, r"caches\[0\] is not contiguous", caches=t)
+        self.assert_rejected(ValueError, r"caches\[0\] is a permuted view of shape "
+                             r"\[2, 7, 2, 4, 8\] with strides \[64, 128, 32, 8, 1\]",
+                             caches=t)
 
     def test_not_found_is_key_error(self):
         with self.assertRaisesRegex(KeyError, "NOT_FOUND: host memory at"):
@@ -522,6 +529,90 @@ class ShapeTest(ShimTestCase):
         self.shim.gather(layout, right, [0, 1], objs)
         self.shim.gather(layout, [c.view(torch.uint8) for c in right], [0, 1], objs)
         self.shim.gather(layout, [c.view(torch.int16) for c in right], [0, 1], objs)
+
+
+@unittest.skipIf(torch is None, "torch is not installed")
+class PermutedViewTest(ShimTestCase):
+    """Torch caches that are permuted views of contiguous tensors -- how
+    vLLM builds HND caches: the physical [2, N, H, T, D] tensor permuted to
+    the engine's [2, N, T, H, D]. Their strides give the physical order, so
+    HND is told from NHD even when block_size == num_kv_heads, where the
+    shapes are the same."""
+
+    S = 4  # block_size == num_kv_heads
+
+    # (layout, physical shape, the permutation to the logical shape)
+    def cases(self):
+        S = self.S
+        mha = kvdepot.KvLayout.mha
+        return [
+            (mha(K.FLASH_ATTN_HND, L, S, S, HD, DT.BFLOAT16), [(2, N, S, S, HD)] * L,
+             (0, 1, 3, 2, 4)),
+            (mha(K.FLASH_INFER_HND, L, S, S, HD, DT.BFLOAT16), [(N, 2, S, S, HD)] * L,
+             (0, 1, 3, 2, 4)),
+            (mha(K.CROSS_LAYER_HND, L, S, S, HD, DT.BFLOAT16), [(N, L, 2, S, S, HD)],
+             (0, 1, 2, 4, 3, 5)),
+        ]
+
+    def test_hnd_views_gather_and_scatter_their_physical_bytes(self):
+        for layout, shapes, perm in self.cases():
+            with self.subTest(layout=layout.layout.name):
+                phys = random_np_caches(shapes, DT.BFLOAT16, seed=3)
+                views = [torch.from_numpy(p.view(np.int16)).permute(*perm) for p in phys]
+                self.assertFalse(views[0].is_contiguous())
+                want = filled(3, layout.object_bytes, 0)
+                kvdepot.gather(layout, phys, [6, 1, 6], want)
+                got = filled(3, layout.object_bytes, 0x77)
+                self.shim.gather(layout, views, [6, 1, 6], got)
+                self.assertEqual([raw(g) for g in got], [raw(w) for w in want])
+                # As raw bits of another width, too.
+                got = filled(3, layout.object_bytes, 0x77)
+                self.shim.gather(layout, [v.view(torch.uint8) for v in views], [6, 1, 6],
+                                 got)
+                self.assertEqual([raw(g) for g in got], [raw(w) for w in want])
+                # Scatter through the views writes the physical bytes.
+                back = [np.zeros_like(p) for p in phys]
+                self.shim.scatter(
+                    layout, [torch.from_numpy(b.view(np.int16)).permute(*perm) for b in back],
+                    [2], [want[1]])
+                ref = [np.zeros_like(p) for p in phys]
+                kvdepot.scatter(layout, ref, [2], [want[1]])
+                for b, r in zip(back, ref):
+                    np.testing.assert_array_equal(b, r)
+
+    def test_an_hnd_view_is_refused_as_nhd_though_the_shapes_agree(self):
+        S = self.S
+        mha = kvdepot.KvLayout.mha
+        for hnd, nhd, shapes, perm in (
+                (K.FLASH_ATTN_HND, K.FLASH_ATTN_NHD, [(2, N, S, S, HD)] * L, (0, 1, 3, 2, 4)),
+                (K.FLASH_INFER_HND, K.FLASH_INFER_NHD, [(N, 2, S, S, HD)] * L,
+                 (0, 1, 3, 2, 4)),
+                (K.CROSS_LAYER_HND, K.CROSS_LAYER_NHD, [(N, L, 2, S, S, HD)],
+                 (0, 1, 2, 4, 3, 5))):
+            layout = mha(nhd, L, S, S, HD, DT.BFLOAT16)
+            phys = random_np_caches(shapes, DT.BFLOAT16, seed=4)
+            before = [p.copy() for p in phys]
+            views = [torch.from_numpy(p.view(np.int16)).permute(*perm) for p in phys]
+            objs = filled(2, layout.object_bytes, 0x77)
+            for op in ("gather", "scatter"):
+                with self.subTest(layout=nhd.name, op=op):
+                    with self.assertRaisesRegex(
+                            ValueError, r"^INVALID_ARGUMENT: caches\[0\] is a permuted view "
+                            r"of shape .* in memory as \[.*H, T, D\]; layout "
+                            + nhd.name + r" takes"):
+                        getattr(self.shim, op)(layout, views, [0, 1], objs)
+                    self.assertTrue(all((o == 0x77).all() for o in objs))
+                    for p, b in zip(phys, before):
+                        np.testing.assert_array_equal(p, b)
+        # And an NHD view (a contiguous tensor permuted to HND order and
+        # back is contiguous; permuted to the HND *physical* shape it is a
+        # view of the wrong shape) under an HND layout.
+        layout = mha(K.FLASH_ATTN_HND, L, T, H, HD, DT.BFLOAT16)
+        nhd_view = [torch.zeros((2, N, T, H, HD), dtype=torch.bfloat16).permute(0, 1, 3, 2, 4)
+                    for _ in range(L)]
+        with self.assertRaisesRegex(ValueError, r"caches\[0\] is a permuted view of shape "
+                                    r"\[2, 7, 2, 4, 8\]"):
+            self.shim.gather(layout, nhd_view, [0], filled(1, layout.object_bytes, 0))
 
 
 class RegisterHostTest(ShimTestCase):
