@@ -6,6 +6,7 @@
 #include <algorithm>
 #include <chrono>
 #include <cstring>
+#include <limits>
 #include <map>
 #include <utility>
 
@@ -90,8 +91,22 @@ struct Client::Ucx {
   // progress thread): when a session opens once they are kRetiredLinkGrace
   // old (or past kMaxRetiredLinks), or with the client.
   std::vector<std::shared_ptr<Link>> retired ABSL_GUARDED_BY(link_mu);
+  // A slot whose region is null is free (its buffer was freed), and taken
+  // by the next buffer; callers hold slot indices only for buffers their op
+  // uses, which are not freed meanwhile (FreeBuffer's REQUIRES).
   struct Buffer {
     std::unique_ptr<MemoryRegion> region;
+    bool allocated = false;  // made by AllocateBuffer (FreeBuffer may free it)
+    // FreeBuffer was called but the region is kept until the client goes:
+    // an op over it ended in a way that lets a transfer still reach it
+    // (late_access). No op may use it (PrepareUcx skips it).
+    bool freed = false;
+    // An op over it ended without the daemon's answer, or with a block
+    // that may still be on its way, while this client's worker moved its
+    // bytes (not copied in place): the daemon may still read it through
+    // the worker (a put fences nothing; a get fences it, and counts all the
+    // same). Set by the op's callback before the op is ready (LateBuffers).
+    bool late_access = false;
     uint64_t session = 0;  // the session the daemon knows it in
     uint32_t daemon_id = 0;
     bool in_place = false;  // the daemon copies it itself (copied_in_place)
@@ -105,6 +120,14 @@ struct Client::Ucx {
   };
   absl::Mutex mu;
   std::vector<Buffer> buffers ABSL_GUARDED_BY(mu);
+
+  // A free slot (emptied), else a new one.
+  Buffer& NewSlot() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu) {
+    for (Buffer& b : buffers) {
+      if (b.region == nullptr && b.registering == 0) return b = Buffer{};
+    }
+    return buffers.emplace_back();
+  }
 };
 
 struct TransferOp::State {
@@ -365,6 +388,22 @@ absl::StatusOr<std::unique_ptr<Client>> Client::Connect(
     const ClientOptions& options) {
   if (options.server.empty()) {
     return absl::InvalidArgumentError("server address is empty");
+  }
+  if (options.rpc_timeout <= absl::ZeroDuration() ||
+      options.rpc_timeout == absl::InfiniteDuration()) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "rpc_timeout must be positive and finite, not ",
+        absl::FormatDuration(options.rpc_timeout)));
+  }
+  // OpenSessionRequest.lease_ms is a uint32 (a lease that wrapped around
+  // would be the daemon's longest); under 1 ms would be 0, its default.
+  if (options.lease != absl::ZeroDuration() &&
+      (options.lease < absl::Milliseconds(1) ||
+       options.lease > absl::Milliseconds(std::numeric_limits<uint32_t>::max()))) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "lease must be zero (the daemon's default) or from 1ms to ",
+        absl::FormatDuration(absl::Milliseconds(std::numeric_limits<uint32_t>::max())),
+        ", not ", absl::FormatDuration(options.lease)));
   }
   return std::unique_ptr<Client>(new Client(options));
 }
@@ -1185,7 +1224,7 @@ absl::Status Client::RegisterBuffer(void* base, size_t size) {
   ASSIGN_OR_RETURN(std::unique_ptr<MemoryRegion> region,
                    ucx_->context->Register(base, size));
   absl::MutexLock lock(&ucx_->mu);
-  ucx_->buffers.push_back(Ucx::Buffer{std::move(region)});
+  ucx_->NewSlot().region = std::move(region);
   return absl::OkStatus();
 }
 
@@ -1198,8 +1237,45 @@ absl::StatusOr<absl::Span<char>> Client::AllocateBuffer(size_t size) {
                    ucx_->context->Allocate(size));
   absl::Span<char> bytes(region->base(), region->size());
   absl::MutexLock lock(&ucx_->mu);
-  ucx_->buffers.push_back(Ucx::Buffer{std::move(region)});
+  Ucx::Buffer& slot = ucx_->NewSlot();
+  slot.region = std::move(region);
+  slot.allocated = true;
   return bytes;
+}
+
+absl::Status Client::FreeBuffer(absl::Span<char> buffer) {
+  if (ucx_ == nullptr) {
+    return absl::NotFoundError("no UCX in this client: nothing was allocated");
+  }
+  std::unique_ptr<MemoryRegion> region;
+  {
+    absl::MutexLock lock(&ucx_->mu);
+    auto it = std::find_if(
+        ucx_->buffers.begin(), ucx_->buffers.end(), [&](const Ucx::Buffer& b) {
+          return b.region != nullptr && b.allocated && !b.freed &&
+                 b.region->base() == buffer.data() && b.region->size() == buffer.size();
+        });
+    if (it == ucx_->buffers.end()) {
+      return absl::NotFoundError(
+          "not a buffer AllocateBuffer returned, or freed already");
+    }
+    it->freed = true;
+    // A transfer may still reach it: kept (unused) until the client goes.
+    if (it->late_access) return absl::OkStatus();
+    region = std::move(it->region);  // the slot is free now
+  }
+  // Unregistered and unmapped outside ucx_->mu (ucp_mem_unmap: the context
+  // is thread-safe, UCP_PARAM_FIELD_MT_WORKERS_SHARED). No op uses it
+  // (REQUIRES), and none can reach it late (late_access is set before an
+  // op that could is made ready), so no worker touches it any more.
+  region.reset();
+  return absl::OkStatus();
+}
+
+void Client::MarkLateAccess(absl::Span<const size_t> buffers) {
+  if (buffers.empty()) return;
+  absl::MutexLock lock(&ucx_->mu);
+  for (size_t b : buffers) ucx_->buffers[b].late_access = true;
 }
 
 void Client::DropSession(uint64_t session) {
@@ -1338,6 +1414,27 @@ bool MaybeUnanswered(const absl::Status& st) {
   }
 }
 
+// The buffers (`buffers`: block i lies in buffers[i]) that a transfer of an
+// op may still reach after the op ended with `st` (`answered`: the daemon's
+// reply; when OK, with the per-block outcomes `blocks`): those of the blocks
+// this client's worker moves (not `in_place`), when the op ended without
+// the answer or with a status of a transfer that may still be on its way
+// (MaybeUnanswered). The daemon may then still read a put's source through
+// the worker, which no put fences; a get's blocks are fenced (MayLandLate),
+// and are counted all the same.
+std::vector<size_t> LateBuffers(
+    bool answered, const absl::Status& st,
+    const google::protobuf::RepeatedPtrField<v1::BlockTransfer>& blocks,
+    const std::vector<bool>& in_place, const std::vector<size_t>& buffers) {
+  std::vector<size_t> late;
+  for (size_t i = 0; i < in_place.size() && i < buffers.size(); ++i) {
+    if (in_place[i]) continue;
+    if (!answered || MaybeUnanswered(BlockOutcome(st, blocks, i))) {
+      late.push_back(buffers[i]);
+    }
+  }
+  return late;
+}
 
 // Ends a PutFromAsync op from the daemon's answer (state.pull_resp when OK).
 void FinishPut(TransferOp::State& state, const absl::Status& st) {
@@ -1375,7 +1472,8 @@ absl::StatusOr<Client::UcxTarget> Client::PrepareUcx(
     for (size_t i = 0; i < ranges.size(); ++i) {
       size_t b = 0;
       while (b < ucx_->buffers.size() &&
-             !ucx_->buffers[b].region->Contains(ranges[i].data(), ranges[i].size())) {
+             (ucx_->buffers[b].region == nullptr || ucx_->buffers[b].freed ||
+              !ucx_->buffers[b].region->Contains(ranges[i].data(), ranges[i].size()))) {
         ++b;
       }
       if (b == ucx_->buffers.size() || ranges[i].empty()) {
@@ -1403,6 +1501,7 @@ absl::StatusOr<Client::UcxTarget> Client::PrepareUcx(
   wanted.erase(std::unique(wanted.begin(), wanted.end()), wanted.end());
   absl::flat_hash_map<size_t, std::pair<uint32_t, bool>> ids;
   RETURN_IF_ERROR(RegisterInSession(target.session, wanted, &ids, unreachable));
+  target.buffers = buffer_of;
   for (size_t i = 0; i < ranges.size(); ++i) {
     const auto [daemon_id, in_place] = ids.at(buffer_of[i]);
     target.in_place.push_back(in_place);
@@ -1647,12 +1746,15 @@ TransferOp Client::GetIntoAsyncImpl(absl::string_view ns,
         session, RequestMethod::kPushBlocks, req.SerializeAsString(),
         absl::Now() + UcxRequestTimeout(),
         [this, state, session, out, link, in_place = target->in_place,
-         copy_deadline, timers = timers_](const absl::Status& reply,
-                                          absl::string_view body) mutable {
+         buffers = target->buffers, copy_deadline,
+         timers = timers_](const absl::Status& reply, absl::string_view body) mutable {
           const bool answered = UcxRequests::Answered(reply);
           absl::Status st = ParseReply(UcxRequests::WithoutAnswerMark(reply), body,
                                        state->push_resp);
           if (SessionGone(st)) DropSession(session);
+          // Before the op can be ready (and its buffers freed).
+          MarkLateAccess(
+              LateBuffers(answered, st, state->push_resp.blocks(), in_place, buffers));
           // (`out` copied: the verify pool's step below needs it too.)
           auto finish = [state, st, out, timers,
                          at = PublishAfter(answered, in_place, copy_deadline)]() mutable {
@@ -1680,10 +1782,12 @@ TransferOp Client::GetIntoAsyncImpl(absl::string_view ns,
   stub_->async()->PushBlocks(
       &state->ctx, &state->push_req, &state->push_resp,
       [this, state, session, out = std::move(out), link = std::move(target->link),
-       in_place = std::move(target->in_place), copy_deadline, timers = timers_,
-       calls = calls_](grpc::Status reply) mutable {
+       in_place = std::move(target->in_place), buffers = std::move(target->buffers),
+       copy_deadline, timers = timers_, calls = calls_](grpc::Status reply) mutable {
         const absl::Status st = FromGrpcStatus(reply);
         if (SessionGone(st)) DropSession(session);
+        MarkLateAccess(LateBuffers(!MaybeUnanswered(st), st, state->push_resp.blocks(),
+                                   in_place, buffers));
         auto finish = [state, st, out = std::move(out), timers,
                        at = PublishAfter(!MaybeUnanswered(st), in_place,
                                          copy_deadline)]() mutable {
@@ -1761,12 +1865,16 @@ TransferOp Client::PutFromAsync(absl::string_view ns,
   // copies no more of them (PublishAfter).
   UcxRequests* requests = target->link->requests.get();
   if (requests != nullptr && requests->Serves(session)) {
-    auto done = [this, state, session, in_place = target->in_place, copy_deadline,
+    auto done = [this, state, session, in_place = target->in_place,
+                 buffers = target->buffers, copy_deadline,
                  timers = timers_](const absl::Status& reply, absl::string_view body) {
       const bool answered = UcxRequests::Answered(reply);
       const absl::Status st =
           ParseReply(UcxRequests::WithoutAnswerMark(reply), body, state->pull_resp);
       if (SessionGone(st)) DropSession(session);
+      // Before the op can be ready (and its buffers freed).
+      MarkLateAccess(
+          LateBuffers(answered, st, state->pull_resp.blocks(), in_place, buffers));
       PublishAt(*timers, PublishAfter(answered, in_place, copy_deadline),
                 [state, st] { FinishPut(*state, st); });
     };
@@ -1797,10 +1905,13 @@ TransferOp Client::PutFromAsync(absl::string_view ns,
   }
   stub_->async()->PullBlocks(
       &state->ctx, &state->pull_req, &state->pull_resp,
-      [this, state, session, in_place = std::move(target->in_place), copy_deadline,
-       timers = timers_, calls = calls_](grpc::Status reply) {
+      [this, state, session, in_place = std::move(target->in_place),
+       buffers = std::move(target->buffers), copy_deadline, timers = timers_,
+       calls = calls_](grpc::Status reply) {
         const absl::Status st = FromGrpcStatus(reply);
         if (SessionGone(st)) DropSession(session);
+        MarkLateAccess(LateBuffers(!MaybeUnanswered(st), st, state->pull_resp.blocks(),
+                                   in_place, buffers));
         PublishAt(*timers, PublishAfter(!MaybeUnanswered(st), in_place, copy_deadline),
                   [state, st] { FinishPut(*state, st); });
         calls->End(&state->ctx);

@@ -52,8 +52,11 @@ class UcxRequests;
 struct ClientOptions {
   std::string server = "127.0.0.1:50551";
   // Deadline of each RPC (a stream's deadline covers the whole stream).
+  // Positive and finite (Connect checks).
   absl::Duration rpc_timeout = absl::Seconds(30);
-  // Session lease to ask for; zero means the daemon's default.
+  // Session lease to ask for; zero means the daemon's default, which also
+  // bounds it. Connect refuses a negative one, and one under 1 ms or over
+  // 2^32 - 1 ms (what OpenSessionRequest.lease_ms holds) that is not zero.
   absl::Duration lease = absl::ZeroDuration();
   std::string client_name = "libkvdepot";
   // kUcx: open sessions with a UCX worker, so that blocks in registered
@@ -186,6 +189,8 @@ absl::Status FromGrpcStatus(const grpc::Status& status);
 class Client {
  public:
   // Creates the channel; no RPC is made (use Health to check the daemon).
+  // InvalidArgument for an empty server, or an rpc_timeout or lease out of
+  // range (see ClientOptions).
   static absl::StatusOr<std::unique_ptr<Client>> Connect(
       const ClientOptions& options);
   // Stops the keep-alive thread, cancels the calls of GetIntoAsync /
@@ -279,9 +284,10 @@ class Client {
   // more is written into its buffers.
   absl::Status RegisterBuffer(void* base, size_t size);
   // Allocates `size` bytes through UCX, registered as RegisterBuffer does,
-  // and returns them; they live as long as the client. UCX places them in
-  // shared memory where it can, so a daemon on this host maps them and
-  // copies blocks into and out of them itself, hashing each as it lands:
+  // and returns them; they live until FreeBuffer, or the client, frees
+  // them. UCX places them in shared memory where it can, so a daemon on
+  // this host maps them and copies blocks into and out of them itself,
+  // hashing each as it lands:
   // neither side then makes a second pass over the bytes to check them
   // (see always_checksum_puts). Every page of it exists when it returns
   // (the call takes time in proportion to `size`), so no transfer into it
@@ -306,6 +312,22 @@ class Client {
   // after the op was reported. For a put, always_checksum_puts closes that
   // case (the bytes no longer match the client's checksum).
   absl::StatusOr<absl::Span<char>> AllocateBuffer(size_t size);
+  // Unregisters and frees a buffer of AllocateBuffer (`buffer` as it
+  // returned it), unless a transfer may still reach it: when an op over it
+  // ended without the daemon's answer, or with a block that may still be on
+  // its way, while this client's UCX worker moved its bytes (not copied in
+  // place by a daemon on this host; the daemon may still read a put's
+  // source through the worker), it is kept, unused, until the client goes.
+  // NotFound when `buffer` is no such buffer, or was freed already.
+  // REQUIRES: every op whose buffers lie in it is ready, no call using it
+  // is in progress, and nothing touches the memory afterwards.
+  //
+  // The daemon keeps the buffer's registration in a session it was used in
+  // until that session ends (there is no RPC to drop one; it counts towards
+  // the daemon's limit of buffers per session), and a daemon on this host
+  // keeps the shared memory it mapped for it mapped until then: the memory
+  // leaves this process at once, the host only with the session.
+  absl::Status FreeBuffer(absl::Span<char> buffer);
 
   // Reads blocks straight into `dst` (dst[i] receives keys[i] and must be
   // exactly its size). Over UCX when every dst lies in registered memory and
@@ -406,6 +428,8 @@ class Client {
     std::vector<v1::BufferRange> ranges;
     // Per range: the daemon copies it in place (copied_in_place).
     std::vector<bool> in_place;
+    // Per range: the index of its buffer in ucx_->buffers.
+    std::vector<size_t> buffers;
   };
   // `*unreachable` says whether an error is the daemon not answering in
   // time (then the caller fails the op instead of trying gRPC).
@@ -443,6 +467,10 @@ class Client {
   void RetryOwedUnpins() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Ends the requests over UCX of `session` (pending ones: Unavailable).
   void DisconnectRequests(uint64_t session);
+  // Sets late_access on ucx_->buffers[i] for each i in `buffers`: a transfer
+  // may still reach them, so FreeBuffer keeps them. Called by an op's
+  // callback before the op can be ready.
+  void MarkLateAccess(absl::Span<const size_t> buffers);
 
   // A new worker, and the request path on it unless options_ say no.
   absl::StatusOr<std::shared_ptr<Link>> NewLink(UcxContext& context) const;

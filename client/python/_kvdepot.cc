@@ -43,6 +43,7 @@
 #include "absl/base/thread_annotations.h"
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "absl/strings/ascii.h"
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
@@ -107,6 +108,19 @@ struct Memory {
 };
 
 constexpr bool kBigEndianHost = __BYTE_ORDER__ == __ORDER_BIG_ENDIAN__;
+
+// Whether a buffer's struct format (without its byte-order mark) is plain
+// numbers or bytes: integers, bool, char, floats, complex ("Zf"), a byte
+// string ("4s"). Anything else is refused (GetMemory): an array of Python
+// objects (numpy dtype=object, format 'O') holds PyObject pointers, which a
+// read would overwrite with block bytes (a crash once the array goes) and a
+// put would send; structures ("T{...}", which may hold objects too),
+// unicode and void formats are not plain numbers.
+bool PlainElements(absl::string_view element) {
+  while (!element.empty() && absl::ascii_isdigit(element[0])) element.remove_prefix(1);
+  if (element.size() == 2 && element[0] == 'Z') element.remove_prefix(1);
+  return element.size() == 1 && absl::StrContains("bBhHiIlLqQnNefdg?cs", element[0]);
+}
 
 // Raises ValueError for big-endian elements wider than a byte: element bytes
 // are copied verbatim and are little-endian by contract (gpu/kv_layout.h),
@@ -222,6 +236,12 @@ Memory GetMemory(py::handle obj, bool writable, const std::string& what,
     order = m.element[0];
     m.element.erase(0, 1);
   }
+  if (!PlainElements(m.element)) {
+    throw py::type_error(absl::StrCat(
+        what, " holds elements of buffer format '", format,
+        "'; kvdepot moves buffers of plain numbers or bytes only (numpy "
+        "numeric dtypes, bytes, bytearray), never Python objects"));
+  }
   CheckByteOrder(order, m.itemsize, what,
                  absl::StrCat("buffer format '", format, "'"));
   if (with_shape) m.shape.assign(m.view->shape.begin(), m.view->shape.end());
@@ -237,6 +257,33 @@ std::vector<Memory> GetMemories(const py::sequence& objs, bool writable,
         GetMemory(objs[i], writable, absl::StrCat(what, "[", i, "]"), with_shape));
   }
   return out;
+}
+
+// Raises ValueError when two of `memories`, buffers one call writes (`what`
+// names them, e.g. "buffers"), share a byte: each is to receive a block of
+// its own, and one would overwrite the other. Empty buffers share none.
+// O(n log n).
+void CheckNoOverlap(const std::vector<Memory>& memories, const char* what) {
+  std::vector<size_t> order;
+  order.reserve(memories.size());
+  for (size_t i = 0; i < memories.size(); ++i) {
+    if (memories[i].size > 0) order.push_back(i);
+  }
+  auto start = [&](size_t i) { return reinterpret_cast<uintptr_t>(memories[i].data); };
+  auto end = [&](size_t i) { return start(i) + memories[i].size; };
+  std::sort(order.begin(), order.end(),
+            [&](size_t a, size_t b) { return start(a) < start(b); });
+  // Sorted by start, and disjoint so far: a buffer overlaps an earlier one
+  // exactly when it starts before the end of the one before it.
+  for (size_t k = 1; k < order.size(); ++k) {
+    if (start(order[k]) < end(order[k - 1])) {
+      const size_t a = std::min(order[k], order[k - 1]);
+      const size_t b = std::max(order[k], order[k - 1]);
+      throw py::value_error(absl::StrCat(
+          "INVALID_ARGUMENT: ", what, "[", b, "] overlaps ", what, "[", a,
+          "]; each block needs memory of its own"));
+    }
+  }
 }
 
 // Python bytes keys, kept alive as std::string while the GIL is released.
@@ -1034,8 +1081,6 @@ void ValidateNames(const std::string& ns, const std::vector<std::string>& keys) 
   }
 }
 
-// The Client binding: one libkvdepot Client (thread-safe; Python threads may
-// share it).
 bool InterpreterFinalizing() {
 #if PY_VERSION_HEX >= 0x030D0000
   return Py_IsFinalizing();
@@ -1044,38 +1089,81 @@ bool InterpreterFinalizing() {
 #endif
 }
 
+// Runs fn() without the GIL where this thread holds it (except while the
+// interpreter shuts down), else as it is: for what may block (an RPC,
+// stopping UCX workers, unmapping memory) in code that runs both with and
+// without the GIL (deleters, capsule destructors).
+template <typename Fn>
+void WithoutGil(Fn&& fn) {
+  if (PyGILState_Check() && !InterpreterFinalizing()) {
+    py::gil_scoped_release nogil;
+    fn();
+  } else {
+    fn();
+  }
+}
+
+// The Client binding: one libkvdepot Client (thread-safe; Python threads may
+// share it).
+//
+// Two references to the native client: native_ owns it (and so do the
+// arrays of allocate_buffer, whose memory it holds); client_ is for using
+// it (calls, and the ops and loads in flight hold it) and closes the session
+// when its last holder lets go. So close() ends the session, releasing its
+// pins, as soon as no op is in flight, even while arrays of allocate_buffer
+// live on (their memory stays valid until they go, and with the last of
+// them the native client).
 class PyClient {
  public:
   PyClient(const std::string& server, double timeout_s, double lease_s,
            const std::string& client_name) {
     ClientOptions options;
     options.server = server;
-    if (timeout_s <= 0) {
-      throw py::value_error("INVALID_ARGUMENT: timeout_s must be positive");
+    if (!(timeout_s > 0) || !std::isfinite(timeout_s)) {
+      throw py::value_error(absl::StrCat(
+          "INVALID_ARGUMENT: timeout_s must be a positive number of seconds, not ",
+          timeout_s));
+    }
+    if (!(lease_s >= 0) || !std::isfinite(lease_s)) {
+      throw py::value_error(absl::StrCat(
+          "INVALID_ARGUMENT: lease_s must be 0 (the daemon's default) or a "
+          "positive number of seconds, not ",
+          lease_s));
     }
     options.rpc_timeout = absl::Seconds(timeout_s);
-    options.lease = absl::Seconds(lease_s);
+    options.lease = absl::Seconds(lease_s);  // its range: Client::Connect
     options.client_name = client_name;
-    std::unique_ptr<Client> client = Check(Client::Connect(options));
+    absl::StatusOr<std::unique_ptr<Client>> connected;
+    {
+      // Resolving the server's name (to pick UCX's devices) and starting UCX
+      // take milliseconds to seconds.
+      py::gil_scoped_release release;
+      connected = Client::Connect(options);
+    }
+    std::unique_ptr<Client> client = Check(std::move(connected));
     // The objects whose memory register_buffer handed to the client live as
     // long as the client does (UCX keeps the registrations until then):
     // released, with the GIL, after it is gone.
     auto registered = std::make_shared<std::vector<Memory>>();
     registered_ = registered.get();
-    client_ = std::shared_ptr<Client>(client.release(), [registered](Client* c) {
-      // ~Client closes the session (an RPC, up to a few seconds with a
-      // daemon that does not answer) and stops the UCX workers: without the
-      // GIL, whoever drops the last reference (del, the garbage collector),
-      // except while the interpreter shuts down.
-      if (PyGILState_Check() && !InterpreterFinalizing()) {
-        py::gil_scoped_release nogil;
-        delete c;
-      } else {
-        delete c;
-      }
+    native_ = std::shared_ptr<Client>(client.release(), [registered](Client* c) {
+      // ~Client closes the session, if one is left (an RPC, up to a few
+      // seconds with a daemon that does not answer) and stops the UCX
+      // workers: without the GIL, whoever drops the last reference (del,
+      // the garbage collector, an array's capsule).
+      WithoutGil([c] { delete c; });
       py::gil_scoped_acquire gil;
       registered->clear();
     });
+    client_ = std::shared_ptr<Client>(
+        native_.get(), [native = native_](Client* c) mutable {
+          // Nothing uses the client any more: close its session (an RPC)
+          // now, whatever still holds its memory.
+          WithoutGil([c, &native] {
+            c->CloseSession().IgnoreError();
+            native.reset();
+          });
+        });
     server_ = server;
   }
 
@@ -1148,6 +1236,7 @@ class PyClient {
     }
     std::vector<std::string> k = Keys(keys);
     std::vector<Memory> mem = GetMemories(buffers, /*writable=*/true, "buffers");
+    CheckNoOverlap(mem, "buffers");
     return Check(Released([&](Client& c) {
       std::vector<absl::string_view> v = Views(k);
       std::vector<absl::Span<char>> dst;
@@ -1172,6 +1261,7 @@ class PyClient {
     std::vector<std::string> k = Keys(keys);
     ValidateNames(ns, k);
     std::vector<Memory> mem = GetMemories(buffers, /*writable=*/true, "buffers");
+    CheckNoOverlap(mem, "buffers");
     std::vector<absl::Span<char>> dst;
     dst.reserve(mem.size());
     for (const Memory& m : mem) dst.emplace_back(m.data, m.size);
@@ -1273,6 +1363,7 @@ class PyClient {
       throw py::value_error("INVALID_ARGUMENT: block ids repeat");
     }
     std::vector<Memory> obj = GetMemories(objects, /*writable=*/true, "objects");
+    CheckNoOverlap(obj, "objects");
     std::vector<char*> dst;
     dst.reserve(n);
     for (size_t i = 0; i < n; ++i) {
@@ -1309,15 +1400,27 @@ class PyClient {
 
   // A numpy uint8 array of `size` bytes allocated through UCX (shared
   // memory where UCX can): put and get_into with buffers inside it move
-  // blocks over the UCX data plane. The array keeps the client's memory
-  // alive (even past close()).
+  // blocks over the UCX data plane. The memory stays valid while the array
+  // or a view of it lives, past close() too (which closes the session all
+  // the same), and goes back to the system when the last of them goes.
   py::array AllocateBuffer(size_t size) {
-    std::shared_ptr<Client> c = client();
     absl::Span<char> bytes =
         Check(Released([&](Client& client) { return client.AllocateBuffer(size); }));
-    auto* owner = new std::shared_ptr<Client>(std::move(c));
+    // Every view of the array (numpy slices, memoryviews, the objects an op
+    // holds) keeps the capsule alive; once none is left, nothing in Python
+    // reaches the memory and no op of ours uses it (ops hold their buffers
+    // until they are ready), so it goes back (Client::FreeBuffer).
+    struct Allocated {
+      std::shared_ptr<Client> client;
+      absl::Span<char> bytes;
+    };
+    auto* owner = new Allocated{native_, bytes};
     py::capsule keep(owner, [](void* p) {
-      delete static_cast<std::shared_ptr<Client>*>(p);
+      auto* allocated = static_cast<Allocated*>(p);
+      WithoutGil([allocated] {
+        allocated->client->FreeBuffer(allocated->bytes).IgnoreError();
+        delete allocated;  // maybe the last reference to the client
+      });
     });
     return py::array(py::dtype::of<uint8_t>(),
                      {static_cast<py::ssize_t>(bytes.size())}, {1},
@@ -1347,12 +1450,17 @@ class PyClient {
     return st.ok() ? "" : st.ToString();
   }
 
-  // Closes the session and the channel; later calls raise RuntimeError.
-  // Calls in flight on other threads finish first (they hold the client).
+  // Closes the session (releasing its pins) once no call, op or load is in
+  // flight (they hold client_), and the connection once no array of
+  // allocate_buffer is left either; later calls raise RuntimeError.
   void Close() {
     std::shared_ptr<Client> c = std::move(client_);
+    client_ = nullptr;
+    std::shared_ptr<Client> native = std::move(native_);
+    native_ = nullptr;
     py::gil_scoped_release release;
     c.reset();
+    native.reset();
   }
 
   std::string server() const { return server_; }
@@ -1376,10 +1484,14 @@ class PyClient {
   }
 
   std::string server_;
-  // Shared with the calls in flight, so that close() cannot free it under
-  // them. Replaced only with the GIL held.
+  // Both null once closed; changed only with the GIL held. client_ is
+  // shared with the calls, ops and loads in flight, so that close() cannot
+  // free the client under them, and closes the session when the last of
+  // them lets go; native_ owns the client, shared with the arrays of
+  // allocate_buffer (see the class comment).
   std::shared_ptr<Client> client_;
-  // Owned by client_'s deleter; valid while client_ is set. GIL held.
+  std::shared_ptr<Client> native_;
+  // Owned by native_'s deleter; valid while client_ is set. GIL held.
   std::vector<Memory>* registered_ = nullptr;
 };
 
@@ -1413,6 +1525,7 @@ void PyGather(const KvLayout& layout, const py::sequence& caches,
   std::vector<Memory> cache_mem =
       GetMemories(caches, /*writable=*/false, "caches", /*with_shape=*/true);
   std::vector<Memory> obj_mem = GetMemories(objects, /*writable=*/true, "objects");
+  CheckNoOverlap(obj_mem, "objects");
   KvCacheView view = CacheView(layout, cache_mem);
   LayerRange range = Layers(layout, layers);
   CheckObjectSizes(layout, range, obj_mem);

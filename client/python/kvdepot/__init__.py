@@ -105,8 +105,13 @@ class Client(_NativeClient):
 
     ``Client(server="127.0.0.1:50551", timeout_s=30.0, lease_s=0.0,
     client_name="kvdepot-python")``. No RPC is made until the first call.
-    The synchronous methods are the native ones; this class adds typed
-    wrappers of the asynchronous transfers.
+    ``timeout_s`` must be positive and finite, ``lease_s`` 0 (the daemon's
+    default) or from 0.001 to 4294967.295 seconds (ValueError otherwise).
+    ``close()`` makes later calls raise RuntimeError (FAILED_PRECONDITION)
+    and closes the session, releasing its pins, once no op is in flight;
+    arrays of ``allocate_buffer`` stay valid (their memory goes back when
+    the last view of it goes). The synchronous methods are the native ones;
+    this class adds typed wrappers of the asynchronous transfers.
     """
 
     def get_into_async(

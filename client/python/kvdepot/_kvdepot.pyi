@@ -13,7 +13,9 @@ import numpy
 
 # An object whose memory a call uses in place: one supporting the buffer
 # protocol (numpy array, bytes, bytearray, memoryview; C-contiguous, writable
-# where the call writes), or a CPU torch tensor.
+# where the call writes, of plain numbers or bytes: object, record and
+# unicode formats are a TypeError), or a CPU torch tensor. The buffers one
+# call writes must not overlap (ValueError).
 _Buffer = Any
 # Per block: None when OK, else (status code name, message).
 _BlockError = Optional[Tuple[str, str]]
@@ -188,7 +190,14 @@ class CacheLoad:
     def __len__(self) -> int: ...
 
 class Client:
-    """A connection to kvdepotd (thread-safe)."""
+    """A connection to kvdepotd (thread-safe).
+
+    ``timeout_s`` must be positive and finite, ``lease_s`` 0 (the daemon's
+    default) or from 0.001 to 4294967.295 (ValueError otherwise; the daemon
+    bounds it too). ``close()`` ends the session once no op is in flight,
+    also while arrays of ``allocate_buffer`` live on (their memory stays
+    valid until the last view of it goes, and then goes back).
+    """
 
     def __init__(
         self,

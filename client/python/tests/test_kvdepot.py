@@ -9,6 +9,7 @@ import gc
 import os
 import re
 import signal
+import struct
 import subprocess
 import sys
 import threading
@@ -54,6 +55,29 @@ class DaemonTestCase(unittest.TestCase):
 
 def key(i: int) -> bytes:
     return b"key-%04d" % i
+
+
+def none_pointers(n: int) -> bytes:
+    """n PyObject pointers to None, as block bytes: an object array they are
+    wrongly written into stays valid, so that a missing check fails its test
+    instead of crashing the process."""
+    return struct.pack("<%dQ" % n, *[id(None)] * n)
+
+
+def tiny_layout() -> "kvdepot.KvLayout":
+    """One layer of one token, one head of 4 fp16: objects of 16 bytes,
+    caches of 16 bytes per block."""
+    return kvdepot.KvLayout.mha(kvdepot.KvCacheLayout.FLASH_ATTN_NHD, 1, 1, 1, 4,
+                                kvdepot.KvDtype.FLOAT16)
+
+
+def rss_kib() -> int:
+    """This process's resident memory (shared memory it maps included)."""
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1])
+    raise AssertionError("no VmRSS in /proc/self/status")
 
 
 class ClientTest(DaemonTestCase):
@@ -177,6 +201,46 @@ class ClientTest(DaemonTestCase):
         self.assertIn("FAILED_PRECONDITION", str(cm.exception))
         c.close()  # idempotent
 
+    def test_lease_and_timeout_out_of_range_are_value_errors(self):
+        address = self.daemon.address
+        # A lease of -1 s used to wrap around to the daemon's longest (1 h).
+        for lease in (-1.0, float("nan"), float("inf"), 1e10, 1e-4):
+            with self.assertRaisesRegex(ValueError, "^INVALID_ARGUMENT: lease"):
+                kvdepot.Client(address, lease_s=lease)
+        for timeout in (0.0, -1.0, float("nan"), float("inf")):
+            with self.assertRaisesRegex(ValueError, "^INVALID_ARGUMENT: timeout_s"):
+                kvdepot.Client(address, timeout_s=timeout)
+        for lease in (0.0, 0.001, 2.0, 4294967.295):
+            with kvdepot.Client(address, timeout_s=10, lease_s=lease) as c:
+                self.assertNotEqual(c.ensure_session(), 0)
+
+    def test_the_constructor_releases_the_gil(self):
+        # Connecting resolves the server's name (to pick UCX's devices) and
+        # starts UCX: tens of milliseconds, during which a pure-Python
+        # thread runs.
+        stamps = []
+        stop = threading.Event()
+
+        def ticker():
+            while not stop.is_set():
+                stamps.append(time.monotonic())
+                time.sleep(0.0005)
+
+        t = threading.Thread(target=ticker)
+        t.start()
+        most = 0
+        try:
+            for _ in range(3):
+                t0 = time.monotonic()
+                c = kvdepot.Client(self.daemon.address, timeout_s=10)
+                t1 = time.monotonic()
+                most = max(most, sum(1 for s in list(stamps) if t0 < s < t1))
+                c.close()
+        finally:
+            stop.set()
+            t.join()
+        self.assertGreaterEqual(most, 3, "the GIL was held")
+
     def test_concurrent_get_into_releases_the_gil(self):
         size = 1 << 20
         keys = [key(i) for i in range(8)]
@@ -217,6 +281,107 @@ class ClientTest(DaemonTestCase):
         self.assertEqual(errors, [])
         self.assertEqual(done, [5, 5])
         self.assertGreater(ticks[0], 0)
+
+
+class BufferChecksTest(DaemonTestCase):
+    """What memory a call takes: plain numbers or bytes only, and the
+    buffers one call writes must not overlap."""
+
+    def test_object_arrays_are_refused_everywhere(self):
+        c = self.client
+        c.put(NS, [key(1)], [none_pointers(8)])
+        c.put(NS, [key(3)], [none_pointers(2)])
+
+        def objects(n):  # n PyObject* slots (None), 8 bytes each
+            return np.empty(n, dtype=object)
+
+        dst = objects(8)
+        msg = r"^buffers\[0\] holds elements of buffer format 'O'"
+        with self.assertRaisesRegex(TypeError, msg):
+            c.get_into(NS, [key(1)], [dst])
+        with self.assertRaisesRegex(TypeError, msg):
+            c.get_into_async(NS, [key(1)], [dst])
+        self.assertTrue(all(o is None for o in dst))
+        with self.assertRaisesRegex(TypeError, msg):
+            c.put(NS, [key(2)], [objects(8)])
+        with self.assertRaisesRegex(TypeError, msg):
+            c.put_async(NS, [key(2)], [objects(8)])
+        self.assertFalse(c.lookup(NS, [key(2)]).entries[0].found)
+        with self.assertRaisesRegex(TypeError, "^buffer holds elements of buffer format 'O'"):
+            c.register_buffer(objects(8))
+        # Nor other formats that are not plain numbers: records (which may
+        # hold objects), unicode.
+        with self.assertRaisesRegex(TypeError, r"format 'T\{"):
+            c.put(NS, [key(2)], [np.zeros(4, [("a", "<i4"), ("b", "O")])])
+        with self.assertRaisesRegex(TypeError, "format '2w'"):
+            c.get_into(NS, [key(1)], [np.zeros(8, "U2")])
+        # The caches and objects of gather, scatter and load_into_cache_async.
+        layout = tiny_layout()
+        cache = np.frombuffer(none_pointers(4), np.uint8).copy()  # 2 blocks
+        obj = np.frombuffer(none_pointers(2), np.uint8).copy()
+        calls = {
+            "gather into objects": lambda: kvdepot.gather(layout, [cache], [0], [objects(2)]),
+            "gather from a cache": lambda: kvdepot.gather(layout, [objects(4)], [0], [obj]),
+            "scatter into a cache": lambda: kvdepot.scatter(layout, [objects(4)], [0], [obj]),
+            "scatter from objects": lambda: kvdepot.scatter(layout, [cache], [0], [objects(2)]),
+            "load into objects": lambda: c.load_into_cache_async(
+                NS, [key(3)], [objects(2)], layout, [cache], [0]),
+            "load into a cache": lambda: c.load_into_cache_async(
+                NS, [key(3)], [obj], layout, [objects(4)], [0]),
+        }
+        for name, call in calls.items():
+            with self.subTest(name), self.assertRaisesRegex(TypeError, "format 'O'"):
+                call()
+        # Plain numbers of any width and bytes are taken.
+        kvdepot.gather(layout, [cache.view(np.uint64)], [1], [obj.view(np.int16)])
+        self.assertEqual(obj.tobytes(), none_pointers(2))
+        self.assertEqual(c.get_into(NS, [key(3)], [np.zeros(2, "S8")]), [True])
+
+    def test_overlapping_destinations_are_refused(self):
+        c = self.client
+        ka, kb = key(1), key(2)
+        c.put(NS, [ka, kb], [np.full(64, 0xAA, np.uint8), np.full(64, 0xBB, np.uint8)])
+        buf = np.zeros(192, np.uint8)
+        cases = {
+            "the same buffer": [buf[:64], buf[:64]],
+            "half of it": [buf[:64], buf[32:96]],
+            "one byte": [buf[64:128], buf[1:65]],
+            "a torch tensor and an array": [torch.from_numpy(buf[:64]), buf[63:127]]
+            if torch is not None else [buf[:64], buf[63:127]],
+        }
+        for name, dst in cases.items():
+            with self.subTest(name):
+                with self.assertRaisesRegex(
+                        ValueError, r"^INVALID_ARGUMENT: buffers\[1\] overlaps buffers\[0\]"):
+                    c.get_into(NS, [ka, kb], dst)
+                with self.assertRaisesRegex(ValueError, "overlaps"):
+                    c.get_into_async(NS, [ka, kb], dst)
+        # Found among three, whatever their order.
+        with self.assertRaisesRegex(ValueError, r"buffers\[2\] overlaps buffers\[0\]"):
+            c.get_into(NS, [ka, kb, ka], [buf[100:164], buf[:64], buf[120:184]])
+        self.assertFalse(buf.any())  # nothing was written
+        # Adjacent buffers share no byte; a key may repeat into buffers of
+        # its own; empty buffers overlap nothing.
+        self.assertEqual(c.get_into(NS, [ka, kb, ka], [buf[:64], buf[64:128], buf[128:]]),
+                         [True] * 3)
+        self.assertEqual(buf.tobytes(), b"\xaa" * 64 + b"\xbb" * 64 + b"\xaa" * 64)
+        with self.assertRaisesRegex(ValueError, "^INVALID_ARGUMENT: .* has 0 bytes"):
+            c.get_into(NS, [ka, kb], [buf[:0], buf[:0]])
+        # The objects of gather and load_into_cache_async.
+        layout = tiny_layout()
+        cache = np.arange(layout.tensor_bytes(2), dtype=np.uint8)
+        objs = np.zeros(32, np.uint8)
+        with self.assertRaisesRegex(ValueError, r"objects\[1\] overlaps objects\[0\]"):
+            kvdepot.gather(layout, [cache], [0, 1], [objs[:16], objs[8:24]])
+        c.put(NS, [key(3), key(4)], [cache[:16], cache[16:]])
+        with self.assertRaisesRegex(ValueError, r"objects\[1\] overlaps objects\[0\]"):
+            c.load_into_cache_async(NS, [key(3), key(4)], [objs[:16], objs[:16]], layout,
+                                    [np.zeros_like(cache)], [0, 1])
+        self.assertFalse(objs.any())
+        apart = [np.zeros(16, np.uint8) for _ in range(2)]
+        kvdepot.gather(layout, [cache], [1, 0], apart)
+        kvdepot.gather(layout, [cache], [1, 0], [objs[:16], objs[16:]])  # adjacent
+        self.assertEqual(objs.tobytes(), apart[0].tobytes() + apart[1].tobytes())
 
 
 class UcxDataPlaneTest(DaemonTestCase):
@@ -282,6 +447,68 @@ class UcxDataPlaneTest(DaemonTestCase):
         self.client.close()
         with self.assertRaises(RuntimeError):
             self.client.register_buffer(np.zeros(16, dtype=np.uint8))
+
+
+    def test_close_ends_the_session_while_allocated_memory_lives(self):
+        c = self.client
+        c.put(NS, [key(1)], [np.full(64, 1, np.uint8)])
+        self.assertNotEqual(c.lookup(NS, [key(1)], pin=True).pin_id, 0)
+        pool = c.allocate_buffer(1 << 16)
+        view = pool[:4096]
+        other = kvdepot.Client(self.daemon.address, timeout_s=10)
+        self.addCleanup(other.close)
+        self.assertEqual(other.stats()["sessions"], 1)
+        c.close()
+        # The session is closed and its pin released: the block can go.
+        self.assertEqual(other.stats()["sessions"], 0)
+        self.assertEqual(other.evict(NS, [key(1)])["evicted_blocks"], 1)
+        # The client is closed for good; the memory stays valid.
+        for call in (lambda: c.put(NS, [key(2)], [view]), lambda: c.allocate_buffer(64),
+                     lambda: c.get_into_async(NS, [key(1)], [view])):
+            with self.assertRaisesRegex(RuntimeError, "^FAILED_PRECONDITION: the client is closed"):
+                call()
+        view[:] = 7
+        self.assertEqual(int(pool[:4096].sum()), 7 * 4096)
+        # A store always holds such memory (its staging buffers): closing
+        # its client ends its session all the same.
+        layout = tiny_layout()
+        store = kvdepot.KvCacheStore(self.daemon.address, layout, "m", timeout_s=10)
+        cache = np.arange(layout.tensor_bytes(2), dtype=np.uint8)
+        self.assertEqual(store.save([cache], [0, 1], [key(5), key(6)]), [True, True])
+        self.assertEqual(other.stats()["sessions"], 1)
+        store.client.close()
+        self.assertEqual(other.stats()["sessions"], 0)
+        del store
+
+    def test_allocated_memory_goes_back_once_no_view_is_left(self):
+        c = self.client
+        # A view outlives its array: the memory stays, and moves blocks
+        # over UCX (registered with the session at its first use).
+        pool = c.allocate_buffer(2 * 4096)
+        src, dst = pool[:4096], pool[4096:]
+        del pool
+        gc.collect()
+        src[:] = 5
+        self.assertEqual(c.put(NS, [key(1)], [src]), [True])
+        self.assertEqual(c.get_into(NS, [key(1)], [dst]), [True])
+        self.assertTrue((dst == 5).all())
+        self.assertEqual(self.ucx_bytes("in"), 4096)
+        del src, dst
+        gc.collect()
+        # Once no view is left the memory goes: 8 x 32 MiB allocated (every
+        # page of it touched) and dropped leave the process no bigger. The
+        # new buffers move blocks over UCX too.
+        before = rss_kib()
+        for i in range(8):
+            a = c.allocate_buffer(32 << 20)
+            if i in (0, 7):
+                self.assertEqual(c.get_into(NS, [key(1)], [a[-4096:]]), [True])
+                self.assertTrue((a[-4096:] == 5).all())
+            del a
+            gc.collect()
+        grown = rss_kib() - before
+        self.assertLess(grown, 64 << 10, f"grew by {grown} KiB")
+        self.assertEqual(self.ucx_bytes("out"), 3 * 4096)
 
 
 class StoppableDaemonTestCase(DaemonTestCase):

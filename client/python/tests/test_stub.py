@@ -19,7 +19,10 @@ Run with PYTHONPATH=<build>/python (ctest: python_stub_test). Exits 77
 import ast
 import os
 import re
+import shutil
+import subprocess
 import sys
+import tempfile
 import unittest
 
 try:
@@ -165,6 +168,33 @@ class StubTest(unittest.TestCase):
         self.assertIn("py.typed", data)
         with open(os.path.join(SOURCE_DIR, "CMakeLists.txt"), encoding="utf-8") as f:
             self.assertIn("kvdepot/_kvdepot.pyi", f.read())
+
+    def test_setup_refuses_a_tree_without_the_native_module(self):
+        # pip never compiles _kvdepot: a wheel built without it would not
+        # import, so setup.py stops, saying why (and works with it there).
+        try:
+            import setuptools  # noqa: F401
+        except ImportError:
+            self.skipTest("setuptools is not installed")
+        with tempfile.TemporaryDirectory() as tree:
+            for name in ("setup.py", "pyproject.toml", "README.md"):
+                shutil.copy(os.path.join(SOURCE_DIR, name), tree)
+            shutil.copytree(os.path.join(SOURCE_DIR, "kvdepot"),
+                            os.path.join(tree, "kvdepot"),
+                            ignore=shutil.ignore_patterns("*.so", "__pycache__"))
+
+            def version():
+                return subprocess.run([sys.executable, "setup.py", "--version"], cwd=tree,
+                                      capture_output=True, text=True, timeout=120)
+
+            r = version()
+            self.assertNotEqual(r.returncode, 0, r.stdout)
+            self.assertIn("no native module kvdepot/_kvdepot*.so", r.stderr)
+            open(os.path.join(tree, "kvdepot", "_kvdepot.cpython-311-x86_64-linux-gnu.so"),
+                 "wb").close()
+            r = version()
+            self.assertEqual(r.returncode, 0, r.stderr)
+            self.assertEqual(r.stdout.split()[-1], "0.1.0")
 
     def test_module_attributes(self):
         public = {n for n in dir(native) if not n.startswith("_")}
