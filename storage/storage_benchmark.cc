@@ -1,9 +1,20 @@
 // Microbenchmarks of the engine: index lookups and arena allocation.
 // Run: build/storage/storage_benchmark [--benchmark_filter=...]
+//
+// The engine's lookups and the baseline's (BM_Lookup vs
+// BM_BaselineMapLookup) are compared in one run, interleaved: unless the
+// command line says otherwise, main() adds --benchmark_repetitions=4 and
+// --benchmark_enable_random_interleaving=true, so every benchmark runs 4
+// times with the repetitions of all of them shuffled together (A B B A ...,
+// not all of A then all of B), and the library prints each one's mean,
+// median, stddev and cv. Report the ratio of the medians. Every lookup's
+// status and hit count is checked: a failed or missed lookup ends the
+// benchmark with an error instead of a figure.
 #include <benchmark/benchmark.h>
 
 #include <cstring>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include "absl/container/flat_hash_map.h"
@@ -57,16 +68,43 @@ std::unique_ptr<TieredStore> FilledStore(int n, uint64_t block) {
   return store;
 }
 
+constexpr int kBlocks = 1 << 18;
+constexpr size_t kBatch = 64;
+
+// One store of kBlocks blocks and its keys, filled once and shared by the
+// engine's benchmarks: the library calls a benchmark function once per
+// trial and repetition, and refilling each time would dominate the run.
+TieredStore& SharedStore() {
+  static TieredStore* const store = FilledStore(kBlocks, 64).release();
+  return *store;
+}
+const std::vector<std::string>& SharedKeys() {
+  static const auto* const keys =
+      new std::vector<std::string>(ScatteredKeys(kBlocks));
+  return *keys;
+}
+
+// Hits in `r` (every key asked must be found).
+size_t Hits(const LookupResult& r) {
+  size_t hits = 0;
+  for (const LookupEntry& e : r.entries) hits += e.found ? 1 : 0;
+  return hits;
+}
+
 // Engine lookups per second on one thread, batches of 64 keys (all hits).
 void BM_Lookup(benchmark::State& state) {
-  const int n = 1 << 18;
-  auto store = FilledStore(n, 64);
-  const std::vector<std::string> keys = ScatteredKeys(n);
-  std::vector<absl::string_view> batch(64);
+  TieredStore& store = SharedStore();
+  const std::vector<std::string>& keys = SharedKeys();
+  std::vector<absl::string_view> batch(kBatch);
   size_t pos = 0;
   for (auto _ : state) {
-    for (auto& v : batch) v = keys[pos++ % n];
-    auto r = store->Lookup(0, "bench", batch, false, false);
+    for (auto& v : batch) v = keys[pos++ % kBlocks];
+    auto r = store.Lookup(0, "bench", batch, false, false);
+    if (!r.ok() || Hits(*r) != kBatch) {
+      state.SkipWithError(r.ok() ? "lookup missed a stored key"
+                                 : "lookup failed");
+      break;
+    }
     benchmark::DoNotOptimize(r);
   }
   state.SetItemsProcessed(state.iterations() * batch.size());
@@ -77,17 +115,18 @@ BENCHMARK(BM_Lookup);
 // does): the pin takes the blocks off the eviction lists and the unpin puts
 // them back.
 void BM_LookupPinned(benchmark::State& state) {
-  const int n = 1 << 18;
-  auto store = FilledStore(n, 64);
-  auto session = store->OpenSession(absl::ZeroDuration(), "pins").value();
-  const std::vector<std::string> keys = ScatteredKeys(n);
-  std::vector<absl::string_view> batch(64);
+  TieredStore& store = SharedStore();
+  static const SessionId session =
+      store.OpenSession(absl::ZeroDuration(), "pins").value().id;
+  const std::vector<std::string>& keys = SharedKeys();
+  std::vector<absl::string_view> batch(kBatch);
   size_t pos = 0;
   for (auto _ : state) {
-    for (auto& v : batch) v = keys[pos++ % n];
-    auto r = store->Lookup(session.id, "bench", batch, false, true);
-    if (!r.ok() || r->pin_id == 0 || !store->Unpin(session.id, r->pin_id).ok()) {
-      state.SkipWithError("pinned lookup failed");
+    for (auto& v : batch) v = keys[pos++ % kBlocks];
+    auto r = store.Lookup(session, "bench", batch, false, true);
+    if (!r.ok() || Hits(*r) != kBatch || r->pin_id == 0 ||
+        !store.Unpin(session, r->pin_id).ok()) {
+      state.SkipWithError("pinned lookup failed or missed");
       break;
     }
   }
@@ -97,40 +136,63 @@ BENCHMARK(BM_LookupPinned);
 
 // Baseline in the same run: the simplest index a user might write, an
 // absl::flat_hash_map from std::string behind one absl::Mutex, same keys and
-// batch shape. The ratio BM_Lookup/BM_BaselineMapLookup is what to report.
+// batch shape. The ratio of the medians of BM_Lookup and
+// BM_BaselineMapLookup is what to report.
 void BM_BaselineMapLookup(benchmark::State& state) {
-  const int n = 1 << 18;
-  absl::Mutex mu;
-  absl::flat_hash_map<std::string, uint64_t> map;
-  for (int i = 0; i < n; ++i) map.emplace(KeyOf(i), i);
-  const std::vector<std::string> keys = ScatteredKeys(n);
+  static absl::Mutex mu;
+  static const auto* const map = [] {
+    auto* m = new absl::flat_hash_map<std::string, uint64_t>();
+    for (int i = 0; i < kBlocks; ++i) m->emplace(KeyOf(i), i);
+    return m;
+  }();
+  const std::vector<std::string>& keys = SharedKeys();
   size_t pos = 0;
   for (auto _ : state) {
-    uint64_t found = 0;
-    absl::MutexLock lock(&mu);
-    for (int b = 0; b < 64; ++b) {
-      auto it = map.find(keys[pos++ % n]);
-      found += it != map.end() ? it->second : 0;
+    size_t hits = 0;
+    uint64_t sum = 0;
+    {
+      absl::MutexLock lock(&mu);
+      for (size_t b = 0; b < kBatch; ++b) {
+        auto it = map->find(keys[pos++ % kBlocks]);
+        if (it != map->end()) {
+          ++hits;
+          sum += it->second;
+        }
+      }
     }
-    benchmark::DoNotOptimize(found);
+    if (hits != kBatch) {
+      state.SkipWithError("baseline lookup missed a stored key");
+      break;
+    }
+    benchmark::DoNotOptimize(sum);
   }
-  state.SetItemsProcessed(state.iterations() * 64);
+  state.SetItemsProcessed(state.iterations() * kBatch);
 }
 BENCHMARK(BM_BaselineMapLookup);
 
 void BM_ArenaAllocFree(benchmark::State& state) {
-  auto arena =
-      std::move(DramArena::Create(1 << 30, HugePageMode::kOff)).value();
+  absl::StatusOr<std::unique_ptr<DramArena>> created =
+      DramArena::Create(1 << 30, HugePageMode::kOff);
+  if (!created.ok()) {
+    state.SkipWithError("DramArena::Create failed");
+    return;
+  }
+  DramArena& arena = **created;
   const size_t size = state.range(0);
   std::vector<uint64_t> live;
   for (auto _ : state) {
-    live.push_back(arena->Allocate(size).value());
+    absl::StatusOr<uint64_t> off = arena.Allocate(size);
+    if (!off.ok()) {
+      state.SkipWithError("DramArena::Allocate failed");
+      break;
+    }
+    live.push_back(*off);
     if (live.size() == 64) {
-      for (uint64_t off : live) arena->Free(off);
+      for (uint64_t o : live) arena.Free(o);
       live.clear();
     }
   }
-  for (uint64_t off : live) arena->Free(off);
+  for (uint64_t o : live) arena.Free(o);
   state.SetItemsProcessed(state.iterations());
 }
 BENCHMARK(BM_ArenaAllocFree)->Arg(64)->Arg(4096)->Arg(256 << 10)->Arg(2 << 20);
@@ -142,8 +204,25 @@ int main(int argc, char** argv) {
   // As in kvdepotd: Debian's Abseil checks every Mutex operation for
   // deadlock cycles unless told not to.
   absl::SetMutexDeadlockDetectionMode(absl::OnDeadlockCycle::kIgnore);
-  benchmark::Initialize(&argc, argv);
-  if (benchmark::ReportUnrecognizedArguments(argc, argv)) return 1;
+  // The engine and its baseline alternate in one run (BENCHMARKS.md):
+  // repetitions, shuffled together, unless the command line sets them.
+  std::vector<char*> args(argv, argv + argc);
+  auto given = [&](std::string_view flag) {
+    for (int i = 1; i < argc; ++i) {
+      if (std::string_view(argv[i]).substr(0, flag.size()) == flag) return true;
+    }
+    return false;
+  };
+  static char kRepetitions[] = "--benchmark_repetitions=4";
+  static char kInterleave[] = "--benchmark_enable_random_interleaving=true";
+  if (!given("--benchmark_repetitions")) args.push_back(kRepetitions);
+  if (!given("--benchmark_enable_random_interleaving")) {
+    args.push_back(kInterleave);
+  }
+  int args_count = static_cast<int>(args.size());
+  args.push_back(nullptr);
+  benchmark::Initialize(&args_count, args.data());
+  if (benchmark::ReportUnrecognizedArguments(args_count, args.data())) return 1;
   benchmark::RunSpecifiedBenchmarks();
   benchmark::Shutdown();
   return 0;

@@ -3,7 +3,7 @@
 # loopback (see ../shared/BENCHMARKS.md, "How a benchmark reports").
 #
 # Starts its own kvdepotd (port 0, temporary data dir) and redis-server
-# (a free loopback port, no persistence), then for every block size, client
+# (a free loopback port and/or a Unix socket, no persistence), then for every block size, client
 # count and batch runs PUT/SET and then GET on both sides in alternation:
 # warm-up of each, then A B A B (kvdepot, Redis) for --rounds rounds. Each
 # side's figure is its BEST round (highest GB/s); every round is kept in the
@@ -13,22 +13,46 @@
 # GET runs. GB/s is decimal (1e9 bytes/s); ratio = kvdepot GB/s / Redis GB/s.
 #
 # Batch B is the number of blocks each client moves per round trip: kvdepot-
-# bench --batch B (B blocks in one Get or Put call) against redis-benchmark
-# -P B (B GETs or SETs pipelined per round trip). Ops and GB/s count blocks;
-# latencies are per call (kvdepot) or per round trip (Redis).
+# bench --batch B (B blocks in one Get or Put call). Redis runs at -P B (B
+# GETs or SETs pipelined per round trip) AND at -P 1, with the same -c, in
+# every round (over each of its connections, see --redis-via); its figure
+# is the best of them (deep pipelines of large values can make Redis slower
+# than no pipelining at all, and comparing with that drop would flatter
+# kvdepot). Rows where -P B was slower than -P 1 are marked. Ops and GB/s
+# count blocks.
+#
+# Every Redis run is checked against Redis's own counters (INFO stats and
+# commandstats, read before and after it): a GET that missed, fewer
+# GETs/SETs served than requested, or network bytes that disagree with the
+# values moved fail the run (exit 1), and a failed round never counts as a
+# side's best. The GB/s of a Redis run are the values it actually served
+# (keyspace hits x size for GET, SET calls x size for SET, at most the -n
+# requested) over redis-benchmark's elapsed time. When Redis cannot be
+# filled with GET's whole working set, that GET case is not measured.
+#
+# Latency: kvdepot's p50/p99/p999 are per call (the whole batch); redis-
+# benchmark times a round trip only to the first reply byte, so its
+# percentiles are kept in the JSON, labelled, and left out of the table.
 #
 #   tools/compare_redis.sh [--build DIR] [--sizes "65536 262144 2097152"]
 #       [--clients "1 4"] [--batches "1 16"] [--duration S] [--rounds N]
-#       [--transport ucx|grpc] [--ucx-tls TLS] [--out FILE] [--smoke]
+#       [--transport ucx|grpc] [--ucx-tls TLS] [--redis-via tcp|unix|both]
+#       [--out FILE] [--smoke]
 #
 # kvdepot's blocks move over --transport: ucx (the default: the UCX data
 # plane, with each client's buffer registered) or grpc (the byte streams).
 # --ucx-tls sets UCX_TLS for kvdepotd and the clients: tcp (the default,
 # so that both sides cross loopback TCP), "shm,tcp" for shared memory
 # between co-located processes (kvdepotd then copies blocks straight into
-# the bench's buffers, while Redis stays on TCP: the co-located comparison),
-# or auto (UCX_TLS left unset: UCX chooses, which here means shared memory).
-# The table's "via" column names it.
+# the bench's buffers), or auto (UCX_TLS left unset: UCX chooses, which here
+# means shared memory). When kvdepot may use shared memory (ucx with shm or
+# auto), the comparison is a co-located one and Redis is given its own best
+# local path too: redis-server listens on a Unix socket as well as on
+# loopback TCP, every Redis run is made over both (redis-benchmark -s and
+# -h/-p), and its figure is the best of them (the socket does 256 KiB -P 16
+# about twice as fast as TCP here, but 16 MiB values five times slower);
+# otherwise Redis is on loopback TCP only. --redis-via tcp|unix|both
+# overrides that. The table's "via" column and "redis best" name them.
 #
 # Prints a table and writes JSON (default tools/results/compare_redis.json).
 # Stops everything it started on exit. Exit 0 when every run succeeded, 1 when
@@ -54,6 +78,7 @@ NVME_CAPACITY=0
 OUT="$REPO/tools/results/compare_redis.json"
 TRANSPORT=ucx
 UCX_TLS_SETTING=tcp
+REDIS_VIA=""   # tcp, unix or both; empty: both when kvdepot's UCX may use shm
 
 usage() {
   sed -n '2,/^set -euo/p' "${BASH_SOURCE[0]}" | sed '$d; s/^# \{0,1\}//'
@@ -63,8 +88,8 @@ Options:
                        (default: <repo>/build)
   --sizes "B ..."      block sizes in bytes (default "65536 262144 2097152")
   --clients "N ..."    client counts (default "1 4")
-  --batches "B ..."    blocks per round trip: kvdepot-bench --batch B, Redis
-                       pipelining -P B (default "1")
+  --batches "B ..."    blocks per round trip: kvdepot-bench --batch B; Redis
+                       runs -P B and -P 1, its better counts (default "1")
   --duration S         seconds per measured run (default 5)
   --rounds N           A B rounds per workload (default 2)
   --working-set BYTES  GET working set per block size (default 268435456)
@@ -74,6 +99,11 @@ Options:
   --transport T        kvdepot's data path: ucx (default) or grpc
   --ucx-tls TLS        UCX_TLS for kvdepotd and kvdepot-bench: tcp (default),
                        shm,tcp, or auto (unset: UCX chooses)
+  --redis-via V        Redis's connections: tcp, unix (a Unix socket) or
+                       both (each Redis run over each; its best counts);
+                       default both when kvdepot's UCX may use shared memory
+                       (--transport ucx with shm in --ucx-tls, or auto),
+                       tcp otherwise
   --out FILE           JSON output (default tools/results/compare_redis.json)
   --smoke              tiny run for CI: 65536 bytes, 1 client, batch 1,
                        1 s rounds
@@ -97,6 +127,7 @@ while [[ $# -gt 0 ]]; do
     --out) need_value "$@"; OUT="$2"; shift 2 ;;
     --transport) need_value "$@"; TRANSPORT="$2"; shift 2 ;;
     --ucx-tls) need_value "$@"; UCX_TLS_SETTING="$2"; shift 2 ;;
+    --redis-via) need_value "$@"; REDIS_VIA="$2"; shift 2 ;;
     --smoke)
       SIZES=65536; CLIENTS=1; BATCHES=1; DURATION=1; ROUNDS=2; WARMUP=0.3
       WORKING_SET=$((64 * 1024 * 1024)); shift ;;
@@ -120,6 +151,20 @@ fi
 [[ $TRANSPORT == ucx || $TRANSPORT == grpc ]] || die_usage "--transport must be ucx or grpc"
 [[ -n $UCX_TLS_SETTING ]] || die_usage "--ucx-tls needs a value (tcp, shm,tcp or auto)"
 if [[ $UCX_TLS_SETTING == auto ]]; then unset UCX_TLS; else export UCX_TLS="$UCX_TLS_SETTING"; fi
+# Co-located: kvdepot's blocks may move through shared memory (UCX's shm
+# transports, or UCX's own choice, which here is shared memory).
+if [[ -z $REDIS_VIA ]]; then
+  REDIS_VIA=tcp
+  if [[ $TRANSPORT == ucx ]] &&
+    [[ $UCX_TLS_SETTING == auto || ,$UCX_TLS_SETTING, =~ ,(shm|sm|posix|sysv|cma|knem|xpmem), ]]; then
+    REDIS_VIA=both
+  fi
+fi
+case "$REDIS_VIA" in
+  tcp|unix) VIAS=$REDIS_VIA ;;
+  both) VIAS="tcp unix" ;;
+  *) die_usage "--redis-via must be tcp, unix or both" ;;
+esac
 export KVD_NVME_CAPACITY="$NVME_CAPACITY"  # recorded in the JSON
 is_uint "$ROUNDS" || die_usage "--rounds: \"$ROUNDS\" is not a positive integer"
 is_uint "$WORKING_SET" || die_usage "--working-set: \"$WORKING_SET\" is not a byte count"
@@ -195,14 +240,24 @@ free_port() {
   "$PYTHON" -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])'
 }
 REDIS_PORT=""
+REDIS_SOCK="$TMP/redis.sock"
+REDIS_ADDR=()  # how redis-cli reaches it
 for ((attempt = 0; attempt < 5; attempt++)); do
-  port="$(free_port)"
-  redis-server --port "$port" --bind 127.0.0.1 --save '' --appendonly no \
-    --daemonize no --dir "$TMP" --logfile "$TMP/redis.log" &
+  if [[ $REDIS_VIA == unix ]]; then
+    # No TCP listener at all: every client goes through the socket.
+    port=0 addr=(-s "$REDIS_SOCK")
+    redis-server --port 0 --unixsocket "$REDIS_SOCK" --unixsocketperm 700 \
+      --save '' --appendonly no --daemonize no --dir "$TMP" --logfile "$TMP/redis.log" &
+  else
+    port="$(free_port)" addr=(-h 127.0.0.1 -p "$port") sock=()
+    [[ $REDIS_VIA == both ]] && sock=(--unixsocket "$REDIS_SOCK" --unixsocketperm 700)
+    redis-server --port "$port" --bind 127.0.0.1 "${sock[@]}" --save '' --appendonly no \
+      --daemonize no --dir "$TMP" --logfile "$TMP/redis.log" &
+  fi
   REDIS_PID=$!
   for ((i = 0; i < 100; i++)); do
-    if [[ "$(redis-cli -h 127.0.0.1 -p "$port" ping 2>/dev/null)" == PONG ]]; then
-      REDIS_PORT=$port; break
+    if [[ "$(redis-cli "${addr[@]}" ping 2>/dev/null)" == PONG ]]; then
+      REDIS_PORT=$port REDIS_ADDR=("${addr[@]}"); break
     fi
     kill -0 "$REDIS_PID" 2>/dev/null || break
     sleep 0.1
@@ -215,8 +270,15 @@ done
 if [[ -z $REDIS_PORT ]]; then
   log "redis-server did not start; its log:"; cat "$TMP/redis.log" >&2 || true; exit 1
 fi
-rcli() { redis-cli -h 127.0.0.1 -p "$REDIS_PORT" "$@"; }
-log "kvdepotd on $KVD, redis-server on 127.0.0.1:$REDIS_PORT"
+if [[ $REDIS_VIA == both ]] && [[ "$(redis-cli -s "$REDIS_SOCK" ping 2>/dev/null)" != PONG ]]; then
+  log "redis-server does not answer on $REDIS_SOCK; its log:"; cat "$TMP/redis.log" >&2 || true; exit 1
+fi
+rcli() { redis-cli "${REDIS_ADDR[@]}" "$@"; }
+case "$REDIS_VIA" in
+  unix) log "kvdepotd on $KVD, redis-server on unix socket $REDIS_SOCK (co-located comparison)" ;;
+  both) log "kvdepotd on $KVD, redis-server on 127.0.0.1:$REDIS_PORT and unix socket $REDIS_SOCK (co-located comparison: its best of the two counts)" ;;
+  *) log "kvdepotd on $KVD, redis-server on 127.0.0.1:$REDIS_PORT" ;;
+esac
 
 # --- One run of each side ----------------------------------------------------
 
@@ -245,63 +307,122 @@ kvdepot_run() {
   fi
   [[ $out == '{'* ]] || return 0
   if [[ $round -gt 0 ]]; then
-    echo "{\"side\":\"kvdepot\",\"workload\":\"$op\",\"round\":$round,\"working_set_keys\":$keys,${out#\{}" >>"$RECORDS"
+    # A run with errors (exit 1) is kept in the JSON but never counts as
+    # kvdepot's best.
+    local failed=false
+    [[ $rc -eq 0 ]] || failed=true
+    echo "{\"side\":\"kvdepot\",\"workload\":\"$op\",\"round\":$round,\"working_set_keys\":$keys,\"failed\":$failed,${out#\{}" >>"$RECORDS"
     log "  kvdepot round $round: $(tail -n1 "$TMP/bench.err")"
   fi
 }
 
-# redis_run TEST SIZE CLIENTS BATCH KEYS REQUESTS ROUND: one redis-benchmark
-# run (TEST is set or get; BATCH requests pipelined per round trip, -P).
-# Sets REDIS_RPS (requests/s) and, for a measured round (ROUND > 0),
-# REDIS_RECORD (its JSON line, for $RECORDS).
+# redis_counters: Redis's own counts, as "hits misses net_in net_out gets
+# sets" (INFO stats: keyspace_hits/misses, total_net_input/output_bytes;
+# commandstats: calls of GET and SET). Fails when INFO cannot be read.
+redis_counters() {
+  rcli info stats commandstats 2>/dev/null | tr -d '\r' | awk -F'[:,=]' '
+    $1 == "keyspace_hits" {h = $2} $1 == "keyspace_misses" {m = $2}
+    $1 == "total_net_input_bytes" {i = $2} $1 == "total_net_output_bytes" {o = $2}
+    $1 == "cmdstat_get" {g = $3} $1 == "cmdstat_set" {s = $3}
+    END {if (h == "" || m == "" || i == "" || o == "") exit 1
+         printf "%s %s %s %s %d %d\n", h, m, i, o, g, s}'
+}
+
+# redis_run TEST SIZE CLIENTS PIPELINE KEYS REQUESTS ROUND BATCH VIA: one
+# redis-benchmark run (TEST is set or get; PIPELINE requests per round trip,
+# -P; over VIA, tcp or unix) for the case of batch BATCH. Sets REDIS_RPS (requests/s, for sizing
+# the next run) and REDIS_RECORD (its JSON line; for a measured round, ROUND
+# > 0, the caller appends it to $RECORDS). The run is checked against
+# Redis's counters read around it: every one of the -n requests must have
+# been served (GET: a keyspace hit each, no miss at all) and the network
+# bytes in the values' direction must match the values served; otherwise the
+# record says "failed" and FAILED is set.
 REDIS_RPS=0
 REDIS_RECORD=""
 redis_run() {
-  local test=$1 size=$2 clients=$3 batch=$4 keys=$5 requests=$6 round=$7 out rc=0 line
+  local test=$1 size=$2 clients=$3 pipeline=$4 keys=$5 requests=$6 round=$7 batch=$8 via=$9
+  local out rc=0 line before after addr
+  REDIS_RPS=0; REDIS_RECORD=""
+  if [[ $via == unix ]]; then addr=(-s "$REDIS_SOCK"); else addr=(-h 127.0.0.1 -p "$REDIS_PORT"); fi
+  if ! before="$(redis_counters)"; then
+    log "redis-benchmark $test $size x$clients -P $pipeline ($via): cannot read Redis's INFO"
+    FAILED=1; return 0
+  fi
   # Bounded in time as well as count, in case the request estimate is off.
   out="$(timeout "$(awk -v d="$DURATION" 'BEGIN{printf "%d", d * 6 + 30}')" \
-    redis-benchmark -h 127.0.0.1 -p "$REDIS_PORT" -t "$test" -d "$size" -c "$clients" \
-    -P "$batch" -n "$requests" -r "$keys" -q --csv 2>"$TMP/redis-benchmark.err")" || rc=$?
+    redis-benchmark "${addr[@]}" -t "$test" -d "$size" -c "$clients" \
+    -P "$pipeline" -n "$requests" -r "$keys" -q --csv 2>"$TMP/redis-benchmark.err")" || rc=$?
+  after="$(redis_counters)" || after=""
   # "SET","2061.86","1.517","0.112","0.911","4.959","9.343","14.215"
   line="$(printf '%s\n' "$out" | grep -i "^\"$test\"," | head -n1 || true)"
-  if [[ $rc -ne 0 || -z $line ]]; then
-    log "redis-benchmark $test $size x$clients -P $batch failed (exit $rc):"
+  if [[ $rc -ne 0 || -z $line || -z $after ]]; then
+    log "redis-benchmark $test $size x$clients -P $pipeline ($via) failed (exit $rc):"
     sed 's/^/  /' "$TMP/redis-benchmark.err" >&2; printf '%s\n' "$out" | sed 's/^/  /' >&2
-    FAILED=1; REDIS_RPS=0; REDIS_RECORD=""; return 0
+    FAILED=1; return 0
   fi
   REDIS_RPS="$(printf '%s\n' "$line" | awk -F'"' '{print $4}')"
+  # ops are the requests Redis served (at most -n: redis-benchmark may send
+  # up to a pipeline per connection more, which its clock does not cover);
+  # seconds are redis-benchmark's (-n / requests/s); calls are round trips
+  # of PIPELINE requests. redis-benchmark's latency of a request is its round
+  # trip's time to the first reply byte.
+  REDIS_RECORD="$(printf '%s\n' "$line" | awk -F'"' -v t="$test" \
+    -v r="$round" -v s="$size" -v c="$clients" -v b="$batch" -v p="$pipeline" \
+    -v k="$keys" -v n="$requests" -v before="$before" -v after="$after" -v via="$via" '{
+      split(before, x, " "); split(after, y, " ")
+      hits = y[1] - x[1]; misses = y[2] - x[2]; net_in = y[3] - x[3]; net_out = y[4] - x[4]
+      gets = y[5] - x[5]; sets = y[6] - x[6]
+      served = (t == "get") ? hits : sets
+      net = (t == "get") ? net_out : net_in
+      why = ""
+      if (t == "get" && misses > 0) why = why sprintf("%d GETs missed; ", misses)
+      if (t == "get" && gets < n) why = why sprintf("Redis counted %d GETs of %d; ", gets, n)
+      if (served < n) why = why sprintf("%d of %d requests served; ", served, n)
+      # Each value crosses the connection once, plus the protocol (a few
+      # dozen bytes per request) and the INFO and CONFIG replies around it.
+      if (net < served * s || net > served * (s + 256) + 65536)
+        why = why sprintf("%.0f network bytes for %d values of %d bytes; ", net, served, s)
+      ops = served < n ? served : n
+      rps = $4; secs = n / rps
+      printf "{\"side\":\"redis\",\"workload\":\"%s\",\"round\":%d,", (t == "set") ? "put" : "get", r
+      printf "\"working_set_keys\":%d,\"tool\":\"redis-benchmark\",\"op\":\"%s\",", k, tolower($2)
+      printf "\"redis_via\":\"%s\",\"block_size\":%d,\"clients\":%d,\"batch\":%d,\"pipeline\":%d,", via, s, c, b, p
+      printf "\"requests\":%d,\"ops\":%d,\"ops_unit\":\"block\",\"seconds\":%.6f,", n, ops, secs
+      printf "\"ops_per_sec\":%.3f,\"calls_per_sec\":%.3f,\"gb_per_sec\":%.6f,", ops / secs, ops / secs / p, ops * s / secs / 1e9
+      printf "\"redis_benchmark_rps\":%.3f,", rps
+      printf "\"counters\":{\"keyspace_hits\":%d,\"keyspace_misses\":%d,\"gets\":%d,\"sets\":%d,\"net_payload_direction_bytes\":%.0f},", hits, misses, gets, sets, net
+      printf "\"latency_unit\":\"round trip, to the first reply byte (not comparable with kvdepot per call)\","
+      printf "\"p50_us\":%.3f,\"p99_us\":%.3f,\"p999_us\":null,", $10 * 1000, $14 * 1000
+      printf "\"errors\":%d,\"failed\":%s", (n - ops) + misses, why == "" ? "false" : "true"
+      if (why != "") { sub(/; $/, "", why); printf ",\"failure\":\"%s\"", why }
+      printf "}\n"
+    }')"
+  if [[ $REDIS_RECORD == *'"failed":true'* ]]; then
+    log "redis-benchmark $test $size x$clients -P $pipeline ($via): FAILED the check against Redis's counters: $(sed 's/.*"failure":"\([^"]*\)".*/\1/' <<<"$REDIS_RECORD")"
+    FAILED=1
+  fi
   if [[ $round -gt 0 ]]; then
-    # ops are requests (blocks); calls are pipelined round trips of BATCH
-    # requests. redis-benchmark's latency of a request is its round trip's
-    # time to the first reply byte.
-    REDIS_RECORD="$(printf '%s\n' "$line" | awk -F'"' -v w="$( [[ $test == set ]] && echo put || echo get )" \
-      -v r="$round" -v s="$size" -v c="$clients" -v b="$batch" -v k="$keys" -v n="$requests" '{
-        rps = $4; printf "{\"side\":\"redis\",\"workload\":\"%s\",\"round\":%d,", w, r
-        printf "\"working_set_keys\":%d,\"tool\":\"redis-benchmark\",\"op\":\"%s\",", k, tolower($2)
-        printf "\"block_size\":%d,\"clients\":%d,\"batch\":%d,\"ops\":%d,", s, c, b, n
-        printf "\"ops_unit\":\"block\",\"seconds\":%.6f,\"ops_per_sec\":%.3f,", n / rps, rps
-        printf "\"calls_per_sec\":%.3f,\"gb_per_sec\":%.6f,", rps / b, rps * s / 1e9
-        printf "\"latency_unit\":\"round trip, to the first reply byte\","
-        printf "\"p50_us\":%.3f,\"p99_us\":%.3f,\"p999_us\":null,\"errors\":0}\n", $10 * 1000, $14 * 1000
-      }')"
-    log "  redis   round $round: $test $size x$clients -P $batch: $REDIS_RPS ops/s, $(awk -v r="$REDIS_RPS" -v s="$size" 'BEGIN{printf "%.3f", r * s / 1e9}') GB/s, p99 $(printf '%s\n' "$line" | awk -F'"' '{print $14}') ms"
+    log "  redis   round $round: $test $size x$clients -P $pipeline ($via): $(sed 's/.*"gb_per_sec":\([0-9.]*\).*/\1/' <<<"$REDIS_RECORD") GB/s of values served ($REDIS_RPS requests/s)"
   fi
 }
 
-# redis_round TEST SIZE CLIENTS BATCH KEYS ROUND: a measured Redis round of
-# about $DURATION seconds. redis-benchmark stops after -n requests, sized from
-# the last measured rate; a run that lasted under half of $DURATION (the rate
-# rose since) is run again, sized from its own rate (at most twice), so Redis
-# is not measured over shorter runs than kvdepot.
+# redis_round TEST SIZE CLIENTS PIPELINE KEYS ROUND BATCH VIA: a measured
+# Redis round of about $DURATION seconds. redis-benchmark stops after -n
+# requests, sized from the last measured rate at this -P and VIA (RATE); a
+# run that lasted
+# under half of $DURATION (the rate rose since) is run again, sized from its
+# own rate (at most twice), so Redis is not measured over shorter runs than
+# kvdepot.
+declare -A RATE=()
 redis_round() {
-  local test=$1 size=$2 clients=$3 batch=$4 keys=$5 round=$6 n attempt
+  local test=$1 size=$2 clients=$3 pipeline=$4 keys=$5 round=$6 batch=$7 via=$8 n attempt rate
   for ((attempt = 0; attempt < 3; attempt++)); do
-    [[ $REDIS_RPS == 0 ]] && REDIS_RPS=100
-    n="$(requests_for "$REDIS_RPS" "$DURATION" "$clients" "$batch")"
-    REDIS_RECORD=""
-    redis_run "$test" "$size" "$clients" "$batch" "$keys" "$n" "$round"
+    rate="${RATE[$via/$pipeline]:-100}"
+    n="$(requests_for "$rate" "$DURATION" "$clients" "$pipeline")"
+    redis_run "$test" "$size" "$clients" "$pipeline" "$keys" "$n" "$round" "$batch" "$via"
     [[ -n $REDIS_RECORD ]] || return 0
-    awk -v n="$n" -v r="$REDIS_RPS" -v d="$DURATION" -v c="$clients" -v b="$batch" \
+    [[ $REDIS_RPS != 0 ]] && RATE[$via/$pipeline]=$REDIS_RPS
+    awk -v n="$n" -v r="$REDIS_RPS" -v d="$DURATION" -v c="$clients" -v b="$pipeline" \
       'BEGIN{exit !(n / r >= d / 2 || n <= 10 * c * b)}' && break
     [[ $attempt -lt 2 ]] && log "  (that Redis run lasted under $DURATION / 2 s; running it again)"
   done
@@ -317,16 +438,23 @@ requests_for() {
     print int((n + b - 1) / b) * b }'
 }
 
-# Stores all KEYS keys in Redis (SET with -r hits keys at random: repeat until
-# every one exists, so no GET misses).
+# redis_fill SIZE KEYS: stores all KEYS keys in Redis (SET with -r hits keys
+# at random: repeat until every one exists, so no GET misses). Returns 1
+# when Redis does not hold them all, or holds a first key of another size.
 redis_fill() {
-  local size=$1 keys=$2 i
+  local size=$1 keys=$2 i held len
   for ((i = 0; i < 20; i++)); do
-    [[ "$(rcli dbsize)" -ge $keys ]] && return 0
-    redis-benchmark -h 127.0.0.1 -p "$REDIS_PORT" -t set -d "$size" -c 4 -n $((keys * 2)) \
+    held="$(rcli dbsize 2>/dev/null || echo 0)"
+    [[ $held =~ ^[0-9]+$ ]] || held=0
+    if ((held >= keys)); then
+      len="$(rcli strlen key:000000000000 2>/dev/null || echo 0)"
+      [[ $len == "$size" ]] && return 0
+      log "Redis's key:000000000000 holds $len bytes, not $size"; return 1
+    fi
+    redis-benchmark "${REDIS_ADDR[@]}" -t set -d "$size" -c 4 -n $((keys * 2)) \
       -r "$keys" -q --csv >/dev/null 2>&1 || true
   done
-  log "Redis holds $(rcli dbsize) of $keys keys after filling"; FAILED=1
+  log "Redis holds $held of $keys keys after filling"; return 1
 }
 
 # --- The comparison ------------------------------------------------------------
@@ -338,6 +466,9 @@ for size in $SIZES; do
   for clients in $CLIENTS; do
     for batch in $BATCHES; do
       rcli flushall >/dev/null
+      # Redis's baseline at batch B: the better of -P B and -P 1.
+      pipelines=("$batch")
+      [[ $batch -gt 1 ]] && pipelines+=(1)
       for workload in put get; do
         test=$([[ $workload == put ]] && echo set || echo get)
         if [[ $workload == get && $batch -gt $keys ]]; then
@@ -345,16 +476,30 @@ for size in $SIZES; do
           log "get $size bytes batch $batch: skipped, the working set has only $keys keys"
           continue
         fi
-        log "$workload $size bytes x$clients clients batch $batch (working set $keys keys)"
-        [[ $workload == get ]] && redis_fill "$size" "$keys"
+        log "$workload $size bytes x$clients clients batch $batch (working set $keys keys; Redis -P ${pipelines[*]} over $VIAS)"
+        if [[ $workload == get ]] && ! redis_fill "$size" "$keys"; then
+          log "get $size bytes x$clients batch $batch: NOT measured (Redis could not be filled)"
+          FAILED=1
+          continue
+        fi
         # Warm-up (also stores kvdepot's working set, and measures Redis's
-        # rate to size its runs).
+        # rate at each -P to size its runs).
         kvdepot_run "$workload" "$size" "$clients" "$batch" "$keys" "$WARMUP" 0
-        redis_run "$test" "$size" "$clients" "$batch" "$keys" \
-          "$(requests_for "$(awk -v s="$size" 'BEGIN{print 1e9 / s}')" "$WARMUP" "$clients" "$batch")" 0
+        RATE=()
+        for v in $VIAS; do
+          for p in "${pipelines[@]}"; do
+            redis_run "$test" "$size" "$clients" "$p" "$keys" \
+              "$(requests_for "$(awk -v s="$size" 'BEGIN{print 1e9 / s}')" "$WARMUP" "$clients" "$p")" 0 "$batch" "$v"
+            [[ $REDIS_RPS != 0 ]] && RATE[$v/$p]=$REDIS_RPS
+          done
+        done
         for ((round = 1; round <= ROUNDS; round++)); do
           kvdepot_run "$workload" "$size" "$clients" "$batch" "$keys" "$DURATION" "$round"
-          redis_round "$test" "$size" "$clients" "$batch" "$keys" "$round"
+          for v in $VIAS; do
+            for p in "${pipelines[@]}"; do
+              redis_round "$test" "$size" "$clients" "$p" "$keys" "$round" "$batch" "$v"
+            done
+          done
         done
       done
     done
@@ -365,10 +510,11 @@ done
 
 mkdir -p "$(dirname "$OUT")"
 "$PYTHON" - "$RECORDS" "$OUT" "$DURATION" "$ROUNDS" "$WORKING_SET" "$DRAM_CAPACITY" \
-  "$("$KVDEPOTD" --version 2>/dev/null || echo unknown)" "$(redis-server --version)" <<'EOF'
+  "$("$KVDEPOTD" --version 2>/dev/null || echo unknown)" "$(redis-server --version)" "$REDIS_VIA" <<'EOF'
 import json, os, sys, time, platform
 
-records_path, out_path, duration, rounds, working_set, dram, kvd_ver, redis_ver = sys.argv[1:9]
+(records_path, out_path, duration, rounds, working_set, dram, kvd_ver, redis_ver,
+ redis_via) = sys.argv[1:10]
 runs = [json.loads(line) for line in open(records_path) if line.strip()]
 
 def case_of(r):
@@ -380,31 +526,57 @@ for r in runs:
     if case not in cases:
         cases.append(case)
 
+KEEP = ("ops_per_sec", "calls_per_sec", "gb_per_sec", "p50_us", "p99_us",
+        "p999_us", "errors")
+
 def side_summary(rs):
+    """The best round that did not fail (highest GB/s); every round listed."""
     if not rs:
         return None
-    best = max(rs, key=lambda r: r["gb_per_sec"] if r["workload"] != "lookup" else r["ops_per_sec"])
-    keep = ("ops_per_sec", "calls_per_sec", "gb_per_sec", "p50_us", "p99_us",
-            "p999_us", "errors")
-    summary = {k: best[k] for k in keep}
+    good = [r for r in rs if not r.get("failed") and not r.get("errors")]
+    listed = [{k: r.get(k) for k in ("round", "redis_via", "pipeline", "ops", "seconds",
+                                     "failed", "failure") + KEEP if k in r} for r in rs]
+    if not good:
+        return {"failed": True, "rounds": listed}
+    best = max(good, key=lambda r: r["gb_per_sec"])
+    summary = {k: best[k] for k in KEEP}
     summary["latency_unit"] = best["latency_unit"]
-    if "transport" in best:
-        summary["transport"] = best["transport"]
-    summary["rounds"] = [{k: r[k] for k in ("round", "ops", "seconds") + keep} for r in rs]
+    for k in ("transport", "redis_via", "pipeline"):
+        if k in best:
+            summary[k] = best[k]
+    summary["rounds"] = listed
     return summary
+
+def gbps(summary):
+    return None if not summary or summary.get("failed") else summary["gb_per_sec"]
 
 results = []
 for workload, size, clients, batch in cases:
     rs = [r for r in runs if case_of(r) == (workload, size, clients, batch)]
     kvd = side_summary([r for r in rs if r["side"] == "kvdepot"])
-    red = side_summary([r for r in rs if r["side"] == "redis"])
+    red_rs = [r for r in rs if r["side"] == "redis"]
+    # Best over Redis's connections (tcp, unix) at each -P, and per variant.
+    by_p = {}
+    for p in sorted({r["pipeline"] for r in red_rs}, reverse=True):
+        by_p[str(p)] = side_summary([r for r in red_rs if r["pipeline"] == p])
+    by_variant = {}
+    for v, p in sorted({(r["redis_via"], r["pipeline"]) for r in red_rs}):
+        by_variant[f"{v} -P {p}"] = side_summary(
+            [r for r in red_rs if (r["redis_via"], r["pipeline"]) == (v, p)])
+    # Redis's baseline: its best round over every -P and connection it ran.
+    red = side_summary(red_rs)
     ratio = None
-    if kvd and red and red["gb_per_sec"] > 0:
+    if gbps(kvd) is not None and gbps(red):
         ratio = kvd["gb_per_sec"] / red["gb_per_sec"]
+    slower = None
+    if batch > 1 and gbps(by_p.get(str(batch))) is not None and gbps(by_p.get("1")) is not None:
+        slower = by_p[str(batch)]["gb_per_sec"] < by_p["1"]["gb_per_sec"]
     results.append({
         "workload": workload, "block_size": size, "clients": clients,
         "batch": batch, "working_set_keys": rs[0]["working_set_keys"],
-        "kvdepot": kvd, "redis": red,
+        "kvdepot": kvd, "redis": red, "redis_by_pipeline": by_p,
+        "redis_by_variant": by_variant,
+        "redis_pipelined_slower_than_p1": slower,
         "ratio_gb_per_sec": None if ratio is None else round(ratio, 4),
     })
 
@@ -414,13 +586,25 @@ report = {
     "host": platform.node(),
     "kvdepotd": kvd_ver.strip(),
     "redis": redis_ver.strip(),
-    "method": "warm-up, then A B A B (kvdepot, redis) per workload; each side's "
-              "figures are its best round (highest GB/s); all rounds listed",
+    "redis_via": {"unix": "unix socket", "tcp": "loopback TCP",
+                  "both": "loopback TCP and a unix socket, each run over both, the best counts"}[redis_via],
+    "method": "warm-up, then A B A B (kvdepot, then redis at -P B and -P 1 over each "
+              "of its connections) per workload; each side's figures are its best "
+              "round that did not fail (highest GB/s); Redis's best is taken over "
+              "-P B, -P 1 and its connections; all rounds listed",
     "batch": "blocks per round trip: kvdepot-bench --batch B (B blocks in one "
-             "Get/Put call), redis-benchmark -P B (B requests pipelined)",
+             "Get/Put call); redis-benchmark at -P B (B requests pipelined) and "
+             "at -P 1, same -c; redis_by_pipeline has both, and "
+             "redis_pipelined_slower_than_p1 says when -P B lost",
     "ops": "blocks (ops_per_sec, gb_per_sec); calls_per_sec = round trips/s",
+    "redis_check": "Redis INFO (keyspace_hits/misses, commandstats GET/SET calls, "
+                   "total_net_input/output_bytes) read around every run: any miss, "
+                   "fewer requests served than asked, or network bytes that do not "
+                   "match the values served fail the run; GB/s = values served x "
+                   "size / redis-benchmark's elapsed time",
     "latency": "kvdepot: per call, whole batch; redis: per round trip, to the "
-               "first reply byte (redis-benchmark)",
+               "first reply byte (redis-benchmark): not comparable, so not in the "
+               "table",
     "ucx_tls": os.environ.get("UCX_TLS") or "auto",
     "duration_s": float(duration),
     "rounds": int(rounds),
@@ -428,7 +612,7 @@ report = {
     "kvdepot_dram_capacity": dram,
     "kvdepot_nvme_capacity": os.environ.get("KVD_NVME_CAPACITY", ""),
     "gb": "1e9 bytes",
-    "ratio": "kvdepot GB/s / redis GB/s",
+    "ratio": "kvdepot GB/s / redis GB/s (redis: best of -P B and -P 1, and of tcp and unix where both ran)",
     "results": results,
 }
 with open(out_path, "w") as f:
@@ -452,24 +636,38 @@ def via(transport):
     return "ucx/" + (os.environ.get("UCX_TLS") or "auto")
 
 header = ("workload", "block", "clients", "batch", "via", "kvdepot GB/s",
-          "redis GB/s", "ratio", "kvdepot p99 us", "redis p99 us")
+          "redis -P B GB/s", "redis -P 1 GB/s", "redis best", "ratio", "kvdepot p99 us", "note")
 rows = []
 for r in results:
-    k, d = r["kvdepot"] or {}, r["redis"] or {}
+    k = r["kvdepot"] or {}
+    by_p = r["redis_by_pipeline"]
+    pb = gbps(by_p.get(str(r["batch"])))
+    p1 = gbps(by_p.get("1"))
+    notes = []
+    if r["redis_pipelined_slower_than_p1"]:
+        notes.append(f"redis -P {r['batch']} slower than -P 1")
+    if k.get("failed") or (r["redis"] or {}).get("failed"):
+        notes.append("FAILED")
+    red = r["redis"] or {}
+    best_of = "-" if gbps(red) is None else f"{red['redis_via']} -P {red['pipeline']}"
     rows.append((r["workload"], size_name(r["block_size"]), str(r["clients"]),
                  str(r["batch"]), via(k.get("transport")),
-                 fmt(k.get("gb_per_sec"), ".3f"), fmt(d.get("gb_per_sec"), ".3f"),
-                 fmt(r["ratio_gb_per_sec"], ".2f"), fmt(k.get("p99_us"), ".0f"),
-                 fmt(d.get("p99_us"), ".0f")))
+                 fmt(gbps(k), ".3f"), fmt(pb, ".3f") if r["batch"] > 1 else "-",
+                 fmt(p1, ".3f"), best_of, fmt(r["ratio_gb_per_sec"], ".2f"),
+                 fmt(k.get("p99_us"), ".0f"), "; ".join(notes) or "-"))
 widths = [max(len(h), *(len(row[i]) for row in rows)) if rows else len(h)
           for i, h in enumerate(header)]
+vias = {"both": "tcp and unix socket", "unix": "unix socket", "tcp": "tcp"}[redis_via]
 print(f"kvdepot vs Redis, best of {rounds} rounds of {duration} s "
-      f"(GB = 1e9 bytes; ratio = kvdepot / redis)")
+      f"(GB = 1e9 bytes; ratio = kvdepot / Redis's best of -P B and -P 1 over {vias})")
 print("  ".join(h.ljust(w) for h, w in zip(header, widths)))
 for row in rows:
     print("  ".join(c.ljust(w) for c, w in zip(row, widths)))
-print("batch: blocks per round trip (kvdepot --batch, redis -P); p99: kvdepot "
-      "per call, redis per round trip to the first reply byte")
+print("batch: blocks per round trip (kvdepot --batch); Redis ran -P B and -P 1 with "
+      "the same number of connections (redis -P columns: best over its connection "
+      "kinds), its best run is the baseline (redis best: which). Redis GB/s: values "
+      "served, checked against its INFO counters. p99: kvdepot per call (whole "
+      "batch); Redis's (to the first reply byte, not comparable) is in the JSON only")
 print(f"JSON: {out_path}")
 EOF
 
