@@ -229,6 +229,10 @@ void UcxRequests::OnReply(absl::string_view header, absl::string_view payload) {
     absl::MutexLock lock(&mu_);
     auto it = pending_.find(h->request_id);
     if (it == pending_.end()) return;  // ended already (deadline, failure)
+    // A reply for a request of another session than this one's is not
+    // its answer (the daemon names the session the request named): left
+    // to its real answer or its deadline.
+    if (it->second.session != h->session_id) return;
     done = std::move(it->second.done);
     pending_.erase(it);
   }

@@ -281,6 +281,7 @@ absl::Status DataPlane::Attach(SessionId session, std::string_view address,
   // co-located client's goes with its own worker instead.
   endpoint_options.deadline_close =
       colocated ? DeadlineClose::kForce : DeadlineClose::kOrderly;
+  endpoint_options.max_unsent_message_bytes = options_.max_unsent_reply_bytes;
   endpoint_options.on_error = [this, session](const absl::Status& why) {
     Lost(session, why);
   };
@@ -559,7 +560,7 @@ void DataPlane::Admit(const RequestHeader& h, absl::string_view payload,
   auto refuse = [&](const absl::Status& why) {
     if (options_.on_refused) options_.on_refused(why.code());
     sender.Reply(kReplyMessageId,
-                 EncodeReplyHeader(ReplyHeader{h.request_id, why.code()}),
+                 EncodeReplyHeader(ReplyHeader{h.request_id, why.code(), h.session_id}),
                  std::string(why.message()));
   };
   if (data != nullptr && h.method != RequestMethod::kPullBlocks) {
@@ -583,15 +584,31 @@ void DataPlane::Admit(const RequestHeader& h, absl::string_view payload,
                                  "session ", h.session_id,
                                  " is not open here with a UCX endpoint")));
   }
-  if (data != nullptr && !HasRequestLink(link->client_address)) {
-    // Its bytes would come over an endpoint the client wired up, which
-    // kvdepotd cannot close: UCX 1.13 aborts when a worker goes with a
-    // rendezvous receive pending on such an endpoint (a client stopped
-    // mid-put at shutdown). Refused unread (TakesDataRequests said no).
-    return refuse(absl::FailedPreconditionError(
-        "no request link to this client: send puts without their bytes"));
+  if (!FromRequestLink(*link, sender)) {
+    // Another worker than the session's client's (or one that wired up a
+    // connection of its own): its data would come over an endpoint
+    // kvdepotd did not make and cannot close (UCX 1.13 aborts when a
+    // worker goes with a rendezvous receive pending on such an endpoint,
+    // transport/README caveat 7), and its reply would go to the session's
+    // client, under ids that client may be waiting on. Refused (the data
+    // released unread) over the connection it came on.
+    return refuse(absl::PermissionDeniedError(absl::StrCat(
+        "a request for session ", h.session_id,
+        " must come over the request link of that session's UCX worker")));
   }
-  if (absl::Status taken = TakeRequestSlot(h.session_id, h.request_id, payload.size());
+  // What the request holds here until its reply: its body, and the data
+  // when it came eagerly (held whole; libkvdepot always sends it as
+  // rendezvous, which stays with the client until received).
+  size_t held_bytes = payload.size();
+  if (data != nullptr && data->eager()) {
+    if (data->size() > kMaxEagerRequestData) {
+      return refuse(absl::InvalidArgumentError(absl::StrCat(
+          "a request's data of ", data->size(), " bytes came eagerly (at most ",
+          kMaxEagerRequestData, "): send it as rendezvous")));
+    }
+    held_bytes += data->size();
+  }
+  if (absl::Status taken = TakeRequestSlot(h.session_id, h.request_id, held_bytes);
       !taken.ok()) {
     return refuse(taken);
   }
@@ -672,7 +689,7 @@ void DataPlane::Reply(SessionId session, uint64_t id, const absl::Status& status
     return;
   }
   if (std::shared_ptr<Link> link = Find(session); link != nullptr) {
-    std::string header = EncodeReplyHeader(ReplyHeader{id, status.code()});
+    std::string header = EncodeReplyHeader(ReplyHeader{id, status.code(), session});
     std::string payload =
         status.ok() ? std::move(body) : std::string(status.message());
     absl::Status sent = link->endpoint->SendMessage(
@@ -702,7 +719,7 @@ size_t DataPlane::EnsureRequestLink(SessionId session, std::string_view address)
     if (closing_) return request_worker;
     if (request_links_.size() >= options_.max_request_links) {
       log_->warn("session {}: {} client workers have a request link already "
-                 "(max_request_links); this client wires up its own",
+                 "(max_request_links); this client uses gRPC calls",
                  session, request_links_.size());
       return request_worker;
     }
@@ -721,7 +738,7 @@ size_t DataPlane::EnsureRequestLink(SessionId session, std::string_view address)
                            std::move(options));
   if (!endpoint.ok()) {
     log_->warn("session {}: no request link to the client's worker ({}); "
-               "the client wires up its own", session, endpoint.status().ToString());
+               "the client uses gRPC calls", session, endpoint.status().ToString());
     DropRequestLink(key, id);
     return request_worker;
   }
@@ -756,6 +773,20 @@ bool DataPlane::HasRequestLink(const std::string& client_address) const {
   return it != request_links_.end() && it->second.endpoint != nullptr;
 }
 
+bool DataPlane::FromRequestLink(const Link& link,
+                                const UcxWorker::MessageSender& sender) const {
+  // The link's endpoint is used on its worker's progress thread only: a
+  // request that came on another request worker is not over it.
+  if (sender.endpoint() == nullptr ||
+      !request_workers_[link.request_worker]->OnProgressThread()) {
+    return false;
+  }
+  absl::MutexLock lock(&mu_);
+  auto it = request_links_.find(link.client_address);
+  return it != request_links_.end() && it->second.endpoint != nullptr &&
+         it->second.endpoint->Owns(sender.endpoint());
+}
+
 bool DataPlane::TakesDataRequests(SessionId session) const {
   if (!serving_requests_) return false;
   std::shared_ptr<Link> link = Find(session);
@@ -770,7 +801,9 @@ size_t DataPlane::request_links() const {
 std::string DataPlane::RequestAddress(SessionId session) const {
   if (!serving_requests_) return std::string();
   std::shared_ptr<Link> link = Find(session);
-  if (link == nullptr) return std::string();
+  // Requests come only over a request link (Admit): without one the
+  // client uses gRPC calls.
+  if (link == nullptr || !HasRequestLink(link->client_address)) return std::string();
   return request_workers_[link->request_worker]->address();
 }
 

@@ -92,6 +92,15 @@ struct DataPlaneOptions {
   // kMaxRequestPayload, some 670 full batches of 32-byte keys), so that one
   // stalled client cannot take all of max_request_bytes_in_flight either.
   size_t max_request_bytes_per_session = size_t{64} << 20;
+  // Bytes of replies (Reply) UCX holds for one session's client, not yet
+  // sent because the client does not take them (UcxEndpointOptions::
+  // max_unsent_message_bytes): past it the session's endpoint fails and the
+  // session is lost (on_lost), as for a client that is gone. A client that
+  // sent requests and never progresses its worker would otherwise make
+  // every reply wait in UCX here (a few KB to 20 KB each), without bound:
+  // Reply gives the request's slot back before UCX has sent its reply.
+  // 16 MiB: a client that reads its replies keeps far less waiting.
+  size_t max_unsent_reply_bytes = size_t{16} << 20;
   // Threads that run requests over UCX.
   int request_threads = 2;
   // UCX workers (progress threads) that receive requests, and the bytes
@@ -107,8 +116,8 @@ struct DataPlaneOptions {
   // ones, on the shared workers (0: all of them).
   int max_colocated_workers = 64;
   // Client workers the request worker keeps an endpoint to (see
-  // RequestAddress); further clients wire up their request connections
-  // themselves.
+  // RequestAddress); further clients get no request address and use gRPC
+  // calls.
   size_t max_request_links = 4096;
   // The executable of the UCX address sandbox (kvdepotd itself; see
   // transport/ucx_address_sandbox.h): Attach has it try a client's worker
@@ -239,7 +248,9 @@ class DataPlane {
   // (RequestAddress; over its request link) instead of calling gRPC: the
   // same protobuf bytes, a fraction of the cost per call. The request
   // names its session as a gRPC call does (same trust: the id is what a
-  // client proves itself by).
+  // client proves itself by), and must come over the request link of that
+  // session's client worker: a session's requests come from its own
+  // worker only.
   struct Request {
     SessionId session = 0;
     RequestMethod method = RequestMethod::kPushBlocks;
@@ -262,15 +273,21 @@ class DataPlane {
   // progress thread (on_progress_thread), without waking another thread;
   // one from a co-located client (whose blocks the handler copies itself)
   // on a request thread. Answered at once, without the handler: a session
-  // without an endpoint (NotFound: it ended), a payload over
+  // without an endpoint (NotFound: it ended), a request that did not come
+  // over the request link of the session's client worker
+  // (PermissionDenied: another worker's, or a connection the client wired
+  // up itself), a payload over
   // kMaxRequestPayload (InvalidArgument), a request id its session has in
   // flight already (InvalidArgument: ids are the client's, and tell its
   // requests apart), more than max_requests_in_flight or
   // max_requests_per_session unanswered, or bodies over
   // max_request_bytes_in_flight or max_request_bytes_per_session
-  // (ResourceExhausted). Messages that are not requests are dropped. Call
-  // once, before sessions attach.
+  // (ResourceExhausted), data sent eagerly instead of as rendezvous over
+  // kMaxEagerRequestData (InvalidArgument; below it, it counts with the
+  // body against the byte caps: it is held here whole). Messages that are
+  // not requests are dropped. Call once, before sessions attach.
   void ServeRequests(RequestHandler handler);
+  static constexpr size_t kMaxEagerRequestData = size_t{64} << 10;
   // Receives a request's `data` into `pieces` (arena slots; null pieces
   // drop their bytes): see UcxWorker::Receive. `each_got(i)` runs once the
   // bytes are in. InvalidArgument for a piece outside the arena (pieces
@@ -289,7 +306,8 @@ class DataPlane {
   void Reply(SessionId session, uint64_t id, const absl::Status& status,
              std::string body);
   // Where `session`'s client sends requests (a worker address); empty when
-  // the session has no endpoint.
+  // the session has no endpoint or its client worker no request link (its
+  // client then calls gRPC).
   //
   // The request worker has an endpoint of its own to each client worker
   // that has a session (Attach makes it, with peer error handling, and
@@ -353,10 +371,15 @@ class DataPlane {
   bool TakeColocatedSlot();
   // Makes a request worker's endpoint to the client worker at `address`
   // unless it has one (see RequestAddress). Waits for the wire-up; on
-  // failure the client wires up its own (logged).
+  // failure the client uses gRPC calls (logged).
   // Returns the request worker that serves that client worker (its
   // link's; a new one's in turn).
   size_t EnsureRequestLink(SessionId session, std::string_view address);
+  // Request worker's progress thread: whether the message `sender` sent
+  // came over the request link to `link`'s client worker (its reply
+  // endpoint is the link's endpoint).
+  bool FromRequestLink(const Link& link,
+                       const UcxWorker::MessageSender& sender) const;
   // Whether the request link to the client worker at `client_address` is
   // made.
   bool HasRequestLink(const std::string& client_address) const;

@@ -155,13 +155,48 @@ class DataPlaneTest : public ::testing::Test {
       }
       return replies_[id];
     }
+    // The session the reply to request `id` named (after Reply(id)).
+    uint64_t ReplySession(uint64_t id) {
+      absl::MutexLock lock(&mu_);
+      return reply_sessions_[id];
+    }
     // Sends request `id` with a body of `bytes` bytes.
-    void Send(uint64_t id, size_t bytes) {
-      const RequestHeader header{RequestMethod::kPullBlocks, id, session_};
+    void Send(uint64_t id, size_t bytes) { SendNaming(session_, id, bytes); }
+    // The same, naming `session` (perhaps not this client's).
+    void SendNaming(SessionId session, uint64_t id, size_t bytes) {
+      const RequestHeader header{RequestMethod::kPullBlocks, id, session};
       ASSERT_TRUE(endpoint_
                       ->SendMessage(kRequestMessageId, EncodeRequestHeader(header),
                                     std::string(bytes, 'r'))
                       .ok());
+    }
+    // Sends PullBlocks request `id` naming `session`, with `data_` as its
+    // rendezvous data (libkvdepot's data requests).
+    void SendDataNaming(SessionId session, uint64_t id) {
+      const RequestHeader header{RequestMethod::kPullBlocks, id, session};
+      ASSERT_TRUE(endpoint_
+                      ->SendMessageWithData(kDataRequestMessageId,
+                                            EncodeDataRequestHeader(header, "body"),
+                                            absl::MakeConstSpan(data_),
+                                            [](const absl::Status&) {})
+                      .ok());
+    }
+
+    // Sends PullBlocks request `id` with a body of `bytes` bytes and
+    // `data_bytes` of data, eagerly (libkvdepot sends data as rendezvous).
+    void SendEagerData(uint64_t id, size_t bytes, size_t data_bytes) {
+      const RequestHeader header{RequestMethod::kPullBlocks, id, session_};
+      ASSERT_TRUE(endpoint_
+                      ->SendMessage(kDataRequestMessageId,
+                                    EncodeDataRequestHeader(header, std::string(bytes, 'r')),
+                                    std::string(data_bytes, 'd'))
+                      .ok());
+    }
+    // Stops progressing the client's worker for good (connected, unread).
+    void Fence() {
+      absl::Notification fenced;
+      worker_->Fence([&fenced] { fenced.Notify(); });
+      fenced.WaitForNotification();
     }
 
    private:
@@ -171,11 +206,15 @@ class DataPlaneTest : public ::testing::Test {
     // until the worker is destroyed (a reply may still come in teardown).
     absl::Mutex mu_;
     absl::flat_hash_map<uint64_t, absl::StatusCode> replies_ ABSL_GUARDED_BY(mu_);
+    absl::flat_hash_map<uint64_t, uint64_t> reply_sessions_ ABSL_GUARDED_BY(mu_);
+    std::string data_ = std::string(64 << 10, 'd');  // SendDataNaming's
     std::unique_ptr<UcxWorker> worker_;
     std::unique_ptr<UcxEndpoint> endpoint_;  // to the request worker
   };
   // Null (with a failure) when it could not be attached and connected.
-  RequestClient* AttachRequestClient(SessionId session) {
+  // Not `attach`: a worker without a session of its own, which connects to
+  // the request worker of `session` (wiring up the connection itself).
+  RequestClient* AttachRequestClient(SessionId session, bool attach = true) {
     auto client = std::make_unique<RequestClient>();
     client->session_ = session;
     absl::StatusOr<std::unique_ptr<UcxWorker>> worker =
@@ -191,11 +230,14 @@ class DataPlaneTest : public ::testing::Test {
           if (!h) return;
           absl::MutexLock lock(&c->mu_);
           c->replies_[h->request_id] = h->code;
+          c->reply_sessions_[h->request_id] = h->session_id;
         });
     EXPECT_TRUE(st.ok()) << st;
-    st = plane_->Attach(session, c->worker_->address(), "", std::nullopt);
-    EXPECT_TRUE(st.ok()) << st;
-    if (!st.ok()) return nullptr;
+    if (attach) {
+      st = plane_->Attach(session, c->worker_->address(), "", std::nullopt);
+      EXPECT_TRUE(st.ok()) << st;
+      if (!st.ok()) return nullptr;
+    }
     UcxEndpointOptions options;
     options.peer_error_handling = true;  // as UcxRequests: pairs with the link
     absl::StatusOr<std::unique_ptr<UcxEndpoint>> endpoint = UcxEndpoint::Connect(
@@ -476,6 +518,106 @@ TEST_F(DataPlaneTest, AReplyAfterItsSessionEndedGivesItsSlotBack) {
   EXPECT_TRUE(Held(2, 1));
   EXPECT_EQ(plane_->requests_in_flight(), 1u);
   AnswerAll();
+}
+
+TEST_F(DataPlaneTest, RepliesAClientNeverTakesEndItsSessionNotTheDaemonsMemory) {
+  // Session 1's client sends requests, then never progresses its worker
+  // again (fenced: connected, unread). Its replies would wait in UCX here
+  // without bound; past max_unsent_reply_bytes its endpoint fails and the
+  // session is reported lost, while session 2 is served as before.
+  DataPlaneOptions options = PlaneOptions();
+  options.max_unsent_reply_bytes = 1 << 20;
+  options.max_requests_per_session = 4096;
+  StartPlane(options);
+  HoldRequests();
+  RequestClient* stalled = AttachRequestClient(1);
+  RequestClient* other = AttachRequestClient(2);
+  ASSERT_NE(stalled, nullptr);
+  ASSERT_NE(other, nullptr);
+  constexpr uint64_t kRequests = 1000;
+  for (uint64_t id = 1; id <= kRequests; ++id) stalled->Send(id, 10);
+  ASSERT_TRUE(Held(1, kRequests));
+  stalled->Fence();
+  // 64 MB of replies: far more than the sockets between the two hold.
+  for (uint64_t id = 1; id <= kRequests; ++id) {
+    {
+      absl::MutexLock lock(&mu_);
+      held_.erase(std::find(held_.begin(), held_.end(), std::make_pair(SessionId{1}, id)));
+    }
+    plane_->Reply(1, id, absl::OkStatus(), std::string(64 << 10, 'x'));
+  }
+  EXPECT_TRUE(ReportedLost(1, absl::Seconds(10)))
+      << "the replies of a client that never reads them were queued on";
+  EXPECT_EQ(plane_->requests_in_flight(), 0u);
+
+  other->Send(7, 100);
+  ASSERT_TRUE(Held(2, 7));
+  Answer(2, 7);
+  EXPECT_EQ(other->Reply(7), absl::StatusCode::kOk);
+  absl::MutexLock lock(&mu_);
+  EXPECT_EQ(std::count(lost_.begin(), lost_.end(), SessionId{2}), 0);
+}
+
+TEST_F(DataPlaneTest, RequestDataSentEagerlyIsBoundedAndCounted) {
+  // Data UCX brings with the message is held here whole (UCX 1.13 does not
+  // bound an eager message): past kMaxEagerRequestData it is refused, and
+  // below it counts with the body against the request byte caps.
+  DataPlaneOptions options = PlaneOptions();
+  options.max_request_bytes_per_session = 2000;
+  StartPlane(options);
+  HoldRequests();
+  RequestClient* client = AttachRequestClient(1);
+  ASSERT_NE(client, nullptr);
+  client->SendEagerData(1, 10, size_t{32} << 20);
+  EXPECT_EQ(client->Reply(1), absl::StatusCode::kInvalidArgument)
+      << "32 MiB of eager data were taken (and held) for a request";
+  EXPECT_EQ(held(), 0u);
+  client->SendEagerData(2, 10, 1000);
+  EXPECT_TRUE(Held(1, 2));
+  client->SendEagerData(3, 10, 1000);  // 2020 bytes held with the first
+  EXPECT_EQ(client->Reply(3), absl::StatusCode::kResourceExhausted);
+  AnswerAll();
+  EXPECT_EQ(plane_->requests_in_flight(), 0u);
+}
+
+TEST_F(DataPlaneTest, ARequestIsTakenOnlyOverItsSessionsRequestLink) {
+  // A request names its session; it must also come over the request link
+  // of that session's client worker. Another client's (naming a session
+  // not its own) and a stray worker's (a connection it wired up itself)
+  // are refused over the connection they came on, never handed on: their
+  // replies would go to the session's client, under ids it may be waiting
+  // on, and a data request's bytes would come over an endpoint kvdepotd
+  // cannot close (UCX 1.13 aborts when the request worker goes with such
+  // a receive pending).
+  HoldRequests();
+  RequestClient* owner = AttachRequestClient(1);
+  RequestClient* other = AttachRequestClient(2);
+  RequestClient* stray = AttachRequestClient(1, /*attach=*/false);
+  ASSERT_NE(owner, nullptr);
+  ASSERT_NE(other, nullptr);
+  ASSERT_NE(stray, nullptr);
+  other->SendNaming(1, 5, 100);
+  EXPECT_EQ(other->Reply(5), absl::StatusCode::kPermissionDenied);
+  other->SendDataNaming(1, 6);
+  EXPECT_EQ(other->Reply(6), absl::StatusCode::kPermissionDenied);
+  stray->SendNaming(1, 7, 100);
+  EXPECT_EQ(stray->Reply(7), absl::StatusCode::kPermissionDenied);
+  stray->SendDataNaming(1, 8);
+  EXPECT_EQ(stray->Reply(8), absl::StatusCode::kPermissionDenied);
+  EXPECT_EQ(held(), 0u);
+  EXPECT_EQ(plane_->requests_in_flight(), 0u);
+  // The session's own client, and the other with its own session, are
+  // served; replies name the session their request named.
+  owner->Send(9, 100);
+  other->Send(9, 100);
+  EXPECT_TRUE(Held(1, 9));
+  EXPECT_TRUE(Held(2, 9));
+  AnswerAll();
+  EXPECT_EQ(owner->Reply(9), absl::StatusCode::kOk);
+  EXPECT_EQ(owner->ReplySession(9), 1u);
+  EXPECT_EQ(other->Reply(9), absl::StatusCode::kOk);
+  EXPECT_EQ(other->ReplySession(9), 2u);
+  EXPECT_EQ(other->ReplySession(6), 1u);  // the refusal named session 1
 }
 
 }  // namespace

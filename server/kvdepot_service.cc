@@ -27,6 +27,11 @@ grpc::Status ToGrpcStatus(const absl::Status& status) {
 
 namespace {
 
+// What a PullBlocks request with data may drop (the bytes of blocks stored
+// already) beyond its new blocks' bytes, before its data is left unread
+// and the new blocks are read from their sources instead (StartPullBlocks).
+constexpr uint64_t kMaxDroppedBytes = uint64_t{1} << 20;
+
 v1::Tier ToProto(Tier t) {
   switch (t) {
     case Tier::kDram:
@@ -981,7 +986,7 @@ void KvDepotService::StartPullBlocks(const v1::PullBlocksRequest* req,
                                      std::shared_ptr<IncomingData> data) {
   const SessionId session = req->session_id();
   absl::Status check = RequireEndpoint(session);
-  const bool with_data = data != nullptr && *data != nullptr;
+  bool with_data = data != nullptr && *data != nullptr;
   if (check.ok() && with_data) {
     uint64_t total = 0;
     bool checksums = true;
@@ -1077,6 +1082,25 @@ void KvDepotService::StartPullBlocks(const v1::PullBlocksRequest* req,
     if (req->blocks(b).daemon_checksum()) sums[b] = *sum;
     return absl::OkStatus();  // a mismatch is CommitPut's to report
   };
+  // The bytes of blocks stored already are received and dropped. Their
+  // sizes are the client's claim (1 new block and 1023 stored ones of 256
+  // MiB each would have this process copy 256 GiB of filler, holding an
+  // iov entry per MiB meanwhile), so they may outweigh the new blocks'
+  // bytes by at most kMaxDroppedBytes. Past that the data is released
+  // unread and the new blocks are read from their sources, as for a
+  // request without data: libkvdepot names them in registered buffers,
+  // and sends every block of a batch, stored or not (it cannot know).
+  uint64_t new_bytes = 0;
+  for (const BlockMove& m : moves) new_bytes += m.arena.size();
+  const uint64_t dropped =
+      with_data && (*data)->size() > new_bytes ? (*data)->size() - new_bytes : 0;
+  if (with_data && dropped > std::max(new_bytes, kMaxDroppedBytes)) {
+    log_->debug("session {}: PullBlocks with data: {} of its {} bytes are of "
+                "blocks stored already; read from their sources instead",
+                session, dropped, (*data)->size());
+    data->reset();  // released unread: the client's send ends
+    with_data = false;
+  }
   absl::StatusOr<TransferHandle> h;
   if (with_data) {
     // The request's bytes, block after block: each into its slot, those of

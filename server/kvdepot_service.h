@@ -191,7 +191,9 @@ class KvDepotService final
   // room (BeginPut's would_wait) goes on put_pool_ and waits there.
   // `data`, when it holds some, is the blocks' bytes sent with a UCX
   // request (DataPlane::Request::data): received into the slots instead of
-  // read from the client's buffers.
+  // read from the client's buffers -- unless the bytes of blocks stored
+  // already (dropped) outweigh the new blocks' and 1 MiB: then the data is
+  // released unread and the new blocks are read from their sources.
   using IncomingData = std::unique_ptr<UcxWorker::IncomingData>;
   void StartPullBlocks(const v1::PullBlocksRequest* req,
                        v1::PullBlocksResponse* resp, Finish finish,

@@ -5,6 +5,7 @@
 #include <signal.h>
 #include <stdlib.h>
 #include <sys/ipc.h>
+#include <sys/mman.h>
 #include <sys/shm.h>
 #include <sys/wait.h>
 #include <unistd.h>
@@ -22,6 +23,7 @@
 #include <thread>
 #include <vector>
 
+#include "absl/cleanup/cleanup.h"
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
@@ -36,6 +38,7 @@
 #include "tests/daemon_process.h"
 #include "tests/ucx_daemon.h"
 #include "tests/status_matchers.h"
+#include "transport/memory_region.h"
 #include "transport/net_devices.h"
 #include "transport/request_message.h"
 #include "transport/ucx_context.h"
@@ -1593,6 +1596,165 @@ TEST_P(UcxE2eTest, DataRequestsThatDoNotMatchTheirBytesStoreNothing) {
   }
   v1::StatsResponse st = Stats();
   EXPECT_EQ(st.reservations(), 0u);
+  EXPECT_EQ(daemon_->Stop(SIGTERM).value_or(-1), 0) << daemon_->Log();
+}
+
+// A put with data whose blocks stored already (their sizes the client's
+// claim: here 64 MiB for a block of 256 KiB) outweigh its new ones: the
+// daemon takes none of its bytes (no copy of the claimed filler, no iov per
+// MiB of it) and reads the new block from its source instead -- bytes other
+// than those sent, so that the answer tells which it took. libkvdepot's own
+// puts of mostly stored batches keep working.
+TEST_P(UcxE2eTest, DataRequestsDroppingMoreThanTheyStoreReadTheirSources) {
+  std::vector<char> stored(kBlock);
+  ucx_test::FillPattern(stored.data(), kBlock, 41);
+  ASSERT_OK(client_->RegisterBuffer(stored.data(), stored.size()));
+  const BlockToPut s0{"s0", "", absl::string_view(stored.data(), kBlock)};
+  TransferOp first = client_->PutFromAsync("drop", {&s0, 1});
+  first.Wait();
+  ASSERT_OK(first.statuses()[0]);
+
+  HandMadeClient c;
+  ASSERT_NO_FATAL_FAILURE(c.Open(*client_, "dropping"));
+  ASSERT_OK(c.requests->Connect(c.session, c.request_address, absl::Seconds(5)));
+  std::vector<char> src(kBlock), sent(kBlock);
+  ucx_test::FillPattern(src.data(), kBlock, 43);
+  ucx_test::FillPattern(sent.data(), kBlock, 42);
+  absl::StatusOr<std::unique_ptr<MemoryRegion>> region =
+      c.context->Register(src.data(), src.size());
+  ASSERT_OK(region.status());
+  grpc::ClientContext ctx;
+  v1::RegisterBufferRequest reg;
+  reg.set_session_id(c.session);
+  reg.set_packed_rkey((*region)->packed_rkey());
+  reg.set_address((*region)->address());
+  reg.set_size((*region)->size());
+  v1::RegisterBufferResponse registered;
+  ASSERT_TRUE(client_->stub().RegisterBuffer(&ctx, reg, &registered).ok());
+  constexpr size_t kClaim = size_t{64} << 20;
+  void* filler = mmap(nullptr, kClaim, PROT_READ, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE,
+                      -1, 0);
+  ASSERT_NE(filler, MAP_FAILED);
+  absl::Cleanup unmap = [filler] { munmap(filler, kClaim); };
+
+  v1::PullBlocksRequest req;
+  req.set_session_id(c.session);
+  req.set_namespace_("drop");
+  v1::PullSpec* n1 = req.add_blocks();
+  n1->set_key("n1");
+  n1->set_checksum(BlockChecksum(absl::string_view(src.data(), kBlock)));
+  n1->mutable_source()->set_buffer_id(registered.buffer_id());
+  n1->mutable_source()->set_address((*region)->address());
+  n1->mutable_source()->set_size(kBlock);
+  v1::PullSpec* again = req.add_blocks();
+  again->set_key("s0");
+  again->set_checksum(1);
+  again->mutable_source()->set_size(kClaim);
+  absl::Notification done;
+  absl::Status status;
+  v1::PullBlocksResponse resp;
+  ASSERT_OK(c.requests->SendWithData(
+      c.session, RequestMethod::kPullBlocks, req.SerializeAsString(),
+      {absl::Span<const char>(sent.data(), kBlock),
+       absl::Span<const char>(static_cast<const char*>(filler), kClaim)},
+      absl::Now() + absl::Seconds(20), [&](const absl::Status& st, absl::string_view body) {
+        status = st;
+        if (st.ok()) resp.ParseFromArray(body.data(), static_cast<int>(body.size()));
+        done.Notify();
+      }));
+  done.WaitForNotification();
+  ASSERT_OK(status);
+  ASSERT_EQ(resp.blocks_size(), 2);
+  EXPECT_EQ(resp.blocks(0).code(), 0)
+      << "the new block was taken from the request's data, not its source: "
+      << resp.blocks(0).message();
+  EXPECT_EQ(resp.blocks(1).code(), static_cast<int>(absl::StatusCode::kAlreadyExists));
+
+  // libkvdepot, sending its puts' bytes: 8 blocks stored, then the same 8
+  // and a new one (2 MiB dropped for 256 KiB new).
+  std::unique_ptr<Client> sender = NewClient(true, "", /*data_requests=*/true);
+  ASSERT_NE(sender, nullptr);
+  std::vector<char> blocks(9 * kBlock), back(kBlock, 0);
+  for (int i = 0; i < 9; ++i) ucx_test::FillPattern(&blocks[i * kBlock], kBlock, 50 + i);
+  ASSERT_OK(sender->RegisterBuffer(blocks.data(), blocks.size()));
+  ASSERT_OK(sender->RegisterBuffer(back.data(), back.size()));
+  std::vector<std::string> keys;
+  for (int i = 0; i < 9; ++i) keys.push_back(absl::StrCat("h", i));
+  std::vector<BlockToPut> puts;
+  for (int i = 0; i < 9; ++i) {
+    puts.push_back({keys[i], i ? absl::string_view(keys[i - 1]) : "",
+                    absl::string_view(&blocks[i * kBlock], kBlock)});
+  }
+  TransferOp eight = sender->PutFromAsync("drop", absl::MakeConstSpan(puts).subspan(0, 8));
+  eight.Wait();
+  for (const absl::Status& s : eight.statuses()) ASSERT_OK(s);
+  TransferOp nine = sender->PutFromAsync("drop", puts);
+  nine.Wait();
+  for (const absl::Status& s : nine.statuses()) EXPECT_OK(s);
+  for (const char* key : {"h8", "n1"}) {
+    absl::string_view k = key;
+    absl::Span<char> out(back.data(), kBlock);
+    TransferOp get = sender->GetIntoAsync("drop", {&k, 1}, {&out, 1});
+    get.Wait();
+    ASSERT_OK(get.statuses()[0]) << key;
+    EXPECT_EQ(ucx_test::FirstPatternMismatch(back.data(), kBlock, k == "h8" ? 58 : 43), -1)
+        << key;
+  }
+  EXPECT_EQ(Stats().reservations(), 0u);
+  EXPECT_EQ(daemon_->Stop(SIGTERM).value_or(-1), 0) << daemon_->Log();
+}
+
+// A client worker that is not the session's (here one without a session
+// of its own, connected to the request worker itself) sends a put with its
+// bytes naming another client's session, then stalls. kvdepotd refuses it
+// over that connection, its bytes unread: taken, their receive would stay
+// pending on an endpoint kvdepotd did not make, and the request worker's
+// destruction at SIGTERM would abort the daemon (transport/README caveat 7).
+TEST_P(UcxE2eTest, ARequestFromAnotherWorkerThanTheSessionsIsRefused) {
+  HandMadeClient owner;
+  ASSERT_NO_FATAL_FAILURE(owner.Open(*client_, "owner"));
+  ASSERT_OK(owner.requests->Connect(owner.session, owner.request_address,
+                                     absl::Seconds(5)));
+  HandMadeClient intruder;  // its worker, its requests; no session
+  {
+    UcxContextOptions options;
+    options.name = "intruder";
+    absl::StatusOr<std::unique_ptr<UcxContext>> ctx = UcxContext::Create(options);
+    ASSERT_OK(ctx.status());
+    intruder.context = *std::move(ctx);
+    absl::StatusOr<std::unique_ptr<UcxWorker>> w = UcxWorker::Create(*intruder.context);
+    ASSERT_OK(w.status());
+    intruder.worker = *std::move(w);
+    absl::StatusOr<std::unique_ptr<UcxRequests>> r = UcxRequests::Create(*intruder.worker);
+    ASSERT_OK(r.status());
+    intruder.requests = *std::move(r);
+  }
+  ASSERT_OK(intruder.requests->Connect(owner.session, owner.request_address,
+                                        absl::Seconds(5)));
+  std::vector<char> bytes(kBlock);
+  ucx_test::FillPattern(bytes.data(), kBlock, 61);
+  v1::PullBlocksRequest req;
+  req.set_session_id(owner.session);
+  req.set_namespace_("intrude");
+  v1::PullSpec* b = req.add_blocks();
+  b->set_key("x0");
+  b->set_checksum(BlockChecksum(absl::string_view(bytes.data(), kBlock)));
+  b->mutable_source()->set_size(kBlock);
+  absl::Notification done;
+  absl::Status status;
+  ASSERT_OK(intruder.requests->SendWithData(
+      owner.session, RequestMethod::kPullBlocks, req.SerializeAsString(),
+      {absl::Span<const char>(bytes.data(), kBlock)}, absl::Now() + absl::Seconds(20),
+      [&](const absl::Status& st, absl::string_view) {
+        status = st;
+        done.Notify();
+      }));
+  done.WaitForNotification();
+  EXPECT_THAT(status, StatusIs(absl::StatusCode::kPermissionDenied));
+  absl::Notification fenced;  // the intruder stalls for good
+  intruder.worker->Fence([&fenced] { fenced.Notify(); });
+  fenced.WaitForNotification();
+  EXPECT_EQ(Stats().reservations(), 0u);
   EXPECT_EQ(daemon_->Stop(SIGTERM).value_or(-1), 0) << daemon_->Log();
 }
 

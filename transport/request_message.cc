@@ -6,15 +6,16 @@ namespace kvdepot {
 namespace {
 
 constexpr uint32_t kMagic = 0x6b766431;  // "kvd1"
-constexpr uint16_t kVersion = 1;
+// 2: replies name their session.
+constexpr uint16_t kVersion = 2;
 constexpr uint16_t kRequestKind = 1;
 constexpr uint16_t kReplyKind = 2;
 
-// magic, version, kind, then two 64-bit and one 16-bit (request) or one
-// 64-bit and one 32-bit (reply) fields.
+// magic, version, kind, then two 64-bit and one 16-bit (request) or
+// 64-bit, 32-bit and 64-bit (reply) fields.
 constexpr size_t kPrefixSize = 4 + 2 + 2;
 constexpr size_t kRequestSize = kPrefixSize + 2 + 8 + 8;
-constexpr size_t kReplySize = kPrefixSize + 8 + 4;
+constexpr size_t kReplySize = kPrefixSize + 8 + 4 + 8;
 
 template <typename T>
 void Put(std::string& out, T v) {
@@ -88,6 +89,7 @@ std::string EncodeReplyHeader(const ReplyHeader& header) {
   std::string out = Prefix(kReplyKind);
   Put(out, header.request_id);
   Put(out, static_cast<uint32_t>(header.code));
+  Put(out, header.session_id);
   return out;
 }
 
@@ -102,6 +104,7 @@ std::optional<ReplyHeader> DecodeReplyHeader(absl::string_view bytes) {
     return std::nullopt;
   }
   h.code = static_cast<absl::StatusCode>(code);
+  h.session_id = Get<uint64_t>(bytes, off);
   return h;
 }
 

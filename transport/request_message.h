@@ -49,6 +49,9 @@ struct ReplyHeader {
   // The request's status; when not OK the payload is its message,
   // otherwise the serialized response.
   absl::StatusCode code = absl::StatusCode::kOk;
+  // The session the request named: a client takes a reply only for a
+  // request of that session (its ids are its own, not the session's).
+  uint64_t session_id = 0;
 };
 
 std::string EncodeRequestHeader(const RequestHeader& header);

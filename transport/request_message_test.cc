@@ -22,11 +22,12 @@ TEST(RequestMessageTest, RequestHeaderRoundTrips) {
 TEST(RequestMessageTest, ReplyHeaderRoundTrips) {
   for (absl::StatusCode code : {absl::StatusCode::kOk, absl::StatusCode::kNotFound,
                                 absl::StatusCode::kUnauthenticated}) {
-    std::optional<ReplyHeader> back =
-        DecodeReplyHeader(EncodeReplyHeader(ReplyHeader{42, code}));
+    std::optional<ReplyHeader> back = DecodeReplyHeader(
+        EncodeReplyHeader(ReplyHeader{42, code, 0xfedcba9876543210ULL}));
     ASSERT_TRUE(back.has_value());
     EXPECT_EQ(back->request_id, 42u);
     EXPECT_EQ(back->code, code);
+    EXPECT_EQ(back->session_id, 0xfedcba9876543210ULL);
   }
 }
 
@@ -48,7 +49,9 @@ TEST(RequestMessageTest, RefusesWhatIsNotAHeaderOfThisVersion) {
   unknown_method[8] = 9;
   EXPECT_FALSE(DecodeRequestHeader(unknown_method).has_value());
   std::string bad_code = reply;
-  bad_code[reply.size() - 4] = 17;  // past kUnauthenticated
+  bad_code[reply.size() - 12] = 17;  // the code, past kUnauthenticated
+  // A reply without its session (version 1's) is not one of this version.
+  EXPECT_FALSE(DecodeReplyHeader(reply.substr(0, reply.size() - 8)).has_value());
   EXPECT_FALSE(DecodeReplyHeader(bad_code).has_value());
 }
 

@@ -41,7 +41,9 @@ using transport_internal::RkeySet;
 using transport_internal::UcsToStatus;
 
 UcxEndpoint::UcxEndpoint(UcxWorker& worker, UcxEndpointOptions options)
-    : worker_(worker), options_(std::move(options)) {}
+    : worker_(worker),
+      unsent_(std::make_shared<transport_internal::UnsentMessages>()),
+      options_(std::move(options)) {}
 
 absl::StatusOr<std::unique_ptr<UcxEndpoint>> UcxEndpoint::Connect(
     UcxWorker& worker, std::string_view peer_address,
@@ -348,8 +350,22 @@ absl::Status UcxEndpoint::SendMessage(uint16_t id, std::string header,
   return worker_.Post(
       [this, id, header = std::move(header), payload = std::move(payload)]() mutable {
         if (ep_ == nullptr) return;  // failed meanwhile; on_error tells
+        const size_t cap = options_.max_unsent_message_bytes;
+        const size_t weight =
+            transport_internal::MessageWeight(header.size(), payload.size());
+        if (cap != 0 && unsent_->count > 0 && unsent_->bytes + weight > cap) {
+          // The peer takes nothing (stopped, or never progresses): it is
+          // treated as lost rather than held for without bound.
+          return Fail(
+              absl::UnavailableError(absl::StrCat(
+                  "UCX endpoint closed: the peer has not taken ",
+                  unsent_->count, " messages (", unsent_->bytes,
+                  " bytes; at most ", cap, " may wait)")),
+              /*from_ucx_callback=*/false, /*notify=*/true,
+              /*force=*/options_.deadline_close == DeadlineClose::kForce);
+        }
         transport_internal::PostMessage(ep_, id, std::move(header),
-                                        std::move(payload));
+                                        std::move(payload), unsent_);
       });
 }
 

@@ -41,6 +41,7 @@ namespace kvdepot {
 namespace transport_internal {
 class RkeySet;
 class TransferBatch;
+struct UnsentMessages;
 }  // namespace transport_internal
 
 // How an endpoint closes when a batch on it passes its deadline (see
@@ -82,6 +83,14 @@ struct UcxEndpointOptions {
   // queued still reaches the peer if it continues (as over shared memory
   // in any case, caveat 2).
   DeadlineClose deadline_close = DeadlineClose::kForce;
+  // Bytes of messages (SendMessage) UCX may hold for the peer, not yet
+  // sent (each counted with its header and kMessageOverhead until UCX
+  // reports it sent; a peer that never progresses takes none). A message
+  // that would pass it, while others are still unsent, fails the endpoint
+  // as a lost peer does (on_error, Unavailable; closed as deadline_close
+  // says) and is dropped, so a peer that does not read cannot make this
+  // process hold its messages without bound. 0: no bound.
+  size_t max_unsent_message_bytes = 0;
 };
 
 // A region of the peer's memory, as the peer described it.
@@ -194,9 +203,10 @@ class UcxEndpoint : private UcxWorker::Resident {
   // until UCX is done with them. Messages on one endpoint arrive in order,
   // and after the transfers of batches that were ready before the send.
   // Not bounded by the worker's queue_capacity (UcxWorker::Post): callers
-  // bound their messages (requests in flight). Unavailable once the
-  // endpoint has failed. Delivery is not confirmed: a reply, or the
-  // endpoint's failure (on_error), tells.
+  // bound their messages (requests in flight), and
+  // max_unsent_message_bytes bounds what the peer leaves unread.
+  // Unavailable once the endpoint has failed. Delivery is not confirmed: a
+  // reply, or the endpoint's failure (on_error), tells.
   absl::Status SendMessage(uint16_t id, std::string header, std::string payload);
   // Sends message `id` with `header`, and `data` as its rendezvous data
   // (UcxWorker::SetDataMessageHandler and Receive on the peer's side: the
@@ -230,6 +240,12 @@ class UcxEndpoint : private UcxWorker::Resident {
 
   // OK while the endpoint is usable; otherwise why it failed.
   absl::Status status() const;
+
+  // Progress thread only: whether `ep` (a UCP endpoint of this worker, e.g.
+  // the reply endpoint of a message that arrived: UcxWorker::MessageSender::
+  // endpoint) is this endpoint's own, i.e. the message came over this
+  // connection. False once the endpoint has failed or closed.
+  bool Owns(ucp_ep_h ep) const { return ep != nullptr && ep == ep_; }
 
  private:
   using Batch = transport_internal::TransferBatch;
@@ -268,6 +284,9 @@ class UcxEndpoint : private UcxWorker::Resident {
   std::shared_ptr<ErrorTarget> error_target_;
   std::shared_ptr<transport_internal::RkeySet> rkeys_;
   std::vector<std::shared_ptr<Batch>> in_flight_;
+  // SendMessage's messages UCX has not sent yet (shared with them: they may
+  // end after this object, on an endpoint closing in order).
+  std::shared_ptr<transport_internal::UnsentMessages> unsent_;
   UcxEndpointOptions options_;
 
   struct Bounds {

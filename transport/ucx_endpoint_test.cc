@@ -1105,6 +1105,58 @@ TEST_P(UcxEndpointTest, MessagesArriveWholeAndInOrder) {
   }
 }
 
+// Messages a peer never takes (its worker fenced: connected, unread) wait in
+// UCX here. Past max_unsent_message_bytes the endpoint fails as for a lost
+// peer instead of holding them without bound; other endpoints of the worker
+// go on.
+TEST_P(UcxEndpointTest, MessagesAPeerNeverTakesFailTheEndpointPastTheirBound) {
+  auto reader = UcxWorker::Create(*client_context_);
+  ASSERT_TRUE(reader.ok()) << reader.status();
+  std::atomic<int> got{0};
+  for (UcxWorker* w : {reader->get(), client_worker_.get()}) {
+    ASSERT_TRUE(w->SetMessageHandler(9, [&got](absl::string_view, absl::string_view,
+                                               const UcxWorker::MessageSender&) {
+                   got.fetch_add(1);
+                 }).ok());
+  }
+  absl::Notification failed;
+  absl::Status why;
+  UcxEndpointOptions options;
+  options.peer_error_handling = ucx_test::PeerErrorHandling(GetParam());
+  options.max_unsent_message_bytes = 1 << 20;
+  options.on_error = [&](const absl::Status& st) {
+    why = st;
+    failed.Notify();
+  };
+  auto stalled = UcxEndpoint::Connect(*server_worker_, (*reader)->address(),
+                                      std::move(options));
+  ASSERT_TRUE(stalled.ok()) << stalled.status();
+  ASSERT_TRUE((*stalled)->SendMessage(9, "h", "first").ok());
+  for (int i = 0; i < 2000 && got.load() == 0; ++i) absl::SleepFor(absl::Milliseconds(1));
+  ASSERT_EQ(got.load(), 1);
+  absl::Notification fenced;
+  (*reader)->Fence([&fenced] { fenced.Notify(); });
+  fenced.WaitForNotification();
+  // 64 MB: far more than the sockets or shared-memory queues between them.
+  for (int i = 0; i < 1000 && !failed.HasBeenNotified(); ++i) {
+    (*stalled)->SendMessage(9, "h", std::string(64 << 10, 'm')).IgnoreError();
+  }
+  ASSERT_TRUE(failed.WaitForNotificationWithTimeout(absl::Seconds(10)))
+      << "messages the peer never takes were held on";
+  EXPECT_TRUE(absl::IsUnavailable(why)) << why;
+  EXPECT_TRUE(absl::IsUnavailable((*stalled)->SendMessage(9, "h", "more")));
+  // Another endpoint of the same worker, to a peer that reads.
+  UcxEndpointOptions other_options;
+  other_options.peer_error_handling = ucx_test::PeerErrorHandling(GetParam());
+  auto other = UcxEndpoint::Connect(*server_worker_, client_worker_->address(),
+                                    std::move(other_options));
+  ASSERT_TRUE(other.ok()) << other.status();
+  ASSERT_TRUE((*other)->SendMessage(9, "h", "to a reader").ok());
+  for (int i = 0; i < 2000 && got.load() == 1; ++i) absl::SleepFor(absl::Milliseconds(1));
+  EXPECT_EQ(got.load(), 2);
+  EXPECT_TRUE(ReadFirstBytes().ok());
+}
+
 // A fenced put batch is ready without a flush, and a message sent after it
 // finds its bytes in the peer's memory when it arrives (what a daemon's
 // answer to a client's get relies on).

@@ -20,7 +20,9 @@ namespace kvdepot {
 using transport_internal::UcsToStatus;
 
 UcxWorker::UcxWorker(UcxContext& context, UcxWorkerOptions options)
-    : context_(context), options_(std::move(options)) {}
+    : context_(context),
+      options_(std::move(options)),
+      unsent_replies_(std::make_shared<transport_internal::UnsentMessages>()) {}
 
 absl::StatusOr<std::unique_ptr<UcxWorker>> UcxWorker::Create(
     UcxContext& context, const UcxWorkerOptions& options) {
@@ -86,25 +88,22 @@ absl::Status UcxWorker::Init() {
   return absl::OkStatus();
 }
 
-namespace {
-
-ucs_status_t OnActiveMessage(void* arg, const void* header, size_t header_length,
-                             void* data, size_t length,
-                             const ucp_am_recv_param_t* param) {
+ucs_status_t UcxWorker::OnWholeMessage(void* arg, const void* header,
+                                       size_t header_length, void* data,
+                                       size_t length,
+                                       const ucp_am_recv_param_t* param) {
   if ((param->recv_attr & UCP_AM_RECV_ATTR_FLAG_RNDV) != 0) {
     return UCS_OK;  // not received: UCX drops it
   }
+  auto* entry = static_cast<WholeHandler*>(arg);
   ucp_ep_h reply_ep = (param->recv_attr & UCP_AM_RECV_ATTR_FIELD_REPLY_EP) != 0
                           ? param->reply_ep
                           : nullptr;
-  (*static_cast<UcxWorker::MessageHandler*>(arg))(
-      absl::string_view(static_cast<const char*>(header), header_length),
-      absl::string_view(static_cast<const char*>(data), length),
-      UcxWorker::MessageSender(reply_ep));
+  entry->handler(absl::string_view(static_cast<const char*>(header), header_length),
+                 absl::string_view(static_cast<const char*>(data), length),
+                 MessageSender(entry->worker, reply_ep));
   return UCS_OK;  // the bytes are UCX's again
 }
-
-}  // namespace
 
 ucs_status_t UcxWorker::OnDataMessage(void* arg, const void* header,
                                       size_t header_length, void* data,
@@ -120,7 +119,7 @@ ucs_status_t UcxWorker::OnDataMessage(void* arg, const void* header,
            : new IncomingData(entry->worker, nullptr, length,
                               std::string(static_cast<const char*>(data), length)));
   entry->handler(absl::string_view(static_cast<const char*>(header), header_length),
-                 std::move(in), MessageSender(reply_ep));
+                 std::move(in), MessageSender(entry->worker, reply_ep));
   // A rendezvous descriptor is UCX's until released or received, which
   // happens after this callback (IncomingData defers both).
   return rndv ? UCS_INPROGRESS : UCS_OK;
@@ -318,16 +317,24 @@ void UcxWorker::TickReceives(absl::Time now) {
 
 void UcxWorker::MessageSender::Reply(uint16_t id, std::string header,
                                      std::string payload) const {
-  if (ep_ != nullptr) {
-    transport_internal::PostMessage(ep_, id, std::move(header), std::move(payload));
+  if (ep_ == nullptr) return;
+  const size_t cap = worker_->options_.max_unsent_reply_bytes;
+  transport_internal::UnsentMessages& unsent = *worker_->unsent_replies_;
+  if (cap != 0 && unsent.count > 0 &&
+      unsent.bytes + transport_internal::MessageWeight(header.size(),
+                                                       payload.size()) > cap) {
+    return;  // dropped: senders are not taking their answers
   }
+  transport_internal::PostMessage(ep_, id, std::move(header), std::move(payload),
+                                  worker_->unsent_replies_);
 }
 
 absl::Status UcxWorker::SetMessageHandler(uint16_t id, MessageHandler handler) {
   absl::Status status;
   RETURN_IF_ERROR(Run([this, id, &handler, &status] {
-    auto owned = std::make_unique<MessageHandler>(std::move(handler));
-    status = SetAmHandler(id, &OnActiveMessage, owned.get());
+    auto owned =
+        std::make_unique<WholeHandler>(WholeHandler{this, std::move(handler)});
+    status = SetAmHandler(id, &UcxWorker::OnWholeMessage, owned.get());
     // The previous handler of `id` is no longer called.
     if (status.ok()) message_handlers_[id] = std::move(owned);
   }));

@@ -38,6 +38,10 @@
 
 namespace kvdepot {
 
+namespace transport_internal {
+struct UnsentMessages;
+}  // namespace transport_internal
+
 struct UcxWorkerOptions {
   // The progress thread's name (Linux keeps 15 characters).
   std::string name = "ucx-progress";
@@ -50,6 +54,14 @@ struct UcxWorkerOptions {
   // How long Stop waits for endpoint close requests to finish before it
   // destroys the worker anyway.
   absl::Duration close_timeout = absl::Seconds(1);
+  // Bytes of MessageSender::Reply's messages UCX may hold unsent, for all
+  // senders together (each counted as UcxEndpointOptions::
+  // max_unsent_message_bytes counts): past it a reply is dropped (its
+  // sender's deadline tells it), so that senders that do not read their
+  // answers cannot make this worker hold them without bound. These
+  // replies go over endpoints this worker may not own, which it cannot
+  // close. 0: no bound.
+  size_t max_unsent_reply_bytes = size_t{4} << 20;
 };
 
 class UcxWorker {
@@ -112,12 +124,19 @@ class UcxWorker {
   // to). Valid only during the handler's call.
   class MessageSender {
    public:
-    explicit MessageSender(ucp_ep_h ep) : ep_(ep) {}
+    MessageSender(UcxWorker* worker, ucp_ep_h ep) : worker_(worker), ep_(ep) {}
     // Sends message `id` back, as UcxEndpoint::SendMessage does; dropped
-    // when the sender cannot be answered (it sent without a reply endpoint).
+    // when the sender cannot be answered (it sent without a reply
+    // endpoint), or when max_unsent_reply_bytes are waiting already.
     void Reply(uint16_t id, std::string header, std::string payload) const;
+    // The endpoint UCX gave for answering the sender (the message's reply
+    // endpoint: this worker's endpoint to the sending worker, one of its
+    // own when it made one to it); null when the sender gave none. Only to
+    // compare: valid during the handler's call.
+    ucp_ep_h endpoint() const { return ep_; }
 
    private:
+    UcxWorker* worker_;
     ucp_ep_h ep_;
   };
   // Calls `handler(header, payload, sender)` on the progress thread for
@@ -142,16 +161,25 @@ class UcxWorker {
     IncomingData& operator=(const IncomingData&) = delete;
     ~IncomingData();
     size_t size() const { return size_; }
+    // Whether UCX brought the bytes with the message (the sender sent them
+    // eagerly, not as rendezvous): they are held here, whole, until this
+    // goes -- UCX 1.13 puts no bound on an eager message's size.
+    bool eager() const { return eager_sent_; }
     // The worker it came on (where Receive takes it).
     UcxWorker& worker() const { return *worker_; }
 
    private:
     friend class UcxWorker;
     IncomingData(UcxWorker* worker, void* desc, size_t size, std::string eager)
-        : worker_(worker), desc_(desc), size_(size), eager_(std::move(eager)) {}
+        : worker_(worker),
+          desc_(desc),
+          size_(size),
+          eager_sent_(desc == nullptr),
+          eager_(std::move(eager)) {}
     UcxWorker* worker_;
     void* desc_;         // UCX's rendezvous descriptor, until received
     size_t size_;
+    bool eager_sent_;
     std::string eager_;  // the bytes, when UCX brought them with the message
   };
   // Calls `handler(header, data, sender)` on the progress thread for every
@@ -289,6 +317,10 @@ class UcxWorker {
   // Progress thread: makes `cb(arg, ...)` the handler of active message
   // `id` (whole messages).
   absl::Status SetAmHandler(uint16_t id, ucp_am_recv_callback_t cb, void* arg);
+  static ucs_status_t OnWholeMessage(void* arg, const void* header,
+                                     size_t header_length, void* data,
+                                     size_t length,
+                                     const ucp_am_recv_param_t* param);
   static ucs_status_t OnDataMessage(void* arg, const void* header,
                                     size_t header_length, void* data,
                                     size_t length,
@@ -315,7 +347,13 @@ class UcxWorker {
   std::thread::id thread_id_;
 
   // Progress thread only.
-  std::map<uint16_t, std::unique_ptr<MessageHandler>> message_handlers_;
+  struct WholeHandler {
+    UcxWorker* worker;
+    MessageHandler handler;
+  };
+  std::map<uint16_t, std::unique_ptr<WholeHandler>> message_handlers_;
+  // MessageSender::Reply's messages not yet sent.
+  std::shared_ptr<transport_internal::UnsentMessages> unsent_replies_;
   struct DataHandler {
     UcxWorker* worker;
     DataMessageHandler handler;

@@ -10,10 +10,17 @@ namespace {
 struct OutgoingMessage {
   std::string header;
   std::string payload;
+  // Where this message is counted until its send ends (or null).
+  std::shared_ptr<UnsentMessages> unsent;
+  size_t weight = 0;
 };
 
 void OnMessageSent(void* request, ucs_status_t /*status*/, void* user_data) {
-  delete static_cast<OutgoingMessage*>(user_data);
+  std::unique_ptr<OutgoingMessage> m(static_cast<OutgoingMessage*>(user_data));
+  if (m->unsent != nullptr) {
+    m->unsent->count -= 1;
+    m->unsent->bytes -= m->weight;
+  }
   ucp_request_free(request);
 }
 
@@ -34,15 +41,24 @@ ucp_request_param_t SendParam(uint32_t flags, ucp_send_nbx_callback_t sent,
 }  // namespace
 
 void PostMessage(ucp_ep_h ep, uint16_t id, std::string header,
-                 std::string payload) {
-  auto* m = new OutgoingMessage{std::move(header), std::move(payload)};
+                 std::string payload, std::shared_ptr<UnsentMessages> unsent) {
+  auto* m = new OutgoingMessage{std::move(header), std::move(payload), nullptr, 0};
   // Eager: the receiver's handler gets the message whole.
   ucp_request_param_t param = SendParam(UCP_AM_SEND_FLAG_EAGER, &OnMessageSent, m);
   ucs_status_ptr_t request =
       ucp_am_send_nbx(ep, id, m->header.data(), m->header.size(),
                       m->payload.data(), m->payload.size(), &param);
   // Done (or failed) at once: the callback will not run.
-  if (!UCS_PTR_IS_PTR(request)) delete m;
+  if (!UCS_PTR_IS_PTR(request)) {
+    delete m;
+    return;
+  }
+  if (unsent != nullptr) {
+    m->weight = MessageWeight(m->header.size(), m->payload.size());
+    unsent->count += 1;
+    unsent->bytes += m->weight;
+    m->unsent = std::move(unsent);
+  }
 }
 
 namespace {
