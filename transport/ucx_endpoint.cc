@@ -351,9 +351,8 @@ absl::Status UcxEndpoint::SendMessage(uint16_t id, std::string header,
       [this, id, header = std::move(header), payload = std::move(payload)]() mutable {
         if (ep_ == nullptr) return;  // failed meanwhile; on_error tells
         const size_t cap = options_.max_unsent_message_bytes;
-        const size_t weight =
-            transport_internal::MessageWeight(header.size(), payload.size());
-        if (cap != 0 && unsent_->count > 0 && unsent_->bytes + weight > cap) {
+        if (!unsent_->Admits(cap, transport_internal::MessageWeight(
+                                      header.size(), payload.size()))) {
           // The peer takes nothing (stopped, or never progresses): it is
           // treated as lost rather than held for without bound.
           return Fail(

@@ -318,11 +318,9 @@ void UcxWorker::TickReceives(absl::Time now) {
 void UcxWorker::MessageSender::Reply(uint16_t id, std::string header,
                                      std::string payload) const {
   if (ep_ == nullptr) return;
-  const size_t cap = worker_->options_.max_unsent_reply_bytes;
-  transport_internal::UnsentMessages& unsent = *worker_->unsent_replies_;
-  if (cap != 0 && unsent.count > 0 &&
-      unsent.bytes + transport_internal::MessageWeight(header.size(),
-                                                       payload.size()) > cap) {
+  if (!worker_->unsent_replies_->Admits(
+          worker_->options_.max_unsent_reply_bytes,
+          transport_internal::MessageWeight(header.size(), payload.size()))) {
     return;  // dropped: senders are not taking their answers
   }
   transport_internal::PostMessage(ep_, id, std::move(header), std::move(payload),

@@ -21,7 +21,13 @@ namespace kvdepot::transport_internal {
 // bound them. Progress thread of the worker only.
 struct UnsentMessages {
   size_t count = 0;
-  size_t bytes = 0;  // each message's Weight
+  size_t bytes = 0;  // each message's MessageWeight
+
+  // Whether one more message of `weight` may wait besides these when at
+  // most `cap` bytes may (0: no bound). The first always may.
+  bool Admits(size_t cap, size_t weight) const {
+    return cap == 0 || count == 0 || bytes + weight <= cap;
+  }
 };
 // What one message of `header_bytes` + `payload_bytes` counts in
 // UnsentMessages::bytes: its bytes and what UCX and we keep besides (the
