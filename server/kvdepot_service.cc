@@ -1082,11 +1082,12 @@ void KvDepotService::StartPullBlocks(const v1::PullBlocksRequest* req,
     if (req->blocks(b).daemon_checksum()) sums[b] = *sum;
     return absl::OkStatus();  // a mismatch is CommitPut's to report
   };
-  // The bytes of blocks stored already are received and dropped. Their
-  // sizes are the client's claim (1 new block and 1023 stored ones of 256
-  // MiB each would have this process copy 256 GiB of filler, holding an
-  // iov entry per MiB meanwhile), so they may outweigh the new blocks'
-  // bytes by at most kMaxDroppedBytes. Past that the data is released
+  // The bytes of blocks stored already are received and dropped. BeginPut
+  // checked their sizes against the stored ones, but the client chose those
+  // too (1 new block and 1023 stored ones of 256 MiB each would have this
+  // process copy 256 GiB of filler, holding an iov entry per MiB
+  // meanwhile), so they may outweigh the new blocks' bytes by at most
+  // kMaxDroppedBytes. Past that the data is released
   // unread and the new blocks are read from their sources, as for a
   // request without data: libkvdepot names them in registered buffers,
   // and sends every block of a batch, stored or not (it cannot know).

@@ -13,6 +13,7 @@
 #include <atomic>
 #include <cstring>
 #include <limits>
+#include <optional>
 #include <thread>
 #include <utility>
 
@@ -338,6 +339,20 @@ class TieredStoreImpl final : public TieredStore {
             arena_->capacity(), " bytes"));
       }
     }
+    if (blocks.size() > 1) {
+      // A key named twice is put once (the second slot's commit finds it
+      // stored), so both must name the same block: same size.
+      absl::flat_hash_map<absl::string_view, uint64_t> sizes;
+      sizes.reserve(blocks.size());
+      for (size_t i = 0; i < blocks.size(); ++i) {
+        auto [it, added] = sizes.emplace(blocks[i].key, blocks[i].size);
+        if (!added && it->second != blocks[i].size) {
+          return absl::InvalidArgumentError(absl::StrCat(
+              "block ", i, " names a key given earlier in the batch with ",
+              it->second, " bytes, and ", blocks[i].size, " bytes"));
+        }
+      }
+    }
     if (draining_.load()) {
       return absl::FailedPreconditionError("draining: no new puts accepted");
     }
@@ -385,7 +400,25 @@ class TieredStoreImpl final : public TieredStore {
       BlockEntry* e =
           info ? index_.PinIfPresent(BlockIndex::MakeKey(info->id, b.key)) : nullptr;
       if (e != nullptr) held.push_back(e);
-      if (e != nullptr || (nvme_ != nullptr && nvme_->Contains(ns, b.key))) {
+      std::optional<uint64_t> stored_size;
+      if (e != nullptr) {
+        stored_size = e->size;
+      } else if (nvme_ != nullptr) {
+        if (absl::StatusOr<NvmeBlockMeta> meta = nvme_->Meta(ns, b.key); meta.ok()) {
+          stored_size = meta->size;
+        }
+      }
+      if (stored_size.has_value()) {
+        // Keys are content addresses: a block stored under this key with
+        // another size is another layout's (or a client's bug), and the
+        // put cannot be an idempotent no-op of it.
+        if (*stored_size != b.size) {
+          return absl::InvalidArgumentError(absl::StrCat(
+              "block ", i, " is stored with ", *stored_size,
+              " bytes and the put names ", b.size,
+              ": a key names one content (another layout needs another "
+              "namespace)"));
+        }
         slot.exists = true;
         out.slots[i].exists = true;
         continue;

@@ -322,8 +322,11 @@ class TieredStore {
   // unpinned blocks' space together) fails before evicting anything; one
   // refused for fragmentation only (the space exists, but not in pieces
   // that fit) may still have evicted blocks. InvalidArgument for bad keys,
-  // sizes (0 or above max_block_bytes) or batch size; FailedPrecondition
-  // while draining.
+  // sizes (0 or above max_block_bytes) or batch size, and for a key stored
+  // (in either tier) with another size than the batch names, or named twice
+  // in the batch with two sizes (nothing is reserved then; a key named twice
+  // with one size is put once, its second slot's commit kAlreadyExists);
+  // FailedPrecondition while draining.
   // With an NVMe tier and its evictor, a batch that does not fit now waits
   // (up to 5 s) for the evictor, and for pins and reservations to end,
   // before it charges the quota or drops anything; then ResourceExhausted.

@@ -174,6 +174,55 @@ TEST_F(TieredStoreTest, SecondPutIsANoOpAndKeepsTheFirstBytes) {
   EXPECT_EQ(store_->Stats().dram.blocks, 1u);
 }
 
+// Keys are content addresses: a put naming a stored key with another size
+// is not the same block (another layout, or a client's bug). It is refused
+// whole, reserving nothing, and the stored block stays as it was.
+TEST_F(TieredStoreTest, APutOfAStoredKeyWithAnotherSizeIsRefused) {
+  ASSERT_OK(Put("k", std::string(100, '1')));
+  uint64_t used = store_->Stats().dram.used_bytes;
+  PutSpec specs[2] = {{"new", "", 64}, {"k", "", 101}};
+  auto refused = store_->BeginPut(sid_, "ns", specs);
+  EXPECT_THAT(refused, StatusIs(Code::kInvalidArgument));
+  EXPECT_THAT(refused.status().message(),
+              ::testing::HasSubstr("stored with 100 bytes"));
+  EXPECT_EQ(store_->Stats().reservations, 0u);
+  EXPECT_EQ(store_->Stats().dram.used_bytes, used);
+  EXPECT_FALSE(Has("new"));
+  EXPECT_EQ(Read("k"), std::string(100, '1'));
+  // The stored block is not left pinned by the refused put.
+  auto evicted = store_->Evict("ns", {"k"}, false);
+  ASSERT_OK(evicted);
+  EXPECT_EQ(evicted->evicted_blocks, 1u);
+}
+
+// A key named twice in one batch is put once; both must name one block.
+TEST_F(TieredStoreTest, AKeyNamedTwiceInABatchMustNameOneSize) {
+  PutSpec differ[2] = {{"d", "", 64}, {"d", "", 65}};
+  auto refused = store_->BeginPut(sid_, "ns", differ);
+  EXPECT_THAT(refused, StatusIs(Code::kInvalidArgument));
+  EXPECT_THAT(refused.status().message(),
+              ::testing::HasSubstr("given earlier in the batch"));
+  EXPECT_EQ(store_->Stats().reservations, 0u);
+
+  PutSpec same[2] = {{"s", "", 64}, {"s", "", 64}};
+  auto r = store_->BeginPut(sid_, "ns", same);
+  ASSERT_OK(r);
+  std::string a(64, 'a'), b(64, 'b');
+  for (auto [slot_index, bytes] : {std::pair{0u, &a}, std::pair{1u, &b}}) {
+    auto slot = store_->AcquireSlot(sid_, r->id, slot_index);
+    ASSERT_OK(slot);
+    std::memcpy((*slot)->bytes().data(), bytes->data(), 64);
+  }
+  uint64_t sums[2] = {BlockChecksum(a), BlockChecksum(b)};
+  auto c = store_->CommitPut(sid_, r->id, sums);
+  ASSERT_OK(c);
+  EXPECT_EQ((*c)[0], CommitOutcome::kStored);
+  EXPECT_EQ((*c)[1], CommitOutcome::kAlreadyExists);
+  EXPECT_EQ(Read("s"), a);
+  EXPECT_EQ(store_->Stats().dram.blocks, 1u);
+  EXPECT_EQ(store_->Stats().reservations, 0u);
+}
+
 TEST_F(TieredStoreTest, RacingWritersPublishOnlyOnce) {
   // Both reserve before either commits; the loser's slot is freed.
   PutSpec spec{"k", "", 64};
@@ -1929,6 +1978,18 @@ TEST_F(TieredStoreNvmeTest, APutOfAKeyOnlyOnNvmeFindsItStored) {
   ASSERT_OK(store_->PersistDram());
   ExpectServes("k", a);
   EXPECT_EQ(store_->Stats().puts, 1u);
+}
+
+TEST_F(TieredStoreNvmeTest, APutOfAKeyOnlyOnNvmeWithAnotherSizeIsRefused) {
+  const std::string a = Block(0);
+  Put("k", a);
+  ASSERT_OK(store_->PersistDram());  // "k" only on NVMe now
+  PutSpec spec{"k", "", a.size() / 2};
+  auto refused = store_->BeginPut(sid_, "ns", {&spec, 1});
+  EXPECT_THAT(refused, StatusIs(Code::kInvalidArgument));
+  EXPECT_THAT(refused.status().message(), ::testing::HasSubstr("stored with"));
+  EXPECT_EQ(store_->Stats().reservations, 0u);
+  ExpectServes("k", a);
 }
 
 // The key may reach NVMe between BeginPut and CommitPut (another writer

@@ -254,6 +254,29 @@ TEST_F(BadInputTest, AGrpcGetWithOneWrongBufferFailsOnlyThatKey) {
   ASSERT_OK(client_->Evict(kNs, {keys.data(), 3}, false));
 }
 
+// Keys are content addresses: a put of a stored key with another size is
+// refused (over the two-phase put and the Write stream), not taken as an
+// idempotent no-op that the client would count as stored. TearDown checks
+// the stored block is intact.
+TEST_F(BadInputTest, APutOfAStoredKeyWithAnotherSizeIsInvalidArgument) {
+  const std::string shorter(good_.size() - 1, 'g');
+  BlockToPut b{"good", "", shorter};
+  auto put = client_->Put(kNs, {&b, 1});
+  EXPECT_THAT(put, StatusIs(Code::kInvalidArgument));
+  EXPECT_NE(put.status().message().find("stored with 100000 bytes"),
+            std::string::npos)
+      << put.status().message();
+  grpc::Status st = WriteRaw({Header("good", shorter.size(), BlockChecksum(shorter)),
+                              Data(shorter)});
+  EXPECT_EQ(st.error_code(), grpc::StatusCode::INVALID_ARGUMENT) << st.error_message();
+  // The same size is still put-if-absent.
+  const std::string other(good_.size(), 'h');
+  BlockToPut same{"good", "", other};
+  auto again = client_->Put(kNs, {&same, 1});
+  ASSERT_OK(again);
+  EXPECT_EQ((*again)[0], PutResult::kAlreadyExists);
+}
+
 // A put batch with an empty block is refused whole before anything is
 // stored, over the gRPC byte path as over UCX: no block reported failed
 // while it was in fact stored.

@@ -1599,20 +1599,30 @@ TEST_P(UcxE2eTest, DataRequestsThatDoNotMatchTheirBytesStoreNothing) {
   EXPECT_EQ(daemon_->Stop(SIGTERM).value_or(-1), 0) << daemon_->Log();
 }
 
-// A put with data whose blocks stored already (their sizes the client's
-// claim: here 64 MiB for a block of 256 KiB) outweigh its new ones: the
-// daemon takes none of its bytes (no copy of the claimed filler, no iov per
-// MiB of it) and reads the new block from its source instead -- bytes other
-// than those sent, so that the answer tells which it took. libkvdepot's own
-// puts of mostly stored batches keep working.
+// A put with data whose blocks stored already outweigh its new ones (here
+// 5 stored blocks, 1.25 MiB, for 1 new block of 256 KiB): the daemon takes
+// none of its bytes (no copy of the filler, no iov per MiB of it) and reads
+// the new block from its source instead -- bytes other than those sent, so
+// that the answer tells which it took. A stored block's size is checked
+// against the one stored: a claim of 64 MiB for a block of 256 KiB is
+// refused before any byte is taken. libkvdepot's own puts of mostly stored
+// batches keep working.
 TEST_P(UcxE2eTest, DataRequestsDroppingMoreThanTheyStoreReadTheirSources) {
-  std::vector<char> stored(kBlock);
-  ucx_test::FillPattern(stored.data(), kBlock, 41);
+  constexpr int kStored = 5;
+  std::vector<char> stored(kStored * kBlock);
+  std::vector<std::string> stored_keys;
+  std::vector<BlockToPut> stored_puts;
+  for (int i = 0; i < kStored; ++i) {
+    ucx_test::FillPattern(&stored[i * kBlock], kBlock, 30 + i);
+    stored_keys.push_back(absl::StrCat("s", i));
+  }
   ASSERT_OK(client_->RegisterBuffer(stored.data(), stored.size()));
-  const BlockToPut s0{"s0", "", absl::string_view(stored.data(), kBlock)};
-  TransferOp first = client_->PutFromAsync("drop", {&s0, 1});
+  for (int i = 0; i < kStored; ++i) {
+    stored_puts.push_back({stored_keys[i], "", absl::string_view(&stored[i * kBlock], kBlock)});
+  }
+  TransferOp first = client_->PutFromAsync("drop", stored_puts);
   first.Wait();
-  ASSERT_OK(first.statuses()[0]);
+  for (const absl::Status& st : first.statuses()) ASSERT_OK(st);
 
   HandMadeClient c;
   ASSERT_NO_FATAL_FAILURE(c.Open(*client_, "dropping"));
@@ -1637,38 +1647,53 @@ TEST_P(UcxE2eTest, DataRequestsDroppingMoreThanTheyStoreReadTheirSources) {
   ASSERT_NE(filler, MAP_FAILED);
   absl::Cleanup unmap = [filler] { munmap(filler, kClaim); };
 
-  v1::PullBlocksRequest req;
-  req.set_session_id(c.session);
-  req.set_namespace_("drop");
-  v1::PullSpec* n1 = req.add_blocks();
-  n1->set_key("n1");
-  n1->set_checksum(BlockChecksum(absl::string_view(src.data(), kBlock)));
-  n1->mutable_source()->set_buffer_id(registered.buffer_id());
-  n1->mutable_source()->set_address((*region)->address());
-  n1->mutable_source()->set_size(kBlock);
-  v1::PullSpec* again = req.add_blocks();
-  again->set_key("s0");
-  again->set_checksum(1);
-  again->mutable_source()->set_size(kClaim);
-  absl::Notification done;
+  // n1 (new) and the stored blocks, each stored block claiming `claim`
+  // bytes; the request's data is `sent` for n1 and filler for the others.
+  auto send = [&](size_t claim, int stored_count, absl::Status* status,
+                  v1::PullBlocksResponse* resp) {
+    v1::PullBlocksRequest req;
+    req.set_session_id(c.session);
+    req.set_namespace_("drop");
+    v1::PullSpec* n1 = req.add_blocks();
+    n1->set_key("n1");
+    n1->set_checksum(BlockChecksum(absl::string_view(src.data(), kBlock)));
+    n1->mutable_source()->set_buffer_id(registered.buffer_id());
+    n1->mutable_source()->set_address((*region)->address());
+    n1->mutable_source()->set_size(kBlock);
+    std::vector<absl::Span<const char>> data = {
+        absl::Span<const char>(sent.data(), kBlock)};
+    for (int i = 0; i < stored_count; ++i) {
+      v1::PullSpec* again = req.add_blocks();
+      again->set_key(stored_keys[i]);
+      again->set_checksum(1);
+      again->mutable_source()->set_size(claim);
+      data.emplace_back(static_cast<const char*>(filler), claim);
+    }
+    absl::Notification done;
+    ASSERT_OK(c.requests->SendWithData(
+        c.session, RequestMethod::kPullBlocks, req.SerializeAsString(), data,
+        absl::Now() + absl::Seconds(20), [&](const absl::Status& st, absl::string_view body) {
+          *status = st;
+          if (st.ok()) resp->ParseFromArray(body.data(), static_cast<int>(body.size()));
+          done.Notify();
+        }));
+    done.WaitForNotification();
+  };
   absl::Status status;
   v1::PullBlocksResponse resp;
-  ASSERT_OK(c.requests->SendWithData(
-      c.session, RequestMethod::kPullBlocks, req.SerializeAsString(),
-      {absl::Span<const char>(sent.data(), kBlock),
-       absl::Span<const char>(static_cast<const char*>(filler), kClaim)},
-      absl::Now() + absl::Seconds(20), [&](const absl::Status& st, absl::string_view body) {
-        status = st;
-        if (st.ok()) resp.ParseFromArray(body.data(), static_cast<int>(body.size()));
-        done.Notify();
-      }));
-  done.WaitForNotification();
+  ASSERT_NO_FATAL_FAILURE(send(kClaim, 1, &status, &resp));
+  EXPECT_THAT(status, StatusIs(absl::StatusCode::kInvalidArgument));
+  EXPECT_NE(status.message().find("stored with"), std::string::npos) << status;
+
+  ASSERT_NO_FATAL_FAILURE(send(kBlock, kStored, &status, &resp));
   ASSERT_OK(status);
-  ASSERT_EQ(resp.blocks_size(), 2);
+  ASSERT_EQ(resp.blocks_size(), kStored + 1);
   EXPECT_EQ(resp.blocks(0).code(), 0)
       << "the new block was taken from the request's data, not its source: "
       << resp.blocks(0).message();
-  EXPECT_EQ(resp.blocks(1).code(), static_cast<int>(absl::StatusCode::kAlreadyExists));
+  for (int i = 1; i <= kStored; ++i) {
+    EXPECT_EQ(resp.blocks(i).code(), static_cast<int>(absl::StatusCode::kAlreadyExists));
+  }
 
   // libkvdepot, sending its puts' bytes: 8 blocks stored, then the same 8
   // and a new one (2 MiB dropped for 256 KiB new).

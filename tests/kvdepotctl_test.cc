@@ -57,7 +57,8 @@ TEST_F(KvdepotctlTest, HealthExitsZeroWhenServing) {
 
 TEST_F(KvdepotctlTest, PutGetRoundTripAndPutIfAbsent) {
   std::string first = File("a", std::string(300000, 'a') + "tail");
-  std::string second = File("b", "different bytes");
+  std::string second = File("b", std::string(300004, 'b'));
+  std::string shorter = File("c", "different bytes");
   CommandResult r = Ctl(absl::StrCat("put --ns demo --key 0a0b --file ", first));
   EXPECT_EQ(r.exit_code, 0) << r.err;
   EXPECT_NE(r.out.find("stored"), std::string::npos);
@@ -65,6 +66,10 @@ TEST_F(KvdepotctlTest, PutGetRoundTripAndPutIfAbsent) {
   r = Ctl(absl::StrCat("put --ns demo --key 0a0b --file ", second));
   EXPECT_EQ(r.exit_code, 0) << r.err;
   EXPECT_NE(r.out.find("exists"), std::string::npos);
+  // With another size it is not the same block: refused, bytes unchanged.
+  r = Ctl(absl::StrCat("put --ns demo --key 0a0b --file ", shorter));
+  EXPECT_EQ(r.exit_code, 1) << r.out;
+  EXPECT_NE(r.err.find("stored with 300004 bytes"), std::string::npos) << r.err;
   std::string out = dir_ + "/out";
   r = Ctl(absl::StrCat("get --ns demo --key 0A0B --out ", out));
   EXPECT_EQ(r.exit_code, 0) << r.err;
