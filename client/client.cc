@@ -376,8 +376,12 @@ Client::Client(const ClientOptions& options)
   // reconnects every call is a miss: retry the connection every 100 ms at
   // first, never less often than every 2 s (gRPC's default backoff grows
   // to minutes, and on a daemon down for 2 s it had already grown to ~15 s).
+  // Not GRPC_ARG_MIN_RECONNECT_BACKOFF_MS: gRPC also takes it as the time a
+  // connection attempt may take (until the daemon's first HTTP/2 frame), so
+  // at 100 ms a daemon slower than that to answer (a loaded host, a
+  // port-forward) failed every call at once (its default is 20 s; calls
+  // keep their own deadlines).
   args.SetInt(GRPC_ARG_INITIAL_RECONNECT_BACKOFF_MS, 100);
-  args.SetInt(GRPC_ARG_MIN_RECONNECT_BACKOFF_MS, 100);
   args.SetInt(GRPC_ARG_MAX_RECONNECT_BACKOFF_MS, 2000);
   channel_ = grpc::CreateCustomChannel(options_.server,
                                        grpc::InsecureChannelCredentials(), args);

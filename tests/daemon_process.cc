@@ -97,7 +97,11 @@ class TempDirs {
 
 }  // namespace
 
-std::string DaemonBinary() { return KVDEPOT_DAEMON_BIN; }
+// KVDEPOT_DAEMON names another kvdepotd to test (as for the Python tests).
+std::string DaemonBinary() {
+  const char* other = std::getenv("KVDEPOT_DAEMON");
+  return other != nullptr && *other != '\0' ? other : KVDEPOT_DAEMON_BIN;
+}
 std::string CtlBinary() { return KVDEPOT_CTL_BIN; }
 
 std::string MakeTempDir(const std::string& prefix) {
