@@ -314,6 +314,33 @@ def _check_byte_order(order: str, itemsize: int, what: str, shown: str) -> None:
             f"first (e.g. numpy's .astype('<f2'))")
 
 
+# What the native module takes (client/python/_kvdepot.cc, PlainElements):
+# buffers of plain numbers or bytes. As struct format characters (after the
+# byte-order mark and a repeat count; complex is "Z" and one of these):
+_PLAIN_FORMATS = "bBhHiIlLqQnNefdg?cs"
+# As numpy typestr kinds: bool, signed and unsigned integers, floats,
+# complex, byte strings. Not objects ('O': Python object pointers, which a
+# read would overwrite), records and void ('V'), unicode ('U'), datetimes
+# ('M', 'm').
+_PLAIN_KINDS = "biufcS"
+
+
+def _plain_format(fmt: str) -> bool:
+    """Whether a buffer's struct format is plain numbers or bytes, as the
+    native module decides it."""
+    element = fmt.lstrip("@=<>!").lstrip("0123456789")
+    if len(element) == 2 and element[0] == "Z":
+        element = element[1:]
+    return len(element) == 1 and element in _PLAIN_FORMATS
+
+
+def _not_plain(what: str, shown: str) -> TypeError:
+    return TypeError(
+        f"{what} holds elements of {shown}; kvdepot moves buffers of plain numbers "
+        f"or bytes only (numpy numeric dtypes, bytes, bytearray), never Python "
+        f"objects, records or unicode")
+
+
 def _is_torch_tensor(obj: Any) -> bool:
     return all(hasattr(obj, a) for a in ("data_ptr", "element_size", "numel",
                                          "is_contiguous", "device"))
@@ -323,7 +350,9 @@ def _memory(obj: Any, writable: bool, what: str, permuted: bool = False) -> _Mem
     """The memory of a torch tensor, a numpy array (or anything with
     ``__array_interface__``) or a buffer-protocol object. Raises ValueError
     for a non-contiguous (or, with ``writable``, read-only) one and
-    TypeError for other objects. With ``permuted``, a torch tensor may also
+    TypeError for other objects and for elements other than plain numbers
+    or bytes (objects, records, unicode, datetimes: what the native module
+    refuses). With ``permuted``, a torch tensor may also
     be a permuted view of a contiguous one (its strides are returned; its
     data_ptr is then still where its bytes start)."""
     if _is_torch_tensor(obj):
@@ -353,6 +382,8 @@ def _memory(obj: Any, writable: bool, what: str, permuted: bool = False) -> _Mem
         if not view.c_contiguous:
             raise ValueError(f"INVALID_ARGUMENT: {what} is not a C-contiguous buffer")
         fmt = view.format or "B"
+        if not _plain_format(fmt):
+            raise _not_plain(what, f"buffer format {fmt!r}")
         _check_byte_order(fmt[0], view.itemsize, what, f"buffer format {fmt!r}")
         import numpy as np  # for the address of any buffer, read-only ones too
 
@@ -366,8 +397,9 @@ def _memory(obj: Any, writable: bool, what: str, permuted: bool = False) -> _Mem
     try:
         itemsize = int(typestr[2:])
     except ValueError:
-        raise TypeError(f"{what} has elements of type {typestr!r}, which "
-                        f"are not plain bytes") from None
+        itemsize = 0
+    if typestr[1:2] not in _PLAIN_KINDS or itemsize <= 0:
+        raise _not_plain(what, f"type {typestr!r}")
     _check_byte_order(typestr[0], itemsize, what, f"type {typestr!r}")
     nbytes = itemsize
     for extent in shape:

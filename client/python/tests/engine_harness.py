@@ -62,11 +62,14 @@ class FakeCUDAGraphMode(enum.Enum):
 def make_vllm_config(server: str, *, num_layers: int, block_size: int,
                      num_kv_heads: int, head_size: int, dtype: Any,
                      kv_role: str = "kv_both", extra: Optional[dict] = None,
-                     cudagraph_mode: Any = FakeCUDAGraphMode.PIECEWISE) -> Any:
+                     cudagraph_mode: Any = FakeCUDAGraphMode.PIECEWISE,
+                     executor: Optional[str] = None) -> Any:
     """The parts of a VllmConfig the connector reads, built from
     --kv-transfer-config's fields. ``cudagraph_mode``: PIECEWISE by default
     (what vLLM picks for a connector that requires it); vLLM 0.11's own
-    default is FULL_AND_PIECEWISE."""
+    default is FULL_AND_PIECEWISE. ``executor``: parallel_config.
+    distributed_executor_backend (None: unset, as vLLM resolves it, "uni"
+    for one rank, "mp" for more; see VllmEngine.execute)."""
     cfg = {"server": server, "timeout_s": 2.0}
     cfg.update(extra or {})
     return SimpleNamespace(
@@ -78,7 +81,8 @@ def make_vllm_config(server: str, *, num_layers: int, block_size: int,
         model_config=FakeModelConfig("test/tiny-llama", num_layers, num_kv_heads,
                                      head_size, dtype),
         parallel_config=SimpleNamespace(tensor_parallel_size=1,
-                                        pipeline_parallel_size=1, rank=0),
+                                        pipeline_parallel_size=1, rank=0,
+                                        distributed_executor_backend=executor),
         compilation_config=SimpleNamespace(cudagraph_mode=cudagraph_mode),
     )
 
@@ -97,6 +101,7 @@ class FakeRequest:
     cache_salt: Optional[str] = None
     mm_features: List[Any] = field(default_factory=list)
     prompt_embeds: Any = None
+    sampling_params: Any = None  # e.g. SimpleNamespace(prompt_logprobs=...)
 
     @property
     def all_token_ids(self) -> List[int]:
@@ -147,7 +152,11 @@ class VllmEngine:
       A step without tokens runs only bind_connector_metadata ->
         start_load_kv -> get_finished -> get_block_ids_with_load_errors ->
         clear_connector_metadata (vLLM's kv_connector_no_forward: no forward
-        pass, no wait_for_save).
+        pass, no wait_for_save), and its output reaches
+        update_connector_output only where it reports something (finished
+        sending, load errors) or the executor aggregates the workers'
+        outputs (KVOutputAggregator: the "mp" and "ray" executors, and an
+        unset executor with more than one rank), as in vLLM.
     """
 
     def __init__(self, connector_cls: Any, vllm_config: Any, num_blocks: int,
@@ -285,9 +294,10 @@ class VllmEngine:
             r.num_computed_tokens += n
         for r in finishing or ():
             self.finish(r)
-        self.scheduler.update_connector_output(SimpleNamespace(
-            finished_sending=sending, finished_recving=None,
-            invalid_block_ids=set(errors)))
+        if forward or sending or errors or self.aggregates_outputs():
+            self.scheduler.update_connector_output(SimpleNamespace(
+                finished_sending=sending, finished_recving=None,
+                invalid_block_ids=set(errors)))
         for rid in sending or ():
             # vLLM frees the blocks of a request it holds them for (and
             # fails on any other id).
@@ -297,6 +307,16 @@ class VllmEngine:
         if errors:
             self.load_errors.extend(sorted(errors))
         return meta
+
+    def aggregates_outputs(self) -> bool:
+        """Whether vLLM's executor for this config builds a KVConnectorOutput
+        for every step (KVOutputAggregator): "mp" and "ray" do, "uni" does
+        not; unset, vLLM picks "uni" for one rank and "mp" for more."""
+        pc = self.cfg.parallel_config
+        backend = getattr(pc, "distributed_executor_backend", None)
+        if backend is None:
+            return int(pc.tensor_parallel_size) > 1
+        return backend in ("mp", "ray")
 
     def _attention_writes(self, req: FakeRequest, layer: int, name: str, n: int) -> None:
         """The stand-in forward pass: K/V of the scheduled tokens."""

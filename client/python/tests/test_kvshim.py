@@ -445,6 +445,42 @@ class ErrorTest(ShimTestCase):
         self.assert_rejected(ValueError, r"caches\[0\] is a torch tensor on cuda",
                              caches=cuda_caches)
 
+    def test_objects_records_and_unicode_are_type_errors(self):
+        # As the native module (README: "record and unicode arrays are a
+        # TypeError everywhere"): only plain numbers or bytes, from numpy
+        # arrays (typestr) and other buffers (struct format) alike. ('<U1'
+        # was taken, its element size misread as 1 byte.)
+        size = self.layout.object_bytes
+        record = [("a", "<i4"), ("b", "<i4")]
+        refused = {
+            "unicode": np.zeros(size, "<U1"),
+            "record": np.zeros(size // 8, record),
+            "void": np.zeros(size // 8, "V8"),
+            "object": np.empty(size // 8, object),
+            "datetime": np.zeros(size // 8, "<M8[s]"),
+            "memoryview of records": memoryview(np.zeros(size // 8, record)),
+            "memoryview of unicode": memoryview(np.zeros(size // 4, "<U1")),
+            "memoryview of objects": memoryview(np.empty(size // 8, object)),
+        }
+        for name, obj in refused.items():
+            with self.subTest(name):
+                self.assert_rejected(TypeError, r"^objects\[1\] holds elements of ",
+                                     objects=[self.objects[0], obj])
+                if name != "datetime":  # numpy exports no buffer of those
+                    with self.assertRaises(TypeError):
+                        kvdepot.gather(self.layout, self.caches, [1, 2],
+                                       [self.objects[0], obj])
+        # Plain numbers and bytes of every kind still pass.
+        for dtype in ("S1", "?", "<c8", "<f2", "<i8", "u1"):
+            with self.subTest(dtype=dtype):
+                itemsize = np.dtype(dtype).itemsize
+                obj = np.zeros(size // itemsize, dtype)
+                self.shim.gather(self.layout, self.caches, [1], [obj])
+                want = filled(1, size, 0)
+                kvdepot.gather(self.layout, self.caches, [1], want)
+                self.assertEqual(obj.tobytes(), want[0].tobytes())
+        self.shim.gather(self.layout, self.caches, [1], [memoryview(bytearray(size))])
+
     @unittest.skipIf(torch is None, "torch is not installed")
     def test_torch_tensors_off_the_host_and_non_contiguous(self):
         meta = [torch.empty(c.shape, dtype=torch.bfloat16, device="meta")

@@ -9,11 +9,14 @@ Exits 77 (ctest: skipped) when torch, numpy or the kvdepot package is missing.
 """
 
 import dataclasses
+import json
 import os
 import sys
+import types
 import unittest
 from types import SimpleNamespace
 from typing import List, Optional
+from unittest import mock
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
@@ -264,6 +267,66 @@ class SglangBackendTest(unittest.TestCase):
                                                  torch.bfloat16))
         self.assertNotEqual(a.namespace, b.namespace)
         self.assertIn("tp1of2", b.namespace)
+
+    def test_namespaces_apart_by_revision_quantization_and_overrides(self):
+        # Deployments of one model with another revision, quantization or HF
+        # config overrides (--json-model-override-args: RoPE scaling) compute
+        # other KV: other namespaces. SGLang's storage config has none of
+        # these; its server arguments (in the scheduler process) do.
+        def namespace(server_args=None, storage=None, **extra):
+            modules = {}
+            if server_args is not None:
+                fake = types.ModuleType("sglang.srt.server_args")
+                args = SimpleNamespace(revision=None, quantization=None,
+                                       json_model_override_args="{}")
+                args.__dict__.update(server_args)
+                fake.get_global_server_args = lambda: args
+                modules["sglang.srt.server_args"] = fake
+            with mock.patch.dict(sys.modules, modules):
+                cfg = FakeStorageConfig(extra_config={
+                    "backend_name": "kvdepot", "module_path": "kvdepot.integrations.sglang",
+                    "class_name": "KvDepotHiCacheStorage", "server": self.daemon.address,
+                    **extra})
+                for name, value in (storage or {}).items():
+                    setattr(cfg, name, value)  # SGLang versions that have them
+                b = create_dynamic_backend(cfg, kv_sglang.HiCacheStorage)
+                self.backends.append(b)
+                b.register_mem_pool_host(FakeMHAHostPool(POOL_TOKENS, PAGE, LAYERS, HEADS,
+                                                         DIM, torch.bfloat16))
+            self.assertIsNone(b.disabled_reason)
+            return b
+
+        plain = namespace().namespace
+        self.assertTrue(plain.startswith("sglang/test/tiny-llama/page_first/tp0of1/"), plain)
+        self.assertEqual(namespace(server_args={}).namespace, plain)  # defaults: as before
+        yarn = {"rope_scaling": {"type": "yarn", "factor": 4.0}}
+        variants = {
+            "revision": namespace(server_args={"revision": "v2"}).namespace,
+            "quantization": namespace(server_args={"quantization": "fp8"}).namespace,
+            "overrides": namespace(server_args={
+                "json_model_override_args": json.dumps(yarn)}).namespace,
+            "other overrides": namespace(server_args={
+                "json_model_override_args": '{"rope_scaling": {"factor": 2.0}}'}).namespace,
+            "storage config revision": namespace(storage={"revision": "v3"}).namespace,
+            "identity hash": namespace(storage={"model_identity_hash": "ab12"}).namespace,
+        }
+        names = [plain] + list(variants.values())
+        self.assertEqual(len(set(names)), len(names), variants)
+        self.assertIn("/rev:v2/", variants["revision"])
+        self.assertIn("/quant:fp8/", variants["quantization"])
+        # The same overrides, keys in another order: the same namespace.
+        same = {"rope_scaling": {"factor": 4.0, "type": "yarn"}}
+        self.assertEqual(namespace(server_args={
+            "json_model_override_args": json.dumps(same)}).namespace, variants["overrides"])
+        # A model named in the extra config is the name as given.
+        self.assertTrue(namespace(server_args={"revision": "v2"}, model="mine").namespace
+                        .startswith("sglang/mine/page_first/tp0of1/"))
+        # What one revision stored, another does not find.
+        v2 = namespace(server_args={"revision": "v2"})
+        keys = sglang_page_hashes(list(range(2 * PAGE)), PAGE)
+        self.assertEqual(v2.batch_set_v1(keys, self.host_indices([0, 1])), [True] * 2)
+        self.assertEqual(namespace().batch_exists(keys), 0)
+        self.assertEqual(namespace(server_args={"revision": "v2"}).batch_exists(keys), 2)
 
     def test_first_parent_ignores_sglangs_default_prefix_keys(self):
         b, pool = self.backend()

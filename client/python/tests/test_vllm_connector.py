@@ -15,6 +15,7 @@ import signal
 import sys
 import tempfile
 import unittest
+from types import SimpleNamespace
 from unittest import mock
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -110,13 +111,18 @@ class VllmConnectorTest(unittest.TestCase):
         self.daemon.stop()
 
     def engine(self, dtype=torch.bfloat16, tp=None, cudagraph_mode=None,
-               num_blocks=32, block_size=BS, **extra):
+               num_blocks=32, block_size=BS, executor=None, model_config=None, **extra):
+        """An engine; ``model_config``: attributes set on its model config
+        (revision=..., ...); ``extra``: the connector's extra config."""
         kw = {} if cudagraph_mode is None else {"cudagraph_mode": cudagraph_mode}
         cfg = make_vllm_config(self.daemon.address, num_layers=LAYERS,
                                block_size=block_size, num_kv_heads=HEADS,
-                               head_size=HEAD, dtype=dtype, extra=extra, **kw)
+                               head_size=HEAD, dtype=dtype, extra=extra,
+                               executor=executor, **kw)
         if tp is not None:  # (rank, size): one worker of a TP engine
             cfg.parallel_config.rank, cfg.parallel_config.tensor_parallel_size = tp
+        for name, value in (model_config or {}).items():
+            setattr(cfg.model_config, name, value)
         e = VllmEngine(kv_vllm.KvDepotConnector, cfg, num_blocks=num_blocks,
                        role_enum=kv_vllm.KVConnectorRole)
         self.engines = getattr(self, "engines", []) + [e]
@@ -551,6 +557,272 @@ class VllmConnectorTest(unittest.TestCase):
         self.assertEqual([s.block_ids for s in meta.saves], [b_eng.blocks["X"][4:5]])
         for got, want in zip(b_eng.block_kv(x, 4), b_eng.expected_block_kv(x.all_token_ids, 4)):
             self.assertTrue(torch.equal(got, want))
+
+    def test_a_failed_load_spoils_no_save_of_a_request_sharing_its_blocks(self):
+        # vLLM caches the blocks a request loads in its prefix cache once they
+        # are allocated: B, scheduled in A's load step, gets A's blocks 0-3 as
+        # local hits, and the connector plans no load for it. A's load fails
+        # at block 2: B's blocks 2-5, computed over the stale blocks 2-3, are
+        # not saved (put-if-absent would keep them), and once vLLM
+        # recomputed, they are.
+        p = prompt(27, 4 * BS + 1)
+        self.run_prefill(self.engine(), FakeRequest("A0", list(p)))
+        e = self.engine()
+        a = FakeRequest("A", list(p))
+        self.assertEqual(e.admit(a), 4 * BS)
+        st = e.scheduler._requests["A"]
+        e.scheduler._unpin(st)
+        with kvdepot.Client(self.daemon.address) as cl:
+            self.assertEqual(cl.evict(e.scheduler._scheduler_namespace,
+                                      [st.keys[2]])["evicted_blocks"], 1)
+        b = FakeRequest("B", p[:4 * BS] + prompt(28, 2 * BS + 1))
+        self.assertEqual(e.admit(b, num_local_computed=4 * BS,
+                                 local_blocks=e.blocks["A"][:4]), 0)
+        meta = e.step([a, b], [], {"A": 1, "B": 2 * BS + 1})
+        self.assertEqual(sorted(e.load_errors), sorted(e.blocks["A"][2:4]))
+        b_keys = kvdepot.integrations.block_hashes(b.all_token_ids, BS)[:6]
+        store = e.worker._store
+        self.assertEqual(store.lookup(b_keys[4:], prefix=False), 0)
+        self.assertEqual(store.lookup(b_keys[:4], prefix=True), 2)  # block 2 still lost
+        self.assertEqual(e.worker.stats["saved_blocks"], 0)
+        self.assertEqual(e.worker.stats["saves_dropped"], 4)
+        # One rank: B's save was planned, naming the loads it attended to,
+        # and the worker dropped what the failed blocks spoiled: all of it.
+        self.assertEqual([(s.req_id, s.block_ids, s.after) for s in meta.saves],
+                         [("B", e.blocks["B"][2:6], e.blocks["A"][:2])])
+        # vLLM recomputes: A (the first request holding the failed blocks)
+        # from block 2; B keeps its cached tokens (A recomputes the shared
+        # blocks in the same forward pass) and recomputes its own.
+        a.num_computed_tokens = 2 * BS
+        b.num_computed_tokens = 4 * BS
+        meta = e.step([], [a, b], {"A": len(p) - 2 * BS, "B": 2 * BS + 1})
+        self.assertEqual(sorted((s.req_id, s.block_ids) for s in meta.saves),
+                         [("A", e.blocks["A"][2:4]), ("B", e.blocks["B"][2:6])])
+        self.assertEqual(store.lookup(b_keys, prefix=True), 6)
+        e.finish(a)
+        e.finish(b)
+        # A fresh engine loads B's whole prompt, as B computed it.
+        z_eng = self.engine()
+        z = FakeRequest("Z", list(b.prompt_token_ids))
+        self.assertEqual(z_eng.admit(z), 6 * BS)
+        z_eng.step([z], [], {"Z": 1})
+        self.assertEqual(z_eng.load_errors, [])
+        for i in range(6):
+            for got, want in zip(z_eng.block_kv(z, i),
+                                 z_eng.expected_block_kv(z.all_token_ids, i)):
+                self.assertTrue(torch.equal(got, want), i)
+
+    def test_async_step_saves_nothing_over_another_requests_load(self):
+        # Async scheduling: B shares the blocks A loads in step N (vLLM's
+        # prefix cache) and fills a block of its own in N+1, planned before
+        # N's outcome is in: that save waits for it, as A's own would.
+        p = prompt(29, 4 * BS + 1)
+        self.run_prefill(self.engine(), FakeRequest("A0", list(p)))
+        e = self.engine()
+        a = FakeRequest("A", list(p))
+        self.assertEqual(e.admit(a), 4 * BS)
+        step_n = e.schedule([a], [], {"A": 1})
+        self.assertEqual(len(step_n.meta.loads), 1)
+        b = FakeRequest("B", p[:4 * BS] + prompt(30, BS + 1))
+        self.assertEqual(e.admit(b, num_local_computed=4 * BS,
+                                 local_blocks=e.blocks["A"][:4]), 0)
+        step_n1 = e.schedule([b], [], {"B": BS + 1})  # B's block 4 fills here
+        self.assertEqual(step_n1.meta.saves, [])
+        e.execute(step_n)
+        e.execute(step_n1)
+        self.assertEqual(e.load_errors, [])
+        b.output_token_ids.append(5)
+        meta = e.step([], [b], {"B": 1})
+        self.assertEqual([(s.req_id, s.block_ids) for s in meta.saves],
+                         [("B", e.blocks["B"][4:5])])
+        keys = kvdepot.integrations.block_hashes(b.all_token_ids, BS)[:5]
+        self.assertEqual(e.worker._store.lookup(keys, prefix=True), 5)
+
+    def test_tp_saves_of_a_request_sharing_a_load_wait_for_its_outcome(self):
+        # With tensor parallelism another rank's load may fail where this
+        # one's did not (and the worker here cannot see it): B, computing
+        # over the blocks A loads, saves nothing in A's load step, and its
+        # block once the outcome is in.
+        p = prompt(36, 4 * BS + 1)
+        self.run_prefill(self.engine(tp=(0, 2)), FakeRequest("A0", list(p)))
+        e = self.engine(tp=(0, 2))
+        a = FakeRequest("A", list(p))
+        self.assertEqual(e.admit(a), 4 * BS)
+        b = FakeRequest("B", p[:4 * BS] + prompt(37, BS + 1))
+        self.assertEqual(e.admit(b, num_local_computed=4 * BS,
+                                 local_blocks=e.blocks["A"][:4]), 0)
+        meta = e.step([a, b], [], {"A": 1, "B": BS + 1})
+        self.assertEqual(e.load_errors, [])
+        self.assertEqual(meta.saves, [])
+        b.output_token_ids.append(5)
+        meta = e.step([], [b], {"B": 1})
+        self.assertEqual([(s.req_id, s.block_ids) for s in meta.saves],
+                         [("B", e.blocks["B"][4:5])])
+
+    def test_async_no_token_steps_output_is_not_a_later_load_steps(self):
+        # Async scheduling, as vLLM's step_with_batch_queue runs it: plan S1
+        # (tokens), plan S2 (none), output of S1, plan S3 (Y2's load),
+        # output of S2. An executor that aggregates the workers' outputs
+        # ("mp", "ray") passes S2's output to update_connector_output though
+        # it reports nothing: it is S2's, and Y2's pins stay until S3's.
+        # ("uni" sends none for S2.)
+        y = FakeRequest("Y", prompt(21, 3 * BS + 1))
+        self.run_prefill(self.engine(), y)
+        for i, executor in enumerate(("mp", "uni", None)):
+            with self.subTest(executor=executor):
+                e = self.engine(executor=executor)
+                x = FakeRequest("X", prompt(40 + i, 2 * BS + 1))  # not stored
+                self.assertEqual(e.admit(x), 0)
+                s1 = e.schedule([x], [], {"X": len(x.all_token_ids)})
+                s2 = e.schedule([], [], {})
+                e.execute(s1)
+                y2 = FakeRequest("Y2", list(y.prompt_token_ids))
+                self.assertEqual(e.admit(y2), 3 * BS)
+                s3 = e.schedule([y2], [], {"Y2": 1})
+                e.execute(s2)
+                self.assertTrue(e.scheduler._requests["Y2"].load_in_flight)
+                self.assertEqual(self.pins(), 1)
+                with kvdepot.Client(self.daemon.address) as cl:
+                    keys = e.scheduler._requests["Y2"].keys[:3]
+                    self.assertEqual(cl.evict(e.scheduler._scheduler_namespace,
+                                              keys)["evicted_blocks"], 0)
+                e.execute(s3)
+                self.assertEqual(e.load_errors, [])
+                self.assertEqual(e.worker.stats["loaded_blocks"], 3)
+                self.assertFalse(e.scheduler._requests["Y2"].load_in_flight)
+                self.assertEqual(self.pins(), 0)
+                e.finish(x)
+                e.finish(y2)
+        # Which executors send every step's output (vLLM's choice for each).
+        reported = kv_vllm._every_output_reported
+        for backend, tp, want in (("mp", 1, True), ("ray", 1, True), ("uni", 1, False),
+                                  ("external_launcher", 2, False), (None, 1, False),
+                                  (None, 2, True)):
+            cfg = SimpleNamespace(parallel_config=SimpleNamespace(
+                distributed_executor_backend=backend))
+            self.assertEqual(reported(cfg, tp), want, (backend, tp))
+        # An executor class: by what it derives from.
+        UniProcExecutor = type("UniProcExecutor", (), {})
+        for cls, want in ((type("Mine", (UniProcExecutor,), {}), False),
+                          (type("MultiprocExecutor", (), {}), True)):
+            cfg = SimpleNamespace(parallel_config=SimpleNamespace(
+                distributed_executor_backend=cls))
+            self.assertEqual(reported(cfg, 1), want, cls)
+
+    def test_async_no_token_step_reporting_a_finished_request(self):
+        # The same with one rank's own executor ("uni"), where a step without
+        # tokens reaches update_connector_output because it reports a
+        # request finished sending (X, whose last block waited for its
+        # load's outcome): that output is not Y2's load step's.
+        p = prompt(31, 5 * BS - 1)
+        a_eng = self.engine()
+        self.run_prefill(a_eng, FakeRequest("A", p[:4 * BS + 1]))
+        y = FakeRequest("Y", prompt(32, 3 * BS + 1))
+        self.run_prefill(a_eng, y)
+        b = self.engine(executor="uni")
+        x = FakeRequest("X", list(p))
+        self.assertEqual(b.admit(x), 4 * BS)
+        step_n = b.schedule([x], [], {"X": BS - 1})
+        x.num_computed_tokens += BS - 1
+        x.output_token_ids.append(5)
+        step_n1 = b.schedule([], [x], {"X": 1})
+        x.num_computed_tokens -= BS - 1
+        b.execute(step_n)
+        x.output_token_ids.append(6)
+        b.execute(step_n1, finishing=[x])
+        self.assertEqual(b.sending, {"X"})
+        s2 = b.schedule([], [], {})
+        self.assertEqual(s2.meta.finishing, ["X"])
+        y2 = FakeRequest("Y2", list(y.prompt_token_ids))
+        self.assertEqual(b.admit(y2), 3 * BS)
+        s3 = b.schedule([y2], [], {"Y2": 1})
+        b.execute(s2)
+        self.assertEqual(b.sent, {"X"})
+        self.assertTrue(b.scheduler._requests["Y2"].load_in_flight)
+        self.assertEqual(self.pins(), 1)
+        b.execute(s3)
+        self.assertEqual(b.load_errors, [])
+        self.assertEqual(self.pins(), 0)
+        keys = kvdepot.integrations.block_hashes(x.all_token_ids, BS)[:5]
+        self.assertEqual(b.worker._store.lookup(keys, prefix=True), 5)
+
+    def test_requests_that_read_no_prefix_cache_are_not_looked_up(self):
+        # Prompt logprobs need every prompt position computed: vLLM marks
+        # such requests skip_reading_prefix_cache (older vLLM: by
+        # sampling_params.prompt_logprobs). They load nothing; they save.
+        p = prompt(33, 4 * BS + 1)
+        self.run_prefill(self.engine(), FakeRequest("A", list(p)))
+        e = self.engine()
+        skip = FakeRequest("S", list(p))
+        skip.skip_reading_prefix_cache = True
+        older = FakeRequest("L", list(p), sampling_params=SimpleNamespace(prompt_logprobs=0))
+        self.assertEqual(e.scheduler.get_num_new_matched_tokens(skip, 0), (0, False))
+        self.assertEqual(e.scheduler.get_num_new_matched_tokens(older, 0), (0, False))
+        self.assertEqual(e.scheduler.stats["lookups"], 0)
+        # The attribute, where vLLM has it, decides; no prompt logprobs reads.
+        reads = FakeRequest("R", list(p), sampling_params=SimpleNamespace(prompt_logprobs=0))
+        reads.skip_reading_prefix_cache = False
+        plain = FakeRequest("P", list(p), sampling_params=SimpleNamespace(prompt_logprobs=None))
+        self.assertEqual(e.scheduler.get_num_new_matched_tokens(reads, 0), (4 * BS, False))
+        self.assertEqual(e.scheduler.get_num_new_matched_tokens(plain, 0), (4 * BS, False))
+        e.scheduler.request_finished(reads, [])
+        e.scheduler.request_finished(plain, [])
+        self.assertEqual(self.pins(), 0)
+        # Its blocks are saved as any request's.
+        f = self.engine()
+        q = FakeRequest("Q", prompt(34, 3 * BS + 1))
+        q.skip_reading_prefix_cache = True
+        self.assertEqual(self.run_prefill(f, q), 0)
+        self.assertEqual(f.worker.stats["saved_blocks"], 3)
+
+    def test_namespace_names_revision_quantization_rope_and_overrides(self):
+        # Deployments of one model path with another revision, quantization,
+        # RoPE scaling or hf_overrides compute other KV: other namespaces.
+        def label(**model_config):
+            cfg = make_vllm_config(self.daemon.address, num_layers=LAYERS, block_size=BS,
+                                   num_kv_heads=HEADS, head_size=HEAD, dtype=torch.bfloat16)
+            for name, value in model_config.pop("extra", {}).items():
+                cfg.kv_transfer_config.kv_connector_extra_config[name] = value
+            for name, value in model_config.items():
+                setattr(cfg.model_config, name, value)
+            c = kv_vllm.KvDepotConnector(cfg, kv_vllm.KVConnectorRole.SCHEDULER)
+            self.assertIsNone(c.disabled_reason)
+            c.shutdown()
+            return c._model_label(0), c._scheduler_namespace
+
+        plain = label()
+        self.assertEqual(plain[0], "vllm/test/tiny-llama/tp0of1")  # as before
+        yarn = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 4096}
+        variants = {
+            "revision": label(revision="v2"),
+            "other revision": label(revision="refs/pr/7"),
+            "quantization": label(quantization="fp8"),
+            "rope scaling": label(hf_config=SimpleNamespace(rope_scaling=yarn)),
+            "other rope scaling": label(hf_config=SimpleNamespace(
+                rope_scaling=dict(yarn, factor=2.0))),
+            "older vLLM rope_theta": label(rope_theta=500000.0),
+            "hf_overrides": label(hf_overrides={"rope_scaling": yarn}),
+            "all": label(revision="v2", quantization="awq", hf_overrides={"a": 1}),
+        }
+        namespaces = [plain[1]] + [ns for _, ns in variants.values()]
+        self.assertEqual(len(set(namespaces)), len(namespaces), variants)
+        self.assertEqual(variants["revision"][0], "vllm/test/tiny-llama/rev:v2/tp0of1")
+        self.assertIn("quant:fp8", variants["quantization"][0])
+        self.assertIn("rope:", variants["rope scaling"][0])
+        self.assertIn("hf:", variants["hf_overrides"][0])
+        # The same settings give the same namespace (key order aside).
+        self.assertEqual(label(hf_config=SimpleNamespace(rope_scaling=dict(
+            reversed(list(yarn.items()))))), variants["rope scaling"])
+        self.assertEqual(label(revision="v2"), variants["revision"])
+        # A model named in the extra config is the name as given.
+        self.assertEqual(label(revision="v2", extra={"model": "mine"})[0],
+                         "vllm/mine/tp0of1")
+        # End to end: what one revision saved, another does not load.
+        p = prompt(35, 4 * BS + 1)
+        self.run_prefill(self.engine(model_config={"revision": "v2"}), FakeRequest("A", p))
+        self.assertEqual(self.engine().admit(FakeRequest("B", list(p))), 0)
+        self.assertEqual(self.engine(model_config={"revision": "v2"}).admit(
+            FakeRequest("C", list(p))), 4 * BS)
 
     def test_full_cudagraph_replay_finds_loads_before_attention(self):
         # vLLM 0.11 replays FULL CUDA graphs (FULL_AND_PIECEWISE, its

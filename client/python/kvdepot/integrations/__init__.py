@@ -34,9 +34,10 @@ finds the blocks any other one stored.
 from __future__ import annotations
 
 import hashlib
+import json
 import re
 import struct
-from typing import List, Optional, Sequence, Tuple, Union
+from typing import Any, List, Optional, Sequence, Tuple, Union
 
 ExtraKey = Union[bytes, str, int]
 
@@ -51,6 +52,7 @@ __all__ = [
     "ROOT_HASH",
     "batch_ranges",
     "block_hashes",
+    "config_digest",
     "encode_block",
     "hash_block",
     "model_label",
@@ -151,6 +153,40 @@ def model_label(*parts: object, max_len: int = 100) -> str:
         digest = hashlib.sha256("\0".join(given).encode()).hexdigest()[:12]
         text = text[: max_len - 13] + "=" + digest
     return text
+
+
+def _stable(value: Any) -> Any:
+    """``value`` as JSON-able data that is the same in every process: dicts
+    and sequences item by item, functions and classes by qualified name,
+    config objects by their ``to_dict()``, other objects by their repr
+    without memory addresses."""
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    if isinstance(value, dict):
+        return {str(k): _stable(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_stable(v) for v in value]
+    if isinstance(value, (set, frozenset)):
+        return sorted(json.dumps(_stable(v), sort_keys=True) for v in value)
+    name = getattr(value, "__qualname__", None)
+    if name is not None:
+        return f"{getattr(value, '__module__', '')}.{name}"
+    to_dict = getattr(value, "to_dict", None)  # transformers' config objects
+    if callable(to_dict):
+        try:
+            return _stable(to_dict())
+        except Exception:  # noqa: BLE001 - the repr below then
+            pass
+    return re.sub(r" at 0x[0-9a-fA-F]+", "", repr(value))
+
+
+def config_digest(value: Any) -> str:
+    """12 hex digits naming a configuration value (a dict of RoPE scaling
+    parameters, HF config overrides, ...) in a :func:`model_label` part: the
+    SHA-256 of its canonical JSON (dict keys sorted, so their order does not
+    matter; functions by qualified name), the same in every process."""
+    text = json.dumps(_stable(value), sort_keys=True, separators=(",", ":"))
+    return hashlib.sha256(text.encode()).hexdigest()[:12]
 
 
 # The daemon's default max_batch_keys (README, "Configuration"): the most keys

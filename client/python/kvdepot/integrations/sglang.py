@@ -40,12 +40,18 @@ messages, many times slower.
 
 Storage: each page is stored as the objects ``get_page_buffer_meta`` lists
 for it (K and V for an MHA ``page_first`` pool, one latent for MLA, one per
-layer and K/V for ``layer_first``), under ``<page key>.<i>``, in the namespace
-``KvLayout.namespace_for("sglang/<model>/<pool layout>/tpRofN")`` (MLA: no
-rank), followed by ``ppRofN`` with pipeline parallelism, ``cpRofN`` with
-attention context parallelism (each rank holds its own slice of a page) and,
-for an FP8 KV cache, the logical dtype (``float8_e4m3fn``, ``float8_e5m2``).
-A page is present only when all its objects are.
+layer and K/V for ``layer_first``), under ``<page key>.<i>``, in the
+namespace ``KvLayout.namespace_for("sglang/<model>/<pool layout>/tpRofN")``
+(MLA: no rank; ``<model>`` followed, where set, by the model revision
+``rev:...``, the quantization method ``quant:...`` and a digest of the HF
+config overrides ``hf:<digest>`` (``--json-model-override-args``, which
+carries RoPE scaling changes), read from SGLang's server arguments in the
+scheduler process, or from the storage config where an SGLang version puts
+them there, with its ``model_identity_hash`` as ``id:<hash>``), followed by
+``ppRofN`` with pipeline parallelism, ``cpRofN`` with attention context
+parallelism (each rank holds its own slice of a page) and, for an FP8 KV
+cache, the logical dtype (``float8_e4m3fn``, ``float8_e5m2``). A page is
+present only when all its objects are.
 
 Batches: a call covers up to SGLang's whole batch (128 pages of 64 objects
 with 32 layers ``layer_first``), more keys than the daemon takes in one
@@ -63,7 +69,9 @@ instead of failing the server: every lookup is then 0 pages, every get and
 set False.
 
 Extra config: ``server`` (default ``$KVDEPOT_SERVER`` or
-``127.0.0.1:50551``), ``model`` (default ``storage_config.model_name``),
+``127.0.0.1:50551``), ``model`` (default ``storage_config.model_name`` with
+the revision, quantization and overrides above; given, the namespace's model
+name as it is),
 ``timeout_s`` (5), ``lease_s`` (0: the daemon's default),
 ``max_batch_keys`` (1024: set it to the daemon's ``max_batch_keys`` where
 that is lower).
@@ -73,6 +81,7 @@ from __future__ import annotations
 
 import collections
 import ctypes
+import json
 import logging
 import os
 import threading
@@ -80,7 +89,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Deque, Dict, List, Optional, Sequence, Tuple
 
-from . import DEFAULT_MAX_BATCH_KEYS, batch_ranges, model_label
+from . import DEFAULT_MAX_BATCH_KEYS, batch_ranges, config_digest, model_label
 
 logger = logging.getLogger(__name__)
 
@@ -140,6 +149,56 @@ def _cfg(storage_config: Any, name: str, default: Any) -> Any:
     return default if value is None else value
 
 
+def _server_args() -> Any:
+    """SGLang's server arguments in this process (the scheduler's, where
+    the HiCache storage backend lives), or None where they cannot be had
+    (no SGLang, a version without ``get_global_server_args``, not set)."""
+    try:
+        from sglang.srt.server_args import get_global_server_args
+
+        return get_global_server_args()
+    except Exception:  # noqa: BLE001 - then the storage config alone
+        return None
+
+
+def _model_variant(storage_config: Any) -> List[str]:
+    """Parts of the default namespace label, beside the model name, for what
+    else makes two deployments of one model compute other KV: the model
+    ``revision`` (``rev:<revision>``), the ``quantization`` method
+    (``quant:<method>``) and the HF config overrides
+    (``--json-model-override-args``, which carries RoPE scaling changes:
+    ``hf:<digest>``), each only where set, from the storage config where an
+    SGLang version puts them there (and its ``model_identity_hash``:
+    ``id:<hash>``), else from SGLang's server arguments."""
+    args = _server_args()
+
+    def setting(name: str) -> Any:
+        value = getattr(storage_config, name, None) if storage_config is not None else None
+        if value is None and args is not None:
+            value = getattr(args, name, None)
+        return value
+
+    parts: List[str] = []
+    identity = getattr(storage_config, "model_identity_hash", None)
+    if identity:
+        parts.append(f"id:{identity}")
+    revision = setting("revision")
+    if revision:
+        parts.append(f"rev:{revision}")
+    quantization = setting("quantization")
+    if quantization:
+        parts.append(f"quant:{quantization}")
+    overrides = setting("json_model_override_args")
+    if isinstance(overrides, str):
+        try:
+            overrides = json.loads(overrides) if overrides.strip() else None
+        except ValueError:
+            pass  # named by its text
+    if overrides:
+        parts.append(f"hf:{config_digest(overrides)}")
+    return parts
+
+
 def _dtype_name(dtype: Any) -> str:
     """``torch.float8_e5m2`` -> ``float8_e5m2`` (by name: torch versions
     differ in which FP8 dtypes they have)."""
@@ -165,6 +224,11 @@ class KvDepotHiCacheStorage(HiCacheStorage):  # type: ignore[misc,valid-type]
         self._lease_s = float(extra.get("lease_s", 0.0))
         self._max_batch_keys = max(1, int(extra.get("max_batch_keys", DEFAULT_MAX_BATCH_KEYS)))
         self._model = str(extra.get("model") or _cfg(storage_config, "model_name", "") or "model")
+        # What else sets the model's KV apart (see _model_variant, read when
+        # the pool is registered); a model named in the extra config is the
+        # namespace's name as given.
+        self._storage_config = storage_config
+        self._model_given = bool(extra.get("model"))
         self._tp_rank = int(_cfg(storage_config, "tp_rank", 0))
         self._tp_size = int(_cfg(storage_config, "tp_size", 1))
         self._pp_rank = int(_cfg(storage_config, "pp_rank", 0))
@@ -230,17 +294,18 @@ class KvDepotHiCacheStorage(HiCacheStorage):  # type: ignore[misc,valid-type]
         kv = self._kvdepot
         dtype, fp8_name = self._kv_dtype(pool)
         layer_num = int(pool.layer_num)
+        variant = [] if self._model_given else _model_variant(self._storage_config)
         if self._is_mla:
             width = int(getattr(pool, "kv_lora_rank", 0)) + int(
                 getattr(pool, "qk_rope_head_dim", 0))
             if width <= 0:
                 width = int(pool.head_dim)
             layout = kv.KvLayout.mla(kv.KvCacheLayout.MLA, layer_num, page, width, dtype)
-            label = model_label("sglang", self._model, pool.layout, "mla")
+            label = model_label("sglang", self._model, *variant, pool.layout, "mla")
         else:
             layout = kv.KvLayout.mha(kv.KvCacheLayout.FLASH_ATTN_NHD, layer_num, page,
                                      int(pool.head_num), int(pool.head_dim), dtype)
-            label = model_label("sglang", self._model, pool.layout,
+            label = model_label("sglang", self._model, *variant, pool.layout,
                                 f"tp{self._tp_rank}of{self._tp_size}")
         if self._pp_size > 1:
             label = model_label(label, f"pp{self._pp_rank}of{self._pp_size}")

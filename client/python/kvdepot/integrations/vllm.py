@@ -30,13 +30,29 @@ How it works (one forward pass at a time; loads stream layer by layer):
   (:func:`kvdepot.integrations.block_hashes`; LoRA name and ``cache_salt``
   are extra keys), in the namespace ``KvLayout.namespace_for(model/tpRofN)``,
   so different models, layouts, dtypes and tensor-parallel ranks never mix.
+  The default model part also names, where set, the model revision
+  (``rev:...``), the quantization method (``quant:...``), the effective
+  RoPE scaling (``rope:<digest>``) and ``hf_overrides`` (``hf:<digest>``),
+  so deployments of one model path that compute other KV never mix either
+  (``vllm/<model>/rev:v2/quant:fp8/tp0of1``; a plain deployment's label is
+  ``vllm/<model>/tp0of1``). A ``model`` given in the extra config is used
+  as it is.
 * Scheduler: ``get_num_new_matched_tokens`` looks up the prompt's full
   blocks (never the last token: vLLM must compute at least one) with
   ``prefix`` and ``pin``; the hits beyond the locally computed tokens are
-  offered. The pins are held until the output of the step that loads them
-  is in (``update_connector_output`` for that step; with async scheduling
-  not the one before it), the request finishes, or a new lookup replaces
-  it. ``build_connector_meta`` sends the workers the block ids and
+  offered. A request that reads no prefix cache
+  (``request.skip_reading_prefix_cache``, which vLLM sets for prompt
+  logprobs; older vLLM: ``sampling_params.prompt_logprobs`` set) is offered
+  nothing and not looked up; its blocks are still saved. The pins are held
+  until the output of the step that loads them is in
+  (``update_connector_output`` for that step; with async scheduling not
+  the one before it, nor that of a step without tokens), the request
+  finishes, or a new lookup replaces it. Outputs come back in the order
+  the steps were planned, but a step without tokens has one only where it
+  reports something or the executor aggregates the workers' outputs
+  (``mp``, ``ray``; not ``uni``): the scheduler side numbers every step it
+  plans and matches each output to the oldest step whose output is due.
+  ``build_connector_meta`` sends the workers the block ids and
   keys to load, and the blocks to save: full blocks whose tokens are all
   computed once this step's forward pass is done, not yet known to be stored.
 * Worker: ``start_load_kv`` starts one :meth:`kvdepot.KvCacheStore.load_async`
@@ -67,14 +83,20 @@ How it works (one forward pass at a time; loads stream layer by layer):
   save is logged and counted. Requests with multimodal inputs or prompt
   embeddings are neither looked up nor saved (their placeholder token ids,
   zeros for embeddings, do not name the content).
-* A failed load poisons what the step computes after it: the worker saves
-  nothing of that request in that step, and the scheduler, told the failed
-  blocks (``invalid_block_ids``), counts them and the blocks after them as
-  not stored, so they are saved once vLLM recomputed them (with tensor
-  parallelism this also stores the blocks a rank lacked). With tensor
-  parallelism, and with async scheduling for the steps planned before the
-  load's outcome is in, a loading request's new blocks are saved only
-  after that outcome. A request that ends first keeps its blocks
+* A failed load poisons what the step computes over it, for the loading
+  request and for any request that shares its blocks through vLLM's
+  prefix cache (which caches the blocks of a load once allocated, so a
+  request scheduled in the same step gets them as local hits): in that
+  step the worker saves nothing of the loading request and, of every
+  other request, no block from the first failed one it holds or attended
+  to (``SaveSpec.after``); the scheduler, told the failed blocks
+  (``invalid_block_ids``), counts them and the blocks after them as not
+  stored in every request that holds them, so they are saved once vLLM
+  recomputed them (with tensor parallelism this also stores the blocks a
+  rank lacked). With tensor parallelism, and with async scheduling for the
+  steps planned before the load's outcome is in, the new blocks of every
+  request computing over a loading block are saved only after that
+  outcome. A request that ends first keeps its blocks
   (``request_finished`` answers ``(True, None)``) until the first step
   planned after the outcome saves them, in ``get_finished`` (which runs in
   steps without tokens too), and reports it finished sending. (If the
@@ -105,26 +127,29 @@ always answers ``load_kv_async=False``).
 
 Extra config (``kv_connector_extra_config``): ``server`` (default
 ``$KVDEPOT_SERVER`` or ``127.0.0.1:50551``), ``model`` (default the served
-model), ``timeout_s`` (5), ``lease_s`` (0: the daemon's default),
-``staging`` (``auto`` | ``kvshim`` | ``torch``: ``kvshim`` uses the kvshim
-library for any device, its CPU build for CPU caches, and fails without it;
-``torch`` forces the torch staging path),
-``load`` / ``save`` (booleans; default from ``kv_role``: ``kv_producer``
-saves, ``kv_consumer`` loads, ``kv_both`` does both), ``max_batch_keys``
-(1024, at least 2: set it to the daemon's ``max_batch_keys`` where that is
-lower).
+model with its revision, quantization, RoPE scaling and hf_overrides, as
+above; given, the namespace's model name as it is), ``timeout_s`` (5),
+``lease_s`` (0: the daemon's default), ``staging`` (``auto`` | ``kvshim`` |
+``torch``: ``kvshim`` uses the kvshim library for any device, its CPU build
+for CPU caches, and fails without it; ``torch`` forces the torch staging
+path), ``load`` / ``save`` (booleans; default from ``kv_role``:
+``kv_producer`` saves, ``kv_consumer`` loads, ``kv_both`` does both),
+``max_batch_keys`` (1024, at least 2: set it to the daemon's
+``max_batch_keys`` where that is lower).
 """
 
 from __future__ import annotations
 
+import collections
 import enum
 import logging
 import os
 import re
 from dataclasses import dataclass, field
-from typing import Any, Dict, Iterable, List, Optional, Sequence, Set, Tuple
+from typing import Any, Deque, Dict, Iterable, List, Optional, Sequence, Set, Tuple
 
-from . import DEFAULT_MAX_BATCH_KEYS, batch_ranges, block_hashes, model_label, parents_of
+from . import (DEFAULT_MAX_BATCH_KEYS, batch_ranges, block_hashes, config_digest, model_label,
+               parents_of)
 
 logger = logging.getLogger(__name__)
 
@@ -207,12 +232,19 @@ class LoadSpec:
 
 @dataclass
 class SaveSpec:
-    """Blocks of one request to store after this step's forward pass."""
+    """Blocks of one request to store after this step's forward pass.
+
+    ``after``: the request's blocks before these that this step loads
+    (its own load's, or another request's that it shares through vLLM's
+    prefix cache): the saved blocks attended to them, so if one of them
+    fails to load, none is saved; a failed block among ``block_ids``
+    itself cuts the spec there (see ``KvDepotConnector._savable``)."""
 
     req_id: str
     block_ids: List[int]
     keys: List[bytes]
     parents: List[bytes]
+    after: List[int] = field(default_factory=list)
 
 
 @dataclass
@@ -255,8 +287,8 @@ class _RequestState:
     load_from: int = 0  # block range to load, when load_pending
     load_to: int = 0
     load_pending: bool = False
-    load_in_flight: bool = False
-    load_step: int = 0  # the step (see KvDepotConnector._steps_planned) loading
+    load_in_flight: bool = False  # its pins wait for the output of load_step
+    load_step: int = 0  # the step (see KvDepotConnector._step) loading
     # Finished with its blocks held (request_finished answered True; the
     # request is in KvDepotConnector._finishing): the blocks [stored_blocks,
     # finished_blocks) are saved, and the blocks freed, in the first step
@@ -291,6 +323,70 @@ def _has_full_cudagraphs(vllm_config: Any) -> bool:
 def _layer_index(name: str, position: int) -> Tuple[int, int]:
     m = re.search(r"layers\.(\d+)", name) or re.search(r"(\d+)", name)
     return (int(m.group(1)) if m else position, position)
+
+
+def _model_variant(model_config: Any) -> List[str]:
+    """Parts of the default namespace label, beside the model path, for what
+    else makes two deployments of one path compute other KV: the model
+    ``revision`` (``rev:<revision>``), the ``quantization`` method
+    (``quant:<method>``, also the one vLLM takes from the checkpoint), the
+    RoPE scaling of the effective HF config (``rope:<digest>``: its
+    ``rope_scaling`` / ``rope_parameters``, and older vLLM's
+    ``rope_scaling`` / ``rope_theta`` arguments) and ``hf_overrides``
+    (``hf:<digest>``). Each only where set, so a plain deployment keeps the
+    label ``vllm/<model>/tpRofN``. Read defensively: what is missing is left
+    out."""
+    parts: List[str] = []
+    if model_config is None:
+        return parts
+    revision = getattr(model_config, "revision", None)
+    if revision:
+        parts.append(f"rev:{revision}")
+    quantization = getattr(model_config, "quantization", None)
+    if quantization:
+        parts.append(f"quant:{getattr(quantization, 'value', quantization)}")
+    rope: Dict[str, Any] = {}
+    hf = getattr(model_config, "hf_text_config", None) or getattr(model_config, "hf_config", None)
+    for owner, attrs in ((hf, ("rope_scaling", "rope_parameters")),
+                         (model_config, ("rope_scaling", "rope_theta"))):
+        for attr in attrs:
+            try:
+                value = getattr(owner, attr, None) if owner is not None else None
+            except Exception:  # noqa: BLE001 - a config property that raises
+                value = None
+            if value:
+                rope[f"{'hf' if owner is hf else 'vllm'}.{attr}"] = value
+    if rope:
+        parts.append(f"rope:{config_digest(rope)}")
+    overrides = getattr(model_config, "hf_overrides", None)
+    if overrides:
+        parts.append(f"hf:{config_digest(overrides)}")
+    return parts
+
+
+def _every_output_reported(vllm_config: Any, tp_size: int) -> bool:
+    """Whether vLLM passes the output of every step, with or without tokens,
+    to the scheduler side's ``update_connector_output``. A step with tokens
+    always carries a ``KVConnectorOutput``. One without tokens
+    (``kv_connector_no_forward``) carries one only if it reports something
+    (``is_empty()`` false: for this connector, finished sending) -- unless
+    the executor aggregates the workers' outputs (``KVOutputAggregator``,
+    used by the multiprocessing and Ray executors whenever a connector is
+    configured, whatever the world size), which builds one for every step.
+    The uniprocess executors (``uni``, ``external_launcher``) do not; vLLM
+    picks ``uni`` for one GPU and ``mp`` (or ``ray``) for more when
+    ``distributed_executor_backend`` is unset. An executor this cannot place
+    counts as aggregating: an output then expected but never sent only
+    delays pin releases and saves, while one sent but not expected would be
+    taken for a later step's."""
+    pc = getattr(vllm_config, "parallel_config", None)
+    backend = getattr(pc, "distributed_executor_backend", None)
+    if backend is None:
+        return tp_size > 1
+    if isinstance(backend, str):
+        return backend not in ("uni", "external_launcher")
+    names = {c.__name__ for c in getattr(backend, "__mro__", ())}
+    return "UniProcExecutor" not in names
 
 
 class KvDepotConnector(KVConnectorBase_V1):  # type: ignore[misc,valid-type]
@@ -338,6 +434,15 @@ class KvDepotConnector(KVConnectorBase_V1):  # type: ignore[misc,valid-type]
         self._use_mla = bool(getattr(mc, "use_mla", False))
         self._client: Any = None
         self._disabled_reason: Optional[str] = None
+        # What else makes the served model's KV differ under the same path
+        # (see _model_variant); a model named in the extra config is the
+        # namespace's name as given.
+        self._model_variant: List[str] = []
+        if not extra.get("model"):
+            try:
+                self._model_variant = _model_variant(mc)
+            except Exception as e:  # noqa: BLE001 - never mix, never fail the engine
+                self._disable(f"cannot name the model's variant for its namespace: {e}")
         # The layout every rank must have (from the config), so that the
         # scheduler looks in the namespace the workers write to.
         self._layout: Any = None
@@ -351,13 +456,22 @@ class KvDepotConnector(KVConnectorBase_V1):  # type: ignore[misc,valid-type]
         # Requests that finished with their blocks held (request_finished).
         self._finishing: Set[str] = set()
         self._scheduler_namespace: Optional[str] = None
-        # Steps with scheduled tokens that build_connector_meta planned, and
-        # the ones whose output update_connector_output has seen (in order).
-        # With async scheduling the next step is planned before the output
-        # of the one running comes back, so a load's pin is released only
-        # once its own step's output is in.
-        self._steps_planned = 0
+        # Steps: build_connector_meta numbers every step it plans, with or
+        # without tokens (_step: the last one's number). Outputs come back
+        # to update_connector_output in the order the steps were planned,
+        # but not every step's does (see _every_output_reported): _awaited
+        # holds, oldest first, the numbers of the planned steps whose output
+        # will come, so that each output is matched to its own step; every
+        # step up to _steps_done has ended. With async scheduling the next
+        # step is planned before the output of the one running comes back,
+        # so a load's pins are released, and the blocks it loads count as in
+        # flight (_loads_in_flight, by step), until its own step's output is
+        # in.
+        self._step = 0
         self._steps_done = 0
+        self._awaited: Deque[int] = collections.deque()
+        self._loads_in_flight: Dict[int, Set[int]] = {}
+        self._every_output_reported = _every_output_reported(vllm_config, self._tp_size)
         if self._layout is not None:
             # The scheduler looks up TP rank 0's blocks (MLA caches are the
             # same on every rank).
@@ -384,9 +498,12 @@ class KvDepotConnector(KVConnectorBase_V1):  # type: ignore[misc,valid-type]
                 "cudagraph_mode), which skip wait_for_layer_load: loads finish "
                 "in start_load_kv, before the forward pass, instead of layer "
                 "by layer. Use cudagraph_mode=PIECEWISE to keep them layered.")
-        # Requests whose load failed in this step (from start_load_kv on):
-        # what the step computed for them used stale KV, so is not saved.
+        # Requests whose load failed in this step (from start_load_kv on),
+        # and the block ids that failed: what the step computed over them
+        # (for these requests, or any other request sharing the blocks) used
+        # stale KV, so is not saved.
         self._failed_load_reqs: Set[str] = set()
+        self._failed_load_blocks: Set[int] = set()
         self.stats: Dict[str, int] = {
             "lookups": 0,
             "lookup_errors": 0,
@@ -439,11 +556,14 @@ class KvDepotConnector(KVConnectorBase_V1):  # type: ignore[misc,valid-type]
         )
 
     def _model_label(self, tp_rank: int) -> str:
-        """The model name of the namespace: MLA caches are the same on every
+        """The model name of the namespace: the model, what else sets its KV
+        apart (revision, quantization, RoPE scaling, hf_overrides; see
+        _model_variant) and the rank: MLA caches are the same on every
         rank; MHA ranks hold different heads."""
         if self._use_mla:
-            return model_label("vllm", self._model_name, "mla")
-        return model_label("vllm", self._model_name, f"tp{tp_rank}of{self._tp_size}")
+            return model_label("vllm", self._model_name, *self._model_variant, "mla")
+        return model_label("vllm", self._model_name, *self._model_variant,
+                           f"tp{tp_rank}of{self._tp_size}")
 
     def _namespace(self, layout: Any, tp_rank: int) -> str:
         return layout.namespace_for(self._model_label(tp_rank))
@@ -509,6 +629,20 @@ class KvDepotConnector(KVConnectorBase_V1):  # type: ignore[misc,valid-type]
         if getattr(request, "prompt_embeds", None) is not None:
             return True
         return hasattr(request, "prompt_token_ids") and request.prompt_token_ids is None
+
+    @staticmethod
+    def _skips_prefix_cache(request: Any) -> bool:
+        """True for a request that must compute its whole prompt, reading no
+        cached KV: ``request.skip_reading_prefix_cache`` (vLLM sets it for
+        prompt logprobs, which need every prompt position's logits, and for
+        pooling that reads all tokens); vLLM versions without that
+        attribute skip the prefix cache for prompt logprobs
+        (``sampling_params.prompt_logprobs`` set)."""
+        skip = getattr(request, "skip_reading_prefix_cache", None)
+        if skip is not None:
+            return bool(skip)
+        params = getattr(request, "sampling_params", None)
+        return getattr(params, "prompt_logprobs", None) is not None
 
     @staticmethod
     def _tokens(request: Any) -> Sequence[int]:
@@ -584,11 +718,13 @@ class KvDepotConnector(KVConnectorBase_V1):  # type: ignore[misc,valid-type]
     ) -> Tuple[Optional[int], bool]:
         """Tokens beyond ``num_computed_tokens`` that kvdepot holds (whole
         blocks, never the prompt's last token), loaded within the step that
-        schedules them: returns ``(n, False)``; ``(0, False)`` on any error."""
+        schedules them: returns ``(n, False)``; ``(0, False)`` on any error,
+        and for a request that reads no prefix cache (see
+        :meth:`_skips_prefix_cache`; its blocks are still saved)."""
         st = self._state(request)
         self._unpin(st)  # a repeated call replaces the earlier lookup
         st.load_pending = False
-        if not (st.enabled and self._load_enabled):
+        if not (st.enabled and self._load_enabled) or self._skips_prefix_cache(request):
             return 0, False
         try:
             tokens = self._tokens(request)
@@ -634,18 +770,19 @@ class KvDepotConnector(KVConnectorBase_V1):  # type: ignore[misc,valid-type]
 
     def build_connector_meta(self, scheduler_output: Any) -> KvDepotConnectorMetadata:
         """This step's loads (planned by the lookups) and saves (blocks that
-        become full and computed in this step)."""
+        become full and computed in this step), planned in that order: a
+        save must know every load of the step (see :meth:`_plan_save`)."""
         meta = KvDepotConnectorMetadata()
         scheduled = getattr(scheduler_output, "num_scheduled_tokens", {}) or {}
-        if any(int(n) > 0 for n in scheduled.values()):
-            self._steps_planned += 1
+        self._step += 1
+        planned: List[Tuple[_RequestState, str, int, int]] = []
         for new_req in getattr(scheduler_output, "scheduled_new_reqs", ()) or ():
             st = self._requests.get(new_req.req_id)
             if st is None:
                 continue
             st.block_ids = list(new_req.block_ids[0]) if new_req.block_ids else []
-            self._plan(st, new_req.req_id, int(new_req.num_computed_tokens),
-                       int(scheduled.get(new_req.req_id, 0)), meta)
+            planned.append((st, new_req.req_id, int(new_req.num_computed_tokens),
+                            int(scheduled.get(new_req.req_id, 0))))
         cached = getattr(scheduler_output, "scheduled_cached_reqs", None)
         if cached is not None:
             resumed_ids = getattr(cached, "resumed_req_ids", None)
@@ -663,71 +800,120 @@ class KvDepotConnector(KVConnectorBase_V1):  # type: ignore[misc,valid-type]
                     st.block_ids = list(new_ids[0]) if new_ids else []
                 elif new_ids:
                     st.block_ids.extend(new_ids[0])
-                self._plan(st, req_id, int(cached.num_computed_tokens[i]),
-                           int(scheduled.get(req_id, 0)), meta)
+                planned.append((st, req_id, int(cached.num_computed_tokens[i]),
+                                int(scheduled.get(req_id, 0))))
+        for st, req_id, _, _ in planned:
+            self._plan_load(st, req_id, meta)
+        # Blocks loaded by earlier steps whose outcome is not in yet, and by
+        # this one.
+        current = self._loads_in_flight.get(self._step, set())
+        earlier: Set[int] = set()
+        for step, ids in self._loads_in_flight.items():
+            if step != self._step:
+                earlier |= ids
+        for st, req_id, num_computed, num_scheduled in planned:
+            self._plan_save(st, req_id, num_computed, num_scheduled, earlier, current, meta)
         self._plan_finished(meta)
+        # The output of a step with tokens always reaches
+        # update_connector_output; one without, where every output does or
+        # where it reports finished requests (see _every_output_reported).
+        if (any(int(n) > 0 for n in scheduled.values()) or self._every_output_reported
+                or meta.finishing):
+            self._awaited.append(self._step)
         return meta
 
-    def _plan(self, st: _RequestState, req_id: str, num_computed: int,
-              num_scheduled: int, meta: KvDepotConnectorMetadata) -> None:
+    def _plan_load(self, st: _RequestState, req_id: str,
+                   meta: KvDepotConnectorMetadata) -> None:
+        """The request's load planned by its lookup, now that vLLM gave it
+        blocks: its blocks count as in flight until this step's output."""
+        if not st.load_pending:
+            return
+        st.load_pending = False
         try:
-            if st.load_pending:
-                st.load_pending = False
-                lo, hi = st.load_from, min(st.load_to, len(st.block_ids))
-                if hi > lo:
-                    keys = self._keys_upto(st, hi)
-                    meta.loads.append(LoadSpec(req_id, st.block_ids[lo:hi], keys[lo:hi]))
-                    st.load_in_flight = True
-                    st.load_step = self._steps_planned
-                else:
-                    self._unpin(st)
-            if not (st.enabled and self._save_enabled):
+            lo, hi = st.load_from, min(st.load_to, len(st.block_ids))
+            if hi <= lo:
+                self._unpin(st)
                 return
-            if st.load_in_flight and (self._tp_size > 1
-                                      or st.load_step < self._steps_planned):
-                # What the request computes before its load's outcome is
-                # known waits (it is saved in a later step, or lost if the
-                # request ends first): with tensor parallelism another rank's
-                # load may fail where this one's did not, and its attention
-                # output, all-reduced, spoils every rank's later layers; with
-                # async scheduling this step runs before the load step's
-                # outcome is in. (Within the load step itself, with one rank,
-                # the worker drops the saves of a request whose load failed.)
-                return
+            keys = self._keys_upto(st, hi)
+            ids = st.block_ids[lo:hi]
+            meta.loads.append(LoadSpec(req_id, ids, keys[lo:hi]))
+            st.load_in_flight = True
+            st.load_step = self._step
+            self._loads_in_flight.setdefault(self._step, set()).update(ids)
+        except Exception as e:  # noqa: BLE001
+            logger.warning("kvdepot: planning the load of %s failed: %s", req_id, e)
+            self._unpin(st)
+
+    def _plan_save(self, st: _RequestState, req_id: str, num_computed: int,
+                   num_scheduled: int, earlier: Set[int], current: Set[int],
+                   meta: KvDepotConnectorMetadata) -> None:
+        """The request's blocks that are full and computed once this step ran
+        and not known stored. They wait (are saved in a later step, or lost
+        if the request ends first) while any block they attend to, the
+        request's own or one it shares with another request through vLLM's
+        prefix cache, has a load whose outcome is not known: one of an
+        earlier step (async scheduling: this step runs before that outcome
+        is in) or, with tensor parallelism, of this step (another rank's
+        load may fail where this one's did not, and its attention output,
+        all-reduced, spoils every rank's later layers). Loads of this step
+        with one rank are the worker's to check: the spec names them
+        (``SaveSpec.after``) and the worker saves nothing that a failed one
+        spoiled."""
+        if not (st.enabled and self._save_enabled):
+            return
+        try:
             # Tokens whose K/V are in the cache once this step ran: the
             # scheduled ones that are real tokens (not speculative drafts).
             done = min(num_computed + num_scheduled, len(self._tokens(st.request)))
             full = min(done // self._block_size, len(st.block_ids))
-            if full > st.stored_blocks:
-                meta.saves.append(self._blocks_to_save(st, req_id, full))
-                st.stored_blocks = full
+            if full <= st.stored_blocks:
+                return
+            attended = st.block_ids[:full] if earlier or current else []
+            if earlier and not earlier.isdisjoint(attended):
+                return
+            if current and self._tp_size > 1 and not current.isdisjoint(attended):
+                return
+            spec = self._blocks_to_save(st, req_id, full)
+            if current:
+                spec.after = [b for b in st.block_ids[:st.stored_blocks] if b in current]
+            meta.saves.append(spec)
+            st.stored_blocks = full
         except Exception as e:  # noqa: BLE001
-            logger.warning("kvdepot: planning %s failed: %s", req_id, e)
+            logger.warning("kvdepot: planning the saves of %s failed: %s", req_id, e)
 
     def update_connector_output(self, connector_output: Any) -> None:
         """After a step: its loads have ended (the worker finishes them
-        within the step), so their pins go; loads planned for a later step
-        (async scheduling) keep theirs. A request with blocks whose load
-        failed (``invalid_block_ids``, which vLLM recomputes) no longer counts
-        its blocks from the first failed one on as stored, so they are saved
+        within the step), so their pins go and their blocks no longer count
+        as in flight; loads planned for a later step (async scheduling) keep
+        theirs. The output is matched to its step through the steps whose
+        output comes (see build_connector_meta); one that was not awaited
+        changes nothing but the failed blocks.
+
+        Blocks whose load failed (``invalid_block_ids``, which vLLM
+        recomputes): every request holding one, the loading request and any
+        request sharing it through vLLM's prefix cache, no longer counts its
+        blocks from the first failed one on as stored, so they are saved
         again once recomputed: the workers did not save what that step
-        computed after them, and with tensor parallelism a block that rank 0
+        computed over them, and with tensor parallelism a block that rank 0
         holds may be missing on another rank."""
+        if self._awaited:
+            self._steps_done = self._awaited.popleft()
+            for step in [s for s in self._loads_in_flight if s <= self._steps_done]:
+                del self._loads_in_flight[step]
+            for st in self._requests.values():
+                if st.load_in_flight and st.load_step <= self._steps_done:
+                    st.load_in_flight = False
+                    self._unpin(st)
         invalid = set(getattr(connector_output, "invalid_block_ids", None) or ())
-        # An output for a step without tokens (none planned) is not counted.
-        self._steps_done = min(self._steps_done + 1, self._steps_planned)
+        if not invalid:
+            return
         for st in self._requests.values():
-            if not st.load_in_flight or st.load_step > self._steps_done:
-                continue
-            st.load_in_flight = False
-            self._unpin(st)
-            if invalid:
-                failed = next((i for i, b in enumerate(st.block_ids) if b in invalid), None)
-                if failed is not None:
-                    st.stored_blocks = min(st.stored_blocks, failed)
-                    # A finished request is not recomputed: what it computed
-                    # from the failed block on is not saved.
-                    st.finished_blocks = min(st.finished_blocks, st.stored_blocks)
+            failed = next((i for i, b in enumerate(st.block_ids) if b in invalid), None)
+            if failed is not None:
+                st.stored_blocks = min(st.stored_blocks, failed)
+                # A finished request is not recomputed: what it computed
+                # from the failed block on is not saved.
+                st.finished_blocks = min(st.finished_blocks, st.stored_blocks)
 
     def request_finished(
         self, request: Any, block_ids: List[int]
@@ -735,7 +921,7 @@ class KvDepotConnector(KVConnectorBase_V1):  # type: ignore[misc,valid-type]
         """Drops the request's pins. Its blocks are saved step by step, so vLLM
         may free them now, ``(False, None)``, unless some of them still wait
         for a load's outcome (tensor parallelism, async scheduling; see
-        ``_plan``): then ``(True, None)``, and the blocks are saved in the
+        ``_plan_save``): then ``(True, None)``, and the blocks are saved in the
         first step planned once that outcome is in (in the workers'
         ``get_finished``, which then reports the request as finished
         sending, so vLLM frees its blocks)."""
@@ -775,11 +961,16 @@ class KvDepotConnector(KVConnectorBase_V1):  # type: ignore[misc,valid-type]
 
     def _plan_finished(self, meta: KvDepotConnectorMetadata) -> None:
         """The saves of finished requests whose blocks vLLM holds for them
-        (``request_finished`` answered True), once no load of theirs is in
+        (``request_finished`` answered True), once no load whose blocks they
+        attended to (their own, or another request's they share) is in
         flight; their state goes."""
+        in_flight: Set[int] = set()
+        for ids in self._loads_in_flight.values():
+            in_flight |= ids
         for req_id in sorted(self._finishing):
             st = self._requests[req_id]
-            if st.load_in_flight:
+            if st.load_in_flight or (in_flight and not in_flight.isdisjoint(
+                    st.block_ids[:st.finished_blocks])):
                 continue
             self._finishing.discard(req_id)
             del self._requests[req_id]
@@ -975,6 +1166,7 @@ class KvDepotConnector(KVConnectorBase_V1):  # type: ignore[misc,valid-type]
         :meth:`get_block_ids_with_load_errors`; nothing raises."""
         self._finish_load()  # an earlier step's, should one be left
         self._failed_load_reqs = set()
+        self._failed_load_blocks = set()
         meta = self._connector_metadata
         if not isinstance(meta, KvDepotConnectorMetadata) or not meta.loads:
             return
@@ -1067,6 +1259,7 @@ class KvDepotConnector(KVConnectorBase_V1):  # type: ignore[misc,valid-type]
                        len(block_ids), spec.req_id, why)
         self.stats["load_errors"] += len(block_ids)
         self._load_errors.update(int(b) for b in block_ids)
+        self._failed_load_blocks.update(int(b) for b in block_ids)
         self._failed_load_reqs.add(spec.req_id)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
@@ -1098,10 +1291,11 @@ class KvDepotConnector(KVConnectorBase_V1):  # type: ignore[misc,valid-type]
         blocks (all layers). Failures are logged and counted: a lost save is
         a future miss, never an error.
 
-        A request whose load failed in this step saves nothing: the blocks
-        it computed in this step attended to the KV of blocks that were not
-        loaded, and their keys name the right prefix. (The scheduler, told
-        of the failed blocks, has them saved once vLLM recomputed them.)"""
+        Nothing computed over a block whose load failed in this step is
+        saved (see :meth:`_savable`): it attended to the KV of a block that
+        was not loaded, and its key names the right prefix. (The scheduler,
+        told of the failed blocks, has them saved once vLLM recomputed
+        them.)"""
         self._finish_load()
         meta = self._connector_metadata
         if not isinstance(meta, KvDepotConnectorMetadata) or not meta.saves:
@@ -1109,12 +1303,32 @@ class KvDepotConnector(KVConnectorBase_V1):  # type: ignore[misc,valid-type]
         if self._store is None:
             return
         for spec in meta.saves:
-            if spec.req_id in self._failed_load_reqs:
-                self.stats["saves_dropped"] += len(spec.keys)
-                logger.warning("kvdepot: not saving %d blocks of %s: its load failed "
-                               "in this step", len(spec.keys), spec.req_id)
-                continue
-            self._save_spec(spec)
+            spec = self._savable(spec)
+            if spec.keys:
+                self._save_spec(spec)
+
+    def _savable(self, spec: SaveSpec) -> SaveSpec:
+        """The part of ``spec`` that no failed load of this step spoiled:
+        nothing if the request's own load failed or a block it attended to
+        before the spec's (``spec.after``) failed, else the blocks before
+        the first failed one among the spec's own (a block another request
+        loaded into the cache it shares through vLLM's prefix cache). What
+        is cut is counted and logged."""
+        failed = self._failed_load_blocks
+        if not failed and spec.req_id not in self._failed_load_reqs:
+            return spec
+        if spec.req_id in self._failed_load_reqs or not failed.isdisjoint(spec.after):
+            keep = 0
+        else:
+            keep = next((i for i, b in enumerate(spec.block_ids) if int(b) in failed),
+                        len(spec.block_ids))
+        if keep == len(spec.keys):
+            return spec
+        self.stats["saves_dropped"] += len(spec.keys) - keep
+        logger.warning("kvdepot: not saving %d blocks of %s: they attended to blocks "
+                       "whose load failed in this step", len(spec.keys) - keep, spec.req_id)
+        return SaveSpec(spec.req_id, spec.block_ids[:keep], spec.keys[:keep],
+                        spec.parents[:keep], spec.after)
 
     def _save_spec(self, spec: SaveSpec) -> None:
         """Stores one spec's blocks, a chunk at a time, in order: each chunk's
@@ -1148,7 +1362,9 @@ class KvDepotConnector(KVConnectorBase_V1):  # type: ignore[misc,valid-type]
             return None, None
         if self._store is not None:
             for spec in meta.finishing_saves:
-                self._save_spec(spec)
+                spec = self._savable(spec)
+                if spec.keys:
+                    self._save_spec(spec)
         return set(meta.finishing), None
 
     def get_block_ids_with_load_errors(self) -> Set[int]:
