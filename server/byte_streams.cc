@@ -40,7 +40,7 @@ void WriteStream::Abort() {
   }
 }
 
-absl::Status WriteStream::Start(const v1::WriteHeader& h) {
+absl::Status WriteStream::Start(const v1::WriteHeader& h, bool* would_wait) {
   if (cur_) {
     return absl::InvalidArgumentError(absl::StrCat(
         "header for a new block while block ", KeyToHex(cur_->key), " has ",
@@ -85,8 +85,13 @@ absl::Status WriteStream::Start(const v1::WriteHeader& h) {
   cur_->standalone = true;
   cur_->size = h.size();
   PutSpec spec{h.key(), h.parent_key(), h.size()};
-  ASSIGN_OR_RETURN(Reservation r,
-                   store_.BeginPut(kInternalSession, h.namespace_(), {&spec, 1}));
+  absl::StatusOr<Reservation> reserved =
+      store_.BeginPut(kInternalSession, h.namespace_(), {&spec, 1}, would_wait);
+  if (would_wait != nullptr && *would_wait) {
+    cur_.reset();  // nothing of this header applied: it comes again
+    return absl::OkStatus();
+  }
+  ASSIGN_OR_RETURN(Reservation r, std::move(reserved));
   if (r.slots[0].exists) {
     cur_->discard = true;
     return absl::OkStatus();
@@ -139,18 +144,23 @@ absl::Status WriteStream::Complete() {
   return absl::OkStatus();
 }
 
-absl::Status WriteStream::Consume(const v1::WriteRequest& msg) {
+absl::Status WriteStream::Consume(const v1::WriteRequest& msg, bool* would_wait) {
+  if (would_wait != nullptr) *would_wait = false;
   // Any error ends the stream: release the unfinished block at once.
-  absl::Status st = ConsumeOne(msg);
+  absl::Status st = ConsumeOne(msg, would_wait);
+  if (would_wait != nullptr && *would_wait) return absl::OkStatus();
   if (!st.ok()) Abort();
   return st;
 }
 
-absl::Status WriteStream::ConsumeOne(const v1::WriteRequest& msg) {
+absl::Status WriteStream::ConsumeOne(const v1::WriteRequest& msg, bool* would_wait) {
   if (!msg.has_header() && msg.data().empty()) {
     return absl::InvalidArgumentError("empty WriteRequest");
   }
-  if (msg.has_header()) RETURN_IF_ERROR(Start(msg.header()));
+  if (msg.has_header()) {
+    RETURN_IF_ERROR(Start(msg.header(), would_wait));
+    if (would_wait != nullptr && *would_wait) return absl::OkStatus();
+  }
   const std::string& data = msg.data();
   if (data.empty()) return absl::OkStatus();
   if (!cur_) return absl::InvalidArgumentError("data before any header");

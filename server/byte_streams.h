@@ -36,8 +36,11 @@ class WriteStream {
 
   // Applies one message: a header starts a block (reserving its space), data
   // fills it, and a complete block is published (standalone) or left in its
-  // reservation slot. Any error ends the stream.
-  absl::Status Consume(const v1::WriteRequest& msg);
+  // reservation slot. Any error ends the stream. With `would_wait` (a
+  // caller that must not block): where a standalone block's reservation
+  // would wait for room, sets *would_wait and applies nothing of `msg`
+  // (call again without it, where waiting is fine).
+  absl::Status Consume(const v1::WriteRequest& msg, bool* would_wait = nullptr);
   // The client half-closed: an unfinished block is an error.
   absl::Status End();
   // Releases an unfinished block's space now (also done on destruction).
@@ -54,8 +57,8 @@ class WriteStream {
 
  private:
   struct Block;
-  absl::Status ConsumeOne(const v1::WriteRequest& msg);
-  absl::Status Start(const v1::WriteHeader& h);
+  absl::Status ConsumeOne(const v1::WriteRequest& msg, bool* would_wait);
+  absl::Status Start(const v1::WriteHeader& h, bool* would_wait);
   absl::Status Complete();
   // A block started or finished, or a share of one arrived (TakeProgress).
   void MarkProgress();

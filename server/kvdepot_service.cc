@@ -298,23 +298,45 @@ grpc::ServerUnaryReactor* KvDepotService::Unpin(grpc::CallbackServerContext* ctx
 grpc::ServerUnaryReactor* KvDepotService::BeginPut(
     grpc::CallbackServerContext* ctx, const v1::BeginPutRequest* req,
     v1::BeginPutResponse* resp) {
-  return Unary(ctx, "BeginPut", [&]() -> absl::Status {
-    RETURN_IF_ERROR(RequireSession(req->session_id()));
-    std::vector<PutSpec> specs;
-    specs.reserve(req->blocks_size());
-    for (const v1::PutSpec& b : req->blocks()) {
-      specs.push_back(PutSpec{b.key(), b.parent_key(), b.size()});
-    }
-    ASSIGN_OR_RETURN(Reservation r,
-                     store_.BeginPut(req->session_id(), req->namespace_(), specs));
-    resp->set_reservation_id(r.id);
-    for (const PutSlot& s : r.slots) {
-      v1::PutSlot* out = resp->add_slots();
-      out->set_state(s.exists ? v1::PUT_SLOT_EXISTS : v1::PUT_SLOT_RESERVED);
-      out->set_offset(s.offset);
-    }
-    return absl::OkStatus();
-  });
+  grpc::ServerUnaryReactor* reactor = ctx->DefaultReactor();
+  StartBeginPut(ctx, req, resp, Finisher("BeginPut", reactor), true);
+  return reactor;
+}
+
+void KvDepotService::StartBeginPut(grpc::CallbackServerContext* ctx,
+                                   const v1::BeginPutRequest* req,
+                                   v1::BeginPutResponse* resp, Finish finish,
+                                   bool must_not_block) {
+  if (absl::Status st = RequireSession(req->session_id()); !st.ok()) {
+    return finish(st);
+  }
+  std::vector<PutSpec> specs;
+  specs.reserve(req->blocks_size());
+  for (const v1::PutSpec& b : req->blocks()) {
+    specs.push_back(PutSpec{b.key(), b.parent_key(), b.size()});
+  }
+  bool would_wait = false;
+  absl::StatusOr<Reservation> r = store_.BeginPut(
+      req->session_id(), req->namespace_(), specs, must_not_block ? &would_wait : nullptr);
+  if (would_wait) {
+    // DRAM is full of pinned and reserved blocks: the put waits for room
+    // (up to 5 s) on put_pool_, not on gRPC's threads, which every other
+    // call (a KeepAlive holding a lease) needs.
+    return put_pool_.Submit([this, ctx, req, resp, finish = std::move(finish)] {
+      if (ctx->IsCancelled()) {  // the client gave up meanwhile
+        return finish(absl::CancelledError("the client cancelled the put"));
+      }
+      StartBeginPut(ctx, req, resp, finish, false);
+    });
+  }
+  if (!r.ok()) return finish(r.status());
+  resp->set_reservation_id(r->id);
+  for (const PutSlot& slot : r->slots) {
+    v1::PutSlot* out = resp->add_slots();
+    out->set_state(slot.exists ? v1::PUT_SLOT_EXISTS : v1::PUT_SLOT_RESERVED);
+    out->set_offset(slot.offset);
+  }
+  finish(absl::OkStatus());
 }
 
 grpc::ServerUnaryReactor* KvDepotService::CommitPut(
@@ -374,8 +396,32 @@ class WriteReactor final : public grpc::ServerReadReactor<v1::WriteRequest>,
                                  : stream_.End());
       return;
     }
+    Apply(/*must_not_block=*/true);
+  }
+
+  void OnDone() override {
+    service_.Unregister(this);
+    service_.Finished("Write", status_, start_);
+    delete this;
+  }
+
+ private:
+  // Applies msg_, then reads the next message. A block that must wait for
+  // room (DRAM full of pinned and reserved blocks) waits on the service's
+  // put pool, not on gRPC's threads, which every other call needs; the
+  // next read starts from there.
+  void Apply(bool must_not_block) {
+    if (!must_not_block && ctx_->IsCancelled()) {
+      Finish(absl::CancelledError("client cancelled the write"));
+      return;
+    }
     uint64_t before = stream_.bytes_in();
-    absl::Status st = stream_.Consume(msg_);
+    bool would_wait = false;
+    absl::Status st = stream_.Consume(msg_, must_not_block ? &would_wait : nullptr);
+    if (would_wait) {
+      service_.put_pool().Submit([this] { Apply(false); });
+      return;
+    }
     service_.metrics().AddBytesIn(stream_.bytes_in() - before);
     // Progress is a block started or finished, or a share of one received
     // (WriteStream::TakeProgress), not any message: a trickle of single
@@ -388,13 +434,6 @@ class WriteReactor final : public grpc::ServerReadReactor<v1::WriteRequest>,
     StartRead(&msg_);
   }
 
-  void OnDone() override {
-    service_.Unregister(this);
-    service_.Finished("Write", status_, start_);
-    delete this;
-  }
-
- private:
   void Finish(const absl::Status& st) {
     // Release an unfinished block before the client can see the status, so
     // whatever it does next finds the space free.

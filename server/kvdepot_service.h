@@ -167,6 +167,8 @@ class KvDepotService final
   void BeginShutdown() { shutting_down_.store(true); }
 
   TieredStore& store() { return store_; }
+  // Where puts that wait for room wait (not on gRPC's threads).
+  WorkPool& put_pool() { return put_pool_; }
   ServerMetrics& metrics() { return metrics_; }
   Clock& clock() { return clock_; }
 
@@ -187,6 +189,11 @@ class KvDepotService final
   void StartPushBlocks(const v1::PushBlocksRequest* req,
                        v1::PushBlocksResponse* resp, Finish finish,
                        bool over_ucx = false);
+  // BeginPut; `must_not_block` (on a gRPC thread): a put that would wait
+  // for room goes on put_pool_ and waits there.
+  void StartBeginPut(grpc::CallbackServerContext* ctx,
+                     const v1::BeginPutRequest* req, v1::BeginPutResponse* resp,
+                     Finish finish, bool must_not_block);
   // `must_not_block` (on a UCX progress thread): a put that would wait for
   // room (BeginPut's would_wait) goes on put_pool_ and waits there.
   // `data`, when it holds some, is the blocks' bytes sent with a UCX

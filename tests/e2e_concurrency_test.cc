@@ -9,6 +9,7 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "absl/time/clock.h"
 #include "client/client.h"
 #include "tests/daemon_process.h"
 #include "tests/status_matchers.h"
@@ -147,6 +148,102 @@ TEST(ConcurrencyTest, EightWritersAndReadersOverTenThousandBlocks) {
   auto rc = (*daemon)->Stop(SIGTERM);
   ASSERT_OK(rc);
   EXPECT_EQ(*rc, 0);
+}
+
+// Puts that must wait for room (DRAM full of a reservation nobody commits,
+// an NVMe tier to make room into) wait on kvdepotd's put pool, not on
+// gRPC's threads. Bug: each BeginPut (and Write header) waited up to 5 s on
+// a gRPC thread; a few of them held every one, so a KeepAlive queued behind
+// them past its deadline and an innocent client's session expired.
+TEST(ConcurrencyTest, PutsWaitingForRoomDoNotStallOtherCalls) {
+  auto daemon = DaemonProcess::Start(
+      {"--dram-capacity", "8MiB", "--nvme-capacity", "64MiB"});
+  ASSERT_OK(daemon);
+  auto client = Connect((*daemon)->address());
+  v1::KvDepot::Stub& stub = client->stub();
+  auto open = [&stub]() -> uint64_t {
+    grpc::ClientContext ctx;
+    v1::OpenSessionRequest req;
+    req.set_lease_ms(60000);
+    v1::OpenSessionResponse resp;
+    grpc::Status st = stub.OpenSession(&ctx, req, &resp);
+    EXPECT_TRUE(st.ok()) << st.error_message();
+    return resp.session_id();
+  };
+  auto begin_put = [&stub](uint64_t session, const std::string& key, uint64_t size,
+                           absl::Duration timeout, v1::BeginPutResponse* resp) {
+    grpc::ClientContext ctx;
+    ctx.set_deadline(absl::ToChronoTime(absl::Now() + timeout));
+    v1::BeginPutRequest req;
+    req.set_session_id(session);
+    req.set_namespace_("e2e/room");
+    v1::PutSpec* spec = req.add_blocks();
+    spec->set_key(key);
+    spec->set_size(size);
+    return stub.BeginPut(&ctx, req, resp);
+  };
+  // Nearly all of DRAM reserved, never committed.
+  const uint64_t holder = open();
+  v1::BeginPutResponse held;
+  grpc::Status hold = begin_put(holder, "held", 7 << 20, absl::Seconds(10), &held);
+  ASSERT_TRUE(hold.ok()) << hold.error_message();
+
+  // More waiting puts than gRPC has threads here, over gRPC's unary call
+  // and over Write streams.
+  const int waiters = 4 * static_cast<int>(std::max(2u, std::thread::hardware_concurrency()));
+  std::atomic<int> started{0};
+  std::vector<std::thread> threads;
+  for (int i = 0; i < waiters; ++i) {
+    threads.emplace_back([&, i] {
+      ++started;
+      if (i % 2 == 0) {
+        v1::BeginPutResponse resp;
+        begin_put(open(), absl::StrCat("w", i), 2 << 20, absl::Seconds(4), &resp)
+            .error_code();
+      } else {
+        grpc::ClientContext ctx;
+        ctx.set_deadline(absl::ToChronoTime(absl::Now() + absl::Seconds(4)));
+        v1::WriteResponse resp;
+        auto writer = stub.Write(&ctx, &resp);
+        v1::WriteRequest msg;
+        msg.mutable_header()->set_namespace_("e2e/room");
+        msg.mutable_header()->set_key(absl::StrCat("w", i));
+        msg.mutable_header()->set_size(2 << 20);
+        writer->Write(msg);
+        writer->WritesDone();
+        writer->Finish().error_code();
+      }
+    });
+  }
+  while (started.load() < waiters) absl::SleepFor(absl::Milliseconds(10));
+  absl::SleepFor(absl::Milliseconds(500));  // the puts reach the daemon
+
+  // Another client's calls are answered meanwhile: its lease is kept, and
+  // a put that fits (after the holder lets go) is taken.
+  const uint64_t other = open();
+  ASSERT_NE(other, 0u);
+  {
+    grpc::ClientContext ctx;
+    ctx.set_deadline(absl::ToChronoTime(absl::Now() + absl::Seconds(3)));
+    v1::KeepAliveRequest req;
+    req.set_session_id(other);
+    v1::KeepAliveResponse resp;
+    grpc::Status st = stub.KeepAlive(&ctx, req, &resp);
+    EXPECT_TRUE(st.ok()) << "KeepAlive behind waiting puts: " << st.error_message();
+  }
+  {
+    grpc::ClientContext ctx;
+    ctx.set_deadline(absl::ToChronoTime(absl::Now() + absl::Seconds(3)));
+    v1::AbortPutRequest req;
+    req.set_session_id(holder);
+    req.set_reservation_id(held.reservation_id());
+    v1::AbortPutResponse resp;
+    grpc::Status st = stub.AbortPut(&ctx, req, &resp);
+    EXPECT_TRUE(st.ok()) << "AbortPut behind waiting puts: " << st.error_message();
+  }
+  for (std::thread& t : threads) t.join();
+  EXPECT_OK(client->Health());
+  EXPECT_TRUE((*daemon)->Running()) << (*daemon)->Log();
 }
 
 }  // namespace
