@@ -1,5 +1,7 @@
 #include "server/config.h"
 
+#include <arpa/inet.h>
+#include <netinet/in.h>
 #include <yaml-cpp/yaml.h>
 
 #include <algorithm>
@@ -12,9 +14,11 @@
 #include <set>
 
 #include "absl/strings/ascii.h"
+#include "absl/strings/match.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/strip.h"
+#include "server/http_server.h"
 #include "transport/ucx_context.h"
 
 namespace kvdepot {
@@ -53,6 +57,61 @@ absl::StatusOr<HugePageMode> ParseHugePages(absl::string_view s) {
   if (s == "off" || s == "false") return HugePageMode::kOff;
   return absl::InvalidArgumentError(
       absl::StrCat("hugepages must be auto, on or off, not '", s, "'"));
+}
+
+absl::Status CheckListenAddress(absl::string_view address) {
+  auto bad = [address](absl::string_view why) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("'", address, "' is not HOST:PORT: ", why));
+  };
+  absl::string_view host, port;
+  if (absl::StartsWith(address, "[")) {
+    const size_t close = address.find(']');
+    if (close == absl::string_view::npos) return bad("no ']' after the IPv6 address");
+    host = address.substr(1, close - 1);
+    absl::string_view rest = address.substr(close + 1);
+    if (!absl::ConsumePrefix(&rest, ":")) return bad("no :PORT after ']'");
+    port = rest;
+    // A scope ("fe80::1%eth0") is not part of the address.
+    std::string numeric(host.substr(0, host.find('%')));
+    in6_addr v6;
+    if (numeric.empty() || inet_pton(AF_INET6, numeric.c_str(), &v6) != 1) {
+      return bad(absl::StrCat("'", host, "' is not an IPv6 address"));
+    }
+  } else {
+    const size_t colon = address.rfind(':');
+    if (colon == absl::string_view::npos) return bad("no :PORT");
+    host = address.substr(0, colon);
+    port = address.substr(colon + 1);
+    if (host.empty()) return bad("no host (0.0.0.0 for every address)");
+    if (host.find(':') != absl::string_view::npos) {
+      return bad("an IPv6 address goes in brackets, as [::1]:9551");
+    }
+    const bool numeric = std::all_of(host.begin(), host.end(), [](char ch) {
+      return absl::ascii_isdigit(static_cast<unsigned char>(ch)) || ch == '.';
+    });
+    if (numeric) {
+      std::string v4_text(host);
+      in_addr v4;
+      if (inet_pton(AF_INET, v4_text.c_str(), &v4) != 1) {
+        return bad(absl::StrCat("'", host, "' is not an IPv4 address"));
+      }
+    } else if (!std::all_of(host.begin(), host.end(), [](char ch) {
+                 return absl::ascii_isalnum(static_cast<unsigned char>(ch)) ||
+                        ch == '-' || ch == '.' || ch == '_';
+               }) ||
+               absl::StartsWith(host, ".") || absl::StartsWith(host, "-")) {
+      return bad(absl::StrCat("'", host, "' is not a host name"));
+    }
+  }
+  uint32_t number = 0;
+  if (port.empty() || port.size() > 5 ||
+      !std::all_of(port.begin(), port.end(),
+                   [](char ch) { return absl::ascii_isdigit(static_cast<unsigned char>(ch)); }) ||
+      !absl::SimpleAtoi(port, &number) || number > 65535) {
+    return bad(absl::StrCat("port '", port, "' is not 0..65535"));
+  }
+  return absl::OkStatus();
 }
 
 namespace {
@@ -117,6 +176,7 @@ absl::Status ApplyConfig(const YAML::Node& root, const std::string& path, Daemon
   uint64_t grpc_threads = static_cast<uint64_t>(c->grpc_max_threads);
   uint64_t grpc_streams = static_cast<uint64_t>(c->grpc_max_streams_per_connection);
   uint64_t ns_labels = static_cast<uint64_t>(c->metrics_namespace_labels);
+  uint64_t metrics_threads = static_cast<uint64_t>(c->metrics_threads);
   uint64_t ucx_workers = static_cast<uint64_t>(c->ucx_workers);
   uint64_t ucx_colocated = static_cast<uint64_t>(c->ucx_colocated_workers);
   auto bool_into = [](bool* out) -> Setter {
@@ -150,6 +210,8 @@ absl::Status ApplyConfig(const YAML::Node& root, const std::string& path, Daemon
       {"listen", string_into(&c->listen)},
       {"metrics_listen", string_into(&c->metrics_listen)},
       {"metrics_namespace_labels", uint_into(&ns_labels, 100000)},
+      {"metrics_threads", uint_into(&metrics_threads, kMaxInt)},
+      {"metrics_request_timeout", duration_into(&c->metrics_request_timeout)},
       {"data_dir", string_into(&c->data_dir)},
       {"log_level", string_into(&c->log_level)},
       {"log_format", string_into(&c->log_format)},
@@ -256,6 +318,7 @@ absl::Status ApplyConfig(const YAML::Node& root, const std::string& path, Daemon
   c->grpc_max_threads = static_cast<int>(grpc_threads);
   c->grpc_max_streams_per_connection = static_cast<int>(grpc_streams);
   c->metrics_namespace_labels = static_cast<int>(ns_labels);
+  c->metrics_threads = static_cast<int>(metrics_threads);
   c->ucx_workers = static_cast<int>(ucx_workers);
   c->ucx_colocated_workers = static_cast<int>(ucx_colocated);
   return absl::OkStatus();
@@ -296,13 +359,26 @@ absl::Status ValidateConfig(const DaemonConfig& c) {
   if (s.max_block_bytes == 0 || s.max_block_bytes > (uint64_t{1} << 31)) {
     return absl::InvalidArgumentError("max_block_size must be 1B..2GiB");
   }
-  if (c.listen.empty() || c.listen.find(':') == std::string::npos) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("listen must be HOST:PORT, not '", c.listen, "'"));
+  if (absl::Status st = CheckListenAddress(c.listen); !st.ok()) {
+    return absl::InvalidArgumentError(absl::StrCat("listen: ", st.message()));
   }
-  if (!c.metrics_listen.empty() && c.metrics_listen.find(':') == std::string::npos) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "metrics_listen must be HOST:PORT, not '", c.metrics_listen, "'"));
+  if (!c.metrics_listen.empty()) {
+    if (absl::Status st = CheckListenAddress(c.metrics_listen); !st.ok()) {
+      return absl::InvalidArgumentError(absl::StrCat("metrics_listen: ", st.message()));
+    }
+    if (absl::StartsWith(c.metrics_listen, "[") && !HttpServer::SupportsIpv6()) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "metrics_listen: '", c.metrics_listen,
+          "' is IPv6, and this kvdepotd's civetweb serves IPv4 only "
+          "(0.0.0.0 for every address)"));
+    }
+  }
+  if (c.metrics_threads < 4 || c.metrics_threads > 1024) {
+    return absl::InvalidArgumentError("metrics_threads must be 4..1024");
+  }
+  if (c.metrics_request_timeout < absl::Milliseconds(100) ||
+      c.metrics_request_timeout > absl::Seconds(10)) {
+    return absl::InvalidArgumentError("metrics_request_timeout must be 100ms..10s");
   }
   if (c.grpc_max_threads < 2 || c.grpc_max_threads > 4096) {
     return absl::InvalidArgumentError("grpc_max_threads must be 2..4096");

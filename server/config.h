@@ -20,6 +20,11 @@ namespace kvdepot {
 struct DaemonConfig {
   std::string listen = "127.0.0.1:50551";
   std::string metrics_listen = "127.0.0.1:9551";  // empty: no metrics endpoint
+  // The metrics port's connections served at once, and how long one may
+  // take to send its request (HttpServerOptions): idle or slow clients
+  // delay a scrape only when they hold all the threads.
+  int metrics_threads = 128;
+  absl::Duration metrics_request_timeout = absl::Seconds(2);
   // Namespaces (the first seen) with their own `namespace` label value in
   // the lookup metrics; the rest are counted as "(other)".
   int metrics_namespace_labels = 32;
@@ -83,6 +88,11 @@ absl::StatusOr<HugePageMode> ParseHugePages(absl::string_view text);
 // "30s", "500ms", "2m" (absl duration syntax). InvalidArgument when
 // negative or infinite ("inf").
 absl::StatusOr<absl::Duration> ParseDurationFlag(absl::string_view text);
+
+// Checks a listen address: HOST:PORT, HOST an IPv4 address, a host name or
+// an IPv6 address in brackets ("[::1]:9551"), PORT 0..65535 (0 picks a free
+// one). InvalidArgument saying what is wrong.
+absl::Status CheckListenAddress(absl::string_view address);
 
 // Applies the keys of a YAML file to `config`. Unknown keys are an error (a
 // typo must not silently fall back to a default), and so are a key given

@@ -9,6 +9,7 @@
 #include <utility>
 
 #include "absl/strings/str_cat.h"
+#include "server/http_server.h"
 #include "tests/status_matchers.h"
 #include "yaml-cpp/yaml.h"
 
@@ -134,6 +135,8 @@ TEST(ConfigFileTest2, ShippedExampleMatchesTheDefaults) {
   EXPECT_EQ(from_file.ucx_workers, defaults.ucx_workers);
   EXPECT_EQ(from_file.ucx_colocated_workers, defaults.ucx_colocated_workers);
   EXPECT_EQ(from_file.ucx_transfer_timeout, defaults.ucx_transfer_timeout);
+  EXPECT_EQ(from_file.metrics_threads, defaults.metrics_threads);
+  EXPECT_EQ(from_file.metrics_request_timeout, defaults.metrics_request_timeout);
 }
 
 TEST_F(ConfigFileTest, UcxSettingsAreAMapping) {
@@ -181,6 +184,76 @@ TEST(ValidateConfigTest, ChecksCrossFieldRules) {
   c = DaemonConfig{};
   c.store.dram_capacity = 1000;
   EXPECT_THAT(ValidateConfig(c), StatusIs(absl::StatusCode::kInvalidArgument));
+}
+
+// HOST:PORT with a host and a port that fits 16 bits: "127.0.0.1:99999"
+// listened on 34463 (99999 mod 65536), and a bad metrics_listen failed only
+// when civetweb could not bind it (exit 1, which systemd restarts forever,
+// instead of a configuration error's 2).
+TEST(ValidateConfigTest, ListenAddressesAreHostAndPort) {
+  for (const char* good :
+       {"127.0.0.1:0", "0.0.0.0:65535", "localhost:9551", "kvdepot-0.kvdepot.ns.svc:1",
+        "[::1]:50551", "[::]:0", "[fe80::1%eth0]:80", "host_name.example.:80"}) {
+    EXPECT_OK(CheckListenAddress(good)) << good;
+  }
+  for (const char* bad :
+       {"127.0.0.1:99999", "127.0.0.1:65536", "127.0.0.1:", "127.0.0.1:-1",
+        "127.0.0.1:+80", "127.0.0.1:80x", "127.0.0.1:000080", ":9551", "9551",
+        "nowhere", "", "::1:80", "[::1]80", "[::1", "[]:80", "[nothost]:80",
+        "[127.0.0.1]:80", "999.1.1.1:80", "1.2.3:80", "a host:80", "-host:80",
+        "host/x:80"}) {
+    EXPECT_THAT(CheckListenAddress(bad), StatusIs(absl::StatusCode::kInvalidArgument))
+        << bad;
+  }
+  EXPECT_THAT(CheckListenAddress("127.0.0.1:99999").message(),
+              HasSubstr("port '99999' is not 0..65535"));
+
+  DaemonConfig c;
+  c.listen = "127.0.0.1:99999";
+  EXPECT_THAT(ValidateConfig(c), StatusIs(absl::StatusCode::kInvalidArgument));
+  EXPECT_THAT(ValidateConfig(c).message(), HasSubstr("listen: '127.0.0.1:99999'"));
+  c = DaemonConfig{};
+  c.metrics_listen = "127.0.0.1:70000";
+  EXPECT_THAT(ValidateConfig(c), StatusIs(absl::StatusCode::kInvalidArgument));
+  EXPECT_THAT(ValidateConfig(c).message(), HasSubstr("metrics_listen: "));
+  c.metrics_listen = "nohost";
+  EXPECT_THAT(ValidateConfig(c), StatusIs(absl::StatusCode::kInvalidArgument));
+  c.metrics_listen = "";  // no metrics endpoint
+  EXPECT_OK(ValidateConfig(c));
+  c.metrics_listen = "localhost:0";
+  EXPECT_OK(ValidateConfig(c));
+  // An IPv6 metrics address with a civetweb that cannot bind one is a
+  // configuration error too, not a start failure.
+  c.metrics_listen = "[::1]:9551";
+  if (HttpServer::SupportsIpv6()) {
+    EXPECT_OK(ValidateConfig(c));
+  } else {
+    EXPECT_THAT(ValidateConfig(c), StatusIs(absl::StatusCode::kInvalidArgument));
+  }
+}
+
+TEST_F(ConfigFileTest, MetricsPortThreadsAndTimeoutAreReadAndChecked) {
+  DaemonConfig c;
+  ASSERT_OK(LoadConfigFile(Write("metrics_threads: 256\n"
+                                 "metrics_request_timeout: 500ms\n"),
+                           &c));
+  EXPECT_EQ(c.metrics_threads, 256);
+  EXPECT_EQ(c.metrics_request_timeout, absl::Milliseconds(500));
+  EXPECT_OK(ValidateConfig(c));
+  for (int threads : {0, 3, 1025}) {
+    DaemonConfig bad;
+    bad.metrics_threads = threads;
+    EXPECT_THAT(ValidateConfig(bad), StatusIs(absl::StatusCode::kInvalidArgument))
+        << threads;
+  }
+  // Longer than Prometheus's scrape timeout would let idle connections
+  // starve scrapes again.
+  for (absl::Duration timeout : {absl::Milliseconds(50), absl::Seconds(11)}) {
+    DaemonConfig bad;
+    bad.metrics_request_timeout = timeout;
+    EXPECT_THAT(ValidateConfig(bad), StatusIs(absl::StatusCode::kInvalidArgument))
+        << timeout;
+  }
 }
 
 TEST_F(ConfigFileTest, NvmeMaxUnflushedAgeIsReadAndChecked) {

@@ -46,6 +46,7 @@ absl::Status Daemon::Init() {
   registry_ = std::make_shared<prometheus::Registry>();
   metrics_ = std::make_unique<ServerMetrics>(*registry_,
                                              config_.metrics_namespace_labels);
+  metrics_->SetStartTime(absl::Now());
   StoreOptions store_options = config_.store;
   store_options.nvme_path = data_dir_->path() + "/nvme";
   if (std::string w = NvmeHeadroomWarning(store_options.nvme_capacity,
@@ -68,6 +69,8 @@ absl::Status Daemon::Init() {
     status_page_->StartSampler();
     HttpServerOptions http;
     http.listen = config_.metrics_listen;
+    http.threads = config_.metrics_threads;
+    http.request_timeout = config_.metrics_request_timeout;
     ASSIGN_OR_RETURN(
         http_server_,
         HttpServer::Start(http, MetricsPortRoutes(*registry_, *status_page_),

@@ -2,6 +2,7 @@
 
 #include <arpa/inet.h>
 #include <civetweb.h>
+#include <netdb.h>
 #include <netinet/in.h>
 #include <sys/socket.h>
 #include <unistd.h>
@@ -145,45 +146,68 @@ absl::StatusOr<std::unique_ptr<HttpServer>> HttpServer::Start(
   if (mg_get_server_ports(server->ctx_, 4, ports) > 0) {
     server->port_ = ports[0].port;
   }
+  server->SetWakeAddress(options.listen);
+  return server;
+}
+
+bool HttpServer::SupportsIpv6() {
+  // Feature 8: IPv6 (civetweb.h); may be asked before mg_init_library.
+  return mg_check_feature(8) != 0;
+}
+
+void HttpServer::SetWakeAddress(const std::string& listen) {
   // "HOST:PORT", "[V6]:PORT" or "PORT"; a wildcard host is reached on
   // loopback.
-  absl::string_view host = options.listen;
+  absl::string_view host = listen;
   if (size_t colon = host.rfind(':'); colon != absl::string_view::npos) {
     host = host.substr(0, colon);
   } else {
     host = "";
   }
   if (absl::ConsumePrefix(&host, "[")) absl::ConsumeSuffix(&host, "]");
+  std::string name(host);
   if (host == "::") {
-    server->wake_host_ = "::1";
-  } else if (!host.empty() && host != "0.0.0.0" && host != "*") {
-    server->wake_host_ = std::string(host);
+    name = "::1";
+  } else if (host.empty() || host == "0.0.0.0" || host == "*") {
+    name = "127.0.0.1";
   }
-  return server;
+  // A host name is resolved here, once (a lookup in the destructor could
+  // hang on DNS): IPv4 first, as civetweb binds it.
+  for (int family : {AF_INET, AF_INET6}) {
+    addrinfo hints{};
+    hints.ai_family = family;
+    hints.ai_socktype = SOCK_STREAM;
+    addrinfo* found = nullptr;
+    if (getaddrinfo(name.c_str(), nullptr, &hints, &found) != 0) continue;
+    for (addrinfo* a = found; a != nullptr; a = a->ai_next) {
+      if (a->ai_family != family || a->ai_addrlen > sizeof(wake_addr_)) continue;
+      std::memcpy(&wake_addr_, a->ai_addr, a->ai_addrlen);
+      wake_len_ = a->ai_addrlen;
+      break;
+    }
+    freeaddrinfo(found);
+    if (wake_len_ > 0) break;
+  }
+  if (wake_len_ == 0) {
+    log_->debug("http: cannot resolve {}: stopping waits for civetweb's poll",
+                name);
+    return;
+  }
+  const uint16_t port = htons(static_cast<uint16_t>(port_));
+  if (wake_addr_.ss_family == AF_INET) {
+    reinterpret_cast<sockaddr_in*>(&wake_addr_)->sin_port = port;
+  } else {
+    reinterpret_cast<sockaddr_in6*>(&wake_addr_)->sin6_port = port;
+  }
 }
 
 namespace {
 
-// Opens and closes a TCP connection to host:port; best effort.
-void Knock(const std::string& host, int port) {
-  sockaddr_storage addr{};
-  socklen_t len = 0;
-  auto* v4 = reinterpret_cast<sockaddr_in*>(&addr);
-  auto* v6 = reinterpret_cast<sockaddr_in6*>(&addr);
-  if (inet_pton(AF_INET, host.c_str(), &v4->sin_addr) == 1) {
-    v4->sin_family = AF_INET;
-    v4->sin_port = htons(static_cast<uint16_t>(port));
-    len = sizeof(*v4);
-  } else if (inet_pton(AF_INET6, host.c_str(), &v6->sin6_addr) == 1) {
-    v6->sin6_family = AF_INET6;
-    v6->sin6_port = htons(static_cast<uint16_t>(port));
-    len = sizeof(*v6);
-  } else {
-    return;  // a host name: civetweb stops within its poll quantum anyway
-  }
+// Opens and closes a TCP connection to `addr`; best effort.
+void Knock(const sockaddr_storage& addr, socklen_t len) {
   const int fd = socket(addr.ss_family, SOCK_STREAM | SOCK_CLOEXEC, 0);
   if (fd < 0) return;
-  connect(fd, reinterpret_cast<sockaddr*>(&addr), len);
+  connect(fd, reinterpret_cast<const sockaddr*>(&addr), len);
   close(fd);
 }
 
@@ -191,13 +215,17 @@ void Knock(const std::string& host, int port) {
 
 HttpServer::~HttpServer() {
   if (ctx_ == nullptr) return;
+  if (wake_len_ == 0) {
+    mg_stop(ctx_);
+    return;
+  }
   // civetweb's listener thread polls in 2 s quanta and sees the stop only
   // between them, so a daemon's SIGTERM would wait up to 2 s here. A
   // connection wakes the poll: knock until mg_stop has returned.
   std::atomic<bool> stopped{false};
   std::thread waker([this, &stopped] {
     while (!stopped.load()) {
-      Knock(wake_host_, port_);
+      Knock(wake_addr_, wake_len_);
       absl::SleepFor(absl::Milliseconds(20));
     }
   });

@@ -2,7 +2,8 @@
 // (/metrics, the status page, /status.json), on civetweb. It serves GET and
 // HEAD of a fixed set of exact paths; other methods get 405, other paths 404.
 // A bounded pool of threads runs the handlers, connections close after each
-// response, and a client that sends nothing for `request_timeout` is dropped.
+// response, and a client that has not sent its whole request within
+// `request_timeout` is dropped.
 // Responses are gzip-compressed when the client accepts it.
 //
 // Thread-safe: handlers run concurrently on the server's threads.
@@ -10,6 +11,7 @@
 #define KVDEPOT_SERVER_HTTP_SERVER_H_
 
 #include <spdlog/logger.h>
+#include <sys/socket.h>
 
 #include <functional>
 #include <memory>
@@ -38,17 +40,24 @@ struct HttpResponse {
 using HttpHandler = std::function<HttpResponse()>;
 
 struct HttpServerOptions {
-  // HOST:PORT (IPv6 as [ADDR]:PORT); port 0 picks a free one.
+  // HOST:PORT (IPv6 as [ADDR]:PORT); port 0 picks a free one. A host name is
+  // resolved once, at Start (its first IPv4 address, else its first IPv6
+  // one, as civetweb binds it).
   std::string listen;
-  // Requests served at once; more wait in civetweb's accept queue. A
-  // connection holds its thread until its request is answered or dropped,
-  // so this many idle connections delay everyone else by up to
-  // request_timeout (idle threads cost only their stacks).
-  int threads = 16;
-  // Bound on receiving a request and on sending its response: well under
-  // Prometheus's default scrape timeout (10 s), so a scrape queued behind
-  // idle connections still gets its answer.
-  absl::Duration request_timeout = absl::Seconds(5);
+  // Connections served at once (civetweb starts them all at Start; an idle
+  // one costs its stack, mostly untouched, and a request buffer). More wait
+  // in civetweb's queue and then the kernel's accept backlog. A connection
+  // holds its thread until its request is answered or dropped, so it takes
+  // more than this many idle or slow connections to delay anyone, and then
+  // by request_timeout for each `threads` of them ahead.
+  int threads = 128;
+  // Bound on receiving a request's headers, counted from when a thread takes
+  // the connection up (a client trickling bytes gains nothing), and on
+  // sending its response.
+  // Short: a scraper sends its request at once, and a scrape queued behind
+  // idle connections must still get its answer within Prometheus's scrape
+  // timeout (10 s by default).
+  absl::Duration request_timeout = absl::Seconds(2);
 };
 
 class HttpServer {
@@ -64,6 +73,10 @@ class HttpServer {
   HttpServer(const HttpServer&) = delete;
   HttpServer& operator=(const HttpServer&) = delete;
 
+  // Whether this build of civetweb serves IPv6 addresses (Debian 12's does
+  // not: "[::]:9551" cannot be bound).
+  static bool SupportsIpv6();
+
   // The bound port (the real one when 0 was asked).
   int port() const { return port_; }
 
@@ -73,15 +86,20 @@ class HttpServer {
   static int OnRequest(mg_connection* conn);
   static int OnLog(const mg_connection* conn, const char* message);
   int Serve(mg_connection* conn);
+  // Sets wake_addr_ and wake_len_ from `listen` (HttpServerOptions::listen)
+  // and port_.
+  void SetWakeAddress(const std::string& listen);
 
   const absl::flat_hash_map<std::string, HttpHandler> routes_;
   const std::shared_ptr<spdlog::logger> log_;
   mg_context* ctx_ = nullptr;  // set once by Start
   int port_ = 0;
   // Where a connection reaches the listener (loopback for a wildcard
-  // address); the destructor connects there to make civetweb notice the
-  // stop at once instead of after its 2 s poll.
-  std::string wake_host_ = "127.0.0.1";
+  // address, the resolved address for a host name); the destructor connects
+  // there to make civetweb notice the stop at once instead of after its 2 s
+  // poll. Empty (wake_len_ 0) when there is nowhere to knock.
+  sockaddr_storage wake_addr_{};
+  socklen_t wake_len_ = 0;
 };
 
 }  // namespace kvdepot

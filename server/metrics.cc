@@ -150,7 +150,19 @@ ServerMetrics::ServerMetrics(prometheus::Registry& registry, int namespace_label
                         .Name("kvdepot_reservations_active")
                         .Help("Open two-phase put reservations")
                         .Register(registry)
-                        .Add({})) {
+                        .Add({})),
+      draining_(prometheus::BuildGauge()
+                    .Name("kvdepot_draining")
+                    .Help("1 while the daemon refuses new puts (kvdepotctl "
+                          "drain, the SetDraining RPC, or SIGTERM), else 0")
+                    .Register(registry)
+                    .Add({})),
+      start_time_(prometheus::BuildGauge()
+                      .Name("kvdepot_start_time_seconds")
+                      .Help("When the daemon started, in seconds since the "
+                            "Unix epoch")
+                      .Register(registry)
+                      .Add({})) {
   prometheus::BuildGauge()
       .Name("kvdepot_build_info")
       .Help("Build of the running daemon (value is always 1)")
@@ -281,6 +293,7 @@ void ServerMetrics::UpdateFromStats(const StoreStats& st) {
   sessions_.Set(static_cast<double>(st.sessions));
   pins_.Set(static_cast<double>(st.pins));
   reservations_.Set(static_cast<double>(st.reservations));
+  draining_.Set(st.draining ? 1 : 0);
   absl::MutexLock lock(&mu_);
   dram_evictions_.Advance(st.dram.evictions);
   nvme_evictions_.Advance(st.nvme.evictions);

@@ -83,7 +83,13 @@ class ServerMetrics {
   // kvdepot_ucx_requests_refused_total{code}. Not in kvdepot_requests_total.
   void RecordUcxRefused(absl::StatusCode code);
 
-  // Copies gauges (tier usage, sessions, pins, reservations) and counter
+  // kvdepot_start_time_seconds: when the daemon started (unix seconds), so
+  // that restarts show as changes of it. 0 until set.
+  void SetStartTime(absl::Time start) {
+    start_time_.Set(absl::ToDoubleSeconds(start - absl::UnixEpoch()));
+  }
+
+  // Copies gauges (tier usage, sessions, pins, reservations, draining) and counter
   // deltas (evictions, demotions, promotions, integrity errors, NVMe write
   // bytes) from a store snapshot. Called about once a second.
   void UpdateFromStats(const StoreStats& stats);
@@ -140,6 +146,8 @@ class ServerMetrics {
   prometheus::Gauge& sessions_;
   prometheus::Gauge& pins_;
   prometheus::Gauge& reservations_;
+  prometheus::Gauge& draining_;
+  prometheus::Gauge& start_time_;
 
   absl::Mutex mu_;
   absl::flat_hash_map<std::string, prometheus::Histogram*> histograms_

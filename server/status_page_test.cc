@@ -271,6 +271,14 @@ TEST_F(StatusPageTest, RoutesServeMetricsPageAndJson) {
   EXPECT_THAT(html.body, HasSubstr("fetch(\"status.json\""));
   EXPECT_THAT(html.body,
               Not(HasSubstr("://")));  // nothing loads from elsewhere
+  // A poll that gets no answer is aborted (a hung daemon left the fetch
+  // pending forever, and no poll came after it), and a failed one says so
+  // in the health badge, not only in the "updated" line.
+  EXPECT_THAT(html.body, HasSubstr("new AbortController()"));
+  EXPECT_THAT(html.body, HasSubstr("signal: controller.signal"));
+  EXPECT_THAT(html.body, HasSubstr("const TIMEOUT_MS = 5000;"));
+  EXPECT_THAT(html.body, HasSubstr("health.textContent = \"UNREACHABLE\""));
+  EXPECT_THAT(html.body, Not(HasSubstr("innerHTML")));  // textContent only
 }
 
 }  // namespace

@@ -170,6 +170,41 @@ TEST(MetricsTest, PrometheusScrapesTheDaemon) {
   EXPECT_NE(answer.find("\"1\"]"), std::string::npos) << answer;  // one miss
 }
 
+// kvdepot_draining is 1 while the daemon refuses puts (kvdepotctl drain,
+// i.e. the SetDraining RPC), and kvdepot_start_time_seconds is when the
+// daemon started: a new value at each restart, which KvdepotRestarting
+// counts.
+TEST(MetricsTest, DrainingAndStartTimeGauges) {
+  const double before = absl::ToDoubleSeconds(absl::Now() - absl::UnixEpoch());
+  auto d = DaemonProcess::Start({"--dram-capacity", "8MiB"});
+  ASSERT_OK(d);
+  const double after = absl::ToDoubleSeconds(absl::Now() - absl::UnixEpoch());
+  std::string text = Scrape(**d);
+  EXPECT_EQ(Value(text, "kvdepot_draining"), 0);
+  const double started = Value(text, "kvdepot_start_time_seconds");
+  EXPECT_GE(started, before - 1);
+  EXPECT_LE(started, after + 1);
+
+  testing::CommandResult drain = testing::RunCtl((*d)->address(), "drain");
+  ASSERT_EQ(drain.exit_code, 0) << drain.out << drain.err;
+  text = ScrapeUntil(**d, "kvdepot_draining", 1);  // copied once a second
+  EXPECT_EQ(Value(text, "kvdepot_draining"), 1);
+  testing::CommandResult undrain = testing::RunCtl((*d)->address(), "undrain");
+  ASSERT_EQ(undrain.exit_code, 0) << undrain.out << undrain.err;
+  ASSERT_TRUE(testing::PollUntil(
+      [&] { return Value(Scrape(**d), "kvdepot_draining") == 0; }));
+
+  // Restarted on the same data dir: a later start time.
+  const std::string data_dir = (*d)->data_dir();
+  auto rc = (*d)->Stop(SIGTERM);
+  ASSERT_OK(rc);
+  ASSERT_EQ(*rc, 0);
+  d->reset();
+  auto again = DaemonProcess::Start({"--dram-capacity", "8MiB"}, data_dir);
+  ASSERT_OK(again);
+  EXPECT_GT(Value(Scrape(**again), "kvdepot_start_time_seconds"), started);
+}
+
 TEST(MetricsTest, NamespaceLabelsAreBounded) {
   const std::string dir = testing::MakeTempDir("metrics-cfg");
   std::ofstream(dir + "/k.yaml") << "metrics_namespace_labels: 2\n";

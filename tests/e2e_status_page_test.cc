@@ -20,6 +20,7 @@
 #include <string>
 #include <vector>
 
+#include "absl/strings/ascii.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
@@ -324,16 +325,64 @@ std::string OutputDir() {
 
 // Runs headless Chromium on `url` with `args`, killed after 60 s. Its
 // console messages (JS errors, CSP violations) go to stderr as ":CONSOLE".
+// With `virtual_time` it runs the page's timers for 5 s of virtual time
+// before acting (a fetch that never ends stalls that clock: without it,
+// --dump-dom dumps at the load event, in real time).
 CommandResult Chromium(const std::string& binary, const std::string& url,
-                       const std::string& args) {
+                       const std::string& args, bool virtual_time = true) {
   return RunCommand(absl::StrCat("timeout -k 5 60 ", binary,
                                  " --headless=new --no-sandbox --disable-gpu "
                                  "--no-first-run --hide-scrollbars"
-                                 " --enable-logging=stderr --v=0 "
-                                 "--virtual-time-budget=5000 --user-data-dir=",
-                                 testing::MakeTempDir("chromium"), " ", args,
-                                 " http://", url, "/"));
+                                 " --enable-logging=stderr --v=0 ",
+                                 virtual_time ? "--virtual-time-budget=5000 " : "",
+                                 "--user-data-dir=", testing::MakeTempDir("chromium"),
+                                 " ", args, " http://", url, "/"));
 }
+
+// Serves the status page (index.html in `dir`) the way a daemon that stops
+// answering would: "hang" accepts every status.json request and never
+// answers; "once" answers the first with dir/status.json and drops the
+// connection of every later one. The page's last bytes (</body>) come
+// `hold` seconds after the rest, so Chromium's --dump-dom, which waits for
+// the load event, sees the page as it is then. Prints its port to
+// dir/port.
+constexpr char kStallingServer[] = R"(import http.server, os, socketserver, sys, time
+root, mode, hold = sys.argv[1], sys.argv[2], float(sys.argv[3])
+answered = []
+class Handler(http.server.BaseHTTPRequestHandler):
+    protocol_version = "HTTP/1.0"
+    def do_GET(self):
+        if self.path.startswith("/status.json"):
+            if mode == "hang":
+                time.sleep(60)
+            elif not answered:
+                answered.append(1)
+                body = open(os.path.join(root, "status.json"), "rb").read()
+                self.send_response(200)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+            return
+        page = open(os.path.join(root, "index.html"), "rb").read()
+        cut = page.rindex(b"</body>")
+        self.send_response(200)
+        self.send_header("Content-Type", "text/html; charset=utf-8")
+        self.end_headers()
+        self.wfile.write(page[:cut])
+        self.wfile.flush()
+        time.sleep(hold)
+        self.wfile.write(page[cut:])
+    def log_message(self, *args):
+        pass
+class Server(socketserver.ThreadingMixIn, http.server.HTTPServer):
+    daemon_threads = True
+server = Server(("127.0.0.1", 0), Handler)
+with open(os.path.join(root, "port.tmp"), "w") as f:
+    f.write(str(server.server_address[1]))
+os.rename(os.path.join(root, "port.tmp"), os.path.join(root, "port"))
+server.serve_forever()
+)";
 
 // Whether the rendered page shows `value` (a small count) in the element of
 // `field`.
@@ -399,6 +448,70 @@ TEST_F(StatusPageTest, BrowserRendersTheLiveNumbers) {
   EXPECT_GT(std::filesystem::file_size(png), 10'000u);
   std::cout << "status page screenshot: " << png << std::endl;
   RecordProperty("screenshot", png);
+}
+
+// The page of a daemon that stops answering: its poll is aborted after 5 s
+// when no answer comes (it stayed pending forever, and no poll came after
+// it), and a failed poll turns the health badge UNREACHABLE and greys the
+// sections, which keep the last figures received (the badge stayed green).
+TEST_F(StatusPageTest, BrowserShowsADaemonThatStopsAnsweringAsUnreachable) {
+  const char* env = std::getenv("KVDEPOT_CHROMIUM");
+  const std::string chromium =
+      env != nullptr && *env != '\0' ? env : "/usr/bin/chromium";
+  if (access(chromium.c_str(), X_OK) != 0) {
+    GTEST_SKIP() << chromium << " not found: browser check skipped "
+                 << "(apt-get install chromium, or set KVDEPOT_CHROMIUM)";
+  }
+  const Expected& e = expected_;
+  ASSERT_EQ(Number(StatusAfter(*daemon_, e), "tiers.dram.blocks"), e.blocks);
+  for (const std::string& mode : std::vector<std::string>{"hang", "once"}) {
+    SCOPED_TRACE(mode);
+    const std::string dir = testing::MakeTempDir("stalling");
+    std::ofstream(dir + "/serve.py") << kStallingServer;
+    CommandResult fetch = RunCommand(absl::StrCat(
+        "curl -sf --max-time 10 -o ", dir, "/index.html http://", daemon_->metrics_address(),
+        "/ && curl -sf --max-time 10 -o ", dir, "/status.json http://",
+        daemon_->metrics_address(), "/status.json"));
+    ASSERT_EQ(fetch.exit_code, 0) << fetch.err;
+    // 9 s: the 5 s timeout and then some, on a loaded machine.
+    CommandResult started = RunCommand(absl::StrCat(
+        "/usr/bin/python3 ", dir, "/serve.py ", dir, " ", mode, " 9 > ", dir,
+        "/serve.log 2>&1 & echo $!"));
+    int pid = 0;
+    ASSERT_TRUE(absl::SimpleAtoi(absl::StripAsciiWhitespace(started.out), &pid));
+    struct Killer {
+      int pid;
+      ~Killer() { ::kill(pid, SIGKILL); }
+    } killer{pid};
+    std::string port;
+    for (int i = 0; i < 100 && port.empty(); ++i) {
+      std::ifstream(dir + "/port") >> port;
+      if (port.empty()) absl::SleepFor(absl::Milliseconds(100));
+    }
+    ASSERT_FALSE(port.empty()) << "the stalling server did not start";
+
+    CommandResult dom = Chromium(chromium, "127.0.0.1:" + port, "--dump-dom",
+                                 /*virtual_time=*/false);
+    ASSERT_EQ(dom.exit_code, 0) << dom.err;
+    const std::string& html = dom.out;
+    EXPECT_TRUE(std::regex_search(
+        html, std::regex(R"(class="badge bad" data-field="health">UNREACHABLE<)")))
+        << html;
+    EXPECT_THAT(html, Not(HasSubstr("<section>")));  // every one is stale
+    EXPECT_THAT(html, Not(HasSubstr("<section class=\"wide\">")));
+    EXPECT_THAT(html, HasSubstr("<section class=\"stale\">"));
+    if (mode == "hang") {
+      EXPECT_THAT(html, HasSubstr("unreachable (no answer in 5 s), retrying; "
+                                  "figures from never<"));
+    } else {
+      // The figures of the answer it got stay, greyed.
+      EXPECT_TRUE(Shows(html, "tiers.dram.blocks", absl::StrCat(e.blocks))) << html;
+      EXPECT_TRUE(std::regex_search(
+          html, std::regex(R"(data-field="updated"[^>]*>unreachable \([^)]+\), )"
+                           R"(retrying; figures from \d)")))
+          << html;
+    }
+  }
 }
 
 }  // namespace

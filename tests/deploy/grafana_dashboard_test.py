@@ -110,6 +110,22 @@ class DashboardTest(unittest.TestCase):
                 if "kvdepot_lookup_" in t["expr"]:
                     self.assertIn('namespace=~"$namespace"', t["expr"], p["title"])
 
+    def test_daemons_up_shows_the_lost_ones_in_red(self):
+        # sum(up) green from 1 hid partial loss: 3 of 4 daemons looked fine.
+        panel = next(p for p in self.panels if p["title"] == "Daemons up")
+        exprs = {t["legendFormat"]: t["expr"] for t in panel["targets"]}
+        self.assertIn("== 1", exprs["up"])
+        self.assertIn("== 0", exprs["down"])
+        for expr in exprs.values():
+            self.assertIn("or vector(0)", expr)  # 0, not "no data"
+        down = next(
+            o for o in panel["fieldConfig"]["overrides"]
+            if o["matcher"] == {"id": "byName", "options": "down"}
+        )
+        steps = down["properties"][0]["value"]["steps"]
+        self.assertEqual(steps[0]["color"], "green")
+        self.assertEqual((steps[1]["color"], steps[1]["value"]), ("red", 1))
+
     def test_units(self):
         units = {
             p["title"]: p["fieldConfig"]["defaults"].get("unit")

@@ -302,6 +302,13 @@ class ChartTest(unittest.TestCase):
         self.assertIs(endpoint.get("honorLabels"), True)
         job = svc["metadata"]["labels"][sm["spec"]["jobLabel"]]
         self.assertIn(f'job="{job}"', self.alert_rules)
+        # The job stays "kvdepot" whatever the chart's names are.
+        renamed, _ = render(
+            {**VARIANT, "nameOverride": "kvcache", "fullnameOverride": "cache"}
+        )
+        sm, svc = renamed["ServiceMonitor"], renamed["Service"]
+        self.assertEqual(svc["metadata"]["labels"]["app.kubernetes.io/name"], "kvcache")
+        self.assertEqual(svc["metadata"]["labels"][sm["spec"]["jobLabel"]], "kvdepot")
 
     def test_notes(self):
         self.assertIn("kvdepot-N.kvdepot.kv.svc:50551", self.default_notes)

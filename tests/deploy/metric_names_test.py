@@ -20,9 +20,11 @@ class MetricNamesTest(unittest.TestCase):
         self.contract = cmn.load_contract(CONTRACT)
 
     def test_contract_lists_the_daemon_families(self):
-        self.assertEqual(len(self.contract), 27)
+        self.assertEqual(len(self.contract), 29)
         self.assertEqual(self.contract["kvdepot_request_duration_seconds"], "histogram")
         self.assertEqual(self.contract["kvdepot_pins_active"], "gauge")
+        self.assertEqual(self.contract["kvdepot_draining"], "gauge")
+        self.assertEqual(self.contract["kvdepot_start_time_seconds"], "gauge")
 
     def test_repository_dashboard_and_rules_pass(self):
         proc = subprocess.run(

@@ -101,6 +101,16 @@ class SystemdUnitTest(unittest.TestCase):
             {"AF_INET", "AF_INET6", "AF_UNIX", "AF_NETLINK"},
         )
 
+    def test_devices_stay_visible(self):
+        # UCX needs /dev/infiniband (RDMA) and /dev/nvidia* (GPU memory).
+        # ProtectClock=yes on systemd 245-251 adds DeviceAllow=char-rtc,
+        # which makes the device policy an allow-list of the clock only.
+        for key in ("ProtectClock", "PrivateDevices", "DeviceAllow", "DevicePolicy"):
+            self.assertNotIn(key, self.service, key)
+        # The clock is protected anyway: no capabilities, no way to gain any.
+        self.assertEqual(self.service["CapabilityBoundingSet"], "")
+        self.assertTrue(yes(self.service["NoNewPrivileges"]))
+
     def test_limits(self):
         self.assertEqual(self.service["LimitMEMLOCK"], "infinity")
         self.assertGreaterEqual(int(self.service["LimitNOFILE"]), 1 << 20)

@@ -20,9 +20,12 @@ app.kubernetes.io/name: {{ include "kvdepot.name" . }}
 app.kubernetes.io/instance: {{ .Release.Name }}
 {{- end }}
 
+{{/* part-of is "kvdepot" whatever nameOverride says: the ServiceMonitor
+takes Prometheus's job label from it, and the alerts match job="kvdepot". */}}
 {{- define "kvdepot.labels" -}}
 helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version }}
 {{ include "kvdepot.selectorLabels" . }}
+app.kubernetes.io/part-of: kvdepot
 app.kubernetes.io/version: {{ .Chart.AppVersion | quote }}
 app.kubernetes.io/managed-by: {{ .Release.Service }}
 {{- end }}
