@@ -242,6 +242,9 @@ absl::Status ReadStream::Validate() const {
         "batch of ", req_.keys_size(), " keys exceeds the limit of ",
         store_.options().max_batch_keys));
   }
+  // Every key before any byte is sent: a bad key later in the batch is the
+  // stream's error, not a part-read followed by one.
+  for (const std::string& key : req_.keys()) RETURN_IF_ERROR(ValidateKey(key));
   return absl::OkStatus();
 }
 

@@ -316,5 +316,20 @@ TEST_F(ByteStreamsTest, ReadStopsWithNotFoundAtTheFirstMissAndUnpins) {
   EXPECT_THAT(ReadAll({}, &msgs), StatusIs(Code::kInvalidArgument));
 }
 
+// Every key is checked before any byte goes: a bad key later in the batch
+// fails the stream at once, not after the blocks before it were sent.
+TEST_F(ByteStreamsTest, ReadRefusesABadKeyAnywhereBeforeSendingAnything) {
+  std::string bytes(100, 'h');
+  v1::WriteResponse resp;
+  WriteStream ws(*store_, &resp);
+  ASSERT_OK(ws.Consume(Header("a", bytes, bytes)));
+  for (const std::string& bad : {std::string(), std::string(257, 'k')}) {
+    std::vector<v1::ReadResponse> msgs;
+    EXPECT_THAT(ReadAll({"a", bad}, &msgs), StatusIs(Code::kInvalidArgument));
+    EXPECT_TRUE(msgs.empty());
+  }
+  EXPECT_EQ(store_->Stats().pins, 0u);
+}
+
 }  // namespace
 }  // namespace kvdepot

@@ -689,6 +689,12 @@ grpc::ServerUnaryReactor* KvDepotService::SetDraining(
       return absl::UnavailableError("kvdepotd is stopping: it takes no puts again");
     }
     store_.SetDraining(req->draining());
+    if (!req->draining() && shutting_down_.load()) {
+      // SIGTERM's drain began between the check above and this call
+      // (BeginShutdown, then the store's SetDraining(true)): undo ours.
+      store_.SetDraining(true);
+      return absl::UnavailableError("kvdepotd is stopping: it takes no puts again");
+    }
     StoreStats st = store_.Stats();
     resp->set_draining(st.draining);
     // Clients' two-phase puts: a Write stream's own reservation is no put
