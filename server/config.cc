@@ -225,6 +225,7 @@ absl::Status ApplyConfig(const YAML::Node& root, const std::string& path, Daemon
       {"high_watermark", double_into(&c->store.high_watermark)},
       {"low_watermark", double_into(&c->store.low_watermark)},
       {"session_lease", duration_into(&c->store.default_lease)},
+      {"grpc_keepalive", duration_into(&c->grpc_keepalive)},
       {"drain_timeout", duration_into(&c->drain_timeout)},
       {"stream_idle_timeout", duration_into(&c->stream_idle_timeout)},
       {"hugepages",
@@ -388,6 +389,10 @@ absl::Status ValidateConfig(const DaemonConfig& c) {
   }
   if (c.grpc_max_streams_per_connection < 1 || c.grpc_max_streams_per_connection > 65536) {
     return absl::InvalidArgumentError("grpc_max_streams_per_connection must be 1..65536");
+  }
+  if (c.grpc_keepalive != absl::ZeroDuration() &&
+      (c.grpc_keepalive < absl::Seconds(1) || c.grpc_keepalive > absl::Hours(24))) {
+    return absl::InvalidArgumentError("grpc_keepalive must be 0 (off) or 1s..24h");
   }
   // The store clamps a session's lease into [min_lease, max_lease]; a
   // default outside it would be changed without a word.

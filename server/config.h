@@ -43,6 +43,11 @@ struct DaemonConfig {
   uint64_t grpc_memory_limit = uint64_t{1} << 30;
   // Concurrent calls one client connection may have open.
   int grpc_max_streams_per_connection = 1024;
+  // gRPC connections are pinged when idle this long, and closed when a ping
+  // is not answered within min(20 s, this): a client whose host died
+  // without closing its connections (power loss, a partition) does not
+  // keep them, and their memory, for ever. Zero: no pings.
+  absl::Duration grpc_keepalive = absl::Seconds(60);
   // How long SIGTERM waits for in-flight RPCs before cancelling them.
   absl::Duration drain_timeout = absl::Seconds(8);
   // A Read or Write stream that moves no message for this long is cancelled

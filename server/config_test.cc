@@ -121,6 +121,7 @@ TEST(ConfigFileTest2, ShippedExampleMatchesTheDefaults) {
   EXPECT_EQ(from_file.grpc_memory_limit, defaults.grpc_memory_limit);
   EXPECT_EQ(from_file.grpc_max_streams_per_connection,
             defaults.grpc_max_streams_per_connection);
+  EXPECT_EQ(from_file.grpc_keepalive, defaults.grpc_keepalive);
   EXPECT_EQ(from_file.drain_timeout, defaults.drain_timeout);
   EXPECT_EQ(from_file.stream_idle_timeout, defaults.stream_idle_timeout);
   EXPECT_EQ(from_file.log_level, defaults.log_level);
@@ -253,6 +254,19 @@ TEST_F(ConfigFileTest, MetricsPortThreadsAndTimeoutAreReadAndChecked) {
     bad.metrics_request_timeout = timeout;
     EXPECT_THAT(ValidateConfig(bad), StatusIs(absl::StatusCode::kInvalidArgument))
         << timeout;
+  }
+}
+
+TEST_F(ConfigFileTest, GrpcKeepaliveIsReadAndChecked) {
+  DaemonConfig c;
+  ASSERT_OK(LoadConfigFile(Write("grpc_keepalive: 5s\n"), &c));
+  EXPECT_EQ(c.grpc_keepalive, absl::Seconds(5));
+  EXPECT_OK(ValidateConfig(c));
+  c.grpc_keepalive = absl::ZeroDuration();  // off
+  EXPECT_OK(ValidateConfig(c));
+  for (absl::Duration bad : {absl::Milliseconds(500), absl::Hours(25)}) {
+    c.grpc_keepalive = bad;
+    EXPECT_THAT(ValidateConfig(c), StatusIs(absl::StatusCode::kInvalidArgument)) << bad;
   }
 }
 

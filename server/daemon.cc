@@ -126,6 +126,18 @@ absl::Status Daemon::Init() {
   builder.SetResourceQuota(quota);
   builder.AddChannelArgument(GRPC_ARG_MAX_CONCURRENT_STREAMS,
                              config_.grpc_max_streams_per_connection);
+  if (config_.grpc_keepalive > absl::ZeroDuration()) {
+    // gRPC never gives up on a connection whose peer vanished without a
+    // FIN (its host lost power): pings find it. Also while no call is open
+    // (a client whose requests go over UCX has none) and for as long as the
+    // connection lives without data.
+    const int64_t time_ms = absl::ToInt64Milliseconds(config_.grpc_keepalive);
+    builder.AddChannelArgument(GRPC_ARG_KEEPALIVE_TIME_MS, static_cast<int>(time_ms));
+    builder.AddChannelArgument(GRPC_ARG_KEEPALIVE_TIMEOUT_MS,
+                               static_cast<int>(std::min<int64_t>(time_ms, 20000)));
+    builder.AddChannelArgument(GRPC_ARG_KEEPALIVE_PERMIT_WITHOUT_CALLS, 1);
+    builder.AddChannelArgument(GRPC_ARG_HTTP2_MAX_PINGS_WITHOUT_DATA, 0);
+  }
   // Chunks are <= 1 MiB. A batch of max_batch_keys blocks must fit too, or
   // gRPC would refuse it as RESOURCE_EXHAUSTED ("no room" in our contract):
   // with 256-byte keys and parents a block's entry weighs about 600 bytes

@@ -1,6 +1,11 @@
 // Lifecycle of a real kvdepotd: startup errors, graceful shutdown, session
 // leases enforced by the daemon itself.
+#include <arpa/inet.h>
+#include <netinet/in.h>
+#include <poll.h>
 #include <signal.h>
+#include <sys/socket.h>
+#include <unistd.h>
 
 #include <grpcpp/create_channel.h>
 #include <gtest/gtest.h>
@@ -549,6 +554,50 @@ TEST(LifecycleTest, StalledStreamIsCancelledAndReleasesItsSpace) {
   EXPECT_TRUE(released);
   EXPECT_EQ(writer->Finish().error_code(), grpc::StatusCode::CANCELLED);
   EXPECT_NE((*d)->Log().find("idle for more than"), std::string::npos) << (*d)->Log();
+  EXPECT_OK(client->Health());
+}
+
+// A client whose host vanished without closing its connection (power loss,
+// a partition: no FIN ever comes) is found by kvdepotd's keepalive pings
+// (grpc_keepalive) and its connection closed. Here the "client" is a raw
+// socket that opens an HTTP/2 connection and then never answers anything,
+// as a dead host would. Before grpc_keepalive, gRPC kept such connections
+// (and their buffers) for ever.
+TEST(LifecycleTest, AConnectionWhosePeerStoppedAnsweringIsClosed) {
+  std::string dir = MakeTempDir("cfg");
+  std::ofstream(dir + "/kvdepot.yaml") << "grpc_keepalive: 1s\n";
+  auto d = DaemonProcess::Start({"--config", dir + "/kvdepot.yaml",
+                                 "--dram-capacity", "64MiB"});
+  ASSERT_OK(d);
+  const std::string& address = (*d)->address();
+  int port = 0;
+  ASSERT_TRUE(absl::SimpleAtoi(address.substr(address.rfind(':') + 1), &port)) << address;
+  const int fd = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+  ASSERT_GE(fd, 0);
+  sockaddr_in addr{};
+  addr.sin_family = AF_INET;
+  addr.sin_port = htons(static_cast<uint16_t>(port));
+  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  ASSERT_EQ(connect(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)), 0);
+  // The client preface and an empty SETTINGS frame; nothing after, not even
+  // the SETTINGS or PING acknowledgements.
+  std::string preface = "PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n";
+  preface.append("\x00\x00\x00\x04\x00\x00\x00\x00\x00", 9);
+  ASSERT_EQ(write(fd, preface.data(), preface.size()),
+            static_cast<ssize_t>(preface.size()));
+  // Read (and drop) what the daemon sends until it closes the connection.
+  bool closed = false;
+  const absl::Time give_up = absl::Now() + absl::Seconds(30);
+  while (!closed && absl::Now() < give_up) {
+    pollfd p{fd, POLLIN, 0};
+    if (poll(&p, 1, 200) <= 0) continue;
+    char buf[4096];
+    const ssize_t n = read(fd, buf, sizeof(buf));
+    closed = n == 0 || (n < 0 && errno != EINTR && errno != EAGAIN);
+  }
+  close(fd);
+  EXPECT_TRUE(closed) << "kvdepotd kept a connection whose peer never answered a ping";
+  auto client = Connect(address);
   EXPECT_OK(client->Health());
 }
 
