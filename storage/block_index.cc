@@ -144,6 +144,7 @@ std::optional<BlockIndex::Hit> BlockIndex::Find(const KeyRef& key, bool pin,
   auto it = s.set.find(key);
   if (it == s.set.end()) return std::nullopt;
   BlockEntry* e = *it;
+  if (pin && e->pins >= kMaxPins) return std::nullopt;  // would wrap to 0
   if (seq != 0) e->seq = seq;
   if (e->reads < UINT8_MAX) ++e->reads;
   if (pin) {
@@ -163,6 +164,7 @@ BlockEntry* BlockIndex::PinIfPresent(const KeyRef& key) {
   auto it = s.set.find(key);
   if (it == s.set.end()) return nullptr;
   BlockEntry* e = *it;
+  if (e->pins >= kMaxPins) return nullptr;  // would wrap to 0
   const bool was_held = HeldByCaller(*e);
   LruRemove(s, e);
   ++e->pins;
@@ -170,13 +172,15 @@ BlockEntry* BlockIndex::PinIfPresent(const KeyRef& key) {
   return e;
 }
 
-void BlockIndex::AddPin(BlockEntry* e) {
+bool BlockIndex::AddPin(BlockEntry* e) {
   Shard& s = ShardFor(e->hash);
   absl::MutexLock lock(&s.mu);
+  if (e->pins >= kMaxPins) return false;  // would wrap to 0
   const bool was_held = HeldByCaller(*e);
   LruRemove(s, e);
   ++e->pins;
   CountHold(s, *e, was_held);
+  return true;
 }
 
 void BlockIndex::Unpin(BlockEntry* e) {

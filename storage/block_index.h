@@ -25,7 +25,9 @@
 // least-recent evictable entry in a shard is that list's tail: a quota's
 // eviction (PopOldestEvictableOf) looks at one entry per shard, however many
 // entries of other namespaces are older. The list is guarded by its shard's
-// mutex, like the shard's list; it takes no lock of its own.
+// mutex, like the shard's list; it takes no lock of its own. TieredStore
+// gives a forgotten namespace's id to another only once no entry of it is
+// left: its lists are then empty and no orphan record (below) names it.
 //
 // Key bytes live in the DRAM arena (a small allocation per block), so the
 // metadata of a block is one 88-byte heap entry plus its hash-table slot.
@@ -177,15 +179,21 @@ class BlockIndex {
     return seq != 0 ? seq : NextSeq();  // 0 means "no stamp" to Find
   }
 
+  // The most pins an entry holds (its 32-bit count never wraps: a pin past
+  // it is refused, as below).
+  static constexpr uint32_t kMaxPins = UINT32_MAX;
+
   // Finds `key`. With `pin`, the entry's pin count is raised atomically with
   // the find (it leaves the evictable list); otherwise it is marked
-  // referenced. Either way its last use becomes `seq`.
+  // referenced. Either way its last use becomes `seq`. With `pin`, an entry
+  // holding kMaxPins already is not pinned, and not found (nullopt).
   std::optional<Hit> Find(const KeyRef& key, bool pin, uint32_t seq = 0);
   // Pins `key`'s entry if present, without counting a lookup: its reads,
   // referenced mark and last use stay as they are (a put-if-absent's check,
   // holding the block so that making room for the put cannot evict it).
   // Like any pin it leaves the evictable lists; Unpin lists it again at the
-  // most-recent end. Returns the entry (released with Unpin), or nullptr.
+  // most-recent end. Returns the entry (released with Unpin), or nullptr
+  // (also when it holds kMaxPins already).
   BlockEntry* PinIfPresent(const KeyRef& key);
   // A copy of an entry's fields without touching its recency (admin
   // inspection), and the `trailer.size()` arena bytes that follow its key
@@ -196,8 +204,9 @@ class BlockIndex {
   // quota's eviction): one entry per shard is looked at, whatever other
   // namespaces hold. nullptr if the namespace has no evictable entry.
   std::unique_ptr<BlockEntry> PopOldestEvictableOf(uint32_t ns_id);
-  // Adds one pin to an entry already pinned by the caller.
-  void AddPin(BlockEntry* entry);
+  // Adds one pin to an entry already pinned by the caller; false (nothing
+  // added) when it holds kMaxPins already.
+  bool AddPin(BlockEntry* entry);
   // REQUIRES: `entry` is pinned by the caller.
   void Unpin(BlockEntry* entry);
 

@@ -148,6 +148,35 @@ TEST_F(BlockIndexTest, PinnedEntriesAreNeverEvictedOrRemoved) {
             BlockIndex::RemoveOutcome::kMissing);
 }
 
+// A pin count at its limit refuses another pin (a miss, for a lookup)
+// instead of wrapping to 0: a wrapped count would let the pinned block be
+// evicted, and its holders' Unpins would touch freed memory.
+TEST_F(BlockIndexTest, APinCountNeverWraps) {
+  BlockEntry* e = Put("a");
+  ASSERT_NE(e, nullptr);
+  const BlockIndex::KeyRef key = BlockIndex::MakeKey(1, "a");
+  ASSERT_TRUE(index_.Find(key, /*pin=*/true).has_value());
+  // 2^32 pins take too long: start the count just below its limit (the
+  // test is the entry's only user, and it stays held by a caller).
+  e->pins = BlockIndex::kMaxPins - 1;
+  ASSERT_TRUE(index_.Find(key, /*pin=*/true).has_value());
+  EXPECT_EQ(e->pins, BlockIndex::kMaxPins);
+  EXPECT_FALSE(index_.Find(key, /*pin=*/true).has_value());
+  EXPECT_EQ(index_.PinIfPresent(key), nullptr);
+  EXPECT_FALSE(index_.AddPin(e));
+  EXPECT_EQ(e->pins, BlockIndex::kMaxPins);
+  EXPECT_TRUE(index_.Find(key, /*pin=*/false).has_value());  // still there
+  // Still pinned: neither evicted nor removed.
+  EXPECT_EQ(index_.PopOldestEvictable(), nullptr);
+  std::unique_ptr<BlockEntry> out;
+  EXPECT_EQ(index_.Remove(key, &out), BlockIndex::RemoveOutcome::kPinned);
+  e->pins = 1;
+  index_.Unpin(e);
+  ASSERT_NE(index_.PinIfPresent(key), nullptr);  // room again
+  index_.Unpin(e);
+  EXPECT_EQ(index_.Remove(key, &out), BlockIndex::RemoveOutcome::kRemoved);
+}
+
 TEST_F(BlockIndexTest, LruOrderWithinAShard) {
   // Find keys that share a shard, then check recency order among them.
   std::vector<std::string> same;

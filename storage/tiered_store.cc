@@ -3,7 +3,11 @@
 //  * ns_mu_: the namespace table (name -> id, per-namespace counters);
 //  * mu_: sessions, pins and reservations. Lock order: mu_, then index shard
 //    locks, then the arena's lock; the index and arena never call back.
-//    ns_mu_ is a leaf: nothing is locked under it.
+//    ns_mu_ is a leaf: nothing is locked under it (it may be taken under
+//    mu_).
+// A namespace is forgotten (its table entry freed, its id free for another)
+// only when nothing refers to its id or its NamespaceInfo: see
+// ReclaimNamespaces.
 // Block bytes and keys live in the arena; a committed block is one BlockEntry
 // in the index. A reservation owns its slots' arena space until it commits
 // (ownership moves to the index) or ends (space freed).
@@ -73,6 +77,9 @@ constexpr absl::Duration kMaxWaitForRoom = absl::Seconds(5);
 // The longest an Evict waits for blocks being demoted to reach the NVMe tier
 // (so it can remove them from both) before it reports them as pinned.
 constexpr absl::Duration kMaxWaitForDemotion = absl::Seconds(5);
+// How soon ReclaimNamespaces passes over the NVMe tier's index again after
+// a pass that let it reclaim nothing.
+constexpr absl::Duration kNamespaceScanInterval = absl::Seconds(1);
 
 struct NamespaceInfo {
   uint32_t id = 0;
@@ -92,6 +99,52 @@ struct NamespaceInfo {
   // published, until it leaves DRAM (FreeEntry), and gives it back when it
   // is not published (aborted, failed, lost a race).
   std::atomic<uint64_t> charged{0};
+  // An operator's (SetQuota created it, or set its quota): never reclaimed.
+  std::atomic<bool> declared{false};
+  // NamespaceRefs held: operations using this entry. Raised under ns_mu_.
+  std::atomic<uint64_t> uses{0};
+  // Under ns_mu_: a stamp (TieredStoreImpl::ns_stamp_) renewed when the
+  // entry is created and whenever a NamespaceRef is taken, so that
+  // ReclaimNamespaces can tell that nothing took it between its two looks.
+  uint64_t stamp = 0;
+};
+
+// An operation's hold on a namespace: while one lives, the namespace is not
+// reclaimed, so its NamespaceInfo and its id stay valid. Taken under ns_mu_
+// (TieredStoreImpl::TakeRef); released from any thread. Movable.
+class NamespaceRef {
+ public:
+  NamespaceRef() = default;
+  NamespaceRef(NamespaceRef&& other) noexcept
+      : info_(std::exchange(other.info_, nullptr)) {}
+  NamespaceRef& operator=(NamespaceRef&& other) noexcept {
+    if (this != &other) {
+      Reset();
+      info_ = std::exchange(other.info_, nullptr);
+    }
+    return *this;
+  }
+  NamespaceRef(const NamespaceRef&) = delete;
+  NamespaceRef& operator=(const NamespaceRef&) = delete;
+  ~NamespaceRef() { Reset(); }
+
+  NamespaceInfo* get() const { return info_; }
+  NamespaceInfo* operator->() const { return info_; }
+  NamespaceInfo& operator*() const { return *info_; }
+  explicit operator bool() const { return info_ != nullptr; }
+  // Lets the namespace go (the last use of it through this ref).
+  void Reset() {
+    if (info_ != nullptr) std::exchange(info_, nullptr)->uses.fetch_sub(1);
+  }
+
+ private:
+  friend class TieredStoreImpl;
+  // REQUIRES: ns_mu_ is held and `info` is in the table.
+  explicit NamespaceRef(NamespaceInfo* info) : info_(info) {
+    info_->uses.fetch_add(1);
+  }
+
+  NamespaceInfo* info_ = nullptr;
 };
 
 struct Session {
@@ -190,7 +243,7 @@ class TieredStoreImpl final : public TieredStore {
         if (!on_nvme.contains(b.ns)) on_nvme.emplace(b.ns);
       });
       for (const std::string& ns : on_nvme) {
-        NamespaceIdFor(ns, NamespaceUse::kDeclared).IgnoreError();  // past max_namespaces
+        NamespaceIdFor(ns, NamespaceUse::kStored).IgnoreError();  // past max_namespaces
       }
     }
   }
@@ -256,7 +309,7 @@ class TieredStoreImpl final : public TieredStore {
 
   bool HasSession(SessionId session) override {
     absl::MutexLock lock(&mu_);
-    return sessions_.contains(session);
+    return LiveSession(session).ok();
   }
 
   // ---- lookup and pins ---------------------------------------------------
@@ -297,9 +350,10 @@ class TieredStoreImpl final : public TieredStore {
   absl::StatusOr<absl::flat_hash_map<PinId, Pin>::iterator> TakePinFromSession(
       SessionId session, PinId pin, bool uncharge = true)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    // An expired session is gone, whether or not ExpireSessions ended it.
+    RETURN_IF_ERROR(SessionOrInternal(session));
     auto it = pins_.find(pin);
     if (it == pins_.end() || it->second.session != session) {
-      RETURN_IF_ERROR(SessionOrInternal(session));
       return absl::InvalidArgumentError(
           absl::StrCat("unknown pin ", pin, " for session ", session));
     }
@@ -353,22 +407,25 @@ class TieredStoreImpl final : public TieredStore {
         }
       }
     }
-    if (draining_.load()) {
-      return absl::FailedPreconditionError("draining: no new puts accepted");
-    }
+    // The session first: a client whose session is gone must learn that
+    // (NotFound: open a new one), not that the store drains, which it would
+    // retry with the dead session.
     if (session != kInternalSession) {
       absl::MutexLock lock(&mu_);
       RETURN_IF_ERROR(LiveSession(session).status());
     }
-    // An unknown namespace is created only once the put has reserved space
-    // (below): a put that fails leaves none behind.
-    NamespaceInfo* info = FindNamespace(ns);
-    if (info == nullptr && !options_.create_namespaces) {
-      // FailedPrecondition, unless an operator declared it meanwhile.
-      ASSIGN_OR_RETURN(uint32_t id, NamespaceIdFor(ns, NamespaceUse::kClientPut));
-      info = NamespaceById(id);
+    if (draining_.load()) {
+      return absl::FailedPreconditionError("draining: no new puts accepted");
     }
-    if (info == nullptr) {
+    // An unknown namespace is created only once the put has reserved space
+    // (below): a put that fails leaves none behind. Held until the
+    // reservation is registered (then it keeps the namespace).
+    NamespaceRef info = FindNamespace(ns);
+    if (!info && !options_.create_namespaces) {
+      // FailedPrecondition, unless an operator declared it meanwhile.
+      ASSIGN_OR_RETURN(info, NamespaceIdFor(ns, NamespaceUse::kClientPut));
+    }
+    if (!info) {
       // One that could not be created fails here, before anything is
       // evicted for it (a creation racing this put may still take the last
       // one; then this put fails after making room).
@@ -450,7 +507,7 @@ class TieredStoreImpl final : public TieredStore {
       // may drop blocks of the namespace for a put that then cannot fit.
       RETURN_IF_ERROR(WaitUntilRoomIsPossible(space));
     }
-    if (info != nullptr) RETURN_IF_ERROR(ChargeQuota(*info, total));
+    if (info) RETURN_IF_ERROR(ChargeQuota(*info, total));
 
     uint64_t need = space;  // still to allocate
     for (size_t i = 0; i < blocks.size(); ++i) {
@@ -460,7 +517,7 @@ class TieredStoreImpl final : public TieredStore {
       if (!st.ok()) {
         state.slots.resize(i);  // only slots before i hold space
         FreeSlots(state);
-        if (info != nullptr) info->charged.fetch_sub(total);
+        if (info) info->charged.fetch_sub(total);
         return st;
       }
       need -= SlotAllocationSize(slot);
@@ -469,15 +526,16 @@ class TieredStoreImpl final : public TieredStore {
       out.slots[i].offset = slot.data_offset;
       out.slots[i].size = slot.size;
     }
-    if (info == nullptr) {
+    if (!info) {
       // Space is reserved: now the namespace is created. It has no quota
       // unless an operator declared it meanwhile; then the charge may make
       // room as above (the slots are allocated already, the charge still
       // keeps the namespace within its quota).
-      absl::StatusOr<uint32_t> id = NamespaceIdFor(ns, NamespaceUse::kClientPut);
-      absl::Status st = id.status();
-      if (id.ok()) {
-        info = NamespaceById(*id);
+      absl::StatusOr<NamespaceRef> created =
+          NamespaceIdFor(ns, NamespaceUse::kClientPut);
+      absl::Status st = created.status();
+      if (created.ok()) {
+        info = *std::move(created);
         st = ChargeQuota(*info, total);
       }
       if (!st.ok()) {
@@ -490,13 +548,13 @@ class TieredStoreImpl final : public TieredStore {
     absl::MutexLock lock(&mu_);
     Session* s = nullptr;
     if (session != kInternalSession) {
-      auto it = sessions_.find(session);
-      if (it == sessions_.end()) {
+      absl::StatusOr<Session*> live = LiveSession(session);
+      if (!live.ok()) {  // ended or expired meanwhile
         FreeSlots(state);
         info->charged.fetch_sub(state.charged);
-        return SessionNotFound(session);
+        return live.status();
       }
-      s = &it->second;
+      s = *live;
     }
     ReservationId id = NewId();
     reserved_bytes_ += state.bytes;
@@ -552,7 +610,9 @@ class TieredStoreImpl final : public TieredStore {
       if (it == reservations_.end()) return "";  // cannot happen: busy pins it
       ns_id = it->second.ns_id;
     }
-    return NamespaceById(ns_id)->name;  // namespaces stay
+    // The reservation stays (busy) while its handle lives, and keeps the
+    // namespace (ReclaimNamespaces).
+    return NamespaceById(ns_id)->name;
   }
 
   void MarkVerified(ReservationId id, uint32_t slot, uint64_t checksum) {
@@ -580,6 +640,7 @@ class TieredStoreImpl final : public TieredStore {
       SessionId session, ReservationId id,
       absl::Span<const uint64_t> checksums) override {
     ReservationState r;
+    NamespaceRef info;
     {
       absl::MutexLock lock(&mu_);
       ASSIGN_OR_RETURN(ReservationState * found, FindReservation(session, id));
@@ -594,6 +655,9 @@ class TieredStoreImpl final : public TieredStore {
         return absl::AbortedError(absl::StrCat(
             "reservation ", id, " still has a slot being written"));
       }
+      // Held from here on: once the reservation is gone, nothing else may
+      // keep the namespace (its slots' charges end as they are published).
+      info = NamespaceByIdRef(found->ns_id);
       r = std::move(*found);
       reservations_.erase(id);
       reserved_bytes_ -= r.bytes;
@@ -602,7 +666,6 @@ class TieredStoreImpl final : public TieredStore {
         if (s != sessions_.end()) s->second.reservations.erase(id);
       }
     }
-    NamespaceInfo* info = NamespaceById(r.ns_id);
     std::vector<CommitOutcome> outcomes(r.slots.size());
     const uint32_t seq = index_.NextSeq();
     for (size_t i = 0; i < r.slots.size(); ++i) {
@@ -668,7 +731,7 @@ class TieredStoreImpl final : public TieredStore {
     // evict_stripes_).
     absl::WriterMutexLock no_promotions(&EvictStripe(ns));
     EvictResult result;
-    NamespaceInfo* info = FindNamespace(ns);
+    const NamespaceRef info = FindNamespace(ns);
     auto drop = [&](std::unique_ptr<BlockEntry> e) {
       admin_evictions_dram_.fetch_add(1, std::memory_order_relaxed);
       ++result.evicted_blocks;
@@ -863,6 +926,7 @@ class TieredStoreImpl final : public TieredStore {
     std::vector<NamespaceStats> out;
     out.reserve(namespaces_.size());
     for (const auto& info : namespaces_) {
+      if (info == nullptr) continue;  // reclaimed
       out.push_back(NamespaceStats{info->name, info->blocks.load(),
                                    info->bytes.load(), info->lookups.load(),
                                    info->hits.load()});
@@ -904,10 +968,11 @@ class TieredStoreImpl final : public TieredStore {
   absl::StatusOr<ReservationState*> FindReservation(SessionId session,
                                                     ReservationId id)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    // An expired session is gone, whether or not ExpireSessions ended it.
+    RETURN_IF_ERROR(SessionOrInternal(session));
     auto it = reservations_.find(id);
     if (it == reservations_.end() || it->second.doomed ||
         it->second.session != session) {
-      RETURN_IF_ERROR(SessionOrInternal(session));
       return absl::InvalidArgumentError(absl::StrCat(
           "unknown reservation ", id, " for session ", session));
     }
@@ -990,7 +1055,7 @@ class TieredStoreImpl final : public TieredStore {
     RETURN_IF_ERROR(ValidateNamespace(ns));
     RETURN_IF_ERROR(ValidateKey(key));
     BlockDetails d;
-    if (NamespaceInfo* info = FindNamespace(ns)) {
+    if (const NamespaceRef info = FindNamespace(ns)) {
       char stamp[kStampBytes];
       if (std::optional<BlockEntry> e =
               index_.Peek(BlockIndex::MakeKey(info->id, key), absl::MakeSpan(stamp))) {
@@ -1026,14 +1091,15 @@ class TieredStoreImpl final : public TieredStore {
 
   absl::Status SetQuota(absl::string_view ns, uint64_t max_bytes) override {
     RETURN_IF_ERROR(ValidateNamespace(ns));
-    ASSIGN_OR_RETURN(uint32_t id, NamespaceIdFor(ns, NamespaceUse::kDeclared));
-    NamespaceById(id)->quota.store(max_bytes);
+    ASSIGN_OR_RETURN(const NamespaceRef info,
+                     NamespaceIdFor(ns, NamespaceUse::kDeclared));
+    info->quota.store(max_bytes);
     return absl::OkStatus();
   }
 
   uint64_t Quota(absl::string_view ns) override {
-    NamespaceInfo* info = FindNamespace(ns);
-    return info == nullptr ? 0 : info->quota.load();
+    const NamespaceRef info = FindNamespace(ns);
+    return info ? info->quota.load() : 0;
   }
 
   // Charges `bytes` of blocks about to enter DRAM (a put's or promotion's)
@@ -1086,14 +1152,18 @@ class TieredStoreImpl final : public TieredStore {
     };
     SessionId session = kInternalSession;
     std::string ns;
-    NamespaceInfo* info = nullptr;  // nullptr while the namespace is unknown
+    NamespaceRef info;  // empty while the namespace is unknown
     bool prefix = false, pin = false;
     uint32_t seq = 0;
     std::vector<LookupEntry> entries;  // found ones filled in
     std::vector<BlockEntry*> pinned;   // per key: the pinned entry, if any
     std::vector<Promotion> promote;
     std::vector<bool> promoted;  // per key: read into DRAM by this lookup
-    // Counted in the session's Session::planned_pins until FinishLookup.
+    // A pinned lookup's keys named earlier in it: (index, index of its
+    // first mention). Looked up (and pinned) once, answered as the first.
+    std::vector<std::pair<size_t, size_t>> repeats;
+    // Counted in planned_pins_ (and, for a session, in its
+    // Session::planned_pins) until FinishLookup.
     uint64_t planned_pins = 0;
   };
 
@@ -1106,24 +1176,53 @@ class TieredStoreImpl final : public TieredStore {
     RETURN_IF_ERROR(CheckBatch(keys.size()));
     for (absl::string_view k : keys) RETURN_IF_ERROR(ValidateKey(k));
     LookupPlan plan;
-    if (pin && session != kInternalSession) {
+    // A pinned lookup pins a key named twice once (two pins of one block in
+    // one pin would be one reference to the client, and let one lookup
+    // raise a block's pin count by max_batch_keys).
+    std::vector<bool> repeated;
+    if (pin && keys.size() > 1) {
+      absl::flat_hash_map<absl::string_view, size_t> first;
+      first.reserve(keys.size());
+      for (size_t i = 0; i < keys.size(); ++i) {
+        auto [it, added] = first.emplace(keys[i], i);
+        if (added) continue;
+        if (repeated.empty()) repeated.resize(keys.size(), false);
+        repeated[i] = true;
+        plan.repeats.emplace_back(i, it->second);
+      }
+    }
+    if (pin) {
+      const uint64_t n = keys.size() - plan.repeats.size();  // distinct keys
       absl::MutexLock lock(&mu_);
-      ASSIGN_OR_RETURN(Session * s, LiveSession(session));
-      if (s->pinned_blocks + s->planned_pins + keys.size() >
-          options_.max_pinned_blocks_per_session) {
-        const std::string in_flight =
-            s->planned_pins == 0
-                ? std::string()
-                : absl::StrCat(" and pinned lookups of ", s->planned_pins,
-                               " keys in flight");
+      Session* s = nullptr;
+      if (session != kInternalSession) {
+        ASSIGN_OR_RETURN(s, LiveSession(session));
+        if (s->pinned_blocks + s->planned_pins + n >
+            options_.max_pinned_blocks_per_session) {
+          const std::string in_flight =
+              s->planned_pins == 0
+                  ? std::string()
+                  : absl::StrCat(" and pinned lookups of ", s->planned_pins,
+                                 " keys in flight");
+          return absl::ResourceExhaustedError(absl::StrCat(
+              "session ", session, " holds ", s->pinned_blocks, " pinned blocks",
+              in_flight, "; pinning ", n, " more would pass the limit of ",
+              options_.max_pinned_blocks_per_session, "; unpin some first"));
+        }
+      }
+      // All sessions' pins together, and in-process callers': each
+      // reference costs heap (and 2^32 of one block would wrap its count).
+      if (pins_active_ + planned_pins_ + n > options_.max_pinned_blocks) {
         return absl::ResourceExhaustedError(absl::StrCat(
-            "session ", session, " holds ", s->pinned_blocks, " pinned blocks",
-            in_flight, "; pinning ", keys.size(), " more would pass the limit of ",
-            options_.max_pinned_blocks_per_session, "; unpin some first"));
+            "the store holds ", pins_active_, " pinned blocks and pinned lookups of ",
+            planned_pins_, " keys in flight; pinning ", n,
+            " more would pass the limit of ", options_.max_pinned_blocks,
+            " for all sessions; unpin some first"));
       }
       // Given back by FinishLookup; nothing below fails before it runs.
-      s->planned_pins += keys.size();
-      plan.planned_pins = keys.size();
+      if (s != nullptr) s->planned_pins += n;
+      planned_pins_ += n;
+      plan.planned_pins = n;
     }
     plan.session = session;
     plan.prefix = prefix;
@@ -1133,10 +1232,13 @@ class TieredStoreImpl final : public TieredStore {
     plan.promoted.resize(keys.size(), false);
     plan.info = FindNamespace(ns);
     lookup_keys_.fetch_add(keys.size(), std::memory_order_relaxed);
-    if (plan.info == nullptr && nvme_ == nullptr) return plan;
+    if (!plan.info && nvme_ == nullptr) return plan;
     if (plan.info) plan.info->lookups.fetch_add(keys.size(), std::memory_order_relaxed);
     plan.seq = index_.NextSeq();
     for (size_t i = 0; i < keys.size(); ++i) {
+      // Answered as its first mention, which a prefix lookup found (or is
+      // promoting) if it got here.
+      if (!repeated.empty() && repeated[i]) continue;
       std::optional<BlockIndex::Hit> hit;
       if (plan.info) {
         hit = index_.Find(BlockIndex::MakeKey(plan.info->id, keys[i]), pin, plan.seq);
@@ -1175,11 +1277,12 @@ class TieredStoreImpl final : public TieredStore {
     uint64_t can_pin = plan.promote.size();
     for (BlockEntry* e : plan.pinned) can_pin += e != nullptr;
     if (plan.planned_pins > can_pin) {
+      const uint64_t unneeded = plan.planned_pins - can_pin;
       absl::MutexLock lock(&mu_);
+      planned_pins_ -= std::min(planned_pins_, unneeded);
       auto s = sessions_.find(session);
-      if (s != sessions_.end()) {
-        s->second.planned_pins -=
-            std::min(s->second.planned_pins, plan.planned_pins - can_pin);
+      if (session != kInternalSession && s != sessions_.end()) {
+        s->second.planned_pins -= std::min(s->second.planned_pins, unneeded);
       }
       plan.planned_pins = can_pin;
     }
@@ -1207,10 +1310,10 @@ class TieredStoreImpl final : public TieredStore {
     absl::Cleanup dequeue = [&] {
       queued_promotions_.fetch_sub(plan.promote.size(), std::memory_order_relaxed);
     };
-    if (plan.info == nullptr) {
-      absl::StatusOr<uint32_t> id = NamespaceIdFor(plan.ns, NamespaceUse::kDeclared);
-      if (!id.ok()) return;
-      plan.info = NamespaceById(*id);
+    if (!plan.info) {
+      absl::StatusOr<NamespaceRef> ref = NamespaceIdFor(plan.ns, NamespaceUse::kStored);
+      if (!ref.ok()) return;
+      plan.info = *std::move(ref);
     }
     NamespaceInfo& info = *plan.info;
     absl::ReaderMutexLock no_evict(&EvictStripe(plan.ns));
@@ -1285,6 +1388,11 @@ class TieredStoreImpl final : public TieredStore {
   absl::StatusOr<LookupResult> FinishLookup(LookupPlan& plan) {
     LookupResult result;
     result.entries = std::move(plan.entries);
+    // A repeated key's answer is its first mention's; the pin is that one's.
+    for (const auto& [i, first] : plan.repeats) {
+      result.entries[i] = result.entries[first];
+      plan.promoted[i] = plan.promoted[first];
+    }
     std::vector<BlockEntry*> pinned;
     bool prefix_open = true;
     uint64_t hits = 0, dram_hits = 0;
@@ -1301,25 +1409,30 @@ class TieredStoreImpl final : public TieredStore {
       if (e.tier == Tier::kDram && !plan.promoted[i]) ++dram_hits;
       if (plan.pinned[i] != nullptr) pinned.push_back(plan.pinned[i]);
     }
-    result.namespace_known = plan.info != nullptr || hits > 0;
+    result.namespace_known = static_cast<bool>(plan.info) || hits > 0;
     lookup_hits_.fetch_add(hits, std::memory_order_relaxed);
     dram_hits_.fetch_add(dram_hits, std::memory_order_relaxed);
     if (plan.info) plan.info->hits.fetch_add(hits, std::memory_order_relaxed);
     if (pinned.empty() && plan.planned_pins == 0) return result;
     absl::MutexLock lock(&mu_);
+    // The planned pins become the real ones (at most as many).
+    planned_pins_ -= std::min(planned_pins_, plan.planned_pins);
+    const uint64_t planned = std::exchange(plan.planned_pins, 0);
     Session* s = nullptr;
     if (plan.session != kInternalSession) {
       auto it = sessions_.find(plan.session);
-      if (it == sessions_.end()) {
-        if (pinned.empty()) return result;
-        // The session ended while we looked: give the pins back.
-        for (BlockEntry* e : pinned) index_.Unpin(e);
-        return SessionNotFound(plan.session);
+      if (it != sessions_.end()) {
+        it->second.planned_pins -= std::min(it->second.planned_pins, planned);
       }
-      s = &it->second;
-      // The planned pins become the real ones (at most as many).
-      s->planned_pins -= std::min(s->planned_pins, plan.planned_pins);
-      plan.planned_pins = 0;
+      absl::StatusOr<Session*> live = LiveSession(plan.session);
+      if (!live.ok()) {
+        if (pinned.empty()) return result;
+        // The session ended (or expired) while we looked: give the pins
+        // back.
+        for (BlockEntry* e : pinned) index_.Unpin(e);
+        return live.status();
+      }
+      s = *live;
     }
     if (pinned.empty()) return result;
     PinId id = NewId();
@@ -1445,12 +1558,18 @@ class TieredStoreImpl final : public TieredStore {
 
   // ResourceExhausted when max_namespaces are in use (so a put into a new
   // namespace could not create it).
+  // Reclaims empty namespaces first if need be (ReclaimNamespaces).
   absl::Status RoomForANamespace() {
+    {
+      absl::MutexLock lock(&ns_mu_);
+      if (RoomForANamespaceLocked().ok()) return absl::OkStatus();
+    }
+    ReclaimNamespaces();
     absl::MutexLock lock(&ns_mu_);
     return RoomForANamespaceLocked();
   }
   absl::Status RoomForANamespaceLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(ns_mu_) {
-    if (namespaces_.size() < options_.max_namespaces) return absl::OkStatus();
+    if (ns_ids_.size() < options_.max_namespaces) return absl::OkStatus();
     return absl::ResourceExhaustedError(
         absl::StrCat("too many namespaces (", options_.max_namespaces, ")"));
   }
@@ -1497,13 +1616,16 @@ class TieredStoreImpl final : public TieredStore {
 
   // Frees a block removed from the index; `lru` counts it as an eviction.
   void FreeEntry(std::unique_ptr<BlockEntry> e, bool lru) {
+    // The block keeps its namespace (counted in `blocks`) until the last
+    // use of `info` here: once no block is left, the namespace may be
+    // reclaimed (ReclaimNamespaces).
     NamespaceInfo* info = NamespaceById(e->ns_id);
-    info->blocks.fetch_sub(1, std::memory_order_relaxed);
-    info->bytes.fetch_sub(e->size, std::memory_order_relaxed);
-    info->charged.fetch_sub(e->size);
     arena_->Free(e->data_offset());
     arena_->Free(e->key_offset());
     if (lru) evictions_.fetch_add(1, std::memory_order_relaxed);
+    info->bytes.fetch_sub(e->size, std::memory_order_relaxed);
+    info->charged.fetch_sub(e->size);
+    info->blocks.fetch_sub(1);  // last
   }
 
   // Evicts the evictable block used longest ago (approximately: the oldest
@@ -1643,41 +1765,157 @@ class TieredStoreImpl final : public TieredStore {
 
   // ---- namespaces --------------------------------------------------------
 
-  NamespaceInfo* FindNamespace(absl::string_view ns) {
-    absl::MutexLock lock(&ns_mu_);
-    auto it = ns_ids_.find(ns);
-    return it == ns_ids_.end() ? nullptr : namespaces_[it->second - 1].get();
+  // Takes a hold on a namespace of the table (see NamespaceRef).
+  NamespaceRef TakeRef(NamespaceInfo* info) ABSL_EXCLUSIVE_LOCKS_REQUIRED(ns_mu_) {
+    info->stamp = ++ns_stamp_;
+    return NamespaceRef(info);
   }
 
+  // The namespace named `ns`, held; empty when there is none.
+  NamespaceRef FindNamespace(absl::string_view ns) {
+    absl::MutexLock lock(&ns_mu_);
+    auto it = ns_ids_.find(ns);
+    if (it == ns_ids_.end()) return NamespaceRef();
+    return TakeRef(namespaces_[it->second - 1].get());
+  }
+
+  // REQUIRES: something keeps namespace `id` (a block of it in the index, a
+  // reservation of it, a charge, or a NamespaceRef the caller holds).
   NamespaceInfo* NamespaceById(uint32_t id) {
     absl::MutexLock lock(&ns_mu_);
     return namespaces_[id - 1].get();
   }
+  // NamespaceById, held. REQUIRES: as NamespaceById.
+  NamespaceRef NamespaceByIdRef(uint32_t id) {
+    absl::MutexLock lock(&ns_mu_);
+    return TakeRef(namespaces_[id - 1].get());
+  }
 
   // Who asks for a namespace: a client's put creates it only when
-  // create_namespaces is on; an operator's quota, or a block of it read back
-  // from NVMe, always does (it exists then).
-  enum class NamespaceUse { kClientPut, kDeclared };
+  // create_namespaces is on; a block of it found on (or read back from)
+  // NVMe, or an operator (kDeclared: SetQuota), always does (it exists
+  // then). An operator's namespace is never reclaimed.
+  enum class NamespaceUse { kClientPut, kStored, kDeclared };
 
-  absl::StatusOr<uint32_t> NamespaceIdFor(absl::string_view ns, NamespaceUse use) {
-    absl::MutexLock lock(&ns_mu_);
-    auto it = ns_ids_.find(ns);
-    if (it != ns_ids_.end()) return it->second;
-    if (use == NamespaceUse::kClientPut && !options_.create_namespaces) {
-      // FAILED_PRECONDITION, not NOT_FOUND: a whole request's NOT_FOUND
-      // tells a client that its session is gone.
-      return absl::FailedPreconditionError(absl::StrCat(
-          "namespace ", ns, " does not exist and create_namespaces is off "
-          "(an operator creates it by setting its quota)"));
+  // The namespace named `ns`, held, created if `use` allows. When
+  // max_namespaces exist, empty ones are reclaimed first (ReclaimNamespaces);
+  // ResourceExhausted when none is.
+  absl::StatusOr<NamespaceRef> NamespaceIdFor(absl::string_view ns,
+                                              NamespaceUse use) {
+    for (bool reclaimed = false;; reclaimed = true) {
+      {
+        absl::MutexLock lock(&ns_mu_);
+        auto it = ns_ids_.find(ns);
+        if (it != ns_ids_.end()) {
+          NamespaceInfo* info = namespaces_[it->second - 1].get();
+          if (use == NamespaceUse::kDeclared) info->declared.store(true);
+          return TakeRef(info);
+        }
+        if (use == NamespaceUse::kClientPut && !options_.create_namespaces) {
+          // FAILED_PRECONDITION, not NOT_FOUND: a whole request's NOT_FOUND
+          // tells a client that its session is gone.
+          return absl::FailedPreconditionError(absl::StrCat(
+              "namespace ", ns, " does not exist and create_namespaces is off "
+              "(an operator creates it by setting its quota)"));
+        }
+        if (absl::Status room = RoomForANamespaceLocked(); !room.ok()) {
+          if (reclaimed) return room;
+        } else {
+          // Ids stay dense (at most max_namespaces: BlockIndex keeps a list
+          // per id and shard): a reclaimed one is taken first.
+          uint32_t id;
+          if (!free_ns_ids_.empty()) {
+            id = free_ns_ids_.back();
+            free_ns_ids_.pop_back();
+          } else {
+            namespaces_.emplace_back();
+            id = static_cast<uint32_t>(namespaces_.size());
+          }
+          auto info = std::make_unique<NamespaceInfo>();
+          info->id = id;
+          info->name = std::string(ns);
+          info->declared.store(use == NamespaceUse::kDeclared);
+          namespaces_[id - 1] = std::move(info);
+          ns_ids_.emplace(std::string(ns), id);
+          return TakeRef(namespaces_[id - 1].get());
+        }
+      }
+      ReclaimNamespaces();
     }
-    RETURN_IF_ERROR(RoomForANamespaceLocked());
-    auto info = std::make_unique<NamespaceInfo>();
-    uint32_t id = static_cast<uint32_t>(namespaces_.size() + 1);
-    info->id = id;
-    info->name = std::string(ns);
-    namespaces_.push_back(std::move(info));
-    ns_ids_.emplace(std::string(ns), id);
-    return id;
+  }
+
+  // Whether the namespace is one ReclaimNamespaces may forget, as far as its
+  // own counters tell: not an operator's, no NamespaceRef held, no block in
+  // DRAM (blocks being demoted count), nothing charged (open reservations,
+  // promotions in flight). Reservations ended while their slot is still
+  // written (doomed) hold no charge: the caller looks at reservations_.
+  static bool Unreferenced(const NamespaceInfo& info) {
+    return !info.declared.load() && info.quota.load() == 0 &&
+           info.uses.load() == 0 && info.blocks.load() == 0 &&
+           info.charged.load() == 0;
+  }
+
+  // Once max_namespaces exist: forgets every namespace that nothing refers
+  // to any more, so that new ones can be created (a client that writes a
+  // block into a new namespace, then evicts it, over and over, would
+  // otherwise fill the table for good). A namespace goes when it is
+  // Unreferenced, no reservation names it (pins hold blocks; promotions and
+  // Evicts a NamespaceRef; the BlockIndex's per-namespace lists and orphan
+  // records are empty once its blocks are gone) and the NVMe tier has no
+  // block of it (it would still exist: ListNamespaces, puts without
+  // create_namespaces). Its id may then be given to a new namespace.
+  //
+  // Two looks: the first (ns_mu_) picks candidates and their stamps; then,
+  // with no lock held, one pass over the NVMe tier's index finds those that
+  // have blocks there; the second look (mu_, then ns_mu_) forgets the
+  // others if their stamp is unchanged: nothing took them meanwhile, so no
+  // block of theirs can have entered either tier since the first look (a
+  // block enters DRAM through a NamespaceRef, and NVMe only from DRAM).
+  // A pass that finds every candidate on NVMe is not repeated for
+  // kNamespaceScanInterval (it takes the tier's index lock for a while).
+  void ReclaimNamespaces() ABSL_LOCKS_EXCLUDED(mu_, ns_mu_) {
+    struct Candidate {
+      uint32_t id;
+      uint64_t stamp;
+    };
+    std::vector<Candidate> candidates;
+    absl::flat_hash_set<std::string> names;  // of the candidates
+    {
+      absl::MutexLock lock(&ns_mu_);
+      if (RoomForANamespaceLocked().ok()) return;  // another caller made room
+      if (nvme_ != nullptr && clock_->Now() < next_namespace_scan_) return;
+      for (const auto& info : namespaces_) {
+        if (info == nullptr || !Unreferenced(*info)) continue;
+        candidates.push_back({info->id, info->stamp});
+        if (nvme_ != nullptr) names.insert(info->name);
+      }
+    }
+    if (candidates.empty()) return;
+    absl::flat_hash_set<std::string> on_nvme;
+    if (nvme_ != nullptr) {
+      nvme_->ForEachBlock([&](const NvmeBlockView& b) {
+        if (names.contains(b.ns) && !on_nvme.contains(b.ns)) on_nvme.emplace(b.ns);
+      });
+    }
+    absl::MutexLock lock(&mu_);
+    absl::flat_hash_set<uint32_t> reserved;
+    for (const auto& [id, r] : reservations_) reserved.insert(r.ns_id);
+    absl::MutexLock ns_lock(&ns_mu_);
+    size_t reclaimed = 0;
+    for (const Candidate& c : candidates) {
+      std::unique_ptr<NamespaceInfo>& info = namespaces_[c.id - 1];
+      if (info == nullptr || info->stamp != c.stamp || !Unreferenced(*info) ||
+          reserved.contains(c.id) || on_nvme.contains(info->name)) {
+        continue;
+      }
+      ns_ids_.erase(info->name);
+      info.reset();
+      free_ns_ids_.push_back(c.id);
+      ++reclaimed;
+    }
+    if (nvme_ != nullptr && reclaimed == 0) {
+      next_namespace_scan_ = clock_->Now() + kNamespaceScanInterval;
+    }
   }
 
   // Constant after construction.
@@ -1701,11 +1939,17 @@ class TieredStoreImpl final : public TieredStore {
   std::atomic<uint64_t> admin_evictions_dram_{0}, admin_evictions_nvme_{0};
 
   absl::Mutex ns_mu_;
-  // Ids are 1-based indexes into namespaces_; entries are never removed, so
-  // NamespaceInfo pointers stay valid for the store's life.
+  // Ids are 1-based indexes into namespaces_. An entry is freed (null, its
+  // id in free_ns_ids_) only by ReclaimNamespaces, when nothing refers to
+  // it: a NamespaceInfo pointer stays valid while a NamespaceRef, a block,
+  // a reservation or a charge of its namespace does.
   absl::flat_hash_map<std::string, uint32_t> ns_ids_ ABSL_GUARDED_BY(ns_mu_);
   std::vector<std::unique_ptr<NamespaceInfo>> namespaces_
       ABSL_GUARDED_BY(ns_mu_);
+  std::vector<uint32_t> free_ns_ids_ ABSL_GUARDED_BY(ns_mu_);
+  uint64_t ns_stamp_ ABSL_GUARDED_BY(ns_mu_) = 0;  // NamespaceInfo::stamp
+  // ReclaimNamespaces' next pass over the NVMe tier (after a fruitless one).
+  absl::Time next_namespace_scan_ ABSL_GUARDED_BY(ns_mu_) = absl::InfinitePast();
 
   mutable absl::Mutex mu_;
   absl::flat_hash_map<SessionId, Session> sessions_ ABSL_GUARDED_BY(mu_);
@@ -1714,6 +1958,10 @@ class TieredStoreImpl final : public TieredStore {
       ABSL_GUARDED_BY(mu_);
   uint64_t next_id_ ABSL_GUARDED_BY(mu_) = 0;
   uint64_t pins_active_ ABSL_GUARDED_BY(mu_) = 0;
+  // Block references pinned lookups in flight may add (LookupPlan's
+  // planned_pins, all sessions and kInternalSession): with pins_active_,
+  // bounded by max_pinned_blocks.
+  uint64_t planned_pins_ ABSL_GUARDED_BY(mu_) = 0;
   uint64_t reserved_bytes_ ABSL_GUARDED_BY(mu_) = 0;
   absl::BitGen rng_ ABSL_GUARDED_BY(mu_);
 

@@ -66,6 +66,11 @@ struct StoreOptions {
   absl::Duration max_lease = absl::Hours(1);
   // Unknown namespaces are created by their first put when true.
   bool create_namespaces = true;
+  // Namespaces that exist at once. When a new one would pass it, the store
+  // first forgets the namespaces left empty: no block in either tier, no
+  // put, lookup or admin call in progress in them, and not an operator's
+  // (SetQuota declared it, whatever the quota: those stay). Past it, a put
+  // into a new namespace fails with ResourceExhausted.
   uint32_t max_namespaces = 4096;
   uint32_t max_sessions = 65536;
   // Block references one session's live pins may hold (a pinned Lookup of n
@@ -73,6 +78,12 @@ struct StoreOptions {
   // ResourceExhausted until the client unpins. Pinned lookups still in
   // flight (waiting for their promotions) count with their n keys.
   uint32_t max_pinned_blocks_per_session = 65536;
+  // Block references all live pins may hold together, those of every
+  // session and of in-process callers (kInternalSession), handed-over ones
+  // included; pinned lookups in flight count as above. A pinned lookup that
+  // could pass it fails with ResourceExhausted. Each reference costs about
+  // 9 bytes of heap: the default bounds pins to about 150 MiB.
+  uint32_t max_pinned_blocks = uint32_t{1} << 24;
   // Run a background thread that evicts down to the low watermark.
   bool background_eviction = true;
 
@@ -123,8 +134,9 @@ struct LookupResult {
   std::vector<LookupEntry> entries;  // one per key asked
   uint32_t prefix_hits = 0;          // leading keys found
   PinId pin_id = 0;                  // 0 when nothing was pinned
-  // The namespace exists (it has blocks, or was created or given a quota):
-  // false for lookups in names nothing was ever stored under.
+  // The namespace exists (it has blocks, or was created or given a quota,
+  // and was not forgotten since: see StoreOptions::max_namespaces): false
+  // for lookups in names nothing was ever stored under.
   bool namespace_known = false;
 };
 
@@ -273,15 +285,19 @@ class TieredStore {
   // request is in flight: PersistDram then saves the blocks their pins
   // kept). Returns how many ended.
   virtual int EndAllSessions() = 0;
-  // True while `session` is open (not closed, not expired and ended).
+  // True while `session` is open: not closed, and its lease has not run
+  // out (an expired session is gone at once, before ExpireSessions ends it).
   virtual bool HasSession(SessionId session) = 0;
 
   // Looks up `keys` of namespace `ns`. With `prefix`, stops at the first miss.
   // With `pin`, pins the hits atomically with the lookup (REQUIRES a live
-  // session or kInternalSession). InvalidArgument for a bad namespace or key
-  // or a batch over max_batch_keys; NotFound for an unknown session;
-  // ResourceExhausted when the session's pins could pass
-  // max_pinned_blocks_per_session.
+  // session or kInternalSession); a key named more than once is pinned once
+  // (its entries all report that block). InvalidArgument for a bad
+  // namespace or key or a batch over max_batch_keys; NotFound for an
+  // unknown or expired session; ResourceExhausted when the session's pins
+  // could pass max_pinned_blocks_per_session, or all pins max_pinned_blocks
+  // (each counts the lookup's distinct keys). A block pinned 2^32 - 1 times
+  // already is a miss of a pinned lookup.
   //
   // A pinned lookup of blocks found only on the NVMe tier reads them into
   // DRAM first (promotion), with one batched read; a block that cannot be
@@ -326,7 +342,10 @@ class TieredStore {
   // (in either tier) with another size than the batch names, or named twice
   // in the batch with two sizes (nothing is reserved then; a key named twice
   // with one size is put once, its second slot's commit kAlreadyExists);
-  // FailedPrecondition while draining.
+  // NotFound for an unknown or expired session (before anything else is
+  // checked but the arguments: a client whose session is gone learns that,
+  // and opens a new one, even while the store drains); FailedPrecondition
+  // while draining.
   // With an NVMe tier and its evictor, a batch that does not fit now waits
   // (up to 5 s) for the evictor, and for pins and reservations to end,
   // before it charges the quota or drops anything; then ResourceExhausted.
@@ -364,7 +383,8 @@ class TieredStore {
   virtual absl::StatusOr<std::vector<CommitOutcome>> CommitPut(
       SessionId session, ReservationId id,
       absl::Span<const uint64_t> checksums) = 0;
-  // Frees the reservation's slots. InvalidArgument for an unknown one.
+  // Frees the reservation's slots. InvalidArgument for an unknown one;
+  // NotFound when the session is gone (closed, or its lease ran out).
   virtual absl::Status AbortPut(SessionId session, ReservationId id) = 0;
 
   // Removes unpinned blocks: `keys`, or the whole namespace with `all`, from

@@ -3,6 +3,7 @@
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
+#include <atomic>
 #include <cstring>
 #include <filesystem>
 #include <map>
@@ -319,10 +320,83 @@ TEST_F(TieredStoreTest, PinnedBlocksPerSessionAreBounded) {
   EXPECT_OK(store_->Lookup(sid_, "ns", {&k, 1}, false, true));
   // A batch counts each key: two keys do not fit in one free reference.
   ASSERT_OK(store_->Unpin(sid_, pins[1]));
-  std::vector<absl::string_view> two = {"k", "k"};
+  ASSERT_OK(Put("k2", "y"));
+  std::vector<absl::string_view> two = {"k", "k2"};
   EXPECT_OK(store_->Lookup(sid_, "ns", {&k, 1}, false, true));
   EXPECT_THAT(store_->Lookup(sid_, "ns", two, false, true),
               StatusIs(Code::kResourceExhausted));
+}
+
+// A pinned lookup naming one key many times pins its block once: one
+// lookup of max_batch_keys copies of a key used to add that many pins to
+// it (and as many block references to the session's heap).
+TEST_F(TieredStoreTest, APinnedLookupPinsAKeyNamedTwiceOnce) {
+  ASSERT_OK(Put("a", "1"));
+  ASSERT_OK(Put("b", "2"));
+  std::vector<absl::string_view> keys(1024, "a");
+  keys[1] = "b";
+  keys[2] = "missing";
+  auto r = store_->Lookup(sid_, "ns", keys, false, true);
+  ASSERT_OK(r);
+  for (size_t i = 0; i < keys.size(); ++i) {
+    const LookupEntry& e = r->entries[i];
+    if (i == 2) {
+      EXPECT_FALSE(e.found);
+      continue;
+    }
+    ASSERT_TRUE(e.found) << i;
+    EXPECT_EQ(e.offset, r->entries[i == 1 ? 1 : 0].offset) << i;
+  }
+  EXPECT_EQ(store_->Stats().pinned_blocks, 2u);
+  EXPECT_EQ(store_->Inspect("ns", "a")->pins, 1u);
+  auto released = store_->Unpin(sid_, r->pin_id);
+  ASSERT_OK(released);
+  EXPECT_EQ(*released, 2u);
+  EXPECT_EQ(store_->Inspect("ns", "a")->pins, 0u);
+  EXPECT_EQ(store_->Stats().pinned_blocks, 0u);
+  // A prefix lookup stops at the first miss, repeated keys after it too.
+  std::vector<absl::string_view> prefix = {"a", "missing", "a"};
+  r = store_->Lookup(sid_, "ns", prefix, true, true);
+  ASSERT_OK(r);
+  EXPECT_EQ(r->prefix_hits, 1u);
+  EXPECT_TRUE(r->entries[0].found);
+  EXPECT_FALSE(r->entries[2].found);
+  EXPECT_EQ(store_->Inspect("ns", "a")->pins, 1u);
+  ASSERT_OK(store_->Unpin(sid_, r->pin_id));
+  EXPECT_EQ(store_->Inspect("ns", "a")->pins, 0u);
+}
+
+// Pins of all sessions together are bounded (max_pinned_blocks), in-process
+// callers' included: many sessions, each within its own bound, could
+// otherwise pin without limit.
+TEST_F(TieredStoreTest, PinnedBlocksOfAllSessionsAreBounded) {
+  StoreOptions opts;
+  opts.max_pinned_blocks = 3;
+  Reopen(opts);
+  for (const char* k : {"a", "b", "c", "d"}) ASSERT_OK(Put(k, k));
+  auto other = store_->OpenSession(absl::ZeroDuration(), "other");
+  ASSERT_OK(other);
+  std::vector<absl::string_view> ab = {"a", "b"};
+  absl::string_view c = "c", d = "d";
+  auto mine = store_->Lookup(sid_, "ns", ab, false, true);
+  ASSERT_OK(mine);
+  auto theirs = store_->Lookup(other->id, "ns", {&c, 1}, false, true);
+  ASSERT_OK(theirs);
+  ASSERT_OK(store_->HandOverPin(other->id, theirs->pin_id));  // still counts
+  EXPECT_THAT(store_->Lookup(other->id, "ns", {&d, 1}, false, true),
+              StatusIs(Code::kResourceExhausted));
+  EXPECT_THAT(store_->Lookup(kInternalSession, "ns", {&d, 1}, false, true),
+              StatusIs(Code::kResourceExhausted));
+  EXPECT_OK(store_->Lookup(other->id, "ns", {&d, 1}, false, false));  // no pin
+  ASSERT_OK(store_->Unpin(sid_, mine->pin_id));
+  auto internal = store_->Lookup(kInternalSession, "ns", {&d, 1}, false, true);
+  ASSERT_OK(internal);
+  ASSERT_OK(store_->Lookup(other->id, "ns", {&d, 1}, false, true));
+  EXPECT_THAT(store_->Lookup(sid_, "ns", {&d, 1}, false, true),
+              StatusIs(Code::kResourceExhausted));
+  ASSERT_OK(store_->Unpin(kInternalSession, internal->pin_id));
+  ASSERT_OK(store_->Unpin(kInternalSession, theirs->pin_id));
+  EXPECT_OK(store_->Lookup(sid_, "ns", ab, false, true));
 }
 
 // A pin handed over for a transfer (PushBlocks: the daemon's until the
@@ -473,6 +547,50 @@ TEST_F(TieredStoreTest, ExpiredSessionReleasesPinsAndReservations) {
   auto ev = store_->Evict("ns", {&k, 1}, false);
   ASSERT_OK(ev);
   EXPECT_EQ(ev->evicted_blocks, 1u);
+}
+
+// A session whose lease has run out is gone at once, before
+// ExpireSessions ends it: none of its calls succeeds any more (a CommitPut
+// after KeepAlive had said NOT_FOUND used to store the block).
+TEST_F(TieredStoreTest, AnExpiredSessionIsGoneBeforeItIsReaped) {
+  ASSERT_OK(Put("a", "1"));
+  auto session = store_->OpenSession(absl::Seconds(1), "short");
+  ASSERT_OK(session);
+  const SessionId sid = session->id;
+  absl::string_view a = "a";
+  auto pin = store_->Lookup(sid, "ns", {&a, 1}, false, true);
+  ASSERT_OK(pin);
+  auto handed = store_->Lookup(sid, "ns", {&a, 1}, false, true);
+  ASSERT_OK(handed);
+  const std::string bytes(1000, 'b');
+  PutSpec specs[2] = {{"b", "", bytes.size()}, {"c", "", bytes.size()}};
+  auto r = store_->BeginPut(sid, "ns", specs);
+  ASSERT_OK(r);
+  {
+    auto slot = store_->AcquireSlot(sid, r->id, 0);
+    ASSERT_OK(slot);
+    std::memcpy((*slot)->bytes().data(), bytes.data(), bytes.size());
+  }
+  clock_.Advance(absl::Milliseconds(1010));
+  EXPECT_FALSE(store_->HasSession(sid));
+  EXPECT_THAT(store_->KeepAlive(sid), StatusIs(Code::kNotFound));
+  EXPECT_THAT(store_->AcquireSlot(sid, r->id, 1), StatusIs(Code::kNotFound));
+  const uint64_t sums[2] = {BlockChecksum(bytes), BlockChecksum(bytes)};
+  EXPECT_THAT(store_->CommitPut(sid, r->id, sums), StatusIs(Code::kNotFound));
+  EXPECT_THAT(store_->AbortPut(sid, r->id), StatusIs(Code::kNotFound));
+  EXPECT_THAT(store_->Unpin(sid, pin->pin_id), StatusIs(Code::kNotFound));
+  EXPECT_THAT(store_->HandOverPin(sid, handed->pin_id), StatusIs(Code::kNotFound));
+  EXPECT_THAT(store_->Lookup(sid, "ns", {&a, 1}, false, true),
+              StatusIs(Code::kNotFound));
+  EXPECT_THAT(store_->BeginPut(sid, "ns", specs), StatusIs(Code::kNotFound));
+  EXPECT_FALSE(Has("b"));
+  // The reaper then releases what it held.
+  EXPECT_EQ(store_->ExpireSessions(), 1);
+  StoreStats st = store_->Stats();
+  EXPECT_EQ(st.pins, 0u);
+  EXPECT_EQ(st.reservations, 0u);
+  EXPECT_FALSE(Has("b"));
+  EXPECT_EQ(store_->Inspect("ns", "a")->pins, 0u);
 }
 
 TEST_F(TieredStoreTest, SlotHandleOutlivesAnAbortedReservation) {
@@ -713,6 +831,22 @@ TEST_F(TieredStoreTest, DrainingRefusesNewPuts) {
   EXPECT_THAT(Put("k", "x"), StatusIs(Code::kFailedPrecondition));
   store_->SetDraining(false);
   EXPECT_OK(Put("k", "x"));
+}
+
+// While draining, a put of a session that is gone is told so (NOT_FOUND:
+// open a new session), not FAILED_PRECONDITION, which a client retries with
+// its dead session.
+TEST_F(TieredStoreTest, DrainingTellsAPutOfAGoneSessionThatItIsGone) {
+  store_->SetDraining(true);
+  PutSpec spec{"k", "", 100};
+  EXPECT_THAT(store_->BeginPut(sid_ + 1, "ns", {&spec, 1}),
+              StatusIs(Code::kNotFound));
+  clock_.Advance(absl::Seconds(31));  // sid_'s lease (30 s) ran out
+  EXPECT_THAT(store_->BeginPut(sid_, "ns", {&spec, 1}), StatusIs(Code::kNotFound));
+  auto live = store_->OpenSession(absl::ZeroDuration(), "new");
+  ASSERT_OK(live);
+  EXPECT_THAT(store_->BeginPut(live->id, "ns", {&spec, 1}),
+              StatusIs(Code::kFailedPrecondition));
 }
 
 TEST_F(TieredStoreTest, NamespacesAreIsolatedAndListed) {
@@ -1174,6 +1308,153 @@ TEST_F(TieredStoreTest, AFailedPutCreatesNoNamespace) {
   EXPECT_TRUE(Has("k", "b"));
 }
 
+// A namespace left with nothing (no block, reservation, pin or quota) is
+// forgotten when max_namespaces exist and a new one is needed: a client
+// that put one block into a new namespace and evicted it, over and over,
+// used to fill the table, after which every put into a new namespace
+// failed until a restart. An operator's namespaces (SetQuota) stay.
+TEST_F(TieredStoreTest, EmptyNamespacesAreReclaimedWhenTheTableIsFull) {
+  StoreOptions o;
+  o.max_namespaces = 4;
+  Reopen(o);
+  ASSERT_OK(store_->SetQuota("declared", 0));  // created by an operator
+  ASSERT_OK(store_->SetQuota("limited", 1 << 20));
+  ASSERT_OK(Put("kept", "x", "", "full"));
+  for (int i = 0; i < 50; ++i) {
+    const std::string ns = "churn-" + std::to_string(i);
+    ASSERT_OK(Put("k", std::string(1000, 'c'), "", ns)) << i;
+    EXPECT_TRUE(Has("k", ns));
+    ASSERT_OK(store_->Evict(ns, {}, true));
+    EXPECT_FALSE(Has("k", ns));
+  }
+  std::vector<std::string> names;
+  for (const NamespaceStats& ns : store_->ListNamespaces()) names.push_back(ns.name);
+  EXPECT_THAT(names, ::testing::UnorderedElementsAre("declared", "limited",
+                                                     "full", "churn-49"));
+  EXPECT_EQ(store_->Quota("limited"), 1u << 20);
+  EXPECT_EQ(Read("kept", "full"), "x");
+  // A forgotten namespace is unknown again; a new one (which may have its
+  // id) sees none of its blocks, nor do the others see the new one's.
+  absl::string_view k = "k";
+  auto r = store_->Lookup(sid_, "churn-0", {&k, 1}, false, false);
+  ASSERT_OK(r);
+  EXPECT_FALSE(r->entries[0].found);
+  EXPECT_FALSE(r->namespace_known);
+  ASSERT_OK(Put("k", "new", "", "last"));
+  EXPECT_EQ(Read("k", "last"), "new");
+  EXPECT_FALSE(Has("k", "full"));
+  EXPECT_EQ(Read("kept", "full"), "x");
+  // Every namespace holds something now: the table is full.
+  EXPECT_THAT(Put("k", "y", "", "one-more"), StatusIs(Code::kResourceExhausted));
+  EXPECT_EQ(store_->ListNamespaces().size(), 4u);
+}
+
+// A namespace something still refers to is not forgotten: an open
+// reservation, a pinned block that Evict(all) could not remove, a slot
+// still being written for a reservation aborted meanwhile.
+TEST_F(TieredStoreTest, NamespacesInUseAreNotReclaimed) {
+  StoreOptions o;
+  o.max_namespaces = 3;
+  Reopen(o);
+  const std::string bytes(1000, 'r');
+  PutSpec spec{"r", "", bytes.size()};
+  auto open = store_->BeginPut(sid_, "open", {&spec, 1});
+  ASSERT_OK(open);
+  ASSERT_OK(Put("p", "x", "", "pinned"));
+  absl::string_view p = "p";
+  auto pin = store_->Lookup(sid_, "pinned", {&p, 1}, false, true);
+  ASSERT_OK(pin);
+  auto ev = store_->Evict("pinned", {}, true);
+  ASSERT_OK(ev);
+  EXPECT_EQ(ev->pinned_blocks, 1u);
+  auto doomed = store_->BeginPut(sid_, "doomed", {&spec, 1});
+  ASSERT_OK(doomed);
+  auto slot = store_->AcquireSlot(sid_, doomed->id, 0);
+  ASSERT_OK(slot);
+  ASSERT_OK(store_->AbortPut(sid_, doomed->id));
+  EXPECT_EQ(store_->Stats().reservations, 1u);  // "open"'s
+
+  EXPECT_THAT(Put("k", "z", "", "new"), StatusIs(Code::kResourceExhausted));
+  EXPECT_EQ((*slot)->ns(), "doomed");
+  EXPECT_EQ(store_->ListNamespaces().size(), 3u);
+  // The reservation still commits into its namespace.
+  {
+    auto s = store_->AcquireSlot(sid_, open->id, 0);
+    ASSERT_OK(s);
+    std::memcpy((*s)->bytes().data(), bytes.data(), bytes.size());
+  }
+  const uint64_t sum = BlockChecksum(bytes);
+  auto c = store_->CommitPut(sid_, open->id, {&sum, 1});
+  ASSERT_OK(c);
+  EXPECT_EQ((*c)[0], CommitOutcome::kStored);
+  EXPECT_EQ(Read("r", "open"), bytes);
+
+  // Once let go, each may go.
+  slot->reset();
+  ASSERT_OK(Put("k", "z", "", "new"));  // takes "doomed"'s place
+  EXPECT_THAT(Put("k", "z", "", "new2"), StatusIs(Code::kResourceExhausted));
+  ASSERT_OK(store_->Unpin(sid_, pin->pin_id));
+  ASSERT_OK(store_->Evict("pinned", {}, true));
+  ASSERT_OK(Put("k", "w", "", "new2"));
+  EXPECT_EQ(Read("k", "new"), "z");
+  EXPECT_EQ(Read("k", "new2"), "w");
+  EXPECT_EQ(Read("r", "open"), bytes);
+}
+
+// Namespaces created, used, emptied and reclaimed by several threads at
+// once: every block read back is the one its own namespace was given (an
+// id given to a new namespace while an old one still used it would mix
+// them up), and a put fails only for want of a free namespace.
+TEST_F(TieredStoreTest, NamespacesAreReclaimedSafelyWhileInUse) {
+  StoreOptions o;
+  o.max_namespaces = 6;
+  Reopen(o);
+  constexpr int kThreads = 4;
+  constexpr int kRounds = 400;
+  std::atomic<int> stored{0};
+  std::vector<std::thread> threads;
+  for (int t = 0; t < kThreads; ++t) {
+    threads.emplace_back([&, t] {
+      auto session = store_->OpenSession(absl::ZeroDuration(), "stress");
+      ASSERT_OK(session);
+      const SessionId sid = session->id;
+      const std::string bytes(100 + t, static_cast<char>('a' + t));
+      const uint64_t sum = BlockChecksum(bytes);
+      for (int i = 0; i < kRounds; ++i) {
+        const std::string ns = "t" + std::to_string(t) + "-" + std::to_string(i % 5);
+        PutSpec spec{"k", "", bytes.size()};
+        auto r = store_->BeginPut(sid, ns, {&spec, 1});
+        if (!r.ok()) {
+          EXPECT_THAT(r, StatusIs(Code::kResourceExhausted));
+          continue;
+        }
+        ASSERT_NE(r->id, 0u);  // evicted at the end of every round
+        std::memcpy(store_->dram_region().base + r->slots[0].offset,
+                    bytes.data(), bytes.size());
+        auto c = store_->CommitPut(sid, r->id, {&sum, 1});
+        ASSERT_OK(c);
+        EXPECT_EQ((*c)[0], CommitOutcome::kStored);
+        ++stored;
+        absl::string_view k = "k";
+        auto l = store_->Lookup(sid, ns, {&k, 1}, false, true);
+        ASSERT_OK(l);
+        ASSERT_TRUE(l->entries[0].found);
+        EXPECT_EQ(std::string(store_->dram_region().base + l->entries[0].offset,
+                              l->entries[0].size),
+                  bytes);
+        ASSERT_OK(store_->Unpin(sid, l->pin_id));
+        auto ev = store_->Evict(ns, {}, true);
+        ASSERT_OK(ev);
+        EXPECT_EQ(ev->evicted_blocks, 1u);
+      }
+    });
+  }
+  for (std::thread& th : threads) th.join();
+  EXPECT_GT(stored.load(), kRounds);
+  EXPECT_LE(store_->ListNamespaces().size(), 6u);
+  EXPECT_EQ(store_->Stats().dram.blocks, 0u);
+}
+
 // A put into a new namespace when max_namespaces are in use fails before it
 // evicts anything for its slots (it used to make room, dropping other
 // namespaces' blocks, and only then find it could not create its own).
@@ -1236,6 +1517,7 @@ class TieredStoreNvmeTest : public ::testing::Test {
     o.create_namespaces = create_namespaces_;
     o.max_pinned_blocks_per_session = max_pinned_blocks_per_session_;
     o.max_queued_promotions = max_queued_promotions_;
+    o.max_namespaces = max_namespaces_;
     o.nvme_env = nvme_env_;
     auto s = NewTieredStore(o, &clock_);
     ASSERT_OK(s);
@@ -1243,9 +1525,9 @@ class TieredStoreNvmeTest : public ::testing::Test {
     sid_ = store_->OpenSession(absl::ZeroDuration(), "t")->id;
   }
   void Put(const std::string& key, const std::string& bytes,
-           const std::string& parent = "") {
+           const std::string& parent = "", const std::string& ns = "ns") {
     PutSpec spec{key, parent, bytes.size()};
-    auto r = store_->BeginPut(sid_, "ns", {&spec, 1});
+    auto r = store_->BeginPut(sid_, ns, {&spec, 1});
     ASSERT_OK(r);
     if (r->slots[0].exists) return;  // stored already, in either tier
     {
@@ -1285,6 +1567,7 @@ class TieredStoreNvmeTest : public ::testing::Test {
   uint32_t max_pinned_blocks_per_session_ =
       StoreOptions{}.max_pinned_blocks_per_session;
   uint32_t max_queued_promotions_ = StoreOptions().max_queued_promotions;
+  uint32_t max_namespaces_ = StoreOptions().max_namespaces;
   rocksdb::Env* nvme_env_ = nullptr;
   std::string dir_;
   std::unique_ptr<TieredStore> store_;
@@ -1342,8 +1625,10 @@ TEST_F(TieredStoreNvmeTest, AQuotaPutThatCannotFitDropsNothing) {
     pins.push_back(l->pin_id);
   }
   ASSERT_GE(pins.size(), 4u);
+  std::vector<std::string> keys;  // outlive the specs' views of them
+  for (int i = 0; i < 6; ++i) keys.push_back("n" + std::to_string(i));
   std::vector<PutSpec> specs;
-  for (int i = 0; i < 6; ++i) specs.push_back({"n" + std::to_string(i), "", kB});
+  for (const std::string& key : keys) specs.push_back({key, "", kB});
   EXPECT_THAT(store_->BeginPut(sid_, "q", specs), StatusIs(Code::kResourceExhausted));
   for (int i = 0; i < 4; ++i) {
     const std::string key = "q" + std::to_string(i);
@@ -1804,6 +2089,39 @@ TEST_F(TieredStoreNvmeTest, NamespacesOnNvmeExistWithoutCreateNamespaces) {
   ASSERT_TRUE(e.found);
   EXPECT_EQ(Bytes(e), Block(0));
   ASSERT_OK(store_->Unpin(sid_, pin));
+}
+
+// A namespace whose blocks are all on NVMe still exists (see above): it is
+// not forgotten to make room in a full namespace table; one emptied in both
+// tiers is.
+TEST_F(TieredStoreNvmeTest, ANamespaceWithBlocksOnlyOnNvmeIsNotReclaimed) {
+  max_namespaces_ = 2;
+  Open();
+  Put("p0", Block(0));
+  ASSERT_OK(store_->PersistDram());  // "ns" is on NVMe only now
+  EXPECT_EQ(store_->Stats().dram.blocks, 0u);
+  Put("o", Block(1), "", "other");
+  ASSERT_OK(store_->Evict("other", {}, true));  // gone from both tiers
+  Put("n", Block(2), "", "new");  // takes "other"'s place
+  std::vector<std::string> names;
+  for (const NamespaceStats& ns : store_->ListNamespaces()) names.push_back(ns.name);
+  EXPECT_THAT(names, ::testing::UnorderedElementsAre("ns", "new"));
+  ASSERT_OK(store_->PersistDram());  // "new" is on NVMe only too
+  PutSpec spec{"k", "", 4096};
+  EXPECT_THAT(store_->BeginPut(sid_, "third", {&spec, 1}),
+              StatusIs(Code::kResourceExhausted));
+  EXPECT_EQ(Look("p0", false).tier, Tier::kNvme);
+  // Emptied: its place is taken once the store looks at NVMe again (a
+  // look that found nothing to forget is not repeated for a second).
+  ASSERT_OK(store_->Evict("new", {}, true));
+  EXPECT_THAT(store_->BeginPut(sid_, "third", {&spec, 1}),
+              StatusIs(Code::kResourceExhausted));
+  clock_.Advance(absl::Seconds(2));
+  Put("t", Block(3), "", "third");
+  names.clear();
+  for (const NamespaceStats& ns : store_->ListNamespaces()) names.push_back(ns.name);
+  EXPECT_THAT(names, ::testing::UnorderedElementsAre("ns", "third"));
+  ExpectServes("p0", Block(0));
 }
 
 // Demotion keeps a block's parent key, which the NVMe tier's prefix-aware
