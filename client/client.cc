@@ -8,7 +8,6 @@
 #include <cstring>
 #include <limits>
 #include <map>
-#include <thread>
 #include <utility>
 
 #include "absl/container/flat_hash_set.h"
@@ -1334,47 +1333,22 @@ absl::Status ParseReply(const absl::Status& st, absl::string_view body,
 // Ends a GetIntoAsync op from the daemon's answer (`st`, and when OK
 // state.push_resp): each block's status, its bytes in out[i] checked against
 // its checksum unless the daemon checked them as it copied them in place.
-// Threads that help a caller hash a get's blocks (ForEachHelped). Never
-// destroyed: ops may finish during static destruction.
-WorkPool& HashHelpers() {
-  static WorkPool* const pool = new WorkPool(
-      static_cast<int>(std::clamp(std::thread::hardware_concurrency(), 2u, 5u) - 1),
-      "kvdepot-hash");
-  return *pool;
-}
-
 void FinishGet(TransferOp::State& state, const absl::Status& st,
                absl::Span<const absl::Span<char>> out) {
   const auto& blocks = state.push_resp.blocks();
-  std::vector<size_t> to_hash;
-  uint64_t hash_bytes = 0;
   for (size_t i = 0; i < out.size(); ++i) {
     absl::Status s = BlockOutcome(st, blocks, i);
     if (s.ok()) {
       const v1::BlockTransfer& t = blocks[static_cast<int>(i)];
-      if (t.size() != out[i].size()) {
+      if (t.size() != out[i].size() ||
+          (!t.checked_in_place() &&
+           BlockChecksum(out[i].data(), out[i].size()) != t.checksum())) {
         s = absl::DataLossError(absl::StrCat(
             "block ", i, " does not match its checksum after transfer"));
-      } else if (!t.checked_in_place()) {
-        to_hash.push_back(i);
-        hash_bytes += out[i].size();
       }
     }
     state.statuses[i] = std::move(s);
   }
-  // Hashing a batch is most of a get's CPU over a network, and the
-  // caller waits for it: blocks are hashed on several cores when the batch
-  // is large enough to be worth the hand-off.
-  constexpr uint64_t kHelpedHashBytes = 1 << 20;
-  const size_t helpers = hash_bytes >= kHelpedHashBytes ? to_hash.size() - 1 : 0;
-  ForEachHelped(HashHelpers(), to_hash.size(), helpers, [&](size_t k) {
-    const size_t i = to_hash[k];
-    if (BlockChecksum(out[i].data(), out[i].size()) !=
-        blocks[static_cast<int>(i)].checksum()) {
-      state.statuses[i] = absl::DataLossError(absl::StrCat(
-          "block ", i, " does not match its checksum after transfer"));
-    }
-  });
   state.Publish();
 }
 

@@ -3,8 +3,6 @@
 #include <pthread.h>
 
 #include <algorithm>
-#include <atomic>
-#include <memory>
 #include <utility>
 
 namespace kvdepot {
@@ -53,42 +51,6 @@ void WorkPool::Run() {
     }
     std::move(task)();
   }
-}
-
-namespace {
-
-// One ForEachHelped call's indices, shared with its helpers.
-struct HelpedWork {
-  std::atomic<size_t> next{0};
-  size_t n = 0;
-  const absl::FunctionRef<void(size_t)>* fn = nullptr;  // valid while next < n
-  absl::Mutex mu;
-  size_t done ABSL_GUARDED_BY(mu) = 0;
-
-  void Run() {
-    for (size_t i; (i = next.fetch_add(1)) < n;) {
-      (*fn)(i);
-      absl::MutexLock lock(&mu);
-      ++done;
-    }
-  }
-  bool AllDone() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu) { return done == n; }
-};
-
-}  // namespace
-
-void ForEachHelped(WorkPool& pool, size_t n, size_t helpers,
-                   absl::FunctionRef<void(size_t)> fn) {
-  auto work = std::make_shared<HelpedWork>();
-  work->n = n;
-  work->fn = &fn;
-  // The caller takes indices too: at most n - 1 helpers can have one.
-  for (size_t h = 0; h < std::min(helpers, n > 0 ? n - 1 : 0); ++h) {
-    pool.Submit([work] { work->Run(); });
-  }
-  work->Run();
-  absl::MutexLock lock(&work->mu);
-  work->mu.Await(absl::Condition(work.get(), &HelpedWork::AllDone));
 }
 
 }  // namespace kvdepot

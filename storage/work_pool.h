@@ -15,7 +15,6 @@
 
 #include "absl/base/thread_annotations.h"
 #include "absl/functional/any_invocable.h"
-#include "absl/functional/function_ref.h"
 #include "absl/synchronization/mutex.h"
 
 namespace kvdepot {
@@ -42,16 +41,6 @@ class WorkPool {
   bool stop_ ABSL_GUARDED_BY(mu_) = false;
   std::vector<std::thread> threads_;
 };
-
-// Runs fn(0), ..., fn(n - 1) on the calling thread, helped by up to
-// `helpers` threads of `pool` that are free meanwhile; returns when every
-// call has returned. Indices are taken one at a time by whoever is free, so
-// a pool busy with other work only leaves more of them to the caller (never
-// a wait on a task that has not started), and a helper that starts after
-// every index was taken does nothing: `fn` need only live until this
-// returns. `pool` must outlive its tasks.
-void ForEachHelped(WorkPool& pool, size_t n, size_t helpers,
-                   absl::FunctionRef<void(size_t)> fn);
 
 }  // namespace kvdepot
 

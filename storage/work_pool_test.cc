@@ -6,8 +6,6 @@
 #include <thread>
 #include <vector>
 
-#include "absl/synchronization/mutex.h"
-#include "absl/time/clock.h"
 #include "absl/synchronization/notification.h"
 
 namespace kvdepot {
@@ -55,56 +53,6 @@ TEST(WorkPoolTest, TasksRunInParallel) {
   pool.Submit([&] { b.Notify(); a.WaitForNotification(); done_b.Notify(); });
   EXPECT_TRUE(done_a.WaitForNotificationWithTimeout(absl::Seconds(30)));
   EXPECT_TRUE(done_b.WaitForNotificationWithTimeout(absl::Seconds(30)));
-}
-
-TEST(ForEachHelpedTest, RunsEveryIndexOnceAndReturnsAfterTheLast) {
-  WorkPool pool(2, "helpers");
-  for (size_t n : {0u, 1u, 2u, 7u, 64u}) {
-    std::vector<std::atomic<int>> runs(n);
-    std::atomic<int> finished{0};
-    ForEachHelped(pool, n, 2, [&](size_t i) {
-      absl::SleepFor(absl::Microseconds(200));
-      ++runs[i];
-      ++finished;
-    });
-    EXPECT_EQ(finished.load(), static_cast<int>(n));  // all done on return
-    for (size_t i = 0; i < n; ++i) EXPECT_EQ(runs[i].load(), 1) << i;
-  }
-}
-
-TEST(ForEachHelpedTest, FreeHelpersTakeIndicesOnTheirThreads) {
-  WorkPool pool(2, "helpers");
-  const std::thread::id caller = std::this_thread::get_id();
-  // Index 0 waits until some other index ran on a helper: only a helper
-  // taking indices lets the call return.
-  absl::Notification helped;
-  std::atomic<int> on_helpers{0};
-  ForEachHelped(pool, 8, 2, [&](size_t i) {
-    if (std::this_thread::get_id() != caller) {
-      if (on_helpers++ == 0) helped.Notify();
-    } else if (i == 0) {
-      EXPECT_TRUE(helped.WaitForNotificationWithTimeout(absl::Seconds(30)));
-    }
-  });
-  EXPECT_GE(on_helpers.load(), 1);
-}
-
-TEST(ForEachHelpedTest, ABusyPoolLeavesEveryIndexToTheCaller) {
-  WorkPool pool(1, "busy");
-  absl::Notification started, gate;
-  pool.Submit([&] {
-    started.Notify();
-    gate.WaitForNotification();
-  });
-  started.WaitForNotification();
-  const std::thread::id caller = std::this_thread::get_id();
-  int on_caller = 0;
-  ForEachHelped(pool, 16, 4, [&](size_t) {
-    if (std::this_thread::get_id() == caller) ++on_caller;
-  });
-  EXPECT_EQ(on_caller, 16);  // returned without the blocked pool
-  gate.Notify();
-  // The helper tasks still queued run later and take nothing: fn is gone.
 }
 
 }  // namespace
