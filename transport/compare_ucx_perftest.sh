@@ -15,6 +15,11 @@
 #      --batch 16: per call, lookup + pin + the daemon's puts into the
 #      client's buffer + unpin + the client's checksum check;
 #   B  ucx_perftest -t ucp_put_bw -s 262144 -O 16, P pairs.
+#   --depth D (kvdepotd only): kvdepot-bench keeps D calls of 16/D blocks
+#   in flight per client instead of one of 16, so that, like perftest's
+#   16 outstanding puts, the next blocks are on their way while a call's
+#   reply and checksum check are handled (an engine loading layer by layer
+#   overlaps its calls so too); the same 16 blocks in flight.
 # Side B's pair counts P: 1, 2, 4, ... up to min(N, the machine's cores),
 # and that maximum; B's figure is its best over them. Every pair is two
 # busy-polling processes, so N pairs on fewer cores than 2N measure the
@@ -28,7 +33,7 @@
 #
 #   transport/compare_ucx_perftest.sh [--seconds 3] [--rounds 2]
 #       [--threads "1 4"] [--transports "tcp shm"] [--build DIR]
-#       [--through transport|kvdepotd] [--out FILE] [--smoke]
+#       [--through transport|kvdepotd] [--depth 1|2|4|8|16] [--out FILE] [--smoke]
 #
 # Exit 0 when every run succeeded, 1 when one failed, 2 for usage errors,
 # 77 when ucx_perftest is not installed (ctest reports a skip).
@@ -45,6 +50,7 @@ SMOKE=0
 THROUGH=transport
 BLOCK=262144
 BATCH=8
+DEPTH=1
 
 die_usage() { echo "compare_ucx_perftest.sh: $*" >&2; exit 2; }
 while [[ $# -gt 0 ]]; do
@@ -56,6 +62,7 @@ while [[ $# -gt 0 ]]; do
     --build) BUILD="${2:?}"; shift 2 ;;
     --out) OUT="${2:?}"; shift 2 ;;
     --through) THROUGH="${2:?}"; shift 2 ;;
+    --depth) DEPTH="${2:?}"; shift 2 ;;
     --smoke) SMOKE=1; shift ;;
     -h|--help) sed -n '2,/^set -euo/p' "${BASH_SOURCE[0]}" | sed '$d; s/^# \{0,1\}//'; exit 0 ;;
     *) die_usage "unknown argument: $1" ;;
@@ -72,6 +79,12 @@ case "$THROUGH" in
     [[ -n $OUT ]] || OUT="$REPO/transport/results/compare_ucx_perftest_kvdepotd.json" ;;
   *) die_usage "--through must be transport or kvdepotd" ;;
 esac
+case "$DEPTH" in
+  1) ;;
+  2|4|8|16) [[ $THROUGH == kvdepotd ]] || die_usage "--depth is for --through kvdepotd" ;;
+  *) die_usage "--depth must be 1, 2, 4, 8 or 16" ;;
+esac
+KV_BATCH=$((BATCH / DEPTH))  # kvdepot-bench's blocks per call
 # ucx_perftest's side: the operation kvdepot's GET is made of.
 PERFTEST_OP=ucp_get
 [[ $THROUGH == kvdepotd ]] && PERFTEST_OP=ucp_put_bw
@@ -177,7 +190,8 @@ stop_kvdepotd() {
 run_a() {
   if [[ $THROUGH == kvdepotd ]]; then
     env $(ucx_env "$1") "$KVBENCH" --server "$KVD" --op get --clients "$2" \
-      --batch $BATCH --block-size $BLOCK --duration "$SECONDS_PER_RUN" --json
+      --batch $KV_BATCH --depth $DEPTH --block-size $BLOCK \
+      --duration "$SECONDS_PER_RUN" --json
   else
     "$BENCH" --transport "$1" --threads "$2" \
       --seconds "$SECONDS_PER_RUN" --batch $BATCH --block-size $BLOCK
@@ -216,13 +230,13 @@ for transport in $TRANSPORTS; do
     done
     ratio="$(awk -v a="$best_a" -v b="$best_b" 'BEGIN {if (b > 0) printf "%.2f", a / b; else print "n/a"}')"
     printf '%-9s %-7s %-12.3f %-13.3f %-5s %-8s\n' "$transport" "$threads" "$best_a" "$best_b" "$best_pairs" "$ratio"
-    json_rows+=("{\"transport\": \"$transport\", \"ucx\": \"$(ucx_env "$transport")\", \"clients\": $threads, \"block_size\": $BLOCK, \"batch\": $BATCH, \"kvdepot_gb_per_s\": $best_a, \"perftest_gb_per_s\": $best_b, \"perftest_pairs\": $best_pairs, \"perftest_pair_counts\": \"$pairs_list\", \"ratio\": \"$ratio\", \"rounds\": [$rounds_json]}")
+    json_rows+=("{\"transport\": \"$transport\", \"ucx\": \"$(ucx_env "$transport")\", \"clients\": $threads, \"block_size\": $BLOCK, \"batch\": $BATCH, \"kvdepot_batch\": $KV_BATCH, \"kvdepot_depth\": $DEPTH, \"kvdepot_gb_per_s\": $best_a, \"perftest_gb_per_s\": $best_b, \"perftest_pairs\": $best_pairs, \"perftest_pair_counts\": \"$pairs_list\", \"ratio\": \"$ratio\", \"rounds\": [$rounds_json]}")
   done
   [[ $THROUGH == kvdepotd ]] && stop_kvdepotd
 done
 {
   if [[ $THROUGH == kvdepotd ]]; then
-    workload="kvdepot GET through kvdepotd (kvdepot-bench, batch $BATCH) vs ucx_perftest $PERFTEST_OP -O $BATCH, 256 KiB blocks, loopback"
+    workload="kvdepot GET through kvdepotd (kvdepot-bench, batch $KV_BATCH, depth $DEPTH) vs ucx_perftest $PERFTEST_OP -O $BATCH, 256 KiB blocks, loopback"
   else
     workload="one-sided GET, 256 KiB blocks, loopback"
   fi
