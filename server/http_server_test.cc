@@ -180,12 +180,19 @@ TEST_F(HttpServerTest, DropsAClientThatSendsNothing) {
 // With the default options, idle connections (a scraper's stalled peers, or
 // a hostile one) up to half the pool leave room: a request is answered
 // while they are still open, not once the server drops them.
-TEST(HttpServerDefaultsTest, IdleConnectionsLeaveRoomForRequests) {
+// A server with kvdepotd's default options on a free loopback port,
+// answering `path` with `body`.
+absl::StatusOr<std::unique_ptr<HttpServer>> StartWithDefaults(const std::string& path,
+                                                              const std::string& body) {
   HttpServerOptions options;
   options.listen = "127.0.0.1:0";
-  auto server = HttpServer::Start(
-      options, {{"/hello", [] { return HttpResponse{200, "text/plain", "hello"}; }}},
+  return HttpServer::Start(
+      options, {{path, [body] { return HttpResponse{200, "text/plain", body}; }}},
       NullLogger());
+}
+
+TEST(HttpServerDefaultsTest, IdleConnectionsLeaveRoomForRequests) {
+  auto server = StartWithDefaults("/hello", "hello");
   ASSERT_TRUE(server.ok()) << server.status();
   const int port = (*server)->port();
   std::vector<int> idle;
@@ -204,10 +211,7 @@ TEST(HttpServerDefaultsTest, IdleConnectionsLeaveRoomForRequests) {
 // they are open, within one request_timeout, not after several.
 TEST(HttpServerDefaultsTest, IdleConnectionsBeyondTheThreadsDoNotStarveAScrape) {
   HttpServerOptions options;  // kvdepotd's defaults
-  options.listen = "127.0.0.1:0";
-  auto server = HttpServer::Start(
-      options, {{"/metrics", [] { return HttpResponse{200, "text/plain", "up 1"}; }}},
-      NullLogger());
+  auto server = StartWithDefaults("/metrics", "up 1");
   ASSERT_TRUE(server.ok()) << server.status();
   const int port = (*server)->port();
   std::vector<int> idle;
@@ -225,10 +229,7 @@ TEST(HttpServerDefaultsTest, IdleConnectionsBeyondTheThreadsDoNotStarveAScrape) 
 // timeout counts from the accept, not from the last byte.
 TEST(HttpServerDefaultsTest, TricklingClientsDoNotStarveAScrape) {
   HttpServerOptions options;
-  options.listen = "127.0.0.1:0";
-  auto server = HttpServer::Start(
-      options, {{"/metrics", [] { return HttpResponse{200, "text/plain", "up 1"}; }}},
-      NullLogger());
+  auto server = StartWithDefaults("/metrics", "up 1");
   ASSERT_TRUE(server.ok()) << server.status();
   const int port = (*server)->port();
   std::vector<int> slow;
