@@ -20,6 +20,7 @@ struct WriteStream::Block {
   uint64_t checksum = 0;
   uint64_t filled = 0;
   SessionId session = kInternalSession;  // of a reservation-target block
+  ReservationId reservation = 0;         // of a reservation-target block
   bool standalone = false;
   bool discard = false;  // key already stored: consume and drop the bytes
   ReservationId internal_id = 0;
@@ -57,6 +58,7 @@ absl::Status WriteStream::Start(const v1::WriteHeader& h, bool* would_wait) {
     ASSIGN_OR_RETURN(cur_->slot, store_.AcquireSlot(h.session_id(),
                                                     h.reservation_id(), h.slot()));
     cur_->session = h.session_id();
+    cur_->reservation = h.reservation_id();
     cur_->size = cur_->slot->bytes().size();
     if (h.size() != cur_->size) {
       return absl::InvalidArgumentError(absl::StrCat(
@@ -123,6 +125,13 @@ absl::Status WriteStream::Complete() {
       return absl::NotFoundError(absl::StrCat(
           "session ", b->session, " ended while block ", KeyToHex(b->key),
           " was written: its reservation went with it"));
+    }
+    // Or the reservation ended on its own (AbortPut meanwhile): the slot
+    // is gone, not filled.
+    if (!store_.HasReservation(b->session, b->reservation)) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "reservation ", b->reservation, " ended while block ", KeyToHex(b->key),
+          " was written (aborted): its slot went with it"));
     }
     resp_->add_results(v1::WRITE_SLOT_FILLED);
     return absl::OkStatus();

@@ -226,6 +226,27 @@ TEST_F(ByteStreamsTest, ASlotWhoseSessionEndedMidBlockIsNotFound) {
   EXPECT_EQ(store_->Stats().reservations, 0u);
 }
 
+// The reservation aborted while its slot was written (the session lives):
+// the slot is gone, so the write is refused, not reported filled.
+TEST_F(ByteStreamsTest, ASlotWhoseReservationWasAbortedMidBlockIsRefused) {
+  auto session = store_->OpenSession(absl::ZeroDuration(), "t");
+  ASSERT_OK(session);
+  PutSpec spec{"slot-key", "", 4096};
+  auto r = store_->BeginPut(session->id, "ns", {&spec, 1});
+  ASSERT_OK(r);
+  v1::WriteRequest m = SlotWrite(session->id, r->id, 4096, std::string(1024, 'h'));
+  v1::WriteResponse resp;
+  WriteStream ws(*store_, &resp);
+  ASSERT_OK(ws.Consume(m));
+  ASSERT_OK(store_->AbortPut(session->id, r->id));
+  absl::Status st = ws.Consume(Data(std::string(3072, 'h')));
+  EXPECT_THAT(st, StatusIs(Code::kInvalidArgument));
+  EXPECT_NE(st.message().find("aborted"), std::string::npos) << st;
+  EXPECT_EQ(resp.results_size(), 0);
+  EXPECT_EQ(store_->Stats().reservations, 0u);
+  EXPECT_EQ(store_->Stats().dram.used_bytes, 0u);
+}
+
 // Progress, for the idle timeout, is a block started or finished or a
 // sixteenth of one received: not any message, or a trickle of single bytes
 // would hold a reservation for ever.

@@ -312,6 +312,11 @@ class TieredStoreImpl final : public TieredStore {
     return LiveSession(session).ok();
   }
 
+  bool HasReservation(SessionId session, ReservationId id) override {
+    absl::MutexLock lock(&mu_);
+    return FindReservation(session, id).ok();
+  }
+
   // ---- lookup and pins ---------------------------------------------------
 
   void LookupAsync(SessionId session, absl::string_view ns,
