@@ -119,16 +119,17 @@ absl::Status WriteStream::Complete() {
   }
   b->slot.reset();
   if (!b->standalone) {
-    // The session may have ended while the slot was written: its
-    // reservation went with it (the bytes went to memory being freed).
-    if (!store_.HasSession(b->session)) {
-      return absl::NotFoundError(absl::StrCat(
-          "session ", b->session, " ended while block ", KeyToHex(b->key),
-          " was written: its reservation went with it"));
-    }
-    // Or the reservation ended on its own (AbortPut meanwhile): the slot
-    // is gone, not filled.
-    if (!store_.HasReservation(b->session, b->reservation)) {
+    // The session may have ended while the slot was written, and its
+    // reservation with it, or the reservation ended on its own (AbortPut
+    // meanwhile): the slot is gone, not filled (the bytes went to memory
+    // being freed).
+    if (absl::Status open = store_.CheckReservation(b->session, b->reservation);
+        !open.ok()) {
+      if (absl::IsNotFound(open)) {
+        return absl::NotFoundError(absl::StrCat(
+            "session ", b->session, " ended while block ", KeyToHex(b->key),
+            " was written: its reservation went with it"));
+      }
       return absl::InvalidArgumentError(absl::StrCat(
           "reservation ", b->reservation, " ended while block ", KeyToHex(b->key),
           " was written (aborted): its slot went with it"));

@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <string>
 
+#include "absl/functional/function_ref.h"
 #include "storage/checksum.h"
 #include "storage/fake_clock.h"
 #include "tests/status_matchers.h"
@@ -52,6 +53,37 @@ class ByteStreamsTest : public ::testing::Test {
     v1::WriteRequest m;
     m.set_data(bytes);
     return m;
+  }
+
+  // Writes the first KiB of a 4 KiB reservation slot, runs `interrupt` on
+  // its session and reservation, then writes the rest: returns that status.
+  // The block is never reported (no result), and no reservation is left.
+  absl::Status WriteSlotInterruptedBy(
+      absl::FunctionRef<absl::Status(SessionId, ReservationId)> interrupt) {
+    TieredStore& store = *store_;
+    // A step before the interruption that fails fails the test (and is no
+    // status the caller expects).
+    auto setup = [](const absl::Status& st) {
+      EXPECT_OK(st);
+      return st.ok() ? st : absl::InternalError(st.ToString());
+    };
+    auto session = store.OpenSession(absl::ZeroDuration(), "t");
+    if (!session.ok()) return setup(session.status());
+    PutSpec spec{"slot-key", "", 4096};
+    auto r = store.BeginPut(session->id, "ns", {&spec, 1});
+    if (!r.ok()) return setup(r.status());
+    v1::WriteResponse resp;
+    WriteStream ws(store, &resp);
+    if (absl::Status st = setup(ws.Consume(SlotWrite(session->id, r->id, 4096,
+                                                     std::string(1024, 'h'))));
+        !st.ok()) {
+      return st;
+    }
+    if (absl::Status st = setup(interrupt(session->id, r->id)); !st.ok()) return st;
+    absl::Status st = ws.Consume(Data(std::string(3072, 'h')));
+    EXPECT_EQ(resp.results_size(), 0);
+    EXPECT_EQ(store.Stats().reservations, 0u);
+    return st;
   }
 
   // Reads `keys` through a ReadStream; returns the messages.
@@ -211,39 +243,20 @@ TEST_F(ByteStreamsTest, ASlotWriteNamingAnotherBlockIsRefused) {
 // A session that ends while one of its slots is written takes the
 // reservation with it: the block's end reports NotFound, not SLOT_FILLED.
 TEST_F(ByteStreamsTest, ASlotWhoseSessionEndedMidBlockIsNotFound) {
-  auto session = store_->OpenSession(absl::ZeroDuration(), "t");
-  ASSERT_OK(session);
-  PutSpec spec{"slot-key", "", 4096};
-  auto r = store_->BeginPut(session->id, "ns", {&spec, 1});
-  ASSERT_OK(r);
-  v1::WriteRequest m = SlotWrite(session->id, r->id, 4096, std::string(1024, 'h'));
-  v1::WriteResponse resp;
-  WriteStream ws(*store_, &resp);
-  ASSERT_OK(ws.Consume(m));
-  ASSERT_OK(store_->CloseSession(session->id));
-  EXPECT_THAT(ws.Consume(Data(std::string(3072, 'h'))), StatusIs(Code::kNotFound));
-  EXPECT_EQ(resp.results_size(), 0);
-  EXPECT_EQ(store_->Stats().reservations, 0u);
+  EXPECT_THAT(WriteSlotInterruptedBy([&](SessionId session, ReservationId) {
+                return store_->CloseSession(session).status();
+              }),
+              StatusIs(Code::kNotFound));
 }
 
 // The reservation aborted while its slot was written (the session lives):
 // the slot is gone, so the write is refused, not reported filled.
 TEST_F(ByteStreamsTest, ASlotWhoseReservationWasAbortedMidBlockIsRefused) {
-  auto session = store_->OpenSession(absl::ZeroDuration(), "t");
-  ASSERT_OK(session);
-  PutSpec spec{"slot-key", "", 4096};
-  auto r = store_->BeginPut(session->id, "ns", {&spec, 1});
-  ASSERT_OK(r);
-  v1::WriteRequest m = SlotWrite(session->id, r->id, 4096, std::string(1024, 'h'));
-  v1::WriteResponse resp;
-  WriteStream ws(*store_, &resp);
-  ASSERT_OK(ws.Consume(m));
-  ASSERT_OK(store_->AbortPut(session->id, r->id));
-  absl::Status st = ws.Consume(Data(std::string(3072, 'h')));
+  absl::Status st = WriteSlotInterruptedBy([&](SessionId session, ReservationId id) {
+    return store_->AbortPut(session, id);
+  });
   EXPECT_THAT(st, StatusIs(Code::kInvalidArgument));
   EXPECT_NE(st.message().find("aborted"), std::string::npos) << st;
-  EXPECT_EQ(resp.results_size(), 0);
-  EXPECT_EQ(store_->Stats().reservations, 0u);
   EXPECT_EQ(store_->Stats().dram.used_bytes, 0u);
 }
 

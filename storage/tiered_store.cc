@@ -81,6 +81,21 @@ constexpr absl::Duration kMaxWaitForDemotion = absl::Seconds(5);
 // a pass that let it reclaim nothing.
 constexpr absl::Duration kNamespaceScanInterval = absl::Seconds(1);
 
+// The keys of a batch of `n` (key_at(i)) named earlier in it, in order, as
+// (index, index of the key's first mention).
+template <typename KeyAt>
+std::vector<std::pair<size_t, size_t>> RepeatedKeys(size_t n, KeyAt key_at) {
+  std::vector<std::pair<size_t, size_t>> repeats;
+  if (n < 2) return repeats;
+  absl::flat_hash_map<absl::string_view, size_t> first;
+  first.reserve(n);
+  for (size_t i = 0; i < n; ++i) {
+    auto [it, added] = first.emplace(key_at(i), i);
+    if (!added) repeats.emplace_back(i, it->second);
+  }
+  return repeats;
+}
+
 struct NamespaceInfo {
   uint32_t id = 0;
   std::string name;
@@ -312,9 +327,9 @@ class TieredStoreImpl final : public TieredStore {
     return LiveSession(session).ok();
   }
 
-  bool HasReservation(SessionId session, ReservationId id) override {
+  absl::Status CheckReservation(SessionId session, ReservationId id) override {
     absl::MutexLock lock(&mu_);
-    return FindReservation(session, id).ok();
+    return FindReservation(session, id).status();
   }
 
   // ---- lookup and pins ---------------------------------------------------
@@ -398,18 +413,14 @@ class TieredStoreImpl final : public TieredStore {
             arena_->capacity(), " bytes"));
       }
     }
-    if (blocks.size() > 1) {
-      // A key named twice is put once (the second slot's commit finds it
-      // stored), so both must name the same block: same size.
-      absl::flat_hash_map<absl::string_view, uint64_t> sizes;
-      sizes.reserve(blocks.size());
-      for (size_t i = 0; i < blocks.size(); ++i) {
-        auto [it, added] = sizes.emplace(blocks[i].key, blocks[i].size);
-        if (!added && it->second != blocks[i].size) {
-          return absl::InvalidArgumentError(absl::StrCat(
-              "block ", i, " names a key given earlier in the batch with ",
-              it->second, " bytes, and ", blocks[i].size, " bytes"));
-        }
+    // A key named twice is put once (the second slot's commit finds it
+    // stored), so both must name the same block: same size.
+    for (const auto& [i, first] :
+         RepeatedKeys(blocks.size(), [&](size_t k) { return blocks[k].key; })) {
+      if (blocks[i].size != blocks[first].size) {
+        return absl::InvalidArgumentError(absl::StrCat(
+            "block ", i, " names a key given earlier in the batch with ",
+            blocks[first].size, " bytes, and ", blocks[i].size, " bytes"));
       }
     }
     // The session first: a client whose session is gone must learn that
@@ -1184,17 +1195,11 @@ class TieredStoreImpl final : public TieredStore {
     // A pinned lookup pins a key named twice once (two pins of one block in
     // one pin would be one reference to the client, and let one lookup
     // raise a block's pin count by max_batch_keys).
-    std::vector<bool> repeated;
-    if (pin && keys.size() > 1) {
-      absl::flat_hash_map<absl::string_view, size_t> first;
-      first.reserve(keys.size());
-      for (size_t i = 0; i < keys.size(); ++i) {
-        auto [it, added] = first.emplace(keys[i], i);
-        if (added) continue;
-        if (repeated.empty()) repeated.resize(keys.size(), false);
-        repeated[i] = true;
-        plan.repeats.emplace_back(i, it->second);
-      }
+    std::vector<bool> repeated;  // by index: in plan.repeats
+    if (pin) {
+      plan.repeats = RepeatedKeys(keys.size(), [&](size_t k) { return keys[k]; });
+      if (!plan.repeats.empty()) repeated.resize(keys.size(), false);
+      for (const auto& [i, first] : plan.repeats) repeated[i] = true;
     }
     if (pin) {
       const uint64_t n = keys.size() - plan.repeats.size();  // distinct keys
@@ -1565,11 +1570,7 @@ class TieredStoreImpl final : public TieredStore {
   // namespace could not create it).
   // Reclaims empty namespaces first if need be (ReclaimNamespaces).
   absl::Status RoomForANamespace() {
-    {
-      absl::MutexLock lock(&ns_mu_);
-      if (RoomForANamespaceLocked().ok()) return absl::OkStatus();
-    }
-    ReclaimNamespaces();
+    ReclaimNamespaces();  // returns at once while there is room
     absl::MutexLock lock(&ns_mu_);
     return RoomForANamespaceLocked();
   }

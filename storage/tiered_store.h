@@ -288,10 +288,11 @@ class TieredStore {
   // True while `session` is open: not closed, and its lease has not run
   // out (an expired session is gone at once, before ExpireSessions ends it).
   virtual bool HasSession(SessionId session) = 0;
-  // True while reservation `id` of `session` is open: not committed,
-  // aborted or ended with its session (a slot written after its
-  // reservation ended went to memory being freed).
-  virtual bool HasReservation(SessionId session, ReservationId id) = 0;
+  // OK while reservation `id` of `session` is open (a slot written after
+  // its reservation ended went to memory being freed): NotFound when the
+  // session is gone (closed, or its lease ran out), InvalidArgument when the
+  // reservation ended on its own (committed, aborted) or is unknown.
+  virtual absl::Status CheckReservation(SessionId session, ReservationId id) = 0;
 
   // Looks up `keys` of namespace `ns`. With `prefix`, stops at the first miss.
   // With `pin`, pins the hits atomically with the lookup (REQUIRES a live
