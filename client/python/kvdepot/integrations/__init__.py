@@ -56,6 +56,7 @@ __all__ = [
     "encode_block",
     "hash_block",
     "model_label",
+    "model_variant",
     "parents_of",
 ]
 
@@ -187,6 +188,30 @@ def config_digest(value: Any) -> str:
     matter; functions by qualified name), the same in every process."""
     text = json.dumps(_stable(value), sort_keys=True, separators=(",", ":"))
     return hashlib.sha256(text.encode()).hexdigest()[:12]
+
+
+def model_variant(*, identity: Any = None, revision: Any = None,
+                  quantization: Any = None, rope: Any = None,
+                  overrides: Any = None) -> List[str]:
+    """The :func:`model_label` parts that set apart deployments of one model
+    computing other KV, each only where set (so a plain deployment's label
+    has none): an engine's model identity (``id:<hash>``), the model
+    ``revision`` (``rev:...``), the ``quantization`` method (``quant:...``;
+    an enum by its value), and digests (:func:`config_digest`) of the RoPE
+    scaling (``rope:<digest>``) and the HF config overrides
+    (``hf:<digest>``)."""
+    parts: List[str] = []
+    if identity:
+        parts.append(f"id:{identity}")
+    if revision:
+        parts.append(f"rev:{revision}")
+    if quantization:
+        parts.append(f"quant:{getattr(quantization, 'value', quantization)}")
+    if rope:
+        parts.append(f"rope:{config_digest(rope)}")
+    if overrides:
+        parts.append(f"hf:{config_digest(overrides)}")
+    return parts
 
 
 # The daemon's default max_batch_keys (README, "Configuration"): the most keys

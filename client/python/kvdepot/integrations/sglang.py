@@ -89,7 +89,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Deque, Dict, List, Optional, Sequence, Tuple
 
-from . import DEFAULT_MAX_BATCH_KEYS, batch_ranges, config_digest, model_label
+from . import DEFAULT_MAX_BATCH_KEYS, batch_ranges, model_label, model_variant
 
 logger = logging.getLogger(__name__)
 
@@ -178,25 +178,15 @@ def _model_variant(storage_config: Any) -> List[str]:
             value = getattr(args, name, None)
         return value
 
-    parts: List[str] = []
-    identity = getattr(storage_config, "model_identity_hash", None)
-    if identity:
-        parts.append(f"id:{identity}")
-    revision = setting("revision")
-    if revision:
-        parts.append(f"rev:{revision}")
-    quantization = setting("quantization")
-    if quantization:
-        parts.append(f"quant:{quantization}")
     overrides = setting("json_model_override_args")
     if isinstance(overrides, str):
         try:
             overrides = json.loads(overrides) if overrides.strip() else None
         except ValueError:
             pass  # named by its text
-    if overrides:
-        parts.append(f"hf:{config_digest(overrides)}")
-    return parts
+    return model_variant(identity=getattr(storage_config, "model_identity_hash", None),
+                         revision=setting("revision"),
+                         quantization=setting("quantization"), overrides=overrides)
 
 
 def _dtype_name(dtype: Any) -> str:

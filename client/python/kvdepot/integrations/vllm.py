@@ -148,7 +148,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Any, Deque, Dict, Iterable, List, Optional, Sequence, Set, Tuple
 
-from . import (DEFAULT_MAX_BATCH_KEYS, batch_ranges, block_hashes, config_digest, model_label,
+from . import (DEFAULT_MAX_BATCH_KEYS, batch_ranges, block_hashes, model_label, model_variant,
                parents_of)
 
 logger = logging.getLogger(__name__)
@@ -336,15 +336,8 @@ def _model_variant(model_config: Any) -> List[str]:
     (``hf:<digest>``). Each only where set, so a plain deployment keeps the
     label ``vllm/<model>/tpRofN``. Read defensively: what is missing is left
     out."""
-    parts: List[str] = []
     if model_config is None:
-        return parts
-    revision = getattr(model_config, "revision", None)
-    if revision:
-        parts.append(f"rev:{revision}")
-    quantization = getattr(model_config, "quantization", None)
-    if quantization:
-        parts.append(f"quant:{getattr(quantization, 'value', quantization)}")
+        return []
     rope: Dict[str, Any] = {}
     hf = getattr(model_config, "hf_text_config", None) or getattr(model_config, "hf_config", None)
     for owner, attrs in ((hf, ("rope_scaling", "rope_parameters")),
@@ -356,12 +349,9 @@ def _model_variant(model_config: Any) -> List[str]:
                 value = None
             if value:
                 rope[f"{'hf' if owner is hf else 'vllm'}.{attr}"] = value
-    if rope:
-        parts.append(f"rope:{config_digest(rope)}")
-    overrides = getattr(model_config, "hf_overrides", None)
-    if overrides:
-        parts.append(f"hf:{config_digest(overrides)}")
-    return parts
+    return model_variant(revision=getattr(model_config, "revision", None),
+                         quantization=getattr(model_config, "quantization", None),
+                         rope=rope, overrides=getattr(model_config, "hf_overrides", None))
 
 
 def _every_output_reported(vllm_config: Any, tp_size: int) -> bool:
