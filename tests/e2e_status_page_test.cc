@@ -394,10 +394,14 @@ bool Shows(const std::string& html, const std::string& field,
                               value, "\"[^>]*>", value, "<")));
 }
 
-TEST_F(StatusPageTest, BrowserRendersTheLiveNumbers) {
+// The Chromium the browser checks drive: $KVDEPOT_CHROMIUM, else Debian's.
+std::string ChromiumPath() {
   const char* env = std::getenv("KVDEPOT_CHROMIUM");
-  const std::string chromium =
-      env != nullptr && *env != '\0' ? env : "/usr/bin/chromium";
+  return env != nullptr && *env != '\0' ? env : "/usr/bin/chromium";
+}
+
+TEST_F(StatusPageTest, BrowserRendersTheLiveNumbers) {
+  const std::string chromium = ChromiumPath();
   if (access(chromium.c_str(), X_OK) != 0) {
     GTEST_SKIP() << chromium << " not found: browser check skipped "
                  << "(apt-get install chromium, or set KVDEPOT_CHROMIUM)";
@@ -455,9 +459,7 @@ TEST_F(StatusPageTest, BrowserRendersTheLiveNumbers) {
 // it), and a failed poll turns the health badge UNREACHABLE and greys the
 // sections, which keep the last figures received (the badge stayed green).
 TEST_F(StatusPageTest, BrowserShowsADaemonThatStopsAnsweringAsUnreachable) {
-  const char* env = std::getenv("KVDEPOT_CHROMIUM");
-  const std::string chromium =
-      env != nullptr && *env != '\0' ? env : "/usr/bin/chromium";
+  const std::string chromium = ChromiumPath();
   if (access(chromium.c_str(), X_OK) != 0) {
     GTEST_SKIP() << chromium << " not found: browser check skipped "
                  << "(apt-get install chromium, or set KVDEPOT_CHROMIUM)";
