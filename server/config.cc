@@ -19,6 +19,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/strip.h"
 #include "server/http_server.h"
+#include "transport/net_devices.h"
 #include "transport/ucx_context.h"
 
 namespace kvdepot {
@@ -64,14 +65,11 @@ absl::Status CheckListenAddress(absl::string_view address) {
     return absl::InvalidArgumentError(
         absl::StrCat("'", address, "' is not HOST:PORT: ", why));
   };
-  absl::string_view host, port;
+  absl::StatusOr<HostPort> split = SplitHostPort(address);
+  if (!split.ok()) return split.status();
+  const absl::string_view host = split->host;
+  const absl::string_view port = split->port;
   if (absl::StartsWith(address, "[")) {
-    const size_t close = address.find(']');
-    if (close == absl::string_view::npos) return bad("no ']' after the IPv6 address");
-    host = address.substr(1, close - 1);
-    absl::string_view rest = address.substr(close + 1);
-    if (!absl::ConsumePrefix(&rest, ":")) return bad("no :PORT after ']'");
-    port = rest;
     // A scope ("fe80::1%eth0") is not part of the address.
     std::string numeric(host.substr(0, host.find('%')));
     in6_addr v6;
@@ -79,14 +77,7 @@ absl::Status CheckListenAddress(absl::string_view address) {
       return bad(absl::StrCat("'", host, "' is not an IPv6 address"));
     }
   } else {
-    const size_t colon = address.rfind(':');
-    if (colon == absl::string_view::npos) return bad("no :PORT");
-    host = address.substr(0, colon);
-    port = address.substr(colon + 1);
     if (host.empty()) return bad("no host (0.0.0.0 for every address)");
-    if (host.find(':') != absl::string_view::npos) {
-      return bad("an IPv6 address goes in brackets, as [::1]:9551");
-    }
     const bool numeric = std::all_of(host.begin(), host.end(), [](char ch) {
       return absl::ascii_isdigit(static_cast<unsigned char>(ch)) || ch == '.';
     });

@@ -21,10 +21,10 @@
 namespace kvdepot {
 namespace {
 
-// "HOST:PORT" -> HOST (IPv6 literals keep their brackets).
-std::string HostOf(const std::string& addr) {
-  size_t colon = addr.rfind(':');
-  return colon == std::string::npos ? addr : addr.substr(0, colon);
+// `listen` ("HOST:PORT", validated) with the port it got.
+std::string ListenedOn(const std::string& listen, int port) {
+  absl::StatusOr<HostPort> split = SplitHostPort(listen);
+  return JoinHostPort(split.ok() ? split->host : listen, port);
 }
 
 }  // namespace
@@ -75,8 +75,7 @@ absl::Status Daemon::Init() {
         http_server_,
         HttpServer::Start(http, MetricsPortRoutes(*registry_, *status_page_),
                           log_));
-    metrics_address_ = absl::StrCat(HostOf(config_.metrics_listen), ":",
-                                    http_server_->port());
+    metrics_address_ = ListenedOn(config_.metrics_listen, http_server_->port());
   }
 
   quota_file_ = std::make_unique<QuotaFile>(data_dir_->path() + "/quotas");
@@ -151,7 +150,7 @@ absl::Status Daemon::Init() {
     return absl::UnavailableError(absl::StrCat(
         "cannot listen on ", config_.listen, " (address in use or invalid?)"));
   }
-  grpc_address_ = absl::StrCat(HostOf(config_.listen), ":", port);
+  grpc_address_ = ListenedOn(config_.listen, port);
   server_->GetHealthCheckService()->SetServingStatus(true);
 
   maintenance_ = std::thread([this] { MaintenanceLoop(); });

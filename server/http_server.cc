@@ -20,6 +20,7 @@
 #include "absl/strings/str_split.h"
 #include "absl/strings/strip.h"
 #include "absl/time/clock.h"
+#include "transport/net_devices.h"
 
 namespace kvdepot {
 namespace {
@@ -158,14 +159,9 @@ bool HttpServer::SupportsIpv6() {
 void HttpServer::SetWakeAddress(const std::string& listen) {
   // "HOST:PORT", "[V6]:PORT" or "PORT"; a wildcard host is reached on
   // loopback.
-  absl::string_view host = listen;
-  if (size_t colon = host.rfind(':'); colon != absl::string_view::npos) {
-    host = host.substr(0, colon);
-  } else {
-    host = "";
-  }
-  if (absl::ConsumePrefix(&host, "[")) absl::ConsumeSuffix(&host, "]");
-  std::string name(host);
+  absl::StatusOr<HostPort> split = SplitHostPort(listen);
+  const std::string host = split.ok() ? split->host : "";
+  std::string name = host;
   if (host == "::") {
     name = "::1";
   } else if (host.empty() || host == "0.0.0.0" || host == "*") {

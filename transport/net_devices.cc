@@ -43,12 +43,11 @@ Host HostOf(absl::string_view address) {
     absl::ConsumePrefix(&rest, "ipv6:");
   }
   rest = rest.substr(0, rest.find(','));  // ipv4:a:p,b:p -- the first
-  if (absl::ConsumePrefix(&rest, "[")) {
-    return {false, std::string(rest.substr(0, rest.find(']')))};
+  if (absl::StatusOr<HostPort> split = SplitHostPort(rest); split.ok()) {
+    return {false, std::move(split->host)};
   }
-  const size_t colon = rest.find(':');
-  if (colon != absl::string_view::npos && rest.find(':', colon + 1) == absl::string_view::npos) {
-    return {false, std::string(rest.substr(0, colon))};  // host:port
+  if (absl::ConsumePrefix(&rest, "[")) {  // "[::1]", no port
+    return {false, std::string(rest.substr(0, rest.find(']')))};
   }
   return {false, std::string(rest)};  // a bare IPv6 address, or no port
 }
@@ -209,6 +208,32 @@ UcxDeviceChoice DevicesHere(const Host& host, const std::vector<std::string>& ad
 }
 
 }  // namespace
+
+absl::StatusOr<HostPort> SplitHostPort(absl::string_view address) {
+  auto bad = [address](absl::string_view why) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("'", address, "' is not HOST:PORT: ", why));
+  };
+  if (absl::StartsWith(address, "[")) {
+    const size_t close = address.find(']');
+    if (close == absl::string_view::npos) return bad("no ']' after the IPv6 address");
+    absl::string_view rest = address.substr(close + 1);
+    if (!absl::ConsumePrefix(&rest, ":")) return bad("no :PORT after ']'");
+    return HostPort{std::string(address.substr(1, close - 1)), std::string(rest)};
+  }
+  const size_t colon = address.rfind(':');
+  if (colon == absl::string_view::npos) return bad("no :PORT");
+  const absl::string_view host = address.substr(0, colon);
+  if (host.find(':') != absl::string_view::npos) {
+    return bad("an IPv6 address goes in brackets, as [::1]:9551");
+  }
+  return HostPort{std::string(host), std::string(address.substr(colon + 1))};
+}
+
+std::string JoinHostPort(absl::string_view host, int port) {
+  return host.find(':') == absl::string_view::npos ? absl::StrCat(host, ":", port)
+                                                   : absl::StrCat("[", host, "]:", port);
+}
 
 UcxDeviceChoice UcxDevicesFor(std::string_view address,
                               const std::vector<NetInterfaceAddress>& interfaces,

@@ -21,8 +21,24 @@
 #include <vector>
 
 #include "absl/functional/function_ref.h"
+#include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
 
 namespace kvdepot {
+
+// "HOST:PORT" or "[V6]:PORT" split in two. `host` has no brackets
+// ("::1"); `port` is the text after the last colon, unchecked (it may be
+// empty or not a number). InvalidArgument, saying why, for no ":PORT", no
+// ']' after "[", or an IPv6 address without brackets ("::1:80").
+// kvdepotd's listen addresses, the HTTP server's, and the host:port part
+// of gRPC targets are all read with it.
+struct HostPort {
+  std::string host;
+  std::string port;
+};
+absl::StatusOr<HostPort> SplitHostPort(absl::string_view address);
+// `host` and `port` as an address: "[::1]:80" for an IPv6 host.
+std::string JoinHostPort(absl::string_view host, int port);
 
 // A network interface address of this host, as getifaddrs lists it.
 struct NetInterfaceAddress {

@@ -26,6 +26,51 @@ std::string Devices(std::string_view address,
   return c.net_devices.value_or("<every device>");
 }
 
+TEST(SplitHostPortTest, SplitsHostsAndBracketedIpv6Addresses) {
+  struct Case {
+    const char* address;
+    const char* host;
+    const char* port;
+  };
+  for (const Case& c : {Case{"127.0.0.1:50551", "127.0.0.1", "50551"},
+                        Case{"localhost:0", "localhost", "0"},
+                        Case{"[::1]:9551", "::1", "9551"},
+                        Case{"[fe80::1%eth0]:80", "fe80::1%eth0", "80"},
+                        Case{":80", "", "80"},
+                        Case{"host:", "host", ""}}) {
+    absl::StatusOr<HostPort> split = SplitHostPort(c.address);
+    ASSERT_TRUE(split.ok()) << c.address << ": " << split.status();
+    EXPECT_EQ(split->host, c.host) << c.address;
+    EXPECT_EQ(split->port, c.port) << c.address;
+  }
+  for (const char* bad : {"80", "localhost", "[::1", "[::1]", "[::1]80", "::1:80", ""}) {
+    absl::StatusOr<HostPort> split = SplitHostPort(bad);
+    EXPECT_EQ(split.status().code(), absl::StatusCode::kInvalidArgument) << bad;
+    EXPECT_NE(split.status().message().find("is not HOST:PORT"), std::string::npos)
+        << split.status();
+  }
+}
+
+TEST(SplitHostPortTest, JoinPutsIpv6HostsInBrackets) {
+  EXPECT_EQ(JoinHostPort("127.0.0.1", 50551), "127.0.0.1:50551");
+  EXPECT_EQ(JoinHostPort("localhost", 0), "localhost:0");
+  EXPECT_EQ(JoinHostPort("::1", 9551), "[::1]:9551");
+  for (const char* address : {"10.1.2.3:7", "[fd00::2]:7", "name:7"}) {
+    absl::StatusOr<HostPort> split = SplitHostPort(address);
+    ASSERT_TRUE(split.ok()) << address;
+    EXPECT_EQ(JoinHostPort(split->host, 7), address);
+  }
+}
+
+// gRPC targets are read for their host: with a scheme, without a port.
+TEST(UcxDevicesForTest, TargetsWithASchemeOrNoPortAreReadForTheirHost) {
+  for (const char* target : {"dns:///10.0.0.5:50551", "dns://8.8.8.8/10.0.0.5:50551",
+                             "ipv4:10.0.0.5:50551", "10.0.0.5", "[fd00::2]",
+                             "ipv6:[fd00::2]:1", "fd00::2"}) {
+    EXPECT_EQ(Devices(target), "eth0,lo") << target;
+  }
+}
+
 TEST(UcxDevicesForTest, LoopbackAddressesKeepUcxOnTheLoopbackDevice) {
   for (const char* address :
        {"127.0.0.1:50551", "127.0.0.1:0", "127.8.9.10:1", "[::1]:50551",
