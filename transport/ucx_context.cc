@@ -5,8 +5,10 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <cerrno>
 #include <cstdint>
 #include <cstdlib>
+#include <cstring>
 #include <fstream>
 #include <map>
 #include <optional>
@@ -16,8 +18,11 @@
 
 #include "absl/status/status.h"
 #include "absl/strings/ascii.h"
+#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
+#include "absl/strings/strip.h"
+#include "storage/status_macros.h"
 #include "transport/internal/ucs_status.h"
 
 namespace kvdepot {
@@ -207,15 +212,44 @@ absl::StatusOr<std::unique_ptr<MemoryRegion>> UcxContext::Register(
   return Map(base, size);
 }
 
+namespace {
+
+// MemAvailable of /proc/meminfo, in bytes; nullopt where it cannot be read.
+std::optional<uint64_t> AvailableMemory() {
+  std::ifstream meminfo("/proc/meminfo");
+  std::string line;
+  while (std::getline(meminfo, line)) {
+    absl::string_view rest = line;
+    if (!absl::ConsumePrefix(&rest, "MemAvailable:")) continue;
+    rest = absl::StripAsciiWhitespace(rest);
+    absl::ConsumeSuffix(&rest, "kB");
+    uint64_t kib = 0;
+    if (!absl::SimpleAtoi(absl::StripAsciiWhitespace(rest), &kib)) return std::nullopt;
+    return kib * 1024;
+  }
+  return std::nullopt;
+}
+
+}  // namespace
+
 absl::StatusOr<std::unique_ptr<MemoryRegion>> UcxContext::Allocate(
     size_t size) {
   if (size == 0) return absl::InvalidArgumentError("allocation of 0 bytes");
-  absl::StatusOr<std::unique_ptr<MemoryRegion>> region = Map(nullptr, size);
-  if (region.ok()) Prefault((*region)->base(), (*region)->size());
+  // Every page is made below, in shared memory where UCX takes it: more
+  // than the host has would not fail but bring the OOM killer (and a
+  // shared-memory file that outlives the killed process, holding /dev/shm).
+  if (std::optional<uint64_t> available = AvailableMemory();
+      available.has_value() && size > *available) {
+    return absl::ResourceExhaustedError(absl::StrCat(
+        "allocation of ", size, " bytes: this host has ", *available,
+        " bytes of memory available (MemAvailable)"));
+  }
+  ASSIGN_OR_RETURN(std::unique_ptr<MemoryRegion> region, Map(nullptr, size));
+  RETURN_IF_ERROR(Prefault(region->base(), region->size()));
   return region;
 }
 
-void UcxContext::Prefault(char* base, size_t size) {
+absl::Status UcxContext::Prefault(char* base, size_t size) {
   // UCX hands out memory no page of which exists yet. The first transfer
   // into it would fault on every page, on the progress thread that serves
   // every transfer of its worker: in a run of GET 16 MiB x 16 clients over
@@ -227,11 +261,22 @@ void UcxContext::Prefault(char* base, size_t size) {
   if (madvise(reinterpret_cast<void*>(start),
               reinterpret_cast<uintptr_t>(base) + size - start,
               MADV_POPULATE_WRITE) == 0) {
-    return;
+    return absl::OkStatus();
+  }
+  if (errno != EINVAL) {
+    // ENOMEM; EFAULT where a page would raise SIGBUS: the shared-memory
+    // file system (/dev/shm, a container's 64 MiB) is smaller than `size`.
+    const int error = errno;
+    return absl::ResourceExhaustedError(absl::StrCat(
+        "cannot make the ", size, " bytes UCX allocated resident (",
+        std::strerror(error),
+        "): not that much memory, or its shared-memory file system (UCX_POSIX_DIR, "
+        "/dev/shm) is smaller"));
   }
   // Kernels before 5.14: a write to each page (of the byte it holds).
   volatile char* bytes = base;
   for (size_t off = 0; off < size; off += page) bytes[off] = bytes[off];
+  return absl::OkStatus();
 }
 
 absl::StatusOr<std::unique_ptr<MemoryRegion>> UcxContext::Map(void* base,

@@ -110,6 +110,8 @@ class UcxContext {
   // from a peer on the same host are plain copies into it instead of
   // messages (see README.md, caveat 1). Every page exists when it returns
   // (prefaulted), so no transfer into it faults. Freed with the region.
+  // ResourceExhausted for more than the host's available memory, or where
+  // the pages cannot be made (UCX's shared-memory file system is smaller).
   absl::StatusOr<std::unique_ptr<MemoryRegion>> Allocate(size_t size);
 
   // The UCP handle, for UcxWorker. Thread-safe as UCX's context is.
@@ -128,8 +130,9 @@ class UcxContext {
   // null; packs the rkey.
   absl::StatusOr<std::unique_ptr<MemoryRegion>> Map(void* base, size_t size);
   // Makes every page of [base, base + size) exist (MADV_POPULATE_WRITE, or
-  // a write to each page where the kernel lacks it).
-  static void Prefault(char* base, size_t size);
+  // a write to each page where the kernel lacks it); ResourceExhausted
+  // where the kernel cannot.
+  static absl::Status Prefault(char* base, size_t size);
 
   const ucp_context_h context_;
   std::optional<TcpSegmentSizes> tcp_segments_;
