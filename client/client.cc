@@ -490,6 +490,13 @@ void Client::ReplaceLink(Link& link, uint64_t session,
   // and the one opened on the link since, if another.
   DropSession(session);
   if (opened != session) DropSession(opened);
+  // DropSession finds no link for them any more (it was retired above):
+  // this link's requests stop serving them here, so that a request sent
+  // now is refused at once instead of waiting for its deadline.
+  if (link.requests != nullptr) {
+    link.requests->Disconnect(session);
+    if (opened != session && opened != 0) link.requests->Disconnect(opened);
+  }
   link.worker->Fence(std::move(then));
 }
 
@@ -1225,11 +1232,22 @@ absl::Status Client::RegisterBuffer(void* base, size_t size) {
     return absl::FailedPreconditionError(
         absl::StrCat("no UCX in this client: ", data_plane_status().ToString()));
   }
+  if (base != nullptr && size > 0 && IsRegistered(base, size)) return absl::OkStatus();
   ASSIGN_OR_RETURN(std::unique_ptr<MemoryRegion> region,
                    ucx_->context->Register(base, size));
   absl::MutexLock lock(&ucx_->mu);
   ucx_->NewSlot().region = std::move(region);
   return absl::OkStatus();
+}
+
+bool Client::IsRegistered(const void* base, size_t size) {
+  if (ucx_ == nullptr) return false;
+  absl::MutexLock lock(&ucx_->mu);
+  return std::any_of(ucx_->buffers.begin(), ucx_->buffers.end(),
+                     [&](const Ucx::Buffer& b) {
+                       return b.region != nullptr && !b.freed &&
+                              b.region->Contains(base, size);
+                     });
 }
 
 absl::StatusOr<absl::Span<char>> Client::AllocateBuffer(size_t size) {
@@ -1611,8 +1629,10 @@ absl::Status Client::RegisterInSession(
       } else if (buf.failed_session == session && buf.failed_at >= arrived) {
         failed = buf.failure;  // the registration waited for failed
       } else {
-        // Cannot happen: only the registration's own caller ends it.
-        failed = absl::InternalError("a buffer's registration ended unpublished");
+        // Its session was dropped meanwhile, and a caller of the next one
+        // registered the buffer in that one before this call woke.
+        failed = absl::NotFoundError(
+            "the session ended while a buffer was being registered in it");
       }
     }
   }
@@ -1696,6 +1716,8 @@ TransferOp Client::GetIntoAsyncImpl(absl::string_view ns,
   absl::Status valid = ValidateNamespace(ns);
   for (size_t i = 0; valid.ok() && i < keys.size(); ++i) valid = ValidateKey(keys[i]);
   if (!valid.ok()) return FailedOp(keys.size(), valid);
+  // Nothing to get: no session to open (a wait on a daemon not answering).
+  if (keys.empty()) return FailedOp(0, absl::OkStatus());
   std::vector<absl::Span<const char>> ranges(dst.begin(), dst.end());
   bool unreachable = false;
   absl::StatusOr<UcxTarget> target = PrepareUcx(ranges, &unreachable);

@@ -282,7 +282,15 @@ class Client {
   // worker (it is never progressed again) before it reports the failure,
   // and opens its next session on a new one: once an op is ready, nothing
   // more is written into its buffers.
+  //
+  // A range inside memory registered or allocated already (IsRegistered) is
+  // not registered again: OK, and nothing changes (its blocks move through
+  // that buffer, which must outlive them: a second registration of part of
+  // an AllocateBuffer buffer would outlive the buffer's FreeBuffer).
   absl::Status RegisterBuffer(void* base, size_t size);
+  // True when [base, base + size) lies inside one buffer of RegisterBuffer
+  // or AllocateBuffer that FreeBuffer has not freed.
+  bool IsRegistered(const void* base, size_t size);
   // Allocates `size` bytes through UCX, registered as RegisterBuffer does,
   // and returns them; they live until FreeBuffer, or the client, frees
   // them. UCX places them in shared memory where it can, so a daemon on

@@ -250,6 +250,31 @@ TEST_F(ClientFaultsTest, CallersRegisteringBuffersWithAStalledDaemonDoNotQueue) 
                                             /*open_session_first=*/true);
 }
 
+// Bug: an empty GetIntoAsync opened a session and sent an empty PushBlocks
+// (an empty PutFromAsync asked nothing): against a daemon that stopped
+// answering, getting nothing took an RPC's wait.
+TEST_F(ClientFaultsTest, EmptyBatchesAskTheDaemonNothing) {
+  ASSERT_NO_FATAL_FAILURE(StartDaemon("tcp"));
+  std::unique_ptr<Client> client = NewClient(absl::Seconds(3), absl::Seconds(10));
+  ASSERT_NE(client, nullptr);
+  TransferOp get = client->GetIntoAsync("empty", {}, {});
+  TransferOp put = client->PutFromAsync("empty", {});
+  for (TransferOp* op : {&get, &put}) {
+    EXPECT_TRUE(op->IsReady());
+    EXPECT_TRUE(op->statuses().empty());
+  }
+  EXPECT_EQ(Answered("OpenSession"), 0);
+  EXPECT_EQ(Answered("PushBlocks"), 0);
+  // The client asks the daemon when there is something to ask.
+  std::vector<char> buf(kBlock);
+  absl::string_view key = "absent";
+  absl::Span<char> dst(buf.data(), buf.size());
+  TransferOp miss = client->GetIntoAsync("empty", {&key, 1}, {&dst, 1});
+  miss.Wait();
+  EXPECT_TRUE(absl::IsNotFound(miss.statuses()[0])) << miss.statuses()[0];
+  EXPECT_EQ(Answered("OpenSession"), 1);
+}
+
 // Bug: a gRPC call of GetIntoAsync (requests over gRPC) still in flight
 // when the Client was destroyed called back into the freed Client when it
 // ended; the op was not ready when the destructor returned.

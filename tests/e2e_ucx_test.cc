@@ -489,6 +489,10 @@ TEST_P(UcxE2eTest, BuffersAllocatedByUcxWork) {
   // straight into it on this host.
   absl::StatusOr<absl::Span<char>> buf = client_->AllocateBuffer(2 * kBlock);
   ASSERT_OK(buf.status());
+  // Part of it registered again is not registered a second time: that
+  // registration would outlive the buffer's FreeBuffer.
+  EXPECT_TRUE(client_->IsRegistered(buf->data() + kBlock, kBlock));
+  ASSERT_OK(client_->RegisterBuffer(buf->data() + kBlock, kBlock));
   ucx_test::FillPattern(buf->data(), kBlock, 77);
   BlockToPut block{"alloc", "", absl::string_view(buf->data(), kBlock)};
   TransferOp put = client_->PutFromAsync("alloc", {&block, 1});
@@ -527,6 +531,9 @@ TEST_P(UcxE2eTest, BuffersAllocatedByUcxWork) {
   EXPECT_EQ(testing::MetricValue(
                 metrics, "kvdepot_bytes_total{direction=\"out\",transport=\"ucx\"}"),
             kBlock);
+  ASSERT_OK(client_->FreeBuffer(*buf));
+  EXPECT_FALSE(client_->IsRegistered(buf->data() + kBlock, kBlock))
+      << "a registration outlived the memory";
 }
 
 TEST_P(UcxE2eTest, AKilledClientsPinsAndReservationsAreReleasedAtOnce) {

@@ -1431,9 +1431,15 @@ class PyClient {
   // tensor) with UCX, so that put and get_into with buffers inside it move
   // over the data plane, in place. The object is kept alive as long as the
   // native client (past close() while allocate_buffer arrays hold it).
+  // Memory registered already (a view of an allocate_buffer array, or of a
+  // registered object) is not registered again, and its object not kept:
+  // a view of allocate_buffer memory holds the native client itself, so
+  // the client keeping it would keep itself (its UCX workers, threads and
+  // mappings) for good.
   void RegisterBuffer(const py::object& buffer) {
     std::shared_ptr<Client> c = client();
     Memory m = GetMemory(buffer, /*writable=*/true, "buffer");
+    if (m.size > 0 && c->IsRegistered(m.data, m.size)) return;
     Check(Released([&](Client& client) {
       return client.RegisterBuffer(m.data, m.size);
     }));

@@ -515,7 +515,10 @@ class KvCacheStore:
         if not caches:
             return
         t = caches[0]
-        nbytes = t.numel() * t.element_size() if hasattr(t, "element_size") else t.nbytes
+        if hasattr(t, "element_size"):  # a torch tensor
+            nbytes = t.numel() * t.element_size()
+        else:  # numpy arrays, bytearrays, memoryviews...
+            nbytes = memoryview(t).nbytes
         per_block = self.layout.tensor_bytes(1)
         n = nbytes // per_block if per_block else 0
         for b in block_ids:

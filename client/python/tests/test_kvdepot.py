@@ -480,6 +480,48 @@ class UcxDataPlaneTest(DaemonTestCase):
         self.assertEqual(other.stats()["sessions"], 0)
         del store
 
+    def test_registering_allocated_memory_again_keeps_nothing_alive(self):
+        # Its memory is registered already. A view the client kept would
+        # hold the pool, which holds the client: its UCX workers, threads
+        # and mappings would stay for good after close() and del.
+        def client_life(register: bool) -> None:
+            c = kvdepot.Client(self.daemon.address, timeout_s=10)
+            pool = c.allocate_buffer(2 * 4096)
+            view = pool[4096:]
+            if register:
+                refs = sys.getrefcount(view)
+                c.register_buffer(view)
+                self.assertEqual(sys.getrefcount(view), refs)
+            # Blocks in it move, through the pool's registration.
+            view[:] = 9
+            k = os.urandom(16)
+            self.assertEqual(c.put(NS, [k], [view]), [True])
+            self.assertEqual(c.get_into(NS, [k], [pool[:4096]]), [True])
+            self.assertTrue((pool[:4096] == 9).all())
+            c.close()
+
+        client_life(register=False)  # and the threads a first client leaves
+        gc.collect()
+        tasks_before = len(os.listdir("/proc/self/task"))
+        client_life(register=True)
+        gc.collect()
+        self.assertLessEqual(len(os.listdir("/proc/self/task")), tasks_before)
+
+    def test_a_store_saves_and_loads_bytearray_caches(self):
+        layout = tiny_layout()  # blocks of 16 bytes
+        store = kvdepot.KvCacheStore(self.daemon.address, layout, "m-bytes", timeout_s=10)
+        src = bytearray(os.urandom(layout.tensor_bytes(2)))
+        self.assertEqual(store.save([src], [0, 1], [key(41), key(42)]), [True, True])
+        dst = bytearray(layout.tensor_bytes(2))
+        self.assertEqual(store.load([dst], [1, 0], [key(41), key(42)]), [True, True])
+        # FLASH_ATTN_NHD: every block's K (8 bytes here), then every V.
+        for k_or_v in (0, 16):
+            self.assertEqual(dst[k_or_v + 8:k_or_v + 16], src[k_or_v:k_or_v + 8])
+            self.assertEqual(dst[k_or_v:k_or_v + 8], src[k_or_v + 8:k_or_v + 16])
+        with self.assertRaisesRegex(ValueError, "OUT_OF_RANGE"):
+            store.load([dst], [2], [key(41)])
+        store.client.close()
+
     def test_allocated_memory_goes_back_once_no_view_is_left(self):
         c = self.client
         # A view outlives its array: the memory stays, and moves blocks
