@@ -105,6 +105,12 @@ struct ClientOptions {
   // compare_put_protocols_tcp.json; the kernel's copy from cold client
   // memory costs what UCX's copy into a warm buffer saved). Measure on your
   // fabric: tools/compare_requests.sh --compare put-protocol.
+  // One exception to TransferOp's "nothing is read once ready": such a put
+  // that ends without the daemon's answer (its wait passed) is ready while
+  // UCX may still be sending from its buffers. Bytes changed meanwhile reach
+  // the daemon with the checksum of the old ones and are refused
+  // (DATA_LOSS), so nothing wrong is stored; the memory must stay valid
+  // (as registered memory must anyway, and FreeBuffer keeps it).
   bool ucx_data_requests = false;
 };
 
