@@ -197,8 +197,10 @@ ServerMetrics::ServerMetrics(prometheus::Registry& registry, int namespace_label
   demotions_skipped_ = Mirror{&SingleCounter(
       registry, "kvdepot_demotions_skipped_total",
       "DRAM blocks not admitted to the NVMe tier (read too rarely)")};
-  promotions_ = Mirror{&SingleCounter(registry, "kvdepot_promotions_total",
-                                      "NVMe blocks read back into DRAM")};
+  promotions_ = Mirror{&SingleCounter(
+      registry, "kvdepot_promotions_total",
+      "NVMe blocks read back into DRAM by pinned lookups (those a prefix "
+      "lookup read after its first miss included: they are not hits)")};
   promotions_shed_ = Mirror{&SingleCounter(
       registry, "kvdepot_promotions_shed_total",
       "NVMe blocks pinned lookups reported as misses because the promotion "
@@ -266,7 +268,9 @@ void ServerMetrics::RecordLookup(absl::string_view ns, bool prefix,
   for (const LookupEntry& e : result.entries) {
     if (!e.found) {
       ++miss;
-    } else if (e.tier == Tier::kNvme) {
+    } else if (e.tier == Tier::kNvme || e.promoted) {
+      // A promoted block is in DRAM now, but the hit is NVMe's: the hit
+      // ratio by tier shows what each tier serves.
       ++nvme;
     } else {
       ++dram;

@@ -44,8 +44,10 @@ class ServerMetrics {
                      absl::Duration elapsed);
   // One lookup of namespace `ns`: every key asked counts once in
   // kvdepot_lookup_keys_total{namespace,result,tier} (a miss has tier
-  // "none"), so hits / all is the hit ratio. A prefix lookup also counts its
-  // keys asked and its leading hits (the prefix hit ratio's two sides).
+  // "none"; a block a pinned lookup promoted has tier "nvme", though the
+  // reply says DRAM), so hits / all is the hit ratio. A prefix lookup also
+  // counts its keys asked and its leading hits (the prefix hit ratio's two
+  // sides).
   void RecordLookup(absl::string_view ns, bool prefix, const LookupResult& result);
   // Block bytes through the gRPC byte path.
   void AddBytesIn(uint64_t n) { bytes_in_.Increment(static_cast<double>(n)); }

@@ -114,6 +114,10 @@ constexpr absl::Duration kShutdownResumeWait = absl::Seconds(10);
 // clock): a corruption Verify cannot drop (in a table file) would otherwise
 // have every failing compaction start another scrub.
 constexpr absl::Duration kAutoScrubInterval = absl::Minutes(10);
+// Most block bytes one RocksDB MultiGet of MultiRead asks for (a larger
+// block is read alone): RocksDB holds a heap copy of every value it
+// returns until MultiRead has copied it out (see MultiRead).
+constexpr uint64_t kMultiReadChunkBytes = uint64_t{32} << 20;
 // Longest chain of stored ancestors walked when a block could close a cycle.
 constexpr int kMaxChainWalk = 1 << 16;
 
@@ -679,6 +683,8 @@ void NvmeTierImpl::MaintenanceLoop() {
 }
 
 void NvmeTierImpl::FlushIfDue() {
+  // The flush timer is looked at (no arg).
+  internal::TestSyncPoint("NvmeTier::FlushIfDue");
   absl::Time since;
   {
     absl::MutexLock lock(&flush_mu_);
@@ -1363,22 +1369,38 @@ std::vector<absl::Status> NvmeTierImpl::MultiRead(
   data_keys.reserve(planned.size());
   for (const PlannedRead& p : planned) data_keys.push_back(DataKey(p.id));
   std::vector<rocksdb::Slice> keys(data_keys.begin(), data_keys.end());
-  std::vector<rocksdb::PinnableSlice> values(planned.size());
   std::vector<rocksdb::Status> statuses(planned.size());
   rocksdb::ReadOptions ro;  // verify_checksums: RocksDB's CRCs as well
+  // Every chunk reads the one snapshot: the batch sees the database as it
+  // was planned, whatever changes between chunks.
   ro.snapshot = snapshot->snapshot();
-  db_->MultiGet(ro, db_->DefaultColumnFamily(), planned.size(), keys.data(),
-                values.data(),
-                statuses.data());
-  for (size_t j = 0; j < planned.size(); ++j) {
-    const PlannedRead& p = planned[j];
-    const NvmeReadRequest& request = requests[p.request];
-    results[p.request] = FinishRead(p, statuses[j], values[j], request.dest);
-    // The checksum FinishRead verified: the entry's as planned, which may
-    // not be the one the caller saw in Meta before (a replaced block).
-    if (results[p.request].ok() && request.checksum != nullptr) {
-      *request.checksum = p.checksum;
+  // RocksDB copies each blob value onto the heap before it is copied into
+  // `dest` (a DRAM slot, already counted): a MultiGet of the whole batch
+  // would hold all of its bytes twice at once. Chunks of at most
+  // kMultiReadChunkBytes (but at least one block) bound that copy; each
+  // chunk's values are released before the next is read.
+  for (size_t begin = 0; begin < planned.size();) {
+    size_t end = begin + 1;
+    uint64_t chunk_bytes = planned[begin].size;
+    while (end < planned.size() &&
+           chunk_bytes + planned[end].size <= kMultiReadChunkBytes) {
+      chunk_bytes += planned[end++].size;
     }
+    std::vector<rocksdb::PinnableSlice> values(end - begin);
+    db_->MultiGet(ro, db_->DefaultColumnFamily(), end - begin, &keys[begin],
+                  values.data(), &statuses[begin]);
+    for (size_t j = begin; j < end; ++j) {
+      const PlannedRead& p = planned[j];
+      const NvmeReadRequest& request = requests[p.request];
+      results[p.request] =
+          FinishRead(p, statuses[j], values[j - begin], request.dest);
+      // The checksum FinishRead verified: the entry's as planned, which may
+      // not be the one the caller saw in Meta before (a replaced block).
+      if (results[p.request].ok() && request.checksum != nullptr) {
+        *request.checksum = p.checksum;
+      }
+    }
+    begin = end;
   }
   return results;
 }
@@ -1514,13 +1536,15 @@ absl::StatusOr<NvmeVerifyReport> NvmeTierImpl::Verify(
     meta_reads.snapshot = snapshot.snapshot();
     std::unique_ptr<rocksdb::Iterator> it(db_->NewIterator(scan));
     const std::string first(1, kDataPrefix);
-    uint64_t scanned = 0;
     for (it->Seek(first);
          it->Valid() && it->key().starts_with(first) && !stopping();
          it->Next()) {
-      // A scrub may read for minutes: demotions still reach the files
-      // within max_unflushed_age.
-      if (++scanned % 256 == 0) FlushIfDue();
+      // A scrub may read for minutes, on the maintenance thread whose timer
+      // flushes: demotions still reach the files within max_unflushed_age
+      // (plus one block's read). Before every block, as a block may be
+      // 256 MiB; FlushIfDue costs a lock and a clock read when nothing is
+      // due.
+      FlushIfDue();
       std::string id(it->key().data() + 1, it->key().size() - 1);
       rocksdb::Slice value = it->value();
       const uint64_t sum = BlockChecksum(value.data(), value.size());
@@ -1597,6 +1621,7 @@ absl::StatusOr<NvmeVerifyReport> NvmeTierImpl::Verify(
   if (snapshot != nullptr) ro.snapshot = snapshot->snapshot();
   for (const PlannedRead& p : unseen) {
     if (stopping()) return stopped();
+    FlushIfDue();  // as in the scan
     rocksdb::PinnableSlice value;
     rocksdb::Status s =
         db_->Get(ro, db_->DefaultColumnFamily(), DataKey(p.id), &value);

@@ -17,7 +17,14 @@
 // in them is max_unflushed_age old (on the tier's clock). Delete goes
 // through the WAL whatever use_wal says, so a deleted block never comes back
 // after a crash. A clean shutdown (the destructor, or Flush) persists
-// everything.
+// everything, except while the disk stays full: RocksDB then stops writing
+// (see NvmeTierOptions::resume_interval) and cannot flush, so puts
+// acknowledged since the last flush are lost at close, and blocks whose
+// delete failed meanwhile (Delete's, evictions') come back after a reopen.
+// Nor can the tier make room by itself then: its deletes are writes too.
+// Room has to come from outside: space freed on the file system (writes
+// resume by themselves), and a lower capacity_bytes (nvme_capacity) so that
+// the tier does not fill it again.
 // Integrity is never traded: every read verifies the block's XXH3-64, and a
 // block whose bytes do not match is deleted, counted as an integrity error
 // and reported as DataLoss. No path returns bytes that fail their checksum.
@@ -83,8 +90,9 @@ struct NvmeTierOptions {
   // Without the WAL, the longest a put (or an eviction's delete) stays only
   // in memtables: the tier's timer flushes them once the oldest unflushed
   // write is this old. It looks at the clock every quarter of this (at most
-  // every second), so a crash loses at most about max_unflushed_age plus
-  // one second (plus the flush's time) of writes. InfiniteDuration() turns
+  // every second; a scrub on the tier's thread looks before every block it
+  // reads), so a crash loses at most about max_unflushed_age plus one
+  // second (plus the flush's time) of writes. InfiniteDuration() turns
   // the timer off (memtables are then flushed when full, by Flush, or at
   // close). Must be > 0. Unused with use_wal.
   absl::Duration max_unflushed_age = absl::Seconds(5);
@@ -227,8 +235,9 @@ class NvmeTier {
   NvmeTier(const NvmeTier&) = delete;
   NvmeTier& operator=(const NvmeTier&) = delete;
   // Persists read counts and recency, flushes the memtables (so every block
-  // put so far survives a restart) and closes the database. Errors are
-  // dropped; call Flush first to see them.
+  // put so far survives a restart; not while the disk stays full, see
+  // above) and closes the database. Errors are dropped; call Flush first to
+  // see them.
   // REQUIRES: no call to this tier is in flight.
   virtual ~NvmeTier() = default;
 
@@ -272,11 +281,14 @@ class NvmeTier {
   virtual absl::Status Read(absl::string_view ns, absl::string_view key,
                             absl::Span<char> dest) = 0;
 
-  // Read() for several blocks of one namespace, fetched with one RocksDB
-  // MultiGet. Returns one status per request, in order, with Read's meaning;
-  // for each one that succeeds, sets *checksum when the request asks (see
-  // NvmeReadRequest). Meant for the engine's background threads (it blocks
-  // on the disk).
+  // Read() for several blocks of one namespace, all as of one moment (one
+  // RocksDB snapshot), fetched with RocksDB MultiGets of at most 32 MiB of
+  // blocks each (a larger block alone): RocksDB holds a heap copy of what
+  // a MultiGet returns until it is copied to `dest`, so the heap holds a
+  // chunk's bytes, never the batch's. Returns one status per request, in
+  // order, with Read's meaning; for each one that succeeds, sets *checksum
+  // when the request asks (see NvmeReadRequest). Meant for the engine's
+  // background threads (it blocks on the disk).
   virtual std::vector<absl::Status> MultiRead(
       absl::string_view ns, absl::Span<const NvmeReadRequest> requests) = 0;
 

@@ -5,18 +5,21 @@
 
 #include <algorithm>
 #include <atomic>
+#include <cstdlib>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
 #include <functional>
 #include <iterator>
 #include <map>
+#include <memory>
 #include <random>
 #include <string>
 #include <thread>
 #include <utility>
 #include <vector>
 
+#include "absl/cleanup/cleanup.h"
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
@@ -678,6 +681,70 @@ TEST_F(NvmeTierTest, MultiReadReportsTheChecksumItVerified) {
   EXPECT_EQ(resized_sum, 7u);
 }
 
+// A field of /proc/self/status in KiB ("VmRSS:", "VmHWM:"), or -1.
+int64_t ProcStatusKiB(absl::string_view field) {
+  std::ifstream status("/proc/self/status");
+  for (std::string line; std::getline(status, line);) {
+    if (!absl::StartsWith(line, field)) continue;
+    return std::strtoll(line.c_str() + field.size(), nullptr, 10);
+  }
+  return -1;
+}
+
+// RocksDB copies every value a MultiGet returns onto the heap, and a
+// promotion reads into DRAM slots it has already taken: one MultiGet of a
+// whole batch (up to 1024 blocks of up to 256 MiB) would hold the batch's
+// bytes twice, the second time outside the DRAM tier's bound. MultiRead
+// reads in chunks of bounded bytes instead. Measured as the process's peak
+// resident memory (VmHWM, reset through /proc/self/clear_refs) over the
+// read of a 256 MiB batch into a destination touched beforehand: what is
+// measured is memory, not time, so the machine's load does not matter, and
+// the peak is exact where sampling the RSS could miss it.
+TEST_F(NvmeTierTest, MultiReadOfALargeBatchHoldsOnlyAChunkOfItOnTheHeap) {
+  constexpr int kBlocks = 64;
+  constexpr size_t kSize = 4 * kMiB;
+  options_.capacity_bytes = 512 * kMiB;
+  Open();
+  std::vector<std::string> keys;
+  {
+    std::string bytes(kSize, '\0');
+    for (int i = 0; i < kBlocks; ++i) {
+      keys.push_back(Key(i));
+      std::memset(bytes.data(), 'a' + i % 26, kSize);
+      std::memcpy(bytes.data(), keys[i].data(), keys[i].size());
+      ASSERT_OK(Put(keys[i], bytes));
+    }
+  }
+  ASSERT_OK(tier_->Flush());  // read from blob files, as in real use
+  // Like the DRAM arena: every page resident before the read.
+  std::vector<char> dest(kBlocks * kSize, 1);
+  std::vector<NvmeReadRequest> requests;
+  for (int i = 0; i < kBlocks; ++i) {
+    requests.push_back({keys[i], absl::MakeSpan(dest.data() + i * kSize, kSize)});
+  }
+  {
+    std::ofstream clear("/proc/self/clear_refs");
+    clear << "5";  // VmHWM := VmRSS (Linux 4.0 and later)
+    if (!clear.flush()) GTEST_SKIP() << "cannot reset VmHWM";
+  }
+  const int64_t before = ProcStatusKiB("VmRSS:");
+  ASSERT_GT(before, 0);
+  ASSERT_LE(ProcStatusKiB("VmHWM:"), before + 1024) << "VmHWM was not reset";
+  std::vector<absl::Status> results = tier_->MultiRead("ns", requests);
+  const int64_t peak = ProcStatusKiB("VmHWM:");
+
+  ASSERT_EQ(results.size(), requests.size());
+  for (int i = 0; i < kBlocks; ++i) {
+    ASSERT_OK(results[i]) << i;
+    const char* block = dest.data() + i * kSize;
+    EXPECT_EQ(absl::string_view(block, keys[i].size()), keys[i]);
+    EXPECT_EQ(block[kSize - 1], 'a' + i % 26) << i;
+  }
+  EXPECT_LT(peak - before, 96 * 1024)
+      << "reading " << (kBlocks * kSize >> 20) << " MiB into memory already "
+      << "resident raised the peak RSS by " << (peak - before) / 1024 << " MiB";
+}
+
 // MultiRead plans under the index lock and reads afterwards. A block
 // deleted and put again with other bytes (or another size) in between is
 // read as it was planned (its bytes under its checksum) or missed, never
@@ -1188,6 +1255,83 @@ TEST_F(NvmeTierTest, ADeletedBlockStaysDeletedAfterACrash) {
   EXPECT_EQ(tier_->Stats().blocks, 4u);
   for (int i : {0, 2, 3, 4}) {
     EXPECT_TRUE(ReadsBack(Key(i), Bytes(i, kSize))) << i;
+  }
+}
+
+// A scrub reads for as long as its blocks take (tens of GiB of blocks of up
+// to 256 MiB), and the maintenance thread runs it when a compaction met a
+// corrupt block: the flush timer must not wait for it. The scrub looks at
+// the timer before every block, in its scan and in its second look at the
+// blocks the scan did not meet (their bytes missing here), so a write that
+// becomes due meanwhile reaches the files. The maintenance thread is held
+// at the timer meanwhile, so that only the scrub can flush.
+TEST_F(NvmeTierTest, AScrubFlushesWritesThatBecomeDueWhileItRuns) {
+  constexpr size_t kSize = 16 * kKiB;
+  options_.max_unflushed_age = absl::Milliseconds(40);  // ticks every 10 ms
+  for (bool bytes_missing : {false, true}) {
+    SCOPED_TRACE(bytes_missing ? "second look" : "scan");
+    options_.path = absl::StrCat(dir_, "/nvme-", bytes_missing);
+    Open();
+    for (int i = 0; i < 10; ++i) ASSERT_OK(Put(Key(i), Bytes(i, kSize)));
+    if (bytes_missing) {
+      Close();
+      rocksdb::DB* raw = nullptr;
+      ASSERT_TRUE(rocksdb::DB::Open(rocksdb::Options(), options_.path, &raw).ok());
+      std::unique_ptr<rocksdb::DB> db(raw);
+      for (int i = 0; i < 10; ++i) {  // 'd', then the id
+        ASSERT_TRUE(
+            db->Delete({}, absl::StrCat("d", std::string(1, '\x02'), "ns", Key(i)))
+                .ok());
+      }
+      ASSERT_TRUE(db->Close().ok());
+      db.reset();
+      Open();
+    }
+    ASSERT_OK(tier_->Flush());
+
+    // Shared with the callback, which the held thread may still be in
+    // when this iteration ends.
+    struct Held {
+      absl::Notification parked, release;
+      std::atomic<bool> wrote{false};
+    };
+    auto held = std::make_shared<Held>();
+    auto release = absl::MakeCleanup([held] {
+      if (!held->release.HasBeenNotified()) held->release.Notify();
+    });
+    const std::thread::id scrubber = std::this_thread::get_id();
+    const std::string image = options_.path + "-crash";
+    {
+      internal::SyncPointCallback timer("NvmeTier::FlushIfDue", [this, held, scrubber](void*) {
+        if (std::this_thread::get_id() != scrubber) {  // the maintenance thread
+          if (!held->parked.HasBeenNotified()) held->parked.Notify();
+          held->release.WaitForNotification();
+          return;
+        }
+        // The scrub's first look at the timer: a write that is due now.
+        if (!held->wrote.exchange(true)) {
+          EXPECT_OK(Put(Key(100), Bytes(100, kSize)));
+          clock_.Advance(options_.max_unflushed_age);
+        }
+      });
+      ASSERT_TRUE(held->parked.WaitForNotificationWithTimeout(absl::Seconds(10)));
+      absl::StatusOr<NvmeVerifyReport> report = tier_->Verify();
+      ASSERT_OK(report);
+      EXPECT_EQ(report->blocks_checked, bytes_missing ? 0u : 10u);
+      EXPECT_EQ(report->missing_dropped, bytes_missing ? 10u : 0u);
+      EXPECT_TRUE(held->wrote.load()) << "the scrub never looked at the timer";
+      // A crash now, the maintenance thread still held, keeps the write.
+      fs::copy(options_.path, image);
+    }
+    std::move(release).Invoke();
+    Close();
+    options_.path = image;
+    Open();
+    EXPECT_TRUE(tier_->Contains("ns", Key(100)));
+    if (!bytes_missing) {
+      EXPECT_TRUE(ScrubsClean(11u));
+    }
+    Close();
   }
 }
 

@@ -921,7 +921,7 @@ class TieredStoreImpl final : public TieredStore {
       st.nvme.used_bytes = ns.used_bytes;
       st.nvme.capacity_bytes = ns.capacity_bytes;
       st.nvme.blocks = ns.blocks;
-      st.nvme.hits = nvme_hits_.load() + promotions_.load();
+      st.nvme.hits = nvme_hits_.load();
       st.nvme.evictions = ns.evictions;
       st.integrity_errors = ns.integrity_errors;
       st.nvme_write_bytes = ns.write_bytes;
@@ -1174,7 +1174,6 @@ class TieredStoreImpl final : public TieredStore {
     std::vector<LookupEntry> entries;  // found ones filled in
     std::vector<BlockEntry*> pinned;   // per key: the pinned entry, if any
     std::vector<Promotion> promote;
-    std::vector<bool> promoted;  // per key: read into DRAM by this lookup
     // A pinned lookup's keys named earlier in it: (index, index of its
     // first mention). Looked up (and pinned) once, answered as the first.
     std::vector<std::pair<size_t, size_t>> repeats;
@@ -1239,7 +1238,6 @@ class TieredStoreImpl final : public TieredStore {
     plan.pin = pin;
     plan.entries.resize(keys.size());
     plan.pinned.resize(keys.size(), nullptr);
-    plan.promoted.resize(keys.size(), false);
     plan.info = FindNamespace(ns);
     lookup_keys_.fetch_add(keys.size(), std::memory_order_relaxed);
     if (!plan.info && nvme_ == nullptr) return plan;
@@ -1274,7 +1272,6 @@ class TieredStoreImpl final : public TieredStore {
                    meta.ok()) {
           plan.entries[i] = LookupEntry{true, Tier::kNvme, meta->size,
                                         meta->checksum, 0};
-          nvme_hits_.fetch_add(1, std::memory_order_relaxed);
           continue;
         }
       }
@@ -1373,11 +1370,12 @@ class TieredStoreImpl final : public TieredStore {
         continue;
       }
       if (BlockEntry* e = Publish(info, q.slot, q.checksum, plan.seq, /*pinned=*/true)) {
+        // Read into DRAM, whether or not FinishLookup answers it (after a
+        // prefix lookup's first miss it stays in DRAM, unpinned).
         promotions_.fetch_add(1, std::memory_order_relaxed);
-        plan.promoted[i] = true;
         plan.pinned[i] = e;
         plan.entries[i] = LookupEntry{true, Tier::kDram, q.slot.size, q.checksum,
-                                      q.slot.data_offset};
+                                      q.slot.data_offset, /*promoted=*/true};
         continue;
       }
       // Promoted meanwhile by another lookup: use that copy.
@@ -1401,11 +1399,13 @@ class TieredStoreImpl final : public TieredStore {
     // A repeated key's answer is its first mention's; the pin is that one's.
     for (const auto& [i, first] : plan.repeats) {
       result.entries[i] = result.entries[first];
-      plan.promoted[i] = plan.promoted[first];
     }
     std::vector<BlockEntry*> pinned;
     bool prefix_open = true;
-    uint64_t hits = 0, dram_hits = 0;
+    // Hits by the tier that held the block when it was looked up (a
+    // promoted block's is NVMe): counted here, for the answers only, so
+    // that they add up to lookup_hits.
+    uint64_t hits = 0, dram_hits = 0, nvme_hits = 0;
     for (size_t i = 0; i < result.entries.size(); ++i) {
       LookupEntry& e = result.entries[i];
       if (!e.found || (plan.prefix && !prefix_open)) {
@@ -1416,12 +1416,17 @@ class TieredStoreImpl final : public TieredStore {
       }
       ++hits;
       if (prefix_open) ++result.prefix_hits;
-      if (e.tier == Tier::kDram && !plan.promoted[i]) ++dram_hits;
+      if (e.promoted || e.tier == Tier::kNvme) {
+        ++nvme_hits;
+      } else {
+        ++dram_hits;
+      }
       if (plan.pinned[i] != nullptr) pinned.push_back(plan.pinned[i]);
     }
     result.namespace_known = static_cast<bool>(plan.info) || hits > 0;
     lookup_hits_.fetch_add(hits, std::memory_order_relaxed);
     dram_hits_.fetch_add(dram_hits, std::memory_order_relaxed);
+    nvme_hits_.fetch_add(nvme_hits, std::memory_order_relaxed);
     if (plan.info) plan.info->hits.fetch_add(hits, std::memory_order_relaxed);
     if (pinned.empty() && plan.planned_pins == 0) return result;
     absl::MutexLock lock(&mu_);

@@ -125,10 +125,14 @@ struct SessionRelease {
 
 struct LookupEntry {
   bool found = false;
-  Tier tier = Tier::kNone;
+  Tier tier = Tier::kNone;  // where the bytes are now
   uint64_t size = 0;
   uint64_t checksum = 0;
   uint64_t offset = 0;  // DRAM arena offset of the bytes (valid while pinned)
+  // Found only on NVMe and read into DRAM by this (pinned) lookup: `tier`
+  // says kDram, but the hit is the NVMe tier's (TierStats::hits counts it
+  // there, and so should anyone counting hits by tier).
+  bool promoted = false;
 };
 struct LookupResult {
   std::vector<LookupEntry> entries;  // one per key asked
@@ -182,6 +186,9 @@ struct TierStats {
   uint64_t used_bytes = 0;  // space taken by blocks, keys and reservations
   uint64_t capacity_bytes = 0;
   uint64_t blocks = 0;
+  // Keys lookups answered as found in this tier: where the block was when
+  // looked up (a block a pinned lookup promoted is an NVMe hit). The two
+  // tiers' add up to StoreStats::lookup_hits.
   uint64_t hits = 0;
   uint64_t evictions = 0;        // to make room (capacity)
   uint64_t admin_evictions = 0;  // by Evict
@@ -202,7 +209,11 @@ struct StoreStats {
   // empty when it does.
   std::string nvme_write_error;
   uint64_t demotions_skipped = 0;  // not admitted (read too rarely)
-  uint64_t promotions = 0;         // NVMe blocks read back into DRAM
+  // NVMe blocks read back into DRAM by pinned lookups. A prefix lookup's
+  // promotion after its first miss counts too (it went to DRAM, where it
+  // stays, unpinned), though the lookup does not answer it: a hit only
+  // where counted in TierStats::hits.
+  uint64_t promotions = 0;
   // NVMe blocks a pinned lookup reported as misses because
   // max_queued_promotions blocks were already waiting.
   uint64_t promotions_shed = 0;

@@ -1586,13 +1586,24 @@ TEST_F(TieredStoreNvmeTest, DemotedBlocksAreFoundOnNvmeAndPromotedWhenPinned) {
   EXPECT_EQ(e.tier, Tier::kNvme);
   EXPECT_EQ(e.size, 256u << 10);
   EXPECT_EQ(e.checksum, BlockChecksum(Block(0)));
-  // A pinned lookup brings it back into DRAM with the right bytes.
+  // A pinned lookup brings it back into DRAM with the right bytes. It is
+  // an NVMe hit, like the plain lookup's.
+  const uint64_t dram_hits = store_->Stats().dram.hits;
   PinId pin = 0;
   e = Look("b0", true, &pin);
   ASSERT_TRUE(e.found);
   EXPECT_EQ(e.tier, Tier::kDram);
+  EXPECT_TRUE(e.promoted);
   EXPECT_EQ(Bytes(e), Block(0));
-  EXPECT_EQ(store_->Stats().promotions, 1u);
+  st = store_->Stats();
+  EXPECT_EQ(st.promotions, 1u);
+  EXPECT_EQ(st.nvme.hits, 2u);
+  EXPECT_EQ(st.dram.hits, dram_hits);
+  ASSERT_OK(store_->Unpin(sid_, pin));
+  // From then on it is a DRAM hit.
+  e = Look("b0", true, &pin);
+  EXPECT_FALSE(e.promoted);
+  EXPECT_EQ(store_->Stats().dram.hits, dram_hits + 1);
   ASSERT_OK(store_->Unpin(sid_, pin));
 }
 
@@ -2381,6 +2392,34 @@ TEST_F(TieredStoreNvmeTest, PromotionsStayWithinTheQuota) {
   EXPECT_EQ(NamespaceBytes(*store_, "ns"), b);
   EXPECT_EQ(Look("p0", false).tier, Tier::kNvme);
   ASSERT_OK(store_->Unpin(sid_, pin));
+}
+
+// A prefix lookup answers nothing after its first miss, even a block it
+// has promoted meanwhile (its promotions run together, and an earlier one
+// may fail): that block is read back into DRAM (a promotion, and it stays
+// there unpinned) but is no hit, in the NVMe tier's hits as in the
+// lookup's.
+TEST_F(TieredStoreNvmeTest, APromotionAPrefixLookupDoesNotAnswerIsNoHit) {
+  const std::string small(64 << 10, 's');
+  Put("p0", Block(0));
+  Put("p1", small);
+  ASSERT_OK(store_->PersistDram());
+  // p0 can never fit the quota; p1 can.
+  ASSERT_OK(store_->SetQuota("ns", small.size() * 2));
+  std::vector<absl::string_view> keys = {"p0", "p1"};
+  auto r = store_->Lookup(sid_, "ns", keys, /*prefix=*/true, /*pin=*/true);
+  ASSERT_OK(r);
+  EXPECT_FALSE(r->entries[0].found);
+  EXPECT_FALSE(r->entries[1].found);
+  EXPECT_EQ(r->prefix_hits, 0u);
+  EXPECT_EQ(r->pin_id, 0u);
+  StoreStats st = store_->Stats();
+  EXPECT_EQ(st.lookup_hits, 0u);
+  EXPECT_EQ(st.nvme.hits, 0u);
+  EXPECT_EQ(st.dram.hits, 0u);
+  EXPECT_EQ(st.promotions, 1u);
+  EXPECT_EQ(st.pinned_blocks, 0u);
+  EXPECT_EQ(Look("p1", false).tier, Tier::kDram);
 }
 
 TEST_F(TieredStoreNvmeTest, NoNvmeTierMeansPersistFails) {

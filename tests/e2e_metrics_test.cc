@@ -111,6 +111,56 @@ TEST(MetricsTest, ExportsTheContractAndCountsLookupsWithDenominators) {
   EXPECT_EQ(check.exit_code, 0) << check.out << check.err;
 }
 
+// A pinned lookup of a block that only the NVMe tier holds promotes it to
+// DRAM first: the reply says DRAM (where its bytes are now), but the hit is
+// the NVMe tier's, so the hit ratio by tier shows what NVMe adds.
+TEST(MetricsTest, PinnedLookupsCountPromotedBlocksAsNvmeHits) {
+  const std::vector<std::string> args = {"--dram-capacity", "8MiB",
+                                         "--nvme-capacity", "64MiB"};
+  auto d = DaemonProcess::Start(args);
+  ASSERT_OK(d);
+  const std::string data_dir = (*d)->data_dir();
+  {
+    ClientOptions o;
+    o.server = (*d)->address();
+    auto client = std::move(Client::Connect(o)).value();
+    const std::string bytes(64 << 10, 'p');
+    BlockToPut b{"k0", "", bytes};
+    ASSERT_OK(client->Put("promoted/ns", {&b, 1}));
+  }
+  // SIGTERM persists DRAM blocks to NVMe; after the restart the block is
+  // on NVMe only.
+  auto rc = (*d)->Stop(SIGTERM);
+  ASSERT_OK(rc);
+  ASSERT_EQ(*rc, 0);
+  d->reset();
+  auto again = DaemonProcess::Start(args, data_dir);
+  ASSERT_OK(again);
+  ClientOptions o;
+  o.server = (*again)->address();
+  auto client = std::move(Client::Connect(o)).value();
+  absl::string_view k0 = "k0";
+  const std::string hits = "kvdepot_lookup_keys_total{namespace=\"promoted/ns\",result=\"hit\",tier=";
+
+  auto promoted = client->Lookup("promoted/ns", {&k0, 1}, /*prefix=*/false, /*pin=*/true);
+  ASSERT_OK(promoted);
+  ASSERT_TRUE(promoted->entries[0].found);
+  EXPECT_EQ(promoted->entries[0].tier, v1::TIER_DRAM);
+  ASSERT_OK(client->Unpin(promoted->pin_id));
+  std::string text = Scrape(**again);
+  EXPECT_EQ(Value(text, hits + "\"nvme\"}"), 1);
+  EXPECT_EQ(Value(text, hits + "\"dram\"}"), 0);
+
+  // Promoted, it is a DRAM hit from then on.
+  auto second = client->Lookup("promoted/ns", {&k0, 1}, /*prefix=*/false, /*pin=*/true);
+  ASSERT_OK(second);
+  ASSERT_TRUE(second->entries[0].found);
+  ASSERT_OK(client->Unpin(second->pin_id));
+  text = Scrape(**again);
+  EXPECT_EQ(Value(text, hits + "\"nvme\"}"), 1);
+  EXPECT_EQ(Value(text, hits + "\"dram\"}"), 1);
+}
+
 // A real Prometheus scrapes the daemon and answers a query over its HTTP API.
 TEST(MetricsTest, PrometheusScrapesTheDaemon) {
   if (RunCommand("command -v prometheus").exit_code != 0) {
