@@ -11,7 +11,9 @@
 #include <utility>
 
 #include "absl/container/flat_hash_set.h"
+#include "absl/strings/ascii.h"
 #include "absl/strings/match.h"
+#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "grpc/health/v1/health.grpc.pb.h"
 #include "storage/block_key.h"
@@ -279,6 +281,27 @@ void RunLastStep(WorkPool& pool, TransferOp::State& state,
   pool.Submit(std::move(step));
 }
 
+// A server given as HOST:PORT (no gRPC scheme) must have a port gRPC can
+// reach: gRPC reads "127.0.0.1:100431" as another port (its low 16 bits),
+// so a mistyped port reached some other daemon.
+absl::Status CheckServerPort(absl::string_view server) {
+  for (absl::string_view scheme :
+       {"unix:", "unix-abstract:", "dns:", "ipv4:", "ipv6:", "vsock:"}) {
+    if (absl::StartsWith(server, scheme)) return absl::OkStatus();
+  }
+  absl::StatusOr<HostPort> split = SplitHostPort(server);
+  if (!split.ok()) return absl::OkStatus();  // no port, or a bare IPv6 address
+  uint32_t port = 0;
+  if (split->port.empty() || split->port.size() > 5 ||
+      !std::all_of(split->port.begin(), split->port.end(),
+                   [](char c) { return absl::ascii_isdigit(static_cast<unsigned char>(c)); }) ||
+      !absl::SimpleAtoi(split->port, &port) || port == 0 || port > 65535) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "server '", server, "': port '", split->port, "' is not 1..65535"));
+  }
+  return absl::OkStatus();
+}
+
 }  // namespace
 
 TransferOp::TransferOp(std::shared_ptr<State> state) : state_(std::move(state)) {}
@@ -393,6 +416,7 @@ absl::StatusOr<std::unique_ptr<Client>> Client::Connect(
   if (options.server.empty()) {
     return absl::InvalidArgumentError("server address is empty");
   }
+  RETURN_IF_ERROR(CheckServerPort(options.server));
   if (options.rpc_timeout <= absl::ZeroDuration() ||
       options.rpc_timeout == absl::InfiniteDuration()) {
     return absl::InvalidArgumentError(absl::StrCat(

@@ -3,7 +3,7 @@
 //   kvdepotctl [--server HOST:PORT] [--json] COMMAND ...
 //
 // Commands: health, status, put, get, lookup, evict, inspect, stats,
-// namespaces, verify, compact, drain, undrain, quota get|set (see --help and
+// namespaces, verify, compact, drain, undrain, quota get|set|remove (see --help and
 // README.md). Keys are given in hex. This output and these exit codes are a
 // contract scripts rely on:
 //   0 ok, 1 error (message on stderr; also when stdout cannot be written),
@@ -361,6 +361,7 @@ struct Ctl {
                 << ", \"lookup_hits\": " << r->lookup_hits()
                 << ", \"puts\": " << r->puts() << ", \"put_bytes\": " << r->put_bytes()
                 << ", \"integrity_errors\": " << r->integrity_errors()
+                << ", \"draining\": " << (r->draining() ? "true" : "false")
                 << ", \"uptime_ms\": " << r->uptime_ms()
                 << ", \"version\": " << Quote(r->version())
                 << ", \"namespaces\": [" << absl::StrJoin(nss, ", ") << "]}\n";
@@ -519,7 +520,25 @@ struct Ctl {
     if (json) {
       std::cout << "{\"namespace\": " << Quote(ns) << ", \"max_bytes\": " << *bytes << "}\n";
     } else {
-      std::cout << ns << ": quota " << (*bytes == 0 ? "removed" : FormatSize(*bytes)) << "\n";
+      std::cout << ns << ": quota "
+                << (*bytes == 0 ? "removed (still declared: quota remove forgets it)"
+                                : FormatSize(*bytes))
+                << "\n";
+    }
+    return kOk;
+  }
+
+  int QuotaRemove() {
+    v1::SetQuotaRequest req;
+    req.set_namespace_(ns);
+    req.set_undeclare(true);
+    v1::SetQuotaResponse r;
+    absl::Status st = Call(&v1::KvDepot::Stub::SetQuota, req, &r);
+    if (!st.ok()) return Fail(st);
+    if (json) {
+      std::cout << "{\"namespace\": " << Quote(ns) << ", \"undeclared\": true}\n";
+    } else {
+      std::cout << ns << ": quota and declaration removed\n";
     }
     return kOk;
   }
@@ -541,6 +560,7 @@ struct Ctl {
       std::vector<std::string> nss;
       for (const auto& n : top) nss.push_back(NamespaceJson(n));
       std::cout << "{\"state\": " << Quote(state) << ", \"version\": " << Quote(r->version())
+                << ", \"draining\": " << (r->draining() ? "true" : "false")
                 << ", \"uptime_ms\": " << r->uptime_ms()
                 << ", \"hit_ratio\": " << ratio(r->lookup_hits(), r->lookup_keys())
                 << ", \"sessions\": " << r->sessions() << ", \"pins\": " << r->pins()
@@ -589,7 +609,7 @@ struct Ctl {
     } else {
       for (const auto& n : r->namespaces()) {
         std::cout << n.name() << "  " << n.blocks() << " blocks  " << n.bytes()
-                  << " bytes  " << n.hits() << "/" << n.lookups() << " hits\n";
+                  << " bytes in DRAM  " << n.hits() << "/" << n.lookups() << " hits\n";
       }
     }
     return kOk;
@@ -645,7 +665,8 @@ int Run(int argc, char** argv) {
   evict->add_flag("--all", ctl.all, "every block of the namespace");
   evict->add_option("keys", ctl.keys, "keys (hex)");
   auto* stats = app.add_subcommand("stats", "tier and namespace counters");
-  auto* namespaces = app.add_subcommand("namespaces", "list namespaces");
+  auto* namespaces = app.add_subcommand(
+      "namespaces", "list namespaces: blocks and bytes in DRAM, hits/lookups");
   auto* verify = app.add_subcommand("verify", "scrub NVMe blocks against their checksums");
   auto* compact = app.add_subcommand("compact", "compact the NVMe tier");
   auto* status = app.add_subcommand("status", "one screen: health, tiers, hits, sessions, pins");
@@ -661,6 +682,9 @@ int Run(int argc, char** argv) {
   auto* quota_set = quota->add_subcommand("set", "set the quota (0: no limit; the namespace stays declared)");
   quota_set->add_option("--ns", ctl.ns, "namespace")->required();
   quota_set->add_option("size", ctl.quota, "bytes, e.g. 64GiB")->required();
+  auto* quota_remove = quota->add_subcommand(
+      "remove", "remove the quota and the declaration (an empty namespace may then be forgotten)");
+  quota_remove->add_option("--ns", ctl.ns, "namespace")->required();
 
   try {
     app.parse(argc, argv);
@@ -690,6 +714,7 @@ int Run(int argc, char** argv) {
     if (inspect->parsed()) return ctl.Inspect();
     if (quota_get->parsed()) return ctl.QuotaGet();
     if (quota_set->parsed()) return ctl.QuotaSet();
+    if (quota_remove->parsed()) return ctl.QuotaRemove();
   } catch (const UsageError& e) {
     std::cerr << "kvdepotctl: " << e.message << "\n";
     return kUsage;

@@ -730,6 +730,17 @@ grpc::ServerUnaryReactor* KvDepotService::SetQuota(grpc::CallbackServerContext* 
                                                    const v1::SetQuotaRequest* req,
                                                    v1::SetQuotaResponse*) {
   return Unary(ctx, "SetQuota", [&]() -> absl::Status {
+    if (req->undeclare()) {
+      if (req->max_bytes() != 0) {
+        return absl::InvalidArgumentError("undeclare takes no max_bytes (a quota)");
+      }
+      RETURN_IF_ERROR(quota_file_ != nullptr
+                          ? quota_file_->Remove(store_, req->namespace_())
+                          : store_.Undeclare(req->namespace_()));
+      log_->info("quota and declaration of namespace {} removed by {}",
+                 req->namespace_(), ctx->peer());
+      return absl::OkStatus();
+    }
     if (quota_file_ != nullptr) {
       RETURN_IF_ERROR(quota_file_->Set(store_, req->namespace_(), req->max_bytes()));
     } else {

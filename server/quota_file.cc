@@ -67,6 +67,24 @@ absl::Status QuotaFile::Set(TieredStore& store, absl::string_view ns,
   return absl::OkStatus();
 }
 
+absl::Status QuotaFile::Remove(TieredStore& store, absl::string_view ns) {
+  RETURN_IF_ERROR(ValidateNamespace(ns));
+  absl::MutexLock lock(&mu_);
+  auto it = quotas_.find(std::string(ns));
+  if (it != quotas_.end()) {
+    // The file first: a declaration the file still held would come back
+    // at the next start.
+    const uint64_t old_quota = it->second;
+    quotas_.erase(it);
+    if (absl::Status st = WriteLocked(); !st.ok()) {
+      quotas_[std::string(ns)] = old_quota;
+      WriteLocked().IgnoreError();
+      return st;
+    }
+  }
+  return store.Undeclare(ns);
+}
+
 absl::Status QuotaFile::WriteLocked() {
   std::string text;
   for (const auto& [ns, bytes] : quotas_) absl::StrAppend(&text, ns, " ", bytes, "\n");

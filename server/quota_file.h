@@ -32,6 +32,9 @@ class QuotaFile {
   // rewrites the file. On an error (the store refuses it, the write fails)
   // nothing changes, but a namespace the store created stays.
   absl::Status Set(TieredStore& store, absl::string_view ns, uint64_t max_bytes);
+  // Removes `ns`'s quota and declaration (TieredStore::Undeclare) and its
+  // line from the file. On a write error nothing changes.
+  absl::Status Remove(TieredStore& store, absl::string_view ns);
 
  private:
   absl::Status WriteLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);

@@ -785,11 +785,19 @@ class TieredStoreImpl final : public TieredStore {
     const absl::Time wait_until = absl::Now() + kMaxWaitForDemotion;
     if (all) {
       uint64_t demoting = 0;
+      // Blocks counted for their DRAM copy: their NVMe copy (a promoted
+      // block has both) goes uncounted, as with `keys`.
+      absl::flat_hash_set<std::string> counted;
       while (info) {
         const uint64_t ended = DemotionsEnded();
         auto removed =
             index_.RemoveNamespace(info->id, &result.pinned_blocks, &demoting);
-        for (auto& e : removed) drop(std::move(e));
+        for (auto& e : removed) {
+          if (nvme_ != nullptr) {
+            counted.emplace(arena_->base() + e->key_offset(), e->key_len);
+          }
+          drop(std::move(e));
+        }
         if (demoting == 0 || !WaitForDemotions(ended, wait_until)) break;
       }
       result.pinned_blocks += demoting;  // waited too long: they stay
@@ -802,7 +810,7 @@ class TieredStoreImpl final : public TieredStore {
           // A block that stays in DRAM (pinned, or still being demoted)
           // keeps its NVMe copy, as with `keys`: it is reported pinned.
           if (info && index_.Peek(BlockIndex::MakeKey(info->id, k))) continue;
-          drop_nvme(k, /*count=*/true);
+          drop_nvme(k, /*count=*/!counted.contains(k));
         }
       }
       RETURN_IF_ERROR(nvme_error);
@@ -1110,6 +1118,24 @@ class TieredStoreImpl final : public TieredStore {
     ASSIGN_OR_RETURN(const NamespaceRef info,
                      NamespaceIdFor(ns, NamespaceUse::kDeclared));
     info->quota.store(max_bytes);
+    return absl::OkStatus();
+  }
+
+  absl::Status Undeclare(absl::string_view ns) override {
+    RETURN_IF_ERROR(ValidateNamespace(ns));
+    std::vector<NamespaceCandidate> empty;
+    {
+      absl::MutexLock lock(&ns_mu_);
+      auto it = ns_ids_.find(ns);
+      if (it == ns_ids_.end()) return absl::OkStatus();
+      NamespaceInfo& info = *namespaces_[it->second - 1];
+      info.quota.store(0);
+      info.declared.store(false);
+      if (Unreferenced(info)) empty.push_back({info.id, info.stamp, info.name});
+    }
+    // An empty one goes now: a put into it is then refused again when
+    // create_namespaces is off, as before it was declared.
+    if (!empty.empty()) ForgetNamespaces(empty);
     return absl::OkStatus();
   }
 
@@ -1885,23 +1911,38 @@ class TieredStoreImpl final : public TieredStore {
   // A pass that finds every candidate on NVMe is not repeated for
   // kNamespaceScanInterval (it takes the tier's index lock for a while).
   void ReclaimNamespaces() ABSL_LOCKS_EXCLUDED(mu_, ns_mu_) {
-    struct Candidate {
-      uint32_t id;
-      uint64_t stamp;
-    };
-    std::vector<Candidate> candidates;
-    absl::flat_hash_set<std::string> names;  // of the candidates
+    std::vector<NamespaceCandidate> candidates;
     {
       absl::MutexLock lock(&ns_mu_);
       if (RoomForANamespaceLocked().ok()) return;  // another caller made room
       if (nvme_ != nullptr && clock_->Now() < next_namespace_scan_) return;
       for (const auto& info : namespaces_) {
         if (info == nullptr || !Unreferenced(*info)) continue;
-        candidates.push_back({info->id, info->stamp});
-        if (nvme_ != nullptr) names.insert(info->name);
+        candidates.push_back({info->id, info->stamp, info->name});
       }
     }
     if (candidates.empty()) return;
+    if (ForgetNamespaces(candidates) == 0 && nvme_ != nullptr) {
+      absl::MutexLock lock(&ns_mu_);
+      next_namespace_scan_ = clock_->Now() + kNamespaceScanInterval;
+    }
+  }
+
+  // A namespace found Unreferenced, as it was then (its stamp).
+  struct NamespaceCandidate {
+    uint32_t id;
+    uint64_t stamp;
+    std::string name;
+  };
+  // Forgets those of `candidates` that nothing took since (same stamp),
+  // still Unreferenced, that no reservation names and the NVMe tier has no
+  // block of. Returns how many went.
+  size_t ForgetNamespaces(const std::vector<NamespaceCandidate>& candidates)
+      ABSL_LOCKS_EXCLUDED(mu_, ns_mu_) {
+    absl::flat_hash_set<std::string> names;  // of the candidates
+    if (nvme_ != nullptr) {
+      for (const NamespaceCandidate& c : candidates) names.insert(c.name);
+    }
     absl::flat_hash_set<std::string> on_nvme;
     if (nvme_ != nullptr) {
       nvme_->ForEachBlock([&](const NvmeBlockView& b) {
@@ -1913,7 +1954,7 @@ class TieredStoreImpl final : public TieredStore {
     for (const auto& [id, r] : reservations_) reserved.insert(r.ns_id);
     absl::MutexLock ns_lock(&ns_mu_);
     size_t reclaimed = 0;
-    for (const Candidate& c : candidates) {
+    for (const NamespaceCandidate& c : candidates) {
       std::unique_ptr<NamespaceInfo>& info = namespaces_[c.id - 1];
       if (info == nullptr || info->stamp != c.stamp || !Unreferenced(*info) ||
           reserved.contains(c.id) || on_nvme.contains(info->name)) {
@@ -1924,9 +1965,7 @@ class TieredStoreImpl final : public TieredStore {
       free_ns_ids_.push_back(c.id);
       ++reclaimed;
     }
-    if (nvme_ != nullptr && reclaimed == 0) {
-      next_namespace_scan_ = clock_->Now() + kNamespaceScanInterval;
-    }
+    return reclaimed;
   }
 
   // Constant after construction.

@@ -433,6 +433,13 @@ class TieredStore {
   // Lowering the quota evicts nothing by itself: the next put or promotion
   // into the namespace does.
   virtual absl::Status SetQuota(absl::string_view ns, uint64_t max_bytes) = 0;
+  // Takes back what SetQuota did: no quota, and no longer the operator's
+  // (declared). An empty one (no block in either tier, nothing in
+  // progress) is forgotten at once, so with create_namespaces off puts into
+  // it are refused again; one with blocks stays (its blocks too) and is
+  // reclaimed like any other once empty (max_namespaces). OK for a
+  // namespace that does not exist.
+  virtual absl::Status Undeclare(absl::string_view ns) = 0;
   // 0 when the namespace has none (or does not exist).
   virtual uint64_t Quota(absl::string_view ns) = 0;
   virtual std::vector<NamespaceStats> ListNamespaces() = 0;

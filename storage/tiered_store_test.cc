@@ -1349,6 +1349,49 @@ TEST_F(TieredStoreTest, EmptyNamespacesAreReclaimedWhenTheTableIsFull) {
   EXPECT_EQ(store_->ListNamespaces().size(), 4u);
 }
 
+// Bug: a namespace an operator declared (SetQuota, kept in the quota file)
+// could never be taken back: once max_namespaces were declared, every put
+// into a new namespace failed for good.
+TEST_F(TieredStoreTest, UndeclaredNamespacesMakeRoomAgain) {
+  StoreOptions o;
+  o.max_namespaces = 3;
+  Reopen(o);
+  ASSERT_OK(store_->SetQuota("d1", 0));
+  ASSERT_OK(store_->SetQuota("d2", 1 << 20));
+  ASSERT_OK(Put("k", "kept", "", "d3"));
+  ASSERT_OK(store_->SetQuota("d3", 0));
+  EXPECT_THAT(Put("k", "v", "", "new"), StatusIs(Code::kResourceExhausted));
+  EXPECT_THAT(store_->SetQuota("new", 0), StatusIs(Code::kResourceExhausted));
+  // An empty one goes at once; its quota with it.
+  ASSERT_OK(store_->Undeclare("d2"));
+  EXPECT_EQ(store_->ListNamespaces().size(), 2u);
+  EXPECT_EQ(store_->Quota("d2"), 0u);
+  ASSERT_OK(Put("k", "v", "", "new"));
+  // One with blocks keeps them, and goes once they do.
+  ASSERT_OK(store_->Undeclare("d3"));
+  EXPECT_EQ(Read("k", "d3"), "kept");
+  EXPECT_THAT(Put("k", "v", "", "new2"), StatusIs(Code::kResourceExhausted));
+  ASSERT_OK(store_->Evict("d3", {}, true));
+  ASSERT_OK(Put("k", "w", "", "new2"));
+  // Unknown or invalid names.
+  EXPECT_OK(store_->Undeclare("never"));
+  EXPECT_THAT(store_->Undeclare(""), StatusIs(Code::kInvalidArgument));
+}
+
+// Without create_namespaces, an undeclared empty namespace refuses puts
+// again, as before it was declared.
+TEST_F(TieredStoreTest, AnUndeclaredNamespaceRefusesPutsWithoutCreateNamespaces) {
+  StoreOptions o;
+  o.create_namespaces = false;
+  Reopen(o);
+  EXPECT_THAT(Put("k", "v", "", "d"), StatusIs(Code::kFailedPrecondition));
+  ASSERT_OK(store_->SetQuota("d", 0));
+  ASSERT_OK(Put("k", "v", "", "d"));
+  ASSERT_OK(store_->Evict("d", {}, true));
+  ASSERT_OK(store_->Undeclare("d"));
+  EXPECT_THAT(Put("k", "v", "", "d"), StatusIs(Code::kFailedPrecondition));
+}
+
 // A namespace something still refers to is not forgotten: an open
 // reservation, a pinned block that Evict(all) could not remove, a slot
 // still being written for a reservation aborted meanwhile.
@@ -1605,6 +1648,26 @@ TEST_F(TieredStoreNvmeTest, DemotedBlocksAreFoundOnNvmeAndPromotedWhenPinned) {
   EXPECT_FALSE(e.promoted);
   EXPECT_EQ(store_->Stats().dram.hits, dram_hits + 1);
   ASSERT_OK(store_->Unpin(sid_, pin));
+}
+
+// Bug: evicting a whole namespace counted a block held in both tiers (read
+// back into DRAM, its NVMe copy kept) twice: once for each copy.
+TEST_F(TieredStoreNvmeTest, EvictingANamespaceCountsABlockInBothTiersOnce) {
+  constexpr int kBlocks = 12;
+  for (int i = 0; i < kBlocks; ++i) Put("b" + std::to_string(i), Block(i));
+  EXPECT_GT(store_->RunEviction(), 0u);
+  PinId pin = 0;
+  LookupEntry e = Look("b0", true, &pin);
+  ASSERT_TRUE(e.promoted);
+  ASSERT_OK(store_->Unpin(sid_, pin));
+  absl::StatusOr<BlockDetails> inspected = store_->Inspect("ns", "b0");
+  ASSERT_OK(inspected.status());
+  ASSERT_TRUE(inspected->in_dram && inspected->in_nvme);
+  absl::StatusOr<EvictResult> ev = store_->Evict("ns", {}, true);
+  ASSERT_OK(ev.status());
+  EXPECT_EQ(ev->evicted_blocks, static_cast<uint64_t>(kBlocks));
+  EXPECT_EQ(ev->evicted_bytes, uint64_t{kBlocks} * (256 << 10));
+  EXPECT_FALSE(Look("b0", false).found);
 }
 
 // With the evictor and an NVMe tier, a batch that cannot fit while the rest

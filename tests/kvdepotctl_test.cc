@@ -9,11 +9,13 @@
 #include <string>
 #include <thread>
 
+#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
 #include "storage/checksum.h"
 #include "tests/daemon_process.h"
 #include "tests/status_matchers.h"
+#include "transport/net_devices.h"
 
 namespace kvdepot {
 namespace {
@@ -189,7 +191,11 @@ TEST_F(KvdepotctlTest, DrainStopsPutsButNotReads) {
   r = Ctl("status");
   EXPECT_EQ(r.exit_code, 0) << r.err;
   EXPECT_NE(r.out.find("DRAINING"), std::string::npos) << r.out;
+  r = Ctl("--json stats");
+  EXPECT_NE(r.out.find("\"draining\": true"), std::string::npos) << r.out;
   EXPECT_EQ(Ctl("undrain").exit_code, 0);
+  r = Ctl("--json stats");
+  EXPECT_NE(r.out.find("\"draining\": false"), std::string::npos) << r.out;
   EXPECT_EQ(Ctl("put --ns ns --key 02 --file " + f).exit_code, 0);
 }
 
@@ -289,6 +295,21 @@ TEST_F(KvdepotctlTest, WithoutCreateNamespacesPutsGoIntoDeclaredNamespacesAcross
   EXPECT_EQ(Ctl("get --ns d --key 0d --out " + dir_ + "/o").exit_code, 0);
   EXPECT_EQ(Slurp(dir_ + "/o"), "declared bytes");
   EXPECT_NE(Ctl("put --ns other --key 0d --file " + f).exit_code, 0);
+  // A declaration taken back (quota remove) is gone, also from the quota
+  // file: an empty namespace refuses puts again, after a restart too.
+  ASSERT_EQ(Ctl("quota set --ns e 1MiB").exit_code, 0);
+  r = Ctl("quota remove --ns e");
+  EXPECT_EQ(r.exit_code, 0) << r.err;
+  EXPECT_NE(r.out.find("declaration removed"), std::string::npos) << r.out;
+  EXPECT_EQ(Ctl("quota get --ns e").exit_code, 1);
+  EXPECT_NE(Ctl("put --ns e --key 0d --file " + f).exit_code, 0);
+  EXPECT_EQ(Slurp(data_dir + "/quotas").find("e "), std::string::npos)
+      << Slurp(data_dir + "/quotas");
+  ASSERT_OK(daemon_->Stop(SIGTERM, absl::Seconds(20)));
+  start();
+  EXPECT_EQ(Ctl("quota get --ns e").exit_code, 1);
+  EXPECT_NE(Ctl("put --ns e --key 0d --file " + f).exit_code, 0);
+  EXPECT_EQ(Ctl("put --ns d --key 0f --file " + f).exit_code, 0);  // d stays
 }
 
 TEST_F(KvdepotctlTest, UsageErrorsExitTwo) {
@@ -330,6 +351,24 @@ TEST_F(KvdepotctlTest, AnEmptyServerAddressIsAUsageError) {
     EXPECT_EQ(r.exit_code, 2) << command;
     EXPECT_NE(r.err.find("server address"), std::string::npos) << r.err;
   }
+}
+
+// Bug: gRPC took "127.0.0.1:<port + 65536>" as <port>: a mistyped port
+// reached another daemon (here, this one) and reported it SERVING.
+TEST_F(KvdepotctlTest, APortOutOfRangeIsAUsageErrorNotAnotherPort) {
+  absl::StatusOr<HostPort> split = SplitHostPort(daemon_->address());
+  ASSERT_OK(split.status());
+  int port = 0;
+  ASSERT_TRUE(absl::SimpleAtoi(split->port, &port));
+  for (const std::string& bad :
+       {absl::StrCat(split->host, ":", port + 65536), absl::StrCat(split->host, ":0"),
+        absl::StrCat(split->host, ":-1"), absl::StrCat(split->host, ":http")}) {
+    CommandResult r = RunCtl(bad, "health");
+    EXPECT_EQ(r.exit_code, 2) << bad << ": " << r.out << r.err;
+    EXPECT_NE(r.err.find("is not 1..65535"), std::string::npos) << r.err;
+  }
+  EXPECT_EQ(RunCtl(absl::StrCat(split->host, ":", port), "health").exit_code, 0);
+  EXPECT_EQ(RunCtl(absl::StrCat("ipv4:", split->host, ":", port), "health").exit_code, 0);
 }
 
 TEST_F(KvdepotctlTest, TimeoutMustBeAPositiveFiniteNumberOfSeconds) {
