@@ -47,6 +47,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import enum
+import operator
 import os
 import sys
 import threading
@@ -276,7 +277,7 @@ class _Memory(NamedTuple):
     device: str  # "cpu" for host memory, else the torch device type
     index: Optional[int]  # the CUDA device index of a CUDA tensor
     keep: Any  # what must stay referenced while the pointer is used
-    shape: Tuple[int, ...]  # in elements; (nbytes,) for a plain buffer
+    shape: Tuple[int, ...]  # in elements (a buffer's of its format's items)
     itemsize: int  # bytes per element
     # Element strides of a torch tensor that is a permuted view of a
     # contiguous one (only where _memory was allowed to take one); None
@@ -372,6 +373,7 @@ def _memory(obj: Any, writable: bool, what: str, permuted: bool = False) -> _Mem
                        device.index, (obj, _torch_storage(obj)), shape, itemsize,
                        strides)
     interface = getattr(obj, "__array_interface__", None)
+    buffer_shape = None  # a buffer's own shape and item size (its bytes: uint8)
     if interface is None:
         try:
             view = memoryview(obj)
@@ -387,7 +389,10 @@ def _memory(obj: Any, writable: bool, what: str, permuted: bool = False) -> _Mem
         _check_byte_order(fmt[0], view.itemsize, what, f"buffer format {fmt!r}")
         import numpy as np  # for the address of any buffer, read-only ones too
 
-        # frombuffer's array is read-only exactly when the buffer is.
+        # frombuffer's array is read-only exactly when the buffer is. Its
+        # shape is the buffer's, not the flat bytes': a memoryview of a
+        # 5-D array is checked against the layout as that array would be.
+        buffer_shape = (tuple(int(x) for x in view.shape) or (1,), int(view.itemsize))
         obj = np.frombuffer(view, dtype=np.uint8) if view.nbytes else np.empty(0, np.uint8)
         interface = obj.__array_interface__
     ptr, readonly = interface["data"]
@@ -412,6 +417,8 @@ def _memory(obj: Any, writable: bool, what: str, permuted: bool = False) -> _Mem
             expected *= extent
     if writable and readonly:
         raise ValueError(f"INVALID_ARGUMENT: {what} is read-only")
+    if buffer_shape is not None:
+        shape, itemsize = buffer_shape
     return _Memory(int(ptr or 0), nbytes, "cpu", None, obj, shape, itemsize)
 
 
@@ -426,12 +433,24 @@ _CACHE_ELEMENTS = {
 }
 
 
+# Buffer-protocol formats of floating-point elements (struct module
+# letters; "Z..." is complex), by the name numpy gives them.
+_FLOAT_FORMATS = {"e": "float16", "f": "float32", "d": "float64", "g": "longdouble"}
+
+
 def _element_name(obj: Any) -> str:
     """A torch tensor's or numpy array's dtype name ("bfloat16", "uint8");
-    "uint8" for other buffers (bytes)."""
+    for other buffers, their format's ("float32" for array.array('f'),
+    "complex" for "Zf"), or "uint8" for bytes and integers."""
     dtype = getattr(obj, "dtype", None)
     if dtype is None:
-        return "uint8"
+        try:
+            fmt = (memoryview(obj).format or "B").lstrip("@=<>!")
+        except TypeError:
+            return "uint8"
+        if fmt.startswith("Z"):
+            return "complex"
+        return _FLOAT_FORMATS.get(fmt, "uint8")
     name = getattr(dtype, "name", None)  # numpy's; torch's dtypes have none
     return str(name) if name is not None else str(dtype).replace("torch.", "")
 
@@ -450,12 +469,32 @@ def _check_cache_elements(caches: Sequence[Any], dtype: int) -> None:
                 f"integer view of their bits)")
 
 
+def _integer(value: Any, what: str) -> int:
+    """``value`` as an int, if it is an integer (Python, numpy or a
+    one-element integer tensor); TypeError for others: a float block id
+    2.9 is no block, and truncating it would pick block 2."""
+    try:
+        return operator.index(value)
+    except TypeError:
+        raise TypeError(f"{what} must be an integer, not {value!r}") from None
+
+
 def _as_block_ids(block_ids: Sequence[Any]) -> Any:
-    ids = [int(b) for b in block_ids]
+    ids = [_integer(b, f"block_ids[{i}]") for i, b in enumerate(block_ids)]
     for i, b in enumerate(ids):
         if not -(1 << 63) <= b < (1 << 63):
             raise ValueError(f"INVALID_ARGUMENT: block_ids[{i}] = {b} is not a 64-bit integer")
     return (ctypes.c_int64 * len(ids))(*ids)
+
+
+def _check_no_overlap(memories: Sequence[_Memory], what: str) -> None:
+    """ValueError naming two of ``memories`` that share bytes (adjacent ones
+    are fine), as the native module refuses them."""
+    spans = sorted((m.ptr, m.ptr + m.nbytes, i) for i, m in enumerate(memories) if m.nbytes)
+    for (_, end, i), (start, _, j) in zip(spans, spans[1:]):
+        if start < end:
+            first, second = sorted((i, j))
+            raise ValueError(f"INVALID_ARGUMENT: {what}[{second}] overlaps {what}[{first}]")
 
 
 class KvShim:
@@ -668,7 +707,8 @@ class KvShim:
                     f"{per_block} bytes (one block)")
         num_blocks = size // per_block
         self._check_shapes(key, info, cache_mem, num_blocks)
-        begin, end = (0, key[2]) if layers is None else (int(layers[0]), int(layers[1]))
+        begin, end = (0, key[2]) if layers is None else (
+            _integer(layers[0], "layers[0]"), _integer(layers[1], "layers[1]"))
         # Here, not (only) in the library: ctypes would pass the range modulo
         # 2**32, (0, 2**32 + 1) as (0, 1), past the size check below.
         if not 0 <= begin < end <= key[2]:
@@ -679,6 +719,8 @@ class KvShim:
             if m.nbytes != want:
                 raise ValueError(f"INVALID_ARGUMENT: objects[{i}] has {m.nbytes} "
                                  f"bytes, expected {want}")
+        if not to_cache:  # the objects are written: one must not clobber another
+            _check_no_overlap(obj_mem, "objects")
         ids = _as_block_ids(block_ids)
         if len(obj_mem) != len(ids):
             raise ValueError(f"INVALID_ARGUMENT: {len(ids)} block ids but {len(obj_mem)} "

@@ -14,6 +14,7 @@ Run by ctest (python_kvshim_test) with PYTHONPATH=<build>/python. Exits 77
 without torch, the daemon case without KVDEPOT_DAEMON.
 """
 
+import array
 import contextlib
 import ctypes
 import os
@@ -356,6 +357,35 @@ class ErrorTest(ShimTestCase):
         self.assert_rejected(ValueError, r"objects\[1\] has \d+ bytes, expected", objects=short)
         self.assert_rejected(ValueError, "3 block ids but 2 objects", ids=(0, 1, 2))
 
+    def test_block_ids_and_layers_must_be_integers(self):
+        # Bug: int() made block id 2.9 block 2, layers (0, 1.7) (0, 1).
+        self.assert_rejected(TypeError, r"block_ids\[1\] must be an integer", ids=(0, 2.9))
+        self.assert_rejected(TypeError, r"block_ids\[0\] must be an integer",
+                             ids=(np.float64(1.0), 2))
+        self.assert_rejected(TypeError, r"layers\[1\] must be an integer", layers=(0, 1.7))
+        # Integers of every kind are.
+        self.shim.gather(self.layout, self.caches, [np.int64(1), np.int32(2)], self.objects)
+        self.shim.gather(self.layout, self.caches, [torch.tensor(1), 2], self.objects)
+
+    def test_gathered_objects_must_not_overlap(self):
+        # Bug: two objects sharing bytes were both written, one over the
+        # other, where the native module refuses them.
+        ob = self.layout.object_bytes
+        big = np.full(2 * ob, 0x77, np.uint8)
+        self.assert_rejected(ValueError, r"objects\[1\] overlaps objects\[0\]",
+                             objects=[big[:ob], big[ob - 2:2 * ob - 2]], scatter=False)
+        self.assertTrue((big == 0x77).all())
+        self.shim.gather(self.layout, self.caches, [1, 2], [big[:ob], big[ob:]])  # adjacent
+
+    def test_buffers_of_floats_must_have_the_layouts_dtype(self):
+        # Bug: an array.array of float32 passed as a bf16 cache (its elements
+        # were taken as bytes).
+        floats = [array.array("f", c.tobytes()) for c in self.caches]
+        self.assert_rejected(ValueError, r"caches\[0\] holds float32 elements but the "
+                             r"layout's dtype is BFLOAT16", caches=floats)
+        halves = [array.array("H", c.tobytes()) for c in self.caches]  # raw bits: fine
+        self.shim.gather(self.layout, halves, [1, 2], self.objects)
+
     def test_bad_layer_ranges(self):
         for layers in ((0, 0), (2, 1), (0, L + 1), (-1, 1)):
             self.assert_rejected(ValueError, r"^INVALID_ARGUMENT: layer range", layers=layers)
@@ -510,14 +540,18 @@ class ShapeTest(ShimTestCase):
     def check(self, layout, good_shapes, wrong_shapes):
         objs = filled(2, layout.object_bytes, 0x77)
         for wrong in wrong_shapes:
-            caches = random_np_caches([wrong] * len(good_shapes), DT.BFLOAT16, seed=1)
-            for op in ("gather", "scatter"):
-                with self.subTest(layout=layout.layout.name, shape=wrong, op=op):
-                    with self.assertRaisesRegex(
-                            ValueError, r"^INVALID_ARGUMENT: caches\[0\] has shape \[.*\]; "
-                            r"layout .* takes"):
-                        getattr(self.shim, op)(layout, caches, [0, 1], objs)
-                    self.assertTrue(all((o == 0x77).all() for o in objs))
+            arrays = random_np_caches([wrong] * len(good_shapes), DT.BFLOAT16, seed=1)
+            # A memoryview has the shape of what it views (bug: it was taken
+            # as flat bytes, and another layout's array passed through one).
+            for kind, caches in (("array", arrays),
+                                 ("memoryview", [memoryview(c) for c in arrays])):
+                for op in ("gather", "scatter"):
+                    with self.subTest(layout=layout.layout.name, shape=wrong, op=op, kind=kind):
+                        with self.assertRaisesRegex(
+                                ValueError, r"^INVALID_ARGUMENT: caches\[0\] has shape \[.*\]; "
+                                r"layout .* takes"):
+                            getattr(self.shim, op)(layout, caches, [0, 1], objs)
+                        self.assertTrue(all((o == 0x77).all() for o in objs))
         # The right shape, and views of it: raw bits of other widths (the
         # last dimension then counts other elements), flat buffers.
         right = random_np_caches(good_shapes, DT.BFLOAT16, seed=2)
@@ -526,6 +560,7 @@ class ShapeTest(ShimTestCase):
         for name, view in (("uint16", right), ("uint8", [c.view(np.uint8) for c in right]),
                            ("int32", [c.view(np.int32) for c in right]),
                            ("flat", [c.reshape(-1) for c in right]),
+                           ("memoryview", [memoryview(c) for c in right]),
                            ("bytes", [c.view(np.uint8).reshape(-1) for c in right])):
             with self.subTest(layout=layout.layout.name, view=name):
                 got = filled(2, layout.object_bytes, 0x77)
