@@ -1335,10 +1335,13 @@ void KvDepotService::ServeUcxRequest(DataPlane::Request request) {
           data->reset();
           answer(st, std::move(body));
         },
-        [this, must_not_block = request.on_progress_thread, data](
-            const v1::PullBlocksRequest* req, v1::PullBlocksResponse* resp,
-            Finish finish) {
-          StartPullBlocks(req, resp, std::move(finish), must_not_block, data);
+        // Never waits for room where it runs: a progress thread, or one of
+        // the few request threads (a co-located session's), which every
+        // co-located client's requests share; a put that must wait goes
+        // to the put pool.
+        [this, data](const v1::PullBlocksRequest* req, v1::PullBlocksResponse* resp,
+                     Finish finish) {
+          StartPullBlocks(req, resp, std::move(finish), /*must_not_block=*/true, data);
         });
   }
 }

@@ -250,6 +250,62 @@ TEST_F(ClientFaultsTest, CallersRegisteringBuffersWithAStalledDaemonDoNotQueue) 
                                             /*open_session_first=*/true);
 }
 
+// Bug: a co-located client's put (a PullBlocks request, run on one of the
+// daemon's two request threads) that had to wait for room in DRAM waited
+// there, up to 5 s: two such puts stopped every co-located client's
+// requests, gets included. They now wait on the put pool.
+TEST_F(ClientFaultsTest, ColocatedPutsWaitingForRoomDoNotStallOtherRequests) {
+  transport_ = "shm";
+  absl::StatusOr<std::unique_ptr<DaemonProcess>> d = testing::StartUcxDaemon(
+      "shm", {"--dram-capacity", "8MiB", "--nvme-capacity", "64MiB"});
+  ASSERT_OK(d.status());
+  daemon_ = *std::move(d);
+  std::unique_ptr<Client> reader = NewClient(absl::Seconds(3), absl::Seconds(3));
+  ASSERT_NE(reader, nullptr);
+  absl::StatusOr<absl::Span<char>> into = reader->AllocateBuffer(kBlock);
+  ASSERT_OK(into.status());
+  // Nearly all of DRAM reserved, never committed.
+  v1::BeginPutResponse held;
+  {
+    absl::StatusOr<uint64_t> session = reader->EnsureSession();
+    ASSERT_OK(session.status());
+    grpc::ClientContext ctx;
+    ctx.set_deadline(absl::ToChronoTime(absl::Now() + absl::Seconds(10)));
+    v1::BeginPutRequest req;
+    req.set_session_id(*session);
+    req.set_namespace_("room");
+    v1::PutSpec* spec = req.add_blocks();
+    spec->set_key("held");
+    spec->set_size(7 << 20);
+    grpc::Status st = reader->stub().BeginPut(&ctx, req, &held);
+    ASSERT_TRUE(st.ok()) << st.error_message();
+  }
+  // More co-located puts that must wait for room than the daemon has
+  // request threads.
+  constexpr int kWaiters = 4;
+  std::vector<std::unique_ptr<Client>> putters;
+  std::vector<TransferOp> puts;
+  std::vector<std::string> keys;
+  for (int i = 0; i < kWaiters; ++i) keys.push_back(absl::StrCat("w", i));
+  for (int i = 0; i < kWaiters; ++i) {
+    putters.push_back(NewClient(absl::Seconds(10), absl::Seconds(10)));
+    ASSERT_NE(putters.back(), nullptr);
+    absl::StatusOr<absl::Span<char>> src = putters.back()->AllocateBuffer(2 << 20);
+    ASSERT_OK(src.status());
+    ucx_test::FillPattern(src->data(), src->size(), i);
+    BlockToPut block{keys[i], "", absl::string_view(src->data(), src->size())};
+    puts.push_back(putters.back()->PutFromAsync("room", {&block, 1}));
+  }
+  absl::SleepFor(absl::Milliseconds(500));  // the puts reach the daemon
+  // A co-located get meanwhile is answered (a miss), within its 3 s.
+  absl::string_view absent = "absent";
+  TransferOp get = reader->GetIntoAsync("room", {&absent, 1}, {&*into, 1});
+  get.Wait();
+  EXPECT_STREQ(get.transport(), "ucx");
+  EXPECT_TRUE(absl::IsNotFound(get.statuses()[0])) << get.statuses()[0];
+  for (TransferOp& put : puts) put.Wait();
+}
+
 // Bug: an empty GetIntoAsync opened a session and sent an empty PushBlocks
 // (an empty PutFromAsync asked nothing): against a daemon that stopped
 // answering, getting nothing took an RPC's wait.

@@ -7,6 +7,7 @@
 
 #include <memory>
 #include <string>
+#include <vector>
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
@@ -31,13 +32,14 @@ inline void UnsetUcxEnvironment(const std::string& transport) {
   }
 }
 
-// SetUcxEnvironment(transport), then a daemon with a 256 MiB DRAM tier
-// whose UCX data plane is on (FailedPrecondition, with its log, if not).
+// SetUcxEnvironment(transport), then a daemon with `args` (by default a
+// 256 MiB DRAM tier) whose UCX data plane is on (FailedPrecondition, with
+// its log, if not).
 inline absl::StatusOr<std::unique_ptr<DaemonProcess>> StartUcxDaemon(
-    const std::string& transport) {
+    const std::string& transport,
+    const std::vector<std::string>& args = {"--dram-capacity", "256MiB"}) {
   SetUcxEnvironment(transport);
-  absl::StatusOr<std::unique_ptr<DaemonProcess>> d =
-      DaemonProcess::Start({"--dram-capacity", "256MiB"});
+  absl::StatusOr<std::unique_ptr<DaemonProcess>> d = DaemonProcess::Start(args);
   if (!d.ok()) return d.status();
   if (!absl::StrContains((*d)->Log(), "UCX data plane on")) {
     return absl::FailedPreconditionError(
