@@ -15,6 +15,7 @@
 #include "absl/strings/match.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/strip.h"
 #include "grpc/health/v1/health.grpc.pb.h"
 #include "storage/block_key.h"
 #include "storage/checksum.h"
@@ -285,15 +286,42 @@ void RunLastStep(WorkPool& pool, TransferOp::State& state,
   pool.Submit(std::move(step));
 }
 
-// A server given as HOST:PORT (no gRPC scheme) must have a port gRPC can
-// reach: gRPC reads "127.0.0.1:100431" as another port (its low 16 bits),
-// so a mistyped port reached some other daemon.
+// A server's HOST:PORT (bare, or after dns:, dns://AUTHORITY/, ipv4: or
+// ipv6:, the first address) must have a port gRPC can reach: gRPC reads
+// "127.0.0.1:100431" as another port (its low 16 bits), so a mistyped port
+// reached some other daemon. Other schemes (unix:, xds:///...) are gRPC's.
 absl::Status CheckServerPort(absl::string_view server) {
-  for (absl::string_view scheme :
-       {"unix:", "unix-abstract:", "dns:", "ipv4:", "ipv6:", "vsock:"}) {
-    if (absl::StartsWith(server, scheme)) return absl::OkStatus();
+  absl::string_view rest = server;
+  if (absl::ConsumePrefix(&rest, "dns:")) {
+    if (absl::ConsumePrefix(&rest, "//")) {  // dns://authority/host:port
+      const size_t slash = rest.find('/');
+      rest = slash == absl::string_view::npos ? "" : rest.substr(slash + 1);
+    }
+  } else if (absl::ConsumePrefix(&rest, "ipv4:") || absl::ConsumePrefix(&rest, "ipv6:")) {
+    rest = rest.substr(0, rest.find(','));
+  } else {
+    // SCHEME: where the scheme is letters, digits, '+', '-', '.' from a
+    // letter, and what follows is no port ("host:50551" is no scheme).
+    const size_t colon = rest.find(':');
+    if (colon != absl::string_view::npos && colon > 0 &&
+        absl::ascii_isalpha(static_cast<unsigned char>(rest[0])) &&
+        std::all_of(rest.begin(), rest.begin() + colon,
+                    [](char c) {
+                      return absl::ascii_isalnum(static_cast<unsigned char>(c)) ||
+                             c == '+' || c == '-' || c == '.';
+                    }) &&
+        (colon + 1 == rest.size() ||
+         !absl::ascii_isdigit(static_cast<unsigned char>(rest[colon + 1])))) {
+      absl::StatusOr<HostPort> split = SplitHostPort(rest);
+      // A host whose "port" is not a number at all (unix:/run/k.sock,
+      // xds:///svc) is a scheme; "host:http" is a bad port.
+      if (!split.ok() || absl::StrContains(split->port, '/') ||
+          absl::StartsWith(rest, "unix") || absl::StartsWith(rest, "vsock:")) {
+        return absl::OkStatus();
+      }
+    }
   }
-  absl::StatusOr<HostPort> split = SplitHostPort(server);
+  absl::StatusOr<HostPort> split = SplitHostPort(rest);
   if (!split.ok()) return absl::OkStatus();  // no port, or a bare IPv6 address
   uint32_t port = 0;
   if (split->port.empty() || split->port.size() > 5 ||

@@ -521,7 +521,7 @@ struct Ctl {
       std::cout << "{\"namespace\": " << Quote(ns) << ", \"max_bytes\": " << *bytes << "}\n";
     } else {
       std::cout << ns << ": quota "
-                << (*bytes == 0 ? "removed (still declared: quota remove forgets it)"
+                << (*bytes == 0 ? "removed (still declared: see quota remove)"
                                 : FormatSize(*bytes))
                 << "\n";
     }

@@ -256,8 +256,9 @@ class DataPlane {
     RequestMethod method = RequestMethod::kPushBlocks;
     uint64_t id = 0;   // the client's; Reply echoes it
     std::string body;  // the serialized request
-    // Handed over on the request worker's progress thread: the handler
-    // must not block, and hands on what would.
+    // Handed over on the request worker's progress thread (else on a
+    // request thread). Either way the handler must not block, and hands on
+    // what would: request threads are few and shared.
     bool on_progress_thread = false;
     // A PullBlocks request sent with its blocks' bytes
     // (kDataRequestMessageId): they are still with the client until

@@ -194,8 +194,10 @@ class KvDepotService final
   void StartBeginPut(grpc::CallbackServerContext* ctx,
                      const v1::BeginPutRequest* req, v1::BeginPutResponse* resp,
                      Finish finish, bool must_not_block);
-  // `must_not_block` (on a UCX progress thread): a put that would wait for
-  // room (BeginPut's would_wait) goes on put_pool_ and waits there.
+  // `must_not_block` (every UCX request: on a progress thread, or on one of
+  // the few request threads all co-located clients share): a put that
+  // would wait for room (BeginPut's would_wait) goes on put_pool_ and waits
+  // there.
   // `data`, when it holds some, is the blocks' bytes sent with a UCX
   // request (DataPlane::Request::data): received into the slots instead of
   // read from the client's buffers -- unless the bytes of blocks stored

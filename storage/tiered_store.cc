@@ -114,7 +114,8 @@ struct NamespaceInfo {
   // published, until it leaves DRAM (FreeEntry), and gives it back when it
   // is not published (aborted, failed, lost a race).
   std::atomic<uint64_t> charged{0};
-  // An operator's (SetQuota created it, or set its quota): never reclaimed.
+  // An operator's (SetQuota created it, or set its quota): never reclaimed
+  // until Undeclare.
   std::atomic<bool> declared{false};
   // NamespaceRefs held: operations using this entry. Raised under ns_mu_.
   std::atomic<uint64_t> uses{0};
@@ -1831,7 +1832,7 @@ class TieredStoreImpl final : public TieredStore {
   // Who asks for a namespace: a client's put creates it only when
   // create_namespaces is on; a block of it found on (or read back from)
   // NVMe, or an operator (kDeclared: SetQuota), always does (it exists
-  // then). An operator's namespace is never reclaimed.
+  // then). An operator's namespace is never reclaimed (until Undeclare).
   enum class NamespaceUse { kClientPut, kStored, kDeclared };
 
   // The namespace named `ns`, held, created if `use` allows. When

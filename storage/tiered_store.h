@@ -436,9 +436,11 @@ class TieredStore {
   // Takes back what SetQuota did: no quota, and no longer the operator's
   // (declared). An empty one (no block in either tier, nothing in
   // progress) is forgotten at once, so with create_namespaces off puts into
-  // it are refused again; one with blocks stays (its blocks too) and is
-  // reclaimed like any other once empty (max_namespaces). OK for a
-  // namespace that does not exist.
+  // it are refused again; one with blocks, or in use at that moment, stays
+  // (its blocks too) and is reclaimed like any other once empty, when the
+  // table needs room (max_namespaces). With an NVMe tier this scans its
+  // index for the namespace's blocks (an admin call). OK for a namespace
+  // that does not exist.
   virtual absl::Status Undeclare(absl::string_view ns) = 0;
   // 0 when the namespace has none (or does not exist).
   virtual uint64_t Quota(absl::string_view ns) = 0;

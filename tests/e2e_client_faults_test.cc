@@ -260,7 +260,7 @@ TEST_F(ClientFaultsTest, ColocatedPutsWaitingForRoomDoNotStallOtherRequests) {
       "shm", {"--dram-capacity", "8MiB", "--nvme-capacity", "64MiB"});
   ASSERT_OK(d.status());
   daemon_ = *std::move(d);
-  std::unique_ptr<Client> reader = NewClient(absl::Seconds(3), absl::Seconds(3));
+  std::unique_ptr<Client> reader = NewClient(absl::Seconds(4), absl::Seconds(4));
   ASSERT_NE(reader, nullptr);
   absl::StatusOr<absl::Span<char>> into = reader->AllocateBuffer(kBlock);
   ASSERT_OK(into.status());
@@ -296,14 +296,22 @@ TEST_F(ClientFaultsTest, ColocatedPutsWaitingForRoomDoNotStallOtherRequests) {
     BlockToPut block{keys[i], "", absl::string_view(src->data(), src->size())};
     puts.push_back(putters.back()->PutFromAsync("room", {&block, 1}));
   }
-  absl::SleepFor(absl::Milliseconds(500));  // the puts reach the daemon
-  // A co-located get meanwhile is answered (a miss), within its 3 s.
+  // The puts reach the daemon and wait there (up to 5 s) for room; before
+  // the fix, two of them took both request threads for that long.
+  absl::SleepFor(absl::Milliseconds(500));
+  // A co-located get meanwhile is answered (a miss) within its 4 s, while
+  // every put still waits.
   absl::string_view absent = "absent";
   TransferOp get = reader->GetIntoAsync("room", {&absent, 1}, {&*into, 1});
   get.Wait();
   EXPECT_STREQ(get.transport(), "ucx");
   EXPECT_TRUE(absl::IsNotFound(get.statuses()[0])) << get.statuses()[0];
-  for (TransferOp& put : puts) put.Wait();
+  for (TransferOp& put : puts) EXPECT_FALSE(put.IsReady()) << "no put waited for room";
+  // No room came: they fail as puts that find DRAM full do.
+  for (TransferOp& put : puts) {
+    put.Wait();
+    EXPECT_FALSE(put.statuses()[0].ok());
+  }
 }
 
 // Bug: an empty GetIntoAsync opened a session and sent an empty PushBlocks

@@ -367,8 +367,20 @@ TEST_F(KvdepotctlTest, APortOutOfRangeIsAUsageErrorNotAnotherPort) {
     EXPECT_EQ(r.exit_code, 2) << bad << ": " << r.out << r.err;
     EXPECT_NE(r.err.find("is not 1..65535"), std::string::npos) << r.err;
   }
+  // The same after a gRPC scheme.
+  for (const std::string& bad : {absl::StrCat("ipv4:", split->host, ":", port + 65536),
+                                 absl::StrCat("dns:///", split->host, ":", port + 65536)}) {
+    CommandResult r = RunCtl(bad, "health");
+    EXPECT_EQ(r.exit_code, 2) << bad << ": " << r.out << r.err;
+  }
   EXPECT_EQ(RunCtl(absl::StrCat(split->host, ":", port), "health").exit_code, 0);
   EXPECT_EQ(RunCtl(absl::StrCat("ipv4:", split->host, ":", port), "health").exit_code, 0);
+  EXPECT_EQ(RunCtl(absl::StrCat("dns:///", split->host, ":", port), "health").exit_code, 0);
+  // Other schemes are gRPC's to read (here: nothing listens there).
+  for (const char* other : {"unix:/nonexistent/kvdepot.sock", "xds:///kvdepot"}) {
+    CommandResult r = RunCtl(other, "--timeout 1 health");
+    EXPECT_EQ(r.exit_code, 1) << other << ": " << r.out << r.err;
+  }
 }
 
 TEST_F(KvdepotctlTest, TimeoutMustBeAPositiveFiniteNumberOfSeconds) {

@@ -18,6 +18,7 @@
 
 #include "absl/status/status.h"
 #include "absl/strings/ascii.h"
+#include "absl/strings/match.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
@@ -230,7 +231,47 @@ std::optional<uint64_t> AvailableMemory() {
   return std::nullopt;
 }
 
+// A number file of the cgroup file system ("max" or unreadable: nullopt).
+std::optional<uint64_t> ReadCgroupNumber(const std::string& path) {
+  std::ifstream in(path);
+  std::string text;
+  uint64_t value = 0;
+  if (!(in >> text) || !absl::SimpleAtoi(text, &value)) return std::nullopt;
+  return value;
+}
+
 }  // namespace
+
+namespace transport_internal {
+
+std::optional<uint64_t> CgroupMemoryLeft(const std::string& proc_cgroup,
+                                         const std::string& root) {
+  std::ifstream cgroups(proc_cgroup);
+  std::string line;
+  std::optional<uint64_t> left;  // the least of the hierarchies' (v1 and v2)
+  while (std::getline(cgroups, line)) {
+    std::vector<std::string> parts = absl::StrSplit(line, absl::MaxSplits(':', 2));
+    if (parts.size() != 3) continue;
+    std::optional<uint64_t> limit, usage;
+    if (parts[0] == "0" && parts[1].empty()) {  // cgroup v2
+      const std::string dir = root + parts[2];
+      limit = ReadCgroupNumber(dir + "/memory.max");
+      usage = ReadCgroupNumber(dir + "/memory.current");
+    } else if (absl::StrContains(parts[1], "memory")) {  // v1
+      const std::string dir = root + "/memory" + parts[2];
+      limit = ReadCgroupNumber(dir + "/memory.limit_in_bytes");
+      usage = ReadCgroupNumber(dir + "/memory.usage_in_bytes");
+    } else {
+      continue;
+    }
+    if (!limit.has_value() || !usage.has_value()) continue;  // no limit there
+    const uint64_t here = *limit > *usage ? *limit - *usage : 0;
+    left = left.has_value() ? std::min(*left, here) : here;
+  }
+  return left;
+}
+
+}  // namespace transport_internal
 
 absl::StatusOr<std::unique_ptr<MemoryRegion>> UcxContext::Allocate(
     size_t size) {
@@ -243,6 +284,13 @@ absl::StatusOr<std::unique_ptr<MemoryRegion>> UcxContext::Allocate(
     return absl::ResourceExhaustedError(absl::StrCat(
         "allocation of ", size, " bytes: this host has ", *available,
         " bytes of memory available (MemAvailable)"));
+  }
+  if (std::optional<uint64_t> left =
+          transport_internal::CgroupMemoryLeft("/proc/self/cgroup", "/sys/fs/cgroup");
+      left.has_value() && size > *left) {
+    return absl::ResourceExhaustedError(absl::StrCat(
+        "allocation of ", size, " bytes: this process's memory cgroup (a container's "
+        "or unit's limit) allows ", *left, " bytes more"));
   }
   ASSIGN_OR_RETURN(std::unique_ptr<MemoryRegion> region, Map(nullptr, size));
   RETURN_IF_ERROR(Prefault(region->base(), region->size()));

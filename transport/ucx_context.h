@@ -110,8 +110,10 @@ class UcxContext {
   // from a peer on the same host are plain copies into it instead of
   // messages (see README.md, caveat 1). Every page exists when it returns
   // (prefaulted), so no transfer into it faults. Freed with the region.
-  // ResourceExhausted for more than the host's available memory, or where
-  // the pages cannot be made (UCX's shared-memory file system is smaller).
+  // ResourceExhausted for more than the host's available memory or what
+  // this process's memory cgroup still allows, or where the pages cannot be
+  // made (UCX's shared-memory file system is smaller; on kernels before
+  // 5.14, without MADV_POPULATE_WRITE, that is a SIGBUS instead).
   absl::StatusOr<std::unique_ptr<MemoryRegion>> Allocate(size_t size);
 
   // The UCP handle, for UcxWorker. Thread-safe as UCX's context is.
@@ -137,6 +139,18 @@ class UcxContext {
   const ucp_context_h context_;
   std::optional<TcpSegmentSizes> tcp_segments_;
 };
+
+namespace transport_internal {
+
+// What the memory cgroups of a process still allow it (a container's or a
+// systemd unit's limit less its usage; the least over cgroup v1 and v2),
+// from its /proc/<pid>/cgroup file `proc_cgroup` and the cgroup file
+// system mounted at `root` ("/sys/fs/cgroup"); nullopt where none has a
+// limit it can read. /proc/meminfo shows the host's memory, not this.
+std::optional<uint64_t> CgroupMemoryLeft(const std::string& proc_cgroup,
+                                         const std::string& root);
+
+}  // namespace transport_internal
 
 }  // namespace kvdepot
 

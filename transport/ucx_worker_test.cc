@@ -7,6 +7,7 @@
 #include <cstring>
 #include <cstdlib>
 #include <filesystem>
+#include <fstream>
 #include <functional>
 #include <map>
 #include <memory>
@@ -478,6 +479,39 @@ TEST(UcxContextAllocateTest, MoreThanTheHostHasIsRefusedBeforeAnyMemoryIsTaken) 
   // What fits is still allocated.
   absl::StatusOr<std::unique_ptr<MemoryRegion>> small = (*context)->Allocate(1 << 20);
   EXPECT_TRUE(small.ok()) << small.status();
+}
+
+// A container's memory limit is its cgroup's, which /proc/meminfo does not
+// show: Allocate takes what the process's cgroups still allow into account.
+TEST(UcxContextAllocateTest, TheCgroupsLimitIsFoundInV1AndV2) {
+  char dir_template[] = "/tmp/kvdepot-cgroup-XXXXXX";
+  ASSERT_NE(mkdtemp(dir_template), nullptr) << std::strerror(errno);
+  const std::string root = dir_template;
+  auto write = [&](const std::string& path, const std::string& text) {
+    std::filesystem::create_directories(std::filesystem::path(path).parent_path());
+    std::ofstream(path) << text;
+  };
+  // v2 only: the pod's limit less its usage.
+  write(root + "/v2/cgroup", "0::/kubepods/pod1\n");
+  write(root + "/sys/kubepods/pod1/memory.max", "1073741824\n");
+  write(root + "/sys/kubepods/pod1/memory.current", "73741824\n");
+  EXPECT_EQ(transport_internal::CgroupMemoryLeft(root + "/v2/cgroup", root + "/sys"),
+            std::optional<uint64_t>(1000000000));
+  // No limit ("max"), or no cgroup file system: nothing to say.
+  write(root + "/open/cgroup", "0::/free\n");
+  write(root + "/sys/free/memory.max", "max\n");
+  write(root + "/sys/free/memory.current", "5\n");
+  EXPECT_EQ(transport_internal::CgroupMemoryLeft(root + "/open/cgroup", root + "/sys"),
+            std::nullopt);
+  EXPECT_EQ(transport_internal::CgroupMemoryLeft(root + "/none", root + "/sys"),
+            std::nullopt);
+  // Hybrid (v1 memory controller and a v2 line): the v1 limit; over it, 0.
+  write(root + "/v1/cgroup", "4:memory:/docker/c1\n1:cpu:/\n0::/\n");
+  write(root + "/sys/memory/docker/c1/memory.limit_in_bytes", "4096\n");
+  write(root + "/sys/memory/docker/c1/memory.usage_in_bytes", "8192\n");
+  EXPECT_EQ(transport_internal::CgroupMemoryLeft(root + "/v1/cgroup", root + "/sys"),
+            std::optional<uint64_t>(0));
+  std::filesystem::remove_all(root);
 }
 
 TEST(UcxContextAllocateTest, ASharedMemoryFileSystemTooSmallIsAnErrorNotASignal) {

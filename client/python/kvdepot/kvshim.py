@@ -435,7 +435,7 @@ _CACHE_ELEMENTS = {
 
 # Buffer-protocol formats of floating-point elements (struct module
 # letters; "Z..." is complex), by the name numpy gives them.
-_FLOAT_FORMATS = {"e": "float16", "f": "float32", "d": "float64", "g": "longdouble"}
+_FLOAT_FORMATS = {"e": "float16", "f": "float32", "d": "float64", "g": "float128"}
 
 
 def _element_name(obj: Any) -> str:
@@ -473,6 +473,8 @@ def _integer(value: Any, what: str) -> int:
     """``value`` as an int, if it is an integer (Python, numpy or a
     one-element integer tensor); TypeError for others: a float block id
     2.9 is no block, and truncating it would pick block 2."""
+    if isinstance(value, bool):
+        raise TypeError(f"{what} must be an integer, not {value!r}")
     try:
         return operator.index(value)
     except TypeError:

@@ -483,7 +483,10 @@ class UcxDataPlaneTest(DaemonTestCase):
     def test_registering_allocated_memory_again_keeps_nothing_alive(self):
         # Its memory is registered already. A view the client kept would
         # hold the pool, which holds the client: its UCX workers, threads
-        # and mappings would stay for good after close() and del.
+        # and mappings would stay for good after close() and del (a review
+        # measured 11 more threads and 5 shared-memory mappings left). The
+        # view's reference count shows it, without counting threads that
+        # libraries start lazily.
         def client_life(register: bool) -> None:
             c = kvdepot.Client(self.daemon.address, timeout_s=10)
             pool = c.allocate_buffer(2 * 4096)
@@ -500,12 +503,7 @@ class UcxDataPlaneTest(DaemonTestCase):
             self.assertTrue((pool[:4096] == 9).all())
             c.close()
 
-        client_life(register=False)  # and the threads a first client leaves
-        gc.collect()
-        tasks_before = len(os.listdir("/proc/self/task"))
         client_life(register=True)
-        gc.collect()
-        self.assertLessEqual(len(os.listdir("/proc/self/task")), tasks_before)
 
     def test_a_store_saves_and_loads_bytearray_caches(self):
         layout = tiny_layout()  # blocks of 16 bytes

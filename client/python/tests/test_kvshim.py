@@ -363,6 +363,7 @@ class ErrorTest(ShimTestCase):
         self.assert_rejected(TypeError, r"block_ids\[0\] must be an integer",
                              ids=(np.float64(1.0), 2))
         self.assert_rejected(TypeError, r"layers\[1\] must be an integer", layers=(0, 1.7))
+        self.assert_rejected(TypeError, r"block_ids\[1\] must be an integer", ids=(0, True))
         # Integers of every kind are.
         self.shim.gather(self.layout, self.caches, [np.int64(1), np.int32(2)], self.objects)
         self.shim.gather(self.layout, self.caches, [torch.tensor(1), 2], self.objects)
