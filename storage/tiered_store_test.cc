@@ -86,6 +86,15 @@ class TieredStoreTest : public ::testing::Test {
     return r.ok() && r->entries[0].found;
   }
 
+  // BeginPut of `specs` into "ns" is refused whole (InvalidArgument, saying
+  // `why`) and reserves nothing.
+  void ExpectPutRefused(absl::Span<const PutSpec> specs, const std::string& why) {
+    auto refused = store_->BeginPut(sid_, "ns", specs);
+    EXPECT_THAT(refused, StatusIs(Code::kInvalidArgument));
+    EXPECT_THAT(refused.status().message(), ::testing::HasSubstr(why));
+    EXPECT_EQ(store_->Stats().reservations, 0u);
+  }
+
   FakeClock clock_;
   std::unique_ptr<TieredStore> store_;
   SessionId sid_ = 0;
@@ -182,11 +191,7 @@ TEST_F(TieredStoreTest, APutOfAStoredKeyWithAnotherSizeIsRefused) {
   ASSERT_OK(Put("k", std::string(100, '1')));
   uint64_t used = store_->Stats().dram.used_bytes;
   PutSpec specs[2] = {{"new", "", 64}, {"k", "", 101}};
-  auto refused = store_->BeginPut(sid_, "ns", specs);
-  EXPECT_THAT(refused, StatusIs(Code::kInvalidArgument));
-  EXPECT_THAT(refused.status().message(),
-              ::testing::HasSubstr("stored with 100 bytes"));
-  EXPECT_EQ(store_->Stats().reservations, 0u);
+  ExpectPutRefused(specs, "stored with 100 bytes");
   EXPECT_EQ(store_->Stats().dram.used_bytes, used);
   EXPECT_FALSE(Has("new"));
   EXPECT_EQ(Read("k"), std::string(100, '1'));
@@ -199,11 +204,7 @@ TEST_F(TieredStoreTest, APutOfAStoredKeyWithAnotherSizeIsRefused) {
 // A key named twice in one batch is put once; both must name one block.
 TEST_F(TieredStoreTest, AKeyNamedTwiceInABatchMustNameOneSize) {
   PutSpec differ[2] = {{"d", "", 64}, {"d", "", 65}};
-  auto refused = store_->BeginPut(sid_, "ns", differ);
-  EXPECT_THAT(refused, StatusIs(Code::kInvalidArgument));
-  EXPECT_THAT(refused.status().message(),
-              ::testing::HasSubstr("given earlier in the batch"));
-  EXPECT_EQ(store_->Stats().reservations, 0u);
+  ExpectPutRefused(differ, "given earlier in the batch");
 
   PutSpec same[2] = {{"s", "", 64}, {"s", "", 64}};
   auto r = store_->BeginPut(sid_, "ns", same);

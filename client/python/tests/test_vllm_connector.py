@@ -135,6 +135,24 @@ class VllmConnectorTest(unittest.TestCase):
         e.step([req], [], {req.request_id: n})
         return ext
 
+    def engine_loading_a_stored_prompt(self, seed, **engine_args):
+        """An engine that admitted request A, whose prompt (4 blocks and a
+        token, from ``prompt(seed)``) another engine stored: A loads its 4
+        blocks. Returns (the engine, A, the prompt)."""
+        p = prompt(seed, 4 * BS + 1)
+        self.run_prefill(self.engine(**engine_args), FakeRequest("A0", list(p)))
+        e = self.engine(**engine_args)
+        a = FakeRequest("A", list(p))
+        self.assertEqual(e.admit(a), 4 * BS)
+        return e, a, p
+
+    def admit_on_as_blocks(self, e, b):
+        """Admits ``b``, whose first 4 blocks are A's: vLLM's prefix cache
+        hands it the blocks A loads (local hits), and nothing is loaded for
+        it."""
+        self.assertEqual(e.admit(b, num_local_computed=4 * BS,
+                                 local_blocks=e.blocks["A"][:4]), 0)
+
     def test_metadata_and_interface(self):
         if not kv_vllm.HAVE_VLLM:  # the stand-in base is in use
             self.assertIs(kv_vllm.KVConnectorBase_V1, kv_vllm._StandInConnectorBase)
@@ -565,19 +583,14 @@ class VllmConnectorTest(unittest.TestCase):
         # at block 2: B's blocks 2-5, computed over the stale blocks 2-3, are
         # not saved (put-if-absent would keep them), and once vLLM
         # recomputed, they are.
-        p = prompt(27, 4 * BS + 1)
-        self.run_prefill(self.engine(), FakeRequest("A0", list(p)))
-        e = self.engine()
-        a = FakeRequest("A", list(p))
-        self.assertEqual(e.admit(a), 4 * BS)
+        e, a, p = self.engine_loading_a_stored_prompt(27)
         st = e.scheduler._requests["A"]
         e.scheduler._unpin(st)
         with kvdepot.Client(self.daemon.address) as cl:
             self.assertEqual(cl.evict(e.scheduler._scheduler_namespace,
                                       [st.keys[2]])["evicted_blocks"], 1)
         b = FakeRequest("B", p[:4 * BS] + prompt(28, 2 * BS + 1))
-        self.assertEqual(e.admit(b, num_local_computed=4 * BS,
-                                 local_blocks=e.blocks["A"][:4]), 0)
+        self.admit_on_as_blocks(e, b)
         meta = e.step([a, b], [], {"A": 1, "B": 2 * BS + 1})
         self.assertEqual(sorted(e.load_errors), sorted(e.blocks["A"][2:4]))
         b_keys = kvdepot.integrations.block_hashes(b.all_token_ids, BS)[:6]
@@ -616,16 +629,11 @@ class VllmConnectorTest(unittest.TestCase):
         # Async scheduling: B shares the blocks A loads in step N (vLLM's
         # prefix cache) and fills a block of its own in N+1, planned before
         # N's outcome is in: that save waits for it, as A's own would.
-        p = prompt(29, 4 * BS + 1)
-        self.run_prefill(self.engine(), FakeRequest("A0", list(p)))
-        e = self.engine()
-        a = FakeRequest("A", list(p))
-        self.assertEqual(e.admit(a), 4 * BS)
+        e, a, p = self.engine_loading_a_stored_prompt(29)
         step_n = e.schedule([a], [], {"A": 1})
         self.assertEqual(len(step_n.meta.loads), 1)
         b = FakeRequest("B", p[:4 * BS] + prompt(30, BS + 1))
-        self.assertEqual(e.admit(b, num_local_computed=4 * BS,
-                                 local_blocks=e.blocks["A"][:4]), 0)
+        self.admit_on_as_blocks(e, b)
         step_n1 = e.schedule([b], [], {"B": BS + 1})  # B's block 4 fills here
         self.assertEqual(step_n1.meta.saves, [])
         e.execute(step_n)
@@ -643,14 +651,9 @@ class VllmConnectorTest(unittest.TestCase):
         # one's did not (and the worker here cannot see it): B, computing
         # over the blocks A loads, saves nothing in A's load step, and its
         # block once the outcome is in.
-        p = prompt(36, 4 * BS + 1)
-        self.run_prefill(self.engine(tp=(0, 2)), FakeRequest("A0", list(p)))
-        e = self.engine(tp=(0, 2))
-        a = FakeRequest("A", list(p))
-        self.assertEqual(e.admit(a), 4 * BS)
+        e, a, p = self.engine_loading_a_stored_prompt(36, tp=(0, 2))
         b = FakeRequest("B", p[:4 * BS] + prompt(37, BS + 1))
-        self.assertEqual(e.admit(b, num_local_computed=4 * BS,
-                                 local_blocks=e.blocks["A"][:4]), 0)
+        self.admit_on_as_blocks(e, b)
         meta = e.step([a, b], [], {"A": 1, "B": BS + 1})
         self.assertEqual(e.load_errors, [])
         self.assertEqual(meta.saves, [])
