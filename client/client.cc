@@ -13,7 +13,6 @@
 #include "absl/container/flat_hash_set.h"
 #include "absl/strings/ascii.h"
 #include "absl/strings/match.h"
-#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/strip.h"
 #include "grpc/health/v1/health.grpc.pb.h"
@@ -323,11 +322,8 @@ absl::Status CheckServerPort(absl::string_view server) {
   }
   absl::StatusOr<HostPort> split = SplitHostPort(rest);
   if (!split.ok()) return absl::OkStatus();  // no port, or a bare IPv6 address
-  uint32_t port = 0;
-  if (split->port.empty() || split->port.size() > 5 ||
-      !std::all_of(split->port.begin(), split->port.end(),
-                   [](char c) { return absl::ascii_isdigit(static_cast<unsigned char>(c)); }) ||
-      !absl::SimpleAtoi(split->port, &port) || port == 0 || port > 65535) {
+  const std::optional<uint16_t> port = PortNumber(split->port);
+  if (!port.has_value() || *port == 0) {
     return absl::InvalidArgumentError(absl::StrCat(
         "server '", server, "': port '", split->port, "' is not 1..65535"));
   }

@@ -95,11 +95,7 @@ absl::Status CheckListenAddress(absl::string_view address) {
       return bad(absl::StrCat("'", host, "' is not a host name"));
     }
   }
-  uint32_t number = 0;
-  if (port.empty() || port.size() > 5 ||
-      !std::all_of(port.begin(), port.end(),
-                   [](char ch) { return absl::ascii_isdigit(static_cast<unsigned char>(ch)); }) ||
-      !absl::SimpleAtoi(port, &number) || number > 65535) {
+  if (!PortNumber(port).has_value()) {
     return bad(absl::StrCat("port '", port, "' is not 0..65535"));
   }
   return absl::OkStatus();

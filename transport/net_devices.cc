@@ -13,7 +13,9 @@
 #include <filesystem>
 #include <system_error>
 
+#include "absl/strings/ascii.h"
 #include "absl/strings/match.h"
+#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "absl/strings/string_view.h"
@@ -228,6 +230,17 @@ absl::StatusOr<HostPort> SplitHostPort(absl::string_view address) {
     return bad("an IPv6 address goes in brackets, as [::1]:9551");
   }
   return HostPort{std::string(host), std::string(address.substr(colon + 1))};
+}
+
+std::optional<uint16_t> PortNumber(absl::string_view port) {
+  uint32_t number = 0;
+  if (port.empty() || port.size() > 5 ||
+      !std::all_of(port.begin(), port.end(),
+                   [](char c) { return absl::ascii_isdigit(static_cast<unsigned char>(c)); }) ||
+      !absl::SimpleAtoi(port, &number) || number > 65535) {
+    return std::nullopt;
+  }
+  return static_cast<uint16_t>(number);
 }
 
 std::string JoinHostPort(absl::string_view host, int port) {

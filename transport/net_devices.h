@@ -14,6 +14,7 @@
 #ifndef KVDEPOT_TRANSPORT_NET_DEVICES_H_
 #define KVDEPOT_TRANSPORT_NET_DEVICES_H_
 
+#include <cstdint>
 #include <map>
 #include <optional>
 #include <string>
@@ -37,6 +38,9 @@ struct HostPort {
   std::string port;
 };
 absl::StatusOr<HostPort> SplitHostPort(absl::string_view address);
+// A HostPort's port as a number: nullopt unless it is 1 to 5 decimal
+// digits of at most 65535 (0 included: "any port" for a listener).
+std::optional<uint16_t> PortNumber(absl::string_view port);
 // `host` and `port` as an address: "[::1]:80" for an IPv6 host.
 std::string JoinHostPort(absl::string_view host, int port);
 

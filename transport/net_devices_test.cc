@@ -51,6 +51,16 @@ TEST(SplitHostPortTest, SplitsHostsAndBracketedIpv6Addresses) {
   }
 }
 
+TEST(SplitHostPortTest, PortsAreUpTo5DigitsOfAtMost65535) {
+  EXPECT_EQ(PortNumber("0"), std::optional<uint16_t>(0));
+  EXPECT_EQ(PortNumber("50551"), std::optional<uint16_t>(50551));
+  EXPECT_EQ(PortNumber("65535"), std::optional<uint16_t>(65535));
+  EXPECT_EQ(PortNumber("00080"), std::optional<uint16_t>(80));
+  for (const char* bad : {"", "65536", "100431", "000080", "-1", "+80", "8o", " 80", "http"}) {
+    EXPECT_EQ(PortNumber(bad), std::nullopt) << bad;
+  }
+}
+
 TEST(SplitHostPortTest, JoinPutsIpv6HostsInBrackets) {
   EXPECT_EQ(JoinHostPort("127.0.0.1", 50551), "127.0.0.1:50551");
   EXPECT_EQ(JoinHostPort("localhost", 0), "localhost:0");
