@@ -23,6 +23,11 @@ prometheus::Counter& SingleCounter(prometheus::Registry& registry,
   return prometheus::BuildCounter().Name(name).Help(help).Register(registry).Add({});
 }
 
+prometheus::Gauge& SingleGauge(prometheus::Registry& registry, const std::string& name,
+                               const std::string& help) {
+  return prometheus::BuildGauge().Name(name).Help(help).Register(registry).Add({});
+}
+
 }  // namespace
 
 ServerMetrics::ServerMetrics(prometheus::Registry& registry, int namespace_labels)
@@ -110,59 +115,32 @@ ServerMetrics::ServerMetrics(prometheus::Registry& registry, int namespace_label
                              "FAILED_PRECONDITION (not in "
                              "kvdepot_requests_total)")
                        .Register(registry)),
-      ucx_held_bytes_(prometheus::BuildGauge()
-                          .Name("kvdepot_ucx_held_bytes")
-                          .Help("DRAM bytes held for UCX transfers that UCX "
-                                "has not ended: slots of puts and blocks of "
-                                "gets abandoned while a co-located client did "
-                                "not answer, freed when UCX ends them or the "
-                                "session's worker goes")
-                          .Register(registry)
-                          .Add({})),
-      ucx_colocated_workers_(
-          prometheus::BuildGauge()
-              .Name("kvdepot_ucx_colocated_workers")
-              .Help("UCX workers (each with a progress thread) of co-located "
-                    "clients' sessions: open ones, and ended ones still being "
-                    "stopped; at most ucx_colocated_workers")
-              .Register(registry)
-              .Add({})),
-      ucx_request_links_(
-          prometheus::BuildGauge()
-              .Name("kvdepot_ucx_request_links")
-              .Help("Client UCX workers the daemon's request worker keeps an "
-                    "endpoint to, so that their request connections need no "
-                    "wire-up answered by kvdepotd: one per client worker that "
-                    "opened a session and is still there")
-              .Register(registry)
-              .Add({})),
-      sessions_(prometheus::BuildGauge()
-                    .Name("kvdepot_sessions_active")
-                    .Help("Open client sessions")
-                    .Register(registry)
-                    .Add({})),
-      pins_(prometheus::BuildGauge()
-                .Name("kvdepot_pins_active")
-                .Help("Live pins")
-                .Register(registry)
-                .Add({})),
-      reservations_(prometheus::BuildGauge()
-                        .Name("kvdepot_reservations_active")
-                        .Help("Open two-phase put reservations")
-                        .Register(registry)
-                        .Add({})),
-      draining_(prometheus::BuildGauge()
-                    .Name("kvdepot_draining")
-                    .Help("1 while the daemon refuses new puts (kvdepotctl "
-                          "drain, the SetDraining RPC, or SIGTERM), else 0")
-                    .Register(registry)
-                    .Add({})),
-      start_time_(prometheus::BuildGauge()
-                      .Name("kvdepot_start_time_seconds")
-                      .Help("When the daemon started, in seconds since the "
-                            "Unix epoch")
-                      .Register(registry)
-                      .Add({})) {
+      ucx_held_bytes_(SingleGauge(
+          registry, "kvdepot_ucx_held_bytes",
+          "DRAM bytes held for UCX transfers that UCX has not ended: slots of puts and "
+          "blocks of gets abandoned while a co-located client did not answer, freed when "
+          "UCX ends them or the session's worker goes")),
+      ucx_colocated_workers_(SingleGauge(
+          registry, "kvdepot_ucx_colocated_workers",
+          "UCX workers (each with a progress thread) of co-located clients' sessions: "
+          "open ones, and ended ones still being stopped; at most ucx_colocated_workers")),
+      ucx_request_links_(SingleGauge(
+          registry, "kvdepot_ucx_request_links",
+          "Client UCX workers the daemon's request worker keeps an endpoint to, so that "
+          "their request connections need no wire-up answered by kvdepotd: one per client "
+          "worker that opened a session and is still there")),
+      sessions_(SingleGauge(registry, "kvdepot_sessions_active", "Open client sessions")),
+      pins_(SingleGauge(registry, "kvdepot_pins_active", "Live pins")),
+      reservations_(SingleGauge(
+          registry, "kvdepot_reservations_active",
+          "Open two-phase put reservations")),
+      draining_(SingleGauge(
+          registry, "kvdepot_draining",
+          "1 while the daemon refuses new puts (kvdepotctl drain, the SetDraining RPC, or "
+          "SIGTERM), else 0")),
+      start_time_(SingleGauge(
+          registry, "kvdepot_start_time_seconds",
+          "When the daemon started, in seconds since the Unix epoch")) {
   prometheus::BuildGauge()
       .Name("kvdepot_build_info")
       .Help("Build of the running daemon (value is always 1)")

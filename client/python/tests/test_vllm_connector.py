@@ -135,6 +135,20 @@ class VllmConnectorTest(unittest.TestCase):
         e.step([req], [], {req.request_id: n})
         return ext
 
+    def assert_a_fresh_engine_loads(self, prompt_token_ids, num_blocks):
+        """A fresh engine finds ``num_blocks`` blocks of ``prompt_token_ids``
+        stored, loads them without errors, and they hold the KV the prompt
+        computes."""
+        z_eng = self.engine()
+        z = FakeRequest("Z", list(prompt_token_ids))
+        self.assertEqual(z_eng.admit(z), num_blocks * BS)
+        z_eng.step([z], [], {"Z": 1})
+        self.assertEqual(z_eng.load_errors, [])
+        for i in range(num_blocks):
+            for got, want in zip(z_eng.block_kv(z, i),
+                                 z_eng.expected_block_kv(z.all_token_ids, i)):
+                self.assertTrue(torch.equal(got, want), i)
+
     def engine_loading_a_stored_prompt(self, seed, **engine_args):
         """An engine that admitted request A, whose prompt (4 blocks and a
         token, from ``prompt(seed)``) another engine stored: A loads its 4
@@ -364,15 +378,7 @@ class VllmConnectorTest(unittest.TestCase):
         self.assertEqual(store.lookup(x_keys, prefix=False), 6)
         x_eng.finish(x)
         # A fresh engine loads X's whole prompt, as X computed it.
-        z_eng = self.engine()
-        z = FakeRequest("Z", list(x.prompt_token_ids))
-        self.assertEqual(z_eng.admit(z), 6 * BS)
-        z_eng.step([z], [], {"Z": 1})
-        self.assertEqual(z_eng.load_errors, [])
-        for i in range(6):
-            for got, want in zip(z_eng.block_kv(z, i),
-                                 z_eng.expected_block_kv(z.all_token_ids, i)):
-                self.assertTrue(torch.equal(got, want))
+        self.assert_a_fresh_engine_loads(x.prompt_token_ids, 6)
 
     def test_tp_rank_missing_blocks_saves_them_once_recomputed(self):
         # With tensor parallelism the scheduler looks at rank 0's namespace;
@@ -615,15 +621,7 @@ class VllmConnectorTest(unittest.TestCase):
         e.finish(a)
         e.finish(b)
         # A fresh engine loads B's whole prompt, as B computed it.
-        z_eng = self.engine()
-        z = FakeRequest("Z", list(b.prompt_token_ids))
-        self.assertEqual(z_eng.admit(z), 6 * BS)
-        z_eng.step([z], [], {"Z": 1})
-        self.assertEqual(z_eng.load_errors, [])
-        for i in range(6):
-            for got, want in zip(z_eng.block_kv(z, i),
-                                 z_eng.expected_block_kv(z.all_token_ids, i)):
-                self.assertTrue(torch.equal(got, want), i)
+        self.assert_a_fresh_engine_loads(b.prompt_token_ids, 6)
 
     def test_async_step_saves_nothing_over_another_requests_load(self):
         # Async scheduling: B shares the blocks A loads in step N (vLLM's
