@@ -613,11 +613,8 @@ void DataPlane::Admit(const RequestHeader& h, absl::string_view payload,
     return refuse(taken);
   }
   Request request{h.session_id, h.method, h.request_id, std::string(payload),
-                  false, std::move(data)};
-  if (!link->colocated) {
-    request.on_progress_thread = true;
-    return request_handler_(std::move(request));
-  }
+                  std::move(data)};
+  if (!link->colocated) return request_handler_(std::move(request));
   request_pool_->Submit([this, request = std::move(request)]() mutable {
     request_handler_(std::move(request));
   });

@@ -256,10 +256,6 @@ class DataPlane {
     RequestMethod method = RequestMethod::kPushBlocks;
     uint64_t id = 0;   // the client's; Reply echoes it
     std::string body;  // the serialized request
-    // Handed over on the request worker's progress thread (else on a
-    // request thread). Either way the handler must not block, and hands on
-    // what would: request threads are few and shared.
-    bool on_progress_thread = false;
     // A PullBlocks request sent with its blocks' bytes
     // (kDataRequestMessageId): they are still with the client until
     // Receive places them; dropping this releases them unread. Null for
@@ -269,11 +265,12 @@ class DataPlane {
   };
   using RequestHandler = absl::AnyInvocable<void(Request request)>;
   // Serves requests: each one whose session has an endpoint is handed to
-  // `handler`, which must answer it with Reply, exactly once. A request
-  // from a client that is not co-located goes to it on the request worker's
-  // progress thread (on_progress_thread), without waking another thread;
-  // one from a co-located client (whose blocks the handler copies itself)
-  // on a request thread. Answered at once, without the handler: a session
+  // `handler`, which must answer it with Reply, exactly once, and must not
+  // block (it hands on what would). A request from a client that is not
+  // co-located goes to it on the request worker's progress thread, without
+  // waking another thread; one from a co-located client (whose blocks the
+  // handler copies itself) on one of the few request threads all of them
+  // share. Answered at once, without the handler: a session
   // without an endpoint (NotFound: it ended), a request that did not come
   // over the request link of the session's client worker
   // (PermissionDenied: another worker's, or a connection the client wired
