@@ -166,6 +166,10 @@ absl::Status ApplyConfig(const YAML::Node& root, const std::string& path, Daemon
   uint64_t metrics_threads = static_cast<uint64_t>(c->metrics_threads);
   uint64_t ucx_workers = static_cast<uint64_t>(c->ucx_workers);
   uint64_t ucx_colocated = static_cast<uint64_t>(c->ucx_colocated_workers);
+  uint64_t max_sessions = c->store.max_sessions;
+  uint64_t max_namespaces = c->store.max_namespaces;
+  uint64_t max_pinned = c->store.max_pinned_blocks;
+  uint64_t max_pinned_session = c->store.max_pinned_blocks_per_session;
   auto bool_into = [](bool* out) -> Setter {
     return [out](const std::string& v) {
       if (v != "true" && v != "false") {
@@ -207,6 +211,11 @@ absl::Status ApplyConfig(const YAML::Node& root, const std::string& path, Daemon
       {"grpc_memory_limit", size_into(&c->grpc_memory_limit)},
       {"max_block_size", size_into(&c->store.max_block_bytes)},
       {"max_batch_keys", uint_into(&max_batch, std::numeric_limits<uint32_t>::max())},
+      {"max_sessions", uint_into(&max_sessions, std::numeric_limits<uint32_t>::max())},
+      {"max_namespaces", uint_into(&max_namespaces, std::numeric_limits<uint32_t>::max())},
+      {"max_pinned_blocks", uint_into(&max_pinned, std::numeric_limits<uint32_t>::max())},
+      {"max_pinned_blocks_per_session",
+       uint_into(&max_pinned_session, std::numeric_limits<uint32_t>::max())},
       {"grpc_max_threads", uint_into(&grpc_threads, kMaxInt)},
       {"grpc_max_streams_per_connection", uint_into(&grpc_streams, kMaxInt)},
       {"high_watermark", double_into(&c->store.high_watermark)},
@@ -303,6 +312,10 @@ absl::Status ApplyConfig(const YAML::Node& root, const std::string& path, Daemon
   }
   // Each fits its field: uint_into checked it.
   c->store.max_batch_keys = static_cast<uint32_t>(max_batch);
+  c->store.max_sessions = static_cast<uint32_t>(max_sessions);
+  c->store.max_namespaces = static_cast<uint32_t>(max_namespaces);
+  c->store.max_pinned_blocks = static_cast<uint32_t>(max_pinned);
+  c->store.max_pinned_blocks_per_session = static_cast<uint32_t>(max_pinned_session);
   c->grpc_max_threads = static_cast<int>(grpc_threads);
   c->grpc_max_streams_per_connection = static_cast<int>(grpc_streams);
   c->metrics_namespace_labels = static_cast<int>(ns_labels);
@@ -343,6 +356,26 @@ absl::Status ValidateConfig(const DaemonConfig& c) {
   }
   if (s.max_batch_keys == 0 || s.max_batch_keys > 65536) {
     return absl::InvalidArgumentError("max_batch_keys must be 1..65536");
+  }
+  if (s.max_sessions == 0 || s.max_sessions > (1u << 20)) {
+    return absl::InvalidArgumentError("max_sessions must be 1..1048576");
+  }
+  // BlockIndex keeps lists per namespace id and shard.
+  if (s.max_namespaces == 0 || s.max_namespaces > 65536) {
+    return absl::InvalidArgumentError("max_namespaces must be 1..65536");
+  }
+  // A pinned lookup of n keys may pin n blocks: below max_batch_keys, the
+  // largest lookups the daemon takes could never be pinned.
+  if (s.max_pinned_blocks_per_session < s.max_batch_keys) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "max_pinned_blocks_per_session (", s.max_pinned_blocks_per_session,
+        ") must be at least max_batch_keys (", s.max_batch_keys, ")"));
+  }
+  if (s.max_pinned_blocks < s.max_pinned_blocks_per_session) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "max_pinned_blocks (", s.max_pinned_blocks,
+        ") must be at least max_pinned_blocks_per_session (",
+        s.max_pinned_blocks_per_session, ")"));
   }
   if (s.max_block_bytes == 0 || s.max_block_bytes > (uint64_t{1} << 31)) {
     return absl::InvalidArgumentError("max_block_size must be 1B..2GiB");

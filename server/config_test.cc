@@ -117,6 +117,11 @@ TEST(ConfigFileTest2, ShippedExampleMatchesTheDefaults) {
   EXPECT_EQ(from_file.store.max_batch_keys, defaults.store.max_batch_keys);
   EXPECT_EQ(from_file.store.default_lease, defaults.store.default_lease);
   EXPECT_EQ(from_file.store.create_namespaces, defaults.store.create_namespaces);
+  EXPECT_EQ(from_file.store.max_namespaces, defaults.store.max_namespaces);
+  EXPECT_EQ(from_file.store.max_sessions, defaults.store.max_sessions);
+  EXPECT_EQ(from_file.store.max_pinned_blocks, defaults.store.max_pinned_blocks);
+  EXPECT_EQ(from_file.store.max_pinned_blocks_per_session,
+            defaults.store.max_pinned_blocks_per_session);
   EXPECT_EQ(from_file.grpc_max_threads, defaults.grpc_max_threads);
   EXPECT_EQ(from_file.grpc_memory_limit, defaults.grpc_memory_limit);
   EXPECT_EQ(from_file.grpc_max_streams_per_connection,
@@ -255,6 +260,46 @@ TEST_F(ConfigFileTest, MetricsPortThreadsAndTimeoutAreReadAndChecked) {
     EXPECT_THAT(ValidateConfig(bad), StatusIs(absl::StatusCode::kInvalidArgument))
         << timeout;
   }
+}
+
+// The store's limits on sessions, namespaces and pins are set from the file
+// (they had no key: a node sized for more clients could not raise them).
+TEST_F(ConfigFileTest, SessionNamespaceAndPinLimitsAreReadAndChecked) {
+  DaemonConfig c;
+  ASSERT_OK(LoadConfigFile(Write("max_sessions: 200000\n"
+                                 "max_namespaces: 100\n"
+                                 "max_pinned_blocks: 1000000\n"
+                                 "max_pinned_blocks_per_session: 4096\n"),
+                           &c));
+  EXPECT_EQ(c.store.max_sessions, 200000u);
+  EXPECT_EQ(c.store.max_namespaces, 100u);
+  EXPECT_EQ(c.store.max_pinned_blocks, 1000000u);
+  EXPECT_EQ(c.store.max_pinned_blocks_per_session, 4096u);
+  EXPECT_OK(ValidateConfig(c));
+
+  auto invalid = [&](const std::string& text, const char* says) {
+    DaemonConfig bad;
+    absl::Status st = LoadConfigFile(Write(text), &bad);
+    if (st.ok()) st = ValidateConfig(bad);
+    EXPECT_THAT(st, StatusIs(absl::StatusCode::kInvalidArgument)) << text;
+    EXPECT_THAT(std::string(st.message()), HasSubstr(says)) << text;
+  };
+  invalid("max_sessions: 0\n", "max_sessions");
+  invalid("max_sessions: 1048577\n", "max_sessions");
+  invalid("max_namespaces: 0\n", "max_namespaces");
+  invalid("max_namespaces: 65537\n", "max_namespaces");
+  invalid("max_pinned_blocks: 4294967296\n", "too large");
+  // Below max_batch_keys (1024 by default) the largest pinned lookup could
+  // never be made.
+  invalid("max_pinned_blocks_per_session: 1023\n", "max_batch_keys");
+  invalid("max_batch_keys: 64\nmax_pinned_blocks_per_session: 128\nmax_pinned_blocks: 100\n",
+          "max_pinned_blocks_per_session");
+  DaemonConfig low;
+  ASSERT_OK(LoadConfigFile(Write("max_batch_keys: 64\n"
+                                 "max_pinned_blocks_per_session: 64\n"
+                                 "max_pinned_blocks: 64\n"),
+                           &low));
+  EXPECT_OK(ValidateConfig(low));
 }
 
 TEST_F(ConfigFileTest, GrpcKeepaliveIsReadAndChecked) {

@@ -2,6 +2,7 @@
 // daemon stays healthy, and no reservation or DRAM space leaks afterwards.
 #include <gtest/gtest.h>
 
+#include <fstream>
 #include <string>
 #include <utility>
 #include <vector>
@@ -465,6 +466,40 @@ TEST_F(BadInputTest, BadNamespaceIsInvalidArgument) {
               StatusIs(Code::kInvalidArgument));
   EXPECT_THAT(client_->Lookup("spaces are bad", {&k, 1}, false, false),
               StatusIs(Code::kInvalidArgument));
+}
+
+// The store's session limit, set in the config file: past it OpenSession is
+// RESOURCE_EXHAUSTED, and a closed session makes room again.
+TEST(ConfiguredLimitsTest, SessionsPastMaxSessionsAreResourceExhausted) {
+  const std::string dir = testing::MakeTempDir("limits");
+  const std::string config = dir + "/kvdepot.yaml";
+  std::ofstream(config) << "max_sessions: 2\n";
+  auto d = DaemonProcess::Start({"--config", config, "--dram-capacity", "16MiB"});
+  ASSERT_OK(d);
+  ClientOptions o;
+  o.server = (*d)->address();
+  std::unique_ptr<Client> client = std::move(Client::Connect(o)).value();
+  auto open = [&](v1::OpenSessionResponse* resp) {
+    grpc::ClientContext ctx;
+    v1::OpenSessionRequest req;
+    req.set_client_name("limits");
+    return client->stub().OpenSession(&ctx, req, resp);
+  };
+  v1::OpenSessionResponse first, second, third;
+  ASSERT_TRUE(open(&first).ok());
+  ASSERT_TRUE(open(&second).ok());
+  grpc::Status refused = open(&third);
+  EXPECT_EQ(refused.error_code(), grpc::StatusCode::RESOURCE_EXHAUSTED)
+      << refused.error_message();
+  EXPECT_NE(refused.error_message().find("too many sessions (2)"), std::string::npos)
+      << refused.error_message();
+  grpc::ClientContext ctx;
+  v1::CloseSessionRequest close;
+  close.set_session_id(first.session_id());
+  v1::CloseSessionResponse closed;
+  ASSERT_TRUE(client->stub().CloseSession(&ctx, close, &closed).ok());
+  EXPECT_TRUE(open(&third).ok());
+  EXPECT_TRUE((*d)->Running()) << (*d)->Log();
 }
 
 }  // namespace
