@@ -245,6 +245,16 @@ int HttpServer::OnLog(const mg_connection* conn, const char* message) {
 
 int HttpServer::Serve(mg_connection* conn) {
   const mg_request_info* req = mg_get_request_info(conn);
+  // Nothing served takes a body. Refused without reading it: after an
+  // ordinary answer civetweb reads and discards what is left of a body,
+  // with its timeout on each read rather than the whole, so a client
+  // trickling a body byte by byte held the thread for as long as it liked
+  // (128 of them stopped every scrape). An error sent with
+  // mg_send_http_error closes the connection at once instead.
+  if (req->content_length > 0 || mg_get_header(conn, "Transfer-Encoding") != nullptr) {
+    mg_send_http_error(conn, 413, "%s", "kvdepotd's HTTP endpoints take no request body\n");
+    return 413;
+  }
   const bool head = std::strcmp(req->request_method, "HEAD") == 0;
   HttpResponse response;
   auto route =

@@ -1,6 +1,9 @@
 // HttpServer: the small HTTP/1.1 server of kvdepotd's operator endpoints
 // (/metrics, the status page, /status.json), on civetweb. It serves GET and
-// HEAD of a fixed set of exact paths; other methods get 405, other paths 404.
+// HEAD of a fixed set of exact paths; other methods get 405, other paths 404,
+// and a request with a body (Content-Length above 0, or any
+// Transfer-Encoding) 413 whatever its method or path, without its body
+// being read.
 // A bounded pool of threads runs the handlers, connections close after each
 // response, and a client that has not sent its whole request within
 // `request_timeout` is dropped.
