@@ -269,6 +269,8 @@ void ReadStream::PinNext(absl::AnyInvocable<void(absl::Status) &&> done) {
 
 absl::Status ReadStream::Adopt(absl::StatusOr<LookupResult> r) {
   RETURN_IF_ERROR(r.status());
+  lookups_.namespace_known = r->namespace_known;
+  lookups_.entries.push_back(r->entries[0]);
   if (!r->entries[0].found) {
     return absl::NotFoundError(absl::StrCat("block ", KeyToHex(req_.keys(key_)),
                                             " not found in namespace ",

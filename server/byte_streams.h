@@ -131,6 +131,10 @@ class ReadStream {
   // first key that is not stored.
   absl::Status Next(ReadChunk* chunk, bool* last);
   uint64_t bytes_out() const { return bytes_out_; }
+  // The keys looked up so far, one entry each, in order (the stream stops
+  // at the first one not found, which is the last entry then): for the
+  // lookup metrics, which count a Read's keys as lookups, as the store does.
+  const LookupResult& lookups() const { return lookups_; }
   // Drops the stream's own reference on the block being sent (chunks still
   // in flight keep theirs). Also done on destruction.
   void ReleasePin();
@@ -146,6 +150,7 @@ class ReadStream {
   LookupEntry entry_;
   SharedPin* pin_ = nullptr;  // the stream's reference on the current block
   uint64_t bytes_out_ = 0;
+  LookupResult lookups_;  // entries only; no pin
 };
 
 }  // namespace kvdepot

@@ -496,6 +496,10 @@ class ReadReactor final : public grpc::ServerWriteReactor<grpc::ByteBuffer>,
   void OnDone() override {
     service_.Unregister(this);
     service_.metrics().AddBytesOut(stream_.bytes_out());
+    if (!stream_.lookups().entries.empty()) {
+      service_.metrics().RecordLookup(req_.namespace_(), /*prefix=*/false,
+                                      stream_.lookups());
+    }
     service_.Finished("Read", status_, start_);
     delete this;
   }

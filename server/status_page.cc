@@ -279,7 +279,8 @@ void StatusPage::TakeSample() {
 //                     minute; null percentiles for an op with no requests
 //   namespaces        count, top: [{name, blocks, bytes, lookups, hits}]
 //                     (kTopNamespaces, by lookups, then bytes; the store's
-//                     counts, where a Read's keys count as looked up too)
+//                     counts, where a Read's keys count as looked up, as
+//                     they do in the lookup metrics)
 //   sessions, pins, pinned_blocks, reservations
 //   integrity_errors  total, last_hour, last_unix_seconds (null: none yet)
 //   demotions, promotions   {total, per_second (last minute)}

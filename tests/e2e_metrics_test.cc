@@ -51,7 +51,9 @@ TEST(MetricsTest, ExportsTheContractAndCountsLookupsWithDenominators) {
   auto client = std::move(Client::Connect(o)).value();
 
   // Three chained blocks, then a prefix lookup of four keys (3 hits, 1
-  // miss), a plain lookup of two (1 hit, 1 miss), a read, an eviction.
+  // miss), a plain lookup of two (1 hit, 1 miss), a read of a stored block
+  // and one of a missing one (a Read's keys are lookups too, as the store
+  // counts them), an eviction.
   const std::string bytes(64 << 10, 'm');
   std::vector<std::string> keys = {"k0", "k1", "k2"};
   std::vector<BlockToPut> puts = {{keys[0], "", bytes}, {keys[1], keys[0], bytes},
@@ -65,6 +67,8 @@ TEST(MetricsTest, ExportsTheContractAndCountsLookupsWithDenominators) {
   ASSERT_OK(client->Lookup("metrics/ns", plain, /*prefix=*/false, /*pin=*/false));
   absl::string_view k0 = "k0";
   ASSERT_OK(client->Get("metrics/ns", {&k0, 1}));
+  absl::string_view nope = "nope";
+  EXPECT_FALSE(client->Get("metrics/ns", {&nope, 1}).ok());
   absl::string_view k2 = "k2";
   ASSERT_OK(client->Evict("metrics/ns", {&k2, 1}, /*all=*/false));
 
@@ -73,20 +77,20 @@ TEST(MetricsTest, ExportsTheContractAndCountsLookupsWithDenominators) {
   const std::string ns = "namespace=\"metrics/ns\"";
   EXPECT_EQ(Value(text, "kvdepot_lookup_keys_total{" + ns +
                             ",result=\"hit\",tier=\"dram\"}"),
-            4);
+            5);
   EXPECT_EQ(Value(text, "kvdepot_lookup_keys_total{" + ns +
                             ",result=\"miss\",tier=\"none\"}"),
-            2);
+            3);
   EXPECT_EQ(Value(text, "kvdepot_lookup_prefix_keys_asked_total{" + ns + "}"), 4);
   EXPECT_EQ(Value(text, "kvdepot_lookup_prefix_hit_keys_total{" + ns + "}"), 3);
   EXPECT_EQ(Value(text, "kvdepot_evictions_total{reason=\"admin\",tier=\"dram\"}"), 1);
-  // Hits + misses = keys asked (4 + 2); bytes = what the client moved.
+  // Hits + misses = keys asked (4 + 2 + 1 + 1); bytes = what the client moved.
   double keys_counted = 0;
   for (const char* series : {",result=\"hit\",tier=\"dram\"}", ",result=\"hit\",tier=\"nvme\"}",
                              ",result=\"miss\",tier=\"none\"}"}) {
     keys_counted += Value(text, "kvdepot_lookup_keys_total{" + ns + series);
   }
-  EXPECT_EQ(keys_counted, 6);
+  EXPECT_EQ(keys_counted, 8);
   EXPECT_EQ(Value(text, "kvdepot_bytes_total{direction=\"in\",transport=\"grpc\"}"),
             3.0 * bytes.size());
   EXPECT_EQ(Value(text, "kvdepot_bytes_total{direction=\"out\",transport=\"grpc\"}"),
