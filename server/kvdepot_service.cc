@@ -184,8 +184,13 @@ grpc::ServerUnaryReactor* KvDepotService::OpenSession(
     resp->set_session_id(g.id);
     resp->set_lease_ms(static_cast<uint32_t>(absl::ToInt64Milliseconds(g.lease)));
     const StoreOptions& o = store_.options();
-    resp->set_max_block_bytes(std::min<uint64_t>(o.max_block_bytes,
-                                                 store_.dram_region().size));
+    // The largest block an empty DRAM tier can take: its pages, and a page
+    // for its key's slab (advertising the whole tier promised blocks that
+    // every put refused).
+    constexpr uint64_t kPage = DramArena::kPageSize;
+    const uint64_t pages = store_.dram_region().size / kPage;
+    resp->set_max_block_bytes(
+        std::min<uint64_t>(o.max_block_bytes, pages > 1 ? (pages - 1) * kPage : 0));
     resp->set_max_batch_keys(o.max_batch_keys);
     resp->set_max_chunk_bytes(kMaxChunkBytes);
     if (!req->ucx_worker_address().empty() && data_plane_ != nullptr) {
@@ -322,14 +327,23 @@ void KvDepotService::StartBeginPut(grpc::CallbackServerContext* ctx,
     // DRAM is full of pinned and reserved blocks: the put waits for room
     // (up to 5 s) on put_pool_, not on gRPC's threads, which every other
     // call (a KeepAlive holding a lease) needs.
-    return put_pool_.Submit([this, ctx, req, resp, finish = std::move(finish)] {
+    return SubmitWaitingPut([this, ctx, req, resp,
+                             finish = std::move(finish)](absl::Status queued) {
       if (ctx->IsCancelled()) {  // the client gave up meanwhile
         return finish(absl::CancelledError("the client cancelled the put"));
       }
+      if (!queued.ok()) return finish(queued);
       StartBeginPut(ctx, req, resp, finish, false);
     });
   }
   if (!r.ok()) return finish(r.status());
+  if (!must_not_block && r->id != 0 && ctx->IsCancelled()) {
+    // Room came after the client gave up: no one would learn the
+    // reservation's id, and its session's keep-alives would hold the
+    // space until the session ends.
+    store_.AbortPut(req->session_id(), r->id).IgnoreError();
+    return finish(absl::CancelledError("the client cancelled the put"));
+  }
   resp->set_reservation_id(r->id);
   for (const PutSlot& slot : r->slots) {
     v1::PutSlot* out = resp->add_slots();
@@ -337,6 +351,20 @@ void KvDepotService::StartBeginPut(grpc::CallbackServerContext* ctx,
     out->set_offset(slot.offset);
   }
   finish(absl::OkStatus());
+}
+
+void KvDepotService::SubmitWaitingPut(absl::AnyInvocable<void(absl::Status) &&> put) {
+  const absl::Time queued_at = absl::Now();
+  put_pool_.Submit([queued_at, put = std::move(put)]() mutable {
+    const absl::Duration queued = absl::Now() - queued_at;
+    if (queued >= kMaxQueuedForRoom) {
+      return std::move(put)(absl::ResourceExhaustedError(absl::StrCat(
+          "DRAM tier full of pinned and reserved blocks: no room within ",
+          absl::FormatDuration(absl::Trunc(queued, absl::Milliseconds(1))),
+          " (other puts waiting for room first)")));
+    }
+    std::move(put)(absl::OkStatus());
+  });
 }
 
 grpc::ServerUnaryReactor* KvDepotService::CommitPut(
@@ -419,7 +447,10 @@ class WriteReactor final : public grpc::ServerReadReactor<v1::WriteRequest>,
     bool would_wait = false;
     absl::Status st = stream_.Consume(msg_, must_not_block ? &would_wait : nullptr);
     if (would_wait) {
-      service_.put_pool().Submit([this] { Apply(false); });
+      service_.SubmitWaitingPut([this](absl::Status queued) {
+        if (!queued.ok()) return Finish(queued);
+        Apply(false);
+      });
       return;
     }
     service_.metrics().AddBytesIn(stream_.bytes_in() - before);
@@ -1080,9 +1111,11 @@ void KvDepotService::StartPullBlocks(const v1::PullBlocksRequest* req,
                  : absl::StatusOr<Reservation>(check);
   if (would_wait) {
     // DRAM is full and the evictor is to make room: wait for it elsewhere.
-    return put_pool_.Submit([this, req, resp, finish = std::move(finish), data] {
-      StartPullBlocks(req, resp, finish, false, data);
-    });
+    return SubmitWaitingPut(
+        [this, req, resp, finish = std::move(finish), data](absl::Status queued) {
+          if (!queued.ok()) return finish(queued);
+          StartPullBlocks(req, resp, finish, false, data);
+        });
   }
   if (!resv.ok()) {
     return finish(resv.status());

@@ -168,7 +168,13 @@ class KvDepotService final
 
   TieredStore& store() { return store_; }
   // Where puts that wait for room wait (not on gRPC's threads).
-  WorkPool& put_pool() { return put_pool_; }
+  // Runs `put` (one that would wait for room: BeginPut's would_wait) on
+  // put_pool_, where it may wait (the store waits up to 5 s). With OK, or,
+  // when it queued there kMaxQueuedForRoom or longer behind other waiting
+  // puts, with ResourceExhausted, and then it must not wait again: so a
+  // put is answered within about twice the store's wait however many wait.
+  void SubmitWaitingPut(absl::AnyInvocable<void(absl::Status) &&> put);
+  static constexpr absl::Duration kMaxQueuedForRoom = absl::Seconds(5);
   ServerMetrics& metrics() { return metrics_; }
   Clock& clock() { return clock_; }
 
@@ -250,9 +256,11 @@ class KvDepotService final
   QuotaFile* quota_file_ = nullptr;
   DataPlane* data_plane_ = nullptr;
   absl::Duration transfer_timeout_ = absl::Seconds(10);
-  // PullBlocks' steps that may block, off the UCX progress threads: a
-  // BeginPut waiting for room, an abandoned batch's commit.
-  WorkPool put_pool_{2, "kvd-put"};
+  // Steps that may block, off gRPC's and UCX's threads: puts waiting for
+  // room (SubmitWaitingPut: up to kPutPoolThreads wait at once, mostly
+  // asleep), an abandoned UCX batch's commit.
+  static constexpr int kPutPoolThreads = 8;
+  WorkPool put_pool_{kPutPoolThreads, "kvd-put"};
 
   std::atomic<size_t> active_calls_{0};
   std::atomic<bool> shutting_down_{false};
