@@ -104,6 +104,73 @@ class RefusingClient(Passthrough):
 
 
 
+class FakeOp:
+    """A finished transfer op whose objects all failed with ``error``."""
+
+    def __init__(self, n, error):
+        self._n, self._error = n, error
+
+    def wait(self, timeout=None):
+        return True
+
+    def ok(self):
+        return [False] * self._n
+
+    def errors(self):
+        return [self._error] * self._n
+
+
+class GoneClient(Passthrough):
+    """Passes calls on while ``down`` is False; while True, every lookup,
+    get and put raises UNAVAILABLE (a daemon that is gone). Counts the
+    calls that reach it (``attempts``)."""
+
+    def __init__(self, backend):
+        super().__init__(backend._client)
+        self.down = False
+        self.attempts = 0
+        backend._client = self
+
+    def _call(self, name, *args, **kwargs):
+        self.attempts += 1
+        if self.down:
+            raise RuntimeError("UNAVAILABLE: injected: the daemon is gone")
+        return getattr(self._inner, name)(*args, **kwargs)
+
+    def lookup(self, *args, **kwargs):
+        return self._call("lookup", *args, **kwargs)
+
+    def get_into_async(self, *args, **kwargs):
+        return self._call("get_into_async", *args, **kwargs)
+
+    def put_async(self, *args, **kwargs):
+        return self._call("put_async", *args, **kwargs)
+
+
+class FakeClock:
+    """A clock for a CircuitBreaker that moves only when told to."""
+
+    def __init__(self):
+        self.now = 1000.0
+
+    def __call__(self):
+        return self.now
+
+    def advance(self, seconds):
+        self.now += seconds
+
+
+def server_args_module(**fields):
+    """A stand-in of ``sglang.srt.server_args`` whose
+    ``get_global_server_args()`` has ``fields`` (and SGLang's defaults for
+    the ones the backend reads)."""
+    fake = types.ModuleType("sglang.srt.server_args")
+    args = SimpleNamespace(revision=None, quantization=None, json_model_override_args="{}")
+    args.__dict__.update(fields)
+    fake.get_global_server_args = lambda: args
+    return fake
+
+
 class _NamedDtype:
     """A dtype this torch lacks (torch 1.13 has no float8), named as torch
     names it."""
@@ -377,7 +444,157 @@ class SglangBackendTest(unittest.TestCase):
         self.assertEqual(b.batch_set_v1(keys, self.host_indices([0, 1, 2])), [False] * 3)
         self.assertFalse(b.batch_set(["x"], [pool.page(0).reshape(-1)]))
         self.assertEqual(b.batch_get(["x"]), [None])
-        self.assertGreaterEqual(b.counters["errors"], 5)
+        # The first call found the daemon gone; the others failed too or,
+        # within the breaker's back-off window, were not made.
+        self.assertGreaterEqual(b.counters["errors"], 1)
+        self.assertEqual(b.counters["errors"] + b.counters["unavailable_skips"], 5)
+
+    def test_unavailable_daemon_backs_off(self):
+        b, pool = self.backend(backoff_s=1.0, max_backoff_s=2.0)
+        clock = FakeClock()
+        b._breaker.clock = clock
+        gone = GoneClient(b)
+        keys = sglang_page_hashes(list(range(2 * PAGE)), PAGE)
+        self.fill(pool, [0, 1], seed=12)
+        self.assertEqual(b.batch_set_v1(keys, self.host_indices([0, 1])), [True] * 2)
+        gone.down = True
+        with self.assertLogs("kvdepot.integrations.sglang", "WARNING") as logs:
+            self.assertEqual(b.batch_exists(keys), 0)  # finds it gone
+            attempts = gone.attempts
+            # Within the window every call is a miss without a call.
+            self.assertEqual(b.batch_exists(keys), 0)
+            self.assertEqual(b.batch_get_v1(keys, self.host_indices([4, 5])), [False] * 2)
+            self.assertEqual(b.batch_set_v1(keys, self.host_indices([0, 1])), [False] * 2)
+            self.assertEqual(b.batch_get(keys), [None, None])
+            self.assertFalse(b.batch_set(["x"], [pool.page(0).reshape(-1)]))
+            self.assertEqual(gone.attempts, attempts)
+            self.assertEqual(b.counters["unavailable_skips"], 5)
+            # Past it, one call probes; a failed probe doubles the window.
+            clock.advance(1.01)
+            self.assertEqual(b.batch_get_v1(keys, self.host_indices([4, 5])), [False] * 2)
+            self.assertEqual(gone.attempts, attempts + 1)
+            clock.advance(1.5)
+            self.assertEqual(b.batch_exists(keys), 0)
+            self.assertEqual(gone.attempts, attempts + 1)
+            # Back: the next probe finds it and calls resume.
+            gone.down = False
+            clock.advance(0.51)
+            self.assertEqual(b.batch_exists(keys), 2)
+            self.assertEqual(b.batch_get_v1(keys, self.host_indices([4, 5])), [True] * 2)
+        opened = [line for line in logs.output if "not calling it" in line]
+        closed = [line for line in logs.output if "answers again" in line]
+        self.assertEqual((len(opened), len(closed)), (1, 1), logs.output)
+        # A real daemon gone: after the first failed call, no call at all.
+        self.daemon.terminate()
+        self.assertEqual(b.batch_exists(keys), 0)
+        attempts = gone.attempts
+        self.assertEqual(b.batch_get_v1(keys, self.host_indices([4, 5])), [False] * 2)
+        self.assertEqual(b.batch_set_v1(keys, self.host_indices([0, 1])), [False] * 2)
+        self.assertEqual(gone.attempts, attempts)
+
+    def test_a_put_not_found_is_an_error(self):
+        # After a daemon restart a put may fail NOT_FOUND ("unknown
+        # session"): an error, counted and logged; a get's NOT_FOUND is a
+        # miss.
+        b, pool = self.backend()
+        keys = sglang_page_hashes(list(range(2 * PAGE)), PAGE)
+        error = ("NOT_FOUND", "unknown session 7")
+
+        class Restarted(Passthrough):
+            def put_async(self, ns, okeys, *args, **kwargs):
+                return FakeOp(len(okeys), error)
+
+            def get_into_async(self, ns, okeys, *args, **kwargs):
+                return FakeOp(len(okeys), ("NOT_FOUND", "no such block"))
+
+        b._client = Restarted(b._client)
+        with self.assertLogs("kvdepot.integrations.sglang", "WARNING") as logs:
+            self.assertEqual(b.batch_set_v1(keys, self.host_indices([0, 1])), [False] * 2)
+        self.assertEqual(b.counters["errors"], 1)
+        self.assertTrue(any("unknown session" in line for line in logs.output), logs.output)
+        self.assertFalse(b.batch_set(["x"], [pool.page(0).reshape(-1)]))
+        self.assertEqual(b.counters["errors"], 2)
+        self.assertEqual(b.batch_get_v1(keys, self.host_indices([4, 5])), [False] * 2)
+        self.assertEqual(b.counters["errors"], 2)  # a miss
+
+    # ------------------------------------------------------------------
+    # Hybrid models (the v2 interface), the model's name
+
+    def test_v2_interface_answers_misses_and_side_pools_disable(self):
+        b, pool = self.backend()
+        keys = sglang_page_hashes(list(range(2 * PAGE)), PAGE)
+        self.fill(pool, [0, 1], seed=13)
+        self.assertEqual(b.batch_set_v1(keys, self.host_indices([0, 1])), [True] * 2)
+        # SGLang's PoolTransfer: a pool name (PoolName, a str enum), keys,
+        # host indices.
+        indexer = SimpleNamespace(name="indexer", keys=keys,
+                                  host_indices=self.host_indices([4, 5]))
+        mamba = SimpleNamespace(name="mamba", keys=keys[-1:], host_indices=torch.arange(1))
+        result = b.batch_exists_v2(keys, [indexer, mamba], SglangExtraInfo())
+        self.assertEqual((result.kv_hit_pages, result.extra_pool_hit_pages),
+                         (0, {"indexer": 0, "mamba": 0}))
+        self.assertEqual(b.batch_exists_v2(keys).kv_hit_pages, 0)
+        self.assertEqual(b.batch_get_v2([indexer, mamba]),
+                         {"indexer": [False, False], "mamba": [False]})
+        self.assertEqual(b.batch_set_v2([indexer, mamba], SglangExtraInfo()),
+                         {"indexer": [False, False], "mamba": [False]})
+        self.assertEqual(b.batch_get_v2([SimpleNamespace(name="kv", keys=None)]),
+                         {"kv": []})
+        # The KV pool registered through v2 (some SGLang versions), or a
+        # draft KV pool (speculative decoding, best-effort): still served.
+        b.register_mem_host_pool_v2(pool, "kv")
+        with self.assertLogs("kvdepot.integrations.sglang", "WARNING"):
+            b.register_mem_host_pool_v2(object(), "draft")
+        self.assertIsNone(b.disabled_reason)
+        self.assertEqual(b.batch_exists(keys), 2)
+        # A side pool: the backend is disabled; stored pages are misses.
+        with self.assertLogs("kvdepot.integrations.sglang", "ERROR"):
+            b.register_mem_host_pool_v2(object(), "indexer")
+        self.assertIn("indexer", b.disabled_reason)
+        self.assertEqual(b.batch_exists(keys), 0)
+        self.assertEqual(b.batch_get_v1(keys, self.host_indices([4, 5])), [False] * 2)
+        self.assertEqual(b.batch_set_v1(keys, self.host_indices([0, 1])), [False] * 2)
+        # It stays disabled when the main pool is registered (again).
+        b.register_mem_pool_host(pool)
+        self.assertIsNotNone(b.disabled_reason)
+        self.assertIsNone(b.namespace)
+
+    def test_served_model_alias_namespaced_by_the_model_path(self):
+        # SGLang's storage config names the model by --served-model-name,
+        # often an alias: two checkpoints served as "llm" must not share KV.
+        def backend(model_name="llm", **server_args):
+            modules = {}
+            if server_args:
+                modules["sglang.srt.server_args"] = server_args_module(**server_args)
+            with mock.patch.dict(sys.modules, modules):
+                b = self.unregistered(config={"model_name": model_name})
+                b.register_mem_pool_host(FakeMHAHostPool(POOL_TOKENS, PAGE, LAYERS, HEADS,
+                                                         DIM, torch.bfloat16))
+            return b
+
+        v1 = backend(model_path="/models/llama3-8b-finetune-v1")
+        v2 = backend(model_path="/models/llama3-8b-finetune-v2")
+        self.assertIsNone(v1.disabled_reason)
+        self.assertNotEqual(v1.namespace, v2.namespace)
+        self.assertTrue(v1.namespace.startswith("sglang/llm/path:"), v1.namespace)
+        keys = sglang_page_hashes(list(range(2 * PAGE)), PAGE)
+        self.assertEqual(v1.batch_set_v1(keys, self.host_indices([0, 1])), [True] * 2)
+        self.assertEqual(v2.batch_exists(keys), 0)
+        self.assertEqual(backend(model_path="/models/llama3-8b-finetune-v1")
+                         .batch_exists(keys), 2)
+        # Served under its path (SGLang's default name): no path part, the
+        # label as before.
+        plain = backend(model_name="meta/llama", model_path="meta/llama")
+        self.assertTrue(plain.namespace.startswith("sglang/meta/llama/page_first/tp0of1/"),
+                        plain.namespace)
+        # No name: the path names it; nothing at all: disabled, not "model".
+        unnamed = backend(model_name=None, model_path="meta/llama")
+        self.assertEqual(unnamed.namespace, plain.namespace)
+        with self.assertLogs("kvdepot.integrations.sglang", "ERROR"):
+            nameless = backend(model_name=None)
+        self.assertIn("nothing names the model", nameless.disabled_reason)
+        self.assertIsNone(nameless.namespace)
+        self.assertEqual(nameless.batch_exists(keys), 0)
 
     # ------------------------------------------------------------------
     # Batches over the daemon's max_batch_keys

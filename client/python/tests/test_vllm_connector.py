@@ -48,23 +48,39 @@ class CallLog:
     and records, in ``calls``, each daemon call's kind and keys (and, for
     puts, parents): lookups, puts and reads, a read per batch of
     ``load_into_cache_async``. ``fail`` (kind, n): the n-th call of that
-    kind (from 1) raises RuntimeError instead."""
+    kind (from 1) raises RuntimeError instead, with status ``code``
+    (INTERNAL: an error of the daemon that answered; UNAVAILABLE would also
+    open the connector's circuit breaker). ``down``: while True, every call
+    raises UNAVAILABLE (counted in ``attempts``, not recorded in ``calls``),
+    as a daemon that is gone."""
 
-    def __init__(self, inner, calls, fail=None):
+    def __init__(self, inner, calls, fail=None, code="INTERNAL"):
         self._inner = inner
         self.calls = calls
         self._fail = fail
+        self._code = code
         self._count = {}
+        self.down = False
+        self.attempts = 0
 
     def __getattr__(self, name):
         return getattr(self._inner, name)
 
     def _record(self, kind, keys, parents=None):
+        self.attempts += 1
+        if self.down:
+            raise RuntimeError(f"UNAVAILABLE: injected: the daemon is gone ({kind})")
         self._count[kind] = self._count.get(kind, 0) + 1
         if self._fail == (kind, self._count[kind]):
-            raise RuntimeError(f"UNAVAILABLE: injected failure of {kind} call "
+            raise RuntimeError(f"{self._code}: injected failure of {kind} call "
                                f"{self._count[kind]}")
         self.calls.append((kind, list(keys), None if parents is None else list(parents)))
+
+    def unpin(self, pin):
+        if self.down:
+            self.attempts += 1
+            raise RuntimeError("UNAVAILABLE: injected: the daemon is gone (unpin)")
+        return self._inner.unpin(pin)
 
     def lookup(self, ns, keys, *args, **kwargs):
         self._record("lookup", keys)
@@ -97,6 +113,20 @@ class CallLog:
 
     def sizes(self, kind=None):
         return [len(k) for c, k, _ in self.calls if kind in (None, c)]
+
+
+class FakeClock:
+    """A clock for a CircuitBreaker (``breaker.clock``) that moves only when
+    told to (``advance``)."""
+
+    def __init__(self):
+        self.now = 1000.0
+
+    def __call__(self):
+        return self.now
+
+    def advance(self, seconds):
+        self.now += seconds
 
 
 class VllmConnectorTest(unittest.TestCase):
@@ -1254,6 +1284,247 @@ class VllmConnectorTest(unittest.TestCase):
         sched.shutdown()
         self.assertEqual(self.pins(), 0)
         self.assertEqual(len(set(unpins)), len(unpins))  # each released once
+
+    # ------------------------------------------------------------------
+    # vLLM's load failure policy, context parallelism
+
+    def test_load_failure_policy_fail_is_set_to_recompute(self):
+        # vLLM's kv_load_failure_policy defaults to "fail", which ends a
+        # request with an error for each block the connector reports through
+        # get_block_ids_with_load_errors; its scheduler reads the policy after
+        # creating its connector.
+        def scheduler_config(policy=None, **extra):
+            cfg = make_vllm_config(self.daemon.address, num_layers=LAYERS, block_size=BS,
+                                   num_kv_heads=HEADS, head_size=HEAD,
+                                   dtype=torch.bfloat16, extra=extra)
+            if policy is not None:
+                cfg.kv_transfer_config.kv_load_failure_policy = policy
+            return cfg
+
+        def connector(cfg):
+            c = kv_vllm.KvDepotConnector(cfg, kv_vllm.KVConnectorRole.SCHEDULER)
+            self.addCleanup(c.shutdown)
+            return c
+
+        cfg = scheduler_config("fail")
+        with self.assertLogs("kvdepot.integrations.vllm", "WARNING") as logs:
+            connector(cfg)
+        self.assertEqual(cfg.kv_transfer_config.kv_load_failure_policy, "recompute")
+        self.assertTrue(any("recompute" in line and "keep_load_failure_policy" in line
+                            for line in logs.output), logs.output)
+        # Opted out: kept, and said so.
+        cfg = scheduler_config("fail", keep_load_failure_policy=True)
+        with self.assertLogs("kvdepot.integrations.vllm", "WARNING") as logs:
+            kept = connector(cfg)
+        self.assertEqual(cfg.kv_transfer_config.kv_load_failure_policy, "fail")
+        self.assertTrue(any("kept" in line for line in logs.output), logs.output)
+        self.assertFalse(kept._recompute_failures)
+        # "recompute" stays; a vLLM without the field (which always
+        # recomputes) gets none.
+        cfg = scheduler_config("recompute")
+        self.assertTrue(connector(cfg)._recompute_failures)
+        self.assertEqual(cfg.kv_transfer_config.kv_load_failure_policy, "recompute")
+        cfg = scheduler_config()
+        self.assertTrue(connector(cfg)._recompute_failures)
+        self.assertFalse(hasattr(cfg.kv_transfer_config, "kv_load_failure_policy"))
+
+    def test_context_parallelism_disables(self):
+        # With decode or prefill context parallelism each rank's block holds
+        # only its slice of the block's tokens: not what the keys name.
+        a_eng = self.engine()
+        a = FakeRequest("A", prompt(70, 2 * BS + 1))
+        self.run_prefill(a_eng, a)
+        for name in ("decode_context_parallel_size", "prefill_context_parallel_size"):
+            with self.subTest(name=name):
+                cfg = make_vllm_config(self.daemon.address, num_layers=LAYERS,
+                                       block_size=BS, num_kv_heads=1, head_size=HEAD,
+                                       dtype=torch.bfloat16)
+                cfg.model_config.use_mla = True
+                cfg.parallel_config.tensor_parallel_size = 2
+                setattr(cfg.parallel_config, name, 2)
+                sched = kv_vllm.KvDepotConnector(cfg, kv_vllm.KVConnectorRole.SCHEDULER)
+                worker = kv_vllm.KvDepotConnector(cfg, kv_vllm.KVConnectorRole.WORKER)
+                self.addCleanup(sched.shutdown)
+                self.addCleanup(worker.shutdown)
+                for c in (sched, worker):
+                    self.assertIn("context parallelism", c.disabled_reason or "")
+                    self.assertIn(name, c.disabled_reason)
+                worker.register_kv_caches({f"model.layers.{i}.self_attn.attn":
+                                           torch.zeros(8, BS, HEAD, dtype=torch.bfloat16)
+                                           for i in range(LAYERS)})
+                self.assertIsNone(worker._store)
+                r = FakeRequest("R", list(a.prompt_token_ids))
+                self.assertEqual(sched.get_num_new_matched_tokens(r, 0), (0, False))
+        # Size 1 (vLLM's default) is no context parallelism.
+        cfg = make_vllm_config(self.daemon.address, num_layers=LAYERS, block_size=BS,
+                               num_kv_heads=HEADS, head_size=HEAD, dtype=torch.bfloat16)
+        cfg.parallel_config.decode_context_parallel_size = 1
+        cfg.parallel_config.prefill_context_parallel_size = 1
+        sched = kv_vllm.KvDepotConnector(cfg, kv_vllm.KVConnectorRole.SCHEDULER)
+        self.addCleanup(sched.shutdown)
+        self.assertIsNone(sched.disabled_reason)
+
+    # ------------------------------------------------------------------
+    # An unavailable daemon: the circuit breaker
+
+    def test_unavailable_daemon_backs_off_lookups(self):
+        a_eng = self.engine()
+        stored = FakeRequest("P", prompt(71, 4 * BS + 1))
+        self.run_prefill(a_eng, stored)
+        e = self.engine(backoff_s=1.0, max_backoff_s=4.0)
+        clock = FakeClock()
+        e.scheduler._breaker.clock = clock
+        log = self.log_calls(e)
+        seeds = iter(range(100, 200))
+
+        def lookup():
+            r = FakeRequest(f"R{next(seeds)}", prompt(next(seeds), 4 * BS + 1))
+            return e.scheduler.get_num_new_matched_tokens(r, 0)
+
+        # A request pinned its hits before the daemon went away.
+        held = FakeRequest("H", list(stored.prompt_token_ids))
+        self.assertEqual(e.scheduler.get_num_new_matched_tokens(held, 0), (4 * BS, False))
+        self.assertEqual(self.pins(), 1)
+        log.down = True
+        attempts = log.attempts
+        with self.assertLogs("kvdepot.integrations.vllm", "WARNING") as logs:
+            self.assertEqual(lookup(), (0, False))  # finds it gone: open for 1 s
+            self.assertEqual(log.attempts, attempts + 1)
+            for _ in range(3):  # within the window: answered without a call
+                self.assertEqual(lookup(), (0, False))
+            self.assertEqual(log.attempts, attempts + 1)
+            self.assertEqual(e.scheduler.stats["unavailable_skips"], 3)
+            # The held pin is dropped without a call (its lease ends it).
+            self.assertEqual(e.scheduler.request_finished(held, []), (False, None))
+            self.assertEqual(log.attempts, attempts + 1)
+            # Past each window one call probes; each failed probe doubles
+            # the window, up to max_backoff_s: 1, 2, 4, 4 s.
+            for window in (1, 2, 4, 4):
+                clock.advance(window - 0.01)
+                self.assertEqual(lookup(), (0, False))
+                self.assertEqual(log.attempts, attempts + 1)
+                clock.advance(0.02)
+                self.assertEqual(lookup(), (0, False))
+                attempts += 1
+                self.assertEqual(log.attempts, attempts + 1)
+            # Back: the next probe finds it, and every lookup calls again.
+            log.down = False
+            clock.advance(4.01)
+            again = FakeRequest("A2", list(stored.prompt_token_ids))
+            self.assertEqual(e.scheduler.get_num_new_matched_tokens(again, 0),
+                             (4 * BS, False))
+            e.scheduler.request_finished(again, [])
+            calls = len(log.calls)
+            for _ in range(3):
+                self.assertEqual(lookup(), (0, False))
+            self.assertEqual(len(log.calls), calls + 3)
+        self.assertEqual(e.scheduler.stats["lookup_errors"], 5)
+        opened = [line for line in logs.output if "not calling it" in line]
+        closed = [line for line in logs.output if "answers again" in line]
+        self.assertEqual((len(opened), len(closed)), (1, 1), logs.output)
+        self.assertEqual(self.pins(), 1)  # the dropped pin, until its lease ends
+
+    def test_hung_daemon_lookup_deadline_then_back_off(self):
+        # A stopped (hung) daemon: the scheduler's lookup gives up after
+        # lookup_timeout_s, and the lookups after it, within the back-off
+        # window, make no call at all.
+        e = self.engine(lookup_timeout_s=0.5, backoff_s=30.0)
+        log = self.log_calls(e)
+        self.assertEqual(e.scheduler.get_num_new_matched_tokens(
+            FakeRequest("R0", prompt(72, 4 * BS + 1)), 0), (0, False))  # session opened
+        self.daemon.pause()
+        self.addCleanup(self.daemon.resume)
+        with self.assertLogs("kvdepot.integrations.vllm", "WARNING") as logs:
+            self.assertEqual(e.scheduler.get_num_new_matched_tokens(
+                FakeRequest("R1", prompt(73, 4 * BS + 1)), 0), (0, False))
+        self.assertTrue(any("DEADLINE_EXCEEDED" in line for line in logs.output), logs.output)
+        attempts = log.attempts
+        for i in range(3):
+            self.assertEqual(e.scheduler.get_num_new_matched_tokens(
+                FakeRequest(f"R{i + 2}", prompt(74 + i, 4 * BS + 1)), 0), (0, False))
+        self.assertEqual(log.attempts, attempts)
+        self.assertEqual(e.scheduler.stats["unavailable_skips"], 3)
+
+    def test_unavailable_daemon_backs_off_loads_and_saves(self):
+        a_eng = self.engine()
+        p = prompt(75, 4 * BS + 1)
+        self.run_prefill(a_eng, FakeRequest("A", list(p)))
+        e = self.engine()
+        clock = FakeClock()
+        e.worker._breaker.clock = clock
+        self.log_calls(e)
+        worker_log = e.worker._store.client
+        b = FakeRequest("B", list(p))
+        self.assertEqual(e.admit(b), 4 * BS)
+        worker_log.down = True  # gone between the lookup and the load
+        with self.assertLogs("kvdepot.integrations.vllm", "WARNING") as logs:
+            e.step([b], [], {"B": 1})
+        self.assertEqual(sorted(e.load_errors), sorted(e.blocks["B"][:4]))
+        self.assertEqual(len([line for line in logs.output if "not calling it" in line]), 1)
+        attempts = worker_log.attempts
+        # Within the window: the recomputed blocks are not saved, and a load
+        # is not tried; nothing reaches the daemon.
+        e.recompute_failed(b, e.load_errors)
+        e.step([], [b], {"B": len(b.all_token_ids)})
+        self.assertEqual(e.worker.stats["save_errors"], 4)
+        c = FakeRequest("C", list(p))
+        self.assertEqual(e.admit(c), 4 * BS)  # the scheduler still finds them
+        e.step([c], [], {"C": 1})
+        self.assertEqual(sorted(e.load_errors[4:]), sorted(e.blocks["C"][:4]))
+        self.assertEqual(worker_log.attempts, attempts)
+        self.assertEqual(e.worker.stats["unavailable_skips"], 2)
+        self.assertEqual(e.worker.stats["saved_blocks"], 0)
+        # Back, and the window over: C's recomputed blocks are saved.
+        worker_log.down = False
+        clock.advance(1.01)
+        e.recompute_failed(c, e.blocks["C"][:4])
+        with self.assertLogs("kvdepot.integrations.vllm", "WARNING") as logs:
+            e.step([], [c], {"C": len(c.all_token_ids)})
+        self.assertEqual(e.worker.stats["saved_blocks"], 4)
+        self.assertTrue(any("answers again" in line for line in logs.output), logs.output)
+        self.assertFalse(e.worker._breaker.is_open)
+
+    # ------------------------------------------------------------------
+    # Staging memory
+
+    def test_staging_rounds_bound_memory(self):
+        # With max_staging_blocks 4, a 10-block save goes in puts of at
+        # most 4 blocks and a 10-block load in rounds of at most 4 (the
+        # last streaming layer by layer): the store's staging memory stays
+        # at its minimum of 8 objects (below 2 x 4 in general) instead of
+        # growing to the 10 blocks of the largest step.
+        for seed, staging in enumerate(("auto", "kvshim", "torch"), 76):
+            with self.subTest(staging=staging):
+                a_eng = self.engine(staging=staging, max_staging_blocks=4, num_blocks=40)
+                a_log = self.log_calls(a_eng)
+                a = FakeRequest("A", prompt(seed, 10 * BS + 1))
+                self.run_prefill(a_eng, a)
+                self.assertEqual(a_eng.worker.stats["saved_blocks"], 10)
+                self.assertEqual(a_log.sizes("put"), [4, 4, 2])
+                a_blocks = [a_eng.block_kv(a, i) for i in range(10)]
+                b_eng = self.engine(staging=staging, max_staging_blocks=4, num_blocks=40)
+                b_log = self.log_calls(b_eng)
+                b = FakeRequest("B", list(a.prompt_token_ids))
+                self.assertEqual(b_eng.admit(b), 10 * BS)
+
+                def hook(event, layer):
+                    if event == "layer_loaded":  # layers 0..layer of all 10 blocks
+                        for i in range(10):
+                            got = b_eng.block_kv(b, i)
+                            for m in range(layer + 1):
+                                self.assertTrue(torch.equal(got[m], a_blocks[i][m]),
+                                                f"layer {m} of block {i} at {layer}")
+
+                b_eng.step([b], [], {"B": 1}, hook=hook)
+                self.assertEqual(b_eng.load_errors, [])
+                self.assertEqual(b_eng.worker.stats["loaded_blocks"], 10)
+                self.assertEqual(sum(b_log.sizes("get")), 10)
+                self.assertLessEqual(max(b_log.sizes("get")), 4)
+                for i in range(10):
+                    for got, want in zip(b_eng.block_kv(b, i), a_blocks[i]):
+                        self.assertTrue(torch.equal(got, want), i)
+                for eng in (a_eng, b_eng):
+                    self.assertLessEqual(len(eng.worker._store._buffers), 8)
 
     def test_bad_config_disables_instead_of_failing(self):
         cfg = make_vllm_config(self.daemon.address, num_layers=LAYERS, block_size=BS,

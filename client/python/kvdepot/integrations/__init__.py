@@ -12,7 +12,10 @@ engine's base class, so that the tests can drive it). See README.md in this
 folder for the configuration and for what was and was not run against the real
 engines.
 
-The helpers below are the keys of a token sequence's blocks (also used by
+The helpers below are :class:`CircuitBreaker` (both adapters stop calling a
+daemon that is unreachable or does not answer, for a back-off window), the
+namespace labels (:func:`model_label`, :func:`model_variant`), and the keys
+of a token sequence's blocks (also used by
 ``tools/multiturn``): as in vLLM's prefix caching (``hash_block_tokens``), a
 full block's key hashes (parent block's key, the block's token ids, extra
 keys), so it names the whole prefix up to it, and two requests share a key
@@ -35,9 +38,12 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import re
 import struct
-from typing import Any, List, Optional, Sequence, Tuple, Union
+import threading
+import time
+from typing import Any, Callable, List, Optional, Sequence, Tuple, Union
 
 ExtraKey = Union[bytes, str, int]
 
@@ -48,8 +54,10 @@ _I64 = struct.Struct("<q")
 ROOT_HASH: bytes = hashlib.sha256(b"kvdepot/block-hash/v1/root").digest()
 
 __all__ = [
+    "CircuitBreaker",
     "DEFAULT_MAX_BATCH_KEYS",
     "ROOT_HASH",
+    "UNAVAILABLE_CODES",
     "batch_ranges",
     "block_hashes",
     "config_digest",
@@ -58,6 +66,7 @@ __all__ = [
     "model_label",
     "model_variant",
     "parents_of",
+    "status_code",
 ]
 
 
@@ -233,3 +242,138 @@ def batch_ranges(count: int, limit: int, unit: int = 1) -> List[Tuple[int, int]]
         return [(lo, min(count, lo + step)) for lo in range(0, count, step)]
     return [(lo, min(page + n, lo + limit))
             for page in range(0, count, n) for lo in range(page, page + n, limit)]
+
+
+# The outcomes that say kvdepotd is unreachable or did not answer in time:
+# what opens a CircuitBreaker.
+UNAVAILABLE_CODES = ("UNAVAILABLE", "DEADLINE_EXCEEDED")
+
+_CODE = re.compile(r"([A-Z][A-Z_]+):")
+
+
+def status_code(error: Any) -> Optional[str]:
+    """The status code name of an outcome of the kvdepot binding: None for
+    None; the code of a per-block error ``(code, message)``; for an
+    exception, the code its message starts with (the binding's errors start
+    with it, e.g. ``"UNAVAILABLE: ..."``; a KeyError's is its argument),
+    ``DEADLINE_EXCEEDED`` for a TimeoutError, else None."""
+    if error is None:
+        return None
+    if isinstance(error, tuple):
+        return str(error[0]) if error else None
+    if isinstance(error, TimeoutError):
+        return "DEADLINE_EXCEEDED"
+    text = str(error.args[0]) if isinstance(error, KeyError) and error.args else str(error)
+    m = _CODE.match(text)
+    return m.group(1) if m else None
+
+
+class CircuitBreaker:
+    """Stops an adapter calling kvdepotd for a while after a call found it
+    unreachable or unanswering (an outcome in :data:`UNAVAILABLE_CODES`), so
+    that an engine does not wait out a timeout (or a connection attempt) on
+    every call while the daemon is down or hung.
+
+    Closed (the normal state): every call goes through. A failure opens it
+    for ``min_s`` seconds, during which :meth:`allow` is False (the caller
+    answers a miss or skips its save without calling the daemon). Once the
+    window is over, :meth:`allow` lets one call through (a probe) and holds
+    the others off for another window: if the probe fails, the window
+    doubles (up to ``max_s``); any call that reaches the daemon closes it
+    (:meth:`succeeded`). Opening and closing each log one warning.
+    ``min_s`` 0 disables it (always closed).
+
+    ``clock`` gives the time in seconds (``time.monotonic``; tests pass a
+    fake). Thread-safe (SGLang's prefetch and backup threads share one)."""
+
+    def __init__(self, what: str, min_s: float = 1.0, max_s: float = 30.0,
+                 clock: Callable[[], float] = time.monotonic,
+                 log: Optional[logging.Logger] = None) -> None:
+        self.what = what
+        self.min_s = max(0.0, float(min_s))
+        self.max_s = max(self.min_s, float(max_s))
+        self.clock = clock
+        self._log = log or logging.getLogger(__name__)
+        self._lock = threading.Lock()
+        # Guarded by _lock: the end of the window (None: closed), its
+        # length, and whether a probe is out.
+        self._until: Optional[float] = None
+        self._window = self.min_s
+        self._probing = False
+        self.skipped = 0  # calls refused by allow() (guarded by _lock)
+
+    @property
+    def is_open(self) -> bool:
+        """Whether the daemon was last found unavailable (the breaker has not
+        closed since), whether or not its window is over."""
+        with self._lock:
+            return self._until is not None
+
+    def allow(self) -> bool:
+        """Whether to call the daemon now (see the class comment). A True
+        past an open window is a probe: report its outcome."""
+        with self._lock:
+            if self._until is None:
+                return True
+            now = self.clock()
+            if now < self._until:
+                self.skipped += 1
+                return False
+            self._until = now + self._window  # the others wait for the probe
+            self._probing = True
+            return True
+
+    def blocked(self) -> bool:
+        """Whether a call that is not worth a probe (an unpin: its pin ends
+        with the session lease anyway) should be skipped: open, within its
+        window."""
+        with self._lock:
+            return self._until is not None and self.clock() < self._until
+
+    def failed(self, error: Any) -> bool:
+        """Reports a call's failure (an exception or a per-block error):
+        opens the breaker, or doubles its window after a failed probe, if
+        ``error`` says the daemon is unavailable; otherwise changes nothing.
+        Returns whether it did."""
+        code = status_code(error)
+        if self.min_s <= 0 or code not in UNAVAILABLE_CODES:
+            return False
+        with self._lock:
+            now = self.clock()
+            if self._until is None:
+                self._window = self.min_s
+                self._until = now + self._window
+                self._probing = False
+                self._log.warning(
+                    "kvdepot: %s: kvdepotd unavailable (%s); not calling it for %g s, "
+                    "then retrying with a back-off of up to %g s", self.what,
+                    str(error[1] if isinstance(error, tuple) else error)[:200],
+                    self._window, self.max_s)
+            elif self._probing:
+                self._probing = False
+                self._window = min(2 * self._window, self.max_s)
+                self._until = now + self._window
+            else:  # a call that started before the breaker opened
+                self._until = max(self._until, now + self._window)
+        return True
+
+    def succeeded(self) -> None:
+        """Reports a call the daemon answered (a miss included): closes the
+        breaker."""
+        with self._lock:
+            if self._until is None:
+                return
+            self._until = None
+            self._probing = False
+            self._window = self.min_s
+            skipped, self.skipped = self.skipped, 0
+        self._log.warning("kvdepot: %s: kvdepotd answers again; calls resume "
+                          "(%d skipped while it was unavailable)", self.what, skipped)
+
+    def record(self, error: Any) -> None:
+        """Reports the outcome of a call that reached the daemon: a failure
+        as :meth:`failed` if it says the daemon is unavailable, anything else
+        (None, a miss, another error: the daemon answered) as
+        :meth:`succeeded`."""
+        if not self.failed(error):
+            self.succeeded()

@@ -25,7 +25,13 @@ extra_info=None) -> int`` (length of the stored prefix, in pages),
 pool's memory at the page addresses the pool's ``get_page_buffer_meta``
 gives), ``get``/``set``/``batch_get``/``batch_set``/``exists`` (generic path),
 ``clear``, ``get_stats`` (a ``StorageMetrics`` where SGLang has it). The
-``*_v2`` pool-transfer methods (hybrid models) are not implemented. Without
+``*_v2`` pool-transfer methods (hybrid models: DSA indexer, Mamba/GDN, SWA
+pools) are not served: they answer misses (``batch_exists_v2`` a
+``PoolTransferResult`` of 0 pages, ``batch_get_v2``/``batch_set_v2`` False
+for every page of every pool) and never raise, and a host pool other than
+the KV pool and speculative decoding's draft KV pools registered through
+``register_mem_host_pool_v2`` disables the backend (error log), since KV
+pages alone are no use to such a model. Without
 SGLang installed, the class subclasses :class:`_StandInHiCacheStorage`, a
 local stand-in of the base class (its ``register_mem_pool_host`` and
 prefix ``batch_exists``) that exists so tests can drive the backend; it is
@@ -42,7 +48,10 @@ Storage: each page is stored as the objects ``get_page_buffer_meta`` lists
 for it (K and V for an MHA ``page_first`` pool, one latent for MLA, one per
 layer and K/V for ``layer_first``), under ``<page key>.<i>``, in the
 namespace ``KvLayout.namespace_for("sglang/<model>/<pool layout>/tpRofN")``
-(MLA: no rank; ``<model>`` followed, where set, by the model revision
+(MLA: no rank; ``<model>`` followed, where set, by a digest of the model
+path ``path:<digest>`` where the model's name (the served model name) is
+not its path, so two checkpoints served under one alias never share KV,
+then by the model revision
 ``rev:...``, the quantization method ``quant:...`` and a digest of the HF
 config overrides ``hf:<digest>`` (``--json-model-override-args``, which
 carries RoPE scaling changes), read from SGLang's server arguments in the
@@ -63,16 +72,25 @@ at the first chunk that is not all stored.
 Errors never escape: a failed lookup is 0 pages, a failed get or set is
 False for each page it covered (SGLang then recomputes or retries); a get or
 set reports each page on its own, so one bad page does not fail the others.
+A NOT_FOUND object is a miss for a get, an error for a put (e.g. "unknown
+session" after a daemon restart: counted and logged). After a call finds
+kvdepotd unavailable (UNAVAILABLE or DEADLINE_EXCEEDED) the backend does not
+call it for a back-off window (:class:`kvdepot.integrations.CircuitBreaker`:
+``backoff_s``, doubling after each failed retry up to ``max_backoff_s``,
+reset once it answers; one warning when it opens, one when it closes): every
+call is then a miss, counted in ``counters["unavailable_skips"]``.
 A host pool the backend cannot serve (an FP8 pool whose logical dtype is
-unknown, a pool without page buffers) disables the backend with an error log
-instead of failing the server: every lookup is then 0 pages, every get and
-set False.
+unknown, a pool without page buffers, a hybrid model's extra pool), or a
+model nothing names (no model name, no model path, no ``model`` in the extra
+config), disables the backend with an error log instead of failing the
+server: every lookup is then 0 pages, every get and set False.
 
 Extra config: ``server`` (default ``$KVDEPOT_SERVER`` or
-``127.0.0.1:50551``), ``model`` (default ``storage_config.model_name`` with
-the revision, quantization and overrides above; given, the namespace's model
-name as it is),
-``timeout_s`` (5), ``lease_s`` (0: the daemon's default),
+``127.0.0.1:50551``), ``model`` (default ``storage_config.model_name``, else
+the model path, with the path digest, revision, quantization and overrides
+above; given, the namespace's model name as it is),
+``timeout_s`` (5), ``backoff_s`` (1; 0 turns the circuit breaker off),
+``max_backoff_s`` (30), ``lease_s`` (0: the daemon's default),
 ``max_batch_keys`` (1024: set it to the daemon's ``max_batch_keys`` where
 that is lower).
 """
@@ -89,7 +107,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Deque, Dict, List, Optional, Sequence, Tuple
 
-from . import DEFAULT_MAX_BATCH_KEYS, batch_ranges, model_label, model_variant
+from . import (DEFAULT_MAX_BATCH_KEYS, UNAVAILABLE_CODES, CircuitBreaker, batch_ranges,
+               config_digest, model_label, model_variant, status_code)
 
 logger = logging.getLogger(__name__)
 
@@ -98,6 +117,10 @@ logger = logging.getLogger(__name__)
 # only with its storage metrics on (enable_storage_metrics); this bounds the
 # memory should nobody drain them.
 _MAX_PENDING_STATS = 1024
+
+# Whether the warning that the model path is unknown was logged (once per
+# process: SGLang has one backend per scheduler process).
+_warned_no_model_path = False
 
 # torch dtype names of the 1-byte FP8 formats an FP8 KV cache is stored in.
 # SGLang's host pool holds them as torch.uint8 (the device pool's
@@ -113,11 +136,17 @@ except Exception:  # SGLang missing: the stand-in.
 
     class _StandInHiCacheStorage:
         """A minimal local stand-in of SGLang's ``HiCacheStorage``, used only
-        when SGLang cannot be imported: ``register_mem_pool_host`` and the
-        default ``clear``/``get_stats``, as SGLang implements them."""
+        when SGLang cannot be imported: ``register_mem_pool_host``,
+        ``register_mem_host_pool_v2`` and the default ``clear``/``get_stats``,
+        as SGLang implements them."""
 
         def register_mem_pool_host(self, mem_pool_host: Any) -> None:
             self.mem_pool_host = mem_pool_host
+
+        def register_mem_host_pool_v2(self, host_pool: Any, host_pool_name: Any) -> None:
+            if not hasattr(self, "registered_pools"):
+                self.registered_pools = {}
+            self.registered_pools[host_pool_name] = host_pool
 
         def clear(self) -> None:
             pass
@@ -126,6 +155,23 @@ except Exception:  # SGLang missing: the stand-in.
             return None
 
     HiCacheStorage = _StandInHiCacheStorage  # type: ignore[misc,assignment]
+
+try:  # pragma: no cover - SGLang versions with the v2 (hybrid pool) interface
+    from sglang.srt.mem_cache.hicache_storage import PoolTransferResult
+except Exception:
+
+    @dataclass
+    class PoolTransferResult:  # type: ignore[no-redef]
+        """Stand-in of SGLang's PoolTransferResult (``batch_exists_v2``'s
+        answer: the usable KV prefix in pages, and the pages found per
+        extra pool)."""
+
+        kv_hit_pages: int
+        extra_pool_hit_pages: Dict[str, int]
+
+        @classmethod
+        def empty(cls) -> "PoolTransferResult":
+            return cls(0, {})
 
 try:  # pragma: no cover - SGLang moved it between versions
     from sglang.srt.observability.metrics_collector import StorageMetrics
@@ -161,16 +207,36 @@ def _server_args() -> Any:
         return None
 
 
-def _model_variant(storage_config: Any) -> List[str]:
+def _pool_name(name: Any) -> str:
+    """A pool name (SGLang's PoolName enum, or its value) as its value."""
+    return str(getattr(name, "value", name))
+
+
+def _model_path(storage_config: Any) -> Optional[str]:
+    """The model's ``--model-path`` (the weights the KV comes from), from
+    the storage config where an SGLang version puts it there, else from
+    SGLang's server arguments; None where neither has it."""
+    value = getattr(storage_config, "model_path", None) if storage_config is not None else None
+    if not value:
+        args = _server_args()
+        value = getattr(args, "model_path", None) if args is not None else None
+    return str(value) if value else None
+
+
+def _model_variant(storage_config: Any, model_name: str = "") -> List[str]:
     """Parts of the default namespace label, beside the model name, for what
-    else makes two deployments of one model compute other KV: the model
-    ``revision`` (``rev:<revision>``), the ``quantization`` method
-    (``quant:<method>``) and the HF config overrides
+    else makes two deployments of one model compute other KV: the model path
+    where the name is not it (``path:<digest>``: SGLang's storage config
+    names the model by ``--served-model-name``, often an alias two
+    checkpoints may share), the model ``revision`` (``rev:<revision>``), the
+    ``quantization`` method (``quant:<method>``) and the HF config overrides
     (``--json-model-override-args``, which carries RoPE scaling changes:
     ``hf:<digest>``), each only where set, from the storage config where an
     SGLang version puts them there (and its ``model_identity_hash``:
     ``id:<hash>``), else from SGLang's server arguments."""
     args = _server_args()
+    path = _model_path(storage_config)
+    parts = [f"path:{config_digest(path)}"] if path and path != model_name else []
 
     def setting(name: str) -> Any:
         value = getattr(storage_config, name, None) if storage_config is not None else None
@@ -184,9 +250,9 @@ def _model_variant(storage_config: Any) -> List[str]:
             overrides = json.loads(overrides) if overrides.strip() else None
         except ValueError:
             pass  # named by its text
-    return model_variant(identity=getattr(storage_config, "model_identity_hash", None),
-                         revision=setting("revision"),
-                         quantization=setting("quantization"), overrides=overrides)
+    return parts + model_variant(identity=getattr(storage_config, "model_identity_hash", None),
+                                 revision=setting("revision"),
+                                 quantization=setting("quantization"), overrides=overrides)
 
 
 def _dtype_name(dtype: Any) -> str:
@@ -213,7 +279,14 @@ class KvDepotHiCacheStorage(HiCacheStorage):  # type: ignore[misc,valid-type]
         self._timeout_s = float(extra.get("timeout_s", 5.0))
         self._lease_s = float(extra.get("lease_s", 0.0))
         self._max_batch_keys = max(1, int(extra.get("max_batch_keys", DEFAULT_MAX_BATCH_KEYS)))
-        self._model = str(extra.get("model") or _cfg(storage_config, "model_name", "") or "model")
+        # After kvdepotd was found unavailable, no call for a back-off window
+        # (see CircuitBreaker): every lookup 0 pages, every get and set False.
+        self._breaker = CircuitBreaker(
+            "SGLang HiCache", min_s=float(extra.get("backoff_s", 1.0)),
+            max_s=float(extra.get("max_backoff_s", 30.0)), log=logger)
+        # The model's name ("" if nothing names it: the pool's registration
+        # then disables the backend; see _namespace_for).
+        self._model = str(extra.get("model") or _cfg(storage_config, "model_name", "") or "")
         # What else sets the model's KV apart (see _model_variant, read when
         # the pool is registered); a model named in the extra config is the
         # namespace's name as given.
@@ -239,6 +312,10 @@ class KvDepotHiCacheStorage(HiCacheStorage):  # type: ignore[misc,valid-type]
         # every call is then a miss.
         self._namespace: Optional[str] = None
         self._disabled_reason: Optional[str] = None
+        # Extra host pools SGLang registered for a hybrid model
+        # (register_mem_host_pool_v2): they disable the backend.
+        self._side_pools: List[str] = []
+        self._v2_logged = False
         self._host_pool_registered = False
         self._objects_per_page = 0
         self._object_sizes: List[int] = []
@@ -250,6 +327,9 @@ class KvDepotHiCacheStorage(HiCacheStorage):  # type: ignore[misc,valid-type]
         self.counters: Dict[str, int] = {
             "exists_calls": 0, "exists_hit_pages": 0, "get_pages": 0,
             "get_hit_pages": 0, "set_pages": 0, "set_ok_pages": 0, "errors": 0,
+            # Calls not made while kvdepotd was unavailable (the breaker's
+            # back-off window), each answered as a miss.
+            "unavailable_skips": 0,
         }
 
     # ------------------------------------------------------------------
@@ -262,21 +342,71 @@ class KvDepotHiCacheStorage(HiCacheStorage):  # type: ignore[misc,valid-type]
         cannot serve disables it (error log) instead of raising."""
         super().register_mem_pool_host(mem_pool_host)
         self._namespace = None
+        if self._side_pools:
+            return  # disabled (see register_mem_host_pool_v2)
         try:
             namespace = self._namespace_for(mem_pool_host)
         except Exception as e:  # noqa: BLE001 - disable, never fail SGLang
-            self._disabled_reason = str(e)
-            logger.error("kvdepot: HiCache storage backend disabled (every page a miss): %s", e)
+            self._disable(str(e))
             return
         self._disabled_reason = None
         self._host_pool_registered = self._register_host_memory(mem_pool_host)
         self._namespace = namespace
+
+    def _disable(self, reason: str) -> None:
+        """Every call a miss from now on (error log)."""
+        self._namespace = None
+        self._disabled_reason = reason
+        logger.error("kvdepot: HiCache storage backend disabled (every page a miss): %s",
+                     reason)
+
+    def register_mem_host_pool_v2(self, host_pool: Any, host_pool_name: Any) -> None:
+        """SGLang registers the extra host pools of a hybrid model here (DSA
+        indexer, Mamba/GDN states, SWA; the v2 interface). This backend
+        stores only the KV pool's pages, and KV pages without the state of
+        those pools are no use to such a model, so such a pool disables the
+        backend (error log); every call is then a miss. The KV pool (which
+        some SGLang versions register here too) and the draft KV pools of
+        speculative decoding (``draft*``, which SGLang reads and writes
+        best-effort: a draft miss only costs acceptance) do not: their v2
+        calls are misses (warning). Never raises."""
+        try:
+            super().register_mem_host_pool_v2(host_pool, host_pool_name)
+        except Exception:  # noqa: BLE001 - an SGLang version without it
+            pass
+        name = _pool_name(host_pool_name)
+        if name == "kv":
+            return
+        if name.startswith("draft"):
+            logger.warning("kvdepot: SGLang registered the %r host pool (speculative "
+                           "decoding's draft KV): not stored, its pages are misses", name)
+            return
+        self._side_pools.append(name)
+        self._disable(f"SGLang registered a {name!r} host pool (a hybrid model's extra "
+                      f"state, the v2 interface): this backend stores only KV pages")
 
     def _namespace_for(self, pool: Any) -> str:
         """The pool's namespace; sets the per-page object count and sizes.
         Raises for a pool the backend cannot serve."""
         import torch
 
+        if not self._model_given:
+            if not self._model:
+                # Unnamed: the model path names it, or nothing does.
+                self._model = _model_path(self._storage_config) or ""
+            if not self._model:
+                raise ValueError(
+                    "nothing names the model (no model_name in the storage config, no "
+                    "model path in SGLang's server arguments): set extra config "
+                    "\"model\" to a name of the weights")
+            global _warned_no_model_path
+            if _model_path(self._storage_config) is None and not _warned_no_model_path:
+                _warned_no_model_path = True  # once per process
+                logger.warning(
+                    "kvdepot: SGLang's model path is not known here: the namespace is "
+                    "named by the model name %r alone; if that is an alias "
+                    "(--served-model-name) that other weights may share, set extra "
+                    "config \"model\" to a name of these weights", self._model)
         page = int(pool.page_size)
         ptrs, sizes = pool.get_page_buffer_meta(torch.arange(page, dtype=torch.int64))
         if not ptrs:
@@ -284,7 +414,7 @@ class KvDepotHiCacheStorage(HiCacheStorage):  # type: ignore[misc,valid-type]
         kv = self._kvdepot
         dtype, fp8_name = self._kv_dtype(pool)
         layer_num = int(pool.layer_num)
-        variant = [] if self._model_given else _model_variant(self._storage_config)
+        variant = [] if self._model_given else _model_variant(self._storage_config, self._model)
         if self._is_mla:
             width = int(getattr(pool, "kv_lora_rank", 0)) + int(
                 getattr(pool, "qk_rope_head_dim", 0))
@@ -384,6 +514,14 @@ class KvDepotHiCacheStorage(HiCacheStorage):  # type: ignore[misc,valid-type]
         each, the last of a page ending at its boundary)."""
         return batch_ranges(num_objects, self._max_batch_keys, self._objects_per_page)
 
+    def _skip(self) -> bool:
+        """True (counted) when kvdepotd is not to be called now: the
+        breaker's back-off window after it was found unavailable."""
+        if self._breaker.allow():
+            return False
+        self._count("unavailable_skips")
+        return True
+
     def _stored_prefix(self, okeys: List[bytes]) -> int:
         """How many of ``okeys``, from the first, are stored."""
         hits = 0
@@ -393,43 +531,62 @@ class KvDepotHiCacheStorage(HiCacheStorage):  # type: ignore[misc,valid-type]
             hits += got
             if got < hi - lo:
                 break
+        self._breaker.succeeded()
         return hits
 
     def _transfer(self, start: Callable[[int, int], Any], num_objects: int,
-                  what: str, concurrent: bool) -> List[bool]:
+                  what: str, concurrent: bool, misses: bool) -> List[bool]:
         """Runs one async op per chunk (``start(lo, hi)``) and returns a
         flag per object. ``concurrent``: all chunks in flight at once, else
-        one after the other. Every op started is waited for before this
-        returns or raises (its buffers are the caller's again)."""
+        one after the other. ``misses``: a NOT_FOUND object is a miss (a
+        get's), not an error (a put's: e.g. the daemon restarted and no
+        longer knows the session). Every op started is waited for before
+        this returns or raises (its buffers are the caller's again). The
+        outcome goes to the breaker."""
         flags = [False] * num_objects
         pending: List[Tuple[int, Any]] = []
         failure: Optional[Tuple[str, str]] = None
+        down: Optional[Tuple[str, str]] = None
         try:
             for lo, hi in self._chunks(num_objects):
+                if down is not None and self._breaker.blocked():
+                    break  # kvdepotd went away: the rest are not tried
                 pending.append((lo, start(lo, hi)))
                 if not concurrent:
-                    err = self._finish(*pending.pop(), flags)
-                    failure = failure or err
+                    err, unavailable = self._finish(*pending.pop(), flags, misses)
+                    failure, down = failure or err, down or unavailable
+                    if unavailable is not None:
+                        self._breaker.failed(unavailable)
         finally:
             for lo, op in pending:
-                err = self._finish(lo, op, flags)
-                failure = failure or err
+                err, unavailable = self._finish(lo, op, flags, misses)
+                failure, down = failure or err, down or unavailable
+        if down is not None:
+            self._breaker.failed(down)
+        else:
+            self._breaker.succeeded()
         if failure is not None:
             self._count("errors")
             logger.warning("kvdepot: %s: %s: %s", what, *failure)
         return flags
 
     @staticmethod
-    def _finish(lo: int, op: Any, flags: List[bool]) -> Optional[Tuple[str, str]]:
+    def _finish(lo: int, op: Any, flags: List[bool], misses: bool
+                ) -> Tuple[Optional[Tuple[str, str]], Optional[Tuple[str, str]]]:
         """Waits for ``op``; its flags go to ``flags[lo:]``. Returns its
-        first error other than a miss."""
+        first error (other than a miss, with ``misses``) and its first
+        error saying kvdepotd is unavailable (or None)."""
         op.wait()
         ok = op.ok()
         flags[lo:lo + len(ok)] = ok
+        first = down = None
         for err in op.errors():
-            if err is not None and err[0] != "NOT_FOUND":
-                return err
-        return None
+            if err is None or (misses and err[0] == "NOT_FOUND"):
+                continue
+            first = first or err
+            if down is None and status_code(err) in UNAVAILABLE_CODES:
+                down = err
+        return first, down
 
     def _get_objects(self, okeys: List[bytes], bufs: Sequence[Any], what: str) -> List[bool]:
         """Reads ``okeys`` into ``bufs``; True per object read (a failed
@@ -437,7 +594,7 @@ class KvDepotHiCacheStorage(HiCacheStorage):  # type: ignore[misc,valid-type]
         return self._transfer(
             lambda lo, hi: self._client.get_into_async(self._namespace, okeys[lo:hi],
                                                        bufs[lo:hi]),
-            len(okeys), what, concurrent=True)
+            len(okeys), what, concurrent=True, misses=True)
 
     def _put_objects(self, okeys: List[bytes], bufs: Sequence[Any],
                      parents: Optional[Sequence[bytes]], what: str) -> List[bool]:
@@ -449,7 +606,7 @@ class KvDepotHiCacheStorage(HiCacheStorage):  # type: ignore[misc,valid-type]
             lambda lo, hi: self._client.put_async(
                 self._namespace, okeys[lo:hi], bufs[lo:hi],
                 parents[lo:hi] if parents is not None else None),
-            len(okeys), what, concurrent=False)
+            len(okeys), what, concurrent=False, misses=False)
 
     # ------------------------------------------------------------------
     # Zero-copy interface
@@ -457,13 +614,14 @@ class KvDepotHiCacheStorage(HiCacheStorage):  # type: ignore[misc,valid-type]
     def batch_exists(self, keys: List[str], extra_info: Any = None) -> int:
         """How many of ``keys``, from the first, are stored (whole pages)."""
         self._count("exists_calls")
-        if not keys or self._namespace is None:
+        if not keys or self._namespace is None or self._skip():
             return 0
         try:
             pages = self._stored_prefix(self._object_keys(keys)) // self._objects_per_page
             self._count("exists_hit_pages", pages)
             return pages
         except Exception as e:  # noqa: BLE001 - a failed lookup is a miss
+            self._breaker.failed(e)
             self._count("errors")
             logger.warning("kvdepot: batch_exists failed: %s", e)
             return 0
@@ -473,7 +631,7 @@ class KvDepotHiCacheStorage(HiCacheStorage):  # type: ignore[misc,valid-type]
         """Reads the pages into the host pool; True per page read."""
         if not keys:
             return []
-        if self._namespace is None:
+        if self._namespace is None or self._skip():
             return [False] * len(keys)
         start = time.perf_counter()
         self._count("get_pages", len(keys))
@@ -482,6 +640,7 @@ class KvDepotHiCacheStorage(HiCacheStorage):  # type: ignore[misc,valid-type]
             pages = self._per_page(self._get_objects(
                 self._object_keys(keys), bufs, f"batch_get_v1 of {len(keys)} pages"))
         except Exception as e:  # noqa: BLE001
+            self._breaker.failed(e)
             self._count("errors")
             logger.warning("kvdepot: batch_get_v1 of %d pages failed: %s", len(keys), e)
             return [False] * len(keys)
@@ -496,7 +655,7 @@ class KvDepotHiCacheStorage(HiCacheStorage):  # type: ignore[misc,valid-type]
         page already stored counts as stored); True per page."""
         if not keys:
             return []
-        if self._namespace is None:
+        if self._namespace is None or self._skip():
             return [False] * len(keys)
         start = time.perf_counter()
         self._count("set_pages", len(keys))
@@ -512,6 +671,7 @@ class KvDepotHiCacheStorage(HiCacheStorage):  # type: ignore[misc,valid-type]
             pages = self._per_page(self._put_objects(
                 okeys, bufs, parents, f"batch_set_v1 of {len(keys)} pages"))
         except Exception as e:  # noqa: BLE001
+            self._breaker.failed(e)
             self._count("errors")
             logger.warning("kvdepot: batch_set_v1 of %d pages failed: %s", len(keys), e)
             return [False] * len(keys)
@@ -561,7 +721,7 @@ class KvDepotHiCacheStorage(HiCacheStorage):  # type: ignore[misc,valid-type]
                   target_sizes: Any = None) -> List[Any]:
         """Pages as flat tensors of the pool's dtype (written into
         ``target_locations`` when given); None per miss."""
-        if not keys or self._namespace is None:
+        if not keys or self._namespace is None or self._skip():
             return [None] * len(keys)
         try:
             import torch
@@ -580,6 +740,7 @@ class KvDepotHiCacheStorage(HiCacheStorage):  # type: ignore[misc,valid-type]
             pages = self._per_page(self._get_objects(
                 self._object_keys(keys), views, f"batch_get of {len(keys)} pages"))
         except Exception as e:  # noqa: BLE001
+            self._breaker.failed(e)
             self._count("errors")
             logger.warning("kvdepot: batch_get failed: %s", e)
             return [None] * len(keys)
@@ -592,7 +753,7 @@ class KvDepotHiCacheStorage(HiCacheStorage):  # type: ignore[misc,valid-type]
     def batch_set(self, keys: List[str], values: Any = None, target_locations: Any = None,
                   target_sizes: Any = None) -> bool:
         """Stores flat page tensors (the generic path); True if all stored."""
-        if self._namespace is None:
+        if self._namespace is None or self._skip():
             return False
         try:
             import torch
@@ -611,6 +772,7 @@ class KvDepotHiCacheStorage(HiCacheStorage):  # type: ignore[misc,valid-type]
                                        f"batch_set of {len(keys)} pages")
             return all(stored)
         except Exception as e:  # noqa: BLE001
+            self._breaker.failed(e)
             self._count("errors")
             logger.warning("kvdepot: batch_set failed: %s", e)
             return False
@@ -619,14 +781,60 @@ class KvDepotHiCacheStorage(HiCacheStorage):  # type: ignore[misc,valid-type]
         return self.batch_exists([key]) == 1
 
     # ------------------------------------------------------------------
+    # The v2 interface (hybrid models: KV plus extra pools), not served
+
+    def _v2_miss(self, call: str) -> None:
+        if not self._v2_logged:
+            self._v2_logged = True
+            logger.warning("kvdepot: SGLang called %s (the v2 interface of hybrid models); "
+                           "this backend does not serve it: every page is a miss", call)
+
+    def batch_exists_v2(self, keys: List[str], pool_transfers: Any = None,
+                        extra_info: Any = None) -> Any:
+        """A miss: no usable prefix (``PoolTransferResult`` with 0 KV pages
+        and 0 pages of each pool asked about). Never raises."""
+        self._v2_miss("batch_exists_v2")
+        hits: Dict[Any, int] = {}
+        try:
+            for t in pool_transfers or ():
+                hits[t.name] = 0
+        except Exception:  # noqa: BLE001 - the miss either way
+            hits = {}
+        return PoolTransferResult(0, hits)
+
+    def _v2_flags(self, transfers: Any) -> Dict[Any, List[bool]]:
+        """False for every page of every transfer (a miss)."""
+        out: Dict[Any, List[bool]] = {}
+        try:
+            for t in transfers or ():
+                out[t.name] = [False] * len(getattr(t, "keys", None) or ())
+        except Exception:  # noqa: BLE001 - never raise into SGLang's threads
+            pass
+        return out
+
+    def batch_get_v2(self, transfers: Any, extra_info: Any = None) -> Dict[Any, List[bool]]:
+        """Reads nothing: False for every page of every pool. Never
+        raises."""
+        self._v2_miss("batch_get_v2")
+        return self._v2_flags(transfers)
+
+    def batch_set_v2(self, transfers: Any, extra_info: Any = None) -> Dict[Any, List[bool]]:
+        """Stores nothing: False for every page of every pool. Never
+        raises."""
+        self._v2_miss("batch_set_v2")
+        return self._v2_flags(transfers)
+
+    # ------------------------------------------------------------------
 
     def clear(self) -> None:
         """Evicts this backend's namespace (blocks pinned elsewhere stay)."""
-        if self._namespace is None:
+        if self._namespace is None or self._skip():
             return
         try:
             self._client.evict(self._namespace, all=True)
+            self._breaker.succeeded()
         except Exception as e:  # noqa: BLE001
+            self._breaker.failed(e)
             logger.warning("kvdepot: clear failed: %s", e)
 
     def get_stats(self) -> Any:

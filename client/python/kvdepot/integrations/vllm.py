@@ -56,11 +56,16 @@ How it works (one forward pass at a time; loads stream layer by layer):
   keys to load, and the blocks to save: full blocks whose tokens are all
   computed once this step's forward pass is done, not yet known to be stored.
 * Worker: ``start_load_kv`` starts one :meth:`kvdepot.KvCacheStore.load_async`
-  for all of the step's loads and returns; a native loader thread scatters
-  the blocks into the paged caches layer by layer, and
-  ``wait_for_layer_load(layer_name)`` waits only until that layer (and the
-  ones before it) is in place, so layer 0's attention runs while the later
-  layers are still being written. The load is finished, and its misses and
+  for all of the step's loads (up to ``max_staging_blocks`` blocks; a larger
+  load goes in staging rounds of that many, one after the other) and
+  returns; a native loader thread scatters the blocks into the paged caches
+  layer by layer, and ``wait_for_layer_load(layer_name)`` waits only until
+  that layer (and the ones before it) is in place, so layer 0's attention
+  runs while the later layers are still being written (with several rounds,
+  the first wait finishes the rounds before the last, which streams). The
+  store keeps its staging memory, sized by its largest round or save chunk
+  (saves also go in chunks of at most ``max_staging_blocks``), so that bounds
+  it. The load is finished, and its misses and
   errors recorded, before anything that needs it: ``wait_for_save``, the
   next ``start_load_kv``, ``get_finished``,
   ``get_block_ids_with_load_errors`` and ``shutdown``. ``wait_for_save``
@@ -73,14 +78,28 @@ How it works (one forward pass at a time; loads stream layer by layer):
   lookup goes chunk after chunk, pinning each, and stops at the first chunk
   not entirely stored; the request holds every chunk's pin until it is
   released as above. A load is one :meth:`kvdepot.KvCacheStore.load_async`
-  whose batches are chunks (the torch staging path reads chunk after chunk
-  and stops at the first not entirely loaded); a save puts chunk after
-  chunk, each chunk's first block linked to the last of the one before, as
-  one call would.
+  per staging round whose batches are chunks (the torch staging path reads
+  chunk after chunk and stops at the first not entirely loaded); a save
+  puts chunk after chunk, each chunk's first block linked to the last of
+  the one before, as one call would. Saves and the torch path's reads also
+  keep chunks within ``max_staging_blocks``.
 * Errors never escape: a failed lookup offers 0 tokens; a failed or partial
   load reports the blocks from the first one not loaded through
-  ``get_block_ids_with_load_errors`` (vLLM then recomputes them); a failed
-  save is logged and counted. Requests with multimodal inputs or prompt
+  ``get_block_ids_with_load_errors`` (vLLM then recomputes them: where vLLM
+  has ``kv_transfer_config.kv_load_failure_policy``, whose default
+  ``"fail"`` would end the request with an error instead, the connector sets
+  it to ``"recompute"`` and logs a warning, unless extra config
+  ``keep_load_failure_policy`` is true); a failed save is logged and
+  counted. After a call finds kvdepotd unavailable (UNAVAILABLE or
+  DEADLINE_EXCEEDED), each side stops calling it for a back-off window
+  (:class:`kvdepot.integrations.CircuitBreaker`: ``backoff_s``, doubling
+  after each failed retry up to ``max_backoff_s``, reset once it answers;
+  one warning when it opens, one when it closes): lookups offer 0 tokens,
+  loads fail (recompute), saves are skipped (counted as save errors), pins
+  are dropped (their session lease ends them), each skipped call counted in
+  ``stats["unavailable_skips"]``. Lookups have their own deadline,
+  ``lookup_timeout_s``, shorter than the transfers' ``timeout_s``: they run
+  in vLLM's scheduling loop. Requests with multimodal inputs or prompt
   embeddings are neither looked up nor saved (their placeholder token ids,
   zeros for embeddings, do not name the content).
 * A failed load poisons what the step computes over it, for the loading
@@ -121,15 +140,24 @@ on a GPU. Where the CUDA library is missing (not built, no usable device)
 the connector falls back, with a warning, to a torch staging copy with the
 same object bytes, which loads synchronously in ``start_load_kv`` (all
 layers at once).
-Not supported: pipeline parallelism, hybrid (several KV cache groups) models,
+Not supported: pipeline parallelism, decode or prefill context parallelism
+(``decode_context_parallel_size`` / ``prefill_context_parallel_size`` above
+1: a rank's block holds only its slice of the tokens; the connector is then
+disabled with an error log), hybrid (several KV cache groups) models,
 fp8 KV caches, loads that span forward passes (``get_num_new_matched_tokens``
 always answers ``load_kv_async=False``).
 
 Extra config (``kv_connector_extra_config``): ``server`` (default
 ``$KVDEPOT_SERVER`` or ``127.0.0.1:50551``), ``model`` (default the served
 model with its revision, quantization, RoPE scaling and hf_overrides, as
-above; given, the namespace's model name as it is), ``timeout_s`` (5),
-``lease_s`` (0: the daemon's default), ``staging`` (``auto`` | ``kvshim`` |
+above; given, the namespace's model name as it is), ``timeout_s`` (5: the
+worker's transfers), ``lookup_timeout_s`` (the scheduler's lookups and
+unpins; 1, or ``timeout_s`` if lower), ``backoff_s`` (1; 0 turns the circuit
+breaker off) and ``max_backoff_s`` (30), ``lease_s`` (0: the daemon's
+default), ``max_staging_blocks`` (128, at least 2: the most blocks a load
+round or save chunk stages at once; the store's staging memory then holds
+fewer than twice that many blocks, or 8), ``keep_load_failure_policy``
+(false: see "Errors"), ``staging`` (``auto`` | ``kvshim`` |
 ``torch``: ``kvshim`` uses the kvshim library for any device, its CPU build
 for CPU caches, and fails without it; ``torch`` forces the torch staging
 path), ``load`` / ``save`` (booleans; default from ``kv_role``:
@@ -148,8 +176,8 @@ import re
 from dataclasses import dataclass, field
 from typing import Any, Deque, Dict, Iterable, List, Optional, Sequence, Set, Tuple
 
-from . import (DEFAULT_MAX_BATCH_KEYS, batch_ranges, block_hashes, model_label, model_variant,
-               parents_of)
+from . import (DEFAULT_MAX_BATCH_KEYS, UNAVAILABLE_CODES, CircuitBreaker, batch_ranges,
+               block_hashes, model_label, model_variant, parents_of, status_code)
 
 logger = logging.getLogger(__name__)
 
@@ -250,10 +278,20 @@ class SaveSpec:
 @dataclass
 class _PendingLoad:
     """Worker side: the step's load in flight, and the specs it serves (in
-    the order their blocks were concatenated)."""
+    the order their blocks were concatenated into ``block_ids`` and
+    ``keys``). The load goes in staging rounds (``rounds``: [lo, hi) of at
+    most max_staging_blocks blocks), one ``KvCacheStore.load_async`` each,
+    one after the other: ``handle`` is round ``round``'s (None: that round
+    did not start), ``errors`` the per-block outcomes of the rounds before
+    it (see ``KvDepotConnector._next_round``)."""
 
-    handle: Any  # kvdepot.LoadHandle
     specs: List[LoadSpec]
+    block_ids: List[int]
+    keys: List[bytes]
+    rounds: List[Tuple[int, int]]
+    round: int = 0
+    handle: Any = None  # kvdepot.LoadHandle
+    errors: List[Any] = field(default_factory=list)
 
 
 @dataclass
@@ -398,7 +436,25 @@ class KvDepotConnector(KVConnectorBase_V1):  # type: ignore[misc,valid-type]
             extra.get("server") or os.environ.get("KVDEPOT_SERVER") or "127.0.0.1:50551"
         )
         self._timeout_s = float(extra.get("timeout_s", 5.0))
+        # The scheduler side's calls (lookups, unpins) run in vLLM's
+        # scheduling loop: a shorter deadline than the transfers'.
+        self._lookup_timeout_s = float(extra.get("lookup_timeout_s",
+                                                 min(1.0, self._timeout_s)))
         self._lease_s = float(extra.get("lease_s", 0.0))
+        # After kvdepotd was found unavailable, no call for a back-off window
+        # (see CircuitBreaker): lookups answer 0, loads fail (recompute),
+        # saves are skipped.
+        self._breaker = CircuitBreaker(
+            f"vLLM {getattr(role, 'name', role)}",
+            min_s=float(extra.get("backoff_s", 1.0)),
+            max_s=float(extra.get("max_backoff_s", 30.0)), log=logger)
+        # The most blocks one load or save stages at once (the store keeps
+        # its staging memory, sized by its largest use, for good).
+        self._max_staging_blocks = int(extra.get("max_staging_blocks", 128))
+        if self._max_staging_blocks < 2:
+            logger.warning("kvdepot: max_staging_blocks=%d is below 2; using 2",
+                           self._max_staging_blocks)
+            self._max_staging_blocks = 2
         self._staging = str(extra.get("staging", "auto"))
         if self._staging not in ("auto", "kvshim", "torch"):
             logger.warning("kvdepot: staging=%r is not auto, kvshim or torch; using auto",
@@ -424,6 +480,9 @@ class KvDepotConnector(KVConnectorBase_V1):  # type: ignore[misc,valid-type]
         self._use_mla = bool(getattr(mc, "use_mla", False))
         self._client: Any = None
         self._disabled_reason: Optional[str] = None
+        # Whether vLLM recomputes the blocks reported by
+        # get_block_ids_with_load_errors (see _recompute_load_failures).
+        self._recompute_failures = self._recompute_load_failures(tc, extra, role)
         # What else makes the served model's KV differ under the same path
         # (see _model_variant); a model named in the extra config is the
         # namespace's name as given.
@@ -503,6 +562,9 @@ class KvDepotConnector(KVConnectorBase_V1):  # type: ignore[misc,valid-type]
             "saved_blocks": 0,
             "save_errors": 0,
             "saves_dropped": 0,  # blocks not saved: the request's load failed
+            # Daemon calls not made while kvdepotd was unavailable (the
+            # breaker's back-off window): lookups, step loads, saves.
+            "unavailable_skips": 0,
         }
 
     # ------------------------------------------------------------------
@@ -518,6 +580,50 @@ class KvDepotConnector(KVConnectorBase_V1):  # type: ignore[misc,valid-type]
         """Why the connector does nothing, or None while it works."""
         return self._disabled_reason
 
+    def _recompute_load_failures(self, tc: Any, extra: Dict[str, Any], role: Any) -> bool:
+        """Makes vLLM recompute the blocks this connector reports through
+        ``get_block_ids_with_load_errors``, which it does routinely (a block
+        evicted between lookup and load, a daemon restart, a TP rank lacking
+        a block). vLLM versions with ``kv_transfer_config.
+        kv_load_failure_policy`` default it to ``"fail"``, which ends such a
+        request with an error; the scheduler reads it after creating its
+        connector, so it is set to ``"recompute"`` here (a warning says so),
+        unless extra config ``keep_load_failure_policy`` is true. Older vLLM
+        (no such field) always recomputes. Where the field cannot be set,
+        loading is turned off (saves go on). Returns whether a load error is
+        recomputed."""
+        if not hasattr(tc, "kv_load_failure_policy"):
+            return True
+        policy = getattr(tc, "kv_load_failure_policy", None)
+        if policy != "fail":
+            return True
+        scheduler = role == KVConnectorRole.SCHEDULER
+        if _truthy(extra.get("keep_load_failure_policy", False)):
+            if scheduler:
+                logger.warning(
+                    "kvdepot: kv_load_failure_policy is \"fail\" and kept "
+                    "(keep_load_failure_policy): a request with a block kvdepot "
+                    "offered but cannot load (evicted since the lookup, a daemon "
+                    "restart, a tensor-parallel rank lacking it) ends with an error")
+            return False
+        try:
+            tc.kv_load_failure_policy = "recompute"
+        except Exception as e:  # noqa: BLE001 - a frozen config: no loads then
+            self._load_enabled = False
+            logger.error("kvdepot: cannot set kv_load_failure_policy to \"recompute\" "
+                         "(%s); loading is off (saves go on), since under \"fail\" "
+                         "every block kvdepot cannot load would fail its request", e)
+            return False
+        if scheduler:
+            logger.warning(
+                "kvdepot: kv_load_failure_policy was \"fail\" (vLLM's default), which "
+                "ends a request with an error for any block the connector offered "
+                "but cannot load (evicted since the lookup, a daemon restart, a "
+                "tensor-parallel rank lacking it); set to \"recompute\": vLLM "
+                "recomputes those blocks. To keep \"fail\", set "
+                "kv_connector_extra_config {\"keep_load_failure_policy\": true}.")
+        return True
+
     def _layout_from_config(self, vllm_config: Any) -> Any:
         import kvdepot
 
@@ -526,6 +632,13 @@ class KvDepotConnector(KVConnectorBase_V1):  # type: ignore[misc,valid-type]
         cc = vllm_config.cache_config
         if int(getattr(pc, "pipeline_parallel_size", 1) or 1) != 1:
             raise ValueError("pipeline parallelism is not supported")
+        # Context parallelism splits each block's tokens over ranks (rank r
+        # holds the tokens whose position % size == r): a rank's block is
+        # not the object the keys name.
+        for name in ("decode_context_parallel_size", "prefill_context_parallel_size"):
+            size = int(getattr(pc, name, 1) or 1)
+            if size > 1:
+                raise ValueError(f"context parallelism ({name}={size}) is not supported")
         cache_dtype = str(getattr(cc, "cache_dtype", "auto") or "auto")
         if cache_dtype != "auto":
             raise ValueError(f"cache_dtype {cache_dtype} is not supported (only auto)")
@@ -563,13 +676,23 @@ class KvDepotConnector(KVConnectorBase_V1):  # type: ignore[misc,valid-type]
         max_batch_keys keys, in order."""
         return batch_ranges(n, self._max_batch_keys)
 
+    def _staging_chunks(self, n: int) -> List[Tuple[int, int]]:
+        """[lo, hi) ranges splitting ``n`` blocks to save or read through
+        staging memory into pieces of at most max_batch_keys and
+        max_staging_blocks blocks, in order."""
+        return batch_ranges(n, min(self._max_batch_keys, self._max_staging_blocks))
+
     def _get_client(self) -> Any:
+        """The connection (made on first use). The scheduler side's makes
+        only lookups and unpins, within ``lookup_timeout_s``; the worker
+        side's transfers within ``timeout_s``."""
         if self._client is None:
             import kvdepot
 
+            scheduler = self.role == KVConnectorRole.SCHEDULER
             self._client = kvdepot.Client(
                 self._server,
-                timeout_s=self._timeout_s,
+                timeout_s=self._lookup_timeout_s if scheduler else self._timeout_s,
                 lease_s=self._lease_s,
                 client_name=f"kvdepot-vllm-{self.role.name.lower()}",
             )
@@ -674,14 +797,20 @@ class KvDepotConnector(KVConnectorBase_V1):  # type: ignore[misc,valid-type]
 
     def _unpin(self, st: _RequestState) -> None:
         """Releases every pin of the request's last lookup, once (a failed
-        unpin is logged: the session's lease ends it)."""
+        unpin is logged: the session's lease ends it). While kvdepotd is
+        unavailable (the breaker's window) the pins are dropped without a
+        call: the session's lease ends them."""
         pins, st.pin_ids = st.pin_ids, []
         if self._client is None:
             return
         for pin in pins:
+            if self._breaker.blocked():
+                continue
             try:
                 self._client.unpin(pin)
+                self._breaker.succeeded()
             except Exception as e:  # noqa: BLE001 - the session lease ends it
+                self._breaker.failed(e)
                 logger.warning("kvdepot: unpin %d failed: %s", pin, e)
 
     def _lookup_prefix(self, st: _RequestState, keys: List[bytes]) -> int:
@@ -722,8 +851,12 @@ class KvDepotConnector(KVConnectorBase_V1):  # type: ignore[misc,valid-type]
             if num_blocks * self._block_size <= num_computed_tokens:
                 return 0, False
             keys = self._keys_upto(st, num_blocks)
+            if not self._breaker.allow():  # kvdepotd unavailable: a miss
+                self.stats["unavailable_skips"] += 1
+                return 0, False
             self.stats["lookups"] += 1
             hits = self._lookup_prefix(st, keys)
+            self._breaker.succeeded()
             st.stored_blocks = max(st.stored_blocks, hits)
             matched = hits * self._block_size - num_computed_tokens
             if matched <= 0:
@@ -736,6 +869,7 @@ class KvDepotConnector(KVConnectorBase_V1):  # type: ignore[misc,valid-type]
             return matched, False
         except Exception as e:  # noqa: BLE001 - degrade to recompute
             self.stats["lookup_errors"] += 1
+            self._breaker.failed(e)
             logger.warning("kvdepot: lookup for %s failed, recomputing: %s",
                            request.request_id, e)
             self._unpin(st)
@@ -1108,13 +1242,19 @@ class KvDepotConnector(KVConnectorBase_V1):  # type: ignore[misc,valid-type]
 
         filled = [False] * len(keys)
         errors: List[Any] = [None] * len(keys)
-        for lo, hi in self._chunks(len(keys)):
+        for lo, hi in self._staging_chunks(len(keys)):
+            if not self._breaker.allow():
+                self.stats["unavailable_skips"] += 1
+                errors[lo] = ("UNAVAILABLE", "kvdepotd unavailable: not called (back-off)")
+                break
             bufs = [torch.empty(self._object_shape(), dtype=self._caches[0].dtype)
                     for _ in range(lo, hi)]
             try:
                 got = self._store.client.get_into(self._store.namespace, keys[lo:hi], bufs)
+                self._breaker.succeeded()
             except Exception as e:  # noqa: BLE001 - reported by the caller
-                errors[lo] = (type(e).__name__, str(e))
+                self._breaker.failed(e)
+                errors[lo] = (status_code(e) or type(e).__name__, str(e))
                 break
             hits = [i for i, ok in enumerate(got) if ok]
             if hits:
@@ -1126,7 +1266,8 @@ class KvDepotConnector(KVConnectorBase_V1):  # type: ignore[misc,valid-type]
         return filled, errors
 
     def _load_async(self, block_ids: List[int], keys: List[bytes]) -> Any:
-        """``KvCacheStore.load_async`` in batches (one daemon read each) of
+        """``KvCacheStore.load_async`` (of one staging round, see
+        :meth:`_next_round`) in batches (one daemon read each) of
         at most max_batch_keys blocks. The store splits a load into up to
         ``pipeline_batches`` batches of at least 2 blocks and
         ``min_batch_bytes`` (register_kv_caches caps that at max_batch_keys
@@ -1141,6 +1282,7 @@ class KvDepotConnector(KVConnectorBase_V1):  # type: ignore[misc,valid-type]
             self._store.pipeline_batches = self._store_pipeline_batches
 
     def _save(self, block_ids: List[int], keys: List[bytes], parents: List[bytes]) -> None:
+        """Stores one chunk (at most max_staging_blocks blocks)."""
         if self._via_store:
             self._store.save(self._caches, block_ids, keys, parents)
             return
@@ -1167,6 +1309,11 @@ class KvDepotConnector(KVConnectorBase_V1):  # type: ignore[misc,valid-type]
         if not self._via_store:
             for spec in meta.loads:
                 try:
+                    if self._breaker.blocked():
+                        self.stats["unavailable_skips"] += 1
+                        self._load_failed(spec, spec.block_ids,
+                                          "kvdepotd unavailable: not called (back-off)")
+                        continue
                     filled, errors = self._torch_load(spec.block_ids, spec.keys)
                     self._account(spec, filled, errors)
                 except Exception as e:  # noqa: BLE001
@@ -1195,35 +1342,77 @@ class KvDepotConnector(KVConnectorBase_V1):  # type: ignore[misc,valid-type]
             specs.append(spec)
         if not specs:
             return
-        try:
-            handle = self._load_async(
-                [b for spec in specs for b in spec.block_ids],
-                [k for spec in specs for k in spec.keys],
-            )
-        except Exception as e:  # noqa: BLE001 - e.g. a bad block id: recompute
-            for spec in specs:
-                self._load_failed(spec, spec.block_ids, str(e))
-            return
-        self._pending_load = _PendingLoad(handle, specs)
+        block_ids = [b for spec in specs for b in spec.block_ids]
+        keys = [k for spec in specs for k in spec.keys]
+        # Staging rounds of at most max_staging_blocks blocks, one after the
+        # other: the store's staging memory never grows past that.
+        rounds = batch_ranges(len(keys), self._max_staging_blocks)
+        pending = _PendingLoad(specs, block_ids, keys, rounds)
+        self._start_round(pending, probe=True)
+        self._pending_load = pending
         if self._load_before_forward:
             self._finish_load()
 
-    def _finish_load(self) -> None:
-        """Waits for the load in flight, if any, and records what each of
-        its specs loaded and which blocks failed. Never raises."""
-        pending, self._pending_load = self._pending_load, None
-        if pending is None:
+    def _start_round(self, pending: _PendingLoad, probe: bool = False) -> None:
+        """Starts staging round ``pending.round``. Skipped, its blocks
+        failing as unavailable, while kvdepotd is (the breaker's window;
+        ``probe``: the step's first round, which may be the probe that ends
+        it); a round that cannot start fails its blocks with the error."""
+        lo, hi = pending.rounds[pending.round]
+        pending.handle = None
+        if not (self._breaker.allow() if probe else not self._breaker.blocked()):
+            self.stats["unavailable_skips"] += 1
+            pending.errors.extend(
+                [("UNAVAILABLE", "kvdepotd unavailable: not called (back-off)")] * (hi - lo))
             return
-        handle = pending.handle
+        try:
+            pending.handle = self._load_async(pending.block_ids[lo:hi], pending.keys[lo:hi])
+        except Exception as e:  # noqa: BLE001 - e.g. a bad block id: recompute
+            self._breaker.failed(e)
+            pending.errors.extend([(status_code(e) or type(e).__name__, str(e))] * (hi - lo))
+
+    def _end_round(self, pending: _PendingLoad) -> None:
+        """Waits for the current round and records its per-block outcomes
+        (and, for the breaker, whether the daemon answered)."""
+        handle, pending.handle = pending.handle, None
+        if handle is None:
+            return  # skipped or failed to start: recorded
         failure: Optional[str] = None
         try:
             handle.wait()
         except Exception as e:  # noqa: BLE001 - block errors: per block below
             failure = str(e)
         try:
-            errors = handle.errors()
+            errors = list(handle.errors())
         except Exception:  # noqa: BLE001 - not done (cannot happen after wait)
             errors = [("UNKNOWN", failure or "load not finished")] * len(handle)
+        down = next((e for e in errors if status_code(e) in UNAVAILABLE_CODES), None)
+        if down is not None:
+            self._breaker.failed(down)
+        else:
+            self._breaker.succeeded()
+        pending.errors.extend(errors)
+
+    def _next_round(self, pending: _PendingLoad) -> bool:
+        """Ends the current round and starts the next; False if it was the
+        last."""
+        self._end_round(pending)
+        pending.round += 1
+        if pending.round >= len(pending.rounds):
+            return False
+        self._start_round(pending)
+        return True
+
+    def _finish_load(self) -> None:
+        """Waits for the load in flight, if any (every round), and records
+        what each of its specs loaded and which blocks failed. Never
+        raises."""
+        pending, self._pending_load = self._pending_load, None
+        if pending is None:
+            return
+        while self._next_round(pending):
+            pass
+        errors = pending.errors
         pos = 0
         for spec in pending.specs:
             part = errors[pos:pos + len(spec.block_ids)]
@@ -1245,8 +1434,10 @@ class KvDepotConnector(KVConnectorBase_V1):  # type: ignore[misc,valid-type]
             self._load_failed(spec, spec.block_ids[n:], why)
 
     def _load_failed(self, spec: LoadSpec, block_ids: Sequence[int], why: str) -> None:
-        logger.warning("kvdepot: %d blocks of %s not loaded (%s); vLLM recomputes them",
-                       len(block_ids), spec.req_id, why)
+        logger.warning("kvdepot: %d blocks of %s not loaded (%s); %s",
+                       len(block_ids), spec.req_id, why,
+                       "vLLM recomputes them" if self._recompute_failures else
+                       "vLLM fails the request (kv_load_failure_policy \"fail\")")
         self.stats["load_errors"] += len(block_ids)
         self._load_errors.update(int(b) for b in block_ids)
         self._failed_load_blocks.update(int(b) for b in block_ids)
@@ -1264,7 +1455,12 @@ class KvDepotConnector(KVConnectorBase_V1):  # type: ignore[misc,valid-type]
         index = self._layer_index.get(layer_name)
         try:
             if index is not None:
-                pending.handle.wait_for_layer(index)
+                # The rounds before the last are loaded whole (each stages
+                # into the memory the next one reuses); the last streams.
+                while pending.round < len(pending.rounds) - 1:
+                    self._next_round(pending)
+                if pending.handle is not None:
+                    pending.handle.wait_for_layer(index)
                 return
         except Exception as e:  # noqa: BLE001 - never fail the engine
             logger.warning("kvdepot: waiting for layer %s failed: %s", layer_name, e)
@@ -1324,13 +1520,22 @@ class KvDepotConnector(KVConnectorBase_V1):  # type: ignore[misc,valid-type]
         """Stores one spec's blocks, a chunk at a time, in order: each chunk's
         first block links to the last of the chunk before (``spec.parents``
         chains them), which is stored by then. A failure is logged and
-        counted; the chunks from the failed one on are not stored."""
+        counted; the chunks from the failed one on are not stored. While
+        kvdepotd is unavailable (the breaker's window) nothing is called: the
+        blocks count as save errors (and the call in ``unavailable_skips``)."""
         saved = 0
         try:
-            for lo, hi in self._chunks(len(spec.keys)):
+            for lo, hi in self._staging_chunks(len(spec.keys)):
+                if not self._breaker.allow():
+                    # kvdepotd unavailable (the breaker logged it): not saved.
+                    self.stats["unavailable_skips"] += 1
+                    self.stats["save_errors"] += len(spec.keys) - saved
+                    break
                 self._save(spec.block_ids[lo:hi], spec.keys[lo:hi], spec.parents[lo:hi])
+                self._breaker.succeeded()
                 saved = hi
         except Exception as e:  # noqa: BLE001
+            self._breaker.failed(e)
             self.stats["save_errors"] += len(spec.keys) - saved
             logger.warning("kvdepot: saving %d blocks of %s failed: %s",
                            len(spec.keys) - saved, spec.req_id, e)
