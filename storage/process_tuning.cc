@@ -7,7 +7,7 @@
 namespace kvdepot {
 
 void TuneProcessForBlockIo() {
-  mallopt(M_MMAP_THRESHOLD, 64 << 20);
+  mallopt(M_MMAP_THRESHOLD, 512 << 20);
   mallopt(M_TRIM_THRESHOLD, 32 << 20);
   mallopt(M_ARENA_MAX, 4);
   absl::SetMutexDeadlockDetectionMode(absl::OnDeadlockCycle::kIgnore);
