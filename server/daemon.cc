@@ -8,15 +8,21 @@
 
 #include <algorithm>
 #include <exception>
+#include <fstream>
 #include <optional>
+#include <string>
 #include <utility>
 
+#include "absl/strings/ascii.h"
+#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/strip.h"
 #include "absl/time/clock.h"
 #include "server/version.h"
 #include "storage/rocksdb_crc32c.h"
 #include "storage/status_macros.h"
 #include "transport/net_devices.h"
+#include "transport/ucx_context.h"  // transport_internal::CgroupMemoryLeft
 
 namespace kvdepot {
 namespace {
@@ -25,6 +31,24 @@ namespace {
 std::string ListenedOn(const std::string& listen, int port) {
   absl::StatusOr<HostPort> split = SplitHostPort(listen);
   return JoinHostPort(split.ok() ? split->host : listen, port);
+}
+
+// Free explicit hugepages (of the default size), from /proc/meminfo; 0
+// when it cannot be read.
+uint64_t FreeHugetlbBytes() {
+  std::ifstream meminfo("/proc/meminfo");
+  uint64_t free_pages = 0, page_kib = 0;
+  std::string line;
+  while (std::getline(meminfo, line)) {
+    absl::string_view v = line;
+    if (absl::ConsumePrefix(&v, "HugePages_Free:")) {
+      (void)absl::SimpleAtoi(absl::StripAsciiWhitespace(v), &free_pages);
+    } else if (absl::ConsumePrefix(&v, "Hugepagesize:")) {
+      absl::ConsumeSuffix(&v, "kB");
+      (void)absl::SimpleAtoi(absl::StripAsciiWhitespace(v), &page_kib);
+    }
+  }
+  return free_pages * page_kib * 1024;
 }
 
 }  // namespace
@@ -54,6 +78,10 @@ absl::Status Daemon::Init() {
       !w.empty()) {
     log_->warn("{}", w);
   }
+  RETURN_IF_ERROR(CheckDramFitsMemoryLimit(
+      store_options.dram_capacity, store_options.hugepages,
+      transport_internal::CgroupMemoryLeft("/proc/self/cgroup", "/sys/fs/cgroup"),
+      FreeHugetlbBytes()));
   ASSIGN_OR_RETURN(store_, NewTieredStore(store_options, SystemClock()));
 
   if (!config_.metrics_listen.empty()) {

@@ -86,4 +86,23 @@ std::string NvmeHeadroomWarning(uint64_t nvme_capacity, uint64_t filesystem_byte
       nvme_capacity / kGiB, filesystem_bytes / kGiB);
 }
 
+absl::Status CheckDramFitsMemoryLimit(uint64_t dram_capacity, HugePageMode hugepages,
+                                      std::optional<uint64_t> cgroup_left,
+                                      uint64_t hugetlb_free_bytes) {
+  if (!cgroup_left.has_value() || hugepages == HugePageMode::kOn) return absl::OkStatus();
+  if (hugepages == HugePageMode::kAuto && hugetlb_free_bytes >= dram_capacity) {
+    return absl::OkStatus();
+  }
+  if (dram_capacity + kDramLimitReserve <= *cgroup_left) return absl::OkStatus();
+  constexpr double kGiB = 1024.0 * 1024 * 1024;
+  return absl::ResourceExhaustedError(absl::StrFormat(
+      "dram_capacity (%.2f GiB) does not fit this process's memory limit: its "
+      "cgroup (a container's or unit's limit) allows %.2f GiB more, and the DRAM "
+      "tier is mapped and prefaulted at start, with about %.2f GiB for the rest "
+      "of kvdepotd: the kernel would kill it. Lower dram_capacity, or raise the "
+      "limit (kvdepotd needs dram_capacity plus grpc_memory_limit and about 1 "
+      "GiB under load)",
+      dram_capacity / kGiB, *cgroup_left / kGiB, kDramLimitReserve / kGiB));
+}
+
 }  // namespace kvdepot

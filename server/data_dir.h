@@ -8,9 +8,11 @@
 
 #include <cstdint>
 #include <memory>
+#include <optional>
 #include <string>
 
 #include "absl/status/statusor.h"
+#include "storage/dram_arena.h"  // HugePageMode
 
 namespace kvdepot {
 
@@ -41,6 +43,20 @@ class DataDir {
 // Returns a warning for the log when `nvme_capacity` is over three quarters
 // of a filesystem of `filesystem_bytes`; empty otherwise (0 is unknown).
 std::string NvmeHeadroomWarning(uint64_t nvme_capacity, uint64_t filesystem_bytes);
+
+// The DRAM tier is one mapping, prefaulted at start (and filled by puts
+// anyway): in a memory cgroup (a container's limit, a unit's MemoryMax)
+// that it does not fit, the kernel kills kvdepotd before it logs a word.
+// ResourceExhausted, saying what to change, when `dram_capacity` and
+// kDramLimitReserve (the rest of the process) pass `cgroup_left`, what the
+// process's cgroups still allow (nullopt: no limit known); OK otherwise, and
+// where the tier will come from explicit hugepages, which the memory cgroup
+// does not count: `hugepages` on, or auto with `hugetlb_free_bytes` (free
+// explicit hugepages) enough for it.
+inline constexpr uint64_t kDramLimitReserve = uint64_t{256} << 20;
+absl::Status CheckDramFitsMemoryLimit(uint64_t dram_capacity, HugePageMode hugepages,
+                                      std::optional<uint64_t> cgroup_left,
+                                      uint64_t hugetlb_free_bytes);
 
 }  // namespace kvdepot
 

@@ -61,5 +61,27 @@ TEST(NvmeHeadroomWarningTest, OverThreeQuartersOfTheFilesystemWarns) {
   EXPECT_NE(NvmeHeadroomWarning(20 * kGiB, 8 * kGiB), "");   // past its size
 }
 
+// A DRAM tier that its memory cgroup cannot hold is refused at start (the
+// kernel would kill the daemon as it prefaults it), unless explicit
+// hugepages, which that cgroup does not count, will hold it.
+TEST(CheckDramFitsMemoryLimitTest, ATierPastTheCgroupLimitIsRefused) {
+  using Mode = HugePageMode;
+  EXPECT_TRUE(CheckDramFitsMemoryLimit(64 * kGiB, Mode::kAuto, std::nullopt, 0).ok());
+  EXPECT_TRUE(CheckDramFitsMemoryLimit(1 * kGiB, Mode::kAuto, 3 * kGiB, 0).ok());
+  EXPECT_TRUE(
+      CheckDramFitsMemoryLimit(3 * kGiB - kDramLimitReserve, Mode::kOff, 3 * kGiB, 0).ok());
+  const absl::Status st = CheckDramFitsMemoryLimit(4 * kGiB, Mode::kAuto, 3 * kGiB, 0);
+  EXPECT_EQ(st.code(), absl::StatusCode::kResourceExhausted);
+  EXPECT_THAT(std::string(st.message()), HasSubstr("dram_capacity (4.00 GiB)"));
+  EXPECT_THAT(std::string(st.message()), HasSubstr("allows 3.00 GiB"));
+  // Short of the reserve for the rest of the process.
+  EXPECT_FALSE(CheckDramFitsMemoryLimit(3 * kGiB, Mode::kOff, 3 * kGiB, 0).ok());
+  // Explicit hugepages: on, or auto with enough of them free.
+  EXPECT_TRUE(CheckDramFitsMemoryLimit(4 * kGiB, Mode::kOn, 3 * kGiB, 0).ok());
+  EXPECT_TRUE(CheckDramFitsMemoryLimit(4 * kGiB, Mode::kAuto, 3 * kGiB, 4 * kGiB).ok());
+  EXPECT_FALSE(CheckDramFitsMemoryLimit(4 * kGiB, Mode::kAuto, 3 * kGiB, 2 * kGiB).ok());
+  EXPECT_FALSE(CheckDramFitsMemoryLimit(4 * kGiB, Mode::kOff, 3 * kGiB, 4 * kGiB).ok());
+}
+
 }  // namespace
 }  // namespace kvdepot

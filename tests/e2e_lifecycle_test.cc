@@ -5,6 +5,7 @@
 #include <poll.h>
 #include <signal.h>
 #include <sys/socket.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <grpcpp/create_channel.h>
@@ -22,6 +23,7 @@
 #include "absl/strings/numbers.h"
 #include "absl/strings/ascii.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_split.h"
 #include "absl/time/clock.h"
 #include "client/client.h"
 #include "storage/checksum.h"
@@ -248,6 +250,52 @@ TEST(LifecycleTest, DataDirThatCannotBeCreatedFailsClearly) {
                       &err);
   EXPECT_EQ(rc, 1) << err;
   EXPECT_NE(err.find("cannot create data dir"), std::string::npos) << err;
+}
+
+// A DRAM tier larger than the daemon's memory cgroup allows: a clear error
+// and exit code 1 at start, not an OOM kill as the tier is prefaulted.
+// Needs a memory cgroup it can create (v1, or v2 with the memory controller
+// enabled for children); skipped where there is none.
+TEST(LifecycleTest, ADramTierPastTheMemoryLimitIsRefusedAtStart) {
+  std::ifstream self("/proc/self/cgroup");
+  std::string line, cgroup_dir, limit_file;
+  while (std::getline(self, line)) {
+    std::vector<std::string> parts = absl::StrSplit(line, absl::MaxSplits(':', 2));
+    if (parts.size() != 3) continue;
+    if (parts[1] == "memory") {  // v1
+      cgroup_dir = "/sys/fs/cgroup/memory" + parts[2];
+      limit_file = "memory.limit_in_bytes";
+      break;
+    }
+    if (parts[0] == "0" && parts[1].empty() && cgroup_dir.empty()) {  // v2
+      cgroup_dir = "/sys/fs/cgroup" + parts[2];
+      limit_file = "memory.max";
+    }
+  }
+  const std::string child = absl::StrCat(cgroup_dir, "/kvdepot-test-", getpid());
+  if (cgroup_dir.empty() || mkdir(child.c_str(), 0755) != 0) {
+    GTEST_SKIP() << "cannot create a memory cgroup under '" << cgroup_dir << "'";
+  }
+  std::ofstream(child + "/" + limit_file) << (uint64_t{512} << 20);
+  std::string limit;
+  std::getline(std::ifstream(child + "/" + limit_file), limit);
+  if (limit != std::to_string(uint64_t{512} << 20)) {
+    rmdir(child.c_str());
+    GTEST_SKIP() << "no memory limit in " << child << " (" << limit << ")";
+  }
+  const std::string dir = MakeTempDir("cgroup");
+  std::string err;
+  // The shell moves itself into the cgroup, then becomes the daemon.
+  int rc = RunAndWait(
+      {"/bin/sh", "-c",
+       absl::StrCat("echo $$ > ", child, "/cgroup.procs && exec ", testing::DaemonBinary(),
+                    " --listen 127.0.0.1:0 --metrics-listen '' --nvme-capacity 0"
+                    " --dram-capacity 1GiB --data-dir ",
+                    dir)},
+      &err, absl::Seconds(60));
+  rmdir(child.c_str());
+  EXPECT_EQ(rc, 1) << err;
+  EXPECT_NE(err.find("does not fit this process's memory limit"), std::string::npos) << err;
 }
 
 // A data dir on a file system that went read-only (the usual reaction of
