@@ -26,6 +26,20 @@ import torch
 # vLLM stand-ins (the attributes the connector reads, as vLLM 0.11 names them)
 
 
+class FakeClock:
+    """A clock for a CircuitBreaker (``breaker.clock``) that moves only when
+    told to (``advance``)."""
+
+    def __init__(self):
+        self.now = 1000.0
+
+    def __call__(self):
+        return self.now
+
+    def advance(self, seconds):
+        self.now += seconds
+
+
 class FakeModelConfig:
     def __init__(self, model: str, num_layers: int, num_kv_heads: int,
                  head_size: int, dtype: Any) -> None:

@@ -25,7 +25,7 @@ try:
     import torch
     import kvdepot
     from kvdepot.integrations import sglang as kv_sglang
-    from engine_harness import (FakeMHAHostPool, FakeStorageConfig,
+    from engine_harness import (FakeClock, FakeMHAHostPool, FakeStorageConfig,
                                 create_dynamic_backend, sglang_page_hashes)
     from live_daemon import Daemon
 except ImportError as e:  # pragma: no cover
@@ -145,19 +145,6 @@ class GoneClient(Passthrough):
 
     def put_async(self, *args, **kwargs):
         return self._call("put_async", *args, **kwargs)
-
-
-class FakeClock:
-    """A clock for a CircuitBreaker that moves only when told to."""
-
-    def __init__(self):
-        self.now = 1000.0
-
-    def __call__(self):
-        return self.now
-
-    def advance(self, seconds):
-        self.now += seconds
 
 
 def server_args_module(**fields):

@@ -25,7 +25,7 @@ try:
     import torch
     import kvdepot
     from kvdepot.integrations import vllm as kv_vllm
-    from engine_harness import (FakeCUDAGraphMode, FakeRequest, VllmEngine,
+    from engine_harness import (FakeClock, FakeCUDAGraphMode, FakeRequest, VllmEngine,
                                 make_vllm_config)
     from live_daemon import Daemon
 except ImportError as e:  # pragma: no cover
@@ -113,20 +113,6 @@ class CallLog:
 
     def sizes(self, kind=None):
         return [len(k) for c, k, _ in self.calls if kind in (None, c)]
-
-
-class FakeClock:
-    """A clock for a CircuitBreaker (``breaker.clock``) that moves only when
-    told to (``advance``)."""
-
-    def __init__(self):
-        self.now = 1000.0
-
-    def __call__(self):
-        return self.now
-
-    def advance(self, seconds):
-        self.now += seconds
 
 
 class VllmConnectorTest(unittest.TestCase):
