@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Unit tests of the block keys of kvdepot.integrations (shared by the engine
 connectors and tools/multiturn): the encoding, fixed test vectors, chaining,
-and the same keys in another process. Needs only the package on PYTHONPATH
+and the same keys in another process; and of its CircuitBreaker. Needs only the package on PYTHONPATH
 (exits 77 without it).
 
     PYTHONPATH=build/python /usr/bin/python3 client/python/tests/test_block_keys.py -v
@@ -16,6 +16,7 @@ import unittest
 try:
     from kvdepot.integrations import (
         ROOT_HASH,
+        CircuitBreaker,
         block_hashes,
         encode_block,
         hash_block,
@@ -134,6 +135,51 @@ class ModelLabelTest(unittest.TestCase):
         b = model_label("m" * 200 + "b")
         self.assertLessEqual(max(len(a), len(b)), 100)
         self.assertNotEqual(a, b)
+
+
+
+class CircuitBreakerTest(unittest.TestCase):
+    def setUp(self):
+        self.now = 100.0
+        self.breaker = CircuitBreaker("test", min_s=1.0, max_s=4.0, clock=lambda: self.now)
+        self.assertTrue(self.breaker.failed(RuntimeError("UNAVAILABLE: gone")))
+
+    def test_a_probe_the_daemon_answers_with_another_error_closes_it(self):
+        # Any answer means the daemon is back: a probe that gets, say,
+        # RESOURCE_EXHAUSTED must not leave the breaker open for good.
+        self.assertFalse(self.breaker.allow())
+        self.now += 1.01
+        self.assertTrue(self.breaker.allow())  # the probe
+        with self.assertLogs("kvdepot.integrations", "WARNING"):
+            self.assertFalse(self.breaker.failed(RuntimeError("RESOURCE_EXHAUSTED: full")))
+        self.assertFalse(self.breaker.is_open)
+        self.assertTrue(self.breaker.allow())
+        # A per-block error is an answer too.
+        self.assertTrue(self.breaker.failed(("DEADLINE_EXCEEDED", "late")))
+        self.assertFalse(self.breaker.failed(("NOT_FOUND", "miss")))
+        self.assertFalse(self.breaker.is_open)
+
+    def test_a_local_error_changes_nothing(self):
+        self.now += 1.01
+        self.assertTrue(self.breaker.allow())
+        self.assertFalse(self.breaker.failed(ValueError("bad argument")))
+        self.assertTrue(self.breaker.is_open)
+        self.assertFalse(self.breaker.allow())  # the next window's probe waits
+
+    def test_failed_probes_double_the_window_up_to_the_limit(self):
+        # Opened at 100 for 1 s; each failed probe doubles it: 2, 4, then 4.
+        probe_at = 101.0
+        for window in (2.0, 4.0, 4.0):
+            self.now = probe_at - 0.01
+            self.assertFalse(self.breaker.allow(), window)
+            self.now = probe_at + 0.01
+            self.assertTrue(self.breaker.allow(), window)
+            self.assertTrue(self.breaker.failed(RuntimeError("UNAVAILABLE: still gone")))
+            probe_at = self.now + window
+        self.now = probe_at - 0.01
+        self.assertFalse(self.breaker.allow())
+        self.now = probe_at + 0.01
+        self.assertTrue(self.breaker.allow())
 
 
 if __name__ == "__main__":

@@ -1380,7 +1380,8 @@ class VllmConnectorTest(unittest.TestCase):
                 self.assertEqual(lookup(), (0, False))
             self.assertEqual(log.attempts, attempts + 1)
             self.assertEqual(e.scheduler.stats["unavailable_skips"], 3)
-            # The held pin is dropped without a call (its lease ends it).
+            # The held pin is kept without a call, to be released later
+            # (the session's keep-alives would hold it for good).
             self.assertEqual(e.scheduler.request_finished(held, []), (False, None))
             self.assertEqual(log.attempts, attempts + 1)
             # Past each window one call probes; each failed probe doubles
@@ -1408,7 +1409,9 @@ class VllmConnectorTest(unittest.TestCase):
         opened = [line for line in logs.output if "not calling it" in line]
         closed = [line for line in logs.output if "answers again" in line]
         self.assertEqual((len(opened), len(closed)), (1, 1), logs.output)
-        self.assertEqual(self.pins(), 1)  # the dropped pin, until its lease ends
+        # The held pin was released with the first unpin once it answered.
+        self.assertEqual(self.pins(), 0)
+        self.assertEqual(e.scheduler._owed_unpins, [])
 
     def test_hung_daemon_lookup_deadline_then_back_off(self):
         # A stopped (hung) daemon: the scheduler's lookup gives up after

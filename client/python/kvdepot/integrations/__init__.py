@@ -333,10 +333,18 @@ class CircuitBreaker:
     def failed(self, error: Any) -> bool:
         """Reports a call's failure (an exception or a per-block error):
         opens the breaker, or doubles its window after a failed probe, if
-        ``error`` says the daemon is unavailable; otherwise changes nothing.
-        Returns whether it did."""
+        ``error`` says the daemon is unavailable, and returns True. Another
+        status code means the daemon answered: closes it (as
+        :meth:`succeeded`); an error without one changes nothing."""
         code = status_code(error)
-        if self.min_s <= 0 or code not in UNAVAILABLE_CODES:
+        if self.min_s <= 0:
+            return False
+        if code not in UNAVAILABLE_CODES:
+            # Another status: kvdepotd answered (a probe that gets one closes
+            # the breaker, or it would stay open); an error with no status
+            # (a local one) says nothing about it.
+            if code is not None:
+                self.succeeded()
             return False
         with self._lock:
             now = self.clock()

@@ -96,7 +96,8 @@ How it works (one forward pass at a time; loads stream layer by layer):
   after each failed retry up to ``max_backoff_s``, reset once it answers;
   one warning when it opens, one when it closes): lookups offer 0 tokens,
   loads fail (recompute), saves are skipped (counted as save errors), pins
-  are dropped (their session lease ends them), each skipped call counted in
+  are kept and unpinned once it answers again (the client's keep-alives
+  would hold them for good), each skipped call counted in
   ``stats["unavailable_skips"]``. Lookups have their own deadline,
   ``lookup_timeout_s``, shorter than the transfers' ``timeout_s``: they run
   in vLLM's scheduling loop. Requests with multimodal inputs or prompt
@@ -448,6 +449,11 @@ class KvDepotConnector(KVConnectorBase_V1):  # type: ignore[misc,valid-type]
             f"vLLM {getattr(role, 'name', role)}",
             min_s=float(extra.get("backoff_s", 1.0)),
             max_s=float(extra.get("max_backoff_s", 30.0)), log=logger)
+        # Pins still to release (the scheduler's): those whose unpin was not
+        # made (the breaker's window) or found the daemon unavailable. The
+        # session's keep-alives would hold them (and their blocks in DRAM)
+        # for good; released by the next _unpin that may call.
+        self._owed_unpins: List[int] = []
         # The most blocks one load or save stages at once (the store keeps
         # its staging memory, sized by its largest use, for good).
         self._max_staging_blocks = int(extra.get("max_staging_blocks", 128))
@@ -795,23 +801,41 @@ class KvDepotConnector(KVConnectorBase_V1):  # type: ignore[misc,valid-type]
             )
         return st.keys[:num_blocks]
 
+    # Most pins kept for a later unpin; past it the oldest are forgotten
+    # (they end with the session: a restart of the engine or the daemon).
+    _MAX_OWED_UNPINS = 1 << 16
+
     def _unpin(self, st: _RequestState) -> None:
-        """Releases every pin of the request's last lookup, once (a failed
-        unpin is logged: the session's lease ends it). While kvdepotd is
-        unavailable (the breaker's window) the pins are dropped without a
-        call: the session's lease ends them."""
+        """Releases every pin of the request's last lookup, once, and those
+        owed from before. A pin whose unpin cannot be made now (the breaker's
+        window, or the daemon unavailable) is kept and released by a later
+        call, once the breaker has closed: the client's keep-alives renew
+        its session, so the pin (and its blocks in DRAM) would otherwise
+        last as long as the engine. An
+        unpin the daemon refuses (an unknown pin: its session ended) is
+        logged and forgotten."""
         pins, st.pin_ids = st.pin_ids, []
         if self._client is None:
             return
-        for pin in pins:
-            if self._breaker.blocked():
-                continue
+        self._owed_unpins.extend(pins)
+        if len(self._owed_unpins) > self._MAX_OWED_UNPINS:
+            dropped = len(self._owed_unpins) - self._MAX_OWED_UNPINS
+            del self._owed_unpins[:dropped]
+            logger.warning("kvdepot: %d pins not released (kvdepotd unavailable too long); "
+                           "they end with the session", dropped)
+        # While the breaker is open, even past its window, not here: the
+        # next lookup is its probe.
+        while self._owed_unpins and not self._breaker.is_open:
+            pin = self._owed_unpins[0]
             try:
                 self._client.unpin(pin)
                 self._breaker.succeeded()
-            except Exception as e:  # noqa: BLE001 - the session lease ends it
-                self._breaker.failed(e)
+            except Exception as e:  # noqa: BLE001
+                if self._breaker.failed(e):  # unavailable: kept for later
+                    logger.warning("kvdepot: unpin %d failed, retried later: %s", pin, e)
+                    return
                 logger.warning("kvdepot: unpin %d failed: %s", pin, e)
+            self._owed_unpins.pop(0)
 
     def _lookup_prefix(self, st: _RequestState, keys: List[bytes]) -> int:
         """The stored prefix of ``keys``, in blocks, pinned: a prefix lookup
