@@ -1147,6 +1147,7 @@ void Client::ReadInto(absl::string_view ns, absl::Span<const absl::string_view> 
   v1::ReadRequest req;
   req.set_namespace_(std::string(ns));
   for (size_t i : want) req.add_keys(std::string(keys[i]));
+  req.set_looked_up(true);  // `found` came of a Lookup: counted there
   grpc::ClientContext ctx;
   PrepareContext(&ctx);
   std::unique_ptr<grpc::ClientReader<v1::ReadResponse>> reader =

@@ -527,7 +527,7 @@ class ReadReactor final : public grpc::ServerWriteReactor<grpc::ByteBuffer>,
   void OnDone() override {
     service_.Unregister(this);
     service_.metrics().AddBytesOut(stream_.bytes_out());
-    if (!stream_.lookups().entries.empty()) {
+    if (!stream_.lookups().entries.empty() && !req_.looked_up()) {
       service_.metrics().RecordLookup(req_.namespace_(), /*prefix=*/false,
                                       stream_.lookups());
     }

@@ -53,7 +53,7 @@ TEST(MetricsTest, ExportsTheContractAndCountsLookupsWithDenominators) {
   // Three chained blocks, then a prefix lookup of four keys (3 hits, 1
   // miss), a plain lookup of two (1 hit, 1 miss), a read of a stored block
   // and one of a missing one (a Read's keys are lookups too, as the store
-  // counts them), an eviction.
+  // counts them), a GetInto of one stored and one missing, an eviction.
   const std::string bytes(64 << 10, 'm');
   std::vector<std::string> keys = {"k0", "k1", "k2"};
   std::vector<BlockToPut> puts = {{keys[0], "", bytes}, {keys[1], keys[0], bytes},
@@ -69,6 +69,15 @@ TEST(MetricsTest, ExportsTheContractAndCountsLookupsWithDenominators) {
   ASSERT_OK(client->Get("metrics/ns", {&k0, 1}));
   absl::string_view nope = "nope";
   EXPECT_FALSE(client->Get("metrics/ns", {&nope, 1}).ok());
+  // GetInto of unregistered memory: a pinned Lookup, then a Read of the
+  // hits that the Lookup counted already (1 hit, 1 miss, counted once).
+  std::vector<absl::string_view> into_keys = {"k1", "nope"};
+  std::string b1(bytes.size(), 0), b2(bytes.size(), 0);
+  std::vector<absl::Span<char>> into = {absl::MakeSpan(b1), absl::MakeSpan(b2)};
+  auto got = client->GetInto("metrics/ns", into_keys, into);
+  ASSERT_OK(got);
+  EXPECT_EQ(*got, (std::vector<bool>{true, false}));
+  EXPECT_EQ(b1, bytes);
   absl::string_view k2 = "k2";
   ASSERT_OK(client->Evict("metrics/ns", {&k2, 1}, /*all=*/false));
 
@@ -77,25 +86,26 @@ TEST(MetricsTest, ExportsTheContractAndCountsLookupsWithDenominators) {
   const std::string ns = "namespace=\"metrics/ns\"";
   EXPECT_EQ(Value(text, "kvdepot_lookup_keys_total{" + ns +
                             ",result=\"hit\",tier=\"dram\"}"),
-            5);
+            6);
   EXPECT_EQ(Value(text, "kvdepot_lookup_keys_total{" + ns +
                             ",result=\"miss\",tier=\"none\"}"),
-            3);
+            4);
   EXPECT_EQ(Value(text, "kvdepot_lookup_prefix_keys_asked_total{" + ns + "}"), 4);
   EXPECT_EQ(Value(text, "kvdepot_lookup_prefix_hit_keys_total{" + ns + "}"), 3);
   EXPECT_EQ(Value(text, "kvdepot_evictions_total{reason=\"admin\",tier=\"dram\"}"), 1);
-  // Hits + misses = keys asked (4 + 2 + 1 + 1); bytes = what the client moved.
+  // Hits + misses = keys asked (4 + 2 + 1 + 1 + 2); bytes = what the client
+  // moved.
   double keys_counted = 0;
   for (const char* series : {",result=\"hit\",tier=\"dram\"}", ",result=\"hit\",tier=\"nvme\"}",
                              ",result=\"miss\",tier=\"none\"}"}) {
     keys_counted += Value(text, "kvdepot_lookup_keys_total{" + ns + series);
   }
-  EXPECT_EQ(keys_counted, 8);
+  EXPECT_EQ(keys_counted, 10);
   EXPECT_EQ(Value(text, "kvdepot_bytes_total{direction=\"in\",transport=\"grpc\"}"),
             3.0 * bytes.size());
   EXPECT_EQ(Value(text, "kvdepot_bytes_total{direction=\"out\",transport=\"grpc\"}"),
-            1.0 * bytes.size());
-  EXPECT_EQ(Value(text, "kvdepot_requests_total{code=\"OK\",op=\"Lookup\"}"), 2);
+            2.0 * bytes.size());
+  EXPECT_EQ(Value(text, "kvdepot_requests_total{code=\"OK\",op=\"Lookup\"}"), 3);
   // Series with fixed labels exist before their first event.
   EXPECT_EQ(Value(text, "kvdepot_integrity_errors_total{tier=\"nvme\"}"), 0);
   EXPECT_EQ(Value(text, "kvdepot_demotion_failures_total"), 0);
