@@ -33,22 +33,24 @@ std::string ListenedOn(const std::string& listen, int port) {
   return JoinHostPort(split.ok() ? split->host : listen, port);
 }
 
-// Free explicit hugepages (of the default size), from /proc/meminfo; 0
-// when it cannot be read.
+// Explicit hugepages (of the default size) free and not reserved by other
+// mappings, from /proc/meminfo; 0 when it cannot be read.
 uint64_t FreeHugetlbBytes() {
   std::ifstream meminfo("/proc/meminfo");
-  uint64_t free_pages = 0, page_kib = 0;
+  uint64_t free_pages = 0, reserved_pages = 0, page_kib = 0;
   std::string line;
   while (std::getline(meminfo, line)) {
     absl::string_view v = line;
     if (absl::ConsumePrefix(&v, "HugePages_Free:")) {
       (void)absl::SimpleAtoi(absl::StripAsciiWhitespace(v), &free_pages);
+    } else if (absl::ConsumePrefix(&v, "HugePages_Rsvd:")) {
+      (void)absl::SimpleAtoi(absl::StripAsciiWhitespace(v), &reserved_pages);
     } else if (absl::ConsumePrefix(&v, "Hugepagesize:")) {
       absl::ConsumeSuffix(&v, "kB");
       (void)absl::SimpleAtoi(absl::StripAsciiWhitespace(v), &page_kib);
     }
   }
-  return free_pages * page_kib * 1024;
+  return (free_pages > reserved_pages ? free_pages - reserved_pages : 0) * page_kib * 1024;
 }
 
 }  // namespace

@@ -12,7 +12,10 @@ namespace kvdepot {
 //   memtable entry of its size; with the limit at 64 MiB, blocks of 64 MiB
 //   and more were mapped anew twice per demotion, and writing a DRAM tier
 //   of 64 MiB blocks to NVMe on SIGTERM took 2x as long here (6.0 s vs
-//   2.7-3.0 s for 768 MiB, alternating runs, 2-core VM).
+//   2.7-3.0 s for 768 MiB, alternating runs, 2-core VM). That holds on the
+//   main arena (the thread that persists on SIGTERM); the other arenas'
+//   heaps are at most 64 MiB, so a thread on one of them (the background
+//   evictor) still maps each buffer of 64 MiB or more.
 // - Few malloc arenas, so freed block-sized buffers are not kept once per
 //   thread (RSS would grow with the thread count).
 // - Debian's Abseil is built with Mutex deadlock detection on, which takes a

@@ -240,6 +240,18 @@ std::optional<uint64_t> ReadCgroupNumber(const std::string& path) {
   return value;
 }
 
+// One field of a cgroup's memory.stat ("inactive_file 4096"); nullopt when
+// absent.
+std::optional<uint64_t> ReadCgroupStat(const std::string& path, absl::string_view field) {
+  std::ifstream in(path);
+  std::string name;
+  uint64_t value = 0;
+  while (in >> name >> value) {
+    if (name == field) return value;
+  }
+  return std::nullopt;
+}
+
 }  // namespace
 
 namespace transport_internal {
@@ -252,20 +264,36 @@ std::optional<uint64_t> CgroupMemoryLeft(const std::string& proc_cgroup,
   while (std::getline(cgroups, line)) {
     std::vector<std::string> parts = absl::StrSplit(line, absl::MaxSplits(':', 2));
     if (parts.size() != 3) continue;
-    std::optional<uint64_t> limit, usage;
-    if (parts[0] == "0" && parts[1].empty()) {  // cgroup v2
-      const std::string dir = root + parts[2];
-      limit = ReadCgroupNumber(dir + "/memory.max");
-      usage = ReadCgroupNumber(dir + "/memory.current");
-    } else if (absl::StrContains(parts[1], "memory")) {  // v1
-      const std::string dir = root + "/memory" + parts[2];
-      limit = ReadCgroupNumber(dir + "/memory.limit_in_bytes");
-      usage = ReadCgroupNumber(dir + "/memory.usage_in_bytes");
+    // The hierarchy's mount, and its files' names (v2; v1).
+    std::string mount, limit_file, usage_file, inactive_field;
+    if (parts[0] == "0" && parts[1].empty()) {
+      mount = root;
+      limit_file = "/memory.max";
+      usage_file = "/memory.current";
+      inactive_field = "inactive_file";
+    } else if (absl::StrContains(parts[1], "memory")) {
+      mount = root + "/memory";
+      limit_file = "/memory.limit_in_bytes";
+      usage_file = "/memory.usage_in_bytes";
+      inactive_field = "total_inactive_file";
     } else {
       continue;
     }
+    // The process's cgroup as the file names it; where that path is not in
+    // this mount, the mount's root: a container that shares the host's
+    // cgroup namespace (Docker on v1) sees the host's path, and has its own
+    // cgroup mounted at the root.
+    std::string dir = mount + parts[2];
+    if (!std::ifstream(dir + limit_file).good()) dir = mount;
+    std::optional<uint64_t> limit = ReadCgroupNumber(dir + limit_file);
+    std::optional<uint64_t> usage = ReadCgroupNumber(dir + usage_file);
     if (!limit.has_value() || !usage.has_value()) continue;  // no limit there
-    const uint64_t here = *limit > *usage ? *limit - *usage : 0;
+    // Inactive page cache counts in the usage but is reclaimed before the
+    // cgroup runs out (a data dir copied in just before start).
+    const uint64_t inactive =
+        ReadCgroupStat(dir + "/memory.stat", inactive_field).value_or(0);
+    const uint64_t used = *usage > inactive ? *usage - inactive : 0;
+    const uint64_t here = *limit > used ? *limit - used : 0;
     left = left.has_value() ? std::min(*left, here) : here;
   }
   return left;

@@ -143,10 +143,13 @@ class UcxContext {
 namespace transport_internal {
 
 // What the memory cgroups of a process still allow it (a container's or a
-// systemd unit's limit less its usage; the least over cgroup v1 and v2),
-// from its /proc/<pid>/cgroup file `proc_cgroup` and the cgroup file
-// system mounted at `root` ("/sys/fs/cgroup"); nullopt where none has a
-// limit it can read. /proc/meminfo shows the host's memory, not this.
+// systemd unit's limit less its usage, less the inactive page cache that
+// would be reclaimed; the least over cgroup v1 and v2), from its
+// /proc/<pid>/cgroup file `proc_cgroup` and the cgroup file system mounted
+// at `root` ("/sys/fs/cgroup"); where the cgroup that file names is not in
+// that mount (a container sharing the host's cgroup namespace), the
+// mount's root cgroup. nullopt where none has a limit it can read.
+// /proc/meminfo shows the host's memory, not this.
 std::optional<uint64_t> CgroupMemoryLeft(const std::string& proc_cgroup,
                                          const std::string& root);
 

@@ -511,6 +511,21 @@ TEST(UcxContextAllocateTest, TheCgroupsLimitIsFoundInV1AndV2) {
   write(root + "/sys/memory/docker/c1/memory.usage_in_bytes", "8192\n");
   EXPECT_EQ(transport_internal::CgroupMemoryLeft(root + "/v1/cgroup", root + "/sys"),
             std::optional<uint64_t>(0));
+  // A container sharing the host's cgroup namespace (Docker on v1): its
+  // file names the host's path, and its own cgroup is mounted at the root.
+  write(root + "/shared/cgroup", "4:memory:/docker/c2\n");
+  write(root + "/sys2/memory/memory.limit_in_bytes", "3221225472\n");
+  write(root + "/sys2/memory/memory.usage_in_bytes", "1073741824\n");
+  EXPECT_EQ(transport_internal::CgroupMemoryLeft(root + "/shared/cgroup", root + "/sys2"),
+            std::optional<uint64_t>(uint64_t{2} << 30));
+  // Inactive page cache (reclaimable) does not count as used.
+  write(root + "/sys2/memory/memory.stat",
+        "cache 900000000\ntotal_inactive_file 536870912\ntotal_rss 1\n");
+  EXPECT_EQ(transport_internal::CgroupMemoryLeft(root + "/shared/cgroup", root + "/sys2"),
+            std::optional<uint64_t>((uint64_t{5} << 29)));
+  write(root + "/sys/kubepods/pod1/memory.stat", "anon 1\ninactive_file 3741824\n");
+  EXPECT_EQ(transport_internal::CgroupMemoryLeft(root + "/v2/cgroup", root + "/sys"),
+            std::optional<uint64_t>(1003741824));
   std::filesystem::remove_all(root);
 }
 
