@@ -311,7 +311,7 @@ grpc::ServerUnaryReactor* KvDepotService::BeginPut(
 void KvDepotService::StartBeginPut(grpc::CallbackServerContext* ctx,
                                    const v1::BeginPutRequest* req,
                                    v1::BeginPutResponse* resp, Finish finish,
-                                   bool must_not_block) {
+                                   bool must_not_block, absl::Status refuse_with) {
   if (absl::Status st = RequireSession(req->session_id()); !st.ok()) {
     return finish(st);
   }
@@ -324,6 +324,7 @@ void KvDepotService::StartBeginPut(grpc::CallbackServerContext* ctx,
   absl::StatusOr<Reservation> r = store_.BeginPut(
       req->session_id(), req->namespace_(), specs, must_not_block ? &would_wait : nullptr);
   if (would_wait) {
+    if (!refuse_with.ok()) return finish(refuse_with);
     // DRAM is full of pinned and reserved blocks: the put waits for room
     // (up to 5 s) on put_pool_, not on gRPC's threads, which every other
     // call (a KeepAlive holding a lease) needs.
@@ -332,12 +333,13 @@ void KvDepotService::StartBeginPut(grpc::CallbackServerContext* ctx,
       if (ctx->IsCancelled()) {  // the client gave up meanwhile
         return finish(absl::CancelledError("the client cancelled the put"));
       }
-      if (!queued.ok()) return finish(queued);
-      StartBeginPut(ctx, req, resp, finish, false);
+      // Queued too long: one more try, without waiting.
+      StartBeginPut(ctx, req, resp, finish, /*must_not_block=*/!queued.ok(), queued);
     });
   }
   if (!r.ok()) return finish(r.status());
-  if (!must_not_block && r->id != 0 && ctx->IsCancelled()) {
+  const bool on_put_pool = !must_not_block || !refuse_with.ok();
+  if (on_put_pool && r->id != 0 && ctx->IsCancelled()) {
     // Room came after the client gave up: no one would learn the
     // reservation's id, and its session's keep-alives would hold the
     // space until the session ends.
@@ -438,8 +440,10 @@ class WriteReactor final : public grpc::ServerReadReactor<v1::WriteRequest>,
   // room (DRAM full of pinned and reserved blocks) waits on the service's
   // put pool, not on gRPC's threads, which every other call needs; the
   // next read starts from there.
-  void Apply(bool must_not_block) {
-    if (!must_not_block && ctx_->IsCancelled()) {
+  // `refuse_with` (a put that queued too long on the pool): a block that
+  // would still wait ends the stream with it instead.
+  void Apply(bool must_not_block, absl::Status refuse_with = absl::OkStatus()) {
+    if ((!must_not_block || !refuse_with.ok()) && ctx_->IsCancelled()) {
       Finish(absl::CancelledError("client cancelled the write"));
       return;
     }
@@ -447,9 +451,10 @@ class WriteReactor final : public grpc::ServerReadReactor<v1::WriteRequest>,
     bool would_wait = false;
     absl::Status st = stream_.Consume(msg_, must_not_block ? &would_wait : nullptr);
     if (would_wait) {
+      if (!refuse_with.ok()) return Finish(refuse_with);
       service_.SubmitWaitingPut([this](absl::Status queued) {
-        if (!queued.ok()) return Finish(queued);
-        Apply(false);
+        // Queued too long: one more try, without waiting.
+        Apply(/*must_not_block=*/!queued.ok(), queued);
       });
       return;
     }
@@ -1074,7 +1079,8 @@ grpc::ServerUnaryReactor* KvDepotService::PullBlocks(
 void KvDepotService::StartPullBlocks(const v1::PullBlocksRequest* req,
                                      v1::PullBlocksResponse* resp,
                                      Finish finish, bool must_not_block,
-                                     std::shared_ptr<IncomingData> data) {
+                                     std::shared_ptr<IncomingData> data,
+                                     absl::Status refuse_with) {
   const SessionId session = req->session_id();
   absl::Status check = RequireEndpoint(session);
   bool with_data = data != nullptr && *data != nullptr;
@@ -1110,11 +1116,12 @@ void KvDepotService::StartPullBlocks(const v1::PullBlocksRequest* req,
                                    must_not_block ? &would_wait : nullptr)
                  : absl::StatusOr<Reservation>(check);
   if (would_wait) {
+    if (!refuse_with.ok()) return finish(refuse_with);
     // DRAM is full and the evictor is to make room: wait for it elsewhere.
     return SubmitWaitingPut(
         [this, req, resp, finish = std::move(finish), data](absl::Status queued) {
-          if (!queued.ok()) return finish(queued);
-          StartPullBlocks(req, resp, finish, false, data);
+          // Queued too long: one more try, without waiting.
+          StartPullBlocks(req, resp, finish, /*must_not_block=*/!queued.ok(), data, queued);
         });
   }
   if (!resv.ok()) {

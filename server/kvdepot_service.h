@@ -171,8 +171,9 @@ class KvDepotService final
   // Runs `put` (one that would wait for room: BeginPut's would_wait) on
   // put_pool_, where it may wait (the store waits up to 5 s). With OK, or,
   // when it queued there kMaxQueuedForRoom or longer behind other waiting
-  // puts, with ResourceExhausted, and then it must not wait again: so a
-  // put is answered within about twice the store's wait however many wait.
+  // puts, with ResourceExhausted: then it tries once more without waiting
+  // and, if it still would, ends with that status. So a put is answered
+  // within about twice the store's wait however many wait.
   void SubmitWaitingPut(absl::AnyInvocable<void(absl::Status) &&> put);
   static constexpr absl::Duration kMaxQueuedForRoom = absl::Seconds(5);
   ServerMetrics& metrics() { return metrics_; }
@@ -196,10 +197,13 @@ class KvDepotService final
                        v1::PushBlocksResponse* resp, Finish finish,
                        bool over_ucx = false);
   // BeginPut; `must_not_block` (on a gRPC thread): a put that would wait
-  // for room goes on put_pool_ and waits there.
+  // for room goes on put_pool_ and waits there. Not OK `refuse_with` (with
+  // must_not_block, on put_pool_: it queued there too long, see
+  // SubmitWaitingPut): a put that would wait ends with it instead.
   void StartBeginPut(grpc::CallbackServerContext* ctx,
                      const v1::BeginPutRequest* req, v1::BeginPutResponse* resp,
-                     Finish finish, bool must_not_block);
+                     Finish finish, bool must_not_block,
+                     absl::Status refuse_with = absl::OkStatus());
   // `must_not_block` (every UCX request: on a progress thread, or on one of
   // the few request threads all co-located clients share): a put that
   // would wait for room (BeginPut's would_wait) goes on put_pool_ and waits
@@ -210,10 +214,12 @@ class KvDepotService final
   // already (dropped) outweigh the new blocks' and 1 MiB: then the data is
   // released unread and the new blocks are read from their sources.
   using IncomingData = std::unique_ptr<UcxWorker::IncomingData>;
+  // `refuse_with`: as StartBeginPut's.
   void StartPullBlocks(const v1::PullBlocksRequest* req,
                        v1::PullBlocksResponse* resp, Finish finish,
                        bool must_not_block = false,
-                       std::shared_ptr<IncomingData> data = nullptr);
+                       std::shared_ptr<IncomingData> data = nullptr,
+                       absl::Status refuse_with = absl::OkStatus());
   // What an abandoned batch holds, for the log and kvdepot_ucx_held_bytes.
   struct HeldFor {
     std::string what;  // "reads into 3 slots"
