@@ -12,6 +12,7 @@
 #include <limits>
 #include <map>
 #include <set>
+#include <type_traits>
 
 #include "absl/strings/ascii.h"
 #include "absl/strings/match.h"
@@ -159,17 +160,6 @@ absl::Status ApplyConfig(const YAML::Node& root, const std::string& path, Daemon
       return absl::OkStatus();
     };
   };
-  uint64_t max_batch = c->store.max_batch_keys;
-  uint64_t grpc_threads = static_cast<uint64_t>(c->grpc_max_threads);
-  uint64_t grpc_streams = static_cast<uint64_t>(c->grpc_max_streams_per_connection);
-  uint64_t ns_labels = static_cast<uint64_t>(c->metrics_namespace_labels);
-  uint64_t metrics_threads = static_cast<uint64_t>(c->metrics_threads);
-  uint64_t ucx_workers = static_cast<uint64_t>(c->ucx_workers);
-  uint64_t ucx_colocated = static_cast<uint64_t>(c->ucx_colocated_workers);
-  uint64_t max_sessions = c->store.max_sessions;
-  uint64_t max_namespaces = c->store.max_namespaces;
-  uint64_t max_pinned = c->store.max_pinned_blocks;
-  uint64_t max_pinned_session = c->store.max_pinned_blocks_per_session;
   auto bool_into = [](bool* out) -> Setter {
     return [out](const std::string& v) {
       if (v != "true" && v != "false") {
@@ -180,10 +170,15 @@ absl::Status ApplyConfig(const YAML::Node& root, const std::string& path, Daemon
       return absl::OkStatus();
     };
   };
-  // Range-checked here, before the value is narrowed into its field (an
-  // unchecked cast made 4294967297 max_batch_keys 1); `max` is at most the
-  // field's largest value, and ValidateConfig checks the tighter rules.
-  auto uint_into = [](uint64_t* out, uint64_t max) -> Setter {
+  // Into an integer field of any type, range-checked before the value is
+  // narrowed into it (an unchecked cast made 4294967297 max_batch_keys 1):
+  // at most `limit` and the field type's largest value; ValidateConfig
+  // checks the tighter rules.
+  auto uint_into = [](auto* out,
+                      uint64_t limit = std::numeric_limits<uint64_t>::max()) -> Setter {
+    using Field = std::remove_pointer_t<decltype(out)>;
+    const uint64_t max =
+        std::min(limit, static_cast<uint64_t>(std::numeric_limits<Field>::max()));
     return [out, max](const std::string& v) {
       uint64_t n;
       if (!absl::SimpleAtoi(v, &n)) {
@@ -192,16 +187,15 @@ absl::Status ApplyConfig(const YAML::Node& root, const std::string& path, Daemon
       if (n > max) {
         return absl::InvalidArgumentError(absl::StrCat(v, " is too large (at most ", max, ")"));
       }
-      *out = n;
+      *out = static_cast<Field>(n);
       return absl::OkStatus();
     };
   };
-  constexpr uint64_t kMaxInt = std::numeric_limits<int>::max();
   const std::map<std::string, Setter> setters = {
       {"listen", string_into(&c->listen)},
       {"metrics_listen", string_into(&c->metrics_listen)},
-      {"metrics_namespace_labels", uint_into(&ns_labels, 100000)},
-      {"metrics_threads", uint_into(&metrics_threads, kMaxInt)},
+      {"metrics_namespace_labels", uint_into(&c->metrics_namespace_labels, 100000)},
+      {"metrics_threads", uint_into(&c->metrics_threads)},
       {"metrics_request_timeout", duration_into(&c->metrics_request_timeout)},
       {"data_dir", string_into(&c->data_dir)},
       {"log_level", string_into(&c->log_level)},
@@ -210,14 +204,13 @@ absl::Status ApplyConfig(const YAML::Node& root, const std::string& path, Daemon
       {"dram_capacity", size_into(&c->store.dram_capacity)},
       {"grpc_memory_limit", size_into(&c->grpc_memory_limit)},
       {"max_block_size", size_into(&c->store.max_block_bytes)},
-      {"max_batch_keys", uint_into(&max_batch, std::numeric_limits<uint32_t>::max())},
-      {"max_sessions", uint_into(&max_sessions, std::numeric_limits<uint32_t>::max())},
-      {"max_namespaces", uint_into(&max_namespaces, std::numeric_limits<uint32_t>::max())},
-      {"max_pinned_blocks", uint_into(&max_pinned, std::numeric_limits<uint32_t>::max())},
-      {"max_pinned_blocks_per_session",
-       uint_into(&max_pinned_session, std::numeric_limits<uint32_t>::max())},
-      {"grpc_max_threads", uint_into(&grpc_threads, kMaxInt)},
-      {"grpc_max_streams_per_connection", uint_into(&grpc_streams, kMaxInt)},
+      {"max_batch_keys", uint_into(&c->store.max_batch_keys)},
+      {"max_sessions", uint_into(&c->store.max_sessions)},
+      {"max_namespaces", uint_into(&c->store.max_namespaces)},
+      {"max_pinned_blocks", uint_into(&c->store.max_pinned_blocks)},
+      {"max_pinned_blocks_per_session", uint_into(&c->store.max_pinned_blocks_per_session)},
+      {"grpc_max_threads", uint_into(&c->grpc_max_threads)},
+      {"grpc_max_streams_per_connection", uint_into(&c->grpc_max_streams_per_connection)},
       {"high_watermark", double_into(&c->store.high_watermark)},
       {"low_watermark", double_into(&c->store.low_watermark)},
       {"session_lease", duration_into(&c->store.default_lease)},
@@ -245,8 +238,8 @@ absl::Status ApplyConfig(const YAML::Node& root, const std::string& path, Daemon
       {"persist_on_shutdown", bool_into(&c->persist_on_shutdown)},
       {"create_namespaces", bool_into(&c->store.create_namespaces)},
       {"ucx_enabled", bool_into(&c->ucx_enabled)},
-      {"ucx_workers", uint_into(&ucx_workers, kMaxInt)},
-      {"ucx_colocated_workers", uint_into(&ucx_colocated, kMaxInt)},
+      {"ucx_workers", uint_into(&c->ucx_workers)},
+      {"ucx_colocated_workers", uint_into(&c->ucx_colocated_workers)},
       {"ucx_transfer_timeout", duration_into(&c->ucx_transfer_timeout)},
   };
   // yaml-cpp keeps every entry of a repeated key: each is an error, never
@@ -310,18 +303,6 @@ absl::Status ApplyConfig(const YAML::Node& root, const std::string& path, Daemon
           absl::StrCat("config ", path, ": ", key, ": ", st.message()));
     }
   }
-  // Each fits its field: uint_into checked it.
-  c->store.max_batch_keys = static_cast<uint32_t>(max_batch);
-  c->store.max_sessions = static_cast<uint32_t>(max_sessions);
-  c->store.max_namespaces = static_cast<uint32_t>(max_namespaces);
-  c->store.max_pinned_blocks = static_cast<uint32_t>(max_pinned);
-  c->store.max_pinned_blocks_per_session = static_cast<uint32_t>(max_pinned_session);
-  c->grpc_max_threads = static_cast<int>(grpc_threads);
-  c->grpc_max_streams_per_connection = static_cast<int>(grpc_streams);
-  c->metrics_namespace_labels = static_cast<int>(ns_labels);
-  c->metrics_threads = static_cast<int>(metrics_threads);
-  c->ucx_workers = static_cast<int>(ucx_workers);
-  c->ucx_colocated_workers = static_cast<int>(ucx_colocated);
   return absl::OkStatus();
 }
 
