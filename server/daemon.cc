@@ -8,21 +8,17 @@
 
 #include <algorithm>
 #include <exception>
-#include <fstream>
 #include <optional>
 #include <string>
 #include <utility>
 
-#include "absl/strings/ascii.h"
-#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
-#include "absl/strings/strip.h"
 #include "absl/time/clock.h"
 #include "server/version.h"
 #include "storage/rocksdb_crc32c.h"
 #include "storage/status_macros.h"
 #include "transport/net_devices.h"
-#include "transport/ucx_context.h"  // transport_internal::CgroupMemoryLeft
+#include "transport/ucx_context.h"  // transport_internal::CgroupMemoryLeft, MeminfoValue
 
 namespace kvdepot {
 namespace {
@@ -36,21 +32,11 @@ std::string ListenedOn(const std::string& listen, int port) {
 // Explicit hugepages (of the default size) free and not reserved by other
 // mappings, from /proc/meminfo; 0 when it cannot be read.
 uint64_t FreeHugetlbBytes() {
-  std::ifstream meminfo("/proc/meminfo");
-  uint64_t free_pages = 0, reserved_pages = 0, page_kib = 0;
-  std::string line;
-  while (std::getline(meminfo, line)) {
-    absl::string_view v = line;
-    if (absl::ConsumePrefix(&v, "HugePages_Free:")) {
-      (void)absl::SimpleAtoi(absl::StripAsciiWhitespace(v), &free_pages);
-    } else if (absl::ConsumePrefix(&v, "HugePages_Rsvd:")) {
-      (void)absl::SimpleAtoi(absl::StripAsciiWhitespace(v), &reserved_pages);
-    } else if (absl::ConsumePrefix(&v, "Hugepagesize:")) {
-      absl::ConsumeSuffix(&v, "kB");
-      (void)absl::SimpleAtoi(absl::StripAsciiWhitespace(v), &page_kib);
-    }
-  }
-  return (free_pages > reserved_pages ? free_pages - reserved_pages : 0) * page_kib * 1024;
+  using transport_internal::MeminfoValue;
+  const uint64_t free_pages = MeminfoValue("HugePages_Free").value_or(0);
+  const uint64_t reserved_pages = MeminfoValue("HugePages_Rsvd").value_or(0);
+  const uint64_t free = free_pages > reserved_pages ? free_pages - reserved_pages : 0;
+  return free * MeminfoValue("Hugepagesize").value_or(0);
 }
 
 }  // namespace

@@ -215,22 +215,6 @@ absl::StatusOr<std::unique_ptr<MemoryRegion>> UcxContext::Register(
 
 namespace {
 
-// MemAvailable of /proc/meminfo, in bytes; nullopt where it cannot be read.
-std::optional<uint64_t> AvailableMemory() {
-  std::ifstream meminfo("/proc/meminfo");
-  std::string line;
-  while (std::getline(meminfo, line)) {
-    absl::string_view rest = line;
-    if (!absl::ConsumePrefix(&rest, "MemAvailable:")) continue;
-    rest = absl::StripAsciiWhitespace(rest);
-    absl::ConsumeSuffix(&rest, "kB");
-    uint64_t kib = 0;
-    if (!absl::SimpleAtoi(absl::StripAsciiWhitespace(rest), &kib)) return std::nullopt;
-    return kib * 1024;
-  }
-  return std::nullopt;
-}
-
 // A number file of the cgroup file system ("max" or unreadable: nullopt).
 std::optional<uint64_t> ReadCgroupNumber(const std::string& path) {
   std::ifstream in(path);
@@ -255,6 +239,21 @@ std::optional<uint64_t> ReadCgroupStat(const std::string& path, absl::string_vie
 }  // namespace
 
 namespace transport_internal {
+
+std::optional<uint64_t> MeminfoValue(absl::string_view field, const std::string& path) {
+  std::ifstream meminfo(path);
+  std::string line;
+  while (std::getline(meminfo, line)) {
+    absl::string_view rest = line;
+    if (!absl::ConsumePrefix(&rest, field) || !absl::ConsumePrefix(&rest, ":")) continue;
+    rest = absl::StripAsciiWhitespace(rest);
+    const bool kib = absl::ConsumeSuffix(&rest, "kB");
+    uint64_t value = 0;
+    if (!absl::SimpleAtoi(absl::StripAsciiWhitespace(rest), &value)) return std::nullopt;
+    return kib ? value * 1024 : value;
+  }
+  return std::nullopt;
+}
 
 std::optional<uint64_t> CgroupMemoryLeft(const std::string& proc_cgroup,
                                          const std::string& root) {
@@ -307,7 +306,7 @@ absl::StatusOr<std::unique_ptr<MemoryRegion>> UcxContext::Allocate(
   // Every page is made below, in shared memory where UCX takes it: more
   // than the host has would not fail but bring the OOM killer (and a
   // shared-memory file that outlives the killed process, holding /dev/shm).
-  if (std::optional<uint64_t> available = AvailableMemory();
+  if (std::optional<uint64_t> available = transport_internal::MeminfoValue("MemAvailable");
       available.has_value() && size > *available) {
     return absl::ResourceExhaustedError(absl::StrCat(
         "allocation of ", size, " bytes: this host has ", *available,

@@ -142,6 +142,12 @@ class UcxContext {
 
 namespace transport_internal {
 
+// The value of `field` ("MemAvailable", "HugePages_Free") in a
+// /proc/meminfo file: in bytes for a size ("... kB"), else the number as
+// written (a page count); nullopt where absent or unreadable.
+std::optional<uint64_t> MeminfoValue(absl::string_view field,
+                                     const std::string& path = "/proc/meminfo");
+
 // What the memory cgroups of a process still allow it (a container's or a
 // systemd unit's limit less its usage, less the inactive page cache that
 // would be reclaimed; the least over cgroup v1 and v2), from its

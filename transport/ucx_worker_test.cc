@@ -529,6 +529,29 @@ TEST(UcxContextAllocateTest, TheCgroupsLimitIsFoundInV1AndV2) {
   std::filesystem::remove_all(root);
 }
 
+TEST(UcxContextAllocateTest, MeminfoValuesAreBytesForSizesAndCountsOtherwise) {
+  char path[] = "/tmp/kvdepot-meminfo-XXXXXX";
+  const int fd = mkstemp(path);
+  ASSERT_GE(fd, 0) << std::strerror(errno);
+  close(fd);
+  std::ofstream(path) << "MemTotal:       24000000 kB\n"
+                         "MemAvailable:   1000 kB\n"
+                         "HugePages_Total:      8\n"
+                         "HugePages_Free:       6\n"
+                         "HugePages_Rsvd:       2\n"
+                         "Hugepagesize:       2048 kB\n";
+  EXPECT_EQ(transport_internal::MeminfoValue("MemAvailable", path),
+            std::optional<uint64_t>(1024000));
+  EXPECT_EQ(transport_internal::MeminfoValue("HugePages_Free", path),
+            std::optional<uint64_t>(6));
+  EXPECT_EQ(transport_internal::MeminfoValue("Hugepagesize", path),
+            std::optional<uint64_t>(2 << 20));
+  // A name is matched whole, not as the start of another.
+  EXPECT_EQ(transport_internal::MeminfoValue("HugePages", path), std::nullopt);
+  EXPECT_EQ(transport_internal::MeminfoValue("MemAvailable", "/nonexistent"), std::nullopt);
+  unlink(path);
+}
+
 TEST(UcxContextAllocateTest, ASharedMemoryFileSystemTooSmallIsAnErrorNotASignal) {
   // A container's /dev/shm is 64 MiB by default: a page past it would
   // raise SIGBUS when touched. Here a 4 MiB tmpfs stands for it. UCX 1.13
