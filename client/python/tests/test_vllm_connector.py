@@ -1411,7 +1411,7 @@ class VllmConnectorTest(unittest.TestCase):
         self.assertEqual((len(opened), len(closed)), (1, 1), logs.output)
         # The held pin was released with the first unpin once it answered.
         self.assertEqual(self.pins(), 0)
-        self.assertEqual(e.scheduler._owed_unpins, [])
+        self.assertEqual(list(e.scheduler._owed_unpins), [])
 
     def test_hung_daemon_lookup_deadline_then_back_off(self):
         # A stopped (hung) daemon: the scheduler's lookup gives up after

@@ -453,7 +453,7 @@ class KvDepotConnector(KVConnectorBase_V1):  # type: ignore[misc,valid-type]
         # made (the breaker's window) or found the daemon unavailable. The
         # session's keep-alives would hold them (and their blocks in DRAM)
         # for good; released by the next _unpin that may call.
-        self._owed_unpins: List[int] = []
+        self._owed_unpins: Deque[int] = collections.deque()
         # The most blocks one load or save stages at once (the store keeps
         # its staging memory, sized by its largest use, for good).
         self._max_staging_blocks = int(extra.get("max_staging_blocks", 128))
@@ -820,7 +820,8 @@ class KvDepotConnector(KVConnectorBase_V1):  # type: ignore[misc,valid-type]
         self._owed_unpins.extend(pins)
         if len(self._owed_unpins) > self._MAX_OWED_UNPINS:
             dropped = len(self._owed_unpins) - self._MAX_OWED_UNPINS
-            del self._owed_unpins[:dropped]
+            for _ in range(dropped):
+                self._owed_unpins.popleft()
             logger.warning("kvdepot: %d pins not released (kvdepotd unavailable too long); "
                            "they end with the session", dropped)
         # While the breaker is open, even past its window, not here: the
@@ -835,7 +836,7 @@ class KvDepotConnector(KVConnectorBase_V1):  # type: ignore[misc,valid-type]
                     logger.warning("kvdepot: unpin %d failed, retried later: %s", pin, e)
                     return
                 logger.warning("kvdepot: unpin %d failed: %s", pin, e)
-            self._owed_unpins.pop(0)
+            self._owed_unpins.popleft()
 
     def _lookup_prefix(self, st: _RequestState, keys: List[bytes]) -> int:
         """The stored prefix of ``keys``, in blocks, pinned: a prefix lookup
