@@ -4,7 +4,7 @@
 
 #include <algorithm>
 #include <cstring>
-#include <functional>
+#include <thread>
 #include <utility>
 
 #include "storage/dram_arena.h"
@@ -202,53 +202,107 @@ std::unique_ptr<BlockEntry> BlockIndex::Insert(std::unique_ptr<BlockEntry> entry
   entry->flags = 0;
   entry->pins = pinned ? 1 : 0;
   entry->children = 0;
-  Shard& s = ShardFor(entry->hash);
-  // Link to the parent while holding both shards, so a concurrent removal of
-  // this entry cannot release a link that was never made. Two shards are
-  // always locked in address order.
-  Shard* ps = entry->parent_hash != 0 ? &ShardFor(entry->parent_hash) : &s;
-  Shard* first = std::less<Shard*>()(&s, ps) ? &s : ps;
-  Shard* second = first == &s ? ps : &s;
-  absl::MutexLock lock1(&first->mu);
-  std::optional<absl::MutexLock> lock2;
-  if (second != first) lock2.emplace(&second->mu);
-  bool inserted = [&]() ABSL_NO_THREAD_SAFETY_ANALYSIS {
-    if (s.set.contains(key)) return false;
-    // Another key with this hash is there already: this one is its twin
-    // (see the header), so that FindByHash keeps finding that one.
-    if (s.set.contains(HashProbe{entry->ns_id, entry->hash})) {
-      entry->flags |= BlockEntry::kHashTwin;
-    } else if (auto o = s.orphans.find(NsHash{entry->ns_id, entry->hash});
-               o != s.orphans.end()) {
-      // Children of an earlier entry of this hash are still linked to it:
-      // the same key adopts them; another key is a twin while they last.
-      if (o->second.parent_key == key.key) {
-        entry->children = o->second.children;
-        s.orphans.erase(o);
-      } else {
-        entry->flags |= BlockEntry::kHashTwin;
+  const int si = ShardIndex(entry->hash);
+  const int pi = entry->parent_hash != 0 ? ShardIndex(entry->parent_hash) : si;
+  Shard& s = *shards_[si];
+  Shard& ps = *shards_[pi];
+  for (int attempt = 1;; ++attempt) {
+    // Link to the parent while holding both shards, so a concurrent removal
+    // of this entry cannot release a link that was never made. Two shards
+    // are always locked in index order (the only place that blocks on a
+    // second shard); a cycle check takes others only with TryLock.
+    HeldShards held(*this);
+    held.Lock(std::min(si, pi));
+    if (pi != si) held.Lock(std::max(si, pi));
+    enum { kRetry, kExists, kInserted } outcome = [&]() ABSL_NO_THREAD_SAFETY_ANALYSIS {
+      if (s.set.contains(key)) return kExists;
+      // Another key with this hash is there already: this one is its twin
+      // (see the header), so that FindByHash keeps finding that one.
+      bool twin = false;
+      auto orphans = s.orphans.end();
+      if (s.set.contains(HashProbe{entry->ns_id, entry->hash})) {
+        twin = true;
+      } else if (auto o = s.orphans.find(NsHash{entry->ns_id, entry->hash});
+                 o != s.orphans.end()) {
+        // Children of an earlier entry of this hash are still linked to it:
+        // the same key adopts them; another key is a twin while they last.
+        if (o->second.parent_key == key.key) {
+          orphans = o;
+        } else {
+          twin = true;
+        }
       }
-    }
-    if (!pinned && entry->children == 0) LruPushFront(s, entry.get());
-    s.set.insert(entry.get());
-    const uint64_t footprint = Footprint(*entry);
-    Add(s.bytes, footprint);
-    if (pinned) Add(s.held_bytes, footprint);
-    if (entry->parent_hash == 0) return true;
-    // The parent by its full key; a twin is left unlinked, since the
-    // link's later users find the parent by hash.
-    auto parent_it =
-        ps->set.find(KeyRef{entry->ns_id, parent, entry->parent_hash});
-    if (parent_it == ps->set.end()) return true;
-    BlockEntry* p = *parent_it;
-    if (p == entry.get() || (p->flags & BlockEntry::kHashTwin)) return true;
-    if (p->children++ == 0) LruRemove(*ps, p);
-    entry->flags |= BlockEntry::kLinked;
-    return true;
-  }();
-  if (!inserted) return entry;
+      // The parent by its full key; a twin is left unlinked, since the
+      // link's later users find the parent by hash. (This entry is not in
+      // the set yet: a key naming itself finds no parent.)
+      BlockEntry* p = nullptr;
+      if (entry->parent_hash != 0) {
+        auto it = ps.set.find(KeyRef{entry->ns_id, parent, entry->parent_hash});
+        if (it != ps.set.end() && !((*it)->flags & BlockEntry::kHashTwin)) p = *it;
+      }
+      // An entry that adopts children is an ancestor already: linking it
+      // below one of its descendants would close a cycle whose blocks wait
+      // on each other for ever. It is left unlinked (a root) then, and when
+      // the walk cannot tell (too long, or its shards stay busy).
+      if (p != nullptr && orphans != s.orphans.end()) {
+        switch (WalkUp(*entry, *p, held)) {
+          case ChainWalk::kClear:
+            break;
+          case ChainWalk::kBusy:
+            if (attempt < kMaxInsertAttempts) return kRetry;
+            p = nullptr;
+            break;
+          case ChainWalk::kCycle:
+            p = nullptr;
+            break;
+        }
+      }
+      if (twin) entry->flags |= BlockEntry::kHashTwin;
+      if (orphans != s.orphans.end()) {
+        entry->children = orphans->second.children;
+        s.orphans.erase(orphans);
+      }
+      if (!pinned && entry->children == 0) LruPushFront(s, entry.get());
+      s.set.insert(entry.get());
+      const uint64_t footprint = Footprint(*entry);
+      Add(s.bytes, footprint);
+      if (pinned) Add(s.held_bytes, footprint);
+      if (p == nullptr) return kInserted;
+      if (p->children++ == 0) LruRemove(ps, p);
+      entry->flags |= BlockEntry::kLinked;
+      return kInserted;
+    }();
+    if (outcome == kExists) return entry;
+    if (outcome == kInserted) break;
+    held.UnlockAll();
+    std::this_thread::yield();  // kRetry: let the holder of a shard finish
+  }
   entry.release();
   return nullptr;
+}
+
+BlockIndex::ChainWalk BlockIndex::WalkUp(const BlockEntry& entry,
+                                         const BlockEntry& parent,
+                                         HeldShards& held) {
+  // Walks the parent's chain of links. Every link ends at the one non-twin
+  // entry of its parent's hash, or at the orphan record of that hash; the
+  // record of `entry`'s hash is the one it adopts (no non-twin entry of that
+  // hash exists), so a link to that hash is a link to `entry`. The shards
+  // passed stay locked until the insert ends: no insert can change the chain
+  // meanwhile (a link is made only by an insert into the linking entry's
+  // shard, and a removal only cuts a chain).
+  const BlockEntry* a = &parent;
+  for (int steps = 0; steps < kMaxChainWalk; ++steps) {
+    if (!(a->flags & BlockEntry::kLinked)) return ChainWalk::kClear;
+    if (a->parent_hash == entry.hash) return ChainWalk::kCycle;
+    const int i = ShardIndex(a->parent_hash);
+    if (!held.TryLock(i)) return ChainWalk::kBusy;
+    a = [&]() ABSL_NO_THREAD_SAFETY_ANALYSIS {
+      return FindByHash(*shards_[i], entry.ns_id, a->parent_hash);
+    }();
+    if (a == nullptr) return ChainWalk::kClear;  // removed: a record ends it
+  }
+  return ChainWalk::kCycle;  // too long to tell: leave it unlinked
 }
 
 void BlockIndex::ReleaseParent(const BlockEntry& removed) {

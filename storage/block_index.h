@@ -52,6 +52,16 @@
 // twin. So a child's link always counts on the one entry (or record) of its
 // parent's key, never on a later incarnation that does not know it.
 //
+// Cycles. An entry that adopts children may be named by its caller as the
+// child of one of its own descendants (a client's bogus chain). Linked, the
+// blocks of that cycle would each wait for the other to leave: never
+// evictable, yet counted in unpinned_bytes. So such an Insert walks the
+// links up from the parent first (holding the shards it passes until it
+// links, so concurrent inserts cannot close a cycle between them) and, if
+// they reach the entry, leaves it unlinked: a root, evicted after its
+// adopted children as usual. Only adoption can close a cycle: an entry
+// with no children has no descendants.
+//
 // Thread-safe. A BlockEntry is owned by the index while it is inserted; the
 // caller owns it again after a Remove/Pop. A pinned entry is never removed,
 // so BlockEntry pointers held by pins stay valid until Unpin.
@@ -215,7 +225,8 @@ class BlockIndex {
   // key bytes are in the arena. `parent` is the parent key (empty for a
   // root). With `pinned` the entry is published holding one pin (the
   // caller's, released with Unpin). Returns the entry back when the key
-  // already exists.
+  // already exists. The entry is left unlinked from `parent` where linking
+  // it would close a cycle (see the file comment).
   std::unique_ptr<BlockEntry> Insert(std::unique_ptr<BlockEntry> entry,
                                      absl::string_view parent,
                                      bool pinned = false);
@@ -325,7 +336,60 @@ class BlockIndex {
     std::atomic<uint64_t> held_bytes{0};
   };
 
-  Shard& ShardFor(uint64_t hash) { return *shards_[hash >> (64 - kShardBits)]; }
+  static int ShardIndex(uint64_t hash) {
+    return static_cast<int>(hash >> (64 - kShardBits));
+  }
+  Shard& ShardFor(uint64_t hash) { return *shards_[ShardIndex(hash)]; }
+
+  // The shards an Insert holds, by index, unlocked when it goes. Lock
+  // blocks (callers lock in index order); TryLock does not, so a walk may
+  // take shards in any order without deadlock.
+  class HeldShards {
+   public:
+    explicit HeldShards(BlockIndex& index) : index_(index) {}
+    HeldShards(const HeldShards&) = delete;
+    HeldShards& operator=(const HeldShards&) = delete;
+    ~HeldShards() { UnlockAll(); }
+    void Lock(int i) ABSL_NO_THREAD_SAFETY_ANALYSIS {
+      index_.shards_[i]->mu.Lock();
+      mask_ |= uint64_t{1} << i;
+    }
+    // True when shard `i` is held now (already, or taken here).
+    bool TryLock(int i) ABSL_NO_THREAD_SAFETY_ANALYSIS {
+      if (mask_ & (uint64_t{1} << i)) return true;
+      if (!index_.shards_[i]->mu.TryLock()) return false;
+      mask_ |= uint64_t{1} << i;
+      return true;
+    }
+    void UnlockAll() ABSL_NO_THREAD_SAFETY_ANALYSIS {
+      for (int i = 0; i < kShards; ++i) {
+        if (mask_ & (uint64_t{1} << i)) index_.shards_[i]->mu.Unlock();
+      }
+      mask_ = 0;
+    }
+
+   private:
+    BlockIndex& index_;
+    uint64_t mask_ = 0;  // bit i: shards_[i] is locked by this
+  };
+  static_assert(kShards <= 64, "HeldShards keeps one bit per shard");
+
+  // What WalkUp found.
+  enum class ChainWalk { kClear, kCycle, kBusy };
+  // Links followed at most by a cycle check (a longer chain counts as a
+  // cycle: the entry is left unlinked), and Insert's tries when a shard of
+  // the walk is busy (after them, likewise).
+  static constexpr int kMaxChainWalk = 1 << 16;
+  static constexpr int kMaxInsertAttempts = 64;
+  // Whether linking `entry` (which adopted orphans, so blocks link to its
+  // key) to `parent` would close a cycle: the links from `parent` up reach
+  // `entry`'s hash (kCycle, also past kMaxChainWalk links). Locks the
+  // shards it passes with held.TryLock, and they stay held (the caller
+  // links under them); kBusy when one is held by another thread.
+  // REQUIRES: `held` holds the shards of `entry` and `parent`; `entry` is
+  // not in the index yet.
+  ChainWalk WalkUp(const BlockEntry& entry, const BlockEntry& parent,
+                   HeldShards& held);
   // Finds the entry of this hash that may be a parent (not kHashTwin), for
   // parent links (a child does not keep its parent's key).
   BlockEntry* FindByHash(Shard& s, uint32_t ns_id, uint64_t hash)

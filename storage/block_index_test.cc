@@ -2,6 +2,7 @@
 
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <memory>
 #include <optional>
 #include <string>
@@ -474,6 +475,110 @@ TEST_F(BlockIndexTest, AnotherKeyOfARemovedParentsHashIsATwin) {
   ASSERT_NE(Put("P"), nullptr);
   EXPECT_EQ(index_.Peek(BlockIndex::MakeKey(1, "P"))->children, 0u);
   EXPECT_EQ(DrainEvictable().size(), 2u);
+}
+
+// A removed parent's key inserted again naming one of its own cached
+// descendants as its parent: it adopts its old children, and a link to that
+// parent would close a cycle (each waiting for the other to leave: never
+// evictable, though counted as unpinned). It is left unlinked, a root, so
+// the chain still drains leaves first. (It linked, and neither ever left.)
+TEST_F(BlockIndexTest, AParentInsertedBelowItsOwnChildIsLeftARoot) {
+  Put("A");
+  Put("B", "A");
+  std::unique_ptr<BlockEntry> out;
+  ASSERT_EQ(index_.Remove(BlockIndex::MakeKey(1, "A"), &out),
+            BlockIndex::RemoveOutcome::kRemoved);
+  ASSERT_NE(Put("A", "B"), nullptr);
+  std::optional<BlockEntry> a = index_.Peek(BlockIndex::MakeKey(1, "A"));
+  std::optional<BlockEntry> b = index_.Peek(BlockIndex::MakeKey(1, "B"));
+  ASSERT_TRUE(a && b);
+  EXPECT_EQ(a->children, 1u);  // B still names it
+  EXPECT_FALSE(a->flags & BlockEntry::kLinked);
+  EXPECT_EQ(b->children, 0u);
+  EXPECT_TRUE(b->flags & BlockEntry::kInLru);
+  EXPECT_EQ(DrainEvictable(), (std::vector<std::string>{"B", "A"}));
+  EXPECT_EQ(index_.blocks(), 0u);
+}
+
+// The same through a longer chain (A <- B <- C <- D, A inserted again under
+// D): the walk up from the new parent finds the entry's own key. A parent
+// that is not its descendant is linked as usual.
+TEST_F(BlockIndexTest, ACycleThroughALongerChainIsNotClosed) {
+  Put("A");
+  Put("B", "A");
+  Put("C", "B");
+  Put("D", "C");
+  Put("X");
+  std::unique_ptr<BlockEntry> out;
+  ASSERT_EQ(index_.Remove(BlockIndex::MakeKey(1, "A"), &out),
+            BlockIndex::RemoveOutcome::kRemoved);
+  ASSERT_NE(Put("A", "D"), nullptr);
+  EXPECT_FALSE(index_.Peek(BlockIndex::MakeKey(1, "A"))->flags & BlockEntry::kLinked);
+  EXPECT_EQ(index_.Peek(BlockIndex::MakeKey(1, "D"))->children, 0u);
+  // B removed too: B inserted again adopts C and may link to X.
+  ASSERT_EQ(index_.Remove(BlockIndex::MakeKey(1, "B"), &out),
+            BlockIndex::RemoveOutcome::kRemoved);
+  ASSERT_NE(Put("B", "X"), nullptr);
+  EXPECT_TRUE(index_.Peek(BlockIndex::MakeKey(1, "B"))->flags & BlockEntry::kLinked);
+  EXPECT_EQ(index_.Peek(BlockIndex::MakeKey(1, "X"))->children, 1u);
+  std::vector<std::string> order = DrainEvictable();
+  ASSERT_EQ(order.size(), 5u);
+  auto pos = [&](const std::string& k) {
+    return std::find(order.begin(), order.end(), k) - order.begin();
+  };
+  EXPECT_LT(pos("D"), pos("C"));
+  EXPECT_LT(pos("C"), pos("B"));
+  EXPECT_LT(pos("B"), pos("X"));
+  EXPECT_EQ(index_.blocks(), 0u);
+}
+
+// Parents removed and inserted again from many threads at once, each naming
+// another key of the ring as its parent: no cycle forms however the inserts
+// interleave (they walk and link holding the shards on the way), and nothing
+// deadlocks. Everything drains in the end.
+TEST(BlockIndexCycleTest, ConcurrentReinsertsNeverCloseACycle) {
+  constexpr int kKeys = 16, kThreads = 4, kEpochs = 50, kRounds = 200;
+  std::vector<char> buf(size_t{kKeys} * 64);
+  auto key = [](int k) { return "k" + std::to_string(k); };
+  for (int k = 0; k < kKeys; ++k) {
+    const std::string s = key(k);
+    std::copy(s.begin(), s.end(), buf.begin() + k * 64);
+  }
+  BlockIndex index(buf.data());
+  auto insert = [&](int k, int parent) {
+    auto e = std::make_unique<BlockEntry>();
+    e->key_unit = static_cast<uint32_t>(k);
+    e->key_len = static_cast<uint16_t>(key(k).size());
+    e->ns_id = 1;
+    e->hash = BlockIndex::Hash(1, key(k));
+    e->size = 64;
+    e->seq = index.NextSeq();
+    // Refused when present: the entry is freed here.
+    index.Insert(std::move(e), parent < 0 ? "" : key(parent)).reset();
+  };
+  for (int epoch = 0; epoch < kEpochs; ++epoch) {
+    for (int k = 0; k < kKeys; ++k) insert(k, k == 0 ? -1 : k - 1);
+    std::vector<std::thread> threads;
+    for (int t = 0; t < kThreads; ++t) {
+      threads.emplace_back([&, t] {
+        uint32_t x = 12345u + 977u * static_cast<uint32_t>(epoch * kThreads + t);
+        for (int i = 0; i < kRounds; ++i) {
+          x = x * 1103515245u + 12345u;
+          const int k = (x >> 8) % kKeys;
+          const int parent = (x >> 16) % kKeys;
+          std::unique_ptr<BlockEntry> out;
+          index.Remove(BlockIndex::MakeKey(1, key(k)), &out);
+          insert(k, parent);
+        }
+      });
+    }
+    for (std::thread& t : threads) t.join();
+    const uint64_t blocks = index.blocks();
+    uint64_t drained = 0;
+    while (index.PopOldestEvictable() != nullptr) ++drained;
+    ASSERT_EQ(drained, blocks) << "entries left on a cycle in epoch " << epoch;
+    ASSERT_EQ(index.blocks(), 0u);
+  }
 }
 
 // unpinned_bytes is the arena space of the entries no caller holds pinned

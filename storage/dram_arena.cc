@@ -106,6 +106,15 @@ class ArenaImpl final : public DramArena {
     --live_;
   }
 
+  bool Fits(size_t bytes) const override {
+    if (bytes == 0 || bytes > capacity_) return false;
+    absl::MutexLock lock(&mu_);
+    const int cls = ClassFor(bytes);
+    if (cls >= 0 && !partial_[cls].empty()) return true;
+    const size_t pages = cls >= 0 ? 1 : PagesFor(bytes);
+    return free_runs_.lower_bound({pages, 0}) != free_runs_.end();
+  }
+
   char* base() const override { return base_; }
   size_t capacity() const override { return capacity_; }
   size_t allocated_bytes() const override {

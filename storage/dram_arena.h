@@ -51,6 +51,10 @@ class DramArena {
   virtual absl::StatusOr<uint64_t> Allocate(size_t bytes) = 0;
   // REQUIRES: `offset` came from Allocate and was not freed since.
   virtual void Free(uint64_t offset) = 0;
+  // Whether Allocate(bytes) would succeed now: a free piece fits it (a slot
+  // of its size class, or a run of free pages long enough). Other threads
+  // may allocate or free meanwhile.
+  virtual bool Fits(size_t bytes) const = 0;
 
   // The space Allocate(bytes) takes (its size class or page run).
   static size_t AllocationSize(size_t bytes);

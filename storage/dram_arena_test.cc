@@ -141,5 +141,34 @@ TEST(DramArenaTest, EmptySlabPagesReturnToThePageHeap) {
   EXPECT_OK(arena->Allocate(2 * kPage));
 }
 
+// Fits tells whether Allocate would succeed, by size class and by the
+// longest free run, not by the free space in sum.
+TEST(DramArenaTest, FitsFollowsTheFreePiecesNotTheFreeSum) {
+  auto arena = MakeArena(4 * kPage);
+  EXPECT_TRUE(arena->Fits(4 * kPage));
+  EXPECT_FALSE(arena->Fits(4 * kPage + 1));
+  EXPECT_FALSE(arena->Fits(0));
+  std::vector<uint64_t> pages;
+  for (int i = 0; i < 4; ++i) pages.push_back(*arena->Allocate(kPage));
+  EXPECT_FALSE(arena->Fits(64));
+  arena->Free(pages[0]);
+  arena->Free(pages[2]);
+  // Two free pages, apart: one page fits, two do not.
+  EXPECT_TRUE(arena->Fits(kPage));
+  EXPECT_FALSE(arena->Fits(2 * kPage));
+  EXPECT_THAT(arena->Allocate(2 * kPage),
+              StatusIs(absl::StatusCode::kResourceExhausted));
+  // A slab page with free slots fits its class without a free page.
+  ASSERT_OK(arena->Allocate(kPage));
+  auto small = arena->Allocate(100);
+  ASSERT_OK(small);
+  EXPECT_FALSE(arena->Fits(kPage));
+  EXPECT_TRUE(arena->Fits(128));
+  EXPECT_FALSE(arena->Fits(64));  // another class: needs a page
+  arena->Free(pages[1]);
+  EXPECT_TRUE(arena->Fits(kPage));
+  EXPECT_TRUE(arena->Fits(64));
+}
+
 }  // namespace
 }  // namespace kvdepot

@@ -214,6 +214,13 @@ struct ReservationState {
   uint64_t charged = 0;
 };
 
+// What the puts waiting for a forced evictor round want room for, together
+// (TieredStoreImpl::WaitForEvictor).
+struct RoomWanted {
+  uint64_t space = 0;  // arena space their batches still need, in sum
+  size_t largest = 0;  // the largest one allocation among them
+};
+
 class TieredStoreImpl;
 
 class SlotHandleImpl final : public SlotHandle {
@@ -857,14 +864,25 @@ class TieredStoreImpl final : public TieredStore {
   uint64_t RunEviction() override { return EvictToLowWatermark(/*force=*/false); }
 
   // Evicts (demoting) down to the low watermark; unless `force`, only when
-  // above the high one.
-  uint64_t EvictToLowWatermark(bool force) {
+  // above the high one. A forced round then goes on while `wanted` does
+  // not fit: the free space is less than wanted.space, or no free piece
+  // fits wanted.largest (a block bigger than the room the low watermark
+  // leaves, or a fragmented arena). It stops when nothing is evictable.
+  uint64_t EvictToLowWatermark(bool force, RoomWanted wanted = {}) {
     uint64_t cap = arena_->capacity();
     uint64_t high = static_cast<uint64_t>(options_.high_watermark * cap);
     uint64_t low = static_cast<uint64_t>(options_.low_watermark * cap);
     if (!force && arena_->allocated_bytes() <= high) return 0;
     uint64_t n = 0;
     while (arena_->allocated_bytes() > low && EvictOne(/*demote=*/true)) ++n;
+    if (!force) return n;
+    const uint64_t space = std::min<uint64_t>(wanted.space, cap);
+    auto short_of_room = [&] {
+      const uint64_t used = std::min<uint64_t>(arena_->allocated_bytes(), cap);
+      return cap - used < space ||
+             (wanted.largest > 0 && !arena_->Fits(wanted.largest));
+    };
+    while (short_of_room() && EvictOne(/*demote=*/true)) ++n;
     return n;
   }
 
@@ -1521,12 +1539,17 @@ class TieredStoreImpl final : public TieredStore {
   // With an NVMe tier and the background evictor, a put that finds DRAM
   // full waits for the evictor to demote room instead of dropping blocks
   // that NVMe would have kept; demotion never runs on the caller's thread.
+  // The round it asks for demotes past the low watermark if need be, until
+  // `bytes` fit in one free piece and `need` in the free space (see
+  // EvictToLowWatermark): a block bigger than the low watermark's room, or
+  // a fragmented arena, is no reason to drop blocks.
   // It waits round after round while the evictor frees something (other
   // puts waiting too may take a round's room first: many puts of one block
   // each, as UCX data requests make, dropped blocks after one round), for
   // kMaxWaitForRoom at most; room freed otherwise meanwhile (an Evict) counts
-  // too. Without them, or when a round freed nothing or the time is up, it
-  // tries once more and then evicts (drops) synchronously.
+  // too. Without them, or when a round freed nothing (nothing was
+  // evictable) or the time is up, it tries once more and then evicts
+  // (drops) synchronously.
   // With `would_wait`, the wait is not made: Unavailable, *would_wait set.
   // `need` is the arena space the caller's batch has still to allocate,
   // these `bytes` included: once the free space and every block no one
@@ -1559,7 +1582,7 @@ class TieredStoreImpl final : public TieredStore {
         }
         const uint64_t evicted = evictions_.load(std::memory_order_relaxed);
         const size_t used = arena_->allocated_bytes();
-        if (WaitForEvictor(wait_until) &&
+        if (WaitForEvictor(wait_until, RoomWanted{need, bytes}) &&
             (evictions_.load(std::memory_order_relaxed) != evicted ||
              arena_->allocated_bytes() < used)) {
           continue;  // room was freed: wait again if others took it
@@ -1763,14 +1786,16 @@ class TieredStoreImpl final : public TieredStore {
     }
   }
 
-  // Asks the evictor for a forced round and waits for it (at most 5 s).
-  // Returns whether a round finished.
-  // Waits until an evictor round that starts after this call has ended, or
-  // `deadline`; true when one did.
-  bool WaitForEvictor(absl::Time deadline) {
+  // Asks the evictor for a forced round that makes room for `wanted` too
+  // (with that of the other puts asking for it), and waits until an evictor
+  // round that starts after this call has ended, or `deadline`; true when
+  // one did.
+  bool WaitForEvictor(absl::Time deadline, RoomWanted wanted) {
     absl::MutexLock lock(&evict_mu_);
     const uint64_t target = rounds_started_ + 1;
     pressure_ = true;
+    room_wanted_.space += wanted.space;
+    room_wanted_.largest = std::max(room_wanted_.largest, wanted.largest);
     // Round `target` is the first to start after pressure_ was set, so it
     // is the one that sees it.
     auto done = [this, target]() ABSL_SHARED_LOCKS_REQUIRED(evict_mu_) {
@@ -1783,6 +1808,7 @@ class TieredStoreImpl final : public TieredStore {
   void EvictorLoop() {
     while (true) {
       bool force;
+      RoomWanted wanted;
       {
         absl::MutexLock lock(&evict_mu_);
         auto ready = [this]() ABSL_SHARED_LOCKS_REQUIRED(evict_mu_) {
@@ -1793,9 +1819,10 @@ class TieredStoreImpl final : public TieredStore {
         if (stop_) return;
         evict_wanted_ = false;
         force = std::exchange(pressure_, false);
+        wanted = std::exchange(room_wanted_, RoomWanted{});
         ++rounds_started_;
       }
-      EvictToLowWatermark(force);
+      EvictToLowWatermark(force, wanted);
       absl::MutexLock lock(&evict_mu_);
       ++rounds_done_;
     }
@@ -2020,6 +2047,8 @@ class TieredStoreImpl final : public TieredStore {
   bool stop_ ABSL_GUARDED_BY(evict_mu_) = false;
   bool evict_wanted_ ABSL_GUARDED_BY(evict_mu_) = false;
   bool pressure_ ABSL_GUARDED_BY(evict_mu_) = false;  // a put waits for room
+  // What the puts waiting since the last round started want room for.
+  RoomWanted room_wanted_ ABSL_GUARDED_BY(evict_mu_);
   uint64_t rounds_started_ ABSL_GUARDED_BY(evict_mu_) = 0;
   uint64_t rounds_done_ ABSL_GUARDED_BY(evict_mu_) = 0;
   // Demotions ended (EvictOne), for an Evict waiting for one.

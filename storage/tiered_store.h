@@ -365,6 +365,10 @@ class TieredStore {
   // With an NVMe tier and its evictor, a batch that does not fit now waits
   // (up to 5 s) for the evictor, and for pins and reservations to end,
   // before it charges the quota or drops anything; then ResourceExhausted.
+  // The evictor demotes room for it, past the low watermark where the
+  // batch needs more (a block larger than the room that leaves, or an
+  // arena too fragmented for it); blocks are dropped instead only when
+  // nothing is left to demote or the wait is over.
   // With `would_wait` (a caller that must not block): where making room
   // would wait (DRAM full, NVMe tier on), returns Unavailable at once with
   // *would_wait set, having reserved nothing (a batch larger than the DRAM

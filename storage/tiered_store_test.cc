@@ -1285,6 +1285,31 @@ TEST_F(TieredStoreTest, AParentStoredAgainCountsTheChildrenOfItsEvictedSelf) {
   EXPECT_TRUE(c2_gone_first);
 }
 
+// A parent evicted explicitly while its child is cached, then stored again
+// naming that child as its parent (a client's bogus chain): the two must not
+// wait on each other for ever. (They did: neither was ever evictable, yet
+// both counted as room, so a put needing it dropped every other block first
+// and then failed.) The parent is left a root: its child goes, then it.
+TEST_F(TieredStoreTest, AParentStoredBelowItsOwnChildStaysEvictable) {
+  const std::string block(64 << 10, 'c');
+  ASSERT_OK(Put("A", block));
+  ASSERT_OK(Put("B", block, "A"));
+  absl::string_view a = "A";
+  ASSERT_EQ(store_->Evict("ns", {&a, 1}, false)->evicted_blocks, 1u);
+  ASSERT_OK(Put("A", block, "B"));
+  EXPECT_EQ(store_->Inspect("ns", "A")->cached_children, 1u);
+  EXPECT_EQ(store_->Inspect("ns", "B")->cached_children, 0u);
+  for (int i = 0; i < 8; ++i) ASSERT_OK(Put("f" + std::to_string(i), block));
+  // Room for this needs every block gone, A and B included (the keys take
+  // one page of the arena).
+  const std::string big(kCap - (128 << 10), 'b');
+  ASSERT_OK(Put("big", big));
+  EXPECT_FALSE(store_->Inspect("ns", "A").ok());
+  EXPECT_FALSE(store_->Inspect("ns", "B").ok());
+  EXPECT_EQ(Read("big"), big);
+  EXPECT_EQ(store_->Stats().dram.blocks, 1u);
+}
+
 // A put that fails creates no namespace (namespaces are never removed: a
 // client could use up max_namespaces with failed puts).
 TEST_F(TieredStoreTest, AFailedPutCreatesNoNamespace) {
@@ -1815,6 +1840,56 @@ TEST_F(TieredStoreNvmeTest, ConcurrentOneBlockPutsIntoFullDramLoseNothing) {
   // Every eviction was a demotion (the evictor may be between a demotion
   // and its eviction, and a block demoted twice counts twice).
   EXPECT_LE(st.dram.evictions, st.demotions) << "blocks dropped, not demoted";
+}
+
+// A put of a block bigger than the free space the low watermark leaves
+// (here 3.5 MiB, in 4 MiB of DRAM kept 25% full) waits for the evictor to
+// demote room for it, past the low watermark, rather than dropping blocks
+// that NVMe has room for. (The forced round stopped at the low watermark,
+// freeing nothing, and the put then dropped blocks from both tiers.)
+TEST_F(TieredStoreNvmeTest, ABigPutDemotesPastTheLowWatermarkInsteadOfDropping) {
+  // The evictor runs only when a put asks (its high mark is never passed).
+  Open(/*admit_min_reads=*/0, /*background_eviction=*/true,
+       /*high_watermark=*/1.0);
+  const std::string small(64 << 10, 's');
+  constexpr int kSmall = 100;  // 6.25 MiB: DRAM fills and demotes already
+  for (int i = 0; i < kSmall; ++i) Put("s" + std::to_string(i), small);
+  const std::string big((7 << 20) / 2, 'B');
+  Put("big", big);
+  EXPECT_EQ(Look("big", false).tier, Tier::kDram);
+  int lost = 0;
+  for (int i = 0; i < kSmall; ++i) {
+    if (!Look("s" + std::to_string(i), false).found) ++lost;
+  }
+  EXPECT_EQ(lost, 0) << "blocks dropped from both tiers";
+  StoreStats st = store_->Stats();
+  EXPECT_EQ(st.dram.evictions, st.demotions) << "blocks dropped, not demoted";
+  EXPECT_EQ(st.demotion_failures, 0u);
+}
+
+// The same for a fragmented arena: the free space below the low watermark
+// is enough in sum but not in one piece (the blocks left are every other
+// one: lookups gave them a second chance). The evictor demotes on until the
+// block fits.
+TEST_F(TieredStoreNvmeTest, ABigPutIntoAFragmentedArenaDemotesInsteadOfDropping) {
+  Open(/*admit_min_reads=*/0, /*background_eviction=*/true,
+       /*high_watermark=*/1.0);
+  const std::string small(64 << 10, 's');
+  constexpr int kSmall = 40;  // 2.5 MiB: no eviction yet
+  for (int i = 0; i < kSmall; ++i) Put("s" + std::to_string(i), small);
+  ASSERT_EQ(store_->Stats().dram.evictions, 0u);
+  for (int i = 1; i < kSmall; i += 2) Look("s" + std::to_string(i), false);
+  const std::string big(2 << 20, 'B');  // 32 pages; the low mark frees 48
+  Put("big", big);
+  EXPECT_EQ(Look("big", false).tier, Tier::kDram);
+  int lost = 0;
+  for (int i = 0; i < kSmall; ++i) {
+    if (!Look("s" + std::to_string(i), false).found) ++lost;
+  }
+  EXPECT_EQ(lost, 0) << "blocks dropped from both tiers";
+  StoreStats st = store_->Stats();
+  EXPECT_GT(st.demotions, 0u);
+  EXPECT_EQ(st.dram.evictions, st.demotions) << "blocks dropped, not demoted";
 }
 
 // While the evictor demotes, a block is always found in one tier or the
