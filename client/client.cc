@@ -437,6 +437,87 @@ Client::Client(const ClientOptions& options)
   channel_ = grpc::CreateCustomChannel(options_.server,
                                        grpc::InsecureChannelCredentials(), args);
   stub_ = v1::KvDepot::NewStub(channel_);
+  watch_ = std::thread([this] { WatchLoop(); });
+}
+
+absl::Status Client::FromRpc(const grpc::Status& status) {
+  NoteRpc(status);
+  return FromGrpcStatus(status);
+}
+
+void Client::NoteRpc(const grpc::Status& status) {
+  if (status.ok()) {
+    if (!owes_unpins_.load(std::memory_order_relaxed)) return;
+    absl::MutexLock lock(&watch_mu_);
+    watch_answered_ = true;
+    return;
+  }
+  if (status.error_code() != grpc::StatusCode::UNAVAILABLE &&
+      status.error_code() != grpc::StatusCode::DEADLINE_EXCEEDED) {
+    return;
+  }
+  // A deadline over a connection that is up is a slow daemon, and
+  // UNAVAILABLE over one its own answer: nothing to reconnect.
+  if (channel_->GetState(false) == GRPC_CHANNEL_READY) return;
+  absl::MutexLock lock(&watch_mu_);
+  watch_disconnected_ = true;
+  watch_failed_at_ = absl::Now();
+}
+
+void Client::WatchLoop() {
+  // How long after the last call that found no connection the channel is
+  // still polled: the calls of a client in use renew it; an idle client
+  // reconnects at its next call, as gRPC does.
+  constexpr absl::Duration kWatch = absl::Seconds(30);
+  // Short: the destructor waits for one poll at most.
+  constexpr absl::Duration kPoll = absl::Milliseconds(50);
+  // While down, a connection attempt at least this often (gRPC's backoff
+  // grows to 2 s): a restarted daemon is reached a fraction of a second
+  // after it listens. An attempt at a closed port costs a SYN and a RST.
+  constexpr absl::Duration kRetryEvery = absl::Milliseconds(250);
+  // Early keep-alives (for owed pins) at most this often.
+  constexpr absl::Duration kRenewEvery = absl::Seconds(1);
+  absl::Time renewed_at = absl::InfinitePast();
+  absl::MutexLock lock(&watch_mu_);
+  while (true) {
+    auto woken = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(watch_mu_) {
+      return watch_stop_ || watch_disconnected_ || watch_answered_;
+    };
+    watch_mu_.Await(absl::Condition(&woken));
+    if (watch_stop_) return;
+    bool renew = std::exchange(watch_answered_, false);
+    if (std::exchange(watch_disconnected_, false)) {
+      absl::Time retried_at = absl::Now();
+      while (!watch_stop_ && absl::Now() < watch_failed_at_ + kWatch) {
+        watch_mu_.Unlock();
+        const grpc_connectivity_state state = channel_->GetState(true);
+        const bool ready = state == GRPC_CHANNEL_READY;
+        if (!ready && absl::Now() - retried_at >= kRetryEvery) {
+          retried_at = absl::Now();
+          grpc::experimental::ChannelResetConnectionBackoff(channel_.get());
+        }
+        if (!ready) {
+          channel_->WaitForStateChange(
+              state, std::chrono::system_clock::now() + absl::ToChronoMilliseconds(kPoll));
+        }
+        watch_mu_.Lock();
+        if (ready) {
+          renew = true;  // a restarted daemon: find out about the session now
+          break;
+        }
+      }
+      watch_disconnected_ = false;
+    }
+    if (renew && absl::Now() >= renewed_at + kRenewEvery) {
+      renewed_at = absl::Now();
+      watch_mu_.Unlock();
+      {
+        absl::MutexLock client_lock(&mu_);
+        keepalive_now_ = true;
+      }
+      watch_mu_.Lock();
+    }
+  }
 }
 
 absl::StatusOr<std::unique_ptr<Client>> Client::Connect(
@@ -465,6 +546,11 @@ absl::StatusOr<std::unique_ptr<Client>> Client::Connect(
 }
 
 Client::~Client() {
+  {
+    absl::MutexLock lock(&watch_mu_);
+    watch_stop_ = true;
+  }
+  if (watch_.joinable()) watch_.join();
   uint64_t session;
   {
     absl::MutexLock lock(&mu_);
@@ -590,7 +676,7 @@ absl::Status Client::Health() {
   PrepareContext(&ctx);
   grpc::health::v1::HealthCheckRequest req;
   grpc::health::v1::HealthCheckResponse resp;
-  RETURN_IF_ERROR(FromGrpcStatus(stub->Check(&ctx, req, &resp)));
+  RETURN_IF_ERROR(FromRpc(stub->Check(&ctx, req, &resp)));
   if (resp.status() != grpc::health::v1::HealthCheckResponse::SERVING) {
     return absl::UnavailableError(absl::StrCat(
         "kvdepotd at ", options_.server, " is not serving (",
@@ -693,7 +779,7 @@ absl::StatusOr<uint64_t> Client::OpenSessionOnce(bool last_try) {
     PrepareContext(&retry);
     st = stub_->OpenSession(&retry, req, &resp);
   }
-  RETURN_IF_ERROR(FromGrpcStatus(st));
+  RETURN_IF_ERROR(FromRpc(st));
   if (ucx_status.ok() && ucx_ != nullptr && !resp.ucx_connected()) {
     ucx_status = absl::FailedPreconditionError(
         "the daemon has no UCX data plane");
@@ -756,14 +842,18 @@ absl::Status Client::CloseSessionRpc(uint64_t id, absl::Duration timeout) {
   v1::CloseSessionRequest req;
   req.set_session_id(id);
   v1::CloseSessionResponse resp;
-  return FromGrpcStatus(stub_->CloseSession(&ctx, req, &resp));
+  return FromRpc(stub_->CloseSession(&ctx, req, &resp));
 }
 
 void Client::KeepAliveLoop() {
   absl::MutexLock lock(&mu_);
   while (!stop_) {
     absl::Duration period = std::max(lease_ / 3, absl::Milliseconds(100));
-    mu_.AwaitWithTimeout(absl::Condition(&stop_), period);
+    auto woken = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+      return stop_ || keepalive_now_;
+    };
+    mu_.AwaitWithTimeout(absl::Condition(&woken), period);
+    keepalive_now_ = false;
     if (stop_ || session_id_ == 0) continue;
     uint64_t id = session_id_;
     grpc::ClientContext ctx;
@@ -778,6 +868,7 @@ void Client::KeepAliveLoop() {
     req.set_session_id(id);
     v1::KeepAliveResponse resp;
     grpc::Status st = stub_->KeepAlive(&ctx, req, &resp);
+    if (!st.ok()) NoteRpc(st);
     mu_.Lock();
     keepalive_ctx_ = nullptr;
     // The daemon forgot the session (restart or expiry): drop it; the next
@@ -792,6 +883,7 @@ void Client::KeepAliveLoop() {
 void Client::RetryOwedUnpins() {
   std::vector<std::pair<uint64_t, uint64_t>> owed;
   owed.swap(owed_unpins_);
+  owes_unpins_.store(false, std::memory_order_relaxed);
   // The keep-alive thread must not miss a lease for these: each call gets a
   // second, and the round ends at the first that fails (the daemon is
   // unreachable again; the rest wait for the next round).
@@ -808,6 +900,7 @@ void Client::RetryOwedUnpins() {
   for (size_t i = done; i < owed.size(); ++i) {
     if (owed_unpins_.size() < kMaxOwedUnpins) owed_unpins_.push_back(owed[i]);
   }
+  owes_unpins_.store(!owed_unpins_.empty(), std::memory_order_relaxed);
 }
 
 absl::StatusOr<LookupReply> Client::Lookup(absl::string_view ns,
@@ -836,7 +929,7 @@ absl::StatusOr<LookupReply> Client::Lookup(absl::string_view ns,
       if (session_id_ == sid) session_id_ = 0;
       continue;
     }
-    RETURN_IF_ERROR(FromGrpcStatus(st));
+    RETURN_IF_ERROR(FromRpc(st));
     if (resp.pin_id() != 0) RememberPin(resp.pin_id(), sid);
     break;
   }
@@ -896,7 +989,7 @@ absl::Status Client::UnpinRpc(uint64_t session, uint64_t pin_id,
   ctx.set_deadline(std::chrono::system_clock::now() +
                    absl::ToChronoMilliseconds(timeout));
   v1::UnpinResponse resp;
-  return FromGrpcStatus(stub_->Unpin(&ctx, req, &resp));
+  return FromRpc(stub_->Unpin(&ctx, req, &resp));
 }
 
 void Client::ReleaseOwnPin(uint64_t pin_id) {
@@ -904,15 +997,17 @@ void Client::ReleaseOwnPin(uint64_t pin_id) {
   absl::MutexLock lock(&mu_);
   if (owed_unpins_.size() < kMaxOwedUnpins) {
     owed_unpins_.push_back({pin_id, PinSessionLocked(pin_id)});
+    owes_unpins_.store(true, std::memory_order_relaxed);
   }
 }
 
 namespace {
 
-absl::StatusOr<std::vector<PutResult>> FinishPut(
-    grpc::ClientWriter<v1::WriteRequest>* writer, const v1::WriteResponse& resp,
-    size_t blocks) {
-  RETURN_IF_ERROR(FromGrpcStatus(writer->Finish()));
+// `finished`: the stream's status (Finish).
+absl::StatusOr<std::vector<PutResult>> FinishPut(const absl::Status& finished,
+                                                 const v1::WriteResponse& resp,
+                                                 size_t blocks) {
+  RETURN_IF_ERROR(finished);
   if (static_cast<size_t>(resp.results_size()) != blocks) {
     return absl::InternalError(absl::StrCat("daemon answered ", resp.results_size(),
                                             " results for ", blocks, " blocks"));
@@ -954,7 +1049,7 @@ absl::StatusOr<std::vector<PutResult>> Client::PutGrpc(
   // batch the same way).
   for (const BlockToPut& b : blocks) {
     RETURN_IF_ERROR(ValidateKey(b.key));
-    if (!b.parent.empty()) RETURN_IF_ERROR(ValidateKey(b.parent));
+    if (!b.parent.empty()) RETURN_IF_ERROR(ValidateKey(b.parent, "parent key"));
     if (b.bytes.empty()) {
       return absl::InvalidArgumentError(
           absl::StrCat("block ", KeyToHex(b.key), " is empty (size 0)"));
@@ -989,11 +1084,11 @@ absl::StatusOr<std::vector<PutResult>> Client::PutGrpc(
       grpc::WriteOptions options;
       if (last) options.set_last_message();
       open = writer->Write(msg, options);
-      if (last && open) return FinishPut(writer.get(), resp, blocks.size());
+      if (last && open) return FinishPut(FromRpc(writer->Finish()), resp, blocks.size());
     } while (open && off < b.bytes.size());
   }
   if (open) writer->WritesDone();
-  return FinishPut(writer.get(), resp, blocks.size());
+  return FinishPut(FromRpc(writer->Finish()), resp, blocks.size());
 }
 
 absl::StatusOr<std::vector<Block>> Client::Get(
@@ -1049,7 +1144,7 @@ absl::StatusOr<std::vector<Block>> Client::Get(
     }
     if (!out.empty()) out.back().bytes.append(msg.data());
   }
-  RETURN_IF_ERROR(FromGrpcStatus(reader->Finish()));
+  RETURN_IF_ERROR(FromRpc(reader->Finish()));
   if (!out.empty()) RETURN_IF_ERROR(finish_block());
   if (out.size() != keys.size()) {
     return absl::DataLossError(absl::StrCat("stream carried ", out.size(),
@@ -1224,7 +1319,7 @@ void Client::ReadInto(absl::string_view ns, absl::Span<const absl::string_view> 
     std::memcpy(b.data() + off, msg.data().data(), msg.data().size());
     off += msg.data().size();
   }
-  const absl::Status end = FromGrpcStatus(reader->Finish());
+  const absl::Status end = FromRpc(reader->Finish());
   if (!started) {
     fail_from(0, end.ok() ? absl::DataLossError("stream carried no blocks") : end);
     return;
@@ -1252,7 +1347,7 @@ absl::StatusOr<v1::EvictResponse> Client::Evict(
   grpc::ClientContext ctx;
   PrepareContext(&ctx);
   v1::EvictResponse resp;
-  RETURN_IF_ERROR(FromGrpcStatus(stub_->Evict(&ctx, req, &resp)));
+  RETURN_IF_ERROR(FromRpc(stub_->Evict(&ctx, req, &resp)));
   return resp;
 }
 
@@ -1260,7 +1355,7 @@ absl::StatusOr<v1::StatsResponse> Client::Stats() {
   grpc::ClientContext ctx;
   PrepareContext(&ctx);
   v1::StatsResponse resp;
-  RETURN_IF_ERROR(FromGrpcStatus(stub_->Stats(&ctx, v1::StatsRequest(), &resp)));
+  RETURN_IF_ERROR(FromRpc(stub_->Stats(&ctx, v1::StatsRequest(), &resp)));
   return resp;
 }
 
@@ -1268,7 +1363,7 @@ absl::StatusOr<v1::ListNamespacesResponse> Client::ListNamespaces() {
   grpc::ClientContext ctx;
   PrepareContext(&ctx);
   v1::ListNamespacesResponse resp;
-  RETURN_IF_ERROR(FromGrpcStatus(
+  RETURN_IF_ERROR(FromRpc(
       stub_->ListNamespaces(&ctx, v1::ListNamespacesRequest(), &resp)));
   return resp;
 }
@@ -1643,7 +1738,7 @@ absl::Status Client::RegisterInSession(
     }
     grpc::ClientContext ctx;
     PrepareContext(&ctx);
-    r.status = FromGrpcStatus(stub_->RegisterBuffer(&ctx, r.req, &r.resp));
+    r.status = FromRpc(stub_->RegisterBuffer(&ctx, r.req, &r.resp));
     failed = r.status;
   }
   {
@@ -1863,7 +1958,7 @@ TransferOp Client::GetIntoAsyncImpl(absl::string_view ns,
       [this, state, session, out = std::move(out), link = std::move(target->link),
        in_place = std::move(target->in_place), buffers = std::move(target->buffers),
        copy_deadline, timers = timers_, calls = calls_](grpc::Status reply) mutable {
-        const absl::Status st = FromGrpcStatus(reply);
+        const absl::Status st = FromRpc(reply);
         if (SessionGone(st)) DropSession(session);
         MarkLateAccess(LateBuffers(!MaybeUnanswered(st), st, state->push_resp.blocks(),
                                    in_place, buffers));
@@ -1987,7 +2082,7 @@ TransferOp Client::PutFromAsync(absl::string_view ns,
       [this, state, session, in_place = std::move(target->in_place),
        buffers = std::move(target->buffers), copy_deadline, timers = timers_,
        calls = calls_](grpc::Status reply) {
-        const absl::Status st = FromGrpcStatus(reply);
+        const absl::Status st = FromRpc(reply);
         if (SessionGone(st)) DropSession(session);
         MarkLateAccess(LateBuffers(!MaybeUnanswered(st), st, state->pull_resp.blocks(),
                                    in_place, buffers));

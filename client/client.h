@@ -25,6 +25,7 @@
 
 #include <grpcpp/channel.h>
 
+#include <atomic>
 #include <cstdint>
 #include <map>
 #include <memory>
@@ -399,6 +400,20 @@ class Client {
   explicit Client(const ClientOptions& options);
   void PrepareContext(grpc::ClientContext* ctx) const;
   void KeepAliveLoop();
+  // A finished call's status, as FromGrpcStatus, noted first (NoteRpc).
+  absl::Status FromRpc(const grpc::Status& status);
+  // Wakes the watch thread when a call found no connection (UNAVAILABLE or
+  // a deadline, the channel not READY), or when a call succeeded while
+  // pins are owed (owed_unpins_).
+  void NoteRpc(const grpc::Status& status);
+  // The watch thread. While the channel is down after a failed call it
+  // keeps asking it to connect and polls it (gRPC 1.51 completes a
+  // connection attempt only when some thread polls: with every call
+  // failing at once, none did, and its backup poller runs every 5 s, so a
+  // restarted daemon was reached ~10 s late). Once the daemon answers
+  // again it has the keep-alive thread renew the session and release the
+  // owed pins at once, not a third of a lease later.
+  void WatchLoop();
   // The gRPC byte path of Put and GetInto.
   absl::StatusOr<std::vector<PutResult>> PutGrpc(absl::string_view ns,
                                                  absl::Span<const BlockToPut> blocks);
@@ -562,7 +577,17 @@ class Client {
   bool stop_ ABSL_GUARDED_BY(mu_) = false;
   // The keep-alive RPC in flight, cancelled by the destructor.
   grpc::ClientContext* keepalive_ctx_ ABSL_GUARDED_BY(mu_) = nullptr;
+  bool keepalive_now_ ABSL_GUARDED_BY(mu_) = false;  // renew without waiting
+  std::atomic<bool> owes_unpins_{false};  // owed_unpins_ is not empty
   std::thread keepalive_;
+
+  // WatchLoop's wake-ups. A leaf: nothing else is taken while it is held.
+  absl::Mutex watch_mu_;
+  bool watch_stop_ ABSL_GUARDED_BY(watch_mu_) = false;
+  bool watch_disconnected_ ABSL_GUARDED_BY(watch_mu_) = false;
+  absl::Time watch_failed_at_ ABSL_GUARDED_BY(watch_mu_);  // the last such call
+  bool watch_answered_ ABSL_GUARDED_BY(watch_mu_) = false;  // pins owed
+  std::thread watch_;
 };
 
 }  // namespace kvdepot
