@@ -8,9 +8,21 @@
 # warm-up of each, then A B A B (kvdepot, Redis) for --rounds rounds. Each
 # side's figure is its BEST round (highest GB/s); every round is kept in the
 # JSON. kvdepot is driven by kvdepot-bench (one thread and one gRPC channel
-# per client), Redis by redis-benchmark (-c connections, -r keyspace); both
-# read from a working set of the same keys x block size, stored before the
-# GET runs. GB/s is decimal (1e9 bytes/s); ratio = kvdepot GB/s / Redis GB/s.
+# per client), Redis by two clients, each run in every round: redis-benchmark
+# (-c connections, -r keyspace) and redis-load (tools/redis_load.cc: one
+# thread per connection, replies read with large recv() calls and checked
+# value by value; redis-benchmark's own client caps Redis's GETs of large
+# values at about half of what Redis serves); both sides read from a working
+# set of the same keys x block size, stored before the GET runs (by
+# redis-load --op fill, which stamps each value with its key). GB/s is
+# decimal (1e9 bytes/s); ratio = kvdepot GB/s / Redis GB/s.
+#
+# Redis's figure for a row is its best run of the same workload (op, value
+# size, connections, -P) anywhere in this run: a -P 1 run made for the
+# batch-16 row also counts for the batch-1 row and the other way round, with
+# either client, every attempt included. The "redis best" column names the
+# run (client, connection, -P); "old ratio" is the ratio as this script
+# computed it before (redis-benchmark only, the row's own runs).
 #
 # Batch B is the number of blocks each client moves per round trip: kvdepot-
 # bench --batch B (B blocks in one Get or Put call). Redis runs at -P B (B
@@ -37,6 +49,7 @@
 #   tools/compare_redis.sh [--build DIR] [--sizes "65536 262144 2097152"]
 #       [--clients "1 4"] [--batches "1 16"] [--duration S] [--rounds N]
 #       [--transport ucx|grpc] [--ucx-tls TLS] [--redis-via tcp|unix|both]
+#       [--redis-clients "redis-benchmark redis-load"] [--redis-load FILE]
 #       [--out FILE] [--smoke]
 #
 # kvdepot's blocks move over --transport: ucx (the default: the UCX data
@@ -57,7 +70,7 @@
 # Prints a table and writes JSON (default tools/results/compare_redis.json).
 # Stops everything it started on exit. Exit 0 when every run succeeded, 1 when
 # a run failed (the table still shows what was measured), 2 for usage errors.
-# Needs: the kvdepotd and kvdepot-bench builds, redis-server, redis-benchmark,
+# Needs: the kvdepotd, kvdepot-bench and redis-load builds, redis-server, redis-benchmark,
 # redis-cli (Debian redis-server, redis-tools) and python3 (standard library).
 set -euo pipefail
 
@@ -79,6 +92,8 @@ OUT="$REPO/tools/results/compare_redis.json"
 TRANSPORT=ucx
 UCX_TLS_SETTING=tcp
 REDIS_VIA=""   # tcp, unix or both; empty: both when kvdepot's UCX may use shm
+REDIS_CLIENTS="redis-benchmark redis-load"
+REDIS_LOAD=""  # default: $BUILD/tools/redis-load
 
 usage() {
   sed -n '2,/^set -euo/p' "${BASH_SOURCE[0]}" | sed '$d; s/^# \{0,1\}//'
@@ -104,6 +119,9 @@ Options:
                        default both when kvdepot's UCX may use shared memory
                        (--transport ucx with shm in --ucx-tls, or auto),
                        tcp otherwise
+  --redis-clients "C ..." Redis clients run in every round, the best run
+                       counts: redis-benchmark and/or redis-load (default both)
+  --redis-load FILE    the redis-load binary (default <build>/tools/redis-load)
   --out FILE           JSON output (default tools/results/compare_redis.json)
   --smoke              tiny run for CI: 65536 bytes, 1 client, batch 1,
                        1 s rounds
@@ -128,6 +146,8 @@ while [[ $# -gt 0 ]]; do
     --transport) need_value "$@"; TRANSPORT="$2"; shift 2 ;;
     --ucx-tls) need_value "$@"; UCX_TLS_SETTING="$2"; shift 2 ;;
     --redis-via) need_value "$@"; REDIS_VIA="$2"; shift 2 ;;
+    --redis-clients) need_value "$@"; REDIS_CLIENTS="$2"; shift 2 ;;
+    --redis-load) need_value "$@"; REDIS_LOAD="$2"; shift 2 ;;
     --smoke)
       SIZES=65536; CLIENTS=1; BATCHES=1; DURATION=1; ROUNDS=2; WARMUP=0.3
       WORKING_SET=$((64 * 1024 * 1024)); shift ;;
@@ -165,16 +185,24 @@ case "$REDIS_VIA" in
   both) VIAS="tcp unix" ;;
   *) die_usage "--redis-via must be tcp, unix or both" ;;
 esac
+for t in $REDIS_CLIENTS; do
+  [[ $t == redis-benchmark || $t == redis-load ]] ||
+    die_usage "--redis-clients: \"$t\" is not redis-benchmark or redis-load"
+done
+[[ -n $REDIS_CLIENTS ]] || die_usage "--redis-clients must not be empty"
 export KVD_NVME_CAPACITY="$NVME_CAPACITY"  # recorded in the JSON
 is_uint "$ROUNDS" || die_usage "--rounds: \"$ROUNDS\" is not a positive integer"
 is_uint "$WORKING_SET" || die_usage "--working-set: \"$WORKING_SET\" is not a byte count"
 
 KVDEPOTD="$BUILD/server/kvdepotd"
 BENCH="$BUILD/tools/kvdepot-bench"
+[[ -n $REDIS_LOAD ]] || REDIS_LOAD="$BUILD/tools/redis-load"
 PYTHON=/usr/bin/python3
 [[ -x $PYTHON ]] || PYTHON="$(command -v python3 || true)"
-for tool in "$KVDEPOTD" "$BENCH"; do
-  [[ -x $tool ]] || { echo "compare_redis.sh: $tool not found; build it: cd build && ninja kvdepotd kvdepot-bench" >&2; exit 1; }
+needed=("$KVDEPOTD" "$BENCH")
+[[ " $REDIS_CLIENTS " == *" redis-load "* ]] && needed+=("$REDIS_LOAD")
+for tool in "${needed[@]}"; do
+  [[ -x $tool ]] || { echo "compare_redis.sh: $tool not found; build it: cd build && ninja kvdepotd kvdepot-bench redis-load" >&2; exit 1; }
 done
 for tool in redis-server redis-benchmark redis-cli; do
   command -v "$tool" >/dev/null || { echo "compare_redis.sh: $tool not found (apt-get install redis-server redis-tools)" >&2; exit 1; }
@@ -328,53 +356,85 @@ redis_counters() {
          printf "%s %s %s %s %d %d\n", h, m, i, o, g, s}'
 }
 
-# redis_run TEST SIZE CLIENTS PIPELINE KEYS REQUESTS ROUND BATCH VIA: one
-# redis-benchmark run (TEST is set or get; PIPELINE requests per round trip,
-# -P; over VIA, tcp or unix) for the case of batch BATCH. Sets REDIS_RPS (requests/s, for sizing
-# the next run) and REDIS_RECORD (its JSON line; for a measured round, ROUND
-# > 0, the caller appends it to $RECORDS). The run is checked against
-# Redis's counters read around it: every one of the -n requests must have
-# been served (GET: a keyspace hit each, no miss at all) and the network
-# bytes in the values' direction must match the values served; otherwise the
-# record says "failed" and FAILED is set.
+# redis_run TOOL TEST SIZE CLIENTS PIPELINE KEYS REQUESTS ROUND BATCH VIA
+# [ATTEMPT]: one run of TOOL (redis-benchmark or redis-load; TEST is set or
+# get; PIPELINE requests per round trip, -P; over VIA, tcp or unix) for the
+# case of batch BATCH. redis-benchmark stops after REQUESTS requests (-n);
+# redis-load after SECONDS = REQUESTS (a duration: it is bounded by time).
+# Sets REDIS_RPS (requests/s, for sizing the next run) and REDIS_RECORD
+# (its JSON line; for a measured round, ROUND > 0, the caller appends it to
+# $RECORDS). The run is checked against Redis's counters read around it:
+# every one of the requests made must have been served (GET: a keyspace hit
+# each, no miss at all) and the network bytes in the values' direction must
+# match the values served; redis-load also checks every reply itself (each
+# GET's length and the key stamped in its value). Otherwise the record says
+# "failed" and FAILED is set.
 REDIS_RPS=0
 REDIS_RECORD=""
 redis_run() {
-  local test=$1 size=$2 clients=$3 pipeline=$4 keys=$5 requests=$6 round=$7 batch=$8 via=$9
-  local out rc=0 line before after addr
+  local tool=$1 test=$2 size=$3 clients=$4 pipeline=$5 keys=$6 requests=$7 round=$8 batch=$9
+  local via=${10} attempt=${11:-0}
+  local out rc=0 line before after addr stats label
+  label="$tool $test $size x$clients -P $pipeline ($via)"
   REDIS_RPS=0; REDIS_RECORD=""
-  if [[ $via == unix ]]; then addr=(-s "$REDIS_SOCK"); else addr=(-h 127.0.0.1 -p "$REDIS_PORT"); fi
   if ! before="$(redis_counters)"; then
-    log "redis-benchmark $test $size x$clients -P $pipeline ($via): cannot read Redis's INFO"
+    log "$label: cannot read Redis's INFO"
     FAILED=1; return 0
   fi
-  # Bounded in time as well as count, in case the request estimate is off.
-  out="$(timeout "$(awk -v d="$DURATION" 'BEGIN{printf "%d", d * 6 + 30}')" \
-    redis-benchmark "${addr[@]}" -t "$test" -d "$size" -c "$clients" \
-    -P "$pipeline" -n "$requests" -r "$keys" -q --csv 2>"$TMP/redis-benchmark.err")" || rc=$?
+  if [[ $tool == redis-benchmark ]]; then
+    if [[ $via == unix ]]; then addr=(-s "$REDIS_SOCK"); else addr=(-h 127.0.0.1 -p "$REDIS_PORT"); fi
+    # Bounded in time as well as count, in case the request estimate is off.
+    out="$(timeout "$(awk -v d="$DURATION" 'BEGIN{printf "%d", d * 6 + 30}')" \
+      redis-benchmark "${addr[@]}" -t "$test" -d "$size" -c "$clients" \
+      -P "$pipeline" -n "$requests" -r "$keys" -q --csv 2>"$TMP/redis-client.err")" || rc=$?
+    # "SET","2061.86","1.517","0.112","0.911","4.959","9.343","14.215"
+    line="$(printf '%s\n' "$out" | grep -i "^\"$test\"," | head -n1 || true)"
+    # stats: requests made, requests/s, seconds, p50, p99, p999 (us), errors
+    # the client saw. ops are the requests Redis served (at most -n:
+    # redis-benchmark may send up to a pipeline per connection more, which
+    # its clock does not cover); seconds are redis-benchmark's (-n /
+    # requests/s). Its latency of a request is its round trip's time to the
+    # first reply byte.
+    [[ -z $line ]] || stats="$(printf '%s\n' "$line" | awk -F'"' -v n="$requests" \
+      '{printf "%d %s %.6f %.3f %.3f null 0", n, $4, n / $4, $10 * 1000, $14 * 1000}')"
+  else
+    if [[ $via == unix ]]; then addr=(--unix "$REDIS_SOCK"); else addr=(--port "$REDIS_PORT"); fi
+    out="$(timeout "$(awk -v d="$requests" 'BEGIN{printf "%d", d * 6 + 30}')" \
+      "$REDIS_LOAD" "${addr[@]}" --op "$test" --size "$size" --clients "$clients" \
+      --pipeline "$pipeline" --keys "$keys" --duration "$requests" --json \
+      2>"$TMP/redis-client.err")" || rc=$?
+    line="$(printf '%s\n' "$out" | grep '^{' | head -n1 || true)"
+    # redis-load's seconds run from the common start to the last
+    # connection's end; its latency is per round trip, to the last reply
+    # byte. Bad replies (exit 1) are its errors.
+    [[ -z $line ]] || stats="$("$PYTHON" -c 'import json, sys
+r = json.loads(sys.argv[1]); n = r["ops"] + r["errors"]
+print(n, r["ops_per_sec"], r["seconds"], r["p50_us"], r["p99_us"], r["p999_us"], r["errors"])' "$line")"
+    # Exit 1 with bad replies counted: the record says failed. Exit 1
+    # without (a connection lost, RESP not understood) is a failed run.
+    [[ $rc -eq 1 && -n ${stats:-} && $(awk '{print $7}' <<<"$stats") -gt 0 ]] && rc=0
+  fi
   after="$(redis_counters)" || after=""
-  # "SET","2061.86","1.517","0.112","0.911","4.959","9.343","14.215"
-  line="$(printf '%s\n' "$out" | grep -i "^\"$test\"," | head -n1 || true)"
-  if [[ $rc -ne 0 || -z $line || -z $after ]]; then
-    log "redis-benchmark $test $size x$clients -P $pipeline ($via) failed (exit $rc):"
-    sed 's/^/  /' "$TMP/redis-benchmark.err" >&2; printf '%s\n' "$out" | sed 's/^/  /' >&2
+  if [[ $rc -ne 0 || -z $line || -z $after || -z ${stats:-} ]]; then
+    log "$label failed (exit $rc):"
+    sed 's/^/  /' "$TMP/redis-client.err" >&2; printf '%s\n' "$out" | sed 's/^/  /' >&2
     FAILED=1; return 0
   fi
-  REDIS_RPS="$(printf '%s\n' "$line" | awk -F'"' '{print $4}')"
-  # ops are the requests Redis served (at most -n: redis-benchmark may send
-  # up to a pipeline per connection more, which its clock does not cover);
-  # seconds are redis-benchmark's (-n / requests/s); calls are round trips
-  # of PIPELINE requests. redis-benchmark's latency of a request is its round
-  # trip's time to the first reply byte.
-  REDIS_RECORD="$(printf '%s\n' "$line" | awk -F'"' -v t="$test" \
-    -v r="$round" -v s="$size" -v c="$clients" -v b="$batch" -v p="$pipeline" \
-    -v k="$keys" -v n="$requests" -v before="$before" -v after="$after" -v via="$via" '{
+  REDIS_RPS="$(awk '{print $2}' <<<"$stats")"
+  local lat_unit="round trip, to the first reply byte (not comparable with kvdepot per call)"
+  [[ $tool == redis-load ]] && lat_unit="round trip, to the last reply byte (as kvdepot's per call)"
+  REDIS_RECORD="$(awk -v t="$test" -v tool="$tool" -v r="$round" -v a="$attempt" \
+    -v s="$size" -v c="$clients" -v b="$batch" -v p="$pipeline" -v k="$keys" \
+    -v before="$before" -v after="$after" -v via="$via" -v lu="$lat_unit" \
+    -v bad_msg="$(grep -m1 'bad reply' "$TMP/redis-client.err" | tr -d '"\\' || true)" '{
+      n = $1; rps = $2; secs = $3; p50 = $4; p99 = $5; p999 = $6; bad = $7
       split(before, x, " "); split(after, y, " ")
       hits = y[1] - x[1]; misses = y[2] - x[2]; net_in = y[3] - x[3]; net_out = y[4] - x[4]
       gets = y[5] - x[5]; sets = y[6] - x[6]
       served = (t == "get") ? hits : sets
       net = (t == "get") ? net_out : net_in
       why = ""
+      if (bad > 0) why = why sprintf("%d bad replies (%s); ", bad, bad_msg)
       if (t == "get" && misses > 0) why = why sprintf("%d GETs missed; ", misses)
       if (t == "get" && gets < n) why = why sprintf("Redis counted %d GETs of %d; ", gets, n)
       if (served < n) why = why sprintf("%d of %d requests served; ", served, n)
@@ -382,51 +442,60 @@ redis_run() {
       # dozen bytes per request) and the INFO and CONFIG replies around it.
       if (net < served * s || net > served * (s + 256) + 65536)
         why = why sprintf("%.0f network bytes for %d values of %d bytes; ", net, served, s)
-      ops = served < n ? served : n
-      rps = $4; secs = n / rps
-      printf "{\"side\":\"redis\",\"workload\":\"%s\",\"round\":%d,", (t == "set") ? "put" : "get", r
-      printf "\"working_set_keys\":%d,\"tool\":\"redis-benchmark\",\"op\":\"%s\",", k, tolower($2)
+      ops = (served < n ? served : n) - bad
+      if (ops < 0) ops = 0
+      if (secs <= 0) secs = 1e-9
+      printf "{\"side\":\"redis\",\"workload\":\"%s\",\"round\":%d,\"attempt\":%d,", (t == "set") ? "put" : "get", r, a
+      printf "\"working_set_keys\":%d,\"tool\":\"%s\",\"op\":\"%s\",", k, tool, t
       printf "\"redis_via\":\"%s\",\"block_size\":%d,\"clients\":%d,\"batch\":%d,\"pipeline\":%d,", via, s, c, b, p
       printf "\"requests\":%d,\"ops\":%d,\"ops_unit\":\"block\",\"seconds\":%.6f,", n, ops, secs
       printf "\"ops_per_sec\":%.3f,\"calls_per_sec\":%.3f,\"gb_per_sec\":%.6f,", ops / secs, ops / secs / p, ops * s / secs / 1e9
-      printf "\"redis_benchmark_rps\":%.3f,", rps
+      printf "\"client_rps\":%.3f,", rps
       printf "\"counters\":{\"keyspace_hits\":%d,\"keyspace_misses\":%d,\"gets\":%d,\"sets\":%d,\"net_payload_direction_bytes\":%.0f},", hits, misses, gets, sets, net
-      printf "\"latency_unit\":\"round trip, to the first reply byte (not comparable with kvdepot per call)\","
-      printf "\"p50_us\":%.3f,\"p99_us\":%.3f,\"p999_us\":null,", $10 * 1000, $14 * 1000
+      printf "\"latency_unit\":\"%s\",", lu
+      printf "\"p50_us\":%.3f,\"p99_us\":%.3f,\"p999_us\":%s,", p50, p99, p999
       printf "\"errors\":%d,\"failed\":%s", (n - ops) + misses, why == "" ? "false" : "true"
       if (why != "") { sub(/; $/, "", why); printf ",\"failure\":\"%s\"", why }
       printf "}\n"
-    }')"
+    }' <<<"$stats")"
   if [[ $REDIS_RECORD == *'"failed":true'* ]]; then
-    log "redis-benchmark $test $size x$clients -P $pipeline ($via): FAILED the check against Redis's counters: $(sed 's/.*"failure":"\([^"]*\)".*/\1/' <<<"$REDIS_RECORD")"
+    log "$label: FAILED the check: $(sed 's/.*"failure":"\([^"]*\)".*/\1/' <<<"$REDIS_RECORD")"
     FAILED=1
   fi
   if [[ $round -gt 0 ]]; then
-    log "  redis   round $round: $test $size x$clients -P $pipeline ($via): $(sed 's/.*"gb_per_sec":\([0-9.]*\).*/\1/' <<<"$REDIS_RECORD") GB/s of values served ($REDIS_RPS requests/s)"
+    log "  redis   round $round: $label: $(sed 's/.*"gb_per_sec":\([0-9.]*\).*/\1/' <<<"$REDIS_RECORD") GB/s of values served ($REDIS_RPS requests/s)"
   fi
 }
 
-# redis_round TEST SIZE CLIENTS PIPELINE KEYS ROUND BATCH VIA: a measured
-# Redis round of about $DURATION seconds. redis-benchmark stops after -n
-# requests, sized from the last measured rate at this -P and VIA (RATE); a
-# run that lasted
-# under half of $DURATION (the rate rose since) is run again, sized from its
-# own rate (at most twice), so Redis is not measured over shorter runs than
-# kvdepot.
+# redis_round TOOL TEST SIZE CLIENTS PIPELINE KEYS ROUND BATCH VIA: a
+# measured Redis round of about $DURATION seconds, every attempt appended
+# to $RECORDS (each one counts towards Redis's best). redis-load is bounded
+# by time. redis-benchmark stops after -n requests, sized from the last
+# measured rate at this -P and VIA (RATE); a run that lasted under half of
+# $DURATION (the rate rose since) is followed by another, sized from its
+# own rate (at most twice), so Redis is also measured over runs as long as
+# kvdepot's. (Before, only the last attempt was kept, which dropped exactly
+# the runs where Redis had been faster than estimated.)
 declare -A RATE=()
 redis_round() {
-  local test=$1 size=$2 clients=$3 pipeline=$4 keys=$5 round=$6 batch=$7 via=$8 n attempt rate
+  local tool=$1 test=$2 size=$3 clients=$4 pipeline=$5 keys=$6 round=$7 batch=$8 via=$9 n attempt rate
+  if [[ $tool == redis-load ]]; then
+    redis_run "$tool" "$test" "$size" "$clients" "$pipeline" "$keys" "$DURATION" "$round" "$batch" "$via"
+    [[ -z $REDIS_RECORD ]] || echo "$REDIS_RECORD" >>"$RECORDS"
+    return 0
+  fi
   for ((attempt = 0; attempt < 3; attempt++)); do
     rate="${RATE[$via/$pipeline]:-100}"
     n="$(requests_for "$rate" "$DURATION" "$clients" "$pipeline")"
-    redis_run "$test" "$size" "$clients" "$pipeline" "$keys" "$n" "$round" "$batch" "$via"
+    redis_run "$tool" "$test" "$size" "$clients" "$pipeline" "$keys" "$n" "$round" "$batch" "$via" "$attempt"
     [[ -n $REDIS_RECORD ]] || return 0
+    echo "$REDIS_RECORD" >>"$RECORDS"
     [[ $REDIS_RPS != 0 ]] && RATE[$via/$pipeline]=$REDIS_RPS
     awk -v n="$n" -v r="$REDIS_RPS" -v d="$DURATION" -v c="$clients" -v b="$pipeline" \
       'BEGIN{exit !(n / r >= d / 2 || n <= 10 * c * b)}' && break
-    [[ $attempt -lt 2 ]] && log "  (that Redis run lasted under $DURATION / 2 s; running it again)"
+    [[ $attempt -lt 2 ]] && log "  (that Redis run lasted under $DURATION / 2 s; another one, sized from its rate; both count)"
   done
-  echo "$REDIS_RECORD" >>"$RECORDS"
+  return 0
 }
 
 # requests_for RATE SECONDS CLIENTS BATCH: requests (-n counts requests, not
@@ -438,11 +507,22 @@ requests_for() {
     print int((n + b - 1) / b) * b }'
 }
 
-# redis_fill SIZE KEYS: stores all KEYS keys in Redis (SET with -r hits keys
-# at random: repeat until every one exists, so no GET misses). Returns 1
-# when Redis does not hold them all, or holds a first key of another size.
+# redis_fill SIZE KEYS: stores all KEYS keys in Redis. With redis-load: every
+# key once, its value stamped with its key (what redis-load's GETs check),
+# over whatever redis-benchmark SETs wrote before. Otherwise with
+# redis-benchmark (SET with -r hits keys at random: repeat until every one
+# exists). Returns 1 when Redis does not hold them all, or holds a first key
+# of another size.
 redis_fill() {
   local size=$1 keys=$2 i held len
+  if [[ " $REDIS_CLIENTS " == *" redis-load "* ]]; then
+    local addr=(--port "$REDIS_PORT")
+    [[ $REDIS_VIA == unix ]] && addr=(--unix "$REDIS_SOCK")
+    if ! "$REDIS_LOAD" "${addr[@]}" --op fill --size "$size" --keys "$keys" --clients 4 \
+      --pipeline 4 >/dev/null 2>"$TMP/redis-fill.err"; then
+      log "redis-load --op fill failed:"; sed 's/^/  /' "$TMP/redis-fill.err" >&2; return 1
+    fi
+  fi
   for ((i = 0; i < 20; i++)); do
     held="$(rcli dbsize 2>/dev/null || echo 0)"
     [[ $held =~ ^[0-9]+$ ]] || held=0
@@ -459,6 +539,7 @@ redis_fill() {
 
 # --- The comparison ------------------------------------------------------------
 
+read -r -a REDIS_TOOLS <<<"$REDIS_CLIENTS"
 for size in $SIZES; do
   keys=$((WORKING_SET / size))
   ((keys < 8)) && keys=8
@@ -476,28 +557,39 @@ for size in $SIZES; do
           log "get $size bytes batch $batch: skipped, the working set has only $keys keys"
           continue
         fi
-        log "$workload $size bytes x$clients clients batch $batch (working set $keys keys; Redis -P ${pipelines[*]} over $VIAS)"
+        log "$workload $size bytes x$clients clients batch $batch (working set $keys keys; Redis -P ${pipelines[*]} over $VIAS with ${REDIS_TOOLS[*]})"
         if [[ $workload == get ]] && ! redis_fill "$size" "$keys"; then
           log "get $size bytes x$clients batch $batch: NOT measured (Redis could not be filled)"
           FAILED=1
           continue
         fi
         # Warm-up (also stores kvdepot's working set, and measures Redis's
-        # rate at each -P to size its runs).
+        # rate at each -P to size redis-benchmark's runs).
         kvdepot_run "$workload" "$size" "$clients" "$batch" "$keys" "$WARMUP" 0
         RATE=()
         for v in $VIAS; do
           for p in "${pipelines[@]}"; do
-            redis_run "$test" "$size" "$clients" "$p" "$keys" \
-              "$(requests_for "$(awk -v s="$size" 'BEGIN{print 1e9 / s}')" "$WARMUP" "$clients" "$p")" 0 "$batch" "$v"
-            [[ $REDIS_RPS != 0 ]] && RATE[$v/$p]=$REDIS_RPS
+            for tool in "${REDIS_TOOLS[@]}"; do
+              if [[ $tool == redis-load ]]; then
+                redis_run "$tool" "$test" "$size" "$clients" "$p" "$keys" "$WARMUP" 0 "$batch" "$v"
+              else
+                redis_run "$tool" "$test" "$size" "$clients" "$p" "$keys" \
+                  "$(requests_for "$(awk -v s="$size" 'BEGIN{print 1e9 / s}')" "$WARMUP" "$clients" "$p")" 0 "$batch" "$v"
+                [[ $REDIS_RPS != 0 ]] && RATE[$v/$p]=$REDIS_RPS
+              fi
+            done
           done
         done
         for ((round = 1; round <= ROUNDS; round++)); do
           kvdepot_run "$workload" "$size" "$clients" "$batch" "$keys" "$DURATION" "$round"
+          # The Redis clients take turns going first.
+          tools=("${REDIS_TOOLS[@]}")
+          if ((round % 2 == 0 && ${#tools[@]} == 2)); then tools=("${tools[1]}" "${tools[0]}"); fi
           for v in $VIAS; do
             for p in "${pipelines[@]}"; do
-              redis_round "$test" "$size" "$clients" "$p" "$keys" "$round" "$batch" "$v"
+              for tool in "${tools[@]}"; do
+                redis_round "$tool" "$test" "$size" "$clients" "$p" "$keys" "$round" "$batch" "$v"
+              done
             done
           done
         done
@@ -534,14 +626,15 @@ def side_summary(rs):
     if not rs:
         return None
     good = [r for r in rs if not r.get("failed") and not r.get("errors")]
-    listed = [{k: r.get(k) for k in ("round", "redis_via", "pipeline", "ops", "seconds",
-                                     "failed", "failure") + KEEP if k in r} for r in rs]
+    listed = [{k: r.get(k) for k in ("round", "tool", "redis_via", "batch", "pipeline",
+                                     "attempt", "ops", "seconds", "failed", "failure") + KEEP
+               if k in r} for r in rs]
     if not good:
         return {"failed": True, "rounds": listed}
     best = max(good, key=lambda r: r["gb_per_sec"])
     summary = {k: best[k] for k in KEEP}
     summary["latency_unit"] = best["latency_unit"]
-    for k in ("transport", "redis_via", "pipeline"):
+    for k in ("transport", "tool", "redis_via", "batch", "pipeline"):
         if k in best:
             summary[k] = best[k]
     summary["rounds"] = listed
@@ -554,20 +647,40 @@ results = []
 for workload, size, clients, batch in cases:
     rs = [r for r in runs if case_of(r) == (workload, size, clients, batch)]
     kvd = side_summary([r for r in rs if r["side"] == "kvdepot"])
-    red_rs = [r for r in rs if r["side"] == "redis"]
-    # Best over Redis's connections (tcp, unix) at each -P, and per variant.
+    # Redis's pool for this row: every run of the same workload, size and
+    # connections at -P B or -P 1, from whichever row of this run made it,
+    # with either client, every attempt.
+    pipes = {batch, 1}
+    red_rs = [r for r in runs if r["side"] == "redis" and r["workload"] == workload
+              and r["block_size"] == size and r["clients"] == clients
+              and r["pipeline"] in pipes]
+    # Best over Redis's clients and connections (tcp, unix) at each -P, per
+    # client, and per variant.
     by_p = {}
     for p in sorted({r["pipeline"] for r in red_rs}, reverse=True):
         by_p[str(p)] = side_summary([r for r in red_rs if r["pipeline"] == p])
+    by_tool = {}
+    for t in sorted({r["tool"] for r in red_rs}):
+        by_tool[t] = side_summary([r for r in red_rs if r["tool"] == t])
     by_variant = {}
-    for v, p in sorted({(r["redis_via"], r["pipeline"]) for r in red_rs}):
-        by_variant[f"{v} -P {p}"] = side_summary(
-            [r for r in red_rs if (r["redis_via"], r["pipeline"]) == (v, p)])
-    # Redis's baseline: its best round over every -P and connection it ran.
+    for t, v, p in sorted({(r["tool"], r["redis_via"], r["pipeline"]) for r in red_rs}):
+        by_variant[f"{t} {v} -P {p}"] = side_summary(
+            [r for r in red_rs if (r["tool"], r["redis_via"], r["pipeline"]) == (t, v, p)])
+    # Redis's baseline: its best run of the pool.
     red = side_summary(red_rs)
     ratio = None
     if gbps(kvd) is not None and gbps(red):
         ratio = kvd["gb_per_sec"] / red["gb_per_sec"]
+    # The ratio as computed before: redis-benchmark only, this row's runs,
+    # only the last attempt of each round.
+    last = {}
+    for r in rs:
+        if r["side"] == "redis" and r["tool"] == "redis-benchmark":
+            last[(r["round"], r["redis_via"], r["pipeline"])] = r
+    old = side_summary(list(last.values()))
+    old_ratio = None
+    if gbps(kvd) is not None and gbps(old):
+        old_ratio = kvd["gb_per_sec"] / old["gb_per_sec"]
     slower = None
     if batch > 1 and gbps(by_p.get(str(batch))) is not None and gbps(by_p.get("1")) is not None:
         slower = by_p[str(batch)]["gb_per_sec"] < by_p["1"]["gb_per_sec"]
@@ -575,9 +688,10 @@ for workload, size, clients, batch in cases:
         "workload": workload, "block_size": size, "clients": clients,
         "batch": batch, "working_set_keys": rs[0]["working_set_keys"],
         "kvdepot": kvd, "redis": red, "redis_by_pipeline": by_p,
-        "redis_by_variant": by_variant,
+        "redis_by_client": by_tool, "redis_by_variant": by_variant,
         "redis_pipelined_slower_than_p1": slower,
         "ratio_gb_per_sec": None if ratio is None else round(ratio, 4),
+        "old_ratio_redis_benchmark_row_only": None if old_ratio is None else round(old_ratio, 4),
     })
 
 report = {
@@ -589,9 +703,15 @@ report = {
     "redis_via": {"unix": "unix socket", "tcp": "loopback TCP",
                   "both": "loopback TCP and a unix socket, each run over both, the best counts"}[redis_via],
     "method": "warm-up, then A B A B (kvdepot, then redis at -P B and -P 1 over each "
-              "of its connections) per workload; each side's figures are its best "
-              "round that did not fail (highest GB/s); Redis's best is taken over "
-              "-P B, -P 1 and its connections; all rounds listed",
+              "of its connections, with each Redis client) per workload; each side's "
+              "figures are its best run that did not fail (highest GB/s); Redis's best "
+              "is taken over -P B, -P 1, its connections, its clients and every attempt, "
+              "pooled over every row of this run with the same workload, size and "
+              "connections; all runs listed",
+    "redis_clients": "redis-benchmark (its -n sized from the last rate; a run under "
+                     "half the duration is followed by another, all attempts count) and "
+                     "redis-load (tools/redis_load.cc: bounded by time, large recv(), every "
+                     "reply's length and key stamp checked)",
     "batch": "blocks per round trip: kvdepot-bench --batch B (B blocks in one "
              "Get/Put call); redis-benchmark at -P B (B requests pipelined) and "
              "at -P 1, same -c; redis_by_pipeline has both, and "
@@ -601,10 +721,10 @@ report = {
                    "total_net_input/output_bytes) read around every run: any miss, "
                    "fewer requests served than asked, or network bytes that do not "
                    "match the values served fail the run; GB/s = values served x "
-                   "size / redis-benchmark's elapsed time",
-    "latency": "kvdepot: per call, whole batch; redis: per round trip, to the "
-               "first reply byte (redis-benchmark): not comparable, so not in the "
-               "table",
+                   "size / the client's elapsed time",
+    "latency": "kvdepot: per call, whole batch; redis-benchmark: per round trip, "
+               "to the first reply byte (not comparable); redis-load: per round trip, "
+               "to the last reply byte; Redis's are not in the table",
     "ucx_tls": os.environ.get("UCX_TLS") or "auto",
     "duration_s": float(duration),
     "rounds": int(rounds),
@@ -612,7 +732,10 @@ report = {
     "kvdepot_dram_capacity": dram,
     "kvdepot_nvme_capacity": os.environ.get("KVD_NVME_CAPACITY", ""),
     "gb": "1e9 bytes",
-    "ratio": "kvdepot GB/s / redis GB/s (redis: best of -P B and -P 1, and of tcp and unix where both ran)",
+    "ratio": "kvdepot GB/s / redis GB/s (redis: best of -P B and -P 1, of its clients, "
+             "and of tcp and unix where both ran, pooled over the rows of this run); "
+             "old_ratio_redis_benchmark_row_only: the method until 2026-12-06: redis-benchmark "
+             "only, the row's own runs, the last attempt of each",
     "results": results,
 }
 with open(out_path, "w") as f:
@@ -636,7 +759,8 @@ def via(transport):
     return "ucx/" + (os.environ.get("UCX_TLS") or "auto")
 
 header = ("workload", "block", "clients", "batch", "via", "kvdepot GB/s",
-          "redis -P B GB/s", "redis -P 1 GB/s", "redis best", "ratio", "kvdepot p99 us", "note")
+          "redis -P B GB/s", "redis -P 1 GB/s", "r-bench GB/s", "r-load GB/s",
+          "redis best", "ratio", "old ratio", "kvdepot p99 us", "note")
 rows = []
 for r in results:
     k = r["kvdepot"] or {}
@@ -649,25 +773,37 @@ for r in results:
     if k.get("failed") or (r["redis"] or {}).get("failed"):
         notes.append("FAILED")
     red = r["redis"] or {}
-    best_of = "-" if gbps(red) is None else f"{red['redis_via']} -P {red['pipeline']}"
+    best_of = "-"
+    if gbps(red) is not None:
+        best_of = f"{red['tool']} {red['redis_via']} -P {red['pipeline']}"
+        if red["batch"] != r["batch"]:
+            best_of += f" (b{red['batch']} row)"
+    by_tool = r["redis_by_client"]
     rows.append((r["workload"], size_name(r["block_size"]), str(r["clients"]),
                  str(r["batch"]), via(k.get("transport")),
                  fmt(gbps(k), ".3f"), fmt(pb, ".3f") if r["batch"] > 1 else "-",
-                 fmt(p1, ".3f"), best_of, fmt(r["ratio_gb_per_sec"], ".2f"),
+                 fmt(p1, ".3f"), fmt(gbps(by_tool.get("redis-benchmark")), ".3f"),
+                 fmt(gbps(by_tool.get("redis-load")), ".3f"), best_of,
+                 fmt(r["ratio_gb_per_sec"], ".2f"),
+                 fmt(r["old_ratio_redis_benchmark_row_only"], ".2f"),
                  fmt(k.get("p99_us"), ".0f"), "; ".join(notes) or "-"))
 widths = [max(len(h), *(len(row[i]) for row in rows)) if rows else len(h)
           for i, h in enumerate(header)]
 vias = {"both": "tcp and unix socket", "unix": "unix socket", "tcp": "tcp"}[redis_via]
 print(f"kvdepot vs Redis, best of {rounds} rounds of {duration} s "
-      f"(GB = 1e9 bytes; ratio = kvdepot / Redis's best of -P B and -P 1 over {vias})")
+      f"(GB = 1e9 bytes; ratio = kvdepot / Redis's best of -P B and -P 1 over {vias}, "
+      f"with each of its clients, pooled over the rows of this run)")
 print("  ".join(h.ljust(w) for h, w in zip(header, widths)))
 for row in rows:
     print("  ".join(c.ljust(w) for c, w in zip(row, widths)))
 print("batch: blocks per round trip (kvdepot --batch); Redis ran -P B and -P 1 with "
-      "the same number of connections (redis -P columns: best over its connection "
-      "kinds), its best run is the baseline (redis best: which). Redis GB/s: values "
-      "served, checked against its INFO counters. p99: kvdepot per call (whole "
-      "batch); Redis's (to the first reply byte, not comparable) is in the JSON only")
+      "the same number of connections (redis -P columns: best over its clients and "
+      "connection kinds; r-bench / r-load: best of redis-benchmark / redis-load alone), "
+      "its best run of the same workload anywhere in this run is the baseline (redis "
+      "best: which; \"bN row\": made for batch N's row). old ratio: against "
+      "redis-benchmark's best in the row's own runs (the method until 2026-12-06). Redis "
+      "GB/s: values served, checked against its INFO counters. p99: kvdepot per call "
+      "(whole batch); Redis's are in the JSON only")
 print(f"JSON: {out_path}")
 EOF
 
