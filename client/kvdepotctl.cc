@@ -146,12 +146,21 @@ struct Ctl {
     return absl::ToChronoTime(absl::Now() + d);
   }
 
+  // A daemon that did not answer within --timeout (a stalled one keeps its
+  // connection up): the next step (the gRPC path, Stats) would only wait
+  // as long again, so the command ends with this. (Unreachable is fast.)
+  static bool NotAnswering(const absl::Status& st) {
+    return absl::IsDeadlineExceeded(st);
+  }
+
   // For put and get with --transport ucx: true when `client` has a UCX
   // session and `bytes` is registered; otherwise warns (once) that the
-  // command falls back to grpc.
-  bool UseUcx(Client& client, absl::Span<char> bytes) {
+  // command falls back to grpc. An error when the daemon did not answer
+  // the session's opening (NotAnswering).
+  absl::StatusOr<bool> UseUcx(Client& client, absl::Span<char> bytes) {
     if (transport != "ucx" || bytes.empty()) return false;
     absl::Status st = client.EnsureSession().status();
+    if (NotAnswering(st)) return st;
     if (st.ok()) st = client.data_plane_status();
     if (st.ok()) st = client.RegisterBuffer(bytes.data(), bytes.size());
     if (!st.ok()) {
@@ -195,8 +204,11 @@ struct Ctl {
     }
     BlockToPut b{k, p, bytes};
     std::unique_ptr<Client> client = Connect();
+    absl::StatusOr<bool> ucx = UseUcx(*client, absl::MakeSpan(bytes));
     absl::StatusOr<std::vector<PutResult>> r;
-    if (UseUcx(*client, absl::MakeSpan(bytes))) {
+    if (!ucx.ok()) {
+      r = ucx.status();
+    } else if (*ucx) {
       TransferOp op = client->PutFromAsync(ns, {&b, 1});
       op.Wait();
       if (op.statuses()[0].ok()) {
@@ -238,10 +250,15 @@ struct Ctl {
       v1::InspectRequest req;
       req.set_namespace_(ns);
       req.set_key(k);
-      if (!client->stub().Inspect(&ctx, req, &info).ok()) info.Clear();
+      const absl::Status inspected =
+          FromGrpcStatus(client->stub().Inspect(&ctx, req, &info));
+      if (NotAnswering(inspected)) return Fail(inspected);
+      if (!inspected.ok()) info.Clear();
     }
     std::string bytes(info.size(), '\0');
-    if (!bytes.empty() && UseUcx(*client, absl::MakeSpan(bytes))) {
+    absl::StatusOr<bool> ucx = UseUcx(*client, absl::MakeSpan(bytes));
+    if (!ucx.ok()) return Fail(ucx.status());
+    if (*ucx) {
       absl::Span<char> dst = absl::MakeSpan(bytes);
       TransferOp op = client->GetIntoAsync(ns, {&kv, 1}, {&dst, 1});
       op.Wait();
@@ -547,6 +564,7 @@ struct Ctl {
   int Status() {
     std::unique_ptr<Client> c = Connect();
     absl::Status health = c->Health();
+    if (NotAnswering(health)) return Fail(health);
     auto r = c->Stats();
     if (!r.ok()) return Fail(r.status());
     const char* state = !health.ok() ? "NOT_SERVING" : r->draining() ? "DRAINING" : "SERVING";

@@ -80,6 +80,28 @@ TEST_F(KvdepotctlTest, ADaemonSlowToAnswerANewConnectionIsWaitedFor) {
   EXPECT_NE(r.out.find("SERVING"), std::string::npos) << r.out;
 }
 
+// A stalled daemon (stopped) fails a command at its first step that
+// passes --timeout: put did not then warn and try again over gRPC (and get
+// and status likewise waited a second --timeout).
+TEST_F(KvdepotctlTest, AStalledDaemonFailsACommandAtItsFirstTimeout) {
+  std::string data = File("s", std::string(1000, 's'));
+  const pid_t pid = daemon_->pid();
+  ASSERT_EQ(kill(pid, SIGSTOP), 0);
+  CommandResult put = Ctl(absl::StrCat("--timeout 1 put --ns t --key 01 --file ", data));
+  CommandResult get = Ctl(absl::StrCat("--timeout 1 get --ns t --key 01 --out ", dir_, "/o"));
+  CommandResult status = Ctl("--timeout 1 status");
+  ASSERT_EQ(kill(pid, SIGCONT), 0);
+  EXPECT_EQ(put.exit_code, 1) << put.err;
+  EXPECT_EQ(put.err.find("falling back"), std::string::npos) << put.err;
+  EXPECT_NE(put.err.find("DEADLINE_EXCEEDED"), std::string::npos) << put.err;
+  EXPECT_EQ(get.exit_code, 1) << get.err;
+  EXPECT_NE(get.err.find("DEADLINE_EXCEEDED"), std::string::npos) << get.err;
+  EXPECT_EQ(status.exit_code, 1) << status.err;
+  EXPECT_NE(status.err.find("DEADLINE_EXCEEDED"), std::string::npos) << status.err;
+  // Served again once resumed.
+  EXPECT_EQ(Ctl(absl::StrCat("put --ns t --key 01 --file ", data)).exit_code, 0);
+}
+
 TEST_F(KvdepotctlTest, PutGetRoundTripAndPutIfAbsent) {
   std::string first = File("a", std::string(300000, 'a') + "tail");
   std::string second = File("b", std::string(300004, 'b'));
