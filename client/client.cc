@@ -1518,6 +1518,20 @@ void FinishGet(TransferOp::State& state, const absl::Status& st,
   state.Publish();
 }
 
+// A block the daemon says it checked as it copied it in place is taken
+// unhashed only where this client registered its buffer as copied in place
+// (`in_place`, per block): anything else (a daemon's bug, a reply for other
+// buffers) is hashed here as any transfer is.
+void TrustInPlaceChecksOnlyWhereCopiedInPlace(v1::PushBlocksResponse& resp,
+                                             const std::vector<bool>& in_place) {
+  for (int i = 0; i < resp.blocks_size(); ++i) {
+    if (resp.blocks(i).checked_in_place() &&
+        (static_cast<size_t>(i) >= in_place.size() || !in_place[i])) {
+      resp.mutable_blocks(i)->set_checked_in_place(false);
+    }
+  }
+}
+
 // Whether FinishGet would hash a block (worth moving off a progress thread).
 bool GetNeedsHashing(const absl::Status& st, const v1::PushBlocksResponse& resp) {
   if (!st.ok()) return false;
@@ -1925,6 +1939,7 @@ TransferOp Client::GetIntoAsyncImpl(absl::string_view ns,
           const bool answered = UcxRequests::Answered(reply);
           absl::Status st = ParseReply(UcxRequests::WithoutAnswerMark(reply), body,
                                        state->push_resp);
+          TrustInPlaceChecksOnlyWhereCopiedInPlace(state->push_resp, in_place);
           if (SessionGone(st)) DropSession(session);
           // Before the op can be ready (and its buffers freed).
           MarkLateAccess(
@@ -1959,6 +1974,7 @@ TransferOp Client::GetIntoAsyncImpl(absl::string_view ns,
        in_place = std::move(target->in_place), buffers = std::move(target->buffers),
        copy_deadline, timers = timers_, calls = calls_](grpc::Status reply) mutable {
         const absl::Status st = FromRpc(reply);
+        TrustInPlaceChecksOnlyWhereCopiedInPlace(state->push_resp, in_place);
         if (SessionGone(st)) DropSession(session);
         MarkLateAccess(LateBuffers(!MaybeUnanswered(st), st, state->push_resp.blocks(),
                                    in_place, buffers));
