@@ -36,7 +36,8 @@
 # as failed, and its ops per path are kept in the JSON ("paths").
 #
 # Prints a table and writes JSON (default tools/results/compare_requests.json).
-# Stops everything it started on exit. Exit 0 when every run succeeded, 1 when
+# Stops everything it started on exit, Ctrl-C and TERM included (kvdepotd:
+# SIGTERM, SIGKILL after 10 s). Exit 0 when every run succeeded, 1 when
 # one failed, 2 for usage errors. Needs the kvdepotd and kvdepot-bench builds.
 set -euo pipefail
 
@@ -102,11 +103,27 @@ export UCX_TLS="$TLS" UCX_NET_DEVICES=lo UCX_TCP_TX_SEG_SIZE=512k UCX_TCP_RX_SEG
 
 WORK="$(mktemp -d)"
 KVD_PID=""
+# Stops kvdepotd: SIGTERM, up to 10 s for it to exit, then SIGKILL (a
+# daemon stuck in shutdown must not hang the script or outlive it).
 cleanup() {
-  [[ -n $KVD_PID ]] && kill "$KVD_PID" 2>/dev/null && wait "$KVD_PID" 2>/dev/null
+  if [[ -n $KVD_PID ]]; then
+    kill "$KVD_PID" 2>/dev/null || true
+    for ((i = 0; i < 100; i++)); do kill -0 "$KVD_PID" 2>/dev/null || break; sleep 0.1; done
+    if kill -0 "$KVD_PID" 2>/dev/null; then
+      echo "compare_requests.sh: kvdepotd did not exit 10 s after SIGTERM: SIGKILL" >&2
+      kill -9 "$KVD_PID" 2>/dev/null || true
+    fi
+    wait "$KVD_PID" 2>/dev/null || true
+    KVD_PID=""
+  fi
   rm -rf "$WORK"
 }
 trap cleanup EXIT
+# Ctrl-C or a TERM: exit (through the EXIT trap: the daemon is stopped).
+# bash runs these once the command in progress returns; a kvdepot-bench run
+# is bounded by its --duration, and an interactive Ctrl-C reaches it too.
+trap 'exit 130' INT
+trap 'exit 143' TERM
 : >"$WORK/kvdepotd.log"  # read by the port loop before the daemon opens it
 "$KVDEPOTD" --listen 127.0.0.1:0 --metrics-listen 127.0.0.1:0 --data-dir "$WORK/kvd" \
   --dram-capacity 2GiB --nvme-capacity 0 2>"$WORK/kvdepotd.log" &

@@ -27,13 +27,16 @@ Needs the kvdepotd build (--kvdepotd, default <build>/server/kvdepotd) and
 the Python package in <build>/python (run with /usr/bin/python3: Debian's
 torch and numpy). Exit 0 when every run succeeded, 1 otherwise, 77 without
 torch (ctest's compare_store_pipeline_smoke, in client/python, then
-reports a skip: it checks nothing where torch is not installed).
+reports a skip: it checks nothing where torch is not installed). The daemon
+is stopped on every exit, Ctrl-C and SIGTERM included (SIGTERM, then
+SIGKILL after 20 s).
 """
 import argparse
 import json
 import os
 import re
 import shutil
+import signal
 import statistics
 import subprocess
 import sys
@@ -41,6 +44,30 @@ import tempfile
 import time
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _exit_on_signal(signum, _frame) -> None:
+    """SIGTERM (and SIGHUP) end the run as Ctrl-C does: through main's
+    ``finally``, which stops the daemon."""
+    raise SystemExit(128 + signum)
+
+
+def stop_daemon(daemon: subprocess.Popen) -> None:
+    """SIGTERM, up to 20 s for the daemon to exit, then SIGKILL; never
+    raises, never leaves it running. Signals are ignored meanwhile, so a
+    second Ctrl-C cannot cut the cleanup short."""
+    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+        signal.signal(sig, signal.SIG_IGN)
+    if daemon.poll() is not None:
+        return
+    daemon.terminate()
+    try:
+        daemon.wait(timeout=20)
+    except subprocess.TimeoutExpired:
+        print("compare_store_pipeline: kvdepotd did not exit 20 s after SIGTERM: SIGKILL",
+              file=sys.stderr)
+        daemon.kill()
+        daemon.wait()
 
 
 def main() -> int:
@@ -70,6 +97,8 @@ def main() -> int:
         return 77
     import kvdepot  # noqa: E402
 
+    signal.signal(signal.SIGTERM, _exit_on_signal)
+    signal.signal(signal.SIGHUP, _exit_on_signal)
     work = tempfile.mkdtemp()
     log = open(os.path.join(work, "kvdepotd.log"), "w+")
     daemon = subprocess.Popen(
@@ -202,8 +231,7 @@ def main() -> int:
         print(f"JSON: {a.out}")
         return 1 if failed else 0
     finally:
-        daemon.terminate()
-        daemon.wait(timeout=20)
+        stop_daemon(daemon)
         log.close()
         shutil.rmtree(work, ignore_errors=True)
 

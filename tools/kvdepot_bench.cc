@@ -3,7 +3,7 @@
 //   kvdepot-bench --server 127.0.0.1:50551 --op get|put|lookup
 //                 [--transport ucx|grpc] [--block-size 256KiB] [--clients 4]
 //                 [--duration 5 | --count 10000] [--keys N] [--batch N]
-//                 [--depth N] [--ns bench] [--clear-ns] [--json]
+//                 [--depth N] [--ns bench] [--clear-ns] [--verify 64] [--json]
 //
 // Each client is a thread with its own kvdepot::Client (its own channel, so
 // its own TCP connection). --transport ucx (the default) moves blocks over
@@ -22,8 +22,15 @@
 //           is stored first, untimed; keys already stored by an earlier run
 //           are not sent again.
 //   put     writes --batch (default 1) new blocks per Put call: unique keys
-//           (run nonce + client id + counter) of --block-size random bytes,
-//           prepared once.
+//           (run nonce + client id + counter) of --block-size bytes,
+//           prepared once and stamped with their key before each call.
+// Every block holds its own content: one pseudo-random body (seeded by the
+// block size) with a stamp of its key at its start, middle and end. After
+// the timed window, get and put runs read a sample of --verify blocks
+// (default 64) back over each client's transport, into memory poisoned
+// first, and compare them byte for byte: a block read under the wrong key,
+// or a copy that never happened, fails the run (exit 1; "verify" in the
+// JSON).
 //   lookup  looks up --batch (default 64) random keys of the working set per
 //           call; every key must be found. With --prefix, as a prefix
 //           lookup (all of them must be the hit prefix); with --pin, the
@@ -49,8 +56,10 @@
 // instead). calls/s is reported for every op.
 //
 // Output: one human-readable line on stdout; with --json, one JSON object on
-// stdout and the human line on stderr. Exit codes: 0 when every op succeeded,
-// 1 when any failed or the daemon cannot be reached, 2 for a usage error.
+// stdout and the human line on stderr (its last line). Exit codes: 0 when
+// every op succeeded and every block read back matched, 1 when any failed,
+// a block read back differed or the daemon cannot be reached, 2 for a usage
+// error.
 #include <malloc.h>
 #include <CLI/CLI.hpp>
 #include <algorithm>
@@ -59,6 +68,8 @@
 #include <cmath>
 #include <cstdint>
 #include <cstdio>
+#include <cstring>
+#include <functional>
 #include <memory>
 #include <optional>
 #include <random>
@@ -125,6 +136,7 @@ struct BenchConfig {
   bool client_checksums = false;  // ClientOptions::always_checksum_puts
   bool ucx_requests = true;       // ClientOptions::ucx_requests
   bool ucx_data_requests = false;  // ClientOptions::ucx_data_requests
+  uint64_t verify = 64;  // get/put: blocks read back after the run
 };
 
 // What one client thread measured. Ops are blocks for get and put, calls for
@@ -161,6 +173,68 @@ std::string RandomBytes(uint64_t size, uint64_t seed) {
     std::copy_n(reinterpret_cast<const char*>(&word), n, &bytes[off]);
   }
   return bytes;
+}
+
+// Block content. Every block is one pseudo-random body, seeded by the block
+// size alone (runs against one daemon then agree on a working set an earlier
+// run stored), with a 16-byte stamp naming its key written at its start,
+// middle and end. Two keys' blocks differ, so a block read under the wrong
+// key, or put from the wrong buffer, fails a byte-for-byte comparison; the
+// stamps at three places also catch a block assembled from the wrong parts.
+// Working-set blocks are made before the clock starts; a put block is the
+// body copied into its buffer once (before the clock) and stamped just
+// before its call is issued (48 bytes written, outside the call's latency).
+constexpr size_t kStampBytes = 16;
+constexpr uint64_t kBodySeed = 0x626f64792f6b7664ULL;
+// Written over a destination before a verifying read: a block that was
+// never copied in keeps it, and fails the comparison.
+constexpr char kPoison = static_cast<char>(0xa5);
+
+uint64_t Mix64(uint64_t x) {  // splitmix64's finalizer
+  x += 0x9e3779b97f4a7c15ULL;
+  x = (x ^ (x >> 30)) * 0xbf58476d1ce4e5b9ULL;
+  x = (x ^ (x >> 27)) * 0x94d049bb133111ebULL;
+  return x ^ (x >> 31);
+}
+
+struct Stamp {
+  uint64_t words[2];
+};
+
+// The stamp of working-set key i (WorkingSetKey(block_size, i)).
+Stamp WorkingSetStamp(uint64_t block_size, uint64_t i) {
+  return Stamp{{Mix64(i ^ 0x77732f6b65790000ULL), Mix64(block_size)}};
+}
+
+// The stamp of put key `counter` of client `id` in the run whose nonce
+// hashes to `nonce_hash`.
+Stamp PutStamp(uint64_t nonce_hash, int id, uint64_t counter) {
+  return Stamp{{Mix64(counter ^ 0x7075742f00000000ULL),
+                Mix64(nonce_hash ^ (static_cast<uint64_t>(id) << 32))}};
+}
+
+std::string BlockBody(uint64_t block_size) {
+  return RandomBytes(block_size, kBodySeed ^ block_size);
+}
+
+// Writes `stamp` at the start, middle and end of `block` (overlapping, and
+// cut short, in blocks under 48 bytes).
+void ApplyStamp(const Stamp& stamp, char* block, uint64_t size) {
+  char bytes[kStampBytes];
+  std::memcpy(bytes, stamp.words, kStampBytes);
+  const uint64_t tail = size >= kStampBytes ? size - kStampBytes : 0;
+  const uint64_t middle = std::min((size / 2) & ~uint64_t{7}, tail);
+  for (const uint64_t off : {uint64_t{0}, middle, tail}) {
+    std::memcpy(block + off, bytes,
+                std::min<uint64_t>(kStampBytes, size - off));
+  }
+}
+
+// The bytes a block stamped with `stamp` must hold, into `*out`.
+void ExpectedBlock(const std::string& body, const Stamp& stamp,
+                   std::string* out) {
+  out->assign(body);
+  ApplyStamp(stamp, out->data(), out->size());
 }
 
 // With `*ucx`, also opens the client's UCX session; clears `*ucx` (with a
@@ -202,9 +276,12 @@ absl::Status FirstError(const TransferOp& op) {
   return absl::OkStatus();
 }
 
-// Stores every key of the working set that the daemon does not hold yet.
+// Stores every key of the working set that the daemon does not hold yet,
+// each with its own content (`body` stamped with its key's stamp). A key
+// stored already is not checked here: the verification after the run reads
+// a sample back and compares it.
 absl::Status PopulateWorkingSet(Client& client, const BenchConfig& config,
-                                const std::string& bytes) {
+                                const std::string& body) {
   const uint64_t per_put = std::clamp<uint64_t>(
       kPopulateBatchBytes / config.block_size, 1, kMaxLookupBatch);
   uint64_t stored = 0;
@@ -219,7 +296,7 @@ absl::Status PopulateWorkingSet(Client& client, const BenchConfig& config,
     absl::StatusOr<LookupReply> found =
         client.Lookup(config.ns, views, /*prefix=*/false, /*pin=*/false);
     if (!found.ok()) return found.status();
-    std::vector<BlockToPut> missing;
+    std::vector<uint64_t> missing;  // indexes into keys
     for (size_t i = 0; i < keys.size(); ++i) {
       const BlockInfo& e = found->entries[i];
       if (e.found && e.size == config.block_size) continue;
@@ -228,12 +305,22 @@ absl::Status PopulateWorkingSet(Client& client, const BenchConfig& config,
             absl::StrCat("key ", keys[i], " is stored with ", e.size,
                          " bytes, not ", config.block_size));
       }
-      missing.push_back(BlockToPut{keys[i], "", bytes});
+      missing.push_back(i);
     }
+    std::vector<std::string> contents;
+    std::vector<BlockToPut> blocks;
     for (size_t off = 0; off < missing.size(); off += per_put) {
       const size_t n = std::min<size_t>(per_put, missing.size() - off);
+      contents.resize(n);
+      blocks.resize(n);
+      for (size_t j = 0; j < n; ++j) {
+        const uint64_t i = missing[off + j];
+        ExpectedBlock(body, WorkingSetStamp(config.block_size, first + i),
+                      &contents[j]);
+        blocks[j] = BlockToPut{keys[i], "", contents[j]};
+      }
       absl::StatusOr<std::vector<PutResult>> put =
-          client.Put(config.ns, absl::MakeConstSpan(missing).subspan(off, n));
+          client.Put(config.ns, absl::MakeConstSpan(blocks));
       if (!put.ok()) return put.status();
     }
     stored += missing.size();
@@ -247,32 +334,165 @@ absl::Status PopulateWorkingSet(Client& client, const BenchConfig& config,
   return absl::OkStatus();
 }
 
+// What the read-back after the timed window found.
+struct VerifyResult {
+  uint64_t blocks = 0;    // blocks read back and compared
+  uint64_t failures = 0;  // of them: missing, failed or with other bytes
+};
+
 // Runs one client's loop until the deadline or the shared op budget runs out.
 // `claimed` counts ops taken from the budget by all clients (count mode).
 class ClientLoop {
  public:
-  // `client`, `config`, `put_bytes` and `claimed` must outlive Run.
+  // `client`, `config`, `run_nonce`, `body` and `claimed` must outlive the
+  // loop.
   ClientLoop(int id, Client& client, bool ucx, const BenchConfig& config,
-             const std::string& run_nonce, const std::string& put_bytes,
+             const std::string& run_nonce, const std::string& body,
              std::atomic<uint64_t>& claimed)
       : id_(id),
         client_(client),
         ucx_(ucx),
         config_(config),
         run_nonce_(run_nonce),
-        put_bytes_(put_bytes),
+        nonce_hash_(std::hash<std::string>()(run_nonce)),
+        body_(body),
         claimed_(claimed),
         rng_(0x6b766465706f74ULL ^
              (static_cast<uint64_t>(id) * 0x9e3779b97f4a7c15ULL)) {}
 
   // Before the clock starts: the UCX buffer (AllocateBuffer makes all its
   // pages, which takes a while for large ones; done by every client while
-  // others already ran, it slowed their first calls).
+  // others already ran, it slowed their first calls) and the put blocks:
+  // over UCX the buffer's --depth x --batch blocks, over grpc --batch
+  // blocks, each a copy of the body (DrawPutKeys stamps them).
   void Prepare() {
     if (ucx_ && config_.op != Op::kLookup) {
       ucx_buffer_ = client_.AllocateBuffer(config_.depth * config_.batch *
                                            config_.block_size);
+      if (ucx_buffer_.ok() && config_.op == Op::kPut) {
+        for (uint64_t off = 0; off < ucx_buffer_->size();
+             off += config_.block_size) {
+          std::copy(body_.begin(), body_.end(), ucx_buffer_->data() + off);
+        }
+      }
+    } else if (config_.op == Op::kPut) {
+      sync_put_blocks_.assign(config_.batch, body_);
     }
+  }
+
+  // After the timed window (every client's Run has returned): reads a
+  // sample of about `sample` blocks back over this client's transport (over
+  // UCX with GetIntoAsync into its registered buffer, poisoned first; over
+  // grpc with Get), --batch per call, and compares each byte for byte with
+  // the content it was given: for get, `sample` working-set keys spread
+  // over the working set, from offset `slot` of `slots` (each client takes
+  // its own); for put, `sample` of the keys this client put, spread from
+  // its first to its last (none when its run had errors: it failed
+  // already). Prints the first few failures.
+  VerifyResult Verify(uint64_t sample, uint64_t slot, uint64_t slots,
+                      const ClientResult& run) {
+    std::vector<std::string> keys;
+    std::vector<Stamp> stamps;
+    uint64_t last_index = 0;
+    if (config_.op == Op::kGet) {
+      // Indexes spread evenly over [0, keys): client `slot` of `slots`
+      // takes every slots-th of slots x sample points.
+      const uint64_t points = slots * sample;
+      for (uint64_t j = 0; j < sample; ++j) {
+        const uint64_t index = (j * slots + slot) * config_.keys / points;
+        // Ascending: a repeat (more points than keys) follows its first.
+        if (!keys.empty() && index == last_index) continue;
+        last_index = index;
+        keys.push_back(WorkingSetKey(config_.block_size, index));
+        stamps.push_back(WorkingSetStamp(config_.block_size, index));
+      }
+    } else if (config_.op == Op::kPut && run.errors == 0 && counter_ > 0) {
+      const uint64_t n = std::min<uint64_t>(sample, counter_);
+      for (uint64_t j = 0; j < n; ++j) {
+        const uint64_t counter =
+            n == 1 ? counter_ - 1 : j * (counter_ - 1) / (n - 1);
+        keys.push_back(PutKey(counter));
+        stamps.push_back(PutStamp(nonce_hash_, id_, counter));
+      }
+    }
+    VerifyResult result;
+    std::string expected;
+    auto check = [&](size_t k, absl::Status st, absl::string_view got) {
+      ++result.blocks;
+      if (st.ok()) {
+        ExpectedBlock(body_, stamps[k], &expected);
+        if (got.size() != expected.size()) {
+          st = absl::DataLossError(
+              absl::StrCat(got.size(), " bytes, expected ", expected.size()));
+        } else if (got != expected) {
+          uint64_t first = 0, differ = 0;
+          for (size_t b = got.size(); b-- > 0;) {
+            if (got[b] != expected[b]) {
+              ++differ;
+              first = b;
+            }
+          }
+          st = absl::DataLossError(absl::StrCat(
+              differ, " of ", got.size(),
+              " bytes differ from what was stored under this key (first at "
+              "offset ",
+              first, ")"));
+        }
+      }
+      if (st.ok()) return;
+      if (result.failures < kMaxReportedErrors) {
+        std::fprintf(stderr, "kvdepot-bench: verify: client %d: %s %s: %s\n",
+                     id_, config_.op_name.c_str(), keys[k].c_str(),
+                     st.ToString().c_str());
+      }
+      ++result.failures;
+    };
+    std::vector<absl::string_view> views(keys.begin(), keys.end());
+    for (size_t off = 0; off < keys.size(); off += config_.batch) {
+      const size_t n = std::min<size_t>(config_.batch, keys.size() - off);
+      const auto call_keys = absl::MakeConstSpan(views).subspan(off, n);
+      if (ucx_) {
+        if (!ucx_buffer_.ok()) {
+          for (size_t i = 0; i < n; ++i) {
+            check(off + i, ucx_buffer_.status(), {});
+          }
+          continue;
+        }
+        std::vector<absl::Span<char>> spans;
+        for (size_t i = 0; i < n; ++i) {
+          char* p = ucx_buffer_->data() + i * config_.block_size;
+          std::fill_n(p, config_.block_size, kPoison);
+          spans.emplace_back(p, config_.block_size);
+        }
+        TransferOp op = client_.GetIntoAsync(config_.ns, call_keys, spans);
+        op.Wait();
+        for (size_t i = 0; i < n; ++i) {
+          check(off + i, op.statuses()[i],
+                absl::string_view(spans[i].data(), spans[i].size()));
+        }
+      } else {
+        absl::StatusOr<std::vector<Block>> got =
+            client_.Get(config_.ns, call_keys);
+        for (size_t i = 0; i < n; ++i) {
+          if (!got.ok()) {
+            check(off + i, got.status(), {});
+          } else if (got->size() != n) {
+            check(off + i,
+                  absl::DataLossError(absl::StrCat(
+                      "get of ", n, " keys returned ", got->size(), " blocks")),
+                  {});
+          } else if ((*got)[i].key != keys[off + i]) {
+            check(off + i,
+                  absl::DataLossError(absl::StrCat(
+                      "returned the block of key ", (*got)[i].key)),
+                  {});
+          } else {
+            check(off + i, absl::OkStatus(), (*got)[i].bytes);
+          }
+        }
+      }
+    }
+    return result;
   }
 
   ClientResult Run(SteadyClock::time_point deadline) {
@@ -336,16 +556,27 @@ class ClientLoop {
     }
   }
 
-  // Fills keys[0, n) and blocks[0, n) with new put keys over `bytes`.
+  // Put key `counter` of this client.
+  std::string PutKey(uint64_t counter) const {
+    return absl::StrCat("put/", run_nonce_, "/", id_, "/", counter);
+  }
+
+  // Fills keys[0, n) and blocks[0, n) with new put keys over `bytes` (the
+  // call's part of the UCX buffer; when empty, sync_put_blocks_), stamping
+  // each block with its key's stamp (the only write to the put blocks in the
+  // timed window: 3 x 16 bytes per block, before the call's clock starts).
   void DrawPutKeys(size_t n, std::vector<std::string>& keys,
                    std::vector<BlockToPut>& blocks,
                    absl::Span<const absl::Span<char>> bytes) {
     for (size_t i = 0; i < n; ++i) {
-      keys[i] = absl::StrCat("put/", run_nonce_, "/", id_, "/", counter_++);
-      blocks[i] = BlockToPut{
-          keys[i], "",
-          bytes.empty() ? absl::string_view(put_bytes_)
-                        : absl::string_view(bytes[i].data(), bytes[i].size())};
+      const uint64_t counter = counter_++;
+      keys[i] = PutKey(counter);
+      char* block =
+          bytes.empty() ? sync_put_blocks_[i].data() : bytes[i].data();
+      ApplyStamp(PutStamp(nonce_hash_, id_, counter), block,
+                 config_.block_size);
+      blocks[i] = BlockToPut{keys[i], "",
+                             absl::string_view(block, config_.block_size)};
     }
   }
 
@@ -366,7 +597,7 @@ class ClientLoop {
   }
 
   // UCX gets and puts: one registered buffer of --depth x --batch blocks
-  // (gets land in it, puts come from it, filled with the put bytes once);
+  // (gets land in it, puts come from it, filled with the body by Prepare);
   // up to --depth GetIntoAsync / PutFromAsync calls in flight, each on its
   // own --batch blocks of the buffer, issued in order and waited for oldest
   // first.
@@ -397,9 +628,6 @@ class ClientLoop {
       call.blocks.resize(config_.batch);
       for (int i = 0; i < config_.batch; ++i) {
         char* p = buffer->data() + c * call_bytes + i * config_.block_size;
-        if (config_.op == Op::kPut) {
-          std::copy(put_bytes_.begin(), put_bytes_.end(), p);
-        }
         call.spans.emplace_back(p, config_.block_size);
       }
     }
@@ -528,7 +756,8 @@ class ClientLoop {
   const bool ucx_;
   const BenchConfig& config_;
   const std::string& run_nonce_;
-  const std::string& put_bytes_;
+  const uint64_t nonce_hash_;  // of run_nonce_, in the put stamps
+  const std::string& body_;    // every block's content before its stamp
   std::atomic<uint64_t>& claimed_;
   std::mt19937_64 rng_;
   // A get batch draws distinct keys: a permutation of the working set's
@@ -538,6 +767,8 @@ class ClientLoop {
   // Prepare's buffer (gets land in it, puts come from it).
   absl::StatusOr<absl::Span<char>> ucx_buffer_ =
       absl::FailedPreconditionError("no UCX buffer: Prepare was not called");
+  // Put blocks over grpc: one per position in a call (Prepare).
+  std::vector<std::string> sync_put_blocks_;
 };
 
 
@@ -548,7 +779,7 @@ int Run(const BenchConfig& config) {
   const std::string run_nonce = absl::StrFormat(
       "%x%08x", static_cast<uint64_t>(absl::ToUnixMicros(absl::Now())),
       entropy());
-  const std::string bytes = RandomBytes(config.block_size, entropy());
+  const std::string body = BlockBody(config.block_size);
 
   // Connect every client (and check the daemon) before the clock starts.
   std::vector<std::unique_ptr<Client>> clients;
@@ -582,7 +813,7 @@ int Run(const BenchConfig& config) {
                  static_cast<unsigned long long>(evicted->pinned_blocks()));
   }
   if (config.op != Op::kPut) {
-    absl::Status st = PopulateWorkingSet(*clients[0], config, bytes);
+    absl::Status st = PopulateWorkingSet(*clients[0], config, body);
     if (!st.ok()) {
       std::fprintf(stderr,
                    "kvdepot-bench: storing the working set failed: %s\n",
@@ -592,6 +823,11 @@ int Run(const BenchConfig& config) {
   }
 
   std::atomic<uint64_t> claimed{0};
+  std::vector<std::unique_ptr<ClientLoop>> loops;
+  for (int i = 0; i < config.clients; ++i) {
+    loops.push_back(std::make_unique<ClientLoop>(
+        i, *clients[i], ucx_ok[i] != 0, config, run_nonce, body, claimed));
+  }
   std::vector<ClientResult> results(config.clients);
   std::vector<SteadyClock::time_point> ends(config.clients);
   std::vector<std::thread> threads;
@@ -601,12 +837,10 @@ int Run(const BenchConfig& config) {
   SteadyClock::time_point deadline;
   for (int i = 0; i < config.clients; ++i) {
     threads.emplace_back([&, i] {
-      ClientLoop loop(i, *clients[i], ucx_ok[i] != 0, config, run_nonce, bytes,
-                      claimed);
-      loop.Prepare();
+      loops[i]->Prepare();
       ready.DecrementCount();
       go.WaitForNotification();  // publishes `start` and `deadline`
-      results[i] = loop.Run(deadline);
+      results[i] = loops[i]->Run(deadline);
       ends[i] = SteadyClock::now();
     });
   }
@@ -619,6 +853,38 @@ int Run(const BenchConfig& config) {
   const SteadyClock::time_point end =
       *std::max_element(ends.begin(), ends.end());
   const double seconds = std::chrono::duration<double>(end - start).count();
+  const bool moves_blocks = config.op != Op::kLookup;
+
+  // After the timed window, one client at a time: a sample of the blocks
+  // read back over each client's transport and compared byte for byte.
+  VerifyResult verify;
+  if (moves_blocks && config.verify > 0) {
+    const uint64_t per_client =
+        (config.verify + config.clients - 1) / config.clients;
+    for (int i = 0; i < config.clients; ++i) {
+      const VerifyResult r =
+          loops[i]->Verify(per_client, i, config.clients, results[i]);
+      verify.blocks += r.blocks;
+      verify.failures += r.failures;
+    }
+  }
+  const char* verify_state = config.verify == 0 ? "off"
+                             : verify.failures > 0 ? "failed"
+                             : verify.blocks == 0  ? "none"
+                                                   : "ok";
+  if (verify.failures > 0) {
+    std::fprintf(stderr,
+                 "kvdepot-bench: verify FAILED: %llu of %llu blocks read back "
+                 "after the run are missing or hold other bytes than were "
+                 "stored under their keys (first ones above)%s\n",
+                 static_cast<unsigned long long>(verify.failures),
+                 static_cast<unsigned long long>(verify.blocks),
+                 config.op == Op::kGet
+                     ? "; a working set stored earlier with other bytes "
+                       "(by another version of kvdepot-bench) fails too: "
+                       "--clear-ns stores it again"
+                     : "");
+  }
 
   const TallySummary tally = Summarize(results);
   const uint64_t ops = tally.ops;
@@ -631,7 +897,6 @@ int Run(const BenchConfig& config) {
       seconds > 0 ? static_cast<double>(ops) / seconds : 0;
   const double calls_per_sec =
       seconds > 0 ? static_cast<double>(calls) / seconds : 0;
-  const bool moves_blocks = config.op != Op::kLookup;
   const double gb_per_sec =
       moves_blocks ? ops_per_sec * static_cast<double>(config.block_size) / 1e9
                    : 0;
@@ -664,6 +929,20 @@ int Run(const BenchConfig& config) {
       ", per call p50 %.1f us, p99 %.1f us, p999 %.1f us, %u errors, per "
       "client %u-%u ops",
       p50, p99, p999, errors, tally.min_thread_ops, tally.max_thread_ops);
+  if (moves_blocks) {
+    if (verify.failures > 0) {
+      absl::StrAppendFormat(&human,
+                            ", VERIFY FAILED: %u of %u blocks read back",
+                            verify.failures, verify.blocks);
+    } else if (verify.blocks > 0) {
+      absl::StrAppendFormat(&human, ", %u blocks read back and verified",
+                            verify.blocks);
+    } else {
+      absl::StrAppendFormat(&human, ", no block read back (%s)",
+                            config.verify == 0 ? "--verify 0"
+                                               : "none put without errors");
+    }
+  }
   if (config.json) {
     std::fprintf(stderr, "%s\n", human.c_str());
     std::string json = absl::StrFormat(
@@ -689,6 +968,13 @@ int Run(const BenchConfig& config) {
     }
     if (config.op != Op::kPut)
       absl::StrAppendFormat(&json, ",\"keys\":%u", config.keys);
+    if (moves_blocks) {
+      absl::StrAppendFormat(
+          &json,
+          ",\"verify\":\"%s\",\"verified_blocks\":%u,"
+          "\"verify_failures\":%u",
+          verify_state, verify.blocks, verify.failures);
+    }
     if (config.op == Op::kLookup) {
       absl::StrAppendFormat(&json,
                             ",\"keys_per_sec\":%.3f,\"prefix\":%s,\"pin\":%s",
@@ -702,7 +988,7 @@ int Run(const BenchConfig& config) {
   } else {
     std::printf("%s\n", human.c_str());
   }
-  return errors > 0 ? 1 : 0;
+  return errors > 0 || verify.failures > 0 ? 1 : 0;
 }
 
 }  // namespace
@@ -759,6 +1045,11 @@ int main(int argc, char** argv) {
                "lookup: pin the hits and unpin them (an op, timed and counted, "
                "is the lookup and its unpin)");
   app.add_flag("--json", config.json, "print one JSON object on stdout");
+  app.add_option("--verify", config.verify,
+                 "get/put: blocks read back after the timed window (over the "
+                 "same transport, into poisoned memory) and compared byte for "
+                 "byte with what was stored; any difference fails the run "
+                 "(default 64, 0: none)");
   std::string requests = "ucx";
   app.add_option("--requests", requests,
                  "get/put over ucx: send each call's request as a UCX active "

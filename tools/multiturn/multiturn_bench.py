@@ -2,9 +2,11 @@
 """Multi-turn chat with kvdepot prefix reuse against recompute.
 
 One command: starts its own kvdepotd (loopback, port 0, temporary data
-directory), builds the seeded model, and for each concurrency runs the same
-workload twice -- recompute, then with kvdepot (its namespace emptied first)
--- and stops the daemon. Prints a header and a table, writes JSON
+directory), builds the seeded model, runs one untimed warm-up pass of the
+whole workload on each side, and for each concurrency runs the same
+workload recomputing and with kvdepot (its namespace emptied first), the
+order alternating by round (recompute first, then kvdepot first: A B B A),
+and stops the daemon. Prints a header and a table, writes JSON
 (``--out``), the same text as stdout (``--txt``) and a PNG of TTFT by turn
 (``--plot``, when matplotlib is installed). Exits 1 when the two runs
 disagree (generated tokens, first-token logits beyond ``--atol`` or NaN), a
@@ -65,7 +67,7 @@ PRESETS: Dict[str, Dict[str, Any]] = {
     "smoke": dict(
         vocab=512, hidden=64, layers=2, heads=4, kv_heads=2, head_size=16,
         intermediate=128, conversations=2, turns=2, first_tokens=80,
-        user_tokens=40, output_tokens=6, concurrency=[2], rounds=1,
+        user_tokens=40, output_tokens=6, concurrency=[2], rounds=2,
     ),
 }
 # First-token logits may differ by rounding only (the same math in a
@@ -78,8 +80,9 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     p = argparse.ArgumentParser(
         description=__doc__.split("\n\n")[0])
     p.add_argument("--smoke", action="store_true",
-                   help="tiny model, 2 conversations x 2 turns, 1 concurrency: "
-                        "the correctness checks in seconds (CI)")
+                   help="tiny model, 2 conversations x 2 turns, 1 concurrency, "
+                        "2 rounds (both orders): the correctness checks in "
+                        "seconds (CI)")
     p.add_argument("--build", type=Path, default=REPO / "build",
                    help="CMake build tree: imports <build>/python/kvdepot and "
                         "runs <build>/server/kvdepotd (default <repo>/build)")
@@ -137,9 +140,14 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     w.add_argument("--workload-seed", type=int, default=0,
                    help="token ids and lengths (default 0)")
     w.add_argument("--rounds", type=int,
-                   help=preset("rounds", "runs of each side per concurrency, "
-                                         "alternating recompute, kvdepot, ...; "
+                   help=preset("rounds", "runs of each side per concurrency; "
+                                         "odd rounds recompute first, even "
+                                         "rounds kvdepot first (A B B A), so "
+                                         "an even count balances the order; "
                                          "requests pooled"))
+    w.add_argument("--no-warmup", action="store_true",
+                   help="skip the untimed full-size warm-up pass of each side "
+                        "(the first measured run then pays one-time costs)")
 
     args = p.parse_args(argv)
     for name, value in PRESETS["smoke" if args.smoke else "default"].items():
@@ -470,7 +478,10 @@ def report_header(report: Dict[str, Any]) -> List[str]:
         f"first message {w['first_tokens']} tokens, later {w['user_tokens']}, "
         f"answers {w['output_tokens']} (each +-{w['length_jitter']:.0%}), "
         f"concurrency {' and '.join(str(c) for c in w['concurrency'])}, "
-        f"{w['rounds']} round(s) of recompute then kvdepot, requests pooled",
+        f"{w['rounds']} round(s) per side, order alternating by round (recompute "
+        f"first, then kvdepot first: A B B A), requests pooled; "
+        + ("warm-up: one discarded full pass of each side"
+           if w.get("warmup") else "no warm-up pass"),
         f"Wall time:   {report['wall_s']:.0f} s",
         "",
     ]
@@ -508,11 +519,26 @@ def report_table(
                 row(c, str(turn["turn"]), run["mode"], turn)
         for run in pair:
             row(c, "all", run["mode"], run["overall"])
-        ttft = ", ".join(f"turn {t['turn']} {t['ttft_p50_ratio']:.3f}"
-                         for t in comp["per_turn"])
-        lines.append(f"   C={c}: kvdepot/recompute TTFT p50: {ttft}; "
-                     f"TPOT {comp['overall']['tpot_ratio']:.3f}; "
-                     f"req/s {comp['overall']['requests_per_s_ratio']:.3f}")
+        def ratios(comp: Dict[str, Any]) -> str:
+            ttft = ", ".join(f"turn {t['turn']} {t['ttft_p50_ratio']:.3f}"
+                             for t in comp["per_turn"])
+            return (f"TTFT p50: {ttft}; TPOT {comp['overall']['tpot_ratio']:.3f}; "
+                    f"req/s {comp['overall']['requests_per_s_ratio']:.3f}")
+
+        balance = ("order balanced" if comp["order_balanced"]
+                   else "order NOT balanced (odd --rounds)")
+        lines.append(f"   C={c}: kvdepot/recompute, all rounds ({balance}): "
+                     f"{ratios(comp)}")
+        for order, sub in comp["by_order"].items():
+            lines.append(f"   C={c}:   {order.replace('_', ' ')} "
+                         f"({sub['rounds']} round(s)): {ratios(sub)}")
+        floor = comp["noise_floor"]
+        if floor["ttft_p50_ratio_turn1"] is not None:
+            lines.append(
+                f"   C={c}: noise floor: turn-1 TTFT p50 ratio "
+                f"{floor['ttft_p50_ratio_turn1']:.3f} (same work on both sides; "
+                f"{floor['deviation']:.1%} from 1): differences of that size "
+                f"are not evidence")
         tgt = comp["target"]
         if "ttft_p50_reduction" in tgt:
             lines.append(
@@ -577,6 +603,61 @@ def plot_ttft(runs: Sequence[Dict[str, Any]], title: str, path: Path) -> bool:
     return True
 
 
+# The order of a round's two runs: round 1 recompute first, round 2
+# kvdepot first, and so on (A B B A A B ...), so that what the second run of
+# a pair gains from the first (warm caches, allocator, CPU frequency) or
+# loses (heat, a neighbour's load) falls on each side equally often.
+RECOMPUTE_FIRST = "recompute_first"
+KVDEPOT_FIRST = "kvdepot_first"
+
+
+def round_order(round_index: int) -> str:
+    """The order of round ``round_index`` (0-based)."""
+    return RECOMPUTE_FIRST if round_index % 2 == 0 else KVDEPOT_FIRST
+
+
+def run_side(
+    model: DecoderModel,
+    store: kvdepot.KvCacheStore,
+    conversations: Sequence[Sequence[TurnSpec]],
+    concurrency: int,
+    use_kvdepot: bool,
+) -> RunResult:
+    """One run of the whole workload, on a fresh cache; with kvdepot, its
+    namespace emptied first."""
+    from model import PagedKvCache
+    from workload import KvdepotConnector, cache_blocks_needed, run_workload
+
+    num_blocks = cache_blocks_needed(conversations, concurrency, BLOCK_SIZE)
+    # NaN everywhere: a slot read before it was computed or loaded would
+    # poison the logits.
+    cache = PagedKvCache(model.config, num_blocks, BLOCK_SIZE, model.embed.weight.dtype,
+                         model.embed.weight.device, fill_value=float("nan"))
+    connector = None
+    if use_kvdepot:
+        store.client.evict(store.namespace, all=True)
+        connector = KvdepotConnector(store, BLOCK_SIZE)
+    return run_workload(model, cache, conversations, concurrency, connector)
+
+
+def warm_up(
+    model: DecoderModel,
+    store: kvdepot.KvCacheStore,
+    conversations: Sequence[Sequence[TurnSpec]],
+    concurrency: int,
+) -> float:
+    """One full-size pass of each side, discarded (recompute, then
+    kvdepot): the first measured run no longer pays for torch's and the
+    allocator's first use of each shape, the client's buffers and the
+    daemon's first touch of its memory. Returns its wall time."""
+    started = time.perf_counter()
+    for use_kvdepot in (False, True):
+        run = run_side(model, store, conversations, concurrency, use_kvdepot)
+        print(f"[C={concurrency} warm-up, discarded] {run.mode}: {len(run.records)} "
+              f"requests, {run.steps} steps, {run.wall_s:.1f} s", file=sys.stderr)
+    return time.perf_counter() - started
+
+
 def run_pairs(
     model: DecoderModel,
     store: kvdepot.KvCacheStore,
@@ -584,34 +665,63 @@ def run_pairs(
     concurrency: int,
     rounds: int,
 ) -> List[Tuple[RunResult, RunResult]]:
-    """``rounds`` pairs of runs of the workload at one concurrency:
-    recompute, then kvdepot (its namespace emptied first), alternating."""
-    from model import PagedKvCache
-    from workload import KvdepotConnector, cache_blocks_needed, run_workload
-
-    config = model.config
-    dtype = model.embed.weight.dtype
-    device = model.embed.weight.device
-    num_blocks = cache_blocks_needed(conversations, concurrency, BLOCK_SIZE)
+    """``rounds`` pairs of runs of the workload at one concurrency, each
+    returned as (recompute, kvdepot) whatever order it ran in
+    (:func:`round_order`)."""
     pairs = []
     for round_index in range(rounds):
-        pair = []
-        for use_kvdepot in (False, True):
-            # NaN everywhere: a slot read before it was computed or loaded
-            # would poison the logits.
-            cache = PagedKvCache(config, num_blocks, BLOCK_SIZE, dtype, device,
-                                 fill_value=float("nan"))
-            connector = None
-            if use_kvdepot:
-                store.client.evict(store.namespace, all=True)
-                connector = KvdepotConnector(store, BLOCK_SIZE)
-            run = run_workload(model, cache, conversations, concurrency, connector)
-            print(f"[C={concurrency} round {round_index + 1}/{rounds}] {run.mode}: "
+        order = round_order(round_index)
+        sides = (False, True) if order == RECOMPUTE_FIRST else (True, False)
+        done: Dict[bool, RunResult] = {}
+        for use_kvdepot in sides:
+            run = run_side(model, store, conversations, concurrency, use_kvdepot)
+            print(f"[C={concurrency} round {round_index + 1}/{rounds}, "
+                  f"{order.replace('_', ' ')}] {run.mode}: "
                   f"{len(run.records)} requests, {run.steps} steps, {run.wall_s:.1f} s",
                   file=sys.stderr)
-            pair.append(run)
-        pairs.append((pair[0], pair[1]))
+            done[use_kvdepot] = run
+        pairs.append((done[False], done[True]))
     return pairs
+
+
+def compare_balanced(pairs: Sequence[Tuple[RunResult, RunResult]]) -> Dict[str, Any]:
+    """The comparison of all rounds pooled (the headline: balanced when the
+    rounds are even), the same per order, and the noise floor: the turn-1
+    TTFT p50 ratio, where both sides do the same work (every lookup misses)
+    and a ratio away from 1 is the machine's noise and what order effects
+    are left. (Turn-1 requests may share steps with other clients' later
+    turns, which kvdepot makes shorter: a run with ``--turns 1`` gives the
+    pure control.)"""
+    pooled = compare(merge_rounds([p[0] for p in pairs]),
+                     merge_rounds([p[1] for p in pairs]))
+    orders = [round_order(i) for i in range(len(pairs))]
+    by_order: Dict[str, Any] = {}
+    for order in (RECOMPUTE_FIRST, KVDEPOT_FIRST):
+        chosen = [p for p, o in zip(pairs, orders) if o == order]
+        if not chosen:
+            continue
+        c = compare(merge_rounds([p[0] for p in chosen]),
+                    merge_rounds([p[1] for p in chosen]))
+        by_order[order] = {"rounds": len(chosen), "per_turn": c["per_turn"],
+                           "overall": c["overall"]}
+
+    def turn1(comp: Dict[str, Any]) -> Optional[float]:
+        return next((t["ttft_p50_ratio"] for t in comp["per_turn"] if t["turn"] == 1), None)
+
+    floor = turn1(pooled)
+    return {
+        **pooled,
+        "order": orders,
+        "order_balanced": orders.count(RECOMPUTE_FIRST) == orders.count(KVDEPOT_FIRST),
+        "by_order": by_order,
+        "noise_floor": {
+            "what": "turn-1 TTFT p50 ratio kvdepot/recompute (same work on both "
+                    "sides: every lookup misses)",
+            "ttft_p50_ratio_turn1": floor,
+            "deviation": None if floor is None else abs(1.0 - floor),
+            "by_order": {o: turn1(c) for o, c in by_order.items()},
+        },
+    }
 
 
 def machine_info(device: str) -> Dict[str, Any]:
@@ -686,12 +796,15 @@ def main(argv: Sequence[str]) -> int:
         store.client.health()
         dram = re.search(r"DRAM tier (\d+) bytes", daemon.banner)
         dram_bytes = int(dram.group(1)) if dram else None
+        warmup_s = 0.0
+        if not args.no_warmup:
+            warmup_s = warm_up(model, store, conversations, args.concurrency[0])
         for concurrency in args.concurrency:
             pairs = run_pairs(model, store, conversations, concurrency, args.rounds)
             recompute = merge_rounds([p[0] for p in pairs])
             cached = merge_rounds([p[1] for p in pairs])
             runs.extend([recompute, cached])
-            comparisons.append({**compare(recompute, cached),
+            comparisons.append({**compare_balanced(pairs),
                                 "correctness": check_correctness(pairs, args.atol,
                                                                  dram_bytes)})
         store.client.close()
@@ -719,6 +832,12 @@ def main(argv: Sequence[str]) -> int:
                      "namespace": store.namespace},
         "workload": {**asdict(workload_config), "concurrency": args.concurrency,
                      "rounds": args.rounds,
+                     "order": "round 1 recompute first, round 2 kvdepot first, ... "
+                              "(A B B A); rounds pooled",
+                     "warmup": None if args.no_warmup else {
+                         "what": "one full pass of each side (recompute, then kvdepot) "
+                                 "at the first concurrency, discarded",
+                         "concurrency": args.concurrency[0], "wall_s": warmup_s},
                      "clients": "closed loop, no think time; one engine loop"},
         "runs": described,
         "comparisons": comparisons,
