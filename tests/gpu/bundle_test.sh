@@ -11,9 +11,12 @@
 #      the bundle's commit, and run the bundled programs, which find no CUDA
 #      device and exit 77, so the script must fail (exit 1), saying so; and
 #      the Python check of the bundled C ABI libraries, which stops at
-#      torch's "no CUDA device" (exit 77). The stand-in's driver (0.0) is
-#      older than the MANIFEST says the programs need: the script must say
-#      DRIVER TOO OLD.
+#      torch's "no CUDA device" (exit 77), which is a failure there (a GPU
+#      was seen). The report goes straight into $OUT (and is copied to
+#      --report-dir), with each step's whole log, the steps' time limits
+#      and a summary line per step. The stand-in's driver (0.0) is older
+#      than the MANIFEST says the programs need: the script must say DRIVER
+#      TOO OLD.
 #
 #   tests/gpu/bundle_test.sh BUILD_DIR
 set -euo pipefail
@@ -52,7 +55,7 @@ case "$*" in
 esac
 EOF
 chmod +x "$WORK/path/nvidia-smi"
-for t in bash sh env cat sed grep head tail tr date mkdir cp rm pwd dirname git; do
+for t in bash sh env cat sed grep head tail tr date mkdir cp rm pwd dirname git timeout stdbuf; do
   p="$(command -v "$t" || true)"
   [[ -n $p ]] && ln -sf "$p" "$WORK/path/$t"
 done
@@ -89,5 +92,21 @@ if [[ -x /usr/bin/python3 ]] && /usr/bin/python3 -c 'import numpy, torch' 2>/dev
   grep -q "bench_kvshim_vs_torch: torch sees no CUDA device; skipping" "$report" ||
     fail "the kvshim benchmark did not get as far as torch's device check"
 fi
-[[ -f $WORK/out/$(basename "$report") ]] || fail "the report was not copied to \$OUT"
+[[ -f $WORK/out/$(basename "$report") ]] || fail "the report was not written to \$OUT"
+cmp -s "$report" "$WORK/out/$(basename "$report")" ||
+  fail "the report in --report-dir differs from the one in \$OUT"
+[[ -f $WORK/out/$(basename "$report" .txt).gather_cuda_test.log ]] ||
+  fail "the step's whole output (gather_cuda_test.log) is not in \$OUT"
+# Every step ran under its time limit and has a line in the summary; with
+# a GPU seen by nvidia-smi, the Python steps' skip (exit 77) is a failure.
+grep -q "^time limits (s): gather_cuda_test [0-9]" "$report" ||
+  fail "the report does not give the steps' time limits"
+grep -q "^== summary: NOT every step passed" "$report" || fail "the report has no summary"
+for step in gather_cuda_test gpu_cuda_benchmark test_cuda_kvshim bench_kvshim_vs_torch; do
+  grep -q "^$step  *FAILED" "$report" || fail "the summary does not say that $step failed"
+done
+if [[ -x /usr/bin/python3 ]] && /usr/bin/python3 -c 'import numpy, torch' 2>/dev/null; then
+  grep -q "^test_cuda_kvshim  *FAILED (skipped, exit 77, though nvidia-smi sees a GPU: .*no CUDA device" \
+    "$report" || fail "the kvshim check's skip is not reported as a failure with its reason"
+fi
 echo "bundle_test: OK"

@@ -25,7 +25,10 @@ two geometries (16-byte rows, and odd 3-element rows):
   * kvdepot/_device_load.py (KvCacheStore.load_async's path for CUDA
     caches), with a stand-in of the client (no daemon there): each
     wait_for_layer scatters the layers up to it, on the current stream,
-    from registered staging; the rest follows in wait(); a miss is untouched.
+    from registered staging; the rest follows in wait(); a miss is untouched;
+    a wait_for_layer from another stream (also after a polling thread
+    queued every layer with ready_layers) orders that stream after the
+    scatters: a copy queued on it right after sees every layer.
 
 Usage:
   python3 tests/gpu/test_cuda_kvshim.py [--cuda-lib PATH] [--cpu-lib PATH]
@@ -49,6 +52,7 @@ import os
 import random
 import sys
 import tempfile
+import threading
 import unittest
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -438,11 +442,16 @@ class DeviceLoadTest(unittest.TestCase):
     scatter of the layers up to it on the current stream, from registered
     staging memory; wait() finishes and synchronizes; a miss is untouched."""
 
-    def test_layers_are_scattered_on_the_current_stream_as_asked(self):
+    @staticmethod
+    def device_load_module():
         path = os.path.join(REPO, "client", "python", "kvdepot", "_device_load.py")
         spec_ = importlib.util.spec_from_file_location("kvdepot_device_load", path)
         mod = importlib.util.module_from_spec(spec_)
         spec_.loader.exec_module(mod)
+        return mod
+
+    def test_layers_are_scattered_on_the_current_stream_as_asked(self):
+        mod = self.device_load_module()
         gen = torch.Generator(device=DEV).manual_seed(5)
         for spec, shapes in cases(kvshim.Dtype.BFLOAT16, GEOMETRIES[0]):
             with self.subTest(layout=kvshim.CacheLayout(spec.layout).name):
@@ -459,10 +468,13 @@ class DeviceLoadTest(unittest.TestCase):
                     dst = [torch.zeros(s, dtype=torch.bfloat16, device=DEV) for s in shapes]
                     ids = [N - 1, N - 2, N - 3, N - 4]
                     side = torch.cuda.Stream(DEV)
+                    # The zero fill ran on the current stream: the scatters
+                    # on `side` must come after it.
+                    side.wait_stream(torch.cuda.current_stream(DEV))
                     load = mod.DeviceLoad(
                         _StandInClient(stored), "ns", [b"k2", b"missing", b"k0", b"k1"],
                         staging, spec, CUDA, dst, ids, [2, 2],
-                        lambda: torch.cuda.current_stream(DEV).cuda_stream)
+                        lambda: torch.cuda.current_stream(DEV))
                     with torch.cuda.stream(side):
                         self.assertTrue(load.wait_for_layer(0))
                     side.synchronize()
@@ -483,6 +495,74 @@ class DeviceLoadTest(unittest.TestCase):
                     del load
                 finally:
                     CUDA.unregister_host(pool)
+
+    def check_another_stream_sees_the_layers(self, poll):
+        """The load's scatters go on stream `held` (its first enqueueing
+        caller's), queued behind ~0.25 s of sleep; a wait_for_layer from
+        another stream, `reader`, must order that stream after them: a
+        copy of the caches queued on `reader` right after it returns sees
+        every layer. With `poll`, another thread (current stream `held`)
+        queues every layer through ready_layers first, as an engine's
+        polling thread would; else the first wait_for_layer, on `held`,
+        queues layer 0 and the reader's queues the rest."""
+        if not hasattr(torch.cuda, "_sleep"):
+            self.skipTest("this torch has no torch.cuda._sleep to hold the stream")
+        mod = self.device_load_module()
+        gen = torch.Generator(device=DEV).manual_seed(6)
+        spec, shapes = cases(kvshim.Dtype.BFLOAT16, GEOMETRIES[0])[0]  # FlashAttention NHD
+        L = spec.num_layers
+        info = CUDA.layout_info(spec)
+        host = host_copies(random_gpu_caches(shapes, torch.bfloat16, gen))
+        objects = cpu_objects(spec, host, [0, 1])
+        stored = {b"k0": objects[0], b"k1": objects[1]}
+        pool = np.zeros(2 * info.object_bytes, np.uint8)
+        CUDA.register_host(pool)
+        try:
+            staging = [pool[i * info.object_bytes:(i + 1) * info.object_bytes]
+                       for i in range(2)]
+            dst = [torch.zeros(s, dtype=torch.bfloat16, device=DEV) for s in shapes]
+            held, reader = torch.cuda.Stream(DEV), torch.cuda.Stream(DEV)
+            held.wait_stream(torch.cuda.current_stream(DEV))  # after the zero fill
+            reader.wait_stream(torch.cuda.current_stream(DEV))
+            ids = [3, 5]
+            load = mod.DeviceLoad(_StandInClient(stored), "ns", [b"k0", b"k1"], staging,
+                                  spec, CUDA, dst, ids, [2],
+                                  lambda: torch.cuda.current_stream(DEV))
+            with torch.cuda.stream(held):
+                torch.cuda._sleep(500_000_000)  # ~0.25 s before any scatter runs
+            if poll:
+                seen = []
+
+                def poller():
+                    with torch.cuda.stream(held):
+                        seen.append(load.ready_layers())
+
+                t = threading.Thread(target=poller)
+                t.start()
+                t.join()
+                self.assertEqual(seen, [L])
+            else:
+                with torch.cuda.stream(held):
+                    self.assertTrue(load.wait_for_layer(0))
+            self.assertFalse(held.query(), "the scatters ran before the test could look")
+            with torch.cuda.stream(reader):
+                self.assertTrue(load.wait_for_layer(L - 1))
+                snapshot = [d.clone() for d in dst]  # on reader, after the wait
+                done = torch.cuda.Event()
+                done.record(reader)
+            done.synchronize()
+            got = cpu_objects(spec, [s.cpu() for s in snapshot], ids)
+            CudaKvShimTest.assertSameBytes(self, got, objects,
+                                           "block seen from the reader's stream")
+            self.assertTrue(load.wait())  # synchronized: the staging is free again
+        finally:
+            CUDA.unregister_host(pool)
+
+    def test_a_wait_from_another_stream_sees_the_layers(self):
+        self.check_another_stream_sees_the_layers(poll=False)
+
+    def test_a_wait_after_a_polling_thread_queued_the_layers_sees_them(self):
+        self.check_another_stream_sees_the_layers(poll=True)
 
 
 def find_library(backend, given):

@@ -293,26 +293,43 @@ class LoadHandle:
         the layer that failed (see :meth:`wait_for_layer`).
 
         For caches a shim scatters (on a GPU), reading it once every batch
-        has arrived enqueues the scatter of the layers left on the current
-        stream, as ``wait_for_layer(num_layers - 1)`` would: "in the
-        caches" means, there as for :meth:`wait_for_layer`, seen by the work
-        queued on that stream afterwards."""
+        has arrived enqueues the scatter of the layers left on the load's
+        stream, as ``wait_for_layer(num_layers - 1)`` would, and "in the
+        caches" means, as for :meth:`wait_for_layer`, seen by the work the
+        reading thread queues afterwards on its current stream (that stream
+        is made to wait for them on the device). A thread that polls for
+        another stream does not order that one: call :meth:`wait_for_layer`
+        on the stream that reads (it returns at once once the layer is
+        enqueued)."""
         return self._num_layers if self._load is None else self._load.ready_layers()
 
     @property
     def done(self) -> bool:
         """True once every block has an outcome. For host caches every hit
         is then in the caches and :meth:`wait` returns at once (never
-        blocks). For caches on a GPU the scatters are queued on the caller's
-        stream by :meth:`wait_for_layer`, :attr:`ready_layers` and
-        :meth:`wait` themselves: done means nothing is left to come over the
-        network; :attr:`ready_layers` then queues what is left, and
-        :meth:`wait` queues it and synchronizes that stream."""
+        blocks). For caches on a GPU the scatters are queued on the load's
+        stream (the current stream of the first call that queues one) by
+        :meth:`wait_for_layer`, :attr:`ready_layers` and :meth:`wait`
+        themselves: done means nothing is left to come over the network;
+        :attr:`ready_layers` then queues what is left, and :meth:`wait`
+        queues it and synchronizes that stream."""
         return self._load is None or self._load.ready()
 
     def wait_for_layer(self, layer: int, timeout: Optional[float] = None) -> None:
         """Returns once layer ``layer`` (and every layer before it) of every
         block hit is in the caches: the engine may run that layer.
+
+        For caches on a GPU "in the caches" is a promise about stream
+        order, not that the copies have run: the scatters are queued on the
+        load's stream (the caller's current stream at the first call that
+        queued one), and before returning this makes the caller's current
+        stream wait for them on the device (an event per call that queued
+        scatters; the host is not blocked). So work the calling thread
+        queues afterwards on its current stream -- whichever stream that is
+        -- sees those layers; work on other streams is not ordered by this
+        call (call it again from that stream, or :meth:`wait`, which
+        synchronizes). For host caches the layers are written when it
+        returns.
 
         Misses and blocks whose read failed are not waited for (their cache
         blocks are untouched); :meth:`wait` reports them. A failed scatter

@@ -6,14 +6,28 @@ the caller instead of a loader thread.
 On a CUDA stream a scatter is a kernel launch that returns at once, so there
 is nothing for a thread to overlap: ``wait_for_layer(l)`` waits for the
 batches to arrive (the GIL released), then enqueues the scatters of the
-layers not yet enqueued up to ``l``, lowest first, on the stream of the
-first call (the caller's current stream), and returns. Work the engine
-queues on that stream afterwards sees those layers; another stream must
-wait on it. ``wait`` enqueues the rest and synchronizes the stream, so that
-when it returns the blocks are in the caches and the staging buffers free.
-``ready_layers`` never waits: once every batch has arrived it enqueues the
-layers left, as ``wait_for_layer(num_layers - 1)`` would, so that an engine
-polling it (or ``ready``, then it) sees it reach ``num_layers``.
+layers not yet enqueued up to ``l``, lowest first, on the load's stream --
+the caller's current stream at the first call that enqueues a scatter --
+and returns. Each call that enqueues scatters records an event on the
+load's stream after them (for caches on a GPU, whose streams have
+``record_event``; host caches have no stream and no events).
+
+What a caller may rely on, whichever its stream: when ``wait_for_layer(l)``
+returns, work that the calling thread queues afterwards on its current
+stream sees layers ``0..l``: on the load's stream by stream order, on any
+other stream because that stream was made to wait (``wait_event``, the
+host not blocked) for the event of those layers. ``ready_layers`` likewise
+orders the caller's current stream after the layers it reports. Work on a
+stream that is neither the load's stream nor the current stream of a
+thread that called ``wait_for_layer``/``ready_layers`` is not ordered:
+call ``wait_for_layer`` on that stream first (it does not block once the
+layer is enqueued), or ``wait``. ``wait`` enqueues the rest and
+synchronizes the load's stream, so that when it returns the blocks are in
+the caches for every stream and the staging buffers free.
+``ready_layers`` never waits on the host: once every batch has arrived it
+enqueues the layers left, as ``wait_for_layer(num_layers - 1)`` would, so
+that an engine polling it (or ``ready``, then it) sees it reach
+``num_layers``.
 
 A scatter that fails fails the hits (they hold some layers only): no
 further layer is scattered, ``ready_layers`` stays below the layer that
@@ -94,6 +108,12 @@ class DeviceLoad:
         self._failure: _BlockError = None
         self._failed_layer = self._num_layers
         self._stream: Any = None  # a torch.cuda.Stream
+        # (upto, event): an event recorded on _stream after the scatters of
+        # layers [.., upto), in increasing upto; appended before _layers
+        # moves to upto, so a reader that saw _layers == n finds an entry
+        # with upto >= n. Empty where the stream records no events (host
+        # caches: no stream).
+        self._events: List[Tuple[int, Any]] = []
         self._enqueued_any = False
         self._synced = False
         self._ops: List[Tuple[int, Any]] = []
@@ -168,7 +188,35 @@ class DeviceLoad:
             code, msg = _split_status(e)
             self._fail_hits(code, f"scatter of layers [{begin}, {upto}): {msg}", begin)
             return
+        record = getattr(self._stream, "record_event", None)
+        if record is not None:
+            try:
+                self._events.append((upto, record()))
+            except Exception as e:  # noqa: BLE001 - reported per block
+                # Without the event no other stream can be ordered after
+                # these layers: treat it as the scatter failing.
+                code, msg = _split_status(e)
+                self._fail_hits(code, f"recording the event of layers [{begin}, {upto}): "
+                                f"{msg}", begin)
+                return
         self._layers = upto
+
+    def _order_caller(self, n: int) -> None:
+        """Makes the caller's current stream wait (on the device, the host
+        not blocked) for the scatters of layers [0, n), unless it is the
+        load's stream (ordered already). Nothing without events (host
+        caches) or for n == 0."""
+        if n <= 0 or not self._events:
+            return
+        event = None
+        for upto, e in list(self._events):
+            event = e
+            if upto >= n:
+                break
+        current = self._stream_fn()
+        if current is None or current is self._stream or current == self._stream:
+            return
+        current.wait_event(event)
 
     def _sync(self) -> None:
         """Waits until every enqueued scatter ran (lock held)."""
@@ -200,8 +248,10 @@ class DeviceLoad:
 
     def wait_for_layer(self, layer: int, timeout: Optional[float] = None) -> bool:
         """False if ``timeout`` passed first; see the module docstring.
-        Raises the failure of a scatter that left ``layer`` (or an earlier
-        one) unwritten, once the stream is synchronized."""
+        On True, the caller's current stream is ordered after the scatters
+        of layers ``0..layer``. Raises the failure of a scatter that left
+        ``layer`` (or an earlier one) unwritten, once the stream is
+        synchronized."""
         if not 0 <= layer < self._num_layers:
             raise ValueError(
                 f"OUT_OF_RANGE: layer {layer} is outside [0, {self._num_layers})")
@@ -211,6 +261,7 @@ class DeviceLoad:
             if self._failure is not None and layer >= self._failed_layer:
                 self._sync()  # no scatter of this load runs past here
                 _raise_status(*self._failure)
+            self._order_caller(layer + 1)
 
         return self._after_arrival(timeout, enqueue)
 
@@ -227,9 +278,12 @@ class DeviceLoad:
     def ready_layers(self) -> int:
         """Layers enqueued for every hit. Never waits: once every batch has
         arrived, enqueues the layers left first (see the module
-        docstring), so it reaches num_layers unless a scatter fails."""
+        docstring), so it reaches num_layers unless a scatter fails. The
+        caller's current stream is ordered after the layers it returns."""
         self._poll()
-        return min(self._layers, self._failed_layer)
+        n = min(self._layers, self._failed_layer)
+        self._order_caller(n)
+        return n
 
     def _poll(self) -> None:
         """Enqueues the layers left if every batch has arrived, without
