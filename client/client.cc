@@ -469,15 +469,22 @@ void Client::WatchLoop() {
   // still polled: the calls of a client in use renew it; an idle client
   // reconnects at its next call, as gRPC does.
   constexpr absl::Duration kWatch = absl::Seconds(30);
-  // Short: the destructor waits for one poll at most.
+  // For the first kFast of an outage: polls of kPoll (the destructor waits
+  // for one at most), and gRPC's backoff reset every kRetryEvery, so a
+  // restarted daemon is reached a fraction of a second after it listens
+  // (an attempt at a closed port costs a SYN and a RST; gRPC then tries
+  // again after 100 ms). Past that the outage is no restart: gRPC's own
+  // backoff (up to 2 s between attempts) and polls of kSlowPoll, for as
+  // long as calls (keep-alives included, every third of a lease) fail.
+  constexpr absl::Duration kFast = absl::Seconds(30);
   constexpr absl::Duration kPoll = absl::Milliseconds(50);
-  // While down, a connection attempt at least this often (gRPC's backoff
-  // grows to 2 s): a restarted daemon is reached a fraction of a second
-  // after it listens. An attempt at a closed port costs a SYN and a RST.
+  constexpr absl::Duration kSlowPoll = absl::Milliseconds(250);
   constexpr absl::Duration kRetryEvery = absl::Milliseconds(250);
   // Early keep-alives (for owed pins) at most this often.
   constexpr absl::Duration kRenewEvery = absl::Seconds(1);
   absl::Time renewed_at = absl::InfinitePast();
+  absl::Time down_since = absl::InfiniteFuture();  // polled, not READY since
+  absl::Time polled_at = absl::InfinitePast();      // the last poll
   absl::MutexLock lock(&watch_mu_);
   while (true) {
     auto woken = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(watch_mu_) {
@@ -488,18 +495,27 @@ void Client::WatchLoop() {
     bool renew = std::exchange(watch_answered_, false);
     if (std::exchange(watch_disconnected_, false)) {
       absl::Time retried_at = absl::Now();
+      // Not watched meanwhile: it may have been up. A new outage.
+      if (absl::Now() - polled_at > absl::Seconds(1)) down_since = absl::InfiniteFuture();
       while (!watch_stop_ && absl::Now() < watch_failed_at_ + kWatch) {
         watch_mu_.Unlock();
         const grpc_connectivity_state state = channel_->GetState(true);
         const bool ready = state == GRPC_CHANNEL_READY;
-        if (!ready && absl::Now() - retried_at >= kRetryEvery) {
-          retried_at = absl::Now();
-          grpc::experimental::ChannelResetConnectionBackoff(channel_.get());
-        }
-        if (!ready) {
+        const absl::Time now = absl::Now();
+        if (ready) {
+          down_since = absl::InfiniteFuture();
+        } else {
+          down_since = std::min(down_since, now);
+          const bool fast = now - down_since < kFast;
+          if (fast && now - retried_at >= kRetryEvery) {
+            retried_at = now;
+            grpc::experimental::ChannelResetConnectionBackoff(channel_.get());
+          }
           channel_->WaitForStateChange(
-              state, std::chrono::system_clock::now() + absl::ToChronoMilliseconds(kPoll));
+              state, std::chrono::system_clock::now() +
+                         absl::ToChronoMilliseconds(fast ? kPoll : kSlowPoll));
         }
+        polled_at = absl::Now();
         watch_mu_.Lock();
         if (ready) {
           renew = true;  // a restarted daemon: find out about the session now

@@ -603,6 +603,61 @@ TEST(LifecycleTest, AClientReachesARestartedDaemonWithinItsReconnectBackoff) {
   EXPECT_LT(absl::Now() - up, absl::Milliseconds(3500));
 }
 
+// A client with a session (its keep-alives fail every third of a lease)
+// whose daemon stays down: after the first 30 s of fast retries it tries
+// at gRPC's own backoff (up to 2 s apart), not ~10 times a second for as
+// long as the outage lasts. A listener on the daemon's port that accepts
+// and closes counts the attempts. 45 s.
+TEST(LifecycleTest, AClientOfADaemonThatStaysDownRetriesAtGrpcsBackoff) {
+  auto d = DaemonProcess::Start({"--dram-capacity", "64MiB"});
+  ASSERT_OK(d);
+  const std::string addr = (*d)->address();
+  ClientOptions o;
+  o.server = addr;
+  o.rpc_timeout = absl::Seconds(1);
+  o.transport = ClientOptions::Transport::kGrpc;
+  o.lease = absl::Seconds(3);  // a keep-alive every second
+  auto client = std::move(Client::Connect(o)).value();
+  ASSERT_OK(client->EnsureSession());
+  ASSERT_OK((*d)->Stop(SIGKILL));
+  int port = 0;
+  ASSERT_TRUE(absl::SimpleAtoi(addr.substr(addr.rfind(':') + 1), &port));
+  const int listener = socket(AF_INET, SOCK_STREAM, 0);
+  ASSERT_GE(listener, 0);
+  const int one = 1;
+  setsockopt(listener, SOL_SOCKET, SO_REUSEADDR, &one, sizeof one);
+  sockaddr_in sa{};
+  sa.sin_family = AF_INET;
+  sa.sin_port = htons(static_cast<uint16_t>(port));
+  sa.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  ASSERT_EQ(bind(listener, reinterpret_cast<sockaddr*>(&sa), sizeof sa), 0)
+      << std::strerror(errno);
+  ASSERT_EQ(listen(listener, 64), 0);
+  const absl::Time down = absl::Now();
+  std::vector<absl::Duration> attempts;  // since `down`
+  while (absl::Now() - down < absl::Seconds(45)) {
+    pollfd pfd{listener, POLLIN, 0};
+    if (poll(&pfd, 1, 100) == 1) {
+      const int c = accept(listener, nullptr, nullptr);
+      if (c >= 0) {
+        attempts.push_back(absl::Now() - down);
+        close(c);
+      }
+    }
+  }
+  close(listener);
+  int early = 0, late = 0;
+  for (absl::Duration t : attempts) {
+    if (t < absl::Seconds(10)) ++early;
+    if (t >= absl::Seconds(35)) ++late;
+  }
+  EXPECT_GT(early, 0) << "no attempt while it was trying fast";
+  EXPECT_GE(late, 1) << "it stopped trying";
+  // gRPC's backoff of at most 2 s (+20% jitter): about 5 in 10 s; the fast
+  // retries made ~40, and before this bound about 95.
+  EXPECT_LE(late, 12) << late << " attempts in the last 10 s";
+}
+
 // A pin whose unpin failed is released as soon as the daemon answers a
 // call again, not at the next keep-alive (a third of the lease: 20 s here).
 TEST(LifecycleTest, AnOwedUnpinIsReleasedWhenTheDaemonAnswersAgain) {
