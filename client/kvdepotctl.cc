@@ -163,6 +163,7 @@ struct Ctl {
     if (NotAnswering(st)) return st;
     if (st.ok()) st = client.data_plane_status();
     if (st.ok()) st = client.RegisterBuffer(bytes.data(), bytes.size());
+    if (NotAnswering(st)) return st;
     if (!st.ok()) {
       std::cerr << "kvdepotctl: warning: falling back to grpc: " << st.message()
                 << "\n";

@@ -81,16 +81,29 @@ TEST_F(KvdepotctlTest, ADaemonSlowToAnswerANewConnectionIsWaitedFor) {
 }
 
 // A stalled daemon (stopped) fails a command at its first step that
-// passes --timeout: put did not then warn and try again over gRPC (and get
-// and status likewise waited a second --timeout).
+// passes --timeout: put did not then warn and try again over gRPC, and
+// get, put and status each waited a second --timeout (6 s and more here).
 TEST_F(KvdepotctlTest, AStalledDaemonFailsACommandAtItsFirstTimeout) {
   std::string data = File("s", std::string(1000, 's'));
   const pid_t pid = daemon_->pid();
   ASSERT_EQ(kill(pid, SIGSTOP), 0);
-  CommandResult put = Ctl(absl::StrCat("--timeout 1 put --ns t --key 01 --file ", data));
-  CommandResult get = Ctl(absl::StrCat("--timeout 1 get --ns t --key 01 --out ", dir_, "/o"));
-  CommandResult status = Ctl("--timeout 1 status");
+  auto timed = [&](const std::string& args, absl::Duration* took) {
+    const absl::Time start = absl::Now();
+    CommandResult r = Ctl(args);
+    *took = absl::Now() - start;
+    return r;
+  };
+  absl::Duration put_took, get_took, status_took;
+  CommandResult put =
+      timed(absl::StrCat("--timeout 3 put --ns t --key 01 --file ", data), &put_took);
+  CommandResult get = timed(
+      absl::StrCat("--timeout 3 get --ns t --key 01 --out ", dir_, "/o"), &get_took);
+  CommandResult status = timed("--timeout 3 status", &status_took);
   ASSERT_EQ(kill(pid, SIGCONT), 0);
+  // One --timeout and start-up, not two (a liveness bound, not a speed).
+  EXPECT_LT(put_took, absl::Seconds(5));
+  EXPECT_LT(get_took, absl::Seconds(5));
+  EXPECT_LT(status_took, absl::Seconds(5));
   EXPECT_EQ(put.exit_code, 1) << put.err;
   EXPECT_EQ(put.err.find("falling back"), std::string::npos) << put.err;
   EXPECT_NE(put.err.find("DEADLINE_EXCEEDED"), std::string::npos) << put.err;
