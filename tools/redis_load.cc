@@ -389,7 +389,7 @@ int main(int argc, char** argv) {
   app.add_option("--pipeline", config.pipeline, "requests per round trip")
       ->check(CLI::Range(1, 4096));
   app.add_option("--keys", config.keys, "working set: keys key:000000000000 ..")
-      ->check(CLI::Range(uint64_t{1}, uint64_t{1} << 40));
+      ->check(CLI::Range(uint64_t{1}, uint64_t{1000000000000}));  // 12 digits: keys are 16 bytes
   app.add_option("--duration", config.duration_s, "seconds (get, set)")
       ->check(CLI::PositiveNumber);
   app.add_option("--requests", config.requests, "at most this many requests (get, set)");
