@@ -1614,6 +1614,12 @@ class TieredStoreNvmeTest : public ::testing::Test {
     if (pin_id) *pin_id = r->pin_id;
     return r->entries[0];
   }
+  // How many of the keys prefix0 .. prefix<n-1> are in neither tier.
+  int Lost(const std::string& prefix, int n) {
+    int lost = 0;
+    for (int i = 0; i < n; ++i) lost += !Look(prefix + std::to_string(i), false).found;
+    return lost;
+  }
   // Both kinds of lookup of `key` report `bytes`' checksum, and a pinned
   // one serves those bytes.
   void ExpectServes(const std::string& key, const std::string& bytes) {
@@ -1857,11 +1863,7 @@ TEST_F(TieredStoreNvmeTest, ABigPutDemotesPastTheLowWatermarkInsteadOfDropping) 
   const std::string big((7 << 20) / 2, 'B');
   Put("big", big);
   EXPECT_EQ(Look("big", false).tier, Tier::kDram);
-  int lost = 0;
-  for (int i = 0; i < kSmall; ++i) {
-    if (!Look("s" + std::to_string(i), false).found) ++lost;
-  }
-  EXPECT_EQ(lost, 0) << "blocks dropped from both tiers";
+  EXPECT_EQ(Lost("s", kSmall), 0) << "blocks dropped from both tiers";
   StoreStats st = store_->Stats();
   EXPECT_EQ(st.dram.evictions, st.demotions) << "blocks dropped, not demoted";
   EXPECT_EQ(st.demotion_failures, 0u);
@@ -1882,11 +1884,7 @@ TEST_F(TieredStoreNvmeTest, ABigPutIntoAFragmentedArenaDemotesInsteadOfDropping)
   const std::string big(2 << 20, 'B');  // 32 pages; the low mark frees 48
   Put("big", big);
   EXPECT_EQ(Look("big", false).tier, Tier::kDram);
-  int lost = 0;
-  for (int i = 0; i < kSmall; ++i) {
-    if (!Look("s" + std::to_string(i), false).found) ++lost;
-  }
-  EXPECT_EQ(lost, 0) << "blocks dropped from both tiers";
+  EXPECT_EQ(Lost("s", kSmall), 0) << "blocks dropped from both tiers";
   StoreStats st = store_->Stats();
   EXPECT_GT(st.demotions, 0u);
   EXPECT_EQ(st.dram.evictions, st.demotions) << "blocks dropped, not demoted";

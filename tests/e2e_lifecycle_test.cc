@@ -17,6 +17,7 @@
 #include <cstring>
 #include <fstream>
 #include <iterator>
+#include <memory>
 #include <string>
 #include <vector>
 
@@ -485,6 +486,31 @@ TEST(LifecycleTest, ClientKeepsItsSessionAliveAcrossLeases) {
   EXPECT_EQ(st->sessions(), 1u);
 }
 
+// Stores `bytes` under "k" in "ns", then gets the block back over the
+// gRPC byte path (a pinned lookup, a read, an unpin) with that first unpin
+// failing (a connection lost and not yet back, stood in for by a sync
+// point): the pin is owed. `unpins` counts the unpins for as long as the
+// returned callback lives.
+std::unique_ptr<internal::SyncPointCallback> GetWithItsUnpinFailing(
+    Client& client, const std::string& bytes, std::atomic<int>* unpins) {
+  BlockToPut b{"k", "", bytes};
+  EXPECT_OK(client.Put("ns", {&b, 1}));
+  auto failing = std::make_unique<internal::SyncPointCallback>(
+      "Client::UnpinRpc", [unpins](void* arg) {
+        if (unpins->fetch_add(1) == 0) {
+          *static_cast<absl::Status*>(arg) = absl::UnavailableError("connection lost");
+        }
+      });
+  std::string out(bytes.size(), '\0');
+  absl::string_view k = "k";
+  absl::Span<char> dst(out);
+  auto got = client.GetInto("ns", {&k, 1}, {&dst, 1});
+  EXPECT_OK(got);
+  EXPECT_TRUE(got.ok() && (*got)[0]);
+  EXPECT_EQ(out, bytes);
+  return failing;
+}
+
 // A get over gRPC pins its blocks and unpins them after the read; when that
 // unpin cannot reach the daemon (a connection lost and not yet back; stood
 // in for here), the pin is owed and released by the keep-alive thread, in
@@ -497,24 +523,10 @@ TEST(LifecycleTest, AGetWhoseUnpinFailedReleasesItsPinLater) {
   o.server = (*d)->address();
   o.transport = ClientOptions::Transport::kGrpc;
   auto client = std::move(Client::Connect(o)).value();
-  const std::string bytes(4096, 'u');
-  BlockToPut b{"k", "", bytes};
-  ASSERT_OK(client->Put("ns", {&b, 1}));
   auto sid = client->EnsureSession();
   ASSERT_OK(sid);
   std::atomic<int> unpins{0};
-  internal::SyncPointCallback unreachable("Client::UnpinRpc", [&](void* arg) {
-    if (unpins.fetch_add(1) == 0) {
-      *static_cast<absl::Status*>(arg) = absl::UnavailableError("connection lost");
-    }
-  });
-  std::string out(bytes.size(), '\0');
-  absl::string_view k = "k";
-  absl::Span<char> dst(out);
-  auto got = client->GetInto("ns", {&k, 1}, {&dst, 1});
-  ASSERT_OK(got);
-  EXPECT_TRUE((*got)[0]);
-  EXPECT_EQ(out, bytes);
+  auto failing = GetWithItsUnpinFailing(*client, std::string(4096, 'u'), &unpins);
   // The keep-alive thread (every second here) releases it; poll.
   bool released = false;
   for (int i = 0; i < 100 && !released; ++i) {
@@ -668,21 +680,8 @@ TEST(LifecycleTest, AnOwedUnpinIsReleasedWhenTheDaemonAnswersAgain) {
   o.transport = ClientOptions::Transport::kGrpc;
   o.lease = absl::Seconds(60);
   auto client = std::move(Client::Connect(o)).value();
-  const std::string bytes(4096, 'o');
-  BlockToPut b{"k", "", bytes};
-  ASSERT_OK(client->Put("ns", {&b, 1}));
   std::atomic<int> unpins{0};
-  internal::SyncPointCallback unreachable("Client::UnpinRpc", [&](void* arg) {
-    if (unpins.fetch_add(1) == 0) {
-      *static_cast<absl::Status*>(arg) = absl::UnavailableError("connection lost");
-    }
-  });
-  std::string out(bytes.size(), '\0');
-  absl::string_view k = "k";
-  absl::Span<char> dst(out);
-  auto got = client->GetInto("ns", {&k, 1}, {&dst, 1});
-  ASSERT_OK(got);
-  EXPECT_TRUE((*got)[0]);
+  auto failing = GetWithItsUnpinFailing(*client, std::string(4096, 'o'), &unpins);
   const absl::Time failed = absl::Now();
   bool released = false;
   while (!released && absl::Now() - failed < absl::Seconds(30)) {
