@@ -230,6 +230,22 @@ void ApplyStamp(const Stamp& stamp, char* block, uint64_t size) {
   }
 }
 
+// Whether `block` carries `stamp` where ApplyStamp writes it: the check
+// of every block a get brings in the timed window (48 bytes compared; the
+// whole block is compared in the read-back after it).
+bool HasStamp(const Stamp& stamp, const char* block, uint64_t size) {
+  char bytes[kStampBytes];
+  std::memcpy(bytes, stamp.words, kStampBytes);
+  const uint64_t tail = size >= kStampBytes ? size - kStampBytes : 0;
+  const uint64_t middle = std::min((size / 2) & ~uint64_t{7}, tail);
+  for (const uint64_t off : {uint64_t{0}, middle, tail}) {
+    if (std::memcmp(block + off, bytes, std::min<uint64_t>(kStampBytes, size - off)) != 0) {
+      return false;
+    }
+  }
+  return true;
+}
+
 // The bytes a block stamped with `stamp` must hold, into `*out`.
 void ExpectedBlock(const std::string& body, const Stamp& stamp,
                    std::string* out) {
@@ -549,8 +565,10 @@ class ClientLoop {
 
   // Fills keys[0, n) with random keys of the working set: distinct ones for
   // a get batch (perm_), possibly repeated ones otherwise (lookups).
+  // `indexes`, when given, gets each key's working-set index.
   void DrawWorkingSetKeys(size_t n, std::vector<std::string>& keys,
-                          std::vector<absl::string_view>& views) {
+                          std::vector<absl::string_view>& views,
+                          std::vector<uint64_t>* indexes = nullptr) {
     std::uniform_int_distribution<uint64_t> pick(
         0, config_.keys > 0 ? config_.keys - 1 : 0);
     for (size_t i = 0; i < n; ++i) {
@@ -565,7 +583,25 @@ class ClientLoop {
       }
       keys[i] = WorkingSetKey(config_.block_size, index);
       views[i] = keys[i];
+      if (indexes != nullptr) (*indexes)[i] = index;
     }
+  }
+
+  // DataLoss for the first of `blocks` (got for working-set keys
+  // `indexes`) that does not carry its key's stamp: another key's block,
+  // or bytes that never came (the buffer held an earlier block).
+  absl::Status CheckStamps(absl::Span<const absl::string_view> blocks,
+                           const std::vector<uint64_t>& indexes,
+                           const std::vector<std::string>& keys) const {
+    for (size_t i = 0; i < blocks.size(); ++i) {
+      if (blocks[i].size() == config_.block_size &&
+          !HasStamp(WorkingSetStamp(config_.block_size, indexes[i]),
+                    blocks[i].data(), blocks[i].size())) {
+        return absl::DataLossError(absl::StrCat(
+            "get ", keys[i], ": the block does not carry its key's stamp"));
+      }
+    }
+    return absl::OkStatus();
   }
 
   // Put key `counter` of this client.
@@ -627,6 +663,7 @@ class ClientLoop {
       std::vector<absl::Span<char>> spans;  // this call's part of the buffer
       std::vector<std::string> keys;
       std::vector<absl::string_view> views;
+      std::vector<uint64_t> indexes;  // of the working-set keys (get)
       std::vector<BlockToPut> blocks;
       std::optional<TransferOp> op;
       SteadyClock::time_point t0;
@@ -637,6 +674,7 @@ class ClientLoop {
       Call& call = calls[c];
       call.keys.resize(config_.batch);
       call.views.resize(config_.batch);
+      call.indexes.resize(config_.batch);
       call.blocks.resize(config_.batch);
       for (int i = 0; i < config_.batch; ++i) {
         char* p = buffer->data() + c * call_bytes + i * config_.block_size;
@@ -657,7 +695,7 @@ class ClientLoop {
         const auto spans = absl::MakeConstSpan(call.spans.data(), call.n);
         // Keys are formatted before the clock starts: only the call is timed.
         if (config_.op == Op::kGet) {
-          DrawWorkingSetKeys(call.n, call.keys, call.views);
+          DrawWorkingSetKeys(call.n, call.keys, call.views, &call.indexes);
           call.t0 = SteadyClock::now();
           call.op = client_.GetIntoAsync(
               config_.ns, absl::MakeConstSpan(call.views.data(), call.n), spans);
@@ -672,8 +710,16 @@ class ClientLoop {
       if (done == next) break;
       Call& oldest = calls[done % depth];
       oldest.op->Wait();
-      Record(result, FirstError(*oldest.op), oldest.n, oldest.t0,
-             SteadyClock::now());
+      const SteadyClock::time_point end = SteadyClock::now();
+      absl::Status st = FirstError(*oldest.op);
+      if (st.ok() && config_.op == Op::kGet) {
+        std::vector<absl::string_view> got;
+        for (size_t i = 0; i < oldest.n; ++i) {
+          got.emplace_back(oldest.spans[i].data(), oldest.spans[i].size());
+        }
+        st = CheckStamps(got, oldest.indexes, oldest.keys);
+      }
+      Record(result, st, oldest.n, oldest.t0, end);
       oldest.op.reset();
       ++done;
     }
@@ -683,6 +729,7 @@ class ClientLoop {
   void RunSync(SteadyClock::time_point deadline, ClientResult& result) {
     std::vector<std::string> keys(config_.batch);
     std::vector<absl::string_view> views(config_.batch);
+    std::vector<uint64_t> indexes(config_.batch);
     std::vector<BlockToPut> put_blocks(config_.batch);
     for (;;) {
       const size_t n = NextCall(deadline);
@@ -691,7 +738,7 @@ class ClientLoop {
       SteadyClock::time_point t0;
       switch (config_.op) {
         case Op::kGet: {
-          DrawWorkingSetKeys(n, keys, views);
+          DrawWorkingSetKeys(n, keys, views, &indexes);
           t0 = SteadyClock::now();
           absl::StatusOr<std::vector<Block>> got =
               client_.Get(config_.ns, absl::MakeConstSpan(views.data(), n));
@@ -708,6 +755,11 @@ class ClientLoop {
                     " bytes, expected ", config_.block_size));
                 break;
               }
+            }
+            if (st.ok()) {
+              std::vector<absl::string_view> blocks;
+              for (const Block& b : *got) blocks.push_back(b.bytes);
+              st = CheckStamps(blocks, indexes, keys);
             }
           }
           break;

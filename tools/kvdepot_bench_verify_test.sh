@@ -6,8 +6,10 @@
 #    "verify":"ok" with blocks read back, and (ucx) have moved them over UCX;
 #  - a get run whose working set already holds a key with other bytes of
 #    the right size (stored by kvdepotctl, so kvdepot-bench does not store
-#    it again) must exit 1 with "verify":"failed", naming that key: the
-#    wrong content passes every other check (sizes, the block's checksum).
+#    it again) must exit 1 with "verify":"failed", naming that key, and
+#    with errors in the timed window (every block got there must carry its
+#    key's stamp): the wrong content passes every other check (sizes, the
+#    block's checksum).
 set -euo pipefail
 KVDEPOTD=$1 BENCH=$2 CTL=$3
 export UCX_TLS=tcp UCX_NET_DEVICES=lo
@@ -77,12 +79,17 @@ for transport in ucx grpc; do
   name="bad-$transport"
   rc=0
   bench "$name" --op get --transport "$transport" --block-size 4096 --keys 4 \
-    --count 16 --ns bad || rc=$?
+    --count 64 --ns bad || rc=$?
   show "$name"
   [[ $rc -eq 1 ]] || fail "$name: exit $rc, want 1 (a block with other bytes was not caught)"
   grep -q '"verify":"failed"' "$WORK/$name.json" || fail "$name: no \"verify\":\"failed\""
   grep -Eq '"verify_failures":1[,}]' "$WORK/$name.json" || fail "$name: want 1 verify failure"
-  grep -q '"errors":0,' "$WORK/$name.json" || fail "$name: the timed gets themselves should succeed"
+  # The timed gets of key 1 fail too: every block got in the window must
+  # carry its key's stamp (64 gets over 4 keys draw it).
+  grep -Eq '"errors":[1-9][0-9]*,' "$WORK/$name.json" ||
+    fail "$name: the timed gets of the bad block were not caught"
+  grep -q "get ws/4096/1: the block does not carry its key's stamp" "$WORK/$name.err" ||
+    fail "$name: the timed get's error does not name the key"
   grep -q 'verify: client 0: get ws/4096/1: ' "$WORK/$name.err" || fail "$name: the key is not named"
 done
 echo "kvdepot_bench_verify_test: ok"
