@@ -63,6 +63,7 @@
 #include <malloc.h>
 #include <CLI/CLI.hpp>
 #include <algorithm>
+#include <array>
 #include <atomic>
 #include <chrono>
 #include <cmath>
@@ -200,6 +201,7 @@ uint64_t Mix64(uint64_t x) {  // splitmix64's finalizer
 struct Stamp {
   uint64_t words[2];
 };
+static_assert(sizeof(Stamp::words) == kStampBytes, "a stamp is kStampBytes");
 
 // The stamp of working-set key i (WorkingSetKey(block_size, i)).
 Stamp WorkingSetStamp(uint64_t block_size, uint64_t i) {
@@ -217,16 +219,18 @@ std::string BlockBody(uint64_t block_size) {
   return RandomBytes(block_size, kBodySeed ^ block_size);
 }
 
-// Writes `stamp` at the start, middle and end of `block` (overlapping, and
-// cut short, in blocks under 48 bytes).
-void ApplyStamp(const Stamp& stamp, char* block, uint64_t size) {
-  char bytes[kStampBytes];
-  std::memcpy(bytes, stamp.words, kStampBytes);
+// Where a stamp goes in a block of `size` bytes: its start, middle and end
+// (overlapping, and cut short, in blocks under 48 bytes).
+std::array<uint64_t, 3> StampOffsets(uint64_t size) {
   const uint64_t tail = size >= kStampBytes ? size - kStampBytes : 0;
   const uint64_t middle = std::min((size / 2) & ~uint64_t{7}, tail);
-  for (const uint64_t off : {uint64_t{0}, middle, tail}) {
-    std::memcpy(block + off, bytes,
-                std::min<uint64_t>(kStampBytes, size - off));
+  return {0, middle, tail};
+}
+
+// Writes `stamp` at StampOffsets in `block`.
+void ApplyStamp(const Stamp& stamp, char* block, uint64_t size) {
+  for (const uint64_t off : StampOffsets(size)) {
+    std::memcpy(block + off, stamp.words, std::min<uint64_t>(kStampBytes, size - off));
   }
 }
 
@@ -234,12 +238,9 @@ void ApplyStamp(const Stamp& stamp, char* block, uint64_t size) {
 // of every block a get brings in the timed window (48 bytes compared; the
 // whole block is compared in the read-back after it).
 bool HasStamp(const Stamp& stamp, const char* block, uint64_t size) {
-  char bytes[kStampBytes];
-  std::memcpy(bytes, stamp.words, kStampBytes);
-  const uint64_t tail = size >= kStampBytes ? size - kStampBytes : 0;
-  const uint64_t middle = std::min((size / 2) & ~uint64_t{7}, tail);
-  for (const uint64_t off : {uint64_t{0}, middle, tail}) {
-    if (std::memcmp(block + off, bytes, std::min<uint64_t>(kStampBytes, size - off)) != 0) {
+  for (const uint64_t off : StampOffsets(size)) {
+    if (std::memcmp(block + off, stamp.words,
+                    std::min<uint64_t>(kStampBytes, size - off)) != 0) {
       return false;
     }
   }
