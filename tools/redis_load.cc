@@ -244,7 +244,8 @@ class Connection {
     if (config_.op == Op::kGet) {
       commands_.assign(1, std::string());
       for (uint64_t key : keys) {
-        absl::StrAppendFormat(&commands_[0], "*2\r\n$3\r\nGET\r\n$16\r\n%s\r\n", RedisKey(key));
+        const std::string k = RedisKey(key);
+        absl::StrAppendFormat(&commands_[0], "*2\r\n$3\r\nGET\r\n$%d\r\n%s\r\n", k.size(), k);
         reader_.Expect(key);
       }
       iov_.push_back({commands_[0].data(), commands_[0].size()});
@@ -257,7 +258,8 @@ class Connection {
         const std::string stamp = ValueStamp(keys[i], config_.size);
         std::string& head = commands_[2 * i];
         std::string& tail = commands_[2 * i + 1];
-        head = absl::StrFormat("*3\r\n$3\r\nSET\r\n$16\r\n%s\r\n$%d\r\n", RedisKey(keys[i]),
+        const std::string k = RedisKey(keys[i]);
+        head = absl::StrFormat("*3\r\n$3\r\nSET\r\n$%d\r\n%s\r\n$%d\r\n", k.size(), k,
                                config_.size);
         head.append(stamp, 0, l.head);
         tail.assign(stamp, 0, config_.size - l.tail);
