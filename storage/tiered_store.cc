@@ -77,8 +77,7 @@ constexpr absl::Duration kMaxWaitForRoom = absl::Seconds(5);
 // The longest an Evict waits for blocks being demoted to reach the NVMe tier
 // (so it can remove them from both) before it reports them as pinned.
 constexpr absl::Duration kMaxWaitForDemotion = absl::Seconds(5);
-// How soon ReclaimNamespaces passes over the NVMe tier's index again after
-// a pass that let it reclaim nothing.
+// How soon ReclaimNamespaces may pass over the NVMe tier's index again.
 constexpr absl::Duration kNamespaceScanInterval = absl::Seconds(1);
 
 // The keys of a batch of `n` (key_at(i)) named earlier in it, in order, as
@@ -1936,8 +1935,13 @@ class TieredStoreImpl final : public TieredStore {
   // others if their stamp is unchanged: nothing took them meanwhile, so no
   // block of theirs can have entered either tier since the first look (a
   // block enters DRAM through a NamespaceRef, and NVMe only from DRAM).
-  // A pass that finds every candidate on NVMe is not repeated for
-  // kNamespaceScanInterval (it takes the tier's index lock for a while).
+  // Passes over the NVMe tier's index start at most once per
+  // kNamespaceScanInterval, whatever the last one found (each takes the
+  // tier's index lock for a while, a second for millions of blocks): a
+  // pass forgets every empty namespace at once, so only a client that
+  // makes namespaces one after another (a put into a new one, its blocks
+  // evicted, again) needs passes more often, and it is refused a new
+  // namespace (ResourceExhausted) until the interval is over.
   void ReclaimNamespaces() ABSL_LOCKS_EXCLUDED(mu_, ns_mu_) {
     std::vector<NamespaceCandidate> candidates;
     {
@@ -1948,12 +1952,13 @@ class TieredStoreImpl final : public TieredStore {
         if (info == nullptr || !Unreferenced(*info)) continue;
         candidates.push_back({info->id, info->stamp, info->name});
       }
+      // Set before the pass: callers meanwhile do not start another.
+      if (nvme_ != nullptr && !candidates.empty()) {
+        next_namespace_scan_ = clock_->Now() + kNamespaceScanInterval;
+      }
     }
     if (candidates.empty()) return;
-    if (ForgetNamespaces(candidates) == 0 && nvme_ != nullptr) {
-      absl::MutexLock lock(&ns_mu_);
-      next_namespace_scan_ = clock_->Now() + kNamespaceScanInterval;
-    }
+    ForgetNamespaces(candidates);
   }
 
   // A namespace found Unreferenced, as it was then (its stamp).

@@ -2272,6 +2272,36 @@ TEST_F(TieredStoreNvmeTest, ANamespaceWithBlocksOnlyOnNvmeIsNotReclaimed) {
   ExpectServes("p0", Block(0));
 }
 
+// A client that makes namespaces one after another in a full table (a put
+// into a new one, its blocks evicted, again) gets a pass over the NVMe
+// tier's index at most once a second, not one per namespace: each pass
+// takes the tier's index lock for as long as it reads the whole index.
+// (Only passes that forgot nothing were spaced out before.)
+TEST_F(TieredStoreNvmeTest, NamespacesMadeOneAfterAnotherScanNvmeAtMostOnceASecond) {
+  max_namespaces_ = 2;
+  Open();
+  Put("p0", Block(0));
+  ASSERT_OK(store_->PersistDram());  // "ns" stays, on NVMe only
+  Put("a", Block(1), "", "a");
+  ASSERT_OK(store_->Evict("a", {}, true));
+  Put("b", Block(2), "", "b");  // a pass forgets "a"
+  ASSERT_OK(store_->Evict("b", {}, true));
+  PutSpec spec{"c", "", 4096};
+  // "b" is empty, but the last pass was just now.
+  EXPECT_THAT(store_->BeginPut(sid_, "c", {&spec, 1}),
+              StatusIs(Code::kResourceExhausted));
+  clock_.Advance(absl::Milliseconds(1100));
+  Put("c", Block(3), "", "c");  // the next pass forgets "b"
+  std::vector<std::string> names;
+  for (const NamespaceStats& ns : store_->ListNamespaces()) names.push_back(ns.name);
+  EXPECT_THAT(names, ::testing::UnorderedElementsAre("ns", "c"));
+  ExpectServes("p0", Block(0));
+  absl::string_view c = "c";
+  auto found = store_->Lookup(sid_, "c", {&c, 1}, false, false);
+  ASSERT_OK(found);
+  EXPECT_EQ(found->entries[0].checksum, BlockChecksum(Block(3)));
+}
+
 // Demotion keeps a block's parent key, which the NVMe tier's prefix-aware
 // eviction and later promotions rely on.
 TEST_F(TieredStoreNvmeTest, DemotedBlocksKeepTheirParentKeys) {
