@@ -38,6 +38,50 @@ absl::string_view GpuBackendName();
 // that work failed.
 absl::Status SynchronizeStream(StreamRef stream);
 
+// A point in a stream's work (a cudaEvent_t without timing), to wait for
+// the work enqueued before it rather than for the whole stream. The CPU
+// build's streams are synchronous: its events are complete once recorded
+// (and before). Move-only; destroys its event on destruction. Only events
+// made by Create may be used (a default-constructed one is empty).
+class DeviceEvent {
+ public:
+  DeviceEvent() = default;
+  DeviceEvent(DeviceEvent&& other) noexcept
+      : native_(std::exchange(other.native_, nullptr)) {}
+  DeviceEvent& operator=(DeviceEvent&& other) noexcept {
+    if (this != &other) {
+      Release();
+      native_ = std::exchange(other.native_, nullptr);
+    }
+    return *this;
+  }
+  DeviceEvent(const DeviceEvent&) = delete;
+  DeviceEvent& operator=(const DeviceEvent&) = delete;
+  ~DeviceEvent() { Release(); }
+
+  // An event of the calling thread's current device (cudaEventCreateWithFlags
+  // with cudaEventDisableTiming). The device's error if it cannot be made.
+  static absl::StatusOr<DeviceEvent> Create();
+
+  // Marks the work enqueued on `stream` so far (cudaEventRecord); `stream`
+  // must belong to the event's device. Recording again moves the mark.
+  absl::Status Record(StreamRef stream);
+  // Whether the work before the mark has finished (cudaEventQuery): true
+  // for an event never recorded. The device's error if that work failed.
+  absl::StatusOr<bool> IsComplete();
+  // Blocks until the work before the mark has finished
+  // (cudaEventSynchronize); OK at once for an event never recorded. The
+  // device's error if that work failed.
+  absl::Status Synchronize();
+
+ private:
+  explicit DeviceEvent(void* native) : native_(native) {}
+  // Destroys native_ the way the linked implementation made it.
+  void Release();
+
+  void* native_ = nullptr;  // cudaEvent_t; null in the CPU build
+};
+
 // The calling thread's current device (cudaGetDevice); 0 in the CPU build.
 absl::StatusOr<int> GetCurrentDevice();
 // Makes `device` current on the calling thread (cudaSetDevice). The CPU

@@ -53,6 +53,48 @@ absl::Status SynchronizeStream(StreamRef stream) {
       "cudaStreamSynchronize");
 }
 
+absl::StatusOr<DeviceEvent> DeviceEvent::Create() {
+  cudaEvent_t event = nullptr;
+  absl::Status s =
+      CudaStatus(cudaEventCreateWithFlags(&event, cudaEventDisableTiming),
+                 "cudaEventCreateWithFlags");
+  if (!s.ok()) return s;
+  return DeviceEvent(event);
+}
+
+absl::Status DeviceEvent::Record(StreamRef stream) {
+  return CudaStatus(cudaEventRecord(static_cast<cudaEvent_t>(native_),
+                                    static_cast<cudaStream_t>(stream.native)),
+                    "cudaEventRecord");
+}
+
+absl::StatusOr<bool> DeviceEvent::IsComplete() {
+  const cudaError_t e = cudaEventQuery(static_cast<cudaEvent_t>(native_));
+  if (e == cudaErrorNotReady) {
+    // Not an error: the work is still running. Cleared all the same, so
+    // that no later cudaGetLastError() on this thread takes it for one.
+    (void)cudaGetLastError();
+    return false;
+  }
+  absl::Status s = CudaStatus(e, "cudaEventQuery");
+  if (!s.ok()) return s;
+  return true;
+}
+
+absl::Status DeviceEvent::Synchronize() {
+  return CudaStatus(cudaEventSynchronize(static_cast<cudaEvent_t>(native_)),
+                    "cudaEventSynchronize");
+}
+
+void DeviceEvent::Release() {
+  // As HostBuffer::Release: nothing useful to do on failure.
+  if (native_ != nullptr &&
+      cudaEventDestroy(static_cast<cudaEvent_t>(native_)) != cudaSuccess) {
+    (void)cudaGetLastError();
+  }
+  native_ = nullptr;
+}
+
 absl::StatusOr<int> GetCurrentDevice() {
   int device = 0;
   absl::Status s = CudaStatus(cudaGetDevice(&device), "cudaGetDevice");

@@ -3,7 +3,9 @@
 #include <cstring>
 #include <type_traits>
 
+#include "absl/strings/str_cat.h"
 #include "gpu/gather.h"
+#include "gpu/internal/checked_copy.h"
 #include "gpu/internal/transfer_plan.h"
 #include "storage/status_macros.h"
 
@@ -53,25 +55,63 @@ void CopyObjects(
 
 }  // namespace
 
+namespace gpu_internal {
+
+absl::StatusOr<CacheGeometry> CheckCache(const KvLayout& layout,
+                                         const KvCacheView& cache, int device) {
+  RETURN_IF_ERROR(SetCurrentDevice(device));  // only device 0 exists
+  return ResolveCache(layout, cache);
+}
+
+absl::Status CheckObjectBuffers(absl::Span<const void* const> objects,
+                                uint64_t /*bytes*/, int device) {
+  RETURN_IF_ERROR(SetCurrentDevice(device));
+  for (size_t i = 0; i < objects.size(); ++i) {
+    if (objects[i] == nullptr) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("object buffer ", i, " is null"));
+    }
+  }
+  return absl::OkStatus();
+}
+
+absl::Status CopyChecked(const CacheGeometry& g,
+                         absl::Span<const int64_t> block_ids, LayerRange layers,
+                         absl::Span<const void* const> objects, bool to_cache,
+                         StreamRef /*stream*/) {
+  if (to_cache) {
+    CopyObjects</*kToCache=*/true>(g, block_ids, layers, objects);
+  } else {
+    // The objects are written: they were the caller's mutable dst.
+    const absl::Span<void* const> dst(const_cast<void* const*>(objects.data()),
+                                      objects.size());
+    CopyObjects</*kToCache=*/false>(g, block_ids, layers, dst);
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace gpu_internal
+
 absl::Status Gather(const KvLayout& layout, const KvCacheView& cache,
                     absl::Span<const int64_t> block_ids, LayerRange layers,
-                    absl::Span<void* const> dst, StreamRef /*stream*/) {
+                    absl::Span<void* const> dst, StreamRef stream) {
+  const absl::Span<const void* const> objects =
+      gpu_internal::AsConstBuffers(dst);
   ASSIGN_OR_RETURN(const CacheGeometry g,
                    gpu_internal::PlanTransfer(layout, cache, block_ids, layers,
-                                              gpu_internal::AsConstBuffers(dst),
-                                              /*allow_repeats=*/true));
-  CopyObjects</*kToCache=*/false>(g, block_ids, layers, dst);
-  return absl::OkStatus();
+                                              objects, /*allow_repeats=*/true));
+  return gpu_internal::CopyChecked(g, block_ids, layers, objects,
+                                   /*to_cache=*/false, stream);
 }
 
 absl::Status Scatter(const KvLayout& layout, const KvCacheView& cache,
                      absl::Span<const int64_t> block_ids, LayerRange layers,
-                     absl::Span<const void* const> src, StreamRef /*stream*/) {
+                     absl::Span<const void* const> src, StreamRef stream) {
   ASSIGN_OR_RETURN(const CacheGeometry g,
                    gpu_internal::PlanTransfer(layout, cache, block_ids, layers,
                                               src, /*allow_repeats=*/false));
-  CopyObjects</*kToCache=*/true>(g, block_ids, layers, src);
-  return absl::OkStatus();
+  return gpu_internal::CopyChecked(g, block_ids, layers, src,
+                                   /*to_cache=*/true, stream);
 }
 
 }  // namespace kvdepot

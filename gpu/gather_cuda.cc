@@ -10,6 +10,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "gpu/gather.h"
+#include "gpu/internal/checked_copy.h"
 #include "gpu/internal/copy_kernel.h"
 #include "gpu/internal/cuda_status.h"
 #include "gpu/internal/transfer_plan.h"
@@ -85,30 +86,48 @@ absl::Status CheckBuffer(const void* p, uint64_t bytes, int device,
   return absl::OkStatus();
 }
 
-absl::Status CheckDeviceAccessible(const KvLayout& layout,
-                                   const KvCacheView& cache, LayerRange layers,
-                                   absl::Span<const void* const> objects) {
-  int device = 0;
-  RETURN_IF_ERROR(CudaStatus(cudaGetDevice(&device), "cudaGetDevice"));
+// Whether `device` reads pageable host memory (HMM/ATS).
+absl::StatusOr<bool> PageableAccess(int device) {
   int pageable = 0;
   RETURN_IF_ERROR(
       CudaStatus(cudaDeviceGetAttribute(
                      &pageable, cudaDevAttrPageableMemoryAccess, device),
                  "cudaDeviceGetAttribute(PageableMemoryAccess)"));
-  // Both validated by PlanTransfer.
+  return pageable != 0;
+}
+
+absl::Status CheckTensors(const KvLayout& layout, const KvCacheView& cache,
+                          int device, bool pageable) {
+  // Validated by ResolveCache.
   ASSIGN_OR_RETURN(const uint64_t tensor_bytes,
                    layout.TensorBytes(cache.num_blocks));
-  const uint64_t object_bytes =
-      static_cast<uint64_t>(layers.end - layers.begin) * layout.layer_bytes();
   for (size_t i = 0; i < cache.tensors.size(); ++i) {
     RETURN_IF_ERROR(CheckBuffer(cache.tensors[i], tensor_bytes, device,
-                                pageable != 0, "cache tensor", i));
-  }
-  for (size_t i = 0; i < objects.size(); ++i) {
-    RETURN_IF_ERROR(CheckBuffer(objects[i], object_bytes, device, pageable != 0,
-                                "object buffer", i));
+                                pageable, "cache tensor", i));
   }
   return absl::OkStatus();
+}
+
+absl::Status CheckObjects(absl::Span<const void* const> objects, uint64_t bytes,
+                          int device, bool pageable) {
+  for (size_t i = 0; i < objects.size(); ++i) {
+    RETURN_IF_ERROR(
+        CheckBuffer(objects[i], bytes, device, pageable, "object buffer", i));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status CheckDeviceAccessible(const KvLayout& layout,
+                                   const KvCacheView& cache, LayerRange layers,
+                                   absl::Span<const void* const> objects) {
+  int device = 0;
+  RETURN_IF_ERROR(CudaStatus(cudaGetDevice(&device), "cudaGetDevice"));
+  ASSIGN_OR_RETURN(const bool pageable, PageableAccess(device));
+  RETURN_IF_ERROR(CheckTensors(layout, cache, device, pageable));
+  return CheckObjects(
+      objects,
+      static_cast<uint64_t>(layers.end - layers.begin) * layout.layer_bytes(),
+      device, pageable);
 }
 
 // The widest vector (16, 4 or 1 bytes) dividing every address, offset,
@@ -132,9 +151,34 @@ int VectorBytes(const CopyLaunch& p, bool contiguous) {
   return 1;
 }
 
-absl::Status Copy(const CacheGeometry& g, absl::Span<const int64_t> block_ids,
-                  LayerRange layers, absl::Span<const void* const> objects,
-                  bool to_cache, StreamRef stream) {
+}  // namespace
+
+namespace gpu_internal {
+
+absl::StatusOr<CacheGeometry> CheckCache(const KvLayout& layout,
+                                         const KvCacheView& cache, int device) {
+  ASSIGN_OR_RETURN(CacheGeometry g, ResolveCache(layout, cache));
+  ASSIGN_OR_RETURN(const bool pageable, PageableAccess(device));
+  RETURN_IF_ERROR(CheckTensors(layout, cache, device, pageable));
+  return g;
+}
+
+absl::Status CheckObjectBuffers(absl::Span<const void* const> objects,
+                                uint64_t bytes, int device) {
+  for (size_t i = 0; i < objects.size(); ++i) {
+    if (objects[i] == nullptr) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("object buffer ", i, " is null"));
+    }
+  }
+  ASSIGN_OR_RETURN(const bool pageable, PageableAccess(device));
+  return CheckObjects(objects, bytes, device, pageable);
+}
+
+absl::Status CopyChecked(const CacheGeometry& g,
+                         absl::Span<const int64_t> block_ids, LayerRange layers,
+                         absl::Span<const void* const> objects, bool to_cache,
+                         StreamRef stream) {
   CopyLaunch p{};
   p.component_stride = g.component_stride;
   p.chunk_bytes = static_cast<uint32_t>(g.chunk_bytes);
@@ -175,7 +219,7 @@ absl::Status Copy(const CacheGeometry& g, absl::Span<const int64_t> block_ids,
   return absl::OkStatus();
 }
 
-}  // namespace
+}  // namespace gpu_internal
 
 absl::Status Gather(const KvLayout& layout, const KvCacheView& cache,
                     absl::Span<const int64_t> block_ids, LayerRange layers,
@@ -187,7 +231,8 @@ absl::Status Gather(const KvLayout& layout, const KvCacheView& cache,
       gpu_internal::PlanTransfer(layout, cache, block_ids, layers, objects,
                                  /*allow_repeats=*/true));
   RETURN_IF_ERROR(CheckDeviceAccessible(layout, cache, layers, objects));
-  return Copy(g, block_ids, layers, objects, /*to_cache=*/false, stream);
+  return gpu_internal::CopyChecked(g, block_ids, layers, objects,
+                                   /*to_cache=*/false, stream);
 }
 
 absl::Status Scatter(const KvLayout& layout, const KvCacheView& cache,
@@ -197,7 +242,8 @@ absl::Status Scatter(const KvLayout& layout, const KvCacheView& cache,
                    gpu_internal::PlanTransfer(layout, cache, block_ids, layers,
                                               src, /*allow_repeats=*/false));
   RETURN_IF_ERROR(CheckDeviceAccessible(layout, cache, layers, src));
-  return Copy(g, block_ids, layers, src, /*to_cache=*/true, stream);
+  return gpu_internal::CopyChecked(g, block_ids, layers, src,
+                                   /*to_cache=*/true, stream);
 }
 
 }  // namespace kvdepot

@@ -452,6 +452,130 @@ TEST(GatherCudaTest, StagingSavesFromDeviceMemoryOnItsOwnStream) {
   EXPECT_EQ(saved[1], host.ExpectedObject(1));
 }
 
+// A load on the pipeline's own stream, one layer per piece, through a ring
+// of two: once WaitForLayer(l) returns, layer l of every block is in device
+// memory, as another stream (which nothing orders after the pipeline's)
+// reads it. The pieces of later layers are meanwhile still being scattered
+// or received.
+TEST(GatherCudaTest, StagingLoadsIntoDeviceMemoryLayerByLayer) {
+  const KvLayout layout =
+      KvLayout::Mha(KvCacheLayout::kFlashAttnNhd, 6, 16, 8, 128,
+                    KvDtype::kFloat16)
+          .value();
+  constexpr int kBlocks = 8;
+  TestCache src(layout, kBlocks);
+  std::mt19937_64 rng(11);
+  src.FillRandom(rng);
+  std::vector<std::unique_ptr<DeviceBuffer>> tensors;
+  KvCacheView view;
+  view.num_blocks = kBlocks;
+  for (int i = 0; i < src.num_tensors(); ++i) {
+    tensors.push_back(std::make_unique<DeviceBuffer>(src.tensor_bytes()));
+    ASSERT_NE(tensors.back()->data(), nullptr);
+    ASSERT_CUDA(cudaMemset(tensors.back()->data(), 0, src.tensor_bytes()));
+    view.tensors.push_back(tensors.back()->data());
+  }
+  CudaStream stream;
+  StagingOptions options;
+  options.num_buffers = 2;
+  options.layers_per_piece = 1;
+  auto pipeline =
+      StagingPipeline::Create(layout, stream.ref(), options).value();
+  const std::vector<int64_t> ids = {5, 0, 7, 2, 3, 6, 1, 4};
+  auto transfer =
+      pipeline
+          ->StartLoad(view, ids,
+                      [&](size_t i, uint64_t offset, absl::Span<char> dst) {
+                        const std::string object = src.ExpectedObject(ids[i]);
+                        std::memcpy(dst.data(), object.data() + offset,
+                                    dst.size());
+                        return absl::OkStatus();
+                      })
+          .value();
+  CudaStream reader;
+  std::string layer(src.tensor_bytes(), '\0');
+  for (int l = 0; l < layout.num_layers(); ++l) {
+    ASSERT_OK(transfer->WaitForLayer(l));
+    ASSERT_CUDA(cudaMemcpyAsync(layer.data(), tensors[l]->data(), layer.size(),
+                                cudaMemcpyDeviceToHost,
+                                static_cast<cudaStream_t>(reader.ref().native)));
+    ASSERT_CUDA(
+        cudaStreamSynchronize(static_cast<cudaStream_t>(reader.ref().native)));
+    EXPECT_EQ(std::memcmp(layer.data(), src.tensor(l), layer.size()), 0)
+        << "layer " << l << " was not all there when WaitForLayer returned";
+  }
+  ASSERT_OK(transfer->Wait());
+}
+
+// A save whose sink fails while later pieces are still being gathered ends
+// only once they have: when Wait returns, nothing of it is left on the
+// pipeline's stream (the device stage runs up to the ring ahead, so pieces
+// 1 to 3 are in flight when piece 0's send fails). Pieces of 48 MiB, so
+// that they take a while even on a fast device.
+TEST(GatherCudaTest, AFailedStagingSaveLeavesNoWorkOnItsStream) {
+  const KvLayout layout =
+      KvLayout::Mla(KvCacheLayout::kMla, 4, 16384, 384, KvDtype::kFloat32)
+          .value();  // 4 layers of 24 MiB per block: objects of 96 MiB
+  constexpr int kBlocks = 6;
+  std::vector<std::unique_ptr<DeviceBuffer>> tensors;
+  KvCacheView view;
+  view.num_blocks = kBlocks;
+  const uint64_t tensor_bytes = layout.TensorBytes(kBlocks).value();
+  for (int i = 0; i < layout.num_tensors(); ++i) {
+    tensors.push_back(std::make_unique<DeviceBuffer>(tensor_bytes));
+    ASSERT_NE(tensors.back()->data(), nullptr);
+    ASSERT_CUDA(cudaMemset(tensors.back()->data(), i + 1, tensor_bytes));
+    view.tensors.push_back(tensors.back()->data());
+  }
+  CudaStream stream;
+  StagingOptions options;
+  options.num_buffers = 4;
+  options.layers_per_piece = 2;
+  auto pipeline =
+      StagingPipeline::Create(layout, stream.ref(), options).value();
+  const std::vector<int64_t> ids = {0, 1, 2, 3, 4, 5};
+  auto transfer = pipeline
+                      ->StartSave(view, ids,
+                                  [](size_t, uint64_t, absl::Span<const char>) {
+                                    return absl::UnavailableError("link down");
+                                  })
+                      .value();
+  EXPECT_THAT(transfer->Wait(), StatusIs(absl::StatusCode::kUnavailable));
+  EXPECT_EQ(cudaStreamQuery(static_cast<cudaStream_t>(stream.ref().native)),
+            cudaSuccess)
+      << "gathers of the failed save were still running when it ended";
+  EXPECT_EQ(cudaGetLastError(), cudaSuccess);
+}
+
+// An event marks the work enqueued before it: after Synchronize that work
+// has finished, and the event says it is complete.
+TEST(GatherCudaTest, DeviceEventsMarkTheWorkBeforeThem) {
+  CudaStream stream;
+  constexpr size_t kBytes = size_t{64} << 20;
+  DeviceBuffer buffer(kBytes);
+  ASSERT_NE(buffer.data(), nullptr);
+  absl::StatusOr<DeviceEvent> event = DeviceEvent::Create();
+  ASSERT_OK(event);
+  absl::StatusOr<bool> complete = event->IsComplete();
+  ASSERT_OK(complete);
+  EXPECT_TRUE(*complete);  // never recorded
+  const auto native = static_cast<cudaStream_t>(stream.ref().native);
+  for (int i = 0; i < 8; ++i) {
+    ASSERT_CUDA(cudaMemsetAsync(buffer.data(), i, kBytes, native));
+  }
+  ASSERT_OK(event->Record(stream.ref()));
+  ASSERT_OK(event->Synchronize());
+  EXPECT_EQ(cudaStreamQuery(native), cudaSuccess);  // nothing left before it
+  complete = event->IsComplete();
+  ASSERT_OK(complete);
+  EXPECT_TRUE(*complete);
+  char last = 0;
+  ASSERT_CUDA(cudaMemcpy(&last, buffer.data() + kBytes - 1, 1,
+                         cudaMemcpyDeviceToHost));
+  EXPECT_EQ(last, 7);
+  EXPECT_EQ(cudaGetLastError(), cudaSuccess);  // nothing left behind
+}
+
 }  // namespace
 }  // namespace kvdepot
 

@@ -482,5 +482,38 @@ TEST(GatherTest, LargeCallsSpanSeveralKernelLaunches) {
   }
 }
 
+// A DeviceEvent recorded after a gather completes once the gather's bytes
+// are there (in the CPU build, at once: its streams are synchronous).
+TEST(GatherTest, AnEventRecordedAfterAGatherMarksItsEnd) {
+  const KvLayout layout = KvLayout::Mha(KvCacheLayout::kFlashInferHnd, 4, 16, 2,
+                                        64, KvDtype::kBFloat16)
+                              .value();
+  TestCache cache(layout, 6);
+  std::mt19937_64 rng(21);
+  cache.FillRandom(rng);
+  absl::StatusOr<DeviceEvent> event = DeviceEvent::Create();
+  ASSERT_OK(event);
+  absl::StatusOr<bool> complete = event->IsComplete();
+  ASSERT_OK(complete);
+  EXPECT_TRUE(*complete) << "an event never recorded is complete";
+  const std::vector<int64_t> ids = {4, 1, 5};
+  GuardedObjects objects(ids.size(), layout.object_bytes(), &rng);
+  ASSERT_OK(Gather(layout, cache.view(), ids, layout.AllLayers(), objects.ptrs,
+                   StreamRef{}));
+  ASSERT_OK(event->Record(StreamRef{}));
+  ASSERT_OK(event->Synchronize());
+  complete = event->IsComplete();
+  ASSERT_OK(complete);
+  EXPECT_TRUE(*complete);
+  for (size_t i = 0; i < ids.size(); ++i) {
+    EXPECT_TRUE(SameBytes(objects.object(i), cache.ExpectedObject(ids[i])))
+        << "object " << i;
+  }
+  // Moved, the event keeps working; the moved-from one is empty.
+  DeviceEvent moved = std::move(*event);
+  ASSERT_OK(moved.Record(StreamRef{}));
+  EXPECT_OK(moved.Synchronize());
+}
+
 }  // namespace
 }  // namespace kvdepot

@@ -6,6 +6,7 @@
 #include <utility>
 
 #include "absl/strings/str_cat.h"
+#include "gpu/internal/checked_copy.h"
 #include "gpu/internal/transfer_plan.h"
 #include "storage/status_macros.h"
 
@@ -32,6 +33,8 @@ struct Transfer {
   // Constant after construction.
   bool save = false;
   KvCacheView cache;
+  // The cache's geometry, checked once when the transfer started.
+  gpu_internal::CacheGeometry geometry;
   std::vector<int64_t> block_ids;
   std::vector<Piece> pieces;
   // Called only by the transport thread.
@@ -124,24 +127,35 @@ absl::StatusOr<std::unique_ptr<StagingPipeline>> StagingPipeline::Create(
       static_cast<size_t>(options.layers_per_piece) * layout.layer_bytes();
   std::vector<HostBuffer> buffers;
   buffers.reserve(options.num_buffers);
+  std::vector<const void*> pointers;
+  std::vector<DeviceEvent> events;
   for (int i = 0; i < options.num_buffers; ++i) {
     ASSIGN_OR_RETURN(HostBuffer b, AllocateHostBuffer(buffer_bytes));
+    pointers.push_back(b.data());
     buffers.push_back(std::move(b));
+    ASSIGN_OR_RETURN(DeviceEvent e, DeviceEvent::Create());
+    events.push_back(std::move(e));
   }
-  return std::unique_ptr<StagingPipeline>(new StagingPipeline(
-      layout, stream, options, device, buffer_bytes, std::move(buffers)));
+  // Once, so that no piece checks them again.
+  RETURN_IF_ERROR(
+      gpu_internal::CheckObjectBuffers(pointers, buffer_bytes, device));
+  return std::unique_ptr<StagingPipeline>(
+      new StagingPipeline(layout, stream, options, device, buffer_bytes,
+                          std::move(buffers), std::move(events)));
 }
 
 StagingPipeline::StagingPipeline(const KvLayout& layout, StreamRef stream,
                                  StagingOptions options, int device,
                                  size_t buffer_bytes,
-                                 std::vector<HostBuffer> buffers)
+                                 std::vector<HostBuffer> buffers,
+                                 std::vector<DeviceEvent> events)
     : layout_(layout),
       stream_(stream),
       options_(options),
       device_(device),
       buffer_bytes_(buffer_bytes),
-      buffers_(std::move(buffers)) {
+      buffers_(std::move(buffers)),
+      events_(std::move(events)) {
   device_thread_ = std::thread([this] { RunStage(Stage::kDevice); });
   transport_thread_ = std::thread([this] { RunStage(Stage::kTransport); });
   // Linux limits thread names to 15 characters.
@@ -162,10 +176,12 @@ absl::StatusOr<std::unique_ptr<PendingTransfer>> StagingPipeline::StartSave(
     const KvCacheView& cache, absl::Span<const int64_t> block_ids,
     SaveSink sink) {
   if (!sink) return absl::InvalidArgumentError("the save sink is empty");
-  RETURN_IF_ERROR(gpu_internal::ResolveCache(layout_, cache).status());
+  ASSIGN_OR_RETURN(gpu_internal::CacheGeometry geometry,
+                   gpu_internal::CheckCache(layout_, cache, device_));
   RETURN_IF_ERROR(gpu_internal::ValidateBlockIds(block_ids, cache.num_blocks,
                                                  /*allow_repeats=*/true));
   auto t = std::make_shared<Transfer>();
+  t->geometry = std::move(geometry);
   t->save = true;
   t->cache = cache;
   t->block_ids.assign(block_ids.begin(), block_ids.end());
@@ -177,10 +193,12 @@ absl::StatusOr<std::unique_ptr<PendingTransfer>> StagingPipeline::StartLoad(
     const KvCacheView& cache, absl::Span<const int64_t> block_ids,
     LoadSource source) {
   if (!source) return absl::InvalidArgumentError("the load source is empty");
-  RETURN_IF_ERROR(gpu_internal::ResolveCache(layout_, cache).status());
+  ASSIGN_OR_RETURN(gpu_internal::CacheGeometry geometry,
+                   gpu_internal::CheckCache(layout_, cache, device_));
   RETURN_IF_ERROR(gpu_internal::ValidateBlockIds(block_ids, cache.num_blocks,
                                                  /*allow_repeats=*/false));
   auto t = std::make_shared<Transfer>();
+  t->geometry = std::move(geometry);
   t->save = false;
   t->cache = cache;
   t->block_ids.assign(block_ids.begin(), block_ids.end());
@@ -235,11 +253,13 @@ void StagingPipeline::RunStage(Stage stage) {
       t = queue_.front();
       taken_[me] = true;
     }
-    if (bound.ok()) {
-      RunStageOf(stage, *t);
-    } else {
+    if (!bound.ok()) {
       absl::MutexLock lock(&t->mu);
       t->Fail(bound);
+    } else if (stage == Stage::kDevice) {
+      RunDeviceStage(*t);
+    } else {
+      RunTransportStage(*t);
     }
     bool last;
     {
@@ -258,8 +278,10 @@ void StagingPipeline::RunStage(Stage stage) {
   }
 }
 
-void StagingPipeline::RunStageOf(Stage stage, Transfer& t) {
-  const bool first = t.save == (stage == Stage::kDevice);
+// The transport stage: piece after piece through the caller's sink or
+// source, each once its buffer is the stage's (see Transfer).
+void StagingPipeline::RunTransportStage(Transfer& t) {
+  const bool first = !t.save;
   const size_t ring = buffers_.size();
   for (size_t k = 0; k < t.pieces.size(); ++k) {
     {
@@ -270,40 +292,99 @@ void StagingPipeline::RunStageOf(Stage stage, Transfer& t) {
       t.mu.Await(absl::Condition(&ready));
       if (!t.status.ok()) return;
     }
-    absl::Status s =
-        stage == Stage::kDevice ? DevicePiece(t, k) : TransportPiece(t, k);
+    absl::Status s = TransportPiece(t, k);
     absl::MutexLock lock(&t.mu);
     if (!s.ok()) {
       t.Fail(std::move(s));
       return;
     }
     (first ? t.staged : t.drained) = k + 1;
-    if (stage == Stage::kDevice) {
-      const Piece& p = t.pieces[k];
-      for (int l = p.first_layer; l < p.end_layer; ++l) --t.layer_pending[l];
-    }
   }
 }
 
-absl::Status StagingPipeline::DevicePiece(Transfer& t, size_t k) {
-  const Piece& p = t.pieces[k];
-  char* const buffer = buffers_[k % buffers_.size()].data();
-  const int64_t id = t.block_ids[p.index];
-  const LayerRange layers{p.first_layer, p.end_layer};
-  absl::Status s;
-  if (t.save) {
-    void* const dst[] = {buffer};
-    s = Gather(layout_, t.cache, absl::MakeConstSpan(&id, 1), layers, dst,
-               stream_);
-  } else {
-    const void* const src[] = {buffer};
-    s = Scatter(layout_, t.cache, absl::MakeConstSpan(&id, 1), layers, src,
-                stream_);
+// The device stage launches each piece's copy on the stream as soon as its
+// buffer is the stage's, and records the buffer's event after it; a piece
+// is finished (handed to the transport, or its buffer freed and its layers
+// done) once its event has completed. It waits for an event only when it
+// can launch nothing more, so the device runs the pieces back to back while
+// the host waits, rather than idling through a launch and a stream
+// synchronization per piece. Piece k and piece k + ring share a buffer and
+// its event: k + ring is launched only once k has finished.
+void StagingPipeline::RunDeviceStage(Transfer& t) {
+  const size_t ring = buffers_.size();
+  const size_t n = t.pieces.size();
+  size_t launched = 0;  // pieces whose launch was tried
+  size_t finished = 0;  // pieces whose event completed (a prefix)
+  // Whether piece `launched` may be launched: its buffer is the stage's.
+  auto may_launch = [&]() ABSL_SHARED_LOCKS_REQUIRED(t.mu) {
+    return launched < n &&
+           (t.save ? launched < t.drained + ring : launched < t.staged);
+  };
+  absl::Status error;
+  while (finished < n) {
+    bool launch = false;
+    {
+      absl::MutexLock lock(&t.mu);
+      if (launched == finished) {
+        // Nothing in flight: wait for a buffer, or for the transfer to fail.
+        auto ready = [&]() ABSL_SHARED_LOCKS_REQUIRED(t.mu) {
+          return !t.status.ok() || may_launch();
+        };
+        t.mu.Await(absl::Condition(&ready));
+      }
+      if (!t.status.ok()) break;
+      launch = may_launch();
+    }
+    // Hand over what has finished first, without waiting, so that the
+    // transport is never kept waiting by launches.
+    bool wait = !launch;
+    if (launched > finished) {
+      absl::StatusOr<bool> done = events_[finished % ring].IsComplete();
+      if (!done.ok()) {
+        error = done.status();
+        break;
+      }
+      if (*done) wait = true;  // it is: "waiting" for it returns at once
+    }
+    if (wait) {
+      error = events_[finished % ring].Synchronize();
+      if (!error.ok()) break;
+      FinishDevicePiece(t, finished++);
+      continue;
+    }
+    const size_t k = launched++;  // counted before: a failed launch may
+                                  // have enqueued part of its copy
+    error = LaunchPiece(t, k);
+    if (error.ok()) error = events_[k % ring].Record(stream_);
+    if (!error.ok()) break;
   }
-  // Wait even after a failed call: launches it had already enqueued may
-  // still be touching the cache or the buffer.
-  absl::Status synced = SynchronizeStream(stream_);
-  return s.ok() ? synced : s;
+  if (launched > finished) {
+    // Launches still running may be touching the cache or the buffers:
+    // nothing of this transfer may run once the stage returns.
+    absl::Status synced = SynchronizeStream(stream_);
+    if (error.ok()) error = std::move(synced);
+  }
+  if (!error.ok()) {
+    absl::MutexLock lock(&t.mu);
+    t.Fail(std::move(error));
+  }
+}
+
+void StagingPipeline::FinishDevicePiece(Transfer& t, size_t k) {
+  absl::MutexLock lock(&t.mu);
+  (t.save ? t.staged : t.drained) = k + 1;
+  const Piece& p = t.pieces[k];
+  for (int l = p.first_layer; l < p.end_layer; ++l) --t.layer_pending[l];
+}
+
+absl::Status StagingPipeline::LaunchPiece(Transfer& t, size_t k) {
+  const Piece& p = t.pieces[k];
+  const void* const buffer = buffers_[k % buffers_.size()].data();
+  const int64_t id = t.block_ids[p.index];
+  return gpu_internal::CopyChecked(t.geometry, absl::MakeConstSpan(&id, 1),
+                                   LayerRange{p.first_layer, p.end_layer},
+                                   absl::MakeConstSpan(&buffer, 1),
+                                   /*to_cache=*/!t.save, stream_);
 }
 
 absl::Status StagingPipeline::TransportPiece(Transfer& t, size_t k) {

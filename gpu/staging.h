@@ -6,11 +6,18 @@
 // StagingOptions::layers_per_piece) into a free ring buffer and hands the
 // bytes to the caller's SaveSink; a load asks the caller's LoadSource to fill
 // a free buffer with a piece and scatters it into the cache. Two threads run
-// the two stages: the device stage (Gather/Scatter on the pipeline's stream,
-// then waiting for it) and the transfer stage (the caller's callback). With
-// N buffers the first stage runs up to N pieces ahead of the second, so piece
-// i + 1 is gathered while piece i is sent, and piece i + 1 is received while
-// piece i is scattered.
+// the two stages: the device stage (the gather or scatter of each piece
+// enqueued on the pipeline's stream, with an event per ring buffer; it
+// waits for a piece's event only when no other piece can be launched, so
+// the device copies piece after piece without a gap) and the transfer stage
+// (the caller's callback). With N buffers the first stage runs up to N
+// pieces ahead of the second, so piece i + 1 is gathered while piece i is
+// sent, and piece i + 1 is received while piece i is scattered.
+//
+// The cache view is checked once, when a transfer starts (as Gather checks
+// it, including in the CUDA build that the device reaches every tensor),
+// and the ring buffers once, when the pipeline is made; the pieces' copies
+// check nothing more.
 //
 // Loads stream per layer: objects are layer-major (kv_layout.h), so a piece
 // is a run of whole layers, and a layer is done once every block's piece
@@ -123,9 +130,10 @@ class StagingPipeline {
   // Allocates `options.num_buffers` buffers of layers_per_piece x
   // layer_bytes and starts the two stage threads. Device work goes on
   // `stream` (borrowed: it must outlive the pipeline) on the calling
-  // thread's current device; give the pipeline a stream of its own, since
-  // each piece waits for the whole stream. InvalidArgument for bad options;
-  // the allocator's error if the buffers cannot be had.
+  // thread's current device; give the pipeline a stream of its own (a
+  // failed transfer waits for the whole stream before it ends).
+  // InvalidArgument for bad options; the allocator's (or the event's) error
+  // if the buffers (or their events) cannot be had.
   static absl::StatusOr<std::unique_ptr<StagingPipeline>> Create(
       const KvLayout& layout, StreamRef stream, StagingOptions options);
 
@@ -136,9 +144,10 @@ class StagingPipeline {
 
   // Starts saving the objects of `block_ids` (repeats allowed) from `cache`
   // to `sink`. REQUIRES: the blocks' contents are final: work that writes
-  // them has finished or is ordered before the pipeline's stream. Returns
-  // InvalidArgument at once, calling nothing, if the view or an id is
-  // invalid (as Gather).
+  // them has finished or is ordered before the pipeline's stream; the
+  // cache's memory stays allocated until the transfer is done (it is checked
+  // here only). Returns InvalidArgument at once, calling nothing, if the
+  // view or an id is invalid (as Gather).
   absl::StatusOr<std::unique_ptr<PendingTransfer>> StartSave(
       const KvCacheView& cache, absl::Span<const int64_t> block_ids,
       SaveSink sink);
@@ -159,12 +168,17 @@ class StagingPipeline {
 
   StagingPipeline(const KvLayout& layout, StreamRef stream,
                   StagingOptions options, int device, size_t buffer_bytes,
-                  std::vector<HostBuffer> buffers);
+                  std::vector<HostBuffer> buffers,
+                  std::vector<DeviceEvent> events);
   absl::StatusOr<std::unique_ptr<PendingTransfer>> Start(
       std::shared_ptr<staging_internal::Transfer> t);
   void RunStage(Stage stage);
-  void RunStageOf(Stage stage, staging_internal::Transfer& t);
-  absl::Status DevicePiece(staging_internal::Transfer& t, size_t piece);
+  void RunDeviceStage(staging_internal::Transfer& t);
+  void RunTransportStage(staging_internal::Transfer& t);
+  // Enqueues piece `piece`'s copy between the cache and its buffer.
+  absl::Status LaunchPiece(staging_internal::Transfer& t, size_t piece);
+  // Marks piece `piece` through the device stage (its copy has finished).
+  void FinishDevicePiece(staging_internal::Transfer& t, size_t piece);
   absl::Status TransportPiece(staging_internal::Transfer& t, size_t piece);
 
   // Constant after construction.
@@ -176,6 +190,9 @@ class StagingPipeline {
   // Buffer k % N holds piece k of the running transfer; the ring protocol
   // in staging.cc gives each buffer to one stage at a time.
   const std::vector<HostBuffer> buffers_;
+  // events_[k % N] marks the end of piece k's copy on the stream. Device
+  // stage thread only.
+  std::vector<DeviceEvent> events_;
 
   absl::Mutex mu_;
   // Started, unfinished transfers; the front one is running.
