@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <utility>
 
+#include "absl/container/inlined_vector.h"
 #include "absl/strings/str_cat.h"
 #include "gpu/internal/checked_copy.h"
 #include "gpu/internal/transfer_plan.h"
@@ -14,9 +15,11 @@ namespace kvdepot {
 
 namespace staging_internal {
 
-// Layers [first_layer, end_layer) of the object of block_ids[index].
+// Layers [first_layer, end_layer) of the objects of block_ids[index] ..
+// block_ids[index + count - 1], back to back in one buffer.
 struct Piece {
   size_t index;
+  size_t count;
   int first_layer;
   int end_layer;
 };
@@ -122,9 +125,22 @@ absl::StatusOr<std::unique_ptr<StagingPipeline>> StagingPipeline::Create(
       options.layers_per_piece > layout.num_layers()) {
     options.layers_per_piece = layout.num_layers();
   }
+  if (options.blocks_per_piece < 1) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "blocks_per_piece is ", options.blocks_per_piece, "; it must be >= 1"));
+  }
+  if (options.order == PieceOrder::kObjectMajor &&
+      options.blocks_per_piece > 1 &&
+      options.layers_per_piece < layout.num_layers()) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "object-major pieces of ", options.blocks_per_piece,
+        " blocks must hold whole objects (layers_per_piece 0), else objects "
+        "would reach the transport interleaved; layers_per_piece is ",
+        options.layers_per_piece, " of ", layout.num_layers()));
+  }
   ASSIGN_OR_RETURN(const int device, GetCurrentDevice());
-  const size_t buffer_bytes =
-      static_cast<size_t>(options.layers_per_piece) * layout.layer_bytes();
+  const size_t buffer_bytes = static_cast<size_t>(options.blocks_per_piece) *
+                              options.layers_per_piece * layout.layer_bytes();
   std::vector<HostBuffer> buffers;
   buffers.reserve(options.num_buffers);
   std::vector<const void*> pointers;
@@ -210,18 +226,23 @@ absl::StatusOr<std::unique_ptr<PendingTransfer>> StagingPipeline::Start(
     std::shared_ptr<Transfer> t) {
   const int layers = layout_.num_layers();
   const int step = options_.layers_per_piece;
+  const size_t per = static_cast<size_t>(options_.blocks_per_piece);
   const size_t blocks = t->block_ids.size();
-  t->pieces.reserve(blocks * ((layers + step - 1) / step));
+  auto piece = [&](size_t i, int first) {
+    return Piece{i, std::min(per, blocks - i), first,
+                 std::min(layers, first + step)};
+  };
+  t->pieces.reserve(((blocks + per - 1) / per) * ((layers + step - 1) / step));
   if (options_.order == PieceOrder::kLayerMajor) {
     for (int first = 0; first < layers; first += step) {
-      for (size_t i = 0; i < blocks; ++i) {
-        t->pieces.push_back(Piece{i, first, std::min(layers, first + step)});
+      for (size_t i = 0; i < blocks; i += per) {
+        t->pieces.push_back(piece(i, first));
       }
     }
   } else {
-    for (size_t i = 0; i < blocks; ++i) {
+    for (size_t i = 0; i < blocks; i += per) {
       for (int first = 0; first < layers; first += step) {
-        t->pieces.push_back(Piece{i, first, std::min(layers, first + step)});
+        t->pieces.push_back(piece(i, first));
       }
     }
   }
@@ -374,28 +395,44 @@ void StagingPipeline::FinishDevicePiece(Transfer& t, size_t k) {
   absl::MutexLock lock(&t.mu);
   (t.save ? t.staged : t.drained) = k + 1;
   const Piece& p = t.pieces[k];
-  for (int l = p.first_layer; l < p.end_layer; ++l) --t.layer_pending[l];
+  for (int l = p.first_layer; l < p.end_layer; ++l) {
+    t.layer_pending[l] -= p.count;
+  }
+}
+
+// Block j of piece k lies at j x its bytes in the buffer.
+size_t StagingPipeline::PieceBytesPerBlock(const Transfer& t, size_t k) const {
+  const Piece& p = t.pieces[k];
+  return static_cast<size_t>(p.end_layer - p.first_layer) *
+         layout_.layer_bytes();
 }
 
 absl::Status StagingPipeline::LaunchPiece(Transfer& t, size_t k) {
   const Piece& p = t.pieces[k];
-  const void* const buffer = buffers_[k % buffers_.size()].data();
-  const int64_t id = t.block_ids[p.index];
-  return gpu_internal::CopyChecked(t.geometry, absl::MakeConstSpan(&id, 1),
-                                   LayerRange{p.first_layer, p.end_layer},
-                                   absl::MakeConstSpan(&buffer, 1),
-                                   /*to_cache=*/!t.save, stream_);
+  const char* const buffer = buffers_[k % buffers_.size()].data();
+  const size_t bytes = PieceBytesPerBlock(t, k);
+  absl::InlinedVector<const void*, 8> objects(p.count);
+  for (size_t j = 0; j < p.count; ++j) objects[j] = buffer + j * bytes;
+  return gpu_internal::CopyChecked(
+      t.geometry, absl::MakeConstSpan(t.block_ids).subspan(p.index, p.count),
+      LayerRange{p.first_layer, p.end_layer}, objects, /*to_cache=*/!t.save,
+      stream_);
 }
 
 absl::Status StagingPipeline::TransportPiece(Transfer& t, size_t k) {
   const Piece& p = t.pieces[k];
   char* const buffer = buffers_[k % buffers_.size()].data();
   const uint64_t offset = p.first_layer * layout_.layer_bytes();
-  const size_t bytes = (p.end_layer - p.first_layer) * layout_.layer_bytes();
-  if (t.save) {
-    return t.sink(p.index, offset, absl::Span<const char>(buffer, bytes));
+  const size_t bytes = PieceBytesPerBlock(t, k);
+  for (size_t j = 0; j < p.count; ++j) {
+    char* const piece = buffer + j * bytes;
+    absl::Status s =
+        t.save
+            ? t.sink(p.index + j, offset, absl::Span<const char>(piece, bytes))
+            : t.source(p.index + j, offset, absl::Span<char>(piece, bytes));
+    if (!s.ok()) return s;
   }
-  return t.source(p.index, offset, absl::Span<char>(buffer, bytes));
+  return absl::OkStatus();
 }
 
 }  // namespace kvdepot

@@ -3,7 +3,8 @@
 // copy of one piece overlaps the network transfer of another.
 //
 // A save gathers each block's object (or a piece of it, see
-// StagingOptions::layers_per_piece) into a free ring buffer and hands the
+// StagingOptions::layers_per_piece; or those of several blocks,
+// blocks_per_piece) into a free ring buffer and hands the
 // bytes to the caller's SaveSink; a load asks the caller's LoadSource to fill
 // a free buffer with a piece and scatters it into the cache. Two threads run
 // the two stages: the device stage (the gather or scatter of each piece
@@ -84,6 +85,14 @@ struct StagingOptions {
   // Layers per piece: each buffer holds this many layers of one block's
   // object. 0 (or more than num_layers): whole objects.
   int layers_per_piece = 0;
+  // Blocks per piece: each buffer holds these many blocks' pieces of the
+  // same layers, copied by one launch (the transport still gets a call per
+  // block's piece). More than 1 where one block's piece is small (a layer
+  // of a 16-token block is 64 KiB for Llama-3-8B), so that a launch per
+  // block would cost more than its copy. With kObjectMajor only for whole
+  // objects (layers_per_piece 0), so that objects still reach the
+  // transport one at a time.
+  int blocks_per_piece = 1;
   PieceOrder order = PieceOrder::kLayerMajor;
 };
 
@@ -127,10 +136,10 @@ class PendingTransfer {
 
 class StagingPipeline {
  public:
-  // Allocates `options.num_buffers` buffers of layers_per_piece x
-  // layer_bytes and starts the two stage threads. Device work goes on
-  // `stream` (borrowed: it must outlive the pipeline) on the calling
-  // thread's current device; give the pipeline a stream of its own (a
+  // Allocates `options.num_buffers` buffers of blocks_per_piece x
+  // layers_per_piece x layer_bytes and starts the two stage threads. Device
+  // work goes on `stream` (borrowed: it must outlive the pipeline) on the
+  // calling thread's current device; give the pipeline a stream of its own (a
   // failed transfer waits for the whole stream before it ends).
   // InvalidArgument for bad options; the allocator's (or the event's) error
   // if the buffers (or their events) cannot be had.
@@ -160,7 +169,8 @@ class StagingPipeline {
       const KvCacheView& cache, absl::Span<const int64_t> block_ids,
       LoadSource source);
 
-  // Bytes of each ring buffer (the largest piece).
+  // Bytes of each ring buffer (the largest piece: blocks_per_piece x
+  // layers_per_piece x layer_bytes).
   size_t buffer_bytes() const { return buffer_bytes_; }
 
  private:
@@ -179,6 +189,8 @@ class StagingPipeline {
   absl::Status LaunchPiece(staging_internal::Transfer& t, size_t piece);
   // Marks piece `piece` through the device stage (its copy has finished).
   void FinishDevicePiece(staging_internal::Transfer& t, size_t piece);
+  size_t PieceBytesPerBlock(const staging_internal::Transfer& t,
+                            size_t piece) const;
   absl::Status TransportPiece(staging_internal::Transfer& t, size_t piece);
 
   // Constant after construction.

@@ -105,6 +105,7 @@ struct FakeSink {
       if (k < gates.size()) gates[k]->WaitForNotification();
       if (k == fail_at) return absl::DeadlineExceededError("put timed out");
       absl::MutexLock lock(&mu);
+      order.push_back(index);
       std::string& o = objects.at(index);
       if (offset != o.size()) {
         return absl::InternalError(absl::StrCat("piece at ", offset, " after ",
@@ -118,6 +119,7 @@ struct FakeSink {
 
   absl::Mutex mu;
   std::vector<std::string> objects;
+  std::vector<size_t> order;  // the index of each call, in call order
   std::vector<std::unique_ptr<absl::Notification>> gates;
   std::atomic<size_t> calls{0};
   size_t fail_at = SIZE_MAX;
@@ -326,6 +328,85 @@ TEST(StagingTest, RejectsBadInputBeforeCallingTheTransport) {
   o.num_buffers = 2;
   o.layers_per_piece = -1;
   EXPECT_THAT(StagingPipeline::Create(layout, StreamRef{}, o), kInvalid);
+  o.layers_per_piece = 0;
+  o.blocks_per_piece = 0;
+  EXPECT_THAT(StagingPipeline::Create(layout, StreamRef{}, o), kInvalid);
+  // Object-major pieces of several blocks but not whole objects would hand
+  // the transport their objects interleaved.
+  o.blocks_per_piece = 2;
+  o.layers_per_piece = 1;
+  o.order = PieceOrder::kObjectMajor;
+  EXPECT_THAT(StagingPipeline::Create(layout, StreamRef{}, o), kInvalid);
+}
+
+// Pieces of several blocks (one launch each, 3 blocks of 2 layers per
+// buffer here; the last piece of each layer group has 1 block): every
+// object is saved and loaded whole, each block's piece handed to the
+// transport on its own, and layers finish as their pieces do.
+TEST(StagingTest, PiecesOfSeveralBlocksMoveEveryObject) {
+  const KvLayout layout = SmallLayout(5);
+  TestCache cache(layout, 9);
+  std::mt19937_64 rng(13);
+  cache.FillRandom(rng);
+  StagingOptions o;
+  o.num_buffers = 2;
+  o.layers_per_piece = 2;
+  o.blocks_per_piece = 3;
+  auto pipeline = StagingPipeline::Create(layout, StreamRef{}, o).value();
+  EXPECT_EQ(pipeline->buffer_bytes(), 3 * 2 * layout.layer_bytes());
+  const std::vector<int64_t> ids = {8, 2, 8, 0, 5, 1, 7};  // a repeat
+  FakeSink sink(ids.size());
+  auto save = pipeline->StartSave(cache.view(), ids, sink.Sink()).value();
+  ASSERT_OK(save->Wait());
+  EXPECT_EQ(sink.calls.load(), ids.size() * 3);  // layer groups 2 + 2 + 1
+  for (size_t i = 0; i < ids.size(); ++i) {
+    EXPECT_EQ(sink.objects[i], cache.ExpectedObject(ids[i])) << "object " << i;
+  }
+  // Layer-major: every block's first group before any block's second.
+  for (size_t k = 0; k < sink.order.size(); ++k) {
+    EXPECT_EQ(sink.order[k], k % ids.size()) << "call " << k;
+  }
+
+  const std::vector<int64_t> load_ids = {4, 0, 6, 2, 8};
+  TestCache loaded(layout, 9);
+  FakeSource source(RandomObjects(layout, load_ids.size(), 14));
+  auto load =
+      pipeline->StartLoad(loaded.view(), load_ids, source.Source()).value();
+  for (int l = 0; l < layout.num_layers(); ++l) {
+    ASSERT_OK(load->WaitForLayer(l));
+    for (size_t i = 0; i < load_ids.size(); ++i) {
+      EXPECT_EQ(loaded.ExpectedObject(load_ids[i], {l, l + 1}),
+                source.objects[i].substr(l * layout.layer_bytes(),
+                                         layout.layer_bytes()))
+          << "layer " << l << " of object " << i;
+    }
+  }
+  ASSERT_OK(load->Wait());
+  EXPECT_EQ(source.calls.load(), load_ids.size() * 3);
+  const std::string zeros(layout.object_bytes(), '\0');
+  for (int64_t b : {1, 3, 5, 7}) EXPECT_EQ(loaded.ExpectedObject(b), zeros);
+}
+
+// Object-major pieces of several whole objects still hand the transport
+// one object at a time, in order.
+TEST(StagingTest, ObjectMajorPiecesOfSeveralBlocksKeepObjectsWhole) {
+  const KvLayout layout = SmallLayout(3);
+  TestCache cache(layout, 6);
+  std::mt19937_64 rng(15);
+  cache.FillRandom(rng);
+  StagingOptions o;
+  o.num_buffers = 2;
+  o.blocks_per_piece = 4;
+  o.order = PieceOrder::kObjectMajor;
+  auto pipeline = StagingPipeline::Create(layout, StreamRef{}, o).value();
+  const std::vector<int64_t> ids = {5, 4, 3, 2, 1, 0};
+  FakeSink sink(ids.size());
+  ASSERT_OK(
+      pipeline->StartSave(cache.view(), ids, sink.Sink()).value()->Wait());
+  EXPECT_THAT(sink.order, ::testing::ElementsAre(0, 1, 2, 3, 4, 5));
+  for (size_t i = 0; i < ids.size(); ++i) {
+    EXPECT_EQ(sink.objects[i], cache.ExpectedObject(ids[i])) << "object " << i;
+  }
 }
 
 TEST(StagingTest, TransfersRunOneAfterAnotherInOrder) {
