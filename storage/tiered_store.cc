@@ -1935,30 +1935,37 @@ class TieredStoreImpl final : public TieredStore {
   // others if their stamp is unchanged: nothing took them meanwhile, so no
   // block of theirs can have entered either tier since the first look (a
   // block enters DRAM through a NamespaceRef, and NVMe only from DRAM).
-  // Passes over the NVMe tier's index start at most once per
-  // kNamespaceScanInterval, whatever the last one found (each takes the
-  // tier's index lock for a while, a second for millions of blocks): a
-  // pass forgets every empty namespace at once, so only a client that
-  // makes namespaces one after another (a put into a new one, its blocks
-  // evicted, again) needs passes more often, and it is refused a new
-  // namespace (ResourceExhausted) until the interval is over.
+  // Passes over the NVMe tier's index run one at a time, and start at most
+  // kNamespaceScanInterval after the last one ended, whatever it found
+  // (each takes the tier's index lock for a while, a second for millions of
+  // blocks): a pass forgets every empty namespace at once, so only a client
+  // that makes namespaces one after another (a put into a new one, its
+  // blocks evicted, again) needs passes more often, and it is refused a new
+  // namespace (ResourceExhausted) until the interval is over. A caller that
+  // finds a pass running waits for it and takes the room it made.
   void ReclaimNamespaces() ABSL_LOCKS_EXCLUDED(mu_, ns_mu_) {
     std::vector<NamespaceCandidate> candidates;
     {
       absl::MutexLock lock(&ns_mu_);
+      auto idle = [this]() ABSL_SHARED_LOCKS_REQUIRED(ns_mu_) {
+        return !namespace_scan_running_;
+      };
+      ns_mu_.Await(absl::Condition(&idle));
       if (RoomForANamespaceLocked().ok()) return;  // another caller made room
       if (nvme_ != nullptr && clock_->Now() < next_namespace_scan_) return;
       for (const auto& info : namespaces_) {
         if (info == nullptr || !Unreferenced(*info)) continue;
         candidates.push_back({info->id, info->stamp, info->name});
       }
-      // Set before the pass: callers meanwhile do not start another.
-      if (nvme_ != nullptr && !candidates.empty()) {
-        next_namespace_scan_ = clock_->Now() + kNamespaceScanInterval;
-      }
+      if (candidates.empty()) return;
+      namespace_scan_running_ = nvme_ != nullptr;
     }
-    if (candidates.empty()) return;
     ForgetNamespaces(candidates);
+    if (nvme_ != nullptr) {
+      absl::MutexLock lock(&ns_mu_);
+      namespace_scan_running_ = false;
+      next_namespace_scan_ = clock_->Now() + kNamespaceScanInterval;
+    }
   }
 
   // A namespace found Unreferenced, as it was then (its stamp).
@@ -2031,7 +2038,9 @@ class TieredStoreImpl final : public TieredStore {
       ABSL_GUARDED_BY(ns_mu_);
   std::vector<uint32_t> free_ns_ids_ ABSL_GUARDED_BY(ns_mu_);
   uint64_t ns_stamp_ ABSL_GUARDED_BY(ns_mu_) = 0;  // NamespaceInfo::stamp
-  // ReclaimNamespaces' next pass over the NVMe tier (after a fruitless one).
+  // ReclaimNamespaces' pass over the NVMe tier: whether one runs, and when
+  // the next may start.
+  bool namespace_scan_running_ ABSL_GUARDED_BY(ns_mu_) = false;
   absl::Time next_namespace_scan_ ABSL_GUARDED_BY(ns_mu_) = absl::InfinitePast();
 
   mutable absl::Mutex mu_;

@@ -2259,8 +2259,8 @@ TEST_F(TieredStoreNvmeTest, ANamespaceWithBlocksOnlyOnNvmeIsNotReclaimed) {
   EXPECT_THAT(store_->BeginPut(sid_, "third", {&spec, 1}),
               StatusIs(Code::kResourceExhausted));
   EXPECT_EQ(Look("p0", false).tier, Tier::kNvme);
-  // Emptied: its place is taken once the store looks at NVMe again (a
-  // look that found nothing to forget is not repeated for a second).
+  // Emptied: its place is taken once the store looks at NVMe again (not
+  // within a second of its last look).
   ASSERT_OK(store_->Evict("new", {}, true));
   EXPECT_THAT(store_->BeginPut(sid_, "third", {&spec, 1}),
               StatusIs(Code::kResourceExhausted));
