@@ -509,7 +509,7 @@ TEST(GatherTest, AnEventRecordedAfterAGatherMarksItsEnd) {
     EXPECT_TRUE(SameBytes(objects.object(i), cache.ExpectedObject(ids[i])))
         << "object " << i;
   }
-  // Moved, the event keeps working; the moved-from one is empty.
+  // Moved, the event keeps working.
   DeviceEvent moved = std::move(*event);
   ASSERT_OK(moved.Record(StreamRef{}));
   EXPECT_OK(moved.Synchronize());

@@ -35,7 +35,6 @@ struct Piece {
 struct Transfer {
   // Constant after construction.
   bool save = false;
-  KvCacheView cache;
   // The cache's geometry, checked once when the transfer started.
   gpu_internal::CacheGeometry geometry;
   std::vector<int64_t> block_ids;
@@ -138,9 +137,16 @@ absl::StatusOr<std::unique_ptr<StagingPipeline>> StagingPipeline::Create(
         "would reach the transport interleaved; layers_per_piece is ",
         options.layers_per_piece, " of ", layout.num_layers()));
   }
+  size_t buffer_bytes = 0;
+  if (__builtin_mul_overflow(static_cast<size_t>(options.blocks_per_piece) *
+                                 static_cast<size_t>(options.layers_per_piece),
+                             layout.layer_bytes(), &buffer_bytes)) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "blocks_per_piece ", options.blocks_per_piece, " x layers_per_piece ",
+        options.layers_per_piece, " x ", layout.layer_bytes(),
+        " bytes per layer overflows a buffer size"));
+  }
   ASSIGN_OR_RETURN(const int device, GetCurrentDevice());
-  const size_t buffer_bytes = static_cast<size_t>(options.blocks_per_piece) *
-                              options.layers_per_piece * layout.layer_bytes();
   std::vector<HostBuffer> buffers;
   buffers.reserve(options.num_buffers);
   std::vector<const void*> pointers;
@@ -199,7 +205,6 @@ absl::StatusOr<std::unique_ptr<PendingTransfer>> StagingPipeline::StartSave(
   auto t = std::make_shared<Transfer>();
   t->geometry = std::move(geometry);
   t->save = true;
-  t->cache = cache;
   t->block_ids.assign(block_ids.begin(), block_ids.end());
   t->sink = std::move(sink);
   return Start(std::move(t));
@@ -216,7 +221,6 @@ absl::StatusOr<std::unique_ptr<PendingTransfer>> StagingPipeline::StartLoad(
   auto t = std::make_shared<Transfer>();
   t->geometry = std::move(geometry);
   t->save = false;
-  t->cache = cache;
   t->block_ids.assign(block_ids.begin(), block_ids.end());
   t->source = std::move(source);
   return Start(std::move(t));

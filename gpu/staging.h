@@ -86,8 +86,9 @@ struct StagingOptions {
   // object. 0 (or more than num_layers): whole objects.
   int layers_per_piece = 0;
   // Blocks per piece: each buffer holds these many blocks' pieces of the
-  // same layers, copied by one launch (the transport still gets a call per
-  // block's piece). More than 1 where one block's piece is small (a layer
+  // same layers, copied together (one launch for up to 192 blocks of up to
+  // 64 layers in the CUDA build; the transport still gets a call per block's
+  // piece). More than 1 where one block's piece is small (a layer
   // of a 16-token block is 64 KiB for Llama-3-8B), so that a launch per
   // block would cost more than its copy. With kObjectMajor only for whole
   // objects (layers_per_piece 0), so that objects still reach the
@@ -156,15 +157,18 @@ class StagingPipeline {
   // them has finished or is ordered before the pipeline's stream; the
   // cache's memory stays allocated until the transfer is done (it is checked
   // here only). Returns InvalidArgument at once, calling nothing, if the
-  // view or an id is invalid (as Gather).
+  // view or an id is invalid (as Gather), or the device's error if the CUDA
+  // build cannot check the view.
   absl::StatusOr<std::unique_ptr<PendingTransfer>> StartSave(
       const KvCacheView& cache, absl::Span<const int64_t> block_ids,
       SaveSink sink);
 
   // Starts loading the objects of `block_ids` from `source` into `cache`.
   // REQUIRES: nothing else reads or writes those blocks until the returned
-  // transfer's layers are done. Returns InvalidArgument at once, calling
-  // nothing, if the view or an id is invalid or an id repeats (as Scatter).
+  // transfer's layers are done; the cache's memory stays allocated until the
+  // transfer is done (it is checked here only). Returns InvalidArgument at
+  // once, calling nothing, if the view or an id is invalid or an id repeats
+  // (as Scatter), or the device's error as StartSave.
   absl::StatusOr<std::unique_ptr<PendingTransfer>> StartLoad(
       const KvCacheView& cache, absl::Span<const int64_t> block_ids,
       LoadSource source);

@@ -21,7 +21,8 @@ namespace kvdepot::gpu_internal {
 // What Gather and Scatter check of the cache on every call: the view
 // against the layout (ResolveCache) and, in the CUDA build, that `device`
 // reaches every tensor (first and last byte). Returns its geometry, or
-// InvalidArgument as Gather would.
+// InvalidArgument as Gather would (or the device's error when the CUDA build
+// cannot ask it).
 absl::StatusOr<CacheGeometry> CheckCache(const KvLayout& layout,
                                          const KvCacheView& cache, int device);
 

@@ -11,7 +11,6 @@
 
 #include <atomic>
 #include <chrono>
-#include <condition_variable>
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
@@ -19,11 +18,11 @@
 #include <functional>
 #include <map>
 #include <memory>
-#include <mutex>
 #include <random>
 #include <thread>
 #include <vector>
 
+#include "absl/synchronization/mutex.h"
 #include "fake_cuda.h"
 
 namespace fake_cuda {
@@ -46,7 +45,7 @@ std::atomic<uint64_t> g_executed{0};
 std::atomic<uint64_t> g_launches{0};
 std::atomic<uint64_t> g_not_ready{0};
 
-std::mutex g_inject_mu;
+absl::Mutex g_inject_mu;
 int g_fail_launch_in = -1;   // guarded by g_inject_mu
 int g_fault_kernel_in = -1;  // guarded by g_inject_mu
 KernelObserver g_observer;   // guarded by g_inject_mu
@@ -65,40 +64,39 @@ cudaError_t Sticky() { return static_cast<cudaError_t>(g_sticky.load()); }
 
 class Stream {
  public:
-  explicit Stream(unsigned flags) : flags_(flags) {
+  explicit Stream(unsigned /*flags*/) {
     worker_ = std::thread([this] { Run(); });
   }
   ~Stream() { Stop(); }
 
   void Enqueue(std::function<void()> f) {
-    std::lock_guard<std::mutex> lock(mu_);
+    absl::MutexLock lock(&mu_);
     q_.push_back(std::move(f));
     ++enqueued_;
-    cv_.notify_all();
   }
   uint64_t Mark() {
-    std::lock_guard<std::mutex> lock(mu_);
+    absl::MutexLock lock(&mu_);
     return enqueued_;
   }
   bool Reached(uint64_t target) {
-    std::lock_guard<std::mutex> lock(mu_);
+    absl::MutexLock lock(&mu_);
     return completed_ >= target;
   }
   void WaitFor(uint64_t target) {
-    std::unique_lock<std::mutex> lock(mu_);
-    cv_.wait(lock, [&] { return completed_ >= target; });
+    absl::MutexLock lock(&mu_);
+    auto reached = [&] { return completed_ >= target; };
+    mu_.Await(absl::Condition(&reached));
   }
   void Drain() { WaitFor(Mark()); }
   uint64_t Pending() {
-    std::lock_guard<std::mutex> lock(mu_);
+    absl::MutexLock lock(&mu_);
     return enqueued_ - completed_;
   }
   void Stop() {
     {
-      std::lock_guard<std::mutex> lock(mu_);
+      absl::MutexLock lock(&mu_);
       if (stop_) return;
       stop_ = true;
-      cv_.notify_all();
     }
     worker_.join();
   }
@@ -110,8 +108,9 @@ class Stream {
     while (true) {
       std::function<void()> f;
       {
-        std::unique_lock<std::mutex> lock(mu_);
-        cv_.wait(lock, [&] { return !q_.empty() || stop_; });
+        absl::MutexLock lock(&mu_);
+        auto ready = [&] { return !q_.empty() || stop_; };
+        mu_.Await(absl::Condition(&ready));
         if (q_.empty()) return;
         f = std::move(q_.front());
         q_.pop_front();
@@ -124,16 +123,13 @@ class Stream {
       if (Sticky() == cudaSuccess) f();  // a faulted context runs nothing
       g_executed.fetch_add(1);
       {
-        std::lock_guard<std::mutex> lock(mu_);
+        absl::MutexLock lock(&mu_);
         ++completed_;
-        cv_.notify_all();
       }
     }
   }
 
-  const unsigned flags_;
-  std::mutex mu_;
-  std::condition_variable cv_;
+  absl::Mutex mu_;
   std::deque<std::function<void()>> q_;
   uint64_t enqueued_ = 0;
   uint64_t completed_ = 0;
@@ -142,7 +138,7 @@ class Stream {
 };
 
 struct Event {
-  std::mutex mu;
+  absl::Mutex mu;
   Stream* stream = nullptr;  // null: never recorded
   uint64_t target = 0;
 };
@@ -155,7 +151,7 @@ struct Range {
 };
 
 struct Registry {
-  std::mutex mu;
+  absl::Mutex mu;
   std::map<uintptr_t, Range> ranges;
   std::vector<std::unique_ptr<Stream>> streams;  // never freed before exit
   std::unique_ptr<Stream> legacy;
@@ -166,7 +162,7 @@ struct Registry {
   }
 
   Stream* Default() {
-    std::lock_guard<std::mutex> lock(mu);
+    absl::MutexLock lock(&mu);
     if (!legacy) legacy = std::make_unique<Stream>(0);
     return legacy.get();
   }
@@ -211,7 +207,7 @@ cudaError_t EnqueueKernel(cudaStream_t stream, std::function<void()> work,
                           const void* params, size_t params_size) {
   if (Sticky() != cudaSuccess) return Fail(Sticky());
   {
-    std::lock_guard<std::mutex> lock(g_inject_mu);
+    absl::MutexLock lock(&g_inject_mu);
     if (g_fail_launch_in >= 0 && g_fail_launch_in-- == 0) {
       return Fail(cudaErrorLaunchOutOfResources);
     }
@@ -223,7 +219,7 @@ cudaError_t EnqueueKernel(cudaStream_t stream, std::function<void()> work,
   ToStream(stream)->Enqueue([work = std::move(work), copy] {
     KernelObserver observer;
     {
-      std::lock_guard<std::mutex> lock(g_inject_mu);
+      absl::MutexLock lock(&g_inject_mu);
       if (g_fault_kernel_in >= 0 && g_fault_kernel_in-- == 0) {
         g_sticky.store(cudaErrorIllegalAddress);
         return;
@@ -244,16 +240,16 @@ uint64_t KernelLaunches() { return g_launches.load(); }
 uint64_t NotReadyQueries() { return g_not_ready.load(); }
 void SetMaxDelayUs(int us) { g_max_delay_us.store(us); }
 void FailLaunchAfter(int n) {
-  std::lock_guard<std::mutex> lock(g_inject_mu);
+  absl::MutexLock lock(&g_inject_mu);
   g_fail_launch_in = n;
 }
 void FaultKernelAfter(int n) {
-  std::lock_guard<std::mutex> lock(g_inject_mu);
+  absl::MutexLock lock(&g_inject_mu);
   g_fault_kernel_in = n;
 }
 void ClearStickyError() { g_sticky.store(cudaSuccess); }
 void SetKernelObserver(KernelObserver observer) {
-  std::lock_guard<std::mutex> lock(g_inject_mu);
+  absl::MutexLock lock(&g_inject_mu);
   g_observer = std::move(observer);
 }
 
@@ -339,7 +335,7 @@ cudaError_t cudaDeviceGetAttribute(int* value, cudaDeviceAttr attr,
 cudaError_t cudaPointerGetAttributes(cudaPointerAttributes* attr,
                                      const void* ptr) {
   Registry& r = Reg();
-  std::lock_guard<std::mutex> lock(r.mu);
+  absl::MutexLock lock(&r.mu);
   const Range* range = r.Find(ptr, nullptr);
   std::memset(attr, 0, sizeof(*attr));
   if (range == nullptr) {
@@ -368,7 +364,7 @@ static cudaError_t Allocate(void** p, size_t size, Kind kind) {
   void* m = std::aligned_alloc(align, (size + align - 1) / align * align);
   if (m == nullptr) return Fail(cudaErrorMemoryAllocation);
   Registry& r = Reg();
-  std::lock_guard<std::mutex> lock(r.mu);
+  absl::MutexLock lock(&r.mu);
   r.ranges[reinterpret_cast<uintptr_t>(m)] = Range{size, kind, tl_device};
   *p = m;
   return cudaSuccess;
@@ -378,7 +374,7 @@ static cudaError_t Free(void* p, Kind kind) {
   if (p == nullptr) return cudaSuccess;
   Registry& r = Reg();
   {
-    std::lock_guard<std::mutex> lock(r.mu);
+    absl::MutexLock lock(&r.mu);
     auto it = r.ranges.find(reinterpret_cast<uintptr_t>(p));
     if (it == r.ranges.end() || it->second.kind != kind) {
       return Fail(cudaErrorInvalidValue);
@@ -401,7 +397,7 @@ cudaError_t cudaFree(void* p) { return Free(p, Kind::kDevice); }
 cudaError_t cudaHostRegister(void* p, size_t size, unsigned int) {
   if (p == nullptr || size == 0) return Fail(cudaErrorInvalidValue);
   Registry& r = Reg();
-  std::lock_guard<std::mutex> lock(r.mu);
+  absl::MutexLock lock(&r.mu);
   const auto a = reinterpret_cast<uintptr_t>(p);
   if (r.Overlaps(a, size)) return Fail(cudaErrorHostMemoryAlreadyRegistered);
   r.ranges[a] = Range{size, Kind::kRegistered, tl_device};
@@ -410,7 +406,7 @@ cudaError_t cudaHostRegister(void* p, size_t size, unsigned int) {
 
 cudaError_t cudaHostUnregister(void* p) {
   Registry& r = Reg();
-  std::lock_guard<std::mutex> lock(r.mu);
+  absl::MutexLock lock(&r.mu);
   auto it = r.ranges.find(reinterpret_cast<uintptr_t>(p));
   if (it == r.ranges.end() || it->second.kind != Kind::kRegistered) {
     return Fail(cudaErrorHostMemoryNotRegistered);
@@ -422,7 +418,7 @@ cudaError_t cudaHostUnregister(void* p) {
 cudaError_t cudaStreamCreateWithFlags(cudaStream_t* s, unsigned int flags) {
   auto stream = std::make_unique<Stream>(flags);
   Registry& r = Reg();
-  std::lock_guard<std::mutex> lock(r.mu);
+  absl::MutexLock lock(&r.mu);
   *s = reinterpret_cast<cudaStream_t>(stream.get());
   r.streams.push_back(std::move(stream));
   return cudaSuccess;
@@ -456,7 +452,7 @@ cudaError_t cudaDeviceSynchronize(void) {
   Registry& r = Reg();
   std::vector<Stream*> all;
   {
-    std::lock_guard<std::mutex> lock(r.mu);
+    absl::MutexLock lock(&r.mu);
     for (auto& s : r.streams) all.push_back(s.get());
   }
   r.Default()->Drain();
@@ -516,7 +512,7 @@ cudaError_t cudaEventRecord(cudaEvent_t event, cudaStream_t s) {
   if (Sticky() != cudaSuccess) return Fail(Sticky());
   Event* e = reinterpret_cast<Event*>(event);
   Stream* stream = ToStream(s);
-  std::lock_guard<std::mutex> lock(e->mu);
+  absl::MutexLock lock(&e->mu);
   e->stream = stream;
   e->target = stream->Mark();
   return cudaSuccess;
@@ -526,7 +522,7 @@ cudaError_t cudaEventQuery(cudaEvent_t event) {
   if (event == nullptr) return Fail(cudaErrorInvalidResourceHandle);
   if (Sticky() != cudaSuccess) return Fail(Sticky());
   Event* e = reinterpret_cast<Event*>(event);
-  std::lock_guard<std::mutex> lock(e->mu);
+  absl::MutexLock lock(&e->mu);
   if (e->stream == nullptr || e->stream->Reached(e->target)) return cudaSuccess;
   g_not_ready.fetch_add(1);
   // Whether the real runtime records cudaErrorNotReady as the last error is
@@ -542,7 +538,7 @@ cudaError_t cudaEventSynchronize(cudaEvent_t event) {
   Stream* stream;
   uint64_t target;
   {
-    std::lock_guard<std::mutex> lock(e->mu);
+    absl::MutexLock lock(&e->mu);
     stream = e->stream;
     target = e->target;
   }
