@@ -2302,6 +2302,52 @@ TEST_F(TieredStoreNvmeTest, NamespacesMadeOneAfterAnotherScanNvmeAtMostOnceASeco
   EXPECT_EQ(found->entries[0].checksum, BlockChecksum(Block(3)));
 }
 
+// Puts into new namespaces at once, in a full table: the one that finds a
+// pass over the NVMe index running waits for it and takes the room it made,
+// rather than being refused. (It was refused RESOURCE_EXHAUSTED once the
+// passes were spaced out: the first caller's pass had just started.) The
+// index holds many blocks so that a pass takes long enough to be met.
+TEST_F(TieredStoreNvmeTest, PutsIntoNewNamespacesDuringAPassWaitForItsRoom) {
+  max_namespaces_ = 6;
+  Open();
+  const std::string small(1024, 's');
+  for (int i = 0; i < 20000; ++i) Put("k" + std::to_string(i), small);
+  ASSERT_OK(store_->PersistDram());  // "ns": 20000 blocks, on NVMe only
+  int refused = 0;
+  for (int round = 0; round < 5; ++round) {
+    // Five empty namespaces fill the table (the last round's four are
+    // reclaimed on the way).
+    clock_.Advance(absl::Seconds(2));
+    std::vector<std::string> empty;
+    for (int i = 0; i < 5; ++i) {
+      empty.push_back(absl::StrCat("e", round, "_", i));
+      Put("x", Block(i), "", empty.back());
+      ASSERT_OK(store_->Evict(empty.back(), {}, true));
+    }
+    clock_.Advance(absl::Seconds(2));  // a pass may start
+    std::atomic<int> ready{0};
+    std::vector<std::thread> puts;
+    for (int t = 0; t < 4; ++t) {
+      puts.emplace_back([&, t] {
+        const std::string ns = absl::StrCat("n", round, "_", t);
+        PutSpec spec{"y", "", 4096};
+        ready++;
+        while (ready.load() < 4) {
+        }
+        auto r = store_->BeginPut(sid_, ns, {&spec, 1});
+        if (!r.ok()) {
+          EXPECT_TRUE(absl::IsResourceExhausted(r.status())) << r.status();
+          refused++;
+          return;
+        }
+        EXPECT_OK(store_->AbortPut(sid_, r->id));
+      });
+    }
+    for (std::thread& t : puts) t.join();  // their namespaces stay, empty
+  }
+  EXPECT_EQ(refused, 0) << "puts refused a namespace while a pass made room";
+}
+
 // Demotion keeps a block's parent key, which the NVMe tier's prefix-aware
 // eviction and later promotions rely on.
 TEST_F(TieredStoreNvmeTest, DemotedBlocksKeepTheirParentKeys) {
