@@ -29,6 +29,7 @@ namespace {
 using gpu_testing::FilledBuffer;
 using gpu_testing::kAllDtypes;
 using gpu_testing::kAllLayouts;
+using gpu_testing::SameBytes;
 using gpu_testing::TestCache;
 using ::kvdepot::testing::StatusIs;
 using ::testing::HasSubstr;
@@ -49,20 +50,6 @@ absl::Status ScatterSync(const KvLayout& layout, const KvCacheView& cache,
   return SynchronizeStream(StreamRef{});
 }
 
-// Equal byte strings, or where they first differ.
-::testing::AssertionResult SameBytes(absl::string_view got,
-                                     absl::string_view want) {
-  if (got.size() != want.size()) {
-    return ::testing::AssertionFailure()
-           << "size " << got.size() << ", expected " << want.size();
-  }
-  auto [g, w] = std::mismatch(got.begin(), got.end(), want.begin());
-  if (g == got.end()) return ::testing::AssertionSuccess();
-  return ::testing::AssertionFailure()
-         << "first difference at byte " << (g - got.begin()) << " of "
-         << got.size() << ": " << int{static_cast<uint8_t>(*g)} << " vs "
-         << int{static_cast<uint8_t>(*w)};
-}
 
 bool AllBytesAre(absl::string_view s, char c) {
   return std::all_of(s.begin(), s.end(), [c](char x) { return x == c; });

@@ -9,6 +9,8 @@
 #ifndef KVDEPOT_GPU_INTERNAL_TEST_CACHE_H_
 #define KVDEPOT_GPU_INTERNAL_TEST_CACHE_H_
 
+#include <gtest/gtest.h>
+
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
@@ -18,6 +20,7 @@
 #include <utility>
 #include <vector>
 
+#include "absl/strings/string_view.h"
 #include "gpu/device_memory.h"
 #include "gpu/gather.h"
 #include "gpu/kv_layout.h"
@@ -161,6 +164,21 @@ inline HostBuffer FilledBuffer(size_t bytes, char fill) {
   HostBuffer b = AllocateHostBuffer(bytes).value();
   if (bytes > 0) std::memset(b.data(), fill, bytes);
   return b;
+}
+
+// Equal byte strings, or where they first differ.
+inline ::testing::AssertionResult SameBytes(absl::string_view got,
+                                     absl::string_view want) {
+  if (got.size() != want.size()) {
+    return ::testing::AssertionFailure()
+           << "size " << got.size() << ", expected " << want.size();
+  }
+  auto [g, w] = std::mismatch(got.begin(), got.end(), want.begin());
+  if (g == got.end()) return ::testing::AssertionSuccess();
+  return ::testing::AssertionFailure()
+         << "first difference at byte " << (g - got.begin()) << " of "
+         << got.size() << ": " << int{static_cast<uint8_t>(*g)} << " vs "
+         << int{static_cast<uint8_t>(*w)};
 }
 
 }  // namespace kvdepot::gpu_testing

@@ -28,6 +28,7 @@
 namespace kvdepot {
 namespace {
 
+using gpu_testing::SameBytes;
 using gpu_testing::TestCache;
 using ::kvdepot::testing::StatusIs;
 
@@ -63,18 +64,21 @@ class ChunkLog {
   std::set<const char*> chunks_;
 };
 
-// Equal bytes, or where they first differ (without printing them all).
-::testing::AssertionResult SameBytes(const std::string& got,
-                                     const std::string& want) {
-  if (got.size() != want.size()) {
-    return ::testing::AssertionFailure()
-           << "size " << got.size() << ", expected " << want.size();
+// After a failure, the pipeline still saves `ids` out of `cache` intact.
+void ExpectSavesIntact(StagingPipeline& pipeline, const TestCache& cache,
+                       const std::vector<int64_t>& ids) {
+  std::vector<std::string> saved(ids.size());
+  ASSERT_OK(pipeline
+                .StartSave(cache.view(), ids,
+                           [&](size_t i, uint64_t, absl::Span<const char> b) {
+                             saved[i].append(b.data(), b.size());
+                             return absl::OkStatus();
+                           })
+                .value()
+                ->Wait());
+  for (size_t i = 0; i < ids.size(); ++i) {
+    EXPECT_TRUE(SameBytes(saved[i], cache.ExpectedObject(ids[i])));
   }
-  auto [g, w] = std::mismatch(got.begin(), got.end(), want.begin());
-  if (g == got.end()) return ::testing::AssertionSuccess();
-  return ::testing::AssertionFailure()
-         << "first difference at byte " << (g - got.begin()) << " of "
-         << got.size();
 }
 
 class OwnStream {
@@ -275,18 +279,7 @@ TEST_P(FailureStress, AFailingSinkLeavesNothingRunning) {
         << "device work pending after Wait() (round " << round << ")";
     EXPECT_FALSE(called_after_failure.load());
   }
-  std::vector<std::string> saved(ids.size());
-  ASSERT_OK(pipeline
-                ->StartSave(cache.view(), ids,
-                            [&](size_t i, uint64_t, absl::Span<const char> b) {
-                              saved[i].append(b.data(), b.size());
-                              return absl::OkStatus();
-                            })
-                .value()
-                ->Wait());
-  for (size_t i = 0; i < ids.size(); ++i) {
-    EXPECT_TRUE(SameBytes(saved[i], cache.ExpectedObject(ids[i])));
-  }
+  ExpectSavesIntact(*pipeline, cache, ids);
 }
 
 // A source failing at a random piece: the load ends with its error; the
@@ -392,18 +385,7 @@ TEST_P(FailureStress, AFailedLaunchEndsTheTransferCleanly) {
     EXPECT_EQ(fake_cuda::PendingWork(stream.native()), 0u);
     fake_cuda::FailLaunchAfter(-1);
   }
-  std::vector<std::string> saved(ids.size());
-  ASSERT_OK(pipeline
-                ->StartSave(cache.view(), ids,
-                            [&](size_t i, uint64_t, absl::Span<const char> b) {
-                              saved[i].append(b.data(), b.size());
-                              return absl::OkStatus();
-                            })
-                .value()
-                ->Wait());
-  for (size_t i = 0; i < ids.size(); ++i) {
-    EXPECT_TRUE(SameBytes(saved[i], cache.ExpectedObject(ids[i])));
-  }
+  ExpectSavesIntact(*pipeline, cache, ids);
 }
 
 // A kernel that faults asynchronously (sticky error): the transfer ends
