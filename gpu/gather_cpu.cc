@@ -3,7 +3,6 @@
 #include <cstring>
 #include <type_traits>
 
-#include "absl/strings/str_cat.h"
 #include "gpu/gather.h"
 #include "gpu/internal/checked_copy.h"
 #include "gpu/internal/transfer_plan.h"
@@ -66,12 +65,7 @@ absl::StatusOr<CacheGeometry> CheckCache(const KvLayout& layout,
 absl::Status CheckObjectBuffers(absl::Span<const void* const> objects,
                                 uint64_t /*bytes*/, int device) {
   RETURN_IF_ERROR(SetCurrentDevice(device));
-  for (size_t i = 0; i < objects.size(); ++i) {
-    if (objects[i] == nullptr) {
-      return absl::InvalidArgumentError(
-          absl::StrCat("object buffer ", i, " is null"));
-    }
-  }
+  RETURN_IF_ERROR(ValidateObjectBuffers(objects));
   return absl::OkStatus();
 }
 

@@ -165,12 +165,7 @@ absl::StatusOr<CacheGeometry> CheckCache(const KvLayout& layout,
 
 absl::Status CheckObjectBuffers(absl::Span<const void* const> objects,
                                 uint64_t bytes, int device) {
-  for (size_t i = 0; i < objects.size(); ++i) {
-    if (objects[i] == nullptr) {
-      return absl::InvalidArgumentError(
-          absl::StrCat("object buffer ", i, " is null"));
-    }
-  }
+  RETURN_IF_ERROR(ValidateObjectBuffers(objects));
   ASSIGN_OR_RETURN(const bool pageable, PageableAccess(device));
   return CheckObjects(objects, bytes, device, pageable);
 }

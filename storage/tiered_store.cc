@@ -1947,6 +1947,7 @@ class TieredStoreImpl final : public TieredStore {
     std::vector<NamespaceCandidate> candidates;
     {
       absl::MutexLock lock(&ns_mu_);
+      if (RoomForANamespaceLocked().ok()) return;  // no wait while there is room
       auto idle = [this]() ABSL_SHARED_LOCKS_REQUIRED(ns_mu_) {
         return !namespace_scan_running_;
       };

@@ -109,6 +109,16 @@ absl::Status ValidateBlockIds(absl::Span<const int64_t> block_ids,
   return absl::OkStatus();
 }
 
+absl::Status ValidateObjectBuffers(absl::Span<const void* const> buffers) {
+  for (size_t i = 0; i < buffers.size(); ++i) {
+    if (buffers[i] == nullptr) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("object buffer ", i, " is null"));
+    }
+  }
+  return absl::OkStatus();
+}
+
 absl::StatusOr<CacheGeometry> PlanTransfer(
     const KvLayout& layout, const KvCacheView& cache,
     absl::Span<const int64_t> block_ids, LayerRange layers,
@@ -120,12 +130,7 @@ absl::StatusOr<CacheGeometry> PlanTransfer(
         absl::StrCat(block_ids.size(), " block ids but ", buffers.size(),
                      " object buffers; there must be one per block"));
   }
-  for (size_t i = 0; i < buffers.size(); ++i) {
-    if (buffers[i] == nullptr) {
-      return absl::InvalidArgumentError(
-          absl::StrCat("object buffer ", i, " is null"));
-    }
-  }
+  RETURN_IF_ERROR(ValidateObjectBuffers(buffers));
   RETURN_IF_ERROR(ValidateBlockIds(block_ids, cache.num_blocks, allow_repeats));
   return g;
 }

@@ -47,6 +47,9 @@ absl::Status ValidateBlockIds(absl::Span<const int64_t> block_ids,
                               int64_t num_blocks, bool allow_repeats);
 
 
+// Checks that no object buffer is null.
+absl::Status ValidateObjectBuffers(absl::Span<const void* const> buffers);
+
 // Everything Gather and Scatter check before touching memory (see gather.h);
 // returns the cache's geometry. `buffers` are the objects (dst or src).
 absl::StatusOr<CacheGeometry> PlanTransfer(
