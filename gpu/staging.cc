@@ -360,18 +360,19 @@ void StagingPipeline::RunDeviceStage(Transfer& t) {
       if (!t.status.ok()) break;
       launch = may_launch();
     }
-    // Hand over what has finished first, without waiting, so that the
-    // transport is never kept waiting by launches.
-    bool wait = !launch;
-    if (launched > finished) {
+    // Nothing to launch: wait for the oldest piece in flight (there is
+    // one). Else hand over the oldest first if it has finished, without
+    // waiting, so that the transport is never kept waiting by launches.
+    bool finish = !launch;
+    if (launch && launched > finished) {
       absl::StatusOr<bool> done = events_[finished % ring].IsComplete();
       if (!done.ok()) {
         error = done.status();
         break;
       }
-      if (*done) wait = true;  // it is: "waiting" for it returns at once
+      finish = *done;  // then Synchronize returns at once
     }
-    if (wait) {
+    if (finish) {
       error = events_[finished % ring].Synchronize();
       if (!error.ok()) break;
       FinishDevicePiece(t, finished++);
