@@ -90,6 +90,31 @@ class CudaStream {
   cudaStream_t s_ = nullptr;
 };
 
+// A paged cache in device memory, as an engine has it: one buffer per
+// tensor of `layout`, `blocks` blocks each, copied from `host` (of the same
+// shape) when given, else zeroed.
+struct DeviceCache {
+  std::vector<std::unique_ptr<DeviceBuffer>> tensors;
+  KvCacheView view;
+};
+void MakeDeviceCache(const KvLayout& layout, int64_t blocks,
+                     const TestCache* host, DeviceCache* out) {
+  const uint64_t bytes = layout.TensorBytes(blocks).value();
+  out->view.num_blocks = blocks;
+  for (int i = 0; i < layout.num_tensors(); ++i) {
+    out->tensors.push_back(std::make_unique<DeviceBuffer>(bytes));
+    char* tensor = out->tensors.back()->data();
+    ASSERT_NE(tensor, nullptr);
+    if (host != nullptr) {
+      ASSERT_CUDA(
+          cudaMemcpy(tensor, host->tensor(i), bytes, cudaMemcpyHostToDevice));
+    } else {
+      ASSERT_CUDA(cudaMemset(tensor, 0, bytes));
+    }
+    out->view.tensors.push_back(tensor);
+  }
+}
+
 TEST(GatherCudaTest, LinksTheCudaImplementation) {
   EXPECT_EQ(GpuBackendName(), "cuda");
 }
@@ -423,15 +448,9 @@ TEST(GatherCudaTest, StagingSavesFromDeviceMemoryOnItsOwnStream) {
   TestCache host(layout, 4);
   std::mt19937_64 rng(9);
   host.FillRandom(rng);
-  std::vector<std::unique_ptr<DeviceBuffer>> tensors;
-  KvCacheView view;
-  view.num_blocks = 4;
-  for (int i = 0; i < host.num_tensors(); ++i) {
-    tensors.push_back(std::make_unique<DeviceBuffer>(host.tensor_bytes()));
-    ASSERT_CUDA(cudaMemcpy(tensors.back()->data(), host.tensor(i),
-                           host.tensor_bytes(), cudaMemcpyHostToDevice));
-    view.tensors.push_back(tensors.back()->data());
-  }
+  DeviceCache cache;
+  ASSERT_NO_FATAL_FAILURE(MakeDeviceCache(layout, 4, &host, &cache));
+  const KvCacheView& view = cache.view;
   CudaStream stream;
   StagingOptions options;
   options.layers_per_piece = 1;
@@ -465,15 +484,9 @@ TEST(GatherCudaTest, StagingLoadsIntoDeviceMemoryLayerByLayer) {
   TestCache src(layout, kBlocks);
   std::mt19937_64 rng(11);
   src.FillRandom(rng);
-  std::vector<std::unique_ptr<DeviceBuffer>> tensors;
-  KvCacheView view;
-  view.num_blocks = kBlocks;
-  for (int i = 0; i < src.num_tensors(); ++i) {
-    tensors.push_back(std::make_unique<DeviceBuffer>(src.tensor_bytes()));
-    ASSERT_NE(tensors.back()->data(), nullptr);
-    ASSERT_CUDA(cudaMemset(tensors.back()->data(), 0, src.tensor_bytes()));
-    view.tensors.push_back(tensors.back()->data());
-  }
+  DeviceCache cache;
+  ASSERT_NO_FATAL_FAILURE(MakeDeviceCache(layout, kBlocks, nullptr, &cache));
+  const KvCacheView& view = cache.view;
   CudaStream stream;
   StagingOptions options;
   options.num_buffers = 2;
@@ -495,9 +508,10 @@ TEST(GatherCudaTest, StagingLoadsIntoDeviceMemoryLayerByLayer) {
   std::string layer(src.tensor_bytes(), '\0');
   for (int l = 0; l < layout.num_layers(); ++l) {
     ASSERT_OK(transfer->WaitForLayer(l));
-    ASSERT_CUDA(cudaMemcpyAsync(
-        layer.data(), tensors[l]->data(), layer.size(), cudaMemcpyDeviceToHost,
-        static_cast<cudaStream_t>(reader.ref().native)));
+    ASSERT_CUDA(
+        cudaMemcpyAsync(layer.data(), cache.tensors[l]->data(), layer.size(),
+                        cudaMemcpyDeviceToHost,
+                        static_cast<cudaStream_t>(reader.ref().native)));
     ASSERT_CUDA(
         cudaStreamSynchronize(static_cast<cudaStream_t>(reader.ref().native)));
     EXPECT_EQ(std::memcmp(layer.data(), src.tensor(l), layer.size()), 0)
@@ -522,16 +536,9 @@ TEST(GatherCudaTest, AFailedStagingSaveLeavesNoWorkOnItsStream) {
       KvLayout::Mla(KvCacheLayout::kMla, 4, 16384, 384, KvDtype::kFloat32)
           .value();
   constexpr int kBlocks = 6;
-  std::vector<std::unique_ptr<DeviceBuffer>> tensors;
-  KvCacheView view;
-  view.num_blocks = kBlocks;
-  const uint64_t tensor_bytes = layout.TensorBytes(kBlocks).value();
-  for (int i = 0; i < layout.num_tensors(); ++i) {
-    tensors.push_back(std::make_unique<DeviceBuffer>(tensor_bytes));
-    ASSERT_NE(tensors.back()->data(), nullptr);
-    ASSERT_CUDA(cudaMemset(tensors.back()->data(), i + 1, tensor_bytes));
-    view.tensors.push_back(tensors.back()->data());
-  }
+  DeviceCache cache;
+  ASSERT_NO_FATAL_FAILURE(MakeDeviceCache(layout, kBlocks, nullptr, &cache));
+  const KvCacheView& view = cache.view;
   CudaStream stream;
   StagingOptions options;
   options.num_buffers = 4;
