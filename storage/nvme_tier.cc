@@ -9,8 +9,8 @@
 #include <utility>
 
 #include "absl/base/thread_annotations.h"
-#include "absl/container/flat_hash_set.h"
 #include "absl/container/flat_hash_map.h"
+#include "absl/container/flat_hash_set.h"
 #include "absl/container/node_hash_map.h"
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/mutex.h"
@@ -26,6 +26,7 @@
 #include "storage/checksum.h"
 #include "storage/internal/sync_point.h"
 #include "storage/rocksdb_crc32c.h"
+#include "storage/rocksdb_info_log.h"
 #include "storage/rocksdb_status.h"
 #include "storage/status_macros.h"
 
@@ -532,8 +533,13 @@ absl::Status NvmeTierImpl::Init() {
   db_options.max_background_compactions =
       std::max(1, options_.max_background_jobs - db_options.max_background_flushes);
   db_options.listeners.push_back(listener_);
-  db_options.keep_log_file_num = 4;
-  db_options.max_log_file_size = 16 << 20;
+  // RocksDB's own logger aborts the process once a LOG write has failed (a
+  // full disk): see rocksdb_info_log.h.
+  RETURN_IF_ERROR(FromRocksStatus(
+      env->CreateDirIfMissing(options_.path),
+      absl::StrCat("NVMe tier: cannot create directory ", options_.path)));
+  db_options.info_log =
+      std::make_shared<RocksInfoLog>(options_.path + "/LOG", size_t{16} << 20);
   db_options.use_direct_reads = options_.direct_reads;
   db_options.use_direct_io_for_flush_and_compaction = options_.direct_writes;
   if (options_.direct_writes) db_options.writable_file_max_buffer_size = 8 << 20;

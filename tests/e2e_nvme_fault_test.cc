@@ -1,9 +1,9 @@
 // Faults against a real kvdepotd with its NVMe tier: a byte flipped on disk
 // under a stopped daemon, and kill -9 in the middle of heavy puts. In every
 // case a block is served with exactly its bytes or not at all.
-#include <signal.h>
-
+#include <gmock/gmock.h>
 #include <gtest/gtest.h>
+#include <signal.h>
 
 #include <algorithm>
 #include <atomic>
@@ -45,26 +45,27 @@ std::string BytesOf(int i, size_t size) {
 const std::vector<std::string> kArgs = {"--dram-capacity", "8MiB", "--nvme-capacity",
                                         "256MiB"};
 
-TEST(NvmeFaultTest, ByteFlippedInABlobFileIsAMissNeverWrongBytes) {
+// Puts `n` blocks of 200,000 bytes (BytesOf(i)) as flip-<i>, stops the
+// daemon (which persists them to NVMe), then flips one byte in the middle
+// of the largest blob file. Returns the data dir.
+std::string StoreAndFlipAByte(int n, std::vector<std::string>* keys) {
   auto d = DaemonProcess::Start(kArgs);
-  ASSERT_OK(d);
+  EXPECT_OK(d);
+  if (!d.ok()) return "";
   const std::string data_dir = (*d)->data_dir();
-  constexpr int kN = 16;
-  std::vector<std::string> keys;
   {
     auto client = Connect((*d)->address());
-    for (int i = 0; i < kN; ++i) {
-      keys.push_back("flip-" + std::to_string(i));
+    for (int i = 0; i < n; ++i) {
+      keys->push_back("flip-" + std::to_string(i));
       std::string bytes = BytesOf(i, 200000);
-      BlockToPut b{keys.back(), "", bytes};
-      ASSERT_OK(client->Put("ns", {&b, 1}));
+      BlockToPut b{keys->back(), "", bytes};
+      EXPECT_OK(client->Put("ns", {&b, 1}));
     }
   }
   auto rc = (*d)->Stop(SIGTERM);  // persists DRAM to NVMe
-  ASSERT_OK(rc);
-  ASSERT_EQ(*rc, 0);
+  EXPECT_OK(rc);
+  EXPECT_EQ(rc.value_or(-1), 0);
 
-  // Flip one byte in the middle of the largest blob file.
   std::string blob;
   uintmax_t blob_size = 0;
   for (const auto& f : std::filesystem::recursive_directory_iterator(data_dir + "/nvme")) {
@@ -73,16 +74,23 @@ TEST(NvmeFaultTest, ByteFlippedInABlobFileIsAMissNeverWrongBytes) {
       blob_size = f.file_size();
     }
   }
-  ASSERT_FALSE(blob.empty()) << "no blob file under " << data_dir;
-  {
-    std::fstream io(blob, std::ios::in | std::ios::out | std::ios::binary);
-    io.seekg(static_cast<std::streamoff>(blob_size / 2));
-    char c = 0;
-    io.read(&c, 1);
-    io.seekp(static_cast<std::streamoff>(blob_size / 2));
-    c = static_cast<char>(c ^ 0x5a);
-    io.write(&c, 1);
-  }
+  EXPECT_FALSE(blob.empty()) << "no blob file under " << data_dir;
+  std::fstream io(blob, std::ios::in | std::ios::out | std::ios::binary);
+  io.seekg(static_cast<std::streamoff>(blob_size / 2));
+  char c = 0;
+  io.read(&c, 1);
+  io.seekp(static_cast<std::streamoff>(blob_size / 2));
+  c = static_cast<char>(c ^ 0x5a);
+  io.write(&c, 1);
+  EXPECT_TRUE(io.good()) << blob;
+  return data_dir;
+}
+
+TEST(NvmeFaultTest, ByteFlippedInABlobFileIsAMissNeverWrongBytes) {
+  constexpr int kN = 16;
+  std::vector<std::string> keys;
+  const std::string data_dir = StoreAndFlipAByte(kN, &keys);
+  ASSERT_FALSE(data_dir.empty());
 
   auto again = DaemonProcess::Start(kArgs, data_dir);
   ASSERT_OK(again);
@@ -111,6 +119,24 @@ TEST(NvmeFaultTest, ByteFlippedInABlobFileIsAMissNeverWrongBytes) {
   EXPECT_EQ(verify.exit_code, 0) << verify.err;
   EXPECT_NE(verify.out.find("\"corrupt_dropped\": 0"), std::string::npos) << verify.out;
   EXPECT_EQ(testing::RunCtl((*again)->address(), "compact").exit_code, 0);
+}
+
+// kvdepotctl verify exits 4 when it dropped damaged blocks (a scheduled
+// scrub alerts on it), and 0 once nothing is left to drop.
+TEST(NvmeFaultTest, AScrubThatDropsACorruptBlockExitsFour) {
+  std::vector<std::string> keys;
+  const std::string data_dir = StoreAndFlipAByte(16, &keys);
+  ASSERT_FALSE(data_dir.empty());
+  auto d = DaemonProcess::Start(kArgs, data_dir);
+  ASSERT_OK(d);
+  auto verify = testing::RunCtl((*d)->address(), "--json verify");
+  EXPECT_EQ(verify.exit_code, 4) << verify.out << verify.err;
+  EXPECT_EQ(verify.out.find("\"corrupt_dropped\": 0"), std::string::npos)
+      << verify.out;
+  verify = testing::RunCtl((*d)->address(), "verify");
+  EXPECT_EQ(verify.exit_code, 0) << verify.out << verify.err;
+  EXPECT_NE(verify.out.find("dropped 0 corrupt, 0 missing"), std::string::npos)
+      << verify.out;
 }
 
 TEST(NvmeFaultTest, KillNineDuringHeavyPutsLeavesNoPartialOrCorruptBlock) {
@@ -277,6 +303,102 @@ TEST(NvmeFaultTest, FullDiskSkipsDemotionAndKeepsServingDram) {
     EXPECT_EQ(*rc, 0) << (*d)->Log();
   }
   EXPECT_EQ(acked, 384);
+}
+
+// The filesystem filled by something else while kvdepotd runs (logs, a
+// copy): RocksDB's own LOG writer aborted the process on its first failed
+// line (Debian's librocksdb asserts), while serving, at SIGTERM and at
+// every restart. Now the daemon keeps serving, stops cleanly, and a
+// restart on the still-full disk fails with the reason (exit 1), or, once
+// there is room, serves what was persisted.
+TEST(NvmeFaultTest, AFilesystemFilledByAnotherFileStopsNothingButNvmeWrites) {
+  std::string mnt = testing::MakeTempDir("fullfs");
+  if (testing::RunCommand(
+          absl::StrCat("mount -t tmpfs -o size=40m tmpfs ", mnt))
+          .exit_code != 0) {
+    GTEST_SKIP() << "cannot mount a small tmpfs here (not root?)";
+  }
+  struct Unmount {
+    std::string dir;
+    ~Unmount() { testing::RunCommand("umount -l " + dir); }
+  } unmount{mnt};
+  const std::vector<std::string> args = {"--dram-capacity", "16MiB",
+                                         "--nvme-capacity", "24MiB"};
+  const std::string data_dir = mnt + "/data";
+  auto put = [](Client& client, const std::string& prefix, int n) {
+    int stored = 0;
+    for (int i = 0; i < n; ++i) {
+      std::string key = prefix + std::to_string(i);
+      std::string bytes = BytesOf(i, 256 << 10);
+      BlockToPut b{key, "", bytes};
+      stored += client.Put("ns", {&b, 1}).ok();
+    }
+    return stored;
+  };
+  {
+    // 10 MiB on NVMe (persisted at SIGTERM) before the disk fills.
+    auto d = DaemonProcess::Start(args, data_dir);
+    ASSERT_OK(d);
+    EXPECT_EQ(put(*Connect((*d)->address()), "before-", 40), 40);
+    auto rc = (*d)->Stop(SIGTERM);
+    ASSERT_OK(rc);
+    ASSERT_EQ(*rc, 0) << (*d)->Log();
+  }
+  {
+    auto d = DaemonProcess::Start(args, data_dir);
+    ASSERT_OK(d);
+    auto client = Connect((*d)->address());
+    // Fill what is left of the filesystem.
+    EXPECT_NE(testing::RunCommand(absl::StrCat("dd if=/dev/zero of=", mnt,
+                                               "/filler bs=64k 2>/dev/null"))
+                  .exit_code,
+              0);
+    put(*client, "after-", 200);  // demotions fail; DRAM takes them
+    absl::SleepFor(
+        absl::Seconds(2));  // the NVMe tier's timed flush, its log lines
+    EXPECT_TRUE((*d)->Running()) << (*d)->Log();
+    EXPECT_OK(client->Health());
+    // The newest blocks are served from DRAM, byte for byte.
+    for (int i = 190; i < 200; ++i) {
+      std::string key = "after-" + std::to_string(i);
+      absl::string_view k = key;
+      auto got = client->Get("ns", {&k, 1});
+      ASSERT_OK(got) << key;
+      EXPECT_EQ((*got)[0].bytes, BytesOf(i, 256 << 10));
+    }
+    auto rc = (*d)->Stop(SIGTERM);
+    ASSERT_OK(rc);
+    EXPECT_EQ(*rc, 0) << (*d)->Log();
+  }
+  {
+    // Still full: no abort (134); started, or refused with the reason.
+    auto d = DaemonProcess::Start(args, data_dir);
+    if (d.ok()) {
+      EXPECT_OK(Connect((*d)->address())->Health());
+    } else {
+      EXPECT_THAT(std::string(d.status().message()),
+                  ::testing::AnyOf(::testing::HasSubstr("No space left"),
+                                   ::testing::HasSubstr("no space left")))
+          << d.status();
+      EXPECT_THAT(std::string(d.status().message()),
+                  ::testing::HasSubstr("kvdepotd exited with 1 before"));
+    }
+  }
+  // Room again: what was on NVMe before the disk filled is all served.
+  std::filesystem::remove(mnt + "/filler");
+  auto d = DaemonProcess::Start(args, data_dir);
+  ASSERT_OK(d) << "restart with room";
+  auto client = Connect((*d)->address());
+  int served = 0;
+  for (int i = 0; i < 40; ++i) {
+    std::string key = "before-" + std::to_string(i);
+    absl::string_view k = key;
+    auto got = client->Get("ns", {&k, 1});
+    if (!got.ok()) continue;
+    EXPECT_EQ((*got)[0].bytes, BytesOf(i, 256 << 10)) << key;
+    ++served;
+  }
+  EXPECT_EQ(served, 40);
 }
 
 }  // namespace
