@@ -54,6 +54,7 @@ absl::StatusOr<std::unique_ptr<Daemon>> Daemon::Start(
 
 absl::Status Daemon::Init() {
   ASSIGN_OR_RETURN(data_dir_, DataDir::Open(config_.data_dir));
+  for (const std::string& w : data_dir_->warnings()) log_->warn("{}", w);
 
   registry_ = std::make_shared<prometheus::Registry>();
   metrics_ = std::make_unique<ServerMetrics>(*registry_,
@@ -68,8 +69,9 @@ absl::Status Daemon::Init() {
   }
   RETURN_IF_ERROR(CheckDramFitsMemoryLimit(
       store_options.dram_capacity, store_options.hugepages,
-      transport_internal::CgroupMemoryLeft("/proc/self/cgroup", "/sys/fs/cgroup"),
-      FreeHugetlbBytes()));
+      transport_internal::CgroupMemoryLeft("/proc/self/cgroup",
+                                           "/sys/fs/cgroup"),
+      FreeHugetlbBytes(), transport_internal::MeminfoValue("MemAvailable")));
   ASSIGN_OR_RETURN(store_, NewTieredStore(store_options, SystemClock()));
 
   if (!config_.metrics_listen.empty()) {

@@ -10,6 +10,8 @@
 #include <cstring>
 #include <filesystem>
 #include <string>
+#include <utility>
+#include <vector>
 
 #include "absl/status/status.h"
 #include "absl/strings/numbers.h"
@@ -31,13 +33,36 @@ absl::Status ErrnoStatus(int err, const std::string& what) {
 }  // namespace
 
 absl::StatusOr<std::unique_ptr<DataDir>> DataDir::Open(const std::string& path) {
+  // A directory kvdepotd makes is its own (0700): its blocks are users'
+  // prompts, and the files in it are made under the process's umask.
   std::error_code ec;
-  std::filesystem::create_directories(path, ec);
+  std::filesystem::path dir(path);
+  if (!std::filesystem::exists(dir, ec)) {
+    if (dir.has_parent_path() && dir.has_filename()) {
+      std::filesystem::create_directories(dir.parent_path(), ec);
+      if (ec) {
+        return ErrnoStatus(ec.value(),
+                           absl::StrCat("cannot create data dir ", path));
+      }
+    }
+    if (::mkdir(path.c_str(), 0700) != 0 && errno != EEXIST) {
+      return ErrnoStatus(errno, absl::StrCat("cannot create data dir ", path));
+    }
+  }
+  std::filesystem::create_directories(dir, ec);  // "dir/" and races: exists
   if (ec) {
     return ErrnoStatus(ec.value(), absl::StrCat("cannot create data dir ", path));
   }
+  std::vector<std::string> warnings;
+  struct stat st;
+  if (::stat(path.c_str(), &st) == 0 && (st.st_mode & S_IRWXO) != 0) {
+    warnings.push_back(absl::StrFormat(
+        "data dir %s is open to other users (mode %04o): they can read the "
+        "stored blocks, which come from users' prompts; chmod o-rwx it",
+        path, st.st_mode & 07777));
+  }
   std::string lock_path = path + "/LOCK";
-  int fd = ::open(lock_path.c_str(), O_RDWR | O_CREAT | O_CLOEXEC, 0644);
+  int fd = ::open(lock_path.c_str(), O_RDWR | O_CREAT | O_CLOEXEC, 0600);
   if (fd < 0) {
     return ErrnoStatus(errno, absl::StrCat("cannot open ", lock_path));
   }
@@ -57,10 +82,17 @@ absl::StatusOr<std::unique_ptr<DataDir>> DataDir::Open(const std::string& path) 
   if (::ftruncate(fd, 0) != 0 ||
       ::pwrite(fd, pid.data(), pid.size(), 0) != static_cast<ssize_t>(pid.size())) {
     int err = errno;
-    ::close(fd);
-    return ErrnoStatus(err, absl::StrCat("cannot write ", lock_path));
+    if (err == ENOSPC || err == EDQUOT) {
+      // The lock is the flock, held; the pid only names the holder. A full
+      // filesystem must not keep kvdepotd from starting: DRAM still serves.
+      warnings.push_back(absl::StrCat("cannot write the pid into ", lock_path,
+                                      ": ", std::strerror(err)));
+    } else {
+      ::close(fd);
+      return ErrnoStatus(err, absl::StrCat("cannot write ", lock_path));
+    }
   }
-  return std::unique_ptr<DataDir>(new DataDir(path, fd));
+  return std::unique_ptr<DataDir>(new DataDir(path, fd, std::move(warnings)));
 }
 
 DataDir::~DataDir() { ::close(lock_fd_); }  // releases the flock
@@ -86,23 +118,37 @@ std::string NvmeHeadroomWarning(uint64_t nvme_capacity, uint64_t filesystem_byte
       nvme_capacity / kGiB, filesystem_bytes / kGiB);
 }
 
-absl::Status CheckDramFitsMemoryLimit(uint64_t dram_capacity, HugePageMode hugepages,
+absl::Status CheckDramFitsMemoryLimit(uint64_t dram_capacity,
+                                      HugePageMode hugepages,
                                       std::optional<uint64_t> cgroup_left,
-                                      uint64_t hugetlb_free_bytes) {
-  if (!cgroup_left.has_value() || hugepages == HugePageMode::kOn) return absl::OkStatus();
+                                      uint64_t hugetlb_free_bytes,
+                                      std::optional<uint64_t> mem_available) {
+  if (hugepages == HugePageMode::kOn) return absl::OkStatus();
   if (hugepages == HugePageMode::kAuto && hugetlb_free_bytes >= dram_capacity) {
     return absl::OkStatus();
   }
-  if (dram_capacity + kDramLimitReserve <= *cgroup_left) return absl::OkStatus();
   constexpr double kGiB = 1024.0 * 1024 * 1024;
-  return absl::ResourceExhaustedError(absl::StrFormat(
-      "dram_capacity (%.2f GiB) does not fit this process's memory limit: its "
-      "cgroup (a container's or unit's limit) allows %.2f GiB more, and the DRAM "
-      "tier is mapped and prefaulted at start, with about %.2f GiB for the rest "
-      "of kvdepotd: the kernel would kill it. Lower dram_capacity, or raise the "
-      "limit (kvdepotd needs dram_capacity plus grpc_memory_limit and about 1 "
-      "GiB under load)",
-      dram_capacity / kGiB, *cgroup_left / kGiB, kDramLimitReserve / kGiB));
+  if (cgroup_left.has_value() &&
+      dram_capacity + kDramLimitReserve > *cgroup_left) {
+    return absl::ResourceExhaustedError(absl::StrFormat(
+        "dram_capacity (%.2f GiB) does not fit this process's memory limit: "
+        "its cgroups (a container's or unit's limit, or a slice's above it) allow "
+        "%.2f GiB more, and the DRAM tier is mapped and prefaulted at start, "
+        "with about %.2f GiB for the rest of kvdepotd: the kernel would kill "
+        "it. Lower dram_capacity, or raise the limit (kvdepotd needs "
+        "dram_capacity plus grpc_memory_limit and about 1 GiB under load)",
+        dram_capacity / kGiB, *cgroup_left / kGiB, kDramLimitReserve / kGiB));
+  }
+  if (mem_available.has_value() &&
+      dram_capacity + kDramLimitReserve > *mem_available) {
+    return absl::ResourceExhaustedError(absl::StrFormat(
+        "dram_capacity (%.2f GiB) does not fit this host's available memory "
+        "(MemAvailable %.2f GiB): the DRAM tier is mapped and prefaulted at "
+        "start, with about %.2f GiB for the rest of kvdepotd, and the kernel "
+        "would kill it. Lower dram_capacity or free memory",
+        dram_capacity / kGiB, *mem_available / kGiB, kDramLimitReserve / kGiB));
+  }
+  return absl::OkStatus();
 }
 
 }  // namespace kvdepot

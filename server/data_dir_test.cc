@@ -39,6 +39,31 @@ TEST_F(DataDirTest, OneDaemonPerDirectory) {
   EXPECT_OK(DataDir::Open(dir_ + "/sub"));
 }
 
+// Blocks come from users' prompts: a directory kvdepotd makes is its own,
+// and one open to other users is named in a warning.
+TEST_F(DataDirTest, ADirectoryItMakesIsPrivateAndAnOpenOneIsWarnedAbout) {
+  auto made = DataDir::Open(dir_ + "/a/b");
+  ASSERT_OK(made);
+  EXPECT_EQ(std::filesystem::status(dir_ + "/a/b").permissions(),
+            std::filesystem::perms::owner_all);
+  EXPECT_EQ(
+      std::filesystem::status(dir_ + "/a/b/LOCK").permissions(),
+      std::filesystem::perms::owner_read | std::filesystem::perms::owner_write);
+  EXPECT_TRUE((*made)->warnings().empty());
+  made->reset();
+
+  std::filesystem::create_directories(dir_ + "/open");
+  std::filesystem::permissions(dir_ + "/open", std::filesystem::perms(0755));
+  auto open = DataDir::Open(dir_ + "/open/");
+  ASSERT_OK(open);
+  ASSERT_EQ((*open)->warnings().size(), 1u);
+  EXPECT_THAT((*open)->warnings()[0],
+              HasSubstr("open to other users (mode 0755)"));
+  // The daemon does not change a directory it did not make.
+  EXPECT_EQ(std::filesystem::status(dir_ + "/open").permissions(),
+            std::filesystem::perms(0755));
+}
+
 // The size of the filesystem the directory is on, as statvfs tells it.
 TEST_F(DataDirTest, KnowsItsFilesystemSize) {
   auto d = DataDir::Open(dir_);
@@ -73,7 +98,7 @@ TEST(CheckDramFitsMemoryLimitTest, ATierPastTheCgroupLimitIsRefused) {
   const absl::Status st = CheckDramFitsMemoryLimit(4 * kGiB, Mode::kAuto, 3 * kGiB, 0);
   EXPECT_EQ(st.code(), absl::StatusCode::kResourceExhausted);
   EXPECT_THAT(std::string(st.message()), HasSubstr("dram_capacity (4.00 GiB)"));
-  EXPECT_THAT(std::string(st.message()), HasSubstr("allows 3.00 GiB"));
+  EXPECT_THAT(std::string(st.message()), HasSubstr("allow 3.00 GiB"));
   // Short of the reserve for the rest of the process.
   EXPECT_FALSE(CheckDramFitsMemoryLimit(3 * kGiB, Mode::kOff, 3 * kGiB, 0).ok());
   // Explicit hugepages: on, or auto with enough of them free.
@@ -81,6 +106,33 @@ TEST(CheckDramFitsMemoryLimitTest, ATierPastTheCgroupLimitIsRefused) {
   EXPECT_TRUE(CheckDramFitsMemoryLimit(4 * kGiB, Mode::kAuto, 3 * kGiB, 4 * kGiB).ok());
   EXPECT_FALSE(CheckDramFitsMemoryLimit(4 * kGiB, Mode::kAuto, 3 * kGiB, 2 * kGiB).ok());
   EXPECT_FALSE(CheckDramFitsMemoryLimit(4 * kGiB, Mode::kOff, 3 * kGiB, 4 * kGiB).ok());
+}
+
+// Without a cgroup limit, the host's MemAvailable bounds the tier the same
+// way (prefaulting more brings the OOM killer); hugepages are not counted.
+TEST(CheckDramFitsMemoryLimitTest, ATierPastTheHostsAvailableMemoryIsRefused) {
+  using Mode = HugePageMode;
+  EXPECT_TRUE(
+      CheckDramFitsMemoryLimit(1 * kGiB, Mode::kAuto, std::nullopt, 0, 2 * kGiB)
+          .ok());
+  const absl::Status st =
+      CheckDramFitsMemoryLimit(2 * kGiB, Mode::kOff, std::nullopt, 0, 2 * kGiB);
+  EXPECT_EQ(st.code(), absl::StatusCode::kResourceExhausted);
+  EXPECT_THAT(std::string(st.message()), HasSubstr("MemAvailable 2.00 GiB"));
+  // The tighter of the two speaks.
+  EXPECT_THAT(std::string(CheckDramFitsMemoryLimit(2 * kGiB, Mode::kOff,
+                                                   1 * kGiB, 0, 8 * kGiB)
+                              .message()),
+              HasSubstr("cgroups"));
+  EXPECT_FALSE(
+      CheckDramFitsMemoryLimit(2 * kGiB, Mode::kOff, 8 * kGiB, 0, 1 * kGiB)
+          .ok());
+  EXPECT_TRUE(
+      CheckDramFitsMemoryLimit(4 * kGiB, Mode::kOn, std::nullopt, 0, 1 * kGiB)
+          .ok());
+  EXPECT_TRUE(CheckDramFitsMemoryLimit(4 * kGiB, Mode::kAuto, std::nullopt,
+                                       4 * kGiB, kGiB)
+                  .ok());
 }
 
 }  // namespace

@@ -5,20 +5,24 @@
 //
 // Flags override the YAML file; see README.md for every key. Exit codes: 0
 // after a clean shutdown (SIGTERM/SIGINT), 1 when the daemon cannot start or
-// fails, 2 for a usage or configuration error.
+// fails (or a second SIGINT cut the shutdown short), 2 for a usage or
+// configuration error.
 #include <signal.h>
 #include <spdlog/spdlog.h>
+#include <sys/resource.h>
+#include <unistd.h>
 
 #include <CLI/CLI.hpp>
 #include <cstdio>
 #include <optional>
 #include <string>
 #include <string_view>
+#include <thread>
 #include <vector>
 
 #include "server/config.h"
-#include "server/logging.h"
 #include "server/daemon.h"
+#include "server/logging.h"
 #include "server/version.h"
 #include "storage/process_tuning.h"
 #include "transport/ucx_address_sandbox.h"
@@ -28,6 +32,54 @@ namespace {
 int Fail(int code, const std::string& msg) {
   std::fprintf(stderr, "kvdepotd: %s\n", msg.c_str());
   return code;
+}
+
+// Every client connection, RocksDB file and co-located UCX client (about 10
+// each) is a descriptor; past the limit gRPC stops accepting connections
+// for good. A shell's soft limit (often 1024) is raised to the hard one.
+// Returns the limit in force; logs nothing (the logger does not exist yet).
+rlim_t RaiseOpenFileLimit() {
+  struct rlimit limit;
+  if (getrlimit(RLIMIT_NOFILE, &limit) != 0) return 0;
+  if (limit.rlim_cur < limit.rlim_max) {
+    struct rlimit raised = limit;
+    raised.rlim_cur = limit.rlim_max;
+    if (setrlimit(RLIMIT_NOFILE, &raised) == 0) return raised.rlim_cur;
+  }
+  return limit.rlim_cur;
+}
+
+// Below this, a few hundred clients can run kvdepotd out of descriptors.
+constexpr rlim_t kLowOpenFileLimit = 16384;
+
+// While Shutdown drains and persists (minutes for a large DRAM tier), a
+// second SIGINT (Ctrl-C again) ends the process at once, as SIGKILL would:
+// what is committed to NVMe stays (that is SIGKILL's promise), blocks only
+// in DRAM are lost. A repeated SIGTERM does not: scripts and supervisors
+// resend it while they wait for the exit, and the shutdown must finish; it
+// is answered with a line saying how to stop at once. SIGHUP is ignored.
+// Writes with write(2) (the logger may be gone), detached: it may still
+// wait when main returns.
+void WatchSignalsDuringShutdown(sigset_t signals) {
+  std::thread([signals] {
+    int sig = 0;
+    while (sigwait(&signals, &sig) == 0) {
+      if (sig == SIGINT) {
+        constexpr char kMsg[] =
+            "kvdepotd: second signal during shutdown (SIGINT): exiting now; "
+            "blocks only in DRAM are lost\n";
+        (void)!write(STDERR_FILENO, kMsg, sizeof kMsg - 1);
+        _exit(1);
+      }
+      if (sig == SIGTERM) {
+        constexpr char kMsg[] =
+            "kvdepotd: already shutting down (draining, then persisting DRAM "
+            "to "
+            "NVMe); SIGINT or SIGKILL ends it at once\n";
+        (void)!write(STDERR_FILENO, kMsg, sizeof kMsg - 1);
+      }
+    }
+  }).detach();
 }
 
 }  // namespace
@@ -125,6 +177,16 @@ int main(int argc, char** argv) {
                 std::string(log.status().message()));
   }
   std::shared_ptr<spdlog::logger> logger = log->logger;
+  if (const rlim_t files = RaiseOpenFileLimit();
+      files != 0 && files < kLowOpenFileLimit) {
+    logger->warn(
+        "open files limited to {} (ulimit -n; LimitNOFILE in a unit): each "
+        "client "
+        "connection takes one and each co-located UCX client about 10; past "
+        "the "
+        "limit new connections are refused",
+        static_cast<unsigned long long>(files));
+  }
 
   // Signals are taken synchronously by this thread; block them before any
   // other thread starts so none of those receives them.
@@ -139,7 +201,10 @@ int main(int argc, char** argv) {
   auto daemon = kvdepot::Daemon::Start(config, logger);
   if (!daemon.ok()) {
     logger->error("cannot start: {}", daemon.status().ToString());
-    return 1;
+    // A value only the store or the quotas file checks (a DRAM tier past
+    // its limit, a malformed quota line): a configuration error, which a
+    // restart will not fix.
+    return daemon.status().code() == absl::StatusCode::kInvalidArgument ? 2 : 1;
   }
   int sig = 0;
   // SIGHUP reopens the log file (after logrotate moved it away).
@@ -150,7 +215,9 @@ int main(int argc, char** argv) {
       logger->warn("received SIGHUP: {}", st.ToString());
     }
   }
-  logger->info("received {}, shutting down", sig == SIGTERM ? "SIGTERM" : "SIGINT");
+  logger->info("received {}, shutting down (SIGINT again exits at once)",
+               sig == SIGTERM ? "SIGTERM" : "SIGINT");
+  WatchSignalsDuringShutdown(signals);
   (*daemon)->Shutdown();
   daemon->reset();
   return 0;

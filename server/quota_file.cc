@@ -1,6 +1,7 @@
 #include "server/quota_file.h"
 
 #include <fcntl.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -12,35 +13,59 @@
 #include <utility>
 #include <vector>
 
+#include "absl/strings/ascii.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
+#include "absl/strings/strip.h"
 #include "storage/block_key.h"
 #include "storage/status_macros.h"
 
 namespace kvdepot {
 
 absl::Status QuotaFile::Load(TieredStore& store) {
+  struct stat info;
+  if (::stat(path_.c_str(), &info) != 0) {
+    if (errno == ENOENT) return absl::OkStatus();
+    return absl::PermissionDeniedError(
+        absl::StrCat("cannot read ", path_, ": ", std::strerror(errno)));
+  }
+  if (!S_ISREG(info.st_mode)) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        path_, " is not a regular file (kvdepotd keeps the quotas there)"));
+  }
   std::ifstream in(path_);
   if (!in) {
-    if (errno == ENOENT) return absl::OkStatus();
     return absl::PermissionDeniedError(
         absl::StrCat("cannot read ", path_, ": ", std::strerror(errno)));
   }
   std::map<std::string, uint64_t> quotas;
   std::string line;
   for (int n = 1; std::getline(in, line); ++n) {
-    if (line.empty()) continue;
-    std::vector<std::string> parts = absl::StrSplit(line, ' ');
+    // kvdepotd writes "NAMESPACE BYTES" lines; a hand edit may leave blank
+    // lines, "#" comments (no namespace starts with "#") and stray spaces.
+    const absl::string_view text = absl::StripAsciiWhitespace(line);
+    if (text.empty() || text[0] == '#') continue;
+    std::vector<absl::string_view> parts =
+        absl::StrSplit(text, absl::ByAnyChar(" \t"), absl::SkipEmpty());
     uint64_t bytes = 0;
     if (parts.size() != 2 || !ValidateNamespace(parts[0]).ok() ||
         !absl::SimpleAtoi(parts[1], &bytes)) {
       return absl::InvalidArgumentError(absl::StrCat(
           path_, ":", n, ": expected \"NAMESPACE BYTES\", got \"", line, "\""));
     }
-    quotas[parts[0]] = bytes;
+    if (!quotas.emplace(std::string(parts[0]), bytes).second) {
+      return absl::InvalidArgumentError(
+          absl::StrCat(path_, ":", n, ": namespace ", parts[0],
+                       " has a quota on an earlier line"));
+    }
   }
-  for (const auto& [ns, bytes] : quotas) RETURN_IF_ERROR(store.SetQuota(ns, bytes));
+  for (const auto& [ns, bytes] : quotas) {
+    if (absl::Status set = store.SetQuota(ns, bytes); !set.ok()) {
+      return absl::Status(set.code(), absl::StrCat(path_, ": namespace ", ns,
+                                                   ": ", set.message()));
+    }
+  }
   absl::MutexLock lock(&mu_);
   quotas_ = std::move(quotas);
   return absl::OkStatus();
@@ -89,7 +114,7 @@ absl::Status QuotaFile::WriteLocked() {
   std::string text;
   for (const auto& [ns, bytes] : quotas_) absl::StrAppend(&text, ns, " ", bytes, "\n");
   const std::string tmp = path_ + ".tmp";
-  int fd = ::open(tmp.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
+  int fd = ::open(tmp.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0600);
   auto fail = [&](const char* what) {
     absl::Status st = absl::UnavailableError(
         absl::StrCat("cannot ", what, " ", tmp, ": ", std::strerror(errno)));

@@ -26,7 +26,10 @@ class QuotaFile {
   explicit QuotaFile(std::string path) : path_(std::move(path)) {}
 
   // Reads the file and applies each quota to `store`. A missing file means
-  // no quotas. InvalidArgument (naming the line) for a malformed file.
+  // no quotas. Blank lines, "#" comments and extra spaces are allowed.
+  // InvalidArgument (naming the line) for a malformed file, a namespace
+  // given twice, or a path that is not a regular file; the store's error
+  // (e.g. more namespaces than max_namespaces), naming the file.
   absl::Status Load(TieredStore& store);
   // Applies `ns`'s quota (0 for no limit) to `store`, then records it and
   // rewrites the file. On an error (the store refuses it, the write fails)

@@ -1,15 +1,15 @@
 // Lifecycle of a real kvdepotd: startup errors, graceful shutdown, session
 // leases enforced by the daemon itself.
 #include <arpa/inet.h>
+#include <grpcpp/create_channel.h>
+#include <gtest/gtest.h>
 #include <netinet/in.h>
 #include <poll.h>
 #include <signal.h>
+#include <sys/resource.h>
 #include <sys/socket.h>
 #include <sys/stat.h>
 #include <unistd.h>
-
-#include <grpcpp/create_channel.h>
-#include <gtest/gtest.h>
 
 #include <atomic>
 #include <chrono>
@@ -21,8 +21,8 @@
 #include <string>
 #include <vector>
 
-#include "absl/strings/numbers.h"
 #include "absl/strings/ascii.h"
+#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
 #include "absl/time/clock.h"
@@ -111,6 +111,27 @@ TEST(LifecycleTest, SigtermLetsAnInFlightWriteFinishAndRefusesNewCalls) {
   EXPECT_EQ(*rc, 0);
 }
 
+// Opens a session and reserves (BeginPut) one block of `size` bytes, key
+// "reserved", in namespace "ns", leaving it uncommitted.
+void ReserveAPut(Client& client, size_t size, v1::OpenSessionResponse* session,
+                 v1::BeginPutResponse* reserved) {
+  {
+    grpc::ClientContext ctx;
+    v1::OpenSessionRequest req;
+    req.set_client_name("lifecycle");
+    ASSERT_TRUE(client.stub().OpenSession(&ctx, req, session).ok());
+  }
+  grpc::ClientContext ctx;
+  v1::BeginPutRequest req;
+  req.set_session_id(session->session_id());
+  req.set_namespace_("ns");
+  v1::PutSpec* spec = req.add_blocks();
+  spec->set_key("reserved");
+  spec->set_size(size);
+  ASSERT_TRUE(client.stub().BeginPut(&ctx, req, reserved).ok());
+  ASSERT_NE(reserved->reservation_id(), 0u);
+}
+
 // A two-phase put reserved before SIGTERM is still the client's to finish:
 // the drain waits for it (up to drain_timeout), its commit stores the block,
 // and the block is there after a restart. Meanwhile an admin undrain cannot
@@ -124,24 +145,9 @@ TEST(LifecycleTest, SigtermLetsAReservedPutCommit) {
   const uint64_t sum = BlockChecksum(bytes);
 
   v1::OpenSessionResponse session;
-  {
-    grpc::ClientContext ctx;
-    v1::OpenSessionRequest req;
-    req.set_client_name("lifecycle");
-    ASSERT_TRUE(client->stub().OpenSession(&ctx, req, &session).ok());
-  }
   v1::BeginPutResponse reserved;
-  {
-    grpc::ClientContext ctx;
-    v1::BeginPutRequest req;
-    req.set_session_id(session.session_id());
-    req.set_namespace_("ns");
-    v1::PutSpec* spec = req.add_blocks();
-    spec->set_key("reserved");
-    spec->set_size(bytes.size());
-    ASSERT_TRUE(client->stub().BeginPut(&ctx, req, &reserved).ok());
-    ASSERT_NE(reserved.reservation_id(), 0u);
-  }
+  ASSERT_NO_FATAL_FAILURE(
+      ReserveAPut(*client, bytes.size(), &session, &reserved));
   ::kill((*d)->pid(), SIGTERM);
   for (int i = 0; i < 100 && (*d)->Log().find("draining") == std::string::npos; ++i) {
     absl::SleepFor(absl::Milliseconds(20));
@@ -200,6 +206,70 @@ TEST(LifecycleTest, SigtermLetsAReservedPutCommit) {
   ASSERT_OK(got) << "the committed put was lost";
   ASSERT_EQ(got->size(), 1u);
   EXPECT_EQ((*got)[0].bytes, bytes);
+}
+
+// Started from a shell with a low soft limit on open files (often 1024),
+// kvdepotd raises it to the hard one: past it, gRPC stops accepting
+// connections (a few hundred clients, each co-located UCX one taking about
+// 10 descriptors), and says so when even the hard one is low.
+TEST(LifecycleTest, TheOpenFileLimitIsRaisedToTheHardOne) {
+  struct rlimit saved;
+  ASSERT_EQ(getrlimit(RLIMIT_NOFILE, &saved), 0);
+  if (saved.rlim_max <= 512) GTEST_SKIP() << "hard limit " << saved.rlim_max;
+  struct rlimit low = saved;
+  low.rlim_cur = 512;
+  ASSERT_EQ(setrlimit(RLIMIT_NOFILE, &low), 0);
+  auto d = DaemonProcess::Start({"--dram-capacity", "16MiB"});  // inherits 512
+  ASSERT_EQ(setrlimit(RLIMIT_NOFILE, &saved), 0);
+  ASSERT_OK(d);
+  std::ifstream limits(absl::StrCat("/proc/", (*d)->pid(), "/limits"));
+  std::string line, soft, hard;
+  while (std::getline(limits, line)) {
+    if (line.rfind("Max open files", 0) != 0) continue;
+    std::vector<std::string> f =
+        absl::StrSplit(line.substr(14), ' ', absl::SkipEmpty());
+    ASSERT_GE(f.size(), 2u) << line;
+    soft = f[0];
+    hard = f[1];
+  }
+  EXPECT_EQ(soft, hard);
+  EXPECT_EQ(soft, saved.rlim_max == RLIM_INFINITY
+                      ? "unlimited"
+                      : absl::StrCat(saved.rlim_max));
+  const bool warned =
+      (*d)->Log().find("open files limited to") != std::string::npos;
+  EXPECT_EQ(warned, saved.rlim_max < 16384) << (*d)->Log();
+}
+
+// While a drain waits (here for a reserved put, up to a 60 s drain_timeout)
+// a repeated SIGTERM is only answered (supervisors resend it while they
+// wait), and SIGINT (Ctrl-C again) ends the process at once, as SIGKILL
+// would, saying so.
+TEST(LifecycleTest, ASecondSigintEndsAWaitingDrainAtOnce) {
+  const std::string dir = testing::MakeTempDir("drain");
+  std::ofstream(dir + "/kvdepot.yaml") << "drain_timeout: 60s\n";
+  auto d = DaemonProcess::Start(
+      {"--dram-capacity", "64MiB", "--config", dir + "/kvdepot.yaml"});
+  ASSERT_OK(d);
+  auto client = Connect((*d)->address());
+  v1::OpenSessionResponse session;
+  v1::BeginPutResponse reserved;
+  ASSERT_NO_FATAL_FAILURE(ReserveAPut(*client, 4096, &session, &reserved));
+  ::kill((*d)->pid(), SIGTERM);
+  ASSERT_TRUE(testing::PollUntil([&] {
+    return (*d)->Log().find("draining") != std::string::npos;
+  })) << (*d)->Log();
+  ::kill((*d)->pid(), SIGTERM);
+  ASSERT_TRUE(testing::PollUntil([&] {
+    return (*d)->Log().find("already shutting down") != std::string::npos;
+  })) << (*d)->Log();
+  ASSERT_TRUE((*d)->Running());
+  auto rc = (*d)->Stop(SIGINT, absl::Seconds(20));  // the drain had 60 s left
+  ASSERT_OK(rc) << (*d)->Log();
+  EXPECT_EQ(*rc, 1);
+  EXPECT_NE((*d)->Log().find("second signal during shutdown (SIGINT)"),
+            std::string::npos)
+      << (*d)->Log();
 }
 
 TEST(LifecycleTest, SecondDaemonOnTheSameDataDirFailsClearly) {

@@ -284,16 +284,28 @@ std::optional<uint64_t> CgroupMemoryLeft(const std::string& proc_cgroup,
     // cgroup mounted at the root.
     std::string dir = mount + parts[2];
     if (!std::ifstream(dir + limit_file).good()) dir = mount;
-    std::optional<uint64_t> limit = ReadCgroupNumber(dir + limit_file);
-    std::optional<uint64_t> usage = ReadCgroupNumber(dir + usage_file);
-    if (!limit.has_value() || !usage.has_value()) continue;  // no limit there
-    // Inactive page cache counts in the usage but is reclaimed before the
-    // cgroup runs out (a data dir copied in just before start).
-    const uint64_t inactive =
-        ReadCgroupStat(dir + "/memory.stat", inactive_field).value_or(0);
-    const uint64_t used = *usage > inactive ? *usage - inactive : 0;
-    const uint64_t here = *limit > used ? *limit - used : 0;
-    left = left.has_value() ? std::min(*left, here) : here;
+    // Its ancestors' limits bind it too (a systemd slice's MemoryMax, a
+    // pod's limit above its containers'): the least room of any of them,
+    // up to the mount's root.
+    while (true) {
+      std::optional<uint64_t> limit = ReadCgroupNumber(dir + limit_file);
+      std::optional<uint64_t> usage = ReadCgroupNumber(dir + usage_file);
+      if (limit.has_value() && usage.has_value()) {  // else no limit there
+        // Inactive page cache counts in the usage but is reclaimed before
+        // the cgroup runs out (a data dir copied in just before start).
+        const uint64_t inactive =
+            ReadCgroupStat(dir + "/memory.stat", inactive_field).value_or(0);
+        const uint64_t used = *usage > inactive ? *usage - inactive : 0;
+        const uint64_t here = *limit > used ? *limit - used : 0;
+        left = left.has_value() ? std::min(*left, here) : here;
+      }
+      const size_t slash = dir.rfind('/');
+      if (dir.size() <= mount.size() || slash == std::string::npos ||
+          slash < mount.size()) {
+        break;
+      }
+      dir.resize(slash);
+    }
   }
   return left;
 }

@@ -150,7 +150,8 @@ std::optional<uint64_t> MeminfoValue(absl::string_view field,
 
 // What the memory cgroups of a process still allow it (a container's or a
 // systemd unit's limit less its usage, less the inactive page cache that
-// would be reclaimed; the least over cgroup v1 and v2), from its
+// would be reclaimed; the least over cgroup v1 and v2, and over the
+// process's cgroup and its ancestors, e.g. a systemd slice), from its
 // /proc/<pid>/cgroup file `proc_cgroup` and the cgroup file system mounted
 // at `root` ("/sys/fs/cgroup"); where the cgroup that file names is not in
 // that mount (a container sharing the host's cgroup namespace), the

@@ -526,6 +526,23 @@ TEST(UcxContextAllocateTest, TheCgroupsLimitIsFoundInV1AndV2) {
   write(root + "/sys/kubepods/pod1/memory.stat", "anon 1\ninactive_file 3741824\n");
   EXPECT_EQ(transport_internal::CgroupMemoryLeft(root + "/v2/cgroup", root + "/sys"),
             std::optional<uint64_t>(1003741824));
+  // A limit above the process's cgroup binds it too (a slice's MemoryMax,
+  // a pod's limit over its containers'): the least room on the way up.
+  write(root + "/nested/cgroup", "0::/slice/unit/leaf\n");
+  write(root + "/sys3/slice/memory.max", "314572800\n");  // 300 MiB
+  write(root + "/sys3/slice/memory.current", "104857600\n");
+  write(root + "/sys3/slice/unit/memory.max", "max\n");
+  write(root + "/sys3/slice/unit/memory.current", "104857600\n");
+  write(root + "/sys3/slice/unit/leaf/memory.max", "1073741824\n");
+  write(root + "/sys3/slice/unit/leaf/memory.current", "4096\n");
+  EXPECT_EQ(transport_internal::CgroupMemoryLeft(root + "/nested/cgroup",
+                                                 root + "/sys3"),
+            std::optional<uint64_t>(uint64_t{200} << 20));
+  // The root cgroup itself ("0::/"), with no limit file: nothing to say.
+  write(root + "/top/cgroup", "0::/\n");
+  EXPECT_EQ(transport_internal::CgroupMemoryLeft(root + "/top/cgroup",
+                                                 root + "/sys3"),
+            std::nullopt);
   std::filesystem::remove_all(root);
 }
 

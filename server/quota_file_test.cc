@@ -1,0 +1,104 @@
+#include "server/quota_file.h"
+
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+
+#include <filesystem>
+#include <fstream>
+#include <memory>
+#include <string>
+
+#include "storage/fake_clock.h"
+#include "tests/status_matchers.h"
+
+namespace kvdepot {
+namespace {
+
+using ::kvdepot::testing::StatusIs;
+using ::testing::HasSubstr;
+using Code = absl::StatusCode;
+
+class QuotaFileTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    dir_ = ::testing::TempDir() + "/quota_file_test_" +
+           ::testing::UnitTest::GetInstance()->current_test_info()->name();
+    std::filesystem::remove_all(dir_);
+    std::filesystem::create_directories(dir_);
+    path_ = dir_ + "/quotas";
+    store_ = MakeStore(/*max_namespaces=*/16);
+  }
+  void TearDown() override { std::filesystem::remove_all(dir_); }
+
+  std::unique_ptr<TieredStore> MakeStore(uint32_t max_namespaces) {
+    StoreOptions o;
+    o.dram_capacity = 16 << 20;
+    o.hugepages = HugePageMode::kOff;
+    o.background_eviction = false;
+    o.max_namespaces = max_namespaces;
+    auto s = NewTieredStore(o, &clock_);
+    EXPECT_OK(s);
+    return s.ok() ? std::move(s).value() : nullptr;
+  }
+  void Write(const std::string& text) { std::ofstream(path_) << text; }
+
+  FakeClock clock_;
+  std::string dir_, path_;
+  std::unique_ptr<TieredStore> store_;
+};
+
+// What Set writes, Load reads back into another store (a restart).
+TEST_F(QuotaFileTest, QuotasSurviveARestart) {
+  QuotaFile file(path_);
+  ASSERT_OK(file.Load(*store_));  // no file yet: no quotas
+  ASSERT_OK(file.Set(*store_, "a", 1 << 20));
+  ASSERT_OK(file.Set(*store_, "b/c", 0));
+  auto again = MakeStore(16);
+  ASSERT_OK(QuotaFile(path_).Load(*again));
+  EXPECT_EQ(again->Quota("a"), uint64_t{1} << 20);
+  bool declared = false;  // a quota of 0 declares the namespace
+  for (const NamespaceStats& ns : again->ListNamespaces())
+    declared |= ns.name == "b/c";
+  EXPECT_TRUE(declared);
+  EXPECT_EQ(
+      std::filesystem::status(path_).permissions(),
+      std::filesystem::perms::owner_read | std::filesystem::perms::owner_write);
+}
+
+// A hand edit's blank lines, comments and stray spaces are read as meant.
+TEST_F(QuotaFileTest, BlankLinesCommentsAndSpacesAreAllowed) {
+  Write("# operator's quotas\n\n  a 1024  \nb\t2048\r\n");
+  ASSERT_OK(QuotaFile(path_).Load(*store_));
+  EXPECT_EQ(store_->Quota("a"), 1024u);
+  EXPECT_EQ(store_->Quota("b"), 2048u);
+}
+
+// Anything else stops the start with the file and line named: a line that
+// is not "NAMESPACE BYTES", a namespace given twice (which one was meant?),
+// a directory where the file should be, more namespaces than the store may
+// hold.
+TEST_F(QuotaFileTest, AMalformedFileIsRefusedNamingWhere) {
+  Write("a 1024\nb\n");
+  EXPECT_THAT(QuotaFile(path_).Load(*store_), StatusIs(Code::kInvalidArgument));
+  EXPECT_THAT(std::string(QuotaFile(path_).Load(*store_).message()),
+              HasSubstr(path_ + ":2: expected"));
+  Write("a 1024\na 2048\n");
+  const absl::Status twice = QuotaFile(path_).Load(*store_);
+  EXPECT_THAT(twice, StatusIs(Code::kInvalidArgument));
+  EXPECT_THAT(std::string(twice.message()),
+              HasSubstr(":2: namespace a has a quota"));
+  std::filesystem::remove(path_);
+  std::filesystem::create_directories(path_);
+  const absl::Status dir = QuotaFile(path_).Load(*store_);
+  EXPECT_THAT(dir, StatusIs(Code::kInvalidArgument));
+  EXPECT_THAT(std::string(dir.message()), HasSubstr("not a regular file"));
+  std::filesystem::remove_all(path_);
+  Write("a 1\nb 1\nc 1\n");
+  auto small = MakeStore(2);
+  const absl::Status full = QuotaFile(path_).Load(*small);
+  EXPECT_THAT(full, StatusIs(Code::kResourceExhausted));
+  EXPECT_THAT(std::string(full.message()), HasSubstr(path_ + ": namespace c"));
+}
+
+}  // namespace
+}  // namespace kvdepot
