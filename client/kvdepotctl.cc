@@ -35,6 +35,9 @@ namespace kvdepot {
 namespace {
 
 constexpr int kOk = 0, kError = 1, kUsage = 2, kNotFound = 3;
+// verify: the scrub found blocks whose bytes were lost (corrupt or missing;
+// it dropped them), so that a scheduled scrub can alert on its exit code.
+constexpr int kFoundDamage = 4;
 
 // Thrown inside this file only, caught in Run: a usage error (exit 2) and
 // a failure before any command could run (exit 1 or 3, as Fail decides).
@@ -118,13 +121,17 @@ struct Ctl {
   std::string quota;  // quota set: a size
   std::string transport = "ucx";  // how put and get move block bytes
 
-  std::unique_ptr<Client> Connect() {
+  // `moves_bytes`: put and get, the commands --transport is about. The
+  // others need no UCX context (its shared-memory segments, its threads):
+  // a container's health check runs every few seconds.
+  std::unique_ptr<Client> Connect(bool moves_bytes = false) {
     ClientOptions o;
     o.server = server;
     o.rpc_timeout = absl::Seconds(timeout_s);
     o.client_name = "kvdepotctl";
-    o.transport = transport == "ucx" ? ClientOptions::Transport::kUcx
-                                     : ClientOptions::Transport::kGrpc;
+    o.transport = moves_bytes && transport == "ucx"
+                      ? ClientOptions::Transport::kUcx
+                      : ClientOptions::Transport::kGrpc;
     absl::StatusOr<std::unique_ptr<Client>> client = Client::Connect(o);
     if (!client.ok()) {
       // InvalidArgument: the options (--server) are wrong.
@@ -204,7 +211,7 @@ struct Ctl {
       throw UsageError{absl::StrCat("--file: cannot read ", file)};
     }
     BlockToPut b{k, p, bytes};
-    std::unique_ptr<Client> client = Connect();
+    std::unique_ptr<Client> client = Connect(/*moves_bytes=*/true);
     absl::StatusOr<bool> ucx = UseUcx(*client, absl::MakeSpan(bytes));
     absl::StatusOr<std::vector<PutResult>> r;
     if (!ucx.ok()) {
@@ -240,7 +247,7 @@ struct Ctl {
   int Get() {
     std::string k = HexToBytes(key, "--key");
     absl::string_view kv = k;
-    std::unique_ptr<Client> client = Connect();
+    std::unique_ptr<Client> client = Connect(/*moves_bytes=*/true);
     absl::StatusOr<std::vector<Block>> r;
     // Over UCX the buffer must be registered before the read: learn the
     // block's size first (Inspect, which counts no lookup).
@@ -284,10 +291,23 @@ struct Ctl {
       std::cout.write(b.bytes.data(), static_cast<std::streamsize>(b.bytes.size()));
       return kOk;
     }
+    // A path that cannot be opened is the caller's to fix (2, as put's
+    // --file); a write that fails once open (a full disk) is an error (1).
+    errno = 0;
     std::ofstream o(out, std::ios::binary | std::ios::trunc);
+    if (!o.is_open()) {
+      throw UsageError{
+          absl::StrCat("--out: cannot open ", out, ": ",
+                       errno != 0 ? std::strerror(errno) : "unknown error")};
+    }
+    errno = 0;
     o.write(b.bytes.data(), static_cast<std::streamsize>(b.bytes.size()));
     o.close();
-    if (!o) return Fail(absl::InternalError(absl::StrCat("cannot write ", out)));
+    if (!o) {
+      return Fail(absl::InternalError(
+          absl::StrCat("cannot write ", out, ": ",
+                       errno != 0 ? std::strerror(errno) : "write failed")));
+    }
     if (json) {
       std::cout << "{\"size\": " << b.bytes.size() << ", \"checksum\": \""
                 << absl::StrCat(absl::Hex(b.checksum, absl::kZeroPad16)) << "\"}\n";
@@ -329,7 +349,10 @@ struct Ctl {
   }
 
   int Evict() {
-    if (all == !keys.empty()) throw UsageError{"evict needs --all or keys, not both"};
+    if (all && !keys.empty()) {
+      throw UsageError{"evict takes --all or keys, not both"};
+    }
+    if (!all && keys.empty()) throw UsageError{"evict needs --all or keys"};
     std::vector<std::string> raw;
     for (const auto& h : keys) raw.push_back(HexToBytes(h, "key"));
     std::vector<absl::string_view> views(raw.begin(), raw.end());
@@ -432,7 +455,7 @@ struct Ctl {
                 << r.missing_dropped() << " missing, " << r.orphans_dropped()
                 << " orphaned\n";
     }
-    return kOk;
+    return r.corrupt_dropped() + r.missing_dropped() > 0 ? kFoundDamage : kOk;
   }
 
   int Compact() {
@@ -708,6 +731,13 @@ int Run(int argc, char** argv) {
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {
+    // CLI11 says "A subcommand is required" for a misspelled one.
+    if (app.get_subcommands().empty() && !app.remaining().empty() &&
+        e.get_exit_code() != 0) {
+      std::cerr << "kvdepotctl: unknown subcommand '" << app.remaining().front()
+                << "' (see --help)\n";
+      return kUsage;
+    }
     int rc = app.exit(e);
     return rc == 0 ? kOk : kUsage;
   }

@@ -349,11 +349,54 @@ TEST_F(KvdepotctlTest, WithoutCreateNamespacesPutsGoIntoDeclaredNamespacesAcross
 
 TEST_F(KvdepotctlTest, UsageErrorsExitTwo) {
   EXPECT_EQ(Ctl("").exit_code, 2);
-  EXPECT_EQ(Ctl("frobnicate").exit_code, 2);
+  CommandResult r = Ctl("frobnicate");
+  EXPECT_EQ(r.exit_code, 2);
+  EXPECT_NE(r.err.find("unknown subcommand 'frobnicate'"), std::string::npos)
+      << r.err;
   EXPECT_EQ(Ctl("get --ns demo --out /dev/null").exit_code, 2);  // no --key
   EXPECT_EQ(Ctl("lookup --ns demo xyz").exit_code, 2);           // not hex
   EXPECT_EQ(Ctl("lookup --ns demo abc").exit_code, 2);           // odd length
-  EXPECT_EQ(Ctl("evict --ns demo").exit_code, 2);                // neither
+  r = Ctl("evict --ns demo");                                    // neither
+  EXPECT_EQ(r.exit_code, 2);
+  EXPECT_NE(r.err.find("evict needs --all or keys"), std::string::npos)
+      << r.err;
+  r = Ctl("evict --ns demo --all 0a");  // both
+  EXPECT_EQ(r.exit_code, 2);
+  EXPECT_NE(r.err.find("not both"), std::string::npos) << r.err;
+}
+
+// A get whose --out cannot be created is the caller's to fix, as a put's
+// unreadable --file is: 2, with the system's reason.
+TEST_F(KvdepotctlTest, GetIntoAPathThatCannotBeCreatedIsAUsageError) {
+  ASSERT_EQ(
+      Ctl(absl::StrCat("put --ns demo --key 0b --file ", File("f", "bytes")))
+          .exit_code,
+      0);
+  CommandResult r =
+      Ctl(absl::StrCat("get --ns demo --key 0b --out ", dir_, "/no/such/dir"));
+  EXPECT_EQ(r.exit_code, 2) << r.err;
+  EXPECT_NE(r.err.find("No such file or directory"), std::string::npos)
+      << r.err;
+}
+
+// Only put and get move bytes: the other commands (a container's health
+// check every few seconds) never set up UCX, whatever --transport says.
+// With a UCX that cannot start, kvdepotctl (and UCX) would say so on stderr.
+TEST_F(KvdepotctlTest, CommandsThatMoveNoBytesDoNotSetUpUcx) {
+  for (const char* command : {"health", "stats", "lookup --ns demo 0a"}) {
+    CommandResult r = testing::RunCommand(
+        absl::StrCat("UCX_TLS=bogus ", CtlBinary(), " --server ",
+                     daemon_->address(), " --transport ucx ", command));
+    EXPECT_EQ(r.exit_code, 0) << command << ": " << r.err;
+    EXPECT_EQ(r.err, "") << command;
+  }
+  // A put does, and says so when it cannot.
+  CommandResult put = testing::RunCommand(absl::StrCat(
+      "UCX_TLS=bogus ", CtlBinary(), " --server ", daemon_->address(),
+      " --transport ucx put --ns demo --key 0c --file ", File("g", "bytes")));
+  EXPECT_EQ(put.exit_code, 0) << put.err;
+  EXPECT_NE(put.err.find("falling back to grpc: ucp_init"), std::string::npos)
+      << put.err;
 }
 
 TEST_F(KvdepotctlTest, ServerSideErrorsExitOne) {
