@@ -12,7 +12,7 @@ import unittest
 import yaml
 
 import render_helm
-from render_helm import TemplateError, render_string
+from render_helm import ChartFailure, TemplateError, render_string
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(os.path.dirname(HERE))
@@ -227,6 +227,72 @@ class ChartTest(unittest.TestCase):
             + kvdepot_size(config["grpc_memory_limit"]),
         )
 
+    def test_shared_memory_for_ucx(self):
+        for label, m in self.each():
+            pod = m["StatefulSet"]["spec"]["template"]["spec"]
+            mounts = {v["name"]: v["mountPath"] for v in pod["containers"][0]["volumeMounts"]}
+            self.assertEqual(mounts["dshm"], "/dev/shm", label)
+            volume = next(v for v in pod["volumes"] if v["name"] == "dshm")
+            self.assertEqual(volume["emptyDir"]["medium"], "Memory", label)
+            # Above the runtimes' 64 MiB, below the memory limit's slack.
+            self.assertGreater(k8s_quantity(volume["emptyDir"]["sizeLimit"]), 64 << 20)
+            self.assertLessEqual(k8s_quantity(volume["emptyDir"]["sizeLimit"]), 1 << 30)
+
+    def assert_refused(self, values, *words):
+        with self.assertRaises(ChartFailure, msg=values) as caught:
+            render(values)
+        for word in words:
+            self.assertIn(word, str(caught.exception), values)
+
+    def test_memory_limit_must_hold_the_dram_tier(self):
+        mem = lambda dram, limit, **config: {
+            "config": {"dram_capacity": dram, **config},
+            "resources": {"limits": {"memory": limit}},
+        }
+        # dram + grpc_memory_limit (1GiB) + 1Gi.
+        render(mem("64GiB", "66Gi"))
+        render(mem("64GiB", "72Gi"))
+        render(mem("1.5GiB", "3.5Gi"))
+        render(mem("1536MiB", "3584Mi"))
+        render(mem("1gb", "3.15G"))  # 1e9 + 2^31 = 3.147e9
+        render(mem("4GiB", "5Gi", grpc_memory_limit="0"))
+        render(mem("4GiB", "6442450944"))
+        self.assert_refused(mem("64GiB", "64Gi"), "resources.limits.memory 64Gi",
+                            "dram_capacity 64GiB")
+        self.assert_refused(mem("64GiB", "65.99Gi"), "65.99Gi")
+        self.assert_refused(mem("1.5GiB", "3.49Gi"), "3.49Gi")
+        self.assert_refused(mem("1gb", "3.14G"), "3.14G")
+        self.assert_refused(mem("4GiB", "6Gi", grpc_memory_limit="2GiB"),
+                            "grpc_memory_limit 2GiB")
+        # Units: kvdepotd's K/M/G/T are powers of 1024, Kubernetes' of 1000.
+        render(mem("1G", "3Gi"))
+        self.assert_refused(mem("1G", "3G"), "3G")
+        # No limit: nothing to check against.
+        render({"config": {"dram_capacity": "64GiB"}, "resources": {"limits": {"memory": None}}})
+
+    def test_hugepages_must_hold_the_dram_tier(self):
+        huge = lambda size, dram, limit="3Gi": {
+            "hugepages": {"enabled": True, "size": size},
+            "config": {"dram_capacity": dram},
+            "resources": {"limits": {"memory": limit}},
+        }
+        render(huge("64Gi", "64GiB", "2Gi"))
+        self.assert_refused(huge("63Gi", "64GiB"), "hugepages.size 63Gi")
+        self.assert_refused(huge("64Gi", "64GiB", "1.9Gi"), "1.9Gi")
+
+    def test_unreadable_sizes_are_refused(self):
+        for dram in ("lots", "-1GiB", "01GiB", "1e9", "1.5.1GiB"):
+            self.assert_refused({"config": {"dram_capacity": dram}}, "cannot read")
+        self.assert_refused({"config": {"dram_capacity": "1.5 GiBs"}}, 'unit "gibs"')
+        for limit in ("3GiB", "3 Gi", "3gi", "0x10"):
+            self.assert_refused(
+                {"resources": {"limits": {"memory": limit}}}, "cannot read", limit
+            )
+
+    def test_keys_the_chart_sets_cannot_be_in_config(self):
+        for key in ("listen", "metrics_listen", "data_dir", "hugepages"):
+            self.assert_refused({"config": {key: "x"}}, f"config.{key}", "set by the chart")
+
     def test_hugepages(self):
         resources = self.container(self.variant)["resources"]
         requested = resources["requests"]["hugepages-2Mi"]
@@ -383,12 +449,32 @@ class RendererTest(unittest.TestCase):
         )
         self.assertEqual(self.r("{{ toYaml .Values.a.big }}"), "1048576")
 
+    def test_sprig_functions(self):
+        self.assertEqual(self.r('{{ if hasKey .Values.a "b" }}y{{ end }}'), "y")
+        self.assertEqual(self.r('{{ if hasKey .Values.a "z" }}y{{ end }}'), "")
+        self.assertEqual(self.r('{{ lower "AbC" }} {{ toString .Values.a.n }}'), "abc 3")
+        self.assertEqual(self.r('{{ trimPrefix "ab" "abcab" }}'), "cab")
+        self.assertEqual(self.r('{{ regexFind "[0-9]+" "ab12c3" }}|'), "12|")
+        self.assertEqual(self.r('{{ regexFind "[0-9]+" "abc" }}|'), "|")
+        self.assertEqual(self.r('{{ if regexMatch "^a" "ab" }}y{{ end }}'), "y")
+        # int64 arithmetic prints in full (values, float64 in Helm, do not).
+        self.assertEqual(self.r('{{ mul "1048576" 1024 }}'), "1073741824")
+        self.assertEqual(self.r('{{ add 1 "2" 3 }} {{ sub 10 "4" }} {{ div 7 2 }}'), "6 6 3")
+        # Sprig's toInt64: a leading 0 is octal, what it cannot read is 0.
+        self.assertEqual(self.r('{{ int64 "010" }} {{ int64 "x" }} {{ int64 "0x10" }}'),
+                         "8 0 16")
+        self.assertEqual(self.r('{{ if lt (int64 "2") (add 1 2) }}y{{ end }}'), "y")
+        with self.assertRaises(ChartFailure) as caught:
+            self.r('{{ fail (printf "no %s" "way") }}')
+        self.assertEqual(str(caught.exception), "no way")
+
     def test_errors(self):
         for template in (
             "{{ .Values.a.nope.deeper }}",  # nil pointer
             "{{ .Values.a.big }}",  # helm prints 1.048576e+06
             "{{ .Values.a.map }}",  # printing a map
-            "{{ lower .Values.a.b }}",  # outside the subset
+            "{{ upper .Values.a.b }}",  # outside the subset
+            "{{ if lt 1 0.5 }}{{ end }}",  # int against float64
             "{{ $x := 1 }}",  # variables
             "{{ if .Values.a.t }}open",  # missing end
             "{{ end }}",  # stray end

@@ -10,7 +10,8 @@ with Helm's semantics for it:
   operands    . .Values.a.b $ $.Values.a "string" `raw` 123 true false nil
               ( pipeline )
   functions   include quote default toYaml nindent indent trunc trimSuffix
-              contains printf eq ne not and or sha256sum
+              contains printf eq ne not and or sha256sum fail hasKey lower
+              toString trimPrefix regexMatch regexFind int64 add sub mul div lt
 
 Anything else (variables, template, tpl, other functions) is an error, so the
 chart cannot drift outside what the tests can render. As in Helm, values read
@@ -34,6 +35,10 @@ import yaml
 
 class TemplateError(Exception):
     pass
+
+
+class ChartFailure(TemplateError):
+    """The chart's own `fail`: Helm stops with the chart's message."""
 
 
 # ---------------------------------------------------------------- lexing
@@ -260,6 +265,8 @@ def go_str(v, where="value"):
         return ""  # Helm replaces <no value> with nothing.
     if isinstance(v, bool):
         return "true" if v else "false"
+    if isinstance(v, Int64):
+        return str(int(v))
     if isinstance(v, (int, float)):
         f = float(v)
         if f.is_integer() and abs(f) < 1e6:
@@ -330,6 +337,56 @@ def _or(*args):
     return args[-1]
 
 
+class Int64(int):
+    """A Sprig int64 (add, mul, int64): printed in full, unlike values."""
+
+
+def _to_int64(v):
+    """Sprig's toInt64 (cast.ToInt64): strings in Go's base-0 syntax, floats
+    truncated, nil and anything unreadable 0."""
+    if isinstance(v, bool):
+        return Int64(1 if v else 0)
+    if isinstance(v, (int, float)):
+        return Int64(int(v))
+    if isinstance(v, str):
+        s = v.strip()
+        if re.fullmatch(r"[+-]?0[0-7]+", s):
+            return Int64(int(s, 8))  # Go's base 0: a leading 0 is octal
+        try:
+            return Int64(int(s, 0))
+        except ValueError:
+            return Int64(0)
+    return Int64(0)
+
+
+def _lt(a, b):
+    numbers = (int, float)
+    if isinstance(a, numbers) and isinstance(b, numbers):
+        if isinstance(a, float) != isinstance(b, float):
+            raise TemplateError("lt: incompatible types for comparison")
+        return a < b
+    if isinstance(a, str) and isinstance(b, str):
+        return a < b
+    raise TemplateError("lt: incompatible types for comparison")
+
+
+def _fail(message):
+    raise ChartFailure(go_str(message, "fail"))
+
+
+def _has_key(d, key):
+    if not isinstance(d, dict):
+        raise TemplateError(f"hasKey: not a map: {type(d).__name__}")
+    return key in d
+
+
+def _mul(a, *rest):
+    out = _to_int64(a)
+    for b in rest:
+        out = Int64(out * _to_int64(b))
+    return out
+
+
 def _eq(a, *others):
     if not others:
         raise TemplateError("eq needs two arguments")
@@ -356,6 +413,25 @@ _FUNCS = {
     "and": _and,
     "or": _or,
     "sha256sum": lambda s: hashlib.sha256(s.encode()).hexdigest(),
+    "fail": _fail,
+    "hasKey": _has_key,
+    "lower": lambda s: s.lower(),
+    "toString": lambda v: go_str(v, "toString"),
+    "trimPrefix": lambda prefix, s: s[len(prefix) :] if s.startswith(prefix) else s,
+    # Go's RE2 and Python's re agree on the simple patterns the chart uses.
+    "regexMatch": lambda regex, s: re.search(regex, s) is not None,
+    "regexFind": lambda regex, s: (lambda m: m.group() if m else "")(
+        re.search(regex, s)
+    ),
+    "int64": _to_int64,
+    "add": lambda *a: Int64(sum(_to_int64(x) for x in a)),
+    "mul": _mul,
+    "sub": lambda a, b: Int64(_to_int64(a) - _to_int64(b)),
+    # Go's integer division truncates toward zero; divisors here are positive.
+    "div": lambda a, b: Int64(int(_to_int64(a) / _to_int64(b)))
+    if _to_int64(b) != 0
+    else _fail("div: division by zero"),
+    "lt": _lt,
 }
 
 _NO_ARG = object()
@@ -476,7 +552,9 @@ def render_string(templates, context, entry):
 def deep_merge(base, override):
     out = copy.deepcopy(base)
     for key, value in override.items():
-        if isinstance(value, dict) and isinstance(out.get(key), dict):
+        if value is None:
+            out.pop(key, None)  # Helm: null deletes the key
+        elif isinstance(value, dict) and isinstance(out.get(key), dict):
             out[key] = deep_merge(out[key], value)
         else:
             out[key] = copy.deepcopy(value)

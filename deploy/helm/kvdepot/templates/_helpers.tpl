@@ -44,3 +44,94 @@ hugepages: "off"
 {{- end }}
 {{ toYaml .Values.config }}
 {{- end }}
+
+{{/* Render-time checks: a value that would only make kvdepotd exit at start
+(a crash loop) fails `helm install` instead, with the reason. */}}
+{{- define "kvdepot.checks" -}}
+{{- if hasKey .Values.config "listen" }}{{ include "kvdepot.chartOwned" "listen (set ports.grpc and listenHost)" }}{{ end -}}
+{{- if hasKey .Values.config "metrics_listen" }}{{ include "kvdepot.chartOwned" "metrics_listen (set ports.metrics and listenHost)" }}{{ end -}}
+{{- if hasKey .Values.config "data_dir" }}{{ include "kvdepot.chartOwned" "data_dir (the volume is mounted at /var/lib/kvdepot)" }}{{ end -}}
+{{- if hasKey .Values.config "hugepages" }}{{ include "kvdepot.chartOwned" "hugepages (set hugepages.enabled)" }}{{ end -}}
+{{- include "kvdepot.checkMemory" . -}}
+{{- end }}
+
+{{- define "kvdepot.chartOwned" -}}
+{{- fail (printf "kvdepot: config.%s is set by the chart; remove it from config" .) -}}
+{{- end }}
+
+{{/* The pod's memory must hold what kvdepotd takes (values.yaml,
+resources): without hugepages the DRAM tier (prefaulted, resident from the
+start) + grpc_memory_limit + 1 GiB for RocksDB and the index; with them,
+hugepages.size must cover the DRAM tier and the memory limit the rest.
+kvdepotd itself refuses a DRAM tier its cgroup cannot hold, but only once
+the pod has started. No memory limit: nothing to check. */}}
+{{- define "kvdepot.checkMemory" -}}
+{{- if .Values.resources.limits.memory -}}
+{{- if .Values.hugepages.enabled -}}
+{{- if lt (include "kvdepot.k8sBytes" .Values.hugepages.size | int64) (include "kvdepot.configBytes" .Values.config.dram_capacity | int64) -}}
+{{- fail (printf "kvdepot: hugepages.size %v is less than config.dram_capacity %v" .Values.hugepages.size .Values.config.dram_capacity) -}}
+{{- end -}}
+{{- if lt (include "kvdepot.k8sBytes" .Values.resources.limits.memory | int64) (add (include "kvdepot.configBytes" (.Values.config.grpc_memory_limit | default "1GiB")) 1073741824) -}}
+{{- fail (printf "kvdepot: resources.limits.memory %v is less than config.grpc_memory_limit %v + 1Gi (RocksDB and the index)" .Values.resources.limits.memory (.Values.config.grpc_memory_limit | default "1GiB")) -}}
+{{- end -}}
+{{- else if lt (include "kvdepot.k8sBytes" .Values.resources.limits.memory | int64) (add (include "kvdepot.configBytes" .Values.config.dram_capacity) (include "kvdepot.configBytes" (.Values.config.grpc_memory_limit | default "1GiB")) 1073741824) -}}
+{{- fail (printf "kvdepot: resources.limits.memory %v is less than config.dram_capacity %v + config.grpc_memory_limit %v + 1Gi (RocksDB and the index): kvdepotd would refuse to start or be OOM-killed" .Values.resources.limits.memory .Values.config.dram_capacity (.Values.config.grpc_memory_limit | default "1GiB")) -}}
+{{- end -}}
+{{- end -}}
+{{- end }}
+
+{{/* Bytes of a kvdepot.yaml size as the chart reads it: a number (to three
+decimals) and one of kvdepotd's units, any case (B; KiB, MiB, GiB, TiB and
+K, M, G, T: powers of 1024; KB, MB, GB, TB: of 1000), e.g. 64GiB, 1.5GiB. */}}
+{{- define "kvdepot.configBytes" -}}
+{{- if not (regexMatch "^(0|[1-9][0-9]*)([.][0-9]+)? *[A-Za-z]*$" (toString .)) -}}
+{{- fail (printf "kvdepot: cannot read the size %q: the chart takes a number and a unit, e.g. 64GiB" (toString .)) -}}
+{{- end -}}
+{{- include "kvdepot.scaled" (printf "%s %s" (regexFind "^[0-9.]+" (toString .)) (include "kvdepot.configUnit" (lower (trimPrefix (regexFind "^[0-9.]+ *" (toString .)) (toString .))))) -}}
+{{- end }}
+
+{{/* "N[.F] U": N x U + 0.F x U to three decimals, in whole bytes. Numbers are
+read by Sprig's toInt64, which takes a leading 0 as octal: hence the 1 in
+front of the decimals (1FFF - 1000). */}}
+{{- define "kvdepot.scaled" -}}
+{{- add (mul (regexFind "^[0-9]+" .) (regexFind "[0-9]+$" .)) (div (mul (sub (printf "1%s" (trunc 3 (printf "%s000" (trimPrefix "." (regexFind "[.][0-9]+" .))))) 1000) (regexFind "[0-9]+$" .)) 1000) -}}
+{{- end }}
+
+{{- define "kvdepot.configUnit" -}}
+{{- if or (eq . "") (eq . "b") }}1
+{{- else if or (eq . "k") (eq . "kib") }}1024
+{{- else if or (eq . "m") (eq . "mib") }}1048576
+{{- else if or (eq . "g") (eq . "gib") }}1073741824
+{{- else if or (eq . "t") (eq . "tib") }}1099511627776
+{{- else if eq . "kb" }}1000
+{{- else if eq . "mb" }}1000000
+{{- else if eq . "gb" }}1000000000
+{{- else if eq . "tb" }}1000000000000
+{{- else }}{{ fail (printf "kvdepot: unknown size unit %q (use B, KiB, MiB, GiB, TiB)" .) }}
+{{- end }}
+{{- end }}
+
+{{/* Bytes of a Kubernetes quantity as the chart reads it: a number (to three
+decimals) and a suffix (Ki, Mi, Gi, Ti, Pi: powers of 1024; k, M, G, T, P:
+of 1000), e.g. 72Gi or 1.5Gi. */}}
+{{- define "kvdepot.k8sBytes" -}}
+{{- if not (regexMatch "^(0|[1-9][0-9]*)([.][0-9]+)?(Ki|Mi|Gi|Ti|Pi|k|M|G|T|P)?$" (toString .)) -}}
+{{- fail (printf "kvdepot: cannot read the quantity %q: the chart takes a number and a suffix, e.g. 72Gi" (toString .)) -}}
+{{- end -}}
+{{- include "kvdepot.scaled" (printf "%s %s" (regexFind "^[0-9.]+" (toString .)) (include "kvdepot.k8sUnit" (trimPrefix (regexFind "^[0-9.]+" (toString .)) (toString .)))) -}}
+{{- end }}
+
+{{- define "kvdepot.k8sUnit" -}}
+{{- if eq . "" }}1
+{{- else if eq . "Ki" }}1024
+{{- else if eq . "Mi" }}1048576
+{{- else if eq . "Gi" }}1073741824
+{{- else if eq . "Ti" }}1099511627776
+{{- else if eq . "Pi" }}1125899906842624
+{{- else if eq . "k" }}1000
+{{- else if eq . "M" }}1000000
+{{- else if eq . "G" }}1000000000
+{{- else if eq . "T" }}1000000000000
+{{- else }}1000000000000000
+{{- end }}
+{{- end }}
