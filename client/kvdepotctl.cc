@@ -733,7 +733,7 @@ int Run(int argc, char** argv) {
   } catch (const CLI::ParseError& e) {
     // CLI11 says "A subcommand is required" for a misspelled one.
     if (app.get_subcommands().empty() && !app.remaining().empty() &&
-        e.get_exit_code() != 0) {
+        app.remaining().front().rfind('-', 0) != 0 && e.get_exit_code() != 0) {
       std::cerr << "kvdepotctl: unknown subcommand '" << app.remaining().front()
                 << "' (see --help)\n";
       return kUsage;

@@ -20,6 +20,8 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/strip.h"
 #include "server/http_server.h"
+#include "storage/dram_arena.h"
+#include "storage/sizes.h"
 #include "transport/net_devices.h"
 #include "transport/ucx_context.h"
 
@@ -332,8 +334,10 @@ absl::Status ValidateConfig(const DaemonConfig& c) {
     return absl::InvalidArgumentError(
         "watermarks must satisfy 0 < low_watermark <= high_watermark <= 1");
   }
-  if (s.dram_capacity < (1 << 20)) {
-    return absl::InvalidArgumentError("dram_capacity must be at least 1MiB");
+  if (s.dram_capacity < (1 << 20) ||
+      s.dram_capacity > DramArena::kMaxCapacity) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "dram_capacity must be 1MiB to ", FormatSize(DramArena::kMaxCapacity)));
   }
   if (s.max_batch_keys == 0 || s.max_batch_keys > 65536) {
     return absl::InvalidArgumentError("max_batch_keys must be 1..65536");

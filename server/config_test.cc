@@ -10,6 +10,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "server/http_server.h"
+#include "storage/dram_arena.h"
 #include "tests/status_matchers.h"
 #include "yaml-cpp/yaml.h"
 
@@ -190,6 +191,14 @@ TEST(ValidateConfigTest, ChecksCrossFieldRules) {
   c = DaemonConfig{};
   c.store.dram_capacity = 1000;
   EXPECT_THAT(ValidateConfig(c), StatusIs(absl::StatusCode::kInvalidArgument));
+  // The arena's limit is a configuration error (exit 2) before anything
+  // else at start can fail on so large a tier (MemAvailable: exit 1).
+  c.store.dram_capacity = DramArena::kMaxCapacity;
+  EXPECT_OK(ValidateConfig(c));
+  c.store.dram_capacity = DramArena::kMaxCapacity + 1;
+  EXPECT_THAT(ValidateConfig(c), StatusIs(absl::StatusCode::kInvalidArgument));
+  EXPECT_THAT(std::string(ValidateConfig(c).message()),
+              HasSubstr("1MiB to 256GiB"));
 }
 
 // HOST:PORT with a host and a port that fits 16 bits: "127.0.0.1:99999"

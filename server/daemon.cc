@@ -71,7 +71,12 @@ absl::Status Daemon::Init() {
       store_options.dram_capacity, store_options.hugepages,
       transport_internal::CgroupMemoryLeft("/proc/self/cgroup",
                                            "/sys/fs/cgroup"),
-      FreeHugetlbBytes(), transport_internal::MeminfoValue("MemAvailable")));
+      FreeHugetlbBytes(),
+      // Without prefaulting, a tier larger than the host's free memory is
+      // the operator's deliberate overcommit.
+      store_options.prefault_dram
+          ? transport_internal::MeminfoValue("MemAvailable")
+          : std::nullopt));
   ASSIGN_OR_RETURN(store_, NewTieredStore(store_options, SystemClock()));
 
   if (!config_.metrics_listen.empty()) {

@@ -59,6 +59,11 @@ TEST_F(DataDirTest, ADirectoryItMakesIsPrivateAndAnOpenOneIsWarnedAbout) {
   ASSERT_EQ((*open)->warnings().size(), 1u);
   EXPECT_THAT((*open)->warnings()[0],
               HasSubstr("open to other users (mode 0755)"));
+  // A trailing slash, parents missing: made all the same.
+  auto slash = DataDir::Open(dir_ + "/x/y/");
+  ASSERT_OK(slash);
+  EXPECT_EQ(std::filesystem::status(dir_ + "/x/y").permissions(),
+            std::filesystem::perms::owner_all);
   // The daemon does not change a directory it did not make.
   EXPECT_EQ(std::filesystem::status(dir_ + "/open").permissions(),
             std::filesystem::perms(0755));

@@ -57,10 +57,11 @@ constexpr rlim_t kLowOpenFileLimit = 16384;
 // what is committed to NVMe stays (that is SIGKILL's promise), blocks only
 // in DRAM are lost. A repeated SIGTERM does not: scripts and supervisors
 // resend it while they wait for the exit, and the shutdown must finish; it
-// is answered with a line saying how to stop at once. SIGHUP is ignored.
+// is answered with a line on stderr saying how to stop at once. SIGHUP is
+// ignored.
 // Writes with write(2) (the logger may be gone), detached: it may still
 // wait when main returns.
-void WatchSignalsDuringShutdown(sigset_t signals) {
+void WatchSignalsDuringShutdown(sigset_t signals) noexcept try {
   std::thread([signals] {
     int sig = 0;
     while (sigwait(&signals, &sig) == 0) {
@@ -80,6 +81,8 @@ void WatchSignalsDuringShutdown(sigset_t signals) {
       }
     }
   }).detach();
+} catch (const std::exception&) {
+  // No thread to be had: the shutdown goes on, signals stay blocked.
 }
 
 }  // namespace

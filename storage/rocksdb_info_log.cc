@@ -23,24 +23,38 @@ namespace kvdepot {
 struct RocksInfoLog::State {
   State(std::string p, size_t max) : path(std::move(p)), max_bytes(max) {}
 
-  // Opens `path` afresh (the old file, if any, becomes LOG.old). At most
-  // once a second after a failure.
+  // Opens `path` afresh, first moving the old file, if any, to LOG.old.1
+  // (and older ones one step on, the oldest dropped). At most once a
+  // second after a failed open.
   void OpenLocked(bool rotate) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu) {
     const absl::Time now = absl::Now();
     if (fd < 0 && now < next_open) return;
     if (fd >= 0) ::close(fd);
     fd = -1;
     size = 0;
-    // Only a file of ours is moved aside (never, say, a device named as
-    // the log).
+    int flags = O_WRONLY | O_CREAT | O_APPEND | O_CLOEXEC;
+    // Only a file of ours is moved aside (never, say, a device or a link
+    // named as the log): anything else is truncated instead, so that it
+    // stays within max_bytes too.
     struct stat st;
-    if (rotate && ::lstat(path.c_str(), &st) == 0 && S_ISREG(st.st_mode)) {
-      ::rename(path.c_str(), (path + ".old").c_str());
+    if (rotate && ::lstat(path.c_str(), &st) == 0) {
+      bool moved = false;
+      if (S_ISREG(st.st_mode)) {
+        for (int g = kOldGenerations - 1; g >= 1; --g) {
+          ::rename(Old(g).c_str(), Old(g + 1).c_str());  // may not exist
+        }
+        moved = ::rename(path.c_str(), Old(1).c_str()) == 0;
+      }
+      if (!moved) flags |= O_TRUNC;
     }
-    fd = ::open(path.c_str(), O_WRONLY | O_CREAT | O_APPEND | O_CLOEXEC, 0640);
+    fd = ::open(path.c_str(), flags, 0640);
     if (fd < 0) next_open = now + absl::Seconds(1);
   }
+  std::string Old(int generation) const {
+    return path + ".old." + std::to_string(generation);
+  }
 
+  static constexpr int kOldGenerations = 3;
   const std::string path;
   const size_t max_bytes;
   mutable absl::Mutex mu;

@@ -8,11 +8,12 @@
 // This logger writes each line with write(2) and drops what does not fit
 // (counting it), never failing its caller.
 //
-// Lines: "YYYY/MM/DD-HH:MM:SS.uuuuuu TID message", as RocksDB's. The file
-// is renamed to LOG.old (replacing the previous one) when it is opened and
-// when it passes `max_bytes`, so the two take at most 2 x max_bytes. A
-// file that cannot be opened (or a write that failed) is retried at most
-// once a second.
+// Lines: "YYYY/MM/DD-HH:MM:SS.uuuuuu TID message", as RocksDB's. When it
+// is opened and when it passes `max_bytes` the file moves to LOG.old.1
+// (LOG.old.1 to .2, .2 to .3, the oldest dropped), so the log takes at most
+// 4 x max_bytes and the last starts' logs stay. A line that cannot be
+// written is dropped (the next one tries again); a file that cannot be
+// opened is tried again at most once a second.
 //
 // Thread-safe.
 #ifndef KVDEPOT_STORAGE_ROCKSDB_INFO_LOG_H_

@@ -49,7 +49,7 @@ TEST_F(RocksInfoLogTest, WritesRocksDbsLinesWithATimeAndRotates) {
     EXPECT_EQ(log.dropped_lines(), 0u);
     EXPECT_GT(log.GetLogFileSize(), 3000u);
   }
-  EXPECT_EQ(Slurp(dir_ + "/LOG.old"), "the last run's\n");
+  EXPECT_EQ(Slurp(dir_ + "/LOG.old.1"), "the last run's\n");
   const std::string text = Slurp(dir_ + "/LOG");
   EXPECT_THAT(text,
               ::testing::MatchesRegex("[0-9]{4}/[0-9]{2}/[0-9]{2}-[0-9:.]{15} "
@@ -57,13 +57,35 @@ TEST_F(RocksInfoLogTest, WritesRocksDbsLinesWithATimeAndRotates) {
                                       ".* x{3000}\n"));
   EXPECT_THAT(text, ::testing::Not(HasSubstr("below the level")));
 
-  // Past max_bytes the file starts again; the full one becomes LOG.old.
+  // Past max_bytes the file starts again; the full one becomes LOG.old.1,
+  // and the older ones move on, three kept.
   RocksInfoLog log(dir_ + "/LOG", 4096);
-  for (int i = 0; i < 100; ++i)
+  EXPECT_EQ(Slurp(dir_ + "/LOG.old.2"), "the last run's\n");
+  for (int i = 0; i < 300; ++i) {
     rocksdb::Log(&log, "line %03d of a long run", i);
+  }
   EXPECT_LE(std::filesystem::file_size(dir_ + "/LOG"), 4096u);
-  EXPECT_LE(std::filesystem::file_size(dir_ + "/LOG.old"), 4096u);
-  EXPECT_THAT(Slurp(dir_ + "/LOG"), HasSubstr("line 099 of a long run\n"));
+  for (const char* old : {"/LOG.old.1", "/LOG.old.2", "/LOG.old.3"}) {
+    EXPECT_LE(std::filesystem::file_size(dir_ + old), 4096u) << old;
+    EXPECT_THAT(Slurp(dir_ + old), HasSubstr(" of a long run\n")) << old;
+  }
+  EXPECT_FALSE(std::filesystem::exists(dir_ + "/LOG.old.4"));
+  EXPECT_THAT(Slurp(dir_ + "/LOG"), HasSubstr("line 299 of a long run\n"));
+}
+
+// A log that is a link (to a file elsewhere) is not moved aside but
+// truncated when full: it stays within max_bytes too.
+TEST_F(RocksInfoLogTest, ALinkedLogIsTruncatedNotMoved) {
+  std::filesystem::create_symlink(dir_ + "/elsewhere", dir_ + "/LOG");
+  RocksInfoLog log(dir_ + "/LOG", 4096);
+  for (int i = 0; i < 300; ++i) {
+    rocksdb::Log(&log, "line %03d of a long run", i);
+  }
+  EXPECT_TRUE(std::filesystem::is_symlink(dir_ + "/LOG"));
+  EXPECT_LE(std::filesystem::file_size(dir_ + "/elsewhere"), 4096u);
+  EXPECT_THAT(Slurp(dir_ + "/elsewhere"),
+              HasSubstr("line 299 of a long run\n"));
+  EXPECT_FALSE(std::filesystem::exists(dir_ + "/LOG.old.1"));
 }
 
 // A full disk loses log lines, never the process: here writes past a

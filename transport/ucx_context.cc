@@ -9,6 +9,7 @@
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
+#include <filesystem>
 #include <fstream>
 #include <map>
 #include <optional>
@@ -283,7 +284,8 @@ std::optional<uint64_t> CgroupMemoryLeft(const std::string& proc_cgroup,
     // cgroup namespace (Docker on v1) sees the host's path, and has its own
     // cgroup mounted at the root.
     std::string dir = mount + parts[2];
-    if (!std::ifstream(dir + limit_file).good()) dir = mount;
+    std::error_code ec;
+    if (!std::filesystem::is_directory(dir, ec)) dir = mount;
     // Its ancestors' limits bind it too (a systemd slice's MemoryMax, a
     // pod's limit above its containers'): the least room of any of them,
     // up to the mount's root.

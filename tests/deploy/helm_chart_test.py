@@ -267,8 +267,21 @@ class ChartTest(unittest.TestCase):
         # Units: kvdepotd's K/M/G/T are powers of 1024, Kubernetes' of 1000.
         render(mem("1G", "3Gi"))
         self.assert_refused(mem("1G", "3G"), "3G")
-        # No limit: nothing to check against.
+        # No limit (or no limits at all): nothing to check against.
         render({"config": {"dram_capacity": "64GiB"}, "resources": {"limits": {"memory": None}}})
+        render({"config": {"dram_capacity": "64GiB"}, "resources": {"limits": None}})
+        # Plain numbers (float64 in Helm) are bytes, as kvdepotd and
+        # Kubernetes read them.
+        render(mem(1073741824, 6442450944))
+        render(mem(1073741824, "3Gi", grpc_memory_limit=1073741824))
+        self.assert_refused(mem(4294967296, 4294967296), "memory 4294967296",
+                            "dram_capacity 4294967296")
+        # kvdepotd's defaults where config does not say.
+        self.assert_refused({"config": {"dram_capacity": None},
+                             "resources": {"limits": {"memory": "2Gi"}}},
+                            "dram_capacity 1GiB", "grpc_memory_limit 1GiB")
+        # Past int64 the product wraps around in Helm (negative): refused.
+        self.assert_refused(mem("64GiB", "10000Pi"), "10000Pi")
 
     def test_hugepages_must_hold_the_dram_tier(self):
         huge = lambda size, dram, limit="3Gi": {
@@ -279,6 +292,8 @@ class ChartTest(unittest.TestCase):
         render(huge("64Gi", "64GiB", "2Gi"))
         self.assert_refused(huge("63Gi", "64GiB"), "hugepages.size 63Gi")
         self.assert_refused(huge("64Gi", "64GiB", "1.9Gi"), "1.9Gi")
+        # Without a memory limit the hugepages still must hold the tier.
+        self.assert_refused(huge("2Gi", "64GiB", None), "hugepages.size 2Gi")
 
     def test_unreadable_sizes_are_refused(self):
         for dram in ("lots", "-1GiB", "01GiB", "1e9", "1.5.1GiB"):
@@ -464,6 +479,13 @@ class RendererTest(unittest.TestCase):
         self.assertEqual(self.r('{{ int64 "010" }} {{ int64 "x" }} {{ int64 "0x10" }}'),
                          "8 0 16")
         self.assertEqual(self.r('{{ if lt (int64 "2") (add 1 2) }}y{{ end }}'), "y")
+        # int64 wraps; a string past its range reads as 0.
+        self.assertEqual(self.r('{{ mul 4611686018427387904 2 }}'), "-9223372036854775808")
+        self.assertEqual(self.r('{{ int64 "99999999999999999999" }}'), "0")
+        self.assertEqual(
+            self.r('{{ kindIs "float64" .Values.a.n }} {{ kindIs "int64" (int64 .Values.a.n) }}'
+                   ' {{ kindIs "string" .Values.a.b }} {{ kindIs "float64" .Values.a.b }}'),
+            "true true true false")
         with self.assertRaises(ChartFailure) as caught:
             self.r('{{ fail (printf "no %s" "way") }}')
         self.assertEqual(str(caught.exception), "no way")

@@ -11,7 +11,7 @@ with Helm's semantics for it:
               ( pipeline )
   functions   include quote default toYaml nindent indent trunc trimSuffix
               contains printf eq ne not and or sha256sum fail hasKey lower
-              toString trimPrefix regexMatch regexFind int64 add sub mul div lt
+              toString trimPrefix regexMatch regexFind int64 add sub mul div lt kindIs
 
 Anything else (variables, template, tpl, other functions) is an error, so the
 chart cannot drift outside what the tests can render. As in Helm, values read
@@ -341,22 +341,51 @@ class Int64(int):
     """A Sprig int64 (add, mul, int64): printed in full, unlike values."""
 
 
+def _wrap64(n):
+    """Go's int64 arithmetic wraps around."""
+    n &= (1 << 64) - 1
+    return Int64(n - (1 << 64) if n >= 1 << 63 else n)
+
+
 def _to_int64(v):
     """Sprig's toInt64 (cast.ToInt64): strings in Go's base-0 syntax, floats
-    truncated, nil and anything unreadable 0."""
+    truncated; nil, anything unreadable and strings out of int64's range 0."""
     if isinstance(v, bool):
         return Int64(1 if v else 0)
     if isinstance(v, (int, float)):
-        return Int64(int(v))
+        return _wrap64(int(v))
     if isinstance(v, str):
         s = v.strip()
-        if re.fullmatch(r"[+-]?0[0-7]+", s):
-            return Int64(int(s, 8))  # Go's base 0: a leading 0 is octal
         try:
-            return Int64(int(s, 0))
+            if re.fullmatch(r"[+-]?0[0-7]+", s):
+                n = int(s, 8)  # Go's base 0: a leading 0 is octal
+            else:
+                n = int(s, 0)
         except ValueError:
             return Int64(0)
+        return Int64(n) if -(1 << 63) <= n < (1 << 63) else Int64(0)
     return Int64(0)
+
+
+def _kind_is(kind, v):
+    """Sprig's kindIs for Helm values: YAML numbers are float64."""
+    if v is None:
+        actual = "invalid"
+    elif isinstance(v, bool):
+        actual = "bool"
+    elif isinstance(v, Int64):
+        actual = "int64"
+    elif isinstance(v, (int, float)):
+        actual = "float64"
+    elif isinstance(v, str):
+        actual = "string"
+    elif isinstance(v, dict):
+        actual = "map"
+    elif isinstance(v, list):
+        actual = "slice"
+    else:
+        actual = type(v).__name__
+    return kind == actual
 
 
 def _lt(a, b):
@@ -383,7 +412,7 @@ def _has_key(d, key):
 def _mul(a, *rest):
     out = _to_int64(a)
     for b in rest:
-        out = Int64(out * _to_int64(b))
+        out = _wrap64(out * _to_int64(b))
     return out
 
 
@@ -424,9 +453,10 @@ _FUNCS = {
         re.search(regex, s)
     ),
     "int64": _to_int64,
-    "add": lambda *a: Int64(sum(_to_int64(x) for x in a)),
+    "add": lambda *a: _wrap64(sum(_to_int64(x) for x in a)),
     "mul": _mul,
-    "sub": lambda a, b: Int64(_to_int64(a) - _to_int64(b)),
+    "sub": lambda a, b: _wrap64(_to_int64(a) - _to_int64(b)),
+    "kindIs": _kind_is,
     # Go's integer division truncates toward zero; divisors here are positive.
     "div": lambda a, b: Int64(int(_to_int64(a) / _to_int64(b)))
     if _to_int64(b) != 0

@@ -64,30 +64,53 @@ resources): without hugepages the DRAM tier (prefaulted, resident from the
 start) + grpc_memory_limit + 1 GiB for RocksDB and the index; with them,
 hugepages.size must cover the DRAM tier and the memory limit the rest.
 kvdepotd itself refuses a DRAM tier its cgroup cannot hold, but only once
-the pod has started. No memory limit: nothing to check. */}}
+the pod has started. No memory limit: only the hugepages are checked. */}}
 {{- define "kvdepot.checkMemory" -}}
-{{- if .Values.resources.limits.memory -}}
 {{- if .Values.hugepages.enabled -}}
-{{- if lt (include "kvdepot.k8sBytes" .Values.hugepages.size | int64) (include "kvdepot.configBytes" .Values.config.dram_capacity | int64) -}}
-{{- fail (printf "kvdepot: hugepages.size %v is less than config.dram_capacity %v" .Values.hugepages.size .Values.config.dram_capacity) -}}
-{{- end -}}
-{{- if lt (include "kvdepot.k8sBytes" .Values.resources.limits.memory | int64) (add (include "kvdepot.configBytes" (.Values.config.grpc_memory_limit | default "1GiB")) 1073741824) -}}
-{{- fail (printf "kvdepot: resources.limits.memory %v is less than config.grpc_memory_limit %v + 1Gi (RocksDB and the index)" .Values.resources.limits.memory (.Values.config.grpc_memory_limit | default "1GiB")) -}}
-{{- end -}}
-{{- else if lt (include "kvdepot.k8sBytes" .Values.resources.limits.memory | int64) (add (include "kvdepot.configBytes" .Values.config.dram_capacity) (include "kvdepot.configBytes" (.Values.config.grpc_memory_limit | default "1GiB")) 1073741824) -}}
-{{- fail (printf "kvdepot: resources.limits.memory %v is less than config.dram_capacity %v + config.grpc_memory_limit %v + 1Gi (RocksDB and the index): kvdepotd would refuse to start or be OOM-killed" .Values.resources.limits.memory .Values.config.dram_capacity (.Values.config.grpc_memory_limit | default "1GiB")) -}}
+{{- if lt (include "kvdepot.k8sBytes" (include "kvdepot.str" .Values.hugepages.size) | int64) (include "kvdepot.configBytes" (include "kvdepot.dram" .) | int64) -}}
+{{- fail (printf "kvdepot: hugepages.size %s is less than config.dram_capacity %s" (include "kvdepot.str" .Values.hugepages.size) (include "kvdepot.dram" .)) -}}
 {{- end -}}
 {{- end -}}
+{{- if include "kvdepot.memoryLimit" . -}}
+{{- if .Values.hugepages.enabled -}}
+{{- if lt (include "kvdepot.k8sBytes" (include "kvdepot.memoryLimit" .) | int64) (add (include "kvdepot.configBytes" (include "kvdepot.grpcLimit" .)) 1073741824) -}}
+{{- fail (printf "kvdepot: resources.limits.memory %s is less than config.grpc_memory_limit %s + 1Gi (RocksDB and the index)" (include "kvdepot.memoryLimit" .) (include "kvdepot.grpcLimit" .)) -}}
+{{- end -}}
+{{- else if lt (include "kvdepot.k8sBytes" (include "kvdepot.memoryLimit" .) | int64) (add (include "kvdepot.configBytes" (include "kvdepot.dram" .)) (include "kvdepot.configBytes" (include "kvdepot.grpcLimit" .)) 1073741824) -}}
+{{- fail (printf "kvdepot: resources.limits.memory %s is less than config.dram_capacity %s + config.grpc_memory_limit %s + 1Gi (RocksDB and the index): kvdepotd would refuse to start or be OOM-killed" (include "kvdepot.memoryLimit" .) (include "kvdepot.dram" .) (include "kvdepot.grpcLimit" .)) -}}
+{{- end -}}
+{{- end -}}
+{{- end }}
+
+{{/* A value as text: YAML numbers are float64 in Helm, which toString would
+print as 1.073741824e+09; whole digits instead. */}}
+{{- define "kvdepot.str" -}}
+{{- if kindIs "float64" . }}{{ int64 . }}{{ else }}{{ toString . }}{{ end -}}
+{{- end }}
+
+{{/* resources.limits.memory as text; empty when there is none (limits
+absent or null too). */}}
+{{- define "kvdepot.memoryLimit" -}}
+{{- with .Values.resources.limits }}{{ with .memory }}{{ include "kvdepot.str" . }}{{ end }}{{ end -}}
+{{- end }}
+
+{{/* config.dram_capacity and config.grpc_memory_limit as text, kvdepotd's
+defaults when not set. */}}
+{{- define "kvdepot.dram" -}}
+{{- if hasKey .Values.config "dram_capacity" }}{{ include "kvdepot.str" .Values.config.dram_capacity }}{{ else }}1GiB{{ end -}}
+{{- end }}
+{{- define "kvdepot.grpcLimit" -}}
+{{- if hasKey .Values.config "grpc_memory_limit" }}{{ include "kvdepot.str" .Values.config.grpc_memory_limit }}{{ else }}1GiB{{ end -}}
 {{- end }}
 
 {{/* Bytes of a kvdepot.yaml size as the chart reads it: a number (to three
 decimals) and one of kvdepotd's units, any case (B; KiB, MiB, GiB, TiB and
 K, M, G, T: powers of 1024; KB, MB, GB, TB: of 1000), e.g. 64GiB, 1.5GiB. */}}
 {{- define "kvdepot.configBytes" -}}
-{{- if not (regexMatch "^(0|[1-9][0-9]*)([.][0-9]+)? *[A-Za-z]*$" (toString .)) -}}
-{{- fail (printf "kvdepot: cannot read the size %q: the chart takes a number and a unit, e.g. 64GiB" (toString .)) -}}
+{{- if not (regexMatch "^(0|[1-9][0-9]*)([.][0-9]+)? *[A-Za-z]*$" .) -}}
+{{- fail (printf "kvdepot: cannot read the size %q: the chart takes a number and a unit, e.g. 64GiB" .) -}}
 {{- end -}}
-{{- include "kvdepot.scaled" (printf "%s %s" (regexFind "^[0-9.]+" (toString .)) (include "kvdepot.configUnit" (lower (trimPrefix (regexFind "^[0-9.]+ *" (toString .)) (toString .))))) -}}
+{{- include "kvdepot.scaled" (printf "%s %s" (regexFind "^[0-9.]+" .) (include "kvdepot.configUnit" (lower (trimPrefix (regexFind "^[0-9.]+ *" .) .)))) -}}
 {{- end }}
 
 {{/* "N[.F] U": N x U + 0.F x U to three decimals, in whole bytes. Numbers are
@@ -115,10 +138,10 @@ front of the decimals (1FFF - 1000). */}}
 decimals) and a suffix (Ki, Mi, Gi, Ti, Pi: powers of 1024; k, M, G, T, P:
 of 1000), e.g. 72Gi or 1.5Gi. */}}
 {{- define "kvdepot.k8sBytes" -}}
-{{- if not (regexMatch "^(0|[1-9][0-9]*)([.][0-9]+)?(Ki|Mi|Gi|Ti|Pi|k|M|G|T|P)?$" (toString .)) -}}
-{{- fail (printf "kvdepot: cannot read the quantity %q: the chart takes a number and a suffix, e.g. 72Gi" (toString .)) -}}
+{{- if not (regexMatch "^(0|[1-9][0-9]*)([.][0-9]+)?(Ki|Mi|Gi|Ti|Pi|k|M|G|T|P)?$" .) -}}
+{{- fail (printf "kvdepot: cannot read the quantity %q: the chart takes a number and a suffix, e.g. 72Gi" .) -}}
 {{- end -}}
-{{- include "kvdepot.scaled" (printf "%s %s" (regexFind "^[0-9.]+" (toString .)) (include "kvdepot.k8sUnit" (trimPrefix (regexFind "^[0-9.]+" (toString .)) (toString .)))) -}}
+{{- include "kvdepot.scaled" (printf "%s %s" (regexFind "^[0-9.]+" .) (include "kvdepot.k8sUnit" (trimPrefix (regexFind "^[0-9.]+" .) .))) -}}
 {{- end }}
 
 {{- define "kvdepot.k8sUnit" -}}
