@@ -58,8 +58,7 @@ absl::StatusOr<std::unique_ptr<DataDir>> DataDir::Open(const std::string& path) 
   std::vector<std::string> warnings;
   struct stat st;
   // Only a directory its user owns can kvdepotd change; a volume mounted
-  // for it
-  // (a Kubernetes emptyDir, 0777) is the platform's to set.
+  // for it (a Kubernetes emptyDir, 0777) is the platform's to set.
   if (::stat(clean.c_str(), &st) == 0 && st.st_uid == ::geteuid() &&
       (st.st_mode & S_IRWXO) != 0) {
     warnings.push_back(absl::StrFormat(

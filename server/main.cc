@@ -75,8 +75,7 @@ void WatchSignalsDuringShutdown(sigset_t signals) noexcept try {
       if (sig == SIGTERM) {
         constexpr char kMsg[] =
             "kvdepotd: already shutting down (draining, then persisting DRAM "
-            "to "
-            "NVMe); SIGINT or SIGKILL ends it at once\n";
+            "to NVMe); SIGINT or SIGKILL ends it at once\n";
         (void)!write(STDERR_FILENO, kMsg, sizeof kMsg - 1);
       }
     }
@@ -184,10 +183,8 @@ int main(int argc, char** argv) {
       files != 0 && files < kLowOpenFileLimit) {
     logger->warn(
         "open files limited to {} (ulimit -n; LimitNOFILE in a unit): each "
-        "client "
-        "connection takes one and each co-located UCX client about 10; past "
-        "the "
-        "limit new connections are refused",
+        "client connection takes one and each co-located UCX client about "
+        "10; past the limit new connections are refused",
         static_cast<unsigned long long>(files));
   }
 
