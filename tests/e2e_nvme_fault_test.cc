@@ -42,6 +42,19 @@ std::string BytesOf(int i, size_t size) {
   return b;
 }
 
+// Blocks <prefix>i for i in [begin, end), of 256 KiB (BytesOf(i)), are all
+// served with their own bytes.
+void ExpectServed(Client& client, const std::string& prefix, int begin,
+                  int end) {
+  for (int i = begin; i < end; ++i) {
+    std::string key = prefix + std::to_string(i);
+    absl::string_view k = key;
+    auto got = client.Get("ns", {&k, 1});
+    ASSERT_OK(got) << key;
+    EXPECT_EQ((*got)[0].bytes, BytesOf(i, 256 << 10)) << key;
+  }
+}
+
 const std::vector<std::string> kArgs = {"--dram-capacity", "8MiB", "--nvme-capacity",
                                         "256MiB"};
 
@@ -290,13 +303,7 @@ TEST(NvmeFaultTest, FullDiskSkipsDemotionAndKeepsServingDram) {
       return absl::StrContains((*d)->Log(), "NVMe tier takes no writes");
     })) << (*d)->Log();
     // The newest blocks are in DRAM and served.
-    for (int i = 370; i < 384; ++i) {
-      std::string key = "full-" + std::to_string(i);
-      absl::string_view k = key;
-      auto got = client->Get("ns", {&k, 1});
-      ASSERT_OK(got) << key;
-      EXPECT_EQ((*got)[0].bytes, BytesOf(i, 256 << 10));
-    }
+    ExpectServed(*client, "full-", 370, 384);
     EXPECT_TRUE((*d)->Running());
     auto rc = (*d)->Stop(SIGTERM);  // persisting on a full disk must not crash
     ASSERT_OK(rc);
@@ -354,18 +361,12 @@ TEST(NvmeFaultTest, AFilesystemFilledByAnotherFileStopsNothingButNvmeWrites) {
                   .exit_code,
               0);
     put(*client, "after-", 200);  // demotions fail; DRAM takes them
-    absl::SleepFor(
-        absl::Seconds(2));  // the NVMe tier's timed flush, its log lines
+    // The NVMe tier's timed flush, and its log lines, come meanwhile.
+    absl::SleepFor(absl::Seconds(2));
     EXPECT_TRUE((*d)->Running()) << (*d)->Log();
     EXPECT_OK(client->Health());
     // The newest blocks are served from DRAM, byte for byte.
-    for (int i = 190; i < 200; ++i) {
-      std::string key = "after-" + std::to_string(i);
-      absl::string_view k = key;
-      auto got = client->Get("ns", {&k, 1});
-      ASSERT_OK(got) << key;
-      EXPECT_EQ((*got)[0].bytes, BytesOf(i, 256 << 10));
-    }
+    ExpectServed(*client, "after-", 190, 200);
     auto rc = (*d)->Stop(SIGTERM);
     ASSERT_OK(rc);
     EXPECT_EQ(*rc, 0) << (*d)->Log();
