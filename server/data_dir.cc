@@ -35,32 +35,31 @@ absl::Status ErrnoStatus(int err, const std::string& what) {
 absl::StatusOr<std::unique_ptr<DataDir>> DataDir::Open(const std::string& path) {
   // A directory kvdepotd makes is its own (0700): its blocks are users'
   // prompts, and the files in it are made under the process's umask.
-  std::error_code ec;
   std::string clean = path;  // "dir/" is "dir"
   while (clean.size() > 1 && clean.back() == '/') clean.pop_back();
-  std::filesystem::path dir(clean);
-  if (!std::filesystem::exists(dir, ec)) {
-    if (dir.has_parent_path() && dir.has_filename()) {
-      std::filesystem::create_directories(dir.parent_path(), ec);
-      if (ec) {
-        return ErrnoStatus(ec.value(),
-                           absl::StrCat("cannot create data dir ", path));
-      }
-    }
-    if (::mkdir(clean.c_str(), 0700) != 0 && errno != EEXIST) {
-      return ErrnoStatus(errno, absl::StrCat("cannot create data dir ", path));
+  const std::filesystem::path dir(clean);
+  if (dir.has_parent_path()) {
+    std::error_code ec;
+    std::filesystem::create_directories(dir.parent_path(), ec);
+    if (ec) {
+      return ErrnoStatus(ec.value(),
+                         absl::StrCat("cannot create data dir ", path));
     }
   }
-  std::filesystem::create_directories(dir, ec);  // races: exists already
-  if (ec) {
-    return ErrnoStatus(ec.value(), absl::StrCat("cannot create data dir ", path));
+  if (::mkdir(clean.c_str(), 0700) != 0 && errno != EEXIST) {
+    return ErrnoStatus(errno, absl::StrCat("cannot create data dir ", path));
+  }
+  struct stat st;
+  if (::stat(clean.c_str(), &st) != 0) {
+    return ErrnoStatus(errno, absl::StrCat("cannot use data dir ", path));
+  }
+  if (!S_ISDIR(st.st_mode)) {
+    return ErrnoStatus(ENOTDIR, absl::StrCat("cannot use data dir ", path));
   }
   std::vector<std::string> warnings;
-  struct stat st;
   // Only a directory its user owns can kvdepotd change; a volume mounted
   // for it (a Kubernetes emptyDir, 0777) is the platform's to set.
-  if (::stat(clean.c_str(), &st) == 0 && st.st_uid == ::geteuid() &&
-      (st.st_mode & S_IRWXO) != 0) {
+  if (st.st_uid == ::geteuid() && (st.st_mode & S_IRWXO) != 0) {
     warnings.push_back(absl::StrFormat(
         "data dir %s is open to other users (mode %04o): they can read the "
         "stored blocks, which come from users' prompts; chmod o-rwx it",

@@ -4,6 +4,7 @@
 #include <gtest/gtest.h>
 
 #include <filesystem>
+#include <fstream>
 #include <string>
 
 #include "tests/status_matchers.h"
@@ -64,6 +65,11 @@ TEST_F(DataDirTest, ADirectoryItMakesIsPrivateAndAnOpenOneIsWarnedAbout) {
   ASSERT_OK(slash);
   EXPECT_EQ(std::filesystem::status(dir_ + "/x/y").permissions(),
             std::filesystem::perms::owner_all);
+  // A file where the directory should be: refused, saying so.
+  std::ofstream(dir_ + "/file") << "x";
+  auto file = DataDir::Open(dir_ + "/file");
+  ASSERT_FALSE(file.ok());
+  EXPECT_THAT(std::string(file.status().message()), HasSubstr("Not a directory"));
   // The daemon does not change a directory it did not make.
   EXPECT_EQ(std::filesystem::status(dir_ + "/open").permissions(),
             std::filesystem::perms(0755));

@@ -237,7 +237,18 @@ std::vector<std::string> RandomObjects(const KvLayout& layout, size_t n,
   return objects;
 }
 
-class FailureStress : public ::testing::TestWithParam<int /*ring*/> {};
+class FailureStress : public ::testing::TestWithParam<int /*ring*/> {
+ protected:
+  // A pipeline on `stream` with this test's ring, one layer per piece (so
+  // that a failure may come at any of many pieces).
+  static std::unique_ptr<StagingPipeline> MakePipeline(
+      const KvLayout& layout, const OwnStream& stream) {
+    StagingOptions o;
+    o.num_buffers = GetParam();
+    o.layers_per_piece = 1;
+    return StagingPipeline::Create(layout, stream.ref(), o).value();
+  }
+};
 
 // A sink failing at a random piece: the save ends with its error, and once
 // IsDone() (or Wait()) says so, no device work of it is pending. The
@@ -249,10 +260,7 @@ TEST_P(FailureStress, AFailingSinkLeavesNothingRunning) {
   cache.FillRandom(rng);
   std::vector<int64_t> ids = {3, 9, 1, 15, 0, 7, 12, 4};
   OwnStream stream(false);
-  StagingOptions o;
-  o.num_buffers = GetParam();
-  o.layers_per_piece = 1;
-  auto pipeline = StagingPipeline::Create(layout, stream.ref(), o).value();
+  auto pipeline = MakePipeline(layout, stream);
   const size_t pieces = ids.size() * layout.num_layers();
   for (int round = 0; round < 20; ++round) {
     const size_t fail_at = rng() % pieces;
@@ -292,10 +300,7 @@ TEST_P(FailureStress, AFailingSourceLeavesNothingRunning) {
   const std::vector<std::string> objects =
       RandomObjects(layout, ids.size(), rng);
   OwnStream stream(false);
-  StagingOptions o;
-  o.num_buffers = GetParam();
-  o.layers_per_piece = 1;
-  auto pipeline = StagingPipeline::Create(layout, stream.ref(), o).value();
+  auto pipeline = MakePipeline(layout, stream);
   const size_t pieces = ids.size() * layout.num_layers();
   for (int round = 0; round < 20; ++round) {
     TestCache cache(layout, 16);
@@ -350,10 +355,7 @@ TEST_P(FailureStress, AFailedLaunchEndsTheTransferCleanly) {
   cache.FillRandom(rng);
   std::vector<int64_t> ids = {3, 9, 1, 15, 0, 7};
   OwnStream stream(false);
-  StagingOptions o;
-  o.num_buffers = GetParam();
-  o.layers_per_piece = 1;
-  auto pipeline = StagingPipeline::Create(layout, stream.ref(), o).value();
+  auto pipeline = MakePipeline(layout, stream);
   const int pieces = static_cast<int>(ids.size()) * layout.num_layers();
   for (int round = 0; round < 10; ++round) {
     const bool save = round % 2 == 0;
@@ -397,10 +399,7 @@ TEST_P(FailureStress, AnAsynchronousFaultEndsTheTransfer) {
   cache.FillRandom(rng);
   std::vector<int64_t> ids = {3, 9, 1, 15, 0, 7};
   OwnStream stream(false);
-  StagingOptions o;
-  o.num_buffers = GetParam();
-  o.layers_per_piece = 1;
-  auto pipeline = StagingPipeline::Create(layout, stream.ref(), o).value();
+  auto pipeline = MakePipeline(layout, stream);
   const int pieces = static_cast<int>(ids.size()) * layout.num_layers();
   for (int round = 0; round < 6; ++round) {
     fake_cuda::FaultKernelAfter(static_cast<int>(rng() % pieces));
