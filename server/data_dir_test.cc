@@ -69,7 +69,8 @@ TEST_F(DataDirTest, ADirectoryItMakesIsPrivateAndAnOpenOneIsWarnedAbout) {
   std::ofstream(dir_ + "/file") << "x";
   auto file = DataDir::Open(dir_ + "/file");
   ASSERT_FALSE(file.ok());
-  EXPECT_THAT(std::string(file.status().message()), HasSubstr("Not a directory"));
+  EXPECT_THAT(std::string(file.status().message()),
+              HasSubstr("Not a directory"));
   // The daemon does not change a directory it did not make.
   EXPECT_EQ(std::filesystem::status(dir_ + "/open").permissions(),
             std::filesystem::perms(0755));
