@@ -281,6 +281,16 @@ absl::Status ApplyConfig(const YAML::Node& root, const std::string& path, Daemon
           return absl::InvalidArgumentError(absl::StrCat(
               "config ", path, ": ucx.", name, " must be a scalar"));
         }
+        // Here, not when the data plane starts: there a bad one only
+        // warned (UCX went on without an unknown name; a refused value
+        // turned the data plane off), and it is the config's mistake.
+        if (absl::Status checked =
+                CheckUcxSetting(name, setting.second.as<std::string>());
+            !checked.ok()) {
+          return absl::InvalidArgumentError(
+              absl::StrCat("config ", path, ": ucx.", name,
+                           AtLine(setting.first), ": ", checked.message()));
+        }
         for (auto it = c->ucx.begin(); it != c->ucx.end();) {
           it = UcxSettingName(it->first) == UcxSettingName(name)
                    ? c->ucx.erase(it)

@@ -172,6 +172,19 @@ TEST_F(ConfigFileTest, UcxSettingsAreAMapping) {
               StatusIs(absl::StatusCode::kInvalidArgument));
   EXPECT_THAT(LoadConfigFile(Write("ucx:\n  TLS: [tcp]\n"), &bad),
               StatusIs(absl::StatusCode::kInvalidArgument));
+  // A misspelled setting, and a value UCX refuses, named with their line:
+  // UCX itself warned and went without the first, and the second turned
+  // the data plane off.
+  absl::Status st =
+      LoadConfigFile(Write("ucx:\n  TLS: tcp\n  TCP_TX_SEGSIZE: 1m\n"), &bad);
+  EXPECT_THAT(st, StatusIs(absl::StatusCode::kInvalidArgument));
+  EXPECT_THAT(std::string(st.message()),
+              ::testing::AllOf(HasSubstr("ucx.TCP_TX_SEGSIZE at line 3"),
+                               HasSubstr("no setting")));
+  st = LoadConfigFile(Write("ucx:\n  RNDV_THRESH: soon\n"), &bad);
+  EXPECT_THAT(std::string(st.message()),
+              ::testing::AllOf(HasSubstr("ucx.RNDV_THRESH at line 2"),
+                               HasSubstr("refuses")));
   bad.ucx_workers = 0;
   EXPECT_THAT(ValidateConfig(bad), StatusIs(absl::StatusCode::kInvalidArgument));
   bad = DaemonConfig{};

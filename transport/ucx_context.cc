@@ -1,11 +1,13 @@
 #include "transport/ucx_context.h"
 
 #include <sys/mman.h>
+#include <ucs/config/parser.h>
 #include <uct/api/uct.h>
 #include <unistd.h>
 
 #include <algorithm>
 #include <cerrno>
+#include <cstddef>
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
@@ -22,6 +24,7 @@
 #include "absl/strings/match.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"
 #include "absl/strings/strip.h"
 #include "storage/status_macros.h"
@@ -50,6 +53,73 @@ std::string UcxSettingName(std::string_view key) {
     }
   }
   return std::string(name);
+}
+
+absl::Status CheckUcxSetting(std::string_view key, std::string_view value) {
+  // The transports' tables are UCX's modules': loaded (once) by listing
+  // the components.
+  static const bool loaded = [] {
+    uct_component_h* components = nullptr;
+    unsigned count = 0;
+    if (uct_query_components(&components, &count) == UCS_OK) {
+      uct_release_component_list(components);
+    }
+    return true;
+  }();
+  (void)loaded;
+  const std::string name = UcxSettingName(key);
+  const std::string text(value);
+  bool known = false;
+  bool modifiable = false;  // by ucp_config_modify
+  std::string refused_by;
+  for (ucs_list_link_t* at = ucs_config_global_list.next;
+       at != &ucs_config_global_list; at = at->next) {
+    const auto* table = reinterpret_cast<const ucs_config_global_list_entry_t*>(
+        reinterpret_cast<const char*>(at) -
+        offsetof(ucs_config_global_list_entry_t, list));
+    // UCM's settings are read from the environment by UCM alone: UCP
+    // passes them nowhere.
+    if (table->table == nullptr || table->size == 0 ||
+        std::string_view(table->name) == "UCM") {
+      continue;
+    }
+    // The table's values as this process's environment sets them, and then
+    // the setting, as UCX applies it (ucp_config_modify, uct_config_modify).
+    std::vector<char> opts(table->size);
+    if (ucs_config_parser_fill_opts(opts.data(), table->table, "UCX_",
+                                    table->prefix,
+                                    /*ignore_errors=*/1) != UCS_OK) {
+      continue;
+    }
+    const ucs_status_t st = ucs_config_parser_set_value(
+        opts.data(), table->table, name.c_str(), text.c_str());
+    ucs_config_parser_release_opts(opts.data(), table->table);
+    if (st == UCS_ERR_NO_ELEM) continue;
+    known = true;
+    // UCS's read-only table is read from the environment at load only.
+    modifiable |=
+        std::string_view(table->name) != "UCS global (runtime read-only)";
+    // One transport refusing it is enough: UCX fails that transport.
+    if (st != UCS_OK && refused_by.empty()) refused_by = table->name;
+  }
+  if (!known) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "UCX ", ucp_get_version_string(), " has no setting ", name,
+        " (`ucx_info -c -f` lists them; a transport's setting goes without "
+        "its prefix, which kvdepot drops for ",
+        absl::StrJoin(kTransportPrefixes, " "), ")"));
+  }
+  if (!modifiable) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("UCX takes ", name, " only from the environment (UCX_",
+                     name, ") when it loads, not as a setting"));
+  }
+  if (!refused_by.empty()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("UCX refuses ", name, "=", text, " (", refused_by,
+                     "; UCX's message above says what it takes)"));
+  }
+  return absl::OkStatus();
 }
 
 std::optional<std::string> UcxConfigValue(
@@ -170,6 +240,10 @@ absl::StatusOr<std::unique_ptr<UcxContext>> UcxContext::Create(
   ucs_status_t st = ucp_config_read(nullptr, nullptr, &config);
   if (st != UCS_OK) return UcsToStatus(st, "ucp_config_read");
   for (const auto& [key, value] : options.config) {
+    if (absl::Status checked = CheckUcxSetting(key, value); !checked.ok()) {
+      ucp_config_release(config);
+      return checked;
+    }
     st = ucp_config_modify(config, UcxSettingName(key).c_str(), value.c_str());
     if (st != UCS_OK) {
       ucp_config_release(config);

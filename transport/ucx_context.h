@@ -14,6 +14,7 @@
 #include <string>
 #include <string_view>
 
+#include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
 #include "absl/types/span.h"
@@ -25,10 +26,8 @@ struct UcxContextOptions {
   // UCX settings passed through to ucp_config_modify, over whatever UCX_*
   // environment variables say. Names as the environment variables have
   // them, with or without "UCX_": {"TLS", "tcp"}, {"UCX_NET_DEVICES", "lo"},
-  // {"TCP_TX_SEG_SIZE", "512k"}. A bad value for a UCP setting makes Create
-  // fail with InvalidArgument; transport settings are checked only when a
-  // worker is made (bad values make UcxWorker::Create fail, unknown names
-  // draw a UCX warning).
+  // {"TCP_TX_SEG_SIZE", "512k"}. Create fails with InvalidArgument for a
+  // name UCX has no setting of, or a value it refuses (CheckUcxSetting).
   //
   // UCX 1.13 ignores a transport setting given with its transport's prefix
   // ("TCP_TX_SEG_SIZE": "invalid configuration" warning) and applies it
@@ -47,6 +46,16 @@ inline constexpr const char* kTransportPrefixes[] = {
 // without "UCX_" and a prefix of kTransportPrefixes ("UCX_TCP_TX_SEG_SIZE",
 // "TCP_TX_SEG_SIZE" and "TX_SEG_SIZE" are one setting).
 std::string UcxSettingName(std::string_view key);
+// Whether UCX takes setting `key` (a key of UcxContextOptions::config, as
+// UcxSettingName names it) with `value`, asked of UCX's own configuration
+// tables: UCP's, UCS's, and those of every transport module installed,
+// whether or not this machine has its devices (one configuration serves a
+// fleet). InvalidArgument naming the setting when no table has it (UCX
+// 1.13 only warns, once per worker, and goes on without it) or when a
+// table that has it refuses `value` (UCX turns the data plane, or that
+// transport, off). Not thread-safe with the first loading of UCX's
+// modules: call it before workers are made (Create calls it).
+absl::Status CheckUcxSetting(std::string_view key, std::string_view value);
 // The value `config` (a UcxContextOptions::config) gives the setting UCX
 // calls `name` (of several keys that name it, the last in the map), or
 // nullopt: UCX_TLS, TLS and tls are all "TLS" here.

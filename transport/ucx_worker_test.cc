@@ -1,11 +1,16 @@
 // UcxWorker, UcxContext and MemoryRegion over real UCX (loopback TCP).
 #include "transport/ucx_worker.h"
 
+#include <gtest/gtest.h>
+#include <sys/mman.h>
+#include <sys/mount.h>
+#include <unistd.h>
+
 #include <algorithm>
 #include <atomic>
 #include <cerrno>
-#include <cstring>
 #include <cstdlib>
+#include <cstring>
 #include <filesystem>
 #include <fstream>
 #include <functional>
@@ -17,11 +22,7 @@
 #include <thread>
 #include <vector>
 
-#include <gtest/gtest.h>
-#include <sys/mman.h>
-#include <sys/mount.h>
-#include <unistd.h>
-
+#include "absl/strings/match.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/synchronization/notification.h"
 #include "absl/time/clock.h"
@@ -213,6 +214,49 @@ TEST_F(UcxWorkerTest, ContextRejectsBadSettings) {
   auto context = UcxContext::Create(options);
   ASSERT_TRUE(context.ok()) << context.status();
   EXPECT_FALSE(UcxWorker::Create(**context).ok());
+}
+
+TEST_F(UcxWorkerTest, SettingsAreCheckedAgainstUcxsOwnTables) {
+  // UCP's, UCS's and a transport's, its prefix dropped or not.
+  for (const auto& [key, value] :
+       std::vector<std::pair<std::string, std::string>>{
+           {"TLS", "tcp"},
+           {"UCX_RNDV_THRESH", "64k"},
+           {"LOG_LEVEL", "warn"},
+           {"TCP_TX_SEG_SIZE", "512k"},
+           {"UCX_TCP_RX_SEG_SIZE", "1m"},
+           {"TX_SEG_SIZE", "auto"},
+           {"POSIX_SEG_SIZE", "16k"}}) {
+    EXPECT_TRUE(CheckUcxSetting(key, value).ok()) << key << "=" << value;
+  }
+  // A name no table has: UCX itself only warns and goes on without it.
+  absl::Status st = CheckUcxSetting("TCP_TX_SEG_SIZ", "512k");
+  EXPECT_EQ(st.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_TRUE(absl::StrContains(st.message(), "no setting TX_SEG_SIZ"))
+      << st.message();
+  EXPECT_EQ(CheckUcxSetting("NO_SUCH_SETTING", "1").code(),
+            absl::StatusCode::kInvalidArgument);
+  // UCM's settings: UCP passes them nowhere.
+  EXPECT_EQ(CheckUcxSetting("MALLOC_HOOKS", "n").code(),
+            absl::StatusCode::kInvalidArgument);
+  // Values the setting's table refuses, a transport's or UCP's.
+  st = CheckUcxSetting("TCP_TX_SEG_SIZE", "big");
+  EXPECT_EQ(st.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_TRUE(absl::StrContains(st.message(), "TX_SEG_SIZE=big"))
+      << st.message();
+  EXPECT_TRUE(absl::StrContains(st.message(), "tcp transport")) << st.message();
+  EXPECT_EQ(CheckUcxSetting("RNDV_THRESH", "abc").code(),
+            absl::StatusCode::kInvalidArgument);
+
+  // Create refuses what the check refuses: UCX would have made the context
+  // and warned, once per worker.
+  UcxContextOptions options;
+  options.config = {{"TLS", "tcp"}, {"TCP_SEG_SIZE_TX", "512k"}};
+  absl::StatusOr<std::unique_ptr<UcxContext>> context =
+      UcxContext::Create(options);
+  EXPECT_EQ(context.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_TRUE(absl::StrContains(context.status().message(), "SEG_SIZE_TX"))
+      << context.status().message();
 }
 
 TEST_F(UcxWorkerTest, ContextKnowsItsTcpSegmentSizes) {
