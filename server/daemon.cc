@@ -78,6 +78,9 @@ absl::Status Daemon::Init() {
           ? transport_internal::MeminfoValue("MemAvailable")
           : std::nullopt));
   ASSIGN_OR_RETURN(store_, NewTieredStore(store_options, SystemClock()));
+  // The tier gauges exist from the first scrape on, not from the
+  // maintenance loop's first pass a second later.
+  metrics_->UpdateFromStats(store_->Stats());
 
   if (!config_.metrics_listen.empty()) {
     status_page_ = std::make_unique<StatusPage>(

@@ -998,6 +998,7 @@ void KvDepotService::StartPushBlocks(const v1::PushBlocksRequest* req,
           // Which copy is wrong: the daemon's (memory corruption or a bug)
           // or the client's (its buffer changed under the copy)?
           if (BlockChecksum(mv.arena.data(), mv.arena.size()) != want) {
+            metrics_.RecordDramIntegrityError();
             log_->error("PushBlocks: block {} in DRAM does not match its "
                         "checksum (memory corruption?); not served",
                         KeyToHex(req->keys(key_of_move[m])));

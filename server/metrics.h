@@ -84,6 +84,10 @@ class ServerMetrics {
   // of DataPlaneOptions, an ended session, kvdepotd stopping):
   // kvdepot_ucx_requests_refused_total{code}. Not in kvdepot_requests_total.
   void RecordUcxRefused(absl::StatusCode code);
+  // A DRAM block whose bytes failed their checksum as the daemon copied it
+  // to a client (kvdepot_integrity_errors_total{tier="dram"}; those found
+  // on demotion, and NVMe's, come from the store's stats).
+  void RecordDramIntegrityError();
 
   // kvdepot_start_time_seconds: when the daemon started (unix seconds), so
   // that restarts show as changes of it. 0 until set.
@@ -162,6 +166,7 @@ class ServerMetrics {
   Mirror nvme_admin_evictions_ ABSL_GUARDED_BY(mu_);
   Mirror nvme_corrupt_evictions_ ABSL_GUARDED_BY(mu_);
   Mirror nvme_integrity_errors_ ABSL_GUARDED_BY(mu_);
+  Mirror dram_integrity_errors_ ABSL_GUARDED_BY(mu_);
   Mirror demotions_ ABSL_GUARDED_BY(mu_);
   Mirror demotion_failures_ ABSL_GUARDED_BY(mu_);
   Mirror demotions_skipped_ ABSL_GUARDED_BY(mu_);

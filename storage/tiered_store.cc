@@ -955,6 +955,7 @@ class TieredStoreImpl final : public TieredStore {
     }
     st.demotions = demotions_.load();
     st.demotion_failures = demotion_failures_.load();
+    st.dram_integrity_errors = dram_integrity_errors_.load();
     st.demotions_skipped = demotions_skipped_.load();
     st.promotions = promotions_.load();
     st.promotions_shed = promotions_shed_.load();
@@ -1727,6 +1728,14 @@ class TieredStoreImpl final : public TieredStore {
         info->name, absl::string_view(base + e.key_offset(), e.key_len),
         d.parent_key, absl::string_view(base + e.data_offset(), e.size),
         e.checksum);
+    // The tier checks the bytes against the checksum before it writes. A
+    // mismatch is bytes that changed in DRAM since the put (memory
+    // corruption, or a bug): the block leaves DRAM all the same, unwritten.
+    if (!r.ok() && r.status().code() == absl::StatusCode::kInvalidArgument &&
+        BlockChecksum(base + e.data_offset(), e.size) != e.checksum) {
+      dram_integrity_errors_.fetch_add(1, std::memory_order_relaxed);
+      return;
+    }
     (r.ok() ? demotions_ : demotion_failures_).fetch_add(1, std::memory_order_relaxed);
   }
 
@@ -2018,6 +2027,7 @@ class TieredStoreImpl final : public TieredStore {
 
   std::atomic<bool> draining_{false};
   std::atomic<uint64_t> demotions_{0}, demotion_failures_{0}, promotions_{0};
+  std::atomic<uint64_t> dram_integrity_errors_{0};
   std::atomic<uint64_t> promotions_shed_{0};
   // Blocks of lookups waiting for PromoteBatch (max_queued_promotions).
   std::atomic<uint64_t> queued_promotions_{0};

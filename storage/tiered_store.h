@@ -205,6 +205,9 @@ struct StoreStats {
   TierStats nvme;  // all zero when the tier is off
   uint64_t demotions = 0;          // DRAM blocks written to NVMe
   uint64_t demotion_failures = 0;  // could not be written (disk full, ...)
+  // DRAM blocks whose bytes no longer matched their checksum when demoted
+  // (dropped, not written; not in demotion_failures).
+  uint64_t dram_integrity_errors = 0;
   // Why the NVMe tier takes no writes now (NvmeTierStats::write_error);
   // empty when it does.
   std::string nvme_write_error;

@@ -1682,6 +1682,28 @@ TEST_F(TieredStoreNvmeTest, DemotedBlocksAreFoundOnNvmeAndPromotedWhenPinned) {
   ASSERT_OK(store_->Unpin(sid_, pin));
 }
 
+// A DRAM block whose bytes changed after its put (memory corruption) is
+// not written to NVMe with its old checksum when demoted: it is dropped
+// and counted as a DRAM integrity error, not as a demotion failure (which
+// means a disk that takes no writes).
+TEST_F(TieredStoreNvmeTest, ABlockCorruptedInDramIsDroppedWhenDemoted) {
+  Put("b0", Block(0));
+  PinId pin = 0;
+  LookupEntry e = Look("b0", true, &pin);
+  ASSERT_TRUE(e.found);
+  store_->dram_region().base[e.offset + 1000] ^= 0x01;  // one bit
+  ASSERT_OK(store_->Unpin(sid_, pin));
+  for (int i = 1; i < 12; ++i) Put("b" + std::to_string(i), Block(i));
+  EXPECT_GT(store_->RunEviction(), 0u);
+  StoreStats st = store_->Stats();
+  EXPECT_EQ(st.dram_integrity_errors, 1u);
+  EXPECT_EQ(st.demotion_failures, 0u);
+  EXPECT_EQ(st.nvme.blocks, st.demotions);
+  EXPECT_FALSE(Look("b0", false).found) << "the corrupt block was kept";
+  // The blocks demoted with it are served, byte for byte.
+  ExpectServes("b1", Block(1));
+}
+
 // Bug: evicting a whole namespace counted a block held in both tiers (read
 // back into DRAM, its NVMe copy kept) twice: once for each copy.
 TEST_F(TieredStoreNvmeTest, EvictingANamespaceCountsABlockInBothTiersOnce) {
