@@ -181,6 +181,8 @@ absl::Status Daemon::Init() {
 
   maintenance_ = std::thread([this] { MaintenanceLoop(); });
   DramRegion dram = store_->dram_region();
+  log_->debug("DRAM tier mapped at {} ({} bytes)",
+              static_cast<const void*>(dram.base), dram.size);
   StoreStats st = store_->Stats();
   log_->info(
       "kvdepotd {} ({}) listening on {}; metrics on {}; UCX data plane {}; "

@@ -2,6 +2,8 @@
 // clients (in this process and in ucx_client_peer processes) on loopback,
 // over UCX's TCP transport and over shared memory (plus TCP for liveness).
 #include <arpa/inet.h>
+#include <fcntl.h>
+#include <gtest/gtest.h>
 #include <signal.h>
 #include <stdlib.h>
 #include <sys/ipc.h>
@@ -9,8 +11,6 @@
 #include <sys/shm.h>
 #include <sys/wait.h>
 #include <unistd.h>
-
-#include <gtest/gtest.h>
 
 #include <algorithm>
 #include <cstdio>
@@ -36,8 +36,8 @@
 #include "storage/internal/sync_point.h"
 #include "storage/status_macros.h"
 #include "tests/daemon_process.h"
-#include "tests/ucx_daemon.h"
 #include "tests/status_matchers.h"
+#include "tests/ucx_daemon.h"
 #include "transport/memory_region.h"
 #include "transport/net_devices.h"
 #include "transport/request_message.h"
@@ -482,6 +482,130 @@ TEST_P(UcxE2eTest, APinIsReleasedInItsOwnSessionAfterTheClientMovedOn) {
   EXPECT_EQ(evicted->evicted_blocks(), 1u) << "the block is still pinned";
   // The client works on, in a new session.
   ASSERT_OK((*c)->Lookup("movedon", {&key, 1}, false, true).status());
+}
+
+// Flips one bit of the block `key` of `ns` in `d`'s DRAM arena, through
+// /proc/PID/mem (memory corruption, as a bad DIMM would make it). The
+// arena's address is in d's log at debug level.
+void CorruptInDram(const DaemonProcess& d, Client& client,
+                   const std::string& ns, const std::string& key) {
+  const std::string log = d.Log();
+  const std::string mark = "DRAM tier mapped at ";
+  const size_t at = log.find(mark);
+  ASSERT_NE(at, std::string::npos) << "start the daemon with --log-level debug";
+  const uint64_t base =
+      std::stoull(log.substr(at + mark.size(), 20), nullptr, 16);
+  absl::StatusOr<uint64_t> session = client.EnsureSession();
+  ASSERT_OK(session.status());
+  grpc::ClientContext ctx;
+  v1::LookupRequest req;
+  req.set_session_id(*session);
+  req.set_namespace_(ns);
+  req.add_keys(key);
+  req.set_pin(true);
+  v1::LookupResponse resp;
+  ASSERT_TRUE(client.stub().Lookup(&ctx, req, &resp).ok());
+  ASSERT_TRUE(resp.entries(0).found());
+  ASSERT_EQ(resp.entries(0).tier(), v1::TIER_DRAM);
+  const uint64_t address = base + resp.entries(0).offset() + 1000;
+  ASSERT_OK(client.Unpin(resp.pin_id()));
+  const int fd = open(absl::StrCat("/proc/", d.pid(), "/mem").c_str(), O_RDWR);
+  ASSERT_GE(fd, 0) << std::strerror(errno);
+  char byte = 0;
+  ASSERT_EQ(pread(fd, &byte, 1, static_cast<off_t>(address)), 1)
+      << std::strerror(errno);
+  byte ^= 0x10;
+  ASSERT_EQ(pwrite(fd, &byte, 1, static_cast<off_t>(address)), 1)
+      << std::strerror(errno);
+  close(fd);
+}
+
+// A block whose bytes went bad in the daemon's DRAM is never served. Over
+// shared memory the daemon copies it into the client's buffer itself and
+// finds it out: it is counted and dropped, so the next get is a miss and the
+// next put stores it again (before, it stayed, failing every get until
+// evicted, and kvdepot_integrity_errors_total{tier="dram"} stayed 0). Over
+// TCP the client finds it out. A corrupt block that is demoted is dropped
+// too, not written to NVMe, and counted.
+TEST_P(UcxE2eTest, ABlockCorruptedInDramIsNeverServed) {
+  absl::StatusOr<std::unique_ptr<DaemonProcess>> d = testing::StartUcxDaemon(
+      GetParam(), {"--dram-capacity", "24MiB", "--log-level", "debug"});
+  ASSERT_OK(d.status());
+  std::unique_ptr<Client> c = NewClient(true, (*d)->address());
+  ASSERT_NE(c, nullptr);
+  absl::StatusOr<absl::Span<char>> buf = c->AllocateBuffer(4 * kBlock);
+  ASSERT_OK(buf.status());
+  ucx_test::FillPattern(buf->data(), kBlock, 1);
+  ucx_test::FillPattern(buf->data() + kBlock, kBlock, 2);
+  std::vector<BlockToPut> blocks = {
+      {"bad", "", absl::string_view(buf->data(), kBlock)},
+      {"good", "", absl::string_view(buf->data() + kBlock, kBlock)}};
+  TransferOp put = c->PutFromAsync("rot", blocks);
+  put.Wait();
+  ASSERT_OK(put.statuses()[0]);
+  ASSERT_OK(put.statuses()[1]);
+  CorruptInDram(**d, *c, "rot", "bad");
+
+  std::vector<absl::string_view> keys = {"bad", "good"};
+  std::vector<absl::Span<char>> dst = {buf->subspan(2 * kBlock, kBlock),
+                                       buf->subspan(3 * kBlock, kBlock)};
+  TransferOp get = c->GetIntoAsync("rot", keys, dst);
+  get.Wait();
+  EXPECT_EQ(get.statuses()[0].code(), absl::StatusCode::kDataLoss)
+      << get.statuses()[0];
+  ASSERT_OK(get.statuses()[1]);
+  EXPECT_EQ(ucx_test::FirstPatternMismatch(dst[1].data(), kBlock, 2), -1);
+  const std::string dram_errors =
+      "kvdepot_integrity_errors_total{tier=\"dram\"}";
+  absl::string_view bad = "bad";
+  if (GetParam() == "shm") {
+    EXPECT_EQ(testing::MetricValue(testing::ScrapeMetrics(**d), dram_errors),
+              1);
+    EXPECT_TRUE(testing::PollUntil([&] {
+      absl::StatusOr<LookupReply> r = c->Lookup("rot", {&bad, 1}, false, false);
+      return r.ok() && !r->entries[0].found;
+    })) << "the corrupt block was kept";
+    TransferOp again = c->PutFromAsync("rot", {&blocks[0], 1});
+    again.Wait();
+    ASSERT_OK(again.statuses()[0]);
+    EXPECT_FALSE(again.already_stored(0));
+    TransferOp reget = c->GetIntoAsync("rot", {&bad, 1}, {&dst[0], 1});
+    reget.Wait();
+    ASSERT_OK(reget.statuses()[0]);
+    EXPECT_EQ(ucx_test::FirstPatternMismatch(dst[0].data(), kBlock, 1), -1);
+  }
+
+  // Demoted with a bad bit: dropped, not written to NVMe, and counted.
+  const double before =
+      testing::MetricValue(testing::ScrapeMetrics(**d), dram_errors);
+  ucx_test::FillPattern(buf->data(), kBlock, 3);
+  BlockToPut doomed{"doomed", "", absl::string_view(buf->data(), kBlock)};
+  TransferOp put_doomed = c->PutFromAsync("rot", {&doomed, 1});
+  put_doomed.Wait();
+  ASSERT_OK(put_doomed.statuses()[0]);
+  CorruptInDram(**d, *c, "rot", "doomed");
+  for (int i = 0; i < 200; ++i) {  // 50 MiB through a 24 MiB tier
+    ucx_test::FillPattern(buf->data(), kBlock, 100 + i);
+    const std::string key = absl::StrCat("fill", i);
+    BlockToPut b{key, "", absl::string_view(buf->data(), kBlock)};
+    TransferOp f = c->PutFromAsync("rot", {&b, 1});
+    f.Wait();
+    ASSERT_OK(f.statuses()[0]);
+  }
+  absl::string_view doomed_key = "doomed";
+  // Over TCP "bad" is still there, bad, and is demoted (dropped) too.
+  const double expected = before + (GetParam() == "shm" ? 1 : 2);
+  EXPECT_TRUE(testing::PollUntil([&] {
+    return testing::MetricValue(testing::ScrapeMetrics(**d), dram_errors) ==
+           expected;
+  })) << testing::ScrapeMetrics(**d);
+  absl::StatusOr<LookupReply> r =
+      c->Lookup("rot", {&doomed_key, 1}, false, false);
+  ASSERT_OK(r.status());
+  EXPECT_FALSE(r->entries[0].found) << "the corrupt block reached NVMe";
+  EXPECT_EQ(testing::MetricValue(testing::ScrapeMetrics(**d),
+                                 "kvdepot_demotion_failures_total"),
+            0);
 }
 
 TEST_P(UcxE2eTest, BuffersAllocatedByUcxWork) {
