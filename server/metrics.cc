@@ -159,6 +159,10 @@ ServerMetrics::ServerMetrics(prometheus::Registry& registry,
                             "1 while the daemon refuses new puts (kvdepotctl "
                             "drain, the SetDraining RPC, or "
                             "SIGTERM), else 0")),
+      nvme_writable_(SingleGauge(
+          registry, "kvdepot_nvme_writable",
+          "0 while the NVMe tier takes no writes (disk full, I/O error: blocks "
+          "leaving DRAM are dropped), else 1 (also when the tier is off)")),
       start_time_(SingleGauge(
           registry, "kvdepot_start_time_seconds",
           "When the daemon started, in seconds since the Unix epoch")) {
@@ -301,6 +305,7 @@ void ServerMetrics::UpdateFromStats(const StoreStats& st) {
   pins_.Set(static_cast<double>(st.pins));
   reservations_.Set(static_cast<double>(st.reservations));
   draining_.Set(st.draining ? 1 : 0);
+  nvme_writable_.Set(st.nvme_write_error.empty() ? 1 : 0);
   absl::MutexLock lock(&mu_);
   dram_evictions_.Advance(st.dram.evictions);
   nvme_evictions_.Advance(st.nvme.evictions);

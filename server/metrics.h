@@ -153,6 +153,7 @@ class ServerMetrics {
   prometheus::Gauge& pins_;
   prometheus::Gauge& reservations_;
   prometheus::Gauge& draining_;
+  prometheus::Gauge& nvme_writable_;
   prometheus::Gauge& start_time_;
 
   absl::Mutex mu_;

@@ -367,6 +367,11 @@ TEST(NvmeFaultTest, AFilesystemFilledByAnotherFileStopsNothingButNvmeWrites) {
     EXPECT_OK(client->Health());
     // The newest blocks are served from DRAM, byte for byte.
     ExpectServed(*client, "after-", 190, 200);
+    // The gauge behind KvdepotNvmeNotWritable says so.
+    EXPECT_TRUE(testing::PollUntil([&] {
+      return testing::MetricValue(testing::ScrapeMetrics(**d),
+                                  "kvdepot_nvme_writable") == 0;
+    })) << testing::ScrapeMetrics(**d);
     auto rc = (*d)->Stop(SIGTERM);
     ASSERT_OK(rc);
     EXPECT_EQ(*rc, 0) << (*d)->Log();
@@ -389,6 +394,9 @@ TEST(NvmeFaultTest, AFilesystemFilledByAnotherFileStopsNothingButNvmeWrites) {
   std::filesystem::remove(mnt + "/filler");
   auto d = DaemonProcess::Start(args, data_dir);
   ASSERT_OK(d) << "restart with room";
+  EXPECT_EQ(testing::MetricValue(testing::ScrapeMetrics(**d),
+                                 "kvdepot_nvme_writable"),
+            1);
   auto client = Connect((*d)->address());
   int served = 0;
   for (int i = 0; i < 40; ++i) {

@@ -74,6 +74,7 @@ class AlertRulesTest(unittest.TestCase):
             "KvdepotHighLatencyP99",
             "KvdepotPinsLeaking",
             "KvdepotDemotionFailures",
+            "KvdepotNvmeNotWritable",
             "KvdepotRequestErrors",
             "KvdepotDrainingTooLong",
         ):
