@@ -11,7 +11,8 @@ One run (issue 3; ../shared/BENCHMARKS.md):
    the time from SIGTERM to exit is reported.
 2. Redis gets the same keys and values (pipelined SETs), SAVEs its RDB and
    shuts down.
-3. --rounds times, alternating: the page cache is dropped (root), then
+3. --rounds times, alternating: the page cache is dropped (full runs as
+   root only; see below), then
    kvdepotd is started on the same data dir, and a probe loop (a new client
    per try, so no reconnect backoff hides anything) measures from the exec
    to: the first health SERVING, and the first block served with its bytes
@@ -21,12 +22,22 @@ One run (issue 3; ../shared/BENCHMARKS.md):
 4. After each kvdepotd restart every key is looked up (all must be found)
    and a random sample of blocks is read back and compared byte for byte.
 
-Prints a table and writes JSON (--out). No time is asserted; the exit code
+Prints a header (date, command, machine, kvdepotd's version), a table and
+each round's line, the same text to --txt, and writes JSON (--out). No time
+is asserted; the exit code
 is 1 only if a restart lost or changed a block, or a side failed to start.
+
+Page cache: so that both sides read their files from the disk, a full run
+drops the page cache before each start (``sync`` and ``echo 3 >
+/proc/sys/vm/drop_caches``). That needs root and empties the page cache of
+the WHOLE machine, slowing whatever else runs on it; without root, or with
+--no-drop-caches, the files may be read from memory (the output says which).
+--smoke (CI) never drops it.
 
     /usr/bin/python3 tools/warm_restart.py [--blocks 100000]
         [--block-size 16KiB] [--dram-capacity 256MiB] [--rounds 2]
-        [--no-redis] [--build build] [--out FILE] [--smoke]
+        [--no-redis] [--no-drop-caches] [--build build] [--out FILE]
+        [--txt FILE] [--smoke]
 """
 
 from __future__ import annotations
@@ -59,7 +70,12 @@ def parse_size(text: str) -> int:
 
 
 def parse_args(argv: Sequence[str]) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0],
+        epilog="A full run drops the page cache before every start (sync; echo 3 > "
+               "/proc/sys/vm/drop_caches): that needs root and empties the page "
+               "cache of the whole machine, not just this benchmark's files. "
+               "--smoke and --no-drop-caches skip it; so does running without root.")
     p.add_argument("--blocks", type=int, default=100_000)
     p.add_argument("--block-size", type=parse_size, default=parse_size("16KiB"))
     p.add_argument("--dram-capacity", default="256MiB")
@@ -67,15 +83,21 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     p.add_argument("--sample", type=int, default=256,
                    help="blocks read back and compared after each restart")
     p.add_argument("--no-redis", action="store_true")
+    p.add_argument("--no-drop-caches", action="store_true",
+                   help="do not drop the (whole machine's) page cache before each "
+                        "start; implied by --smoke")
     p.add_argument("--dir", type=Path, default=Path(tempfile.gettempdir()))
     p.add_argument("--build", type=Path, default=REPO / "build")
     p.add_argument("--kvdepotd", type=Path, default=None)
-    p.add_argument("--out", type=Path, default=None)
+    p.add_argument("--out", type=Path, default=None, help="JSON report")
+    p.add_argument("--txt", type=Path, default=None,
+                   help="the text printed on stdout, also as a file")
     p.add_argument("--smoke", action="store_true",
-                   help="CI: 2000 blocks of 4 KiB, 1 round")
+                   help="CI: 2000 blocks of 4 KiB, 1 round, page cache not dropped")
     args = p.parse_args(argv)
     if args.smoke:
         args.blocks, args.block_size, args.rounds, args.sample = 2000, 4096, 1, 64
+        args.no_drop_caches = True
     if args.kvdepotd is None:
         args.kvdepotd = args.build / "server" / "kvdepotd"
     if args.blocks < 1 or args.rounds < 1 or args.block_size < 8:
@@ -98,8 +120,11 @@ def value_of(base: bytes, i: int) -> bytes:
     return i.to_bytes(8, "little") + base[8:]
 
 
-def drop_caches() -> bool:
-    if os.geteuid() != 0:
+def drop_caches(enabled: bool) -> bool:
+    """Drops the whole machine's page cache (sync, then 3 into
+    /proc/sys/vm/drop_caches) when ``enabled`` and root; returns whether it
+    did."""
+    if not enabled or os.geteuid() != 0:
         return False
     os.sync()
     try:
@@ -347,6 +372,8 @@ def measure_redis(redis: Redis, args: argparse.Namespace, base: bytes,
 
 def main(argv: Sequence[str]) -> int:
     args = parse_args(argv)
+    command = " ".join([Path(sys.argv[0]).name, *argv])
+    load_start = os.getloadavg()
     sys.path.insert(0, str(args.build / "python"))
     try:
         import kvdepot  # noqa: F401
@@ -366,11 +393,14 @@ def main(argv: Sequence[str]) -> int:
     (work / "redis").mkdir()
     rounds: List[Dict[str, Any]] = []
     ok = True
+    version: Optional[re.Match] = None
     try:
         t0 = time.monotonic()
         daemon.start()
         if poll_until(lambda: _health(kvdepot, daemon.address), 60) is None:
             raise RuntimeError(f"kvdepotd did not start; log: {daemon.log}")
+        version = re.search(r"kvdepotd (\S+) \((\w+)\)",
+                            daemon.log.read_text(errors="replace"))
         fill_kvdepot(kvdepot, daemon, args, base)
         fill_s = time.monotonic() - t0
         shutdown_s = daemon.stop()
@@ -382,11 +412,11 @@ def main(argv: Sequence[str]) -> int:
             redis.stop()
         for r in range(args.rounds):
             row: Dict[str, Any] = {"round": r + 1}
-            row["dropped_page_cache"] = drop_caches()
+            row["dropped_page_cache"] = drop_caches(not args.no_drop_caches)
             row["kvdepot"] = measure_kvdepot(kvdepot, daemon, args, base, rng)
             row["kvdepot"]["shutdown_s"] = daemon.stop()
             if with_redis:
-                drop_caches()
+                drop_caches(not args.no_drop_caches)
                 row["redis"] = measure_redis(redis, args, base, rng)
             k = row["kvdepot"]
             if k["found"] != args.blocks or k["sample_identical"] != k["sample"]:
@@ -409,8 +439,17 @@ def main(argv: Sequence[str]) -> int:
     report: Dict[str, Any] = {
         "benchmark": "warm_restart",
         "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        "command": command,
+        "machine": {"nproc": os.cpu_count(),
+                    "mem_gib": round(os.sysconf("SC_PAGE_SIZE")
+                                     * os.sysconf("SC_PHYS_PAGES") / (1 << 30), 1),
+                    "data_dir_fs": filesystem_of(args.dir),
+                    "loadavg_start": list(load_start),
+                    "niceness": os.nice(0)},  # both sides' processes inherit it
+        "kvdepotd": f"{version.group(1)} (commit {version.group(2)})" if version else None,
         "blocks": args.blocks, "block_size": args.block_size,
         "dram_capacity": args.dram_capacity, "rounds": rounds,
+        "page_cache": page_cache_note(args, rounds),
         "fill_s": fill_s, "first_shutdown_s": shutdown_s,
         "kvdepot_serving_s_best": best("kvdepot", "serving_s"),
         "kvdepot_first_block_s_best": best("kvdepot", "first_block_s"),
@@ -420,29 +459,100 @@ def main(argv: Sequence[str]) -> int:
         report["redis_first_get_s_best"] = best("redis", "first_block_s")
         report["redis_over_kvdepot"] = (report["redis_first_get_s_best"] /
                                         report["kvdepot_first_block_s_best"])
-    gib = args.blocks * args.block_size / (1 << 30)
-    print(f"Warm restart: {args.blocks} blocks of {args.block_size} B "
-          f"({gib:.2f} GiB), DRAM tier {args.dram_capacity}; best of {args.rounds} "
-          f"round(s), page cache dropped before each start: "
-          f"{all(r['dropped_page_cache'] for r in rounds)}")
-    print(f"{'side':10} {'to SERVING s':>13} {'to first block s':>17} "
-          f"{'blocks after':>13}")
-    print(f"{'kvdepot':10} {report['kvdepot_serving_s_best']:13.3f} "
-          f"{report['kvdepot_first_block_s_best']:17.3f} "
-          f"{rounds[-1]['kvdepot']['found']:13d}")
-    if with_redis:
-        print(f"{'redis':10} {'-':>13} {report['redis_first_get_s_best']:17.3f} "
-              f"{rounds[-1]['redis']['found']:13d}")
-        print(f"ratio redis / kvdepot (time to first block): "
-              f"{report['redis_over_kvdepot']:.2f}")
-    print(f"issue 3 aim: first block and SERVING under 3 s: "
-          f"{'met' if report['kvdepot_first_block_s_best'] < 3 and report['kvdepot_serving_s_best'] < 3 else 'NOT met'}")
-    print(f"fill {fill_s:.1f} s; first SIGTERM (persisting DRAM) to exit "
-          f"{shutdown_s:.2f} s; all blocks found and sampled bytes identical: {ok}")
+    text = "\n".join(report_lines(report, args, with_redis))
+    print(text)
+    if args.txt is not None:
+        args.txt.write_text(text + "\n")
+        print(f"text: {args.txt}")
     if args.out is not None:
         args.out.write_text(json.dumps(report, indent=2) + "\n")
         print(f"JSON: {args.out}")
     return 0 if ok else 1
+
+
+def report_lines(report: Dict[str, Any], args: argparse.Namespace,
+                 with_redis: bool) -> List[str]:
+    """The text on stdout (and --txt), from the JSON report."""
+    rounds, m = report["rounds"], report["machine"]
+    gib = args.blocks * args.block_size / (1 << 30)
+    load = m["loadavg_start"]
+    lines = [
+        f"date: {report['date']}",
+        f"command: {report['command']}",
+        f"machine: {m['nproc']} cores, {m['mem_gib']} GiB RAM, load average at start "
+        f"{load[0]:.2f} {load[1]:.2f} {load[2]:.2f}, run at niceness {m['niceness']} "
+        f"(both sides); data dirs under {args.dir} on "
+        f"{m['data_dir_fs']}; kvdepotd {report['kvdepotd'] or '?'}",
+        "",
+        f"Warm restart: {args.blocks} blocks of {args.block_size} B "
+        f"({gib:.2f} GiB), DRAM tier {args.dram_capacity}; best of {args.rounds} "
+        f"round(s); {report['page_cache']}",
+        f"{'side':10} {'to SERVING s':>13} {'to first block s':>17} "
+        f"{'blocks after':>13}",
+        f"{'kvdepot':10} {report['kvdepot_serving_s_best']:13.3f} "
+        f"{report['kvdepot_first_block_s_best']:17.3f} "
+        f"{rounds[-1]['kvdepot']['found']:13d}",
+    ]
+    if with_redis:
+        lines += [
+            f"{'redis':10} {'-':>13} {report['redis_first_get_s_best']:17.3f} "
+            f"{rounds[-1]['redis']['found']:13d}",
+            f"ratio redis / kvdepot (time to first block): "
+            f"{report['redis_over_kvdepot']:.2f}",
+        ]
+    for row in rounds:
+        k = row["kvdepot"]
+        lines.append(
+            f"round {row['round']}: kvdepotd SERVING {k['serving_s']:.3f} s, first block "
+            f"{k['first_block_s']:.3f} s, {k['found']}/{args.blocks} found, "
+            f"{k['sample_identical']}/{k['sample']} sampled identical, tiers after: "
+            f"nvme {k['nvme_blocks']} dram {k['dram_blocks']} blocks, SIGTERM to exit "
+            f"{k['shutdown_s']:.2f} s"
+            + (f"; redis first GET {row['redis']['first_block_s']:.3f} s"
+               if with_redis else ""))
+    met = (report["kvdepot_first_block_s_best"] < 3
+           and report["kvdepot_serving_s_best"] < 3)
+    lines += [
+        f"issue 3 aim: first block and SERVING under 3 s: {'met' if met else 'NOT met'}",
+        f"fill {report['fill_s']:.1f} s; first SIGTERM (persisting DRAM) to exit "
+        f"{report['first_shutdown_s']:.2f} s; all blocks found and sampled bytes "
+        f"identical: {report['all_blocks_found_and_identical']}",
+    ]
+    return lines
+
+
+def filesystem_of(path: Path) -> str:
+    """The device and type of the filesystem holding ``path`` (its longest
+    mount point in /proc/mounts), e.g. ``/dev/vda (ext4)``; ``unknown``."""
+    target = str(path.resolve())
+    best = ("", "unknown")
+    try:
+        for line in Path("/proc/mounts").read_text().splitlines():
+            fields = line.split()
+            if len(fields) < 3:
+                continue
+            device, mount, fstype = fields[:3]
+            inside = target == mount or target.startswith(mount.rstrip("/") + "/")
+            if inside and len(mount) >= len(best[0]):
+                best = (mount, f"{device} ({fstype})")
+    except OSError:
+        pass
+    return best[1]
+
+
+def page_cache_note(args: argparse.Namespace, rounds: Sequence[Dict[str, Any]]) -> str:
+    """Whether the page cache was dropped before each start, and why not."""
+    if all(r["dropped_page_cache"] for r in rounds):
+        return "page cache dropped before each start (the whole machine's; root)"
+    if args.smoke:
+        why = "--smoke never empties the whole machine's page cache"
+    elif args.no_drop_caches:
+        why = "--no-drop-caches"
+    elif os.geteuid() != 0:
+        why = "not root"
+    else:
+        why = "writing /proc/sys/vm/drop_caches failed"
+    return f"page cache NOT dropped ({why}): files may be read from memory"
 
 
 def _health(kvdepot: Any, address: str) -> bool:

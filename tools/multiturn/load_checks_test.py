@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
 """multiturn_bench.py --smoke must fail (exit 1) when kvdepot's blocks do not
-really reach the cache.
+really reach the cache, or reach it in the wrong slot or changed.
 
 Each case runs the smoke in a child process with one kvdepot method replaced
 by a faulty stub (the way a regression in the package or the connector would
@@ -15,6 +15,18 @@ behave), and expects exit status 1 and the failure that names the cause:
 * ``save_half``: ``KvCacheStore.save`` stores only the first half of the
   blocks it is given, so later turns find shorter prefixes than the earlier
   turns left: the run must see that the hits differ from the expected ones.
+* ``rotate``: ``KvCacheStore.load`` loads every block, then moves each
+  loaded block one slot on (key i ends in the slot of key i + 1, the last in
+  the first's): an off-by-one slot mapping. Attention over a fully visible
+  prefix does not depend on the order of its blocks, so tokens and logits
+  agree; the digest check must see the blocks differ from what was saved
+  under the keys meant for their slots.
+* ``bitflip``: ``KvCacheStore.load`` loads every block, then flips the
+  lowest mantissa bit of one K element of the middle loaded block: too small
+  for the tokens or the logits tolerance; the digest check must see it.
+* ``dram_unparsed``: kvdepotd's start line as the benchmark reads it lacks
+  ``DRAM tier N bytes``: the run must fail at once instead of weakening the
+  block-count check.
 
 Usage: load_checks_test.py [--build DIR] [--kvdepotd PATH]; exits 0 when
 every case fails as expected, 1 otherwise, 77 (ctest: skipped) when torch,
@@ -27,6 +39,7 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
+import re
 import subprocess
 import sys
 import tempfile
@@ -42,21 +55,24 @@ CASES = {
     "noop": "first-token logits NaN",
     "partial": "loaded fewer blocks than the lookup found",
     "save_half": "lookup hits differ from the expected",
+    "rotate": "loaded blocks not identical to what was saved under their key",
+    "bitflip": "loaded blocks not identical to what was saved under their key",
+    "dram_unparsed": "has no 'DRAM tier N bytes'",
 }
 
 
 def patch(mode: str) -> None:
-    """Replaces one method of the kvdepot package by a faulty stub."""
+    """Replaces one method of the kvdepot package (or, for
+    ``dram_unparsed``, of the benchmark's Daemon) by a faulty stub."""
     import kvdepot
 
     store = kvdepot.KvCacheStore
+    real_load = store.load
     if mode == "noop":
         def load(self, caches, block_ids, keys):  # type: ignore[no-untyped-def]
             return [True] * len(keys)
         store.load = load
     elif mode == "partial":
-        real_load = store.load
-
         def load(self, caches, block_ids, keys):  # type: ignore[no-untyped-def]
             first = real_load(self, caches, block_ids[:1], keys[:1])
             return list(first) + [False] * (len(keys) - 1)
@@ -70,6 +86,35 @@ def patch(mode: str) -> None:
                                None if parents is None else parents[:n])
             return list(stored) + [False] * (len(keys) - n)
         store.save = save
+    elif mode == "rotate":
+        def load(self, caches, block_ids, keys):  # type: ignore[no-untyped-def]
+            filled = real_load(self, caches, block_ids, keys)
+            ids = list(block_ids)
+            for cache in caches:  # the block of slot ids[i] moves to ids[i + 1]
+                cache[:, ids[1:] + ids[:1]] = cache[:, ids].clone()
+            return filled
+        store.load = load
+    elif mode == "bitflip":
+        import torch
+
+        def load(self, caches, block_ids, keys):  # type: ignore[no-untyped-def]
+            filled = real_load(self, caches, block_ids, keys)
+            if block_ids:
+                element = caches[0][0, block_ids[len(block_ids) // 2], 3, 0, 0:1]
+                element.view(torch.int32).bitwise_xor_(1)  # float32: lowest mantissa bit
+            return filled
+        store.load = load
+    elif mode == "dram_unparsed":
+        import multiturn_bench
+
+        real_enter = multiturn_bench.Daemon.__enter__
+
+        def enter(self):  # type: ignore[no-untyped-def]
+            daemon = real_enter(self)
+            daemon.banner = re.sub(r"DRAM tier \d+ bytes", "DRAM tier ? bytes",
+                                   daemon.banner)
+            return daemon
+        multiturn_bench.Daemon.__enter__ = enter
     else:
         raise SystemExit(f"unknown stub {mode!r}")
 

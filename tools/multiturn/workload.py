@@ -33,7 +33,12 @@ kvdepot:
   saves its new full blocks (``KvCacheStore.save``, with parents). Each
   request records the lookup's hits, the blocks actually loaded and the
   blocks it should have found (what the conversation's earlier turns
-  saved), for the benchmark to check.
+  saved), for the benchmark to check. The connector keeps a digest of every
+  block it saves (the block's bytes in the cache: every layer, K and V) per
+  key, and after the step that used a load the engine digests each loaded
+  block in the slot it was scattered into and compares it with the digest
+  saved under the key meant for that slot; the request records the blocks
+  that differ.
 * without one, every prompt is prefilled from the first token (recompute).
 
 Timing: a request's TTFT runs from when its client sent it (the moment the
@@ -42,15 +47,20 @@ the step that
 produced its first token; its TPOT is the mean time per output token after
 that. Lookup, load and save run inside the loop, so their time counts against
 the requests waiting on that step, as it would in an engine that does them
-synchronously.
+synchronously. The benchmark's own checks (the digests) and the reference
+copies (:class:`CopyReference`) run with the engine's clock paused
+(:class:`EngineClock`), so they count in no timing.
 """
 
 from __future__ import annotations
 
+import hashlib
 import time
 from collections import deque
+from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Deque, Dict, List, Optional, Sequence, Tuple
+from typing import (TYPE_CHECKING, Deque, Dict, Iterator, List, Optional, Sequence,
+                    Tuple)
 
 import numpy as np
 import torch
@@ -107,6 +117,75 @@ def make_workload(config: WorkloadConfig, vocab_size: int) -> List[List[TurnSpec
     return conversations
 
 
+class EngineClock:
+    """The engine's clock: ``time.perf_counter()`` less the time spent inside
+    :meth:`paused`, so that work the benchmark adds to check or calibrate
+    (digests, reference copies) shifts no TTFT, TPOT or wall time."""
+
+    def __init__(self) -> None:
+        self._excluded = 0.0
+
+    def now(self) -> float:
+        """Seconds, comparable only with other readings of this clock."""
+        return time.perf_counter() - self._excluded
+
+    @contextmanager
+    def paused(self) -> Iterator[None]:
+        """The time spent in the ``with`` body counts in no later reading."""
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            self._excluded += time.perf_counter() - start
+
+
+class CopyReference:
+    """Times a plain in-process copy of a number of bytes (``torch``
+    ``copy_`` between two host buffers of this process, already touched):
+    the floor for moving a request's blocks, with no store, no transport
+    and no scatter. Not thread-safe."""
+
+    def __init__(self) -> None:
+        self._src = torch.empty(0, dtype=torch.uint8)
+        self._dst = torch.empty(0, dtype=torch.uint8)
+
+    def time_copy(self, nbytes: int) -> float:
+        """Seconds one copy of ``nbytes`` bytes took (0 for 0 bytes)."""
+        if nbytes <= 0:
+            return 0.0
+        if self._src.numel() < nbytes:
+            # Grown (and every page touched) before the copy is timed.
+            self._src = torch.full((nbytes,), 1, dtype=torch.uint8)
+            self._dst = torch.zeros(nbytes, dtype=torch.uint8)
+        start = time.perf_counter()
+        self._dst[:nbytes].copy_(self._src[:nbytes])
+        return time.perf_counter() - start
+
+
+def block_digest(cache: PagedKvCache, block_id: int) -> bytes:
+    """BLAKE2b-128 of one cache block's bytes as the cache holds them: every
+    layer, K then V (``tensors[layer][0 or 1, block_id]``, each contiguous).
+    Equal digests mean equal bits, whatever the dtype (NaN included)."""
+    h = hashlib.blake2b(digest_size=16)
+    for tensor in cache.tensors:
+        raw = tensor.view(torch.uint8)  # the same memory, bytes in the last dim
+        for kv in (0, 1):
+            h.update(raw[kv, block_id].numpy())
+    return h.digest()
+
+
+@dataclass
+class PrefixLoad:
+    """What :meth:`KvdepotConnector.load_prefix` did. Times are seconds."""
+
+    lookup_hits: int = 0  # blocks the prefix lookup found
+    loaded: int = 0  # leading blocks the load reported loaded
+    keys: List[bytes] = field(default_factory=list)  # the keys of those blocks
+    lookup_s: float = 0.0  # lookup with prefix match and pin
+    store_load_s: float = 0.0  # KvCacheStore.load (get, then scatter)
+    unpin_s: float = 0.0
+
+
 class KvdepotConnector:
     """Moves a request's full KV blocks between the engine's paged cache and
     kvdepotd. Not thread-safe (nor is the :class:`kvdepot.KvCacheStore` it
@@ -115,43 +194,59 @@ class KvdepotConnector:
     Keys are chained block hashes (:mod:`kvdepot.integrations`) of the token ids,
     without extra keys (no LoRA, multimodal input or cache salt here), in the
     store's namespace, which names the model and the cache layout.
+
+    ``saved_digests`` maps each key this connector saved to the
+    :func:`block_digest` of the bytes stored under it (filled by
+    :meth:`record_digests`), for :meth:`check_digests` to compare loads with.
+    One connector serves one run, whose namespace starts empty.
     """
 
     def __init__(self, store: "kvdepot.KvCacheStore", block_size: int) -> None:
         self.store = store
         self.block_size = block_size
         self.block_bytes: int = store.layout.object_bytes
+        self.saved_digests: Dict[bytes, bytes] = {}
 
     def load_prefix(
         self, cache: PagedKvCache, prompt: Sequence[int], block_ids: Sequence[int]
-    ) -> Tuple[int, int]:
+    ) -> PrefixLoad:
         """Loads the longest stored prefix of ``prompt``'s blocks into
         ``block_ids`` (lookup with prefix match and pin, load, unpin).
 
         Never loads the block holding the prompt's last token, which must be
-        computed. Returns ``(lookup_hits, loaded)``: the blocks the lookup
-        found and the leading blocks the load reported loaded.
+        computed. Returns the blocks the lookup found, the leading blocks the
+        load reported loaded (and their keys: ``keys[i]`` went into
+        ``block_ids[i]``) and the time of each call.
         """
+        result = PrefixLoad()
         max_blocks = (len(prompt) - 1) // self.block_size
         keys = block_hashes(prompt[: max_blocks * self.block_size], self.block_size)
         if not keys:
-            return 0, 0
+            return result
         client = self.store.client
+        start = time.perf_counter()
         reply = client.lookup(self.store.namespace, keys, prefix=True, pin=True)
+        result.lookup_s = time.perf_counter() - start
+        filled: List[bool] = []
         try:
-            hits = reply.prefix_hits
-            if not hits:
-                return 0, 0
-            filled = self.store.load(cache.tensors, block_ids[:hits], keys[:hits])
+            result.lookup_hits = reply.prefix_hits
+            if result.lookup_hits:
+                start = time.perf_counter()
+                filled = self.store.load(cache.tensors, block_ids[: result.lookup_hits],
+                                         keys[: result.lookup_hits])
+                result.store_load_s = time.perf_counter() - start
         finally:
             if reply.pin_id:
+                start = time.perf_counter()
                 client.unpin(reply.pin_id)
+                result.unpin_s = time.perf_counter() - start
         # Pinned blocks are not evicted, so a miss here is a failure, which
         # the benchmark reports (loaded < lookup_hits) and fails on. The
         # engine still serves the request correctly: the prefix ends before
         # the first miss and the rest is recomputed.
-        loaded = filled.index(False) if False in filled else len(filled)
-        return hits, loaded
+        result.loaded = filled.index(False) if False in filled else len(filled)
+        result.keys = keys[: result.loaded]
+        return result
 
     def save(
         self,
@@ -159,20 +254,48 @@ class KvdepotConnector:
         tokens: Sequence[int],
         block_ids: Sequence[int],
         skip_blocks: int,
-    ) -> int:
+    ) -> Tuple[List[bytes], List[int], List[bool]]:
         """Saves the full blocks of ``tokens`` (whose K/V are in
         ``block_ids``) after the first ``skip_blocks``, which are stored
-        already. Returns the number of blocks sent."""
+        already. Returns the keys sent, the cache blocks they were saved from
+        and the store's flags (True: stored now; False: stored before)."""
         keys = block_hashes(tokens, self.block_size)
         if len(keys) <= skip_blocks:
-            return 0
-        self.store.save(
-            cache.tensors,
-            list(block_ids[skip_blocks : len(keys)]),
-            keys[skip_blocks:],
-            parents_of(keys)[skip_blocks:],
-        )
-        return len(keys) - skip_blocks
+            return [], [], []
+        ids = list(block_ids[skip_blocks : len(keys)])
+        stored = self.store.save(cache.tensors, ids, keys[skip_blocks:],
+                                 parents_of(keys)[skip_blocks:])
+        return keys[skip_blocks:], ids, list(stored)
+
+    def record_digests(
+        self,
+        cache: PagedKvCache,
+        keys: Sequence[bytes],
+        block_ids: Sequence[int],
+        stored: Sequence[bool],
+    ) -> None:
+        """Keeps the digest of block ``block_ids[i]``, just saved, under
+        ``keys[i]``. A key that was stored before (``stored[i]`` False)
+        keeps the digest of its first save: put-if-absent kept those bytes."""
+        for key, block_id, now in zip(keys, block_ids, stored):
+            if now or key not in self.saved_digests:
+                self.saved_digests[key] = block_digest(cache, block_id)
+
+    def check_digests(
+        self, cache: PagedKvCache, keys: Sequence[bytes], block_ids: Sequence[int]
+    ) -> List[Tuple[int, str]]:
+        """Compares each loaded block ``block_ids[i]`` with the digest saved
+        under ``keys[i]``, the key meant for that slot. Returns ``(i,
+        why)`` for each block that differs or whose key this run never
+        saved."""
+        bad = []
+        for i, (key, block_id) in enumerate(zip(keys, block_ids)):
+            want = self.saved_digests.get(key)
+            if want is None:
+                bad.append((i, "key never saved in this run"))
+            elif block_digest(cache, block_id) != want:
+                bad.append((i, "bytes differ from those saved under its key"))
+        return bad
 
 
 @dataclass
@@ -194,6 +317,14 @@ class RequestRecord:
     bytes_stored: int
     load_s: float  # lookup + load + unpin, inside the TTFT
     save_s: float  # after the answer, inside the engine loop
+    lookup_s: float = 0.0  # lookup with prefix match and pin (part of load_s)
+    store_load_s: float = 0.0  # KvCacheStore.load: get and scatter (part of load_s)
+    unpin_s: float = 0.0  # (part of load_s)
+    copy_load_s: float = 0.0  # an in-process copy of bytes_loaded (CopyReference)
+    copy_save_s: float = 0.0  # an in-process copy of bytes_stored
+    digest_checked: int = 0  # loaded blocks compared with their saved digest
+    # (block index in the prompt, why) of each loaded block that did not match.
+    digest_mismatches: List[Tuple[int, str]] = field(default_factory=list)
 
 
 @dataclass
@@ -205,6 +336,9 @@ class RunResult:
     wall_s: float
     steps: int
     records: List[RequestRecord]
+    # kvdepot runs: how a get into the memory the loads stage in travelled
+    # after the run (transport_probe); merged runs keep one entry per run.
+    transport: List[Dict[str, str]] = field(default_factory=list)
 
 
 @dataclass
@@ -220,6 +354,9 @@ class _Request:
     loaded_blocks: int = 0
     expected_blocks: int = 0
     load_s: float = 0.0
+    load: PrefixLoad = field(default_factory=PrefixLoad)
+    copy_load_s: float = 0.0
+    digest_mismatches: List[Tuple[int, str]] = field(default_factory=list)
     output: List[int] = field(default_factory=list)
     first_token_time: float = 0.0
     first_logits: torch.Tensor = field(default_factory=lambda: torch.empty(0))
@@ -250,6 +387,8 @@ class _Engine:
         self.model = model
         self.cache = cache
         self.connector = connector
+        self.clock = EngineClock()
+        self.copy_reference = CopyReference()
         self.queues: List[Deque[TurnSpec]] = [deque() for _ in range(concurrency)]
         for turn in range(max(len(c) for c in conversations)):
             for conv, turns in enumerate(conversations):
@@ -271,7 +410,8 @@ class _Engine:
 
     def _step(self) -> None:
         """Admits, runs one batch (decodes of the running requests, then the
-        new prefills), samples, and finishes the requests that are done."""
+        new prefills), samples, checks what this step's admissions loaded,
+        and finishes the requests that are done."""
         admitted = self._admit()
         bs = self.cache.block_size
         chunks = []
@@ -284,8 +424,9 @@ class _Engine:
             chunks.append(SequenceChunk(new_tokens, req.num_computed, req.block_ids))
         batch = self.running + admitted
         logits = self.model(chunks, self.cache)
-        now = time.perf_counter()
+        now = self.clock.now()
         self.steps += 1
+        self._check_loads(admitted)
 
         self.running = []
         next_tokens = logits.argmax(dim=-1).tolist()
@@ -300,6 +441,23 @@ class _Engine:
             else:
                 self._finish(client, req, now)
 
+    def _check_loads(self, admitted: Sequence[Tuple[int, _Request]]) -> None:
+        """Untimed (the clock paused): digests each block this step's
+        admissions loaded, in the slot it was scattered into (the step wrote
+        only later positions), against the digest saved under its key, and
+        times the reference copy of the bytes loaded."""
+        if self.connector is None:
+            return
+        with self.clock.paused():
+            for _, req in admitted:
+                loaded = req.load.loaded
+                if not loaded:
+                    continue
+                req.digest_mismatches = self.connector.check_digests(
+                    self.cache, req.load.keys, req.block_ids[:loaded])
+                req.copy_load_s = self.copy_reference.time_copy(
+                    loaded * self.connector.block_bytes)
+
     def _admit(self) -> List[Tuple[int, _Request]]:
         """Every idle client's next turn (client c joins at step c), its
         blocks allocated and, with a connector, its stored prefix loaded."""
@@ -311,7 +469,7 @@ class _Engine:
             spec = queue.popleft()
             arrival = self.sent_at[client]
             if arrival is None:
-                arrival = time.perf_counter()
+                arrival = self.clock.now()
             history = self.history[spec.conversation]
             req = _Request(spec, history + list(spec.user_tokens), arrival)
             req.block_ids = self.cache.allocate(-(-len(req.prompt) // bs))
@@ -323,12 +481,11 @@ class _Engine:
                 if history:
                     req.expected_blocks = min((len(history) - 1) // bs,
                                               (len(req.prompt) - 1) // bs)
-                load_start = time.perf_counter()
-                req.lookup_hits, req.loaded_blocks = self.connector.load_prefix(
-                    self.cache, req.prompt, req.block_ids
-                )
+                load_start = self.clock.now()
+                req.load = self.connector.load_prefix(self.cache, req.prompt, req.block_ids)
+                req.lookup_hits, req.loaded_blocks = req.load.lookup_hits, req.load.loaded
                 req.num_computed = req.loaded_blocks * bs
-                req.load_s = time.perf_counter() - load_start
+                req.load_s = self.clock.now() - load_start
             self.busy[client] = True
             admitted.append((client, req))
         return admitted
@@ -336,17 +493,28 @@ class _Engine:
     def _finish(self, client: int, req: _Request, now: float) -> None:
         """The answer is complete at ``now``, when the client sends its next
         turn; saving the new blocks is engine work that delays the next step
-        (and so that turn's TTFT)."""
+        (and so that turn's TTFT). The digests of the saved blocks and the
+        reference copy are taken with the clock paused."""
         tokens = req.prompt + req.output
         self.history[req.spec.conversation] = tokens
         stored = 0
-        save_start = time.perf_counter()
+        copy_save_s = 0.0
+        keys: List[bytes] = []
+        saved_ids: List[int] = []
+        flags: List[bool] = []
+        save_start = self.clock.now()
         if self.connector is not None:
             # The last sampled token has no K/V yet: num_computed excludes it.
-            stored = self.connector.save(
+            keys, saved_ids, flags = self.connector.save(
                 self.cache, tokens[: req.num_computed], req.block_ids, req.loaded_blocks
             )
-        save_s = time.perf_counter() - save_start
+            stored = len(keys)
+        save_s = self.clock.now() - save_start
+        if self.connector is not None:
+            with self.clock.paused():
+                self.connector.record_digests(self.cache, keys, saved_ids, flags)
+                copy_save_s = self.copy_reference.time_copy(
+                    stored * self.connector.block_bytes)
         self.cache.free(req.block_ids)
         self.busy[client] = False
         self.sent_at[client] = now
@@ -368,8 +536,41 @@ class _Engine:
                 bytes_stored=stored * block_bytes,
                 load_s=req.load_s,
                 save_s=save_s,
+                lookup_s=req.load.lookup_s,
+                store_load_s=req.load.store_load_s,
+                unpin_s=req.load.unpin_s,
+                copy_load_s=req.copy_load_s,
+                copy_save_s=copy_save_s,
+                digest_checked=req.loaded_blocks,
+                digest_mismatches=req.digest_mismatches,
             )
         )
+
+
+def transport_probe(store: "kvdepot.KvCacheStore", key: Optional[bytes]) -> Dict[str, str]:
+    """How the loads' blocks travel, asked after a run (untimed): one get of
+    the stored block ``key`` into memory from ``Client.allocate_buffer``,
+    the memory :class:`kvdepot.KvCacheStore` stages its loads in (the store
+    falls back to plain host memory, and so to gRPC, only when that
+    allocation fails; so does this probe). ``transport`` is the get's
+    ``TransferOp.transport()`` (``ucx`` or ``grpc``), or ``grpc`` with the
+    allocation's error; ``data_plane_status`` the client's (empty: the UCX
+    data plane is up). ``key`` None (nothing stored): ``unknown``."""
+    client = store.client
+    out = {"transport": "unknown (no block stored)", "data_plane_status": ""}
+    if key is not None:
+        try:
+            buffer = client.allocate_buffer(store.layout.object_bytes)
+        except RuntimeError as e:
+            out["transport"] = "grpc"
+            out["allocate_buffer_error"] = str(e)
+        else:
+            op = client.get_into_async(store.namespace, [key], [buffer])
+            op.wait()
+            out["transport"] = op.transport() if all(op.ok()) else (
+                f"{op.transport()} (probe get failed: {op.errors()[0]})")
+    out["data_plane_status"] = client.data_plane_status()
+    return out
 
 
 def run_workload(
@@ -381,6 +582,7 @@ def run_workload(
 ) -> RunResult:
     """Serves every turn of ``conversations`` with ``concurrency`` clients;
     with ``connector``, reuses prefixes through kvdepot, else recomputes.
+    A kvdepot run ends with a :func:`transport_probe` (untimed).
 
     ``cache`` must be free and large enough for ``concurrency`` requests of
     the longest context (:func:`cache_blocks_needed`). Call under
@@ -388,14 +590,20 @@ def run_workload(
     """
     engine = _Engine(model, cache, conversations, concurrency, connector)
     _warm_up(model, cache)
-    start = time.perf_counter()
+    start = engine.clock.now()
     engine.run()
+    wall_s = engine.clock.now() - start
+    transport = []
+    if connector is not None:
+        transport.append(transport_probe(
+            connector.store, next(iter(connector.saved_digests), None)))
     return RunResult(
         mode="kvdepot" if connector is not None else "recompute",
         concurrency=concurrency,
-        wall_s=time.perf_counter() - start,
+        wall_s=wall_s,
         steps=engine.steps,
         records=engine.records,
+        transport=transport,
     )
 
 
