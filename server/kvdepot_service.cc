@@ -980,7 +980,6 @@ void KvDepotService::StartPushBlocks(const v1::PushBlocksRequest* req,
         // copied on this thread and checked as it lands, so the client need
         // not read it all again to hash it.
         std::vector<bool> in_place(moves.size(), false);
-        std::vector<bool> corrupt(moves.size(), false);  // the daemon's copy
         auto copy_here = [&](size_t m, char* client) {
           if (absl::Now() >= copy_deadline) return CopyTooLate();
           in_place[m] = true;
@@ -999,11 +998,10 @@ void KvDepotService::StartPushBlocks(const v1::PushBlocksRequest* req,
           // Which copy is wrong: the daemon's (memory corruption or a bug)
           // or the client's (its buffer changed under the copy)?
           if (BlockChecksum(mv.arena.data(), mv.arena.size()) != want) {
-            corrupt[m] = true;
             metrics_.RecordDramIntegrityError();
             log_->error(
                 "PushBlocks: block {} in DRAM does not match its "
-                "checksum (memory corruption?); not served, dropped",
+                "checksum (memory corruption?); not served",
                 KeyToHex(req->keys(key_of_move[m])));
           } else {
             log_->warn("PushBlocks: session {}'s buffer changed while block {} "
@@ -1024,8 +1022,7 @@ void KvDepotService::StartPushBlocks(const v1::PushBlocksRequest* req,
         // copied here): short steps only.
         h->OnReady([this, req, resp, finish, unpin, h = *h,
                     key_of_move = std::move(key_of_move),
-                    in_place = std::move(in_place),
-                    corrupt = std::move(corrupt)] {
+                    in_place = std::move(in_place)] {
           if (h.abandoned()) {
             uint64_t bytes = 0;
             for (int k : key_of_move) bytes += resp->blocks(k).size();
@@ -1035,32 +1032,6 @@ void KvDepotService::StartPushBlocks(const v1::PushBlocksRequest* req,
                               unpin);
           } else {
             unpin();
-          }
-          // A block whose DRAM bytes failed their checksum goes, once
-          // unpinned, so that the next get is a miss and the next put
-          // stores it again, rather than a DATA_LOSS each time until the
-          // evictor takes it (Evict may wait: not on this thread). Still
-          // pinned by another session, it stays until then.
-          std::vector<std::string> drop;
-          for (size_t m = 0; m < corrupt.size(); ++m) {
-            if (corrupt[m]) drop.push_back(req->keys(key_of_move[m]));
-          }
-          if (!drop.empty()) {
-            put_pool_.Submit(
-                [this, ns = req->namespace_(), drop = std::move(drop)] {
-                  std::vector<absl::string_view> bad(drop.begin(), drop.end());
-                  absl::StatusOr<EvictResult> dropped =
-                      store_.Evict(ns, bad, false);
-                  if (!dropped.ok() || dropped->evicted_blocks != bad.size()) {
-                    log_->error(
-                        "PushBlocks: {} corrupt block(s) of namespace {} "
-                        "not dropped ({}); they fail every get until "
-                        "evicted",
-                        bad.size(), ns,
-                        dropped.ok() ? "pinned elsewhere"
-                                     : dropped.status().ToString());
-                  }
-                });
           }
           uint64_t bytes = 0, bytes_in_place = 0;
           for (size_t m = 0; m < key_of_move.size(); ++m) {

@@ -69,9 +69,17 @@ absl::Status CheckUcxSetting(std::string_view key, std::string_view value) {
   (void)loaded;
   const std::string name = UcxSettingName(key);
   const std::string text(value);
-  bool known = false;
-  bool modifiable = false;  // by ucp_config_modify
-  std::string refused_by;
+  // The transport prefix kvdepot drops from `key` ("TCP_"), if any.
+  std::string_view bare = key;
+  if (bare.substr(0, 4) == "UCX_") bare.remove_prefix(4);
+  const std::string dropped(bare.substr(0, bare.size() - name.size()));
+  // What each table that has a setting `name` says of `value`, through
+  // UCX's own parser (UCX 1.13's internal API: Debian 12's libucx).
+  struct Answer {
+    std::string table, prefix;
+    ucs_status_t status;
+  };
+  std::vector<Answer> answers;
   for (ucs_list_link_t* at = ucs_config_global_list.next;
        at != &ucs_config_global_list; at = at->next) {
     const auto* table = reinterpret_cast<const ucs_config_global_list_entry_t*>(
@@ -83,8 +91,8 @@ absl::Status CheckUcxSetting(std::string_view key, std::string_view value) {
         std::string_view(table->name) == "UCM") {
       continue;
     }
-    // The table's values as this process's environment sets them, and then
-    // the setting, as UCX applies it (ucp_config_modify, uct_config_modify).
+    // The table's values as this process's environment sets them, then the
+    // setting (operator new's alignment suits UCX's option structs).
     std::vector<char> opts(table->size);
     if (ucs_config_parser_fill_opts(opts.data(), table->table, "UCX_",
                                     table->prefix,
@@ -94,30 +102,55 @@ absl::Status CheckUcxSetting(std::string_view key, std::string_view value) {
     const ucs_status_t st = ucs_config_parser_set_value(
         opts.data(), table->table, name.c_str(), text.c_str());
     ucs_config_parser_release_opts(opts.data(), table->table);
-    if (st == UCS_ERR_NO_ELEM) continue;
-    known = true;
-    // UCS's read-only table is read from the environment at load only.
-    modifiable |=
-        std::string_view(table->name) != "UCS global (runtime read-only)";
-    // One transport refusing it is enough: UCX fails that transport.
-    if (st != UCS_OK && refused_by.empty()) refused_by = table->name;
+    if (st != UCS_ERR_NO_ELEM) {
+      answers.push_back({table->name, table->prefix ? table->prefix : "", st});
+    }
   }
-  if (!known) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "UCX ", ucp_get_version_string(), " has no setting ", name,
-        " (`ucx_info -c -f` lists them; a transport's setting goes without "
-        "its prefix, which kvdepot drops for ",
-        absl::StrJoin(kTransportPrefixes, " "), ")"));
+  auto answer_of = [&](std::string_view table) -> const Answer* {
+    for (const Answer& a : answers) {
+      if (a.table == table) return &a;
+    }
+    return nullptr;
+  };
+  auto refused = [&](const Answer& a) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("UCX refuses ", name, "=", text, " (", a.table,
+                     "; UCX logged the syntax it takes)"));
+  };
+  // ucp_config_modify's order: UCP's own setting of that name, else UCS's;
+  // only a name neither has goes to the transports (each that has it).
+  const Answer* own = answer_of("UCP context");
+  if (own == nullptr) own = answer_of("UCS global");
+  if (own != nullptr) {
+    if (!dropped.empty()) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("with its prefix ", dropped,
+                       " dropped (kvdepot drops it, as UCX "
+                       "1.13 wants) it names UCX's own setting ",
+                       name, " (UCX_", name,
+                       "), which UCX would change instead of the transport's"));
+    }
+    return own->status == UCS_OK ? absl::OkStatus() : refused(*own);
   }
-  if (!modifiable) {
+  if (answer_of("UCS global (runtime read-only)") != nullptr) {
     return absl::InvalidArgumentError(
         absl::StrCat("UCX takes ", name, " only from the environment (UCX_",
                      name, ") when it loads, not as a setting"));
   }
-  if (!refused_by.empty()) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("UCX refuses ", name, "=", text, " (", refused_by,
-                     "; UCX's message above says what it takes)"));
+  bool in_its_transport = dropped.empty();
+  for (const Answer& a : answers) {
+    if (a.status != UCS_OK) return refused(a);  // UCX fails that transport
+    in_its_transport |= a.prefix == dropped;
+  }
+  if (answers.empty() || !in_its_transport) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "UCX ", ucp_get_version_string(), " has no setting ", name,
+        dropped.empty() ? "" : absl::StrCat(" in its ", dropped, " transport"),
+        " (`ucx_info -c -f` lists them; a setting reaches a transport by its "
+        "name inside the transport's table: without the prefix, which "
+        "kvdepot drops for ",
+        absl::StrJoin(kTransportPrefixes, " "),
+        ", and as MM_<name> for posix and sysv)"));
   }
   return absl::OkStatus();
 }

@@ -33,7 +33,9 @@ struct UcxContextOptions {
   // ("TCP_TX_SEG_SIZE": "invalid configuration" warning) and applies it
   // without ("TX_SEG_SIZE") to every transport that has a setting of that
   // name. So the prefix of the transports in kTransportPrefixes is dropped
-  // here; settings of other transports must be given without theirs.
+  // here; settings of other transports must be given without theirs. (The
+  // posix and sysv transports name their shared-memory settings MM_<name>
+  // inside their tables: "MM_FIFO_SIZE" sets both; "MM_" is not dropped.)
   std::map<std::string, std::string> config;
   // Shows in UCX's logs and tools.
   std::string name = "kvdepot";
@@ -41,7 +43,7 @@ struct UcxContextOptions {
 
 // The transport prefixes UcxContextOptions::config drops.
 inline constexpr const char* kTransportPrefixes[] = {
-    "TCP_", "POSIX_", "SYSV_", "CMA_", "SELF_", "MM_", "XPMEM_", "KNEM_"};
+    "TCP_", "POSIX_", "SYSV_", "CMA_", "SELF_", "XPMEM_", "KNEM_"};
 // The name UCX is given for setting `key` of UcxContextOptions::config:
 // without "UCX_" and a prefix of kTransportPrefixes ("UCX_TCP_TX_SEG_SIZE",
 // "TCP_TX_SEG_SIZE" and "TX_SEG_SIZE" are one setting).

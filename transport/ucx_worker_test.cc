@@ -226,7 +226,7 @@ TEST_F(UcxWorkerTest, SettingsAreCheckedAgainstUcxsOwnTables) {
            {"TCP_TX_SEG_SIZE", "512k"},
            {"UCX_TCP_RX_SEG_SIZE", "1m"},
            {"TX_SEG_SIZE", "auto"},
-           {"POSIX_SEG_SIZE", "16k"}}) {
+           {"MM_FIFO_SIZE", "128"}}) {
     EXPECT_TRUE(CheckUcxSetting(key, value).ok()) << key << "=" << value;
   }
   // A name no table has: UCX itself only warns and goes on without it.
@@ -236,6 +236,16 @@ TEST_F(UcxWorkerTest, SettingsAreCheckedAgainstUcxsOwnTables) {
       << st.message();
   EXPECT_EQ(CheckUcxSetting("NO_SUCH_SETTING", "1").code(),
             absl::StatusCode::kInvalidArgument);
+  // A transport's prefix dropped, the name is UCP's own setting, which UCX
+  // would set instead (UCX_SEG_SIZE, its memory pool's segments).
+  st = CheckUcxSetting("POSIX_SEG_SIZE", "16k");
+  EXPECT_EQ(st.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_TRUE(absl::StrContains(st.message(), "UCX's own setting SEG_SIZE"))
+      << st.message();
+  // Nor does a name of another transport pass for this one's.
+  st = CheckUcxSetting("POSIX_TX_SEG_SIZE", "64k");
+  EXPECT_TRUE(absl::StrContains(st.message(), "in its POSIX_ transport"))
+      << st.message();
   // UCM's settings: UCP passes them nowhere.
   EXPECT_EQ(CheckUcxSetting("MALLOC_HOOKS", "n").code(),
             absl::StatusCode::kInvalidArgument);
