@@ -980,6 +980,7 @@ void KvDepotService::StartPushBlocks(const v1::PushBlocksRequest* req,
         // copied on this thread and checked as it lands, so the client need
         // not read it all again to hash it.
         std::vector<bool> in_place(moves.size(), false);
+        std::vector<bool> corrupt(moves.size(), false);  // the daemon's copy
         auto copy_here = [&](size_t m, char* client) {
           if (absl::Now() >= copy_deadline) return CopyTooLate();
           in_place[m] = true;
@@ -998,10 +999,11 @@ void KvDepotService::StartPushBlocks(const v1::PushBlocksRequest* req,
           // Which copy is wrong: the daemon's (memory corruption or a bug)
           // or the client's (its buffer changed under the copy)?
           if (BlockChecksum(mv.arena.data(), mv.arena.size()) != want) {
+            corrupt[m] = true;
             metrics_.RecordDramIntegrityError();
             log_->error(
                 "PushBlocks: block {} in DRAM does not match its "
-                "checksum (memory corruption?); not served",
+                "checksum (memory corruption?); not served, dropped",
                 KeyToHex(req->keys(key_of_move[m])));
           } else {
             log_->warn("PushBlocks: session {}'s buffer changed while block {} "
@@ -1022,7 +1024,8 @@ void KvDepotService::StartPushBlocks(const v1::PushBlocksRequest* req,
         // copied here): short steps only.
         h->OnReady([this, req, resp, finish, unpin, h = *h,
                     key_of_move = std::move(key_of_move),
-                    in_place = std::move(in_place)] {
+                    in_place = std::move(in_place),
+                    corrupt = std::move(corrupt)] {
           if (h.abandoned()) {
             uint64_t bytes = 0;
             for (int k : key_of_move) bytes += resp->blocks(k).size();
@@ -1032,6 +1035,30 @@ void KvDepotService::StartPushBlocks(const v1::PushBlocksRequest* req,
                               unpin);
           } else {
             unpin();
+            // A block whose DRAM copy is bad goes (its NVMe copy, if any,
+            // stays), so that the next get reads that or misses and the
+            // next put stores it again, instead of a DATA_LOSS each time
+            // until it is evicted. Off this thread: the store hashes it
+            // again first.
+            std::vector<std::pair<std::string, uint64_t>> bad;
+            for (size_t m = 0; m < corrupt.size(); ++m) {
+              if (!corrupt[m]) continue;
+              const int k = key_of_move[m];
+              bad.emplace_back(req->keys(k), resp->blocks(k).checksum());
+            }
+            if (!bad.empty()) {
+              put_pool_.Submit(
+                  [this, ns = req->namespace_(), bad = std::move(bad)] {
+                    for (const auto& [key, sum] : bad) {
+                      if (!store_.DropCorruptDram(ns, key, sum)) {
+                        log_->warn(
+                            "PushBlocks: corrupt block {} kept for now (pinned "
+                            "by another session, being demoted, or gone)",
+                            KeyToHex(key));
+                      }
+                    }
+                  });
+            }
           }
           uint64_t bytes = 0, bytes_in_place = 0;
           for (size_t m = 0; m < key_of_move.size(); ++m) {

@@ -93,7 +93,8 @@ ServerMetrics::ServerMetrics(prometheus::Registry& registry,
                                   "checksum, never served: on NVMe when read "
                                   "(dropped); in DRAM when demoted (dropped) "
                                   "or copied to a co-located client (the "
-                                  "copy refused with DATA_LOSS)")
+                                  "copy refused with DATA_LOSS, the DRAM copy "
+                                  "dropped)")
                             .Register(registry)),
       bytes_in_(bytes_.Add({{"direction", "in"}, {"transport", "grpc"}})),
       bytes_out_(bytes_.Add({{"direction", "out"}, {"transport", "grpc"}})),
@@ -183,6 +184,7 @@ ServerMetrics::ServerMetrics(prometheus::Registry& registry,
   dram_admin_evictions_ = eviction("dram", "admin");
   nvme_admin_evictions_ = eviction("nvme", "admin");
   nvme_corrupt_evictions_ = eviction("nvme", "corrupt");
+  dram_corrupt_evictions_ = eviction("dram", "corrupt");
   dram_integrity_errors_ = Mirror{&integrity_errors_.Add({{"tier", "dram"}})};
   for (absl::StatusCode code :
        {absl::StatusCode::kResourceExhausted, absl::StatusCode::kNotFound,
@@ -312,6 +314,7 @@ void ServerMetrics::UpdateFromStats(const StoreStats& st) {
   dram_admin_evictions_.Advance(st.dram.admin_evictions);
   nvme_admin_evictions_.Advance(st.nvme.admin_evictions);
   nvme_corrupt_evictions_.Advance(st.integrity_errors);
+  dram_corrupt_evictions_.Advance(st.dram_corrupt_evictions);
   nvme_integrity_errors_.Advance(st.integrity_errors);
   dram_integrity_errors_.Advance(st.dram_integrity_errors);
   demotions_.Advance(st.demotions);

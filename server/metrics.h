@@ -166,6 +166,7 @@ class ServerMetrics {
   Mirror dram_admin_evictions_ ABSL_GUARDED_BY(mu_);
   Mirror nvme_admin_evictions_ ABSL_GUARDED_BY(mu_);
   Mirror nvme_corrupt_evictions_ ABSL_GUARDED_BY(mu_);
+  Mirror dram_corrupt_evictions_ ABSL_GUARDED_BY(mu_);
   Mirror nvme_integrity_errors_ ABSL_GUARDED_BY(mu_);
   Mirror dram_integrity_errors_ ABSL_GUARDED_BY(mu_);
   Mirror demotions_ ABSL_GUARDED_BY(mu_);

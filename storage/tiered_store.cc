@@ -741,6 +741,33 @@ class TieredStoreImpl final : public TieredStore {
 
   // ---- eviction ----------------------------------------------------------
 
+  bool DropCorruptDram(absl::string_view ns, absl::string_view key,
+                       uint64_t checksum) override {
+    if (!ValidateNamespace(ns).ok() || !ValidateKey(key).ok()) return false;
+    // As Evict: no promotion of this namespace publishes a block meanwhile.
+    absl::WriterMutexLock no_promotions(&EvictStripe(ns));
+    const NamespaceRef info = FindNamespace(ns);
+    if (!info) return false;
+    // Still that block, still bad? Looked at pinned: its bytes stay put.
+    BlockEntry* e = index_.PinIfPresent(BlockIndex::MakeKey(info->id, key));
+    if (e == nullptr) return false;
+    const bool bad =
+        e->checksum == checksum &&
+        BlockChecksum(arena_->base() + e->data_offset(), e->size) != checksum;
+    index_.Unpin(e);
+    if (!bad) return false;
+    std::unique_ptr<BlockEntry> removed;
+    if (index_.Remove(BlockIndex::MakeKey(info->id, key), &removed) !=
+        BlockIndex::RemoveOutcome::kRemoved) {
+      return false;
+    }
+    // The same bad block, unless it was evicted and put again between the
+    // two index calls: then a good one goes, a miss, never a wrong byte.
+    dram_corrupt_evictions_.fetch_add(1, std::memory_order_relaxed);
+    FreeEntry(std::move(removed), /*lru=*/false);
+    return true;
+  }
+
   absl::StatusOr<EvictResult> Evict(absl::string_view ns,
                                     absl::Span<const absl::string_view> keys,
                                     bool all) override {
@@ -956,6 +983,7 @@ class TieredStoreImpl final : public TieredStore {
     st.demotions = demotions_.load();
     st.demotion_failures = demotion_failures_.load();
     st.dram_integrity_errors = dram_integrity_errors_.load();
+    st.dram_corrupt_evictions = dram_corrupt_evictions_.load();
     st.demotions_skipped = demotions_skipped_.load();
     st.promotions = promotions_.load();
     st.promotions_shed = promotions_shed_.load();
@@ -2027,7 +2055,7 @@ class TieredStoreImpl final : public TieredStore {
 
   std::atomic<bool> draining_{false};
   std::atomic<uint64_t> demotions_{0}, demotion_failures_{0}, promotions_{0};
-  std::atomic<uint64_t> dram_integrity_errors_{0};
+  std::atomic<uint64_t> dram_integrity_errors_{0}, dram_corrupt_evictions_{0};
   std::atomic<uint64_t> promotions_shed_{0};
   // Blocks of lookups waiting for PromoteBatch (max_queued_promotions).
   std::atomic<uint64_t> queued_promotions_{0};

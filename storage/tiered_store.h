@@ -208,6 +208,8 @@ struct StoreStats {
   // DRAM blocks whose bytes no longer matched their checksum when demoted
   // (dropped, not written; not in demotion_failures).
   uint64_t dram_integrity_errors = 0;
+  // DRAM copies dropped by DropCorruptDram (a reader found them bad).
+  uint64_t dram_corrupt_evictions = 0;
   // Why the NVMe tier takes no writes now (NvmeTierStats::write_error);
   // empty when it does.
   std::string nvme_write_error;
@@ -418,6 +420,15 @@ class TieredStore {
   // When the NVMe tier cannot make a delete durable (RocksDB stopped), the
   // other keys are still evicted and that error is the answer: the block
   // would come back after a restart.
+  // Drops the DRAM copy of `key` of `ns` if it is still the block with
+  // `checksum` and its bytes no longer match it: memory corruption a reader
+  // found (the daemon's in-place copy to a client). An NVMe copy, if any,
+  // stays. False, and nothing dropped, when it is not in DRAM, is pinned
+  // (by another session) or being demoted (the demotion drops a bad block
+  // itself), or is not bad.
+  virtual bool DropCorruptDram(absl::string_view ns, absl::string_view key,
+                               uint64_t checksum) = 0;
+
   virtual absl::StatusOr<EvictResult> Evict(
       absl::string_view ns, absl::Span<const absl::string_view> keys,
       bool all) = 0;

@@ -1704,6 +1704,50 @@ TEST_F(TieredStoreNvmeTest, ABlockCorruptedInDramIsDroppedWhenDemoted) {
   ExpectServes("b1", Block(1));
 }
 
+// DropCorruptDram drops a DRAM copy only while it is the block named and
+// its bytes are bad, not while another session pins it, and leaves an NVMe
+// copy: the next pinned lookup reads that back.
+TEST_F(TieredStoreNvmeTest, DropCorruptDramDropsOnlyABadDramCopy) {
+  auto flip = [&](const std::string& key) {
+    PinId pin = 0;
+    LookupEntry e = Look(key, true, &pin);
+    ASSERT_TRUE(e.found);
+    ASSERT_EQ(e.tier, Tier::kDram);
+    store_->dram_region().base[e.offset + 7] ^= 0x01;
+    ASSERT_OK(store_->Unpin(sid_, pin));
+  };
+  const uint64_t sum0 = BlockChecksum(Block(0));
+  Put("b0", Block(0));
+  EXPECT_FALSE(store_->DropCorruptDram("ns", "b0", sum0))
+      << "its bytes are good";
+  EXPECT_TRUE(Look("b0", false).found);
+  flip("b0");
+  EXPECT_FALSE(store_->DropCorruptDram("ns", "b0", sum0 + 1))
+      << "not that block";
+  EXPECT_FALSE(store_->DropCorruptDram("ns", "nope", sum0));
+  EXPECT_FALSE(store_->DropCorruptDram("other", "b0", sum0));
+  PinId held = 0;
+  ASSERT_TRUE(Look("b0", true, &held).found);
+  EXPECT_FALSE(store_->DropCorruptDram("ns", "b0", sum0))
+      << "pinned by a session";
+  ASSERT_OK(store_->Unpin(sid_, held));
+  EXPECT_TRUE(store_->DropCorruptDram("ns", "b0", sum0));
+  EXPECT_FALSE(Look("b0", false).found);
+  EXPECT_EQ(store_->Stats().dram_corrupt_evictions, 1u);
+  Put("b0", Block(0));  // stored again
+  ExpectServes("b0", Block(0));
+
+  // A block on both tiers (demoted, then read back): its NVMe copy stays.
+  for (int i = 1; i < 12; ++i) Put("b" + std::to_string(i), Block(i));
+  EXPECT_GT(store_->RunEviction(), 0u);
+  ASSERT_EQ(Look("b1", false).tier, Tier::kNvme);
+  flip("b1");  // the pinned lookup promotes it; the DRAM copy goes bad
+  EXPECT_TRUE(store_->DropCorruptDram("ns", "b1", BlockChecksum(Block(1))));
+  EXPECT_EQ(Look("b1", false).tier, Tier::kNvme);
+  ExpectServes("b1", Block(1));
+  EXPECT_EQ(store_->Stats().dram_corrupt_evictions, 2u);
+}
+
 // Bug: evicting a whole namespace counted a block held in both tiers (read
 // back into DRAM, its NVMe copy kept) twice: once for each copy.
 TEST_F(TieredStoreNvmeTest, EvictingANamespaceCountsABlockInBothTiersOnce) {
