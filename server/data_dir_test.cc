@@ -8,6 +8,7 @@
 #include <string>
 
 #include "tests/status_matchers.h"
+#include "tests/test_dir.h"
 
 namespace kvdepot {
 namespace {
@@ -20,9 +21,7 @@ constexpr uint64_t kGiB = uint64_t{1} << 30;
 class DataDirTest : public ::testing::Test {
  protected:
   void SetUp() override {
-    dir_ = ::testing::TempDir() + "/data_dir_test_" +
-           ::testing::UnitTest::GetInstance()->current_test_info()->name();
-    std::filesystem::remove_all(dir_);
+    dir_ = testing::FreshTestDir("data_dir_test_", /*create=*/false);
   }
   void TearDown() override { std::filesystem::remove_all(dir_); }
   std::string dir_;

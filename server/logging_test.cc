@@ -10,6 +10,7 @@
 #include <string>
 
 #include "tests/status_matchers.h"
+#include "tests/test_dir.h"
 
 namespace kvdepot {
 namespace {
@@ -23,12 +24,7 @@ std::string Slurp(const std::string& path) {
 
 class LoggingTest : public ::testing::Test {
  protected:
-  void SetUp() override {
-    dir_ = ::testing::TempDir() + "/logging_test_" +
-           ::testing::UnitTest::GetInstance()->current_test_info()->name();
-    std::filesystem::remove_all(dir_);
-    std::filesystem::create_directories(dir_);
-  }
+  void SetUp() override { dir_ = testing::FreshTestDir("logging_test_"); }
   std::string dir_;
 };
 

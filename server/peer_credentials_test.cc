@@ -10,6 +10,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "gtest/gtest.h"
+#include "tests/test_dir.h"
 
 namespace kvdepot {
 namespace {
@@ -116,11 +117,7 @@ std::string Row(int sl, const std::string& local, const std::string& remote,
 
 class PeerTableTest : public ::testing::Test {
  protected:
-  void SetUp() override {
-    dir_ = ::testing::TempDir() + "/proc_net_" +
-           ::testing::UnitTest::GetInstance()->current_test_info()->name();
-    ASSERT_EQ(system(absl::StrCat("mkdir -p ", dir_).c_str()), 0);
-  }
+  void SetUp() override { dir_ = testing::FreshTestDir("proc_net_"); }
   void Write(const std::string& tcp, const std::string& tcp6) {
     std::ofstream(dir_ + "/tcp")
         << "  sl  local_address rem_address   st tx_queue rx_queue tr tm->when "

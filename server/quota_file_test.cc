@@ -10,6 +10,7 @@
 
 #include "storage/fake_clock.h"
 #include "tests/status_matchers.h"
+#include "tests/test_dir.h"
 
 namespace kvdepot {
 namespace {
@@ -21,10 +22,7 @@ using Code = absl::StatusCode;
 class QuotaFileTest : public ::testing::Test {
  protected:
   void SetUp() override {
-    dir_ = ::testing::TempDir() + "/quota_file_test_" +
-           ::testing::UnitTest::GetInstance()->current_test_info()->name();
-    std::filesystem::remove_all(dir_);
-    std::filesystem::create_directories(dir_);
+    dir_ = testing::FreshTestDir("quota_file_test_");
     path_ = dir_ + "/quotas";
     store_ = MakeStore(/*max_namespaces=*/16);
   }

@@ -12,6 +12,7 @@
 
 #include "rocksdb/db.h"
 #include "rocksdb/options.h"
+#include "tests/test_dir.h"
 
 namespace kvdepot {
 namespace {
@@ -21,10 +22,7 @@ using ::testing::HasSubstr;
 class RocksInfoLogTest : public ::testing::Test {
  protected:
   void SetUp() override {
-    dir_ = ::testing::TempDir() + "/rocksdb_info_log_test_" +
-           ::testing::UnitTest::GetInstance()->current_test_info()->name();
-    std::filesystem::remove_all(dir_);
-    std::filesystem::create_directories(dir_);
+    dir_ = testing::FreshTestDir("rocksdb_info_log_test_");
   }
   void TearDown() override { std::filesystem::remove_all(dir_); }
   static std::string Slurp(const std::string& path) {
