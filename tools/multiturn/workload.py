@@ -350,8 +350,6 @@ class _Request:
     arrival: float
     block_ids: List[int] = field(default_factory=list)
     num_computed: int = 0  # tokens whose K/V are in the cache
-    lookup_hits: int = 0
-    loaded_blocks: int = 0
     expected_blocks: int = 0
     load_s: float = 0.0
     load: PrefixLoad = field(default_factory=PrefixLoad)
@@ -483,8 +481,7 @@ class _Engine:
                                               (len(req.prompt) - 1) // bs)
                 load_start = self.clock.now()
                 req.load = self.connector.load_prefix(self.cache, req.prompt, req.block_ids)
-                req.lookup_hits, req.loaded_blocks = req.load.lookup_hits, req.load.loaded
-                req.num_computed = req.loaded_blocks * bs
+                req.num_computed = req.load.loaded * bs
                 req.load_s = self.clock.now() - load_start
             self.busy[client] = True
             admitted.append((client, req))
@@ -506,7 +503,7 @@ class _Engine:
         if self.connector is not None:
             # The last sampled token has no K/V yet: num_computed excludes it.
             keys, saved_ids, flags = self.connector.save(
-                self.cache, tokens[: req.num_computed], req.block_ids, req.loaded_blocks
+                self.cache, tokens[: req.num_computed], req.block_ids, req.load.loaded
             )
             stored = len(keys)
         save_s = self.clock.now() - save_start
@@ -524,15 +521,15 @@ class _Engine:
                 conversation=req.spec.conversation,
                 turn=req.spec.turn,
                 prompt_tokens=len(req.prompt),
-                hit_tokens=req.loaded_blocks * self.cache.block_size,
-                lookup_hits=req.lookup_hits,
-                loaded_blocks=req.loaded_blocks,
+                hit_tokens=req.load.loaded * self.cache.block_size,
+                lookup_hits=req.load.lookup_hits,
+                loaded_blocks=req.load.loaded,
                 expected_blocks=req.expected_blocks,
                 output=req.output,
                 first_logits=req.first_logits,
                 ttft_s=req.first_token_time - req.arrival,
                 tpot_s=(now - req.first_token_time) / (len(req.output) - 1),
-                bytes_loaded=req.loaded_blocks * block_bytes,
+                bytes_loaded=req.load.loaded * block_bytes,
                 bytes_stored=stored * block_bytes,
                 load_s=req.load_s,
                 save_s=save_s,
@@ -541,7 +538,7 @@ class _Engine:
                 unpin_s=req.load.unpin_s,
                 copy_load_s=req.copy_load_s,
                 copy_save_s=copy_save_s,
-                digest_checked=req.loaded_blocks,
+                digest_checked=req.load.loaded,
                 digest_mismatches=req.digest_mismatches,
             )
         )
