@@ -4,10 +4,13 @@
 #include <grpcpp/security/credentials.h>
 
 #include <algorithm>
+#include <atomic>
 #include <chrono>
 #include <cstring>
+#include <functional>
 #include <limits>
 #include <map>
+#include <memory>
 #include <utility>
 
 #include "absl/container/flat_hash_set.h"
@@ -15,15 +18,15 @@
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/strip.h"
+#include "client/ucx_requests.h"
 #include "grpc/health/v1/health.grpc.pb.h"
 #include "storage/block_key.h"
 #include "storage/checksum.h"
 #include "storage/internal/sync_point.h"
 #include "storage/status_macros.h"
 #include "storage/work_pool.h"
-#include "client/ucx_requests.h"
-#include "transport/net_devices.h"
 #include "transport/memory_region.h"
+#include "transport/net_devices.h"
 #include "transport/ucx_context.h"
 #include "transport/ucx_worker.h"
 
@@ -150,6 +153,9 @@ struct TransferOp::State {
   v1::PushBlocksResponse push_resp;
   v1::PullBlocksRequest pull_req;
   v1::PullBlocksResponse pull_resp;
+  // Gets: told of the blocks of push_req that arrive not matching their
+  // checksums (by FinishGet, which then releases it).
+  std::shared_ptr<internal::CorruptReports> reports;
 
   // The last step before ready (checking a get's blocks against their
   // checksums), left for a caller blocked in Wait: it runs it on its own
@@ -268,6 +274,82 @@ struct Client::Calls {
   absl::flat_hash_set<grpc::ClientContext*> in_flight ABSL_GUARDED_BY(mu);
   bool closing ABSL_GUARDED_BY(mu) = false;
 };
+
+namespace internal {
+
+// Reports of blocks a get received not matching their checksums, sent to
+// the daemon (ReportCorrupt) so that it drops a DRAM copy that went bad
+// instead of failing every reader until the block is evicted. Fire and
+// forget: at most kMaxInFlight calls at once, kMaxBlocks blocks each; a
+// report more is dropped (the block's next reader reports it again). Shared
+// with the gets that find such blocks, which may end after the Client:
+// Close (its destructor) starts no more calls, waits a little for those in
+// flight, then cancels them and waits for their end. Thread-safe.
+class CorruptReports : public std::enable_shared_from_this<CorruptReports> {
+ public:
+  static constexpr int kMaxInFlight = 4;
+  static constexpr size_t kMaxBlocks = 64;
+
+  CorruptReports(const std::shared_ptr<grpc::Channel>& channel,
+                 absl::Duration rpc_timeout)
+      : stub_(v1::KvDepot::NewStub(channel)), timeout_(rpc_timeout) {}
+
+  void Send(absl::string_view ns,
+            std::vector<std::pair<std::string, uint64_t>> blocks) {
+    if (blocks.empty()) return;
+    if (blocks.size() > kMaxBlocks) blocks.resize(kMaxBlocks);
+    struct Call {
+      grpc::ClientContext ctx;
+      v1::ReportCorruptRequest req;
+      v1::ReportCorruptResponse resp;
+    };
+    auto call = std::make_shared<Call>();
+    call->req.set_namespace_(std::string(ns));
+    for (auto& [key, sum] : blocks) {
+      v1::CorruptBlock* b = call->req.add_blocks();
+      b->set_key(std::move(key));
+      b->set_checksum(sum);
+    }
+    call->ctx.set_deadline(std::chrono::system_clock::now() +
+                           absl::ToChronoMilliseconds(timeout_));
+    {
+      absl::MutexLock lock(&mu_);
+      if (closing_ || in_flight_.size() >= kMaxInFlight) return;
+      in_flight_.insert(&call->ctx);
+    }
+    // gRPC never runs a client call's callback inline, so it cannot take
+    // mu_ on this thread.
+    stub_->async()->ReportCorrupt(
+        &call->ctx, &call->req, &call->resp,
+        [self = shared_from_this(), call](const grpc::Status&) {
+          absl::MutexLock lock(&self->mu_);
+          self->in_flight_.erase(&call->ctx);
+        });
+  }
+
+  // Starts no more calls; gives those in flight up to `grace` to be
+  // answered, then cancels them, and returns once each has ended.
+  void Close(absl::Duration grace) {
+    absl::MutexLock lock(&mu_);
+    closing_ = true;
+    auto none = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+      return in_flight_.empty();
+    };
+    if (mu_.AwaitWithTimeout(absl::Condition(&none), grace)) return;
+    // A context in in_flight_ is alive until its callback erases it.
+    for (grpc::ClientContext* ctx : in_flight_) ctx->TryCancel();
+    mu_.Await(absl::Condition(&none));
+  }
+
+ private:
+  const std::unique_ptr<v1::KvDepot::Stub> stub_;
+  const absl::Duration timeout_;
+  absl::Mutex mu_;
+  absl::flat_hash_set<grpc::ClientContext*> in_flight_ ABSL_GUARDED_BY(mu_);
+  bool closing_ ABSL_GUARDED_BY(mu_) = false;
+};
+
+}  // namespace internal
 
 namespace {
 
@@ -437,6 +519,8 @@ Client::Client(const ClientOptions& options)
   channel_ = grpc::CreateCustomChannel(options_.server,
                                        grpc::InsecureChannelCredentials(), args);
   stub_ = v1::KvDepot::NewStub(channel_);
+  reports_ = std::make_shared<internal::CorruptReports>(channel_,
+                                                        options_.rpc_timeout);
   watch_ = std::thread([this] { WatchLoop(); });
 }
 
@@ -582,6 +666,9 @@ Client::~Client() {
   if (session != 0) DisconnectRequests(session);  // pending: Unavailable
   // Before anything they use goes: their callbacks run on gRPC's threads.
   calls_->CancelAndWait();
+  // A report of a corrupt block a get just found (a failed kvdepotctl get)
+  // is worth a short wait: no other reader may come.
+  reports_->Close(std::min(absl::Seconds(1), options_.rpc_timeout));
   if (session != 0) {
     CloseSessionRpc(session, std::min(absl::Seconds(2), options_.rpc_timeout / 2))
         .IgnoreError();
@@ -1107,6 +1194,12 @@ absl::StatusOr<std::vector<PutResult>> Client::PutGrpc(
   return FinishPut(FromRpc(writer->Finish()), resp, blocks.size());
 }
 
+void Client::ReportCorrupt(
+    absl::string_view ns,
+    std::vector<std::pair<std::string, uint64_t>> blocks) const {
+  reports_->Send(ns, std::move(blocks));
+}
+
 absl::StatusOr<std::vector<Block>> Client::Get(
     absl::string_view ns, absl::Span<const absl::string_view> keys) {
   v1::ReadRequest req;
@@ -1127,6 +1220,7 @@ absl::StatusOr<std::vector<Block>> Client::Get(
                                               b.bytes.size(), " of ", want, " bytes"));
     }
     if (BlockChecksum(b.bytes) != b.checksum) {
+      ReportCorrupt(ns, {{b.key, b.checksum}});
       return absl::DataLossError(
           absl::StrCat("block ", KeyToHex(b.key), " fails its checksum"));
     }
@@ -1223,6 +1317,7 @@ absl::StatusOr<std::vector<absl::Status>> Client::GetIntoGrpcPerKey(
   // A prefix lookup finds nothing after the first miss: nothing is read there.
   ASSIGN_OR_RETURN(LookupReply found, Lookup(ns, keys, prefix, /*pin=*/true));
   absl::Status st;
+  std::vector<std::pair<std::string, uint64_t>> corrupt;  // {key, checksum}
   if (found.entries.size() != keys.size()) {
     st = absl::InternalError(absl::StrCat("daemon answered ", found.entries.size(),
                                           " lookup entries for ", keys.size(), " keys"));
@@ -1239,16 +1334,21 @@ absl::StatusOr<std::vector<absl::Status>> Client::GetIntoGrpcPerKey(
         if (all_or_nothing) st = statuses[i];
       }
     }
-    if (st.ok()) ReadInto(ns, keys, dst, found, statuses);
+    if (st.ok()) ReadInto(ns, keys, dst, found, statuses, corrupt);
   }
   if (found.pin_id != 0) ReleaseOwnPin(found.pin_id);
+  // Once unpinned: the daemon keeps a corrupt block a reader pins.
+  ReportCorrupt(ns, std::move(corrupt));
   RETURN_IF_ERROR(st);
   return statuses;
 }
 
-void Client::ReadInto(absl::string_view ns, absl::Span<const absl::string_view> keys,
-                      absl::Span<const absl::Span<char>> dst, const LookupReply& found,
-                      std::vector<absl::Status>& statuses) {
+void Client::ReadInto(absl::string_view ns,
+                      absl::Span<const absl::string_view> keys,
+                      absl::Span<const absl::Span<char>> dst,
+                      const LookupReply& found,
+                      std::vector<absl::Status>& statuses,
+                      std::vector<std::pair<std::string, uint64_t>>& corrupt) {
   // The blocks to read: found, with a buffer of their size.
   std::vector<size_t> want;
   for (size_t i = 0; i < keys.size(); ++i) {
@@ -1276,6 +1376,7 @@ void Client::ReadInto(absl::string_view ns, absl::Span<const absl::string_view> 
                                               " has ", off, " of ", b.size(), " bytes"));
     }
     if (BlockChecksum(b.data(), b.size()) != checksum) {
+      corrupt.emplace_back(keys[want[cur]], checksum);
       return absl::DataLossError(absl::StrCat(
           "block ", KeyToHex(keys[want[cur]]), " fails its checksum"));
     }
@@ -1518,19 +1619,31 @@ absl::Status ParseReply(const absl::Status& st, absl::string_view body,
 void FinishGet(TransferOp::State& state, const absl::Status& st,
                absl::Span<const absl::Span<char>> out) {
   const auto& blocks = state.push_resp.blocks();
+  std::vector<std::pair<std::string, uint64_t>> corrupt;
   for (size_t i = 0; i < out.size(); ++i) {
     absl::Status s = BlockOutcome(st, blocks, i);
     if (s.ok()) {
       const v1::BlockTransfer& t = blocks[static_cast<int>(i)];
-      if (t.size() != out[i].size() ||
-          (!t.checked_in_place() &&
-           BlockChecksum(out[i].data(), out[i].size()) != t.checksum())) {
+      if (t.size() != out[i].size()) {
+        s = absl::DataLossError(absl::StrCat("block ", i, " has ", t.size(),
+                                             " bytes, its buffer ",
+                                             out[i].size()));
+      } else if (!t.checked_in_place() &&
+                 BlockChecksum(out[i].data(), out[i].size()) != t.checksum()) {
         s = absl::DataLossError(absl::StrCat(
             "block ", i, " does not match its checksum after transfer"));
+        if (static_cast<int>(i) < state.push_req.keys_size()) {
+          corrupt.emplace_back(state.push_req.keys(static_cast<int>(i)),
+                               t.checksum());
+        }
       }
     }
     state.statuses[i] = std::move(s);
   }
+  if (!corrupt.empty() && state.reports != nullptr) {
+    state.reports->Send(state.push_req.namespace_(), std::move(corrupt));
+  }
+  state.reports.reset();  // a TransferOp kept long keeps no channel alive
   state.Publish();
 }
 
@@ -1923,6 +2036,7 @@ TransferOp Client::GetIntoAsyncImpl(absl::string_view ns,
     return TransferOp(std::move(state));
   }
   auto state = std::make_shared<TransferOp::State>(keys.size(), "ucx");
+  state->reports = reports_;
   v1::PushBlocksRequest& req = state->push_req;
   req.set_session_id(target->session);
   req.set_namespace_(std::string(ns));

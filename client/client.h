@@ -49,6 +49,9 @@ namespace kvdepot {
 
 class UcxContext;
 class UcxRequests;
+namespace internal {
+class CorruptReports;  // client.cc
+}  // namespace internal
 
 struct ClientOptions {
   std::string server = "127.0.0.1:50551";
@@ -152,9 +155,14 @@ struct Block {
 // caller ("degrade to miss"): NOT_FOUND for a block that is not stored,
 // otherwise why the block could not be moved (the daemon is unreachable,
 // the transfer failed or timed out, DATA_LOSS for bytes that did not match
-// their checksum). After a failed get the destination may hold partial
-// bytes: use only the blocks whose status is OK. For puts, OK means stored
-// (ALREADY_EXISTS counts as stored and is reported as OK).
+// their checksum). Every get (GetIntoAsync, GetInto, Get) tells the daemon
+// of a block it received not matching its checksum (ReportCorrupt, without
+// waiting; best effort): the daemon hashes its copy again and drops it if
+// bad (once no reader pins it, within about a second), so that later gets
+// are served from NVMe or miss and the next put stores it again. After a failed
+// get the destination may hold partial bytes: use only the blocks whose status
+// is OK. For puts, OK means stored (ALREADY_EXISTS counts as stored and is
+// reported as OK).
 //
 // Once an op is ready its buffers are the caller's again: nothing more is
 // written into a get's, nor read from a put's, on its behalf (see
@@ -439,10 +447,12 @@ class Client {
                               bool all_or_nothing);
   // GetInto's Read stream: fills dst[i] for every entry `found` marks found
   // whose status is still OK, and sets the status of each that does not
-  // arrive verified (see GetIntoGrpcPerKey).
+  // arrive verified (see GetIntoGrpcPerKey). Adds {key, checksum} of a
+  // block that arrived not matching its checksum to `corrupt`.
   void ReadInto(absl::string_view ns, absl::Span<const absl::string_view> keys,
-                absl::Span<const absl::Span<char>> dst, const LookupReply& found,
-                std::vector<absl::Status>& statuses);
+                absl::Span<const absl::Span<char>> dst,
+                const LookupReply& found, std::vector<absl::Status>& statuses,
+                std::vector<std::pair<std::string, uint64_t>>& corrupt);
 
   struct Link;
   struct Ucx;
@@ -494,6 +504,12 @@ class Client {
   // The keep-alive thread's retry of owed_unpins_ (REQUIRES mu_, released
   // during the RPCs).
   void RetryOwedUnpins() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Tells the daemon (ReportCorrupt) that the blocks {key, checksum} of
+  // `ns` this client received did not match their checksums, without
+  // waiting for its answer (see internal::CorruptReports).
+  void ReportCorrupt(
+      absl::string_view ns,
+      std::vector<std::pair<std::string, uint64_t>> blocks) const;
   // Ends the requests over UCX of `session` (pending ones: Unavailable).
   void DisconnectRequests(uint64_t session);
   // Sets late_access on ucx_->buffers[i] for each i in `buffers`: a transfer
@@ -553,6 +569,8 @@ class Client {
   absl::Status ucx_status_ ABSL_GUARDED_BY(mu_);
   std::shared_ptr<grpc::Channel> channel_;
   std::unique_ptr<v1::KvDepot::Stub> stub_;
+  // Reports of corrupt blocks; shared with the gets that find them.
+  std::shared_ptr<internal::CorruptReports> reports_;
 
   // Session opening: one caller at a time opens (its RPCs outside any
   // lock); others wait for its outcome.

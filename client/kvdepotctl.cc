@@ -381,9 +381,12 @@ struct Ctl {
     if (!r.ok()) return Fail(r.status());
     const v1::TierStats& d = r->dram();
     auto tier_json = [](const v1::TierStats& t) {
-      return absl::StrCat("{\"used_bytes\": ", t.used_bytes(), ", \"capacity_bytes\": ",
-                          t.capacity_bytes(), ", \"blocks\": ", t.blocks(),
-                          ", \"hits\": ", t.hits(), ", \"evictions\": ", t.evictions(), "}");
+      return absl::StrCat(
+          "{\"used_bytes\": ", t.used_bytes(),
+          ", \"capacity_bytes\": ", t.capacity_bytes(),
+          ", \"blocks\": ", t.blocks(), ", \"hits\": ", t.hits(),
+          ", \"evictions\": ", t.evictions(),
+          ", \"integrity_errors\": ", t.integrity_errors(), "}");
     };
     if (json) {
       std::vector<std::string> nss;
@@ -433,6 +436,10 @@ struct Ctl {
                   static_cast<unsigned long long>(r->sessions()),
                   static_cast<unsigned long long>(r->pins()),
                   static_cast<unsigned long long>(r->reservations()));
+      std::printf("integrity errors: %llu (dram %llu, nvme %llu)\n",
+                  static_cast<unsigned long long>(r->integrity_errors()),
+                  static_cast<unsigned long long>(d.integrity_errors()),
+                  static_cast<unsigned long long>(n.integrity_errors()));
     }
     return kOk;
   }
@@ -628,11 +635,15 @@ struct Ctl {
                 static_cast<unsigned long long>(r->lookup_keys()),
                 static_cast<unsigned long long>(r->dram().hits()),
                 static_cast<unsigned long long>(r->nvme().hits()));
-    std::printf("  sessions %llu, pins %llu, open puts %llu, integrity errors %llu\n",
-                static_cast<unsigned long long>(r->sessions()),
-                static_cast<unsigned long long>(r->pins()),
-                static_cast<unsigned long long>(r->reservations()),
-                static_cast<unsigned long long>(r->integrity_errors()));
+    std::printf(
+        "  sessions %llu, pins %llu, open puts %llu, integrity errors %llu "
+        "(dram %llu, nvme %llu)\n",
+        static_cast<unsigned long long>(r->sessions()),
+        static_cast<unsigned long long>(r->pins()),
+        static_cast<unsigned long long>(r->reservations()),
+        static_cast<unsigned long long>(r->integrity_errors()),
+        static_cast<unsigned long long>(r->dram().integrity_errors()),
+        static_cast<unsigned long long>(r->nvme().integrity_errors()));
     for (const auto& n : top) {
       std::printf("  ns %-32s %8llu blocks %10s  hits %.1f%%\n", n.name().c_str(),
                   static_cast<unsigned long long>(n.blocks()), FormatSize(n.bytes()).c_str(),

@@ -229,6 +229,11 @@ void Daemon::MaintenanceLoop() {
     mu_.Unlock();
     int expired = store_->ExpireSessions();
     if (expired > 0) log_->info("{} session(s) expired", expired);
+    if (int dropped = store_->RetryCorruptDrops(); dropped > 0) {
+      log_->info(
+          "{} corrupt DRAM block(s) dropped now that no reader pins them",
+          dropped);
+    }
     service_->CancelIdleStreams(config_.stream_idle_timeout);
     if (data_plane_ != nullptr) {
       data_plane_->DetachIf(

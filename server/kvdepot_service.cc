@@ -9,6 +9,8 @@
 #include <utility>
 #include <vector>
 
+#include "absl/cleanup/cleanup.h"
+#include "absl/container/flat_hash_map.h"
 #include "absl/strings/str_cat.h"
 #include "server/peer_credentials.h"
 #include "server/version.h"
@@ -604,6 +606,84 @@ grpc::ServerWriteReactor<grpc::ByteBuffer>* KvDepotService::Read(
   return new ReadReactor(*this, ctx, req);
 }
 
+grpc::ServerUnaryReactor* KvDepotService::ReportCorrupt(
+    grpc::CallbackServerContext* ctx, const v1::ReportCorruptRequest* req,
+    v1::ReportCorruptResponse* resp) {
+  return Unary(ctx, "ReportCorrupt", [&]() -> absl::Status {
+    const std::string& ns = req->namespace_();
+    RETURN_IF_ERROR(ValidateNamespace(ns));
+    const uint32_t max_keys = store_.options().max_batch_keys;
+    if (static_cast<uint32_t>(req->blocks_size()) > max_keys) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("report of ", req->blocks_size(),
+                       " blocks exceeds the limit of ", max_keys));
+    }
+    for (const v1::CorruptBlock& b : req->blocks()) {
+      RETURN_IF_ERROR(ValidateKey(b.key()));
+    }
+    // Each block's DRAM copy is hashed again, as costly as serving it: one
+    // report at a time, so that reports (which need no session) cannot take
+    // more of the daemon than one reader. Reports are best effort: a busy
+    // refusal loses nothing a later reader will not report again.
+    if (!report_mu_.TryLock()) {
+      return absl::ResourceExhaustedError(
+          "another corruption report is being checked; try later");
+    }
+    absl::Cleanup unlock = [this] { report_mu_.Unlock(); };
+    absl::flat_hash_map<std::pair<std::string, uint64_t>, v1::CorruptVerdict>
+        seen;
+    int unconfirmed = 0;
+    for (const v1::CorruptBlock& b : req->blocks()) {
+      if (ctx->IsCancelled()) {
+        return absl::CancelledError("the client cancelled the report");
+      }
+      auto [it, fresh] = seen.try_emplace(std::make_pair(b.key(), b.checksum()),
+                                          v1::CORRUPT_NOT_CONFIRMED);
+      if (fresh) {
+        const CorruptDramCheck check =
+            store_.DropCorruptDram(ns, b.key(), b.checksum());
+        it->second = CountCorruptDram(check, ns, b.key(), ctx->peer());
+        if (check == CorruptDramCheck::kNotCorrupt) ++unconfirmed;
+      }
+      resp->add_verdicts(it->second);
+    }
+    if (unconfirmed > 0) {
+      log_->warn(
+          "{} reported {} block(s) of {} corrupt that are intact (or "
+          "gone) in DRAM: damaged on the way to it?",
+          ctx->peer(), unconfirmed, ns);
+    }
+    return absl::OkStatus();
+  });
+}
+
+v1::CorruptVerdict KvDepotService::CountCorruptDram(CorruptDramCheck check,
+                                                    absl::string_view ns,
+                                                    absl::string_view key,
+                                                    absl::string_view who) {
+  switch (check) {
+    case CorruptDramCheck::kDropped:
+      metrics_.RecordDramIntegrityError();
+      log_->error(
+          "block {} of {} in DRAM does not match its checksum (memory "
+          "corruption?), found by {}: dropped",
+          KeyToHex(key), std::string(ns), std::string(who));
+      return v1::CORRUPT_DROPPED;
+    case CorruptDramCheck::kKept:
+      metrics_.RecordDramIntegrityError();
+      log_->error(
+          "block {} of {} in DRAM does not match its checksum (memory "
+          "corruption?), found by {}: dropped once no reader pins it",
+          KeyToHex(key), std::string(ns), std::string(who));
+      return v1::CORRUPT_KEPT;
+    case CorruptDramCheck::kKeptAlready:  // counted when first found
+      return v1::CORRUPT_KEPT;
+    case CorruptDramCheck::kNotCorrupt:
+      break;
+  }
+  return v1::CORRUPT_NOT_CONFIRMED;
+}
+
 grpc::ServerUnaryReactor* KvDepotService::Evict(grpc::CallbackServerContext* ctx,
                                                 const v1::EvictRequest* req,
                                                 v1::EvictResponse* resp) {
@@ -636,6 +716,10 @@ grpc::ServerUnaryReactor* KvDepotService::Stats(grpc::CallbackServerContext* ctx
     };
     fill(st.dram, resp->mutable_dram());
     fill(st.nvme, resp->mutable_nvme());
+    const uint64_t dram_errors =
+        st.dram_integrity_errors + metrics_.dram_integrity_errors_recorded();
+    resp->mutable_dram()->set_integrity_errors(dram_errors);
+    resp->mutable_nvme()->set_integrity_errors(st.integrity_errors);
     resp->set_demotions(st.demotions);
     resp->set_demotion_failures(st.demotion_failures);
     resp->set_promotions(st.promotions);
@@ -650,7 +734,7 @@ grpc::ServerUnaryReactor* KvDepotService::Stats(grpc::CallbackServerContext* ctx
     resp->set_lookup_hits(st.lookup_hits);
     resp->set_puts(st.puts);
     resp->set_put_bytes(st.put_bytes);
-    resp->set_integrity_errors(st.integrity_errors);
+    resp->set_integrity_errors(st.integrity_errors + dram_errors);
     for (const NamespaceStats& ns : st.namespaces) {
       FillNamespace(ns, resp->add_namespaces());
     }
@@ -999,12 +1083,7 @@ void KvDepotService::StartPushBlocks(const v1::PushBlocksRequest* req,
           // Which copy is wrong: the daemon's (memory corruption or a bug)
           // or the client's (its buffer changed under the copy)?
           if (BlockChecksum(mv.arena.data(), mv.arena.size()) != want) {
-            corrupt[m] = true;
-            metrics_.RecordDramIntegrityError();
-            log_->error(
-                "PushBlocks: block {} in DRAM does not match its "
-                "checksum (memory corruption?); not served, dropped",
-                KeyToHex(req->keys(key_of_move[m])));
+            corrupt[m] = true;  // counted and dropped once unpinned
           } else {
             log_->warn("PushBlocks: session {}'s buffer changed while block {} "
                        "was copied into it", req->session_id(),
@@ -1050,12 +1129,8 @@ void KvDepotService::StartPushBlocks(const v1::PushBlocksRequest* req,
               put_pool_.Submit(
                   [this, ns = req->namespace_(), bad = std::move(bad)] {
                     for (const auto& [key, sum] : bad) {
-                      if (!store_.DropCorruptDram(ns, key, sum)) {
-                        log_->warn(
-                            "PushBlocks: corrupt block {} kept for now (pinned "
-                            "by another session, being demoted, or gone)",
-                            KeyToHex(key));
-                      }
+                      CountCorruptDram(store_.DropCorruptDram(ns, key, sum), ns,
+                                       key, "PushBlocks' copy");
                     }
                   });
             }

@@ -77,6 +77,9 @@ class KvDepotService final
                                      v1::AbortPutResponse* resp) override;
   grpc::ServerReadReactor<v1::WriteRequest>* Write(
       grpc::CallbackServerContext* ctx, v1::WriteResponse* resp) override;
+  grpc::ServerUnaryReactor* ReportCorrupt(
+      grpc::CallbackServerContext* ctx, const v1::ReportCorruptRequest* req,
+      v1::ReportCorruptResponse* resp) override;
   grpc::ServerWriteReactor<grpc::ByteBuffer>* Read(
       grpc::CallbackServerContext* ctx, const grpc::ByteBuffer* req) override;
   grpc::ServerUnaryReactor* Evict(grpc::CallbackServerContext* ctx,
@@ -179,6 +182,14 @@ class KvDepotService final
   ServerMetrics& metrics() { return metrics_; }
   Clock& clock() { return clock_; }
 
+  // Counts and logs what DropCorruptDram found of a block a reader (`who`)
+  // found corrupt: a bad DRAM copy once (when first found: dropped, or kept
+  // while pinned), not again while it stays kept. The reply's verdict.
+  v1::CorruptVerdict CountCorruptDram(CorruptDramCheck check,
+                                      absl::string_view ns,
+                                      absl::string_view key,
+                                      absl::string_view who);
+
  private:
   // Runs a Verify or Compact of the NVMe tier, one at a time: Aborted when
   // one runs already.
@@ -267,6 +278,8 @@ class KvDepotService final
   // asleep), an abandoned UCX batch's commit.
   static constexpr int kPutPoolThreads = 8;
   WorkPool put_pool_{kPutPoolThreads, "kvd-put"};
+  // Held by the ReportCorrupt being checked (one at a time; TryLock).
+  absl::Mutex report_mu_;
 
   std::atomic<size_t> active_calls_{0};
   std::atomic<bool> shutting_down_{false};

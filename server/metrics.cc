@@ -91,10 +91,12 @@ ServerMetrics::ServerMetrics(prometheus::Registry& registry,
                             .Name("kvdepot_integrity_errors_total")
                             .Help("Blocks whose bytes failed their XXH3-64 "
                                   "checksum, never served: on NVMe when read "
-                                  "(dropped); in DRAM when demoted (dropped) "
-                                  "or copied to a co-located client (the "
-                                  "copy refused with DATA_LOSS, the DRAM copy "
-                                  "dropped)")
+                                  "(dropped); in DRAM when demoted (dropped), "
+                                  "copied to a co-located client (the copy "
+                                  "refused with DATA_LOSS), or reported by a "
+                                  "client that received it and confirmed by "
+                                  "hashing the DRAM copy again (the DRAM copy "
+                                  "dropped unless pinned or being demoted)")
                             .Register(registry)),
       bytes_in_(bytes_.Add({{"direction", "in"}, {"transport", "grpc"}})),
       bytes_out_(bytes_.Add({{"direction", "out"}, {"transport", "grpc"}})),
@@ -251,6 +253,7 @@ void ServerMetrics::RecordUcxRefused(absl::StatusCode code) {
 }
 
 void ServerMetrics::RecordDramIntegrityError() {
+  dram_integrity_errors_recorded_.fetch_add(1, std::memory_order_relaxed);
   integrity_errors_.Add({{"tier", "dram"}}).Increment();
 }
 

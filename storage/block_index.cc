@@ -339,6 +339,29 @@ BlockIndex::RemoveOutcome BlockIndex::Remove(const KeyRef& key,
   return RemoveOutcome::kRemoved;
 }
 
+bool BlockIndex::PinnedOnlyByCaller(BlockEntry* e) {
+  Shard& s = ShardFor(e->hash);
+  absl::MutexLock lock(&s.mu);
+  return e->pins == 1 && !(e->flags & BlockEntry::kDemoting);
+}
+
+BlockIndex::RemoveOutcome BlockIndex::RemovePinned(
+    BlockEntry* e, std::unique_ptr<BlockEntry>* out) {
+  Shard& s = ShardFor(e->hash);
+  {
+    absl::MutexLock lock(&s.mu);
+    if (e->flags & BlockEntry::kDemoting) return RemoveOutcome::kDemoting;
+    if (e->pins != 1) return RemoveOutcome::kPinned;
+    const bool was_held = HeldByCaller(*e);
+    e->pins = 0;
+    CountHold(s, *e, was_held);
+    Detach(s, e);
+    out->reset(e);
+  }
+  ReleaseParent(**out);
+  return RemoveOutcome::kRemoved;
+}
+
 std::vector<std::unique_ptr<BlockEntry>> BlockIndex::RemoveNamespace(
     uint32_t ns_id, uint64_t* pinned, uint64_t* demoting) {
   std::vector<std::unique_ptr<BlockEntry>> removed;

@@ -234,6 +234,18 @@ class BlockIndex {
   // Removes an unpinned entry (explicit eviction). On kRemoved, *out holds it
   // and its parent link is already released.
   RemoveOutcome Remove(const KeyRef& key, std::unique_ptr<BlockEntry>* out);
+  // Whether the caller's pin is `entry`'s only one and it is not being
+  // demoted: what RemovePinned needs (others may pin it after the answer).
+  // REQUIRES: `entry` is pinned by the caller.
+  bool PinnedOnlyByCaller(BlockEntry* entry);
+  // Removes `entry`, pinned by the caller, when that pin is its only one and
+  // it is not being demoted: the pin goes with it (kRemoved; *out holds it,
+  // its parent link released). Otherwise kPinned or kDemoting, and the
+  // caller still holds its pin. Unlike Remove by key, it can never take
+  // another entry stored under the same key meanwhile.
+  // REQUIRES: `entry` is pinned by the caller.
+  RemoveOutcome RemovePinned(BlockEntry* entry,
+                             std::unique_ptr<BlockEntry>* out);
   // Removes every unpinned entry of namespace `ns_id` that is not being
   // demoted; counts pinned ones and ones being demoted.
   std::vector<std::unique_ptr<BlockEntry>> RemoveNamespace(uint32_t ns_id,

@@ -149,6 +149,48 @@ TEST_F(BlockIndexTest, PinnedEntriesAreNeverEvictedOrRemoved) {
             BlockIndex::RemoveOutcome::kMissing);
 }
 
+// RemovePinned takes the caller's entry only while the caller's pin is its
+// only one and it is not being demoted; the pin goes with it, and its
+// parent becomes evictable again.
+TEST_F(BlockIndexTest,
+       RemovePinnedTakesTheEntryOnlyWhenTheCallersPinIsItsOnlyOne) {
+  Put("root");
+  Put("child", "root");
+  Put("other");
+  BlockEntry* e = index_.PinIfPresent(BlockIndex::MakeKey(1, "child"));
+  ASSERT_NE(e, nullptr);
+  EXPECT_TRUE(index_.PinnedOnlyByCaller(e));
+  auto reader = index_.Find(BlockIndex::MakeKey(1, "child"), /*pin=*/true);
+  ASSERT_TRUE(reader);
+  EXPECT_FALSE(index_.PinnedOnlyByCaller(e));
+  std::unique_ptr<BlockEntry> out;
+  EXPECT_EQ(index_.RemovePinned(e, &out), BlockIndex::RemoveOutcome::kPinned);
+  EXPECT_EQ(out, nullptr);
+  index_.Unpin(reader->entry);
+  ASSERT_TRUE(index_.PinnedOnlyByCaller(e));
+  ASSERT_EQ(index_.RemovePinned(e, &out), BlockIndex::RemoveOutcome::kRemoved);
+  EXPECT_EQ(KeyIn(buf_, out), "child");
+  EXPECT_EQ(out->pins, 0u);
+  EXPECT_FALSE(index_.Find(BlockIndex::MakeKey(1, "child"), false));
+  EXPECT_EQ(index_.blocks(), 2u);
+  // Its parent, no longer held by a child, is evictable with the other.
+  std::vector<std::string> order = DrainEvictable();
+  std::sort(order.begin(), order.end());
+  EXPECT_EQ(order, (std::vector<std::string>{"other", "root"}));
+  EXPECT_EQ(index_.unpinned_bytes(), 0u);
+
+  // Being demoted: kept, whoever pins it.
+  Put("d");
+  std::optional<BlockIndex::Demotion> dem = index_.BeginDemotion();
+  ASSERT_TRUE(dem);
+  BlockEntry* d = index_.PinIfPresent(BlockIndex::MakeKey(1, "d"));
+  ASSERT_EQ(d, dem->entry);
+  EXPECT_FALSE(index_.PinnedOnlyByCaller(d));
+  EXPECT_EQ(index_.RemovePinned(d, &out), BlockIndex::RemoveOutcome::kDemoting);
+  index_.Unpin(d);
+  EXPECT_NE(index_.EndDemotion(dem->entry), nullptr);
+}
+
 // A pin count at its limit refuses another pin (a miss, for a lookup)
 // instead of wrapping to 0: a wrapped count would let the pinned block be
 // evicted, and its holders' Unpins would touch freed memory.

@@ -16,6 +16,7 @@
 #include <algorithm>
 #include <atomic>
 #include <cstring>
+#include <deque>
 #include <limits>
 #include <optional>
 #include <thread>
@@ -29,9 +30,9 @@
 #include "absl/hash/hash.h"
 #include "absl/random/random.h"
 #include "absl/strings/str_cat.h"
-#include "absl/time/clock.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/synchronization/notification.h"
+#include "absl/time/clock.h"
 #include "storage/block_index.h"
 #include "storage/block_key.h"
 #include "storage/checksum.h"
@@ -741,31 +742,59 @@ class TieredStoreImpl final : public TieredStore {
 
   // ---- eviction ----------------------------------------------------------
 
-  bool DropCorruptDram(absl::string_view ns, absl::string_view key,
-                       uint64_t checksum) override {
-    if (!ValidateNamespace(ns).ok() || !ValidateKey(key).ok()) return false;
-    // As Evict: no promotion of this namespace publishes a block meanwhile.
-    absl::WriterMutexLock no_promotions(&EvictStripe(ns));
-    const NamespaceRef info = FindNamespace(ns);
-    if (!info) return false;
-    // Still that block, still bad? Looked at pinned: its bytes stay put.
-    BlockEntry* e = index_.PinIfPresent(BlockIndex::MakeKey(info->id, key));
-    if (e == nullptr) return false;
-    const bool bad =
-        e->checksum == checksum &&
-        BlockChecksum(arena_->base() + e->data_offset(), e->size) != checksum;
-    index_.Unpin(e);
-    if (!bad) return false;
-    std::unique_ptr<BlockEntry> removed;
-    if (index_.Remove(BlockIndex::MakeKey(info->id, key), &removed) !=
-        BlockIndex::RemoveOutcome::kRemoved) {
-      return false;
+  CorruptDramCheck DropCorruptDram(absl::string_view ns, absl::string_view key,
+                                   uint64_t checksum) override {
+    if (!ValidateNamespace(ns).ok() || !ValidateKey(key).ok()) {
+      return CorruptDramCheck::kNotCorrupt;
     }
-    // The same bad block, unless it was evicted and put again between the
-    // two index calls: then a good one goes, a miss, never a wrong byte.
-    dram_corrupt_evictions_.fetch_add(1, std::memory_order_relaxed);
-    FreeEntry(std::move(removed), /*lru=*/false);
-    return true;
+    switch (TryDropCorrupt(ns, key, checksum, /*hash_if_pinned=*/true)) {
+      case CorruptDrop::kDropped:
+        return CorruptDramCheck::kDropped;
+      case CorruptDrop::kNotCorrupt:
+        return CorruptDramCheck::kNotCorrupt;
+      case CorruptDrop::kBusy:
+        break;
+    }
+    absl::MutexLock lock(&corrupt_mu_);
+    for (const CorruptKept& k : corrupt_kept_) {
+      if (k.ns == ns && k.key == key && k.checksum == checksum) {
+        return CorruptDramCheck::kKeptAlready;
+      }
+    }
+    if (corrupt_kept_.size() >= kMaxCorruptKept) corrupt_kept_.pop_front();
+    corrupt_kept_.push_back(
+        CorruptKept{std::string(ns), std::string(key), checksum});
+    return CorruptDramCheck::kKept;
+  }
+
+  int RetryCorruptDrops() override {
+    std::deque<CorruptKept> kept;
+    {
+      absl::MutexLock lock(&corrupt_mu_);
+      kept.swap(corrupt_kept_);
+    }
+    int dropped = 0;
+    std::deque<CorruptKept> busy;
+    for (CorruptKept& k : kept) {
+      switch (
+          TryDropCorrupt(k.ns, k.key, k.checksum, /*hash_if_pinned=*/false)) {
+        case CorruptDrop::kDropped:
+          ++dropped;
+          break;
+        case CorruptDrop::kNotCorrupt:  // gone, or replaced
+          break;
+        case CorruptDrop::kBusy:
+          busy.push_back(std::move(k));
+          break;
+      }
+    }
+    if (busy.empty()) return dropped;
+    // Those listed meanwhile come after these; the oldest go past the limit.
+    absl::MutexLock lock(&corrupt_mu_);
+    for (CorruptKept& k : corrupt_kept_) busy.push_back(std::move(k));
+    while (busy.size() > kMaxCorruptKept) busy.pop_front();
+    corrupt_kept_.swap(busy);
+    return dropped;
   }
 
   absl::StatusOr<EvictResult> Evict(absl::string_view ns,
@@ -2046,6 +2075,58 @@ class TieredStoreImpl final : public TieredStore {
     return reclaimed;
   }
 
+  // A bad DRAM copy DropCorruptDram kept (corrupt_kept_).
+  struct CorruptKept {
+    std::string ns;
+    std::string key;
+    uint64_t checksum;
+  };
+  enum class CorruptDrop {
+    kDropped,     // bad: dropped
+    kBusy,        // bad (or, without hash_if_pinned, maybe bad): pinned by
+                  // another, or being demoted
+    kNotCorrupt,  // not in DRAM, another block, or good
+  };
+  // DropCorruptDram's step: pins the DRAM entry of `key`, hashes it, and
+  // removes that very entry (RemovePinned) when it is bad and the pin is
+  // its only one. Without `hash_if_pinned`, an entry pinned by another or
+  // being demoted is kBusy unhashed (RetryCorruptDrops: it was found bad
+  // already, and hashing it each time while a reader holds it is wasted).
+  CorruptDrop TryDropCorrupt(absl::string_view ns, absl::string_view key,
+                             uint64_t checksum, bool hash_if_pinned) {
+    const NamespaceRef info = FindNamespace(ns);
+    if (!info) return CorruptDrop::kNotCorrupt;
+    // Pinned from here: its bytes stay put, and no other block can take
+    // its key's place in the index.
+    BlockEntry* e = index_.PinIfPresent(BlockIndex::MakeKey(info->id, key));
+    if (e == nullptr) return CorruptDrop::kNotCorrupt;
+    auto unpinned = [&](CorruptDrop outcome) {
+      index_.Unpin(e);
+      return outcome;
+    };
+    if (e->checksum != checksum) return unpinned(CorruptDrop::kNotCorrupt);
+    if (!hash_if_pinned && !index_.PinnedOnlyByCaller(e)) {
+      return unpinned(CorruptDrop::kBusy);
+    }
+    if (BlockChecksum(arena_->base() + e->data_offset(), e->size) == checksum) {
+      return unpinned(CorruptDrop::kNotCorrupt);
+    }
+    std::unique_ptr<BlockEntry> removed;
+    BlockIndex::RemoveOutcome outcome;
+    {
+      // As Evict: no promotion of this namespace publishes a block while
+      // the entry goes (not held while hashing).
+      absl::WriterMutexLock no_promotions(&EvictStripe(ns));
+      outcome = index_.RemovePinned(e, &removed);
+    }
+    if (outcome != BlockIndex::RemoveOutcome::kRemoved) {
+      return unpinned(CorruptDrop::kBusy);
+    }
+    dram_corrupt_evictions_.fetch_add(1, std::memory_order_relaxed);
+    FreeEntry(std::move(removed), /*lru=*/false);
+    return CorruptDrop::kDropped;
+  }
+
   // Constant after construction.
   const StoreOptions options_;
   Clock* const clock_;
@@ -2056,6 +2137,10 @@ class TieredStoreImpl final : public TieredStore {
   std::atomic<bool> draining_{false};
   std::atomic<uint64_t> demotions_{0}, demotion_failures_{0}, promotions_{0};
   std::atomic<uint64_t> dram_integrity_errors_{0}, dram_corrupt_evictions_{0};
+  // Bad DRAM copies kept because they were pinned or being demoted, oldest
+  // first (at most kMaxCorruptKept).
+  absl::Mutex corrupt_mu_;
+  std::deque<CorruptKept> corrupt_kept_ ABSL_GUARDED_BY(corrupt_mu_);
   std::atomic<uint64_t> promotions_shed_{0};
   // Blocks of lookups waiting for PromoteBatch (max_queued_promotions).
   std::atomic<uint64_t> queued_promotions_{0};

@@ -160,6 +160,15 @@ struct Reservation {
 };
 enum class CommitOutcome { kStored, kAlreadyExists, kChecksumMismatch };
 
+// What DropCorruptDram found and did.
+enum class CorruptDramCheck {
+  kDropped,      // the DRAM copy was bad: dropped
+  kKept,         // bad, but pinned or being demoted: dropped once it is not
+                 // (RetryCorruptDrops)
+  kKeptAlready,  // as kKept, found by an earlier call already
+  kNotCorrupt,   // not in DRAM, another block, or its bytes are good
+};
+
 struct EvictResult {
   uint64_t evicted_blocks = 0;
   uint64_t evicted_bytes = 0;
@@ -412,6 +421,27 @@ class TieredStore {
   // NotFound when the session is gone (closed, or its lease ran out).
   virtual absl::Status AbortPut(SessionId session, ReservationId id) = 0;
 
+  // Drops the DRAM copy of `key` of `ns` if it is still the block with
+  // `checksum` and its bytes no longer match it: memory corruption a reader
+  // found (the daemon's in-place copy to a client, or a client that
+  // reported a block it read). The bytes are hashed here again, so a report
+  // that is wrong (a fault on the way, a client's bug) drops nothing; that
+  // copy alone goes, never a block stored under the key since. An NVMe
+  // copy, if any, stays. A bad copy that is pinned (the reader's own pin,
+  // another reader's) or being demoted is kept (kKept, kKeptAlready) and
+  // listed (at most kMaxCorruptKept, the oldest forgotten past that), and
+  // RetryCorruptDrops drops it once it is neither. kNotCorrupt, and
+  // nothing dropped, when it is not in DRAM, is another block (another
+  // checksum) or is not bad.
+  virtual CorruptDramCheck DropCorruptDram(absl::string_view ns,
+                                           absl::string_view key,
+                                           uint64_t checksum) = 0;
+  static constexpr size_t kMaxCorruptKept = 64;
+  // Drops the bad DRAM copies DropCorruptDram kept that are no longer
+  // pinned or being demoted (called periodically); forgets those gone or
+  // replaced. Hashes only those it may drop. Returns how many it dropped.
+  virtual int RetryCorruptDrops() = 0;
+
   // Removes unpinned blocks: `keys`, or the whole namespace with `all`, from
   // both tiers. A block being demoted to NVMe is removed once it is there
   // (waiting up to 5 s; after that it is reported with the pinned ones); a
@@ -420,15 +450,6 @@ class TieredStore {
   // When the NVMe tier cannot make a delete durable (RocksDB stopped), the
   // other keys are still evicted and that error is the answer: the block
   // would come back after a restart.
-  // Drops the DRAM copy of `key` of `ns` if it is still the block with
-  // `checksum` and its bytes no longer match it: memory corruption a reader
-  // found (the daemon's in-place copy to a client). An NVMe copy, if any,
-  // stays. False, and nothing dropped, when it is not in DRAM, is pinned
-  // (by another session) or being demoted (the demotion drops a bad block
-  // itself), or is not bad.
-  virtual bool DropCorruptDram(absl::string_view ns, absl::string_view key,
-                               uint64_t checksum) = 0;
-
   virtual absl::StatusOr<EvictResult> Evict(
       absl::string_view ns, absl::Span<const absl::string_view> keys,
       bool all) = 0;

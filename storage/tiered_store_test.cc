@@ -1718,34 +1718,93 @@ TEST_F(TieredStoreNvmeTest, DropCorruptDramDropsOnlyABadDramCopy) {
   };
   const uint64_t sum0 = BlockChecksum(Block(0));
   Put("b0", Block(0));
-  EXPECT_FALSE(store_->DropCorruptDram("ns", "b0", sum0))
+  EXPECT_EQ(store_->DropCorruptDram("ns", "b0", sum0),
+            CorruptDramCheck::kNotCorrupt)
       << "its bytes are good";
   EXPECT_TRUE(Look("b0", false).found);
   flip("b0");
-  EXPECT_FALSE(store_->DropCorruptDram("ns", "b0", sum0 + 1))
+  EXPECT_EQ(store_->DropCorruptDram("ns", "b0", sum0 + 1),
+            CorruptDramCheck::kNotCorrupt)
       << "not that block";
-  EXPECT_FALSE(store_->DropCorruptDram("ns", "nope", sum0));
-  EXPECT_FALSE(store_->DropCorruptDram("other", "b0", sum0));
+  EXPECT_EQ(store_->DropCorruptDram("ns", "nope", sum0),
+            CorruptDramCheck::kNotCorrupt);
+  EXPECT_EQ(store_->DropCorruptDram("other", "b0", sum0),
+            CorruptDramCheck::kNotCorrupt);
+  EXPECT_EQ(store_->DropCorruptDram("ns", "", sum0),
+            CorruptDramCheck::kNotCorrupt);
+  // Pinned (the reader's own pin, as an engine holds it from its lookup
+  // until after the get): kept and listed, then dropped once unpinned.
   PinId held = 0;
   ASSERT_TRUE(Look("b0", true, &held).found);
-  EXPECT_FALSE(store_->DropCorruptDram("ns", "b0", sum0))
+  EXPECT_EQ(store_->DropCorruptDram("ns", "b0", sum0), CorruptDramCheck::kKept)
       << "pinned by a session";
+  EXPECT_EQ(store_->DropCorruptDram("ns", "b0", sum0),
+            CorruptDramCheck::kKeptAlready);
+  EXPECT_EQ(store_->RetryCorruptDrops(), 0) << "still pinned";
+  EXPECT_TRUE(Look("b0", false).found);
   ASSERT_OK(store_->Unpin(sid_, held));
-  EXPECT_TRUE(store_->DropCorruptDram("ns", "b0", sum0));
+  EXPECT_EQ(store_->RetryCorruptDrops(), 1);
+  EXPECT_EQ(store_->RetryCorruptDrops(), 0) << "forgotten once dropped";
+  EXPECT_EQ(store_->DropCorruptDram("ns", "b0", sum0),
+            CorruptDramCheck::kNotCorrupt)
+      << "dropped already";
   EXPECT_FALSE(Look("b0", false).found);
   EXPECT_EQ(store_->Stats().dram_corrupt_evictions, 1u);
   Put("b0", Block(0));  // stored again
   ExpectServes("b0", Block(0));
+
+  // Unpinned at once: dropped at once.
+  flip("b0");
+  EXPECT_EQ(store_->DropCorruptDram("ns", "b0", sum0),
+            CorruptDramCheck::kDropped);
+  EXPECT_EQ(store_->Stats().dram_corrupt_evictions, 2u);
+
+  // A kept block evicted and stored again, good, before the retry: the
+  // retry drops nothing (it hashes the new copy) and forgets it.
+  Put("b0", Block(0));
+  flip("b0");
+  ASSERT_TRUE(Look("b0", true, &held).found);
+  EXPECT_EQ(store_->DropCorruptDram("ns", "b0", sum0), CorruptDramCheck::kKept);
+  ASSERT_OK(store_->Unpin(sid_, held));
+  absl::string_view b0 = "b0";
+  ASSERT_OK(store_->Evict("ns", {&b0, 1}, false).status());
+  Put("b0", Block(0));
+  EXPECT_EQ(store_->RetryCorruptDrops(), 0);
+  ExpectServes("b0", Block(0));
+  EXPECT_EQ(store_->Stats().dram_corrupt_evictions, 2u);
+
+  // At most kMaxCorruptKept are listed: past that the oldest are forgotten.
+  std::vector<PinId> pins;
+  for (size_t i = 0; i <= TieredStore::kMaxCorruptKept; ++i) {
+    const std::string key = "c" + std::to_string(i);
+    const std::string bytes(512, static_cast<char>('a' + i % 26));
+    Put(key, bytes);
+    flip(key);
+    PinId pin = 0;
+    ASSERT_TRUE(Look(key, true, &pin).found);
+    pins.push_back(pin);
+    EXPECT_EQ(store_->DropCorruptDram("ns", key, BlockChecksum(bytes)),
+              CorruptDramCheck::kKept);
+  }
+  for (PinId pin : pins) ASSERT_OK(store_->Unpin(sid_, pin));
+  EXPECT_EQ(store_->RetryCorruptDrops(),
+            static_cast<int>(TieredStore::kMaxCorruptKept));
+  EXPECT_TRUE(Look("c0", false).found) << "the oldest, forgotten";
+  EXPECT_FALSE(Look("c1", false).found);
+  absl::string_view c0 = "c0";
+  ASSERT_OK(store_->Evict("ns", {&c0, 1}, false).status());
 
   // A block on both tiers (demoted, then read back): its NVMe copy stays.
   for (int i = 1; i < 12; ++i) Put("b" + std::to_string(i), Block(i));
   EXPECT_GT(store_->RunEviction(), 0u);
   ASSERT_EQ(Look("b1", false).tier, Tier::kNvme);
   flip("b1");  // the pinned lookup promotes it; the DRAM copy goes bad
-  EXPECT_TRUE(store_->DropCorruptDram("ns", "b1", BlockChecksum(Block(1))));
+  EXPECT_EQ(store_->DropCorruptDram("ns", "b1", BlockChecksum(Block(1))),
+            CorruptDramCheck::kDropped);
   EXPECT_EQ(Look("b1", false).tier, Tier::kNvme);
   ExpectServes("b1", Block(1));
-  EXPECT_EQ(store_->Stats().dram_corrupt_evictions, 2u);
+  EXPECT_EQ(store_->Stats().dram_corrupt_evictions,
+            3u + TieredStore::kMaxCorruptKept);
 }
 
 // Bug: evicting a whole namespace counted a block held in both tiers (read

@@ -470,6 +470,67 @@ TEST_F(BadInputTest, BadNamespaceIsInvalidArgument) {
               StatusIs(Code::kInvalidArgument));
 }
 
+// ReportCorrupt is checked, not trusted: bad input is INVALID_ARGUMENT, and
+// a report the daemon's own copy does not confirm (its bytes are intact,
+// another checksum, a key or namespace not stored) drops nothing and counts
+// nothing, so no client can make the daemon drop good blocks.
+TEST_F(BadInputTest, ACorruptionReportIsCheckedNotTrusted) {
+  auto report = [&](const std::string& ns,
+                    const std::vector<std::pair<std::string, uint64_t>>& blocks,
+                    v1::ReportCorruptResponse* resp) {
+    grpc::ClientContext ctx;
+    v1::ReportCorruptRequest req;
+    req.set_namespace_(ns);
+    for (const auto& [key, sum] : blocks) {
+      v1::CorruptBlock* b = req.add_blocks();
+      b->set_key(key);
+      b->set_checksum(sum);
+    }
+    resp->Clear();
+    return client_->stub().ReportCorrupt(&ctx, req, resp).error_code();
+  };
+  const uint64_t sum = BlockChecksum(good_);
+  v1::ReportCorruptResponse resp;
+  constexpr auto kInvalid = grpc::StatusCode::INVALID_ARGUMENT;
+  EXPECT_EQ(report("", {{"good", sum}}, &resp), kInvalid);
+  EXPECT_EQ(report("spaces are bad", {{"good", sum}}, &resp), kInvalid);
+  EXPECT_EQ(report(kNs, {{"good", sum}, {"", sum}}, &resp), kInvalid);
+  EXPECT_EQ(report(kNs, {{std::string(257, 'k'), sum}}, &resp), kInvalid);
+  std::vector<std::pair<std::string, uint64_t>> many(1025, {"good", sum});
+  EXPECT_EQ(report(kNs, many, &resp), kInvalid);
+
+  ASSERT_EQ(report(kNs, {}, &resp), grpc::StatusCode::OK);
+  EXPECT_EQ(resp.verdicts_size(), 0);
+  many.resize(1024);
+  ASSERT_EQ(report(kNs, many, &resp), grpc::StatusCode::OK);
+  EXPECT_EQ(resp.verdicts_size(), 1024);
+  ASSERT_EQ(
+      report(kNs, {{"good", sum}, {"good", sum + 1}, {"absent", sum}}, &resp),
+      grpc::StatusCode::OK);
+  ASSERT_EQ(resp.verdicts_size(), 3);
+  for (int v : resp.verdicts()) EXPECT_EQ(v, v1::CORRUPT_NOT_CONFIRMED);
+  ASSERT_EQ(report("no/such/ns", {{"good", sum}}, &resp), grpc::StatusCode::OK);
+  ASSERT_EQ(resp.verdicts_size(), 1);
+  EXPECT_EQ(resp.verdicts(0), v1::CORRUPT_NOT_CONFIRMED);
+
+  // Nothing dropped (TearDown reads "good" back), nothing counted.
+  absl::string_view k = "good";
+  absl::StatusOr<LookupReply> found =
+      client_->Lookup(kNs, {&k, 1}, false, false);
+  ASSERT_OK(found.status());
+  EXPECT_TRUE(found->entries[0].found);
+  const std::string metrics = testing::ScrapeMetrics(*daemon_);
+  EXPECT_EQ(testing::MetricValue(
+                metrics, "kvdepot_integrity_errors_total{tier=\"dram\"}"),
+            0)
+      << metrics;
+  absl::StatusOr<v1::StatsResponse> st = client_->Stats();
+  ASSERT_OK(st.status());
+  EXPECT_EQ(st->integrity_errors(), 0u);
+  EXPECT_EQ(st->dram().integrity_errors(), 0u);
+  EXPECT_EQ(st->dram().blocks(), 1u);
+}
+
 // The store's session limit, set in the config file: past it OpenSession is
 // RESOURCE_EXHAUSTED, and a closed session makes room again.
 TEST(ConfiguredLimitsTest, SessionsPastMaxSessionsAreResourceExhausted) {

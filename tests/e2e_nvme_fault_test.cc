@@ -126,6 +126,8 @@ TEST(NvmeFaultTest, ByteFlippedInABlobFileIsAMissNeverWrongBytes) {
   auto st = client->Stats();
   ASSERT_OK(st);
   EXPECT_GE(st->integrity_errors(), 1u);
+  EXPECT_EQ(st->nvme().integrity_errors(), st->integrity_errors());
+  EXPECT_EQ(st->dram().integrity_errors(), 0u);
   EXPECT_OK(client->Health());
   // A scrub afterwards finds nothing more to drop, and compaction works.
   auto verify = testing::RunCtl((*again)->address(), "--json verify");

@@ -191,6 +191,14 @@ TEST_F(KvdepotctlTest, StatsJsonReportsTheDramTier) {
                        "\"capacity_bytes\": 33554432, \"blocks\": 1"),
             std::string::npos)
       << r.out;
+  EXPECT_NE(r.out.find("\"evictions\": 0, \"integrity_errors\": 0}"),
+            std::string::npos)
+      << r.out;
+  r = Ctl("stats");
+  EXPECT_EQ(r.exit_code, 0) << r.err;
+  EXPECT_NE(r.out.find("integrity errors: 0 (dram 0, nvme 0)\n"),
+            std::string::npos)
+      << r.out;
   r = Ctl("--json namespaces");
   EXPECT_EQ(r.exit_code, 0);
   EXPECT_NE(r.out.find("{\"name\": \"demo\", \"blocks\": 1, \"bytes\": 5"),
