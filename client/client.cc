@@ -666,9 +666,6 @@ Client::~Client() {
   if (session != 0) DisconnectRequests(session);  // pending: Unavailable
   // Before anything they use goes: their callbacks run on gRPC's threads.
   calls_->CancelAndWait();
-  // A report of a corrupt block a get just found (a failed kvdepotctl get)
-  // is worth a short wait: no other reader may come.
-  reports_->Close(std::min(absl::Seconds(1), options_.rpc_timeout));
   if (session != 0) {
     CloseSessionRpc(session, std::min(absl::Seconds(2), options_.rpc_timeout / 2))
         .IgnoreError();
@@ -693,6 +690,10 @@ Client::~Client() {
   // memory of their buffers (AllocateBuffer) has gone with ucx_: no caller
   // can write into it any more while the daemon may still copy.
   ucx_.reset();
+  // After the checks of the verify pool: a report of a corrupt block a get
+  // just found (a failed kvdepotctl get) is worth a short wait, as no other
+  // reader may come. Ops the timers publish below report nothing.
+  reports_->Close(std::min(absl::Seconds(1), options_.rpc_timeout));
   timers_->Stop();
 }
 

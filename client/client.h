@@ -214,9 +214,10 @@ class Client {
   // daemon), and stops the UCX workers (each within its close timeout,
   // 1 s), which ends every op still pending (failed): within about one
   // rpc_timeout plus a few seconds however the daemon behaves (a stopped
-  // daemon, rpc_timeout 3 s: 1.5 s to 3.5 s). Ops still waiting for their copy deadline (AllocateBuffer)
-  // are reported as the last step, once the memory of their buffers is
-  // freed.
+  // daemon, rpc_timeout 3 s: 1.5 s to 3.5 s), and gives a report of a
+  // corrupt block still in flight up to min(1 s, rpc_timeout) more. Ops still
+  // waiting for their copy deadline (AllocateBuffer) are reported as the last
+  // step, once the memory of their buffers is freed.
   ~Client();
   Client(const Client&) = delete;
   Client& operator=(const Client&) = delete;

@@ -612,11 +612,10 @@ grpc::ServerUnaryReactor* KvDepotService::ReportCorrupt(
   return Unary(ctx, "ReportCorrupt", [&]() -> absl::Status {
     const std::string& ns = req->namespace_();
     RETURN_IF_ERROR(ValidateNamespace(ns));
-    const uint32_t max_keys = store_.options().max_batch_keys;
-    if (static_cast<uint32_t>(req->blocks_size()) > max_keys) {
+    if (req->blocks_size() > kMaxReportBlocks) {
       return absl::InvalidArgumentError(
           absl::StrCat("report of ", req->blocks_size(),
-                       " blocks exceeds the limit of ", max_keys));
+                       " blocks exceeds the limit of ", kMaxReportBlocks));
     }
     for (const v1::CorruptBlock& b : req->blocks()) {
       RETURN_IF_ERROR(ValidateKey(b.key()));
@@ -647,11 +646,17 @@ grpc::ServerUnaryReactor* KvDepotService::ReportCorrupt(
       }
       resp->add_verdicts(it->second);
     }
-    if (unconfirmed > 0) {
+    // Any peer may send such reports: at most one line per 10 s.
+    unconfirmed_reports_ += unconfirmed;
+    if (unconfirmed_reports_ > 0 &&
+        absl::Now() - last_unconfirmed_log_ >= absl::Seconds(10)) {
       log_->warn(
-          "{} reported {} block(s) of {} corrupt that are intact (or "
-          "gone) in DRAM: damaged on the way to it?",
-          ctx->peer(), unconfirmed, ns);
+          "{} block(s) reported corrupt since the last such line (the "
+          "last by {}, of {}) are intact (or gone) in DRAM: damaged on "
+          "the way to the client, or the client's own fault?",
+          unconfirmed_reports_, ctx->peer(), ns);
+      unconfirmed_reports_ = 0;
+      last_unconfirmed_log_ = absl::Now();
     }
     return absl::OkStatus();
   });
@@ -676,7 +681,9 @@ v1::CorruptVerdict KvDepotService::CountCorruptDram(CorruptDramCheck check,
           "corruption?), found by {}: dropped once no reader pins it",
           KeyToHex(key), std::string(ns), std::string(who));
       return v1::CORRUPT_KEPT;
-    case CorruptDramCheck::kKeptAlready:  // counted when first found
+    case CorruptDramCheck::kDroppedAlready:  // counted when first found
+      return v1::CORRUPT_DROPPED;
+    case CorruptDramCheck::kKeptAlready:
       return v1::CORRUPT_KEPT;
     case CorruptDramCheck::kNotCorrupt:
       break;
@@ -1114,26 +1121,26 @@ void KvDepotService::StartPushBlocks(const v1::PushBlocksRequest* req,
                               unpin);
           } else {
             unpin();
-            // A block whose DRAM copy is bad goes (its NVMe copy, if any,
-            // stays), so that the next get reads that or misses and the
-            // next put stores it again, instead of a DATA_LOSS each time
-            // until it is evicted. Off this thread: the store hashes it
-            // again first.
-            std::vector<std::pair<std::string, uint64_t>> bad;
-            for (size_t m = 0; m < corrupt.size(); ++m) {
-              if (!corrupt[m]) continue;
-              const int k = key_of_move[m];
-              bad.emplace_back(req->keys(k), resp->blocks(k).checksum());
-            }
-            if (!bad.empty()) {
-              put_pool_.Submit(
-                  [this, ns = req->namespace_(), bad = std::move(bad)] {
-                    for (const auto& [key, sum] : bad) {
-                      CountCorruptDram(store_.DropCorruptDram(ns, key, sum), ns,
-                                       key, "PushBlocks' copy");
-                    }
-                  });
-            }
+          }
+          // A block whose DRAM copy is bad goes (its NVMe copy, if any,
+          // stays), so that the next get reads that or misses and the next
+          // put stores it again, instead of a DATA_LOSS each time until it
+          // is evicted; while pinned (HoldUntilReleased's pin too), once
+          // unpinned. Off this thread: the store hashes it again first.
+          std::vector<std::pair<std::string, uint64_t>> bad;
+          for (size_t m = 0; m < corrupt.size(); ++m) {
+            if (!corrupt[m]) continue;
+            const int k = key_of_move[m];
+            bad.emplace_back(req->keys(k), resp->blocks(k).checksum());
+          }
+          if (!bad.empty()) {
+            put_pool_.Submit(
+                [this, ns = req->namespace_(), bad = std::move(bad)] {
+                  for (const auto& [key, sum] : bad) {
+                    CountCorruptDram(store_.DropCorruptDram(ns, key, sum), ns,
+                                     key, "PushBlocks' copy");
+                  }
+                });
           }
           uint64_t bytes = 0, bytes_in_place = 0;
           for (size_t m = 0; m < key_of_move.size(); ++m) {

@@ -280,6 +280,15 @@ class KvDepotService final
   WorkPool put_pool_{kPutPoolThreads, "kvd-put"};
   // Held by the ReportCorrupt being checked (one at a time; TryLock).
   absl::Mutex report_mu_;
+  // Reported blocks the daemon's copy did not confirm, not logged yet, and
+  // when that was last logged.
+  uint64_t unconfirmed_reports_ ABSL_GUARDED_BY(report_mu_) = 0;
+  absl::Time last_unconfirmed_log_ ABSL_GUARDED_BY(report_mu_) =
+      absl::InfinitePast();
+  // The most blocks one ReportCorrupt may name (libkvdepot sends at most
+  // 64: a get that finds more is exceptional, and their next readers report
+  // the rest).
+  static constexpr int kMaxReportBlocks = 64;
 
   std::atomic<size_t> active_calls_{0};
   std::atomic<bool> shutting_down_{false};

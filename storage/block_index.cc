@@ -144,6 +144,7 @@ std::optional<BlockIndex::Hit> BlockIndex::Find(const KeyRef& key, bool pin,
   auto it = s.set.find(key);
   if (it == s.set.end()) return std::nullopt;
   BlockEntry* e = *it;
+  if (e->flags & BlockEntry::kCorrupt) return std::nullopt;
   if (pin && e->pins >= kMaxPins) return std::nullopt;  // would wrap to 0
   if (seq != 0) e->seq = seq;
   if (e->reads < UINT8_MAX) ++e->reads;
@@ -158,12 +159,13 @@ std::optional<BlockIndex::Hit> BlockIndex::Find(const KeyRef& key, bool pin,
   return Hit{e, e->data_offset(), e->size, e->checksum};
 }
 
-BlockEntry* BlockIndex::PinIfPresent(const KeyRef& key) {
+BlockEntry* BlockIndex::PinIfPresent(const KeyRef& key, bool even_corrupt) {
   Shard& s = ShardFor(key.hash);
   absl::MutexLock lock(&s.mu);
   auto it = s.set.find(key);
   if (it == s.set.end()) return nullptr;
   BlockEntry* e = *it;
+  if ((e->flags & BlockEntry::kCorrupt) && !even_corrupt) return nullptr;
   if (e->pins >= kMaxPins) return nullptr;  // would wrap to 0
   const bool was_held = HeldByCaller(*e);
   LruRemove(s, e);
@@ -337,6 +339,20 @@ BlockIndex::RemoveOutcome BlockIndex::Remove(const KeyRef& key,
   }
   ReleaseParent(**out);
   return RemoveOutcome::kRemoved;
+}
+
+bool BlockIndex::MarkCorrupt(BlockEntry* e) {
+  Shard& s = ShardFor(e->hash);
+  absl::MutexLock lock(&s.mu);
+  if (e->flags & BlockEntry::kCorrupt) return false;
+  e->flags |= BlockEntry::kCorrupt;
+  return true;
+}
+
+bool BlockIndex::IsCorrupt(BlockEntry* e) {
+  Shard& s = ShardFor(e->hash);
+  absl::MutexLock lock(&s.mu);
+  return (e->flags & BlockEntry::kCorrupt) != 0;
 }
 
 bool BlockIndex::PinnedOnlyByCaller(BlockEntry* e) {

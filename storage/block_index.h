@@ -94,6 +94,9 @@ struct BlockEntry {
   // Another key of its namespace had its hash when it was inserted (a
   // 64-bit collision): it is never linked to as a parent (see BlockIndex).
   static constexpr uint8_t kHashTwin = 16;
+  // Its bytes no longer match its checksum (MarkCorrupt): lookups and
+  // PinIfPresent pass it by, as absent, until it is removed.
+  static constexpr uint8_t kCorrupt = 32;
 
   BlockEntry* lru_prev = nullptr;  // its shard's evictable list
   BlockEntry* lru_next = nullptr;
@@ -193,7 +196,8 @@ class BlockIndex {
   // it is refused, as below).
   static constexpr uint32_t kMaxPins = UINT32_MAX;
 
-  // Finds `key`. With `pin`, the entry's pin count is raised atomically with
+  // Finds `key` (an entry marked corrupt counts as absent). With `pin`, the
+  // entry's pin count is raised atomically with
   // the find (it leaves the evictable list); otherwise it is marked
   // referenced. Either way its last use becomes `seq`. With `pin`, an entry
   // holding kMaxPins already is not pinned, and not found (nullopt).
@@ -204,7 +208,15 @@ class BlockIndex {
   // Like any pin it leaves the evictable lists; Unpin lists it again at the
   // most-recent end. Returns the entry (released with Unpin), or nullptr
   // (also when it holds kMaxPins already).
-  BlockEntry* PinIfPresent(const KeyRef& key);
+  // An entry marked corrupt counts as absent unless `even_corrupt`.
+  BlockEntry* PinIfPresent(const KeyRef& key, bool even_corrupt = false);
+  // Marks `entry` corrupt (BlockEntry::kCorrupt): from now on Find and
+  // PinIfPresent pass it by, so that its pins drain and it can be removed.
+  // True if this call marked it, false if it was marked already.
+  // REQUIRES: `entry` is pinned by the caller.
+  bool MarkCorrupt(BlockEntry* entry);
+  // REQUIRES: `entry` is pinned by the caller.
+  bool IsCorrupt(BlockEntry* entry);
   // A copy of an entry's fields without touching its recency (admin
   // inspection), and the `trailer.size()` arena bytes that follow its key
   // (the caller's own per-block data). nullopt if absent.

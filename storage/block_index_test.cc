@@ -157,8 +157,12 @@ TEST_F(BlockIndexTest,
   Put("root");
   Put("child", "root");
   Put("other");
+  const uint64_t all_unpinned = index_.unpinned_bytes();
   BlockEntry* e = index_.PinIfPresent(BlockIndex::MakeKey(1, "child"));
   ASSERT_NE(e, nullptr);
+  const uint64_t unpinned = index_.unpinned_bytes();
+  ASSERT_LT(unpinned, all_unpinned);
+  ASSERT_GT(unpinned, 0u);
   EXPECT_TRUE(index_.PinnedOnlyByCaller(e));
   auto reader = index_.Find(BlockIndex::MakeKey(1, "child"), /*pin=*/true);
   ASSERT_TRUE(reader);
@@ -171,13 +175,15 @@ TEST_F(BlockIndexTest,
   ASSERT_EQ(index_.RemovePinned(e, &out), BlockIndex::RemoveOutcome::kRemoved);
   EXPECT_EQ(KeyIn(buf_, out), "child");
   EXPECT_EQ(out->pins, 0u);
+  // Its bytes left the pinned ones, not the others' (unpinned_bytes clamps
+  // at 0: a second subtraction would show as 0).
+  EXPECT_EQ(index_.unpinned_bytes(), unpinned);
   EXPECT_FALSE(index_.Find(BlockIndex::MakeKey(1, "child"), false));
   EXPECT_EQ(index_.blocks(), 2u);
   // Its parent, no longer held by a child, is evictable with the other.
   std::vector<std::string> order = DrainEvictable();
   std::sort(order.begin(), order.end());
   EXPECT_EQ(order, (std::vector<std::string>{"other", "root"}));
-  EXPECT_EQ(index_.unpinned_bytes(), 0u);
 
   // Being demoted: kept, whoever pins it.
   Put("d");
@@ -189,6 +195,35 @@ TEST_F(BlockIndexTest,
   EXPECT_EQ(index_.RemovePinned(d, &out), BlockIndex::RemoveOutcome::kDemoting);
   index_.Unpin(d);
   EXPECT_NE(index_.EndDemotion(dem->entry), nullptr);
+}
+
+// An entry marked corrupt is absent to Find and PinIfPresent (so that its
+// pins drain), but still holds its key: a put-if-absent of the key finds it,
+// and PinIfPresent(even_corrupt) and Remove reach it.
+TEST_F(BlockIndexTest, AnEntryMarkedCorruptIsPassedByUntilRemoved) {
+  Put("bad");
+  const BlockIndex::KeyRef key = BlockIndex::MakeKey(1, "bad");
+  auto reader = index_.Find(key, /*pin=*/true);
+  ASSERT_TRUE(reader);
+  EXPECT_FALSE(index_.IsCorrupt(reader->entry));
+  EXPECT_TRUE(index_.MarkCorrupt(reader->entry));
+  EXPECT_FALSE(index_.MarkCorrupt(reader->entry)) << "marked already";
+  EXPECT_TRUE(index_.IsCorrupt(reader->entry));
+  EXPECT_FALSE(index_.Find(key, /*pin=*/false));
+  EXPECT_FALSE(index_.Find(key, /*pin=*/true));
+  EXPECT_EQ(index_.PinIfPresent(key), nullptr);
+  BlockEntry* e = index_.PinIfPresent(key, /*even_corrupt=*/true);
+  ASSERT_EQ(e, reader->entry);
+  index_.Unpin(e);
+  // Its key is taken still.
+  EXPECT_EQ(Put("bad"), nullptr) << "inserted beside the marked entry";
+  index_.Unpin(reader->entry);
+  std::unique_ptr<BlockEntry> out;
+  ASSERT_EQ(index_.Remove(key, &out), BlockIndex::RemoveOutcome::kRemoved);
+  // Stored again: a new entry, not marked.
+  BlockEntry* again = Put("bad");
+  ASSERT_NE(again, nullptr);
+  EXPECT_TRUE(index_.Find(key, /*pin=*/false));
 }
 
 // A pin count at its limit refuses another pin (a miss, for a lookup)

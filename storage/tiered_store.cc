@@ -747,20 +747,20 @@ class TieredStoreImpl final : public TieredStore {
     if (!ValidateNamespace(ns).ok() || !ValidateKey(key).ok()) {
       return CorruptDramCheck::kNotCorrupt;
     }
-    switch (TryDropCorrupt(ns, key, checksum, /*hash_if_pinned=*/true)) {
+    bool found_now = false;
+    switch (TryDropCorrupt(ns, key, checksum, /*retry=*/false, &found_now)) {
       case CorruptDrop::kDropped:
-        return CorruptDramCheck::kDropped;
+        return found_now ? CorruptDramCheck::kDropped
+                         : CorruptDramCheck::kDroppedAlready;
       case CorruptDrop::kNotCorrupt:
         return CorruptDramCheck::kNotCorrupt;
       case CorruptDrop::kBusy:
         break;
     }
+    if (!found_now) return CorruptDramCheck::kKeptAlready;  // listed already
     absl::MutexLock lock(&corrupt_mu_);
-    for (const CorruptKept& k : corrupt_kept_) {
-      if (k.ns == ns && k.key == key && k.checksum == checksum) {
-        return CorruptDramCheck::kKeptAlready;
-      }
-    }
+    // Past the limit the oldest goes unlisted: hidden from lookups all the
+    // same, it leaves DRAM when it is evicted (or demoted: not written).
     if (corrupt_kept_.size() >= kMaxCorruptKept) corrupt_kept_.pop_front();
     corrupt_kept_.push_back(
         CorruptKept{std::string(ns), std::string(key), checksum});
@@ -777,11 +777,11 @@ class TieredStoreImpl final : public TieredStore {
     std::deque<CorruptKept> busy;
     for (CorruptKept& k : kept) {
       switch (
-          TryDropCorrupt(k.ns, k.key, k.checksum, /*hash_if_pinned=*/false)) {
+          TryDropCorrupt(k.ns, k.key, k.checksum, /*retry=*/true, nullptr)) {
         case CorruptDrop::kDropped:
           ++dropped;
           break;
-        case CorruptDrop::kNotCorrupt:  // gone, or replaced
+        case CorruptDrop::kNotCorrupt:  // gone (evicted, dropped by a report)
           break;
         case CorruptDrop::kBusy:
           busy.push_back(std::move(k));
@@ -1778,6 +1778,8 @@ class TieredStoreImpl final : public TieredStore {
       demotions_skipped_.fetch_add(1, std::memory_order_relaxed);
       return;
     }
+    // Found bad by a reader (counted then): not written, it just leaves.
+    if (index_.IsCorrupt(d.entry)) return;
     const BlockEntry& e = *d.entry;
     const char* base = arena_->base();
     NamespaceInfo* info = NamespaceById(e.ns_id);
@@ -2083,43 +2085,42 @@ class TieredStoreImpl final : public TieredStore {
   };
   enum class CorruptDrop {
     kDropped,     // bad: dropped
-    kBusy,        // bad (or, without hash_if_pinned, maybe bad): pinned by
-                  // another, or being demoted
+    kBusy,        // bad, marked corrupt: pinned by another, or being demoted
     kNotCorrupt,  // not in DRAM, another block, or good
   };
-  // DropCorruptDram's step: pins the DRAM entry of `key`, hashes it, and
-  // removes that very entry (RemovePinned) when it is bad and the pin is
-  // its only one. Without `hash_if_pinned`, an entry pinned by another or
-  // being demoted is kBusy unhashed (RetryCorruptDrops: it was found bad
-  // already, and hashing it each time while a reader holds it is wasted).
+  // DropCorruptDram's step: pins the DRAM entry of `key` (marked corrupt or
+  // not), hashes it unless it is marked corrupt already, marks it when it
+  // is bad (*found_now: this call marked it), and removes that very entry
+  // (RemovePinned) when the pin is its only one. A `retry` (of a kept one)
+  // never hashes: an entry not marked is another one stored since (good).
+  // Only the DRAM copy goes, so no promotion needs keeping out (as Evict
+  // does): one that publishes the NVMe copy afterwards publishes a good one.
   CorruptDrop TryDropCorrupt(absl::string_view ns, absl::string_view key,
-                             uint64_t checksum, bool hash_if_pinned) {
+                             uint64_t checksum, bool retry, bool* found_now) {
     const NamespaceRef info = FindNamespace(ns);
     if (!info) return CorruptDrop::kNotCorrupt;
     // Pinned from here: its bytes stay put, and no other block can take
     // its key's place in the index.
-    BlockEntry* e = index_.PinIfPresent(BlockIndex::MakeKey(info->id, key));
+    BlockEntry* e = index_.PinIfPresent(BlockIndex::MakeKey(info->id, key),
+                                        /*even_corrupt=*/true);
     if (e == nullptr) return CorruptDrop::kNotCorrupt;
     auto unpinned = [&](CorruptDrop outcome) {
       index_.Unpin(e);
       return outcome;
     };
     if (e->checksum != checksum) return unpinned(CorruptDrop::kNotCorrupt);
-    if (!hash_if_pinned && !index_.PinnedOnlyByCaller(e)) {
-      return unpinned(CorruptDrop::kBusy);
-    }
-    if (BlockChecksum(arena_->base() + e->data_offset(), e->size) == checksum) {
-      return unpinned(CorruptDrop::kNotCorrupt);
+    if (!index_.IsCorrupt(e)) {
+      if (retry) return unpinned(CorruptDrop::kNotCorrupt);
+      if (BlockChecksum(arena_->base() + e->data_offset(), e->size) ==
+          checksum) {
+        return unpinned(CorruptDrop::kNotCorrupt);
+      }
+      // Hidden from lookups from now on, so that readers' pins drain.
+      *found_now = index_.MarkCorrupt(e);
     }
     std::unique_ptr<BlockEntry> removed;
-    BlockIndex::RemoveOutcome outcome;
-    {
-      // As Evict: no promotion of this namespace publishes a block while
-      // the entry goes (not held while hashing).
-      absl::WriterMutexLock no_promotions(&EvictStripe(ns));
-      outcome = index_.RemovePinned(e, &removed);
-    }
-    if (outcome != BlockIndex::RemoveOutcome::kRemoved) {
+    if (index_.RemovePinned(e, &removed) !=
+        BlockIndex::RemoveOutcome::kRemoved) {
       return unpinned(CorruptDrop::kBusy);
     }
     dram_corrupt_evictions_.fetch_add(1, std::memory_order_relaxed);

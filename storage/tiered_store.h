@@ -162,11 +162,12 @@ enum class CommitOutcome { kStored, kAlreadyExists, kChecksumMismatch };
 
 // What DropCorruptDram found and did.
 enum class CorruptDramCheck {
-  kDropped,      // the DRAM copy was bad: dropped
-  kKept,         // bad, but pinned or being demoted: dropped once it is not
-                 // (RetryCorruptDrops)
-  kKeptAlready,  // as kKept, found by an earlier call already
-  kNotCorrupt,   // not in DRAM, another block, or its bytes are good
+  kDropped,         // the DRAM copy was bad: dropped
+  kKept,            // bad, but pinned or being demoted: hidden from lookups
+                    // now, dropped once neither (RetryCorruptDrops)
+  kDroppedAlready,  // as kDropped, found bad by an earlier call already
+  kKeptAlready,     // as kKept, found bad by an earlier call already
+  kNotCorrupt,      // not in DRAM, another block, or its bytes are good
 };
 
 struct EvictResult {
@@ -215,7 +216,8 @@ struct StoreStats {
   uint64_t demotions = 0;          // DRAM blocks written to NVMe
   uint64_t demotion_failures = 0;  // could not be written (disk full, ...)
   // DRAM blocks whose bytes no longer matched their checksum when demoted
-  // (dropped, not written; not in demotion_failures).
+  // (dropped, not written; not in demotion_failures), unless a reader found
+  // them bad first (DropCorruptDram: its caller counts those).
   uint64_t dram_integrity_errors = 0;
   // DRAM copies dropped by DropCorruptDram (a reader found them bad).
   uint64_t dram_corrupt_evictions = 0;
@@ -427,19 +429,22 @@ class TieredStore {
   // reported a block it read). The bytes are hashed here again, so a report
   // that is wrong (a fault on the way, a client's bug) drops nothing; that
   // copy alone goes, never a block stored under the key since. An NVMe
-  // copy, if any, stays. A bad copy that is pinned (the reader's own pin,
-  // another reader's) or being demoted is kept (kKept, kKeptAlready) and
-  // listed (at most kMaxCorruptKept, the oldest forgotten past that), and
-  // RetryCorruptDrops drops it once it is neither. kNotCorrupt, and
-  // nothing dropped, when it is not in DRAM, is another block (another
-  // checksum) or is not bad.
+  // copy, if any, stays. A bad copy is marked corrupt at once: lookups miss
+  // it from then on (a promotion cannot replace it before it goes). One
+  // that is pinned (the reader's own pin, another reader's) or being
+  // demoted is kept (kKept) and listed, at most kMaxCorruptKept (past that
+  // the oldest goes unlisted, and leaves when evicted or demoted, unwritten);
+  // RetryCorruptDrops drops it once it is neither. The *Already outcomes
+  // are for a copy an earlier call found bad (the first is the one to count).
+  // kNotCorrupt, and nothing dropped, when it is not in DRAM, is another
+  // block (another checksum) or is not bad.
   virtual CorruptDramCheck DropCorruptDram(absl::string_view ns,
                                            absl::string_view key,
                                            uint64_t checksum) = 0;
   static constexpr size_t kMaxCorruptKept = 64;
   // Drops the bad DRAM copies DropCorruptDram kept that are no longer
-  // pinned or being demoted (called periodically); forgets those gone or
-  // replaced. Hashes only those it may drop. Returns how many it dropped.
+  // pinned or being demoted (called periodically); forgets those gone.
+  // Hashes nothing. Returns how many it dropped.
   virtual int RetryCorruptDrops() = 0;
 
   // Removes unpinned blocks: `keys`, or the whole namespace with `all`, from

@@ -1705,8 +1705,9 @@ TEST_F(TieredStoreNvmeTest, ABlockCorruptedInDramIsDroppedWhenDemoted) {
 }
 
 // DropCorruptDram drops a DRAM copy only while it is the block named and
-// its bytes are bad, not while another session pins it, and leaves an NVMe
-// copy: the next pinned lookup reads that back.
+// its bytes are bad; one a session pins is hidden from lookups and dropped
+// by RetryCorruptDrops once unpinned. An NVMe copy stays: the next pinned
+// lookup reads that back.
 TEST_F(TieredStoreNvmeTest, DropCorruptDramDropsOnlyABadDramCopy) {
   auto flip = [&](const std::string& key) {
     PinId pin = 0;
@@ -1741,7 +1742,9 @@ TEST_F(TieredStoreNvmeTest, DropCorruptDramDropsOnlyABadDramCopy) {
   EXPECT_EQ(store_->DropCorruptDram("ns", "b0", sum0),
             CorruptDramCheck::kKeptAlready);
   EXPECT_EQ(store_->RetryCorruptDrops(), 0) << "still pinned";
-  EXPECT_TRUE(Look("b0", false).found);
+  EXPECT_FALSE(Look("b0", false).found) << "a lookup found it while kept";
+  EXPECT_FALSE(Look("b0", true).found);
+  EXPECT_EQ(store_->Stats().dram_corrupt_evictions, 0u);
   ASSERT_OK(store_->Unpin(sid_, held));
   EXPECT_EQ(store_->RetryCorruptDrops(), 1);
   EXPECT_EQ(store_->RetryCorruptDrops(), 0) << "forgotten once dropped";
@@ -1789,10 +1792,16 @@ TEST_F(TieredStoreNvmeTest, DropCorruptDramDropsOnlyABadDramCopy) {
   for (PinId pin : pins) ASSERT_OK(store_->Unpin(sid_, pin));
   EXPECT_EQ(store_->RetryCorruptDrops(),
             static_cast<int>(TieredStore::kMaxCorruptKept));
-  EXPECT_TRUE(Look("c0", false).found) << "the oldest, forgotten";
-  EXPECT_FALSE(Look("c1", false).found);
-  absl::string_view c0 = "c0";
-  ASSERT_OK(store_->Evict("ns", {&c0, 1}, false).status());
+  // The oldest went unlisted: hidden all the same, and still in DRAM until
+  // evicted.
+  EXPECT_FALSE(Look("c0", false).found);
+  absl::string_view c0 = "c0", c1 = "c1";
+  absl::StatusOr<EvictResult> ev = store_->Evict("ns", {&c0, 1}, false);
+  ASSERT_OK(ev.status());
+  EXPECT_EQ(ev->evicted_blocks, 1u);
+  ev = store_->Evict("ns", {&c1, 1}, false);
+  ASSERT_OK(ev.status());
+  EXPECT_EQ(ev->evicted_blocks, 0u) << "dropped by the retry";
 
   // A block on both tiers (demoted, then read back): its NVMe copy stays.
   for (int i = 1; i < 12; ++i) Put("b" + std::to_string(i), Block(i));
