@@ -646,9 +646,10 @@ grpc::ServerUnaryReactor* KvDepotService::ReportCorrupt(
       }
       resp->add_verdicts(it->second);
     }
-    // Any peer may send such reports: at most one line per 10 s.
+    // Any peer may send such reports: at most one line per 10 s (with the
+    // count since the last), naming the peer whose report it is.
     unconfirmed_reports_ += unconfirmed;
-    if (unconfirmed_reports_ > 0 &&
+    if (unconfirmed > 0 &&
         absl::Now() - last_unconfirmed_log_ >= absl::Seconds(10)) {
       log_->warn(
           "{} block(s) reported corrupt since the last such line (the "

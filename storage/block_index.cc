@@ -355,12 +355,6 @@ bool BlockIndex::IsCorrupt(BlockEntry* e) {
   return (e->flags & BlockEntry::kCorrupt) != 0;
 }
 
-bool BlockIndex::PinnedOnlyByCaller(BlockEntry* e) {
-  Shard& s = ShardFor(e->hash);
-  absl::MutexLock lock(&s.mu);
-  return e->pins == 1 && !(e->flags & BlockEntry::kDemoting);
-}
-
 BlockIndex::RemoveOutcome BlockIndex::RemovePinned(
     BlockEntry* e, std::unique_ptr<BlockEntry>* out) {
   Shard& s = ShardFor(e->hash);

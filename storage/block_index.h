@@ -246,10 +246,6 @@ class BlockIndex {
   // Removes an unpinned entry (explicit eviction). On kRemoved, *out holds it
   // and its parent link is already released.
   RemoveOutcome Remove(const KeyRef& key, std::unique_ptr<BlockEntry>* out);
-  // Whether the caller's pin is `entry`'s only one and it is not being
-  // demoted: what RemovePinned needs (others may pin it after the answer).
-  // REQUIRES: `entry` is pinned by the caller.
-  bool PinnedOnlyByCaller(BlockEntry* entry);
   // Removes `entry`, pinned by the caller, when that pin is its only one and
   // it is not being demoted: the pin goes with it (kRemoved; *out holds it,
   // its parent link released). Otherwise kPinned or kDemoting, and the

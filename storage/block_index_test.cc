@@ -163,15 +163,12 @@ TEST_F(BlockIndexTest,
   const uint64_t unpinned = index_.unpinned_bytes();
   ASSERT_LT(unpinned, all_unpinned);
   ASSERT_GT(unpinned, 0u);
-  EXPECT_TRUE(index_.PinnedOnlyByCaller(e));
   auto reader = index_.Find(BlockIndex::MakeKey(1, "child"), /*pin=*/true);
   ASSERT_TRUE(reader);
-  EXPECT_FALSE(index_.PinnedOnlyByCaller(e));
   std::unique_ptr<BlockEntry> out;
   EXPECT_EQ(index_.RemovePinned(e, &out), BlockIndex::RemoveOutcome::kPinned);
   EXPECT_EQ(out, nullptr);
   index_.Unpin(reader->entry);
-  ASSERT_TRUE(index_.PinnedOnlyByCaller(e));
   ASSERT_EQ(index_.RemovePinned(e, &out), BlockIndex::RemoveOutcome::kRemoved);
   EXPECT_EQ(KeyIn(buf_, out), "child");
   EXPECT_EQ(out->pins, 0u);
@@ -191,7 +188,6 @@ TEST_F(BlockIndexTest,
   ASSERT_TRUE(dem);
   BlockEntry* d = index_.PinIfPresent(BlockIndex::MakeKey(1, "d"));
   ASSERT_EQ(d, dem->entry);
-  EXPECT_FALSE(index_.PinnedOnlyByCaller(d));
   EXPECT_EQ(index_.RemovePinned(d, &out), BlockIndex::RemoveOutcome::kDemoting);
   index_.Unpin(d);
   EXPECT_NE(index_.EndDemotion(dem->entry), nullptr);

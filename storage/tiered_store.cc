@@ -479,7 +479,14 @@ class TieredStoreImpl final : public TieredStore {
       // Across the tiers: a block only on NVMe is stored too (its in-memory
       // index answers; no disk access).
       BlockEntry* e =
-          info ? index_.PinIfPresent(BlockIndex::MakeKey(info->id, b.key)) : nullptr;
+          info ? index_.PinIfPresent(BlockIndex::MakeKey(info->id, b.key),
+                                     /*even_corrupt=*/true)
+               : nullptr;
+      // A copy found corrupt that still holds the key goes now unless a
+      // reader pins it, so that this put stores the block again instead of
+      // being told it is stored (RetryCorruptDrops would drop it within a
+      // second: an engine's re-put after recomputing may come sooner).
+      if (e != nullptr && index_.IsCorrupt(e) && DropMarked(e)) e = nullptr;
       if (e != nullptr) held.push_back(e);
       std::optional<uint64_t> stored_size;
       if (e != nullptr) {
@@ -758,12 +765,7 @@ class TieredStoreImpl final : public TieredStore {
         break;
     }
     if (!found_now) return CorruptDramCheck::kKeptAlready;  // listed already
-    absl::MutexLock lock(&corrupt_mu_);
-    // Past the limit the oldest goes unlisted: hidden from lookups all the
-    // same, it leaves DRAM when it is evicted (or demoted: not written).
-    if (corrupt_kept_.size() >= kMaxCorruptKept) corrupt_kept_.pop_front();
-    corrupt_kept_.push_back(
-        CorruptKept{std::string(ns), std::string(key), checksum});
+    ListCorrupt(ns, key, checksum);
     return CorruptDramCheck::kKept;
   }
 
@@ -1740,7 +1742,11 @@ class TieredStoreImpl final : public TieredStore {
     NamespaceInfo* info = NamespaceById(e->ns_id);
     arena_->Free(e->data_offset());
     arena_->Free(e->key_offset());
-    if (lru) evictions_.fetch_add(1, std::memory_order_relaxed);
+    if (lru) {
+      // One found corrupt (never served since) that leaves as any other.
+      ((e->flags & BlockEntry::kCorrupt) ? dram_corrupt_evictions_ : evictions_)
+          .fetch_add(1, std::memory_order_relaxed);
+    }
     info->bytes.fetch_sub(e->size, std::memory_order_relaxed);
     info->charged.fetch_sub(e->size);
     info->blocks.fetch_sub(1);  // last
@@ -1774,12 +1780,12 @@ class TieredStoreImpl final : public TieredStore {
   // tier's eviction keeps prefixes and a promotion relinks the chain. The
   // entry's bytes and key stay put while it is pinned for the demotion.
   void Demote(const BlockIndex::Demotion& d) {
+    // Found bad by a reader (counted then): not written, it just leaves.
+    if (index_.IsCorrupt(d.entry)) return;
     if (d.reads < options_.nvme_admit_min_reads) {
       demotions_skipped_.fetch_add(1, std::memory_order_relaxed);
       return;
     }
-    // Found bad by a reader (counted then): not written, it just leaves.
-    if (index_.IsCorrupt(d.entry)) return;
     const BlockEntry& e = *d.entry;
     const char* base = arena_->base();
     NamespaceInfo* info = NamespaceById(e.ns_id);
@@ -1792,7 +1798,15 @@ class TieredStoreImpl final : public TieredStore {
     // corruption, or a bug): the block leaves DRAM all the same, unwritten.
     if (!r.ok() && r.status().code() == absl::StatusCode::kInvalidArgument &&
         BlockChecksum(base + e.data_offset(), e.size) != e.checksum) {
-      dram_integrity_errors_.fetch_add(1, std::memory_order_relaxed);
+      // Marked, so that no lookup finds it if one pinned it meanwhile (then
+      // it stays, listed for RetryCorruptDrops); counted unless a reader
+      // marked it first.
+      if (index_.MarkCorrupt(d.entry)) {
+        dram_integrity_errors_.fetch_add(1, std::memory_order_relaxed);
+        ListCorrupt(info->name,
+                    absl::string_view(base + e.key_offset(), e.key_len),
+                    e.checksum);
+      }
       return;
     }
     (r.ok() ? demotions_ : demotion_failures_).fetch_add(1, std::memory_order_relaxed);
@@ -2118,14 +2132,34 @@ class TieredStoreImpl final : public TieredStore {
       // Hidden from lookups from now on, so that readers' pins drain.
       *found_now = index_.MarkCorrupt(e);
     }
+    if (!DropMarked(e)) return unpinned(CorruptDrop::kBusy);
+    return CorruptDrop::kDropped;
+  }
+
+  // Removes `e`, marked corrupt and pinned by the caller, and frees it
+  // (counted as a corrupt eviction), when the caller's pin is its only one
+  // and it is not being demoted; false (the caller's pin stays) otherwise.
+  bool DropMarked(BlockEntry* e) {
     std::unique_ptr<BlockEntry> removed;
     if (index_.RemovePinned(e, &removed) !=
         BlockIndex::RemoveOutcome::kRemoved) {
-      return unpinned(CorruptDrop::kBusy);
+      return false;
     }
     dram_corrupt_evictions_.fetch_add(1, std::memory_order_relaxed);
     FreeEntry(std::move(removed), /*lru=*/false);
-    return CorruptDrop::kDropped;
+    return true;
+  }
+
+  // Lists a DRAM copy just marked corrupt for RetryCorruptDrops. Past
+  // kMaxCorruptKept the oldest goes unlisted: hidden from lookups all the
+  // same, it leaves DRAM when it is evicted (or demoted: not written), or
+  // when a put of its key finds it unpinned.
+  void ListCorrupt(absl::string_view ns, absl::string_view key,
+                   uint64_t checksum) {
+    absl::MutexLock lock(&corrupt_mu_);
+    if (corrupt_kept_.size() >= kMaxCorruptKept) corrupt_kept_.pop_front();
+    corrupt_kept_.push_back(
+        CorruptKept{std::string(ns), std::string(key), checksum});
   }
 
   // Constant after construction.

@@ -1762,19 +1762,46 @@ TEST_F(TieredStoreNvmeTest, DropCorruptDramDropsOnlyABadDramCopy) {
             CorruptDramCheck::kDropped);
   EXPECT_EQ(store_->Stats().dram_corrupt_evictions, 2u);
 
-  // A kept block evicted and stored again, good, before the retry: the
-  // retry drops nothing (it hashes the new copy) and forgets it.
+  // Kept, then unpinned: a second report drops it (kDroppedAlready: the
+  // first counted it), and the retry finds nothing left.
+  Put("b0", Block(0));
+  auto keep = [&] {
+    flip("b0");
+    ASSERT_TRUE(Look("b0", true, &held).found);
+    EXPECT_EQ(store_->DropCorruptDram("ns", "b0", sum0),
+              CorruptDramCheck::kKept);
+    ASSERT_OK(store_->Unpin(sid_, held));
+  };
+  keep();
+  EXPECT_EQ(store_->DropCorruptDram("ns", "b0", sum0),
+            CorruptDramCheck::kDroppedAlready);
+  EXPECT_EQ(store_->RetryCorruptDrops(), 0);
+  EXPECT_EQ(store_->Stats().dram_corrupt_evictions, 3u);
+
+  // Kept, then unpinned: a put of its key drops it and stores the block
+  // again (it was told "stored already" before, and the block stayed lost).
+  Put("b0", Block(0));
+  keep();
+  Put("b0", Block(0));
+  ExpectServes("b0", Block(0));
+  EXPECT_EQ(store_->Stats().dram_corrupt_evictions, 4u);
+  EXPECT_EQ(store_->RetryCorruptDrops(), 0);
+
+  // Kept, then evicted and stored again before the retry: the retry drops
+  // nothing and forgets it, even with the new copy bad too (an entry not
+  // marked is a newer block; the retry never hashes).
+  keep();
+  absl::string_view b0 = "b0";
+  absl::StatusOr<EvictResult> evicted = store_->Evict("ns", {&b0, 1}, false);
+  ASSERT_OK(evicted.status());
+  EXPECT_EQ(evicted->evicted_blocks, 1u);
   Put("b0", Block(0));
   flip("b0");
-  ASSERT_TRUE(Look("b0", true, &held).found);
-  EXPECT_EQ(store_->DropCorruptDram("ns", "b0", sum0), CorruptDramCheck::kKept);
-  ASSERT_OK(store_->Unpin(sid_, held));
-  absl::string_view b0 = "b0";
-  ASSERT_OK(store_->Evict("ns", {&b0, 1}, false).status());
-  Put("b0", Block(0));
   EXPECT_EQ(store_->RetryCorruptDrops(), 0);
-  ExpectServes("b0", Block(0));
-  EXPECT_EQ(store_->Stats().dram_corrupt_evictions, 2u);
+  EXPECT_TRUE(Look("b0", false).found) << "not found bad yet";
+  EXPECT_EQ(store_->DropCorruptDram("ns", "b0", sum0),
+            CorruptDramCheck::kDropped);
+  EXPECT_EQ(store_->Stats().dram_corrupt_evictions, 5u);
 
   // At most kMaxCorruptKept are listed: past that the oldest are forgotten.
   std::vector<PinId> pins;
@@ -1813,7 +1840,30 @@ TEST_F(TieredStoreNvmeTest, DropCorruptDramDropsOnlyABadDramCopy) {
   EXPECT_EQ(Look("b1", false).tier, Tier::kNvme);
   ExpectServes("b1", Block(1));
   EXPECT_EQ(store_->Stats().dram_corrupt_evictions,
-            3u + TieredStore::kMaxCorruptKept);
+            6u + TieredStore::kMaxCorruptKept);
+}
+
+// A block found corrupt and kept (pinned) that leaves DRAM by demotion is
+// not written to NVMe, nor counted again, and counts as a corrupt eviction.
+TEST_F(TieredStoreNvmeTest, ABlockFoundCorruptIsNotDemoted) {
+  for (int i = 0; i < 12; ++i) Put("d" + std::to_string(i), Block(i));
+  PinId pin = 0;
+  LookupEntry e = Look("d0", true, &pin);
+  ASSERT_TRUE(e.found);
+  store_->dram_region().base[e.offset + 7] ^= 0x01;
+  EXPECT_EQ(store_->DropCorruptDram("ns", "d0", BlockChecksum(Block(0))),
+            CorruptDramCheck::kKept);
+  ASSERT_OK(store_->Unpin(sid_, pin));
+  ASSERT_OK(store_->PersistDram().status());
+  const StoreStats st = store_->Stats();
+  EXPECT_EQ(st.dram.blocks, 0u);
+  EXPECT_EQ(st.nvme.blocks, 11u);
+  EXPECT_EQ(st.demotions, 11u);
+  EXPECT_EQ(st.demotion_failures, 0u);
+  EXPECT_EQ(st.dram_integrity_errors, 0u) << "counted again";
+  EXPECT_EQ(st.dram_corrupt_evictions, 1u);
+  EXPECT_FALSE(Look("d0", false).found);
+  ExpectServes("d1", Block(1));
 }
 
 // Bug: evicting a whole namespace counted a block held in both tiers (read
