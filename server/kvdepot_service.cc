@@ -641,7 +641,7 @@ grpc::ServerUnaryReactor* KvDepotService::ReportCorrupt(
       if (fresh) {
         const CorruptDramCheck check =
             store_.DropCorruptDram(ns, b.key(), b.checksum());
-        it->second = CountCorruptDram(check, ns, b.key(), ctx->peer());
+        it->second = CorruptDramVerdict(check, ns, b.key(), ctx->peer());
         if (check == CorruptDramCheck::kNotCorrupt) ++unconfirmed;
       }
       resp->add_verdicts(it->second);
@@ -663,26 +663,22 @@ grpc::ServerUnaryReactor* KvDepotService::ReportCorrupt(
   });
 }
 
-v1::CorruptVerdict KvDepotService::CountCorruptDram(CorruptDramCheck check,
-                                                    absl::string_view ns,
-                                                    absl::string_view key,
-                                                    absl::string_view who) {
+v1::CorruptVerdict KvDepotService::CorruptDramVerdict(CorruptDramCheck check,
+                                                      absl::string_view ns,
+                                                      absl::string_view key,
+                                                      absl::string_view who) {
   switch (check) {
     case CorruptDramCheck::kDropped:
-      metrics_.RecordDramIntegrityError();
+    case CorruptDramCheck::kKept: {
+      const bool kept = check == CorruptDramCheck::kKept;
       log_->error(
           "block {} of {} in DRAM does not match its checksum (memory "
-          "corruption?), found by {}: dropped",
-          KeyToHex(key), std::string(ns), std::string(who));
-      return v1::CORRUPT_DROPPED;
-    case CorruptDramCheck::kKept:
-      metrics_.RecordDramIntegrityError();
-      log_->error(
-          "block {} of {} in DRAM does not match its checksum (memory "
-          "corruption?), found by {}: dropped once no reader pins it",
-          KeyToHex(key), std::string(ns), std::string(who));
-      return v1::CORRUPT_KEPT;
-    case CorruptDramCheck::kDroppedAlready:  // counted when first found
+          "corruption?), found by {}: dropped{}",
+          KeyToHex(key), std::string(ns), std::string(who),
+          kept ? " once no reader pins it" : "");
+      return kept ? v1::CORRUPT_KEPT : v1::CORRUPT_DROPPED;
+    }
+    case CorruptDramCheck::kDroppedAlready:  // logged when first found
       return v1::CORRUPT_DROPPED;
     case CorruptDramCheck::kKeptAlready:
       return v1::CORRUPT_KEPT;
@@ -724,9 +720,7 @@ grpc::ServerUnaryReactor* KvDepotService::Stats(grpc::CallbackServerContext* ctx
     };
     fill(st.dram, resp->mutable_dram());
     fill(st.nvme, resp->mutable_nvme());
-    const uint64_t dram_errors =
-        st.dram_integrity_errors + metrics_.dram_integrity_errors_recorded();
-    resp->mutable_dram()->set_integrity_errors(dram_errors);
+    resp->mutable_dram()->set_integrity_errors(st.dram_integrity_errors);
     resp->mutable_nvme()->set_integrity_errors(st.integrity_errors);
     resp->set_demotions(st.demotions);
     resp->set_demotion_failures(st.demotion_failures);
@@ -742,7 +736,7 @@ grpc::ServerUnaryReactor* KvDepotService::Stats(grpc::CallbackServerContext* ctx
     resp->set_lookup_hits(st.lookup_hits);
     resp->set_puts(st.puts);
     resp->set_put_bytes(st.put_bytes);
-    resp->set_integrity_errors(st.integrity_errors + dram_errors);
+    resp->set_integrity_errors(st.integrity_errors + st.dram_integrity_errors);
     for (const NamespaceStats& ns : st.namespaces) {
       FillNamespace(ns, resp->add_namespaces());
     }
@@ -1138,8 +1132,8 @@ void KvDepotService::StartPushBlocks(const v1::PushBlocksRequest* req,
             put_pool_.Submit(
                 [this, ns = req->namespace_(), bad = std::move(bad)] {
                   for (const auto& [key, sum] : bad) {
-                    CountCorruptDram(store_.DropCorruptDram(ns, key, sum), ns,
-                                     key, "PushBlocks' copy");
+                    CorruptDramVerdict(store_.DropCorruptDram(ns, key, sum), ns,
+                                       key, "PushBlocks' copy");
                   }
                 });
           }

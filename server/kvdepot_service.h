@@ -182,13 +182,13 @@ class KvDepotService final
   ServerMetrics& metrics() { return metrics_; }
   Clock& clock() { return clock_; }
 
-  // Counts and logs what DropCorruptDram found of a block a reader (`who`)
-  // found corrupt: a bad DRAM copy once (when first found: dropped, or kept
-  // while pinned), not again while it stays kept. The reply's verdict.
-  v1::CorruptVerdict CountCorruptDram(CorruptDramCheck check,
-                                      absl::string_view ns,
-                                      absl::string_view key,
-                                      absl::string_view who);
+  // Logs what DropCorruptDram found of a block a reader (`who`) found
+  // corrupt (once per bad DRAM copy: when first found, as the store counts
+  // it), and returns the reply's verdict.
+  v1::CorruptVerdict CorruptDramVerdict(CorruptDramCheck check,
+                                        absl::string_view ns,
+                                        absl::string_view key,
+                                        absl::string_view who);
 
  private:
   // Runs a Verify or Compact of the NVMe tier, one at a time: Aborted when

@@ -252,11 +252,6 @@ void ServerMetrics::RecordUcxRefused(absl::StatusCode code) {
   ucx_refused_.Add({{"code", absl::StatusCodeToString(code)}}).Increment();
 }
 
-void ServerMetrics::RecordDramIntegrityError() {
-  dram_integrity_errors_recorded_.fetch_add(1, std::memory_order_relaxed);
-  integrity_errors_.Add({{"tier", "dram"}}).Increment();
-}
-
 void ServerMetrics::RecordRequest(const std::string& op, absl::StatusCode code,
                                   absl::Duration elapsed) {
   requests_.Add({{"op", op}, {"code", absl::StatusCodeToString(code)}})

@@ -11,7 +11,6 @@
 #include <prometheus/histogram.h>
 #include <prometheus/registry.h>
 
-#include <atomic>
 #include <cstdint>
 #include <string>
 
@@ -85,16 +84,6 @@ class ServerMetrics {
   // of DataPlaneOptions, an ended session, kvdepotd stopping):
   // kvdepot_ucx_requests_refused_total{code}. Not in kvdepot_requests_total.
   void RecordUcxRefused(absl::StatusCode code);
-  // A DRAM block whose bytes failed their checksum as the daemon copied it
-  // to a client, or as it hashed it again for a client's report
-  // (kvdepot_integrity_errors_total{tier="dram"}; those found on demotion,
-  // and NVMe's, come from the store's stats).
-  void RecordDramIntegrityError();
-  // How many RecordDramIntegrityError counted (the Stats RPC adds the
-  // store's).
-  uint64_t dram_integrity_errors_recorded() const {
-    return dram_integrity_errors_recorded_.load(std::memory_order_relaxed);
-  }
 
   // kvdepot_start_time_seconds: when the daemon started (unix seconds), so
   // that restarts show as changes of it. 0 until set.
@@ -130,7 +119,6 @@ class ServerMetrics {
   NamespaceCounters& CountersFor(absl::string_view ns, bool known);
 
   const size_t namespace_labels_;
-  std::atomic<uint64_t> dram_integrity_errors_recorded_{0};
   prometheus::Family<prometheus::Counter>& requests_;
   prometheus::Family<prometheus::Histogram>& durations_;
   prometheus::Family<prometheus::Counter>& lookup_keys_;

@@ -2129,8 +2129,11 @@ class TieredStoreImpl final : public TieredStore {
           checksum) {
         return unpinned(CorruptDrop::kNotCorrupt);
       }
-      // Hidden from lookups from now on, so that readers' pins drain.
+      // Hidden from lookups from now on, so that readers' pins drain;
+      // counted by the caller that marks it.
       *found_now = index_.MarkCorrupt(e);
+      if (*found_now)
+        dram_integrity_errors_.fetch_add(1, std::memory_order_relaxed);
     }
     if (!DropMarked(e)) return unpinned(CorruptDrop::kBusy);
     return CorruptDrop::kDropped;

@@ -215,9 +215,9 @@ struct StoreStats {
   TierStats nvme;  // all zero when the tier is off
   uint64_t demotions = 0;          // DRAM blocks written to NVMe
   uint64_t demotion_failures = 0;  // could not be written (disk full, ...)
-  // DRAM blocks whose bytes no longer matched their checksum when demoted
-  // (dropped, not written; not in demotion_failures), unless a reader found
-  // them bad first (DropCorruptDram: its caller counts those).
+  // DRAM blocks whose bytes no longer matched their checksum, counted once
+  // each when first found: by a demotion (dropped, not written; not in
+  // demotion_failures) or by DropCorruptDram (a reader found it).
   uint64_t dram_integrity_errors = 0;
   // DRAM copies dropped by DropCorruptDram (a reader found them bad).
   uint64_t dram_corrupt_evictions = 0;

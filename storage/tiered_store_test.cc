@@ -1841,6 +1841,9 @@ TEST_F(TieredStoreNvmeTest, DropCorruptDramDropsOnlyABadDramCopy) {
   ExpectServes("b1", Block(1));
   EXPECT_EQ(store_->Stats().dram_corrupt_evictions,
             6u + TieredStore::kMaxCorruptKept);
+  // Each bad copy counted once, when first found.
+  EXPECT_EQ(store_->Stats().dram_integrity_errors,
+            8u + TieredStore::kMaxCorruptKept);
 }
 
 // A block found corrupt and kept (pinned) that leaves DRAM by demotion is
@@ -1860,7 +1863,8 @@ TEST_F(TieredStoreNvmeTest, ABlockFoundCorruptIsNotDemoted) {
   EXPECT_EQ(st.nvme.blocks, 11u);
   EXPECT_EQ(st.demotions, 11u);
   EXPECT_EQ(st.demotion_failures, 0u);
-  EXPECT_EQ(st.dram_integrity_errors, 0u) << "counted again";
+  EXPECT_EQ(st.dram_integrity_errors, 1u)
+      << "counted once, by the report, not again by the demotion";
   EXPECT_EQ(st.dram_corrupt_evictions, 1u);
   EXPECT_FALSE(Look("d0", false).found);
   ExpectServes("d1", Block(1));
