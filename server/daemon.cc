@@ -84,13 +84,14 @@ absl::Status Daemon::Init() {
 
   if (!config_.metrics_listen.empty()) {
     status_page_ = std::make_unique<StatusPage>(
-        StatusPage::Sources{
-            [this] { return store_->Stats(); },
-            [this] { return registry_->Collect(); },
-            [this] {
-              absl::MutexLock lock(&mu_);
-              return !shut_down_;
-            }},
+        StatusPage::Sources{[this] { return store_->Stats(); },
+                            [this] { return registry_->Collect(); },
+                            [this] {
+                              // NOT_SERVING until the gRPC server is up, as its
+                              // health check: the metrics port opens first.
+                              absl::MutexLock lock(&mu_);
+                              return grpc_serving_ && !shut_down_;
+                            }},
         *SystemClock());
     status_page_->StartSampler();
     HttpServerOptions http;
@@ -178,6 +179,10 @@ absl::Status Daemon::Init() {
   }
   grpc_address_ = ListenedOn(config_.listen, port);
   server_->GetHealthCheckService()->SetServingStatus(true);
+  {
+    absl::MutexLock lock(&mu_);
+    grpc_serving_ = true;
+  }
 
   maintenance_ = std::thread([this] { MaintenanceLoop(); });
   DramRegion dram = store_->dram_region();

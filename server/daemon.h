@@ -77,6 +77,9 @@ class Daemon {
   absl::Mutex mu_;
   bool stopping_ ABSL_GUARDED_BY(mu_) = false;
   bool shut_down_ ABSL_GUARDED_BY(mu_) = false;
+  // The gRPC server is up and answers its health check SERVING (what the
+  // status page's `health` says too).
+  bool grpc_serving_ ABSL_GUARDED_BY(mu_) = false;
   std::thread maintenance_;
   // The metrics port. Last, so destroyed first: its handlers read store_,
   // registry_ and mu_.

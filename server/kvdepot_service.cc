@@ -761,31 +761,37 @@ grpc::ServerUnaryReactor* KvDepotService::ListNamespaces(
 }
 
 // Verify and Compact are long (they read or rewrite the whole NVMe tier) and
-// rare; they run inline on a gRPC thread, which only that call waits on, one
-// at a time (Aborted while the other runs). Shutdown cuts them short
-// (TieredStore::StopNvmeMaintenance).
-absl::Status KvDepotService::NvmeMaintenance(
-    absl::FunctionRef<absl::Status()> fn) {
+// rare; they run on maintenance_pool_, one at a time (Aborted while the other
+// runs). Shutdown cuts them short (TieredStore::StopNvmeMaintenance).
+grpc::ServerUnaryReactor* KvDepotService::NvmeMaintenance(
+    grpc::CallbackServerContext* ctx, const char* op,
+    absl::AnyInvocable<absl::Status() &&> fn) {
+  grpc::ServerUnaryReactor* reactor = ctx->DefaultReactor();
+  std::function<void(const absl::Status&)> finish = Finisher(op, reactor);
   if (nvme_maintenance_.exchange(true)) {
-    return absl::AbortedError(
-        "a verify or compact of the NVMe tier is running already; retry when it ends");
+    finish(
+        absl::AbortedError("a verify or compact of the NVMe tier is running "
+                           "already; retry when it ends"));
+    return reactor;
   }
-  absl::Status st = fn();
-  nvme_maintenance_.store(false);
-  return st;
+  maintenance_pool_.Submit(
+      [this, fn = std::move(fn), finish = std::move(finish)]() mutable {
+        absl::Status st = std::move(fn)();
+        // Free before the answer: a caller that retries on it gets in.
+        nvme_maintenance_.store(false);
+        finish(st);
+      });
+  return reactor;
 }
 
 grpc::ServerUnaryReactor* KvDepotService::Verify(grpc::CallbackServerContext* ctx,
                                                  const v1::VerifyRequest*,
                                                  v1::VerifyResponse* resp) {
-  return Unary(ctx, "Verify", [&]() -> absl::Status {
-    TieredStore::VerifyReport r;
-    RETURN_IF_ERROR(NvmeMaintenance([&]() -> absl::Status {
-      // A client that gives up (Ctrl-C, its deadline) ends the scan, which
-      // would otherwise hold the one-at-a-time slot until it is done.
-      ASSIGN_OR_RETURN(r, store_.VerifyNvme([ctx] { return ctx->IsCancelled(); }));
-      return absl::OkStatus();
-    }));
+  return NvmeMaintenance(ctx, "Verify", [this, ctx, resp]() -> absl::Status {
+    // A client that gives up (Ctrl-C, its deadline) ends the scan, which
+    // would otherwise hold the one-at-a-time slot until it is done.
+    ASSIGN_OR_RETURN(TieredStore::VerifyReport r,
+                     store_.VerifyNvme([ctx] { return ctx->IsCancelled(); }));
     resp->set_blocks_checked(r.blocks_checked);
     resp->set_bytes_checked(r.bytes_checked);
     resp->set_corrupt_dropped(r.corrupt_dropped);
@@ -800,8 +806,8 @@ grpc::ServerUnaryReactor* KvDepotService::Verify(grpc::CallbackServerContext* ct
 grpc::ServerUnaryReactor* KvDepotService::Compact(grpc::CallbackServerContext* ctx,
                                                   const v1::CompactRequest*,
                                                   v1::CompactResponse*) {
-  return Unary(ctx, "Compact", [&]() -> absl::Status {
-    RETURN_IF_ERROR(NvmeMaintenance([&] { return store_.CompactNvme(); }));
+  return NvmeMaintenance(ctx, "Compact", [this]() -> absl::Status {
+    RETURN_IF_ERROR(store_.CompactNvme());
     log_->info("compacted the NVMe tier");
     return absl::OkStatus();
   });

@@ -18,7 +18,6 @@
 
 #include "absl/container/flat_hash_set.h"
 #include "absl/functional/any_invocable.h"
-#include "absl/functional/function_ref.h"
 #include "absl/status/status.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
@@ -191,9 +190,12 @@ class KvDepotService final
                                         absl::string_view who);
 
  private:
-  // Runs a Verify or Compact of the NVMe tier, one at a time: Aborted when
-  // one runs already.
-  absl::Status NvmeMaintenance(absl::FunctionRef<absl::Status()> fn);
+  // Runs a Verify or Compact of the NVMe tier (`fn`) on maintenance_pool_,
+  // then finishes the call `op` with its status; one at a time: Aborted at
+  // once when one runs already.
+  grpc::ServerUnaryReactor* NvmeMaintenance(
+      grpc::CallbackServerContext* ctx, const char* op,
+      absl::AnyInvocable<absl::Status() &&> fn);
   // For calls that finish later (on another thread): records the call as
   // Finished(op) from now, and finishes `reactor` with the status.
   std::function<void(const absl::Status&)> Finisher(
@@ -293,8 +295,10 @@ class KvDepotService final
   std::atomic<size_t> active_calls_{0};
   std::atomic<bool> shutting_down_{false};
   // A Verify or Compact is running (one at a time: each reads or rewrites
-  // the whole NVMe tier, and holds a gRPC thread while it does).
+  // the whole NVMe tier, for minutes on a large one).
   std::atomic<bool> nvme_maintenance_{false};
+  // Where it runs: not on gRPC's threads, which every other call needs.
+  WorkPool maintenance_pool_{1, "kvd-nvme-maint"};
 
   absl::Mutex streams_mu_;
   absl::flat_hash_set<Stream*> streams_ ABSL_GUARDED_BY(streams_mu_);

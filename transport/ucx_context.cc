@@ -1,7 +1,12 @@
 #include "transport/ucx_context.h"
 
 #include <sys/mman.h>
+#ifndef KVDEPOT_UCX_CONFIG_TABLES
+#error "KVDEPOT_UCX_CONFIG_TABLES (0 or 1) comes from transport/CMakeLists.txt"
+#endif
+#if KVDEPOT_UCX_CONFIG_TABLES
 #include <ucs/config/parser.h>
+#endif
 #include <uct/api/uct.h>
 #include <unistd.h>
 
@@ -55,6 +60,32 @@ std::string UcxSettingName(std::string_view key) {
   return std::string(name);
 }
 
+absl::Status CheckUcxSettingByUcp(std::string_view key,
+                                  std::string_view value) {
+  ucp_config_t* config = nullptr;
+  ucs_status_t st = ucp_config_read(nullptr, nullptr, &config);
+  if (st != UCS_OK)
+    return transport_internal::UcsToStatus(st, "ucp_config_read");
+  const std::string name = UcxSettingName(key);
+  st = ucp_config_modify(config, name.c_str(), std::string(value).c_str());
+  ucp_config_release(config);
+  if (st != UCS_OK) {
+    return absl::InvalidArgumentError(absl::StrCat("UCX refuses ", name, "=",
+                                                   std::string(value), ": ",
+                                                   ucs_status_string(st)));
+  }
+  return absl::OkStatus();
+}
+
+bool UcxSettingsCheckedAgainstTables() {
+  return KVDEPOT_UCX_CONFIG_TABLES != 0;
+}
+
+#if !KVDEPOT_UCX_CONFIG_TABLES
+absl::Status CheckUcxSetting(std::string_view key, std::string_view value) {
+  return CheckUcxSettingByUcp(key, value);
+}
+#else
 absl::Status CheckUcxSetting(std::string_view key, std::string_view value) {
   // The transports' tables are UCX's modules': loaded (once) by listing
   // the components.
@@ -154,6 +185,7 @@ absl::Status CheckUcxSetting(std::string_view key, std::string_view value) {
   }
   return absl::OkStatus();
 }
+#endif  // KVDEPOT_UCX_CONFIG_TABLES
 
 std::optional<std::string> UcxConfigValue(
     const std::map<std::string, std::string>& config, std::string_view name) {

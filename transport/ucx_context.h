@@ -57,7 +57,20 @@ std::string UcxSettingName(std::string_view key);
 // table that has it refuses `value` (UCX turns the data plane, or that
 // transport, off). Not thread-safe with the first loading of UCX's
 // modules: call it before workers are made (Create calls it).
+//
+// That asks UCX's internal configuration API, whose signatures change
+// between releases: CMake enables it (KVDEPOT_UCX_CONFIG_TABLES) only where
+// the calls used compile and link (UCX 1.13, Debian 12's). Elsewhere the
+// check is CheckUcxSettingByUcp's, and a name no table has is found only
+// by UCX's own warning when workers are made.
 absl::Status CheckUcxSetting(std::string_view key, std::string_view value);
+// What UCX's public API checks of a setting: ucp_config_modify on a fresh
+// configuration. It refuses a bad value of UCP's or UCS's own settings;
+// every other name is taken (UCX keeps it for the transports).
+absl::Status CheckUcxSettingByUcp(std::string_view key, std::string_view value);
+// Whether CheckUcxSetting asks UCX's configuration tables (this build's UCX
+// has the internal API it uses) rather than CheckUcxSettingByUcp.
+bool UcxSettingsCheckedAgainstTables();
 // The value `config` (a UcxContextOptions::config) gives the setting UCX
 // calls `name` (of several keys that name it, the last in the map), or
 // nullopt: UCX_TLS, TLS and tls are all "TLS" here.

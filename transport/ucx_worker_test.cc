@@ -217,6 +217,16 @@ TEST_F(UcxWorkerTest, ContextRejectsBadSettings) {
 }
 
 TEST_F(UcxWorkerTest, SettingsAreCheckedAgainstUcxsOwnTables) {
+#if UCP_API_MAJOR == 1 && UCP_API_MINOR == 13 && \
+    KVDEPOT_UCX_CONFIG_TABLES_WANTED
+  // Debian 12's UCX: CMake's probe of the internal API must find it (unless
+  // the build turned it off).
+  ASSERT_TRUE(UcxSettingsCheckedAgainstTables());
+#endif
+  if (!UcxSettingsCheckedAgainstTables()) {
+    GTEST_SKIP() << "this UCX's configuration tables are not asked "
+                    "(CheckUcxSettingByUcp is tested instead)";
+  }
   // UCP's, UCS's and a transport's, its prefix dropped or not.
   for (const auto& [key, value] :
        std::vector<std::pair<std::string, std::string>>{
@@ -262,6 +272,23 @@ TEST_F(UcxWorkerTest, SettingsAreCheckedAgainstUcxsOwnTables) {
   EXPECT_EQ(context.status().code(), absl::StatusCode::kInvalidArgument);
   EXPECT_TRUE(absl::StrContains(context.status().message(), "SEG_SIZE_TX"))
       << context.status().message();
+}
+
+// The check builds without UCX's internal API fall back on: UCP's and UCS's
+// own settings are checked, every other name is taken.
+TEST_F(UcxWorkerTest, SettingsAreCheckedByUcpWhereTablesAreNot) {
+  for (const auto& [key, value] :
+       std::vector<std::pair<std::string, std::string>>{
+           {"TLS", "tcp"},
+           {"UCX_RNDV_THRESH", "64k"},
+           {"TCP_TX_SEG_SIZE", "512k"},
+           {"NO_SUCH_SETTING", "1"}}) {
+    EXPECT_TRUE(CheckUcxSettingByUcp(key, value).ok()) << key << "=" << value;
+  }
+  absl::Status st = CheckUcxSettingByUcp("RNDV_THRESH", "abc");
+  EXPECT_EQ(st.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_TRUE(absl::StrContains(st.message(), "RNDV_THRESH=abc"))
+      << st.message();
 }
 
 TEST_F(UcxWorkerTest, ContextKnowsItsTcpSegmentSizes) {
