@@ -45,6 +45,7 @@ TEST_F(ConfigFileTest, AppliesKnownKeys) {
                                  "max_batch_keys: 77\n"
                                  "session_lease: 10s\n"
                                  "hugepages: off\n"
+                                 "nvme_direct_reads: true\n"
                                  "low_watermark: 0.5\n"),
                            &c));
   EXPECT_EQ(c.listen, "0.0.0.0:6000");
@@ -52,6 +53,7 @@ TEST_F(ConfigFileTest, AppliesKnownKeys) {
   EXPECT_EQ(c.store.max_batch_keys, 77u);
   EXPECT_EQ(c.store.default_lease, absl::Seconds(10));
   EXPECT_EQ(c.store.hugepages, HugePageMode::kOff);
+  EXPECT_TRUE(c.store.nvme_direct_reads);
   EXPECT_EQ(c.store.low_watermark, 0.5);
   EXPECT_EQ(c.data_dir, "./kvdepot-data");  // untouched default
   EXPECT_OK(ValidateConfig(c));
@@ -109,6 +111,8 @@ TEST(ConfigFileTest2, ShippedExampleMatchesTheDefaults) {
   EXPECT_EQ(from_file.store.prefault_dram, defaults.store.prefault_dram);
   EXPECT_EQ(from_file.store.nvme_capacity, defaults.store.nvme_capacity);
   EXPECT_EQ(from_file.store.nvme_use_wal, defaults.store.nvme_use_wal);
+  EXPECT_EQ(from_file.store.nvme_direct_reads,
+            defaults.store.nvme_direct_reads);
   EXPECT_EQ(from_file.store.nvme_max_unflushed_age, defaults.store.nvme_max_unflushed_age);
   EXPECT_EQ(from_file.store.nvme_admit_min_reads, defaults.store.nvme_admit_min_reads);
   EXPECT_EQ(from_file.persist_on_shutdown, defaults.persist_on_shutdown);

@@ -123,11 +123,16 @@ rocksdb::IOStatus FaultInjectionFileSystem::NewRandomAccessFile(
     const std::string& fname, const rocksdb::FileOptions& options,
     std::unique_ptr<rocksdb::FSRandomAccessFile>* result,
     rocksdb::IODebugContext* dbg) {
+  if (options.use_direct_reads && refuse_direct_reads_.load()) {
+    return rocksdb::IOStatus::InvalidArgument(
+        "While open a file for random read: " + fname + ": Invalid argument");
+  }
   std::unique_ptr<rocksdb::FSRandomAccessFile> file;
   rocksdb::IOStatus s = target()->NewRandomAccessFile(fname, options, &file,
                                                       dbg);
   if (!s.ok()) return s;
   if (IsBlobFile(fname)) {
+    if (options.use_direct_reads) direct_blob_opens_.fetch_add(1);
     *result = std::make_unique<BlobReadCountingFile>(std::move(file), this);
   } else {
     *result = std::move(file);

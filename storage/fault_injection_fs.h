@@ -47,6 +47,11 @@ class FaultInjectionFileSystem : public rocksdb::FileSystemWrapper {
   // Read calls on blob files since construction.
   uint64_t blob_reads() const { return blob_reads_.load(); }
   void CountBlobRead() { blob_reads_.fetch_add(1); }
+  // Blob files opened for direct reads (FileOptions::use_direct_reads).
+  uint64_t direct_blob_opens() const { return direct_blob_opens_.load(); }
+  // While true, opening a file for direct reads fails with InvalidArgument,
+  // as open(O_DIRECT) does (EINVAL) on a file system without it.
+  void SetRefuseDirectReads(bool refuse) { refuse_direct_reads_.store(refuse); }
 
   // While true, creating a table or blob file (what a flush or compaction
   // writes) waits until it is false again: a test holds a flush mid-way.
@@ -98,6 +103,8 @@ class FaultInjectionFileSystem : public rocksdb::FileSystemWrapper {
   std::atomic<bool> disk_full_{false};
   std::atomic<uint64_t> injected_errors_{0};
   std::atomic<uint64_t> blob_reads_{0};
+  std::atomic<uint64_t> direct_blob_opens_{0};
+  std::atomic<bool> refuse_direct_reads_{false};
 };
 
 }  // namespace kvdepot

@@ -511,6 +511,37 @@ class NvmeTierImpl final : public NvmeTier {
 // ---------------------------------------------------------------------------
 // Open, close.
 
+namespace {
+
+// RocksDB opens a file for direct reads only when it first reads it, so on
+// a file system that refuses O_DIRECT (tmpfs before Linux 6.6, some FUSE
+// and network file systems) the tier would open and then fail every read.
+// Asked once, through `env` as RocksDB would, on a probe file in `dir`.
+absl::Status CheckDirectReads(rocksdb::Env* env, const std::string& dir) {
+  const std::string probe = dir + "/DIRECT_READ_PROBE";
+  std::unique_ptr<rocksdb::WritableFile> file;
+  RETURN_IF_ERROR(
+      FromRocksStatus(env->NewWritableFile(probe, &file, rocksdb::EnvOptions()),
+                      absl::StrCat("NVMe tier: cannot create ", probe)));
+  file->Close().PermitUncheckedError();
+  file.reset();
+  rocksdb::EnvOptions direct;
+  direct.use_direct_reads = true;
+  std::unique_ptr<rocksdb::RandomAccessFile> reader;
+  const rocksdb::Status st = env->NewRandomAccessFile(probe, &reader, direct);
+  reader.reset();
+  env->DeleteFile(probe).PermitUncheckedError();
+  if (!st.ok()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("NVMe tier: the file system of ", dir,
+                     " does not take direct reads (O_DIRECT: ", st.ToString(),
+                     "); turn nvme_direct_reads off"));
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace
+
 absl::Status NvmeTierImpl::Init() {
   rocksdb::Env* env = Env();
 
@@ -540,6 +571,8 @@ absl::Status NvmeTierImpl::Init() {
       absl::StrCat("NVMe tier: cannot create directory ", options_.path)));
   db_options.info_log =
       std::make_shared<RocksInfoLog>(options_.path + "/LOG", size_t{16} << 20);
+  if (options_.direct_reads)
+    RETURN_IF_ERROR(CheckDirectReads(env, options_.path));
   db_options.use_direct_reads = options_.direct_reads;
   db_options.use_direct_io_for_flush_and_compaction = options_.direct_writes;
   if (options_.direct_writes) db_options.writable_file_max_buffer_size = 8 << 20;

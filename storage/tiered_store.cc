@@ -2298,6 +2298,7 @@ absl::StatusOr<std::unique_ptr<TieredStore>> NewTieredStore(
     o.max_block_bytes = std::min<uint64_t>(options.max_block_bytes, o.capacity_bytes);
     o.use_wal = options.nvme_use_wal;
     o.max_unflushed_age = options.nvme_max_unflushed_age;
+    o.direct_reads = options.nvme_direct_reads;
     o.write_buffer_size = options.nvme_write_buffer_size;
     o.env = options.nvme_env;
     ASSIGN_OR_RETURN(nvme, OpenNvmeTier(o, clock));

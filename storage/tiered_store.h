@@ -97,6 +97,8 @@ struct StoreOptions {
   // Without the WAL, blocks demoted to NVMe reach its files (survive a
   // crash) within about this long (NvmeTierOptions::max_unflushed_age).
   absl::Duration nvme_max_unflushed_age = absl::Seconds(5);
+  // Read NVMe blocks with O_DIRECT (NvmeTierOptions::direct_reads).
+  bool nvme_direct_reads = false;
   // Admission: 0 writes every block leaving DRAM to NVMe; N > 0 only those
   // looked up at least N times while in DRAM (spares flash endurance).
   uint32_t nvme_admit_min_reads = 0;

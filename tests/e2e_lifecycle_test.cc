@@ -930,6 +930,51 @@ TEST(LifecycleTest, RestartServesWhatWasPersistedToNvme) {
   EXPECT_EQ(st->integrity_errors(), 0u);
 }
 
+// nvme_direct_reads: a restarted daemon reads its NVMe blocks with O_DIRECT
+// and serves them byte for byte (the tier's own test proves the files are
+// opened so).
+TEST(LifecycleTest, NvmeDirectReadsServeWhatWasPersisted) {
+  auto d = DaemonProcess::Start(
+      {"--dram-capacity", "64MiB", "--nvme-capacity", "256MiB"});
+  ASSERT_OK(d);
+  const std::string data_dir = (*d)->data_dir();
+  std::vector<std::string> keys, blocks;
+  auto writer = Connect((*d)->address());
+  for (int i = 0; i < 8; ++i) {
+    keys.push_back("direct-" + std::to_string(i));
+    blocks.push_back(
+        std::string(200000 + 4097 * i, static_cast<char>('a' + i)));
+    BlockToPut b{keys.back(), i ? absl::string_view(keys[i - 1]) : "",
+                 blocks.back()};
+    ASSERT_OK(writer->Put("ns", {&b, 1}));
+  }
+  writer.reset();
+  auto rc = (*d)->Stop(SIGTERM);
+  ASSERT_OK(rc);
+  ASSERT_EQ(*rc, 0);
+
+  const std::string config = data_dir + "/direct-reads.yaml";
+  std::ofstream(config) << "nvme_direct_reads: true\n";
+  auto again = DaemonProcess::Start({"--config", config, "--dram-capacity",
+                                     "64MiB", "--nvme-capacity", "256MiB"},
+                                    data_dir);
+  ASSERT_OK(again);
+  EXPECT_NE((*again)->Log().find("holding 8 blocks (O_DIRECT reads"),
+            std::string::npos)
+      << (*again)->Log();
+  auto client = Connect((*again)->address());
+  std::vector<absl::string_view> views(keys.begin(), keys.end());
+  auto got = client->Get("ns", views);
+  ASSERT_OK(got);
+  ASSERT_EQ(got->size(), keys.size());
+  for (size_t i = 0; i < keys.size(); ++i)
+    EXPECT_EQ((*got)[i].bytes, blocks[i]) << i;
+  auto st = client->Stats();
+  ASSERT_OK(st);
+  EXPECT_EQ(st->promotions(), 8u);
+  EXPECT_EQ(st->integrity_errors(), 0u);
+}
+
 TEST(LifecycleTest, MetricsEndpointServesPrometheusText) {
   auto d = DaemonProcess::Start();
   ASSERT_OK(d);
