@@ -264,12 +264,13 @@ void StatusPage::TakeSample() {
 }
 
 // /status.json:
-//   health            "SERVING", or "NOT_SERVING" until gRPC is up and while
-//   draining to stop accepting_puts    false while an admin drain (kvdepotctl
-//   drain) holds version, commit   of this build; uptime_seconds window_seconds
-//   what the "last minute" figures span (less at start) tiers.{dram,nvme}
-//   used_bytes, capacity_bytes, blocks hit_ratio, prefix_hit_ratio
-//   {last_minute, since_start}: keys found /
+//   health            "SERVING"; "NOT_SERVING" before gRPC is up, and
+//                     while draining to stop
+//   accepting_puts    false while an admin drain (kvdepotctl drain) holds
+//   version, commit   of this build; uptime_seconds
+//   window_seconds    what the "last minute" figures span (less at start)
+//   tiers.{dram,nvme} used_bytes, capacity_bytes, blocks
+//   hit_ratio, prefix_hit_ratio   {last_minute, since_start}: keys found /
 //                     keys looked up (prefix: leading keys found / keys asked
 //                     by prefix lookups); null with no lookups
 //   lookup_keys       {last_minute, since_start}

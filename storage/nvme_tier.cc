@@ -2,8 +2,10 @@
 
 #include <algorithm>
 #include <atomic>
+#include <cstdlib>
 #include <cstring>
 #include <limits>
+#include <memory>
 #include <optional>
 #include <thread>
 #include <utility>
@@ -12,6 +14,7 @@
 #include "absl/container/flat_hash_map.h"
 #include "absl/container/flat_hash_set.h"
 #include "absl/container/node_hash_map.h"
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/clock.h"
@@ -516,28 +519,55 @@ namespace {
 // RocksDB opens a file for direct reads only when it first reads it, so on
 // a file system that refuses O_DIRECT (tmpfs before Linux 6.6, some FUSE
 // and network file systems) the tier would open and then fail every read.
-// Asked once, through `env` as RocksDB would, on a probe file in `dir`.
+// Asked once, through `env` as RocksDB would: a 4 KiB probe file in `dir`
+// written, then read back with direct reads into an aligned buffer. A
+// refusal (EINVAL, which RocksDB reports as an I/O error saying "Invalid
+// argument") is InvalidArgument, the setting's fault; other failures keep
+// their own code (FromRocksStatus).
 absl::Status CheckDirectReads(rocksdb::Env* env, const std::string& dir) {
   const std::string probe = dir + "/DIRECT_READ_PROBE";
-  std::unique_ptr<rocksdb::WritableFile> file;
-  RETURN_IF_ERROR(
-      FromRocksStatus(env->NewWritableFile(probe, &file, rocksdb::EnvOptions()),
-                      absl::StrCat("NVMe tier: cannot create ", probe)));
-  file->Close().PermitUncheckedError();
-  file.reset();
+  constexpr size_t kProbeBytes = 4096;
+  const std::string bytes(kProbeBytes, 'k');
+  {
+    std::unique_ptr<rocksdb::WritableFile> file;
+    RETURN_IF_ERROR(FromRocksStatus(
+        env->NewWritableFile(probe, &file, rocksdb::EnvOptions()),
+        absl::StrCat("NVMe tier: cannot create ", probe)));
+    rocksdb::Status st = file->Append(bytes);
+    if (st.ok()) st = file->Close();
+    if (!st.ok()) {
+      env->DeleteFile(probe).PermitUncheckedError();
+      return FromRocksStatus(st,
+                             absl::StrCat("NVMe tier: cannot write ", probe));
+    }
+  }
   rocksdb::EnvOptions direct;
   direct.use_direct_reads = true;
   std::unique_ptr<rocksdb::RandomAccessFile> reader;
-  const rocksdb::Status st = env->NewRandomAccessFile(probe, &reader, direct);
+  rocksdb::Status st = env->NewRandomAccessFile(probe, &reader, direct);
+  bool same = false;
+  if (st.ok()) {
+    const size_t align =
+        std::max<size_t>(reader->GetRequiredBufferAlignment(), 512);
+    std::unique_ptr<char, decltype(&std::free)> buf(
+        static_cast<char*>(std::aligned_alloc(align, kProbeBytes)), &std::free);
+    rocksdb::Slice got;
+    st = reader->Read(0, kProbeBytes, &got, buf.get());
+    same = st.ok() && got == rocksdb::Slice(bytes);
+  }
   reader.reset();
   env->DeleteFile(probe).PermitUncheckedError();
-  if (!st.ok()) {
+  const bool refused = st.IsInvalidArgument() || st.IsNotSupported() ||
+                       absl::StrContains(st.ToString(), "Invalid argument") ||
+                       (st.ok() && !same);
+  if (refused) {
     return absl::InvalidArgumentError(
         absl::StrCat("NVMe tier: the file system of ", dir,
-                     " does not take direct reads (O_DIRECT: ", st.ToString(),
+                     " does not take direct reads (O_DIRECT: ",
+                     st.ok() ? "a probe read back other bytes" : st.ToString(),
                      "); turn nvme_direct_reads off"));
   }
-  return absl::OkStatus();
+  return FromRocksStatus(st, absl::StrCat("NVMe tier: direct read of ", probe));
 }
 
 }  // namespace

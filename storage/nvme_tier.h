@@ -116,8 +116,8 @@ struct NvmeTierOptions {
   int max_background_jobs = 8;
   // Read blocks with O_DIRECT: no page-cache copy (less CPU per block, and
   // the page cache is left to the system), at the price of no read-ahead.
-  // Measured (tools/results/compare_fio_2026-12-07.txt): about the same
-  // GB/s as buffered reads from a cold cache, and a 5-6x lower p99. Open
+  // Measured (tools/results/compare_fio_2026-12-07.txt): about 0.8x the
+  // GB/s of buffered reads from a cold cache, and a 5.5-6x lower p99. Open
   // fails (InvalidArgument) when path's file system refuses O_DIRECT:
   // otherwise every read would fail later.
   bool direct_reads = false;

@@ -31,6 +31,7 @@
 #include "storage/internal/sync_point.h"
 #include "tests/daemon_process.h"
 #include "tests/status_matchers.h"
+#include "tests/test_dir.h"
 
 namespace kvdepot {
 namespace {
@@ -938,6 +939,9 @@ TEST(LifecycleTest, NvmeDirectReadsServeWhatWasPersisted) {
       {"--dram-capacity", "64MiB", "--nvme-capacity", "256MiB"});
   ASSERT_OK(d);
   const std::string data_dir = (*d)->data_dir();
+  if (!testing::DirectIoWorks(data_dir)) {
+    GTEST_SKIP() << "the file system of " << data_dir << " refuses O_DIRECT";
+  }
   std::vector<std::string> keys, blocks;
   auto writer = Connect((*d)->address());
   for (int i = 0; i < 8; ++i) {

@@ -2,7 +2,9 @@
 #ifndef KVDEPOT_TESTS_TEST_DIR_H_
 #define KVDEPOT_TESTS_TEST_DIR_H_
 
+#include <fcntl.h>
 #include <gtest/gtest.h>
+#include <unistd.h>
 
 #include <filesystem>
 #include <string>
@@ -19,6 +21,17 @@ inline std::string FreshTestDir(const std::string& prefix, bool create = true) {
   std::filesystem::remove_all(dir);
   if (create) std::filesystem::create_directories(dir);
   return dir;
+}
+
+// Whether the file system of directory `dir` (which must exist) takes
+// open(O_DIRECT): tmpfs before Linux 6.6 and some FUSE and network file
+// systems refuse it (EINVAL). Tests of direct I/O skip where it does not.
+inline bool DirectIoWorks(const std::string& dir) {
+  const std::string probe = dir + "/.direct-io-test";
+  const int fd = ::open(probe.c_str(), O_RDWR | O_CREAT | O_DIRECT, 0600);
+  if (fd >= 0) ::close(fd);
+  ::unlink(probe.c_str());
+  return fd >= 0;
 }
 
 }  // namespace kvdepot::testing

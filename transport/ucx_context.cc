@@ -14,6 +14,7 @@
 #include <cerrno>
 #include <cstddef>
 #include <cstdint>
+#include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <filesystem>
@@ -60,6 +61,30 @@ std::string UcxSettingName(std::string_view key) {
   return std::string(name);
 }
 
+namespace {
+
+// The names of UCP's own settings, as ucp_config_print (public API) lists
+// them: "UCX_SEG_SIZE=8K" lines.
+std::vector<std::string> UcpOwnSettingNames(const ucp_config_t* config) {
+  std::vector<std::string> names;
+  char* text = nullptr;
+  size_t size = 0;
+  FILE* out = open_memstream(&text, &size);
+  if (out == nullptr) return names;
+  ucp_config_print(config, out, nullptr, UCS_CONFIG_PRINT_CONFIG);
+  std::fclose(out);
+  for (absl::string_view line :
+       absl::StrSplit(absl::string_view(text, size), '\n')) {
+    if (!absl::ConsumePrefix(&line, "UCX_")) continue;
+    const size_t eq = line.find('=');
+    if (eq != absl::string_view::npos) names.emplace_back(line.substr(0, eq));
+  }
+  std::free(text);
+  return names;
+}
+
+}  // namespace
+
 absl::Status CheckUcxSettingByUcp(std::string_view key,
                                   std::string_view value) {
   ucp_config_t* config = nullptr;
@@ -67,6 +92,24 @@ absl::Status CheckUcxSettingByUcp(std::string_view key,
   if (st != UCS_OK)
     return transport_internal::UcsToStatus(st, "ucp_config_read");
   const std::string name = UcxSettingName(key);
+  // A transport's setting whose prefix, dropped, leaves one of UCP's own
+  // (POSIX_SEG_SIZE: UCP's memory pool) would change UCP's instead.
+  std::string_view bare = key;
+  if (bare.substr(0, 4) == "UCX_") bare.remove_prefix(4);
+  const bool dropped = bare.size() != name.size();
+  if (dropped) {
+    const std::vector<std::string> own = UcpOwnSettingNames(config);
+    if (std::find(own.begin(), own.end(), name) != own.end()) {
+      ucp_config_release(config);
+      return absl::InvalidArgumentError(
+          absl::StrCat("with its prefix ",
+                       std::string(bare.substr(0, bare.size() - name.size())),
+                       " dropped (kvdepot drops it, as UCX 1.13 wants) it "
+                       "names UCX's own setting ",
+                       name, " (UCX_", name,
+                       "), which UCX would change instead of the transport's"));
+    }
+  }
   st = ucp_config_modify(config, name.c_str(), std::string(value).c_str());
   ucp_config_release(config);
   if (st != UCS_OK) {
@@ -77,8 +120,38 @@ absl::Status CheckUcxSettingByUcp(std::string_view key,
   return absl::OkStatus();
 }
 
+#if KVDEPOT_UCX_CONFIG_TABLES
+namespace {
+
+// UCX's registered configuration tables hold UCP's ("UCP context"): the
+// table names CheckUcxSetting relies on are this release's. Checked once.
+bool UcxTablesAsExpected() {
+  static const bool expected = [] {
+    for (ucs_list_link_t* at = ucs_config_global_list.next;
+         at != &ucs_config_global_list; at = at->next) {
+      const auto* table =
+          reinterpret_cast<const ucs_config_global_list_entry_t*>(
+              reinterpret_cast<const char*>(at) -
+              offsetof(ucs_config_global_list_entry_t, list));
+      if (table->name != nullptr &&
+          std::string_view(table->name) == "UCP context") {
+        return true;
+      }
+    }
+    return false;
+  }();
+  return expected;
+}
+
+}  // namespace
+#endif
+
 bool UcxSettingsCheckedAgainstTables() {
-  return KVDEPOT_UCX_CONFIG_TABLES != 0;
+#if KVDEPOT_UCX_CONFIG_TABLES
+  return UcxTablesAsExpected();
+#else
+  return false;
+#endif
 }
 
 #if !KVDEPOT_UCX_CONFIG_TABLES
@@ -87,6 +160,9 @@ absl::Status CheckUcxSetting(std::string_view key, std::string_view value) {
 }
 #else
 absl::Status CheckUcxSetting(std::string_view key, std::string_view value) {
+  // Tables named otherwise than UCX 1.13's: the answers below would be
+  // misread.
+  if (!UcxTablesAsExpected()) return CheckUcxSettingByUcp(key, value);
   // The transports' tables are UCX's modules': loaded (once) by listing
   // the components.
   static const bool loaded = [] {

@@ -289,6 +289,12 @@ TEST_F(UcxWorkerTest, SettingsAreCheckedByUcpWhereTablesAreNot) {
   EXPECT_EQ(st.code(), absl::StatusCode::kInvalidArgument);
   EXPECT_TRUE(absl::StrContains(st.message(), "RNDV_THRESH=abc"))
       << st.message();
+  // A transport prefix that, dropped, leaves UCP's own setting (its memory
+  // pool's SEG_SIZE), found by UCP's printed configuration.
+  st = CheckUcxSettingByUcp("POSIX_SEG_SIZE", "16k");
+  EXPECT_EQ(st.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_TRUE(absl::StrContains(st.message(), "UCX's own setting SEG_SIZE"))
+      << st.message();
 }
 
 TEST_F(UcxWorkerTest, ContextKnowsItsTcpSegmentSizes) {
