@@ -346,6 +346,18 @@ TEST_F(NvmeTierTest, DirectReadsOnAFileSystemWithoutThemFailOpen) {
   Open();
   ASSERT_OK(Put(Key(1), Bytes(1, 64 * kKiB)));
   EXPECT_TRUE(ReadsBack(Key(1), Bytes(1, 64 * kKiB)));
+  Close();
+
+  // On a full disk no probe file can be written: the tier's own CURRENT is
+  // read instead, so the refusal is still found as such.
+  fault_fs_->SetDiskFull(true);
+  options_.direct_reads = true;
+  tier = OpenNvmeTier(options_, &clock_);
+  EXPECT_THAT(tier.status(), StatusIs(Code::kInvalidArgument));
+  EXPECT_THAT(std::string(tier.status().message()),
+              HasSubstr("nvme_direct_reads"));
+  EXPECT_THAT(std::string(tier.status().message()), HasSubstr("CURRENT"));
+  fault_fs_->SetDiskFull(false);
 }
 
 TEST_F(NvmeTierTest, KeysAreEncodedUnambiguouslyPerNamespace) {
