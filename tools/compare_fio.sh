@@ -28,7 +28,10 @@
 # under 0.9 device bytes per byte returned (page-cache hits) makes the read
 # ratios against it INVALID and the script exit 1. Each side's figure is its
 # BEST round (highest GB/s); every round is kept in the JSON, with the bytes
-# the block device read and wrote during it.
+# the block device read and wrote during it. The ratios to fio are also
+# given round by round ("round by round", JSON ratios_by_round): on a disk
+# whose speed swings between rounds, best against best can compare a fast
+# round of one side with a slow round of the other.
 #
 # The kvdepotd (demotion) row stops its clock when the demoted blocks are
 # durable: after demotion stops, kvdepotd is stopped (SIGTERM,
@@ -596,6 +599,17 @@ for w in ("write", "read"):
         ratios[f"{w}_kvdepot_over_{base}"] = ratio(w, "kvdepot", base)
         ratios[f"{w}_kvdepot_over_{base}_mean"] = ratio(w, "kvdepot", base, "mean_gb_per_sec")
 
+# Round by round (the sides of a round run one after the other): a disk
+# whose speed swings between rounds makes best-against-best mislead.
+def per_round(w, a, b):
+    ra = {r["round"]: r["gb_per_sec"] for r in runs if r["side"] == a and r["workload"] == w}
+    rb = {r["round"]: r["gb_per_sec"] for r in runs if r["side"] == b and r["workload"] == w}
+    return [round(ra[k] / rb[k], 4) for k in sorted(ra) if rb.get(k)]
+ratios_by_round = {}
+for w, a in (("write", "kvdepot"), ("read", "kvdepot"), ("write", "kvdepotd")):
+    if a in sides and "fio" in sides and not (w == "read" and (a in from_memory or "fio" in from_memory)):
+        ratios_by_round[f"{w}_{a}_over_fio"] = per_round(w, a, "fio")
+
 # Issue 3's targets (best rounds).
 targets = []
 def target(name, value, goal, read_sides=()):
@@ -649,6 +663,7 @@ report = {
     "gb": "1e9 bytes",
     "results": results,
     "ratios": ratios,
+    "ratios_by_round": ratios_by_round,
     "issue3_targets": targets,
     "disk_usage_after_fill": sizes,
 }
@@ -693,6 +708,10 @@ print(f"read:  fio 256 KiB randread direct qd16 | tier Read x{threads} threads"
 print("p50/p99: fio per I/O (clat), tier per call, db_bench per op; dev bytes/byte: device "
       "bytes moved per block byte (read: <1 means page-cache hits, >1 extra reads such as "
       "compaction); dev GB/s: device bytes / run time (best round; whole device)")
+if ratios_by_round:
+    print("round by round (same round): " + "; ".join(
+        f"{k.replace('_over_', '/').replace('_', ' ', 1)} " + " ".join(f"{v:.2f}" for v in vs)
+        for k, vs in ratios_by_round.items()))
 for t in targets:
     state = "-" if t["met"] is None else ("met" if t["met"] else "NOT met")
     if t.get("invalid"):
