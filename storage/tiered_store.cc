@@ -817,7 +817,7 @@ class TieredStoreImpl final : public TieredStore {
       admin_evictions_dram_.fetch_add(1, std::memory_order_relaxed);
       ++result.evicted_blocks;
       result.evicted_bytes += e->size;
-      FreeEntry(std::move(e), /*lru=*/false);
+      FreeEntry(std::move(e), /*count_eviction=*/false);
     };
     // A copy on NVMe goes too (blocks are never pinned there). Returns
     // whether there was one; `count` when the block was not already counted
@@ -1255,7 +1255,7 @@ class TieredStoreImpl final : public TieredStore {
             "cached blocks, or puts and promotions in flight); unpin or raise "
             "the quota"));
       }
-      FreeEntry(std::move(e), /*lru=*/true);
+      FreeEntry(std::move(e), /*count_eviction=*/true);
       charged = info.charged.load();
     }
   }
@@ -1734,15 +1734,16 @@ class TieredStoreImpl final : public TieredStore {
     }
   }
 
-  // Frees a block removed from the index; `lru` counts it as an eviction.
-  void FreeEntry(std::unique_ptr<BlockEntry> e, bool lru) {
+  // Frees a block removed from the index; `count_eviction` counts it as an
+  // eviction (dram_corrupt_evictions_ for one marked corrupt, else evictions_).
+  void FreeEntry(std::unique_ptr<BlockEntry> e, bool count_eviction) {
     // The block keeps its namespace (counted in `blocks`) until the last
     // use of `info` here: once no block is left, the namespace may be
     // reclaimed (ReclaimNamespaces).
     NamespaceInfo* info = NamespaceById(e->ns_id);
     arena_->Free(e->data_offset());
     arena_->Free(e->key_offset());
-    if (lru) {
+    if (count_eviction) {
       // One found corrupt (never served since) that leaves as any other.
       ((e->flags & BlockEntry::kCorrupt) ? dram_corrupt_evictions_ : evictions_)
           .fetch_add(1, std::memory_order_relaxed);
@@ -1762,14 +1763,14 @@ class TieredStoreImpl final : public TieredStore {
     if (!demote || nvme_ == nullptr) {
       std::unique_ptr<BlockEntry> e = index_.PopOldestEvictable();
       if (!e) return false;
-      FreeEntry(std::move(e), /*lru=*/true);
+      FreeEntry(std::move(e), /*count_eviction=*/true);
       return true;
     }
     std::optional<BlockIndex::Demotion> d = index_.BeginDemotion();
     if (!d) return false;
     Demote(*d);
     std::unique_ptr<BlockEntry> e = index_.EndDemotion(d->entry);
-    if (e) FreeEntry(std::move(e), /*lru=*/true);
+    if (e) FreeEntry(std::move(e), /*count_eviction=*/true);
     absl::MutexLock lock(&demote_mu_);
     ++demotions_ended_;
     return true;
@@ -2140,16 +2141,16 @@ class TieredStoreImpl final : public TieredStore {
   }
 
   // Removes `e`, marked corrupt and pinned by the caller, and frees it
-  // (counted as a corrupt eviction), when the caller's pin is its only one
-  // and it is not being demoted; false (the caller's pin stays) otherwise.
+  // (FreeEntry counts a marked entry as a corrupt eviction), when the
+  // caller's pin is its only one and it is not being demoted; false (the
+  // caller's pin stays) otherwise.
   bool DropMarked(BlockEntry* e) {
     std::unique_ptr<BlockEntry> removed;
     if (index_.RemovePinned(e, &removed) !=
         BlockIndex::RemoveOutcome::kRemoved) {
       return false;
     }
-    dram_corrupt_evictions_.fetch_add(1, std::memory_order_relaxed);
-    FreeEntry(std::move(removed), /*lru=*/false);
+    FreeEntry(std::move(removed), /*count_eviction=*/true);
     return true;
   }
 

@@ -73,6 +73,9 @@ class DaemonMaintenanceTest : public ::testing::Test {
   }
 
   void TearDown() override {
+    // A test that failed before releasing its held scan still ends it.
+    if (verify_.joinable()) ReleaseHeldVerify();
+    hold_.reset();
     client_.reset();
     daemon_.reset();
   }
@@ -88,9 +91,11 @@ class DaemonMaintenanceTest : public ::testing::Test {
     return (stub_.get()->*method)(&ctx, Req(), resp);
   }
 
-  // Holds the first scanned block of the next Verify until `release_`.
-  std::unique_ptr<internal::SyncPointCallback> HoldTheScan() {
-    return std::make_unique<internal::SyncPointCallback>(
+  // Starts a Verify on another thread (its answer in verified_ and
+  // verified_resp_ once verify_ is joined) whose scan is held at its first
+  // block until release_; true once it is held there.
+  bool StartHeldVerify() {
+    hold_ = std::make_unique<internal::SyncPointCallback>(
         "NvmeTier::Verify:Scanned", [this](void*) {
           if (held_.fetch_add(1) != 0) return;
           char name[16] = {};
@@ -99,11 +104,25 @@ class DaemonMaintenanceTest : public ::testing::Test {
           scanning_.Notify();
           release_.WaitForNotificationWithTimeout(absl::Seconds(60));
         });
+    verify_ = std::thread([this] {
+      verified_ = Call(&v1::KvDepot::Stub::Verify, &verified_resp_, 60);
+    });
+    return scanning_.WaitForNotificationWithTimeout(absl::Seconds(30));
+  }
+
+  // Lets the held scan go on, and waits for the Verify's answer.
+  void ReleaseHeldVerify() {
+    if (!release_.HasBeenNotified()) release_.Notify();
+    verify_.join();
   }
 
   std::unique_ptr<Daemon> daemon_;
   std::unique_ptr<Client> client_;
   std::unique_ptr<v1::KvDepot::Stub> stub_;
+  std::unique_ptr<internal::SyncPointCallback> hold_;
+  std::thread verify_;
+  grpc::Status verified_;
+  v1::VerifyResponse verified_resp_;
   std::atomic<int> held_{0};
   std::string scan_thread_;  // the held scan's thread's name
   absl::Notification scanning_;
@@ -111,12 +130,7 @@ class DaemonMaintenanceTest : public ::testing::Test {
 };
 
 TEST_F(DaemonMaintenanceTest, AVerifyRunsAloneWhileOtherCallsAreServed) {
-  auto hold = HoldTheScan();
-  grpc::Status first;
-  v1::VerifyResponse first_resp;
-  std::thread verify(
-      [&] { first = Call(&v1::KvDepot::Stub::Verify, &first_resp, 60); });
-  ASSERT_TRUE(scanning_.WaitForNotificationWithTimeout(absl::Seconds(30)));
+  ASSERT_TRUE(StartHeldVerify());
   // On the daemon's maintenance thread, not one of gRPC's (which other
   // calls need; the calls below would pass either way, gRPC having more).
   EXPECT_EQ(scan_thread_, "kvd-nvme-maint");
@@ -136,22 +150,16 @@ TEST_F(DaemonMaintenanceTest, AVerifyRunsAloneWhileOtherCallsAreServed) {
   EXPECT_EQ(Call(&v1::KvDepot::Stub::Compact, &compact).error_code(),
             grpc::StatusCode::ABORTED);
 
-  release_.Notify();
-  verify.join();
-  EXPECT_TRUE(first.ok()) << first.error_message();
-  EXPECT_EQ(first_resp.blocks_checked(), uint64_t{kBlocks});
-  EXPECT_EQ(first_resp.corrupt_dropped(), 0u);
+  ReleaseHeldVerify();
+  EXPECT_TRUE(verified_.ok()) << verified_.error_message();
+  EXPECT_EQ(verified_resp_.blocks_checked(), uint64_t{kBlocks});
+  EXPECT_EQ(verified_resp_.corrupt_dropped(), 0u);
   // Its end frees the slot.
   EXPECT_TRUE(Call(&v1::KvDepot::Stub::Compact, &compact, 60).ok());
 }
 
 TEST_F(DaemonMaintenanceTest, AShutdownCutsARunningVerifyShort) {
-  auto hold = HoldTheScan();
-  grpc::Status verified;
-  v1::VerifyResponse resp;
-  std::thread verify(
-      [&] { verified = Call(&v1::KvDepot::Stub::Verify, &resp, 60); });
-  ASSERT_TRUE(scanning_.WaitForNotificationWithTimeout(absl::Seconds(30)));
+  ASSERT_TRUE(StartHeldVerify());
 
   std::thread shutdown([&] { daemon_->Shutdown(); });
   // Draining (NOT_SERVING) comes just before the scan is told to stop.
@@ -160,12 +168,11 @@ TEST_F(DaemonMaintenanceTest, AShutdownCutsARunningVerifyShort) {
   }
   EXPECT_FALSE(client_->Health().ok());
   absl::SleepFor(absl::Milliseconds(500));
-  release_.Notify();
-  verify.join();
+  ReleaseHeldVerify();
   shutdown.join();
-  EXPECT_EQ(verified.error_code(), grpc::StatusCode::CANCELLED)
-      << verified.error_message();
-  EXPECT_LT(resp.blocks_checked(), uint64_t{kBlocks});
+  EXPECT_EQ(verified_.error_code(), grpc::StatusCode::CANCELLED)
+      << verified_.error_message();
+  EXPECT_LT(verified_resp_.blocks_checked(), uint64_t{kBlocks});
 }
 
 }  // namespace
