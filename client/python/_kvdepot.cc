@@ -286,6 +286,29 @@ void CheckNoOverlap(const std::vector<Memory>& memories, const char* what) {
   }
 }
 
+// Raises ValueError when one of `objects` shares a byte with one of
+// `caches`: a gather would write an object over the cache it reads, a
+// scatter read an object out of a cache it writes, a load stage a block in
+// the cache it scatters into. Caches may share bytes with each other (a
+// model whose layers share one KV cache, vLLM's KV sharing, passes that
+// tensor for each of them). O(objects x caches): one cache per layer.
+void CheckObjectsApartFromCaches(const std::vector<Memory>& objects,
+                                 const std::vector<Memory>& caches) {
+  for (size_t i = 0; i < objects.size(); ++i) {
+    const auto start = reinterpret_cast<uintptr_t>(objects[i].data);
+    const uintptr_t end = start + objects[i].size;
+    for (size_t c = 0; c < caches.size(); ++c) {
+      const auto cache_start = reinterpret_cast<uintptr_t>(caches[c].data);
+      if (objects[i].size > 0 && start < cache_start + caches[c].size &&
+          cache_start < end) {
+        throw py::value_error(absl::StrCat(
+            "INVALID_ARGUMENT: objects[", i, "] overlaps caches[", c,
+            "]; a block's object needs memory apart from the caches"));
+      }
+    }
+  }
+}
+
 // Python bytes keys, kept alive as std::string while the GIL is released.
 std::vector<std::string> Keys(const std::vector<py::bytes>& keys) {
   std::vector<std::string> out;
@@ -417,8 +440,10 @@ bool WaitReleased(std::optional<double> timeout, WaitUntil wait_until) {
 // whose UCX completion callback runs on a gRPC thread.
 //
 // Lifetime: those references are dropped only once the op is ready --
-// when wait(), ready() or a result accessor first sees it ready, or, for an
-// op dropped while still in flight, by the destructor, which first waits for
+// the memory objects when wait(), ready() or a result accessor first sees
+// it ready, the client by wait() or the destructor (dropping it may close
+// the session, an RPC, which ready() must not wait for) -- or, for an op
+// dropped while still in flight, by the destructor, which first waits for
 // the batch with the GIL released. The wait is bounded by the client's RPC
 // deadline (timeout_s). The transfer never needs the GIL to finish, so the
 // wait cannot deadlock on it.
@@ -450,7 +475,7 @@ class PyTransferOp {
 
   bool Ready() {
     if (!op_->IsReady()) return false;
-    Settle();
+    Settle(/*drop_client=*/false);
     return true;
   }
 
@@ -515,23 +540,25 @@ class PyTransferOp {
           "() before the transfer is ready; call wait() (or poll ready()) "
           "first"));
     }
-    Settle();
+    Settle(/*drop_client=*/false);
   }
 
-  // Drops the references the batch needed. REQUIRES: the GIL, and the op
-  // ready (or never started). The client goes with the GIL released (its
-  // destructor closes the session); the memory objects after it, moved out
-  // first because releasing them may run Python code that calls back here.
-  void Settle() {
-    if (client_ == nullptr && memory_.empty()) return;
-    std::shared_ptr<Client> client = std::move(client_);
-    client_ = nullptr;
+  // Drops the references the batch needed: the memory objects, and with
+  // `drop_client` the client. REQUIRES: the GIL, and the op ready (or never
+  // started). The client goes with the GIL released: when the op holds its
+  // last reference (close() was called meanwhile), its destructor closes
+  // the session, an RPC of up to the client's timeout, so ready() and the
+  // result accessors, which never block, leave it to wait() and the
+  // destructor. The memory objects go after it, moved out first because
+  // releasing them may run Python code that calls back here.
+  void Settle(bool drop_client = true) {
     std::vector<Memory> memory = std::move(memory_);
     memory_.clear();
-    {
-      py::gil_scoped_release release;
-      client.reset();
-    }
+    if (!drop_client || client_ == nullptr) return;
+    std::shared_ptr<Client> client = std::move(client_);
+    client_ = nullptr;
+    py::gil_scoped_release release;
+    client.reset();
   }
 
   std::optional<TransferOp> op_;  // set by Start before Python sees it
@@ -927,7 +954,8 @@ class CacheLoadState {
 // everything it uses: the cache tensors' and staging objects' Python objects
 // (with their buffer-protocol exports), the native client, and the loader
 // thread. They go once the load is seen done (wait(), ready(),
-// wait_for_layer() or a result accessor; the thread is joined then). A
+// wait_for_layer() or a result accessor; the thread is joined then), the
+// client by wait() or the destructor only (see Settle). A
 // CacheLoad dropped before that cancels the load -- no further layer is
 // scattered -- and its destructor waits, with the GIL released, until the
 // batches in flight are ready and the loader has ended, so no memory is
@@ -946,13 +974,12 @@ class PyCacheLoad {
 
   // REQUIRES: the GIL (pybind11 destroys instances holding it).
   ~PyCacheLoad() {
-    if (settled_) return;
-    state_->Cancel();
-    {
+    if (!settled_) {
+      state_->Cancel();
       py::gil_scoped_release release;
       state_->WaitDone(absl::InfiniteFuture());
     }
-    Settle();
+    Settle();  // the client too, without the GIL
   }
 
   PyCacheLoad(const PyCacheLoad&) = delete;
@@ -975,7 +1002,7 @@ class PyCacheLoad {
 
   bool Ready() {
     if (!state_->done()) return false;
-    Settle();
+    Settle(/*drop_client=*/false);
     return true;
   }
 
@@ -994,7 +1021,7 @@ class PyCacheLoad {
     });
     const bool ready = state_->ready_layers() > layer;
     if (state_->done()) {
-      Settle();
+      Settle(/*drop_client=*/false);
       absl::Status failure = state_->failure();
       if (!ready && !failure.ok()) Raise(failure);
     }
@@ -1042,26 +1069,30 @@ class PyCacheLoad {
           "FAILED_PRECONDITION: CacheLoad.", what,
           "() before the load is done; call wait() (or poll ready()) first"));
     }
-    Settle();
+    Settle(/*drop_client=*/false);
   }
 
-  // Joins the loader and drops the references the load needed. REQUIRES:
-  // the GIL, and the state done. The join does not wait: a done loader only
-  // returns. The client goes with the GIL released (its destructor closes
-  // the session); the memory objects after it, moved out first because
-  // releasing them may run Python code that calls back here.
-  void Settle() {
-    if (settled_) return;
-    settled_ = true;
-    if (thread_.joinable()) thread_.join();
+  // Joins the loader and drops the references the load needed: the memory
+  // objects, and with `drop_client` the client. REQUIRES: the GIL, and the
+  // state done. The join does not wait: a done loader only returns. The
+  // client goes with the GIL released, and only from wait() and the
+  // destructor: as PyTransferOp::Settle, its last reference closes the
+  // session (an RPC), and ready(), wait_for_layer() and the result
+  // accessors do not block on it. The memory objects go after it, moved out
+  // first because releasing them may run Python code that calls back here.
+  void Settle(bool drop_client = true) {
+    std::vector<Memory> memory;
+    if (!settled_) {
+      settled_ = true;
+      if (thread_.joinable()) thread_.join();
+      memory = std::move(memory_);
+      memory_.clear();
+    }
+    if (!drop_client || client_ == nullptr) return;
     std::shared_ptr<Client> client = std::move(client_);
     client_ = nullptr;
-    std::vector<Memory> memory = std::move(memory_);
-    memory_.clear();
-    {
-      py::gil_scoped_release release;
-      client.reset();
-    }
+    py::gil_scoped_release release;
+    client.reset();
   }
 
   // Held until settled; then null and empty.
@@ -1364,6 +1395,7 @@ class PyClient {
     }
     std::vector<Memory> obj = GetMemories(objects, /*writable=*/true, "objects");
     CheckNoOverlap(obj, "objects");
+    CheckObjectsApartFromCaches(obj, memory);
     std::vector<char*> dst;
     dst.reserve(n);
     for (size_t i = 0; i < n; ++i) {
@@ -1404,6 +1436,9 @@ class PyClient {
   // or a view of it lives, past close() too (which closes the session all
   // the same), and goes back to the system when the last of them goes.
   py::array AllocateBuffer(size_t size) {
+    // Taken while the GIL is held: a close() on another thread while the
+    // allocation runs clears native_, and the memory must not go with it.
+    std::shared_ptr<Client> native = native_;
     absl::Span<char> bytes =
         Check(Released([&](Client& client) { return client.AllocateBuffer(size); }));
     // Every view of the array (numpy slices, memoryviews, the objects an op
@@ -1414,7 +1449,7 @@ class PyClient {
       std::shared_ptr<Client> client;
       absl::Span<char> bytes;
     };
-    auto* owner = new Allocated{native_, bytes};
+    auto* owner = new Allocated{std::move(native), bytes};
     py::capsule keep(owner, [](void* p) {
       auto* allocated = static_cast<Allocated*>(p);
       WithoutGil([allocated] {
@@ -1532,6 +1567,7 @@ void PyGather(const KvLayout& layout, const py::sequence& caches,
       GetMemories(caches, /*writable=*/false, "caches", /*with_shape=*/true);
   std::vector<Memory> obj_mem = GetMemories(objects, /*writable=*/true, "objects");
   CheckNoOverlap(obj_mem, "objects");
+  CheckObjectsApartFromCaches(obj_mem, cache_mem);
   KvCacheView view = CacheView(layout, cache_mem);
   LayerRange range = Layers(layout, layers);
   CheckObjectSizes(layout, range, obj_mem);
@@ -1551,6 +1587,7 @@ void PyScatter(const KvLayout& layout, const py::sequence& caches,
   std::vector<Memory> cache_mem =
       GetMemories(caches, /*writable=*/true, "caches", /*with_shape=*/true);
   std::vector<Memory> obj_mem = GetMemories(objects, /*writable=*/false, "objects");
+  CheckObjectsApartFromCaches(obj_mem, cache_mem);
   KvCacheView view = CacheView(layout, cache_mem);
   LayerRange range = Layers(layout, layers);
   CheckObjectSizes(layout, range, obj_mem);

@@ -475,6 +475,10 @@ class KvCacheStore:
         self._pool: Any = None  # the memory of _buffers
         # The last load_async's handle, until its staging buffers are free.
         self._pending: Optional["weakref.ReferenceType[LoadHandle]"] = None
+        # Transfers whose wait an exception cut short (KeyboardInterrupt, a
+        # watchdog's signal): a save's puts, still reading staging buffers,
+        # or a device load's gets, still writing them, until waited for.
+        self._unfinished: List[TransferOp] = []
         # Device caches: the KvShim that gathers/scatters them (None: pick
         # by the caches' device), and _pool's registrations with shims.
         self._forced_shim = shim
@@ -550,10 +554,18 @@ class KvCacheStore:
         for op in ops:
             _raise_block_error(op.errors(), ignore)
 
+    def _wait_unfinished(self) -> None:
+        """Waits for the transfers in _unfinished, dropping each once it is
+        ready (another interruption leaves the rest listed)."""
+        while self._unfinished:
+            self._unfinished[0].wait()
+            self._unfinished.pop(0)
+
     def _wait_pending(self) -> None:
-        """Waits for the load in flight, if any, so that its staging buffers
-        are free; its results stay with its handle. (A handle that was
-        dropped waited for itself.)"""
+        """Waits for the load or the interrupted save in flight, if any, so
+        that its staging buffers are free; a load's results stay with its
+        handle. (A handle that was dropped waited for itself.)"""
+        self._wait_unfinished()
         handle = self._pending() if self._pending is not None else None
         if handle is not None:
             handle._finish()
@@ -635,8 +647,12 @@ class KvCacheStore:
                     parents[lo:hi] if parents is not None else None,
                 )))
         finally:
-            for _, op in ops:  # no staging buffer is in flight past here
-                op.wait()
+            # No staging buffer is in flight past here. Should a wait be cut
+            # short (KeyboardInterrupt, a watchdog's exception), the puts
+            # left stay listed, and the next save or load waits for them
+            # before it reuses the buffers they read.
+            self._unfinished.extend(op for _, op in ops)
+            self._wait_unfinished()
         self._raise_first([op for _, op in ops])
         return [not op.already_stored(i)
                 for _, op in ops for i in range(len(op))]
@@ -710,7 +726,8 @@ class KvCacheStore:
             load = DeviceLoad(self.client, self.namespace, list(keys), buffers,
                               self.layout, shim, caches, list(block_ids),
                               batch_sizes, lambda: self._stream_of(caches),
-                              keep=self._registration(shim))
+                              keep=self._registration(shim),
+                              unfinished=self._unfinished)
         handle = LoadHandle(load, self.layout.num_layers, len(keys))
         self._pending = weakref.ref(handle)
         return handle

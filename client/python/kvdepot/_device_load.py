@@ -81,6 +81,7 @@ class DeviceLoad:
         batch_sizes: Sequence[int],
         stream_fn: Callable[[], Optional[int]],
         keep: Any = None,
+        unfinished: Optional[List[Any]] = None,
     ) -> None:
         if sum(batch_sizes) != len(keys):
             raise ValueError(
@@ -124,8 +125,15 @@ class DeviceLoad:
                     ns, list(keys[lo:lo + n]), self._objects[lo:lo + n])))
                 lo += n
         except BaseException:
-            for _, op in self._ops:  # no staging buffer is in flight past here
-                op.wait()
+            # No staging buffer is in flight past here. Should a wait be cut
+            # short (a second KeyboardInterrupt), the gets left stay in
+            # `unfinished` (the store's), which the store waits for before
+            # it reuses the buffers they write.
+            left = unfinished if unfinished is not None else []
+            left.extend(op for _, op in self._ops)
+            while left:
+                left[0].wait()
+                left.pop(0)
             raise
 
     def __len__(self) -> int:

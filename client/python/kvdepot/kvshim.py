@@ -32,8 +32,9 @@ Example (inside the package)::
     from kvdepot.kvshim import KvShim
     shim = KvShim.for_device("cuda")            # libkvdepot_kv_cuda.so beside this file
     shim.register_host(staging)                 # once: e.g. client.allocate_buffer memory
-    shim.gather(layout, kv_caches, block_ids, objects)   # on torch's current stream
-    shim.synchronize()                          # before the objects are read
+    stream = torch.cuda.current_stream(kv_caches[0].device)
+    shim.gather(layout, kv_caches, block_ids, objects, stream=stream)
+    shim.synchronize(stream)                    # before the objects are read
 
 Errors raise like the rest of the package, the message starting with the
 status code name: ``ValueError`` (INVALID_ARGUMENT, OUT_OF_RANGE),
@@ -499,6 +500,19 @@ def _check_no_overlap(memories: Sequence[_Memory], what: str) -> None:
             raise ValueError(f"INVALID_ARGUMENT: {what}[{second}] overlaps {what}[{first}]")
 
 
+def _check_objects_apart(objects: Sequence[_Memory], caches: Sequence[_Memory]) -> None:
+    """ValueError naming an object that shares bytes with a cache tensor
+    (see _kvdepot's CheckObjectsApartFromCaches): a gather would write it
+    over the cache it reads, a scatter read it from a cache it writes.
+    Caches may share bytes with each other (layers that share one KV
+    cache). Device and host pointers share one address space (UVA)."""
+    for i, o in enumerate(objects):
+        for c, m in enumerate(caches):
+            if o.nbytes and o.ptr < m.ptr + m.nbytes and m.ptr < o.ptr + o.nbytes:
+                raise ValueError(f"INVALID_ARGUMENT: objects[{i}] overlaps caches[{c}]; "
+                                 "a block's object needs memory apart from the caches")
+
+
 class KvShim:
     """One loaded C ABI library (``libkvdepot_kv_cpu.so`` or
     ``libkvdepot_kv_cuda.so``).
@@ -728,6 +742,7 @@ class KvShim:
             raise ValueError(f"INVALID_ARGUMENT: {len(ids)} block ids but {len(obj_mem)} "
                              f"objects; there must be one per block")
         device_index = self._check_devices(cache_mem, obj_mem)
+        _check_objects_apart(obj_mem, cache_mem)
         tensors = (ctypes.c_void_p * len(cache_mem))(*[m.ptr for m in cache_mem])
         ptrs = (ctypes.c_void_p * len(obj_mem))(*[m.ptr for m in obj_mem])
         fn = self._lib.kvdepot_kv_scatter if to_cache else self._lib.kvdepot_kv_gather
@@ -863,10 +878,13 @@ class KvShim:
 
     def synchronize(self, stream: Any = None) -> None:
         """Waits for the work on ``stream`` (default: torch's current
-        stream where torch is loaded, else the legacy default stream; a
-        ``torch.cuda.Stream`` is waited for on its own device);
-        raises the device's error if any of it failed. Returns at once in
-        the cpu library."""
+        stream of the *current* device where torch is loaded, else the
+        legacy default stream; a ``torch.cuda.Stream`` is waited for on its
+        own device); raises the device's error if any of it failed. Returns
+        at once in the cpu library. A gather or scatter without a stream
+        runs on the current stream of the *caches'* device: for caches on
+        another device than the current one, the default waits on another
+        stream, so pass the stream (as the module's example does)."""
         handle = None
         device = None
         if self.backend == "cuda":

@@ -382,6 +382,26 @@ class BufferChecksTest(DaemonTestCase):
         kvdepot.gather(layout, [cache], [1, 0], apart)
         kvdepot.gather(layout, [cache], [1, 0], [objs[:16], objs[16:]])  # adjacent
         self.assertEqual(objs.tobytes(), apart[0].tobytes() + apart[1].tobytes())
+        # Nor may an object lie in a cache: a gather would write over what
+        # it reads, a scatter read what it writes, a load stage a block in
+        # the cache it scatters into (it used to, silently).
+        before = cache.copy()
+        with self.assertRaisesRegex(ValueError, r"objects\[1\] overlaps caches\[0\]"):
+            kvdepot.gather(layout, [cache], [0, 1], [apart[0], cache[8:24]])
+        with self.assertRaisesRegex(ValueError, r"objects\[0\] overlaps caches\[0\]"):
+            kvdepot.scatter(layout, [cache], [1], [cache[:16]])
+        with self.assertRaisesRegex(ValueError, r"objects\[0\] overlaps caches\[0\]"):
+            c.load_into_cache_async(NS, [key(3)], [cache[16:]], layout, [cache], [0])
+        np.testing.assert_array_equal(cache, before)
+        # Caches may share bytes: a model whose layers share one KV cache
+        # tensor (vLLM's KV sharing) passes it for each of them.
+        two = kvdepot.KvLayout.mha(kvdepot.KvCacheLayout.FLASH_ATTN_NHD, 2, 1, 1, 4,
+                                   kvdepot.KvDtype.FLOAT16)
+        shared = np.zeros(two.tensor_bytes(2), np.uint8)
+        objs2 = np.zeros(2 * two.object_bytes, np.uint8)
+        kvdepot.scatter(two, [shared, shared], [1], [objs2[:two.object_bytes]])
+        kvdepot.gather(two, [shared, shared], [1], [objs2[two.object_bytes:]])
+        self.assertFalse(objs2.any())
 
 
 class UcxDataPlaneTest(DaemonTestCase):
@@ -448,6 +468,31 @@ class UcxDataPlaneTest(DaemonTestCase):
         with self.assertRaises(RuntimeError):
             self.client.register_buffer(np.zeros(16, dtype=np.uint8))
 
+
+    def test_allocate_buffer_racing_close_keeps_its_memory(self):
+        # close() on another thread while allocate_buffer runs (the GIL
+        # released): the array must still be backed, and dropping it must
+        # free it through a live client. The allocation was taking the
+        # client after its own end, and close() had destroyed it: the
+        # array's memory was unmapped (SIGSEGV on a write) and dropping the
+        # array called a null client. In a child process, which may crash.
+        child = (
+            "import sys, threading, time\n"
+            "import kvdepot\n"
+            "c = kvdepot.Client(sys.argv[1], timeout_s=10)\n"
+            "c.health()\n"
+            "got = {}\n"
+            "t = threading.Thread(target=lambda: got.setdefault('a', c.allocate_buffer(256 << 20)))\n"
+            "t.start(); time.sleep(0.05); c.close(); t.join()\n"
+            "a = got.pop('a')\n"
+            "a[:] = 7\n"
+            "assert int(a[::4096].sum()) == 7 * (a.size // 4096)\n"
+            "del a\n"
+            "print('ok', flush=True)\n")
+        for _ in range(3):
+            r = subprocess.run([sys.executable, "-c", child, self.daemon.address],
+                               capture_output=True, text=True, timeout=120)
+            self.assertEqual((r.returncode, r.stdout.strip()), (0, "ok"), r.stderr[-2000:])
 
     def test_close_ends_the_session_while_allocated_memory_lives(self):
         c = self.client
@@ -905,6 +950,37 @@ class AsyncTransferTest(StoppableDaemonTestCase):
                 c.get_into(NS, keys, [out[i * size:(i + 1) * size] for i in range(n)]),
                 [True] * n)
         np.testing.assert_array_equal(out, expected)
+
+    def test_ready_and_results_do_not_wait_for_the_session_to_close(self):
+        # An op that holds the client's last reference once close() ran:
+        # dropping that reference closes the session, an RPC. ready() and
+        # the result accessors (which never block) used to make it, and
+        # waited up to timeout_s for a daemon that does not answer; they
+        # leave it to wait() (or the op's end) now.
+        keys, blocks = self.stored(0, 1)
+        dst = np.zeros(self.SIZE, np.uint8)  # not registered: the gRPC path
+        op = self.client.get_into_async(NS, keys, [dst])
+        while "in flight" in repr(op):  # repr() does not settle the op
+            time.sleep(0.01)
+        self.client.close()
+        self.stop_daemon()
+        seen = {}
+
+        def poll():
+            seen["ready"] = op.ready()
+            seen["ok"] = op.ok() if seen["ready"] else None
+
+        t = threading.Thread(target=poll)
+        t.start()
+        # Without the daemon, a CloseSession waits out its deadline: 2 s.
+        t.join(timeout=1)
+        stuck = t.is_alive()
+        self.continue_daemon_after(0)
+        t.join()
+        self.assertFalse(stuck, "ready() waited for the daemon")
+        self.assertEqual(seen, {"ready": True, "ok": [True]})
+        np.testing.assert_array_equal(dst, blocks[0])
+        self.assertIs(op.wait(), True)  # drops the client: the session closes
 
     def test_op_outlives_close_of_its_client(self):
         # Registered numpy memory does not hold the client (allocate_buffer
@@ -1523,6 +1599,40 @@ class LoadAsyncTest(StoppableDaemonTestCase):
         self.assertTrue(third.done)
         self.assertEqual(third.wait(), [True] * 4)
         self.assertEqual(store.load(dst, [0, 1], [b"s4", b"s5"]), [True, True])
+        self.assert_layers(dst, src, part, [(0, 4), (1, 5)], self.L)
+
+    def test_a_save_cut_short_leaves_no_put_reading_reused_staging(self):
+        # A save's wait cut short by an exception (a watchdog's signal
+        # here) left its put in flight, reading the staging buffer that the
+        # next save gathered other blocks into: the first key was stored
+        # with the second block's bytes (and their checksum). The next call
+        # waits for such puts first now.
+        store, src, keys, dst, layout, part = self.nhd("cut-short", batches=1)
+
+        class Watchdog(Exception):
+            pass
+
+        def on_alarm(*_):
+            raise Watchdog()
+
+        self.addCleanup(signal.signal, signal.SIGALRM,
+                        signal.signal(signal.SIGALRM, on_alarm))
+        self.addCleanup(signal.setitimer, signal.ITIMER_REAL, 0)
+        self.stop_daemon()
+        self.continue_daemon_after(1.0)
+        signal.setitimer(signal.ITIMER_REAL, 0.3)
+        cut_short = None
+        try:
+            store.save(src, [4], [b"cut"])  # its put is in flight at 0.3 s
+        except Watchdog as e:
+            # Kept, as a caller handling it would: its traceback keeps the
+            # save's frame, and so its op, alive (dropping the op would
+            # wait for it).
+            cut_short = e
+        self.assertIsNotNone(cut_short)
+        self.assertEqual(store.save(src, [5], [b"next"]), [True])
+        del cut_short
+        self.assertEqual(store.load(dst, [0, 1], [b"cut", b"next"]), [True, True])
         self.assert_layers(dst, src, part, [(0, 4), (1, 5)], self.L)
 
     def test_dropping_a_handle_waits_for_its_batches(self):

@@ -378,6 +378,21 @@ class ErrorTest(ShimTestCase):
         self.assertTrue((big == 0x77).all())
         self.shim.gather(self.layout, self.caches, [1, 2], [big[:ob], big[ob:]])  # adjacent
 
+    def test_objects_must_lie_apart_from_the_caches(self):
+        # Bug: an object inside a cache tensor was taken, and a gather wrote
+        # it over the cache it read, a scatter read it from a cache it wrote.
+        flat = self.caches[1].reshape(-1).view(np.uint8)
+        inside = [flat[:self.layout.object_bytes], self.objects[1]]
+        self.before[1] = self.caches[1].copy()
+        self.assert_rejected(ValueError, r"objects\[0\] overlaps caches\[1\]",
+                             objects=inside)
+        # Caches may share bytes (layers sharing one KV cache tensor).
+        shared = [self.caches[0]] * len(self.caches)
+        self.shim.gather(self.layout, shared, [1, 2], self.objects)
+        want = filled(2, self.layout.object_bytes, 0)
+        kvdepot.gather(self.layout, shared, [1, 2], want)
+        self.assertEqual([bytes(o) for o in self.objects], [bytes(w) for w in want])
+
     def test_buffers_of_floats_must_have_the_layouts_dtype(self):
         # Bug: an array.array of float32 passed as a bf16 cache (its elements
         # were taken as bytes).
