@@ -74,6 +74,26 @@ constexpr absl::Duration kRetiredLinkGrace = absl::Seconds(30);
 constexpr size_t kMaxRememberedPins = 1 << 16;
 // Pins Client::ReleaseOwnPin owes the daemon (see owed_unpins_).
 constexpr size_t kMaxOwedUnpins = 1 << 12;
+// The least time between two sessions dropped for having registered as
+// many buffers as the daemon allows (Client::RegisterInSession).
+constexpr absl::Duration kBufferRotationGap = absl::Minutes(1);
+
+// Whether a gRPC call that ended with `st` may have ended without the
+// daemon's answer: the daemon may have run it, or may still run it (a
+// PushBlocks / PullBlocks; a pinning Lookup, whose pin id is then lost).
+bool MaybeUnanswered(const absl::Status& st) {
+  switch (st.code()) {
+    case absl::StatusCode::kDeadlineExceeded:
+    case absl::StatusCode::kUnavailable:
+    case absl::StatusCode::kCancelled:
+    case absl::StatusCode::kAborted:
+    case absl::StatusCode::kUnknown:
+    case absl::StatusCode::kInternal:
+      return true;
+    default:
+      return false;
+  }
+}
 
 // An unpin that needs no retry: released, or gone with its session (or a
 // pin the daemon never knew). Anything else (the daemon unreachable) may be
@@ -974,24 +994,29 @@ void Client::KeepAliveLoop() {
     if (!st.ok()) NoteRpc(st);
     mu_.Lock();
     keepalive_ctx_ = nullptr;
-    // The daemon forgot the session (restart or expiry): drop it; the next
-    // call that needs one opens a new one.
+    // The daemon forgot the session (restart or expiry): drop it, with its
+    // UCX requests (DropSession: their replies will not come, and a
+    // request ending late must not take the next session's link down with
+    // it); the next call that needs one opens a new one.
     if (st.error_code() == grpc::StatusCode::NOT_FOUND && session_id_ == id) {
-      session_id_ = 0;
+      mu_.Unlock();
+      DropSession(id);
+      mu_.Lock();
     }
-    if (st.ok()) RetryOwedUnpins();
+    if (st.ok()) RetryOwedUnpins(absl::Now() + period / 2);
   }
 }
 
-void Client::RetryOwedUnpins() {
+void Client::RetryOwedUnpins(absl::Time deadline) {
   std::vector<std::pair<uint64_t, uint64_t>> owed;
   owed.swap(owed_unpins_);
   owes_unpins_.store(false, std::memory_order_relaxed);
   // The keep-alive thread must not miss a lease for these: each call gets a
   // second, and the round ends at the first that fails (the daemon is
-  // unreachable again; the rest wait for the next round).
+  // unreachable again) or at `deadline` (a daemon that answers slowly);
+  // the rest wait for the next round.
   size_t done = 0;
-  for (; done < owed.size() && !stop_; ++done) {
+  for (; done < owed.size() && !stop_ && absl::Now() < deadline; ++done) {
     const auto [pin, session] = owed[done];
     mu_.Unlock();
     const absl::Status st = UnpinRpc(session, pin, absl::Seconds(1));
@@ -1027,11 +1052,20 @@ absl::StatusOr<LookupReply> Client::Lookup(absl::string_view ns,
     PrepareContext(&ctx);
     resp.Clear();
     grpc::Status st = stub_->Lookup(&ctx, req, &resp);
+    // Tests stand in for an answer lost on its way (the daemon ran the
+    // call) by setting an error.
+    internal::TestSyncPoint("Client::LookupAnswered", &st);
     if (pin && attempt == 0 && st.error_code() == grpc::StatusCode::NOT_FOUND) {
-      absl::MutexLock lock(&mu_);
-      if (session_id_ == sid) session_id_ = 0;
+      DropSession(sid);
       continue;
     }
+    // A pinning lookup that ended without its answer (deadline, lost
+    // connection) may have pinned the blocks all the same, under a pin id
+    // this client never learns and so never unpins: left in a session kept
+    // alive, such pins would hold their blocks for good and, piling up,
+    // reach the session's pin limit. So the session is dropped: no longer
+    // kept alive, its lease ends its pins; the next call opens another.
+    if (pin && MaybeUnanswered(FromGrpcStatus(st))) DropSession(sid);
     RETURN_IF_ERROR(FromRpc(st));
     if (resp.pin_id() != 0) RememberPin(resp.pin_id(), sid);
     break;
@@ -1711,22 +1745,6 @@ bool AnyInPlace(const std::vector<bool>& in_place) {
   return std::find(in_place.begin(), in_place.end(), true) != in_place.end();
 }
 
-// Whether a gRPC call of PushBlocks / PullBlocks that ended with `st` may
-// have ended without the daemon's answer (the daemon may still run it).
-bool MaybeUnanswered(const absl::Status& st) {
-  switch (st.code()) {
-    case absl::StatusCode::kDeadlineExceeded:
-    case absl::StatusCode::kUnavailable:
-    case absl::StatusCode::kCancelled:
-    case absl::StatusCode::kAborted:
-    case absl::StatusCode::kUnknown:
-    case absl::StatusCode::kInternal:
-      return true;
-    default:
-      return false;
-  }
-}
-
 // The buffers (`buffers`: block i lies in buffers[i]) that a transfer of an
 // op may still reach after the op ended with `st` (`answered`: the daemon's
 // reply; when OK, with the per-block outcomes `blocks`): those of the blocks
@@ -1932,7 +1950,27 @@ absl::Status Client::RegisterInSession(
   // NOT_FOUND: the session is gone. UNAVAILABLE from a daemon that does
   // answer: its side of the session's UCX endpoint failed or is stopping;
   // the next call opens a new session rather than fail on this one.
-  if (SessionGone(failed) || (absl::IsUnavailable(failed) && !*unreachable)) {
+  // RESOURCE_EXHAUSTED: the session has registered as many buffers as the
+  // daemon allows (max_buffers_per_session). The daemon keeps a buffer
+  // registered (and a co-located one mapped) for the session's life, freed
+  // ones too, so a client that allocates and frees buffers (a staging pool
+  // that grows) gets there, and every new buffer then took the gRPC path
+  // for good. A new session starts with none: drop this one (its lease
+  // ends it, with what it holds) -- at most once a minute, so that a client
+  // using more buffers at once than that does not open session after
+  // session.
+  bool rotate = false;
+  if (absl::IsResourceExhausted(failed)) {
+    absl::MutexLock lock(&mu_);
+    const absl::Time now = absl::Now();
+    if (session_id_ == session &&
+        now - buffers_rotated_at_ >= kBufferRotationGap) {
+      buffers_rotated_at_ = now;
+      rotate = true;
+    }
+  }
+  if (rotate || SessionGone(failed) ||
+      (absl::IsUnavailable(failed) && !*unreachable)) {
     DropSession(session);
   }
   return failed;
@@ -2056,7 +2094,10 @@ TransferOp Client::GetIntoAsyncImpl(absl::string_view ns,
   // the daemon copies itself, once it copies no more (PublishAfter): the
   // caller owns the buffers again when the op is ready.
   Link* link = target->link.get();
-  if (link->requests != nullptr && link->requests->Serves(session)) {
+  // A request over kMaxRequestPayload (a batch of very many long keys)
+  // would be refused over UCX: it goes as a gRPC call.
+  if (link->requests != nullptr && link->requests->Serves(session) &&
+      req.ByteSizeLong() <= kMaxRequestPayload) {
     // Over UCX: the reply comes on the progress thread; blocks to hash are
     // checked by a waiting caller, or on the verify pool. `link` outlives
     // its requests' callbacks.
@@ -2184,7 +2225,9 @@ TransferOp Client::PutFromAsync(absl::string_view ns,
   // a put that ended without its answer is ready only once the daemon
   // copies no more of them (PublishAfter).
   UcxRequests* requests = target->link->requests.get();
-  if (requests != nullptr && requests->Serves(session)) {
+  // As for gets: a request over kMaxRequestPayload goes as a gRPC call.
+  if (requests != nullptr && requests->Serves(session) &&
+      req.ByteSizeLong() <= kMaxRequestPayload) {
     auto done = [this, state, session, in_place = target->in_place,
                  buffers = target->buffers, copy_deadline,
                  timers = timers_](const absl::Status& reply, absl::string_view body) {

@@ -236,7 +236,11 @@ class Client {
   absl::Status CloseSession();
 
   // Looks up `keys`; see LookupRequest in the .proto. With `pin`, a session
-  // is opened if needed; release the pin with Unpin.
+  // is opened if needed; release the pin with Unpin. A pinning lookup that
+  // ends without the daemon's answer (DEADLINE_EXCEEDED, UNAVAILABLE...)
+  // may have pinned its blocks under an id this client never learns: the
+  // session is then dropped (no longer kept alive, its lease ends those
+  // pins) and the next call opens another.
   absl::StatusOr<LookupReply> Lookup(absl::string_view ns,
                                      absl::Span<const absl::string_view> keys,
                                      bool prefix, bool pin);
@@ -504,7 +508,7 @@ class Client {
   void ReleaseOwnPin(uint64_t pin_id);
   // The keep-alive thread's retry of owed_unpins_ (REQUIRES mu_, released
   // during the RPCs).
-  void RetryOwedUnpins() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void RetryOwedUnpins(absl::Time deadline) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Tells the daemon (ReportCorrupt) that the blocks {key, checksum} of
   // `ns` this client received did not match their checksums, without
   // waiting for its answer (see internal::CorruptReports).
@@ -593,6 +597,9 @@ class Client {
   // once the daemon is unreachable for longer than a lease).
   std::vector<std::pair<uint64_t, uint64_t>> owed_unpins_ ABSL_GUARDED_BY(mu_);
   absl::Duration lease_ ABSL_GUARDED_BY(mu_) = absl::Seconds(30);
+  // When a session was last dropped for having registered as many buffers
+  // as the daemon allows (RegisterInSession).
+  absl::Time buffers_rotated_at_ ABSL_GUARDED_BY(mu_) = absl::InfinitePast();
   bool stop_ ABSL_GUARDED_BY(mu_) = false;
   // The keep-alive RPC in flight, cancelled by the destructor.
   grpc::ClientContext* keepalive_ctx_ ABSL_GUARDED_BY(mu_) = nullptr;

@@ -612,6 +612,52 @@ TEST(LifecycleTest, AGetWhoseUnpinFailedReleasesItsPinLater) {
   EXPECT_EQ(*again, *sid);  // released by the client, not by an expiry
 }
 
+// A pinning lookup whose answer is lost (a deadline, a connection reset
+// after the daemon answered; stood in for by a sync point) leaves a pin
+// the client never learns the id of. The client used to keep that session
+// alive, so the pin held its block for the client's whole life (and such
+// pins, piling up, reach the session's pin limit). It drops the session
+// now: its lease ends the pin, and the next call opens another session.
+TEST(LifecycleTest, APinningLookupWhoseAnswerIsLostLeavesNoPinForGood) {
+  auto d = DaemonProcess::Start({"--session-lease", "1s"});
+  ASSERT_OK(d);
+  ClientOptions o;
+  o.server = (*d)->address();
+  o.transport = ClientOptions::Transport::kGrpc;
+  auto client = std::move(Client::Connect(o)).value();
+  BlockToPut b{"k", "", "bytes"};
+  ASSERT_OK(client->Put("ns", {&b, 1}));
+  auto sid = client->EnsureSession();
+  ASSERT_OK(sid);
+  absl::string_view k = "k";
+  {
+    internal::SyncPointCallback lost("Client::LookupAnswered", [](void* arg) {
+      *static_cast<grpc::Status*>(arg) =
+          grpc::Status(grpc::StatusCode::DEADLINE_EXCEEDED, "answer lost");
+    });
+    auto r = client->Lookup("ns", {&k, 1}, false, /*pin=*/true);
+    EXPECT_TRUE(absl::IsDeadlineExceeded(r.status())) << r.status();
+  }
+  auto st = client->Stats();
+  ASSERT_OK(st);
+  EXPECT_EQ(st->pins(), 1u);  // the daemon did pin it
+  // The client keeps calling (and keeping its sessions alive) meanwhile.
+  bool released = false;
+  for (int i = 0; i < 100 && !released; ++i) {
+    absl::SleepFor(absl::Milliseconds(100));
+    auto again = client->Lookup("ns", {&k, 1}, false, /*pin=*/true);
+    ASSERT_OK(again);
+    ASSERT_OK(client->Unpin(again->pin_id));
+    st = client->Stats();
+    released = st.ok() && st->pins() == 0;
+  }
+  EXPECT_TRUE(released);
+  auto now = client->EnsureSession();
+  ASSERT_OK(now);
+  EXPECT_NE(*now, *sid);
+  ASSERT_OK(client->Evict("ns", {&k, 1}, false));
+}
+
 TEST(LifecycleTest, ClientReopensItsSessionAfterADaemonRestart) {
   auto d = DaemonProcess::Start({"--dram-capacity", "64MiB"});
   ASSERT_OK(d);

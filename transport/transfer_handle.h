@@ -70,7 +70,9 @@ class TransferHandle {
   // when its bytes arrived (Get) or reached the peer's memory (Put);
   // InvalidArgument when it was refused before reaching UCX;
   // DeadlineExceeded when the batch's deadline passed first; Unavailable
-  // when the endpoint failed (the peer is gone) or was already failed;
+  // when the endpoint failed (the peer is gone) or was already failed, or
+  // when UCX failed the transfer itself (any other UCS error: its bytes
+  // may have moved in part);
   // ResourceExhausted when the worker's queue was full; Cancelled when the
   // endpoint or worker was closed under it.
   const absl::Status& status(size_t i) const;

@@ -6,6 +6,27 @@
 
 namespace kvdepot::transport_internal {
 
+namespace {
+
+// The status of a transfer UCX took and then failed: one that says its
+// bytes may have moved in part, or may still move (transfer_handle.h:
+// Unavailable, DeadlineExceeded or Cancelled), whatever UCS code it ended
+// with. A fragment of an emulated put may have landed, a shared-memory
+// write be queued; libkvdepot fences its worker before it hands back the
+// buffers of a transfer that ended so (client.cc, MayLandLate), and
+// UcsToStatus alone maps some failures (no memory or resource, an
+// argument UCX found invalid) to codes that would not say it.
+absl::Status TransferFailed(ucs_status_t status, std::string_view what) {
+  absl::Status st = UcsToStatus(status, what);
+  if (absl::IsUnavailable(st) || absl::IsDeadlineExceeded(st) ||
+      absl::IsCancelled(st)) {
+    return st;
+  }
+  return absl::UnavailableError(st.message());
+}
+
+}  // namespace
+
 TransferBatch::TransferBatch(Op op, size_t transfers, absl::Time deadline)
     : op_(op),
       size_(transfers),
@@ -70,11 +91,11 @@ void TransferBatch::Posted(size_t i, ucs_status_ptr_t result) {
     return;
   }
   if (UCS_PTR_IS_ERR(result)) {
-    op_status_[i] = UcsToStatus(UCS_PTR_STATUS(result),
-                                op_ == Op::kReceive ? "ucp_am_recv_data_nbx"
-                                : i == size_        ? "ucp_ep_flush_nbx"
-                                : op_ == Op::kGet   ? "ucp_get_nbx"
-                                                    : "ucp_put_nbx");
+    op_status_[i] = TransferFailed(UCS_PTR_STATUS(result),
+                                   op_ == Op::kReceive ? "ucp_am_recv_data_nbx"
+                                   : i == size_        ? "ucp_ep_flush_nbx"
+                                   : op_ == Op::kGet   ? "ucp_get_nbx"
+                                                       : "ucp_put_nbx");
     return;
   }
   pending_[i] = true;
@@ -106,7 +127,7 @@ void TransferBatch::Got(size_t i) {
 void TransferBatch::Done(size_t i, ucs_status_t status) {
   pending_[i] = false;
   if (status != UCS_OK) {
-    op_status_[i] = UcsToStatus(status, i == size_ ? "flush" : "transfer");
+    op_status_[i] = TransferFailed(status, i == size_ ? "flush" : "transfer");
   } else {
     Got(i);
   }

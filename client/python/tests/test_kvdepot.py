@@ -494,6 +494,26 @@ class UcxDataPlaneTest(DaemonTestCase):
                                capture_output=True, text=True, timeout=120)
             self.assertEqual((r.returncode, r.stdout.strip()), (0, "ok"), r.stderr[-2000:])
 
+    def test_buffers_allocated_and_freed_past_the_daemons_limit_stay_on_ucx(self):
+        # The daemon keeps a session's buffers registered for its life,
+        # freed ones too, at most 256 (max_buffers_per_session). A client
+        # that kept allocating and freeing buffers got RESOURCE_EXHAUSTED
+        # from then on and moved every block over gRPC for good; it opens a
+        # new session now (once a minute at most).
+        c = self.client
+        c.put(NS, [key(1)], [np.full(4096, 5, np.uint8)])
+        transports = []
+        for _ in range(300):
+            buf = c.allocate_buffer(4096)
+            op = c.get_into_async(NS, [key(1)], [buf])
+            self.assertIs(op.wait(), True)
+            self.assertEqual(op.ok(), [True])
+            self.assertTrue((buf == 5).all())
+            transports.append(op.transport())
+            del op, buf
+        self.assertLessEqual(transports.count("grpc"), 1, transports)
+        self.assertEqual(transports[-40:], ["ucx"] * 40)
+
     def test_close_ends_the_session_while_allocated_memory_lives(self):
         c = self.client
         c.put(NS, [key(1)], [np.full(64, 1, np.uint8)])
