@@ -52,6 +52,23 @@ class FaultInjectionFileSystem : public rocksdb::FileSystemWrapper {
   // While true, opening a file for direct reads fails with InvalidArgument,
   // as open(O_DIRECT) does (EINVAL) on a file system without it.
   void SetRefuseDirectReads(bool refuse) { refuse_direct_reads_.store(refuse); }
+  // GetFreeSpace reports `bytes` free (the base file system's figure again
+  // after ClearFreeSpace). Nothing else changes: writes still succeed.
+  void SetFreeSpace(uint64_t bytes) {
+    free_space_.store(bytes);
+    fake_free_space_.store(true);
+  }
+  void ClearFreeSpace() { fake_free_space_.store(false); }
+  rocksdb::IOStatus GetFreeSpace(const std::string& path,
+                                 const rocksdb::IOOptions& options,
+                                 uint64_t* diskfree,
+                                 rocksdb::IODebugContext* dbg) override {
+    if (fake_free_space_.load()) {
+      *diskfree = free_space_.load();
+      return rocksdb::IOStatus::OK();
+    }
+    return target()->GetFreeSpace(path, options, diskfree, dbg);
+  }
 
   // While true, creating a table or blob file (what a flush or compaction
   // writes) waits until it is false again: a test holds a flush mid-way.
@@ -105,6 +122,8 @@ class FaultInjectionFileSystem : public rocksdb::FileSystemWrapper {
   std::atomic<uint64_t> blob_reads_{0};
   std::atomic<uint64_t> direct_blob_opens_{0};
   std::atomic<bool> refuse_direct_reads_{false};
+  std::atomic<bool> fake_free_space_{false};
+  std::atomic<uint64_t> free_space_{0};
 };
 
 }  // namespace kvdepot

@@ -1,5 +1,7 @@
 #include "storage/nvme_tier.h"
 
+#include <sys/statvfs.h>
+
 #include <algorithm>
 #include <atomic>
 #include <cstdlib>
@@ -112,6 +114,9 @@ constexpr size_t kProbeBytes = 1 << 20;
 constexpr char kStuckSuffix[] =
     "; RocksDB's resume has not ended (RocksDB 7 can leave it waiting for a "
     "flush it never runs): writes stay off until kvdepotd restarts";
+constexpr char kFatalSuffix[] =
+    "; RocksDB calls the error fatal and no resume can end it: writes stay "
+    "off until kvdepotd restarts";
 constexpr absl::Duration kShutdownResumeWait = absl::Seconds(10);
 // After an automatic compaction met a corrupt block (see ErrorListener), the
 // maintenance thread scrubs the tier, at most once per this long (tier's
@@ -243,6 +248,12 @@ class ErrorListener final : public rocksdb::EventListener {
       corruption_seen_.store(true, std::memory_order_release);
       return;
     }
+    // A fatal or unrecoverable error: no resume can succeed (RocksDB 7.8
+    // after ENOSPC in parallel flushes: a flush's file deleted as obsolete,
+    // then missing at every resume).
+    if (bg_error->severity() >= rocksdb::Status::Severity::kFatalError) {
+      fatal_.store(true, std::memory_order_release);
+    }
     Stop(bg_error->ToString());
   }
   // Whether a compaction met corruption since the last call.
@@ -261,8 +272,15 @@ class ErrorListener final : public rocksdb::EventListener {
     reason_ = std::move(reason);
     stopped_.store(true, std::memory_order_release);
   }
-  void Clear() { stopped_.store(false, std::memory_order_release); }
+  void Clear() {
+    fatal_.store(false, std::memory_order_release);
+    stopped_.store(false, std::memory_order_release);
+  }
   bool stopped() const { return stopped_.load(std::memory_order_acquire); }
+  // Stopped by an error no resume can end: writes stay off until the
+  // database is reopened.
+  void MarkFatal() { fatal_.store(true, std::memory_order_release); }
+  bool fatal() const { return fatal_.load(std::memory_order_acquire); }
   std::string reason() const {
     absl::MutexLock lock(&mu_);
     return reason_;
@@ -270,6 +288,7 @@ class ErrorListener final : public rocksdb::EventListener {
 
  private:
   std::atomic<bool> stopped_{false};
+  std::atomic<bool> fatal_{false};
   std::atomic<bool> corruption_seen_{false};
   mutable absl::Mutex mu_;
   std::string reason_ ABSL_GUARDED_BY(mu_);
@@ -429,6 +448,11 @@ class NvmeTierImpl final : public NvmeTier {
   // Writes and syncs kProbeBytes to a file in the tier's directory, then
   // deletes it: OK when there was room for it.
   absl::Status ProbeRoom();
+  // Unavailable when a put of `bytes` would leave the file system less
+  // than min_free_bytes_ free (NvmeTierOptions::min_free_bytes); notes the
+  // free space for Stats.
+  absl::Status CheckFreeSpace(uint64_t bytes);
+  std::string ShortOfSpaceMessage(uint64_t free) const;
   // Whether a resume has run past resume_stuck_after.
   bool ResumeStuckLocked() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(resume_mu_);
   // Starts DB::Resume on resume_thread_ unless it runs already.
@@ -486,6 +510,11 @@ class NvmeTierImpl final : public NvmeTier {
   bool resuming_ ABSL_GUARDED_BY(resume_mu_) = false;
   absl::Time resume_started_ ABSL_GUARDED_BY(resume_mu_);  // real time
   rocksdb::Status last_resume_ ABSL_GUARDED_BY(resume_mu_);
+  // NvmeTierOptions::min_free_bytes, its default resolved (Init).
+  uint64_t min_free_bytes_ = 0;
+  // What the last put's CheckFreeSpace found.
+  std::atomic<uint64_t> free_bytes_{0};
+  std::atomic<bool> short_of_space_{false};
 
   mutable absl::Mutex mu_;
   Index index_ ABSL_GUARDED_BY(mu_);
@@ -524,6 +553,22 @@ namespace {
 // refusal (EINVAL, which RocksDB reports as an I/O error saying "Invalid
 // argument") is InvalidArgument, the setting's fault; other failures keep
 // their own code (FromRocksStatus).
+// NvmeTierOptions::min_free_bytes' default: twice the memtables' budget
+// plus 64 MiB, but at most a twentieth of the file system under `dir` (a
+// small one, as tests mount, would otherwise take no block at all).
+uint64_t DefaultMinFreeBytes(const NvmeTierOptions& o, const std::string& dir) {
+  uint64_t want =
+      2 * o.write_buffer_size *
+          static_cast<uint64_t>(std::max(o.max_write_buffer_number, 1)) +
+      (uint64_t{64} << 20);
+  struct statvfs fs;
+  if (statvfs(dir.c_str(), &fs) == 0) {
+    want = std::min<uint64_t>(
+        want, static_cast<uint64_t>(fs.f_blocks) * fs.f_frsize / 20);
+  }
+  return want;
+}
+
 absl::Status CheckDirectReads(rocksdb::Env* env, const std::string& dir) {
   const std::string probe = dir + "/DIRECT_READ_PROBE";
   constexpr size_t kProbeBytes = 4096;
@@ -608,6 +653,9 @@ absl::Status NvmeTierImpl::Init() {
       absl::StrCat("NVMe tier: cannot create directory ", options_.path)));
   db_options.info_log =
       std::make_shared<RocksInfoLog>(options_.path + "/LOG", size_t{16} << 20);
+  min_free_bytes_ = options_.min_free_bytes != 0
+                        ? options_.min_free_bytes
+                        : DefaultMinFreeBytes(options_, options_.path);
   if (options_.direct_reads)
     RETURN_IF_ERROR(CheckDirectReads(env, options_.path));
   db_options.use_direct_reads = options_.direct_reads;
@@ -1105,6 +1153,9 @@ absl::Status NvmeTierImpl::EnsureWritable() {
   if (ResumeStuckLocked()) {
     return absl::UnavailableError(absl::StrCat(stopped, kStuckSuffix));
   }
+  if (listener_->fatal()) {
+    return absl::UnavailableError(absl::StrCat(stopped, kFatalSuffix));
+  }
   if (resuming_) {
     return absl::UnavailableError(absl::StrCat(stopped, "; resuming"));
   }
@@ -1120,7 +1171,17 @@ absl::Status NvmeTierImpl::EnsureWritable() {
   next_resume_ = now + options_.resume_interval;
   // A resume that fails for want of room is not only useless: RocksDB 7.8
   // can lose a flush it scheduled at the end of one (see kResumeWait), and
-  // then no later resume ends. So resume only once a probe file fits.
+  // then no later resume ends. So resume only once the file system has
+  // min_free_bytes_ free (a resume flushes every memtable: a probe of
+  // 1 MiB fitting said little) and a probe file fits.
+  uint64_t free = 0;
+  if (Env()->GetFreeSpace(options_.path, &free).ok() &&
+      free < min_free_bytes_) {
+    return absl::UnavailableError(absl::StrCat(
+        stopped, "; no room to resume yet (", free, " bytes free, ",
+        min_free_bytes_, " wanted); next retry in ",
+        absl::FormatDuration(options_.resume_interval)));
+  }
   if (absl::Status room = ProbeRoom(); !room.ok()) {
     return absl::UnavailableError(absl::StrCat(
         stopped, "; no room to resume yet (", room.message(), "); next retry in ",
@@ -1135,6 +1196,26 @@ absl::Status NvmeTierImpl::EnsureWritable() {
                            absl::StrCat(stopped, "; resuming failed"));
   }
   return absl::OkStatus();
+}
+
+absl::Status NvmeTierImpl::CheckFreeSpace(uint64_t bytes) {
+  uint64_t free = 0;
+  // Unknown (a file system that does not say): RocksDB's own errors decide.
+  if (!Env()->GetFreeSpace(options_.path, &free).ok()) return absl::OkStatus();
+  const bool short_now =
+      free < min_free_bytes_ || free - min_free_bytes_ < bytes;
+  free_bytes_.store(free, std::memory_order_relaxed);
+  short_of_space_.store(short_now, std::memory_order_relaxed);
+  if (!short_now) return absl::OkStatus();
+  return absl::UnavailableError(ShortOfSpaceMessage(free));
+}
+
+std::string NvmeTierImpl::ShortOfSpaceMessage(uint64_t free) const {
+  return absl::StrCat("the NVMe tier's file system is nearly full (", free,
+                      " bytes free under ", options_.path,
+                      "): the tier leaves ", min_free_bytes_,
+                      " bytes free for RocksDB's flushes and compactions; free "
+                      "space there, or lower nvme_capacity");
 }
 
 absl::Status NvmeTierImpl::ProbeRoom() {
@@ -1168,6 +1249,9 @@ void NvmeTierImpl::StartResumeLocked() {
     rocksdb::Status s = db_->Resume();
     absl::MutexLock lock(&resume_mu_);
     if (s.ok()) listener_->Clear();
+    if (s.severity() >= rocksdb::Status::Severity::kFatalError) {
+      listener_->MarkFatal();
+    }
     last_resume_ = s;
     resuming_ = false;
   });
@@ -1207,7 +1291,9 @@ absl::StatusOr<NvmePutOutcome> NvmeTierImpl::Put(absl::string_view ns,
         absl::StrCat("checksum mismatch for block ", IdToHex(id),
                      ": the bytes do not hash to the given XXH3-64"));
   }
-  if (absl::Status writable = EnsureWritable(); !writable.ok()) {
+  absl::Status writable = EnsureWritable();
+  if (writable.ok()) writable = CheckFreeSpace(bytes.size());
+  if (!writable.ok()) {
     absl::MutexLock lock(&mu_);
     ++write_errors_;
     return writable;
@@ -1266,6 +1352,8 @@ absl::StatusOr<NvmePutOutcome> NvmeTierImpl::Put(absl::string_view ns,
     s = batch.Put(DataKey(*block_id),
                   rocksdb::Slice(bytes.data(), bytes.size()));
   }
+  // The block is indexed (being written), its records not yet written.
+  internal::TestSyncPoint("NvmeTier::Put:Writing");
   if (s.ok()) s = db_->Write(write_options_, &batch);
   if (s.ok()) {
     NoteUnflushedWrite();
@@ -1566,7 +1654,15 @@ NvmeTierStats NvmeTierImpl::Stats() {
   if (!stats.writable) {
     absl::MutexLock lock(&resume_mu_);
     stats.write_error = listener_->reason();
-    if (ResumeStuckLocked()) absl::StrAppend(&stats.write_error, kStuckSuffix);
+    if (ResumeStuckLocked()) {
+      absl::StrAppend(&stats.write_error, kStuckSuffix);
+    } else if (listener_->fatal()) {
+      absl::StrAppend(&stats.write_error, kFatalSuffix);
+    }
+  } else if (short_of_space_.load(std::memory_order_relaxed)) {
+    stats.writable = false;
+    stats.write_error =
+        ShortOfSpaceMessage(free_bytes_.load(std::memory_order_relaxed));
   }
   stats.blob_gc_active = blob_gc_active_.load();
   db_->GetIntProperty(rocksdb::DB::Properties::kLiveBlobFileGarbageSize,
@@ -1590,12 +1686,23 @@ absl::StatusOr<NvmeVerifyReport> NvmeTierImpl::Verify(
   };
   NvmeVerifyReport report;
   // Entries of a generation below this existed before the scan's snapshot;
-  // each is either met by the scan or checked afterwards.
+  // each is either met by the scan or checked afterwards. Those being
+  // written then (`writing`) are checked afterwards only: the snapshot may
+  // hold other bytes under their id (an earlier block whose delete failed),
+  // which are not theirs to be judged by. The snapshot is taken with the
+  // limit, under mu_, so that no put lands between the two.
   uint64_t generation_limit;
+  absl::flat_hash_set<uint64_t> writing;
+  std::optional<rocksdb::ManagedSnapshot> scan_snapshot;
   {
     absl::MutexLock lock(&mu_);
     generation_limit = next_generation_;
+    for (const auto& [id, e] : index_) {
+      if (e.state == State::kWriting) writing.insert(e.generation);
+    }
+    scan_snapshot.emplace(db_.get());
   }
+  internal::TestSyncPoint("NvmeTier::Verify:Snapshot");
   absl::flat_hash_set<uint64_t> seen;
 
   // One pass over the bytes of one snapshot. RocksDB's own blob CRCs are
@@ -1603,13 +1710,12 @@ absl::StatusOr<NvmeVerifyReport> NvmeTierImpl::Verify(
   // below catches it.
   rocksdb::Status scan_status;
   {
-    rocksdb::ManagedSnapshot snapshot(db_.get());
     rocksdb::ReadOptions scan;
-    scan.snapshot = snapshot.snapshot();
+    scan.snapshot = scan_snapshot->snapshot();
     scan.verify_checksums = false;
     scan.fill_cache = false;
     rocksdb::ReadOptions meta_reads;
-    meta_reads.snapshot = snapshot.snapshot();
+    meta_reads.snapshot = scan_snapshot->snapshot();
     std::unique_ptr<rocksdb::Iterator> it(db_->NewIterator(scan));
     const std::string first(1, kDataPrefix);
     for (it->Seek(first);
@@ -1636,7 +1742,8 @@ absl::StatusOr<NvmeVerifyReport> NvmeTierImpl::Verify(
         if (found == index_.end()) {
           indexed = false;
         } else if (found->second.state == State::kStored &&
-                   found->second.generation < generation_limit) {
+                   found->second.generation < generation_limit &&
+                   !writing.contains(found->second.generation)) {
           Entry& e = found->second;
           if (value.size() == e.size && sum == e.checksum) {
             seen.insert(e.generation);
@@ -1671,6 +1778,7 @@ absl::StatusOr<NvmeVerifyReport> NvmeTierImpl::Verify(
     }
     scan_status = it->status();
   }
+  scan_snapshot.reset();
   RETURN_IF_ERROR(FromRocksStatus(scan_status, "NVMe tier: scrub stopped"));
   if (stopping()) return stopped();
 

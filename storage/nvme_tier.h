@@ -144,6 +144,15 @@ struct NvmeTierOptions {
   // waits for it for good): writes fail with Unavailable saying so until
   // the tier is reopened, and closing does not wait for it.
   absl::Duration resume_stuck_after = absl::Seconds(60);
+  // Free space the tier leaves on its file system: a put that would leave
+  // less is refused (Unavailable, nothing written), so that RocksDB never
+  // meets a full disk through the tier's own writes. RocksDB needs room to
+  // flush its memtables and compact; after it has met ENOSPC (stopped
+  // writes), its resume often never succeeds, even once space is back
+  // (flushes in parallel lose their files: a restart is needed), and what
+  // the memtables held is lost. 0 means the default: twice the memtables'
+  // budget (write_buffer_size x max_write_buffer_number) plus 64 MiB.
+  uint64_t min_free_bytes = 0;
   // RocksDB environment (file system, threads). nullptr means
   // rocksdb::Env::Default(). Borrowed: must outlive the tier. Tests pass a
   // fault-injecting one.
@@ -203,7 +212,9 @@ struct NvmeTierStats {
   // disk); see NvmeTierOptions::resume_interval.
   bool writable = true;
   // Why, while not writable: RocksDB's error, and whether its resume is
-  // stuck (NvmeTierOptions::resume_stuck_after). Empty when writable.
+  // stuck (NvmeTierOptions::resume_stuck_after) or cannot succeed (a fatal
+  // error: writes stay off until kvdepotd restarts), or the file system's
+  // free space under min_free_bytes. Empty when writable.
   std::string write_error;
 };
 

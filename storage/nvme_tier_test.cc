@@ -952,6 +952,51 @@ TEST_F(NvmeTierTest, VerifyTakesNoBlockDeletedDuringTheScanForAnOrphan) {
   // (Real orphans are still found: HalfWrittenBlocksAreDroppedNotServed.)
 }
 
+// A block put again while Verify starts (indexed, its records not yet
+// written when the scan's snapshot is taken) is not judged by the bytes
+// that snapshot holds under its id: those of an earlier block whose delete
+// failed (a full disk), which stay on disk. Verify used to drop the new,
+// good block as corrupt (a false integrity error, a critical alert).
+TEST_F(NvmeTierTest, VerifyDoesNotJudgeABlockBeingWrittenByOlderBytes) {
+  constexpr size_t kSize = 16 * kKiB;
+  Open();
+  ASSERT_OK(Put(Key(1), Bytes(1, kSize)));
+  ASSERT_OK(Put(Key(2), Bytes(2, kSize)));
+  ASSERT_OK(tier_->Flush());
+  fault_fs_->SetDiskFull(true);
+  ASSERT_FALSE(tier_->Delete("ns", Key(1)).ok());  // its records stay
+  fault_fs_->SetDiskFull(false);
+  clock_.Advance(options_.resume_interval);
+
+  absl::Notification writing, snapshot_taken, put_done;
+  std::thread reput;
+  {
+    internal::SyncPointCallback held("NvmeTier::Put:Writing", [&](void*) {
+      if (snapshot_taken.HasBeenNotified()) return;
+      writing.Notify();
+      snapshot_taken.WaitForNotification();
+    });
+    internal::SyncPointCallback taken("NvmeTier::Verify:Snapshot", [&](void*) {
+      snapshot_taken.Notify();
+      put_done.WaitForNotification();  // lands before the scan reads
+    });
+    reput = std::thread([&] {
+      EXPECT_THAT(Put(Key(1), Bytes(101, kSize)),
+                  IsOkAndHolds(NvmePutOutcome::kStored));
+      put_done.Notify();
+    });
+    writing.WaitForNotification();
+    auto report = tier_->Verify();
+    reput.join();
+    ASSERT_OK(report);
+    EXPECT_EQ(report->corrupt_dropped, 0u);
+    EXPECT_EQ(report->blocks_checked, 2u);
+  }
+  EXPECT_EQ(tier_->Stats().integrity_errors, 0u);
+  EXPECT_TRUE(ReadsBack(Key(1), Bytes(101, kSize)));
+  EXPECT_TRUE(ReadsBack(Key(2), Bytes(2, kSize)));
+}
+
 // Verify drops what it finds as it goes: a put of an orphan's id (bytes
 // without metadata) made after the scan met it waits only for that delete,
 // not for the rest of the scan.
@@ -1107,6 +1152,40 @@ TEST_F(NvmeTierTest, HalfWrittenBlocksAreDroppedNotServed) {
   EXPECT_TRUE(ScrubsClean(5u));
 }
 
+// The tier leaves min_free_bytes free on its file system: RocksDB meeting
+// a full disk through the tier's own writes often cannot resume even once
+// space is back (parallel flushes lose their files), and loses what its
+// memtables held. Puts past that line are refused, nothing written or
+// evicted, and work again once the space is there.
+TEST_F(NvmeTierTest, PutsThatWouldLeaveTooLittleFreeSpaceAreRefused) {
+  constexpr size_t kSize = 64 * kKiB;
+  options_.min_free_bytes = 8 << 20;
+  Open();
+  ASSERT_OK(Put(Key(1), Bytes(1, kSize)));
+  fault_fs_->SetFreeSpace((8 << 20) + kSize - 1);  // one byte short
+  auto refused = Put(Key(2), Bytes(2, kSize));
+  EXPECT_THAT(refused, StatusIs(Code::kUnavailable));
+  EXPECT_THAT(std::string(refused.status().message()),
+              HasSubstr("file system is nearly full"));
+  NvmeTierStats stats = tier_->Stats();
+  EXPECT_FALSE(stats.writable);
+  EXPECT_THAT(stats.write_error, HasSubstr("leaves 8388608 bytes free"));
+  EXPECT_EQ(stats.blocks, 1u);
+  EXPECT_FALSE(tier_->Contains("ns", Key(2)));
+  EXPECT_TRUE(ReadsBack(Key(1), Bytes(1, kSize)));  // reads go on
+  EXPECT_EQ(fault_fs_->injected_errors(), 0u);      // RocksDB never saw it
+
+  fault_fs_->SetFreeSpace((8 << 20) + kSize);  // just enough
+  EXPECT_THAT(Put(Key(2), Bytes(2, kSize)),
+              IsOkAndHolds(NvmePutOutcome::kStored));
+  EXPECT_TRUE(tier_->Stats().writable);
+  EXPECT_EQ(tier_->Stats().write_error, "");
+  fault_fs_->ClearFreeSpace();  // the real file system: plenty
+  EXPECT_THAT(Put(Key(3), Bytes(3, kSize)),
+              IsOkAndHolds(NvmePutOutcome::kStored));
+  EXPECT_TRUE(ReadsBack(Key(2), Bytes(2, kSize)));
+}
+
 TEST_F(NvmeTierTest, DiskFullFailsPutsCleanlyAndRecovers) {
   constexpr size_t kSize = 64 * kKiB;
   Open();
@@ -1151,8 +1230,18 @@ TEST_F(NvmeTierTest, DiskFullFailsPutsCleanlyAndRecovers) {
     EXPECT_TRUE(ReadsBack(Key(i), Bytes(i, kSize))) << i;
   }
 
-  // Space comes back: after resume_interval, puts work again.
+  // Some space comes back, less than the tier leaves free: no resume is
+  // tried yet (a resume flushes every memtable; one that fails for want of
+  // room can leave RocksDB unable to resume at all).
   fault_fs_->SetDiskFull(false);
+  fault_fs_->SetFreeSpace(1 << 20);
+  clock_.Advance(options_.resume_interval);
+  again = Put(Key(500), Bytes(500, kSize));
+  EXPECT_THAT(again, StatusIs(Code::kUnavailable));
+  EXPECT_THAT(std::string(again.status().message()),
+              HasSubstr("no room to resume yet (1048576 bytes free"));
+  // Space comes back: after resume_interval, puts work again.
+  fault_fs_->ClearFreeSpace();
   clock_.Advance(options_.resume_interval);
   EXPECT_THAT(Put(Key(500), Bytes(500, kSize)),
               IsOkAndHolds(NvmePutOutcome::kStored));
