@@ -284,6 +284,81 @@ class VllmConnectorTest(unittest.TestCase):
         # 48 tokens stored, but vLLM must compute at least one: 2 blocks.
         self.assertEqual(b_eng.admit(b), 2 * BS)
 
+    def test_a_resumed_request_is_offered_no_more_than_its_first_schedule_found(self):
+        # vLLM recomputes a failed load's blocks only within the request's
+        # num_cached_tokens, set at its first schedule and kept across a
+        # preemption. A resumed request whose first schedule found nothing
+        # was offered its whole stored prefix: a failed load (a TP rank
+        # without the blocks, a daemon restart) left those blocks
+        # unrecomputed, decoded from and saved again.
+        a_eng = self.engine()
+        a = FakeRequest("A", prompt(14, 4 * BS + 1))
+        self.run_prefill(a_eng, a)  # saves 4 blocks
+        b_eng = self.engine()
+        sched = b_eng.scheduler
+        never = FakeRequest("N", list(a.prompt_token_ids))
+        self.assertEqual(sched.get_num_new_matched_tokens(never, 0), (4 * BS, False))
+        sched.update_state_after_alloc(never, None, 0)
+        resumed = FakeRequest("R", list(a.prompt_token_ids))
+        resumed.num_cached_tokens = 0  # its first schedule found nothing
+        self.assertEqual(sched.get_num_new_matched_tokens(resumed, 0), (0, False))
+        partly = FakeRequest("P", list(a.prompt_token_ids))
+        partly.num_cached_tokens = 2 * BS + 3  # two whole blocks then
+        self.assertEqual(sched.get_num_new_matched_tokens(partly, 0), (2 * BS, False))
+        sched.update_state_after_alloc(partly, None, 0)
+        self.assertEqual(sched.stats["resumed_caps"], 2)
+        self.assertEqual(self.pins(), 0)
+
+    def test_offers_pause_while_every_load_fails(self):
+        # A worker that turned itself off (caches it does not take) fails
+        # every load it is given, while the scheduler side, whose checks
+        # passed, kept offering hits: each request wasted a forward pass.
+        # After 3 steps whose every load failed, offers pause; they resume
+        # after the pause, and a load that succeeds ends the back-off.
+        a_eng = self.engine()
+        a = FakeRequest("A", prompt(16, 4 * BS + 1))
+        self.run_prefill(a_eng, a)  # saves 4 blocks
+        b_eng = self.engine()
+        sched = b_eng.scheduler
+        now = [1000.0]
+        sched._clock = lambda: now[0]
+        # As register_kv_caches leaves a worker whose caches it refuses.
+        store, b_eng.worker._store = b_eng.worker._store, None
+        b_eng.worker._disable("caches it does not take (a test)")
+        for i in range(3):
+            r = FakeRequest("F%d" % i, list(a.prompt_token_ids))
+            self.assertEqual(b_eng.admit(r), 4 * BS)
+            b_eng.step([r], [], {r.request_id: 1})
+            self.assertEqual(len(b_eng.load_errors), 4 * (i + 1))
+        self.assertEqual(sched.stats["offer_pauses"], 1)
+        paused = FakeRequest("P", list(a.prompt_token_ids))
+        self.assertEqual(sched.get_num_new_matched_tokens(paused, 0), (0, False))
+        self.assertEqual(sched.stats["paused_offers"], 1)
+        self.assertEqual(self.pins(), 0)
+        # After the pause: offered again; a load that works ends the back-off.
+        now[0] += 31
+        b_eng.worker._store, b_eng.worker._disabled_reason = store, None
+        ok = FakeRequest("OK", list(a.prompt_token_ids))
+        self.assertEqual(b_eng.admit(ok), 4 * BS)
+        b_eng.step([ok], [], {"OK": 1})
+        self.assertEqual(len(b_eng.load_errors), 12)  # this one loaded
+        self.assertEqual(sched._load_pause_s, sched._load_pause_min_s)
+
+    def test_lora_adapters_of_one_name_at_other_paths_do_not_share_blocks(self):
+        # The adapter's name is an engine's local alias: two engines (or one
+        # that reloaded it) may serve other weights under it.
+        toks = prompt(15, 2 * BS + 1)
+        keys = []
+        for path in ("/adapters/v1", "/adapters/v2", "/adapters/v1"):
+            r = FakeRequest("L", list(toks))
+            r.lora_request = SimpleNamespace(lora_name="support", lora_int_id=1,
+                                             lora_path=path)
+            keys.append(kv_vllm.KvDepotConnector._extra_keys(r))
+        self.assertNotEqual(keys[0], keys[1])
+        self.assertEqual(keys[0], keys[2])
+        plain = FakeRequest("P", list(toks))
+        self.assertEqual(kv_vllm.KvDepotConnector._extra_keys(plain), ())
+
     def test_daemon_gone_degrades_to_recompute(self):
         a_eng = self.engine()
         a = FakeRequest("A", prompt(5, 4 * BS + 1))

@@ -174,8 +174,10 @@ import enum
 import logging
 import os
 import re
+import time
 from dataclasses import dataclass, field
-from typing import Any, Deque, Dict, Iterable, List, Optional, Sequence, Set, Tuple
+from typing import (Any, Callable, Deque, Dict, Iterable, List, Optional, Sequence, Set,
+                    Tuple)
 
 from . import (DEFAULT_MAX_BATCH_KEYS, UNAVAILABLE_CODES, CircuitBreaker, batch_ranges,
                block_hashes, model_label, model_variant, parents_of, status_code)
@@ -449,6 +451,17 @@ class KvDepotConnector(KVConnectorBase_V1):  # type: ignore[misc,valid-type]
             f"vLLM {getattr(role, 'name', role)}",
             min_s=float(extra.get("backoff_s", 1.0)),
             max_s=float(extra.get("max_backoff_s", 30.0)), log=logger)
+        # Offers paused while every load fails (a worker that turned itself
+        # off, a tensor-parallel rank without the blocks): after
+        # _LOAD_FAILURE_STEPS steps in a row whose every load failed, no
+        # hits are offered for load_failure_pause_s (doubling while it goes
+        # on, up to 10 minutes); a load that succeeds ends it. Each failed
+        # load costs the request a wasted forward pass (vLLM recomputes).
+        self._clock: Callable[[], float] = time.monotonic
+        self._failed_load_steps = 0
+        self._offers_paused_until = 0.0
+        self._load_pause_min_s = float(extra.get("load_failure_pause_s", 30.0))
+        self._load_pause_s = self._load_pause_min_s
         # Pins still to release (the scheduler's): those whose unpin was not
         # made (the breaker's window) or found the daemon unavailable. The
         # session's keep-alives would hold them (and their blocks in DRAM)
@@ -571,6 +584,13 @@ class KvDepotConnector(KVConnectorBase_V1):  # type: ignore[misc,valid-type]
             # Daemon calls not made while kvdepotd was unavailable (the
             # breaker's back-off window): lookups, step loads, saves.
             "unavailable_skips": 0,
+            # Lookups of requests scheduled before (resumed after a
+            # preemption), capped at vLLM's num_cached_tokens.
+            "resumed_caps": 0,
+            # Lookups not made while offers were paused (every load failing)
+            # and the pauses.
+            "paused_offers": 0,
+            "offer_pauses": 0,
         }
 
     # ------------------------------------------------------------------
@@ -727,7 +747,13 @@ class KvDepotConnector(KVConnectorBase_V1):  # type: ignore[misc,valid-type]
         extra: List[Any] = []
         lora = getattr(request, "lora_request", None)
         if lora is not None:
+            # The name is an engine's local alias (--lora-modules name=path):
+            # engines sharing kvdepot may serve other adapters under one
+            # name, so the adapter's path is part of the key too.
             extra.append("lora:" + str(getattr(lora, "lora_name", lora)))
+            path = getattr(lora, "lora_path", None) or getattr(lora, "path", None)
+            if path:
+                extra.append("lora_path:" + str(path))
         salt = getattr(request, "cache_salt", None)
         if salt:
             extra.append("salt:" + str(salt))
@@ -873,11 +899,24 @@ class KvDepotConnector(KVConnectorBase_V1):  # type: ignore[misc,valid-type]
         try:
             tokens = self._tokens(request)
             num_blocks = (len(tokens) - 1) // self._block_size
+            # vLLM recomputes the blocks of a failed load (invalid block
+            # ids) only within request.num_cached_tokens, which it sets when
+            # it first schedules the request and keeps after a preemption.
+            # A request scheduled before (resumed) would keep a failed
+            # load's blocks past that unrecomputed, and decode from them:
+            # it is offered no more.
+            cached = getattr(request, "num_cached_tokens", -1)
+            if isinstance(cached, int) and cached >= 0:
+                num_blocks = min(num_blocks, cached // self._block_size)
+                self.stats["resumed_caps"] += 1
             if num_blocks * self._block_size <= num_computed_tokens:
                 return 0, False
             keys = self._keys_upto(st, num_blocks)
             if not self._breaker.allow():  # kvdepotd unavailable: a miss
                 self.stats["unavailable_skips"] += 1
+                return 0, False
+            if self._clock() < self._offers_paused_until:  # loads failing
+                self.stats["paused_offers"] += 1
                 return 0, False
             self.stats["lookups"] += 1
             hits = self._lookup_prefix(st, keys)
@@ -1045,15 +1084,17 @@ class KvDepotConnector(KVConnectorBase_V1):  # type: ignore[misc,valid-type]
         again once recomputed: the workers did not save what that step
         computed over them, and with tensor parallelism a block that rank 0
         holds may be missing on another rank."""
+        invalid = set(getattr(connector_output, "invalid_block_ids", None) or ())
         if self._awaited:
             self._steps_done = self._awaited.popleft()
+            loaded: Set[int] = set()
             for step in [s for s in self._loads_in_flight if s <= self._steps_done]:
-                del self._loads_in_flight[step]
+                loaded |= self._loads_in_flight.pop(step)
             for st in self._requests.values():
                 if st.load_in_flight and st.load_step <= self._steps_done:
                     st.load_in_flight = False
                     self._unpin(st)
-        invalid = set(getattr(connector_output, "invalid_block_ids", None) or ())
+            self._note_loads(loaded, invalid)
         if not invalid:
             return
         for st in self._requests.values():
@@ -1063,6 +1104,30 @@ class KvDepotConnector(KVConnectorBase_V1):  # type: ignore[misc,valid-type]
                 # A finished request is not recomputed: what it computed
                 # from the failed block on is not saved.
                 st.finished_blocks = min(st.finished_blocks, st.stored_blocks)
+
+    _LOAD_FAILURE_STEPS = 3
+
+    def _note_loads(self, loaded: Set[int], invalid: Set[int]) -> None:
+        """The outcome of the loads of a step that ended (``loaded``: their
+        block ids): pauses offers after _LOAD_FAILURE_STEPS steps in a row
+        whose every block failed (see __init__)."""
+        if not loaded:
+            return
+        if loaded - invalid:
+            self._failed_load_steps = 0
+            self._load_pause_s = self._load_pause_min_s
+            return
+        self._failed_load_steps += 1
+        if self._failed_load_steps < self._LOAD_FAILURE_STEPS or self._load_pause_min_s <= 0:
+            return
+        self._failed_load_steps = 0
+        self._offers_paused_until = self._clock() + self._load_pause_s
+        self.stats["offer_pauses"] += 1
+        logger.warning(
+            "kvdepot: every load of the last %d steps failed (a worker without "
+            "the connector, a rank without the blocks?); offering no kvdepot "
+            "hits for %g s", self._LOAD_FAILURE_STEPS, self._load_pause_s)
+        self._load_pause_s = min(2 * self._load_pause_s, 600.0)
 
     def request_finished(
         self, request: Any, block_ids: List[int]
