@@ -218,6 +218,15 @@ grpc::ServerUnaryReactor* KvDepotService::OpenSession(
       resp->set_ucx_request_address(data_plane_->RequestAddress(g.id));
       resp->set_ucx_data_requests(data_plane_->TakesDataRequests(g.id));
     }
+    if (ctx->IsCancelled()) {
+      // The client gave up while the endpoint was wired up (up to two
+      // connects): no one would learn the session's id, and it would hold
+      // its endpoint (a co-located client's own worker, one of a few) until
+      // its lease ends.
+      if (data_plane_ != nullptr) data_plane_->Detach(g.id);
+      store_.CloseSession(g.id).IgnoreError();
+      return absl::CancelledError("the client cancelled OpenSession");
+    }
     log_->info("session {} opened by '{}' from {} (lease {}{})", g.id,
                req->client_name(), ctx->peer(), absl::FormatDuration(g.lease),
                resp->ucx_connected() ? ", UCX endpoint" : "");
@@ -340,11 +349,10 @@ void KvDepotService::StartBeginPut(grpc::CallbackServerContext* ctx,
     });
   }
   if (!r.ok()) return finish(r.status());
-  const bool on_put_pool = !must_not_block || !refuse_with.ok();
-  if (on_put_pool && r->id != 0 && ctx->IsCancelled()) {
-    // Room came after the client gave up: no one would learn the
-    // reservation's id, and its session's keep-alives would hold the
-    // space until the session ends.
+  if (r->id != 0 && ctx->IsCancelled()) {
+    // The client gave up (while the put waited for room, or before this
+    // handler ran): no one would learn the reservation's id, and its
+    // session's keep-alives would hold the space until the session ends.
     store_.AbortPut(req->session_id(), r->id).IgnoreError();
     return finish(absl::CancelledError("the client cancelled the put"));
   }
@@ -1143,6 +1151,12 @@ void KvDepotService::StartPushBlocks(const v1::PushBlocksRequest* req,
                   }
                 });
           }
+          // A batch that failed because its session ended (closed, expired,
+          // its peer lost) is still answered OK with per-block outcomes,
+          // not NOT_FOUND: the transfers' codes (CANCELLED, DEADLINE_EXCEEDED)
+          // tell the client that UCX may still write into its buffers, so it
+          // fences its worker before it hands them back; the next call on
+          // the session then finds it gone.
           uint64_t bytes = 0, bytes_in_place = 0;
           for (size_t m = 0; m < key_of_move.size(); ++m) {
             v1::BlockTransfer* out = resp->mutable_blocks(key_of_move[m]);
@@ -1184,7 +1198,12 @@ grpc::ServerUnaryReactor* KvDepotService::PullBlocks(
     grpc::CallbackServerContext* ctx, const v1::PullBlocksRequest* req,
     v1::PullBlocksResponse* resp) {
   grpc::ServerUnaryReactor* reactor = ctx->DefaultReactor();
-  StartPullBlocks(req, resp, Finisher("PullBlocks", reactor));
+  // Never waits for room here: a put that must wait (DRAM full, the
+  // evictor to make room) does it on put_pool_, as BeginPut and Write do,
+  // not on a gRPC thread that other clients' calls (a KeepAlive holding a
+  // lease) need.
+  StartPullBlocks(req, resp, Finisher("PullBlocks", reactor),
+                  /*must_not_block=*/true, nullptr, absl::OkStatus(), ctx);
   return reactor;
 }
 
@@ -1192,7 +1211,8 @@ void KvDepotService::StartPullBlocks(const v1::PullBlocksRequest* req,
                                      v1::PullBlocksResponse* resp,
                                      Finish finish, bool must_not_block,
                                      std::shared_ptr<IncomingData> data,
-                                     absl::Status refuse_with) {
+                                     absl::Status refuse_with,
+                                     grpc::CallbackServerContext* ctx) {
   const SessionId session = req->session_id();
   absl::Status check = RequireEndpoint(session);
   bool with_data = data != nullptr && *data != nullptr;
@@ -1230,14 +1250,23 @@ void KvDepotService::StartPullBlocks(const v1::PullBlocksRequest* req,
   if (would_wait) {
     if (!refuse_with.ok()) return finish(refuse_with);
     // DRAM is full and the evictor is to make room: wait for it elsewhere.
-    return SubmitWaitingPut(
-        [this, req, resp, finish = std::move(finish), data](absl::Status queued) {
-          // Queued too long: one more try, without waiting.
-          StartPullBlocks(req, resp, finish, /*must_not_block=*/!queued.ok(), data, queued);
-        });
+    return SubmitWaitingPut([this, req, resp, finish = std::move(finish), data,
+                             ctx](absl::Status queued) {
+      if (ctx != nullptr && ctx->IsCancelled()) {  // the client gave up
+        return finish(absl::CancelledError("the client cancelled the put"));
+      }
+      // Queued too long: one more try, without waiting.
+      StartPullBlocks(req, resp, finish, /*must_not_block=*/!queued.ok(), data,
+                      queued, ctx);
+    });
   }
   if (!resv.ok()) {
     return finish(resv.status());
+  }
+  if (ctx != nullptr && resv->id != 0 && ctx->IsCancelled()) {
+    // Room came after the client gave up: nothing would read its sources.
+    store_.AbortPut(session, resv->id).IgnoreError();
+    return finish(absl::CancelledError("the client cancelled the put"));
   }
   // Every reserved slot's bytes come from its source.
   std::vector<BlockMove> moves;

@@ -227,12 +227,15 @@ class KvDepotService final
   // already (dropped) outweigh the new blocks' and 1 MiB: then the data is
   // released unread and the new blocks are read from their sources.
   using IncomingData = std::unique_ptr<UcxWorker::IncomingData>;
-  // `refuse_with`: as StartBeginPut's.
+  // `refuse_with`: as StartBeginPut's. `ctx`: the gRPC call's, when it is
+  // one: a put that waited for room after its client gave up is refused
+  // (CANCELLED), its reservation aborted.
   void StartPullBlocks(const v1::PullBlocksRequest* req,
                        v1::PullBlocksResponse* resp, Finish finish,
                        bool must_not_block = false,
                        std::shared_ptr<IncomingData> data = nullptr,
-                       absl::Status refuse_with = absl::OkStatus());
+                       absl::Status refuse_with = absl::OkStatus(),
+                       grpc::CallbackServerContext* ctx = nullptr);
   // What an abandoned batch holds, for the log and kvdepot_ucx_held_bytes.
   struct HeldFor {
     std::string what;  // "reads into 3 slots"

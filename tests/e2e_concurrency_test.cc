@@ -246,5 +246,107 @@ TEST(ConcurrencyTest, PutsWaitingForRoomDoNotStallOtherCalls) {
   EXPECT_TRUE((*daemon)->Running()) << (*daemon)->Log();
 }
 
+// The same for PullBlocks as a gRPC call (libkvdepot's puts from registered
+// memory when requests over UCX are off, or too large for them). Bug: it
+// waited for room on a gRPC thread; another client's KeepAlive went
+// unanswered for 20 s behind 16 such puts.
+TEST(ConcurrencyTest, PullBlocksWaitingForRoomDoNotStallOtherCalls) {
+  auto daemon = DaemonProcess::Start(
+      {"--dram-capacity", "8MiB", "--nvme-capacity", "64MiB"});
+  ASSERT_OK(daemon);
+  auto client = Connect((*daemon)->address());
+  v1::KvDepot::Stub& stub = client->stub();
+  auto open = [&stub]() -> uint64_t {
+    grpc::ClientContext ctx;
+    v1::OpenSessionRequest req;
+    req.set_lease_ms(60000);
+    v1::OpenSessionResponse resp;
+    grpc::Status st = stub.OpenSession(&ctx, req, &resp);
+    EXPECT_TRUE(st.ok()) << st.error_message();
+    return resp.session_id();
+  };
+  ClientOptions o;
+  o.server = (*daemon)->address();
+  o.ucx_requests = false;  // PullBlocks as gRPC calls
+  o.rpc_timeout = absl::Seconds(30);
+  auto putter = std::move(Client::Connect(o)).value();
+  constexpr int kPuts = 16;
+  constexpr size_t kSize = 2 << 20;
+  auto memory = putter->AllocateBuffer((kPuts + 1) * kSize);
+  ASSERT_OK(memory);
+  ASSERT_OK(putter->data_plane_status());
+  {
+    // The buffer registered (its first use), so every put below is a
+    // PullBlocks at once.
+    BlockToPut b{"first", "",
+                 absl::string_view(memory->data() + kPuts * kSize, 4096)};
+    TransferOp op = putter->PutFromAsync("e2e/room", {&b, 1});
+    op.Wait();
+    ASSERT_OK(op.statuses()[0]);
+    ASSERT_EQ(std::string(op.transport()), "ucx");
+  }
+  // Nearly all of DRAM reserved, never committed.
+  const uint64_t holder = open();
+  v1::BeginPutResponse held;
+  {
+    grpc::ClientContext ctx;
+    v1::BeginPutRequest req;
+    req.set_session_id(holder);
+    req.set_namespace_("e2e/room");
+    v1::PutSpec* spec = req.add_blocks();
+    spec->set_key("held");
+    spec->set_size(7 << 20);
+    grpc::Status st = stub.BeginPut(&ctx, req, &held);
+    ASSERT_TRUE(st.ok()) << st.error_message();
+  }
+  std::vector<std::string> keys;
+  std::vector<TransferOp> ops;
+  for (int i = 0; i < kPuts; ++i) {
+    keys.push_back(absl::StrCat("p", i));
+    absl::Span<char> bytes = memory->subspan(i * kSize, kSize);
+    std::fill(bytes.begin(), bytes.end(), static_cast<char>('a' + i));
+    BlockToPut b{keys.back(), "",
+                 absl::string_view(bytes.data(), bytes.size())};
+    ops.push_back(putter->PutFromAsync("e2e/room", {&b, 1}));
+  }
+  absl::SleepFor(absl::Milliseconds(300));  // the puts reach the daemon
+
+  // Another client's calls are answered meanwhile.
+  {
+    grpc::ClientContext ctx;
+    ctx.set_deadline(absl::ToChronoTime(absl::Now() + absl::Seconds(3)));
+    v1::StatsRequest req;
+    v1::StatsResponse resp;
+    grpc::Status st = stub.Stats(&ctx, req, &resp);
+    EXPECT_TRUE(st.ok()) << "Stats behind waiting puts: " << st.error_message();
+  }
+  const uint64_t other = open();
+  ASSERT_NE(other, 0u);
+  {
+    grpc::ClientContext ctx;
+    ctx.set_deadline(absl::ToChronoTime(absl::Now() + absl::Seconds(3)));
+    v1::KeepAliveRequest req;
+    req.set_session_id(other);
+    v1::KeepAliveResponse resp;
+    grpc::Status st = stub.KeepAlive(&ctx, req, &resp);
+    EXPECT_TRUE(st.ok()) << "KeepAlive behind waiting puts: "
+                         << st.error_message();
+  }
+  {
+    grpc::ClientContext ctx;
+    ctx.set_deadline(absl::ToChronoTime(absl::Now() + absl::Seconds(3)));
+    v1::AbortPutRequest req;
+    req.set_session_id(holder);
+    req.set_reservation_id(held.reservation_id());
+    v1::AbortPutResponse resp;
+    grpc::Status st = stub.AbortPut(&ctx, req, &resp);
+    EXPECT_TRUE(st.ok()) << "AbortPut behind waiting puts: "
+                         << st.error_message();
+  }
+  for (TransferOp& op : ops) op.Wait();
+  EXPECT_OK(client->Health());
+  EXPECT_TRUE((*daemon)->Running()) << (*daemon)->Log();
+}
+
 }  // namespace
 }  // namespace kvdepot
