@@ -309,6 +309,34 @@ class VllmConnectorTest(unittest.TestCase):
         self.assertEqual(sched.stats["resumed_caps"], 2)
         self.assertEqual(self.pins(), 0)
 
+    def test_local_hits_kvdepot_holds_are_not_saved_again(self):
+        # A request whose whole prefix is in vLLM's own prefix cache loads
+        # nothing; its blocks were still gathered and sent again in every
+        # such request's save (a shared system prompt's, each time). The
+        # scheduler now asks kvdepot (unpinned) how many it holds.
+        e = self.engine()
+        toks = prompt(17, 8 * BS + 1)
+        a = FakeRequest("A", list(toks))
+        self.run_prefill(e, a)
+        saved = e.worker.stats["saved_blocks"]
+        self.assertEqual(saved, 8)
+        for i in range(3):
+            b = FakeRequest("B%d" % i, list(toks))
+            self.assertEqual(e.admit(b, num_local_computed=8 * BS,
+                                     local_blocks=e.blocks["A"][:8]), 0)
+            meta = e.step([b], [], {b.request_id: 1})
+            self.assertEqual([len(sv.block_ids) for sv in meta.saves if sv.block_ids], [])
+            e.finish(b)
+        self.assertEqual(e.worker.stats["saved_blocks"], saved)
+        self.assertEqual(self.pins(), 0)
+        # Blocks kvdepot does not hold (evicted) are saved again.
+        e.scheduler._get_client().evict(e.scheduler._scheduler_namespace, [], all=True)
+        c = FakeRequest("C", list(toks))
+        e.admit(c, num_local_computed=8 * BS, local_blocks=e.blocks["A"][:8])
+        e.step([c], [], {"C": 1})
+        e.finish(c)
+        self.assertEqual(e.worker.stats["saved_blocks"], saved + 8)
+
     def test_offers_pause_while_every_load_fails(self):
         # A worker that turned itself off (caches it does not take) fails
         # every load it is given, while the scheduler side, whose checks

@@ -864,19 +864,20 @@ class KvDepotConnector(KVConnectorBase_V1):  # type: ignore[misc,valid-type]
                 logger.warning("kvdepot: unpin %d failed: %s", pin, e)
             self._owed_unpins.popleft()
 
-    def _lookup_prefix(self, st: _RequestState, keys: List[bytes]) -> int:
-        """The stored prefix of ``keys``, in blocks, pinned: a prefix lookup
-        per chunk, in order, up to the first chunk not entirely stored; each
-        chunk's pin joins ``st.pin_ids`` as soon as it is taken (so that
-        :meth:`_unpin` releases it should a later chunk fail)."""
+    def _lookup_prefix(self, st: _RequestState, keys: List[bytes], pin: bool = True) -> int:
+        """The stored prefix of ``keys``, in blocks, pinned (unless not
+        ``pin``): a prefix lookup per chunk, in order, up to the first chunk
+        not entirely stored; each chunk's pin joins ``st.pin_ids`` as soon
+        as it is taken (so that :meth:`_unpin` releases it should a later
+        chunk fail)."""
         client = self._get_client()
         hits = 0
         for lo, hi in self._chunks(len(keys)):
             reply = client.lookup(self._scheduler_namespace, keys[lo:hi],
-                                  prefix=True, pin=True)
-            pin = int(reply.pin_id)
-            if pin:
-                st.pin_ids.append(pin)
+                                  prefix=True, pin=pin)
+            pin_id = int(reply.pin_id)
+            if pin_id:
+                st.pin_ids.append(pin_id)
             got = int(reply.prefix_hits)
             hits += got
             if got < hi - lo:
@@ -910,6 +911,16 @@ class KvDepotConnector(KVConnectorBase_V1):  # type: ignore[misc,valid-type]
                 num_blocks = min(num_blocks, cached // self._block_size)
                 self.stats["resumed_caps"] += 1
             if num_blocks * self._block_size <= num_computed_tokens:
+                # Nothing to load: every block is a local (prefix cache)
+                # hit. Learn (unpinned) how many kvdepot holds already, so
+                # that the saves of this request's steps do not gather and
+                # send them all again (a shared system prompt's blocks, for
+                # every request that reuses it).
+                local = num_computed_tokens // self._block_size
+                if st.stored_blocks < local and self._breaker.allow():
+                    hits = self._lookup_prefix(st, self._keys_upto(st, local), pin=False)
+                    self._breaker.succeeded()
+                    st.stored_blocks = max(st.stored_blocks, hits)
                 return 0, False
             keys = self._keys_upto(st, num_blocks)
             if not self._breaker.allow():  # kvdepotd unavailable: a miss
