@@ -150,6 +150,53 @@ TEST(ConcurrencyTest, EightWritersAndReadersOverTenThousandBlocks) {
   EXPECT_EQ(*rc, 0);
 }
 
+// The two tests below: a session of 60 s opened over `stub`.
+uint64_t OpenLongSession(v1::KvDepot::Stub& stub) {
+  grpc::ClientContext ctx;
+  v1::OpenSessionRequest req;
+  req.set_lease_ms(60000);
+  v1::OpenSessionResponse resp;
+  grpc::Status st = stub.OpenSession(&ctx, req, &resp);
+  EXPECT_TRUE(st.ok()) << st.error_message();
+  return resp.session_id();
+}
+
+// With puts waiting for room: a Stats and a new session's KeepAlive are
+// answered within 3 s each, and so is the AbortPut of `holder`'s
+// reservation `held` (which lets the waiting puts in).
+void ExpectAnsweredThenLetGo(v1::KvDepot::Stub& stub, uint64_t holder,
+                             uint64_t held) {
+  {
+    grpc::ClientContext ctx;
+    ctx.set_deadline(absl::ToChronoTime(absl::Now() + absl::Seconds(3)));
+    v1::StatsRequest req;
+    v1::StatsResponse resp;
+    grpc::Status st = stub.Stats(&ctx, req, &resp);
+    EXPECT_TRUE(st.ok()) << "Stats behind waiting puts: " << st.error_message();
+  }
+  const uint64_t other = OpenLongSession(stub);
+  ASSERT_NE(other, 0u);
+  {
+    grpc::ClientContext ctx;
+    ctx.set_deadline(absl::ToChronoTime(absl::Now() + absl::Seconds(3)));
+    v1::KeepAliveRequest req;
+    req.set_session_id(other);
+    v1::KeepAliveResponse resp;
+    grpc::Status st = stub.KeepAlive(&ctx, req, &resp);
+    EXPECT_TRUE(st.ok()) << "KeepAlive behind waiting puts: "
+                         << st.error_message();
+  }
+  grpc::ClientContext ctx;
+  ctx.set_deadline(absl::ToChronoTime(absl::Now() + absl::Seconds(3)));
+  v1::AbortPutRequest req;
+  req.set_session_id(holder);
+  req.set_reservation_id(held);
+  v1::AbortPutResponse resp;
+  grpc::Status st = stub.AbortPut(&ctx, req, &resp);
+  EXPECT_TRUE(st.ok()) << "AbortPut behind waiting puts: "
+                       << st.error_message();
+}
+
 // Puts that must wait for room (DRAM full of a reservation nobody commits,
 // an NVMe tier to make room into) wait on kvdepotd's put pool, not on
 // gRPC's threads. Bug: each BeginPut (and Write header) waited up to 5 s on
@@ -161,15 +208,6 @@ TEST(ConcurrencyTest, PutsWaitingForRoomDoNotStallOtherCalls) {
   ASSERT_OK(daemon);
   auto client = Connect((*daemon)->address());
   v1::KvDepot::Stub& stub = client->stub();
-  auto open = [&stub]() -> uint64_t {
-    grpc::ClientContext ctx;
-    v1::OpenSessionRequest req;
-    req.set_lease_ms(60000);
-    v1::OpenSessionResponse resp;
-    grpc::Status st = stub.OpenSession(&ctx, req, &resp);
-    EXPECT_TRUE(st.ok()) << st.error_message();
-    return resp.session_id();
-  };
   auto begin_put = [&stub](uint64_t session, const std::string& key, uint64_t size,
                            absl::Duration timeout, v1::BeginPutResponse* resp) {
     grpc::ClientContext ctx;
@@ -183,7 +221,7 @@ TEST(ConcurrencyTest, PutsWaitingForRoomDoNotStallOtherCalls) {
     return stub.BeginPut(&ctx, req, resp);
   };
   // Nearly all of DRAM reserved, never committed.
-  const uint64_t holder = open();
+  const uint64_t holder = OpenLongSession(stub);
   v1::BeginPutResponse held;
   grpc::Status hold = begin_put(holder, "held", 7 << 20, absl::Seconds(10), &held);
   ASSERT_TRUE(hold.ok()) << hold.error_message();
@@ -198,7 +236,8 @@ TEST(ConcurrencyTest, PutsWaitingForRoomDoNotStallOtherCalls) {
       ++started;
       if (i % 2 == 0) {
         v1::BeginPutResponse resp;
-        begin_put(open(), absl::StrCat("w", i), 2 << 20, absl::Seconds(4), &resp)
+        begin_put(OpenLongSession(stub), absl::StrCat("w", i), 2 << 20,
+                  absl::Seconds(4), &resp)
             .error_code();
       } else {
         grpc::ClientContext ctx;
@@ -220,27 +259,7 @@ TEST(ConcurrencyTest, PutsWaitingForRoomDoNotStallOtherCalls) {
 
   // Another client's calls are answered meanwhile: its lease is kept, and
   // a put that fits (after the holder lets go) is taken.
-  const uint64_t other = open();
-  ASSERT_NE(other, 0u);
-  {
-    grpc::ClientContext ctx;
-    ctx.set_deadline(absl::ToChronoTime(absl::Now() + absl::Seconds(3)));
-    v1::KeepAliveRequest req;
-    req.set_session_id(other);
-    v1::KeepAliveResponse resp;
-    grpc::Status st = stub.KeepAlive(&ctx, req, &resp);
-    EXPECT_TRUE(st.ok()) << "KeepAlive behind waiting puts: " << st.error_message();
-  }
-  {
-    grpc::ClientContext ctx;
-    ctx.set_deadline(absl::ToChronoTime(absl::Now() + absl::Seconds(3)));
-    v1::AbortPutRequest req;
-    req.set_session_id(holder);
-    req.set_reservation_id(held.reservation_id());
-    v1::AbortPutResponse resp;
-    grpc::Status st = stub.AbortPut(&ctx, req, &resp);
-    EXPECT_TRUE(st.ok()) << "AbortPut behind waiting puts: " << st.error_message();
-  }
+  ExpectAnsweredThenLetGo(stub, holder, held.reservation_id());
   for (std::thread& t : threads) t.join();
   EXPECT_OK(client->Health());
   EXPECT_TRUE((*daemon)->Running()) << (*daemon)->Log();
@@ -256,15 +275,6 @@ TEST(ConcurrencyTest, PullBlocksWaitingForRoomDoNotStallOtherCalls) {
   ASSERT_OK(daemon);
   auto client = Connect((*daemon)->address());
   v1::KvDepot::Stub& stub = client->stub();
-  auto open = [&stub]() -> uint64_t {
-    grpc::ClientContext ctx;
-    v1::OpenSessionRequest req;
-    req.set_lease_ms(60000);
-    v1::OpenSessionResponse resp;
-    grpc::Status st = stub.OpenSession(&ctx, req, &resp);
-    EXPECT_TRUE(st.ok()) << st.error_message();
-    return resp.session_id();
-  };
   ClientOptions o;
   o.server = (*daemon)->address();
   o.ucx_requests = false;  // PullBlocks as gRPC calls
@@ -286,7 +296,7 @@ TEST(ConcurrencyTest, PullBlocksWaitingForRoomDoNotStallOtherCalls) {
     ASSERT_EQ(std::string(op.transport()), "ucx");
   }
   // Nearly all of DRAM reserved, never committed.
-  const uint64_t holder = open();
+  const uint64_t holder = OpenLongSession(stub);
   v1::BeginPutResponse held;
   {
     grpc::ClientContext ctx;
@@ -312,37 +322,7 @@ TEST(ConcurrencyTest, PullBlocksWaitingForRoomDoNotStallOtherCalls) {
   absl::SleepFor(absl::Milliseconds(300));  // the puts reach the daemon
 
   // Another client's calls are answered meanwhile.
-  {
-    grpc::ClientContext ctx;
-    ctx.set_deadline(absl::ToChronoTime(absl::Now() + absl::Seconds(3)));
-    v1::StatsRequest req;
-    v1::StatsResponse resp;
-    grpc::Status st = stub.Stats(&ctx, req, &resp);
-    EXPECT_TRUE(st.ok()) << "Stats behind waiting puts: " << st.error_message();
-  }
-  const uint64_t other = open();
-  ASSERT_NE(other, 0u);
-  {
-    grpc::ClientContext ctx;
-    ctx.set_deadline(absl::ToChronoTime(absl::Now() + absl::Seconds(3)));
-    v1::KeepAliveRequest req;
-    req.set_session_id(other);
-    v1::KeepAliveResponse resp;
-    grpc::Status st = stub.KeepAlive(&ctx, req, &resp);
-    EXPECT_TRUE(st.ok()) << "KeepAlive behind waiting puts: "
-                         << st.error_message();
-  }
-  {
-    grpc::ClientContext ctx;
-    ctx.set_deadline(absl::ToChronoTime(absl::Now() + absl::Seconds(3)));
-    v1::AbortPutRequest req;
-    req.set_session_id(holder);
-    req.set_reservation_id(held.reservation_id());
-    v1::AbortPutResponse resp;
-    grpc::Status st = stub.AbortPut(&ctx, req, &resp);
-    EXPECT_TRUE(st.ok()) << "AbortPut behind waiting puts: "
-                         << st.error_message();
-  }
+  ExpectAnsweredThenLetGo(stub, holder, held.reservation_id());
   for (TransferOp& op : ops) op.Wait();
   EXPECT_OK(client->Health());
   EXPECT_TRUE((*daemon)->Running()) << (*daemon)->Log();

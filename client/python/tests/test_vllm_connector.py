@@ -284,6 +284,13 @@ class VllmConnectorTest(unittest.TestCase):
         # 48 tokens stored, but vLLM must compute at least one: 2 blocks.
         self.assertEqual(b_eng.admit(b), 2 * BS)
 
+    def stored_then_engine(self, seed):
+        """A request of 4 blocks (and a token) prefilled, and saved, by one
+        engine; returns it and a second engine."""
+        a = FakeRequest("A", prompt(seed, 4 * BS + 1))
+        self.run_prefill(self.engine(), a)
+        return a, self.engine()
+
     def test_a_resumed_request_is_offered_no_more_than_its_first_schedule_found(self):
         # vLLM recomputes a failed load's blocks only within the request's
         # num_cached_tokens, set at its first schedule and kept across a
@@ -291,10 +298,7 @@ class VllmConnectorTest(unittest.TestCase):
         # was offered its whole stored prefix: a failed load (a TP rank
         # without the blocks, a daemon restart) left those blocks
         # unrecomputed, decoded from and saved again.
-        a_eng = self.engine()
-        a = FakeRequest("A", prompt(14, 4 * BS + 1))
-        self.run_prefill(a_eng, a)  # saves 4 blocks
-        b_eng = self.engine()
+        a, b_eng = self.stored_then_engine(14)
         sched = b_eng.scheduler
         never = FakeRequest("N", list(a.prompt_token_ids))
         self.assertEqual(sched.get_num_new_matched_tokens(never, 0), (4 * BS, False))
@@ -343,10 +347,7 @@ class VllmConnectorTest(unittest.TestCase):
         # passed, kept offering hits: each request wasted a forward pass.
         # After 3 steps whose every load failed, offers pause; they resume
         # after the pause, and a load that succeeds ends the back-off.
-        a_eng = self.engine()
-        a = FakeRequest("A", prompt(16, 4 * BS + 1))
-        self.run_prefill(a_eng, a)  # saves 4 blocks
-        b_eng = self.engine()
+        a, b_eng = self.stored_then_engine(16)
         sched = b_eng.scheduler
         now = [1000.0]
         sched._clock = lambda: now[0]
