@@ -515,6 +515,7 @@ class NvmeTierImpl final : public NvmeTier {
   // What the last put's CheckFreeSpace found.
   std::atomic<uint64_t> free_bytes_{0};
   std::atomic<bool> short_of_space_{false};
+  std::atomic<uint64_t> refused_bytes_{0};  // the block it was short for
 
   mutable absl::Mutex mu_;
   Index index_ ABSL_GUARDED_BY(mu_);
@@ -545,14 +546,6 @@ class NvmeTierImpl final : public NvmeTier {
 
 namespace {
 
-// RocksDB opens a file for direct reads only when it first reads it, so on
-// a file system that refuses O_DIRECT (tmpfs before Linux 6.6, some FUSE
-// and network file systems) the tier would open and then fail every read.
-// Asked once, through `env` as RocksDB would: a 4 KiB probe file in `dir`
-// written, then read back with direct reads into an aligned buffer. A
-// refusal (EINVAL, which RocksDB reports as an I/O error saying "Invalid
-// argument") is InvalidArgument, the setting's fault; other failures keep
-// their own code (FromRocksStatus).
 // NvmeTierOptions::min_free_bytes' default: twice the memtables' budget
 // plus 64 MiB, but at most a twentieth of the file system under `dir` (a
 // small one, as tests mount, would otherwise take no block at all).
@@ -569,6 +562,14 @@ uint64_t DefaultMinFreeBytes(const NvmeTierOptions& o, const std::string& dir) {
   return want;
 }
 
+// RocksDB opens a file for direct reads only when it first reads it, so on
+// a file system that refuses O_DIRECT (tmpfs before Linux 6.6, some FUSE
+// and network file systems) the tier would open and then fail every read.
+// Asked once, through `env` as RocksDB would: a 4 KiB probe file in `dir`
+// written, then read back with direct reads into an aligned buffer. A
+// refusal (EINVAL, which RocksDB reports as an I/O error saying "Invalid
+// argument") is InvalidArgument, the setting's fault; other failures keep
+// their own code (FromRocksStatus).
 absl::Status CheckDirectReads(rocksdb::Env* env, const std::string& dir) {
   const std::string probe = dir + "/DIRECT_READ_PROBE";
   constexpr size_t kProbeBytes = 4096;
@@ -1207,6 +1208,7 @@ absl::Status NvmeTierImpl::CheckFreeSpace(uint64_t bytes) {
   free_bytes_.store(free, std::memory_order_relaxed);
   short_of_space_.store(short_now, std::memory_order_relaxed);
   if (!short_now) return absl::OkStatus();
+  refused_bytes_.store(bytes, std::memory_order_relaxed);
   return absl::UnavailableError(ShortOfSpaceMessage(free));
 }
 
@@ -1659,7 +1661,10 @@ NvmeTierStats NvmeTierImpl::Stats() {
     } else if (listener_->fatal()) {
       absl::StrAppend(&stats.write_error, kFatalSuffix);
     }
-  } else if (short_of_space_.load(std::memory_order_relaxed)) {
+  } else if (short_of_space_.load(std::memory_order_relaxed) &&
+             // Still? (Space may have been freed since, with no put.)
+             !CheckFreeSpace(refused_bytes_.load(std::memory_order_relaxed))
+                  .ok()) {
     stats.writable = false;
     stats.write_error =
         ShortOfSpaceMessage(free_bytes_.load(std::memory_order_relaxed));

@@ -1176,6 +1176,7 @@ TEST_F(NvmeTierTest, PutsThatWouldLeaveTooLittleFreeSpaceAreRefused) {
   EXPECT_EQ(fault_fs_->injected_errors(), 0u);      // RocksDB never saw it
 
   fault_fs_->SetFreeSpace((8 << 20) + kSize);  // just enough
+  EXPECT_TRUE(tier_->Stats().writable);  // seen without a put (an idle tier)
   EXPECT_THAT(Put(Key(2), Bytes(2, kSize)),
               IsOkAndHolds(NvmePutOutcome::kStored));
   EXPECT_TRUE(tier_->Stats().writable);
