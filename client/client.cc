@@ -81,6 +81,8 @@ constexpr absl::Duration kBufferRotationGap = absl::Minutes(1);
 // Whether a gRPC call that ended with `st` may have ended without the
 // daemon's answer: the daemon may have run it, or may still run it (a
 // PushBlocks / PullBlocks; a pinning Lookup, whose pin id is then lost).
+// Also whether a block's transfer that ended so may still be on its way
+// (MayLandLate).
 bool MaybeUnanswered(const absl::Status& st) {
   switch (st.code()) {
     case absl::StatusCode::kDeadlineExceeded:
@@ -1713,21 +1715,14 @@ bool GetNeedsHashing(const absl::Status& st, const v1::PushBlocksResponse& resp)
 // may still be in the socket.
 bool MayLandLate(const absl::Status& st, const v1::PushBlocksResponse& resp,
                  const std::vector<bool>& in_place) {
-  auto in_flight = [](absl::StatusCode code) {
-    return code == absl::StatusCode::kDeadlineExceeded ||
-           code == absl::StatusCode::kUnavailable ||
-           code == absl::StatusCode::kCancelled ||
-           code == absl::StatusCode::kAborted ||
-           code == absl::StatusCode::kUnknown ||
-           code == absl::StatusCode::kInternal;
-  };
   if (std::all_of(in_place.begin(), in_place.end(), [](bool b) { return b; })) {
     return false;
   }
-  if (!st.ok()) return in_flight(st.code());
+  if (!st.ok()) return MaybeUnanswered(st);
   for (int i = 0; i < resp.blocks_size(); ++i) {
     if (static_cast<size_t>(i) < in_place.size() && !in_place[i] &&
-        in_flight(static_cast<absl::StatusCode>(resp.blocks(i).code()))) {
+        MaybeUnanswered(absl::Status(
+            static_cast<absl::StatusCode>(resp.blocks(i).code()), ""))) {
       return true;
     }
   }

@@ -341,20 +341,17 @@ void KvDepotService::StartBeginPut(grpc::CallbackServerContext* ctx,
     // call (a KeepAlive holding a lease) needs.
     return SubmitWaitingPut([this, ctx, req, resp,
                              finish = std::move(finish)](absl::Status queued) {
-      if (ctx->IsCancelled()) {  // the client gave up meanwhile
-        return finish(absl::CancelledError("the client cancelled the put"));
-      }
+      if (ctx->IsCancelled())
+        return finish(PutCancelled());  // gave up meanwhile
       // Queued too long: one more try, without waiting.
       StartBeginPut(ctx, req, resp, finish, /*must_not_block=*/!queued.ok(), queued);
     });
   }
   if (!r.ok()) return finish(r.status());
-  if (r->id != 0 && ctx->IsCancelled()) {
-    // The client gave up (while the put waited for room, or before this
-    // handler ran): no one would learn the reservation's id, and its
-    // session's keep-alives would hold the space until the session ends.
-    store_.AbortPut(req->session_id(), r->id).IgnoreError();
-    return finish(absl::CancelledError("the client cancelled the put"));
+  // The client gave up while the put waited for room, or before this
+  // handler ran.
+  if (AbortIfClientGaveUp(ctx, req->session_id(), r->id)) {
+    return finish(PutCancelled());
   }
   resp->set_reservation_id(r->id);
   for (const PutSlot& slot : r->slots) {
@@ -363,6 +360,13 @@ void KvDepotService::StartBeginPut(grpc::CallbackServerContext* ctx,
     out->set_offset(slot.offset);
   }
   finish(absl::OkStatus());
+}
+
+bool KvDepotService::AbortIfClientGaveUp(grpc::CallbackServerContext* ctx,
+                                         SessionId session, ReservationId id) {
+  if (id == 0 || ctx == nullptr || !ctx->IsCancelled()) return false;
+  store_.AbortPut(session, id).IgnoreError();
+  return true;
 }
 
 void KvDepotService::SubmitWaitingPut(absl::AnyInvocable<void(absl::Status) &&> put) {
@@ -1252,9 +1256,7 @@ void KvDepotService::StartPullBlocks(const v1::PullBlocksRequest* req,
     // DRAM is full and the evictor is to make room: wait for it elsewhere.
     return SubmitWaitingPut([this, req, resp, finish = std::move(finish), data,
                              ctx](absl::Status queued) {
-      if (ctx != nullptr && ctx->IsCancelled()) {  // the client gave up
-        return finish(absl::CancelledError("the client cancelled the put"));
-      }
+      if (ctx != nullptr && ctx->IsCancelled()) return finish(PutCancelled());
       // Queued too long: one more try, without waiting.
       StartPullBlocks(req, resp, finish, /*must_not_block=*/!queued.ok(), data,
                       queued, ctx);
@@ -1263,11 +1265,8 @@ void KvDepotService::StartPullBlocks(const v1::PullBlocksRequest* req,
   if (!resv.ok()) {
     return finish(resv.status());
   }
-  if (ctx != nullptr && resv->id != 0 && ctx->IsCancelled()) {
-    // Room came after the client gave up: nothing would read its sources.
-    store_.AbortPut(session, resv->id).IgnoreError();
-    return finish(absl::CancelledError("the client cancelled the put"));
-  }
+  if (AbortIfClientGaveUp(ctx, session, resv->id))
+    return finish(PutCancelled());
   // Every reserved slot's bytes come from its source.
   std::vector<BlockMove> moves;
   std::vector<std::unique_ptr<SlotHandle>> slots;

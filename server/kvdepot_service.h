@@ -177,6 +177,16 @@ class KvDepotService final
   // and, if it still would, ends with that status. So a put is answered
   // within about twice the store's wait however many wait.
   void SubmitWaitingPut(absl::AnyInvocable<void(absl::Status) &&> put);
+  // After a put reserved `id` (0: nothing) in `session`: whether the
+  // client of its gRPC call (`ctx`; none for a UCX request) has given up,
+  // and then aborts the reservation: no one would learn its id, and the
+  // session's keep-alives would hold the space until the session ends.
+  bool AbortIfClientGaveUp(grpc::CallbackServerContext* ctx, SessionId session,
+                           ReservationId id);
+  // The answer to a put whose client gave up.
+  static absl::Status PutCancelled() {
+    return absl::CancelledError("the client cancelled the put");
+  }
   static constexpr absl::Duration kMaxQueuedForRoom = absl::Seconds(5);
   ServerMetrics& metrics() { return metrics_; }
   Clock& clock() { return clock_; }

@@ -557,9 +557,9 @@ class KvCacheStore:
     def _wait_unfinished(self) -> None:
         """Waits for the transfers in _unfinished, dropping each once it is
         ready (another interruption leaves the rest listed)."""
-        while self._unfinished:
-            self._unfinished[0].wait()
-            self._unfinished.pop(0)
+        from ._device_load import wait_listed
+
+        wait_listed(self._unfinished)
 
     def _wait_pending(self) -> None:
         """Waits for the load or the interrupted save in flight, if any, so

@@ -45,6 +45,15 @@ from typing import Any, Callable, List, Optional, Sequence, Tuple
 _BlockError = Optional[Tuple[str, str]]
 
 
+def wait_listed(ops: List[Any]) -> None:
+    """Waits for the transfer ops in ``ops``, removing each from the list
+    once it is ready: a wait an exception cuts short (Ctrl-C) leaves the
+    rest listed, for a later call."""
+    while ops:
+        ops[0].wait()
+        ops.pop(0)
+
+
 def _split_status(e: Exception) -> Tuple[str, str]:
     """("CODE", "message") of an exception whose message is "CODE: ..."."""
     code, sep, msg = str(e).partition(": ")
@@ -131,9 +140,7 @@ class DeviceLoad:
             # it reuses the buffers they write.
             left = unfinished if unfinished is not None else []
             left.extend(op for _, op in self._ops)
-            while left:
-                left[0].wait()
-                left.pop(0)
+            wait_listed(left)
             raise
 
     def __len__(self) -> int:
