@@ -13,9 +13,10 @@
 // page-locked host memory such as a HostBuffer or RegisterHostMemory's.
 // Both the first and the last byte of each buffer are checked; pageable
 // host memory (unless the device can access it: HMM/ATS), a buffer that
-// runs past the end of its registration or allocation, and another
-// device's memory are rejected with InvalidArgument. In the CPU build every
-// pointer is host memory.
+// runs past the end of its registration or allocation (its ends of two
+// kinds), and another device's memory are rejected with InvalidArgument.
+// A sticky CUDA error met there comes back as that error (Internal). In the CPU
+// build every pointer is host memory.
 //
 // Thread-safe: the functions keep no state. Concurrent calls must not write
 // the same bytes (a scatter into blocks another call reads or writes, or two

@@ -29,12 +29,15 @@ using gpu_internal::kLaunchMaxLayers;
 // the whole CUDA context (the engine's too), so every buffer is checked
 // before anything is enqueued: its first and its last byte must each be
 // device memory of the current device, managed memory, or page-locked host
-// memory -- or pageable host memory where the device reads that (HMM/ATS).
+// memory -- or pageable host memory where the device reads that (HMM/ATS)
+// -- and both of the same kind (the same device's, for device memory).
 // The last byte catches a buffer that runs past the end of its
-// registration or allocation. Two cudaPointerGetAttributes per buffer,
-// nothing cached (memory is freed and reused between calls). Not seen: a
-// hole inside a buffer whose two ends are reachable (two registered ranges
-// with pageable memory between them).
+// registration or allocation: past a cudaMalloc'd or page-locked range the
+// address space is unmapped or someone else's, and a device that reads
+// pageable memory would fault there all the same. Two
+// cudaPointerGetAttributes per buffer, nothing cached (memory is freed and
+// reused between calls). Not seen: a hole inside a buffer whose two ends
+// are of one kind (two allocations with a gap between them).
 //
 // Device memory of another device is refused even where peer access to it
 // is enabled: the runtime cannot tell whether it is without side effects,
@@ -43,13 +46,41 @@ constexpr absl::string_view kReachable =
     "use device memory of the current device or page-locked host memory "
     "(AllocateHostBuffer, RegisterHostMemory)";
 
-// Why a kernel on `device` cannot dereference byte `p`; empty if it can.
-std::string Unreachable(const void* p, int device, bool pageable) {
+// What the runtime knows of byte `p`. Since CUDA 11 a plain host pointer is
+// cudaSuccess with type cudaMemoryTypeUnregistered; cudaErrorInvalidValue
+// (older drivers) means the same. Any other error is the context's (a
+// sticky fault of an earlier kernel, the engine's own included) and is
+// returned as it is, not taken for bad input.
+absl::StatusOr<cudaPointerAttributes> Attributes(const void* p) {
   cudaPointerAttributes attr{};
-  if (cudaPointerGetAttributes(&attr, p) != cudaSuccess) {
+  const cudaError_t e = cudaPointerGetAttributes(&attr, p);
+  if (e == cudaErrorInvalidValue) {
     (void)cudaGetLastError();  // not a CUDA pointer; clear the error
+    attr = cudaPointerAttributes{};
     attr.type = cudaMemoryTypeUnregistered;
+  } else {
+    RETURN_IF_ERROR(CudaStatus(e, "cudaPointerGetAttributes"));
   }
+  return attr;
+}
+
+std::string Describe(const cudaPointerAttributes& attr) {
+  switch (attr.type) {
+    case cudaMemoryTypeUnregistered:
+      return "pageable host memory";
+    case cudaMemoryTypeDevice:
+      return absl::StrCat("memory of device ", attr.device);
+    case cudaMemoryTypeManaged:
+      return "managed memory";
+    default:
+      return "page-locked host memory";
+  }
+}
+
+// Why a kernel on `device` cannot dereference memory of `attr`; empty if
+// it can.
+std::string Unreachable(const cudaPointerAttributes& attr, int device,
+                        bool pageable) {
   switch (attr.type) {
     case cudaMemoryTypeUnregistered:
       return pageable ? std::string()
@@ -58,9 +89,8 @@ std::string Unreachable(const void* p, int device, bool pageable) {
                             "cannot access");
     case cudaMemoryTypeDevice:
       if (attr.device == device) return std::string();
-      return absl::StrCat("memory of device ", attr.device,
-                          ", not of the current device ", device,
-                          " (make that device current first)");
+      return absl::StrCat(Describe(attr), ", not of the current device ",
+                          device, " (make that device current first)");
     default:  // page-locked host memory; managed memory
       return std::string();
   }
@@ -68,14 +98,20 @@ std::string Unreachable(const void* p, int device, bool pageable) {
 
 absl::Status CheckBuffer(const void* p, uint64_t bytes, int device,
                          bool pageable, absl::string_view what, size_t index) {
-  std::string why = Unreachable(p, device, pageable);
+  ASSIGN_OR_RETURN(const cudaPointerAttributes first, Attributes(p));
+  std::string why = Unreachable(first, device, pageable);
   if (!why.empty()) {
     return absl::InvalidArgumentError(
         absl::StrCat(what, " ", index, " is ", why, "; ", kReachable));
   }
   if (bytes > 1) {
-    why = Unreachable(static_cast<const char*>(p) + (bytes - 1), device,
-                      pageable);
+    ASSIGN_OR_RETURN(const cudaPointerAttributes last,
+                     Attributes(static_cast<const char*>(p) + (bytes - 1)));
+    why = Unreachable(last, device, pageable);
+    // Both reachable, so device memory is the current device's at both.
+    if (why.empty() && last.type != first.type) {
+      why = absl::StrCat(Describe(last), ", its first byte ", Describe(first));
+    }
     if (!why.empty()) {
       return absl::InvalidArgumentError(absl::StrCat(
           what, " ", index, " (", bytes,

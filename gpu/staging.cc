@@ -3,6 +3,7 @@
 #include <pthread.h>
 
 #include <algorithm>
+#include <system_error>
 #include <utility>
 
 #include "absl/container/inlined_vector.h"
@@ -161,9 +162,11 @@ absl::StatusOr<std::unique_ptr<StagingPipeline>> StagingPipeline::Create(
   // Once, so that no piece checks them again.
   RETURN_IF_ERROR(
       gpu_internal::CheckObjectBuffers(pointers, buffer_bytes, device));
-  return std::unique_ptr<StagingPipeline>(
+  std::unique_ptr<StagingPipeline> pipeline(
       new StagingPipeline(layout, stream, options, device, buffer_bytes,
                           std::move(buffers), std::move(events)));
+  RETURN_IF_ERROR(pipeline->StartThreads());
+  return pipeline;
 }
 
 StagingPipeline::StagingPipeline(const KvLayout& layout, StreamRef stream,
@@ -177,12 +180,22 @@ StagingPipeline::StagingPipeline(const KvLayout& layout, StreamRef stream,
       device_(device),
       buffer_bytes_(buffer_bytes),
       buffers_(std::move(buffers)),
-      events_(std::move(events)) {
-  device_thread_ = std::thread([this] { RunStage(Stage::kDevice); });
-  transport_thread_ = std::thread([this] { RunStage(Stage::kTransport); });
+      events_(std::move(events)) {}
+
+absl::Status StagingPipeline::StartThreads() {
+  // Out of threads (RLIMIT_NPROC, a container's pids limit) is an error for
+  // the engine to hear of, not std::terminate in its process.
+  try {
+    device_thread_ = std::thread([this] { RunStage(Stage::kDevice); });
+    transport_thread_ = std::thread([this] { RunStage(Stage::kTransport); });
+  } catch (const std::system_error& e) {
+    return absl::ResourceExhaustedError(
+        absl::StrCat("staging pipeline: cannot start its threads: ", e.what()));
+  }  // the destructor stops and joins the one that started
   // Linux limits thread names to 15 characters.
   pthread_setname_np(device_thread_.native_handle(), "kvd-stage-dev");
   pthread_setname_np(transport_thread_.native_handle(), "kvd-stage-xfer");
+  return absl::OkStatus();
 }
 
 StagingPipeline::~StagingPipeline() {
@@ -190,8 +203,8 @@ StagingPipeline::~StagingPipeline() {
     absl::MutexLock lock(&mu_);
     stop_ = true;
   }
-  device_thread_.join();
-  transport_thread_.join();
+  if (device_thread_.joinable()) device_thread_.join();
+  if (transport_thread_.joinable()) transport_thread_.join();
 }
 
 absl::StatusOr<std::unique_ptr<PendingTransfer>> StagingPipeline::StartSave(

@@ -184,6 +184,8 @@ class StagingPipeline {
                   StagingOptions options, int device, size_t buffer_bytes,
                   std::vector<HostBuffer> buffers,
                   std::vector<DeviceEvent> events);
+  // Starts the device and transport stages' threads (Create's last step).
+  absl::Status StartThreads();
   absl::StatusOr<std::unique_ptr<PendingTransfer>> Start(
       std::shared_ptr<staging_internal::Transfer> t);
   void RunStage(Stage stage);

@@ -334,6 +334,9 @@ cudaError_t cudaDeviceGetAttribute(int* value, cudaDeviceAttr attr,
 
 cudaError_t cudaPointerGetAttributes(cudaPointerAttributes* attr,
                                      const void* ptr) {
+  // As the runtime documents it: errors of earlier asynchronous launches
+  // (a sticky fault) come back from here too.
+  if (Sticky() != cudaSuccess) return Fail(Sticky());
   Registry& r = Reg();
   absl::MutexLock lock(&r.mu);
   const Range* range = r.Find(ptr, nullptr);

@@ -8,6 +8,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <cstdlib>
 #include <cstring>
 #include <random>
 #include <set>
@@ -20,6 +21,7 @@
 #include "absl/synchronization/mutex.h"
 #include "fake_cuda.h"
 #include "gpu/device_memory.h"
+#include "gpu/gather.h"
 #include "gpu/internal/copy_kernel.h"
 #include "gpu/internal/test_cache.h"
 #include "gpu/staging.h"
@@ -418,6 +420,53 @@ TEST_P(FailureStress, AnAsynchronousFaultEndsTheTransfer) {
     fake_cuda::ClearStickyError();
     (void)cudaGetLastError();
   }
+}
+
+// After a sticky fault (an earlier kernel's, here one of Gather's own; the
+// engine's kernels' faults are the same) every runtime call returns it,
+// cudaPointerGetAttributes included. Gather then reports the context's
+// error, not InvalidArgument about memory the device could not reach,
+// which would send its caller after a registration problem that is not
+// there.
+TEST(StickyFault, GatherReportsTheContextsErrorNotBadInput) {
+  const KvLayout layout = Small();
+  TestCache cache(layout, 4);
+  std::mt19937_64 rng(61);
+  cache.FillRandom(rng);
+  const int64_t id = 2;
+  HostBuffer pinned = AllocateHostBuffer(layout.object_bytes()).value();
+  void* to_pinned[] = {pinned.data()};
+  std::vector<char> pageable(layout.object_bytes());
+  void* to_pageable[] = {pageable.data()};
+
+  fake_cuda::FaultKernelAfter(0);
+  ASSERT_OK(Gather(layout, cache.view(), absl::MakeConstSpan(&id, 1),
+                   layout.AllLayers(), to_pinned, StreamRef{}));
+  EXPECT_THAT(SynchronizeStream(StreamRef{}),
+              StatusIs(absl::StatusCode::kInternal));
+  for (void** to : {to_pinned, to_pageable}) {
+    const absl::Status s =
+        Gather(layout, cache.view(), absl::MakeConstSpan(&id, 1),
+               layout.AllLayers(), absl::MakeConstSpan(to, 1), StreamRef{});
+    EXPECT_THAT(s, StatusIs(absl::StatusCode::kInternal)) << s;
+    EXPECT_THAT(std::string(s.message()),
+                ::testing::HasSubstr("cudaErrorIllegalAddress"));
+  }
+  fake_cuda::FaultKernelAfter(-1);
+  fake_cuda::ClearStickyError();
+  (void)cudaGetLastError();
+
+  // Once the context is good again, pageable memory is what it is.
+  if (std::getenv("FAKE_CUDA_PAGEABLE") == nullptr) {
+    EXPECT_THAT(Gather(layout, cache.view(), absl::MakeConstSpan(&id, 1),
+                       layout.AllLayers(), to_pageable, StreamRef{}),
+                StatusIs(absl::StatusCode::kInvalidArgument));
+  }
+  ASSERT_OK(Gather(layout, cache.view(), absl::MakeConstSpan(&id, 1),
+                   layout.AllLayers(), to_pinned, StreamRef{}));
+  ASSERT_OK(SynchronizeStream(StreamRef{}));
+  EXPECT_TRUE(SameBytes(std::string(pinned.data(), layout.object_bytes()),
+                        cache.ExpectedObject(id)));
 }
 
 // A pipeline made on device 1, started from a thread whose current device
