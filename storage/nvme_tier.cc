@@ -1288,6 +1288,18 @@ absl::StatusOr<NvmePutOutcome> NvmeTierImpl::Put(absl::string_view ns,
                      "NVMe tier's capacity of ", options_.capacity_bytes,
                      " bytes"));
   }
+  // A block stored already (a promoted block leaving DRAM again) is
+  // neither hashed nor refused for a disk that takes no writes: nothing is
+  // to be written. Checked again below, under the same lock as the insert.
+  {
+    absl::MutexLock lock(&mu_);
+    WaitSettled(id);
+    auto it = index_.find(id);
+    if (it != index_.end() && it->second.state == State::kStored) {
+      TouchLocked(&it->second);
+      return NvmePutOutcome::kAlreadyPresent;
+    }
+  }
   if (BlockChecksum(bytes) != checksum) {
     return absl::InvalidArgumentError(
         absl::StrCat("checksum mismatch for block ", IdToHex(id),

@@ -1174,6 +1174,10 @@ TEST_F(NvmeTierTest, PutsThatWouldLeaveTooLittleFreeSpaceAreRefused) {
   EXPECT_FALSE(tier_->Contains("ns", Key(2)));
   EXPECT_TRUE(ReadsBack(Key(1), Bytes(1, kSize)));  // reads go on
   EXPECT_EQ(fault_fs_->injected_errors(), 0u);      // RocksDB never saw it
+  // A block stored already needs no write: found, not refused (a promoted
+  // block leaving DRAM again is no failed demotion).
+  EXPECT_THAT(Put(Key(1), Bytes(1, kSize)),
+              IsOkAndHolds(NvmePutOutcome::kAlreadyPresent));
 
   fault_fs_->SetFreeSpace((8 << 20) + kSize);  // just enough
   EXPECT_TRUE(tier_->Stats().writable);  // seen without a put (an idle tier)

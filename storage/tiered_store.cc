@@ -1448,7 +1448,12 @@ class TieredStoreImpl final : public TieredStore {
       q.slot.key = p.key;
       q.slot.parent = std::move(meta->parent);
       q.slot.size = meta->size;
-      if (!AllocateSlot(q.slot).ok()) {  // DRAM full of pinned blocks
+      // DRAM full of pinned and reserved blocks: a miss at once. Waiting
+      // for room, as AllocateSlot does, would have the evictor demote every
+      // unpinned block first, for nothing where no eviction can make room
+      // (BeginPut checks the same before it allocates).
+      if (!CheckRoom(SlotAllocationSize(q.slot)).ok() ||
+          !AllocateSlot(q.slot).ok()) {
         info.charged.fetch_sub(q.slot.size);
         pending.pop_back();
         break;
@@ -1810,7 +1815,13 @@ class TieredStoreImpl final : public TieredStore {
       }
       return;
     }
-    (r.ok() ? demotions_ : demotion_failures_).fetch_add(1, std::memory_order_relaxed);
+    // A block NVMe holds already (promoted, then leaving DRAM again) was
+    // not written: no demotion.
+    if (!r.ok()) {
+      demotion_failures_.fetch_add(1, std::memory_order_relaxed);
+    } else if (*r == NvmePutOutcome::kStored) {
+      demotions_.fetch_add(1, std::memory_order_relaxed);
+    }
   }
 
   uint64_t DemotionsEnded() {

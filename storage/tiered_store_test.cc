@@ -1682,6 +1682,29 @@ TEST_F(TieredStoreNvmeTest, DemotedBlocksAreFoundOnNvmeAndPromotedWhenPinned) {
   ASSERT_OK(store_->Unpin(sid_, pin));
 }
 
+// A promoted block is on both tiers; leaving DRAM again writes nothing, and
+// is no demotion (StoreStats::demotions, PersistDram's count: blocks
+// written to NVMe).
+TEST_F(TieredStoreNvmeTest, APromotedBlockLeavingDramAgainIsNoDemotion) {
+  Put("b0", Block(0));
+  auto persisted = store_->PersistDram();
+  ASSERT_OK(persisted);
+  EXPECT_EQ(*persisted, 1u);
+  const uint64_t written = store_->Stats().nvme_write_bytes;
+  PinId pin = 0;
+  ASSERT_TRUE(Look("b0", true, &pin).promoted);
+  ASSERT_OK(store_->Unpin(sid_, pin));
+  persisted = store_->PersistDram();
+  ASSERT_OK(persisted);
+  EXPECT_EQ(*persisted, 0u);
+  const StoreStats st = store_->Stats();
+  EXPECT_EQ(st.demotions, 1u);
+  EXPECT_EQ(st.demotion_failures, 0u);
+  EXPECT_EQ(st.nvme_write_bytes, written);
+  EXPECT_EQ(st.dram.blocks, 0u);
+  EXPECT_EQ(Look("b0", false).tier, Tier::kNvme);
+}
+
 // A DRAM block whose bytes changed after its put (memory corruption) is
 // not written to NVMe with its old checksum when demoted: it is dropped
 // and counted as a DRAM integrity error, not as a demotion failure (which
@@ -1932,6 +1955,46 @@ TEST_F(TieredStoreNvmeTest, AQuotaPutThatCannotFitDropsNothing) {
     EXPECT_TRUE(l->entries[0].found) << key << " was dropped";
   }
   for (PinId pin : pins) ASSERT_OK(store_->Unpin(sid_, pin));
+}
+
+// A pinned lookup of an NVMe block that no eviction can make room for in
+// DRAM (the rest is pinned) is a miss at once: it demotes nothing, as a
+// put of the same block (BeginPut's CheckRoom) would not. It used to ask
+// the evictor for room and wait while every unpinned block was demoted.
+TEST_F(TieredStoreNvmeTest, APromotionThatCannotFitDemotesNothing) {
+  Open(/*admit_min_reads=*/0, /*background_eviction=*/true,
+       /*high_watermark=*/1.0);
+  const std::string big(2 << 20, 'B');
+  Put("big", big);
+  ASSERT_OK(store_->PersistDram());
+  ASSERT_EQ(Look("big", false).tier, Tier::kNvme);
+  std::vector<PinId> pins;  // 2 MiB pinned
+  for (int i = 0; i < 8; ++i) {
+    Put("p" + std::to_string(i), Block(i));
+    PinId pin = 0;
+    ASSERT_TRUE(Look("p" + std::to_string(i), true, &pin).found);
+    pins.push_back(pin);
+  }
+  for (int i = 0; i < 4; ++i) Put("u" + std::to_string(i), Block(i));
+  const StoreStats before = store_->Stats();
+
+  PinId pin = 0;
+  const LookupEntry e = Look("big", true, &pin);
+  EXPECT_FALSE(e.found && e.tier == Tier::kDram) << "promoted into no room";
+  const StoreStats after = store_->Stats();
+  EXPECT_EQ(after.demotions, before.demotions);
+  EXPECT_EQ(after.dram.blocks, before.dram.blocks);
+  for (int i = 0; i < 4; ++i) {
+    EXPECT_EQ(Look("u" + std::to_string(i), false).tier, Tier::kDram) << i;
+  }
+  if (e.found) {
+    ASSERT_OK(store_->Unpin(sid_, pin));
+  }
+  for (PinId p : pins) ASSERT_OK(store_->Unpin(sid_, p));
+  // With the pins gone it fits, and is promoted.
+  ASSERT_TRUE(Look("big", true, &pin).found);
+  EXPECT_EQ(store_->Stats().promotions, before.promotions + 1);
+  ASSERT_OK(store_->Unpin(sid_, pin));
 }
 
 // With the evictor and an NVMe tier, a put that finds DRAM full waits for
