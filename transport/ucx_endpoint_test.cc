@@ -650,6 +650,35 @@ TEST_P(UcxEndpointTest, NothingMoreOfABatchIsSentOnceItsDeadlinePassed) {
   EXPECT_FALSE(put.overall_status().ok());
 }
 
+// A batch whose deadline passed while it waited in the progress thread's
+// queue (the thread stalled, or busy) is not posted at all: its caller may
+// have given up on it, and a put's bytes must not land in memory handed on
+// meanwhile. It ends DeadlineExceeded, and the endpoint stays up: nothing
+// of it was sent. (It used to be posted, and end OK.)
+TEST_P(UcxEndpointTest, ABatchWhoseDeadlinePassedInTheQueueIsNotPosted) {
+  absl::Notification client_go;
+  ASSERT_TRUE(HoldWorker(*client_worker_, client_go));
+  std::vector<char> source(kRegionSize, 'x');
+  auto source_region = RegisterLocal(source);
+  const std::vector<Transfer> puts =
+      PutsOverTheRegion(source, source_region.get());
+  const absl::Time deadline = absl::Now() + absl::Milliseconds(50);
+  TransferHandle put = endpoint_->Put(puts, deadline);
+  absl::SleepFor(deadline + absl::Milliseconds(100) - absl::Now());
+  client_go.Notify();
+  ASSERT_TRUE(put.WaitUntil(absl::Now() + absl::Seconds(10)));
+  EXPECT_EQ(put.overall_status().code(), absl::StatusCode::kDeadlineExceeded)
+      << put.overall_status();
+  absl::SleepFor(absl::Milliseconds(200));  // anything sent lands meanwhile
+  ASSERT_TRUE(server_worker_->Run([] {}).ok());
+  EXPECT_EQ(BlocksWritten(), 0u) << "posted after its deadline";
+  EXPECT_TRUE(endpoint_->status().ok()) << endpoint_->status();
+  // The endpoint still works.
+  TransferHandle again = endpoint_->Put(puts, Soon());
+  ASSERT_TRUE(again.WaitUntil(Soon()));
+  EXPECT_TRUE(again.overall_status().ok()) << again.overall_status();
+}
+
 // DeadlineClose::kOrderly, for a peer that may only be stalled (kvdepotd's
 // endpoints to remote clients): the batch still ends at its deadline, but
 // the endpoint closes only once the peer has taken what was queued for it
@@ -692,6 +721,43 @@ TEST_P(UcxEndpointTest, AnOrderlyCloseAfterADeadlineWaitsForTheStalledPeer) {
     written = BlocksWritten();
   }
   EXPECT_EQ(written, puts.size()) << "the rest of the batch was not sent";
+}
+
+// The same, with a peer that continues before abandon_after: UCX ends the
+// batch's requests OK, late, and the batch still ends DeadlineExceeded (its
+// caller was told the endpoint failed; it may have given up). It used to
+// end OK.
+TEST_P(UcxEndpointTest, ABatchTheStalledPeerTakesLateStillEndsPastItsDeadline) {
+  if (!ucx_test::PeerErrorHandling(GetParam())) {
+    GTEST_SKIP()
+        << "kOrderly needs peer error handling (not over shared memory)";
+  }
+  UcxEndpointOptions options;
+  options.deadline_close = DeadlineClose::kOrderly;
+  options.abandon_after = absl::Seconds(30);
+  std::unique_ptr<UcxEndpoint> endpoint = Connect(std::move(options));
+  ASSERT_NE(endpoint, nullptr);
+  auto id = endpoint->AddRemoteRegion(Remote());
+  ASSERT_TRUE(id.ok()) << id.status();
+  absl::Notification server_go;
+  ASSERT_TRUE(HoldServer(server_go));  // the peer stalls
+  std::vector<char> source(kRegionSize, 'x');
+  auto source_region = RegisterLocal(source);
+  std::vector<Transfer> puts = PutsOverTheRegion(source, source_region.get());
+  for (Transfer& t : puts) t.region = *id;
+  const absl::Time deadline = absl::Now() + absl::Milliseconds(200);
+  TransferHandle put = endpoint->Put(puts, deadline);
+  // Past the deadline (the endpoint fails), long before abandon_after.
+  for (const absl::Time end = absl::Now() + absl::Seconds(10);
+       endpoint->status().ok() && absl::Now() < end;
+       absl::SleepFor(absl::Milliseconds(10))) {
+  }
+  EXPECT_FALSE(endpoint->status().ok());
+  server_go.Notify();  // the peer continues: it takes the rest
+  ASSERT_TRUE(put.WaitUntil(absl::Now() + absl::Seconds(20)));
+  EXPECT_FALSE(put.abandoned());
+  EXPECT_EQ(put.overall_status().code(), absl::StatusCode::kDeadlineExceeded)
+      << put.overall_status();
 }
 
 // A worker stopped while an endpoint of its waits, closing in order, for a

@@ -166,6 +166,11 @@ absl::Status UcxWorker::SetAmHandler(uint16_t id, ucp_am_recv_callback_t cb,
 
 namespace {
 
+// Progress calls that found work between two looks at the queue, timers
+// and ticks (Loop). Each call handles a few events; 64 keeps the queue's
+// latency far below a millisecond's worth of messages.
+constexpr int kProgressBurst = 64;
+
 // Ends every transfer of a batch that will not be posted with `why`.
 void RefuseAll(transport_internal::TransferBatch& batch, const absl::Status& why) {
   for (size_t i = 0; i < batch.size(); ++i) batch.Refuse(i, why);
@@ -616,14 +621,22 @@ void UcxWorker::Loop() {
     // its deadline ends, its endpoint closed, before progress sends more of
     // it -- its peer may have given up on it and reused the memory.
     TickSenders();
-    while (!fenced_ && ucp_worker_progress(worker_) != 0) {
+    // At most kProgressBurst progress calls that found work, then the
+    // queue, timers and ticks again: a peer sending faster than its
+    // messages are handled must not hold back queued tasks (a Run waiting
+    // on them, replies handed over by Post) and deadlines until its backlog
+    // is gone.
+    bool more = false;
+    for (int n = 0; !fenced_ && !more; ++n) {
+      if (ucp_worker_progress(worker_) == 0) break;
       RunDeferred();
       TickSenders();
+      more = n + 1 == kProgressBurst;
     }
     RunDeferred();
     ReapCloses();
     TickResidents();
-    if (!deferred_.empty() || fenced_) continue;
+    if (more || !deferred_.empty() || fenced_) continue;
     SleepUntilEvent();
   }
 }
@@ -662,6 +675,7 @@ void UcxWorker::Shutdown() {
     timers_.clear();
     for (auto& [when, task] : timers) std::move(task)();
   }
+  RunDeferred();  // what the timers' callbacks handed over
   // Endpoints still flushing before an orderly close go now, by force:
   // their flushes end (cancelled) in the progress calls below.
   for (const auto& c : flushing_closes_) {

@@ -116,6 +116,63 @@ TEST_F(UcxWorkerTest, TasksPostedOnTheProgressThreadRunBeforeItSleeps) {
   EXPECT_TRUE(from_deferred.WaitForNotificationWithTimeout(absl::Seconds(20)));
 }
 
+// A peer sending faster than the handler takes its messages: tasks queued
+// meanwhile (and timers, ticks) still run between progress calls, not only
+// once the backlog is gone. Loop used to progress until UCX had nothing
+// left, and a Run (endpoint wire-up, a session's start) waited that long.
+// Over shared memory, where one progress call hands over a few messages.
+// (Over TCP one call hands over all complete messages of a receive
+// segment, TCP_RX_SEG_SIZE bytes: thousands of small ones.)
+TEST_F(UcxWorkerTest, QueuedTasksRunWhileMessagesKeepArriving) {
+  UcxContextOptions options;
+  options.config = ucx_test::TransportConfig("shm");
+  auto shm_context = UcxContext::Create(options);
+  ASSERT_TRUE(shm_context.ok()) << shm_context.status();
+  auto server = UcxWorker::Create(**shm_context);
+  ASSERT_TRUE(server.ok()) << server.status();
+  auto client = UcxWorker::Create(**shm_context);
+  ASSERT_TRUE(client.ok()) << client.status();
+  constexpr int kMessages = 4000;
+  std::atomic<int> handled{0};
+  std::atomic<int> handled_before_task{-1};
+  UcxWorker* s = server->get();
+  ASSERT_TRUE(s->SetMessageHandler(3, [&](absl::string_view, absl::string_view,
+                                          const UcxWorker::MessageSender&) {
+                 if (handled.fetch_add(1) == 0) {
+                   // Queued behind the rest of the backlog.
+                   s->Post([&] {
+                      handled_before_task.store(handled.load());
+                    }).IgnoreError();
+                 }
+                 // Slower than the sender: a backlog builds up.
+                 const absl::Time until = absl::Now() + absl::Microseconds(50);
+                 while (absl::Now() < until) {
+                 }
+               }).ok());
+  UcxEndpointOptions endpoint_options;
+  endpoint_options.peer_error_handling = ucx_test::PeerErrorHandling("shm");
+  auto endpoint =
+      UcxEndpoint::Connect(**client, s->address(), std::move(endpoint_options));
+  ASSERT_TRUE(endpoint.ok()) << endpoint.status();
+  ASSERT_TRUE((*client)
+                  ->Run([&] {
+                    for (int i = 0; i < kMessages; ++i) {
+                      (*endpoint)->SendMessage(3, "h", "x").IgnoreError();
+                    }
+                  })
+                  .ok());
+  const absl::Time give_up = absl::Now() + absl::Seconds(60);
+  while (handled.load() < kMessages && absl::Now() < give_up) {
+    absl::SleepFor(absl::Milliseconds(5));
+  }
+  ASSERT_EQ(handled.load(), kMessages);
+  ASSERT_TRUE(s->Run([] {}).ok());
+  EXPECT_GE(handled_before_task.load(), 1);
+  EXPECT_LT(handled_before_task.load(), kMessages / 2)
+      << "the task waited for the whole backlog";
+  endpoint->reset();
+}
+
 TEST_F(UcxWorkerTest, SubmitFailsWhenTheQueueIsFull) {
   UcxWorkerOptions options;
   options.queue_capacity = 8;

@@ -128,6 +128,12 @@ void TransferBatch::Done(size_t i, ucs_status_t status) {
   pending_[i] = false;
   if (status != UCS_OK) {
     op_status_[i] = TransferFailed(status, i == size_ ? "flush" : "transfer");
+  } else if (!abort_reason_.ok()) {
+    // Ended after the batch was aborted (its deadline passed, or its
+    // endpoint failed, and an orderly close let the peer take the rest
+    // late): its caller has been told, or may have given up; it ends with
+    // the abort's reason, not OK.
+    op_status_[i] = abort_reason_;
   } else {
     Got(i);
   }
