@@ -8,6 +8,8 @@
 // contract scripts rely on:
 //   0 ok, 1 error (message on stderr; also when stdout cannot be written),
 //   2 usage error (also an input file that cannot be opened or read), 3 not found.
+#include <unistd.h>
+
 #include <CLI/CLI.hpp>
 #include <algorithm>
 #include <cerrno>
@@ -15,6 +17,7 @@
 #include <cstdio>
 #include <cstring>
 #include <exception>
+#include <ext/stdio_sync_filebuf.h>
 #include <filesystem>
 #include <fstream>
 #include <iostream>
@@ -29,6 +32,7 @@
 #include "absl/strings/str_join.h"
 #include "absl/time/time.h"
 #include "client/client.h"
+#include "storage/block_key.h"
 #include "storage/sizes.h"
 
 namespace kvdepot {
@@ -55,6 +59,32 @@ constexpr double kMinTimeoutS = 0.001, kMaxTimeoutS = 1e6;
 // --timeout their deadline is this long.
 constexpr absl::Duration kLongRpcTimeout = absl::Hours(24);
 
+// Where results go (iostream and stdio both write there): the process's
+// stdout as it was at start. SeparateResults points fd 1 at stderr, so
+// that what libraries print to stdout -- UCX logs there unless
+// UCX_LOG_FILE says otherwise, and warns of any UCX_ variable it does not
+// know -- never mixes with a block written with `--out -` or with --json.
+FILE* g_results = stdout;
+FILE* Results() { return g_results; }
+
+void SeparateResults() {
+  std::fflush(stdout);
+  const int fd = dup(STDOUT_FILENO);
+  if (fd < 0) return;  // results and library output share stdout, as before
+  FILE* results = fdopen(fd, "w");
+  if (results == nullptr) {
+    close(fd);
+    return;
+  }
+  if (dup2(STDERR_FILENO, STDOUT_FILENO) < 0) {
+    std::fclose(results);
+    return;
+  }
+  g_results = results;
+  static __gnu_cxx::stdio_sync_filebuf<char> buffer(results);
+  std::cout.rdbuf(&buffer);
+}
+
 std::string HexToBytes(const std::string& hex, const char* what) {
   if (hex.empty() || hex.size() % 2 != 0) {
     throw UsageError{absl::StrCat(what, " '", hex, "' must be an even number of hex digits")};
@@ -64,7 +94,54 @@ std::string HexToBytes(const std::string& hex, const char* what) {
       throw UsageError{absl::StrCat(what, " '", hex, "' is not hex")};
     }
   }
-  return absl::HexStringToBytes(hex);
+  std::string bytes = absl::HexStringToBytes(hex);
+  if (bytes.size() > kMaxKeyBytes) {
+    throw UsageError{absl::StrCat(what, " is ", bytes.size(),
+                                  " bytes; keys are at most ", kMaxKeyBytes)};
+  }
+  return bytes;
+}
+
+// Writes a got block to the file `out`. A regular file (new or not) is
+// written whole or not at all: into a temporary file beside it, renamed
+// over it once closed, so that a failed write (a full disk, a file size
+// limit) leaves neither a truncated block that looks whole nor the old
+// contents lost. Anything else that exists (a device, a FIFO,
+// /dev/stdout) is written in place. A path that cannot be opened is the
+// caller's to fix (UsageError: 2, as put's --file); a write that fails once
+// open is an error (1).
+absl::Status WriteOut(const std::string& out, const std::string& bytes) {
+  namespace fs = std::filesystem;
+  std::error_code ec;
+  const fs::file_status existing = fs::status(out, ec);
+  const bool in_place =
+      !ec && fs::exists(existing) && !fs::is_regular_file(existing);
+  const std::string path =
+      in_place ? out : absl::StrCat(out, ".kvdepotctl-", getpid(), ".tmp");
+  auto cannot = [&](const char* what, int err) {
+    return absl::StrCat(what, " ", out, ": ",
+                        err != 0 ? std::strerror(err) : "unknown error");
+  };
+  errno = 0;
+  std::ofstream o(path, std::ios::binary | std::ios::trunc);
+  if (!o.is_open())
+    throw UsageError{absl::StrCat("--out: ", cannot("cannot open", errno))};
+  errno = 0;
+  o.write(bytes.data(), static_cast<std::streamsize>(bytes.size()));
+  o.close();
+  int err = errno;
+  if (o && !in_place) {
+    // The old file's permissions, not the umask's, for a file replaced.
+    if (fs::is_regular_file(existing))
+      fs::permissions(path, existing.permissions(), ec);
+    errno = 0;
+    if (std::rename(path.c_str(), out.c_str()) == 0) return absl::OkStatus();
+    err = errno;
+  } else if (o) {
+    return absl::OkStatus();
+  }
+  if (!in_place) fs::remove(path, ec);
+  return absl::InternalError(cannot("cannot write", err));
 }
 
 const char* TierJson(v1::Tier t) {
@@ -210,6 +287,10 @@ struct Ctl {
     if (in.bad()) {
       throw UsageError{absl::StrCat("--file: cannot read ", file)};
     }
+    if (bytes.empty()) {
+      throw UsageError{absl::StrCat(
+          "--file: ", file, " is empty; a block has at least one byte")};
+    }
     BlockToPut b{k, p, bytes};
     std::unique_ptr<Client> client = Connect(/*moves_bytes=*/true);
     absl::StatusOr<bool> ucx = UseUcx(*client, absl::MakeSpan(bytes));
@@ -286,28 +367,13 @@ struct Ctl {
       return Fail(r.status());
     }
     const Block& b = (*r)[0];
-    if (out == "-") {
+    // /dev/stdout is fd 1, which SeparateResults gave to stderr.
+    if (out == "-" || out == "/dev/stdout") {
       // Main's FinishOutput flushes and checks stdout.
       std::cout.write(b.bytes.data(), static_cast<std::streamsize>(b.bytes.size()));
       return kOk;
     }
-    // A path that cannot be opened is the caller's to fix (2, as put's
-    // --file); a write that fails once open (a full disk) is an error (1).
-    errno = 0;
-    std::ofstream o(out, std::ios::binary | std::ios::trunc);
-    if (!o.is_open()) {
-      throw UsageError{
-          absl::StrCat("--out: cannot open ", out, ": ",
-                       errno != 0 ? std::strerror(errno) : "unknown error")};
-    }
-    errno = 0;
-    o.write(b.bytes.data(), static_cast<std::streamsize>(b.bytes.size()));
-    o.close();
-    if (!o) {
-      return Fail(absl::InternalError(
-          absl::StrCat("cannot write ", out, ": ",
-                       errno != 0 ? std::strerror(errno) : "write failed")));
-    }
+    if (absl::Status st = WriteOut(out, b.bytes); !st.ok()) return Fail(st);
     if (json) {
       std::cout << "{\"size\": " << b.bytes.size() << ", \"checksum\": \""
                 << absl::StrCat(absl::Hex(b.checksum, absl::kZeroPad16)) << "\"}\n";
@@ -411,35 +477,42 @@ struct Ctl {
                 << ", \"namespaces\": [" << absl::StrJoin(nss, ", ") << "]}\n";
     } else {
       double pct = d.capacity_bytes() ? 100.0 * d.used_bytes() / d.capacity_bytes() : 0;
-      std::printf("kvdepotd %s, up %.1f s\n", r->version().c_str(), r->uptime_ms() / 1e3);
-      std::printf("dram: %llu blocks, %llu / %llu bytes (%.1f%%), %llu evictions\n",
-                  static_cast<unsigned long long>(d.blocks()),
-                  static_cast<unsigned long long>(d.used_bytes()),
-                  static_cast<unsigned long long>(d.capacity_bytes()), pct,
-                  static_cast<unsigned long long>(d.evictions()));
+      std::fprintf(Results(), "kvdepotd %s, up %.1f s\n", r->version().c_str(),
+                   r->uptime_ms() / 1e3);
+      std::fprintf(
+          Results(),
+          "dram: %llu blocks, %llu / %llu bytes (%.1f%%), %llu evictions\n",
+          static_cast<unsigned long long>(d.blocks()),
+          static_cast<unsigned long long>(d.used_bytes()),
+          static_cast<unsigned long long>(d.capacity_bytes()), pct,
+          static_cast<unsigned long long>(d.evictions()));
       const v1::TierStats& n = r->nvme();
-      std::printf("nvme: %llu blocks, %llu / %llu bytes; %llu demotions (%llu failed), "
-                  "%llu promotions (%llu shed)\n",
-                  static_cast<unsigned long long>(n.blocks()),
-                  static_cast<unsigned long long>(n.used_bytes()),
-                  static_cast<unsigned long long>(n.capacity_bytes()),
-                  static_cast<unsigned long long>(r->demotions()),
-                  static_cast<unsigned long long>(r->demotion_failures()),
-                  static_cast<unsigned long long>(r->promotions()),
-                  static_cast<unsigned long long>(r->promotions_shed()));
-      std::printf("lookups: %llu keys, %llu hits; puts: %llu (%llu bytes)\n",
-                  static_cast<unsigned long long>(r->lookup_keys()),
-                  static_cast<unsigned long long>(r->lookup_hits()),
-                  static_cast<unsigned long long>(r->puts()),
-                  static_cast<unsigned long long>(r->put_bytes()));
-      std::printf("sessions: %llu, pins: %llu, reservations: %llu\n",
-                  static_cast<unsigned long long>(r->sessions()),
-                  static_cast<unsigned long long>(r->pins()),
-                  static_cast<unsigned long long>(r->reservations()));
-      std::printf("integrity errors: %llu (dram %llu, nvme %llu)\n",
-                  static_cast<unsigned long long>(r->integrity_errors()),
-                  static_cast<unsigned long long>(d.integrity_errors()),
-                  static_cast<unsigned long long>(n.integrity_errors()));
+      std::fprintf(
+          Results(),
+          "nvme: %llu blocks, %llu / %llu bytes; %llu demotions (%llu failed), "
+          "%llu promotions (%llu shed)\n",
+          static_cast<unsigned long long>(n.blocks()),
+          static_cast<unsigned long long>(n.used_bytes()),
+          static_cast<unsigned long long>(n.capacity_bytes()),
+          static_cast<unsigned long long>(r->demotions()),
+          static_cast<unsigned long long>(r->demotion_failures()),
+          static_cast<unsigned long long>(r->promotions()),
+          static_cast<unsigned long long>(r->promotions_shed()));
+      std::fprintf(Results(),
+                   "lookups: %llu keys, %llu hits; puts: %llu (%llu bytes)\n",
+                   static_cast<unsigned long long>(r->lookup_keys()),
+                   static_cast<unsigned long long>(r->lookup_hits()),
+                   static_cast<unsigned long long>(r->puts()),
+                   static_cast<unsigned long long>(r->put_bytes()));
+      std::fprintf(Results(),
+                   "sessions: %llu, pins: %llu, reservations: %llu\n",
+                   static_cast<unsigned long long>(r->sessions()),
+                   static_cast<unsigned long long>(r->pins()),
+                   static_cast<unsigned long long>(r->reservations()));
+      std::fprintf(Results(), "integrity errors: %llu (dram %llu, nvme %llu)\n",
+                   static_cast<unsigned long long>(r->integrity_errors()),
+                   static_cast<unsigned long long>(d.integrity_errors()),
+                   static_cast<unsigned long long>(n.integrity_errors()));
     }
     return kOk;
   }
@@ -618,24 +691,31 @@ struct Ctl {
                 << ", \"top_namespaces\": [" << absl::StrJoin(nss, ", ") << "]}\n";
       return health.ok() ? kOk : kError;
     }
-    std::printf("kvdepotd %s at %s: %s, up %s\n", r->version().c_str(), server.c_str(), state,
-                absl::FormatDuration(absl::Seconds(r->uptime_ms() / 1000)).c_str());
+    std::fprintf(
+        Results(), "kvdepotd %s at %s: %s, up %s\n", r->version().c_str(),
+        server.c_str(), state,
+        absl::FormatDuration(absl::Seconds(r->uptime_ms() / 1000)).c_str());
     for (const auto& [name, t] : {std::pair{"dram", &r->dram()}, std::pair{"nvme", &r->nvme()}}) {
       const double used = ratio(t->used_bytes(), t->capacity_bytes());
       const int bar = static_cast<int>(used * 20 + 0.5);
-      std::printf("  %s [%s%s] %5.1f%%  %s of %s, %llu blocks, %llu evictions\n", name,
-                  std::string(bar, '#').c_str(), std::string(20 - bar, '.').c_str(),
-                  100 * used, FormatSize(t->used_bytes()).c_str(),
-                  FormatSize(t->capacity_bytes()).c_str(),
-                  static_cast<unsigned long long>(t->blocks()),
-                  static_cast<unsigned long long>(t->evictions()));
+      std::fprintf(
+          Results(),
+          "  %s [%s%s] %5.1f%%  %s of %s, %llu blocks, %llu evictions\n", name,
+          std::string(bar, '#').c_str(), std::string(20 - bar, '.').c_str(),
+          100 * used, FormatSize(t->used_bytes()).c_str(),
+          FormatSize(t->capacity_bytes()).c_str(),
+          static_cast<unsigned long long>(t->blocks()),
+          static_cast<unsigned long long>(t->evictions()));
     }
-    std::printf("  hits %.1f%% of %llu keys looked up (dram %llu, nvme %llu)\n",
-                100 * ratio(r->lookup_hits(), r->lookup_keys()),
-                static_cast<unsigned long long>(r->lookup_keys()),
-                static_cast<unsigned long long>(r->dram().hits()),
-                static_cast<unsigned long long>(r->nvme().hits()));
-    std::printf(
+    std::fprintf(
+        Results(),
+        "  hits %.1f%% of %llu keys looked up (dram %llu, nvme %llu)\n",
+        100 * ratio(r->lookup_hits(), r->lookup_keys()),
+        static_cast<unsigned long long>(r->lookup_keys()),
+        static_cast<unsigned long long>(r->dram().hits()),
+        static_cast<unsigned long long>(r->nvme().hits()));
+    std::fprintf(
+        Results(),
         "  sessions %llu, pins %llu, open puts %llu, integrity errors %llu "
         "(dram %llu, nvme %llu)\n",
         static_cast<unsigned long long>(r->sessions()),
@@ -645,9 +725,10 @@ struct Ctl {
         static_cast<unsigned long long>(r->dram().integrity_errors()),
         static_cast<unsigned long long>(r->nvme().integrity_errors()));
     for (const auto& n : top) {
-      std::printf("  ns %-32s %8llu blocks %10s  hits %.1f%%\n", n.name().c_str(),
-                  static_cast<unsigned long long>(n.blocks()), FormatSize(n.bytes()).c_str(),
-                  100 * ratio(n.hits(), n.lookups()));
+      std::fprintf(
+          Results(), "  ns %-32s %8llu blocks %10s  hits %.1f%%\n",
+          n.name().c_str(), static_cast<unsigned long long>(n.blocks()),
+          FormatSize(n.bytes()).c_str(), 100 * ratio(n.hits(), n.lookups()));
     }
     return health.ok() ? kOk : kError;
   }
@@ -675,7 +756,7 @@ int FinishOutput(int rc) {
   errno = 0;
   std::cout.flush();
   const bool cout_failed = !std::cout;
-  if (std::fflush(stdout) != 0 || std::ferror(stdout) || cout_failed) {
+  if (std::fflush(Results()) != 0 || std::ferror(Results()) || cout_failed) {
     const int err = errno;
     std::cerr << "kvdepotctl: cannot write to stdout"
               << (err != 0 ? absl::StrCat(": ", std::strerror(err)) : "") << "\n";
@@ -707,7 +788,10 @@ int Run(int argc, char** argv) {
   auto* get = app.add_subcommand("get", "write a block to a file (exit 3 on a miss)");
   get->add_option("--ns", ctl.ns, "namespace")->required();
   get->add_option("--key", ctl.key, "key (hex)")->required();
-  get->add_option("--out", ctl.out, "output file, - for stdout")->required();
+  get->add_option("--out", ctl.out,
+                  "output file (replaced whole, or left as it was on failure), "
+                  "- for stdout")
+      ->required();
   auto* lookup = app.add_subcommand("lookup", "look up keys");
   lookup->add_option("--ns", ctl.ns, "namespace")->required();
   lookup->add_flag("--prefix", ctl.prefix, "stop at the first miss");
@@ -787,7 +871,10 @@ int Run(int argc, char** argv) {
   return kUsage;
 }
 
-int Main(int argc, char** argv) { return FinishOutput(Run(argc, argv)); }
+int Main(int argc, char** argv) {
+  SeparateResults();
+  return FinishOutput(Run(argc, argv));
+}
 
 }  // namespace
 }  // namespace kvdepot

@@ -1,9 +1,9 @@
 // The kvdepotctl contract (output and exit codes) against a real kvdepotd.
+#include <gtest/gtest.h>
 #include <signal.h>
 
-#include <gtest/gtest.h>
-
 #include <cstdio>
+#include <filesystem>
 #include <fstream>
 #include <sstream>
 #include <string>
@@ -371,6 +371,17 @@ TEST_F(KvdepotctlTest, UsageErrorsExitTwo) {
   r = Ctl("evict --ns demo --all 0a");  // both
   EXPECT_EQ(r.exit_code, 2);
   EXPECT_NE(r.err.find("not both"), std::string::npos) << r.err;
+  // Keys past 256 bytes and empty blocks are refused before any daemon.
+  r = Ctl(absl::StrCat("lookup --ns demo ", std::string(2 * 257, 'a')));
+  EXPECT_EQ(r.exit_code, 2);
+  EXPECT_NE(r.err.find("257 bytes; keys are at most 256"), std::string::npos)
+      << r.err;
+  EXPECT_EQ(Ctl(absl::StrCat("lookup --ns demo ", std::string(2 * 256, 'a')))
+                .exit_code,
+            0);
+  r = Ctl(absl::StrCat("put --ns demo --key 0a --file ", File("empty", "")));
+  EXPECT_EQ(r.exit_code, 2);
+  EXPECT_NE(r.err.find("is empty"), std::string::npos) << r.err;
 }
 
 // A get whose --out cannot be created is the caller's to fix, as a put's
@@ -385,6 +396,58 @@ TEST_F(KvdepotctlTest, GetIntoAPathThatCannotBeCreatedIsAUsageError) {
   EXPECT_EQ(r.exit_code, 2) << r.err;
   EXPECT_NE(r.err.find("No such file or directory"), std::string::npos)
       << r.err;
+}
+
+// A get whose file cannot be written whole (here a file size limit; a
+// full disk is the same) fails, 1, and leaves the file as it was: no
+// truncated block that looks whole, no old contents lost, no temporary
+// file left. A get that succeeds replaces it whole.
+TEST_F(KvdepotctlTest, AGetThatCannotWriteItsFileLeavesItAsItWas) {
+  const std::string block = File("block", std::string(300000, 'k') + "end");
+  ASSERT_EQ(
+      Ctl(absl::StrCat("put --ns demo --key 0e --file ", block)).exit_code, 0);
+  const std::string out = File("keep", "old content");
+  CommandResult r = testing::RunCommand(absl::StrCat(
+      "sh -c 'ulimit -f 100; trap \"\" XFSZ; exec ", CtlBinary(), " --server ",
+      daemon_->address(), " get --ns demo --key 0e --out ", out, "'"));
+  EXPECT_EQ(r.exit_code, 1) << r.err;
+  EXPECT_NE(r.err.find("File too large"), std::string::npos) << r.err;
+  EXPECT_EQ(Slurp(out), "old content");
+  for (const auto& entry : std::filesystem::directory_iterator(dir_)) {
+    EXPECT_EQ(entry.path().string().find(".tmp"), std::string::npos)
+        << entry.path();
+  }
+  r = Ctl(absl::StrCat("get --ns demo --key 0e --out ", out));
+  EXPECT_EQ(r.exit_code, 0) << r.err;
+  EXPECT_TRUE(Slurp(out) == Slurp(block));
+}
+
+// UCX prints its warnings and errors to stdout unless UCX_LOG_FILE says
+// otherwise (here: the warning about a UCX_ variable it does not know).
+// kvdepotctl gives fd 1 to stderr and keeps the real stdout for results,
+// so a block written with --out - and --json output stay exactly theirs.
+TEST_F(KvdepotctlTest, LibraryOutputNeverMixesWithResults) {
+  const std::string block = File("block", std::string(262144, 'q') + "end");
+  auto ctl_with_unknown_setting = [&](const std::string& args) {
+    return testing::RunCommand(absl::StrCat(
+        "env UCX_KVDEPOT_NO_SUCH_SETTING=1 ", CtlBinary(), " --server ",
+        daemon_->address(), " --transport ucx ", args));
+  };
+  CommandResult r = ctl_with_unknown_setting(
+      absl::StrCat("--json put --ns demo --key 0f --file ", block));
+  EXPECT_EQ(r.exit_code, 0) << r.err;
+  ASSERT_FALSE(r.out.empty());
+  EXPECT_EQ(r.out.front(), '{') << r.out;
+  EXPECT_NE(r.err.find("UCX_KVDEPOT_NO_SUCH_SETTING"), std::string::npos)
+      << "UCX said nothing: nothing to keep apart\n"
+      << r.err;
+  for (const char* out : {"-", "/dev/stdout"}) {
+    r = ctl_with_unknown_setting(
+        absl::StrCat("get --ns demo --key 0f --out ", out));
+    EXPECT_EQ(r.exit_code, 0) << r.err;
+    EXPECT_TRUE(r.out == Slurp(block))
+        << out << ": " << r.out.size() << " bytes";
+  }
 }
 
 // Only put and get move bytes: the other commands (a container's health
