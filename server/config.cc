@@ -12,7 +12,9 @@
 #include <limits>
 #include <map>
 #include <set>
+#include <string>
 #include <type_traits>
+#include <vector>
 
 #include "absl/strings/ascii.h"
 #include "absl/strings/match.h"
@@ -328,7 +330,21 @@ absl::Status ApplyConfig(const YAML::Node& root, const std::string& path, Daemon
 absl::Status LoadConfigFile(const std::string& path, DaemonConfig* c) {
   YAML::Node root;
   try {
-    root = YAML::LoadFile(path);
+    // Every document: LoadFile reads the first only, and settings after a
+    // "---" (an override appended by a template) would be dropped, typos
+    // in them unseen.
+    std::vector<YAML::Node> documents = YAML::LoadAllFromFile(path);
+    size_t used = 0;
+    for (YAML::Node& d : documents) {
+      if (d.IsNull()) continue;
+      if (++used > 1) {
+        return absl::InvalidArgumentError(absl::StrCat(
+            "config ", path,
+            ": more than one YAML document (\"---\"); put every setting in "
+            "one"));
+      }
+      root = d;
+    }
   } catch (const YAML::Exception& e) {
     return absl::InvalidArgumentError(
         absl::StrCat("cannot read config ", path, ": ", e.what()));

@@ -415,5 +415,25 @@ TEST_F(ConfigFileTest, RejectsRepeatedKeys) {
   }
 }
 
+// Settings after a "---" (a second YAML document, as templates append
+// overrides) were silently dropped, typos in them unseen: every document is
+// read, and more than one with settings is refused. Empty ones (a leading
+// or trailing "---", a file of comments) are fine.
+TEST_F(ConfigFileTest, RejectsASecondDocumentWithSettings) {
+  DaemonConfig c;
+  absl::Status st = LoadConfigFile(
+      Write("dram_capacity: 64MiB\n---\nbogus_key: 1\ndram_capacity: 1TiB\n"),
+      &c);
+  EXPECT_THAT(st, StatusIs(absl::StatusCode::kInvalidArgument));
+  EXPECT_THAT(std::string(st.message()),
+              HasSubstr("more than one YAML document"));
+  DaemonConfig d;
+  ASSERT_OK(LoadConfigFile(Write("---\ndram_capacity: 64MiB\n---\n"), &d));
+  EXPECT_EQ(d.store.dram_capacity, uint64_t{64} << 20);
+  DaemonConfig e;
+  ASSERT_OK(LoadConfigFile(Write("# nothing set\n"), &e));
+  EXPECT_EQ(e.store.dram_capacity, DaemonConfig{}.store.dram_capacity);
+}
+
 }  // namespace
 }  // namespace kvdepot

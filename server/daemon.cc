@@ -14,6 +14,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
+#include "server/logging.h"
 #include "server/version.h"
 #include "storage/rocksdb_crc32c.h"
 #include "storage/status_macros.h"
@@ -226,7 +227,10 @@ void Daemon::ChooseUcxDevices(std::map<std::string, std::string>& ucx) const {
 }
 
 void Daemon::MaintenanceLoop() {
-  std::string nvme_write_error;  // as last logged
+  // A nearly full file system's message carries the free byte count, which
+  // other writers move every second: logged when it starts, ends or
+  // changes otherwise, and every 10 minutes while it lasts.
+  ConditionLog nvme_write_error(absl::Minutes(10));
   absl::MutexLock lock(&mu_);
   while (!stopping_) {
     mu_.AwaitWithTimeout(absl::Condition(&stopping_), absl::Seconds(1));
@@ -245,13 +249,12 @@ void Daemon::MaintenanceLoop() {
           [this](SessionId id) { return !store_->HasSession(id); });
     }
     const StoreStats stats = store_->Stats();
-    if (stats.nvme_write_error != nvme_write_error) {
+    if (nvme_write_error.ShouldLog(stats.nvme_write_error, absl::Now())) {
       if (stats.nvme_write_error.empty()) {
         log_->info("NVMe tier takes writes again");
       } else {
         log_->warn("NVMe tier takes no writes: {}", stats.nvme_write_error);
       }
-      nvme_write_error = stats.nvme_write_error;
     }
     metrics_->UpdateFromStats(stats);
     if (data_plane_ != nullptr) {

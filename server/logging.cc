@@ -11,6 +11,7 @@
 #include <mutex>
 #include <utility>
 
+#include "absl/strings/ascii.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 
@@ -129,6 +130,21 @@ absl::StatusOr<Logger> MakeLogger(const std::string& name, const LogOptions& opt
   out.logger->set_level(level);
   out.logger->flush_on(spdlog::level::info);
   return out;
+}
+
+bool ConditionLog::ShouldLog(absl::string_view message, absl::Time now) {
+  std::string shape;
+  shape.reserve(message.size());
+  for (char c : message) {
+    if (!absl::ascii_isdigit(static_cast<unsigned char>(c))) shape.push_back(c);
+  }
+  const bool holds = !message.empty();
+  if (shape != shape_ || (holds && now - logged_ >= remind_)) {
+    shape_ = std::move(shape);
+    logged_ = now;
+    return true;
+  }
+  return false;
 }
 
 }  // namespace kvdepot

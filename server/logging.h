@@ -10,6 +10,8 @@
 #include <string>
 
 #include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
+#include "absl/time/time.h"
 
 namespace kvdepot {
 
@@ -31,6 +33,23 @@ struct Logger {
 // InvalidArgument for an unknown level or format; PermissionDenied when the
 // file cannot be opened for appending.
 absl::StatusOr<Logger> MakeLogger(const std::string& name, const LogOptions& options);
+
+// Says when a condition that is checked over and over (the NVMe tier taking
+// no writes, every second) is worth a log line: when it starts, ends or
+// changes, and every `remind` while it lasts. Its message may carry numbers
+// that move while the condition stays (a free byte count): a change in
+// them alone is no change. Not thread-safe (one loop's).
+class ConditionLog {
+ public:
+  explicit ConditionLog(absl::Duration remind) : remind_(remind) {}
+  // Whether to log `message` (empty: the condition does not hold) at `now`.
+  bool ShouldLog(absl::string_view message, absl::Time now);
+
+ private:
+  absl::Duration remind_;
+  std::string shape_;  // the message last logged, digits left out
+  absl::Time logged_ = absl::InfinitePast();
+};
 
 }  // namespace kvdepot
 

@@ -9,6 +9,8 @@
 #include <sstream>
 #include <string>
 
+#include "absl/strings/str_cat.h"
+#include "absl/time/time.h"
 #include "tests/status_matchers.h"
 #include "tests/test_dir.h"
 
@@ -81,6 +83,31 @@ TEST_F(LoggingTest, AFailedReopenKeepsWritingToTheOldFile) {
   log->logger->info("in the new file");
   log->logger->flush();
   EXPECT_NE(Slurp(logs + "/k.log").find("in the new file"), std::string::npos);
+}
+
+// The NVMe tier's "nearly full" message carries a free byte count that
+// moves every second: logged once when the condition starts, again when it
+// changes otherwise or ends, and as a reminder every `remind` while it
+// lasts -- not once a second.
+TEST(ConditionLogTest, NumbersThatMoveAreNoNewCondition) {
+  ConditionLog log(absl::Minutes(10));
+  absl::Time now = absl::FromUnixSeconds(1000);
+  EXPECT_FALSE(log.ShouldLog("", now));  // nothing to say
+  EXPECT_TRUE(log.ShouldLog("nearly full (6213632 bytes free)", now));
+  for (int i = 1; i < 60; ++i) {
+    now += absl::Seconds(1);
+    EXPECT_FALSE(log.ShouldLog(
+        absl::StrCat("nearly full (", 6213632 - i * 4096, " bytes free)"), now))
+        << i;
+  }
+  now += absl::Minutes(10);
+  EXPECT_TRUE(log.ShouldLog("nearly full (1 bytes free)", now));  // reminder
+  now += absl::Seconds(1);
+  EXPECT_TRUE(log.ShouldLog("IO error: No space left on device", now));
+  now += absl::Seconds(1);
+  EXPECT_TRUE(log.ShouldLog("", now));  // ended
+  now += absl::Minutes(20);
+  EXPECT_FALSE(log.ShouldLog("", now));  // no reminders of nothing
 }
 
 TEST_F(LoggingTest, BadOptionsAreRefused) {

@@ -130,7 +130,8 @@ ServerMetrics::ServerMetrics(prometheus::Registry& registry,
                              "in flight, for the daemon or the session), "
                              "NOT_FOUND (the session ended), UNAVAILABLE "
                              "(stopping), INVALID_ARGUMENT, "
-                             "FAILED_PRECONDITION (not in "
+                             "FAILED_PRECONDITION, PERMISSION_DENIED (not "
+                             "over the session's own request link; not in "
                              "kvdepot_requests_total)")
                        .Register(registry)),
       ucx_held_bytes_(
@@ -191,7 +192,8 @@ ServerMetrics::ServerMetrics(prometheus::Registry& registry,
   for (absl::StatusCode code :
        {absl::StatusCode::kResourceExhausted, absl::StatusCode::kNotFound,
         absl::StatusCode::kUnavailable, absl::StatusCode::kInvalidArgument,
-        absl::StatusCode::kFailedPrecondition}) {
+        absl::StatusCode::kFailedPrecondition,
+        absl::StatusCode::kPermissionDenied}) {
     ucx_refused_.Add({{"code", absl::StatusCodeToString(code)}});
   }
   nvme_integrity_errors_ = Mirror{&integrity_errors_.Add({{"tier", "nvme"}})};

@@ -61,9 +61,13 @@ absl::Status QuotaFile::Load(TieredStore& store) {
     }
   }
   for (const auto& [ns, bytes] : quotas) {
+    // The file and the configuration disagree (more declared namespaces
+    // than max_namespaces): a configuration error, which a restart does
+    // not fix (kvdepotd exits 2, and systemd does not restart it).
     if (absl::Status set = store.SetQuota(ns, bytes); !set.ok()) {
-      return absl::Status(set.code(), absl::StrCat(path_, ": namespace ", ns,
-                                                   ": ", set.message()));
+      return absl::InvalidArgumentError(absl::StrCat(
+          path_, ": namespace ", ns, ": ", set.message(),
+          " (raise max_namespaces, or take lines out of the file)"));
     }
   }
   absl::MutexLock lock(&mu_);

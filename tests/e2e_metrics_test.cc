@@ -121,6 +121,15 @@ TEST(MetricsTest, ExportsTheContractAndCountsLookupsWithDenominators) {
   // Series with fixed labels exist before their first event.
   EXPECT_EQ(Value(text, "kvdepot_integrity_errors_total{tier=\"nvme\"}"), 0);
   EXPECT_EQ(Value(text, "kvdepot_demotion_failures_total"), 0);
+  for (const char* code :
+       {"RESOURCE_EXHAUSTED", "NOT_FOUND", "UNAVAILABLE", "INVALID_ARGUMENT",
+        "FAILED_PRECONDITION", "PERMISSION_DENIED"}) {
+    EXPECT_EQ(
+        Value(text, absl::StrCat("kvdepot_ucx_requests_refused_total{code=\"",
+                                 code, "\"}")),
+        0)
+        << code;
+  }
 
   // The exposition passes Prometheus' own linter.
   testing::CommandResult lint = RunCommand(absl::StrCat(
