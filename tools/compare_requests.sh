@@ -147,7 +147,10 @@ MPORT="$(sed -n 's/.*metrics on 127\.0\.0\.1:\([0-9][0-9]*\).*/\1/p' "$WORK/kvde
 [[ -n $MPORT ]] || { cat "$WORK/kvdepotd.log" >&2; echo "kvdepotd serves no metrics" >&2; exit 1; }
 
 # ucx_requests: "PushBlocks PullBlocks PullBlocksWithData", the daemon's
-# kvdepot_ucx_requests_total by op (plain bash: no curl needed).
+# kvdepot_ucx_requests_total by op (PushBlocks, PullBlocks,
+# PullBlocksWithData), then kvdepot_requests_total of PushBlocks and of
+# PullBlocks over every code (which counts requests of both transports)
+# (plain bash: no curl needed).
 ucx_requests() {
   local body push=0 pull=0 data=0
   exec 3<>"/dev/tcp/127.0.0.1/$MPORT"
@@ -157,18 +160,26 @@ ucx_requests() {
   push="$(sed -n 's/^kvdepot_ucx_requests_total{op="PushBlocks"} \([0-9]*\).*/\1/p' <<<"$body")"
   pull="$(sed -n 's/^kvdepot_ucx_requests_total{op="PullBlocks"} \([0-9]*\).*/\1/p' <<<"$body")"
   data="$(sed -n 's/^kvdepot_ucx_requests_total{op="PullBlocksWithData"} \([0-9]*\).*/\1/p' <<<"$body")"
-  echo "${push:-0} ${pull:-0} ${data:-0}"
+  all() {
+    awk -v op="op=\"$1\"" '/^kvdepot_requests_total\{/ && index($0, op) {n += $NF} END {printf "%d", n}' <<<"$body"
+  }
+  echo "${push:-0} ${pull:-0} ${data:-0} $(all PushBlocks) $(all PullBlocks)"
 }
 
-# path_error SIDE OP PUSH PULL DATA: why a run whose UCX requests were
-# PUSH PushBlocks, PULL PullBlocks and DATA PullBlocksWithData did not take
-# its side's path (empty when it did).
+# path_error SIDE OP PUSH PULL DATA ALL: why a run whose UCX requests were
+# PUSH PushBlocks, PULL PullBlocks and DATA PullBlocksWithData, of ALL
+# requests of its op (either transport), did not take its side's path
+# (empty when it did).
 path_error() {
-  local side=$1 op=$2 push=$3 pull=$4 data=$5
+  local side=$1 op=$2 push=$3 pull=$4 data=$5 all=$6 ucx
+  ucx=$push
+  [[ $op == put ]] && ucx=$((pull + data))
   case "$COMPARE/$side" in
     requests/ucx)
-      if [[ $op == get && $push -eq 0 ]] || [[ $op == put && $((pull + data)) -eq 0 ]]; then
+      if [[ $ucx -eq 0 ]]; then
         echo "no request came over UCX (they went as gRPC calls)"
+      elif [[ $ucx -ne $all ]]; then
+        echo "$((all - ucx)) of its $all requests went as gRPC calls"
       fi ;;
     requests/grpc)
       [[ $((push + pull + data)) -eq 0 ]] || echo "$((push + pull + data)) requests came over UCX" ;;
@@ -183,9 +194,11 @@ path_error() {
   esac
 }
 
-# bench SIDE OP CLIENTS BATCH SECONDS [extra]: one kvdepot-bench run's JSON.
-# Its callers read that JSON through $(...), a subshell, so a failed run is
-# recorded in a file ($WORK/failed), not in a variable the subshell would lose.
+# bench SIDE OP CLIENTS BATCH SECONDS [extra]: one kvdepot-bench run's JSON,
+# with "failed": true when the run is not valid (it failed, or did not take
+# its side's path): such a run counts in no figure. Its callers read that
+# JSON through $(...), a subshell, so a failed run is also recorded in a file
+# ($WORK/failed), not in a variable the subshell would lose.
 bench() {
   local side=$1 op=$2 clients=$3 batch=$4 seconds=$5 out before after why
   shift 5
@@ -199,29 +212,33 @@ bench() {
     echo "kvdepot-bench ${args[*]} --op $op x$clients batch $batch failed:" >&2
     sed 's/^/  /' "$WORK/bench.err" >&2
     : >"$WORK/failed"
-    echo "{}"
+    echo '{"failed": true}'
     return
   fi
+  local failed=false
   if grep -q "falls back to grpc" "$WORK/bench.err"; then
     echo "kvdepot-bench: blocks did not move over UCX:" >&2
     sed 's/^/  /' "$WORK/bench.err" >&2
-    : >"$WORK/failed"
+    failed=true
   fi
   after="$(ucx_requests)"
-  local push pull data  # the run's requests: the counters' growth
-  read -r push pull data < <(awk -v a="$before" -v b="$after" 'BEGIN{split(a, x); split(b, y);
-    print y[1] - x[1], y[2] - x[2], y[3] - x[3]}')
-  why="$(path_error "$side" "$op" "$push" "$pull" "$data")"
+  local push pull data all  # the run's requests: the counters' growth
+  read -r push pull data all < <(awk -v a="$before" -v b="$after" -v op="$op" 'BEGIN{split(a, x); split(b, y);
+    print y[1] - x[1], y[2] - x[2], y[3] - x[3], op == "get" ? y[4] - x[4] : y[5] - x[5]}')
+  why="$(path_error "$side" "$op" "$push" "$pull" "$data" "$all")"
   if [[ -n $why ]]; then
     echo "kvdepot-bench ${args[*]} --op $op x$clients batch $batch: not a $side run: $why" >&2
-    : >"$WORK/failed"
+    failed=true
   fi
+  [[ $failed == true ]] && : >"$WORK/failed"
   # The run's UCX requests by op, from the daemon's counters.
-  out="${out%\}}, \"paths\": {\"PushBlocks\": $push, \"PullBlocks\": $pull, \"PullBlocksWithData\": $data}}"
+  out="${out%\}}, \"paths\": {\"PushBlocks\": $push, \"PullBlocks\": $pull, \"PullBlocksWithData\": $data, \"all_$op\": $all}, \"failed\": $failed}"
   echo "$out"
 }
-gbps() { sed -n 's/.*"gb_per_sec":\([0-9.]*\).*/\1/p' <<<"$1"; }
-p99() { sed -n 's/.*"p99_us":\([0-9.]*\).*/\1/p' <<<"$1"; }
+# A run's figures, empty for a run that is not valid.
+valid() { [[ $1 != *'"failed": true'* ]] && echo "$1"; }
+gbps() { sed -n 's/.*"gb_per_sec":\([0-9.]*\).*/\1/p' <<<"$(valid "$1")"; }
+p99() { sed -n 's/.*"p99_us":\([0-9.]*\).*/\1/p' <<<"$(valid "$1")"; }
 
 printf '%-4s %-7s %-5s %-12s %-12s %-8s %-12s %-12s\n' op clients batch \
   "${SIDE_A}_GB/s" "${SIDE_B}_GB/s" ratio "${SIDE_A}_p99_us" "${SIDE_B}_p99_us"
@@ -242,7 +259,7 @@ for op in $OPS; do
         if awk -v x="$gb" -v y="$best_b" 'BEGIN{exit !(x > y)}'; then best_b=$gb; b_p99="$(p99 "$b")"; fi
         rounds+="${rounds:+, }{\"round\": $r, \"$SIDE_A\": $a, \"$SIDE_B\": $b}"
       done
-      ratio="$(awk -v a="$best_a" -v b="$best_b" 'BEGIN {if (b > 0) printf "%.2f", a / b; else print "n/a"}')"
+      ratio="$(awk -v a="$best_a" -v b="$best_b" 'BEGIN {if (a > 0 && b > 0) printf "%.2f", a / b; else print "n/a"}')"
       printf '%-4s %-7s %-5s %-12.3f %-12.3f %-8s %-12s %-12s\n' "$op" "$clients" "$batch" \
         "$best_a" "$best_b" "$ratio" "${a_p99:-0}" "${b_p99:-0}"
       rows+=("{\"op\": \"$op\", \"clients\": $clients, \"batch\": $batch, \"${SIDE_A}_gb_per_s\": $best_a, \"${SIDE_B}_gb_per_s\": $best_b, \"ratio\": \"$ratio\", \"${SIDE_A}_p99_us\": ${a_p99:-0}, \"${SIDE_B}_p99_us\": ${b_p99:-0}, \"rounds\": [$rounds]}")
