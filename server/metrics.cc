@@ -203,6 +203,11 @@ ServerMetrics::ServerMetrics(prometheus::Registry& registry,
       registry, "kvdepot_demotion_failures_total",
       "DRAM blocks that could not be written to the NVMe tier (disk full, "
       "I/O error)")};
+  room_wait_timeouts_ = Mirror{&SingleCounter(
+      registry, "kvdepot_dram_room_wait_timeouts_total",
+      "Puts and promotions that waited 5 s for the evictor to demote room in "
+      "DRAM and then dropped blocks to make it, or failed: the NVMe tier "
+      "demotes too slowly for the write load")};
   demotions_skipped_ = Mirror{&SingleCounter(
       registry, "kvdepot_demotions_skipped_total",
       "DRAM blocks not admitted to the NVMe tier (read too rarely)")};
@@ -319,6 +324,7 @@ void ServerMetrics::UpdateFromStats(const StoreStats& st) {
   dram_integrity_errors_.Advance(st.dram_integrity_errors);
   demotions_.Advance(st.demotions);
   demotion_failures_.Advance(st.demotion_failures);
+  room_wait_timeouts_.Advance(st.room_wait_timeouts);
   demotions_skipped_.Advance(st.demotions_skipped);
   promotions_.Advance(st.promotions);
   promotions_shed_.Advance(st.promotions_shed);

@@ -167,6 +167,7 @@ class ServerMetrics {
   Mirror dram_integrity_errors_ ABSL_GUARDED_BY(mu_);
   Mirror demotions_ ABSL_GUARDED_BY(mu_);
   Mirror demotion_failures_ ABSL_GUARDED_BY(mu_);
+  Mirror room_wait_timeouts_ ABSL_GUARDED_BY(mu_);
   Mirror demotions_skipped_ ABSL_GUARDED_BY(mu_);
   Mirror promotions_ ABSL_GUARDED_BY(mu_);
   Mirror promotions_shed_ ABSL_GUARDED_BY(mu_);

@@ -931,7 +931,10 @@ class TieredStoreImpl final : public TieredStore {
     uint64_t low = static_cast<uint64_t>(options_.low_watermark * cap);
     if (!force && arena_->allocated_bytes() <= high) return 0;
     uint64_t n = 0;
-    while (arena_->allocated_bytes() > low && EvictOne(/*demote=*/true)) ++n;
+    while (arena_->allocated_bytes() > low && EvictOne(/*demote=*/true)) {
+      ++n;
+      NoteRoomMade();
+    }
     if (!force) return n;
     const uint64_t space = std::min<uint64_t>(wanted.space, cap);
     auto short_of_room = [&] {
@@ -939,8 +942,18 @@ class TieredStoreImpl final : public TieredStore {
       return cap - used < space ||
              (wanted.largest > 0 && !arena_->Fits(wanted.largest));
     };
-    while (short_of_room() && EvictOne(/*demote=*/true)) ++n;
+    while (short_of_room() && EvictOne(/*demote=*/true)) {
+      ++n;
+      NoteRoomMade();
+    }
     return n;
+  }
+
+  // Wakes the allocations waiting for the evictor (WaitForEvictor): a
+  // block left DRAM, and theirs may fit now, long before the round ends.
+  void NoteRoomMade() {
+    absl::MutexLock lock(&evict_mu_);
+    ++room_made_;
   }
 
   void SetDraining(bool draining) override { draining_.store(draining); }
@@ -1013,6 +1026,7 @@ class TieredStoreImpl final : public TieredStore {
     }
     st.demotions = demotions_.load();
     st.demotion_failures = demotion_failures_.load();
+    st.room_wait_timeouts = room_wait_timeouts_.load();
     st.dram_integrity_errors = dram_integrity_errors_.load();
     st.dram_corrupt_evictions = dram_corrupt_evictions_.load();
     st.demotions_skipped = demotions_skipped_.load();
@@ -1607,21 +1621,21 @@ class TieredStoreImpl final : public TieredStore {
   // `bytes` fit in one free piece and `need` in the free space (see
   // EvictToLowWatermark): a block bigger than the low watermark's room, or
   // a fragmented arena, is no reason to drop blocks.
-  // It waits round after round while the evictor frees something (other
-  // puts waiting too may take a round's room first: many puts of one block
-  // each, as UCX data requests make, dropped blocks after one round), for
-  // kMaxWaitForRoom at most; room freed otherwise meanwhile (an Evict) counts
-  // too. Without them, or when a round freed nothing (nothing was
-  // evictable) or the time is up, it tries once more and then evicts
-  // (drops) synchronously.
-  // With `would_wait`, the wait is not made: Unavailable, *would_wait set.
-  // `need` is the arena space the caller's batch has still to allocate,
-  // these `bytes` included: once the free space and every block no one
-  // holds pinned could not hold it (CheckRoom), it drops nothing more and
-  // fails (waiting, above, still goes on: pins and reservations end). That
-  // bound ignores fragmentation: when the free space is
-  // enough in sum but not in one piece that fits, evicting may still fail
-  // to make room after dropping every evictable block.
+  // It tries again as soon as the evictor moved any block out (a round
+  // down to the low watermark takes far longer than the one demotion its
+  // block may need), and waits again while others took that room first
+  // (many puts of one block each, as UCX data requests make, dropped blocks
+  // after one round), for kMaxWaitForRoom at most (room_wait_timeouts_);
+  // room freed otherwise meanwhile (an Evict) counts too. Without them, or when
+  // a round freed nothing (nothing was evictable) or the time is up, it tries
+  // once more and then evicts (drops) synchronously. With `would_wait`, the
+  // wait is not made: Unavailable, *would_wait set. `need` is the arena space
+  // the caller's batch has still to allocate, these `bytes` included: once the
+  // free space and every block no one holds pinned could not hold it
+  // (CheckRoom), it drops nothing more and fails (waiting, above, still goes
+  // on: pins and reservations end). That bound ignores fragmentation: when the
+  // free space is enough in sum but not in one piece that fits, evicting may
+  // still fail to make room after dropping every evictable block.
   absl::StatusOr<uint64_t> AllocateEvicting(uint64_t bytes,
                                             bool* would_wait = nullptr,
                                             uint64_t need = 0) {
@@ -1646,10 +1660,13 @@ class TieredStoreImpl final : public TieredStore {
         }
         const uint64_t evicted = evictions_.load(std::memory_order_relaxed);
         const size_t used = arena_->allocated_bytes();
-        if (WaitForEvictor(wait_until, RoomWanted{need, bytes}) &&
-            (evictions_.load(std::memory_order_relaxed) != evicted ||
-             arena_->allocated_bytes() < used)) {
+        const bool woken = WaitForEvictor(wait_until, RoomWanted{need, bytes});
+        if (woken && (evictions_.load(std::memory_order_relaxed) != evicted ||
+                      arena_->allocated_bytes() < used)) {
           continue;  // room was freed: wait again if others took it
+        }
+        if (!woken && absl::Now() >= wait_until) {
+          room_wait_timeouts_.fetch_add(1, std::memory_order_relaxed);
         }
         // Nothing was freed (or the wait is over): try once more, then make
         // room here.
@@ -1886,13 +1903,17 @@ class TieredStoreImpl final : public TieredStore {
   bool WaitForEvictor(absl::Time deadline, RoomWanted wanted) {
     absl::MutexLock lock(&evict_mu_);
     const uint64_t target = rounds_started_ + 1;
+    const uint64_t room_made = room_made_;
     pressure_ = true;
     room_wanted_.space += wanted.space;
     room_wanted_.largest = std::max(room_wanted_.largest, wanted.largest);
     // Round `target` is the first to start after pressure_ was set, so it
-    // is the one that sees it.
-    auto done = [this, target]() ABSL_SHARED_LOCKS_REQUIRED(evict_mu_) {
-      return stop_ || rounds_done_ >= target;
+    // is the one that sees it. A block any round moves out of DRAM
+    // meanwhile ends the wait too: the caller's block may fit now, and a
+    // round down to the low watermark takes far longer than one demotion.
+    auto done = [this, target,
+                 room_made]() ABSL_SHARED_LOCKS_REQUIRED(evict_mu_) {
+      return stop_ || rounds_done_ >= target || room_made_ != room_made;
     };
     return evict_mu_.AwaitWithDeadline(absl::Condition(&done), deadline) &&
            !stop_;
@@ -2186,6 +2207,7 @@ class TieredStoreImpl final : public TieredStore {
 
   std::atomic<bool> draining_{false};
   std::atomic<uint64_t> demotions_{0}, demotion_failures_{0}, promotions_{0};
+  std::atomic<uint64_t> room_wait_timeouts_{0};
   std::atomic<uint64_t> dram_integrity_errors_{0}, dram_corrupt_evictions_{0};
   // Bad DRAM copies kept because they were pinned or being demoted, oldest
   // first (at most kMaxCorruptKept).
@@ -2239,6 +2261,7 @@ class TieredStoreImpl final : public TieredStore {
   RoomWanted room_wanted_ ABSL_GUARDED_BY(evict_mu_);
   uint64_t rounds_started_ ABSL_GUARDED_BY(evict_mu_) = 0;
   uint64_t rounds_done_ ABSL_GUARDED_BY(evict_mu_) = 0;
+  uint64_t room_made_ ABSL_GUARDED_BY(evict_mu_) = 0;  // see NoteRoomMade
   // Demotions ended (EvictOne), for an Evict waiting for one.
   absl::Mutex demote_mu_;
   uint64_t demotions_ended_ ABSL_GUARDED_BY(demote_mu_) = 0;

@@ -217,6 +217,10 @@ struct StoreStats {
   TierStats nvme;  // all zero when the tier is off
   uint64_t demotions = 0;          // DRAM blocks written to NVMe
   uint64_t demotion_failures = 0;  // could not be written (disk full, ...)
+  // Puts and promotions that waited the longest allowed (5 s) for the
+  // evictor to make room in DRAM and then made room themselves (dropping
+  // blocks) or failed: NVMe demotes too slowly for the write load.
+  uint64_t room_wait_timeouts = 0;
   // DRAM blocks whose bytes no longer matched their checksum, counted once
   // each when first found: by a demotion (dropped, not written; not in
   // demotion_failures) or by DropCorruptDram (a reader found it).

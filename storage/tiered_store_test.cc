@@ -2045,6 +2045,64 @@ TEST_F(TieredStoreNvmeTest, APutThatWouldWaitForRoomCanDeclineTo) {
   for (PinId pin : pins) ASSERT_OK(store_->Unpin(sid_, pin));
 }
 
+// A put that finds DRAM full waits for room for its own block, not for the
+// evictor's whole round down to the low watermark: it goes on once the
+// round's first demotion made room, while the round still runs (held here
+// at its second demotion). It used to wait for the round's end; with the
+// round held past kMaxWaitForRoom it then dropped a block to make room.
+TEST_F(TieredStoreNvmeTest, APutIntoFullDramWaitsForRoomNotForTheWholeRound) {
+  // The evictor runs only when asked (its high mark is never passed); a
+  // round goes down to the low mark, a quarter of DRAM.
+  Open(/*admit_min_reads=*/0, /*background_eviction=*/true,
+       /*high_watermark=*/1.0);
+  int stored = 0;
+  for (; stored < 64; ++stored) {
+    const std::string key = "b" + std::to_string(stored);
+    PutSpec spec{key, "", 256 << 10};
+    bool would_wait = false;
+    auto r = store_->BeginPut(sid_, "ns", {&spec, 1}, &would_wait);
+    if (!r.ok()) {
+      ASSERT_TRUE(would_wait) << r.status();
+      break;
+    }
+    const std::string bytes = Block(stored);
+    std::memcpy(store_->dram_region().base + r->slots[0].offset, bytes.data(),
+                bytes.size());
+    const uint64_t sum = BlockChecksum(bytes);
+    ASSERT_OK(store_->CommitPut(sid_, r->id, {&sum, 1}));
+  }
+  ASSERT_GE(stored, 8);
+  ASSERT_LT(stored, 64) << "DRAM never filled";
+  const uint64_t evictions_before = store_->Stats().dram.evictions;
+
+  std::atomic<int> demotion_writes{0};
+  absl::Notification held, release, left;
+  internal::SyncPointCallback hold("NvmeTier::Put:Writing", [&](void*) {
+    if (demotion_writes.fetch_add(1) != 1) return;
+    held.Notify();
+    release.WaitForNotification();
+    left.Notify();
+  });
+  absl::Notification put_done;
+  std::thread put([&] {
+    Put("new", Block(25));
+    put_done.Notify();
+  });
+  const bool done_while_held =
+      put_done.WaitForNotificationWithTimeout(absl::Seconds(60)) &&
+      !left.HasBeenNotified();
+  release.Notify();
+  put.join();
+  if (held.HasBeenNotified()) left.WaitForNotification();
+  EXPECT_TRUE(done_while_held);
+  const StoreStats st = store_->Stats();
+  EXPECT_EQ(st.room_wait_timeouts, 0u) << "the put waited for the round";
+  // Every block left DRAM by demotion: none was dropped to make room.
+  EXPECT_EQ(st.dram.evictions - evictions_before, st.demotions);
+  EXPECT_EQ(Lost("b", stored), 0);
+  ExpectServes("new", Block(25));
+}
+
 // Many puts of one block each into a full DRAM, at once (as UCX data
 // requests make them): each waits for the evictor to demote room, round
 // after round while others take a round's room first, and none drops a

@@ -121,6 +121,7 @@ TEST(MetricsTest, ExportsTheContractAndCountsLookupsWithDenominators) {
   // Series with fixed labels exist before their first event.
   EXPECT_EQ(Value(text, "kvdepot_integrity_errors_total{tier=\"nvme\"}"), 0);
   EXPECT_EQ(Value(text, "kvdepot_demotion_failures_total"), 0);
+  EXPECT_EQ(Value(text, "kvdepot_dram_room_wait_timeouts_total"), 0);
   for (const char* code :
        {"RESOURCE_EXHAUSTED", "NOT_FOUND", "UNAVAILABLE", "INVALID_ARGUMENT",
         "FAILED_PRECONDITION", "PERMISSION_DENIED"}) {
