@@ -421,8 +421,10 @@ class TieredStoreImpl final : public TieredStore {
             arena_->capacity(), " bytes"));
       }
     }
-    // A key named twice is put once (the second slot's commit finds it
-    // stored), so both must name the same block: same size.
+    // A key named twice is put once, by its first slot: the later ones are
+    // answered as stored already (no slot, no quota charge, no DRAM
+    // reserved twice), so all must name the same block: same size.
+    std::vector<bool> repeat(blocks.size(), false);
     for (const auto& [i, first] :
          RepeatedKeys(blocks.size(), [&](size_t k) { return blocks[k].key; })) {
       if (blocks[i].size != blocks[first].size) {
@@ -430,6 +432,7 @@ class TieredStoreImpl final : public TieredStore {
             "block ", i, " names a key given earlier in the batch with ",
             blocks[first].size, " bytes, and ", blocks[i].size, " bytes"));
       }
+      repeat[i] = true;
     }
     // The session first: a client whose session is gone must learn that
     // (NotFound: open a new one), not that the store drains, which it would
@@ -476,6 +479,11 @@ class TieredStoreImpl final : public TieredStore {
       slot.key = std::string(b.key);
       slot.parent = std::string(b.parent);
       slot.size = b.size;
+      if (repeat[i]) {
+        slot.exists = true;
+        out.slots[i].exists = true;
+        continue;
+      }
       // Across the tiers: a block only on NVMe is stored too (its in-memory
       // index answers; no disk access).
       BlockEntry* e =

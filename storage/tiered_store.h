@@ -379,7 +379,8 @@ class TieredStore {
   // sizes (0 or above max_block_bytes) or batch size, and for a key stored
   // (in either tier) with another size than the batch names, or named twice
   // in the batch with two sizes (nothing is reserved then; a key named twice
-  // with one size is put once, its second slot's commit kAlreadyExists);
+  // with one size is put once, by its first slot: the later ones are
+  // answered `exists`, as stored already, and their commit kAlreadyExists);
   // NotFound for an unknown or expired session (before anything else is
   // checked but the arguments: a client whose session is gone learns that,
   // and opens a new one, even while the store drains); FailedPrecondition
