@@ -17,7 +17,6 @@
 #include <cstdio>
 #include <cstring>
 #include <exception>
-#include <ext/stdio_sync_filebuf.h>
 #include <filesystem>
 #include <fstream>
 #include <iostream>
@@ -31,6 +30,7 @@
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
 #include "absl/time/time.h"
+#include "client/cli_output.h"
 #include "client/client.h"
 #include "storage/block_key.h"
 #include "storage/sizes.h"
@@ -58,32 +58,6 @@ constexpr double kMinTimeoutS = 0.001, kMaxTimeoutS = 1e6;
 // verify and compact scan the whole NVMe tier: without an explicit
 // --timeout their deadline is this long.
 constexpr absl::Duration kLongRpcTimeout = absl::Hours(24);
-
-// Where results go (iostream and stdio both write there): the process's
-// stdout as it was at start. SeparateResults points fd 1 at stderr, so
-// that what libraries print to stdout -- UCX logs there unless
-// UCX_LOG_FILE says otherwise, and warns of any UCX_ variable it does not
-// know -- never mixes with a block written with `--out -` or with --json.
-FILE* g_results = stdout;
-FILE* Results() { return g_results; }
-
-void SeparateResults() {
-  std::fflush(stdout);
-  const int fd = dup(STDOUT_FILENO);
-  if (fd < 0) return;  // results and library output share stdout, as before
-  FILE* results = fdopen(fd, "w");
-  if (results == nullptr) {
-    close(fd);
-    return;
-  }
-  if (dup2(STDERR_FILENO, STDOUT_FILENO) < 0) {
-    std::fclose(results);
-    return;
-  }
-  g_results = results;
-  static __gnu_cxx::stdio_sync_filebuf<char> buffer(results);
-  std::cout.rdbuf(&buffer);
-}
 
 std::string HexToBytes(const std::string& hex, const char* what) {
   if (hex.empty() || hex.size() % 2 != 0) {

@@ -61,6 +61,7 @@
 // a block read back differed or the daemon cannot be reached, 2 for a usage
 // error.
 #include <malloc.h>
+
 #include <CLI/CLI.hpp>
 #include <algorithm>
 #include <array>
@@ -90,6 +91,7 @@
 #include "absl/synchronization/notification.h"
 #include "absl/time/time.h"
 #include "absl/types/span.h"
+#include "client/cli_output.h"
 #include "client/client.h"
 #include "storage/process_tuning.h"
 #include "storage/sizes.h"
@@ -1050,9 +1052,13 @@ int Run(const BenchConfig& config) {
         absl::StrAppendFormat(&json, ",\"op_is\":\"lookup + unpin\"");
       }
     }
-    std::printf("%s}\n", json.c_str());
+    std::fprintf(Results(), "%s}\n", json.c_str());
   } else {
-    std::printf("%s\n", human.c_str());
+    std::fprintf(Results(), "%s\n", human.c_str());
+  }
+  if (std::fflush(Results()) != 0) {
+    std::fprintf(stderr, "kvdepot-bench: cannot write to stdout\n");
+    return 1;
   }
   return errors > 0 || verify.failures > 0 ? 1 : 0;
 }
@@ -1062,6 +1068,9 @@ int Run(const BenchConfig& config) {
 
 int main(int argc, char** argv) {
   using kvdepot::BenchConfig;
+  // Results alone on stdout: UCX may log there (the compare scripts read
+  // the JSON from it).
+  kvdepot::SeparateResults();
   // As kvdepotd does (an engine would reuse its buffers the same way).
   kvdepot::TuneProcessForBlockIo();
   CLI::App app{"kvdepot-bench: load generator for kvdepotd (get, put, lookup)"};

@@ -92,4 +92,15 @@ for transport in ucx grpc; do
     fail "$name: the timed get's error does not name the key"
   grep -q 'verify: client 0: get ws/4096/1: ' "$WORK/$name.err" || fail "$name: the key is not named"
 done
+# UCX logs to stdout unless UCX_LOG_FILE says otherwise (here: its warning
+# about a UCX_ variable it does not know); the JSON stays alone on stdout,
+# the compare scripts read it from there.
+name="ucx-warns"
+UCX_KVDEPOT_NO_SUCH_SETTING=1 bench "$name" --op put --transport ucx \
+  --block-size 64KiB --keys 4 --count 16 --ns warns ||
+  { show "$name"; fail "$name exited $?"; }
+cat "$WORK/$name.err" "$WORK/$name.json" | grep -q "UCX_KVDEPOT_NO_SUCH_SETTING" ||
+  { show "$name"; fail "$name: UCX said nothing: nothing to keep apart"; }
+[[ "$(wc -l <"$WORK/$name.json")" -eq 1 && "$(head -c1 "$WORK/$name.json")" == "{" ]] ||
+  { show "$name"; fail "$name: stdout holds more than the JSON"; }
 echo "kvdepot_bench_verify_test: ok"
