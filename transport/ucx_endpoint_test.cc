@@ -1336,6 +1336,55 @@ TEST_P(UcxEndpointTest, SendingOnAClosedEndpointIsUnavailable) {
 // Rendezvous data stays with the sender until the receiver places it
 // (Receive, into its registered memory) or drops it; either way the
 // sender's send ends, and only a received message's bytes move.
+// Data a peer sends eagerly (libkvdepot never does; another client may)
+// reaches a data handler with its bytes, held in UCX's receive buffer
+// where UCX lets them be kept (not copied), and is received like
+// rendezvous data; dropped unreceived, its buffer goes back to UCX.
+TEST_P(UcxEndpointTest, EagerDataIsReceivedToo) {
+  absl::Mutex mu;
+  std::vector<std::unique_ptr<UcxWorker::IncomingData>> got;
+  ASSERT_TRUE(server_worker_
+                  ->SetDataMessageHandler(
+                      9,
+                      [&](absl::string_view,
+                          std::unique_ptr<UcxWorker::IncomingData> data,
+                          const UcxWorker::MessageSender&) {
+                        absl::MutexLock lock(&mu);
+                        got.push_back(std::move(data));
+                      })
+                  .ok());
+  const std::vector<char> payload = RandomBytes(3000, 17);
+  for (int i = 0; i < 2; ++i) {
+    ASSERT_TRUE(
+        endpoint_
+            ->SendMessage(9, "e", std::string(payload.begin(), payload.end()))
+            .ok());
+  }
+  {
+    absl::MutexLock lock(&mu);
+    ASSERT_TRUE(mu.AwaitWithTimeout(
+        absl::Condition(
+            +[](decltype(got)* g) { return g->size() == 2; }, &got),
+        absl::Seconds(10)));
+  }
+  ASSERT_TRUE(got[0]->eager());
+  ASSERT_EQ(got[0]->size(), payload.size());
+  got[1].reset();  // dropped
+  std::fill(arena_->base(), arena_->base() + payload.size(), '\0');
+  TransferHandle receive =
+      server_worker_->Receive(std::move(got[0]), arena_->base(), Soon());
+  ASSERT_TRUE(receive.WaitUntil(Soon()));
+  ASSERT_TRUE(receive.overall_status().ok()) << receive.overall_status();
+  EXPECT_TRUE(std::equal(payload.begin(), payload.end(), arena_->base()));
+  // The worker goes on taking messages (the buffers went back to UCX).
+  ASSERT_TRUE(endpoint_->SendMessage(9, "e", "again").ok());
+  absl::MutexLock lock(&mu);
+  EXPECT_TRUE(mu.AwaitWithTimeout(
+      absl::Condition(
+          +[](decltype(got)* g) { return g->size() == 3; }, &got),
+      absl::Seconds(10)));
+}
+
 TEST_P(UcxEndpointTest, RendezvousDataGoesWhereTheReceiverPutsItOrNowhere) {
   absl::Mutex mu;
   std::vector<std::pair<std::string, std::unique_ptr<UcxWorker::IncomingData>>> got;
@@ -1376,6 +1425,7 @@ TEST_P(UcxEndpointTest, RendezvousDataGoesWhereTheReceiverPutsItOrNowhere) {
   std::vector<TransferHandle> receives;
   std::vector<char*> places;
   int each_got = 0;
+  for (const auto& g : got) EXPECT_FALSE(g.second->eager());  // rendezvous
   for (size_t i = 0; i < got.size(); ++i) {
     ASSERT_EQ(got[i].first, "m" + std::to_string(i));
     ASSERT_EQ(got[i].second->size(), sizes[i]);

@@ -111,18 +111,24 @@ ucs_status_t UcxWorker::OnDataMessage(void* arg, const void* header,
                                       const ucp_am_recv_param_t* param) {
   auto* entry = static_cast<DataHandler*>(arg);
   const bool rndv = (param->recv_attr & UCP_AM_RECV_ATTR_FLAG_RNDV) != 0;
+  // Eager bytes in a buffer UCX lets us keep are held there, not copied
+  // (a peer sending large messages eagerly cost them twice in memory).
+  const bool keep =
+      rndv || (param->recv_attr & UCP_AM_RECV_ATTR_FLAG_DATA) != 0;
   ucp_ep_h reply_ep = (param->recv_attr & UCP_AM_RECV_ATTR_FIELD_REPLY_EP) != 0
                           ? param->reply_ep
                           : nullptr;
   std::unique_ptr<IncomingData> in(
-      rndv ? new IncomingData(entry->worker, data, length, std::string())
-           : new IncomingData(entry->worker, nullptr, length,
-                              std::string(static_cast<const char*>(data), length)));
+      keep ? new IncomingData(entry->worker, data, length, /*eager=*/!rndv,
+                              std::string())
+           : new IncomingData(
+                 entry->worker, nullptr, length, /*eager=*/true,
+                 std::string(static_cast<const char*>(data), length)));
   entry->handler(absl::string_view(static_cast<const char*>(header), header_length),
                  std::move(in), MessageSender(entry->worker, reply_ep));
-  // A rendezvous descriptor is UCX's until released or received, which
-  // happens after this callback (IncomingData defers both).
-  return rndv ? UCS_INPROGRESS : UCS_OK;
+  // A kept descriptor is UCX's until released (or, rendezvous, received),
+  // which happens after this callback (IncomingData defers both).
+  return keep ? UCS_INPROGRESS : UCS_OK;
 }
 
 UcxWorker::IncomingData::~IncomingData() {
@@ -226,10 +232,11 @@ void UcxWorker::StartReceive(
     std::shared_ptr<transport_internal::TransferBatch> batch,
     std::unique_ptr<IncomingData> data, std::vector<absl::Span<char>> pieces) {
   const size_t last = batch->size();  // the receive's index in the batch
-  if (data->desc_ == nullptr) {  // came eagerly: its bytes are here
+  if (data->eager_sent_) {  // its bytes are here (released as `data` goes)
+    const char* bytes = data->eager_bytes();
     size_t off = 0;
     for (const absl::Span<char>& p : pieces) {
-      if (p.data() != nullptr) std::memcpy(p.data(), data->eager_.data() + off, p.size());
+      if (p.data() != nullptr) std::memcpy(p.data(), bytes + off, p.size());
       off += p.size();
     }
     batch->Posted(last, nullptr);

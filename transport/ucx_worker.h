@@ -163,24 +163,33 @@ class UcxWorker {
     size_t size() const { return size_; }
     // Whether UCX brought the bytes with the message (the sender sent them
     // eagerly, not as rendezvous): they are held here, whole, until this
-    // goes -- UCX 1.13 puts no bound on an eager message's size.
+    // goes -- UCX 1.13 puts no bound on an eager message's size. Held in
+    // UCX's own receive buffer where UCX lets it be kept
+    // (UCP_AM_RECV_ATTR_FLAG_DATA), copied otherwise.
     bool eager() const { return eager_sent_; }
     // The worker it came on (where Receive takes it).
     UcxWorker& worker() const { return *worker_; }
 
    private:
     friend class UcxWorker;
-    IncomingData(UcxWorker* worker, void* desc, size_t size, std::string eager)
+    IncomingData(UcxWorker* worker, void* desc, size_t size, bool eager,
+                 std::string copy)
         : worker_(worker),
           desc_(desc),
           size_(size),
-          eager_sent_(desc == nullptr),
-          eager_(std::move(eager)) {}
+          eager_sent_(eager),
+          copy_(std::move(copy)) {}
+    // The bytes UCX brought with the message (eager() only).
+    const char* eager_bytes() const {
+      return desc_ != nullptr ? static_cast<const char*>(desc_) : copy_.data();
+    }
     UcxWorker* worker_;
-    void* desc_;         // UCX's rendezvous descriptor, until received
+    // UCX's descriptor until released: a rendezvous one until received, or
+    // the eager bytes UCX let us keep.
+    void* desc_;
     size_t size_;
     bool eager_sent_;
-    std::string eager_;  // the bytes, when UCX brought them with the message
+    std::string copy_;  // eager bytes UCX did not let us keep, copied
   };
   // Calls `handler(header, data, sender)` on the progress thread for every
   // message `id` that arrives on this worker with rendezvous data (or, if
