@@ -353,7 +353,11 @@ void Daemon::Shutdown() {
     if (config_.persist_on_shutdown && config_.store.nvme_capacity > 0) {
       absl::StatusOr<uint64_t> n = store_->PersistDram();
       if (n.ok()) {
-        log_->info("persisted {} DRAM block(s) to NVMe", *n);
+        // An NVMe tier smaller than DRAM evicts as it takes them: say
+        // what it holds, which is what a restart serves.
+        log_->info(
+            "persisted {} DRAM block(s) to NVMe; it holds {} block(s) now", *n,
+            store_->Stats().nvme.blocks);
       } else {
         log_->warn("persisting DRAM to NVMe failed: {}", n.status().ToString());
       }

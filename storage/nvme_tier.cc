@@ -330,6 +330,7 @@ class NvmeTierImpl final : public NvmeTier {
   absl::Status Compact() override;
   void StopMaintenance() override;
   absl::Status Flush() override;
+  absl::Status MakeWritesDurable() override;
   const NvmeTierOptions& options() const override { return options_; }
 
  private:
@@ -474,7 +475,12 @@ class NvmeTierImpl final : public NvmeTier {
   void NoteUnflushedWrite();
   // Flushes the memtables when the oldest unflushed write is
   // max_unflushed_age old (see MaintenanceLoop). Any thread, no lock held.
-  void FlushIfDue();
+  void FlushIfDue() {
+    FlushUnflushed(options_.max_unflushed_age).IgnoreError();
+  }
+  // Flushes the memtables if writes made without the WAL are waiting, the
+  // oldest at least `min_age` old. OK when none are (or with the WAL).
+  absl::Status FlushUnflushed(absl::Duration min_age);
   // The maintenance thread (maintenance_): every tick, flushes the
   // memtables when the oldest unflushed write is max_unflushed_age old,
   // and scrubs the tier (Verify) when an automatic compaction met a corrupt
@@ -807,19 +813,23 @@ void NvmeTierImpl::MaintenanceLoop() {
   flush_mu_.Unlock();
 }
 
-void NvmeTierImpl::FlushIfDue() {
+absl::Status NvmeTierImpl::FlushUnflushed(absl::Duration min_age) {
   // The flush timer is looked at (no arg).
   internal::TestSyncPoint("NvmeTier::FlushIfDue");
   absl::Time since;
   {
     absl::MutexLock lock(&flush_mu_);
     // Nothing unflushed (InfiniteFuture), or not old enough yet (or the
-    // timer off: with the WAL, or an infinite max age). A stopped database
-    // cannot flush: its resume flushes what the memtables hold.
-    if (options_.use_wal ||
-        clock_->Now() - unflushed_since_ < options_.max_unflushed_age ||
-        listener_->stopped()) {
-      return;
+    // timer off: with the WAL, or an infinite max age).
+    if (options_.use_wal || unflushed_since_ == absl::InfiniteFuture() ||
+        clock_->Now() - unflushed_since_ < min_age) {
+      return absl::OkStatus();
+    }
+    // A stopped database cannot flush: its resume flushes what the
+    // memtables hold.
+    if (listener_->stopped()) {
+      return absl::UnavailableError(
+          absl::StrCat("NVMe tier takes no writes: ", listener_->reason()));
     }
     // Writes that land from now on may miss this flush: they count anew.
     // A write marks itself after it landed, so none goes uncounted.
@@ -832,6 +842,11 @@ void NvmeTierImpl::FlushIfDue() {
     absl::MutexLock lock(&flush_mu_);
     unflushed_since_ = std::min(unflushed_since_, since);
   }
+  return FromRocksStatus(s, "NVMe tier: flush");
+}
+
+absl::Status NvmeTierImpl::MakeWritesDurable() {
+  return FlushUnflushed(absl::ZeroDuration());
 }
 
 absl::Status NvmeTierImpl::EvictOverCapacity() {

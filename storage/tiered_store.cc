@@ -816,6 +816,27 @@ class TieredStoreImpl final : public TieredStore {
     if (!all && keys.empty()) {
       return absl::InvalidArgumentError("evict needs keys or all");
     }
+    ASSIGN_OR_RETURN(EvictResult result, EvictNow(ns, keys, all));
+    // The evict's own deletes went through the WAL; the tier's evictions
+    // for capacity just before did not, and the evict did not see those
+    // blocks (no longer listed). Made durable too before the answer, so
+    // that none comes back after a crash (outside the stripe: a flush may
+    // take a while, promotions of the namespace need not wait for it).
+    if (nvme_ != nullptr) {
+      if (absl::Status st = nvme_->MakeWritesDurable(); !st.ok()) {
+        return absl::Status(
+            st.code(), absl::StrCat("evict: making the NVMe tier's deletes "
+                                    "durable: ",
+                                    st.message()));
+      }
+    }
+    return result;
+  }
+
+  // Evict's work, its arguments checked.
+  absl::StatusOr<EvictResult> EvictNow(absl::string_view ns,
+                                       absl::Span<const absl::string_view> keys,
+                                       bool all) {
     // No promotion of this namespace publishes a block while we run (see
     // evict_stripes_).
     absl::WriterMutexLock no_promotions(&EvictStripe(ns));

@@ -1589,7 +1589,7 @@ class TieredStoreNvmeTest : public ::testing::Test {
     o.high_watermark = high_watermark;
     o.low_watermark = 0.25;
     o.nvme_path = dir_ + "/nvme";
-    o.nvme_capacity = 64 << 20;
+    o.nvme_capacity = nvme_capacity_;
     o.create_namespaces = create_namespaces_;
     o.max_pinned_blocks_per_session = max_pinned_blocks_per_session_;
     o.max_queued_promotions = max_queued_promotions_;
@@ -1651,6 +1651,7 @@ class TieredStoreNvmeTest : public ::testing::Test {
   uint32_t max_queued_promotions_ = StoreOptions().max_queued_promotions;
   uint32_t max_namespaces_ = StoreOptions().max_namespaces;
   rocksdb::Env* nvme_env_ = nullptr;
+  uint64_t nvme_capacity_ = 64 << 20;
   std::string dir_;
   std::unique_ptr<TieredStore> store_;
   SessionId sid_ = 0;
@@ -2809,6 +2810,43 @@ TEST_F(TieredStoreNvmeTest, EvictedBlocksStayGoneAfterACrash) {
   EXPECT_FALSE((*tier)->Contains("ns", "e1"));
   EXPECT_TRUE((*tier)->Contains("ns", "e0"));
   EXPECT_TRUE((*tier)->Contains("ns", "e2"));
+}
+
+// The NVMe tier's own evictions (for capacity, as demotions fill it) are
+// written without the WAL, durable only at the next flush. An admin evict
+// of a namespace whose blocks the tier had just evicted that way did not
+// find them, wrote nothing for them, and after a crash they came back:
+// Evict makes every delete before it durable before it answers.
+TEST_F(TieredStoreNvmeTest,
+       BlocksTheTierEvictedStayGoneAfterAnAdminEvictAndACrash) {
+  nvme_capacity_ = 3 << 20;
+  Open(/*admit_min_reads=*/0, /*background_eviction=*/false);
+  for (int i = 0; i < 8; ++i) Put("a" + std::to_string(i), Block(i), "", "A");
+  ASSERT_OK(store_->PersistDram());  // A on NVMe, flushed
+  // B demoted without a flush (the flush timer's clock is fake): the tier
+  // evicts A's oldest blocks to make room, those deletes not in the WAL.
+  for (int i = 0; i < 12; ++i) Put("b" + std::to_string(i), Block(i), "", "B");
+  EXPECT_GT(store_->RunEviction(), 0u);
+  int a_left = 0;
+  for (int i = 0; i < 8; ++i) {
+    const std::string key = "a" + std::to_string(i);
+    absl::string_view kv = key;
+    auto l = store_->Lookup(sid_, "A", {&kv, 1}, false, false);
+    ASSERT_OK(l);
+    a_left += l->entries[0].found;
+  }
+  ASSERT_LT(a_left, 8) << "the tier evicted none of A: nothing to test";
+  ASSERT_OK(store_->Evict("A", {}, /*all=*/true));
+  const std::string image = dir_ + "/crash";
+  std::filesystem::copy(dir_ + "/nvme", image);
+  NvmeTierOptions o;
+  o.path = image;
+  o.capacity_bytes = 64 << 20;
+  auto tier = OpenNvmeTier(o, &clock_);
+  ASSERT_OK(tier);
+  for (int i = 0; i < 8; ++i) {
+    EXPECT_FALSE((*tier)->Contains("A", "a" + std::to_string(i))) << i;
+  }
 }
 
 // Put-if-absent holds across the tiers: a key kept only on NVMe is stored,

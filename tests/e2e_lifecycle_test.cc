@@ -954,7 +954,9 @@ TEST(LifecycleTest, RestartServesWhatWasPersistedToNvme) {
   auto rc = (*d)->Stop(SIGTERM);
   ASSERT_OK(rc);
   ASSERT_EQ(*rc, 0);
-  EXPECT_NE((*d)->Log().find("persisted 20 DRAM block(s) to NVMe"), std::string::npos)
+  EXPECT_NE((*d)->Log().find(
+                "persisted 20 DRAM block(s) to NVMe; it holds 20 block(s) now"),
+            std::string::npos)
       << (*d)->Log();
 
   auto again = DaemonProcess::Start({"--dram-capacity", "64MiB", "--nvme-capacity", "256MiB"},
