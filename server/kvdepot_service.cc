@@ -178,60 +178,91 @@ absl::Status ValidateOpenSession(const v1::OpenSessionRequest& req) {
 grpc::ServerUnaryReactor* KvDepotService::OpenSession(
     grpc::CallbackServerContext* ctx, const v1::OpenSessionRequest* req,
     v1::OpenSessionResponse* resp) {
-  return Unary(ctx, "OpenSession", [&]() -> absl::Status {
+  grpc::ServerUnaryReactor* reactor = ctx->DefaultReactor();
+  std::function<void(const absl::Status&)> finish =
+      Finisher("OpenSession", reactor);
+  absl::StatusOr<SessionGrant> grant = [&]() -> absl::StatusOr<SessionGrant> {
     RETURN_IF_ERROR(ValidateOpenSession(*req));
-    ASSIGN_OR_RETURN(SessionGrant g,
-                     store_.OpenSession(absl::Milliseconds(req->lease_ms()),
-                                        req->client_name()));
-    resp->set_session_id(g.id);
-    resp->set_lease_ms(static_cast<uint32_t>(absl::ToInt64Milliseconds(g.lease)));
-    const StoreOptions& o = store_.options();
-    // The largest block an empty DRAM tier can take: its pages, and a page
-    // for its key's slab (advertising the whole tier promised blocks that
-    // every put refused).
-    constexpr uint64_t kPage = DramArena::kPageSize;
-    const uint64_t pages = store_.dram_region().size / kPage;
-    resp->set_max_block_bytes(
-        std::min<uint64_t>(o.max_block_bytes, pages > 1 ? (pages - 1) * kPage : 0));
-    resp->set_max_batch_keys(o.max_batch_keys);
-    resp->set_max_chunk_bytes(kMaxChunkBytes);
-    if (!req->ucx_worker_address().empty() && data_plane_ != nullptr) {
-      std::optional<TcpSegmentSizes> client_tcp;
-      if (req->ucx_tcp_tx_seg_size() != 0 && req->ucx_tcp_rx_seg_size() != 0) {
-        client_tcp = TcpSegmentSizes{req->ucx_tcp_tx_seg_size(),
-                                     req->ucx_tcp_rx_seg_size()};
-      }
-      absl::Status attached = data_plane_->Attach(
-          g.id, req->ucx_worker_address(), req->host_id(),
-          LocalPeerUid(ctx->peer()), client_tcp);
-      if (!attached.ok()) {
-        // The client falls back to its gRPC byte path on Unavailable,
-        // DeadlineExceeded or FailedPrecondition naming UCX.
-        store_.CloseSession(g.id).IgnoreError();
-        log_->warn("session of '{}' from {}: no UCX endpoint: {}",
-                   req->client_name(), ctx->peer(), attached.ToString());
-        return absl::Status(attached.code(),
-                            absl::StrCat("no UCX endpoint for the client: ",
-                                         attached.message()));
-      }
-      resp->set_ucx_connected(true);
-      resp->set_ucx_request_address(data_plane_->RequestAddress(g.id));
-      resp->set_ucx_data_requests(data_plane_->TakesDataRequests(g.id));
-    }
-    if (ctx->IsCancelled()) {
-      // The client gave up while the endpoint was wired up (up to two
-      // connects): no one would learn the session's id, and it would hold
-      // its endpoint (a co-located client's own worker, one of a few) until
-      // its lease ends.
-      if (data_plane_ != nullptr) data_plane_->Detach(g.id);
-      store_.CloseSession(g.id).IgnoreError();
-      return absl::CancelledError("the client cancelled OpenSession");
-    }
-    log_->info("session {} opened by '{}' from {} (lease {}{})", g.id,
-               req->client_name(), ctx->peer(), absl::FormatDuration(g.lease),
-               resp->ucx_connected() ? ", UCX endpoint" : "");
-    return absl::OkStatus();
+    return store_.OpenSession(absl::Milliseconds(req->lease_ms()),
+                              req->client_name());
+  }();
+  if (!grant.ok()) {
+    finish(grant.status());
+    return reactor;
+  }
+  const SessionGrant g = *grant;
+  resp->set_session_id(g.id);
+  resp->set_lease_ms(static_cast<uint32_t>(absl::ToInt64Milliseconds(g.lease)));
+  const StoreOptions& o = store_.options();
+  // The largest block an empty DRAM tier can take: its pages, and a page
+  // for its key's slab (advertising the whole tier promised blocks that
+  // every put refused).
+  constexpr uint64_t kPage = DramArena::kPageSize;
+  const uint64_t pages = store_.dram_region().size / kPage;
+  resp->set_max_block_bytes(std::min<uint64_t>(
+      o.max_block_bytes, pages > 1 ? (pages - 1) * kPage : 0));
+  resp->set_max_batch_keys(o.max_batch_keys);
+  resp->set_max_chunk_bytes(kMaxChunkBytes);
+  if (req->ucx_worker_address().empty() || data_plane_ == nullptr) {
+    log_->info("session {} opened by '{}' from {} (lease {})", g.id,
+               req->client_name(), ctx->peer(), absl::FormatDuration(g.lease));
+    finish(absl::OkStatus());
+    return reactor;
+  }
+  if (attach_pool_.queued() >= kMaxAttachesWaiting) {
+    store_.CloseSession(g.id).IgnoreError();
+    finish(absl::UnavailableError(
+        absl::StrCat("no UCX endpoint for the client: ", kMaxAttachesWaiting,
+                     " UCX wire-ups are waiting already")));
+    return reactor;
+  }
+  attach_pool_.Submit([this, ctx, req, resp, g, finish = std::move(finish)] {
+    AttachAndFinish(ctx, req, resp, g.id, g.lease, finish);
   });
+  return reactor;
+}
+
+void KvDepotService::AttachAndFinish(
+    grpc::CallbackServerContext* ctx, const v1::OpenSessionRequest* req,
+    v1::OpenSessionResponse* resp, SessionId id, absl::Duration lease,
+    std::function<void(const absl::Status&)> finish) {
+  if (ctx->IsCancelled()) {  // gave up while the wire-up waited its turn
+    store_.CloseSession(id).IgnoreError();
+    return finish(absl::CancelledError("the client cancelled OpenSession"));
+  }
+  std::optional<TcpSegmentSizes> client_tcp;
+  if (req->ucx_tcp_tx_seg_size() != 0 && req->ucx_tcp_rx_seg_size() != 0) {
+    client_tcp =
+        TcpSegmentSizes{req->ucx_tcp_tx_seg_size(), req->ucx_tcp_rx_seg_size()};
+  }
+  absl::Status attached =
+      data_plane_->Attach(id, req->ucx_worker_address(), req->host_id(),
+                          LocalPeerUid(ctx->peer()), client_tcp);
+  if (!attached.ok()) {
+    // The client falls back to its gRPC byte path on Unavailable,
+    // DeadlineExceeded or FailedPrecondition naming UCX.
+    store_.CloseSession(id).IgnoreError();
+    log_->warn("session of '{}' from {}: no UCX endpoint: {}",
+               req->client_name(), ctx->peer(), attached.ToString());
+    return finish(absl::Status(
+        attached.code(),
+        absl::StrCat("no UCX endpoint for the client: ", attached.message())));
+  }
+  resp->set_ucx_connected(true);
+  resp->set_ucx_request_address(data_plane_->RequestAddress(id));
+  resp->set_ucx_data_requests(data_plane_->TakesDataRequests(id));
+  if (ctx->IsCancelled()) {
+    // The client gave up while the endpoint was wired up (up to two
+    // connects): no one would learn the session's id, and it would hold
+    // its endpoint (a co-located client's own worker, one of a few) until
+    // its lease ends.
+    data_plane_->Detach(id);
+    store_.CloseSession(id).IgnoreError();
+    return finish(absl::CancelledError("the client cancelled OpenSession"));
+  }
+  log_->info("session {} opened by '{}' from {} (lease {}, UCX endpoint)", id,
+             req->client_name(), ctx->peer(), absl::FormatDuration(lease));
+  finish(absl::OkStatus());
 }
 
 grpc::ServerUnaryReactor* KvDepotService::KeepAlive(

@@ -293,6 +293,22 @@ class KvDepotService final
   // asleep), an abandoned UCX batch's commit.
   static constexpr int kPutPoolThreads = 8;
   WorkPool put_pool_{kPutPoolThreads, "kvd-put"};
+  // OpenSession's UCX wire-up (up to two connects of connect_timeout each,
+  // to a client that may not answer), off gRPC's threads: with it there, a
+  // few stalled clients left every other call (a KeepAlive holding a lease)
+  // unanswered for seconds. Past kMaxAttachesWaiting wire-ups waiting for
+  // a thread, a session is opened without UCX: Unavailable, which makes
+  // libkvdepot use its gRPC byte path.
+  static constexpr int kAttachPoolThreads = 4;
+  static constexpr int kMaxAttachesWaiting = 64;
+  WorkPool attach_pool_{kAttachPoolThreads, "kvd-attach"};
+  // Attach one session's UCX endpoint (OpenSession's last step, on
+  // attach_pool_) and finish the call.
+  void AttachAndFinish(grpc::CallbackServerContext* ctx,
+                       const v1::OpenSessionRequest* req,
+                       v1::OpenSessionResponse* resp, SessionId id,
+                       absl::Duration lease,
+                       std::function<void(const absl::Status&)> finish);
   // Held by the ReportCorrupt being checked (one at a time; TryLock).
   absl::Mutex report_mu_;
   // Reported blocks the daemon's copy did not confirm, not logged yet, and

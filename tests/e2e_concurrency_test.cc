@@ -1,6 +1,7 @@
 // 8 concurrent writers and 8 concurrent readers over 10,000 blocks against a
 // real kvdepotd, with every byte of every block checked.
 #include <gtest/gtest.h>
+#include <ucp/api/ucp.h>
 
 #include <atomic>
 #include <random>
@@ -324,6 +325,96 @@ TEST(ConcurrencyTest, PullBlocksWaitingForRoomDoNotStallOtherCalls) {
   // Another client's calls are answered meanwhile.
   ExpectAnsweredThenLetGo(stub, holder, held.reservation_id());
   for (TransferOp& op : ops) op.Wait();
+  EXPECT_OK(client->Health());
+  EXPECT_TRUE((*daemon)->Running()) << (*daemon)->Log();
+}
+
+// A UCX worker that is never progressed: a client stopped (SIGSTOP) right
+// after it sent its address, or one whose host drops the daemon's
+// connections. Its address, for OpenSession.
+class StalledUcxWorker {
+ public:
+  StalledUcxWorker() {
+    ucp_config_t* config = nullptr;
+    if (ucp_config_read(nullptr, nullptr, &config) != UCS_OK) return;
+    ucp_params_t params{};
+    params.field_mask = UCP_PARAM_FIELD_FEATURES;
+    params.features = UCP_FEATURE_AM | UCP_FEATURE_RMA;
+    const ucs_status_t st = ucp_init(&params, config, &context_);
+    ucp_config_release(config);
+    if (st != UCS_OK) return;
+    ucp_worker_params_t wp{};
+    wp.field_mask = UCP_WORKER_PARAM_FIELD_THREAD_MODE;
+    wp.thread_mode = UCS_THREAD_MODE_SINGLE;
+    if (ucp_worker_create(context_, &wp, &worker_) != UCS_OK) return;
+    ucp_address_t* address = nullptr;
+    size_t length = 0;
+    if (ucp_worker_get_address(worker_, &address, &length) != UCS_OK) return;
+    address_.assign(reinterpret_cast<const char*>(address), length);
+    ucp_worker_release_address(worker_, address);
+  }
+  ~StalledUcxWorker() {
+    if (worker_ != nullptr) ucp_worker_destroy(worker_);
+    if (context_ != nullptr) ucp_cleanup(context_);
+  }
+  const std::string& address() const { return address_; }
+
+ private:
+  ucp_context_h context_ = nullptr;
+  ucp_worker_h worker_ = nullptr;
+  std::string address_;
+};
+
+// OpenSession wires up a UCX endpoint to the client's worker: up to two
+// connects of connect_timeout (5 s) each when the worker never answers.
+// Those waits were made on gRPC's threads (two on this machine), and every
+// other client's call queued behind them: Stats took 5 s with two such
+// clients, 48 s with 16, past a 30 s lease. They are made off those
+// threads now; other calls are answered meanwhile.
+TEST(ConcurrencyTest, OpenSessionsToStalledUcxClientsDoNotStallOtherCalls) {
+  auto daemon = DaemonProcess::Start({"--dram-capacity", "32MiB"});
+  ASSERT_OK(daemon);
+  auto client = Connect((*daemon)->address());
+  v1::KvDepot::Stub& stub = client->stub();
+  StalledUcxWorker stalled;
+  ASSERT_FALSE(stalled.address().empty()) << "no UCX worker here";
+  const uint64_t other = OpenLongSession(stub);
+  ASSERT_NE(other, 0u);
+  constexpr int kStalled = 6;
+  std::vector<std::thread> opens;
+  std::atomic<int> answered{0};
+  for (int i = 0; i < kStalled; ++i) {
+    opens.emplace_back([&] {
+      grpc::ClientContext ctx;
+      ctx.set_deadline(absl::ToChronoTime(absl::Now() + absl::Seconds(60)));
+      v1::OpenSessionRequest req;
+      req.set_client_name("stalled");
+      req.set_host_id("another-host");  // over TCP, not shared memory
+      req.set_ucx_worker_address(stalled.address());
+      v1::OpenSessionResponse resp;
+      grpc::Status st = stub.OpenSession(&ctx, req, &resp);
+      EXPECT_FALSE(st.ok() && resp.ucx_connected()) << "the worker answered";
+      ++answered;
+    });
+  }
+  absl::SleepFor(absl::Milliseconds(500));  // the wire-ups are under way
+  for (int round = 0; round < 3; ++round) {
+    grpc::ClientContext ctx;
+    ctx.set_deadline(absl::ToChronoTime(absl::Now() + absl::Seconds(3)));
+    v1::KeepAliveRequest req;
+    req.set_session_id(other);
+    v1::KeepAliveResponse resp;
+    grpc::Status st = stub.KeepAlive(&ctx, req, &resp);
+    EXPECT_TRUE(st.ok()) << "KeepAlive behind UCX wire-ups: "
+                         << st.error_message();
+    grpc::ClientContext stats_ctx;
+    stats_ctx.set_deadline(absl::ToChronoTime(absl::Now() + absl::Seconds(3)));
+    v1::StatsResponse stats;
+    st = stub.Stats(&stats_ctx, v1::StatsRequest(), &stats);
+    EXPECT_TRUE(st.ok()) << "Stats behind UCX wire-ups: " << st.error_message();
+  }
+  EXPECT_LT(answered.load(), kStalled) << "the wire-ups ended too soon to show";
+  for (std::thread& t : opens) t.join();
   EXPECT_OK(client->Health());
   EXPECT_TRUE((*daemon)->Running()) << (*daemon)->Log();
 }
