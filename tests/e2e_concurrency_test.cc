@@ -162,31 +162,36 @@ uint64_t OpenLongSession(v1::KvDepot::Stub& stub) {
   return resp.session_id();
 }
 
+// A Stats, and a KeepAlive of `session`, are answered within 3 s each
+// (behind `what`, for the message).
+void ExpectStatsAndKeepAliveAnswered(v1::KvDepot::Stub& stub, uint64_t session,
+                                     const char* what) {
+  {
+    grpc::ClientContext ctx;
+    ctx.set_deadline(absl::ToChronoTime(absl::Now() + absl::Seconds(3)));
+    v1::StatsResponse resp;
+    grpc::Status st = stub.Stats(&ctx, v1::StatsRequest(), &resp);
+    EXPECT_TRUE(st.ok()) << "Stats behind " << what << ": "
+                         << st.error_message();
+  }
+  grpc::ClientContext ctx;
+  ctx.set_deadline(absl::ToChronoTime(absl::Now() + absl::Seconds(3)));
+  v1::KeepAliveRequest req;
+  req.set_session_id(session);
+  v1::KeepAliveResponse resp;
+  grpc::Status st = stub.KeepAlive(&ctx, req, &resp);
+  EXPECT_TRUE(st.ok()) << "KeepAlive behind " << what << ": "
+                       << st.error_message();
+}
+
 // With puts waiting for room: a Stats and a new session's KeepAlive are
 // answered within 3 s each, and so is the AbortPut of `holder`'s
 // reservation `held` (which lets the waiting puts in).
 void ExpectAnsweredThenLetGo(v1::KvDepot::Stub& stub, uint64_t holder,
                              uint64_t held) {
-  {
-    grpc::ClientContext ctx;
-    ctx.set_deadline(absl::ToChronoTime(absl::Now() + absl::Seconds(3)));
-    v1::StatsRequest req;
-    v1::StatsResponse resp;
-    grpc::Status st = stub.Stats(&ctx, req, &resp);
-    EXPECT_TRUE(st.ok()) << "Stats behind waiting puts: " << st.error_message();
-  }
   const uint64_t other = OpenLongSession(stub);
   ASSERT_NE(other, 0u);
-  {
-    grpc::ClientContext ctx;
-    ctx.set_deadline(absl::ToChronoTime(absl::Now() + absl::Seconds(3)));
-    v1::KeepAliveRequest req;
-    req.set_session_id(other);
-    v1::KeepAliveResponse resp;
-    grpc::Status st = stub.KeepAlive(&ctx, req, &resp);
-    EXPECT_TRUE(st.ok()) << "KeepAlive behind waiting puts: "
-                         << st.error_message();
-  }
+  ExpectStatsAndKeepAliveAnswered(stub, other, "waiting puts");
   grpc::ClientContext ctx;
   ctx.set_deadline(absl::ToChronoTime(absl::Now() + absl::Seconds(3)));
   v1::AbortPutRequest req;
@@ -399,19 +404,7 @@ TEST(ConcurrencyTest, OpenSessionsToStalledUcxClientsDoNotStallOtherCalls) {
   }
   absl::SleepFor(absl::Milliseconds(500));  // the wire-ups are under way
   for (int round = 0; round < 3; ++round) {
-    grpc::ClientContext ctx;
-    ctx.set_deadline(absl::ToChronoTime(absl::Now() + absl::Seconds(3)));
-    v1::KeepAliveRequest req;
-    req.set_session_id(other);
-    v1::KeepAliveResponse resp;
-    grpc::Status st = stub.KeepAlive(&ctx, req, &resp);
-    EXPECT_TRUE(st.ok()) << "KeepAlive behind UCX wire-ups: "
-                         << st.error_message();
-    grpc::ClientContext stats_ctx;
-    stats_ctx.set_deadline(absl::ToChronoTime(absl::Now() + absl::Seconds(3)));
-    v1::StatsResponse stats;
-    st = stub.Stats(&stats_ctx, v1::StatsRequest(), &stats);
-    EXPECT_TRUE(st.ok()) << "Stats behind UCX wire-ups: " << st.error_message();
+    ExpectStatsAndKeepAliveAnswered(stub, other, "UCX wire-ups");
   }
   EXPECT_LT(answered.load(), kStalled) << "the wire-ups ended too soon to show";
   for (std::thread& t : opens) t.join();
