@@ -84,9 +84,8 @@ std::string Unreachable(const cudaPointerAttributes& attr, int device,
   switch (attr.type) {
     case cudaMemoryTypeUnregistered:
       return pageable ? std::string()
-                      : std::string(
-                            "pageable host memory, which this device "
-                            "cannot access");
+                      : absl::StrCat(Describe(attr),
+                                     ", which this device cannot access");
     case cudaMemoryTypeDevice:
       if (attr.device == device) return std::string();
       return absl::StrCat(Describe(attr), ", not of the current device ",

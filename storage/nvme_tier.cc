@@ -407,6 +407,10 @@ class NvmeTierImpl final : public NvmeTier {
   }
   // Makes a stored entry the most recently used.
   void TouchLocked(Entry* e) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Once no put or delete of `id` is under way (WaitSettled): whether it is
+  // stored, touched (recency) if so.
+  bool TouchIfStoredLocked(const std::string& id)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // kStored -> kDeleting: unlisted, uncounted, invisible.
   Retired RetireLocked(Entry* e) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Undoes RetireLocked for entries whose delete failed. `retired` is in the
@@ -927,6 +931,14 @@ bool NvmeTierImpl::IdSettled(SettledArg* arg)
   return it == arg->index->end() || it->second.state == State::kStored;
 }
 
+bool NvmeTierImpl::TouchIfStoredLocked(const std::string& id) {
+  WaitSettled(id);  // then `id` is absent or kStored
+  auto it = index_.find(id);
+  if (it == index_.end()) return false;
+  TouchLocked(&it->second);
+  return true;
+}
+
 void NvmeTierImpl::WaitSettled(const std::string& id) {
   SettledArg arg{&index_, &id};
   mu_.Await(absl::Condition(&IdSettled, &arg));
@@ -1308,12 +1320,7 @@ absl::StatusOr<NvmePutOutcome> NvmeTierImpl::Put(absl::string_view ns,
   // to be written. Checked again below, under the same lock as the insert.
   {
     absl::MutexLock lock(&mu_);
-    WaitSettled(id);
-    auto it = index_.find(id);
-    if (it != index_.end() && it->second.state == State::kStored) {
-      TouchLocked(&it->second);
-      return NvmePutOutcome::kAlreadyPresent;
-    }
+    if (TouchIfStoredLocked(id)) return NvmePutOutcome::kAlreadyPresent;
   }
   if (BlockChecksum(bytes) != checksum) {
     return absl::InvalidArgumentError(
@@ -1337,12 +1344,7 @@ absl::StatusOr<NvmePutOutcome> NvmeTierImpl::Put(absl::string_view ns,
   std::string meta;
   {
     absl::MutexLock lock(&mu_);
-    WaitSettled(id);
-    auto it = index_.find(id);
-    if (it != index_.end()) {
-      TouchLocked(&it->second);
-      return NvmePutOutcome::kAlreadyPresent;
-    }
+    if (TouchIfStoredLocked(id)) return NvmePutOutcome::kAlreadyPresent;
     while (used_ + charge > options_.capacity_bytes) {
       Entry* victim = VictimLocked();
       if (victim == nullptr) break;

@@ -288,20 +288,6 @@ TransferHandle UcxEndpoint::Start(bool get,
   return handle;
 }
 
-namespace {
-
-// Ends every transfer of `batch` not refused yet with `why`; nothing of it
-// is posted.
-void RefuseTheRest(transport_internal::TransferBatch& batch,
-                   const absl::Status& why) {
-  for (size_t i = 0; i < batch.size(); ++i) {
-    if (!batch.refused(i)) batch.Refuse(i, why);
-  }
-  batch.Seal(nullptr);
-}
-
-}  // namespace
-
 void UcxEndpoint::Post(const std::shared_ptr<Batch>& batch,
                        const std::vector<Transfer>& transfers, PutEnd end) {
   in_flight_.erase(
@@ -310,9 +296,8 @@ void UcxEndpoint::Post(const std::shared_ptr<Batch>& batch,
       in_flight_.end());
   if (ep_ == nullptr) {
     // Failed while the batch waited in the queue.
-    RefuseTheRest(
-        *batch, absl::UnavailableError(absl::StrCat("UCX endpoint has failed: ",
-                                                    status().message())));
+    batch->RefuseRest(absl::UnavailableError(
+        absl::StrCat("UCX endpoint has failed: ", status().message())));
     return;
   }
   if (batch->deadline() <= absl::Now()) {
@@ -320,10 +305,10 @@ void UcxEndpoint::Post(const std::shared_ptr<Batch>& batch,
     // stalled or busy): its caller may have given up on it and handed the
     // memory on, so nothing of it is posted. Nothing was sent either, so
     // the endpoint stays up.
-    RefuseTheRest(*batch, absl::DeadlineExceededError(
-                              "UCX transfer batch passed its deadline before "
-                              "it was posted (the progress thread was stalled "
-                              "or busy)"));
+    batch->RefuseRest(absl::DeadlineExceededError(
+        "UCX transfer batch passed its deadline before "
+        "it was posted (the progress thread was stalled "
+        "or busy)"));
     return;
   }
   bool posted = false;

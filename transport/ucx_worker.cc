@@ -177,12 +177,6 @@ namespace {
 // latency far below a millisecond's worth of messages.
 constexpr int kProgressBurst = 64;
 
-// Ends every transfer of a batch that will not be posted with `why`.
-void RefuseAll(transport_internal::TransferBatch& batch, const absl::Status& why) {
-  for (size_t i = 0; i < batch.size(); ++i) batch.Refuse(i, why);
-  batch.Seal(nullptr);
-}
-
 }  // namespace
 
 TransferHandle UcxWorker::Receive(std::unique_ptr<IncomingData> data, char* to,
@@ -191,7 +185,8 @@ TransferHandle UcxWorker::Receive(std::unique_ptr<IncomingData> data, char* to,
   if (to == nullptr || data == nullptr) {
     auto batch = std::make_shared<transport_internal::TransferBatch>(
         transport_internal::TransferBatch::Op::kReceive, 1, deadline);
-    RefuseAll(*batch, absl::InvalidArgumentError("nothing to receive, or nowhere"));
+    batch->RefuseRest(
+        absl::InvalidArgumentError("nothing to receive, or nowhere"));
     return TransferHandle(batch);
   }
   const size_t size = data->size();
@@ -211,9 +206,9 @@ TransferHandle UcxWorker::Receive(std::unique_ptr<IncomingData> data,
   size_t total = 0;
   for (const absl::Span<char>& p : pieces) total += p.size();
   if (data == nullptr || pieces.empty() || total != data->size()) {
-    RefuseAll(*batch, absl::InvalidArgumentError(
-                          absl::StrCat("pieces of ", total, " bytes for data of ",
-                                       data == nullptr ? 0 : data->size())));
+    batch->RefuseRest(absl::InvalidArgumentError(
+        absl::StrCat("pieces of ", total, " bytes for data of ",
+                     data == nullptr ? 0 : data->size())));
     return handle;  // `data` is released unread
   }
   auto start = [this, batch, data = std::move(data),
@@ -223,7 +218,7 @@ TransferHandle UcxWorker::Receive(std::unique_ptr<IncomingData> data,
   if (OnProgressThread()) {
     Defer(std::move(start));  // perhaps inside a UCX callback now
   } else if (!Post(std::move(start)).ok()) {
-    RefuseAll(*batch, absl::UnavailableError("UCX worker is stopping"));
+    batch->RefuseRest(absl::UnavailableError("UCX worker is stopping"));
   }
   return handle;
 }
@@ -633,13 +628,14 @@ void UcxWorker::Loop() {
     // messages are handled must not hold back queued tasks (a Run waiting
     // on them, replies handed over by Post) and deadlines until its backlog
     // is gone.
-    bool more = false;
-    for (int n = 0; !fenced_ && !more; ++n) {
-      if (ucp_worker_progress(worker_) == 0) break;
+    int found = 0;
+    while (!fenced_ && found < kProgressBurst &&
+           ucp_worker_progress(worker_) != 0) {
+      ++found;
       RunDeferred();
       TickSenders();
-      more = n + 1 == kProgressBurst;
     }
+    const bool more = found == kProgressBurst;
     RunDeferred();
     ReapCloses();
     TickResidents();

@@ -73,6 +73,13 @@ void TransferBatch::Refuse(size_t i, absl::Status status) {
   op_status_[i] = std::move(status);
 }
 
+void TransferBatch::RefuseRest(const absl::Status& why) {
+  for (size_t i = 0; i < size_; ++i) {
+    if (!refused_[i]) Refuse(i, why);
+  }
+  Seal(nullptr);
+}
+
 ucp_request_param_t TransferBatch::Param(size_t i) {
   ucp_request_param_t param = {};
   param.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA;

@@ -62,6 +62,9 @@ class TransferBatch : public std::enable_shared_from_this<TransferBatch> {
   // Transfer i will not be posted; it ends with `status`.
   void Refuse(size_t i, absl::Status status);
   bool refused(size_t i) const { return refused_[i]; }
+  // No transfer of the batch will be posted: those not refused yet end
+  // with `why`, and the batch is sealed (it ends now).
+  void RefuseRest(const absl::Status& why);
 
   // --- Progress thread only. ---
   // Request parameters whose callback reports transfer i (i == size() is
