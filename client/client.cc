@@ -60,6 +60,10 @@ struct Client::Link {
 };
 
 namespace {
+// How the daemon's message begins when it could make no UCX endpoint to our
+// worker and so opened no session (OpenSessionRequest.ucx_worker_address).
+constexpr absl::string_view kNoUcxEndpoint = "no UCX endpoint for the client: ";
+
 // How long a fenced link's worker keeps its connections open (unserved)
 // before it is destroyed, and how many such links a client keeps at most
 // (beyond that the oldest go first). UCX 1.13 over TCP has crashed a
@@ -892,12 +896,15 @@ absl::StatusOr<uint64_t> Client::OpenSessionOnce(bool last_try) {
   grpc::Status st = stub_->OpenSession(&ctx, req, &resp);
   absl::Status ucx_status = link_status;
   if (!st.ok() && !req.ucx_worker_address().empty() &&
-      (st.error_code() == grpc::StatusCode::UNAVAILABLE ||
-       st.error_code() == grpc::StatusCode::DEADLINE_EXCEEDED ||
-       st.error_code() == grpc::StatusCode::FAILED_PRECONDITION) &&
-      absl::StrContains(st.error_message(), "UCX")) {
+      (absl::StrContains(st.error_message(), kNoUcxEndpoint) ||
+       ((st.error_code() == grpc::StatusCode::UNAVAILABLE ||
+         st.error_code() == grpc::StatusCode::DEADLINE_EXCEEDED ||
+         st.error_code() == grpc::StatusCode::FAILED_PRECONDITION) &&
+        absl::StrContains(st.error_message(), "UCX")))) {
     // The daemon cannot reach our worker, or will not (our UCX settings do
-    // not fit its): fall back to the gRPC byte path.
+    // not fit its): fall back to the gRPC byte path. Whatever the code of
+    // an endpoint the daemon could not make (UCX's own errors map to
+    // several, Internal among them), it opened no session for us.
     ucx_status = FromGrpcStatus(st);
     req.clear_ucx_worker_address();
     grpc::ClientContext retry;

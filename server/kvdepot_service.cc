@@ -16,6 +16,7 @@
 #include "server/version.h"
 #include "storage/block_key.h"
 #include "storage/checksum.h"
+#include "storage/internal/sync_point.h"
 #include "storage/status_macros.h"
 #include "transport/ucx_address_sandbox.h"
 
@@ -28,6 +29,11 @@ grpc::Status ToGrpcStatus(const absl::Status& status) {
 }
 
 namespace {
+
+// How the message of an OpenSession that got no UCX endpoint begins, whatever
+// its code: libkvdepot then opens its session without one
+// (OpenSessionRequest.ucx_worker_address).
+constexpr absl::string_view kNoUcxEndpoint = "no UCX endpoint for the client: ";
 
 // What a PullBlocks request with data may drop (the bytes of blocks stored
 // already) beyond its new blocks' bytes, before its data is left unread
@@ -212,7 +218,7 @@ grpc::ServerUnaryReactor* KvDepotService::OpenSession(
   if (attach_pool_.queued() >= kMaxAttachesWaiting) {
     store_.CloseSession(g.id).IgnoreError();
     finish(absl::UnavailableError(
-        absl::StrCat("no UCX endpoint for the client: ", kMaxAttachesWaiting,
+        absl::StrCat(kNoUcxEndpoint, kMaxAttachesWaiting,
                      " UCX wire-ups are waiting already")));
     return reactor;
   }
@@ -235,18 +241,22 @@ void KvDepotService::AttachAndFinish(
     client_tcp =
         TcpSegmentSizes{req->ucx_tcp_tx_seg_size(), req->ucx_tcp_rx_seg_size()};
   }
-  absl::Status attached =
-      data_plane_->Attach(id, req->ucx_worker_address(), req->host_id(),
-                          LocalPeerUid(ctx->peer()), client_tcp);
+  absl::Status attached;
+  // arg: an absl::Status, OK; a test that sets an error fails the wire-up
+  // with it (UCX's own failures are hard to bring about).
+  internal::TestSyncPoint("KvDepotService::AttachAndFinish:Attach", &attached);
+  if (attached.ok()) {
+    attached =
+        data_plane_->Attach(id, req->ucx_worker_address(), req->host_id(),
+                            LocalPeerUid(ctx->peer()), client_tcp);
+  }
   if (!attached.ok()) {
-    // The client falls back to its gRPC byte path on Unavailable,
-    // DeadlineExceeded or FailedPrecondition naming UCX.
+    // The client falls back to its gRPC byte path (kNoUcxEndpoint).
     store_.CloseSession(id).IgnoreError();
     log_->warn("session of '{}' from {}: no UCX endpoint: {}",
                req->client_name(), ctx->peer(), attached.ToString());
     return finish(absl::Status(
-        attached.code(),
-        absl::StrCat("no UCX endpoint for the client: ", attached.message())));
+        attached.code(), absl::StrCat(kNoUcxEndpoint, attached.message())));
   }
   resp->set_ucx_connected(true);
   resp->set_ucx_request_address(data_plane_->RequestAddress(id));

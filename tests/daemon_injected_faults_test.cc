@@ -1,0 +1,115 @@
+// Failures that are hard to bring about from outside, injected into a
+// kvdepotd running in this process (test sync points), against a real
+// libkvdepot client over loopback.
+#include <gtest/gtest.h>
+#include <spdlog/sinks/null_sink.h>
+#include <spdlog/spdlog.h>
+
+#include <atomic>
+#include <memory>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/strings/match.h"
+#include "client/client.h"
+#include "server/config.h"
+#include "server/daemon.h"
+#include "storage/internal/sync_point.h"
+#include "tests/status_matchers.h"
+#include "tests/test_dir.h"
+#include "transport/ucx_address_sandbox.h"
+
+namespace kvdepot {
+namespace {
+
+class DaemonInjectedFaultsTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    DaemonConfig config;
+    config.listen = "127.0.0.1:0";
+    config.metrics_listen = "";
+    config.data_dir = testing::FreshTestDir("daemon_injected_faults_");
+    config.ucx["TLS"] = "tcp";
+    config.persist_on_shutdown = false;
+    config.store.dram_capacity = uint64_t{64} << 20;
+    config.store.nvme_capacity = uint64_t{64} << 20;
+    auto logger = std::make_shared<spdlog::logger>(
+        "test", std::make_shared<spdlog::sinks::null_sink_mt>());
+    auto daemon = Daemon::Start(config, logger);
+    ASSERT_OK(daemon);
+    daemon_ = *std::move(daemon);
+  }
+
+  absl::StatusOr<std::unique_ptr<Client>> ConnectOverUcx() {
+    ClientOptions options;
+    options.server = daemon_->grpc_address();
+    options.transport = ClientOptions::Transport::kUcx;
+    options.ucx["TLS"] = "tcp";
+    options.rpc_timeout = absl::Seconds(30);
+    return Client::Connect(options);
+  }
+
+  std::unique_ptr<Daemon> daemon_;
+};
+
+// UCX's errors map to several codes (Internal among them: an error UCX does
+// not class, say); whichever the wire-up failed with, the client's session
+// goes over gRPC and its blocks move intact.
+TEST_F(DaemonInjectedFaultsTest, AnyFailedUcxWireUpLeavesTheClientOnGrpc) {
+  const absl::Status failures[] = {
+      absl::InternalError("ucp_ep_create: Shared memory error"),
+      absl::ResourceExhaustedError("ucp_ep_create: Out of memory"),
+      absl::InvalidArgumentError("ucp_ep_create: Invalid address"),
+  };
+  for (const absl::Status& failure : failures) {
+    SCOPED_TRACE(failure.ToString());
+    std::atomic<int> injected{0};
+    internal::SyncPointCallback fail(
+        "KvDepotService::AttachAndFinish:Attach", [&](void* arg) {
+          *static_cast<absl::Status*>(arg) = failure;
+          injected.fetch_add(1);
+        });
+    auto client = ConnectOverUcx();
+    ASSERT_OK(client);
+    auto session = (*client)->EnsureSession();
+    ASSERT_OK(session);
+    const std::string key =
+        "key-" + std::to_string(static_cast<int>(failure.code()));
+    const std::string bytes(
+        64 << 10, static_cast<char>('a' + static_cast<int>(failure.code())));
+    BlockToPut b{key, "", bytes};
+    ASSERT_OK((*client)->Put("ns", {&b, 1}));
+    EXPECT_GE(injected.load(), 1) << "the wire-up never ran";
+    const absl::Status why = (*client)->data_plane_status();
+    EXPECT_FALSE(why.ok());
+    EXPECT_TRUE(absl::StrContains(why.message(), failure.message())) << why;
+    const std::vector<absl::string_view> keys = {key};
+    auto got = (*client)->Get("ns", keys);
+    ASSERT_OK(got);
+    ASSERT_EQ(got->size(), 1u);
+    EXPECT_EQ((*got)[0].bytes, bytes);
+    // The refused session left nothing behind: one session, this client's
+    // (the one before it closed with its client).
+    auto stats = (*client)->Stats();
+    ASSERT_OK(stats);
+    EXPECT_EQ(stats->sessions(), 1u);
+  }
+}
+
+}  // namespace
+}  // namespace kvdepot
+
+// The daemon runs its UCX address sandbox as this very executable
+// (/proc/self/exe), as kvdepotd's main does; without this, the sandbox would
+// run the tests again.
+int main(int argc, char** argv) {
+  if (argc > 1 &&
+      std::string_view(argv[1]) == kvdepot::kUcxAddressSandboxFlag) {
+    return kvdepot::RunUcxAddressSandbox(
+        std::vector<std::string>(argv + 2, argv + argc));
+  }
+  ::testing::InitGoogleTest(&argc, argv);
+  return RUN_ALL_TESTS();
+}
