@@ -1312,10 +1312,17 @@ void KvDepotService::StartPullBlocks(const v1::PullBlocksRequest* req,
   std::vector<BlockMove> moves;
   std::vector<std::unique_ptr<SlotHandle>> slots;
   std::vector<int> block_of_move;
+  // A key named again in the batch whose first block moves: (this block,
+  // the first), which end alike.
+  std::vector<std::pair<int, int>> repeats;
   for (int i = 0; i < req->blocks_size(); ++i) {
     v1::BlockTransfer* out = resp->add_blocks();
     out->set_size(specs[i].size);
     out->set_checksum(req->blocks(i).checksum());
+    if (const int first = resv->slots[i].repeat_of;
+        first >= 0 && !resv->slots[first].exists) {
+      repeats.emplace_back(i, first);
+    }
     if (resv->slots[i].exists) {
       SetTransfer(absl::AlreadyExistsError("already stored"), out);
       continue;
@@ -1417,7 +1424,7 @@ void KvDepotService::StartPullBlocks(const v1::PullBlocksRequest* req,
   auto commit = [this, req, resp, finish, session, id = resv->id, h = *h,
                  slots = std::move(slots),
                  block_of_move = std::move(block_of_move),
-                 in_place = std::move(in_place),
+                 repeats = std::move(repeats), in_place = std::move(in_place),
                  sums = std::move(sums)]() mutable {
     if (h.abandoned()) {
       HeldFor held{absl::StrCat("reads into ", slots.size(), " slots"),
@@ -1440,6 +1447,8 @@ void KvDepotService::StartPullBlocks(const v1::PullBlocksRequest* req,
       // may be partial, and the client will see the failure and retry.
       store_.AbortPut(session, id).IgnoreError();
       for (int b : block_of_move) SetTransfer(failed, resp->mutable_blocks(b));
+      for (const auto& repeat : repeats)
+        SetTransfer(failed, resp->mutable_blocks(repeat.first));
       return finish(absl::OkStatus());
     }
     absl::StatusOr<std::vector<CommitOutcome>> out =
@@ -1467,6 +1476,14 @@ void KvDepotService::StartPullBlocks(const v1::PullBlocksRequest* req,
         case CommitOutcome::kChecksumMismatch:
           SetTransfer(absl::DataLossError("bytes do not match the checksum"), t);
           break;
+      }
+    }
+    for (const auto& [b, first] : repeats) {
+      if ((*out)[b] == CommitOutcome::kChecksumMismatch) {
+        SetTransfer(absl::DataLossError(absl::StrCat(
+                        "bytes do not match the checksum (as block ", first,
+                        ", which names the same key)")),
+                    resp->mutable_blocks(b));
       }
     }
     metrics_.AddUcxBytesIn(bytes, bytes_in_place);

@@ -190,6 +190,7 @@ struct Slot {
   std::string parent;
   uint64_t size = 0;
   bool exists = false;
+  int repeat_of = -1;  // PutSlot::repeat_of
   uint64_t data_offset = 0;
   uint64_t key_offset = 0;
   // A SlotHandle of this slot lives: its one writer (AcquireSlot refuses
@@ -424,7 +425,7 @@ class TieredStoreImpl final : public TieredStore {
     // A key named twice is put once, by its first slot: the later ones are
     // answered as stored already (no slot, no quota charge, no DRAM
     // reserved twice), so all must name the same block: same size.
-    std::vector<bool> repeat(blocks.size(), false);
+    std::vector<int> repeat_of(blocks.size(), -1);
     for (const auto& [i, first] :
          RepeatedKeys(blocks.size(), [&](size_t k) { return blocks[k].key; })) {
       if (blocks[i].size != blocks[first].size) {
@@ -432,7 +433,7 @@ class TieredStoreImpl final : public TieredStore {
             "block ", i, " names a key given earlier in the batch with ",
             blocks[first].size, " bytes, and ", blocks[i].size, " bytes"));
       }
-      repeat[i] = true;
+      repeat_of[i] = static_cast<int>(first);
     }
     // The session first: a client whose session is gone must learn that
     // (NotFound: open a new one), not that the store drains, which it would
@@ -479,9 +480,11 @@ class TieredStoreImpl final : public TieredStore {
       slot.key = std::string(b.key);
       slot.parent = std::string(b.parent);
       slot.size = b.size;
-      if (repeat[i]) {
+      if (repeat_of[i] >= 0) {
         slot.exists = true;
+        slot.repeat_of = repeat_of[i];
         out.slots[i].exists = true;
+        out.slots[i].repeat_of = repeat_of[i];
         continue;
       }
       // Across the tiers: a block only on NVMe is stored too (its in-memory
@@ -710,7 +713,13 @@ class TieredStoreImpl final : public TieredStore {
     for (size_t i = 0; i < r.slots.size(); ++i) {
       Slot& slot = r.slots[i];
       if (slot.exists) {
-        outcomes[i] = CommitOutcome::kAlreadyExists;
+        // A repeat of an earlier slot (computed already) shares its bytes:
+        // stored by it, or refused with it.
+        outcomes[i] =
+            slot.repeat_of >= 0 &&
+                    outcomes[slot.repeat_of] == CommitOutcome::kChecksumMismatch
+                ? CommitOutcome::kChecksumMismatch
+                : CommitOutcome::kAlreadyExists;
         continue;
       }
       const char* data = arena_->base() + slot.data_offset;

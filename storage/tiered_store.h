@@ -153,6 +153,11 @@ struct PutSpec {
 };
 struct PutSlot {
   bool exists = false;  // already stored: nothing to write
+  // With exists: the index of the earlier slot of the batch that names the
+  // same key, or -1 (stored before the batch). Its bytes are that slot's, so
+  // its outcome is too: a transfer or commit that fails for that slot fails
+  // for this one (CommitPut answers kChecksumMismatch for both).
+  int repeat_of = -1;
   uint64_t offset = 0;  // arena offset of the slot's bytes
   uint64_t size = 0;
 };
@@ -380,7 +385,8 @@ class TieredStore {
   // (in either tier) with another size than the batch names, or named twice
   // in the batch with two sizes (nothing is reserved then; a key named twice
   // with one size is put once, by its first slot: the later ones are
-  // answered `exists`, as stored already, and their commit kAlreadyExists);
+  // answered `exists` with `repeat_of`, and their commit gives the first
+  // slot's outcome: kAlreadyExists once it is stored);
   // NotFound for an unknown or expired session (before anything else is
   // checked but the arguments: a client whose session is gone learns that,
   // and opens a new one, even while the store drains); FailedPrecondition

@@ -214,7 +214,9 @@ TEST_F(TieredStoreTest, AKeyNamedTwiceInABatchIsPutOnce) {
   auto r = store_->BeginPut(sid_, "ns", same);
   ASSERT_OK(r);
   EXPECT_FALSE(r->slots[0].exists);
+  EXPECT_EQ(r->slots[0].repeat_of, -1);
   EXPECT_TRUE(r->slots[1].exists);
+  EXPECT_EQ(r->slots[1].repeat_of, 0);
   EXPECT_FALSE(store_->AcquireSlot(sid_, r->id, 1).ok());
   std::string a(64, 'a');
   {
@@ -228,6 +230,29 @@ TEST_F(TieredStoreTest, AKeyNamedTwiceInABatchIsPutOnce) {
   EXPECT_EQ((*c)[0], CommitOutcome::kStored);
   EXPECT_EQ((*c)[1], CommitOutcome::kAlreadyExists);
   EXPECT_EQ(Read("s"), a);
+  EXPECT_EQ(store_->Stats().dram.blocks, 1u);
+  EXPECT_EQ(store_->Stats().reservations, 0u);
+
+  // The first slot's bytes refused: the repeat, which is those bytes, is
+  // refused with it (not "stored already"), and nothing is stored.
+  ASSERT_OK(store_->SetQuota("ns", 160));  // s and one more
+  PutSpec bad[3] = {{"b", "", 64}, {"s", "", 64}, {"b", "", 64}};
+  r = store_->BeginPut(sid_, "ns", bad);
+  ASSERT_OK(r);
+  EXPECT_EQ(r->slots[1].repeat_of, -1);  // stored before the batch
+  EXPECT_EQ(r->slots[2].repeat_of, 0);
+  {
+    auto slot = store_->AcquireSlot(sid_, r->id, 0);
+    ASSERT_OK(slot);
+    std::memcpy((*slot)->bytes().data(), a.data(), 64);
+  }
+  uint64_t wrong[3] = {BlockChecksum(a) ^ 1, BlockChecksum(a),
+                       BlockChecksum(a) ^ 1};
+  c = store_->CommitPut(sid_, r->id, wrong);
+  ASSERT_OK(c);
+  EXPECT_EQ((*c)[0], CommitOutcome::kChecksumMismatch);
+  EXPECT_EQ((*c)[1], CommitOutcome::kAlreadyExists);
+  EXPECT_EQ((*c)[2], CommitOutcome::kChecksumMismatch);
   EXPECT_EQ(store_->Stats().dram.blocks, 1u);
   EXPECT_EQ(store_->Stats().reservations, 0u);
 }

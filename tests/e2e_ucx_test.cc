@@ -1830,6 +1830,17 @@ TEST_P(UcxE2eTest, DataRequestsThatDoNotMatchTheirBytesStoreNothing) {
   ASSERT_OK(bad.status);
   ASSERT_EQ(bad.resp.blocks_size(), 1);
   EXPECT_EQ(bad.resp.blocks(0).code(), static_cast<int>(absl::StatusCode::kDataLoss));
+  // A key named twice is put once, by its first block: when that one is
+  // refused, so is the second (not "stored already").
+  Answer twice =
+      ask({{"d1", kBlock, sum1 ^ 1}, {"d1", kBlock, sum1 ^ 1}}, {first, first});
+  ASSERT_OK(twice.status);
+  ASSERT_EQ(twice.resp.blocks_size(), 2);
+  for (int i = 0; i < 2; ++i) {
+    EXPECT_EQ(twice.resp.blocks(i).code(),
+              static_cast<int>(absl::StatusCode::kDataLoss))
+        << i << ": " << twice.resp.blocks(i).message();
+  }
   // The real thing: stored, and reads back through another client.
   Answer good = ask({{"d0", kBlock, sum1}}, {first});
   ASSERT_OK(good.status);
