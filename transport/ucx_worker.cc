@@ -54,6 +54,7 @@ void UcxWorker::ThreadMain(absl::Notification* started,
       stopping_ = true;
     }
     *start_status = std::move(status);
+    thread_id_ = std::thread::id();
     finished_.Notify();
     started->Notify();
     return;
@@ -61,6 +62,7 @@ void UcxWorker::ThreadMain(absl::Notification* started,
   started->Notify();
   Loop();
   Shutdown();
+  thread_id_ = std::thread::id();
   finished_.Notify();
 }
 

@@ -353,7 +353,9 @@ class UcxWorker {
   ucp_worker_h worker_ = nullptr;
   int event_fd_ = -1;
   std::string address_;
-  std::thread::id thread_id_;
+  // The progress thread's id while it runs; none once it ended (a thread
+  // made later may be given the same id, and must not pass for it).
+  std::atomic<std::thread::id> thread_id_;
 
   // Progress thread only.
   struct WholeHandler {

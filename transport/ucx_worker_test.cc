@@ -214,6 +214,32 @@ TEST_F(UcxWorkerTest, StopRunsQueuedTasksThenRefusesNewOnes) {
   worker->Stop();  // idempotent
 }
 
+// A thread made after the progress thread ended may be given its id (glibc
+// hands a joined thread's descriptor to the next); it must not pass for the
+// progress thread: Run would run its task there, on a stopped worker.
+TEST_F(UcxWorkerTest, AThreadWithTheEndedProgressThreadsIdIsNotIt) {
+  auto worker = MakeWorker();
+  ASSERT_NE(worker, nullptr);
+  std::thread::id progress_id;
+  ASSERT_TRUE(
+      worker->Run([&] { progress_id = std::this_thread::get_id(); }).ok());
+  worker->Stop();
+  bool reused = false;
+  for (int i = 0; i < 64 && !reused; ++i) {
+    std::thread t([&] {
+      if (std::this_thread::get_id() != progress_id) return;
+      reused = true;
+      EXPECT_FALSE(worker->OnProgressThread());
+      bool ran = false;
+      EXPECT_EQ(worker->Run([&] { ran = true; }).code(),
+                absl::StatusCode::kUnavailable);
+      EXPECT_FALSE(ran);
+    });
+    t.join();
+  }
+  if (!reused) GTEST_SKIP() << "no new thread got the ended one's id";
+}
+
 // AtDestroy's hooks run when the worker is destroyed: `before` while the
 // UCP worker still exists, `after` once it is gone; those of an owner that
 // has gone, never. For a stopped worker and for a fenced one (whose UCP
