@@ -1454,6 +1454,66 @@ class VllmConnectorTest(unittest.TestCase):
         self.addCleanup(sched.shutdown)
         self.assertIsNone(sched.disabled_reason)
 
+    def test_only_full_attention_caches_are_served(self):
+        # A sliding-window group's block table holds vLLM's null block for
+        # positions its window left behind: refused, whether vLLM names the
+        # group's kind or only the model's window can tell.
+        FullAttentionSpec = type("FullAttentionSpec", (), {})
+        specs = {
+            "SlidingWindowSpec": (type("SlidingWindowSpec", (), {}), "SlidingWindowSpec"),
+            "ChunkedLocalAttentionSpec": (type("ChunkedLocalAttentionSpec", (), {}),
+                                          "ChunkedLocalAttentionSpec"),
+            "MLAAttentionSpec": (type("MLAAttentionSpec", (FullAttentionSpec,), {}), None),
+            "FullAttentionSpec": (FullAttentionSpec, None),
+        }
+
+        def connectors(cfg, kv_cache_config):
+            made = [kv_vllm.KvDepotConnector(cfg, role, kv_cache_config)
+                    for role in (kv_vllm.KVConnectorRole.SCHEDULER,
+                                 kv_vllm.KVConnectorRole.WORKER)]
+            for c in made:
+                self.addCleanup(c.shutdown)
+            return made
+
+        for name, (cls, refused) in specs.items():
+            with self.subTest(spec=name):
+                cfg = make_vllm_config(self.daemon.address, num_layers=LAYERS,
+                                       block_size=BS, num_kv_heads=HEADS,
+                                       head_size=HEAD, dtype=torch.bfloat16)
+                groups = SimpleNamespace(kv_cache_groups=[
+                    SimpleNamespace(kv_cache_spec=FullAttentionSpec()),
+                    SimpleNamespace(kv_cache_spec=cls())])
+                for c in connectors(cfg, groups):
+                    if refused:
+                        self.assertIn(refused, c.disabled_reason or "")
+                    else:
+                        self.assertIsNone(c.disabled_reason)
+        # No kv_cache_config (older vLLM): the model's sliding window says.
+        for window, refused in ((4096, True), (None, False)):
+            with self.subTest(window=window):
+                cfg = make_vllm_config(self.daemon.address, num_layers=LAYERS,
+                                       block_size=BS, num_kv_heads=HEADS,
+                                       head_size=HEAD, dtype=torch.bfloat16)
+                cfg.model_config.get_sliding_window = lambda w=window: w
+                for c in connectors(cfg, None):
+                    if refused:
+                        self.assertIn("sliding-window", c.disabled_reason or "")
+                    else:
+                        self.assertIsNone(c.disabled_reason)
+
+    def test_the_null_block_is_never_saved(self):
+        # A block table with vLLM's null block (id 0) where a request has no
+        # block of its own: what precedes it is saved, nothing from it on.
+        e = self.engine()
+        r = FakeRequest("R", prompt(71, 6 * BS + 1))
+        self.assertEqual(e.admit(r, num_local_computed=2 * BS,
+                                 local_blocks=[e.free.pop(0), e.free.pop(0), 0]), 0)
+        meta = e.step([r], [], {"R": len(r.all_token_ids) - 2 * BS})
+        saved = [b for spec in meta.saves + meta.finishing_saves for b in spec.block_ids]
+        self.assertNotIn(0, saved)
+        self.assertEqual(saved, e.blocks["R"][:2])
+        self.assertEqual(e.worker.stats["saved_blocks"], 2)
+
     # ------------------------------------------------------------------
     # An unavailable daemon: the circuit breaker
 

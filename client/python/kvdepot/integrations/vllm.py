@@ -343,6 +343,38 @@ def _truthy(value: Any) -> bool:
     return bool(value)
 
 
+# vLLM's null block: what its block tables hold where a request has no block
+# (positions a sliding window left behind). Never a request's own block, so
+# never saved.
+_NULL_BLOCK_ID = 0
+
+
+def _unsupported_kv_cache(vllm_config: Any, kv_cache_config: Any) -> Optional[str]:
+    """Why the connector cannot serve this engine's KV cache, or None. Only
+    full attention keeps a block for every token of a request (MLA, and
+    sliding-window layers that vLLM treats as full attention, included): a
+    sliding-window or chunked-local group holds vLLM's null block (id 0) for
+    the positions it left behind, and frees them, so a prefix could be
+    saved from, or loaded into, blocks that are not the request's. Read from
+    ``kv_cache_config.kv_cache_groups`` where vLLM passes it; otherwise from
+    the model's sliding window (a model with one is refused, although vLLM
+    may treat its layers as full attention: the safe answer)."""
+    groups = getattr(kv_cache_config, "kv_cache_groups", None)
+    if groups:
+        for group in groups:
+            spec = getattr(group, "kv_cache_spec", None)
+            if not any(c.__name__ == "FullAttentionSpec" for c in type(spec).__mro__):
+                return (f"KV cache group of {type(spec).__name__}: only full "
+                        f"attention keeps a block for every token of a prefix")
+        return None
+    mc = getattr(vllm_config, "model_config", None)
+    window_of = getattr(mc, "get_sliding_window", None)
+    if callable(window_of) and window_of():
+        return (f"the model uses sliding-window attention (window {window_of()}): "
+                f"vLLM keeps no block for the tokens its window left behind")
+    return None
+
+
 def _has_full_cudagraphs(vllm_config: Any) -> bool:
     """Whether vLLM may replay FULL CUDA graphs (``compilation_config.
     cudagraph_mode`` FULL, FULL_DECODE_ONLY or FULL_AND_PIECEWISE, the
@@ -518,6 +550,12 @@ class KvDepotConnector(KVConnectorBase_V1):  # type: ignore[misc,valid-type]
             self._layout = self._layout_from_config(vllm_config)
         except Exception as e:  # noqa: BLE001 - degrade, never fail the engine
             self._disable(f"cannot derive the KV layout from the config: {e}")
+        try:
+            unsupported = _unsupported_kv_cache(vllm_config, kv_cache_config)
+        except Exception as e:  # noqa: BLE001 - degrade, never fail the engine
+            unsupported = f"cannot tell the KV cache's kind: {e}"
+        if unsupported:
+            self._disable(unsupported)
 
         # Scheduler side.
         self._requests: Dict[str, _RequestState] = {}
@@ -1075,7 +1113,8 @@ class KvDepotConnector(KVConnectorBase_V1):  # type: ignore[misc,valid-type]
             spec = self._blocks_to_save(st, req_id, full)
             if current:
                 spec.after = [b for b in st.block_ids[:st.stored_blocks] if b in current]
-            meta.saves.append(spec)
+            if spec.block_ids:
+                meta.saves.append(spec)
             st.stored_blocks = full
         except Exception as e:  # noqa: BLE001
             logger.warning("kvdepot: planning the saves of %s failed: %s", req_id, e)
@@ -1178,8 +1217,11 @@ class KvDepotConnector(KVConnectorBase_V1):  # type: ignore[misc,valid-type]
     def _blocks_to_save(self, st: _RequestState, req_id: str, upto: int) -> SaveSpec:
         """The request's blocks from the first not known stored up to
         ``upto``, with their keys and parents."""
-        keys = self._keys_upto(st, upto)
         first = st.stored_blocks
+        if _NULL_BLOCK_ID in st.block_ids[first:upto]:
+            # Not the request's block: nothing from it on is saved.
+            upto = st.block_ids.index(_NULL_BLOCK_ID, first, upto)
+        keys = self._keys_upto(st, upto)
         parent = keys[first - 1] if first > 0 else b""
         return SaveSpec(req_id, st.block_ids[first:upto], keys[first:upto],
                         parents_of(keys[first:upto], parent))
@@ -1203,8 +1245,9 @@ class KvDepotConnector(KVConnectorBase_V1):  # type: ignore[misc,valid-type]
             if st.finished_blocks <= st.stored_blocks:
                 continue  # its load failed: nothing computed is worth saving
             try:
-                meta.finishing_saves.append(
-                    self._blocks_to_save(st, req_id, st.finished_blocks))
+                spec = self._blocks_to_save(st, req_id, st.finished_blocks)
+                if spec.block_ids:
+                    meta.finishing_saves.append(spec)
             except Exception as e:  # noqa: BLE001 - still report it finished
                 logger.warning("kvdepot: planning the last saves of %s failed: %s",
                                req_id, e)
