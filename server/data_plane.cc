@@ -174,7 +174,8 @@ void DataPlane::Lost(SessionId session, const absl::Status& why) {
 absl::Status DataPlane::Attach(SessionId session, std::string_view address,
                                std::string_view client_host_id,
                                std::optional<uint32_t> client_uid,
-                               std::optional<TcpSegmentSizes> client_tcp) {
+                               std::optional<TcpSegmentSizes> client_tcp,
+                               absl::Time connect_by) {
   if (address.empty()) {
     return absl::InvalidArgumentError("empty UCX worker address");
   }
@@ -273,7 +274,9 @@ absl::Status DataPlane::Attach(SessionId session, std::string_view address,
     }
   }
   UcxEndpointOptions endpoint_options;
-  endpoint_options.connect_timeout = options_.connect_timeout;
+  endpoint_options.connect_timeout =
+      std::clamp(connect_by - absl::Now(), absl::Milliseconds(1),
+                 options_.connect_timeout);
   endpoint_options.peer_error_handling = !colocated;
   // A client past a transfer's deadline may only be stalled: its endpoint
   // on a shared worker closes in order (a forced close could crash this

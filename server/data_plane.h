@@ -178,10 +178,14 @@ class DataPlane {
   // they do not fit this daemon's (TcpSegmentsFit), before anything is
   // connected -- UCX 1.13 would abort whichever side received a segment
   // larger than its own RX size.
+  // `connect_by`: the endpoint's wire-up gives up by then (DeadlineExceeded
+  // or Unavailable), at the latest after connect_timeout, so that the
+  // client learns in time to use gRPC instead.
   absl::Status Attach(SessionId session, std::string_view address,
                       std::string_view client_host_id,
                       std::optional<uint32_t> client_uid,
-                      std::optional<TcpSegmentSizes> client_tcp = std::nullopt);
+                      std::optional<TcpSegmentSizes> client_tcp = std::nullopt,
+                      absl::Time connect_by = absl::InfiniteFuture());
   // Forgets the session's endpoint and buffers (a closed session). Transfers
   // in flight end Cancelled. No on_lost for it after this returns.
   // `peer_gone` (on_lost's sessions): the endpoint is reset rather than

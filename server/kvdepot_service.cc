@@ -35,6 +35,10 @@ namespace {
 // (OpenSessionRequest.ucx_worker_address).
 constexpr absl::string_view kNoUcxEndpoint = "no UCX endpoint for the client: ";
 
+// The least time worth a UCX wire-up (one loopback wire-up takes about a
+// millisecond; a remote one, a few round trips).
+constexpr absl::Duration kMinWireUp = absl::Milliseconds(50);
+
 // What a PullBlocks request with data may drop (the bytes of blocks stored
 // already) beyond its new blocks' bytes, before its data is left unread
 // and the new blocks are read from their sources instead (StartPullBlocks).
@@ -241,14 +245,23 @@ void KvDepotService::AttachAndFinish(
     client_tcp =
         TcpSegmentSizes{req->ucx_tcp_tx_seg_size(), req->ucx_tcp_rx_seg_size()};
   }
-  absl::Status attached;
-  // arg: an absl::Status, OK; a test that sets an error fails the wire-up
-  // with it (UCX's own failures are hard to bring about).
-  internal::TestSyncPoint("KvDepotService::AttachAndFinish:Attach", &attached);
+  // The wire-up takes at most half of what is left of the client's
+  // deadline: should it fail, the client has the other half to open its
+  // session without UCX (a worker that does not answer takes the whole
+  // connect timeout, and wire-ups queued behind others start late).
+  const absl::Duration left = absl::FromChrono(ctx->deadline()) - absl::Now();
+  AttachPoint point{absl::OkStatus(), absl::Now() + left / 2};
+  internal::TestSyncPoint("KvDepotService::AttachAndFinish:Attach", &point);
+  absl::Status attached = point.status;
+  if (attached.ok() && left / 2 < kMinWireUp) {
+    attached = absl::DeadlineExceededError(absl::StrCat(
+        "the client's deadline leaves ", absl::FormatDuration(left),
+        ": no time for a UCX wire-up"));
+  }
   if (attached.ok()) {
-    attached =
-        data_plane_->Attach(id, req->ucx_worker_address(), req->host_id(),
-                            LocalPeerUid(ctx->peer()), client_tcp);
+    attached = data_plane_->Attach(id, req->ucx_worker_address(),
+                                   req->host_id(), LocalPeerUid(ctx->peer()),
+                                   client_tcp, point.connect_by);
   }
   if (!attached.ok()) {
     // The client falls back to its gRPC byte path (kNoUcxEndpoint).

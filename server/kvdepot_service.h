@@ -38,6 +38,15 @@ inline constexpr size_t kMaxHostIdBytes = 256;
 // Converts an absl::Status to a grpc::Status with the same code and message.
 grpc::Status ToGrpcStatus(const absl::Status& status);
 
+// The argument of test sync point "KvDepotService::AttachAndFinish:Attach",
+// reached before an OpenSession's UCX wire-up: a test may set an error (the
+// wire-up fails with it, not tried) or read the time by which the wire-up
+// must end.
+struct AttachPoint {
+  absl::Status status;
+  absl::Time connect_by;
+};
+
 // Built on gRPC's callback API: unary handlers run inline on gRPC's threads
 // (every store operation is a short in-memory step), and the byte streams are
 // reactors that move one chunk per event with no thread hand-offs. Read is

@@ -5,6 +5,7 @@
 #include <spdlog/sinks/null_sink.h>
 #include <spdlog/spdlog.h>
 
+#include <algorithm>
 #include <atomic>
 #include <memory>
 #include <string>
@@ -13,9 +14,12 @@
 
 #include "absl/status/status.h"
 #include "absl/strings/match.h"
+#include "absl/time/clock.h"
+#include "absl/time/time.h"
 #include "client/client.h"
 #include "server/config.h"
 #include "server/daemon.h"
+#include "server/kvdepot_service.h"
 #include "storage/internal/sync_point.h"
 #include "tests/status_matchers.h"
 #include "tests/test_dir.h"
@@ -42,12 +46,13 @@ class DaemonInjectedFaultsTest : public ::testing::Test {
     daemon_ = *std::move(daemon);
   }
 
-  absl::StatusOr<std::unique_ptr<Client>> ConnectOverUcx() {
+  absl::StatusOr<std::unique_ptr<Client>> ConnectOverUcx(
+      absl::Duration rpc_timeout = absl::Seconds(30)) {
     ClientOptions options;
     options.server = daemon_->grpc_address();
     options.transport = ClientOptions::Transport::kUcx;
     options.ucx["TLS"] = "tcp";
-    options.rpc_timeout = absl::Seconds(30);
+    options.rpc_timeout = rpc_timeout;
     return Client::Connect(options);
   }
 
@@ -68,7 +73,7 @@ TEST_F(DaemonInjectedFaultsTest, AnyFailedUcxWireUpLeavesTheClientOnGrpc) {
     std::atomic<int> injected{0};
     internal::SyncPointCallback fail(
         "KvDepotService::AttachAndFinish:Attach", [&](void* arg) {
-          *static_cast<absl::Status*>(arg) = failure;
+          static_cast<AttachPoint*>(arg)->status = failure;
           injected.fetch_add(1);
         });
     auto client = ConnectOverUcx();
@@ -96,6 +101,40 @@ TEST_F(DaemonInjectedFaultsTest, AnyFailedUcxWireUpLeavesTheClientOnGrpc) {
     ASSERT_OK(stats);
     EXPECT_EQ(stats->sessions(), 1u);
   }
+}
+
+// A wire-up that takes as long as it may (a client worker that does not
+// answer, wire-ups queued ahead) ends in time for the client to open its
+// session without UCX before its own deadline, rather than after it, which
+// failed every call that needed a session.
+TEST_F(DaemonInjectedFaultsTest,
+       ASlowUcxWireUpEndsInTimeForTheClientToUseGrpc) {
+  constexpr absl::Duration kRpcTimeout = absl::Seconds(2);
+  std::atomic<int> injected{0};
+  internal::SyncPointCallback slow(
+      "KvDepotService::AttachAndFinish:Attach", [&](void* arg) {
+        auto* point = static_cast<AttachPoint*>(arg);
+        // The connect to a worker that never answers: its whole timeout.
+        absl::SleepFor(
+            std::min(point->connect_by - absl::Now(), absl::Seconds(5)));
+        point->status =
+            absl::DeadlineExceededError("UCX endpoint wire-up timed out");
+        injected.fetch_add(1);
+      });
+  auto client = ConnectOverUcx(kRpcTimeout);
+  ASSERT_OK(client);
+  ASSERT_OK((*client)->EnsureSession());
+  EXPECT_EQ(injected.load(), 1);
+  EXPECT_THAT((*client)->data_plane_status(),
+              testing::StatusIs(absl::StatusCode::kDeadlineExceeded));
+  const std::string bytes(64 << 10, 's');
+  BlockToPut b{"slow", "", bytes};
+  ASSERT_OK((*client)->Put("ns", {&b, 1}));
+  const absl::string_view key = "slow";
+  auto got = (*client)->Get("ns", {&key, 1});
+  ASSERT_OK(got);
+  ASSERT_EQ(got->size(), 1u);
+  EXPECT_EQ((*got)[0].bytes, bytes);
 }
 
 }  // namespace
