@@ -2282,7 +2282,14 @@ class TieredStoreImpl final : public TieredStore {
   absl::flat_hash_map<PinId, Pin> pins_ ABSL_GUARDED_BY(mu_);
   absl::flat_hash_map<ReservationId, ReservationState> reservations_
       ABSL_GUARDED_BY(mu_);
-  uint64_t next_id_ ABSL_GUARDED_BY(mu_) = 0;
+  // Pin and reservation ids. They start at random in each process, below
+  // 2^52 (exact as a JSON number, with room to count up): a client that
+  // outlived a restart and releases a pin of the old process must not
+  // release another's pin of the same number in this one.
+  absl::BitGen id_rng_;
+  uint64_t next_id_ ABSL_GUARDED_BY(mu_) = absl::Uniform<uint64_t>(id_rng_, 1,
+                                                                   uint64_t{1}
+                                                                       << 51);
   uint64_t pins_active_ ABSL_GUARDED_BY(mu_) = 0;
   // Block references pinned lookups in flight may add (LookupPlan's
   // planned_pins, all sessions and kInternalSession): with pins_active_,

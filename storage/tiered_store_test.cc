@@ -257,6 +257,30 @@ TEST_F(TieredStoreTest, AKeyNamedTwiceInABatchIsPutOnce) {
   EXPECT_EQ(store_->Stats().reservations, 0u);
 }
 
+// A client outliving a restart may release a pin of the old process: the
+// new one must not hold a pin of that number (ids count from 1 in every
+// process, before). Pins and reservations share the counter.
+TEST_F(TieredStoreTest, PinIdsOfAnotherProcessAreNotThisOnes) {
+  ASSERT_OK(Put("k", std::string(64, 'k')));
+  auto pin_in = [&](TieredStore& store, SessionId session) -> PinId {
+    absl::string_view k = "k";
+    auto r = store.Lookup(session, "ns", {&k, 1}, false, true);
+    EXPECT_OK(r);
+    return r.ok() ? r->pin_id : 0;
+  };
+  const PinId before = pin_in(*store_, sid_);
+  ASSERT_NE(before, 0u);
+  EXPECT_LT(before, uint64_t{1} << 52);  // exact as a JSON number
+  Reopen(StoreOptions{});                // the daemon restarted
+  ASSERT_OK(Put("k", std::string(64, 'k')));
+  const PinId after = pin_in(*store_, sid_);
+  ASSERT_NE(after, 0u);
+  EXPECT_NE(after, before);
+  EXPECT_FALSE(store_->Unpin(sid_, before).ok());
+  EXPECT_EQ(store_->Stats().pins, 1u);
+  EXPECT_OK(store_->Unpin(sid_, after));
+}
+
 TEST_F(TieredStoreTest, RacingWritersPublishOnlyOnce) {
   // Both reserve before either commits; the loser's slot is freed.
   PutSpec spec{"k", "", 64};
