@@ -305,6 +305,18 @@ class SglangBackendTest(unittest.TestCase):
         out = b.batch_get(["k1", "k2"])
         self.assertTrue(torch.equal(out[0].view(torch.int16), flat.view(torch.int16)))
         self.assertIsNone(out[1])
+        # Targets whose memory is strided are written, not a copy of them;
+        # a missed one is left as it was.
+        backing = torch.zeros(2 * flat.numel(), dtype=flat.dtype)
+        missed = torch.zeros(2 * flat.numel(), dtype=flat.dtype)
+        targets = [backing[::2], missed[::2]]
+        self.assertFalse(targets[0].is_contiguous())
+        out = b.batch_get(["k1", "k2"], targets)
+        self.assertIs(out[0], targets[0])
+        self.assertTrue(torch.equal(backing[::2].view(torch.int16), flat.view(torch.int16)))
+        self.assertEqual(int(backing[1::2].view(torch.int16).abs().sum()), 0)
+        self.assertIsNone(out[1])
+        self.assertEqual(int(missed.view(torch.int16).abs().sum()), 0)
         # The generic and zero-copy paths store the same objects.
         self.assertEqual(b.batch_get_v1(["k1"], self.host_indices([6])), [True])
         self.assertTrue(torch.equal(pool.page(6 * PAGE).view(torch.int16),

@@ -727,18 +727,31 @@ class KvDepotHiCacheStorage(HiCacheStorage):  # type: ignore[misc,valid-type]
             import torch
 
             outs: List[Any] = []
+            # Targets whose memory is not one run (strided): read into a
+            # page of their own, copied into the target once it is in (a
+            # reshape would read into a copy, and the target would be
+            # returned as a hit, unwritten).
+            strided: Dict[int, Any] = {}
             for i in range(len(keys)):
                 if target_locations is not None and target_locations[i] is not None:
-                    outs.append(target_locations[i])
+                    t = target_locations[i]
+                    if not t.is_contiguous():
+                        strided[i] = t
+                        t = torch.empty_like(t, memory_format=torch.contiguous_format)
+                    outs.append(t)
                 else:
                     dtype = self.mem_pool_host.dtype
                     item = torch.tensor([], dtype=dtype).element_size()
                     outs.append(torch.empty(self._flat_size() // item, dtype=dtype))
             views = []
             for t in outs:
-                views.extend(self._flat_views(t.view(torch.uint8).reshape(-1)))
+                views.extend(self._flat_views(t.view(-1).view(torch.uint8)))
             pages = self._per_page(self._get_objects(
                 self._object_keys(keys), views, f"batch_get of {len(keys)} pages"))
+            for i, target in strided.items():
+                if pages[i]:
+                    target.copy_(outs[i])
+                outs[i] = target
         except Exception as e:  # noqa: BLE001
             self._breaker.failed(e)
             self._count("errors")
