@@ -174,7 +174,12 @@ class VllmEngine:
     """
 
     def __init__(self, connector_cls: Any, vllm_config: Any, num_blocks: int,
-                 role_enum: Any) -> None:
+                 role_enum: Any, physical: str = "NHD") -> None:
+        """``physical``: how the caches lie in memory and what the worker is
+        given: "NHD", [2, N, block_size, heads, head_size] tensors; "HND",
+        FlashAttention's HND stride order, views of that shape over
+        [2, N, heads, block_size, head_size] memory; "CPU_ATTN", vLLM's CPU
+        backend, [2, N, heads, block_size, head_size] tensors as they are."""
         mc = vllm_config.model_config
         self.cfg = vllm_config
         self.block_size = vllm_config.cache_config.block_size
@@ -185,11 +190,21 @@ class VllmEngine:
         self.scheduler = connector_cls(vllm_config, role_enum.SCHEDULER)
         self.worker = connector_cls(vllm_config, role_enum.WORKER)
         self.layer_names = [f"model.layers.{i}.self_attn.attn" for i in range(self.layers)]
-        self.kv_caches: Dict[str, torch.Tensor] = {
-            name: torch.zeros((2, num_blocks, self.block_size, self.heads, self.head_size),
-                              dtype=self.dtype)
-            for name in self.layer_names}
-        self.worker.register_kv_caches(self.kv_caches)
+        # kv_caches: the [2, N, block_size, heads, head_size] views this
+        # harness writes and reads; registered: what vLLM hands the worker.
+        self.kv_caches: Dict[str, torch.Tensor] = {}
+        self.registered: Dict[str, torch.Tensor] = {}
+        for name in self.layer_names:
+            if physical == "NHD":
+                t = torch.zeros((2, num_blocks, self.block_size, self.heads,
+                                 self.head_size), dtype=self.dtype)
+                self.kv_caches[name] = self.registered[name] = t
+            else:
+                t = torch.zeros((2, num_blocks, self.heads, self.block_size,
+                                 self.head_size), dtype=self.dtype)
+                self.kv_caches[name] = t.transpose(2, 3)
+                self.registered[name] = t if physical == "CPU_ATTN" else t.transpose(2, 3)
+        self.worker.register_kv_caches(self.registered)
         self.free = list(range(1, num_blocks))  # block 0 is vLLM's null block
         self.blocks: Dict[str, List[int]] = {}
         self.computed: Dict[str, int] = {}  # tokens with K/V in the cache
@@ -295,7 +310,7 @@ class VllmEngine:
             for rid, n in num_scheduled.items():
                 self._attention_writes(reqs[rid], layer, name, n)
             if not graph_replay:
-                self.worker.save_kv_layer(name, self.kv_caches[name], fc.attn_metadata)
+                self.worker.save_kv_layer(name, self.registered[name], fc.attn_metadata)
         if forward:
             self.worker.wait_for_save()
         sending, recving = self.worker.get_finished(so.finished_req_ids)

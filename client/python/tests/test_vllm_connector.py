@@ -127,7 +127,8 @@ class VllmConnectorTest(unittest.TestCase):
         self.daemon.stop()
 
     def engine(self, dtype=torch.bfloat16, tp=None, cudagraph_mode=None,
-               num_blocks=32, block_size=BS, executor=None, model_config=None, **extra):
+               num_blocks=32, block_size=BS, executor=None, model_config=None,
+               physical="NHD", **extra):
         """An engine; ``model_config``: attributes set on its model config
         (revision=..., ...); ``extra``: the connector's extra config."""
         kw = {} if cudagraph_mode is None else {"cudagraph_mode": cudagraph_mode}
@@ -140,7 +141,7 @@ class VllmConnectorTest(unittest.TestCase):
         for name, value in (model_config or {}).items():
             setattr(cfg.model_config, name, value)
         e = VllmEngine(kv_vllm.KvDepotConnector, cfg, num_blocks=num_blocks,
-                       role_enum=kv_vllm.KVConnectorRole)
+                       role_enum=kv_vllm.KVConnectorRole, physical=physical)
         self.engines = getattr(self, "engines", []) + [e]
         self.assertIsNone(e.worker.disabled_reason)
         return e
@@ -1453,6 +1454,40 @@ class VllmConnectorTest(unittest.TestCase):
         sched = kv_vllm.KvDepotConnector(cfg, kv_vllm.KVConnectorRole.SCHEDULER)
         self.addCleanup(sched.shutdown)
         self.assertIsNone(sched.disabled_reason)
+
+    def test_caches_laid_out_head_major_share_blocks_with_token_major_ones(self):
+        # FlashAttention's HND stride order (views of [2, N, H, T, D]
+        # memory), and vLLM's CPU backend, whose [2, N, H, T, D] caches look
+        # like token-major ones where heads == block size: both read and
+        # write the objects a token-major engine does.
+        for physical, block_size, cpu in (("HND", BS, False), ("CPU_ATTN", HEADS, True)):
+            with self.subTest(physical=physical):
+                seed = 80 + block_size
+                p = prompt(seed, 3 * block_size + 1)
+                # Stored by a token-major engine, loaded by this one (whose
+                # worker alone runs on vLLM's CPU platform, if any).
+                self.run_prefill(self.engine(block_size=block_size),
+                                 FakeRequest("N", list(p)))
+                with mock.patch.object(kv_vllm, "_vllm_cpu_platform", return_value=cpu):
+                    e = self.engine(block_size=block_size, physical=physical)
+                r = FakeRequest("R", list(p))
+                self.assertEqual(e.admit(r), 3 * block_size)
+                e.step([r], [], {"R": 1})
+                self.assertEqual(e.load_errors, [])
+                for i in range(3):
+                    for got, want in zip(e.block_kv(r, i), e.expected_block_kv(p, i)):
+                        self.assertTrue(torch.equal(got, want), (physical, i))
+                # Stored by this one, loaded by a token-major engine.
+                q = prompt(seed + 1, 3 * block_size + 1)
+                self.run_prefill(e, FakeRequest("S", list(q)))
+                t = self.engine(block_size=block_size)
+                s = FakeRequest("T", list(q))
+                self.assertEqual(t.admit(s), 3 * block_size)
+                t.step([s], [], {"T": 1})
+                self.assertEqual(t.load_errors, [])
+                for i in range(3):
+                    for got, want in zip(t.block_kv(s, i), t.expected_block_kv(q, i)):
+                        self.assertTrue(torch.equal(got, want), (physical, i))
 
     def test_only_full_attention_caches_are_served(self):
         # A sliding-window group's block table holds vLLM's null block for

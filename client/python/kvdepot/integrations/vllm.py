@@ -375,6 +375,22 @@ def _unsupported_kv_cache(vllm_config: Any, kv_cache_config: Any) -> Optional[st
     return None
 
 
+def _vllm_cpu_platform() -> bool:
+    """Whether vLLM runs on its CPU platform, whose attention backend
+    (CPU_ATTN) lays each layer's cache out as [2, N, heads, block_size,
+    head_size] (HND), a shape that FlashAttention's [2, N, block_size, heads,
+    head_size] (NHD) also has where heads == block_size: the shape alone
+    cannot tell them apart there. False without vLLM."""
+    try:
+        from vllm.platforms import current_platform
+    except Exception:  # noqa: BLE001 - no vLLM (tests), or it cannot load
+        return False
+    try:
+        return bool(current_platform.is_cpu())
+    except Exception:  # noqa: BLE001
+        return False
+
+
 def _has_full_cudagraphs(vllm_config: Any) -> bool:
     """Whether vLLM may replay FULL CUDA graphs (``compilation_config.
     cudagraph_mode`` FULL, FULL_DECODE_ONLY or FULL_AND_PIECEWISE, the
@@ -585,6 +601,7 @@ class KvDepotConnector(KVConnectorBase_V1):  # type: ignore[misc,valid-type]
 
         # Worker side.
         self._caches: List[Any] = []
+        self._store_caches: List[Any] = []  # as laid out in memory
         self._layer_names: List[str] = []
         self._layer_index: Dict[str, int] = {}  # name -> index in _caches
         self._pending_load: Optional[_PendingLoad] = None
@@ -1286,17 +1303,50 @@ class KvDepotConnector(KVConnectorBase_V1):  # type: ignore[misc,valid-type]
                     f"{self._layout.num_layers} layers")
             first = self._caches[0]
             bs = self._block_size
+            # What the store reads: each cache as laid out in memory, and
+            # that layout (the namespace is the same either way: objects are
+            # in one order whatever the cache's). self._caches stay the
+            # logical [2, N, block_size, heads, head_size] views (the torch
+            # staging path indexes those).
+            layout = self._layout
+            self._store_caches = list(self._caches)
             if self._use_mla:
                 want = (first.shape[0], bs, self._layout.head_size)
+                order = "NHD"
             else:
-                want = (2, first.shape[1], bs, self._layout.num_kv_heads,
-                        self._layout.head_size)
+                heads, head = self._layout.num_kv_heads, self._layout.head_size
+                n = first.shape[1]
+                want = (2, n, bs, heads, head)
+                if _vllm_cpu_platform():
+                    # CPU_ATTN: [2, N, heads, block_size, head_size] as is.
+                    want = (2, n, heads, bs, head)
+                    order = "CPU_ATTN"
+                elif first.is_contiguous():
+                    order = "NHD"
+                else:
+                    # FlashAttention with the HND stride order: a transposed
+                    # view of [2, N, heads, block_size, head_size] memory.
+                    order = "HND"
             for name, t in zip(self._layer_names, self._caches):
                 if tuple(t.shape) != want or t.dtype != first.dtype:
                     raise ValueError(f"cache {name} has shape {tuple(t.shape)} "
-                                     f"{t.dtype}, expected {want} {first.dtype}")
-                if not t.is_contiguous():
-                    raise ValueError(f"cache {name} is not contiguous")
+                                     f"{t.dtype}, expected {want} {first.dtype}"
+                                     + (" (vLLM's CPU attention layout)"
+                                        if order == "CPU_ATTN" else ""))
+                physical = t.transpose(2, 3) if order == "HND" else t
+                if not physical.is_contiguous():
+                    raise ValueError(f"cache {name} is neither contiguous nor a "
+                                     f"[2, N, block_size, heads, head_size] view of "
+                                     f"contiguous HND memory (strides {t.stride()})")
+            if order != "NHD":
+                self._store_caches = [t.transpose(2, 3) if order == "HND" else t
+                                      for t in self._caches]
+                self._caches = [t.transpose(2, 3) if order == "CPU_ATTN" else t
+                                for t in self._caches]
+                layout = kvdepot.KvLayout.mha(
+                    kvdepot.KvCacheLayout.FLASH_ATTN_HND, self._layout.num_layers,
+                    bs, self._layout.num_kv_heads, self._layout.head_size,
+                    self._layout.dtype)
             if kvdepot.dtype_from_torch(first.dtype) != self._layout.dtype:
                 raise ValueError(f"cache dtype {first.dtype} is not the model's")
             rank = self._tp_rank()
@@ -1311,7 +1361,7 @@ class KvDepotConnector(KVConnectorBase_V1):  # type: ignore[misc,valid-type]
 
                 shim = KvShim.for_device(first.device.type)
             self._store = kvdepot.KvCacheStore(
-                self._server, self._layout, self._model_label(rank),
+                self._server, layout, self._model_label(rank),
                 client=self._get_client(), shim=shim)
             # No store batch above max_batch_keys blocks (see _load_async).
             self._store.min_batch_bytes = min(
@@ -1321,7 +1371,7 @@ class KvDepotConnector(KVConnectorBase_V1):  # type: ignore[misc,valid-type]
             self._via_store = self._staging != "torch"
             if self._staging == "auto" and first.device.type != "cpu":
                 try:
-                    self._store.shim_for(self._caches)
+                    self._store.shim_for(self._store_caches)
                 except Exception as e:  # noqa: BLE001
                     logger.warning(
                         "kvdepot: no native gather/scatter for %s caches (%s); "
@@ -1421,14 +1471,14 @@ class KvDepotConnector(KVConnectorBase_V1):  # type: ignore[misc,valid-type]
         needed = -(-len(keys) // self._max_batch_keys)
         self._store.pipeline_batches = max(self._store_pipeline_batches, needed)
         try:
-            return self._store.load_async(self._caches, block_ids, keys)
+            return self._store.load_async(self._store_caches, block_ids, keys)
         finally:
             self._store.pipeline_batches = self._store_pipeline_batches
 
     def _save(self, block_ids: List[int], keys: List[bytes], parents: List[bytes]) -> None:
         """Stores one chunk (at most max_staging_blocks blocks)."""
         if self._via_store:
-            self._store.save(self._caches, block_ids, keys, parents)
+            self._store.save(self._store_caches, block_ids, keys, parents)
             return
         objects = self._torch_gather(block_ids)
         self._store.client.put(self._store.namespace, keys, objects, parents)
@@ -1476,7 +1526,7 @@ class KvDepotConnector(KVConnectorBase_V1):  # type: ignore[misc,valid-type]
                 why = "a block id repeats within the step"
             else:
                 try:
-                    self._store.check_block_ids(self._caches, ids)
+                    self._store.check_block_ids(self._store_caches, ids)
                 except ValueError as e:
                     why = str(e)
             if why is not None:
