@@ -1446,6 +1446,13 @@ class VllmConnectorTest(unittest.TestCase):
                 self.assertIsNone(worker._store)
                 r = FakeRequest("R", list(a.prompt_token_ids))
                 self.assertEqual(sched.get_num_new_matched_tokens(r, 0), (0, False))
+        # Dual batch overlap: the worker side's calls on two threads.
+        cfg = make_vllm_config(self.daemon.address, num_layers=LAYERS, block_size=BS,
+                               num_kv_heads=HEADS, head_size=HEAD, dtype=torch.bfloat16)
+        cfg.parallel_config.enable_dbo = True
+        worker = kv_vllm.KvDepotConnector(cfg, kv_vllm.KVConnectorRole.WORKER)
+        self.addCleanup(worker.shutdown)
+        self.assertIn("enable_dbo", worker.disabled_reason or "")
         # Size 1 (vLLM's default) is no context parallelism.
         cfg = make_vllm_config(self.daemon.address, num_layers=LAYERS, block_size=BS,
                                num_kv_heads=HEADS, head_size=HEAD, dtype=torch.bfloat16)

@@ -720,6 +720,11 @@ class KvDepotConnector(KVConnectorBase_V1):  # type: ignore[misc,valid-type]
             size = int(getattr(pc, name, 1) or 1)
             if size > 1:
                 raise ValueError(f"context parallelism ({name}={size}) is not supported")
+        # Dual batch overlap runs the attention of two micro-batches on two
+        # threads, which would call the worker side (wait_for_layer_load)
+        # at once: it keeps one load's state, for one thread.
+        if getattr(pc, "enable_dbo", False) is True:
+            raise ValueError("dual batch overlap (enable_dbo) is not supported")
         cache_dtype = str(getattr(cc, "cache_dtype", "auto") or "auto")
         if cache_dtype != "auto":
             raise ValueError(f"cache_dtype {cache_dtype} is not supported (only auto)")
