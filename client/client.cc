@@ -1072,9 +1072,10 @@ absl::StatusOr<LookupReply> Client::Lookup(absl::string_view ns,
     // connection) may have pinned the blocks all the same, under a pin id
     // this client never learns and so never unpins: left in a session kept
     // alive, such pins would hold their blocks for good and, piling up,
-    // reach the session's pin limit. So the session is dropped: no longer
-    // kept alive, its lease ends its pins; the next call opens another.
-    if (pin && MaybeUnanswered(FromGrpcStatus(st))) DropSession(sid);
+    // reach the session's pin limit. So the session is abandoned: no
+    // longer kept alive, its lease ends its pins; the next call opens
+    // another (calls in flight in it still finish).
+    if (pin && MaybeUnanswered(FromGrpcStatus(st))) AbandonSession(sid);
     RETURN_IF_ERROR(FromRpc(st));
     if (resp.pin_id() != 0) RememberPin(resp.pin_id(), sid);
     break;
@@ -1616,6 +1617,11 @@ void Client::DropSession(uint64_t session) {
   DisconnectRequests(session);
 }
 
+void Client::AbandonSession(uint64_t session) {
+  absl::MutexLock lock(&mu_);
+  if (session_id_ == session) session_id_ = 0;
+}
+
 void Client::DisconnectRequests(uint64_t session) {
   if (ucx_ == nullptr) return;
   std::shared_ptr<Link> link = LinkOf(session);
@@ -1960,7 +1966,8 @@ absl::Status Client::RegisterInSession(
   // for good. A new session starts with none: drop this one (its lease
   // ends it, with what it holds) -- at most once a minute, so that a client
   // using more buffers at once than that does not open session after
-  // session.
+  // session. Its calls in flight, which the daemon still serves, finish
+  // (AbandonSession): rotating is routine, not a failure.
   bool rotate = false;
   if (absl::IsResourceExhausted(failed)) {
     absl::MutexLock lock(&mu_);
@@ -1971,8 +1978,10 @@ absl::Status Client::RegisterInSession(
       rotate = true;
     }
   }
-  if (rotate || SessionGone(failed) ||
-      (absl::IsUnavailable(failed) && !*unreachable)) {
+  if (rotate) {
+    AbandonSession(session);
+  } else if (SessionGone(failed) ||
+             (absl::IsUnavailable(failed) && !*unreachable)) {
     DropSession(session);
   }
   return failed;

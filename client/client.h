@@ -492,6 +492,11 @@ class Client {
   // The daemon no longer knows `session` (or its endpoint): forget it so
   // that the next call opens a new one.
   void DropSession(uint64_t session);
+  // `session` is to be used no more while the daemon still holds it: the
+  // next call opens a new one, the keep-alive no longer renews it (its
+  // lease ends it, with what it holds), and the calls in flight in it still
+  // get their answers (unlike DropSession, which ends its UCX requests).
+  void AbandonSession(uint64_t session);
   // Whether `st`, of a call to the daemon, means it is not answering (so
   // that no other path is tried): a passed deadline, or UNAVAILABLE while
   // the channel is not up.

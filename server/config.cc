@@ -249,6 +249,8 @@ absl::Status ApplyConfig(const YAML::Node& root, const std::string& path, Daemon
       {"ucx_enabled", bool_into(&c->ucx_enabled)},
       {"ucx_workers", uint_into(&c->ucx_workers)},
       {"ucx_colocated_workers", uint_into(&c->ucx_colocated_workers)},
+      {"ucx_max_buffers_per_session",
+       uint_into(&c->ucx_max_buffers_per_session)},
       {"ucx_transfer_timeout", duration_into(&c->ucx_transfer_timeout)},
   };
   // yaml-cpp keeps every entry of a repeated key: each is an error, never
@@ -445,6 +447,11 @@ absl::Status ValidateConfig(const DaemonConfig& c) {
   }
   if (c.ucx_colocated_workers < 0 || c.ucx_colocated_workers > 4096) {
     return absl::InvalidArgumentError("ucx_colocated_workers must be 0..4096");
+  }
+  if (c.ucx_max_buffers_per_session < 1 ||
+      c.ucx_max_buffers_per_session > 65536) {
+    return absl::InvalidArgumentError(
+        "ucx_max_buffers_per_session must be 1..65536");
   }
   if (c.store.nvme_max_unflushed_age < absl::Milliseconds(100)) {
     return absl::InvalidArgumentError("nvme_max_unflushed_age must be at least 100ms");

@@ -72,6 +72,9 @@ struct DaemonConfig {
   // thread of their own (DataPlaneOptions::max_colocated_workers); beyond
   // it they are served over TCP.
   int ucx_colocated_workers = 64;
+  // Buffers one session may register (DataPlaneOptions::
+  // max_buffers_per_session); libkvdepot opens a new session past it.
+  int ucx_max_buffers_per_session = 256;
   // Longest a PushBlocks / PullBlocks transfer may take; past it the
   // client's endpoint is closed and its session ended.
   absl::Duration ucx_transfer_timeout = absl::Seconds(10);

@@ -74,9 +74,10 @@ TEST_F(ConfigFileTest, RejectsUnknownKeysAndBadValues) {
 // An integer too large for its field is an error, never wrapped or clamped
 // into range (4294967297 once became max_batch_keys 1).
 TEST_F(ConfigFileTest, RejectsIntegersTooLargeForTheirField) {
-  for (const char* key : {"max_batch_keys", "grpc_max_threads",
-                          "grpc_max_streams_per_connection", "metrics_namespace_labels",
-                          "ucx_workers", "ucx_colocated_workers"}) {
+  for (const char* key :
+       {"max_batch_keys", "grpc_max_threads", "grpc_max_streams_per_connection",
+        "metrics_namespace_labels", "ucx_workers", "ucx_colocated_workers",
+        "ucx_max_buffers_per_session"}) {
     for (const char* value : {"4294967297", "18446744073709551615", "100001"}) {
       DaemonConfig c;
       absl::Status st = LoadConfigFile(Write(absl::StrCat(key, ": ", value, "\n")), &c);
@@ -145,6 +146,8 @@ TEST(ConfigFileTest2, ShippedExampleMatchesTheDefaults) {
   EXPECT_EQ(shipped_ucx, defaults.ucx);
   EXPECT_EQ(from_file.ucx_workers, defaults.ucx_workers);
   EXPECT_EQ(from_file.ucx_colocated_workers, defaults.ucx_colocated_workers);
+  EXPECT_EQ(from_file.ucx_max_buffers_per_session,
+            defaults.ucx_max_buffers_per_session);
   EXPECT_EQ(from_file.ucx_transfer_timeout, defaults.ucx_transfer_timeout);
   EXPECT_EQ(from_file.metrics_threads, defaults.metrics_threads);
   EXPECT_EQ(from_file.metrics_request_timeout, defaults.metrics_request_timeout);

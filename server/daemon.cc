@@ -117,6 +117,8 @@ absl::Status Daemon::Init() {
     data_plane_options.workers = config_.ucx_workers;
     data_plane_options.request_workers = config_.ucx_workers;
     data_plane_options.max_colocated_workers = config_.ucx_colocated_workers;
+    data_plane_options.max_buffers_per_session =
+        static_cast<uint32_t>(config_.ucx_max_buffers_per_session);
     data_plane_options.on_refused = [metrics = metrics_.get()](absl::StatusCode code) {
       metrics->RecordUcxRefused(code);
     };

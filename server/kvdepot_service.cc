@@ -1071,6 +1071,9 @@ grpc::ServerUnaryReactor* KvDepotService::PushBlocks(
 void KvDepotService::StartPushBlocks(const v1::PushBlocksRequest* req,
                                      v1::PushBlocksResponse* resp,
                                      Finish finish, bool over_ucx) {
+  // arg: the request's v1::PushBlocksRequest (const).
+  internal::TestSyncPoint("KvDepotService::StartPushBlocks",
+                          const_cast<v1::PushBlocksRequest*>(req));
   absl::Status check = RequireEndpoint(req->session_id());
   if (check.ok() && req->destinations_size() != req->keys_size()) {
     check = absl::InvalidArgumentError(

@@ -14,6 +14,7 @@
 
 #include "absl/status/status.h"
 #include "absl/strings/match.h"
+#include "absl/synchronization/notification.h"
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
 #include "client/client.h"
@@ -39,6 +40,7 @@ class DaemonInjectedFaultsTest : public ::testing::Test {
     config.persist_on_shutdown = false;
     config.store.dram_capacity = uint64_t{64} << 20;
     config.store.nvme_capacity = uint64_t{64} << 20;
+    config.ucx_max_buffers_per_session = max_buffers_per_session_;
     auto logger = std::make_shared<spdlog::logger>(
         "test", std::make_shared<spdlog::sinks::null_sink_mt>());
     auto daemon = Daemon::Start(config, logger);
@@ -56,7 +58,16 @@ class DaemonInjectedFaultsTest : public ::testing::Test {
     return Client::Connect(options);
   }
 
+  int max_buffers_per_session_ = 256;
   std::unique_ptr<Daemon> daemon_;
+};
+
+class OneBufferPerSessionTest : public DaemonInjectedFaultsTest {
+ protected:
+  void SetUp() override {
+    max_buffers_per_session_ = 1;
+    DaemonInjectedFaultsTest::SetUp();
+  }
 };
 
 // UCX's errors map to several codes (Internal among them: an error UCX does
@@ -135,6 +146,49 @@ TEST_F(DaemonInjectedFaultsTest,
   ASSERT_OK(got);
   ASSERT_EQ(got->size(), 1u);
   EXPECT_EQ((*got)[0].bytes, bytes);
+}
+
+// A session holding as many buffers as the daemon allows is left for a new
+// one (rotation, at most once a minute) while a get of it is in flight: the
+// daemon still serves the old session, and the get ends with its bytes,
+// not as a miss (its UCX requests were ended with the session, before).
+TEST_F(OneBufferPerSessionTest, AGetInFlightFinishesWhenItsSessionIsRotated) {
+  auto client = ConnectOverUcx();
+  ASSERT_OK(client);
+  ASSERT_OK((*client)->EnsureSession());
+  ASSERT_OK((*client)->data_plane_status());
+  const std::string bytes(64 << 10, 'r');
+  BlockToPut b{"rotated", "", bytes};
+  ASSERT_OK((*client)->Put("ns", {&b, 1}));
+  std::vector<char> first(bytes.size()), second(bytes.size());
+  ASSERT_OK((*client)->RegisterBuffer(first.data(), first.size()));
+  ASSERT_OK((*client)->RegisterBuffer(second.data(), second.size()));
+
+  absl::Notification held, release;
+  std::atomic<int> pushes{0};
+  internal::SyncPointCallback hold(
+      "KvDepotService::StartPushBlocks", [&](void*) {
+        if (pushes.fetch_add(1) != 0) return;
+        held.Notify();
+        release.WaitForNotificationWithTimeout(absl::Seconds(30));
+      });
+  const absl::string_view key = "rotated";
+  absl::Span<char> into_first(first.data(), first.size());
+  TransferOp in_flight =
+      (*client)->GetIntoAsync("ns", {&key, 1}, {&into_first, 1});
+  ASSERT_TRUE(held.WaitForNotificationWithTimeout(absl::Seconds(20)));
+  // The second buffer is one too many for the session: the client moves on
+  // to a new one (this get takes whichever path it can).
+  absl::Span<char> into_second(second.data(), second.size());
+  TransferOp next = (*client)->GetIntoAsync("ns", {&key, 1}, {&into_second, 1});
+  release.Notify();
+  in_flight.Wait();
+  next.Wait();
+  ASSERT_OK(in_flight.statuses()[0]);
+  EXPECT_STREQ(in_flight.transport(), "ucx");
+  EXPECT_EQ(std::string(first.data(), first.size()), bytes);
+  ASSERT_OK(next.statuses()[0]);
+  EXPECT_EQ(std::string(second.data(), second.size()), bytes);
 }
 
 }  // namespace
