@@ -81,6 +81,9 @@ constexpr size_t kMaxOwedUnpins = 1 << 12;
 // The least time between two sessions dropped for having registered as
 // many buffers as the daemon allows (Client::RegisterInSession).
 constexpr absl::Duration kBufferRotationGap = absl::Minutes(1);
+// The longest wait before a client refused UCX asks again
+// (ClientOptions::ucx_retry_interval doubles up to it).
+constexpr absl::Duration kMaxUcxRetryWait = absl::Minutes(10);
 
 // Whether a gRPC call that ended with `st` may have ended without the
 // daemon's answer: the daemon may have run it, or may still run it (a
@@ -492,7 +495,9 @@ std::map<std::string, std::string> ClientUcxSettings(const ClientOptions& option
 Client::Client(const ClientOptions& options)
     : options_(options),
       timers_(std::make_shared<Timers>()),
-      calls_(std::make_shared<Calls>()) {
+      calls_(std::make_shared<Calls>()),
+      ucx_retry_wait_(std::clamp(options.ucx_retry_interval,
+                                 absl::Milliseconds(1), kMaxUcxRetryWait)) {
   if (options_.transport == ClientOptions::Transport::kUcx) {
     auto ucx = std::make_unique<Ucx>();
     UcxContextOptions context_options;
@@ -944,7 +949,19 @@ absl::StatusOr<uint64_t> Client::OpenSessionOnce(bool last_try) {
     }
   }
   absl::MutexLock lock(&mu_);
-  if (ucx_ != nullptr) ucx_status_ = ucx_status;
+  if (ucx_ != nullptr) {
+    ucx_status_ = ucx_status;
+    if (ucx_status.ok()) {
+      ucx_retry_wait_ = std::clamp(options_.ucx_retry_interval,
+                                   absl::Milliseconds(1), kMaxUcxRetryWait);
+      ucx_retry_at_ = absl::InfiniteFuture();
+    } else if (absl::IsUnavailable(ucx_status) ||
+               absl::IsDeadlineExceeded(ucx_status)) {
+      // Refused for now (not for our settings): ask again later.
+      ucx_retry_at_ = absl::Now() + ucx_retry_wait_;
+      ucx_retry_wait_ = std::min(2 * ucx_retry_wait_, kMaxUcxRetryWait);
+    }
+  }
   session_id_ = resp.session_id();
   lease_ = absl::Milliseconds(resp.lease_ms());
   if (!keepalive_.joinable()) {
@@ -1617,6 +1634,26 @@ void Client::DropSession(uint64_t session) {
   DisconnectRequests(session);
 }
 
+void Client::MaybeRetryUcx() {
+  uint64_t session;
+  {
+    absl::MutexLock lock(&mu_);
+    if (session_id_ == 0 || ucx_status_.ok() || absl::Now() < ucx_retry_at_)
+      return;
+    session = session_id_;
+    for (const auto& [pin, pinned_in] : pin_sessions_) {
+      if (pinned_in == session) {
+        ucx_retry_at_ =
+            absl::Now() + ucx_retry_wait_;  // not while it holds pins
+        return;
+      }
+    }
+    ucx_retry_at_ =
+        absl::InfiniteFuture();  // set again by the next OpenSession
+  }
+  AbandonSession(session);
+}
+
 void Client::AbandonSession(uint64_t session) {
   absl::MutexLock lock(&mu_);
   if (session_id_ == session) session_id_ = 0;
@@ -1823,6 +1860,7 @@ absl::StatusOr<Client::UcxTarget> Client::PrepareUcx(
     }
   }
   UcxTarget target;
+  MaybeRetryUcx();
   absl::StatusOr<uint64_t> session = EnsureSession();
   if (!session.ok()) {
     *unreachable = DaemonNotAnswering(session.status());

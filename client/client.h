@@ -80,6 +80,13 @@ struct ClientOptions {
   // that does not resolve), UCX's default: every device.
   std::map<std::string, std::string> ucx = {{"TCP_TX_SEG_SIZE", "512k"},
                                             {"TCP_RX_SEG_SIZE", "512k"}};
+  // After the daemon refused this client a UCX endpoint for a reason that
+  // may pass (UNAVAILABLE: its wire-ups are backed up, the worker did not
+  // answer in time; DEADLINE_EXCEEDED), sessions go without UCX for this
+  // long, doubling on each refusal up to 10 minutes; then the next transfer
+  // opens a new session that asks again (its predecessor left to its
+  // lease, unless it holds pins of Lookup(pin=true), which keep it).
+  absl::Duration ucx_retry_interval = absl::Seconds(30);
   // Limit for one UCX transfer batch (the daemon may have a lower one; the
   // client asks for at most rpc_timeout / 2, so that the daemon's transfers
   // end well before the client stops waiting for them; zero: that alone).
@@ -497,6 +504,10 @@ class Client {
   // lease ends it, with what it holds), and the calls in flight in it still
   // get their answers (unlike DropSession, which ends its UCX requests).
   void AbandonSession(uint64_t session);
+  // A session without UCX whose refusal may have passed (ucx_retry_at_) is
+  // abandoned, so that the next call asks again; not one holding pins the
+  // caller took (Lookup(pin=true)), which would end with its lease.
+  void MaybeRetryUcx();
   // Whether `st`, of a call to the daemon, means it is not answering (so
   // that no other path is tried): a passed deadline, or UNAVAILABLE while
   // the channel is not up.
@@ -577,6 +588,11 @@ class Client {
   const std::shared_ptr<Calls> calls_;
   std::unique_ptr<Ucx> ucx_;  // null without UCX
   absl::Status ucx_status_ ABSL_GUARDED_BY(mu_);
+  // When a session without UCX (refused for a reason that may pass) gives
+  // way to one that asks again (MaybeRetryUcx), and the wait after the next
+  // refusal.
+  absl::Time ucx_retry_at_ ABSL_GUARDED_BY(mu_) = absl::InfiniteFuture();
+  absl::Duration ucx_retry_wait_ ABSL_GUARDED_BY(mu_);
   std::shared_ptr<grpc::Channel> channel_;
   std::unique_ptr<v1::KvDepot::Stub> stub_;
   // Reports of corrupt blocks; shared with the gets that find them.

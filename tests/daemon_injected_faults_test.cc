@@ -49,8 +49,10 @@ class DaemonInjectedFaultsTest : public ::testing::Test {
   }
 
   absl::StatusOr<std::unique_ptr<Client>> ConnectOverUcx(
-      absl::Duration rpc_timeout = absl::Seconds(30)) {
+      absl::Duration rpc_timeout = absl::Seconds(30),
+      absl::Duration ucx_retry_interval = absl::Seconds(30)) {
     ClientOptions options;
+    options.ucx_retry_interval = ucx_retry_interval;
     options.server = daemon_->grpc_address();
     options.transport = ClientOptions::Transport::kUcx;
     options.ucx["TLS"] = "tcp";
@@ -146,6 +148,54 @@ TEST_F(DaemonInjectedFaultsTest,
   ASSERT_OK(got);
   ASSERT_EQ(got->size(), 1u);
   EXPECT_EQ((*got)[0].bytes, bytes);
+}
+
+// A UCX endpoint refused for a reason that may pass (here the daemon's
+// wire-ups backed up: Unavailable) leaves the client on gRPC only until
+// ucx_retry_interval has passed; then its next transfer opens a session
+// that asks again, and gets UCX. A refusal for its settings is not asked
+// again.
+TEST_F(DaemonInjectedFaultsTest, AClientRefusedUcxForNowAsksAgainLater) {
+  for (const absl::Status& refusal :
+       {absl::UnavailableError("64 UCX wire-ups are waiting already"),
+        absl::FailedPreconditionError(
+            "the client's UCX TCP segments do not fit")}) {
+    SCOPED_TRACE(refusal.ToString());
+    std::atomic<int> attaches{0};
+    internal::SyncPointCallback refuse_once(
+        "KvDepotService::AttachAndFinish:Attach", [&](void* arg) {
+          if (attaches.fetch_add(1) == 0)
+            static_cast<AttachPoint*>(arg)->status = refusal;
+        });
+    auto client = ConnectOverUcx(absl::Seconds(30), absl::Milliseconds(200));
+    ASSERT_OK(client);
+    const std::string bytes(64 << 10, 'a');
+    BlockToPut b{"again", "", bytes};
+    ASSERT_OK((*client)->Put("ns", {&b, 1}));
+    std::vector<char> dst(bytes.size());
+    ASSERT_OK((*client)->RegisterBuffer(dst.data(), dst.size()));
+    const absl::string_view key = "again";
+    absl::Span<char> into(dst.data(), dst.size());
+    auto get = [&] {
+      std::fill(dst.begin(), dst.end(), 0);
+      TransferOp op = (*client)->GetIntoAsync("ns", {&key, 1}, {&into, 1});
+      op.Wait();
+      EXPECT_OK(op.statuses()[0]);
+      EXPECT_EQ(std::string(dst.data(), dst.size()), bytes);
+      return std::string(op.transport());
+    };
+    EXPECT_EQ(get(), "grpc");
+    EXPECT_EQ(get(), "grpc");  // within the interval
+    absl::SleepFor(absl::Milliseconds(300));
+    if (absl::IsUnavailable(refusal)) {
+      EXPECT_EQ(get(), "ucx");
+      EXPECT_OK((*client)->data_plane_status());
+      EXPECT_EQ(attaches.load(), 2);
+    } else {
+      EXPECT_EQ(get(), "grpc");
+      EXPECT_EQ(attaches.load(), 1);
+    }
+  }
 }
 
 // A session holding as many buffers as the daemon allows is left for a new
