@@ -1158,6 +1158,10 @@ absl::Status Client::UnpinRpc(uint64_t session, uint64_t pin_id,
 
 void Client::ReleaseOwnPin(uint64_t pin_id) {
   if (UnpinSettled(Unpin(pin_id))) return;
+  OweUnpin(pin_id);
+}
+
+void Client::OweUnpin(uint64_t pin_id) {
   absl::MutexLock lock(&mu_);
   if (owed_unpins_.size() < kMaxOwedUnpins) {
     owed_unpins_.push_back({pin_id, PinSessionLocked(pin_id)});
@@ -1397,7 +1401,19 @@ absl::StatusOr<std::vector<absl::Status>> Client::GetIntoGrpcPerKey(
     }
     if (st.ok()) ReadInto(ns, keys, dst, found, statuses, corrupt);
   }
-  if (found.pin_id != 0) ReleaseOwnPin(found.pin_id);
+  if (found.pin_id != 0) {
+    // A daemon that did not answer the read would not answer the unpin
+    // either: the call would wait another rpc_timeout. The unpin is owed
+    // (retried once the daemon answers) instead.
+    const bool answering = std::none_of(
+        statuses.begin(), statuses.end(),
+        [&](const absl::Status& s) { return DaemonNotAnswering(s); });
+    if (answering) {
+      ReleaseOwnPin(found.pin_id);
+    } else {
+      OweUnpin(found.pin_id);
+    }
+  }
   // Once unpinned: the daemon keeps a corrupt block a reader pins.
   ReportCorrupt(ns, std::move(corrupt));
   RETURN_IF_ERROR(st);

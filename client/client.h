@@ -522,6 +522,9 @@ class Client {
   // keep-alive thread retries it, since the caller never saw its id and the
   // renewed session would hold it for the client's whole life.
   void ReleaseOwnPin(uint64_t pin_id);
+  // The owing part of ReleaseOwnPin, without trying first (kMaxOwedUnpins
+  // at most; beyond them the session's lease ends the pin).
+  void OweUnpin(uint64_t pin_id);
   // The keep-alive thread's retry of owed_unpins_ (REQUIRES mu_, released
   // during the RPCs).
   void RetryOwedUnpins(absl::Time deadline) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);

@@ -10,12 +10,12 @@
 //     within about one rpc_timeout, not one after the other;
 //   - a Client destroyed with gRPC calls in flight ends them first (its
 //     ops are ready when the destructor returns), within a bounded time.
+#include <gtest/gtest.h>
 #include <signal.h>
 #include <stdlib.h>
 
-#include <gtest/gtest.h>
-
 #include <algorithm>
+#include <atomic>
 #include <cstring>
 #include <string>
 #include <thread>
@@ -27,6 +27,7 @@
 #include "absl/strings/str_split.h"
 #include "absl/time/clock.h"
 #include "client/client.h"
+#include "storage/internal/sync_point.h"
 #include "tests/daemon_process.h"
 #include "tests/status_matchers.h"
 #include "tests/ucx_daemon.h"
@@ -337,6 +338,52 @@ TEST_F(ClientFaultsTest, EmptyBatchesAskTheDaemonNothing) {
   miss.Wait();
   EXPECT_TRUE(absl::IsNotFound(miss.statuses()[0])) << miss.statuses()[0];
   EXPECT_EQ(Answered("OpenSession"), 1);
+}
+
+// Bug: a get over gRPC whose read the stalled daemon did not answer then
+// unpinned its blocks with another call of a whole rpc_timeout, so the
+// caller waited twice as long as a stalled daemon costs. The unpin is owed
+// (the keep-alive thread makes it once the daemon answers), not made on the
+// caller's thread.
+TEST_F(ClientFaultsTest, AGetTheStalledDaemonDidNotAnswerOwesItsUnpin) {
+  ASSERT_NO_FATAL_FAILURE(StartDaemon("tcp"));
+  ClientOptions options;
+  options.server = daemon_->address();
+  options.transport = ClientOptions::Transport::kGrpc;
+  options.rpc_timeout = absl::Seconds(1);
+  options.lease = absl::Seconds(3);  // keep-alives every second or so
+  auto client = Client::Connect(options);
+  ASSERT_OK(client.status());
+  const std::string bytes(kBlock, 'u');
+  BlockToPut b{"owed", "", bytes};
+  ASSERT_OK((*client)->Put("ns", {&b, 1}));
+  std::atomic<bool> stopped{false};
+  internal::SyncPointCallback stop_after_lookup(
+      "Client::LookupAnswered", [&](void*) {
+        if (!stopped.exchange(true)) kill(daemon_->pid(), SIGSTOP);
+      });
+  const std::thread::id caller = std::this_thread::get_id();
+  std::atomic<int> unpins_by_caller{0};
+  internal::SyncPointCallback count_unpins("Client::UnpinRpc", [&](void*) {
+    if (std::this_thread::get_id() == caller) unpins_by_caller.fetch_add(1);
+  });
+  std::vector<char> buf(kBlock);
+  const absl::string_view key = "owed";
+  absl::Span<char> dst(buf.data(), buf.size());
+  absl::StatusOr<std::vector<bool>> got =
+      (*client)->GetInto("ns", {&key, 1}, {&dst, 1});
+  ASSERT_TRUE(stopped.load());
+  kill(daemon_->pid(), SIGCONT);
+  EXPECT_FALSE(got.ok() && (*got)[0]) << "the stopped daemon answered";
+  EXPECT_EQ(unpins_by_caller.load(), 0);
+  // Owed, and made: the daemon's pins go back to none.
+  double pins = -1;
+  for (int i = 0; i < 100 && pins != 0; ++i) {
+    absl::SleepFor(absl::Milliseconds(100));
+    auto stats = (*client)->Stats();
+    if (stats.ok()) pins = static_cast<double>(stats->pins());
+  }
+  EXPECT_EQ(pins, 0);
 }
 
 // Bug: a gRPC call of GetIntoAsync (requests over gRPC) still in flight
