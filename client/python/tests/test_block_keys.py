@@ -164,6 +164,10 @@ class CircuitBreakerTest(unittest.TestCase):
         self.assertTrue(self.breaker.allow())
         self.assertFalse(self.breaker.failed(ValueError("bad argument")))
         self.assertTrue(self.breaker.is_open)
+        # Nor do codes that the module raises before any call as well.
+        for local in ("INVALID_ARGUMENT: buffer 0 has 10 bytes", "OUT_OF_RANGE: block 9"):
+            self.assertFalse(self.breaker.failed(ValueError(local)))
+            self.assertTrue(self.breaker.is_open, local)
         self.assertFalse(self.breaker.allow())  # the next window's probe waits
 
     def test_failed_probes_double_the_window_up_to_the_limit(self):

@@ -247,6 +247,10 @@ def batch_ranges(count: int, limit: int, unit: int = 1) -> List[Tuple[int, int]]
 # The outcomes that say kvdepotd is unreachable or did not answer in time:
 # what opens a CircuitBreaker.
 UNAVAILABLE_CODES = ("UNAVAILABLE", "DEADLINE_EXCEEDED")
+# Codes the module raises itself too, before any call (a buffer of the
+# wrong size, a block id out of range): they do not show that the daemon
+# answered, so they do not close the breaker.
+_LOCAL_CODES = ("INVALID_ARGUMENT", "OUT_OF_RANGE")
 
 _CODE = re.compile(r"([A-Z][A-Z_]+):")
 
@@ -341,9 +345,10 @@ class CircuitBreaker:
             return False
         if code not in UNAVAILABLE_CODES:
             # Another status: kvdepotd answered (a probe that gets one closes
-            # the breaker, or it would stay open); an error with no status
-            # (a local one) says nothing about it.
-            if code is not None:
+            # the breaker, or it would stay open); an error with no status,
+            # or one the module also raises itself (_LOCAL_CODES), says
+            # nothing about it.
+            if code is not None and code not in _LOCAL_CODES:
                 self.succeeded()
             return False
         with self._lock:
