@@ -262,6 +262,7 @@ void Daemon::MaintenanceLoop() {
     if (data_plane_ != nullptr) {
       metrics_->SetUcxColocatedWorkers(data_plane_->colocated_workers());
       metrics_->SetUcxRequestLinks(data_plane_->request_links());
+      metrics_->SetUcxEndpointsClosing(data_plane_->endpoints_closing());
     }
     mu_.Lock();
   }

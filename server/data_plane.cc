@@ -189,6 +189,14 @@ absl::Status DataPlane::Attach(SessionId session, std::string_view address,
         "be at most the other's UCX_TCP_RX_SEG_SIZE (UCX aborts the receiver "
         "of a larger segment); set them alike on both sides"));
   }
+  if (const size_t closing = endpoints_closing();
+      closing >= options_.max_endpoints_closing) {
+    return absl::UnavailableError(absl::StrCat(
+        closing,
+        " UCX endpoints wait for clients that stopped answering "
+        "(each keeps a socket open; max_endpoints_closing): no new one until "
+        "some of them close"));
+  }
   UcxWorker* worker;
   {
     absl::MutexLock lock(&mu_);
@@ -791,6 +799,14 @@ bool DataPlane::TakesDataRequests(SessionId session) const {
   if (!serving_requests_) return false;
   std::shared_ptr<Link> link = Find(session);
   return link != nullptr && HasRequestLink(link->client_address);
+}
+
+size_t DataPlane::endpoints_closing() const {
+  // The worker lists are made in Create and never change.
+  size_t n = 0;
+  for (const auto& w : workers_) n += w->endpoints_closing();
+  for (const auto& w : request_workers_) n += w->endpoints_closing();
+  return n;
 }
 
 size_t DataPlane::request_links() const {

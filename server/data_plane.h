@@ -119,6 +119,14 @@ struct DataPlaneOptions {
   // RequestAddress); further clients get no request address and use gRPC
   // calls.
   size_t max_request_links = 4096;
+  // Endpoints closing in order (UcxWorker::endpoints_closing) past which
+  // Attach makes no new endpoint (Unavailable: the client uses gRPC). Such
+  // an endpoint waits for a client that stopped answering to take what was
+  // sent to it -- a session of a stalled client, or a wire-up to a worker
+  // that never answered -- and keeps its socket open meanwhile; a client
+  // opening sessions with such a worker again and again would otherwise
+  // take every file descriptor, the gRPC port's accepts with them.
+  size_t max_endpoints_closing = 1024;
   // The executable of the UCX address sandbox (kvdepotd itself; see
   // transport/ucx_address_sandbox.h): Attach has it try a client's worker
   // address, with these UCX settings, before any endpoint here is made to
@@ -328,6 +336,9 @@ class DataPlane {
   bool TakesDataRequests(SessionId session) const;
   // Client workers the request worker has an endpoint to.
   size_t request_links() const;
+  // Endpoints of the shared and request workers closing in order, each
+  // waiting for its client (see max_endpoints_closing).
+  size_t endpoints_closing() const;
   // Requests received and not yet answered.
   size_t requests_in_flight() const;
   // Answers new requests Unavailable from now on (shutdown: the requests

@@ -3,6 +3,7 @@
 // data_plane.cc put a client's death at a fixed place in OpenSession.
 #include "server/data_plane.h"
 
+#include <gtest/gtest.h>
 #include <spdlog/sinks/null_sink.h>
 #include <spdlog/sinks/ostream_sink.h>
 #include <spdlog/spdlog.h>
@@ -19,10 +20,9 @@
 #include <utility>
 #include <vector>
 
-#include <gtest/gtest.h>
-
 #include "absl/cleanup/cleanup.h"
 #include "absl/container/flat_hash_map.h"
+#include "absl/strings/match.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/synchronization/notification.h"
 #include "storage/internal/sync_point.h"
@@ -560,6 +560,47 @@ TEST_F(DataPlaneTest, RepliesAClientNeverTakesEndItsSessionNotTheDaemonsMemory) 
   EXPECT_EQ(other->Reply(7), absl::StatusCode::kOk);
   absl::MutexLock lock(&mu_);
   EXPECT_EQ(std::count(lost_.begin(), lost_.end(), SessionId{2}), 0);
+}
+
+// A wire-up to a client worker that never answers ends at connect_timeout,
+// and its endpoint then closes in order: it waits, with its socket open,
+// for that worker to take what was sent to it, until the worker goes. A
+// client opening sessions with such a worker again and again would take a
+// file descriptor each time; past max_endpoints_closing new sessions get
+// no UCX endpoint (Unavailable: the client uses gRPC) until some close.
+TEST_F(DataPlaneTest, EndpointsWaitingForStalledClientsAreBounded) {
+  DataPlaneOptions options = PlaneOptions();
+  options.connect_timeout = absl::Milliseconds(300);
+  options.max_endpoints_closing = 1;
+  StartPlane(options);
+  absl::StatusOr<std::unique_ptr<UcxWorker>> stalled =
+      UcxWorker::Create(*client_context_);
+  ASSERT_TRUE(stalled.ok()) << stalled.status();
+  absl::Notification fenced;
+  (*stalled)->Fence([&fenced] { fenced.Notify(); });
+  fenced.WaitForNotification();
+  EXPECT_FALSE(plane_->Attach(1, (*stalled)->address(), "", std::nullopt).ok());
+  const absl::Time give_up = absl::Now() + absl::Seconds(10);
+  while (plane_->endpoints_closing() == 0 && absl::Now() < give_up) {
+    absl::SleepFor(absl::Milliseconds(10));
+  }
+  ASSERT_EQ(plane_->endpoints_closing(), 1u);
+  // An answering client meanwhile: no endpoint, said so.
+  absl::Status refused =
+      plane_->Attach(2, client_worker_->address(), "", std::nullopt);
+  EXPECT_EQ(refused.code(), absl::StatusCode::kUnavailable) << refused;
+  EXPECT_TRUE(absl::StrContains(refused.message(), "max_endpoints_closing"))
+      << refused;
+  // The stalled worker goes: its endpoint closes, and sessions get
+  // endpoints again.
+  stalled->reset();
+  while (plane_->endpoints_closing() != 0 &&
+         absl::Now() < give_up + absl::Seconds(10)) {
+    absl::SleepFor(absl::Milliseconds(10));
+  }
+  EXPECT_EQ(plane_->endpoints_closing(), 0u);
+  EXPECT_TRUE(
+      plane_->Attach(3, client_worker_->address(), "", std::nullopt).ok());
 }
 
 TEST_F(DataPlaneTest, RequestDataSentEagerlyIsBoundedAndCounted) {

@@ -154,6 +154,13 @@ ServerMetrics::ServerMetrics(prometheus::Registry& registry,
                       "their request connections need no wire-up answered by "
                       "kvdepotd: one per client "
                       "worker that opened a session and is still there")),
+      ucx_endpoints_closing_(
+          SingleGauge(registry, "kvdepot_ucx_endpoints_closing",
+                      "UCX endpoints closing in order that wait for a client "
+                      "that stopped answering (a stalled session's, or a "
+                      "wire-up to a worker that never answered), each with "
+                      "its socket open; at ucx max_endpoints_closing (1024) "
+                      "new sessions get no UCX endpoint")),
       sessions_(SingleGauge(registry, "kvdepot_sessions_active",
                             "Open client sessions")),
       pins_(SingleGauge(registry, "kvdepot_pins_active", "Live pins")),

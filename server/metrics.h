@@ -75,6 +75,9 @@ class ServerMetrics {
   }
   // kvdepot_ucx_request_links.
   void SetUcxRequestLinks(size_t n) { ucx_request_links_.Set(static_cast<double>(n)); }
+  void SetUcxEndpointsClosing(size_t n) {
+    ucx_endpoints_closing_.Set(static_cast<double>(n));
+  }
 
   // One PushBlocks / PullBlocks request that came over UCX instead of gRPC
   // (kvdepot_ucx_requests_total{op}; it is also counted, when finished, in
@@ -145,6 +148,7 @@ class ServerMetrics {
   prometheus::Gauge& ucx_held_bytes_;
   prometheus::Gauge& ucx_colocated_workers_;
   prometheus::Gauge& ucx_request_links_;
+  prometheus::Gauge& ucx_endpoints_closing_;
   prometheus::Gauge& sessions_;
   prometheus::Gauge& pins_;
   prometheus::Gauge& reservations_;

@@ -514,6 +514,7 @@ void UcxWorker::CloseEndpoint(ucp_ep_h ep, bool force,
     if (UCS_PTR_IS_PTR(request)) {
       close->request = request;
       flushing_closes_.push_back(std::move(close));
+      endpoints_closing_.store(flushing_closes_.size());
       return;
     }
     // Flushed already, or failed: closed now, `keep` with it.
@@ -533,6 +534,7 @@ void UcxWorker::EndFlushingClose(FlushingClose* close) {
   if (it == flushing_closes_.end()) return;  // cannot happen: ends once
   std::unique_ptr<FlushingClose> c = std::move(*it);
   flushing_closes_.erase(it);
+  endpoints_closing_.store(flushing_closes_.size());
   ucp_request_free(c->request);
   if (!c->forced) CloseEndpoint(c->ep, /*force=*/c->status != UCS_OK);
 }
@@ -702,6 +704,7 @@ void UcxWorker::Shutdown() {
   close_requests_.clear();
   for (auto& c : flushing_closes_) static_cast<void>(c.release());
   flushing_closes_.clear();
+  endpoints_closing_.store(0);
   // A fenced worker's UCP worker (its connections) goes in Stop, later:
   // see Fence.
   if (fenced_) return;

@@ -285,6 +285,10 @@ class UcxWorker {
   // error callback points to: UCX may call it until then).
   void CloseEndpoint(ucp_ep_h ep, bool force,
                      std::shared_ptr<const void> keep = nullptr);
+  // Endpoints CloseEndpoint is closing in order whose flush has not ended:
+  // each keeps its connection (a socket over TCP) until the peer takes
+  // what was sent to it or goes. Any thread.
+  size_t endpoints_closing() const { return endpoints_closing_.load(); }
   // For what must be done when the UCP worker is destroyed (in Stop, or at
   // the end of the progress thread; on the thread that destroys it), while
   // `owner` lives: `before` once no progress call runs any more and the
@@ -383,6 +387,7 @@ class UcxWorker {
     bool forced = false;  // force-closed by Stop before the flush ended
   };
   std::vector<std::unique_ptr<FlushingClose>> flushing_closes_;
+  std::atomic<size_t> endpoints_closing_{0};  // flushing_closes_.size()
   // Progress thread, outside UCX callbacks: `close`'s flush ended.
   void EndFlushingClose(FlushingClose* close);
   // AtDestroy's hooks; after the thread has ended, Stop's.
