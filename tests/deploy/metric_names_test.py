@@ -20,7 +20,7 @@ class MetricNamesTest(unittest.TestCase):
         self.contract = cmn.load_contract(CONTRACT)
 
     def test_contract_lists_the_daemon_families(self):
-        self.assertEqual(len(self.contract), 31)
+        self.assertEqual(len(self.contract), 32)
         self.assertEqual(self.contract["kvdepot_request_duration_seconds"], "histogram")
         self.assertEqual(self.contract["kvdepot_pins_active"], "gauge")
         self.assertEqual(self.contract["kvdepot_draining"], "gauge")
