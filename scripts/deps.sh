@@ -11,10 +11,13 @@ PACKAGES=(
   libcli11-dev libxxhash-dev libcivetweb-dev zlib1g-dev pybind11-dev python3-dev libucx-dev
   libgtest-dev libgmock-dev libbenchmark-dev
 )
-# Baselines the tests' benchmark smoke runs against.
+# Baselines the tests' benchmark smoke runs against. libopenblas0-pthread:
+# Debian's torch calls whichever libblas.so.3 the alternatives system names,
+# netlib's reference BLAS unless OpenBLAS is installed; the multi-turn
+# benchmark's recompute baseline must not run on a reference BLAS.
 if [[ "${1:-}" == "--with-test-tools" ]]; then
   PACKAGES+=(redis-server redis-tools python3 fio rocksdb-tools prometheus python3-yaml chromium fonts-dejavu-core
-    python3-numpy python3-torch python3-matplotlib ucx-utils)
+    python3-numpy python3-torch python3-matplotlib ucx-utils libopenblas0-pthread)
 fi
 
 missing=()
