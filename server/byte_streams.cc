@@ -260,11 +260,18 @@ absl::Status ReadStream::Validate() const {
 
 void ReadStream::PinNext(absl::AnyInvocable<void(absl::Status) &&> done) {
   absl::string_view k = req_.keys(key_);
-  store_.LookupAsync(
-      kInternalSession, req_.namespace_(), {&k, 1}, false, /*pin=*/true,
+  auto adopt =
       [this, done = std::move(done)](absl::StatusOr<LookupResult> r) mutable {
         std::move(done)(Adopt(std::move(r)));
-      });
+      };
+  // Keys a Lookup counted already (looked_up) are not counted again.
+  if (req_.looked_up()) {
+    store_.RepeatLookupAsync(kInternalSession, req_.namespace_(), {&k, 1},
+                             /*pin=*/true, std::move(adopt));
+  } else {
+    store_.LookupAsync(kInternalSession, req_.namespace_(), {&k, 1}, false,
+                       /*pin=*/true, std::move(adopt));
+  }
 }
 
 absl::Status ReadStream::Adopt(absl::StatusOr<LookupResult> r) {

@@ -346,7 +346,23 @@ class TieredStoreImpl final : public TieredStore {
   void LookupAsync(SessionId session, absl::string_view ns,
                    absl::Span<const absl::string_view> keys, bool prefix,
                    bool pin, LookupDone done) override {
-    absl::StatusOr<LookupPlan> plan = PlanLookup(session, ns, keys, prefix, pin);
+    LookupAsyncCounting(session, ns, keys, prefix, pin, /*count=*/true,
+                        std::move(done));
+  }
+
+  void RepeatLookupAsync(SessionId session, absl::string_view ns,
+                         absl::Span<const absl::string_view> keys, bool pin,
+                         LookupDone done) override {
+    LookupAsyncCounting(session, ns, keys, /*prefix=*/false, pin,
+                        /*count=*/false, std::move(done));
+  }
+
+  // `count`: whether the lookup counts in the lookup and hit statistics.
+  void LookupAsyncCounting(SessionId session, absl::string_view ns,
+                           absl::Span<const absl::string_view> keys,
+                           bool prefix, bool pin, bool count, LookupDone done) {
+    absl::StatusOr<LookupPlan> plan =
+        PlanLookup(session, ns, keys, prefix, pin, count);
     if (!plan.ok()) return std::move(done)(plan.status());
     if (plan->promote.empty()) return std::move(done)(FinishLookup(*plan));
     promoter_->Submit(
@@ -1326,6 +1342,7 @@ class TieredStoreImpl final : public TieredStore {
     std::string ns;
     NamespaceRef info;  // empty while the namespace is unknown
     bool prefix = false, pin = false;
+    bool count = true;  // in the lookup and hit statistics
     uint32_t seq = 0;
     std::vector<LookupEntry> entries;  // found ones filled in
     std::vector<BlockEntry*> pinned;   // per key: the pinned entry, if any
@@ -1340,9 +1357,10 @@ class TieredStoreImpl final : public TieredStore {
 
   // Validates, then looks every key up in DRAM (pinning with `pin`) and, for
   // the others, in the NVMe tier's index (no disk access).
-  absl::StatusOr<LookupPlan> PlanLookup(SessionId session, absl::string_view ns,
-                                        absl::Span<const absl::string_view> keys,
-                                        bool prefix, bool pin) {
+  absl::StatusOr<LookupPlan> PlanLookup(
+      SessionId session, absl::string_view ns,
+      absl::Span<const absl::string_view> keys, bool prefix, bool pin,
+      bool count) {
     RETURN_IF_ERROR(ValidateNamespace(ns));
     RETURN_IF_ERROR(CheckBatch(keys.size()));
     for (absl::string_view k : keys) RETURN_IF_ERROR(ValidateKey(k));
@@ -1392,12 +1410,15 @@ class TieredStoreImpl final : public TieredStore {
     plan.session = session;
     plan.prefix = prefix;
     plan.pin = pin;
+    plan.count = count;
     plan.entries.resize(keys.size());
     plan.pinned.resize(keys.size(), nullptr);
     plan.info = FindNamespace(ns);
-    lookup_keys_.fetch_add(keys.size(), std::memory_order_relaxed);
+    if (count) lookup_keys_.fetch_add(keys.size(), std::memory_order_relaxed);
     if (!plan.info && nvme_ == nullptr) return plan;
-    if (plan.info) plan.info->lookups.fetch_add(keys.size(), std::memory_order_relaxed);
+    if (plan.info && count) {
+      plan.info->lookups.fetch_add(keys.size(), std::memory_order_relaxed);
+    }
     plan.seq = index_.NextSeq();
     for (size_t i = 0; i < keys.size(); ++i) {
       // Answered as its first mention, which a prefix lookup found (or is
@@ -1585,10 +1606,12 @@ class TieredStoreImpl final : public TieredStore {
       if (plan.pinned[i] != nullptr) pinned.push_back(plan.pinned[i]);
     }
     result.namespace_known = static_cast<bool>(plan.info) || hits > 0;
-    lookup_hits_.fetch_add(hits, std::memory_order_relaxed);
-    dram_hits_.fetch_add(dram_hits, std::memory_order_relaxed);
-    nvme_hits_.fetch_add(nvme_hits, std::memory_order_relaxed);
-    if (plan.info) plan.info->hits.fetch_add(hits, std::memory_order_relaxed);
+    if (plan.count) {
+      lookup_hits_.fetch_add(hits, std::memory_order_relaxed);
+      dram_hits_.fetch_add(dram_hits, std::memory_order_relaxed);
+      nvme_hits_.fetch_add(nvme_hits, std::memory_order_relaxed);
+      if (plan.info) plan.info->hits.fetch_add(hits, std::memory_order_relaxed);
+    }
     if (pinned.empty() && plan.planned_pins == 0) return result;
     absl::MutexLock lock(&mu_);
     // The planned pins become the real ones (at most as many).

@@ -358,6 +358,14 @@ class TieredStore {
   virtual void LookupAsync(SessionId session, absl::string_view ns,
                            absl::Span<const absl::string_view> keys,
                            bool prefix, bool pin, LookupDone done) = 0;
+  // LookupAsync (not a prefix lookup) of keys that a lookup the statistics
+  // counted already asked for (a Read of the blocks its Lookup found): the
+  // same, but not counted again in the lookup and hit statistics (Stats'
+  // lookup_keys, lookup_hits, tier hits, and the namespaces' lookups and
+  // hits).
+  virtual void RepeatLookupAsync(SessionId session, absl::string_view ns,
+                                 absl::Span<const absl::string_view> keys,
+                                 bool pin, LookupDone done) = 0;
   // InvalidArgument for an unknown pin or one of another session; NotFound
   // when the session itself is gone (its pins went with it). Returns the
   // number of blocks released.

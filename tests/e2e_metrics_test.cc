@@ -113,6 +113,12 @@ TEST(MetricsTest, ExportsTheContractAndCountsLookupsWithDenominators) {
     keys_counted += Value(text, "kvdepot_lookup_keys_total{" + ns + series);
   }
   EXPECT_EQ(keys_counted, 10);
+  // The store's own counts (Stats, kvdepotctl status) agree: the GetInto's
+  // Read of the keys its Lookup counted does not count them again.
+  auto stats = client->Stats();
+  ASSERT_OK(stats);
+  EXPECT_EQ(stats->lookup_keys(), 10u);
+  EXPECT_EQ(stats->lookup_hits(), 6u);
   EXPECT_EQ(Value(text, "kvdepot_bytes_total{direction=\"in\",transport=\"grpc\"}"),
             3.0 * bytes.size());
   EXPECT_EQ(Value(text, "kvdepot_bytes_total{direction=\"out\",transport=\"grpc\"}"),
