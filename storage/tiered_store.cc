@@ -841,6 +841,16 @@ class TieredStoreImpl final : public TieredStore {
     if (!all && keys.empty()) {
       return absl::InvalidArgumentError("evict needs keys or all");
     }
+    // A key named twice is one block: counted once (evicted, pinned or
+    // missing), as EvictResult says.
+    std::vector<absl::string_view> unique;
+    if (!RepeatedKeys(keys.size(), [&](size_t k) { return keys[k]; }).empty()) {
+      absl::flat_hash_set<absl::string_view> seen;
+      for (absl::string_view k : keys) {
+        if (seen.insert(k).second) unique.push_back(k);
+      }
+      keys = unique;
+    }
     ASSIGN_OR_RETURN(EvictResult result, EvictNow(ns, keys, all));
     // The evict's own deletes went through the WAL; the tier's evictions
     // for capacity just before did not, and the evict did not see those

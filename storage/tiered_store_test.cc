@@ -877,6 +877,15 @@ TEST_F(TieredStoreTest, EvictReportsPinnedAndMissingKeys) {
   EXPECT_EQ(ev->evicted_blocks, 1u);
   EXPECT_EQ(ev->pinned_keys, std::vector<std::string>{"a"});
   EXPECT_EQ(ev->missing_keys, 1u);
+  // A key named twice is one block, counted once.
+  ASSERT_OK(Put("b", "2"));
+  std::vector<absl::string_view> twice = {"a", "a", "b", "b", "c", "c"};
+  ev = store_->Evict("ns", twice, false);
+  ASSERT_OK(ev);
+  EXPECT_EQ(ev->evicted_blocks, 1u);
+  EXPECT_EQ(ev->pinned_keys, std::vector<std::string>{"a"});
+  EXPECT_EQ(ev->pinned_blocks, 1u);
+  EXPECT_EQ(ev->missing_keys, 1u);
   auto all = store_->Evict("ns", {}, true);
   ASSERT_OK(all);
   EXPECT_EQ(all->pinned_blocks, 1u);
