@@ -401,7 +401,10 @@ void KvDepotService::StartBeginPut(grpc::CallbackServerContext* ctx,
       StartBeginPut(ctx, req, resp, finish, /*must_not_block=*/!queued.ok(), queued);
     });
   }
-  if (!r.ok()) return finish(r.status());
+  if (!r.ok()) {
+    // Gave up while the put waited for room: told (and counted) so.
+    return finish(ctx->IsCancelled() ? PutCancelled() : r.status());
+  }
   // The client gave up while the put waited for room, or before this
   // handler ran.
   if (AbortIfClientGaveUp(ctx, req->session_id(), r->id)) {
@@ -532,6 +535,11 @@ class WriteReactor final : public grpc::ServerReadReactor<v1::WriteRequest>,
     // bytes would otherwise hold a block's reservation for ever.
     if (stream_.TakeProgress()) Progressed(service_.clock().Now());
     if (!st.ok()) {
+      // A client that gave up while the block waited for room is told (and
+      // counted) so, whatever the wait's end said (the store's 5 s ran out).
+      if (!absl::IsCancelled(st) && ctx_->IsCancelled()) {
+        st = absl::CancelledError("client cancelled the write");
+      }
       Finish(st);
       return;
     }

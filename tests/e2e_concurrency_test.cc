@@ -9,6 +9,7 @@
 #include <thread>
 #include <vector>
 
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
 #include "client/client.h"
@@ -269,6 +270,75 @@ TEST(ConcurrencyTest, PutsWaitingForRoomDoNotStallOtherCalls) {
   for (std::thread& t : threads) t.join();
   EXPECT_OK(client->Health());
   EXPECT_TRUE((*daemon)->Running()) << (*daemon)->Log();
+}
+
+// A put that waits for room the client stops waiting for: the daemon's wait
+// ends (5 s, no room came) after the client gave up, and the call is
+// counted CANCELLED, what happened to it, not RESOURCE_EXHAUSTED, which
+// would page an operator about a full DRAM tier the client never learned of.
+TEST(ConcurrencyTest, APutTheClientGaveUpWaitingForRoomOnIsCountedCancelled) {
+  auto daemon = DaemonProcess::Start({"--dram-capacity", "8MiB"});
+  ASSERT_OK(daemon);
+  auto client = Connect((*daemon)->address());
+  v1::KvDepot::Stub& stub = client->stub();
+  const uint64_t holder = OpenLongSession(stub);
+  {
+    grpc::ClientContext ctx;
+    v1::BeginPutRequest req;
+    req.set_session_id(holder);
+    req.set_namespace_("e2e/gaveup");
+    req.add_blocks()->set_key("held");
+    req.mutable_blocks(0)->set_size(7 << 20);
+    v1::BeginPutResponse resp;
+    ASSERT_TRUE(stub.BeginPut(&ctx, req, &resp).ok());  // never committed
+  }
+  std::thread write([&] {
+    grpc::ClientContext ctx;
+    ctx.set_deadline(absl::ToChronoTime(absl::Now() + absl::Seconds(1)));
+    v1::WriteResponse resp;
+    auto writer = stub.Write(&ctx, &resp);
+    v1::WriteRequest msg;
+    msg.mutable_header()->set_namespace_("e2e/gaveup");
+    msg.mutable_header()->set_key("w");
+    msg.mutable_header()->set_size(2 << 20);
+    writer->Write(msg);
+    writer->WritesDone();
+    EXPECT_EQ(writer->Finish().error_code(),
+              grpc::StatusCode::DEADLINE_EXCEEDED);
+  });
+  {
+    grpc::ClientContext ctx;
+    ctx.set_deadline(absl::ToChronoTime(absl::Now() + absl::Seconds(1)));
+    v1::BeginPutRequest req;
+    req.set_session_id(OpenLongSession(stub));
+    req.set_namespace_("e2e/gaveup");
+    req.add_blocks()->set_key("b");
+    req.mutable_blocks(0)->set_size(2 << 20);
+    v1::BeginPutResponse resp;
+    EXPECT_EQ(stub.BeginPut(&ctx, req, &resp).error_code(),
+              grpc::StatusCode::DEADLINE_EXCEEDED);
+  }
+  write.join();
+  // The daemon's waits end about 5 s after they began.
+  const std::string write_cancelled =
+      "kvdepot_requests_total{code=\"CANCELLED\",op=\"Write\"} 1";
+  const std::string begin_cancelled =
+      "kvdepot_requests_total{code=\"CANCELLED\",op=\"BeginPut\"} 1";
+  std::string text;
+  for (int i = 0; i < 100; ++i) {
+    text = testing::ScrapeMetrics(**daemon);
+    if (absl::StrContains(text, write_cancelled) &&
+        absl::StrContains(text, begin_cancelled)) {
+      break;
+    }
+    absl::SleepFor(absl::Milliseconds(100));
+  }
+  EXPECT_TRUE(absl::StrContains(text, write_cancelled)) << text;
+  EXPECT_TRUE(absl::StrContains(text, begin_cancelled)) << text;
+  EXPECT_FALSE(
+      absl::StrContains(text, "code=\"RESOURCE_EXHAUSTED\",op=\"Write\""));
+  EXPECT_FALSE(
+      absl::StrContains(text, "code=\"RESOURCE_EXHAUSTED\",op=\"BeginPut\""));
 }
 
 // The same for PullBlocks as a gRPC call (libkvdepot's puts from registered
