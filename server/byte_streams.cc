@@ -7,6 +7,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "storage/block_key.h"
+#include "storage/internal/sync_point.h"
 #include "storage/status_macros.h"
 
 namespace kvdepot {
@@ -117,14 +118,18 @@ absl::Status WriteStream::Complete() {
           ": the bytes do not match the header's XXH3-64"));
     }
   }
-  b->slot.reset();
   if (!b->standalone) {
     // The session may have ended while the slot was written, and its
     // reservation with it, or the reservation ended on its own (AbortPut
     // meanwhile): the slot is gone, not filled (the bytes went to memory
-    // being freed).
-    if (absl::Status open = store_.CheckReservation(b->session, b->reservation);
-        !open.ok()) {
+    // being freed). Checked while the slot's handle is held: a CommitPut
+    // cannot take the reservation meanwhile (ABORTED while a slot is
+    // written), so a reservation gone here was ended, never committed.
+    internal::TestSyncPoint("WriteStream::Complete:CheckingReservation",
+                            &b->reservation);
+    absl::Status open = store_.CheckReservation(b->session, b->reservation);
+    b->slot.reset();
+    if (!open.ok()) {
       if (absl::IsNotFound(open)) {
         return absl::NotFoundError(absl::StrCat(
             "session ", b->session, " ended while block ", KeyToHex(b->key),
@@ -137,6 +142,7 @@ absl::Status WriteStream::Complete() {
     resp_->add_results(v1::WRITE_SLOT_FILLED);
     return absl::OkStatus();
   }
+  b->slot.reset();
   if (b->discard) {
     resp_->add_results(v1::WRITE_ALREADY_EXISTS);
     return absl::OkStatus();

@@ -8,6 +8,7 @@
 #include "absl/functional/function_ref.h"
 #include "storage/checksum.h"
 #include "storage/fake_clock.h"
+#include "storage/internal/sync_point.h"
 #include "tests/status_matchers.h"
 
 namespace kvdepot {
@@ -198,6 +199,36 @@ TEST_F(ByteStreamsTest, FillsAReservationSlotWithoutPublishing) {
   ASSERT_OK(c);
   EXPECT_EQ((*c)[0], CommitOutcome::kStored);
   EXPECT_TRUE(store_->Lookup(0, "ns", {&k, 1}, false, false)->entries[0].found);
+}
+
+// A CommitPut that comes as a slot's Write ends (a client committing right
+// after sending the last chunk, retrying on ABORTED as the contract says)
+// cannot take the reservation while the Write still holds the slot: the
+// Write reports the slot filled, not "its slot went with it" for a block
+// the commit stored, and the commit after it stores the block.
+TEST_F(ByteStreamsTest, ACommitRacingTheSlotWritesEndIsRefusedUntilItEnds) {
+  auto session = store_->OpenSession(absl::ZeroDuration(), "t");
+  ASSERT_OK(session);
+  PutSpec spec{"raced", "", 500};
+  auto r = store_->BeginPut(session->id, "ns", {&spec, 1});
+  ASSERT_OK(r);
+  const std::string bytes(500, 'q');
+  const uint64_t sum = BlockChecksum(bytes);
+  absl::Status racing_commit;
+  internal::SyncPointCallback commit_now(
+      "WriteStream::Complete:CheckingReservation", [&](void*) {
+        racing_commit =
+            store_->CommitPut(session->id, r->id, {&sum, 1}).status();
+      });
+  v1::WriteResponse resp;
+  WriteStream ws(*store_, &resp);
+  ASSERT_OK(ws.Consume(SlotWrite(session->id, r->id, 500, bytes)));
+  ASSERT_EQ(resp.results_size(), 1);
+  EXPECT_EQ(resp.results(0), v1::WRITE_SLOT_FILLED);
+  EXPECT_THAT(racing_commit, StatusIs(Code::kAborted));
+  auto c = store_->CommitPut(session->id, r->id, {&sum, 1});
+  ASSERT_OK(c);
+  EXPECT_EQ((*c)[0], CommitOutcome::kStored);
 }
 
 // A slot Write whose header names another block (key or namespace), or
