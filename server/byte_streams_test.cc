@@ -29,6 +29,18 @@ class ByteStreamsTest : public ::testing::Test {
     store_ = std::move(s).value();
   }
 
+  // A session with one reserved 500-byte slot for `key` in "ns".
+  void ReserveSlot(const std::string& key, SessionId* session,
+                   ReservationId* reservation) {
+    auto opened = store_->OpenSession(absl::ZeroDuration(), "t");
+    ASSERT_OK(opened);
+    PutSpec spec{key, "", 500};
+    auto r = store_->BeginPut(opened->id, "ns", {&spec, 1});
+    ASSERT_OK(r);
+    *session = opened->id;
+    *reservation = r->id;
+  }
+
   static v1::WriteRequest Header(const std::string& key, const std::string& bytes,
                                  const std::string& first_chunk) {
     v1::WriteRequest m;
@@ -167,13 +179,11 @@ TEST_F(ByteStreamsTest, RejectsMalformedStreams) {
 }
 
 TEST_F(ByteStreamsTest, FillsAReservationSlotWithoutPublishing) {
-  auto session = store_->OpenSession(absl::ZeroDuration(), "t");
-  ASSERT_OK(session);
-  PutSpec spec{"slot-key", "", 500};
-  auto r = store_->BeginPut(session->id, "ns", {&spec, 1});
-  ASSERT_OK(r);
+  SessionId sid = 0;
+  ReservationId rid = 0;
+  ASSERT_NO_FATAL_FAILURE(ReserveSlot("slot-key", &sid, &rid));
   std::string bytes(500, 'e');
-  v1::WriteRequest m = SlotWrite(session->id, r->id, 500, bytes);
+  v1::WriteRequest m = SlotWrite(sid, rid, 500, bytes);
   v1::WriteResponse resp;
   {
     // A size that is not the slot's, and session 0, are refused.
@@ -186,7 +196,7 @@ TEST_F(ByteStreamsTest, FillsAReservationSlotWithoutPublishing) {
     m.mutable_header()->set_session_id(0);
     WriteStream no_session(*store_, &resp);
     EXPECT_THAT(no_session.Consume(m), StatusIs(Code::kNotFound));
-    m.mutable_header()->set_session_id(session->id);
+    m.mutable_header()->set_session_id(sid);
   }
   WriteStream ws(*store_, &resp);
   ASSERT_OK(ws.Consume(m));
@@ -195,7 +205,7 @@ TEST_F(ByteStreamsTest, FillsAReservationSlotWithoutPublishing) {
   absl::string_view k = "slot-key";
   EXPECT_FALSE(store_->Lookup(0, "ns", {&k, 1}, false, false)->entries[0].found);
   uint64_t sum = BlockChecksum(bytes);
-  auto c = store_->CommitPut(session->id, r->id, {&sum, 1});
+  auto c = store_->CommitPut(sid, rid, {&sum, 1});
   ASSERT_OK(c);
   EXPECT_EQ((*c)[0], CommitOutcome::kStored);
   EXPECT_TRUE(store_->Lookup(0, "ns", {&k, 1}, false, false)->entries[0].found);
@@ -207,26 +217,23 @@ TEST_F(ByteStreamsTest, FillsAReservationSlotWithoutPublishing) {
 // Write reports the slot filled, not "its slot went with it" for a block
 // the commit stored, and the commit after it stores the block.
 TEST_F(ByteStreamsTest, ACommitRacingTheSlotWritesEndIsRefusedUntilItEnds) {
-  auto session = store_->OpenSession(absl::ZeroDuration(), "t");
-  ASSERT_OK(session);
-  PutSpec spec{"raced", "", 500};
-  auto r = store_->BeginPut(session->id, "ns", {&spec, 1});
-  ASSERT_OK(r);
+  SessionId sid = 0;
+  ReservationId rid = 0;
+  ASSERT_NO_FATAL_FAILURE(ReserveSlot("raced", &sid, &rid));
   const std::string bytes(500, 'q');
   const uint64_t sum = BlockChecksum(bytes);
   absl::Status racing_commit;
   internal::SyncPointCallback commit_now(
       "WriteStream::Complete:CheckingReservation", [&](void*) {
-        racing_commit =
-            store_->CommitPut(session->id, r->id, {&sum, 1}).status();
+        racing_commit = store_->CommitPut(sid, rid, {&sum, 1}).status();
       });
   v1::WriteResponse resp;
   WriteStream ws(*store_, &resp);
-  ASSERT_OK(ws.Consume(SlotWrite(session->id, r->id, 500, bytes)));
+  ASSERT_OK(ws.Consume(SlotWrite(sid, rid, 500, bytes)));
   ASSERT_EQ(resp.results_size(), 1);
   EXPECT_EQ(resp.results(0), v1::WRITE_SLOT_FILLED);
   EXPECT_THAT(racing_commit, StatusIs(Code::kAborted));
-  auto c = store_->CommitPut(session->id, r->id, {&sum, 1});
+  auto c = store_->CommitPut(sid, rid, {&sum, 1});
   ASSERT_OK(c);
   EXPECT_EQ((*c)[0], CommitOutcome::kStored);
 }
@@ -236,15 +243,13 @@ TEST_F(ByteStreamsTest, ACommitRacingTheSlotWritesEndIsRefusedUntilItEnds) {
 // open, and a right Write of it then succeeds. Key, namespace and checksum
 // may be left out.
 TEST_F(ByteStreamsTest, ASlotWriteNamingAnotherBlockIsRefused) {
-  auto session = store_->OpenSession(absl::ZeroDuration(), "t");
-  ASSERT_OK(session);
-  PutSpec spec{"slot-key", "", 500};
-  auto r = store_->BeginPut(session->id, "ns", {&spec, 1});
-  ASSERT_OK(r);
+  SessionId sid = 0;
+  ReservationId rid = 0;
+  ASSERT_NO_FATAL_FAILURE(ReserveSlot("slot-key", &sid, &rid));
   const std::string bytes(500, 's');
   v1::WriteResponse resp;
   auto refused = [&](auto change, const std::string& why) {
-    v1::WriteRequest m = SlotWrite(session->id, r->id, 500, bytes);
+    v1::WriteRequest m = SlotWrite(sid, rid, 500, bytes);
     change(m.mutable_header());
     WriteStream ws(*store_, &resp);
     absl::Status st = ws.Consume(m);
@@ -257,7 +262,7 @@ TEST_F(ByteStreamsTest, ASlotWriteNamingAnotherBlockIsRefused) {
           "checksum mismatch");
   EXPECT_EQ(resp.results_size(), 0);
   // Named right, with its checksum: filled, and committed.
-  v1::WriteRequest m = SlotWrite(session->id, r->id, 500, bytes);
+  v1::WriteRequest m = SlotWrite(sid, rid, 500, bytes);
   m.mutable_header()->set_key("slot-key");
   m.mutable_header()->set_namespace_("ns");
   m.mutable_header()->set_checksum(BlockChecksum(bytes));
@@ -266,7 +271,7 @@ TEST_F(ByteStreamsTest, ASlotWriteNamingAnotherBlockIsRefused) {
   ASSERT_EQ(resp.results_size(), 1);
   EXPECT_EQ(resp.results(0), v1::WRITE_SLOT_FILLED);
   uint64_t sum = BlockChecksum(bytes);
-  auto c = store_->CommitPut(session->id, r->id, {&sum, 1});
+  auto c = store_->CommitPut(sid, rid, {&sum, 1});
   ASSERT_OK(c);
   EXPECT_EQ((*c)[0], CommitOutcome::kStored);
 }

@@ -159,16 +159,37 @@ class NvmeTierTest : public ::testing::Test {
   // after a flush or compaction) is left out, as a crash at that moment
   // may leave it out: fs::copy threw "No such file or directory" for it
   // (a clean-clone CI failure, 2026-12-07).
+  // RocksDB's background work may flush or compact while the files are
+  // copied: a MANIFEST copied after a compaction names a table file made
+  // after the listing, an image no crash leaves (seen in CI: "cannot open
+  // RocksDB ... 000008.ldb: No such file"). So the copy is taken again
+  // until the directory did not change while it was copied.
   static void CopyCrashImage(const std::string& from, const std::string& to) {
-    fs::create_directories(to);
-    for (const fs::directory_entry& e : fs::directory_iterator(from)) {
+    auto listing = [&from] {
+      std::map<std::string, uintmax_t> files;  // name -> size
       std::error_code ec;
-      if (e.is_directory(ec)) continue;  // RocksDB keeps none there
-      fs::copy_file(e.path(), fs::path(to) / e.path().filename(), ec);
-      if (ec && ec != std::errc::no_such_file_or_directory) {
-        FAIL() << "copying " << e.path() << ": " << ec.message();
+      for (const fs::directory_entry& e : fs::directory_iterator(from, ec)) {
+        std::error_code size_ec;
+        const uintmax_t size = e.file_size(size_ec);
+        if (!size_ec) files[e.path().filename().string()] = size;
       }
+      return files;
+    };
+    for (int attempt = 0; attempt < 100; ++attempt) {
+      const std::map<std::string, uintmax_t> before = listing();
+      fs::remove_all(to);
+      fs::create_directories(to);
+      for (const auto& [name, size] : before) {
+        std::error_code ec;
+        fs::copy_file(fs::path(from) / name, fs::path(to) / name, ec);
+        if (ec && ec != std::errc::no_such_file_or_directory) {
+          FAIL() << "copying " << name << ": " << ec.message();
+        }
+      }
+      if (listing() == before) return;
+      absl::SleepFor(absl::Milliseconds(10));
     }
+    FAIL() << from << " kept changing while it was copied";
   }
 
   // Opens a copy of the tier's directory as it is now, as a process that

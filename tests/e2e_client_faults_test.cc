@@ -17,6 +17,9 @@
 #include <algorithm>
 #include <atomic>
 #include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <iterator>
 #include <string>
 #include <thread>
 #include <vector>
@@ -340,6 +343,32 @@ TEST_F(ClientFaultsTest, EmptyBatchesAskTheDaemonNothing) {
   EXPECT_EQ(Answered("OpenSession"), 1);
 }
 
+// Stops process `pid` (SIGSTOP) and waits, at most 2 s, until every thread
+// of it is stopped: the signal reaches a process's threads one by one, and
+// one still running may answer a call sent meanwhile.
+void StopAll(pid_t pid) {
+  kill(pid, SIGSTOP);
+  const absl::Time give_up = absl::Now() + absl::Seconds(2);
+  while (absl::Now() < give_up) {
+    bool all_stopped = true;
+    std::error_code ec;
+    for (const auto& task : std::filesystem::directory_iterator(
+             absl::StrCat("/proc/", pid, "/task"), ec)) {
+      std::ifstream in(task.path() / "stat");
+      std::string stat((std::istreambuf_iterator<char>(in)),
+                       std::istreambuf_iterator<char>());
+      const size_t paren = stat.rfind(')');
+      if (paren == std::string::npos || paren + 2 >= stat.size() ||
+          (stat[paren + 2] != 'T' && stat[paren + 2] != 't')) {
+        all_stopped = false;
+        break;
+      }
+    }
+    if (all_stopped) return;
+    absl::SleepFor(absl::Milliseconds(1));
+  }
+}
+
 // Bug: a get over gRPC whose read the stalled daemon did not answer then
 // unpinned its blocks with another call of a whole rpc_timeout, so the
 // caller waited twice as long as a stalled daemon costs. The unpin is owed
@@ -358,10 +387,11 @@ TEST_F(ClientFaultsTest, AGetTheStalledDaemonDidNotAnswerOwesItsUnpin) {
   BlockToPut b{"owed", "", bytes};
   ASSERT_OK((*client)->Put("ns", {&b, 1}));
   std::atomic<bool> stopped{false};
-  internal::SyncPointCallback stop_after_lookup(
-      "Client::LookupAnswered", [&](void*) {
-        if (!stopped.exchange(true)) kill(daemon_->pid(), SIGSTOP);
-      });
+  internal::SyncPointCallback stop_after_lookup("Client::LookupAnswered",
+                                                [&](void*) {
+                                                  if (!stopped.exchange(true))
+                                                    StopAll(daemon_->pid());
+                                                });
   const std::thread::id caller = std::this_thread::get_id();
   std::atomic<int> unpins_by_caller{0};
   internal::SyncPointCallback count_unpins("Client::UnpinRpc", [&](void*) {
