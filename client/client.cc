@@ -12,6 +12,7 @@
 #include <memory>
 #include <utility>
 
+#include "absl/cleanup/cleanup.h"
 #include "absl/container/flat_hash_set.h"
 #include "absl/strings/ascii.h"
 #include "absl/strings/match.h"
@@ -1071,9 +1072,23 @@ absl::StatusOr<LookupReply> Client::Lookup(absl::string_view ns,
   for (int attempt = 0;; ++attempt) {
     uint64_t sid = 0;
     if (pin) {
-      ASSIGN_OR_RETURN(sid, EnsureSession());
+      // Counted in pinning_lookups_ while in flight, in the session that is
+      // current when counted (MaybeRetryUcx abandons none meanwhile).
+      for (;;) {
+        ASSIGN_OR_RETURN(sid, EnsureSession());
+        absl::MutexLock lock(&mu_);
+        if (session_id_ == sid) {
+          ++pinning_lookups_;
+          break;
+        }
+      }
       req.set_session_id(sid);
     }
+    absl::Cleanup uncount = [this, pin] {
+      if (!pin) return;
+      absl::MutexLock lock(&mu_);
+      --pinning_lookups_;
+    };
     grpc::ClientContext ctx;
     PrepareContext(&ctx);
     resp.Clear();
@@ -1651,23 +1666,21 @@ void Client::DropSession(uint64_t session) {
 }
 
 void Client::MaybeRetryUcx() {
-  uint64_t session;
-  {
-    absl::MutexLock lock(&mu_);
-    if (session_id_ == 0 || ucx_status_.ok() || absl::Now() < ucx_retry_at_)
+  absl::MutexLock lock(&mu_);
+  if (session_id_ == 0 || ucx_status_.ok() || absl::Now() < ucx_retry_at_)
+    return;
+  // Not while a pinning lookup is in flight in it (its pin is not in
+  // pin_sessions_ yet): the next transfer looks again.
+  if (pinning_lookups_ > 0) return;
+  for (const auto& [pin, pinned_in] : pin_sessions_) {
+    if (pinned_in == session_id_) {
+      // Not while it holds the caller's pins.
+      ucx_retry_at_ = absl::Now() + ucx_retry_wait_;
       return;
-    session = session_id_;
-    for (const auto& [pin, pinned_in] : pin_sessions_) {
-      if (pinned_in == session) {
-        ucx_retry_at_ =
-            absl::Now() + ucx_retry_wait_;  // not while it holds pins
-        return;
-      }
     }
-    ucx_retry_at_ =
-        absl::InfiniteFuture();  // set again by the next OpenSession
   }
-  AbandonSession(session);
+  ucx_retry_at_ = absl::InfiniteFuture();  // set again by the next OpenSession
+  session_id_ = 0;  // abandoned (AbandonSession), under the same hold of mu_
 }
 
 void Client::AbandonSession(uint64_t session) {

@@ -596,6 +596,8 @@ class Client {
   // refusal.
   absl::Time ucx_retry_at_ ABSL_GUARDED_BY(mu_) = absl::InfiniteFuture();
   absl::Duration ucx_retry_wait_ ABSL_GUARDED_BY(mu_);
+  // Lookups with pin in flight (their pins not yet in pin_sessions_).
+  int pinning_lookups_ ABSL_GUARDED_BY(mu_) = 0;
   std::shared_ptr<grpc::Channel> channel_;
   std::unique_ptr<v1::KvDepot::Stub> stub_;
   // Reports of corrupt blocks; shared with the gets that find them.

@@ -320,7 +320,7 @@ absl::Status DataPlane::Attach(SessionId session, std::string_view address,
     link->uid = client_uid;
     internal::TestSyncPoint("DataPlane::Attach:Watched", &session);
   }
-  link->request_worker = EnsureRequestLink(session, address);
+  link->request_worker = EnsureRequestLink(session, address, connect_by);
   link->client_address = std::string(address);
   UcxEndpoint* endpoint_here = link->endpoint.get();
   {
@@ -712,7 +712,8 @@ void DataPlane::Reply(SessionId session, uint64_t id, const absl::Status& status
   requests_in_flight_.fetch_sub(1);
 }
 
-size_t DataPlane::EnsureRequestLink(SessionId session, std::string_view address) {
+size_t DataPlane::EnsureRequestLink(SessionId session, std::string_view address,
+                                    absl::Time connect_by) {
   if (!serving_requests_) return 0;
   const std::string key(address);
   uint64_t id;
@@ -736,7 +737,9 @@ size_t DataPlane::EnsureRequestLink(SessionId session, std::string_view address)
     request_links_[key] = RequestLink{id, request_worker, nullptr};
   }
   UcxEndpointOptions options;
-  options.connect_timeout = options_.connect_timeout;
+  options.connect_timeout =
+      std::clamp(connect_by - absl::Now(), absl::Milliseconds(1),
+                 options_.connect_timeout);
   options.peer_error_handling = true;
   options.on_error = [this, key, id](const absl::Status&) {
     DropRequestLink(key, id);

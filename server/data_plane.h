@@ -386,8 +386,10 @@ class DataPlane {
   // unless it has one (see RequestAddress). Waits for the wire-up; on
   // failure the client uses gRPC calls (logged).
   // Returns the request worker that serves that client worker (its
-  // link's; a new one's in turn).
-  size_t EnsureRequestLink(SessionId session, std::string_view address);
+  // link's; a new one's in turn). The wire-up gives up by `connect_by`
+  // (at the latest after connect_timeout).
+  size_t EnsureRequestLink(SessionId session, std::string_view address,
+                           absl::Time connect_by);
   // Request worker's progress thread: whether the message `sender` sent
   // came over the request link to `link`'s client worker (its reply
   // endpoint is the link's endpoint).

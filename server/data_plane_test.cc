@@ -562,6 +562,30 @@ TEST_F(DataPlaneTest, RepliesAClientNeverTakesEndItsSessionNotTheDaemonsMemory) 
   EXPECT_EQ(std::count(lost_.begin(), lost_.end(), SessionId{2}), 0);
 }
 
+// An Attach given a time to finish by (what is left of the client's
+// OpenSession deadline) gives up on a worker that does not answer then,
+// not after connect_timeout, so that the client can still open its session
+// over gRPC in time.
+TEST_F(DataPlaneTest, AnAttachToAWorkerThatDoesNotAnswerEndsByItsTime) {
+  DataPlaneOptions options = PlaneOptions();
+  options.connect_timeout = absl::Seconds(20);
+  StartPlane(options);
+  absl::StatusOr<std::unique_ptr<UcxWorker>> stalled =
+      UcxWorker::Create(*client_context_);
+  ASSERT_TRUE(stalled.ok()) << stalled.status();
+  absl::Notification fenced;
+  (*stalled)->Fence([&fenced] { fenced.Notify(); });
+  fenced.WaitForNotification();
+  const absl::Time start = absl::Now();
+  absl::Status st =
+      plane_->Attach(1, (*stalled)->address(), "", std::nullopt, std::nullopt,
+                     start + absl::Milliseconds(300));
+  const absl::Duration took = absl::Now() - start;
+  EXPECT_FALSE(st.ok());
+  // Far from connect_timeout (20 s).
+  EXPECT_LT(took, absl::Seconds(10)) << st;
+}
+
 // A wire-up to a client worker that never answers ends at connect_timeout,
 // and its endpoint then closes in order: it waits, with its socket open,
 // for that worker to take what was sent to it, until the worker goes. A

@@ -1328,7 +1328,9 @@ void KvDepotService::StartPullBlocks(const v1::PullBlocksRequest* req,
     });
   }
   if (!resv.ok()) {
-    return finish(resv.status());
+    // Gave up while the put waited for room: told (and counted) so.
+    return finish(ctx != nullptr && ctx->IsCancelled() ? PutCancelled()
+                                                       : resv.status());
   }
   if (AbortIfClientGaveUp(ctx, session, resv->id))
     return finish(PutCancelled());

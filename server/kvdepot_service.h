@@ -302,7 +302,8 @@ class KvDepotService final
   // asleep), an abandoned UCX batch's commit.
   static constexpr int kPutPoolThreads = 8;
   WorkPool put_pool_{kPutPoolThreads, "kvd-put"};
-  // OpenSession's UCX wire-up (up to two connects of connect_timeout each,
+  // OpenSession's UCX wire-up (up to two connects, of connect_timeout each
+  // at most, and together within half of the client's deadline,
   // to a client that may not answer), off gRPC's threads: with it there, a
   // few stalled clients left every other call (a KeepAlive holding a lease)
   // unanswered for seconds. Past kMaxAttachesWaiting wire-ups waiting for

@@ -10,6 +10,7 @@
 #include <memory>
 #include <string>
 #include <string_view>
+#include <thread>
 #include <vector>
 
 #include "absl/status/status.h"
@@ -196,6 +197,65 @@ TEST_F(DaemonInjectedFaultsTest, AClientRefusedUcxForNowAsksAgainLater) {
       EXPECT_EQ(attaches.load(), 1);
     }
   }
+}
+
+// Asking again for UCX leaves the old session to its lease, but not while a
+// pinning lookup is in flight in it: that lookup's pin, not yet known to
+// the client when the next transfer asked again, would end with the lease
+// while the caller holds it.
+TEST_F(DaemonInjectedFaultsTest,
+       AskingAgainForUcxKeepsASessionWithALookupInFlight) {
+  std::atomic<int> attaches{0};
+  internal::SyncPointCallback refuse_once(
+      "KvDepotService::AttachAndFinish:Attach", [&](void* arg) {
+        if (attaches.fetch_add(1) == 0) {
+          static_cast<AttachPoint*>(arg)->status =
+              absl::UnavailableError("backed up");
+        }
+      });
+  ClientOptions options;
+  options.server = daemon_->grpc_address();
+  options.ucx["TLS"] = "tcp";
+  options.ucx_retry_interval = absl::Milliseconds(100);
+  options.lease = absl::Seconds(2);
+  auto client = Client::Connect(options);
+  ASSERT_OK(client);
+  const std::string bytes(64 << 10, 'p');
+  BlockToPut b{"pinned", "", bytes};
+  ASSERT_OK((*client)->Put("ns", {&b, 1}));
+  ASSERT_OK((*client)->EnsureSession());
+  ASSERT_FALSE((*client)->data_plane_status().ok());
+  std::vector<char> dst(bytes.size());
+  ASSERT_OK((*client)->RegisterBuffer(dst.data(), dst.size()));
+  absl::SleepFor(absl::Milliseconds(200));  // past the retry interval
+
+  absl::Notification held, release;
+  std::atomic<int> answers{0};
+  internal::SyncPointCallback hold("Client::LookupAnswered", [&](void*) {
+    if (answers.fetch_add(1) != 0) return;
+    held.Notify();
+    release.WaitForNotificationWithTimeout(absl::Seconds(30));
+  });
+  const absl::string_view key = "pinned";
+  absl::StatusOr<LookupReply> pinned;
+  std::thread lookup([&] {
+    pinned = (*client)->Lookup("ns", {&key, 1}, false, /*pin=*/true);
+  });
+  ASSERT_TRUE(held.WaitForNotificationWithTimeout(absl::Seconds(20)));
+  absl::Span<char> into(dst.data(), dst.size());
+  TransferOp get = (*client)->GetIntoAsync("ns", {&key, 1}, {&into, 1});
+  get.Wait();
+  EXPECT_OK(get.statuses()[0]);
+  release.Notify();
+  lookup.join();
+  ASSERT_OK(pinned);
+  ASSERT_NE(pinned->pin_id, 0u);
+  // Past the lease: the session was kept alive, and the pin with it.
+  absl::SleepFor(absl::Seconds(3));
+  auto stats = (*client)->Stats();
+  ASSERT_OK(stats);
+  EXPECT_EQ(stats->pins(), 1u);
+  EXPECT_OK((*client)->Unpin(pinned->pin_id));
 }
 
 // A session holding as many buffers as the daemon allows is left for a new

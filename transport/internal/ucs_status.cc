@@ -19,9 +19,6 @@ absl::Status UcsToStatus(ucs_status_t status, std::string_view what) {
     case UCS_ERR_REJECTED:
     case UCS_ERR_IO_ERROR:
     case UCS_ERR_SOME_CONNECTS_FAILED:
-    // A peer's shared-memory segment that cannot be attached: the peer is
-    // gone (its segments with it) or its memory is not ours to map.
-    case UCS_ERR_SHMEM_SEGMENT:
       return absl::UnavailableError(message);
     case UCS_ERR_NO_MEMORY:
     case UCS_ERR_NO_RESOURCE:

@@ -13,8 +13,7 @@ namespace kvdepot::transport_internal {
 
 // OK for UCS_OK (and UCS_INPROGRESS, which is not an error); otherwise a
 // status whose message is "`what`: <UCX's description>". Peer, link and
-// endpoint failures (and a peer's shared memory that cannot be attached)
-// map to Unavailable, UCS_ERR_TIMED_OUT to
+// endpoint failures map to Unavailable, UCS_ERR_TIMED_OUT to
 // DeadlineExceeded, cancellation to Cancelled, resource shortages to
 // ResourceExhausted, bad parameters to InvalidArgument, everything else to
 // Internal.

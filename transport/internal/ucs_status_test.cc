@@ -25,7 +25,10 @@ TEST(UcsToStatusTest, EachClassMapsToItsCode) {
       {UCS_ERR_TIMED_OUT, absl::StatusCode::kDeadlineExceeded},
       {UCS_ERR_UNREACHABLE, absl::StatusCode::kUnavailable},
       {UCS_ERR_CONNECTION_RESET, absl::StatusCode::kUnavailable},
-      {UCS_ERR_SHMEM_SEGMENT, absl::StatusCode::kUnavailable},
+      // Not Unavailable: a client takes that for a session to drop, and an
+      // rkey whose shared memory cannot be mapped fails the same way in the
+      // next session (OpenSession falls back to gRPC on any code).
+      {UCS_ERR_SHMEM_SEGMENT, absl::StatusCode::kInternal},
       {UCS_ERR_ENDPOINT_TIMEOUT, absl::StatusCode::kUnavailable},
       {static_cast<ucs_status_t>(UCS_ERR_FIRST_LINK_FAILURE - 1),
        absl::StatusCode::kUnavailable},

@@ -339,7 +339,9 @@ class CircuitBreaker:
         opens the breaker, or doubles its window after a failed probe, if
         ``error`` says the daemon is unavailable, and returns True. Another
         status code means the daemon answered: closes it (as
-        :meth:`succeeded`); an error without one changes nothing."""
+        :meth:`succeeded`), except INVALID_ARGUMENT and OUT_OF_RANGE, which
+        the module also raises before any call; an error without a code
+        changes nothing."""
         code = status_code(error)
         if self.min_s <= 0:
             return False
