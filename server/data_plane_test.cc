@@ -136,6 +136,19 @@ class DataPlaneTest : public ::testing::Test {
     }
   }
 
+  // A client worker that never progresses again (a stalled client): its
+  // connections are accepted by the kernel, never answered.
+  std::unique_ptr<UcxWorker> StalledClientWorker() {
+    absl::StatusOr<std::unique_ptr<UcxWorker>> worker =
+        UcxWorker::Create(*client_context_);
+    EXPECT_TRUE(worker.ok()) << worker.status();
+    if (!worker.ok()) return nullptr;
+    absl::Notification fenced;
+    (*worker)->Fence([&fenced] { fenced.Notify(); });
+    fenced.WaitForNotification();
+    return *std::move(worker);
+  }
+
   // A client worker of its own, attached as `session` (a client on another
   // host: its requests reach the handler on the request worker's thread),
   // that sends requests as libkvdepot's UcxRequests does, with ids of the
@@ -570,15 +583,11 @@ TEST_F(DataPlaneTest, AnAttachToAWorkerThatDoesNotAnswerEndsByItsTime) {
   DataPlaneOptions options = PlaneOptions();
   options.connect_timeout = absl::Seconds(20);
   StartPlane(options);
-  absl::StatusOr<std::unique_ptr<UcxWorker>> stalled =
-      UcxWorker::Create(*client_context_);
-  ASSERT_TRUE(stalled.ok()) << stalled.status();
-  absl::Notification fenced;
-  (*stalled)->Fence([&fenced] { fenced.Notify(); });
-  fenced.WaitForNotification();
+  std::unique_ptr<UcxWorker> stalled = StalledClientWorker();
+  ASSERT_NE(stalled, nullptr);
   const absl::Time start = absl::Now();
   absl::Status st =
-      plane_->Attach(1, (*stalled)->address(), "", std::nullopt, std::nullopt,
+      plane_->Attach(1, stalled->address(), "", std::nullopt, std::nullopt,
                      start + absl::Milliseconds(300));
   const absl::Duration took = absl::Now() - start;
   EXPECT_FALSE(st.ok());
@@ -597,13 +606,9 @@ TEST_F(DataPlaneTest, EndpointsWaitingForStalledClientsAreBounded) {
   options.connect_timeout = absl::Milliseconds(300);
   options.max_endpoints_closing = 1;
   StartPlane(options);
-  absl::StatusOr<std::unique_ptr<UcxWorker>> stalled =
-      UcxWorker::Create(*client_context_);
-  ASSERT_TRUE(stalled.ok()) << stalled.status();
-  absl::Notification fenced;
-  (*stalled)->Fence([&fenced] { fenced.Notify(); });
-  fenced.WaitForNotification();
-  EXPECT_FALSE(plane_->Attach(1, (*stalled)->address(), "", std::nullopt).ok());
+  std::unique_ptr<UcxWorker> stalled = StalledClientWorker();
+  ASSERT_NE(stalled, nullptr);
+  EXPECT_FALSE(plane_->Attach(1, stalled->address(), "", std::nullopt).ok());
   const absl::Time give_up = absl::Now() + absl::Seconds(10);
   while (plane_->endpoints_closing() == 0 && absl::Now() < give_up) {
     absl::SleepFor(absl::Milliseconds(10));
@@ -617,7 +622,7 @@ TEST_F(DataPlaneTest, EndpointsWaitingForStalledClientsAreBounded) {
       << refused;
   // The stalled worker goes: its endpoint closes, and sessions get
   // endpoints again.
-  stalled->reset();
+  stalled.reset();
   while (plane_->endpoints_closing() != 0 &&
          absl::Now() < give_up + absl::Seconds(10)) {
     absl::SleepFor(absl::Milliseconds(10));
