@@ -285,6 +285,16 @@ absl::Status ReadStream::Adopt(absl::StatusOr<LookupResult> r) {
   lookups_.namespace_known = r->namespace_known;
   lookups_.entries.push_back(r->entries[0]);
   if (!r->entries[0].found) {
+    if (r->entries[0].on_nvme) {
+      // A miss all the same (the client recomputes), but not for the
+      // reason an operator would look for first.
+      return absl::NotFoundError(absl::StrCat(
+          "block ", KeyToHex(req_.keys(key_)), " of namespace ",
+          req_.namespace_(),
+          " is stored on NVMe but could not be read into DRAM now (DRAM full "
+          "of "
+          "pinned or reserved blocks, or too many promotions queued)"));
+    }
     return absl::NotFoundError(absl::StrCat("block ", KeyToHex(req_.keys(key_)),
                                             " not found in namespace ",
                                             req_.namespace_()));

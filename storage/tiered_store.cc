@@ -1454,6 +1454,7 @@ class TieredStoreImpl final : public TieredStore {
               continue;
             }
             promotions_shed_.fetch_add(1, std::memory_order_relaxed);
+            plan.entries[i].on_nvme = true;
           }
         } else if (absl::StatusOr<NvmeBlockMeta> meta = nvme_->Meta(ns, keys[i]);
                    meta.ok()) {
@@ -1598,11 +1599,18 @@ class TieredStoreImpl final : public TieredStore {
     // promoted block's is NVMe): counted here, for the answers only, so
     // that they add up to lookup_hits.
     uint64_t hits = 0, dram_hits = 0, nvme_hits = 0;
+    std::vector<bool> promoting(result.entries.size(), false);
+    for (const LookupPlan::Promotion& p : plan.promote)
+      promoting[p.index] = true;
     for (size_t i = 0; i < result.entries.size(); ++i) {
       LookupEntry& e = result.entries[i];
       if (!e.found || (plan.prefix && !prefix_open)) {
         if (plan.pinned[i] != nullptr) index_.Unpin(plan.pinned[i]);
+        // A promotion that did not happen: said so (a miss all the same).
+        const bool on_nvme = !e.found && (!plan.prefix || prefix_open) &&
+                             (e.on_nvme || promoting[i]);
         e = LookupEntry{};
+        e.on_nvme = on_nvme;
         prefix_open = false;
         continue;
       }

@@ -135,6 +135,10 @@ struct LookupEntry {
   // says kDram, but the hit is the NVMe tier's (TierStats::hits counts it
   // there, and so should anyone counting hits by tier).
   bool promoted = false;
+  // A miss of a pinned lookup for a block the NVMe tier holds, which could
+  // not be read into DRAM now (no room: DRAM full of pinned or reserved
+  // blocks; the promotion queue full; or its bytes failed their check).
+  bool on_nvme = false;
 };
 struct LookupResult {
   std::vector<LookupEntry> entries;  // one per key asked

@@ -2060,6 +2060,10 @@ TEST_F(TieredStoreNvmeTest, APromotionThatCannotFitDemotesNothing) {
   PinId pin = 0;
   const LookupEntry e = Look("big", true, &pin);
   EXPECT_FALSE(e.found && e.tier == Tier::kDram) << "promoted into no room";
+  // A miss, that says why: stored, on NVMe, not readable into DRAM now.
+  EXPECT_FALSE(e.found);
+  EXPECT_TRUE(e.on_nvme);
+  EXPECT_FALSE(Look("absent", true).on_nvme);
   const StoreStats after = store_->Stats();
   EXPECT_EQ(after.demotions, before.demotions);
   EXPECT_EQ(after.dram.blocks, before.dram.blocks);
