@@ -86,6 +86,12 @@ constexpr absl::Duration kBufferRotationGap = absl::Minutes(1);
 // (ClientOptions::ucx_retry_interval doubles up to it).
 constexpr absl::Duration kMaxUcxRetryWait = absl::Minutes(10);
 
+// The first wait after a refusal, and the wait again once UCX was granted.
+absl::Duration FirstUcxRetryWait(const ClientOptions& options) {
+  return std::clamp(options.ucx_retry_interval, absl::Milliseconds(1),
+                    kMaxUcxRetryWait);
+}
+
 // Whether a gRPC call that ended with `st` may have ended without the
 // daemon's answer: the daemon may have run it, or may still run it (a
 // PushBlocks / PullBlocks; a pinning Lookup, whose pin id is then lost).
@@ -497,8 +503,7 @@ Client::Client(const ClientOptions& options)
     : options_(options),
       timers_(std::make_shared<Timers>()),
       calls_(std::make_shared<Calls>()),
-      ucx_retry_wait_(std::clamp(options.ucx_retry_interval,
-                                 absl::Milliseconds(1), kMaxUcxRetryWait)) {
+      ucx_retry_wait_(FirstUcxRetryWait(options)) {
   if (options_.transport == ClientOptions::Transport::kUcx) {
     auto ucx = std::make_unique<Ucx>();
     UcxContextOptions context_options;
@@ -953,8 +958,7 @@ absl::StatusOr<uint64_t> Client::OpenSessionOnce(bool last_try) {
   if (ucx_ != nullptr) {
     ucx_status_ = ucx_status;
     if (ucx_status.ok()) {
-      ucx_retry_wait_ = std::clamp(options_.ucx_retry_interval,
-                                   absl::Milliseconds(1), kMaxUcxRetryWait);
+      ucx_retry_wait_ = FirstUcxRetryWait(options_);
       ucx_retry_at_ = absl::InfiniteFuture();
     } else if (absl::IsUnavailable(ucx_status) ||
                absl::IsDeadlineExceeded(ucx_status)) {

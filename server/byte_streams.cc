@@ -292,8 +292,7 @@ absl::Status ReadStream::Adopt(absl::StatusOr<LookupResult> r) {
           "block ", KeyToHex(req_.keys(key_)), " of namespace ",
           req_.namespace_(),
           " is stored on NVMe but could not be read into DRAM now (DRAM full "
-          "of "
-          "pinned or reserved blocks, or too many promotions queued)"));
+          "of pinned or reserved blocks, or too many promotions queued)"));
     }
     return absl::NotFoundError(absl::StrCat("block ", KeyToHex(req_.keys(key_)),
                                             " not found in namespace ",

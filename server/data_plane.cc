@@ -282,9 +282,7 @@ absl::Status DataPlane::Attach(SessionId session, std::string_view address,
     }
   }
   UcxEndpointOptions endpoint_options;
-  endpoint_options.connect_timeout =
-      std::clamp(connect_by - absl::Now(), absl::Milliseconds(1),
-                 options_.connect_timeout);
+  endpoint_options.connect_timeout = ConnectTimeout(connect_by);
   endpoint_options.peer_error_handling = !colocated;
   // A client past a transfer's deadline may only be stalled: its endpoint
   // on a shared worker closes in order (a forced close could crash this
@@ -737,9 +735,7 @@ size_t DataPlane::EnsureRequestLink(SessionId session, std::string_view address,
     request_links_[key] = RequestLink{id, request_worker, nullptr};
   }
   UcxEndpointOptions options;
-  options.connect_timeout =
-      std::clamp(connect_by - absl::Now(), absl::Milliseconds(1),
-                 options_.connect_timeout);
+  options.connect_timeout = ConnectTimeout(connect_by);
   options.peer_error_handling = true;
   options.on_error = [this, key, id](const absl::Status&) {
     DropRequestLink(key, id);
@@ -802,6 +798,11 @@ bool DataPlane::TakesDataRequests(SessionId session) const {
   if (!serving_requests_) return false;
   std::shared_ptr<Link> link = Find(session);
   return link != nullptr && HasRequestLink(link->client_address);
+}
+
+absl::Duration DataPlane::ConnectTimeout(absl::Time connect_by) const {
+  return std::clamp(connect_by - absl::Now(), absl::Milliseconds(1),
+                    options_.connect_timeout);
 }
 
 size_t DataPlane::endpoints_closing() const {

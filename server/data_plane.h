@@ -390,6 +390,9 @@ class DataPlane {
   // (at the latest after connect_timeout).
   size_t EnsureRequestLink(SessionId session, std::string_view address,
                            absl::Time connect_by);
+  // How long a wire-up may wait: until `connect_by`, at most
+  // connect_timeout (at least a millisecond).
+  absl::Duration ConnectTimeout(absl::Time connect_by) const;
   // Request worker's progress thread: whether the message `sender` sent
   // came over the request link to `link`'s client worker (its reply
   // endpoint is the link's endpoint).

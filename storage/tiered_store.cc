@@ -844,10 +844,13 @@ class TieredStoreImpl final : public TieredStore {
     // A key named twice is one block: counted once (evicted, pinned or
     // missing), as EvictResult says.
     std::vector<absl::string_view> unique;
-    if (!RepeatedKeys(keys.size(), [&](size_t k) { return keys[k]; }).empty()) {
-      absl::flat_hash_set<absl::string_view> seen;
-      for (absl::string_view k : keys) {
-        if (seen.insert(k).second) unique.push_back(k);
+    if (const auto repeats =
+            RepeatedKeys(keys.size(), [&](size_t k) { return keys[k]; });
+        !repeats.empty()) {
+      std::vector<bool> repeated(keys.size(), false);
+      for (const auto& [i, first] : repeats) repeated[i] = true;
+      for (size_t i = 0; i < keys.size(); ++i) {
+        if (!repeated[i]) unique.push_back(keys[i]);
       }
       keys = unique;
     }
@@ -1449,12 +1452,14 @@ class TieredStoreImpl final : public TieredStore {
         // pinned one promotes it first, so the pin covers DRAM bytes.
         if (pin) {
           if (nvme_->Contains(ns, keys[i])) {
+            // Until a promotion fills the entry in (replacing it whole),
+            // a miss that says the block is on NVMe.
+            plan.entries[i].on_nvme = true;
             if (QueuePromotion()) {
               plan.promote.push_back({i, std::string(keys[i])});
               continue;
             }
             promotions_shed_.fetch_add(1, std::memory_order_relaxed);
-            plan.entries[i].on_nvme = true;
           }
         } else if (absl::StatusOr<NvmeBlockMeta> meta = nvme_->Meta(ns, keys[i]);
                    meta.ok()) {
@@ -1599,16 +1604,13 @@ class TieredStoreImpl final : public TieredStore {
     // promoted block's is NVMe): counted here, for the answers only, so
     // that they add up to lookup_hits.
     uint64_t hits = 0, dram_hits = 0, nvme_hits = 0;
-    std::vector<bool> promoting(result.entries.size(), false);
-    for (const LookupPlan::Promotion& p : plan.promote)
-      promoting[p.index] = true;
     for (size_t i = 0; i < result.entries.size(); ++i) {
       LookupEntry& e = result.entries[i];
       if (!e.found || (plan.prefix && !prefix_open)) {
         if (plan.pinned[i] != nullptr) index_.Unpin(plan.pinned[i]);
         // A promotion that did not happen: said so (a miss all the same).
-        const bool on_nvme = !e.found && (!plan.prefix || prefix_open) &&
-                             (e.on_nvme || promoting[i]);
+        const bool on_nvme =
+            !e.found && (!plan.prefix || prefix_open) && e.on_nvme;
         e = LookupEntry{};
         e.on_nvme = on_nvme;
         prefix_open = false;
@@ -2327,10 +2329,8 @@ class TieredStoreImpl final : public TieredStore {
   // 2^52 (exact as a JSON number, with room to count up): a client that
   // outlived a restart and releases a pin of the old process must not
   // release another's pin of the same number in this one.
-  absl::BitGen id_rng_;
-  uint64_t next_id_ ABSL_GUARDED_BY(mu_) = absl::Uniform<uint64_t>(id_rng_, 1,
-                                                                   uint64_t{1}
-                                                                       << 51);
+  uint64_t next_id_ ABSL_GUARDED_BY(mu_) =
+      absl::Uniform<uint64_t>(absl::BitGen(), 1, uint64_t{1} << 51);
   uint64_t pins_active_ ABSL_GUARDED_BY(mu_) = 0;
   // Block references pinned lookups in flight may add (LookupPlan's
   // planned_pins, all sessions and kInternalSession): with pins_active_,

@@ -531,8 +531,7 @@ def compare(recompute: RunResult, cached: RunResult) -> Dict[str, Any]:
     overall_b = summarize(cached.records, cached.wall_s)
 
     def in_target(records: Sequence[RequestRecord]) -> List[RequestRecord]:
-        return [r for r in records
-                if r.turn >= TARGET_MIN_TURN and r.prompt_tokens >= TARGET_MIN_CONTEXT]
+        return [r for r in records if is_target(r)]
 
     target: Dict[str, Any] = {
         "selection": f"turn >= {TARGET_MIN_TURN} and prompt >= {TARGET_MIN_CONTEXT} tokens",
@@ -873,6 +872,11 @@ def run_pairs(
     return pairs
 
 
+def is_target(r: RequestRecord) -> bool:
+    """Whether request ``r`` is one the TTFT target is about."""
+    return r.turn >= TARGET_MIN_TURN and r.prompt_tokens >= TARGET_MIN_CONTEXT
+
+
 def paired_ttft_ratios(pairs: Sequence[Tuple[RunResult, RunResult]]) -> List[float]:
     """kvdepot/recompute TTFT of each target request (the same conversation
     and turn in the same round), over all rounds."""
@@ -881,8 +885,7 @@ def paired_ttft_ratios(pairs: Sequence[Tuple[RunResult, RunResult]]) -> List[flo
         base = {(r.conversation, r.turn): r for r in rec.records}
         for r in kv.records:
             ref = base.get((r.conversation, r.turn))
-            if (ref is not None and ref.ttft_s > 0 and r.turn >= TARGET_MIN_TURN
-                    and r.prompt_tokens >= TARGET_MIN_CONTEXT):
+            if ref is not None and ref.ttft_s > 0 and is_target(r):
                 out.append(r.ttft_s / ref.ttft_s)
     return out
 
