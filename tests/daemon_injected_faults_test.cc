@@ -2,8 +2,6 @@
 // kvdepotd running in this process (test sync points), against a real
 // libkvdepot client over loopback.
 #include <gtest/gtest.h>
-#include <spdlog/sinks/null_sink.h>
-#include <spdlog/spdlog.h>
 
 #include <algorithm>
 #include <atomic>
@@ -23,8 +21,8 @@
 #include "server/daemon.h"
 #include "server/kvdepot_service.h"
 #include "storage/internal/sync_point.h"
+#include "tests/embedded_daemon.h"
 #include "tests/status_matchers.h"
-#include "tests/test_dir.h"
 #include "transport/ucx_address_sandbox.h"
 
 namespace kvdepot {
@@ -33,18 +31,11 @@ namespace {
 class DaemonInjectedFaultsTest : public ::testing::Test {
  protected:
   void SetUp() override {
-    DaemonConfig config;
-    config.listen = "127.0.0.1:0";
-    config.metrics_listen = "";
-    config.data_dir = testing::FreshTestDir("daemon_injected_faults_");
+    DaemonConfig config =
+        testing::EmbeddedDaemonConfig("daemon_injected_faults_");
     config.ucx["TLS"] = "tcp";
-    config.persist_on_shutdown = false;
-    config.store.dram_capacity = uint64_t{64} << 20;
-    config.store.nvme_capacity = uint64_t{64} << 20;
     config.ucx_max_buffers_per_session = max_buffers_per_session_;
-    auto logger = std::make_shared<spdlog::logger>(
-        "test", std::make_shared<spdlog::sinks::null_sink_mt>());
-    auto daemon = Daemon::Start(config, logger);
+    auto daemon = testing::StartEmbeddedDaemon(config);
     ASSERT_OK(daemon);
     daemon_ = *std::move(daemon);
   }

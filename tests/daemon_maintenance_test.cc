@@ -6,8 +6,6 @@
 #include <grpcpp/security/credentials.h>
 #include <gtest/gtest.h>
 #include <pthread.h>
-#include <spdlog/sinks/null_sink.h>
-#include <spdlog/spdlog.h>
 
 #include <atomic>
 #include <chrono>
@@ -24,8 +22,8 @@
 #include "server/config.h"
 #include "server/daemon.h"
 #include "storage/internal/sync_point.h"
+#include "tests/embedded_daemon.h"
 #include "tests/status_matchers.h"
-#include "tests/test_dir.h"
 
 namespace kvdepot {
 namespace {
@@ -35,17 +33,9 @@ constexpr int kBlocks = 4;
 class DaemonMaintenanceTest : public ::testing::Test {
  protected:
   void SetUp() override {
-    DaemonConfig config;
-    config.listen = "127.0.0.1:0";
-    config.metrics_listen = "";
-    config.data_dir = testing::FreshTestDir("daemon_maintenance_");
+    DaemonConfig config = testing::EmbeddedDaemonConfig("daemon_maintenance_");
     config.ucx_enabled = false;
-    config.persist_on_shutdown = false;
-    config.store.dram_capacity = uint64_t{64} << 20;
-    config.store.nvme_capacity = uint64_t{64} << 20;
-    auto logger = std::make_shared<spdlog::logger>(
-        "test", std::make_shared<spdlog::sinks::null_sink_mt>());
-    auto daemon = Daemon::Start(config, logger);
+    auto daemon = testing::StartEmbeddedDaemon(config);
     ASSERT_OK(daemon);
     daemon_ = *std::move(daemon);
 

@@ -152,7 +152,7 @@ TEST(ConcurrencyTest, EightWritersAndReadersOverTenThousandBlocks) {
   EXPECT_EQ(*rc, 0);
 }
 
-// The two tests below: a session of 60 s opened over `stub`.
+// The tests below: a session of 60 s opened over `stub`.
 uint64_t OpenLongSession(v1::KvDepot::Stub& stub) {
   grpc::ClientContext ctx;
   v1::OpenSessionRequest req;
@@ -161,6 +161,41 @@ uint64_t OpenLongSession(v1::KvDepot::Stub& stub) {
   grpc::Status st = stub.OpenSession(&ctx, req, &resp);
   EXPECT_TRUE(st.ok()) << st.error_message();
   return resp.session_id();
+}
+
+// A BeginPut of one block of `size` bytes under `key` in `ns`, in
+// `session`, within `timeout`.
+grpc::Status BeginPutOne(v1::KvDepot::Stub& stub, uint64_t session,
+                         const std::string& ns, const std::string& key,
+                         uint64_t size, absl::Duration timeout,
+                         v1::BeginPutResponse* resp) {
+  grpc::ClientContext ctx;
+  ctx.set_deadline(absl::ToChronoTime(absl::Now() + timeout));
+  v1::BeginPutRequest req;
+  req.set_session_id(session);
+  req.set_namespace_(ns);
+  v1::PutSpec* spec = req.add_blocks();
+  spec->set_key(key);
+  spec->set_size(size);
+  return stub.BeginPut(&ctx, req, resp);
+}
+
+// A Write stream that announces one block of `size` bytes under `key` in
+// `ns`, sends none of them and ends, within `timeout`: its status.
+grpc::Status WriteHeaderOnly(v1::KvDepot::Stub& stub, const std::string& ns,
+                             const std::string& key, uint64_t size,
+                             absl::Duration timeout) {
+  grpc::ClientContext ctx;
+  ctx.set_deadline(absl::ToChronoTime(absl::Now() + timeout));
+  v1::WriteResponse resp;
+  auto writer = stub.Write(&ctx, &resp);
+  v1::WriteRequest msg;
+  msg.mutable_header()->set_namespace_(ns);
+  msg.mutable_header()->set_key(key);
+  msg.mutable_header()->set_size(size);
+  writer->Write(msg);
+  writer->WritesDone();
+  return writer->Finish();
 }
 
 // A Stats, and a KeepAlive of `session`, are answered within 3 s each
@@ -215,17 +250,10 @@ TEST(ConcurrencyTest, PutsWaitingForRoomDoNotStallOtherCalls) {
   ASSERT_OK(daemon);
   auto client = Connect((*daemon)->address());
   v1::KvDepot::Stub& stub = client->stub();
-  auto begin_put = [&stub](uint64_t session, const std::string& key, uint64_t size,
-                           absl::Duration timeout, v1::BeginPutResponse* resp) {
-    grpc::ClientContext ctx;
-    ctx.set_deadline(absl::ToChronoTime(absl::Now() + timeout));
-    v1::BeginPutRequest req;
-    req.set_session_id(session);
-    req.set_namespace_("e2e/room");
-    v1::PutSpec* spec = req.add_blocks();
-    spec->set_key(key);
-    spec->set_size(size);
-    return stub.BeginPut(&ctx, req, resp);
+  auto begin_put = [&stub](uint64_t session, const std::string& key,
+                           uint64_t size, absl::Duration timeout,
+                           v1::BeginPutResponse* resp) {
+    return BeginPutOne(stub, session, "e2e/room", key, size, timeout, resp);
   };
   // Nearly all of DRAM reserved, never committed.
   const uint64_t holder = OpenLongSession(stub);
@@ -247,17 +275,9 @@ TEST(ConcurrencyTest, PutsWaitingForRoomDoNotStallOtherCalls) {
                   absl::Seconds(4), &resp)
             .error_code();
       } else {
-        grpc::ClientContext ctx;
-        ctx.set_deadline(absl::ToChronoTime(absl::Now() + absl::Seconds(4)));
-        v1::WriteResponse resp;
-        auto writer = stub.Write(&ctx, &resp);
-        v1::WriteRequest msg;
-        msg.mutable_header()->set_namespace_("e2e/room");
-        msg.mutable_header()->set_key(absl::StrCat("w", i));
-        msg.mutable_header()->set_size(2 << 20);
-        writer->Write(msg);
-        writer->WritesDone();
-        writer->Finish().error_code();
+        WriteHeaderOnly(stub, "e2e/room", absl::StrCat("w", i), 2 << 20,
+                        absl::Seconds(4))
+            .error_code();
       }
     });
   }
@@ -282,42 +302,21 @@ TEST(ConcurrencyTest, APutTheClientGaveUpWaitingForRoomOnIsCountedCancelled) {
   auto client = Connect((*daemon)->address());
   v1::KvDepot::Stub& stub = client->stub();
   const uint64_t holder = OpenLongSession(stub);
-  {
-    grpc::ClientContext ctx;
-    v1::BeginPutRequest req;
-    req.set_session_id(holder);
-    req.set_namespace_("e2e/gaveup");
-    req.add_blocks()->set_key("held");
-    req.mutable_blocks(0)->set_size(7 << 20);
-    v1::BeginPutResponse resp;
-    ASSERT_TRUE(stub.BeginPut(&ctx, req, &resp).ok());  // never committed
-  }
+  v1::BeginPutResponse held;  // never committed
+  ASSERT_TRUE(BeginPutOne(stub, holder, "e2e/gaveup", "held", 7 << 20,
+                          absl::Seconds(10), &held)
+                  .ok());
   std::thread write([&] {
-    grpc::ClientContext ctx;
-    ctx.set_deadline(absl::ToChronoTime(absl::Now() + absl::Seconds(1)));
-    v1::WriteResponse resp;
-    auto writer = stub.Write(&ctx, &resp);
-    v1::WriteRequest msg;
-    msg.mutable_header()->set_namespace_("e2e/gaveup");
-    msg.mutable_header()->set_key("w");
-    msg.mutable_header()->set_size(2 << 20);
-    writer->Write(msg);
-    writer->WritesDone();
-    EXPECT_EQ(writer->Finish().error_code(),
-              grpc::StatusCode::DEADLINE_EXCEEDED);
+    EXPECT_EQ(
+        WriteHeaderOnly(stub, "e2e/gaveup", "w", 2 << 20, absl::Seconds(1))
+            .error_code(),
+        grpc::StatusCode::DEADLINE_EXCEEDED);
   });
-  {
-    grpc::ClientContext ctx;
-    ctx.set_deadline(absl::ToChronoTime(absl::Now() + absl::Seconds(1)));
-    v1::BeginPutRequest req;
-    req.set_session_id(OpenLongSession(stub));
-    req.set_namespace_("e2e/gaveup");
-    req.add_blocks()->set_key("b");
-    req.mutable_blocks(0)->set_size(2 << 20);
-    v1::BeginPutResponse resp;
-    EXPECT_EQ(stub.BeginPut(&ctx, req, &resp).error_code(),
-              grpc::StatusCode::DEADLINE_EXCEEDED);
-  }
+  v1::BeginPutResponse resp;
+  EXPECT_EQ(BeginPutOne(stub, OpenLongSession(stub), "e2e/gaveup", "b", 2 << 20,
+                        absl::Seconds(1), &resp)
+                .error_code(),
+            grpc::StatusCode::DEADLINE_EXCEEDED);
   write.join();
   // The daemon's waits end about 5 s after they began.
   const std::string write_cancelled =
