@@ -16,6 +16,7 @@
 #include "absl/container/flat_hash_map.h"
 #include "absl/container/flat_hash_set.h"
 #include "absl/container/node_hash_map.h"
+#include "absl/strings/ascii.h"
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/mutex.h"
@@ -117,11 +118,16 @@ constexpr char kStuckSuffix[] =
 constexpr char kFatalSuffix[] =
     "; RocksDB calls the error fatal and no resume can end it: writes stay "
     "off until kvdepotd restarts";
+constexpr char kCorruptTableSuffix[] =
+    "; a table file of the NVMe tier is corrupt and every compaction of it "
+    "fails: writes stay off, after a restart too, until the tier's directory "
+    "is moved away (its blocks are lost; reads go on meanwhile, each "
+    "verified)";
 constexpr absl::Duration kShutdownResumeWait = absl::Seconds(10);
-// After an automatic compaction met a corrupt block (see ErrorListener), the
+// After an automatic compaction met a corrupt blob (see ErrorListener), the
 // maintenance thread scrubs the tier, at most once per this long (tier's
-// clock): a corruption Verify cannot drop (in a table file) would otherwise
-// have every failing compaction start another scrub.
+// clock): a corruption the scrub cannot drop would otherwise have every
+// failing compaction start another scrub.
 constexpr absl::Duration kAutoScrubInterval = absl::Minutes(10);
 // Most block bytes one RocksDB MultiGet of MultiRead asks for (a larger
 // block is read alone): RocksDB holds a heap copy of every value it
@@ -217,6 +223,12 @@ uint64_t Charge(size_t id_bytes, size_t parent_bytes, uint64_t size) {
   return size + 2 * id_bytes + kMetaFixedBytes + parent_bytes;
 }
 
+// A read that failed for the block's own bytes: an I/O error (EIO, a file
+// gone), not a full disk or a tier shutting down.
+bool IsUnreadable(const rocksdb::Status& s) {
+  return s.IsIOError() && !s.IsNoSpace() && !s.IsIOFenced();
+}
+
 std::string IdToHex(absl::string_view id) {
   absl::string_view ns, key;
   if (!DecodeId(id, &ns, &key)) return KeyToHex(id);
@@ -228,14 +240,25 @@ std::string IdToHex(absl::string_view id) {
 // its SstFileManager polls the disk from its own thread every 5 s): the tier
 // resumes on its own schedule, see NvmeTierImpl::EnsureWritable.
 //
-// A compaction that reads a corrupt block (blob garbage collection
-// relocating a blob whose bytes went bad on disk) fails with Corruption,
+// A compaction that reads a corrupt blob (blob garbage collection
+// relocating a blob whose bytes went bad on disk) fails with Corruption (one
+// that cannot read it, a bad sector or the file gone, with an I/O error),
 // which RocksDB would make a background error that no DB::Resume clears:
 // the tier would take no write until restarted, and the next compaction
 // would stop it again. Such an error is suppressed instead (RocksDB keeps
 // the compaction's inputs and drops its output, so the database is as
 // before, and reads verify every block anyway) and noted, so that the tier
-// scrubs the bad block away (NvmeTierImpl::Compact, MaintenanceLoop).
+// scrubs the bad block away (NvmeTierImpl::Compact, MaintenanceLoop): once
+// its key is deleted, the next garbage collection no longer reads it.
+//
+// Not so a corrupt table file (a bad data or index block of an .sst, where
+// small blocks and every key live): deleting its keys does not take the bad
+// bytes out of the file, only a compaction would, and every compaction of
+// that file fails. Suppressed, RocksDB would retry it for ever while
+// level-0 files piled up, until it stopped writes with no error: every
+// put, delete and flush of the tier would hang. So that corruption stops
+// the tier's writes with a clear, fatal error (no resume clears it; reads
+// go on, each verified): the directory must be moved away.
 // Thread-safe (RocksDB calls it from its background threads).
 class ErrorListener final : public rocksdb::EventListener {
  public:
@@ -243,9 +266,15 @@ class ErrorListener final : public rocksdb::EventListener {
                          rocksdb::Status* bg_error) override {
     if (bg_error->ok()) return;
     if (reason == rocksdb::BackgroundErrorReason::kCompaction &&
-        bg_error->IsCorruption()) {
+        (IsBlobCorruption(*bg_error) || IsBlobReadError(*bg_error))) {
       *bg_error = rocksdb::Status::OK();
       corruption_seen_.store(true, std::memory_order_release);
+      return;
+    }
+    if (bg_error->IsCorruption()) {
+      corrupt_table_.store(true, std::memory_order_release);
+      fatal_.store(true, std::memory_order_release);
+      Stop(bg_error->ToString());
       return;
     }
     // A fatal or unrecoverable error: no resume can succeed (RocksDB 7.8
@@ -255,6 +284,25 @@ class ErrorListener final : public rocksdb::EventListener {
       fatal_.store(true, std::memory_order_release);
     }
     Stop(bg_error->ToString());
+  }
+  // Whether a Corruption names a blob (RocksDB 7.8's messages of a bad blob
+  // all do: "Blob CRC mismatch", "Corrupted blob offset", "Key size mismatch
+  // when reading blob", ...; a table file's, e.g. "block checksum mismatch
+  // ... in .../000008.sst", do not).
+  static bool IsBlobCorruption(const rocksdb::Status& s) {
+    return s.IsCorruption() &&
+           absl::StrContains(absl::AsciiStrToLower(s.ToString()), "blob");
+  }
+  // Whether an I/O error is a read of a blob file (its bytes on a bad
+  // sector, or the file gone): like a corrupt blob, the scrub drops the
+  // blocks it cannot read. Not a write (a compaction writing a new blob
+  // file), which stops writes as any other.
+  static bool IsBlobReadError(const rocksdb::Status& s) {
+    if (!IsUnreadable(s)) return false;
+    const std::string m = absl::AsciiStrToLower(s.ToString());
+    return absl::StrContains(m, ".blob") &&
+           (s.IsPathNotFound() || absl::StrContains(m, "pread") ||
+            absl::StrContains(m, "random read"));
   }
   // Whether a compaction met corruption since the last call.
   bool TakeCorruption() {
@@ -281,6 +329,14 @@ class ErrorListener final : public rocksdb::EventListener {
   // database is reopened.
   void MarkFatal() { fatal_.store(true, std::memory_order_release); }
   bool fatal() const { return fatal_.load(std::memory_order_acquire); }
+  // Fatal because a table file is corrupt: a restart does not help either.
+  bool corrupt_table() const {
+    return corrupt_table_.load(std::memory_order_acquire);
+  }
+  // What follows reason() in the tier's write error once stopped for good.
+  const char* FatalSuffix() const {
+    return corrupt_table() ? kCorruptTableSuffix : kFatalSuffix;
+  }
   std::string reason() const {
     absl::MutexLock lock(&mu_);
     return reason_;
@@ -289,6 +345,7 @@ class ErrorListener final : public rocksdb::EventListener {
  private:
   std::atomic<bool> stopped_{false};
   std::atomic<bool> fatal_{false};
+  std::atomic<bool> corrupt_table_{false};
   std::atomic<bool> corruption_seen_{false};
   mutable absl::Mutex mu_;
   std::string reason_ ABSL_GUARDED_BY(mu_);
@@ -1182,7 +1239,8 @@ absl::Status NvmeTierImpl::EnsureWritable() {
     return absl::UnavailableError(absl::StrCat(stopped, kStuckSuffix));
   }
   if (listener_->fatal()) {
-    return absl::UnavailableError(absl::StrCat(stopped, kFatalSuffix));
+    return absl::UnavailableError(
+        absl::StrCat(stopped, listener_->FatalSuffix()));
   }
   if (resuming_) {
     return absl::UnavailableError(absl::StrCat(stopped, "; resuming"));
@@ -1617,6 +1675,16 @@ absl::Status NvmeTierImpl::FinishRead(const PlannedRead& read,
         absl::StrCat("NVMe tier: block ", IdToHex(read.id),
                      " is corrupt on disk (", s.ToString(), "); dropped"));
   }
+  if (IsUnreadable(s)) {
+    // A bad sector, or a blob file gone: left indexed, the block would be
+    // found by every lookup and missed by every read, and a put of it
+    // answered "stored already", for good. It is dropped like a corrupt
+    // one (a cache: a read that fails for a passing reason costs a miss).
+    DropBlock(read.id, read.generation, DropReason::kCorrupt);
+    return absl::DataLossError(
+        absl::StrCat("NVMe tier: block ", IdToHex(read.id),
+                     " could not be read (", s.ToString(), "); dropped"));
+  }
   if (!s.ok()) {
     return FromRocksStatus(
         s, absl::StrCat("NVMe tier: reading block ", IdToHex(read.id)));
@@ -1688,7 +1756,7 @@ NvmeTierStats NvmeTierImpl::Stats() {
     if (ResumeStuckLocked()) {
       absl::StrAppend(&stats.write_error, kStuckSuffix);
     } else if (listener_->fatal()) {
-      absl::StrAppend(&stats.write_error, kFatalSuffix);
+      absl::StrAppend(&stats.write_error, listener_->FatalSuffix());
     }
   } else if (short_of_space_.load(std::memory_order_relaxed) &&
              // Still? (Space may have been freed since, with no put.)
@@ -1813,7 +1881,11 @@ absl::StatusOr<NvmeVerifyReport> NvmeTierImpl::Verify(
     scan_status = it->status();
   }
   scan_snapshot.reset();
-  RETURN_IF_ERROR(FromRocksStatus(scan_status, "NVMe tier: scrub stopped"));
+  // A block the scan could not read ends it; the blocks it did not reach
+  // are read one by one below, and the unreadable ones dropped.
+  if (!IsUnreadable(scan_status)) {
+    RETURN_IF_ERROR(FromRocksStatus(scan_status, "NVMe tier: scrub stopped"));
+  }
   if (stopping()) return stopped();
 
   // Stored blocks the scan did not meet: their bytes are missing, or they
@@ -1847,10 +1919,10 @@ absl::StatusOr<NvmeVerifyReport> NvmeTierImpl::Verify(
       if (DropBlock(p.id, p.generation, DropReason::kMissing)) {
         ++report.missing_dropped;
       }
-    } else if (s.IsCorruption() ||
-               (s.ok() && (value.size() != p.size ||
-                           BlockChecksum(value.data(), value.size()) !=
-                               p.checksum))) {
+    } else if (s.IsCorruption() || IsUnreadable(s) ||
+               (s.ok() &&
+                (value.size() != p.size ||
+                 BlockChecksum(value.data(), value.size()) != p.checksum))) {
       if (DropBlock(p.id, p.generation, DropReason::kCorrupt)) {
         ++report.corrupt_dropped;
       }
@@ -1911,10 +1983,11 @@ absl::Status NvmeTierImpl::Compact() {
   // not reproduced since. Passes go on while garbage is left, a few at most:
   // each rewrites every live block.
   //
-  // A pass that meets a corrupt block fails with Corruption (and leaves the
-  // database as it was, see ErrorListener): the tier scrubs, dropping what
-  // fails its checksum (counted in integrity_errors), and compacts again,
-  // once; DataLoss if that fails too.
+  // A pass that meets a corrupt block fails with Corruption, one that cannot
+  // read a blob with an I/O error (and leaves the database as it was, see
+  // ErrorListener): the tier scrubs, dropping what fails its checksum or
+  // cannot be read (counted in integrity_errors), and compacts again, once;
+  // the error if that fails too.
   bool scrubbed = false;
   for (int pass = 1;; ++pass) {
     if (closing_.load()) return absl::CancelledError("NVMe tier is closing");
@@ -1922,7 +1995,9 @@ absl::Status NvmeTierImpl::Compact() {
     if (s.IsIncomplete() && closing_.load()) {  // StopMaintenance
       return absl::CancelledError("NVMe tier is closing: compaction stopped");
     }
-    if (s.IsCorruption() && !scrubbed) {
+    // (Not a corrupt table file, which stopped writes: no scrub mends it.)
+    if ((s.IsCorruption() || IsUnreadable(s)) && !scrubbed &&
+        !listener_->stopped()) {
       scrubbed = true;
       listener_->TakeCorruption();  // this one is being dealt with
       RETURN_IF_ERROR(Verify().status());

@@ -200,9 +200,9 @@ struct NvmeTierStats {
   uint64_t write_errors = 0;
   uint64_t reads = 0;         // verified reads served
   uint64_t read_bytes = 0;
-  // Reads (or scrubs) whose bytes failed their checksum or that RocksDB
-  // reported corrupt, and metadata records found unreadable at open. Each
-  // such block is dropped.
+  // Reads (or scrubs) whose bytes failed their checksum, that RocksDB
+  // reported corrupt or could not read (an I/O error), and metadata records
+  // found unreadable at open. Each such block is dropped.
   uint64_t integrity_errors = 0;
   // Blocks dropped because one of their two records was missing.
   uint64_t orphans_dropped = 0;
@@ -222,7 +222,8 @@ struct NvmeTierStats {
 struct NvmeVerifyReport {
   uint64_t blocks_checked = 0;  // blocks whose bytes were read and verified
   uint64_t bytes_checked = 0;
-  uint64_t corrupt_dropped = 0;  // failed their checksum (or size): dropped
+  // Failed their checksum (or size), or could not be read: dropped.
+  uint64_t corrupt_dropped = 0;
   uint64_t missing_dropped = 0;  // metadata without bytes: dropped
   uint64_t orphans_dropped = 0;  // bytes without metadata: deleted
 };
@@ -289,10 +290,11 @@ class NvmeTier {
   // REQUIRES: dest.size() is the block's size (see Meta).
   // Returns NotFound if absent (also when its bytes turn out to be missing:
   // the block is then dropped); InvalidArgument for a bad namespace or key or
-  // a wrong dest size; DataLoss when the bytes fail their checksum or RocksDB
-  // reports them corrupt: the block is dropped and counted in
-  // integrity_errors; Unavailable for an I/O error. On any error the contents
-  // of `dest` are unspecified and must not be used.
+  // a wrong dest size; DataLoss when the bytes fail their checksum, RocksDB
+  // reports them corrupt or cannot read them (an I/O error: a bad sector, a
+  // blob file gone): the block is dropped and counted in integrity_errors;
+  // Unavailable for other errors. On any error the contents of `dest` are
+  // unspecified and must not be used.
   virtual absl::Status Read(absl::string_view ns, absl::string_view key,
                             absl::Span<char> dest) = 0;
 
@@ -324,8 +326,9 @@ class NvmeTier {
   virtual NvmeTierStats Stats() = 0;
 
   // Scrubs the tier: reads every stored block's bytes, verifies them against
-  // their checksums, and drops blocks that fail (counted in integrity_errors),
-  // blocks whose bytes are missing and bytes that have no metadata. Other
+  // their checksums, and drops blocks that fail or cannot be read (counted
+  // in integrity_errors), blocks whose bytes are missing and bytes that have
+  // no metadata. Other
   // calls may run meanwhile: blocks they delete, evict or put during the
   // scan are neither reported nor held up (a put of an id the scan drops
   // waits only for that delete). Returns what it found; Unavailable or DataLoss
@@ -342,7 +345,10 @@ class NvmeTier {
   // compaction that relocates it; the tier then scrubs (Verify: such blocks
   // are dropped and counted in integrity_errors) and compacts again. (An
   // automatic compaction that meets one does not stop writes either: the
-  // tier scrubs in the background, at most every ten minutes.)
+  // tier scrubs in the background, at most every ten minutes.) Not so a
+  // corrupt table file (small blocks and every key live in them): no scrub
+  // mends it and every compaction of it fails, so it stops the tier's writes
+  // for good with an error that says so (Stats().write_error; reads go on).
   // Unavailable on an I/O error; DataLoss when the compaction still fails
   // after the scrub (corruption that is not in a block's bytes).
   virtual absl::Status Compact() = 0;

@@ -217,19 +217,21 @@ class NvmeTierTest : public ::testing::Test {
     return ::testing::AssertionSuccess();
   }
 
-  std::vector<std::string> BlobFiles() const {
+  std::vector<std::string> BlobFiles() const { return FilesEndingIn(".blob"); }
+  std::vector<std::string> FilesEndingIn(const std::string& extension) const {
     std::vector<std::string> out;
     for (const auto& f : fs::directory_iterator(options_.path)) {
-      if (f.path().extension() == ".blob") out.push_back(f.path().string());
+      if (f.path().extension() == extension) out.push_back(f.path().string());
     }
     return out;
   }
 
   // Flips one byte in the middle of `block`'s bytes in whichever blob file
-  // holds them. REQUIRES: the tier is closed.
-  void CorruptBlobBytes(const std::string& block) {
+  // (or, with ".sst", table file) holds them. REQUIRES: the tier is closed.
+  void CorruptBlobBytes(const std::string& block,
+                        const std::string& extension = ".blob") {
     const std::string probe = block.substr(block.size() / 2 - 16, 32);
-    for (const std::string& path : BlobFiles()) {
+    for (const std::string& path : FilesEndingIn(extension)) {
       std::fstream f(path, std::ios::in | std::ios::out | std::ios::binary);
       std::string content((std::istreambuf_iterator<char>(f)),
                           std::istreambuf_iterator<char>());
@@ -241,7 +243,7 @@ class NvmeTierTest : public ::testing::Test {
       ASSERT_TRUE(f.good());
       return;
     }
-    FAIL() << "block bytes not found in any blob file";
+    FAIL() << "block bytes not found in any " << extension << " file";
   }
 
   std::string dir_;
@@ -728,6 +730,121 @@ TEST_F(NvmeTierTest, ACorruptBlobDoesNotStopWritesAfterACompaction) {
   EXPECT_EQ(tier_->Stats().blocks, 8u);
   EXPECT_THAT(Put(Key(101), Bytes(101, kSize)),
               IsOkAndHolds(NvmePutOutcome::kStored));
+}
+
+// A corrupt table file is another matter: small blocks live in the LSM, and
+// deleting their keys does not take the bad bytes out of the file; every
+// compaction of it fails. Suppressed like a blob's, that error left RocksDB
+// retrying the compaction for ever while level-0 files piled up, until it
+// stopped writes without an error: every put, delete and flush hung. The
+// tier now stops its writes with a clear error instead, and reads go on.
+TEST_F(NvmeTierTest, ACorruptTableFileStopsWritesWithAClearError) {
+  constexpr size_t kSize = 1000;  // under the blob threshold: in the .sst
+  Open();
+  for (int i = 0; i < 20; ++i) ASSERT_OK(Put(Key(i), Bytes(i, kSize)));
+  ASSERT_OK(tier_->Flush());
+  Close();
+  CorruptBlobBytes(Bytes(5, kSize), ".sst");
+  Open();
+
+  EXPECT_FALSE(tier_->Compact().ok());
+  NvmeTierStats stats = tier_->Stats();
+  EXPECT_FALSE(stats.writable);
+  EXPECT_THAT(stats.write_error,
+              HasSubstr("table file of the NVMe tier is corrupt"));
+  // Refused at once, with that error; not a hang.
+  absl::StatusOr<NvmePutOutcome> put = Put(Key(100), Bytes(100, kSize));
+  EXPECT_THAT(put.status(), StatusIs(Code::kUnavailable));
+  EXPECT_THAT(std::string(put.status().message()), HasSubstr("moved away"));
+  clock_.Advance(options_.resume_interval);
+  EXPECT_THAT(Put(Key(101), Bytes(101, kSize)).status(),
+              StatusIs(Code::kUnavailable));
+  // Reads go on: each block is served intact or not at all.
+  int intact = 0;
+  for (int i = 0; i < 20; ++i) {
+    std::string buf(kSize, '\0');
+    absl::Status s = tier_->Read("ns", Key(i), absl::MakeSpan(buf));
+    if (s.ok()) {
+      EXPECT_EQ(buf, Bytes(i, kSize)) << i;
+      ++intact;
+    } else {
+      EXPECT_THAT(s, StatusIs(Code::kDataLoss)) << i;
+    }
+  }
+  EXPECT_GE(intact, 10);
+  EXPECT_FALSE(tier_->Contains("ns", Key(5)));
+}
+
+// A block whose bytes cannot be read (an I/O error: a bad sector, here its
+// blob file gone) was left indexed: found by every lookup, missed by every
+// read, refused as "stored already" to a put, for good; and the scrub
+// stopped at it. Now reads and scrubs drop it, and it can be put again.
+TEST_F(NvmeTierTest, BlocksThatCannotBeReadAreDroppedAndCanBePutAgain) {
+  constexpr size_t kSize = 64 * kKiB;
+  Open();
+  for (int i = 0; i < 4; ++i) ASSERT_OK(Put(Key(i), Bytes(i, kSize)));
+  ASSERT_OK(tier_->Flush());
+  Close();
+  const std::vector<std::string> blobs = BlobFiles();
+  ASSERT_EQ(blobs.size(), 1u);
+  ASSERT_TRUE(fs::remove(blobs[0]));
+  Open();
+  ASSERT_TRUE(tier_->Contains("ns", Key(0)));
+
+  std::string buf(kSize, '\0');
+  absl::Status s = tier_->Read("ns", Key(0), absl::MakeSpan(buf));
+  EXPECT_THAT(s, StatusIs(Code::kDataLoss));
+  EXPECT_THAT(std::string(s.message()), HasSubstr("could not be read"));
+  EXPECT_FALSE(tier_->Contains("ns", Key(0)));
+  EXPECT_EQ(tier_->Stats().integrity_errors, 1u);
+
+  // The scrub goes past them and drops the rest.
+  absl::StatusOr<NvmeVerifyReport> report = tier_->Verify();
+  ASSERT_OK(report.status());
+  EXPECT_EQ(report->corrupt_dropped, 3u);
+  EXPECT_EQ(report->blocks_checked, 0u);
+  EXPECT_EQ(tier_->Stats().blocks, 0u);
+  EXPECT_EQ(tier_->Stats().integrity_errors, 4u);
+  for (int i = 0; i < 4; ++i) EXPECT_FALSE(tier_->Contains("ns", Key(i))) << i;
+
+  // Put again, they are served.
+  for (int i = 0; i < 4; ++i) {
+    EXPECT_THAT(Put(Key(i), Bytes(i, kSize)),
+                IsOkAndHolds(NvmePutOutcome::kStored))
+        << i;
+    EXPECT_TRUE(ReadsBack(Key(i), Bytes(i, kSize))) << i;
+  }
+  EXPECT_TRUE(tier_->Stats().writable) << tier_->Stats().write_error;
+}
+
+// The same blocks met by a compaction first (blob garbage collection reads
+// every live blob): the I/O error stopped the tier's writes until a
+// restart, and every restart again at the next such compaction. The
+// compaction now scrubs them away and compacts again, as for a corrupt blob.
+TEST_F(NvmeTierTest, ACompactionThatCannotReadABlobScrubsAndWritesGoOn) {
+  constexpr size_t kSize = 64 * kKiB;
+  Open();
+  for (int i = 0; i < 4; ++i) ASSERT_OK(Put(Key(i), Bytes(i, kSize)));
+  ASSERT_OK(tier_->Flush());
+  Close();
+  const std::vector<std::string> blobs = BlobFiles();
+  ASSERT_EQ(blobs.size(), 1u);
+  ASSERT_TRUE(fs::remove(blobs[0]));
+  Open();
+
+  EXPECT_OK(tier_->Compact());
+  NvmeTierStats stats = tier_->Stats();
+  EXPECT_TRUE(stats.writable) << stats.write_error;
+  EXPECT_EQ(stats.blocks, 0u);
+  EXPECT_EQ(stats.integrity_errors, 4u);
+  EXPECT_THAT(Put(Key(100), Bytes(100, kSize)),
+              IsOkAndHolds(NvmePutOutcome::kStored));
+  EXPECT_TRUE(ReadsBack(Key(100), Bytes(100, kSize)));
+  Close();
+  Open();
+  EXPECT_TRUE(tier_->Stats().writable);
+  EXPECT_EQ(tier_->Stats().blocks, 1u);
+  EXPECT_OK(tier_->Compact());
 }
 
 TEST_F(NvmeTierTest, MultiReadMixesHitsMissesAndCorruptBlocks) {
