@@ -73,6 +73,14 @@ class DeviceEvent {
   // (cudaEventSynchronize); OK at once for an event never recorded. The
   // device's error if that work failed.
   absl::Status Synchronize();
+  // Makes the work enqueued on `stream` after this call wait on the device
+  // for the work before the mark (cudaStreamWaitEvent): the mark as it is
+  // now; recording the event again later does not move this wait. Does not
+  // block the host. `stream` may belong to another device. OK, and no wait,
+  // for an event never recorded. The CPU build returns OK (its marked work
+  // is done). A failure of the marked work is not reported here: it shows
+  // in whatever synchronizes with it (and as the context's sticky error).
+  absl::Status MakeStreamWait(StreamRef stream) const;
 
  private:
   explicit DeviceEvent(void* native) : native_(native) {}

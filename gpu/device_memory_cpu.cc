@@ -30,6 +30,11 @@ absl::StatusOr<bool> DeviceEvent::IsComplete() { return true; }
 
 absl::Status DeviceEvent::Synchronize() { return absl::OkStatus(); }
 
+// The marked work finished before Record returned; nothing left to wait for.
+absl::Status DeviceEvent::MakeStreamWait(StreamRef /*stream*/) const {
+  return absl::OkStatus();
+}
+
 void DeviceEvent::Release() { native_ = nullptr; }
 
 absl::StatusOr<int> GetCurrentDevice() { return 0; }

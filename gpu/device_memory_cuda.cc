@@ -86,6 +86,15 @@ absl::Status DeviceEvent::Synchronize() {
                     "cudaEventSynchronize");
 }
 
+absl::Status DeviceEvent::MakeStreamWait(StreamRef stream) const {
+  // Flags 0 (cudaEventWaitDefault). An event never recorded is complete to
+  // the runtime, so the wait is empty, as documented.
+  return CudaStatus(
+      cudaStreamWaitEvent(static_cast<cudaStream_t>(stream.native),
+                          static_cast<cudaEvent_t>(native_), 0),
+      "cudaStreamWaitEvent");
+}
+
 void DeviceEvent::Release() {
   // As HostBuffer::Release: nothing useful to do on failure.
   if (native_ != nullptr &&

@@ -43,12 +43,23 @@ struct Transfer {
   // Called only by the transport thread.
   SaveSink sink;
   LoadSource source;
+  // The pipeline's per-layer events (StagingPipeline::layer_events_), kept
+  // here so that WaitForLayerOn works after the pipeline is gone. Recorded
+  // by the device stage thread only.
+  std::shared_ptr<std::vector<DeviceEvent>> layer_events;
+
+  // Device stage thread only. Per layer: pieces holding it not yet
+  // launched; at 0 the layer's event is recorded.
+  std::vector<size_t> layer_unlaunched;
 
   mutable absl::Mutex mu;
   size_t staged ABSL_GUARDED_BY(mu) = 0;   // pieces through the first stage
   size_t drained ABSL_GUARDED_BY(mu) = 0;  // pieces through the second stage
   // Per layer: pieces holding it that the device stage has not finished.
   std::vector<size_t> layer_pending ABSL_GUARDED_BY(mu);
+  // Per layer: every copy of it is enqueued on the pipeline's stream and its
+  // layer event recorded after them.
+  std::vector<bool> layer_enqueued ABSL_GUARDED_BY(mu);
   // The first error; once set, both stages stop at their next piece.
   absl::Status status ABSL_GUARDED_BY(mu);
   // Both stages have returned: nothing of this transfer runs any more.
@@ -108,6 +119,30 @@ absl::Status PendingTransfer::WaitForLayer(int layer) {
   return t.status;
 }
 
+absl::Status PendingTransfer::WaitForLayerOn(int layer, StreamRef stream) {
+  Transfer& t = *transfer_;
+  {
+    absl::MutexLock lock(&t.mu);
+    if (layer < 0 || static_cast<size_t>(layer) >= t.layer_pending.size()) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "layer ", layer, " is outside [0, ", t.layer_pending.size(), ")"));
+    }
+    // As WaitForLayer, a failure is answered only once nothing of the
+    // transfer runs; but copies already enqueued need no host wait.
+    auto ready = [&t, layer]() ABSL_SHARED_LOCKS_REQUIRED(t.mu) {
+      return t.layer_pending[layer] == 0 || t.layer_enqueued[layer] || t.done;
+    };
+    t.mu.Await(absl::Condition(&ready));
+    // Done: the device stage saw the copies finish (an event synchronized
+    // on the host), so anything enqueued from now on runs after them.
+    if (t.layer_pending[layer] == 0) return absl::OkStatus();
+    if (!t.layer_enqueued[layer]) return t.status;  // done, failed
+  }
+  // Outside the lock: a later record of the event (a later transfer's copies
+  // of the layer) only lengthens the wait, see staging.h.
+  return (*t.layer_events)[layer].MakeStreamWait(stream);
+}
+
 // ---------------------------------------------------------------------------
 // StagingPipeline
 
@@ -159,28 +194,35 @@ absl::StatusOr<std::unique_ptr<StagingPipeline>> StagingPipeline::Create(
     ASSIGN_OR_RETURN(DeviceEvent e, DeviceEvent::Create());
     events.push_back(std::move(e));
   }
+  auto layer_events = std::make_shared<std::vector<DeviceEvent>>();
+  layer_events->reserve(layout.num_layers());
+  for (int l = 0; l < layout.num_layers(); ++l) {
+    ASSIGN_OR_RETURN(DeviceEvent e, DeviceEvent::Create());
+    layer_events->push_back(std::move(e));
+  }
   // Once, so that no piece checks them again.
   RETURN_IF_ERROR(
       gpu_internal::CheckObjectBuffers(pointers, buffer_bytes, device));
-  std::unique_ptr<StagingPipeline> pipeline(
-      new StagingPipeline(layout, stream, options, device, buffer_bytes,
-                          std::move(buffers), std::move(events)));
+  std::unique_ptr<StagingPipeline> pipeline(new StagingPipeline(
+      layout, stream, options, device, buffer_bytes, std::move(buffers),
+      std::move(events), std::move(layer_events)));
   RETURN_IF_ERROR(pipeline->StartThreads());
   return pipeline;
 }
 
-StagingPipeline::StagingPipeline(const KvLayout& layout, StreamRef stream,
-                                 StagingOptions options, int device,
-                                 size_t buffer_bytes,
-                                 std::vector<HostBuffer> buffers,
-                                 std::vector<DeviceEvent> events)
+StagingPipeline::StagingPipeline(
+    const KvLayout& layout, StreamRef stream, StagingOptions options,
+    int device, size_t buffer_bytes, std::vector<HostBuffer> buffers,
+    std::vector<DeviceEvent> events,
+    std::shared_ptr<std::vector<DeviceEvent>> layer_events)
     : layout_(layout),
       stream_(stream),
       options_(options),
       device_(device),
       buffer_bytes_(buffer_bytes),
       buffers_(std::move(buffers)),
-      events_(std::move(events)) {}
+      events_(std::move(events)),
+      layer_events_(std::move(layer_events)) {}
 
 absl::Status StagingPipeline::StartThreads() {
   // Out of threads (RLIMIT_NPROC, a container's pids limit) is an error for
@@ -263,9 +305,15 @@ absl::StatusOr<std::unique_ptr<PendingTransfer>> StagingPipeline::Start(
       }
     }
   }
+  t->layer_events = layer_events_;
+  t->layer_unlaunched.assign(layers, 0);
+  for (const Piece& p : t->pieces) {
+    for (int l = p.first_layer; l < p.end_layer; ++l) ++t->layer_unlaunched[l];
+  }
   {
     absl::MutexLock lock(&t->mu);
     t->layer_pending.assign(layers, blocks);
+    t->layer_enqueued.assign(layers, false);
   }
   auto handle = std::unique_ptr<PendingTransfer>(new PendingTransfer(t));
   absl::MutexLock lock(&mu_);
@@ -347,7 +395,9 @@ void StagingPipeline::RunTransportStage(Transfer& t) {
 // can launch nothing more, so the device runs the pieces back to back while
 // the host waits, rather than idling through a launch and a stream
 // synchronization per piece. Piece k and piece k + ring share a buffer and
-// its event: k + ring is launched only once k has finished.
+// its event: k + ring is launched only once k has finished. After the launch
+// of the last piece holding a layer, the layer's event is recorded too
+// (RecordLayersLaunched), for WaitForLayerOn.
 void StagingPipeline::RunDeviceStage(Transfer& t) {
   const size_t ring = buffers_.size();
   const size_t n = t.pieces.size();
@@ -395,6 +445,7 @@ void StagingPipeline::RunDeviceStage(Transfer& t) {
                                   // have enqueued part of its copy
     error = LaunchPiece(t, k);
     if (error.ok()) error = events_[k % ring].Record(stream_);
+    if (error.ok()) error = RecordLayersLaunched(t, k);
     if (!error.ok()) break;
   }
   if (launched > finished) {
@@ -407,6 +458,25 @@ void StagingPipeline::RunDeviceStage(Transfer& t) {
     absl::MutexLock lock(&t.mu);
     t.Fail(std::move(error));
   }
+}
+
+absl::Status StagingPipeline::RecordLayersLaunched(Transfer& t, size_t k) {
+  const Piece& p = t.pieces[k];
+  absl::InlinedVector<int, 8> recorded;
+  absl::Status error;
+  for (int l = p.first_layer; l < p.end_layer; ++l) {
+    if (--t.layer_unlaunched[l] != 0) continue;
+    // After the layer's last copy on the stream: the event follows them all
+    // (the stream runs in order).
+    error = (*layer_events_)[l].Record(stream_);
+    if (!error.ok()) break;
+    recorded.push_back(l);
+  }
+  // Only once recorded: a WaitForLayerOn that sees the flag waits on this
+  // record, not on the event's previous one.
+  absl::MutexLock lock(&t.mu);
+  for (int l : recorded) t.layer_enqueued[l] = true;
+  return error;
 }
 
 void StagingPipeline::FinishDevicePiece(Transfer& t, size_t k) {

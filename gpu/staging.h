@@ -27,6 +27,14 @@
 // later layers are still in flight. With PieceOrder::kLayerMajor the pieces
 // go in layer order across blocks, so layers complete in order, early.
 //
+// Per-layer device events: the pipeline has one DeviceEvent per layer,
+// recorded on its stream right after the launch of the last piece holding
+// that layer (for a load, its last scatter; for a save, its last gather).
+// PendingTransfer::WaitForLayerOn(l, stream) makes the engine's stream wait
+// for that event on the device, so the engine can enqueue layer l's
+// attention without its launch thread waiting for the copy: the host waits
+// only until the copies are enqueued, not until they have run.
+//
 // The transport is the caller's: a SaveSink/LoadSource may block (a UCX or
 // gRPC transfer); it runs on the pipeline's transfer thread, one call at a
 // time, and must not throw. Its bytes span is valid only during the call.
@@ -128,6 +136,33 @@ class PendingTransfer {
   // transfer's error. InvalidArgument for a layer outside [0, num_layers).
   absl::Status WaitForLayer(int layer);
 
+  // The device-side WaitForLayer: makes the work enqueued on `stream` (the
+  // engine's, on any device) after this call wait on the device until
+  // layer `layer`'s copies have finished (for a load, scattered into the
+  // cache; for a save, gathered out of it), through the pipeline's event
+  // for the layer (DeviceEvent::MakeStreamWait). The host waits only until
+  // those copies are all enqueued on the pipeline's stream (or the layer is
+  // done, or the transfer has finished), not until they have run. Returns
+  // OK then. A layer already done adds no wait to `stream`. A transfer with
+  // no blocks: OK at once.
+  //
+  // If the transfer fails before the layer's copies were all enqueued, this
+  // waits until the transfer has finished (as WaitForLayer, so that a
+  // caller who falls back never races a copy still running) and returns
+  // its error. A failure after they were enqueued (a later piece's) does
+  // not concern this layer: OK. A device fault in an enqueued copy is not
+  // reported here: it comes back from Wait() (and is the context's sticky
+  // error, which the engine's own work on `stream` meets too).
+  // InvalidArgument for a layer outside [0, num_layers); the device's error
+  // if `stream` cannot be made to wait.
+  //
+  // The events are the pipeline's, one per layer, and later transfers
+  // record them again. A stream runs its transfers in order, so a late call
+  // (after a later transfer has enqueued its copies of the same layer) may
+  // make `stream` wait for those copies too: still correct, possibly
+  // longer. Call it as soon as the engine needs the layer.
+  absl::Status WaitForLayerOn(int layer, StreamRef stream);
+
  private:
   friend class StagingPipeline;
   explicit PendingTransfer(std::shared_ptr<staging_internal::Transfer> t);
@@ -141,7 +176,8 @@ class StagingPipeline {
   // layers_per_piece x layer_bytes and starts the two stage threads. Device
   // work goes on `stream` (borrowed: it must outlive the pipeline) on the
   // calling thread's current device; give the pipeline a stream of its own (a
-  // failed transfer waits for the whole stream before it ends).
+  // failed transfer waits for the whole stream before it ends). Also makes
+  // an event per layer, on that device (see WaitForLayerOn).
   // InvalidArgument for bad options; the allocator's (or the event's) error
   // if the buffers (or their events) cannot be had.
   static absl::StatusOr<std::unique_ptr<StagingPipeline>> Create(
@@ -183,7 +219,8 @@ class StagingPipeline {
   StagingPipeline(const KvLayout& layout, StreamRef stream,
                   StagingOptions options, int device, size_t buffer_bytes,
                   std::vector<HostBuffer> buffers,
-                  std::vector<DeviceEvent> events);
+                  std::vector<DeviceEvent> events,
+                  std::shared_ptr<std::vector<DeviceEvent>> layer_events);
   // Starts the device and transport stages' threads (Create's last step).
   absl::Status StartThreads();
   absl::StatusOr<std::unique_ptr<PendingTransfer>> Start(
@@ -193,6 +230,10 @@ class StagingPipeline {
   void RunTransportStage(staging_internal::Transfer& t);
   // Enqueues piece `piece`'s copy between the cache and its buffer.
   absl::Status LaunchPiece(staging_internal::Transfer& t, size_t piece);
+  // After piece `piece`'s launch: records the event of each layer whose
+  // last piece it was, then marks those layers enqueued.
+  absl::Status RecordLayersLaunched(staging_internal::Transfer& t,
+                                    size_t piece);
   // Marks piece `piece` through the device stage (its copy has finished).
   void FinishDevicePiece(staging_internal::Transfer& t, size_t piece);
   size_t PieceBytesPerBlock(const staging_internal::Transfer& t,
@@ -211,6 +252,11 @@ class StagingPipeline {
   // events_[k % N] marks the end of piece k's copy on the stream. Device
   // stage thread only.
   std::vector<DeviceEvent> events_;
+  // (*layer_events_)[l] marks the end of the running transfer's copies of
+  // layer l, once they are all launched. Recorded by the device stage
+  // thread only; shared with every transfer (PendingTransfer::WaitForLayerOn
+  // waits on them), which may outlive the pipeline.
+  const std::shared_ptr<std::vector<DeviceEvent>> layer_events_;
 
   absl::Mutex mu_;
   // Started, unfinished transfers; the front one is running.

@@ -452,6 +452,39 @@ TEST(StagingTest, DestroyingThePipelineFinishesStartedTransfers) {
   EXPECT_EQ(cache.ExpectedObject(0), source.objects[1]);
 }
 
+// The device-side form of WaitForLayer: once WaitForLayerOn returns and the
+// engine's stream (the default one here) has caught up, the layer is in the
+// cache. Out-of-range layers are refused.
+TEST(StagingTest, WaitForLayerOnOrdersTheStreamAfterTheLayer) {
+  const KvLayout layout = SmallLayout(3);
+  TestCache cache(layout, 5);
+  const std::vector<int64_t> ids = {4, 1, 3};
+  FakeSource source(RandomObjects(layout, ids.size(), 21));
+  auto pipeline = NewPipeline(layout, 2, 1, PieceOrder::kLayerMajor);
+  auto transfer =
+      pipeline->StartLoad(cache.view(), ids, source.Source()).value();
+  for (int l = 0; l < layout.num_layers(); ++l) {
+    ASSERT_OK(transfer->WaitForLayerOn(l, StreamRef{}));
+    ASSERT_OK(SynchronizeStream(StreamRef{}));
+    for (size_t i = 0; i < ids.size(); ++i) {
+      EXPECT_EQ(cache.ExpectedObject(ids[i], {l, l + 1}),
+                source.objects[i].substr(l * layout.layer_bytes(),
+                                         layout.layer_bytes()))
+          << "layer " << l << " of object " << i;
+    }
+  }
+  const auto kInvalid = StatusIs(absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(transfer->WaitForLayerOn(-1, StreamRef{}), kInvalid);
+  EXPECT_THAT(transfer->WaitForLayerOn(3, StreamRef{}), kInvalid);
+  ASSERT_OK(transfer->Wait());
+
+  // No blocks: nothing to wait for, every layer answers at once.
+  FakeSink sink(0);
+  auto empty = pipeline->StartSave(cache.view(), {}, sink.Sink()).value();
+  EXPECT_OK(empty->WaitForLayerOn(2, StreamRef{}));
+  EXPECT_THAT(empty->WaitForLayerOn(3, StreamRef{}), kInvalid);
+}
+
 TEST(StagingTest, AnEmptyTransferIsDoneAtOnce) {
   const KvLayout layout = SmallLayout(2);
   TestCache cache(layout, 1);

@@ -1,6 +1,9 @@
 // Test hooks of the fake CUDA runtime (fake_cudart.cc). Streams are
 // asynchronous: each is a worker thread that runs its queued work in order,
-// after a random delay before each item.
+// after a random delay before each item. cudaStreamWaitEvent enqueues an
+// item that blocks its stream's worker until the event's stream has
+// completed the work marked when it was called (nothing for an event never
+// recorded), so one stream can be ordered after another's work.
 #ifndef FAKE_CUDA_H_
 #define FAKE_CUDA_H_
 
@@ -44,6 +47,14 @@ void FailLaunchAfter(int n);
 void FaultKernelAfter(int n);
 // Clears the sticky error (test-only; no real runtime can).
 void ClearStickyError();
+// While paused, no stream's worker starts a work item: everything enqueued
+// stays pending (a kernel, a copy, a cudaStreamWaitEvent's wait), and
+// events recorded after it stay incomplete, until PauseStreams(false). An
+// item already running finishes. For tests that must see what the host
+// does before the device has run anything; anything that waits for a
+// stream (cudaStreamSynchronize, cudaEventSynchronize, a PendingTransfer's
+// Wait) blocks until resumed, so resume before waiting.
+void PauseStreams(bool paused);
 
 // Called on the stream's worker after each kernel ran (`params` its
 // parameters), before the work counts as finished.

@@ -50,6 +50,15 @@ int g_fail_launch_in = -1;   // guarded by g_inject_mu
 int g_fault_kernel_in = -1;  // guarded by g_inject_mu
 KernelObserver g_observer;   // guarded by g_inject_mu
 
+// PauseStreams: while false, no worker starts a work item.
+absl::Mutex g_pause_mu;
+bool g_running = true;  // guarded by g_pause_mu
+
+void WaitUntilRunning() {
+  absl::MutexLock lock(&g_pause_mu);
+  g_pause_mu.Await(absl::Condition(&g_running));
+}
+
 thread_local cudaError_t tl_last_error = cudaSuccess;
 thread_local int tl_device = 0;
 
@@ -115,6 +124,7 @@ class Stream {
         f = std::move(q_.front());
         q_.pop_front();
       }
+      WaitUntilRunning();  // taken off the queue, but not started
       const int max_delay = g_max_delay_us.load();
       if (max_delay > 0) {
         std::this_thread::sleep_for(
@@ -248,6 +258,10 @@ void FaultKernelAfter(int n) {
   g_fault_kernel_in = n;
 }
 void ClearStickyError() { g_sticky.store(cudaSuccess); }
+void PauseStreams(bool paused) {
+  absl::MutexLock lock(&g_pause_mu);
+  g_running = !paused;
+}
 void SetKernelObserver(KernelObserver observer) {
   absl::MutexLock lock(&g_inject_mu);
   g_observer = std::move(observer);
@@ -518,6 +532,27 @@ cudaError_t cudaEventRecord(cudaEvent_t event, cudaStream_t s) {
   absl::MutexLock lock(&e->mu);
   e->stream = stream;
   e->target = stream->Mark();
+  return cudaSuccess;
+}
+
+// The wait is an item on `s` that blocks its worker until the recorded
+// stream has completed the work marked when this is called (the snapshot
+// CUDA documents: a later record does not move it).
+cudaError_t cudaStreamWaitEvent(cudaStream_t s, cudaEvent_t event,
+                                unsigned int flags) {
+  if (event == nullptr) return Fail(cudaErrorInvalidResourceHandle);
+  if (flags != 0) return Fail(cudaErrorInvalidValue);  // only the default
+  if (Sticky() != cudaSuccess) return Fail(Sticky());
+  Event* e = reinterpret_cast<Event*>(event);
+  Stream* recorded;
+  uint64_t target;
+  {
+    absl::MutexLock lock(&e->mu);
+    recorded = e->stream;
+    target = e->target;
+  }
+  if (recorded == nullptr) return cudaSuccess;  // never recorded: no wait
+  ToStream(s)->Enqueue([recorded, target] { recorded->WaitFor(target); });
   return cudaSuccess;
 }
 

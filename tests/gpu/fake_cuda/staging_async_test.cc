@@ -19,6 +19,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/mutex.h"
+#include "absl/synchronization/notification.h"
 #include "fake_cuda.h"
 #include "gpu/device_memory.h"
 #include "gpu/gather.h"
@@ -766,6 +767,206 @@ INSTANTIATE_TEST_SUITE_P(
                        ::testing::Values(1, 0), ::testing::Values(7, 250),
                        ::testing::Values(PieceOrder::kLayerMajor,
                                          PieceOrder::kObjectMajor)));
+
+// Every fake stream paused (fake_cuda::PauseStreams) until Resume() or the
+// end of the scope. Declare it after anything whose destructor waits for a
+// stream (a PendingTransfer, a stream), so that it resumes first.
+class PausedStreams {
+ public:
+  PausedStreams() { fake_cuda::PauseStreams(true); }
+  ~PausedStreams() { Resume(); }
+  PausedStreams(const PausedStreams&) = delete;
+  PausedStreams& operator=(const PausedStreams&) = delete;
+  void Resume() { fake_cuda::PauseStreams(false); }
+};
+
+// Enqueues on `stream` an item that occupies its worker for `ms`, standing
+// for an earlier long copy: the pipeline's copies enqueued after it run
+// well after work on another stream that does not wait for them.
+void HoldStream(cudaStream_t stream, int ms) {
+  const char unused = 0;
+  ASSERT_EQ(
+      fake_cuda::EnqueueKernel(
+          stream,
+          [ms] { std::this_thread::sleep_for(std::chrono::milliseconds(ms)); },
+          &unused, sizeof(unused)),
+      cudaSuccess);
+}
+
+// One layer per piece, every block in it: piece l is layer l's only piece.
+std::unique_ptr<StagingPipeline> LayerPerPiecePipeline(const KvLayout& layout,
+                                                       const OwnStream& stream,
+                                                       size_t blocks) {
+  StagingOptions o;
+  o.num_buffers = 2;
+  o.layers_per_piece = 1;
+  o.blocks_per_piece = static_cast<int>(blocks);
+  return StagingPipeline::Create(layout, stream.ref(), o).value();
+}
+
+std::vector<std::string> ObjectsOf(const TestCache& cache,
+                                   const std::vector<int64_t>& ids) {
+  std::vector<std::string> objects;
+  for (int64_t id : ids) objects.push_back(cache.ExpectedObject(id));
+  return objects;
+}
+
+// WaitForLayerOn returns once layer 0's scatter is enqueued, before any of
+// it has run (the streams are paused), and the engine's copy of layer 0
+// enqueued after it on another stream then reads the loaded bytes, although
+// the pipeline's stream runs late (held 50 ms).
+TEST(StagingLayerEvents, WaitForLayerOnOrdersTheEnginesStreamOnTheDevice) {
+  const KvLayout layout = Small();  // per-layer tensors: tensor 0 is layer 0
+  constexpr int64_t kBlocks = 8;
+  TestCache source_cache(layout, kBlocks);
+  std::mt19937_64 rng(81);
+  source_cache.FillRandom(rng);
+  const std::vector<int64_t> ids = {6, 1, 4, 3};
+  const std::vector<std::string> objects = ObjectsOf(source_cache, ids);
+  OwnStream stream(/*legacy=*/false);
+  OwnStream engine(/*legacy=*/false);
+  auto pipeline = LayerPerPiecePipeline(layout, stream, ids.size());
+  TestCache restored(layout, kBlocks);  // zeroed
+  TestCache snapshot(layout, kBlocks);  // layer 0 as the engine read it
+
+  std::unique_ptr<PendingTransfer> load;
+  PausedStreams paused;
+  HoldStream(stream.native(), 50);
+  load = pipeline
+             ->StartLoad(restored.view(), ids,
+                         [&](size_t i, uint64_t offset, absl::Span<char> d) {
+                           std::memcpy(d.data(), objects[i].data() + offset,
+                                       d.size());
+                           return absl::OkStatus();
+                         })
+             .value();
+  ASSERT_OK(load->WaitForLayerOn(0, engine.ref()));
+  EXPECT_FALSE(load->IsLayerDone(0))
+      << "the streams are paused: nothing can have been scattered";
+  ASSERT_EQ(cudaMemcpyAsync(snapshot.tensor(0), restored.tensor(0),
+                            restored.tensor_bytes(), cudaMemcpyDefault,
+                            engine.native()),
+            cudaSuccess);
+  paused.Resume();
+  ASSERT_OK(SynchronizeStream(engine.ref()));
+  for (size_t i = 0; i < ids.size(); ++i) {
+    EXPECT_TRUE(SameBytes(snapshot.ExpectedObject(ids[i], LayerRange{0, 1}),
+                          objects[i].substr(0, layout.layer_bytes())))
+        << "layer 0 of block " << ids[i]
+        << " read by the engine's stream before the scatter ran";
+  }
+  ASSERT_OK(load->Wait());
+  for (size_t i = 0; i < ids.size(); ++i) {
+    EXPECT_TRUE(SameBytes(restored.ExpectedObject(ids[i]), objects[i]));
+  }
+}
+
+// A load whose source fails at layer 1's piece (after layer 0's copies were
+// enqueued): layer 0 still orders the engine's stream (OK); layers 1.. answer
+// the error, and only once the transfer is done, while its stream is still
+// busy (held) when the source fails.
+TEST(StagingLayerEvents, WaitForLayerOnAFailedLoadAnswersOnceDone) {
+  const KvLayout layout = Small();
+  constexpr int64_t kBlocks = 8;
+  TestCache source_cache(layout, kBlocks);
+  std::mt19937_64 rng(82);
+  source_cache.FillRandom(rng);
+  const std::vector<int64_t> ids = {2, 7, 0};
+  const std::vector<std::string> objects = ObjectsOf(source_cache, ids);
+  OwnStream stream(/*legacy=*/false);
+  OwnStream engine(/*legacy=*/false);
+  auto pipeline = LayerPerPiecePipeline(layout, stream, ids.size());
+  TestCache restored(layout, kBlocks);
+  TestCache snapshot(layout, kBlocks);
+
+  // Layer 1's piece fails only once layer 0's copies are enqueued (else the
+  // device stage could see the failure first and launch nothing).
+  absl::Notification fail_now;
+  HoldStream(stream.native(), 30);
+  auto load =
+      pipeline
+          ->StartLoad(restored.view(), ids,
+                      [&](size_t i, uint64_t offset,
+                          absl::Span<char> d) -> absl::Status {
+                        if (offset == layout.layer_bytes()) {
+                          fail_now.WaitForNotification();
+                          return absl::UnavailableError("link down");
+                        }
+                        std::memcpy(d.data(), objects[i].data() + offset,
+                                    d.size());
+                        return absl::OkStatus();
+                      })
+          .value();
+  const absl::Status layer0 = load->WaitForLayerOn(0, engine.ref());
+  fail_now.Notify();
+  ASSERT_OK(layer0);
+  ASSERT_EQ(cudaMemcpyAsync(snapshot.tensor(0), restored.tensor(0),
+                            restored.tensor_bytes(), cudaMemcpyDefault,
+                            engine.native()),
+            cudaSuccess);
+  for (int l = 1; l < layout.num_layers(); ++l) {
+    EXPECT_THAT(load->WaitForLayerOn(l, engine.ref()),
+                StatusIs(absl::StatusCode::kUnavailable))
+        << "layer " << l;
+    EXPECT_TRUE(load->IsDone()) << "a failed layer answered before the end";
+    EXPECT_EQ(fake_cuda::PendingWork(stream.native()), 0u);
+  }
+  ASSERT_OK(SynchronizeStream(engine.ref()));
+  for (size_t i = 0; i < ids.size(); ++i) {
+    EXPECT_TRUE(SameBytes(snapshot.ExpectedObject(ids[i], LayerRange{0, 1}),
+                          objects[i].substr(0, layout.layer_bytes())))
+        << "layer 0 of block " << ids[i];
+  }
+  EXPECT_THAT(load->Wait(), StatusIs(absl::StatusCode::kUnavailable));
+  EXPECT_OK(load->WaitForLayerOn(0, engine.ref()));
+  const auto kInvalid = StatusIs(absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(load->WaitForLayerOn(-1, engine.ref()), kInvalid);
+  EXPECT_THAT(load->WaitForLayerOn(layout.num_layers(), engine.ref()),
+              kInvalid);
+}
+
+// A save: once WaitForLayerOn(0) returns (before the gather has run), the
+// engine may overwrite layer 0 on its own stream; the save still sends the
+// bytes from before the overwrite.
+TEST(StagingLayerEvents, WaitForLayerOnLetsTheEngineOverwriteASavedLayer) {
+  const KvLayout layout = Small();
+  constexpr int64_t kBlocks = 8;
+  TestCache cache(layout, kBlocks);
+  std::mt19937_64 rng(83);
+  cache.FillRandom(rng);
+  const std::vector<int64_t> ids = {5, 0, 7, 2};
+  const std::vector<std::string> objects = ObjectsOf(cache, ids);
+  OwnStream stream(/*legacy=*/false);
+  OwnStream engine(/*legacy=*/false);
+  auto pipeline = LayerPerPiecePipeline(layout, stream, ids.size());
+  std::vector<std::string> saved(ids.size());
+
+  std::unique_ptr<PendingTransfer> save;
+  PausedStreams paused;
+  HoldStream(stream.native(), 50);
+  save = pipeline
+             ->StartSave(cache.view(), ids,
+                         [&](size_t i, uint64_t, absl::Span<const char> b) {
+                           saved[i].append(b.data(), b.size());
+                           return absl::OkStatus();
+                         })
+             .value();
+  ASSERT_OK(save->WaitForLayerOn(0, engine.ref()));
+  EXPECT_FALSE(save->IsLayerDone(0))
+      << "the streams are paused: nothing can have been gathered";
+  ASSERT_EQ(cudaMemsetAsync(cache.tensor(0), 0x5a, cache.tensor_bytes(),
+                            engine.native()),
+            cudaSuccess);
+  paused.Resume();
+  ASSERT_OK(save->Wait());
+  ASSERT_OK(SynchronizeStream(engine.ref()));
+  for (size_t i = 0; i < ids.size(); ++i) {
+    EXPECT_TRUE(SameBytes(saved[i], objects[i]))
+        << "object " << i << " saved after the engine overwrote layer 0";
+    EXPECT_TRUE(SameBytes(cache.ExpectedObject(ids[i], LayerRange{0, 1}),
+                          std::string(layout.layer_bytes(), 0x5a)));
+  }
+}
 
 }  // namespace
 }  // namespace kvdepot
