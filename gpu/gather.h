@@ -55,8 +55,14 @@ struct KvCacheView {
 // InvalidArgument (writing nothing) if: the view has the wrong number of
 // tensors, a null tensor, or no blocks; a block id is outside [0,
 // num_blocks); dst.size() != block_ids.size() or a dst pointer is null; the
-// layer range is empty or outside [0, num_layers); (CUDA) a buffer is not
-// reachable by the current device (see "Memory" above).
+// layer range is empty or outside [0, num_layers); two destinations share a
+// byte (the same pointer for two ids included: each needs memory of its
+// own, else the CUDA copies would race and tear the objects); a destination
+// shares a byte with a cache tensor (any tensor of the view, not only the
+// range's layers); (CUDA) a buffer is not reachable by the current device
+// (see "Memory" above). Cache tensors may share memory with each other
+// (layers sharing one KV cache pass the same tensor). Each destination
+// spans the layer range's bytes; the overlap checks cost O(n log n).
 //
 // The CUDA build enqueues the copy on `stream` and returns; dst is complete
 // once the stream's work up to here has finished (SynchronizeStream, an
@@ -77,7 +83,9 @@ absl::Status Gather(const KvLayout& layout, const KvCacheView& cache,
 //
 // Returns InvalidArgument, writing nothing, on the same conditions as Gather
 // and if a block id repeats: a scatter writes each block at most once (two
-// sources for one block would race on the device).
+// sources for one block would race on the device). Sources may overlap each
+// other (they are only read: one buffer may feed several blocks), but not a
+// cache tensor.
 absl::Status Scatter(const KvLayout& layout, const KvCacheView& cache,
                      absl::Span<const int64_t> block_ids, LayerRange layers,
                      absl::Span<const void* const> src, StreamRef stream);

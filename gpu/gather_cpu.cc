@@ -93,7 +93,7 @@ absl::Status Gather(const KvLayout& layout, const KvCacheView& cache,
       gpu_internal::AsConstBuffers(dst);
   ASSIGN_OR_RETURN(const CacheGeometry g,
                    gpu_internal::PlanTransfer(layout, cache, block_ids, layers,
-                                              objects, /*allow_repeats=*/true));
+                                              objects, /*to_cache=*/false));
   return gpu_internal::CopyChecked(g, block_ids, layers, objects,
                                    /*to_cache=*/false, stream);
 }
@@ -103,7 +103,7 @@ absl::Status Scatter(const KvLayout& layout, const KvCacheView& cache,
                      absl::Span<const void* const> src, StreamRef stream) {
   ASSIGN_OR_RETURN(const CacheGeometry g,
                    gpu_internal::PlanTransfer(layout, cache, block_ids, layers,
-                                              src, /*allow_repeats=*/false));
+                                              src, /*to_cache=*/true));
   return gpu_internal::CopyChecked(g, block_ids, layers, src,
                                    /*to_cache=*/true, stream);
 }

@@ -259,7 +259,7 @@ absl::Status Gather(const KvLayout& layout, const KvCacheView& cache,
   ASSIGN_OR_RETURN(
       const CacheGeometry g,
       gpu_internal::PlanTransfer(layout, cache, block_ids, layers, objects,
-                                 /*allow_repeats=*/true));
+                                 /*to_cache=*/false));
   RETURN_IF_ERROR(CheckDeviceAccessible(layout, cache, layers, objects));
   return gpu_internal::CopyChecked(g, block_ids, layers, objects,
                                    /*to_cache=*/false, stream);
@@ -270,7 +270,7 @@ absl::Status Scatter(const KvLayout& layout, const KvCacheView& cache,
                      absl::Span<const void* const> src, StreamRef stream) {
   ASSIGN_OR_RETURN(const CacheGeometry g,
                    gpu_internal::PlanTransfer(layout, cache, block_ids, layers,
-                                              src, /*allow_repeats=*/false));
+                                              src, /*to_cache=*/true));
   RETURN_IF_ERROR(CheckDeviceAccessible(layout, cache, layers, src));
   return gpu_internal::CopyChecked(g, block_ids, layers, src,
                                    /*to_cache=*/true, stream);

@@ -9,6 +9,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <cstring>
 #include <limits>
 #include <ostream>
 #include <random>
@@ -420,6 +421,137 @@ TEST(GatherTest, RejectsMalformedCallsWithoutWriting) {
   }
   EXPECT_THAT(gather(cache.view(), LayerRange{1, 4}, dst.ptrs).message(),
               HasSubstr("layer range [1, 4)"));
+}
+
+// Two destinations that share bytes would be written by two copies at once
+// (torn objects on the device, the last writer on the CPU): refused, in
+// both builds, with nothing written. Destinations that only touch are fine;
+// the range checked is the layer range's, not the whole object's.
+TEST(GatherTest, RejectsOverlappingDestinationsWithoutWriting) {
+  const KvLayout layout = KvLayout::Mha(KvCacheLayout::kFlashAttnHnd, 3, 4, 2,
+                                        16, KvDtype::kFloat16)
+                              .value();
+  TestCache cache(layout, 4);
+  std::mt19937_64 rng(31);
+  cache.FillRandom(rng);
+  const size_t object = layout.object_bytes();
+  const size_t layer = layout.layer_bytes();
+  HostBuffer buffer = FilledBuffer(3 * object, static_cast<char>(0xAB));
+  char* const base = buffer.data();
+  const std::vector<int64_t> ids = {0, 1};
+  const auto kInvalid = StatusIs(absl::StatusCode::kInvalidArgument);
+
+  const absl::Status same =
+      GatherSync(layout, cache.view(), ids, layout.AllLayers(), {base, base});
+  EXPECT_THAT(same, kInvalid);
+  EXPECT_THAT(same.message(),
+              HasSubstr("object buffer 1 overlaps object buffer 0"));
+  // One byte short of apart, in either order.
+  EXPECT_THAT(GatherSync(layout, cache.view(), ids, layout.AllLayers(),
+                         {base, base + object - 1}),
+              kInvalid);
+  EXPECT_THAT(GatherSync(layout, cache.view(), {0, 1, 2}, layout.AllLayers(),
+                         {base + 2 * object, base + object - 1, base}),
+              kInvalid);
+  // A one-layer range: destinations one layer apart do not overlap, one
+  // byte closer they do.
+  EXPECT_THAT(GatherSync(layout, cache.view(), ids, LayerRange{1, 2},
+                         {base + layer - 1, base}),
+              kInvalid);
+  EXPECT_TRUE(AllBytesAre(absl::string_view(base, buffer.size()),
+                          static_cast<char>(0xAB)))
+      << "a rejected gather wrote";
+
+  ASSERT_OK(GatherSync(layout, cache.view(), ids, LayerRange{1, 2},
+                       {base + layer, base}));
+  EXPECT_TRUE(SameBytes(absl::string_view(base, layer),
+                        cache.ExpectedObject(1, LayerRange{1, 2})));
+  EXPECT_TRUE(SameBytes(absl::string_view(base + layer, layer),
+                        cache.ExpectedObject(0, LayerRange{1, 2})));
+}
+
+// An object in a cache tensor's memory: a gather would write over the cache
+// it reads, a scatter read the cache it writes. Refused with the cache
+// unchanged, for any tensor of the view (not only the range's layers); an
+// object right after a tensor's last byte is fine.
+TEST(GatherTest, RejectsObjectsInsideTheCacheWithoutWriting) {
+  const KvLayout layout = KvLayout::Mha(KvCacheLayout::kFlashInferNhd, 3, 4, 2,
+                                        16, KvDtype::kFloat16)
+                              .value();
+  constexpr int64_t kBlocks = 4;
+  const size_t tensor = layout.TensorBytes(kBlocks).value();
+  const size_t object = layout.object_bytes();
+  // The three tensors back to back in one buffer, room for an object after.
+  HostBuffer memory = FilledBuffer(3 * tensor + object, 0);
+  std::mt19937_64 rng(32);
+  for (size_t i = 0; i < 3 * tensor; ++i) {
+    memory.data()[i] = static_cast<char>(rng());
+  }
+  KvCacheView view;
+  view.num_blocks = kBlocks;
+  for (int l = 0; l < 3; ++l)
+    view.tensors.push_back(memory.data() + l * tensor);
+  const std::string before(memory.data(), memory.size());
+  GuardedObjects outside(1, object, nullptr, 0x11);
+  const std::vector<int64_t> ids = {2, 0};
+  const auto kInvalid = StatusIs(absl::StatusCode::kInvalidArgument);
+
+  for (char* inside : {memory.data() + tensor + 100,    // in tensor 1
+                       memory.data() + 3 * tensor - 1,  // tensor 2's last byte
+                       memory.data() + 3 * tensor - object}) {
+    const absl::Status gathered = GatherSync(
+        layout, view, ids, LayerRange{0, 1}, {outside.ptrs[0], inside});
+    EXPECT_THAT(gathered, kInvalid);
+    EXPECT_THAT(gathered.message(),
+                HasSubstr("object buffer 1 overlaps cache tensor"));
+    EXPECT_THAT(ScatterSync(layout, view, ids, layout.AllLayers(),
+                            {outside.ptrs[0], inside}),
+                kInvalid);
+  }
+  EXPECT_TRUE(std::string(memory.data(), memory.size()) == before)
+      << "a rejected call wrote";
+  EXPECT_TRUE(AllBytesAre(outside.object(0), 0x11));
+
+  // Just past the last tensor: apart.
+  char* const after = memory.data() + 3 * tensor;
+  ASSERT_OK(GatherSync(layout, view, {2}, layout.AllLayers(), {after}));
+  TestCache reference(layout, kBlocks);
+  for (int l = 0; l < 3; ++l) {
+    std::memcpy(reference.tensor(l), view.tensors[l], tensor);
+  }
+  EXPECT_TRUE(
+      SameBytes(absl::string_view(after, object), reference.ExpectedObject(2)));
+}
+
+// Sources are only read: one buffer may feed several blocks. And layers may
+// share one cache tensor (KV sharing passes the same pointer for each).
+TEST(GatherTest, AcceptsOverlappingSourcesAndSharedTensors) {
+  const KvLayout layout = KvLayout::Mha(KvCacheLayout::kFlashAttnNhd, 2, 4, 2,
+                                        16, KvDtype::kFloat16)
+                              .value();
+  TestCache cache(layout, 4);
+  std::mt19937_64 rng(33);
+  GuardedObjects src(1, layout.object_bytes(), &rng);
+  for (size_t i = 0; i < layout.object_bytes(); ++i) {
+    static_cast<char*>(src.ptrs[0])[i] = static_cast<char>(rng());
+  }
+  const std::vector<int64_t> ids = {3, 1};
+  ASSERT_OK(ScatterSync(layout, cache.view(), ids, layout.AllLayers(),
+                        {src.ptrs[0], src.ptrs[0]}));
+  for (int64_t id : ids) {
+    EXPECT_TRUE(SameBytes(cache.ExpectedObject(id), src.object(0)))
+        << "block " << id;
+  }
+
+  KvCacheView shared = cache.view();
+  shared.tensors[1] = shared.tensors[0];
+  GuardedObjects dst(1, layout.object_bytes(), &rng);
+  const int64_t id = 3;
+  ASSERT_OK(GatherSync(layout, shared, absl::MakeConstSpan(&id, 1),
+                       layout.AllLayers(), dst.ptrs));
+  // Both layers of the object are layer 0's bytes.
+  const std::string layer0 = cache.ExpectedObject(id, LayerRange{0, 1});
+  EXPECT_TRUE(SameBytes(dst.object(0), layer0 + layer0));
 }
 
 TEST(GatherTest, EmptyBlockListIsANoOp) {

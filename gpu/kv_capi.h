@@ -120,8 +120,13 @@ KVDEPOT_KV_API int kvdepot_kv_layout_describe(
  * Everything is validated before any byte moves: INVALID_ARGUMENT, writing
  * nothing, for a bad spec, a wrong tensor count, a null pointer, num_blocks
  * < 1, an id outside [0, num_blocks), an empty or out-of-range layer range,
- * and in the CUDA library a pointer the device cannot reach (pageable host
- * memory: register it with kvdepot_kv_register_host first).
+ * two objects that share a byte (the same pointer for two ids included),
+ * an object that shares a byte with any cache tensor (the tensors
+ * themselves may share memory: layers sharing one KV cache), and in the
+ * CUDA library a pointer the device cannot reach (pageable host memory:
+ * register it with kvdepot_kv_register_host first). The overlap checks
+ * take each object as (layer_end - layer_begin) x layer_bytes at its
+ * pointer and each tensor as num_blocks blocks' bytes.
  *
  * `stream`: a cudaStream_t (null: the legacy default stream) on which the
  * CUDA library enqueues the copy and returns; the objects are complete once
@@ -138,7 +143,8 @@ KVDEPOT_KV_API int kvdepot_kv_gather(const kvdepot_kv_layout_spec* spec,
 /* Scatter: the reverse of kvdepot_kv_gather; objects[i] is read and its
  * layers written into block block_ids[i] of the cache, nothing else
  * changes. Same contract as kvdepot_kv_gather, and INVALID_ARGUMENT, writing
- * nothing, when a block id repeats. */
+ * nothing, when a block id repeats; but objects may overlap each other
+ * (they are only read), though still not a cache tensor. */
 KVDEPOT_KV_API int kvdepot_kv_scatter(const kvdepot_kv_layout_spec* spec,
                                       void* const* cache_tensors,
                                       size_t num_tensors, int64_t num_blocks,

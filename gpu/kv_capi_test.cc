@@ -328,6 +328,41 @@ TEST_F(KvCapiErrorTest, ScatterRejectsRepeatedIdsGatherAllowsThem) {
   EXPECT_EQ(objects_.storage[0], cache_.ExpectedObject(1));
 }
 
+// A gather into one buffer for two ids would tear the objects on a device:
+// refused. Scatter sources are only read and may be shared.
+TEST_F(KvCapiErrorTest, GatherRejectsOverlappingObjectsScatterAllowsThem) {
+  CCaller c(layout_, cache_);
+  void* const one = objects_.ptrs[0];
+  const Result g = c.Gather({0, 1}, layout_.AllLayers(), {one, one});
+  EXPECT_THAT(g, HasCode(kInvalidArgument)) << g;
+  EXPECT_THAT(g.message, HasSubstr("object buffer 1 overlaps object buffer 0"));
+  ExpectNothingWritten();
+
+  EXPECT_THAT(c.Scatter({3, 4}, layout_.AllLayers(), {one, one}), IsOk());
+  EXPECT_EQ(cache_.ExpectedObject(3), objects_.storage[0]);
+  EXPECT_EQ(cache_.ExpectedObject(4), objects_.storage[0]);
+}
+
+// An object in a cache tensor's memory: refused for both directions, with
+// nothing written, whichever tensor it is in.
+TEST_F(KvCapiErrorTest, ObjectsInsideACacheTensorWriteNothing) {
+  for (int t = 0; t < cache_.num_tensors(); ++t) {
+    CCaller c(layout_, cache_);
+    void* const inside = cache_.tensor(t) + layout_.layer_bytes();
+    const std::vector<void*> objects = {objects_.ptrs[0], inside};
+    const Result g = c.Gather({0, 5}, LayerRange{0, 1}, objects);
+    EXPECT_THAT(g, HasCode(kInvalidArgument)) << g;
+    EXPECT_THAT(g.message,
+                HasSubstr(absl::StrCat("overlaps cache tensor ", t)));
+    const Result s =
+        c.Scatter({0, 5}, LayerRange{0, 1}, {objects_.ptrs[0], inside});
+    EXPECT_THAT(s, HasCode(kInvalidArgument)) << s;
+    EXPECT_THAT(s.message,
+                HasSubstr(absl::StrCat("overlaps cache tensor ", t)));
+  }
+  ExpectNothingWritten();
+}
+
 TEST_F(KvCapiErrorTest, BadEnumValuesAreInvalidArguments) {
   // 257 and 258 would wrap onto valid 8-bit values (1, 2) if cast blindly.
   for (int32_t bad : {0, 8, 257, -1, INT32_MAX}) {

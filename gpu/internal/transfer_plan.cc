@@ -1,6 +1,9 @@
 #include "gpu/internal/transfer_plan.h"
 
 #include <algorithm>
+#include <cstdint>
+#include <iterator>
+#include <vector>
 
 #include "absl/strings/str_cat.h"
 #include "storage/status_macros.h"
@@ -119,10 +122,90 @@ absl::Status ValidateObjectBuffers(absl::Span<const void* const> buffers) {
   return absl::OkStatus();
 }
 
+namespace {
+
+// A buffer's bytes [begin, end) as addresses; `index` names it in errors.
+struct ByteRange {
+  uintptr_t begin;
+  uintptr_t end;
+  size_t index;
+};
+
+ByteRange RangeOf(const void* p, uint64_t bytes, size_t index) {
+  const auto begin = reinterpret_cast<uintptr_t>(p);
+  // No allocation wraps around the address space; saturating keeps a bogus
+  // pointer's range ordered rather than empty.
+  uintptr_t end;
+  if (__builtin_add_overflow(begin, bytes, &end)) end = UINTPTR_MAX;
+  return ByteRange{begin, end, index};
+}
+
+// By start; ties by index, so that messages name buffers deterministically.
+bool ByStart(const ByteRange& a, const ByteRange& b) {
+  return a.begin < b.begin || (a.begin == b.begin && a.index < b.index);
+}
+
+}  // namespace
+
+absl::Status CheckBuffersApart(const KvLayout& layout, const KvCacheView& cache,
+                               absl::Span<const void* const> buffers,
+                               uint64_t object_bytes, bool to_cache) {
+  std::vector<ByteRange> objects;
+  objects.reserve(buffers.size());
+  for (size_t i = 0; i < buffers.size(); ++i) {
+    objects.push_back(RangeOf(buffers[i], object_bytes, i));
+  }
+  std::sort(objects.begin(), objects.end(), ByStart);
+  if (!to_cache) {
+    // Sorted by start and equally long: an object overlaps an earlier one
+    // exactly when it starts before the end of the one just before it. On
+    // the device the two copies would race and leave torn objects (the CPU
+    // twin would let the last writer win): refused in both builds.
+    for (size_t k = 1; k < objects.size(); ++k) {
+      if (objects[k].begin < objects[k - 1].end) {
+        const size_t a = std::min(objects[k].index, objects[k - 1].index);
+        const size_t b = std::max(objects[k].index, objects[k - 1].index);
+        return absl::InvalidArgumentError(absl::StrCat(
+            "object buffer ", b, " overlaps object buffer ", a,
+            "; a gather writes every object, so each needs memory of its "
+            "own"));
+      }
+    }
+  }
+
+  // Tensors may share bytes with each other (layers sharing one KV cache
+  // pass the same tensor). All are equally long, so sorted by start they are
+  // sorted by end too: of the tensors starting before an object ends, the
+  // last reaches furthest, and the object meets one of them exactly when it
+  // meets that one.
+  ASSIGN_OR_RETURN(const uint64_t tensor_bytes,
+                   layout.TensorBytes(cache.num_blocks));
+  std::vector<ByteRange> tensors;
+  tensors.reserve(cache.tensors.size());
+  for (size_t i = 0; i < cache.tensors.size(); ++i) {
+    tensors.push_back(RangeOf(cache.tensors[i], tensor_bytes, i));
+  }
+  std::sort(tensors.begin(), tensors.end(), ByStart);
+  for (const ByteRange& o : objects) {
+    auto after = std::partition_point(
+        tensors.begin(), tensors.end(),
+        [&o](const ByteRange& t) { return t.begin < o.end; });
+    if (after == tensors.begin()) continue;
+    const ByteRange& t = *std::prev(after);
+    if (t.end <= o.begin) continue;
+    return absl::InvalidArgumentError(absl::StrCat(
+        "object buffer ", o.index, " overlaps cache tensor ", t.index, "; ",
+        to_cache ? "a scatter would read an object out of the cache it writes"
+                 : "a gather would write an object over the cache it reads",
+        ", so objects need memory apart from the cache"));
+  }
+  return absl::OkStatus();
+}
+
 absl::StatusOr<CacheGeometry> PlanTransfer(
     const KvLayout& layout, const KvCacheView& cache,
     absl::Span<const int64_t> block_ids, LayerRange layers,
-    absl::Span<const void* const> buffers, bool allow_repeats) {
+    absl::Span<const void* const> buffers, bool to_cache) {
   ASSIGN_OR_RETURN(CacheGeometry g, ResolveCache(layout, cache));
   RETURN_IF_ERROR(ValidateLayerRange(layout, layers));
   if (buffers.size() != block_ids.size()) {
@@ -131,7 +214,12 @@ absl::StatusOr<CacheGeometry> PlanTransfer(
                      " object buffers; there must be one per block"));
   }
   RETURN_IF_ERROR(ValidateObjectBuffers(buffers));
-  RETURN_IF_ERROR(ValidateBlockIds(block_ids, cache.num_blocks, allow_repeats));
+  RETURN_IF_ERROR(ValidateBlockIds(block_ids, cache.num_blocks,
+                                   /*allow_repeats=*/!to_cache));
+  RETURN_IF_ERROR(CheckBuffersApart(
+      layout, cache, buffers,
+      static_cast<uint64_t>(layers.end - layers.begin) * layout.layer_bytes(),
+      to_cache));
   return g;
 }
 

@@ -46,16 +46,29 @@ absl::StatusOr<CacheGeometry> ResolveCache(const KvLayout& layout,
 absl::Status ValidateBlockIds(absl::Span<const int64_t> block_ids,
                               int64_t num_blocks, bool allow_repeats);
 
-
 // Checks that no object buffer is null.
 absl::Status ValidateObjectBuffers(absl::Span<const void* const> buffers);
 
-// Everything Gather and Scatter check before touching memory (see gather.h);
-// returns the cache's geometry. `buffers` are the objects (dst or src).
+// Checks that no object buffer (each `object_bytes` at its pointer) shares
+// a byte with a cache tensor (each layout.TensorBytes(cache.num_blocks) at
+// its pointer) and, for a gather (`to_cache` false: the objects are
+// written), that no two objects share a byte. Cache tensors may share bytes
+// with each other (layers that share one KV cache pass the same tensor);
+// a scatter's sources may overlap (they are only read). InvalidArgument,
+// naming the two buffers, otherwise. O((n + t) log(n + t)) for n objects
+// and t tensors. REQUIRES: `cache` checked by ResolveCache.
+absl::Status CheckBuffersApart(const KvLayout& layout, const KvCacheView& cache,
+                               absl::Span<const void* const> buffers,
+                               uint64_t object_bytes, bool to_cache);
+
+// Everything Gather (`to_cache` false: `buffers` are the destinations,
+// block ids may repeat) and Scatter (`to_cache` true: the sources, ids
+// distinct) check before touching memory (see gather.h); returns the
+// cache's geometry.
 absl::StatusOr<CacheGeometry> PlanTransfer(
     const KvLayout& layout, const KvCacheView& cache,
     absl::Span<const int64_t> block_ids, LayerRange layers,
-    absl::Span<const void* const> buffers, bool allow_repeats);
+    absl::Span<const void* const> buffers, bool to_cache);
 
 // Span<void* const> as Span<const void* const> (same pointers, read-only).
 inline absl::Span<const void* const> AsConstBuffers(
