@@ -16,6 +16,7 @@
 #include "absl/time/clock.h"
 #include "server/logging.h"
 #include "server/version.h"
+#include "storage/dram_arena.h"  // FreeHugetlbBytes
 #include "storage/rocksdb_crc32c.h"
 #include "storage/status_macros.h"
 #include "transport/net_devices.h"
@@ -28,16 +29,6 @@ namespace {
 std::string ListenedOn(const std::string& listen, int port) {
   absl::StatusOr<HostPort> split = SplitHostPort(listen);
   return JoinHostPort(split.ok() ? split->host : listen, port);
-}
-
-// Explicit hugepages (of the default size) free and not reserved by other
-// mappings, from /proc/meminfo; 0 when it cannot be read.
-uint64_t FreeHugetlbBytes() {
-  using transport_internal::MeminfoValue;
-  const uint64_t free_pages = MeminfoValue("HugePages_Free").value_or(0);
-  const uint64_t reserved_pages = MeminfoValue("HugePages_Rsvd").value_or(0);
-  const uint64_t free = free_pages > reserved_pages ? free_pages - reserved_pages : 0;
-  return free * MeminfoValue("Hugepagesize").value_or(0);
 }
 
 }  // namespace
@@ -72,6 +63,7 @@ absl::Status Daemon::Init() {
       store_options.dram_capacity, store_options.hugepages,
       transport_internal::CgroupMemoryLeft("/proc/self/cgroup",
                                            "/sys/fs/cgroup"),
+      // The arena's pool (2 MiB pages), not the host's default size.
       FreeHugetlbBytes(),
       // Without prefaulting, a tier larger than the host's free memory is
       // the operator's deliberate overcommit.

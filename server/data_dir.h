@@ -62,7 +62,7 @@ std::string NvmeHeadroomWarning(uint64_t nvme_capacity, uint64_t filesystem_byte
 // `mem_available`, the host's MemAvailable (nullopt: no limit known); OK
 // otherwise, and where the tier will come from explicit hugepages, which
 // neither counts: `hugepages` on, or auto with `hugetlb_free_bytes` (free
-// explicit hugepages) enough for it.
+// 2 MiB hugepages, the arena's: FreeHugetlbBytes) enough for it.
 inline constexpr uint64_t kDramLimitReserve = uint64_t{256} << 20;
 absl::Status CheckDramFitsMemoryLimit(
     uint64_t dram_capacity, HugePageMode hugepages,

@@ -7,6 +7,8 @@
 #include <bitset>
 #include <cerrno>
 #include <cstring>
+#include <fstream>
+#include <optional>
 #include <set>
 #include <thread>
 #include <utility>
@@ -220,7 +222,28 @@ class ArenaImpl final : public DramArena {
   size_t live_ ABSL_GUARDED_BY(mu_) = 0;
 };
 
-constexpr size_t kHugePage = 2 * 1024 * 1024;
+constexpr size_t kHugePage = kHugetlbPageSize;
+
+// glibc's <sys/mman.h> defines MAP_HUGE_SHIFT but not the per-size flags
+// (those are in <linux/mman.h>); the value is the kernel ABI.
+#ifndef MAP_HUGE_SHIFT
+#define MAP_HUGE_SHIFT 26
+#endif
+#ifdef MAP_HUGE_2MB
+constexpr int kMapHuge2MB = MAP_HUGE_2MB;
+#else
+constexpr int kMapHuge2MB = 21 << MAP_HUGE_SHIFT;  // log2(2 MiB) = 21
+#endif
+static_assert(kHugePage == size_t{1} << 21, "kMapHuge2MB names 2 MiB pages");
+
+// One unsigned number, the whole content of a sysfs file; nullopt when it
+// cannot be read.
+std::optional<uint64_t> ReadSysfsNumber(const std::string& path) {
+  std::ifstream in(path);
+  uint64_t value = 0;
+  if (!(in >> value)) return std::nullopt;
+  return value;
+}
 
 // Faults in [base, base+size) before the arena is used, in parallel (the
 // kernel's page zeroing is the cost: about a second per GiB per core on
@@ -244,6 +267,20 @@ void Prefault(char* base, size_t size) {
 }
 
 }  // namespace
+
+int HugetlbMapFlags() {
+  return MAP_PRIVATE | MAP_ANONYMOUS | MAP_HUGETLB | kMapHuge2MB;
+}
+
+uint64_t FreeHugetlbBytes(const std::string& sysfs_dir) {
+  const uint64_t free_pages =
+      ReadSysfsNumber(sysfs_dir + "/free_hugepages").value_or(0);
+  const uint64_t reserved_pages =
+      ReadSysfsNumber(sysfs_dir + "/resv_hugepages").value_or(0);
+  const uint64_t free =
+      free_pages > reserved_pages ? free_pages - reserved_pages : 0;
+  return free * kHugePage;
+}
 
 size_t DramArena::AllocationSize(size_t bytes) {
   // The common cases without the class search (the index asks on every pin
@@ -272,15 +309,14 @@ absl::StatusOr<std::unique_ptr<DramArena>> DramArena::Create(
     size_t huge = (rounded + kHugePage - 1) / kHugePage * kHugePage;
     // No MAP_NORESERVE here: the kernel must reserve the hugepages now, so a
     // shortage fails this call instead of raising SIGBUS on first touch.
-    mem = mmap(nullptr, huge, PROT_READ | PROT_WRITE,
-               MAP_PRIVATE | MAP_ANONYMOUS | MAP_HUGETLB, -1, 0);
+    mem = mmap(nullptr, huge, PROT_READ | PROT_WRITE, HugetlbMapFlags(), -1, 0);
     if (mem != MAP_FAILED) {
       rounded = huge;
       kind = "hugetlb";
     } else if (mode == HugePageMode::kOn) {
       return absl::ResourceExhaustedError(absl::StrCat(
-          "cannot map ", huge, " bytes of hugepages: ", std::strerror(errno),
-          " (see /proc/sys/vm/nr_hugepages)"));
+          "cannot map ", huge, " bytes of 2 MiB hugepages: ",
+          std::strerror(errno), " (see ", kHugetlbSysfsDir, "/nr_hugepages)"));
     }
   }
   if (mem == MAP_FAILED) {

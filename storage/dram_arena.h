@@ -20,10 +20,29 @@
 namespace kvdepot {
 
 enum class HugePageMode {
-  kAuto,  // explicit hugepages (MAP_HUGETLB) if enough are free, else THP
-  kOn,    // explicit hugepages or fail
+  kAuto,  // explicit 2 MiB hugepages (MAP_HUGETLB) if enough are free, else THP
+  kOn,    // explicit 2 MiB hugepages or fail
   kOff,   // plain pages
 };
+
+// The explicit hugepages the arena maps are 2 MiB ones, whatever the host's
+// default hugepage size (a node booted with default_hugepagesz=1G still
+// serves the arena from its 2 MiB pool, the pool a pod's hugepages-2Mi
+// resource draws on).
+inline constexpr size_t kHugetlbPageSize = size_t{2} << 20;
+// The sysfs directory of that pool (nr_hugepages, free_hugepages,
+// resv_hugepages).
+inline constexpr char kHugetlbSysfsDir[] =
+    "/sys/kernel/mm/hugepages/hugepages-2048kB";
+
+// The mmap flags of the arena's explicit-hugepage mapping: MAP_HUGETLB with
+// the page size named (MAP_HUGE_2MB), not the host's default.
+int HugetlbMapFlags();
+
+// Bytes of kHugetlbPageSize hugepages free and not reserved by other
+// mappings, from `sysfs_dir`'s free_hugepages and resv_hugepages; 0 when
+// they cannot be read (no such pool).
+uint64_t FreeHugetlbBytes(const std::string& sysfs_dir = kHugetlbSysfsDir);
 
 class DramArena {
  public:

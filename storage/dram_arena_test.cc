@@ -1,13 +1,16 @@
 #include "storage/dram_arena.h"
 
 #include <gtest/gtest.h>
+#include <sys/mman.h>
 
 #include <algorithm>
+#include <fstream>
 #include <map>
 #include <random>
 #include <vector>
 
 #include "tests/status_matchers.h"
+#include "tests/test_dir.h"
 
 namespace kvdepot {
 namespace {
@@ -168,6 +171,39 @@ TEST(DramArenaTest, FitsFollowsTheFreePiecesNotTheFreeSum) {
   arena->Free(pages[1]);
   EXPECT_TRUE(arena->Fits(kPage));
   EXPECT_TRUE(arena->Fits(64));
+}
+
+// The arena's hugepages are 2 MiB ones, named in the mapping's flags: with
+// MAP_HUGETLB alone a node whose default hugepage size is 1 GiB would serve
+// it from its 1 GiB pool, not the 2 MiB pool a pod's hugepages-2Mi requests.
+TEST(HugetlbTest, TheMappingAsksFor2MiBPages) {
+  const int flags = HugetlbMapFlags();
+  EXPECT_NE(flags & MAP_HUGETLB, 0);
+  EXPECT_EQ((flags >> MAP_HUGE_SHIFT) & MAP_HUGE_MASK, 21);  // log2(2 MiB)
+  EXPECT_EQ(size_t{1} << ((flags >> MAP_HUGE_SHIFT) & MAP_HUGE_MASK),
+            kHugetlbPageSize);
+  // No MAP_NORESERVE: the pages are reserved when mapped.
+  EXPECT_EQ(flags & MAP_NORESERVE, 0);
+}
+
+// The free-hugepage figure comes from the 2 MiB pool's sysfs directory, not
+// /proc/meminfo's (which counts pages of the default size): free pages less
+// those other mappings have reserved, times 2 MiB.
+TEST(HugetlbTest, FreeBytesComeFromThe2MiBPoolsSysfsDir) {
+  EXPECT_STREQ(kHugetlbSysfsDir, "/sys/kernel/mm/hugepages/hugepages-2048kB");
+  const std::string dir = testing::FreshTestDir("hugepages-");
+  const auto write = [&](const char* name, const char* text) {
+    std::ofstream(dir + "/" + name) << text;
+  };
+  write("nr_hugepages", "16\n");
+  write("free_hugepages", "10\n");
+  write("resv_hugepages", "3\n");
+  EXPECT_EQ(FreeHugetlbBytes(dir), 7 * kHugetlbPageSize);
+  // More reserved than free (a racing read) is none free.
+  write("resv_hugepages", "12\n");
+  EXPECT_EQ(FreeHugetlbBytes(dir), 0u);
+  // No such pool (a kernel without 2 MiB pages): none.
+  EXPECT_EQ(FreeHugetlbBytes(dir + "/absent"), 0u);
 }
 
 }  // namespace
