@@ -1,13 +1,15 @@
 // kvdepotctl: the admin CLI of kvdepot, over libkvdepot.
 //
-//   kvdepotctl [--server HOST:PORT] [--json] COMMAND ...
+//   kvdepotctl [--server HOST:PORT] [--json] [--timeout S] [--transport T]
+//              COMMAND ... (the global options may also follow COMMAND)
 //
 // Commands: health, status, put, get, lookup, evict, inspect, stats,
-// namespaces, verify, compact, drain, undrain, quota get|set|remove (see --help and
-// README.md). Keys are given in hex. This output and these exit codes are a
+// namespaces, verify, compact, drain, undrain, quota get|set|remove (see --help
+// and README.md). Keys are given in hex. This output and these exit codes are a
 // contract scripts rely on:
 //   0 ok, 1 error (message on stderr; also when stdout cannot be written),
-//   2 usage error (also an input file that cannot be opened or read), 3 not found.
+//   2 usage error (also an input file that cannot be opened or read),
+//   3 not found.
 #include <unistd.h>
 
 #include <CLI/CLI.hpp>
@@ -743,6 +745,10 @@ int Run(int argc, char** argv) {
   Ctl ctl;
   CLI::App app{"kvdepotctl: administer a kvdepotd"};
   app.require_subcommand(1);
+  // The global options below are taken after the subcommand too ("put ...
+  // --transport grpc"): a subcommand passes the options it does not know
+  // to its parent. Inherited by the subcommands made after this.
+  app.fallthrough();
   app.add_option("--server", ctl.server, "kvdepotd address (default 127.0.0.1:50551)");
   app.add_flag("--json", ctl.json, "machine-readable output");
   auto* timeout = app.add_option(
@@ -796,6 +802,26 @@ int Run(int argc, char** argv) {
   auto* quota_remove = quota->add_subcommand(
       "remove", "remove the quota and the declaration (an empty namespace may then be forgotten)");
   quota_remove->add_option("--ns", ctl.ns, "namespace")->required();
+
+  // A subcommand's --help lists the global options it also takes.
+  std::string globals = "Global options (before or after the subcommand):\n";
+  for (const CLI::Option* o : app.get_options()) {
+    if (o == app.get_help_ptr()) continue;
+    const std::string type = o->get_type_name();
+    absl::StrAppend(&globals,
+                    absl::StrFormat("  %-27s %s\n",
+                                    absl::StrCat(o->get_name(),
+                                                 type.empty() ? "" : " ", type),
+                                    o->get_description()));
+  }
+  const auto all = [](CLI::App*) { return true; };
+  std::vector<CLI::App*> subcommands = app.get_subcommands(all);
+  for (size_t i = 0; i < subcommands.size(); ++i) {  // grows: quota's too
+    subcommands[i]->footer(globals);
+    for (CLI::App* nested : subcommands[i]->get_subcommands(all)) {
+      subcommands.push_back(nested);
+    }
+  }
 
   try {
     app.parse(argc, argv);

@@ -24,6 +24,7 @@ using testing::CommandResult;
 using testing::CtlBinary;
 using testing::DaemonProcess;
 using testing::MakeTempDir;
+using testing::RunCommand;
 using testing::RunCtl;
 
 class KvdepotctlTest : public ::testing::Test {
@@ -157,6 +158,46 @@ TEST_F(KvdepotctlTest, UcxAndGrpcTransportsCarryTheSameBytes) {
   r = Ctl(absl::StrCat("put --ns t --key 02 --file ", data));
   EXPECT_NE(r.out.find("exists"), std::string::npos) << r.out;
   EXPECT_EQ(Ctl("--transport carrier-pigeon health").exit_code, 2);
+}
+
+// The global options (--server, --json, --timeout, --transport) are taken
+// after the subcommand as well as before it, and a subcommand's --help
+// lists them. Bug: after the subcommand each was "not expected" (exit 2).
+TEST_F(KvdepotctlTest, GlobalOptionsAreTakenAfterTheSubcommandToo) {
+  const std::string data = File("g", "global");
+  CommandResult r =
+      Ctl("put --ns g --key 0a01 --file " + data + " --transport grpc");
+  EXPECT_EQ(r.exit_code, 0) << r.err;
+  r = Ctl("lookup --ns g 0a01 --json");
+  EXPECT_EQ(r.exit_code, 0) << r.err;
+  EXPECT_NE(r.out.find("\"prefix_hits\": 1"), std::string::npos) << r.out;
+  r = Ctl("lookup --json --ns g 0a01");  // between a subcommand's options
+  EXPECT_EQ(r.exit_code, 0) << r.err;
+  EXPECT_NE(r.out.find("\"prefix_hits\": 1"), std::string::npos) << r.out;
+  r = Ctl("quota get --ns g --json");  // a nested subcommand
+  EXPECT_EQ(r.exit_code, 0) << r.err;
+  EXPECT_EQ(r.out.rfind("{", 0), 0u) << r.out;
+  r = RunCommand(absl::StrCat(CtlBinary(), " health --server ",
+                              daemon_->address(), " --timeout 5"));
+  EXPECT_EQ(r.exit_code, 0) << r.err;
+  // Checked as they are before the subcommand.
+  r = Ctl("health --timeout 0");
+  EXPECT_EQ(r.exit_code, 2);
+  EXPECT_NE(r.err.find("--timeout 0 must be"), std::string::npos) << r.err;
+  r = Ctl("health --transport carrier-pigeon");
+  EXPECT_EQ(r.exit_code, 2);
+  EXPECT_NE(r.err.find("carrier-pigeon"), std::string::npos) << r.err;
+  EXPECT_EQ(r.err.find("not expected"), std::string::npos) << r.err;
+  EXPECT_EQ(Ctl("health --no-such-option").exit_code, 2);
+
+  for (const char* sub : {"put", "quota set"}) {
+    r = RunCommand(absl::StrCat(CtlBinary(), " ", sub, " --help"));
+    EXPECT_EQ(r.exit_code, 0) << r.err;
+    for (const char* option :
+         {"--server", "--json", "--timeout", "--transport"}) {
+      EXPECT_NE(r.out.find(option), std::string::npos) << sub << ": " << r.out;
+    }
+  }
 }
 
 TEST_F(KvdepotctlTest, GetOfAMissExitsThreeWithNotFound) {
