@@ -52,7 +52,8 @@ if ((${#services[@]} > 0)) && [[ ! -e /usr/sbin/policy-rc.d ]]; then
   trap '$SUDO rm -f "$policy"' EXIT
 fi
 $SUDO apt-get update -qq
-DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq --no-install-recommends \
+# Through env: sudo's env_reset would drop a DEBIAN_FRONTEND set before it.
+$SUDO env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends \
   "${missing[@]}" >/dev/null
 if ((${#services[@]} > 0)) && [[ -d /run/systemd/system ]]; then
   for svc in "${services[@]}"; do
