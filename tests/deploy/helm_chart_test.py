@@ -13,6 +13,7 @@ import yaml
 
 import render_helm
 from render_helm import ChartFailure, TemplateError, render_string
+from systemd_unit_test import documented_stop_coverage
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(os.path.dirname(HERE))
@@ -333,6 +334,13 @@ class ChartTest(unittest.TestCase):
         pod = self.default["StatefulSet"]["spec"]["template"]["spec"]
         drain = seconds(self.config(self.default)["drain_timeout"])
         self.assertGreaterEqual(pod["terminationGracePeriodSeconds"], drain + 60)
+        # values.yaml's comment: the tier the default covers is what its
+        # formula (drain_timeout + 60 + dram_capacity / rate) gives.
+        with open(os.path.join(CHART, "values.yaml")) as f:
+            text = f.read()
+        said, gib, rate = documented_stop_coverage(text)
+        self.assertEqual(said, pod["terminationGracePeriodSeconds"])
+        self.assertAlmostEqual(gib, (said - drain - 60) * rate, delta=0.5)
 
     def test_anti_affinity(self):
         def affinity(m):

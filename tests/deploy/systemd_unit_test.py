@@ -52,6 +52,23 @@ def seconds(value):
     return total
 
 
+def documented_stop_coverage(text):
+    """From prose (comment markers and line breaks ignored) saying "N [s]
+    covers [the drain and] about G GiB at the slower rate" and giving persist
+    rates as "R GiB/s": (N, G, the slowest R)."""
+    prose = " ".join(re.sub(r"^\s*#\s?", "", l) for l in text.splitlines())
+    prose = re.sub(r"\s+", " ", prose)
+    m = re.search(
+        r"(\d+)(?: s)? covers (?:the drain and )?about (\d+(?:\.\d+)?) GiB "
+        r"at the slower rate",
+        prose,
+    )
+    assert m, "no 'N s covers the drain and about G GiB at the slower rate'"
+    rates = [float(r) for r in re.findall(r"(\d+(?:\.\d+)?) GiB/s", prose)]
+    assert rates, "no persist rate (GiB/s)"
+    return int(m.group(1)), float(m.group(2)), min(rates)
+
+
 def yes(value):
     return value in ("yes", "true", "on", "1")
 
@@ -120,6 +137,20 @@ class SystemdUnitTest(unittest.TestCase):
         self.assertEqual(s["KillSignal"], "SIGTERM")
         drain = seconds(self.config["drain_timeout"])
         self.assertGreaterEqual(seconds(s["TimeoutStopSec"]), drain + 60)
+
+    def test_documented_stop_coverage_follows_the_formula(self):
+        # The budget the unit and deploy/README.md give is drain_timeout +
+        # 60 s + dram_capacity / rate; the DRAM tier they say TimeoutStopSec
+        # covers must be what that formula gives. (It said 25 GiB for 120 s
+        # at 0.25 GiB/s, which needs 168 s.)
+        stop = seconds(self.service["TimeoutStopSec"])
+        drain = seconds(self.config["drain_timeout"])
+        for path in (UNIT, os.path.join(REPO, "deploy/README.md")):
+            with open(path) as f:
+                said, gib, rate = documented_stop_coverage(f.read())
+            self.assertEqual(said, stop, path)
+            self.assertAlmostEqual(gib, (stop - drain - 60) * rate, delta=0.5,
+                                   msg=path)
 
     def test_reload_only_if_the_daemon_handles_sighup(self):
         with open(os.path.join(REPO, "server/main.cc")) as f:
