@@ -126,6 +126,13 @@ absl::StatusOr<std::string> KeyOf(const YAML::Node& key, const std::string& path
   return key.Scalar();
 }
 
+// Whether `key` is a string key whose empty value means something (""
+// turns the metrics port off, logs to stderr): for those a YAML null is
+// that empty string.
+bool EmptyValueMeansSomething(absl::string_view key) {
+  return key == "metrics_listen" || key == "log_file";
+}
+
 // LoadConfigFile past the parse. May throw YAML::Exception (the caller
 // turns it into InvalidArgument).
 absl::Status ApplyConfig(const YAML::Node& root, const std::string& path, DaemonConfig* c) {
@@ -286,6 +293,11 @@ absl::Status ApplyConfig(const YAML::Node& root, const std::string& path, Daemon
               "config ", path, ": ucx.", name, AtLine(setting.first), " repeats ucx.",
               first->second, " (one setting)"));
         }
+        if (setting.second.IsNull()) {
+          return absl::InvalidArgumentError(
+              absl::StrCat("config ", path, ": ucx.", name,
+                           AtLine(setting.first), " has no value"));
+        }
         if (!setting.second.IsScalar()) {
           return absl::InvalidArgumentError(absl::StrCat(
               "config ", path, ": ucx.", name, " must be a scalar"));
@@ -314,11 +326,23 @@ absl::Status ApplyConfig(const YAML::Node& root, const std::string& path, Daemon
       return absl::InvalidArgumentError(
           absl::StrCat("config ", path, ": unknown key '", key, "'"));
     }
-    if (!kv.second.IsScalar()) {
+    // A key with nothing after it (`metrics_listen:`) is YAML null, not "".
+    // Where an empty string means something (metrics port off, log to
+    // stderr) null means the same; elsewhere it is a key left unfinished.
+    std::string value;
+    if (kv.second.IsNull()) {
+      if (!EmptyValueMeansSomething(key)) {
+        return absl::InvalidArgumentError(
+            absl::StrCat("config ", path, ": '", key, "'", AtLine(kv.first),
+                         " has no value"));
+      }
+    } else if (!kv.second.IsScalar()) {
       return absl::InvalidArgumentError(
           absl::StrCat("config ", path, ": '", key, "' must be a scalar"));
+    } else {
+      value = kv.second.as<std::string>();
     }
-    absl::Status st = it->second(kv.second.as<std::string>());
+    absl::Status st = it->second(value);
     if (!st.ok()) {
       return absl::InvalidArgumentError(
           absl::StrCat("config ", path, ": ", key, ": ", st.message()));

@@ -365,6 +365,38 @@ TEST_F(ConfigFileTest, RejectsKeysThatAreNotPlainScalars) {
   }
 }
 
+// A key with nothing after it is YAML null. For metrics_listen and
+// log_file, where the example config says empty disables it (or logs to
+// stderr), that is the empty string; other keys say they have no value.
+// Bug: every one was "'metrics_listen' must be a scalar".
+TEST_F(ConfigFileTest, AnEmptyValueIsEmptyWhereEmptyMeansSomething) {
+  for (const char* empty : {"", " ~", " null", " \"\""}) {
+    DaemonConfig c;
+    c.log_file = "/var/log/kvdepot/kvdepotd.log";
+    ASSERT_OK(LoadConfigFile(Write(absl::StrCat("metrics_listen:", empty,
+                                                "\nlog_file:", empty, "\n")),
+                             &c))
+        << "'" << empty << "'";
+    EXPECT_EQ(c.metrics_listen, "") << "'" << empty << "'";
+    EXPECT_EQ(c.log_file, "") << "'" << empty << "'";
+    EXPECT_OK(ValidateConfig(c));
+  }
+  for (const char* key :
+       {"listen", "data_dir", "dram_capacity", "drain_timeout", "hugepages",
+        "ucx_enabled", "max_batch_keys"}) {
+    DaemonConfig c;
+    absl::Status st = LoadConfigFile(Write(absl::StrCat("\n", key, ":\n")), &c);
+    EXPECT_THAT(st, StatusIs(absl::StatusCode::kInvalidArgument)) << key;
+    EXPECT_THAT(std::string(st.message()),
+                HasSubstr(absl::StrCat("'", key, "' at line 2 has no value")));
+  }
+  DaemonConfig c;
+  absl::Status st = LoadConfigFile(Write("ucx:\n  TLS:\n"), &c);
+  EXPECT_THAT(st, StatusIs(absl::StatusCode::kInvalidArgument));
+  EXPECT_THAT(std::string(st.message()),
+              HasSubstr("ucx.TLS at line 2 has no value"));
+}
+
 // absl::ParseDuration takes "inf": no duration of ours may be infinite (an
 // infinite drain_timeout let SIGTERM wait forever).
 TEST_F(ConfigFileTest, RejectsInfiniteDurations) {
