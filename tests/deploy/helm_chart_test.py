@@ -296,6 +296,38 @@ class ChartTest(unittest.TestCase):
         # Without a memory limit the hugepages still must hold the tier.
         self.assert_refused(huge("2Gi", "64GiB", None), "hugepages.size 2Gi")
 
+    def test_volume_must_hold_the_nvme_tier(self):
+        # nvme_capacity x 1.25 (blob garbage before GC) + 256Mi (the room the
+        # tier leaves free): a smaller volume fills and the tier stops.
+        vol = lambda nvme, size, enabled=True: {
+            "config": {"nvme_capacity": nvme},
+            "persistence": {"enabled": enabled, "size": size},
+        }
+        self.assert_refused(
+            {"config": {"nvme_capacity": "100GiB"}},
+            "persistence.size 12Gi is less than config.nvme_capacity 100GiB x 1.25 + 256Mi",
+        )
+        render(vol("100GiB", "150Gi"))
+        render(vol("8GiB", "10.25Gi"))
+        self.assert_refused(vol("8GiB", "10.24Gi"), "persistence.size 10.24Gi")
+        self.assert_refused(vol("8GiB", "8Gi"), "nvme_capacity 8GiB")
+        render(vol("1TiB", "1.5Ti"))
+        self.assert_refused(vol(1099511627776, "1Ti"), "nvme_capacity 1099511627776")
+        # kvdepotd's default (8GiB) where config does not say.
+        self.assert_refused({"config": {"nvme_capacity": None},
+                             "persistence": {"size": "9Gi"}}, "nvme_capacity 8GiB")
+        # No tier, or no volume (an emptyDir): nothing to check.
+        render(vol("0", "1Gi"))
+        render(vol(0, "1Gi"))
+        render(vol("100GiB", "12Gi", enabled=False))
+        # The defaults hold: values.yaml's size is its own 1.5x.
+        with open(os.path.join(CHART, "values.yaml")) as f:
+            values = yaml.safe_load(f)
+        self.assertGreaterEqual(
+            k8s_quantity(values["persistence"]["size"]),
+            kvdepot_size(values["config"]["nvme_capacity"]) * 3 // 2,
+        )
+
     def test_unreadable_sizes_are_refused(self):
         for dram in ("lots", "-1GiB", "01GiB", "1e9", "1.5.1GiB"):
             self.assert_refused({"config": {"dram_capacity": dram}}, "cannot read")

@@ -53,6 +53,7 @@ hugepages: "off"
 {{- if hasKey .Values.config "data_dir" }}{{ include "kvdepot.chartOwned" "data_dir (the volume is mounted at /var/lib/kvdepot)" }}{{ end -}}
 {{- if hasKey .Values.config "hugepages" }}{{ include "kvdepot.chartOwned" "hugepages (set hugepages.enabled)" }}{{ end -}}
 {{- include "kvdepot.checkMemory" . -}}
+{{- include "kvdepot.checkVolume" . -}}
 {{- end }}
 
 {{- define "kvdepot.chartOwned" -}}
@@ -82,6 +83,23 @@ the pod has started. No memory limit: only the hugepages are checked. */}}
 {{- end -}}
 {{- end }}
 
+{{/* The NVMe tier's volume must hold its files: up to about 1.25x
+config.nvme_capacity (replaced and evicted blocks wait in blob files for
+garbage collection) plus the 256 MiB the tier leaves free on its
+filesystem (README.md, nvme_capacity). Smaller, the tier fills the volume
+and stops taking writes. values.yaml's 1.5x leaves room above that.
+Without persistence (an emptyDir) or without the tier (0) there is no size
+to check. */}}
+{{- define "kvdepot.checkVolume" -}}
+{{- if .Values.persistence.enabled -}}
+{{- if ne (include "kvdepot.configBytes" (include "kvdepot.nvme" .) | int64) 0 -}}
+{{- if lt (include "kvdepot.k8sBytes" (include "kvdepot.str" .Values.persistence.size) | int64) (add (div (mul (include "kvdepot.configBytes" (include "kvdepot.nvme" .)) 5) 4) 268435456) -}}
+{{- fail (printf "kvdepot: persistence.size %s is less than config.nvme_capacity %s x 1.25 + 256Mi (the NVMe tier's files before garbage collection, and the room it leaves free): the tier would fill the volume; make it about 1.5x nvme_capacity" (include "kvdepot.str" .Values.persistence.size) (include "kvdepot.nvme" .)) -}}
+{{- end -}}
+{{- end -}}
+{{- end -}}
+{{- end }}
+
 {{/* A value as text: YAML numbers are float64 in Helm, which toString would
 print as 1.073741824e+09; whole digits instead. */}}
 {{- define "kvdepot.str" -}}
@@ -94,10 +112,13 @@ absent or null too). */}}
 {{- with .Values.resources.limits }}{{ with .memory }}{{ include "kvdepot.str" . }}{{ end }}{{ end -}}
 {{- end }}
 
-{{/* config.dram_capacity and config.grpc_memory_limit as text, kvdepotd's
-defaults when not set. */}}
+{{/* config.dram_capacity, config.nvme_capacity and config.grpc_memory_limit
+as text, kvdepotd's defaults when not set. */}}
 {{- define "kvdepot.dram" -}}
 {{- if hasKey .Values.config "dram_capacity" }}{{ include "kvdepot.str" .Values.config.dram_capacity }}{{ else }}1GiB{{ end -}}
+{{- end }}
+{{- define "kvdepot.nvme" -}}
+{{- if hasKey .Values.config "nvme_capacity" }}{{ include "kvdepot.str" .Values.config.nvme_capacity }}{{ else }}8GiB{{ end -}}
 {{- end }}
 {{- define "kvdepot.grpcLimit" -}}
 {{- if hasKey .Values.config "grpc_memory_limit" }}{{ include "kvdepot.str" .Values.config.grpc_memory_limit }}{{ else }}1GiB{{ end -}}
