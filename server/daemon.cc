@@ -11,8 +11,10 @@
 #include <optional>
 #include <string>
 #include <utility>
+#include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
 #include "absl/time/clock.h"
 #include "server/logging.h"
 #include "server/version.h"
@@ -203,6 +205,17 @@ void Daemon::ChooseUcxDevices(std::map<std::string, std::string>& ucx) const {
   if (std::optional<std::string> named = UcxNetDevicesSetting(ucx)) {
     log_->info("UCX data plane on network devices {} (as its settings name them)",
                *named);
+    // UCX takes any name and leaves out what it does not find, silently.
+    if (std::vector<std::string> missing = MissingNetDevices(*named);
+        !missing.empty()) {
+      log_->warn(
+          "UCX NET_DEVICES names {}, which this host does not have (no "
+          "/sys/class/net/NAME, or /sys/class/infiniband/DEV/ports/PORT for "
+          "DEV:PORT): UCX leaves it out without a word, and the data plane "
+          "is reported on while clients that cannot reach it over the devices "
+          "left (with none left, likely every client) fall back to gRPC",
+          absl::StrJoin(missing, ", "));
+    }
     return;
   }
   UcxDeviceChoice devices = UcxDevicesFor(config_.listen);

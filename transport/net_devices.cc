@@ -18,6 +18,7 @@
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
+#include "absl/strings/str_split.h"
 #include "absl/strings/string_view.h"
 #include "absl/strings/strip.h"
 #include "transport/ucx_context.h"
@@ -320,6 +321,42 @@ std::vector<std::string> LocalRdmaDevices() {
   }
   std::sort(out.begin(), out.end());
   return out;
+}
+
+std::vector<std::string> MissingNetDevices(
+    std::string_view net_devices, const std::string& sysfs_net,
+    const std::string& sysfs_infiniband) {
+  namespace fs = std::filesystem;
+  absl::string_view list(net_devices.data(), net_devices.size());
+  list = absl::StripAsciiWhitespace(list);
+  absl::ConsumePrefix(&list, "^");
+  std::vector<std::string> missing;
+  for (absl::string_view entry : absl::StrSplit(list, ',')) {
+    entry = absl::StripAsciiWhitespace(entry);
+    if (entry.empty() || entry == "all" ||
+        entry.find_first_of("*?[") != absl::string_view::npos) {
+      continue;
+    }
+    // An interface name has no '/' (and "." and ".." are not ones): such an
+    // entry names nothing, and must not walk the file system.
+    const bool odd = entry.find('/') != absl::string_view::npos ||
+                     entry == "." || entry == "..";
+    std::error_code ec;
+    bool found = false;
+    if (!odd) {
+      const size_t colon = entry.rfind(':');
+      found =
+          colon == absl::string_view::npos
+              ? fs::is_directory(fs::path(sysfs_net) / std::string(entry), ec)
+              : fs::is_directory(fs::path(sysfs_infiniband) /
+                                     std::string(entry.substr(0, colon)) /
+                                     "ports" /
+                                     std::string(entry.substr(colon + 1)),
+                                 ec);
+    }
+    if (!found) missing.emplace_back(entry);
+  }
+  return missing;
 }
 
 std::optional<std::string> UcxNetDevicesSetting(

@@ -104,6 +104,20 @@ std::vector<std::string> LocalRdmaDevices();
 std::optional<std::string> UcxNetDevicesSetting(
     const std::map<std::string, std::string>& config);
 
+// The entries of a UCX NET_DEVICES value ("eth0,mlx5_0:1", "^eth1") that
+// name no device of this host: a network interface is a directory in
+// `sysfs_net` (/sys/class/net), an RDMA port "DEV:PORT" one in
+// `sysfs_infiniband` (/sys/class/infiniband/DEV/ports/PORT). UCX takes any
+// name there, and leaves out the devices it does not find without a word:
+// with a misspelled device the data plane has no network device while it
+// still reports itself on (clients fall back to gRPC). Not checked: "all",
+// empty entries and patterns ('*', '?', '['). A leading '^' (every device but
+// these) is read past: a device excluded by a misspelled name is used.
+std::vector<std::string> MissingNetDevices(
+    std::string_view net_devices,
+    const std::string& sysfs_net = "/sys/class/net",
+    const std::string& sysfs_infiniband = "/sys/class/infiniband");
+
 }  // namespace kvdepot
 
 #endif  // KVDEPOT_TRANSPORT_NET_DEVICES_H_

@@ -4,11 +4,14 @@
 
 #include <algorithm>
 #include <cstdlib>
+#include <filesystem>
 #include <string>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"
+#include "tests/test_dir.h"
 
 namespace kvdepot {
 namespace {
@@ -211,6 +214,51 @@ TEST(UcxNetDevicesSetTest, TheConfigOrTheEnvironmentChoosesFirst) {
   } else {
     unsetenv("UCX_NET_DEVICES");
   }
+}
+
+// A NET_DEVICES the config names is checked against the host's devices
+// (UCX takes any name and leaves out the ones it does not find, so a
+// misspelled device silently took the data plane off the network).
+TEST(MissingNetDevicesTest, NamesThatAreNoDeviceOfThisHostAreListed) {
+  namespace fs = std::filesystem;
+  const std::string root = testing::FreshTestDir("sysfs-");
+  const std::string net = root + "/net", ib = root + "/infiniband";
+  fs::create_directories(net + "/lo");
+  fs::create_directories(net + "/eth0");
+  fs::create_directories(ib + "/mlx5_0/ports/1");
+  // /sys/class/net's entries are links to the devices' directories.
+  fs::create_directories(root + "/devices/bond0");
+  fs::create_directory_symlink(root + "/devices/bond0", net + "/bond0");
+  const auto missing = [&](std::string_view devices) {
+    return absl::StrJoin(MissingNetDevices(devices, net, ib), ",");
+  };
+  EXPECT_EQ(missing("lo"), "");
+  EXPECT_EQ(missing("eth0,lo,bond0,mlx5_0:1"), "");
+  EXPECT_EQ(missing("eth9"), "eth9");
+  EXPECT_EQ(missing("lo,eth9,eth0,wlan0"), "eth9,wlan0");
+  EXPECT_EQ(missing(" eth0 , eth9 "), "eth9");
+  // RDMA ports: the device and the port must both exist.
+  EXPECT_EQ(missing("mlx5_0:2,mlx5_1:1"), "mlx5_0:2,mlx5_1:1");
+  // An exclusion list is checked too: a misspelled one excludes nothing.
+  EXPECT_EQ(missing("^eth9"), "eth9");
+  EXPECT_EQ(missing("^eth0"), "");
+  // Not checked: every device, empty entries, patterns.
+  EXPECT_EQ(missing("all"), "");
+  EXPECT_EQ(missing(""), "");
+  EXPECT_EQ(missing("eth0,,lo,"), "");
+  EXPECT_EQ(missing("eth*,mlx5_?:1"), "");
+  // A path is no device name, and is not followed out of the directory.
+  EXPECT_EQ(missing("../infiniband,.,.."), "../infiniband,.,..");
+  // This host's own devices, as getifaddrs lists them, all exist.
+  std::vector<std::string> here;
+  for (const NetInterfaceAddress& i : LocalInterfaceAddresses()) {
+    // Not an IPv4 alias label ("eth0:1"), which UCX does not take either.
+    if (i.device.find(':') == std::string::npos) here.push_back(i.device);
+  }
+  EXPECT_EQ(absl::StrJoin(MissingNetDevices(absl::StrJoin(here, ",")), ","),
+            "");
+  EXPECT_EQ(absl::StrJoin(MissingNetDevices("kvdepot-no-such-device0"), ","),
+            "kvdepot-no-such-device0");
 }
 
 }  // namespace
