@@ -93,6 +93,7 @@ class ArenaImpl final : public DramArena {
       allocated_ -= slot_size;
       if (p.used_count == 0) {
         partial_[p.cls].erase(page);
+        allocated_ -= TailBytes(p.cls);
         p.used.reset();
         p.state = kFree;
         AddFreeRun(page, 1);
@@ -140,6 +141,13 @@ class ArenaImpl final : public DramArena {
   };
 
   static size_t SlotsPerPage(int cls) { return kPage / kClasses[cls]; }
+  // The end of a slab page no slot of its class fits in (16 KiB of a page
+  // of 24 KiB slots): counted as allocated while the page is a slab, or
+  // the arena would look a quarter empty when it is full of such blocks
+  // (and its watermarks would never start the evictor).
+  static size_t TailBytes(int cls) {
+    return kPage - SlotsPerPage(cls) * kClasses[cls];
+  }
 
   absl::StatusOr<uint64_t> AllocateSmall(int cls)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
@@ -155,6 +163,7 @@ class ArenaImpl final : public DramArena {
       p.used_count = 0;
       p.used = std::make_unique<std::bitset<kSlotsPerPageMax>>();
       partial.insert(page);
+      allocated_ += TailBytes(cls);
     } else {
       page = *partial.begin();
     }

@@ -80,7 +80,10 @@ class DramArena {
 
   virtual char* base() const = 0;
   virtual size_t capacity() const = 0;
-  // Sum of AllocationSize over live allocations.
+  // Sum of AllocationSize over live allocations, plus the end of each slab
+  // page that no slot of its size class fits in (unusable while the page
+  // holds small allocations): capacity() minus this is what can still be
+  // allocated, fragmentation aside.
   virtual size_t allocated_bytes() const = 0;
   virtual size_t live_allocations() const = 0;
   // How the region was mapped: "hugetlb", "thp" or "plain".
