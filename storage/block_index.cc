@@ -466,16 +466,16 @@ std::unique_ptr<BlockEntry> BlockIndex::PopOldestEvictable() {
   return PopOldest(kAllNamespaces);
 }
 
-std::optional<BlockIndex::Demotion> BlockIndex::BeginDemotion() {
+std::optional<BlockIndex::Demotion> BlockIndex::BeginDemotion(uint32_t ns_id) {
   Demotion d;
   bool linked = false;
   uint64_t parent_hash = 0;
   while (d.entry == nullptr) {
-    const int best = OldestShard();
+    const int best = OldestShard(ns_id);
     if (best < 0) return std::nullopt;
     Shard& s = *shards_[best];
     absl::MutexLock lock(&s.mu);
-    BlockEntry* e = SettleTail(s);
+    BlockEntry* e = SettleTail(s, ns_id);
     if (e == nullptr) continue;  // emptied meanwhile: look again
     LruRemove(s, e);
     ++e->pins;  // the demotion's own: not a caller's (HeldByCaller)

@@ -221,6 +221,8 @@ class BlockIndex {
   // inspection), and the `trailer.size()` arena bytes that follow its key
   // (the caller's own per-block data). nullopt if absent.
   std::optional<BlockEntry> Peek(const KeyRef& key, absl::Span<char> trailer = {});
+  // Every namespace, where a namespace id may be given.
+  static constexpr uint32_t kAllNamespaces = UINT32_MAX;
   // Removes the evictable entry of namespace `ns_id` whose last use is
   // oldest among the least-recent ends of its per-shard lists (a namespace
   // quota's eviction): one entry per shard is looked at, whatever other
@@ -271,8 +273,10 @@ class BlockIndex {
   // write that lands after it). BeginDemotion pins that entry and marks it
   // demoting; nullopt if none is evictable. EndDemotion drops that pin and
   // removes the entry, returning it to the caller, unless a lookup pinned it
-  // or a child of it was stored meanwhile: then it stays (nullptr).
-  std::optional<Demotion> BeginDemotion();
+  // or a child of it was stored meanwhile: then it stays (nullptr). With
+  // `ns_id`, the entry PopOldestEvictableOf(ns_id) would remove (a
+  // namespace quota's demotion).
+  std::optional<Demotion> BeginDemotion(uint32_t ns_id = kAllNamespaces);
   std::unique_ptr<BlockEntry> EndDemotion(BlockEntry* entry);
 
   uint64_t blocks() const;
@@ -432,11 +436,10 @@ class BlockIndex {
   // Takes `e` out of the set and the lists (recording its cached children
   // as orphans). REQUIRES: e is in s.set and no caller holds it pinned.
   void Detach(Shard& s, BlockEntry* e) ABSL_EXCLUSIVE_LOCKS_REQUIRED(s.mu);
-  // `ns_id` naming every namespace: the shard's own list.
-  static constexpr uint32_t kAllNamespaces = UINT32_MAX;
   // Gives referenced entries at the tail of `s`'s list of `ns_id` their
   // second chance (to the most-recent end of both lists); returns the tail
-  // afterwards (nullptr if the list is empty).
+  // afterwards (nullptr if the list is empty). kAllNamespaces: the shard's
+  // own list.
   static BlockEntry* SettleTail(Shard& s, uint32_t ns_id = kAllNamespaces)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(s.mu);
   // Removes the settled tail of shard `shard`'s list of `ns_id`.

@@ -998,9 +998,14 @@ class TieredStoreImpl final : public TieredStore {
     uint64_t low = static_cast<uint64_t>(options_.low_watermark * cap);
     if (!force && arena_->allocated_bytes() <= high) return 0;
     uint64_t n = 0;
-    while (arena_->allocated_bytes() > low && EvictOne(/*demote=*/true)) {
+    // Waiters are woken only by a block that left: one a reader pinned
+    // while it was demoted stays, and a waiter woken for nothing would drop
+    // blocks itself (AllocateEvicting).
+    bool freed = false;
+    while (arena_->allocated_bytes() > low &&
+           EvictOne(/*demote=*/true, &freed)) {
       ++n;
-      NoteRoomMade();
+      if (freed) NoteRoomMade();
     }
     if (!force) return n;
     const uint64_t space = std::min<uint64_t>(wanted.space, cap);
@@ -1009,9 +1014,9 @@ class TieredStoreImpl final : public TieredStore {
       return cap - used < space ||
              (wanted.largest > 0 && !arena_->Fits(wanted.largest));
     };
-    while (short_of_room() && EvictOne(/*demote=*/true)) {
+    while (short_of_room() && EvictOne(/*demote=*/true, &freed)) {
       ++n;
-      NoteRoomMade();
+      if (freed) NoteRoomMade();
     }
     return n;
   }
@@ -1328,15 +1333,14 @@ class TieredStoreImpl final : public TieredStore {
         }
         continue;  // `charged` reloaded: another put or eviction won
       }
-      std::unique_ptr<BlockEntry> e = index_.PopOldestEvictableOf(info.id);
-      if (!e) {
+      // A block a lookup pinned while it was demoted stays: look again.
+      if (!EvictOne(/*demote=*/true, /*freed=*/nullptr, info.id)) {
         return absl::ResourceExhaustedError(absl::StrCat(
             "namespace ", info.name, " holds ", charged, " of its quota of ",
             quota, " bytes in blocks that cannot be evicted (pinned, parents of "
             "cached blocks, or puts and promotions in flight); unpin or raise "
             "the quota"));
       }
-      FreeEntry(std::move(e), /*count_eviction=*/true);
       charged = info.charged.load();
     }
   }
@@ -1861,19 +1865,28 @@ class TieredStoreImpl final : public TieredStore {
   // With `demote` (the background evictor, PersistDram) the block is first
   // written to the NVMe tier, staying findable in DRAM until it is there
   // (it stays in DRAM if a lookup pinned it meanwhile); a put waiting for
-  // room drops it instead.
-  bool EvictOne(bool demote = false) {
+  // room drops it instead. Sets *freed (if given) to whether the block left
+  // DRAM: true unless it stayed, pinned. With `ns_id`, namespace ns_id's
+  // block (a quota's eviction, on the caller's thread: the quota bounds the
+  // namespace's DRAM, not what it keeps, so it demotes too).
+  bool EvictOne(bool demote = false, bool* freed = nullptr,
+                uint32_t ns_id = BlockIndex::kAllNamespaces) {
+    if (freed != nullptr) *freed = false;
     if (!demote || nvme_ == nullptr) {
-      std::unique_ptr<BlockEntry> e = index_.PopOldestEvictable();
+      std::unique_ptr<BlockEntry> e = index_.PopOldestEvictableOf(ns_id);
       if (!e) return false;
       FreeEntry(std::move(e), /*count_eviction=*/true);
+      if (freed != nullptr) *freed = true;
       return true;
     }
-    std::optional<BlockIndex::Demotion> d = index_.BeginDemotion();
+    std::optional<BlockIndex::Demotion> d = index_.BeginDemotion(ns_id);
     if (!d) return false;
     Demote(*d);
     std::unique_ptr<BlockEntry> e = index_.EndDemotion(d->entry);
-    if (e) FreeEntry(std::move(e), /*count_eviction=*/true);
+    if (e) {
+      FreeEntry(std::move(e), /*count_eviction=*/true);
+      if (freed != nullptr) *freed = true;
+    }
     absl::MutexLock lock(&demote_mu_);
     ++demotions_ended_;
     return true;

@@ -493,9 +493,10 @@ class TieredStore {
   // It bounds the bytes of the namespace's DRAM blocks plus those of its
   // open reservations (a reservation counts from BeginPut until its blocks
   // are published, or it ends) and of promotions in flight. BeginPut evicts
-  // the namespace's least recently used unpinned blocks (dropping them, as a
-  // put that finds DRAM full does) to stay within it, for the blocks it
-  // does not have yet, and fails with ResourceExhausted when that cannot
+  // the namespace's least recently used unpinned blocks to stay within it,
+  // for the blocks it does not have yet (demoting them to the NVMe tier
+  // first when there is one, on the caller's thread, as the evictor would;
+  // else dropping them), and fails with ResourceExhausted when that cannot
   // make room. A pinned Lookup's
   // promotion makes room the same way; a block it cannot make room for
   // stays on NVMe and is a miss of that lookup (as when DRAM is full).

@@ -1996,6 +1996,58 @@ TEST_F(TieredStoreNvmeTest, EvictingANamespaceCountsABlockInBothTiersOnce) {
 // of DRAM is pinned waits, and then fails having dropped nothing: the quota's
 // charge does not drop the namespace's blocks (which NVMe would have kept)
 // for a put that then finds no room.
+// A namespace's quota bounds its DRAM, not what it keeps: the blocks a put
+// (or a promotion) evicts to stay within it are demoted to NVMe as the
+// evictor's are. They were dropped from both tiers, and a pinned lookup of
+// one block on NVMe dropped another that had never been written there.
+TEST_F(TieredStoreNvmeTest, AQuotaDemotesWhatItEvicts) {
+  Open(/*admit_min_reads=*/0, /*background_eviction=*/true,
+       /*high_watermark=*/1.0);
+  ASSERT_OK(store_->SetQuota("q", 1 << 20));  // 4 blocks of 256 KiB
+  auto put = [&](const std::string& key, int i) {
+    PutSpec spec{key, "", Block(i).size()};
+    auto r = store_->BeginPut(sid_, "q", {&spec, 1});
+    if (!r.ok()) return r.status();
+    std::memcpy(store_->dram_region().base + r->slots[0].offset,
+                Block(i).data(), Block(i).size());
+    const uint64_t sum = BlockChecksum(Block(i));
+    return store_->CommitPut(sid_, r->id, {&sum, 1}).status();
+  };
+  for (int i = 0; i < 8; ++i) ASSERT_OK(put("q" + std::to_string(i), i));
+  StoreStats st = store_->Stats();
+  EXPECT_EQ(st.demotions, 4u);
+  EXPECT_EQ(st.dram.evictions, 4u);
+  for (int i = 0; i < 8; ++i) {
+    const std::string key = "q" + std::to_string(i);
+    absl::string_view k = key;
+    auto l = store_->Lookup(sid_, "q", {&k, 1}, false, false);
+    ASSERT_OK(l);
+    EXPECT_TRUE(l->entries[0].found) << key << " was dropped";
+  }
+  // A pinned lookup of a block on NVMe promotes it within the quota: the
+  // block it evicts for that goes to NVMe too, and every block is served.
+  PinId pin = 0;
+  absl::string_view k0 = "q0";
+  auto l = store_->Lookup(sid_, "q", {&k0, 1}, false, /*pin=*/true);
+  ASSERT_OK(l);
+  ASSERT_TRUE(l->entries[0].found);
+  pin = l->pin_id;
+  EXPECT_TRUE(std::string(store_->dram_region().base + l->entries[0].offset,
+                          l->entries[0].size) == Block(0));
+  ASSERT_OK(store_->Unpin(sid_, pin));
+  for (int i = 0; i < 8; ++i) {
+    const std::string key = "q" + std::to_string(i);
+    absl::string_view k = key;
+    auto r = store_->Lookup(sid_, "q", {&k, 1}, false, /*pin=*/true);
+    ASSERT_OK(r);
+    ASSERT_TRUE(r->entries[0].found) << key << " was dropped";
+    EXPECT_TRUE(std::string(store_->dram_region().base + r->entries[0].offset,
+                            r->entries[0].size) == Block(i))
+        << key;
+    ASSERT_OK(store_->Unpin(sid_, r->pin_id));
+  }
+}
+
 TEST_F(TieredStoreNvmeTest, AQuotaPutThatCannotFitDropsNothing) {
   Open(/*admit_min_reads=*/0, /*background_eviction=*/true, /*high_watermark=*/1.0);
   const size_t kB = 256 << 10;
@@ -2193,6 +2245,77 @@ TEST_F(TieredStoreNvmeTest, APutIntoFullDramWaitsForRoomNotForTheWholeRound) {
   EXPECT_EQ(st.room_wait_timeouts, 0u) << "the put waited for the round";
   EXPECT_EQ(st.dram.evictions - before.dram.evictions, st.demotions - before.demotions);
   EXPECT_EQ(Lost("b", stored), 0);
+  ExpectServes("new", Block(25));
+}
+
+// A reader pins the block the evictor is demoting for a waiting put: the
+// block stays in DRAM, nothing was freed. The evictor woke the put all the
+// same, and the put, seeing no room made, dropped a block itself (lost
+// from both tiers although NVMe had room). Only a block that left wakes it.
+TEST_F(TieredStoreNvmeTest, ADemotedBlockAReaderPinnedWakesNoWaitingPut) {
+  Open(/*admit_min_reads=*/0, /*background_eviction=*/true,
+       /*high_watermark=*/1.0);
+  int stored = 0;
+  for (; stored < 64; ++stored) {
+    const std::string key = "b" + std::to_string(stored);
+    PutSpec spec{key, "", 256 << 10};
+    bool would_wait = false;
+    auto r = store_->BeginPut(sid_, "ns", {&spec, 1}, &would_wait);
+    if (!r.ok()) {
+      ASSERT_TRUE(would_wait) << r.status();
+      break;
+    }
+    const std::string bytes = Block(stored);
+    std::memcpy(store_->dram_region().base + r->slots[0].offset, bytes.data(),
+                bytes.size());
+    const uint64_t sum = BlockChecksum(bytes);
+    ASSERT_OK(store_->CommitPut(sid_, r->id, {&sum, 1}));
+  }
+  ASSERT_GE(stored, 8);
+  ASSERT_LT(stored, 64) << "DRAM never filled";
+  // (The put refused above started no round: the high mark is never
+  // passed.)
+  const StoreStats before = store_->Stats();
+
+  std::atomic<int> writes{0};
+  std::string pinned_key;
+  PinId pin = 0;
+  internal::SyncPointCallback during("NvmeTier::Put:Writing", [&](void*) {
+    const int n = writes.fetch_add(1);
+    if (n == 0) {
+      // The first block demoted for the put: a reader pins it meanwhile.
+      for (int i = 0; i < stored && pin == 0; ++i) {
+        const std::string key = "b" + std::to_string(i);
+        absl::string_view k = key;
+        auto r = store_->Lookup(sid_, "ns", {&k, 1}, false, /*pin=*/true);
+        if (r.ok() && r->entries[0].found && r->pin_id != 0) {
+          // Pinned the oldest block still in DRAM: the one being demoted.
+          pinned_key = key;
+          pin = r->pin_id;
+        }
+      }
+    } else if (n == 1) {
+      absl::SleepFor(absl::Milliseconds(300));  // a slow write
+    }
+  });
+  Put("new", Block(25));
+  // Every block that left DRAM was demoted, and one demoted block stayed
+  // (pinned). (A demotion is counted a moment before its eviction: compared
+  // once they agree or time is up.)
+  StoreStats st = store_->Stats();
+  for (int i = 0; i < 500 && st.dram.evictions - before.dram.evictions + 1 !=
+                                 st.demotions - before.demotions;
+       ++i) {
+    absl::SleepFor(absl::Milliseconds(10));
+    st = store_->Stats();
+  }
+  ASSERT_NE(pin, 0u);
+  ASSERT_OK(store_->Unpin(sid_, pin));
+  EXPECT_EQ(Lost("b", stored), 0) << "blocks dropped from both tiers";
+  EXPECT_EQ(st.dram.evictions - before.dram.evictions + 1,
+            st.demotions - before.demotions)
+      << "blocks dropped, not demoted";
+  EXPECT_EQ(st.room_wait_timeouts, 0u);
   ExpectServes("new", Block(25));
 }
 
