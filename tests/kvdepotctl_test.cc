@@ -5,6 +5,7 @@
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
+#include <iterator>
 #include <sstream>
 #include <string>
 #include <thread>
@@ -322,12 +323,27 @@ TEST_F(KvdepotctlTest, QuotaIsEnforcedAndSurvivesARestart) {
   for (const char* k : {"01", "02", "03"}) {
     ASSERT_EQ(Ctl(std::string("put --ns q --key ") + k + " --file " + f).exit_code, 0);
   }
-  // 300 KiB put into a 256 KiB quota: the oldest block made room.
-  EXPECT_EQ(Ctl("get --ns q --key 01 --out -").exit_code, 3);
-  EXPECT_EQ(Ctl("get --ns q --key 03 --out " + dir_ + "/o").exit_code, 0);
+  // 300 KiB put into a 256 KiB quota: the oldest block made room in DRAM,
+  // demoted to the NVMe tier (the quota bounds DRAM, not what is kept).
   r = Ctl("--json quota get --ns q");
   EXPECT_EQ(r.exit_code, 0);
   EXPECT_NE(r.out.find("\"max_bytes\": 262144"), std::string::npos) << r.out;
+  EXPECT_NE(r.out.find("\"used_bytes\": 204800"), std::string::npos) << r.out;
+  r = Ctl("--json inspect --ns q --key 01");
+  EXPECT_EQ(r.exit_code, 0) << r.err;
+  EXPECT_NE(r.out.find("\"tiers\": \"nvme\""), std::string::npos) << r.out;
+  // Served all the same; its promotion stays within the quota too.
+  for (const char* k : {"01", "03"}) {
+    const std::string out = dir_ + "/o" + k;
+    ASSERT_EQ(
+        Ctl(std::string("get --ns q --key ") + k + " --out " + out).exit_code,
+        0);
+    std::ifstream in(out, std::ios::binary);
+    EXPECT_EQ(std::string(std::istreambuf_iterator<char>(in), {}),
+              std::string(100 << 10, 'q'))
+        << k;
+  }
+  r = Ctl("--json quota get --ns q");
   EXPECT_NE(r.out.find("\"used_bytes\": 204800"), std::string::npos) << r.out;
   EXPECT_EQ(Ctl("quota set --ns q lots").exit_code, 2);
 
