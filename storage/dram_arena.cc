@@ -94,6 +94,7 @@ class ArenaImpl final : public DramArena {
       if (p.used_count == 0) {
         partial_[p.cls].erase(page);
         allocated_ -= TailBytes(p.cls);
+        tail_bytes_ -= TailBytes(p.cls);
         p.used.reset();
         p.state = kFree;
         AddFreeRun(page, 1);
@@ -123,6 +124,10 @@ class ArenaImpl final : public DramArena {
   size_t allocated_bytes() const override {
     absl::MutexLock lock(&mu_);
     return allocated_;
+  }
+  size_t slab_tail_bytes() const override {
+    absl::MutexLock lock(&mu_);
+    return tail_bytes_;
   }
   size_t live_allocations() const override {
     absl::MutexLock lock(&mu_);
@@ -164,6 +169,7 @@ class ArenaImpl final : public DramArena {
       p.used = std::make_unique<std::bitset<kSlotsPerPageMax>>();
       partial.insert(page);
       allocated_ += TailBytes(cls);
+      tail_bytes_ += TailBytes(cls);
     } else {
       page = *partial.begin();
     }
@@ -228,6 +234,7 @@ class ArenaImpl final : public DramArena {
   std::set<std::pair<size_t, size_t>> free_runs_ ABSL_GUARDED_BY(mu_);
   std::array<std::set<size_t>, kClasses.size()> partial_ ABSL_GUARDED_BY(mu_);
   size_t allocated_ ABSL_GUARDED_BY(mu_) = 0;
+  size_t tail_bytes_ ABSL_GUARDED_BY(mu_) = 0;  // of allocated_
   size_t live_ ABSL_GUARDED_BY(mu_) = 0;
 };
 

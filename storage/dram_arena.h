@@ -85,6 +85,10 @@ class DramArena {
   // holds small allocations): capacity() minus this is what can still be
   // allocated, fragmentation aside.
   virtual size_t allocated_bytes() const = 0;
+  // The part of allocated_bytes() that is slab pages' unusable ends: it
+  // returns with the pages' last slots, so what freeing blocks could make
+  // free counts it.
+  virtual size_t slab_tail_bytes() const = 0;
   virtual size_t live_allocations() const = 0;
   // How the region was mapped: "hugetlb", "thp" or "plain".
   virtual std::string page_kind() const = 0;

@@ -128,13 +128,16 @@ TEST(DramArenaTest, AFullArenaOfSlabsCountsAsFull) {
   }
   EXPECT_EQ(offs.size(), 128u);
   EXPECT_EQ(arena->allocated_bytes(), arena->capacity());
+  EXPECT_EQ(arena->slab_tail_bytes(), 64u * (kPage - 2 * 24576));
   // A page goes back whole once its last slot is freed.
   arena->Free(offs[0]);
   EXPECT_EQ(arena->allocated_bytes(), arena->capacity() - 24576);
   arena->Free(offs[1]);
   EXPECT_EQ(arena->allocated_bytes(), arena->capacity() - kPage);
+  EXPECT_EQ(arena->slab_tail_bytes(), 63u * (kPage - 2 * 24576));
   for (size_t i = 2; i < offs.size(); ++i) arena->Free(offs[i]);
   EXPECT_EQ(arena->allocated_bytes(), 0u);
+  EXPECT_EQ(arena->slab_tail_bytes(), 0u);
 }
 
 TEST(DramArenaTest, FreedRunsCoalesceIntoOneLargeRun) {

@@ -19,6 +19,7 @@
 #include "absl/strings/ascii.h"
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_replace.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/clock.h"
 #include "rocksdb/convenience.h"
@@ -223,10 +224,16 @@ uint64_t Charge(size_t id_bytes, size_t parent_bytes, uint64_t size) {
   return size + 2 * id_bytes + kMetaFixedBytes + parent_bytes;
 }
 
-// A read that failed for the block's own bytes: an I/O error (EIO, a file
-// gone), not a full disk or a tier shutting down.
+// A read that failed for the block's own bytes: its file gone, or EIO (a
+// bad sector). Not an I/O error of the whole process or tier that passes
+// (out of file descriptors or memory: RocksDB opens blob files lazily), a
+// full disk or a tier shutting down: the block stays, and the read is
+// Unavailable.
 bool IsUnreadable(const rocksdb::Status& s) {
-  return s.IsIOError() && !s.IsNoSpace() && !s.IsIOFenced();
+  if (!s.IsIOError() || s.IsNoSpace() || s.IsIOFenced()) return false;
+  return s.IsPathNotFound() ||
+         absl::StrContains(absl::AsciiStrToLower(s.ToString()),
+                           "input/output error");
 }
 
 std::string IdToHex(absl::string_view id) {
@@ -262,6 +269,10 @@ std::string IdToHex(absl::string_view id) {
 // Thread-safe (RocksDB calls it from its background threads).
 class ErrorListener final : public rocksdb::EventListener {
  public:
+  // `path`: the tier's directory, which RocksDB's messages name and which
+  // is no evidence of what failed (a directory named "blobstore").
+  explicit ErrorListener(std::string path) : path_(std::move(path)) {}
+
   void OnBackgroundError(rocksdb::BackgroundErrorReason reason,
                          rocksdb::Status* bg_error) override {
     if (bg_error->ok()) return;
@@ -289,17 +300,18 @@ class ErrorListener final : public rocksdb::EventListener {
   // all do: "Blob CRC mismatch", "Corrupted blob offset", "Key size mismatch
   // when reading blob", ...; a table file's, e.g. "block checksum mismatch
   // ... in .../000008.sst", do not).
-  static bool IsBlobCorruption(const rocksdb::Status& s) {
-    return s.IsCorruption() &&
-           absl::StrContains(absl::AsciiStrToLower(s.ToString()), "blob");
+  bool IsBlobCorruption(const rocksdb::Status& s) const {
+    if (!s.IsCorruption()) return false;
+    const std::string m = MessageWithoutPath(s);
+    return absl::StrContains(m, "blob") && !absl::StrContains(m, ".sst");
   }
   // Whether an I/O error is a read of a blob file (its bytes on a bad
   // sector, or the file gone): like a corrupt blob, the scrub drops the
   // blocks it cannot read. Not a write (a compaction writing a new blob
   // file), which stops writes as any other.
-  static bool IsBlobReadError(const rocksdb::Status& s) {
+  bool IsBlobReadError(const rocksdb::Status& s) const {
     if (!IsUnreadable(s)) return false;
-    const std::string m = absl::AsciiStrToLower(s.ToString());
+    const std::string m = MessageWithoutPath(s);
     return absl::StrContains(m, ".blob") &&
            (s.IsPathNotFound() || absl::StrContains(m, "pread") ||
             absl::StrContains(m, "random read"));
@@ -307,6 +319,12 @@ class ErrorListener final : public rocksdb::EventListener {
   // Whether a compaction met corruption since the last call.
   bool TakeCorruption() {
     return corruption_seen_.exchange(false, std::memory_order_acq_rel);
+  }
+  // The error's message, the tier's directory taken out, in lower case.
+  std::string MessageWithoutPath(const rocksdb::Status& s) const {
+    std::string m = s.ToString();
+    if (!path_.empty()) m = absl::StrReplaceAll(m, {{path_, "<dir>"}});
+    return absl::AsciiStrToLower(m);
   }
   void OnErrorRecoveryBegin(rocksdb::BackgroundErrorReason /*reason*/,
                             rocksdb::Status bg_error,
@@ -343,6 +361,7 @@ class ErrorListener final : public rocksdb::EventListener {
   }
 
  private:
+  const std::string path_;
   std::atomic<bool> stopped_{false};
   std::atomic<bool> fatal_{false};
   std::atomic<bool> corrupt_table_{false};
@@ -356,7 +375,7 @@ class NvmeTierImpl final : public NvmeTier {
   NvmeTierImpl(const NvmeTierOptions& options, Clock* clock)
       : options_(options),
         clock_(clock),
-        listener_(std::make_shared<ErrorListener>()) {
+        listener_(std::make_shared<ErrorListener>(options.path)) {
     write_options_.disableWAL = !options_.use_wal;
   }
   ~NvmeTierImpl() override;

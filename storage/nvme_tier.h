@@ -291,9 +291,10 @@ class NvmeTier {
   // Returns NotFound if absent (also when its bytes turn out to be missing:
   // the block is then dropped); InvalidArgument for a bad namespace or key or
   // a wrong dest size; DataLoss when the bytes fail their checksum, RocksDB
-  // reports them corrupt or cannot read them (an I/O error: a bad sector, a
+  // reports them corrupt or cannot read them (EIO: a bad sector; or their
   // blob file gone): the block is dropped and counted in integrity_errors;
-  // Unavailable for other errors. On any error the contents of `dest` are
+  // Unavailable for other errors (out of file descriptors or memory: the
+  // block stays). On any error the contents of `dest` are
   // unspecified and must not be used.
   virtual absl::Status Read(absl::string_view ns, absl::string_view key,
                             absl::Span<char> dest) = 0;
@@ -349,8 +350,10 @@ class NvmeTier {
   // corrupt table file (small blocks and every key live in them): no scrub
   // mends it and every compaction of it fails, so it stops the tier's writes
   // for good with an error that says so (Stats().write_error; reads go on).
-  // Unavailable on an I/O error; DataLoss when the compaction still fails
-  // after the scrub (corruption that is not in a block's bytes).
+  // A blob the compaction cannot read (EIO, its file gone) is handled
+  // likewise. Unavailable on another I/O error; when the compaction still
+  // fails after the scrub, its error (DataLoss for corruption that is not in
+  // a block's bytes).
   virtual absl::Status Compact() = 0;
 
   // For shutdown: cuts a Verify or Compact in progress short (they return

@@ -1,7 +1,9 @@
 #include "storage/nvme_tier.h"
 
+#include <fcntl.h>
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
+#include <sys/resource.h>
 
 #include <algorithm>
 #include <atomic>
@@ -740,6 +742,9 @@ TEST_F(NvmeTierTest, ACorruptBlobDoesNotStopWritesAfterACompaction) {
 // tier now stops its writes with a clear error instead, and reads go on.
 TEST_F(NvmeTierTest, ACorruptTableFileStopsWritesWithAClearError) {
   constexpr size_t kSize = 1000;  // under the blob threshold: in the .sst
+  // RocksDB's message names the file, in the tier's directory: a directory
+  // named for blobs makes it no blob's.
+  options_.path = dir_ + "/blobstore.blob";
   Open();
   for (int i = 0; i < 20; ++i) ASSERT_OK(Put(Key(i), Bytes(i, kSize)));
   ASSERT_OK(tier_->Flush());
@@ -845,6 +850,37 @@ TEST_F(NvmeTierTest, ACompactionThatCannotReadABlobScrubsAndWritesGoOn) {
   EXPECT_TRUE(tier_->Stats().writable);
   EXPECT_EQ(tier_->Stats().blocks, 1u);
   EXPECT_OK(tier_->Compact());
+}
+
+// An I/O error of the process, not of the block (out of file descriptors:
+// RocksDB opens a blob file at its first read), passes: the block is kept
+// and the read is Unavailable, not dropped as unreadable.
+TEST_F(NvmeTierTest, AReadThatFailsForWantOfFileDescriptorsDropsNothing) {
+  constexpr size_t kSize = 64 * kKiB;
+  Open();
+  for (int i = 0; i < 4; ++i) ASSERT_OK(Put(Key(i), Bytes(i, kSize)));
+  ASSERT_OK(tier_->Flush());
+  Close();
+  Open();  // the blob file is not open yet
+  rlimit saved;
+  ASSERT_EQ(getrlimit(RLIMIT_NOFILE, &saved), 0);
+  absl::Status read;
+  {
+    absl::Cleanup restore = [&] { setrlimit(RLIMIT_NOFILE, &saved); };
+    // A new descriptor takes the lowest free number: none is below this.
+    int lowest_free = 0;
+    while (fcntl(lowest_free, F_GETFD) != -1) ++lowest_free;
+    rlimit tight = saved;
+    tight.rlim_cur = static_cast<rlim_t>(lowest_free);
+    ASSERT_EQ(setrlimit(RLIMIT_NOFILE, &tight), 0);
+    std::string buf(kSize, '\0');
+    read = tier_->Read("ns", Key(0), absl::MakeSpan(buf));
+  }
+  EXPECT_THAT(read, StatusIs(Code::kUnavailable));
+  EXPECT_TRUE(tier_->Contains("ns", Key(0)));
+  EXPECT_EQ(tier_->Stats().integrity_errors, 0u);
+  for (int i = 0; i < 4; ++i)
+    EXPECT_TRUE(ReadsBack(Key(i), Bytes(i, kSize))) << i;
 }
 
 TEST_F(NvmeTierTest, MultiReadMixesHitsMissesAndCorruptBlocks) {

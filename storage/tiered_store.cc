@@ -565,7 +565,7 @@ class TieredStoreImpl final : public TieredStore {
       // may drop blocks of the namespace for a put that then cannot fit.
       RETURN_IF_ERROR(WaitUntilRoomIsPossible(space));
     }
-    if (info) RETURN_IF_ERROR(ChargeQuota(*info, total));
+    if (info) RETURN_IF_ERROR(ChargeQuota(*info, total, would_wait));
 
     uint64_t need = space;  // still to allocate
     for (size_t i = 0; i < blocks.size(); ++i) {
@@ -594,7 +594,7 @@ class TieredStoreImpl final : public TieredStore {
       absl::Status st = created.status();
       if (created.ok()) {
         info = *std::move(created);
-        st = ChargeQuota(*info, total);
+        st = ChargeQuota(*info, total, would_wait);
       }
       if (!st.ok()) {
         FreeSlots(state);
@@ -1314,7 +1314,11 @@ class TieredStoreImpl final : public TieredStore {
   // one. The check and the charge are one compare-and-swap: two callers
   // cannot both take the last room. ResourceExhausted when eviction cannot
   // make room (nothing is charged then; what was evicted stays evicted).
-  absl::Status ChargeQuota(NamespaceInfo& info, uint64_t bytes) {
+  // With `would_wait` (a caller that must not block) and an NVMe tier,
+  // where room must be made (a demotion writes to NVMe): Unavailable,
+  // *would_wait set, nothing evicted or charged.
+  absl::Status ChargeQuota(NamespaceInfo& info, uint64_t bytes,
+                           bool* would_wait = nullptr) {
     const uint64_t quota = info.quota.load();
     if (quota == 0) {
       info.charged.fetch_add(bytes);
@@ -1332,6 +1336,13 @@ class TieredStoreImpl final : public TieredStore {
           return absl::OkStatus();
         }
         continue;  // `charged` reloaded: another put or eviction won
+      }
+      if (would_wait != nullptr && nvme_ != nullptr) {
+        *would_wait = true;
+        return absl::UnavailableError(
+            absl::StrCat("namespace ", info.name,
+                         " is at its quota: making room demotes "
+                         "blocks to NVMe, which waits"));
       }
       // A block a lookup pinned while it was demoted stays: look again.
       if (!EvictOne(/*demote=*/true, /*freed=*/nullptr, info.id)) {
@@ -1809,7 +1820,12 @@ class TieredStoreImpl final : public TieredStore {
   // and fragmentation can still leave no piece big enough.
   absl::Status CheckRoom(uint64_t need) {
     const uint64_t cap = arena_->capacity();
-    const uint64_t used = std::min<uint64_t>(arena_->allocated_bytes(), cap);
+    // Slab pages' unusable ends go with the blocks that keep the pages:
+    // counted as neither used nor pinned here (an upper bound, as above).
+    const uint64_t allocated = arena_->allocated_bytes();
+    const uint64_t tails = arena_->slab_tail_bytes();  // read apart
+    const uint64_t used =
+        std::min<uint64_t>(allocated > tails ? allocated - tails : 0, cap);
     const uint64_t unpinned = index_.unpinned_bytes();
     if (need <= cap - used + unpinned) return absl::OkStatus();
     return absl::ResourceExhaustedError(absl::StrCat(

@@ -411,7 +411,9 @@ class TieredStore {
   // arena too fragmented for it); blocks are dropped instead only when
   // nothing is left to demote or the wait is over.
   // With `would_wait` (a caller that must not block): where making room
-  // would wait (DRAM full, NVMe tier on), returns Unavailable at once with
+  // would wait (DRAM full, or the namespace at its quota, whose room is
+  // made by demoting on the caller's thread; NVMe tier on), returns
+  // Unavailable at once with
   // *would_wait set, having reserved nothing (a batch larger than the DRAM
   // tier: ResourceExhausted as above).
   virtual absl::StatusOr<Reservation> BeginPut(

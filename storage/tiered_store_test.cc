@@ -100,6 +100,19 @@ class TieredStoreTest : public ::testing::Test {
   SessionId sid_ = 0;
 };
 
+// A DRAM tier full of 20000-byte blocks (two 24 KiB slots per 64 KiB page,
+// whose last 16 KiB hold nothing) has room for a big block once those
+// blocks go: the pages' unusable ends come back with them. The room check
+// took those ends for pinned space and refused the put.
+TEST_F(TieredStoreTest, ABigPutIntoDramFullOfSlabPagesEvictsAndFits) {
+  const std::string small(20000, 's');
+  for (int n = 0; n < 200; ++n) ASSERT_OK(Put("s" + std::to_string(n), small));
+  ASSERT_GT(store_->Stats().dram.evictions, 0u) << "DRAM never filled";
+  const std::string big(7 << 19, 'b');  // 3.5 MiB
+  ASSERT_OK(Put("big", big));
+  EXPECT_EQ(Read("big"), big);
+}
+
 TEST_F(TieredStoreTest, PutThenReadReturnsTheSameBytes) {
   std::string bytes(5000, 'x');
   bytes[17] = 'y';
@@ -2013,7 +2026,16 @@ TEST_F(TieredStoreNvmeTest, AQuotaDemotesWhatItEvicts) {
     const uint64_t sum = BlockChecksum(Block(i));
     return store_->CommitPut(sid_, r->id, {&sum, 1}).status();
   };
-  for (int i = 0; i < 8; ++i) ASSERT_OK(put("q" + std::to_string(i), i));
+  for (int i = 0; i < 4; ++i) ASSERT_OK(put("q" + std::to_string(i), i));
+  // A caller that must not block (a UCX request) is told to wait: the
+  // demotion would write to NVMe on its thread.
+  PutSpec spec{"q4", "", Block(4).size()};
+  bool would_wait = false;
+  EXPECT_THAT(store_->BeginPut(sid_, "q", {&spec, 1}, &would_wait),
+              StatusIs(Code::kUnavailable));
+  EXPECT_TRUE(would_wait);
+  EXPECT_EQ(store_->Stats().demotions, 0u);
+  for (int i = 4; i < 8; ++i) ASSERT_OK(put("q" + std::to_string(i), i));
   StoreStats st = store_->Stats();
   EXPECT_EQ(st.demotions, 4u);
   EXPECT_EQ(st.dram.evictions, 4u);
