@@ -65,6 +65,15 @@ struct Transfer {
   // Both stages have returned: nothing of this transfer runs any more.
   bool done ABSL_GUARDED_BY(mu) = false;
 
+  // InvalidArgument for a layer outside [0, num_layers).
+  absl::Status CheckLayer(int layer) const ABSL_SHARED_LOCKS_REQUIRED(mu) {
+    if (layer >= 0 && static_cast<size_t>(layer) < layer_pending.size()) {
+      return absl::OkStatus();
+    }
+    return absl::InvalidArgumentError(absl::StrCat(
+        "layer ", layer, " is outside [0, ", layer_pending.size(), ")"));
+  }
+
   void Fail(absl::Status s) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu) {
     if (status.ok()) status = std::move(s);
   }
@@ -105,10 +114,7 @@ bool PendingTransfer::IsLayerDone(int layer) const {
 absl::Status PendingTransfer::WaitForLayer(int layer) {
   Transfer& t = *transfer_;
   absl::MutexLock lock(&t.mu);
-  if (layer < 0 || static_cast<size_t>(layer) >= t.layer_pending.size()) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "layer ", layer, " is outside [0, ", t.layer_pending.size(), ")"));
-  }
+  RETURN_IF_ERROR(t.CheckLayer(layer));
   // A failed transfer answers only once it is done, so that a caller who
   // falls back (recomputes the blocks) never races a scatter still running.
   auto ready = [&t, layer]() ABSL_SHARED_LOCKS_REQUIRED(t.mu) {
@@ -123,10 +129,7 @@ absl::Status PendingTransfer::WaitForLayerOn(int layer, StreamRef stream) {
   Transfer& t = *transfer_;
   {
     absl::MutexLock lock(&t.mu);
-    if (layer < 0 || static_cast<size_t>(layer) >= t.layer_pending.size()) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          "layer ", layer, " is outside [0, ", t.layer_pending.size(), ")"));
-    }
+    RETURN_IF_ERROR(t.CheckLayer(layer));
     // As WaitForLayer, a failure is answered only once nothing of the
     // transfer runs; but copies already enqueued need no host wait.
     auto ready = [&t, layer]() ABSL_SHARED_LOCKS_REQUIRED(t.mu) {

@@ -219,6 +219,19 @@ class NvmeTierTest : public ::testing::Test {
     return ::testing::AssertionSuccess();
   }
 
+  // Stores blocks 0 .. n-1 of `size` bytes (in one blob file), then
+  // reopens the tier with that file gone.
+  void StoreBlocksAndRemoveTheirBlobFile(int n, size_t size) {
+    Open();
+    for (int i = 0; i < n; ++i) ASSERT_OK(Put(Key(i), Bytes(i, size)));
+    ASSERT_OK(tier_->Flush());
+    Close();
+    const std::vector<std::string> blobs = BlobFiles();
+    ASSERT_EQ(blobs.size(), 1u);
+    ASSERT_TRUE(fs::remove(blobs[0]));
+    Open();
+  }
+
   std::vector<std::string> BlobFiles() const { return FilesEndingIn(".blob"); }
   std::vector<std::string> FilesEndingIn(const std::string& extension) const {
     std::vector<std::string> out;
@@ -786,14 +799,7 @@ TEST_F(NvmeTierTest, ACorruptTableFileStopsWritesWithAClearError) {
 // stopped at it. Now reads and scrubs drop it, and it can be put again.
 TEST_F(NvmeTierTest, BlocksThatCannotBeReadAreDroppedAndCanBePutAgain) {
   constexpr size_t kSize = 64 * kKiB;
-  Open();
-  for (int i = 0; i < 4; ++i) ASSERT_OK(Put(Key(i), Bytes(i, kSize)));
-  ASSERT_OK(tier_->Flush());
-  Close();
-  const std::vector<std::string> blobs = BlobFiles();
-  ASSERT_EQ(blobs.size(), 1u);
-  ASSERT_TRUE(fs::remove(blobs[0]));
-  Open();
+  StoreBlocksAndRemoveTheirBlobFile(4, kSize);
   ASSERT_TRUE(tier_->Contains("ns", Key(0)));
 
   std::string buf(kSize, '\0');
@@ -828,14 +834,7 @@ TEST_F(NvmeTierTest, BlocksThatCannotBeReadAreDroppedAndCanBePutAgain) {
 // compaction now scrubs them away and compacts again, as for a corrupt blob.
 TEST_F(NvmeTierTest, ACompactionThatCannotReadABlobScrubsAndWritesGoOn) {
   constexpr size_t kSize = 64 * kKiB;
-  Open();
-  for (int i = 0; i < 4; ++i) ASSERT_OK(Put(Key(i), Bytes(i, kSize)));
-  ASSERT_OK(tier_->Flush());
-  Close();
-  const std::vector<std::string> blobs = BlobFiles();
-  ASSERT_EQ(blobs.size(), 1u);
-  ASSERT_TRUE(fs::remove(blobs[0]));
-  Open();
+  StoreBlocksAndRemoveTheirBlobFile(4, kSize);
 
   EXPECT_OK(tier_->Compact());
   NvmeTierStats stats = tier_->Stats();

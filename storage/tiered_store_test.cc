@@ -1692,6 +1692,27 @@ class TieredStoreNvmeTest : public ::testing::Test {
     if (pin_id) *pin_id = r->pin_id;
     return r->entries[0];
   }
+  // Puts blocks b0, b1, ... (Block(i)) until DRAM is full: the first put
+  // that would wait for room; *stored of them went in.
+  void FillDram(int* stored) {
+    for (*stored = 0; *stored < 64; ++*stored) {
+      const std::string key = "b" + std::to_string(*stored);
+      PutSpec spec{key, "", 256 << 10};
+      bool would_wait = false;
+      auto r = store_->BeginPut(sid_, "ns", {&spec, 1}, &would_wait);
+      if (!r.ok()) {
+        ASSERT_TRUE(would_wait) << r.status();
+        break;
+      }
+      const std::string bytes = Block(*stored);
+      std::memcpy(store_->dram_region().base + r->slots[0].offset, bytes.data(),
+                  bytes.size());
+      const uint64_t sum = BlockChecksum(bytes);
+      ASSERT_OK(store_->CommitPut(sid_, r->id, {&sum, 1}));
+    }
+    ASSERT_GE(*stored, 8);
+    ASSERT_LT(*stored, 64) << "DRAM never filled";
+  }
   // How many of the keys prefix0 .. prefix<n-1> are in neither tier.
   int Lost(const std::string& prefix, int n) {
     int lost = 0;
@@ -2213,23 +2234,7 @@ TEST_F(TieredStoreNvmeTest, APutIntoFullDramWaitsForRoomNotForTheWholeRound) {
   Open(/*admit_min_reads=*/0, /*background_eviction=*/true,
        /*high_watermark=*/1.0);
   int stored = 0;
-  for (; stored < 64; ++stored) {
-    const std::string key = "b" + std::to_string(stored);
-    PutSpec spec{key, "", 256 << 10};
-    bool would_wait = false;
-    auto r = store_->BeginPut(sid_, "ns", {&spec, 1}, &would_wait);
-    if (!r.ok()) {
-      ASSERT_TRUE(would_wait) << r.status();
-      break;
-    }
-    const std::string bytes = Block(stored);
-    std::memcpy(store_->dram_region().base + r->slots[0].offset, bytes.data(),
-                bytes.size());
-    const uint64_t sum = BlockChecksum(bytes);
-    ASSERT_OK(store_->CommitPut(sid_, r->id, {&sum, 1}));
-  }
-  ASSERT_GE(stored, 8);
-  ASSERT_LT(stored, 64) << "DRAM never filled";
+  ASSERT_NO_FATAL_FAILURE(FillDram(&stored));
   // The put refused above may have woken the evictor already: count from
   // here, both of them.
   const StoreStats before = store_->Stats();
@@ -2278,23 +2283,7 @@ TEST_F(TieredStoreNvmeTest, ADemotedBlockAReaderPinnedWakesNoWaitingPut) {
   Open(/*admit_min_reads=*/0, /*background_eviction=*/true,
        /*high_watermark=*/1.0);
   int stored = 0;
-  for (; stored < 64; ++stored) {
-    const std::string key = "b" + std::to_string(stored);
-    PutSpec spec{key, "", 256 << 10};
-    bool would_wait = false;
-    auto r = store_->BeginPut(sid_, "ns", {&spec, 1}, &would_wait);
-    if (!r.ok()) {
-      ASSERT_TRUE(would_wait) << r.status();
-      break;
-    }
-    const std::string bytes = Block(stored);
-    std::memcpy(store_->dram_region().base + r->slots[0].offset, bytes.data(),
-                bytes.size());
-    const uint64_t sum = BlockChecksum(bytes);
-    ASSERT_OK(store_->CommitPut(sid_, r->id, {&sum, 1}));
-  }
-  ASSERT_GE(stored, 8);
-  ASSERT_LT(stored, 64) << "DRAM never filled";
+  ASSERT_NO_FATAL_FAILURE(FillDram(&stored));
   // (The put refused above started no round: the high mark is never
   // passed.)
   const StoreStats before = store_->Stats();
