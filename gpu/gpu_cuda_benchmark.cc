@@ -4,8 +4,8 @@
 //
 //   gather / scatter (device cache <-> device transfer objects) vs
 //     cudaMemcpyAsync device-to-device of the same bytes (aim >= 0.70): as
-//     64 copies of one object each (the baseline), and as one copy of all
-//     of them (the peak);
+//     one copy of all of them (the peak, which the aim is judged against)
+//     and as 64 copies of one object each (the baseline, for information);
 //   the staging pipeline's save (cache -> pinned host ring -> a sink that
 //     takes the bytes) vs cudaMemcpyAsync device-to-pinned-host of the same
 //     bytes (aim >= 0.80), likewise as 64 copies and as one.
@@ -85,6 +85,10 @@ struct Result {
   double ours_gbps = 0, baseline_gbps = 0, peak_gbps = 0;
   double host_us = 0;  // host time to queue one of our calls (best round)
   bool gate_timeout = false;
+  // Issue 6's aim for this measurement, judged against the peak (one copy
+  // of the same bytes: what "a cudaMemcpy of the same bytes" is; 64
+  // separate copies can be slower than one, and would flatter us).
+  double aim = 0;
 };
 
 // A stream held by a host function until Open() (or kGateLimit): work
@@ -244,6 +248,7 @@ bool RunLayout(const std::string& name, const KvLayout& layout, int rounds,
   // Gather can return at once, and its time would look like a fast one.
   Result gather{name, "gather vs D2D memcpy"};
   Result scatter{name, "scatter vs D2D memcpy"};
+  gather.aim = scatter.aim = 0.70;
   bool ok = true;
   for (int r = 0; r < rounds && ok; ++r) {
     const Window g = Timed(stream, [&] {
@@ -299,6 +304,7 @@ bool RunLayout(const std::string& name, const KvLayout& layout, int rounds,
     Result save{name, blocks_per_piece == 1
                           ? "staging save vs D2H memcpy"
                           : "staging save, 8 blocks per piece, vs D2H memcpy"};
+    save.aim = 0.80;
     StagingOptions options;
     options.layers_per_piece = std::max(1, layout.num_layers() / 4);
     options.blocks_per_piece = blocks_per_piece;
@@ -345,10 +351,16 @@ bool RunLayout(const std::string& name, const KvLayout& layout, int rounds,
   return ok;
 }
 
+// Issue 6's aims over the measurements reported so far.
+struct AimTally {
+  int met = 0, judged = 0;
+};
+
 // One measurement: a line on stdout (flushed) and its JSON object
-// appended to `json`. Returns false for a measurement with no successful
-// round.
-bool Report(const Result& r, std::string* json) {
+// appended to `json`, with whether it meets its aim (against the one copy;
+// a verdict reported, not an exit status: timings fail no run). Returns
+// false for a measurement with no successful round.
+bool Report(const Result& r, std::string* json, AimTally* aims) {
   const char* sep = json->back() == '[' ? "" : ",";
   const bool measured = r.ours_gbps > 0 && r.baseline_gbps > 0 && r.peak_gbps > 0;
   if (!measured) {
@@ -364,18 +376,24 @@ bool Report(const Result& r, std::string* json) {
   }
   const double ratio = r.ours_gbps / r.baseline_gbps;
   const double to_peak = r.ours_gbps / r.peak_gbps;
+  const bool met = to_peak >= r.aim;
+  ++aims->judged;
+  aims->met += met;
   std::printf(
-      "%-18s %-28s %8.2f GB/s vs %8.2f GB/s (64 copies) ratio %.2f; "
-      "vs %8.2f GB/s (one copy) ratio %.2f; host %.0f us/call%s\n",
-      r.layout.c_str(), r.what.c_str(), r.ours_gbps, r.baseline_gbps, ratio,
-      r.peak_gbps, to_peak, r.host_us, r.gate_timeout ? " (gate timeout)" : "");
-  absl::StrAppendFormat(json,
-                        "%s{\"layout\":\"%s\",\"what\":\"%s\",\"gbps\":%.3f,"
-                        "\"baseline_gbps\":%.3f,\"ratio\":%.4f,\"peak_gbps\":%.3f,"
-                        "\"ratio_to_peak\":%.4f,\"host_us\":%.1f,\"gate_timeout\":%s}",
-                        sep, r.layout, r.what, r.ours_gbps, r.baseline_gbps, ratio,
-                        r.peak_gbps, to_peak, r.host_us,
-                        r.gate_timeout ? "true" : "false");
+      "%-18s %-28s %8.2f GB/s vs %8.2f GB/s (one copy) ratio %.2f: aim %.2f "
+      "%s; vs %8.2f GB/s (64 copies) ratio %.2f; host %.0f us/call%s\n",
+      r.layout.c_str(), r.what.c_str(), r.ours_gbps, r.peak_gbps, to_peak,
+      r.aim, met ? "met" : "NOT met", r.baseline_gbps, ratio, r.host_us,
+      r.gate_timeout ? " (gate timeout)" : "");
+  absl::StrAppendFormat(
+      json,
+      "%s{\"layout\":\"%s\",\"what\":\"%s\",\"gbps\":%.3f,"
+      "\"baseline_gbps\":%.3f,\"ratio\":%.4f,\"peak_gbps\":%.3f,"
+      "\"ratio_to_peak\":%.4f,\"aim\":%.2f,\"aim_met\":%s,"
+      "\"host_us\":%.1f,\"gate_timeout\":%s}",
+      sep, r.layout, r.what, r.ours_gbps, r.baseline_gbps, ratio, r.peak_gbps,
+      to_peak, r.aim, met ? "true" : "false", r.host_us,
+      r.gate_timeout ? "true" : "false");
   std::fflush(stdout);
   return true;
 }
@@ -427,6 +445,7 @@ int Main(int argc, char** argv) {
       "\"calls_per_window\":%d,\"rounds\":%d,\"results\":[",
       prop.name, kMoved, kRepeats, rounds);
   bool ok = true;
+  AimTally aims;
   for (const Case& c : cases) {
     KvLayout layout =
         c.kind == KvCacheLayout::kMla
@@ -434,9 +453,16 @@ int Main(int argc, char** argv) {
             : KvLayout::Mha(c.kind, 32, 16, 8, 128, c.dtype).value();
     std::vector<Result> results;
     ok = RunLayout(c.name, layout, rounds, &results) && ok;
-    for (const Result& r : results) ok = Report(r, &json) && ok;
+    for (const Result& r : results) ok = Report(r, &json, &aims) && ok;
   }
-  absl::StrAppendFormat(&json, "],\"ok\":%s}\n", ok ? "true" : "false");
+  // The verdict on issue 6's aims (read by run_gpu_checks.sh's summary).
+  std::printf(
+      "aims: %d of %d measurements met their aim (ours / one copy of "
+      "the same bytes: gather, scatter >= 0.70; staging save >= 0.80)\n",
+      aims.met, aims.judged);
+  absl::StrAppendFormat(&json,
+                        "],\"aims_met\":%d,\"aims_judged\":%d,\"ok\":%s}\n",
+                        aims.met, aims.judged, ok ? "true" : "false");
   if (!json_path.empty()) {
     FILE* f = std::fopen(json_path.c_str(), "w");
     if (f == nullptr || std::fputs(json.c_str(), f) < 0 || std::fclose(f) != 0) {
