@@ -13,6 +13,7 @@
 #include <utility>
 
 #include "absl/base/thread_annotations.h"
+#include "absl/cleanup/cleanup.h"
 #include "absl/container/flat_hash_map.h"
 #include "absl/container/flat_hash_set.h"
 #include "absl/container/node_hash_map.h"
@@ -125,6 +126,8 @@ constexpr char kCorruptTableSuffix[] =
     "is moved away (its blocks are lost; reads go on meanwhile, each "
     "verified)";
 constexpr absl::Duration kShutdownResumeWait = absl::Seconds(10);
+// How long MakeWritesDurable waits for puts in flight (see there).
+constexpr absl::Duration kUnloggedWriteWait = absl::Seconds(10);
 // After an automatic compaction met a corrupt blob (see ErrorListener), the
 // maintenance thread scrubs the tier, at most once per this long (tier's
 // clock): a corruption the scrub cannot drop would otherwise have every
@@ -553,6 +556,9 @@ class NvmeTierImpl final : public NvmeTier {
   // Notes that a write without the WAL has landed in a memtable (call it
   // after the write): the flush timer starts counting its age.
   void NoteUnflushedWrite();
+  // Counts a put without the WAL in flight (unlogged_writes_).
+  void BeginUnloggedWrite();
+  void EndUnloggedWrite();
   // Flushes the memtables when the oldest unflushed write is
   // max_unflushed_age old (see MaintenanceLoop). Any thread, no lock held.
   void FlushIfDue() {
@@ -577,6 +583,8 @@ class NvmeTierImpl final : public NvmeTier {
   // The age of what only the memtables hold (NvmeTierOptions::
   // max_unflushed_age). A leaf lock: nothing is locked under it.
   absl::Mutex flush_mu_;
+  // Puts without the WAL between BeginUnloggedWrite and EndUnloggedWrite.
+  int unlogged_writes_ ABSL_GUARDED_BY(flush_mu_) = 0;
   // When the oldest write not known to be flushed landed; InfiniteFuture()
   // when there is none.
   absl::Time unflushed_since_ ABSL_GUARDED_BY(flush_mu_) =
@@ -870,6 +878,18 @@ void NvmeTierImpl::NoteUnflushedWrite() {
   }
 }
 
+void NvmeTierImpl::BeginUnloggedWrite() {
+  if (options_.use_wal) return;
+  absl::MutexLock lock(&flush_mu_);
+  ++unlogged_writes_;
+}
+
+void NvmeTierImpl::EndUnloggedWrite() {
+  if (options_.use_wal) return;
+  absl::MutexLock lock(&flush_mu_);
+  --unlogged_writes_;
+}
+
 void NvmeTierImpl::MaintenanceLoop() {
   const absl::Duration tick =
       std::clamp(options_.max_unflushed_age / 4, absl::Milliseconds(10),
@@ -926,6 +946,18 @@ absl::Status NvmeTierImpl::FlushUnflushed(absl::Duration min_age) {
 }
 
 absl::Status NvmeTierImpl::MakeWritesDurable() {
+  {
+    // A put in flight may have retired blocks (its capacity eviction) whose
+    // delete is not written yet: the caller (an admin Evict) did not see
+    // them, and a flush now would not hold their delete. Waits for those
+    // puts, up to kUnloggedWriteWait (a put that takes longer is stuck in
+    // RocksDB: what is flushed then is what has landed).
+    absl::MutexLock lock(&flush_mu_);
+    auto none = [this]() ABSL_SHARED_LOCKS_REQUIRED(flush_mu_) {
+      return unlogged_writes_ == 0;
+    };
+    flush_mu_.AwaitWithTimeout(absl::Condition(&none), kUnloggedWriteWait);
+  }
   return FlushUnflushed(absl::ZeroDuration());
 }
 
@@ -1412,6 +1444,10 @@ absl::StatusOr<NvmePutOutcome> NvmeTierImpl::Put(absl::string_view ns,
     return writable;
   }
 
+  // From before it retires its victims (no longer listed: Meta, ForEach)
+  // until its write is noted unflushed: MakeWritesDurable waits for it.
+  BeginUnloggedWrite();
+  absl::Cleanup unlogged_write_ended = [this] { EndUnloggedWrite(); };
   std::vector<Retired> victims;
   uint64_t victim_bytes = 0;
   // The index key of our kWriting entry. Only this call changes or erases

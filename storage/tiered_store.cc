@@ -894,8 +894,12 @@ class TieredStoreImpl final : public TieredStore {
     absl::Status nvme_error;
     auto drop_nvme = [&](absl::string_view k, bool count) {
       if (nvme_ == nullptr) return false;
+      // Meta lists stored blocks only. One the tier is evicting itself (a
+      // demotion's batch, without the WAL, in flight) is not, yet Delete
+      // is made all the same: it waits for that batch, so that
+      // MakeWritesDurable (Evict) covers it, or deletes the block if the
+      // batch failed and brought it back (its bytes then go uncounted).
       absl::StatusOr<NvmeBlockMeta> meta = nvme_->Meta(ns, k);
-      if (!meta.ok()) return false;
       if (absl::Status st = nvme_->Delete(ns, k); !st.ok()) {
         if (absl::IsNotFound(st)) return false;  // the tier evicted it
         if (nvme_error.ok()) {
@@ -908,7 +912,7 @@ class TieredStoreImpl final : public TieredStore {
       admin_evictions_nvme_.fetch_add(1, std::memory_order_relaxed);
       if (count) {
         ++result.evicted_blocks;
-        result.evicted_bytes += meta->size;
+        if (meta.ok()) result.evicted_bytes += meta->size;
       }
       return true;
     };

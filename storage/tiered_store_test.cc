@@ -3058,6 +3058,51 @@ TEST_F(TieredStoreNvmeTest,
   }
 }
 
+// The same, with the admin evict of the block while the tier's own eviction
+// of it is in flight (the demotion's batch, without the WAL, not written
+// yet): the evict saw no block (the tier no longer listed it), made nothing
+// durable (the batch had not landed), and after a crash the block was back.
+// It now waits for that write and makes it durable before it answers.
+class TieredStoreNvmeEvictTest : public TieredStoreNvmeTest,
+                                 public ::testing::WithParamInterface<bool> {};
+
+TEST_P(TieredStoreNvmeEvictTest,
+       AnAdminEvictDuringTheTiersOwnEvictionOfTheBlockMakesItDurable) {
+  const bool all = GetParam();  // the namespace, else the one key
+  nvme_capacity_ = 3 << 20;
+  Open(/*admit_min_reads=*/0, /*background_eviction=*/false);
+  for (int i = 0; i < 8; ++i) Put("a" + std::to_string(i), Block(i), "", "A");
+  ASSERT_OK(store_->PersistDram());  // A on NVMe, flushed
+  for (int i = 0; i < 12; ++i) Put("b" + std::to_string(i), Block(i), "", "B");
+  std::thread evict;
+  absl::Notification evict_started;
+  absl::StatusOr<EvictResult> evicted;
+  internal::SyncPointCallback during("NvmeTier::Put:Writing", [&](void*) {
+    if (evict_started.HasBeenNotified()) return;
+    // A demotion whose batch retires a0 (the tier no longer lists it).
+    absl::StatusOr<BlockDetails> a0 = store_->Inspect("A", "a0");
+    if (a0.ok() && a0->in_nvme) return;
+    evict_started.Notify();
+    evict = std::thread([&] {
+      absl::string_view k = "a0";
+      evicted = all ? store_->Evict("A", {}, /*all=*/true)
+                    : store_->Evict("A", {&k, 1}, /*all=*/false);
+    });
+    absl::SleepFor(absl::Milliseconds(200));  // the evict runs meanwhile
+  });
+  EXPECT_GT(store_->RunEviction(), 0u);
+  ASSERT_TRUE(evict_started.HasBeenNotified())
+      << "the tier evicted none of A: nothing to test";
+  evict.join();
+  ASSERT_OK(evicted.status());
+  std::unique_ptr<NvmeTier> tier = OpenCrashImage();
+  ASSERT_NE(tier, nullptr);
+  EXPECT_FALSE(tier->Contains("A", "a0")) << "back after a crash";
+}
+
+INSTANTIATE_TEST_SUITE_P(KeyOrNamespace, TieredStoreNvmeEvictTest,
+                         ::testing::Bool());
+
 // Put-if-absent holds across the tiers: a key kept only on NVMe is stored,
 // so a second put of it writes nothing, even with other bytes (which only
 // a broken client sends), and every lookup reports the first bytes.
