@@ -73,6 +73,10 @@
 # Needs: the kvdepotd, kvdepot-bench and redis-load builds, redis-server, redis-benchmark,
 # redis-cli (Debian redis-server, redis-tools) and python3 (standard library).
 set -euo pipefail
+# For the report: what was run, at which commit.
+export COMPARE_REDIS_COMMAND="$0 $*"
+COMPARE_REDIS_COMMIT="$(git -C "$(dirname "$0")" rev-parse --short HEAD 2>/dev/null || echo unknown)"
+export COMPARE_REDIS_COMMIT
 
 REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 BUILD="$REPO/build"
@@ -681,6 +685,16 @@ for workload, size, clients, batch in cases:
     old_ratio = None
     if gbps(kvd) is not None and gbps(old):
         old_ratio = kvd["gb_per_sec"] / old["gb_per_sec"]
+    # The spread: per round, kvdepot's run against Redis's best of the same
+    # row and round (runs that alternated with it), so that one lucky run
+    # on either side shows as such.
+    per_round = []
+    for rnd in sorted({r["round"] for r in rs}):
+        k_r = side_summary([r for r in rs if r["side"] == "kvdepot" and r["round"] == rnd])
+        r_r = side_summary([r for r in rs if r["side"] == "redis" and r["round"] == rnd
+                            and r["pipeline"] in pipes])
+        if gbps(k_r) is not None and gbps(r_r):
+            per_round.append(round(k_r["gb_per_sec"] / r_r["gb_per_sec"], 4))
     slower = None
     if batch > 1 and gbps(by_p.get(str(batch))) is not None and gbps(by_p.get("1")) is not None:
         slower = by_p[str(batch)]["gb_per_sec"] < by_p["1"]["gb_per_sec"]
@@ -692,6 +706,9 @@ for workload, size, clients, batch in cases:
         "redis_pipelined_slower_than_p1": slower,
         "ratio_gb_per_sec": None if ratio is None else round(ratio, 4),
         "old_ratio_redis_benchmark_row_only": None if old_ratio is None else round(old_ratio, 4),
+        "ratio_per_round": per_round,
+        "ratio_per_round_min": min(per_round) if per_round else None,
+        "ratio_per_round_max": max(per_round) if per_round else None,
     })
 
 report = {
@@ -735,7 +752,11 @@ report = {
     "ratio": "kvdepot GB/s / redis GB/s (redis: best of -P B and -P 1, of its clients, "
              "and of tcp and unix where both ran, pooled over the rows of this run); "
              "old_ratio_redis_benchmark_row_only: the method until 2026-12-06: redis-benchmark "
-             "only, the row's own runs, the last attempt of each",
+             "only, the row's own runs, the last attempt of each; ratio_per_round: "
+             "per round, kvdepot's run / Redis's best of the same row and round "
+             "(the spread of the estimate)",
+    "command": os.environ.get("COMPARE_REDIS_COMMAND", ""),
+    "commit": os.environ.get("COMPARE_REDIS_COMMIT", ""),
     "results": results,
 }
 with open(out_path, "w") as f:
@@ -760,7 +781,7 @@ def via(transport):
 
 header = ("workload", "block", "clients", "batch", "via", "kvdepot GB/s",
           "redis -P B GB/s", "redis -P 1 GB/s", "r-bench GB/s", "r-load GB/s",
-          "redis best", "ratio", "old ratio", "kvdepot p99 us", "note")
+          "redis best", "ratio", "per round", "old ratio", "kvdepot p99 us", "note")
 rows = []
 for r in results:
     k = r["kvdepot"] or {}
@@ -785,6 +806,8 @@ for r in results:
                  fmt(p1, ".3f"), fmt(gbps(by_tool.get("redis-benchmark")), ".3f"),
                  fmt(gbps(by_tool.get("redis-load")), ".3f"), best_of,
                  fmt(r["ratio_gb_per_sec"], ".2f"),
+                 (f"{r['ratio_per_round_min']:.2f}-{r['ratio_per_round_max']:.2f}"
+                  if r["ratio_per_round"] else "-"),
                  fmt(r["old_ratio_redis_benchmark_row_only"], ".2f"),
                  fmt(k.get("p99_us"), ".0f"), "; ".join(notes) or "-"))
 widths = [max(len(h), *(len(row[i]) for row in rows)) if rows else len(h)
@@ -801,7 +824,9 @@ print("batch: blocks per round trip (kvdepot --batch); Redis ran -P B and -P 1 w
       "connection kinds; r-bench / r-load: best of redis-benchmark / redis-load alone), "
       "its best run of the same workload anywhere in this run is the baseline (redis "
       "best: which; \"bN row\": made for batch N's row). old ratio: against "
-      "redis-benchmark's best in the row's own runs (the method until 2026-12-06). Redis "
+      "redis-benchmark's best in the row's own runs (the method until 2026-12-06). per "
+      "round: the range over rounds of kvdepot's run / Redis's best of the same row and "
+      "round (the estimate's spread). Redis "
       "GB/s: values served, checked against its INFO counters. p99: kvdepot per call "
       "(whole batch); Redis's are in the JSON only")
 print(f"JSON: {out_path}")

@@ -40,6 +40,8 @@
 # SIGTERM, SIGKILL after 10 s). Exit 0 when every run succeeded, 1 when
 # one failed, 2 for usage errors. Needs the kvdepotd and kvdepot-bench builds.
 set -euo pipefail
+COMMAND_LINE="$0 $*"
+COMMAND_LINE=${COMMAND_LINE//\"/\\\"}  # as a JSON string
 
 REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 BUILD="$REPO/build"
@@ -268,6 +270,8 @@ for op in $OPS; do
 done
 {
   echo "{\"benchmark\": \"compare_requests\", \"date\": \"$(date -u +%Y-%m-%dT%H:%M:%SZ)\","
+  echo " \"host\": \"$(hostname)\", \"commit\": \"$(git -C "$(dirname "$0")" rev-parse --short HEAD 2>/dev/null || echo unknown)\","
+  echo " \"command\": \"$COMMAND_LINE\","
   echo " \"compare\": \"$COMPARE\", \"workload\": \"$WORKLOAD\","
   echo " \"block_size\": $BLOCK, \"ucx_tls\": \"$TLS\", \"duration_s\": $DURATION, \"rounds_per_side\": $ROUNDS,"
   echo " \"results\": ["

@@ -34,6 +34,7 @@ SIGKILL after 20 s).
 import argparse
 import json
 import os
+import platform
 import re
 import shutil
 import signal
@@ -45,6 +46,16 @@ import time
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
+
+
+def _commit():
+    """The checkout's commit, for the report ("unknown" outside git)."""
+    try:
+        return subprocess.run(["git", "-C", os.path.dirname(os.path.abspath(__file__)),
+                               "rev-parse", "--short", "HEAD"], capture_output=True,
+                              text=True, check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
 
 def _exit_on_signal(signum, _frame) -> None:
     """SIGTERM (and SIGHUP) end the run as Ctrl-C does: through main's
@@ -225,6 +236,8 @@ def main() -> int:
         with open(a.out, "w") as f:
             json.dump({"benchmark": "compare_store_pipeline",
                        "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+                       "host": platform.node(), "command": " ".join(sys.argv),
+                       "commit": _commit(),
                        "blocks": n, "object_bytes": layout.object_bytes,
                        "layout": repr(layout), "pipeline_batches": a.batches,
                        "failed": failed, "results": rows, "rounds": rounds}, f, indent=1)

@@ -10,6 +10,7 @@
 //             [--block-size 262144] [--batch 8] [--seconds 3]
 //             [--region-size 67108864]
 #include <algorithm>
+#include <cmath>
 #include <atomic>
 #include <cstdio>
 #include <cstdlib>
@@ -160,11 +161,14 @@ int Client(const Args& a, const char* self) {
                           r.batch_us.end());
   }
   std::sort(total.batch_us.begin(), total.batch_us.end());
+  // Nearest rank (as tools/bench_tally.h): the p99 of 100 batches is the
+  // 99th, not the largest.
   auto pct = [&](double p) {
     if (total.batch_us.empty()) return 0.0;
-    return total.batch_us[std::min(
-        total.batch_us.size() - 1,
-        static_cast<size_t>(p * static_cast<double>(total.batch_us.size())))];
+    const double rank =
+        std::ceil(p * static_cast<double>(total.batch_us.size()));
+    const size_t index = static_cast<size_t>(std::max(1.0, rank)) - 1;
+    return total.batch_us[std::min(index, total.batch_us.size() - 1)];
   };
   std::printf(
       "{\"tool\": \"ucx_bench\", \"transport\": \"%s\", \"op\": \"%s\", "
