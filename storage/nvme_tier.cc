@@ -9,6 +9,7 @@
 #include <limits>
 #include <memory>
 #include <optional>
+#include <set>
 #include <thread>
 #include <utility>
 
@@ -556,9 +557,10 @@ class NvmeTierImpl final : public NvmeTier {
   // Notes that a write without the WAL has landed in a memtable (call it
   // after the write): the flush timer starts counting its age.
   void NoteUnflushedWrite();
-  // Counts a put without the WAL in flight (unlogged_writes_).
-  void BeginUnloggedWrite();
-  void EndUnloggedWrite();
+  // A put without the WAL in flight (unlogged_writes_): its ticket (0 with
+  // the WAL), given back to EndUnloggedWrite.
+  uint64_t BeginUnloggedWrite();
+  void EndUnloggedWrite(uint64_t ticket);
   // Flushes the memtables when the oldest unflushed write is
   // max_unflushed_age old (see MaintenanceLoop). Any thread, no lock held.
   void FlushIfDue() {
@@ -583,8 +585,10 @@ class NvmeTierImpl final : public NvmeTier {
   // The age of what only the memtables hold (NvmeTierOptions::
   // max_unflushed_age). A leaf lock: nothing is locked under it.
   absl::Mutex flush_mu_;
-  // Puts without the WAL between BeginUnloggedWrite and EndUnloggedWrite.
-  int unlogged_writes_ ABSL_GUARDED_BY(flush_mu_) = 0;
+  // The tickets of the puts without the WAL between BeginUnloggedWrite and
+  // EndUnloggedWrite, and the last ticket given.
+  std::set<uint64_t> unlogged_writes_ ABSL_GUARDED_BY(flush_mu_);
+  uint64_t last_unlogged_ticket_ ABSL_GUARDED_BY(flush_mu_) = 0;
   // When the oldest write not known to be flushed landed; InfiniteFuture()
   // when there is none.
   absl::Time unflushed_since_ ABSL_GUARDED_BY(flush_mu_) =
@@ -878,16 +882,18 @@ void NvmeTierImpl::NoteUnflushedWrite() {
   }
 }
 
-void NvmeTierImpl::BeginUnloggedWrite() {
-  if (options_.use_wal) return;
+uint64_t NvmeTierImpl::BeginUnloggedWrite() {
+  if (options_.use_wal) return 0;
   absl::MutexLock lock(&flush_mu_);
-  ++unlogged_writes_;
+  const uint64_t ticket = ++last_unlogged_ticket_;
+  unlogged_writes_.insert(ticket);
+  return ticket;
 }
 
-void NvmeTierImpl::EndUnloggedWrite() {
+void NvmeTierImpl::EndUnloggedWrite(uint64_t ticket) {
   if (options_.use_wal) return;
   absl::MutexLock lock(&flush_mu_);
-  --unlogged_writes_;
+  unlogged_writes_.erase(ticket);
 }
 
 void NvmeTierImpl::MaintenanceLoop() {
@@ -952,11 +958,20 @@ absl::Status NvmeTierImpl::MakeWritesDurable() {
     // them, and a flush now would not hold their delete. Waits for those
     // puts, up to kUnloggedWriteWait (a put that takes longer is stuck in
     // RocksDB: what is flushed then is what has landed).
+    // Only the puts begun before this call: later ones, however many
+    // overlap, do not hold it up.
     absl::MutexLock lock(&flush_mu_);
-    auto none = [this]() ABSL_SHARED_LOCKS_REQUIRED(flush_mu_) {
-      return unlogged_writes_ == 0;
+    const uint64_t last = last_unlogged_ticket_;
+    auto ended = [this, last]() ABSL_SHARED_LOCKS_REQUIRED(flush_mu_) {
+      return unlogged_writes_.empty() || *unlogged_writes_.begin() > last;
     };
-    flush_mu_.AwaitWithTimeout(absl::Condition(&none), kUnloggedWriteWait);
+    if (!flush_mu_.AwaitWithTimeout(absl::Condition(&ended),
+                                    kUnloggedWriteWait)) {
+      return absl::UnavailableError(absl::StrCat(
+          "NVMe tier: a put begun before this call has not ended in ",
+          absl::FormatDuration(kUnloggedWriteWait),
+          " (RocksDB stalled?): its evictions may not be durable yet"));
+    }
   }
   return FlushUnflushed(absl::ZeroDuration());
 }
@@ -1446,8 +1461,10 @@ absl::StatusOr<NvmePutOutcome> NvmeTierImpl::Put(absl::string_view ns,
 
   // From before it retires its victims (no longer listed: Meta, ForEach)
   // until its write is noted unflushed: MakeWritesDurable waits for it.
-  BeginUnloggedWrite();
-  absl::Cleanup unlogged_write_ended = [this] { EndUnloggedWrite(); };
+  const uint64_t unlogged_ticket = BeginUnloggedWrite();
+  absl::Cleanup unlogged_write_ended = [this, unlogged_ticket] {
+    EndUnloggedWrite(unlogged_ticket);
+  };
   std::vector<Retired> victims;
   uint64_t victim_bytes = 0;
   // The index key of our kWriting entry. Only this call changes or erases

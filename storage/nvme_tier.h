@@ -370,9 +370,12 @@ class NvmeTier {
   // Makes every write made before this call durable: flushes the memtables
   // when writes made without the WAL (puts, and the deletes of the tier's
   // own evictions) wait for the flush timer; a no-op when none do (or with
-  // the WAL). An admin evict calls it before it answers, so that blocks the
-  // tier evicted just before, which it no longer lists, stay gone after a
-  // crash too. Unavailable when the database takes no writes.
+  // the WAL). Puts begun before this call (whose evictions the caller may
+  // not have seen listed) are waited for first, up to 10 s (Unavailable
+  // then); later ones are not. An admin evict calls it before it answers,
+  // so that blocks the tier evicted just before, which it no longer lists,
+  // stay gone after a crash too. Unavailable when the database takes no
+  // writes.
   virtual absl::Status MakeWritesDurable() = 0;
 
   virtual const NvmeTierOptions& options() const = 0;

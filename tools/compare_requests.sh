@@ -40,8 +40,16 @@
 # SIGTERM, SIGKILL after 10 s). Exit 0 when every run succeeded, 1 when
 # one failed, 2 for usage errors. Needs the kvdepotd and kvdepot-bench builds.
 set -euo pipefail
-COMMAND_LINE="$0 $*"
-COMMAND_LINE=${COMMAND_LINE//\"/\\\"}  # as a JSON string
+# The command line as the body of a JSON string: each argument quoted as
+# the shell would take it back, then backslashes, quotes and control
+# characters escaped.
+COMMAND_LINE="$(printf '%q ' "$0" "$@")"
+COMMAND_LINE=${COMMAND_LINE% }
+COMMAND_LINE=${COMMAND_LINE//\\/\\\\}
+COMMAND_LINE=${COMMAND_LINE//\"/\\\"}
+COMMAND_LINE=${COMMAND_LINE//$'\t'/\\t}
+COMMAND_LINE=${COMMAND_LINE//$'\r'/\\r}
+COMMAND_LINE=${COMMAND_LINE//$'\n'/\\n}
 
 REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 BUILD="$REPO/build"
