@@ -20,6 +20,7 @@
 #include <memory>
 #include <random>
 #include <thread>
+#include <utility>
 #include <vector>
 
 #include "absl/synchronization/mutex.h"
@@ -151,6 +152,13 @@ struct Event {
   absl::Mutex mu;
   Stream* stream = nullptr;  // null: never recorded
   uint64_t target = 0;
+
+  // The last record: its stream (null: never recorded) and that stream's
+  // work count to reach.
+  std::pair<Stream*, uint64_t> Recorded() {
+    absl::MutexLock lock(&mu);
+    return {stream, target};
+  }
 };
 
 enum class Kind { kPinned, kRegistered, kDevice };
@@ -543,16 +551,12 @@ cudaError_t cudaStreamWaitEvent(cudaStream_t s, cudaEvent_t event,
   if (event == nullptr) return Fail(cudaErrorInvalidResourceHandle);
   if (flags != 0) return Fail(cudaErrorInvalidValue);  // only the default
   if (Sticky() != cudaSuccess) return Fail(Sticky());
-  Event* e = reinterpret_cast<Event*>(event);
-  Stream* recorded;
-  uint64_t target;
-  {
-    absl::MutexLock lock(&e->mu);
-    recorded = e->stream;
-    target = e->target;
-  }
-  if (recorded == nullptr) return cudaSuccess;  // never recorded: no wait
-  ToStream(s)->Enqueue([recorded, target] { recorded->WaitFor(target); });
+  // (A pair, not a structured binding: C++17 lambdas cannot capture one.)
+  const std::pair<Stream*, uint64_t> recorded =
+      reinterpret_cast<Event*>(event)->Recorded();
+  if (recorded.first == nullptr) return cudaSuccess;  // never recorded: no wait
+  ToStream(s)->Enqueue(
+      [recorded] { recorded.first->WaitFor(recorded.second); });
   return cudaSuccess;
 }
 
@@ -572,14 +576,7 @@ cudaError_t cudaEventQuery(cudaEvent_t event) {
 
 cudaError_t cudaEventSynchronize(cudaEvent_t event) {
   if (event == nullptr) return Fail(cudaErrorInvalidResourceHandle);
-  Event* e = reinterpret_cast<Event*>(event);
-  Stream* stream;
-  uint64_t target;
-  {
-    absl::MutexLock lock(&e->mu);
-    stream = e->stream;
-    target = e->target;
-  }
+  const auto [stream, target] = reinterpret_cast<Event*>(event)->Recorded();
   if (stream != nullptr) stream->WaitFor(target);
   return Sticky() != cudaSuccess ? Fail(Sticky()) : cudaSuccess;
 }
