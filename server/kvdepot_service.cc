@@ -39,6 +39,12 @@ constexpr absl::string_view kNoUcxEndpoint = "no UCX endpoint for the client: ";
 // millisecond; a remote one, a few round trips).
 constexpr absl::Duration kMinWireUp = absl::Milliseconds(50);
 
+// New sessions and Read streams once SIGTERM has come (BeginShutdown).
+absl::Status StoppingError() {
+  return absl::UnavailableError(
+      "kvdepotd is stopping: it opens no new sessions or reads");
+}
+
 // What a PullBlocks request with data may drop (the bytes of blocks stored
 // already) beyond its new blocks' bytes, before its data is left unread
 // and the new blocks are read from their sources instead (StartPullBlocks).
@@ -128,7 +134,7 @@ int KvDepotService::CancelIdleStreams(absl::Duration idle) {
   absl::MutexLock lock(&streams_mu_);
   for (Stream* s : streams_) {
     if (s->last_progress() < cutoff) {
-      s->Cancel();
+      s->CancelIdle(idle);
       ++n;
     }
   }
@@ -193,6 +199,7 @@ grpc::ServerUnaryReactor* KvDepotService::OpenSession(
       Finisher("OpenSession", reactor);
   absl::StatusOr<SessionGrant> grant = [&]() -> absl::StatusOr<SessionGrant> {
     RETURN_IF_ERROR(ValidateOpenSession(*req));
+    if (shutting_down()) return StoppingError();
     return store_.OpenSession(absl::Milliseconds(req->lease_ms()),
                               req->client_name());
   }();
@@ -493,7 +500,8 @@ class WriteReactor final : public grpc::ServerReadReactor<v1::WriteRequest>,
 
   void OnReadDone(bool ok) override {
     if (!ok) {  // half-close, or the client went away
-      Finish(ctx_->IsCancelled() ? absl::CancelledError("client cancelled the write")
+      Finish(ctx_->IsCancelled() ? CancelledStatus(absl::CancelledError(
+                                       "client cancelled the write"))
                                  : stream_.End());
       return;
     }
@@ -515,7 +523,8 @@ class WriteReactor final : public grpc::ServerReadReactor<v1::WriteRequest>,
   // would still wait ends the stream with it instead.
   void Apply(bool must_not_block, absl::Status refuse_with = absl::OkStatus()) {
     if ((!must_not_block || !refuse_with.ok()) && ctx_->IsCancelled()) {
-      Finish(absl::CancelledError("client cancelled the write"));
+      Finish(
+          CancelledStatus(absl::CancelledError("client cancelled the write")));
       return;
     }
     uint64_t before = stream_.bytes_in();
@@ -538,7 +547,8 @@ class WriteReactor final : public grpc::ServerReadReactor<v1::WriteRequest>,
       // A client that gave up while the block waited for room is told (and
       // counted) so, whatever the wait's end said (the store's 5 s ran out).
       if (!absl::IsCancelled(st) && ctx_->IsCancelled()) {
-        st = absl::CancelledError("client cancelled the write");
+        st =
+            CancelledStatus(absl::CancelledError("client cancelled the write"));
       }
       Finish(st);
       return;
@@ -575,6 +585,10 @@ class ReadReactor final : public grpc::ServerWriteReactor<grpc::ByteBuffer>,
       : service_(service), ctx_(ctx), stream_(service.store(), req_),
         start_(service.clock().Now()) {
     service_.Register(this);
+    if (service_.shutting_down()) {
+      Finish(StoppingError());
+      return;
+    }
     std::vector<grpc::Slice> slices;
     std::string bytes;
     if (raw_request->Dump(&slices).ok()) {
@@ -599,7 +613,7 @@ class ReadReactor final : public grpc::ServerWriteReactor<grpc::ByteBuffer>,
   void OnWriteDone(bool ok) override {
     Progressed(service_.clock().Now());
     if (!ok) {
-      Finish(absl::CancelledError("client went away"));
+      Finish(CancelledStatus(absl::CancelledError("client went away")));
       return;
     }
     WriteNext();

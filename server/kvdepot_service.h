@@ -19,6 +19,7 @@
 #include "absl/container/flat_hash_set.h"
 #include "absl/functional/any_invocable.h"
 #include "absl/status/status.h"
+#include "absl/strings/str_cat.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
 #include "kvdepot/v1/kvdepot.grpc.pb.h"
@@ -159,10 +160,31 @@ class KvDepotService final
     void Progressed(absl::Time now) {
       last_progress_ns_.store(absl::ToUnixNanos(now), std::memory_order_relaxed);
     }
+    // Cancels the stream for having made no progress for `idle`: it ends
+    // (and is counted and logged) DEADLINE_EXCEEDED, not as a client's
+    // cancellation (the client sees CANCELLED either way).
+    void CancelIdle(absl::Duration idle) {
+      idle_cancelled_ns_.store(absl::ToInt64Nanoseconds(idle),
+                               std::memory_order_relaxed);
+      Cancel();
+    }
+    // The status a stream that ended cancelled reports: `cancelled`, or
+    // DeadlineExceeded when CancelIdle cancelled it.
+    absl::Status CancelledStatus(absl::Status cancelled) const {
+      const int64_t idle = idle_cancelled_ns_.load(std::memory_order_relaxed);
+      if (idle == 0) return cancelled;
+      return absl::DeadlineExceededError(
+          absl::StrCat("stream cancelled by kvdepotd: no progress for ",
+                       absl::FormatDuration(absl::Nanoseconds(idle)),
+                       " (stream_idle_timeout)"));
+    }
+
+   protected:
     virtual void Cancel() = 0;
 
    private:
     std::atomic<int64_t> last_progress_ns_{0};
+    std::atomic<int64_t> idle_cancelled_ns_{0};
   };
   void Register(Stream* stream);
   void Unregister(Stream* stream);
@@ -173,9 +195,15 @@ class KvDepotService final
   size_t active_streams();
   // Unary calls in progress (started and not finished), over gRPC or UCX.
   size_t active_calls() const { return active_calls_.load(); }
-  // The daemon is shutting down (SIGTERM): puts stay refused, and
-  // SetDraining(false) is answered UNAVAILABLE instead of undoing that.
+  // The daemon is shutting down (SIGTERM): puts stay refused,
+  // SetDraining(false) is answered UNAVAILABLE instead of undoing that, and
+  // new sessions and Read streams are refused UNAVAILABLE ("kvdepotd is
+  // stopping"): the drain waits for the streams in progress, and a stream
+  // begun during it would keep it waiting until drain_timeout and then be
+  // cut short. What finishes work begun before (Write into a reserved slot,
+  // CommitPut, AbortPut, Unpin, KeepAlive, CloseSession) goes on.
   void BeginShutdown() { shutting_down_.store(true); }
+  bool shutting_down() const { return shutting_down_.load(); }
 
   TieredStore& store() { return store_; }
   // Where puts that wait for room wait (not on gRPC's threads).

@@ -209,6 +209,63 @@ TEST(LifecycleTest, SigtermLetsAReservedPutCommit) {
   EXPECT_EQ((*got)[0].bytes, bytes);
 }
 
+// Once SIGTERM has come, new sessions and Read streams are refused
+// UNAVAILABLE, while what was begun before (here a reserved put) may still
+// finish: the drain waits for the streams in progress, and a read begun
+// during it would keep it waiting until drain_timeout, then be cut short.
+TEST(LifecycleTest, WhileStoppingNewSessionsAndReadsAreRefused) {
+  auto d = DaemonProcess::Start({"--dram-capacity", "64MiB"});
+  ASSERT_OK(d);
+  auto client = Connect((*d)->address());
+  BlockToPut stored{"stored", "", "bytes"};
+  ASSERT_OK(client->Put("ns", {&stored, 1}));
+  v1::OpenSessionResponse session;
+  v1::BeginPutResponse reserved;
+  ASSERT_NO_FATAL_FAILURE(ReserveAPut(*client, 4096, &session, &reserved));
+  ::kill((*d)->pid(), SIGTERM);
+  for (int i = 0; i < 100 && (*d)->Log().find("draining") == std::string::npos;
+       ++i) {
+    absl::SleepFor(absl::Milliseconds(20));
+  }
+  ASSERT_NE((*d)->Log().find("draining"), std::string::npos);
+  {
+    grpc::ClientContext ctx;
+    v1::ReadRequest req;
+    req.set_namespace_("ns");
+    req.add_keys("stored");
+    auto reader = client->stub().Read(&ctx, req);
+    v1::ReadResponse msg;
+    int messages = 0;
+    while (reader->Read(&msg)) ++messages;
+    grpc::Status st = reader->Finish();
+    EXPECT_EQ(st.error_code(), grpc::StatusCode::UNAVAILABLE)
+        << st.error_message();
+    EXPECT_EQ(messages, 0);
+  }
+  {
+    grpc::ClientContext ctx;
+    v1::OpenSessionRequest req;
+    req.set_client_name("late");
+    v1::OpenSessionResponse resp;
+    grpc::Status st = client->stub().OpenSession(&ctx, req, &resp);
+    EXPECT_EQ(st.error_code(), grpc::StatusCode::UNAVAILABLE)
+        << st.error_message();
+  }
+  // The session opened before goes on: its reservation can still be ended.
+  {
+    grpc::ClientContext ctx;
+    v1::AbortPutRequest req;
+    req.set_session_id(session.session_id());
+    req.set_reservation_id(reserved.reservation_id());
+    v1::AbortPutResponse resp;
+    grpc::Status st = client->stub().AbortPut(&ctx, req, &resp);
+    EXPECT_TRUE(st.ok()) << st.error_message();
+  }
+  auto rc = (*d)->Stop(SIGTERM, absl::Seconds(10));
+  ASSERT_OK(rc);
+  EXPECT_EQ(*rc, 0);
+}
+
 // Started from a shell with a low soft limit on open files (often 1024),
 // kvdepotd raises it to the hard one: past it, gRPC stops accepting
 // connections (a few hundred clients, each co-located UCX one taking about
@@ -852,6 +909,19 @@ TEST(LifecycleTest, StalledStreamIsCancelledAndReleasesItsSpace) {
   EXPECT_TRUE(released);
   EXPECT_EQ(writer->Finish().error_code(), grpc::StatusCode::CANCELLED);
   EXPECT_NE((*d)->Log().find("idle for more than"), std::string::npos) << (*d)->Log();
+  // Counted as the daemon's timeout, not as a client's cancellation.
+  std::string text;
+  EXPECT_TRUE(testing::PollUntil([&] {
+    text = testing::ScrapeMetrics(**d);
+    return testing::MetricValue(text,
+                                "kvdepot_requests_total{code=\"DEADLINE_"
+                                "EXCEEDED\",op=\"Write\"}") == 1;
+  })) << text;
+  EXPECT_EQ(
+      testing::MetricValue(
+          text, "kvdepot_requests_total{code=\"CANCELLED\",op=\"Write\"}"),
+      -1)
+      << text;
   EXPECT_OK(client->Health());
 }
 
