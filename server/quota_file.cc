@@ -84,10 +84,16 @@ absl::Status QuotaFile::Set(TieredStore& store, absl::string_view ns,
   const uint64_t old_quota = store.Quota(ns);
   RETURN_IF_ERROR(store.SetQuota(ns, max_bytes));
   std::map<std::string, uint64_t> before = quotas_;
+  // Declared before (by this file) or only now (SetQuota declared it).
+  const bool was_declared = before.count(std::string(ns)) > 0;
   quotas_[std::string(ns)] = max_bytes;
   if (absl::Status st = WriteLocked(); !st.ok()) {
     quotas_ = std::move(before);
-    store.SetQuota(ns, old_quota).IgnoreError();
+    // Take back all SetQuota did: a namespace it declared would otherwise
+    // take puts (create_namespaces off) and never be reclaimed, until a
+    // restart that knows nothing of it.
+    (was_declared ? store.SetQuota(ns, old_quota) : store.Undeclare(ns))
+        .IgnoreError();
     // A failure after the rename left the new quota in the file: put the
     // old one back (best effort), so a restart loads what the daemon runs.
     WriteLocked().IgnoreError();

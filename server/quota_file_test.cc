@@ -7,6 +7,7 @@
 #include <fstream>
 #include <memory>
 #include <string>
+#include <vector>
 
 #include "storage/fake_clock.h"
 #include "tests/status_matchers.h"
@@ -62,6 +63,27 @@ TEST_F(QuotaFileTest, QuotasSurviveARestart) {
   EXPECT_EQ(
       std::filesystem::status(path_).permissions(),
       std::filesystem::perms::owner_read | std::filesystem::perms::owner_write);
+}
+
+// A Set whose file cannot be written (disk full, a read-only directory)
+// takes back all it did in the store: the quota, and the declaration of a
+// namespace it declared, which would otherwise take puts with
+// create_namespaces off and vanish at the next start.
+TEST_F(QuotaFileTest, ASetThatCannotWriteTheFileLeavesTheStoreAsItWas) {
+  QuotaFile file(path_);
+  ASSERT_OK(file.Load(*store_));
+  ASSERT_OK(file.Set(*store_, "kept", 1 << 20));
+  // The file's temporary name taken by a directory: every write fails
+  // (also as root, whom permissions do not stop).
+  std::filesystem::create_directory(path_ + ".tmp");
+  EXPECT_THAT(file.Set(*store_, "new", 2 << 20), StatusIs(Code::kUnavailable));
+  EXPECT_THAT(file.Set(*store_, "kept", 3 << 20), StatusIs(Code::kUnavailable));
+  EXPECT_EQ(store_->Quota("new"), 0u);
+  EXPECT_EQ(store_->Quota("kept"), uint64_t{1} << 20);
+  std::vector<std::string> names;
+  for (const NamespaceStats& ns : store_->ListNamespaces())
+    names.push_back(ns.name);
+  EXPECT_THAT(names, ::testing::ElementsAre("kept"));
 }
 
 // A hand edit's blank lines, comments and stray spaces are read as meant.
