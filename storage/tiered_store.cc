@@ -673,13 +673,16 @@ class TieredStoreImpl final : public TieredStore {
     return NamespaceById(ns_id)->name;
   }
 
-  void MarkVerified(ReservationId id, uint32_t slot, uint64_t checksum) {
+  // `checksum`: the slot's final bytes hash to it; nullopt: whatever was
+  // hashed before is void (the bytes are about to change).
+  void MarkVerified(ReservationId id, uint32_t slot,
+                    std::optional<uint64_t> checksum) {
     absl::MutexLock lock(&mu_);
     auto it = reservations_.find(id);
     if (it == reservations_.end()) return;  // cannot happen: busy pins it
     Slot& s = it->second.slots[slot];
-    s.verified = true;
-    s.verified_checksum = checksum;
+    s.verified = checksum.has_value();
+    s.verified_checksum = checksum.value_or(0);
   }
 
   void ReleaseSlot(ReservationId id, uint32_t slot) {
@@ -2417,6 +2420,9 @@ uint64_t SlotHandleImpl::CopyIn(const char* src) {
 
 std::optional<uint64_t> SlotHandleImpl::CopyInUntil(const char* src,
                                                     absl::Time deadline) {
+  // A hash taken before (Checksum, an earlier copy) is void from here: a
+  // copy that stops at its deadline leaves the bytes part old, part new.
+  store_->MarkVerified(id_, slot_, std::nullopt);
   // Arena bytes are not read again soon: no reason to pull them into cache.
   const std::optional<uint64_t> sum =
       CopyToMemoryWithChecksumUntil(bytes_.data(), src, bytes_.size(), deadline);

@@ -188,6 +188,38 @@ TEST_F(TieredStoreTest, CommitTakesSlotsHashedAsTheirBytesLanded) {
   EXPECT_FALSE(Has("plain-wrong"));
 }
 
+// A CopyInUntil that stops at its deadline voids what the slot was hashed
+// to before: its bytes are part old, part new, and the commit hashes them.
+TEST_F(TieredStoreTest, ACopyStoppedAtItsDeadlineVoidsAnEarlierHash) {
+  const std::string old_bytes(3 << 20, 'o');
+  const std::string new_bytes(old_bytes.size(), 'n');
+  const uint64_t old_sum = BlockChecksum(old_bytes);
+  PutSpec spec{"k", "", old_bytes.size()};
+  auto r = store_->BeginPut(sid_, "ns", {&spec, 1});
+  ASSERT_OK(r);
+  {
+    auto slot = store_->AcquireSlot(sid_, r->id, 0);
+    ASSERT_OK(slot);
+    const absl::Span<char> bytes = (*slot)->bytes();
+    // Until a copy stops part way (the deadline is checked before every
+    // MiB: one that passes within the first MiB stops it after that).
+    bool partial = false;
+    for (int attempt = 0; attempt < 200 && !partial; ++attempt) {
+      ASSERT_EQ((*slot)->CopyIn(old_bytes.data()), old_sum);
+      const absl::Time deadline =
+          absl::Now() + absl::Microseconds(10 * (attempt % 20 + 1));
+      if ((*slot)->CopyInUntil(new_bytes.data(), deadline).has_value())
+        continue;
+      partial = bytes.front() == 'n' && bytes.back() == 'o';
+    }
+    ASSERT_TRUE(partial) << "no copy stopped part way";
+  }
+  auto c = store_->CommitPut(sid_, r->id, {&old_sum, 1});
+  ASSERT_OK(c);
+  EXPECT_EQ((*c)[0], CommitOutcome::kChecksumMismatch);
+  EXPECT_FALSE(Has("k"));
+}
+
 TEST_F(TieredStoreTest, SecondPutIsANoOpAndKeepsTheFirstBytes) {
   ASSERT_OK(Put("k", std::string(100, '1')));
   auto second = Put("k", std::string(100, '2'));
