@@ -1891,10 +1891,11 @@ absl::StatusOr<NvmeVerifyReport> NvmeTierImpl::Verify(
     rocksdb::ReadOptions meta_reads;
     meta_reads.snapshot = scan_snapshot->snapshot();
     std::unique_ptr<rocksdb::Iterator> it(db_->NewIterator(scan));
+    report.snapshots = 1;
+    uint64_t read_in_snapshot = 0;
     const std::string first(1, kDataPrefix);
-    for (it->Seek(first);
-         it->Valid() && it->key().starts_with(first) && !stopping();
-         it->Next()) {
+    it->Seek(first);
+    while (it->Valid() && it->key().starts_with(first) && !stopping()) {
       // A scrub may read for minutes, on the maintenance thread whose timer
       // flushes: demotions still reach the files within max_unflushed_age
       // (plus one block's read). Before every block, as a block may be
@@ -1949,6 +1950,28 @@ absl::StatusOr<NvmeVerifyReport> NvmeTierImpl::Verify(
         }
       }
       if (doomed.has_value()) DeleteAndErase({&*doomed, 1});
+      read_in_snapshot += value.size();
+      if (read_in_snapshot < options_.scrub_snapshot_bytes) {
+        it->Next();
+        continue;
+      }
+      // Go on in a fresh snapshot, from the least id after this one. What
+      // is judged stays as above: blocks stored before the first snapshot
+      // (generation_limit) and not being written then keep their bytes in
+      // every later one until deleted, and a later put or delete of their
+      // id changes their entry (state, generation) before the scan looks.
+      // Orphans are judged against the metadata of the snapshot that
+      // showed their bytes, as before.
+      std::string next = it->key().ToString();
+      next.push_back('\0');
+      it.reset();
+      scan_snapshot.emplace(db_.get());
+      scan.snapshot = scan_snapshot->snapshot();
+      meta_reads.snapshot = scan_snapshot->snapshot();
+      it.reset(db_->NewIterator(scan));
+      ++report.snapshots;
+      read_in_snapshot = 0;
+      it->Seek(next);
     }
     scan_status = it->status();
   }
@@ -2143,6 +2166,10 @@ absl::StatusOr<std::unique_ptr<NvmeTier>> OpenNvmeTier(
   if (options.max_unflushed_age <= absl::ZeroDuration()) {
     return absl::InvalidArgumentError(
         "NVMe tier: max_unflushed_age must be > 0");
+  }
+  if (options.scrub_snapshot_bytes == 0) {
+    return absl::InvalidArgumentError(
+        "NVMe tier: scrub_snapshot_bytes must be > 0");
   }
   // Referenced here so that every program that opens the tier links
   // rocksdb_crc32c.cc, whose CRC32C takes the place of librocksdb's.

@@ -153,6 +153,13 @@ struct NvmeTierOptions {
   // the memtables held is lost. 0 means the default: twice the memtables'
   // budget (write_buffer_size x max_write_buffer_number) plus 64 MiB.
   uint64_t min_free_bytes = 0;
+  // A scrub (Verify) reads the tier in one pass through a RocksDB snapshot,
+  // which keeps on disk every blob file it can see: the space of blocks
+  // deleted or evicted meanwhile does not return until the snapshot goes.
+  // The scan takes a fresh snapshot after reading this many bytes, so that
+  // a scrub of a large tier (hours at disk speed) does not hold back the
+  // garbage collection of a whole run's evictions. Must be > 0.
+  uint64_t scrub_snapshot_bytes = uint64_t{1} << 30;
   // RocksDB environment (file system, threads). nullptr means
   // rocksdb::Env::Default(). Borrowed: must outlive the tier. Tests pass a
   // fault-injecting one.
@@ -226,6 +233,9 @@ struct NvmeVerifyReport {
   uint64_t corrupt_dropped = 0;
   uint64_t missing_dropped = 0;  // metadata without bytes: dropped
   uint64_t orphans_dropped = 0;  // bytes without metadata: deleted
+  // RocksDB snapshots the scan read through (a fresh one after every
+  // NvmeTierOptions::scrub_snapshot_bytes).
+  uint64_t snapshots = 0;
 };
 
 // One block of a MultiRead.
