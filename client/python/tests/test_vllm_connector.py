@@ -1543,6 +1543,40 @@ class VllmConnectorTest(unittest.TestCase):
                     else:
                         self.assertIsNone(c.disabled_reason)
 
+    def test_speculative_proposers_with_kv_caches_disable_the_scheduler_too(self):
+        # EAGLE / MTP / draft-model layers add KV caches the worker refuses
+        # (more caches than the model's layers); a scheduler that still
+        # offered kvdepot's hits would have every load fail. Proposers
+        # without layers (n-gram) are served.
+        a, _ = self.stored_then_engine(48)
+        extra_layer = SimpleNamespace(kv_cache_groups=[SimpleNamespace(
+            kv_cache_spec=type("FullAttentionSpec", (), {})(),
+            layer_names=[f"model.layers.{i}.self_attn.attn" for i in range(LAYERS)]
+            + ["drafter.layers.0.self_attn.attn"])])
+        for method, kv_cache_config, refused in (("eagle", None, "speculative"),
+                                                 ("deepseek_mtp", None, "speculative"),
+                                                 (None, extra_layer, "layers have KV"),
+                                                 ("ngram", None, None)):
+            with self.subTest(method=method):
+                cfg = make_vllm_config(self.daemon.address, num_layers=LAYERS,
+                                       block_size=BS, num_kv_heads=HEADS,
+                                       head_size=HEAD, dtype=torch.bfloat16)
+                if method is not None:
+                    cfg.speculative_config = SimpleNamespace(method=method,
+                                                             num_speculative_tokens=3)
+                sched = kv_vllm.KvDepotConnector(cfg, kv_vllm.KVConnectorRole.SCHEDULER,
+                                                 kv_cache_config)
+                self.addCleanup(sched.shutdown)
+                r = FakeRequest("R", list(a.prompt_token_ids))
+                got = sched.get_num_new_matched_tokens(r, 0)
+                sched.update_state_after_alloc(r, None, 0)
+                if refused:
+                    self.assertIn(refused, sched.disabled_reason or "")
+                    self.assertEqual(got, (0, False))
+                else:
+                    self.assertIsNone(sched.disabled_reason)
+                    self.assertEqual(got, (4 * BS, False))
+
     def test_the_null_block_is_never_saved(self):
         # A block table with vLLM's null block (id 0) where a request has no
         # block of its own: what precedes it is saved, nothing from it on.

@@ -145,6 +145,9 @@ Not supported: pipeline parallelism, decode or prefill context parallelism
 (``decode_context_parallel_size`` / ``prefill_context_parallel_size`` above
 1: a rank's block holds only its slice of the tokens; the connector is then
 disabled with an error log), hybrid (several KV cache groups) models,
+speculative decoding whose proposer has layers, and KV caches, of its own
+(EAGLE, MTP, a draft model; n-gram, suffix, Medusa and MLP speculators
+are served): both sides are then disabled with an error log,
 fp8 KV caches, loads that span forward passes (``get_num_new_matched_tokens``
 always answers ``load_kv_async=False``).
 
@@ -349,6 +352,13 @@ def _truthy(value: Any) -> bool:
 _NULL_BLOCK_ID = 0
 
 
+# Speculative decoding methods whose proposer has no attention layers, so
+# no KV cache, of its own (n-gram and suffix matching, Medusa and MLP
+# speculator heads): the engine's KV caches are the model's alone.
+_PROPOSERS_WITHOUT_KV = frozenset({"ngram", "ngram_gpu", "suffix", "medusa",
+                                   "mlp_speculator"})
+
+
 def _unsupported_kv_cache(vllm_config: Any, kv_cache_config: Any) -> Optional[str]:
     """Why the connector cannot serve this engine's KV cache, or None. Only
     full attention keeps a block for every token of a request (MLA, and
@@ -358,7 +368,16 @@ def _unsupported_kv_cache(vllm_config: Any, kv_cache_config: Any) -> Optional[st
     saved from, or loaded into, blocks that are not the request's. Read from
     ``kv_cache_config.kv_cache_groups`` where vLLM passes it; otherwise from
     the model's sliding window (a model with one is refused, although vLLM
-    may treat its layers as full attention: the safe answer)."""
+    may treat its layers as full attention: the safe answer).
+
+    Speculative decoding with a proposer that has layers of its own (EAGLE,
+    MTP, a draft model: any method but those of _PROPOSERS_WITHOUT_KV) adds
+    their caches to the model's, which kvdepot's blocks do not hold: the
+    workers find more caches than the model has layers and turn themselves
+    off (see register_kv_caches), so the scheduler side must offer nothing
+    either (each offer would be a failed load and a wasted forward pass).
+    Read from ``speculative_config``, and from the layers of
+    ``kv_cache_config``'s groups where vLLM names them."""
     groups = getattr(kv_cache_config, "kv_cache_groups", None)
     if groups:
         for group in groups:
@@ -366,12 +385,26 @@ def _unsupported_kv_cache(vllm_config: Any, kv_cache_config: Any) -> Optional[st
             if not any(c.__name__ == "FullAttentionSpec" for c in type(spec).__mro__):
                 return (f"KV cache group of {type(spec).__name__}: only full "
                         f"attention keeps a block for every token of a prefix")
-        return None
+    else:
+        mc = getattr(vllm_config, "model_config", None)
+        window_of = getattr(mc, "get_sliding_window", None)
+        if callable(window_of) and window_of():
+            return (f"the model uses sliding-window attention (window {window_of()}): "
+                    f"vLLM keeps no block for the tokens its window left behind")
+    speculative = getattr(vllm_config, "speculative_config", None)
+    if speculative is not None:
+        method = getattr(speculative, "method", None)
+        if method is None or str(method) not in _PROPOSERS_WITHOUT_KV:
+            return (f"speculative decoding ({method or 'method unknown'}) with a "
+                    f"proposer whose layers have KV caches of their own, which "
+                    f"kvdepot's blocks do not hold")
+    names = {n for g in groups or () for n in (getattr(g, "layer_names", None) or ())}
     mc = getattr(vllm_config, "model_config", None)
-    window_of = getattr(mc, "get_sliding_window", None)
-    if callable(window_of) and window_of():
-        return (f"the model uses sliding-window attention (window {window_of()}): "
-                f"vLLM keeps no block for the tokens its window left behind")
+    if names and mc is not None:
+        num_layers = int(mc.get_num_layers(getattr(vllm_config, "parallel_config", None)))
+        if len(names) > num_layers:
+            return (f"{len(names)} layers have KV caches, the model has {num_layers} "
+                    f"(a speculative proposer's?): kvdepot's blocks hold the model's")
     return None
 
 
