@@ -1108,6 +1108,32 @@ class VllmConnectorTest(unittest.TestCase):
         for c in w._caches:  # Y's valid block was not loaded either
             self.assertEqual(int(c[:, 5].view(torch.int16).abs().sum()), 0)
 
+    def test_a_load_that_cannot_be_planned_is_reported_failed(self):
+        # vLLM counts the tokens it accepted in update_state_after_alloc as
+        # computed: a load whose planning fails (here its keys) must still
+        # report its blocks as load errors, or vLLM runs over blocks nothing
+        # wrote. The load of B, planned in the same step, is not affected.
+        for i, staging in enumerate(("auto", "torch")):
+            with self.subTest(staging=staging):
+                e, a, p = self.engine_loading_a_stored_prompt(47 + i, staging=staging)
+                b = FakeRequest("B", list(p))
+                self.assertEqual(e.admit(b), 4 * BS)
+                keys_upto = e.scheduler._keys_upto
+
+                def failing_keys(st, n):
+                    if st.request.request_id == "A":
+                        raise RuntimeError("injected: no keys for A")
+                    return keys_upto(st, n)
+
+                with mock.patch.object(e.scheduler, "_keys_upto", failing_keys):
+                    step = e.schedule([a, b], [], {"A": 1, "B": 1})
+                self.assertEqual([(s.req_id, s.block_ids, len(s.keys)) for s in step.meta.loads],
+                                 [("A", e.blocks["A"][:4], 0), ("B", e.blocks["B"][:4], 4)])
+                e.execute(step)
+                self.assertEqual(sorted(e.load_errors), sorted(e.blocks["A"][:4]))
+                self.assertEqual(e.worker.stats["loaded_blocks"], 4)  # B's
+                self.assertEqual(self.pins(), 0)
+
     def test_torch_staging_loads_in_start_load_kv(self):
         a_eng = self.engine()
         a = FakeRequest("A", prompt(14, 3 * BS + 1))

@@ -257,7 +257,8 @@ def _base_takes_kv_cache_config() -> bool:
 @dataclass
 class LoadSpec:
     """Blocks of one request to read: ``keys[i]`` into cache block
-    ``block_ids[i]``."""
+    ``block_ids[i]``. Block ids without as many keys: a load the scheduler
+    could not plan, whose blocks the worker reports as failed."""
 
     req_id: str
     block_ids: List[int]
@@ -330,6 +331,9 @@ class _RequestState:
     pin_ids: List[int] = field(default_factory=list)
     load_from: int = 0  # block range to load, when load_pending
     load_to: int = 0
+    # The blocks [load_from, external_to) hold the tokens vLLM took from
+    # kvdepot (update_state_after_alloc): it counts them as computed.
+    external_to: int = 0
     load_pending: bool = False
     load_in_flight: bool = False  # its pins wait for the output of load_step
     load_step: int = 0  # the step (see KvDepotConnector._step) loading
@@ -1059,6 +1063,7 @@ class KvDepotConnector(KVConnectorBase_V1):  # type: ignore[misc,valid-type]
             return
         accepted = st.load_from + num_external_tokens // self._block_size
         st.load_to = min(st.load_to, accepted)
+        st.external_to = st.load_from + -(-num_external_tokens // self._block_size)
 
     def build_connector_meta(self, scheduler_output: Any) -> KvDepotConnectorMetadata:
         """This step's loads (planned by the lookups) and saves (blocks that
@@ -1117,24 +1122,40 @@ class KvDepotConnector(KVConnectorBase_V1):  # type: ignore[misc,valid-type]
     def _plan_load(self, st: _RequestState, req_id: str,
                    meta: KvDepotConnectorMetadata) -> None:
         """The request's load planned by its lookup, now that vLLM gave it
-        blocks: its blocks count as in flight until this step's output."""
+        blocks: its blocks count as in flight until this step's output.
+
+        vLLM already counts the tokens it took from kvdepot as computed, so
+        a load that cannot be planned still goes to the workers, as a spec
+        with the blocks of those tokens and no keys, which the workers
+        report as failed (``get_block_ids_with_load_errors``): vLLM then
+        recomputes them instead of reading blocks nothing wrote."""
         if not st.load_pending:
             return
         st.load_pending = False
+        lo, hi = st.load_from, min(st.load_to, len(st.block_ids))
         try:
-            lo, hi = st.load_from, min(st.load_to, len(st.block_ids))
             if hi <= lo:
-                self._unpin(st)
-                return
+                raise ValueError(f"no blocks to load: [{lo}, {st.load_to}) of a "
+                                 f"request with {len(st.block_ids)}")
             keys = self._keys_upto(st, hi)
             ids = st.block_ids[lo:hi]
-            meta.loads.append(LoadSpec(req_id, ids, keys[lo:hi]))
-            st.load_in_flight = True
-            st.load_step = self._step
-            self._loads_in_flight.setdefault(self._step, set()).update(ids)
+            spec = LoadSpec(req_id, ids, keys[lo:hi])
         except Exception as e:  # noqa: BLE001
-            logger.warning("kvdepot: planning the load of %s failed: %s", req_id, e)
             self._unpin(st)
+            ids = st.block_ids[lo:st.external_to]
+            if not ids:
+                logger.error("kvdepot: planning the load of %s failed (%s), and its "
+                             "blocks are not known: vLLM counts its tokens %d-%d as "
+                             "loaded", req_id, e, lo * self._block_size,
+                             st.external_to * self._block_size)
+                return
+            logger.warning("kvdepot: planning the load of %s failed: %s; its %d "
+                           "blocks are reported as not loaded", req_id, e, len(ids))
+            spec = LoadSpec(req_id, ids, [])
+        meta.loads.append(spec)
+        st.load_in_flight = True
+        st.load_step = self._step
+        self._loads_in_flight.setdefault(self._step, set()).update(ids)
 
     def _plan_save(self, st: _RequestState, req_id: str, num_computed: int,
                    num_scheduled: int, earlier: Set[int], current: Set[int],
@@ -1541,6 +1562,10 @@ class KvDepotConnector(KVConnectorBase_V1):  # type: ignore[misc,valid-type]
         if not self._via_store:
             for spec in meta.loads:
                 try:
+                    if len(spec.block_ids) != len(spec.keys):  # see _plan_load
+                        self._load_failed(spec, spec.block_ids, f"{len(spec.block_ids)} "
+                                          f"block ids but {len(spec.keys)} keys")
+                        continue
                     if self._breaker.blocked():
                         self.stats["unavailable_skips"] += 1
                         self._load_failed(spec, spec.block_ids,
