@@ -744,6 +744,50 @@ class VllmConnectorTest(unittest.TestCase):
         # A fresh engine loads B's whole prompt, as B computed it.
         self.assert_a_fresh_engine_loads(b.prompt_token_ids, 6)
 
+    def test_blocks_after_a_failed_shared_block_wait_for_its_recompute(self):
+        # As above, but vLLM's token budget cuts A's recompute short: the
+        # next step recomputes only block 2, while B (reset to its cached
+        # tokens) goes on over block 3, which still holds the KV computed
+        # over the failed block. Neither B nor C, which gets blocks 0-3 from
+        # vLLM's prefix cache after that step, may save block 3 or any
+        # block computed over it (their own 4-5): those keys name the right
+        # prefix and would serve the wrong KV.
+        e, a, p = self.engine_loading_a_stored_prompt(44)
+        st = e.scheduler._requests["A"]
+        e.scheduler._unpin(st)
+        with kvdepot.Client(self.daemon.address) as cl:
+            self.assertEqual(cl.evict(e.scheduler._scheduler_namespace,
+                                      [st.keys[2]])["evicted_blocks"], 1)
+        b = FakeRequest("B", p[:4 * BS] + prompt(45, 2 * BS + 1))
+        self.admit_on_as_blocks(e, b)
+        e.step([a, b], [], {"A": 1, "B": 2 * BS + 1})
+        self.assertEqual(sorted(e.load_errors), sorted(e.blocks["A"][2:4]))
+        a.num_computed_tokens = 2 * BS
+        b.num_computed_tokens = 4 * BS
+        meta = e.step([], [a, b], {"A": BS, "B": 2 * BS + 1})
+        self.assertEqual(sorted((s.req_id, s.block_ids) for s in meta.saves),
+                         [("A", e.blocks["A"][2:3]), ("B", e.blocks["B"][2:3])])
+        c = FakeRequest("C", p[:4 * BS] + prompt(46, 2 * BS + 1))
+        self.admit_on_as_blocks(e, c)
+        meta = e.step([c], [], {"C": 2 * BS + 1})
+        self.assertEqual(meta.saves, [])
+        # A recomputes block 3; B and C decode over their spoiled 4-5.
+        b.output_token_ids.append(5)
+        c.output_token_ids.append(5)
+        meta = e.step([], [a, b, c], {"A": len(p) - 3 * BS, "B": 1, "C": 1})
+        # (C's lookup found blocks 0-3 stored: block 3 from the first
+        # engine, never evicted.)
+        self.assertEqual(sorted((s.req_id, s.block_ids) for s in meta.saves),
+                         [("A", e.blocks["A"][3:4]), ("B", e.blocks["B"][3:4])])
+        store = e.worker._store
+        for r in (b, c):
+            keys = kvdepot.integrations.block_hashes(r.all_token_ids, BS)[:6]
+            self.assertEqual(store.lookup(keys, prefix=True), 4)
+            self.assertEqual(store.lookup(keys[4:], prefix=False), 0)
+        self.assertEqual(e.finish(b), (False, None))
+        self.assertEqual(e.finish(c), (False, None))
+        self.assertEqual(e.scheduler.stats["lookup_errors"], 0)
+
     def test_async_step_saves_nothing_over_another_requests_load(self):
         # Async scheduling: B shares the blocks A loads in step N (vLLM's
         # prefix cache) and fills a block of its own in N+1, planned before

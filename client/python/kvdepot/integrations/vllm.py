@@ -113,10 +113,16 @@ How it works (one forward pass at a time; loads stream layer by layer):
   (``invalid_block_ids``), counts them and the blocks after them as not
   stored in every request that holds them, so they are saved once vLLM
   recomputed them (with tensor parallelism this also stores the blocks a
-  rank lacked). With tensor parallelism, and with async scheduling for the
-  steps planned before the load's outcome is in, the new blocks of every
-  request computing over a loading block are saved only after that
-  outcome. A request that ends first keeps its blocks
+  rank lacked). Until then they count as spoiled: vLLM recomputes a shared
+  failed block in one request only, maybe over several steps (its token
+  budget), while the others go on over it as computed, and later requests
+  may get it from vLLM's prefix cache. A block is sound again once a
+  request computed it again, from its first token, over sound KV; what is
+  computed over a spoiled block is spoiled too; no request saves a block
+  from the first spoiled one it holds on. With tensor parallelism, and
+  with async scheduling for the steps planned before the load's outcome is
+  in, the new blocks of every request computing over a loading block are
+  saved only after that outcome. A request that ends first keeps its blocks
   (``request_finished`` answers ``(True, None)``) until the first step
   planned after the outcome saves them, in ``get_finished`` (which runs in
   steps without tokens too), and reports it finished sending. (If the
@@ -630,6 +636,12 @@ class KvDepotConnector(KVConnectorBase_V1):  # type: ignore[misc,valid-type]
         self._steps_done = 0
         self._awaited: Deque[int] = collections.deque()
         self._loads_in_flight: Dict[int, Set[int]] = {}
+        # Blocks whose KV may have been computed over a block whose load
+        # failed, and not computed again over sound KV since (see
+        # _recompute_spoiled): block id -> how many of its tokens, from its
+        # first, have been. No request saves its blocks from the first of
+        # these it holds on.
+        self._spoiled: Dict[int, int] = {}
         self._every_output_reported = _every_output_reported(vllm_config, self._tp_size)
         if self._layout is not None:
             # The scheduler looks up TP rank 0's blocks (MLA caches are the
@@ -1101,6 +1113,8 @@ class KvDepotConnector(KVConnectorBase_V1):  # type: ignore[misc,valid-type]
                                 int(scheduled.get(req_id, 0))))
         for st, req_id, _, _ in planned:
             self._plan_load(st, req_id, meta)
+        if self._spoiled:
+            self._recompute_spoiled(planned, meta)
         # Blocks loaded by earlier steps whose outcome is not in yet, and by
         # this one.
         current = self._loads_in_flight.get(self._step, set())
@@ -1157,6 +1171,73 @@ class KvDepotConnector(KVConnectorBase_V1):  # type: ignore[misc,valid-type]
         st.load_step = self._step
         self._loads_in_flight.setdefault(self._step, set()).update(ids)
 
+    def _recompute_spoiled(self, planned: List[Tuple[_RequestState, str, int, int]],
+                           meta: KvDepotConnectorMetadata) -> None:
+        """Follows, in this step, the blocks that a failed load spoiled
+        (``_spoiled``; see update_connector_output). vLLM recomputes a
+        shared failed block in one request only, the first it finds holding
+        it, and may cut that recompute short (the token budget), while the
+        others keep counting the blocks after it as computed and go on over
+        them, and a later request may get them from the prefix cache. So a
+        block is sound again only once a request computes it again, from its
+        first token, over sound blocks: a request whose tokens before this
+        step's all lie in sound blocks, its own or ones that another
+        request computes in this same forward pass (attention reads each
+        layer's KV after every request's is written), or a load of this
+        step (kvdepot's KV; a failed one spoils again when its outcome is
+        in). What a request computes over a spoiled block is spoiled too,
+        even in a block not known spoiled (one of its own, past the shared
+        ones)."""
+        spoiled = self._spoiled
+        bs = self._block_size
+        for spec in meta.loads:
+            if len(spec.block_ids) == len(spec.keys):  # not one failed at planning
+                for b in spec.block_ids:
+                    spoiled.pop(b, None)
+        writes = []
+        for st, _, num_computed, num_scheduled in planned:
+            done = min(num_computed + num_scheduled, len(self._tokens(st.request)))
+            if done > num_computed:
+                writes.append((st, num_computed, done))
+
+        def sound_before(st: _RequestState, first: int) -> bool:
+            whole, part = divmod(first, bs)
+            if any(b in spoiled for b in st.block_ids[:whole]):
+                return False
+            if part == 0 or whole >= len(st.block_ids):
+                return True
+            return spoiled.get(st.block_ids[whole], part) >= part
+
+        progress = True
+        while progress and writes:
+            progress = False
+            for w in list(writes):
+                st, first, done = w
+                if not sound_before(st, first):
+                    continue
+                writes.remove(w)
+                progress = True
+                for i in range(first // bs, min(-(-done // bs), len(st.block_ids))):
+                    b = st.block_ids[i]
+                    if b in spoiled:
+                        if done - i * bs >= bs:
+                            del spoiled[b]
+                        else:
+                            spoiled[b] = done - i * bs
+        for st, first, done in writes:  # computed over spoiled blocks
+            for b in st.block_ids[first // bs:-(-done // bs)]:
+                if b != _NULL_BLOCK_ID:
+                    spoiled[b] = 0
+
+    def _sound_blocks(self, st: _RequestState, upto: int) -> int:
+        """``upto``, or fewer: the request's first blocks, up to the first
+        one spoiled (see _recompute_spoiled), which is not saved, nor any
+        after it."""
+        if self._spoiled:
+            upto = next((i for i, b in enumerate(st.block_ids[:upto]) if b in self._spoiled),
+                        upto)
+        return upto
+
     def _plan_save(self, st: _RequestState, req_id: str, num_computed: int,
                    num_scheduled: int, earlier: Set[int], current: Set[int],
                    meta: KvDepotConnectorMetadata) -> None:
@@ -1171,14 +1252,16 @@ class KvDepotConnector(KVConnectorBase_V1):  # type: ignore[misc,valid-type]
         all-reduced, spoils every rank's later layers). Loads of this step
         with one rank are the worker's to check: the spec names them
         (``SaveSpec.after``) and the worker saves nothing that a failed one
-        spoiled."""
+        spoiled. The loads of steps whose outcome is in: no block from the
+        first one of the request's that a failed load spoiled and that has
+        not been computed again since (see _recompute_spoiled)."""
         if not (st.enabled and self._save_enabled):
             return
         try:
             # Tokens whose K/V are in the cache once this step ran: the
             # scheduled ones that are real tokens (not speculative drafts).
             done = min(num_computed + num_scheduled, len(self._tokens(st.request)))
-            full = min(done // self._block_size, len(st.block_ids))
+            full = self._sound_blocks(st, min(done // self._block_size, len(st.block_ids)))
             if full <= st.stored_blocks:
                 return
             attended = st.block_ids[:full] if earlier or current else []
@@ -1209,7 +1292,10 @@ class KvDepotConnector(KVConnectorBase_V1):  # type: ignore[misc,valid-type]
         blocks from the first failed one on as stored, so they are saved
         again once recomputed: the workers did not save what that step
         computed over them, and with tensor parallelism a block that rank 0
-        holds may be missing on another rank."""
+        holds may be missing on another rank. Those blocks count as spoiled
+        until computed again over sound KV (see _recompute_spoiled): vLLM
+        recomputes a shared block in one request only, maybe over several
+        steps, while the others go on as if it were sound."""
         invalid = set(getattr(connector_output, "invalid_block_ids", None) or ())
         if self._awaited:
             self._steps_done = self._awaited.popleft()
@@ -1230,6 +1316,9 @@ class KvDepotConnector(KVConnectorBase_V1):  # type: ignore[misc,valid-type]
                 # A finished request is not recomputed: what it computed
                 # from the failed block on is not saved.
                 st.finished_blocks = min(st.finished_blocks, st.stored_blocks)
+                for b in st.block_ids[failed:]:
+                    if b != _NULL_BLOCK_ID:
+                        self._spoiled[b] = 0
 
     _LOAD_FAILURE_STEPS = 3
 
@@ -1279,7 +1368,8 @@ class KvDepotConnector(KVConnectorBase_V1):  # type: ignore[misc,valid-type]
                 done = min(int(getattr(request, "num_computed_tokens", 0)), tokens - 1)
                 if block_ids:
                     st.block_ids = list(block_ids)
-                held = min(max(done, 0) // self._block_size, len(st.block_ids))
+                held = self._sound_blocks(
+                    st, min(max(done, 0) // self._block_size, len(st.block_ids)))
             except Exception as e:  # noqa: BLE001 - free the blocks, lose the saves
                 logger.warning("kvdepot: finishing %s failed: %s", request.request_id, e)
                 held = 0
@@ -1318,10 +1408,11 @@ class KvDepotConnector(KVConnectorBase_V1):  # type: ignore[misc,valid-type]
             self._finishing.discard(req_id)
             del self._requests[req_id]
             meta.finishing.append(req_id)
-            if st.finished_blocks <= st.stored_blocks:
+            upto = self._sound_blocks(st, st.finished_blocks)
+            if upto <= st.stored_blocks:
                 continue  # its load failed: nothing computed is worth saving
             try:
-                spec = self._blocks_to_save(st, req_id, st.finished_blocks)
+                spec = self._blocks_to_save(st, req_id, upto)
                 if spec.block_ids:
                     meta.finishing_saves.append(spec)
             except Exception as e:  # noqa: BLE001 - still report it finished
