@@ -823,6 +823,33 @@ class SglangBackendTest(unittest.TestCase):
         self.assertEqual(b.batch_get(["a", "b"], [None]), [None, None])
         self.assertEqual(b.batch_get(["a", "b"], [])[0], None)
 
+    def test_draft_pages_are_refused_quietly(self):
+        # Speculative decoding (EAGLE, MTP): for backends other than mooncake
+        # SGLang's cache controller backs up and prefetches the draft pool's
+        # pages through the generic batch_set / batch_get, under
+        # "<hash>.draft" ("<hash>.draft-<drafter>" in versions naming it),
+        # each page the draft pool's size, best-effort. They were refused as
+        # a size mismatch: a warning and an error on every backup.
+        b, pool = self.backend()
+        self.fill(pool, [0], seed=17)
+        target = pool.page(0).reshape(-1)
+        draft = torch.ones(target.numel() // LAYERS, dtype=target.dtype)  # one layer
+        h = sglang_page_hashes(list(range(PAGE)), PAGE)[0]
+        with self.assertNoLogs("kvdepot.integrations.sglang", "WARNING"):
+            self.assertFalse(b.batch_set([h + ".draft"], [draft]))
+            self.assertFalse(b.set(h + ".draft-a30db4b7", draft))
+            self.assertEqual(b.batch_get([h + ".draft"],
+                                         [torch.zeros_like(draft)]), [None])
+            self.assertIsNone(b.get(h + ".draft-a30db4b7"))
+            # A call mixing target and draft pages still serves the target's.
+            self.assertFalse(b.batch_set([h, h + ".draft"], [target, draft]))
+            got = b.batch_get([h + ".draft", h], [torch.zeros_like(draft), None])
+        self.assertIsNone(got[0])
+        self.assertTrue(torch.equal(got[1].view(torch.int16), target.view(torch.int16)))
+        self.assertEqual(b.counters["errors"], 0)
+        self.assertEqual(b.counters["draft_skipped"], 6)
+        self.assertEqual(b.batch_exists([h]), 1)
+
 
 if __name__ == "__main__":
     unittest.main()

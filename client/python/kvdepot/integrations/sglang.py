@@ -31,7 +31,14 @@ pools) are not served: they answer misses (``batch_exists_v2`` a
 for every page of every pool) and never raise, and a host pool other than
 the KV pool and speculative decoding's draft KV pools registered through
 ``register_mem_host_pool_v2`` disables the backend (error log), since KV
-pages alone are no use to such a model. Without
+pages alone are no use to such a model. Speculative decoding's draft KV
+pages (EAGLE, MTP) are not stored: SGLang sends them, for a backend other
+than mooncake, through the generic ``batch_set`` / ``batch_get`` under
+``<page hash>.draft`` (or ``.draft-<drafter>``) with pages of the draft
+pool's size, not the target pool's; those calls are answered False / None
+without a daemon call, quietly (SGLang treats draft pages as best-effort:
+a miss costs only acceptance), and counted in
+``counters["draft_skipped"]``. Without
 SGLang installed, the class subclasses :class:`_StandInHiCacheStorage`, a
 local stand-in of the base class (its ``register_mem_pool_host`` and
 prefix ``batch_exists``) that exists so tests can drive the backend; it is
@@ -255,6 +262,22 @@ def _model_variant(storage_config: Any, model_name: str = "") -> List[str]:
                                  quantization=setting("quantization"), overrides=overrides)
 
 
+def _is_draft_key(key: Any) -> bool:
+    """Whether ``key`` names a speculative-decoding draft page: SGLang's
+    cache controller stores those, for backends other than mooncake,
+    through the generic ``batch_set`` / ``batch_get`` under ``<page
+    hash>.<PoolName.DRAFT>`` (``draft``; versions naming the drafter:
+    ``draft-<drafter>``). Their pages are the draft pool's, of another size
+    than the target pool's, which this backend's namespace and objects
+    describe: not stored (see KvDepotHiCacheStorage.batch_set). Storing
+    them would take a namespace of their own named by the drafter, which
+    SGLang does not tell the backend (under the target model's alone,
+    another drafter of the same shape would read them). Page hashes
+    themselves have no dot."""
+    _, dot, tail = str(key).rpartition(".")
+    return bool(dot) and tail.startswith("draft")
+
+
 def _dtype_name(dtype: Any) -> str:
     """``torch.float8_e5m2`` -> ``float8_e5m2`` (by name: torch versions
     differ in which FP8 dtypes they have)."""
@@ -327,6 +350,9 @@ class KvDepotHiCacheStorage(HiCacheStorage):  # type: ignore[misc,valid-type]
         self.counters: Dict[str, int] = {
             "exists_calls": 0, "exists_hit_pages": 0, "get_pages": 0,
             "get_hit_pages": 0, "set_pages": 0, "set_ok_pages": 0, "errors": 0,
+            # Draft pages (speculative decoding) refused by the generic
+            # batch_set / batch_get (see _is_draft_key).
+            "draft_skipped": 0,
             # Calls not made while kvdepotd was unavailable (the breaker's
             # back-off window), each answered as a miss.
             "unavailable_skips": 0,
@@ -369,7 +395,10 @@ class KvDepotHiCacheStorage(HiCacheStorage):  # type: ignore[misc,valid-type]
         some SGLang versions register here too) and the draft KV pools of
         speculative decoding (``draft*``, which SGLang reads and writes
         best-effort: a draft miss only costs acceptance) do not: their v2
-        calls are misses (warning). Never raises."""
+        calls are misses (warning). (SGLang registers a draft pool here only
+        for the mooncake backend; for this one it sends the draft pages
+        through the generic calls, refused as ``_is_draft_key`` says.)
+        Never raises."""
         try:
             super().register_mem_host_pool_v2(host_pool, host_pool_name)
         except Exception:  # noqa: BLE001 - an SGLang version without it
@@ -720,7 +749,21 @@ class KvDepotHiCacheStorage(HiCacheStorage):  # type: ignore[misc,valid-type]
     def batch_get(self, keys: List[str], target_locations: Any = None,
                   target_sizes: Any = None) -> List[Any]:
         """Pages as flat tensors of the pool's dtype (written into
-        ``target_locations`` when given); None per miss."""
+        ``target_locations`` when given); None per miss, and for each draft
+        page (see :func:`_is_draft_key`: never stored, not read)."""
+        drafts = [_is_draft_key(k) for k in keys or ()]
+        if any(drafts):
+            self._count("draft_skipped", sum(drafts))
+            out: List[Any] = [None] * len(keys)
+            rest = [i for i, d in enumerate(drafts) if not d]
+            if rest:
+                targets = None
+                if target_locations is not None:
+                    targets = [target_locations[i] if i < len(target_locations) else None
+                               for i in rest]
+                for i, page in zip(rest, self.batch_get([keys[i] for i in rest], targets)):
+                    out[i] = page
+            return out
         if not keys or self._namespace is None or self._skip():
             return [None] * len(keys)
         try:
@@ -765,7 +808,16 @@ class KvDepotHiCacheStorage(HiCacheStorage):  # type: ignore[misc,valid-type]
 
     def batch_set(self, keys: List[str], values: Any = None, target_locations: Any = None,
                   target_sizes: Any = None) -> bool:
-        """Stores flat page tensors (the generic path); True if all stored."""
+        """Stores flat page tensors (the generic path); True if all stored.
+        Draft pages (see :func:`_is_draft_key`) are not: False, without a
+        warning or an error (the other pages of the call are stored)."""
+        drafts = [_is_draft_key(k) for k in keys or ()]
+        if any(drafts):
+            self._count("draft_skipped", sum(drafts))
+            rest = [i for i, d in enumerate(drafts) if not d]
+            if rest and values is not None and len(values) == len(keys):
+                self.batch_set([keys[i] for i in rest], [values[i] for i in rest])
+            return False
         if self._namespace is None or self._skip():
             return False
         try:
