@@ -283,6 +283,7 @@ absl::Status DataPlane::Attach(SessionId session, std::string_view address,
   }
   UcxEndpointOptions endpoint_options;
   endpoint_options.connect_timeout = ConnectTimeout(connect_by);
+  endpoint_options.abandon_after = options_.abandon_after;
   endpoint_options.peer_error_handling = !colocated;
   // A client past a transfer's deadline may only be stalled: its endpoint
   // on a shared worker closes in order (a forced close could crash this
@@ -736,6 +737,7 @@ size_t DataPlane::EnsureRequestLink(SessionId session, std::string_view address,
   }
   UcxEndpointOptions options;
   options.connect_timeout = ConnectTimeout(connect_by);
+  options.abandon_after = options_.abandon_after;
   options.peer_error_handling = true;
   options.on_error = [this, key, id](const absl::Status&) {
     DropRequestLink(key, id);

@@ -68,6 +68,11 @@ struct DataPlaneOptions {
   int workers = 2;
   // How long OpenSession waits for a client's worker to answer.
   absl::Duration connect_timeout = absl::Seconds(5);
+  // After a session's endpoint failed (a transfer passed its deadline, the
+  // client went), transfers UCX still holds on it end this long after
+  // anyway, abandoned (UcxEndpointOptions::abandon_after): what they
+  // read or write stays held until UCX lets them go.
+  absl::Duration abandon_after = absl::Seconds(1);
   // Buffers one session may register.
   uint32_t max_buffers_per_session = 256;
   // Requests over UCX (ServeRequests) received and not yet answered;

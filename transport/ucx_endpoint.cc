@@ -36,6 +36,15 @@ class RkeySet {
 
 }  // namespace transport_internal
 
+namespace {
+
+// How long past connect_timeout Connect waits for the wire-up's flush to
+// end on its own (OnTick ends it at the deadline when UCX lets it go)
+// before it gives up on it.
+constexpr absl::Duration kConnectedGrace = absl::Milliseconds(100);
+
+}  // namespace
+
 using transport_internal::CreatePeerEndpoint;
 using transport_internal::RkeySet;
 using transport_internal::UcsToStatus;
@@ -93,7 +102,31 @@ absl::Status UcxEndpoint::WaitConnected() {
   });
   RETURN_IF_ERROR(run);
   TransferHandle handle(batch);
-  handle.Wait();
+  // Waited for until its deadline only (and a little after, so that
+  // OnTick can end it first). Past the deadline OnTick fails the
+  // endpoint, but that need not end the flush: an orderly close
+  // (DeadlineClose::kOrderly) leaves it open until the peer answers, and
+  // without peer error handling UCX 1.13 keeps it even after a forced
+  // one; the batch would then end only abandon_after later, and a caller
+  // that must fall back in time (OpenSession) would miss its own
+  // deadline. The batch outlives the endpoint for UCX's sake (its self
+  // reference, Fail's abandon timer), so the caller may destroy the
+  // endpoint at once.
+  if (!handle.WaitUntil(batch->deadline() + kConnectedGrace)) {
+    // Failed here unless OnTick did already, closed as a batch past its
+    // deadline closes it (not by force when deadline_close says in order:
+    // the destructor, which follows, would force-close it otherwise).
+    worker_
+        .Run([this] {
+          Fail(absl::DeadlineExceededError(
+                   "UCX peer did not answer within connect_timeout"),
+               /*from_ucx_callback=*/false, /*notify=*/false,
+               /*force=*/options_.deadline_close == DeadlineClose::kForce);
+        })
+        .IgnoreError();  // stopped: OnStop has closed it
+    return absl::DeadlineExceededError(
+        "UCX peer did not answer within connect_timeout");
+  }
   if (!status().ok() && absl::Now() >= batch->deadline()) {
     return absl::DeadlineExceededError(
         "UCX peer did not answer within connect_timeout");

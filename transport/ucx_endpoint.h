@@ -128,9 +128,10 @@ class UcxEndpoint : private UcxWorker::Resident {
   // `peer_address` is, and waits until the peer has answered (the UCX
   // wire-up is complete). Unavailable when no transport reaches the peer or
   // the peer failed; DeadlineExceeded when it did not answer within
-  // connect_timeout; UCX's error when the address cannot be used. The
-  // address must come from a trusted source (the daemon's OpenSession
-  // reply): UCX does not validate it.
+  // connect_timeout (returned then, within a tenth of a second, whatever
+  // abandon_after and deadline_close are); UCX's error when the address
+  // cannot be used. The address must come from a trusted source (the
+  // daemon's OpenSession reply): UCX does not validate it.
   static absl::StatusOr<std::unique_ptr<UcxEndpoint>> Connect(
       UcxWorker& worker, std::string_view peer_address,
       UcxEndpointOptions options = {});

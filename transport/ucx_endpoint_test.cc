@@ -1,6 +1,8 @@
 // UcxEndpoint over real UCX on loopback: TCP, and shared memory.
 #include "transport/ucx_endpoint.h"
 
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
 #include <sys/mman.h>
 
 #include <algorithm>
@@ -13,12 +15,10 @@
 #include <thread>
 #include <vector>
 
-#include <gmock/gmock.h>
-#include <gtest/gtest.h>
-
 #include "absl/strings/escaping.h"
 #include "absl/strings/match.h"
 #include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/synchronization/notification.h"
@@ -613,6 +613,51 @@ TEST_P(UcxEndpointTest, AnAbandonedBatchIsReleasedWhenItsWorkerGoes) {
   release.Notify();
   // The server's task is done with `release` before it goes.
   EXPECT_TRUE(server_worker_->Run([] {}).ok());
+}
+
+// Connect to a worker that never answers (fenced: it never progresses
+// again) ends at connect_timeout, whatever else the endpoint's options
+// say: not abandon_after later, as it did when the wire-up's flush
+// outlived the endpoint's failure -- closed in order (kOrderly), or with no
+// peer error handling (UCX 1.13 then keeps the flush even after a forced
+// close). A caller with a deadline of its own (OpenSession) must learn in
+// time.
+TEST_P(UcxEndpointTest, AConnectToAPeerThatDoesNotAnswerEndsByItsTimeout) {
+  if (GetParam() != "tcp") {
+    GTEST_SKIP() << "over shared memory the wire-up needs nothing of the peer";
+  }
+  struct Case {
+    bool peer_error_handling;
+    DeadlineClose close;
+  };
+  for (const Case c :
+       {Case{true, DeadlineClose::kOrderly}, Case{false, DeadlineClose::kForce},
+        Case{true, DeadlineClose::kForce}}) {
+    SCOPED_TRACE(absl::StrCat(
+        "peer error handling ", c.peer_error_handling,
+        c.close == DeadlineClose::kOrderly ? ", orderly" : ", forced"));
+    auto stalled = UcxWorker::Create(*server_context_);
+    ASSERT_TRUE(stalled.ok()) << stalled.status();
+    absl::Notification fenced;
+    (*stalled)->Fence([&fenced] { fenced.Notify(); });
+    fenced.WaitForNotification();
+    UcxEndpointOptions options;
+    options.peer_error_handling = c.peer_error_handling;
+    options.deadline_close = c.close;
+    options.connect_timeout = absl::Milliseconds(300);
+    options.abandon_after = absl::Seconds(5);
+    const absl::Time start = absl::Now();
+    auto endpoint = UcxEndpoint::Connect(*client_worker_, (*stalled)->address(),
+                                         std::move(options));
+    const absl::Duration took = absl::Now() - start;
+    EXPECT_EQ(endpoint.status().code(), absl::StatusCode::kDeadlineExceeded)
+        << endpoint.status();
+    // Its 300 ms, not 300 ms plus abandon_after (5 s); generous for a
+    // loaded machine.
+    EXPECT_LT(took, absl::Milliseconds(2500)) << endpoint.status();
+  }
+  // The worker goes on (the failed endpoints' flushes end with it).
+  EXPECT_TRUE(ReadFirstBytes().ok());
 }
 
 // A client whose own process stalls (its progress thread held here, as by
