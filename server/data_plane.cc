@@ -262,10 +262,15 @@ absl::Status DataPlane::Attach(SessionId session, std::string_view address,
   if (sandbox_ != nullptr) {
     // The endpoints made to it below: the session's (without peer error
     // handling for a co-located client), the monitor's and the request
-    // link (with).
-    absl::Status checked = sandbox_->Check(address, /*peer_error_handling=*/true);
+    // link (with). By connect_by, as the wire-up: a slow or restarting
+    // sandbox, or other sessions' checks before this one, must not keep
+    // the client from falling back to gRPC in time (Unavailable, naming
+    // UCX, when the sandbox has not answered by then).
+    absl::Status checked =
+        sandbox_->Check(address, /*peer_error_handling=*/true, connect_by);
     if (checked.ok() && colocated) {
-      checked = sandbox_->Check(address, /*peer_error_handling=*/false);
+      checked =
+          sandbox_->Check(address, /*peer_error_handling=*/false, connect_by);
     }
     if (checked.ok()) {
       if (sandbox_failing_.exchange(false)) {

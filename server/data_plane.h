@@ -191,9 +191,10 @@ class DataPlane {
   // they do not fit this daemon's (TcpSegmentsFit), before anything is
   // connected -- UCX 1.13 would abort whichever side received a segment
   // larger than its own RX size.
-  // `connect_by`: the endpoint's wire-up gives up by then (DeadlineExceeded
-  // or Unavailable), at the latest after connect_timeout, so that the
-  // client learns in time to use gRPC instead.
+  // `connect_by`: the address sandbox's check and the endpoint's wire-up
+  // give up by then (Unavailable or DeadlineExceeded), the wire-up at the
+  // latest after connect_timeout, so that the client learns in time to use
+  // gRPC instead.
   absl::Status Attach(SessionId session, std::string_view address,
                       std::string_view client_host_id,
                       std::optional<uint32_t> client_uid,

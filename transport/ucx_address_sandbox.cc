@@ -1,9 +1,9 @@
 #include "transport/ucx_address_sandbox.h"
 
+#include <fcntl.h>
 #include <poll.h>
 #include <signal.h>
 #include <spawn.h>
-#include <fcntl.h>
 #include <sys/socket.h>
 #include <sys/stat.h>
 #include <sys/wait.h>
@@ -18,9 +18,11 @@
 #include <optional>
 #include <utility>
 
+#include "absl/cleanup/cleanup.h"
 #include "absl/status/statusor.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
+#include "storage/status_macros.h"
 #include "transport/internal/peer_endpoint.h"
 #include "transport/ucx_context.h"
 
@@ -105,33 +107,43 @@ UcxAddressSandbox::UcxAddressSandbox(std::vector<std::string> argv,
     : argv_(std::move(argv)), timeout_(timeout), start_timeout_(start_timeout) {}
 
 UcxAddressSandbox::~UcxAddressSandbox() {
-  absl::MutexLock lock(&mu_);
+  absl::MutexLock lock(&io_mu_);
   StopLocked();
 }
 
-absl::Status UcxAddressSandbox::Start() {
+bool UcxAddressSandbox::TakeTurn(absl::Time deadline) {
   absl::MutexLock lock(&mu_);
-  return pid_ > 0 ? absl::OkStatus() : StartLocked();
+  if (!mu_.AwaitWithDeadline(absl::Condition(&idle_), deadline)) return false;
+  idle_ = false;
+  return true;
 }
 
-pid_t UcxAddressSandbox::pid() {
+void UcxAddressSandbox::GiveTurn() {
   absl::MutexLock lock(&mu_);
-  return pid_;
+  idle_ = true;
+}
+
+absl::Status UcxAddressSandbox::Start() {
+  TakeTurn(absl::InfiniteFuture());  // true: waits as long as it takes
+  absl::Cleanup give_turn = [this] { GiveTurn(); };
+  absl::MutexLock lock(&io_mu_);
+  return ReadyLocked(absl::InfiniteFuture());
 }
 
 namespace {
 
-// Waits up to `timeout` for one byte on `fd`: the byte, or nullopt (no byte
-// in time, or EOF / an error: the sandbox has gone).
-std::optional<char> ReadByte(int fd, absl::Duration timeout, bool* timed_out) {
+// Waits until `deadline` at the latest for one byte on `fd`: the byte, or
+// nullopt (no byte in time, or EOF / an error: the sandbox has gone).
+std::optional<char> ReadByte(int fd, absl::Time deadline, bool* timed_out) {
   pollfd p = {fd, POLLIN, 0};
-  const absl::Time deadline = absl::Now() + timeout;
   int ready = 0;
   do {
     const int64_t ms = std::max<int64_t>(
         0, absl::ToInt64Milliseconds(absl::Ceil(deadline - absl::Now(), absl::Milliseconds(1))));
     ready = poll(&p, 1, static_cast<int>(std::min<int64_t>(ms, 1 << 30)));
-  } while (ready < 0 && errno == EINTR);
+    // Past 2^30 ms (an infinite deadline) poll again.
+  } while ((ready < 0 && errno == EINTR) ||
+           (ready == 0 && absl::Now() < deadline));
   *timed_out = ready == 0;
   char c = 0;
   if (ready != 1 || !ReadAll(fd, &c, 1)) return std::nullopt;
@@ -157,9 +169,18 @@ absl::Status Refusal(int code, const std::string& why) {
       "kvdepotd (", why, ", in its UCX address sandbox)"));
 }
 
+// A check whose deadline came first (`what` kept the sandbox from
+// answering): the client may use gRPC (its fallback takes UNAVAILABLE
+// naming UCX).
+absl::Status OutOfTime(const char* what) {
+  return absl::UnavailableError(absl::StrCat(
+      "the UCX address sandbox did not answer by the check's deadline (", what,
+      "): the client's UCX worker address is unchecked"));
+}
+
 }  // namespace
 
-absl::Status UcxAddressSandbox::StartLocked() {
+absl::Status UcxAddressSandbox::SpawnLocked() {
   if (argv_.empty()) return absl::UnavailableError("no UCX address sandbox command");
   // The sandbox's stdout goes to kvdepotd's log (its stderr), or nowhere
   // when kvdepotd has no stderr: never to kvdepotd's socket, which UCX
@@ -238,36 +259,114 @@ absl::Status UcxAddressSandbox::StartLocked() {
   pid_ = pid;
   sock_ = sv[0];
   // Ready once its UCX is: a check's time starts after that.
-  bool timed_out = false;
-  const std::optional<char> ready = ReadByte(sock_, start_timeout_, &timed_out);
-  if (ready == kReady) return absl::OkStatus();
-  const int status = StopLocked();
-  return absl::UnavailableError(absl::StrCat(
-      "UCX address sandbox (", argv_[0], ") did not start: ",
-      timed_out ? absl::StrCat("not ready in ", absl::FormatDuration(start_timeout_))
-      : ready.has_value()
-          ? absl::StrCat("it said 0x", absl::Hex(static_cast<uint8_t>(*ready)),
-                         " instead of that it is ready")
-      : WIFEXITED(status) ? absl::StrCat("exited with code ", WEXITSTATUS(status),
-                                         " (its messages are in the log)")
-                          : absl::StrCat("killed by signal ", WTERMSIG(status))));
+  ready_by_ = absl::Now() + start_timeout_;
+  answer_by_.reset();
+  return absl::OkStatus();
 }
 
 int UcxAddressSandbox::StopLocked() {
   if (sock_ >= 0) close(sock_);
   sock_ = -1;
   int status = 0;
-  if (pid_ > 0) {
-    kill(pid_, SIGKILL);  // a live one (stuck, or answering nonsense) too
-    while (waitpid(pid_, &status, 0) < 0 && errno == EINTR) {
+  if (const pid_t pid = pid_.load(); pid > 0) {
+    kill(pid, SIGKILL);  // a live one (stuck, or answering nonsense) too
+    while (waitpid(pid, &status, 0) < 0 && errno == EINTR) {
     }
   }
   pid_ = -1;
+  ready_by_ = absl::InfiniteFuture();
+  answer_by_.reset();
   return status;
 }
 
+absl::Status UcxAddressSandbox::ReadyLocked(absl::Time deadline) {
+  // At most twice round: a sandbox that went, or got stuck, on an address
+  // given up on is replaced once.
+  for (int round = 0; round < 2; ++round) {
+    if (pid_.load() < 0) RETURN_IF_ERROR(SpawnLocked());
+    if (ready_by_ != absl::InfiniteFuture()) {
+      bool timed_out = false;
+      const std::optional<char> ready =
+          ReadByte(sock_, std::min(ready_by_, deadline), &timed_out);
+      if (ready == kReady) {
+        ready_by_ = absl::InfiniteFuture();
+      } else if (timed_out && deadline < ready_by_) {
+        return OutOfTime("it is still starting");  // it goes on starting
+      } else {
+        const int status = StopLocked();
+        return absl::UnavailableError(absl::StrCat(
+            "UCX address sandbox (", argv_[0], ") did not start: ",
+            timed_out ? absl::StrCat("not ready in ",
+                                     absl::FormatDuration(start_timeout_))
+            : ready.has_value()
+                ? absl::StrCat("it said 0x",
+                               absl::Hex(static_cast<uint8_t>(*ready)),
+                               " instead of that it is ready")
+            : WIFEXITED(status)
+                ? absl::StrCat("exited with code ", WEXITSTATUS(status),
+                               " (its messages are in the log)")
+                : absl::StrCat("killed by signal ", WTERMSIG(status))));
+      }
+    }
+    if (!answer_by_.has_value()) return absl::OkStatus();
+    // The answer to an address a check gave up on: dropped (that check has
+    // returned), or, if it does not come, that sandbox replaced.
+    const Answer stale = ReadAnswerLocked(deadline);
+    if (stale.how == Read::kAnswer) {
+      return absl::OkStatus();
+    }
+    if (stale.how == Read::kCallerDeadline && !stale.partial) {
+      return OutOfTime("it is still on an earlier client's address");
+    }
+    // Stuck or gone on that address (not this one's doing), or out of step.
+    StopLocked();
+  }
+  return absl::UnavailableError(
+      "the UCX address sandbox went twice without an answer; see the log");
+}
+
+UcxAddressSandbox::Answer UcxAddressSandbox::ReadAnswerLocked(
+    absl::Time deadline) {
+  const absl::Time answer_by = *answer_by_;
+  const absl::Time until = std::min(answer_by, deadline);
+  // No byte by `until`: whose time ran out.
+  auto timed_out_read = [&](bool partial) {
+    return Answer{
+        deadline < answer_by ? Read::kCallerDeadline : Read::kSandboxTimeout,
+        absl::Status(), partial};
+  };
+  bool timed_out = false;
+  const std::optional<char> first = ReadByte(sock_, until, &timed_out);
+  if (!first.has_value()) {
+    return timed_out ? timed_out_read(false)
+                     : Answer{Read::kBroken, absl::Status()};
+  }
+  if (*first == kCreated) {
+    answer_by_.reset();
+    return Answer{Read::kAnswer, absl::OkStatus()};
+  }
+  if (*first != kRefused) return Answer{Read::kBroken, absl::Status(), true};
+  // Why follows (the same write); cut short, it is no answer.
+  const std::optional<char> code = ReadByte(sock_, until, &timed_out);
+  const std::optional<char> length =
+      code.has_value() ? ReadByte(sock_, until, &timed_out) : std::nullopt;
+  std::string why;
+  while (length.has_value() && why.size() < static_cast<uint8_t>(*length)) {
+    const std::optional<char> c = ReadByte(sock_, until, &timed_out);
+    if (!c.has_value()) break;
+    why.push_back(*c);
+  }
+  if (length.has_value() && why.size() == static_cast<uint8_t>(*length)) {
+    answer_by_.reset();
+    return Answer{Read::kAnswer, Refusal(static_cast<uint8_t>(*code), why)};
+  }
+  return timed_out ? timed_out_read(true)
+                   : Answer{Read::kBroken, absl::Status(), true};
+}
+
 absl::Status UcxAddressSandbox::Check(std::string_view address,
-                                      bool peer_error_handling) {
+                                      bool peer_error_handling,
+                                      absl::Time deadline) {
   if (address.empty()) return absl::InvalidArgumentError("empty UCX worker address");
   if (address.size() > kMaxUcxWorkerAddressBytes) {
     return absl::InvalidArgumentError(
@@ -280,44 +379,41 @@ absl::Status UcxAddressSandbox::Check(std::string_view address,
   for (int i = 0; i < 4; ++i) request[1 + i] = static_cast<char>((n >> (8 * i)) & 0xff);
   request.append(address);
 
-  absl::MutexLock lock(&mu_);
+  if (!TakeTurn(deadline)) {
+    return OutOfTime("other clients' addresses before it");
+  }
+  absl::Cleanup give_turn = [this] { GiveTurn(); };
+  absl::MutexLock lock(&io_mu_);
   // A sandbox that went before it took the request, or was killed from
   // outside (SIGKILL: the OOM killer, an operator), is not this address's
   // doing: one more try, on a fresh one.
   for (int attempt = 0; attempt < 2; ++attempt) {
-    if (pid_ < 0) {
-      if (absl::Status started = StartLocked(); !started.ok()) return started;
-    }
+    RETURN_IF_ERROR(ReadyLocked(deadline));
     if (!WriteAll(sock_, request.data(), request.size())) {
       StopLocked();
       continue;
     }
-    bool timed_out = false;
-    const std::optional<char> answer = ReadByte(sock_, timeout_, &timed_out);
-    if (answer == kCreated) return absl::OkStatus();
-    if (answer == kRefused) {
-      // Why follows (the same write); cut short, it is no answer.
-      const std::optional<char> code = ReadByte(sock_, timeout_, &timed_out);
-      const std::optional<char> length =
-          code.has_value() ? ReadByte(sock_, timeout_, &timed_out) : std::nullopt;
-      std::string why;
-      while (length.has_value() && why.size() < static_cast<uint8_t>(*length)) {
-        const std::optional<char> c = ReadByte(sock_, timeout_, &timed_out);
-        if (!c.has_value()) break;
-        why.push_back(*c);
-      }
-      if (length.has_value() && why.size() == static_cast<uint8_t>(*length)) {
-        return Refusal(static_cast<uint8_t>(*code), why);
-      }
+    answer_by_ = absl::Now() + timeout_;
+    const Answer answer = ReadAnswerLocked(deadline);
+    switch (answer.how) {
+      case Read::kAnswer:
+        return answer.status;
+      case Read::kCallerDeadline:
+        // Its answer, when it comes, is the next check's to drop -- unless
+        // part of it was read here, which leaves the connection out of step.
+        if (answer.partial) StopLocked();
+        return OutOfTime("it is still on this address");
+      case Read::kSandboxTimeout:
+        StopLocked();
+        // Slow is not malformed: the client may use gRPC (its fallback
+        // takes UNAVAILABLE naming UCX).
+        return absl::UnavailableError(absl::StrCat(
+            "UCX address sandbox took over ", absl::FormatDuration(timeout_),
+            " on the client's UCX worker address"));
+      case Read::kBroken:
+        break;
     }
     const int status = StopLocked();
-    if (timed_out) {
-      // Slow is not malformed: the client may use gRPC (its fallback
-      // takes UNAVAILABLE naming UCX).
-      return absl::UnavailableError(absl::StrCat(
-          "UCX address sandbox took over ", absl::FormatDuration(timeout_),
-          " on the client's UCX worker address"));
-    }
     if (WIFSIGNALED(status) && WTERMSIG(status) != SIGKILL) {
       return absl::InvalidArgumentError(absl::StrCat(
           "malformed UCX worker address: UCX crashed on it (signal ", WTERMSIG(status),

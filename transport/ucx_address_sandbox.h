@@ -19,14 +19,17 @@
 // spawned; its stdout is kvdepotd's stderr, because UCX may print there
 // as it loads, before the sandbox's main runs.
 //
-// Thread-safe: checks run one at a time.
+// Thread-safe: checks run one at a time, each waiting its turn no longer
+// than its deadline.
 #ifndef KVDEPOT_TRANSPORT_UCX_ADDRESS_SANDBOX_H_
 #define KVDEPOT_TRANSPORT_UCX_ADDRESS_SANDBOX_H_
 
 #include <sys/types.h>
 
+#include <atomic>
 #include <cstddef>
 #include <map>
+#include <optional>
 #include <string>
 #include <string_view>
 #include <vector>
@@ -70,26 +73,82 @@ class UcxAddressSandbox {
   // or sandboxes went twice without an answer (killed from outside, or
   // exiting by themselves). After the last three pid() is -1: a sandbox
   // that went is started again at the next check.
-  absl::Status Check(std::string_view address, bool peer_error_handling);
+  //
+  // Returns by `deadline` (give or take a scheduling delay) in any case:
+  // Unavailable, naming UCX, when the answer has not come by then --
+  // another check's turn lasted until then, the sandbox is still starting,
+  // or it is still on this address or an earlier one. What such a check
+  // leaves is not lost: the next check waits (within its own deadline) for
+  // the sandbox to become ready, or reads and drops the answer still owed
+  // to the address given up on, before it sends its own, so that no check
+  // takes another's answer; start_timeout and `timeout` still count from
+  // the start and from the request.
+  absl::Status Check(std::string_view address, bool peer_error_handling,
+                     absl::Time deadline = absl::InfiniteFuture());
 
-  // Starts the sandbox process now rather than at the first Check.
+  // Starts the sandbox process now rather than at the first Check, and
+  // waits until it is ready (at most start_timeout).
   absl::Status Start();
 
-  // The sandbox's process id, -1 when none runs (for tests).
-  pid_t pid();
+  // The sandbox's process id, -1 when none runs (for tests). Does not wait
+  // for a check in progress.
+  pid_t pid() const { return pid_.load(); }
 
  private:
-  absl::Status StartLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // How reading the sandbox's answer to a request ended.
+  enum class Read {
+    kAnswer,          // whole: `status` is the check's result
+    kCallerDeadline,  // none yet by the caller's deadline
+    kSandboxTimeout,  // none within `timeout` of the request
+    kBroken,          // the connection ended, or made no sense
+  };
+  struct Answer {
+    Read how;
+    absl::Status status;   // kAnswer only
+    bool partial = false;  // some of it was read: the connection is out of step
+  };
+
+  // Waits (within `deadline`) for the turn to talk to the sandbox; false
+  // when another check still has it then.
+  bool TakeTurn(absl::Time deadline) ABSL_LOCKS_EXCLUDED(mu_);
+  void GiveTurn() ABSL_LOCKS_EXCLUDED(mu_);
+  // With the turn: a running sandbox, ready, that owes no answer -- started
+  // when none runs, waited for while it starts, its answer to an address
+  // given up on read and dropped. Unavailable when `deadline` comes first
+  // (it stays as it is for the next check), or when no sandbox starts.
+  absl::Status ReadyLocked(absl::Time deadline)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(io_mu_);
+  // Spawns the sandbox process; it has until ready_by_ to say it is ready.
+  absl::Status SpawnLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(io_mu_);
+  // Reads the answer to the request sent last (due by *answer_by_), waiting
+  // no later than `deadline`.
+  Answer ReadAnswerLocked(absl::Time deadline)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(io_mu_);
   // Closes the connection, kills the sandbox (SIGKILL: a no-op for one
   // that has gone) and reaps it; returns its wait status.
-  int StopLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  int StopLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(io_mu_);
 
   const std::vector<std::string> argv_;
   const absl::Duration timeout_;
   const absl::Duration start_timeout_;
+
+  // Whose turn it is: held only to take or give it, so that a check
+  // waiting for its turn can give up at its deadline.
   absl::Mutex mu_;
-  pid_t pid_ ABSL_GUARDED_BY(mu_) = -1;
-  int sock_ ABSL_GUARDED_BY(mu_) = -1;  // to and from the sandbox
+  bool idle_ ABSL_GUARDED_BY(mu_) = true;  // no check has the turn
+
+  // The conversation with the sandbox: the turn's holder (and the
+  // destructor) only, so never held long by anyone else.
+  absl::Mutex io_mu_;
+  int sock_ ABSL_GUARDED_BY(io_mu_) = -1;  // to and from the sandbox
+  // Until it has said it is ready: by when it must (InfiniteFuture once
+  // it has).
+  absl::Time ready_by_ ABSL_GUARDED_BY(io_mu_) = absl::InfiniteFuture();
+  // While an answer is owed (a request sent, its answer not yet read, as
+  // when a check gave up on it): by when it must come.
+  std::optional<absl::Time> answer_by_ ABSL_GUARDED_BY(io_mu_);
+  // Written under io_mu_; -1 when none runs.
+  std::atomic<pid_t> pid_{-1};
 };
 
 // The sandbox command line for `executable` and UCX settings `config` (as

@@ -2,6 +2,7 @@
 // kvdepotd does (started with kUcxAddressSandboxFlag).
 #include "transport/ucx_address_sandbox.h"
 
+#include <gtest/gtest.h>
 #include <signal.h>
 #include <sys/types.h>
 #include <unistd.h>
@@ -10,9 +11,8 @@
 #include <filesystem>
 #include <memory>
 #include <string>
+#include <thread>
 #include <vector>
-
-#include <gtest/gtest.h>
 
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
@@ -102,6 +102,99 @@ TEST_P(UcxAddressSandboxTest, ASlowSandboxIsUnavailableNotAMalformedAddress) {
   EXPECT_TRUE(absl::IsUnavailable(st)) << st;  // the client may use gRPC
   EXPECT_NE(slow.pid(), stuck);
   EXPECT_TRUE(slow.Check(address, true).ok());  // on a fresh one
+}
+
+// A check given a deadline returns by it, however slow the sandbox (here
+// stopped, as one stuck inside UCX, with a timeout of its own far longer):
+// Unavailable, naming UCX, so that the client can still use gRPC in time.
+// The sandbox is not replaced for it: the answer it owes is read and
+// dropped by the next check, which gets its own answer, not that one.
+TEST_P(UcxAddressSandboxTest,
+       ACheckEndsByItsDeadlineAndTheNextGetsItsOwnAnswer) {
+  UcxAddressSandbox slow(
+      UcxAddressSandboxArgs(KVDEPOT_UCX_TEST_PEER,
+                            ucx_test::TransportConfig(GetParam())),
+      /*timeout=*/absl::Seconds(20));
+  const std::string address = worker_->address();
+  ASSERT_TRUE(slow.Check(address, true).ok());
+  const pid_t stuck = slow.pid();
+  ASSERT_EQ(kill(stuck, SIGSTOP), 0);
+  const absl::Time start = absl::Now();
+  // A sound address: its answer, owed, would pass the broken one below.
+  absl::Status st = slow.Check(address, true, start + absl::Milliseconds(300));
+  const absl::Duration took = absl::Now() - start;
+  EXPECT_TRUE(absl::IsUnavailable(st)) << st;
+  EXPECT_TRUE(absl::StrContains(st.message(), "UCX")) << st;
+  // Its deadline, not the sandbox's 20 s; generous for a loaded machine.
+  EXPECT_LT(took, absl::Seconds(3)) << st;
+  EXPECT_EQ(slow.pid(), stuck) << "the sandbox was replaced";
+  ASSERT_EQ(kill(stuck, SIGCONT), 0);
+  EXPECT_FALSE(slow.Check(address.substr(0, 2), true).ok())
+      << "a broken address got the answer owed to the sound one";
+  EXPECT_TRUE(slow.Check(address, true).ok());
+}
+
+// Checks that wait for their turn behind a stuck one give up at their own
+// deadlines too; the sandbox serves correctly once it continues.
+TEST_P(UcxAddressSandboxTest, ConcurrentChecksEachEndByTheirOwnDeadline) {
+  UcxAddressSandbox slow(
+      UcxAddressSandboxArgs(KVDEPOT_UCX_TEST_PEER,
+                            ucx_test::TransportConfig(GetParam())),
+      /*timeout=*/absl::Seconds(20));
+  const std::string address = worker_->address();
+  ASSERT_TRUE(slow.Check(address, true).ok());
+  const pid_t stuck = slow.pid();
+  ASSERT_EQ(kill(stuck, SIGSTOP), 0);
+  const absl::Time start = absl::Now();
+  const absl::Duration waits[] = {absl::Milliseconds(300),
+                                  absl::Milliseconds(600)};
+  absl::Status status[2];
+  absl::Duration took[2];
+  {
+    std::vector<std::thread> checks;
+    for (int i = 0; i < 2; ++i) {
+      checks.emplace_back([&, i] {
+        status[i] = slow.Check(address, true, start + waits[i]);
+        took[i] = absl::Now() - start;
+      });
+    }
+    for (std::thread& t : checks) t.join();
+  }
+  for (int i = 0; i < 2; ++i) {
+    SCOPED_TRACE(i);
+    EXPECT_TRUE(absl::IsUnavailable(status[i])) << status[i];
+    EXPECT_TRUE(absl::StrContains(status[i].message(), "UCX")) << status[i];
+    EXPECT_LT(took[i], waits[i] + absl::Milliseconds(2500)) << status[i];
+  }
+  EXPECT_EQ(slow.pid(), stuck) << "the sandbox was replaced";
+  ASSERT_EQ(kill(stuck, SIGCONT), 0);
+  EXPECT_FALSE(slow.Check(address.substr(0, 2), true).ok());
+  EXPECT_TRUE(slow.Check(address, false).ok());
+  EXPECT_TRUE(slow.Check(address, true).ok());
+}
+
+// A sandbox slow to start (here a shell that waits before it becomes the
+// sandbox) does not hold a check past its deadline either, and is not
+// killed for it: the next check finds it started.
+TEST_P(UcxAddressSandboxTest, ACheckWhileTheSandboxStartsEndsByItsDeadline) {
+  std::vector<std::string> argv = {"/bin/sh", "-c", "sleep 3; exec \"$@\"",
+                                   "sh"};
+  const std::vector<std::string> sandbox = UcxAddressSandboxArgs(
+      KVDEPOT_UCX_TEST_PEER, ucx_test::TransportConfig(GetParam()));
+  argv.insert(argv.end(), sandbox.begin(), sandbox.end());
+  UcxAddressSandbox starting(argv);
+  const std::string address = worker_->address();
+  const absl::Time start = absl::Now();
+  absl::Status st =
+      starting.Check(address, true, start + absl::Milliseconds(300));
+  const absl::Duration took = absl::Now() - start;
+  EXPECT_TRUE(absl::IsUnavailable(st)) << st;
+  EXPECT_TRUE(absl::StrContains(st.message(), "UCX")) << st;
+  EXPECT_LT(took, absl::Milliseconds(2500)) << st;
+  const pid_t first = starting.pid();
+  EXPECT_GT(first, 0);
+  EXPECT_TRUE(starting.Check(address, true).ok());
+  EXPECT_EQ(starting.pid(), first) << "the starting sandbox was replaced";
 }
 
 TEST_P(UcxAddressSandboxTest, TheSandboxKeepsNoDescriptorOfItsParent) {
