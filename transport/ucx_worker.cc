@@ -229,6 +229,18 @@ void UcxWorker::StartReceive(
     std::shared_ptr<transport_internal::TransferBatch> batch,
     std::unique_ptr<IncomingData> data, std::vector<absl::Span<char>> pieces) {
   const size_t last = batch->size();  // the receive's index in the batch
+  if (batch->deadline() <= absl::Now()) {
+    // Its deadline passed before it could start (this thread was busy or
+    // stalled, or the caller was late): its caller may have given up on
+    // it and handed the memory on, so no byte goes there, as for a batch
+    // of UcxEndpoint's (Post). The data is released unread as `data` goes
+    // (IncomingData's destructor, deferred out of any UCX callback): the
+    // sender's send ends.
+    batch->RefuseRest(absl::DeadlineExceededError(
+        "received data's deadline passed before the receive started (the "
+        "progress thread was stalled or busy)"));
+    return;
+  }
   if (data->eager_sent_) {  // its bytes are here (released as `data` goes)
     const char* bytes = data->eager_bytes();
     size_t off = 0;

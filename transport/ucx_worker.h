@@ -204,7 +204,9 @@ class UcxWorker {
   // moves it with zero copy where the transport can), as a batch of one
   // transfer: OK once the bytes are in; DeadlineExceeded when `deadline`
   // passes first (the batch is then abandoned: UCX may still write into
-  // `to` until its request ends, TransferHandle::OnReleased); Unavailable
+  // `to` until its request ends, TransferHandle::OnReleased), or had
+  // passed when the progress thread came to start it (nothing is written
+  // then, not abandoned, the data released unread); Unavailable
   // when the sender's connection failed or the worker is stopping. Once the
   // bytes are in, `each_got(0)` runs on the progress thread before the
   // handle is ready. Any thread; the request is posted outside UCX

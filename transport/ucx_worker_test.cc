@@ -582,6 +582,121 @@ TEST_F(UcxWorkerTest, DroppedPiecesOfReceivedDataTakeABoundedScratchBuffer) {
   }
 }
 
+// A receive whose deadline passed before the progress thread came to
+// start it (the thread was busy) is not started: it ends
+// DeadlineExceeded, not abandoned, with no byte written where it was to
+// go (its caller may have handed that memory on), and the data is
+// released unread, so that the sender's send ends. Eager data (its bytes
+// here already) and rendezvous data alike. The thread is held by a task
+// until the deadline has passed, so the order is fixed.
+TEST_F(UcxWorkerTest, AReceiveWhoseDeadlinePassedBeforeItStartedIsNotStarted) {
+  for (const char* transport : {"tcp", "shm"}) {
+    SCOPED_TRACE(transport);
+    UcxContextOptions options;
+    options.config = ucx_test::TransportConfig(transport);
+    auto server_context = UcxContext::Create(options);
+    ASSERT_TRUE(server_context.ok()) << server_context.status();
+    auto client_context = UcxContext::Create(options);
+    ASSERT_TRUE(client_context.ok()) << client_context.status();
+    auto server = UcxWorker::Create(**server_context);
+    ASSERT_TRUE(server.ok()) << server.status();
+    auto client = UcxWorker::Create(**client_context);
+    ASSERT_TRUE(client.ok()) << client.status();
+    UcxEndpointOptions endpoint_options;
+    endpoint_options.peer_error_handling =
+        ucx_test::PeerErrorHandling(transport);
+    auto endpoint = UcxEndpoint::Connect(**client, (*server)->address(),
+                                         std::move(endpoint_options));
+    ASSERT_TRUE(endpoint.ok()) << endpoint.status();
+
+    absl::Mutex mu;
+    std::vector<std::unique_ptr<UcxWorker::IncomingData>> got;
+    ASSERT_TRUE((*server)
+                    ->SetDataMessageHandler(
+                        9,
+                        [&](absl::string_view,
+                            std::unique_ptr<UcxWorker::IncomingData> data,
+                            const UcxWorker::MessageSender&) {
+                          absl::MutexLock lock(&mu);
+                          got.push_back(std::move(data));
+                        })
+                    .ok());
+    const std::vector<char> eager = RandomBytes(3000, 90);
+    const std::vector<char> rendezvous = RandomBytes(size_t{1} << 20, 91);
+    int sent_done = 0;
+    absl::Status sent_status = absl::UnknownError("not sent");
+    ASSERT_TRUE(
+        (*endpoint)
+            ->SendMessage(9, "eager", std::string(eager.begin(), eager.end()))
+            .ok());
+    ASSERT_TRUE((*endpoint)
+                    ->SendMessageWithData(9, "rndv",
+                                          absl::MakeConstSpan(rendezvous),
+                                          [&](const absl::Status& st) {
+                                            absl::MutexLock lock(&mu);
+                                            ++sent_done;
+                                            sent_status = st;
+                                          })
+                    .ok());
+    {
+      absl::MutexLock lock(&mu);
+      ASSERT_TRUE(mu.AwaitWithTimeout(
+          absl::Condition(
+              +[](decltype(got)* g) { return g->size() == 2; }, &got),
+          absl::Seconds(20)))
+          << got.size() << " of 2 messages arrived";
+    }
+    ASSERT_TRUE(got[0]->eager());
+    ASSERT_FALSE(got[1]->eager());
+
+    std::vector<char> sink(eager.size() + rendezvous.size(), '\0');
+    auto region = (*server_context)->Register(sink.data(), sink.size());
+    ASSERT_TRUE(region.ok()) << region.status();
+    // The progress thread busy (a task) until both deadlines have passed.
+    absl::Notification busy, release;
+    ASSERT_TRUE((*server)
+                    ->Post([&busy, &release] {
+                      busy.Notify();
+                      release.WaitForNotification();
+                    })
+                    .ok());
+    busy.WaitForNotification();
+    const absl::Time deadline = absl::Now() + absl::Milliseconds(20);
+    TransferHandle late_eager =
+        (*server)->Receive(std::move(got[0]), sink.data(), deadline);
+    TransferHandle late_rendezvous = (*server)->Receive(
+        std::move(got[1]), sink.data() + eager.size(), deadline);
+    while (absl::Now() <= deadline) absl::SleepFor(absl::Milliseconds(5));
+    release.Notify();
+
+    const absl::Time bound = absl::Now() + absl::Seconds(20);
+    for (const TransferHandle* h : {&late_eager, &late_rendezvous}) {
+      ASSERT_TRUE(h->WaitUntil(bound));
+      EXPECT_TRUE(absl::IsDeadlineExceeded(h->overall_status()))
+          << h->overall_status();
+      EXPECT_FALSE(h->abandoned()) << "it was started, past its deadline";
+    }
+    // Nothing landed, now or later: the sender's send ends (the data was
+    // released unread), and the worker is still there.
+    {
+      absl::MutexLock lock(&mu);
+      ASSERT_TRUE(
+          mu.AwaitWithTimeout(absl::Condition(
+                                  +[](int* n) { return *n == 1; }, &sent_done),
+                              absl::Seconds(20)))
+          << "the sender's send did not end";
+      EXPECT_TRUE(sent_status.ok()) << sent_status;  // as for data dropped
+    }
+    ASSERT_TRUE((*server)->Run([] {}).ok());
+    EXPECT_EQ(std::count(sink.begin(), sink.end(), '\0'),
+              static_cast<std::ptrdiff_t>(sink.size()))
+        << "bytes of a receive past its deadline were written";
+    endpoint->reset();
+    (*client)->Stop();
+    (*server)->Stop();
+  }
+}
+
 // How many pages of [base, base + size) are resident (mincore).
 size_t ResidentPages(char* base, size_t size) {
   const size_t page = sysconf(_SC_PAGESIZE);
