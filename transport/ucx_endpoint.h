@@ -227,11 +227,14 @@ class UcxEndpoint : private UcxWorker::Resident {
                                    absl::AnyInvocable<void(const absl::Status&) &&> sent);
 
   // Closes the endpoint now, without on_error; the object stays valid and
-  // later batches end at once (Cancelled). Force (as the destructor does):
-  // batches in flight end Cancelled, the connection is reset. Graceful:
-  // UCX flushes what is in flight and disconnects in order, so the peer
-  // sees an orderly close instead of a connection reset (for a peer that is
-  // alive, e.g. a client whose session ended normally).
+  // it is failed from then on (status() Cancelled): later batches end at
+  // once Unavailable, and SendMessage is Unavailable, as after any failure
+  // (callers take Unavailable as "this endpoint is gone"). Force (as the
+  // destructor does): batches in flight end Cancelled, the connection is
+  // reset. Graceful: UCX flushes what is in flight and disconnects in
+  // order, so the peer sees an orderly close instead of a connection reset
+  // (for a peer that is alive, e.g. a client whose session ended
+  // normally).
   void Close(bool force = true);
 
   // Whether region `region`'s memory is mapped into this process, so that

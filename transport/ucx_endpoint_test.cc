@@ -1372,10 +1372,22 @@ TEST_P(UcxEndpointTest, AHandlerAnswersASenderItHasNoEndpointTo) {
   EXPECT_EQ(payload, "me?");
 }
 
+// After Close the endpoint is failed (Cancelled), and what is started on
+// it later is Unavailable, as on an endpoint whose peer went: callers take
+// that as "connect anew".
 TEST_P(UcxEndpointTest, SendingOnAClosedEndpointIsUnavailable) {
   endpoint_->Close();
+  EXPECT_TRUE(absl::IsCancelled(endpoint_->status())) << endpoint_->status();
   absl::Status st = endpoint_->SendMessage(7, "h", "p");
   EXPECT_TRUE(absl::IsUnavailable(st)) << st;
+  std::vector<char> one(8);
+  TransferHandle get =
+      endpoint_->Get(std::vector<Transfer>{{region_id_, region_->address(),
+                                            one.data(), 8, nullptr}},
+                     Soon());
+  ASSERT_TRUE(get.IsReady())
+      << "a batch on a closed endpoint did not end at once";
+  EXPECT_TRUE(absl::IsUnavailable(get.status(0))) << get.status(0);
 }
 
 // Rendezvous data stays with the sender until the receiver places it
