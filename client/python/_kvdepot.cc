@@ -25,11 +25,13 @@
 // Errors: absl::Status codes become Python exceptions whose message starts
 // with the code's name: NOT_FOUND -> KeyError, INVALID_ARGUMENT and
 // OUT_OF_RANGE -> ValueError, everything else -> RuntimeError.
+#include <pthread.h>
 #include <pybind11/numpy.h>
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <exception>
@@ -88,10 +90,35 @@ T Check(absl::StatusOr<T> value) {
   return *std::move(value);
 }
 
+// Forks of this process since the module was loaded, counted in each child
+// (pthread_atfork): a Client, and what it started, made before a fork is
+// the parent's. The child has none of its threads (UCX progress, gRPC's,
+// a load's loader) and shares its sockets: a call from the child hangs,
+// or breaks the parent's connection for every client in it, and tearing
+// one down (closing the parent's session, joining threads the child does
+// not have) crashes the child or ends the parent's session. So in a child
+// they refuse every call, and go without touching anything of the
+// parent's (what they hold is left as it is: the child's copy of memory).
+std::atomic<uint64_t> forks{0};
+void CountFork() { forks.fetch_add(1, std::memory_order_relaxed); }
+uint64_t Forks() { return forks.load(std::memory_order_relaxed); }
+
+// What a call on an object made before a fork raises in the child.
+[[noreturn]] void RaiseMadeBeforeFork(const char* what) {
+  Raise(absl::FailedPreconditionError(absl::StrCat(
+      "this ", what,
+      " was made before this process was forked: its "
+      "connections and threads are the parent's. Make a new kvdepot.Client "
+      "in this process (or start worker processes with multiprocessing's "
+      "'spawn' or 'forkserver')")));
+}
+
 // A borrowed view of a Python object's memory, valid while the object lives
 // (`owner` keeps it referenced; `view` holds the buffer-protocol export; for
 // a torch tensor, `storage` holds what owns its memory, which t.set_() would
-// otherwise free under a transfer: the tensor alone does not keep it).
+// otherwise free under a transfer: the tensor alone does not keep it; a
+// resize_() that grows the tensor still moves the storage's bytes, which
+// callers must not do to a tensor a transfer uses).
 struct Memory {
   py::object owner;
   py::object storage;
@@ -164,6 +191,36 @@ py::object TorchStorage(py::handle t) {
   return py::none();
 }
 
+// Raises ValueError when a torch tensor's storage does not hold the bytes
+// the tensor names: storage.resize_(0) (how FSDP frees parameters) leaves a
+// tensor whose numel() is unchanged and whose data_ptr() is null, and a
+// read or write of it would fault or land in freed memory. (Torch has no
+// read-only tensors: a CPU tensor over read-only memory, e.g. from
+// torch.frombuffer of bytes, is taken as writable. Nor does holding the
+// storage stop a later resize_() from moving its bytes: callers must not
+// resize a tensor a transfer uses.) REQUIRES: the GIL.
+void CheckStorageHolds(const Memory& m, const std::string& what) {
+  // Without a storage (a tensor-like object), nothing to check against.
+  if (m.size == 0 || m.storage.is_none()) return;
+  bool held = m.data != nullptr;
+  if (held) {
+    try {
+      const uintptr_t base = m.storage.attr("data_ptr")().cast<uintptr_t>();
+      const size_t bytes = m.storage.attr("nbytes")().cast<size_t>();
+      const uintptr_t start = reinterpret_cast<uintptr_t>(m.data);
+      held = start >= base && start - base <= bytes &&
+             m.size <= bytes - (start - base);
+    } catch (const py::error_already_set&) {
+      // A storage that cannot say (an old torch): taken as it is.
+    }
+  }
+  if (!held) {
+    throw py::value_error(absl::StrCat(
+        "INVALID_ARGUMENT: ", what, "'s storage does not hold its ", m.size,
+        " bytes (freed with resize_(0), or resized under it)"));
+  }
+}
+
 bool IsTorchTensor(py::handle obj) {
   return py::hasattr(obj, "data_ptr") && py::hasattr(obj, "element_size") &&
          py::hasattr(obj, "numel") && py::hasattr(obj, "is_contiguous");
@@ -205,6 +262,7 @@ Memory GetMemory(py::handle obj, bool writable, const std::string& what,
           static_cast<int64_t>(m.size / std::max<size_t>(1, m.itemsize))};
     }
     m.storage = TorchStorage(obj);
+    CheckStorageHolds(m, what);
     return m;
   }
   if (!PyObject_CheckBuffer(obj.ptr())) {
@@ -459,6 +517,10 @@ class PyTransferOp {
   // REQUIRES: the GIL (pybind11 destroys instances holding it).
   ~PyTransferOp() {
     if (client_ == nullptr && memory_.empty()) return;
+    if (born_ != Forks()) {
+      Settle();  // the parent's op: nothing here to wait for (CountFork)
+      return;
+    }
     {
       py::gil_scoped_release release;
       if (op_) op_->Wait();
@@ -482,6 +544,7 @@ class PyTransferOp {
   // Waits up to `timeout` seconds (forever with None; 0 polls), the GIL
   // released (see WaitReleased).
   bool Wait(std::optional<double> timeout) {
+    if (born_ != Forks() && !op_->IsReady()) RaiseMadeBeforeFork("TransferOp");
     bool ready =
         WaitReleased(timeout, [this](absl::Time t) { return op_->WaitUntil(t); });
     if (ready) Settle();
@@ -563,6 +626,7 @@ class PyTransferOp {
 
   std::optional<TransferOp> op_;  // set by Start before Python sees it
   size_t size_ = 0;
+  const uint64_t born_ = Forks();  // see CountFork
   // Held until the op is ready; then null and empty.
   std::shared_ptr<Client> client_;
   std::vector<Memory> memory_;
@@ -974,6 +1038,14 @@ class PyCacheLoad {
 
   // REQUIRES: the GIL (pybind11 destroys instances holding it).
   ~PyCacheLoad() {
+    if (born_ != Forks()) {
+      // The parent's load (CountFork): its loader thread is not here to
+      // wait for or join; the thread object goes unjoined.
+      static_cast<void>(thread_.release());
+      settled_ = true;
+      Settle();
+      return;
+    }
     if (!settled_) {
       state_->Cancel();
       py::gil_scoped_release release;
@@ -991,7 +1063,8 @@ class PyCacheLoad {
   // would wait for it forever. REQUIRES: the GIL.
   void Start() {
     try {
-      thread_ = std::thread([state = state_] { state->Run(); });
+      thread_ =
+          std::make_unique<std::thread>([state = state_] { state->Run(); });
     } catch (const std::exception&) {
       py::gil_scoped_release release;
       state_->Run();
@@ -1010,6 +1083,7 @@ class PyCacheLoad {
   // returns whether they are. Raises the scatter's failure once the load is
   // done without them (see CacheLoadState).
   bool WaitForLayer(int layer, std::optional<double> timeout) {
+    if (born_ != Forks() && !state_->done()) RaiseMadeBeforeFork("CacheLoad");
     if (layer < 0 || layer >= state_->num_layers()) {
       Raise(absl::OutOfRangeError(absl::StrCat(
           "layer ", layer, " is outside [0, ", state_->num_layers(), ")")));
@@ -1029,6 +1103,7 @@ class PyCacheLoad {
   }
 
   bool Wait(std::optional<double> timeout) {
+    if (born_ != Forks() && !state_->done()) RaiseMadeBeforeFork("CacheLoad");
     bool ready =
         WaitReleased(timeout, [this](absl::Time t) { return state_->WaitDone(t); });
     if (ready) Settle();
@@ -1084,7 +1159,7 @@ class PyCacheLoad {
     std::vector<Memory> memory;
     if (!settled_) {
       settled_ = true;
-      if (thread_.joinable()) thread_.join();
+      if (thread_ != nullptr && thread_->joinable()) thread_->join();
       memory = std::move(memory_);
       memory_.clear();
     }
@@ -1099,8 +1174,9 @@ class PyCacheLoad {
   std::shared_ptr<Client> client_;
   std::vector<Memory> memory_;
   const std::shared_ptr<CacheLoadState> state_;
-  std::thread thread_;
+  std::unique_ptr<std::thread> thread_;  // null where the load ran inline
   bool settled_ = false;  // the GIL guards it
+  const uint64_t born_ = Forks();  // see CountFork
 };
 
 // Raises ValueError unless `ns` and every key are valid (the native async
@@ -1177,21 +1253,30 @@ class PyClient {
     // released, with the GIL, after it is gone.
     auto registered = std::make_shared<std::vector<Memory>>();
     registered_ = registered.get();
-    native_ = std::shared_ptr<Client>(client.release(), [registered](Client* c) {
-      // ~Client closes the session, if one is left (an RPC, up to a few
-      // seconds with a daemon that does not answer) and stops the UCX
-      // workers: without the GIL, whoever drops the last reference (del,
-      // the garbage collector, an array's capsule).
-      WithoutGil([c] { delete c; });
-      py::gil_scoped_acquire gil;
-      registered->clear();
-    });
+    const uint64_t born = born_;
+    native_ = std::shared_ptr<Client>(client.release(),
+                                      [registered, born](Client* c) {
+                                        // ~Client closes the session, if one is
+                                        // left (an RPC, up to a few seconds
+                                        // with a daemon that does not answer)
+                                        // and stops the UCX workers: without
+                                        // the GIL, whoever drops the last
+                                        // reference (del, the garbage
+                                        // collector, an array's capsule). In a
+                                        // forked child the client is the
+                                        // parent's (CountFork): left as it is.
+                                        if (born == Forks())
+                                          WithoutGil([c] { delete c; });
+                                        py::gil_scoped_acquire gil;
+                                        registered->clear();
+                                      });
     client_ = std::shared_ptr<Client>(
-        native_.get(), [native = native_](Client* c) mutable {
+        native_.get(), [native = native_, born](Client* c) mutable {
           // Nothing uses the client any more: close its session (an RPC)
-          // now, whatever still holds its memory.
-          WithoutGil([c, &native] {
-            c->CloseSession().IgnoreError();
+          // now, whatever still holds its memory (not the parent's
+          // session from a forked child).
+          WithoutGil([c, &native, born] {
+            if (born == Forks()) c->CloseSession().IgnoreError();
             native.reset();
           });
         });
@@ -1448,12 +1533,15 @@ class PyClient {
     struct Allocated {
       std::shared_ptr<Client> client;
       absl::Span<char> bytes;
+      uint64_t born;  // see CountFork
     };
-    auto* owner = new Allocated{std::move(native), bytes};
+    auto* owner = new Allocated{std::move(native), bytes, born_};
     py::capsule keep(owner, [](void* p) {
       auto* allocated = static_cast<Allocated*>(p);
       WithoutGil([allocated] {
-        allocated->client->FreeBuffer(allocated->bytes).IgnoreError();
+        if (allocated->born == Forks()) {  // not the parent's, from a child
+          allocated->client->FreeBuffer(allocated->bytes).IgnoreError();
+        }
         delete allocated;  // maybe the last reference to the client
       });
     });
@@ -1516,8 +1604,10 @@ class PyClient {
     return fn(*c);
   }
 
-  // The client, or raises once closed. REQUIRES: the GIL.
+  // The client, or raises once closed, and in a process forked since it
+  // was made (CountFork). REQUIRES: the GIL.
   std::shared_ptr<Client> client() {
+    if (born_ != Forks()) RaiseMadeBeforeFork("kvdepot.Client");
     if (client_ == nullptr) {
       throw std::runtime_error("FAILED_PRECONDITION: the client is closed");
     }
@@ -1525,6 +1615,7 @@ class PyClient {
   }
 
   std::string server_;
+  const uint64_t born_ = Forks();  // see CountFork
   // Both null once closed; changed only with the GIL held. client_ is
   // shared with the calls, ops and loads in flight, so that close() cannot
   // free the client under them, and closes the session when the last of
@@ -1608,6 +1699,7 @@ PYBIND11_MODULE(_kvdepot, m) {
   using namespace kvdepot;  // NOLINT: the binding names every type once.
   m.doc() = "Native binding of libkvdepot and the paged-KV gather/scatter "
             "(CPU). Use the `kvdepot` package instead of this module.";
+  pthread_atfork(nullptr, nullptr, &CountFork);
 
   py::enum_<v1::Tier>(m, "Tier")
       .value("UNSPECIFIED", v1::TIER_UNSPECIFIED)

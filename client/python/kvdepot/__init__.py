@@ -370,7 +370,14 @@ class LoadHandle:
         """One entry per key once done: None when loaded, else (code name,
         message), e.g. ``("NOT_FOUND", ...)`` for a miss. Never raises for
         block errors; RuntimeError (FAILED_PRECONDITION) before done."""
-        return [] if self._load is None else self._load.errors()
+        if self._load is None:
+            return []
+        if self._load.ready():
+            # Done: a load into GPU caches may still have scatters to queue
+            # and a stream to synchronize (wait() no longer waits for the
+            # network then).
+            self._load.wait()
+        return self._load.errors()
 
     def _finish(self) -> None:
         """Waits until done, reporting nothing (the results stay here)."""
@@ -515,8 +522,9 @@ class KvCacheStore:
         handle alone would name the current device's); None for host
         caches."""
         t = caches[0] if caches else None
+        # numpy 2 arrays have a `device` too: the string "cpu".
         dev = getattr(t, "device", None)
-        if dev is None or dev.type != "cuda":
+        if getattr(dev, "type", None) != "cuda":
             return None
         import torch
 

@@ -348,6 +348,26 @@ def _is_torch_tensor(obj: Any) -> bool:
                                          "is_contiguous", "device"))
 
 
+def _check_storage_holds(ptr: int, nbytes: int, storage: Any, what: str) -> None:
+    """ValueError when a tensor's storage does not hold the ``nbytes`` at
+    ``ptr`` the tensor names: ``storage.resize_(0)`` (how FSDP frees
+    parameters) leaves its numel() as it was and its data_ptr() null, and
+    a kernel reading or writing it would fault or hit freed memory (the
+    native module checks the same)."""
+    if nbytes == 0 or storage is None:  # a tensor-like object: nothing to check
+        return
+    held = ptr != 0
+    if held:
+        try:
+            base, size = int(storage.data_ptr()), int(storage.nbytes())
+        except Exception:  # noqa: BLE001 - an old torch: taken as it is
+            return
+        held = base <= ptr and ptr - base + nbytes <= size
+    if not held:
+        raise ValueError(f"INVALID_ARGUMENT: {what}'s storage does not hold its "
+                         f"{nbytes} bytes (freed with resize_(0), or resized under it)")
+
+
 def _memory(obj: Any, writable: bool, what: str, permuted: bool = False) -> _Memory:
     """The memory of a torch tensor, a numpy array (or anything with
     ``__array_interface__``) or a buffer-protocol object. Raises ValueError
@@ -370,8 +390,11 @@ def _memory(obj: Any, writable: bool, what: str, permuted: bool = False) -> _Mem
         _check_byte_order("=", itemsize, what, "a torch tensor on a big-endian host")
         numel = int(obj.numel())
         shape = tuple(int(x) for x in getattr(obj, "shape", (numel,)))
+        storage = _torch_storage(obj)
+        if device.type in ("cpu", "cuda"):  # others are refused by the shim
+            _check_storage_holds(int(obj.data_ptr()), numel * itemsize, storage, what)
         return _Memory(int(obj.data_ptr()), numel * itemsize, str(device.type),
-                       device.index, (obj, _torch_storage(obj)), shape, itemsize,
+                       device.index, (obj, storage), shape, itemsize,
                        strides)
     interface = getattr(obj, "__array_interface__", None)
     buffer_shape = None  # a buffer's own shape and item size (its bytes: uint8)

@@ -283,9 +283,98 @@ class ClientTest(DaemonTestCase):
         self.assertGreater(ticks[0], 0)
 
 
+class ForkTest(DaemonTestCase):
+    """A Client made before a fork is the parent's: in the child every call
+    refuses (FAILED_PRECONDITION) and dropping it leaves the parent's
+    session, connections and threads alone. (A child's call used to break
+    the parent's gRPC connection for every client in it, and its teardown
+    closed the parent's session and crashed joining threads it does not
+    have.)"""
+
+    def test_a_client_made_before_a_fork_is_the_parents(self):
+        c = self.client
+        block = np.arange(4096, dtype=np.uint8)
+        self.assertEqual(c.put(NS, [key(1)], [block]), [True])
+        pinned = c.lookup(NS, [key(1)], pin=True)  # held by the parent's session
+        self.assertNotEqual(pinned.pin_id, 0)
+        buf = c.allocate_buffer(4096)
+        pid = os.fork()
+        if pid == 0:  # the child: exits with what it saw, never returns
+            code = 0
+            try:
+                try:
+                    c.health()
+                    code = 3
+                except RuntimeError as e:
+                    if not str(e).startswith("FAILED_PRECONDITION"):
+                        code = 4
+                try:
+                    c.get_into(NS, [key(1)], [np.zeros(4096, np.uint8)])
+                    code = 5
+                except RuntimeError:
+                    pass
+                # Every reference goes: the client's teardown runs here.
+                del c, buf
+                self.client = None
+                gc.collect()
+            except BaseException:  # noqa: BLE001 - reported by the exit code
+                code = 6
+            os._exit(code)
+        deadline = time.monotonic() + 30
+        status = None
+        while time.monotonic() < deadline:
+            done, status = os.waitpid(pid, os.WNOHANG)
+            if done:
+                break
+            time.sleep(0.01)
+        else:
+            os.kill(pid, signal.SIGKILL)
+            os.waitpid(pid, 0)
+            self.fail("the forked child hung")
+        self.assertTrue(os.WIFEXITED(status), f"child ended by signal {os.WTERMSIG(status)}"
+                        if os.WIFSIGNALED(status) else status)
+        self.assertEqual(os.WEXITSTATUS(status), 0)
+        # The parent's session and connection are as they were: its pin is
+        # still its own, and its calls work.
+        c.unpin(pinned.pin_id)
+        out = np.zeros(4096, np.uint8)
+        self.assertEqual(c.get_into(NS, [key(1)], [out]), [True])
+        np.testing.assert_array_equal(out, block)
+        buf[:] = 7  # its allocated memory is still there
+
+
 class BufferChecksTest(DaemonTestCase):
     """What memory a call takes: plain numbers or bytes only, and the
     buffers one call writes must not overlap."""
+
+    @unittest.skipIf(torch is None, "torch is not installed")
+    def test_tensors_whose_storage_was_freed_are_refused(self):
+        """storage.resize_(0) (how FSDP frees parameters) leaves a tensor of
+        the same numel() over no memory (data_ptr() 0): refused, where it
+        was read or written through a null pointer (a crash)."""
+        c = self.client
+        self.assertEqual(c.put(NS, [key(1)], [np.zeros(4096, np.uint8)]), [True])
+        t = torch.zeros(4096, dtype=torch.uint8)
+        storage = t.untyped_storage() if hasattr(t, "untyped_storage") else t.storage()
+        storage.resize_(0)
+        self.assertEqual(t.numel(), 4096)
+        msg = "storage does not hold its 4096 bytes"
+        with self.assertRaisesRegex(ValueError, msg):
+            c.put(NS, [key(2)], [t])
+        with self.assertRaisesRegex(ValueError, msg):
+            c.get_into(NS, [key(1)], [t])
+        with self.assertRaisesRegex(ValueError, msg):
+            c.get_into_async(NS, [key(1)], [t])
+        with self.assertRaisesRegex(ValueError, msg):
+            c.register_buffer(t)
+        self.assertFalse(c.lookup(NS, [key(2)]).entries[0].found)
+        from kvdepot.kvshim import _memory  # the shim's own check
+
+        with self.assertRaisesRegex(ValueError, msg):
+            _memory(t, True, "cache")
+        # A view inside a live storage is taken.
+        whole = torch.zeros(8192, dtype=torch.uint8)
+        self.assertEqual(c.get_into(NS, [key(1)], [whole[4096:]]), [True])
 
     def test_object_arrays_are_refused_everywhere(self):
         c = self.client
@@ -1227,6 +1316,30 @@ class TorchStoreTest(DaemonTestCase):
             self.assertTrue(torch.equal(d[:, 2], s[:, 3]))
             self.assertTrue(torch.equal(d[:, 6], torch.zeros_like(d[:, 6])))
 
+    def test_numpy_caches_whose_device_is_a_string(self):
+        """numpy 2's arrays have a `device` too (the string "cpu"): a store of
+        numpy caches takes them as host caches (it raised AttributeError)."""
+
+        class Numpy2Array(np.ndarray):
+            @property
+            def device(self):
+                return "cpu"
+
+        layout = kvdepot.KvLayout.mha(kvdepot.KvCacheLayout.FLASH_ATTN_NHD,
+                                      self.NUM_LAYERS, self.BLOCK_SIZE, self.KV_HEADS,
+                                      self.HEAD_SIZE, kvdepot.KvDtype.FLOAT32)
+        store = kvdepot.KvCacheStore(self.daemon.address, layout, "pytest-numpy2",
+                                     client=self.client)
+        shape = (2, self.NUM_BLOCKS, self.BLOCK_SIZE, self.KV_HEADS, self.HEAD_SIZE)
+        rng = np.random.default_rng(5)
+        src = [rng.standard_normal(shape, dtype=np.float32).view(Numpy2Array)
+               for _ in range(self.NUM_LAYERS)]
+        dst = [np.zeros(shape, np.float32).view(Numpy2Array) for _ in src]
+        self.assertEqual(store.save(src, [2], [b"np2"]), [True])
+        self.assertEqual(store.load(dst, [5], [b"np2"]), [True])
+        for s, d in zip(src, dst):
+            np.testing.assert_array_equal(np.asarray(d)[:, 5], np.asarray(s)[:, 2])
+
     def test_round_trip_bf16(self):
         self.round_trip(torch.bfloat16, kvdepot.KvCacheLayout.FLASH_ATTN_NHD)
 
@@ -1409,6 +1522,24 @@ class LoadAsyncTest(StoppableDaemonTestCase):
     def store_kw(self, **kw):
         """KvCacheStore's further arguments in this class's stores."""
         return kw
+
+    def test_errors_answer_once_done_without_a_wait(self):
+        """errors() answers once `done` (every block has an outcome), as
+        documented, also for a load through a shim, whose last scatters are
+        queued and synchronized only by a wait (it raised
+        FAILED_PRECONDITION until wait() was called)."""
+        layout, shapes, part = self.cases()[0]
+        store, src, keys, dst = self.setup_store(layout, shapes, "errors-done")
+        h = store.load_async(dst, [4, 5], [keys[0], b"missing"])
+        deadline = time.monotonic() + 30
+        while not h.done:
+            self.assertLess(time.monotonic(), deadline, repr(h))
+            time.sleep(0.001)
+        errors = h.errors()
+        self.assertIsNone(errors[0])
+        self.assertEqual(errors[1][0], "NOT_FOUND")
+        self.assert_layers(dst, src, part, [(4, 0)], self.L)
+        self.assertEqual(h.wait(), [True, False])
 
     def nhd(self, name, **kw):
         layout, shapes, part = self.cases()[0]
