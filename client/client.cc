@@ -960,9 +960,15 @@ absl::StatusOr<uint64_t> Client::OpenSessionOnce(bool last_try) {
     if (ucx_status.ok()) {
       ucx_retry_wait_ = FirstUcxRetryWait(options_);
       ucx_retry_at_ = absl::InfiniteFuture();
-    } else if (absl::IsUnavailable(ucx_status) ||
-               absl::IsDeadlineExceeded(ucx_status)) {
-      // Refused for now (not for our settings): ask again later.
+    } else if (!absl::IsInvalidArgument(ucx_status) &&
+               !absl::IsFailedPrecondition(ucx_status) &&
+               !absl::IsPermissionDenied(ucx_status) &&
+               !absl::IsUnimplemented(ucx_status)) {
+      // Refused for now (not for our settings or who we are): ask again
+      // later. (Retrying only UNAVAILABLE and DEADLINE_EXCEEDED kept a
+      // session whose worker could not be made for want of resources, or
+      // that the daemon's UCX refused with another code, on gRPC for its
+      // whole life.)
       ucx_retry_at_ = absl::Now() + ucx_retry_wait_;
       ucx_retry_wait_ = std::min(2 * ucx_retry_wait_, kMaxUcxRetryWait);
     }

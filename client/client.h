@@ -80,12 +80,15 @@ struct ClientOptions {
   // that does not resolve), UCX's default: every device.
   std::map<std::string, std::string> ucx = {{"TCP_TX_SEG_SIZE", "512k"},
                                             {"TCP_RX_SEG_SIZE", "512k"}};
-  // After the daemon refused this client a UCX endpoint for a reason that
-  // may pass (UNAVAILABLE: its wire-ups are backed up, the worker did not
-  // answer in time; DEADLINE_EXCEEDED), sessions go without UCX for this
-  // long, doubling on each refusal up to 10 minutes; then the next transfer
-  // opens a new session that asks again (its predecessor left to its
-  // lease, unless it holds pins of Lookup(pin=true), which keep it).
+  // After a session got no UCX endpoint for a reason that may pass (the
+  // daemon's wire-ups backed up or the worker not answering in time:
+  // UNAVAILABLE, DEADLINE_EXCEEDED; UCX out of resources on either side;
+  // anything but a refusal for who or how this client is:
+  // INVALID_ARGUMENT, FAILED_PRECONDITION, PERMISSION_DENIED,
+  // UNIMPLEMENTED), sessions go without UCX for this long, doubling on each
+  // refusal up to 10 minutes; then the next transfer opens a new session
+  // that asks again (its predecessor left to its lease, unless it holds
+  // pins of Lookup(pin=true), which keep it).
   absl::Duration ucx_retry_interval = absl::Seconds(30);
   // Limit for one UCX transfer batch (the daemon may have a lower one; the
   // client asks for at most rpc_timeout / 2, so that the daemon's transfers
@@ -173,7 +176,8 @@ struct Block {
 //
 // Once an op is ready its buffers are the caller's again: nothing more is
 // written into a get's, nor read from a put's, on its behalf (see
-// RegisterBuffer and AllocateBuffer for how, and for the one case left). So
+// RegisterBuffer and AllocateBuffer for how, and for the cases left: a get
+// that failed over RDMA is one). So
 // an op may be ready only some time after it failed: one over AllocateBuffer
 // memory that ended without the daemon's answer, up to about
 // min(transfer_timeout, rpc_timeout / 2) + 1 s after it was made.
@@ -294,9 +298,9 @@ class Client {
   // client checks the blocks it gets on the CPU; InvalidArgument for memory
   // UCX reports as device memory, while a UCX without GPU support cannot
   // tell, so never pass a device pointer). GPU caches are staged through
-  // page-locked host buffers (gpu/, kvdepot.kvshim). Blocks whose buffers lie inside
-  // registered memory move over UCX. The memory must stay valid until the
-  // client is destroyed. FailedPrecondition when the client has no UCX
+  // page-locked host buffers (gpu/, kvdepot.kvshim). Blocks whose buffers lie
+  // inside registered memory move over UCX. The memory must stay valid until
+  // the client is destroyed. FailedPrecondition when the client has no UCX
   // (data_plane_status() says why); InvalidArgument for a null base or zero
   // size; UCX's error when registration fails.
   //
@@ -308,7 +312,13 @@ class Client {
   // fails that way (a timeout, a lost connection), the client fences that
   // worker (it is never progressed again) before it reports the failure,
   // and opens its next session on a new one: once an op is ready, nothing
-  // more is written into its buffers.
+  // more is written into its buffers. Not over RDMA (verbs devices in
+  // ClientOptions::ucx NET_DEVICES, which the default settings may pick):
+  // there the daemon's puts land in registered memory without this
+  // worker, and a fence does not stop those of a get that failed on its
+  // way, so after a failed get over RDMA treat the buffers it named as
+  // unusable until the session ends (transport/README, caveat 2).
+  // Untested here: the machines this was built on have no RDMA.
   //
   // A range inside memory registered or allocated already (IsRegistered) is
   // not registered again: OK, and nothing changes (its blocks move through

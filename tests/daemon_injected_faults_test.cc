@@ -142,14 +142,15 @@ TEST_F(DaemonInjectedFaultsTest,
   EXPECT_EQ((*got)[0].bytes, bytes);
 }
 
-// A UCX endpoint refused for a reason that may pass (here the daemon's
-// wire-ups backed up: Unavailable) leaves the client on gRPC only until
-// ucx_retry_interval has passed; then its next transfer opens a session
-// that asks again, and gets UCX. A refusal for its settings is not asked
-// again.
+// A UCX endpoint refused for a reason that may pass (the daemon's
+// wire-ups backed up: Unavailable; UCX out of resources) leaves the client
+// on gRPC only until ucx_retry_interval has passed; then its next transfer
+// opens a session that asks again, and gets UCX. A refusal for its
+// settings is not asked again.
 TEST_F(DaemonInjectedFaultsTest, AClientRefusedUcxForNowAsksAgainLater) {
   for (const absl::Status& refusal :
        {absl::UnavailableError("64 UCX wire-ups are waiting already"),
+        absl::ResourceExhaustedError("UCX: out of resources"),
         absl::FailedPreconditionError(
             "the client's UCX TCP segments do not fit")}) {
     SCOPED_TRACE(refusal.ToString());
@@ -179,7 +180,7 @@ TEST_F(DaemonInjectedFaultsTest, AClientRefusedUcxForNowAsksAgainLater) {
     EXPECT_EQ(get(), "grpc");
     EXPECT_EQ(get(), "grpc");  // within the interval
     absl::SleepFor(absl::Milliseconds(300));
-    if (absl::IsUnavailable(refusal)) {
+    if (!absl::IsFailedPrecondition(refusal)) {
       EXPECT_EQ(get(), "ucx");
       EXPECT_OK((*client)->data_plane_status());
       EXPECT_EQ(attaches.load(), 2);
