@@ -65,6 +65,13 @@ namespace {
 // worker and so opened no session (OpenSessionRequest.ucx_worker_address).
 constexpr absl::string_view kNoUcxEndpoint = "no UCX endpoint for the client: ";
 
+// An op whose session's link was fenced after the op took it.
+absl::Status FencedMeanwhile() {
+  return absl::UnavailableError(
+      "kvdepot: the session's UCX link was fenced meanwhile (another "
+      "transfer failed on it): not sent");
+}
+
 // How long a fenced link's worker keeps its connections open (unserved)
 // before it is destroyed, and how many such links a client keeps at most
 // (beyond that the oldest go first). UCX 1.13 over TCP has crashed a
@@ -751,6 +758,11 @@ std::shared_ptr<Client::Link> Client::LinkOf(uint64_t session) {
   absl::MutexLock lock(&ucx_->link_mu);
   if (ucx_->link == nullptr || ucx_->link->session != session) return nullptr;
   return ucx_->link;
+}
+
+bool Client::Fenced(const Link& link) {
+  absl::MutexLock lock(&ucx_->link_mu);
+  return ucx_->link.get() != &link;
 }
 
 void Client::ReplaceLink(Link& link, uint64_t session,
@@ -2177,6 +2189,7 @@ TransferOp Client::GetIntoAsyncImpl(absl::string_view ns,
   std::vector<absl::Span<char>> out(dst.begin(), dst.end());
   const uint64_t session = target->session;
   TransferOp op(state);
+  internal::TestSyncPoint("Client::GetIntoAsync:Prepared");
   // A failure that may leave the daemon's writes in flight is told only
   // once the worker they would come through is fenced, and, for blocks
   // the daemon copies itself, once it copies no more (PublishAfter): the
@@ -2221,6 +2234,15 @@ TransferOp Client::GetIntoAsyncImpl(absl::string_view ns,
         });
     if (sent.ok()) return op;
     // Not sent (the connection went meanwhile): as a gRPC call.
+  }
+  if (Fenced(*link)) {
+    // The link was fenced since this op took it (another transfer failed
+    // on it, and its session was dropped): the daemon would push these
+    // blocks through a worker no one progresses, and the op would wait
+    // for the transfer's deadline. A miss now; the next op opens a
+    // session on a new link.
+    FinishGet(*state, FencedMeanwhile(), out);
+    return op;
   }
   PrepareContext(&state->ctx);
   if (!calls_->Begin(&state->ctx)) {  // the client is going: nothing sent
@@ -2348,6 +2370,12 @@ TransferOp Client::PutFromAsync(absl::string_view ns,
                             absl::Now() + UcxRequestTimeout(), std::move(done));
     }
     if (sent.ok()) return op;
+  }
+  if (Fenced(*target->link)) {
+    // As for gets: the daemon's reads through the fenced worker would
+    // wait for the transfer's deadline. Not stored; nothing was sent.
+    FinishPut(*state, FencedMeanwhile());
+    return op;
   }
   PrepareContext(&state->ctx);
   if (!calls_->Begin(&state->ctx)) {  // the client is going: nothing sent

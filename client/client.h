@@ -555,6 +555,9 @@ class Client {
   absl::StatusOr<std::shared_ptr<Link>> NewLink(UcxContext& context) const;
   // The current link when `session` was opened on it; otherwise null.
   std::shared_ptr<Link> LinkOf(uint64_t session);
+  // Whether `link` was fenced (ReplaceLink) since an op took it as its
+  // session's: its worker is never progressed again.
+  bool Fenced(const Link& link);
   // For a get that failed in a way that may leave the daemon's writes for
   // it in flight: retires `link` (the next session gets a new one), drops
   // `session`, and fences the link's worker; `then` runs once it will

@@ -13,6 +13,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cstdio>
 #include <cstring>
 #include <filesystem>
@@ -440,6 +441,70 @@ TEST_P(UcxE2eTest, NoInPlaceCopyStartsAfterTheClientGaveUp) {
   ASSERT_OK(found.status());
   EXPECT_FALSE(found->entries[0].found)
       << "the daemon stored what the caller wrote after the put failed";
+}
+
+// An op that took its session's link just before another get failed on
+// that link (the client fenced the link's worker and dropped the session)
+// is not sent through the fenced worker, where the daemon's transfer would
+// wait for its deadline (the daemon still serves that session): it ends
+// at once, Unavailable (a miss), and the next op goes over a new session.
+TEST_P(UcxE2eTest, AnOpThatTookALinkFencedMeanwhileEndsAtOnce) {
+  ClientOptions options;
+  options.server = daemon_->address();
+  options.lease = absl::Seconds(60);
+  options.ucx.clear();  // from the environment
+  options.transfer_timeout = absl::Seconds(10);
+  options.rpc_timeout = absl::Seconds(8);  // the daemon's transfers: 4 s
+  absl::StatusOr<std::unique_ptr<Client>> c = Client::Connect(options);
+  ASSERT_OK(c.status());
+  // Registered, not UCX-allocated: a failed get may land late, so the
+  // client fences the worker.
+  std::vector<char> buf(3 * kBlock);
+  ASSERT_OK((*c)->RegisterBuffer(buf.data(), buf.size()));
+  ucx_test::FillPattern(buf.data(), kBlock, 4);
+  BlockToPut block{"held", "", absl::string_view(buf.data(), kBlock)};
+  TransferOp put = (*c)->PutFromAsync("fenced", {&block, 1});
+  put.Wait();
+  ASSERT_OK(put.statuses()[0]);
+  ASSERT_OK((*c)->data_plane_status());
+
+  absl::Notification held, release;
+  std::atomic<int> prepared{0};
+  internal::SyncPointCallback hold("Client::GetIntoAsync:Prepared", [&](void*) {
+    if (prepared.fetch_add(1) != 0) return;
+    held.Notify();
+    release.WaitForNotificationWithTimeout(absl::Seconds(60));
+  });
+  const absl::string_view key = "held";
+  absl::Span<char> first(buf.data() + kBlock, kBlock);
+  std::optional<TransferOp> taken;
+  std::thread first_get([&] {
+    taken.emplace((*c)->GetIntoAsync("fenced", {&key, 1}, {&first, 1}));
+    taken->Wait();
+  });
+  ASSERT_TRUE(held.WaitForNotificationWithTimeout(absl::Seconds(20)));
+  // Another get fails on the same link (the daemon stalls past the
+  // client's wait): the client fences the link and drops the session.
+  absl::string_view absent = "absent";
+  absl::Span<char> second(buf.data() + 2 * kBlock, kBlock);
+  ASSERT_TRUE(ucx_test::StopProcess(daemon_->pid()));
+  TransferOp failed = (*c)->GetIntoAsync("fenced", {&absent, 1}, {&second, 1});
+  failed.Wait();
+  kill(daemon_->pid(), SIGCONT);
+  ASSERT_FALSE(failed.statuses()[0].ok());
+  const absl::Time released = absl::Now();
+  release.Notify();
+  first_get.join();
+  const absl::Duration took = absl::Now() - released;
+  ASSERT_TRUE(taken.has_value());
+  EXPECT_THAT(taken->statuses()[0], StatusIs(absl::StatusCode::kUnavailable));
+  // Not the daemon's transfer deadline (4 s) later.
+  EXPECT_LT(took, absl::Seconds(2));
+  // The next get opens a session on a new link.
+  TransferOp next = (*c)->GetIntoAsync("fenced", {&key, 1}, {&first, 1});
+  next.Wait();
+  EXPECT_OK(next.statuses()[0]);
+  EXPECT_EQ(std::memcmp(first.data(), buf.data(), kBlock), 0);
 }
 
 TEST_P(UcxE2eTest, APinIsReleasedInItsOwnSessionAfterTheClientMovedOn) {
