@@ -264,8 +264,8 @@ absl::Status DataPlane::Attach(SessionId session, std::string_view address,
     // handling for a co-located client), the monitor's and the request
     // link (with). By connect_by, as the wire-up: a slow or restarting
     // sandbox, or other sessions' checks before this one, must not keep
-    // the client from falling back to gRPC in time (Unavailable, naming
-    // UCX, when the sandbox has not answered by then).
+    // the client from falling back to gRPC in time (DeadlineExceeded,
+    // naming UCX, when the sandbox has not answered by then).
     absl::Status checked =
         sandbox_->Check(address, /*peer_error_handling=*/true, connect_by);
     if (checked.ok() && colocated) {

@@ -106,6 +106,22 @@ class NvmeTierTest : public ::testing::Test {
     tier_ = std::move(tier).value();
   }
   void Close() { tier_.reset(); }
+  // Deletes records of the closed tier's database behind its back: `kind`
+  // 'm' (metadata) or 'd' (bytes), then the id (format 2: namespace
+  // length, namespace, key) of each of `keys` in namespace "ns".
+  void DeleteRecords(char kind, const std::vector<std::string>& keys) {
+    rocksdb::DB* raw = nullptr;
+    ASSERT_TRUE(
+        rocksdb::DB::Open(rocksdb::Options(), options_.path, &raw).ok());
+    std::unique_ptr<rocksdb::DB> db(raw);
+    for (const std::string& key : keys) {
+      ASSERT_TRUE(
+          db->Delete({}, absl::StrCat(std::string(1, kind),
+                                      std::string(1, '\x02'), "ns", key))
+              .ok());
+    }
+    ASSERT_TRUE(db->Close().ok());
+  }
 
   absl::StatusOr<NvmePutOutcome> Put(const std::string& key,
                                      const std::string& bytes,
@@ -1220,16 +1236,7 @@ TEST_F(NvmeTierTest, APutOfAnOrphansIdDoesNotWaitForTheScanToEnd) {
   Open();
   for (int i = 0; i < 10; ++i) ASSERT_OK(Put(Key(i), Bytes(i, kSize)));
   Close();
-  {
-    rocksdb::DB* raw = nullptr;
-    ASSERT_TRUE(rocksdb::DB::Open(rocksdb::Options(), options_.path, &raw).ok());
-    std::unique_ptr<rocksdb::DB> db(raw);
-    // Format 2: 'm', then the id (namespace length, namespace, key).
-    ASSERT_TRUE(
-        db->Delete({}, absl::StrCat("m", std::string(1, '\x02'), "ns", Key(3)))
-            .ok());
-    ASSERT_TRUE(db->Close().ok());
-  }
+  ASSERT_NO_FATAL_FAILURE(DeleteRecords('m', {Key(3)}));  // an orphan
   Open();
   ASSERT_FALSE(tier_->Contains("ns", Key(3)));
 
@@ -1266,17 +1273,7 @@ TEST_F(NvmeTierTest, AScrubGoesOnInFreshSnapshots) {
   Open();
   for (int i = 0; i < 10; ++i) ASSERT_OK(Put(Key(i), Bytes(i, kSize)));
   Close();
-  {
-    rocksdb::DB* raw = nullptr;
-    ASSERT_TRUE(
-        rocksdb::DB::Open(rocksdb::Options(), options_.path, &raw).ok());
-    std::unique_ptr<rocksdb::DB> db(raw);
-    // Format 2: 'm', then the id (namespace length, namespace, key).
-    ASSERT_TRUE(
-        db->Delete({}, absl::StrCat("m", std::string(1, '\x02'), "ns", Key(3)))
-            .ok());
-    ASSERT_TRUE(db->Close().ok());
-  }
+  ASSERT_NO_FATAL_FAILURE(DeleteRecords('m', {Key(3)}));  // an orphan
   Open();
   {
     internal::SyncPointCallback scanned(

@@ -170,10 +170,12 @@ absl::Status Refusal(int code, const std::string& why) {
 }
 
 // A check whose deadline came first (`what` kept the sandbox from
-// answering): the client may use gRPC (its fallback takes UNAVAILABLE
-// naming UCX).
+// answering): the client may use gRPC (its fallback takes any code naming
+// UCX). DEADLINE_EXCEEDED, not UNAVAILABLE: it says nothing of whether a
+// sandbox runs (another check may be replacing it), which the caller
+// judges by UNAVAILABLE and pid() (DataPlane: "the sandbox failed").
 absl::Status OutOfTime(const char* what) {
-  return absl::UnavailableError(absl::StrCat(
+  return absl::DeadlineExceededError(absl::StrCat(
       "the UCX address sandbox did not answer by the check's deadline (", what,
       "): the client's UCX worker address is unchecked"));
 }

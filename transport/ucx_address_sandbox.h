@@ -75,7 +75,7 @@ class UcxAddressSandbox {
   // that went is started again at the next check.
   //
   // Returns by `deadline` (give or take a scheduling delay) in any case:
-  // Unavailable, naming UCX, when the answer has not come by then --
+  // DeadlineExceeded, naming UCX, when the answer has not come by then --
   // another check's turn lasted until then, the sandbox is still starting,
   // or it is still on this address or an earlier one. What such a check
   // leaves is not lost: the next check waits (within its own deadline) for

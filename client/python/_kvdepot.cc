@@ -100,17 +100,29 @@ T Check(absl::StatusOr<T> value) {
 // they refuse every call, and go without touching anything of the
 // parent's (what they hold is left as it is: the child's copy of memory).
 std::atomic<uint64_t> forks{0};
-void CountFork() { forks.fetch_add(1, std::memory_order_relaxed); }
+// Whether a Client was made in this process, or before a fork in an
+// ancestor: gRPC, without its fork support, cannot be used again in a
+// child of a process that used it (a channel to the same server reuses the
+// parent's inherited connection, which both then write to: the parent's
+// calls fail for good; another hangs), so no Client is made there.
+std::atomic<bool> clients_made{false};
+std::atomic<bool> grpc_unusable{false};
+void CountFork() {
+  forks.fetch_add(1, std::memory_order_relaxed);
+  if (clients_made.load(std::memory_order_relaxed)) {
+    grpc_unusable.store(true, std::memory_order_relaxed);
+  }
+}
 uint64_t Forks() { return forks.load(std::memory_order_relaxed); }
 
 // What a call on an object made before a fork raises in the child.
 [[noreturn]] void RaiseMadeBeforeFork(const char* what) {
   Raise(absl::FailedPreconditionError(absl::StrCat(
       "this ", what,
-      " was made before this process was forked: its "
-      "connections and threads are the parent's. Make a new kvdepot.Client "
-      "in this process (or start worker processes with multiprocessing's "
-      "'spawn' or 'forkserver')")));
+      " was made before this process was forked: its connections and "
+      "threads are the parent's, and gRPC cannot be used in a process "
+      "forked after it was (start worker processes with multiprocessing's "
+      "'spawn' or 'forkserver', or fork before the first kvdepot.Client)")));
 }
 
 // A borrowed view of a Python object's memory, valid while the object lives
@@ -536,7 +548,12 @@ class PyTransferOp {
   void Start(TransferOp op) { op_.emplace(std::move(op)); }
 
   bool Ready() {
-    if (!op_->IsReady()) return false;
+    if (!op_->IsReady()) {
+      // In a child it never will be (see CountFork): a polling loop would
+      // spin for ever.
+      if (born_ != Forks()) RaiseMadeBeforeFork("TransferOp");
+      return false;
+    }
     Settle(/*drop_client=*/false);
     return true;
   }
@@ -597,6 +614,7 @@ class PyTransferOp {
 
  private:
   void RequireReady(const char* what) {
+    if (!op_->IsReady() && born_ != Forks()) RaiseMadeBeforeFork("TransferOp");
     if (!op_->IsReady()) {
       throw std::runtime_error(absl::StrCat(
           "FAILED_PRECONDITION: TransferOp.", what,
@@ -1074,7 +1092,11 @@ class PyCacheLoad {
   int ReadyLayers() const { return state_->ready_layers(); }
 
   bool Ready() {
-    if (!state_->done()) return false;
+    if (!state_->done()) {
+      if (born_ != Forks())
+        RaiseMadeBeforeFork("CacheLoad");  // as TransferOp's
+      return false;
+    }
     Settle(/*drop_client=*/false);
     return true;
   }
@@ -1139,6 +1161,7 @@ class PyCacheLoad {
 
  private:
   void RequireDone(const char* what) {
+    if (!state_->done() && born_ != Forks()) RaiseMadeBeforeFork("CacheLoad");
     if (!state_->done()) {
       throw std::runtime_error(absl::StrCat(
           "FAILED_PRECONDITION: CacheLoad.", what,
@@ -1240,6 +1263,15 @@ class PyClient {
     options.rpc_timeout = absl::Seconds(timeout_s);
     options.lease = absl::Seconds(lease_s);  // its range: Client::Connect
     options.client_name = client_name;
+    if (grpc_unusable.load(std::memory_order_relaxed)) {
+      Raise(absl::FailedPreconditionError(
+          "this process was forked from one that had made a kvdepot.Client: "
+          "gRPC cannot be used in it (a new Client would break the parent's "
+          "connection, or hang). Start worker processes with "
+          "multiprocessing's 'spawn' or 'forkserver', or fork before the "
+          "first kvdepot.Client"));
+    }
+    clients_made.store(true, std::memory_order_relaxed);
     absl::StatusOr<std::unique_ptr<Client>> connected;
     {
       // Resolving the server's name (to pick UCX's devices) and starting UCX

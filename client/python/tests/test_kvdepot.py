@@ -298,10 +298,26 @@ class ForkTest(DaemonTestCase):
         pinned = c.lookup(NS, [key(1)], pin=True)  # held by the parent's session
         self.assertNotEqual(pinned.pin_id, 0)
         buf = c.allocate_buffer(4096)
+        self.assertEqual(c.get_into(NS, [key(1)], [buf]), [True])  # registers it
+        buf[:] = 0
+        # An op in flight at the fork (the daemon stopped until after it;
+        # into UCX memory: into other memory the call runs inline, over gRPC).
+        self.daemon.pause()
+        self.addCleanup(self.daemon.resume)
+        in_flight = c.get_into_async(NS, [key(1)], [buf])
         pid = os.fork()
         if pid == 0:  # the child: exits with what it saw, never returns
             code = 0
             try:
+                # Never ready here (its threads are the parent's): polling
+                # it raises instead of spinning for ever.
+                try:
+                    in_flight.ready()
+                    code = 9
+                except RuntimeError as e:
+                    if not str(e).startswith("FAILED_PRECONDITION"):
+                        code = 10
+                del in_flight
                 try:
                     c.health()
                     code = 3
@@ -313,6 +329,14 @@ class ForkTest(DaemonTestCase):
                     code = 5
                 except RuntimeError:
                     pass
+                # Nor a new client: gRPC would reuse (and break) the
+                # parent's connection.
+                try:
+                    kvdepot.Client(self.daemon.address, timeout_s=2).health()
+                    code = 7
+                except RuntimeError as e:
+                    if not str(e).startswith("FAILED_PRECONDITION"):
+                        code = 8
                 # Every reference goes: the client's teardown runs here.
                 del c, buf
                 self.client = None
@@ -331,15 +355,21 @@ class ForkTest(DaemonTestCase):
             os.kill(pid, signal.SIGKILL)
             os.waitpid(pid, 0)
             self.fail("the forked child hung")
+        self.daemon.resume()
+        self.assertEqual(in_flight.wait(), True)
+        self.assertEqual(in_flight.ok(), [True])
+        np.testing.assert_array_equal(buf, block)
         self.assertTrue(os.WIFEXITED(status), f"child ended by signal {os.WTERMSIG(status)}"
                         if os.WIFSIGNALED(status) else status)
         self.assertEqual(os.WEXITSTATUS(status), 0)
         # The parent's session and connection are as they were: its pin is
-        # still its own, and its calls work.
+        # still its own, and its calls work (several: a broken connection
+        # failed the first after its timeout, then at once).
         c.unpin(pinned.pin_id)
-        out = np.zeros(4096, np.uint8)
-        self.assertEqual(c.get_into(NS, [key(1)], [out]), [True])
-        np.testing.assert_array_equal(out, block)
+        for _ in range(3):
+            out = np.zeros(4096, np.uint8)
+            self.assertEqual(c.get_into(NS, [key(1)], [out]), [True])
+            np.testing.assert_array_equal(out, block)
         buf[:] = 7  # its allocated memory is still there
 
 
