@@ -280,8 +280,10 @@ void Daemon::Shutdown() {
     shut_down_ = true;
   }
   if (server_) {
-    log_->info("draining: refusing new puts, waiting up to {} for in-flight RPCs",
-               absl::FormatDuration(config_.drain_timeout));
+    log_->info(
+        "draining: refusing new puts, sessions and reads, waiting up to {} for "
+        "in-flight RPCs",
+        absl::FormatDuration(config_.drain_timeout));
     server_->GetHealthCheckService()->SetServingStatus(false);
     service_->BeginShutdown();
     store_->SetDraining(true);
