@@ -256,6 +256,64 @@ TEST(HttpServerDefaultsTest, TricklingClientsDoNotStarveAScrape) {
   for (int fd : slow) close(fd);
 }
 
+// A client that reads its response a little at a time holds its thread
+// for a bounded time, not for as long as it likes (a review feared that
+// civetweb renews its send timeout on every byte the client takes; it
+// does not: the response is cut), so with one thread a scrape behind it
+// is still answered.
+TEST(HttpServerSlowReaderTest, AClientReadingSlowlyDoesNotHoldItsThread) {
+  HttpServerOptions options;
+  options.listen = "127.0.0.1:0";
+  options.threads = 1;
+  options.request_timeout = absl::Milliseconds(500);
+  auto server = HttpServer::Start(
+      options,
+      {{"/huge",
+        [] {
+          return HttpResponse{200, "text/plain", std::string(8 << 20, 'h')};
+        }},
+       {"/metrics",
+        [] {
+          return HttpResponse{200, "text/plain", "up 1"};
+        }}},
+      NullLogger());
+  ASSERT_TRUE(server.ok()) << server.status();
+  const int port = (*server)->port();
+  const int slow = socket(AF_INET, SOCK_STREAM, 0);
+  const int small = 4096;
+  ASSERT_EQ(setsockopt(slow, SOL_SOCKET, SO_RCVBUF, &small, sizeof(small)), 0);
+  sockaddr_in addr{};
+  addr.sin_family = AF_INET;
+  addr.sin_port = htons(static_cast<uint16_t>(port));
+  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  ASSERT_EQ(connect(slow, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)), 0);
+  const std::string request = Request("GET", "/huge");
+  ASSERT_EQ(write(slow, request.data(), request.size()),
+            static_cast<ssize_t>(request.size()));
+  // 1 KiB every 100 ms: progress well within each send's timeout.
+  std::atomic<bool> done{false};
+  std::atomic<size_t> received{0};
+  std::thread reader([&] {
+    char buf[1024];
+    while (!done.load()) {
+      const ssize_t n = recv(slow, buf, sizeof(buf), MSG_DONTWAIT);
+      if (n == 0) break;  // the server closed it
+      if (n > 0) received += static_cast<size_t>(n);
+      absl::SleepFor(absl::Milliseconds(100));
+    }
+  });
+  absl::SleepFor(absl::Milliseconds(300));  // the only thread is taken
+  const absl::Time start = absl::Now();
+  EXPECT_EQ(BodyOf(Send(port, Request("GET", "/metrics"))), "up 1");
+  // Generous (a loaded machine); before, the scrape waited for the slow
+  // client's 8 MiB (Send gives up after 10 s).
+  EXPECT_LT(absl::Now() - start, absl::Seconds(6));
+  done = true;
+  reader.join();
+  EXPECT_LT(received.load(), size_t{8} << 20);
+  close(slow);
+}
+
 // A request with a body is refused before its body is read: the connection
 // closes while the client is still sending (civetweb used to read and
 // discard the body after the answer, one timeout per read, for as long as
