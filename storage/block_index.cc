@@ -554,6 +554,17 @@ uint64_t BlockIndex::unpinned_bytes() const {
   return all > held ? all - held : 0;  // read apart: may cross an update
 }
 
+void BlockIndex::AppendHeldOffsets(std::vector<uint64_t>* out) const {
+  for (const auto& s : shards_) {
+    absl::MutexLock lock(&s->mu);
+    for (const BlockEntry* e : s->set) {
+      if (!HeldByCaller(*e)) continue;
+      out->push_back(e->data_offset());
+      out->push_back(e->key_offset());
+    }
+  }
+}
+
 uint64_t BlockIndex::evictable() const {
   uint64_t n = 0;
   for (const auto& s : shards_) {

@@ -291,6 +291,10 @@ class BlockIndex {
   // release makes evictable, so it is an upper bound. Exact when no entry
   // changes meanwhile; read without locking the shards.
   uint64_t unpinned_bytes() const;
+  // Appends the arena offsets (block and key) of every entry a caller holds
+  // pinned (HeldByCaller): what no eviction frees. Locks each shard in
+  // turn; O(entries).
+  void AppendHeldOffsets(std::vector<uint64_t>* out) const;
 
  private:
   // A probe that matches by namespace and hash alone (parent links): it

@@ -119,6 +119,34 @@ class ArenaImpl final : public DramArena {
     return free_runs_.lower_bound({pages, 0}) != free_runs_.end();
   }
 
+  bool CouldFitAvoiding(size_t bytes,
+                        absl::Span<const uint64_t> held) const override {
+    if (bytes == 0 || bytes > capacity_) return false;
+    if (ClassFor(bytes) >= 0) return true;
+    const size_t want = PagesFor(bytes);
+    absl::MutexLock lock(&mu_);
+    if (free_runs_.lower_bound({want, 0}) != free_runs_.end()) return true;
+    std::vector<bool> blocked(pages_.size(), false);
+    for (uint64_t offset : held) {
+      const size_t page = offset / kPage;
+      if (page >= pages_.size()) continue;
+      const Page& p = pages_[page];
+      if (p.state == kRunHead) {
+        for (size_t i = 0; i < p.run && page + i < pages_.size(); ++i) {
+          blocked[page + i] = true;
+        }
+      } else if (p.state != kFree) {
+        blocked[page] = true;  // a slab page (or a run's body: its head's)
+      }
+    }
+    size_t run = 0;
+    for (size_t page = 0; page < pages_.size(); ++page) {
+      run = blocked[page] ? 0 : run + 1;
+      if (run >= want) return true;
+    }
+    return false;
+  }
+
   char* base() const override { return base_; }
   size_t capacity() const override { return capacity_; }
   size_t allocated_bytes() const override {

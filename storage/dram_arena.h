@@ -16,6 +16,7 @@
 #include <string>
 
 #include "absl/status/statusor.h"
+#include "absl/types/span.h"
 
 namespace kvdepot {
 
@@ -74,6 +75,16 @@ class DramArena {
   // of its size class, or a run of free pages long enough). Other threads
   // may allocate or free meanwhile.
   virtual bool Fits(size_t bytes) const = 0;
+  // Whether Allocate(bytes) could succeed once every allocation but those
+  // at `held` (offsets Allocate returned, not freed since) were freed: a
+  // run of pages long enough that none of them holds a page of a held
+  // allocation (a slab page with a held slot is held whole). True for
+  // small allocations (any page will do) and when a free piece fits now.
+  // For a caller about to free (evict) allocations to make room: false
+  // says no eviction can, for fragmentation. Order: the size of the arena
+  // plus `held`.
+  virtual bool CouldFitAvoiding(size_t bytes,
+                                absl::Span<const uint64_t> held) const = 0;
 
   // The space Allocate(bytes) takes (its size class or page run).
   static size_t AllocationSize(size_t bytes);

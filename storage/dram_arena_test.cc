@@ -25,6 +25,37 @@ std::unique_ptr<DramArena> MakeArena(size_t capacity) {
   return std::move(arena).value();
 }
 
+// CouldFitAvoiding: whether a run of pages for `bytes` could be had once
+// every allocation but the held ones were freed (a slab page with a held
+// slot is held whole).
+TEST(DramArenaTest, CouldFitAvoidingLooksForARunFreeOfHeldPages) {
+  std::unique_ptr<DramArena> arena = MakeArena(16 * kPage);
+  DramArena& a = *arena;
+  absl::StatusOr<uint64_t> small = a.Allocate(64);  // a slab page
+  ASSERT_TRUE(small.ok());
+  std::vector<uint64_t> runs;
+  while (true) {
+    absl::StatusOr<uint64_t> run = a.Allocate(kPage);
+    if (!run.ok()) break;
+    runs.push_back(*run);
+  }
+  ASSERT_EQ(runs.size(), 15u);               // full
+  EXPECT_TRUE(a.CouldFitAvoiding(100, {}));  // small: any page will do
+  EXPECT_TRUE(a.CouldFitAvoiding(16 * kPage, {}));
+  const uint64_t middle = runs[7];
+  const std::vector<uint64_t> held = {*small, middle};
+  const size_t below = middle / kPage - 1;       // pages after the slab page
+  const size_t above = 16 - middle / kPage - 1;  // pages after `middle`
+  const size_t longest = std::max(below, above);
+  EXPECT_TRUE(a.CouldFitAvoiding(longest * kPage, held));
+  EXPECT_FALSE(a.CouldFitAvoiding((longest + 1) * kPage, held));
+  EXPECT_FALSE(a.CouldFitAvoiding(17 * kPage, {}));  // more than the arena
+  // A free piece that fits now: yes, whatever is held.
+  a.Free(runs[0]);
+  a.Free(runs[1]);
+  EXPECT_TRUE(a.CouldFitAvoiding(2 * kPage, runs));
+}
+
 TEST(DramArenaTest, RejectsCapacityBelowOnePage) {
   EXPECT_THAT(DramArena::Create(1000, HugePageMode::kOff),
               StatusIs(absl::StatusCode::kInvalidArgument));

@@ -1737,14 +1737,20 @@ class TieredStoreImpl final : public TieredStore {
   // free space and every block no one holds pinned could not hold it
   // (CheckRoom), it drops nothing more and fails (waiting, above, still goes
   // on: pins and reservations end). That bound ignores fragmentation: when the
-  // free space is enough in sum but not in one piece that fits, evicting may
-  // still fail to make room after dropping every evictable block.
+  // free space is enough in sum but not in one piece that fits, dropping
+  // stops once it has freed `need` without a fit and no run of pages free of
+  // pinned and reserved blocks is long enough (CouldFitOnceEvicted), rather
+  // than after dropping every evictable block. (The evictor's forced round,
+  // which demotes, is not bounded so: demoted blocks are not lost.)
   absl::StatusOr<uint64_t> AllocateEvicting(uint64_t bytes,
                                             bool* would_wait = nullptr,
                                             uint64_t need = 0) {
     need = std::max(need, bytes);
     absl::Time wait_until = absl::InfinitePast();
     bool waiting = WaitsForRoom();
+    // Where dropping blocks began (allocated bytes then), for the
+    // fragmentation check below.
+    std::optional<uint64_t> dropping_from;
     while (true) {
       absl::StatusOr<uint64_t> off = arena_->Allocate(bytes);
       if (off.ok()) {
@@ -1778,6 +1784,24 @@ class TieredStoreImpl final : public TieredStore {
       }
       // Dropping blocks that cannot make room would only lose them.
       RETURN_IF_ERROR(CheckRoom(need));
+      // Room in sum, but maybe not in one piece (blocks no one can evict
+      // scattered through the arena): once dropping has freed as much as
+      // is needed and the piece still does not fit, ask whether any
+      // eviction can make one, rather than drop every block first.
+      const uint64_t used = arena_->allocated_bytes();
+      if (!dropping_from.has_value()) {
+        dropping_from = used;
+      } else if (*dropping_from > used && *dropping_from - used >= need) {
+        if (!CouldFitOnceEvicted(bytes)) {
+          return absl::ResourceExhaustedError(absl::StrCat(
+              "DRAM tier fragmented: no run of pages for ", bytes,
+              " bytes can be freed (pinned or reserved blocks lie in every "
+              "one); ",
+              arena_->capacity() - std::min<uint64_t>(used, arena_->capacity()),
+              " bytes are free in smaller pieces"));
+        }
+        dropping_from = used;  // asked again after as much more
+      }
       if (!EvictOne()) {
         return absl::ResourceExhaustedError(absl::StrCat(
             "DRAM tier full: no room for ", bytes, " bytes and nothing "
@@ -1785,6 +1809,28 @@ class TieredStoreImpl final : public TieredStore {
             arena_->capacity(), " bytes pinned, reserved or fragmented)"));
       }
     }
+  }
+
+  // Whether evicting every block no caller holds (pinned, or in an open
+  // reservation) could leave a piece where `bytes` fit
+  // (DramArena::CouldFitAvoiding). Allocations of a batch still being
+  // reserved, and slots between commit and publication, are not known
+  // here: it may say yes where the answer is no (and then evicting goes
+  // on, as before this check). O(blocks).
+  bool CouldFitOnceEvicted(uint64_t bytes) {
+    std::vector<uint64_t> held;
+    index_.AppendHeldOffsets(&held);
+    {
+      absl::MutexLock lock(&mu_);
+      for (const auto& [id, r] : reservations_) {
+        for (const Slot& slot : r.slots) {
+          if (slot.exists) continue;  // nothing allocated for it
+          held.push_back(slot.data_offset);
+          held.push_back(slot.key_offset);
+        }
+      }
+    }
+    return arena_->CouldFitAvoiding(bytes, held);
   }
 
   // Whether a put that finds DRAM full waits for the evictor to demote room

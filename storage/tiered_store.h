@@ -392,11 +392,15 @@ class TieredStore {
   // no eviction could make room for (more than the free space and the
   // unpinned blocks' space together) fails before evicting anything; one
   // refused for fragmentation only (the space exists, but not in pieces
-  // that fit) may still have evicted blocks. InvalidArgument for bad keys,
-  // sizes (0 or above max_block_bytes) or batch size, and for a key stored
-  // (in either tier) with another size than the batch names, or named twice
-  // in the batch with two sizes (nothing is reserved then; a key named twice
-  // with one size is put once, by its first slot: the later ones are
+  // that fit) may still have evicted blocks: about as many bytes as it
+  // needed, before it finds that blocks no eviction frees (pinned,
+  // reserved) lie in every run of pages that could hold one of its blocks
+  // (ResourceExhausted, "fragmented"; a batch being reserved or committed
+  // meanwhile is not seen, and evicting then goes on). InvalidArgument for bad
+  // keys, sizes (0 or above max_block_bytes) or batch size, and for a key
+  // stored (in either tier) with another size than the batch names, or named
+  // twice in the batch with two sizes (nothing is reserved then; a key named
+  // twice with one size is put once, by its first slot: the later ones are
   // answered `exists` with `repeat_of`, and their commit gives the first
   // slot's outcome: kAlreadyExists once it is stored);
   // NotFound for an unknown or expired session (before anything else is

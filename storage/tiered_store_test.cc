@@ -113,6 +113,43 @@ TEST_F(TieredStoreTest, ABigPutIntoDramFullOfSlabPagesEvictsAndFits) {
   EXPECT_EQ(Read("big"), big);
 }
 
+// A put of a block larger than any run of pages that evicting could free
+// (pinned blocks lie in every such run) fails once evicting has freed as
+// much as it needs, saying the tier is fragmented; it used to drop every
+// unpinned block first, and fail all the same.
+TEST_F(TieredStoreTest, ABigPutIntoAnArenaFragmentedByPinsDropsLittle) {
+  const std::string block(64 << 10, 'f');
+  std::vector<std::string> keys;
+  for (int n = 0; store_->Stats().dram.evictions == 0 && n < 200; ++n) {
+    keys.push_back("f" + std::to_string(n));
+    ASSERT_OK(Put(keys.back(), block));
+  }
+  keys.pop_back();  // evicted one to fit
+  // Every fourth block pinned: no run of more than 3 free pages can form.
+  std::vector<PinId> pins;
+  for (size_t i = 0; i < keys.size(); i += 4) {
+    absl::string_view k = keys[i];
+    auto r = store_->Lookup(sid_, "ns", {&k, 1}, false, true);
+    ASSERT_OK(r);
+    if (r->entries[0].found) pins.push_back(r->pin_id);
+  }
+  ASSERT_GT(pins.size(), 10u);
+  const uint64_t before = store_->Stats().dram.evictions;
+  const std::string big(512 << 10, 'B');
+  auto put = Put("big", big);
+  EXPECT_THAT(put, StatusIs(Code::kResourceExhausted));
+  EXPECT_THAT(put.status().message(), ::testing::HasSubstr("fragmented"));
+  // About what the put needed (8 blocks), not every unpinned block.
+  EXPECT_LE(store_->Stats().dram.evictions - before, 12u);
+  int kept = 0;
+  for (const std::string& k : keys) kept += Has(k) ? 1 : 0;
+  EXPECT_GT(kept, static_cast<int>(keys.size()) / 2);
+  for (PinId pin : pins) EXPECT_OK(store_->Unpin(sid_, pin));
+  // With the pins gone, the put fits.
+  ASSERT_OK(Put("big", big));
+  EXPECT_EQ(Read("big"), big);
+}
+
 TEST_F(TieredStoreTest, PutThenReadReturnsTheSameBytes) {
   std::string bytes(5000, 'x');
   bytes[17] = 'y';
