@@ -115,8 +115,7 @@ class ArenaImpl final : public DramArena {
     absl::MutexLock lock(&mu_);
     const int cls = ClassFor(bytes);
     if (cls >= 0 && !partial_[cls].empty()) return true;
-    const size_t pages = cls >= 0 ? 1 : PagesFor(bytes);
-    return free_runs_.lower_bound({pages, 0}) != free_runs_.end();
+    return RunFitsLocked(cls >= 0 ? 1 : PagesFor(bytes));
   }
 
   bool CouldFitAvoiding(size_t bytes,
@@ -125,7 +124,7 @@ class ArenaImpl final : public DramArena {
     if (ClassFor(bytes) >= 0) return true;
     const size_t want = PagesFor(bytes);
     absl::MutexLock lock(&mu_);
-    if (free_runs_.lower_bound({want, 0}) != free_runs_.end()) return true;
+    if (RunFitsLocked(want)) return true;
     std::vector<bool> blocked(pages_.size(), false);
     for (uint64_t offset : held) {
       const size_t page = offset / kPage;
@@ -174,6 +173,10 @@ class ArenaImpl final : public DramArena {
   };
 
   static size_t SlotsPerPage(int cls) { return kPage / kClasses[cls]; }
+  // Whether a free run of `pages` pages (or more) exists.
+  bool RunFitsLocked(size_t pages) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    return free_runs_.lower_bound({pages, 0}) != free_runs_.end();
+  }
   // The end of a slab page no slot of its class fits in (16 KiB of a page
   // of 24 KiB slots): counted as allocated while the page is a slab, or
   // the arena would look a quarter empty when it is full of such blocks

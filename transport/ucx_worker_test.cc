@@ -26,6 +26,7 @@
 #include "absl/synchronization/mutex.h"
 #include "absl/synchronization/notification.h"
 #include "absl/time/clock.h"
+#include "storage/status_macros.h"
 #include "transport/ucx_context.h"
 #include "transport/ucx_endpoint.h"
 #include "transport/ucx_test_util.h"
@@ -465,6 +466,33 @@ std::vector<char> RandomBytes(size_t size, uint64_t seed) {
   return bytes;
 }
 
+// Two workers, each on its own context, over `transport` ("tcp" or
+// "shm"), and an endpoint from the client's to the server's, as a client
+// and kvdepotd have. Destroyed in reverse order: the endpoint first.
+struct WorkerPair {
+  std::unique_ptr<UcxContext> server_context;
+  std::unique_ptr<UcxContext> client_context;
+  std::unique_ptr<UcxWorker> server;
+  std::unique_ptr<UcxWorker> client;
+  std::unique_ptr<UcxEndpoint> endpoint;
+};
+
+absl::StatusOr<WorkerPair> ConnectWorkers(const char* transport) {
+  UcxContextOptions options;
+  options.config = ucx_test::TransportConfig(transport);
+  WorkerPair pair;
+  ASSIGN_OR_RETURN(pair.server_context, UcxContext::Create(options));
+  ASSIGN_OR_RETURN(pair.client_context, UcxContext::Create(options));
+  ASSIGN_OR_RETURN(pair.server, UcxWorker::Create(*pair.server_context));
+  ASSIGN_OR_RETURN(pair.client, UcxWorker::Create(*pair.client_context));
+  UcxEndpointOptions endpoint_options;
+  endpoint_options.peer_error_handling = ucx_test::PeerErrorHandling(transport);
+  ASSIGN_OR_RETURN(pair.endpoint,
+                   UcxEndpoint::Connect(*pair.client, pair.server->address(),
+                                        std::move(endpoint_options)));
+  return pair;
+}
+
 // Pieces of received data that are dropped (a put's block the daemon has
 // already) go into one scratch buffer of kDiscardScratch bytes, however
 // large they are: a worker that dropped a piece of several MiB keeps no
@@ -474,29 +502,21 @@ TEST_F(UcxWorkerTest, DroppedPiecesOfReceivedDataTakeABoundedScratchBuffer) {
   constexpr size_t kScratch = UcxWorker::kDiscardScratch;
   for (const char* transport : {"tcp", "shm"}) {
     SCOPED_TRACE(transport);
-    UcxContextOptions options;
-    options.config = ucx_test::TransportConfig(transport);
-    auto server_context = UcxContext::Create(options);
-    ASSERT_TRUE(server_context.ok()) << server_context.status();
-    auto client_context = UcxContext::Create(options);
-    ASSERT_TRUE(client_context.ok()) << client_context.status();
-    auto server = UcxWorker::Create(**server_context);
-    ASSERT_TRUE(server.ok()) << server.status();
-    auto client = UcxWorker::Create(**client_context);
-    ASSERT_TRUE(client.ok()) << client.status();
-    UcxEndpointOptions endpoint_options;
-    endpoint_options.peer_error_handling = ucx_test::PeerErrorHandling(transport);
-    auto endpoint = UcxEndpoint::Connect(**client, (*server)->address(),
-                                         std::move(endpoint_options));
-    ASSERT_TRUE(endpoint.ok()) << endpoint.status();
+    absl::StatusOr<WorkerPair> pair = ConnectWorkers(transport);
+    ASSERT_TRUE(pair.ok()) << pair.status();
+    UcxContext* const server_context = pair->server_context.get();
+    UcxWorker* const server = pair->server.get();
+    UcxWorker* const client = pair->client.get();
+    std::unique_ptr<UcxEndpoint>& endpoint = pair->endpoint;
 
     absl::Mutex mu;
     std::vector<std::unique_ptr<UcxWorker::IncomingData>> got;
-    ASSERT_TRUE((*server)
+    ASSERT_TRUE(server
                     ->SetDataMessageHandler(
-                        9, [&](absl::string_view,
-                               std::unique_ptr<UcxWorker::IncomingData> data,
-                               const UcxWorker::MessageSender&) {
+                        9,
+                        [&](absl::string_view,
+                            std::unique_ptr<UcxWorker::IncomingData> data,
+                            const UcxWorker::MessageSender&) {
                           absl::MutexLock lock(&mu);
                           got.push_back(std::move(data));
                         })
@@ -519,10 +539,10 @@ TEST_F(UcxWorkerTest, DroppedPiecesOfReceivedDataTakeABoundedScratchBuffer) {
       ++sent_done;
       if (st.ok()) ++sent_ok;
     };
-    ASSERT_TRUE((*endpoint)->SendMessageWithData(9, "pieces", send, on_sent).ok());
-    ASSERT_TRUE((*endpoint)
-                    ->SendMessageWithData(9, "all", absl::MakeConstSpan(all_dropped),
-                                          on_sent)
+    ASSERT_TRUE(endpoint->SendMessageWithData(9, "pieces", send, on_sent).ok());
+    ASSERT_TRUE(endpoint
+                    ->SendMessageWithData(
+                        9, "all", absl::MakeConstSpan(all_dropped), on_sent)
                     .ok());
     {
       absl::MutexLock lock(&mu);
@@ -536,7 +556,7 @@ TEST_F(UcxWorkerTest, DroppedPiecesOfReceivedDataTakeABoundedScratchBuffer) {
     size_t kept_bytes = 0;
     for (size_t i = 0; i < sizes.size(); ++i) kept_bytes += kept[i] ? sizes[i] : 0;
     std::vector<char> sink(kept_bytes, '\0');
-    auto region = (*server_context)->Register(sink.data(), sink.size());
+    auto region = server_context->Register(sink.data(), sink.size());
     ASSERT_TRUE(region.ok()) << region.status();
     std::vector<absl::Span<char>> pieces;
     size_t at = 0;
@@ -549,9 +569,10 @@ TEST_F(UcxWorkerTest, DroppedPiecesOfReceivedDataTakeABoundedScratchBuffer) {
       }
     }
     const absl::Time soon = absl::Now() + absl::Seconds(20);
-    TransferHandle h = (*server)->Receive(std::move(got[0]), pieces, soon);
-    TransferHandle dropped = (*server)->Receive(
-        std::move(got[1]), {absl::Span<char>(nullptr, all_dropped.size())}, soon);
+    TransferHandle h = server->Receive(std::move(got[0]), pieces, soon);
+    TransferHandle dropped =
+        server->Receive(std::move(got[1]),
+                        {absl::Span<char>(nullptr, all_dropped.size())}, soon);
     ASSERT_TRUE(h.WaitUntil(soon));
     ASSERT_TRUE(h.overall_status().ok()) << h.overall_status();
     ASSERT_TRUE(dropped.WaitUntil(soon));
@@ -564,8 +585,8 @@ TEST_F(UcxWorkerTest, DroppedPiecesOfReceivedDataTakeABoundedScratchBuffer) {
       at += sizes[i];
     }
     size_t capacity = 0;
-    UcxWorker* w = server->get();
-    ASSERT_TRUE((*server)->Run([&] { capacity = w->discard_capacity(); }).ok());
+    ASSERT_TRUE(
+        server->Run([&] { capacity = server->discard_capacity(); }).ok());
     EXPECT_GT(capacity, 0u) << "the drops went through the scratch buffer";
     EXPECT_LE(capacity, kScratch) << "dropping grew the worker's memory";
 
@@ -576,9 +597,9 @@ TEST_F(UcxWorkerTest, DroppedPiecesOfReceivedDataTakeABoundedScratchBuffer) {
           absl::Seconds(20)));
       EXPECT_EQ(sent_ok, 2);
     }
-    endpoint->reset();
-    (*client)->Stop();
-    (*server)->Stop();
+    endpoint.reset();
+    client->Stop();
+    server->Stop();
   }
 }
 
@@ -592,26 +613,16 @@ TEST_F(UcxWorkerTest, DroppedPiecesOfReceivedDataTakeABoundedScratchBuffer) {
 TEST_F(UcxWorkerTest, AReceiveWhoseDeadlinePassedBeforeItStartedIsNotStarted) {
   for (const char* transport : {"tcp", "shm"}) {
     SCOPED_TRACE(transport);
-    UcxContextOptions options;
-    options.config = ucx_test::TransportConfig(transport);
-    auto server_context = UcxContext::Create(options);
-    ASSERT_TRUE(server_context.ok()) << server_context.status();
-    auto client_context = UcxContext::Create(options);
-    ASSERT_TRUE(client_context.ok()) << client_context.status();
-    auto server = UcxWorker::Create(**server_context);
-    ASSERT_TRUE(server.ok()) << server.status();
-    auto client = UcxWorker::Create(**client_context);
-    ASSERT_TRUE(client.ok()) << client.status();
-    UcxEndpointOptions endpoint_options;
-    endpoint_options.peer_error_handling =
-        ucx_test::PeerErrorHandling(transport);
-    auto endpoint = UcxEndpoint::Connect(**client, (*server)->address(),
-                                         std::move(endpoint_options));
-    ASSERT_TRUE(endpoint.ok()) << endpoint.status();
+    absl::StatusOr<WorkerPair> pair = ConnectWorkers(transport);
+    ASSERT_TRUE(pair.ok()) << pair.status();
+    UcxContext* const server_context = pair->server_context.get();
+    UcxWorker* const server = pair->server.get();
+    UcxWorker* const client = pair->client.get();
+    std::unique_ptr<UcxEndpoint>& endpoint = pair->endpoint;
 
     absl::Mutex mu;
     std::vector<std::unique_ptr<UcxWorker::IncomingData>> got;
-    ASSERT_TRUE((*server)
+    ASSERT_TRUE(server
                     ->SetDataMessageHandler(
                         9,
                         [&](absl::string_view,
@@ -626,10 +637,10 @@ TEST_F(UcxWorkerTest, AReceiveWhoseDeadlinePassedBeforeItStartedIsNotStarted) {
     int sent_done = 0;
     absl::Status sent_status = absl::UnknownError("not sent");
     ASSERT_TRUE(
-        (*endpoint)
+        endpoint
             ->SendMessage(9, "eager", std::string(eager.begin(), eager.end()))
             .ok());
-    ASSERT_TRUE((*endpoint)
+    ASSERT_TRUE(endpoint
                     ->SendMessageWithData(9, "rndv",
                                           absl::MakeConstSpan(rendezvous),
                                           [&](const absl::Status& st) {
@@ -650,11 +661,11 @@ TEST_F(UcxWorkerTest, AReceiveWhoseDeadlinePassedBeforeItStartedIsNotStarted) {
     ASSERT_FALSE(got[1]->eager());
 
     std::vector<char> sink(eager.size() + rendezvous.size(), '\0');
-    auto region = (*server_context)->Register(sink.data(), sink.size());
+    auto region = server_context->Register(sink.data(), sink.size());
     ASSERT_TRUE(region.ok()) << region.status();
     // The progress thread busy (a task) until both deadlines have passed.
     absl::Notification busy, release;
-    ASSERT_TRUE((*server)
+    ASSERT_TRUE(server
                     ->Post([&busy, &release] {
                       busy.Notify();
                       release.WaitForNotification();
@@ -663,8 +674,8 @@ TEST_F(UcxWorkerTest, AReceiveWhoseDeadlinePassedBeforeItStartedIsNotStarted) {
     busy.WaitForNotification();
     const absl::Time deadline = absl::Now() + absl::Milliseconds(20);
     TransferHandle late_eager =
-        (*server)->Receive(std::move(got[0]), sink.data(), deadline);
-    TransferHandle late_rendezvous = (*server)->Receive(
+        server->Receive(std::move(got[0]), sink.data(), deadline);
+    TransferHandle late_rendezvous = server->Receive(
         std::move(got[1]), sink.data() + eager.size(), deadline);
     while (absl::Now() <= deadline) absl::SleepFor(absl::Milliseconds(5));
     release.Notify();
@@ -687,13 +698,13 @@ TEST_F(UcxWorkerTest, AReceiveWhoseDeadlinePassedBeforeItStartedIsNotStarted) {
           << "the sender's send did not end";
       EXPECT_TRUE(sent_status.ok()) << sent_status;  // as for data dropped
     }
-    ASSERT_TRUE((*server)->Run([] {}).ok());
+    ASSERT_TRUE(server->Run([] {}).ok());
     EXPECT_EQ(std::count(sink.begin(), sink.end(), '\0'),
               static_cast<std::ptrdiff_t>(sink.size()))
         << "bytes of a receive past its deadline were written";
-    endpoint->reset();
-    (*client)->Stop();
-    (*server)->Stop();
+    endpoint.reset();
+    client->Stop();
+    server->Stop();
   }
 }
 

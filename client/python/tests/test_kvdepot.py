@@ -308,35 +308,30 @@ class ForkTest(DaemonTestCase):
         pid = os.fork()
         if pid == 0:  # the child: exits with what it saw, never returns
             code = 0
+
+            def refused(call, went_through, other):
+                """0 when call() raises FAILED_PRECONDITION, else an exit code."""
+                try:
+                    call()
+                    return went_through
+                except RuntimeError as e:
+                    return 0 if str(e).startswith("FAILED_PRECONDITION") else other
+
             try:
-                # Never ready here (its threads are the parent's): polling
-                # it raises instead of spinning for ever.
-                try:
-                    in_flight.ready()
-                    code = 9
-                except RuntimeError as e:
-                    if not str(e).startswith("FAILED_PRECONDITION"):
-                        code = 10
+                codes = [
+                    # Never ready here (its threads are the parent's):
+                    # polling it raises instead of spinning for ever.
+                    refused(in_flight.ready, 9, 10),
+                    refused(c.health, 3, 4),
+                    refused(lambda: c.get_into(NS, [key(1)], [np.zeros(4096, np.uint8)]),
+                            5, 11),
+                    # Nor a new client: gRPC would reuse (and break) the
+                    # parent's connection.
+                    refused(lambda: kvdepot.Client(self.daemon.address, timeout_s=2).health(),
+                            7, 8),
+                ]
+                code = next((x for x in codes if x), 0)
                 del in_flight
-                try:
-                    c.health()
-                    code = 3
-                except RuntimeError as e:
-                    if not str(e).startswith("FAILED_PRECONDITION"):
-                        code = 4
-                try:
-                    c.get_into(NS, [key(1)], [np.zeros(4096, np.uint8)])
-                    code = 5
-                except RuntimeError:
-                    pass
-                # Nor a new client: gRPC would reuse (and break) the
-                # parent's connection.
-                try:
-                    kvdepot.Client(self.daemon.address, timeout_s=2).health()
-                    code = 7
-                except RuntimeError as e:
-                    if not str(e).startswith("FAILED_PRECONDITION"):
-                        code = 8
                 # Every reference goes: the client's teardown runs here.
                 del c, buf
                 self.client = None
