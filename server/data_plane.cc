@@ -211,9 +211,13 @@ absl::Status DataPlane::Attach(SessionId session, std::string_view address,
                    client_host_id == LocalHostId();
   if (colocated && !client_uid) {
     // Its buffers could not be tied to its user: no shared memory for it.
-    log_->warn("session {}: client says it is on this host, but its connection "
-               "is not a local socket whose owner is known; serving it over TCP",
-               session);
+    if (uint64_t left_out; log_limit_.Allow("not a local socket", &left_out)) {
+      log_->warn(
+          "session {}: client says it is on this host, but its "
+          "connection is not a local socket whose owner is known; "
+          "serving it over TCP{}",
+          session, LeftOutNote(left_out));
+    }
     colocated = false;
   } else if (colocated && *client_uid != geteuid()) {
     // UCX's shared-memory segments are its user's alone (mode 0600):
@@ -223,9 +227,12 @@ absl::Status DataPlane::Attach(SessionId session, std::string_view address,
     // handling (which no shared-memory transport of UCX 1.13 but cma has,
     // and cma is not used for this client's memory: its keys lose their
     // shared-memory parts, RegisterBuffer).
-    log_->info("session {}: client uid {} differs from kvdepotd's {}: shared "
-               "memory off for it, served over TCP",
-               session, *client_uid, geteuid());
+    if (uint64_t left_out; log_limit_.Allow("another uid", &left_out)) {
+      log_->info(
+          "session {}: client uid {} differs from kvdepotd's {}: "
+          "shared memory off for it, served over TCP{}",
+          session, *client_uid, geteuid(), LeftOutNote(left_out));
+    }
     colocated = false;
   }
   auto link = std::make_shared<Link>();
@@ -255,7 +262,10 @@ absl::Status DataPlane::Attach(SessionId session, std::string_view address,
       }
     }
     if (!no_worker.empty()) {
-      log_->warn("session {}: {}; serving it over TCP", session, no_worker);
+      if (uint64_t left_out; log_limit_.Allow("no own worker", &left_out)) {
+        log_->warn("session {}: {}; serving it over TCP{}", session, no_worker,
+                   LeftOutNote(left_out));
+      }
       colocated = false;
     }
   }
@@ -731,9 +741,13 @@ size_t DataPlane::EnsureRequestLink(SessionId session, std::string_view address,
     request_worker = next_request_worker_++ % request_workers_.size();
     if (closing_) return request_worker;
     if (request_links_.size() >= options_.max_request_links) {
-      log_->warn("session {}: {} client workers have a request link already "
-                 "(max_request_links); this client uses gRPC calls",
-                 session, request_links_.size());
+      if (uint64_t left_out; log_limit_.Allow("request links", &left_out)) {
+        log_->warn(
+            "session {}: {} client workers have a request link "
+            "already (max_request_links); this client uses gRPC "
+            "calls{}",
+            session, request_links_.size(), LeftOutNote(left_out));
+      }
       return request_worker;
     }
     id = ++next_request_link_;
@@ -751,8 +765,12 @@ size_t DataPlane::EnsureRequestLink(SessionId session, std::string_view address,
       UcxEndpoint::Connect(*request_workers_[request_worker], address,
                            std::move(options));
   if (!endpoint.ok()) {
-    log_->warn("session {}: no request link to the client's worker ({}); "
-               "the client uses gRPC calls", session, endpoint.status().ToString());
+    if (uint64_t left_out; log_limit_.Allow("no request link", &left_out)) {
+      log_->warn(
+          "session {}: no request link to the client's worker ({}); "
+          "the client uses gRPC calls{}",
+          session, endpoint.status().ToString(), LeftOutNote(left_out));
+    }
     DropRequestLink(key, id);
     return request_worker;
   }

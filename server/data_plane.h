@@ -48,6 +48,7 @@
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
 #include "absl/types/span.h"
+#include "server/logging.h"
 #include "storage/tiered_store.h"
 #include "storage/work_pool.h"
 #include "transport/memory_region.h"
@@ -430,6 +431,8 @@ class DataPlane {
 
   const DataPlaneOptions options_;
   const std::shared_ptr<spdlog::logger> log_;
+  // The log lines clients can set off at will.
+  LogLimiter log_limit_;
   LostCallback on_lost_;
   bool shared_memory_ = false;
 

@@ -106,7 +106,11 @@ void KvDepotService::Finished(const char* op, const absl::Status& st,
       log_->debug("{} rejected: {}", op, st.ToString());
       break;
     default:
-      log_->warn("{} failed: {}", op, st.ToString());
+      // A client can set these off at will (a stream left idle, a deadline
+      // too short for a wire-up): limited per op.
+      if (uint64_t left_out; log_limit_.Allow(op, &left_out)) {
+        log_->warn("{} failed: {}{}", op, st.ToString(), LeftOutNote(left_out));
+      }
   }
 }
 
@@ -221,8 +225,11 @@ grpc::ServerUnaryReactor* KvDepotService::OpenSession(
   resp->set_max_batch_keys(o.max_batch_keys);
   resp->set_max_chunk_bytes(kMaxChunkBytes);
   if (req->ucx_worker_address().empty() || data_plane_ == nullptr) {
-    log_->info("session {} opened by '{}' from {} (lease {})", g.id,
-               req->client_name(), ctx->peer(), absl::FormatDuration(g.lease));
+    if (uint64_t left_out; log_limit_.Allow("session opened", &left_out)) {
+      log_->info("session {} opened by '{}' from {} (lease {}){}", g.id,
+                 req->client_name(), ctx->peer(), absl::FormatDuration(g.lease),
+                 LeftOutNote(left_out));
+    }
     finish(absl::OkStatus());
     return reactor;
   }
@@ -266,15 +273,25 @@ void KvDepotService::AttachAndFinish(
         ": no time for a UCX wire-up"));
   }
   if (attached.ok()) {
-    attached = data_plane_->Attach(id, req->ucx_worker_address(),
-                                   req->host_id(), LocalPeerUid(ctx->peer()),
-                                   client_tcp, point.connect_by);
+    // The owner of the client's socket matters only to a client on this
+    // host (shared memory), and finding it reads the host's whole TCP table
+    // and every descriptor of kvdepotd: not for the others.
+    std::optional<uint32_t> client_uid;
+    if (!req->host_id().empty() && req->host_id() == LocalHostId()) {
+      client_uid = LocalPeerUid(ctx->peer());
+    }
+    attached =
+        data_plane_->Attach(id, req->ucx_worker_address(), req->host_id(),
+                            client_uid, client_tcp, point.connect_by);
   }
   if (!attached.ok()) {
     // The client falls back to its gRPC byte path (kNoUcxEndpoint).
     store_.CloseSession(id).IgnoreError();
-    log_->warn("session of '{}' from {}: no UCX endpoint: {}",
-               req->client_name(), ctx->peer(), attached.ToString());
+    if (uint64_t left_out; log_limit_.Allow("no UCX endpoint", &left_out)) {
+      log_->warn("session of '{}' from {}: no UCX endpoint: {}{}",
+                 req->client_name(), ctx->peer(), attached.ToString(),
+                 LeftOutNote(left_out));
+    }
     return finish(absl::Status(
         attached.code(), absl::StrCat(kNoUcxEndpoint, attached.message())));
   }
@@ -290,8 +307,11 @@ void KvDepotService::AttachAndFinish(
     store_.CloseSession(id).IgnoreError();
     return finish(absl::CancelledError("the client cancelled OpenSession"));
   }
-  log_->info("session {} opened by '{}' from {} (lease {}, UCX endpoint)", id,
-             req->client_name(), ctx->peer(), absl::FormatDuration(lease));
+  if (uint64_t left_out; log_limit_.Allow("session opened", &left_out)) {
+    log_->info("session {} opened by '{}' from {} (lease {}, UCX endpoint){}",
+               id, req->client_name(), ctx->peer(), absl::FormatDuration(lease),
+               LeftOutNote(left_out));
+  }
   finish(absl::OkStatus());
 }
 
@@ -313,8 +333,11 @@ grpc::ServerUnaryReactor* KvDepotService::CloseSession(
     ASSIGN_OR_RETURN(SessionRelease rel, store_.CloseSession(req->session_id()));
     resp->set_pins_released(rel.pins_released);
     resp->set_reservations_aborted(rel.reservations_aborted);
-    log_->info("session {} closed ({} pins released, {} puts aborted)",
-               req->session_id(), rel.pins_released, rel.reservations_aborted);
+    if (uint64_t left_out; log_limit_.Allow("session closed", &left_out)) {
+      log_->info("session {} closed ({} pins released, {} puts aborted){}",
+                 req->session_id(), rel.pins_released, rel.reservations_aborted,
+                 LeftOutNote(left_out));
+    }
     return absl::OkStatus();
   });
 }
@@ -1183,10 +1206,13 @@ void KvDepotService::StartPushBlocks(const v1::PushBlocksRequest* req,
           // or the client's (its buffer changed under the copy)?
           if (BlockChecksum(mv.arena.data(), mv.arena.size()) != want) {
             corrupt[m] = true;  // counted and dropped once unpinned
-          } else {
-            log_->warn("PushBlocks: session {}'s buffer changed while block {} "
-                       "was copied into it", req->session_id(),
-                       KeyToHex(req->keys(key_of_move[m])));
+          } else if (uint64_t left_out;
+                     log_limit_.Allow("buffer changed", &left_out)) {
+            log_->warn(
+                "PushBlocks: session {}'s buffer changed while block {} "
+                "was copied into it{}",
+                req->session_id(), KeyToHex(req->keys(key_of_move[m])),
+                LeftOutNote(left_out));
           }
           return absl::DataLossError(
               "block bytes do not match the checksum as copied");
@@ -1260,17 +1286,26 @@ void KvDepotService::HoldUntilReleased(const char* op, SessionId session,
                                        const TransferHandle& h,
                                        const HeldFor& held,
                                        absl::AnyInvocable<void() &&> release) {
-  log_->warn("{}: session {}'s transfer was abandoned with UCX {} ({} bytes) "
-             "still open; {} until UCX ends those {}",
-             op, session, held.what, held.bytes, held.kept, held.ops);
+  // A client that stalls its transfers sets these off at will: limited,
+  // the line of their end logged only with the line of their start.
+  uint64_t left_out = 0;
+  const bool logged = log_limit_.Allow("transfer abandoned", &left_out);
+  if (logged) {
+    log_->warn(
+        "{}: session {}'s transfer was abandoned with UCX {} ({} bytes) "
+        "still open; {} until UCX ends those {}{}",
+        op, session, held.what, held.bytes, held.kept, held.ops,
+        LeftOutNote(left_out));
+  }
   metrics_.AddUcxHeldBytes(static_cast<int64_t>(held.bytes));
   // metrics_ (and what `release` uses: store_, slots) outlive the data
   // plane, whose workers (or the thread that stops a session's own worker)
   // run this.
-  h.OnReleased([log = log_, metrics = &metrics_, op, session, held,
+  h.OnReleased([log = log_, metrics = &metrics_, op, session, held, logged,
                 release = std::move(release)]() mutable {
     std::move(release)();
     metrics->AddUcxHeldBytes(-static_cast<int64_t>(held.bytes));
+    if (!logged) return;
     log->info("{}: session {}'s abandoned {} ended (UCX ended them, or they "
               "went with the session's worker); {} bytes freed",
               op, session, held.ops, held.bytes);

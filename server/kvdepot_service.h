@@ -320,6 +320,8 @@ class KvDepotService final
   ServerMetrics& metrics_;
   Clock& clock_;
   const std::shared_ptr<spdlog::logger> log_;
+  // The log lines clients can set off at will.
+  LogLimiter log_limit_;
   const absl::Time started_;
 
   QuotaFile* quota_file_ = nullptr;

@@ -147,4 +147,26 @@ bool ConditionLog::ShouldLog(absl::string_view message, absl::Time now) {
   return false;
 }
 
+bool LogLimiter::Allow(absl::string_view site, uint64_t* left_out,
+                       absl::Time now) {
+  absl::MutexLock lock(&mu_);
+  Site& s = sites_[std::string(site)];
+  if (now - s.window_start >= window_) {
+    s.window_start = now;
+    s.logged = 0;
+  }
+  if (s.logged >= burst_) {
+    ++s.left_out;
+    return false;
+  }
+  ++s.logged;
+  *left_out = std::exchange(s.left_out, 0);
+  return true;
+}
+
+std::string LeftOutNote(uint64_t left_out) {
+  if (left_out == 0) return std::string();
+  return absl::StrCat(" (", left_out, " more like it left out)");
+}
+
 }  // namespace kvdepot

@@ -9,8 +9,11 @@
 #include <memory>
 #include <string>
 
+#include "absl/base/thread_annotations.h"
+#include "absl/container/flat_hash_map.h"
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
+#include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
 
 namespace kvdepot {
@@ -50,6 +53,42 @@ class ConditionLog {
   std::string shape_;  // the message last logged, digits left out
   absl::Time logged_ = absl::InfinitePast();
 };
+
+// Bounds the lines of log sites a client can set off at will (a failed
+// request, a refused wire-up, a session opened): at most `burst` lines of
+// one site per `window`; the ones past it are left out and counted, and
+// the site's next line logged says how many (LeftOutNote). A client that
+// loops on a bad request cannot fill the disk or drown the lines that
+// matter. Thread-safe.
+class LogLimiter {
+ public:
+  static constexpr int kDefaultBurst = 20;
+  static constexpr absl::Duration kDefaultWindow = absl::Seconds(10);
+  explicit LogLimiter(int burst = kDefaultBurst,
+                      absl::Duration window = kDefaultWindow)
+      : burst_(burst), window_(window) {}
+  // Whether a line of `site` may be logged at `now`; when it may,
+  // *left_out is the number of its lines left out since the last one
+  // logged. Sites are the code's own names (a bounded set, never a
+  // client's string): each keeps a few bytes for the limiter's life.
+  bool Allow(absl::string_view site, uint64_t* left_out,
+             absl::Time now = absl::Now());
+
+ private:
+  struct Site {
+    absl::Time window_start = absl::InfinitePast();
+    int logged = 0;         // lines logged in the current window
+    uint64_t left_out = 0;  // since the last line logged
+  };
+  const int burst_;
+  const absl::Duration window_;
+  absl::Mutex mu_;
+  absl::flat_hash_map<std::string, Site> sites_ ABSL_GUARDED_BY(mu_);
+};
+
+// " (N more like it left out)" for N > 0, else "": the tail of a limited
+// line.
+std::string LeftOutNote(uint64_t left_out);
 
 }  // namespace kvdepot
 

@@ -110,6 +110,35 @@ TEST(ConditionLogTest, NumbersThatMoveAreNoNewCondition) {
   EXPECT_FALSE(log.ShouldLog("", now));  // no reminders of nothing
 }
 
+// A site a client can set off at will logs at most `burst` lines per
+// window; the next line logged says how many were left out, and sites
+// count apart.
+TEST(LogLimiterTest, BoundsEachSiteAndCountsWhatItLeftOut) {
+  LogLimiter limiter(3, absl::Seconds(10));
+  absl::Time now = absl::FromUnixSeconds(1000);
+  uint64_t left_out = 99;
+  int logged = 0;
+  for (int i = 0; i < 1000; ++i) {
+    if (limiter.Allow("Write failed", &left_out, now)) {
+      ++logged;
+      EXPECT_EQ(left_out, 0u) << i;
+    }
+    now += absl::Milliseconds(1);
+  }
+  EXPECT_EQ(logged, 3);
+  // Another site is not held back by the first's flood.
+  EXPECT_TRUE(limiter.Allow("session opened", &left_out, now));
+  EXPECT_EQ(left_out, 0u);
+  // The next window: its first line carries the count.
+  now += absl::Seconds(10);
+  ASSERT_TRUE(limiter.Allow("Write failed", &left_out, now));
+  EXPECT_EQ(left_out, 997u);
+  EXPECT_EQ(LeftOutNote(left_out), " (997 more like it left out)");
+  EXPECT_EQ(LeftOutNote(0), "");
+  ASSERT_TRUE(limiter.Allow("Write failed", &left_out, now));
+  EXPECT_EQ(left_out, 0u);
+}
+
 TEST_F(LoggingTest, BadOptionsAreRefused) {
   EXPECT_THAT(MakeLogger("t", {"loud", "text", ""}),
               testing::StatusIs(absl::StatusCode::kInvalidArgument));

@@ -239,12 +239,20 @@ absl::Status UcxAddressSandbox::SpawnLocked() {
   // backtrace in kvdepotd's log for them; Check says what happened), and a
   // crash ends it by its signal.
   std::vector<std::string> env_strings = {"UCX_HANDLE_ERRORS=none", "UCX_ERROR_SIGNALS="};
+  // UCX's own line for each address it cannot reach (select.c "no active
+  // messages transport", sock.c "connect() failed") would go to kvdepotd's
+  // stderr once per client's try, past its log file and its rate limits,
+  // and break its JSON lines; the check's answer says why already. An
+  // operator's UCX_LOG_LEVEL (to debug UCX) is kept.
+  bool log_level_set = false;
   for (char** e = environ; *e != nullptr; ++e) {
     const std::string_view var(*e);
     if (var.substr(0, 18) != "UCX_HANDLE_ERRORS=" && var.substr(0, 18) != "UCX_ERROR_SIGNALS=") {
       env_strings.push_back(*e);
     }
+    if (var.substr(0, 14) == "UCX_LOG_LEVEL=") log_level_set = true;
   }
+  if (!log_level_set) env_strings.push_back("UCX_LOG_LEVEL=fatal");
   std::vector<char*> env;
   for (std::string& e : env_strings) env.push_back(e.data());
   env.push_back(nullptr);

@@ -8,6 +8,8 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <cstdio>
+#include <cstdlib>
 #include <filesystem>
 #include <memory>
 #include <string>
@@ -78,6 +80,37 @@ TEST_P(UcxAddressSandboxTest, TakesARealAddressAndRefusesBrokenOnesWithoutDying)
   EXPECT_NE(sandbox_->pid(), first) << "no truncation crashed the sandbox";
   // And it still answers.
   EXPECT_TRUE(sandbox_->Check(address, true).ok());
+}
+
+// UCX's own error line for each address it cannot use (one per client's
+// try) would reach kvdepotd's stderr from the sandbox, past its log file
+// and its rate limits; the check's answer says why already.
+TEST_P(UcxAddressSandboxTest, UcxPrintsNoLinePerRefusedAddress) {
+  const std::string address = worker_->address();
+  char path[] = "/tmp/kvdepot-sandbox-stderr-XXXXXX";
+  const int file = mkstemp(path);
+  ASSERT_GE(file, 0);
+  const int saved = dup(STDERR_FILENO);
+  ASSERT_GE(saved, 0);
+  fflush(stderr);
+  ASSERT_EQ(dup2(file, STDERR_FILENO), STDERR_FILENO);  // the sandbox's too
+  int refused = 0;
+  for (size_t n = 1; n < address.size(); ++n) {
+    if (!sandbox_->Check(address.substr(0, n), true).ok()) ++refused;
+  }
+  sandbox_.reset();  // nothing more of it to come
+  fflush(stderr);
+  dup2(saved, STDERR_FILENO);
+  close(saved);
+  std::string printed;
+  char buf[4096];
+  ssize_t got;
+  lseek(file, 0, SEEK_SET);
+  while ((got = read(file, buf, sizeof(buf))) > 0) printed.append(buf, got);
+  close(file);
+  unlink(path);
+  EXPECT_GT(refused, 0);
+  EXPECT_FALSE(absl::StrContains(printed, "UCX  ERROR")) << printed;
 }
 
 TEST_P(UcxAddressSandboxTest, ASandboxThatDiedBetweenChecksIsStartedAgain) {
