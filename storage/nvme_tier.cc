@@ -537,6 +537,9 @@ class NvmeTierImpl final : public NvmeTier {
   // than min_free_bytes_ free (NvmeTierOptions::min_free_bytes); notes the
   // free space for Stats.
   absl::Status CheckFreeSpace(uint64_t bytes);
+  // What the memtables hold and puts past CheckFreeSpace not yet in them:
+  // bytes their flushes will write.
+  uint64_t UnflushedBytes();
   std::string ShortOfSpaceMessage(uint64_t free) const;
   // Whether a resume has run past resume_stuck_after.
   bool ResumeStuckLocked() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(resume_mu_);
@@ -610,6 +613,7 @@ class NvmeTierImpl final : public NvmeTier {
   rocksdb::Status last_resume_ ABSL_GUARDED_BY(resume_mu_);
   // NvmeTierOptions::min_free_bytes, its default resolved (Init).
   uint64_t min_free_bytes_ = 0;
+  std::atomic<uint64_t> puts_in_flight_bytes_{0};  // see UnflushedBytes
   // What the last put's CheckFreeSpace found.
   std::atomic<uint64_t> free_bytes_{0};
   std::atomic<bool> short_of_space_{false};
@@ -1327,11 +1331,11 @@ absl::Status NvmeTierImpl::EnsureWritable() {
   // min_free_bytes_ free (a resume flushes every memtable: a probe of
   // 1 MiB fitting said little) and a probe file fits.
   uint64_t free = 0;
-  if (Env()->GetFreeSpace(options_.path, &free).ok() &&
-      free < min_free_bytes_) {
+  const uint64_t wanted = min_free_bytes_ + UnflushedBytes();
+  if (Env()->GetFreeSpace(options_.path, &free).ok() && free < wanted) {
     return absl::UnavailableError(absl::StrCat(
-        stopped, "; no room to resume yet (", free, " bytes free, ",
-        min_free_bytes_, " wanted); next retry in ",
+        stopped, "; no room to resume yet (", free, " bytes free, ", wanted,
+        " wanted: the reserve and what the memtables hold); next retry in ",
         absl::FormatDuration(options_.resume_interval)));
   }
   if (absl::Status room = ProbeRoom(); !room.ok()) {
@@ -1350,12 +1354,24 @@ absl::Status NvmeTierImpl::EnsureWritable() {
   return absl::OkStatus();
 }
 
+uint64_t NvmeTierImpl::UnflushedBytes() {
+  uint64_t memtables = 0;
+  db_->GetIntProperty(rocksdb::DB::Properties::kCurSizeAllMemTables,
+                      &memtables);
+  return memtables + puts_in_flight_bytes_.load(std::memory_order_relaxed);
+}
+
 absl::Status NvmeTierImpl::CheckFreeSpace(uint64_t bytes) {
   uint64_t free = 0;
   // Unknown (a file system that does not say): RocksDB's own errors decide.
   if (!Env()->GetFreeSpace(options_.path, &free).ok()) return absl::OkStatus();
-  const bool short_now =
-      free < min_free_bytes_ || free - min_free_bytes_ < bytes;
+  // What the memtables hold takes room when they flush: six memtables of
+  // blocks larger than write_buffer_size (or a small file system, where
+  // the default reserve is a twentieth of it) would otherwise pass the
+  // reserve, and RocksDB meet ENOSPC after all.
+  const uint64_t unflushed = UnflushedBytes();
+  const uint64_t wanted = min_free_bytes_ + unflushed;
+  const bool short_now = free < wanted || free - wanted < bytes;
   free_bytes_.store(free, std::memory_order_relaxed);
   short_of_space_.store(short_now, std::memory_order_relaxed);
   if (!short_now) return absl::OkStatus();
@@ -1367,8 +1383,9 @@ std::string NvmeTierImpl::ShortOfSpaceMessage(uint64_t free) const {
   return absl::StrCat("the NVMe tier's file system is nearly full (", free,
                       " bytes free under ", options_.path,
                       "): the tier leaves ", min_free_bytes_,
-                      " bytes free for RocksDB's flushes and compactions; free "
-                      "space there, or lower nvme_capacity");
+                      " bytes free for RocksDB's flushes and compactions, "
+                      "beyond what its memtables hold; free space there, or "
+                      "lower nvme_capacity");
 }
 
 absl::Status NvmeTierImpl::ProbeRoom() {
@@ -1458,6 +1475,12 @@ absl::StatusOr<NvmePutOutcome> NvmeTierImpl::Put(absl::string_view ns,
     ++write_errors_;
     return writable;
   }
+  // Counted as unflushed by other puts' checks until it is in a memtable
+  // (or failed).
+  puts_in_flight_bytes_.fetch_add(bytes.size(), std::memory_order_relaxed);
+  absl::Cleanup put_landed = [this, n = bytes.size()] {
+    puts_in_flight_bytes_.fetch_sub(n, std::memory_order_relaxed);
+  };
 
   // From before it retires its victims (no longer listed: Meta, ForEach)
   // until its write is noted unflushed: MakeWritesDurable waits for it.
@@ -1838,6 +1861,7 @@ NvmeTierStats NvmeTierImpl::Stats() {
     stats.write_error =
         ShortOfSpaceMessage(free_bytes_.load(std::memory_order_relaxed));
   }
+  stats.unflushed_bytes = UnflushedBytes();
   stats.blob_gc_active = blob_gc_active_.load();
   db_->GetIntProperty(rocksdb::DB::Properties::kLiveBlobFileGarbageSize,
                       &stats.blob_garbage_bytes);

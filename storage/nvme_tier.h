@@ -150,8 +150,13 @@ struct NvmeTierOptions {
   // flush its memtables and compact; after it has met ENOSPC (stopped
   // writes), its resume often never succeeds, even once space is back
   // (flushes in parallel lose their files: a restart is needed), and what
-  // the memtables held is lost. 0 means the default: twice the memtables'
-  // budget (write_buffer_size x max_write_buffer_number) plus 64 MiB.
+  // the memtables held is lost. What the memtables hold now (and puts in
+  // flight), which their flushes will write, counts as used: a put is
+  // refused when the free space less that is short of min_free_bytes plus
+  // the block (memtables of blocks larger than write_buffer_size hold more
+  // than the default reserve counts). 0 means the default: twice the
+  // memtables' budget (write_buffer_size x max_write_buffer_number) plus
+  // 64 MiB.
   uint64_t min_free_bytes = 0;
   // A scrub (Verify) reads the tier in one pass through a RocksDB snapshot,
   // which keeps on disk every blob file it can see: the space of blocks
@@ -223,6 +228,9 @@ struct NvmeTierStats {
   // error: writes stay off until kvdepotd restarts), or the file system's
   // free space under min_free_bytes. Empty when writable.
   std::string write_error;
+  // Bytes the memtables hold (RocksDB's estimate, arena blocks included)
+  // that their flushes will write to the file system.
+  uint64_t unflushed_bytes = 0;
 };
 
 // What NvmeTier::Verify found.
