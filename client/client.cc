@@ -1740,6 +1740,17 @@ absl::Status BlockOutcome(
 // refusal of puts: opening sessions again would not help).
 bool SessionGone(const absl::Status& st) { return absl::IsNotFound(st); }
 
+// A whole request's status as each block's: a session the daemon no
+// longer has (a restart) says nothing of the keys, and a per-block
+// NOT_FOUND says "not stored" (GetInto's false, the connectors' miss).
+// Nothing was transferred; the next call opens a new session.
+absl::Status AsBlockStatus(const absl::Status& st) {
+  if (!SessionGone(st)) return st;
+  return absl::UnavailableError(absl::StrCat(
+      "the daemon no longer has this client's session (", st.message(),
+      "): nothing transferred; the next call opens a new one"));
+}
+
 // A reply that came over UCX: its status, and `resp` parsed from `body`.
 absl::Status ParseReply(const absl::Status& st, absl::string_view body,
                         google::protobuf::Message& resp) {
@@ -1758,7 +1769,7 @@ void FinishGet(TransferOp::State& state, const absl::Status& st,
   const auto& blocks = state.push_resp.blocks();
   std::vector<std::pair<std::string, uint64_t>> corrupt;
   for (size_t i = 0; i < out.size(); ++i) {
-    absl::Status s = BlockOutcome(st, blocks, i);
+    absl::Status s = BlockOutcome(AsBlockStatus(st), blocks, i);
     if (s.ok()) {
       const v1::BlockTransfer& t = blocks[static_cast<int>(i)];
       if (t.size() != out[i].size()) {
@@ -1866,7 +1877,8 @@ std::vector<size_t> LateBuffers(
 // Ends a PutFromAsync op from the daemon's answer (state.pull_resp when OK).
 void FinishPut(TransferOp::State& state, const absl::Status& st) {
   for (size_t i = 0; i < state.statuses.size(); ++i) {
-    absl::Status s = BlockOutcome(st, state.pull_resp.blocks(), i);
+    absl::Status s =
+        BlockOutcome(AsBlockStatus(st), state.pull_resp.blocks(), i);
     if (absl::IsAlreadyExists(s)) {  // stored before: not a failure
       s = absl::OkStatus();
       state.existed[i] = true;
@@ -2161,7 +2173,7 @@ TransferOp Client::GetIntoAsyncImpl(absl::string_view ns,
     bool open = true;
     for (size_t i = 0; i < keys.size(); ++i) {
       if (!got.ok()) {
-        state->statuses[i] = got.status();
+        state->statuses[i] = AsBlockStatus(got.status());
       } else if (!open) {
         state->statuses[i] = absl::NotFoundError("not stored");
       } else {

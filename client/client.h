@@ -164,15 +164,17 @@ struct Block {
 // then read one status per block. A status that is not OK is a miss for the
 // caller ("degrade to miss"): NOT_FOUND for a block that is not stored,
 // otherwise why the block could not be moved (the daemon is unreachable,
-// the transfer failed or timed out, DATA_LOSS for bytes that did not match
-// their checksum). Every get (GetIntoAsync, GetInto, Get) tells the daemon
-// of a block it received not matching its checksum (ReportCorrupt, without
-// waiting; best effort): the daemon hashes its copy again and drops it if
-// bad (once no reader pins it, within about a second), so that later gets
-// are served from NVMe or miss and the next put stores it again. After a failed
-// get the destination may hold partial bytes: use only the blocks whose status
-// is OK. For puts, OK means stored (ALREADY_EXISTS counts as stored and is
-// reported as OK).
+// the transfer failed or timed out, UNAVAILABLE when the daemon no longer
+// has the client's session -- a restart, an expired lease: nothing was
+// said of the key, and the next call opens a new session -- DATA_LOSS for
+// bytes that did not match their checksum). Every get (GetIntoAsync, GetInto,
+// Get) tells the daemon of a block it received not matching its checksum
+// (ReportCorrupt, without waiting; best effort): the daemon hashes its copy
+// again and drops it if bad (once no reader pins it, within about a second), so
+// that later gets are served from NVMe or miss and the next put stores it
+// again. After a failed get the destination may hold partial bytes: use only
+// the blocks whose status is OK. For puts, OK means stored (ALREADY_EXISTS
+// counts as stored and is reported as OK).
 //
 // Once an op is ready its buffers are the caller's again: nothing more is
 // written into a get's, nor read from a put's, on its behalf (see

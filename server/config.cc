@@ -204,6 +204,7 @@ absl::Status ApplyConfig(const YAML::Node& root, const std::string& path, Daemon
   };
   const std::map<std::string, Setter> setters = {
       {"listen", string_into(&c->listen)},
+      {"admin_peers", string_into(&c->admin_peers)},
       {"metrics_listen", string_into(&c->metrics_listen)},
       {"metrics_namespace_labels",
        uint_into(&c->metrics_namespace_labels, 100000)},
@@ -386,6 +387,10 @@ absl::Status LoadConfigFile(const std::string& path, DaemonConfig* c) {
 
 absl::Status ValidateConfig(const DaemonConfig& c) {
   const StoreOptions& s = c.store;
+  if (c.admin_peers != "local" && c.admin_peers != "any") {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "admin_peers must be local or any (not '", c.admin_peers, "')"));
+  }
   if (!(s.low_watermark > 0 && s.low_watermark <= s.high_watermark &&
         s.high_watermark <= 1.0)) {
     return absl::InvalidArgumentError(

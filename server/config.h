@@ -19,6 +19,12 @@ namespace kvdepot {
 
 struct DaemonConfig {
   std::string listen = "127.0.0.1:50551";
+  // Who may make the admin calls (SetDraining, SetQuota, Verify, Compact):
+  // "local", a process on this host owned by root or by kvdepotd's user
+  // (kvdepotctl beside it: `kubectl exec`, ssh), or "any" peer (gRPC has
+  // no authentication: only where every peer that can reach `listen` is
+  // trusted). See KvDepotService::set_admin_from_any_peer.
+  std::string admin_peers = "local";
   std::string metrics_listen = "127.0.0.1:9551";  // empty: no metrics endpoint
   // The metrics port's connections served at once, and how long one may
   // take to send its request (HttpServerOptions): idle or slow clients

@@ -291,6 +291,19 @@ TEST_F(ConfigFileTest, MetricsPortThreadsAndTimeoutAreReadAndChecked) {
   }
 }
 
+// Who may make admin calls: local (the default) or any.
+TEST_F(ConfigFileTest, AdminPeersIsLocalOrAny) {
+  EXPECT_EQ(DaemonConfig{}.admin_peers, "local");
+  DaemonConfig c;
+  ASSERT_OK(LoadConfigFile(Write("admin_peers: any\n"), &c));
+  EXPECT_EQ(c.admin_peers, "any");
+  EXPECT_OK(ValidateConfig(c));
+  DaemonConfig bad;
+  ASSERT_OK(LoadConfigFile(Write("admin_peers: everyone\n"), &bad));
+  EXPECT_THAT(ValidateConfig(bad),
+              StatusIs(absl::StatusCode::kInvalidArgument));
+}
+
 // The store's limits on sessions, namespaces and pins are set from the file
 // (they had no key: a node sized for more clients could not raise them).
 TEST_F(ConfigFileTest, SessionNamespaceAndPinLimitsAreReadAndChecked) {

@@ -104,6 +104,7 @@ absl::Status Daemon::Init() {
   RETURN_IF_ERROR(quota_file_->Load(*store_));
   service_ = std::make_unique<KvDepotService>(*store_, *metrics_, *SystemClock(), log_);
   service_->set_quota_file(quota_file_.get());
+  service_->set_admin_from_any_peer(config_.admin_peers == "any");
   if (config_.ucx_enabled) {
     DataPlaneOptions data_plane_options;
     data_plane_options.ucx = config_.ucx;

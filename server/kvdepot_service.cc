@@ -2,6 +2,7 @@
 
 #include <grpcpp/support/byte_buffer.h>
 #include <spdlog/spdlog.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <cstring>
@@ -874,11 +875,31 @@ grpc::ServerUnaryReactor* KvDepotService::ListNamespaces(
 // Verify and Compact are long (they read or rewrite the whole NVMe tier) and
 // rare; they run on maintenance_pool_, one at a time (Aborted while the other
 // runs). Shutdown cuts them short (TieredStore::StopNvmeMaintenance).
+absl::Status KvDepotService::CheckAdmin(grpc::CallbackServerContext* ctx,
+                                        const char* op) const {
+  if (admin_from_any_peer_) return absl::OkStatus();
+  const std::optional<uint32_t> uid = LocalPeerUid(ctx->peer());
+  const uid_t own = geteuid();
+  if (uid.has_value() && (*uid == 0 || *uid == own)) return absl::OkStatus();
+  return absl::PermissionDeniedError(absl::StrCat(
+      op,
+      " is an admin call, taken only from root or kvdepotd's own user (uid ",
+      own, ") on this host (admin_peers: local); this one came from ",
+      uid.has_value() ? absl::StrCat("uid ", *uid, " (", ctx->peer(), ")")
+                      : absl::StrCat(ctx->peer(),
+                                     ", not a local process whose owner is "
+                                     "known")));
+}
+
 grpc::ServerUnaryReactor* KvDepotService::NvmeMaintenance(
     grpc::CallbackServerContext* ctx, const char* op,
     absl::AnyInvocable<absl::Status() &&> fn) {
   grpc::ServerUnaryReactor* reactor = ctx->DefaultReactor();
   std::function<void(const absl::Status&)> finish = Finisher(op, reactor);
+  if (absl::Status admin = CheckAdmin(ctx, op); !admin.ok()) {
+    finish(admin);
+    return reactor;
+  }
   if (nvme_maintenance_.exchange(true)) {
     finish(
         absl::AbortedError("a verify or compact of the NVMe tier is running "
@@ -928,6 +949,7 @@ grpc::ServerUnaryReactor* KvDepotService::SetDraining(
     grpc::CallbackServerContext* ctx, const v1::SetDrainingRequest* req,
     v1::SetDrainingResponse* resp) {
   return Unary(ctx, "SetDraining", [&]() -> absl::Status {
+    RETURN_IF_ERROR(CheckAdmin(ctx, "SetDraining"));
     if (!req->draining() && shutting_down_.load()) {
       return absl::UnavailableError("kvdepotd is stopping: it takes no puts again");
     }
@@ -973,6 +995,7 @@ grpc::ServerUnaryReactor* KvDepotService::SetQuota(grpc::CallbackServerContext* 
                                                    const v1::SetQuotaRequest* req,
                                                    v1::SetQuotaResponse*) {
   return Unary(ctx, "SetQuota", [&]() -> absl::Status {
+    RETURN_IF_ERROR(CheckAdmin(ctx, "SetQuota"));
     if (req->undeclare()) {
       if (req->max_bytes() != 0) {
         return absl::InvalidArgumentError("undeclare takes no max_bytes (a quota)");

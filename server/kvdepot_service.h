@@ -131,6 +131,13 @@ class KvDepotService final
   // Where SetQuota records quotas (the daemon's data dir); without one,
   // quotas apply until the daemon stops. `file` must outlive the service.
   void set_quota_file(QuotaFile* file) { quota_file_ = file; }
+  // Whether the admin calls (SetDraining, SetQuota, Verify, Compact) are
+  // taken from any peer (admin_peers: any), or, by default, only from a
+  // process on this host owned by root or by kvdepotd's own user
+  // (PERMISSION_DENIED otherwise). Lookups, puts, gets, Evict and the read
+  // only calls (Stats, ListNamespaces, Inspect, Health) are every
+  // client's. Call before the server starts.
+  void set_admin_from_any_peer(bool any) { admin_from_any_peer_ = any; }
   // The UCX data plane; without one, sessions get no endpoint and the
   // data-plane RPCs fail with FAILED_PRECONDITION. `data_plane` must outlive
   // the service's calls, and the service must outlive the data plane's
@@ -237,6 +244,10 @@ class KvDepotService final
                                         absl::string_view who);
 
  private:
+  // OK when the caller of admin call `op` may make it (see
+  // set_admin_from_any_peer), else PermissionDenied saying who it was.
+  absl::Status CheckAdmin(grpc::CallbackServerContext* ctx,
+                          const char* op) const;
   // Runs a Verify or Compact of the NVMe tier (`fn`) on maintenance_pool_,
   // then finishes the call `op` with its status; one at a time: Aborted at
   // once when one runs already.
@@ -322,6 +333,7 @@ class KvDepotService final
   const std::shared_ptr<spdlog::logger> log_;
   // The log lines clients can set off at will.
   LogLimiter log_limit_;
+  bool admin_from_any_peer_ = false;  // set_admin_from_any_peer
   const absl::Time started_;
 
   QuotaFile* quota_file_ = nullptr;

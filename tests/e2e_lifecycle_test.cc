@@ -524,6 +524,57 @@ TEST(LifecycleTest, ConfigFileIsReadAndFlagsOverrideIt) {
   EXPECT_EQ(stats->dram().capacity_bytes(), 16u << 20);
 }
 
+// The admin calls (drain, quota, verify, compact) are taken only from root
+// or kvdepotd's own user on its host (admin_peers: local, the default): a
+// local user could drain the daemon. Other calls stay every client's; with
+// admin_peers: any the admin calls are too.
+TEST(LifecycleTest, AdminCallsAreTakenOnlyFromRootOrTheDaemonsUser) {
+  if (geteuid() != 0) GTEST_SKIP() << "needs root to run a command as nobody";
+  const std::string dir = MakeTempDir("admin");
+  auto as_nobody = [](const DaemonProcess& d, const std::string& args) {
+    testing::CommandResult r = testing::RunCommand(absl::StrCat(
+        "setpriv --reuid 65534 --regid 65534 --clear-groups ",
+        testing::CtlBinary(), " --server ", d.address(), " ", args));
+    r.out += r.err;  // what it says, wherever
+    return r;
+  };
+  if (testing::RunCommand("setpriv --reuid 65534 --regid 65534 --clear-groups "
+                          "true")
+          .exit_code != 0) {
+    GTEST_SKIP() << "setpriv cannot run a command as nobody here";
+  }
+  {
+    auto d = DaemonProcess::Start({"--dram-capacity", "64MiB"}, dir + "/local");
+    ASSERT_OK(d);
+    for (const char* admin :
+         {"drain", "quota set --ns q 1MiB", "verify", "compact"}) {
+      testing::CommandResult r = as_nobody(**d, admin);
+      EXPECT_EQ(r.exit_code, 1) << admin << ": " << r.out;
+      EXPECT_NE(r.out.find("PERMISSION_DENIED"), std::string::npos)
+          << admin << ": " << r.out;
+      EXPECT_NE(r.out.find("uid 65534"), std::string::npos) << r.out;
+    }
+    auto stats = Connect((*d)->address())->Stats();
+    ASSERT_OK(stats);
+    EXPECT_FALSE(stats->draining());
+    // Not admin: nobody's health check and stats are answered.
+    EXPECT_EQ(as_nobody(**d, "health").exit_code, 0);
+    EXPECT_EQ(as_nobody(**d, "stats").exit_code, 0);
+    // The daemon's own user (root here) may.
+    testing::CommandResult mine = testing::RunCtl((*d)->address(), "drain");
+    EXPECT_EQ(mine.exit_code, 0) << mine.err;
+    EXPECT_TRUE(Connect((*d)->address())->Stats()->draining());
+  }
+  std::ofstream(dir + "/any.yaml") << "admin_peers: any\n";
+  auto d = DaemonProcess::Start(
+      {"--dram-capacity", "64MiB", "--config", dir + "/any.yaml"},
+      dir + "/any");
+  ASSERT_OK(d);
+  testing::CommandResult r = as_nobody(**d, "drain");
+  EXPECT_EQ(r.exit_code, 0) << r.out;
+  EXPECT_TRUE(Connect((*d)->address())->Stats()->draining());
+}
+
 // The daemon takes a batch of max_batch_keys blocks with the longest keys
 // and parents: gRPC's message limit follows the setting, so a batch the
 // config allows is never refused as RESOURCE_EXHAUSTED ("no room") for its

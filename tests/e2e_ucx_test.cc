@@ -1345,6 +1345,57 @@ TEST_P(UcxE2eTest, RestartedDaemonGivesMissesThenTheClientReconnects) {
   EXPECT_EQ(std::count(dst.begin(), dst.end(), 'r'), static_cast<long>(kBlock));
 }
 
+// A warm restart under a client that holds a session: the daemon answers
+// its next get "unknown session" (NOT_FOUND for the whole request), which
+// is no statement about the key. The block stays stored, so the get must
+// not say "not stored" (a per-block NOT_FOUND, which GetInto and the
+// connectors take for a miss of that key): it says the session went.
+TEST_P(UcxE2eTest, AGetAfterAWarmRestartIsNoFalseNotStored) {
+  // Requests as gRPC calls: a UCX request link to the daemon that went
+  // would tell the client its session went too.
+  client_ = NewClient(/*ucx_requests=*/false);
+  ASSERT_NE(client_, nullptr);
+  std::vector<char> buf(2 * kBlock, 'w');
+  ASSERT_OK(client_->RegisterBuffer(buf.data(), buf.size()));
+  BlockToPut block{"w0", "", absl::string_view(buf.data(), kBlock)};
+  absl::string_view key = "w0";
+  absl::Span<char> dst(buf.data() + kBlock, kBlock);
+  TransferOp put = client_->PutFromAsync("warm", {&block, 1});
+  put.Wait();
+  ASSERT_OK(put.statuses()[0]);
+
+  const std::string address = daemon_->address();
+  const std::string dir = daemon_->data_dir();
+  ASSERT_EQ(daemon_->Stop(SIGTERM).value_or(-1), 0);  // kept on NVMe
+  daemon_.reset();
+  absl::StatusOr<std::unique_ptr<DaemonProcess>> d =
+      DaemonProcess::Start({"--dram-capacity", "256MiB"}, dir, address);
+  ASSERT_OK(d.status());
+  daemon_ = *std::move(d);
+  // The channel reconnected (a call without a session), the session not.
+  absl::Status health;
+  for (absl::Time end = absl::Now() + absl::Seconds(30); absl::Now() < end;
+       absl::SleepFor(absl::Milliseconds(100))) {
+    if ((health = client_->Health()).ok()) break;
+  }
+  ASSERT_OK(health);
+  std::fill(dst.begin(), dst.end(), 0);
+  TransferOp first = client_->GetIntoAsync("warm", {&key, 1}, {&dst, 1});
+  first.Wait();
+  const absl::Status st = first.statuses()[0];
+  EXPECT_FALSE(absl::IsNotFound(st)) << st;
+  // And the next get opens a session and reads it.
+  bool read = st.ok();
+  for (absl::Time end = absl::Now() + absl::Seconds(30);
+       !read && absl::Now() < end; absl::SleepFor(absl::Milliseconds(100))) {
+    TransferOp g = client_->GetIntoAsync("warm", {&key, 1}, {&dst, 1});
+    g.Wait();
+    read = g.statuses()[0].ok();
+  }
+  EXPECT_TRUE(read);
+  EXPECT_EQ(std::count(dst.begin(), dst.end(), 'w'), static_cast<long>(kBlock));
+}
+
 // One put and one get of a block in `buf` (2 blocks: source, destination)
 // through `client`; every byte checked.
 // Puts the block at the start of `buf` under `key`, gets it into the block
@@ -1637,7 +1688,8 @@ TEST_P(UcxE2eTest, ARequestForASessionTheDaemonClosedIsAMissThenTheClientRecover
   absl::Span<char> dst(buf.data() + kBlock, kBlock);
   TransferOp miss = client_->GetIntoAsync("req", {&key, 1}, {&dst, 1});
   ASSERT_TRUE(miss.WaitUntil(absl::Now() + absl::Seconds(30)));
-  EXPECT_THAT(miss.statuses()[0], StatusIs(absl::StatusCode::kNotFound));
+  // Not NOT_FOUND, which says the key is not stored: the session went.
+  EXPECT_THAT(miss.statuses()[0], StatusIs(absl::StatusCode::kUnavailable));
   // The client dropped the session; the next call opens a new one.
   std::fill(dst.begin(), dst.end(), 0);
   TransferOp get = client_->GetIntoAsync("req", {&key, 1}, {&dst, 1});
