@@ -14,7 +14,10 @@ namespace kvdepot {
 // Call first thing in main, before any library prints. Afterwards
 // std::cout and Results() write to the results (print with
 // std::fprintf(Results(), ...), not printf); /dev/stdout is stderr. Where
-// a descriptor cannot be had, everything stays on stdout as before.
+// a descriptor cannot be had, everything stays on stdout as before. First
+// opens /dev/null onto any of fds 0, 1 and 2 that is closed: a closed
+// stderr's messages are dropped, never sent to stdout, and results
+// written to a closed stdout still fail.
 void SeparateResults();
 
 // Where results go: the process's stdout as it was when SeparateResults

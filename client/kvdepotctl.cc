@@ -8,8 +8,12 @@
 // and README.md). Keys are given in hex. This output and these exit codes are a
 // contract scripts rely on:
 //   0 ok, 1 error (message on stderr; also when stdout cannot be written),
-//   2 usage error (also an input file that cannot be opened or read),
+//   2 usage error (also an input file that cannot be opened or read, or
+//     is over 2 GiB; an --out file that cannot be created, or that this
+//     user may not write),
 //   3 not found.
+#include <fcntl.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <CLI/CLI.hpp>
@@ -57,6 +61,9 @@ struct CommandError {
 // --timeout's range, in seconds: positive and small enough that a deadline
 // this far ahead is representable.
 constexpr double kMinTimeoutS = 0.001, kMaxTimeoutS = 1e6;
+// The largest block put --file takes: kvdepotd's max_block_size is at
+// most 2 GiB (server/config.cc), so a larger file is refused unread.
+constexpr uint64_t kMaxBlockFileBytes = uint64_t{1} << 31;
 // verify and compact scan the whole NVMe tier: without an explicit
 // --timeout their deadline is this long.
 constexpr absl::Duration kLongRpcTimeout = absl::Hours(24);
@@ -78,46 +85,151 @@ std::string HexToBytes(const std::string& hex, const char* what) {
   return bytes;
 }
 
+// How many symbolic links a path may go through (the kernel's ELOOP limit).
+constexpr int kMaxLinkHops = 40;
+
+// The paths a chain of symbolic links starting at `path` goes through:
+// `path` first, then each link's target (a relative one read from the
+// link's directory); the last is no link (or not there, or unreadable).
+// A /proc/PID/fd/N link to a pipe or socket ends at a path that is not
+// there ("pipe:[...]").
+std::vector<std::string> LinkChain(const std::string& path) {
+  namespace fs = std::filesystem;
+  std::vector<std::string> chain{path};
+  for (int hops = 0; hops < kMaxLinkHops; ++hops) {
+    struct stat st;
+    if (lstat(chain.back().c_str(), &st) != 0 || !S_ISLNK(st.st_mode)) break;
+    std::error_code ec;
+    const fs::path target = fs::read_symlink(chain.back(), ec);
+    if (ec) break;
+    // An absolute target replaces the directory.
+    chain.push_back((fs::path(chain.back()).parent_path() / target).string());
+  }
+  return chain;
+}
+
+// What a chain of links (LinkChain) says of descriptors: whether it goes
+// through a /proc/PID/fd/N link (as /dev/fd/N, /dev/stdout and
+// /proc/self/fd/N do), and whether one of them is this process's fd 1.
+struct DescriptorNamed {
+  bool any = false;
+  bool own_stdout = false;
+};
+DescriptorNamed NamedDescriptor(const std::vector<std::string>& chain) {
+  namespace fs = std::filesystem;
+  const fs::path own = absl::StrCat("/proc/", getpid());
+  DescriptorNamed named;
+  for (const std::string& p : chain) {
+    const fs::path path(p);
+    const std::string n = path.filename().string();
+    if (n.empty() || !std::all_of(n.begin(), n.end(), [](char c) {
+          return absl::ascii_isdigit(static_cast<unsigned char>(c));
+        })) {
+      continue;
+    }
+    std::error_code ec;
+    const fs::path dir =
+        fs::canonical(path.has_parent_path() ? path.parent_path() : ".", ec);
+    if (ec || dir.filename() != "fd" || dir.string().rfind("/proc/", 0) != 0) {
+      continue;
+    }
+    named.any = true;
+    // /proc/PID/fd, or a thread's /proc/PID/task/TID/fd.
+    if (n == "1" && (dir.parent_path() == own ||
+                     dir.parent_path().parent_path() == own / "task")) {
+      named.own_stdout = true;
+    }
+  }
+  return named;
+}
+
+// True when `path` is the file the results go to (stdout as it was before
+// SeparateResults): the same device and inode.
+bool IsResultsFile(const std::string& path) {
+  struct stat named, results;
+  return stat(path.c_str(), &named) == 0 &&
+         fstat(fileno(Results()), &results) == 0 &&
+         named.st_dev == results.st_dev && named.st_ino == results.st_ino;
+}
+
 // Writes a got block to the file `out`. A regular file (new or not) is
 // written whole or not at all: into a temporary file beside it, renamed
 // over it once closed, so that a failed write (a full disk, a file size
 // limit) leaves neither a truncated block that looks whole nor the old
-// contents lost. Anything else that exists (a device, a FIFO,
-// /dev/stdout) is written in place. A path that cannot be opened is the
-// caller's to fix (UsageError: 2, as put's --file); a write that fails once
-// open is an error (1).
+// contents lost. A symbolic link stays one: the file it ends at is
+// written so (created when the link dangles). An existing file this user
+// may not write is not replaced (though its directory would allow it).
+// Anything else that exists (a device, a FIFO) and a file named by its
+// descriptor (/dev/fd/3, /dev/stderr: the file that descriptor has open,
+// which a rename would not reach) is written in place, as a shell's `>`
+// does. A path that cannot be opened or created is the caller's to fix
+// (UsageError: 2, as put's --file); a write that fails once open is an
+// error (1).
 absl::Status WriteOut(const std::string& out, const std::string& bytes) {
-  namespace fs = std::filesystem;
-  std::error_code ec;
-  const fs::file_status existing = fs::status(out, ec);
-  const bool in_place =
-      !ec && fs::exists(existing) && !fs::is_regular_file(existing);
-  const std::string path =
-      in_place ? out : absl::StrCat(out, ".kvdepotctl-", getpid(), ".tmp");
-  auto cannot = [&](const char* what, int err) {
-    return absl::StrCat(what, " ", out, ": ",
-                        err != 0 ? std::strerror(err) : "unknown error");
-  };
-  errno = 0;
-  std::ofstream o(path, std::ios::binary | std::ios::trunc);
-  if (!o.is_open())
-    throw UsageError{absl::StrCat("--out: ", cannot("cannot open", errno))};
-  errno = 0;
-  o.write(bytes.data(), static_cast<std::streamsize>(bytes.size()));
-  o.close();
-  int err = errno;
-  if (o && !in_place) {
-    // The old file's permissions, not the umask's, for a file replaced.
-    if (fs::is_regular_file(existing))
-      fs::permissions(path, existing.permissions(), ec);
-    errno = 0;
-    if (std::rename(path.c_str(), out.c_str()) == 0) return absl::OkStatus();
-    err = errno;
-  } else if (o) {
-    return absl::OkStatus();
+  const std::vector<std::string> chain = LinkChain(out);
+  const std::string& target = chain.back();
+  struct stat existing;
+  const bool exists = stat(out.c_str(), &existing) == 0;
+  if (!exists && errno != ENOENT) {
+    throw UsageError{
+        absl::StrCat("--out: cannot open ", out, ": ", std::strerror(errno))};
   }
-  if (!in_place) fs::remove(path, ec);
-  return absl::InternalError(cannot("cannot write", err));
+  const bool in_place =
+      exists && (!S_ISREG(existing.st_mode) || NamedDescriptor(chain).any);
+  if (exists && !in_place && access(target.c_str(), W_OK) != 0) {
+    throw UsageError{absl::StrCat("--out: cannot write ", out, ": ",
+                                  std::strerror(errno),
+                                  " (a file not writable is not replaced)")};
+  }
+  const std::string path =
+      in_place ? out : absl::StrCat(target, ".kvdepotctl-", getpid(), ".tmp");
+  int fd;
+  if (in_place) {
+    fd = open(path.c_str(), O_WRONLY | O_TRUNC | O_CLOEXEC);
+  } else {
+    // O_EXCL: never through a link or file someone put at the name. One
+    // left by a kvdepotctl that died with this pid is ours to replace.
+    const int flags = O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC;
+    fd = open(path.c_str(), flags, 0666);
+    if (fd < 0 && errno == EEXIST && unlink(path.c_str()) == 0) {
+      fd = open(path.c_str(), flags, 0666);
+    }
+  }
+  if (fd < 0) {
+    const int err = errno;
+    if (!in_place && (err == EACCES || err == EPERM || err == EROFS)) {
+      std::string dir = std::filesystem::path(target).parent_path().string();
+      throw UsageError{absl::StrCat(
+          "--out: cannot create a file in the directory ",
+          dir.empty() ? "." : dir, ": ", std::strerror(err), " (", out,
+          " is written to a temporary file there, then renamed over it)")};
+    }
+    throw UsageError{
+        absl::StrCat("--out: cannot open ", out, ": ", std::strerror(err))};
+  }
+  int err = 0;
+  for (size_t done = 0; done < bytes.size();) {
+    const ssize_t n = write(fd, bytes.data() + done, bytes.size() - done);
+    if (n < 0) {
+      if (errno == EINTR) continue;
+      err = errno;
+      break;
+    }
+    done += static_cast<size_t>(n);
+  }
+  // The old file's permissions, not the umask's, for a file replaced.
+  if (err == 0 && !in_place && exists &&
+      fchmod(fd, existing.st_mode & 07777) != 0) {
+    err = errno;
+  }
+  if (close(fd) != 0 && err == 0) err = errno;
+  if (err == 0 && !in_place && std::rename(path.c_str(), target.c_str()) != 0) {
+    err = errno;
+  }
+  if (err == 0) return absl::OkStatus();
+  if (!in_place) unlink(path.c_str());
+  return absl::InternalError(
+      absl::StrCat("cannot write ", out, ": ", std::strerror(err)));
 }
 
 const char* TierJson(v1::Tier t) {
@@ -214,13 +326,18 @@ struct Ctl {
   }
 
   // For put and get with --transport ucx: true when `client` has a UCX
-  // session and `bytes` is registered; otherwise warns (once) that the
-  // command falls back to grpc. An error when the daemon did not answer
-  // the session's opening (NotAnswering).
+  // session and `bytes` is registered; otherwise, where UCX is what failed
+  // (it could not start, the daemon has no data plane or no endpoint to
+  // this client: data_plane_status(); the buffer's registration), warns
+  // (once) that the command falls back to grpc. A session that could not
+  // be opened at all (the daemon down, stopping, not answering) is the
+  // command's error: gRPC would fail the same way, and a warning about
+  // UCX would mislead. Except at the daemon's session limit
+  // (ResourceExhausted): the gRPC path needs no session.
   absl::StatusOr<bool> UseUcx(Client& client, absl::Span<char> bytes) {
     if (transport != "ucx" || bytes.empty()) return false;
     absl::Status st = client.EnsureSession().status();
-    if (NotAnswering(st)) return st;
+    if (!st.ok() && !absl::IsResourceExhausted(st)) return st;
     if (st.ok()) st = client.data_plane_status();
     if (st.ok()) st = client.RegisterBuffer(bytes.data(), bytes.size());
     if (NotAnswering(st)) return st;
@@ -244,10 +361,26 @@ struct Ctl {
     std::string p = parent.empty() ? "" : HexToBytes(parent, "--parent");
     // A file that cannot be read is a wrong argument and reaches no daemon:
     // a usage error (not "not found", which is about blocks). A directory
-    // opens, but its read fails: it once went out as an empty block.
-    std::error_code ec;
-    if (std::filesystem::is_directory(file, ec)) {
+    // opens, but its read fails: it once went out as an empty block. A
+    // file over the largest block any daemon takes is refused by its size
+    // before it is read (it was read whole first, however large).
+    struct stat st;
+    if (stat(file.c_str(), &st) != 0) {
+      throw UsageError{absl::StrCat("--file: cannot open ", file, ": ",
+                                    std::strerror(errno))};
+    }
+    if (S_ISDIR(st.st_mode)) {
       throw UsageError{absl::StrCat("--file: cannot read ", file, ": is a directory")};
+    }
+    auto too_large = [&](const std::string& size) {
+      return UsageError{absl::StrCat("--file: ", file, " is ", size,
+                                     "; a block is at most ",
+                                     FormatSize(kMaxBlockFileBytes),
+                                     " (kvdepotd's largest max_block_size)")};
+    };
+    if (S_ISREG(st.st_mode) &&
+        static_cast<uint64_t>(st.st_size) > kMaxBlockFileBytes) {
+      throw too_large(FormatSize(static_cast<uint64_t>(st.st_size)));
     }
     std::ifstream in(file, std::ios::binary);
     if (!in) {
@@ -255,10 +388,15 @@ struct Ctl {
     }
     // istream::read turns a read error into badbit (`buf << in.rdbuf()`
     // left it on the other stream, where an empty file looks the same).
+    // Bounded too for what stat cannot size (a pipe) or a growing file.
     std::string bytes;
     char chunk[1 << 16];
     while (in.read(chunk, sizeof chunk) || in.gcount() > 0) {
       bytes.append(chunk, static_cast<size_t>(in.gcount()));
+      if (bytes.size() > kMaxBlockFileBytes) {
+        throw too_large(
+            absl::StrCat("more than ", FormatSize(kMaxBlockFileBytes)));
+      }
     }
     if (in.bad()) {
       throw UsageError{absl::StrCat("--file: cannot read ", file)};
@@ -343,8 +481,11 @@ struct Ctl {
       return Fail(r.status());
     }
     const Block& b = (*r)[0];
-    // /dev/stdout is fd 1, which SeparateResults gave to stderr.
-    if (out == "-" || out == "/dev/stdout") {
+    // /dev/stdout, /dev/fd/1 and the like name fd 1, which SeparateResults
+    // gave to stderr; a path to the results' own file (their pipe, tty or
+    // file) is written through them too, in order with them.
+    if (out == "-" || NamedDescriptor(LinkChain(out)).own_stdout ||
+        IsResultsFile(out)) {
       // Main's FinishOutput flushes and checks stdout.
       std::cout.write(b.bytes.data(), static_cast<std::streamsize>(b.bytes.size()));
       return kOk;

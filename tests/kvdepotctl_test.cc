@@ -1,7 +1,10 @@
 // The kvdepotctl contract (output and exit codes) against a real kvdepotd.
 #include <gtest/gtest.h>
 #include <signal.h>
+#include <sys/stat.h>
+#include <unistd.h>
 
+#include <cstdint>
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
@@ -27,6 +30,14 @@ using testing::DaemonProcess;
 using testing::MakeTempDir;
 using testing::RunCommand;
 using testing::RunCtl;
+
+// A prefix for a command line that runs it as a user who is not root
+// (root may write any file): nobody, through setpriv, when the test runs
+// as root.
+std::string AsUnprivileged() {
+  return geteuid() == 0 ? "setpriv --reuid=65534 --regid=65534 --clear-groups "
+                        : "";
+}
 
 class KvdepotctlTest : public ::testing::Test {
  protected:
@@ -479,6 +490,132 @@ TEST_F(KvdepotctlTest, AGetThatCannotWriteItsFileLeavesItAsItWas) {
   EXPECT_TRUE(Slurp(out) == Slurp(block));
 }
 
+// A get into a symbolic link writes the file the link ends at (replaced
+// whole, as any regular file; made when the link dangles) and leaves the
+// link one. Bug: the temporary file was renamed over the link, which
+// became a regular file, and its target kept the old contents.
+TEST_F(KvdepotctlTest, GetThroughASymlinkWritesItsTargetAndKeepsTheLink) {
+  const std::string block = File("block", std::string(100000, 'l') + "end");
+  ASSERT_EQ(Ctl("put --ns demo --key 0c --file " + block).exit_code, 0);
+  const std::string target = File("target", "old");
+  const std::string link = dir_ + "/link";
+  ASSERT_EQ(symlink("target", link.c_str()), 0);  // relative to its dir
+  CommandResult r = Ctl("get --ns demo --key 0c --out " + link);
+  EXPECT_EQ(r.exit_code, 0) << r.err;
+  EXPECT_TRUE(std::filesystem::is_symlink(link));
+  std::error_code ec;
+  EXPECT_EQ(std::filesystem::read_symlink(link, ec), "target") << ec.message();
+  EXPECT_TRUE(Slurp(target) == Slurp(block)) << Slurp(target).size();
+  const std::string dangling = dir_ + "/dangling";
+  ASSERT_EQ(symlink((dir_ + "/made").c_str(), dangling.c_str()), 0);
+  r = Ctl("get --ns demo --key 0c --out " + dangling);
+  EXPECT_EQ(r.exit_code, 0) << r.err;
+  EXPECT_TRUE(std::filesystem::is_symlink(dangling));
+  EXPECT_TRUE(Slurp(dir_ + "/made") == Slurp(block));
+  for (const auto& entry : std::filesystem::directory_iterator(dir_)) {
+    EXPECT_EQ(entry.path().string().find(".tmp"), std::string::npos)
+        << entry.path();
+  }
+}
+
+// A file the user may not write is not replaced, though its directory
+// would allow it (a read-only file was silently replaced): 2, naming it.
+// Where the temporary file cannot be made, the message is about the
+// directory, not the file (which may well be writable).
+TEST_F(KvdepotctlTest, GetReplacesNoFileItMayNotWrite) {
+  namespace fs = std::filesystem;
+  if (testing::RunCommand(AsUnprivileged() + "true").exit_code != 0) {
+    GTEST_SKIP() << "root, and no setpriv to run as nobody";
+  }
+  ASSERT_EQ(Ctl("put --ns demo --key 0c --file " + File("b", "new")).exit_code,
+            0);
+  auto get_as_unprivileged = [&](const std::string& out) {
+    return testing::RunCommand(absl::StrCat(
+        AsUnprivileged(), CtlBinary(), " --server ", daemon_->address(),
+        " --transport grpc get --ns demo --key 0c --out ", out));
+  };
+  const std::string open_dir = dir_ + "/open";
+  ASSERT_TRUE(fs::create_directory(open_dir));
+  fs::permissions(open_dir, fs::perms::all);  // anyone may replace its files
+  const std::string read_only = open_dir + "/ro";
+  std::ofstream(read_only) << "keep";
+  fs::permissions(read_only, fs::perms::owner_read | fs::perms::group_read |
+                                 fs::perms::others_read);
+  CommandResult r = get_as_unprivileged(read_only);
+  EXPECT_EQ(r.exit_code, 2) << r.err;
+  EXPECT_NE(r.err.find("cannot write " + read_only + ": Permission denied"),
+            std::string::npos)
+      << r.err;
+  EXPECT_EQ(Slurp(read_only), "keep");
+
+  const std::string closed_dir = dir_ + "/closed";
+  ASSERT_TRUE(fs::create_directory(closed_dir));
+  const std::string writable = closed_dir + "/w";
+  std::ofstream(writable) << "keep";
+  fs::permissions(writable, fs::perms::owner_read | fs::perms::owner_write |
+                                fs::perms::group_read | fs::perms::group_write |
+                                fs::perms::others_read |
+                                fs::perms::others_write);
+  fs::permissions(closed_dir,
+                  fs::perms::owner_read | fs::perms::owner_exec |
+                      fs::perms::group_read | fs::perms::group_exec |
+                      fs::perms::others_read | fs::perms::others_exec);  // 0555
+  r = get_as_unprivileged(writable);
+  fs::permissions(closed_dir, fs::perms::owner_all);  // for its removal
+  EXPECT_EQ(r.exit_code, 2) << r.err;
+  EXPECT_NE(r.err.find("cannot create a file in the directory " + closed_dir),
+            std::string::npos)
+      << r.err;
+  EXPECT_EQ(Slurp(writable), "keep");
+}
+
+// Every name of stdout writes the block to stdout: /dev/fd/1 and
+// /proc/self/fd/1 as /dev/stdout and - do, whether stdout is a file or a
+// pipe. Bug: SeparateResults had pointed fd 1 at stderr, and only "-" and
+// "/dev/stdout" were taken for stdout: the block went to stderr (exit 0),
+// or the get failed. Another descriptor on the results' own file (fd 3
+// here, a dup of stdout) is written as stdout is, in order with the rest.
+TEST_F(KvdepotctlTest, GetIntoAnyNameOfStdoutWritesStdout) {
+  const std::string block = File("block", std::string(70000, 's') + "end");
+  ASSERT_EQ(Ctl("put --ns demo --key 0d --file " + block).exit_code, 0);
+  for (const char* out : {"/dev/fd/1", "/proc/self/fd/1", "/dev/stdout", "-"}) {
+    CommandResult r = Ctl(absl::StrCat("get --ns demo --key 0d --out ", out));
+    EXPECT_EQ(r.exit_code, 0) << out << ": " << r.err;
+    EXPECT_TRUE(r.out == Slurp(block)) << out << ": " << r.out.size();
+    EXPECT_LT(r.err.size(), 1000u) << out;
+    r = testing::RunCommand(
+        absl::StrCat("sh -c '", CtlBinary(), " --server ", daemon_->address(),
+                     " get --ns demo --key 0d --out ", out, " | cat'"));
+    EXPECT_EQ(r.exit_code, 0) << out << ": " << r.err;
+    EXPECT_TRUE(r.out == Slurp(block)) << out << " to a pipe: " << r.out.size();
+  }
+  CommandResult r = testing::RunCommand(absl::StrCat(
+      "sh -c '", CtlBinary(), " --server ", daemon_->address(),
+      " --json get --ns demo --key 0d --out /dev/fd/3 3>&1 | cat'"));
+  EXPECT_EQ(r.exit_code, 0) << r.err;
+  EXPECT_TRUE(r.out == Slurp(block)) << r.out.size();
+}
+
+// A regular file named by a descriptor (/dev/fd/3, opened by the shell)
+// is written in place, as `>` would: into the file that descriptor has
+// open. A temporary file renamed over the path the link shows would
+// leave the descriptor on the old file.
+TEST_F(KvdepotctlTest, GetIntoADescriptorWritesItsFileInPlace) {
+  const std::string block = File("block", std::string(50000, 'd') + "end");
+  ASSERT_EQ(Ctl("put --ns demo --key 0e --file " + block).exit_code, 0);
+  const std::string file = File("by-fd", "old contents, longer than none");
+  struct stat before;
+  ASSERT_EQ(stat(file.c_str(), &before), 0);
+  CommandResult r = testing::RunCommand(
+      absl::StrCat("sh -c '", CtlBinary(), " --server ", daemon_->address(),
+                   " get --ns demo --key 0e --out /dev/fd/3 3<>", file, "'"));
+  EXPECT_EQ(r.exit_code, 0) << r.err;
+  struct stat after;
+  ASSERT_EQ(stat(file.c_str(), &after), 0);
+  EXPECT_EQ(after.st_ino, before.st_ino);
+  EXPECT_TRUE(Slurp(file) == Slurp(block)) << Slurp(file).size();
+}
+
 // UCX prints its warnings and errors to stdout unless UCX_LOG_FILE says
 // otherwise (here: the warning about a UCX_ variable it does not know).
 // kvdepotctl gives fd 1 to stderr and keeps the real stdout for results,
@@ -504,6 +641,43 @@ TEST_F(KvdepotctlTest, LibraryOutputNeverMixesWithResults) {
     EXPECT_EQ(r.exit_code, 0) << r.err;
     EXPECT_TRUE(r.out == Slurp(block))
         << out << ": " << r.out.size() << " bytes";
+  }
+}
+
+// With stderr closed, kvdepotctl's messages are dropped, never sent to
+// stdout, which carries only results. Bug: the results' dup of stdout
+// took the free fd 2, so std::cerr wrote to stdout. A closed stdout is
+// still an error to write results to.
+TEST_F(KvdepotctlTest, AClosedStderrSendsNoMessageToStdout) {
+  CommandResult r = testing::RunCommand(
+      absl::StrCat("sh -c 'exec ", CtlBinary(),
+                   " --server 127.0.0.1:1 --timeout 5 health 2>&-'"));
+  EXPECT_EQ(r.exit_code, 1);
+  EXPECT_EQ(r.out, "");
+  r = testing::RunCommand(absl::StrCat("sh -c 'exec ", CtlBinary(),
+                                       " --server ", daemon_->address(),
+                                       " health 2>&-'"));
+  EXPECT_EQ(r.exit_code, 0);
+  EXPECT_EQ(r.out, "SERVING\n");
+  // Results that cannot be written to a closed stdout are still an error.
+  r = testing::RunCommand(absl::StrCat("sh -c 'exec ", CtlBinary(),
+                                       " --server ", daemon_->address(),
+                                       " health >&-'"));
+  EXPECT_EQ(r.exit_code, 1);
+  EXPECT_NE(r.err.find("cannot write to stdout"), std::string::npos) << r.err;
+}
+
+// A daemon that cannot be reached fails put and get with its error (1):
+// no warning that they fall back to grpc, which blamed UCX for it.
+TEST_F(KvdepotctlTest, AnUnreachableDaemonIsNoReasonToFallBackToGrpc) {
+  const std::string data = File("f", "bytes");
+  for (const std::string& args :
+       {"put --ns demo --key 01 --file " + data,
+        "get --ns demo --key 01 --out " + dir_ + "/o"}) {
+    CommandResult r = RunCtl("127.0.0.1:1", "--timeout 5 " + args);
+    EXPECT_EQ(r.exit_code, 1) << args << ": " << r.err;
+    EXPECT_EQ(r.err.find("falling back"), std::string::npos) << r.err;
+    EXPECT_NE(r.err.find("UNAVAILABLE"), std::string::npos) << r.err;
   }
 }
 
@@ -549,6 +723,25 @@ TEST_F(KvdepotctlTest, PutOfADirectoryIsAUsageError) {
   EXPECT_NE(r.err.find(absl::StrCat("cannot read ", dir_)), std::string::npos) << r.err;
   // Nothing was stored.
   EXPECT_EQ(Ctl(absl::StrCat("get --ns demo --key 01 --out ", dir_, "/o")).exit_code, 3);
+}
+
+// A file larger than any block a daemon takes (2 GiB) is refused by its
+// size, unread: here a sparse 3 GiB file, under an address-space limit
+// that reading it would pass. Bug: it was read whole first.
+TEST_F(KvdepotctlTest, PutRefusesAFileOverTheLargestBlockUnread) {
+  const std::string huge = dir_ + "/huge";
+  std::ofstream(huge).close();
+  std::filesystem::resize_file(huge, uint64_t{3} << 30);
+  CommandResult r = testing::RunCommand(absl::StrCat(
+      "sh -c 'ulimit -v 1048576; exec ", CtlBinary(), " --server ",
+      daemon_->address(), " put --ns demo --key 01 --file ", huge, "'"));
+  EXPECT_EQ(r.exit_code, 2) << r.err;
+  EXPECT_NE(r.err.find(huge + " is 3GiB; a block is at most 2GiB"),
+            std::string::npos)
+      << r.err;
+  EXPECT_EQ(
+      Ctl(absl::StrCat("get --ns demo --key 01 --out ", dir_, "/o")).exit_code,
+      3);
 }
 
 TEST_F(KvdepotctlTest, AnEmptyServerAddressIsAUsageError) {
