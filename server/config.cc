@@ -223,6 +223,8 @@ absl::Status ApplyConfig(const YAML::Node& root, const std::string& path, Daemon
       {"max_pinned_blocks", uint_into(&c->store.max_pinned_blocks)},
       {"max_pinned_blocks_per_session",
        uint_into(&c->store.max_pinned_blocks_per_session)},
+      {"max_pins", uint_into(&c->store.max_pins)},
+      {"max_pins_per_session", uint_into(&c->store.max_pins_per_session)},
       {"grpc_max_threads", uint_into(&c->grpc_max_threads)},
       {"grpc_max_streams_per_connection",
        uint_into(&c->grpc_max_streams_per_connection)},
@@ -423,6 +425,11 @@ absl::Status ValidateConfig(const DaemonConfig& c) {
         "max_pinned_blocks (", s.max_pinned_blocks,
         ") must be at least max_pinned_blocks_per_session (",
         s.max_pinned_blocks_per_session, ")"));
+  }
+  if (s.max_pins_per_session == 0 || s.max_pins < s.max_pins_per_session) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "max_pins_per_session must be at least 1 and max_pins (", s.max_pins,
+        ") at least max_pins_per_session (", s.max_pins_per_session, ")"));
   }
   if (s.max_block_bytes == 0 || s.max_block_bytes > (uint64_t{1} << 31)) {
     return absl::InvalidArgumentError("max_block_size must be 1B..2GiB");

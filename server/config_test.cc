@@ -318,6 +318,12 @@ TEST_F(ConfigFileTest, SessionNamespaceAndPinLimitsAreReadAndChecked) {
   EXPECT_EQ(c.store.max_pinned_blocks, 1000000u);
   EXPECT_EQ(c.store.max_pinned_blocks_per_session, 4096u);
   EXPECT_OK(ValidateConfig(c));
+  DaemonConfig pins;
+  ASSERT_OK(LoadConfigFile(Write("max_pins: 5000\nmax_pins_per_session: 50\n"),
+                           &pins));
+  EXPECT_EQ(pins.store.max_pins, 5000u);
+  EXPECT_EQ(pins.store.max_pins_per_session, 50u);
+  EXPECT_OK(ValidateConfig(pins));
 
   auto invalid = [&](const std::string& text, const char* says) {
     DaemonConfig bad;
@@ -327,6 +333,8 @@ TEST_F(ConfigFileTest, SessionNamespaceAndPinLimitsAreReadAndChecked) {
     EXPECT_THAT(std::string(st.message()), HasSubstr(says)) << text;
   };
   invalid("max_sessions: 0\n", "max_sessions");
+  invalid("max_pins_per_session: 0\n", "max_pins_per_session");
+  invalid("max_pins: 10\nmax_pins_per_session: 11\n", "max_pins");
   invalid("max_sessions: 1048577\n", "max_sessions");
   invalid("max_namespaces: 0\n", "max_namespaces");
   invalid("max_namespaces: 65537\n", "max_namespaces");

@@ -1415,6 +1415,11 @@ class TieredStoreImpl final : public TieredStore {
       Session* s = nullptr;
       if (session != kInternalSession) {
         ASSIGN_OR_RETURN(s, LiveSession(session));
+        if (s->pins.size() >= options_.max_pins_per_session) {
+          return absl::ResourceExhaustedError(absl::StrCat(
+              "session ", session, " holds ", s->pins.size(),
+              " pins, the limit (max_pins_per_session); unpin some first"));
+        }
         if (s->pinned_blocks + s->planned_pins + n >
             options_.max_pinned_blocks_per_session) {
           const std::string in_flight =
@@ -1428,8 +1433,14 @@ class TieredStoreImpl final : public TieredStore {
               options_.max_pinned_blocks_per_session, "; unpin some first"));
         }
       }
-      // All sessions' pins together, and in-process callers': each
-      // reference costs heap (and 2^32 of one block would wrap its count).
+      // All sessions' pins together, and in-process callers': each pin and
+      // each reference costs heap (and 2^32 of one block would wrap its
+      // count).
+      if (pins_.size() >= options_.max_pins) {
+        return absl::ResourceExhaustedError(absl::StrCat(
+            "the store holds ", pins_.size(),
+            " pins, the limit for all sessions (max_pins); unpin some first"));
+      }
       if (pins_active_ + planned_pins_ + n > options_.max_pinned_blocks) {
         return absl::ResourceExhaustedError(absl::StrCat(
             "the store holds ", pins_active_, " pinned blocks and pinned lookups of ",

@@ -82,8 +82,17 @@ struct StoreOptions {
   // session and of in-process callers (kInternalSession), handed-over ones
   // included; pinned lookups in flight count as above. A pinned lookup that
   // could pass it fails with ResourceExhausted. Each reference costs about
-  // 9 bytes of heap: the default bounds pins to about 150 MiB.
+  // 9 bytes of heap: the default bounds pins' references to about 150 MiB.
   uint32_t max_pinned_blocks = uint32_t{1} << 24;
+  // Pins (pinned lookups answered and not yet released) one session may
+  // hold, and all sessions and in-process callers together: each pin costs
+  // about 150 bytes of heap beside its references, so pins of one block
+  // each, bounded by max_pinned_blocks alone, could take 16 times what
+  // that limit's comment says. A pinned lookup past either fails with
+  // ResourceExhausted until pins are released (lookups in flight may pass
+  // them by their number). The defaults bound pins to about 150 MiB.
+  uint32_t max_pins_per_session = 16384;
+  uint32_t max_pins = uint32_t{1} << 20;
   // Run a background thread that evicts down to the low watermark.
   bool background_eviction = true;
 
