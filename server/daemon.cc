@@ -5,6 +5,7 @@
 #include <grpcpp/security/server_credentials.h>
 #include <grpcpp/server_builder.h>
 #include <spdlog/spdlog.h>
+#include <sys/statvfs.h>
 
 #include <algorithm>
 #include <exception>
@@ -27,6 +28,18 @@
 namespace kvdepot {
 namespace {
 
+// Whether the file system under `path` (or the nearest directory above it
+// that exists) has no room left: less than 1 MiB free to kvdepotd.
+bool NvmeFileSystemFull(std::string path) {
+  struct statvfs fs;
+  while (statvfs(path.c_str(), &fs) != 0) {
+    const size_t slash = path.find_last_of('/');
+    if (slash == std::string::npos || slash == 0) return false;
+    path.resize(slash);
+  }
+  return static_cast<uint64_t>(fs.f_bavail) * fs.f_frsize < (uint64_t{1} << 20);
+}
+
 // `listen` ("HOST:PORT", validated) with the port it got.
 std::string ListenedOn(const std::string& listen, int port) {
   absl::StatusOr<HostPort> split = SplitHostPort(listen);
@@ -44,6 +57,18 @@ absl::StatusOr<std::unique_ptr<Daemon>> Daemon::Start(
   std::unique_ptr<Daemon> d(new Daemon(config, std::move(logger)));
   RETURN_IF_ERROR(d->Init());
   return d;
+}
+
+StoreStats Daemon::StatsForMetrics() const {
+  StoreStats st = store_->Stats();
+  if (!nvme_unopened_.empty()) {
+    // An NVMe tier configured and not opened (a full file system at start)
+    // takes no writes: so say its gauge and the log's reminders, and
+    // KvdepotNvmeNotWritable (which wants a capacity) fires.
+    st.nvme_write_error = nvme_unopened_;
+    st.nvme.capacity_bytes = nvme_configured_capacity_;
+  }
+  return st;
 }
 
 absl::Status Daemon::Init() {
@@ -72,10 +97,32 @@ absl::Status Daemon::Init() {
       store_options.prefault_dram
           ? transport_internal::MeminfoValue("MemAvailable")
           : std::nullopt));
-  ASSIGN_OR_RETURN(store_, NewTieredStore(store_options, SystemClock()));
+  absl::StatusOr<std::unique_ptr<TieredStore>> store =
+      NewTieredStore(store_options, SystemClock());
+  if (!store.ok() && store_options.nvme_capacity > 0 &&
+      NvmeFileSystemFull(store_options.nvme_path)) {
+    // RocksDB writes a new MANIFEST at every open, which a full file system
+    // refuses: without this the daemon would not start at all (and crash
+    // loop under systemd or Kubernetes) where a full disk should only stop
+    // the NVMe tier. Its blocks stay on disk, untouched, for the next start
+    // with room.
+    log_->error(
+        "NVMe tier not opened: its file system is full ({}); serving from "
+        "DRAM alone until kvdepotd is restarted with room under {} (the "
+        "tier's blocks are kept)",
+        store.status().ToString(), store_options.nvme_path);
+    nvme_unopened_ = absl::StrCat("not opened at start, its file system full (",
+                                  store.status().message(),
+                                  "); restart kvdepotd once there is room");
+    nvme_configured_capacity_ = store_options.nvme_capacity;
+    store_options.nvme_capacity = 0;
+    store = NewTieredStore(store_options, SystemClock());
+  }
+  if (!store.ok()) return store.status();
+  store_ = *std::move(store);
   // The tier gauges exist from the first scrape on, not from the
   // maintenance loop's first pass a second later.
-  metrics_->UpdateFromStats(store_->Stats());
+  metrics_->UpdateFromStats(StatsForMetrics());
 
   if (!config_.metrics_listen.empty()) {
     status_page_ = std::make_unique<StatusPage>(
@@ -256,7 +303,7 @@ void Daemon::MaintenanceLoop() {
       data_plane_->DetachIf(
           [this](SessionId id) { return !store_->HasSession(id); });
     }
-    const StoreStats stats = store_->Stats();
+    const StoreStats stats = StatsForMetrics();
     if (nvme_write_error.ShouldLog(stats.nvme_write_error, absl::Now())) {
       if (stats.nvme_write_error.empty()) {
         log_->info("NVMe tier takes writes again");

@@ -53,6 +53,9 @@ class Daemon {
  private:
   Daemon(const DaemonConfig& config, std::shared_ptr<spdlog::logger> logger);
   absl::Status Init();
+  // The store's stats for the metrics and the maintenance loop's log, with
+  // an NVMe tier not opened at start shown as one that takes no writes.
+  StoreStats StatsForMetrics() const;
   // Keeps the data plane's UCX listeners on the devices where `listen` is,
   // unless `ucx` (or UCX_NET_DEVICES) names them (transport/net_devices.h),
   // and logs which.
@@ -65,6 +68,10 @@ class Daemon {
   std::shared_ptr<prometheus::Registry> registry_;
   std::unique_ptr<ServerMetrics> metrics_;
   std::unique_ptr<TieredStore> store_;
+  // Why the configured NVMe tier was not opened (its file system full at
+  // start: the daemon serves from DRAM alone); empty when it was.
+  std::string nvme_unopened_;
+  uint64_t nvme_configured_capacity_ = 0;
   std::unique_ptr<QuotaFile> quota_file_;  // <data-dir>/quotas
   std::unique_ptr<KvDepotService> service_;
   // After service_ (destroyed before it: its lost-session callback and the
