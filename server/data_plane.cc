@@ -1,5 +1,6 @@
 #include "server/data_plane.h"
 
+#include <sys/resource.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -39,9 +40,29 @@ struct DataPlane::Link {
   uint32_t buffers ABSL_GUARDED_BY(mu) = 0;
 };
 
+namespace {
+
+// DataPlaneOptions::max_links' default.
+size_t LinksTheFileLimitLeaves() {
+  struct rlimit limit;
+  if (getrlimit(RLIMIT_NOFILE, &limit) != 0 ||
+      limit.rlim_cur == RLIM_INFINITY) {
+    return size_t{1} << 20;
+  }
+  const uint64_t files = limit.rlim_cur;
+  return static_cast<size_t>(
+      std::max<uint64_t>(16, files > 1024 ? (files - 1024) / 4 : 0));
+}
+
+}  // namespace
+
 DataPlane::DataPlane(const DataPlaneOptions& options, LostCallback on_lost,
                      std::shared_ptr<spdlog::logger> logger)
-    : options_(options), log_(std::move(logger)), on_lost_(std::move(on_lost)) {}
+    : options_(options),
+      max_links_(options.max_links != 0 ? options.max_links
+                                        : LinksTheFileLimitLeaves()),
+      log_(std::move(logger)),
+      on_lost_(std::move(on_lost)) {}
 
 absl::StatusOr<std::unique_ptr<DataPlane>> DataPlane::Create(
     const DataPlaneOptions& options, DramRegion arena, LostCallback on_lost,
@@ -204,6 +225,13 @@ absl::Status DataPlane::Attach(SessionId session, std::string_view address,
     if (links_.contains(session)) {
       return absl::AlreadyExistsError(
           absl::StrCat("session ", session, " already has a UCX endpoint"));
+    }
+    if (links_.size() >= max_links_) {
+      return absl::UnavailableError(absl::StrCat(
+          links_.size(),
+          " sessions have a UCX endpoint, the most kvdepotd's "
+          "open file limit leaves room for (max_links; raise RLIMIT_NOFILE, "
+          "LimitNOFILE in systemd): this one uses gRPC"));
     }
     worker = workers_[next_worker_++ % workers_.size()].get();
   }

@@ -133,6 +133,13 @@ struct DataPlaneOptions {
   // opening sessions with such a worker again and again would otherwise
   // take every file descriptor, the gRPC port's accepts with them.
   size_t max_endpoints_closing = 1024;
+  // Sessions with a UCX endpoint at once; past it Attach makes none
+  // (Unavailable: the client uses gRPC). Each takes file descriptors (its
+  // endpoint's socket over TCP, its monitor's), and once accept() fails
+  // for want of them, Debian 12's gRPC may never accept on the port again
+  // (README): 0 means what the open file limit leaves, a quarter of
+  // RLIMIT_NOFILE less 1024 for everything else (at least 16).
+  size_t max_links = 0;
   // The executable of the UCX address sandbox (kvdepotd itself; see
   // transport/ucx_address_sandbox.h): Attach has it try a client's worker
   // address, with these UCX settings, before any endpoint here is made to
@@ -430,6 +437,7 @@ class DataPlane {
                  const UcxWorker::MessageSender& sender);
 
   const DataPlaneOptions options_;
+  const size_t max_links_;  // options_.max_links, or derived
   const std::shared_ptr<spdlog::logger> log_;
   // The log lines clients can set off at will.
   LogLimiter log_limit_;

@@ -639,6 +639,28 @@ TEST_F(DataPlaneTest, EndpointsWaitingForStalledClientsAreBounded) {
       plane_->Attach(3, client_worker_->address(), "", std::nullopt).ok());
 }
 
+// Sessions with a UCX endpoint are bounded (max_links, by default from the
+// open file limit): each takes descriptors, and a gRPC port whose accept()
+// met EMFILE may never accept again. Past it a session has no endpoint
+// (Unavailable: the client uses gRPC) until one detaches.
+TEST_F(DataPlaneTest, SessionsWithAnEndpointAreBoundedByTheFileLimit) {
+  DataPlaneOptions options = PlaneOptions();
+  options.max_links = 2;
+  StartPlane(options);
+  ASSERT_TRUE(
+      plane_->Attach(1, client_worker_->address(), "", std::nullopt).ok());
+  ASSERT_TRUE(
+      plane_->Attach(2, client_worker_->address(), "", std::nullopt).ok());
+  absl::Status refused =
+      plane_->Attach(3, client_worker_->address(), "", std::nullopt);
+  EXPECT_EQ(refused.code(), absl::StatusCode::kUnavailable) << refused;
+  EXPECT_TRUE(absl::StrContains(refused.message(), "open file limit"))
+      << refused;
+  plane_->Detach(1);
+  EXPECT_TRUE(
+      plane_->Attach(3, client_worker_->address(), "", std::nullopt).ok());
+}
+
 TEST_F(DataPlaneTest, RequestDataSentEagerlyIsBoundedAndCounted) {
   // Data UCX brings with the message is held here whole (UCX 1.13 does not
   // bound an eager message): past kMaxEagerRequestData it is refused, and
