@@ -217,6 +217,8 @@ absl::Status ApplyConfig(const YAML::Node& root, const std::string& path, Daemon
       {"dram_capacity", size_into(&c->store.dram_capacity)},
       {"grpc_memory_limit", size_into(&c->grpc_memory_limit)},
       {"max_block_size", size_into(&c->store.max_block_bytes)},
+      {"dram_max_blocks", uint_into(&c->store.dram_max_blocks)},
+      {"nvme_max_blocks", uint_into(&c->store.nvme_max_blocks)},
       {"max_batch_keys", uint_into(&c->store.max_batch_keys)},
       {"max_sessions", uint_into(&c->store.max_sessions)},
       {"max_namespaces", uint_into(&c->store.max_namespaces)},
@@ -402,6 +404,27 @@ absl::Status ValidateConfig(const DaemonConfig& c) {
       s.dram_capacity > DramArena::kMaxCapacity) {
     return absl::InvalidArgumentError(absl::StrCat(
         "dram_capacity must be 1MiB to ", FormatSize(DramArena::kMaxCapacity)));
+  }
+  // A block takes at least DramArena::kMinAlloc bytes of either tier: a
+  // larger bound could never be reached (and is likely a size written as a
+  // count). 0 derives it from the capacity (StoreOptions).
+  if (s.dram_max_blocks > s.dram_capacity / DramArena::kMinAlloc) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "dram_max_blocks must be 0 (dram_capacity / 4KiB) or 1..",
+        s.dram_capacity / DramArena::kMinAlloc, " (dram_capacity / 64)"));
+  }
+  if (s.nvme_capacity > 0) {
+    if (s.nvme_max_blocks > s.nvme_capacity / DramArena::kMinAlloc) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "nvme_max_blocks must be 0 (nvme_capacity / 16KiB) or 1..",
+          s.nvme_capacity / DramArena::kMinAlloc, " (nvme_capacity / 64)"));
+    }
+    if (NvmeMaxBlocks(s) == 0) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "nvme_capacity ", FormatSize(s.nvme_capacity),
+          " is under 16KiB, one block of the default nvme_max_blocks: "
+          "give nvme_max_blocks"));
+    }
   }
   if (s.max_batch_keys == 0 || s.max_batch_keys > 65536) {
     return absl::InvalidArgumentError("max_batch_keys must be 1..65536");

@@ -120,6 +120,8 @@ TEST(ConfigFileTest2, ShippedExampleMatchesTheDefaults) {
   EXPECT_EQ(from_file.store.high_watermark, defaults.store.high_watermark);
   EXPECT_EQ(from_file.store.low_watermark, defaults.store.low_watermark);
   EXPECT_EQ(from_file.store.max_block_bytes, defaults.store.max_block_bytes);
+  EXPECT_EQ(from_file.store.dram_max_blocks, defaults.store.dram_max_blocks);
+  EXPECT_EQ(from_file.store.nvme_max_blocks, defaults.store.nvme_max_blocks);
   EXPECT_EQ(from_file.store.max_batch_keys, defaults.store.max_batch_keys);
   EXPECT_EQ(from_file.store.default_lease, defaults.store.default_lease);
   EXPECT_EQ(from_file.store.create_namespaces, defaults.store.create_namespaces);
@@ -350,6 +352,55 @@ TEST_F(ConfigFileTest, SessionNamespaceAndPinLimitsAreReadAndChecked) {
                                  "max_pinned_blocks: 64\n"),
                            &low));
   EXPECT_OK(ValidateConfig(low));
+}
+
+// The tiers' block bounds (the indexes' RAM) are read from the file; 0
+// derives them from the capacities.
+TEST_F(ConfigFileTest, BlockBoundsAreReadAndChecked) {
+  DaemonConfig c;
+  ASSERT_OK(LoadConfigFile(Write("dram_capacity: 64MiB\n"
+                                 "nvme_capacity: 1GiB\n"
+                                 "dram_max_blocks: 1000\n"
+                                 "nvme_max_blocks: 20000\n"),
+                           &c));
+  EXPECT_EQ(c.store.dram_max_blocks, 1000u);
+  EXPECT_EQ(c.store.nvme_max_blocks, 20000u);
+  EXPECT_EQ(DramMaxBlocks(c.store), 1000u);
+  EXPECT_EQ(NvmeMaxBlocks(c.store), 20000u);
+  EXPECT_OK(ValidateConfig(c));
+  // The defaults: one block per 4 KiB of DRAM, per 16 KiB of NVMe.
+  DaemonConfig derived;
+  ASSERT_OK(LoadConfigFile(Write("dram_capacity: 64MiB\nnvme_capacity: 1GiB\n"),
+                           &derived));
+  EXPECT_EQ(derived.store.dram_max_blocks, 0u);
+  EXPECT_EQ(DramMaxBlocks(derived.store), 16384u);
+  EXPECT_EQ(NvmeMaxBlocks(derived.store), 65536u);
+  EXPECT_EQ(DramBlockFloor(derived.store), 4096u);
+  EXPECT_OK(ValidateConfig(derived));
+  derived.store.nvme_capacity = 0;  // no NVMe tier: no bound to check
+  EXPECT_EQ(NvmeMaxBlocks(derived.store), 0u);
+  EXPECT_OK(ValidateConfig(derived));
+
+  auto invalid = [&](const std::string& text, const char* says) {
+    DaemonConfig bad;
+    absl::Status st = LoadConfigFile(Write(text), &bad);
+    if (st.ok()) st = ValidateConfig(bad);
+    EXPECT_THAT(st, StatusIs(absl::StatusCode::kInvalidArgument)) << text;
+    EXPECT_THAT(std::string(st.message()), HasSubstr(says)) << text;
+  };
+  invalid("dram_max_blocks: lots\n", "bad integer");
+  invalid("nvme_max_blocks: -1\n", "bad integer");
+  // More than one block per 64 bytes is a count no tier could reach (a
+  // size written as a count, most likely).
+  invalid("dram_capacity: 1MiB\ndram_max_blocks: 16385\n", "dram_max_blocks");
+  invalid("nvme_capacity: 1MiB\nnvme_max_blocks: 16385\n", "nvme_max_blocks");
+  // A tier too small for one block of the default bound needs its own.
+  invalid("nvme_capacity: 8KiB\n", "nvme_max_blocks");
+  DaemonConfig edge;
+  ASSERT_OK(LoadConfigFile(Write("dram_capacity: 1MiB\ndram_max_blocks: 16384\n"
+                                 "nvme_capacity: 8KiB\nnvme_max_blocks: 1\n"),
+                           &edge));
+  EXPECT_OK(ValidateConfig(edge));
 }
 
 TEST_F(ConfigFileTest, GrpcKeepaliveIsReadAndChecked) {

@@ -236,16 +236,18 @@ absl::Status Daemon::Init() {
   StoreStats st = store_->Stats();
   log_->info(
       "kvdepotd {} ({}) listening on {}; metrics on {}; UCX data plane {}; "
-      "DRAM tier {} bytes; NVMe tier {} bytes holding {} blocks ({}reads; "
-      "RocksDB CRC32C: {}); data dir {}",
+      "DRAM tier {} bytes (at most {} blocks); NVMe tier {} bytes holding {} "
+      "blocks ({}reads; RocksDB CRC32C: {}; at most {} blocks); data dir {}",
       kVersion, kGitCommit, grpc_address_,
       metrics_address_.empty() ? "off" : metrics_address_,
       data_plane_ == nullptr         ? "off"
       : data_plane_->shared_memory() ? "on (shared memory for local clients)"
                                      : "on",
-      dram.size, st.nvme.capacity_bytes, st.nvme.blocks,
+      dram.size, DramMaxBlocks(config_.store), st.nvme.capacity_bytes,
+      st.nvme.blocks,
       config_.store.nvme_direct_reads ? "O_DIRECT " : "buffered ",
-      std::string(RocksCrc32cImplementation()), data_dir_->path());
+      std::string(RocksCrc32cImplementation()), NvmeMaxBlocks(config_.store),
+      data_dir_->path());
   return absl::OkStatus();
 }
 

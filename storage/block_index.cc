@@ -19,8 +19,11 @@ static_assert(sizeof(BlockEntry) <= 88,
               "BlockEntry must stay small: metadata <= 128 B per block");
 
 BlockIndex::BlockIndex(const char* arena_base, size_t key_trailer_bytes,
-                       uint32_t first_seq)
-    : base_(arena_base), key_trailer_bytes_(key_trailer_bytes), seq_(first_seq) {
+                       uint32_t first_seq, size_t min_data_bytes)
+    : base_(arena_base),
+      key_trailer_bytes_(key_trailer_bytes),
+      min_data_bytes_(min_data_bytes),
+      seq_(first_seq) {
   for (auto& s : shards_) s = std::make_unique<Shard>(arena_base);
 }
 
@@ -121,7 +124,7 @@ void BlockIndex::Detach(Shard& s, BlockEntry* e) {
 }
 
 uint64_t BlockIndex::Footprint(const BlockEntry& e) const {
-  return DramArena::AllocationSize(e.size) +
+  return DramArena::AllocationSize(std::max<size_t>(e.size, min_data_bytes_)) +
          DramArena::AllocationSize(e.key_len + key_trailer_bytes_);
 }
 

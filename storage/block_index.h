@@ -159,9 +159,11 @@ class BlockIndex {
   // `key_trailer_bytes`: what the caller keeps after each key in the key's
   // arena allocation (see Peek), for the arena space an entry holds
   // (unpinned_bytes). `first_seq`: where NextSeq's counter starts (tests
-  // start it near a wrap; 0 otherwise).
+  // start it near a wrap; 0 otherwise). `min_data_bytes`: the least the
+  // caller allocates for a block's bytes (a block smaller than that takes
+  // that much of the arena: TieredStore's block floor), for the same.
   explicit BlockIndex(const char* arena_base, size_t key_trailer_bytes = 0,
-                      uint32_t first_seq = 0);
+                      uint32_t first_seq = 0, size_t min_data_bytes = 0);
   ~BlockIndex();
   BlockIndex(const BlockIndex&) = delete;
   BlockIndex& operator=(const BlockIndex&) = delete;
@@ -477,6 +479,7 @@ class BlockIndex {
 
   const char* const base_;
   const size_t key_trailer_bytes_;
+  const size_t min_data_bytes_;
   std::array<std::unique_ptr<Shard>, kShards> shards_;
   std::atomic<uint32_t> seq_{0};
 };

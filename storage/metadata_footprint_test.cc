@@ -27,6 +27,10 @@ size_t HeapInUse() {
 TEST(MetadataFootprintTest, AtMost128BytesPerBlockWithOneMillionBlocks) {
   StoreOptions o;
   o.dram_capacity = uint64_t{kBlocks} * 128 + (64 << 20);
+  // A million 64-byte blocks: a block bound whose floor is the arena's
+  // smallest allocation, so that it raises none (the default, one block per
+  // 4 KiB, would hold 50k of them).
+  o.dram_max_blocks = o.dram_capacity / DramArena::kMinAlloc;
   o.hugepages = HugePageMode::kOff;
   o.background_eviction = false;
   auto store = NewTieredStore(o, SystemClock());

@@ -223,9 +223,22 @@ bool DecodeMeta(absl::string_view in, MetaRecord* out) {
 }
 
 // What a block costs against the capacity: its bytes, its id under both
-// column families, and its metadata record.
-uint64_t Charge(size_t id_bytes, size_t parent_bytes, uint64_t size) {
-  return size + 2 * id_bytes + kMetaFixedBytes + parent_bytes;
+// column families, and its metadata record; at least `min_charge` (the
+// block bound's share of the capacity, NvmeTierImpl::min_charge_), so that
+// a tier full of tiny blocks holds no more than max_blocks of them.
+uint64_t Charge(size_t id_bytes, size_t parent_bytes, uint64_t size,
+                uint64_t min_charge) {
+  return std::max<uint64_t>(
+      size + 2 * id_bytes + kMetaFixedBytes + parent_bytes, min_charge);
+}
+
+// NvmeTierImpl::min_charge_ for `options` (whose block bound OpenNvmeTier
+// checked is not 0).
+uint64_t MinCharge(const NvmeTierOptions& options) {
+  const uint64_t max_blocks = std::max<uint64_t>(
+      NvmeTierMaxBlocks(options.capacity_bytes, options.max_blocks), 1);
+  return options.capacity_bytes / max_blocks +
+         (options.capacity_bytes % max_blocks != 0 ? 1 : 0);
 }
 
 // A read that failed for the block's own bytes: its file gone, or EIO (a
@@ -378,6 +391,7 @@ class NvmeTierImpl final : public NvmeTier {
  public:
   NvmeTierImpl(const NvmeTierOptions& options, Clock* clock)
       : options_(options),
+        min_charge_(MinCharge(options)),
         clock_(clock),
         listener_(std::make_shared<ErrorListener>(options.path)) {
     write_options_.disableWAL = !options_.use_wal;
@@ -580,6 +594,9 @@ class NvmeTierImpl final : public NvmeTier {
 
   // Constant after Init.
   const NvmeTierOptions options_;
+  // The least a block is charged: capacity_bytes / max_blocks, rounded up
+  // (see Charge).
+  const uint64_t min_charge_;
   Clock* const clock_;
   const std::shared_ptr<ErrorListener> listener_;
   rocksdb::WriteOptions write_options_;
@@ -848,7 +865,8 @@ absl::Status NvmeTierImpl::Init() {
       e.checksum = record.checksum;
       e.read_count = record.read_count;
       e.last_touch = record.last_touch;
-      e.charge = Charge(id.size(), record.parent.size(), record.size);
+      e.charge =
+          Charge(id.size(), record.parent.size(), record.size, min_charge_);
       e.parent = std::move(record.parent);
       e.generation = next_generation_++;
       // Stored (and linked) below, oldest first; until then not visible to
@@ -1449,7 +1467,8 @@ absl::StatusOr<NvmePutOutcome> NvmeTierImpl::Put(absl::string_view ns,
                      "is ", options_.max_block_bytes));
   }
   std::string id = EncodeId(ns, key);
-  const uint64_t charge = Charge(id.size(), parent.size(), bytes.size());
+  const uint64_t charge =
+      Charge(id.size(), parent.size(), bytes.size(), min_charge_);
   if (charge > options_.capacity_bytes) {
     return absl::ResourceExhaustedError(
         absl::StrCat("block of ", bytes.size(), " bytes can never fit the "
@@ -2171,6 +2190,10 @@ absl::Status NvmeTierImpl::FlushAndWait() {
 
 }  // namespace
 
+uint64_t NvmeTierMaxBlocks(uint64_t capacity_bytes, uint64_t max_blocks) {
+  return max_blocks != 0 ? max_blocks : capacity_bytes / kNvmeDefaultBlockBytes;
+}
+
 absl::StatusOr<std::unique_ptr<NvmeTier>> OpenNvmeTier(
     const NvmeTierOptions& options, Clock* clock) {
   if (options.capacity_bytes == 0) {
@@ -2194,6 +2217,12 @@ absl::StatusOr<std::unique_ptr<NvmeTier>> OpenNvmeTier(
   if (options.scrub_snapshot_bytes == 0) {
     return absl::InvalidArgumentError(
         "NVMe tier: scrub_snapshot_bytes must be > 0");
+  }
+  if (NvmeTierMaxBlocks(options.capacity_bytes, options.max_blocks) == 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("NVMe tier: a capacity of ", options.capacity_bytes,
+                     " bytes holds no block of the default bound (one per ",
+                     kNvmeDefaultBlockBytes, " bytes): give max_blocks"));
   }
   // Referenced here so that every program that opens the tier links
   // rocksdb_crc32c.cc, whose CRC32C takes the place of librocksdb's.

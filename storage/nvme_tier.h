@@ -48,7 +48,11 @@
 //
 // Memory: the index keeps, per block, its id (namespace + key), parent key
 // and about 110 bytes of bookkeeping in a hash-map node, plus one small map
-// entry per parent that is not stored but has stored children.
+// entry per parent that is not stored but has stored children: about 200
+// bytes of heap per block with short keys, up to about 350 with long keys
+// and parents. It is rebuilt at every open, so
+// the number of blocks is bounded (NvmeTierOptions::max_blocks), not only
+// their bytes.
 #ifndef KVDEPOT_STORAGE_NVME_TIER_H_
 #define KVDEPOT_STORAGE_NVME_TIER_H_
 
@@ -72,6 +76,14 @@ class Env;
 
 namespace kvdepot {
 
+// The block size NvmeTierOptions::max_blocks assumes by default (one block
+// per 16 KiB of capacity). A real engine's KV block is at least that: a
+// 16-token vLLM block of Llama-3-8B is 64 KiB per layer (2 MiB across
+// layers). With the index's 200-350 bytes of heap per block (see Memory
+// above), the bound keeps the index to about 1.2-2.1% of the capacity
+// (100-175 MiB for 8 GiB).
+inline constexpr uint64_t kNvmeDefaultBlockBytes = uint64_t{16} << 10;
+
 struct NvmeTierOptions {
   // Directory of the tier's RocksDB database. Created (with its parents) if
   // missing. One tier per directory: RocksDB's LOCK file refuses a second
@@ -81,6 +93,13 @@ struct NvmeTierOptions {
   // OpenNvmeTier refuses with FailedPrecondition and touches no file, so the
   // caller decides not to open it.
   uint64_t capacity_bytes = uint64_t{8} << 30;
+  // Most blocks the tier holds: a bound on the index's heap (see Memory
+  // above), which grows with the number of blocks, not their bytes. Every
+  // block is charged at least capacity_bytes / max_blocks (rounded up; see
+  // NvmeTierStats::used_bytes), so eviction keeps the tier within it; blocks
+  // whose charge is that or more are unaffected. 0 means the default,
+  // capacity_bytes / kNvmeDefaultBlockBytes (NvmeTierMaxBlocks).
+  uint64_t max_blocks = 0;
   // Largest block accepted by Put (InvalidArgument above it).
   uint64_t max_block_bytes = uint64_t{256} << 20;
   // Write block records through RocksDB's write-ahead log. Off by default: a
@@ -192,9 +211,10 @@ struct NvmeBlockView {
 
 struct NvmeTierStats {
   // Charged bytes of stored blocks plus puts in flight. A block is charged
-  // its size plus the bytes of its two RocksDB keys and its metadata record:
-  // what the tier asked RocksDB to store. It is not the space on disk, which
-  // also holds deleted blobs until blob garbage collection reclaims them
+  // its size plus the bytes of its two RocksDB keys and its metadata record
+  // (what the tier asked RocksDB to store), and at least capacity_bytes /
+  // max_blocks (NvmeTierOptions::max_blocks). It is not the space on disk,
+  // which also holds deleted blobs until blob garbage collection reclaims them
   // (see disk_bytes and Compact).
   uint64_t used_bytes = 0;
   uint64_t capacity_bytes = 0;
@@ -399,6 +419,11 @@ class NvmeTier {
   virtual const NvmeTierOptions& options() const = 0;
 };
 
+// The bound NvmeTierOptions::max_blocks sets: `max_blocks`, or when 0,
+// capacity_bytes / kNvmeDefaultBlockBytes (0 for a capacity under that:
+// OpenNvmeTier refuses it).
+uint64_t NvmeTierMaxBlocks(uint64_t capacity_bytes, uint64_t max_blocks);
+
 // Opens (or creates) the tier at options.path and rebuilds its index from the
 // metadata records; blocks over capacity_bytes (the capacity shrank since the
 // last run) are evicted, least recently used first. `clock` paces write
@@ -407,10 +432,10 @@ class NvmeTier {
 // SystemClock()).
 // Returns FailedPrecondition when capacity_bytes is 0 (the tier is disabled)
 // or the directory holds a database of another format; InvalidArgument for
-// an empty path or a max_unflushed_age or resume_stuck_after that is not
-// positive; Unavailable when the directory cannot be created, opened or
-// locked (e.g. read-only, or in use by another tier); DataLoss when RocksDB
-// finds the database corrupt.
+// an empty path, a max_unflushed_age or resume_stuck_after that is not
+// positive, or a block bound (NvmeTierMaxBlocks) of 0; Unavailable when the
+// directory cannot be created, opened or locked (e.g. read-only, or in use by
+// another tier); DataLoss when RocksDB finds the database corrupt.
 absl::StatusOr<std::unique_ptr<NvmeTier>> OpenNvmeTier(
     const NvmeTierOptions& options, Clock* clock);
 

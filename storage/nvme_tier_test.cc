@@ -78,6 +78,12 @@ uint64_t Charge(absl::string_view ns, absl::string_view key, uint64_t size,
   return size + 2 * (1 + ns.size() + key.size()) + 31 + parent_bytes;
 }
 
+// A block bound (NvmeTierOptions::max_blocks) whose floor, 1 byte for a
+// capacity up to 64 MiB, raises no block's charge: for tests of the charge
+// itself, or of more blocks than the default bound allows (one per 16 KiB)
+// in a small tier. TinyBlocksAreBoundedByMaxBlocks tests the bound.
+constexpr uint64_t kNoFloor = 64 * kMiB;
+
 class NvmeTierTest : public ::testing::Test {
  protected:
   void SetUp() override {
@@ -286,6 +292,7 @@ class NvmeTierTest : public ::testing::Test {
 };
 
 TEST_F(NvmeTierTest, RoundTripsSmallAndBlobBlocksAndIsPutIfAbsent) {
+  options_.max_blocks = kNoFloor;  // used_bytes: the charges, as computed
   Open();
   const std::string small = Bytes(1, 100);        // stays in the LSM
   const std::string large = Bytes(2, 64 * kKiB);  // goes to a blob file
@@ -502,6 +509,7 @@ TEST_F(NvmeTierTest, WarmRestartServesEveryBlockWithoutReadingBlobs) {
 }
 
 TEST_F(NvmeTierTest, DeleteIsImmediateAndDurable) {
+  options_.max_blocks = kNoFloor;  // used_bytes: the charge, as computed
   Open();
   ASSERT_OK(Put("a", Bytes(1, 8 * kKiB)));
   ASSERT_OK(Put("b", Bytes(2, 8 * kKiB)));
@@ -681,12 +689,69 @@ TEST_F(NvmeTierTest, FourTimesCapacityStaysBoundedAndLosesNothingReported) {
   EXPECT_EQ(check_all(), present);
 }
 
+// A flood of tiny blocks: each is charged at least capacity_bytes /
+// max_blocks, so the tier holds at most max_blocks of them (its index's
+// heap grows with their number, and is rebuilt at every open), and charges
+// them the same when it reopens. Blocks charged more than that are charged
+// as before. A reopen with a lower bound evicts down to it.
+TEST_F(NvmeTierTest, TinyBlocksAreBoundedByMaxBlocks) {
+  options_.capacity_bytes = 1 * kMiB;
+  options_.max_blocks = 128;  // 8 KiB each at least
+  Open();
+  for (int i = 0; i < 500; ++i) {
+    ASSERT_OK(Put(Key(i), Bytes(i, 1)));
+    ASSERT_LE(tier_->Stats().blocks, 128u) << i;
+  }
+  NvmeTierStats st = tier_->Stats();
+  EXPECT_EQ(st.blocks, 128u);
+  EXPECT_EQ(st.used_bytes, 128 * 8 * kKiB);
+  EXPECT_EQ(st.evictions, 500u - 128u);
+  EXPECT_THAT(Read(Key(499)), IsOkAndHolds(Bytes(499, 1)));
+  EXPECT_EQ(tier_->Meta("ns", Key(499))->size, 1u);
+
+  // A block above the floor costs its own charge (three tiny ones make room).
+  const std::string big = Bytes(1000, 20000);
+  ASSERT_OK(Put("big", big));
+  st = tier_->Stats();
+  EXPECT_EQ(st.blocks, 126u);
+  const uint64_t used = 125 * 8 * kKiB + Charge("ns", "big", big.size());
+  EXPECT_EQ(st.used_bytes, used);
+
+  Close();
+  Open();
+  st = tier_->Stats();
+  EXPECT_EQ(st.blocks, 126u);
+  EXPECT_EQ(st.used_bytes, used);
+  EXPECT_THAT(Read("big"), IsOkAndHolds(big));
+
+  Close();
+  options_.max_blocks = 64;  // 16 KiB each at least
+  Open();
+  EXPECT_LE(tier_->Stats().blocks, 64u);
+  EXPECT_LE(tier_->Stats().used_bytes, options_.capacity_bytes);
+}
+
+// The default bound is one block per kNvmeDefaultBlockBytes of capacity; a
+// capacity under that needs an explicit one.
+TEST_F(NvmeTierTest, TheDefaultBoundIsOneBlockPer16KiB) {
+  EXPECT_EQ(NvmeTierMaxBlocks(64 * kMiB, 0), 4096u);
+  EXPECT_EQ(NvmeTierMaxBlocks(64 * kMiB, 10), 10u);
+  options_.capacity_bytes = 8 * kKiB;
+  EXPECT_THAT(OpenNvmeTier(options_, &clock_),
+              StatusIs(Code::kInvalidArgument));
+  options_.max_blocks = 1;
+  Open();
+  ASSERT_OK(Put(Key(1), Bytes(1, 1)));
+  EXPECT_EQ(tier_->Stats().used_bytes, 8 * kKiB);
+}
+
 TEST_F(NvmeTierTest, ShrunkCapacityEvictsOldestAtOpen) {
   constexpr size_t kSize = 8 * kKiB;
   Open();
   for (int i = 0; i < 20; ++i) ASSERT_OK(Put(Key(i), Bytes(i, kSize)));
   Close();
   options_.capacity_bytes = 5 * Charge("ns", Key(10), kSize);
+  options_.max_blocks = kNoFloor;  // 5 blocks of 8 KiB
   Open();
   NvmeTierStats stats = tier_->Stats();
   EXPECT_EQ(stats.blocks, 5u);
@@ -1377,6 +1442,7 @@ TEST_F(NvmeTierTest, VerifyDropsCorruptBlocks) {
 // hand-edited files would.
 TEST_F(NvmeTierTest, HalfWrittenBlocksAreDroppedNotServed) {
   constexpr size_t kSize = 8 * kKiB;
+  options_.max_blocks = kNoFloor;  // used_bytes: the charges, as computed
   Open();
   for (int i = 0; i < 5; ++i) ASSERT_OK(Put(Key(i), Bytes(i, kSize)));
   Close();
@@ -1923,6 +1989,7 @@ TEST_F(NvmeTierTest, ConcurrentPutsReadsAndDeletes) {
   constexpr int kThreads = 4;
   constexpr int kOps = 400;
   options_.capacity_bytes = 32 * Charge("ns", Key(10), kSize);
+  options_.max_blocks = kNoFloor;  // 32 blocks of 8 KiB
   Open();
   std::atomic<int> bad{0}, reads_ok{0};
   std::vector<std::thread> threads;

@@ -44,6 +44,9 @@ std::vector<std::string> ScatteredKeys(int n) {
 std::unique_ptr<TieredStore> FilledStore(int n, uint64_t block) {
   StoreOptions o;
   o.dram_capacity = static_cast<uint64_t>(n) * 256 + (64 << 20);
+  // Every one of the n blocks stays, however small: a block bound whose
+  // floor is the arena's smallest allocation raises none.
+  o.dram_max_blocks = o.dram_capacity / DramArena::kMinAlloc;
   o.background_eviction = false;
   o.hugepages = HugePageMode::kOff;
   auto store = std::move(NewTieredStore(o, SystemClock())).value();

@@ -112,7 +112,11 @@ struct NamespaceInfo {
   // allocated and the namespace created; the charge still checks the quota
   // an operator may have set meanwhile); it keeps its charge once
   // published, until it leaves DRAM (FreeEntry), and gives it back when it
-  // is not published (aborted, failed, lost a race).
+  // is not published (aborted, failed, lost a race). Blocks are charged
+  // their real sizes, not the arena space the block floor makes small ones
+  // take (TieredStoreImpl::block_floor_): a quota is a namespace's share of
+  // the bytes clients see (SetQuota, NamespaceStats::bytes); the floor
+  // bounds the DRAM tier's block count as a whole, whatever the quotas.
   std::atomic<uint64_t> charged{0};
   // An operator's (SetQuota created it, or set its quota): never reclaimed
   // until Undeclare.
@@ -247,9 +251,14 @@ class SlotHandleImpl final : public SlotHandle {
 class TieredStoreImpl final : public TieredStore {
  public:
   TieredStoreImpl(const StoreOptions& options, Clock* clock,
-                  std::unique_ptr<DramArena> arena, std::unique_ptr<NvmeTier> nvme)
-      : options_(options), clock_(clock), arena_(std::move(arena)),
-        index_(arena_->base(), kStampBytes), nvme_(std::move(nvme)) {
+                  std::unique_ptr<DramArena> arena,
+                  std::unique_ptr<NvmeTier> nvme)
+      : options_(options),
+        clock_(clock),
+        arena_(std::move(arena)),
+        block_floor_(DramBlockFloor(options_)),
+        index_(arena_->base(), kStampBytes, /*first_seq=*/0, block_floor_),
+        nvme_(std::move(nvme)) {
     if (options_.background_eviction) {
       evictor_ = std::thread([this] { EvictorLoop(); });
     }
@@ -546,6 +555,14 @@ class TieredStoreImpl final : public TieredStore {
       return absl::ResourceExhaustedError(absl::StrCat(
           "batch of ", total, " bytes exceeds the DRAM tier's capacity of ",
           arena_->capacity(), " bytes"));
+    }
+    if (space > arena_->capacity()) {
+      return absl::ResourceExhaustedError(absl::StrCat(
+          "batch of ", total, " bytes would take ", space,
+          " bytes of the DRAM tier's ", arena_->capacity(),
+          " (keys and size classes included; a block takes at least ",
+          block_floor_, ", as the tier holds at most ", DramMaxBlocks(options_),
+          " blocks: dram_max_blocks)"));
     }
     // A batch that no eviction can make room for now (the rest of DRAM is
     // pinned or reserved) evicts nothing, for the quota or for DRAM. With
@@ -1711,10 +1728,12 @@ class TieredStoreImpl final : public TieredStore {
   absl::Status AllocateSlot(Slot& slot, bool* would_wait = nullptr,
                             uint64_t need = 0) {
     need = std::max<uint64_t>(need, SlotAllocationSize(slot));
-    ASSIGN_OR_RETURN(uint64_t data, AllocateEvicting(slot.size, would_wait, need));
-    absl::StatusOr<uint64_t> key = AllocateEvicting(
-        KeyAllocationBytes(slot), would_wait,
-        need - DramArena::AllocationSize(slot.size));
+    const uint64_t data_bytes = DataAllocationBytes(slot);
+    ASSIGN_OR_RETURN(uint64_t data,
+                     AllocateEvicting(data_bytes, would_wait, need));
+    absl::StatusOr<uint64_t> key =
+        AllocateEvicting(KeyAllocationBytes(slot), would_wait,
+                         need - DramArena::AllocationSize(data_bytes));
     if (!key.ok()) {
       arena_->Free(data);
       return key.status();
@@ -1903,10 +1922,17 @@ class TieredStoreImpl final : public TieredStore {
     return slot.key.size() + kStampBytes;
   }
 
+  // The bytes AllocateSlot asks for the slot's data: its size, or the
+  // block floor when larger (the slot's bytes, handed to writers, are still
+  // its size).
+  uint64_t DataAllocationBytes(const Slot& slot) const {
+    return std::max<uint64_t>(slot.size, block_floor_);
+  }
+
   // The arena space AllocateSlot takes for `slot` (as reserved_bytes_
-  // counts it).
-  static uint64_t SlotAllocationSize(const Slot& slot) {
-    return DramArena::AllocationSize(slot.size) +
+  // counts it, and BlockIndex's footprint of its block).
+  uint64_t SlotAllocationSize(const Slot& slot) const {
+    return DramArena::AllocationSize(DataAllocationBytes(slot)) +
            DramArena::AllocationSize(KeyAllocationBytes(slot));
   }
 
@@ -2376,6 +2402,9 @@ class TieredStoreImpl final : public TieredStore {
   const StoreOptions options_;
   Clock* const clock_;
   const std::unique_ptr<DramArena> arena_;
+  // The least arena space a block's bytes take (DramBlockFloor): the arena
+  // fills, and eviction runs, at dram_max_blocks blocks however small.
+  const uint64_t block_floor_;
   BlockIndex index_;
   const std::unique_ptr<NvmeTier> nvme_;  // nullptr: no NVMe tier
 
@@ -2489,6 +2518,28 @@ std::optional<uint64_t> SlotHandleImpl::CopyInUntil(const char* src,
 
 }  // namespace
 
+uint64_t DramMaxBlocks(const StoreOptions& options) {
+  return options.dram_max_blocks != 0
+             ? options.dram_max_blocks
+             : options.dram_capacity / kDramDefaultBlockBytes;
+}
+
+uint64_t NvmeMaxBlocks(const StoreOptions& options) {
+  if (options.nvme_capacity == 0) return 0;
+  return NvmeTierMaxBlocks(options.nvme_capacity, options.nvme_max_blocks);
+}
+
+uint64_t DramBlockFloor(const StoreOptions& options) {
+  // Of the capacity the arena maps (whole pages), so that a full arena holds
+  // at most DramMaxBlocks blocks (each also takes a key allocation).
+  const uint64_t page = DramArena::kPageSize;
+  const uint64_t capacity = (options.dram_capacity + page - 1) / page * page;
+  const uint64_t max_blocks = std::max<uint64_t>(DramMaxBlocks(options), 1);
+  const uint64_t floor =
+      capacity / max_blocks + (capacity % max_blocks != 0 ? 1 : 0);
+  return DramArena::AllocationSize(std::min<uint64_t>(floor, capacity));
+}
+
 absl::StatusOr<std::unique_ptr<TieredStore>> NewTieredStore(
     const StoreOptions& options, Clock* clock) {
   if (options.nvme_admit_min_reads > 255) {
@@ -2507,11 +2558,24 @@ absl::StatusOr<std::unique_ptr<TieredStore>> NewTieredStore(
     return absl::InvalidArgumentError(
         "max_block_bytes must be between 1 byte and 4 GiB");
   }
+  if (DramMaxBlocks(options) == 0) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "dram_max_blocks: a DRAM capacity of ", options.dram_capacity,
+        " bytes holds no block of the default bound (one per ",
+        kDramDefaultBlockBytes, " bytes)"));
+  }
+  if (options.nvme_capacity > 0 && NvmeMaxBlocks(options) == 0) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "nvme_max_blocks: an NVMe capacity of ", options.nvme_capacity,
+        " bytes holds no block of the default bound (one per ",
+        kNvmeDefaultBlockBytes, " bytes)"));
+  }
   std::unique_ptr<NvmeTier> nvme;
   if (options.nvme_capacity > 0) {
     NvmeTierOptions o;
     o.path = options.nvme_path;
     o.capacity_bytes = options.nvme_capacity;
+    o.max_blocks = options.nvme_max_blocks;
     o.max_block_bytes = std::min<uint64_t>(options.max_block_bytes, o.capacity_bytes);
     o.use_wal = options.nvme_use_wal;
     o.max_unflushed_age = options.nvme_max_unflushed_age;

@@ -55,6 +55,27 @@ struct StoreOptions {
   bool prefault_dram = false;
   // Largest block accepted (also bounded by the DRAM capacity).
   uint64_t max_block_bytes = uint64_t{256} << 20;
+  // Most blocks each tier holds: a bound on the in-memory indexes' heap,
+  // which grows with the number of blocks, not with their bytes (without
+  // it, a flood of 1-byte blocks made the indexes several times the size of
+  // the tiers). It is a least charge per block, so the capacity-driven
+  // eviction enforces it: in DRAM every block's bytes take at least
+  // dram_capacity / dram_max_blocks of the arena (rounded up to the arena's
+  // size class: DramBlockFloor), on NVMe every block is charged at least
+  // nvme_capacity / nvme_max_blocks against nvme_capacity
+  // (NvmeTierOptions::max_blocks). Blocks that large or larger are
+  // unaffected; block sizes reported to clients, namespace quotas and
+  // namespace bytes stay the blocks' real sizes.
+  // 0 derives the default: dram_capacity / 4 KiB and nvme_capacity / 16 KiB
+  // (a real engine's KV block is at least that: a 16-token vLLM block of
+  // Llama-3-8B is 64 KiB per layer, 2 MiB for all layers; smaller blocks
+  // still work, each taking more of the tier than its size). Worst-case
+  // index memory then: about 116 bytes of heap per DRAM block (BlockIndex,
+  // as metadata_footprint_test measures it), ~2.8% of the arena, and
+  // 200-350 per NVMe block (NvmeTier), ~1.2-2.1% of nvme_capacity. See
+  // DramMaxBlocks and NvmeMaxBlocks; NewTieredStore refuses a bound of 0.
+  uint64_t dram_max_blocks = 0;
+  uint64_t nvme_max_blocks = 0;
   // Most keys in one Lookup, BeginPut, Read or Evict.
   uint32_t max_batch_keys = 1024;
   // Background eviction starts above high and stops below low (fractions of
@@ -563,9 +584,27 @@ class TieredStore {
   virtual const StoreOptions& options() const = 0;
 };
 
+// The block size dram_max_blocks assumes by default (StoreOptions).
+inline constexpr uint64_t kDramDefaultBlockBytes = uint64_t{4} << 10;
+
+// The DRAM tier's block bound: options.dram_max_blocks, or when 0,
+// dram_capacity / kDramDefaultBlockBytes.
+uint64_t DramMaxBlocks(const StoreOptions& options);
+// The NVMe tier's block bound: options.nvme_max_blocks, or when 0,
+// nvme_capacity / kNvmeDefaultBlockBytes (NvmeTierMaxBlocks); 0 without an
+// NVMe tier (nvme_capacity 0).
+uint64_t NvmeMaxBlocks(const StoreOptions& options);
+// The least arena space a DRAM block's bytes take: dram_capacity /
+// DramMaxBlocks rounded up, then to its arena size class
+// (DramArena::AllocationSize). REQUIRES: DramMaxBlocks(options) > 0.
+uint64_t DramBlockFloor(const StoreOptions& options);
+
 // Creates the store. `clock` must outlive it. InvalidArgument for
-// inconsistent options; ResourceExhausted when the DRAM tier cannot be mapped;
-// the NVMe tier's errors when it cannot be opened (in use, not writable).
+// inconsistent options (among them a block bound of 0: a dram_capacity
+// under kDramDefaultBlockBytes, an nvme_capacity under
+// kNvmeDefaultBlockBytes, with no explicit bound); ResourceExhausted when the
+// DRAM tier cannot be mapped; the NVMe tier's errors when it cannot be opened
+// (in use, not writable).
 absl::StatusOr<std::unique_ptr<TieredStore>> NewTieredStore(
     const StoreOptions& options, Clock* clock);
 

@@ -9,6 +9,7 @@
 #include <map>
 #include <string>
 #include <thread>
+#include <utility>
 #include <vector>
 
 #include "absl/cleanup/cleanup.h"
@@ -18,8 +19,8 @@
 #include "rocksdb/env.h"
 #include "storage/checksum.h"
 #include "storage/fake_clock.h"
-#include "storage/internal/sync_point.h"
 #include "storage/fault_injection_fs.h"
+#include "storage/internal/sync_point.h"
 #include "storage/nvme_tier.h"
 #include "tests/status_matchers.h"
 
@@ -1262,6 +1263,107 @@ TEST_F(TieredStoreTest, ReservedBytesAreTheArenaSpaceTaken) {
   EXPECT_EQ(st.dram.used_bytes, before);
 }
 
+// A flood of tiny blocks fills the DRAM tier at dram_max_blocks: each
+// block's bytes take at least the block floor of the arena (here 4 MiB /
+// 256 = 16 KiB), so eviction keeps their number, and the index's heap,
+// within the bound. 1-byte blocks took 128 bytes each (64 for the bytes, 64
+// for the key): 32768 of them, and as many index entries, in 4 MiB.
+TEST_F(TieredStoreTest, TinyBlocksFillDramAtItsBlockBound) {
+  StoreOptions opts;
+  opts.dram_max_blocks = 256;
+  Reopen(opts);
+  opts.dram_capacity = kCap;
+  ASSERT_EQ(DramBlockFloor(opts), 16384u);
+  // A reservation holds the floor (and the key's 64 bytes); the slot, the
+  // lookup and the namespace's bytes say the block's size.
+  PutSpec spec{"r", "", 1};
+  auto r = store_->BeginPut(sid_, "ns", {&spec, 1});
+  ASSERT_OK(r);
+  EXPECT_EQ(r->slots[0].size, 1u);
+  EXPECT_EQ(store_->Stats().reserved_bytes, 16384u + 64u);
+  EXPECT_EQ(store_->Stats().dram.used_bytes, 16384u + 64u);
+  ASSERT_OK(store_->AbortPut(sid_, r->id));
+  EXPECT_EQ(store_->Stats().dram.used_bytes, 0u);
+
+  for (int i = 0; i < 1000; ++i) {
+    ASSERT_OK(Put("t" + std::to_string(i), "x"));
+    ASSERT_LE(store_->Stats().dram.blocks, 256u) << i;
+  }
+  StoreStats st = store_->Stats();
+  EXPECT_GT(st.dram.evictions, 0u);
+  EXPECT_GE(st.dram.blocks, 200u);  // the bound evicts, and nothing sooner
+  EXPECT_EQ(st.dram.used_bytes, st.dram.blocks * (16384u + 64u));
+  ASSERT_EQ(st.namespaces.size(), 1u);
+  EXPECT_EQ(st.namespaces[0].bytes, st.dram.blocks);  // 1 byte each
+  EXPECT_EQ(st.put_bytes, 1000u);
+  absl::string_view k = "t999";
+  auto hit = store_->Lookup(sid_, "ns", {&k, 1}, false, false);
+  ASSERT_OK(hit);
+  ASSERT_TRUE(hit->entries[0].found);
+  EXPECT_EQ(hit->entries[0].size, 1u);
+  EXPECT_EQ(Read("t999"), "x");
+}
+
+// Blocks of the floor's size or larger take the arena space they took
+// without the bound: only smaller ones are raised to the floor.
+TEST_F(TieredStoreTest, BlocksOfTheFloorOrLargerAreNotRaised) {
+  StoreOptions opts;
+  opts.dram_max_blocks = 256;  // a 16 KiB floor
+  Reopen(opts);
+  uint64_t used = store_->Stats().dram.used_bytes;
+  auto grew = [&] {
+    const uint64_t now = store_->Stats().dram.used_bytes;
+    return now - std::exchange(used, now);
+  };
+  ASSERT_OK(Put("floor", std::string(16384, 'f')));
+  EXPECT_EQ(grew(), 16384u + 64u);
+  ASSERT_OK(Put("above", std::string(32768, 'a')));
+  EXPECT_EQ(grew(), 32768u + 64u);
+  ASSERT_OK(Put("pages", std::string(100000, 'p')));
+  EXPECT_EQ(grew(), 2u * DramArena::kPageSize + 64u);
+  ASSERT_OK(Put("tiny", std::string(100, 't')));
+  EXPECT_EQ(grew(), 16384u + 64u);
+  EXPECT_EQ(Read("above"), std::string(32768, 'a'));
+  EXPECT_EQ(Read("tiny"), std::string(100, 't'));
+}
+
+// What evicting a tiny block frees is its floor, and the room check counts
+// it so (BlockIndex's footprint): a tier of few floor-sized blocks, full of
+// 1-byte ones, takes more by evicting them, a block larger than the floor
+// too, rather than finding too little unpinned space and refusing the put.
+TEST_F(TieredStoreTest, EvictingTinyBlocksFreesTheirFloor) {
+  StoreOptions opts;
+  opts.dram_max_blocks = 16;  // 256 KiB each
+  Reopen(opts);
+  for (int i = 0; i < 40; ++i)
+    ASSERT_OK(Put("t" + std::to_string(i), "x")) << i;
+  StoreStats st = store_->Stats();
+  EXPECT_LE(st.dram.blocks, 16u);
+  EXPECT_GE(st.dram.blocks, 14u);
+  EXPECT_EQ(st.dram.evictions, 40u - st.dram.blocks);
+  EXPECT_EQ(Read("t39"), "x");
+  const std::string big(300 << 10, 'b');  // 5 pages: more than is free
+  ASSERT_OK(Put("big", big));
+  EXPECT_EQ(Read("big"), big);
+  EXPECT_EQ(Read("t39"), "x");
+}
+
+// A batch of more tiny blocks than the tier holds can never fit: refused
+// at once, saying why.
+TEST_F(TieredStoreTest, ABatchOfMoreBlocksThanTheBoundIsRefused) {
+  StoreOptions opts;
+  opts.dram_max_blocks = 256;
+  Reopen(opts);
+  std::vector<std::string> keys;
+  std::vector<PutSpec> specs;
+  for (int i = 0; i < 300; ++i) keys.push_back("k" + std::to_string(i));
+  for (const std::string& key : keys) specs.push_back(PutSpec{key, "", 1});
+  auto r = store_->BeginPut(sid_, "ns", specs);
+  EXPECT_THAT(r, StatusIs(Code::kResourceExhausted));
+  EXPECT_THAT(r.status().message(), ::testing::HasSubstr("dram_max_blocks"));
+  EXPECT_EQ(store_->Stats().reservations, 0u);
+}
+
 TEST_F(TieredStoreTest, InspectReportsABlockWithoutTouchingIt) {
   ASSERT_OK(Put("p", std::string(1000, 'p')));
   ASSERT_OK(Put("c", std::string(2000, 'c'), "p"));
@@ -1320,6 +1422,9 @@ absl::Status PutMany(TieredStore& store, SessionId sid, const std::string& ns,
 TEST_F(TieredStoreTest, QuotaEvictsOwnBlocksBehindManyOlderForeignBlocks) {
   StoreOptions o;
   o.dram_capacity = uint64_t{48} << 20;
+  // 300k 64-byte blocks (and their keys) in 48 MiB: a block bound whose
+  // floor is the arena's smallest allocation, so that it raises none.
+  o.dram_max_blocks = o.dram_capacity / DramArena::kMinAlloc;
   o.hugepages = HugePageMode::kOff;
   o.background_eviction = false;
   auto made = NewTieredStore(o, &clock_);
@@ -1762,6 +1867,7 @@ class TieredStoreNvmeTest : public ::testing::Test {
     o.low_watermark = 0.25;
     o.nvme_path = dir_ + "/nvme";
     o.nvme_capacity = nvme_capacity_;
+    o.nvme_max_blocks = nvme_max_blocks_;
     o.create_namespaces = create_namespaces_;
     o.max_pinned_blocks_per_session = max_pinned_blocks_per_session_;
     o.max_queued_promotions = max_queued_promotions_;
@@ -1858,6 +1964,7 @@ class TieredStoreNvmeTest : public ::testing::Test {
   uint32_t max_namespaces_ = StoreOptions().max_namespaces;
   rocksdb::Env* nvme_env_ = nullptr;
   uint64_t nvme_capacity_ = 64 << 20;
+  uint64_t nvme_max_blocks_ = 0;
   std::string dir_;
   std::unique_ptr<TieredStore> store_;
   SessionId sid_ = 0;
@@ -2850,6 +2957,37 @@ TEST_F(TieredStoreNvmeTest, PersistedBlocksSurviveARestart) {
     EXPECT_EQ(Bytes(e), Block(i));
     ASSERT_OK(store_->Unpin(sid_, pin));
   }
+}
+
+// The store passes nvme_max_blocks to its NVMe tier: tiny blocks demoted
+// there are charged at least nvme_capacity / nvme_max_blocks each, so the
+// tier holds at most that many, before and after a restart; a restart with
+// a lower bound evicts down to it.
+TEST_F(TieredStoreNvmeTest, TinyBlocksOnNvmeAreBoundedByNvmeMaxBlocks) {
+  nvme_max_blocks_ = 64;  // 1 MiB each
+  Open();
+  for (int i = 0; i < 200; ++i) Put("t" + std::to_string(i), "x");
+  ASSERT_OK(store_->PersistDram());
+  StoreStats st = store_->Stats();
+  EXPECT_EQ(st.dram.blocks, 0u);
+  EXPECT_EQ(st.nvme.blocks, 64u);
+  EXPECT_EQ(st.nvme.used_bytes, 64u << 20);
+  EXPECT_GT(st.nvme.evictions, 0u);
+  EXPECT_EQ(Look("t199", false).size, 1u);  // its size, not its charge
+
+  Open();  // restart
+  st = store_->Stats();
+  EXPECT_EQ(st.nvme.blocks, 64u);
+  EXPECT_EQ(st.nvme.used_bytes, 64u << 20);
+  PinId pin = 0;
+  LookupEntry e = Look("t199", true, &pin);
+  ASSERT_TRUE(e.found);
+  EXPECT_EQ(Bytes(e), "x");
+  ASSERT_OK(store_->Unpin(sid_, pin));
+
+  nvme_max_blocks_ = 16;
+  Open();
+  EXPECT_EQ(store_->Stats().nvme.blocks, 16u);
 }
 
 // A namespace whose blocks are on NVMe exists after a restart even with
