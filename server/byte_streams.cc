@@ -292,7 +292,10 @@ absl::Status ReadStream::Adopt(absl::StatusOr<LookupResult> r) {
           "block ", KeyToHex(req_.keys(key_)), " of namespace ",
           req_.namespace_(),
           " is stored on NVMe but could not be read into DRAM now (DRAM full "
-          "of pinned or reserved blocks, or too many promotions queued)"));
+          "of pinned or reserved blocks, too many promotions queued, its NVMe "
+          "copy unreadable or failing its checksum -- then dropped and "
+          "counted in kvdepot_integrity_errors_total -- or a corrupt DRAM "
+          "copy of it not yet released by its readers)"));
     }
     return absl::NotFoundError(absl::StrCat("block ", KeyToHex(req_.keys(key_)),
                                             " not found in namespace ",

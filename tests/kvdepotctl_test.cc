@@ -240,7 +240,9 @@ TEST_F(KvdepotctlTest, StatsJsonReportsTheDramTier) {
   ASSERT_EQ(Ctl(absl::StrCat("put --ns demo --key 01 --file ", File("x", "12345"))).exit_code, 0);
   CommandResult r = Ctl("--json stats");
   EXPECT_EQ(r.exit_code, 0) << r.err;
-  EXPECT_NE(r.out.find("{\"tiers\": {\"dram\": {\"used_bytes\": 128, "
+  // A 5-byte block takes the DRAM tier's block floor (32 MiB / its 8192
+  // blocks at most: 4 KiB; dram_max_blocks) and 64 bytes for its key.
+  EXPECT_NE(r.out.find("{\"tiers\": {\"dram\": {\"used_bytes\": 4160, "
                        "\"capacity_bytes\": 33554432, \"blocks\": 1"),
             std::string::npos)
       << r.out;
