@@ -221,6 +221,7 @@ absl::Status ApplyConfig(const YAML::Node& root, const std::string& path, Daemon
       {"nvme_max_blocks", uint_into(&c->store.nvme_max_blocks)},
       {"max_batch_keys", uint_into(&c->store.max_batch_keys)},
       {"max_sessions", uint_into(&c->store.max_sessions)},
+      {"max_sessions_per_peer", uint_into(&c->store.max_sessions_per_peer)},
       {"max_namespaces", uint_into(&c->store.max_namespaces)},
       {"max_pinned_blocks", uint_into(&c->store.max_pinned_blocks)},
       {"max_pinned_blocks_per_session",
@@ -448,6 +449,10 @@ absl::Status ValidateConfig(const DaemonConfig& c) {
         "max_pinned_blocks (", s.max_pinned_blocks,
         ") must be at least max_pinned_blocks_per_session (",
         s.max_pinned_blocks_per_session, ")"));
+  }
+  if (s.max_sessions_per_peer == 0) {
+    return absl::InvalidArgumentError(
+        "max_sessions_per_peer must be at least 1");
   }
   if (s.max_pins_per_session == 0 || s.max_pins < s.max_pins_per_session) {
     return absl::InvalidArgumentError(absl::StrCat(

@@ -335,6 +335,7 @@ TEST_F(ConfigFileTest, SessionNamespaceAndPinLimitsAreReadAndChecked) {
     EXPECT_THAT(std::string(st.message()), HasSubstr(says)) << text;
   };
   invalid("max_sessions: 0\n", "max_sessions");
+  invalid("max_sessions_per_peer: 0\n", "max_sessions_per_peer");
   invalid("max_pins_per_session: 0\n", "max_pins_per_session");
   invalid("max_pins: 10\nmax_pins_per_session: 11\n", "max_pins");
   invalid("max_sessions: 1048577\n", "max_sessions");

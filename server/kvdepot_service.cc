@@ -84,6 +84,18 @@ void FillNamespace(const NamespaceStats& ns, v1::NamespaceStats* out) {
   out->set_hits(ns.hits);
 }
 
+// The host in gRPC's name of a call's peer ("ipv4:10.0.0.7:41234" ->
+// "ipv4:10.0.0.7", "ipv6:[::1]:41234" -> "ipv6:[::1]"): sessions are
+// counted per host (max_sessions_per_peer), whatever ports its clients use.
+std::string PeerHost(absl::string_view peer) {
+  const size_t scheme = peer.find(':');
+  const size_t port = peer.rfind(':');
+  if (scheme == absl::string_view::npos || port == scheme) {
+    return std::string(peer);
+  }
+  return std::string(peer.substr(0, port));
+}
+
 }  // namespace
 
 KvDepotService::KvDepotService(TieredStore& store, ServerMetrics& metrics,
@@ -206,7 +218,7 @@ grpc::ServerUnaryReactor* KvDepotService::OpenSession(
     RETURN_IF_ERROR(ValidateOpenSession(*req));
     if (shutting_down()) return StoppingError();
     return store_.OpenSession(absl::Milliseconds(req->lease_ms()),
-                              req->client_name());
+                              req->client_name(), PeerHost(ctx->peer()));
   }();
   if (!grant.ok()) {
     finish(grant.status());

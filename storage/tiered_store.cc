@@ -171,6 +171,7 @@ struct Session {
   absl::Time deadline;
   absl::Duration lease;
   std::string client_name;
+  std::string peer;  // OpenSession's (empty: not counted per peer)
   absl::flat_hash_set<PinId> pins;
   uint64_t pinned_blocks = 0;  // block references held by `pins`
   // Block references that pinned lookups accepted and not yet answered may
@@ -296,14 +297,27 @@ class TieredStoreImpl final : public TieredStore {
 
   // ---- sessions ----------------------------------------------------------
 
-  absl::StatusOr<SessionGrant> OpenSession(
-      absl::Duration lease, absl::string_view client_name) override {
+  using TieredStore::OpenSession;
+  absl::StatusOr<SessionGrant> OpenSession(absl::Duration lease,
+                                           absl::string_view client_name,
+                                           absl::string_view peer) override {
     if (lease <= absl::ZeroDuration()) lease = options_.default_lease;
     lease = std::clamp(lease, options_.min_lease, options_.max_lease);
     absl::MutexLock lock(&mu_);
     if (sessions_.size() >= options_.max_sessions) {
       return absl::ResourceExhaustedError(absl::StrCat(
           "too many sessions (", options_.max_sessions, ")"));
+    }
+    uint32_t* from_peer = nullptr;
+    if (!peer.empty()) {
+      from_peer = &peer_sessions_[std::string(peer)];
+      if (*from_peer >= options_.max_sessions_per_peer) {
+        return absl::ResourceExhaustedError(absl::StrCat(
+            *from_peer, " sessions are open from ", peer,
+            ", the most one peer may have (max_sessions_per_peer): close "
+            "some, or let their leases end"));
+      }
+      ++*from_peer;
     }
     SessionId id;
     do {
@@ -313,6 +327,7 @@ class TieredStoreImpl final : public TieredStore {
     s.lease = lease;
     s.deadline = clock_->Now() + lease;
     s.client_name = std::string(client_name);
+    s.peer = std::string(peer);
     return SessionGrant{id, lease};
   }
 
@@ -1223,6 +1238,11 @@ class TieredStoreImpl final : public TieredStore {
     }
     for (ReservationId r : it->second.reservations) {
       if (EndReservation(r)) ++rel.reservations_aborted;
+    }
+    if (!it->second.peer.empty()) {
+      auto p = peer_sessions_.find(it->second.peer);
+      if (p != peer_sessions_.end() && --p->second == 0)
+        peer_sessions_.erase(p);
     }
     sessions_.erase(it);
     return rel;
@@ -2444,6 +2464,9 @@ class TieredStoreImpl final : public TieredStore {
 
   mutable absl::Mutex mu_;
   absl::flat_hash_map<SessionId, Session> sessions_ ABSL_GUARDED_BY(mu_);
+  // Sessions open per peer (Session::peer), for max_sessions_per_peer.
+  absl::flat_hash_map<std::string, uint32_t> peer_sessions_
+      ABSL_GUARDED_BY(mu_);
   absl::flat_hash_map<PinId, Pin> pins_ ABSL_GUARDED_BY(mu_);
   absl::flat_hash_map<ReservationId, ReservationState> reservations_
       ABSL_GUARDED_BY(mu_);

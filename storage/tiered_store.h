@@ -94,6 +94,11 @@ struct StoreOptions {
   // into a new namespace fails with ResourceExhausted.
   uint32_t max_namespaces = 4096;
   uint32_t max_sessions = 65536;
+  // Sessions open at once from one peer (OpenSession's `peer`: kvdepotd
+  // names a client's host by its address), so that one host's clients
+  // leaking sessions (a reconnect loop that never closes them) cannot take
+  // every session of the daemon from the others.
+  uint32_t max_sessions_per_peer = 16384;
   // Block references one session's live pins may hold (a pinned Lookup of n
   // keys adds up to n); a pinned lookup that could pass it fails with
   // ResourceExhausted until the client unpins. Pinned lookups still in
@@ -343,9 +348,16 @@ class TieredStore {
   virtual ~TieredStore() = default;
 
   // Opens a session; `lease` 0 means the default, others are clamped to
-  // [min_lease, max_lease]. ResourceExhausted at max_sessions.
+  // [min_lease, max_lease]. ResourceExhausted at max_sessions, or at
+  // max_sessions_per_peer sessions open from `peer` (the client's host, as
+  // the caller names it; empty: counted only against max_sessions).
   virtual absl::StatusOr<SessionGrant> OpenSession(
-      absl::Duration lease, absl::string_view client_name) = 0;
+      absl::Duration lease, absl::string_view client_name,
+      absl::string_view peer) = 0;
+  absl::StatusOr<SessionGrant> OpenSession(absl::Duration lease,
+                                           absl::string_view client_name) {
+    return OpenSession(lease, client_name, absl::string_view());
+  }
   // Renews the lease. NotFound if the session is unknown or expired.
   virtual absl::StatusOr<absl::Duration> KeepAlive(SessionId session) = 0;
   // NotFound if unknown; otherwise releases its pins and reservations.

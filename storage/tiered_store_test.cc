@@ -467,6 +467,48 @@ TEST_F(TieredStoreTest, PinnedBlocksPerSessionAreBounded) {
               StatusIs(Code::kResourceExhausted));
 }
 
+// Sessions are bounded in all (max_sessions) and per peer
+// (max_sessions_per_peer): one host's clients leaking sessions take no
+// more than their share; a session's end, however it ends, gives its place
+// back.
+TEST_F(TieredStoreTest, SessionsAreBoundedPerPeerAndInAll) {
+  StoreOptions opts;
+  opts.max_sessions = 6;
+  opts.max_sessions_per_peer = 2;
+  Reopen(opts);  // the fixture's own session (no peer) is one of the 6
+  std::vector<SessionId> a;
+  for (int i = 0; i < 2; ++i) {
+    auto s = store_->OpenSession(absl::ZeroDuration(), "a", "ipv4:10.0.0.1");
+    ASSERT_OK(s) << i;
+    a.push_back(s->id);
+  }
+  auto refused =
+      store_->OpenSession(absl::ZeroDuration(), "a", "ipv4:10.0.0.1");
+  EXPECT_THAT(refused, StatusIs(Code::kResourceExhausted));
+  EXPECT_THAT(std::string(refused.status().message()),
+              ::testing::HasSubstr("max_sessions_per_peer"));
+  // Another host is not held back by the first.
+  auto b = store_->OpenSession(absl::ZeroDuration(), "b", "ipv4:10.0.0.2");
+  ASSERT_OK(b);
+  // A closed session gives its place back to its peer.
+  ASSERT_OK(store_->CloseSession(a[0]));
+  EXPECT_OK(store_->OpenSession(absl::ZeroDuration(), "a", "ipv4:10.0.0.1"));
+  // Expired ones too (all of them here, the fixture's included).
+  clock_.Advance(absl::Hours(2));
+  store_->ExpireSessions();
+  for (int i = 0; i < 2; ++i) {
+    auto s = store_->OpenSession(absl::ZeroDuration(), "a", "ipv4:10.0.0.1");
+    ASSERT_OK(s) << i;
+  }
+  // max_sessions still bounds them all.
+  for (int i = 0; i < 4; ++i) {
+    ASSERT_OK(store_->OpenSession(absl::ZeroDuration(), "c",
+                                  absl::StrCat("ipv4:10.0.1.", i)));
+  }
+  EXPECT_THAT(store_->OpenSession(absl::ZeroDuration(), "d", "ipv4:10.0.2.1"),
+              StatusIs(Code::kResourceExhausted));
+}
+
 // Pins of one block each cost their heap beside their one reference:
 // bounded by count too (max_pins_per_session, max_pins), not only by the
 // references (which let 16.7M one-block pins, about 2.3 GiB, through).

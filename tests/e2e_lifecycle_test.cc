@@ -575,6 +575,29 @@ TEST(LifecycleTest, AdminCallsAreTakenOnlyFromRootOrTheDaemonsUser) {
   EXPECT_TRUE(Connect((*d)->address())->Stats()->draining());
 }
 
+// Sessions are counted per client host (max_sessions_per_peer): the
+// daemon names a client's host by the address it connects from, so every
+// local client counts against one bound, whatever its port.
+TEST(LifecycleTest, SessionsAreBoundedPerClientHost) {
+  const std::string dir = MakeTempDir("perpeer");
+  std::ofstream(dir + "/kvdepot.yaml") << "max_sessions_per_peer: 2\n";
+  auto d = DaemonProcess::Start(
+      {"--dram-capacity", "64MiB", "--config", dir + "/kvdepot.yaml"},
+      dir + "/data");
+  ASSERT_OK(d);
+  std::vector<std::unique_ptr<Client>> clients;
+  for (int i = 0; i < 3; ++i) clients.push_back(Connect((*d)->address()));
+  ASSERT_OK(clients[0]->EnsureSession().status());
+  ASSERT_OK(clients[1]->EnsureSession().status());
+  absl::Status third = clients[2]->EnsureSession().status();
+  EXPECT_EQ(third.code(), absl::StatusCode::kResourceExhausted) << third;
+  EXPECT_NE(std::string(third.message()).find("max_sessions_per_peer"),
+            std::string::npos)
+      << third;
+  clients[0].reset();  // closes its session
+  EXPECT_OK(clients[2]->EnsureSession().status());
+}
+
 // The daemon takes a batch of max_batch_keys blocks with the longest keys
 // and parents: gRPC's message limit follows the setting, so a batch the
 // config allows is never refused as RESOURCE_EXHAUSTED ("no room") for its
