@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <cmath>
 #include <cstdlib>
 #include <cstring>
 #include <limits>
@@ -102,6 +103,12 @@ constexpr size_t kMetaFixedBytes = 1 + 8 + 8 + 8 + 4 + 2;
 constexpr uint64_t kGcCheckInterval = 64;
 // Most forced-GC passes one Compact makes (see Compact).
 constexpr int kCompactPasses = 3;
+// Most passes of a Compact that rewrites only the oldest fraction of the
+// blob files at a time (too little free space for all of them at once).
+constexpr int kMaxPartialCompactPasses = 20;
+// The least fraction of the blob files such a pass rewrites: below it,
+// Compact refuses (the file system is too full for it to help).
+constexpr double kMinCompactFraction = 0.05;
 // How long the write that starts DB::Resume waits for it (its flush of
 // what the memtables hold), and the destructor (both at most until the
 // resume counts as stuck, NvmeTierOptions::resume_stuck_after).
@@ -554,6 +561,10 @@ class NvmeTierImpl final : public NvmeTier {
   // What the memtables hold and puts past CheckFreeSpace not yet in them:
   // bytes their flushes will write.
   uint64_t UnflushedBytes();
+  // The fraction of the blob files (oldest first) a compaction pass may
+  // rewrite for the room the file system has (1: all); FailedPrecondition
+  // when even a small one does not fit.
+  absl::StatusOr<double> CompactFraction();
   std::string ShortOfSpaceMessage(uint64_t free) const;
   // Whether a resume has run past resume_stuck_after.
   bool ResumeStuckLocked() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(resume_mu_);
@@ -2079,6 +2090,37 @@ void NvmeTierImpl::StopMaintenance() {
   db_->DisableManualCompaction();  // CompactRange returns Incomplete
 }
 
+absl::StatusOr<double> NvmeTierImpl::CompactFraction() {
+  uint64_t free = 0;
+  // Unknown (a file system that does not say): RocksDB's errors decide.
+  if (!Env()->GetFreeSpace(options_.path, &free).ok()) return 1.0;
+  uint64_t sst = 0, blobs = 0, garbage = 0;
+  db_->GetIntProperty(rocksdb::DB::Properties::kLiveSstFilesSize, &sst);
+  db_->GetIntProperty(rocksdb::DB::Properties::kLiveBlobFileSize, &blobs);
+  db_->GetIntProperty(rocksdb::DB::Properties::kLiveBlobFileGarbageSize,
+                      &garbage);
+  const uint64_t live_blobs = blobs > garbage ? blobs - garbage : 0;
+  const uint64_t reserve = min_free_bytes_ + UnflushedBytes();
+  const uint64_t room = free > reserve ? free - reserve : 0;
+  if (room >= sst + live_blobs) return 1.0;
+  const double fraction =
+      room > sst && live_blobs > 0
+          ? static_cast<double>(room - sst) / static_cast<double>(live_blobs)
+          : 0.0;
+  if (fraction < kMinCompactFraction) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "NVMe tier: compacting rewrites the live data it keeps (", sst,
+        " bytes of tables, ", live_blobs, " of blobs, at least ",
+        static_cast<uint64_t>(kMinCompactFraction * live_blobs),
+        " of them at a time) beside the old files, and ", free,
+        " bytes are free under ", options_.path, " of which the tier keeps ",
+        reserve,
+        " (min_free_bytes and what the memtables hold): free space "
+        "there first, or lower nvme_capacity"));
+  }
+  return fraction;
+}
+
 absl::Status NvmeTierImpl::Compact() {
   if (closing_.load()) return absl::CancelledError("NVMe tier is closing");
   RETURN_IF_ERROR(EnsureWritable());
@@ -2127,8 +2169,20 @@ absl::Status NvmeTierImpl::Compact() {
   // cannot be read (counted in integrity_errors), and compacts again, once;
   // the error if that fails too.
   bool scrubbed = false;
+  int passes = kCompactPasses;
   for (int pass = 1;; ++pass) {
     if (closing_.load()) return absl::CancelledError("NVMe tier is closing");
+    // A forced-GC pass writes every live blob it relocates before the old
+    // files go: with too little room for all of them it would fill the
+    // file system (and stop the tier's writes). Then each pass rewrites
+    // the oldest fraction that fits, freeing those files for the next.
+    ASSIGN_OR_RETURN(const double fraction, CompactFraction());
+    cro.blob_garbage_collection_age_cutoff = fraction;
+    if (fraction < 1.0) {
+      passes = std::max(
+          passes, std::min(kMaxPartialCompactPasses,
+                           static_cast<int>(std::ceil(1.0 / fraction)) + 1));
+    }
     rocksdb::Status s = db_->CompactRange(cro, nullptr, nullptr);
     if (s.IsIncomplete() && closing_.load()) {  // StopMaintenance
       return absl::CancelledError("NVMe tier is closing: compaction stopped");
@@ -2143,9 +2197,9 @@ absl::Status NvmeTierImpl::Compact() {
     }
     RETURN_IF_ERROR(FromRocksStatus(s, "NVMe tier: compaction"));
     uint64_t garbage = 0;
-    if (pass == kCompactPasses ||
-        !db_->GetIntProperty(
-            rocksdb::DB::Properties::kLiveBlobFileGarbageSize, &garbage) ||
+    if (pass >= passes ||
+        !db_->GetIntProperty(rocksdb::DB::Properties::kLiveBlobFileGarbageSize,
+                             &garbage) ||
         garbage == 0) {
       return absl::OkStatus();
     }

@@ -1928,6 +1928,47 @@ TEST_F(NvmeTierTest, CompactReclaimsSpaceOfDeletedBlocks) {
   EXPECT_TRUE(ReadsBack(Key(0), Bytes(0, kSize)));
 }
 
+// Compacting rewrites the live data beside the old files: on a file system
+// with too little room for that it refuses, writing nothing (it filled the
+// disk and stopped the tier's writes); with room for part of it, it
+// rewrites the oldest blob files a part at a time.
+TEST_F(NvmeTierTest, CompactFitsTheRoomTheFileSystemHas) {
+  constexpr size_t kSize = 64 * kKiB;
+  options_.min_free_bytes = 8 << 20;
+  Open();
+  for (int i = 0; i < 40; ++i) {
+    ASSERT_OK(Put(Key(i), Bytes(i, kSize)));
+    if (i % 10 == 9) {
+      ASSERT_OK(tier_->Flush());  // several blob files
+    }
+  }
+  for (int i = 0; i < 40; i += 2) ASSERT_OK(tier_->Delete("ns", Key(i)));
+  ASSERT_OK(tier_->Flush());
+  const uint64_t before = tier_->Stats().disk_bytes;
+  ASSERT_GE(before, 40 * kSize);
+
+  // Room for one block's worth: refused, nothing written or removed.
+  fault_fs_->SetFreeSpace((8 << 20) + tier_->Stats().unflushed_bytes + kSize);
+  absl::Status refused = tier_->Compact();
+  EXPECT_THAT(refused, StatusIs(Code::kFailedPrecondition));
+  EXPECT_THAT(std::string(refused.message()), HasSubstr("free space there"));
+  EXPECT_EQ(fault_fs_->injected_errors(), 0u);
+  EXPECT_TRUE(tier_->Stats().writable);
+  EXPECT_GE(tier_->Stats().disk_bytes, before);
+
+  // Room for most of it: done, in parts if need be; the deleted blocks'
+  // space comes back.
+  fault_fs_->SetFreeSpace((8 << 20) + tier_->Stats().unflushed_bytes +
+                          30 * kSize);
+  ASSERT_OK(tier_->Compact());
+  EXPECT_LT(tier_->Stats().disk_bytes, before - 10 * kSize);
+  EXPECT_TRUE(tier_->Stats().writable);
+  fault_fs_->ClearFreeSpace();
+  for (int i = 1; i < 40; i += 2) {
+    EXPECT_TRUE(ReadsBack(Key(i), Bytes(i, kSize))) << i;
+  }
+}
+
 // An operator's Compact runs beside RocksDB's own compactions. Here it is
 // held at its first output file while puts and flushes make more level-0
 // files than RocksDB's write stop (level0_stop_writes_trigger, 36): the
