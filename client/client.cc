@@ -1741,12 +1741,14 @@ absl::Status BlockOutcome(
 bool SessionGone(const absl::Status& st) { return absl::IsNotFound(st); }
 
 // A whole request's status as each block's: a session the daemon no
-// longer has (a restart) says nothing of the keys, and a per-block
-// NOT_FOUND says "not stored" (GetInto's false, the connectors' miss).
-// Nothing was transferred; the next call opens a new session.
+// longer has (a restart, an expired lease) says nothing of the keys, and a
+// per-block NOT_FOUND says "not stored" (GetInto's false, the connectors'
+// miss). ABORTED: the daemon answered (not UNAVAILABLE, which the
+// connectors' circuit breakers take for a daemon that is down), nothing
+// was transferred, and the next call, on a new session, may succeed.
 absl::Status AsBlockStatus(const absl::Status& st) {
   if (!SessionGone(st)) return st;
-  return absl::UnavailableError(absl::StrCat(
+  return absl::AbortedError(absl::StrCat(
       "the daemon no longer has this client's session (", st.message(),
       "): nothing transferred; the next call opens a new one"));
 }

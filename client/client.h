@@ -164,9 +164,9 @@ struct Block {
 // then read one status per block. A status that is not OK is a miss for the
 // caller ("degrade to miss"): NOT_FOUND for a block that is not stored,
 // otherwise why the block could not be moved (the daemon is unreachable,
-// the transfer failed or timed out, UNAVAILABLE when the daemon no longer
-// has the client's session -- a restart, an expired lease: nothing was
-// said of the key, and the next call opens a new session -- DATA_LOSS for
+// the transfer failed or timed out, ABORTED when the daemon no longer has
+// the client's session -- a restart, an expired lease: nothing was said of
+// the key, and the next call opens a new session -- DATA_LOSS for
 // bytes that did not match their checksum). Every get (GetIntoAsync, GetInto,
 // Get) tells the daemon of a block it received not matching its checksum
 // (ReportCorrupt, without waiting; best effort): the daemon hashes its copy

@@ -1473,7 +1473,10 @@ class TieredStoreImpl final : public TieredStore {
       // All sessions' pins together, and in-process callers': each pin and
       // each reference costs heap (and 2^32 of one block would wrap its
       // count).
-      if (pins_.size() >= options_.max_pins) {
+      // In-process callers' pins (a gRPC Read stream holds one at a time,
+      // bounded by the streams) are not refused by it: clients holding
+      // max_pins would otherwise stop every Read.
+      if (session != kInternalSession && pins_.size() >= options_.max_pins) {
         return absl::ResourceExhaustedError(absl::StrCat(
             "the store holds ", pins_.size(),
             " pins, the limit for all sessions (max_pins); unpin some first"));
@@ -2553,14 +2556,26 @@ uint64_t NvmeMaxBlocks(const StoreOptions& options) {
 }
 
 uint64_t DramBlockFloor(const StoreOptions& options) {
-  // Of the capacity the arena maps (whole pages), so that a full arena holds
-  // at most DramMaxBlocks blocks (each also takes a key allocation).
+  // The capacity the arena maps (whole pages), less what the blocks' keys
+  // take (64 bytes each, in slab pages, and a page to spare), shared out:
+  // so that that many blocks of the floor fit with their keys.
   const uint64_t page = DramArena::kPageSize;
   const uint64_t capacity = (options.dram_capacity + page - 1) / page * page;
   const uint64_t max_blocks = std::max<uint64_t>(DramMaxBlocks(options), 1);
-  const uint64_t floor =
-      capacity / max_blocks + (capacity % max_blocks != 0 ? 1 : 0);
-  return DramArena::AllocationSize(std::min<uint64_t>(floor, capacity));
+  const uint64_t keys =
+      (max_blocks * DramArena::kMinAlloc + page - 1) / page * page + page;
+  const uint64_t share = capacity > keys ? (capacity - keys) / max_blocks : 0;
+  if (share > DramArena::kMaxSmallAlloc) {
+    // A run of pages: the pages left for blocks shared out, rounded up, so
+    // that no more than max_blocks fit (fewer when they do not divide).
+    const uint64_t pages = (capacity - keys) / page;
+    return (pages + max_blocks - 1) / max_blocks * page;
+  }
+  // A size class: the one the share falls in, so that blocks of the
+  // default's 4 KiB stay in their own class whatever the capacity's digits
+  // (64MB, not 64MiB: a share of 4027 bytes); the tier then holds a few
+  // percent fewer of the smallest blocks than the bound.
+  return DramArena::AllocationSize(std::max<uint64_t>(share, 1));
 }
 
 absl::StatusOr<std::unique_ptr<TieredStore>> NewTieredStore(

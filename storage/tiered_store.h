@@ -116,7 +116,9 @@ struct StoreOptions {
   // each, bounded by max_pinned_blocks alone, could take 16 times what
   // that limit's comment says. A pinned lookup past either fails with
   // ResourceExhausted until pins are released (lookups in flight may pass
-  // them by their number). The defaults bound pins to about 150 MiB.
+  // them by their number). In-process callers' pins (kInternalSession: a
+  // gRPC Read stream's, one at a time) count in max_pins but are not
+  // refused by it. The defaults bound pins to about 150 MiB.
   uint32_t max_pins_per_session = 16384;
   uint32_t max_pins = uint32_t{1} << 20;
   // Run a background thread that evicts down to the low watermark.

@@ -536,6 +536,11 @@ TEST_F(TieredStoreTest, PinsAreBoundedByTheirNumberToo) {
   // 8 pins in all: the other session, under its own limit, is refused too.
   EXPECT_THAT(store_->Lookup(other->id, "ns", {&k, 1}, false, true),
               StatusIs(Code::kResourceExhausted));
+  // In-process callers (a gRPC Read stream) are not refused: clients at
+  // the limit would stop every Read.
+  auto internal = store_->Lookup(kInternalSession, "ns", {&k, 1}, false, true);
+  ASSERT_OK(internal);
+  ASSERT_OK(store_->Unpin(kInternalSession, internal->pin_id));
   ASSERT_OK(store_->Unpin(sid_, mine[0]));
   EXPECT_OK(store_->Lookup(other->id, "ns", {&k, 1}, false, true));
   EXPECT_EQ(store_->Stats().pins, 8u);
@@ -1310,6 +1315,30 @@ TEST_F(TieredStoreTest, ReservedBytesAreTheArenaSpaceTaken) {
 // 256 = 16 KiB), so eviction keeps their number, and the index's heap,
 // within the bound. 1-byte blocks took 128 bytes each (64 for the bytes, 64
 // for the key): 32768 of them, and as many index entries, in 4 MiB.
+// The floor shares the arena, less its blocks' keys, among dram_max_blocks:
+// 4 KiB blocks keep their own size class under the default bound whatever
+// the capacity's digits (a decimal 64 MB made it 6 KiB); no more blocks
+// than the bound fit, and a bound of 1 holds one (it held none: the floor
+// was the whole arena, with no room for the key).
+TEST(DramBlockFloorTest, SharesTheArenaLessItsKeys) {
+  StoreOptions o;
+  o.dram_capacity = 64'000'000;  // "64MB"
+  EXPECT_EQ(DramBlockFloor(o), 4096u);
+  o.dram_capacity = uint64_t{64} << 20;
+  EXPECT_EQ(DramBlockFloor(o), 4096u);
+  const uint64_t page = DramArena::kPageSize;
+  for (uint64_t n : {1, 2, 4, 7, 16}) {
+    o.dram_max_blocks = n;
+    const uint64_t floor = DramBlockFloor(o);
+    EXPECT_GT((n + 1) * floor, o.dram_capacity - page) << n;  // at most n
+    EXPECT_GE(floor, page) << n;
+  }
+  o.dram_max_blocks = 1;
+  EXPECT_LE(DramBlockFloor(o) + page, o.dram_capacity);  // and a key's page
+  o.dram_max_blocks = 4;  // 1022 pages for blocks: 3 of 256 pages fit
+  EXPECT_EQ(DramBlockFloor(o), 256 * page);
+}
+
 TEST_F(TieredStoreTest, TinyBlocksFillDramAtItsBlockBound) {
   StoreOptions opts;
   opts.dram_max_blocks = 256;

@@ -1384,6 +1384,7 @@ TEST_P(UcxE2eTest, AGetAfterAWarmRestartIsNoFalseNotStored) {
   first.Wait();
   const absl::Status st = first.statuses()[0];
   EXPECT_FALSE(absl::IsNotFound(st)) << st;
+  EXPECT_FALSE(absl::IsUnavailable(st)) << st;  // the daemon answered
   // And the next get opens a session and reads it.
   bool read = st.ok();
   for (absl::Time end = absl::Now() + absl::Seconds(30);
@@ -1688,8 +1689,9 @@ TEST_P(UcxE2eTest, ARequestForASessionTheDaemonClosedIsAMissThenTheClientRecover
   absl::Span<char> dst(buf.data() + kBlock, kBlock);
   TransferOp miss = client_->GetIntoAsync("req", {&key, 1}, {&dst, 1});
   ASSERT_TRUE(miss.WaitUntil(absl::Now() + absl::Seconds(30)));
-  // Not NOT_FOUND, which says the key is not stored: the session went.
-  EXPECT_THAT(miss.statuses()[0], StatusIs(absl::StatusCode::kUnavailable));
+  // Not NOT_FOUND, which says the key is not stored, nor UNAVAILABLE,
+  // which says the daemon is down: the session went (ABORTED).
+  EXPECT_THAT(miss.statuses()[0], StatusIs(absl::StatusCode::kAborted));
   // The client dropped the session; the next call opens a new one.
   std::fill(dst.begin(), dst.end(), 0);
   TransferOp get = client_->GetIntoAsync("req", {&key, 1}, {&dst, 1});

@@ -79,8 +79,9 @@ at the first chunk that is not all stored.
 Errors never escape: a failed lookup is 0 pages, a failed get or set is
 False for each page it covered (SGLang then recomputes or retries); a get or
 set reports each page on its own, so one bad page does not fail the others.
-A NOT_FOUND object is a miss for a get, an error for a put (e.g. "unknown
-session" after a daemon restart: counted and logged). After a call finds
+A NOT_FOUND object is a miss for a get; ABORTED (the daemon no longer has
+the client's session, e.g. after a restart: the next call opens a new one)
+fails a get or a put, counted and logged. After a call finds
 kvdepotd unavailable (UNAVAILABLE or DEADLINE_EXCEEDED) the backend does not
 call it for a back-off window (:class:`kvdepot.integrations.CircuitBreaker`:
 ``backoff_s``, doubling after each failed retry up to ``max_backoff_s``,
