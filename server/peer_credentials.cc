@@ -1,6 +1,7 @@
 #include "server/peer_credentials.h"
 
 #include <arpa/inet.h>
+#include <ifaddrs.h>
 #include <netinet/in.h>
 
 #include <cstring>
@@ -145,7 +146,59 @@ std::optional<uint32_t> LocalPeerUid(
   return uid;
 }
 
+bool PeerIsOnThisHost(absl::string_view grpc_peer) {
+  const std::string decoded = absl::StrReplaceAll(grpc_peer, {{"%5B", "["},
+                                                              {"%5D", "]"},
+                                                              {"%3A", ":"},
+                                                              {"%5b", "["},
+                                                              {"%5d", "]"},
+                                                              {"%3a", ":"}});
+  absl::string_view rest = decoded;
+  const bool v4 = absl::ConsumePrefix(&rest, "ipv4:");
+  if (!v4 && !absl::ConsumePrefix(&rest, "ipv6:")) return false;
+  const size_t colon = rest.rfind(':');
+  if (colon == absl::string_view::npos) return false;
+  absl::string_view host = rest.substr(0, colon);
+  in_addr a4{};
+  in6_addr a6{};
+  bool is_v4 = v4;
+  if (v4) {
+    if (inet_pton(AF_INET, std::string(host).c_str(), &a4) != 1) return false;
+  } else {
+    if (!absl::ConsumePrefix(&host, "[") || !absl::ConsumeSuffix(&host, "]")) {
+      return false;
+    }
+    if (inet_pton(AF_INET6, std::string(host).c_str(), &a6) != 1) return false;
+    if (IN6_IS_ADDR_LOOPBACK(&a6)) return true;
+    if (IN6_IS_ADDR_V4MAPPED(&a6)) {
+      std::memcpy(&a4, a6.s6_addr + 12, sizeof(a4));
+      is_v4 = true;
+    }
+  }
+  if (is_v4 && reinterpret_cast<const unsigned char*>(&a4)[0] == 127) {
+    return true;  // 127.0.0.0/8
+  }
+  ifaddrs* list = nullptr;
+  if (getifaddrs(&list) != 0) return false;
+  bool found = false;
+  for (ifaddrs* i = list; i != nullptr && !found; i = i->ifa_next) {
+    if (i->ifa_addr == nullptr) continue;
+    if (is_v4 && i->ifa_addr->sa_family == AF_INET) {
+      const auto* sin = reinterpret_cast<const sockaddr_in*>(i->ifa_addr);
+      found = std::memcmp(&sin->sin_addr, &a4, sizeof(a4)) == 0;
+    } else if (!is_v4 && i->ifa_addr->sa_family == AF_INET6) {
+      const auto* sin6 = reinterpret_cast<const sockaddr_in6*>(i->ifa_addr);
+      found = std::memcmp(&sin6->sin6_addr, &a6, sizeof(a6)) == 0;
+    }
+  }
+  freeifaddrs(list);
+  return found;
+}
+
 std::optional<uint32_t> LocalPeerUid(absl::string_view grpc_peer) {
+  // Another host's (most callers that are not local): no need to read the
+  // host's whole socket tables and every descriptor of kvdepotd to say so.
+  if (!PeerIsOnThisHost(grpc_peer)) return std::nullopt;
   return LocalPeerUid(grpc_peer, "/proc/net", OwnSocketInodes());
 }
 

@@ -31,6 +31,11 @@ namespace kvdepot {
 // address that does not parse, or a connection that is gone.
 std::optional<uint32_t> LocalPeerUid(absl::string_view grpc_peer);
 
+// Whether gRPC peer `grpc_peer`'s address is this host's: loopback
+// (127.0.0.0/8, ::1, their v4-mapped forms) or an address of one of its
+// interfaces (getifaddrs). LocalPeerUid reads no socket table for another.
+bool PeerIsOnThisHost(absl::string_view grpc_peer);
+
 // The same, with the socket tables read from `proc_net` (a directory with
 // files tcp and tcp6 in /proc/net's format) and this process's sockets given
 // by their inodes, for tests.

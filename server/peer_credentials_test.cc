@@ -1,6 +1,7 @@
 #include "server/peer_credentials.h"
 
 #include <arpa/inet.h>
+#include <ifaddrs.h>
 #include <netinet/in.h>
 #include <sys/socket.h>
 #include <unistd.h>
@@ -89,6 +90,38 @@ TEST(LocalPeerUidTest, FindsTheOwnerOfALoopbackIpv6Peer) {
   EXPECT_EQ(*uid, getuid());
   EXPECT_EQ(LocalPeerUid(absl::StrCat("ipv6:%5B::1%5D:", pair.client_port())),
             uid);
+}
+
+// Peers of this host are told from others without the socket tables:
+// LocalPeerUid reads them (and every descriptor of kvdepotd) only for a
+// peer of this host, not for each call of a remote one.
+TEST(LocalPeerUidTest, PeersOfThisHostAreToldFromOthers) {
+  EXPECT_TRUE(PeerIsOnThisHost("ipv4:127.0.0.1:1"));
+  EXPECT_TRUE(PeerIsOnThisHost("ipv4:127.1.2.3:1"));
+  EXPECT_TRUE(PeerIsOnThisHost("ipv6:[::1]:1"));
+  EXPECT_TRUE(PeerIsOnThisHost("ipv6:%5B::ffff:127.0.0.1%5D:1"));
+  EXPECT_FALSE(PeerIsOnThisHost("ipv4:203.0.113.5:1"));  // TEST-NET-3
+  EXPECT_FALSE(PeerIsOnThisHost("ipv6:[2001:db8::1]:1"));
+  EXPECT_FALSE(PeerIsOnThisHost("unix:/tmp/s"));
+  EXPECT_FALSE(PeerIsOnThisHost("ipv4:not-an-address:1"));
+  // An address of one of this host's interfaces.
+  ifaddrs* list = nullptr;
+  ASSERT_EQ(getifaddrs(&list), 0);
+  std::string own;
+  for (ifaddrs* i = list; i != nullptr; i = i->ifa_next) {
+    if (i->ifa_addr == nullptr || i->ifa_addr->sa_family != AF_INET) continue;
+    char text[INET_ADDRSTRLEN];
+    const auto* sin = reinterpret_cast<const sockaddr_in*>(i->ifa_addr);
+    if (inet_ntop(AF_INET, &sin->sin_addr, text, sizeof(text)) != nullptr &&
+        std::string(text).rfind("127.", 0) != 0) {
+      own = text;
+      break;
+    }
+  }
+  freeifaddrs(list);
+  if (!own.empty()) {
+    EXPECT_TRUE(PeerIsOnThisHost("ipv4:" + own + ":1")) << own;
+  }
 }
 
 TEST(LocalPeerUidTest, UnknownOrUnparsablePeersHaveNone) {
