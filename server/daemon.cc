@@ -5,7 +5,6 @@
 #include <grpcpp/security/server_credentials.h>
 #include <grpcpp/server_builder.h>
 #include <spdlog/spdlog.h>
-#include <sys/statvfs.h>
 
 #include <algorithm>
 #include <exception>
@@ -14,6 +13,7 @@
 #include <utility>
 #include <vector>
 
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "absl/time/clock.h"
@@ -28,16 +28,13 @@
 namespace kvdepot {
 namespace {
 
-// Whether the file system under `path` (or the nearest directory above it
-// that exists) has no room left: less than 1 MiB free to kvdepotd.
-bool NvmeFileSystemFull(std::string path) {
-  struct statvfs fs;
-  while (statvfs(path.c_str(), &fs) != 0) {
-    const size_t slash = path.find_last_of('/');
-    if (slash == std::string::npos || slash == 0) return false;
-    path.resize(slash);
-  }
-  return static_cast<uint64_t>(fs.f_bavail) * fs.f_frsize < (uint64_t{1} << 20);
+// Whether `st` is a write refused for want of room (ENOSPC: no free
+// blocks or no free inodes; RocksDB's NoSpace, "disk full"), not another
+// error met where space is short (a corrupt database, another format).
+bool IsNoSpace(const absl::Status& st) {
+  return (absl::IsUnavailable(st) || absl::IsResourceExhausted(st)) &&
+         (absl::StrContains(st.message(), "No space left on device") ||
+          absl::StrContains(st.message(), ": disk full ("));
 }
 
 // `listen` ("HOST:PORT", validated) with the port it got.
@@ -100,7 +97,7 @@ absl::Status Daemon::Init() {
   absl::StatusOr<std::unique_ptr<TieredStore>> store =
       NewTieredStore(store_options, SystemClock());
   if (!store.ok() && store_options.nvme_capacity > 0 &&
-      NvmeFileSystemFull(store_options.nvme_path)) {
+      IsNoSpace(store.status())) {
     // RocksDB writes a new MANIFEST at every open, which a full file system
     // refuses: without this the daemon would not start at all (and crash
     // loop under systemd or Kubernetes) where a full disk should only stop
@@ -126,7 +123,7 @@ absl::Status Daemon::Init() {
 
   if (!config_.metrics_listen.empty()) {
     status_page_ = std::make_unique<StatusPage>(
-        StatusPage::Sources{[this] { return store_->Stats(); },
+        StatusPage::Sources{[this] { return StatsForMetrics(); },
                             [this] { return registry_->Collect(); },
                             [this] {
                               // NOT_SERVING until the gRPC server is up, as its
@@ -410,7 +407,8 @@ void Daemon::Shutdown() {
     if (int ended = store_->EndAllSessions(); ended > 0) {
       log_->info("ended {} session(s) still open", ended);
     }
-    if (config_.persist_on_shutdown && config_.store.nvme_capacity > 0) {
+    if (config_.persist_on_shutdown && config_.store.nvme_capacity > 0 &&
+        nvme_unopened_.empty()) {
       absl::StatusOr<uint64_t> n = store_->PersistDram();
       if (n.ok()) {
         // An NVMe tier smaller than DRAM evicts as it takes them: say

@@ -823,9 +823,11 @@ grpc::ServerUnaryReactor* KvDepotService::Evict(grpc::CallbackServerContext* ctx
     for (const std::string& k : r.pinned_keys) resp->add_pinned_keys(k);
     resp->set_pinned_blocks(r.pinned_blocks);
     resp->set_missing_keys(r.missing_keys);
-    log_->info("evict {}: {} blocks ({} bytes) removed, {} pinned kept",
-               req->namespace_(), r.evicted_blocks, r.evicted_bytes,
-               r.pinned_blocks);
+    if (uint64_t left_out; log_limit_.Allow("evict", &left_out)) {
+      log_->info("evict {}: {} blocks ({} bytes) removed, {} pinned kept{}",
+                 req->namespace_(), r.evicted_blocks, r.evicted_bytes,
+                 r.pinned_blocks, LeftOutNote(left_out));
+    }
     return absl::OkStatus();
   });
 }
@@ -1088,10 +1090,13 @@ void KvDepotService::SessionLost(SessionId session, const absl::Status& why) {
   absl::StatusOr<SessionRelease> rel = store_.CloseSession(session);
   if (data_plane_ != nullptr) data_plane_->Detach(session, /*peer_gone=*/true);
   if (!rel.ok()) return;  // closed meanwhile
-  log_->info(
-      "session {} ended: its UCX peer is gone ({}); {} pins released, {} "
-      "puts aborted",
-      session, why.ToString(), rel->pins_released, rel->reservations_aborted);
+  if (uint64_t left_out; log_limit_.Allow("peer gone", &left_out)) {
+    log_->info(
+        "session {} ended: its UCX peer is gone ({}); {} pins released, {} "
+        "puts aborted{}",
+        session, why.ToString(), rel->pins_released, rel->reservations_aborted,
+        LeftOutNote(left_out));
+  }
 }
 
 absl::Status KvDepotService::UnlessSessionEnded(SessionId session,
