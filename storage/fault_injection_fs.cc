@@ -65,12 +65,22 @@ class BlobReadCountingFile final
                          rocksdb::Slice* result, char* scratch,
                          rocksdb::IODebugContext* dbg) const override {
     fs_->CountBlobRead();
+    if (fs_->TakeBlobReadFailure()) {
+      return rocksdb::IOStatus::IOError(
+          "While reading a blob file: Input/output error");
+    }
     return target()->Read(offset, n, options, result, scratch, dbg);
   }
   rocksdb::IOStatus MultiRead(rocksdb::FSReadRequest* reqs, size_t num_reqs,
                               const rocksdb::IOOptions& options,
                               rocksdb::IODebugContext* dbg) override {
     fs_->CountBlobRead();
+    if (fs_->TakeBlobReadFailure()) {
+      const rocksdb::IOStatus eio = rocksdb::IOStatus::IOError(
+          "While reading a blob file: Input/output error");
+      for (size_t i = 0; i < num_reqs; ++i) reqs[i].status = eio;
+      return eio;
+    }
     return target()->MultiRead(reqs, num_reqs, options, dbg);
   }
 

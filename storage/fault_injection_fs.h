@@ -47,6 +47,18 @@ class FaultInjectionFileSystem : public rocksdb::FileSystemWrapper {
   // Read calls on blob files since construction.
   uint64_t blob_reads() const { return blob_reads_.load(); }
   void CountBlobRead() { blob_reads_.fetch_add(1); }
+  // The next `n` reads of blob files fail with an I/O error ("Input/output
+  // error", as a bad sector or a controller reset gives), then reads work
+  // again.
+  void FailNextBlobReads(int n) { blob_read_failures_.store(n); }
+  // Whether this read is one of those (counts it).
+  bool TakeBlobReadFailure() {
+    int left = blob_read_failures_.load();
+    while (left > 0 &&
+           !blob_read_failures_.compare_exchange_weak(left, left - 1)) {
+    }
+    return left > 0;
+  }
   // Blob files opened for direct reads (FileOptions::use_direct_reads).
   uint64_t direct_blob_opens() const { return direct_blob_opens_.load(); }
   // While true, opening a file for direct reads fails with InvalidArgument,
@@ -120,6 +132,7 @@ class FaultInjectionFileSystem : public rocksdb::FileSystemWrapper {
   std::atomic<bool> disk_full_{false};
   std::atomic<uint64_t> injected_errors_{0};
   std::atomic<uint64_t> blob_reads_{0};
+  std::atomic<int> blob_read_failures_{0};
   std::atomic<uint64_t> direct_blob_opens_{0};
   std::atomic<bool> refuse_direct_reads_{false};
   std::atomic<bool> fake_free_space_{false};

@@ -642,6 +642,7 @@ class NvmeTierImpl final : public NvmeTier {
   // NvmeTierOptions::min_free_bytes, its default resolved (Init).
   uint64_t min_free_bytes_ = 0;
   std::atomic<uint64_t> puts_in_flight_bytes_{0};  // see UnflushedBytes
+  std::atomic<uint64_t> read_retries_{0};  // NvmeTierStats::read_retries
   // What the last put's CheckFreeSpace found.
   std::atomic<uint64_t> free_bytes_{0};
   std::atomic<bool> short_of_space_{false};
@@ -1767,6 +1768,18 @@ std::vector<absl::Status> NvmeTierImpl::MultiRead(
     std::vector<rocksdb::PinnableSlice> values(end - begin);
     db_->MultiGet(ro, db_->DefaultColumnFamily(), end - begin, &keys[begin],
                   values.data(), &statuses[begin]);
+    // An I/O error may pass (a controller reset, a retried sector): once
+    // more, in the same snapshot, before FinishRead drops the block for
+    // good.
+    for (size_t j = begin; j < end; ++j) {
+      if (!IsUnreadable(statuses[j])) continue;
+      rocksdb::ReadOptions again = ro;
+      again.fill_cache = false;
+      values[j - begin].Reset();
+      statuses[j] = db_->Get(again, db_->DefaultColumnFamily(), keys[j],
+                             &values[j - begin]);
+      read_retries_.fetch_add(1, std::memory_order_relaxed);
+    }
     for (size_t j = begin; j < end; ++j) {
       const PlannedRead& p = planned[j];
       const NvmeReadRequest& request = requests[p.request];
@@ -1892,6 +1905,7 @@ NvmeTierStats NvmeTierImpl::Stats() {
         ShortOfSpaceMessage(free_bytes_.load(std::memory_order_relaxed));
   }
   stats.unflushed_bytes = UnflushedBytes();
+  stats.read_retries = read_retries_.load(std::memory_order_relaxed);
   stats.blob_gc_active = blob_gc_active_.load();
   db_->GetIntProperty(rocksdb::DB::Properties::kLiveBlobFileGarbageSize,
                       &stats.blob_garbage_bytes);

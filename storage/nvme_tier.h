@@ -251,6 +251,9 @@ struct NvmeTierStats {
   // Bytes the memtables hold (RocksDB's estimate, arena blocks included)
   // that their flushes will write to the file system.
   uint64_t unflushed_bytes = 0;
+  // Reads that met an I/O error and were tried once more (a block is
+  // dropped only when the second try fails too).
+  uint64_t read_retries = 0;
 };
 
 // What NvmeTier::Verify found.

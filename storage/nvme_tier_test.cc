@@ -909,6 +909,29 @@ TEST_F(NvmeTierTest, BlocksThatCannotBeReadAreDroppedAndCanBePutAgain) {
   EXPECT_TRUE(tier_->Stats().writable) << tier_->Stats().write_error;
 }
 
+// An I/O error that passes (a controller reset, a sector the drive
+// retries) dropped the block for good: a burst of promotions during a
+// reset of a few seconds emptied the tier of what it read. A read now
+// tries once more before it drops; a block that fails twice still goes.
+TEST_F(NvmeTierTest, AReadThatMeetsAnIoErrorOnceIsTriedAgain) {
+  constexpr size_t kSize = 64 * kKiB;
+  Open();
+  for (int i = 0; i < 2; ++i) ASSERT_OK(Put(Key(i), Bytes(i, kSize)));
+  ASSERT_OK(tier_->Flush());
+  fault_fs_->FailNextBlobReads(1);
+  EXPECT_TRUE(ReadsBack(Key(0), Bytes(0, kSize)));
+  EXPECT_TRUE(tier_->Contains("ns", Key(0)));
+  EXPECT_EQ(tier_->Stats().read_retries, 1u);
+  EXPECT_EQ(tier_->Stats().integrity_errors, 0u);
+  // Twice in a row: unreadable, dropped as before.
+  fault_fs_->FailNextBlobReads(2);
+  std::string buf(kSize, '\0');
+  EXPECT_THAT(tier_->Read("ns", Key(1), absl::MakeSpan(buf)),
+              StatusIs(Code::kDataLoss));
+  EXPECT_FALSE(tier_->Contains("ns", Key(1)));
+  EXPECT_TRUE(ReadsBack(Key(0), Bytes(0, kSize)));
+}
+
 // The same blocks met by a compaction first (blob garbage collection reads
 // every live blob): the I/O error stopped the tier's writes until a
 // restart, and every restart again at the next such compaction. The
