@@ -226,15 +226,22 @@ absl::Status DataPlane::Attach(SessionId session, std::string_view address,
       return absl::AlreadyExistsError(
           absl::StrCat("session ", session, " already has a UCX endpoint"));
     }
-    if (links_.size() >= max_links_) {
+    // Wire-ups in progress count too: their links join links_ only once
+    // connected.
+    if (links_.size() + wiring_up_ >= max_links_) {
       return absl::UnavailableError(absl::StrCat(
-          links_.size(),
-          " sessions have a UCX endpoint, the most kvdepotd's "
-          "open file limit leaves room for (max_links; raise RLIMIT_NOFILE, "
-          "LimitNOFILE in systemd): this one uses gRPC"));
+          links_.size() + wiring_up_,
+          " sessions have a UCX endpoint or are being wired up, the most "
+          "kvdepotd's open file limit leaves room for (max_links; raise "
+          "RLIMIT_NOFILE, LimitNOFILE in systemd): this one uses gRPC"));
     }
+    ++wiring_up_;
     worker = workers_[next_worker_++ % workers_.size()].get();
   }
+  absl::Cleanup attach_ended = [this] {
+    absl::MutexLock lock(&mu_);
+    --wiring_up_;
+  };
   bool colocated = shared_memory_ && !client_host_id.empty() &&
                    client_host_id == LocalHostId();
   if (colocated && !client_uid) {

@@ -459,6 +459,8 @@ class DataPlane {
   std::unique_ptr<PeerMonitor> monitor_;  // on workers_[0]
 
   mutable absl::Mutex mu_;
+  // Attach calls past the max_links check and not yet ended.
+  size_t wiring_up_ ABSL_GUARDED_BY(mu_) = 0;
   absl::flat_hash_map<SessionId, std::shared_ptr<Link>> links_
       ABSL_GUARDED_BY(mu_);
   // Sessions Attach is connecting (from before its endpoints exist until
