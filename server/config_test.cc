@@ -30,6 +30,15 @@ TEST(ParseAdmissionTest, AcceptsAlwaysAndReadCounts) {
 
 class ConfigFileTest : public ::testing::Test {
  protected:
+  // `text` as a config file is refused (InvalidArgument), when loaded or
+  // validated, saying `says`.
+  void ExpectInvalid(const std::string& text, const char* says) {
+    DaemonConfig bad;
+    absl::Status st = LoadConfigFile(Write(text), &bad);
+    if (st.ok()) st = ValidateConfig(bad);
+    EXPECT_THAT(st, StatusIs(absl::StatusCode::kInvalidArgument)) << text;
+    EXPECT_THAT(std::string(st.message()), HasSubstr(says)) << text;
+  }
   std::string Write(const std::string& text) {
     path_ = ::testing::TempDir() + "/kvdepot_config_test.yaml";
     std::ofstream(path_) << text;
@@ -327,26 +336,21 @@ TEST_F(ConfigFileTest, SessionNamespaceAndPinLimitsAreReadAndChecked) {
   EXPECT_EQ(pins.store.max_pins_per_session, 50u);
   EXPECT_OK(ValidateConfig(pins));
 
-  auto invalid = [&](const std::string& text, const char* says) {
-    DaemonConfig bad;
-    absl::Status st = LoadConfigFile(Write(text), &bad);
-    if (st.ok()) st = ValidateConfig(bad);
-    EXPECT_THAT(st, StatusIs(absl::StatusCode::kInvalidArgument)) << text;
-    EXPECT_THAT(std::string(st.message()), HasSubstr(says)) << text;
-  };
-  invalid("max_sessions: 0\n", "max_sessions");
-  invalid("max_sessions_per_peer: 0\n", "max_sessions_per_peer");
-  invalid("max_pins_per_session: 0\n", "max_pins_per_session");
-  invalid("max_pins: 10\nmax_pins_per_session: 11\n", "max_pins");
-  invalid("max_sessions: 1048577\n", "max_sessions");
-  invalid("max_namespaces: 0\n", "max_namespaces");
-  invalid("max_namespaces: 65537\n", "max_namespaces");
-  invalid("max_pinned_blocks: 4294967296\n", "too large");
+  ExpectInvalid("max_sessions: 0\n", "max_sessions");
+  ExpectInvalid("max_sessions_per_peer: 0\n", "max_sessions_per_peer");
+  ExpectInvalid("max_pins_per_session: 0\n", "max_pins_per_session");
+  ExpectInvalid("max_pins: 10\nmax_pins_per_session: 11\n", "max_pins");
+  ExpectInvalid("max_sessions: 1048577\n", "max_sessions");
+  ExpectInvalid("max_namespaces: 0\n", "max_namespaces");
+  ExpectInvalid("max_namespaces: 65537\n", "max_namespaces");
+  ExpectInvalid("max_pinned_blocks: 4294967296\n", "too large");
   // Below max_batch_keys (1024 by default) the largest pinned lookup could
   // never be made.
-  invalid("max_pinned_blocks_per_session: 1023\n", "max_batch_keys");
-  invalid("max_batch_keys: 64\nmax_pinned_blocks_per_session: 128\nmax_pinned_blocks: 100\n",
-          "max_pinned_blocks_per_session");
+  ExpectInvalid("max_pinned_blocks_per_session: 1023\n", "max_batch_keys");
+  ExpectInvalid(
+      "max_batch_keys: 64\nmax_pinned_blocks_per_session: "
+      "128\nmax_pinned_blocks: 100\n",
+      "max_pinned_blocks_per_session");
   DaemonConfig low;
   ASSERT_OK(LoadConfigFile(Write("max_batch_keys: 64\n"
                                  "max_pinned_blocks_per_session: 64\n"
@@ -382,21 +386,16 @@ TEST_F(ConfigFileTest, BlockBoundsAreReadAndChecked) {
   EXPECT_EQ(NvmeMaxBlocks(derived.store), 0u);
   EXPECT_OK(ValidateConfig(derived));
 
-  auto invalid = [&](const std::string& text, const char* says) {
-    DaemonConfig bad;
-    absl::Status st = LoadConfigFile(Write(text), &bad);
-    if (st.ok()) st = ValidateConfig(bad);
-    EXPECT_THAT(st, StatusIs(absl::StatusCode::kInvalidArgument)) << text;
-    EXPECT_THAT(std::string(st.message()), HasSubstr(says)) << text;
-  };
-  invalid("dram_max_blocks: lots\n", "bad integer");
-  invalid("nvme_max_blocks: -1\n", "bad integer");
+  ExpectInvalid("dram_max_blocks: lots\n", "bad integer");
+  ExpectInvalid("nvme_max_blocks: -1\n", "bad integer");
   // More than one block per 64 bytes is a count no tier could reach (a
   // size written as a count, most likely).
-  invalid("dram_capacity: 1MiB\ndram_max_blocks: 16385\n", "dram_max_blocks");
-  invalid("nvme_capacity: 1MiB\nnvme_max_blocks: 16385\n", "nvme_max_blocks");
+  ExpectInvalid("dram_capacity: 1MiB\ndram_max_blocks: 16385\n",
+                "dram_max_blocks");
+  ExpectInvalid("nvme_capacity: 1MiB\nnvme_max_blocks: 16385\n",
+                "nvme_max_blocks");
   // A tier too small for one block of the default bound needs its own.
-  invalid("nvme_capacity: 8KiB\n", "nvme_max_blocks");
+  ExpectInvalid("nvme_capacity: 8KiB\n", "nvme_max_blocks");
   DaemonConfig edge;
   ASSERT_OK(LoadConfigFile(Write("dram_capacity: 1MiB\ndram_max_blocks: 16384\n"
                                  "nvme_capacity: 8KiB\nnvme_max_blocks: 1\n"),

@@ -62,6 +62,17 @@ void ReadTable(const std::string& path, bool v6, std::vector<Socket>* out) {
   }
 }
 
+// gRPC's name of a peer with the brackets and colons of an IPv6 address
+// that some gRPC versions percent-encode ("ipv6:%5B::1%5D:41234") decoded.
+std::string DecodePeer(absl::string_view grpc_peer) {
+  return absl::StrReplaceAll(grpc_peer, {{"%5B", "["},
+                                         {"%5D", "]"},
+                                         {"%3A", ":"},
+                                         {"%5b", "["},
+                                         {"%5d", "]"},
+                                         {"%3a", ":"}});
+}
+
 // The inodes of this process's sockets (/proc/self/fd/N -> "socket:[I]").
 absl::flat_hash_set<uint64_t> OwnSocketInodes() {
   absl::flat_hash_set<uint64_t> inodes;
@@ -85,14 +96,7 @@ absl::flat_hash_set<uint64_t> OwnSocketInodes() {
 std::optional<uint32_t> LocalPeerUid(
     absl::string_view grpc_peer, const std::string& proc_net,
     const absl::flat_hash_set<uint64_t>& own_inodes) {
-  // Some gRPC versions percent-encode the brackets and colons of an IPv6
-  // peer ("ipv6:%5B::1%5D:41234").
-  const std::string decoded = absl::StrReplaceAll(grpc_peer, {{"%5B", "["},
-                                                              {"%5D", "]"},
-                                                              {"%3A", ":"},
-                                                              {"%5b", "["},
-                                                              {"%5d", "]"},
-                                                              {"%3a", ":"}});
+  const std::string decoded = DecodePeer(grpc_peer);
   absl::string_view rest = decoded;
   const bool v4 = absl::ConsumePrefix(&rest, "ipv4:");
   if (!v4 && !absl::ConsumePrefix(&rest, "ipv6:")) return std::nullopt;
@@ -147,12 +151,7 @@ std::optional<uint32_t> LocalPeerUid(
 }
 
 bool PeerIsOnThisHost(absl::string_view grpc_peer) {
-  const std::string decoded = absl::StrReplaceAll(grpc_peer, {{"%5B", "["},
-                                                              {"%5D", "]"},
-                                                              {"%3A", ":"},
-                                                              {"%5b", "["},
-                                                              {"%5d", "]"},
-                                                              {"%3a", ":"}});
+  const std::string decoded = DecodePeer(grpc_peer);
   absl::string_view rest = decoded;
   const bool v4 = absl::ConsumePrefix(&rest, "ipv4:");
   if (!v4 && !absl::ConsumePrefix(&rest, "ipv6:")) return false;
