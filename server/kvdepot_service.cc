@@ -952,8 +952,11 @@ grpc::ServerUnaryReactor* KvDepotService::Verify(grpc::CallbackServerContext* ct
 grpc::ServerUnaryReactor* KvDepotService::Compact(grpc::CallbackServerContext* ctx,
                                                   const v1::CompactRequest*,
                                                   v1::CompactResponse*) {
-  return NvmeMaintenance(ctx, "Compact", [this]() -> absl::Status {
-    RETURN_IF_ERROR(store_.CompactNvme());
+  return NvmeMaintenance(ctx, "Compact", [this, ctx]() -> absl::Status {
+    // A caller that gives up (Ctrl-C, its deadline) ends the compaction
+    // between files, which would otherwise hold the one-at-a-time slot (a
+    // cron's verify meanwhile refused) until it is done.
+    RETURN_IF_ERROR(store_.CompactNvme([ctx] { return ctx->IsCancelled(); }));
     log_->info("compacted the NVMe tier");
     return absl::OkStatus();
   });

@@ -24,6 +24,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_replace.h"
 #include "absl/synchronization/mutex.h"
+#include "absl/synchronization/notification.h"
 #include "absl/time/clock.h"
 #include "rocksdb/convenience.h"
 #include "rocksdb/db.h"
@@ -428,7 +429,7 @@ class NvmeTierImpl final : public NvmeTier {
   NvmeTierStats Stats() override;
   absl::StatusOr<NvmeVerifyReport> Verify(
       std::function<bool()> cancelled = nullptr) override;
-  absl::Status Compact() override;
+  absl::Status Compact(std::function<bool()> cancelled) override;
   void StopMaintenance() override;
   absl::Status Flush() override;
   absl::Status MakeWritesDurable() override;
@@ -2135,9 +2136,32 @@ absl::StatusOr<double> NvmeTierImpl::CompactFraction() {
   return fraction;
 }
 
-absl::Status NvmeTierImpl::Compact() {
+absl::Status NvmeTierImpl::Compact(std::function<bool()> cancelled) {
   if (closing_.load()) return absl::CancelledError("NVMe tier is closing");
   RETURN_IF_ERROR(EnsureWritable());
+  // The caller's cancel, asked every 50 ms, stops RocksDB's manual
+  // compaction between files (CompactRangeOptions::canceled).
+  std::atomic<bool> caller_gone{false};
+  absl::Notification compacted;
+  std::thread watcher;
+  if (cancelled) {
+    watcher = std::thread([&] {
+      while (
+          !compacted.WaitForNotificationWithTimeout(absl::Milliseconds(50))) {
+        if (cancelled()) {
+          caller_gone.store(true);
+          return;
+        }
+      }
+    });
+  }
+  absl::Cleanup stop_watching = [&] {
+    compacted.Notify();
+    if (watcher.joinable()) watcher.join();
+  };
+  auto gone = [&] {
+    return absl::CancelledError("NVMe tier: the compaction's caller gave up");
+  };
   // CompactRange plans its levels when called; a flush's automatic
   // compaction still moving files down would hide them from it. So flush,
   // let background compactions settle, then compact everything.
@@ -2157,6 +2181,7 @@ absl::Status NvmeTierImpl::Compact() {
         closing_.load()) {
       break;
     }
+    if (caller_gone.load()) return gone();
     absl::SleepFor(absl::Milliseconds(5));
   }
   rocksdb::CompactRangeOptions cro;
@@ -2170,6 +2195,7 @@ absl::Status NvmeTierImpl::Compact() {
   cro.blob_garbage_collection_policy =
       rocksdb::BlobGarbageCollectionPolicy::kForce;
   cro.blob_garbage_collection_age_cutoff = 1.0;
+  cro.canceled = &caller_gone;
   // A forced-GC pass relocates every live blob, so afterwards no blob file
   // should hold garbage. Once in many hundred runs (RocksDB 7.8, CI's
   // loaded machine; nvme_tier_test CompactReclaimsSpaceOfDeletedBlocks) a
@@ -2186,6 +2212,7 @@ absl::Status NvmeTierImpl::Compact() {
   int passes = kCompactPasses;
   for (int pass = 1;; ++pass) {
     if (closing_.load()) return absl::CancelledError("NVMe tier is closing");
+    if (caller_gone.load()) return gone();
     // A forced-GC pass writes every live blob it relocates before the old
     // files go: with too little room for all of them it would fill the
     // file system (and stop the tier's writes). Then each pass rewrites
@@ -2198,6 +2225,7 @@ absl::Status NvmeTierImpl::Compact() {
                            static_cast<int>(std::ceil(1.0 / fraction)) + 1));
     }
     rocksdb::Status s = db_->CompactRange(cro, nullptr, nullptr);
+    if (s.IsIncomplete() && caller_gone.load()) return gone();
     if (s.IsIncomplete() && closing_.load()) {  // StopMaintenance
       return absl::CancelledError("NVMe tier is closing: compaction stopped");
     }

@@ -394,8 +394,11 @@ class NvmeTier {
   // A blob the compaction cannot read (EIO, its file gone) is handled
   // likewise. Unavailable on another I/O error; when the compaction still
   // fails after the scrub, its error (DataLoss for corruption that is not in
-  // a block's bytes).
-  virtual absl::Status Compact() = 0;
+  // a block's bytes). `cancelled` (may be null), asked every 50 ms: once
+  // true (the caller gave up), the compaction stops between files and
+  // Compact returns Cancelled, so that it does not hold the one-at-a-time
+  // maintenance slot for a caller that is gone.
+  virtual absl::Status Compact(std::function<bool()> cancelled = nullptr) = 0;
 
   // For shutdown: cuts a Verify or Compact in progress short (they return
   // Cancelled; what a scrub dropped until then stays dropped, a compaction

@@ -1992,6 +1992,35 @@ TEST_F(NvmeTierTest, CompactFitsTheRoomTheFileSystemHas) {
   }
 }
 
+// A caller that gives up (Ctrl-C, its deadline) ends the compaction: it
+// held the one-at-a-time maintenance slot (a cron's verify refused
+// meanwhile) until it was done, however long.
+TEST_F(NvmeTierTest, ACompactWhoseCallerGaveUpStops) {
+  constexpr size_t kSize = 64 * kKiB;
+  Open();
+  for (int i = 0; i < 20; ++i) ASSERT_OK(Put(Key(i), Bytes(i, kSize)));
+  ASSERT_OK(tier_->Flush());
+  for (int i = 0; i < 20; i += 2) ASSERT_OK(tier_->Delete("ns", Key(i)));
+  fault_fs_->HoldNextTableFile();  // its flush or its first output
+  std::atomic<bool> gave_up{false};
+  absl::Status compacted;
+  std::thread compact(
+      [&] { compacted = tier_->Compact([&] { return gave_up.load(); }); });
+  const bool held =
+      Eventually([&] { return fault_fs_->held_creations() == 1; });
+  gave_up.store(true);
+  absl::SleepFor(absl::Milliseconds(200));  // the tier asks every 50 ms
+  fault_fs_->ReleaseNextTableFile();
+  compact.join();
+  ASSERT_TRUE(held);
+  EXPECT_THAT(compacted, StatusIs(Code::kCancelled)) << compacted;
+  EXPECT_TRUE(tier_->Stats().writable) << tier_->Stats().write_error;
+  ASSERT_OK(tier_->Compact());  // the next one runs whole
+  for (int i = 1; i < 20; i += 2) {
+    EXPECT_TRUE(ReadsBack(Key(i), Bytes(i, kSize))) << i;
+  }
+}
+
 // An operator's Compact runs beside RocksDB's own compactions. Here it is
 // held at its first output file while puts and flushes make more level-0
 // files than RocksDB's write stop (level0_stop_writes_trigger, 36): the

@@ -1077,9 +1077,9 @@ class TieredStoreImpl final : public TieredStore {
                         r.missing_dropped, r.orphans_dropped};
   }
 
-  absl::Status CompactNvme() override {
+  absl::Status CompactNvme(std::function<bool()> cancelled) override {
     if (nvme_ == nullptr) return absl::FailedPreconditionError("no NVMe tier");
-    return nvme_->Compact();
+    return nvme_->Compact(std::move(cancelled));
   }
 
   void StopNvmeMaintenance() override {

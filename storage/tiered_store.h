@@ -588,7 +588,9 @@ class TieredStore {
   // `cancelled`: see NvmeTier::Verify.
   virtual absl::StatusOr<VerifyReport> VerifyNvme(
       std::function<bool()> cancelled = nullptr) = 0;
-  virtual absl::Status CompactNvme() = 0;
+  // `cancelled`: see NvmeTier::Compact.
+  virtual absl::Status CompactNvme(
+      std::function<bool()> cancelled = nullptr) = 0;
   // For shutdown: VerifyNvme and CompactNvme in progress end early and new
   // ones fail, with Cancelled (NvmeTier::StopMaintenance). A no-op without
   // an NVMe tier.
