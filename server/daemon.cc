@@ -298,6 +298,8 @@ void Daemon::MaintenanceLoop() {
           dropped);
     }
     service_->CancelIdleStreams(config_.stream_idle_timeout);
+    service_->LogLeftOut();
+    if (data_plane_ != nullptr) data_plane_->LogLeftOut();
     if (data_plane_ != nullptr) {
       data_plane_->DetachIf(
           [this](SessionId id) { return !store_->HasSession(id); });

@@ -64,6 +64,13 @@ DataPlane::DataPlane(const DataPlaneOptions& options, LostCallback on_lost,
       log_(std::move(logger)),
       on_lost_(std::move(on_lost)) {}
 
+void DataPlane::LogLeftOut() {
+  for (const auto& [site, n] : log_limit_.TakeLeftOut()) {
+    log_->warn("{}: {} more line(s) like the last one logged were left out",
+               site, n);
+  }
+}
+
 absl::StatusOr<std::unique_ptr<DataPlane>> DataPlane::Create(
     const DataPlaneOptions& options, DramRegion arena, LostCallback on_lost,
     std::shared_ptr<spdlog::logger> logger) {

@@ -441,6 +441,12 @@ class DataPlane {
   const std::shared_ptr<spdlog::logger> log_;
   // The log lines clients can set off at will.
   LogLimiter log_limit_;
+
+ public:
+  // As KvDepotService::LogLeftOut.
+  void LogLeftOut();
+
+ private:
   LostCallback on_lost_;
   bool shared_memory_ = false;
 

@@ -127,6 +127,13 @@ void KvDepotService::Finished(const char* op, const absl::Status& st,
   }
 }
 
+void KvDepotService::LogLeftOut() {
+  for (const auto& [site, n] : log_limit_.TakeLeftOut()) {
+    log_->warn("{}: {} more line(s) like the last one logged were left out",
+               site, n);
+  }
+}
+
 void KvDepotService::Register(Stream* stream) {
   stream->Progressed(clock_.Now());
   absl::MutexLock lock(&streams_mu_);

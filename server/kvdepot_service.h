@@ -333,6 +333,13 @@ class KvDepotService final
   const std::shared_ptr<spdlog::logger> log_;
   // The log lines clients can set off at will.
   LogLimiter log_limit_;
+
+ public:
+  // Logs how many lines each limited site left out and has not told yet
+  // (LogLimiter::TakeLeftOut); for the daemon's maintenance loop.
+  void LogLeftOut();
+
+ private:
   bool admin_from_any_peer_ = false;  // set_admin_from_any_peer
   const absl::Time started_;
 

@@ -164,6 +164,17 @@ bool LogLimiter::Allow(absl::string_view site, uint64_t* left_out,
   return true;
 }
 
+std::vector<std::pair<std::string, uint64_t>> LogLimiter::TakeLeftOut(
+    absl::Time now) {
+  std::vector<std::pair<std::string, uint64_t>> out;
+  absl::MutexLock lock(&mu_);
+  for (auto& [site, s] : sites_) {
+    if (s.left_out == 0 || now - s.window_start < window_) continue;
+    out.emplace_back(site, std::exchange(s.left_out, 0));
+  }
+  return out;
+}
+
 std::string LeftOutNote(uint64_t left_out) {
   if (left_out == 0) return std::string();
   return absl::StrCat(" (", left_out, " more like it left out)");

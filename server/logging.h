@@ -8,6 +8,8 @@
 #include <functional>
 #include <memory>
 #include <string>
+#include <utility>
+#include <vector>
 
 #include "absl/base/thread_annotations.h"
 #include "absl/container/flat_hash_map.h"
@@ -73,6 +75,12 @@ class LogLimiter {
   // client's string): each keeps a few bytes for the limiter's life.
   bool Allow(absl::string_view site, uint64_t* left_out,
              absl::Time now = absl::Now());
+  // The lines left out at sites whose window has ended (site, count), each
+  // count returned once: for a periodic caller, so that the tail of a
+  // flood that stopped is still told (a site's next line would carry it,
+  // and a site may never log again).
+  std::vector<std::pair<std::string, uint64_t>> TakeLeftOut(
+      absl::Time now = absl::Now());
 
  private:
   struct Site {

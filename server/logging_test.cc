@@ -139,6 +139,24 @@ TEST(LogLimiterTest, BoundsEachSiteAndCountsWhatItLeftOut) {
   EXPECT_EQ(left_out, 0u);
 }
 
+// A flood that stops is told all the same: a periodic caller takes what
+// was left out once the site's window ended, once.
+TEST(LogLimiterTest, WhatAQuietSiteLeftOutIsTakenOnce) {
+  LogLimiter limiter(2, absl::Seconds(10));
+  absl::Time now = absl::FromUnixSeconds(1000);
+  uint64_t left_out = 0;
+  for (int i = 0; i < 7; ++i) limiter.Allow("no UCX endpoint", &left_out, now);
+  EXPECT_TRUE(limiter.TakeLeftOut(now).empty());  // its window goes on
+  now += absl::Seconds(10);
+  const auto taken = limiter.TakeLeftOut(now);
+  ASSERT_EQ(taken.size(), 1u);
+  EXPECT_EQ(taken[0].first, "no UCX endpoint");
+  EXPECT_EQ(taken[0].second, 5u);
+  EXPECT_TRUE(limiter.TakeLeftOut(now).empty());
+  ASSERT_TRUE(limiter.Allow("no UCX endpoint", &left_out, now));
+  EXPECT_EQ(left_out, 0u);  // told already
+}
+
 TEST_F(LoggingTest, BadOptionsAreRefused) {
   EXPECT_THAT(MakeLogger("t", {"loud", "text", ""}),
               testing::StatusIs(absl::StatusCode::kInvalidArgument));
