@@ -1,5 +1,6 @@
 #include "storage/fault_injection_fs.h"
 
+#include <string>
 #include <string_view>
 #include <utility>
 
@@ -19,21 +20,21 @@ class FaultInjectionWritableFile final
   rocksdb::IOStatus Append(const rocksdb::Slice& data,
                            const rocksdb::IOOptions& options,
                            rocksdb::IODebugContext* dbg) override {
-    rocksdb::IOStatus s = fs_->MaybeFail(name_);
+    rocksdb::IOStatus s = fs_->MaybeFailAppend(name_, data.size());
     return s.ok() ? target()->Append(data, options, dbg) : s;
   }
   rocksdb::IOStatus Append(const rocksdb::Slice& data,
                            const rocksdb::IOOptions& options,
                            const rocksdb::DataVerificationInfo& info,
                            rocksdb::IODebugContext* dbg) override {
-    rocksdb::IOStatus s = fs_->MaybeFail(name_);
+    rocksdb::IOStatus s = fs_->MaybeFailAppend(name_, data.size());
     return s.ok() ? target()->Append(data, options, info, dbg) : s;
   }
   rocksdb::IOStatus PositionedAppend(const rocksdb::Slice& data,
                                      uint64_t offset,
                                      const rocksdb::IOOptions& options,
                                      rocksdb::IODebugContext* dbg) override {
-    rocksdb::IOStatus s = fs_->MaybeFail(name_);
+    rocksdb::IOStatus s = fs_->MaybeFailAppend(name_, data.size());
     return s.ok() ? target()->PositionedAppend(data, offset, options, dbg) : s;
   }
   rocksdb::IOStatus PositionedAppend(const rocksdb::Slice& data,
@@ -41,7 +42,7 @@ class FaultInjectionWritableFile final
                                      const rocksdb::IOOptions& options,
                                      const rocksdb::DataVerificationInfo& info,
                                      rocksdb::IODebugContext* dbg) override {
-    rocksdb::IOStatus s = fs_->MaybeFail(name_);
+    rocksdb::IOStatus s = fs_->MaybeFailAppend(name_, data.size());
     return s.ok() ? target()->PositionedAppend(data, offset, options, info,
                                                dbg)
                   : s;
@@ -52,23 +53,23 @@ class FaultInjectionWritableFile final
   const std::string name_;
 };
 
-// Counts the reads of a blob file.
+// Counts the reads of a blob file, and fails those FailNextBlobReads asks
+// for with the error RocksDB's POSIX file system gives for EIO.
 class BlobReadCountingFile final
     : public rocksdb::FSRandomAccessFileOwnerWrapper {
  public:
   BlobReadCountingFile(std::unique_ptr<rocksdb::FSRandomAccessFile> file,
-                       FaultInjectionFileSystem* fs)
-      : FSRandomAccessFileOwnerWrapper(std::move(file)), fs_(fs) {}
+                       FaultInjectionFileSystem* fs, std::string name)
+      : FSRandomAccessFileOwnerWrapper(std::move(file)),
+        fs_(fs),
+        name_(std::move(name)) {}
 
   rocksdb::IOStatus Read(uint64_t offset, size_t n,
                          const rocksdb::IOOptions& options,
                          rocksdb::Slice* result, char* scratch,
                          rocksdb::IODebugContext* dbg) const override {
     fs_->CountBlobRead();
-    if (fs_->TakeBlobReadFailure()) {
-      return rocksdb::IOStatus::IOError(
-          "While reading a blob file: Input/output error");
-    }
+    if (fs_->TakeBlobReadFailure()) return Eio(offset, n);
     return target()->Read(offset, n, options, result, scratch, dbg);
   }
   rocksdb::IOStatus MultiRead(rocksdb::FSReadRequest* reqs, size_t num_reqs,
@@ -76,16 +77,25 @@ class BlobReadCountingFile final
                               rocksdb::IODebugContext* dbg) override {
     fs_->CountBlobRead();
     if (fs_->TakeBlobReadFailure()) {
-      const rocksdb::IOStatus eio = rocksdb::IOStatus::IOError(
-          "While reading a blob file: Input/output error");
-      for (size_t i = 0; i < num_reqs; ++i) reqs[i].status = eio;
-      return eio;
+      for (size_t i = 0; i < num_reqs; ++i) {
+        reqs[i].status = Eio(reqs[i].offset, reqs[i].len);
+      }
+      return num_reqs > 0 ? reqs[0].status : Eio(0, 0);
     }
     return target()->MultiRead(reqs, num_reqs, options, dbg);
   }
 
  private:
+  // As PosixRandomAccessFile::Read words it (IOError(context, file, EIO)).
+  rocksdb::IOStatus Eio(uint64_t offset, size_t n) const {
+    return rocksdb::IOStatus::IOError("While pread offset " +
+                                          std::to_string(offset) + " len " +
+                                          std::to_string(n),
+                                      name_ + ": Input/output error");
+  }
+
   FaultInjectionFileSystem* const fs_;  // outlives its files
+  const std::string name_;
 };
 
 bool HasSuffix(const std::string& name, std::string_view suffix) {
@@ -129,6 +139,36 @@ rocksdb::IOStatus FaultInjectionFileSystem::MaybeFail(const std::string& what) {
   return rocksdb::IOStatus::NoSpace(what, "injected: no space left on device");
 }
 
+rocksdb::IOStatus FaultInjectionFileSystem::MaybeFailAppend(
+    const std::string& what, uint64_t bytes) {
+  rocksdb::IOStatus s = MaybeFail(what);
+  if (!s.ok() || !limit_free_space_.load()) return s;
+  uint64_t free = free_space_.load();
+  do {
+    if (free < bytes) {
+      injected_errors_.fetch_add(1);
+      return rocksdb::IOStatus::NoSpace(
+          what, "injected: no space left on device (LimitFreeSpace)");
+    }
+  } while (!free_space_.compare_exchange_weak(free, free - bytes));
+  uint64_t lowest = lowest_free_space_.load();
+  while (free - bytes < lowest &&
+         !lowest_free_space_.compare_exchange_weak(lowest, free - bytes)) {
+  }
+  return s;
+}
+
+rocksdb::IOStatus FaultInjectionFileSystem::DeleteFile(
+    const std::string& fname, const rocksdb::IOOptions& options,
+    rocksdb::IODebugContext* dbg) {
+  uint64_t size = 0;
+  const bool sized = limit_free_space_.load() &&
+                     target()->GetFileSize(fname, options, &size, dbg).ok();
+  rocksdb::IOStatus s = target()->DeleteFile(fname, options, dbg);
+  if (s.ok() && sized && limit_free_space_.load()) free_space_.fetch_add(size);
+  return s;
+}
+
 rocksdb::IOStatus FaultInjectionFileSystem::NewRandomAccessFile(
     const std::string& fname, const rocksdb::FileOptions& options,
     std::unique_ptr<rocksdb::FSRandomAccessFile>* result,
@@ -143,7 +183,8 @@ rocksdb::IOStatus FaultInjectionFileSystem::NewRandomAccessFile(
   if (!s.ok()) return s;
   if (IsBlobFile(fname)) {
     if (options.use_direct_reads) direct_blob_opens_.fetch_add(1);
-    *result = std::make_unique<BlobReadCountingFile>(std::move(file), this);
+    *result =
+        std::make_unique<BlobReadCountingFile>(std::move(file), this, fname);
   } else {
     *result = std::move(file);
   }

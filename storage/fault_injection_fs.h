@@ -3,11 +3,13 @@
 // with IOStatus::NoSpace (what RocksDB's POSIX file system returns for
 // ENOSPC). Another switch holds the creation of table and blob files (a
 // flush, stopped mid-way), and a third only the next one (a compaction
-// stopped mid-way while other flushes and compactions go on). Reads, and everything while the switch is off, go to the wrapped
-// file system. It also counts reads of blob files (*.blob), so a test can
-// prove that an operation never touched block bytes. No test hook in
-// production code is needed: the tier takes the Env built from it through
-// NvmeTierOptions::env.
+// stopped mid-way while other flushes and compactions go on). Reads, and
+// everything while the switch is off, go to the wrapped file system. It also
+// counts reads of blob files (*.blob), so a test can prove that an operation
+// never touched block bytes, and fails the next ones with EIO on request
+// (FailNextBlobReads), and it can report any free space (SetFreeSpace). No test
+// hook in production code is needed: the tier takes the Env built from it
+// through NvmeTierOptions::env.
 //
 //   auto fs = std::make_shared<FaultInjectionFileSystem>();
 //   std::unique_ptr<rocksdb::Env> env = rocksdb::NewCompositeEnv(fs);
@@ -47,9 +49,12 @@ class FaultInjectionFileSystem : public rocksdb::FileSystemWrapper {
   // Read calls on blob files since construction.
   uint64_t blob_reads() const { return blob_reads_.load(); }
   void CountBlobRead() { blob_reads_.fetch_add(1); }
-  // The next `n` reads of blob files fail with an I/O error ("Input/output
-  // error", as a bad sector or a controller reset gives), then reads work
-  // again.
+  // The next `n` reads of blob files (Read or MultiRead calls, each counted
+  // once, whoever makes them: a read of the tier, a scrub, a compaction)
+  // fail with the I/O error RocksDB's POSIX file system gives for EIO
+  // ("While pread offset ... len ...: <file>: Input/output error", as a bad
+  // sector or a controller reset gives), then reads work again. A large `n`
+  // is a device that keeps failing; 0 ends it.
   void FailNextBlobReads(int n) { blob_read_failures_.store(n); }
   // Whether this read is one of those (counts it).
   bool TakeBlobReadFailure() {
@@ -67,10 +72,26 @@ class FaultInjectionFileSystem : public rocksdb::FileSystemWrapper {
   // GetFreeSpace reports `bytes` free (the base file system's figure again
   // after ClearFreeSpace). Nothing else changes: writes still succeed.
   void SetFreeSpace(uint64_t bytes) {
+    limit_free_space_.store(false);
     free_space_.store(bytes);
+    lowest_free_space_.store(bytes);
     fake_free_space_.store(true);
   }
-  void ClearFreeSpace() { fake_free_space_.store(false); }
+  // SetFreeSpace(bytes), and the file system then holds only that much
+  // more: appends take their bytes from it and fail with NoSpace (counted
+  // in injected_errors) once it is short, and a deleted file gives its size
+  // back, as on a file system of that much room. Until ClearFreeSpace or
+  // SetFreeSpace.
+  void LimitFreeSpace(uint64_t bytes) {
+    SetFreeSpace(bytes);
+    limit_free_space_.store(true);
+  }
+  // The least free space there was since LimitFreeSpace (or SetFreeSpace).
+  uint64_t lowest_free_space() const { return lowest_free_space_.load(); }
+  void ClearFreeSpace() {
+    limit_free_space_.store(false);
+    fake_free_space_.store(false);
+  }
   rocksdb::IOStatus GetFreeSpace(const std::string& path,
                                  const rocksdb::IOOptions& options,
                                  uint64_t* diskfree,
@@ -95,6 +116,13 @@ class FaultInjectionFileSystem : public rocksdb::FileSystemWrapper {
 
   // Returns NoSpace (and counts it) while the disk is "full", else OK.
   rocksdb::IOStatus MaybeFail(const std::string& what);
+  // MaybeFail for an append of `bytes`, which under LimitFreeSpace also
+  // takes them from the free space, or fails when it is short.
+  rocksdb::IOStatus MaybeFailAppend(const std::string& what, uint64_t bytes);
+
+  rocksdb::IOStatus DeleteFile(const std::string& fname,
+                               const rocksdb::IOOptions& options,
+                               rocksdb::IODebugContext* dbg) override;
 
   rocksdb::IOStatus NewRandomAccessFile(
       const std::string& fname, const rocksdb::FileOptions& options,
@@ -136,7 +164,9 @@ class FaultInjectionFileSystem : public rocksdb::FileSystemWrapper {
   std::atomic<uint64_t> direct_blob_opens_{0};
   std::atomic<bool> refuse_direct_reads_{false};
   std::atomic<bool> fake_free_space_{false};
+  std::atomic<bool> limit_free_space_{false};
   std::atomic<uint64_t> free_space_{0};
+  std::atomic<uint64_t> lowest_free_space_{0};
 };
 
 }  // namespace kvdepot

@@ -7,12 +7,14 @@
 #include <cmath>
 #include <cstdlib>
 #include <cstring>
+#include <deque>
 #include <limits>
 #include <memory>
 #include <optional>
 #include <set>
 #include <thread>
 #include <utility>
+#include <vector>
 
 #include "absl/base/thread_annotations.h"
 #include "absl/cleanup/cleanup.h"
@@ -30,6 +32,7 @@
 #include "rocksdb/db.h"
 #include "rocksdb/env.h"
 #include "rocksdb/listener.h"
+#include "rocksdb/metadata.h"
 #include "rocksdb/options.h"
 #include "rocksdb/snapshot.h"
 #include "rocksdb/write_batch.h"
@@ -148,6 +151,14 @@ constexpr absl::Duration kAutoScrubInterval = absl::Minutes(10);
 constexpr uint64_t kMultiReadChunkBytes = uint64_t{32} << 20;
 // Longest chain of stored ancestors walked when a block could close a cycle.
 constexpr int kMaxChainWalk = 1 << 16;
+// A block whose reads meet an I/O error (EIO) is dropped only when a second
+// read of it fails too (see NvmeTierImpl::NoteUnreadable) -- and not even
+// then while more than kUnreadableBurstBlocks distinct blocks have failed
+// within kUnreadableBurstWindow (tier's clock): that is the device failing
+// (a controller reset, a dying drive), not those blocks, and dropping
+// would empty the tier of whatever it read meanwhile.
+constexpr size_t kUnreadableBurstBlocks = 64;
+constexpr absl::Duration kUnreadableBurstWindow = absl::Seconds(10);
 
 static_assert(kMaxNamespaceBytes <= 255, "namespace length must fit a byte");
 static_assert(kMaxKeyBytes <= 65535, "parent length must fit 16 bits");
@@ -249,16 +260,23 @@ uint64_t MinCharge(const NvmeTierOptions& options) {
          (options.capacity_bytes % max_blocks != 0 ? 1 : 0);
 }
 
-// A read that failed for the block's own bytes: its file gone, or EIO (a
-// bad sector). Not an I/O error of the whole process or tier that passes
+// A read that failed with EIO: a bad sector -- or a device that fails
+// for a while (a controller reset), so a read may pass when tried again.
+bool IsIoError(const rocksdb::Status& s) {
+  if (!s.IsIOError() || s.IsNoSpace() || s.IsIOFenced() || s.IsPathNotFound()) {
+    return false;
+  }
+  return absl::StrContains(absl::AsciiStrToLower(s.ToString()),
+                           "input/output error");
+}
+
+// A read that failed for the block's own bytes: its file gone, or EIO
+// (IsIoError). Not an I/O error of the whole process or tier that passes
 // (out of file descriptors or memory: RocksDB opens blob files lazily), a
 // full disk or a tier shutting down: the block stays, and the read is
 // Unavailable.
 bool IsUnreadable(const rocksdb::Status& s) {
-  if (!s.IsIOError() || s.IsNoSpace() || s.IsIOFenced()) return false;
-  return s.IsPathNotFound() ||
-         absl::StrContains(absl::AsciiStrToLower(s.ToString()),
-                           "input/output error");
+  return (s.IsIOError() && s.IsPathNotFound()) || IsIoError(s);
 }
 
 std::string IdToHex(absl::string_view id) {
@@ -459,6 +477,10 @@ class NvmeTierImpl final : public NvmeTier {
     uint32_t read_count = 0;
     State state = State::kWriting;
     bool dirty = false;  // read_count/last_touch newer than the record
+    // A read of it failed with an I/O error (twice: it was tried again),
+    // and none has succeeded since: the next such failure drops it (see
+    // NoteUnreadable).
+    bool suspect = false;
   };
   // node_hash_map: entries and their keys never move, so Entry pointers (the
   // LRU list) and Entry::id stay valid until the entry is erased.
@@ -477,6 +499,13 @@ class NvmeTierImpl final : public NvmeTier {
     uint64_t checksum;
   };
   enum class DropReason { kCorrupt, kMissing };
+  // What NoteUnreadable did with the block.
+  enum class UnreadableOutcome {
+    kGone,     // not stored any more, or stored anew (another generation)
+    kKept,     // its first failure: kept, marked suspect
+    kHeld,     // a suspect failing again, kept for the burst bound
+    kDropped,  // a suspect failing again: dropped
+  };
   struct SettledArg {
     const Index* index;
     const std::string* id;
@@ -540,6 +569,16 @@ class NvmeTierImpl final : public NvmeTier {
   // the stored one. Returns true if it did.
   bool DropBlock(const std::string& id, uint64_t generation,
                  DropReason reason);
+  // A read of `id` failed with an I/O error (IsIoError), tried twice. The
+  // first such failure only marks the block suspect; a suspect is dropped
+  // (counted in integrity_errors), unless more than kUnreadableBurstBlocks
+  // distinct blocks failed within kUnreadableBurstWindow: then it is kept
+  // (the device is failing, see kUnreadableBurstBlocks). Does nothing to a
+  // block whose generation is not `generation` (replaced meanwhile).
+  UnreadableOutcome NoteUnreadable(const std::string& id, uint64_t generation);
+  // Forgets the failures older than kUnreadableBurstWindow; whether more
+  // than kUnreadableBurstBlocks distinct blocks failed within it.
+  bool UnreadableBurstLocked(absl::Time now) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Verifies what a RocksDB read of `read` returned and copies it to `dest`.
   absl::Status FinishRead(const PlannedRead& read, const rocksdb::Status& s,
                           const rocksdb::Slice& value, absl::Span<char> dest);
@@ -562,10 +601,14 @@ class NvmeTierImpl final : public NvmeTier {
   // What the memtables hold and puts past CheckFreeSpace not yet in them:
   // bytes their flushes will write.
   uint64_t UnflushedBytes();
-  // The fraction of the blob files (oldest first) a compaction pass may
-  // rewrite for the room the file system has (1: all); FailedPrecondition
-  // when even a small one does not fit.
-  absl::StatusOr<double> CompactFraction();
+  // The blob garbage collection age cutoff a compaction pass may use for
+  // the room the file system has: 1 (all blob files) when every live byte
+  // fits beside the old files, else one that rewrites only the oldest blob
+  // files whose live blobs fit. FailedPrecondition when not even one blob
+  // file (or kMinCompactFraction of them) fits.
+  // `tables_fit` is set when a pass that rewrites only the tables (no blob
+  // garbage collection) fits.
+  absl::StatusOr<double> CompactFraction(bool* tables_fit);
   std::string ShortOfSpaceMessage(uint64_t free) const;
   // Whether a resume has run past resume_stuck_after.
   bool ResumeStuckLocked() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(resume_mu_);
@@ -613,6 +656,8 @@ class NvmeTierImpl final : public NvmeTier {
   const std::shared_ptr<ErrorListener> listener_;
   rocksdb::WriteOptions write_options_;
   std::unique_ptr<rocksdb::DB> db_;
+  // The database's info log (<path>/LOG), for the tier's own warnings.
+  std::shared_ptr<rocksdb::Logger> info_log_;
 
   // The age of what only the memtables hold (NvmeTierOptions::
   // max_unflushed_age). A leaf lock: nothing is locked under it.
@@ -671,6 +716,14 @@ class NvmeTierImpl final : public NvmeTier {
   uint64_t orphans_dropped_ ABSL_GUARDED_BY(mu_) = 0;
   uint64_t evictions_ ABSL_GUARDED_BY(mu_) = 0;
   uint64_t evicted_bytes_ ABSL_GUARDED_BY(mu_) = 0;
+  // Blocks whose reads failed with an I/O error within the last
+  // kUnreadableBurstWindow, each once (its last failure), oldest first; at
+  // most kUnreadableBurstBlocks + 1 of them (enough to tell a burst).
+  std::deque<std::pair<std::string, absl::Time>> recent_unreadable_
+      ABSL_GUARDED_BY(mu_);
+  bool unreadable_burst_ ABSL_GUARDED_BY(mu_) = false;  // logged as begun
+  uint64_t unreadable_kept_ ABSL_GUARDED_BY(mu_) = 0;
+  uint64_t unreadable_drops_held_ ABSL_GUARDED_BY(mu_) = 0;
 };
 
 // ---------------------------------------------------------------------------
@@ -784,8 +837,9 @@ absl::Status NvmeTierImpl::Init() {
   RETURN_IF_ERROR(FromRocksStatus(
       env->CreateDirIfMissing(options_.path),
       absl::StrCat("NVMe tier: cannot create directory ", options_.path)));
-  db_options.info_log =
+  info_log_ =
       std::make_shared<RocksInfoLog>(options_.path + "/LOG", size_t{16} << 20);
+  db_options.info_log = info_log_;
   min_free_bytes_ = options_.min_free_bytes != 0
                         ? options_.min_free_bytes
                         : DefaultMinFreeBytes(options_, options_.path);
@@ -1770,10 +1824,10 @@ std::vector<absl::Status> NvmeTierImpl::MultiRead(
     db_->MultiGet(ro, db_->DefaultColumnFamily(), end - begin, &keys[begin],
                   values.data(), &statuses[begin]);
     // An I/O error may pass (a controller reset, a retried sector): once
-    // more, in the same snapshot, before FinishRead drops the block for
-    // good.
+    // more, in the same snapshot, before FinishRead judges the block (see
+    // NoteUnreadable). Not a blob file gone: that does not pass.
     for (size_t j = begin; j < end; ++j) {
-      if (!IsUnreadable(statuses[j])) continue;
+      if (!IsIoError(statuses[j])) continue;
       rocksdb::ReadOptions again = ro;
       again.fill_cache = false;
       values[j - begin].Reset();
@@ -1814,11 +1868,25 @@ absl::Status NvmeTierImpl::FinishRead(const PlannedRead& read,
         absl::StrCat("NVMe tier: block ", IdToHex(read.id),
                      " is corrupt on disk (", s.ToString(), "); dropped"));
   }
+  if (IsIoError(s)) {
+    // EIO, twice (MultiRead tried again): a bad sector, or a device that
+    // fails for a while (a controller reset). Dropped, a block is lost for
+    // good; kept while it cannot be read, it costs a miss per read. So the
+    // block is dropped only when a later read fails too (NoteUnreadable).
+    if (NoteUnreadable(read.id, read.generation) ==
+        UnreadableOutcome::kDropped) {
+      return absl::DataLossError(absl::StrCat(
+          "NVMe tier: block ", IdToHex(read.id), " could not be read, again (",
+          s.ToString(), "); dropped"));
+    }
+    return absl::UnavailableError(absl::StrCat(
+        "NVMe tier: block ", IdToHex(read.id), " could not be read (",
+        s.ToString(), "); kept, and dropped if a later read fails too"));
+  }
   if (IsUnreadable(s)) {
-    // A bad sector, or a blob file gone: left indexed, the block would be
-    // found by every lookup and missed by every read, and a put of it
-    // answered "stored already", for good. It is dropped like a corrupt
-    // one (a cache: a read that fails for a passing reason costs a miss).
+    // Its blob file gone: left indexed, the block would be found by every
+    // lookup and missed by every read, and a put of it answered "stored
+    // already", for good. It is dropped like a corrupt one.
     DropBlock(read.id, read.generation, DropReason::kCorrupt);
     return absl::DataLossError(
         absl::StrCat("NVMe tier: block ", IdToHex(read.id),
@@ -1841,12 +1909,74 @@ absl::Status NvmeTierImpl::FinishRead(const PlannedRead& read,
   ++reads_;
   read_bytes_ += read.size;
   auto it = index_.find(read.id);
-  if (it != index_.end() && it->second.generation == read.generation &&
-      it->second.read_count < std::numeric_limits<uint32_t>::max()) {
-    ++it->second.read_count;
-    it->second.dirty = true;
+  if (it != index_.end() && it->second.generation == read.generation) {
+    it->second.suspect = false;  // its last failure passed
+    if (it->second.read_count < std::numeric_limits<uint32_t>::max()) {
+      ++it->second.read_count;
+      it->second.dirty = true;
+    }
   }
   return absl::OkStatus();
+}
+
+bool NvmeTierImpl::UnreadableBurstLocked(absl::Time now) {
+  while (!recent_unreadable_.empty() &&
+         now - recent_unreadable_.front().second > kUnreadableBurstWindow) {
+    recent_unreadable_.pop_front();
+  }
+  return recent_unreadable_.size() > kUnreadableBurstBlocks;
+}
+
+NvmeTierImpl::UnreadableOutcome NvmeTierImpl::NoteUnreadable(
+    const std::string& id, uint64_t generation) {
+  UnreadableOutcome outcome;
+  Retired victim;
+  bool burst_begins = false;
+  {
+    absl::MutexLock lock(&mu_);
+    // Each block counts once, at its last failure. (A linear search, on
+    // failures only, of at most kUnreadableBurstBlocks + 1 ids.)
+    const absl::Time now = clock_->Now();
+    auto seen =
+        std::find_if(recent_unreadable_.begin(), recent_unreadable_.end(),
+                     [&](const std::pair<std::string, absl::Time>& r) {
+                       return r.first == id;
+                     });
+    if (seen != recent_unreadable_.end()) recent_unreadable_.erase(seen);
+    recent_unreadable_.emplace_back(id, now);
+    if (recent_unreadable_.size() > kUnreadableBurstBlocks + 1) {
+      recent_unreadable_.pop_front();
+    }
+    const bool burst = UnreadableBurstLocked(now);
+    burst_begins = burst && !unreadable_burst_;
+    unreadable_burst_ = burst;
+    auto it = index_.find(id);
+    if (it == index_.end() || it->second.generation != generation ||
+        it->second.state != State::kStored) {
+      outcome = UnreadableOutcome::kGone;
+    } else if (!it->second.suspect) {
+      it->second.suspect = true;
+      ++unreadable_kept_;
+      outcome = UnreadableOutcome::kKept;
+    } else if (burst) {
+      ++unreadable_drops_held_;
+      outcome = UnreadableOutcome::kHeld;
+    } else {
+      ++integrity_errors_;
+      victim = RetireLocked(&it->second);
+      outcome = UnreadableOutcome::kDropped;
+    }
+  }
+  if (burst_begins) {
+    rocksdb::Log(rocksdb::InfoLogLevel::WARN_LEVEL, info_log_,
+                 "[kvdepot] NVMe tier: more than %zu blocks could not be read "
+                 "(I/O error) within %s: the device is failing, not those "
+                 "blocks; none is dropped for an I/O error until that stops",
+                 kUnreadableBurstBlocks,
+                 absl::FormatDuration(kUnreadableBurstWindow).c_str());
+  }
+  if (outcome == UnreadableOutcome::kDropped) DeleteAndErase({&victim, 1});
+  return outcome;
 }
 
 bool NvmeTierImpl::DropBlock(const std::string& id, uint64_t generation,
@@ -1886,6 +2016,9 @@ NvmeTierStats NvmeTierImpl::Stats() {
     stats.orphans_dropped = orphans_dropped_;
     stats.evictions = evictions_;
     stats.evicted_bytes = evicted_bytes_;
+    stats.unreadable_kept = unreadable_kept_;
+    stats.unreadable_drops_held = unreadable_drops_held_;
+    stats.read_error_burst = UnreadableBurstLocked(clock_->Now());
   }
   stats.capacity_bytes = options_.capacity_bytes;
   stats.writable = !listener_->stopped();
@@ -2079,7 +2212,26 @@ absl::StatusOr<NvmeVerifyReport> NvmeTierImpl::Verify(
     rocksdb::PinnableSlice value;
     rocksdb::Status s =
         db_->Get(ro, db_->DefaultColumnFamily(), DataKey(p.id), &value);
-    if (s.IsNotFound()) {
+    if (IsIoError(s)) {  // as a read (MultiRead, FinishRead)
+      value.Reset();
+      s = db_->Get(ro, db_->DefaultColumnFamily(), DataKey(p.id), &value);
+      read_retries_.fetch_add(1, std::memory_order_relaxed);
+    }
+    if (IsIoError(s)) {
+      // A scrub is a read like any other: during a controller reset it
+      // must not drop every block it meets either.
+      switch (NoteUnreadable(p.id, p.generation)) {
+        case UnreadableOutcome::kDropped:
+          ++report.corrupt_dropped;
+          break;
+        case UnreadableOutcome::kKept:
+        case UnreadableOutcome::kHeld:
+          ++report.unreadable_kept;
+          break;
+        case UnreadableOutcome::kGone:
+          break;
+      }
+    } else if (s.IsNotFound()) {
       if (DropBlock(p.id, p.generation, DropReason::kMissing)) {
         ++report.missing_dropped;
       }
@@ -2105,35 +2257,65 @@ void NvmeTierImpl::StopMaintenance() {
   db_->DisableManualCompaction();  // CompactRange returns Incomplete
 }
 
-absl::StatusOr<double> NvmeTierImpl::CompactFraction() {
+absl::StatusOr<double> NvmeTierImpl::CompactFraction(bool* tables_fit) {
+  *tables_fit = true;
   uint64_t free = 0;
   // Unknown (a file system that does not say): RocksDB's errors decide.
   if (!Env()->GetFreeSpace(options_.path, &free).ok()) return 1.0;
-  uint64_t sst = 0, blobs = 0, garbage = 0;
+  uint64_t sst = 0;
   db_->GetIntProperty(rocksdb::DB::Properties::kLiveSstFilesSize, &sst);
-  db_->GetIntProperty(rocksdb::DB::Properties::kLiveBlobFileSize, &blobs);
-  db_->GetIntProperty(rocksdb::DB::Properties::kLiveBlobFileGarbageSize,
-                      &garbage);
-  const uint64_t live_blobs = blobs > garbage ? blobs - garbage : 0;
+  // The live bytes of each blob file, oldest first: a pass with age cutoff
+  // c rewrites those of the oldest floor(c x files) files, and the oldest
+  // files may hold far more live blobs than the average (their blocks were
+  // evicted or deleted less), so the cutoff is chosen by what those files
+  // hold, not by the ratio of the totals.
+  rocksdb::ColumnFamilyMetaData meta;
+  db_->GetColumnFamilyMetaData(&meta);
+  std::vector<std::pair<uint64_t, uint64_t>> files;  // number, live bytes
+  files.reserve(meta.blob_files.size());
+  uint64_t live_blobs = 0;
+  for (const rocksdb::BlobMetaData& f : meta.blob_files) {
+    const uint64_t live = f.total_blob_bytes > f.garbage_blob_bytes
+                              ? f.total_blob_bytes - f.garbage_blob_bytes
+                              : 0;
+    files.emplace_back(f.blob_file_number, live);
+    live_blobs += live;
+  }
+  std::sort(files.begin(), files.end());
   const uint64_t reserve = min_free_bytes_ + UnflushedBytes();
   const uint64_t room = free > reserve ? free - reserve : 0;
   if (room >= sst + live_blobs) return 1.0;
-  const double fraction =
-      room > sst && live_blobs > 0
-          ? static_cast<double>(room - sst) / static_cast<double>(live_blobs)
-          : 0.0;
-  if (fraction < kMinCompactFraction) {
+  *tables_fit = room >= sst;
+  // Every pass rewrites the tables whole (bottommost compaction forced).
+  // Beside them, the oldest files whose live blobs fit.
+  size_t fit = 0;
+  uint64_t fit_bytes = 0;
+  while (fit < files.size() && sst + fit_bytes + files[fit].second <= room) {
+    fit_bytes += files[fit++].second;
+  }
+  // The least that is worth a pass: one file, and kMinCompactFraction of
+  // them (fewer would take more passes than a Compact makes).
+  const size_t least = std::max<size_t>(
+      1, static_cast<size_t>(std::ceil(kMinCompactFraction * files.size())));
+  if (fit < least) {
+    uint64_t least_bytes = 0;
+    for (size_t i = 0; i < std::min(least, files.size()); ++i) {
+      least_bytes += files[i].second;
+    }
     return absl::FailedPreconditionError(absl::StrCat(
-        "NVMe tier: compacting rewrites the live data it keeps (", sst,
-        " bytes of tables, ", live_blobs, " of blobs, at least ",
-        static_cast<uint64_t>(kMinCompactFraction * live_blobs),
-        " of them at a time) beside the old files, and ", free,
-        " bytes are free under ", options_.path, " of which the tier keeps ",
-        reserve,
-        " (min_free_bytes and what the memtables hold): free space "
+        "NVMe tier: a compaction pass needs ", reserve + sst + least_bytes,
+        " bytes free under ", options_.path, ", and ", free,
+        " are free. It writes the live data it keeps beside the old files "
+        "before those go: the tables (",
+        sst, " bytes) and the live blobs of at least the oldest ", least,
+        " of ", files.size(), " blob files (", least_bytes, " bytes; ",
+        live_blobs, " in all), and it leaves the tier's reserve (", reserve,
+        " bytes: min_free_bytes and what the memtables hold); free space "
         "there first, or lower nvme_capacity"));
   }
-  return fraction;
+  // floor(c x files) == fit: half a file above fit, so that rounding does
+  // not take one file fewer.
+  return (static_cast<double>(fit) + 0.5) / static_cast<double>(files.size());
 }
 
 absl::Status NvmeTierImpl::Compact(std::function<bool()> cancelled) {
@@ -2207,22 +2389,45 @@ absl::Status NvmeTierImpl::Compact(std::function<bool()> cancelled) {
   // read a blob with an I/O error (and leaves the database as it was, see
   // ErrorListener): the tier scrubs, dropping what fails its checksum or
   // cannot be read (counted in integrity_errors), and compacts again, once;
-  // the error if that fails too.
-  bool scrubbed = false;
+  // the error if that fails too. A block that meets an I/O error is only
+  // marked suspect by the scrub (NoteUnreadable: it may pass), so when the
+  // scrub kept such blocks and the compaction fails again, a second scrub
+  // drops those that still cannot be read, and the compaction runs once
+  // more.
+  int scrubs = 0;
+  bool kept_unreadable = false;  // by the last scrub
   int passes = kCompactPasses;
+  bool tables_only_done = false;  // see below
   for (int pass = 1;; ++pass) {
     if (closing_.load()) return absl::CancelledError("NVMe tier is closing");
     if (caller_gone.load()) return gone();
     // A forced-GC pass writes every live blob it relocates before the old
     // files go: with too little room for all of them it would fill the
     // file system (and stop the tier's writes). Then each pass rewrites
-    // the oldest fraction that fits, freeing those files for the next.
-    ASSIGN_OR_RETURN(const double fraction, CompactFraction());
-    cro.blob_garbage_collection_age_cutoff = fraction;
-    if (fraction < 1.0) {
-      passes = std::max(
-          passes, std::min(kMaxPartialCompactPasses,
-                           static_cast<int>(std::ceil(1.0 / fraction)) + 1));
+    // the oldest blob files that fit, freeing them for the next.
+    bool tables_fit = false;
+    absl::StatusOr<double> fraction = CompactFraction(&tables_fit);
+    // RocksDB counts a deleted block's blob as garbage only once a
+    // compaction has dropped its reference: after an evict of many blocks,
+    // the blob files look live and the room short. So before refusing,
+    // one pass without blob garbage collection (it rewrites only the
+    // tables, for which there is room) merges the deletes, and the room is
+    // judged again.
+    const bool tables_only = !fraction.ok() && tables_fit && !tables_only_done;
+    if (!fraction.ok() && !tables_only) return fraction.status();
+    if (tables_only) {
+      tables_only_done = true;
+      cro.blob_garbage_collection_policy =
+          rocksdb::BlobGarbageCollectionPolicy::kDisable;
+    } else {
+      cro.blob_garbage_collection_policy =
+          rocksdb::BlobGarbageCollectionPolicy::kForce;
+      cro.blob_garbage_collection_age_cutoff = *fraction;
+      if (*fraction < 1.0) {
+        passes = std::max(
+            passes, std::min(kMaxPartialCompactPasses,
+                             static_cast<int>(std::ceil(1.0 / *fraction)) + 1));
+      }
     }
     rocksdb::Status s = db_->CompactRange(cro, nullptr, nullptr);
     if (s.IsIncomplete() && caller_gone.load()) return gone();
@@ -2230,14 +2435,16 @@ absl::Status NvmeTierImpl::Compact(std::function<bool()> cancelled) {
       return absl::CancelledError("NVMe tier is closing: compaction stopped");
     }
     // (Not a corrupt table file, which stopped writes: no scrub mends it.)
-    if ((s.IsCorruption() || IsUnreadable(s)) && !scrubbed &&
-        !listener_->stopped()) {
-      scrubbed = true;
+    if ((s.IsCorruption() || IsUnreadable(s)) && !listener_->stopped() &&
+        (scrubs == 0 || (scrubs == 1 && kept_unreadable))) {
+      ++scrubs;
       listener_->TakeCorruption();  // this one is being dealt with
-      RETURN_IF_ERROR(Verify().status());
+      ASSIGN_OR_RETURN(const NvmeVerifyReport report, Verify());
+      kept_unreadable = report.unreadable_kept > 0;
       continue;
     }
     RETURN_IF_ERROR(FromRocksStatus(s, "NVMe tier: compaction"));
+    if (tables_only) continue;
     uint64_t garbage = 0;
     if (pass >= passes ||
         !db_->GetIntProperty(rocksdb::DB::Properties::kLiveBlobFileGarbageSize,

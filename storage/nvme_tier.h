@@ -28,6 +28,12 @@
 // Integrity is never traded: every read verifies the block's XXH3-64, and a
 // block whose bytes do not match is deleted, counted as an integrity error
 // and reported as DataLoss. No path returns bytes that fail their checksum.
+// A read that meets an I/O error (EIO) is another matter: the device may be
+// failing for a while (a controller reset) rather than the block. The read
+// is tried once more; a block that still cannot be read is kept (the read
+// is Unavailable, a miss) and dropped only when a later read of it fails
+// too -- and not even then while many blocks fail at once (more than 64
+// within 10 s: the device, not the blocks; NvmeTierStats::read_error_burst).
 //
 // Capacity: the tier holds at most capacity_bytes of *charged* bytes (see
 // NvmeTierStats::used_bytes) and evicts to make room for a new one. Eviction
@@ -233,8 +239,9 @@ struct NvmeTierStats {
   uint64_t reads = 0;         // verified reads served
   uint64_t read_bytes = 0;
   // Reads (or scrubs) whose bytes failed their checksum, that RocksDB
-  // reported corrupt or could not read (an I/O error), and metadata records
-  // found unreadable at open. Each such block is dropped.
+  // reported corrupt, that found their blob file gone or met an I/O error
+  // on a block that had failed so before (see unreadable_kept), and
+  // metadata records found unreadable at open. Each such block is dropped.
   uint64_t integrity_errors = 0;
   // Blocks dropped because one of their two records was missing.
   uint64_t orphans_dropped = 0;
@@ -251,17 +258,36 @@ struct NvmeTierStats {
   // Bytes the memtables hold (RocksDB's estimate, arena blocks included)
   // that their flushes will write to the file system.
   uint64_t unflushed_bytes = 0;
-  // Reads that met an I/O error and were tried once more (a block is
-  // dropped only when the second try fails too).
+  // Reads (and scrub reads) that met an I/O error (EIO) and were tried once
+  // more.
   uint64_t read_retries = 0;
+  // Reads (and scrub reads) that failed with an I/O error on the retry too,
+  // the first time for their block: the block was kept (the read was
+  // Unavailable) and is dropped, counted in integrity_errors, if a later
+  // read of it fails too (a successful one clears it).
+  uint64_t unreadable_kept = 0;
+  // Later failures of such blocks that dropped nothing because
+  // read_error_burst was on.
+  uint64_t unreadable_drops_held = 0;
+  // More than 64 distinct blocks failed with I/O errors (on the retry too)
+  // within the last 10 s (the tier's clock): the device is failing, not the
+  // blocks, and no block is dropped for an I/O error meanwhile (the tier's
+  // LOG says so when it begins).
+  bool read_error_burst = false;
 };
 
 // What NvmeTier::Verify found.
 struct NvmeVerifyReport {
   uint64_t blocks_checked = 0;  // blocks whose bytes were read and verified
   uint64_t bytes_checked = 0;
-  // Failed their checksum (or size), or could not be read: dropped.
+  // Failed their checksum (or size), or could not be read (their blob file
+  // gone, or an I/O error that a read had met before: see
+  // NvmeTierStats::unreadable_kept): dropped.
   uint64_t corrupt_dropped = 0;
+  // Met an I/O error, on the retry too, for the first time: kept, marked
+  // to be dropped if a later read (or scrub) fails too; or failed again
+  // while NvmeTierStats::read_error_burst was on.
+  uint64_t unreadable_kept = 0;
   uint64_t missing_dropped = 0;  // metadata without bytes: dropped
   uint64_t orphans_dropped = 0;  // bytes without metadata: deleted
   // RocksDB snapshots the scan read through (a fresh one after every
@@ -332,11 +358,14 @@ class NvmeTier {
   // Returns NotFound if absent (also when its bytes turn out to be missing:
   // the block is then dropped); InvalidArgument for a bad namespace or key or
   // a wrong dest size; DataLoss when the bytes fail their checksum, RocksDB
-  // reports them corrupt or cannot read them (EIO: a bad sector; or their
-  // blob file gone): the block is dropped and counted in integrity_errors;
-  // Unavailable for other errors (out of file descriptors or memory: the
-  // block stays). On any error the contents of `dest` are
-  // unspecified and must not be used.
+  // reports them corrupt, their blob file is gone, or they cannot be read
+  // (EIO, tried twice) and a read of them failed so before: the block is
+  // dropped and counted in integrity_errors; Unavailable for an EIO that is
+  // the block's first (tried twice; the block stays, see
+  // NvmeTierStats::unreadable_kept), an EIO while many blocks fail
+  // (NvmeTierStats::read_error_burst; the block stays) and other errors (out
+  // of file descriptors or memory: the block stays). On any error the
+  // contents of `dest` are unspecified and must not be used.
   virtual absl::Status Read(absl::string_view ns, absl::string_view key,
                             absl::Span<char> dest) = 0;
 
@@ -369,7 +398,8 @@ class NvmeTier {
 
   // Scrubs the tier: reads every stored block's bytes, verifies them against
   // their checksums, and drops blocks that fail or cannot be read (counted
-  // in integrity_errors), blocks whose bytes are missing and bytes that have
+  // in integrity_errors; an I/O error as in Read: the first marks the block,
+  // the next drops it), blocks whose bytes are missing and bytes that have
   // no metadata. Other
   // calls may run meanwhile: blocks they delete, evict or put during the
   // scan are neither reported nor held up (a put of an id the scan drops
@@ -383,7 +413,17 @@ class NvmeTier {
   // Compacts the database and garbage-collects every blob file, so that the
   // space of deleted and evicted blocks returns to the file system. Heavy:
   // rewrites live data. Runs beside RocksDB's own compactions, so puts and
-  // deletes go on meanwhile. A block whose bytes went bad on disk fails the
+  // deletes go on meanwhile. It writes the live blocks it relocates beside
+  // the old files before those go, so it fits the room the file system has
+  // (its free space less min_free_bytes and what the memtables hold): when
+  // the tables and every live blob do not fit, each pass relocates only the
+  // oldest blob files whose live blobs fit, over more passes (at most 20).
+  // Returns FailedPrecondition, saying how many bytes a pass needs free and
+  // how many are, when not even the oldest blob file (or a twentieth of
+  // them) fits; before that, one pass that rewrites only the tables may have
+  // run, to count the garbage of recent deletes (RocksDB counts a deleted
+  // blob only once a compaction has dropped its reference), and no blob
+  // file was written. A block whose bytes went bad on disk fails the
   // compaction that relocates it; the tier then scrubs (Verify: such blocks
   // are dropped and counted in integrity_errors) and compacts again. (An
   // automatic compaction that meets one does not stop writes either: the
@@ -392,12 +432,15 @@ class NvmeTier {
   // mends it and every compaction of it fails, so it stops the tier's writes
   // for good with an error that says so (Stats().write_error; reads go on).
   // A blob the compaction cannot read (EIO, its file gone) is handled
-  // likewise. Unavailable on another I/O error; when the compaction still
-  // fails after the scrub, its error (DataLoss for corruption that is not in
-  // a block's bytes). `cancelled` (may be null), asked every 50 ms: once
-  // true (the caller gave up), the compaction stops between files and
-  // Compact returns Cancelled, so that it does not hold the one-at-a-time
-  // maintenance slot for a caller that is gone.
+  // likewise; when that scrub keeps blocks it met an I/O error on (their
+  // first, see Read) and the compaction fails again, a second scrub drops
+  // those that still fail, and the compaction runs once more. Unavailable on
+  // another I/O error; when the compaction still fails after the scrubs,
+  // its error (DataLoss for corruption that is not in a block's bytes).
+  // `cancelled` (may be null), asked every 50 ms: once true (the caller
+  // gave up), the compaction stops between files and Compact returns
+  // Cancelled, so that it does not hold the one-at-a-time maintenance slot
+  // for a caller that is gone.
   virtual absl::Status Compact(std::function<bool()> cancelled = nullptr) = 0;
 
   // For shutdown: cuts a Verify or Compact in progress short (they return
